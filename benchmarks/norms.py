@@ -1,0 +1,197 @@
+"""Norm-family microbenchmarks: fused kernels vs PyTorch eager vs torch.compile of the same composition.
+
+    python -m benchmarks.norms [--quick] [--dtype float32,bfloat16] [--out DIR]
+
+Prints one table (median time over calibrated repeats, effective GB/s, speed-up vs eager and vs torch.compile,
+all measured in the same run) and writes DIR/norms.json. Never asserts on time. The pytest-benchmark suite
+(benchmarks/test_bench_norms.py) times the same callables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import torch.utils.benchmark as tb
+
+from megakernels.ops import bias_gelu, layer_norm, rms_norm
+
+SHAPES = [(8192, 1024), (4096, 4096), (2048, 12800)]
+QUICK_SHAPES = [(1024, 1024)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+    """An op as the fused call and as the PyTorch composition a user would otherwise write."""
+
+    name: str
+    n_params: int
+    fused: Callable
+    eager: Callable
+
+
+COMPOSITIONS = {
+    "layer_norm_gelu": Composition(
+        "layer_norm_gelu", 2,
+        lambda x, w, b: layer_norm(x, w, b, 1e-5, "gelu"),
+        lambda x, w, b: F.gelu(F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)),
+    ),
+    "layer_norm": Composition(
+        "layer_norm", 2,
+        lambda x, w, b: layer_norm(x, w, b, 1e-5),
+        lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+    ),
+    "rms_norm": Composition(
+        "rms_norm", 1,
+        lambda x, w: rms_norm(x, w, 1e-6),
+        lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+    ),
+    "bias_gelu": Composition(
+        "bias_gelu", 1,
+        lambda x, b: bias_gelu(x, b, "tanh"),
+        lambda x, b: F.gelu(x + b, approximate="tanh"),
+    ),
+}
+
+
+def make_inputs(comp: Composition, shape, dtype, device="cpu", grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+    params = [torch.randn(shape[-1], generator=g).to(dtype=dtype, device=device) for _ in range(comp.n_params)]
+    dy = torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+    if grad:
+        x.requires_grad_(True)
+        for p in params:
+            p.requires_grad_(True)
+    return x, params, dy
+
+
+def step_fn(fn: Callable, x, params, dy, backward: bool) -> Callable[[], None]:
+    """A zero-argument callable running fn forward (and backward, grads dropped each call)."""
+    if not backward:
+        def fwd():
+            with torch.no_grad():
+                fn(x, *params)
+        return fwd
+
+    leaves = [x, *params]
+
+    def fwd_bwd():
+        out = fn(x, *params)
+        torch.autograd.backward(out, dy, inputs=leaves)
+        for t in leaves:
+            t.grad = None
+    return fwd_bwd
+
+
+def bytes_moved(comp: Composition, shape, dtype, backward: bool) -> int:
+    """Bytes that must cross memory: x read + y written (+ dy read, dx written, x re-read in backward)."""
+    elem = torch.finfo(dtype).bits // 8
+    n = shape[0] * shape[1]
+    fwd = 2 * n * elem
+    return fwd + (3 * n * elem if backward else 0)
+
+
+def median_seconds(fn: Callable[[], None], min_run_time: float) -> float:
+    fn()  # warm-up (and compile, for torch.compile variants)
+    return tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time).median
+
+
+def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print):
+    rows = []
+    for name in ops:
+        comp = COMPOSITIONS[name]
+        compiled = torch.compile(comp.eager, dynamic=False) if with_compile else None
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            for shape in shapes:
+                for backward in (False, True):
+                    x, params, dy = make_inputs(comp, shape, dtype, grad=backward)
+                    t = {"fused": median_seconds(step_fn(comp.fused, x, params, dy, backward), min_run_time),
+                         "eager": median_seconds(step_fn(comp.eager, x, params, dy, backward), min_run_time)}
+                    if compiled is not None:
+                        torch._dynamo.reset()
+                        t["compile"] = median_seconds(step_fn(compiled, x, params, dy, backward), min_run_time)
+                    row = {
+                        "op": name, "dtype": dtype_name, "rows": shape[0], "hidden": shape[1],
+                        "pass": "fwd+bwd" if backward else "fwd",
+                        "fused_ms": t["fused"] * 1e3, "eager_ms": t["eager"] * 1e3,
+                        "compile_ms": t["compile"] * 1e3 if "compile" in t else None,
+                        "fused_GBps": bytes_moved(comp, shape, dtype, backward) / t["fused"] / 1e9,
+                        "speedup_vs_eager": t["eager"] / t["fused"],
+                        "speedup_vs_compile": t["compile"] / t["fused"] if "compile" in t else None,
+                    }
+                    rows.append(row)
+                    log(format_row(row))
+    return rows
+
+
+HEADER = (f"{'op':<16}{'dtype':<10}{'shape':<12}{'pass':<9}{'fused ms':>10}{'eager ms':>10}{'compile ms':>11}"
+          f"{'GB/s':>8}{'vs eager':>10}{'vs compile':>11}")
+
+
+def format_row(r) -> str:
+    comp = f"{r['compile_ms']:>11.3f}" if r["compile_ms"] is not None else f"{'-':>11}"
+    vs_c = f"{r['speedup_vs_compile']:>10.2f}x" if r["speedup_vs_compile"] is not None else f"{'-':>11}"
+    return (f"{r['op']:<16}{r['dtype']:<10}{str(r['rows']) + 'x' + str(r['hidden']):<12}{r['pass']:<9}"
+            f"{r['fused_ms']:>10.3f}{r['eager_ms']:>10.3f}{comp}{r['fused_GBps']:>8.1f}"
+            f"{r['speedup_vs_eager']:>9.2f}x{vs_c}")
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=",".join(COMPOSITIONS), help="comma list of " + ", ".join(COMPOSITIONS))
+    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of " + ", ".join(DTYPES))
+    p.add_argument("--quick", action="store_true", help="one small shape, short timing (a smoke run)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--out", default=None, help="directory for norms.json")
+    args = p.parse_args(argv)
+    ops = [o for o in args.ops.split(",") if o]
+    dtypes = [d for d in args.dtype.split(",") if d]
+    for o in ops:
+        if o not in COMPOSITIONS:
+            p.error(f"--ops: unknown op {o!r}; choose from {', '.join(COMPOSITIONS)}")
+    for d in dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
+    info = machine()
+    print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}")
+    print(HEADER)
+    rows = run(ops, dtypes, QUICK_SHAPES if args.quick else SHAPES, with_compile=not args.no_compile,
+               min_run_time=0.05 if args.quick else 0.5)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "norms.json"), "w") as f:
+            json.dump({"machine": info, "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+// The only torch-facing C++ of megakernels: argument checks (errors name the argument and the rule), output and
+// workspace allocation, and dispatch to the torch-free kernels:
+//   CUDA tensor               -> megakernels::cuda::*      (norms_cuda.cu, built by nvcc)
+//   CPU tensor, emulate=false -> megakernels::cpu::*       (norms_cpu.cpp, threads from at::parallel_for)
+//   CPU tensor, emulate=true  -> megakernels::cuda_emu::*  (the same .cu source run by the CUDA emulator)
+// Ops are registered with TORCH_LIBRARY; their autograd and fake (meta) implementations live in Python
+// (megakernels/ops/), which is what torch.compile and autograd see.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#ifdef MEGAKERNELS_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "norms/norms.h"
+
+namespace megakernels {
+namespace {
+
+constexpr int64_t kFlagCuda = 1, kFlagEmu = 2;
+
+int64_t build_flags() {
+  int64_t f = 0;
+#ifdef MEGAKERNELS_WITH_CUDA
+  f |= kFlagCuda;
+#endif
+#ifdef MEGAKERNELS_WITH_EMU
+  f |= kFlagEmu;
+#endif
+  return f;
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kDouble: return DType::F64;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
+void check_float_input(const char* op, const char* name, const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK_TYPE(s == at::kFloat || s == at::kHalf || s == at::kBFloat16 || s == at::kDouble, op, ": ", name,
+                   " has dtype ", s, "; expected float32, float16, bfloat16 or float64");
+}
+
+// weight/bias: 1-D, `hidden` elements, on x's device, dtype equal to x's or float32 (mixed precision, only for a
+// 16-bit x: an fp32 x with fp32 weights is already "mixed").
+void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t hidden) {
+  check_float_input(op, name, p);
+  TORCH_CHECK_VALUE(p.dim() == 1 && p.numel() == hidden, op, ": ", name, " has shape ", p.sizes(),
+                    ", expected [", hidden, "] (the hidden size, x's last dimension)");
+  TORCH_CHECK_VALUE(p.device() == x.device(), op, ": ", name, " is on ", p.device(), " but x is on ", x.device());
+  const bool half_x = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_TYPE(p.scalar_type() == x.scalar_type() || (half_x && p.scalar_type() == at::kFloat), op, ": ",
+                   name, " has dtype ", p.scalar_type(), " but x has dtype ", x.scalar_type(),
+                   "; expected the same dtype, or float32 for a float16/bfloat16 x");
+}
+
+void check_backend(const char* op, const at::Tensor& x, bool emulate) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() || x.device().is_cuda(), op, ": x is on ", x.device(),
+                    "; expected a CPU or CUDA tensor");
+  if (x.device().is_cuda()) {
+    TORCH_CHECK_VALUE(!emulate, op, ": the cuda_emu backend runs CPU tensors; x is on ", x.device());
+    TORCH_CHECK(build_flags() & kFlagCuda, op, ": x is a CUDA tensor but megakernels was built without CUDA ",
+                "(reinstall with nvcc and a CUDA build of torch present)");
+  }
+  if (emulate)
+    TORCH_CHECK(build_flags() & kFlagEmu, op, ": backend cuda_emu requested but the emulated CUDA kernels were not ",
+                "built (they need the CUDA headers at build time: set CUDA_HOME and reinstall)");
+}
+
+void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(t.sizes() == x.sizes(), op, ": ", name, " has shape ", t.sizes(), ", expected ", x.sizes(),
+                    " (x's shape)");
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
+                   ", expected ", x.scalar_type(), " (x's dtype)");
+  TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
+}
+
+int64_t hidden_of(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least 1 dimension (the normalised one); got a scalar");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK_VALUE(h >= 1, op, ": x has an empty last dimension (hidden size 0); nothing to normalise");
+  return h;
+}
+
+Activation to_activation(const char* op, int64_t a) {
+  TORCH_CHECK_VALUE(a >= 0 && a <= 2, op, ": activation code ", a, " is not 0 (none), 1 (gelu) or 2 (gelu_tanh)");
+  return static_cast<Activation>(a);
+}
+
+void* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
+
+c10::optional<at::Tensor> contiguous_opt(const c10::optional<at::Tensor>& t) {
+  if (!t.has_value()) return t;
+  return t->contiguous();
+}
+
+void raise_if(const char* op, const char* err) { TORCH_CHECK(err == nullptr, op, ": CUDA kernel failed: ", err); }
+
+#ifdef MEGAKERNELS_WITH_CUDA
+void* stream_of(const at::Tensor& x) { return c10::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
+#endif
+
+// Rows per at::parallel_for grain: enough elements per task to amortise the task overhead.
+int64_t row_grain(int64_t hidden) { return std::max<int64_t>(1, 16384 / hidden); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// LayerNorm / RMSNorm
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& x_in,
+                                                        const c10::optional<at::Tensor>& weight_in,
+                                                        const c10::optional<at::Tensor>& bias_in, double eps,
+                                                        int64_t activation, bool rms, bool emulate) {
+  const char* op = rms ? "rms_norm" : "layer_norm";
+  check_float_input(op, "x", x_in);
+  const int64_t H = hidden_of(op, x_in);
+  check_backend(op, x_in, emulate);
+  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), op, ": eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(!(rms && bias_in.has_value()), op, ": RMSNorm takes no bias");
+  if (weight_in.has_value()) check_param(op, "weight", *weight_in, x_in, H);
+  if (bias_in.has_value()) check_param(op, "bias", *bias_in, x_in, H);
+  if (weight_in.has_value() && bias_in.has_value())
+    TORCH_CHECK_TYPE(weight_in->scalar_type() == bias_in->scalar_type(), op, ": bias has dtype ",
+                     bias_in->scalar_type(), " but weight has dtype ", weight_in->scalar_type());
+  const Activation act = to_activation(op, activation);
+
+  const at::Tensor x = x_in.contiguous();
+  const auto weight = contiguous_opt(weight_in);
+  const auto bias = contiguous_opt(bias_in);
+  const int64_t rows = x.numel() / H;
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rms ? 0 : rows}, x.options().dtype(acc));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
+  if (rows == 0) return {y, mean, rstd};
+
+  norms::FwdArgs a{};
+  a.x = x.data_ptr();
+  a.w = data_or_null(weight);
+  a.b = data_or_null(bias);
+  a.y = y.data_ptr();
+  a.mean = rms ? nullptr : mean.data_ptr();
+  a.rstd = rstd.data_ptr();
+  a.rows = rows;
+  a.hidden = H;
+  a.eps = eps;
+  a.x_dtype = to_dtype(x.scalar_type());
+  a.w_dtype = weight.has_value() ? to_dtype(weight->scalar_type())
+                                 : (bias.has_value() ? to_dtype(bias->scalar_type()) : a.x_dtype);
+  a.act = act;
+  a.rms = rms;
+  if (x.is_cuda()) {
+#ifdef MEGAKERNELS_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    raise_if(op, cuda::norm_fwd(a, stream_of(x)));
+#endif
+  } else if (emulate) {
+#ifdef MEGAKERNELS_WITH_EMU
+    raise_if(op, cuda_emu::norm_fwd(a, nullptr));
+#endif
+  } else {
+    at::parallel_for(0, rows, row_grain(H), [&](int64_t b, int64_t e) { cpu::norm_fwd_rows(a, b, e); });
+  }
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                        const c10::optional<at::Tensor>& weight_in,
+                                                        const c10::optional<at::Tensor>& bias_in,
+                                                        const at::Tensor& mean_in, const at::Tensor& rstd_in,
+                                                        int64_t activation, bool rms, bool emulate) {
+  const char* op = rms ? "rms_norm_backward" : "layer_norm_backward";
+  check_float_input(op, "x", x_in);
+  const int64_t H = hidden_of(op, x_in);
+  check_backend(op, x_in, emulate);
+  check_same(op, "grad_output", dy_in, x_in);
+  if (weight_in.has_value()) check_param(op, "weight", *weight_in, x_in, H);
+  if (bias_in.has_value()) check_param(op, "bias", *bias_in, x_in, H);
+  const Activation act = to_activation(op, activation);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor dy = dy_in.contiguous();
+  const auto weight = contiguous_opt(weight_in);
+  const auto bias = contiguous_opt(bias_in);
+  const int64_t rows = x.numel() / H;
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK_VALUE(rstd_in.numel() == rows && rstd_in.scalar_type() == acc && (rms || mean_in.numel() == rows), op,
+                    ": saved mean/rstd do not match x (", rows, " rows)");
+  const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
+
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor dw = weight.has_value() ? at::empty_like(*weight) : at::empty({0}, x.options());
+  at::Tensor db = bias.has_value() ? at::empty_like(*bias) : at::empty({0}, x.options());
+  if (rows == 0) {
+    dw.zero_();
+    db.zero_();
+    return {dx, dw, db};
+  }
+  norms::BwdArgs a{};
+  a.dy = dy.data_ptr();
+  a.x = x.data_ptr();
+  a.w = data_or_null(weight);
+  a.b = data_or_null(bias);
+  a.mean = rms ? nullptr : mean.data_ptr();
+  a.rstd = rstd.data_ptr();
+  a.dx = dx.data_ptr();
+  a.dw = weight.has_value() ? dw.data_ptr() : nullptr;
+  a.db = bias.has_value() ? db.data_ptr() : nullptr;
+  a.rows = rows;
+  a.hidden = H;
+  a.x_dtype = to_dtype(x.scalar_type());
+  a.w_dtype = weight.has_value() ? to_dtype(weight->scalar_type())
+                                 : (bias.has_value() ? to_dtype(bias->scalar_type()) : a.x_dtype);
+  a.act = act;
+  a.rms = rms;
+  at::Tensor ws;
+  if (x.is_cuda()) {
+#ifdef MEGAKERNELS_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    ws = at::empty({cuda::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
+    a.workspace = ws.data_ptr();
+    raise_if(op, cuda::norm_bwd(a, stream_of(x)));
+#endif
+  } else if (emulate) {
+#ifdef MEGAKERNELS_WITH_EMU
+    ws = at::empty({cuda_emu::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
+    a.workspace = ws.data_ptr();
+    raise_if(op, cuda_emu::norm_bwd(a, nullptr));
+#endif
+  } else {
+    ws = at::empty({cpu::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
+    a.workspace = ws.data_ptr();
+    at::parallel_for(0, cpu::norm_bwd_chunks(rows, H), 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) cpu::norm_bwd_chunk(a, c);
+    });
+    if (a.dw || a.db)
+      at::parallel_for(0, H, 2048, [&](int64_t b, int64_t e) { cpu::norm_bwd_finish_cols(a, b, e); });
+  }
+  return {dx, dw, db};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// bias + GeLU
+
+norms::BiasGeluArgs bias_gelu_args(const char* op, const at::Tensor& x, const at::Tensor& bias, int64_t approximate,
+                                   bool emulate) {
+  check_float_input(op, "x", x);
+  const int64_t H = hidden_of(op, x);
+  check_backend(op, x, emulate);
+  check_param(op, "bias", bias, x, H);
+  TORCH_CHECK_VALUE(approximate == 1 || approximate == 2, op, ": approximate code ", approximate,
+                    " is not 1 (none) or 2 (tanh)");
+  norms::BiasGeluArgs a{};
+  a.rows = x.numel() / H;
+  a.hidden = H;
+  a.x_dtype = to_dtype(x.scalar_type());
+  a.w_dtype = to_dtype(bias.scalar_type());
+  a.act = static_cast<Activation>(approximate);
+  return a;
+}
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in, int64_t approximate, bool emulate) {
+  const char* op = "bias_gelu";
+  norms::BiasGeluArgs a = bias_gelu_args(op, x_in, bias_in, approximate, emulate);
+  const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  if (a.rows == 0) return y;
+  a.x = x.data_ptr();
+  a.bias = bias.data_ptr();
+  a.y = y.data_ptr();
+  if (x.is_cuda()) {
+#ifdef MEGAKERNELS_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    raise_if(op, cuda::bias_gelu_fwd(a, stream_of(x)));
+#endif
+  } else if (emulate) {
+#ifdef MEGAKERNELS_WITH_EMU
+    raise_if(op, cuda_emu::bias_gelu_fwd(a, nullptr));
+#endif
+  } else {
+    at::parallel_for(0, a.rows, row_grain(a.hidden), [&](int64_t b, int64_t e) { cpu::bias_gelu_fwd_rows(a, b, e); });
+  }
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                 const at::Tensor& bias_in, int64_t approximate, bool emulate) {
+  const char* op = "bias_gelu_backward";
+  norms::BiasGeluArgs a = bias_gelu_args(op, x_in, bias_in, approximate, emulate);
+  check_same(op, "grad_output", dy_in, x_in);
+  const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous(), dy = dy_in.contiguous();
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor dbias = at::empty_like(bias);
+  if (a.rows == 0) return {dx, dbias.zero_()};
+  a.x = x.data_ptr();
+  a.bias = bias.data_ptr();
+  a.dy = dy.data_ptr();
+  a.y = dx.data_ptr();
+  a.dbias = dbias.data_ptr();
+  at::Tensor ws;
+  if (x.is_cuda()) {
+#ifdef MEGAKERNELS_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    ws = at::empty({cuda::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
+    a.workspace = ws.data_ptr();
+    raise_if(op, cuda::bias_gelu_bwd(a, stream_of(x)));
+#endif
+  } else if (emulate) {
+#ifdef MEGAKERNELS_WITH_EMU
+    ws = at::empty({cuda_emu::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)},
+                   x.options().dtype(at::kByte));
+    a.workspace = ws.data_ptr();
+    raise_if(op, cuda_emu::bias_gelu_bwd(a, nullptr));
+#endif
+  } else {
+    ws = at::empty({cpu::norm_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
+    a.workspace = ws.data_ptr();
+    at::parallel_for(0, cpu::norm_bwd_chunks(a.rows, a.hidden), 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) cpu::bias_gelu_bwd_chunk(a, c);
+    });
+    at::parallel_for(0, a.hidden, 2048, [&](int64_t b, int64_t e) { cpu::bias_gelu_bwd_finish_cols(a, b, e); });
+  }
+  return {dx, dbias};
+}
+
+}  // namespace
+}  // namespace megakernels
+
+TORCH_LIBRARY(megakernels, m) {
+  m.def("build_flags() -> int", &megakernels::build_flags);
+  m.def(
+      "norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, int activation, bool rms, bool emulate)"
+      " -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "norm_bwd(Tensor grad_output, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd,"
+      " int activation, bool rms, bool emulate) -> (Tensor, Tensor, Tensor)");
+  m.def("bias_gelu_fwd(Tensor x, Tensor bias, int approximate, bool emulate) -> Tensor");
+  m.def("bias_gelu_bwd(Tensor grad_output, Tensor x, Tensor bias, int approximate, bool emulate) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
+  m.impl("norm_fwd", &megakernels::norm_fwd);
+  m.impl("norm_bwd", &megakernels::norm_bwd);
+  m.impl("bias_gelu_fwd", &megakernels::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megakernels::bias_gelu_bwd);
+}
+
+#ifdef MEGAKERNELS_WITH_CUDA
+TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
+  m.impl("norm_fwd", &megakernels::norm_fwd);
+  m.impl("norm_bwd", &megakernels::norm_bwd);
+  m.impl("bias_gelu_fwd", &megakernels::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megakernels::bias_gelu_bwd);
+}
+#endif
+
+// A plain extension module: importing megakernels._C loads the library and runs the registrations above.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "megakernels compiled ops (torch.ops.megakernels)",
+                                      -1, nullptr};
+  return PyModule_Create(&module);
+}

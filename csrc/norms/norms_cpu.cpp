@@ -1,0 +1,275 @@
+// CPU kernels of the norm family: LayerNorm (+ GeLU epilogue), RMSNorm, bias-GeLU. Torch-free.
+//
+// Layout of the work: one row is converted once into an fp32 (fp64 for double) scratch row that stays in L1/L2,
+// then every pass over it (mean, variance, normalise + epilogue) is a unit-stride loop that -O3 vectorises
+// (`omp simd` needs only -fopenmp-simd: no OpenMP runtime, threads come from torch's pool in the caller).
+// The variance is two-pass over the cached row: exact for rows with a large mean, and free since the row is
+// already in cache. Backward recomputes xhat from the saved mean/rstd (nothing else is saved), and reduces the
+// weight/bias grads over fixed row chunks so the result does not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../common/cpu_types.h"
+#include "norms.h"
+
+namespace megakernels {
+namespace cpu {
+namespace {
+
+using norms::BiasGeluArgs;
+using norms::BwdArgs;
+using norms::FwdArgs;
+
+// Epilogue loops instantiated per activation so that the branch on `act` is outside the vectorised loop.
+template <typename A, Activation ACT>
+inline void activate_row(A* v, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) v[j] = gelu_fwd<A>(v[j], ACT);
+}
+template <typename A>
+inline void activate_row(A* v, int64_t n, Activation act) {
+  if (act == Activation::Gelu) activate_row<A, Activation::Gelu>(v, n);
+  if (act == Activation::GeluTanh) activate_row<A, Activation::GeluTanh>(v, n);
+}
+// dz = dy * gelu'(z) in place of dy.
+template <typename A, Activation ACT>
+inline void activate_grad_row(const A* z, A* dy, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dy[j] *= gelu_grad<A>(z[j], ACT);
+}
+template <typename A>
+inline void activate_grad_row(const A* z, A* dy, int64_t n, Activation act) {
+  if (act == Activation::Gelu) activate_grad_row<A, Activation::Gelu>(z, dy, n);
+  if (act == Activation::GeluTanh) activate_grad_row<A, Activation::GeluTanh>(z, dy, n);
+}
+
+template <typename A>
+inline A row_sum(const A* v, int64_t n) {
+  A s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) s += v[j];
+  return s;
+}
+
+// Weight/bias converted once per call into the accumulate type; identity when absent.
+template <typename W, typename A>
+std::vector<A> load_param(const void* p, int64_t n, A fill) {
+  std::vector<A> v(size_t(n), fill);
+  if (p) load_row(static_cast<const W*>(p), v.data(), n);
+  return v;
+}
+
+template <typename T, typename W, typename A>
+void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
+  const int64_t H = a.hidden;
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  A* mean_out = static_cast<A*>(a.mean);
+  A* rstd_out = static_cast<A*>(a.rstd);
+  const std::vector<A> w = load_param<W, A>(a.w, H, A(1));
+  const std::vector<A> b = load_param<W, A>(a.b, H, A(0));
+  std::vector<A> row(static_cast<size_t>(H));
+  A* v = row.data();
+  const A* wp = w.data();
+  const A* bp = b.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    load_row(x + r * H, v, H);
+    A mean = a.rms ? A(0) : row_sum(v, H) / A(H);
+    A ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < H; ++j) ss += (v[j] - mean) * (v[j] - mean);
+    const A rstd = A(1) / std::sqrt(ss / A(H) + A(a.eps));
+    if (!a.rms) mean_out[r] = mean;
+    rstd_out[r] = rstd;
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) v[j] = (v[j] - mean) * rstd * wp[j] + bp[j];
+    activate_row(v, H, a.act);
+    store_row(v, y + r * H, H);
+  }
+}
+
+// Rows per backward chunk: enough chunks to feed every core, few enough that the [chunks, 2, hidden] partial
+// sums stay small (at most ~32 MiB) and the final column reduction is cheap.
+int64_t chunk_rows(int64_t rows, int64_t hidden) {
+  int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(64, (int64_t(4) << 20) / std::max<int64_t>(1, hidden)));
+  int64_t chunks = std::max<int64_t>(1, std::min(rows, max_chunks));
+  return (rows + chunks - 1) / chunks;
+}
+
+template <typename T, typename W, typename A>
+void bwd_chunk(const BwdArgs& a, int64_t c) {
+  const int64_t H = a.hidden;
+  const int64_t rpc = chunk_rows(a.rows, H);
+  const int64_t r0 = c * rpc, r1 = std::min(a.rows, r0 + rpc);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const A* mean_in = static_cast<const A*>(a.mean);
+  const A* rstd_in = static_cast<const A*>(a.rstd);
+  A* pw = static_cast<A*>(a.workspace) + c * 2 * H;  // this chunk's partial sum of dz * xhat
+  A* pb = pw + H;                                    // and of dz
+  std::fill(pw, pw + 2 * H, A(0));
+  const std::vector<A> w = load_param<W, A>(a.w, H, A(1));
+  const std::vector<A> b = load_param<W, A>(a.b, H, A(0));
+  std::vector<A> xbuf(static_cast<size_t>(H)), gbuf(static_cast<size_t>(H)), zbuf(a.act == Activation::None ? 0 : size_t(H));
+  A *xh = xbuf.data(), *g = gbuf.data(), *z = zbuf.data();
+  const A *wp = w.data(), *bp = b.data();
+  const A invH = A(1) / A(H);
+  for (int64_t r = r0; r < r1; ++r) {
+    const A mean = a.rms ? A(0) : mean_in[r];
+    const A rstd = rstd_in[r];
+    load_row(x + r * H, xh, H);
+    load_row(dy + r * H, g, H);
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) xh[j] = (xh[j] - mean) * rstd;
+    if (a.act != Activation::None) {
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) z[j] = xh[j] * wp[j] + bp[j];
+      activate_grad_row(z, g, H, a.act);  // g = dz, the grad of the affine output
+    }
+    A s1 = 0, s2 = 0;
+#pragma omp simd reduction(+ : s1, s2)
+    for (int64_t j = 0; j < H; ++j) {
+      pw[j] += g[j] * xh[j];
+      pb[j] += g[j];
+      const A gw = g[j] * wp[j];
+      g[j] = gw;  // the same rounded g*w enters the sums and dx, so a constant row gives dx == 0 exactly
+      s1 += gw;
+      s2 += gw * xh[j];
+    }
+    // dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); RMSNorm has no mean term.
+    const A c1 = a.rms ? A(0) : s1 * invH;
+    const A c2 = s2 * invH;
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) g[j] = rstd * (g[j] - c1 - xh[j] * c2);
+    store_row(g, dx + r * H, H);
+  }
+}
+
+// out[j] = sum over chunks of partial[c][j] (+ offset selects the dw or db half), in chunk order.
+template <typename W, typename A>
+void finish_cols(const void* workspace, int64_t chunks, int64_t stride, int64_t offset, void* out, int64_t c0,
+                 int64_t c1) {
+  if (!out) return;
+  const A* p = static_cast<const A*>(workspace) + offset;
+  std::vector<A> acc(size_t(c1 - c0), A(0));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const A* pc = p + c * stride;
+#pragma omp simd
+    for (int64_t j = c0; j < c1; ++j) acc[size_t(j - c0)] += pc[j];
+  }
+  store_row(acc.data(), static_cast<W*>(out) + c0, c1 - c0);
+}
+
+template <typename T, typename W, typename A>
+void bias_gelu_fwd(const BiasGeluArgs& a, int64_t r0, int64_t r1) {
+  const int64_t H = a.hidden;
+  const std::vector<A> b = load_param<W, A>(a.bias, H, A(0));
+  std::vector<A> row(static_cast<size_t>(H));
+  A* v = row.data();
+  const A* bp = b.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    load_row(static_cast<const T*>(a.x) + r * H, v, H);
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) v[j] += bp[j];
+    activate_row(v, H, a.act);
+    store_row(v, static_cast<T*>(a.y) + r * H, H);
+  }
+}
+
+template <typename T, typename W, typename A>
+void bias_gelu_bwd(const BiasGeluArgs& a, int64_t c) {
+  const int64_t H = a.hidden;
+  const int64_t rpc = chunk_rows(a.rows, H);
+  const int64_t r0 = c * rpc, r1 = std::min(a.rows, r0 + rpc);
+  A* pb = static_cast<A*>(a.workspace) + c * H;
+  std::fill(pb, pb + H, A(0));
+  const std::vector<A> b = load_param<W, A>(a.bias, H, A(0));
+  std::vector<A> zbuf(static_cast<size_t>(H)), gbuf(static_cast<size_t>(H));
+  A *z = zbuf.data(), *g = gbuf.data();
+  const A* bp = b.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    load_row(static_cast<const T*>(a.x) + r * H, z, H);
+    load_row(static_cast<const T*>(a.dy) + r * H, g, H);
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) z[j] += bp[j];
+    activate_grad_row(z, g, H, a.act);
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) pb[j] += g[j];
+    store_row(g, static_cast<T*>(a.y) + r * H, H);
+  }
+}
+
+// (x dtype, weight dtype) -> template instantiation. Weights are the input's dtype or fp32.
+template <template <typename, typename, typename> class F, typename... Args>
+void dispatch(DType xd, DType wd, Args&&... args) {
+  switch (xd) {
+    case DType::F32: return F<float, float, float>::run(args...);
+    case DType::F64: return F<double, double, double>::run(args...);
+    case DType::BF16:
+      if (wd == DType::F32) return F<bf16, float, float>::run(args...);
+      return F<bf16, bf16, float>::run(args...);
+    case DType::F16:
+      if (wd == DType::F32) return F<f16, float, float>::run(args...);
+      return F<f16, f16, float>::run(args...);
+  }
+}
+
+template <typename T, typename W, typename A>
+struct FwdOp {
+  static void run(const FwdArgs& a, int64_t r0, int64_t r1) { fwd_rows<T, W, A>(a, r0, r1); }
+};
+template <typename T, typename W, typename A>
+struct BwdOp {
+  static void run(const BwdArgs& a, int64_t c) { bwd_chunk<T, W, A>(a, c); }
+};
+template <typename T, typename W, typename A>
+struct BwdFinishOp {
+  static void run(const BwdArgs& a, int64_t c0, int64_t c1) {
+    const int64_t chunks = norm_bwd_chunks(a.rows, a.hidden);
+    finish_cols<W, A>(a.workspace, chunks, 2 * a.hidden, 0, a.dw, c0, c1);
+    finish_cols<W, A>(a.workspace, chunks, 2 * a.hidden, a.hidden, a.db, c0, c1);
+  }
+};
+template <typename T, typename W, typename A>
+struct BiasGeluFwdOp {
+  static void run(const BiasGeluArgs& a, int64_t r0, int64_t r1) { bias_gelu_fwd<T, W, A>(a, r0, r1); }
+};
+template <typename T, typename W, typename A>
+struct BiasGeluBwdOp {
+  static void run(const BiasGeluArgs& a, int64_t c) { bias_gelu_bwd<T, W, A>(a, c); }
+};
+template <typename T, typename W, typename A>
+struct BiasGeluFinishOp {
+  static void run(const BiasGeluArgs& a, int64_t c0, int64_t c1) {
+    finish_cols<W, A>(a.workspace, norm_bwd_chunks(a.rows, a.hidden), a.hidden, 0, a.dbias, c0, c1);
+  }
+};
+
+}  // namespace
+
+int64_t norm_bwd_chunks(int64_t rows, int64_t hidden) {
+  if (rows <= 0) return 0;
+  const int64_t rpc = chunk_rows(rows, hidden);
+  return (rows + rpc - 1) / rpc;
+}
+int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
+  const int64_t acc = x_dtype == DType::F64 ? 8 : 4;
+  return norm_bwd_chunks(rows, hidden) * 2 * hidden * acc;
+}
+void norm_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.x_dtype, a.w_dtype, a, r0, r1); }
+void norm_bwd_chunk(const BwdArgs& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.w_dtype, a, c); }
+void norm_bwd_finish_cols(const BwdArgs& a, int64_t c0, int64_t c1) {
+  dispatch<BwdFinishOp>(a.x_dtype, a.w_dtype, a, c0, c1);
+}
+void bias_gelu_fwd_rows(const BiasGeluArgs& a, int64_t r0, int64_t r1) {
+  dispatch<BiasGeluFwdOp>(a.x_dtype, a.w_dtype, a, r0, r1);
+}
+void bias_gelu_bwd_chunk(const BiasGeluArgs& a, int64_t c) { dispatch<BiasGeluBwdOp>(a.x_dtype, a.w_dtype, a, c); }
+void bias_gelu_bwd_finish_cols(const BiasGeluArgs& a, int64_t c0, int64_t c1) {
+  dispatch<BiasGeluFinishOp>(a.x_dtype, a.w_dtype, a, c0, c1);
+}
+
+}  // namespace cpu
+}  // namespace megakernels

@@ -1,0 +1,21 @@
+"""megakernels: fused C++/CUDA/Triton kernels for training large Transformers the Megatron-LM way.
+
+- ``megakernels.ops``   functional fused ops (torch.library custom ops: autograd, torch.compile, fake tensors)
+- ``megakernels.nn``    drop-in modules built on them
+- ``megakernels.backend(name)`` selects ``auto``/``cpu``/``cuda``/``cuda_emu`` (DESIGN.md §3)
+"""
+
+from megakernels._backend import BACKENDS, backend, current_backend, has_backend
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKENDS", "backend", "current_backend", "has_backend", "ops", "nn", "__version__"]
+
+
+def __getattr__(name):
+    # Submodules load on first use so that `import megakernels` stays cheap.
+    if name in ("ops", "nn"):
+        import importlib
+
+        return importlib.import_module(f"megakernels.{name}")
+    raise AttributeError(f"module 'megakernels' has no attribute {name!r}")

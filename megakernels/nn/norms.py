@@ -1,0 +1,102 @@
+"""Drop-in normalisation modules on the fused kernels.
+
+``FusedLayerNorm`` takes torch.nn.LayerNorm's constructor arguments and has its state_dict keys (``weight``,
+``bias``), so a LayerNorm checkpoint loads into it unchanged (and back); ``activation=`` adds the fused GeLU.
+``FusedRMSNorm`` mirrors torch.nn.RMSNorm. Multi-dimensional ``normalized_shape`` is supported by flattening the
+normalised dims (the math is the same: statistics over all of them).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import nn
+
+from megakernels.ops.norms import activation_code, layer_norm, rms_norm
+
+
+def _shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (int(normalized_shape),)
+    shape = tuple(int(s) for s in normalized_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"normalized_shape must be a positive int or a tuple of positive ints, got {normalized_shape!r}")
+    return shape
+
+
+def _flatten_last(op: str, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    k = len(shape)
+    if tuple(x.shape[-k:]) != shape:
+        raise ValueError(f"{op}: input's last dims {tuple(x.shape[-k:])} do not match normalized_shape {shape}")
+    return x if k == 1 else x.reshape(*x.shape[:-k], math.prod(shape))
+
+
+class FusedLayerNorm(nn.Module):
+    """LayerNorm with an optional fused GeLU epilogue (``activation=None|"gelu"|"gelu_tanh"``).
+
+    Same arguments and parameters as :class:`torch.nn.LayerNorm`. Input ``[..., *normalized_shape]``; fp32,
+    fp16, bf16 or fp64; parameters may stay fp32 under a bf16/fp16 input (mixed precision).
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, activation: str | None = None):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        activation_code("FusedLayerNorm", activation)
+        self.activation = activation
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory))
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = _flatten_last("FusedLayerNorm", x, self.normalized_shape)
+        w = self.weight.reshape(-1) if self.weight is not None else None
+        b = self.bias.reshape(-1) if self.bias is not None else None
+        return layer_norm(xf, w, b, self.eps, self.activation).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation!r}" if self.activation else ""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{act}"
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm ``x / sqrt(mean(x^2) + eps) * weight``; arguments and parameters as :class:`torch.nn.RMSNorm`
+    (``eps=None`` means ``torch.finfo(x.dtype).eps``, as there)."""
+
+    def __init__(self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None,
+                 dtype=None):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = _flatten_last("FusedRMSNorm", x, self.normalized_shape)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        w = self.weight.reshape(-1) if self.weight is not None else None
+        return rms_norm(xf, w, eps).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

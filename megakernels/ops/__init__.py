@@ -1,0 +1,8 @@
+"""Functional fused ops. Each is a torch.library custom op (autograd + fake impl, works under torch.compile),
+dispatched by device and backend (DESIGN.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
+emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
+
+from megakernels.ops.bias_gelu import bias_gelu
+from megakernels.ops.norms import layer_norm, rms_norm
+
+__all__ = ["layer_norm", "rms_norm", "bias_gelu"]

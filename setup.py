@@ -1,0 +1,100 @@
+"""Build of megakernels._C (torch.utils.cpp_extension + ninja).
+
+Sources (DESIGN.md §1-2):
+- csrc/bindings.cpp                the only torch-facing C++ (checks, dispatch, TORCH_LIBRARY registration)
+- csrc/<family>/*_cpu.cpp          torch-free CPU kernels
+- csrc/<family>/*_cuda.cu          torch-free CUDA kernels, built when nvcc and a CUDA torch are present
+- csrc/<family>/*_cuda_emu.cpp     the same .cu source compiled by g++ against csrc/emu (backend "cuda_emu"),
+                                   built whenever the CUDA headers are found (no GPU or CUDA torch needed)
+
+Environment:
+- MEGAKERNELS_CUDA_ARCHS      CUDA archs to build, e.g. "80;90" (default) or "90a"
+- MEGAKERNELS_FORCE_CPU_ONLY  =1: skip the CUDA kernels even when nvcc is present
+- MEGAKERNELS_NO_EMU          =1: skip the emulated CUDA kernels
+- MEGAKERNELS_PORTABLE        =1: no -march=native for the CPU kernels (for binaries moved to other machines)
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:  # pragma: no cover - building needs torch first
+    sys.exit("megakernels: install torch first, then `pip install --no-build-isolation .`")
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _cuda_include():
+    for home in (CUDA_HOME, os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda_bf16.h")):
+            return os.path.join(home, "include")
+    return None
+
+
+def _nvcc():
+    if CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return os.path.join(CUDA_HOME, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _arch_flags(archs):
+    flags = []
+    for arch in archs.replace(",", ";").split(";"):
+        arch = arch.strip().replace(".", "")
+        if arch:
+            flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    return flags
+
+
+def extensions():
+    force_cpu = os.environ.get("MEGAKERNELS_FORCE_CPU_ONLY", "0") == "1"
+    cuda_inc = _cuda_include()
+    with_cuda = not force_cpu and torch.version.cuda is not None and _nvcc() is not None
+    with_emu = cuda_inc is not None and os.environ.get("MEGAKERNELS_NO_EMU", "0") != "1"
+
+    sources = _rel([os.path.join(ROOT, "csrc", "bindings.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
+    cxx = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread"]
+    if os.environ.get("MEGAKERNELS_PORTABLE", "0") != "1":
+        cxx.append("-march=native")
+    define_macros = []
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if with_emu:
+        sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cuda_emu.cpp")))
+        define_macros.append(("MEGAKERNELS_WITH_EMU", "1"))
+        include_dirs.append(cuda_inc)
+    if with_cuda:
+        sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cuda.cu")))
+        define_macros.append(("MEGAKERNELS_WITH_CUDA", "1"))
+        archs = os.environ.get("MEGAKERNELS_CUDA_ARCHS", "80;90")
+        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + _arch_flags(archs)
+        print(f"megakernels: building CUDA kernels for archs {archs}")
+        ext = CUDAExtension(
+            "megakernels._C", sources, include_dirs=include_dirs, define_macros=define_macros,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-pthread"],
+        )
+    else:
+        why = "MEGAKERNELS_FORCE_CPU_ONLY=1" if force_cpu else (
+            "torch has no CUDA" if torch.version.cuda is None else "nvcc not found")
+        print(f"megakernels: CPU-only build ({why}); emulated CUDA kernels: {'yes' if with_emu else 'no'}")
+        ext = CppExtension(
+            "megakernels._C", sources, include_dirs=include_dirs, define_macros=define_macros,
+            extra_compile_args={"cxx": cxx}, extra_link_args=["-pthread"],
+        )
+    return [ext]
+
+
+setup(
+    packages=find_packages(include=["megakernels", "megakernels.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,67 @@
+"""Bad input to the norm-family ops: a clear exception naming the argument, never a crash or a wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megakernels.ops import bias_gelu, layer_norm, rms_norm
+
+
+def x32(*shape):
+    return torch.randn(*shape)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda: layer_norm(torch.ones(2, 4, dtype=torch.int64)), TypeError, "layer_norm: x has dtype"),
+        (lambda: layer_norm(torch.ones(2, 4, dtype=torch.bool)), TypeError, "x has dtype"),
+        (lambda: layer_norm(x32(2, 4), torch.ones(3)), ValueError, r"weight has shape \[3\], expected \[4\]"),
+        (lambda: layer_norm(x32(2, 4), torch.ones(2, 2)), ValueError, "weight has shape"),
+        (lambda: layer_norm(x32(2, 4), torch.ones(4), torch.ones(5)), ValueError, "bias has shape"),
+        (lambda: layer_norm(x32(2, 4), torch.ones(4, dtype=torch.float64)), TypeError, "weight has dtype"),
+        (lambda: layer_norm(x32(2, 4), torch.ones(4, dtype=torch.bfloat16)), TypeError, "weight has dtype"),
+        (lambda: layer_norm(x32(2, 4).bfloat16(), torch.ones(4), torch.ones(4).bfloat16()), TypeError,
+         "bias has dtype"),
+        (lambda: layer_norm(x32(2, 0)), ValueError, "empty last dimension"),
+        (lambda: layer_norm(torch.tensor(1.0)), ValueError, "at least 1 dimension"),
+        (lambda: layer_norm(x32(2, 4), eps=-1.0), ValueError, "eps must be"),
+        (lambda: layer_norm(x32(2, 4), eps=float("nan")), ValueError, "eps must be"),
+        (lambda: layer_norm(x32(2, 4), activation="relu"), ValueError, "activation must be"),
+        (lambda: layer_norm([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+        (lambda: layer_norm(x32(2, 4), "weight"), TypeError, "weight must be a torch.Tensor"),
+        (lambda: rms_norm(x32(2, 4), torch.ones(5)), ValueError, r"rms_norm: weight has shape"),
+        (lambda: rms_norm(torch.ones(2, 4, dtype=torch.int32)), TypeError, "rms_norm: x has dtype"),
+        (lambda: bias_gelu(x32(2, 4), torch.ones(3)), ValueError, r"bias_gelu: bias has shape"),
+        (lambda: bias_gelu(x32(2, 4), torch.ones(4), approximate="sigmoid"), ValueError, "approximate must be"),
+        (lambda: bias_gelu(torch.ones(2, 4, dtype=torch.int16), torch.ones(4)), TypeError, "bias_gelu: x has dtype"),
+        (lambda: bias_gelu(x32(2, 4), None), TypeError, "bias must be a torch.Tensor"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(backend, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_cuda_emu_refuses_cuda_tensors_and_cuda_refuses_cpu_tensors():
+    import megakernels
+
+    with megakernels.backend("cuda"):
+        with pytest.raises(ValueError, match="backend cuda requested, but x is on cpu"):
+            layer_norm(x32(2, 4))
+
+
+@pytest.mark.cuda
+def test_device_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
+        layer_norm(x32(2, 4).cuda(), torch.ones(4))
+    with pytest.raises(ValueError, match="bias is on cpu"):
+        bias_gelu(x32(2, 4).cuda(), torch.ones(4))
+
+
+def test_backward_with_wrong_grad_shape_is_an_error():
+    x = x32(3, 4)
+    y, mean, rstd = torch.ops.megakernels.norm_fwd(x, None, None, 1e-5, 0, False, False)
+    with pytest.raises(ValueError, match="grad_output has shape"):
+        torch.ops.megakernels.norm_bwd(x32(3, 5), x, None, None, mean, rstd, 0, False, False)
