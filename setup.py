@@ -21,6 +21,13 @@ import sys
 
 from setuptools import find_packages, setup
 
+# torch derives CUDA_HOME from the nvcc on PATH, which may be a wrapper script outside the toolkit (as on the dev
+# and CI machines: /usr/local/bin/nvcc); the conventional toolkit location is the better guess. Must be set
+# before torch.utils.cpp_extension is imported, which reads it once.
+if not os.environ.get("CUDA_HOME") and not os.environ.get("CUDA_PATH"):
+    if os.path.exists("/usr/local/cuda/bin/nvcc") and os.path.exists("/usr/local/cuda/include/cuda_runtime.h"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
 try:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension

@@ -24,19 +24,16 @@ constexpr double kInvSqrt2 = 0.7071067811865476;
 constexpr double kInvSqrt2Pi = 0.3989422804014327;  // 1/sqrt(2*pi), the normal density's scale
 constexpr double kGeluCubic = 0.044715;
 
-// exp/erf/tanh. On the GPU the hardware-backed libdevice functions are fast. On the host (CPU kernels and the
-// CUDA emulator) libm's erff/tanhf are scalar calls that stop the compiler from vectorising the row loops, and
-// they would dominate a fused LayerNorm+GeLU; so single precision uses branch-free polynomials (relative error
-// ~1e-7, below fp32's own rounding of the inputs) that vectorise. Double precision (gradcheck) uses libm.
-#if defined(__CUDA_ARCH__)
-MK_MATH float mk_exp(float x) { return expf(x); }
-MK_MATH float mk_erf(float x) { return erff(x); }
-MK_MATH float mk_tanh(float x) { return tanhf(x); }
-#else
+// exp and the normal cdf/pdf behind GeLU. On the GPU the libdevice functions are fast. On the host (CPU kernels
+// and the CUDA emulator) libm's erff/expf are scalar calls that stop the compiler from vectorising the row loops,
+// and they would dominate a fused LayerNorm+GeLU; so single precision uses branch-free approximations that
+// vectorise: a Cody-Waite + degree-6 polynomial exp (relative error ~1e-7), and Abramowitz & Stegun 7.1.26 for
+// erfc (absolute error <= 1.5e-7), which shares its exp(-z^2/2) with the normal pdf so that GeLU's value and
+// derivative cost one exp and one division. Double precision (gradcheck) uses libm.
+#if !defined(__CUDA_ARCH__)
 MK_MATH float mk_exp(float x) {
-  // Cody-Waite range reduction x = n*ln2 + r, |r| <= ln2/2, then a degree-6 minimax polynomial for e^r.
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x = n*ln2 + r, |r| <= ln2/2
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -46,49 +43,47 @@ MK_MATH float mk_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   float e = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-125, 127] after the clamp
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return e * scale;
 }
-MK_MATH float mk_erf(float x) {
-  // erf(x) = sign(x) * (1 - poly(t) * exp(-x^2)), t = 1/(1 + p|x|): a rational approximation with max absolute
-  // error 1.2e-7, branch-free apart from the sign select.
-  float a = std::fabs(x);
-  float t = 1.0f / (1.0f + 0.5f * a);
-  float y = t * mk_exp(-a * a - 1.26551223f +
-                       t * (1.00002368f +
-                            t * (0.37409196f +
-                                 t * (0.09678418f +
-                                      t * (-0.18628806f +
-                                           t * (0.27886807f +
-                                                t * (-1.13520398f +
-                                                     t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f)))))))));
-  float r = 1.0f - y;
-  return x < 0.0f ? -r : r;
-}
-MK_MATH float mk_tanh(float x) {
-  // tanh(x) = 1 - 2/(e^{2x}+1); exact to fp32 rounding away from 0, and |x| < 0.0625 uses the odd series,
-  // where the subtraction would cancel.
-  float a = std::fabs(x);
-  float big = 1.0f - 2.0f / (mk_exp(2.0f * a) + 1.0f);
-  float x2 = a * a;
-  float small = a * (1.0f + x2 * (-0.333333333f + x2 * (0.133333333f + x2 * -0.0539682540f)));
-  float r = a < 0.0625f ? small : big;
-  return x < 0.0f ? -r : r;
-}
+#else
+MK_MATH float mk_exp(float x) { return expf(x); }
 #endif
 MK_MATH double mk_exp(double x) { return std::exp(x); }
-MK_MATH double mk_erf(double x) { return std::erf(x); }
-MK_MATH double mk_tanh(double x) { return std::tanh(x); }
 
-// GeLU(z) = z * Phi(z) and its derivative Phi(z) + z * phi(z); the tanh form is Megatron's/GPT-2's approximation.
+// Standard normal cdf Phi(z) and pdf phi(z).
+MK_MATH void normal_cdf_pdf(double z, double& cdf, double& pdf) {
+  cdf = 0.5 * std::erfc(-z * kInvSqrt2);
+  pdf = kInvSqrt2Pi * std::exp(-0.5 * z * z);
+}
+MK_MATH void normal_cdf_pdf(float z, float& cdf, float& pdf) {
+  const float e = mk_exp(-0.5f * z * z);  // exp(-x^2) for x = |z|/sqrt(2)
+  pdf = float(kInvSqrt2Pi) * e;
+#if defined(__CUDA_ARCH__)
+  cdf = normcdff(z);
+#else
+  const float x = std::fabs(z) * float(kInvSqrt2);
+  const float t = 1.0f / (1.0f + 0.3275911f * x);
+  const float half_erfc =
+      0.5f * e * t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
+  cdf = z >= 0.0f ? 1.0f - half_erfc : half_erfc;
+#endif
+}
+
+// GeLU(z) = z * Phi(z) and its derivative Phi(z) + z * phi(z). The tanh form (Megatron's/GPT-2's approximation)
+// 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3), is evaluated as z * sigmoid(2u): one exp, no tanh.
 template <typename A>
 MK_MATH A gelu_fwd(A z, Activation act) {
-  if (act == Activation::Gelu) return A(0.5) * z * (A(1) + mk_erf(z * A(kInvSqrt2)));
+  if (act == Activation::Gelu) {
+    A cdf, pdf;
+    normal_cdf_pdf(z, cdf, pdf);
+    return z * cdf;
+  }
   if (act == Activation::GeluTanh) {
-    A u = A(kSqrt2OverPi) * (z + A(kGeluCubic) * z * z * z);
-    return A(0.5) * z * (A(1) + mk_tanh(u));
+    const A u = A(kSqrt2OverPi) * (z + A(kGeluCubic) * z * z * z);
+    return z / (A(1) + mk_exp(A(-2) * u));
   }
   return z;
 }
@@ -96,15 +91,15 @@ MK_MATH A gelu_fwd(A z, Activation act) {
 template <typename A>
 MK_MATH A gelu_grad(A z, Activation act) {
   if (act == Activation::Gelu) {
-    A cdf = A(0.5) * (A(1) + mk_erf(z * A(kInvSqrt2)));
-    A pdf = A(kInvSqrt2Pi) * mk_exp(A(-0.5) * z * z);
+    A cdf, pdf;
+    normal_cdf_pdf(z, cdf, pdf);
     return cdf + z * pdf;
   }
   if (act == Activation::GeluTanh) {
-    A u = A(kSqrt2OverPi) * (z + A(kGeluCubic) * z * z * z);
-    A t = mk_tanh(u);
-    A du = A(kSqrt2OverPi) * (A(1) + A(3 * kGeluCubic) * z * z);
-    return A(0.5) * (A(1) + t) + A(0.5) * z * (A(1) - t * t) * du;
+    const A u = A(kSqrt2OverPi) * (z + A(kGeluCubic) * z * z * z);
+    const A du = A(kSqrt2OverPi) * (A(1) + A(3 * kGeluCubic) * z * z);
+    const A s = A(1) / (A(1) + mk_exp(A(-2) * u));  // (1 + tanh(u)) / 2
+    return s + A(2) * z * s * (A(1) - s) * du;
   }
   return A(1);
 }

@@ -4,7 +4,9 @@
 // Kernel files include csrc/common/cuda_compat.h, which includes this header in emulation builds.
 //
 // Layout (each part explains its own design choices):
-//   emu_engine.h      worker pool, __syncthreads barrier, warp rendezvous, the per-block launch loop
+//   emu_wait.h        atomics helpers, futex sleeping, the deadlock timeout, fatal reports
+//   emu_block.h       the running block: __syncthreads barrier, warp rendezvous, thread exit
+//   emu_pool.h        worker pool and the launch loop (blocks one after another)
 //   emu_device.h      device synchronisation API: barriers, shuffles/votes/match/reduce, atomics, fences
 //   emu_intrinsics.h  math and bit intrinsics that are not host functions
 //   emu_runtime.h     cudaGetLastError & co., cudaFuncSetAttribute, the MK_LAUNCH front end
@@ -25,8 +27,6 @@
 #include <driver_types.h>
 #include <vector_functions.h>
 #include <vector_types.h>
-
-#include <limits>
 
 // A later #include <cuda_runtime.h> or <device_launch_parameters.h> would declare what this header defines.
 #ifndef __CUDA_RUNTIME_H__
@@ -62,8 +62,11 @@
 #ifndef __align__
 #define __align__(n) alignas(n)
 #endif
+#if !defined(__clang__) && !defined(__builtin_assume)
+#define __builtin_assume(...) ((void)0)  // nvcc/clang optimisation hint; GCC has no such builtin
+#endif
 
-#include "emu_engine.h"
+#include "emu_pool.h"
 
 // ---- built-in variables -------------------------------------------------------------------------------------
 // Macros onto per-thread (threadIdx, blockIdx) and per-launch (blockDim, gridDim) state, read-only as in CUDA.

@@ -15,8 +15,12 @@
 //   one global word for the same reason (GCC's TSan ignores atomic_thread_fence).
 #pragma once
 
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
-#include <type_traits>
+#include <mutex>
+#include <thread>
 
 namespace mk_emu {
 namespace detail {
@@ -267,6 +271,7 @@ MK_EMU_SCOPED(atomicDec)
 [[noreturn]] inline void __trap() {
   using namespace mk_emu::detail;
   ThreadCtx& c = ctx("__trap()");
+  fatal_begin();
   char me[128];
   describe_thread(me, sizeof me, *c.blk, c.tid);
   std::fprintf(stderr, "[megakernels cuda_emu] __trap() in kernel %s, block (%u,%u,%u), %s\n", c.blk->kernel_name,

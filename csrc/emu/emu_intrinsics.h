@@ -11,9 +11,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+
+// Device code calls the classification functions unqualified; CUDA's headers make that work on the host too.
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+using std::signbit;
 
 namespace mk_emu {
 namespace detail {
+__extension__ typedef __int128 i128;
+__extension__ typedef unsigned __int128 u128;
 template <class To, class From>
 inline To bit_cast(From f) {
   static_assert(sizeof(To) == sizeof(From), "bit_cast size");
@@ -156,9 +165,11 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 }
 inline int __mulhi(int a, int b) { return int((static_cast<long long>(a) * b) >> 32); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((static_cast<unsigned long long>(a) * b) >> 32); }
-inline long long __mul64hi(long long a, long long b) { return (long long)((static_cast<__int128>(a) * b) >> 64); }
+inline long long __mul64hi(long long a, long long b) {
+  return (long long)((static_cast<mk_emu::detail::i128>(a) * b) >> 64);
+}
 inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
-  return (unsigned long long)((static_cast<unsigned __int128>(a) * b) >> 64);
+  return (unsigned long long)((static_cast<mk_emu::detail::u128>(a) * b) >> 64);
 }
 inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned s) {
   return unsigned((((static_cast<unsigned long long>(hi) << 32) | lo) << (s & 31)) >> 32);

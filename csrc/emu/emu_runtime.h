@@ -6,10 +6,13 @@
 // onto a megakernels_emu_* function with C++ linkage, and no libcudart is needed.
 #pragma once
 
+#include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace mk_emu {
 namespace detail {
@@ -67,6 +70,10 @@ void trampoline(const void* p) {
 inline void* dynamic_smem(const char* what = "MK_DYNAMIC_SHARED") { return detail::ctx(what).blk->smem; }
 inline size_t dynamic_smem_bytes() { return detail::ctx("mk_emu::dynamic_smem_bytes").blk->smem_bytes; }
 inline bool in_kernel() { return detail::t_ctx != nullptr; }
+// Overrides MEGAKERNELS_EMU_TIMEOUT_S: how long a barrier may wait before the emulator reports a deadlock.
+inline void set_timeout_seconds(double s) {
+  __atomic_store_n(&detail::g_timeout_ns, static_cast<int64_t>((s > 0 ? s : 60.0) * 1e9), __ATOMIC_RELAXED);
+}
 
 // What MK_LAUNCH expands to: make_launch(kernel, ...)(args...). Synchronous: the grid has finished when the
 // call returns (a stream only orders work, and everything here is already in order).
@@ -82,6 +89,7 @@ struct Launch {
     static_assert(sizeof...(A) == sizeof...(P), "MK_LAUNCH: wrong number of kernel arguments");
     const void* key = reinterpret_cast<const void*>(kernel);
     if (detail::t_ctx) {
+      detail::fatal_begin();
       std::fprintf(stderr, "[megakernels cuda_emu] launching %s from inside a kernel is not supported\n", name);
       detail::fatal_stop();
     }
@@ -200,6 +208,21 @@ inline cudaError_t megakernels_emu_cudaMemcpyAsync(void* dst, const void* src, s
 inline cudaError_t megakernels_emu_cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
   return megakernels_emu_cudaMemcpyAsync(dst, src, n, k);
 }
+// __constant__ and __device__ variables are ordinary globals here.
+template <class T>
+inline cudaError_t megakernels_emu_cudaMemcpyToSymbol(T& symbol, const void* src, size_t n, size_t offset = 0,
+                                                      cudaMemcpyKind = cudaMemcpyHostToDevice) {
+  if (offset + n > sizeof(T)) return mk_emu::detail::t_last_error = cudaErrorInvalidValue;
+  std::memcpy(reinterpret_cast<char*>(&symbol) + offset, src, n);
+  return cudaSuccess;
+}
+template <class T>
+inline cudaError_t megakernels_emu_cudaMemcpyFromSymbol(void* dst, const T& symbol, size_t n, size_t offset = 0,
+                                                        cudaMemcpyKind = cudaMemcpyDeviceToHost) {
+  if (offset + n > sizeof(T)) return mk_emu::detail::t_last_error = cudaErrorInvalidValue;
+  std::memcpy(dst, reinterpret_cast<const char*>(&symbol) + offset, n);
+  return cudaSuccess;
+}
 
 #define cudaGetLastError megakernels_emu_cudaGetLastError
 #define cudaPeekAtLastError megakernels_emu_cudaPeekAtLastError
@@ -216,3 +239,5 @@ inline cudaError_t megakernels_emu_cudaMemcpy(void* dst, const void* src, size_t
 #define cudaMemset megakernels_emu_cudaMemset
 #define cudaMemcpyAsync megakernels_emu_cudaMemcpyAsync
 #define cudaMemcpy megakernels_emu_cudaMemcpy
+#define cudaMemcpyToSymbol megakernels_emu_cudaMemcpyToSymbol
+#define cudaMemcpyFromSymbol megakernels_emu_cudaMemcpyFromSymbol

@@ -8,6 +8,7 @@
 // weight/bias grads over fixed row chunks so the result does not depend on the thread count.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "../common/cpu_types.h"
@@ -21,29 +22,6 @@ using norms::BiasGeluArgs;
 using norms::BwdArgs;
 using norms::FwdArgs;
 
-// Epilogue loops instantiated per activation so that the branch on `act` is outside the vectorised loop.
-template <typename A, Activation ACT>
-inline void activate_row(A* v, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) v[j] = gelu_fwd<A>(v[j], ACT);
-}
-template <typename A>
-inline void activate_row(A* v, int64_t n, Activation act) {
-  if (act == Activation::Gelu) activate_row<A, Activation::Gelu>(v, n);
-  if (act == Activation::GeluTanh) activate_row<A, Activation::GeluTanh>(v, n);
-}
-// dz = dy * gelu'(z) in place of dy.
-template <typename A, Activation ACT>
-inline void activate_grad_row(const A* z, A* dy, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dy[j] *= gelu_grad<A>(z[j], ACT);
-}
-template <typename A>
-inline void activate_grad_row(const A* z, A* dy, int64_t n, Activation act) {
-  if (act == Activation::Gelu) activate_grad_row<A, Activation::Gelu>(z, dy, n);
-  if (act == Activation::GeluTanh) activate_grad_row<A, Activation::GeluTanh>(z, dy, n);
-}
-
 template <typename A>
 inline A row_sum(const A* v, int64_t n) {
   A s = 0;
@@ -55,12 +33,35 @@ inline A row_sum(const A* v, int64_t n) {
 // Weight/bias converted once per call into the accumulate type; identity when absent.
 template <typename W, typename A>
 std::vector<A> load_param(const void* p, int64_t n, A fill) {
-  std::vector<A> v(size_t(n), fill);
+  std::vector<A> v(static_cast<size_t>(n), fill);
   if (p) load_row(static_cast<const W*>(p), v.data(), n);
   return v;
 }
 
-template <typename T, typename W, typename A>
+// A row in the accumulate type: fp32/fp64 rows are used in place, 16-bit rows are converted into `scratch`.
+template <typename T, typename A>
+inline const A* row_view(const T* src, A* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return src;
+  } else {
+    load_row(src, scratch, n);
+    return scratch;
+  }
+}
+// Where a row of results goes before the store: straight into the output for fp32/fp64, else into `scratch`.
+template <typename T, typename A>
+inline A* out_view(T* dst, A* scratch) {
+  if constexpr (std::is_same_v<T, A>) return dst;
+  else return scratch;
+}
+template <typename T, typename A>
+inline void finish_out(const A* scratch, T* dst, int64_t n) {
+  if constexpr (!std::is_same_v<T, A>) store_row(scratch, dst, n);
+}
+
+// Per row: mean, variance (two passes over the cached row), then normalise + affine + activation + store in one
+// loop. The activation is a template argument so that loop has no branch on it and vectorises.
+template <typename T, typename W, typename A, Activation ACT>
 void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
   const int64_t H = a.hidden;
   const T* x = static_cast<const T*>(a.x);
@@ -69,23 +70,23 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
   A* rstd_out = static_cast<A*>(a.rstd);
   const std::vector<A> w = load_param<W, A>(a.w, H, A(1));
   const std::vector<A> b = load_param<W, A>(a.b, H, A(0));
-  std::vector<A> row(static_cast<size_t>(H));
-  A* v = row.data();
+  std::vector<A> in_buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(H));
+  std::vector<A> out_buf(std::is_same_v<T, A> ? 0 : static_cast<size_t>(H));
   const A* wp = w.data();
   const A* bp = b.data();
   for (int64_t r = r0; r < r1; ++r) {
-    load_row(x + r * H, v, H);
-    A mean = a.rms ? A(0) : row_sum(v, H) / A(H);
+    const A* v = row_view(x + r * H, in_buf.data(), H);
+    const A mean = a.rms ? A(0) : row_sum(v, H) / A(H);
     A ss = 0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < H; ++j) ss += (v[j] - mean) * (v[j] - mean);
     const A rstd = A(1) / std::sqrt(ss / A(H) + A(a.eps));
     if (!a.rms) mean_out[r] = mean;
     rstd_out[r] = rstd;
+    A* o = out_view(y + r * H, out_buf.data());
 #pragma omp simd
-    for (int64_t j = 0; j < H; ++j) v[j] = (v[j] - mean) * rstd * wp[j] + bp[j];
-    activate_row(v, H, a.act);
-    store_row(v, y + r * H, H);
+    for (int64_t j = 0; j < H; ++j) o[j] = gelu_fwd<A>((v[j] - mean) * rstd * wp[j] + bp[j], ACT);
+    finish_out(o, y + r * H, H);
   }
 }
 
@@ -97,7 +98,9 @@ int64_t chunk_rows(int64_t rows, int64_t hidden) {
   return (rows + chunks - 1) / chunks;
 }
 
-template <typename T, typename W, typename A>
+// Per row, two passes: (1) xhat, dz = dy * act'(xhat*w + b), the weight/bias partial sums and the two row sums;
+// (2) dx = rstd * (dz*w - mean(dz*w) - xhat * mean(dz*w*xhat)) (RMSNorm has no mean term).
+template <typename T, typename W, typename A, Activation ACT>
 void bwd_chunk(const BwdArgs& a, int64_t c) {
   const int64_t H = a.hidden;
   const int64_t rpc = chunk_rows(a.rows, H);
@@ -112,38 +115,35 @@ void bwd_chunk(const BwdArgs& a, int64_t c) {
   std::fill(pw, pw + 2 * H, A(0));
   const std::vector<A> w = load_param<W, A>(a.w, H, A(1));
   const std::vector<A> b = load_param<W, A>(a.b, H, A(0));
-  std::vector<A> xbuf(static_cast<size_t>(H)), gbuf(static_cast<size_t>(H)), zbuf(a.act == Activation::None ? 0 : size_t(H));
-  A *xh = xbuf.data(), *g = gbuf.data(), *z = zbuf.data();
+  const size_t conv = std::is_same_v<T, A> ? 0 : static_cast<size_t>(H);
+  std::vector<A> xbuf(conv), dybuf(conv), xhbuf(static_cast<size_t>(H)), gwbuf(static_cast<size_t>(H)), obuf(conv);
+  A *xh = xhbuf.data(), *gw = gwbuf.data();
   const A *wp = w.data(), *bp = b.data();
   const A invH = A(1) / A(H);
   for (int64_t r = r0; r < r1; ++r) {
     const A mean = a.rms ? A(0) : mean_in[r];
     const A rstd = rstd_in[r];
-    load_row(x + r * H, xh, H);
-    load_row(dy + r * H, g, H);
-#pragma omp simd
-    for (int64_t j = 0; j < H; ++j) xh[j] = (xh[j] - mean) * rstd;
-    if (a.act != Activation::None) {
-#pragma omp simd
-      for (int64_t j = 0; j < H; ++j) z[j] = xh[j] * wp[j] + bp[j];
-      activate_grad_row(z, g, H, a.act);  // g = dz, the grad of the affine output
-    }
+    const A* xv = row_view(x + r * H, xbuf.data(), H);
+    const A* gv = row_view(dy + r * H, dybuf.data(), H);
     A s1 = 0, s2 = 0;
 #pragma omp simd reduction(+ : s1, s2)
     for (int64_t j = 0; j < H; ++j) {
-      pw[j] += g[j] * xh[j];
-      pb[j] += g[j];
-      const A gw = g[j] * wp[j];
-      g[j] = gw;  // the same rounded g*w enters the sums and dx, so a constant row gives dx == 0 exactly
-      s1 += gw;
-      s2 += gw * xh[j];
+      const A xhat = (xv[j] - mean) * rstd;
+      const A dz = gv[j] * gelu_grad<A>(xhat * wp[j] + bp[j], ACT);
+      pw[j] += dz * xhat;
+      pb[j] += dz;
+      const A g = dz * wp[j];
+      xh[j] = xhat;
+      gw[j] = g;  // the same rounded dz*w enters the sums and dx: a constant row gives dx == 0 exactly
+      s1 += g;
+      s2 += g * xhat;
     }
-    // dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); RMSNorm has no mean term.
     const A c1 = a.rms ? A(0) : s1 * invH;
     const A c2 = s2 * invH;
+    A* o = out_view(dx + r * H, obuf.data());
 #pragma omp simd
-    for (int64_t j = 0; j < H; ++j) g[j] = rstd * (g[j] - c1 - xh[j] * c2);
-    store_row(g, dx + r * H, H);
+    for (int64_t j = 0; j < H; ++j) o[j] = rstd * (gw[j] - c1 - xh[j] * c2);
+    finish_out(o, dx + r * H, H);
   }
 }
 
@@ -162,23 +162,24 @@ void finish_cols(const void* workspace, int64_t chunks, int64_t stride, int64_t 
   store_row(acc.data(), static_cast<W*>(out) + c0, c1 - c0);
 }
 
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 void bias_gelu_fwd(const BiasGeluArgs& a, int64_t r0, int64_t r1) {
   const int64_t H = a.hidden;
   const std::vector<A> b = load_param<W, A>(a.bias, H, A(0));
-  std::vector<A> row(static_cast<size_t>(H));
-  A* v = row.data();
+  const size_t conv = std::is_same_v<T, A> ? 0 : static_cast<size_t>(H);
+  std::vector<A> in_buf(conv), out_buf(conv);
   const A* bp = b.data();
   for (int64_t r = r0; r < r1; ++r) {
-    load_row(static_cast<const T*>(a.x) + r * H, v, H);
+    const A* v = row_view(static_cast<const T*>(a.x) + r * H, in_buf.data(), H);
+    T* y = static_cast<T*>(a.y) + r * H;
+    A* o = out_view(y, out_buf.data());
 #pragma omp simd
-    for (int64_t j = 0; j < H; ++j) v[j] += bp[j];
-    activate_row(v, H, a.act);
-    store_row(v, static_cast<T*>(a.y) + r * H, H);
+    for (int64_t j = 0; j < H; ++j) o[j] = gelu_fwd<A>(v[j] + bp[j], ACT);
+    finish_out(o, y, H);
   }
 }
 
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 void bias_gelu_bwd(const BiasGeluArgs& a, int64_t c) {
   const int64_t H = a.hidden;
   const int64_t rpc = chunk_rows(a.rows, H);
@@ -186,45 +187,57 @@ void bias_gelu_bwd(const BiasGeluArgs& a, int64_t c) {
   A* pb = static_cast<A*>(a.workspace) + c * H;
   std::fill(pb, pb + H, A(0));
   const std::vector<A> b = load_param<W, A>(a.bias, H, A(0));
-  std::vector<A> zbuf(static_cast<size_t>(H)), gbuf(static_cast<size_t>(H));
-  A *z = zbuf.data(), *g = gbuf.data();
+  const size_t conv = std::is_same_v<T, A> ? 0 : static_cast<size_t>(H);
+  std::vector<A> xbuf(conv), dybuf(conv), obuf(conv);
   const A* bp = b.data();
   for (int64_t r = r0; r < r1; ++r) {
-    load_row(static_cast<const T*>(a.x) + r * H, z, H);
-    load_row(static_cast<const T*>(a.dy) + r * H, g, H);
+    const A* xv = row_view(static_cast<const T*>(a.x) + r * H, xbuf.data(), H);
+    const A* gv = row_view(static_cast<const T*>(a.dy) + r * H, dybuf.data(), H);
+    T* dx = static_cast<T*>(a.y) + r * H;
+    A* o = out_view(dx, obuf.data());
 #pragma omp simd
-    for (int64_t j = 0; j < H; ++j) z[j] += bp[j];
-    activate_grad_row(z, g, H, a.act);
-#pragma omp simd
-    for (int64_t j = 0; j < H; ++j) pb[j] += g[j];
-    store_row(g, static_cast<T*>(a.y) + r * H, H);
+    for (int64_t j = 0; j < H; ++j) {
+      const A g = gv[j] * gelu_grad<A>(xv[j] + bp[j], ACT);
+      pb[j] += g;
+      o[j] = g;
+    }
+    finish_out(o, dx, H);
   }
 }
 
-// (x dtype, weight dtype) -> template instantiation. Weights are the input's dtype or fp32.
-template <template <typename, typename, typename> class F, typename... Args>
-void dispatch(DType xd, DType wd, Args&&... args) {
+// (x dtype, weight dtype, activation) -> template instantiation. Weights are the input's dtype or fp32.
+template <template <typename, typename, typename, Activation> class F, typename T, typename W, typename A,
+          typename... Args>
+void dispatch_act(Activation act, Args&&... args) {
+  switch (act) {
+    case Activation::None: return F<T, W, A, Activation::None>::run(args...);
+    case Activation::Gelu: return F<T, W, A, Activation::Gelu>::run(args...);
+    case Activation::GeluTanh: return F<T, W, A, Activation::GeluTanh>::run(args...);
+  }
+}
+template <template <typename, typename, typename, Activation> class F, typename... Args>
+void dispatch(DType xd, DType wd, Activation act, Args&&... args) {
   switch (xd) {
-    case DType::F32: return F<float, float, float>::run(args...);
-    case DType::F64: return F<double, double, double>::run(args...);
+    case DType::F32: return dispatch_act<F, float, float, float>(act, args...);
+    case DType::F64: return dispatch_act<F, double, double, double>(act, args...);
     case DType::BF16:
-      if (wd == DType::F32) return F<bf16, float, float>::run(args...);
-      return F<bf16, bf16, float>::run(args...);
+      if (wd == DType::F32) return dispatch_act<F, bf16, float, float>(act, args...);
+      return dispatch_act<F, bf16, bf16, float>(act, args...);
     case DType::F16:
-      if (wd == DType::F32) return F<f16, float, float>::run(args...);
-      return F<f16, f16, float>::run(args...);
+      if (wd == DType::F32) return dispatch_act<F, f16, float, float>(act, args...);
+      return dispatch_act<F, f16, f16, float>(act, args...);
   }
 }
 
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 struct FwdOp {
-  static void run(const FwdArgs& a, int64_t r0, int64_t r1) { fwd_rows<T, W, A>(a, r0, r1); }
+  static void run(const FwdArgs& a, int64_t r0, int64_t r1) { fwd_rows<T, W, A, ACT>(a, r0, r1); }
 };
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 struct BwdOp {
-  static void run(const BwdArgs& a, int64_t c) { bwd_chunk<T, W, A>(a, c); }
+  static void run(const BwdArgs& a, int64_t c) { bwd_chunk<T, W, A, ACT>(a, c); }
 };
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 struct BwdFinishOp {
   static void run(const BwdArgs& a, int64_t c0, int64_t c1) {
     const int64_t chunks = norm_bwd_chunks(a.rows, a.hidden);
@@ -232,15 +245,15 @@ struct BwdFinishOp {
     finish_cols<W, A>(a.workspace, chunks, 2 * a.hidden, a.hidden, a.db, c0, c1);
   }
 };
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 struct BiasGeluFwdOp {
-  static void run(const BiasGeluArgs& a, int64_t r0, int64_t r1) { bias_gelu_fwd<T, W, A>(a, r0, r1); }
+  static void run(const BiasGeluArgs& a, int64_t r0, int64_t r1) { bias_gelu_fwd<T, W, A, ACT>(a, r0, r1); }
 };
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 struct BiasGeluBwdOp {
-  static void run(const BiasGeluArgs& a, int64_t c) { bias_gelu_bwd<T, W, A>(a, c); }
+  static void run(const BiasGeluArgs& a, int64_t c) { bias_gelu_bwd<T, W, A, ACT>(a, c); }
 };
-template <typename T, typename W, typename A>
+template <typename T, typename W, typename A, Activation ACT>
 struct BiasGeluFinishOp {
   static void run(const BiasGeluArgs& a, int64_t c0, int64_t c1) {
     finish_cols<W, A>(a.workspace, norm_bwd_chunks(a.rows, a.hidden), a.hidden, 0, a.dbias, c0, c1);
@@ -258,17 +271,17 @@ int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   const int64_t acc = x_dtype == DType::F64 ? 8 : 4;
   return norm_bwd_chunks(rows, hidden) * 2 * hidden * acc;
 }
-void norm_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.x_dtype, a.w_dtype, a, r0, r1); }
-void norm_bwd_chunk(const BwdArgs& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.w_dtype, a, c); }
+void norm_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1); }
+void norm_bwd_chunk(const BwdArgs& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.w_dtype, a.act, a, c); }
 void norm_bwd_finish_cols(const BwdArgs& a, int64_t c0, int64_t c1) {
-  dispatch<BwdFinishOp>(a.x_dtype, a.w_dtype, a, c0, c1);
+  dispatch<BwdFinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);
 }
 void bias_gelu_fwd_rows(const BiasGeluArgs& a, int64_t r0, int64_t r1) {
-  dispatch<BiasGeluFwdOp>(a.x_dtype, a.w_dtype, a, r0, r1);
+  dispatch<BiasGeluFwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1);
 }
-void bias_gelu_bwd_chunk(const BiasGeluArgs& a, int64_t c) { dispatch<BiasGeluBwdOp>(a.x_dtype, a.w_dtype, a, c); }
+void bias_gelu_bwd_chunk(const BiasGeluArgs& a, int64_t c) { dispatch<BiasGeluBwdOp>(a.x_dtype, a.w_dtype, a.act, a, c); }
 void bias_gelu_bwd_finish_cols(const BiasGeluArgs& a, int64_t c0, int64_t c1) {
-  dispatch<BiasGeluFinishOp>(a.x_dtype, a.w_dtype, a, c0, c1);
+  dispatch<BiasGeluFinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);
 }
 
 }  // namespace cpu

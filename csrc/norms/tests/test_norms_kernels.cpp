@@ -1,0 +1,237 @@
+// C++ test of the norm family without Python: the CUDA kernels (run by the emulator, csrc/emu) against the CPU
+// kernels and against a naive fp64 reference, over dtypes, hidden sizes (warp- and block-per-row paths, vector
+// and scalar packs), activations, RMS/LayerNorm, with and without affine parameters. Built plain, with
+// AddressSanitizer and with ThreadSanitizer (CMakeLists.txt), so an out-of-bounds access or a missing barrier in
+// norms_cuda.cu fails here before it reaches a GPU.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../common/cpu_types.h"
+#include "../norms.h"
+
+using namespace megakernels;
+using cpu::bf16;
+using cpu::f16;
+
+namespace {
+
+int failures = 0;
+int checks = 0;
+
+void expect(bool ok, const std::string& what) {
+  ++checks;
+  if (!ok) {
+    ++failures;
+    if (failures < 30) std::printf("FAIL: %s\n", what.c_str());
+  }
+}
+
+// Storage of n values of `dt` as raw bytes, with float views for comparison.
+struct Buf {
+  DType dt;
+  std::vector<unsigned char> bytes;
+  Buf(DType d, size_t n) : dt(d), bytes(n * (d == DType::F32 ? 4 : 2)) {}
+  void* data() { return bytes.data(); }
+  size_t size() const { return bytes.size() / (dt == DType::F32 ? 4 : 2); }
+  float get(size_t i) const {
+    if (dt == DType::F32) return reinterpret_cast<const float*>(bytes.data())[i];
+    if (dt == DType::BF16) return cpu::to_float(reinterpret_cast<const bf16*>(bytes.data())[i]);
+    return cpu::to_float(reinterpret_cast<const f16*>(bytes.data())[i]);
+  }
+  void set(size_t i, float v) {
+    if (dt == DType::F32) reinterpret_cast<float*>(bytes.data())[i] = v;
+    else if (dt == DType::BF16) reinterpret_cast<bf16*>(bytes.data())[i] = cpu::from_float<bf16>(v);
+    else reinterpret_cast<f16*>(bytes.data())[i] = cpu::from_float<f16>(v);
+  }
+};
+
+Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale, float shift) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  Buf b(dt, n);
+  for (size_t i = 0; i < n; ++i) b.set(i, nd(rng) * scale + shift);
+  return b;
+}
+
+const char* name(DType d) { return d == DType::F32 ? "f32" : d == DType::BF16 ? "bf16" : "f16"; }
+float tol(DType d) { return d == DType::F32 ? 2e-5f : d == DType::BF16 ? 1.6e-2f : 2e-3f; }
+
+// Elementwise |a-b| <= tol * max(1, max|b|).
+void compare(const std::string& what, const Buf& a, const Buf& b, float t) {
+  float scale = 1.f, err = 0.f;
+  for (size_t i = 0; i < b.size(); ++i) scale = std::fmax(scale, std::fabs(b.get(i)));
+  for (size_t i = 0; i < b.size(); ++i) err = std::fmax(err, std::fabs(a.get(i) - b.get(i)));
+  expect(err <= t * scale && std::isfinite(err), what + ": max error " + std::to_string(err));
+}
+
+void compare_floats(const std::string& what, const std::vector<float>& a, const std::vector<float>& b, float t) {
+  float err = 0.f;
+  for (size_t i = 0; i < a.size(); ++i) err = std::fmax(err, std::fabs(a[i] - b[i]) / std::fmax(1.f, std::fabs(b[i])));
+  expect(err <= t && std::isfinite(err), what + ": max rel error " + std::to_string(err));
+}
+
+double gelu64(double z, Activation act) {
+  if (act == Activation::Gelu) return 0.5 * z * (1 + std::erf(z / std::sqrt(2.0)));
+  if (act == Activation::GeluTanh) return 0.5 * z * (1 + std::tanh(kSqrt2OverPi * (z + kGeluCubic * z * z * z)));
+  return z;
+}
+
+void test_norm(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, bool rms, bool affine, std::mt19937& rng) {
+  const std::string tag = std::string(rms ? "rms" : "ln") + " " + name(dt) + "/" + name(wdt) + " rows=" +
+                          std::to_string(rows) + " H=" + std::to_string(H) + " act=" + std::to_string(int(act)) +
+                          (affine ? "" : " no-affine");
+  const size_t n = size_t(rows * H);
+  Buf x = random_buf(dt, n, rng, 2.f, 0.5f), dy = random_buf(dt, n, rng, 1.f, 0.f);
+  Buf w = random_buf(wdt, size_t(H), rng, 0.5f, 1.f), b = random_buf(wdt, size_t(H), rng, 0.5f, 0.f);
+
+  norms::FwdArgs f{};
+  f.x = x.data();
+  f.w = affine ? w.data() : nullptr;
+  f.b = affine && !rms ? b.data() : nullptr;
+  f.rows = rows;
+  f.hidden = H;
+  f.eps = 1e-5;
+  f.x_dtype = dt;
+  f.w_dtype = wdt;
+  f.act = act;
+  f.rms = rms;
+  Buf y_cpu(dt, n), y_emu(dt, n);
+  std::vector<float> mean_cpu(rows), rstd_cpu(rows), mean_emu(rows), rstd_emu(rows);
+  f.y = y_cpu.data();
+  f.mean = mean_cpu.data();
+  f.rstd = rstd_cpu.data();
+  cpu::norm_fwd_rows(f, 0, rows);
+  f.y = y_emu.data();
+  f.mean = mean_emu.data();
+  f.rstd = rstd_emu.data();
+  const char* err = cuda_emu::norm_fwd(f, nullptr);
+  expect(err == nullptr, tag + " fwd launch: " + (err ? err : ""));
+  compare(tag + " y emu vs cpu", y_emu, y_cpu, tol(dt));
+  compare_floats(tag + " rstd emu vs cpu", rstd_emu, rstd_cpu, 1e-5f);
+  if (!rms) compare_floats(tag + " mean emu vs cpu", mean_emu, mean_cpu, 1e-5f);
+
+  // fp64 reference of the forward pass from the same stored inputs.
+  Buf y_ref(DType::F32, n);
+  for (int64_t r = 0; r < rows; ++r) {
+    double m = 0, v = 0;
+    for (int64_t j = 0; j < H; ++j) m += x.get(size_t(r * H + j));
+    m = rms ? 0 : m / double(H);
+    for (int64_t j = 0; j < H; ++j) v += (x.get(size_t(r * H + j)) - m) * (x.get(size_t(r * H + j)) - m);
+    const double rs = 1.0 / std::sqrt(v / double(H) + 1e-5);
+    for (int64_t j = 0; j < H; ++j) {
+      double z = (x.get(size_t(r * H + j)) - m) * rs;
+      if (affine) z = z * w.get(size_t(j)) + (rms ? 0.0 : b.get(size_t(j)));
+      y_ref.set(size_t(r * H + j), float(gelu64(z, act)));
+    }
+  }
+  compare(tag + " y emu vs fp64", y_emu, y_ref, tol(dt));
+
+  norms::BwdArgs g{};
+  g.dy = dy.data();
+  g.x = x.data();
+  g.w = f.w;
+  g.b = f.b;
+  g.mean = mean_cpu.data();
+  g.rstd = rstd_cpu.data();
+  g.rows = rows;
+  g.hidden = H;
+  g.x_dtype = dt;
+  g.w_dtype = wdt;
+  g.act = act;
+  g.rms = rms;
+  Buf dx_cpu(dt, n), dx_emu(dt, n), dw_cpu(wdt, size_t(H)), dw_emu(wdt, size_t(H)), db_cpu(wdt, size_t(H)),
+      db_emu(wdt, size_t(H));
+  const bool has_w = g.w != nullptr, has_b = g.b != nullptr;
+  std::vector<unsigned char> ws_cpu(size_t(cpu::norm_bwd_workspace_bytes(rows, H, dt)));
+  g.dx = dx_cpu.data();
+  g.dw = has_w ? dw_cpu.data() : nullptr;
+  g.db = has_b ? db_cpu.data() : nullptr;
+  g.workspace = ws_cpu.data();
+  for (int64_t c = 0; c < cpu::norm_bwd_chunks(rows, H); ++c) cpu::norm_bwd_chunk(g, c);
+  cpu::norm_bwd_finish_cols(g, 0, H);
+  // Poison the emulated kernel's workspace: every partial it sums must have been written by it.
+  std::vector<unsigned char> ws_emu(size_t(cuda_emu::norm_bwd_workspace_bytes(rows, H, dt)), 0xFF);
+  g.dx = dx_emu.data();
+  g.dw = has_w ? dw_emu.data() : nullptr;
+  g.db = has_b ? db_emu.data() : nullptr;
+  g.workspace = ws_emu.data();
+  err = cuda_emu::norm_bwd(g, nullptr);
+  expect(err == nullptr, tag + " bwd launch: " + (err ? err : ""));
+  compare(tag + " dx emu vs cpu", dx_emu, dx_cpu, 2 * tol(dt));
+  const float ptol = 2 * tol(wdt == DType::F32 ? dt : wdt) * std::fmax(1.f, std::sqrt(float(rows)));
+  if (has_w) compare(tag + " dw emu vs cpu", dw_emu, dw_cpu, ptol);
+  if (has_b) compare(tag + " db emu vs cpu", db_emu, db_cpu, ptol);
+}
+
+void test_bias_gelu(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, std::mt19937& rng) {
+  const std::string tag = std::string("bias_gelu ") + name(dt) + "/" + name(wdt) + " rows=" + std::to_string(rows) +
+                          " H=" + std::to_string(H) + " act=" + std::to_string(int(act));
+  const size_t n = size_t(rows * H);
+  Buf x = random_buf(dt, n, rng, 2.f, 0.f), dy = random_buf(dt, n, rng, 1.f, 0.f);
+  Buf bias = random_buf(wdt, size_t(H), rng, 1.f, 0.f);
+  norms::BiasGeluArgs a{};
+  a.x = x.data();
+  a.bias = bias.data();
+  a.dy = dy.data();
+  a.rows = rows;
+  a.hidden = H;
+  a.x_dtype = dt;
+  a.w_dtype = wdt;
+  a.act = act;
+  Buf y_cpu(dt, n), y_emu(dt, n), y_ref(DType::F32, n);
+  a.y = y_cpu.data();
+  cpu::bias_gelu_fwd_rows(a, 0, rows);
+  a.y = y_emu.data();
+  const char* err = cuda_emu::bias_gelu_fwd(a, nullptr);
+  expect(err == nullptr, tag + " fwd launch");
+  for (size_t i = 0; i < n; ++i) y_ref.set(i, float(gelu64(double(x.get(i)) + bias.get(i % size_t(H)), act)));
+  compare(tag + " y emu vs cpu", y_emu, y_cpu, tol(dt));
+  compare(tag + " y emu vs fp64", y_emu, y_ref, tol(dt));
+
+  Buf dx_cpu(dt, n), dx_emu(dt, n), db_cpu(wdt, size_t(H)), db_emu(wdt, size_t(H));
+  std::vector<unsigned char> ws_cpu(size_t(cpu::norm_bwd_workspace_bytes(rows, H, dt)));
+  a.y = dx_cpu.data();
+  a.dbias = db_cpu.data();
+  a.workspace = ws_cpu.data();
+  for (int64_t c = 0; c < cpu::norm_bwd_chunks(rows, H); ++c) cpu::bias_gelu_bwd_chunk(a, c);
+  cpu::bias_gelu_bwd_finish_cols(a, 0, H);
+  std::vector<unsigned char> ws_emu(size_t(cuda_emu::bias_gelu_bwd_workspace_bytes(rows, H, dt)), 0xFF);
+  a.y = dx_emu.data();
+  a.dbias = db_emu.data();
+  a.workspace = ws_emu.data();
+  err = cuda_emu::bias_gelu_bwd(a, nullptr);
+  expect(err == nullptr, tag + " bwd launch");
+  compare(tag + " dx emu vs cpu", dx_emu, dx_cpu, 2 * tol(dt));
+  compare(tag + " dbias emu vs cpu", db_emu, db_cpu,
+          2 * tol(wdt == DType::F32 ? dt : wdt) * std::fmax(1.f, std::sqrt(float(rows))));
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(1234);
+  // Hidden sizes: 1 and odd sizes (scalar packs), warp-per-row (<= 8 packs per lane), block-per-row (> 256 packs).
+  const int64_t hiddens[] = {1, 3, 40, 256, 1000, 2056, 4104};
+  const DType dtypes[] = {DType::F32, DType::BF16, DType::F16};
+  const Activation acts[] = {Activation::None, Activation::Gelu, Activation::GeluTanh};
+  for (DType dt : dtypes) {
+    for (int64_t H : hiddens) {
+      const int64_t rows = H >= 2056 ? 3 : 6;  // 6 rows: one full 4-warp block plus a partly idle one
+      for (Activation act : acts) test_norm(dt, dt, rows, H, act, false, true, rng);
+      test_norm(dt, dt, rows, H, Activation::None, true, true, rng);
+      test_norm(dt, dt, rows, H, Activation::Gelu, false, false, rng);
+      if (dt != DType::F32) {
+        test_norm(dt, DType::F32, rows, H, Activation::GeluTanh, false, true, rng);
+        test_norm(dt, DType::F32, rows, H, Activation::None, true, true, rng);
+      }
+      test_bias_gelu(dt, dt, rows, H, Activation::GeluTanh, rng);
+      test_bias_gelu(dt, dt, rows, H, Activation::Gelu, rng);
+      if (dt != DType::F32) test_bias_gelu(dt, DType::F32, rows, H, Activation::GeluTanh, rng);
+    }
+  }
+  std::printf("%d checks, %d failures\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up everything megakernels needs on a fresh machine: a virtual environment in .venv with torch (a CUDA
+# build, so the CUDA kernels compile and link even without a GPU), the test/benchmark tools, and the compiled
+# extension built in place. Idempotent: re-running only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${MEGAKERNELS_TORCH:-torch==2.14.1}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+"${PIP[@]}" install --quiet "$TORCH_SPEC" ninja setuptools wheel
+# --no-build-isolation: build against the torch just installed instead of fetching a second one.
+"${PIP[@]}" install --quiet --no-build-isolation -e ".[test,bench]"
+.venv/bin/python - <<'PY'
+import megakernels
+print("megakernels ready: backends", ", ".join(b for b in ("cpu", "cuda_emu", "cuda") if megakernels.has_backend(b)))
+PY
