@@ -3,22 +3,11 @@ kernels, small shapes) and cuda (marked ``cuda``; skipped without a GPU)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import megakernels
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    name: str
-    device: str
-
-    @property
-    def emulated(self) -> bool:
-        return self.name == "cuda_emu"
+from tests.helpers import Backend
 
 
 def _cuda_available() -> bool:

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What an op test runs on: the backend name and the device its tensors live on."""
+
+    name: str
+    device: str
+
+    @property
+    def emulated(self) -> bool:
+        return self.name == "cuda_emu"
 
 # Tolerances against an fp64 reference, relative to the reference's largest magnitude (so a bf16 result is
 # allowed its storage rounding, ~2^-8 relative, plus fp32-accumulation noise; fp32 gets 2e-5 of headroom).

@@ -58,9 +58,9 @@ struct Block {
   // __syncthreads: one 64-bit word, low half = threads arrived, high half = live (not exited) threads, so an
   // arrival and an exit can both decide atomically whether they completed the barrier.
   uint64_t bar_word = 0;
-  Signal bar;            // bar.seq: barrier generation, bumped when a barrier completes
+  alignas(64) Signal bar;  // bar.seq: barrier generation, bumped when a barrier completes
   uint32_t pred[2] = {0, 0};  // __syncthreads_count/and/or accumulator, double-buffered by generation parity
-  Signal fin;            // fin.seq: threads of the block that finished
+  alignas(64) Signal fin;  // fin.seq: threads of the block that finished
   uint8_t state[kMaxThreadsPerBlock];
   const char* op_name[kMaxThreadsPerBlock];
   Warp warps[kMaxWarps];
@@ -323,7 +323,8 @@ inline void thread_exit(ThreadCtx& c) {
   Block& b = *c.blk;
   store_rlx(&b.state[c.tid], uint8_t(kExited));
   const uint64_t w = __atomic_sub_fetch(&b.bar_word, uint64_t(1) << 32, __ATOMIC_ACQ_REL);
-  if (uint32_t(w) != 0 && uint32_t(w) == uint32_t(w >> 32)) complete_block_barrier(b, w, load_acq(&b.bar.seq), uint32_t(w));
+  if (uint32_t(w) != 0 && uint32_t(w) == uint32_t(w >> 32))  // the others wait only for this thread
+    complete_block_barrier(b, w, load_acq(&b.bar.seq), uint32_t(w));
   Warp& wp = b.warps[c.warp];
   bool woke;
   {

@@ -1,4 +1,4 @@
-// CUDA emulator, part 2: the device-side synchronisation API kernels call — block barriers, warp intrinsics,
+// CUDA emulator: the device-side synchronisation API kernels call — block barriers, warp intrinsics,
 // atomics, fences. Included by cuda_emu.h.
 //
 // Semantics chosen (and why):
@@ -12,7 +12,9 @@
 //   reported as a deadlock (on a GPU that code relies on unspecified scheduling).
 // - Atomics are sequentially consistent RMWs (stronger than the GPU's relaxed atomics): TSan then reasons
 //   about the usual "write; __threadfence(); atomic flag" hand-off without false reports. Fences are RMWs on
-//   one global word for the same reason (GCC's TSan ignores atomic_thread_fence).
+//   one global word for the same reason (GCC's TSan ignores atomic_thread_fence). A plain read of a word that
+//   other threads update with atomics (the first read of the classic atomicCAS loop) is still a data race to
+//   TSan: read it with an atomic (atomicAdd(p, 0)) in code that must pass the TSan build.
 #pragma once
 
 #include <chrono>
@@ -68,7 +70,9 @@ inline uint64_t& fence_word() {
 inline void __syncthreads() { mk_emu::detail::block_barrier("__syncthreads()", false, 0); }
 inline int __syncthreads_count(int pred) { return mk_emu::detail::block_barrier("__syncthreads_count()", true, pred); }
 // "All live threads" = "no live thread with a zero predicate": counting the zeros needs no live-thread count.
-inline int __syncthreads_and(int pred) { return mk_emu::detail::block_barrier("__syncthreads_and()", true, !pred) == 0; }
+inline int __syncthreads_and(int pred) {
+  return mk_emu::detail::block_barrier("__syncthreads_and()", true, !pred) == 0;
+}
 inline int __syncthreads_or(int pred) { return mk_emu::detail::block_barrier("__syncthreads_or()", true, pred) != 0; }
 
 // ---- warp-level -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// CUDA emulator, part 3: device math and bit intrinsics that are not host functions. Included by cuda_emu.h.
+// CUDA emulator: device math and bit intrinsics that are not host functions. Included by cuda_emu.h.
 //
 // The fast-math intrinsics (__expf, __sinf, __fdividef, ...) are computed at full precision: the emulator
 // checks indexing and synchronisation, not the last ulp of the GPU's approximations. Rounding-mode suffixes

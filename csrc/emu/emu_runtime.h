@@ -1,4 +1,4 @@
-// CUDA emulator, part 4: the host-side runtime subset and the launch front end. Included by cuda_emu.h.
+// CUDA emulator: the host-side runtime subset and the launch front end. Included by cuda_emu.h.
 //
 // cuda_bf16.h pulls in cuda_runtime_api.h, which declares the real runtime functions as extern "C". Defining
 // bodies for those declarations would export symbols named like libcudart's: in a library that links both the
@@ -199,7 +199,9 @@ inline cudaError_t megakernels_emu_cudaMemsetAsync(void* p, int v, size_t n, cud
   if (n) std::memset(p, v, n);
   return cudaSuccess;
 }
-inline cudaError_t megakernels_emu_cudaMemset(void* p, int v, size_t n) { return megakernels_emu_cudaMemsetAsync(p, v, n); }
+inline cudaError_t megakernels_emu_cudaMemset(void* p, int v, size_t n) {
+  return megakernels_emu_cudaMemsetAsync(p, v, n);
+}
 inline cudaError_t megakernels_emu_cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind,
                                                     cudaStream_t = nullptr) {
   if (n) std::memmove(dst, src, n);

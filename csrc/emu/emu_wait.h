@@ -55,7 +55,9 @@ inline void os_wait(uint32_t* word, uint32_t expected, int64_t ns) {
   }
   syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, tp, nullptr, 0);
 }
-inline void os_wake(uint32_t* word, int count) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0); }
+inline void os_wake(uint32_t* word, int count) {
+  syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0);
+}
 #else
 struct Parking {
   std::mutex mu;
@@ -100,7 +102,8 @@ inline void signal_bump(Signal& s) {
 }
 
 // ---- configuration ------------------------------------------------------------------------------------------
-// Deadlock timeout in ns; 0 = not read yet. MEGAKERNELS_EMU_TIMEOUT_S (seconds, default 60) or mk_emu::set_timeout_seconds().
+// Deadlock timeout in ns (0 = not read yet): MEGAKERNELS_EMU_TIMEOUT_S in seconds, default 60, or
+// mk_emu::set_timeout_seconds().
 inline int64_t g_timeout_ns = 0;
 inline int64_t timeout_ns() {
   int64_t t = __atomic_load_n(&g_timeout_ns, __ATOMIC_RELAXED);

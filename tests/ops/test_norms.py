@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import assert_close_to_reference, kernel_grads, make, reference_grads
+from tests.helpers import Backend, assert_close_to_reference, kernel_grads, make, reference_grads
 from tests.ops.cases import ALL_CASES, BIAS_GELU, DTYPES, LAYER_NORM, LAYER_NORM_GELU, RMS_NORM
 
 HIDDEN_SIZES = [1, 3, 127, 1000, 1024, 4097, 12800, 65536]
@@ -170,3 +170,16 @@ def test_large_mean_rows_are_stable(backend):
 @pytest.mark.parametrize("case", [LAYER_NORM, RMS_NORM, BIAS_GELU], ids=str)
 def test_fp64_input(case, backend):
     check_forward_backward(case, backend, (5, 33), torch.float64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ALL_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(8192, 1024), (4096, 4096), (2048, 12800), (16, 65536), (4097, 769)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gpu_sizes_match_reference(case, dtype, shape):
+    """Real GPU sizes (GPU only): many rows per block/warp group, and the deterministic dW reduction at scale."""
+    import megakernels
+
+    with megakernels.backend("cuda"):
+        check_forward_backward(case, Backend("cuda", "cuda"), shape, dtype)
