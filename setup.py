@@ -70,7 +70,7 @@ def extensions():
     with_emu = cuda_inc is not None and os.environ.get("MEGAKERNELS_NO_EMU", "0") != "1"
 
     sources = _rel([os.path.join(ROOT, "csrc", "bindings.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
-    cxx = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-Wno-unknown-pragmas"]
     if os.environ.get("MEGAKERNELS_PORTABLE", "0") != "1":
         cxx.append("-march=native")
     define_macros = []

@@ -198,13 +198,22 @@ __global__ void norm_fwd_kernel(FwdArgs a, int group_threads) {
   }
 }
 
-// dz for N elements of a row: the gradient reaching the affine output w*xhat+b (through the GeLU if fused).
-template <typename A, int N>
-__device__ __forceinline__ void affine_grad(const A (&xh)[N], const A (&wv)[N], const A (&bv)[N], A (&g)[N],
-                                            Activation act) {
+// Loads N elements of a row of x and dy and the parameters, and turns them into xhat and dz, the gradient
+// reaching the affine output w*xhat+b (through the GeLU if fused). Both backward passes go through here: the
+// second recomputes rather than keeping the row in registers or shared memory.
+template <typename T, typename W, int N, typename A>
+__device__ __forceinline__ void load_xhat_dz(const T* xr, const T* gr, const W* w, const W* b, int64_t j, A mean,
+                                             A rstd, Activation act, A (&xh)[N], A (&dz)[N], A (&wv)[N]) {
+  A bv[N];
+  load_pack<T, N>(xr, j, xh);
+  load_pack<T, N>(gr, j, dz);
+  load_param<W, N>(w, j, A(1), wv);
+  load_param<W, N>(b, j, A(0), bv);
+#pragma unroll
+  for (int k = 0; k < N; ++k) xh[k] = (xh[k] - mean) * rstd;
   if (act != Activation::None) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) g[k] *= gelu_grad<A>(xh[k] * wv[k] + bv[k], act);
+    for (int k = 0; k < N; ++k) dz[k] *= gelu_grad<A>(xh[k] * wv[k] + bv[k], act);
   }
 }
 
@@ -231,33 +240,22 @@ __global__ void norm_bwd_kernel(BwdArgs a, int group_threads) {
     const T* gr = dy + row * H;
     A s1 = A(0), s2 = A(0);
     for (int64_t j = int64_t(t) * N; j < H; j += int64_t(group_threads) * N) {
-      A xh[N], g[N], wv[N], bv[N];
-      load_pack<T, N>(xr, j, xh);
-      load_pack<T, N>(gr, j, g);
-      load_param<W, N>(w, j, A(1), wv);
-      load_param<W, N>(b, j, A(0), bv);
-#pragma unroll
-      for (int k = 0; k < N; ++k) xh[k] = (xh[k] - mean) * rstd;
-      affine_grad<A, N>(xh, wv, bv, g, a.act);
+      A xh[N], g[N], wv[N];
+      load_xhat_dz<T, W, N>(xr, gr, w, b, j, mean, rstd, a.act, xh, g, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         pw[j + k] = (first ? A(0) : pw[j + k]) + g[k] * xh[k];
         pb[j + k] = (first ? A(0) : pb[j + k]) + g[k];
-        s1 += g[k] * wv[k];
-        s2 += g[k] * wv[k] * xh[k];
+        const A gw = g[k] * wv[k];
+        s1 += gw;
+        s2 += gw * xh[k];
       }
     }
     const A c1 = RMS ? A(0) : group_sum(s1, group_threads, smem) / A(H);
     const A c2 = group_sum(s2, group_threads, smem) / A(H);
     for (int64_t j = int64_t(t) * N; j < H; j += int64_t(group_threads) * N) {
-      A xh[N], g[N], wv[N], bv[N];
-      load_pack<T, N>(xr, j, xh);
-      load_pack<T, N>(gr, j, g);
-      load_param<W, N>(w, j, A(1), wv);
-      load_param<W, N>(b, j, A(0), bv);
-#pragma unroll
-      for (int k = 0; k < N; ++k) xh[k] = (xh[k] - mean) * rstd;
-      affine_grad<A, N>(xh, wv, bv, g, a.act);
+      A xh[N], g[N], wv[N];
+      load_xhat_dz<T, W, N>(xr, gr, w, b, j, mean, rstd, a.act, xh, g, wv);
 #pragma unroll
       for (int k = 0; k < N; ++k) g[k] = rstd * (g[k] * wv[k] - c1 - xh[k] * c2);
       store_pack<T, N>(static_cast<T*>(a.dx) + row * H, j, g);

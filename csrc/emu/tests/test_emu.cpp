@@ -402,6 +402,46 @@ void test_early_exit() {
   }
 }
 
+// Random 2D blocks whose threads leave at random rounds: every round's barrier and warp reduction must count
+// exactly the threads still alive.
+__global__ void random_exit_kernel(const int* exit_round, int* out, int rounds) {
+  const int n = blockDim.x * blockDim.y, t = threadIdx.x + threadIdx.y * blockDim.x;
+  int acc = 0;
+  for (int r = 0; r < rounds; ++r) {
+    if (exit_round[blockIdx.x * n + t] == r) return;
+    acc += __syncthreads_count(1);                    // live threads of the block
+    // The lanes of this warp still live in round r, from the exit schedule: __activemask() would race with
+    // lanes that are exiting in this very round (a GPU gives no guarantee there either).
+    unsigned live = 0;
+    const int w0 = t & ~31;
+    for (int u = w0; u < w0 + 32 && u < n; ++u) live |= unsigned(exit_round[blockIdx.x * n + u] > r) << (u - w0);
+    acc += __reduce_add_sync(live, 1u);               // live lanes of the warp
+    __syncthreads();
+  }
+  out[blockIdx.x * n + t] = acc;
+}
+
+void test_random_exits() {
+  uint32_t seed = 12345;
+  auto rnd = [&seed](uint32_t m) { return ((seed = seed * 1664525u + 1013904223u) >> 8) % m; };
+  for (int it = 0; it < 60; ++it) {
+    const dim3 block(1 + rnd(64), 1 + rnd(4));
+    const int n = int(block.x * block.y), blocks = 1 + int(rnd(3)), rounds = 1 + int(rnd(5));
+    std::vector<int> ex(blocks * n), out(blocks * n, -1);
+    for (int& e : ex) e = rnd(3) == 0 ? int(rnd(rounds + 1)) : rounds + 1;
+    MK_LAUNCH(random_exit_kernel, blocks, block, 0, 0, ex.data(), out.data(), rounds);
+    CHECK_LAUNCH_OK();
+    for (int b = 0; b < blocks; ++b)
+      for (int t = 0; t < n; ++t) {
+        if (ex[b * n + t] <= rounds) continue;
+        int want = 0;
+        for (int r = 0; r < rounds; ++r)
+          for (int u = 0; u < n; ++u) want += (ex[b * n + u] > r) * (1 + (u / 32 == t / 32));
+        CHECK(out[b * n + t] == want, "iteration %d block %d thread %d: %d vs %d", it, b, t, out[b * n + t], want);
+      }
+  }
+}
+
 // ---- invalid launch configurations ---------------------------------------------------------------------
 __global__ void mark_kernel(int* count) { atomicAdd(count, 1); }
 
@@ -650,7 +690,8 @@ const TestCase kTests[] = {
     {"block_sum", test_block_sum},         {"shuffles", test_shuffles},
     {"votes", test_votes},                 {"atomics", test_atomics},
     {"dynamic_smem", test_dynamic_smem},   {"index_math", test_index_math},
-    {"early_exit", test_early_exit},       {"invalid_launches", test_invalid_launches},
+    {"early_exit", test_early_exit},       {"random_exits", test_random_exits},
+    {"invalid_launches", test_invalid_launches},
     {"half_rounding", test_half_rounding}, {"runtime_and_args", test_runtime_and_args},
     {"constant_and_math", test_constant_and_math},
     {"misuse_aborts", test_misuse_aborts}, {"timing", test_timing},
