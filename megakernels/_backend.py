@@ -61,7 +61,7 @@ def backend(name: str) -> Iterator[None]:
 
 
 def _build_flags() -> int:
-    from megakernels import _C  # noqa: F401  (loads the library, registers torch.ops.megakernels)
+    import megakernels._lib  # noqa: F401  (loads the library, registers torch.ops.megakernels)
 
     return int(torch.ops.megakernels.build_flags())
 

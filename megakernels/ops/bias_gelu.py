@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megakernels import _C  # noqa: F401
+import megakernels._lib  # noqa: F401
 from megakernels._backend import emulate_for
 from megakernels.ops.norms import _check_tensor
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megakernels import _C  # noqa: F401  (registers torch.ops.megakernels.*)
+import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
 
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1, "gelu_tanh": 2}
