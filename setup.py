@@ -70,7 +70,10 @@ def extensions():
     with_emu = cuda_inc is not None and os.environ.get("MEGAKERNELS_NO_EMU", "0") != "1"
 
     sources = _rel([os.path.join(ROOT, "csrc", "bindings.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
-    cxx = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-Wno-unknown-pragmas"]
+    # -fopenmp: at::parallel_for is inline and runs `omp parallel` in *our* translation unit; without the flag it
+    # silently runs serially. The libgomp.so.1 this links is the one torch has already loaded (same soname), so
+    # there is one OpenMP runtime and one thread pool in the process (tests/test_threads.py checks both).
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-Wno-unknown-pragmas"]
     if os.environ.get("MEGAKERNELS_PORTABLE", "0") != "1":
         cxx.append("-march=native")
     define_macros = []
@@ -87,7 +90,7 @@ def extensions():
         print(f"megakernels: building CUDA kernels for archs {archs}")
         ext = CUDAExtension(
             "megakernels._C", sources, include_dirs=include_dirs, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-pthread"],
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-pthread", "-fopenmp"],
         )
     else:
         why = "MEGAKERNELS_FORCE_CPU_ONLY=1" if force_cpu else (
@@ -95,7 +98,7 @@ def extensions():
         print(f"megakernels: CPU-only build ({why}); emulated CUDA kernels: {'yes' if with_emu else 'no'}")
         ext = CppExtension(
             "megakernels._C", sources, include_dirs=include_dirs, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx}, extra_link_args=["-pthread"],
+            extra_compile_args={"cxx": cxx}, extra_link_args=["-pthread", "-fopenmp"],
         )
     return [ext]
 

@@ -18,6 +18,10 @@
 
 #include "norms/norms.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace megakernels {
 namespace {
 
@@ -109,6 +113,23 @@ void raise_if(const char* op, const char* err) { TORCH_CHECK(err == nullptr, op,
 void* stream_of(const at::Tensor& x) { return c10::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
 #endif
 
+// A large fresh CPU output is first touched by the kernel, page by page: on Linux each 4 KiB page fault costs
+// ~1 us, more than the whole fused kernel spends per page (a 32 MiB output: ~8 ms of faults vs ~2 ms of math).
+// Advising transparent huge pages for the 2 MiB-aligned interior turns 8192 faults into 16. It only changes how
+// the kernel backs memory that this op is about to overwrite entirely; torch does the same for its own
+// allocations under THP_MEM_ALLOC_ENABLE=1.
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  if (!t.device().is_cpu() || t.nbytes() < 4 * kHuge) return;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t begin = (p + kHuge - 1) & ~(kHuge - 1), end = (p + t.nbytes()) & ~(kHuge - 1);
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
+#else
+  (void)t;
+#endif
+}
+
 // Rows per at::parallel_for grain: enough elements per task to amortise the task overhead.
 int64_t row_grain(int64_t hidden) { return std::max<int64_t>(1, 16384 / hidden); }
 
@@ -138,6 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& x_in,
   const int64_t rows = x.numel() / H;
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor y = at::empty_like(x);
+  advise_huge_pages(y);
   at::Tensor mean = at::empty({rms ? 0 : rows}, x.options().dtype(acc));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
   if (rows == 0) return {y, mean, rstd};
@@ -196,6 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
 
   at::Tensor dx = at::empty_like(x);
+  advise_huge_pages(dx);
   at::Tensor dw = weight.has_value() ? at::empty_like(*weight) : at::empty({0}, x.options());
   at::Tensor db = bias.has_value() ? at::empty_like(*bias) : at::empty({0}, x.options());
   if (rows == 0) {
@@ -271,6 +294,7 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in, int6
   norms::BiasGeluArgs a = bias_gelu_args(op, x_in, bias_in, approximate, emulate);
   const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous();
   at::Tensor y = at::empty_like(x);
+  advise_huge_pages(y);
   if (a.rows == 0) return y;
   a.x = x.data_ptr();
   a.bias = bias.data_ptr();
@@ -297,6 +321,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
   check_same(op, "grad_output", dy_in, x_in);
   const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous(), dy = dy_in.contiguous();
   at::Tensor dx = at::empty_like(x);
+  advise_huge_pages(dx);
   at::Tensor dbias = at::empty_like(bias);
   if (a.rows == 0) return {dx, dbias.zero_()};
   a.x = x.data_ptr();
