@@ -1,7 +1,8 @@
 """Build of megakernels._C (torch.utils.cpp_extension + ninja).
 
 Sources (DESIGN.md §1-2):
-- csrc/bindings.cpp                the only torch-facing C++ (checks, dispatch, TORCH_LIBRARY registration)
+- csrc/bindings/*.cpp              the only torch-facing C++ (checks, dispatch, TORCH_LIBRARY registration),
+                                   one file per kernel family plus common.cpp and module.cpp
 - csrc/<family>/*_cpu.cpp          torch-free CPU kernels
 - csrc/<family>/*_cuda.cu          torch-free CUDA kernels, built when nvcc and a CUDA torch are present
 - csrc/<family>/*_cuda_emu.cpp     the same .cu source compiled by g++ against csrc/emu (backend "cuda_emu"),
@@ -69,7 +70,8 @@ def extensions():
     with_cuda = not force_cpu and torch.version.cuda is not None and _nvcc() is not None
     with_emu = cuda_inc is not None and os.environ.get("MEGAKERNELS_NO_EMU", "0") != "1"
 
-    sources = _rel([os.path.join(ROOT, "csrc", "bindings.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
+    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "bindings", "*.cpp"))
+                   + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
     # -fopenmp: at::parallel_for is inline and runs `omp parallel` in *our* translation unit; without the flag it
     # silently runs serially. The libgomp.so.1 this links is the one torch has already loaded (same soname), so
     # there is one OpenMP runtime and one thread pool in the process (tests/test_threads.py checks both).

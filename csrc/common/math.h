@@ -13,7 +13,7 @@
 
 namespace megakernels {
 
-// Element types crossing the torch-free boundary. Values match bindings.cpp's mapping from at::ScalarType.
+// Element types crossing the torch-free boundary. Values match csrc/bindings' mapping from at::ScalarType.
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3 };
 
 // Activation fused as an epilogue (layer_norm) or applied after a bias add (bias_gelu).

@@ -1,6 +1,6 @@
 // Norm family (LayerNorm [+ GeLU epilogue], RMSNorm, bias-GeLU): arguments and launcher declarations shared by
 // the CPU kernels (norms_cpu.cpp), the CUDA kernels (norms_cuda.cu) and its CPU emulation (norms_cuda_emu.cpp).
-// Torch-free: tensors cross this boundary as raw pointers plus a DType tag; bindings.cpp does every check.
+// Torch-free: tensors cross this boundary as raw pointers plus a DType tag; csrc/bindings/ does every check.
 //
 // Precision contract: x/y/dy/dx are stored in `x_dtype` (fp32, fp16, bf16 or fp64); weight/bias (and their
 // grads) in `w_dtype`, which is x_dtype or fp32 (apex's "mixed" LayerNorm); all math and the saved mean/rstd are

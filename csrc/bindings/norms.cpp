@@ -1,133 +1,14 @@
-// The only torch-facing C++ of megakernels: argument checks (errors name the argument and the rule), output and
-// workspace allocation, and dispatch to the torch-free kernels:
-//   CUDA tensor               -> megakernels::cuda::*      (norms_cuda.cu, built by nvcc)
-//   CPU tensor, emulate=false -> megakernels::cpu::*       (norms_cpu.cpp, threads from at::parallel_for)
-//   CPU tensor, emulate=true  -> megakernels::cuda_emu::*  (the same .cu source run by the CUDA emulator)
-// Ops are registered with TORCH_LIBRARY; their autograd and fake (meta) implementations live in Python
-// (megakernels/ops/), which is what torch.compile and autograd see.
-#include <Python.h>
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#ifdef MEGAKERNELS_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#endif
-
-#include "norms/norms.h"
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
+// Norm family bindings: layer_norm / rms_norm (one op pair, norm_fwd/norm_bwd) and bias_gelu.
+#include "../norms/norms.h"
+#include "common.h"
 
 namespace megakernels {
+namespace bindings {
 namespace {
-
-constexpr int64_t kFlagCuda = 1, kFlagEmu = 2;
-
-int64_t build_flags() {
-  int64_t f = 0;
-#ifdef MEGAKERNELS_WITH_CUDA
-  f |= kFlagCuda;
-#endif
-#ifdef MEGAKERNELS_WITH_EMU
-  f |= kFlagEmu;
-#endif
-  return f;
-}
-
-DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::F32;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kDouble: return DType::F64;
-    default: TORCH_CHECK(false, "unsupported dtype");
-  }
-}
-
-void check_float_input(const char* op, const char* name, const at::Tensor& t) {
-  const auto s = t.scalar_type();
-  TORCH_CHECK_TYPE(s == at::kFloat || s == at::kHalf || s == at::kBFloat16 || s == at::kDouble, op, ": ", name,
-                   " has dtype ", s, "; expected float32, float16, bfloat16 or float64");
-}
-
-// weight/bias: 1-D, `hidden` elements, on x's device, dtype equal to x's or float32 (mixed precision, only for a
-// 16-bit x: an fp32 x with fp32 weights is already "mixed").
-void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t hidden) {
-  check_float_input(op, name, p);
-  TORCH_CHECK_VALUE(p.dim() == 1 && p.numel() == hidden, op, ": ", name, " has shape ", p.sizes(),
-                    ", expected [", hidden, "] (the hidden size, x's last dimension)");
-  TORCH_CHECK_VALUE(p.device() == x.device(), op, ": ", name, " is on ", p.device(), " but x is on ", x.device());
-  const bool half_x = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_TYPE(p.scalar_type() == x.scalar_type() || (half_x && p.scalar_type() == at::kFloat), op, ": ",
-                   name, " has dtype ", p.scalar_type(), " but x has dtype ", x.scalar_type(),
-                   "; expected the same dtype, or float32 for a float16/bfloat16 x");
-}
-
-void check_backend(const char* op, const at::Tensor& x, bool emulate) {
-  TORCH_CHECK_VALUE(x.device().is_cpu() || x.device().is_cuda(), op, ": x is on ", x.device(),
-                    "; expected a CPU or CUDA tensor");
-  if (x.device().is_cuda()) {
-    TORCH_CHECK_VALUE(!emulate, op, ": the cuda_emu backend runs CPU tensors; x is on ", x.device());
-    TORCH_CHECK(build_flags() & kFlagCuda, op, ": x is a CUDA tensor but megakernels was built without CUDA ",
-                "(reinstall with nvcc and a CUDA build of torch present)");
-  }
-  if (emulate)
-    TORCH_CHECK(build_flags() & kFlagEmu, op, ": backend cuda_emu requested but the emulated CUDA kernels were not ",
-                "built (they need the CUDA headers at build time: set CUDA_HOME and reinstall)");
-}
-
-void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(t.sizes() == x.sizes(), op, ": ", name, " has shape ", t.sizes(), ", expected ", x.sizes(),
-                    " (x's shape)");
-  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
-                   ", expected ", x.scalar_type(), " (x's dtype)");
-  TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
-}
-
-int64_t hidden_of(const char* op, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least 1 dimension (the normalised one); got a scalar");
-  const int64_t h = x.size(-1);
-  TORCH_CHECK_VALUE(h >= 1, op, ": x has an empty last dimension (hidden size 0); nothing to normalise");
-  return h;
-}
 
 Activation to_activation(const char* op, int64_t a) {
   TORCH_CHECK_VALUE(a >= 0 && a <= 2, op, ": activation code ", a, " is not 0 (none), 1 (gelu) or 2 (gelu_tanh)");
   return static_cast<Activation>(a);
-}
-
-void* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
-
-c10::optional<at::Tensor> contiguous_opt(const c10::optional<at::Tensor>& t) {
-  if (!t.has_value()) return t;
-  return t->contiguous();
-}
-
-void raise_if(const char* op, const char* err) { TORCH_CHECK(err == nullptr, op, ": CUDA kernel failed: ", err); }
-
-#ifdef MEGAKERNELS_WITH_CUDA
-void* stream_of(const at::Tensor& x) { return c10::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
-#endif
-
-// A large fresh CPU output is first touched by the kernel, page by page: on Linux each 4 KiB page fault costs
-// ~1 us, more than the whole fused kernel spends per page (a 32 MiB output: ~8 ms of faults vs ~2 ms of math).
-// Advising transparent huge pages for the 2 MiB-aligned interior turns 8192 faults into 16. It only changes how
-// the kernel backs memory that this op is about to overwrite entirely; torch does the same for its own
-// allocations under THP_MEM_ALLOC_ENABLE=1.
-void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  if (!t.device().is_cpu() || t.nbytes() < 4 * kHuge) return;
-  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t begin = (p + kHuge - 1) & ~(kHuge - 1), end = (p + t.nbytes()) & ~(kHuge - 1);
-  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
-#else
-  (void)t;
-#endif
 }
 
 // Rows per at::parallel_for grain: enough elements per task to amortise the task overhead.
@@ -356,10 +237,10 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
 }
 
 }  // namespace
+}  // namespace bindings
 }  // namespace megakernels
 
-TORCH_LIBRARY(megakernels, m) {
-  m.def("build_flags() -> int", &megakernels::build_flags);
+TORCH_LIBRARY_FRAGMENT(megakernels, m) {
   m.def(
       "norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, int activation, bool rms, bool emulate)"
       " -> (Tensor, Tensor, Tensor)");
@@ -371,24 +252,18 @@ TORCH_LIBRARY(megakernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
-  m.impl("norm_fwd", &megakernels::norm_fwd);
-  m.impl("norm_bwd", &megakernels::norm_bwd);
-  m.impl("bias_gelu_fwd", &megakernels::bias_gelu_fwd);
-  m.impl("bias_gelu_bwd", &megakernels::bias_gelu_bwd);
+  m.impl("norm_fwd", &megakernels::bindings::norm_fwd);
+  m.impl("norm_bwd", &megakernels::bindings::norm_bwd);
+  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_bwd);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
-  m.impl("norm_fwd", &megakernels::norm_fwd);
-  m.impl("norm_bwd", &megakernels::norm_bwd);
-  m.impl("bias_gelu_fwd", &megakernels::bias_gelu_fwd);
-  m.impl("bias_gelu_bwd", &megakernels::bias_gelu_bwd);
+  m.impl("norm_fwd", &megakernels::bindings::norm_fwd);
+  m.impl("norm_bwd", &megakernels::bindings::norm_bwd);
+  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_bwd);
 }
 #endif
 
-// A plain extension module: importing megakernels._C loads the library and runs the registrations above.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "megakernels compiled ops (torch.ops.megakernels)",
-                                      -1, nullptr};
-  return PyModule_Create(&module);
-}

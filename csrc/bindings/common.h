@@ -1,0 +1,46 @@
+// Shared by the torch-facing C++ (csrc/bindings/*.cpp): argument checks whose errors name the argument and
+// the rule, dtype mapping to the torch-free kernels, and backend/stream plumbing. Each kernel family has one
+// bindings file that checks, allocates and dispatches (CUDA tensor -> megakernels::cuda::*, CPU tensor ->
+// megakernels::cpu::*, CPU tensor with emulate=true -> megakernels::cuda_emu::*) and registers its ops with
+// TORCH_LIBRARY_FRAGMENT(megakernels, ...); autograd and fake implementations live in Python (megakernels/ops/).
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#ifdef MEGAKERNELS_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "../common/math.h"
+
+namespace megakernels {
+namespace bindings {
+
+constexpr int64_t kFlagCuda = 1, kFlagEmu = 2;
+// Which backends this build contains (kFlagCuda | kFlagEmu); the CPU kernels are always there.
+int64_t build_flags();
+
+DType to_dtype(at::ScalarType t);
+// x (or any activation tensor) must be fp32/fp16/bf16/fp64: TypeError naming it otherwise.
+void check_float_input(const char* op, const char* name, const at::Tensor& t);
+// weight/bias-like: 1-D, `hidden` elements, on x's device, dtype equal to x's or fp32 for a 16-bit x.
+void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t hidden);
+// x on CPU or CUDA; the requested backend (emulate) exists in this build and can take x.
+void check_backend(const char* op, const at::Tensor& x, bool emulate);
+// t has x's shape, dtype and device.
+void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x);
+// x.size(-1), which must exist and be >= 1.
+int64_t hidden_of(const char* op, const at::Tensor& x);
+void* data_or_null(const c10::optional<at::Tensor>& t);
+c10::optional<at::Tensor> contiguous_opt(const c10::optional<at::Tensor>& t);
+// Turns a launcher's error string (nullptr = success) into a RuntimeError.
+void raise_if(const char* op, const char* err);
+#ifdef MEGAKERNELS_WITH_CUDA
+void* stream_of(const at::Tensor& x);
+#endif
+void advise_huge_pages(const at::Tensor& t);
+
+}  // namespace bindings
+}  // namespace megakernels
