@@ -40,7 +40,7 @@ def _check_tensor(op: str, name: str, t, optional: bool = False) -> None:
 
 @torch.library.register_fake("megakernels::norm_fwd")
 def _norm_fwd_fake(x, weight, bias, eps, activation, rms, emulate):
-    rows = x.numel() // x.shape[-1]
+    rows = x.numel() // max(x.shape[-1], 1)  # hidden 0 is rejected by the real kernel
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return y, x.new_empty((0 if rms else rows,), dtype=acc), x.new_empty((rows,), dtype=acc)

@@ -8,40 +8,40 @@ import torch
 from megakernels.ops import bias_gelu, layer_norm, rms_norm
 
 
-def x32(*shape):
-    return torch.randn(*shape)
+def x32(*shape, device="cpu"):
+    return torch.randn(*shape, device=device)
 
 
 @pytest.mark.parametrize(
     "call, exc, match",
     [
-        (lambda: layer_norm(torch.ones(2, 4, dtype=torch.int64)), TypeError, "layer_norm: x has dtype"),
-        (lambda: layer_norm(torch.ones(2, 4, dtype=torch.bool)), TypeError, "x has dtype"),
-        (lambda: layer_norm(x32(2, 4), torch.ones(3)), ValueError, r"weight has shape \[3\], expected \[4\]"),
-        (lambda: layer_norm(x32(2, 4), torch.ones(2, 2)), ValueError, "weight has shape"),
-        (lambda: layer_norm(x32(2, 4), torch.ones(4), torch.ones(5)), ValueError, "bias has shape"),
-        (lambda: layer_norm(x32(2, 4), torch.ones(4, dtype=torch.float64)), TypeError, "weight has dtype"),
-        (lambda: layer_norm(x32(2, 4), torch.ones(4, dtype=torch.bfloat16)), TypeError, "weight has dtype"),
-        (lambda: layer_norm(x32(2, 4).bfloat16(), torch.ones(4), torch.ones(4).bfloat16()), TypeError,
+        (lambda d: layer_norm(torch.ones(2, 4, dtype=torch.int64, device=d)), TypeError, "layer_norm: x has dtype"),
+        (lambda d: layer_norm(torch.ones(2, 4, dtype=torch.bool, device=d)), TypeError, "x has dtype"),
+        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(3, device=d)), ValueError, r"weight has shape \[3\], expected \[4\]"),
+        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(2, 2, device=d)), ValueError, "weight has shape"),
+        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, device=d), torch.ones(5, device=d)), ValueError, "bias has shape"),
+        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, dtype=torch.float64, device=d)), TypeError, "weight has dtype"),
+        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, dtype=torch.bfloat16, device=d)), TypeError, "weight has dtype"),
+        (lambda d: layer_norm(x32(2, 4, device=d).bfloat16(), torch.ones(4, device=d), torch.ones(4, device=d).bfloat16()), TypeError,
          "bias has dtype"),
-        (lambda: layer_norm(x32(2, 0)), ValueError, "empty last dimension"),
-        (lambda: layer_norm(torch.tensor(1.0)), ValueError, "at least 1 dimension"),
-        (lambda: layer_norm(x32(2, 4), eps=-1.0), ValueError, "eps must be"),
-        (lambda: layer_norm(x32(2, 4), eps=float("nan")), ValueError, "eps must be"),
-        (lambda: layer_norm(x32(2, 4), activation="relu"), ValueError, "activation must be"),
-        (lambda: layer_norm([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
-        (lambda: layer_norm(x32(2, 4), "weight"), TypeError, "weight must be a torch.Tensor"),
-        (lambda: rms_norm(x32(2, 4), torch.ones(5)), ValueError, r"rms_norm: weight has shape"),
-        (lambda: rms_norm(torch.ones(2, 4, dtype=torch.int32)), TypeError, "rms_norm: x has dtype"),
-        (lambda: bias_gelu(x32(2, 4), torch.ones(3)), ValueError, r"bias_gelu: bias has shape"),
-        (lambda: bias_gelu(x32(2, 4), torch.ones(4), approximate="sigmoid"), ValueError, "approximate must be"),
-        (lambda: bias_gelu(torch.ones(2, 4, dtype=torch.int16), torch.ones(4)), TypeError, "bias_gelu: x has dtype"),
-        (lambda: bias_gelu(x32(2, 4), None), TypeError, "bias must be a torch.Tensor"),
+        (lambda d: layer_norm(x32(2, 0, device=d)), ValueError, "empty last dimension"),
+        (lambda d: layer_norm(torch.tensor(1.0, device=d)), ValueError, "at least 1 dimension"),
+        (lambda d: layer_norm(x32(2, 4, device=d), eps=-1.0), ValueError, "eps must be"),
+        (lambda d: layer_norm(x32(2, 4, device=d), eps=float("nan")), ValueError, "eps must be"),
+        (lambda d: layer_norm(x32(2, 4, device=d), activation="relu"), ValueError, "activation must be"),
+        (lambda d: layer_norm([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+        (lambda d: layer_norm(x32(2, 4, device=d), "weight"), TypeError, "weight must be a torch.Tensor"),
+        (lambda d: rms_norm(x32(2, 4, device=d), torch.ones(5, device=d)), ValueError, r"rms_norm: weight has shape"),
+        (lambda d: rms_norm(torch.ones(2, 4, dtype=torch.int32, device=d)), TypeError, "rms_norm: x has dtype"),
+        (lambda d: bias_gelu(x32(2, 4, device=d), torch.ones(3, device=d)), ValueError, r"bias_gelu: bias has shape"),
+        (lambda d: bias_gelu(x32(2, 4, device=d), torch.ones(4, device=d), approximate="sigmoid"), ValueError, "approximate must be"),
+        (lambda d: bias_gelu(torch.ones(2, 4, dtype=torch.int16, device=d), torch.ones(4, device=d)), TypeError, "bias_gelu: x has dtype"),
+        (lambda d: bias_gelu(x32(2, 4, device=d), None), TypeError, "bias must be a torch.Tensor"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(backend, call, exc, match):
     with pytest.raises(exc, match=match):
-        call()
+        call(backend.device)
 
 
 def test_cuda_emu_refuses_cuda_tensors_and_cuda_refuses_cpu_tensors():
