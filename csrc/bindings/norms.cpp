@@ -226,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
     raise_if(op, cuda_emu::bias_gelu_bwd(a, nullptr));
 #endif
   } else {
-    ws = at::empty({cpu::norm_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
+    ws = at::empty({cpu::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
     at::parallel_for(0, cpu::norm_bwd_chunks(a.rows, a.hidden), 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) cpu::bias_gelu_bwd_chunk(a, c);

@@ -72,6 +72,8 @@ void norm_bwd_chunk(const norms::BwdArgs& a, int64_t chunk);
 void norm_bwd_finish_cols(const norms::BwdArgs& a, int64_t col_begin, int64_t col_end);
 
 void bias_gelu_fwd_rows(const norms::BiasGeluArgs& a, int64_t row_begin, int64_t row_end);
+// Backward: the same fixed chunks as norm_bwd_chunks, one [hidden] partial dbias row each.
+int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);
 void bias_gelu_bwd_chunk(const norms::BiasGeluArgs& a, int64_t chunk);
 void bias_gelu_bwd_finish_cols(const norms::BiasGeluArgs& a, int64_t col_begin, int64_t col_end);
 }  // namespace cpu

@@ -192,7 +192,7 @@ void test_bias_gelu(DType dt, DType wdt, int64_t rows, int64_t H, Activation act
   compare(tag + " y emu vs fp64", y_emu, y_ref, tol(dt));
 
   Buf dx_cpu(dt, n), dx_emu(dt, n), db_cpu(wdt, size_t(H)), db_emu(wdt, size_t(H));
-  std::vector<unsigned char> ws_cpu(size_t(cpu::norm_bwd_workspace_bytes(rows, H, dt)));
+  std::vector<unsigned char> ws_cpu(size_t(cpu::bias_gelu_bwd_workspace_bytes(rows, H, dt)));
   a.y = dx_cpu.data();
   a.dbias = db_cpu.data();
   a.workspace = ws_cpu.data();
