@@ -1,6 +1,6 @@
 """Norm-family microbenchmarks: fused kernels vs PyTorch eager vs torch.compile of the same composition.
 
-    python -m benchmarks.norms [--quick] [--dtype float32,bfloat16] [--out DIR]
+    python -m benchmarks.norms [--quick] [--dtype float32,bfloat16] [--device cpu|cuda] [--out DIR]
 
 Prints one table (median time over calibrated repeats, effective GB/s, speed-up vs eager and vs torch.compile,
 all measured in the same run) and writes DIR/norms.json. Never asserts on time. The pytest-benchmark suite
@@ -108,7 +108,7 @@ def median_seconds(fn: Callable[[], None], min_run_time: float) -> float:
         min_run_time=min_run_time).median
 
 
-def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print):
+def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print, device="cpu"):
     rows = []
     for name in ops:
         comp = COMPOSITIONS[name]
@@ -117,14 +117,14 @@ def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print):
             dtype = DTYPES[dtype_name]
             for shape in shapes:
                 for backward in (False, True):
-                    x, params, dy = make_inputs(comp, shape, dtype, grad=backward)
+                    x, params, dy = make_inputs(comp, shape, dtype, device=device, grad=backward)
                     t = {"fused": median_seconds(step_fn(comp.fused, x, params, dy, backward), min_run_time),
                          "eager": median_seconds(step_fn(comp.eager, x, params, dy, backward), min_run_time)}
                     if compiled is not None:
                         torch._dynamo.reset()
                         t["compile"] = median_seconds(step_fn(compiled, x, params, dy, backward), min_run_time)
                     row = {
-                        "op": name, "dtype": dtype_name, "rows": shape[0], "hidden": shape[1],
+                        "op": name, "device": device, "dtype": dtype_name, "rows": shape[0], "hidden": shape[1],
                         "pass": "fwd+bwd" if backward else "fwd",
                         "fused_ms": t["fused"] * 1e3, "eager_ms": t["eager"] * 1e3,
                         "compile_ms": t["compile"] * 1e3 if "compile" in t else None,
@@ -149,7 +149,7 @@ def format_row(r) -> str:
             f"{r['speedup_vs_eager']:>9.2f}x{vs_c}")
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -161,8 +161,11 @@ def machine() -> dict:
                                 cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         commit = ""
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
-            "date": time.strftime("%Y-%m-%d")}
+    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d"), "device": device}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def main(argv=None) -> int:
@@ -172,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one small shape, short timing (a smoke run)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--out", default=None, help="directory for norms.json")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
     args = p.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     dtypes = [d for d in args.dtype.split(",") if d]
@@ -181,11 +185,14 @@ def main(argv=None) -> int:
     for d in dtypes:
         if d not in DTYPES:
             p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    info = machine()
-    print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device available")
+    info = machine(args.device)
+    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
+    print(f"# {where}, torch {info['torch']}, commit {info['commit']}")
     print(HEADER)
     rows = run(ops, dtypes, QUICK_SHAPES if args.quick else SHAPES, with_compile=not args.no_compile,
-               min_run_time=0.05 if args.quick else 0.5)
+               min_run_time=0.05 if args.quick else 0.5, device=args.device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "norms.json"), "w") as f:

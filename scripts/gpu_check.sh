@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU validation (DESIGN.md §3). On a CUDA machine with torch, nvcc (and triton) already installed and no
+# network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, then the
+# norm-family benchmarks on the GPU. Logs and JSON go to OUTDIR; a summary table is printed at the end.
+#   scripts/gpu_check.sh OUTDIR
+# Exit status: 0 when every stage passed, 1 otherwise, 2 for a usage error.
+set -uo pipefail
+if [ $# -ne 1 ] || [ -z "$1" ]; then
+  echo "usage: scripts/gpu_check.sh OUTDIR" >&2
+  exit 2
+fi
+OUT=$1
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: torch sees no CUDA device" >&2
+  exit 1
+fi
+ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
+GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
+START=$(date +%s)
+declare -A STATUS=([build]=skipped [tests]=skipped [bench_norms]=skipped)
+
+stage() {  # stage NAME LOG CMD...: run CMD with its output in OUTDIR/LOG, record ok/FAIL and the seconds taken
+  local name=$1 log=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  "$@" >"$OUT/$log" 2>&1
+  rc=$?
+  STATUS[$name]="$([ $rc -eq 0 ] && echo ok || echo "FAIL (rc $rc, see $log)") $(($(date +%s) - t0))s"
+  return $rc
+}
+
+if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q build_ext --inplace; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  stage tests pytest_cuda.log "$PY" -m pytest -m cuda -x -q -p no:cacheprovider tests
+  stage bench_norms bench_norms.txt "$PY" -m benchmarks.norms --device cuda --out "$OUT"
+fi
+
+{
+  echo "gpu_check on $GPU (sm_$ARCH), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
+  printf '%-14s %s\n' stage result
+  for s in build tests bench_norms; do printf '%-14s %s\n' "$s" "${STATUS[$s]}"; done
+  [ -f "$OUT/pytest_cuda.log" ] && echo "pytest: $(tail -n 1 "$OUT/pytest_cuda.log")"
+  echo "total $(($(date +%s) - START))s; logs and JSON in $OUT"
+} | tee "$OUT/summary.txt"
+for s in build tests bench_norms; do [[ ${STATUS[$s]} == ok* ]] || exit 1; done
+exit 0
