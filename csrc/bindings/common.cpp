@@ -98,6 +98,17 @@ void* stream_of(const at::Tensor& x) { return c10::cuda::getCurrentCUDAStream(x.
 // Advising transparent huge pages for the 2 MiB-aligned interior turns 8192 faults into 16. It only changes how
 // the kernel backs memory that this op is about to overwrite entirely; torch does the same for its own
 // allocations under THP_MEM_ALLOC_ENABLE=1.
+LaunchScope::LaunchScope(const at::Tensor& x) {
+#ifdef MEGAKERNELS_WITH_CUDA
+  if (x.is_cuda()) {
+    guard_.emplace(x.device());
+    stream_ = stream_of(x);
+  }
+#else
+  (void)x;
+#endif
+}
+
 void advise_huge_pages(const at::Tensor& t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(1) << 21;

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #ifdef MEGAKERNELS_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -41,6 +43,41 @@ void raise_if(const char* op, const char* err);
 void* stream_of(const at::Tensor& x);
 #endif
 void advise_huge_pages(const at::Tensor& t);
+
+// Where a launch of the CUDA kernels goes: for a CUDA tensor its device (guarded for the scope) and current
+// stream; for the emulator (a CPU tensor) no stream.
+class LaunchScope {
+ public:
+  explicit LaunchScope(const at::Tensor& x);
+  void* stream() const { return stream_; }
+
+ private:
+#ifdef MEGAKERNELS_WITH_CUDA
+  std::optional<c10::cuda::CUDAGuard> guard_;
+#endif
+  void* stream_ = nullptr;
+};
+
+// A family's CUDA launchers exist twice with the same signatures: built by nvcc (namespace cuda) and for the
+// emulator (namespace cuda_emu). `select_kernels` returns the table for x -- the nvcc build for a CUDA tensor,
+// the emulated build for a CPU tensor with emulate=true -- or nullptr when the CPU kernels should run. The
+// tables are made with MK_KERNEL_TABLE(Table, ns) so that a build without CUDA never names the missing one.
+#ifdef MEGAKERNELS_WITH_CUDA
+#define MK_IF_CUDA(...) __VA_ARGS__
+#else
+#define MK_IF_CUDA(...) nullptr
+#endif
+#ifdef MEGAKERNELS_WITH_EMU
+#define MK_IF_EMU(...) __VA_ARGS__
+#else
+#define MK_IF_EMU(...) nullptr
+#endif
+template <class Table>
+const Table* select_kernels(const at::Tensor& x, bool emulate, const Table* cuda_table, const Table* emu_table) {
+  const Table* t = x.is_cuda() ? cuda_table : (emulate ? emu_table : nullptr);
+  TORCH_CHECK(t != nullptr || (!x.is_cuda() && !emulate), "megakernels: backend not built (checked earlier)");
+  return t;
+}
 
 }  // namespace bindings
 }  // namespace megakernels

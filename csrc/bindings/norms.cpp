@@ -6,6 +6,27 @@ namespace megakernels {
 namespace bindings {
 namespace {
 
+// The CUDA launchers of norms_cuda.cu, as built by nvcc or for the emulator.
+struct NormKernels {
+  const char* (*norm_fwd)(const norms::FwdArgs&, void*);
+  int64_t (*norm_bwd_workspace_bytes)(int64_t, int64_t, DType);
+  const char* (*norm_bwd)(const norms::BwdArgs&, void*);
+  const char* (*bias_gelu_fwd)(const norms::BiasGeluArgs&, void*);
+  int64_t (*bias_gelu_bwd_workspace_bytes)(int64_t, int64_t, DType);
+  const char* (*bias_gelu_bwd)(const norms::BiasGeluArgs&, void*);
+};
+#define MK_NORM_KERNELS(ns)                                                                                  \
+  NormKernels {                                                                                              \
+    &ns::norm_fwd, &ns::norm_bwd_workspace_bytes, &ns::norm_bwd, &ns::bias_gelu_fwd,                         \
+        &ns::bias_gelu_bwd_workspace_bytes, &ns::bias_gelu_bwd                                               \
+  }
+
+const NormKernels* kernels_for(const at::Tensor& x, bool emulate) {
+  static const NormKernels* cuda_table = MK_IF_CUDA(new NormKernels(MK_NORM_KERNELS(cuda)));
+  static const NormKernels* emu_table = MK_IF_EMU(new NormKernels(MK_NORM_KERNELS(cuda_emu)));
+  return select_kernels(x, emulate, cuda_table, emu_table);
+}
+
 Activation to_activation(const char* op, int64_t a) {
   TORCH_CHECK_VALUE(a >= 0 && a <= 2, op, ": activation code ", a, " is not 0 (none), 1 (gelu) or 2 (gelu_tanh)");
   return static_cast<Activation>(a);
@@ -60,15 +81,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& x_in,
                                  : (bias.has_value() ? to_dtype(bias->scalar_type()) : a.x_dtype);
   a.act = act;
   a.rms = rms;
-  if (x.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(x.device());
-    raise_if(op, cuda::norm_fwd(a, stream_of(x)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    raise_if(op, cuda_emu::norm_fwd(a, nullptr));
-#endif
+  if (const NormKernels* k = kernels_for(x, emulate)) {
+    LaunchScope scope(x);
+    raise_if(op, k->norm_fwd(a, scope.stream()));
   } else {
     at::parallel_for(0, rows, row_grain(H), [&](int64_t b, int64_t e) { cpu::norm_fwd_rows(a, b, e); });
   }
@@ -125,19 +140,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   a.act = act;
   a.rms = rms;
   at::Tensor ws;
-  if (x.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(x.device());
-    ws = at::empty({cuda::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
+  if (const NormKernels* k = kernels_for(x, emulate)) {
+    LaunchScope scope(x);
+    ws = at::empty({k->norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
-    raise_if(op, cuda::norm_bwd(a, stream_of(x)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    ws = at::empty({cuda_emu::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
-    a.workspace = ws.data_ptr();
-    raise_if(op, cuda_emu::norm_bwd(a, nullptr));
-#endif
+    raise_if(op, k->norm_bwd(a, scope.stream()));
   } else {
     ws = at::empty({cpu::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
@@ -180,15 +187,9 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in, int6
   a.x = x.data_ptr();
   a.bias = bias.data_ptr();
   a.y = y.data_ptr();
-  if (x.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(x.device());
-    raise_if(op, cuda::bias_gelu_fwd(a, stream_of(x)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    raise_if(op, cuda_emu::bias_gelu_fwd(a, nullptr));
-#endif
+  if (const NormKernels* k = kernels_for(x, emulate)) {
+    LaunchScope scope(x);
+    raise_if(op, k->bias_gelu_fwd(a, scope.stream()));
   } else {
     at::parallel_for(0, a.rows, row_grain(a.hidden), [&](int64_t b, int64_t e) { cpu::bias_gelu_fwd_rows(a, b, e); });
   }
@@ -211,20 +212,11 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
   a.y = dx.data_ptr();
   a.dbias = dbias.data_ptr();
   at::Tensor ws;
-  if (x.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(x.device());
-    ws = at::empty({cuda::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
+  if (const NormKernels* k = kernels_for(x, emulate)) {
+    LaunchScope scope(x);
+    ws = at::empty({k->bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
-    raise_if(op, cuda::bias_gelu_bwd(a, stream_of(x)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    ws = at::empty({cuda_emu::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)},
-                   x.options().dtype(at::kByte));
-    a.workspace = ws.data_ptr();
-    raise_if(op, cuda_emu::bias_gelu_bwd(a, nullptr));
-#endif
+    raise_if(op, k->bias_gelu_bwd(a, scope.stream()));
   } else {
     ws = at::empty({cpu::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
