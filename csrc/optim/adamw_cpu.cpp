@@ -4,6 +4,11 @@
 // one unit-stride loop that -O3 vectorises (`omp simd` needs only -fopenmp-simd; the sqrt and the divisions
 // vectorise because the build sets -fno-math-errno). 16-bit params are converted element by element inside the
 // same loop rather than through scratch rows: a chunk is touched exactly once, so there is nothing to cache.
+//
+// Rounding: every operation is rounded on its own, as torch's AdamW rounds its sequence of tensor ops, so fp32
+// trajectories match torch's bit for bit rather than drift apart by an ulp per step. That needs the compiler's
+// FMA contraction off in this file (GCC contracts a*b+c across statements by default under -march=native).
+#pragma GCC optimize("fp-contract=off")
 #include <cmath>
 #include <type_traits>
 

@@ -12,7 +12,7 @@
 //   p  = p * (1 - lr*wd)
 //   m  = m + (1 - beta1) * (g - m)                                              (torch's lerp, weight < 0.5)
 //   v  = v * beta2 + (1 - beta2) * g * g
-//   p  = p + (-lr/bc1) * (m / (sqrt(v) / sqrt(bc2) + eps))
+//   p  = p + (-lr/bc1) * m / (sqrt(v) / sqrt(bc2) + eps)               (torch's addcdiv rounding)
 // with g = grad / grad_scale when a scale is given. Precision: params and grads in `param_dtype`; moments in
 // param_dtype, or fp32 with an fp32 master copy of the params (`master`, mixed precision) whose rounded value is
 // written back to the 16-bit param in the same pass. All math in fp32.
@@ -83,13 +83,25 @@ MK_MATH AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double e
   return c;
 }
 
-// One element: p (the fp32 value of the param or its master), g (unscaled grad), m, v updated in place.
+// a*b + c rounded once where the hardware has FMA (the GPU; x86 with -march=native), as torch's CPU lerp and
+// addcmul kernels compute it; two roundings otherwise (portable builds), one ulp apart at most.
+MK_MATH float fmadd(float a, float b, float c) {
+#if defined(__CUDA_ARCH__) || defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// One element: p (the fp32 value of the param or its master), g (unscaled grad), m, v updated in place. Each
+// line rounds like the torch op it mirrors: mul_, lerp_ (an fma), mul_ then addcmul_ (an fma of (w2*g)*g),
+// sqrt / div / add_, addcdiv_ ((value * m) / denom, then the add).
 MK_MATH void adamw_update(float& p, float g, float& m, float& v, const AdamWCoeffs& c) {
   p = p * c.decay;
-  m = m + c.w1 * (g - m);
-  v = v * c.beta2 + c.w2 * g * g;
+  m = fmadd(c.w1, g - m, m);
+  v = fmadd(c.w2 * g, g, v * c.beta2);
   const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
-  p = p + c.neg_step * (m / denom);
+  p = p + c.neg_step * m / denom;  // torch's addcdiv: (value * t1) / t2
 }
 
 // Chunks of a list: chunks(n) = ceil(n / chunk_size), 0 for an empty tensor.

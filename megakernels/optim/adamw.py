@@ -1,0 +1,249 @@
+"""FusedAdamW: torch.optim.AdamW's algorithm as one multi-tensor kernel pass per (device, dtype) group.
+
+Per step and parameter (torch.optim.AdamW's order of operations; fp32 arithmetic)::
+
+    t   = step + 1
+    p   = p * (1 - lr * weight_decay)                    decoupled weight decay
+    m   = m + (1 - beta1) * (g - m)                      first moment
+    v   = beta2 * v + (1 - beta2) * g * g                second moment
+    p   = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+State per parameter: ``step`` (float32 scalar tensor: on the CPU for CPU params, as torch's default AdamW keeps
+it; on the param's device for CUDA params, as torch's fused/capturable AdamW keeps it), ``exp_avg`` and
+``exp_avg_sq``, plus ``master_param`` in master-weight mode. ``state_dict()`` therefore loads into
+torch.optim.AdamW and back.
+
+Mixed precision (``master_weights=True``): a bf16/fp16 parameter gets an fp32 ``master_param`` and fp32 moments;
+the update runs on the master and writes the rounded value into the parameter in the same pass. fp32 parameters
+are updated directly either way. The master copy is taken at the first step: load new values into the model
+*before* the first step (or load an optimizer state_dict, which carries the masters).
+
+Loss scaling: ``step(grad_scale=s, found_inf=f)`` divides every grad by ``s`` inside the kernel and first runs a
+fused check over all grads of all groups; if any unscaled grad is inf or NaN, ``f`` is set to 1.0 and the step
+changes nothing (params, moments, step counts). On CUDA the flag never leaves the device: the update kernels read
+it and return early, so there is no host synchronisation. Without ``grad_scale``/``found_inf`` there is no check
+(torch.optim.AdamW's behaviour: non-finite grads propagate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megakernels.ops import multi_tensor as _mt
+from megakernels.optim.multi_tensor import group_by_device_dtype
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _hyper(name: str, value, low_ok: bool = True) -> float:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"FusedAdamW: {name} must be a Python number, got a tensor; tensor {name} (for "
+                        f"CUDA-graph capture) is not supported, pass float({name})")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"FusedAdamW: {name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_hypers(lr, betas, eps, weight_decay) -> None:
+    lr = _hyper("lr", lr)
+    if not (lr >= 0.0 and lr != float("inf")):
+        raise ValueError(f"FusedAdamW: lr must be a finite number >= 0, got {lr}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"FusedAdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        b = _hyper(f"betas[{i}]", b)
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"FusedAdamW: betas[{i}] must be in [0, 1), got {b}")
+    eps = _hyper("eps", eps)
+    if not (eps >= 0.0 and eps != float("inf")):
+        raise ValueError(f"FusedAdamW: eps must be a finite number >= 0, got {eps}")
+    weight_decay = _hyper("weight_decay", weight_decay)
+    if not (weight_decay >= 0.0 and weight_decay != float("inf")):
+        raise ValueError(f"FusedAdamW: weight_decay must be a finite number >= 0, got {weight_decay}")
+
+
+def _step_device(p: torch.Tensor) -> torch.device:
+    return p.device if p.device.type == "cuda" else torch.device("cpu")
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) with multi-tensor fused kernels on CPU and CUDA.
+
+    Args:
+        params: parameters or param groups (dicts), as for any torch optimizer. float32, float16 or bfloat16,
+            dense, contiguous; CPU or CUDA.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (defaults 1e-3, (0.9, 0.999), 1e-8, 1e-2); read from
+            each param group at every step, so lr schedulers work. Python numbers only (no tensor lr).
+        master_weights: keep fp32 master weights and fp32 moments for bf16/fp16 parameters (mixed precision).
+        chunk_size: elements per multi-tensor chunk (0: the kernels' default, 65536); for tests and tuning.
+
+    Raises (at construction or step, naming the argument): ValueError for lr/eps/weight_decay < 0 or betas outside
+    [0, 1), TypeError for a tensor lr or a complex / non-float parameter, RuntimeError for a sparse gradient,
+    NotImplementedError for amsgrad / maximize groups (e.g. loaded from a torch state_dict).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, master_weights: bool = False, chunk_size: int = 0) -> None:
+        _check_hypers(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
+        super().__init__(params, defaults)
+        self.master_weights = bool(master_weights)
+        self.chunk_size = int(chunk_size)
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                self._check_param(p, i)
+
+    @staticmethod
+    def _check_param(p: torch.Tensor, i: int) -> None:
+        if p.is_complex():
+            raise TypeError(f"FusedAdamW: params[{i}] is complex ({p.dtype}); not supported "
+                            "(view it as real with torch.view_as_real, or use torch.optim.AdamW)")
+        if p.dtype not in _DTYPES:
+            raise TypeError(f"FusedAdamW: params[{i}] has dtype {p.dtype}; expected float32, float16 or bfloat16")
+        if p.layout != torch.strided:
+            raise ValueError(f"FusedAdamW: params[{i}] is {p.layout}; only dense parameters are supported")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hypers(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    def _uses_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype in _HALF
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        master = self._uses_master(p)
+        moment_dtype = torch.float32 if master else p.dtype
+        state["step"] = torch.zeros((), dtype=torch.float32, device=_step_device(p))
+        state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.contiguous_format)
+        if master:
+            state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+
+    def _collect(self):
+        """Per param group: {(device, dtype): lists for the kernel}, initialising state on first use."""
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            if group.get("amsgrad", False):
+                raise NotImplementedError(f"FusedAdamW: param_groups[{gi}] has amsgrad=True; not supported")
+            if group.get("maximize", False):
+                raise NotImplementedError(f"FusedAdamW: param_groups[{gi}] has maximize=True; not supported")
+            _check_hypers(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            buckets: dict = {}
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if g.is_sparse or g.layout != torch.strided:
+                    raise RuntimeError(f"FusedAdamW: param_groups[{gi}].params[{i}] has a sparse gradient; "
+                                       "AdamW does not support sparse gradients (use torch.optim.SparseAdam)")
+                self._check_param(p, i)
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state)
+                lists = buckets.setdefault((p.device, p.dtype), ([], [], [], [], [], []))
+                lists[0].append(p)
+                lists[1].append(g)
+                lists[2].append(state["exp_avg"])
+                lists[3].append(state["exp_avg_sq"])
+                if self._uses_master(p):
+                    lists[4].append(state["master_param"])
+                lists[5].append(state["step"])
+            work.append((group, buckets))
+        return work
+
+    def _check_nonfinite(self, work, grad_scale, found_inf) -> dict[torch.device, torch.Tensor]:
+        """Runs the fused non-finite check over every grad of every group; returns the flag per device."""
+        devices = {dev for _g, buckets in work for (dev, _dt) in buckets}
+        flags = {}
+        for dev in devices:
+            if found_inf is not None and found_inf.device == dev:
+                flags[dev] = found_inf
+            else:
+                flags[dev] = torch.zeros((), dtype=torch.float32, device=dev)
+        scales = {dev: grad_scale.to(dev) if grad_scale is not None else None for dev in devices}
+        for _group, buckets in work:
+            for (dev, _dt), lists in buckets.items():
+                _mt.nonfinite_check_(lists[1], flags[dev], scales[dev], self.chunk_size)
+        if len(devices) > 1 or (found_inf is not None and found_inf.device not in devices):
+            # Any device's overflow skips the step everywhere (device-to-device copies, no host sync).
+            anchor = found_inf.device if found_inf is not None else next(iter(devices))
+            total = torch.stack([f.reshape(()).to(anchor) for f in flags.values()]).amax()
+            if found_inf is not None:
+                found_inf.copy_(torch.maximum(found_inf.reshape(()), total).reshape(found_inf.shape))
+            flags = {dev: total.to(dev).reshape(()) for dev in devices}
+        return flags
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None, grad_scale: torch.Tensor | float | None = None,
+             found_inf: torch.Tensor | None = None):
+        """One AdamW step over every parameter with a grad.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+            grad_scale: the loss scale; grads are divided by it inside the kernel (float32 scalar tensor or number).
+            found_inf: float32 one-element tensor; set to 1.0 (and the step skipped) when any unscaled grad is not
+                finite. A non-zero value on entry also skips the step.
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if found_inf is not None:
+            if not isinstance(found_inf, torch.Tensor) or found_inf.dtype != torch.float32 or found_inf.numel() != 1:
+                raise TypeError("FusedAdamW.step: found_inf must be a float32 tensor with one element")
+        if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            grad_scale = torch.tensor(float(grad_scale), dtype=torch.float32)
+        if grad_scale is not None:
+            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+                raise TypeError("FusedAdamW.step: grad_scale must be a float scalar tensor (one element)")
+            grad_scale = grad_scale.reshape(()).to(torch.float32)
+        work = self._collect()
+        flags = None
+        if grad_scale is not None or found_inf is not None:
+            flags = self._check_nonfinite(work, grad_scale, found_inf)
+        for group, buckets in work:
+            beta1, beta2 = group["betas"]
+            for (dev, _dt), (params, grads, exp_avgs, exp_avg_sqs, masters, steps) in buckets.items():
+                _mt.adamw_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr=group["lr"], beta1=beta1,
+                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                           grad_scale=grad_scale.to(dev) if grad_scale is not None else None,
+                           found_inf=flags[dev] if flags is not None else None, chunk_size=self.chunk_size)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state saved by FusedAdamW or by torch.optim.AdamW (amsgrad=False).
+
+        torch's loader casts moments to each param's dtype; in master-weight mode the fp32 moments and master
+        copies are restored from the saved tensors instead, and a state without masters (e.g. from
+        torch.optim.AdamW) starts its masters from the current params. Steps become float32 scalar tensors on
+        the CPU (CPU params) or on the param's device (CUDA params).
+        """
+        saved_state = state_dict["state"]
+        saved_groups = state_dict["param_groups"]
+        super().load_state_dict(state_dict)
+        for saved_group, group in zip(saved_groups, self.param_groups):
+            for idx, p in zip(saved_group["params"], group["params"]):
+                if idx not in saved_state or p not in self.state:
+                    continue
+                orig, state = saved_state[idx], self.state[p]
+                step = orig["step"]
+                step = step.detach() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+                state["step"] = step.to(device=_step_device(p), dtype=torch.float32).reshape(()).clone()
+                if self._uses_master(p):
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = orig[key].to(device=p.device, dtype=torch.float32).contiguous()
+                    if "master_param" in orig:
+                        state["master_param"] = orig["master_param"].to(device=p.device, dtype=torch.float32)
+                    else:
+                        state["master_param"] = p.detach().to(torch.float32, copy=True)
+                    state["master_param"] = state["master_param"].contiguous()
+                else:
+                    state.pop("master_param", None)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = state[key].contiguous()
