@@ -89,12 +89,9 @@ class FusedAdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, *, master_weights: bool = False, chunk_size: int = 0) -> None:
         _check_hypers(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
-        super().__init__(params, defaults)
         self.master_weights = bool(master_weights)
         self.chunk_size = int(chunk_size)
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                self._check_param(p, i)
+        super().__init__(params, defaults)
 
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
@@ -110,6 +107,8 @@ class FusedAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_hypers(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for i, p in enumerate(group["params"]):
+            self._check_param(p, i)
 
     def _uses_master(self, p: torch.Tensor) -> bool:
         return self.master_weights and p.dtype in _HALF

@@ -137,3 +137,9 @@ def test_found_inf_must_be_a_float32_scalar():
     params[0].grad = torch.ones(3)
     with pytest.raises(TypeError, match="found_inf must be a float32 tensor"):
         opt.step(found_inf=torch.zeros(2))
+
+
+def test_bad_params_added_later_are_rejected():
+    opt = FusedAdamW([p(3)])
+    with pytest.raises(TypeError, match="complex"):
+        opt.add_param_group({"params": [torch.zeros(2, dtype=torch.complex64, requires_grad=True)]})
