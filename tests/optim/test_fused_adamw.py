@@ -225,7 +225,9 @@ def test_grad_scale_unscaling_matches_dividing_grads_by_hand(backend, scale):
     for s in range(steps_for(backend, 10)):
         grads = grads_for(params, s, scale=scale)
         set_grads(params, grads)
-        set_grads(by_hand, [g / scale for g in grads])
+        # Divide by a tensor on the grads' device: an IEEE division on every backend (torch turns a division
+        # of a CUDA tensor by a Python scalar into a multiplication by its reciprocal).
+        set_grads(by_hand, [g / torch.tensor(scale, device=g.device) for g in grads])
         found_inf = torch.zeros(1, device=backend.device)
         ours.step(grad_scale=torch.tensor(scale, device=backend.device), found_inf=found_inf)
         ref.step()
