@@ -22,7 +22,9 @@ Loss scaling: ``step(grad_scale=s, found_inf=f)`` divides every grad by ``s`` in
 fused check over all grads of all groups; if any unscaled grad is inf or NaN, ``f`` is set to 1.0 and the step
 changes nothing (params, moments, step counts). On CUDA the flag never leaves the device: the update kernels read
 it and return early, so there is no host synchronisation. Without ``grad_scale``/``found_inf`` there is no check
-(torch.optim.AdamW's behaviour: non-finite grads propagate).
+(torch.optim.AdamW's behaviour: non-finite grads propagate). ``torch.amp.GradScaler.step(opt)`` works too: like
+torch's fused optimizers, FusedAdamW declares ``_step_supports_amp_scaling`` and takes the scale and the flag from
+the attributes the scaler sets, so the grads are unscaled inside the kernel rather than by a separate pass.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class FusedAdamW(torch.optim.Optimizer):
     [0, 1), TypeError for a tensor lr or a complex / non-float parameter, RuntimeError for a sparse gradient,
     NotImplementedError for amsgrad / maximize groups (e.g. loaded from a torch state_dict).
     """
+
+    # torch.amp.GradScaler.step then skips its own unscale pass and sets `grad_scale` / `found_inf` on the optimizer.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master_weights: bool = False, chunk_size: int = 0) -> None:
@@ -189,6 +194,12 @@ class FusedAdamW(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        # torch.amp.GradScaler hands optimizers that declare _step_supports_amp_scaling the scale and the flag as
+        # attributes (torch's own fused optimizers' contract) instead of unscaling the grads itself.
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
