@@ -11,6 +11,22 @@ namespace megakernels {
 namespace bindings {
 namespace {
 
+// The CUDA launchers of adamw_cuda.cu, as built by nvcc or for the emulator.
+struct OptimKernels {
+  const char* (*adamw)(const optim::AdamWArgs&, void*);
+  const char* (*nonfinite_check)(const optim::ListArgs&, const float*, float*, void*);
+  int64_t (*l2norm_workspace_floats)(const optim::ListArgs&);
+  const char* (*l2norm)(const optim::ListArgs&, float*, float*, void*);
+};
+#define MK_OPTIM_KERNELS(ns) \
+  OptimKernels { &ns::adamw, &ns::nonfinite_check, &ns::l2norm_workspace_floats, &ns::l2norm }
+
+const OptimKernels* kernels_for(const at::Tensor& x, bool emulate) {
+  static const OptimKernels* cuda_table = MK_IF_CUDA(new OptimKernels(MK_OPTIM_KERNELS(cuda)));
+  static const OptimKernels* emu_table = MK_IF_EMU(new OptimKernels(MK_OPTIM_KERNELS(cuda_emu)));
+  return select_kernels(x, emulate, cuda_table, emu_table);
+}
+
 int64_t chunk_or_default(const char* op, int64_t chunk_size) {
   TORCH_CHECK_VALUE(chunk_size >= 0, op, ": chunk_size must be >= 0 (0 = default), got ", chunk_size);
   return chunk_size == 0 ? optim::kDefaultChunk : chunk_size;
@@ -136,15 +152,9 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
   a.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   a.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
   a.chunk_size = chunk_or_default(op, chunk_size);
-  if (p0.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(p0.device());
-    raise_if(op, cuda::adamw(a, stream_of(p0)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    raise_if(op, cuda_emu::adamw(a, nullptr));
-#endif
+  if (const OptimKernels* k = kernels_for(p0, emulate)) {
+    LaunchScope scope(p0);
+    raise_if(op, k->adamw(a, scope.stream()));
   } else {
     if (a.found_inf && *a.found_inf != 0.0f) return;
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return tensors[t].numel; });
@@ -190,15 +200,9 @@ void multi_tensor_nonfinite_check_(at::TensorList tensors_in, const c10::optiona
   if (grad_scale.has_value()) check_scalar(op, "grad_scale", *grad_scale, dev);
   const float* scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
   float* flag = found_inf.data_ptr<float>();
-  if (dev.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(dev);
-    raise_if(op, cuda::nonfinite_check(a, scale, flag, stream_of(tensors_in[0])));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    raise_if(op, cuda_emu::nonfinite_check(a, scale, flag, nullptr));
-#endif
+  if (const OptimKernels* k = kernels_for(tensors_in[0], emulate)) {
+    LaunchScope scope(tensors_in[0]);
+    raise_if(op, k->nonfinite_check(a, scale, flag, scope.stream()));
   } else {
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return numels[t]; });
     std::vector<char> bad(chunks.size(), 0);
@@ -219,17 +223,10 @@ at::Tensor multi_tensor_l2norm(at::TensorList tensors_in, int64_t chunk_size, bo
   const auto tensors = list_args(op, tensors_in, chunk_size, emulate, a, ptrs, numels);
   const at::Tensor& t0 = tensors_in[0];
   at::Tensor out = at::zeros({}, t0.options().dtype(at::kFloat));
-  if (t0.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(t0.device());
-    at::Tensor ws = at::empty({std::max<int64_t>(1, cuda::l2norm_workspace_floats(a))}, out.options());
-    raise_if(op, cuda::l2norm(a, ws.data_ptr<float>(), out.data_ptr<float>(), stream_of(t0)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    at::Tensor ws = at::empty({std::max<int64_t>(1, cuda_emu::l2norm_workspace_floats(a))}, out.options());
-    raise_if(op, cuda_emu::l2norm(a, ws.data_ptr<float>(), out.data_ptr<float>(), nullptr));
-#endif
+  if (const OptimKernels* k = kernels_for(t0, emulate)) {
+    LaunchScope scope(t0);
+    at::Tensor ws = at::empty({std::max<int64_t>(1, k->l2norm_workspace_floats(a))}, out.options());
+    raise_if(op, k->l2norm(a, ws.data_ptr<float>(), out.data_ptr<float>(), scope.stream()));
   } else {
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return numels[t]; });
     std::vector<float> partial(chunks.size(), 0.0f);
