@@ -1,10 +1,11 @@
 """AdamW step microbenchmark: megakernels FusedAdamW vs torch.optim.AdamW (foreach=True and fused=True).
 
-    python -m benchmarks.adamw [--quick] [--configs 50x1M,1x100M] [--dtype float32] [--out DIR]
+    python -m benchmarks.adamw [--quick] [--configs 50x1M,1x100M] [--dtype float32] [--device cpu|cuda] [--out DIR]
 
 One optimizer step over a parameter set (e.g. 50 tensors of 1M params, or one of 100M), grads fixed, state
-already initialised. Prints a table (median step time over calibrated repeats, effective GB/s, speed-up vs each
-torch variant, all measured in the same run) and writes DIR/adamw.json. Never asserts on time.
+already initialised. Prints a table (median step time over calibrated repeats, effective GB/s and its fraction of
+the copy bandwidth measured in the same run, speed-up vs each torch variant) and writes DIR/adamw.json. Never
+asserts on time.
 
 Bytes that must move per element and step (fp32): read param, grad, exp_avg, exp_avg_sq and write param,
 exp_avg, exp_avg_sq = 7 x 4 bytes; with master weights (16-bit params) read/write the fp32 master as well.
@@ -58,21 +59,32 @@ def bytes_moved(n_tensors: int, numel: int, dtype: torch.dtype, master: bool) ->
     return n_tensors * numel * per
 
 
-def run(configs: dict, dtypes, impls=IMPLS, min_run_time=0.5, log=print):
+def copy_bandwidth(device: str, numel: int = 1 << 26, min_run_time: float = 0.5) -> float:
+    """The machine's ceiling for a streaming kernel: bytes read + written per second by ``dst.copy_(src)``."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), min_run_time) / 1e9
+
+
+def run(configs: dict, dtypes, impls=IMPLS, min_run_time=0.5, log=print, device="cpu"):
     rows = []
+    ceiling = copy_bandwidth(device, min_run_time=min_run_time)
+    log(f"# copy bandwidth {ceiling:.1f} GB/s")
+    log(HEADER)
     for cname, (n, numel) in configs.items():
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
             t = {}
             for impl in impls:
-                opt = make_optimizer(impl, n, numel, dtype)
+                opt = make_optimizer(impl, n, numel, dtype, device)
                 t[impl] = median_seconds(opt.step, min_run_time)
                 del opt
             ours = t["megakernels"]
+            gbps = bytes_moved(n, numel, dtype, dtype != torch.float32) / ours / 1e9
             row = {
-                "config": cname, "tensors": n, "numel": numel, "dtype": dtype_name,
+                "config": cname, "device": device, "tensors": n, "numel": numel, "dtype": dtype_name,
                 **{f"{k}_ms": v * 1e3 for k, v in t.items()},
-                "GBps": bytes_moved(n, numel, dtype, dtype != torch.float32) / ours / 1e9,
+                "GBps": gbps, "copy_GBps": ceiling, "fraction_of_copy": gbps / ceiling,
                 **{f"speedup_vs_{k}": v / ours for k, v in t.items() if k != "megakernels"},
             }
             rows.append(row)
@@ -80,7 +92,7 @@ def run(configs: dict, dtypes, impls=IMPLS, min_run_time=0.5, log=print):
     return rows
 
 
-HEADER = (f"{'config':<10}{'dtype':<10}{'ours ms':>10}{'foreach ms':>12}{'fused ms':>10}{'GB/s':>8}"
+HEADER = (f"{'config':<10}{'dtype':<10}{'ours ms':>10}{'foreach ms':>12}{'fused ms':>10}{'GB/s':>8}{'% copy':>8}"
           f"{'vs foreach':>12}{'vs fused':>10}")
 
 
@@ -88,7 +100,8 @@ def format_row(r) -> str:
     def f(key, width, fmt):
         return f"{r[key]:>{width}{fmt}}" if r.get(key) is not None else f"{'-':>{width}}"
     return (f"{r['config']:<10}{r['dtype']:<10}{f('megakernels_ms', 10, '.3f')}{f('torch_foreach_ms', 12, '.3f')}"
-            f"{f('torch_fused_ms', 10, '.3f')}{r['GBps']:>8.1f}{f('speedup_vs_torch_foreach', 11, '.2f')}x"
+            f"{f('torch_fused_ms', 10, '.3f')}{r['GBps']:>8.1f}{100 * r['fraction_of_copy']:>7.0f}%"
+            f"{f('speedup_vs_torch_foreach', 11, '.2f')}x"
             f"{f('speedup_vs_torch_fused', 9, '.2f')}x")
 
 
@@ -98,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", help="comma list of " + ", ".join(DTYPES)
                    + " (16-bit: ours with fp32 master weights, torch with 16-bit state)")
     p.add_argument("--quick", action="store_true", help="one small config, short timing (a smoke run)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
     p.add_argument("--out", default=None, help="directory for adamw.json")
     args = p.parse_args(argv)
     configs = QUICK_CONFIGS if args.quick else {}
@@ -110,10 +124,12 @@ def main(argv=None) -> int:
     for d in dtypes:
         if d not in DTYPES:
             p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    info = machine()
-    print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}")
-    print(HEADER)
-    rows = run(configs, dtypes, min_run_time=0.05 if args.quick else 1.0)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device available")
+    info = machine(args.device)
+    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
+    print(f"# {where}, torch {info['torch']}, commit {info['commit']}")
+    rows = run(configs, dtypes, min_run_time=0.05 if args.quick else 1.0, device=args.device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "adamw.json"), "w") as f:
