@@ -263,3 +263,24 @@ def test_closure_is_evaluated_with_grad(backend):
 
     loss = opt.step(closure)
     assert loss is not None and params[0].grad is not None
+
+
+@pytest.mark.cuda
+def test_loss_scaled_step_and_grad_norm_do_not_synchronize_the_gpu():
+    from megakernels.optim import multi_tensor_l2norm
+
+    params = make_params([(1000,), (3, 5), (70001,)], "cuda")
+    opt = FusedAdamW(params, lr=1e-2)
+    set_grads(params, grads_for(params, 0))
+    opt.step()  # state exists from here on
+    set_grads(params, grads_for(params, 1, scale=1024.0))
+    scale = torch.tensor(1024.0, device="cuda")
+    found_inf = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation now raises
+    try:
+        multi_tensor_l2norm([p.grad for p in params])
+        opt.step(grad_scale=scale, found_inf=found_inf)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert found_inf.item() == 0.0 and all(opt.state[p]["step"].item() == 2 for p in params)
