@@ -40,7 +40,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _hyper(name: str, value, low_ok: bool = True) -> float:
+def _hyper(name: str, value) -> float:
     if isinstance(value, torch.Tensor):
         raise TypeError(f"FusedAdamW: {name} must be a Python number, got a tensor; tensor {name} (for "
                         f"CUDA-graph capture) is not supported, pass float({name})")
