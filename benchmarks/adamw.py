@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 
 import torch
 

@@ -34,7 +34,6 @@ from collections.abc import Callable
 import torch
 
 from megakernels.ops import multi_tensor as _mt
-from megakernels.optim.multi_tensor import group_by_device_dtype
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
