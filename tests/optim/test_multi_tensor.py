@@ -41,6 +41,18 @@ def test_l2norm_is_deterministic(backend):
         assert torch.equal(mt.l2norm(tensors, 128), first)
 
 
+def test_l2norm_does_not_depend_on_the_thread_count():
+    tensors = make_params([(300_000,), (17,), (2, 70_001)], "cpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = multi_tensor_l2norm(tensors)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(multi_tensor_l2norm(tensors), one)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_l2norm_of_non_contiguous_tensors(backend):
     t = make_params([(40, 30)], backend.device)[0].detach().t()
     assert abs(multi_tensor_l2norm([t]).item() - reference_norm([t]).item()) <= 2e-6 * reference_norm([t]).item()
