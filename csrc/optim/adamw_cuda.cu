@@ -7,7 +7,7 @@
 //   serves up to kMaxTensors tensors / kMaxChunks chunks with no device-side metadata allocation and no host
 //   copy; a longer list is simply several launches. Parameters are 4 KiB at most, which sizes the tables.
 // - One block per chunk, each thread striding over packs of 4 elements (16 bytes of fp32) when every pointer of
-//   the launch allows it, a scalar loop otherwise and for the tail.
+//   the tensor allows it (a view into a flat buffer may not), a scalar loop otherwise and for the tail.
 // - No host synchronisation anywhere: grad_scale and found_inf are read on the device. The check kernel runs
 //   first over all grads and may set *found_inf; every block of the update kernel then reads it and returns at
 //   once, and the step-count kernel does the same, so a skipped step leaves params, moments and steps untouched.
@@ -34,7 +34,7 @@ using optim::ListArgs;
 
 constexpr int kBlock = 256;
 constexpr int kPack = 4;
-constexpr int kMaxTensors = 32;       // AdamW: 56 bytes per tensor
+constexpr int kMaxTensors = 32;       // AdamW: 57 bytes per tensor
 constexpr int kMaxChunks = 256;
 constexpr int kMaxListTensors = 96;   // check / norm: 16 bytes per tensor
 constexpr int kMaxSteps = 480;
@@ -83,6 +83,7 @@ __device__ __forceinline__ void store(T* p, int64_t i, const float (&in)[N]) {
 
 struct AdamWBatch {
   AdamWTensor tensors[kMaxTensors];
+  uint8_t vec[kMaxTensors];          // every pointer of the tensor allows packs of kPack (views may not)
   int32_t chunk[kMaxChunks];         // chunk index within its tensor
   uint8_t tensor_of[kMaxChunks];     // index into tensors
 };
@@ -127,17 +128,19 @@ __device__ __forceinline__ void adamw_elems(const AdamWTensor& t, int64_t i, flo
   store<P, N>(static_cast<P*>(t.param), i, p);
 }
 
-template <typename P, typename S, bool MASTER, int N>
+template <typename P, typename S, bool MASTER>
 __global__ void adamw_kernel(AdamWBatch b, AdamWScalars s) {
   if (s.found_inf != nullptr && *s.found_inf != 0.0f) return;
-  const AdamWTensor& t = b.tensors[b.tensor_of[blockIdx.x]];
+  const int slot = b.tensor_of[blockIdx.x];
+  const AdamWTensor& t = b.tensors[slot];
   const int64_t begin = int64_t(b.chunk[blockIdx.x]) * s.chunk_size;
   const int64_t len = (t.numel - begin < s.chunk_size) ? t.numel - begin : s.chunk_size;
   const optim::AdamWCoeffs c = optim::adamw_coeffs(s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, *t.step);
   const float scale = s.grad_scale != nullptr ? *s.grad_scale : 1.0f;
-  const int64_t vec_end = begin + len / N * N;
-  for (int64_t i = begin + int64_t(threadIdx.x) * N; i < vec_end; i += int64_t(blockDim.x) * N)
-    adamw_elems<P, S, MASTER, N>(t, i, scale, c);
+  // Packs where the tensor allows them (uniform over the block), then the scalar tail (or the whole chunk).
+  const int64_t vec_end = b.vec[slot] ? begin + len / kPack * kPack : begin;
+  for (int64_t i = begin + int64_t(threadIdx.x) * kPack; i < vec_end; i += int64_t(blockDim.x) * kPack)
+    adamw_elems<P, S, MASTER, kPack>(t, i, scale, c);
   for (int64_t i = vec_end + threadIdx.x; i < begin + len; i += blockDim.x)
     adamw_elems<P, S, MASTER, 1>(t, i, scale, c);
 }
@@ -235,22 +238,22 @@ const char* for_each_launch(int64_t n_tensors, int64_t chunk_size, int max_tenso
 template <typename P, typename S, bool MASTER>
 const char* run_adamw(const AdamWArgs& a, cudaStream_t stream) {
   AdamWScalars s{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.found_inf, a.chunk_size};
-  bool vec = a.chunk_size % kPack == 0;
-  for (int64_t t = 0; t < a.n_tensors && vec; ++t) {
-    const AdamWTensor& x = a.tensors[t];
-    vec = aligned(x.param, sizeof(P) * kPack) && aligned(x.grad, sizeof(P) * kPack) &&
-          aligned(x.exp_avg, sizeof(S) * kPack) && aligned(x.exp_avg_sq, sizeof(S) * kPack) &&
-          aligned(x.master, sizeof(float) * kPack);
-  }
+  // Chunks start at multiples of chunk_size, so packs stay aligned inside a tensor when its pointers are.
+  const bool vec_chunks = a.chunk_size % kPack == 0;
   AdamWBatch b;
-  auto set_tensor = [&](int slot, int64_t t) { b.tensors[slot] = a.tensors[t]; };
+  auto set_tensor = [&](int slot, int64_t t) {
+    const AdamWTensor& x = a.tensors[t];
+    b.tensors[slot] = x;
+    b.vec[slot] = vec_chunks && aligned(x.param, sizeof(P) * kPack) && aligned(x.grad, sizeof(P) * kPack) &&
+                  aligned(x.exp_avg, sizeof(S) * kPack) && aligned(x.exp_avg_sq, sizeof(S) * kPack) &&
+                  aligned(x.master, sizeof(float) * kPack);
+  };
   auto add_chunk = [&](int pos, int slot, int64_t c) {
     b.tensor_of[pos] = uint8_t(slot);
     b.chunk[pos] = int32_t(c);
   };
   auto flush = [&](int chunks) -> const char* {
-    if (vec) MK_LAUNCH((adamw_kernel<P, S, MASTER, kPack>), dim3(chunks), dim3(kBlock), 0, stream, b, s);
-    else MK_LAUNCH((adamw_kernel<P, S, MASTER, 1>), dim3(chunks), dim3(kBlock), 0, stream, b, s);
+    MK_LAUNCH((adamw_kernel<P, S, MASTER>), dim3(chunks), dim3(kBlock), 0, stream, b, s);
     return last_error();
   };
   if (const char* e = for_each_launch(

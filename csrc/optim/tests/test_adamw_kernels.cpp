@@ -34,27 +34,30 @@ void expect(bool ok, const std::string& what) {
 size_t elem_size(DType d) { return d == DType::F32 ? 4 : 2; }
 const char* name(DType d) { return d == DType::F32 ? "f32" : d == DType::BF16 ? "bf16" : "f16"; }
 
+// n values of `dt` starting `off` elements into the allocation (off = 1: a view that is not 16-byte aligned).
 struct Buf {
   DType dt;
   std::vector<unsigned char> bytes;
-  Buf(DType d, size_t n) : dt(d), bytes(n * elem_size(d)) {}
-  void* data() { return bytes.data(); }
-  size_t size() const { return bytes.size() / elem_size(dt); }
+  size_t off;
+  Buf(DType d, size_t n, size_t o = 0) : dt(d), bytes((n + o) * elem_size(d)), off(o) {}
+  void* data() { return bytes.data() + off * elem_size(dt); }
+  const void* data() const { return bytes.data() + off * elem_size(dt); }
+  size_t size() const { return bytes.size() / elem_size(dt) - off; }
   float get(size_t i) const {
-    if (dt == DType::F32) return reinterpret_cast<const float*>(bytes.data())[i];
-    if (dt == DType::BF16) return cpu::to_float(reinterpret_cast<const bf16*>(bytes.data())[i]);
-    return cpu::to_float(reinterpret_cast<const f16*>(bytes.data())[i]);
+    if (dt == DType::F32) return static_cast<const float*>(data())[i];
+    if (dt == DType::BF16) return cpu::to_float(static_cast<const bf16*>(data())[i]);
+    return cpu::to_float(static_cast<const f16*>(data())[i]);
   }
   void set(size_t i, float v) {
-    if (dt == DType::F32) reinterpret_cast<float*>(bytes.data())[i] = v;
-    else if (dt == DType::BF16) reinterpret_cast<bf16*>(bytes.data())[i] = cpu::from_float<bf16>(v);
-    else reinterpret_cast<f16*>(bytes.data())[i] = cpu::from_float<f16>(v);
+    if (dt == DType::F32) static_cast<float*>(data())[i] = v;
+    else if (dt == DType::BF16) static_cast<bf16*>(data())[i] = cpu::from_float<bf16>(v);
+    else static_cast<f16*>(data())[i] = cpu::from_float<f16>(v);
   }
 };
 
-Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale, float shift = 0.f) {
+Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale, float shift = 0.f, size_t off = 0) {
   std::normal_distribution<float> nd(0.f, 1.f);
-  Buf b(dt, n);
+  Buf b(dt, n, off);
   for (size_t i = 0; i < n; ++i) b.set(i, nd(rng) * scale + shift);
   return b;
 }
@@ -81,7 +84,8 @@ ListState make_list(const std::vector<int64_t>& sizes, DType pdt, bool master, s
   ListState l;
   const DType sdt = master ? DType::F32 : pdt;
   for (int64_t n : sizes) {
-    Buf p = random_buf(pdt, size_t(n), rng, 1.f);
+    // Every third param is a misaligned view: its tensor takes the scalar path, the others stay vectorised.
+    Buf p = random_buf(pdt, size_t(n), rng, 1.f, 0.f, l.s.size() % 3 == 1 ? 1 : 0);
     Buf g = random_buf(pdt, size_t(n), rng, 0.5f);
     Buf m = random_buf(sdt, size_t(n), rng, 0.1f);
     Buf v = random_buf(sdt, size_t(n), rng, 0.f, 0.f);
