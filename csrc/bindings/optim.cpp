@@ -1,6 +1,7 @@
 // Optimizer family bindings: multi-tensor AdamW (adamw_), the non-finite grad check (multi_tensor_nonfinite_check_)
 // and the multi-tensor L2 norm (multi_tensor_l2norm). Every list is one launch's worth of tensors: one device, one
 // dtype (the Python layer groups a model's parameters by (device, dtype) before calling).
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,21 @@ std::vector<Chunk> chunk_list(int64_t n, int64_t chunk_size, NumelOf numel_of) {
   return out;
 }
 
+// Runs fn(c) for every chunk c in [0, n) on torch's intra-op threads, handing chunks out one at a time from a
+// shared counter rather than in fixed per-thread ranges: a thread that is descheduled (a busy machine, a data
+// loader competing for cores) delays only the chunk it holds, not a whole share of the step. Results do not
+// depend on which thread ran a chunk.
+template <typename Fn>
+void for_each_chunk(int64_t n, const Fn& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n; c = next.fetch_add(1, std::memory_order_relaxed))
+      fn(c);
+  });
+}
+
 void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
             at::TensorList master_params, at::TensorList steps, double lr, double beta1, double beta2, double eps,
             double weight_decay, const c10::optional<at::Tensor>& grad_scale,
@@ -158,9 +174,8 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
   } else {
     if (a.found_inf && *a.found_inf != 0.0f) return;
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return tensors[t].numel; });
-    at::parallel_for(0, int64_t(chunks.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) cpu::adamw_range(a, chunks[c].t, chunks[c].begin, chunks[c].end);
-    });
+    for_each_chunk(int64_t(chunks.size()),
+                   [&](int64_t c) { cpu::adamw_range(a, chunks[c].t, chunks[c].begin, chunks[c].end); });
     for (size_t i = 0; i < n; ++i) *steps[i].data_ptr<float>() += 1.0f;
   }
 }
@@ -206,8 +221,8 @@ void multi_tensor_nonfinite_check_(at::TensorList tensors_in, const c10::optiona
   } else {
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return numels[t]; });
     std::vector<char> bad(chunks.size(), 0);
-    at::parallel_for(0, int64_t(chunks.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) bad[c] = cpu::nonfinite_range(a, scale, chunks[c].t, chunks[c].begin, chunks[c].end);
+    for_each_chunk(int64_t(chunks.size()), [&](int64_t c) {
+      bad[c] = cpu::nonfinite_range(a, scale, chunks[c].t, chunks[c].begin, chunks[c].end);
     });
     for (char x : bad)
       if (x) *flag = 1.0f;
@@ -230,9 +245,8 @@ at::Tensor multi_tensor_l2norm(at::TensorList tensors_in, int64_t chunk_size, bo
   } else {
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return numels[t]; });
     std::vector<float> partial(chunks.size(), 0.0f);
-    at::parallel_for(0, int64_t(chunks.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) partial[c] = cpu::sumsq_range(a, chunks[c].t, chunks[c].begin, chunks[c].end);
-    });
+    for_each_chunk(int64_t(chunks.size()),
+                   [&](int64_t c) { partial[c] = cpu::sumsq_range(a, chunks[c].t, chunks[c].begin, chunks[c].end); });
     double s = 0.0;  // chunk order, independent of the thread count
     for (float p : partial) s += p;
     *out.data_ptr<float>() = float(std::sqrt(s));
