@@ -94,8 +94,9 @@ MK_MATH float fmadd(float a, float b, float c) {
 
 // One element: p (the fp32 value of the param or its master), g (unscaled grad), m, v updated in place. The
 // first three lines round like the torch ops they mirror (mul_; lerp_, an fma; mul_ then addcmul_, an fma of
-// (w2*g)*g). The last folds torch's division by sqrt(bc2) into the scalars: on a CPU the update is limited by
-// divide/sqrt throughput, not memory, and one division fewer is ~30% faster; it moves a result by an ulp at most.
+// (w2*g)*g). The last folds torch's division by sqrt(bc2) into the scalars: one division per element instead of
+// two (which matters only where the update is not memory-bound, e.g. tensors resident in cache); it moves a
+// result by an ulp at most.
 MK_MATH void adamw_update(float& p, float g, float& m, float& v, const AdamWCoeffs& c) {
   p = p * c.decay;
   m = fmadd(c.w1, g - m, m);
