@@ -2,6 +2,7 @@
 
 - ``megakernels.ops``   functional fused ops (torch.library custom ops: autograd, torch.compile, fake tensors)
 - ``megakernels.nn``    drop-in modules built on them
+- ``megakernels.optim`` FusedAdamW and multi-tensor utilities (L2 norm, gradient clipping)
 - ``megakernels.backend(name)`` selects ``auto``/``cpu``/``cuda``/``cuda_emu`` (DESIGN.md §3)
 """
 
@@ -9,12 +10,12 @@ from megakernels._backend import BACKENDS, backend, current_backend, has_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "backend", "current_backend", "has_backend", "ops", "nn", "__version__"]
+__all__ = ["BACKENDS", "backend", "current_backend", "has_backend", "ops", "nn", "optim", "__version__"]
 
 
 def __getattr__(name):
     # Submodules load on first use so that `import megakernels` stays cheap.
-    if name in ("ops", "nn"):
+    if name in ("ops", "nn", "optim"):
         import importlib
 
         return importlib.import_module(f"megakernels.{name}")
