@@ -323,9 +323,11 @@ void launch_fwd_kind(const FwdArgs& a, cudaStream_t s) {
 template <typename T>
 const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
-  // Vector packs need every row (and every mask row: its strides are multiples of sk) to start aligned.
-  const bool vec = a.sk % V == 0 && aligned(a.x, 16) && aligned(a.y, 16) &&
-                   (a.kind != MaskKind::Bool || aligned(a.mask, V));
+  // Vector packs need every row of x, y and the mask to start aligned: x and y are contiguous, but a mask view
+  // (a slice of a wider mask) can have any strides.
+  const bool mask_ok = a.kind != MaskKind::Bool ||
+                       (aligned(a.mask, V) && a.mask_sb % V == 0 && a.mask_sh % V == 0 && a.mask_sq % V == 0);
+  const bool vec = a.sk % V == 0 && aligned(a.x, 16) && aligned(a.y, 16) && mask_ok;
   if (vec) launch_fwd_kind<T, V>(a, s);
   else launch_fwd_kind<T, 1>(a, s);
   return last_error();

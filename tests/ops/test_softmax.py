@@ -109,6 +109,8 @@ def test_expanded_and_strided_masks_are_read_in_place(backend):
     wide = random_mask((2, 1, 8, 32), backend.device)
     check_forward_backward(MASKED, backend, shape, torch.float32, mask=wide[:, :, ::2, 5:21])
     check_forward_backward(MASKED, backend, shape, torch.float32, mask=random_mask((16, 4), backend.device).t())
+    odd_rows = random_mask((2, 1, 4, 17), backend.device)[..., :16]  # aligned start, rows 17 bytes apart
+    check_forward_backward(MASKED, backend, shape, torch.float32, mask=odd_rows)
 
 
 @pytest.mark.parametrize("sq, sk", [(3, 10), (10, 3), (1, 7), (7, 1), (5, 5), (40, 130), (130, 40)])
