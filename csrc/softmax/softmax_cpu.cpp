@@ -54,14 +54,6 @@ inline void normalise(A* z, int64_t n, int64_t sk, A m) {
   for (int64_t j = n; j < sk; ++j) z[j] = fill;
 }
 
-template <typename A>
-inline A row_max(const A* z, int64_t n) {
-  A m = -std::numeric_limits<A>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, z[j]);
-  return m;
-}
-
 template <typename T, typename A, MaskKind K>
 void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
   const int64_t sk = a.sk;
@@ -74,31 +66,35 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
     A* z = std::is_same_v<T, A> ? reinterpret_cast<A*>(yr) : buf.data();
     const int64_t i = r % a.sq;
     const int64_t n = K == MaskKind::Causal ? softmax::causal_valid(i, a.sq, sk) : sk;
-    int64_t valid = n;
-    if constexpr (std::is_same_v<T, A>) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) z[j] = xr[j] * scale;
-    } else {
-      load_row(xr, z, n);
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) z[j] *= scale;
-    }
+    // Pass (1): z = x * scale, -inf where masked (a select, not arithmetic: a NaN under the mask is dropped),
+    // with max(z) and the number of masked positions as reductions of the same loop.
+    const A* v = row_view(xr, z, n);  // x itself for fp32/fp64; for 16-bit, converted into z and updated in place
+    A m = ninf;
+    int64_t masked = 0;
     if constexpr (K == MaskKind::Bool) {
       const int64_t bh = r / a.sq;
       const unsigned char* mr = a.mask + (bh / a.heads) * a.mask_sb + (bh % a.heads) * a.mask_sh + i * a.mask_sq;
-      int64_t masked = 0;
-#pragma omp simd reduction(+ : masked)
+#pragma omp simd reduction(max : m) reduction(+ : masked)
       for (int64_t j = 0; j < n; ++j) {
         const bool mj = mr[j] != 0;
-        z[j] = mj ? ninf : z[j];  // a select, not arithmetic: a NaN under the mask is dropped
+        const A zj = mj ? ninf : v[j] * scale;
+        z[j] = zj;
+        m = std::max(m, zj);
         masked += mj;
       }
-      valid = n - masked;
+    } else {
+#pragma omp simd reduction(max : m)
+      for (int64_t j = 0; j < n; ++j) {
+        const A zj = v[j] * scale;
+        z[j] = zj;
+        m = std::max(m, zj);
+      }
     }
+    const int64_t valid = n - masked;
     if (valid == 0) {
       std::fill(z, z + sk, A(0));
     } else {
-      normalise(z, n, sk, row_max(z, n));
+      normalise(z, n, sk, m);
     }
     if constexpr (!std::is_same_v<T, A>) store_row(z, yr, sk);
   }
