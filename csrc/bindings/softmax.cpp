@@ -47,7 +47,8 @@ at::Tensor check_mask(const char* op, const at::Tensor& mask_in, const at::Tenso
 
 at::Tensor softmax_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& mask_in, double scale, bool causal,
                        bool emulate) {
-  const char* op = mask_in.has_value() ? "scaled_masked_softmax" : (causal ? "scaled_causal_softmax" : "scaled_softmax");
+  const char* op =
+      mask_in.has_value() ? "scaled_masked_softmax" : (causal ? "scaled_causal_softmax" : "scaled_softmax");
   check_float_input(op, "x", x_in);
   TORCH_CHECK_VALUE(x_in.dim() >= 1, op, ": x must have at least 1 dimension; got a scalar");
   TORCH_CHECK_VALUE(!(causal && mask_in.has_value()), op, ": pass either a mask or causal=True, not both");
@@ -73,7 +74,8 @@ at::Tensor softmax_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& 
   a.sq = x.dim() >= 2 ? x.size(-2) : 1;
   a.scale = scale;
   a.dtype = to_dtype(x.scalar_type());
-  a.kind = mask_in.has_value() ? softmax::MaskKind::Bool : (causal ? softmax::MaskKind::Causal : softmax::MaskKind::None);
+  a.kind = mask_in.has_value() ? softmax::MaskKind::Bool
+                               : (causal ? softmax::MaskKind::Causal : softmax::MaskKind::None);
   if (x.is_cuda()) {
 #ifdef MEGAKERNELS_WITH_CUDA
     c10::cuda::CUDAGuard guard(x.device());

@@ -159,9 +159,11 @@ def scaled_masked_softmax_reference(x, mask=None, scale=1.0, compute_dtype=torch
 
 
 def scaled_softmax_reference(x, scale=1.0, compute_dtype=torch.float64):
+    """``torch.softmax(x * scale, -1)`` in ``compute_dtype``."""
     return scaled_masked_softmax_reference(x, None, scale, compute_dtype)
 
 
 def scaled_causal_softmax_reference(x, scale=1.0, compute_dtype=torch.float64):
+    """The masked reference with :func:`causal_mask` of x's last two dims (rows that see no key give zeros)."""
     sq, sk = x.shape[-2], x.shape[-1]
     return scaled_masked_softmax_reference(x, causal_mask(sq, sk, x.device), scale, compute_dtype)

@@ -81,7 +81,8 @@ def test_rows_of_65536_keys(backend):
         check_forward_backward(variant, backend, (1, 1, 1 if backend.emulated else 2, sk), torch.bfloat16)
 
 
-@pytest.mark.parametrize("shape", [(7,), (3, 40), (2, 3, 96), (2, 1, 3, 64), (2, 2, 1, 2, 5)], ids=lambda s: f"rank{len(s)}")
+@pytest.mark.parametrize("shape", [(7,), (3, 40), (2, 3, 96), (2, 1, 3, 64), (2, 2, 1, 2, 5)],
+                         ids=lambda s: f"rank{len(s)}")
 def test_scaled_softmax_takes_any_leading_shape(backend, shape):
     check_forward_backward(PLAIN, backend, shape, torch.float32)
 
