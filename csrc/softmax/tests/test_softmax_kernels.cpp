@@ -1,8 +1,8 @@
 // C++ test of the softmax family without Python: the CUDA kernels (run by the emulator, csrc/emu) against the CPU
 // kernels and a naive fp64 reference, over dtypes, row lengths (warp- and block-per-row paths, vector and scalar
 // packs), no mask / broadcast boolean masks / causal with sq != sk, and fully masked rows. Built plain, with
-// AddressSanitizer and with ThreadSanitizer (CMakeLists.txt), so an out-of-bounds access or a missing barrier in
-// softmax_cuda.cu fails here before it reaches a GPU.
+// AddressSanitizer and with ThreadSanitizer (CMakeLists.txt), so an out-of-bounds access, a read of the causal
+// kernels' masked triangle or a missing barrier in softmax_cuda.cu fails here before it reaches a GPU.
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -12,6 +12,10 @@
 
 #include "../../common/cpu_types.h"
 #include "../softmax.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 using namespace megakernels;
 using cpu::bf16;
@@ -77,6 +81,26 @@ std::vector<double> as_doubles(const Buf& a) {
   return v;
 }
 
+// The causal kernels must not read the masked triangle. Under AddressSanitizer the masked tail of every row is
+// poisoned while they run (from the first 8-byte granule wholly inside it: ASan's granularity), so a read there is
+// a hard error rather than a value that happened to be ignored. Elsewhere this is a no-op.
+void poison_causal_tails(const Buf& b, int64_t rows, int64_t sq, int64_t sk, bool poison) {
+#if defined(__SANITIZE_ADDRESS__)
+  const size_t elem = b.dt == DType::F32 ? 4 : 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uintptr_t row = reinterpret_cast<uintptr_t>(b.bytes.data()) + size_t(r * sk) * elem;
+    const uintptr_t begin = (row + size_t(softmax::causal_valid(r % sq, sq, sk)) * elem + 7) & ~uintptr_t(7);
+    const uintptr_t end = row + size_t(sk) * elem;
+    if (end > begin) {
+      if (poison) ASAN_POISON_MEMORY_REGION(reinterpret_cast<void*>(begin), end - begin);
+      else ASAN_UNPOISON_MEMORY_REGION(reinterpret_cast<void*>(begin), end - begin);
+    }
+  }
+#else
+  (void)b, (void)rows, (void)sq, (void)sk, (void)poison;
+#endif
+}
+
 // Mask shape [mb, mh, mq, sk] broadcast against x [b, h, sq, sk]; contiguous, strides 0 on broadcast dims.
 struct Mask {
   int64_t mb, mh, mq;
@@ -140,11 +164,14 @@ void test_case(DType dt, MaskKind kind, int64_t b, int64_t h, int64_t sq, int64_
     }
   }
 
+  const bool causal = kind == MaskKind::Causal;
   Buf y_cpu(dt, n), y_emu(dt, n);
+  if (causal) poison_causal_tails(x, rows, sq, sk, true);
   f.y = y_cpu.data();
   cpu::softmax_fwd_rows(f, 0, rows);
   f.y = y_emu.data();
   const char* err = cuda_emu::softmax_fwd(f, nullptr);
+  if (causal) poison_causal_tails(x, rows, sq, sk, false);
   expect(err == nullptr, tag + " fwd launch: " + (err ? err : ""));
   compare(tag + " y cpu vs fp64", y_cpu, y_ref, tol(dt));
   compare(tag + " y emu vs fp64", y_emu, y_ref, tol(dt));
@@ -166,12 +193,14 @@ void test_case(DType dt, MaskKind kind, int64_t b, int64_t h, int64_t sq, int64_
   g.sk = sk;
   g.scale = scale;
   g.dtype = dt;
-  g.causal = kind == MaskKind::Causal;
+  g.causal = causal;
   Buf dx_cpu(dt, n), dx_emu(dt, n);
+  if (causal) poison_causal_tails(y_cpu, rows, sq, sk, true), poison_causal_tails(dy, rows, sq, sk, true);
   g.dx = dx_cpu.data();
   cpu::softmax_bwd_rows(g, 0, rows);
   g.dx = dx_emu.data();
   err = cuda_emu::softmax_bwd(g, nullptr);
+  if (causal) poison_causal_tails(y_cpu, rows, sq, sk, false), poison_causal_tails(dy, rows, sq, sk, false);
   expect(err == nullptr, tag + " bwd launch: " + (err ? err : ""));
   compare(tag + " dx cpu vs fp64", dx_cpu, dx_ref, 2 * tol(dt));
   compare(tag + " dx emu vs fp64", dx_emu, dx_ref, 2 * tol(dt));
