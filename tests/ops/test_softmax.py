@@ -13,7 +13,7 @@ import torch
 
 from megakernels.ops import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.softmax import causal_mask, scaled_masked_softmax_reference
-from tests.helpers import Backend, assert_close_to_reference, kernel_grads, make, reference_grads
+from tests.helpers import TOLERANCE, Backend, assert_close_to_reference, kernel_grads, make, reference_grads
 
 SCALE = 0.37
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -55,6 +55,23 @@ def shape_for(backend: Backend, sk: int):
     return (2, 2, 3, sk) if sk <= 4097 else (1, 2, 2, sk)
 
 
+def assert_elementwise_close(out, ref, dx, rdx, dy, dtype, what):
+    """Per element, relative to the element itself: with long rows the probabilities are ~1/sk, so a tolerance
+    relative to max(1, max|ref|) alone would accept almost anything. y: |y - ref| <= tol |ref| (+ the denormal
+    range, which the kernels may flush). dx = scale * y * (dy - s) with |s| <= max|dy| (y sums to 1): its error
+    is bounded relative to scale * |y| * (|dy| + max|dy|)."""
+    tol = TOLERANCE[dtype]
+    fi = torch.finfo(dtype)
+    atol = fi.tiny * fi.eps + 2e-38
+    o, r = out.double().cpu(), ref.double().cpu()
+    bad = (o - r).abs() > tol * r.abs() + atol
+    assert not bad.any(), f"{what} y: {int(bad.sum())} elements off by more than {tol:g} relative"
+    g = dy.double().cpu()
+    bound = 2 * tol * abs(SCALE) * r.abs() * (g.abs() + g.abs().amax(-1, keepdim=True)) + atol
+    bad = (dx.double().cpu() - rdx.double().cpu()).abs() > bound
+    assert not bad.any(), f"{what} dx: {int(bad.sum())} elements off by more than their relative bound"
+
+
 def check_forward_backward(variant, backend, shape, dtype, mask=None, factor=1.0):
     x = make(shape, dtype, backend.device, scale=3.0, seed=0)
     dy = make(shape, dtype, backend.device, seed=99)
@@ -64,6 +81,7 @@ def check_forward_backward(variant, backend, shape, dtype, mask=None, factor=1.0
     assert out.dtype == dtype and dx.dtype == dtype
     assert_close_to_reference(out, ref, dtype, f"{variant} y", factor=factor)
     assert_close_to_reference(dx, rdx, dtype, f"{variant} dx", factor=2 * factor)
+    assert_elementwise_close(out, ref, dx, rdx, dy, dtype, str(variant))
     return out, dx
 
 
