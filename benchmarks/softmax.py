@@ -1,6 +1,7 @@
 """Softmax-family microbenchmarks: fused kernels vs PyTorch eager vs torch.compile of the same composition.
 
     python -m benchmarks.softmax [--quick] [--ops scaled,masked,causal] [--dtype float32,bfloat16] [--out DIR]
+                                 [--device cpu|cuda] [--shapes b,h,sq,sk;...]
 
 The eager composition is what a user would otherwise write for attention scores x [b, heads, sq, sk]:
 ``torch.softmax((x * scale).masked_fill(mask, -inf), -1)`` (the causal mask is built once, outside the timing).
@@ -28,6 +29,8 @@ SCALE = 0.125
 # [b, heads, sq, sk]: 16M scores (64 MiB in fp32) each, from short to long rows.
 SHAPES = [(4, 16, 512, 512), (1, 16, 1024, 1024), (1, 8, 512, 4096), (1, 2, 512, 16384)]
 QUICK_SHAPES = [(2, 4, 64, 128)]
+# On a GPU: 1G scores per shape (2 GiB in bf16), from Megatron's short rows to long-context ones.
+GPU_SHAPES = [(16, 32, 1024, 1024), (4, 32, 2048, 4096), (1, 16, 4096, 16384), (1, 8, 2048, 65536)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -64,13 +67,14 @@ COMPOSITIONS = {
 }
 
 
-def make_inputs(comp: Composition, shape, dtype, grad=False):
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=g) * 4).to(dtype)
-    dy = torch.randn(shape, generator=g).to(dtype)
+def make_inputs(comp: Composition, shape, dtype, grad=False, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(shape, generator=g, device=device) * 4).to(dtype)
+    dy = torch.randn(shape, generator=g, device=device).to(dtype)
     if grad:
         x.requires_grad_(True)
-    return x, comp.mask(shape), dy
+    mask = comp.mask(shape)
+    return x, (mask.to(device) if mask is not None else None), dy
 
 
 def step_fn(fn: Callable, x, mask, dy, backward: bool) -> Callable[[], None]:
@@ -97,7 +101,7 @@ def bytes_moved(shape, dtype, backward: bool) -> int:
     return 2 * n * elem + (3 * n * elem if backward else 0)
 
 
-def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print):
+def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print, device="cpu"):
     rows = []
     for name in ops:
         comp = COMPOSITIONS[name]
@@ -105,7 +109,7 @@ def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print):
             dtype = DTYPES[dtype_name]
             for shape in shapes:
                 for backward in (False, True):
-                    x, mask, dy = make_inputs(comp, shape, dtype, grad=backward)
+                    x, mask, dy = make_inputs(comp, shape, dtype, grad=backward, device=device)
                     t = {"fused": median_seconds(step_fn(comp.fused, x, mask, dy, backward), min_run_time),
                          "eager": median_seconds(step_fn(comp.eager, x, mask, dy, backward), min_run_time)}
                     if with_compile:
@@ -145,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help="semicolon list of b,h,sq,sk (default: the standard set)")
     p.add_argument("--quick", action="store_true", help="one small shape, short timing (a smoke run)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live (default cpu)")
     p.add_argument("--out", default=None, help="directory for softmax.json")
     args = p.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -155,7 +160,9 @@ def main(argv=None) -> int:
     for d in dtypes:
         if d not in DTYPES:
             p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU is available")
+    shapes = QUICK_SHAPES if args.quick else (GPU_SHAPES if args.device == "cuda" else SHAPES)
     if args.shapes:
         try:
             shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s]
@@ -166,11 +173,12 @@ def main(argv=None) -> int:
     info = machine()
     print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}")
     print(HEADER)
-    rows = run(ops, dtypes, shapes, with_compile=not args.no_compile, min_run_time=0.05 if args.quick else 0.5)
+    rows = run(ops, dtypes, shapes, with_compile=not args.no_compile, min_run_time=0.05 if args.quick else 0.5,
+               device=args.device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "softmax.json"), "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=1)
+            json.dump({"machine": info, "device": args.device, "results": rows}, f, indent=1)
     return 0
 
 
