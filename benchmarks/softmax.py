@@ -117,7 +117,7 @@ def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print, dev
                         compiled = torch.compile(comp.eager, dynamic=False)
                         t["compile"] = median_seconds(step_fn(compiled, x, mask, dy, backward), min_run_time)
                     row = {
-                        "op": name, "dtype": dtype_name, "shape": list(shape),
+                        "op": name, "device": device, "dtype": dtype_name, "shape": list(shape),
                         "pass": "fwd+bwd" if backward else "fwd",
                         "fused_ms": t["fused"] * 1e3, "eager_ms": t["eager"] * 1e3,
                         "compile_ms": t["compile"] * 1e3 if "compile" in t else None,
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         if d not in DTYPES:
             p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA GPU is available")
+        p.error("--device cuda: no CUDA device available")
     shapes = QUICK_SHAPES if args.quick else (GPU_SHAPES if args.device == "cuda" else SHAPES)
     if args.shapes:
         try:
@@ -170,15 +170,16 @@ def main(argv=None) -> int:
             p.error(f"--shapes: expected b,h,sq,sk[;b,h,sq,sk...], got {args.shapes!r}")
         if any(len(s) != 4 or min(s) < 1 for s in shapes):
             p.error(f"--shapes: each shape needs 4 positive sizes b,h,sq,sk, got {args.shapes!r}")
-    info = machine()
-    print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}")
+    info = machine(args.device)
+    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
+    print(f"# {where}, torch {info['torch']}, commit {info['commit']}")
     print(HEADER)
     rows = run(ops, dtypes, shapes, with_compile=not args.no_compile, min_run_time=0.05 if args.quick else 0.5,
                device=args.device)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "softmax.json"), "w") as f:
-            json.dump({"machine": info, "device": args.device, "results": rows}, f, indent=1)
+            json.dump({"machine": info, "results": rows}, f, indent=1)
     return 0
 
 

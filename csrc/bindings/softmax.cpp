@@ -9,6 +9,20 @@ namespace megakernels {
 namespace bindings {
 namespace {
 
+// The CUDA launchers of softmax_cuda.cu, as built by nvcc or for the emulator.
+struct SoftmaxKernels {
+  const char* (*softmax_fwd)(const softmax::FwdArgs&, void*);
+  const char* (*softmax_bwd)(const softmax::BwdArgs&, void*);
+};
+#define MK_SOFTMAX_KERNELS(ns) \
+  SoftmaxKernels { &ns::softmax_fwd, &ns::softmax_bwd }
+
+const SoftmaxKernels* kernels_for(const at::Tensor& x, bool emulate) {
+  static const SoftmaxKernels* cuda_table = MK_IF_CUDA(new SoftmaxKernels(MK_SOFTMAX_KERNELS(cuda)));
+  static const SoftmaxKernels* emu_table = MK_IF_EMU(new SoftmaxKernels(MK_SOFTMAX_KERNELS(cuda_emu)));
+  return select_kernels(x, emulate, cuda_table, emu_table);
+}
+
 // Rows per at::parallel_for grain: enough elements per task to amortise the task overhead.
 int64_t row_grain(int64_t sk) { return std::max<int64_t>(1, 16384 / sk); }
 
@@ -76,15 +90,9 @@ at::Tensor softmax_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& 
   a.dtype = to_dtype(x.scalar_type());
   a.kind = mask_in.has_value() ? softmax::MaskKind::Bool
                                : (causal ? softmax::MaskKind::Causal : softmax::MaskKind::None);
-  if (x.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(x.device());
-    raise_if(op, cuda::softmax_fwd(a, stream_of(x)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    raise_if(op, cuda_emu::softmax_fwd(a, nullptr));
-#endif
+  if (const SoftmaxKernels* k = kernels_for(x, emulate)) {
+    LaunchScope scope(x);
+    raise_if(op, k->softmax_fwd(a, scope.stream()));
   } else {
     at::parallel_for(0, a.rows, row_grain(sk), [&](int64_t b, int64_t e) { cpu::softmax_fwd_rows(a, b, e); });
   }
@@ -112,15 +120,9 @@ at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y_in, double s
   a.scale = scale;
   a.dtype = to_dtype(y.scalar_type());
   a.causal = causal;
-  if (y.is_cuda()) {
-#ifdef MEGAKERNELS_WITH_CUDA
-    c10::cuda::CUDAGuard guard(y.device());
-    raise_if(op, cuda::softmax_bwd(a, stream_of(y)));
-#endif
-  } else if (emulate) {
-#ifdef MEGAKERNELS_WITH_EMU
-    raise_if(op, cuda_emu::softmax_bwd(a, nullptr));
-#endif
+  if (const SoftmaxKernels* k = kernels_for(y, emulate)) {
+    LaunchScope scope(y);
+    raise_if(op, k->softmax_bwd(a, scope.stream()));
   } else {
     at::parallel_for(0, a.rows, row_grain(a.sk), [&](int64_t b, int64_t e) { cpu::softmax_bwd_rows(a, b, e); });
   }
