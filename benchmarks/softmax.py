@@ -29,8 +29,8 @@ SCALE = 0.125
 # [b, heads, sq, sk]: 16M scores (64 MiB in fp32) each, from short to long rows.
 SHAPES = [(4, 16, 512, 512), (1, 16, 1024, 1024), (1, 8, 512, 4096), (1, 2, 512, 16384)]
 QUICK_SHAPES = [(2, 4, 64, 128)]
-# On a GPU: 1G scores per shape (2 GiB in bf16), from Megatron's short rows to long-context ones.
-GPU_SHAPES = [(16, 32, 1024, 1024), (4, 32, 2048, 4096), (1, 16, 4096, 16384), (1, 8, 2048, 65536)]
+# On a GPU: 256M scores per shape (512 MiB in bf16, far past L2), from Megatron's short rows to long-context ones.
+GPU_SHAPES = [(8, 32, 1024, 1024), (2, 32, 1024, 4096), (1, 16, 1024, 16384), (1, 4, 1024, 65536)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
