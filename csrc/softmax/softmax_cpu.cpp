@@ -76,8 +76,11 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
       const unsigned char* mr = a.mask + (bh / a.heads) * a.mask_sb + (bh % a.heads) * a.mask_sh + i * a.mask_sq;
 #pragma omp simd reduction(max : m) reduction(+ : masked)
       for (int64_t j = 0; j < n; ++j) {
+        // x is read unconditionally, then selected: written as `mj ? -inf : x * scale`, gcc turns the read into
+        // a masked (fault-suppressing) vector load, which made this loop 3x slower than the unmasked one.
+        const A xs = v[j] * scale;
         const bool mj = mr[j] != 0;
-        const A zj = mj ? ninf : v[j] * scale;
+        const A zj = mj ? ninf : xs;
         z[j] = zj;
         m = std::max(m, zj);
         masked += mj;
