@@ -2,5 +2,6 @@
 
 from megakernels.nn.bias_gelu import FusedBiasGeLU
 from megakernels.nn.norms import FusedLayerNorm, FusedRMSNorm
+from megakernels.nn.softmax import FusedScaleMaskSoftmax
 
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU"]
+__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU", "FusedScaleMaskSoftmax"]

@@ -1,0 +1,46 @@
+"""pytest-benchmark suite of the softmax family: fused vs eager vs torch.compile, fwd and fwd+bwd, fp32 and bf16.
+
+    pytest benchmarks/test_bench_softmax.py                       # full timing
+    pytest benchmarks/test_bench_softmax.py --benchmark-disable   # quick check that everything runs (CI)
+
+Never asserts on time (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.softmax import COMPOSITIONS, DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
+
+IMPLS = ["fused", "eager", "compile"]
+_compiled = {}
+
+
+def implementation(comp, impl):
+    if impl == "compile":
+        if comp.name not in _compiled:
+            _compiled[comp.name] = torch.compile(comp.eager, dynamic=False)
+        return _compiled[comp.name]
+    return getattr(comp, impl)
+
+
+def shapes(config):
+    return QUICK_SHAPES if config.getoption("benchmark_disable") else SHAPES
+
+
+def pytest_generate_tests(metafunc):
+    if "shape" in metafunc.fixturenames:
+        metafunc.parametrize("shape", shapes(metafunc.config), ids=lambda s: "x".join(map(str, s)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", list(COMPOSITIONS))
+def test_softmax(benchmark, op, dtype, passes, impl, shape):
+    comp = COMPOSITIONS[op]
+    x, mask, dy = make_inputs(comp, shape, DTYPES[dtype], grad=passes != "fwd")
+    fn = step_fn(implementation(comp, impl), x, mask, dy, backward=passes != "fwd")
+    benchmark.group = f"softmax {op} {dtype} {'x'.join(map(str, shape))} {passes}"
+    benchmark(fn)

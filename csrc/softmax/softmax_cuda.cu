@@ -1,0 +1,381 @@
+// CUDA kernels of the softmax family (scaled, scaled + boolean mask, scaled + causal mask), forward and backward.
+// No torch headers: compiles in seconds with nvcc, and unchanged with g++ against csrc/emu (softmax_cuda_emu.cpp).
+//
+// Design (why):
+// - A "row group" owns a row. One warp for rows of up to 8 packs per lane (sk <= 2048 bf16 / 1024 fp32): the
+//   reductions are pure shuffles and a 128-thread block serves 4 rows. Longer rows get a whole block (64..1024
+//   threads, ~8 packs in flight per thread) and loop, so any sk works: there is no register-resident row and no
+//   per-length instantiation, which is what capped Megatron's kernels at 16k (2k for the causal one).
+// - Packs are 16 bytes (8 bf16/fp16, 4 fp32): one vectorised load per pack, the widest the memory system issues,
+//   used when sk is a multiple of the pack and every row start is 16-byte aligned; otherwise packs of 1.
+// - Forward is two passes over x: an online (max, sum of exp) pass, rescaled once per pack rather than once per
+//   element, then a pass that writes y. The second read of the row hits L1/L2 (it was just read by the same
+//   threads), so x costs ~one DRAM read: the same traffic as caching it, without its size limit.
+// - The causal kernel runs both passes over the valid prefix of each row only (the straddling pack is read
+//   element by element) and writes the masked tail without reading x: about half the reads and exps of the full
+//   square for sq == sk.
+// - The boolean mask is read through its own strides, so a [1 or b, 1 or h, 1 or sq, sk] mask is broadcast in
+//   place, never materialised.
+// - Backward needs only y and dy: one pass for sum(dy * y), one that writes dx (again re-reading from cache).
+#include <cstdint>
+
+#include "../common/cuda_compat.h"
+#include "softmax.h"
+
+#ifdef MEGAKERNELS_CUDA_EMU
+#define MK_NS cuda_emu
+#else
+#define MK_NS cuda
+#endif
+
+namespace megakernels {
+namespace MK_NS {
+namespace {
+
+using softmax::BwdArgs;
+using softmax::FwdArgs;
+using softmax::MaskKind;
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  __device__ __forceinline__ static float from(float v) { return v; }
+};
+template <>
+struct Cvt<double> {
+  __device__ __forceinline__ static double from(double v) { return v; }
+};
+template <>
+struct Cvt<__half> {
+  __device__ __forceinline__ static __half from(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  __device__ __forceinline__ static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N, typename A>
+__device__ __forceinline__ void load_pack(const T* p, int64_t j, A (&out)[N]) {
+  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p + j);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = A(to_acc(pk.v[k]));
+}
+
+// Elements [j, j+N) of a row of which only [0, n) may be read: a whole pack when it fits, else one by one.
+template <typename T, int N, typename A>
+__device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A (&out)[N]) {
+  if (j + N <= n) {
+    load_pack<T, N>(p, j, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = j + k < n ? A(to_acc(p[j + k])) : A(0);
+  }
+}
+
+template <typename T, int N, typename A>
+__device__ __forceinline__ void store_pack(T* p, int64_t j, const A (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
+  *reinterpret_cast<Pack<T, N>*>(p + j) = pk;
+}
+
+template <int N>
+__device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, bool (&out)[N]) {
+  Pack<unsigned char, N> pk = *reinterpret_cast<const Pack<unsigned char, N>*>(m + j);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = pk.v[k] != 0;
+}
+
+template <typename A>
+__device__ __forceinline__ A max_of(A a, A b) {
+  return b > a ? b : a;
+}
+struct MaxOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const { return max_of(a, b); }
+};
+struct SumOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+
+// Reduction over a row group: shuffles within the warp; for a block-wide group one more level through shared
+// memory. `group_threads` is uniform over the block, so the __syncthreads() below are never divergent.
+template <typename A, typename Op>
+__device__ __forceinline__ A group_reduce(A v, int group_threads, A* smem, A identity, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (group_threads <= 32) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();  // every warp has read the previous reduction's smem
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < warps ? smem[lane] : identity;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ bool group_any(bool p, int group_threads) {
+  return group_threads <= 32 ? __any_sync(0xffffffffu, p) != 0 : __syncthreads_or(p) != 0;
+}
+
+template <typename T, int N, MaskKind K>
+__global__ void softmax_fwd_kernel(FwdArgs a, int group_threads) {
+  using A = typename AccOf<T>::type;
+  __shared__ A smem[32];
+  const A scale = A(a.scale);
+  const A ninf = -A(INFINITY);
+  const int64_t sk = a.sk;
+  const int groups = blockDim.x / group_threads;
+  const int t = threadIdx.x % group_threads;
+  const int64_t step = int64_t(group_threads) * N;
+  for (int64_t row = int64_t(blockIdx.x) * groups + threadIdx.x / group_threads; row < a.rows;
+       row += int64_t(gridDim.x) * groups) {
+    const T* xr = static_cast<const T*>(a.x) + row * sk;
+    T* yr = static_cast<T*>(a.y) + row * sk;
+    const int64_t i = row % a.sq;
+    const int64_t n = K == MaskKind::Causal ? softmax::causal_valid(i, a.sq, sk) : sk;
+    const unsigned char* mr = nullptr;
+    if (K == MaskKind::Bool) {
+      const int64_t bh = row / a.sq;
+      mr = a.mask + (bh / a.heads) * a.mask_sb + (bh % a.heads) * a.mask_sh + i * a.mask_sq;
+    }
+    // Pass 1: this thread's running max m and sum s of exp(z - m) over its valid elements. -inf inputs add
+    // nothing (and must not: exp(-inf - -inf) is NaN); a NaN input makes s NaN.
+    A m = ninf, s = A(0);
+    bool any_valid = false;
+    for (int64_t j = int64_t(t) * N; j < n; j += step) {
+      A z[N];
+      bool ok[N];
+      load_prefix<T, N>(xr, j, n, z);
+      if (K == MaskKind::Bool) {
+        load_mask<N>(mr, j, ok);
+#pragma unroll
+        for (int k = 0; k < N; ++k) ok[k] = !ok[k];
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) ok[k] = j + k < n;
+      }
+      A pm = ninf;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        z[k] = ok[k] ? z[k] * scale : ninf;
+        pm = max_of(pm, z[k]);
+        any_valid |= ok[k];
+      }
+      if (pm > m) {
+        s = s * softmax::softmax_exp(m - pm);
+        m = pm;
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += z[k] == ninf ? A(0) : softmax::softmax_exp(z[k] - m);
+    }
+    const A gm = group_reduce(m, group_threads, smem, ninf, MaxOp());
+    const A gs = group_reduce(m == ninf ? A(0) : s * softmax::softmax_exp(m - gm), group_threads, smem, A(0), SumOp());
+    const bool row_valid = K == MaskKind::Bool ? group_any(any_valid, group_threads) : n > 0;
+    // Valid inputs that are all -inf, or a +inf among them, give torch.softmax's NaN row.
+    A inv = (gm == ninf || gm == -ninf) ? A(NAN) : A(1) / gs;
+    if (!row_valid) inv = A(0);
+    const A fill = A(0) * inv;  // masked positions: 0, or NaN in a NaN row
+    // Pass 2: write y over the whole row; x is re-read (from cache) only where it is valid.
+    for (int64_t j = int64_t(t) * N; j < sk; j += step) {
+      A z[N];
+      if (j < n && row_valid) {
+        bool ok[N];
+        load_prefix<T, N>(xr, j, n, z);
+        if (K == MaskKind::Bool) {
+          load_mask<N>(mr, j, ok);
+#pragma unroll
+          for (int k = 0; k < N; ++k) ok[k] = !ok[k];
+        } else {
+#pragma unroll
+          for (int k = 0; k < N; ++k) ok[k] = j + k < n;
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) z[k] = ok[k] ? softmax::softmax_exp(z[k] * scale - gm) * inv : fill;
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) z[k] = fill;
+      }
+      store_pack<T, N>(yr, j, z);
+    }
+  }
+}
+
+template <typename T, int N, bool CAUSAL>
+__global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
+  using A = typename AccOf<T>::type;
+  __shared__ A smem[32];
+  const A scale = A(a.scale);
+  const int64_t sk = a.sk;
+  const int groups = blockDim.x / group_threads;
+  const int t = threadIdx.x % group_threads;
+  const int64_t step = int64_t(group_threads) * N;
+  for (int64_t row = int64_t(blockIdx.x) * groups + threadIdx.x / group_threads; row < a.rows;
+       row += int64_t(gridDim.x) * groups) {
+    const T* yr = static_cast<const T*>(a.y) + row * sk;
+    const T* gr = static_cast<const T*>(a.dy) + row * sk;
+    T* dxr = static_cast<T*>(a.dx) + row * sk;
+    const int64_t n = CAUSAL ? softmax::causal_valid(row % a.sq, a.sq, sk) : sk;
+    A s = A(0);
+    for (int64_t j = int64_t(t) * N; j < n; j += step) {
+      A y[N], g[N];
+      load_prefix<T, N>(yr, j, n, y);  // past n both read as 0
+      load_prefix<T, N>(gr, j, n, g);
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += y[k] * g[k];
+    }
+    s = group_reduce(s, group_threads, smem, A(0), SumOp());
+    for (int64_t j = int64_t(t) * N; j < sk; j += step) {
+      A d[N];
+      if (j < n) {
+        A y[N];
+        load_prefix<T, N>(yr, j, n, y);
+        load_prefix<T, N>(gr, j, n, d);
+#pragma unroll
+        for (int k = 0; k < N; ++k) d[k] = j + k < n ? scale * y[k] * (d[k] - s) : A(0);
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) d[k] = A(0);
+      }
+      store_pack<T, N>(dxr, j, d);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch planning (host side).
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    sms = 1;
+  return sms > 0 ? sms : 1;
+}
+
+struct Plan {
+  int group_threads;  // threads per row
+  int block;          // threads per block
+  int64_t grid;
+};
+
+Plan plan_rows(int64_t rows, int64_t packs) {
+  Plan p;
+  if (packs <= 32 * 8) {
+    p.group_threads = 32;
+    p.block = 128;
+  } else {
+    const int64_t threads = (packs / 8 + 31) / 32 * 32;
+    p.group_threads = p.block = int(threads < 64 ? 64 : (threads > 1024 ? 1024 : threads));
+  }
+  const int64_t groups = p.block / p.group_threads;
+  const int64_t needed = (rows + groups - 1) / groups;
+  const int64_t cap = int64_t(sm_count()) * 16;  // enough resident blocks to hide latency; rows loop beyond
+  p.grid = needed < cap ? needed : cap;
+  if (p.grid < 1) p.grid = 1;
+  return p;
+}
+
+bool aligned(const void* p, int64_t bytes) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+const char* last_error() {
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+template <typename T, int N, MaskKind K>
+void launch_fwd(const FwdArgs& a, cudaStream_t s) {
+  const Plan p = plan_rows(a.rows, a.sk / N);
+  MK_LAUNCH((softmax_fwd_kernel<T, N, K>), dim3(unsigned(p.grid)), dim3(p.block), 0, s, a, p.group_threads);
+}
+
+template <typename T, int N>
+void launch_fwd_kind(const FwdArgs& a, cudaStream_t s) {
+  switch (a.kind) {
+    case MaskKind::None: return launch_fwd<T, N, MaskKind::None>(a, s);
+    case MaskKind::Bool: return launch_fwd<T, N, MaskKind::Bool>(a, s);
+    case MaskKind::Causal: return launch_fwd<T, N, MaskKind::Causal>(a, s);
+  }
+}
+
+template <typename T>
+const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(T);
+  // Vector packs need every row of x, y and the mask to start aligned: x and y are contiguous, but a mask view
+  // (a slice of a wider mask) can have any strides.
+  const bool mask_ok = a.kind != MaskKind::Bool ||
+                       (aligned(a.mask, V) && a.mask_sb % V == 0 && a.mask_sh % V == 0 && a.mask_sq % V == 0);
+  const bool vec = a.sk % V == 0 && aligned(a.x, 16) && aligned(a.y, 16) && mask_ok;
+  if (vec) launch_fwd_kind<T, V>(a, s);
+  else launch_fwd_kind<T, 1>(a, s);
+  return last_error();
+}
+
+template <typename T>
+const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(T);
+  const bool vec = a.sk % V == 0 && aligned(a.y, 16) && aligned(a.dy, 16) && aligned(a.dx, 16);
+  const Plan p = plan_rows(a.rows, vec ? a.sk / V : a.sk);
+  const dim3 grid(unsigned(p.grid)), block(p.block);
+  if (vec) {
+    if (a.causal) MK_LAUNCH((softmax_bwd_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
+    else MK_LAUNCH((softmax_bwd_kernel<T, V, false>), grid, block, 0, s, a, p.group_threads);
+  } else {
+    if (a.causal) MK_LAUNCH((softmax_bwd_kernel<T, 1, true>), grid, block, 0, s, a, p.group_threads);
+    else MK_LAUNCH((softmax_bwd_kernel<T, 1, false>), grid, block, 0, s, a, p.group_threads);
+  }
+  return last_error();
+}
+
+template <template <typename> class F, typename Args>
+const char* dispatch(const Args& a, void* stream) {
+  if (a.rows == 0 || a.sk == 0) return nullptr;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case DType::F32: return F<float>::run(a, s);
+    case DType::F64: return F<double>::run(a, s);
+    case DType::BF16: return F<__nv_bfloat16>::run(a, s);
+    case DType::F16: return F<__half>::run(a, s);
+  }
+  return "unsupported dtype";
+}
+
+template <typename T>
+struct Fwd {
+  static const char* run(const FwdArgs& a, cudaStream_t s) { return run_fwd<T>(a, s); }
+};
+template <typename T>
+struct Bwd {
+  static const char* run(const BwdArgs& a, cudaStream_t s) { return run_bwd<T>(a, s); }
+};
+
+}  // namespace
+
+const char* softmax_fwd(const FwdArgs& a, void* stream) { return dispatch<Fwd>(a, stream); }
+const char* softmax_bwd(const BwdArgs& a, void* stream) { return dispatch<Bwd>(a, stream); }
+
+}  // namespace MK_NS
+}  // namespace megakernels
