@@ -17,13 +17,8 @@
 #include <initializer_list>
 
 #include "../common/cuda_compat.h"
+#include "../common/cuda_kernels.cuh"
 #include "norms.h"
-
-#ifdef MEGAKERNELS_CUDA_EMU
-#define MK_NS cuda_emu
-#else
-#define MK_NS cuda
-#endif
 
 namespace megakernels {
 namespace MK_NS {
@@ -33,87 +28,15 @@ using norms::BiasGeluArgs;
 using norms::BwdArgs;
 using norms::FwdArgs;
 
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-struct Cvt;
-template <>
-struct Cvt<float> {
-  __device__ __forceinline__ static float from(float v) { return v; }
-};
-template <>
-struct Cvt<double> {
-  __device__ __forceinline__ static double from(double v) { return v; }
-};
-template <>
-struct Cvt<__half> {
-  __device__ __forceinline__ static __half from(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Cvt<__nv_bfloat16> {
-  __device__ __forceinline__ static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // Loads N consecutive parameters as accumulate values; an absent parameter reads as `fill`.
 template <typename W, int N, typename A>
 __device__ __forceinline__ void load_param(const W* p, int64_t j, A fill, A (&out)[N]) {
   if (p) {
-    Pack<W, N> pk = *reinterpret_cast<const Pack<W, N>*>(p + j);
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = A(to_acc(pk.v[k]));
+    load_pack<W, N>(p, j, out);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = fill;
   }
-}
-
-template <typename T, int N, typename A>
-__device__ __forceinline__ void load_pack(const T* p, int64_t j, A (&out)[N]) {
-  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p + j);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = A(to_acc(pk.v[k]));
-}
-
-template <typename T, int N, typename A>
-__device__ __forceinline__ void store_pack(T* p, int64_t j, const A (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p + j) = pk;
-}
-
-// Sum over a row group: shuffles within the warp; for a block-wide group, one more level through shared memory.
-// `group_threads` is uniform over the block, so the __syncthreads() below is never divergent.
-template <typename A>
-__device__ __forceinline__ A group_sum(A v, int group_threads, A* smem) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (group_threads <= 32) return v;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  __syncthreads();  // every warp has read the previous reduction's smem
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  v = lane < warps ? smem[lane] : A(0);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 template <typename A>
@@ -328,45 +251,16 @@ __global__ void bias_gelu_bwd_kernel(BiasGeluArgs a, int group_threads) {
 // ---------------------------------------------------------------------------------------------------------------
 // Launch planning (host side).
 
-int sm_count() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    sms = 1;
-  return sms > 0 ? sms : 1;
-}
-
 int64_t elem_size(DType d) { return d == DType::F64 ? 8 : (d == DType::F32 ? 4 : 2); }
-
-struct Plan {
-  int group_threads;  // threads per row
-  int block;          // threads per block
-  int64_t grid;
-  int64_t workers() const { return grid * (block / group_threads); }
-};
 
 // `max_blocks_per_sm` bounds the grid: forward passes want many resident blocks for latency hiding; backward
 // passes want few workers, since each worker owns a [2, hidden] fp32 partial row.
-Plan plan_rows(int64_t rows, int64_t hidden, DType x_dtype, int max_blocks_per_sm) {
-  const int64_t packs = (hidden + (16 / elem_size(x_dtype)) - 1) / (16 / elem_size(x_dtype));
-  Plan p;
-  if (packs <= 32 * 8) {
-    p.group_threads = 32;
-    p.block = 128;
-  } else {
-    int64_t threads = (packs / 8 + 31) / 32 * 32;
-    p.group_threads = p.block = int(threads < 64 ? 64 : (threads > 1024 ? 1024 : threads));
-  }
-  const int64_t groups = p.block / p.group_threads;
-  const int64_t needed = (rows + groups - 1) / groups;
-  const int64_t cap = int64_t(sm_count()) * max_blocks_per_sm;
-  p.grid = needed < cap ? needed : cap;
-  if (p.grid < 1) p.grid = 1;
-  return p;
+RowPlan norm_plan(int64_t rows, int64_t hidden, DType x_dtype, int max_blocks_per_sm) {
+  const int64_t per_pack = 16 / elem_size(x_dtype);  // the vector width decides the shape, scalar path or not
+  return plan_rows(rows, (hidden + per_pack - 1) / per_pack, max_blocks_per_sm);
 }
 constexpr int kFwdBlocksPerSm = 16;
 constexpr int kBwdBlocksPerSm = 2;
-
-bool aligned(const void* p, int64_t bytes) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
 // Pack width N: 16 bytes of T when every row starts 16-byte aligned and all pointers allow it, else 1.
 template <typename T, typename W>
@@ -380,15 +274,10 @@ int pack_width(int64_t hidden, std::initializer_list<const void*> row_ptrs, std:
   return N;
 }
 
-const char* last_error() {
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
-}
-
 template <typename T, typename W>
 const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
-  const Plan p = plan_rows(a.rows, a.hidden, a.x_dtype, kFwdBlocksPerSm);
+  const RowPlan p = norm_plan(a.rows, a.hidden, a.x_dtype, kFwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.y}, {a.w, a.b}) == V;
   if (a.rms) {
     if (vec) MK_LAUNCH((norm_fwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
@@ -413,7 +302,7 @@ template <typename T, typename W>
 const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
   using A = typename AccOf<T>::type;
   constexpr int V = 16 / sizeof(T);
-  const Plan p = plan_rows(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
+  const RowPlan p = norm_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.dy, a.dx}, {a.w, a.b}) == V;
   if (a.rms) {
     if (vec) MK_LAUNCH((norm_bwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
@@ -444,7 +333,7 @@ template <typename T, typename W>
 const char* run_bias_gelu_bwd(const BiasGeluArgs& a, cudaStream_t s) {
   using A = typename AccOf<T>::type;
   constexpr int V = 16 / sizeof(T);
-  const Plan p = plan_rows(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
+  const RowPlan p = norm_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.dy, a.y}, {a.bias}) == V;
   if (vec) MK_LAUNCH((bias_gelu_bwd_kernel<T, W, V>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
   else MK_LAUNCH((bias_gelu_bwd_kernel<T, W, 1>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
@@ -487,7 +376,7 @@ struct BgBwd {
 
 int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   if (rows <= 0) return 0;
-  return plan_rows(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden * (x_dtype == DType::F64 ? 8 : 4);
+  return norm_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden * (x_dtype == DType::F64 ? 8 : 4);
 }
 int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   return norm_bwd_workspace_bytes(rows, hidden, x_dtype) / 2;

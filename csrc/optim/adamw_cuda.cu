@@ -16,13 +16,8 @@
 #include <cstdint>
 
 #include "../common/cuda_compat.h"
+#include "../common/cuda_kernels.cuh"
 #include "optim.h"
-
-#ifdef MEGAKERNELS_CUDA_EMU
-#define MK_NS cuda_emu
-#else
-#define MK_NS cuda
-#endif
 
 namespace megakernels {
 namespace MK_NS {
@@ -39,44 +34,6 @@ constexpr int kMaxChunks = 256;
 constexpr int kMaxListTensors = 96;   // check / norm: 16 bytes per tensor
 constexpr int kMaxSteps = 480;
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-struct Cvt;
-template <>
-struct Cvt<float> {
-  __device__ __forceinline__ static float from(float v) { return v; }
-};
-template <>
-struct Cvt<__half> {
-  __device__ __forceinline__ static __half from(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Cvt<__nv_bfloat16> {
-  __device__ __forceinline__ static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ void load(const T* p, int64_t i, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p + i);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = to_f(pk.v[k]);
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void store(T* p, int64_t i, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p + i) = pk;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Kernel argument tables.
@@ -115,17 +72,17 @@ template <typename P, typename S, bool MASTER, int N>
 __device__ __forceinline__ void adamw_elems(const AdamWTensor& t, int64_t i, float scale,
                                             const optim::AdamWCoeffs& c) {
   float p[N], g[N], m[N], v[N];
-  if (MASTER) load<float, N>(t.master, i, p);
-  else load<P, N>(static_cast<const P*>(t.param), i, p);
-  load<P, N>(static_cast<const P*>(t.grad), i, g);
-  load<S, N>(static_cast<const S*>(t.exp_avg), i, m);
-  load<S, N>(static_cast<const S*>(t.exp_avg_sq), i, v);
+  if (MASTER) load_pack<float, N>(t.master, i, p);
+  else load_pack<P, N>(static_cast<const P*>(t.param), i, p);
+  load_pack<P, N>(static_cast<const P*>(t.grad), i, g);
+  load_pack<S, N>(static_cast<const S*>(t.exp_avg), i, m);
+  load_pack<S, N>(static_cast<const S*>(t.exp_avg_sq), i, v);
 #pragma unroll
   for (int k = 0; k < N; ++k) optim::adamw_update(p[k], g[k] / scale, m[k], v[k], c);
-  store<S, N>(static_cast<S*>(t.exp_avg), i, m);
-  store<S, N>(static_cast<S*>(t.exp_avg_sq), i, v);
-  if (MASTER) store<float, N>(t.master, i, p);
-  store<P, N>(static_cast<P*>(t.param), i, p);
+  store_pack<S, N>(static_cast<S*>(t.exp_avg), i, m);
+  store_pack<S, N>(static_cast<S*>(t.exp_avg_sq), i, v);
+  if (MASTER) store_pack<float, N>(t.master, i, p);
+  store_pack<P, N>(static_cast<P*>(t.param), i, p);
 }
 
 template <typename P, typename S, bool MASTER>
@@ -159,7 +116,7 @@ __global__ void nonfinite_kernel(ListBatch b, int64_t chunk_size, const float* g
   const int64_t end = (b.numels[ti] - begin < chunk_size) ? b.numels[ti] : begin + chunk_size;
   const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
   int bad = 0;
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) bad |= !isfinite(to_f(x[i]) / scale);
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) bad |= !isfinite(to_acc(x[i]) / scale);
   // One writer per block; blocks only ever write 1, so concurrent blocks agree.
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
 }
@@ -185,7 +142,7 @@ __global__ void sumsq_kernel(ListBatch b, int64_t chunk_size, float* partials) {
   const int64_t end = (b.numels[ti] - begin < chunk_size) ? b.numels[ti] : begin + chunk_size;
   float s = 0.0f;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float v = to_f(x[i]);
+    const float v = to_acc(x[i]);
     s += v * v;
   }
   s = block_sum(s, smem);
@@ -202,13 +159,6 @@ __global__ void finish_norm_kernel(const float* partials, int64_t n, float* out)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Host side: cutting lists into launches.
-
-const char* last_error() {
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
-}
-
-bool aligned(const void* p, int64_t bytes) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Walks the (tensor, chunk) pairs of a list in order and packs them into launch tables: set_tensor(slot, t) puts
 // tensor t into a table slot, add_chunk(pos, slot, c) makes block `pos` handle chunk c of that slot, and

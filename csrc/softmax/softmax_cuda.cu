@@ -20,13 +20,8 @@
 #include <cstdint>
 
 #include "../common/cuda_compat.h"
+#include "../common/cuda_kernels.cuh"
 #include "softmax.h"
-
-#ifdef MEGAKERNELS_CUDA_EMU
-#define MK_NS cuda_emu
-#else
-#define MK_NS cuda
-#endif
 
 namespace megakernels {
 namespace MK_NS {
@@ -36,52 +31,6 @@ using softmax::BwdArgs;
 using softmax::FwdArgs;
 using softmax::MaskKind;
 
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-struct Cvt;
-template <>
-struct Cvt<float> {
-  __device__ __forceinline__ static float from(float v) { return v; }
-};
-template <>
-struct Cvt<double> {
-  __device__ __forceinline__ static double from(double v) { return v; }
-};
-template <>
-struct Cvt<__half> {
-  __device__ __forceinline__ static __half from(float v) { return __float2half_rn(v); }
-};
-template <>
-struct Cvt<__nv_bfloat16> {
-  __device__ __forceinline__ static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <typename T, int N, typename A>
-__device__ __forceinline__ void load_pack(const T* p, int64_t j, A (&out)[N]) {
-  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p + j);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = A(to_acc(pk.v[k]));
-}
-
-// Elements [j, j+N) of a row of which only [0, n) may be read: a whole pack when it fits, else one by one.
 template <typename T, int N, typename A>
 __device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A (&out)[N]) {
   if (j + N <= n) {
@@ -92,49 +41,11 @@ __device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A 
   }
 }
 
-template <typename T, int N, typename A>
-__device__ __forceinline__ void store_pack(T* p, int64_t j, const A (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p + j) = pk;
-}
-
 template <int N>
 __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, bool (&out)[N]) {
   Pack<unsigned char, N> pk = *reinterpret_cast<const Pack<unsigned char, N>*>(m + j);
 #pragma unroll
   for (int k = 0; k < N; ++k) out[k] = pk.v[k] != 0;
-}
-
-template <typename A>
-__device__ __forceinline__ A max_of(A a, A b) {
-  return b > a ? b : a;
-}
-struct MaxOp {
-  template <typename A>
-  __device__ __forceinline__ A operator()(A a, A b) const { return max_of(a, b); }
-};
-struct SumOp {
-  template <typename A>
-  __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
-};
-
-// Reduction over a row group: shuffles within the warp; for a block-wide group one more level through shared
-// memory. `group_threads` is uniform over the block, so the __syncthreads() below are never divergent.
-template <typename A, typename Op>
-__device__ __forceinline__ A group_reduce(A v, int group_threads, A* smem, A identity, Op op) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (group_threads <= 32) return v;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  __syncthreads();  // every warp has read the previous reduction's smem
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  v = lane < warps ? smem[lane] : identity;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 __device__ __forceinline__ bool group_any(bool p, int group_threads) {
@@ -182,7 +93,7 @@ __global__ void softmax_fwd_kernel(FwdArgs a, int group_threads) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         z[k] = ok[k] ? z[k] * scale : ninf;
-        pm = max_of(pm, z[k]);
+        pm = MaxOp()(pm, z[k]);
         any_valid |= ok[k];
       }
       if (pm > m) {
@@ -268,47 +179,11 @@ __global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
 // ---------------------------------------------------------------------------------------------------------------
 // Launch planning (host side).
 
-int sm_count() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    sms = 1;
-  return sms > 0 ? sms : 1;
-}
-
-struct Plan {
-  int group_threads;  // threads per row
-  int block;          // threads per block
-  int64_t grid;
-};
-
-Plan plan_rows(int64_t rows, int64_t packs) {
-  Plan p;
-  if (packs <= 32 * 8) {
-    p.group_threads = 32;
-    p.block = 128;
-  } else {
-    const int64_t threads = (packs / 8 + 31) / 32 * 32;
-    p.group_threads = p.block = int(threads < 64 ? 64 : (threads > 1024 ? 1024 : threads));
-  }
-  const int64_t groups = p.block / p.group_threads;
-  const int64_t needed = (rows + groups - 1) / groups;
-  const int64_t cap = int64_t(sm_count()) * 16;  // enough resident blocks to hide latency; rows loop beyond
-  p.grid = needed < cap ? needed : cap;
-  if (p.grid < 1) p.grid = 1;
-  return p;
-}
-
-bool aligned(const void* p, int64_t bytes) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
-
-const char* last_error() {
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
-}
+constexpr int kBlocksPerSm = 16;  // enough resident blocks to hide latency; row groups loop beyond
 
 template <typename T, int N, MaskKind K>
 void launch_fwd(const FwdArgs& a, cudaStream_t s) {
-  const Plan p = plan_rows(a.rows, a.sk / N);
+  const RowPlan p = plan_rows(a.rows, a.sk / N, kBlocksPerSm);
   MK_LAUNCH((softmax_fwd_kernel<T, N, K>), dim3(unsigned(p.grid)), dim3(p.block), 0, s, a, p.group_threads);
 }
 
@@ -338,7 +213,7 @@ template <typename T>
 const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = a.sk % V == 0 && aligned(a.y, 16) && aligned(a.dy, 16) && aligned(a.dx, 16);
-  const Plan p = plan_rows(a.rows, vec ? a.sk / V : a.sk);
+  const RowPlan p = plan_rows(a.rows, vec ? a.sk / V : a.sk, kBlocksPerSm);
   const dim3 grid(unsigned(p.grid)), block(p.block);
   if (vec) {
     if (a.causal) MK_LAUNCH((softmax_bwd_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
