@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from benchmarks.norms import machine, median_seconds
+from benchmarks.common import machine, median_seconds
 from megakernels.optim import FusedAdamW
 
 CONFIGS = {"50x1M": (50, 1 << 20), "1x100M": (1, 100_000_000)}

@@ -13,16 +13,13 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import torch.utils.benchmark as tb
 
+from benchmarks.common import machine, median_seconds
 from megakernels.ops import bias_gelu, layer_norm, rms_norm
 
 SHAPES = [(8192, 1024), (4096, 4096), (2048, 12800)]
@@ -102,12 +99,6 @@ def bytes_moved(comp: Composition, shape, dtype, backward: bool) -> int:
     return fwd + (3 * n * elem if backward else 0)
 
 
-def median_seconds(fn: Callable[[], None], min_run_time: float) -> float:
-    fn()  # warm-up (and compile, for torch.compile variants)
-    return tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
-        min_run_time=min_run_time).median
-
-
 def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print, device="cpu"):
     rows = []
     for name in ops:
@@ -147,25 +138,6 @@ def format_row(r) -> str:
     return (f"{r['op']:<16}{r['dtype']:<10}{str(r['rows']) + 'x' + str(r['hidden']):<12}{r['pass']:<9}"
             f"{r['fused_ms']:>10.3f}{r['eager_ms']:>10.3f}{comp}{r['fused_GBps']:>8.1f}"
             f"{r['speedup_vs_eager']:>9.2f}x{vs_c}")
-
-
-def machine(device: str = "cpu") -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        commit = ""
-    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit,
-            "date": time.strftime("%Y-%m-%d"), "device": device}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def main(argv=None) -> int:

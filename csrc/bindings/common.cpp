@@ -64,12 +64,13 @@ void check_backend(const char* op, const at::Tensor& x, bool emulate) {
                 "built (they need the CUDA headers at build time: set CUDA_HOME and reinstall)");
 }
 
-void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(t.sizes() == x.sizes(), op, ": ", name, " has shape ", t.sizes(), ", expected ", x.sizes(),
-                    " (x's shape)");
-  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
-                   ", expected ", x.scalar_type(), " (x's dtype)");
-  TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
+void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " has shape ", t.sizes(), ", expected ", ref.sizes(),
+                    " (", ref_name, "'s shape)");
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
+                   ", expected ", ref.scalar_type(), " (", ref_name, "'s dtype)");
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+                    ref.device());
 }
 
 int64_t hidden_of(const char* op, const at::Tensor& x) {

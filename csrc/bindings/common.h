@@ -31,8 +31,8 @@ void check_float_input(const char* op, const char* name, const at::Tensor& t);
 void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t hidden);
 // x on CPU or CUDA; the requested backend (emulate) exists in this build and can take x.
 void check_backend(const char* op, const at::Tensor& x, bool emulate);
-// t has x's shape, dtype and device.
-void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x);
+// t has the shape, dtype and device of `ref` (named ref_name in the message).
+void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref);
 // x.size(-1), which must exist and be >= 1.
 int64_t hidden_of(const char* op, const at::Tensor& x);
 void* data_or_null(const c10::optional<at::Tensor>& t);

@@ -99,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   check_float_input(op, "x", x_in);
   const int64_t H = hidden_of(op, x_in);
   check_backend(op, x_in, emulate);
-  check_same(op, "grad_output", dy_in, x_in);
+  check_same(op, "grad_output", dy_in, "x", x_in);
   if (weight_in.has_value()) check_param(op, "weight", *weight_in, x_in, H);
   if (bias_in.has_value()) check_param(op, "bias", *bias_in, x_in, H);
   const Activation act = to_activation(op, activation);
@@ -200,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
                                                  const at::Tensor& bias_in, int64_t approximate, bool emulate) {
   const char* op = "bias_gelu_backward";
   norms::BiasGeluArgs a = bias_gelu_args(op, x_in, bias_in, approximate, emulate);
-  check_same(op, "grad_output", dy_in, x_in);
+  check_same(op, "grad_output", dy_in, "x", x_in);
   const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous(), dy = dy_in.contiguous();
   at::Tensor dx = at::empty_like(x);
   advise_huge_pages(dx);

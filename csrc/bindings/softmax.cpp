@@ -104,7 +104,7 @@ at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y_in, double s
   check_float_input(op, "y", y_in);
   TORCH_CHECK_VALUE(y_in.dim() >= (causal ? 2 : 1), op, ": y has shape ", y_in.sizes(), "; too few dims");
   check_backend(op, y_in, emulate);
-  check_same(op, "grad_output", dy_in, y_in);
+  check_same(op, "grad_output", dy_in, "y", y_in);
   check_scale(op, scale);
   const at::Tensor y = y_in.contiguous(), dy = dy_in.contiguous();
   at::Tensor dx = at::empty_like(y);
