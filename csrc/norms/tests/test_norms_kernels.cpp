@@ -11,53 +11,15 @@
 #include <vector>
 
 #include "../../common/cpu_types.h"
+#include "../../common/test_util.h"
 #include "../norms.h"
 
 using namespace megakernels;
+using namespace megakernels::testing;
 using cpu::bf16;
 using cpu::f16;
 
 namespace {
-
-int failures = 0;
-int checks = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok) {
-    ++failures;
-    if (failures < 30) std::printf("FAIL: %s\n", what.c_str());
-  }
-}
-
-// Storage of n values of `dt` as raw bytes, with float views for comparison.
-struct Buf {
-  DType dt;
-  std::vector<unsigned char> bytes;
-  Buf(DType d, size_t n) : dt(d), bytes(n * (d == DType::F32 ? 4 : 2)) {}
-  void* data() { return bytes.data(); }
-  size_t size() const { return bytes.size() / (dt == DType::F32 ? 4 : 2); }
-  float get(size_t i) const {
-    if (dt == DType::F32) return reinterpret_cast<const float*>(bytes.data())[i];
-    if (dt == DType::BF16) return cpu::to_float(reinterpret_cast<const bf16*>(bytes.data())[i]);
-    return cpu::to_float(reinterpret_cast<const f16*>(bytes.data())[i]);
-  }
-  void set(size_t i, float v) {
-    if (dt == DType::F32) reinterpret_cast<float*>(bytes.data())[i] = v;
-    else if (dt == DType::BF16) reinterpret_cast<bf16*>(bytes.data())[i] = cpu::from_float<bf16>(v);
-    else reinterpret_cast<f16*>(bytes.data())[i] = cpu::from_float<f16>(v);
-  }
-};
-
-Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale, float shift) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  Buf b(dt, n);
-  for (size_t i = 0; i < n; ++i) b.set(i, nd(rng) * scale + shift);
-  return b;
-}
-
-const char* name(DType d) { return d == DType::F32 ? "f32" : d == DType::BF16 ? "bf16" : "f16"; }
-float tol(DType d) { return d == DType::F32 ? 2e-5f : d == DType::BF16 ? 1.6e-2f : 2e-3f; }
 
 // Elementwise |a-b| <= tol * max(1, max|b|).
 void compare(const std::string& what, const Buf& a, const Buf& b, float t) {
@@ -80,7 +42,7 @@ double gelu64(double z, Activation act) {
 }
 
 void test_norm(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, bool rms, bool affine, std::mt19937& rng) {
-  const std::string tag = std::string(rms ? "rms" : "ln") + " " + name(dt) + "/" + name(wdt) + " rows=" +
+  const std::string tag = std::string(rms ? "rms" : "ln") + " " + dtype_name(dt) + "/" + dtype_name(wdt) + " rows=" +
                           std::to_string(rows) + " H=" + std::to_string(H) + " act=" + std::to_string(int(act)) +
                           (affine ? "" : " no-affine");
   const size_t n = size_t(rows * H);
@@ -167,7 +129,7 @@ void test_norm(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, boo
 }
 
 void test_bias_gelu(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, std::mt19937& rng) {
-  const std::string tag = std::string("bias_gelu ") + name(dt) + "/" + name(wdt) + " rows=" + std::to_string(rows) +
+  const std::string tag = std::string("bias_gelu ") + dtype_name(dt) + "/" + dtype_name(wdt) + " rows=" + std::to_string(rows) +
                           " H=" + std::to_string(H) + " act=" + std::to_string(int(act));
   const size_t n = size_t(rows * H);
   Buf x = random_buf(dt, n, rng, 2.f, 0.f), dy = random_buf(dt, n, rng, 1.f, 0.f);
@@ -232,6 +194,5 @@ int main() {
       if (dt != DType::F32) test_bias_gelu(dt, DType::F32, rows, H, Activation::GeluTanh, rng);
     }
   }
-  std::printf("%d checks, %d failures\n", checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

@@ -12,55 +12,15 @@
 #include <vector>
 
 #include "../../common/cpu_types.h"
+#include "../../common/test_util.h"
 #include "../optim.h"
 
 using namespace megakernels;
+using namespace megakernels::testing;
 using cpu::bf16;
 using cpu::f16;
 
 namespace {
-
-int failures = 0;
-int checks = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok) {
-    ++failures;
-    if (failures < 30) std::printf("FAIL: %s\n", what.c_str());
-  }
-}
-
-size_t elem_size(DType d) { return d == DType::F32 ? 4 : 2; }
-const char* name(DType d) { return d == DType::F32 ? "f32" : d == DType::BF16 ? "bf16" : "f16"; }
-
-// n values of `dt` starting `off` elements into the allocation (off = 1: a view that is not 16-byte aligned).
-struct Buf {
-  DType dt;
-  std::vector<unsigned char> bytes;
-  size_t off;
-  Buf(DType d, size_t n, size_t o = 0) : dt(d), bytes((n + o) * elem_size(d)), off(o) {}
-  void* data() { return bytes.data() + off * elem_size(dt); }
-  const void* data() const { return bytes.data() + off * elem_size(dt); }
-  size_t size() const { return bytes.size() / elem_size(dt) - off; }
-  float get(size_t i) const {
-    if (dt == DType::F32) return static_cast<const float*>(data())[i];
-    if (dt == DType::BF16) return cpu::to_float(static_cast<const bf16*>(data())[i]);
-    return cpu::to_float(static_cast<const f16*>(data())[i]);
-  }
-  void set(size_t i, float v) {
-    if (dt == DType::F32) static_cast<float*>(data())[i] = v;
-    else if (dt == DType::BF16) static_cast<bf16*>(data())[i] = cpu::from_float<bf16>(v);
-    else static_cast<f16*>(data())[i] = cpu::from_float<f16>(v);
-  }
-};
-
-Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale, float shift = 0.f, size_t off = 0) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  Buf b(dt, n, off);
-  for (size_t i = 0; i < n; ++i) b.set(i, nd(rng) * scale + shift);
-  return b;
-}
 
 // The optimizer state of one tensor; copied whole so the CPU and emulated kernels start from the same bits.
 struct State {
@@ -139,7 +99,7 @@ bool same_bytes(const ListState& a, const ListState& b) {
 
 void test_adamw(DType pdt, bool master, const std::vector<int64_t>& sizes, int64_t chunk, bool scaled,
                 std::mt19937& rng) {
-  const std::string tag = std::string("adamw ") + name(pdt) + (master ? " master" : "") + " tensors=" +
+  const std::string tag = std::string("adamw ") + dtype_name(pdt) + (master ? " master" : "") + " tensors=" +
                           std::to_string(sizes.size()) + " chunk=" + std::to_string(chunk) + (scaled ? " scaled" : "");
   const float step0 = 4.f;
   ListState orig = make_list(sizes, pdt, master, rng, step0);
@@ -224,7 +184,7 @@ optim::ListArgs list_of(std::vector<Buf>& bufs, std::vector<const void*>& ptrs, 
 }
 
 void test_lists(DType dt, const std::vector<int64_t>& sizes, int64_t chunk, std::mt19937& rng) {
-  const std::string tag = std::string("lists ") + name(dt) + " tensors=" + std::to_string(sizes.size()) +
+  const std::string tag = std::string("lists ") + dtype_name(dt) + " tensors=" + std::to_string(sizes.size()) +
                           " chunk=" + std::to_string(chunk);
   std::vector<Buf> bufs;
   for (int64_t n : sizes) bufs.push_back(random_buf(dt, size_t(n), rng, 1.f));
@@ -301,6 +261,5 @@ int main() {
     test_lists(dt, mixed, 512, rng);
   }
   test_lists(DType::F32, {70000, 1, 65536}, 65536, rng);
-  std::printf("%d checks, %d failures\n", checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../../common/cpu_types.h"
+#include "../../common/test_util.h"
 #include "../softmax.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -18,51 +19,12 @@
 #endif
 
 using namespace megakernels;
+using namespace megakernels::testing;
 using cpu::bf16;
 using cpu::f16;
 using softmax::MaskKind;
 
 namespace {
-
-int failures = 0;
-int checks = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok) {
-    ++failures;
-    if (failures < 30) std::printf("FAIL: %s\n", what.c_str());
-  }
-}
-
-// Storage of n values of `dt` as raw bytes, with float views for comparison.
-struct Buf {
-  DType dt;
-  std::vector<unsigned char> bytes;
-  Buf(DType d, size_t n) : dt(d), bytes(n * (d == DType::F32 ? 4 : 2), 0xA5) {}  // poisoned until written
-  void* data() { return bytes.data(); }
-  size_t size() const { return bytes.size() / (dt == DType::F32 ? 4 : 2); }
-  float get(size_t i) const {
-    if (dt == DType::F32) return reinterpret_cast<const float*>(bytes.data())[i];
-    if (dt == DType::BF16) return cpu::to_float(reinterpret_cast<const bf16*>(bytes.data())[i]);
-    return cpu::to_float(reinterpret_cast<const f16*>(bytes.data())[i]);
-  }
-  void set(size_t i, float v) {
-    if (dt == DType::F32) reinterpret_cast<float*>(bytes.data())[i] = v;
-    else if (dt == DType::BF16) reinterpret_cast<bf16*>(bytes.data())[i] = cpu::from_float<bf16>(v);
-    else reinterpret_cast<f16*>(bytes.data())[i] = cpu::from_float<f16>(v);
-  }
-};
-
-Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale) {
-  std::normal_distribution<float> nd(0.f, 1.f);
-  Buf b(dt, n);
-  for (size_t i = 0; i < n; ++i) b.set(i, nd(rng) * scale);
-  return b;
-}
-
-const char* name(DType d) { return d == DType::F32 ? "f32" : d == DType::BF16 ? "bf16" : "f16"; }
-float tol(DType d) { return d == DType::F32 ? 2e-5f : d == DType::BF16 ? 1.6e-2f : 2e-3f; }
 
 // |a-b| <= t * max(1, max|b|) elementwise; both must be finite.
 void compare(const std::string& what, const Buf& a, const std::vector<double>& b, float t) {
@@ -110,7 +72,7 @@ struct Mask {
 void test_case(DType dt, MaskKind kind, int64_t b, int64_t h, int64_t sq, int64_t sk, const Mask* mask,
                std::mt19937& rng) {
   const std::string tag = std::string(kind == MaskKind::None ? "plain" : kind == MaskKind::Bool ? "masked" : "causal") +
-                          " " + name(dt) + " [" + std::to_string(b) + "," + std::to_string(h) + "," +
+                          " " + dtype_name(dt) + " [" + std::to_string(b) + "," + std::to_string(h) + "," +
                           std::to_string(sq) + "," + std::to_string(sk) + "]" +
                           (mask ? " mask [" + std::to_string(mask->mb) + "," + std::to_string(mask->mh) + "," +
                                       std::to_string(mask->mq) + "]"
@@ -239,6 +201,5 @@ int main() {
       test_case(dt, MaskKind::Causal, 1, 1, sk < 8 ? sk + 3 : 5, sk < 8 ? sk : 7, nullptr, rng);
     }
   }
-  std::printf("%d checks, %d failures\n", checks, failures);
-  return failures == 0 ? 0 : 1;
+  return report();
 }
