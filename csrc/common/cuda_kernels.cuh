@@ -6,6 +6,7 @@
 // such as sm_count() call a different runtime in each, so they must never be merged by the linker.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 
 #include "cuda_compat.h"
 
@@ -60,9 +61,28 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// The address of a pack. A GPU faults on a vector access that is not aligned to its size, while the x86 host
+// running the emulator does not: so the emulated build checks the alignment here and traps with the kernel,
+// block and thread named, instead of silently passing a test that would crash on the device.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N>* pack_at(T* p) {
+#if MK_CUDA_EMU
+  if (reinterpret_cast<uintptr_t>(p) % alignof(Pack<T, N>) != 0) {
+    std::fprintf(stderr, "[megakernels cuda_emu] misaligned %d-byte vector access at %p\n",
+                 int(sizeof(Pack<T, N>)), static_cast<const void*>(p));
+    __trap();
+  }
+#endif
+  return reinterpret_cast<Pack<T, N>*>(p);
+}
+template <typename T, int N>
+__device__ __forceinline__ const Pack<T, N>* pack_at(const T* p) {
+  return pack_at<T, N>(const_cast<T*>(p));
+}
+
 template <typename T, int N, typename A>
 __device__ __forceinline__ void load_pack(const T* p, int64_t j, A (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p + j);
+  const Pack<T, N> pk = *pack_at<T, N>(p + j);
 #pragma unroll
   for (int k = 0; k < N; ++k) out[k] = A(to_acc(pk.v[k]));
 }
@@ -72,7 +92,7 @@ __device__ __forceinline__ void store_pack(T* p, int64_t j, const A (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
   for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p + j) = pk;
+  *pack_at<T, N>(p + j) = pk;
 }
 
 struct MaxOp {

@@ -43,7 +43,7 @@ __device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A 
 
 template <int N>
 __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, bool (&out)[N]) {
-  Pack<unsigned char, N> pk = *reinterpret_cast<const Pack<unsigned char, N>*>(m + j);
+  Pack<unsigned char, N> pk = *pack_at<unsigned char, N>(m + j);
 #pragma unroll
   for (int k = 0; k < N; ++k) out[k] = pk.v[k] != 0;
 }

@@ -5,6 +5,7 @@
 //   test_emu --abort CASE    run one misuse case that must abort with a message (driven by the abort tests)
 //   test_emu --race          (ThreadSanitizer build only) a kernel with a missing __syncthreads()
 #include "common/cuda_compat.h"
+#include "common/cuda_kernels.cuh"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -628,6 +629,14 @@ __global__ void trap_kernel() {
   if (threadIdx.x == 3) __trap();
 }
 
+// A 16-byte pack load from an address that is only 4-byte aligned: a fault on a GPU, a trap in the emulator.
+__global__ void misaligned_pack_kernel(const float* x, float* out) {
+  float v[4];
+  megakernels::MK_NS::load_pack<float, 4>(x, 1, v);
+  out[threadIdx.x] = v[0];
+}
+alignas(16) float g_pack_src[16];
+
 struct AbortCase {
   const char* name;
   const char* expect;  // substring of the message
@@ -642,6 +651,8 @@ const AbortCase kAbortCases[] = {
     {"bad-width", "power of two", [] { MK_LAUNCH(bad_width_kernel, 1, 32, 0, 0, g_out_storage); }},
     {"spin", "made no progress", [] { MK_LAUNCH(spin_on_other_block_kernel, 2, 1, 0, 0, &g_flag_storage); }},
     {"trap", "__trap()", [] { MK_LAUNCH(trap_kernel, 1, 8, 0, 0); }},
+    {"misaligned-pack", "misaligned 16-byte vector access",
+     [] { MK_LAUNCH(misaligned_pack_kernel, 1, 1, 0, 0, g_pack_src, reinterpret_cast<float*>(g_out_storage)); }},
 };
 
 // Re-executes this binary (a fresh process: no inherited worker threads, sanitizers stay happy) on one case.
