@@ -15,13 +15,11 @@ The pytest-benchmark suite (benchmarks/test_bench_adamw.py) times the same calla
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
 
-from benchmarks.common import machine, median_seconds
+from benchmarks.common import median_seconds, parse_choices, start, write_results
 from megakernels.optim import FusedAdamW
 
 CONFIGS = {"50x1M": (50, 1 << 20), "1x100M": (1, 100_000_000)}
@@ -115,24 +113,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     configs = QUICK_CONFIGS if args.quick else {}
     if not args.quick:
-        for c in [c for c in args.configs.split(",") if c]:
-            if c not in CONFIGS:
-                p.error(f"--configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}")
-            configs[c] = CONFIGS[c]
-    dtypes = [d for d in args.dtype.split(",") if d]
-    for d in dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device available")
-    info = machine(args.device)
-    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
-    print(f"# {where}, torch {info['torch']}, commit {info['commit']}")
+        configs = {c: CONFIGS[c] for c in parse_choices(p, "--configs", args.configs, CONFIGS)}
+    dtypes = parse_choices(p, "--dtype", args.dtype, DTYPES)
+    info = start(p, args.device)
     rows = run(configs, dtypes, min_run_time=0.05 if args.quick else 1.0, device=args.device)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "adamw.json"), "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=1)
+    write_results(args.out, "adamw.json", info, rows)
     return 0
 
 

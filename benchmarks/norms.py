@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import machine, median_seconds
+from benchmarks.common import (comparison_fields, comparison_header, format_comparison, parse_choices, start,
+                               time_fused_eager_compile, write_results)
 from megakernels.ops import bias_gelu, layer_norm, rms_norm
 
 SHAPES = [(8192, 1024), (4096, 4096), (2048, 12800)]
@@ -103,41 +102,26 @@ def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print, dev
     rows = []
     for name in ops:
         comp = COMPOSITIONS[name]
-        compiled = torch.compile(comp.eager, dynamic=False) if with_compile else None
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
             for shape in shapes:
                 for backward in (False, True):
                     x, params, dy = make_inputs(comp, shape, dtype, device=device, grad=backward)
-                    t = {"fused": median_seconds(step_fn(comp.fused, x, params, dy, backward), min_run_time),
-                         "eager": median_seconds(step_fn(comp.eager, x, params, dy, backward), min_run_time)}
-                    if compiled is not None:
-                        torch._dynamo.reset()
-                        t["compile"] = median_seconds(step_fn(compiled, x, params, dy, backward), min_run_time)
-                    row = {
-                        "op": name, "device": device, "dtype": dtype_name, "rows": shape[0], "hidden": shape[1],
-                        "pass": "fwd+bwd" if backward else "fwd",
-                        "fused_ms": t["fused"] * 1e3, "eager_ms": t["eager"] * 1e3,
-                        "compile_ms": t["compile"] * 1e3 if "compile" in t else None,
-                        "fused_GBps": bytes_moved(comp, shape, dtype, backward) / t["fused"] / 1e9,
-                        "speedup_vs_eager": t["eager"] / t["fused"],
-                        "speedup_vs_compile": t["compile"] / t["fused"] if "compile" in t else None,
-                    }
+                    t = time_fused_eager_compile(lambda fn: step_fn(fn, x, params, dy, backward), comp.fused,
+                                                 comp.eager, with_compile, min_run_time)
+                    row = {"op": name, "device": device, "dtype": dtype_name, "rows": shape[0], "hidden": shape[1],
+                           "pass": "fwd+bwd" if backward else "fwd",
+                           **comparison_fields(t, bytes_moved(comp, shape, dtype, backward))}
                     rows.append(row)
                     log(format_row(row))
     return rows
 
 
-HEADER = (f"{'op':<16}{'dtype':<10}{'shape':<12}{'pass':<9}{'fused ms':>10}{'eager ms':>10}{'compile ms':>11}"
-          f"{'GB/s':>8}{'vs eager':>10}{'vs compile':>11}")
+HEADER = comparison_header(16, 12)
 
 
 def format_row(r) -> str:
-    comp = f"{r['compile_ms']:>11.3f}" if r["compile_ms"] is not None else f"{'-':>11}"
-    vs_c = f"{r['speedup_vs_compile']:>10.2f}x" if r["speedup_vs_compile"] is not None else f"{'-':>11}"
-    return (f"{r['op']:<16}{r['dtype']:<10}{str(r['rows']) + 'x' + str(r['hidden']):<12}{r['pass']:<9}"
-            f"{r['fused_ms']:>10.3f}{r['eager_ms']:>10.3f}{comp}{r['fused_GBps']:>8.1f}"
-            f"{r['speedup_vs_eager']:>9.2f}x{vs_c}")
+    return format_comparison(r, f"{r['rows']}x{r['hidden']}", 16, 12)
 
 
 def main(argv=None) -> int:
@@ -149,26 +133,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="directory for norms.json")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
     args = p.parse_args(argv)
-    ops = [o for o in args.ops.split(",") if o]
-    dtypes = [d for d in args.dtype.split(",") if d]
-    for o in ops:
-        if o not in COMPOSITIONS:
-            p.error(f"--ops: unknown op {o!r}; choose from {', '.join(COMPOSITIONS)}")
-    for d in dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device available")
-    info = machine(args.device)
-    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
-    print(f"# {where}, torch {info['torch']}, commit {info['commit']}")
+    ops = parse_choices(p, "--ops", args.ops, COMPOSITIONS)
+    dtypes = parse_choices(p, "--dtype", args.dtype, DTYPES)
+    info = start(p, args.device)
     print(HEADER)
     rows = run(ops, dtypes, QUICK_SHAPES if args.quick else SHAPES, with_compile=not args.no_compile,
                min_run_time=0.05 if args.quick else 0.5, device=args.device)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "norms.json"), "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=1)
+    write_results(args.out, "norms.json", info, rows)
     return 0
 
 

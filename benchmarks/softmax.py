@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import machine, median_seconds
+from benchmarks.common import (comparison_fields, comparison_header, format_comparison, parse_choices, start,
+                               time_fused_eager_compile, write_results)
 from megakernels.ops import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.softmax import causal_mask
 
@@ -110,36 +109,21 @@ def run(ops, dtypes, shapes, with_compile=True, min_run_time=0.3, log=print, dev
             for shape in shapes:
                 for backward in (False, True):
                     x, mask, dy = make_inputs(comp, shape, dtype, grad=backward, device=device)
-                    t = {"fused": median_seconds(step_fn(comp.fused, x, mask, dy, backward), min_run_time),
-                         "eager": median_seconds(step_fn(comp.eager, x, mask, dy, backward), min_run_time)}
-                    if with_compile:
-                        torch._dynamo.reset()
-                        compiled = torch.compile(comp.eager, dynamic=False)
-                        t["compile"] = median_seconds(step_fn(compiled, x, mask, dy, backward), min_run_time)
-                    row = {
-                        "op": name, "device": device, "dtype": dtype_name, "shape": list(shape),
-                        "pass": "fwd+bwd" if backward else "fwd",
-                        "fused_ms": t["fused"] * 1e3, "eager_ms": t["eager"] * 1e3,
-                        "compile_ms": t["compile"] * 1e3 if "compile" in t else None,
-                        "fused_GBps": bytes_moved(shape, dtype, backward) / t["fused"] / 1e9,
-                        "speedup_vs_eager": t["eager"] / t["fused"],
-                        "speedup_vs_compile": t["compile"] / t["fused"] if "compile" in t else None,
-                    }
+                    t = time_fused_eager_compile(lambda fn: step_fn(fn, x, mask, dy, backward), comp.fused,
+                                                 comp.eager, with_compile, min_run_time)
+                    row = {"op": name, "device": device, "dtype": dtype_name, "shape": list(shape),
+                           "pass": "fwd+bwd" if backward else "fwd",
+                           **comparison_fields(t, bytes_moved(shape, dtype, backward))}
                     rows.append(row)
                     log(format_row(row))
     return rows
 
 
-HEADER = (f"{'op':<8}{'dtype':<10}{'shape':<18}{'pass':<9}{'fused ms':>10}{'eager ms':>10}{'compile ms':>11}"
-          f"{'GB/s':>8}{'vs eager':>10}{'vs compile':>11}")
+HEADER = comparison_header(8, 18)
 
 
 def format_row(r) -> str:
-    comp = f"{r['compile_ms']:>11.3f}" if r["compile_ms"] is not None else f"{'-':>11}"
-    vs_c = f"{r['speedup_vs_compile']:>10.2f}x" if r["speedup_vs_compile"] is not None else f"{'-':>11}"
-    return (f"{r['op']:<8}{r['dtype']:<10}{'x'.join(map(str, r['shape'])):<18}{r['pass']:<9}"
-            f"{r['fused_ms']:>10.3f}{r['eager_ms']:>10.3f}{comp}{r['fused_GBps']:>8.1f}"
-            f"{r['speedup_vs_eager']:>9.2f}x{vs_c}")
+    return format_comparison(r, "x".join(map(str, r["shape"])), 8, 18)
 
 
 def main(argv=None) -> int:
@@ -152,16 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live (default cpu)")
     p.add_argument("--out", default=None, help="directory for softmax.json")
     args = p.parse_args(argv)
-    ops = [o for o in args.ops.split(",") if o]
-    dtypes = [d for d in args.dtype.split(",") if d]
-    for o in ops:
-        if o not in COMPOSITIONS:
-            p.error(f"--ops: unknown op {o!r}; choose from {', '.join(COMPOSITIONS)}")
-    for d in dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtype: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device available")
+    ops = parse_choices(p, "--ops", args.ops, COMPOSITIONS)
+    dtypes = parse_choices(p, "--dtype", args.dtype, DTYPES)
     shapes = QUICK_SHAPES if args.quick else (GPU_SHAPES if args.device == "cuda" else SHAPES)
     if args.shapes:
         try:
@@ -170,16 +146,11 @@ def main(argv=None) -> int:
             p.error(f"--shapes: expected b,h,sq,sk[;b,h,sq,sk...], got {args.shapes!r}")
         if any(len(s) != 4 or min(s) < 1 for s in shapes):
             p.error(f"--shapes: each shape needs 4 positive sizes b,h,sq,sk, got {args.shapes!r}")
-    info = machine(args.device)
-    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
-    print(f"# {where}, torch {info['torch']}, commit {info['commit']}")
+    info = start(p, args.device)
     print(HEADER)
     rows = run(ops, dtypes, shapes, with_compile=not args.no_compile, min_run_time=0.05 if args.quick else 0.5,
                device=args.device)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "softmax.json"), "w") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=1)
+    write_results(args.out, "softmax.json", info, rows)
     return 0
 
 

@@ -9,21 +9,9 @@ Never asserts on time (DESIGN.md §6).
 from __future__ import annotations
 
 import pytest
-import torch
 
+from benchmarks.common import IMPLS, implementation
 from benchmarks.softmax import COMPOSITIONS, DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
-
-IMPLS = ["fused", "eager", "compile"]
-_compiled = {}
-
-
-def implementation(comp, impl):
-    if impl == "compile":
-        if comp.name not in _compiled:
-            _compiled[comp.name] = torch.compile(comp.eager, dynamic=False)
-        return _compiled[comp.name]
-    return getattr(comp, impl)
-
 
 def shapes(config):
     return QUICK_SHAPES if config.getoption("benchmark_disable") else SHAPES
