@@ -13,6 +13,7 @@ import pytest
 from benchmarks.common import IMPLS, implementation
 from benchmarks.norms import COMPOSITIONS, DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
 
+
 def shapes(config):
     return QUICK_SHAPES if config.getoption("benchmark_disable") else SHAPES
 

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -118,6 +119,28 @@ inline void store_row<f16, float>(const float* src, f16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = from_float<f16>(src[i]);
 }
 #endif
+
+// A row in the accumulate type A: fp32/fp64 rows are used in place, 16-bit rows are converted into `scratch`.
+template <typename T, typename A>
+inline const A* row_view(const T* src, A* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return src;
+  } else {
+    load_row(src, scratch, n);
+    return scratch;
+  }
+}
+// Where a row of results is computed: straight in the output for fp32/fp64, else in `scratch`, which
+// finish_out then converts into the output.
+template <typename T, typename A>
+inline A* out_view(T* dst, A* scratch) {
+  if constexpr (std::is_same_v<T, A>) return dst;
+  else return scratch;
+}
+template <typename T, typename A>
+inline void finish_out(const A* scratch, T* dst, int64_t n) {
+  if constexpr (!std::is_same_v<T, A>) store_row(scratch, dst, n);
+}
 
 }  // namespace cpu
 }  // namespace megakernels

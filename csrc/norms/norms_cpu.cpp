@@ -38,27 +38,6 @@ std::vector<A> load_param(const void* p, int64_t n, A fill) {
   return v;
 }
 
-// A row in the accumulate type: fp32/fp64 rows are used in place, 16-bit rows are converted into `scratch`.
-template <typename T, typename A>
-inline const A* row_view(const T* src, A* scratch, int64_t n) {
-  if constexpr (std::is_same_v<T, A>) {
-    return src;
-  } else {
-    load_row(src, scratch, n);
-    return scratch;
-  }
-}
-// Where a row of results goes before the store: straight into the output for fp32/fp64, else into `scratch`.
-template <typename T, typename A>
-inline A* out_view(T* dst, A* scratch) {
-  if constexpr (std::is_same_v<T, A>) return dst;
-  else return scratch;
-}
-template <typename T, typename A>
-inline void finish_out(const A* scratch, T* dst, int64_t n) {
-  if constexpr (!std::is_same_v<T, A>) store_row(scratch, dst, n);
-}
-
 // Per row: mean, variance (two passes over the cached row), then normalise + affine + activation + store in one
 // loop. The activation is a template argument so that loop has no branch on it and vectorises.
 template <typename T, typename W, typename A, Activation ACT>

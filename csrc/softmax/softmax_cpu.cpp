@@ -24,17 +24,6 @@ using softmax::BwdArgs;
 using softmax::FwdArgs;
 using softmax::MaskKind;
 
-// A row in the accumulate type: fp32/fp64 rows are used in place, 16-bit rows are converted into `scratch`.
-template <typename T, typename A>
-inline const A* row_view(const T* src, A* scratch, int64_t n) {
-  if constexpr (std::is_same_v<T, A>) {
-    return src;
-  } else {
-    load_row(src, scratch, n);
-    return scratch;
-  }
-}
-
 // Passes (2) and (3) on z[0, n), in place; z[n, sk) gets the masked positions' value.
 template <typename A>
 inline void normalise(A* z, int64_t n, int64_t sk, A m) {
@@ -63,7 +52,7 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = static_cast<const T*>(a.x) + r * sk;
     T* yr = static_cast<T*>(a.y) + r * sk;
-    A* z = std::is_same_v<T, A> ? reinterpret_cast<A*>(yr) : buf.data();
+    A* z = out_view(yr, buf.data());
     const int64_t i = r % a.sq;
     const int64_t n = K == MaskKind::Causal ? softmax::causal_valid(i, a.sq, sk) : sk;
     // Pass (1): z = x * scale, -inf where masked (a select, not arithmetic: a NaN under the mask is dropped),
@@ -99,7 +88,7 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
     } else {
       normalise(z, n, sk, m);
     }
-    if constexpr (!std::is_same_v<T, A>) store_row(z, yr, sk);
+    finish_out(z, yr, sk);
   }
 }
 
@@ -120,11 +109,11 @@ void bwd_rows(const BwdArgs& a, int64_t r0, int64_t r1) {
     A s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < n; ++j) s += yv[j] * gv[j];
-    A* o = std::is_same_v<T, A> ? reinterpret_cast<A*>(dxr) : obuf.data();
+    A* o = out_view(dxr, obuf.data());
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) o[j] = scale * yv[j] * (gv[j] - s);
     std::fill(o + n, o + sk, A(0));
-    if constexpr (!std::is_same_v<T, A>) store_row(o, dxr, sk);
+    finish_out(o, dxr, sk);
   }
 }
 

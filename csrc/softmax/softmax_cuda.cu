@@ -48,6 +48,22 @@ __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, boo
   for (int k = 0; k < N; ++k) out[k] = pk.v[k] != 0;
 }
 
+// N elements of x from the row's valid prefix [0, n) (load_prefix), and which of them take part: not masked
+// (boolean mask) and inside the prefix. Both forward passes go through here.
+template <typename T, int N, MaskKind K, typename A>
+__device__ __forceinline__ void load_valid(const T* xr, const unsigned char* mr, int64_t j, int64_t n, A (&z)[N],
+                                           bool (&ok)[N]) {
+  load_prefix<T, N>(xr, j, n, z);
+  if (K == MaskKind::Bool) {
+    load_mask<N>(mr, j, ok);
+#pragma unroll
+    for (int k = 0; k < N; ++k) ok[k] = !ok[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) ok[k] = j + k < n;
+  }
+}
+
 __device__ __forceinline__ bool group_any(bool p, int group_threads) {
   return group_threads <= 32 ? __any_sync(0xffffffffu, p) != 0 : __syncthreads_or(p) != 0;
 }
@@ -80,15 +96,7 @@ __global__ void softmax_fwd_kernel(FwdArgs a, int group_threads) {
     for (int64_t j = int64_t(t) * N; j < n; j += step) {
       A z[N];
       bool ok[N];
-      load_prefix<T, N>(xr, j, n, z);
-      if (K == MaskKind::Bool) {
-        load_mask<N>(mr, j, ok);
-#pragma unroll
-        for (int k = 0; k < N; ++k) ok[k] = !ok[k];
-      } else {
-#pragma unroll
-        for (int k = 0; k < N; ++k) ok[k] = j + k < n;
-      }
+      load_valid<T, N, K>(xr, mr, j, n, z, ok);
       A pm = ninf;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
@@ -115,15 +123,7 @@ __global__ void softmax_fwd_kernel(FwdArgs a, int group_threads) {
       A z[N];
       if (j < n && row_valid) {
         bool ok[N];
-        load_prefix<T, N>(xr, j, n, z);
-        if (K == MaskKind::Bool) {
-          load_mask<N>(mr, j, ok);
-#pragma unroll
-          for (int k = 0; k < N; ++k) ok[k] = !ok[k];
-        } else {
-#pragma unroll
-          for (int k = 0; k < N; ++k) ok[k] = j + k < n;
-        }
+        load_valid<T, N, K>(xr, mr, j, n, z, ok);
 #pragma unroll
         for (int k = 0; k < N; ++k) z[k] = ok[k] ? softmax::softmax_exp(z[k] * scale - gm) * inv : fill;
       } else {
