@@ -29,7 +29,7 @@ import torch.multiprocessing as mp_
 
 from benchmarks.common import parse_choices, start, write_results
 
-SHAPES = [(512, 4, 1024), (1024, 4, 1024)]
+SHAPES = [(256, 4, 1024), (512, 4, 512)]
 QUICK_SHAPES = [(256, 2, 512)]
 
 
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     for s, _, h in shapes:
         if any(s % tp for tp in tps):
             parser.error(f"--shapes: sequence length {s} must be divisible by every --tp value {tps}")
-    reps = args.reps or (10 if args.quick else 30)
+    reps = args.reps or (10 if args.quick else 20)
     info = start(parser, "cpu")
     print(f"# ColumnParallelLinear(h, 4h) forward+backward, gloo, 1 thread/rank, median of {reps} steps")
     print(f"{'tp':<4}{'s x b x h':<16}{'sp':<7}{'waited ms':>11}{'overlap ms':>12}{'ratio':>8}{'saved ms':>10}"

@@ -21,6 +21,10 @@ layer's forward and backward are one autograd function with f fused into it, so 
 (``|`` = concurrently). The forward's gathered input is not saved under SP (it is ``tp`` times the shard), so
 backward gathers it again, hidden behind the dgrad GEMM. With ``overlap_comm=False`` every collective is waited
 for right after its launch (the baseline of ``benchmarks/parallel_overlap.py``).
+
+On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. As in
+Megatron-LM, set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` so the GPU starts the communication kernel, queued first,
+before the GEMM queued after it takes every SM.
 """
 
 from __future__ import annotations

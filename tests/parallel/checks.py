@@ -19,6 +19,7 @@ so a failing assertion should come after the collectives of the check; otherwise
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -56,11 +57,14 @@ class Checks:
                 out[name] = None
             except Exception:  # noqa: BLE001 - recorded per check, reported by its own test
                 out[name] = traceback.format_exc()
+                # Also now, on the inherited stderr: if the failure leaves the ranks out of step and the world
+                # times out, pytest's captured output still shows the cause.
+                print(f"rank {rank}: check {name!r} failed:\n{out[name]}", file=sys.stderr, flush=True)
             finally:
                 mp.destroy()
         return out
 
-    def fixture(self, world_size: int, worker: Callable, timeout: float = 180.0):
+    def fixture(self, world_size: int, worker: Callable, timeout: float = 90.0):
         @pytest.fixture(scope="module")
         def world():
             return run_world(world_size, worker, timeout=timeout)
