@@ -1,13 +1,21 @@
 """Shared fixtures: every op test runs over the backends cpu, cuda_emu (CPU tensors through the emulated CUDA
-kernels, small shapes) and cuda (marked ``cuda``; skipped without a GPU)."""
+kernels, or through the Triton kernels under Triton's interpreter; small shapes) and cuda (marked ``cuda``; skipped
+without a GPU)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-import megakernels
-from tests.helpers import Backend
+# Without a GPU the Triton kernels run under Triton's interpreter (backend cuda_emu routes CPU tensors to them);
+# it must be chosen before megakernels.triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import megakernels  # noqa: E402
+from tests.helpers import Backend  # noqa: E402
 
 
 def _cuda_available() -> bool:

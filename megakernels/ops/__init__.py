@@ -2,8 +2,11 @@
 dispatched by device and backend (DESIGN.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
 emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
 
+from megakernels.ops.attention import flash_attention
 from megakernels.ops.bias_gelu import bias_gelu
+from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 
-__all__ = ["layer_norm", "rms_norm", "bias_gelu", "scaled_softmax", "scaled_masked_softmax", "scaled_causal_softmax"]
+__all__ = ["layer_norm", "rms_norm", "bias_gelu", "scaled_softmax", "scaled_masked_softmax", "scaled_causal_softmax",
+           "flash_attention", "cross_entropy"]

@@ -1,0 +1,139 @@
+"""The CPU path of flash_attention: blocked over queries, so memory is O(block * sk) per (batch, head), never
+O(sq * sk), with every product a large GEMM (the BLAS does the work).
+
+Forward, per block of queries: scores against the visible keys only (causal blocks stop at the diagonal), the
+row log-sum-exp, ``P = exp(S - lse)``, the dropout mask of megakernels.triton._common (same bits as the GPU
+kernel), ``out = P V``. Backward recomputes ``P`` from the lse, per block: ``dv += P^T dO``,
+``dS = P * (dO V^T - delta)``, ``dq = scale dS K``, ``dk += scale dS^T Q``. Grouped-query heads are folded into
+the rows of the query block (``[b, hk, group * rows, d]``), so k and v are never repeated per query head and the
+group's contributions to dk/dv sum inside the GEMM. 16-bit inputs compute in fp32; fp64 stays fp64 (gradcheck).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_BLOCK_BYTES = 32 << 20  # budget for one block's score matrix
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_per_block(b: int, h: int, sk: int, itemsize: int) -> int:
+    return max(16, min(1024, _BLOCK_BYTES // max(1, b * h * sk * itemsize)))
+
+
+def _blocks(sq: int, sk: int, rows: int, causal: bool):
+    """(start, stop, visible keys) per query block; with causality keys past the block's last row are skipped."""
+    for start in range(0, sq, rows):
+        stop = min(sq, start + rows)
+        kv = min(sk, max(0, stop + sk - sq)) if causal else sk
+        yield start, stop, kv
+
+
+def _by_kv_head(t: torch.Tensor, hk: int) -> torch.Tensor:
+    """``[b, s, h, d]`` -> ``[b, hk, group, s, d]`` (a view)."""
+    b, s, h, d = t.shape
+    return t.view(b, s, hk, h // hk, d).permute(0, 2, 3, 1, 4)
+
+
+def _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, device):
+    """(causal mask [rows, kv] or None, dropout keep [b, hk, group*rows, kv] or None)."""
+    causal_mask = None
+    if causal:
+        rows = torch.arange(start, stop, device=device)
+        causal_mask = torch.arange(kv, device=device)[None, :] > rows[:, None] + (sk - sq)
+    keep = None
+    if dropout_p > 0.0:
+        from megakernels.triton._common import dropout_keep_reference
+
+        g = h // hk
+        heads = torch.arange(h, device=device).view(hk, g)
+        flat = (torch.arange(b, device=device)[:, None, None, None] * h + heads[None, :, :, None]) * sq \
+            + torch.arange(start, stop, device=device)[None, None, None, :]
+        keep = dropout_keep_reference(seed, flat.reshape(-1), torch.arange(kv, device=device), dropout_p)
+        keep = keep.view(b, hk, g * (stop - start), kv)
+    return causal_mask, keep
+
+
+def _scores(qb, kt, scale, causal_mask, g):
+    s = torch.matmul(qb, kt) * scale  # [b, hk, g*rows, kv]
+    if causal_mask is not None:
+        s = s.view(*s.shape[:2], g, -1, s.shape[-1]).masked_fill_(causal_mask, float("-inf")).view(s.shape)
+    return s
+
+
+def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: int):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    ct = _compute_dtype(q.dtype)
+    qh, kh, vh = _by_kv_head(q, hk), _by_kv_head(k, hk)[:, :, 0], _by_kv_head(v, hk)[:, :, 0]
+    kt = kh.to(ct).transpose(-1, -2)  # [b, hk, d, sk]
+    vc = vh.to(ct)
+    out = torch.empty_like(q)
+    oh = _by_kv_head(out, hk)
+    lse = torch.empty((b, hk, g, sq), dtype=ct)  # fp32 (fp64 for fp64 input: gradcheck)
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    for start, stop, kv in _blocks(sq, sk, _rows_per_block(b, h, sk, 4), causal):
+        rows = stop - start
+        if kv == 0:
+            oh[:, :, :, start:stop].zero_()
+            lse[..., start:stop] = float("-inf")
+            continue
+        causal_mask, keep = _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, q.device)
+        qb = qh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
+        s = _scores(qb, kt[..., :kv], scale, causal_mask, g)
+        m = torch.logsumexp(s, -1, keepdim=True)
+        # Rows with no visible key: lse -inf, P 0 (logsumexp of all -inf is -inf; exp(-inf - -inf) would be NaN).
+        p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0))
+        if keep is not None:
+            p = p.masked_fill_(~keep, 0.0).mul_(keep_scale)
+        o = torch.matmul(p, vc[:, :, :kv])
+        oh[:, :, :, start:stop] = o.view(b, hk, g, rows, d)
+        lse[..., start:stop] = m.view(b, hk, g, rows)
+    return out, lse.view(b, h, sq)
+
+
+def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: int):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    ct = _compute_dtype(q.dtype)
+    qh, doh = _by_kv_head(q, hk), _by_kv_head(do, hk)
+    kc, vc = _by_kv_head(k, hk)[:, :, 0].to(ct), _by_kv_head(v, hk)[:, :, 0].to(ct)  # [b, hk, sk, d]
+    kt, vt = kc.transpose(-1, -2), vc.transpose(-1, -2)
+    delta = (do.to(ct) * out.to(ct)).sum(-1)  # [b, sq, h]
+    delta = delta.view(b, sq, hk, g).permute(0, 2, 3, 1)  # [b, hk, g, sq]
+    lse = lse.view(b, hk, g, sq)
+    dq = torch.empty_like(q)
+    dqh = _by_kv_head(dq, hk)
+    dk = torch.zeros((b, hk, sk, d), dtype=ct)
+    dv = torch.zeros((b, hk, sk, d), dtype=ct)
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    for start, stop, kv in _blocks(sq, sk, _rows_per_block(b, h, sk, 4), causal):
+        rows = stop - start
+        if kv == 0:
+            dqh[:, :, :, start:stop].zero_()
+            continue
+        causal_mask, keep = _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, q.device)
+        qb = qh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
+        dob = doh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
+        m = lse[..., start:stop].reshape(b, hk, g * rows, 1).to(ct)
+        p = torch.exp(_scores(qb, kt[..., :kv], scale, causal_mask, g) - m.masked_fill(torch.isneginf(m), math.inf))
+        dp = torch.matmul(dob, vt[..., :kv])
+        if keep is not None:
+            pd = p.masked_fill(~keep, 0.0).mul_(keep_scale)
+            dp = dp.masked_fill_(~keep, 0.0).mul_(keep_scale)
+        else:
+            pd = p
+        dv[:, :, :kv] += torch.matmul(pd.transpose(-1, -2), dob)
+        ds = p.mul_(dp.sub_(delta[..., start:stop].reshape(b, hk, g * rows, 1)))
+        dqh[:, :, :, start:stop] = (torch.matmul(ds, kc[:, :, :kv]) * scale).view(b, hk, g, rows, d)
+        dk[:, :, :kv] += torch.matmul(ds.transpose(-1, -2), qb) * scale
+    dk = dk.permute(0, 2, 1, 3).to(k.dtype)
+    dv = dv.permute(0, 2, 1, 3).to(v.dtype)
+    return dq, dk.contiguous(), dv.contiguous()

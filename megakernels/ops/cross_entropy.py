@@ -1,0 +1,256 @@
+"""Fused (vocab-parallel) cross-entropy: per-token ``-log softmax(logits)[target]`` with label smoothing, without
+materialising log-probabilities, and with the vocabulary optionally sharded over a tensor-parallel group
+(Megatron's vocab-parallel cross-entropy).
+
+Per token row ``x`` (the real columns only), with ``lse = log sum_j exp(x_j)`` and ``V`` the real vocab size::
+
+    loss = lse - (1 - eps) * x[target] - eps * mean_j x_j        (eps = label_smoothing; 0 for ignored rows)
+    dx_j = dloss * (softmax(x)_j - (1 - eps) [j == target] - eps / V)
+
+The forward streams each row once (online max and sum of exponentials, the target logit and the row sum; Triton
+on CUDA, row-chunked PyTorch on CPU) and saves only ``lse`` (4 bytes per token) next to the logits it already
+holds; the backward writes the gradient into one new tensor, or into the logits themselves with
+``inplace_backward=True`` — PyTorch's F.cross_entropy keeps a full fp32 log-softmax copy on top.
+
+With ``group`` each rank holds the shard ``[tokens, V_local]`` of columns ``[rank * V_local, (rank + 1) *
+V_local)`` (rank in ``group``), and the loss equals that of the full logits: one all-reduce(MAX) of the row
+maxima, then one all-reduce(SUM) of (rescaled sum-exp, target logit, row sum) — the logits are never gathered,
+and the backward needs no communication. Columns at global index ``>= vocab_size`` are padding (vocab padded to a
+multiple of 128 * tp for GEMM shapes): they are excluded from the softmax and get zero gradient, so padding never
+changes the loss.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from megakernels._backend import emulate_for
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CHUNK_BYTES = 64 << 20  # fp32 working set of one CPU row chunk
+
+
+def _use_triton(logits: torch.Tensor, emulate: bool) -> bool:
+    if logits.device.type == "cuda":
+        return True
+    if emulate:
+        from megakernels.triton import interpreting
+
+        if not interpreting():
+            raise RuntimeError("cross_entropy: backend cuda_emu runs the Triton kernels on the CPU, which needs "
+                               "TRITON_INTERPRET=1 in the environment before megakernels is imported")
+        return True
+    return False
+
+
+def _row_chunks(n: int, v: int):
+    rows = max(1, _CHUNK_BYTES // max(1, 4 * v))
+    for r0 in range(0, n, rows):
+        yield r0, min(n, r0 + rows)
+
+
+def _stats_cpu(logits, target, vocab_start: int, n_valid: int) -> torch.Tensor:
+    n = logits.shape[0]
+    out = torch.zeros((n, 4), dtype=torch.float32)
+    out[:, 0] = float("-inf")
+    if n_valid == 0:
+        return out
+    for r0, r1 in _row_chunks(n, n_valid):
+        x = logits[r0:r1, :n_valid].float()
+        m = x.amax(1)
+        m_safe = m.masked_fill(torch.isneginf(m), 0.0)
+        t = target[r0:r1] - vocab_start
+        in_shard = (t >= 0) & (t < n_valid)
+        picked = x.gather(1, t.clamp(0, n_valid - 1)[:, None]).squeeze(1)
+        out[r0:r1, 0] = m
+        out[r0:r1, 1] = torch.exp(x - m_safe[:, None]).sum(1)
+        out[r0:r1, 2] = torch.where(in_shard, picked, 0.0)
+        out[r0:r1, 3] = x.sum(1)
+    return out
+
+
+def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out):
+    n = logits.shape[0]
+    if n_valid < logits.shape[1]:
+        out[:, n_valid:] = 0
+    if n_valid == 0:
+        return out
+    for r0, r1 in _row_chunks(n, n_valid):
+        x = logits[r0:r1, :n_valid].float()
+        g = torch.exp(x - lse[r0:r1, None]).sub_(smooth_other)
+        t = target[r0:r1] - vocab_start
+        in_shard = (t >= 0) & (t < n_valid)
+        rows = torch.nonzero(in_shard).squeeze(1)
+        g[rows, t[rows]] -= smooth_target
+        scale = torch.where(target[r0:r1] == ignore_index, 0.0, dloss[r0:r1].float())
+        out[r0:r1, :n_valid] = g.mul_(scale[:, None])
+    return out
+
+
+@torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
+def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int,
+           emulate: bool) -> torch.Tensor:
+    if _use_triton(logits, emulate):
+        from megakernels.triton import cross_entropy as kernels
+
+        return kernels.stats(logits, target, vocab_start, n_valid)
+    return _stats_cpu(logits, target, vocab_start, n_valid)
+
+
+@_stats.register_fake
+def _(logits, target, vocab_start, n_valid, emulate):
+    return logits.new_empty((logits.shape[0], 4), dtype=torch.float32)
+
+
+def _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
+               emulate, out):
+    if _use_triton(logits, emulate):
+        from megakernels.triton import cross_entropy as kernels
+
+        return kernels.grad(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target,
+                            smooth_other, out)
+    return _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
+                     out)
+
+
+@torch.library.custom_op("megakernels::cross_entropy_grad", mutates_args=())
+def _grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, vocab_start: int,
+          n_valid: int, ignore_index: int, smooth_target: float, smooth_other: float,
+          emulate: bool) -> torch.Tensor:
+    return _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
+                      emulate, torch.empty_like(logits))
+
+
+@_grad.register_fake
+def _(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("megakernels::cross_entropy_grad_", mutates_args=("logits",))
+def _grad_inplace(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor,
+                  vocab_start: int, n_valid: int, ignore_index: int, smooth_target: float, smooth_other: float,
+                  emulate: bool) -> None:
+    _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
+               emulate, logits)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, vocab_start,
+                inplace_backward, emulate):
+        n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
+        m, s, picked, total = _stats(logits, target, vocab_start, n_valid, emulate).unbind(1)
+        if group is not None:
+            global_max = m.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+            safe = global_max.masked_fill(torch.isneginf(global_max), 0.0)
+            s = s * torch.exp(m.masked_fill(torch.isneginf(m), float("-inf")) - safe)
+            sums = torch.stack([s, picked, total])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            s, picked, total = sums.unbind(0)
+            m = global_max
+        lse = m + torch.log(s)
+        loss = lse - (1.0 - label_smoothing) * picked - (label_smoothing / vocab_size) * total
+        loss = loss.masked_fill(target == ignore_index, 0.0)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size,
+                    emulate)
+        ctx.inplace_backward = inplace_backward
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, dloss, _dlse):
+        logits, target, lse = ctx.saved_tensors
+        dloss = dloss.contiguous()
+        if ctx.inplace_backward:
+            _grad_inplace(logits, target, lse, dloss, *ctx.args)
+            grad = logits
+        else:
+            grad = _grad(logits, target, lse, dloss, *ctx.args)
+        return grad, None, None, None, None, None, None, None, None
+
+
+def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
+    op = "cross_entropy"
+    for name, t in (("logits", logits), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if logits.dim() < 1 or logits.dtype not in _DTYPES:
+        raise ValueError(f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} "
+                         f"dtype {logits.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{op}: target must be an integer (int64/int32) tensor, got {target.dtype}")
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape "
+                         f"{tuple(logits.shape[:-1])}")
+    if target.device != logits.device:
+        raise ValueError(f"{op}: target is on {target.device}, expected logits' device {logits.device}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    world, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    v_local = logits.shape[-1]
+    padded = v_local * world
+    if vocab_size is None:
+        vocab_size = padded
+    elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
+        raise ValueError(f"{op}: vocab_size must be an int in [1, {padded}] (the logits hold {padded} columns"
+                         f"{' over the group' if group is not None else ''}), got {vocab_size!r}")
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph: an asserting op instead
+        torch._assert_async(torch.logical_not(bad.any()), f"{op}: target outside [0, {vocab_size})")
+    elif bool(bad.any()):
+        value = int(target[bad].flatten()[0])
+        raise ValueError(f"{op}: target holds {value}, outside [0, {vocab_size}) and not ignore_index "
+                         f"({ignore_index})")
+    return vocab_size, rank * v_local
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, group=None, vocab_size: int | None = None,
+                  inplace_backward: bool = False) -> torch.Tensor:
+    """Per-token cross-entropy (``F.cross_entropy(..., reduction="none")`` semantics) of possibly vocab-sharded
+    logits.
+
+    Args:
+        logits: ``[..., V_local]`` fp32/bf16/fp16 (this rank's vocab shard when ``group`` is given); math in fp32.
+        target: ``[...]`` int64/int32 global class ids, or ``ignore_index`` (those tokens get loss 0 and no
+            gradient).
+        label_smoothing: eps in [0, 1], spread over the ``vocab_size`` real classes as PyTorch does.
+        group: a torch.distributed process group over which the vocab is sharded in rank order (None: the full
+            vocab is local).
+        vocab_size: the real vocab size; columns at global index >= vocab_size are padding and excluded (default:
+            every column is real).
+        inplace_backward: write the gradient into ``logits``' storage (saves a logits-sized buffer; only valid
+            when nothing else needs those logits after this loss, e.g. straight out of the LM head GEMM).
+
+    Returns:
+        ``[...]`` fp32 per-token loss, differentiable w.r.t. logits.
+
+    Raises:
+        TypeError for non-tensors; ValueError naming the argument for a wrong dtype or shape, a device mismatch, a
+        target outside ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing or vocab_size.
+    """
+    vocab_size, vocab_start = _check(logits, target, ignore_index, label_smoothing, group, vocab_size)
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.numel() and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    emulate = emulate_for("cross_entropy", logits)
+    loss, _ = _CrossEntropy.apply(flat, target.reshape(-1), int(ignore_index), float(label_smoothing), group,
+                                  vocab_size, vocab_start, bool(inplace_backward), emulate)
+    return loss.view(lead)
+
+
+def cross_entropy_reference(logits, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None,
+                            compute_dtype=torch.float64):
+    """``F.cross_entropy(reduction="none")`` in ``compute_dtype`` over the first ``vocab_size`` columns of full
+    (unsharded) logits."""
+    v = logits.shape[-1] if vocab_size is None else vocab_size
+    x = logits[..., :v].to(compute_dtype).reshape(-1, v)
+    return torch.nn.functional.cross_entropy(x, target.reshape(-1), ignore_index=ignore_index,
+                                             label_smoothing=label_smoothing, reduction="none").view(target.shape)

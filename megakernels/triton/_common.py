@@ -1,0 +1,121 @@
+"""Pieces shared by the Triton kernels: interpreter detection, the per-arch config tuner, and the counter-based
+dropout hash that the CPU paths reproduce bit for bit (``dropout_keep_reference``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+def interpreting() -> bool:
+    """Whether the kernels in this package were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return not hasattr(_probe, "run") or type(_probe).__name__ == "InterpretedFunction"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config choice. Each kernel has, per GPU architecture, an ordered list of candidate configs; the first is the
+# default. With MEGAKERNELS_AUTOTUNE=1 (the default on a GPU) every candidate is timed once per shape class and the
+# fastest kept; under the interpreter, or with MEGAKERNELS_AUTOTUNE=0, the first is used.
+
+_TUNED: dict[tuple, dict] = {}
+
+
+def arch_of(device: torch.device) -> int:
+    """Compute capability as an integer (90 for sm_90); 0 for a CPU tensor (interpreter)."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def pick_config(key: tuple, candidates: list[dict], launch) -> dict:
+    """The config for ``key``: the first candidate, or the fastest by ``triton.testing.do_bench`` when autotuning.
+
+    ``launch(config)`` runs the kernel once with that config (it must be safe to repeat)."""
+    if len(candidates) == 1 or interpreting() or os.environ.get("MEGAKERNELS_AUTOTUNE", "1") == "0":
+        return candidates[0]
+    best = _TUNED.get(key)
+    if best is None:
+        timings = []
+        for cfg in candidates:
+            try:
+                timings.append((triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20), cfg))
+            except triton.runtime.errors.OutOfResources:
+                continue
+        if not timings:
+            raise RuntimeError(f"megakernels: no Triton config fits this GPU for {key}")
+        best = min(timings, key=lambda t: t[0])[1]
+        _TUNED[key] = best
+    return best
+
+
+def seq_bucket(n: int) -> int:
+    """Shape class of a sequence length for the tuning cache (next power of two, at least 64)."""
+    return max(64, triton.next_power_of_2(n))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dropout: keep(seed, row, col) from a 32-bit integer hash (murmur3's finaliser), so the mask is a pure function of
+# the seed and the element's coordinates: the same on CPU and GPU, the same in forward and backward, independent of
+# the block sizes. ``row`` is the flat (batch*heads + head)*sq + query index, ``col`` the key index.
+
+_M1, _M2, _GOLD, _MIX = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9, 0x27D4EB2F
+
+
+@triton.jit
+def _fmix32(h):
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def dropout_row_hash(seed_lo, seed_hi, rows):
+    """Per-row part of the hash; ``rows`` int32 flat row indices, seeds uint32."""
+    h = _fmix32(rows.to(tl.uint32) + seed_hi * 0x9E3779B9)
+    return _fmix32(h ^ seed_lo)
+
+
+@triton.jit
+def dropout_keep(row_hash, cols, threshold):
+    """Boolean keep-mask: the top 24 bits of hash(row, col) compared against ``threshold = int(p * 2**24)``."""
+    h = _fmix32(row_hash + cols.to(tl.uint32) * 0x27D4EB2F)
+    return (h >> 8).to(tl.int32) >= threshold
+
+
+def dropout_threshold(p: float) -> int:
+    return int(round(p * (1 << 24)))
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+
+
+def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
+    mask = 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * _M1) & mask
+    h = h ^ (h >> 13)
+    h = (h * _M2) & mask
+    return h ^ (h >> 16)
+
+
+def dropout_keep_reference(seed: int, rows: torch.Tensor, cols: torch.Tensor, p: float) -> torch.Tensor:
+    """The same keep-mask in PyTorch (int64 arithmetic masked to 32 bits): ``[len(rows), len(cols)]`` bool."""
+    lo, hi = split_seed(seed)
+    mask = 0xFFFFFFFF
+    r = _fmix32_torch(((rows.to(torch.int64) & mask) + hi * _GOLD) & mask)
+    r = _fmix32_torch(r ^ lo)
+    h = _fmix32_torch((r[:, None] + (cols.to(torch.int64)[None, :] * _MIX)) & mask)
+    return (h >> 8) >= dropout_threshold(p)

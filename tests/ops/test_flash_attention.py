@@ -1,0 +1,192 @@
+"""flash_attention against a materialising fp64 PyTorch reference, on the CPU path (backend cpu), the Triton
+kernels under the interpreter (cuda_emu) and the GPU (cuda). Tolerances in flash-attn's style: the kernel's error
+must be within 2x the error of PyTorch's own attention computed in the input's precision, plus a small atol."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import megakernels
+from megakernels.ops.attention import dropout_mask, flash_attention, flash_attention_reference
+
+# (batch, sq, sk, heads, kv_heads, head_dim): the issue's sequence lengths, sq != sk both ways, GQA and MQA.
+CASES = [
+    (1, 1, 1, 2, 2, 32),
+    (2, 17, 17, 4, 2, 64),
+    (1, 128, 128, 2, 2, 128),
+    (1, 130, 257, 4, 1, 32),
+    (1, 257, 130, 2, 2, 64),
+    (1, 17, 128, 3, 3, 96),
+    (1, 128, 17, 2, 1, 128),
+]
+
+
+def _dtypes(backend):
+    if backend.name == "cuda":
+        return (torch.float16, torch.bfloat16)
+    if backend.emulated:  # the interpreter's bf16 tl.dot is broken (DESIGN.md §3)
+        return (torch.float16, torch.float32)
+    return (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _inputs(case, dtype, device, seed=0):
+    b, sq, sk, h, hk, d = case
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+               for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    do = torch.randn((b, sq, h, d), generator=g).to(dtype=dtype, device=device)
+    return q, k, v, do
+
+
+def _run(fn, q, k, v, do):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(do)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _max_err(a, b):
+    return (a.double().cpu() - b.double().cpu()).abs().max().item() if a.numel() else 0.0
+
+
+def _assert_flash_style(results, lowp, exact, dtype, names=("out", "dq", "dk", "dv")):
+    for name, r, lp, ex in zip(names, results, lowp, exact):
+        assert r.shape == ex.shape and r.dtype == dtype, f"{name}: {r.shape}/{r.dtype}"
+        err, ref_err = _max_err(r, ex), _max_err(lp, ex)
+        atol = (1e-5 if dtype == torch.float32 else 1e-3) * max(1.0, ex.abs().max().item())
+        assert err <= 2 * ref_err + atol, f"{name}: error {err:.3g} > 2 x PyTorch's {ref_err:.3g} + {atol:.3g}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}_hk{}_d{}".format(*c))
+def test_matches_reference(backend, case, causal):
+    for dtype in _dtypes(backend):
+        q, k, v, do = _inputs(case, dtype, backend.device)
+        results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
+        exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(),
+                     v.double(), do.double())
+        # PyTorch's own attention in the input precision (fp32 softmax for 16-bit, as its SDPA math path).
+        lowp = _run(lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
+                    q.cpu(), k.cpu(), v.cpu(), do.cpu())
+        _assert_flash_style(results, lowp, exact, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lse_matches_reference_and_is_minus_inf_for_rows_that_see_no_key(backend, causal):
+    case = (1, 40, 23, 2, 1, 32)  # causal with sq > sk: the first 17 queries see no key
+    q, k, v, _ = _inputs(case, torch.float32 if backend.name != "cuda" else torch.float16, backend.device)
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = flash_attention_reference(q, k, v, causal=causal)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 40)
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse.cpu()))
+    assert torch.isneginf(lse).any().item() == causal
+    finite = torch.isfinite(ref_lse.cpu())
+    assert _max_err(lse.cpu()[finite], ref_lse.cpu()[finite]) < 1e-3
+    if causal:
+        assert (out[:, :17] == 0).all()
+
+
+def test_gradcheck_cpu_fp64():
+    g = torch.Generator().manual_seed(1)
+    for causal in (False, True):
+        q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+                   for s in ((1, 5, 4, 8), (1, 7, 2, 8), (1, 7, 2, 8)))
+        assert torch.autograd.gradcheck(lambda *t: flash_attention(*t, causal=causal), (q, k, v))
+
+
+def test_cpu_path_at_seq_4096_matches_sdpa():
+    g = torch.Generator().manual_seed(2)
+    b, s, h, d = 1, 4096, 2, 64
+    q, k, v = (torch.randn((b, s, h, d), generator=g) for _ in range(3))
+    for causal in (False, True):
+        with megakernels.backend("cpu"):
+            out = flash_attention(q, k, v, causal=causal)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double(), is_causal=causal)
+        assert _max_err(out, ref.transpose(1, 2)) < 2e-5
+
+
+def test_cpu_blocks_bound_the_score_memory():
+    from megakernels.ops import _attention_cpu
+
+    rows = _attention_cpu._rows_per_block(1, 16, 16384, 4)
+    assert rows * 16 * 16384 * 4 <= _attention_cpu._BLOCK_BYTES and rows < 16384
+    blocks = list(_attention_cpu._blocks(300, 300, 128, causal=True))
+    assert blocks == [(0, 128, 128), (128, 256, 256), (256, 300, 300)]  # causal blocks stop at the diagonal
+
+
+def test_noncontiguous_inputs(backend):
+    dtype = torch.float16 if backend.name != "cpu" else torch.float32
+    qkv = torch.randn(2, 33, 3, 4, 32).to(dtype=dtype, device=backend.device)  # packed, as FlashSelfAttention
+    q, k, v = qkv.unbind(2)
+    out = flash_attention(q, k, v, causal=True)
+    ref, _ = flash_attention_reference(q, k, v, causal=True)
+    assert _max_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dropout
+
+
+def test_dropout_matches_reference_with_the_documented_mask(backend):
+    p = 0.3
+    case = (2, 37, 45, 4, 2, 32)
+    for causal in (False, True):
+        dtype = torch.float32 if backend.name != "cuda" else torch.float16
+        q, k, v, do = _inputs(case, dtype, backend.device)
+        gen = torch.Generator(device=backend.device).manual_seed(7)
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device=backend.device,
+                                 generator=torch.Generator(device=backend.device).manual_seed(7)))
+        keep = dropout_mask(seed, 2, 4, 37, 45, p, device=backend.device)
+        results = _run(lambda *t: flash_attention(*t, causal=causal, dropout_p=p, generator=gen), q, k, v, do)
+        exact = _run(lambda *t: flash_attention_reference(*t, causal=causal, keep=keep, dropout_p=p)[0],
+                     q.double(), k.double(), v.double(), do.double())
+        for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
+            tol = (2e-5 if dtype == torch.float32 else 4e-3) * max(1.0, ex.abs().max().item())
+            assert _max_err(r, ex) <= tol, f"{name} (causal={causal})"
+
+
+def test_dropout_is_reproducible_and_seed_dependent(backend):
+    q, k, v, _ = _inputs((1, 20, 20, 2, 2, 32), torch.float32 if backend.name != "cuda" else torch.float16,
+                         backend.device)
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(flash_attention(q, k, v, dropout_p=0.5))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_dropout_mask_statistics():
+    for p in (0.1, 0.5):
+        keep = dropout_mask(12345, 2, 4, 256, 512, p)
+        n = keep.numel()
+        frac = keep.double().mean().item()
+        assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+        # No structure along rows, columns or heads: each slice keeps about 1 - p.
+        for dim in (1, 2, 3):
+            per_slice = keep.double().mean(dim=[i for i in range(4) if i != dim])
+            m = n / keep.shape[dim]
+            assert (per_slice - (1 - p)).abs().max().item() < 6 * math.sqrt(p * (1 - p) / m)
+        # Neighbours are independent: P(keep[j] and keep[j+1]) = (1-p)^2.
+        both = (keep[..., 1:] & keep[..., :-1]).double().mean().item()
+        assert abs(both - (1 - p) ** 2) < 0.01
+    assert not torch.equal(dropout_mask(1, 1, 1, 64, 64, 0.5), dropout_mask(2, 1, 1, 64, 64, 0.5))
+
+
+def test_dropout_mask_is_the_same_in_triton():
+    """The Triton hash (run by a kernel under the interpreter or on a GPU) equals the PyTorch one."""
+    from megakernels.triton import interpreting
+    from megakernels.triton._common import dropout_threshold, split_seed
+    from tests.triton.kernels import dropout_mask_kernel
+
+    device = "cpu" if interpreting() else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("Triton compiled for a GPU but there is no GPU")
+    seed = (0xDEADBEEF << 20) | 12345
+    out = torch.empty((24, 64), dtype=torch.int8, device=device)
+    lo, hi = split_seed(seed)
+    dropout_mask_kernel[(24,)](out, lo, hi, dropout_threshold(0.25), SK=64)
+    assert torch.equal(out.cpu().bool(), dropout_mask(seed, 1, 1, 24, 64, 0.25)[0, 0])
