@@ -6,8 +6,9 @@
                 hidden dim, and the sequence-parallel all-gather / reduce-scatter along dim 0 of ``[s, b, h]``
 - ``linear``    ``ColumnParallelLinear`` (f fused in, backward overlapping its collective with the weight-gradient
                 GEMM) and ``RowParallelLinear``
-- ``embedding`` ``VocabParallelEmbedding`` (vocabulary padded to 128·tp without changing the math) and the tied
-                output layer ``parallel_lm_logits``
+- ``embedding`` ``VocabParallelEmbedding`` (vocabulary padded to 128·tp without changing the math)
+- ``lm_head``   the output layer (``parallel_lm_logits``, ``ParallelLMHead``, tied or not) and the vocab-parallel
+                cross-entropy of ``megakernels.ops.cross_entropy`` over the TP group
 - ``blocks``    ``ParallelMLP`` and ``ParallelSelfAttention``
 - ``init``      layout-independent initialisation: a seed defines the full weight; each rank generates its shard
 - ``random``    the RNG tracker: dropout that differs per TP rank inside TP regions and not outside
@@ -18,10 +19,11 @@ Works on gloo (CPU) and nccl (CUDA) with the same code.
 
 from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention, sdpa_attention
 from megakernels.parallel.comm import record_events
-from megakernels.parallel.embedding import VocabParallelEmbedding, pad_vocab_size, parallel_lm_logits
+from megakernels.parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from megakernels.parallel.init import (full_weight, init_method_normal, init_shard_, scaled_init_method_normal)
 from megakernels.parallel.linear import (ColumnParallelLinear, LinearWithAsyncComm, RowParallelLinear,
                                          allreduce_sequence_parallel_grads, linear_with_async_comm)
+from megakernels.parallel.lm_head import ParallelLMHead, parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.mappings import (copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region,
                                            gather_from_tensor_model_parallel_region,
@@ -50,6 +52,7 @@ __all__ = [
     # layers
     "ColumnParallelLinear", "RowParallelLinear", "LinearWithAsyncComm", "linear_with_async_comm",
     "allreduce_sequence_parallel_grads", "VocabParallelEmbedding", "pad_vocab_size", "parallel_lm_logits",
+    "vocab_parallel_cross_entropy", "ParallelLMHead",
     "ParallelMLP", "ParallelSelfAttention", "sdpa_attention",
     # init, random, comm
     "init_method_normal", "scaled_init_method_normal", "init_shard_", "full_weight",

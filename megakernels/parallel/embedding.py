@@ -9,8 +9,7 @@ padding never changes the math (DESIGN.md §4): padded rows are zeros that no re
 excluded from the softmax by the loss (``vocab_size``) and from generation, and the real rows are generated from
 the seed in blocks that do not depend on how many padded rows follow (``megakernels.parallel.init``).
 
-The output layer reuses the table: ``logits_r = f(h) E_rᵀ`` on each rank — the vocab-parallel logits
-``[tokens, V_pad/tp]`` that the vocab-parallel cross-entropy consumes without ever gathering ``[tokens, V]``.
+The output layer reusing the table is in ``lm_head.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.parallel import init, mappings, state
-from megakernels.parallel.linear import linear_with_async_comm
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -108,33 +106,3 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, /{self.tp}), {self.embedding_dim}, "
                 f"sequence_parallel={self.sequence_parallel}")
-
-
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, parallel_output: bool = True,
-                       sequence_parallel: bool = False, bias: torch.Tensor | None = None,
-                       overlap_comm: bool = True) -> torch.Tensor:
-    """Output-layer logits against a vocab-parallel weight (usually the tied ``VocabParallelEmbedding.weight``).
-
-    ``f(hidden) @ weight_shardᵀ`` through the fused, overlapped linear: f is copy-to-TP-region (the gradient of
-    ``hidden`` is summed over the TP ranks), or under sequence parallelism an all-gather of the sequence shard.
-
-    Args:
-        hidden: ``[s, b, h]`` (``[s/tp, b, h]`` under ``sequence_parallel``), or any ``[..., h]`` without it.
-        weight: ``[V_pad/tp, h]``, this rank's vocabulary rows.
-        parallel_output: keep the logits vocab-parallel ``[..., V_pad/tp]`` (for the vocab-parallel
-            cross-entropy); otherwise all-gather them to ``[..., V_pad]`` (for generation; drop the columns past
-            the real vocabulary there).
-        bias: optional ``[V_pad/tp]``.
-
-    Raises:
-        ValueError: ``hidden``'s last dimension differs from ``weight``'s, or under sequence parallelism ``hidden``
-            is not 3-D.
-    """
-    if weight.dim() != 2 or hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"parallel_lm_logits: hidden has shape {tuple(hidden.shape)} and weight "
-                         f"{tuple(weight.shape)}; expected hidden [..., h] and weight [V_pad/tp, h]")
-    if sequence_parallel and hidden.dim() != 3:
-        raise ValueError("parallel_lm_logits: under sequence parallelism hidden must be [s/tp, b, h], got shape "
-                         f"{tuple(hidden.shape)}")
-    logits = linear_with_async_comm(hidden, weight, bias, state.tp_group(), sequence_parallel, overlap_comm)
-    return logits if parallel_output else mappings.gather_from_tensor_model_parallel_region(logits)

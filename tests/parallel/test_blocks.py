@@ -147,6 +147,20 @@ def _(rank, world):
     assert calls == [((B, S, HEADS // 2, H // HEADS),) * 3 + (True, 0.0)]
 
 
+@CHECKS.add("megakernels_flash_attention_plugs_in")
+def _(rank, world):
+    from megakernels.ops import flash_attention
+
+    for tp in TPS:
+        for sp in (False, True):
+            mp.initialize(tp)
+            torch.manual_seed(35)
+            attn = mp.ParallelSelfAttention(H, HEADS, sequence_parallel=sp, attention_fn=flash_attention)
+            _compare_block(attn, attn.qkv, attn.proj, lambda x, *w: _attention_reference(x, *w, causal=True),
+                           f"flash attention tp{tp} sp={sp}", sp, 70)
+            mp.destroy()
+
+
 @CHECKS.add("attention_dropout_uses_the_tensor_parallel_stream")
 def _(rank, world):
     mp.initialize(2)

@@ -1,4 +1,4 @@
-"""Column/row-parallel linear, vocab-parallel embedding and the tied output layer against the unsharded plain-PyTorch
+"""Column/row-parallel linear and vocab-parallel embedding against the unsharded plain-PyTorch
 layer with the same seed (outputs, input and parameter gradients, fp32 vs an fp64 reference, <= 1e-5 relative),
 for tp 1, 2, 4 with sequence parallelism off and on; plus layout-independent initialisation and vocab padding.
 One world of 4 gloo processes."""
@@ -121,31 +121,6 @@ def _(rank, world):
             mp.destroy()
 
 
-@CHECKS.add("parallel_lm_logits_against_the_tied_embedding")
-def _(rank, world):
-    for tp in TPS:
-        for sp, parallel_output in ((False, True), (False, False), (True, True)):
-            what = f"tp{tp} sp={sp} parallel_output={parallel_output}"
-            mp.initialize(tp)
-            r = mp.tp_rank()
-            torch.manual_seed(16)
-            emb = mp.VocabParallelEmbedding(V, H)
-            vpad = emb.padded_num_embeddings
-            w = torch.cat([init.full_weight((V, H), emb.seed, init.init_method_normal()), torch.zeros(vpad - V, H)])
-            h, dlogits = randn(S, B, H, seed=17), randn(S, B, vpad, seed=18)
-            hin = _leaf(block(h, 0, r, tp) if sp else h)
-            logits = mp.parallel_lm_logits(hin, emb.weight, parallel_output=parallel_output, sequence_parallel=sp)
-            logits.backward(block(dlogits, -1, r, tp) if parallel_output else dlogits)
-
-            hr, wr = _leaf(h.double()), _leaf(w.double())
-            lr = hr @ wr.t()
-            lr.backward(dlogits.double())
-            assert_close(logits, block(lr, -1, r, tp) if parallel_output else lr, f"{what}: logits")
-            assert_close(hin.grad, block(hr.grad, 0, r, tp) if sp else hr.grad, f"{what}: hidden grad")
-            assert_close(emb.weight.grad, block(wr.grad, 0, r, tp), f"{what}: weight grad")
-            mp.destroy()
-
-
 @CHECKS.add("initial_weights_depend_on_the_seed_not_the_layout")
 def _(rank, world):
     full = {}
@@ -227,8 +202,6 @@ def _(rank, world):
         emb(torch.zeros(4, 2))
     with pytest.raises(ValueError, match=r"ids must be \[s, b\] with s divisible by the tensor-parallel size 2"):
         emb(torch.zeros(3, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="parallel_lm_logits: hidden has shape"):
-        mp.parallel_lm_logits(torch.zeros(4, 2, 8), emb.weight)
 
 
 def _world(rank, world_size):
