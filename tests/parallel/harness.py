@@ -35,6 +35,8 @@ HOST = "127.0.0.1"
 _POLL_S = 0.05
 # After a rank's exit code is visible, how long its result may still be in flight through the queue's pipe.
 _DRAIN_S = 2.0
+# The rendezvous port of the latest world (tests check it is released).
+last_port: int | None = None
 
 
 def _dumps(obj) -> bytes:
@@ -112,6 +114,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
     results = ctx.Queue()
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
+    global last_port
+    last_port = store.port
     procs = []
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     try:

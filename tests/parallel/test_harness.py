@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.parallel import harness
 from tests.parallel.harness import run_world
 
 
@@ -53,12 +55,18 @@ def _no_children_left():
     assert not multiprocessing.active_children()
 
 
+def _port_released(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 def test_results_come_back_in_rank_order_with_one_thread_per_rank():
     out = run_world(3, _sum_of_ranks, 2.0, timeout=60)
     assert [r["rank"] for r in out] == [0, 1, 2]
     assert all(torch.equal(r["sum"], torch.tensor([6.0])) for r in out)
     assert all(r["threads"] == 1 for r in out)
     _no_children_left()
+    assert _port_released(harness.last_port)
 
 
 def test_env_init_lets_the_function_initialise_like_torchrun():
@@ -74,6 +82,7 @@ def test_a_raising_rank_fails_the_parent_with_its_traceback():
     assert "_rank_one_raises" in str(info.value)  # the traceback, not just the message
     assert time.monotonic() - start < 30
     _no_children_left()
+    assert _port_released(harness.last_port)
 
 
 def test_a_dying_rank_fails_the_parent_instead_of_hanging():
@@ -86,9 +95,10 @@ def test_a_dying_rank_fails_the_parent_instead_of_hanging():
 
 def test_a_hanging_world_times_out():
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"timed out after 6 s; ranks \[0\]"):
-        run_world(2, _rank_zero_hangs, timeout=6)
-    assert time.monotonic() - start < 20
+    # Rank 1 returns at once, unless a loaded machine made its start-up alone outlast the timeout.
+    with pytest.raises(AssertionError, match=r"timed out after 5 s; ranks \[0(, 1)?\] had not finished"):
+        run_world(2, _rank_zero_hangs, timeout=5)
+    assert time.monotonic() - start < 15
     _no_children_left()
 
 
