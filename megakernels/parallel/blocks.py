@@ -1,0 +1,149 @@
+"""Tensor-parallel Transformer sublayers: the MLP and the self-attention block of Megatron-LM.
+
+Both are a column-parallel linear, a rank-local middle and a row-parallel linear, so each costs exactly one
+all-reduce in forward (the row layer's g) and one in backward (the column layer's f) — or, under sequence
+parallelism, an all-gather + a reduce-scatter in forward and, in backward, the reduce-scatter + all-gather they
+transpose to plus one all-gather that re-materialises the column layer's input instead of saving it (Megatron's
+memory-for-traffic trade, hidden behind the dgrad GEMM).
+
+MLP:        x -> ColumnParallelLinear(h, 4h) -> bias_gelu (fused bias add + tanh GeLU) -> RowParallelLinear(4h, h)
+Attention:  x -> ColumnParallelLinear(h, 3h) -> split heads -> attention core -> RowParallelLinear(h, h)
+
+The QKV weight's ``3h`` output rows are ordered ``(head, {q, k, v}, head_dim)``: head-major, so the contiguous row
+block of TP rank r holds q, k and v of heads ``[r·n/tp, (r+1)·n/tp)`` and attention is rank-local. The attention
+core is pluggable: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, heads, head_dim]`` tensors returning
+the same layout (``megakernels.ops.flash_attention``'s signature); the default wraps PyTorch's
+``scaled_dot_product_attention``. Attention dropout runs on the tracker's per-TP-rank stream (``random.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megakernels.ops.bias_gelu import bias_gelu
+from megakernels.parallel import init, state
+from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from megakernels.parallel.random import get_rng_tracker
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, dropout_p: float = 0.0,
+                   softmax_scale: float | None = None) -> torch.Tensor:
+    """``softmax(q kᵀ · scale [+ causal mask]) v`` by ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args:
+        q, k, v: ``[b, s, heads, head_dim]`` (k, v may have another sequence length).
+        causal: mask future keys (query i attends keys <= i).
+        dropout_p: dropout on the attention probabilities.
+        softmax_scale: default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[b, s, heads, head_dim]``.
+    """
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         dropout_p=dropout_p, is_causal=causal, scale=softmax_scale)
+    return out.transpose(1, 2)
+
+
+class ParallelMLP(nn.Module):
+    """Megatron's MLP ``fc2(gelu(fc1(x) + b1)) + b2`` split over the tensor-parallel ranks.
+
+    Args:
+        hidden_size: h.
+        ffn_hidden_size: the inner size (default 4h); must divide by tp.
+        sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
+        approximate: GeLU form, ``"tanh"`` (Megatron's) or ``"none"``.
+        overlap_comm: overlap fc1's backward collectives with its weight-gradient GEMM.
+        init_method: fc1's (default ``N(0, 0.02²)``); output_init_method: fc2's (default the same).
+        device, dtype: of the parameters.
+
+    Forward: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism; any ``[..., h]`` otherwise) -> same shape.
+
+    Raises:
+        ValueError: ``ffn_hidden_size`` not divisible by tp, non-positive sizes, or a bad ``approximate``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int | None = None, sequence_parallel: bool = False, *,
+                 approximate: str = "tanh", overlap_comm: bool = True, init_method: init.InitMethod | None = None,
+                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+        super().__init__()
+        ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"ParallelMLP: approximate must be 'tanh' or 'none', got {approximate!r}")
+        state.check_divisible(ffn_hidden_size=ffn_hidden_size)
+        self.approximate = approximate
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, sequence_parallel=sequence_parallel,
+                                        skip_bias_add=True, overlap_comm=overlap_comm, init_method=init_method,
+                                        device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, sequence_parallel=sequence_parallel,
+                                     init_method=output_init_method or init_method, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, b1 = self.fc1(x)
+        return self.fc2(bias_gelu(y, b1, self.approximate))
+
+
+class ParallelSelfAttention(nn.Module):
+    """Multi-head self-attention with the heads split over the tensor-parallel ranks.
+
+    Args:
+        hidden_size: h; must divide by ``num_heads``.
+        num_heads: n; must divide by tp (and be >= tp).
+        causal: causal (GPT) or bidirectional (BERT) attention.
+        sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
+        attention_fn: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, n/tp, h/n]``; default
+            ``sdpa_attention``.
+        attention_dropout: dropout on the attention probabilities while training (per-TP-rank stream: needs
+            ``model_parallel_seed``).
+        bias: biases on the QKV and output projections.
+        overlap_comm, init_method, output_init_method, device, dtype: as ``ParallelMLP``.
+
+    Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same shape.
+
+    Raises:
+        ValueError: ``num_heads`` smaller than or not divisible by tp, ``hidden_size`` not divisible by
+            ``num_heads``, ``attention_dropout`` outside [0, 1), or an input that is not 3-D ``[s, b, h]``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, causal: bool = True, sequence_parallel: bool = False, *,
+                 attention_fn: AttentionFn | None = None, attention_dropout: float = 0.0, bias: bool = True,
+                 overlap_comm: bool = True, init_method: init.InitMethod | None = None,
+                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+        super().__init__()
+        cls = type(self).__name__
+        state.check_divisible(num_heads=num_heads)
+        if hidden_size % num_heads:
+            raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
+        self.head_dim = hidden_size // num_heads
+        self.local_heads = num_heads // state.tp_size()
+        self.attention_fn = sdpa_attention if attention_fn is None else attention_fn
+        self.attention_dropout = float(attention_dropout)
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, sequence_parallel=sequence_parallel,
+                                        overlap_comm=overlap_comm, init_method=init_method, device=device,
+                                        dtype=dtype)
+        self.proj = RowParallelLinear(hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
+                                      init_method=output_init_method or init_method, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"{type(self).__name__}: x must be [s, b, h] (sequence first), got shape "
+                             f"{tuple(x.shape)}")
+        qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(1, 0, 2, 3, 4).unbind(3)
+        p = self.attention_dropout if self.training else 0.0
+        if p > 0.0:
+            with get_rng_tracker().fork():
+                ctx = self.attention_fn(q, k, v, causal=self.causal, dropout_p=p)
+        else:
+            ctx = self.attention_fn(q, k, v, causal=self.causal, dropout_p=0.0)
+        ctx = ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.proj(ctx)

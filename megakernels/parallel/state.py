@@ -1,0 +1,310 @@
+"""Process groups of 3D parallelism: tensor (tp) × data (dp) × pipeline (pp), plus virtual pipeline stages (vpp).
+
+Global ranks are laid out with tp innermost, then dp, then pp (Megatron-LM's order), so the ranks of one tensor-
+parallel group are adjacent and stay inside a node, where the bandwidth for TP's per-layer all-reduces is:
+
+    rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
+
+Example, world 16 with tp 2, pp 4 (dp 2): tp groups [0,1] [2,3] ...; dp groups [0,2] [1,3] [4,6] ...; pp groups
+[0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]; embedding groups (first + last pipeline stage, which share the
+word embedding when the output layer is tied to it) [0,12] [1,13] [2,14] [3,15].
+
+Every rank creates every group (``torch.distributed.new_group`` is collective over the world) in the same order.
+The module holds one state object; ``destroy()`` clears it (and destroys the groups) so ``initialize`` may run
+again, e.g. with another layout in the same world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class _State:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    model_parallel_group: object
+    embedding_group: object | None
+    pp_ranks: list[int]
+    embedding_ranks: list[int]
+    groups: list
+    owns_world: bool
+    vpp_rank: int | None = None
+
+
+_state: _State | None = None
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"initialize: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _init_world_from_env() -> None:
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError("initialize: torch.distributed is not initialised and the torchrun environment is "
+                           f"incomplete (missing {', '.join(missing)}); call torch.distributed.init_process_group "
+                           "first or launch with torchrun")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None) -> None:
+    """Create the tensor-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
+
+    Initialises ``torch.distributed`` itself from torchrun's environment (nccl when CUDA is available, else gloo)
+    when no default process group exists yet; ``destroy()`` then also tears that down.
+
+    Args:
+        tp: tensor-parallel size (ranks sharding each layer).
+        pp: pipeline-parallel size (stages).
+        dp: data-parallel size; defaults to ``world_size // (tp · pp)``, and must equal it when given.
+        vpp: virtual pipeline stages (model chunks) per rank for the interleaved schedule; ``None`` for none.
+
+    Raises:
+        ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · pp``, a ``dp`` that
+            does not make ``tp · pp · dp == world_size``, or ``vpp > 1`` with ``pp == 1``.
+        RuntimeError: called twice without ``destroy()``, or no process group and no torchrun environment.
+    """
+    global _state
+    if _state is not None:
+        raise RuntimeError(f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
+                           "call megakernels.parallel.destroy() first")
+    tp, pp = _positive_int("tp", tp), _positive_int("pp", pp)
+    if vpp is not None:
+        vpp = _positive_int("vpp", vpp)
+        if vpp > 1 and pp == 1:
+            raise ValueError(f"initialize: vpp={vpp} needs pipeline parallelism (pp > 1), got pp=1")
+    if dp is not None:
+        dp = _positive_int("dp", dp)
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        _init_world_from_env()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        if world % (tp * pp):
+            raise ValueError(f"initialize: world size {world} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}")
+        if dp is None:
+            dp = world // (tp * pp)
+        elif tp * pp * dp != world:
+            raise ValueError(f"initialize: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} != world size {world}")
+    except ValueError:
+        if owns_world:
+            dist.destroy_process_group()
+        raise
+
+    def at(p: int, d: int, t: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    groups, mine = [], {}
+
+    def make(kind: str, ranks: list[int]):
+        g = dist.new_group(ranks)
+        groups.append(g)
+        if rank in ranks:
+            mine[kind], mine[kind + "_ranks"] = g, ranks
+        return g
+
+    for p in range(pp):
+        for d in range(dp):
+            make("tp", [at(p, d, t) for t in range(tp)])
+    for p in range(pp):
+        for t in range(tp):
+            make("dp", [at(p, d, t) for d in range(dp)])
+    for d in range(dp):
+        for t in range(tp):
+            make("pp", [at(p, d, t) for p in range(pp)])
+    for d in range(dp):
+        make("mp", [at(p, d, t) for p in range(pp) for t in range(tp)])
+    for d in range(dp):
+        for t in range(tp):
+            make("emb", sorted({at(0, d, t), at(pp - 1, d, t)}))
+
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    _state = _State(tp=tp, pp=pp, dp=dp, vpp=vpp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                    tp_group=mine["tp"], pp_group=mine["pp"], dp_group=mine["dp"], model_parallel_group=mine["mp"],
+                    embedding_group=mine.get("emb"), pp_ranks=mine["pp_ranks"],
+                    embedding_ranks=mine.get("emb_ranks", []),
+                    groups=groups, owns_world=owns_world, vpp_rank=0 if vpp is not None else None)
+
+
+def destroy() -> None:
+    """Destroy the groups created by ``initialize`` (and the default group if ``initialize`` created it)."""
+    global _state
+    if _state is None:
+        return
+    state, _state = _state, None
+    for g in state.groups:
+        dist.destroy_process_group(g)
+    if state.owns_world and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether ``initialize`` has run (and ``destroy`` has not)."""
+    return _state is not None
+
+
+def _get() -> _State:
+    if _state is None:
+        raise RuntimeError("megakernels.parallel is not initialised: call megakernels.parallel.initialize(tp, pp) "
+                           "after torch.distributed.init_process_group (or under torchrun)")
+    return _state
+
+
+# ---- accessors -------------------------------------------------------------------------------------------------
+
+def tp_group():
+    """The tensor-parallel process group of this rank."""
+    return _get().tp_group
+
+
+def pp_group():
+    """The pipeline-parallel process group of this rank."""
+    return _get().pp_group
+
+
+def dp_group():
+    """The data-parallel process group of this rank."""
+    return _get().dp_group
+
+
+def model_parallel_group():
+    """tp × pp ranks holding one full model replica (e.g. for a global gradient norm)."""
+    return _get().model_parallel_group
+
+
+def embedding_group():
+    """First and last pipeline stage of this rank's pipeline (one rank when pp == 1): the ranks that hold the word
+    embedding when the output layer is tied to it, and all-reduce its gradient. ``None`` on a middle stage."""
+    return _get().embedding_group
+
+
+def embedding_ranks() -> list[int]:
+    """Global ranks of ``embedding_group()`` (empty on a middle stage)."""
+    return list(_get().embedding_ranks)
+
+
+def is_in_embedding_group() -> bool:
+    """Whether this rank is a first or last pipeline stage."""
+    return dist.get_rank() in _get().embedding_ranks
+
+
+def tp_rank() -> int:
+    return _get().tp_rank
+
+
+def tp_size() -> int:
+    return _get().tp
+
+
+def pp_rank() -> int:
+    return _get().pp_rank
+
+
+def pp_size() -> int:
+    return _get().pp
+
+
+def dp_rank() -> int:
+    return _get().dp_rank
+
+
+def dp_size() -> int:
+    return _get().dp
+
+
+def vpp_size() -> int | None:
+    """Virtual pipeline stages (model chunks) per rank, ``None`` without interleaving."""
+    return _get().vpp
+
+
+def vpp_rank() -> int | None:
+    """The model chunk the interleaved schedule is running now (``None`` without interleaving)."""
+    return _get().vpp_rank
+
+
+def set_vpp_rank(rank: int) -> None:
+    """Set the current model chunk; raises ValueError outside ``0 .. vpp_size()-1`` or without interleaving."""
+    s = _get()
+    if s.vpp is None or not 0 <= rank < s.vpp:
+        raise ValueError(f"set_vpp_rank: rank must be in 0..{(s.vpp or 1) - 1} with vpp={s.vpp}, got {rank}")
+    s.vpp_rank = rank
+
+
+def pp_ranks() -> list[int]:
+    """Global ranks of this rank's pipeline, stage 0 first."""
+    return list(_get().pp_ranks)
+
+
+def pp_next_rank() -> int:
+    """Global rank of the next pipeline stage (wrapping from the last stage to the first)."""
+    s = _get()
+    return s.pp_ranks[(s.pp_rank + 1) % s.pp]
+
+
+def pp_prev_rank() -> int:
+    """Global rank of the previous pipeline stage (wrapping from the first stage to the last)."""
+    s = _get()
+    return s.pp_ranks[(s.pp_rank - 1) % s.pp]
+
+
+def is_pp_first_stage(ignore_virtual: bool = False) -> bool:
+    """Whether this rank runs the first stage (and, with interleaving, unless ``ignore_virtual``, model chunk 0)."""
+    s = _get()
+    if not ignore_virtual and s.vpp is not None and s.vpp_rank != 0:
+        return False
+    return s.pp_rank == 0
+
+
+def is_pp_last_stage(ignore_virtual: bool = False) -> bool:
+    """Whether this rank runs the last stage (and, with interleaving, unless ``ignore_virtual``, its last chunk)."""
+    s = _get()
+    if not ignore_virtual and s.vpp is not None and s.vpp_rank != s.vpp - 1:
+        return False
+    return s.pp_rank == s.pp - 1
+
+
+# ---- validation ------------------------------------------------------------------------------------------------
+
+def check_divisible(tp: int | None = None, **sizes: int) -> None:
+    """Check that each named size splits evenly over ``tp`` ranks (default ``tp_size()``).
+
+        check_divisible(num_heads=16, ffn_hidden_size=4096)
+
+    Raises:
+        ValueError: naming the size and the rule, e.g. ``num_heads=4 is smaller than the tensor-parallel size 8``
+            or ``num_heads=12 is not divisible by the tensor-parallel size 8``.
+    """
+    tp = tp_size() if tp is None else tp
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if value < tp:
+            raise ValueError(f"{name}={value} is smaller than the tensor-parallel size {tp}: each of the {tp} "
+                             f"ranks needs at least one")
+        if value % tp:
+            raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp}")
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """``numerator // denominator``, raising ValueError naming ``what`` unless it divides exactly."""
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by {denominator}")
+    return numerator // denominator

@@ -1,0 +1,99 @@
+"""The multi-process harness itself: results come back in rank order; a rank that raises, dies or hangs fails the
+parent with a message (never a hang), and no child process is left behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.parallel.harness import run_world
+
+
+def _sum_of_ranks(rank, world_size, scale):
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    return {"rank": rank, "sum": x * scale, "threads": torch.get_num_threads()}
+
+
+def _rank_one_raises(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank one")
+    dist.barrier()  # rank 0 waits for a peer that never comes: it must be killed, not waited for
+
+
+def _rank_one_exits(rank, world_size):
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def _rank_zero_hangs(rank, world_size):
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+def _env_initialised(rank, world_size):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo")  # from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, as under torchrun
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return int(x.item()), dist.get_rank()
+
+
+def _no_children_left():
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()
+
+
+def test_results_come_back_in_rank_order_with_one_thread_per_rank():
+    out = run_world(3, _sum_of_ranks, 2.0, timeout=60)
+    assert [r["rank"] for r in out] == [0, 1, 2]
+    assert all(torch.equal(r["sum"], torch.tensor([6.0])) for r in out)
+    assert all(r["threads"] == 1 for r in out)
+    _no_children_left()
+
+
+def test_env_init_lets_the_function_initialise_like_torchrun():
+    assert run_world(2, _env_initialised, init="env", timeout=60) == [(2, 0), (2, 1)]
+    _no_children_left()
+
+
+def test_a_raising_rank_fails_the_parent_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 raised") as info:
+        run_world(2, _rank_one_raises, timeout=60)
+    assert "deliberate failure on rank one" in str(info.value)
+    assert "_rank_one_raises" in str(info.value)  # the traceback, not just the message
+    assert time.monotonic() - start < 30
+    _no_children_left()
+
+
+def test_a_dying_rank_fails_the_parent_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
+        run_world(2, _rank_one_exits, timeout=60)
+    assert time.monotonic() - start < 30
+    _no_children_left()
+
+
+def test_a_hanging_world_times_out():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 6 s; ranks \[0\]"):
+        run_world(2, _rank_zero_hangs, timeout=6)
+    assert time.monotonic() - start < 20
+    _no_children_left()
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="world_size"):
+        run_world(0, _sum_of_ranks, 1.0)
+    with pytest.raises(ValueError, match="init"):
+        run_world(1, _sum_of_ranks, 1.0, init="file")
