@@ -39,6 +39,18 @@ def backend(request):
         yield Backend(name, "cuda" if name == "cuda" else "cpu")
 
 
+@pytest.fixture
+def triton_backend(backend):
+    """``backend`` for ops with Triton kernels: on cuda_emu they run under Triton's interpreter, which exists only
+    when TRITON_INTERPRET=1 was set at import (this conftest sets it on machines without a GPU)."""
+    if backend.emulated:
+        from megakernels.triton import interpreting
+
+        if not interpreting():
+            pytest.skip("Triton kernels were compiled for the GPU (TRITON_INTERPRET unset): no interpreter run")
+    return backend
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return

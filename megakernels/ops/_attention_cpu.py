@@ -15,7 +15,7 @@ import math
 
 import torch
 
-_BLOCK_BYTES = 32 << 20  # budget for one block's score matrix
+_BLOCK_BYTES = 4 << 20  # budget for one block's score matrix
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -59,10 +59,11 @@ def _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, devi
     return causal_mask, keep
 
 
-def _scores(qb, kt, scale, causal_mask, g):
-    s = torch.matmul(qb, kt) * scale  # [b, hk, g*rows, kv]
+def _scores(qb, kt, causal_mask, g):
+    """``q k^T`` for a block (q already scaled), causal positions at -inf: ``[b, hk, g*rows, kv]``."""
+    s = torch.matmul(qb, kt)
     if causal_mask is not None:
-        s = s.view(*s.shape[:2], g, -1, s.shape[-1]).masked_fill_(causal_mask, float("-inf")).view(s.shape)
+        s.view(*s.shape[:2], g, -1, s.shape[-1]).masked_fill_(causal_mask, float("-inf"))
     return s
 
 
@@ -85,16 +86,17 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: int):
             lse[..., start:stop] = float("-inf")
             continue
         causal_mask, keep = _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, q.device)
-        qb = qh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
-        s = _scores(qb, kt[..., :kv], scale, causal_mask, g)
-        m = torch.logsumexp(s, -1, keepdim=True)
-        # Rows with no visible key: lse -inf, P 0 (logsumexp of all -inf is -inf; exp(-inf - -inf) would be NaN).
-        p = torch.exp(s - m.masked_fill(torch.isneginf(m), 0.0))
+        qb = (qh[:, :, :, start:stop].to(ct) * scale).reshape(b, hk, g * rows, d)
+        # In place on the block's scores: max, exp(s - max), row sums (4 passes; the GEMMs are the BLAS's).
+        p = _scores(qb, kt[..., :kv], causal_mask, g)
+        m = p.amax(-1, keepdim=True)
+        m = m.masked_fill_(torch.isneginf(m), 0.0)  # a row that sees no key: P = 0, l = 0, lse = -inf
+        l = p.sub_(m).exp_().sum(-1, keepdim=True)
         if keep is not None:
-            p = p.masked_fill_(~keep, 0.0).mul_(keep_scale)
-        o = torch.matmul(p, vc[:, :, :kv])
+            p = p.masked_fill_(~keep, 0.0)
+        o = torch.matmul(p, vc[:, :, :kv]).mul_(keep_scale / l.masked_fill(l == 0, 1.0))
         oh[:, :, :, start:stop] = o.view(b, hk, g, rows, d)
-        lse[..., start:stop] = m.view(b, hk, g, rows)
+        lse[..., start:stop] = (m + torch.log(l)).view(b, hk, g, rows)
     return out, lse.view(b, h, sq)
 
 
@@ -120,10 +122,10 @@ def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float
             dqh[:, :, :, start:stop].zero_()
             continue
         causal_mask, keep = _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, q.device)
-        qb = qh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
+        qb = (qh[:, :, :, start:stop].to(ct) * scale).reshape(b, hk, g * rows, d)
         dob = doh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
         m = lse[..., start:stop].reshape(b, hk, g * rows, 1).to(ct)
-        p = torch.exp(_scores(qb, kt[..., :kv], scale, causal_mask, g) - m.masked_fill(torch.isneginf(m), math.inf))
+        p = _scores(qb, kt[..., :kv], causal_mask, g).sub_(m.masked_fill(torch.isneginf(m), math.inf)).exp_()
         dp = torch.matmul(dob, vt[..., :kv])
         if keep is not None:
             pd = p.masked_fill(~keep, 0.0).mul_(keep_scale)
@@ -131,9 +133,9 @@ def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float
         else:
             pd = p
         dv[:, :, :kv] += torch.matmul(pd.transpose(-1, -2), dob)
-        ds = p.mul_(dp.sub_(delta[..., start:stop].reshape(b, hk, g * rows, 1)))
-        dqh[:, :, :, start:stop] = (torch.matmul(ds, kc[:, :, :kv]) * scale).view(b, hk, g, rows, d)
-        dk[:, :, :kv] += torch.matmul(ds.transpose(-1, -2), qb) * scale
+        ds = dp.sub_(delta[..., start:stop].reshape(b, hk, g * rows, 1)).mul_(p)
+        dqh[:, :, :, start:stop] = torch.matmul(ds, kc[:, :, :kv]).mul_(scale).view(b, hk, g, rows, d)
+        dk[:, :, :kv] += torch.matmul(ds.transpose(-1, -2), qb)  # qb holds scale * q
     dk = dk.permute(0, 2, 1, 3).to(k.dtype)
     dv = dv.permute(0, 2, 1, 3).to(v.dtype)
     return dq, dk.contiguous(), dv.contiguous()

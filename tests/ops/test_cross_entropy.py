@@ -39,33 +39,33 @@ def _check_against_reference(x, t, dloss, **kwargs):
     return loss, grad
 
 
-def _dtypes(backend):
-    return (torch.float32, torch.bfloat16, torch.float16) if backend.name != "cuda_emu" else (torch.float32,
+def _dtypes(triton_backend):
+    return (torch.float32, torch.bfloat16, torch.float16) if triton_backend.name != "cuda_emu" else (torch.float32,
                                                                                               torch.bfloat16)
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("n, v", [(1, 10), (37, 301), (8, 1000)])
-def test_matches_f_cross_entropy(backend, n, v, label_smoothing):
-    for dtype in _dtypes(backend):
-        x, t = _case(n, v, dtype, backend.device, ignore=[0] if n > 4 else [])
-        dloss = torch.randn(n, device=backend.device)
+def test_matches_f_cross_entropy(triton_backend, n, v, label_smoothing):
+    for dtype in _dtypes(triton_backend):
+        x, t = _case(n, v, dtype, triton_backend.device, ignore=[0] if n > 4 else [])
+        dloss = torch.randn(n, device=triton_backend.device)
         loss, grad = _check_against_reference(x, t, dloss, label_smoothing=label_smoothing)
         if n > 4:  # the ignored token: loss 0, gradient 0
             assert loss[0].item() == 0 and (grad[0] == 0).all()
 
 
-def test_padding_columns_are_excluded(backend):
-    x, t = _case(16, 300, torch.float32, backend.device)
+def test_padding_columns_are_excluded(triton_backend):
+    x, t = _case(16, 300, torch.float32, triton_backend.device)
     t = t.clamp(max=255)
     x[:, 256:] = 50.0  # padding with big logits would dominate the softmax if it were not excluded
-    _, grad = _check_against_reference(x, t, torch.ones(16, device=backend.device), vocab_size=256,
+    _, grad = _check_against_reference(x, t, torch.ones(16, device=triton_backend.device), vocab_size=256,
                                        label_smoothing=0.1)
     assert (grad[:, 256:] == 0).all()
 
 
-def test_inplace_backward_writes_the_gradient_into_the_logits(backend):
-    x, t = _case(12, 257, torch.float32, backend.device, ignore=[3])
+def test_inplace_backward_writes_the_gradient_into_the_logits(triton_backend):
+    x, t = _case(12, 257, torch.float32, triton_backend.device, ignore=[3])
     logits = x.clone().requires_grad_(True)
     buf = logits * 1.0  # a temporary, as the LM head's output
     cross_entropy(buf, t, inplace_backward=True).sum().backward()
@@ -75,10 +75,10 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(backend):
     assert torch.allclose(buf.detach().double().cpu(), xr.grad.cpu(), atol=1e-6)  # the storage now holds it
 
 
-def test_leading_dims_and_ignore_index(backend):
-    x, t = _case(2 * 5, 64, torch.float32, backend.device)
+def test_leading_dims_and_ignore_index(triton_backend):
+    x, t = _case(2 * 5, 64, torch.float32, triton_backend.device)
     t[::3] = 7
-    _check_against_reference(x.view(2, 5, 64), t.view(2, 5), torch.rand(2, 5, device=backend.device),
+    _check_against_reference(x.view(2, 5, 64), t.view(2, 5), torch.rand(2, 5, device=triton_backend.device),
                              ignore_index=7)
 
 

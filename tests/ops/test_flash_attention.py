@@ -24,10 +24,10 @@ CASES = [
 ]
 
 
-def _dtypes(backend):
-    if backend.name == "cuda":
+def _dtypes(triton_backend):
+    if triton_backend.name == "cuda":
         return (torch.float16, torch.bfloat16)
-    if backend.emulated:  # the interpreter's bf16 tl.dot is broken (DESIGN.md §3)
+    if triton_backend.emulated:  # the interpreter's bf16 tl.dot is broken (DESIGN.md §3)
         return (torch.float16, torch.float32)
     return (torch.float16, torch.bfloat16, torch.float32)
 
@@ -62,9 +62,9 @@ def _assert_flash_style(results, lowp, exact, dtype, names=("out", "dq", "dk", "
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}_hk{}_d{}".format(*c))
-def test_matches_reference(backend, case, causal):
-    for dtype in _dtypes(backend):
-        q, k, v, do = _inputs(case, dtype, backend.device)
+def test_matches_reference(triton_backend, case, causal):
+    for dtype in _dtypes(triton_backend):
+        q, k, v, do = _inputs(case, dtype, triton_backend.device)
         results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
         exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(),
                      v.double(), do.double())
@@ -75,9 +75,9 @@ def test_matches_reference(backend, case, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_lse_matches_reference_and_is_minus_inf_for_rows_that_see_no_key(backend, causal):
+def test_lse_matches_reference_and_is_minus_inf_for_rows_that_see_no_key(triton_backend, causal):
     case = (1, 40, 23, 2, 1, 32)  # causal with sq > sk: the first 17 queries see no key
-    q, k, v, _ = _inputs(case, torch.float32 if backend.name != "cuda" else torch.float16, backend.device)
+    q, k, v, _ = _inputs(case, torch.float32 if triton_backend.name != "cuda" else torch.float16, triton_backend.device)
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     ref_out, ref_lse = flash_attention_reference(q, k, v, causal=causal)
     assert lse.dtype == torch.float32 and lse.shape == (1, 2, 40)
@@ -112,15 +112,15 @@ def test_cpu_path_at_seq_4096_matches_sdpa():
 def test_cpu_blocks_bound_the_score_memory():
     from megakernels.ops import _attention_cpu
 
-    rows = _attention_cpu._rows_per_block(1, 16, 16384, 4)
-    assert rows * 16 * 16384 * 4 <= _attention_cpu._BLOCK_BYTES and rows < 16384
+    rows = _attention_cpu._rows_per_block(1, 2, 16384, 4)
+    assert 16 <= rows < 16384 and rows * 2 * 16384 * 4 <= _attention_cpu._BLOCK_BYTES
     blocks = list(_attention_cpu._blocks(300, 300, 128, causal=True))
     assert blocks == [(0, 128, 128), (128, 256, 256), (256, 300, 300)]  # causal blocks stop at the diagonal
 
 
-def test_noncontiguous_inputs(backend):
-    dtype = torch.float16 if backend.name != "cpu" else torch.float32
-    qkv = torch.randn(2, 33, 3, 4, 32).to(dtype=dtype, device=backend.device)  # packed, as FlashSelfAttention
+def test_noncontiguous_inputs(triton_backend):
+    dtype = torch.float16 if triton_backend.name != "cpu" else torch.float32
+    qkv = torch.randn(2, 33, 3, 4, 32).to(dtype=dtype, device=triton_backend.device)  # packed, as FlashSelfAttention
     q, k, v = qkv.unbind(2)
     out = flash_attention(q, k, v, causal=True)
     ref, _ = flash_attention_reference(q, k, v, causal=True)
@@ -131,16 +131,16 @@ def test_noncontiguous_inputs(backend):
 # Dropout
 
 
-def test_dropout_matches_reference_with_the_documented_mask(backend):
+def test_dropout_matches_reference_with_the_documented_mask(triton_backend):
     p = 0.3
     case = (2, 37, 45, 4, 2, 32)
     for causal in (False, True):
-        dtype = torch.float32 if backend.name != "cuda" else torch.float16
-        q, k, v, do = _inputs(case, dtype, backend.device)
-        gen = torch.Generator(device=backend.device).manual_seed(7)
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device=backend.device,
-                                 generator=torch.Generator(device=backend.device).manual_seed(7)))
-        keep = dropout_mask(seed, 2, 4, 37, 45, p, device=backend.device)
+        dtype = torch.float32 if triton_backend.name != "cuda" else torch.float16
+        q, k, v, do = _inputs(case, dtype, triton_backend.device)
+        gen = torch.Generator(device=triton_backend.device).manual_seed(7)
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device=triton_backend.device,
+                                 generator=torch.Generator(device=triton_backend.device).manual_seed(7)))
+        keep = dropout_mask(seed, 2, 4, 37, 45, p, device=triton_backend.device)
         results = _run(lambda *t: flash_attention(*t, causal=causal, dropout_p=p, generator=gen), q, k, v, do)
         exact = _run(lambda *t: flash_attention_reference(*t, causal=causal, keep=keep, dropout_p=p)[0],
                      q.double(), k.double(), v.double(), do.double())
@@ -149,9 +149,9 @@ def test_dropout_matches_reference_with_the_documented_mask(backend):
             assert _max_err(r, ex) <= tol, f"{name} (causal={causal})"
 
 
-def test_dropout_is_reproducible_and_seed_dependent(backend):
-    q, k, v, _ = _inputs((1, 20, 20, 2, 2, 32), torch.float32 if backend.name != "cuda" else torch.float16,
-                         backend.device)
+def test_dropout_is_reproducible_and_seed_dependent(triton_backend):
+    q, k, v, _ = _inputs((1, 20, 20, 2, 2, 32), torch.float32 if triton_backend.name != "cuda" else torch.float16,
+                         triton_backend.device)
     runs = []
     for seed in (1, 1, 2):
         torch.manual_seed(seed)
