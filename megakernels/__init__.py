@@ -3,6 +3,7 @@
 - ``megakernels.ops``   functional fused ops (torch.library custom ops: autograd, torch.compile, fake tensors)
 - ``megakernels.nn``    drop-in modules built on them
 - ``megakernels.optim`` FusedAdamW and multi-tensor utilities (L2 norm, gradient clipping)
+- ``megakernels.parallel`` tensor/sequence parallelism: process groups, mappings, parallel layers and blocks
 - ``megakernels.backend(name)`` selects ``auto``/``cpu``/``cuda``/``cuda_emu`` (DESIGN.md §3)
 """
 
@@ -10,12 +11,12 @@ from megakernels._backend import BACKENDS, backend, current_backend, has_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "backend", "current_backend", "has_backend", "ops", "nn", "optim", "__version__"]
+__all__ = ["BACKENDS", "backend", "current_backend", "has_backend", "ops", "nn", "optim", "parallel", "__version__"]
 
 
 def __getattr__(name):
     # Submodules load on first use so that `import megakernels` stays cheap.
-    if name in ("ops", "nn", "optim"):
+    if name in ("ops", "nn", "optim", "parallel", "triton"):
         import importlib
 
         return importlib.import_module(f"megakernels.{name}")
