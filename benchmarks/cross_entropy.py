@@ -7,7 +7,7 @@ a quarter of the tokens on the CPU. The PyTorch baseline is what Megatron and na
 logits.float(), target)`` (the fp32 upcast of bf16 logits included). GB/s counts the bytes that must move: the
 logits read once forward; read once and the gradient written once backward. Peak memory is the largest amount of
 memory allocated during forward+backward beyond the logits and targets themselves (torch.cuda's counter on a GPU;
-on the CPU the rise of a fresh process's peak resident set). Writes DIR/cross_entropy.json; never asserts
+on the CPU the rise of a fresh process's peak resident set over the inputs). Writes DIR/cross_entropy.json; never asserts
 on time.
 """
 
@@ -34,6 +34,11 @@ IMPLS = {
 }
 
 
+def _proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def make_inputs(n, v, dtype, device):
     g = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn((n, v), generator=g, device=device) * 2).to(dtype).requires_grad_(True)
@@ -56,11 +61,12 @@ def peak_bytes(impl, x, t) -> int:
         step(impl, x, t)()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    # CPU: in a fresh process, the rise of the peak resident set over the inputs (ru_maxrss is a high-water mark).
-    code = (f"import torch, resource; from benchmarks.cross_entropy import make_inputs, step; "
+    # CPU: in a fresh process, the peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs
+    # exist) over the resident set at that point.
+    code = (f"from benchmarks.cross_entropy import make_inputs, step, _proc_kib; import torch; "
             f"x, t = make_inputs({x.shape[0]}, {x.shape[1]}, {x.dtype}, 'cpu'); "
-            f"base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; step({impl!r}, x, t)(); "
-            f"print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)")
+            f"open('/proc/self/clear_refs', 'w').write('5'); base = _proc_kib('VmRSS'); "
+            f"step({impl!r}, x, t)(); print((_proc_kib('VmHWM') - base) * 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
