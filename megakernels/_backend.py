@@ -91,3 +91,19 @@ def emulate_for(op: str, x: torch.Tensor) -> bool:
     if name == "cpu" and x.device.type != "cpu":
         raise ValueError(f"{op}: backend cpu requested, but x is on {x.device}")
     return False
+
+
+def runs_triton(op: str, x: torch.Tensor, emulate: bool) -> bool:
+    """Whether an op with Triton kernels runs them for ``x``: always for CUDA tensors; for CPU tensors under
+    ``cuda_emu`` (``emulate``), through Triton's interpreter — which must have been chosen (TRITON_INTERPRET=1)
+    before megakernels.triton was imported, else RuntimeError (never a silent fallback to the CPU path)."""
+    if x.device.type == "cuda":
+        return True
+    if emulate:
+        from megakernels.triton import interpreting
+
+        if not interpreting():
+            raise RuntimeError(f"{op}: backend cuda_emu runs the Triton kernels on the CPU, which needs "
+                               "TRITON_INTERPRET=1 in the environment before megakernels is imported")
+        return True
+    return False

@@ -25,7 +25,7 @@ import numbers
 
 import torch
 
-from megakernels._backend import emulate_for
+from megakernels._backend import emulate_for, runs_triton
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -40,23 +40,10 @@ def _triton_kernels():
     return kernels
 
 
-def _use_triton(q: torch.Tensor, emulate: bool) -> bool:
-    if q.device.type == "cuda":
-        return True
-    if emulate:
-        from megakernels.triton import interpreting
-
-        if not interpreting():
-            raise RuntimeError("flash_attention: backend cuda_emu runs the Triton kernels on the CPU, which needs "
-                               "TRITON_INTERPRET=1 in the environment before megakernels is imported")
-        return True
-    return False
-
-
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                     dropout_p: float, seed: torch.Tensor, emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton(q, emulate):
+    if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed)
     from megakernels.ops import _attention_cpu
 
@@ -74,7 +61,7 @@ def _(q, k, v, causal, scale, dropout_p, seed, emulate):
 def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor,
                     emulate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_triton(q, emulate):
+    if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed)
     from megakernels.ops import _attention_cpu
 

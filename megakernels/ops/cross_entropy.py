@@ -27,23 +27,10 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from megakernels._backend import emulate_for
+from megakernels._backend import emulate_for, runs_triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_BYTES = 64 << 20  # fp32 working set of one CPU row chunk
-
-
-def _use_triton(logits: torch.Tensor, emulate: bool) -> bool:
-    if logits.device.type == "cuda":
-        return True
-    if emulate:
-        from megakernels.triton import interpreting
-
-        if not interpreting():
-            raise RuntimeError("cross_entropy: backend cuda_emu runs the Triton kernels on the CPU, which needs "
-                               "TRITON_INTERPRET=1 in the environment before megakernels is imported")
-        return True
-    return False
 
 
 def _row_chunks(n: int, v: int):
@@ -93,7 +80,7 @@ def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, sm
 @torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
 def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int,
            emulate: bool) -> torch.Tensor:
-    if _use_triton(logits, emulate):
+    if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
         return kernels.stats(logits, target, vocab_start, n_valid)
@@ -107,7 +94,7 @@ def _(logits, target, vocab_start, n_valid, emulate):
 
 def _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
                emulate, out):
-    if _use_triton(logits, emulate):
+    if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
         return kernels.grad(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target,

@@ -52,3 +52,15 @@ def test_cuda_rejects_unsupported_head_dim():
     q, k, v = (t.cuda().half() for t in _qkv(d=20))
     with pytest.raises(ValueError, match="head_dim 20 is not supported on CUDA"):
         flash_attention(q, k, v)
+
+
+def test_cuda_emu_without_the_interpreter_is_an_error_not_a_fallback(monkeypatch):
+    import megakernels
+    import megakernels.triton
+
+    monkeypatch.setattr(megakernels.triton, "interpreting", lambda: False)
+    with megakernels.backend("cuda_emu"):
+        with pytest.raises(RuntimeError, match="flash_attention: backend cuda_emu runs the Triton kernels"):
+            flash_attention(*_qkv())
+        with pytest.raises(RuntimeError, match="cross_entropy: backend cuda_emu runs the Triton kernels"):
+            megakernels.ops.cross_entropy(torch.randn(3, 10), torch.tensor([1, 2, 3]))
