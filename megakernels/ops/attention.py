@@ -40,14 +40,18 @@ def _triton_kernels():
     return kernels
 
 
+def _host_seed(seed: torch.Tensor | None) -> int:
+    return int(seed.item()) if seed is not None else 0
+
+
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    dropout_p: float, seed: torch.Tensor, emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    dropout_p: float, seed: torch.Tensor | None, emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed)
     from megakernels.ops import _attention_cpu
 
-    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, int(seed.item()))
+    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed))
 
 
 @_flash_attn_fwd.register_fake
@@ -59,13 +63,13 @@ def _(q, k, v, causal, scale, dropout_p, seed, emulate):
 
 @torch.library.custom_op("megakernels::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
                     emulate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed)
     from megakernels.ops import _attention_cpu
 
-    return _attention_cpu.backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, int(seed.item()))
+    return _attention_cpu.backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed))
 
 
 @_flash_attn_bwd.register_fake
@@ -170,10 +174,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = _check(q, k, v, softmax_scale, dropout_p)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     emulate = emulate_for("flash_attention", q)
-    if dropout_p > 0.0:
-        seed = draw_seed(q.device, generator)
-    else:
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    seed = draw_seed(q.device, generator) if dropout_p > 0.0 else None  # no launch without dropout
     if q.numel() == 0 or k.shape[1] == 0:
         out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)

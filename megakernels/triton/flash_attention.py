@@ -295,13 +295,14 @@ def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
     return dropout_p > 0.0, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor):
+def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):
     """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
+    seed = lse if seed is None else seed  # SEED is read only with dropout; any pointer stands in
     arch = arch_of(q.device)
 
     def launch(cfg):
@@ -318,7 +319,7 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.T
     return out, lse
 
 
-def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor):
+def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):
     """Returns (dq, dk, dv) shaped and typed like q, k, v."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -326,6 +327,7 @@ def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float
     delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
+    seed = lse if seed is None else seed
     arch = arch_of(q.device)
     common = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=causal, DROPOUT=dropout,
                   PRECISION=_dot_precision(q.dtype))
