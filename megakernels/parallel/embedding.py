@@ -76,6 +76,7 @@ class VocabParallelEmbedding(nn.Module):
         self.init_method = init.init_method_normal() if init_method is None else init_method
         self.seed = init.draw_seed() if seed is None else int(seed)
         self.weight = nn.Parameter(torch.empty(self.local_num_embeddings, embedding_dim, device=device, dtype=dtype))
+        self.weight.tensor_parallel = True
         self.reset_parameters()
 
     @torch.no_grad()

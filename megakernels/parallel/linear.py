@@ -103,6 +103,15 @@ def linear_with_async_comm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return LinearWithAsyncComm.apply(x, weight, bias, group, bool(sequence_parallel), bool(overlap_comm))
 
 
+def mark_tensor_parallel(*params: nn.Parameter | None) -> None:
+    """Mark parameters as sharded over the TP group (``p.tensor_parallel = True``): each rank holds a different
+    part, so a global gradient norm counts them on every TP rank; unmarked parameters are replicated over the
+    group and counted once (on TP rank 0)."""
+    for p in params:
+        if p is not None:
+            p.tensor_parallel = True
+
+
 def _check_features(cls: str, in_features, out_features) -> tuple[int, int]:
     for name, v in (("in_features", in_features), ("out_features", out_features)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -163,6 +172,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // self.tp, in_features, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(out_features // self.tp, device=device, dtype=dtype))
                      if bias else None)
+        mark_tensor_parallel(self.weight, self.bias)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -228,6 +238,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
+        mark_tensor_parallel(self.weight)
         self.reset_parameters()
 
     @torch.no_grad()

@@ -103,6 +103,7 @@ class ParallelLMHead(nn.Module):
             self.seed = init.draw_seed() if seed is None else int(seed)
             self.weight = nn.Parameter(torch.empty(self.padded_vocab_size // state.tp_size(), hidden_size,
                                                    device=device, dtype=dtype))
+            self.weight.tensor_parallel = True
             self.reset_parameters()
 
     @torch.no_grad()
