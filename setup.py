@@ -106,7 +106,7 @@ def extensions():
 
 
 setup(
-    packages=find_packages(include=["megakernels", "megakernels.*"]),
+    packages=find_packages(include=["megakernels", "megakernels.*", "megakernels_models", "megakernels_models.*"]),
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -27,13 +27,13 @@ from torch import nn
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.parallel import init, state
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from megakernels.parallel.random import get_rng_tracker
+from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 AttentionFn = Callable[..., torch.Tensor]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, dropout_p: float = 0.0,
-                   softmax_scale: float | None = None) -> torch.Tensor:
+                   softmax_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ · scale [+ causal mask]) v`` by ``torch.nn.functional.scaled_dot_product_attention``.
 
     Args:
@@ -41,13 +41,20 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         causal: mask future keys (query i attends keys <= i).
         dropout_p: dropout on the attention probabilities.
         softmax_scale: default ``1 / sqrt(head_dim)``.
+        mask: optional bool, broadcastable to ``[b, heads, s, s_k]``, True = masked out (not with ``causal``).
 
     Returns:
         ``[b, s, heads, head_dim]``.
     """
+    attn_mask = None if mask is None else ~mask
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         dropout_p=dropout_p, is_causal=causal, scale=softmax_scale)
+                                         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
+                                         scale=softmax_scale)
     return out.transpose(1, 2)
+
+
+def _sub_seed(seed: int | None, name: str) -> int | None:
+    return None if seed is None else init.derive_seed(seed, name)
 
 
 class ParallelMLP(nn.Module):
@@ -60,6 +67,8 @@ class ParallelMLP(nn.Module):
         approximate: GeLU form, ``"tanh"`` (Megatron's) or ``"none"``.
         overlap_comm: overlap fc1's backward collectives with its weight-gradient GEMM.
         init_method: fc1's (default ``N(0, 0.02²)``); output_init_method: fc2's (default the same).
+        seed: defines both weights (``derive_seed(seed, "fc1")`` / ``"fc2"``); default: each drawn from the default
+            CPU generator.
         device, dtype: of the parameters.
 
     Forward: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism; any ``[..., h]`` otherwise) -> same shape.
@@ -70,7 +79,8 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int | None = None, sequence_parallel: bool = False, *,
                  approximate: str = "tanh", overlap_comm: bool = True, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
+                 dtype=None):
         super().__init__()
         ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         if approximate not in ("tanh", "none"):
@@ -79,9 +89,10 @@ class ParallelMLP(nn.Module):
         self.approximate = approximate
         self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, sequence_parallel=sequence_parallel,
                                         skip_bias_add=True, overlap_comm=overlap_comm, init_method=init_method,
-                                        device=device, dtype=dtype)
+                                        seed=_sub_seed(seed, "fc1"), device=device, dtype=dtype)
         self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, sequence_parallel=sequence_parallel,
-                                     init_method=output_init_method or init_method, device=device, dtype=dtype)
+                                     init_method=output_init_method or init_method, seed=_sub_seed(seed, "fc2"),
+                                     device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)
@@ -97,13 +108,18 @@ class ParallelSelfAttention(nn.Module):
         causal: causal (GPT) or bidirectional (BERT) attention.
         sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
         attention_fn: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, n/tp, h/n]``; default
-            ``sdpa_attention``.
+            ``sdpa_attention``. With an ``attention_mask`` it is called with ``mask=`` too.
         attention_dropout: dropout on the attention probabilities while training (per-TP-rank stream: needs
             ``model_parallel_seed``).
         bias: biases on the QKV and output projections.
-        overlap_comm, init_method, output_init_method, device, dtype: as ``ParallelMLP``.
+        recompute: recompute the attention core in backward instead of saving its activations (Megatron's
+            "selective" recomputation; the dropout streams are replayed, so the result is unchanged).
+        overlap_comm, init_method, output_init_method, device, dtype: as ``ParallelMLP``; seed as ``ParallelMLP``
+            (``"qkv"`` / ``"proj"``).
 
-    Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same shape.
+    Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same shape;
+    ``attention_mask``: optional bool ``[b, 1, 1, s]`` (or broadcastable to ``[b, n, s, s]``), True = masked out
+    (padding keys).
 
     Raises:
         ValueError: ``num_heads`` smaller than or not divisible by tp, ``hidden_size`` not divisible by
@@ -112,8 +128,9 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = True, sequence_parallel: bool = False, *,
                  attention_fn: AttentionFn | None = None, attention_dropout: float = 0.0, bias: bool = True,
-                 overlap_comm: bool = True, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+                 recompute: bool = False, overlap_comm: bool = True, init_method: init.InitMethod | None = None,
+                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
+                 dtype=None):
         super().__init__()
         cls = type(self).__name__
         state.check_divisible(num_heads=num_heads)
@@ -126,24 +143,32 @@ class ParallelSelfAttention(nn.Module):
         self.local_heads = num_heads // state.tp_size()
         self.attention_fn = sdpa_attention if attention_fn is None else attention_fn
         self.attention_dropout = float(attention_dropout)
+        self.recompute = bool(recompute)
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, sequence_parallel=sequence_parallel,
-                                        overlap_comm=overlap_comm, init_method=init_method, device=device,
-                                        dtype=dtype)
+                                        overlap_comm=overlap_comm, init_method=init_method,
+                                        seed=_sub_seed(seed, "qkv"), device=device, dtype=dtype)
         self.proj = RowParallelLinear(hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
-                                      init_method=output_init_method or init_method, device=device, dtype=dtype)
+                                      init_method=output_init_method or init_method, seed=_sub_seed(seed, "proj"),
+                                      device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _core(self, q, k, v, mask):
+        p = self.attention_dropout if self.training else 0.0
+        kwargs = {} if mask is None else {"mask": mask}
+        if p > 0.0:
+            with get_rng_tracker().fork():
+                return self.attention_fn(q, k, v, causal=self.causal, dropout_p=p, **kwargs)
+        return self.attention_fn(q, k, v, causal=self.causal, dropout_p=0.0, **kwargs)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError(f"{type(self).__name__}: x must be [s, b, h] (sequence first), got shape "
                              f"{tuple(x.shape)}")
         qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(1, 0, 2, 3, 4).unbind(3)
-        p = self.attention_dropout if self.training else 0.0
-        if p > 0.0:
-            with get_rng_tracker().fork():
-                ctx = self.attention_fn(q, k, v, causal=self.causal, dropout_p=p)
+        if self.recompute and torch.is_grad_enabled():
+            ctx = checkpoint(self._core, q, k, v, attention_mask)
         else:
-            ctx = self.attention_fn(q, k, v, causal=self.causal, dropout_p=0.0)
+            ctx = self._core(q, k, v, attention_mask)
         ctx = ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.proj(ctx)

@@ -22,6 +22,7 @@ default CPU generator (one draw each), so ``torch.manual_seed(s)`` before buildi
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,14 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
 def draw_seed() -> int:
     """A 63-bit seed drawn from the default CPU generator (consumes one draw of its stream)."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+def derive_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for the part ``name`` (e.g. ``"layers.3.mlp.fc1"``) of a model whose seed is ``seed``.
+
+    A model that seeds each layer by its *name* rather than by drawing from a generator in construction order
+    gets the same weights whichever subset of layers a rank builds (pipeline stages build only theirs)."""
+    return _mix(int(seed), zlib.crc32(name.encode())) >> 1
 
 
 def _mix(seed: int, block: int) -> int:

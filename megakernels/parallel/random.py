@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils.checkpoint
 
 from megakernels.parallel import state
 
@@ -154,3 +155,32 @@ def model_parallel_seed(seed: int, device: str | None = None) -> None:
     else:
         torch.default_generator.manual_seed(seed)
     tracker.add(MODEL_PARALLEL_RNG, tp_seed)
+
+
+def checkpoint(fn, *args):
+    """``fn(*args)`` without saving its activations: backward runs it again (activation recomputation).
+
+    The recomputation must draw the same dropout masks as the original forward, on the default generators and on
+    the tracker's per-TP-rank streams alike. ``torch.utils.checkpoint`` replays the default CPU/CUDA generators;
+    this adds the tracker: its streams are rewound to where they were when the forward started, for the
+    recomputation only, and put back afterwards, so the streams also continue exactly as without recomputation.
+    """
+    tracker = get_rng_tracker()
+    at_forward: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def forward_context():
+        at_forward.update(tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute_context():
+        now = tracker.get_states()
+        tracker.set_states(at_forward)
+        try:
+            yield
+        finally:
+            tracker.set_states(now)
+
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=lambda: (forward_context(), recompute_context()))

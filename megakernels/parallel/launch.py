@@ -1,0 +1,191 @@
+"""Run a function on every rank of a local gloo world of spawned processes and collect what each rank returns.
+
+    results = run_world(4, check_something, 16, timeout=120)   # calls check_something(rank, 4, 16) on 4 ranks
+
+``megakernels train --nproc N`` launches its ranks with it, and the multi-process tests run on it.
+
+Spawned, not forked: each child is a fresh interpreter (no inherited CUDA/OpenMP/gloo state), so ``fn`` must be a
+module-level function and its arguments and return value picklable (tensors are fine: they travel as
+``torch.save`` bytes, not shared memory, so a rank may exit before the parent reads them).
+
+The rendezvous store is a ``TCPStore`` hosted by the parent on a port the kernel picks (port 0), so there is no
+window between choosing a free port and binding it; every rank connects as a client. With ``init="env"`` the
+children instead get torchrun's environment (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
+``LOCAL_RANK``, with ``TORCHELASTIC_USE_AGENT_STORE=True`` as under torchrun, whose agent hosts the store the same
+way) and ``fn`` initialises the process group itself.
+
+Failure never hangs: if a rank raises, the others are killed and the parent raises ``WorldFailed`` with that
+rank's traceback; if a rank dies without reporting (``os._exit``, a signal) or the whole world runs past
+``timeout`` seconds, everything is killed and the parent fails with a message saying which ranks and why. Children
+are always reaped and the store is closed before ``run_world`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue as queue_module
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HOST = "127.0.0.1"
+_POLL_S = 0.05
+# After a rank's exit code is visible, how long its result may still be in flight through the queue's pipe.
+_DRAIN_S = 2.0
+# The rendezvous port of the latest world (tests check it is released).
+last_port: int | None = None
+
+
+class WorldFailed(RuntimeError):
+    """A rank of a spawned world raised, died or ran past the timeout (the message says which and why)."""
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _child(rank: int, world_size: int, port: int, init: str, timeout: float, threads: int, results, fn,
+           args) -> None:
+    torch.set_num_threads(threads)
+    report = None
+    try:
+        if init == "store":
+            store = dist.TCPStore(HOST, port, world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        else:
+            os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                              LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                              TORCHELASTIC_USE_AGENT_STORE=str(True))
+        report = (rank, "ok", _dumps(fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - everything a rank raises goes back to the parent
+        report = (rank, "error", traceback.format_exc())
+    # Report before tearing down: if teardown hangs (peers stuck in a collective), the parent already knows.
+    results.put(report)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        results.close()
+        results.join_thread()
+
+
+def _stop(procs, grace: float = 1.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", threads: int = 1) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
+
+    Args:
+        world_size: number of processes (1..64).
+        fn: a module-level (picklable) function; its return value must be picklable.
+        args: extra picklable arguments passed to every rank.
+        timeout: seconds for the whole world (startup included) and for each collective.
+        init: ``"store"`` (the default; the process group is initialised before ``fn`` runs) or ``"env"``
+            (torchrun's environment variables are set and ``fn`` initialises the process group).
+        threads: CPU threads per rank (``torch.set_num_threads``, ``OMP_NUM_THREADS``).
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        ValueError: ``world_size`` outside 1..64 or an unknown ``init``.
+        WorldFailed: a rank raised (its traceback is in the message), died, or the world timed out.
+    """
+    if not 1 <= int(world_size) <= 64:
+        raise ValueError(f"run_world: world_size must be in 1..64, got {world_size}")
+    if init not in ("store", "env"):
+        raise ValueError(f"run_world: init must be 'store' or 'env', got {init!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    global last_port
+    last_port = store.port
+    procs = []
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    try:
+        # The children read these at import time, before any code of ours runs in them.
+        os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        for rank in range(world_size):
+            p = ctx.Process(target=_child, args=(rank, world_size, store.port, init, timeout, threads, results, fn, args),
+                            name=f"rank{rank}", daemon=True)
+            p.start()
+            procs.append(p)
+        return _collect(procs, results, world_size, timeout, fn)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _stop(procs)
+        results.close()
+        results.join_thread()
+        del store
+
+
+def _collect(procs, results, world_size: int, timeout: float, fn) -> list:
+    name = f"run_world({world_size}, {getattr(fn, '__qualname__', repr(fn))})"
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
+
+    def dead_ranks(wait: float) -> list[str]:
+        # Ranks that exited without reporting; a peer's exit usually surfaces first as a gloo error on a survivor.
+        end = time.monotonic() + wait
+        while True:
+            dead = [f"rank {r} died with exit code {p.exitcode} before returning a result"
+                    for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+            if dead or time.monotonic() >= end:
+                return dead
+            time.sleep(_POLL_S)
+
+    while len(out) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=_POLL_S)
+        except queue_module.Empty:
+            pass
+        else:
+            if status == "error":
+                dead = dead_ranks(0.5)
+                cause = "".join(f"{d}; " for d in dead)
+                raise WorldFailed(f"{name}: {cause}rank {rank} raised:\n{payload}")
+            out[rank] = _loads(payload)
+            continue
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if rank in out or p.exitcode is None:
+                continue
+            # Exited without a result yet: give the queue's pipe a moment, then call it dead.
+            first = dead_since.setdefault(rank, now)
+            if now - first > _DRAIN_S:
+                raise WorldFailed(f"{name}: rank {rank} died with exit code {p.exitcode} before returning a "
+                                     "result")
+        if now > deadline:
+            missing = [r for r in range(world_size) if r not in out]
+            raise WorldFailed(f"{name}: timed out after {timeout:g} s; ranks {missing} had not finished (a hang, "
+                                 "a deadlock or a dead peer)")
+    return [out[r] for r in range(world_size)]

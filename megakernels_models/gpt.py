@@ -1,0 +1,47 @@
+"""GPT: a causal language model built only from megakernels modules (tensor/sequence/pipeline parallel).
+
+    ids [b, s] ─ word (vocab-parallel) + position embedding ─ dropout          (first pipeline stage)
+              ─ l × pre-norm Transformer layer (causal FlashAttention, fused bias-GeLU MLP)
+              ─ final LayerNorm ─ logits = h · Eᵀ (E the word embedding, tied) ─ vocab-parallel cross-entropy
+                                                                                     (last pipeline stage)
+
+One ``GPTModel`` is one pipeline chunk: with pp = 1 it is the whole model. The logits are never gathered over the
+tensor-parallel group; the loss is that of the unpadded, unsharded model (``megakernels.parallel.lm_head``).
+
+    model = GPTModel(preset("gpt-tiny"), seed=1234)
+    loss = model(ids, labels=labels)            # [s, b] fp32 per-token loss
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
+from megakernels_models.config import ModelConfig
+from megakernels_models.transformer import LanguageModel
+
+
+class GPTModel(LanguageModel):
+    """A GPT pipeline chunk (see ``LanguageModel`` for the arguments; attention is causal).
+
+    ``forward(ids=None, labels=None, hidden=None)``:
+        ids: ``[b, s]`` token ids (first stage); hidden: ``[s, b, h]`` from the previous stage (other stages).
+        labels: ``[b, s]`` next-token ids (``-100`` = ignore); on the last stage with labels the result is the
+            per-token fp32 loss ``[s, b]``; without labels, the vocab-parallel logits ``[s, b, V_pad/tp]``.
+    On other stages the result is the hidden state to send on.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int, **kwargs):
+        if config.model != "gpt":
+            raise ValueError(f"GPTModel: config.model is {config.model!r}, expected 'gpt'")
+        super().__init__(config, seed, causal=True, **kwargs)
+
+    def forward(self, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.encode(ids, hidden)
+        if not self.post_process:
+            return x
+        logits = parallel_lm_logits(x, self.word_embedding_weight, True, self.sequence_parallel)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size)

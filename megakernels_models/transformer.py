@@ -1,0 +1,267 @@
+"""The pre-norm Transformer layer both models stack, and the attention cores it can use.
+
+    x = x + dropout(attention(layernorm(x)))        attention: column-parallel QKV, core, row-parallel projection
+    x = x + dropout(mlp(layernorm(x)))              MLP: column-parallel fc1, fused bias+GeLU, row-parallel fc2
+
+Pre-norm (normalise each branch's input, keep the residual stream unnormalised) is what let Megatron-LM scale BERT
+past 336M parameters; GPT-2 uses it too. The layer runs on ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
+parallelism). Everything that owns weights is seeded by its name (``layers.<i>.attention``, ...), so a pipeline
+stage that builds only layers 8..15 gets exactly the weights those layers have in the single-process model.
+
+Attention cores (``attention=``):
+- ``"flash"``: ``megakernels.ops.flash_attention`` (Triton on CUDA, blocked on the CPU); with a padding mask (BERT)
+  the fused kernels' path instead: scores, ``scaled_masked_softmax``, weighted sum.
+- ``"torch"``: PyTorch's ``scaled_dot_product_attention`` (the baseline).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megakernels.nn import FusedLayerNorm
+from megakernels.ops import flash_attention
+from megakernels.ops.softmax import scaled_masked_softmax
+from megakernels.parallel import init
+from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention, sdpa_attention
+from megakernels.parallel.random import checkpoint, get_rng_tracker
+from megakernels_models.config import ModelConfig
+
+ATTENTION = ("flash", "torch")
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    dropout_p: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention on ``[b, s, heads, head_dim]``: FlashAttention without a mask; with a boolean ``mask``
+    (broadcastable to ``[b, heads, s, s]``, True = masked out) the scores go through the fused masked softmax."""
+    if mask is None:
+        return flash_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+    if causal:
+        raise ValueError("fused_attention: pass either causal=True or a mask, not both")
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    probs = scaled_masked_softmax(qh @ kh.transpose(-1, -2), mask, 1.0 / math.sqrt(q.shape[-1]))
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ vh).transpose(1, 2)
+
+
+def attention_fn(name: str):
+    if name not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {name!r}")
+    return fused_attention if name == "flash" else sdpa_attention
+
+
+def mark_sequence_parallel(module: nn.Module) -> None:
+    """Mark a replicated module's parameters as applied to sequence shards: their gradients are partial per TP
+    rank and are summed over the TP group once per step."""
+    for p in module.parameters():
+        p.sequence_parallel = True
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Hidden dropout. Under sequence parallelism each TP rank holds different tokens, so the masks come from the
+    tracker's per-TP-rank stream; otherwise the stream is the same on every TP rank (replicated activations)."""
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel:
+        with get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+def replicated_linear(in_features: int, out_features: int, seed: int, std: float, device=None,
+                      dtype=None) -> nn.Linear:
+    """An ``nn.Linear`` replicated on every TP rank, weight defined by ``seed`` (``N(0, std²)``), bias zero."""
+    layer = nn.Linear(in_features, out_features, device=device, dtype=dtype)
+    with torch.no_grad():
+        if layer.weight.device.type != "meta":
+            layer.weight.copy_(init.full_weight((out_features, in_features), seed, init.init_method_normal(std)))
+            layer.bias.zero_()
+    return layer
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm layer (see the module docstring).
+
+    Args:
+        config: the model's configuration.
+        layer_number: the layer's index in the whole model (names its seed).
+        seed: the model's seed.
+        causal: causal (GPT) or bidirectional (BERT) attention.
+        sequence_parallel: activations are sequence shards ``[s/tp, b, h]``.
+        attention: ``"flash"`` or ``"torch"``.
+        recompute: ``"none"``, ``"selective"`` (the attention core is recomputed in backward) or ``"full"`` (the
+            whole layer is; only its input is kept).
+        device, dtype: of the parameters.
+
+    Forward: ``x`` ``[s, b, h]``, optional ``attention_mask`` (bool ``[b, 1, 1, s]``, True = padding key) -> same
+    shape as ``x``.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int, *, causal: bool,
+                 sequence_parallel: bool = False, attention: str = "flash", recompute: str = "none", device=None,
+                 dtype=None):
+        super().__init__()
+        c = config
+        self.layer_number, self.dropout_p, self.sequence_parallel = layer_number, c.dropout, bool(sequence_parallel)
+        self.recompute_layer = recompute == "full"
+        normal = init.init_method_normal(c.init_std)
+        scaled = init.scaled_init_method_normal(c.init_std, c.num_layers)
+        name = f"layers.{layer_number}"
+        self.input_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
+        self.attention = ParallelSelfAttention(
+            c.hidden_size, c.num_heads, causal, sequence_parallel, attention_fn=attention_fn(attention),
+            attention_dropout=c.attention_dropout, recompute=recompute == "selective", init_method=normal,
+            output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.attention"), device=device, dtype=dtype)
+        self.post_attention_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
+        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel, init_method=normal,
+                               output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.mlp"),
+                               device=device, dtype=dtype)
+        if sequence_parallel:
+            for m in (self.input_norm, self.post_attention_norm):
+                mark_sequence_parallel(m)
+
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        drop = lambda y: dropout(y, self.dropout_p, self.training, self.sequence_parallel)  # noqa: E731
+        x = x + drop(self.attention(self.input_norm(x), attention_mask))
+        return x + drop(self.mlp(self.post_attention_norm(x)))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recompute_layer and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, attention_mask)
+        return self._forward(x, attention_mask)
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Word (vocab-parallel) + learned position (+ token type) embeddings, then dropout.
+
+    Forward: ``ids`` ``[s, b]`` (and ``token_types`` ``[s, b]``) -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
+    parallelism: the word embedding's reduce-scatter leaves this rank's tokens, and the position and type
+    embeddings are added to those tokens only).
+    """
+
+    def __init__(self, config: ModelConfig, seed: int, *, sequence_parallel: bool = False, token_types: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        from megakernels.parallel import VocabParallelEmbedding, state
+
+        c = config
+        self.sequence_parallel, self.dropout_p = bool(sequence_parallel), c.dropout
+        normal = init.init_method_normal(c.init_std)
+        self.word = VocabParallelEmbedding(c.vocab_size, c.hidden_size, sequence_parallel, init_method=normal,
+                                           seed=init.derive_seed(seed, "embedding.word"), device=device, dtype=dtype)
+        self.position = replicated_embedding(c.seq_length, c.hidden_size, init.derive_seed(seed, "embedding.position"),
+                                             c.init_std, device, dtype)
+        self.token_type = (replicated_embedding(c.num_token_types, c.hidden_size,
+                                                init.derive_seed(seed, "embedding.token_type"), c.init_std, device,
+                                                dtype) if token_types else None)
+        self._tp_rank, self._tp = state.tp_rank(), state.tp_size()
+        if sequence_parallel:
+            mark_sequence_parallel(self.position)
+            if self.token_type is not None:
+                mark_sequence_parallel(self.token_type)
+
+    def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        s = ids.shape[0]
+        x = self.word(ids)
+        lo, hi = 0, s
+        if self.sequence_parallel:
+            lo, hi = self._tp_rank * s // self._tp, (self._tp_rank + 1) * s // self._tp
+        x = x + self.position.weight[lo:hi].unsqueeze(1)
+        if self.token_type is not None:
+            if token_types is None:
+                raise ValueError("LanguageModelEmbedding: token_types [s, b] are required (BERT segments)")
+            x = x + self.token_type(token_types[lo:hi])
+        return dropout(x, self.dropout_p, self.training, self.sequence_parallel)
+
+
+def replicated_embedding(num: int, dim: int, seed: int, std: float, device=None, dtype=None) -> nn.Embedding:
+    """An ``nn.Embedding`` replicated on every TP rank, ``N(0, std²)`` defined by ``seed``."""
+    emb = nn.Embedding(num, dim, device=device, dtype=dtype)
+    if emb.weight.device.type != "meta":
+        with torch.no_grad():
+            emb.weight.copy_(init.full_weight((num, dim), seed, init.init_method_normal(std)))
+    return emb
+
+
+class LanguageModel(nn.Module):
+    """What GPT and BERT share: one pipeline chunk of a pre-norm Transformer with a tied word embedding.
+
+    A chunk holds the embedding if it is the first pipeline stage (``pre_process``), the layers in ``layers`` and,
+    if it is the last stage (``post_process``), the final LayerNorm and the output layer, whose weight is the word
+    embedding's. When the last stage is not also the first it holds its own copy of the word embedding (same seed,
+    so the same values); both copies carry ``shared_embedding = True`` and the last stage's also
+    ``shared_embedding_duplicate = True``: the trainer sums their gradients over the embedding group, so both
+    copies take identical steps, and a global grad norm counts the table once.
+
+    Args:
+        config: the model.
+        seed: the model's seed (weights depend on it and on nothing about the layout).
+        layers: indices of the layers this chunk holds (default all).
+        pre_process, post_process: first / last pipeline stage.
+        causal: attention mask kind.
+        sequence_parallel, attention, recompute: as ``TransformerLayer``.
+        token_types: BERT's segment embeddings.
+        device, dtype: of the parameters.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int, *, layers: range | None = None, pre_process: bool = True,
+                 post_process: bool = True, causal: bool, sequence_parallel: bool = False, attention: str = "flash",
+                 recompute: str = "none", token_types: bool = False, device=None, dtype=None):
+        super().__init__()
+        from megakernels.parallel import VocabParallelEmbedding
+
+        c = self.config = config
+        layers = range(c.num_layers) if layers is None else layers
+        if layers and (layers.start < 0 or layers.stop > c.num_layers):
+            raise ValueError(f"{type(self).__name__}: layers {layers} outside 0..{c.num_layers - 1}")
+        self.pre_process, self.post_process = bool(pre_process), bool(post_process)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.embedding = (LanguageModelEmbedding(c, seed, sequence_parallel=sequence_parallel, token_types=token_types,
+                                                 device=device, dtype=dtype) if pre_process else None)
+        self.layers = nn.ModuleList(
+            TransformerLayer(c, i, seed, causal=causal, sequence_parallel=sequence_parallel, attention=attention,
+                             recompute=recompute, device=device, dtype=dtype) for i in layers)
+        self.output_embedding = None
+        if post_process:
+            self.final_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
+            if sequence_parallel:
+                mark_sequence_parallel(self.final_norm)
+            if not pre_process:
+                self.output_embedding = VocabParallelEmbedding(
+                    c.vocab_size, c.hidden_size, sequence_parallel, init_method=init.init_method_normal(c.init_std),
+                    seed=init.derive_seed(seed, "embedding.word"), device=device, dtype=dtype)
+                self.output_embedding.weight.shared_embedding_duplicate = True
+        word = self.word_embedding_weight
+        if word is not None and not (pre_process and post_process):
+            word.shared_embedding = True
+
+    @property
+    def word_embedding_weight(self) -> torch.Tensor | None:
+        """The word embedding table this chunk holds (``[V_pad/tp, h]``), or None on a middle stage."""
+        if self.embedding is not None:
+            return self.embedding.word.weight
+        return None if self.output_embedding is None else self.output_embedding.weight
+
+    @property
+    def padded_vocab_size(self) -> int:
+        emb = self.embedding.word if self.embedding is not None else self.output_embedding
+        return emb.padded_num_embeddings
+
+    def encode(self, ids=None, hidden=None, token_types=None, attention_mask=None) -> torch.Tensor:
+        """Embedding (first stage: ``ids`` ``[b, s]``) or ``hidden`` from the previous stage, then the layers, then
+        (last stage) the final norm. Returns ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
+        if self.pre_process:
+            if ids is None:
+                raise ValueError(f"{type(self).__name__}: the first pipeline stage needs ids [b, s]")
+            x = self.embedding(ids.t(), None if token_types is None else token_types.t())
+        else:
+            if hidden is None:
+                raise ValueError(f"{type(self).__name__}: a later pipeline stage needs hidden from the previous one")
+            x = hidden
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return self.final_norm(x) if self.post_process else x
