@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import math
 import os
 import queue as queue_module
 import time
@@ -95,14 +96,17 @@ def _stop(procs, grace: float = 1.0) -> None:
         p.join()
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", threads: int = 1) -> list:
+def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", threads: int = 1,
+              world_timeout: float | None = -1.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
 
     Args:
         world_size: number of processes (1..64).
         fn: a module-level (picklable) function; its return value must be picklable.
         args: extra picklable arguments passed to every rank.
-        timeout: seconds for the whole world (startup included) and for each collective.
+        timeout: seconds for each collective and the rendezvous; also for the whole world (startup included)
+            unless ``world_timeout`` says otherwise.
+        world_timeout: seconds for the whole world; None for no limit (a training run), -1 for ``timeout``.
         init: ``"store"`` (the default; the process group is initialised before ``fn`` runs) or ``"env"``
             (torchrun's environment variables are set and ``fn`` initialises the process group).
         threads: CPU threads per rank (``torch.set_num_threads``, ``OMP_NUM_THREADS``).
@@ -134,7 +138,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
                             name=f"rank{rank}", daemon=True)
             p.start()
             procs.append(p)
-        return _collect(procs, results, world_size, timeout, fn)
+        return _collect(procs, results, world_size, timeout if world_timeout == -1.0 else world_timeout, fn)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -147,10 +151,10 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         del store
 
 
-def _collect(procs, results, world_size: int, timeout: float, fn) -> list:
+def _collect(procs, results, world_size: int, timeout: float | None, fn) -> list:
     name = f"run_world({world_size}, {getattr(fn, '__qualname__', repr(fn))})"
     out: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
     dead_since: dict[int, float] = {}
 
     def dead_ranks(wait: float) -> list[str]:

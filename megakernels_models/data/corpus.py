@@ -6,6 +6,7 @@ tokenized by the byte tokenizer. ``max_bytes`` caps the corpus for quick runs (w
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 
@@ -25,13 +26,19 @@ def stdlib_files() -> list[str]:
     return sorted(out)
 
 
-def stdlib_documents(max_bytes: int | None = 32 << 20, tokenizer: ByteTokenizer | None = None) -> list[np.ndarray]:
-    """Token arrays of the standard library's files, at most ``max_bytes`` bytes in all (None: no cap).
+def stdlib_documents(max_bytes: int | None = 32 << 20) -> list[np.ndarray]:
+    """Byte-tokenizer arrays of the standard library's files, at most ``max_bytes`` bytes in all (None: no cap).
+    The arrays are shared between calls (cached): do not modify them.
 
     Raises:
         RuntimeError: no source files found (a Python installed without its library sources).
     """
-    tok = tokenizer or ByteTokenizer()
+    return list(_documents(max_bytes))
+
+
+@functools.lru_cache(maxsize=2)
+def _documents(max_bytes: int | None) -> tuple[np.ndarray, ...]:
+    tok = ByteTokenizer()
     docs, total = [], 0
     for path in stdlib_files():
         with open(path, "rb") as f:
@@ -45,4 +52,4 @@ def stdlib_documents(max_bytes: int | None = 32 << 20, tokenizer: ByteTokenizer 
     if not docs:
         raise RuntimeError(f"no Python sources under {sysconfig.get_paths()['stdlib']!r} for the default corpus; "
                            "pass --data")
-    return docs
+    return tuple(docs)

@@ -1,0 +1,111 @@
+"""The ``megakernels`` command (DESIGN.md §5): ``megakernels train [flags]``.
+
+``megakernels train`` with no flags runs the embedded default: a tiny GPT on the Python standard library's sources
+with the byte tokenizer on the CPU, a few minutes, the loss falling. Invalid flags are reported before any process
+starts, with the rule that was broken, and exit with status 2; a failed rank exits with status 1 and its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from megakernels_models.arguments import ArgumentError, TrainArgs
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+    d = TrainArgs()
+    p = sub.add_parser("train", help="train GPT or BERT (default: a tiny GPT on the Python stdlib, CPU)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=["gpt", "bert"], default=None, help="model family (default: the preset's)")
+    g.add_argument("--preset", default=d.preset, help="gpt-tiny, bert-tiny, gpt-1.2b, gpt-2.5b, gpt-4.2b, gpt-8.3b, "
+                   "gpt-1.3b, bert-336m, bert-1.3b, bert-3.9b; 'none' to give every size")
+    for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="overrides the preset")
+    g.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout (default: preset's)")
+    g.add_argument("--attention", choices=["flash", "torch"], default=d.attention)
+    g = p.add_argument_group("layout")
+    for name, help_ in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size")):
+        g.add_argument("--" + name, type=int, default=getattr(d, name), help=help_)
+    g.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved 1F1B)")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp·pp))")
+    g.add_argument("--nproc", type=int, default=d.nproc, help="local processes to spawn (gloo on CPU)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default=d.schedule, help="pipeline schedule (--vpp "
+                   "selects interleaved 1F1B)")
+    g = p.add_argument_group("optimisation")
+    for name, typ in (("micro_batch_size", int), ("global_batch_size", int), ("steps", int), ("lr", float),
+                      ("min_lr", float), ("warmup_steps", int), ("weight_decay", float), ("clip_grad", float),
+                      ("seed", int)):
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name))
+    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision)
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default=d.recompute)
+    g.add_argument("--distributed-optimizer", action="store_true", help="ZeRO-1: shard optimizer state over dp")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="PREFIX[,WEIGHT,PREFIX...] (default: the Python stdlib sources)")
+    g.add_argument("--tokenizer", default=d.tokenizer, help="byte | hf:PATH | spm:PATH")
+    g.add_argument("--split", default=d.split, help="train,valid,test weights over documents")
+    g.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, help="cap of the default corpus")
+    g = p.add_argument_group("checkpoints, evaluation and logs")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--eval-interval", type=int, default=d.eval_interval, help="0 = never")
+    g.add_argument("--eval-steps", type=int, default=d.eval_steps)
+    g.add_argument("--log-jsonl", default=None, help="one JSON object per step")
+    g.add_argument("--tensorboard", default=None, metavar="DIR")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: table/measured)")
+    g.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout in seconds")
+    g.add_argument("--dry-run", action="store_true", help="validate and report costs without training")
+    return p
+
+
+def parse_train_args(argv: list[str]) -> TrainArgs:
+    """``megakernels train`` flags -> ``TrainArgs`` (argparse errors exit with status 2)."""
+    parser = argparse.ArgumentParser(prog="megakernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    ns = vars(parser.parse_args(["train", *argv]))
+    ns.pop("command")
+    if ns["preset"] in ("none", ""):
+        ns["preset"] = None
+    return TrainArgs(**ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="megakernels", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    if not argv or argv[0] not in ("train",):
+        parser.parse_args(argv)  # prints usage / help and exits
+        return 2
+    args = parse_train_args(argv[1:])
+    from megakernels.parallel.launch import WorldFailed
+    from megakernels_models.train import run
+
+    try:
+        records = run(args)
+    except ArgumentError as e:
+        print(f"megakernels train: error: {e}", file=sys.stderr)
+        return 2
+    except WorldFailed as e:
+        print(f"megakernels train: a rank failed: {e}", file=sys.stderr)
+        return 1
+    if records and not args.dry_run:
+        first, last = records[0], records[-1]
+        msg = (f"done: {len(records)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+               f"{last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device']:.3g} TFLOP/s per device, "
+               f"MFU {last['mfu']:.1%}")
+        if "val_loss" in last:
+            msg += f", val loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
+        print(msg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
