@@ -87,12 +87,14 @@ def device_peak_tflops(args: TrainArgs, device: torch.device) -> float:
         return float("nan")
     n, dtype = 512, args.param_dtype()
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.2:
-        a @ b
-        reps += 1
-    return 2.0 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    best = 0.0
+    for _ in range(5):  # the best of a few short trials: a busy machine lowers single trials
+        reps, t0 = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - t0 < 0.05:
+            a @ b
+            reps += 1
+        best = max(best, 2.0 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12)
+    return best
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
