@@ -91,7 +91,8 @@ def test_simulated_bubble_fraction_is_the_closed_form(name, p, m, v):
     assert sim["idle_time"] == pytest.approx([sim["total_time"] - sim["useful_time"]] * p)
 
 
-@pytest.mark.parametrize("p, m, v, expected", [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (2, 4, 2, 1 / 8), (4, 17, 1, 3 / 17)])
+@pytest.mark.parametrize("p, m, v, expected",
+                         [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (2, 4, 2, 1 / 8), (4, 17, 1, 3 / 17)])
 def test_bubble_fraction_values_from_the_paper(p, m, v, expected):
     assert bubble_fraction("interleaved" if v > 1 else "1f1b", p, m, v) == pytest.approx(expected)
 
