@@ -212,7 +212,8 @@ def simulate(name: str, pp_size: int, num_microbatches: int, vpp: int = 1, t_for
     Returns:
         ``{"total_time", "useful_time"`` (busy time of each rank, ``m·(t_f+t_b)``, forwards only for
         forward_only), ``"idle_time"`` (per rank: total - useful), ``"bubble_fraction"`` (mean idle / useful),
-        ``"peak_in_flight"`` (per rank: most (chunk, micro-batch) forwards whose backward has not run),
+        ``"peak_in_flight"`` (per rank: most (chunk, micro-batch) forwards whose backward has not run; 1 for
+        forward_only),
         ``"peak_activations"`` (the same in micro-batches through a whole rank's layers, ``/ vpp``),
         ``"timeline"`` (per rank: ``(start, end, op)``) and the arguments ``}``.
 
