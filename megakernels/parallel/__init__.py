@@ -13,6 +13,7 @@
 - ``init``      layout-independent initialisation: a seed defines the full weight; each rank generates its shard
 - ``random``    the RNG tracker: dropout that differs per TP rank inside TP regions and not outside
 - ``comm``      the collectives behind them, with an event recorder for tests
+- ``pipeline``  subpackage (import it itself): pipeline schedules (gpipe, 1f1b, interleaved) and ``forward_backward``
 
 Works on gloo (CPU) and nccl (CUDA) with the same code.
 """
