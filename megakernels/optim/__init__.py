@@ -4,9 +4,13 @@
   optional fp32 master weights and fused loss-scale unscaling + inf/NaN skip (no host sync on CUDA).
 - :func:`multi_tensor_l2norm`: the 2-norm of many tensors in one fused pass (for gradient clipping), and
   :func:`clip_grad_norm_` on top of it.
+- :class:`DynamicLossScaler`: the fp16 loss scale (backs off on overflow, grows after a run of clean steps).
+- :class:`WarmupCosineSchedule`: linear warmup then cosine decay of the learning rate.
 """
 
 from megakernels.optim.adamw import FusedAdamW
+from megakernels.optim.loss_scaler import DynamicLossScaler
+from megakernels.optim.lr_schedule import WarmupCosineSchedule
 from megakernels.optim.multi_tensor import clip_grad_norm_, multi_tensor_l2norm
 
-__all__ = ["FusedAdamW", "multi_tensor_l2norm", "clip_grad_norm_"]
+__all__ = ["FusedAdamW", "multi_tensor_l2norm", "clip_grad_norm_", "DynamicLossScaler", "WarmupCosineSchedule"]

@@ -12,6 +12,10 @@
 - ``blocks``    ``ParallelMLP`` and ``ParallelSelfAttention``
 - ``init``      layout-independent initialisation: a seed defines the full weight; each rank generates its shard
 - ``random``    the RNG tracker: dropout that differs per TP rank inside TP regions and not outside
+- ``ddp``       ``DistributedDataParallel``: fp32 ``main_grad`` buffers, bucketed all-reduce / reduce-scatter
+                overlapped with backward; ``finalize_model_grads`` (DP sync, sequence-parallel and embedding sums)
+- ``optimizer`` ``ParallelOptimizer``: AdamW on fp32 main params, bf16/fp16 masters, fp16 loss scaling, global
+                grad-norm clipping over tp/pp/dp, the distributed optimizer (ZeRO-1); ``memory_bytes_per_param``
 - ``comm``      the collectives behind them, with an event recorder for tests
 - ``pipeline``  subpackage (import it itself): pipeline schedules (gpipe, 1f1b, interleaved) and ``forward_backward``
 
@@ -20,10 +24,12 @@ Works on gloo (CPU) and nccl (CUDA) with the same code.
 
 from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention, sdpa_attention
 from megakernels.parallel.comm import record_events
+from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.embedding import VocabParallelEmbedding, pad_vocab_size
 from megakernels.parallel.init import (full_weight, init_method_normal, init_shard_, scaled_init_method_normal)
 from megakernels.parallel.linear import (ColumnParallelLinear, LinearWithAsyncComm, RowParallelLinear,
                                          allreduce_sequence_parallel_grads, linear_with_async_comm)
+from megakernels.parallel.optimizer import ParallelOptimizer, memory_bytes_per_param
 from megakernels.parallel.lm_head import ParallelLMHead, parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.mappings import (copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region,
@@ -55,6 +61,8 @@ __all__ = [
     "allreduce_sequence_parallel_grads", "VocabParallelEmbedding", "pad_vocab_size", "parallel_lm_logits",
     "vocab_parallel_cross_entropy", "ParallelLMHead",
     "ParallelMLP", "ParallelSelfAttention", "sdpa_attention",
+    # data parallelism and the optimizer step
+    "DistributedDataParallel", "finalize_model_grads", "ParallelOptimizer", "memory_bytes_per_param",
     # init, random, comm
     "init_method_normal", "scaled_init_method_normal", "init_shard_", "full_weight",
     "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "record_events",

@@ -1,0 +1,328 @@
+"""Data parallelism: gradients accumulated in contiguous fp32 buffers and averaged over the data-parallel group in
+buckets, each bucket's collective launched as soon as backward has produced all of its gradients.
+
+Layout. Every trainable parameter ``p`` gets ``p.main_grad``, a view (``p``'s shape) into one flat buffer per
+(param dtype, grad dtype) pair, ``grad_dtype`` fp32 by default even for bf16/fp16 params (accumulating many
+micro-batches in 16 bits loses the small contributions). Params are laid out in reverse registration order, roughly
+the order backward produces their grads, and the buffer is cut into buckets of about ``bucket_size`` elements, each
+padded to a multiple of the data-parallel size ``dp``. With ``reduce_scatter=True`` (ZeRO-1, for the distributed
+optimizer) the params themselves are moved into a second flat buffer of the same layout in the param dtype, so the
+updated shards can be all-gathered straight into them.
+
+Backward. A post-accumulate-grad hook adds ``p.grad`` into ``p.main_grad`` and drops ``p.grad``. While grad sync is
+enabled, the hook that completes a bucket launches its collective asynchronously: the bucket is divided by ``dp``
+first (pre-division keeps 16-bit buckets from overflowing; the sum of the divided grads is the mean), then summed
+over the group, all-reduce, or with ``reduce_scatter=True`` reduce-scatter, after which dp rank ``r`` holds the mean
+of the ``r``-th contiguous ``1/dp`` of every bucket (the rest of its buffer is stale). The collectives of the later
+layers thus run while backward computes the earlier ones. ``finish_grad_sync()`` launches what is left (buckets whose
+params got no grad in this backward, or all of them with ``overlap=False``) and waits for everything.
+
+Every rank must run the same graph: collectives are issued in the order buckets complete, which must agree across
+the data-parallel group (a parameter used on some ranks only can reorder them; unused on all ranks is fine).
+
+Tied parameters across pipeline stages (the word embedding on the first stage and its copy on the last, marked
+``shared_embedding``) each get a bucket of their own (``separate``), so the param sits at the same place of an
+identical bucket on both stages; after the data-parallel sync the two copies' ``main_grad`` are summed over the
+embedding group (``finalize_model_grads`` does it, with the sequence-parallel sums), which is right for either
+collective: under reduce-scatter each rank sums the shard it owns with the same shard of the other stage.
+
+A training step::
+
+    ddp.zero_grad_buffer()
+    for i, micro_batch in enumerate(micro_batches):
+        with ddp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            loss_fn(ddp(micro_batch)).backward()
+    finalize_model_grads([ddp])              # finish_grad_sync + sequence-parallel and embedding sums
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megakernels.parallel import comm, state
+from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_shared_embedding(p: torch.Tensor) -> bool:
+    return getattr(p, "shared_embedding", False)
+
+
+class Bucket:
+    """A contiguous range of a grad buffer whose collective is launched as one.
+
+    Attributes:
+        params: the parameters in it, in buffer order; ``offsets[i]`` is where ``params[i]`` starts, relative to
+            the bucket's start.
+        numel: elements, padded to a multiple of the data-parallel size.
+        grad_data: the bucket's 1-D view of the grad buffer (grad dtype).
+        param_data: the bucket's 1-D view of the param buffer (param dtype), or None without ``reduce_scatter``.
+        shard_size: ``numel / dp``: data-parallel rank ``r`` owns elements ``[r · shard_size, (r+1) · shard_size)``.
+    """
+
+    def __init__(self, params, offsets, numel, grad_data, param_data, dp):
+        self.params, self.offsets, self.numel = params, offsets, numel
+        self.grad_data, self.param_data = grad_data, param_data
+        self.shard_size = numel // dp
+        self.ready: set[int] = set()
+        self.pending: comm.Pending | None = None
+        self.launched = False
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.pending, self.launched = None, False
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps ``module`` for data parallelism with fp32 gradient buffers and bucketed, overlapped gradient averaging.
+
+    Args:
+        module: the model (chunk); its trainable params must be dense, contiguous and on one device.
+        group: the data-parallel process group; default ``megakernels.parallel.dp_group()``. Without
+            ``megakernels.parallel`` initialised and without a multi-rank default group: one rank, no collectives.
+        bucket_size: elements per bucket (a bucket closes once it reaches this; default 40M).
+        grad_dtype: dtype of ``main_grad`` (fp32, bf16, fp16), or None for each param's own dtype.
+        overlap: launch each bucket's collective from the backward hooks as soon as it is complete; otherwise all
+            are launched by ``finish_grad_sync()``.
+        reduce_scatter: reduce-scatter instead of all-reduce (ZeRO-1); also moves the params into a flat buffer.
+        separate: params for which it returns True get a bucket of their own (default: ``p.shared_embedding``).
+
+    Raises:
+        ValueError: no trainable params, params on several devices, a non-contiguous param, a bad ``bucket_size``
+            or ``grad_dtype``. RuntimeError: a multi-rank world with ``megakernels.parallel`` not initialised and
+            no ``group``.
+    """
+
+    def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
+                 grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
+                 separate=_is_shared_embedding) -> None:
+        super().__init__()
+        cls = type(self).__name__
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"{cls}: bucket_size must be a positive int (elements), got {bucket_size!r}")
+        if grad_dtype is not None and grad_dtype not in _GRAD_DTYPES:
+            raise ValueError(f"{cls}: grad_dtype must be float32, bfloat16, float16 or None, got {grad_dtype}")
+        self.module = module
+        self.group, self.dp_size, self.dp_rank = self._resolve_group(group)
+        self.overlap, self.reduce_scatter, self.bucket_size = bool(overlap), bool(reduce_scatter), bucket_size
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"{cls}: module has no parameters with requires_grad=True")
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"{cls}: params must be on one device, got {sorted(map(str, devices))}")
+        for name, p in module.named_parameters():
+            if p.requires_grad and not p.is_contiguous():
+                raise ValueError(f"{cls}: parameter {name!r} is not contiguous")
+        self.buckets: list[Bucket] = []
+        self.grad_buffers: list[torch.Tensor] = []
+        self.param_buffers: list[torch.Tensor] = []
+        self._bucket_of: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        for p in reversed(params):
+            by_dtype.setdefault((p.dtype, grad_dtype or p.dtype), []).append(p)
+        device = next(iter(devices))
+        for (param_dtype, gdtype), group_params in by_dtype.items():
+            self._build_buffer(group_params, param_dtype, gdtype, separate, device)
+        self._sync_enabled = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    @staticmethod
+    def _resolve_group(group):
+        if group is None:
+            if state.is_initialized():
+                group = state.dp_group()
+            elif dist.is_initialized() and dist.get_world_size() > 1:
+                raise RuntimeError("DistributedDataParallel: megakernels.parallel is not initialised; call "
+                                   "megakernels.parallel.initialize(tp, pp) first or pass group=")
+            else:
+                return None, 1, 0
+        return group, dist.get_world_size(group), dist.get_rank(group)
+
+    def _layout(self, params, separate) -> list[list[nn.Parameter]]:
+        """Params (backward order) grouped into buckets: close one at bucket_size, separate params alone."""
+        buckets, current, size = [], [], 0
+        for p in params:
+            if separate(p):
+                if current:
+                    buckets.append(current)
+                buckets.append([p])
+                current, size = [], 0
+                continue
+            current.append(p)
+            size += p.numel()
+            if size >= self.bucket_size:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _build_buffer(self, params, param_dtype, grad_dtype, separate, device) -> None:
+        dp, layout = self.dp_size, self._layout(params, separate)
+        sizes = [-(-max(sum(p.numel() for p in members), 1) // dp) * dp for members in layout]
+        total = sum(sizes)
+        grad = torch.zeros(total, dtype=grad_dtype, device=device)
+        param = torch.zeros(total, dtype=param_dtype, device=device) if self.reduce_scatter else None
+        self.grad_buffers.append(grad)
+        if param is not None:
+            self.param_buffers.append(param)
+        start = 0
+        for members, size in zip(layout, sizes):
+            offsets, at = [], 0
+            for p in members:
+                offsets.append(at)
+                lo, hi = start + at, start + at + p.numel()
+                p.main_grad = grad[lo:hi].view(p.shape)
+                if param is not None:
+                    param[lo:hi].view(p.shape).copy_(p.detach())
+                    p.data = param[lo:hi].view(p.shape)
+                at += p.numel()
+            end = start + size
+            bucket = Bucket(members, offsets, size, grad[start:end], param[start:end] if param is not None else None,
+                            dp)
+            self.buckets.append(bucket)
+            for i, p in enumerate(members):
+                self._bucket_of[p] = (bucket, i)
+            start = end
+
+    # ---- backward hooks and the collectives ---------------------------------------------------------------------
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return
+        bucket, i = self._bucket_of[p]
+        if bucket.launched:
+            raise RuntimeError("DistributedDataParallel: a parameter received a gradient after its bucket's "
+                               "gradient sync was launched; call zero_grad_buffer() after each step and disable "
+                               "sync (no_sync()) for all but the last micro-batch")
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self._sync_enabled and self.overlap:
+            bucket.ready.add(i)
+            if len(bucket.ready) == len(bucket.params):
+                self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        if self.dp_size == 1:
+            return
+        data = bucket.grad_data
+        data.div_(self.dp_size)
+        if self.reduce_scatter:
+            shard = data[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
+            comm.record("launch", "reduce_scatter")
+            work = _reduce_scatter_single(shard, data, group=self.group, async_op=True)
+            bucket.pending = comm.Pending("reduce_scatter", work, shard)
+        else:
+            comm.record("launch", "all_reduce")
+            work = dist.all_reduce(data, group=self.group, async_op=True)
+            bucket.pending = comm.Pending("all_reduce", work, data)
+
+    def finish_grad_sync(self) -> None:
+        """Launch the collectives of buckets not launched yet (in bucket order) and wait for all of them; then every
+        ``main_grad`` (or, with reduce-scatter, this rank's shard of every bucket) holds the mean over the group."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = None
+
+    def start_param_sync(self) -> list[comm.Pending]:
+        """ZeRO-1: all-gather every bucket's param shards over the group (asynchronously); returns the pending
+        collectives, whose ``wait()`` makes the params whole. Needs ``reduce_scatter=True``."""
+        if not self.reduce_scatter:
+            raise RuntimeError("DistributedDataParallel.start_param_sync: needs reduce_scatter=True")
+        if self.dp_size == 1:
+            return []
+        pending = []
+        for bucket in self.buckets:
+            full, n = bucket.param_data, bucket.shard_size
+            comm.record("launch", "all_gather")
+            work = _all_gather_single(full, full[self.dp_rank * n:(self.dp_rank + 1) * n], group=self.group,
+                                      async_op=True)
+            pending.append(comm.Pending("all_gather", work, full))
+        return pending
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (waiting for collectives still in flight) and start a new step."""
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+            bucket.reset()
+        for buf in self.grad_buffers:
+            buf.zero_()
+        for p in self._bucket_of:
+            p.grad = None
+
+    # ---- sync switch, forward, state -----------------------------------------------------------------------------
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """Enable or disable launching collectives from backward (disabled: grads only accumulate)."""
+        self._sync_enabled = bool(enabled)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate into ``main_grad`` (for all but the last micro-batch)."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign and self.reduce_scatter:
+            raise ValueError("DistributedDataParallel.load_state_dict: assign=True would move params out of the "
+                             "param buffer that reduce_scatter=True relies on")
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
+    """After the last backward of a step: finish every model chunk's data-parallel sync, then sum over the TP group
+    the ``main_grad`` of params marked ``sequence_parallel`` (each TP rank saw only its tokens), and over the
+    embedding group that of params marked ``shared_embedding`` (the tied word embedding of the first and last
+    pipeline stage).
+
+    Under ``reduce_scatter`` the sums are right for the shard each rank owns, given the same bucket layout on every
+    TP rank (TP shards of equal shapes, as the parallel layers make them) and on both embedding stages (the
+    ``separate`` bucket).
+    """
+    for m in models:
+        m.finish_grad_sync()
+    if not state.is_initialized():
+        return
+    params = [p for m in models for p in m.module.parameters() if p.requires_grad]
+    if state.tp_size() > 1:
+        grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+        _sum_over(grads, state.tp_group())
+    group = state.embedding_group()
+    if group is not None and len(state.embedding_ranks()) > 1:
+        _sum_over([p.main_grad for p in params if getattr(p, "shared_embedding", False)], group)
+
+
+def _sum_over(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    if len(grads) == 1:
+        comm.all_reduce(grads[0], group)  # a view of the contiguous grad buffer: reduced in place
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    comm.all_reduce(flat, group)
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)

@@ -1,0 +1,324 @@
+"""The optimizer step of 3D-parallel training: AdamW on fp32 main params from the ``main_grad`` buffers of
+``DistributedDataParallel``, with mixed precision, fp16 loss scaling, global grad-norm clipping and, optionally, the
+distributed optimizer (ZeRO-1).
+
+Main params. AdamW always runs in fp32 on 1-D "main" tensors, one per contiguous piece of a parameter that this rank
+updates: a view of the param itself when it is fp32 (no copy), an fp32 master copy when it is bf16/fp16 (the
+update is then rounded into the param). Grads are views of ``p.main_grad``. Weight decay is off for 1-D params
+(biases, norm weights) and on for the rest.
+
+- Non-distributed: every rank updates every param (whole params), after an all-reduce DDP sync.
+- Distributed (ZeRO-1, ``reduce_scatter=True`` DDP): data-parallel rank ``r`` owns the ``r``-th ``1/dp`` of every
+  bucket, split at param boundaries into pieces (so weight decay stays per param); it keeps masters and moments
+  for those pieces only, steps them on the reduce-scattered grads, then all-gathers the updated params over dp
+  into every rank's param buffer. Memory per param (fp32 grads): bf16/fp16 params 2 + 4 + 12/dp bytes
+  (params, grads, fp32 master + two moments) instead of 18; fp32 params 4 + 4 + 8/dp instead of 16.
+
+One step (``step()``), all on the device except where noted:
+
+1. fp16: ``found_inf`` = any main grad / scale not finite (this rank's pieces), MAX over the whole world, read on
+   the host (the one host sync of the step): every rank must agree to skip. On overflow: skip, back off, return.
+2. Global grad norm: sum of squares of the grads this rank counts (a ``tensor_parallel`` param on every TP rank,
+   a replicated one on TP rank 0 only, a ``shared_embedding_duplicate`` never), summed over the model-parallel
+   group (the whole world under ZeRO-1, where each dp rank holds a disjoint piece), square root, ÷ loss scale.
+3. One coefficient ``min(1, clip_grad / (norm + 1e-6))`` and the loss scale fold into FusedAdamW's ``grad_scale``,
+   so unscaling and clipping cost no pass of their own. A non-finite norm skips the update on every rank (the
+   kernel's check; the norm is the same everywhere).
+4. bf16/fp16: masters rounded into the params; ZeRO-1: params all-gathered. Then the norm is read on the host.
+
+A trainer, per optimizer step (``chunks``: the DDP-wrapped model chunks of this rank)::
+
+    opt = ParallelOptimizer(chunks, lr=..., weight_decay=..., distributed=zero1, precision=..., clip_grad=...)
+    schedule = WarmupCosineSchedule(lr, min_lr, warmup_steps, total_steps)
+    for step in range(1, total_steps + 1):
+        schedule.apply(opt, step)
+        opt.zero_grad()                                  # every chunk's zero_grad_buffer()
+        for i, mb in enumerate(micro_batches):           # or a pipeline schedule's backward passes
+            for c in chunks:
+                c.set_grad_sync(i == len(micro_batches) - 1)
+            (loss(mb) * opt.loss_scale).backward()
+        finalize_model_grads(chunks)                     # DP sync, sequence-parallel and tied-embedding sums
+        stepped, grad_norm = opt.step()                  # log opt.lr, opt.loss_scale, grad_norm
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megakernels.ops import multi_tensor as _mt
+from megakernels.optim.adamw import FusedAdamW
+from megakernels.optim.loss_scaler import DynamicLossScaler
+from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
+from megakernels.parallel import state
+from megakernels.parallel.ddp import DistributedDataParallel
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Piece(NamedTuple):
+    """A contiguous piece ``param.view(-1)[lo:hi]`` that this rank updates."""
+    param: torch.Tensor
+    lo: int
+    hi: int
+    flat: torch.Tensor     # the piece of the param (param dtype), a view
+    main: torch.Tensor     # fp32, 1-D: ``flat`` itself for fp32 params, else its fp32 master copy
+    grad: torch.Tensor     # the piece of ``param.main_grad``, a view
+    counted: bool          # whether it counts towards the global grad norm on this rank
+
+
+def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1) -> tuple[float, float, float]:
+    """Bytes per parameter on one rank as ``(params, grads, optimizer state)`` with fp32 ``main_grad`` buffers,
+    Megatron-LM's accounting: fp32 params 4 + 4 + 8 (two moments); bf16/fp16 params 2 + 4 + 12 (fp32 master and
+    two moments); the optimizer state divided by ``dp`` when ``distributed`` (ZeRO-1).
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``dp < 1``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"memory_bytes_per_param: dp must be a positive int, got {dp!r}")
+    half = precision != "fp32"
+    optimizer = 12.0 if half else 8.0
+    return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
+
+
+class ParallelOptimizer:
+    """AdamW for data/tensor/pipeline-parallel models: mixed precision, loss scaling, global clipping, ZeRO-1.
+
+    Args:
+        models: a ``DistributedDataParallel`` model, a list of them (model chunks), or (non-distributed only) an
+            iterable of params that carry ``main_grad``.
+        lr, betas, eps, weight_decay: AdamW's (``weight_decay`` applies to params with ``dim() > 1`` only).
+        distributed: ZeRO-1; the DDP wrappers must use ``reduce_scatter=True`` (and must not otherwise).
+        precision: ``'fp32'`` (fp32 params), ``'bf16'`` or ``'fp16'`` (params of that dtype or fp32; fp32 masters).
+        clip_grad: clip the global grad norm to this (0: no clipping; the norm is computed and returned anyway).
+        loss_scaler: for ``'fp16'`` (default ``DynamicLossScaler()``); the trainer multiplies the loss by
+            ``loss_scale`` before backward.
+
+    Raises:
+        TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
+        param dtype the precision does not allow, ``clip_grad < 0``, a loss scaler without fp16, DDP wrappers whose
+        ``reduce_scatter`` does not match ``distributed``, a param without ``main_grad``; FusedAdamW's own checks
+        of lr, betas, eps, weight_decay.
+    """
+
+    def __init__(self, models, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, distributed: bool = False, precision: str = "fp32",
+                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None) -> None:
+        cls = type(self).__name__
+        if precision not in PRECISIONS:
+            raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or not (
+                clip_grad >= 0 and math.isfinite(clip_grad)):
+            raise ValueError(f"{cls}: clip_grad must be a finite number >= 0 (0: off), got {clip_grad!r}")
+        if loss_scaler is not None and precision != "fp16":
+            raise ValueError(f"{cls}: loss_scaler is only used with precision='fp16', got precision={precision!r}")
+        self.precision, self.distributed, self.clip_grad = precision, bool(distributed), float(clip_grad)
+        self.loss_scaler = (loss_scaler or DynamicLossScaler()) if precision == "fp16" else None
+        self.models, params = self._unpack(models)
+        allowed = {torch.float32, PRECISIONS[precision]}
+        for p in params:
+            if p.dtype not in allowed:
+                raise ValueError(f"{cls}: precision={precision!r} allows params of dtype "
+                                 f"{sorted(map(str, allowed))}, got a param of dtype {p.dtype}")
+            if not hasattr(p, "main_grad"):
+                raise ValueError(f"{cls}: a param has no main_grad; wrap the model in DistributedDataParallel "
+                                 "(it allocates the fp32 grad buffers, also for one rank)")
+        self.device = params[0].device if params else torch.device("cpu")
+        tp_rank = state.tp_rank() if state.is_initialized() else 0
+        self.pieces: list[Piece] = []
+        decay, no_decay = [], []
+        for p, lo, hi in self._owned(params):
+            flat = p.detach().view(-1)[lo:hi]
+            main = flat if p.dtype == torch.float32 else flat.float().clone()
+            grad = p.main_grad.view(-1)[lo:hi]
+            if grad.dtype == torch.float32:
+                main.grad = grad
+            counted = (getattr(p, "tensor_parallel", False) or tp_rank == 0) and not getattr(
+                p, "shared_embedding_duplicate", False)
+            self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
+            (decay if p.dim() > 1 else no_decay).append(main)
+        self._adam = FusedAdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas,
+                                eps=eps, weight_decay=weight_decay)
+        self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
+
+    def _unpack(self, models):
+        if isinstance(models, DistributedDataParallel):
+            models = [models]
+        elif isinstance(models, nn.Module):
+            raise TypeError(f"{type(self).__name__}: models must be DistributedDataParallel wrappers or params; got "
+                            f"a plain {type(models).__name__} (wrap it in DistributedDataParallel)")
+        items = list(models)
+        if items and all(isinstance(m, DistributedDataParallel) for m in items):
+            for i, m in enumerate(items):
+                if m.reduce_scatter != self.distributed:
+                    raise ValueError(f"{type(self).__name__}: models[{i}] has reduce_scatter={m.reduce_scatter}, "
+                                     f"distributed={self.distributed} needs reduce_scatter={self.distributed}")
+            params = list(dict.fromkeys(p for m in items for b in m.buckets for p in b.params))
+            return items, params
+        if not all(isinstance(p, torch.Tensor) for p in items):
+            raise TypeError(f"{type(self).__name__}: models must be DistributedDataParallel wrappers or params")
+        if self.distributed:
+            raise ValueError(f"{type(self).__name__}: distributed=True needs DistributedDataParallel wrappers "
+                             "with reduce_scatter=True, got params")
+        return [], list(dict.fromkeys(p for p in items if p.requires_grad))
+
+    def _owned(self, params):
+        """(param, lo, hi) flat ranges this rank updates: whole params, or under ZeRO-1 the intersections of the
+        params with this rank's shard of each bucket."""
+        if not self.distributed:
+            return [(p, 0, p.numel()) for p in params]
+        owned = []
+        for m in self.models:
+            for b in m.buckets:
+                first, last = m.dp_rank * b.shard_size, (m.dp_rank + 1) * b.shard_size
+                for p, at in zip(b.params, b.offsets):
+                    lo, hi = max(first, at) - at, min(last, at + p.numel()) - at
+                    if lo < hi:
+                        owned.append((p, lo, hi))
+        return owned
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """FusedAdamW's groups: ``[decayed (dim > 1), not decayed]`` (set ``lr`` here, e.g. by an LR schedule)."""
+        return self._adam.param_groups
+
+    @property
+    def lr(self) -> float:
+        return self._adam.param_groups[0]["lr"]
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _grads(self) -> list[torch.Tensor]:
+        grads = []
+        for piece in self.pieces:
+            if piece.grad.dtype != torch.float32:  # 16-bit main_grad buffers: fp32 mains need fp32 grads
+                piece.main.grad = piece.grad.float()
+            grads.append(piece.main.grad)
+        return grads
+
+    def _world_max(self, flag: torch.Tensor) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+    def _found_inf(self, grads, scale: float) -> bool:
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
+        scale_t = torch.tensor(scale, dtype=torch.float32, device=self.device)
+        for (device, _dtype), idx in group_by_device_dtype(grads).items():
+            _mt.nonfinite_check_([grads[i] for i in idx], flag, scale_t.to(device))
+        self._world_max(flag)
+        return bool(flag.item())
+
+    def grad_norm_squared(self, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The global sum of squares of the (still loss-scaled) main grads, every param counted once over the
+        whole model (see the module docstring); an fp32 scalar on the params' device, no host sync."""
+        grads = self._grads() if grads is None else grads
+        counted = [g for g, piece in zip(grads, self.pieces) if piece.counted]
+        local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
+        sumsq = local.float() ** 2
+        if self.distributed:
+            group = dist.group.WORLD if dist.is_initialized() else None  # tp × pp × dp: each dp rank a disjoint piece
+        else:
+            group = state.model_parallel_group() if state.is_initialized() else None
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sumsq, group=group)
+        return sumsq
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None]:
+        """Unscale, check, clip and apply one AdamW step from the synchronised ``main_grad`` buffers (call after
+        ``finalize_model_grads``); collective over the world, so every rank calls it.
+
+        Returns:
+            ``(stepped, grad_norm)``: whether the params changed, and the global norm of the unscaled grads before
+            clipping (None when an fp16 overflow skipped the step before the norm was computed).
+        """
+        grads = self._grads()
+        scale = self.loss_scale
+        if self.loss_scaler is not None and self._found_inf(grads, scale):
+            self.loss_scaler.update(True)
+            return False, None
+        norm = self.grad_norm_squared(grads).sqrt() / scale
+        # FusedAdamW divides every grad by grad_scale: the loss scale, and the clipping coefficient's inverse. A
+        # non-finite norm makes it NaN, and the kernel then skips the step on every rank.
+        divisor = torch.where(torch.isfinite(norm), torch.ones_like(norm), torch.full_like(norm, math.nan)) * scale
+        if self.clip_grad > 0:
+            divisor = divisor / torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+        self._adam.step(grad_scale=divisor)
+        if self._masters:
+            torch._foreach_copy_([m.flat for m in self._masters], [m.main for m in self._masters])
+        if self.distributed:
+            for work in [w for m in self.models for w in m.start_param_sync()]:
+                work.wait()
+        norm_value = norm.item()
+        stepped = math.isfinite(norm_value)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(not stepped)
+        return stepped, norm_value
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (``zero_grad_buffer()`` of every DDP wrapper, else every ``main_grad``)."""
+        if self.models:
+            for m in self.models:
+                m.zero_grad_buffer()
+        else:
+            for piece in self.pieces:
+                piece.grad.zero_()
+
+    # ---- accounting and checkpoints ------------------------------------------------------------------------------
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, measured on the tensors (each storage once): ``params`` (model params / param
+        buffers), ``grads`` (main_grad buffers) and ``optimizer`` (moments and masters not sharing the params'
+        storage). Compare with ``memory_bytes_per_param``."""
+        def nbytes(tensors, exclude=()):
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+            return sum(n for ptr, n in storages.items() if ptr not in exclude)
+
+        flats = [piece.flat for piece in self.pieces]
+        param_ptrs = {f.untyped_storage().data_ptr() for f in flats}
+        moments = [s[k] for s in self._adam.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+        return {"params": nbytes(flats) if not self.distributed else sum(
+                    b.untyped_storage().nbytes() for m in self.models for b in m.param_buffers),
+                "grads": nbytes([piece.grad for piece in self.pieces]) if not self.distributed else sum(
+                    b.untyped_storage().nbytes() for m in self.models for b in m.grad_buffers),
+                "optimizer": nbytes(moments) + nbytes([piece.main for piece in self.pieces], exclude=param_ptrs)}
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state: FusedAdamW's (moments, steps, hyper-parameters), the fp32 masters, the loss
+        scaler, and the layout (piece sizes) it belongs to. Under ZeRO-1 it is this dp rank's shard only."""
+        return {"adam": self._adam.state_dict(), "masters": [m.main for m in self._masters],
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "layout": self._layout_key()}
+
+    def _layout_key(self) -> dict:
+        return {"distributed": self.distributed, "pieces": [(piece.lo, piece.hi) for piece in self.pieces]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore ``state_dict()`` of an optimizer over the same model, precision and layout.
+
+        Raises:
+            ValueError: a different layout (distributed flag, piece sizes) or number of masters.
+        """
+        if state_dict["layout"] != self._layout_key():
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state was saved for another layout "
+                             f"(distributed, piece sizes) than this optimizer's; resharding is not supported here")
+        if len(state_dict["masters"]) != len(self._masters):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(state_dict['masters'])} masters saved, "
+                             f"this optimizer has {len(self._masters)}")
+        self._adam.load_state_dict(state_dict["adam"])
+        for master, saved in zip(self._masters, state_dict["masters"]):
+            master.main.copy_(saved)
+        if self.loss_scaler is not None and state_dict["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
