@@ -8,7 +8,7 @@ Per optimizer step (every rank):
    this rank's model chunks, the data-parallel wrapper reducing each gradient bucket as soon as the last
    micro-batch's backward has produced it (overlapped with the rest of backward);
 3. finish the gradient reduction, sum the tied word embedding's gradient over the first and last pipeline stage and
-   the sequence-parallel replicated parameters' gradients over the tensor-parallel group;
+   the sequence-parallel replicated parameters' gradients over the tensor-parallel group (``finalize_model_grads``);
 4. the optimizer step (``megakernels.parallel.optimizer``): loss-scale check, global grad-norm clipping, AdamW with
    fp32 master weights (sharded over data parallelism with ``--distributed-optimizer``), learning-rate schedule.
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import megakernels.parallel as mpu
+from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels_models import dryrun
 from megakernels_models.arguments import TrainArgs, validate
 from megakernels_models.bert import BertModel
@@ -153,15 +154,19 @@ def train(args: TrainArgs) -> list[dict] | None:
 
 
 def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
-    from megakernels.parallel.ddp import DistributedDataParallel
-    from megakernels.parallel.optimizer import build_optimizer
+    from megakernels.optim.lr_schedule import WarmupCosineSchedule
+    from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
+    from megakernels.parallel.optimizer import ParallelOptimizer
     from megakernels.parallel.pipeline import forward_backward
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     mpu.model_parallel_seed(args.seed, device.type)
     chunks = build_model_chunks(cfg, args, device)
     ddps = [DistributedDataParallel(c, reduce_scatter=args.distributed_optimizer) for c in chunks]
-    opt = build_optimizer(chunks, ddps, args)
+    opt = ParallelOptimizer(ddps, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
+                            distributed=args.distributed_optimizer, precision=args.precision, clip_grad=args.clip_grad,
+                            loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None)
+    schedule = WarmupCosineSchedule(args.lr, args.min_lr, args.warmup_steps, args.steps)
     train_ds, valid_ds = build_datasets(cfg, args)
 
     world, dp, dp_rank = dist.get_world_size(), mpu.dp_size(), mpu.dp_rank()
@@ -173,8 +178,6 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
     log_rank = dist.get_rank() == world - 1
     flops_token = cfg.flops_per_token("none")
     peak = device_peak_tflops(args, device) if log_rank else float("nan")
-    shared = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
-    seq_par = [p for c in chunks for p in c.parameters() if getattr(p, "sequence_parallel", False)]
     tokens_per_step = args.global_batch_size * cfg.seq_length
 
     def run_batches(dataset, step, forward_only):
@@ -202,7 +205,10 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
                 mlm, sop = out
                 loss = mlm.sum() / norm["tokens"] + sop.sum() / norm["samples"]
             losses.append(loss.detach())
-            return loss * scale if scale != 1.0 else loss
+            # The data-parallel reduction averages over dp, but the loss is already normalised by the whole
+            # global batch: scale by dp so the reduced gradient is that of the global loss.
+            factor = scale * dp
+            return loss * factor if factor != 1.0 else loss
 
         forward_backward(forward_step, m, schedule="interleaved" if (args.vpp or 1) > 1 else
                          ("forward_only" if forward_only else args.schedule), tensor_shape=shape,
@@ -221,11 +227,9 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
             for c in chunks:
                 c.train()
             opt.zero_grad()
-            opt.set_lr_for_step(step)
+            schedule.apply(opt, step + 1)
             loss = run_batches(train_ds, step, False)
-            for d in ddps:
-                d.finish_grad_sync()
-            _reduce_shared_grads(shared, seq_par)
+            finalize_model_grads(ddps)
             stepped, grad_norm = opt.step()
             rec = None
             if log_rank:
@@ -266,21 +270,6 @@ def _normalizers(cfg: ModelConfig, micro: list[dict], global_batch: int, device)
     if mpu.dp_size() > 1:
         dist.all_reduce(count, group=mpu.dp_group())
     return {"tokens": count.clamp(min=1.0), "samples": global_batch}
-
-
-def _reduce_shared_grads(shared: list, seq_par: list) -> None:
-    """Sum the tied word embedding's gradient over the first and last pipeline stage, and the sequence-parallel
-    replicated parameters' gradients over the tensor-parallel group (both on ``main_grad``, after the
-    data-parallel reduction; see ``DistributedDataParallel`` for why that order is right under ZeRO-1 too)."""
-    if shared and mpu.pp_size() > 1 and mpu.is_in_embedding_group():
-        for p in shared:
-            dist.all_reduce(p.main_grad, group=mpu.embedding_group())
-    if seq_par and mpu.tp_size() > 1:
-        grads = [p.main_grad for p in seq_par]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=mpu.tp_group())
-        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(r)
 
 
 # ---- launching ------------------------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""``megakernels train`` argument validation and ``--dry-run``: every broken rule is reported before any process
+starts, naming the flag; the dry run reports the paper presets' costs in seconds without allocating them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megakernels_models.arguments import ArgumentError, TrainArgs, validate
+from megakernels_models.cli import parse_train_args
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "4", "--nproc", "4"], r"--tp 4 does not divide num_heads=6"),
+    (["--pp", "3", "--nproc", "3"], r"--pp 3 does not divide num_layers=4"),
+    (["--pp", "2", "--vpp", "4", "--nproc", "2"], r"--pp × --vpp = 2 × 4 = 8 does not divide num_layers=4"),
+    (["--vpp", "2"], r"--vpp 2 needs pipeline parallelism"),
+    (["--tp", "2"], r"world size 1 .* is not divisible by --tp × --pp = 2 × 1"),
+    (["--nproc", "2", "--global-batch-size", "12", "--micro-batch-size", "4"],
+     r"--global-batch-size 12 is not divisible by --micro-batch-size × dp = 4 × 2"),
+    (["--nproc", "4", "--pp", "2", "--vpp", "2", "--global-batch-size", "16", "--micro-batch-size", "8"],
+     r"interleaved schedule .* micro-batches per step .* multiple of --pp 2"),
+    (["--nproc", "2", "--dp", "4"], r"--dp 4 does not match"),
+    (["--preset", "gpt-2b"], r"--preset 'gpt-2b' is unknown"),
+    (["--preset", "none", "--hidden-size", "64"], r"without --preset, give --num-layers, --num-heads, --seq-length"),
+    (["--min-lr", "1", "--lr", "0.1"], r"--min-lr 1.0 is larger than --lr 0.1"),
+    (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps must be an integer in 0..--steps"),
+    (["--tp", "2", "--nproc", "2", "--sequence-parallel", "--seq-length", "127"],
+     r"--sequence-parallel needs --tp 2 to divide seq_length=127"),
+    (["--model", "bert"], r"--model bert contradicts --preset gpt-tiny"),
+    (["--steps", "0"], r"--steps must be a positive integer"),
+    (["--data", "x"], r"--data: only the embedded default corpus"),
+])
+def test_invalid_flags_name_the_rule(flags, message):
+    with pytest.raises(ArgumentError, match=message):
+        validate(parse_train_args(flags))
+
+
+def test_the_default_is_the_embedded_tiny_gpt():
+    args = parse_train_args([])
+    assert args == TrainArgs()
+    cfg = validate(args)
+    assert (cfg.model, args.device, args.tokenizer, args.data) == ("gpt", "cpu", "byte", None)
+
+
+def test_cli_reports_errors_before_starting_processes():
+    r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "train", "--tp", "4", "--nproc", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--tp 4 does not divide num_heads=6" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name,tp", [("gpt-1.2b", 8), ("gpt-2.5b", 4), ("gpt-4.2b", 8), ("gpt-8.3b", 8),
+                                     ("bert-336m", 8), ("bert-1.3b", 8), ("bert-3.9b", 8)])
+def test_dry_run_of_paper_presets(name, tp, tmp_path):
+    from megakernels_models.dryrun import report
+
+    log = tmp_path / "dry.jsonl"
+    args = parse_train_args(["--preset", name, "--tp", str(tp), "--nproc", str(8 * tp), "--micro-batch-size", "4",
+                             "--global-batch-size", "512", "--precision", "bf16", "--distributed-optimizer",
+                             "--sequence-parallel", "--recompute", "selective", "--dry-run", "--log-jsonl", str(log)])
+    lines = []
+    rep = report(args, out=lines.append)
+    assert rep["seconds"] < 20
+    rec = json.loads(log.read_text())
+    assert set(rec) >= {"parameters", "flops_per_step", "memory_per_device_bytes"}
+    cfg = validate(args)
+    assert rec["flops_per_step"] == pytest.approx(cfg.flops_per_token("none") * 512 * cfg.seq_length)
+    # weights + grads + optimizer: 2 + 4 + 12/dp bytes per parameter on the device (dp = 8)
+    b = rec["memory_breakdown_bytes"]
+    n = rec["parameters_per_device"]
+    assert (b["weights"], b["grads"], b["optimizer"]) == (2 * n, 4 * n, pytest.approx(12 * n / 8))
+    assert rec["parameters"] > tp * n * 0.9  # tp shards nearly everything
+    assert any("memory per device" in line for line in lines)
+
+
+def test_dry_run_pipeline_memory_and_bubble(tmp_path):
+    from megakernels_models.dryrun import report
+
+    args = parse_train_args(["--preset", "gpt-8.3b", "--pp", "4", "--nproc", "4", "--global-batch-size", "16",
+                             "--micro-batch-size", "1", "--dry-run"])
+    rep = report(args, out=lambda s: None)
+    assert rep["bubble_fraction"] == pytest.approx(3 / 16)
+    assert rep["ranks"][3] == {"tp": 0, "dp": 0, "pp": 3}
+    # the layers are split evenly; the first stage also holds the embeddings, the last the final norm + a copy
+    # of the tied word embedding
+    assert rep["parameters_per_device"] < rep["parameters"] / 4 * 1.1
+
+
+def test_dry_run_without_distributed_optimizer_is_18_bytes_per_param():
+    from megakernels_models.dryrun import report
+
+    rep = report(parse_train_args(["--preset", "gpt-1.2b", "--precision", "bf16", "--dry-run"]), out=lambda s: None)
+    b, n = rep["memory_breakdown_bytes"], rep["parameters_per_device"]
+    assert b["weights"] + b["grads"] + b["optimizer"] == 18 * n
