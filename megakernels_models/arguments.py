@@ -52,7 +52,7 @@ class TrainArgs:
     steps: int = 200
     lr: float = 2e-3
     min_lr: float = 2e-4
-    warmup_steps: int = 20
+    warmup_steps: int | None = None  # default: a tenth of --steps
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     seed: int = 1234
@@ -176,6 +176,8 @@ def validate(a: TrainArgs) -> ModelConfig:
             raise ArgumentError(f"--{name.replace('_', '-')} must be a number >= 0, got {v!r}")
     if a.min_lr > a.lr:
         raise ArgumentError(f"--min-lr {a.min_lr} is larger than --lr {a.lr}")
+    if a.warmup_steps is None:
+        a.warmup_steps = a.steps // 10
     if isinstance(a.warmup_steps, bool) or not isinstance(a.warmup_steps, int) or not 0 <= a.warmup_steps <= a.steps:
         raise ArgumentError(f"--warmup-steps must be an integer in 0..--steps ({a.steps}), got {a.warmup_steps!r}")
     if isinstance(a.seed, bool) or not isinstance(a.seed, int) or a.seed < 0:

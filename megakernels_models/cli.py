@@ -38,9 +38,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                    "selects interleaved 1F1B)")
     g = p.add_argument_group("optimisation")
     for name, typ in (("micro_batch_size", int), ("global_batch_size", int), ("steps", int), ("lr", float),
-                      ("min_lr", float), ("warmup_steps", int), ("weight_decay", float), ("clip_grad", float),
-                      ("seed", int)):
+                      ("min_lr", float), ("weight_decay", float), ("clip_grad", float), ("seed", int)):
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name))
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup (default: a tenth of --steps)")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision)
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=d.recompute)
     g.add_argument("--distributed-optimizer", action="store_true", help="ZeRO-1: shard optimizer state over dp")

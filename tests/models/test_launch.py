@@ -48,7 +48,7 @@ def test_train_logs_every_contract_field(tmp_path):
 
 def test_torchrun_launch(tmp_path):
     log = tmp_path / "log.jsonl"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "megakernels_models.cli", "train", *TINY, "--steps", "2", "--pp", "2",
                         "--eval-interval", "0", "--log-jsonl", str(log)],
                        capture_output=True, text=True, timeout=300, env=_env())
