@@ -49,7 +49,7 @@ class TrainArgs:
     # optimisation
     micro_batch_size: int = 8
     global_batch_size: int = 16
-    steps: int = 200
+    steps: int = 300
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup_steps: int | None = None  # default: a tenth of --steps
@@ -68,7 +68,7 @@ class TrainArgs:
     save: str | None = None
     save_interval: int | None = None
     load: str | None = None
-    eval_interval: int = 50
+    eval_interval: int = 100
     eval_steps: int = 4
     log_jsonl: str | None = None
     tensorboard: str | None = None

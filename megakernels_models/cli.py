@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         if "val_loss" in last:
             msg += f", val loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
         print(msg)
+        mem = first.get("memory_per_param_bytes")
+        if mem:
+            print("memory per parameter (measured on the last rank): " + " + ".join(
+                f"{k} {v:.2f}" for k, v in mem.items()) + f" = {sum(mem.values()):.2f} bytes")
     return 0
 
 

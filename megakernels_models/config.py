@@ -125,7 +125,7 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # Tiny models for the CPU (byte-level vocabulary).
-    "gpt-tiny": ModelConfig("gpt", num_layers=4, hidden_size=192, num_heads=6, seq_length=128, vocab_size=261,
+    "gpt-tiny": ModelConfig("gpt", num_layers=4, hidden_size=256, num_heads=8, seq_length=256, vocab_size=261,
                             dropout=0.0, attention_dropout=0.0),
     "bert-tiny": ModelConfig("bert", num_layers=4, hidden_size=192, num_heads=6, seq_length=128, vocab_size=261,
                              dropout=0.0, attention_dropout=0.0),

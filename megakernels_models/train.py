@@ -240,6 +240,9 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
                        "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
                        "tokens_per_s": tps, "tflops_per_device": tflops, "mfu": tflops / peak,
                        "elapsed_s": time.perf_counter() - t_start, "skipped": not stepped}
+                if step == 0:  # measured on the tensors this rank holds (optimizer state exists after a step)
+                    n = sum(p.numel() for c in chunks for p in c.parameters())
+                    rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
             if args.eval_interval and valid_ds is not None and ((step + 1) % args.eval_interval == 0
                                                                or step + 1 == args.steps):
                 val = evaluate(chunks, lambda s: run_batches(valid_ds, s, True), args.eval_steps)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation (DESIGN.md §3). On a CUDA machine with torch, nvcc (and triton) already installed and no
 # network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, then the
-# kernel benchmarks on the GPU (norm family, softmax family, AdamW, FlashAttention, cross-entropy). Logs and JSON go to OUTDIR; a summary table is printed at the end.
+# kernel benchmarks on the GPU (norm family, softmax family, AdamW, FlashAttention, cross-entropy, end-to-end GPT-1.3B training). Logs and JSON go to OUTDIR; a summary table is printed at the end.
 #   scripts/gpu_check.sh OUTDIR
 # Exit status: 0 when every stage passed, 1 otherwise, 2 for a usage error.
 set -uo pipefail
@@ -46,6 +46,8 @@ if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q bu
     --seqlens 1024,4096,16384 --out "$OUT"
   stage bench_cross_entropy bench_cross_entropy.txt "$PY" -m benchmarks.cross_entropy --device cuda \
     --dtype bfloat16 --out "$OUT"
+  stage bench_e2e bench_e2e.txt "$PY" -m benchmarks.e2e --device cuda --preset gpt-1.3b --micro-batch-size 4 \
+    --steps 5 --out "$OUT"
 fi
 
 {

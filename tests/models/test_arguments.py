@@ -14,7 +14,7 @@ from megakernels_models.cli import parse_train_args
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tp", "4", "--nproc", "4"], r"--tp 4 does not divide num_heads=6"),
+    (["--tp", "3", "--nproc", "3"], r"--tp 3 does not divide num_heads=8"),
     (["--pp", "3", "--nproc", "3"], r"--pp 3 does not divide num_layers=4"),
     (["--pp", "2", "--vpp", "4", "--nproc", "2"], r"--pp × --vpp = 2 × 4 = 8 does not divide num_layers=4"),
     (["--vpp", "2"], r"--vpp 2 needs pipeline parallelism"),
@@ -47,10 +47,10 @@ def test_the_default_is_the_embedded_tiny_gpt():
 
 
 def test_cli_reports_errors_before_starting_processes():
-    r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "train", "--tp", "4", "--nproc", "4"],
+    r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "train", "--tp", "3", "--nproc", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "--tp 4 does not divide num_heads=6" in r.stderr
+    assert "--tp 3 does not divide num_heads=8" in r.stderr
     assert "Traceback" not in r.stderr
 
 

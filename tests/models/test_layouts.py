@@ -65,6 +65,7 @@ def _world(rank: int, world_size: int, cases):
         records = train(_args(model, LAYOUTS[name][1], world_size))
         if records is not None:
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
+            out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
     return out
 
 
@@ -123,3 +124,12 @@ def test_single_process_variants_match(baseline, case):
 def test_layout_matches_single_process(baseline, case):
     got = _world_results(LAYOUTS[case[1]][0])
     _assert_same_curve(got[case], baseline[(case[0], "single")], case)
+
+
+def test_distributed_optimizer_shards_the_optimizer_state():
+    """fp32: 4 bytes of weights + 4 of fp32 gradients + 8 of Adam moments per parameter; ZeRO-1 over dp 2 holds
+    half the moments (buckets are padded to a multiple of dp, hence the tolerance)."""
+    got = _world_results(2)
+    plain, zero = got[("memory", "gpt", "dp2")], got[("memory", "gpt", "dp2-zero1")]
+    assert plain == {"params": pytest.approx(4.0), "grads": pytest.approx(4.0), "optimizer": pytest.approx(8.0)}
+    assert zero["optimizer"] == pytest.approx(4.0, rel=0.02) and zero["grads"] == pytest.approx(4.0, rel=0.02)

@@ -1,0 +1,58 @@
+"""pytest-benchmark of one training step (fwd + bwd + AdamW) of megakernels' GPT vs a plain eager GPT of the same
+shape (benchmarks/e2e.py).
+
+    pytest benchmarks/test_bench_e2e.py                       # full timing
+    pytest benchmarks/test_bench_e2e.py --benchmark-disable   # quick check that everything runs (CI)
+
+Never asserts on time (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.e2e import CPU_PRESETS, EagerGPT, _copy_weights
+
+
+@pytest.fixture(scope="module")
+def world():
+    import megakernels.parallel as mpu
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mpu.initialize(1, 1)
+    yield
+    mpu.destroy()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", ["megakernels", "eager"])
+@pytest.mark.parametrize("name", list(CPU_PRESETS))
+def test_train_step(benchmark, world, name, impl):
+    from megakernels.optim import FusedAdamW
+    from megakernels_models.config import ModelConfig
+    from megakernels_models.gpt import GPTModel
+
+    cfg, mbs = CPU_PRESETS[name]
+    cfg = ModelConfig(**cfg)
+    if benchmark.disabled:  # a quick run: same code, small shapes
+        cfg, mbs = cfg.replace(hidden_size=64, num_heads=4, seq_length=64), 2
+    fused = GPTModel(cfg, seed=1)
+    ids = torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_length))
+    if impl == "megakernels":
+        model, opt = fused, FusedAdamW(fused.parameters(), lr=1e-4)
+        loss_fn = lambda: model(ids, labels=ids).mean()  # noqa: E731
+    else:
+        model = EagerGPT(cfg)
+        _copy_weights(model, fused)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        loss_fn = lambda: model(ids, ids)  # noqa: E731
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn().backward()
+        opt.step()
+
+    benchmark.group = f"e2e {name}"
+    benchmark(step)
