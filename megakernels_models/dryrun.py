@@ -126,9 +126,16 @@ def report(args: TrainArgs, out=print) -> dict:
                    "recompute": args.recompute, "precision": args.precision},
         "ranks": {r: {"tp": r % tp, "dp": (r // tp) % dp, "pp": r // (tp * dp)} for r in range(min(world, 4096))},
     }
+    # The same stage's activations under every recompute / sequence-parallel choice (for choosing one).
+    rep["activations_by_choice_bytes"] = {
+        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(mbs, tp, sp, rc, bytes_el, flash)
+        * layers_per_stage * in_flight for rc in ("none", "selective", "full") for sp in (False, True)}
     if pp > 1:
-        from megakernels.parallel.pipeline import bubble_fraction
-        rep["bubble_fraction"] = bubble_fraction("interleaved" if vpp > 1 else args.schedule, pp, m, vpp)
+        from megakernels.parallel.pipeline import bubble_fraction, format_schedule
+        name = "interleaved" if vpp > 1 else args.schedule
+        rep["bubble_fraction"] = bubble_fraction(name, pp, m, vpp)
+        if pp <= 8 and m * vpp <= 32:
+            rep["schedule"] = format_schedule(name, pp, m, vpp)
     rep["seconds"] = time.perf_counter() - t0
     _print(rep, cfg, out)
     if args.log_jsonl:
@@ -152,8 +159,12 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")
+    out("activations on the first stage by choice (Korthikanti et al. 2022): " + ", ".join(
+        f"{k} {human(v, 'B')}" for k, v in rep["activations_by_choice_bytes"].items()))
     if "bubble_fraction" in rep:
         out(f"pipeline bubble: {rep['bubble_fraction']:.3f} of the step's useful time")
+    if "schedule" in rep:
+        out(rep["schedule"])
     ranks = rep["ranks"]
     if len(ranks) <= 64:
         out("rank -> (tp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['pp']},{c['dp']})" for r, c in ranks.items()))
