@@ -127,7 +127,7 @@ class _Logger:
             self.jsonl.flush()
         if self.tb:
             for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}" if not k.startswith("val_") else f"valid/{k[4:]}", v, rec["step"])
         if self.bar:
             post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
@@ -293,10 +293,16 @@ def run(args: TrainArgs):
     validate(args)
     if args.dry_run:
         return dryrun.report(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: initialize() reads the environment
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: its environment has the rendezvous
+        import datetime
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        return train(args)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            return train(args)
+        finally:
+            dist.destroy_process_group()
     if args.nproc == 1:
         if args.device == "cuda":
             torch.cuda.set_device(0)
