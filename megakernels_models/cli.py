@@ -1,4 +1,4 @@
-"""The ``megakernels`` command (DESIGN.md §5): ``megakernels train [flags]``.
+"""The ``megakernels`` command (DESIGN.md §5): ``megakernels train|... [flags]``.
 
 ``megakernels train`` with no flags runs the embedded default: a tiny GPT on the Python standard library's sources
 with the byte tokenizer on the CPU, a few minutes, the loss falling. Invalid flags are reported before any process
@@ -69,22 +69,20 @@ def parse_train_args(argv: list[str]) -> TrainArgs:
     parser = argparse.ArgumentParser(prog="megakernels")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    ns = vars(parser.parse_args(["train", *argv]))
+    return _train_args(parser.parse_args(["train", *argv]))
+
+
+def _train_args(ns: argparse.Namespace) -> TrainArgs:
+    ns = vars(ns).copy()
     ns.pop("command")
+    ns.pop("_run", None)
     if ns["preset"] in ("none", ""):
         ns["preset"] = None
     return TrainArgs(**ns)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="megakernels", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
-    if not argv or argv[0] not in ("train",):
-        parser.parse_args(argv)  # prints usage / help and exits
-        return 2
-    args = parse_train_args(argv[1:])
+def _run_train(ns: argparse.Namespace) -> int:
+    args = _train_args(ns)
     from megakernels.parallel.launch import WorldFailed
     from megakernels_models.train import run
 
@@ -109,6 +107,33 @@ def main(argv: list[str] | None = None) -> int:
             print("memory per parameter (measured on the last rank): " + " + ".join(
                 f"{k} {v:.2f}" for k, v in mem.items()) + f" = {sum(mem.values()):.2f} bytes")
     return 0
+
+
+def _add_train(sub) -> None:
+    _train_parser(sub).set_defaults(_run=_run_train)
+
+
+# Subcommands: name -> "module:function" that adds its parser to the subparsers (``set_defaults(_run=...)``, a
+# function of the parsed namespace returning the exit status). Imported only to build the parser.
+SUBCOMMANDS = {
+    "train": "megakernels_models.cli:_add_train",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="megakernels", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for spec in SUBCOMMANDS.values():
+        module, fn = spec.split(":")
+        getattr(importlib.import_module(module), fn)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return ns._run(ns)
 
 
 if __name__ == "__main__":
