@@ -67,6 +67,7 @@ class TrainArgs:
     # checkpoints, evaluation, logs
     save: str | None = None
     save_interval: int | None = None
+    keep_checkpoints: int = 3
     load: str | None = None
     eval_interval: int = 100
     eval_steps: int = 4
@@ -189,9 +190,17 @@ def validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--tokenizer {a.tokenizer!r}: only 'byte' is available until the data pipeline lands")
     if cfg.vocab_size < 261:
         raise ArgumentError(f"--vocab-size {cfg.vocab_size} is smaller than the byte tokenizer's 261 ids")
-    if a.save is not None or a.load is not None:
-        raise ArgumentError("--save/--load: checkpoints are not implemented yet (they arrive with the checkpoint "
-                            "work); omit them")
+    if a.save_interval is not None and a.save is None:
+        raise ArgumentError("--save-interval needs --save DIR")
+    _positive("keep-checkpoints", a.keep_checkpoints)
+    if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
+        raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
+    if a.load is not None:
+        from megakernels_models.checkpoint import CheckpointError, read_latest
+        try:
+            read_latest(a.load)
+        except CheckpointError as e:
+            raise ArgumentError(str(e)) from None
     try:
         split = [int(x) for x in a.split.split(",")]
         if len(split) != 3 or min(split) < 0 or split[0] == 0:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megakernels.nn import FusedLayerNorm
 from megakernels.parallel import init, state
+from megakernels.parallel.linear import mark_tensor_parallel
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.mappings import gather_from_sequence_parallel_region
 from megakernels.ops.bias_gelu import bias_gelu
@@ -48,7 +49,7 @@ class BertModel(LanguageModel):
             self.mlm_norm = FusedLayerNorm(h, c.layernorm_eps, **factory)
             # The output bias is vocab-parallel like the tied table: [V_pad/tp], padding columns never used.
             self.mlm_bias = torch.nn.Parameter(torch.zeros(self.padded_vocab_size // state.tp_size(), **factory))
-            self.mlm_bias.tensor_parallel = True
+            mark_tensor_parallel(self.mlm_bias, dim=0, real_size=config.vocab_size)
             self.pooler = replicated_linear(h, h, init.derive_seed(seed, "pooler"), c.init_std, **factory)
             self.sop_head = replicated_linear(h, 2, init.derive_seed(seed, "sop_head"), c.init_std, **factory)
             if self.sequence_parallel:

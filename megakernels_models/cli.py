@@ -50,9 +50,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--split", default=d.split, help="train,valid,test weights over documents")
     g.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, help="cap of the default corpus")
     g = p.add_argument_group("checkpoints, evaluation and logs")
-    g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (atomic, DCP)")
+    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and at the end)")
+    g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="the last K are kept")
+    g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR's latest checkpoint (any layout)")
     g.add_argument("--eval-interval", type=int, default=d.eval_interval, help="0 = never")
     g.add_argument("--eval-steps", type=int, default=d.eval_steps)
     g.add_argument("--log-jsonl", default=None, help="one JSON object per step")
@@ -84,11 +85,12 @@ def _train_args(ns: argparse.Namespace) -> TrainArgs:
 def _run_train(ns: argparse.Namespace) -> int:
     args = _train_args(ns)
     from megakernels.parallel.launch import WorldFailed
+    from megakernels_models.checkpoint import CheckpointError
     from megakernels_models.train import run
 
     try:
         records = run(args)
-    except ArgumentError as e:
+    except (ArgumentError, CheckpointError) as e:
         print(f"megakernels train: error: {e}", file=sys.stderr)
         return 2
     except WorldFailed as e:

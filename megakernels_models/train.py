@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
-from megakernels_models import dryrun
+from megakernels_models import checkpoint, dryrun
 from megakernels_models.arguments import TrainArgs, validate
 from megakernels_models.bert import BertModel
 from megakernels_models.config import ModelConfig, stage_layers
@@ -219,10 +219,13 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
             dist.all_reduce(total, group=mpu.dp_group())
         return total
 
-    log = _Logger(args, log_rank, 0)
+    start = 0
+    if args.load:
+        start = checkpoint.load(checkpoint.read_latest(args.load), chunks, opt, cfg)
+    log = _Logger(args, log_rank, start)
     t_start = time.perf_counter()
     try:
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             t0 = time.perf_counter()
             for c in chunks:
                 c.train()
@@ -248,6 +251,8 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
                 val = evaluate(chunks, lambda s: run_batches(valid_ds, s, True), args.eval_steps)
                 if rec is not None:
                     rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
+            if args.save and ((step + 1) % (args.save_interval or args.steps) == 0 or step + 1 == args.steps):
+                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints)
             log.log(rec)
     finally:
         log.close()

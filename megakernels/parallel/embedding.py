@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.parallel import init, mappings, state
+from megakernels.parallel.linear import mark_tensor_parallel
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -76,7 +77,7 @@ class VocabParallelEmbedding(nn.Module):
         self.init_method = init.init_method_normal() if init_method is None else init_method
         self.seed = init.draw_seed() if seed is None else int(seed)
         self.weight = nn.Parameter(torch.empty(self.local_num_embeddings, embedding_dim, device=device, dtype=dtype))
-        self.weight.tensor_parallel = True
+        mark_tensor_parallel(self.weight, dim=0, real_size=num_embeddings)
         self.reset_parameters()
 
     @torch.no_grad()

@@ -103,13 +103,19 @@ def linear_with_async_comm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return LinearWithAsyncComm.apply(x, weight, bias, group, bool(sequence_parallel), bool(overlap_comm))
 
 
-def mark_tensor_parallel(*params: nn.Parameter | None) -> None:
-    """Mark parameters as sharded over the TP group (``p.tensor_parallel = True``): each rank holds a different
-    part, so a global gradient norm counts them on every TP rank; unmarked parameters are replicated over the
-    group and counted once (on TP rank 0)."""
+def mark_tensor_parallel(*params: nn.Parameter | None, dim: int = 0, real_size: int | None = None) -> None:
+    """Mark parameters as sharded over the TP group: ``p.tensor_parallel = True`` and ``p.partition_dim = dim``
+    (TP rank r holds the r-th equal block along that dim) and, for a vocabulary padded for GEMM shapes,
+    ``p.real_size`` (only the first ``real_size`` entries along ``dim`` of the full tensor are real).
+
+    Each rank holds a different part, so a global gradient norm counts them on every TP rank; unmarked parameters
+    are replicated over the group and counted once (on TP rank 0). Checkpoints use the marks to place each shard
+    in the full tensor."""
     for p in params:
         if p is not None:
-            p.tensor_parallel = True
+            p.tensor_parallel, p.partition_dim = True, dim
+            if real_size is not None:
+                p.real_size = real_size
 
 
 def _check_features(cls: str, in_features, out_features) -> tuple[int, int]:
@@ -238,7 +244,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
-        mark_tensor_parallel(self.weight)
+        mark_tensor_parallel(self.weight, dim=1)
         self.reset_parameters()
 
     @torch.no_grad()

@@ -17,7 +17,7 @@ from torch import nn
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.parallel import init, mappings, state
 from megakernels.parallel.embedding import VOCAB_PAD_MULTIPLE, VocabParallelEmbedding, pad_vocab_size
-from megakernels.parallel.linear import linear_with_async_comm
+from megakernels.parallel.linear import linear_with_async_comm, mark_tensor_parallel
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, parallel_output: bool = True,
@@ -103,7 +103,7 @@ class ParallelLMHead(nn.Module):
             self.seed = init.draw_seed() if seed is None else int(seed)
             self.weight = nn.Parameter(torch.empty(self.padded_vocab_size // state.tp_size(), hidden_size,
                                                    device=device, dtype=dtype))
-            self.weight.tensor_parallel = True
+            mark_tensor_parallel(self.weight, dim=0, real_size=vocab_size)
             self.reset_parameters()
 
     @torch.no_grad()

@@ -295,6 +295,53 @@ class ParallelOptimizer:
                     b.untyped_storage().nbytes() for m in self.models for b in m.grad_buffers),
                 "optimizer": nbytes(moments) + nbytes([piece.main for piece in self.pieces], exclude=param_ptrs)}
 
+    def param_state(self) -> tuple[dict[torch.Tensor, dict[str, torch.Tensor]], int]:
+        """The optimizer state in the params' own shapes, for layout-independent checkpoints.
+
+        Returns ``({param: {"exp_avg", "exp_avg_sq"[, "master"]}}, step)``: fp32 tensors shaped like each param
+        (this rank's TP shard), holding the values of the pieces this rank updates and zeros elsewhere
+        (``"master"`` only for 16-bit params); under ZeRO-1 summing them over the data-parallel group completes
+        them. ``step`` is the number of AdamW steps taken (the same for every piece).
+        """
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        step = 0
+        for piece in self.pieces:
+            p = piece.param
+            if p not in out:
+                names = ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
+                out[p] = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in names}
+            st = self._adam.state.get(piece.main)
+            if st:
+                step = int(st["step"].item())
+                out[p]["exp_avg"].view(-1)[piece.lo:piece.hi] = st["exp_avg"]
+                out[p]["exp_avg_sq"].view(-1)[piece.lo:piece.hi] = st["exp_avg_sq"]
+            if "master" in out[p]:
+                out[p]["master"].view(-1)[piece.lo:piece.hi] = piece.main
+        return out, step
+
+    def load_param_state(self, states: dict[torch.Tensor, dict[str, torch.Tensor]], step: int) -> None:
+        """Restore ``param_state()`` (complete tensors, any rank's share): each piece takes its range. With
+        ``step == 0`` the moments stay uninitialised (as before a first step). Masters not given are taken from
+        the params.
+
+        Raises:
+            KeyError: a param this rank updates is missing from ``states``.
+        """
+        for piece in self.pieces:
+            st = states[piece.param]
+            if "master" in st and piece.main is not piece.flat:
+                piece.main.copy_(st["master"].reshape(-1)[piece.lo:piece.hi])
+            elif piece.main is not piece.flat:
+                piece.main.copy_(piece.flat)
+            if step > 0:
+                dev = piece.main.device if piece.main.device.type == "cuda" else torch.device("cpu")
+                self._adam.state[piece.main] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32, device=dev),
+                    "exp_avg": st["exp_avg"].reshape(-1)[piece.lo:piece.hi].to(piece.main).clone(),
+                    "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[piece.lo:piece.hi].to(piece.main).clone()}
+            else:
+                self._adam.state.pop(piece.main, None)
+
     def state_dict(self) -> dict:
         """This rank's optimizer state: FusedAdamW's (moments, steps, hyper-parameters), the fp32 masters, the loss
         scaler, and the layout (piece sizes) it belongs to. Under ZeRO-1 it is this dp rank's shard only."""

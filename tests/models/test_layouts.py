@@ -8,7 +8,11 @@ layout of that size in turn (initialise, 10 steps, destroy), so the suite pays e
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -57,7 +61,20 @@ def _losses(records) -> list[float]:
     return [r["loss"] for r in records]
 
 
-def _world(rank: int, world_size: int, cases):
+# Resharding: the (2, 2, 2) run with SP and ZeRO-1 saves at step 3; its checkpoint resumes at other layouts
+# (here in the world of 8, and at (1, 1, 1) in this process); steps 4..10 must follow the single-process curve.
+SAVE_LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3,
+                   keep_checkpoints=5)
+RESHARD_TO = {"tp4-dp2": (8, dict(tp=4)), "pp4-dp2": (8, dict(pp=4)), "single": (1, dict())}
+CKPT_DIR = tempfile.mkdtemp(prefix="megakernels-layouts-")
+atexit.register(shutil.rmtree, CKPT_DIR, ignore_errors=True)
+
+
+def _saved(model: str, root: str = CKPT_DIR) -> str:
+    return os.path.join(root, model)
+
+
+def _world(rank: int, world_size: int, cases, root: str):
     from megakernels_models.train import train
 
     out = {}
@@ -66,7 +83,21 @@ def _world(rank: int, world_size: int, cases):
         if records is not None:
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
+    if world_size == 8:
+        for model in ("gpt", "bert"):
+            records = train(_args(model, dict(SAVE_LAYOUT, save=_saved(model, root)), world_size))
+            if records is not None:
+                out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
+            for target, (n, changes) in RESHARD_TO.items():
+                if n == world_size:
+                    records = train(_args(model, dict(changes, load=_resume_point(model, root)), world_size))
+                    if records is not None:
+                        out[("reshard", model, target)] = (_losses(records), [r["grad_norm"] for r in records])
     return out
+
+
+def _resume_point(model: str, root: str = CKPT_DIR) -> str:
+    return os.path.join(_saved(model, root), "step-00000003")
 
 
 def _single(cases):
@@ -92,7 +123,7 @@ def _world_results(n: int) -> dict:
     """The curves of every layout of world size n (one spawned world, run on first use; a failure is kept)."""
     if n not in _WORLDS:
         try:
-            _WORLDS[n] = run_world(n, _world, _cases(n), timeout=600)[-1]  # the last rank logs
+            _WORLDS[n] = run_world(n, _world, _cases(n), CKPT_DIR, timeout=600)[-1]  # the last rank logs
         except AssertionError as e:
             _WORLDS[n] = e
     if isinstance(_WORLDS[n], AssertionError):
@@ -133,3 +164,31 @@ def test_distributed_optimizer_shards_the_optimizer_state():
     plain, zero = got[("memory", "gpt", "dp2")], got[("memory", "gpt", "dp2-zero1")]
     assert plain == {"params": pytest.approx(4.0), "grads": pytest.approx(4.0), "optimizer": pytest.approx(8.0)}
     assert zero["optimizer"] == pytest.approx(4.0, rel=0.02) and zero["grads"] == pytest.approx(4.0, rel=0.02)
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_saving_does_not_change_the_curve(baseline, model):
+    got = _world_results(8)
+    _assert_same_curve(got[("saving", model)], baseline[(model, "single")], f"{model} saving at (2,2,2)")
+
+
+@pytest.mark.parametrize("target", list(RESHARD_TO))
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
+    """Saved at (tp, pp, dp) = (2, 2, 2) with SP and ZeRO-1 at step 3, loaded at another layout: steps 4..10
+    equal the single process's (1e-5 relative)."""
+    if RESHARD_TO[target][0] == 1:
+        from megakernels_models.train import train
+
+        _world_results(8)  # the checkpoint
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            records = train(_args(model, dict(load=_resume_point(model)), 1))
+        finally:
+            dist.destroy_process_group()
+        got = (_losses(records), [r["grad_norm"] for r in records])
+    else:
+        got = _world_results(8)[("reshard", model, target)]
+    ref_losses, ref_norms = baseline[(model, "single")]
+    assert len(got[0]) == STEPS - 3
+    _assert_same_curve(got, (ref_losses[3:], ref_norms[3:]), f"{model} resumed at {target}")

@@ -1,0 +1,285 @@
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP): saved at one layout, loadable at any other.
+
+Every tensor is saved in the coordinates of the *full, unpadded* model, under its global name (``layers.7.mlp.fc1.
+weight``, whatever pipeline stage or local index holds it): a tensor-parallel shard is a chunk of its full tensor
+at its offset (``p.partition_dim``; a padded vocabulary keeps only its first ``p.real_size`` rows), a replicated
+tensor is saved whole (once: DCP de-duplicates the copies of data-parallel replicas, of the tied embedding on the
+first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
+chunks overlap them — so a checkpoint written at (tp, pp, dp) = (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2).
+
+What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments in the same per-parameter
+coordinates (ZeRO-1 shards are completed over the data-parallel group first, so the checkpoint does not depend on
+dp either) and its step count; the loss scaler; the step (the data position and the learning rate follow from it);
+each rank's RNG states (restored only at the same layout); the model configuration (a mismatch is refused).
+
+Atomicity: a checkpoint is written to ``DIR/.tmp-step-N`` and renamed to ``DIR/step-N`` once DCP has written
+its metadata (which it writes last), then ``DIR/latest`` (written to a temporary file and renamed over) names it.
+A process killed at any moment therefore leaves ``latest`` naming a complete checkpoint; without ``latest`` the
+newest ``step-N`` holding DCP's metadata file is used. Older checkpoints beyond the last ``keep`` are deleted
+after ``latest`` moves on. DIR must be one directory visible to every rank (a shared file system across nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import megakernels.parallel as mpu
+from megakernels_models.config import ModelConfig
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_METADATA = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (missing, incomplete, or for another model)."""
+
+
+# ---- tensors in full-model coordinates ----------------------------------------------------------------------
+
+def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(global name, param)`` of this rank's model chunks: layer ``i`` of the whole model is ``layers.i``
+    whatever its index in the chunk; the last stage's copy of the tied embedding is ``embedding.word.weight``."""
+    out = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            m = re.match(r"layers\.(\d+)\.(.*)", name)
+            if m:
+                name = f"layers.{chunk.layers[int(m.group(1))].layer_number}.{m.group(2)}"
+            elif name.startswith("output_embedding."):
+                name = "embedding.word." + name[len("output_embedding."):]
+            out.append((name, p))
+    return out
+
+
+def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """(full shape, partition dim, [(offset, size) per TP rank along it]) of a parameter."""
+    tp = mpu.tp_size()
+    if not getattr(p, "tensor_parallel", False):
+        dim, tp = 0, 1
+    else:
+        dim = p.partition_dim
+    n = p.shape[dim]
+    real = getattr(p, "real_size", n * tp)
+    full = list(p.shape)
+    full[dim] = real
+    return full, dim, [(t * n, max(0, min((t + 1) * n, real) - t * n)) for t in range(tp)]
+
+
+def _sharded(local: torch.Tensor, p: torch.Tensor):
+    """``local`` (shaped like ``p``) as the chunk of the full tensor this rank holds: a plain tensor when the
+    chunk is the whole tensor, else a ShardedTensor describing every TP rank's chunk."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    full, dim, chunks = _chunks_of(p)
+    tp_rank = mpu.tp_rank() if getattr(p, "tensor_parallel", False) else 0
+    offset, size = chunks[tp_rank]
+    view = local.narrow(dim, 0, size)
+    if len(chunks) == 1:
+        return view
+    ranks = dist.get_process_group_ranks(mpu.tp_group())
+    metas = []
+    for t, (off, sz) in enumerate(chunks):
+        if sz:
+            offsets, sizes = [0] * len(full), list(full)
+            offsets[dim], sizes[dim] = off, sz
+            metas.append(ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}"))
+    shards = [Shard(view, m) for m in metas if m.placement.rank() == dist.get_rank()]
+    md = ShardedTensorMetadata(metas, torch.Size(full), TensorProperties(dtype=local.dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+
+
+def _templates(params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Zero optimizer states shaped like each param: Adam moments, plus an fp32 master for 16-bit params."""
+    names = lambda p: ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())  # noqa: E731
+    return [{k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in names(p)} for p in params]
+
+
+def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Complete per-parameter optimizer states for every param (under ZeRO-1 each rank has only its pieces, the
+    rest zeros, so a sum over the data-parallel group completes them) and the AdamW step count."""
+    got, step = opt.param_state()
+    out = [got.get(p) or t for p, t in zip(params, _templates(params))]
+    if opt.distributed and mpu.dp_size() > 1:
+        flat = [t for st in out for t in st.values()]
+        buf = torch._utils._flatten_dense_tensors(flat)
+        dist.all_reduce(buf, group=mpu.dp_group())
+        for t, r in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
+            t.copy_(r)
+        steps = torch.tensor([float(step)], device=flat[0].device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_group())
+        step = int(steps.item())
+    return out, step
+
+
+def _state_dict(chunks, opt, states=None) -> dict:
+    named = global_parameters(chunks)
+    sd = {f"model.{name}": _sharded(p.detach(), p) for name, p in named}
+    if states is not None:
+        for (name, p), st in zip(named, states):
+            for k, t in st.items():
+                sd[f"optimizer.{k}.{name}"] = _sharded(t, p)
+    return sd
+
+
+def _rng_state() -> dict:
+    out = {"cpu": torch.get_rng_state(), "tracker": mpu.get_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _layout() -> dict:
+    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "vpp": mpu.vpp_size(),
+            "world": dist.get_world_size()}
+
+
+# ---- save ---------------------------------------------------------------------------------------------------
+
+def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3) -> str:
+    """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
+    rank calls it. Returns the checkpoint's path."""
+    final = os.path.join(save_dir, f"step-{step:08d}")
+    tmp = os.path.join(save_dir, f".tmp-step-{step:08d}")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    params = [p for _, p in global_parameters(chunks)]
+    states, opt_step = _optimizer_states(opt, params)
+    sd = _state_dict(chunks, opt, states)
+    sd[f"rng.rank{dist.get_rank()}"] = _rng_state()
+    # One JSON string (DCP would flatten a dict into one entry per leaf).
+    sd["meta"] = json.dumps({"step": int(step), "optimizer_step": opt_step, "config": dataclasses.asdict(config),
+                             "layout": _layout(),
+                             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)
+        dcp.save(sd, checkpoint_id=tmp)
+    dist.barrier()
+    if rank0:
+        if not os.path.exists(os.path.join(tmp, _METADATA)):
+            raise CheckpointError(f"checkpoint {tmp} has no {_METADATA} after saving")
+        if os.path.exists(final):  # a re-save of the same step: move the old one aside first
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_latest(save_dir, os.path.basename(final))
+        _prune(save_dir, keep)
+    dist.barrier()
+    return final
+
+
+def _write_latest(save_dir: str, name: str) -> None:
+    tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, LATEST))
+    try:  # make the rename itself durable
+        fd = os.open(save_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _complete_steps(save_dir: str) -> list[tuple[int, str]]:
+    out = []
+    for name in os.listdir(save_dir):
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(save_dir, name, _METADATA)):
+            out.append((int(m.group(1)), name))
+    return sorted(out)
+
+
+def _prune(save_dir: str, keep: int) -> None:
+    latest = read_latest(save_dir)
+    for _, name in _complete_steps(save_dir)[:-keep] if keep > 0 else []:
+        if os.path.join(save_dir, name) != latest:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+# ---- load ---------------------------------------------------------------------------------------------------
+
+def read_latest(load_dir: str) -> str:
+    """The checkpoint to resume from: ``load_dir`` itself if it is one (``DIR/step-N``), else the one ``latest``
+    names, else the newest complete ``step-N``.
+
+    Raises:
+        CheckpointError: no such directory, or no complete checkpoint in it.
+    """
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir!r}: no such directory")
+    if os.path.exists(os.path.join(load_dir, _METADATA)):  # a checkpoint itself (DIR/step-N)
+        return load_dir
+    marker = os.path.join(load_dir, LATEST)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            name = f.read().strip()
+        path = os.path.join(load_dir, name)
+        if _STEP_DIR.match(name) and os.path.exists(os.path.join(path, _METADATA)):
+            return path
+    steps = _complete_steps(load_dir)
+    if not steps:
+        raise CheckpointError(f"--load {load_dir!r}: no complete checkpoint (step-N directory with DCP's "
+                              f"{_METADATA}) in it")
+    return os.path.join(load_dir, steps[-1][1])
+
+
+def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
+    now = dataclasses.asdict(config)
+    skip = {"dropout", "attention_dropout"}  # training-time settings, not the weights' shapes
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in now.items()
+            if k not in skip and saved.get(k) != v]
+
+
+def load(path: str, chunks, opt, config: ModelConfig) -> int:
+    """Load the checkpoint at ``path`` into this rank's chunks and optimizer (any saved layout); returns the step
+    it was saved at. Every rank calls it.
+
+    Raises:
+        CheckpointError: the checkpoint belongs to another model configuration (naming the fields).
+    """
+    meta = {"meta": ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.load(meta, checkpoint_id=path)
+        meta = json.loads(meta["meta"])
+        bad = _config_mismatch(meta["config"], config)
+        if bad:
+            raise CheckpointError(f"checkpoint {path} is for another model: " + "; ".join(bad))
+        params = [p for _, p in global_parameters(chunks)]
+        targets = _templates(params)
+        sd = _state_dict(chunks, opt, targets)
+        rng_key = f"rng.rank{dist.get_rank()}"
+        same_layout = meta["layout"] == _layout()
+        if same_layout:
+            sd[rng_key] = _rng_state()
+        dcp.load(sd, checkpoint_id=path)
+    opt.load_param_state({p: st for p, st in zip(params, targets)}, int(meta["optimizer_step"]))
+    # ZeRO-1: each param's master is now the loaded value everywhere; params already hold the loaded values.
+    if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
+        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if same_layout:
+        rng = sd[rng_key]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
+        mpu.get_rng_tracker().set_states(rng["tracker"])
+    return int(meta["step"])

@@ -1,0 +1,112 @@
+"""Checkpoints: exact resume, atomic saves (an interrupted or killed save never loses the previous checkpoint),
+the `latest` marker and its fallback, keeping the last K, and refusing another model's checkpoint.
+(Resharding across layouts is tested in test_layouts.py, inside its spawned worlds.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megakernels_models import checkpoint
+from megakernels_models.arguments import ArgumentError, TrainArgs, validate
+
+TINY = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=16, dropout=0.1, steps=8,
+                 micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18)
+
+
+@pytest.fixture
+def world1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _train(**changes):
+    from megakernels_models.train import train
+
+    return [r["loss"] for r in train(dataclasses.replace(TINY, **changes))]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_is_bit_identical(world1, tmp_path, precision):
+    """8 steps == 4 steps + save + resume + 4 steps, bit for bit (dropout on: the RNG states are restored)."""
+    full = _train(precision=precision)
+    first = _train(precision=precision, save=str(tmp_path), save_interval=4)
+    assert first == full
+    resumed = _train(precision=precision, load=str(tmp_path / "step-00000004"))
+    assert resumed == full[4:]
+
+
+def test_latest_marker_keep_and_fallback(world1, tmp_path):
+    _train(steps=6, save=str(tmp_path), save_interval=1, keep_checkpoints=2)
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step-")) == ["step-00000005", "step-00000006"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000006"
+    assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000006")
+    os.remove(tmp_path / "latest")  # no marker: the newest complete checkpoint
+    os.makedirs(tmp_path / "step-00000009")  # incomplete (no DCP metadata): ignored
+    assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000006")
+
+
+def test_an_interrupted_save_keeps_the_previous_checkpoint(world1, tmp_path, monkeypatch):
+    _train(steps=2, save=str(tmp_path))
+    real_save = checkpoint.dcp.save
+
+    def dies_halfway(sd, checkpoint_id):
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as f:
+            f.write(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_halfway)
+    with pytest.raises(RuntimeError, match="disk full"):
+        _train(steps=4, save=str(tmp_path), load=str(tmp_path))
+    monkeypatch.setattr(checkpoint.dcp, "save", real_save)
+    assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000002")
+    assert os.path.exists(tmp_path / ".tmp-step-00000004")  # the torso of the failed save, never loaded
+    assert len(_train(steps=4, load=str(tmp_path))) == 2
+
+
+def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(world1, tmp_path):
+    cmd = [sys.executable, "-m", "megakernels_models.cli", "train", "--preset", "none", "--num-layers", "2",
+           "--hidden-size", "32", "--num-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "4", "--corpus-bytes", "262144", "--no-progress", "--eval-interval", "0",
+           "--steps", "100000", "--save", str(tmp_path), "--save-interval", "1", "--keep-checkpoints", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in os.listdir(tmp_path) if p.startswith("step-")]) < 2:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.37)  # somewhere in the middle of later saves
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    path = checkpoint.read_latest(str(tmp_path))
+    step = int(os.path.basename(path).split("-")[1])
+    losses = _train(preset=None, dropout=0.0, steps=step + 1, load=str(tmp_path), seq_length=16)
+    assert len(losses) == 1
+
+
+def test_another_models_checkpoint_is_refused(world1, tmp_path):
+    _train(steps=1, save=str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointError, match="hidden_size: checkpoint 32, now 64"):
+        _train(steps=2, hidden_size=64, load=str(tmp_path))
+
+
+def test_load_from_a_missing_directory_is_an_argument_error(tmp_path):
+    with pytest.raises(ArgumentError, match="no such directory"):
+        validate(dataclasses.replace(TINY, load=str(tmp_path / "nope")))
+    with pytest.raises(ArgumentError, match="no complete checkpoint"):
+        validate(dataclasses.replace(TINY, load=str(tmp_path)))
+    with pytest.raises(ArgumentError, match="--save-interval needs --save"):
+        validate(dataclasses.replace(TINY, save_interval=3))
