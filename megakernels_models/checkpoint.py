@@ -249,12 +249,19 @@ def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
             if k not in skip and saved.get(k) != v]
 
 
+def saved_keys(path: str) -> set[str]:
+    """The entries of the checkpoint at ``path`` (``model.<name>``, ``optimizer.<state>.<name>``, ...)."""
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def load(path: str, chunks, opt, config: ModelConfig) -> int:
     """Load the checkpoint at ``path`` into this rank's chunks and optimizer (any saved layout); returns the step
-    it was saved at. Every rank calls it.
+    it was saved at. Every rank calls it. A checkpoint without optimizer state (converted from another format)
+    or ``opt=None`` loads the model only; the optimizer then starts fresh.
 
     Raises:
-        CheckpointError: the checkpoint belongs to another model configuration (naming the fields).
+        CheckpointError: the checkpoint belongs to another model configuration (naming the fields), or lacks a
+            parameter of the model.
     """
     meta = {"meta": ""}
     with warnings.catch_warnings():
@@ -264,18 +271,27 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         bad = _config_mismatch(meta["config"], config)
         if bad:
             raise CheckpointError(f"checkpoint {path} is for another model: " + "; ".join(bad))
-        params = [p for _, p in global_parameters(chunks)]
-        targets = _templates(params)
+        keys = saved_keys(path)
+        named = global_parameters(chunks)
+        missing = [f"model.{n}" for n, _ in named if f"model.{n}" not in keys]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing[:5])}"
+                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        params = [p for _, p in named]
+        with_optimizer = opt is not None and any(k.startswith("optimizer.") for k in keys)
+        targets = _templates(params) if with_optimizer else None
         sd = _state_dict(chunks, opt, targets)
         rng_key = f"rng.rank{dist.get_rank()}"
-        same_layout = meta["layout"] == _layout()
+        same_layout = meta["layout"] == _layout() and any(k.startswith(rng_key + ".") for k in keys)
         if same_layout:
             sd[rng_key] = _rng_state()
         dcp.load(sd, checkpoint_id=path)
-    opt.load_param_state({p: st for p, st in zip(params, targets)}, int(meta["optimizer_step"]))
-    # ZeRO-1: each param's master is now the loaded value everywhere; params already hold the loaded values.
-    if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
-        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if opt is not None:
+        # Without saved state: masters from the loaded params, moments fresh (step 0).
+        states = zip(params, targets) if with_optimizer else ((p, {}) for p in params)
+        opt.load_param_state(dict(states), int(meta["optimizer_step"]) if with_optimizer else 0)
+        if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
+            opt.loss_scaler.load_state_dict(meta["loss_scaler"])
     if same_layout:
         rng = sd[rng_key]
         torch.set_rng_state(rng["cpu"])

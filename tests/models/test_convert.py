@@ -1,0 +1,100 @@
+"""HuggingFace GPT-2 <-> megakernels: a randomly initialised small GPT2LMHeadModel (built here, nothing
+downloaded) converted to a megakernels checkpoint gives the same logits in megakernels' GPT (at tp 1 and, via the
+layout-independent checkpoint, any layout), and converting back gives transformers the same model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from megakernels_models import checkpoint, convert  # noqa: E402
+from megakernels_models.cli import main  # noqa: E402
+
+
+@pytest.fixture
+def world1():
+    import megakernels.parallel as mpu
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mpu.initialize(1, 1)
+    yield
+    mpu.destroy()
+    dist.destroy_process_group()
+
+
+def _hf_gpt2(path, **kw):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=24,
+                                  bos_token_id=299, eos_token_id=299, **kw)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _our_logits(ckpt_dir, ids):
+    from megakernels_models.gpt import GPTModel
+
+    meta, _ = convert.read_checkpoint(ckpt_dir)
+    cfg = convert.ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, seed=0).eval()
+    checkpoint.load(checkpoint.read_latest(ckpt_dir), [model], None, cfg)
+    with torch.no_grad():
+        return model(ids).transpose(0, 1)[..., :cfg.vocab_size]
+
+
+def test_gpt2_round_trip_gives_the_same_logits(world1, tmp_path):
+    hf = _hf_gpt2(tmp_path / "hf")
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
+                 str(tmp_path / "mk")]) == 0
+    torch.testing.assert_close(_our_logits(tmp_path / "mk", ids), ref, rtol=1e-4, atol=1e-4)
+    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
+                 str(tmp_path / "back")]) == 0
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_converted_checkpoint_trains(tmp_path):
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.train import train
+
+    _hf_gpt2(tmp_path / "hf")
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        recs = train(TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=24,
+                               vocab_size=300, steps=3, micro_batch_size=2, global_batch_size=2, eval_interval=0,
+                               progress=False, corpus_bytes=1 << 18, load=str(tmp_path / "mk"), dropout=0.0))
+    finally:
+        dist.destroy_process_group()
+    assert len(recs) == 3 and recs[-1]["loss"] < recs[0]["loss"] + 1.0
+
+
+def test_unconvertible_inputs_are_refused(tmp_path, capsys):
+    _hf_gpt2(tmp_path / "erf", activation_function="gelu")
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "erf"), "--output",
+                 str(tmp_path / "o")]) == 2
+    assert "activation_function 'gelu'" in capsys.readouterr().err
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "none"), "--output",
+                 str(tmp_path / "o")]) == 2
+    assert "expected a HuggingFace model directory" in capsys.readouterr().err
+    bert = transformers.BertForPreTraining(transformers.BertConfig(hidden_size=32, num_hidden_layers=1,
+                                                                   num_attention_heads=4, intermediate_size=64,
+                                                                   vocab_size=100))
+    bert.save_pretrained(tmp_path / "bert", safe_serialization=True)
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "bert"), "--output",
+                 str(tmp_path / "o")]) == 2
+    assert "post-norm" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o" / "step-00000000")
