@@ -120,6 +120,7 @@ def _add_train(sub) -> None:
 SUBCOMMANDS = {
     "train": "megakernels_models.cli:_add_train",
     "convert": "megakernels_models.convert:add_parser",
+    "eval": "megakernels_models.evaluate:add_parser",
 }
 
 

@@ -88,10 +88,6 @@ def gpt2_config(hf: dict) -> ModelConfig:
 
 def hf_to_megakernels(hf_dir: str, out_dir: str) -> str:
     """Convert a HuggingFace GPT-2 directory into a megakernels checkpoint directory; returns the checkpoint path."""
-    import torch.distributed.checkpoint as dcp
-
-    from megakernels_models.checkpoint import _write_latest
-
     hf, t = _read_hf(hf_dir)
     cfg = gpt2_config(hf)
     n = cfg.num_heads
@@ -110,9 +106,19 @@ def hf_to_megakernels(hf_dir: str, out_dir: str) -> str:
             m + "mlp.fc1.weight": t[a + "mlp.c_fc.weight"].t().contiguous(), m + "mlp.fc1.bias": t[a + "mlp.c_fc.bias"],
             m + "mlp.fc2.weight": t[a + "mlp.c_proj.weight"].t().contiguous(),
             m + "mlp.fc2.bias": t[a + "mlp.c_proj.bias"]})
-    sd = {k: v.float().contiguous() for k, v in sd.items()}
+    return write_checkpoint({k[len("model."):]: v for k, v in sd.items()}, cfg, out_dir, "hf-gpt2")
+
+
+def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, source: str) -> str:
+    """A model-only megakernels checkpoint (``out_dir/step-00000000`` + ``latest``) from full, unpadded tensors
+    named as in the model (``layers.0.mlp.fc1.weight``); written in this process, no process group needed."""
+    import torch.distributed.checkpoint as dcp
+
+    from megakernels_models.checkpoint import _write_latest
+
+    sd = {f"model.{k}": v.float().contiguous() for k, v in tensors.items()}
     sd["meta"] = json.dumps({"step": 0, "optimizer_step": 0, "config": dataclasses.asdict(cfg), "layout": {},
-                             "loss_scaler": None, "converted_from": "hf-gpt2"})
+                             "loss_scaler": None, "converted_from": source})
     path = os.path.join(out_dir, "step-00000000")
     if os.path.exists(path):
         raise ConversionError(f"--output {out_dir!r} already holds a converted checkpoint ({path})")

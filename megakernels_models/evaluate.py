@@ -1,0 +1,173 @@
+"""``megakernels eval``: perplexity of a text file and LAMBADA-style last-word accuracy, for a GPT checkpoint.
+
+    megakernels eval --load CKPT_DIR --task ppl --data wiki.test.txt [--stride 512]
+    megakernels eval --load CKPT_DIR --task lambada --data lambada_test.jsonl
+
+The checkpoint may have been saved at any layout; evaluation runs in one process (tp = pp = 1).
+
+- ``ppl`` (WikiText style): the whole file is one token stream, scored by windows of ``seq_length`` tokens that
+  advance by ``stride``; every token is scored exactly once, with as much left context as the window gives it
+  (a stride below seq_length means more context per token). Reported: the mean loss per token, the token-level
+  perplexity ``exp(loss_sum / tokens)``, and, as the Megatron-LM paper reports WikiText-103, the perplexity
+  normalised by the number of whitespace-separated words of the text, ``exp(loss_sum / words)`` (comparable
+  across tokenizers).
+- ``lambada``: a JSONL file of passages (``{"text": ...}``); the target is the passage's last word (after its last
+  space), the context everything before. A passage counts as correct when, feeding the target's tokens with
+  teacher forcing, the model's argmax is the right token at every position of the target — so a word of several
+  tokens must be predicted whole. Context and target are tokenised separately (the target with its leading
+  space), as the word boundary would otherwise depend on the tokenizer's merges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def _logits(model, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[b, s]`` ids -> ``[b, s, vocab]`` fp32 logits (padded vocabulary columns dropped)."""
+    return model(ids).transpose(0, 1)[..., :vocab].float()
+
+
+@torch.no_grad()
+def perplexity(model, tokens: torch.Tensor, seq_length: int, vocab: int, stride: int | None = None,
+               words: int | None = None) -> dict:
+    """Score every token of ``tokens`` (1-D) but the first once; see the module docstring.
+
+    Raises:
+        ValueError: fewer than 2 tokens, or a stride outside 1..seq_length.
+    """
+    stride = seq_length if stride is None else stride
+    if not 1 <= stride <= seq_length:
+        raise ValueError(f"stride must be in 1..seq_length={seq_length}, got {stride}")
+    n = tokens.numel()
+    if n < 2:
+        raise ValueError("perplexity: the text has fewer than 2 tokens")
+    loss_sum, scored, end_scored = 0.0, 0, 1  # targets [1, end_scored) are done
+    start = 0
+    while end_scored < n:
+        window = tokens[start:start + seq_length + 1]
+        logits = _logits(model, window[:-1].unsqueeze(0), vocab)[0]
+        losses = F.cross_entropy(logits, window[1:], reduction="none")
+        first_new = end_scored - (start + 1)  # index in `losses` of the first target not yet scored
+        loss_sum += float(losses[first_new:].double().sum())
+        scored += losses.numel() - first_new
+        end_scored = start + window.numel()
+        start += stride
+    out = {"loss": loss_sum / scored, "tokens": scored, "ppl": math.exp(loss_sum / scored), "loss_sum": loss_sum}
+    if words:
+        out["words"] = words
+        out["word_ppl"] = math.exp(loss_sum / words)
+    return out
+
+
+@torch.no_grad()
+def lambada_accuracy(model, tokenizer, passages: list[str], seq_length: int, vocab: int) -> dict:
+    """Exact last-word accuracy over ``passages`` (see the module docstring)."""
+    correct = 0
+    for text in passages:
+        text = text.rstrip()
+        cut = text.rfind(" ")
+        if cut <= 0:
+            raise ValueError(f"lambada: a passage without a last word after a space: {text[:60]!r}")
+        context = torch.as_tensor(tokenizer.encode(text[:cut]), dtype=torch.long)
+        target = torch.as_tensor(tokenizer.encode(text[cut:]), dtype=torch.long)
+        ids = torch.cat([context, target])[-(seq_length + 1):]
+        logits = _logits(model, ids[:-1].unsqueeze(0), vocab)[0]
+        guess = logits[-target.numel():].argmax(-1)
+        correct += bool(torch.equal(guess, ids[-target.numel():]))
+    return {"accuracy": correct / len(passages), "correct": correct, "passages": len(passages)}
+
+
+def load_model(ckpt_dir: str, device: str = "cpu"):
+    """(GPT model at tp = pp = 1 with the checkpoint's weights, its config); needs an initialised one-rank world."""
+    from megakernels_models import checkpoint
+    from megakernels_models.config import ModelConfig
+    from megakernels_models.gpt import GPTModel
+
+    path = checkpoint.read_latest(ckpt_dir)
+    meta = _meta(path)
+    cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    if cfg.model != "gpt":
+        raise ValueError(f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT)")
+    model = GPTModel(cfg, seed=0, device=device).eval()
+    checkpoint.load(path, [model], None, cfg)
+    return model, cfg
+
+
+def _meta(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"meta": ""}
+    dcp.load(sd, checkpoint_id=path)
+    return json.loads(sd["meta"])
+
+
+def _tokenizer(spec: str):
+    try:
+        from megakernels_models.data.tokenizer import build_tokenizer
+    except ImportError:
+        build_tokenizer = None
+    if build_tokenizer is not None:
+        return build_tokenizer(spec)
+    if spec != "byte":
+        raise ValueError(f"--tokenizer {spec!r}: only 'byte' is available")
+    from megakernels_models.data.tokenizer import ByteTokenizer
+    return ByteTokenizer()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity (WikiText style) or LAMBADA accuracy of a GPT checkpoint")
+    p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint (any layout)")
+    p.add_argument("--task", required=True, choices=["ppl", "lambada"])
+    p.add_argument("--data", required=True, metavar="FILE", help="text file (ppl) or JSONL of passages (lambada)")
+    p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (the one the model was trained "
+                   "with)")
+    p.add_argument("--stride", type=int, default=None, help="ppl window stride (default: seq_length)")
+    p.add_argument("--json-key", default="text")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.set_defaults(_run=main)
+
+
+def main(ns) -> int:
+    import torch.distributed as dist
+
+    import megakernels.parallel as mpu
+    from megakernels_models.checkpoint import CheckpointError
+
+    try:
+        tok = _tokenizer(ns.tokenizer)
+        with open(ns.data, encoding="utf-8") as f:
+            raw = f.read()
+    except (OSError, ValueError) as e:
+        print(f"megakernels eval: error: {e}", file=sys.stderr)
+        return 2
+    dist.init_process_group("nccl" if ns.device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mpu.initialize(1, 1)
+        try:
+            model, cfg = load_model(ns.load, ns.device)
+            if tok.vocab_size > cfg.vocab_size:
+                raise ValueError(f"--tokenizer has {tok.vocab_size} ids, the model only {cfg.vocab_size}")
+            if ns.task == "ppl":
+                tokens = torch.as_tensor(tok.encode(raw), dtype=torch.long, device=ns.device)
+                res = perplexity(model, tokens, cfg.seq_length, cfg.vocab_size, ns.stride, len(raw.split()))
+                print(f"ppl: {res['tokens']} tokens, loss {res['loss']:.4f}, token ppl {res['ppl']:.3f}, "
+                      f"word ppl {res['word_ppl']:.3f} ({res['words']} words)")
+            else:
+                passages = [json.loads(line)[ns.json_key] for line in raw.splitlines() if line.strip()]
+                res = lambada_accuracy(model, tok, passages, cfg.seq_length, cfg.vocab_size)
+                print(f"lambada: accuracy {res['accuracy']:.4f} ({res['correct']}/{res['passages']})")
+        finally:
+            mpu.destroy()
+    except (CheckpointError, ValueError, KeyError) as e:
+        print(f"megakernels eval: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(res))
+    return 0
