@@ -7,7 +7,9 @@
                                                                                               (last stage)
 
 Pre-norm rather than the original post-norm: Megatron-LM found that BERT past 336M parameters only trains stably
-with the LayerNorms moved to the branch inputs (Shoeybi et al. 2019, §3.3), so every size here uses it.
+with the LayerNorms moved to the branch inputs (Shoeybi et al. 2019, §3.3), so every preset uses it. The original
+post-norm form (``ModelConfig(norm_position="post", activation="gelu")``: LayerNorm after the embeddings and after
+each residual sum, no final one) exists for checkpoints converted from HuggingFace's ``BertForPreTraining``.
 The padding mask (``padding_mask`` ``[b, s]``, True = padding) is needed by every pipeline stage: each reads it
 from the batch itself, as each reads the batch's other small tensors.
 """

@@ -35,6 +35,10 @@ class ModelConfig:
         layernorm_eps: of every LayerNorm.
         init_std: std of the normal init (output projections use ``init_std / sqrt(2·l)``).
         num_token_types: BERT's segment embeddings (ignored by GPT).
+        norm_position: ``"pre"`` (LayerNorm on each branch's input, a final LayerNorm; every preset) or ``"post"``
+            (the original Transformer/BERT: LayerNorm after each residual sum and after the embeddings, no final
+            one; for models converted from HuggingFace BERT).
+        activation: the MLP's GeLU, ``"gelu_tanh"`` (GPT-2/Megatron) or ``"gelu"`` (erf, BERT).
     """
 
     model: str = "gpt"
@@ -49,8 +53,14 @@ class ModelConfig:
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
     num_token_types: int = 2
+    norm_position: str = "pre"
+    activation: str = "gelu_tanh"
 
     def __post_init__(self):
+        if self.norm_position not in ("pre", "post"):
+            raise ValueError(f"ModelConfig: norm_position must be 'pre' or 'post', got {self.norm_position!r}")
+        if self.activation not in ("gelu_tanh", "gelu"):
+            raise ValueError(f"ModelConfig: activation must be 'gelu_tanh' or 'gelu', got {self.activation!r}")
         if self.model not in MODELS:
             raise ValueError(f"ModelConfig: model must be one of {MODELS}, got {self.model!r}")
         for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "num_token_types"):

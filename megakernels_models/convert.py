@@ -1,4 +1,4 @@
-"""``megakernels convert``: HuggingFace GPT-2 (safetensors + config.json) ↔ megakernels checkpoints.
+"""``megakernels convert``: HuggingFace GPT-2 and BERT (safetensors + config.json) ↔ megakernels checkpoints.
 
     megakernels convert hf-to-megakernels --input HF_DIR --output CKPT_DIR     # then: train --load CKPT_DIR
     megakernels convert megakernels-to-hf --input CKPT_DIR --output HF_DIR     # then: GPT2LMHeadModel.from_pretrained
@@ -12,9 +12,12 @@ The megakernels side is a DCP checkpoint directory as ``megakernels train --save
 ``latest``), holding the model only (the optimizer starts fresh when training resumes from it) at step 0. Nothing
 is downloaded; ``transformers`` is not needed (only ``safetensors``).
 
-BERT: megakernels' BERT is pre-norm (see bert.py); HuggingFace's ``BertForPreTraining`` is the original post-norm
-BERT, so no conversion between them preserves the function in either direction, and none is offered: converting
-would silently give a different model.
+BERT: HuggingFace's ``BertForPreTraining`` is the original post-norm BERT (LayerNorm after each residual sum and
+after the embeddings, erf GeLU). It converts *to* megakernels exactly, as a BERT with ``norm_position="post"`` and
+``activation="gelu"`` (its next-sentence head becomes the two-way ``sop_head``; fine-tuning with SOP then changes
+only what the head is trained on). The way back is exact for such post-norm models only: megakernels' own BERT
+presets are pre-norm (what lets BERT scale, see bert.py), which no ``BertForPreTraining`` can express, so
+converting one to HuggingFace is refused rather than approximated.
 """
 
 from __future__ import annotations
@@ -60,15 +63,15 @@ def _read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors = {}
     for name in files:
         tensors.update(load_file(os.path.join(hf_dir, name)))
-    return config, {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in tensors.items()}
+    prefix = {"gpt2": "transformer.", "bert": "bert."}.get(config.get("model_type"), "")
+    return config, {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in tensors.items()}
 
 
 def gpt2_config(hf: dict) -> ModelConfig:
     """The megakernels GPT of a GPT-2 config; raises ConversionError where the architectures differ."""
     if hf.get("model_type") != "gpt2":
-        raise ConversionError(f"only GPT-2 checkpoints convert (model_type 'gpt2'), got {hf.get('model_type')!r}"
-                              + (" — BERT is post-norm in HuggingFace and pre-norm here" if hf.get("model_type")
-                                 == "bert" else ""))
+        raise ConversionError(f"expected a GPT-2 (model_type 'gpt2') or BERT checkpoint, got "
+                              f"{hf.get('model_type')!r}")
     act = hf.get("activation_function", "gelu_new")
     if act not in _TANH_GELU:
         raise ConversionError(f"activation_function {act!r}: megakernels' MLP uses the tanh GeLU ({_TANH_GELU})")
@@ -86,9 +89,75 @@ def gpt2_config(hf: dict) -> ModelConfig:
                        init_std=hf.get("initializer_range", 0.02))
 
 
+def bert_config(hf: dict) -> ModelConfig:
+    """The megakernels (post-norm) BERT of a HuggingFace BERT config."""
+    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(hf.get("hidden_act"))
+    if act is None:
+        raise ConversionError(f"hidden_act {hf.get('hidden_act')!r}: megakernels' MLP uses GeLU (erf or tanh)")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ConversionError("position_embedding_type must be 'absolute' (learned positions)")
+    return ModelConfig("bert", num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                       num_heads=hf["num_attention_heads"], seq_length=hf["max_position_embeddings"],
+                       vocab_size=hf["vocab_size"], ffn_hidden_size=hf["intermediate_size"],
+                       dropout=hf.get("hidden_dropout_prob", 0.1),
+                       attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+                       layernorm_eps=hf.get("layer_norm_eps", 1e-12), init_std=hf.get("initializer_range", 0.02),
+                       num_token_types=hf.get("type_vocab_size", 2), norm_position="post", activation=act)
+
+
+def _bert_to_megakernels(t: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``t``: HuggingFace tensors with the ``bert.`` prefix already removed."""
+    n = cfg.num_heads
+    out = {ours: t[theirs.removeprefix("bert.")] for ours, theirs in _bert_names(cfg).items()}
+    for i in range(cfg.num_layers):
+        a = f"encoder.layer.{i}.attention.self."
+        for x in ("weight", "bias"):
+            qkv = torch.cat([t[f"{a}{y}.{x}"] for y in ("query", "key", "value")])
+            out[f"layers.{i}.attention.qkv.{x}"] = _qkv_to_megakernels(qkv, n)
+    return out
+
+
+def _megakernels_to_bert(t: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    n = cfg.num_heads
+    out = {theirs: t[ours] for ours, theirs in _bert_names(cfg).items()}
+    for i in range(cfg.num_layers):
+        a = f"bert.encoder.layer.{i}.attention.self."
+        for x in ("weight", "bias"):
+            for y, part in zip(("query", "key", "value"), _qkv_to_hf(t[f"layers.{i}.attention.qkv.{x}"], n).chunk(3)):
+                out[f"{a}{y}.{x}"] = part
+    return out
+
+
+def _bert_names(cfg: ModelConfig) -> dict[str, str]:
+    """megakernels name -> HuggingFace name, for every BERT tensor that maps one to one."""
+    names = {"embedding.word.weight": "bert.embeddings.word_embeddings.weight",
+             "embedding.position.weight": "bert.embeddings.position_embeddings.weight",
+             "embedding.token_type.weight": "bert.embeddings.token_type_embeddings.weight",
+             "embedding.norm.weight": "bert.embeddings.LayerNorm.weight",
+             "embedding.norm.bias": "bert.embeddings.LayerNorm.bias",
+             "mlm_dense.weight": "cls.predictions.transform.dense.weight",
+             "mlm_dense.bias": "cls.predictions.transform.dense.bias",
+             "mlm_norm.weight": "cls.predictions.transform.LayerNorm.weight",
+             "mlm_norm.bias": "cls.predictions.transform.LayerNorm.bias",
+             "mlm_bias": "cls.predictions.bias", "pooler.weight": "bert.pooler.dense.weight",
+             "pooler.bias": "bert.pooler.dense.bias", "sop_head.weight": "cls.seq_relationship.weight",
+             "sop_head.bias": "cls.seq_relationship.bias"}
+    for i in range(cfg.num_layers):
+        a, m = f"bert.encoder.layer.{i}.", f"layers.{i}."
+        for ours, theirs in (("attention.proj", "attention.output.dense"), ("input_norm", "attention.output.LayerNorm"),
+                             ("mlp.fc1", "intermediate.dense"), ("mlp.fc2", "output.dense"),
+                             ("post_attention_norm", "output.LayerNorm")):
+            for x in ("weight", "bias"):
+                names[f"{m}{ours}.{x}"] = f"{a}{theirs}.{x}"
+    return names
+
+
 def hf_to_megakernels(hf_dir: str, out_dir: str) -> str:
-    """Convert a HuggingFace GPT-2 directory into a megakernels checkpoint directory; returns the checkpoint path."""
+    """Convert a HuggingFace GPT-2 or BERT directory into a megakernels checkpoint directory; returns its path."""
     hf, t = _read_hf(hf_dir)
+    if hf.get("model_type") == "bert":
+        cfg = bert_config(hf)
+        return write_checkpoint(_bert_to_megakernels(t, cfg), cfg, out_dir, "hf-bert")
     cfg = gpt2_config(hf)
     n = cfg.num_heads
     sd = {"model.embedding.word.weight": t["wte.weight"], "model.embedding.position.weight": t["wpe.weight"],
@@ -151,14 +220,16 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
-    """Write a megakernels GPT checkpoint as a HuggingFace GPT-2 directory (config.json + model.safetensors)."""
+    """Write a megakernels checkpoint as a HuggingFace directory (config.json + model.safetensors): GPT-2 for a
+    GPT, BertForPreTraining for a post-norm BERT (a pre-norm BERT is refused, see the module docstring)."""
     from safetensors.torch import save_file
 
     meta, t = read_checkpoint(ckpt_dir)
     cfg = ModelConfig(**meta["config"])
-    if cfg.model != "gpt":
-        raise ConversionError(f"--input {ckpt_dir!r} holds a {cfg.model} model; only GPT converts to HuggingFace "
-                              "(GPT-2)")
+    if cfg.model == "bert":
+        return _write_hf_bert(t, cfg, out_dir)
+    if cfg.norm_position != "pre" or cfg.activation != "gelu_tanh":
+        raise ConversionError("GPT-2 is pre-norm with the tanh GeLU; this model is not")
     n = cfg.num_heads
     out = {"wte.weight": t["embedding.word.weight"], "wpe.weight": t["embedding.position.weight"],
            "ln_f.weight": t["final_norm.weight"], "ln_f.bias": t["final_norm.bias"]}
@@ -187,8 +258,31 @@ def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+def _write_hf_bert(t: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str) -> str:
+    from safetensors.torch import save_file
+
+    if cfg.norm_position != "post":
+        raise ConversionError("this BERT is pre-norm (megakernels' own BERT): HuggingFace's BertForPreTraining is "
+                              "post-norm and cannot express it; only post-norm BERTs (converted from HuggingFace) "
+                              "convert back")
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in _megakernels_to_bert(t, cfg).items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["BertForPreTraining"], "model_type": "bert", "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.ffn_hidden_size,
+              "hidden_act": "gelu" if cfg.activation == "gelu" else "gelu_new",
+              "max_position_embeddings": cfg.seq_length, "type_vocab_size": cfg.num_token_types,
+              "layer_norm_eps": cfg.layernorm_eps, "initializer_range": cfg.init_std,
+              "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attention_dropout,
+              "position_embedding_type": "absolute", "tie_word_embeddings": True}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return out_dir
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="HuggingFace GPT-2 <-> megakernels checkpoint")
+    p = sub.add_parser("convert", help="HuggingFace GPT-2 / BERT <-> megakernels checkpoint")
     p.add_argument("direction", choices=["hf-to-megakernels", "megakernels-to-hf"])
     p.add_argument("--input", required=True, help="HF model directory, or megakernels checkpoint directory")
     p.add_argument("--output", required=True, help="megakernels checkpoint directory, or HF model directory")

@@ -117,15 +117,20 @@ class TransformerLayer(nn.Module):
             attention_dropout=c.attention_dropout, recompute=recompute == "selective", init_method=normal,
             output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.attention"), device=device, dtype=dtype)
         self.post_attention_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
-        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel, init_method=normal,
+        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
+                               approximate="tanh" if c.activation == "gelu_tanh" else "none", init_method=normal,
                                output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.mlp"),
                                device=device, dtype=dtype)
+        self.post_norm = c.norm_position == "post"
         if sequence_parallel:
             for m in (self.input_norm, self.post_attention_norm):
                 mark_sequence_parallel(m)
 
     def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         drop = lambda y: dropout(y, self.dropout_p, self.training, self.sequence_parallel)  # noqa: E731
+        if self.post_norm:  # the original BERT: normalise each residual sum (input_norm is then after attention)
+            x = self.input_norm(x + drop(self.attention(x, attention_mask)))
+            return self.post_attention_norm(x + drop(self.mlp(x)))
         x = x + drop(self.attention(self.input_norm(x), attention_mask))
         return x + drop(self.mlp(self.post_attention_norm(x)))
 
@@ -158,11 +163,14 @@ class LanguageModelEmbedding(nn.Module):
         self.token_type = (replicated_embedding(c.num_token_types, c.hidden_size,
                                                 init.derive_seed(seed, "embedding.token_type"), c.init_std, device,
                                                 dtype) if token_types else None)
+        # Post-norm models normalise the embeddings' sum.
+        self.norm = (FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
+                     if c.norm_position == "post" else None)
         self._tp_rank, self._tp = state.tp_rank(), state.tp_size()
         if sequence_parallel:
-            mark_sequence_parallel(self.position)
-            if self.token_type is not None:
-                mark_sequence_parallel(self.token_type)
+            for m in (self.position, self.token_type, self.norm):
+                if m is not None:
+                    mark_sequence_parallel(m)
 
     def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         s = ids.shape[0]
@@ -175,6 +183,8 @@ class LanguageModelEmbedding(nn.Module):
             if token_types is None:
                 raise ValueError("LanguageModelEmbedding: token_types [s, b] are required (BERT segments)")
             x = x + self.token_type(token_types[lo:hi])
+        if self.norm is not None:
+            x = self.norm(x)
         return dropout(x, self.dropout_p, self.training, self.sequence_parallel)
 
 
@@ -226,10 +236,12 @@ class LanguageModel(nn.Module):
             TransformerLayer(c, i, seed, causal=causal, sequence_parallel=sequence_parallel, attention=attention,
                              recompute=recompute, device=device, dtype=dtype) for i in layers)
         self.output_embedding = None
+        self.final_norm = None
         if post_process:
-            self.final_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
-            if sequence_parallel:
-                mark_sequence_parallel(self.final_norm)
+            if c.norm_position == "pre":
+                self.final_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
+                if sequence_parallel:
+                    mark_sequence_parallel(self.final_norm)
             if not pre_process:
                 self.output_embedding = VocabParallelEmbedding(
                     c.vocab_size, c.hidden_size, sequence_parallel, init_method=init.init_method_normal(c.init_std),
@@ -264,4 +276,4 @@ class LanguageModel(nn.Module):
             x = hidden
         for layer in self.layers:
             x = layer(x, attention_mask)
-        return self.final_norm(x) if self.post_process else x
+        return self.final_norm(x) if self.final_norm is not None else x

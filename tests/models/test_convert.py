@@ -1,4 +1,4 @@
-"""HuggingFace GPT-2 <-> megakernels: a randomly initialised small GPT2LMHeadModel (built here, nothing
+"""HuggingFace GPT-2 and BERT <-> megakernels: a randomly initialised small GPT2LMHeadModel (built here, nothing
 downloaded) converted to a megakernels checkpoint gives the same logits in megakernels' GPT (at tp 1 and, via the
 layout-independent checkpoint, any layout), and converting back gives transformers the same model."""
 
@@ -90,11 +90,62 @@ def test_unconvertible_inputs_are_refused(tmp_path, capsys):
     assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "none"), "--output",
                  str(tmp_path / "o")]) == 2
     assert "expected a HuggingFace model directory" in capsys.readouterr().err
-    bert = transformers.BertForPreTraining(transformers.BertConfig(hidden_size=32, num_hidden_layers=1,
-                                                                   num_attention_heads=4, intermediate_size=64,
-                                                                   vocab_size=100))
-    bert.save_pretrained(tmp_path / "bert", safe_serialization=True)
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "bert"), "--output",
-                 str(tmp_path / "o")]) == 2
-    assert "post-norm" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o" / "step-00000000")
+
+
+def _hf_bert(path):
+    torch.manual_seed(1)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=300, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = transformers.BertForPreTraining(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def test_hf_bert_converts_exactly_to_post_norm_and_back(world1, tmp_path):
+    from megakernels_models.bert import BertModel
+
+    hf = _hf_bert(tmp_path / "hf")
+    ids = torch.randint(0, 300, (2, 16))
+    types = (torch.arange(16) >= 9).long().expand(2, 16)
+    keep = torch.ones(2, 16, dtype=torch.long)
+    keep[1, 12:] = 0  # padding
+    with torch.no_grad():
+        ref = hf(input_ids=ids, token_type_ids=types, attention_mask=keep)
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
+                 str(tmp_path / "mk")]) == 0
+    meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
+    cfg = convert.ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    assert (cfg.norm_position, cfg.activation) == ("post", "gelu")
+    model = BertModel(cfg, seed=0).eval()
+    checkpoint.load(checkpoint.read_latest(str(tmp_path / "mk")), [model], None, cfg)
+    with torch.no_grad():
+        mlm, sop = model(ids, types, keep == 0)
+    real = keep.bool()
+    torch.testing.assert_close(mlm.transpose(0, 1)[..., :300][real], ref.prediction_logits[real], rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(sop, ref.seq_relationship_logits, rtol=1e-4, atol=1e-4)
+    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
+                 str(tmp_path / "back")]) == 0
+    back = transformers.BertForPreTraining.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        again = back(input_ids=ids, token_type_ids=types, attention_mask=keep)
+    torch.testing.assert_close(again.prediction_logits, ref.prediction_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pre_norm_bert_does_not_convert_to_hf(world1, tmp_path, capsys):
+    from megakernels_models.bert import BertModel
+
+    cfg = convert.ModelConfig("bert", num_layers=1, hidden_size=16, num_heads=2, seq_length=8)
+    model = BertModel(cfg, seed=0)
+    tensors = {k: v.detach()[:cfg.vocab_size] if k in ("embedding.word.weight", "mlm_bias") else v.detach()
+               for k, v in model.named_parameters()}
+    convert.write_checkpoint(tensors, cfg, str(tmp_path / "mk"), "test")
+    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
+                 str(tmp_path / "hf")]) == 2
+    assert "pre-norm" in capsys.readouterr().err
