@@ -184,10 +184,11 @@ class IndexedDatasetWriter:
         if not seqs:
             return
         for s in seqs:
-            if s.dtype != self.dtype:
-                if s.size and (s.min() < 0 or s.max() >= self.vocab_size):
-                    raise ValueError(f"token id {int(s.max())} is outside the vocabulary 0..{self.vocab_size - 1}")
-                s = s.astype(self.dtype)
+            lo, hi = int(s.min()), int(s.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
+            s = s.astype(self.dtype, copy=False)
             self._bin.write(s.tobytes())
             self._sizes.append(len(s))
             self.num_tokens += len(s)
