@@ -1,9 +1,10 @@
 """``megakernels preprocess``: text or JSONL files (or folders of them) -> ``PREFIX.bin`` + ``PREFIX.idx``.
 
 Inputs: a plain text file is one document; a ``.jsonl``/``.json`` file holds one JSON object per line whose
-``--json-key`` field is a document; either may be gzipped (``.gz``). Folders are walked in sorted order, skipping
-hidden files and this pipeline's own outputs (``.bin``, ``.idx``, ``.npy``, temporary ``.tmp-`` files). Empty
-documents are skipped. ``--append-eod`` ends each document with the tokenizer's end-of-document token (GPT training
+``--json-key`` field is a document; either may be gzipped (``.gz``). Folders are walked in sorted path order,
+skipping hidden files, this pipeline's own outputs (``.bin``, ``.idx``, ``.npy``, temporary ``.tmp-`` files) and
+plain files that are not UTF-8 text (compiled files next to sources; counted in the summary). A file named
+directly must be readable text. Empty documents are skipped. ``--append-eod`` ends each document with the tokenizer's end-of-document token (GPT training
 needs it between documents); ``--split-sentences`` stores each line as its own sequence (BERT's sentences, for
 tokenizers without a newline token such as SentencePiece).
 
@@ -36,8 +37,9 @@ TRAINED_SPECIALS = ("<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]")
 CHUNK_DOCUMENTS = 64
 
 
-def input_files(inputs: Iterable[str]) -> list[str]:
-    """Files named by ``inputs`` (files, or folders walked in sorted order), in order.
+def input_files(inputs: Iterable[str]) -> list[tuple[str, bool]]:
+    """Files named by ``inputs`` (files, or folders walked in sorted order), in order, each with whether it was
+    found by walking a folder.
 
     Raises:
         FileNotFoundError: an input does not exist (named, as ``--input``).
@@ -46,13 +48,13 @@ def input_files(inputs: Iterable[str]) -> list[str]:
     out = []
     for path in inputs:
         if os.path.isfile(path):
-            out.append(path)
+            out.append((path, False))
         elif os.path.isdir(path):
             found = []
             for d, dirs, files in os.walk(path):
                 dirs[:] = [x for x in dirs if not x.startswith(".")]
                 found.extend(os.path.join(d, f) for f in files if _is_input(f))
-            out.extend(sorted(found))  # by path: the same order on every machine
+            out.extend((f, True) for f in sorted(found))  # by path: the same order on every machine
         else:
             raise FileNotFoundError(f"--input {path}: no such file or folder")
     if not out:
@@ -64,14 +66,16 @@ def _is_input(name: str) -> bool:
     return not (name.startswith(".") or ".tmp-" in name or name.endswith((".bin", ".idx", ".npy")))
 
 
-def read_documents(files: Iterable[str], json_key: str = "text") -> Iterator[str]:
-    """The documents of ``files`` in order (see the module docstring), empty ones skipped.
+def read_documents(files: Iterable[tuple[str, bool]], json_key: str = "text",
+                   skipped: list[str] | None = None) -> Iterator[str]:
+    """The documents of ``files`` (``input_files``) in order (see the module docstring), empty ones skipped.
+    Plain files found in folders that are not UTF-8 are left out and appended to ``skipped``.
 
     Raises:
-        ValueError: a file that is not UTF-8, a JSONL line that is not a JSON object with a string ``json_key``
-            (the message names the file and line).
+        ValueError: a file named directly that is not UTF-8; a JSONL line that is not a JSON object with a string
+            ``json_key`` (the message names the file and line); a corrupt gzip file.
     """
-    for path in files:
+    for path, walked in files:
         base = path[:-3] if path.endswith(".gz") else path
         opener = gzip.open if path.endswith(".gz") else open
         try:
@@ -83,6 +87,10 @@ def read_documents(files: Iterable[str], json_key: str = "text") -> Iterator[str
                     if text:
                         yield text
         except UnicodeDecodeError as e:
+            if walked and not base.endswith((".jsonl", ".json")):
+                if skipped is not None:
+                    skipped.append(path)
+                continue
             raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except (gzip.BadGzipFile, EOFError) as e:
             raise ValueError(f"{path}: not a valid gzip file ({e})") from None
@@ -219,7 +227,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
                workers: int = 1, append_eod: bool = False, split_sentences: bool = False,
                train_tokenizer: int | None = None, progress: bool = False) -> dict:
     """Write ``output_prefix.bin``/``.idx`` from ``inputs`` (the module docstring). Returns ``documents, sequences,
-    tokens, dtype, tokenizer, seconds``.
+    tokens, dtype, tokenizer, skipped`` (files left out) and ``seconds``.
 
     Raises:
         FileNotFoundError: an input or the tokenizer file is missing.
@@ -241,7 +249,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
 
     bar = tqdm(desc="preprocess", unit=" docs", disable=not progress, dynamic_ncols=True)
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as w:
-        stream = tokenize_documents(read_documents(files, json_key), tok.name, workers, append_eod, split_sentences)
+        skipped: list[str] = []
+        stream = tokenize_documents(read_documents(files, json_key, skipped), tok.name, workers, append_eod,
+                                    split_sentences)
         try:
             for seqs in stream:
                 w.add_document(seqs)
@@ -255,7 +265,8 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
             raise ValueError(f"--input {' '.join(inputs)}: no non-empty documents")
         w.finish()
         return {"documents": w.doc_count, "sequences": w.sequence_count, "tokens": w.num_tokens,
-                "dtype": w.dtype.name, "tokenizer": tok.name, "seconds": time.perf_counter() - t0}
+                "dtype": w.dtype.name, "tokenizer": tok.name, "skipped": skipped,
+                "seconds": time.perf_counter() - t0}
 
 
 # ---- the subcommand -------------------------------------------------------------------------------------------
@@ -290,5 +301,6 @@ def main(ns: argparse.Namespace) -> int:
         print(f"megakernels preprocess: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {ns.output_prefix}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
-          f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s")
+          f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s"
+          + (f"; skipped {len(stats['skipped'])} files that are not UTF-8 text" if stats["skipped"] else ""))
     return 0

@@ -67,6 +67,17 @@ def test_folders_are_walked_in_sorted_order(tmp_path):
     assert [bytes(ds[i].astype(np.uint8)).decode() for i in range(len(ds))] == ["one", "ten", "two", "three"]
 
 
+def test_binary_files_in_folders_are_skipped(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.py").write_text("print(1)\n")
+    (tmp_path / "in" / "a.so").write_bytes(b"\x7fELF\xff\xfe")
+    assert main(["preprocess", "--input", str(tmp_path / "in"), "--output-prefix", str(tmp_path / "d"),
+                 "--no-progress", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 documents" in out and "skipped 1 files that are not UTF-8 text" in out
+    assert len(IndexedDataset(str(tmp_path / "d"))) == 1
+
+
 def test_cli_returns_0_and_writes_the_pair(tmp_path, documents, capsys):
     write_inputs(tmp_path / "in", documents, "jsonl")
     rc = main(["preprocess", "--input", str(tmp_path / "in"), "--output-prefix", str(tmp_path / "d"),
@@ -111,8 +122,8 @@ def test_a_failed_run_keeps_no_half_written_output(tmp_path, documents):
     write_inputs(tmp_path / "in", documents, "txt")
     preprocess([str(tmp_path / "in")], str(tmp_path / "d"))
     before = IndexedDataset(str(tmp_path / "d"))[0].tolist()
-    (tmp_path / "in" / "zzz.txt").write_bytes(b"\xff")
-    with pytest.raises(ValueError, match="not UTF-8"):
+    (tmp_path / "in" / "zzz.jsonl").write_text('{"text": "fine"}\n{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"zzz\.jsonl:2: no string field 'text'"):
         preprocess([str(tmp_path / "in")], str(tmp_path / "d"), workers=2)
     assert IndexedDataset(str(tmp_path / "d"))[0].tolist() == before
     assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "in"]
