@@ -51,8 +51,9 @@ def _blend(args) -> list[tuple[float, str]]:
         raise ArgumentError(str(e)) from None
 
 
-def validate_data_args(args, cfg) -> None:
-    """Check ``--data``, ``--tokenizer``, ``--split`` and ``--corpus-bytes`` against each other and the model.
+def validate_data_args(args, cfg=None) -> None:
+    """Check ``--data``, ``--tokenizer``, ``--split`` and ``--corpus-bytes`` against each other and the model
+    (``cfg``, default ``args.model_config()``).
 
     Rules: the tokenizer exists and its vocabulary fits ``cfg.vocab_size``; BERT needs its cls/sep/mask/pad tokens;
     the default corpus needs the byte tokenizer; every ``--data`` prefix has readable, valid ``PREFIX.bin``/``.idx``
@@ -62,6 +63,7 @@ def validate_data_args(args, cfg) -> None:
     Raises:
         ArgumentError: the first broken rule, naming the flag.
     """
+    cfg = args.model_config() if cfg is None else cfg
     tok = tokenizer_for(args)
     if tok.vocab_size > cfg.vocab_size:
         raise ArgumentError(f"--tokenizer {args.tokenizer} has {tok.vocab_size} ids, more than the model's vocab size "

@@ -274,15 +274,16 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``preprocess`` to the ``megakernels`` subparsers."""
     p = sub.add_parser("preprocess", help="text/JSONL files or folders -> PREFIX.bin + PREFIX.idx",
-                       description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Tokenise text or JSONL files (or folders of them) into PREFIX.bin + PREFIX.idx.")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
                    help="text, .jsonl/.json (one object per line) or .gz of either; folders are walked")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--tokenizer", default=None, help="byte | hf:PATH | spm:PATH (default: byte)")
+    p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (default: byte)")
     p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
                    help="train a byte-level BPE on the input first (saved as PREFIX.tokenizer.json)")
-    p.add_argument("--json-key", default="text", help="the document field of JSONL objects")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes")
+    p.add_argument("--json-key", default="text", help="the document field of JSONL objects (default: text)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenising processes (default: the number of CPUs)")
     p.add_argument("--append-eod", action="store_true", help="end each document with the EOD token (GPT)")
     p.add_argument("--split-sentences", action="store_true", help="each line its own sequence (BERT sentences)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -293,9 +294,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def main(ns: argparse.Namespace) -> int:
     """Run ``megakernels preprocess``; returns the exit status (2 for bad input, reported on stderr)."""
     try:
-        if ns.train_tokenizer is not None and ns.tokenizer not in (None, "byte"):
+        if ns.train_tokenizer is not None and ns.tokenizer != "byte":
             raise ValueError(f"give --tokenizer {ns.tokenizer} or --train-tokenizer, not both")
-        stats = preprocess(ns.input, ns.output_prefix, ns.tokenizer or "byte", ns.json_key, ns.workers,
+        stats = preprocess(ns.input, ns.output_prefix, ns.tokenizer, ns.json_key, ns.workers,
                            ns.append_eod, ns.split_sentences, ns.train_tokenizer, ns.progress)
     except (ValueError, OSError) as e:
         print(f"megakernels preprocess: error: {e}", file=sys.stderr)

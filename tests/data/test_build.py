@@ -133,6 +133,7 @@ def _error(**changes) -> str:
 
 def test_valid_arguments_pass(prefix):
     validate_data_args(*args_cfg())
+    validate_data_args(args_cfg(data=prefix)[0])  # the model configuration from the arguments
     validate_data_args(*args_cfg(data=prefix))
     validate_data_args(*args_cfg(data=f"1,{prefix},2,{prefix}"))
 
