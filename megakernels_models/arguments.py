@@ -183,13 +183,6 @@ def validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--warmup-steps must be an integer in 0..--steps ({a.steps}), got {a.warmup_steps!r}")
     if isinstance(a.seed, bool) or not isinstance(a.seed, int) or a.seed < 0:
         raise ArgumentError(f"--seed must be an integer >= 0, got {a.seed!r}")
-    if a.data is not None:
-        raise ArgumentError("--data: only the embedded default corpus (the Python standard library) is available "
-                            "until the data pipeline (megakernels preprocess) lands; omit --data")
-    if a.tokenizer != "byte":
-        raise ArgumentError(f"--tokenizer {a.tokenizer!r}: only 'byte' is available until the data pipeline lands")
-    if cfg.vocab_size < 261:
-        raise ArgumentError(f"--vocab-size {cfg.vocab_size} is smaller than the byte tokenizer's 261 ids")
     if a.save_interval is not None and a.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     _positive("keep-checkpoints", a.keep_checkpoints)
@@ -210,6 +203,8 @@ def validate(a: TrainArgs) -> ModelConfig:
                             f"{a.split!r}") from None
     if a.eval_interval and split[1] == 0:
         raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
+    from megakernels_models.data.build import validate_data_args  # data.build imports this module
+    validate_data_args(a, cfg)
     if not a.timeout > 0:
         raise ArgumentError(f"--timeout must be > 0 seconds, got {a.timeout}")
     if a.peak_tflops is not None and not a.peak_tflops > 0:

@@ -119,6 +119,7 @@ def _add_train(sub) -> None:
 # function of the parsed namespace returning the exit status). Imported only to build the parser.
 SUBCOMMANDS = {
     "train": "megakernels_models.cli:_add_train",
+    "preprocess": "megakernels_models.data.preprocess:add_parser",
     "convert": "megakernels_models.convert:add_parser",
     "eval": "megakernels_models.evaluate:add_parser",
 }

@@ -36,9 +36,8 @@ from megakernels_models import checkpoint, dryrun
 from megakernels_models.arguments import TrainArgs, validate
 from megakernels_models.bert import BertModel
 from megakernels_models.config import ModelConfig, stage_layers
-from megakernels_models.data.corpus import stdlib_documents
-from megakernels_models.data.datasets import BertDataset, GPTDataset, collate, global_batch_indices, split_documents
-from megakernels_models.data.tokenizer import ByteTokenizer
+from megakernels_models.data.build import build_datasets
+from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.gpt import GPTModel
 
 
@@ -55,23 +54,6 @@ def build_model_chunks(cfg: ModelConfig, args: TrainArgs, device) -> list[torch.
                 attention=args.attention, recompute=args.recompute, device=device)
         chunks.append(m.to(args.param_dtype()))
     return chunks
-
-
-def build_datasets(cfg: ModelConfig, args: TrainArgs):
-    """(train, valid) datasets over the embedded corpus, split by documents."""
-    tok = ByteTokenizer()
-    docs = stdlib_documents(args.corpus_bytes)
-    splits = split_documents(len(docs), tuple(int(x) for x in args.split.split(",")))
-    out = []
-    for i, r in enumerate(splits[:2]):
-        part = [docs[j] for j in r]
-        if not part:
-            out.append(None)
-            continue
-        seed = args.seed + 1000 * i
-        out.append(GPTDataset(part, cfg.seq_length, seed, tok.eod) if cfg.model == "gpt"
-                   else BertDataset(part, cfg.seq_length, seed, tok))
-    return out
 
 
 def device_peak_tflops(args: TrainArgs, device: torch.device) -> float:
@@ -167,7 +149,7 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
                             distributed=args.distributed_optimizer, precision=args.precision, clip_grad=args.clip_grad,
                             loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None)
     schedule = WarmupCosineSchedule(args.lr, args.min_lr, args.warmup_steps, args.steps)
-    train_ds, valid_ds = build_datasets(cfg, args)
+    train_ds, valid_ds, _ = build_datasets(args, cfg)
 
     world, dp, dp_rank = dist.get_world_size(), mpu.dp_size(), mpu.dp_rank()
     m, mbs = args.num_microbatches(), args.micro_batch_size

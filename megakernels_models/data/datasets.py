@@ -6,11 +6,15 @@ the seed and the global batch size, never on data parallelism (DESIGN.md §4): g
 ``[k·B, (k+1)·B)``; data-parallel rank ``d`` of ``D`` takes the contiguous ``B/D`` of them starting at ``d·B/D``
 and cuts them into micro-batches. Any layout therefore sees the same global batches.
 
-- ``GPTDataset``: windows of ``seq_length + 1`` tokens across document boundaries (an EOD token after each
-  document), in a seeded random order per epoch; ``ids`` = window[:-1], ``labels`` = window[1:].
-- ``BertDataset``: sentence pairs (lines of a document) with sentence-order-prediction labels (the two segments
-  swapped with probability 1/2) and 15 % of tokens masked for the MLM loss (80 % [MASK], 10 % a random token,
-  10 % unchanged), all drawn from the seed and the sample number.
+Datasets read documents from an ``indexed.IndexedDataset`` (restricted to a range of its documents: a split) or,
+for tests and small in-memory corpora, from a list of token arrays (``InMemoryDocuments``).
+
+- ``GPTDataset``: windows of ``seq_length + 1`` tokens across document boundaries, the documents in a seeded order
+  per epoch and the windows shuffled (``sample_index``); ``ids`` = window[:-1], ``labels`` = window[1:] (int64
+  ``[seq_length]``). The EOD tokens between documents are in the data (``preprocess --append-eod``).
+- ``BertDataset``: sentence pairs (runs of sentences of one document) with sentence-order-prediction labels (the
+  two segments swapped with probability 1/2) and 15 % of tokens masked for the MLM loss (80 % [MASK], 10 % a random
+  non-special token, 10 % unchanged), all drawn from the seed and the sample number.
 """
 
 from __future__ import annotations
@@ -18,15 +22,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_MIX = 0x9E3779B97F4A7C15
+from megakernels_models.data import sample_index as si
 
-
-def _rng(seed: int, *keys: int) -> np.random.Generator:
-    return np.random.default_rng([int(seed) & (2**63 - 1), *[int(k) for k in keys]])
+_rng = si.rng
 
 
 def split_documents(num_documents: int, split: tuple[int, ...] = (949, 50, 1)) -> list[range]:
-    """Document ranges of the train / valid / test splits, in proportion to ``split`` (e.g. ``949,50,1``).
+    """Document ranges of the train / valid / test splits, in proportion to ``split`` (e.g. ``949,50,1``):
+    consecutive, disjoint, covering ``0 .. num_documents-1``.
 
     Raises:
         ValueError: a negative weight or all zero.
@@ -38,6 +41,48 @@ def split_documents(num_documents: int, split: tuple[int, ...] = (949, 50, 1)) -
         acc += w
         bounds.append(round(num_documents * acc / total))
     return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class InMemoryDocuments:
+    """A list of token arrays behind the reading interface of ``IndexedDataset`` (``len``, ``[doc]``, ``get``,
+    ``sizes``, ``doc_count``, ``sentences``), with ``eod`` appended to each document when given."""
+
+    prefix = None
+
+    def __init__(self, documents: list[np.ndarray], eod: int | None = None):
+        parts = []
+        for d in documents:
+            parts.append(np.asarray(d, dtype=np.int64).reshape(-1))
+            if eod is not None:
+                parts.append(np.array([eod], dtype=np.int64))
+        self._tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        self.sizes = np.array([len(d) + (eod is not None) for d in documents], dtype=np.int64)
+        self.doc_offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.doc_count = len(documents)
+
+    def __len__(self) -> int:
+        return self.doc_count
+
+    def __getitem__(self, doc: int) -> np.ndarray:
+        return self._tokens[self.doc_offsets[doc]:self.doc_offsets[doc + 1]]
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        d = self[doc]
+        return d[offset:len(d) if length is None else offset + length]
+
+    def sentences(self, doc: int) -> list[np.ndarray]:
+        return [self[doc]]
+
+
+def _as_source(data, eod):
+    return data if hasattr(data, "get") and hasattr(data, "sizes") else InMemoryDocuments(data, eod)
+
+
+def _documents(source, documents: range | None) -> range:
+    docs = range(len(source)) if documents is None else documents
+    if docs.step != 1 or not 0 <= docs.start <= docs.stop <= len(source):
+        raise ValueError(f"documents {docs} is not a contiguous range inside 0..{len(source)}")
+    return docs
 
 
 class _Epochs:
@@ -56,113 +101,178 @@ class _Epochs:
 
 
 class GPTDataset:
-    """Next-token samples from documents (token arrays), see the module docstring.
+    """Next-token samples (see the module docstring and ``sample_index`` for the order).
 
     Args:
-        documents: token id arrays.
+        data: an ``IndexedDataset`` or a list of token arrays.
         seq_length: tokens per sample (each window holds ``seq_length + 1``).
-        seed: the sample order.
-        eod: the end-of-document id appended to each document.
+        seed: the document order and the shuffle.
+        eod: for a list of arrays, the end-of-document id to append to each (indexed data already has it).
+        documents: the range of documents to read (a split); default all.
+        num_samples: how many samples the index is built and cached for (default one epoch); samples past it are
+            computed on demand, identical to what a larger ``num_samples`` would have cached.
+
+    ``dataset[i]`` -> ``{"ids": int64 [seq_length], "labels": int64 [seq_length]}``. ``from_cache`` tells whether
+    the index was read from the ``.npy`` files beside the data.
 
     Raises:
-        ValueError: fewer than ``seq_length + 1`` tokens in all.
+        ValueError: fewer than ``seq_length + 1`` tokens in the documents; a bad ``documents`` range.
+        IndexError: a negative sample number.
     """
 
-    def __init__(self, documents: list[np.ndarray], seq_length: int, seed: int, eod: int):
-        parts = []
-        for d in documents:
-            parts.extend((np.asarray(d, dtype=np.int64), np.array([eod], dtype=np.int64)))
-        self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        self.seq_length = int(seq_length)
-        self.num_windows = (len(self.tokens) - 1) // self.seq_length
+    def __init__(self, data, seq_length: int, seed: int, eod: int | None = None, *, documents: range | None = None,
+                 num_samples: int | None = None):
+        self.data = _as_source(data, eod)
+        self.documents = _documents(self.data, documents)
+        self.seq_length, self.seed = int(seq_length), int(seed)
+        sizes = np.asarray(self.data.sizes[self.documents.start:self.documents.stop], dtype=np.int64)
+        self._sizes = np.asarray(self.data.sizes, dtype=np.int64)
+        self.num_windows = si.gpt_windows(sizes, self.seq_length)
         if self.num_windows < 1:
-            raise ValueError(f"GPTDataset: {len(self.tokens)} tokens cannot fill one sample of seq_length + 1 = "
+            raise ValueError(f"GPTDataset: {int(sizes.sum())} tokens in documents {self.documents.start}.."
+                             f"{self.documents.stop - 1} cannot fill one sample of seq_length + 1 = "
                              f"{self.seq_length + 1}")
-        self._order = _Epochs(self.num_windows, seed)
+        self.num_samples = self.num_windows if num_samples is None else max(1, int(num_samples))
+        epochs = -(-self.num_samples // self.num_windows)
+        key = si.index_key("gpt", sizes, self.documents.start, self.documents.stop, self.seq_length, self.seed,
+                           self.num_samples)
+        w, d = self.num_windows, len(sizes)
+
+        def check(a):
+            return (a["doc_idx"].shape == (epochs, d) and a["sample_idx"].shape == (epochs * w, 2)
+                    and a["shuffle_idx"].shape == (epochs * w,))
+
+        idx, self.from_cache = si.load_or_build(
+            self.data.prefix, "gpt", key, ("doc_idx", "sample_idx", "shuffle_idx"),
+            lambda: si.gpt_index(sizes, self.documents.start, self.seq_length, self.seed, epochs), check)
+        self.cache_key, self._cached_epochs = key, epochs
+        self._idx = idx
+        self._extra = (-1, None)  # the last epoch computed past the cached ones
 
     def __len__(self) -> int:
         return self.num_windows
 
+    def _epoch(self, e: int):
+        if e < self._cached_epochs:
+            w = self.num_windows
+            return (self._idx["doc_idx"][e], self._idx["sample_idx"][e * w:(e + 1) * w],
+                    self._idx["shuffle_idx"][e * w:(e + 1) * w])
+        if self._extra[0] != e:
+            sizes = self._sizes[self.documents.start:self.documents.stop]
+            self._extra = (e, si.gpt_epoch(sizes, self.documents.start, self.seq_length, self.seed, e))
+        return self._extra[1]
+
+    def window(self, i: int) -> np.ndarray:
+        """Sample ``i``'s ``seq_length + 1`` tokens (int64)."""
+        if i < 0:
+            raise IndexError(f"sample index must be >= 0, got {i}")
+        e, j = divmod(int(i), self.num_windows)
+        order, starts, shuffle = self._epoch(e)
+        k, offset = (int(x) for x in starts[int(shuffle[j])])
+        need, parts = self.seq_length + 1, []
+        while need:
+            doc = int(order[k])
+            take = min(need, int(self._sizes[doc]) - offset)
+            parts.append(self.data.get(doc, offset, take))
+            need, k, offset = need - take, k + 1, 0
+        return np.concatenate(parts).astype(np.int64)
+
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        w = self._order(i)
-        window = self.tokens[w * self.seq_length:(w + 1) * self.seq_length + 1]
+        window = self.window(i)
         return {"ids": window[:-1], "labels": window[1:]}
 
 
 class BertDataset:
-    """Sentence-pair samples with SOP labels and MLM masking, see the module docstring.
+    """Sentence-pair samples with SOP labels and MLM masking (see the module docstring).
+
+    Sentences are the document's sequences when it has several (``preprocess --split-sentences``), else its
+    pieces ending with ``newline``; a trailing EOD is not part of any sentence.
 
     Args:
-        documents: token id arrays; sentences are lines (split after each ``newline`` token).
+        data: an ``IndexedDataset`` or a list of token arrays.
         seq_length: tokens per sample, ``[CLS] A [SEP] B [SEP]`` then padding.
         seed: pairing, order, swapping and masking.
-        tokenizer: provides ``cls, sep, mask, pad`` ids and ``vocab_size``.
-        newline: the id that ends a sentence (``\\n`` for the byte tokenizer).
+        tokenizer: provides ``cls, sep, mask, pad`` ids, ``vocab_size`` and ``special_ids`` (never drawn as a random
+            replacement token).
+        newline: the id that ends a sentence (default: ``tokenizer.newline``).
         mask_prob: fraction of real tokens chosen for the MLM loss.
+        documents: the range of documents to read (a split); default all.
+
+    ``dataset[i]`` -> ``ids, token_types, mlm_labels`` (int64 ``[seq_length]``, labels -100 where not masked),
+    ``padding_mask`` (bool ``[seq_length]``, True on padding), ``sop_labels`` (int64 scalar, 1 = swapped).
 
     Raises:
-        ValueError: no document with two sentences.
+        ValueError: the tokenizer lacks cls/sep/mask/pad; no sentence boundaries (no sequences per sentence and no
+            newline token); no document with two sentences.
+        IndexError: a negative sample number.
     """
 
-    def __init__(self, documents: list[np.ndarray], seq_length: int, seed: int, tokenizer, newline: int = 10,
-                 mask_prob: float = 0.15):
+    def __init__(self, data, seq_length: int, seed: int, tokenizer, newline: int | None = None,
+                 mask_prob: float = 0.15, *, documents: range | None = None):
+        tokenizer.require("cls", "sep", "mask", "pad", use="BERT")
+        self.data = _as_source(data, None)
+        self.documents = _documents(self.data, documents)
         self.seq_length, self.seed, self.tok, self.mask_prob = int(seq_length), int(seed), tokenizer, mask_prob
-        budget = self.seq_length - 3
-        self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        rng = _rng(seed, 0x5E9)
-        for d in documents:
-            d = np.asarray(d, dtype=np.int64)
-            ends = np.flatnonzero(d == newline) + 1
-            sentences = [s for s in np.split(d, ends) if len(s)]
-            i = 0
-            while i + 1 < len(sentences):
-                # Greedily take sentences up to the budget, then cut them into A and B at a random sentence.
-                j, size = i, 0
-                while j < len(sentences) and (size + len(sentences[j]) <= budget or j - i < 2):
-                    size += len(sentences[j])
-                    j += 1
-                if j - i < 2:
-                    break
-                cut = int(rng.integers(i + 1, j))
-                a, b = np.concatenate(sentences[i:cut]), np.concatenate(sentences[cut:j])
-                # Truncate the longer segment first until the pair fits.
-                while len(a) + len(b) > budget:
-                    if len(a) >= len(b):
-                        a = a[:-1]
-                    else:
-                        b = b[:-1]
-                self.pairs.append((a, b))
-                i = j
-        if not self.pairs:
+        self.special = dict(cls=tokenizer.cls, sep=tokenizer.sep, mask=tokenizer.mask, pad=tokenizer.pad)
+        newline = getattr(tokenizer, "newline", None) if newline is None else newline
+        eod = tokenizer.eod if tokenizer.has("eod") else None
+        by_sequence = len(getattr(self.data, "sequence_sizes", self.data.sizes)) > len(self.data)
+        if not by_sequence and newline is None:
+            raise ValueError(f"BertDataset: tokenizer {tokenizer.name} has no newline token to cut documents into "
+                             "sentences; preprocess the data with --split-sentences")
+        sizes = np.asarray(self.data.sizes[self.documents.start:self.documents.stop])
+        key = si.index_key("bert", sizes, self.documents.start, self.documents.stop, self.seq_length, self.seed,
+                           by_sequence, newline, eod)
+
+        def sentences(doc):
+            if by_sequence:
+                lens = [len(s) for s in self.data.sentences(doc)]
+                if lens and eod is not None and self.data.get(doc, int(self.data.sizes[doc]) - 1, 1)[0] == eod:
+                    lens[-1] -= 1
+            else:
+                toks = self.data[doc]
+                n = len(toks) - (len(toks) > 0 and eod is not None and toks[-1] == eod)
+                ends = np.flatnonzero(np.asarray(toks[:n]) == newline) + 1
+                lens = np.diff(np.concatenate([[0], ends, [n]]))
+            return [x for x in lens if x > 0]
+
+        idx, self.from_cache = si.load_or_build(
+            self.data.prefix, "bert", key, ("pairs",),
+            lambda: {"pairs": si.bert_pairs(sentences, self.documents, self.seq_length, self.seed)},
+            lambda a: a["pairs"].ndim == 2 and a["pairs"].shape[1] == 5)
+        self.pairs = idx["pairs"]
+        if len(self.pairs) == 0:
             raise ValueError("BertDataset: no document has two sentences to pair")
         self._order = _Epochs(len(self.pairs), seed)
+        self._normal = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        a, b = self.pairs[self._order(i)]
-        t, s = self.tok, self.seq_length
+        doc, a_off, a_len, b_off, b_len = (int(x) for x in self.pairs[self._order(i)])
+        a, b = self.data.get(doc, a_off, a_len), self.data.get(doc, b_off, b_len)
+        t, s = self.special, self.seq_length
         rng = _rng(self.seed, 0xBE27, i)
         swap = bool(rng.integers(0, 2))
         if swap:
             a, b = b, a
-        ids = np.full(s, t.pad, dtype=np.int64)
+        ids = np.full(s, t["pad"], dtype=np.int64)
         types = np.zeros(s, dtype=np.int64)
-        seq = np.concatenate([[t.cls], a, [t.sep], b, [t.sep]])
-        n = len(seq)
-        ids[:n] = seq
+        n = len(a) + len(b) + 3
+        ids[0], ids[1:len(a) + 1], ids[len(a) + 1] = t["cls"], a, t["sep"]
+        ids[len(a) + 2:n - 1], ids[n - 1] = b, t["sep"]
         types[len(a) + 2:n] = 1
         labels = np.full(s, -100, dtype=np.int64)
-        real = np.flatnonzero((ids != t.cls) & (ids != t.sep) & (ids != t.pad))
+        real = np.concatenate([np.arange(1, len(a) + 1), np.arange(len(a) + 2, n - 1)])
         chosen = real[rng.random(len(real)) < self.mask_prob]
         if len(chosen) == 0 and len(real):
             chosen = real[rng.integers(0, len(real), 1)]
         labels[chosen] = ids[chosen]
         action = rng.random(len(chosen))
-        ids[chosen[action < 0.8]] = t.mask
+        ids[chosen[action < 0.8]] = t["mask"]
         rand = chosen[(action >= 0.8) & (action < 0.9)]
-        ids[rand] = rng.integers(0, 256 if t.name == "byte" else t.vocab_size, len(rand))
+        ids[rand] = self._normal[rng.integers(0, len(self._normal), len(rand))]
         return {"ids": ids, "token_types": types, "padding_mask": np.arange(s) >= n, "mlm_labels": labels,
                 "sop_labels": np.int64(swap)}
 

@@ -32,7 +32,7 @@ from megakernels_models.cli import parse_train_args
      r"--sequence-parallel needs --tp 2 to divide seq_length=127"),
     (["--model", "bert"], r"--model bert contradicts --preset gpt-tiny"),
     (["--steps", "0"], r"--steps must be a positive integer"),
-    (["--data", "x"], r"--data: only the embedded default corpus"),
+    (["--data", "x"], r"--data x: cannot read x\.bin"),
 ])
 def test_invalid_flags_name_the_rule(flags, message):
     with pytest.raises(ArgumentError, match=message):

@@ -1,0 +1,153 @@
+"""The trainer's one entry point to data: check the data flags, make the tokenizer, build the three splits.
+
+``--data PREFIX`` or ``--data W1,PREFIX1,W2,PREFIX2,...`` names preprocessed data (``PREFIX.bin``/``.idx``,
+``megakernels preprocess``); without it the default corpus (the Python standard library, byte tokenizer, capped
+by ``--corpus-bytes``) is preprocessed once into the cache and read the same way. Each prefix's documents are split
+by ``--split`` (train, valid, test: consecutive, disjoint document ranges); a blend draws each split from the
+components' same split in the blend's proportions (``blending``). Split ``i`` uses seed ``--seed + 1000·i``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megakernels_models.arguments import ArgumentError
+from megakernels_models.data.blending import BlendedDataset, parse_blend
+from megakernels_models.data.corpus import stdlib_prefix
+from megakernels_models.data.datasets import BertDataset, GPTDataset, split_documents
+from megakernels_models.data.indexed import IndexedDataset, paths
+from megakernels_models.data.tokenizer import build_tokenizer
+
+
+def tokenizer_for(args):
+    """The tokenizer of ``args.tokenizer`` (``byte``, ``hf:PATH`` or ``spm:PATH``).
+
+    Raises:
+        ArgumentError: an unknown spec or a missing/unreadable file (naming ``--tokenizer``).
+    """
+    try:
+        return build_tokenizer(args.tokenizer)
+    except (ValueError, OSError) as e:
+        raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
+
+
+def _split(args) -> tuple[int, int, int]:
+    try:
+        split = tuple(int(x) for x in str(args.split).split(","))
+        if len(split) != 3 or min(split) < 0 or split[0] == 0:
+            raise ValueError
+    except ValueError:
+        raise ArgumentError(f"--split must be three non-negative integers like 949,50,1 (train > 0), got "
+                            f"{args.split!r}") from None
+    return split
+
+
+def _blend(args) -> list[tuple[float, str]]:
+    if args.data is None:
+        return [(1.0, stdlib_prefix(args.corpus_bytes))]
+    try:
+        return parse_blend(args.data)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def validate_data_args(args, cfg=None) -> None:
+    """Check ``--data``, ``--tokenizer``, ``--split`` and ``--corpus-bytes`` against each other and the model
+    (``cfg``, default ``args.model_config()``).
+
+    Rules: the tokenizer exists and its vocabulary fits ``cfg.vocab_size``; BERT needs its cls/sep/mask/pad tokens;
+    the default corpus needs the byte tokenizer; every ``--data`` prefix has readable, valid ``PREFIX.bin``/``.idx``
+    written with a vocabulary of the tokenizer's size, and a non-empty training split (for GPT holding at least
+    ``seq_length + 1`` tokens; for BERT cut into sentences: a newline token or ``--split-sentences`` data).
+
+    Raises:
+        ArgumentError: the first broken rule, naming the flag.
+    """
+    cfg = args.model_config() if cfg is None else cfg
+    tok = tokenizer_for(args)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ArgumentError(f"--tokenizer {args.tokenizer} has {tok.vocab_size} ids, more than the model's vocab size "
+                            f"{cfg.vocab_size} (raise --vocab-size)")
+    if cfg.model == "bert":
+        try:
+            tok.require("cls", "sep", "mask", "pad", use="--model bert")
+        except ValueError as e:
+            raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
+    split = _split(args)
+    if args.data is None:
+        if tok.name != "byte":
+            raise ArgumentError(f"--tokenizer {args.tokenizer}: the default corpus (no --data) is read with the byte "
+                                "tokenizer; give --data preprocessed with this tokenizer")
+        if isinstance(args.corpus_bytes, bool) or not isinstance(args.corpus_bytes, int) or args.corpus_bytes < 1:
+            raise ArgumentError(f"--corpus-bytes must be a positive integer, got {args.corpus_bytes!r}")
+        return
+    for _, prefix in _blend(args):
+        for p in paths(prefix):
+            try:
+                open(p, "rb").close()
+            except OSError as e:
+                raise ArgumentError(f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
+                                    f"preprocess --output-prefix {prefix}") from None
+        try:
+            ds = IndexedDataset(prefix)
+        except ValueError as e:
+            raise ArgumentError(f"--data {prefix}: {e}") from None
+        if ds.vocab_size != tok.vocab_size:
+            raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
+                                f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+        train = split_documents(ds.doc_count, split)[0]
+        if not train:
+            raise ArgumentError(f"--data {prefix}: its {ds.doc_count} documents leave no training documents with "
+                                f"--split {args.split}")
+        if cfg.model == "bert" and tok.newline is None and len(ds.sequence_sizes) == ds.doc_count:
+            raise ArgumentError(f"--data {prefix}: BERT needs sentences, but --tokenizer {args.tokenizer} has no "
+                                "newline token and the data is one sequence per document; preprocess it with "
+                                "--split-sentences")
+        tokens = int(ds.doc_offsets[train.stop] - ds.doc_offsets[train.start])
+        if cfg.model == "gpt" and tokens < cfg.seq_length + 1:
+            raise ArgumentError(f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
+                                f"of seq_length + 1 = {cfg.seq_length + 1}")
+
+
+def build_datasets(args, cfg):
+    """``(train, valid, test)`` datasets for the trainer (each None when its split is empty or too small to give a
+    sample; train never is after ``validate_data_args``).
+
+    GPT indices are built for ``--steps × --global-batch-size`` training samples and ``--eval-steps ×
+    --global-batch-size`` validation/test samples (more are computed on demand) and cached beside the data.
+
+    Raises:
+        ArgumentError: bad ``--tokenizer``, ``--data`` or ``--split`` (as ``validate_data_args``).
+        ValueError: the training split cannot give one sample.
+    """
+    tok = tokenizer_for(args)
+    split = _split(args)
+    blend = [(w, IndexedDataset(p)) for w, p in _blend(args)]
+    wanted = [args.steps * args.global_batch_size] + [args.eval_steps * args.global_batch_size] * 2
+    out = []
+    for i in range(3):
+        weights, parts = [], []
+        for w, data in blend:
+            docs = split_documents(data.doc_count, split)[i]
+            if not docs:
+                continue
+            seed = args.seed + 1000 * i
+            try:
+                if cfg.model == "gpt":
+                    ds = GPTDataset(data, cfg.seq_length, seed, documents=docs,
+                                    num_samples=math.ceil(w * wanted[i]) + 1)
+                else:
+                    ds = BertDataset(data, cfg.seq_length, seed, tok, documents=docs)
+            except ValueError:
+                if i == 0:
+                    raise
+                continue  # a validation/test split too small for a sample: leave that component out
+            weights.append(w)
+            parts.append(ds)
+        if not parts:
+            out.append(None)
+        elif len(blend) == 1:
+            out.append(parts[0])
+        else:
+            out.append(BlendedDataset(parts, weights))
+    return tuple(out)

@@ -1,0 +1,307 @@
+"""``megakernels preprocess``: text or JSONL files (or folders of them) -> ``PREFIX.bin`` + ``PREFIX.idx``.
+
+Inputs: a plain text file is one document; a ``.jsonl``/``.json`` file holds one JSON object per line whose
+``--json-key`` field is a document; either may be gzipped (``.gz``). Folders are walked in sorted path order,
+skipping hidden files, this pipeline's own outputs (``.bin``, ``.idx``, ``.npy``, temporary ``.tmp-`` files) and
+plain files that are not UTF-8 text (compiled files next to sources; counted in the summary). A file named
+directly must be readable text. Empty documents are skipped. ``--append-eod`` ends each document with the tokenizer's end-of-document token (GPT training
+needs it between documents); ``--split-sentences`` stores each line as its own sequence (BERT's sentences, for
+tokenizers without a newline token such as SentencePiece).
+
+Tokenisation runs on ``--workers`` processes over chunks of documents, in input order (``Pool.imap``); the reader
+stays at most a few chunks ahead of the writer, so memory use does not grow with the corpus. The output is written
+to temporary files and renamed at the end (``indexed.IndexedDatasetWriter``): an interrupted run never leaves a
+``PREFIX.bin``/``.idx`` pair that looks valid. ``--train-tokenizer V`` first trains a byte-level BPE of ``V`` ids
+(with ``<|endoftext|> [PAD] [CLS] [SEP] [MASK]``) on the inputs, saves it as ``PREFIX.tokenizer.json`` and then
+tokenises with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megakernels_models.data.indexed import IndexedDatasetWriter
+from megakernels_models.data.tokenizer import build_tokenizer
+
+TRAINED_SPECIALS = ("<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]")
+CHUNK_DOCUMENTS = 64
+
+
+def input_files(inputs: Iterable[str]) -> list[tuple[str, bool]]:
+    """Files named by ``inputs`` (files, or folders walked in sorted order), in order, each with whether it was
+    found by walking a folder.
+
+    Raises:
+        FileNotFoundError: an input does not exist (named, as ``--input``).
+        ValueError: no files at all.
+    """
+    out = []
+    for path in inputs:
+        if os.path.isfile(path):
+            out.append((path, False))
+        elif os.path.isdir(path):
+            found = []
+            for d, dirs, files in os.walk(path):
+                dirs[:] = [x for x in dirs if not x.startswith(".")]
+                found.extend(os.path.join(d, f) for f in files if _is_input(f))
+            out.extend((f, True) for f in sorted(found))  # by path: the same order on every machine
+        else:
+            raise FileNotFoundError(f"--input {path}: no such file or folder")
+    if not out:
+        raise ValueError(f"--input {' '.join(inputs)}: no input files")
+    return out
+
+
+def _is_input(name: str) -> bool:
+    return not (name.startswith(".") or ".tmp-" in name or name.endswith((".bin", ".idx", ".npy")))
+
+
+def read_documents(files: Iterable[tuple[str, bool]], json_key: str = "text",
+                   skipped: list[str] | None = None) -> Iterator[str]:
+    """The documents of ``files`` (``input_files``) in order (see the module docstring), empty ones skipped.
+    Plain files found in folders that are not UTF-8 are left out and appended to ``skipped``.
+
+    Raises:
+        ValueError: a file named directly that is not UTF-8; a JSONL line that is not a JSON object with a string
+            ``json_key`` (the message names the file and line); a corrupt gzip file.
+    """
+    for path, walked in files:
+        base = path[:-3] if path.endswith(".gz") else path
+        opener = gzip.open if path.endswith(".gz") else open
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                if base.endswith((".jsonl", ".json")):
+                    yield from _json_lines(f, path, json_key)
+                else:
+                    text = f.read()
+                    if text:
+                        yield text
+        except UnicodeDecodeError as e:
+            if walked and not base.endswith((".jsonl", ".json")):
+                if skipped is not None:
+                    skipped.append(path)
+                continue
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise ValueError(f"{path}: not a valid gzip file ({e})") from None
+
+
+def _json_lines(f, path: str, key: str) -> Iterator[str]:
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            raise ValueError(f"{path}:{lineno}: no string field {key!r} (--json-key {key})")
+        if obj[key]:
+            yield obj[key]
+
+
+def train_bpe(files: list[str], vocab_size: int, path: str, json_key: str = "text", progress: bool = False) -> str:
+    """Train a byte-level BPE of ``vocab_size`` ids (256 byte symbols, ``TRAINED_SPECIALS``, merges) on the documents
+    of ``files`` and save it to ``path`` (atomically). Returns its spec ``hf:PATH``.
+
+    Raises:
+        ValueError: ``vocab_size`` < 261 (the byte alphabet and the special tokens).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    least = 256 + len(TRAINED_SPECIALS)
+    if vocab_size < least:
+        raise ValueError(f"--train-tokenizer {vocab_size}: needs at least {least} ids (256 bytes + "
+                         f"{len(TRAINED_SPECIALS)} special tokens)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TRAINED_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
+    tok.train_from_iterator(read_documents(files, json_key), trainer)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    tok.save(tmp)
+    os.replace(tmp, path)
+    return f"hf:{path}"
+
+
+# ---- tokenisation workers ------------------------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def _init_worker(spec: str, append_eod: bool, split_sentences: bool) -> None:
+    tok = build_tokenizer(spec)
+    if append_eod:
+        tok.require("eod", use="--append-eod")
+    _WORKER.update(tok=tok, eod=tok.eod if append_eod else None, split=split_sentences)
+
+
+def _encode_chunk(texts: list[str]) -> list[list[np.ndarray]]:
+    """Each document as its list of sequences (one, or one per line with ``--split-sentences``)."""
+    tok, eod, split = _WORKER["tok"], _WORKER["eod"], _WORKER["split"]
+    out = []
+    for text in texts:
+        parts = _lines(text) if split else [text]
+        seqs = tok.encode_batch(parts) if hasattr(tok, "encode_batch") else [tok.encode(p) for p in parts]
+        if eod is not None:
+            seqs[-1] = np.append(seqs[-1], np.asarray(eod, dtype=seqs[-1].dtype))
+        out.append(seqs)
+    return out
+
+
+def _lines(text: str) -> list[str]:
+    """Lines with their line ends; a blank line joins the line before it (no empty sentences)."""
+    out: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if out and not line.strip():
+            out[-1] += line
+        else:
+            out.append(line)
+    return out or [text]
+
+
+def _chunks(docs: Iterator[str], n: int) -> Iterator[list[str]]:
+    chunk = []
+    for d in docs:
+        chunk.append(d)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def tokenize_documents(docs: Iterator[str], spec: str, workers: int = 1, append_eod: bool = False,
+                       split_sentences: bool = False) -> Iterator[list[np.ndarray]]:
+    """Tokenise ``docs`` on ``workers`` processes; yields each document's sequences in input order."""
+    chunks = _chunks(docs, CHUNK_DOCUMENTS)
+    if workers == 1:
+        _init_worker(spec, append_eod, split_sentences)
+        for chunk in chunks:
+            yield from _encode_chunk(chunk)
+        return
+    # Pool.imap's feeder thread would read the whole input ahead of the workers: a semaphore released per
+    # consumed chunk keeps it at most 2·workers chunks ahead.
+    ahead, stop = threading.Semaphore(2 * workers), threading.Event()
+
+    def feed():
+        for chunk in chunks:
+            ahead.acquire()
+            if stop.is_set():
+                return
+            yield chunk
+
+    # Workers must not start HuggingFace's own thread pool (nor warn that the parent already used it).
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = multiprocessing.Pool(workers, _init_worker, (spec, append_eod, split_sentences))
+    finally:
+        if old is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    try:
+        for out in pool.imap(_encode_chunk, feed()):
+            ahead.release()
+            yield from out
+    finally:
+        stop.set()
+        ahead.release(2 * workers + 1)  # unblock the feeder so the pool can shut down
+        pool.terminate()
+        pool.join()
+
+
+def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", json_key: str = "text",
+               workers: int = 1, append_eod: bool = False, split_sentences: bool = False,
+               train_tokenizer: int | None = None, progress: bool = False) -> dict:
+    """Write ``output_prefix.bin``/``.idx`` from ``inputs`` (the module docstring). Returns ``documents, sequences,
+    tokens, dtype, tokenizer, skipped`` (files left out) and ``seconds``.
+
+    Raises:
+        FileNotFoundError: an input or the tokenizer file is missing.
+        ValueError: bad input (named with the rule), no documents, ``workers`` < 1, a bad tokenizer.
+    """
+    t0 = time.perf_counter()
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if os.path.isdir(output_prefix) or output_prefix.endswith(os.sep):
+        raise ValueError(f"--output-prefix {output_prefix} is a folder; give a prefix (files PREFIX.bin/.idx)")
+    files = input_files(inputs)
+    if train_tokenizer is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+        tokenizer = train_bpe(files, train_tokenizer, output_prefix + ".tokenizer.json", json_key, progress)
+    tok = build_tokenizer(tokenizer)
+    if append_eod:
+        tok.require("eod", use="--append-eod")
+    from tqdm import tqdm
+
+    bar = tqdm(desc="preprocess", unit=" docs", disable=not progress, dynamic_ncols=True)
+    with IndexedDatasetWriter(output_prefix, tok.vocab_size) as w:
+        skipped: list[str] = []
+        stream = tokenize_documents(read_documents(files, json_key, skipped), tok.name, workers, append_eod,
+                                    split_sentences)
+        try:
+            for seqs in stream:
+                w.add_document(seqs)
+                bar.update(1)
+                if w.doc_count % 256 == 0:
+                    bar.set_postfix(tokens=w.num_tokens, refresh=False)
+        finally:
+            stream.close()  # stops the worker pool at once, also on an error
+            bar.close()
+        if w.doc_count == 0:
+            raise ValueError(f"--input {' '.join(inputs)}: no non-empty documents")
+        w.finish()
+        return {"documents": w.doc_count, "sequences": w.sequence_count, "tokens": w.num_tokens,
+                "dtype": w.dtype.name, "tokenizer": tok.name, "skipped": skipped,
+                "seconds": time.perf_counter() - t0}
+
+
+# ---- the subcommand -------------------------------------------------------------------------------------------
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add ``preprocess`` to the ``megakernels`` subparsers."""
+    p = sub.add_parser("preprocess", help="text/JSONL files or folders -> PREFIX.bin + PREFIX.idx",
+                       description="Tokenise text or JSONL files (or folders of them) into PREFIX.bin + PREFIX.idx.")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
+                   help="text, .jsonl/.json (one object per line) or .gz of either; folders are walked")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (default: byte)")
+    p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
+                   help="train a byte-level BPE on the input first (saved as PREFIX.tokenizer.json)")
+    p.add_argument("--json-key", default="text", help="the document field of JSONL objects (default: text)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenising processes (default: the number of CPUs)")
+    p.add_argument("--append-eod", action="store_true", help="end each document with the EOD token (GPT)")
+    p.add_argument("--split-sentences", action="store_true", help="each line its own sequence (BERT sentences)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(_run=main)
+    return p
+
+
+def main(ns: argparse.Namespace) -> int:
+    """Run ``megakernels preprocess``; returns the exit status (2 for bad input, reported on stderr)."""
+    try:
+        if ns.train_tokenizer is not None and ns.tokenizer != "byte":
+            raise ValueError(f"give --tokenizer {ns.tokenizer} or --train-tokenizer, not both")
+        stats = preprocess(ns.input, ns.output_prefix, ns.tokenizer, ns.json_key, ns.workers,
+                           ns.append_eod, ns.split_sentences, ns.train_tokenizer, ns.progress)
+    except (ValueError, OSError) as e:
+        print(f"megakernels preprocess: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {ns.output_prefix}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
+          f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s"
+          + (f"; skipped {len(stats['skipped'])} files that are not UTF-8 text" if stats["skipped"] else ""))
+    return 0
