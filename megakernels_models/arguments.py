@@ -85,6 +85,12 @@ class TrainArgs:
         sizes = {k: getattr(self, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
                                                "ffn_hidden_size")}
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
+        if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
+            from megakernels_models.data.tokenizer import build_tokenizer
+            try:
+                sizes["vocab_size"] = build_tokenizer(self.tokenizer).vocab_size
+            except (OSError, ValueError):
+                pass  # validate_data_args reports the tokenizer's problem, naming the flag
         if self.preset is not None:
             cfg = preset(self.preset, **sizes, **drop)
             if self.model is not None and self.model != cfg.model:

@@ -108,16 +108,8 @@ def _meta(path: str) -> dict:
 
 
 def _tokenizer(spec: str):
-    try:
-        from megakernels_models.data.tokenizer import build_tokenizer
-    except ImportError:
-        build_tokenizer = None
-    if build_tokenizer is not None:
-        return build_tokenizer(spec)
-    if spec != "byte":
-        raise ValueError(f"--tokenizer {spec!r}: only 'byte' is available")
-    from megakernels_models.data.tokenizer import ByteTokenizer
-    return ByteTokenizer()
+    from megakernels_models.data.tokenizer import build_tokenizer
+    return build_tokenizer(spec)
 
 
 def add_parser(sub) -> None:

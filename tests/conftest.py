@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The trainer caches the preprocessed default corpus and sample indices; tests keep theirs apart from the user's
+# (spawned ranks inherit the variable).
+if "MEGAKERNELS_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["MEGAKERNELS_CACHE"] = tempfile.mkdtemp(prefix="megakernels-test-cache-")
+
 import megakernels  # noqa: E402
 from tests.helpers import Backend  # noqa: E402
 
