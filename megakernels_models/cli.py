@@ -117,6 +117,7 @@ def _add_train(sub) -> None:
 # function of the parsed namespace returning the exit status). Imported only to build the parser.
 SUBCOMMANDS = {
     "train": "megakernels_models.cli:_add_train",
+    "bench": "megakernels_models.bench.cli:add_parser",
 }
 
 
