@@ -12,9 +12,11 @@ Phases of one optimizer step, on each rank:
 - ``bubble``: time blocked in pipeline exchanges (``p2p.communicate``): waiting for the neighbouring stage (the
   pipeline bubble) plus the transfers themselves, which on one node are the small part;
 - ``backward``: the rest of the pipeline phase: the backward passes (with their tensor-parallel collectives and the
-  launch of the overlapped data-parallel bucket reductions), plus batch assembly and the loss all-reduce (small);
+  launch of the overlapped data-parallel bucket reductions), plus zeroing the gradient buffers, batch assembly and
+  the loss all-reduce (small);
 - ``communication``: ``finalize_model_grads``: the data-parallel gradient reduction not hidden behind backward and
-  the tied-embedding / sequence-parallel gradient sums;
+  the tied-embedding / sequence-parallel gradient sums (waiting there for a slower rank, e.g. the other end of
+  the pipeline for the tied embedding, counts here too);
 - ``optimizer``: ``opt.step()``: loss-scale check, global grad-norm (an all-reduce), AdamW, and under ZeRO-1 the
   parameter all-gather.
 

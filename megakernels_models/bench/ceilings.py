@@ -2,7 +2,9 @@
 
 - Copy bandwidth: ``dst.copy_(src)`` on fp32 tensors far larger than the last-level cache (256 MiB each on the
   CPU, 1 GiB on a GPU; 64 MiB in quick mode, still twice this VM's L3), counted as bytes read + bytes written per
-  second. A streaming kernel (norms, softmax, AdamW, cross-entropy) cannot beat it by much, so it is their ceiling.
+  second: the ceiling of the streaming kernels (norms, softmax, AdamW, cross-entropy). On a CPU with
+  write-allocate caches a copy really moves 3 bytes per 2 counted (the destination line is read before it is
+  written), so kernels that update in place (AdamW, ``add_``) can show more than 100% of it there.
 - GEMM FLOP/s per dtype: ``a @ b`` on square ``n x n`` matrices (2048 on the CPU, 8192 on a GPU, 512 quick),
   ``2 n^3`` FLOPs per product. fp32 on a GPU is measured as torch is configured (TF32 off by default, so plain
   fp32). FlashAttention's ceiling is the GEMM rate in its dtype.

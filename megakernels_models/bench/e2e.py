@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -169,6 +170,16 @@ def prepare(ns) -> list[tuple]:
     return plan
 
 
+def rank_peak(peak: float, nproc: int, ns) -> float:
+    """The peak one rank is held against. On the CPU, ``--nproc`` local ranks share the cores (``cpu_count //
+    nproc`` threads each, as the launcher gives them), so a rank's peak is its share of the peak measured here on
+    ``torch.get_num_threads()`` threads; then TFLOP/s per rank over it is the whole machine's utilisation. On a GPU
+    (one per rank) or with ``--peak-tflops``: ``peak`` itself."""
+    if ns.device == "cuda" or ns.peak_tflops or nproc == 1:
+        return peak
+    return peak * max(1, (os.cpu_count() or 1) // nproc) / torch.get_num_threads()
+
+
 def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
     """Every model of ``plan`` (default ``prepare(ns)``): the trainer run (unless ``--no-trainer``) and the
     one-device baseline (unless ``--no-baseline``); prints the report and returns one entry per model.
@@ -191,7 +202,7 @@ def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
                  "shape": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length",
                                                         "vocab_size")}}
         if targs is not None:
-            targs = trainer_args(name, cfg, mbs, ns, peak)  # now with the peak measured once for every row
+            targs = trainer_args(name, cfg, mbs, ns, rank_peak(peak, targs.nproc, ns))
             entry["trainer"] = measure_trainer(targs, cfg, ns.warmup)
         if not ns.no_baseline:
             if ns.precision in BASELINE_PRECISIONS:
@@ -241,6 +252,9 @@ def report_lines(e: dict) -> list[str]:
         parts = " | ".join(f"{k} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in t["time_split_s"].items())
         lines.append(f"  trainer step split (mean over {lay['nproc']} rank(s)): {parts}; schedule's ideal bubble "
                      f"fraction {t['schedule_bubble_fraction']:.3f}")
+        if e["device"] == "cpu" and lay["nproc"] > 1:
+            lines.append(f"  the {lay['nproc']} ranks share this CPU: MFU per rank against its share of the cores, "
+                         f"{t['device_peak_tflops']:.3g} TFLOP/s")
         if lay["nproc"] > 1:
             lines.append("  peak memory per rank: " + ", ".join(_gib(b) for b in t["peak_memory_bytes_per_rank"]))
     if base and base["megakernels"].get("step_memory_bytes") is not None:
