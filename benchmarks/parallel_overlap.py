@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp_
 
-from benchmarks.common import parse_choices, start, write_results
+from megakernels_models.bench.common import parse_choices, start, write_json
 
 SHAPES = [(256, 4, 1024), (512, 4, 512)]
 QUICK_SHAPES = [(256, 2, 512)]
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{r['tp']:<4}{r['shape']:<16}{str(r['sp']):<7}{r['baseline_ms']:>11.2f}{r['overlap_ms']:>12.2f}"
                   f"{r['ratio']:>8.3f}{r['saved_ms']:>10.2f}{r['comm_ms']:>10.2f}{r['wgrad_ms']:>10.2f}")
-    write_results(args.out, "parallel_overlap.json", info, rows)
+    write_json(args.out, "parallel_overlap.json", {"machine": info, "results": rows})
     return 0
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.adamw import CONFIGS, DTYPES, IMPLS, QUICK_CONFIGS, make_optimizer
+from megakernels_models.bench.adamw import CONFIGS, IMPLS, QUICK_CONFIGS, make_optimizer
+from megakernels_models.bench.common import DTYPES
 
 
 def configs(config):

@@ -9,7 +9,7 @@ Never asserts on time (DESIGN.md §6).
 import pytest
 import torch
 
-from benchmarks.attention import make_inputs, shape_for, steps
+from megakernels_models.bench.attention import make_inputs, shape_for, steps
 
 
 def _seqlen(config):

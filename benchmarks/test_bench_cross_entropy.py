@@ -1,4 +1,4 @@
-"""pytest-benchmark suite of cross_entropy vs F.cross_entropy (forward + backward).
+"""pytest-benchmark suite of cross_entropy vs F.cross_entropy (eager) (forward + backward).
 
     pytest benchmarks/test_bench_cross_entropy.py --benchmark-disable   # quick check that everything runs (CI)
 
@@ -8,11 +8,12 @@ Never asserts on time (DESIGN.md §6).
 import pytest
 import torch
 
-from benchmarks.cross_entropy import CPU_SHAPES, DTYPES, IMPLS, QUICK_SHAPES, make_inputs, step
+from megakernels_models.bench.common import DTYPES
+from megakernels_models.bench.cross_entropy import CPU_SHAPES, DEFAULT_DTYPES, IMPLS, QUICK_SHAPES, make_inputs, step
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DEFAULT_DTYPES)
 def test_cross_entropy(benchmark, request, impl, dtype):
     n, v = (QUICK_SHAPES if request.config.getoption("benchmark_disable") else CPU_SHAPES)[0]
     x, t = make_inputs(n, v, DTYPES[dtype], "cpu")

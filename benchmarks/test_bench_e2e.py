@@ -1,5 +1,5 @@
 """pytest-benchmark of one training step (fwd + bwd + AdamW) of megakernels' GPT vs a plain eager GPT of the same
-shape (benchmarks/e2e.py).
+shape (megakernels_models/bench/eager_gpt.py).
 
     pytest benchmarks/test_bench_e2e.py                       # full timing
     pytest benchmarks/test_bench_e2e.py --benchmark-disable   # quick check that everything runs (CI)
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.e2e import CPU_PRESETS, EagerGPT, _copy_weights
+from megakernels_models.bench.eager_gpt import CPU_PRESETS, EagerGPT, copy_weights
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_train_step(benchmark, world, name, impl):
         loss_fn = lambda: model(ids, labels=ids).mean()  # noqa: E731
     else:
         model = EagerGPT(cfg)
-        _copy_weights(model, fused)
+        copy_weights(model, fused)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         loss_fn = lambda: model(ids, ids)  # noqa: E731
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import IMPLS, implementation
-from benchmarks.softmax import COMPOSITIONS, DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
+from megakernels_models.bench.common import DTYPES, IMPLS, implementation
+from megakernels_models.bench.softmax import (COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, make_inputs,
+                                              step_fn)
 
 
 def shapes(config):
@@ -25,7 +26,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DEFAULT_DTYPES)
 @pytest.mark.parametrize("op", list(COMPOSITIONS))
 def test_softmax(benchmark, op, dtype, passes, impl, shape):
     comp = COMPOSITIONS[op]

@@ -77,6 +77,7 @@ class TrainArgs:
     peak_tflops: float | None = None
     timeout: float = 600.0
     dry_run: bool = False
+    step_timers: bool = False  # per-phase step times + peak memory in the records (megakernels bench --e2e)
 
     # ---- derived ------------------------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from megakernels_models.config import ModelConfig, stage_layers
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.gpt import GPTModel
+from megakernels_models.timers import StepTimers
 
 
 # ---- building blocks ------------------------------------------------------------------------------------------
@@ -161,6 +162,7 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
     flops_token = cfg.flops_per_token("none")
     peak = device_peak_tflops(args, device) if log_rank else float("nan")
     tokens_per_step = args.global_batch_size * cfg.seq_length
+    timers = StepTimers(args.step_timers, device)  # off unless megakernels bench asks (per-phase times)
 
     def run_batches(dataset, step, forward_only):
         idx = global_batch_indices(step, args.global_batch_size, dp_rank, dp)
@@ -192,7 +194,7 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
             factor = scale * dp
             return loss * factor if factor != 1.0 else loss
 
-        forward_backward(forward_step, m, schedule="interleaved" if (args.vpp or 1) > 1 else
+        forward_backward(timers.wrap_forward(forward_step), m, schedule="interleaved" if (args.vpp or 1) > 1 else
                          ("forward_only" if forward_only else args.schedule), tensor_shape=shape,
                          dtype=args.param_dtype(), device=device, num_chunks=len(chunks), forward_only=forward_only,
                          grad_sync=None if forward_only else (lambda c, on: ddps[c].set_grad_sync(on)))
@@ -209,13 +211,17 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
     try:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
+            timers.start()
             for c in chunks:
                 c.train()
             opt.zero_grad()
             schedule.apply(opt, step + 1)
             loss = run_batches(train_ds, step, False)
+            timers.mark("pipeline")
             finalize_model_grads(ddps)
+            timers.mark("communication")
             stepped, grad_norm = opt.step()
+            timers.mark("optimizer")
             rec = None
             if log_rank:
                 dt = time.perf_counter() - t0
@@ -228,6 +234,7 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
                 if step == 0:  # measured on the tensors this rank holds (optimizer state exists after a step)
                     n = sum(p.numel() for c in chunks for p in c.parameters())
                     rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
+            timers.finish(rec)
             if args.eval_interval and valid_ds is not None and ((step + 1) % args.eval_interval == 0
                                                                or step + 1 == args.steps):
                 val = evaluate(chunks, lambda s: run_batches(valid_ds, s, True), args.eval_steps)

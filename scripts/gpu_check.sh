@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
 # GPU validation (DESIGN.md §3). On a CUDA machine with torch, nvcc (and triton) already installed and no
-# network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, then the
-# kernel benchmarks on the GPU (norm family, softmax family, AdamW, FlashAttention, cross-entropy, end-to-end GPT-1.3B training). Logs and JSON go to OUTDIR; a summary table is printed at the end.
-#   scripts/gpu_check.sh OUTDIR
-# Exit status: 0 when every stage passed, 1 otherwise, 2 for a usage error.
+# network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, then the key
+# benchmarks on the GPU — FlashAttention d128 bf16 at s 4k/8k (causal and not), the norm and softmax families at
+# rows >= 4k, AdamW on 100M params, cross-entropy, and a GPT-1.3B end-to-end run (the trainer + the eager-GPT
+# baseline). Logs, JSON and PNG plots go to OUTDIR; the summary at the end (megakernels_models/bench/summary.py)
+# shows each stage's result and the numbers against the DESIGN.md §6 targets (pass/fail, % of target). Aimed at
+# < 8 minutes on an H100/H200 (torch.compile baselines are skipped here for time; `megakernels bench --device
+# cuda` runs them).
+#   scripts/gpu_check.sh OUTDIR                 # the whole check
+#   scripts/gpu_check.sh --summary-only OUTDIR  # re-render the summary from OUTDIR's stages.tsv and JSON files
+# Exit status: 0 when every stage passed, 1 otherwise, 2 for a usage error. Targets missed do not change it
+# (benchmarks never fail on time).
 set -uo pipefail
-if [ $# -ne 1 ] || [ -z "$1" ]; then
-  echo "usage: scripts/gpu_check.sh OUTDIR" >&2
-  exit 2
-fi
+usage() { echo "usage: scripts/gpu_check.sh [--summary-only] OUTDIR" >&2; exit 2; }
+SUMMARY_ONLY=0
+if [ $# -eq 2 ] && [ "$1" = "--summary-only" ]; then SUMMARY_ONLY=1; shift; fi
+if [ $# -ne 1 ] || [ -z "$1" ] || [[ $1 == -* ]]; then usage; fi
 OUT=$1
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+
+summary() {  # summary TITLE: the closing table, also saved as OUTDIR/summary.txt
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m megakernels_models.bench.summary "$OUT" --title "$1" \
+    | tee "$OUT/summary.txt"
+}
+
+if [ $SUMMARY_ONLY -eq 1 ]; then
+  [ -d "$OUT" ] || { echo "gpu_check: $OUT is not a directory" >&2; exit 2; }
+  summary "gpu_check summary of $OUT"
+  exit $?
+fi
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: torch sees no CUDA device" >&2
@@ -23,8 +41,9 @@ fi
 ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
 START=$(date +%s)
-declare -A STATUS=([build]=skipped [tests]=skipped [bench_norms]=skipped [bench_softmax]=skipped [bench_adamw]=skipped [bench_attention]=skipped
-                  [bench_cross_entropy]=skipped)
+STAGES=(build tests bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_e2e)
+declare -A STATUS
+for s in "${STAGES[@]}"; do STATUS[$s]=skipped; done
 
 stage() {  # stage NAME LOG CMD...: run CMD with its output in OUTDIR/LOG, record ok/FAIL and the seconds taken
   local name=$1 log=$2 t0 rc
@@ -39,23 +58,26 @@ stage() {  # stage NAME LOG CMD...: run CMD with its output in OUTDIR/LOG, recor
 if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q build_ext --inplace; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   stage tests pytest_cuda.log "$PY" -m pytest -m cuda -x -q -p no:cacheprovider tests
-  stage bench_norms bench_norms.txt "$PY" -m benchmarks.norms --device cuda --out "$OUT"
-  stage bench_softmax bench_softmax.txt "$PY" -m benchmarks.softmax --device cuda --out "$OUT"
-  stage bench_adamw bench_adamw.txt "$PY" -m benchmarks.adamw --device cuda --out "$OUT"
+  stage bench_norms bench_norms.txt "$PY" -m benchmarks.norms --device cuda --dtype bfloat16 --no-compile \
+    --out "$OUT"
+  stage bench_softmax bench_softmax.txt "$PY" -m benchmarks.softmax --device cuda --dtype bfloat16 --no-compile \
+    --out "$OUT"
+  stage bench_adamw bench_adamw.txt "$PY" -m benchmarks.adamw --device cuda --configs 1x100M --out "$OUT"
   stage bench_attention bench_attention.txt "$PY" -m benchmarks.attention --device cuda --dtype bfloat16 \
-    --seqlens 1024,4096,16384 --out "$OUT"
+    --head-dims 128 --seqlens 4096,8192 --out "$OUT"
   stage bench_cross_entropy bench_cross_entropy.txt "$PY" -m benchmarks.cross_entropy --device cuda \
     --dtype bfloat16 --out "$OUT"
   stage bench_e2e bench_e2e.txt "$PY" -m benchmarks.e2e --device cuda --preset gpt-1.3b --micro-batch-size 4 \
-    --steps 5 --out "$OUT"
+    --steps 5 --warmup 2 --out "$OUT"
 fi
 
-{
-  echo "gpu_check on $GPU (sm_$ARCH), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
-  printf '%-20s %s\n' stage result
-  for s in build tests bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy; do printf '%-20s %s\n' "$s" "${STATUS[$s]}"; done
-  [ -f "$OUT/pytest_cuda.log" ] && echo "pytest: $(tail -n 1 "$OUT/pytest_cuda.log")"
-  echo "total $(($(date +%s) - START))s; logs and JSON in $OUT"
-} | tee "$OUT/summary.txt"
-for s in build tests bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy; do [[ ${STATUS[$s]} == ok* ]] || exit 1; done
+: >"$OUT/stages.tsv"
+for s in "${STAGES[@]}"; do printf '%s\t%s\n' "$s" "${STATUS[$s]}" >>"$OUT/stages.tsv"; done
+[ -f "$OUT/pytest_cuda.log" ] && printf 'pytest\t%s\n' "$(tail -n 1 "$OUT/pytest_cuda.log")" >>"$OUT/stages.tsv"
+TITLE="gpu_check on $GPU (sm_$ARCH), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
+if ! summary "$TITLE"; then  # the Python summary failed: print the stages at least
+  echo "$TITLE"; cat "$OUT/stages.tsv"
+fi
+echo "total $(($(date +%s) - START))s; logs, JSON and PNGs in $OUT" | tee -a "$OUT/summary.txt"
+for s in "${STAGES[@]}"; do [[ ${STATUS[$s]} == ok* ]] || exit 1; done
 exit 0

@@ -1,0 +1,133 @@
+"""AdamW step microbenchmark: megakernels FusedAdamW vs torch.optim.AdamW (foreach=True and fused=True) (+ apex).
+
+    python -m benchmarks.adamw [--quick] [--configs 50x1M,1x100M] [--dtype float32] [--device cpu|cuda] [--out DIR]
+
+One optimizer step over a parameter set (e.g. 50 tensors of 1M params, or one of 100M), grads fixed, state
+already initialised. Prints a table (median step time over calibrated repeats, effective GB/s and its fraction of
+the copy bandwidth measured in the same run, speed-up vs each torch variant and apex FusedAdam when installed) and
+writes DIR/adamw.json and DIR/adamw.png. Never asserts on time.
+
+Bytes that must move per element and step (fp32): read param, grad, exp_avg, exp_avg_sq and write param,
+exp_avg, exp_avg_sq = 7 x 4 bytes; with master weights (16-bit params) read/write the fp32 master as well.
+The pytest-benchmark suite (benchmarks/test_bench_adamw.py) times the same callables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from megakernels.optim import FusedAdamW
+from megakernels_models.bench import ceilings as ceil
+from megakernels_models.bench.common import (DTYPES, TablePrinter, finish, median_seconds, parse_choices,
+                                             result_row, start)
+from megakernels_models.bench.peers import Peers
+
+FAMILY = "adamw"
+OPS = ("adamw",)
+CONFIGS = {"50x1M": (50, 1 << 20), "1x100M": (1, 100_000_000)}
+QUICK_CONFIGS = {"8x64K": (8, 1 << 16)}
+DEFAULT_DTYPES = ("float32",)
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+IMPLS = ("megakernels", "torch_foreach", "torch_fused")
+
+
+def make_optimizer(impl: str, n_tensors: int, numel: int, dtype: torch.dtype, device: str = "cpu", factory=None):
+    """Params with grads set and state initialised (one warm-up step), ready to time `opt.step()`.
+
+    ``impl`` is one of ``IMPLS`` or a peer's name with its ``factory(params, lr, weight_decay)``.
+
+    Raises:
+        ValueError: an unknown ``impl`` without a factory.
+    """
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(n_tensors):
+        p = torch.randn(numel, generator=g).to(dtype=dtype, device=device).requires_grad_(True)
+        p.grad = torch.randn(numel, generator=g).to(dtype=dtype, device=device) * 1e-2
+        params.append(p)
+    if factory is not None:
+        opt = factory(params, 1e-4, 0.01)
+    elif impl == "megakernels":
+        opt = FusedAdamW(params, lr=1e-4, weight_decay=0.01, master_weights=dtype != torch.float32)
+    elif impl == "torch_foreach":
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True)
+    elif impl == "torch_fused":
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    else:
+        raise ValueError(f"make_optimizer: impl must be one of {', '.join(IMPLS)} (or a peer with a factory), "
+                         f"got {impl!r}")
+    opt.step()
+    return opt
+
+
+def bytes_moved(n_tensors: int, numel: int, dtype: torch.dtype, master: bool) -> int:
+    """Bytes one step must move over ``n_tensors x numel`` parameters (see the module docstring)."""
+    elem = torch.finfo(dtype).bits // 8
+    per = 3 * elem + 2 * 2 * elem  # param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
+    if master:
+        per = 3 * elem + 4 * 4 + 2 * 4  # param w + grad r (16-bit), moments r/w fp32, master r/w fp32
+    return n_tensors * numel * per
+
+
+def default_configs(quick: bool) -> dict:
+    return QUICK_CONFIGS if quick else CONFIGS
+
+
+def run(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=None, peers: Peers | None = None,
+        log=print, impls=IMPLS) -> list[dict]:
+    """Time one step of every implementation for each config ``{name: (tensors, numel)}`` and dtype; returns the
+    result rows, each printed through ``log`` as it is measured."""
+    rows, table = [], TablePrinter(log)
+    extra = (peers or Peers(device, enabled=False)).adamw()
+    for cname, (n, numel) in configs.items():
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            times = {}
+            for impl in (*impls, *extra):
+                try:
+                    opt = make_optimizer(impl, n, numel, dtype, device, factory=extra.get(impl))
+                    times[impl] = median_seconds(opt.step, min_run_time)
+                except Exception as e:
+                    if impl not in extra:
+                        raise
+                    peers.failed(impl, f"adamw {dtype_name} {cname}", e)
+                opt = None  # free this implementation's state before the next one allocates its own
+            master = dtype != torch.float32
+            value, name = ceil.for_unit(ceilings, "GB/s", dtype_name)
+            row = result_row("adamw", FAMILY, dtype=dtype_name, shape=cname, pass_="step", size=n * numel,
+                             size_label="parameters", unit="GB/s", work=bytes_moved(n, numel, dtype, master),
+                             times=times, ceiling=value, ceiling_name=name, tensors=n, numel=numel,
+                             master_weights=master)
+            rows.append(row)
+            table(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
+    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES), help="comma list of " + ", ".join(SUPPORTED_DTYPES)
+                   + " (16-bit: ours with fp32 master weights, torch with 16-bit state)")
+    p.add_argument("--quick", action="store_true", help="one small config, short timing (a smoke run)")
+    p.add_argument("--no-peers", action="store_true", help="skip apex FusedAdam even when installed")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
+    p.add_argument("--out", default=None, help="directory for adamw.json and the PNG plot")
+    args = p.parse_args(argv)
+    configs = QUICK_CONFIGS if args.quick else {}
+    if not args.quick:
+        configs = {c: CONFIGS[c] for c in parse_choices(p, "--configs", args.configs, CONFIGS)}
+    dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
+    info = start(p, args.device)
+    ceilings = ceil.measure(args.device, (), quick=args.quick)
+    peers = Peers(args.device, enabled=not args.no_peers)
+    rows = run(configs, dtypes, device=args.device, min_run_time=0.05 if args.quick else 1.0, ceilings=ceilings,
+               peers=peers)
+    finish(args.out, "adamw.json", info, ceilings, rows, peers.notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

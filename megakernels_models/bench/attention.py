@@ -1,0 +1,165 @@
+"""FlashAttention microbenchmark: megakernels.ops.flash_attention vs torch's scaled_dot_product_attention (+ the
+flash-attn package when installed).
+
+    python -m benchmarks.attention [--quick] [--device cpu|cuda] [--dtype bfloat16,float16] [--head-dims 64,128]
+                                   [--seqlens 512,1024,...] [--out DIR]
+
+TFLOP/s are counted as flash-attn does: forward ``4 * b * h * s^2 * d`` (halved when causal), backward 2.5x the
+forward; the fwd+bwd rows also carry the backward's own rate (``bwd_TFLOPs``, from the fwd+bwd time minus the fwd
+time of the same run), which DESIGN.md §6's backward target is about. Each (head dim, seqlen) keeps ``b * s = 16k``
+tokens and ``h * d = 2048`` on a GPU (flash-attn's sweep), smaller on the CPU. SDPA gets the same data in its own
+``[b, h, s, d]`` layout, so no transpose is timed. The ceiling is the GEMM rate in the same dtype, measured in the
+same run. On the CPU this compares the blocked CPU path with SDPA's CPU kernel. Writes DIR/attention.json and
+DIR/flash_attention.png; never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from megakernels.ops import flash_attention
+from megakernels_models.bench import ceilings as ceil
+from megakernels_models.bench.common import (DTYPES, OURS, TablePrinter, finish, median_seconds, parse_choices,
+                                             result_row, start)
+from megakernels_models.bench.peers import Peers
+
+FAMILY = "attention"
+OPS = ("flash_attention",)
+GPU_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+CPU_SEQLENS = [512, 1024, 2048, 4096]
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def default_dtypes(device: str) -> tuple[str, ...]:
+    return ("bfloat16", "float16") if device == "cuda" else ("float32",)
+
+
+def shape_for(seqlen: int, head_dim: int, device: str) -> tuple[int, int]:
+    """(batch, heads) for a sweep point: 16k tokens x 2048 model width on a GPU; 4k tokens x 512 on the CPU."""
+    tokens, width = (16384, 2048) if device == "cuda" else (4096, 512)
+    return max(1, tokens // seqlen), max(1, width // head_dim)
+
+
+def flops(b, h, s, d, causal, backward) -> float:
+    """FLOPs of attention forward (``4 b h s^2 d``, halved when causal), times 3.5 with the backward."""
+    f = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    return f * (3.5 if backward else 1.0)  # fwd + bwd = 1 + 2.5
+
+
+def make_inputs(b, h, s, d, dtype, device, grad):
+    """q, k, v, do of shape [b, s, h, d], seeded."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn((b, s, h, d), generator=g, device=device, dtype=dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(grad)
+    return q, k, v, do
+
+
+def steps(q, k, v, do, causal, backward, peers: dict | None = None):
+    """Zero-argument callables {impl: step} for flash_attention, SDPA and any peers ``{name: fn(q, k, v, causal)}``
+    (peers take our ``[b, s, h, d]`` layout)."""
+    qt, kt, vt, dot = (t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad) for t in (q, k, v, do))
+
+    def ours():
+        out = flash_attention(q, k, v, causal=causal)
+        if backward:
+            torch.autograd.backward(out, do, inputs=[q, k, v])
+
+    def sdpa():
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        if backward:
+            torch.autograd.backward(out, dot, inputs=[qt, kt, vt])
+
+    def peer(fn):
+        def run():
+            out = fn(q, k, v, causal)
+            if backward:
+                torch.autograd.backward(out, do, inputs=[q, k, v])
+        return run
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    out = {"flash": ours, "sdpa": sdpa, **{name: peer(fn) for name, fn in (peers or {}).items()}}
+    return out if backward else {name: no_grad(fn) for name, fn in out.items()}
+
+
+def run(dtypes, head_dims, seqlens, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None,
+        log=print) -> list[dict]:
+    """Measure every (dtype, head dim, seqlen, causal or not, fwd / fwd+bwd); returns the result rows, each printed
+    through ``log`` as it is measured."""
+    rows, table = [], TablePrinter(log)
+    peers = peers or Peers(device, enabled=False)
+    for dtype_name in dtypes:
+        extra = peers.attention(DTYPES[dtype_name])
+        for d in head_dims:
+            for s in seqlens:
+                b, h = shape_for(s, d, device)
+                for causal in (False, True):
+                    fwd_times = {}
+                    for backward in (False, True):
+                        q, k, v, do = make_inputs(b, h, s, d, DTYPES[dtype_name], device, backward)
+                        times = {}
+                        for name, fn in steps(q, k, v, do, causal, backward, extra).items():
+                            try:
+                                times[OURS if name == "flash" else name] = median_seconds(fn, min_run_time)
+                            except Exception as e:
+                                if name not in extra:
+                                    raise
+                                peers.failed(name, f"attention {dtype_name} d{d} s{s}", e)
+                        f = flops(b, h, s, d, causal, backward)
+                        value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
+                        fields = {}
+                        if backward:  # the backward's own rate: 2.5x the forward's FLOPs over (fwd+bwd - fwd)
+                            fb = flops(b, h, s, d, causal, False) * 2.5
+                            fields["bwd_TFLOPs"] = {k: fb / (t - fwd_times[k]) / 1e12 for k, t in times.items()
+                                                    if k in fwd_times and t > fwd_times[k]}
+                        row = result_row("flash_attention", FAMILY, dtype=dtype_name, shape=f"{b}x{h}x{s}x{d}",
+                                         pass_="fwd+bwd" if backward else "fwd", size=s, size_label="sequence length",
+                                         unit="TFLOP/s", work=f, times=times, ceiling=value, ceiling_name=cname,
+                                         variant=f"d{d} {'causal' if causal else 'full'}", batch=b, heads=h,
+                                         seqlen=s, head_dim=d, causal=causal, **fields)
+                        fwd_times = times
+                        rows.append(row)
+                        table(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="comma list of " + ", ".join(SUPPORTED_DTYPES) +
+                   " (default: bfloat16,float16 on cuda, float32 on cpu)")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--seqlens", default=None, help="comma list (default: 512..16k on cuda, 512..4k on cpu)")
+    p.add_argument("--quick", action="store_true", help="one small point, short timing (a smoke run)")
+    p.add_argument("--no-peers", action="store_true", help="skip flash-attn even when installed")
+    p.add_argument("--out", default=None, help="directory for attention.json and the PNG plot")
+    args = p.parse_args(argv)
+    dtypes = parse_choices(p, "--dtype", args.dtype or ",".join(default_dtypes(args.device)), SUPPORTED_DTYPES)
+    try:
+        head_dims = [int(x) for x in args.head_dims.split(",") if x]
+        seqlens = [int(x) for x in args.seqlens.split(",") if x] if args.seqlens else \
+            (GPU_SEQLENS if args.device == "cuda" else CPU_SEQLENS)
+    except ValueError:
+        p.error("--head-dims/--seqlens: expected comma lists of integers")
+    if args.quick:
+        head_dims, seqlens = head_dims[:1], [128]
+    info = start(p, args.device)
+    ceilings = ceil.measure(args.device, dtypes, quick=args.quick)
+    peers = Peers(args.device, enabled=not args.no_peers)
+    rows = run(dtypes, head_dims, seqlens, device=args.device, min_run_time=0.05 if args.quick else 0.5,
+               ceilings=ceilings, peers=peers)
+    finish(args.out, "attention.json", info, ceilings, rows, peers.notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

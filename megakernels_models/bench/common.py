@@ -1,0 +1,208 @@
+"""What every benchmark shares: calibrated timing, the machine and commit, the result row, the table, the JSON.
+
+A result row is one measurement of one op at one shape, dtype and pass, every implementation timed one after the
+other in this process::
+
+    {"op", "family", "dtype", "shape", "pass", "variant", "size", "size_label", "unit" ("GB/s" | "TFLOP/s"),
+     "work" (bytes or FLOPs that must move, counted in the op's module), "times_ms" {impl: ms},
+     "rates" {impl: GB/s or TFLOP/s}, "ceiling", "ceiling_name", "fraction_of_ceiling" (ours),
+     "speedups" {baseline: its time / ours}, ...family-specific fields}
+
+``"megakernels"`` is always our implementation; the baselines are PyTorch's (``eager``, ``compile``, ...) and the
+optional peers (``apex``, ``liger_kernel``, ``flash_attn``). Rates use the same counted work for every
+implementation, so a rate ratio is the inverse time ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+import torch.utils.benchmark as tb
+
+OURS = "megakernels"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def median_seconds(fn: Callable[[], None], min_run_time: float) -> float:
+    """Median seconds per call of ``fn`` over calibrated blocks of calls (CUDA work is synchronised)."""
+    fn()  # warm-up (and compile, for torch.compile variants)
+    return tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time).median
+
+
+def time_impls(steps: dict[str, Callable[[], None]], min_run_time: float) -> dict[str, float]:
+    """Seconds per call of each zero-argument step, measured one after the other in this process."""
+    return {name: median_seconds(fn, min_run_time) for name, fn in steps.items()}
+
+
+def git_commit() -> str:
+    """The short commit of the checkout this package runs from ("" when installed outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def machine(device: str = "cpu") -> dict:
+    """CPU name, torch threads and version, git commit, date, device (and GPU name) for a results file."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%d"), "device": device, "python": platform.python_version()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def machine_line(info: dict) -> str:
+    where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
+    return f"# {where}, torch {info['torch']}, commit {info['commit'] or 'unknown'}"
+
+
+# ---- arguments -------------------------------------------------------------------------------------------------
+
+def split_list(flag: str, value: str, choices, aliases: dict | None = None) -> list[str]:
+    """A comma list from ``flag``, aliases resolved, duplicates dropped.
+
+    Raises:
+        ValueError: an unknown item (the message names the flag and the valid choices) or an empty list.
+    """
+    aliases = aliases or {}
+    items = []
+    for v in (v.strip() for v in value.split(",")):
+        if not v:
+            continue
+        v = aliases.get(v, v)
+        if v not in choices:
+            raise ValueError(f"{flag}: unknown value {v!r}; choose from {', '.join(choices)}")
+        if v not in items:
+            items.append(v)
+    if not items:
+        raise ValueError(f"{flag}: expected a comma list of {', '.join(choices)}, got {value!r}")
+    return items
+
+
+def parse_choices(parser, flag: str, value: str, choices) -> list[str]:
+    """``split_list`` for an argparse parser: an unknown item is a usage error (exit status 2)."""
+    try:
+        return split_list(flag, value, choices, DTYPE_ALIASES if flag == "--dtype" else None)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def start(parser, device: str) -> dict:
+    """Refuses ``--device cuda`` without a GPU, prints the machine line, returns the machine info."""
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device available")
+    info = machine(device)
+    print(machine_line(info))
+    return info
+
+
+# ---- rows and tables -------------------------------------------------------------------------------------------
+
+def result_row(op: str, family: str, *, dtype: str, shape: str, pass_: str, size: float, size_label: str,
+               unit: str, work: float, times: dict[str, float], ceiling: float | None, ceiling_name: str,
+               variant: str = "", **extra) -> dict:
+    """One result row (see the module docstring) from seconds per call of each implementation."""
+    scale = 1e9 if unit == "GB/s" else 1e12
+    ours = times[OURS]
+    rate = work / ours / scale
+    return {"op": op, "family": family, "dtype": dtype, "shape": shape, "pass": pass_, "variant": variant,
+            "size": size, "size_label": size_label, "unit": unit, "work": work,
+            "times_ms": {k: v * 1e3 for k, v in times.items()},
+            "rates": {k: work / v / scale for k, v in times.items()},
+            "ceiling": ceiling, "ceiling_name": ceiling_name,
+            "fraction_of_ceiling": rate / ceiling if ceiling else None,
+            "speedups": {k: v / ours for k, v in times.items() if k != OURS}, **extra}
+
+
+class TablePrinter:
+    """Prints rows as they are measured: a header whenever a new op starts (its columns from that op's first
+    row: the baselines it was compared with and any ``extra_columns``), then one line per row."""
+
+    def __init__(self, log: Callable[[str], None] = print):
+        self.log, self.op, self.baselines, self.extras, self.variant = log, None, [], [], False
+
+    def __call__(self, row: dict) -> None:
+        if row["op"] != self.op:
+            self.op = row["op"]
+            self.baselines = list(row["speedups"])
+            self.extras = list(row.get("extra_columns", {}))
+            self.variant = bool(row.get("variant"))
+            ceil = f"{row['ceiling_name']}" if row.get("ceiling_name") else "no ceiling"
+            self.log(f"\n## {row['op']} ({row['unit']}; % of the measured {ceil})")
+            self.log(self._line("dtype", "shape", "pass", "variant", "ms", row["unit"], "% ceil",
+                                [f"vs {b}" for b in self.baselines], self.extras))
+        pct = row.get("fraction_of_ceiling")
+        self.log(self._line(
+            row["dtype"], row["shape"], row["pass"], row.get("variant", ""),
+            f"{row['times_ms'][OURS]:.3f}", f"{row['rates'][OURS]:.3g}",
+            f"{100 * pct:.0f}%" if pct is not None else "-",
+            [f"{row['speedups'][b]:.2f}x" if b in row["speedups"] else "-" for b in self.baselines],
+            [_fmt(row.get("extra_columns", {}).get(e)) for e in self.extras]))
+
+    def _line(self, dtype, shape, pass_, variant, ms, rate, pct, vs, extras) -> str:
+        variant = f"{variant:<14}" if self.variant else ""
+        vs_w = [max(12, len(b) + 5) for b in self.baselines]  # "vs " + name + a space
+        ex_w = [max(10, len(e) + 2) for e in self.extras]
+        return (f"{dtype:<10}{shape:<20}{pass_:<9}{variant}{ms:>10}{rate:>10}{pct:>8}"
+                + "".join(f"{v:>{w}}" for v, w in zip(vs, vs_w)) + "".join(f"{v:>{w}}" for v, w in zip(extras, ex_w)))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def write_json(out_dir: str | None, name: str, payload: dict) -> str | None:
+    """``out_dir/name`` as indented JSON when an output directory was given; returns the path."""
+    if not out_dir:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path
+
+
+def finish(out_dir: str | None, name: str, info: dict, ceilings: dict, rows: list[dict], notes: list[str],
+           log: Callable[[str], None] = print) -> None:
+    """The end of a family script: the notes, ``out_dir/name`` ({machine, ceilings, notes, rows}) and the plots."""
+    for n in notes:
+        log(f"note: {n}")
+    if write_json(out_dir, name, {"machine": info, "ceilings": ceilings, "notes": notes, "rows": rows}):
+        from megakernels_models.bench import plot
+
+        for path in plot.write_plots(rows, out_dir):
+            log(f"wrote {path}")
+
+
+# ---- pytest-benchmark suites -----------------------------------------------------------------------------------
+
+IMPLS = ["fused", "eager", "compile"]
+_compiled: dict = {}
+
+
+def implementation(comp, impl: str) -> Callable:
+    """The callable for ``impl`` of a composition with ``fused``/``eager`` members (``compile``: torch.compile of
+    the eager one, compiled once per composition)."""
+    if impl == "compile":
+        if comp.eager not in _compiled:
+            _compiled[comp.eager] = torch.compile(comp.eager, dynamic=False)
+        return _compiled[comp.eager]
+    return getattr(comp, impl)

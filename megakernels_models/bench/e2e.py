@@ -1,0 +1,298 @@
+"""End-to-end training throughput: the trainer on a (tp, pp, dp) layout, and megakernels' GPT against a plain PyTorch
+eager GPT of the same shape on one device, measured in the same run.
+
+    megakernels bench --e2e PRESET [--device cpu|cuda] [--precision fp32|bf16|fp16] [--tp N] [--pp N] [--vpp N]
+                      [--dp N] [--nproc N] [--micro-batch-size B] [--global-batch-size G] [--steps 5] [--warmup 2]
+                      [--sequence-parallel] [--distributed-optimizer] [--recompute none|selective|full]
+                      [--no-baseline] [--quick] [--out DIR]
+    python -m benchmarks.e2e [--preset NAME] ...the same flags...
+
+PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one (``gpt-cpu-s256``,
+``gpt-cpu-s1024``; the default on the CPU is both, on CUDA ``gpt-1.3b``).
+
+1. The trainer (``megakernels_models.train.run``, so exactly what ``megakernels train`` runs, spawning ``--nproc``
+   local processes for a layout on the CPU) trains ``--warmup`` + ``--steps`` optimizer steps on the embedded corpus
+   with per-phase step timers on (``megakernels_models.timers``); the last ``--steps`` are reported: tokens/s,
+   TFLOP/s per device (model FLOPs of Narayanan et al.: 3x forward incl. attention, no recompute), MFU against the
+   device's peak (the trainer's table for GPUs, a timed matmul on the CPU, or ``--peak-tflops``), peak memory per
+   device (CUDA allocated memory, or each rank's peak resident set on the CPU) and the time split (forward,
+   backward, optimizer, communication, bubble; mean over ranks) next to the schedule's ideal bubble fraction.
+2. The baseline (``eager_gpt.compare_single``): one training step of megakernels' ``GPTModel`` and of a plain
+   PyTorch GPT of the same shape and weights, tp = pp = dp = 1, the trainer's micro-batch.
+
+Writes DIR/e2e.json; never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from megakernels_models.bench.common import machine, machine_line, write_json
+from megakernels_models.bench.eager_gpt import CPU_PRESETS, DTYPES as BASELINE_PRECISIONS, compare_single
+
+QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The trainer-layout and step flags shared by ``megakernels bench`` and ``python -m benchmarks.e2e``."""
+    g = p.add_argument_group("end-to-end (with --e2e)")
+    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="default: bf16 on CUDA, fp32 on the CPU")
+    for name, help_ in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size")):
+        g.add_argument("--" + name, type=int, default=1, help=help_)
+    g.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default 1, or --nproc / (tp·pp))")
+    g.add_argument("--nproc", type=int, default=None, help="local processes (default tp·pp·dp; gloo on the CPU)")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's (4 on CUDA)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro × dp × (1, or 2·pp micro-batches with pipelining)")
+    g.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
+    g.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-optimizer", action="store_true")
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    g.add_argument("--attention", choices=["flash", "torch"], default="flash")
+    g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: table/measured)")
+    g.add_argument("--no-baseline", action="store_true", help="skip the one-device eager-GPT comparison")
+    g.add_argument("--no-trainer", action="store_true", help="skip the trainer run (baseline comparison only)")
+
+
+def presets_for(name: str | None, device: str, quick: bool) -> list[str]:
+    """The models an e2e run measures: ``name``, or the device's default."""
+    if quick:
+        return [QUICK]
+    if name:
+        return [n for n in name.split(",") if n]
+    return ["gpt-1.3b"] if device == "cuda" else list(CPU_PRESETS)
+
+
+def model_config(name: str, device: str):
+    """(ModelConfig with dropout 0, default micro-batch) of ``name``.
+
+    Raises:
+        ValueError: an unknown preset or a BERT preset (the message names ``--e2e``).
+    """
+    from megakernels_models.config import PRESETS, ModelConfig, preset
+
+    if name == QUICK:
+        return preset("gpt-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0,
+                      attention_dropout=0.0), 2
+    if name in CPU_PRESETS:
+        cfg, mbs = CPU_PRESETS[name]
+        return ModelConfig(**cfg), mbs
+    if name not in PRESETS:
+        raise ValueError(f"--e2e: unknown preset {name!r}; choose from {', '.join([*CPU_PRESETS, *PRESETS])}")
+    cfg = preset(name, dropout=0.0, attention_dropout=0.0)
+    if cfg.model != "gpt":
+        raise ValueError(f"--e2e: {name} is a {cfg.model} model; the end-to-end benchmark measures GPT presets")
+    return cfg, 4 if device == "cuda" else 2
+
+
+def trainer_args(name: str, cfg, mbs: int, ns, peak: float | None):
+    """``TrainArgs`` of the trainer run for model ``name`` from the flags (validated: ``ArgumentError`` names the
+    flag and the rule)."""
+    from megakernels_models.arguments import TrainArgs, validate
+    from megakernels_models.config import PRESETS
+
+    dp = ns.dp or (ns.nproc // (ns.tp * ns.pp) if ns.nproc else 1)
+    nproc = ns.nproc or ns.tp * ns.pp * dp
+    gbs = ns.global_batch_size or mbs * max(1, dp) * (1 if ns.pp == 1 else 2 * ns.pp)
+    sizes = {} if name in PRESETS else {k: getattr(cfg, k) for k in (
+        "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")}
+    args = TrainArgs(model="gpt", preset=name if name in PRESETS else None, **sizes, dropout=0.0,
+                     tp=ns.tp, pp=ns.pp, vpp=ns.vpp, dp=ns.dp, nproc=nproc, device=ns.device,
+                     sequence_parallel=ns.sequence_parallel, schedule=ns.schedule, attention=ns.attention,
+                     micro_batch_size=mbs, global_batch_size=gbs, steps=ns.warmup + ns.steps, warmup_steps=0,
+                     precision=ns.precision, recompute=ns.recompute, distributed_optimizer=ns.distributed_optimizer,
+                     corpus_bytes=4 << 20, eval_interval=0, progress=False, step_timers=True,
+                     peak_tflops=peak if peak and math.isfinite(peak) else None)
+    validate(args)
+    return args
+
+
+def measure_trainer(args, cfg, warmup: int) -> dict:
+    """Train per ``args`` and summarise the steps after ``warmup`` (see the module docstring)."""
+    from megakernels.parallel.pipeline.schedules import bubble_fraction
+    from megakernels_models.train import run
+
+    records = run(args)[warmup:]
+    tokens_step = args.global_batch_size * cfg.seq_length
+    step_s = sum(tokens_step / r["tokens_per_s"] for r in records) / len(records)
+    world = args.world_size()
+    tflops = cfg.flops_per_token("none") * tokens_step / step_s / world / 1e12
+    device_peak = records[-1]["tflops_per_device"] / records[-1]["mfu"] if records[-1]["mfu"] else float("nan")
+    fields = records[-1]["step_timers"]["fields"]
+    per_rank = [[sum(r["step_timers"]["per_rank"][k][i] for r in records) / len(records) for i in range(len(fields))]
+                for k in range(world)]
+    peak_mem = [max(r["step_timers"]["per_rank"][k][fields.index("peak_memory_bytes")] for r in records)
+                for k in range(world)]
+    phases = [f for f in fields if f not in ("total", "peak_memory_bytes")]
+    split = {f: sum(rank[fields.index(f)] for rank in per_rank) / world for f in phases}
+    m = args.num_microbatches()
+    name = "interleaved" if (args.vpp or 1) > 1 else args.schedule
+    return {"layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": args.data_parallel_size(),
+                       "nproc": world, "micro_batch_size": args.micro_batch_size,
+                       "global_batch_size": args.global_batch_size, "microbatches": m,
+                       "sequence_parallel": args.sequence_parallel,
+                       "distributed_optimizer": args.distributed_optimizer, "recompute": args.recompute},
+            "steps": len(records), "step_s": step_s, "tokens_per_s": tokens_step / step_s,
+            "tflops_per_device": tflops, "mfu": tflops / device_peak, "device_peak_tflops": device_peak,
+            "peak_memory_bytes_per_rank": peak_mem, "time_split_s": split,
+            "time_split_per_rank_s": [dict(zip(fields, rank)) for rank in per_rank],
+            "schedule_bubble_fraction": bubble_fraction(name, args.pp, m, args.vpp or 1) if args.pp > 1 else 0.0,
+            "losses": [r["loss"] for r in records]}
+
+
+def prepare(ns) -> list[tuple]:
+    """Resolve and validate every requested model before anything runs: ``[(name, cfg, micro-batch, trainer
+    args or None)]``. Fills in the defaults of ``ns.precision`` (and the quick mode's step counts).
+
+    Raises:
+        ValueError: an unknown preset (naming --e2e); ``ArgumentError`` (a ValueError): a layout rule broken.
+    """
+    ns.precision = ns.precision or ("bf16" if ns.device == "cuda" else "fp32")
+    if ns.quick:
+        ns.steps, ns.warmup = min(ns.steps, 2), min(ns.warmup, 1)
+    for flag in ("steps", "warmup"):
+        if getattr(ns, flag) < (1 if flag == "steps" else 0):
+            raise ValueError(f"--{flag} must be >= {1 if flag == 'steps' else 0}, got {getattr(ns, flag)}")
+    plan = []
+    for name in presets_for(getattr(ns, "e2e", None), ns.device, ns.quick):
+        cfg, mbs = model_config(name, ns.device)
+        mbs = ns.micro_batch_size or mbs
+        plan.append((name, cfg, mbs, None if ns.no_trainer else trainer_args(name, cfg, mbs, ns, None)))
+    return plan
+
+
+def rank_peak(peak: float, nproc: int, ns) -> float:
+    """The peak one rank is held against. On the CPU, ``--nproc`` local ranks share the cores (``cpu_count //
+    nproc`` threads each, as the launcher gives them), so a rank's peak is its share of the peak measured here on
+    ``torch.get_num_threads()`` threads; then TFLOP/s per rank over it is the whole machine's utilisation. On a GPU
+    (one per rank) or with ``--peak-tflops``: ``peak`` itself."""
+    if ns.device == "cuda" or ns.peak_tflops or nproc == 1:
+        return peak
+    return peak * max(1, (os.cpu_count() or 1) // nproc) / torch.get_num_threads()
+
+
+def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
+    """Every model of ``plan`` (default ``prepare(ns)``): the trainer run (unless ``--no-trainer``) and the
+    one-device baseline (unless ``--no-baseline``); prints the report and returns one entry per model.
+
+    Raises:
+        megakernels.parallel.launch.WorldFailed: a spawned rank failed.
+    """
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.train import device_peak_tflops
+
+    plan = prepare(ns) if plan is None else plan
+    device = torch.device(ns.device)
+    peak = device_peak_tflops(TrainArgs(precision=ns.precision, device=ns.device, peak_tflops=ns.peak_tflops),
+                              device)
+    log(f"# {ns.precision} on {ns.device}; MFU against {peak:.3g} TFLOP/s "
+        f"({'given' if ns.peak_tflops else 'table' if ns.device == 'cuda' else 'measured matmul'})")
+    out = []
+    for name, cfg, mbs, targs in plan:
+        entry = {"name": name, "precision": ns.precision, "device": ns.device, "micro_batch_size": mbs,
+                 "shape": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length",
+                                                        "vocab_size")}}
+        if targs is not None:
+            targs = trainer_args(name, cfg, mbs, ns, rank_peak(peak, targs.nproc, ns))
+            entry["trainer"] = measure_trainer(targs, cfg, ns.warmup)
+        if not ns.no_baseline:
+            if ns.precision in BASELINE_PRECISIONS:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                entry["baseline"] = compare_single(cfg, device, ns.precision, mbs, ns.steps, peak)
+            else:
+                entry["baseline_note"] = f"no eager baseline in {ns.precision} (fp32 and bf16 only)"
+        out.append(entry)
+        for line in report_lines(entry):
+            log(line)
+    return out
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def report_lines(e: dict) -> list[str]:
+    """The printed report of one ``run`` entry: a row per implementation, then the trainer's time split."""
+    s = e["shape"]
+    lines = [f"\n## e2e {e['name']}: l{s['num_layers']} h{s['hidden_size']} a{s['num_heads']} s{s['seq_length']} "
+             f"V{s['vocab_size']}, {e['precision']} on {e['device']}",
+             f"{'run':<22}{'layout':<26}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s/dev':>13}{'MFU':>8}"
+             f"{'peak mem/dev':>14}{'vs eager/dev':>14}"]
+    base = e.get("baseline")
+    eager_tps = base["eager"]["tokens_per_s"] if base else None
+
+    def line(label, layout, step_s, tps, tflops, mfu, mem, world=1):
+        vs = f"{tps / world / eager_tps:.2f}x" if eager_tps else "-"
+        lines.append(f"{label:<22}{layout:<26}{step_s * 1e3:>10.1f}{tps:>11.0f}{tflops:>13.3g}{mfu:>8.1%}"
+                     f"{mem:>14}{vs:>14}")
+
+    if base:
+        for impl, label in (("eager", "eager GPT (PyTorch)"), ("megakernels", "megakernels GPTModel")):
+            r = base[impl]
+            line(label, f"1 device, b{e['micro_batch_size']}", r["step_s"], r["tokens_per_s"], r["tflops"], r["mfu"],
+                 "-")
+    t = e.get("trainer")
+    if t:
+        lay = t["layout"]
+        desc = (f"tp{lay['tp']} pp{lay['pp']}{'v' + str(lay['vpp']) if lay['vpp'] else ''} dp{lay['dp']}, "
+                f"b{lay['micro_batch_size']}x{lay['microbatches']}")
+        line("megakernels train", desc, t["step_s"], t["tokens_per_s"], t["tflops_per_device"], t["mfu"],
+             _gib(max(t["peak_memory_bytes_per_rank"])), lay["nproc"])
+        total = sum(t["time_split_s"].values()) or float("nan")
+        parts = " | ".join(f"{k} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in t["time_split_s"].items())
+        lines.append(f"  trainer step split (mean over {lay['nproc']} rank(s)): {parts}; schedule's ideal bubble "
+                     f"fraction {t['schedule_bubble_fraction']:.3f}")
+        if e["device"] == "cpu" and lay["nproc"] > 1:
+            lines.append(f"  the {lay['nproc']} ranks share this CPU: MFU per rank against its share of the cores, "
+                         f"{t['device_peak_tflops']:.3g} TFLOP/s")
+        if lay["nproc"] > 1:
+            lines.append("  peak memory per rank: " + ", ".join(_gib(b) for b in t["peak_memory_bytes_per_rank"]))
+    if base and base["megakernels"].get("step_memory_bytes") is not None:
+        lines.append(f"  one-device step memory beyond weights and optimizer state: eager "
+                     f"{_gib(base['eager']['step_memory_bytes'])}, megakernels "
+                     f"{_gib(base['megakernels']['step_memory_bytes'])}")
+    if e.get("baseline_note"):
+        lines.append(f"  note: {e['baseline_note']}")
+    return lines
+
+
+def main(argv=None) -> int:
+    from megakernels.parallel.launch import WorldFailed
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", dest="e2e", default=None, help="comma list of presets (default: gpt-1.3b on CUDA; "
+                   f"on the CPU {', '.join(CPU_PRESETS)})")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true", help="a tiny model, 1 + 2 steps (a smoke run)")
+    p.add_argument("--out", default=None, help="directory for e2e.json")
+    add_arguments(p)
+    ns = p.parse_args(argv)
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device available")
+    try:
+        plan = prepare(ns)
+    except ValueError as e:  # ArgumentError included: reported before any training starts
+        p.error(str(e))
+    info = machine(ns.device)
+    print(machine_line(info))
+    try:
+        rows = run(ns, plan)
+    except WorldFailed as e:
+        print(f"e2e: a rank failed: {e}", file=sys.stderr)
+        return 1
+    write_json(ns.out, "e2e.json", {"machine": info, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

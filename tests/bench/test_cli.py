@@ -1,0 +1,89 @@
+"""``megakernels bench``: argument errors (exit 2, naming the flag, before anything is measured) and a quick run
+that writes bench.json and one PNG per op."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megakernels_models.bench.cli import GROUPS, OPS, resolve_ops
+from megakernels_models.cli import build_parser, main
+
+
+def bench(*argv) -> int:
+    return main(["bench", *argv])
+
+
+def test_bench_is_a_registered_subcommand():
+    ns = build_parser().parse_args(["bench", "--ops", "adamw", "--quick"])
+    assert ns.command == "bench" and ns.ops == "adamw" and ns.quick and callable(ns._run)
+
+
+def test_unknown_op_exits_2_naming_the_flag(capsys):
+    assert bench("--ops", "layer_norm,softmaxx") == 2
+    err = capsys.readouterr().err
+    assert "--ops" in err and "'softmaxx'" in err and "layer_norm" in err
+
+
+def test_unknown_dtype_exits_2_naming_the_flag(capsys):
+    assert bench("--ops", "bias_gelu", "--dtype", "float8") == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_nonpositive_min_run_time_exits_2(capsys):
+    assert bench("--min-run-time", "0") == 2
+    assert "--min-run-time" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu_exits_2(capsys):
+    assert bench("--ops", "bias_gelu", "--device", "cuda") == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_unknown_e2e_preset_exits_2(capsys):
+    assert bench("--e2e", "gpt-huge") == 2
+    err = capsys.readouterr().err
+    assert "--e2e" in err and "gpt-huge" in err
+
+
+def test_bert_preset_is_refused_for_e2e(capsys):
+    assert bench("--e2e", "bert-tiny") == 2
+    assert "GPT presets" in capsys.readouterr().err
+
+
+def test_broken_layout_rule_exits_2_naming_the_flag(capsys):
+    assert bench("--e2e", "gpt-tiny", "--tp", "3") == 2
+    assert "--tp 3 does not divide num_heads" in capsys.readouterr().err
+
+
+def test_malformed_number_is_an_argparse_error():
+    with pytest.raises(SystemExit) as e:
+        bench("--steps", "many")
+    assert e.value.code == 2
+
+
+def test_groups_expand_in_order_without_duplicates():
+    assert resolve_ops("softmax,scaled_softmax,adamw", e2e=False) == GROUPS["softmax"] + ["adamw"]
+    assert resolve_ops(None, e2e=False) == list(OPS)
+    assert resolve_ops(None, e2e=True) == []
+
+
+def test_quick_run_of_one_op_writes_json_and_png(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert bench("--ops", "bias_gelu", "--dtype", "fp32", "--quick", "--no-compile", "--min-run-time", "0.01",
+                 "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "## bias_gelu" in printed and "vs eager" in printed and "% ceil" in printed
+    data = json.loads((out / "bench.json").read_text())
+    assert data["machine"]["device"] == "cpu"
+    assert data["ceilings"]["copy_GBps"] > 0 and data["ceilings"]["gemm_TFLOPs"]["float32"] > 0
+    assert {r["pass"] for r in data["rows"]} == {"fwd", "fwd+bwd"}
+    for r in data["rows"]:
+        assert r["op"] == "bias_gelu" and r["dtype"] == "float32" and r["unit"] == "GB/s"
+        assert set(r["times_ms"]) == {"megakernels", "eager"} and r["rates"]["megakernels"] > 0
+        assert r["fraction_of_ceiling"] == pytest.approx(r["rates"]["megakernels"] / data["ceilings"]["copy_GBps"])
+        assert r["speedups"]["eager"] == pytest.approx(r["times_ms"]["eager"] / r["times_ms"]["megakernels"])
+    assert (out / "bias_gelu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

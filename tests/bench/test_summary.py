@@ -1,0 +1,62 @@
+"""gpu_check's closing table, rendered from a small recorded OUTDIR (tests/bench/data/gpu_check: hand-made JSON in
+the format the benchmarks write, with numbers on both sides of each target)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from megakernels_models.bench import summary
+
+DATA = Path(__file__).parent / "data" / "gpu_check"
+
+
+def line_of(text: str, target: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(target))
+
+
+def test_targets_pass_and_fail_with_their_percentage():
+    text = summary.render(str(DATA))
+    fwd = line_of(text, "FlashAttention fwd d128 bf16 s>=4k full")
+    assert "600 TFLOP/s" in fwd and "550 TFLOP/s" in fwd and "109%" in fwd and "PASS" in fwd
+    causal = line_of(text, "FlashAttention bwd d128 bf16 s>=4k causal")
+    assert "400 TFLOP/s" in causal and "95%" in causal and "FAIL" in causal
+    assert "FAIL" in line_of(text, "layer_norm fwd+bwd rows>=4k") and "88.0%" in line_of(text, "layer_norm fwd+bwd")
+    assert "PASS" in line_of(text, "AdamW step") and "87.0%" in line_of(text, "AdamW step")
+    assert "PASS" in line_of(text, "GPT-1.3B MFU") and "56.8%" in line_of(text, "GPT-1.3B MFU")
+
+
+def test_short_rows_below_the_threshold_are_left_out():
+    text = summary.render(str(DATA))
+    # the s=1024 attention rows and the 1024-row rms_norm row are slow but outside the targets' range
+    assert "worst of 2" in line_of(text, "FlashAttention fwd d128 bf16 s>=4k full")
+    assert "95.0%" in line_of(text, "rms_norm fwd rows>=4k")
+
+
+def test_missing_measurements_are_not_passes():
+    text = summary.render(str(DATA))
+    assert "n/a" in line_of(text, "scaled_softmax fwd rows>=4k")
+    assert text.splitlines()[-1] == "7 of 10 measured targets met (11 not measured)"
+
+
+def test_stage_results_come_first_under_the_title():
+    lines = summary.render(str(DATA), "gpu_check on a fixture").splitlines()
+    assert lines[0] == "gpu_check on a fixture"
+    assert lines[1].startswith("stage") and "FAIL (rc 1, see bench_softmax.txt)" in lines[5]
+
+
+def test_an_empty_folder_renders_every_target_as_not_measured(tmp_path):
+    text = summary.render(str(tmp_path))
+    assert "PASS" not in text and "FAIL" not in text
+    assert text.splitlines()[-1].startswith("0 of 0 measured targets met")
+
+
+def test_unreadable_json_is_skipped(tmp_path):
+    shutil.copy(DATA / "adamw.json", tmp_path)
+    (tmp_path / "broken.json").write_text("{not json")
+    assert "PASS" in line_of(summary.render(str(tmp_path)), "AdamW step")
+
+
+def test_command_line_prints_the_table(capsys):
+    assert summary.main([str(DATA), "--title", "T"]) == 0
+    assert capsys.readouterr().out.startswith("T\nstage")
