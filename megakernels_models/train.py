@@ -231,7 +231,7 @@ def _train(cfg: ModelConfig, args: TrainArgs) -> list[dict] | None:
                        "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
                        "tokens_per_s": tps, "tflops_per_device": tflops, "mfu": tflops / peak,
                        "elapsed_s": time.perf_counter() - t_start, "skipped": not stepped}
-                if step == 0:  # measured on the tensors this rank holds (optimizer state exists after a step)
+                if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
                     n = sum(p.numel() for c in chunks for p in c.parameters())
                     rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
             timers.finish(rec)
