@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp_
 
-from megakernels_models.bench.common import parse_choices, start, write_json
+from megakernels_models.bench.common import parse_choices, parse_shapes, start, write_json
 
 SHAPES = [(256, 4, 1024), (512, 4, 512)]
 QUICK_SHAPES = [(256, 2, 512)]
@@ -123,17 +123,6 @@ def run_world(world: int, shapes, reps: int) -> list[dict]:
     return rows
 
 
-def _parse_shapes(parser, value: str) -> list[tuple[int, int, int]]:
-    shapes = []
-    for item in filter(None, value.split(";")):
-        try:
-            s, b, h = (int(v) for v in item.split(","))
-        except ValueError:
-            parser.error(f"--shapes: expected s,b,h;... got {item!r}")
-        shapes.append((s, b, h))
-    return shapes
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape, few repeats")
@@ -143,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write DIR/parallel_overlap.json")
     args = parser.parse_args(argv)
     tps = [int(t) for t in parse_choices(parser, "--tp", args.tp, ["2", "4", "8"])]
-    shapes = _parse_shapes(parser, args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
+    shapes = parse_shapes(parser, args.shapes, "s,b,h") if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
     for s, _, h in shapes:
         if any(s % tp for tp in tps):
             parser.error(f"--shapes: sequence length {s} must be divisible by every --tp value {tps}")

@@ -103,6 +103,19 @@ def parse_choices(parser, flag: str, value: str, choices) -> list[str]:
         parser.error(str(e))
 
 
+def parse_shapes(parser, value: str, dims: str) -> list[tuple[int, ...]]:
+    """``--shapes`` as ``a,b;a,b...`` with one positive int per name in ``dims`` (e.g. ``"rows,hidden"``); any
+    other value is a usage error naming the flag and the expected form."""
+    n = len(dims.split(","))
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in value.split(";") if s]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != n or min(s) < 1 for s in shapes):
+        parser.error(f"--shapes: expected {dims}[;{dims}...] with positive sizes, got {value!r}")
+    return shapes
+
+
 def start(parser, device: str) -> dict:
     """Refuses ``--device cuda`` without a GPU, prints the machine line, returns the machine info."""
     if device == "cuda" and not torch.cuda.is_available():

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megakernels.ops import bias_gelu, layer_norm, rms_norm
 from megakernels_models.bench import ceilings as ceil
 from megakernels_models.bench.common import (DTYPES, OURS, TablePrinter, finish, median_seconds, parse_choices,
+                                             parse_shapes,
                                              result_row, start)
 from megakernels_models.bench.peers import Peers
 
@@ -153,17 +154,6 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
     return rows
 
 
-def parse_shapes(parser, value: str) -> list[tuple[int, int]]:
-    """``rows,hidden;rows,hidden...`` -> shapes (a usage error naming --shapes otherwise)."""
-    try:
-        shapes = [tuple(int(v) for v in s.split(",")) for s in value.split(";") if s]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        parser.error(f"--shapes: expected rows,hidden[;rows,hidden...] with positive sizes, got {value!r}")
-    return shapes
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
@@ -177,7 +167,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ops = parse_choices(p, "--ops", args.ops, OPS)
     dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
-    shapes = parse_shapes(p, args.shapes) if args.shapes else default_shapes(args.device, args.quick)
+    shapes = parse_shapes(p, args.shapes, "rows,hidden") if args.shapes else default_shapes(args.device, args.quick)
     info = start(p, args.device)
     ceilings = ceil.measure(args.device, (), quick=args.quick)
     peers = Peers(args.device, enabled=not args.no_peers)

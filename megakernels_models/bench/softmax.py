@@ -27,6 +27,7 @@ from megakernels.ops import scaled_causal_softmax, scaled_masked_softmax, scaled
 from megakernels.ops.softmax import causal_mask
 from megakernels_models.bench import ceilings as ceil
 from megakernels_models.bench.common import (DTYPES, OURS, TablePrinter, finish, median_seconds, parse_choices,
+                                             parse_shapes,
                                              result_row, start)
 
 FAMILY = "softmax"
@@ -149,17 +150,6 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
     return rows
 
 
-def parse_shapes(parser, value: str) -> list[tuple[int, ...]]:
-    """``b,h,sq,sk;...`` -> shapes (a usage error naming --shapes otherwise)."""
-    try:
-        shapes = [tuple(int(v) for v in s.split(",")) for s in value.split(";") if s]
-    except ValueError:
-        parser.error(f"--shapes: expected b,h,sq,sk[;b,h,sq,sk...], got {value!r}")
-    if not shapes or any(len(s) != 4 or min(s) < 1 for s in shapes):
-        parser.error(f"--shapes: each shape needs 4 positive sizes b,h,sq,sk, got {value!r}")
-    return shapes
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=",".join(COMPOSITIONS), help="comma list of " + ", ".join(COMPOSITIONS))
@@ -172,7 +162,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ops = parse_choices(p, "--ops", args.ops, COMPOSITIONS)
     dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
-    shapes = parse_shapes(p, args.shapes) if args.shapes else default_shapes(args.device, args.quick)
+    shapes = parse_shapes(p, args.shapes, "b,h,sq,sk") if args.shapes else default_shapes(args.device, args.quick)
     info = start(p, args.device)
     ceilings = ceil.measure(args.device, (), quick=args.quick)
     rows = run(ops, dtypes, shapes, device=args.device, with_compile=not args.no_compile,

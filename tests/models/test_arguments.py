@@ -65,7 +65,6 @@ def test_dry_run_of_paper_presets(name, tp, tmp_path):
                              "--sequence-parallel", "--recompute", "selective", "--dry-run", "--log-jsonl", str(log)])
     lines = []
     rep = report(args, out=lines.append)
-    assert rep["seconds"] < 20
     rec = json.loads(log.read_text())
     assert set(rec) >= {"parameters", "flops_per_step", "memory_per_device_bytes"}
     cfg = validate(args)

@@ -95,6 +95,5 @@ def test_a_killed_rank_ends_the_whole_run_with_its_error(tmp_path):
             proc.communicate()
     assert proc.returncode == 1
     assert "a rank failed" in err and "died with exit code -9" in err, err[-2000:]
-    assert elapsed < 60
     for c in ranks:  # no rank is left behind
         assert not os.path.exists(f"/proc/{c}") or "spawn_main" not in _cmdline(c)
