@@ -10,21 +10,17 @@ Never asserts on time (DESIGN.md §6).
 from __future__ import annotations
 
 import pytest
+
+from megakernels.parallel.launch import single_process_world
 import torch
-import torch.distributed as dist
 
 from megakernels_models.bench.eager_gpt import CPU_PRESETS, EagerGPT, copy_weights
 
 
 @pytest.fixture(scope="module")
 def world():
-    import megakernels.parallel as mpu
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mpu.initialize(1, 1)
-    yield
-    mpu.destroy()
-    dist.destroy_process_group()
+    with single_process_world(parallel=True):
+        yield
 
 
 @pytest.mark.parametrize("impl", ["megakernels", "eager"])

@@ -249,6 +249,16 @@ def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
             if k not in skip and saved.get(k) != v]
 
 
+def read_meta(path: str) -> dict:
+    """The checkpoint's metadata: ``step``, ``optimizer_step``, ``config`` (ModelConfig fields), ``layout``,
+    ``loss_scaler``. Reads only that entry; works with or without a process group."""
+    sd = {"meta": ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    return json.loads(sd["meta"])
+
+
 def saved_keys(path: str) -> set[str]:
     """The entries of the checkpoint at ``path`` (``model.<name>``, ``optimizer.<state>.<name>``, ...)."""
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
@@ -263,11 +273,9 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         CheckpointError: the checkpoint belongs to another model configuration (naming the fields), or lacks a
             parameter of the model.
     """
-    meta = {"meta": ""}
+    meta = read_meta(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        dcp.load(meta, checkpoint_id=path)
-        meta = json.loads(meta["meta"])
         bad = _config_mismatch(meta["config"], config)
         if bad:
             raise CheckpointError(f"checkpoint {path} is for another model: " + "; ".join(bad))

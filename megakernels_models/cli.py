@@ -8,7 +8,6 @@ starts, with the rule that was broken, and exit with status 2; a failed rank exi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from megakernels_models.arguments import ArgumentError, TrainArgs

@@ -20,10 +20,8 @@ import json
 import re
 import time
 
-import torch
 import torch.distributed as dist
 
-import megakernels.parallel as mpu
 from megakernels.parallel.embedding import pad_vocab_size
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config import ModelConfig, human, stage_layers
@@ -33,21 +31,13 @@ def _meta_model(cfg: ModelConfig):
     from megakernels_models.bert import BertModel
     from megakernels_models.gpt import GPTModel
 
-    own = not dist.is_initialized()
-    if not own and dist.get_world_size() != 1:
+    from megakernels.parallel.launch import single_process_world
+
+    if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mpu.initialize(1, 1)
-        try:
-            cls = GPTModel if cfg.model == "gpt" else BertModel
-            return cls(cfg, 0, device="meta", attention="torch")
-        finally:
-            mpu.destroy()
-    finally:
-        if own:
-            dist.destroy_process_group()
+    with single_process_world(parallel=True):
+        cls = GPTModel if cfg.model == "gpt" else BertModel
+        return cls(cfg, 0, device="meta", attention="torch")
 
 
 def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> list[int]:

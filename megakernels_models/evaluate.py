@@ -90,21 +90,13 @@ def load_model(ckpt_dir: str, device: str = "cpu"):
     from megakernels_models.gpt import GPTModel
 
     path = checkpoint.read_latest(ckpt_dir)
-    meta = _meta(path)
+    meta = checkpoint.read_meta(path)
     cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
     if cfg.model != "gpt":
         raise ValueError(f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT)")
     model = GPTModel(cfg, seed=0, device=device).eval()
     checkpoint.load(path, [model], None, cfg)
     return model, cfg
-
-
-def _meta(path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-
-    sd = {"meta": ""}
-    dcp.load(sd, checkpoint_id=path)
-    return json.loads(sd["meta"])
 
 
 def _tokenizer(spec: str):
@@ -126,9 +118,7 @@ def add_parser(sub) -> None:
 
 
 def main(ns) -> int:
-    import torch.distributed as dist
-
-    import megakernels.parallel as mpu
+    from megakernels.parallel.launch import single_process_world
     from megakernels_models.checkpoint import CheckpointError
 
     try:
@@ -138,10 +128,8 @@ def main(ns) -> int:
     except (OSError, ValueError) as e:
         print(f"megakernels eval: error: {e}", file=sys.stderr)
         return 2
-    dist.init_process_group("nccl" if ns.device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mpu.initialize(1, 1)
-        try:
+        with single_process_world(ns.device, parallel=True):
             model, cfg = load_model(ns.load, ns.device)
             if tok.vocab_size > cfg.vocab_size:
                 raise ValueError(f"--tokenizer has {tok.vocab_size} ids, the model only {cfg.vocab_size}")
@@ -154,12 +142,8 @@ def main(ns) -> int:
                 passages = [json.loads(line)[ns.json_key] for line in raw.splitlines() if line.strip()]
                 res = lambada_accuracy(model, tok, passages, cfg.seq_length, cfg.vocab_size)
                 print(f"lambada: accuracy {res['accuracy']:.4f} ({res['correct']}/{res['passages']})")
-        finally:
-            mpu.destroy()
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"megakernels eval: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        dist.destroy_process_group()
     print(json.dumps(res))
     return 0

@@ -297,19 +297,15 @@ def run(args: TrainArgs):
             return train(args)
         finally:
             dist.destroy_process_group()
+    from megakernels.parallel import launch
+
     if args.nproc == 1:
         if args.device == "cuda":
             torch.cuda.set_device(0)
-        import datetime
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=args.timeout))
-        try:
+        with launch.single_process_world(args.device, args.timeout):
             return train(args)
-        finally:
-            dist.destroy_process_group()
     if args.device == "cuda":
         raise ValueError("--nproc with --device cuda: launch with torchrun --nproc-per-node N instead (NCCL)")
-    from megakernels.parallel import launch
 
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     results = launch.run_world(args.nproc, _spawned, args, timeout=args.timeout, threads=threads, world_timeout=None)

@@ -22,6 +22,7 @@ are always reaped and the store is closed before ``run_world`` returns or raises
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import math
@@ -193,3 +194,25 @@ def _collect(procs, results, world_size: int, timeout: float | None, fn) -> list
             raise WorldFailed(f"{name}: timed out after {timeout:g} s; ranks {missing} had not finished (a hang, "
                                  "a deadlock or a dead peer)")
     return [out[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def single_process_world(device: str = "cpu", timeout: float = 600.0, parallel: bool = False):
+    """A one-rank ``torch.distributed`` world in this process (gloo, or nccl for ``device="cuda"``), torn down on
+    exit; with ``parallel``, ``megakernels.parallel`` initialised at tp = pp = dp = 1 inside it. For single-device
+    training, evaluation, dry runs and benchmarks, which run the same code as a multi-rank world."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        if not parallel:
+            yield
+            return
+        from megakernels.parallel import state
+
+        state.initialize(1, 1)
+        try:
+            yield
+        finally:
+            state.destroy()
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,6 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -107,17 +106,14 @@ def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: i
         ValueError: ``precision`` other than fp32 / bf16.
         RuntimeError: the two models' initial losses differ by more than 2% (the comparison would be unfair).
     """
-    import megakernels.parallel as mpu
     from megakernels.optim import FusedAdamW
+    from megakernels.parallel.launch import single_process_world
     from megakernels_models.gpt import GPTModel
 
     if precision not in DTYPES:
         raise ValueError(f"compare_single: precision must be one of {', '.join(DTYPES)}, got {precision!r}")
     dtype = DTYPES[precision]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
-    mpu.initialize(1, 1)
-    try:
+    with single_process_world(device.type, parallel=True):
         fused = GPTModel(cfg, seed=1234, device=device).to(dtype)
         eager = EagerGPT(cfg).to(device)
         copy_weights(eager, fused)
@@ -153,6 +149,3 @@ def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: i
                          "mfu": flops / t / 1e12 / peak, "step_memory_bytes": mem}
         row["speedup"] = row["eager"]["step_s"] / row["megakernels"]["step_s"]
         return row
-    finally:
-        mpu.destroy()
-        dist.destroy_process_group()

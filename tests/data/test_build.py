@@ -11,6 +11,8 @@ import os
 import numpy as np
 import pytest
 
+from megakernels.parallel.launch import single_process_world
+
 from megakernels_models.arguments import ArgumentError, TrainArgs
 from megakernels_models.data import corpus
 from megakernels_models.data.blending import BlendedDataset
@@ -212,13 +214,9 @@ def test_bad_split():
 
 def test_trainer_runs_on_the_pipeline():
     """Two steps train on the cached default corpus through the pipeline, with a validation loss."""
-    import torch.distributed as dist
 
     from megakernels_models import train as train_mod
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with single_process_world():
         recs = train_mod.train(dataclasses.replace(ARGS, steps=2, eval_interval=2, dropout=0.0))
-    finally:
-        dist.destroy_process_group()
     assert len(recs) == 2 and "val_loss" in recs[-1] and np.isfinite(recs[-1]["loss"])

@@ -1,20 +1,17 @@
 import pytest
-import torch
-import torch.distributed as dist
 
-import megakernels.parallel as mpu
+from megakernels.parallel.launch import single_process_world
+
+
+@pytest.fixture
+def world1():
+    """A one-process gloo world (the trainer initialises megakernels.parallel itself)."""
+    with single_process_world():
+        yield
 
 
 @pytest.fixture
 def single_world():
     """A one-process gloo world with ``megakernels.parallel`` initialised at tp = pp = dp = 1."""
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mpu.initialize(1, 1)
-    try:
+    with single_process_world(parallel=True):
         yield
-    finally:
-        mpu.destroy()
-        if own:
-            dist.destroy_process_group()

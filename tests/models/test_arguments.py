@@ -64,7 +64,7 @@ def test_dry_run_of_paper_presets(name, tp, tmp_path):
                              "--global-batch-size", "512", "--precision", "bf16", "--distributed-optimizer",
                              "--sequence-parallel", "--recompute", "selective", "--dry-run", "--log-jsonl", str(log)])
     lines = []
-    rep = report(args, out=lines.append)
+    report(args, out=lines.append)
     rec = json.loads(log.read_text())
     assert set(rec) >= {"parameters", "flops_per_step", "memory_per_device_bytes"}
     cfg = validate(args)

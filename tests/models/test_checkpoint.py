@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-import torch.distributed as dist
 
 from megakernels_models import checkpoint
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
@@ -20,12 +19,6 @@ from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 TINY = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=16, dropout=0.1, steps=8,
                  micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18)
 
-
-@pytest.fixture
-def world1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _train(**changes):

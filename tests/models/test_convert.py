@@ -7,24 +7,15 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from megakernels.parallel.launch import single_process_world
 import torch
-import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
 from megakernels_models import checkpoint, convert  # noqa: E402
 from megakernels_models.cli import main  # noqa: E402
 
-
-@pytest.fixture
-def world1():
-    import megakernels.parallel as mpu
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mpu.initialize(1, 1)
-    yield
-    mpu.destroy()
-    dist.destroy_process_group()
 
 
 def _hf_gpt2(path, **kw):
@@ -51,7 +42,7 @@ def _our_logits(ckpt_dir, ids):
         return model(ids).transpose(0, 1)[..., :cfg.vocab_size]
 
 
-def test_gpt2_round_trip_gives_the_same_logits(world1, tmp_path):
+def test_gpt2_round_trip_gives_the_same_logits(single_world, tmp_path):
     hf = _hf_gpt2(tmp_path / "hf")
     ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
@@ -72,13 +63,10 @@ def test_a_converted_checkpoint_trains(tmp_path):
 
     _hf_gpt2(tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with single_process_world():
         recs = train(TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=24,
                                vocab_size=300, steps=3, micro_batch_size=2, global_batch_size=2, eval_interval=0,
                                progress=False, corpus_bytes=1 << 18, load=str(tmp_path / "mk"), dropout=0.0))
-    finally:
-        dist.destroy_process_group()
     assert len(recs) == 3 and recs[-1]["loss"] < recs[0]["loss"] + 1.0
 
 
@@ -107,7 +95,7 @@ def _hf_bert(path):
     return model
 
 
-def test_hf_bert_converts_exactly_to_post_norm_and_back(world1, tmp_path):
+def test_hf_bert_converts_exactly_to_post_norm_and_back(single_world, tmp_path):
     from megakernels_models.bert import BertModel
 
     hf = _hf_bert(tmp_path / "hf")
@@ -138,7 +126,7 @@ def test_hf_bert_converts_exactly_to_post_norm_and_back(world1, tmp_path):
     torch.testing.assert_close(again.prediction_logits, ref.prediction_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_pre_norm_bert_does_not_convert_to_hf(world1, tmp_path, capsys):
+def test_a_pre_norm_bert_does_not_convert_to_hf(single_world, tmp_path, capsys):
     from megakernels_models.bert import BertModel
 
     cfg = convert.ModelConfig("bert", num_layers=1, hidden_size=16, num_heads=2, seq_length=8)

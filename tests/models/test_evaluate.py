@@ -8,8 +8,9 @@ import json
 import math
 
 import pytest
+
+from megakernels.parallel.launch import single_process_world
 import torch
-import torch.distributed as dist
 
 from megakernels_models.cli import main
 from megakernels_models.config import ModelConfig
@@ -21,18 +22,12 @@ CFG = ModelConfig("gpt", num_layers=1, hidden_size=16, num_heads=2, seq_length=8
 
 @pytest.fixture
 def zero_model(tmp_path):
-    import megakernels.parallel as mpu
     from megakernels_models.gpt import GPTModel
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mpu.initialize(1, 1)
-    try:
+    with single_process_world(parallel=True):
         model = GPTModel(CFG, seed=0)
         tensors = {k: torch.zeros_like(v)[:261] if k == "embedding.word.weight" else torch.zeros_like(v)
                    for k, v in model.named_parameters()}
-    finally:
-        mpu.destroy()
-        dist.destroy_process_group()
     return write_checkpoint(tensors, CFG, str(tmp_path / "zero"), "test")
 
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 TINY = ["--preset", "gpt-tiny", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--corpus-bytes", "262144", "--no-progress"]
@@ -85,10 +84,8 @@ def test_a_killed_rank_ends_the_whole_run_with_its_error(tmp_path):
             time.sleep(0.2)
         ranks = [c for c in _children(proc.pid) if "spawn_main" in _cmdline(c)]
         assert len(ranks) == 2, [_cmdline(c) for c in _children(proc.pid)]
-        t0 = time.monotonic()
         os.kill(ranks[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - t0
+        _, err = proc.communicate(timeout=120)  # a hang would end here as a TimeoutExpired
     finally:
         if proc.poll() is None:
             proc.kill()

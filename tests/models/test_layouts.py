@@ -15,8 +15,9 @@ import shutil
 import tempfile
 
 import pytest
+
+from megakernels.parallel.launch import single_process_world
 import torch
-import torch.distributed as dist
 
 from megakernels_models.arguments import TrainArgs
 from tests.parallel.harness import run_world
@@ -103,12 +104,9 @@ def _resume_point(model: str, root: str = CKPT_DIR) -> str:
 def _single(cases):
     from megakernels_models.train import train
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with single_process_world():
         return {c: ((lambda r: (_losses(r), [x["grad_norm"] for x in r]))(
             train(_args(c[0], LAYOUTS[c[1]][1] if c[1] in LAYOUTS else {}, 1)))) for c in cases}
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +179,8 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
         from megakernels_models.train import train
 
         _world_results(8)  # the checkpoint
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
+        with single_process_world():
             records = train(_args(model, dict(load=_resume_point(model)), 1))
-        finally:
-            dist.destroy_process_group()
         got = (_losses(records), [r["grad_norm"] for r in records])
     else:
         got = _world_results(8)[("reshard", model, target)]

@@ -7,7 +7,6 @@ import dataclasses
 import math
 
 import pytest
-import torch.distributed as dist
 
 from megakernels_models.arguments import TrainArgs
 
@@ -15,12 +14,6 @@ TINY = TrainArgs(preset=None, num_layers=2, hidden_size=64, num_heads=4, seq_len
                  micro_batch_size=4, global_batch_size=8, lr=3e-3, min_lr=3e-4, eval_interval=4, eval_steps=2,
                  progress=False, corpus_bytes=1 << 18, seed=3)
 
-
-@pytest.fixture
-def world1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _train(**changes):
