@@ -2,9 +2,9 @@
 
 Every tensor is saved in the coordinates of the *full, unpadded* model, under its global name (``layers.7.mlp.fc1.
 weight``, whatever pipeline stage or local index holds it): a tensor-parallel shard is a chunk of its full tensor
-at its offset (``p.partition_dim``; a padded vocabulary keeps only its first ``p.real_size`` rows), a replicated
-tensor is saved whole (once: DCP de-duplicates the copies of data-parallel replicas, of the tied embedding on the
-first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
+at its offset (its marks in ``megakernels.parallel.params``: partition dim and stride; a padded vocabulary keeps
+only its real rows), a replicated tensor is saved whole (once: DCP de-duplicates the copies of data-parallel
+replicas, of the tied embedding on the first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
 chunks overlap them — so a checkpoint written at (tp, pp, dp) = (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2).
 
 What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments in the same per-parameter
@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megakernels.parallel as mpu
+from megakernels.parallel import params
 from megakernels_models.config import ModelConfig
 
 LATEST = "latest"
@@ -61,41 +62,51 @@ def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[tuple[int, int]]]:
-    """(full shape, partition dim, [(offset, size) per TP rank along it]) of a parameter."""
-    tp = mpu.tp_size()
-    if not getattr(p, "tensor_parallel", False):
-        dim, tp = 0, 1
-    else:
-        dim = p.partition_dim
+def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[list[tuple[int, int, int]]]]:
+    """(full shape, partition dim, per TP rank its pieces ``(full offset, local offset, size)`` along that dim) of
+    a parameter, from its marks (``megakernels.parallel.params``): a replicated parameter is one piece; a sharded
+    one is block r of each of its ``stride`` segments, cut to the first ``real_size`` entries."""
+    rec = params.info(p)
+    tp = mpu.tp_size() if rec.tensor_parallel else 1
+    dim, stride = rec.partition_dim, rec.partition_stride
     n = p.shape[dim]
-    real = getattr(p, "real_size", n * tp)
     full = list(p.shape)
-    full[dim] = real
-    return full, dim, [(t * n, max(0, min((t + 1) * n, real) - t * n)) for t in range(tp)]
+    full[dim] = n * tp if rec.real_size is None else rec.real_size
+    seg_local, seg_full = n // stride, n * tp // stride
+    pieces = []
+    for t in range(tp):
+        mine = []
+        for s in range(stride):
+            lo = s * seg_full + t * seg_local
+            size = max(0, min(lo + seg_local, full[dim]) - lo)
+            if size:
+                mine.append((lo, s * seg_local, size))
+        pieces.append(mine)
+    return full, dim, pieces
 
 
 def _sharded(local: torch.Tensor, p: torch.Tensor):
-    """``local`` (shaped like ``p``) as the chunk of the full tensor this rank holds: a plain tensor when the
-    chunk is the whole tensor, else a ShardedTensor describing every TP rank's chunk."""
+    """``local`` (shaped like ``p``) as the part of the full tensor this rank holds: a plain tensor when it is the
+    whole tensor, else a ShardedTensor describing every TP rank's pieces."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    full, dim, chunks = _chunks_of(p)
-    tp_rank = mpu.tp_rank() if getattr(p, "tensor_parallel", False) else 0
-    offset, size = chunks[tp_rank]
-    view = local.narrow(dim, 0, size)
-    if len(chunks) == 1:
-        return view
+    full, dim, pieces = _chunks_of(p)
+    if len(pieces) == 1:
+        (_, _, size), = pieces[0]
+        return local.narrow(dim, 0, size)
+    tp_rank = mpu.tp_rank()
     ranks = dist.get_process_group_ranks(mpu.tp_group())
-    metas = []
-    for t, (off, sz) in enumerate(chunks):
-        if sz:
+    metas, shards = [], []
+    for t, mine in enumerate(pieces):
+        for full_off, local_off, size in mine:
             offsets, sizes = [0] * len(full), list(full)
-            offsets[dim], sizes[dim] = off, sz
-            metas.append(ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}"))
-    shards = [Shard(view, m) for m in metas if m.placement.rank() == dist.get_rank()]
+            offsets[dim], sizes[dim] = full_off, size
+            meta = ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}")
+            metas.append(meta)
+            if t == tp_rank:
+                shards.append(Shard(local.narrow(dim, local_off, size), meta))
     md = ShardedTensorMetadata(metas, torch.Size(full), TensorProperties(dtype=local.dtype))
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
 

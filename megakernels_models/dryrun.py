@@ -3,7 +3,7 @@
 The model is built on the meta device (shapes only; seconds even for GPT-8.3B), so the parameter count is the real
 model's. Per-device numbers follow the layout:
 
-- parameters per device: sharded tensors (``p.tensor_parallel``) divided by tp (the vocabulary padded to 128·tp),
+- parameters per device: sharded tensors (``params.is_tensor_parallel``) divided by tp (the vocabulary padded to 128·tp),
   replicated ones whole, layers split over pipeline stages; the most loaded stage is reported;
 - weights + gradients + optimizer state per parameter, Megatron-LM's accounting: bf16/fp16 training keeps 2-byte
   weights, 4-byte fp32 gradients and 12 bytes of fp32 master weight + Adam moments (18 bytes), the distributed
@@ -23,6 +23,7 @@ import time
 import torch.distributed as dist
 
 from megakernels.parallel.embedding import pad_vocab_size
+from megakernels.parallel.params import is_tensor_parallel
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config import ModelConfig, human, stage_layers
 
@@ -53,7 +54,7 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
             n = vocab_local * cfg.hidden_size
         elif name == "mlm_bias":
             n = vocab_local
-        elif getattr(p, "tensor_parallel", False):
+        elif is_tensor_parallel(p):
             n = p.numel() // tp
         else:
             n = p.numel()

@@ -8,58 +8,22 @@ past 336M parameters; GPT-2 uses it too. The layer runs on ``[s, b, h]`` (``[s/t
 parallelism). Everything that owns weights is seeded by its name (``layers.<i>.attention``, ...), so a pipeline
 stage that builds only layers 8..15 gets exactly the weights those layers have in the single-process model.
 
-Attention cores (``attention=``):
-- ``"flash"``: ``megakernels.ops.flash_attention`` (Triton on CUDA, blocked on the CPU); with a padding mask (BERT)
-  the fused kernels' path instead: scores, ``scaled_masked_softmax``, weighted sum.
-- ``"torch"``: PyTorch's ``scaled_dot_product_attention`` (the baseline).
+Attention cores (``attention=``, ``megakernels.nn.attention``): ``"flash"`` (FlashAttention; with BERT's padding
+mask, the fused masked softmax) or ``"torch"`` (PyTorch's ``scaled_dot_product_attention``, the baseline).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megakernels.nn import FusedLayerNorm
-from megakernels.ops import flash_attention
-from megakernels.ops.softmax import scaled_masked_softmax
 from megakernels.parallel import init
-from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention, sdpa_attention
+from megakernels.parallel.params import mark_sequence_parallel, mark_shared_embedding
+from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 from megakernels_models.config import ModelConfig
-
-ATTENTION = ("flash", "torch")
-
-
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    dropout_p: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention on ``[b, s, heads, head_dim]``: FlashAttention without a mask; with a boolean ``mask``
-    (broadcastable to ``[b, heads, s, s]``, True = masked out) the scores go through the fused masked softmax."""
-    if mask is None:
-        return flash_attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    if causal:
-        raise ValueError("fused_attention: pass either causal=True or a mask, not both")
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    probs = scaled_masked_softmax(qh @ kh.transpose(-1, -2), mask, 1.0 / math.sqrt(q.shape[-1]))
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, dropout_p)
-    return (probs @ vh).transpose(1, 2)
-
-
-def attention_fn(name: str):
-    if name not in ATTENTION:
-        raise ValueError(f"attention must be one of {ATTENTION}, got {name!r}")
-    return fused_attention if name == "flash" else sdpa_attention
-
-
-def mark_sequence_parallel(module: nn.Module) -> None:
-    """Mark a replicated module's parameters as applied to sequence shards: their gradients are partial per TP
-    rank and are summed over the TP group once per step."""
-    for p in module.parameters():
-        p.sequence_parallel = True
-
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
     """Hidden dropout. Under sequence parallelism each TP rank holds different tokens, so the masks come from the
@@ -113,7 +77,7 @@ class TransformerLayer(nn.Module):
         name = f"layers.{layer_number}"
         self.input_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
         self.attention = ParallelSelfAttention(
-            c.hidden_size, c.num_heads, causal, sequence_parallel, attention_fn=attention_fn(attention),
+            c.hidden_size, c.num_heads, causal, sequence_parallel, core=attention,
             attention_dropout=c.attention_dropout, recompute=recompute == "selective", init_method=normal,
             output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.attention"), device=device, dtype=dtype)
         self.post_attention_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
@@ -123,8 +87,7 @@ class TransformerLayer(nn.Module):
                                device=device, dtype=dtype)
         self.post_norm = c.norm_position == "post"
         if sequence_parallel:
-            for m in (self.input_norm, self.post_attention_norm):
-                mark_sequence_parallel(m)
+            mark_sequence_parallel(self.input_norm, self.post_attention_norm)
 
     def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         drop = lambda y: dropout(y, self.dropout_p, self.training, self.sequence_parallel)  # noqa: E731
@@ -168,9 +131,7 @@ class LanguageModelEmbedding(nn.Module):
                      if c.norm_position == "post" else None)
         self._tp_rank, self._tp = state.tp_rank(), state.tp_size()
         if sequence_parallel:
-            for m in (self.position, self.token_type, self.norm):
-                if m is not None:
-                    mark_sequence_parallel(m)
+            mark_sequence_parallel(self.position, self.token_type, self.norm)
 
     def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         s = ids.shape[0]
@@ -203,8 +164,8 @@ class LanguageModel(nn.Module):
     A chunk holds the embedding if it is the first pipeline stage (``pre_process``), the layers in ``layers`` and,
     if it is the last stage (``post_process``), the final LayerNorm and the output layer, whose weight is the word
     embedding's. When the last stage is not also the first it holds its own copy of the word embedding (same seed,
-    so the same values); both copies carry ``shared_embedding = True`` and the last stage's also
-    ``shared_embedding_duplicate = True``: the trainer sums their gradients over the embedding group, so both
+    so the same values); both copies are marked as the shared embedding and the last stage's as its duplicate
+    (``megakernels.parallel.params``): the trainer sums their gradients over the embedding group, so both
     copies take identical steps, and a global grad norm counts the table once.
 
     Args:
@@ -246,10 +207,9 @@ class LanguageModel(nn.Module):
                 self.output_embedding = VocabParallelEmbedding(
                     c.vocab_size, c.hidden_size, sequence_parallel, init_method=init.init_method_normal(c.init_std),
                     seed=init.derive_seed(seed, "embedding.word"), device=device, dtype=dtype)
-                self.output_embedding.weight.shared_embedding_duplicate = True
         word = self.word_embedding_weight
         if word is not None and not (pre_process and post_process):
-            word.shared_embedding = True
+            mark_shared_embedding(word, duplicate=self.output_embedding is not None)
 
     @property
     def word_embedding_weight(self) -> torch.Tensor | None:

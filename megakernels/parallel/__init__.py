@@ -10,6 +10,8 @@
 - ``lm_head``   the output layer (``parallel_lm_logits``, ``ParallelLMHead``, tied or not) and the vocab-parallel
                 cross-entropy of ``megakernels.ops.cross_entropy`` over the TP group
 - ``blocks``    ``ParallelMLP`` and ``ParallelSelfAttention``
+- ``params``    the marks each parameter carries (tensor-parallel dim/stride, sequence-parallel, shared
+                embedding) and what they mean to gradient sums, the grad norm and checkpoints
 - ``init``      layout-independent initialisation: a seed defines the full weight; each rank generates its shard
 - ``random``    the RNG tracker: dropout that differs per TP rank inside TP regions and not outside
 - ``ddp``       ``DistributedDataParallel``: fp32 ``main_grad`` buffers, bucketed all-reduce / reduce-scatter
@@ -22,7 +24,7 @@
 Works on gloo (CPU) and nccl (CUDA) with the same code.
 """
 
-from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention, sdpa_attention
+from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention
 from megakernels.parallel.comm import record_events
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.embedding import VocabParallelEmbedding, pad_vocab_size
@@ -38,6 +40,8 @@ from megakernels.parallel.mappings import (copy_to_tensor_model_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region,
                                            scatter_to_sequence_parallel_region,
                                            scatter_to_tensor_model_parallel_region)
+from megakernels.parallel.params import (is_sequence_parallel, is_shared_embedding, is_tensor_parallel,
+                                         mark_sequence_parallel, mark_shared_embedding, mark_tensor_parallel)
 from megakernels.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
 from megakernels.parallel.state import (check_divisible, destroy, divide, dp_group, dp_rank, dp_size,
                                         embedding_group, embedding_ranks, initialize, is_in_embedding_group,
@@ -60,9 +64,12 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "LinearWithAsyncComm", "linear_with_async_comm",
     "allreduce_sequence_parallel_grads", "VocabParallelEmbedding", "pad_vocab_size", "parallel_lm_logits",
     "vocab_parallel_cross_entropy", "ParallelLMHead",
-    "ParallelMLP", "ParallelSelfAttention", "sdpa_attention",
+    "ParallelMLP", "ParallelSelfAttention",
     # data parallelism and the optimizer step
     "DistributedDataParallel", "finalize_model_grads", "ParallelOptimizer", "memory_bytes_per_param",
+    # parameter marks
+    "mark_tensor_parallel", "mark_sequence_parallel", "mark_shared_embedding", "is_tensor_parallel",
+    "is_sequence_parallel", "is_shared_embedding",
     # init, random, comm
     "init_method_normal", "scaled_init_method_normal", "init_shard_", "full_weight",
     "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "record_events",

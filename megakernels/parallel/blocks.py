@@ -11,47 +11,22 @@ Attention:  x -> ColumnParallelLinear(h, 3h) -> split heads -> attention core ->
 
 The QKV weight's ``3h`` output rows are ordered ``(head, {q, k, v}, head_dim)``: head-major, so the contiguous row
 block of TP rank r holds q, k and v of heads ``[r·n/tp, (r+1)·n/tp)`` and attention is rank-local. The attention
-core is pluggable: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, heads, head_dim]`` tensors returning
-the same layout (``megakernels.ops.flash_attention``'s signature); the default wraps PyTorch's
-``scaled_dot_product_attention``. Attention dropout runs on the tracker's per-TP-rank stream (``random.py``).
+core is one of the library's (``megakernels.nn.attention``: ``"flash"``, the default, or ``"torch"``) or any module
+with their contract, ``core(q, k, v, mask=None)`` on ``[b, s, heads, head_dim]``. Attention dropout runs on the
+tracker's per-TP-rank stream (``random.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megakernels.nn.attention import attention_core
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.parallel import init, state
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megakernels.parallel.random import checkpoint, get_rng_tracker
-
-AttentionFn = Callable[..., torch.Tensor]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, dropout_p: float = 0.0,
-                   softmax_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(q kᵀ · scale [+ causal mask]) v`` by ``torch.nn.functional.scaled_dot_product_attention``.
-
-    Args:
-        q, k, v: ``[b, s, heads, head_dim]`` (k, v may have another sequence length).
-        causal: mask future keys (query i attends keys <= i).
-        dropout_p: dropout on the attention probabilities.
-        softmax_scale: default ``1 / sqrt(head_dim)``.
-        mask: optional bool, broadcastable to ``[b, heads, s, s_k]``, True = masked out (not with ``causal``).
-
-    Returns:
-        ``[b, s, heads, head_dim]``.
-    """
-    attn_mask = None if mask is None else ~mask
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
-                                         scale=softmax_scale)
-    return out.transpose(1, 2)
-
 
 def _sub_seed(seed: int | None, name: str) -> int | None:
     return None if seed is None else init.derive_seed(seed, name)
@@ -107,10 +82,10 @@ class ParallelSelfAttention(nn.Module):
         num_heads: n; must divide by tp (and be >= tp).
         causal: causal (GPT) or bidirectional (BERT) attention.
         sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
-        attention_fn: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, n/tp, h/n]``; default
-            ``sdpa_attention``. With an ``attention_mask`` it is called with ``mask=`` too.
-        attention_dropout: dropout on the attention probabilities while training (per-TP-rank stream: needs
-            ``model_parallel_seed``).
+        core: the attention core, a name for ``megakernels.nn.attention_core`` (``"flash"``, ``"torch"``) or a
+            module ``core(q, k, v, mask=None)`` on ``[b, s, n/tp, h/n]`` (its causality and dropout its own).
+        attention_dropout: dropout on the attention probabilities while training, for a core given by name
+            (per-TP-rank stream: needs ``model_parallel_seed``).
         bias: biases on the QKV and output projections.
         recompute: recompute the attention core in backward instead of saving its activations (Megatron's
             "selective" recomputation; the dropout streams are replayed, so the result is unchanged).
@@ -127,7 +102,7 @@ class ParallelSelfAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = True, sequence_parallel: bool = False, *,
-                 attention_fn: AttentionFn | None = None, attention_dropout: float = 0.0, bias: bool = True,
+                 core: str | nn.Module = "flash", attention_dropout: float = 0.0, bias: bool = True,
                  recompute: bool = False, overlap_comm: bool = True, init_method: init.InitMethod | None = None,
                  output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
                  dtype=None):
@@ -141,8 +116,8 @@ class ParallelSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.attention_fn = sdpa_attention if attention_fn is None else attention_fn
-        self.attention_dropout = float(attention_dropout)
+        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) \
+            else core
         self.recompute = bool(recompute)
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, sequence_parallel=sequence_parallel,
                                         overlap_comm=overlap_comm, init_method=init_method,
@@ -152,12 +127,10 @@ class ParallelSelfAttention(nn.Module):
                                       device=device, dtype=dtype)
 
     def _core(self, q, k, v, mask):
-        p = self.attention_dropout if self.training else 0.0
-        kwargs = {} if mask is None else {"mask": mask}
-        if p > 0.0:
+        if self.training and getattr(self.core, "dropout_p", 0.0) > 0.0:
             with get_rng_tracker().fork():
-                return self.attention_fn(q, k, v, causal=self.causal, dropout_p=p, **kwargs)
-        return self.attention_fn(q, k, v, causal=self.causal, dropout_p=0.0, **kwargs)
+                return self.core(q, k, v, mask=mask)
+        return self.core(q, k, v, mask=mask)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3:

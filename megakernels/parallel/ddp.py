@@ -46,12 +46,9 @@ from torch import nn
 
 from megakernels.parallel import comm, state
 from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
+from megakernels.parallel.params import is_sequence_parallel, is_shared_embedding
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _is_shared_embedding(p: torch.Tensor) -> bool:
-    return getattr(p, "shared_embedding", False)
 
 
 class Bucket:
@@ -91,7 +88,7 @@ class DistributedDataParallel(nn.Module):
         overlap: launch each bucket's collective from the backward hooks as soon as it is complete; otherwise all
             are launched by ``finish_grad_sync()``.
         reduce_scatter: reduce-scatter instead of all-reduce (ZeRO-1); also moves the params into a flat buffer.
-        separate: params for which it returns True get a bucket of their own (default: ``p.shared_embedding``).
+        separate: params for which it returns True get a bucket of their own (default: the tied embedding, ``params.is_shared_embedding``).
 
     Raises:
         ValueError: no trainable params, params on several devices, a non-contiguous param, a bad ``bucket_size``
@@ -101,7 +98,7 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
                  grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
-                 separate=_is_shared_embedding) -> None:
+                 separate=is_shared_embedding) -> None:
         super().__init__()
         cls = type(self).__name__
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
@@ -309,11 +306,11 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
         return
     params = [p for m in models for p in m.module.parameters() if p.requires_grad]
     if state.tp_size() > 1:
-        grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+        grads = [p.main_grad for p in params if is_sequence_parallel(p)]
         _sum_over(grads, state.tp_group())
     group = state.embedding_group()
     if group is not None and len(state.embedding_ranks()) > 1:
-        _sum_over([p.main_grad for p in params if getattr(p, "shared_embedding", False)], group)
+        _sum_over([p.main_grad for p in params if is_shared_embedding(p)], group)
 
 
 def _sum_over(grads: list[torch.Tensor], group) -> None:

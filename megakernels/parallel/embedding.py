@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.parallel import init, mappings, state
-from megakernels.parallel.linear import mark_tensor_parallel
+from megakernels.parallel.params import mark_tensor_parallel
 
 VOCAB_PAD_MULTIPLE = 128
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.parallel import comm, init, mappings, state
+from megakernels.parallel.params import is_sequence_parallel, mark_sequence_parallel, mark_tensor_parallel
 
 
 class LinearWithAsyncComm(torch.autograd.Function):
@@ -101,21 +102,6 @@ def linear_with_async_comm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """
     group = state.tp_group() if group is None else group
     return LinearWithAsyncComm.apply(x, weight, bias, group, bool(sequence_parallel), bool(overlap_comm))
-
-
-def mark_tensor_parallel(*params: nn.Parameter | None, dim: int = 0, real_size: int | None = None) -> None:
-    """Mark parameters as sharded over the TP group: ``p.tensor_parallel = True`` and ``p.partition_dim = dim``
-    (TP rank r holds the r-th equal block along that dim) and, for a vocabulary padded for GEMM shapes,
-    ``p.real_size`` (only the first ``real_size`` entries along ``dim`` of the full tensor are real).
-
-    Each rank holds a different part, so a global gradient norm counts them on every TP rank; unmarked parameters
-    are replicated over the group and counted once (on TP rank 0). Checkpoints use the marks to place each shard
-    in the full tensor."""
-    for p in params:
-        if p is not None:
-            p.tensor_parallel, p.partition_dim = True, dim
-            if real_size is not None:
-                p.real_size = real_size
 
 
 def _check_features(cls: str, in_features, out_features) -> tuple[int, int]:
@@ -208,7 +194,7 @@ class RowParallelLinear(nn.Module):
 
     Parameters: ``weight`` ``[out, in/tp]`` (columns ``[r·in/tp, (r+1)·in/tp)`` of the full weight on TP rank r),
     ``bias`` ``[out]``, replicated, added after the reduction (zeros at init). Under sequence parallelism each rank
-    adds the bias to its own tokens only, so its gradient is partial: the bias carries ``sequence_parallel = True``
+    adds the bias to its own tokens only, so its gradient is partial: the bias is marked sequence-parallel (``params``)
     and ``allreduce_sequence_parallel_grads`` sums such gradients over the TP group (once per step, as Megatron).
 
     Args:
@@ -242,8 +228,8 @@ class RowParallelLinear(nn.Module):
         self.seed = init.draw_seed() if seed is None else int(seed)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        if self.bias is not None:
-            self.bias.sequence_parallel = self.sequence_parallel
+        if self.bias is not None and self.sequence_parallel:
+            mark_sequence_parallel(self.bias)
         mark_tensor_parallel(self.weight, dim=1)
         self.reset_parameters()
 
@@ -280,7 +266,7 @@ class RowParallelLinear(nn.Module):
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
-    """Sum over the TP group the gradients of ``module``'s parameters marked ``sequence_parallel = True``.
+    """Sum over the TP group the gradients of ``module``'s parameters marked sequence-parallel (``params``).
 
     Under sequence parallelism a replicated parameter applied to the sequence shard (a row-parallel bias, a
     LayerNorm's weight and bias) gets from each rank only its tokens' share of the gradient; call this after
@@ -289,7 +275,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
     group = state.tp_group() if group is None else group
     if dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in module.parameters() if is_sequence_parallel(p) and p.grad is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

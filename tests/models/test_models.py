@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megakernels.parallel.params import is_shared_embedding, is_shared_embedding_duplicate
 from megakernels_models.bert import BertModel
 from megakernels_models.config import PRESETS, ModelConfig, preset, stage_layers
 from megakernels_models.gpt import GPTModel
@@ -115,7 +116,7 @@ def test_a_stage_builds_the_same_weights_as_the_whole_model(single_world, cls, c
             ref = whole[name.replace(f"layers.{i}.", f"layers.{i + 2}.", 1)]
         elif name.startswith("output_embedding."):
             ref = whole[name.replace("output_embedding.", "embedding.word.")]
-            assert p.shared_embedding and p.shared_embedding_duplicate
+            assert is_shared_embedding(p) and is_shared_embedding_duplicate(p)
         else:
             ref = whole[name]
         torch.testing.assert_close(p, ref, rtol=0, atol=0, msg=name)
