@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakernels.validation import positive_int
+
 MODELS = ("gpt", "bert")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -64,14 +66,10 @@ class ModelConfig:
         if self.model not in MODELS:
             raise ValueError(f"ModelConfig: model must be one of {MODELS}, got {self.model!r}")
         for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "num_token_types"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelConfig: {name} must be a positive int, got {v!r}")
+            positive_int(getattr(self, name), name, where="ModelConfig")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        elif isinstance(self.ffn_hidden_size, bool) or not isinstance(self.ffn_hidden_size, int) \
-                or self.ffn_hidden_size < 1:
-            raise ValueError(f"ModelConfig: ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
+        positive_int(self.ffn_hidden_size, "ffn_hidden_size", where="ModelConfig")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"ModelConfig: hidden_size={self.hidden_size} is not divisible by "
                              f"num_heads={self.num_heads}")

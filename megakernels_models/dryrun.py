@@ -29,16 +29,13 @@ from megakernels_models.config import ModelConfig, human, stage_layers
 
 
 def _meta_model(cfg: ModelConfig):
-    from megakernels_models.bert import BertModel
-    from megakernels_models.gpt import GPTModel
-
     from megakernels.parallel.launch import single_process_world
+    from megakernels_models.tasks import task_for
 
     if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
     with single_process_world(parallel=True):
-        cls = GPTModel if cfg.model == "gpt" else BertModel
-        return cls(cfg, 0, device="meta", attention="torch")
+        return task_for(cfg).build_chunk(0, device="meta", attention="torch")
 
 
 def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> list[int]:
@@ -70,11 +67,11 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
     return stages
 
 
-def report(args: TrainArgs, out=print) -> dict:
-    """Validate ``args``, build the model on the meta device and report its costs (printed with ``out``; written
-    to ``--log-jsonl`` as one JSON object). Returns the report."""
+def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
+    """Build the model on the meta device and report its costs (printed with ``out``; written to ``--log-jsonl`` as
+    one JSON object). ``cfg`` is ``validate(args)``'s result (validated here when not given). Returns the report."""
     t0 = time.perf_counter()
-    cfg = validate(args)
+    cfg = validate(args) if cfg is None else cfg
     tp, pp, vpp, dp = args.tp, args.pp, args.vpp or 1, args.data_parallel_size()
     world, m, mbs = args.world_size(), args.num_microbatches(), args.micro_batch_size
     model = _meta_model(cfg)

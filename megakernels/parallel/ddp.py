@@ -47,6 +47,7 @@ from torch import nn
 from megakernels.parallel import comm, state
 from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
 from megakernels.parallel.params import is_sequence_parallel, is_shared_embedding
+from megakernels.validation import positive_int
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -101,8 +102,7 @@ class DistributedDataParallel(nn.Module):
                  separate=is_shared_embedding) -> None:
         super().__init__()
         cls = type(self).__name__
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"{cls}: bucket_size must be a positive int (elements), got {bucket_size!r}")
+        positive_int(bucket_size, "bucket_size", where=cls)
         if grad_dtype is not None and grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"{cls}: grad_dtype must be float32, bfloat16, float16 or None, got {grad_dtype}")
         self.module = module

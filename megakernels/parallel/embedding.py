@@ -20,6 +20,7 @@ from torch import nn
 
 from megakernels.parallel import init, mappings, state
 from megakernels.parallel.params import mark_tensor_parallel
+from megakernels.validation import positive_int
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -31,8 +32,7 @@ def pad_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE)
         ValueError: a non-positive argument.
     """
     for name, v in (("vocab_size", vocab_size), ("tp", tp), ("multiple", multiple)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"pad_vocab_size: {name} must be a positive int, got {v!r}")
+        positive_int(v, name, where="pad_vocab_size")
     step = multiple * tp
     return -(-vocab_size // step) * step
 
@@ -66,8 +66,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         cls = type(self).__name__
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{cls}: {name} must be a positive int, got {v!r}")
+            positive_int(v, name, where=cls)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp, self.sequence_parallel = state.tp_size(), bool(sequence_parallel)
         self.padded_num_embeddings = pad_vocab_size(num_embeddings, self.tp, pad_multiple)

@@ -36,6 +36,7 @@ from torch import nn
 
 from megakernels.parallel import comm, init, mappings, state
 from megakernels.parallel.params import is_sequence_parallel, mark_sequence_parallel, mark_tensor_parallel
+from megakernels.validation import positive_int
 
 
 class LinearWithAsyncComm(torch.autograd.Function):
@@ -105,10 +106,7 @@ def linear_with_async_comm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def _check_features(cls: str, in_features, out_features) -> tuple[int, int]:
-    for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{cls}: {name} must be a positive int, got {v!r}")
-    return in_features, out_features
+    return positive_int(in_features, "in_features", where=cls), positive_int(out_features, "out_features", where=cls)
 
 
 def _check_input(cls: str, x: torch.Tensor, features: int, sequence_parallel: bool) -> None:

@@ -57,6 +57,7 @@ from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
 from megakernels.parallel.params import counts_in_grad_norm
+from megakernels.validation import finite_number, positive_int
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,8 +83,7 @@ def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1) -> tu
     """
     if precision not in PRECISIONS:
         raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"memory_bytes_per_param: dp must be a positive int, got {dp!r}")
+    positive_int(dp, "dp", where="memory_bytes_per_param")
     half = precision != "fp32"
     optimizer = 12.0 if half else 8.0
     return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
@@ -115,9 +115,7 @@ class ParallelOptimizer:
         cls = type(self).__name__
         if precision not in PRECISIONS:
             raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-        if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or not (
-                clip_grad >= 0 and math.isfinite(clip_grad)):
-            raise ValueError(f"{cls}: clip_grad must be a finite number >= 0 (0: off), got {clip_grad!r}")
+        finite_number(clip_grad, "clip_grad", where=cls)
         if loss_scaler is not None and precision != "fp16":
             raise ValueError(f"{cls}: loss_scaler is only used with precision='fp16', got precision={precision!r}")
         self.precision, self.distributed, self.clip_grad = precision, bool(distributed), float(clip_grad)

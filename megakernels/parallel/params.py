@@ -30,6 +30,8 @@ import dataclasses
 
 from torch import nn
 
+from megakernels.validation import positive_int
+
 _ATTR = "_megakernels_parallel"
 
 
@@ -79,8 +81,7 @@ def mark_tensor_parallel(*params, dim: int = 0, stride: int = 1, real_size: int 
     """
     if dim not in (0, 1):
         raise ValueError(f"mark_tensor_parallel: dim must be 0 or 1, got {dim!r}")
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"mark_tensor_parallel: stride must be a positive int, got {stride!r}")
+    positive_int(stride, "stride", where="mark_tensor_parallel")
     if real_size is not None and stride > 1:
         raise ValueError("mark_tensor_parallel: real_size (a padded dimension) cannot be combined with stride > 1")
     for p in _params(params):

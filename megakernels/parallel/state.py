@@ -22,6 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megakernels.validation import positive_int
+
 
 @dataclasses.dataclass
 class _State:
@@ -48,9 +50,7 @@ _state: _State | None = None
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"initialize: {name} must be a positive int, got {value!r}")
-    return value
+    return positive_int(value, name, where="initialize")
 
 
 def _init_world_from_env() -> None:
@@ -294,8 +294,7 @@ def check_divisible(tp: int | None = None, **sizes: int) -> None:
     """
     tp = tp_size() if tp is None else tp
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(value, name)
         if value < tp:
             raise ValueError(f"{name}={value} is smaller than the tensor-parallel size {tp}: each of the {tp} "
                              f"ranks needs at least one")

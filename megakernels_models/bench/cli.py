@@ -169,6 +169,10 @@ def main(ns: argparse.Namespace) -> int:
         from megakernels_models.bench import plot
 
         print(f"wrote {path}")
+        if rows and not plot.available():
+            print("note: matplotlib is not installed, so no plots were drawn; pip install 'megakernels[bench]' "
+                  "(or matplotlib) for DIR/<op>.png")
+            return 0
         for png in plot.write_plots(rows, ns.out):
             print(f"wrote {png}")
     return 0

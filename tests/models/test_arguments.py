@@ -27,11 +27,11 @@ from megakernels_models.cli import parse_train_args
     (["--preset", "gpt-2b"], r"--preset 'gpt-2b' is unknown"),
     (["--preset", "none", "--hidden-size", "64"], r"without --preset, give --num-layers, --num-heads, --seq-length"),
     (["--min-lr", "1", "--lr", "0.1"], r"--min-lr 1.0 is larger than --lr 0.1"),
-    (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps must be an integer in 0..--steps"),
+    (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps 500 is more than --steps 10"),
     (["--tp", "2", "--nproc", "2", "--sequence-parallel", "--seq-length", "127"],
      r"--sequence-parallel needs --tp 2 to divide seq_length=127"),
     (["--model", "bert"], r"--model bert contradicts --preset gpt-tiny"),
-    (["--steps", "0"], r"--steps must be a positive integer"),
+    (["--steps", "0"], r"--steps must be a positive int, got 0"),
     (["--data", "x"], r"--data x: cannot read x\.bin"),
 ])
 def test_invalid_flags_name_the_rule(flags, message):
