@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism the Megatron-LM way (DESIGN.md §4).
+"""Tensor and sequence parallelism the Megatron-LM way (docs/design.md §4).
 
 - ``state``     ``initialize(tp, pp, dp, vpp)`` / ``destroy()``; tp, pp, dp, model-parallel and embedding groups;
                 ranks ordered tp innermost, then dp, then pp; pipeline neighbours; ``check_divisible``

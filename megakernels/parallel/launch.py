@@ -233,12 +233,17 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
     The world is torchrun's when this process was started by it (nccl for ``device="cuda"``, each rank on GPU
     ``LOCAL_RANK``; gloo otherwise), else this process alone (``nproc == 1``), else ``nproc`` spawned local gloo
     processes with ``cpu_count // nproc`` threads each (the CPU's way to run a multi-rank layout). The process
-    group is torn down afterwards in every case.
+    group is torn down afterwards in every case. For CUDA it sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the
+    environment sets it (the overlap of collectives with GEMMs depends on it, docs/design.md §4).
 
     Raises:
         ValueError: ``nproc > 1`` with ``device="cuda"`` outside torchrun (one process per GPU is torchrun's job).
         WorldFailed: a spawned rank raised or died (its error in the message).
     """
+    if device == "cuda":
+        # One hardware queue, so collectives queued before a GEMM start before it (docs/design.md §4). Read when
+        # the CUDA context is created, which has not happened yet in a launcher's process.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if under_torchrun():
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -22,9 +22,9 @@ layer's forward and backward are one autograd function with f fused into it, so 
 backward gathers it again, hidden behind the dgrad GEMM. With ``overlap_comm=False`` every collective is waited
 for right after its launch (the baseline of ``benchmarks/parallel_overlap.py``).
 
-On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. As in
-Megatron-LM, set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` so the GPU starts the communication kernel, queued first,
-before the GEMM queued after it takes every SM.
+On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. The overlap
+needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue: the communication kernel, queued first, starts before
+the GEMM queued after it takes every SM); ``megakernels train`` sets it for CUDA runs (docs/design.md §4).
 """
 
 from __future__ import annotations

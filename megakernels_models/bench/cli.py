@@ -1,4 +1,4 @@
-"""``megakernels bench``: the kernel microbenchmarks and end-to-end throughput on this machine (DESIGN.md §5, §6).
+"""``megakernels bench``: the kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
 
     megakernels bench [--ops NAME,...] [--dtype float32,bfloat16,...] [--quick] [--out DIR] [--device cpu|cuda]
                       [--no-compile] [--no-peers] [--min-run-time S]

@@ -1,4 +1,4 @@
-"""The trainer's central test (DESIGN.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
+"""The trainer's central test (docs/design.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
 (tp, pp, dp) layout — with sequence parallelism, the distributed optimizer, recomputation, interleaving and
 gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT and BERT.
 
