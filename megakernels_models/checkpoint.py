@@ -122,14 +122,14 @@ def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, t
     rest zeros, so a sum over the data-parallel group completes them) and the AdamW step count."""
     got, step = opt.param_state()
     out = [got.get(p) or t for p, t in zip(params, _templates(params))]
-    if opt.distributed and mpu.dp_size() > 1:
+    if opt.distributed and mpu.dp_cp_size() > 1:
         flat = [t for st in out for t in st.values()]
         buf = torch._utils._flatten_dense_tensors(flat)
-        dist.all_reduce(buf, group=mpu.dp_group())
+        dist.all_reduce(buf, group=mpu.dp_cp_group())
         for t, r in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
             t.copy_(r)
         steps = torch.tensor([float(step)], device=flat[0].device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_group())
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_cp_group())
         step = int(steps.item())
     return out, step
 
@@ -152,7 +152,7 @@ def _rng_state() -> dict:
 
 
 def _layout() -> dict:
-    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "vpp": mpu.vpp_size(),
+    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "cp": mpu.cp_size(), "vpp": mpu.vpp_size(),
             "world": dist.get_world_size()}
 
 
@@ -301,7 +301,7 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         targets = _templates(params) if with_optimizer else None
         sd = _state_dict(chunks, opt, targets)
         rng_key = f"rng.rank{dist.get_rank()}"
-        same_layout = meta["layout"] == _layout() and any(k.startswith(rng_key + ".") for k in keys)
+        same_layout = {"cp": 1, **meta["layout"]} == _layout() and any(k.startswith(rng_key + ".") for k in keys)
         if same_layout:
             sd[rng_key] = _rng_state()
         dcp.load(sd, checkpoint_id=path)

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism the Megatron-LM way (docs/design.md §4).
 
-- ``state``     ``initialize(tp, pp, dp, vpp)`` / ``destroy()``; tp, pp, dp, model-parallel and embedding groups;
-                ranks ordered tp innermost, then dp, then pp; pipeline neighbours; ``check_divisible``
+- ``state``     ``initialize(tp, pp, dp, vpp, cp)`` / ``destroy()``; tp, cp, pp, dp, model-parallel and embedding
+                groups; ranks ordered tp innermost, then cp, then dp, then pp; pipeline neighbours; ``check_divisible``
 - ``mappings``  the conjugate operators f (copy to the TP region) and g (reduce from it), scatter/gather along the
                 hidden dim, and the sequence-parallel all-gather / reduce-scatter along dim 0 of ``[s, b, h]``
 - ``linear``    ``ColumnParallelLinear`` (f fused in, backward overlapping its collective with the weight-gradient
@@ -19,6 +19,7 @@
 - ``optimizer`` ``ParallelOptimizer``: AdamW on fp32 main params, bf16/fp16 masters, fp16 loss scaling, global
                 grad-norm clipping over tp/pp/dp, the distributed optimizer (ZeRO-1); ``memory_bytes_per_param``
 - ``comm``      the collectives behind them, with an event recorder for tests
+- ``context``   context parallelism: the load-balanced sequence split and ring attention
 - ``pipeline``  subpackage (import it itself): pipeline schedules (gpipe, 1f1b, interleaved) and ``forward_backward``
 
 Works on gloo (CPU) and nccl (CUDA) with the same code.
@@ -43,7 +44,8 @@ from megakernels.parallel.mappings import (copy_to_tensor_model_parallel_region,
 from megakernels.parallel.params import (is_sequence_parallel, is_shared_embedding, is_tensor_parallel,
                                          mark_sequence_parallel, mark_shared_embedding, mark_tensor_parallel)
 from megakernels.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
-from megakernels.parallel.state import (check_divisible, destroy, divide, dp_group, dp_rank, dp_size,
+from megakernels.parallel.state import (check_divisible, cp_group, cp_rank, cp_size, destroy, divide, dp_cp_group,
+                                        dp_cp_size, dp_group, dp_rank, dp_size, tp_replica_group,
                                         embedding_group, embedding_ranks, initialize, is_in_embedding_group,
                                         is_initialized, is_pp_first_stage, is_pp_last_stage, model_parallel_group,
                                         pp_group, pp_next_rank, pp_prev_rank, pp_rank, pp_ranks, pp_size,
@@ -52,6 +54,7 @@ from megakernels.parallel.state import (check_divisible, destroy, divide, dp_gro
 __all__ = [
     # state
     "initialize", "destroy", "is_initialized", "tp_group", "pp_group", "dp_group", "model_parallel_group",
+    "cp_group", "cp_rank", "cp_size", "dp_cp_group", "dp_cp_size", "tp_replica_group",
     "embedding_group", "embedding_ranks", "is_in_embedding_group", "tp_rank", "tp_size", "pp_rank", "pp_size",
     "dp_rank", "dp_size", "vpp_rank", "vpp_size", "set_vpp_rank", "pp_ranks", "pp_next_rank", "pp_prev_rank",
     "is_pp_first_stage", "is_pp_last_stage", "check_divisible", "divide",

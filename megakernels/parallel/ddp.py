@@ -82,7 +82,8 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model (chunk); its trainable params must be dense, contiguous and on one device.
-        group: the data-parallel process group; default ``megakernels.parallel.dp_group()``. Without
+        group: the data-parallel process group; default ``megakernels.parallel.dp_cp_group()`` (the data- and
+            context-parallel ranks, which hold different tokens of the same parameters' gradient). Without
             ``megakernels.parallel`` initialised and without a multi-rank default group: one rank, no collectives.
         bucket_size: elements per bucket (a bucket closes once it reaches this; default 40M).
         grad_dtype: dtype of ``main_grad`` (fp32, bf16, fp16), or None for each param's own dtype.
@@ -134,7 +135,7 @@ class DistributedDataParallel(nn.Module):
     def _resolve_group(group):
         if group is None:
             if state.is_initialized():
-                group = state.dp_group()
+                group = state.dp_cp_group()
             elif dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError("DistributedDataParallel: megakernels.parallel is not initialised; call "
                                    "megakernels.parallel.initialize(tp, pp) first or pass group=")
