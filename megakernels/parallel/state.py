@@ -116,7 +116,8 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         if dp is None:
             dp = world // model
         elif model * dp != world:
-            raise ValueError(f"initialize: {sizes}·dp = {model}·{dp} = {model * dp} != world size {world}")
+            names, values = ("tp·cp·pp·dp", f"{tp}·{cp}·{pp}·{dp}") if cp > 1 else ("tp·pp·dp", f"{tp}·{pp}·{dp}")
+            raise ValueError(f"initialize: {names} = {values} = {model * dp} != world size {world}")
     except ValueError:
         if owns_world:
             dist.destroy_process_group()
