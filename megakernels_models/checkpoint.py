@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megakernels.parallel as mpu
-from megakernels.parallel import params
+from megakernels.parallel import params as marks
+from megakernels.parallel.init import shard_pieces
 from megakernels_models.config import ModelConfig
 
 LATEST = "latest"
@@ -63,24 +64,24 @@ def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[list[tuple[int, int, int]]]]:
-    """(full shape, partition dim, per TP rank its pieces ``(full offset, local offset, size)`` along that dim) of
-    a parameter, from its marks (``megakernels.parallel.params``): a replicated parameter is one piece; a sharded
-    one is block r of each of its ``stride`` segments, cut to the first ``real_size`` entries."""
-    rec = params.info(p)
+    """(full shape, partition dim, per TP rank the pieces ``(full offset, local offset, size)`` it declares along
+    that dim) of a parameter, from its marks (``megakernels.parallel.params``): a replicated parameter is one
+    piece; a sharded one is its ``init.shard_pieces``, cut to the first ``real_size`` entries. Of ``replicas``
+    ranks holding the same block only the first declares it (they hold the same values; ``_sync_replicas``)."""
+    rec = marks.info(p)
     tp = mpu.tp_size() if rec.tensor_parallel else 1
-    dim, stride = rec.partition_dim, rec.partition_stride
-    n = p.shape[dim]
+    dim, n = rec.partition_dim, p.shape[dim]
+    full_len = n * tp // rec.replicas
     full = list(p.shape)
-    full[dim] = n * tp if rec.real_size is None else rec.real_size
-    seg_local, seg_full = n // stride, n * tp // stride
+    full[dim] = full_len if rec.real_size is None else rec.real_size
     pieces = []
     for t in range(tp):
         mine = []
-        for s in range(stride):
-            lo = s * seg_full + t * seg_local
-            size = max(0, min(lo + seg_local, full[dim]) - lo)
-            if size:
-                mine.append((lo, s * seg_local, size))
+        if t % rec.replicas == 0:
+            for full_off, local_off, size in shard_pieces(full_len, t, tp, rec.partition_stride, rec.replicas):
+                size = max(0, min(full_off + size, full[dim]) - full_off)
+                if size:
+                    mine.append((full_off, local_off, size))
         pieces.append(mine)
     return full, dim, pieces
 
@@ -109,6 +110,16 @@ def _sharded(local: torch.Tensor, p: torch.Tensor):
                 shards.append(Shard(local.narrow(dim, local_off, size), meta))
     md = ShardedTensorMetadata(metas, torch.Size(full), TensorProperties(dtype=local.dtype))
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+
+
+def _sync_replicas(pairs) -> None:
+    """After loading: copy each replicated block (``params`` replicas > 1) from the first rank of its replica group,
+    which loaded it, to the others. ``pairs``: ``(param, tensor shaped like it)``."""
+    for p, t in pairs:
+        c = marks.info(p).replicas
+        if c > 1 and mpu.tp_size() > 1:
+            group = mpu.tp_replica_group(c)
+            dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
 
 
 def _templates(params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -305,6 +316,8 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         if same_layout:
             sd[rng_key] = _rng_state()
         dcp.load(sd, checkpoint_id=path)
+    _sync_replicas([(p, p.data) for p in params]
+                   + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else []))
     if opt is not None:
         # Without saved state: masters from the loaded params, moments fresh (step 0).
         states = zip(params, targets) if with_optimizer else ((p, {}) for p in params)

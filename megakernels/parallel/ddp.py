@@ -46,7 +46,7 @@ from torch import nn
 
 from megakernels.parallel import comm, state
 from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
-from megakernels.parallel.params import is_sequence_parallel, is_shared_embedding
+from megakernels.parallel.params import info, is_sequence_parallel, is_shared_embedding
 from megakernels.validation import positive_int
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -293,9 +293,10 @@ class DistributedDataParallel(nn.Module):
 
 def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     """After the last backward of a step: finish every model chunk's data-parallel sync, then sum over the TP group
-    the ``main_grad`` of params marked ``sequence_parallel`` (each TP rank saw only its tokens), and over the
-    embedding group that of params marked ``shared_embedding`` (the tied word embedding of the first and last
-    pipeline stage).
+    the ``main_grad`` of params marked sequence-parallel (each TP rank saw only its tokens), over their replica
+    group that of blocks replicated within the TP group (each rank's copy got only its query heads' share), and
+    over the embedding group that of the shared embedding (the tied word embedding of the first and last pipeline
+    stage).
 
     Under ``reduce_scatter`` the sums are right for the shard each rank owns, given the same bucket layout on every
     TP rank (TP shards of equal shapes, as the parallel layers make them) and on both embedding stages (the
@@ -309,6 +310,12 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     if state.tp_size() > 1:
         grads = [p.main_grad for p in params if is_sequence_parallel(p)]
         _sum_over(grads, state.tp_group())
+        replicated: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if info(p).replicas > 1:
+                replicated.setdefault(info(p).replicas, []).append(p.main_grad)
+        for c, grads in sorted(replicated.items()):
+            _sum_over(grads, state.tp_replica_group(c))
     group = state.embedding_group()
     if group is not None and len(state.embedding_ranks()) > 1:
         _sum_over([p.main_grad for p in params if is_shared_embedding(p)], group)

@@ -124,7 +124,10 @@ class ColumnParallelLinear(nn.Module):
 
     Parameters: ``weight`` ``[out/tp, in]`` (rows ``[r·out/tp, (r+1)·out/tp)`` of the full weight on TP rank r),
     ``bias`` ``[out/tp]`` (zeros at init). The full weight is defined by ``seed`` (drawn from the default CPU
-    generator when None) and ``init_method`` (``N(0, 0.02²)`` by default), the same for every tp.
+    generator when None) and ``init_method`` (``N(0, 0.02²)`` by default), the same for every tp. With ``stride``
+    s the full output is s equal segments and each rank holds its block of every one (a packed projection stays
+    self-contained per rank); with ``replicas`` c, c consecutive ranks hold the same block (``[out·c/tp, in]``), for
+    outputs too few to split tp ways (``megakernels.parallel.params``).
 
     Args:
         in_features, out_features: sizes of the full layer; ``out_features`` must divide by tp.
@@ -133,6 +136,7 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: input is ``[s/tp, b, in]``, all-gathered along the sequence (fused into the GEMM).
         skip_bias_add: return ``(y_without_bias, bias)`` so a following fused op can add it (Megatron's).
         overlap_comm: overlap backward's collectives with the weight-gradient GEMM (True) or wait at once.
+        stride, replicas: the layout of the shards (above); ``out_features`` must divide by ``stride · tp / c``.
         init_method, seed: see ``megakernels.parallel.init``.
         device, dtype: of the parameters; on the meta device nothing is initialised (``reset_parameters`` later).
 
@@ -146,12 +150,23 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, *, skip_bias_add: bool = False, overlap_comm: bool = True,
-                 init_method: init.InitMethod | None = None, seed: int | None = None, device=None, dtype=None):
+                 stride: int = 1, replicas: int = 1, init_method: init.InitMethod | None = None,
+                 seed: int | None = None, device=None, dtype=None):
         super().__init__()
         cls = type(self).__name__
         self.in_features, self.out_features = _check_features(cls, in_features, out_features)
         self.tp = state.tp_size()
-        state.check_divisible(out_features=out_features)
+        self.stride, self.replicas = positive_int(stride, "stride", where=cls), positive_int(replicas, "replicas",
+                                                                                              where=cls)
+        if self.tp % replicas:
+            raise ValueError(f"{cls}: replicas={replicas} does not divide the tensor-parallel size {self.tp}")
+        parts = self.tp // replicas
+        if gather_output and (stride > 1 or replicas > 1):
+            raise ValueError(f"{cls}: gather_output=True needs stride=1 and replicas=1 (the gathered rows would not "
+                             "be in the full weight's order)")
+        if out_features % (stride * parts):
+            raise ValueError(f"{cls}: out_features={out_features} is not divisible by stride × tp / replicas = "
+                             f"{stride} × {parts}")
         if gather_output and sequence_parallel:
             raise ValueError(f"{cls}: gather_output=True cannot be combined with sequence_parallel=True (the output "
                              "of a sequence-parallel column layer feeds a row-parallel one)")
@@ -159,17 +174,19 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add, self.overlap_comm = bool(skip_bias_add), bool(overlap_comm)
         self.init_method = init.init_method_normal() if init_method is None else init_method
         self.seed = init.draw_seed() if seed is None else int(seed)
-        self.weight = nn.Parameter(torch.empty(out_features // self.tp, in_features, device=device, dtype=dtype))
-        self.bias = (nn.Parameter(torch.empty(out_features // self.tp, device=device, dtype=dtype))
-                     if bias else None)
-        mark_tensor_parallel(self.weight, self.bias)
+        local = out_features // parts
+        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
+        mark_tensor_parallel(self.weight, self.bias, stride=stride, replicas=replicas)
+        if replicas > 1:
+            state.tp_replica_group(replicas)  # collective on first use: every rank builds this layer now
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """(Re)initialise from ``seed``: this rank's rows of the full weight; bias zeros."""
         init.init_shard_(self.weight, (self.out_features, self.in_features), 0, state.tp_rank(), self.tp,
-                         self.seed, self.init_method)
+                         self.seed, self.init_method, stride=self.stride, replicas=self.replicas)
         if self.bias is not None and self.bias.device.type != "meta":
             self.bias.zero_()
 
@@ -182,7 +199,8 @@ class ColumnParallelLinear(nn.Module):
         return (y, self.bias) if self.skip_bias_add else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp}), "
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(/{self.tp // self.replicas}, stride {self.stride}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 

@@ -7,11 +7,15 @@ The contract (every producer and consumer goes through the functions below, neve
 mark                          meaning, and who relies on it
 ============================  =============================================================================
 tensor parallel               sharded over the tensor-parallel group: TP rank r holds block r of the full tensor
-(dim, stride, real_size)      along ``dim``. With ``stride`` s > 1 the full dim is s equal segments (e.g. the
-                              gate and up halves of a packed SwiGLU projection) and rank r holds block r of
-                              each, concatenated. ``real_size`` < full size: only the first ``real_size`` entries
-                              are real (a vocabulary padded for GEMM shapes). Checkpoints place shards with it;
-                              the global grad norm counts such a gradient on every TP rank (each holds a part).
+(dim, stride, replicas,       along ``dim``. With ``stride`` s > 1 the full dim is s equal segments (e.g. the
+real_size)                    gate and up halves of a packed SwiGLU projection) and rank r holds block r of
+                              each, concatenated (``init.shard_pieces``). With ``replicas`` c > 1, c consecutive
+                              TP ranks hold the same block (a key/value head shared by the query heads of c
+                              ranks): the full dim has tp/c blocks, rank r holds block r // c, and the c copies'
+                              gradients are summed over ``state.tp_replica_group(c)``. ``real_size`` < full
+                              size: only the first ``real_size`` entries are real (a vocabulary padded for GEMM
+                              shapes). Checkpoints place shards with it; the global grad norm counts such a
+                              gradient on every TP rank (each holds a part), once per replica group.
 sequence parallel             a replicated parameter applied to this rank's sequence shard (LayerNorm weights, a
                               row-parallel bias under sequence parallelism): its gradient is partial per TP rank
                               and is summed over the TP group once per step (``ddp.finalize_model_grads``).
@@ -42,6 +46,7 @@ class ParamInfo:
     tensor_parallel: bool = False
     partition_dim: int = 0
     partition_stride: int = 1
+    replicas: int = 1
     real_size: int | None = None
     sequence_parallel: bool = False
     shared_embedding: bool = False
@@ -73,20 +78,25 @@ def _params(items) -> list:
     return out
 
 
-def mark_tensor_parallel(*params, dim: int = 0, stride: int = 1, real_size: int | None = None) -> None:
+def mark_tensor_parallel(*params, dim: int = 0, stride: int = 1, replicas: int = 1,
+                         real_size: int | None = None) -> None:
     """Mark parameters (None entries are skipped) as sharded over the TP group along ``dim``.
 
     Raises:
-        ValueError: ``dim`` not 0/1, ``stride`` < 1, or ``real_size`` with ``stride`` > 1.
+        ValueError: ``dim`` not 0/1, ``stride`` or ``replicas`` < 1, or ``real_size`` with ``stride`` or
+            ``replicas`` > 1.
     """
     if dim not in (0, 1):
         raise ValueError(f"mark_tensor_parallel: dim must be 0 or 1, got {dim!r}")
     positive_int(stride, "stride", where="mark_tensor_parallel")
-    if real_size is not None and stride > 1:
-        raise ValueError("mark_tensor_parallel: real_size (a padded dimension) cannot be combined with stride > 1")
+    positive_int(replicas, "replicas", where="mark_tensor_parallel")
+    if real_size is not None and (stride > 1 or replicas > 1):
+        raise ValueError("mark_tensor_parallel: real_size (a padded dimension) cannot be combined with stride or "
+                         "replicas > 1")
     for p in _params(params):
         rec = _own(p)
-        rec.tensor_parallel, rec.partition_dim, rec.partition_stride, rec.real_size = True, dim, stride, real_size
+        rec.tensor_parallel, rec.partition_dim, rec.real_size = True, dim, real_size
+        rec.partition_stride, rec.replicas = stride, replicas
 
 
 def mark_sequence_parallel(*items) -> None:
@@ -120,9 +130,11 @@ def is_shared_embedding_duplicate(p) -> bool:
 
 def counts_in_grad_norm(p, tp_rank: int) -> bool:
     """Whether this rank adds ``p``'s gradient to a global norm summed over the model-parallel ranks: a sharded
-    parameter on every TP rank, a replicated one on TP rank 0, the duplicate embedding never."""
+    parameter on every TP rank (on the first of each replica group), a replicated one on TP rank 0, the duplicate
+    embedding never."""
     rec = info(p)
-    return (rec.tensor_parallel or tp_rank == 0) and not rec.shared_embedding_duplicate
+    sharded = rec.tensor_parallel and tp_rank % rec.replicas == 0
+    return (sharded or tp_rank == 0) and not rec.shared_embedding_duplicate
 
 
 def copy_marks(src, dst) -> None:
