@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megakernels.ops import _checks
 from megakernels.ops.attention import flash_attention
 
 
@@ -26,7 +27,7 @@ class FlashSelfAttention(nn.Module):
 
     def __init__(self, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0):
         super().__init__()
-        if not 0.0 <= attention_dropout < 1.0:
+        if not 0.0 <= _checks.real("FlashSelfAttention", "attention_dropout", attention_dropout) < 1.0:
             raise ValueError(f"FlashSelfAttention: attention_dropout must be in [0, 1), got {attention_dropout}")
         self.causal = causal
         self.softmax_scale = softmax_scale
