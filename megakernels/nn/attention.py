@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
+from megakernels.ops import _checks
 from megakernels.ops.attention import flash_attention
 
 
@@ -36,7 +37,7 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 class _Core(nn.Module):
     def __init__(self, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0):
         super().__init__()
-        if not 0.0 <= attention_dropout < 1.0:
+        if not 0.0 <= _checks.real(type(self).__name__, "attention_dropout", attention_dropout) < 1.0:
             raise ValueError(f"{type(self).__name__}: attention_dropout must be in [0, 1), got {attention_dropout}")
         self.causal = bool(causal)
         self.softmax_scale = softmax_scale

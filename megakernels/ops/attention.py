@@ -26,6 +26,7 @@ import numbers
 import torch
 
 from megakernels._backend import emulate_for, runs_triton
+from megakernels.ops import _checks
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -56,6 +57,7 @@ def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 @_flash_attn_fwd.register_fake
 def _(q, k, v, causal, scale, dropout_p, seed, emulate):
+    _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty((b, h, sq), dtype=lse_dtype)
@@ -74,6 +76,8 @@ def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 @_flash_attn_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate):
+    _checks.same_device("flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out),
+                        ("lse", lse))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -98,16 +102,14 @@ _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _check(q, k, v, softmax_scale, dropout_p) -> float:
     op = "flash_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        _checks.tensor(op, name, t)
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be 4-D [batch, seqlen, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected q's dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, expected q's device {q.device}")
+    _checks.same_device(op, "q", q, ("k", k), ("v", v))
     if k.shape != v.shape:
         raise ValueError(f"{op}: v has shape {tuple(v.shape)}, expected k's shape {tuple(k.shape)}")
     b, _, h, d = q.shape
