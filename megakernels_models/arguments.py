@@ -21,7 +21,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")
+SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
 MODEL, LAYOUT, OPTIM, DATA, LOGS = "model", "layout", "optimisation", "data", "checkpoints, evaluation and logs"
 
@@ -42,11 +42,15 @@ class TrainArgs:
     seq_length: int | None = setting(None, "overrides the preset", MODEL)
     vocab_size: int | None = setting(None, "overrides the preset (default: the tokenizer's)", MODEL)
     ffn_hidden_size: int | None = setting(None, "overrides the preset (default: 4 × hidden)", MODEL)
+    num_kv_heads: int | None = setting(None, "key/value heads, grouped-query attention (default: the preset's, or "
+                                       "--num-heads)", MODEL)
+    rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
     attention: str = setting("flash", "attention core: FlashAttention or PyTorch's SDPA (the baseline)", MODEL,
                              choices=lambda: tuple(ATTENTION_CORES))
     # layout
     tp: int = setting(1, "tensor-parallel size", LAYOUT)
+    cp: int = setting(1, "context-parallel size: each sequence split over cp ranks, ring attention", LAYOUT)
     pp: int = setting(1, "pipeline-parallel size", LAYOUT)
     vpp: int | None = setting(None, "virtual stages per pipeline rank (interleaved 1F1B)", LAYOUT)
     dp: int | None = setting(None, "data-parallel size (default: world / (tp·pp))", LAYOUT)
@@ -98,6 +102,8 @@ class TrainArgs:
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
         sizes = {k: getattr(self, k) for k in SIZES}
+        if self.rope_theta is not None:
+            sizes["rope_theta"] = self.rope_theta
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
         if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
             from megakernels_models.data.tokenizer import build_tokenizer
@@ -122,7 +128,7 @@ class TrainArgs:
         return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else self.nproc
 
     def data_parallel_size(self) -> int:
-        return self.world_size() // (self.tp * self.pp)
+        return self.world_size() // (self.tp * self.cp * self.pp)
 
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size())
@@ -146,7 +152,7 @@ def validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.preset is not None and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    for name in ("tp", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
+    for name in ("tp", "cp", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
                  "keep_checkpoints"):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("vpp", "dp", "save_interval"):
@@ -197,15 +203,34 @@ def validate(a: TrainArgs) -> ModelConfig:
 
 
 def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
-    world = a.world_size()
-    if world % (a.tp * a.pp):
+    world, model = a.world_size(), a.tp * a.cp * a.pp
+    names = "--tp × --cp × --pp" if a.cp > 1 else "--tp × --pp"
+    sizes = " × ".join(str(x) for x in ((a.tp, a.cp, a.pp) if a.cp > 1 else (a.tp, a.pp)))
+    if world % model:
         raise ArgumentError(f"the world size {world} (--nproc or torchrun's WORLD_SIZE) is not divisible by "
-                            f"--tp × --pp = {a.tp} × {a.pp} = {a.tp * a.pp}")
-    dp = world // (a.tp * a.pp)
+                            f"{names} = {sizes} = {model}")
+    dp = world // model
     if a.dp is not None and a.dp != dp:
-        raise ArgumentError(f"--dp {a.dp} does not match world size / (tp × pp) = {world} / {a.tp * a.pp} = {dp}")
+        raise ArgumentError(f"--dp {a.dp} does not match world size / ({names[2:].replace(' --', ' ')}) = "
+                            f"{world} / {model} = {dp}")
     if cfg.num_heads % a.tp:
         raise ArgumentError(f"--tp {a.tp} does not divide num_heads={cfg.num_heads} (each TP rank holds whole heads)")
+    kv = cfg.num_kv_heads
+    if kv % a.tp and a.tp % kv:
+        raise ArgumentError(f"--tp {a.tp} and num_kv_heads={kv}: the key/value heads must split evenly over the "
+                            f"tensor-parallel ranks (num_kv_heads a multiple of tp) or be replicated on groups of "
+                            f"ranks (tp a multiple of num_kv_heads)")
+    if a.cp > 1:
+        if cfg.model == "bert":
+            raise ArgumentError(f"--cp {a.cp}: context parallelism is for causal language models (GPT, Llama); "
+                                "BERT's padding masks are not split over the ring")
+        if cfg.seq_length % (2 * a.cp * (a.tp if a.sequence_parallel else 1)):
+            rule = "2 × cp × tp" if a.sequence_parallel else "2 × cp"
+            raise ArgumentError(f"--cp {a.cp} needs seq_length={cfg.seq_length} divisible by {rule} (each rank "
+                                "holds two equal chunks of every sequence)")
+        if cfg.attention_dropout > 0:
+            raise ArgumentError(f"--cp {a.cp} with attention dropout {cfg.attention_dropout}: ring attention has no "
+                                "attention dropout (set --dropout 0)")
     if cfg.ffn_hidden_size % a.tp:
         raise ArgumentError(f"--tp {a.tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
     vpp = a.vpp or 1
@@ -221,5 +246,6 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
     if vpp > 1 and m % a.pp:
         raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "
                             f"(global / (micro × dp) = {m}) to be a multiple of --pp {a.pp}")
-    if a.sequence_parallel and cfg.seq_length % a.tp:
-        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide seq_length={cfg.seq_length}")
+    if a.sequence_parallel and (cfg.seq_length // a.cp) % a.tp:
+        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide the tokens per rank (seq_length / cp "
+                            f"= {cfg.seq_length // a.cp})")

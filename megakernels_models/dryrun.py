@@ -46,11 +46,14 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
                 owner[i] = r
     vocab_local = pad_vocab_size(cfg.vocab_size, tp) // tp
     stages = [0] * pp
+    kv_copies = max(1, tp // cfg.num_kv_heads)  # key/value heads replicated when tp exceeds them
     for name, p in model.named_parameters():
-        if name in ("embedding.word.weight",):
+        if name in ("embedding.word.weight", "output_layer.weight"):
             n = vocab_local * cfg.hidden_size
         elif name == "mlm_bias":
             n = vocab_local
+        elif name.endswith("attention.kv.weight") or name.endswith("attention.kv.bias"):
+            n = p.numel() * kv_copies // tp
         elif is_tensor_parallel(p):
             n = p.numel() // tp
         else:
@@ -62,7 +65,7 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
             stages[0] += n
         else:
             stages[-1] += n
-    if pp > 1:
+    if pp > 1 and cfg.tie_embeddings:
         stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
     return stages
 
@@ -72,7 +75,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     one JSON object). ``cfg`` is ``validate(args)``'s result (validated here when not given). Returns the report."""
     t0 = time.perf_counter()
     cfg = validate(args) if cfg is None else cfg
-    tp, pp, vpp, dp = args.tp, args.pp, args.vpp or 1, args.data_parallel_size()
+    tp, pp, vpp, dp, cp = args.tp, args.pp, args.vpp or 1, args.data_parallel_size(), args.cp
     world, m, mbs = args.world_size(), args.num_microbatches(), args.micro_batch_size
     model = _meta_model(cfg)
     total = sum(p.numel() for p in model.parameters())
@@ -80,10 +83,10 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     half = args.precision != "fp32"
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
     if args.distributed_optimizer:
-        opt_b = opt_b / dp
+        opt_b = opt_b / (dp * cp)  # ZeRO-1 shards over the data- and context-parallel ranks
     bytes_el = 2 if half else 4
     flash = args.attention == "flash"
-    per_layer = cfg.activation_bytes_per_layer(mbs, tp, args.sequence_parallel, args.recompute, bytes_el, flash)
+    per_layer = cfg.activation_bytes_per_layer(mbs, tp, args.sequence_parallel, args.recompute, bytes_el, flash, cp)
     layers_per_stage = cfg.num_layers // pp
     if vpp > 1:
         in_flight = pp * (1 + (pp - 1) / (pp * vpp))
@@ -92,7 +95,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     else:
         in_flight = min(pp, m)
     act_first = per_layer * layers_per_stage * in_flight
-    logits = cfg.seq_length * mbs * pad_vocab_size(cfg.vocab_size, tp) / tp * 4  # fp32 logits kept for backward
+    logits = cfg.seq_length // cp * mbs * pad_vocab_size(cfg.vocab_size, tp) / tp * 4  # fp32, kept for backward
     mem = []
     for r, n in enumerate(stages):
         act = act_first if r == 0 else per_layer * layers_per_stage * max(1.0, in_flight - r)
@@ -109,14 +112,15 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
         "memory_per_device_bytes": totals[worst],
         "memory_breakdown_bytes": mem[worst],
-        "layout": {"tp": tp, "pp": pp, "vpp": vpp, "dp": dp, "world": world, "microbatches": m,
+        "layout": {"tp": tp, "cp": cp, "pp": pp, "vpp": vpp, "dp": dp, "world": world, "microbatches": m,
                    "sequence_parallel": args.sequence_parallel, "distributed_optimizer": args.distributed_optimizer,
                    "recompute": args.recompute, "precision": args.precision},
-        "ranks": {r: {"tp": r % tp, "dp": (r // tp) % dp, "pp": r // (tp * dp)} for r in range(min(world, 4096))},
+        "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
+                  for r in range(min(world, 4096))},
     }
     # The same stage's activations under every recompute / sequence-parallel choice (for choosing one).
     rep["activations_by_choice_bytes"] = {
-        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(mbs, tp, sp, rc, bytes_el, flash)
+        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(mbs, tp, sp, rc, bytes_el, flash, cp)
         * layers_per_stage * in_flight for rc in ("none", "selective", "full") for sp in (False, True)}
     if pp > 1:
         from megakernels.parallel.pipeline import bubble_fraction, format_schedule
@@ -144,7 +148,7 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}")
-    out(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
+    out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")
     out("activations on the first stage by choice (Korthikanti et al. 2022): " + ", ".join(
@@ -155,5 +159,6 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         out(rep["schedule"])
     ranks = rep["ranks"]
     if len(ranks) <= 64:
-        out("rank -> (tp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['pp']},{c['dp']})" for r, c in ranks.items()))
+        out("rank -> (tp, cp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['cp']},{c['pp']},{c['dp']})"
+                                                     for r, c in ranks.items()))
     out(f"(computed in {rep['seconds']:.2f} s on the meta device)")

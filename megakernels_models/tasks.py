@@ -44,13 +44,14 @@ class Task:
 
 
 class CausalLMTask(Task):
-    """Next-token prediction (GPT): mean cross-entropy over every token of the global batch."""
+    """Next-token prediction (GPT, Llama): mean cross-entropy over every token of the global batch."""
 
     def __init__(self, config: ModelConfig):
         from megakernels_models.gpt import GPTModel
+        from megakernels_models.llama import LlamaModel
 
         super().__init__(config)
-        self.model_class = GPTModel
+        self.model_class = LlamaModel if config.model == "llama" else GPTModel
 
     def normalizers(self, micro, global_batch, device):
         return {"tokens": global_batch * self.config.seq_length}
@@ -87,7 +88,7 @@ class BertTask(Task):
         return mlm.sum() / norm["tokens"] + sop.sum() / norm["samples"]
 
 
-TASKS: dict[str, type[Task]] = {"gpt": CausalLMTask, "bert": BertTask}
+TASKS: dict[str, type[Task]] = {"gpt": CausalLMTask, "llama": CausalLMTask, "bert": BertTask}
 
 
 def task_for(config: ModelConfig) -> Task:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.lr_schedule import WarmupCosineSchedule
+from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
@@ -65,20 +66,23 @@ class PipelineStep:
         self.task, self.chunks, self.ddps, self.args, self.device, self.timers = task, chunks, ddps, args, device, \
             timers
         cfg = task.config
-        seq = cfg.seq_length // mpu.tp_size() if args.sequence_parallel else cfg.seq_length
+        seq = cfg.seq_length // mpu.cp_size()  # context parallelism: this rank's two chunks of each sequence
+        seq = seq // mpu.tp_size() if args.sequence_parallel else seq
         self.shape = (seq, args.micro_batch_size, cfg.hidden_size)
         self.num_microbatches = args.num_microbatches()
 
     def __call__(self, dataset, step: int, forward_only: bool = False, loss_scale: float = 1.0) -> torch.Tensor:
         """The global batch's loss (on the last stage; zero elsewhere), after forward (and backward)."""
         args, mbs, m = self.args, self.args.micro_batch_size, self.num_microbatches
-        dp = mpu.dp_size()
+        dp, cp = mpu.dp_size(), mpu.cp_size()
         samples = [dataset[i] for i in global_batch_indices(step, args.global_batch_size, mpu.dp_rank(), dp)]
         micro = [collate(samples[i * mbs:(i + 1) * mbs], self.device) for i in range(m)]
         norm = self.task.normalizers(micro, args.global_batch_size, self.device)
-        # The data-parallel reduction averages over dp, but the loss is already normalised by the whole global
-        # batch: scale by dp so the reduced gradient is that of the global loss.
-        factor = loss_scale * dp
+        if cp > 1:  # this rank's two chunks of every sequence
+            micro = [{k: split_for_cp(v, 1, cp, mpu.cp_rank()) for k, v in b.items()} for b in micro]
+        # The gradient reduction averages over dp·cp, but the loss is already normalised by the whole global
+        # batch: scale by dp·cp so the reduced gradient is that of the global loss.
+        factor = loss_scale * dp * cp
         losses = []
 
         def forward_step(chunk: int, mb: int, hidden):
@@ -96,8 +100,8 @@ class PipelineStep:
             grad_sync=None if forward_only else (lambda c, on: self.ddps[c].set_grad_sync(on)),
             exchange_hook=self.timers.exchange_hook)
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
-        if losses and dp > 1:
-            dist.all_reduce(total, group=mpu.dp_group())
+        if losses and dp * cp > 1:
+            dist.all_reduce(total, group=mpu.dp_cp_group())
         return total
 
 
@@ -105,7 +109,7 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
     """Train on the current ``torch.distributed`` world; returns the per-step records on the logging rank (the last
     rank), None elsewhere. ``cfg`` is ``validate(args)``'s result when the caller already validated."""
     cfg = validate(args) if cfg is None else cfg
-    mpu.initialize(args.tp, args.pp, vpp=args.vpp)
+    mpu.initialize(args.tp, args.pp, vpp=args.vpp, cp=args.cp)
     try:
         return _train(task_for(cfg), args)
     finally:

@@ -84,7 +84,7 @@ def test_dry_run_pipeline_memory_and_bubble(tmp_path):
                              "--micro-batch-size", "1", "--dry-run"])
     rep = report(args, out=lambda s: None)
     assert rep["bubble_fraction"] == pytest.approx(3 / 16)
-    assert rep["ranks"][3] == {"tp": 0, "dp": 0, "pp": 3}
+    assert rep["ranks"][3] == {"tp": 0, "cp": 0, "dp": 0, "pp": 3}
     # the layers are split evenly; the first stage also holds the embeddings, the last the final norm + a copy
     # of the tied word embedding
     assert rep["parameters_per_device"] < rep["parameters"] / 4 * 1.1
