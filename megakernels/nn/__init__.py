@@ -3,6 +3,9 @@
 from megakernels.nn.attention import FlashSelfAttention
 from megakernels.nn.bias_gelu import FusedBiasGeLU
 from megakernels.nn.norms import FusedLayerNorm, FusedRMSNorm
+from megakernels.nn.rope import RotaryEmbedding
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
+from megakernels.nn.swiglu import FusedSwiGLU
 
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU", "FusedScaleMaskSoftmax", "FlashSelfAttention"]
+__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU", "FusedScaleMaskSoftmax", "FlashSelfAttention",
+           "RotaryEmbedding", "FusedSwiGLU"]
