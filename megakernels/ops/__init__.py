@@ -6,7 +6,10 @@ from megakernels.ops.attention import flash_attention
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
+from megakernels.ops.rope import fused_rope, rope_cos_sin_table, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
+from megakernels.ops.swiglu import swiglu, swiglu_reference
 
 __all__ = ["layer_norm", "rms_norm", "bias_gelu", "scaled_softmax", "scaled_masked_softmax", "scaled_causal_softmax",
-           "flash_attention", "cross_entropy"]
+           "flash_attention", "cross_entropy", "fused_rope", "rope_reference", "rope_cos_sin_table", "swiglu",
+           "swiglu_reference"]

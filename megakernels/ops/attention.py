@@ -175,7 +175,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """
     scale = _check(q, k, v, softmax_scale, dropout_p)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    emulate = emulate_for("flash_attention", q)
+    emulate = emulate_for("flash_attention", q, "q")
     seed = draw_seed(q.device, generator) if dropout_p > 0.0 else None  # no launch without dropout
     if q.numel() == 0 or k.shape[1] == 0:
         out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph

@@ -236,7 +236,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.numel() and flat.stride(-1) != 1:
         flat = flat.contiguous()
-    emulate = emulate_for("cross_entropy", logits)
+    emulate = emulate_for("cross_entropy", logits, "logits")
     loss, _ = _CrossEntropy.apply(flat, target.reshape(-1), int(ignore_index), float(label_smoothing), group,
                                   vocab_size, vocab_start, bool(inplace_backward), emulate)
     return loss.view(lead)

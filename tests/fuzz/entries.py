@@ -101,6 +101,19 @@ def _cross_entropy_build(draw, dtype):
             "label_smoothing": draw(st.sampled_from([0.0, 0.1])), "group": None, "vocab_size": None}
 
 
+def _rope_build(draw, dtype):
+    b, s, seq_dim = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.sampled_from([0, 1]))
+    hq, hk, d = draw(st.integers(1, 4)), draw(st.integers(1, 2)), 2 * draw(st.integers(1, 12))
+    grid = (s, b) if seq_dim == 0 else (b, s)
+    kw = {"q": rand(draw, (*grid, hq, d), dtype), "k": rand(draw, (*grid, hk, d), dtype),
+          "positions": torch.randperm(s, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))),
+          "theta": draw(st.sampled_from([10000.0, 500000.0])), "interleaved": draw(st.booleans()),
+          "position_offset": draw(st.integers(0, 50)), "seq_dim": seq_dim}
+    if draw(st.booleans()):
+        kw["cos_sin"] = mops.rope_cos_sin_table(s + 60, d, kw["theta"])
+    return kw
+
+
 OPS = [
     Entry("layer_norm", lambda draw, dt: {**_norm_build(draw, dt, 2), "activation": draw(st.sampled_from(
               [None, "gelu", "gelu_tanh"]))},
@@ -140,6 +153,16 @@ OPS = [
           scalars={"label_smoothing": [-0.1, 1.5, "0.1", None, NAN], "ignore_index": ["x", 1.5, None],
                    "group": ["world", 3, object()], "vocab_size": [0, 10**6, "8", 2.5]},
           bad_dtype={"target": torch.float32}),
+    Entry("fused_rope", _rope_build, lambda **kw: mops.fused_rope(**kw),
+          lambda q, k, **kw: mops.rope_reference(d64(q), d64(k), **kw),
+          tensors=("q", "k", "positions"), bad_dtype={"positions": torch.float32},
+          scalars={"theta": [0.0, -1.0, *BAD_REALS], "seq_dim": [2, -1, 1.0, None], "position_offset": [0.5, None, "1"],
+                   "interleaved": [1, "no", None]},
+          backends=("auto", "cuda_emu")),
+    Entry("swiglu", lambda draw, dt: {"x": rand(draw, (*dims(draw, draw(st.integers(0, 2))),
+                                                      2 * draw(st.integers(1, 40))), dt, 3.0)},
+          lambda x: mops.swiglu(x), lambda x: mops.swiglu_reference(d64(x)),
+          tensors=("x",), backends=("auto", "cuda_emu")),
 ]
 
 
@@ -210,6 +233,17 @@ MODULES = [
           lambda q, k, v, causal, attention_dropout: flash_attention_reference(d64(q), d64(k), d64(v), causal)[0],
           dtypes=(torch.float32,), tensors=("q", "k", "v"),
           scalars={"attention_dropout": [1.0, -0.1, "0.1", None]}),
+    Entry("RotaryEmbedding", lambda draw, dt: {**{k: v for k, v in _rope_build(draw, dt).items() if k in (
+              "q", "k", "positions", "theta", "interleaved", "seq_dim")}, "head_dim": None},
+          lambda q, k, positions, theta, interleaved, seq_dim, head_dim: mnn.RotaryEmbedding(
+              getattr(q, "shape", [2])[-1] if head_dim is None else head_dim, theta, interleaved)(q, k, positions,
+                                                                                                  seq_dim),
+          lambda q, k, positions, theta, interleaved, seq_dim, head_dim: mops.rope_reference(
+              d64(q), d64(k), positions, theta=theta, interleaved=interleaved, seq_dim=seq_dim),
+          tensors=("q", "k", "positions"), bad_dtype={"positions": torch.float32},
+          scalars={"head_dim": [3, 0, 4.0, "8"], "theta": [0.0, None, "1e4"], "interleaved": [1, None]}),
+    Entry("FusedSwiGLU", lambda draw, dt: {"x": rand(draw, (draw(st.integers(0, 4)), 2 * draw(st.integers(1, 9))), dt)},
+          lambda x: mnn.FusedSwiGLU()(x), lambda x: mops.swiglu_reference(d64(x)), tensors=("x",)),
     Entry("FusedAdamW", _adamw_build, lambda **kw: _adamw_step(FusedAdamW, **kw),
           lambda **kw: _adamw_step(torch.optim.AdamW, **{k: d64(v) for k, v in kw.items()}),
           dtypes=(torch.float32,), scalars={"lr": [-1.0, NAN, "1e-3", None], "betas": [(0.9,), (1.0, 0.9), "ab"],
