@@ -33,9 +33,10 @@ class TrainArgs:
     """All of ``megakernels train``'s settings (docs/design.md §5); the defaults are the embedded default run."""
 
     # model
-    model: str | None = setting(None, "model family (default: the preset's)", MODEL, choices=MODELS)
-    preset: str | None = setting("gpt-tiny", "a preset model; 'none' to give every size with the flags below",
-                                 MODEL, metavar="NAME")
+    model: str | None = setting(None, "model family (default: the preset's, else gpt)", MODEL, choices=MODELS)
+    preset: str | None = setting(None, "a preset model (default: the family's tiny one, e.g. gpt-tiny, unless "
+                                 "--num-layers, --hidden-size, --num-heads and --seq-length are all given); 'none' "
+                                 "to give every size with the flags below", MODEL, metavar="NAME")
     num_layers: int | None = setting(None, "overrides the preset", MODEL)
     hidden_size: int | None = setting(None, "overrides the preset", MODEL)
     num_heads: int | None = setting(None, "overrides the preset", MODEL)
@@ -99,6 +100,17 @@ class TrainArgs:
 
     # ---- derived ------------------------------------------------------------------------------------------------
 
+    def preset_name(self) -> str | None:
+        """The preset in use: ``--preset`` (None for ``none``), else the family's tiny preset unless every size is
+        given."""
+        if self.preset == "none":
+            return None
+        if self.preset is not None:
+            return self.preset
+        if all(getattr(self, k) is not None for k in SIZES[:4]):
+            return None
+        return f"{self.model or 'gpt'}-tiny"
+
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
         sizes = {k: getattr(self, k) for k in SIZES}
@@ -111,10 +123,11 @@ class TrainArgs:
                 sizes["vocab_size"] = build_tokenizer(self.tokenizer).vocab_size
             except (OSError, ValueError):
                 pass  # validate_data_args reports the tokenizer's problem, naming the flag
-        if self.preset is not None:
-            cfg = preset(self.preset, **sizes, **drop)
+        name = self.preset_name()
+        if name is not None:
+            cfg = preset(name, **sizes, **drop)
             if self.model is not None and self.model != cfg.model:
-                raise ArgumentError(f"--model {self.model} contradicts --preset {self.preset} (a {cfg.model} model)")
+                raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {cfg.model} model)")
             return cfg
         missing = [f"--{k.replace('_', '-')}" for k in SIZES[:4] if sizes[k] is None]
         if missing:
@@ -150,7 +163,7 @@ def validate(a: TrainArgs) -> ModelConfig:
     """
     if a.model is not None and a.model not in MODELS:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
-    if a.preset is not None and a.preset not in PRESETS:
+    if a.preset not in (None, "none") and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
     for name in ("tp", "cp", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
                  "keep_checkpoints"):
@@ -247,5 +260,6 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
         raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "
                             f"(global / (micro × dp) = {m}) to be a multiple of --pp {a.pp}")
     if a.sequence_parallel and (cfg.seq_length // a.cp) % a.tp:
-        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide the tokens per rank (seq_length / cp "
-                            f"= {cfg.seq_length // a.cp})")
+        what = f"seq_length={cfg.seq_length}" if a.cp == 1 else f"the tokens per rank, seq_length / cp = " \
+            f"{cfg.seq_length // a.cp}"
+        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide {what}")

@@ -70,7 +70,8 @@ def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[list[tuple[int, in
     ranks holding the same block only the first declares it (they hold the same values; ``_sync_replicas``)."""
     rec = marks.info(p)
     tp = mpu.tp_size() if rec.tensor_parallel else 1
-    dim, n = rec.partition_dim, p.shape[dim]
+    dim = rec.partition_dim
+    n = p.shape[dim]
     full_len = n * tp // rec.replicas
     full = list(p.shape)
     full[dim] = full_len if rec.real_size is None else rec.real_size
@@ -94,9 +95,8 @@ def _sharded(local: torch.Tensor, p: torch.Tensor):
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
     full, dim, pieces = _chunks_of(p)
-    if len(pieces) == 1:
-        (_, _, size), = pieces[0]
-        return local.narrow(dim, 0, size)
+    if len(pieces) == 1:  # one rank holds it all (its pieces are the whole dimension, in order)
+        return local.narrow(dim, 0, full[dim])
     tp_rank = mpu.tp_rank()
     ranks = dist.get_process_group_ranks(mpu.tp_group())
     metas, shards = [], []

@@ -35,8 +35,8 @@ def parse_train_args(argv: list[str]) -> TrainArgs:
 
 def _train_args(ns: argparse.Namespace) -> TrainArgs:
     values = given(ns, TrainArgs)
-    if values.get("preset") in ("none", ""):
-        values["preset"] = None
+    if values.get("preset") == "":
+        values["preset"] = "none"
     return TrainArgs(**values)
 
 

@@ -106,7 +106,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     worst = max(range(pp), key=lambda r: totals[r])
     tokens = args.global_batch_size * cfg.seq_length
     rep = {
-        "model": cfg.model, "preset": args.preset, "parameters": total,
+        "model": cfg.model, "preset": args.preset_name(), "parameters": total,
         "parameters_per_device": max(stages),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,

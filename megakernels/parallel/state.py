@@ -22,6 +22,7 @@ again, e.g. with another layout in the same world.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import torch
@@ -123,46 +124,35 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
             dist.destroy_process_group()
         raise
 
+    sizes = {"p": pp, "d": dp, "c": cp, "t": tp}  # outermost to innermost in the rank order
+
     def at(p: int, d: int, c: int, t: int) -> int:
         return ((p * dp + d) * cp + c) * tp + t
 
     groups, mine = [], {}
 
-    def make(kind: str, ranks: list[int]):
-        g = dist.new_group(ranks)
-        groups.append(g)
-        if rank in ranks:
-            mine[kind], mine[kind + "_ranks"] = g, ranks
-        return g
+    def make(kind: str, varying: str, keep=None):
+        """One group per value of the dimensions not in ``varying``, over every value of those in it (ranks in the
+        rank order); ``keep`` filters a group's ranks."""
+        fixed = [k for k in sizes if k not in varying]
+        for f in itertools.product(*(range(sizes[k]) for k in fixed)):
+            ranks = [at(**dict(zip(fixed, f)), **dict(zip(varying, v)))
+                     for v in itertools.product(*(range(sizes[k]) for k in varying))]
+            ranks = sorted(set(keep(ranks))) if keep else ranks
+            g = dist.new_group(ranks)
+            groups.append(g)
+            if rank in ranks:
+                mine[kind], mine[kind + "_ranks"] = g, ranks
 
-    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
-    for p in P:
-        for d in D:
-            for c in C:
-                make("tp", [at(p, d, c, t) for t in T])
-    for p in P:
-        for c in C:
-            for t in T:
-                make("dp", [at(p, d, c, t) for d in D])
-    for p in P:
-        for d in D:
-            for t in T:
-                make("cp", [at(p, d, c, t) for c in C])
+    make("tp", "t")
+    make("dp", "d")
+    make("cp", "c")
     if cp > 1:
-        for p in P:
-            for t in T:
-                make("dp_cp", [at(p, d, c, t) for d in D for c in C])
-    for d in D:
-        for c in C:
-            for t in T:
-                make("pp", [at(p, d, c, t) for p in P])
-    for d in D:
-        for c in C:
-            make("mp", [at(p, d, c, t) for p in P for t in T])
-    for d in D:
-        for c in C:
-            for t in T:
-                make("emb", sorted({at(0, d, c, t), at(pp - 1, d, c, t)}))
+        make("dp_cp", "dc")
+    make("pp", "p")
+    make("mp", "pt")
+    # the first and last pipeline stage (which share a tied word embedding)
+    make("emb", "p", keep=lambda ranks: (ranks[0], ranks[-1]))
 
     tp_rank, cp_rank = rank % tp, (rank // tp) % cp
     dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)

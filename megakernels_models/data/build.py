@@ -107,7 +107,7 @@ def validate_data_args(args, cfg=None) -> None:
                                 "newline token and the data is one sequence per document; preprocess it with "
                                 "--split-sentences")
         tokens = int(ds.doc_offsets[train.stop] - ds.doc_offsets[train.start])
-        if cfg.model == "gpt" and tokens < cfg.seq_length + 1:
+        if cfg.model != "bert" and tokens < cfg.seq_length + 1:
             raise ArgumentError(f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                                 f"of seq_length + 1 = {cfg.seq_length + 1}")
 
@@ -136,7 +136,7 @@ def build_datasets(args, cfg):
                 continue
             seed = args.seed + 1000 * i
             try:
-                if cfg.model == "gpt":
+                if cfg.model != "bert":
                     ds = GPTDataset(data, cfg.seq_length, seed, documents=docs,
                                     num_samples=math.ceil(w * wanted[i]) + 1)
                 else:

@@ -30,7 +30,13 @@ from megakernels_models.cli import parse_train_args
     (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps 500 is more than --steps 10"),
     (["--tp", "2", "--nproc", "2", "--sequence-parallel", "--seq-length", "127"],
      r"--sequence-parallel needs --tp 2 to divide seq_length=127"),
-    (["--model", "bert"], r"--model bert contradicts --preset gpt-tiny"),
+    (["--model", "bert", "--preset", "gpt-tiny"], r"--model bert contradicts --preset gpt-tiny"),
+    (["--model", "llama", "--tp", "3", "--nproc", "3", "--num-heads", "6", "--hidden-size", "192",
+      "--num-kv-heads", "2"], r"--tp 3 and num_kv_heads=2: the key/value heads must split evenly"),
+    (["--cp", "2", "--nproc", "2", "--model", "bert"], r"--cp 2: context parallelism is for causal language models"),
+    (["--cp", "4", "--nproc", "4", "--seq-length", "100"], r"--cp 4 needs seq_length=100 divisible by 2 × cp"),
+    (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], r"ring attention has no attention dropout"),
+    (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
     (["--steps", "0"], r"--steps must be a positive int, got 0"),
     (["--data", "x"], r"--data x: cannot read x\.bin"),
 ])
@@ -44,6 +50,13 @@ def test_the_default_is_the_embedded_tiny_gpt():
     assert args == TrainArgs()
     cfg = validate(args)
     assert (cfg.model, args.device, args.tokenizer, args.data) == ("gpt", "cpu", "byte", None)
+
+
+@pytest.mark.parametrize("model", ["bert", "llama"])
+def test_a_model_family_alone_picks_its_tiny_preset(model):
+    cfg = validate(parse_train_args(["--model", model]))
+    assert cfg == validate(parse_train_args(["--preset", f"{model}-tiny"]))
+    assert parse_train_args(["--model", model]).preset_name() == f"{model}-tiny"
 
 
 def test_cli_reports_errors_before_starting_processes():
