@@ -236,14 +236,21 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """The preset ``name`` with fields replaced by ``overrides`` (those that are not None).
+    """The preset ``name`` with fields replaced by ``overrides`` (those that are not None). Sizes the preset derives
+    follow their source unless given: an MLP of 4h follows a new hidden size, and multi-head attention (as many
+    key/value heads as heads) a new head count.
 
     Raises:
         ValueError: an unknown name (listing the known ones).
     """
     if name not in PRESETS:
         raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+    base, given = PRESETS[name], {k: v for k, v in overrides.items() if v is not None}
+    if "hidden_size" in given and "ffn_hidden_size" not in given and base.ffn_hidden_size == 4 * base.hidden_size:
+        given["ffn_hidden_size"] = 4 * given["hidden_size"]
+    if "num_heads" in given and "num_kv_heads" not in given and base.num_kv_heads == base.num_heads:
+        given["num_kv_heads"] = given["num_heads"]
+    return base.replace(**given)
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
