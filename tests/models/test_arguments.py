@@ -36,6 +36,8 @@ from megakernels_models.cli import parse_train_args
     (["--cp", "2", "--nproc", "2", "--model", "bert"], r"--cp 2: context parallelism is for causal language models"),
     (["--cp", "4", "--nproc", "4", "--seq-length", "100"], r"--cp 4 needs seq_length=100 divisible by 2 × cp"),
     (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], r"ring attention has no attention dropout"),
+    (["--nproc", "2", "--device", "cuda"], r"--nproc 2 spawns CPU processes \(gloo\); with --device cuda launch one "
+                                            r"process per GPU with torchrun --nproc-per-node 2"),
     (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
     (["--steps", "0"], r"--steps must be a positive int, got 0"),
     (["--data", "x"], r"--data x: cannot read x\.bin"),
