@@ -23,7 +23,10 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, LAYOUT, OPTIM, DATA, LOGS = "model", "layout", "optimisation", "data", "checkpoints, evaluation and logs"
+MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = ("model", "mixture of experts", "layout", "optimisation", "data",
+                                         "checkpoints, evaluation and logs")
+MOE_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_capacity_factor", "moe_shared_experts")
 
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
@@ -46,12 +49,24 @@ class TrainArgs:
     num_kv_heads: int | None = setting(None, "key/value heads, grouped-query attention (default: the preset's, or "
                                        "--num-heads)", MODEL)
     rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
+    num_experts: int | None = setting(None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)",
+                                      MOE)
+    moe_top_k: int | None = setting(None, "experts per token (default: the preset's)", MOE)
+    moe_ffn_hidden_size: int | None = setting(None, "each expert's MLP size (default: the preset's)", MOE)
+    moe_layer_freq: int | None = setting(None, "every N-th layer is a MoE layer (default: the preset's)", MOE)
+    moe_aux_loss_coeff: float | None = setting(None, "load-balancing loss coefficient (default: the preset's)", MOE)
+    moe_z_loss_coeff: float | None = setting(None, "router z-loss coefficient (default: the preset's)", MOE)
+    moe_capacity_factor: float | None = setting(None, "expert capacity as a factor of the even share; over-capacity "
+                                                "tokens are dropped (default: dropless)", MOE)
+    moe_shared_experts: int | None = setting(None, "shared experts every token goes through (default: the "
+                                             "preset's)", MOE)
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
     attention: str = setting("flash", "attention core: FlashAttention or PyTorch's SDPA (the baseline)", MODEL,
                              choices=lambda: tuple(ATTENTION_CORES))
     # layout
     tp: int = setting(1, "tensor-parallel size", LAYOUT)
     cp: int = setting(1, "context-parallel size: each sequence split over cp ranks, ring attention", LAYOUT)
+    ep: int = setting(1, "expert-parallel size: MoE experts split over groups of ep data-parallel ranks", LAYOUT)
     pp: int = setting(1, "pipeline-parallel size", LAYOUT)
     vpp: int | None = setting(None, "virtual stages per pipeline rank (interleaved 1F1B)", LAYOUT)
     dp: int | None = setting(None, "data-parallel size (default: world / (tp·pp))", LAYOUT)
@@ -114,8 +129,9 @@ class TrainArgs:
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
         sizes = {k: getattr(self, k) for k in SIZES}
-        if self.rope_theta is not None:
-            sizes["rope_theta"] = self.rope_theta
+        for name in ("rope_theta",) + MOE_FIELDS:
+            if getattr(self, name) is not None:
+                sizes[name] = getattr(self, name)
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
         if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
             from megakernels_models.data.tokenizer import build_tokenizer
@@ -165,7 +181,7 @@ def validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.preset not in (None, "none") and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    for name in ("tp", "cp", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
+    for name in ("tp", "cp", "ep", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
                  "keep_checkpoints"):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("vpp", "dp", "save_interval"):
@@ -259,6 +275,17 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
     if vpp > 1 and m % a.pp:
         raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "
                             f"(global / (micro × dp) = {m}) to be a multiple of --pp {a.pp}")
+    if a.ep > 1 and not cfg.num_experts:
+        raise ArgumentError(f"--ep {a.ep} needs a mixture-of-experts model (--num-experts > 0)")
+    if dp % a.ep:
+        raise ArgumentError(f"--ep {a.ep} does not divide the data-parallel size {dp} (expert-parallel groups are "
+                            "carved out of the data-parallel ranks)")
+    if cfg.num_experts and cfg.num_experts % a.ep:
+        raise ArgumentError(f"--ep {a.ep} does not divide num_experts={cfg.num_experts} (each rank holds the same "
+                            "number of experts)")
+    if cfg.num_experts and a.tp > 1 and (cfg.seq_length // a.cp) % a.tp:
+        raise ArgumentError(f"--tp {a.tp} must divide the tokens per rank ({cfg.seq_length // a.cp}) of a MoE model "
+                            "(each TP rank routes its share of the tokens)")
     if a.sequence_parallel and (cfg.seq_length // a.cp) % a.tp:
         what = f"seq_length={cfg.seq_length}" if a.cp == 1 else f"the tokens per rank, seq_length / cp = " \
             f"{cfg.seq_length // a.cp}"

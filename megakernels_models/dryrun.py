@@ -23,7 +23,7 @@ import time
 import torch.distributed as dist
 
 from megakernels.parallel.embedding import pad_vocab_size
-from megakernels.parallel.params import is_tensor_parallel
+from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config import ModelConfig, human, stage_layers
 
@@ -38,7 +38,8 @@ def _meta_model(cfg: ModelConfig):
         return task_for(cfg).build_chunk(0, device="meta", attention="torch")
 
 
-def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> list[int]:
+def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int, ep: int = 1,
+                      experts_only: bool = False) -> list[int]:
     owner = {}
     for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp)):
         for layers in chunks:
@@ -48,7 +49,11 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
     stages = [0] * pp
     kv_copies = max(1, tp // cfg.num_kv_heads)  # key/value heads replicated when tp exceeds them
     for name, p in model.named_parameters():
-        if name in ("embedding.word.weight", "output_layer.weight"):
+        if experts_only and not is_expert_parallel(p):
+            continue
+        if is_expert_parallel(p):
+            n = p.numel() // tp // ep
+        elif name in ("embedding.word.weight", "output_layer.weight"):
             n = vocab_local * cfg.hidden_size
         elif name == "mlm_bias":
             n = vocab_local
@@ -65,7 +70,7 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
             stages[0] += n
         else:
             stages[-1] += n
-    if pp > 1 and cfg.tie_embeddings:
+    if pp > 1 and cfg.tie_embeddings and not experts_only:
         stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
     return stages
 
@@ -79,11 +84,15 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     world, m, mbs = args.world_size(), args.num_microbatches(), args.micro_batch_size
     model = _meta_model(cfg)
     total = sum(p.numel() for p in model.parameters())
-    stages = _params_per_stage(model, cfg, tp, pp, vpp)
+    stages = _params_per_stage(model, cfg, tp, pp, vpp, args.ep)
+    expert_total = sum(p.numel() for p in model.parameters() if is_expert_parallel(p))
+    active = total - expert_total + expert_total * cfg.moe_top_k // max(cfg.num_experts, 1)
     half = args.precision != "fp32"
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
+    expert_opt_b = opt_b
     if args.distributed_optimizer:
         opt_b = opt_b / (dp * cp)  # ZeRO-1 shards over the data- and context-parallel ranks
+        expert_opt_b = expert_opt_b / (dp * cp // args.ep)  # experts over the ranks holding the same experts
     bytes_el = 2 if half else 4
     flash = args.attention == "flash"
     per_layer = cfg.activation_bytes_per_layer(mbs, tp, args.sequence_parallel, args.recompute, bytes_el, flash, cp)
@@ -96,23 +105,28 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         in_flight = min(pp, m)
     act_first = per_layer * layers_per_stage * in_flight
     logits = cfg.seq_length // cp * mbs * pad_vocab_size(cfg.vocab_size, tp) / tp * 4  # fp32, kept for backward
+    expert_stages = _params_per_stage(model, cfg, tp, pp, vpp, args.ep, experts_only=True)
     mem = []
-    for r, n in enumerate(stages):
+    for r, (n, e) in enumerate(zip(stages, expert_stages)):
         act = act_first if r == 0 else per_layer * layers_per_stage * max(1.0, in_flight - r)
         if r == pp - 1:
             act += logits
-        mem.append({"weights": n * weight_b, "grads": n * grad_b, "optimizer": n * opt_b, "activations": act})
+        mem.append({"weights": n * weight_b, "grads": n * grad_b, "optimizer": (n - e) * opt_b + e * expert_opt_b,
+                    "activations": act})
     totals = [sum(x.values()) for x in mem]
     worst = max(range(pp), key=lambda r: totals[r])
     tokens = args.global_batch_size * cfg.seq_length
     rep = {
-        "model": cfg.model, "preset": args.preset_name(), "parameters": total,
+        "model": cfg.model, "preset": args.preset_name(), "parameters": total, "active_parameters": active,
         "parameters_per_device": max(stages),
+        **({"expert_memory_per_device_bytes": max(e * (weight_b + grad_b + expert_opt_b) for e in expert_stages)}
+           if cfg.num_experts else {}),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
         "memory_per_device_bytes": totals[worst],
         "memory_breakdown_bytes": mem[worst],
-        "layout": {"tp": tp, "cp": cp, "pp": pp, "vpp": vpp, "dp": dp, "world": world, "microbatches": m,
+        "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": pp, "vpp": vpp, "dp": dp, "world": world,
+                   "microbatches": m,
                    "sequence_parallel": args.sequence_parallel, "distributed_optimizer": args.distributed_optimizer,
                    "recompute": args.recompute, "precision": args.precision},
         "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
@@ -141,7 +155,11 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"{rep['preset'] or cfg.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"seq {cfg.seq_length}, vocab {cfg.vocab_size}")
     out(f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
-        "device")
+        "device" + (f"; {human(rep['active_parameters'])} active per token ({cfg.num_experts} experts, top "
+                    f"{cfg.moe_top_k})" if cfg.num_experts else ""))
+    if "expert_memory_per_device_bytes" in rep:
+        out(f"expert weights, gradients and optimizer state per device: "
+            f"{human(rep['expert_memory_per_device_bytes'], 'B')} (ep={lay['ep']})")
     out(f"FLOPs per step: {human(rep['flops_per_step'], 'FLOP')} (model), "
         f"{human(rep['flops_per_step_executed'], 'FLOP')} executed with recompute={lay['recompute']}")
     b = rep["memory_breakdown_bytes"]

@@ -26,6 +26,7 @@ from torch import nn
 from megakernels.nn import FusedLayerNorm, FusedRMSNorm, RotaryEmbedding
 from megakernels.parallel import context, init, state
 from megakernels.parallel.blocks import ParallelGroupedQueryAttention, ParallelMLP, ParallelSelfAttention
+from megakernels.parallel.moe import MoELayer
 from megakernels.parallel.params import mark_sequence_parallel, mark_shared_embedding
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 from megakernels_models.config import ModelConfig
@@ -103,11 +104,19 @@ class TransformerLayer(nn.Module):
                                  "(position_embedding='rope')")
             self.attention = ParallelSelfAttention(c.hidden_size, c.num_heads, causal, sequence_parallel, **common)
         self.post_attention_norm = make_norm(c, device, dtype)
-        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
-                               approximate="tanh" if c.activation == "gelu_tanh" else "none",
-                               activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
-                               init_method=normal, output_init_method=scaled,
-                               seed=init.derive_seed(seed, f"{name}.mlp"), device=device, dtype=dtype)
+        if c.is_moe_layer(layer_number):
+            self.mlp = MoELayer(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_top_k, sequence_parallel,
+                                activation=c.activation, normalize=c.moe_normalize,
+                                aux_loss_coeff=c.moe_aux_loss_coeff, z_loss_coeff=c.moe_z_loss_coeff,
+                                capacity_factor=c.moe_capacity_factor, shared_experts=c.moe_shared_experts,
+                                seed=init.derive_seed(seed, f"{name}.mlp"), init_method=normal,
+                                output_init_method=scaled, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
+                                   approximate="tanh" if c.activation == "gelu_tanh" else "none",
+                                   activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
+                                   init_method=normal, output_init_method=scaled,
+                                   seed=init.derive_seed(seed, f"{name}.mlp"), device=device, dtype=dtype)
         self.post_norm = c.norm_position == "post"
         if sequence_parallel:
             mark_sequence_parallel(self.input_norm, self.post_attention_norm)

@@ -56,7 +56,7 @@ from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
-from megakernels.parallel.params import counts_in_grad_norm
+from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
 from megakernels.validation import finite_number, positive_int
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -222,16 +222,26 @@ class ParallelOptimizer:
         """The global sum of squares of the (still loss-scaled) main grads, every param counted once over the
         whole model (see the module docstring); an fp32 scalar on the params' device, no host sync."""
         grads = self._grads() if grads is None else grads
-        counted = [g for g, piece in zip(grads, self.pieces) if piece.counted]
-        local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
-        sumsq = local.float() ** 2
+        def sumsq(expert: bool) -> torch.Tensor:
+            counted = [g for g, piece in zip(grads, self.pieces) if piece.counted and is_expert_parallel(piece.param)
+                       == expert]
+            local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
+            return local.float() ** 2
+
         if self.distributed:
-            group = dist.group.WORLD if dist.is_initialized() else None  # tp × pp × dp: each dp rank a disjoint piece
-        else:
-            group = state.model_parallel_group() if state.is_initialized() else None
+            # every element has one owner in the world: tp × cp × pp × dp ranks hold disjoint pieces
+            total = sumsq(False) + sumsq(True)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(total)
+            return total
+        dense, experts = sumsq(False), sumsq(True)
+        if state.is_initialized() and state.ep_size() > 1:  # each expert-parallel rank holds other experts
+            dist.all_reduce(experts, group=state.ep_group())
+        total = dense + experts
+        group = state.model_parallel_group() if state.is_initialized() else None
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sumsq, group=group)
-        return sumsq
+            dist.all_reduce(total, group=group)
+        return total
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
