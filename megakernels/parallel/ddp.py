@@ -94,6 +94,9 @@ class DistributedDataParallel(nn.Module):
             ``params.is_shared_embedding``).
         include: the params this wrapper handles (default all); ``wrap_model`` gives a mixture-of-experts model
             two wrappers, one for the dense params and one, over the expert-data-parallel group, for the experts'.
+        divisor: what the summed gradients are divided by (default the group's size: the mean). Experts' gradients
+            are summed over fewer ranks than the dense ones but come from the same scaled losses, so their wrapper
+            divides by the data-parallel size as well.
 
     Raises:
         ValueError: no trainable params, params on several devices, a non-contiguous param, a bad ``bucket_size``
@@ -103,7 +106,7 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
                  grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
-                 separate=is_shared_embedding, include=None) -> None:
+                 separate=is_shared_embedding, include=None, divisor: int | None = None) -> None:
         super().__init__()
         cls = type(self).__name__
         positive_int(bucket_size, "bucket_size", where=cls)
@@ -111,6 +114,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"{cls}: grad_dtype must be float32, bfloat16, float16 or None, got {grad_dtype}")
         self.module = module
         self.group, self.dp_size, self.dp_rank = self._resolve_group(group)
+        self.divisor = self.dp_size if divisor is None else positive_int(divisor, "divisor", where=cls)
         self.overlap, self.reduce_scatter, self.bucket_size = bool(overlap), bool(reduce_scatter), bucket_size
         params = [p for p in module.parameters() if p.requires_grad and (include is None or include(p))]
         if not params:
@@ -212,10 +216,11 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        if self.divisor != 1:
+            bucket.grad_data.div_(self.divisor)
         if self.dp_size == 1:
             return
         data = bucket.grad_data
-        data.div_(self.dp_size)
         if self.reduce_scatter:
             shard = data[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
             comm.record("launch", "reduce_scatter")
@@ -302,8 +307,9 @@ def wrap_model(module: nn.Module, **kwargs) -> list[DistributedDataParallel]:
     if not experts:
         return [DistributedDataParallel(module, **kwargs)]
     group = state.expert_dp_group() if state.is_initialized() else None
+    divisor = state.dp_cp_size() if state.is_initialized() else 1
     return [DistributedDataParallel(module, include=lambda p: not is_expert_parallel(p), **kwargs),
-            DistributedDataParallel(module, group=group, include=is_expert_parallel, **kwargs)]
+            DistributedDataParallel(module, group=group, include=is_expert_parallel, divisor=divisor, **kwargs)]
 
 
 def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
