@@ -39,7 +39,8 @@ from megakernels_models.cli import parse_train_args
     (["--nproc", "2", "--device", "cuda"], r"--nproc 2 spawns CPU processes \(gloo\); with --device cuda launch one "
                                             r"process per GPU with torchrun --nproc-per-node 2"),
     (["--model", "llama", "--num-experts", "4", "--moe-top-k", "5"], r"moe_top_k=5 must be in 1..num_experts=4"),
-    (["--model", "llama", "--num-experts", "6", "--ep", "4", "--nproc", "4"], r"--ep 4 does not divide num_experts=6"),
+    (["--model", "llama", "--num-experts", "6", "--ep", "4", "--nproc", "4", "--micro-batch-size", "4"],
+     r"--ep 4 does not divide num_experts=6"),
     (["--model", "llama", "--num-experts", "4", "--ep", "2", "--nproc", "2", "--tp", "2"],
      r"--ep 2 does not divide the data-parallel size 1"),
     (["--ep", "2", "--nproc", "2"], r"--ep 2 needs a mixture-of-experts model"),
