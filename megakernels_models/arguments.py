@@ -13,6 +13,7 @@ import os
 import torch
 
 from megakernels.nn.attention import ATTENTION_CORES
+from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
 from megakernels_models.config import MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
 from megakernels_models.settings import ArgumentError, setting
@@ -70,7 +71,8 @@ class TrainArgs:
     pp: int = setting(1, "pipeline-parallel size", LAYOUT)
     vpp: int | None = setting(None, "virtual stages per pipeline rank (interleaved 1F1B)", LAYOUT)
     dp: int | None = setting(None, "data-parallel size (default: world / (tp·pp))", LAYOUT)
-    nproc: int = setting(1, "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead", LAYOUT)
+    nproc: int = setting(1, "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead (with "
+                         "--dry-run: the world size to plan for)", LAYOUT)
     device: str = setting("cpu", "where to train", LAYOUT, choices=DEVICES)
     sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations over the sequence (with --tp)",
                                       LAYOUT)
@@ -80,9 +82,20 @@ class TrainArgs:
     global_batch_size: int = setting(16, "samples per optimizer step, over all data-parallel ranks", OPTIM)
     steps: int = setting(300, "optimizer steps in total (a resumed run continues up to it)", OPTIM)
     lr: float = setting(2e-3, "peak learning rate", OPTIM)
-    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", OPTIM)
+    min_lr: float = setting(2e-4, "learning rate at the end of the decay", OPTIM)
     warmup_steps: int | None = setting(None, "linear warmup steps (default: a tenth of --steps)", OPTIM)
-    weight_decay: float = setting(0.1, "AdamW weight decay (not on biases and norms)", OPTIM)
+    lr_decay_style: str = setting("cosine", "decay after warmup (wsd: warmup, stable, then a linear decay)", OPTIM,
+                                  choices=LR_STYLES)
+    lr_decay_steps: int | None = setting(None, "the step at which the decay reaches --min-lr (default: --steps)",
+                                         OPTIM)
+    lr_wsd_decay_steps: int | None = setting(None, "length of wsd's final decay (default: a tenth of the steps after "
+                                             "warmup)", OPTIM)
+    adam_beta1: float = setting(0.9, "AdamW beta1", OPTIM)
+    adam_beta2: float = setting(0.95, "AdamW beta2", OPTIM)
+    adam_eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
+    weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
+    no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
+                                   "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
     precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
@@ -110,6 +123,8 @@ class TrainArgs:
     timeout: float = setting(600.0, "seconds a collective may wait for a peer", LOGS)
     dry_run: bool = setting(False, "validate and report parameters, FLOPs and memory per device, without training",
                             LOGS)
+    architecture: dict | None = setting(None, "ModelConfig fields defining the model (from a --config file)", MODEL,
+                                        cli=False)
     step_timers: bool = setting(False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS,
                                 cli=False)
 
@@ -118,7 +133,7 @@ class TrainArgs:
     def preset_name(self) -> str | None:
         """The preset in use: ``--preset`` (None for ``none``), else the family's tiny preset unless every size is
         given."""
-        if self.preset == "none":
+        if self.preset == "none" or (self.architecture and self.preset is None):
             return None
         if self.preset is not None:
             return self.preset
@@ -144,6 +159,12 @@ class TrainArgs:
             cfg = preset(name, **sizes, **drop)
             if self.model is not None and self.model != cfg.model:
                 raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {cfg.model} model)")
+            return cfg
+        if self.architecture:
+            cfg = ModelConfig(**self.architecture)
+            cfg = cfg.replace(**{k: v for k, v in {**sizes, **drop}.items() if v is not None})
+            if self.model is not None and self.model != cfg.model:
+                raise ArgumentError(f"--model {self.model} contradicts the architecture (a {cfg.model} model)")
             return cfg
         missing = [f"--{k.replace('_', '-')}" for k in SIZES[:4] if sizes[k] is None]
         if missing:
@@ -197,21 +218,34 @@ def validate(a: TrainArgs) -> ModelConfig:
         if getattr(a, name) not in choices:
             raise ArgumentError(f"--{name} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     under_torchrun = "WORLD_SIZE" in os.environ
-    if a.device == "cuda" and a.nproc > 1 and not under_torchrun:
+    if a.device == "cuda" and a.nproc > 1 and not under_torchrun and not a.dry_run:
         raise ArgumentError(f"--nproc {a.nproc} spawns CPU processes (gloo); with --device cuda launch one process "
                             f"per GPU with torchrun --nproc-per-node {a.nproc} (NCCL) and leave --nproc out")
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
     _validate_layout(a, cfg)
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= finite_number(getattr(a, name), _flag(name), error=ArgumentError) < 1.0:
+            raise ArgumentError(f"{_flag(name)} must be in [0, 1), got {getattr(a, name)}")
+    if a.lr_decay_style not in LR_STYLES:
+        raise ArgumentError(f"--lr-decay-style must be one of {', '.join(LR_STYLES)}, got {a.lr_decay_style!r}")
+    positive_int(a.lr_decay_steps, "--lr-decay-steps", allow_none=True, error=ArgumentError)
+    positive_int(a.lr_wsd_decay_steps, "--lr-wsd-decay-steps", allow_none=True, error=ArgumentError)
     if a.min_lr > a.lr:
         raise ArgumentError(f"--min-lr {a.min_lr} is larger than --lr {a.lr}")
     if a.warmup_steps is None:
         a.warmup_steps = a.steps // 10
     positive_int(a.warmup_steps, "--warmup-steps", minimum=0, error=ArgumentError)
-    if a.warmup_steps > a.steps:
-        raise ArgumentError(f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}")
+    decay_steps = a.lr_decay_steps or a.steps
+    if a.warmup_steps > decay_steps:
+        raise ArgumentError(f"--warmup-steps {a.warmup_steps} is more than --lr-decay-steps {decay_steps}"
+                            if a.lr_decay_steps else f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}")
+    if a.lr_decay_style == "wsd" and a.lr_wsd_decay_steps is not None \
+            and a.lr_wsd_decay_steps > decay_steps - a.warmup_steps:
+        raise ArgumentError(f"--lr-wsd-decay-steps {a.lr_wsd_decay_steps} is more than the {decay_steps - a.warmup_steps}"
+                            " steps after warmup")
     if a.save_interval is not None and a.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):

@@ -197,9 +197,11 @@ def _layout() -> dict:
 
 # ---- save ---------------------------------------------------------------------------------------------------
 
-def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3) -> str:
+def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3,
+         train_config: dict | None = None) -> str:
     """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
-    rank calls it. Returns the checkpoint's path."""
+    rank calls it; ``train_config`` (the run's resolved settings) is stored with the metadata. Returns the
+    checkpoint's path."""
     final = os.path.join(save_dir, f"step-{step:08d}")
     tmp = os.path.join(save_dir, f".tmp-step-{step:08d}")
     rank0 = dist.get_rank() == 0
@@ -214,7 +216,7 @@ def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int =
     sd[f"rng.rank{dist.get_rank()}"] = _rng_state()
     # One JSON string (DCP would flatten a dict into one entry per leaf).
     sd["meta"] = json.dumps({"step": int(step), "optimizer_step": opt_step, "config": dataclasses.asdict(config),
-                             "layout": _layout(),
+                             "layout": _layout(), "train_config": train_config,
                              "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
-from megakernels.optim.lr_schedule import WarmupCosineSchedule
+from megakernels.optim.lr_schedule import LRSchedule
 from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale, stats as moe_stats
@@ -39,6 +39,7 @@ from megakernels.parallel.pipeline.executor import forward_backward
 from megakernels_models import checkpoint, dryrun
 from megakernels_models.arguments import TrainArgs, validate
 from megakernels_models.config import ModelConfig, stage_layers
+from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.logger import TrainLogger
@@ -126,10 +127,13 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     chunks = build_model_chunks(task, args, device)
     wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
     ddps = [d for ws in wrappers for d in ws]
-    opt = ParallelOptimizer(ddps, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
-                            distributed=args.distributed_optimizer, precision=args.precision, clip_grad=args.clip_grad,
-                            loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None)
-    lr_schedule = WarmupCosineSchedule(args.lr, args.min_lr, args.warmup_steps, args.steps)
+    opt = ParallelOptimizer(ddps, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                            weight_decay=args.weight_decay, distributed=args.distributed_optimizer,
+                            precision=args.precision, clip_grad=args.clip_grad,
+                            loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
+                            no_decay=no_decay_rule(chunks, args.no_weight_decay))
+    lr_schedule = LRSchedule(args.lr, args.min_lr, args.warmup_steps, args.lr_decay_steps or args.steps,
+                             args.lr_decay_style, args.lr_wsd_decay_steps)
     train_ds, valid_ds, _ = build_datasets(args, cfg)
     timers = StepTimers(args.step_timers, device)  # off unless megakernels bench asks (per-phase times)
     run_batch = PipelineStep(task, chunks, wrappers, args, device, timers)
@@ -139,8 +143,9 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     meter = MFUMeter(cfg.flops_per_token("none"), tokens_per_step, dist.get_world_size(), args.precision, device,
                      args.peak_tflops) if log_rank else None
     start = checkpoint.load(checkpoint.read_latest(args.load), chunks, opt, cfg) if args.load else 0
+    config = resolved(args, cfg)
     log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
-                      log_jsonl=args.log_jsonl, tensorboard=args.tensorboard)
+                      log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
     t_start = time.perf_counter()
     try:
         for step in range(start, args.steps):
@@ -170,11 +175,19 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 if rec is not None:
                     rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
             if args.save and _due(step, args.save_interval or args.steps, args.steps):
-                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints)
+                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints, config)
             log.log(rec)
     finally:
         log.close()
     return log.records if log_rank else None
+
+
+def no_decay_rule(chunks, names: str):
+    """The params without weight decay: biases and norm weights (fewer than 2 dims), and those whose name contains
+    one of the comma-separated ``names``."""
+    parts = [n.strip() for n in names.split(",") if n.strip()]
+    excluded = {id(p) for c in chunks for n, p in c.named_parameters() if any(part in n for part in parts)}
+    return lambda p: p.dim() < 2 or id(p) in excluded
 
 
 def _due(step: int, interval: int, steps: int) -> bool:
