@@ -95,6 +95,7 @@ SUBCOMMANDS = {
     "preprocess": "megakernels_models.data.preprocess:add_parser",
     "convert": "megakernels_models.convert:add_parser",
     "eval": "megakernels_models.evaluate:add_parser",
+    "generate": "megakernels_models.generate:add_parser",
     "bench": "megakernels_models.bench.cli:add_parser",
 }
 
