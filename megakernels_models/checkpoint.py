@@ -228,10 +228,24 @@ def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int =
         if os.path.exists(final):  # a re-save of the same step: move the old one aside first
             shutil.rmtree(final)
         os.rename(tmp, final)
+        _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
         _write_latest(save_dir, os.path.basename(final))
         _prune(save_dir, keep)
     dist.barrier()
     return final
+
+
+def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
+    """A run with a HuggingFace tokenizer keeps its ``tokenizer.json`` beside its checkpoints (generation and
+    conversion find it there)."""
+    if not spec or not spec.startswith("hf:"):
+        return
+    src = spec[3:]
+    src = os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src
+    dst = os.path.join(save_dir, "tokenizer.json")
+    if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
+        shutil.copyfile(src, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
 
 
 def _write_latest(save_dir: str, name: str) -> None:

@@ -101,3 +101,26 @@ def test_the_cli_streams_the_continuation(checkpoints):
     bad = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "generate", "--load", "/nonexistent",
                           "--prompt", "x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no such directory" in bad.stderr
+
+
+def test_a_run_with_a_hf_tokenizer_keeps_it_beside_its_checkpoints(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from megakernels.parallel.launch import single_process_world
+    from megakernels_models import load_pretrained
+    from megakernels_models.data.preprocess import preprocess
+    from megakernels_models.train import train
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["alpha beta gamma delta\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "docs.txt").write_text("alpha beta gamma delta " * 400)
+    preprocess([str(tmp_path / "docs.txt")], str(tmp_path / "data"), f"hf:{tmp_path / 'tok.json'}")
+    args = dataclasses.replace(BASE, steps=2, data=str(tmp_path / "data"), tokenizer=f"hf:{tmp_path / 'tok.json'}",
+                               save=str(tmp_path / "ckpt"), split="1,0,0")
+    with single_process_world():
+        train(args)
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == (tmp_path / "tok.json").read_text()
+    assert load_pretrained(str(tmp_path / "ckpt")).tokenizer.vocab_size == tok.get_vocab_size()
