@@ -121,6 +121,9 @@ class TrainArgs:
     peak_tflops: float | None = setting(None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on "
                                         "the CPU)", LOGS)
     timeout: float = setting(600.0, "seconds a collective may wait for a peer", LOGS)
+    gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)
+    gpu: str = setting("h200", "the GPU --dry-run checks memory against", LAYOUT, choices=("h200", "h100", "a100",
+                                                                                          "v100"))
     dry_run: bool = setting(False, "validate and report parameters, FLOPs and memory per device, without training",
                             LOGS)
     architecture: dict | None = setting(None, "ModelConfig fields defining the model (from a --config file)", MODEL,

@@ -96,6 +96,7 @@ SUBCOMMANDS = {
     "convert": "megakernels_models.convert:add_parser",
     "eval": "megakernels_models.evaluate:add_parser",
     "generate": "megakernels_models.generate:add_parser",
+    "plan": "megakernels_models.plan:add_parser",
     "bench": "megakernels_models.bench.cli:add_parser",
 }
 
