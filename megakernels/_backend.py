@@ -1,4 +1,4 @@
-"""Backend selection for the compiled ops (DESIGN.md §2-3).
+"""Backend selection for the compiled ops (docs/design.md §2-3).
 
 Backends:
 - ``auto`` (default): CUDA tensors run the CUDA kernels, CPU tensors the C++ CPU kernels.

@@ -2,9 +2,9 @@
 
 Every tensor is saved in the coordinates of the *full, unpadded* model, under its global name (``layers.7.mlp.fc1.
 weight``, whatever pipeline stage or local index holds it): a tensor-parallel shard is a chunk of its full tensor
-at its offset (``p.partition_dim``; a padded vocabulary keeps only its first ``p.real_size`` rows), a replicated
-tensor is saved whole (once: DCP de-duplicates the copies of data-parallel replicas, of the tied embedding on the
-first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
+at its offset (its marks in ``megakernels.parallel.params``: partition dim and stride; a padded vocabulary keeps
+only its real rows), a replicated tensor is saved whole (once: DCP de-duplicates the copies of data-parallel
+replicas, of the tied embedding on the first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
 chunks overlap them — so a checkpoint written at (tp, pp, dp) = (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2).
 
 What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments in the same per-parameter
@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megakernels.parallel as mpu
+from megakernels.parallel import params as marks
+from megakernels.parallel.init import shard_pieces
 from megakernels_models.config import ModelConfig
 
 LATEST = "latest"
@@ -61,43 +63,63 @@ def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[tuple[int, int]]]:
-    """(full shape, partition dim, [(offset, size) per TP rank along it]) of a parameter."""
-    tp = mpu.tp_size()
-    if not getattr(p, "tensor_parallel", False):
-        dim, tp = 0, 1
-    else:
-        dim = p.partition_dim
+def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[list[tuple[int, int, int]]]]:
+    """(full shape, partition dim, per TP rank the pieces ``(full offset, local offset, size)`` it declares along
+    that dim) of a parameter, from its marks (``megakernels.parallel.params``): a replicated parameter is one
+    piece; a sharded one is its ``init.shard_pieces``, cut to the first ``real_size`` entries. Of ``replicas``
+    ranks holding the same block only the first declares it (they hold the same values; ``_sync_replicas``)."""
+    rec = marks.info(p)
+    tp = mpu.tp_size() if rec.tensor_parallel else 1
+    dim = rec.partition_dim
     n = p.shape[dim]
-    real = getattr(p, "real_size", n * tp)
+    full_len = n * tp // rec.replicas
     full = list(p.shape)
-    full[dim] = real
-    return full, dim, [(t * n, max(0, min((t + 1) * n, real) - t * n)) for t in range(tp)]
+    full[dim] = full_len if rec.real_size is None else rec.real_size
+    pieces = []
+    for t in range(tp):
+        mine = []
+        if t % rec.replicas == 0:
+            for full_off, local_off, size in shard_pieces(full_len, t, tp, rec.partition_stride, rec.replicas):
+                size = max(0, min(full_off + size, full[dim]) - full_off)
+                if size:
+                    mine.append((full_off, local_off, size))
+        pieces.append(mine)
+    return full, dim, pieces
 
 
 def _sharded(local: torch.Tensor, p: torch.Tensor):
-    """``local`` (shaped like ``p``) as the chunk of the full tensor this rank holds: a plain tensor when the
-    chunk is the whole tensor, else a ShardedTensor describing every TP rank's chunk."""
+    """``local`` (shaped like ``p``) as the part of the full tensor this rank holds: a plain tensor when it is the
+    whole tensor, else a ShardedTensor describing every TP rank's pieces."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    full, dim, chunks = _chunks_of(p)
-    tp_rank = mpu.tp_rank() if getattr(p, "tensor_parallel", False) else 0
-    offset, size = chunks[tp_rank]
-    view = local.narrow(dim, 0, size)
-    if len(chunks) == 1:
-        return view
+    full, dim, pieces = _chunks_of(p)
+    if len(pieces) == 1:  # one rank holds it all (its pieces are the whole dimension, in order)
+        return local.narrow(dim, 0, full[dim])
+    tp_rank = mpu.tp_rank()
     ranks = dist.get_process_group_ranks(mpu.tp_group())
-    metas = []
-    for t, (off, sz) in enumerate(chunks):
-        if sz:
+    metas, shards = [], []
+    for t, mine in enumerate(pieces):
+        for full_off, local_off, size in mine:
             offsets, sizes = [0] * len(full), list(full)
-            offsets[dim], sizes[dim] = off, sz
-            metas.append(ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}"))
-    shards = [Shard(view, m) for m in metas if m.placement.rank() == dist.get_rank()]
+            offsets[dim], sizes[dim] = full_off, size
+            meta = ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}")
+            metas.append(meta)
+            if t == tp_rank:
+                shards.append(Shard(local.narrow(dim, local_off, size), meta))
     md = ShardedTensorMetadata(metas, torch.Size(full), TensorProperties(dtype=local.dtype))
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+
+
+def _sync_replicas(pairs) -> None:
+    """After loading: copy each replicated block (``params`` replicas > 1) from the first rank of its replica group,
+    which loaded it, to the others. ``pairs``: ``(param, tensor shaped like it)``."""
+    for p, t in pairs:
+        c = marks.info(p).replicas
+        if c > 1 and mpu.tp_size() > 1:
+            group = mpu.tp_replica_group(c)
+            dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
 
 
 def _templates(params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -111,14 +133,14 @@ def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, t
     rest zeros, so a sum over the data-parallel group completes them) and the AdamW step count."""
     got, step = opt.param_state()
     out = [got.get(p) or t for p, t in zip(params, _templates(params))]
-    if opt.distributed and mpu.dp_size() > 1:
+    if opt.distributed and mpu.dp_cp_size() > 1:
         flat = [t for st in out for t in st.values()]
         buf = torch._utils._flatten_dense_tensors(flat)
-        dist.all_reduce(buf, group=mpu.dp_group())
+        dist.all_reduce(buf, group=mpu.dp_cp_group())
         for t, r in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
             t.copy_(r)
         steps = torch.tensor([float(step)], device=flat[0].device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_group())
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_cp_group())
         step = int(steps.item())
     return out, step
 
@@ -141,7 +163,7 @@ def _rng_state() -> dict:
 
 
 def _layout() -> dict:
-    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "vpp": mpu.vpp_size(),
+    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "cp": mpu.cp_size(), "vpp": mpu.vpp_size(),
             "world": dist.get_world_size()}
 
 
@@ -290,10 +312,12 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         targets = _templates(params) if with_optimizer else None
         sd = _state_dict(chunks, opt, targets)
         rng_key = f"rng.rank{dist.get_rank()}"
-        same_layout = meta["layout"] == _layout() and any(k.startswith(rng_key + ".") for k in keys)
+        same_layout = {"cp": 1, **meta["layout"]} == _layout() and any(k.startswith(rng_key + ".") for k in keys)
         if same_layout:
             sd[rng_key] = _rng_state()
         dcp.load(sd, checkpoint_id=path)
+    _sync_replicas([(p, p.data) for p in params]
+                   + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else []))
     if opt is not None:
         # Without saved state: masters from the loaded params, moments fresh (step 0).
         states = zip(params, targets) if with_optimizer else ((p, {}) for p in params)

@@ -3,7 +3,7 @@
 The model is built on the meta device (shapes only; seconds even for GPT-8.3B), so the parameter count is the real
 model's. Per-device numbers follow the layout:
 
-- parameters per device: sharded tensors (``p.tensor_parallel``) divided by tp (the vocabulary padded to 128·tp),
+- parameters per device: sharded tensors (``params.is_tensor_parallel``) divided by tp (the vocabulary padded to 128·tp),
   replicated ones whole, layers split over pipeline stages; the most loaded stage is reported;
 - weights + gradients + optimizer state per parameter, Megatron-LM's accounting: bf16/fp16 training keeps 2-byte
   weights, 4-byte fp32 gradients and 12 bytes of fp32 master weight + Adam moments (18 bytes), the distributed
@@ -23,21 +23,19 @@ import time
 import torch.distributed as dist
 
 from megakernels.parallel.embedding import pad_vocab_size
+from megakernels.parallel.params import is_tensor_parallel
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config import ModelConfig, human, stage_layers
 
 
 def _meta_model(cfg: ModelConfig):
-    from megakernels_models.bert import BertModel
-    from megakernels_models.gpt import GPTModel
-
     from megakernels.parallel.launch import single_process_world
+    from megakernels_models.tasks import task_for
 
     if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
     with single_process_world(parallel=True):
-        cls = GPTModel if cfg.model == "gpt" else BertModel
-        return cls(cfg, 0, device="meta", attention="torch")
+        return task_for(cfg).build_chunk(0, device="meta", attention="torch")
 
 
 def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> list[int]:
@@ -48,12 +46,15 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
                 owner[i] = r
     vocab_local = pad_vocab_size(cfg.vocab_size, tp) // tp
     stages = [0] * pp
+    kv_copies = max(1, tp // cfg.num_kv_heads)  # key/value heads replicated when tp exceeds them
     for name, p in model.named_parameters():
-        if name in ("embedding.word.weight",):
+        if name in ("embedding.word.weight", "output_layer.weight"):
             n = vocab_local * cfg.hidden_size
         elif name == "mlm_bias":
             n = vocab_local
-        elif getattr(p, "tensor_parallel", False):
+        elif name.endswith("attention.kv.weight") or name.endswith("attention.kv.bias"):
+            n = p.numel() * kv_copies // tp
+        elif is_tensor_parallel(p):
             n = p.numel() // tp
         else:
             n = p.numel()
@@ -64,17 +65,17 @@ def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> li
             stages[0] += n
         else:
             stages[-1] += n
-    if pp > 1:
+    if pp > 1 and cfg.tie_embeddings:
         stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
     return stages
 
 
-def report(args: TrainArgs, out=print) -> dict:
-    """Validate ``args``, build the model on the meta device and report its costs (printed with ``out``; written
-    to ``--log-jsonl`` as one JSON object). Returns the report."""
+def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
+    """Build the model on the meta device and report its costs (printed with ``out``; written to ``--log-jsonl`` as
+    one JSON object). ``cfg`` is ``validate(args)``'s result (validated here when not given). Returns the report."""
     t0 = time.perf_counter()
-    cfg = validate(args)
-    tp, pp, vpp, dp = args.tp, args.pp, args.vpp or 1, args.data_parallel_size()
+    cfg = validate(args) if cfg is None else cfg
+    tp, pp, vpp, dp, cp = args.tp, args.pp, args.vpp or 1, args.data_parallel_size(), args.cp
     world, m, mbs = args.world_size(), args.num_microbatches(), args.micro_batch_size
     model = _meta_model(cfg)
     total = sum(p.numel() for p in model.parameters())
@@ -82,10 +83,10 @@ def report(args: TrainArgs, out=print) -> dict:
     half = args.precision != "fp32"
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
     if args.distributed_optimizer:
-        opt_b = opt_b / dp
+        opt_b = opt_b / (dp * cp)  # ZeRO-1 shards over the data- and context-parallel ranks
     bytes_el = 2 if half else 4
     flash = args.attention == "flash"
-    per_layer = cfg.activation_bytes_per_layer(mbs, tp, args.sequence_parallel, args.recompute, bytes_el, flash)
+    per_layer = cfg.activation_bytes_per_layer(mbs, tp, args.sequence_parallel, args.recompute, bytes_el, flash, cp)
     layers_per_stage = cfg.num_layers // pp
     if vpp > 1:
         in_flight = pp * (1 + (pp - 1) / (pp * vpp))
@@ -94,7 +95,7 @@ def report(args: TrainArgs, out=print) -> dict:
     else:
         in_flight = min(pp, m)
     act_first = per_layer * layers_per_stage * in_flight
-    logits = cfg.seq_length * mbs * pad_vocab_size(cfg.vocab_size, tp) / tp * 4  # fp32 logits kept for backward
+    logits = cfg.seq_length // cp * mbs * pad_vocab_size(cfg.vocab_size, tp) / tp * 4  # fp32, kept for backward
     mem = []
     for r, n in enumerate(stages):
         act = act_first if r == 0 else per_layer * layers_per_stage * max(1.0, in_flight - r)
@@ -105,20 +106,21 @@ def report(args: TrainArgs, out=print) -> dict:
     worst = max(range(pp), key=lambda r: totals[r])
     tokens = args.global_batch_size * cfg.seq_length
     rep = {
-        "model": cfg.model, "preset": args.preset, "parameters": total,
+        "model": cfg.model, "preset": args.preset_name(), "parameters": total,
         "parameters_per_device": max(stages),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
         "memory_per_device_bytes": totals[worst],
         "memory_breakdown_bytes": mem[worst],
-        "layout": {"tp": tp, "pp": pp, "vpp": vpp, "dp": dp, "world": world, "microbatches": m,
+        "layout": {"tp": tp, "cp": cp, "pp": pp, "vpp": vpp, "dp": dp, "world": world, "microbatches": m,
                    "sequence_parallel": args.sequence_parallel, "distributed_optimizer": args.distributed_optimizer,
                    "recompute": args.recompute, "precision": args.precision},
-        "ranks": {r: {"tp": r % tp, "dp": (r // tp) % dp, "pp": r // (tp * dp)} for r in range(min(world, 4096))},
+        "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
+                  for r in range(min(world, 4096))},
     }
     # The same stage's activations under every recompute / sequence-parallel choice (for choosing one).
     rep["activations_by_choice_bytes"] = {
-        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(mbs, tp, sp, rc, bytes_el, flash)
+        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(mbs, tp, sp, rc, bytes_el, flash, cp)
         * layers_per_stage * in_flight for rc in ("none", "selective", "full") for sp in (False, True)}
     if pp > 1:
         from megakernels.parallel.pipeline import bubble_fraction, format_schedule
@@ -146,7 +148,7 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}")
-    out(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
+    out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")
     out("activations on the first stage by choice (Korthikanti et al. 2022): " + ", ".join(
@@ -157,5 +159,6 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         out(rep["schedule"])
     ranks = rep["ranks"]
     if len(ranks) <= 64:
-        out("rank -> (tp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['pp']},{c['dp']})" for r, c in ranks.items()))
+        out("rank -> (tp, cp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['cp']},{c['pp']},{c['dp']})"
+                                                     for r, c in ranks.items()))
     out(f"(computed in {rep['seconds']:.2f} s on the meta device)")

@@ -31,9 +31,11 @@ class GPTModel(LanguageModel):
     On other stages the result is the hidden state to send on.
     """
 
+    family = "gpt"
+
     def __init__(self, config: ModelConfig, seed: int, **kwargs):
-        if config.model != "gpt":
-            raise ValueError(f"GPTModel: config.model is {config.model!r}, expected 'gpt'")
+        if config.model != self.family:
+            raise ValueError(f"{type(self).__name__}: config.model is {config.model!r}, expected {self.family!r}")
         super().__init__(config, seed, causal=True, **kwargs)
 
     def forward(self, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -41,7 +43,7 @@ class GPTModel(LanguageModel):
         x = self.encode(ids, hidden)
         if not self.post_process:
             return x
-        logits = parallel_lm_logits(x, self.word_embedding_weight, True, self.sequence_parallel)
+        logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size)

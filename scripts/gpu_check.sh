@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU validation (DESIGN.md §3). On a CUDA machine with torch, nvcc (and triton) already installed and no
+# GPU validation (docs/design.md §3). On a CUDA machine with torch, nvcc (and triton) already installed and no
 # network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, then the key
 # benchmarks on the GPU — FlashAttention d128 bf16 at s 4k/8k (causal and not), the norm and softmax families at
 # rows >= 4k, AdamW on 100M params, cross-entropy, and a GPT-1.3B end-to-end run (the trainer + the eager-GPT
 # baseline). Logs, JSON and PNG plots go to OUTDIR; the summary at the end (megakernels_models/bench/summary.py)
-# shows each stage's result and the numbers against the DESIGN.md §6 targets (pass/fail, % of target). Aimed at
+# shows each stage's result and the numbers against the docs/design.md §6 targets (pass/fail, % of target). Aimed at
 # < 8 minutes on an H100/H200 (torch.compile baselines are skipped here for time; `megakernels bench --device
 # cuda` runs them).
 #   scripts/gpu_check.sh OUTDIR                 # the whole check

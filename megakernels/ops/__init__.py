@@ -1,5 +1,5 @@
 """Functional fused ops. Each is a torch.library custom op (autograd + fake impl, works under torch.compile),
-dispatched by device and backend (DESIGN.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
+dispatched by device and backend (docs/design.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
 emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
 
 from megakernels.ops.attention import flash_attention

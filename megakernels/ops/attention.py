@@ -7,7 +7,7 @@ heads_kv)``. Causal masking is aligned to the bottom-right corner: query ``i`` s
 ``j <= i + sk - sq``, so with ``sq < sk`` the queries are the last positions of the keys (decoding), and with
 ``sq > sk`` the first ``sq - sk`` queries see nothing and output zeros (lse ``-inf``).
 
-Dispatch (DESIGN.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
+Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
 fp32); CPU tensors run the blocked CPU path (megakernels/ops/_attention_cpu.py, memory O(block * sk)); under
 ``megakernels.backend("cuda_emu")`` CPU tensors run the *Triton* kernels through Triton's interpreter (which needs
 ``TRITON_INTERPRET=1`` before megakernels.triton is imported).

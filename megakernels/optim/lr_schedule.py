@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from megakernels.validation import positive_int
+
 
 def _number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -25,9 +27,7 @@ def _number(name: str, value) -> float:
 
 
 def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"WarmupCosineSchedule: {name} must be an int >= 0, got {value!r}")
-    return value
+    return positive_int(value, name, where="WarmupCosineSchedule", minimum=0)
 
 
 class WarmupCosineSchedule:

@@ -46,12 +46,10 @@ from torch import nn
 
 from megakernels.parallel import comm, state
 from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
+from megakernels.parallel.params import info, is_sequence_parallel, is_shared_embedding
+from megakernels.validation import positive_int
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _is_shared_embedding(p: torch.Tensor) -> bool:
-    return getattr(p, "shared_embedding", False)
 
 
 class Bucket:
@@ -84,14 +82,15 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model (chunk); its trainable params must be dense, contiguous and on one device.
-        group: the data-parallel process group; default ``megakernels.parallel.dp_group()``. Without
+        group: the data-parallel process group; default ``megakernels.parallel.dp_cp_group()`` (the data- and
+            context-parallel ranks, which hold different tokens of the same parameters' gradient). Without
             ``megakernels.parallel`` initialised and without a multi-rank default group: one rank, no collectives.
         bucket_size: elements per bucket (a bucket closes once it reaches this; default 40M).
         grad_dtype: dtype of ``main_grad`` (fp32, bf16, fp16), or None for each param's own dtype.
         overlap: launch each bucket's collective from the backward hooks as soon as it is complete; otherwise all
             are launched by ``finish_grad_sync()``.
         reduce_scatter: reduce-scatter instead of all-reduce (ZeRO-1); also moves the params into a flat buffer.
-        separate: params for which it returns True get a bucket of their own (default: ``p.shared_embedding``).
+        separate: params for which it returns True get a bucket of their own (default: the tied embedding, ``params.is_shared_embedding``).
 
     Raises:
         ValueError: no trainable params, params on several devices, a non-contiguous param, a bad ``bucket_size``
@@ -101,11 +100,10 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
                  grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
-                 separate=_is_shared_embedding) -> None:
+                 separate=is_shared_embedding) -> None:
         super().__init__()
         cls = type(self).__name__
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"{cls}: bucket_size must be a positive int (elements), got {bucket_size!r}")
+        positive_int(bucket_size, "bucket_size", where=cls)
         if grad_dtype is not None and grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"{cls}: grad_dtype must be float32, bfloat16, float16 or None, got {grad_dtype}")
         self.module = module
@@ -137,7 +135,7 @@ class DistributedDataParallel(nn.Module):
     def _resolve_group(group):
         if group is None:
             if state.is_initialized():
-                group = state.dp_group()
+                group = state.dp_cp_group()
             elif dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError("DistributedDataParallel: megakernels.parallel is not initialised; call "
                                    "megakernels.parallel.initialize(tp, pp) first or pass group=")
@@ -295,9 +293,10 @@ class DistributedDataParallel(nn.Module):
 
 def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     """After the last backward of a step: finish every model chunk's data-parallel sync, then sum over the TP group
-    the ``main_grad`` of params marked ``sequence_parallel`` (each TP rank saw only its tokens), and over the
-    embedding group that of params marked ``shared_embedding`` (the tied word embedding of the first and last
-    pipeline stage).
+    the ``main_grad`` of params marked sequence-parallel (each TP rank saw only its tokens), over their replica
+    group that of blocks replicated within the TP group (each rank's copy got only its query heads' share), and
+    over the embedding group that of the shared embedding (the tied word embedding of the first and last pipeline
+    stage).
 
     Under ``reduce_scatter`` the sums are right for the shard each rank owns, given the same bucket layout on every
     TP rank (TP shards of equal shapes, as the parallel layers make them) and on both embedding stages (the
@@ -309,11 +308,17 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
         return
     params = [p for m in models for p in m.module.parameters() if p.requires_grad]
     if state.tp_size() > 1:
-        grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+        grads = [p.main_grad for p in params if is_sequence_parallel(p)]
         _sum_over(grads, state.tp_group())
+        replicated: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if info(p).replicas > 1:
+                replicated.setdefault(info(p).replicas, []).append(p.main_grad)
+        for c, grads in sorted(replicated.items()):
+            _sum_over(grads, state.tp_replica_group(c))
     group = state.embedding_group()
     if group is not None and len(state.embedding_ranks()) > 1:
-        _sum_over([p.main_grad for p in params if getattr(p, "shared_embedding", False)], group)
+        _sum_over([p.main_grad for p in params if is_shared_embedding(p)], group)
 
 
 def _sum_over(grads: list[torch.Tensor], group) -> None:

@@ -18,8 +18,8 @@ One step (``step()``), all on the device except where noted:
 
 1. fp16: ``found_inf`` = any main grad / scale not finite (this rank's pieces), MAX over the whole world, read on
    the host (the one host sync of the step): every rank must agree to skip. On overflow: skip, back off, return.
-2. Global grad norm: sum of squares of the grads this rank counts (a ``tensor_parallel`` param on every TP rank,
-   a replicated one on TP rank 0 only, a ``shared_embedding_duplicate`` never), summed over the model-parallel
+2. Global grad norm: sum of squares of the grads this rank counts (``params.counts_in_grad_norm``: a tensor-parallel param on
+   every TP rank, a replicated one on TP rank 0 only, the duplicate tied embedding never), summed over the model-parallel
    group (the whole world under ZeRO-1, where each dp rank holds a disjoint piece), square root, ÷ loss scale.
 3. One coefficient ``min(1, clip_grad / (norm + 1e-6))`` and the loss scale fold into FusedAdamW's ``grad_scale``,
    so unscaling and clipping cost no pass of their own. A non-finite norm skips the update on every rank (the
@@ -56,6 +56,8 @@ from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
+from megakernels.parallel.params import counts_in_grad_norm
+from megakernels.validation import finite_number, positive_int
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,8 +83,7 @@ def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1) -> tu
     """
     if precision not in PRECISIONS:
         raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"memory_bytes_per_param: dp must be a positive int, got {dp!r}")
+    positive_int(dp, "dp", where="memory_bytes_per_param")
     half = precision != "fp32"
     optimizer = 12.0 if half else 8.0
     return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
@@ -114,9 +115,7 @@ class ParallelOptimizer:
         cls = type(self).__name__
         if precision not in PRECISIONS:
             raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-        if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or not (
-                clip_grad >= 0 and math.isfinite(clip_grad)):
-            raise ValueError(f"{cls}: clip_grad must be a finite number >= 0 (0: off), got {clip_grad!r}")
+        finite_number(clip_grad, "clip_grad", where=cls)
         if loss_scaler is not None and precision != "fp16":
             raise ValueError(f"{cls}: loss_scaler is only used with precision='fp16', got precision={precision!r}")
         self.precision, self.distributed, self.clip_grad = precision, bool(distributed), float(clip_grad)
@@ -140,8 +139,7 @@ class ParallelOptimizer:
             grad = p.main_grad.view(-1)[lo:hi]
             if grad.dtype == torch.float32:
                 main.grad = grad
-            counted = (getattr(p, "tensor_parallel", False) or tp_rank == 0) and not getattr(
-                p, "shared_embedding_duplicate", False)
+            counted = counts_in_grad_norm(p, tp_rank)
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
             (decay if p.dim() > 1 else no_decay).append(main)
         self._adam = FusedAdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas,

@@ -1,5 +1,5 @@
 """The closing table of scripts/gpu_check.sh: each stage's result, then the measured numbers against the targets of
-DESIGN.md §6, read back from the JSON files the benchmarks wrote into OUTDIR.
+docs/design.md §6, read back from the JSON files the benchmarks wrote into OUTDIR.
 
     python -m megakernels_models.bench.summary OUTDIR [--title TEXT]
 
@@ -116,7 +116,7 @@ def render(out_dir: str, title: str = "") -> str:
         lines.append("")
     rows, e2e = load(out_dir)
     results = evaluate(rows, e2e)
-    lines.append("DESIGN.md §6 targets (H200)")
+    lines.append("docs/design.md §6 targets (H200)")
     lines.append(f"{'target':<60}{'measured':>14}{'target':>14}{'% of target':>13}  {'result':<7}case")
     met = measured = 0
     for t in results:
