@@ -10,7 +10,7 @@ The composition is HuggingFace Llama's: ``q * cos + rotate_half(q) * sin`` (and 
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 kv heads, head dim 128) at a few thousand tokens. Bytes that
 must move: q and k read and written forward, their gradients read and written backward (the table is noise).
-Never asserts on time; the pytest-benchmark suite (benchmarks/test_bench_rope.py) times the same callables.
+Never asserts on time; the pytest-benchmark suite (benchmarks/test_bench_llama.py) times the same callables.
 """
 
 from __future__ import annotations

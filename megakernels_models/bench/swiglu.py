@@ -3,7 +3,7 @@
 
 Shapes: Llama-3-8B's MLP width f = 14336 (the packed gate/up projection output is ``[rows, 2f]``), scaled down in
 rows for this machine. Bytes that must move: forward x read (2f) and y written (f); backward x and dy read (3f),
-dx written (2f). Never asserts on time; the pytest-benchmark suite (benchmarks/test_bench_swiglu.py) times the
+dx written (2f). Never asserts on time; the pytest-benchmark suite (benchmarks/test_bench_llama.py) times the
 same callables.
 """
 
