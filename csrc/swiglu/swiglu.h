@@ -40,12 +40,17 @@ MK_MATH A fwd(A g, A u) {
   return g * sigmoid(g) * u;
 }
 
+// The gradients given s = sigmoid(g) (the CPU kernel computes s in a loop of its own).
 template <typename A>
-MK_MATH void bwd(A g, A u, A dy, A& dg, A& du) {
-  const A s = sigmoid(g);
+MK_MATH void bwd_from_sigmoid(A g, A u, A dy, A s, A& dg, A& du) {
   const A silu = g * s;
   du = dy * silu;
   dg = dy * u * (s + silu * (A(1) - s));
+}
+
+template <typename A>
+MK_MATH void bwd(A g, A u, A dy, A& dg, A& du) {
+  bwd_from_sigmoid(g, u, dy, sigmoid(g), dg, du);
 }
 
 }  // namespace swiglu
