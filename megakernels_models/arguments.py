@@ -13,6 +13,7 @@ import os
 import torch
 
 from megakernels.nn.attention import ATTENTION_CORES
+from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
 from megakernels_models.config import MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
 from megakernels_models.settings import ArgumentError, setting
@@ -23,7 +24,10 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, LAYOUT, OPTIM, DATA, LOGS = "model", "layout", "optimisation", "data", "checkpoints, evaluation and logs"
+MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = ("model", "mixture of experts", "layout", "optimisation", "data",
+                                         "checkpoints, evaluation and logs")
+MOE_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_capacity_factor", "moe_shared_experts")
 
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
@@ -46,16 +50,29 @@ class TrainArgs:
     num_kv_heads: int | None = setting(None, "key/value heads, grouped-query attention (default: the preset's, or "
                                        "--num-heads)", MODEL)
     rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
+    num_experts: int | None = setting(None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)",
+                                      MOE)
+    moe_top_k: int | None = setting(None, "experts per token (default: the preset's)", MOE)
+    moe_ffn_hidden_size: int | None = setting(None, "each expert's MLP size (default: the preset's)", MOE)
+    moe_layer_freq: int | None = setting(None, "every N-th layer is a MoE layer (default: the preset's)", MOE)
+    moe_aux_loss_coeff: float | None = setting(None, "load-balancing loss coefficient (default: the preset's)", MOE)
+    moe_z_loss_coeff: float | None = setting(None, "router z-loss coefficient (default: the preset's)", MOE)
+    moe_capacity_factor: float | None = setting(None, "expert capacity as a factor of the even share; over-capacity "
+                                                "tokens are dropped (default: dropless)", MOE)
+    moe_shared_experts: int | None = setting(None, "shared experts every token goes through (default: the "
+                                             "preset's)", MOE)
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
     attention: str = setting("flash", "attention core: FlashAttention or PyTorch's SDPA (the baseline)", MODEL,
                              choices=lambda: tuple(ATTENTION_CORES))
     # layout
     tp: int = setting(1, "tensor-parallel size", LAYOUT)
     cp: int = setting(1, "context-parallel size: each sequence split over cp ranks, ring attention", LAYOUT)
+    ep: int = setting(1, "expert-parallel size: MoE experts split over groups of ep data-parallel ranks", LAYOUT)
     pp: int = setting(1, "pipeline-parallel size", LAYOUT)
     vpp: int | None = setting(None, "virtual stages per pipeline rank (interleaved 1F1B)", LAYOUT)
     dp: int | None = setting(None, "data-parallel size (default: world / (tp·pp))", LAYOUT)
-    nproc: int = setting(1, "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead", LAYOUT)
+    nproc: int = setting(1, "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead (with "
+                         "--dry-run: the world size to plan for)", LAYOUT)
     device: str = setting("cpu", "where to train", LAYOUT, choices=DEVICES)
     sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations over the sequence (with --tp)",
                                       LAYOUT)
@@ -65,9 +82,20 @@ class TrainArgs:
     global_batch_size: int = setting(16, "samples per optimizer step, over all data-parallel ranks", OPTIM)
     steps: int = setting(300, "optimizer steps in total (a resumed run continues up to it)", OPTIM)
     lr: float = setting(2e-3, "peak learning rate", OPTIM)
-    min_lr: float = setting(2e-4, "learning rate at the end of the cosine decay", OPTIM)
+    min_lr: float = setting(2e-4, "learning rate at the end of the decay", OPTIM)
     warmup_steps: int | None = setting(None, "linear warmup steps (default: a tenth of --steps)", OPTIM)
-    weight_decay: float = setting(0.1, "AdamW weight decay (not on biases and norms)", OPTIM)
+    lr_decay_style: str = setting("cosine", "decay after warmup (wsd: warmup, stable, then a linear decay)", OPTIM,
+                                  choices=LR_STYLES)
+    lr_decay_steps: int | None = setting(None, "the step at which the decay reaches --min-lr (default: --steps)",
+                                         OPTIM)
+    lr_wsd_decay_steps: int | None = setting(None, "length of wsd's final decay (default: a tenth of the steps after "
+                                             "warmup)", OPTIM)
+    adam_beta1: float = setting(0.9, "AdamW beta1", OPTIM)
+    adam_beta2: float = setting(0.95, "AdamW beta2", OPTIM)
+    adam_eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
+    weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
+    no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
+                                   "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
     precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
@@ -93,8 +121,13 @@ class TrainArgs:
     peak_tflops: float | None = setting(None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on "
                                         "the CPU)", LOGS)
     timeout: float = setting(600.0, "seconds a collective may wait for a peer", LOGS)
+    gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)
+    gpu: str = setting("h200", "the GPU --dry-run checks memory against", LAYOUT, choices=("h200", "h100", "a100",
+                                                                                          "v100"))
     dry_run: bool = setting(False, "validate and report parameters, FLOPs and memory per device, without training",
                             LOGS)
+    architecture: dict | None = setting(None, "ModelConfig fields defining the model (from a --config file)", MODEL,
+                                        cli=False)
     step_timers: bool = setting(False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS,
                                 cli=False)
 
@@ -103,7 +136,7 @@ class TrainArgs:
     def preset_name(self) -> str | None:
         """The preset in use: ``--preset`` (None for ``none``), else the family's tiny preset unless every size is
         given."""
-        if self.preset == "none":
+        if self.preset == "none" or (self.architecture and self.preset is None):
             return None
         if self.preset is not None:
             return self.preset
@@ -114,8 +147,9 @@ class TrainArgs:
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
         sizes = {k: getattr(self, k) for k in SIZES}
-        if self.rope_theta is not None:
-            sizes["rope_theta"] = self.rope_theta
+        for name in ("rope_theta",) + MOE_FIELDS:
+            if getattr(self, name) is not None:
+                sizes[name] = getattr(self, name)
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
         if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
             from megakernels_models.data.tokenizer import build_tokenizer
@@ -128,6 +162,12 @@ class TrainArgs:
             cfg = preset(name, **sizes, **drop)
             if self.model is not None and self.model != cfg.model:
                 raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {cfg.model} model)")
+            return cfg
+        if self.architecture:
+            cfg = ModelConfig(**self.architecture)
+            cfg = cfg.replace(**{k: v for k, v in {**sizes, **drop}.items() if v is not None})
+            if self.model is not None and self.model != cfg.model:
+                raise ArgumentError(f"--model {self.model} contradicts the architecture (a {cfg.model} model)")
             return cfg
         missing = [f"--{k.replace('_', '-')}" for k in SIZES[:4] if sizes[k] is None]
         if missing:
@@ -165,7 +205,7 @@ def validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.preset not in (None, "none") and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    for name in ("tp", "cp", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
+    for name in ("tp", "cp", "ep", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
                  "keep_checkpoints"):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("vpp", "dp", "save_interval"):
@@ -181,21 +221,34 @@ def validate(a: TrainArgs) -> ModelConfig:
         if getattr(a, name) not in choices:
             raise ArgumentError(f"--{name} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     under_torchrun = "WORLD_SIZE" in os.environ
-    if a.device == "cuda" and a.nproc > 1 and not under_torchrun:
+    if a.device == "cuda" and a.nproc > 1 and not under_torchrun and not a.dry_run:
         raise ArgumentError(f"--nproc {a.nproc} spawns CPU processes (gloo); with --device cuda launch one process "
                             f"per GPU with torchrun --nproc-per-node {a.nproc} (NCCL) and leave --nproc out")
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
     _validate_layout(a, cfg)
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= finite_number(getattr(a, name), _flag(name), error=ArgumentError) < 1.0:
+            raise ArgumentError(f"{_flag(name)} must be in [0, 1), got {getattr(a, name)}")
+    if a.lr_decay_style not in LR_STYLES:
+        raise ArgumentError(f"--lr-decay-style must be one of {', '.join(LR_STYLES)}, got {a.lr_decay_style!r}")
+    positive_int(a.lr_decay_steps, "--lr-decay-steps", allow_none=True, error=ArgumentError)
+    positive_int(a.lr_wsd_decay_steps, "--lr-wsd-decay-steps", allow_none=True, error=ArgumentError)
     if a.min_lr > a.lr:
         raise ArgumentError(f"--min-lr {a.min_lr} is larger than --lr {a.lr}")
     if a.warmup_steps is None:
         a.warmup_steps = a.steps // 10
     positive_int(a.warmup_steps, "--warmup-steps", minimum=0, error=ArgumentError)
-    if a.warmup_steps > a.steps:
-        raise ArgumentError(f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}")
+    decay_steps = a.lr_decay_steps or a.steps
+    if a.warmup_steps > decay_steps:
+        raise ArgumentError(f"--warmup-steps {a.warmup_steps} is more than --lr-decay-steps {decay_steps}"
+                            if a.lr_decay_steps else f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}")
+    if a.lr_decay_style == "wsd" and a.lr_wsd_decay_steps is not None \
+            and a.lr_wsd_decay_steps > decay_steps - a.warmup_steps:
+        raise ArgumentError(f"--lr-wsd-decay-steps {a.lr_wsd_decay_steps} is more than the {decay_steps - a.warmup_steps}"
+                            " steps after warmup")
     if a.save_interval is not None and a.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
@@ -259,6 +312,17 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
     if vpp > 1 and m % a.pp:
         raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "
                             f"(global / (micro × dp) = {m}) to be a multiple of --pp {a.pp}")
+    if a.ep > 1 and not cfg.num_experts:
+        raise ArgumentError(f"--ep {a.ep} needs a mixture-of-experts model (--num-experts > 0)")
+    if dp % a.ep:
+        raise ArgumentError(f"--ep {a.ep} does not divide the data-parallel size {dp} (expert-parallel groups are "
+                            "carved out of the data-parallel ranks)")
+    if cfg.num_experts and cfg.num_experts % a.ep:
+        raise ArgumentError(f"--ep {a.ep} does not divide num_experts={cfg.num_experts} (each rank holds the same "
+                            "number of experts)")
+    if cfg.num_experts and a.tp > 1 and (cfg.seq_length // a.cp) % a.tp:
+        raise ArgumentError(f"--tp {a.tp} must divide the tokens per rank ({cfg.seq_length // a.cp}) of a MoE model "
+                            "(each TP rank routes its share of the tokens)")
     if a.sequence_parallel and (cfg.seq_length // a.cp) % a.tp:
         what = f"seq_length={cfg.seq_length}" if a.cp == 1 else f"the tokens per rank, seq_length / cp = " \
             f"{cfg.seq_length // a.cp}"

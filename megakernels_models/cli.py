@@ -22,6 +22,11 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                        "a tiny GPT on the\nPython standard library's sources, byte tokenizer, CPU, a few minutes.\n\n"
                        f"Presets: {', '.join(PRESETS)}.", formatter_class=HelpFormatter)
     add_settings(p, TrainArgs)
+    g = p.add_argument_group("configuration files")
+    g.add_argument("--config", metavar="FILE", default=None, help="YAML or JSON file of settings (names as the flags; "
+                   "'architecture:' for the model's fields); flags given here override it")
+    g.add_argument("--print-config", action="store_true", help="print the resolved configuration (a file --config "
+                   "takes) and exit")
     return p
 
 
@@ -35,18 +40,28 @@ def parse_train_args(argv: list[str]) -> TrainArgs:
 
 def _train_args(ns: argparse.Namespace) -> TrainArgs:
     values = given(ns, TrainArgs)
+    if getattr(ns, "config", None):
+        from megakernels_models.config_file import load
+
+        values = {**load(ns.config), **values}
     if values.get("preset") == "":
         values["preset"] = "none"
     return TrainArgs(**values)
 
 
 def _run_train(ns: argparse.Namespace) -> int:
-    args = _train_args(ns)
     from megakernels.parallel.launch import WorldFailed
     from megakernels_models.checkpoint import CheckpointError
     from megakernels_models.train import run
 
     try:
+        args = _train_args(ns)
+        if ns.print_config:
+            from megakernels_models.arguments import validate
+            from megakernels_models.config_file import dump, resolved
+
+            print(dump(resolved(args, validate(args))), end="")
+            return 0
         records = run(args)
     except (ArgumentError, CheckpointError) as e:
         print(f"megakernels train: error: {e}", file=sys.stderr)
@@ -80,6 +95,8 @@ SUBCOMMANDS = {
     "preprocess": "megakernels_models.data.preprocess:add_parser",
     "convert": "megakernels_models.convert:add_parser",
     "eval": "megakernels_models.evaluate:add_parser",
+    "generate": "megakernels_models.generate:add_parser",
+    "plan": "megakernels_models.plan:add_parser",
     "bench": "megakernels_models.bench.cli:add_parser",
 }
 
@@ -97,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Packages of the `train` and `bench` extras (pip install 'megakernels[train]'); the library needs none of them.
 EXTRAS = {"tqdm": "train", "tensorboard": "train", "tokenizers": "train", "sentencepiece": "train",
-          "safetensors": "train", "matplotlib": "bench"}
+          "safetensors": "train", "yaml": "train", "matplotlib": "bench"}
 
 
 def main(argv: list[str] | None = None) -> int:

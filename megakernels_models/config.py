@@ -67,6 +67,14 @@ class ModelConfig:
             (``silu(x W_gate) * (x W_up)``, Llama).
         bias: biases in the linear layers.
         tie_embeddings: the output layer is the word embedding's table.
+        num_experts: experts of each mixture-of-experts layer (0: every MLP is dense).
+        moe_top_k: experts per token.
+        moe_ffn_hidden_size: each expert's MLP size (default ``ffn_hidden_size``).
+        moe_layer_freq: layer ``i`` is a MoE layer when ``i % moe_layer_freq == 0`` (1: every layer).
+        moe_normalize: renormalise the top-k router weights (Mixtral) or not (Switch/GShard).
+        moe_aux_loss_coeff, moe_z_loss_coeff: load-balancing and router z-loss coefficients.
+        moe_capacity_factor: capacity per expert as a factor of the even share (None: dropless).
+        moe_shared_experts: dense experts every token of a MoE layer also goes through.
     """
 
     model: str = "gpt"
@@ -90,6 +98,15 @@ class ModelConfig:
     rope_interleaved: bool = False
     bias: bool | None = None
     tie_embeddings: bool | None = None
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int = 1
+    moe_normalize: bool = True
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.0
+    moe_capacity_factor: float | None = None
+    moe_shared_experts: int = 0
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -122,6 +139,23 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: rope_theta must be > 1, got {self.rope_theta}")
         if self.model == "bert" and (self.position_embedding != "learned" or self.activation == "swiglu"):
             raise ValueError("ModelConfig: the BERT family has learned positions and a GeLU MLP")
+        if self.num_experts:
+            positive_int(self.num_experts, "num_experts", where="ModelConfig")
+            if self.model == "bert":
+                raise ValueError("ModelConfig: mixture-of-experts layers are for the GPT and Llama families")
+            if not 1 <= self.moe_top_k <= self.num_experts:
+                raise ValueError(f"ModelConfig: moe_top_k={self.moe_top_k} must be in 1..num_experts="
+                                 f"{self.num_experts}")
+            positive_int(self.moe_layer_freq, "moe_layer_freq", where="ModelConfig")
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            positive_int(self.moe_ffn_hidden_size, "moe_ffn_hidden_size", where="ModelConfig")
+            if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+                raise ValueError(f"ModelConfig: moe_capacity_factor must be > 0 or None (dropless), got "
+                                 f"{self.moe_capacity_factor}")
+            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                if not getattr(self, name) >= 0:
+                    raise ValueError(f"ModelConfig: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("dropout", "attention_dropout"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -143,6 +177,14 @@ class ModelConfig:
         """Width of the key (and of the value) projection: ``num_kv_heads · head_dim``."""
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is a mixture-of-experts layer."""
+        return self.num_experts > 0 and i % self.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     @property
     def mlp_matrices(self) -> int:
         """Weight matrices of the MLP: three with SwiGLU (gate, up, down), else two."""
@@ -151,7 +193,11 @@ class ModelConfig:
     def forward_flops_per_token(self) -> dict[str, float]:
         """Forward FLOPs per token: ``{"layers_gemm", "attention", "head"}`` (all layers together)."""
         h, f, s, l, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.num_layers, self.vocab_size
-        gemm = 2.0 * (h * (h + 2 * self.kv_size) + h * h + self.mlp_matrices * h * f) * l
+        moe = self.num_moe_layers
+        # a MoE layer's MLP: the router, top_k experts and the shared experts per token (the active parameters)
+        moe_mlp = (h * self.num_experts + (self.moe_top_k + self.moe_shared_experts) * self.mlp_matrices * h
+                   * (self.moe_ffn_hidden_size or f)) if moe else 0
+        gemm = 2.0 * ((h * (h + 2 * self.kv_size) + h * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
         attention = 4.0 * s * h * l
         head = 2.0 * h * V + (2.0 * h * h if self.model == "bert" else 0.0)  # BERT's MLM transform
         return {"layers_gemm": gemm, "attention": attention, "head": head}
@@ -180,6 +226,8 @@ class ModelConfig:
         In 2-byte elements per token: attention keeps its input (2h), Q (2h), K and V (2·2·kv), the input of the
         output projection (2h) and, with dropout, its mask (h); the MLP its input (2h), the activation's input
         (2f, 4f for SwiGLU's gate and up) and output (2f) and a dropout mask (h); the two norms their inputs (4h).
+        A mixture-of-experts MLP keeps each token ``top_k`` times (its expert rows, 2h each, and their MLPs) plus
+        the shared experts' (averaged over the layers, for models whose MoE layers are every n-th).
         The attention scores add ``5·a·s`` (softmax output, dropout mask and output) unless FlashAttention or
         selective recomputation avoid storing them. Tensor parallelism divides all but the norms' and branches'
         inputs and the residual dropout masks (``10h`` of GPT's ``34h``); sequence parallelism divides those too.
@@ -193,9 +241,15 @@ class ModelConfig:
         if recompute == "full":
             return scale * 2.0 * s * b * h / (tp if sequence_parallel else 1)
         mask = 1.0 if self.dropout > 0 else 0.0
-        act_in = 4.0 * f if self.activation == "swiglu" else 2.0 * f
+        mlp = lambda width: (4.0 if self.activation == "swiglu" else 2.0) * width + 2.0 * width  # noqa: E731
+        inside = mlp(f)
+        if self.num_experts:  # a MoE layer keeps each token k times (its rows for the experts) plus the shared MLPs
+            moe = self.moe_top_k * (2.0 * h + mlp(self.moe_ffn_hidden_size)) \
+                + self.moe_shared_experts * mlp(self.moe_ffn_hidden_size)
+            share = self.num_moe_layers / self.num_layers
+            inside = (1 - share) * inside + share * moe
         replicated = (2.0 + mask) * h + (2.0 + mask) * h + 4.0 * h  # branch inputs + residual masks, norms
-        split = (2.0 * h + 4.0 * kv + 2.0 * h) + (act_in + 2.0 * f)  # Q, K, V, projection input; MLP inside
+        split = (2.0 * h + 4.0 * kv + 2.0 * h) + inside  # Q, K, V, projection input; the MLP's inside
         scores = 0.0 if (recompute == "selective" or flash_attention or cp > 1) else 5.0 * a * s
         if sequence_parallel:
             return scale * s * b * (replicated + split + scores) / tp
@@ -229,6 +283,17 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, seq_length=8192,
                              vocab_size=128256, ffn_hidden_size=14336, dropout=0.0, attention_dropout=0.0,
                              layernorm_eps=1e-5, rope_theta=500000.0),
+    # Mixture of experts: tiny ones for the CPU, and Mixtral 8x7B (46.7B parameters, 12.9B active per token).
+    "gpt-moe-tiny": ModelConfig("gpt", num_layers=4, hidden_size=256, num_heads=8, seq_length=256, vocab_size=261,
+                                dropout=0.0, attention_dropout=0.0, num_experts=4, moe_top_k=2,
+                                moe_ffn_hidden_size=512, moe_normalize=False),
+    "llama-moe-tiny": ModelConfig("llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2,
+                                  seq_length=256, vocab_size=261, ffn_hidden_size=704, dropout=0.0,
+                                  attention_dropout=0.0, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=352),
+    "mixtral-8x7b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                                seq_length=32768, vocab_size=32000, ffn_hidden_size=14336, dropout=0.0,
+                                attention_dropout=0.0, layernorm_eps=1e-5, rope_theta=1e6, num_experts=8,
+                                moe_top_k=2, moe_aux_loss_coeff=0.02),
     "llama2-7b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, seq_length=4096,
                              vocab_size=32000, ffn_hidden_size=11008, dropout=0.0, attention_dropout=0.0,
                              layernorm_eps=1e-5, rope_theta=10000.0),

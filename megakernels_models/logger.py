@@ -1,6 +1,7 @@
 """The trainer's output on the logging rank: a progress bar, one JSON object per step, TensorBoard scalars.
 
-JSONL fields per step (docs/design.md §5): ``step, loss, lr, grad_norm, loss_scale, tokens, tokens_per_s,
+The JSONL file starts (each run, resumed ones too) with ``{"config": ...}``, the resolved configuration
+(``config_file.resolved``, what ``--print-config`` prints); then fields per step (docs/design.md §5): ``step, loss, lr, grad_norm, loss_scale, tokens, tokens_per_s,
 tflops_per_device, mfu, elapsed_s`` (+ ``val_loss, val_ppl`` on evaluation steps, ``skipped`` when fp16 loss
 scaling skipped the update, and on the first step of a run ``memory_per_param_bytes``).
 """
@@ -16,7 +17,7 @@ class TrainLogger:
     """Progress bar, JSONL and TensorBoard on the logging rank; does nothing elsewhere (``enabled=False``)."""
 
     def __init__(self, enabled: bool, *, steps: int, start_step: int, progress: bool = True,
-                 log_jsonl: str | None = None, tensorboard: str | None = None):
+                 log_jsonl: str | None = None, tensorboard: str | None = None, config: dict | None = None):
         self.enabled, self.records = enabled, []
         self.bar = self.jsonl = self.tb = None
         if not enabled:
@@ -27,9 +28,13 @@ class TrainLogger:
         if log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(log_jsonl)), exist_ok=True)
             self.jsonl = open(log_jsonl, "a", encoding="utf-8")
+            if config is not None:
+                self.jsonl.write(json.dumps({"config": config}) + "\n")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(tensorboard)
+            if config is not None:
+                self.tb.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", start_step)
 
     def log(self, rec: dict | None) -> None:
         if not self.enabled or rec is None:

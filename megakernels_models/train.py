@@ -30,14 +30,16 @@ import torch.distributed as dist
 
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
-from megakernels.optim.lr_schedule import WarmupCosineSchedule
+from megakernels.optim.lr_schedule import LRSchedule
 from megakernels.parallel.context import split_for_cp
-from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
+from megakernels.parallel.ddp import finalize_model_grads, wrap_model
+from megakernels.parallel.moe import set_aux_loss_scale, stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
 from megakernels_models import checkpoint, dryrun
 from megakernels_models.arguments import TrainArgs, validate
 from megakernels_models.config import ModelConfig, stage_layers
+from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.logger import TrainLogger
@@ -62,9 +64,9 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
 class PipelineStep:
     """One global batch through this rank's chunks: micro-batching, the schedule, the summed loss."""
 
-    def __init__(self, task: Task, chunks, ddps, args: TrainArgs, device, timers: StepTimers):
-        self.task, self.chunks, self.ddps, self.args, self.device, self.timers = task, chunks, ddps, args, device, \
-            timers
+    def __init__(self, task: Task, chunks, wrappers, args: TrainArgs, device, timers: StepTimers):
+        self.task, self.chunks, self.wrappers, self.args, self.device, self.timers = task, chunks, wrappers, args, \
+            device, timers
         cfg = task.config
         seq = cfg.seq_length // mpu.cp_size()  # context parallelism: this rank's two chunks of each sequence
         seq = seq // mpu.tp_size() if args.sequence_parallel else seq
@@ -83,6 +85,8 @@ class PipelineStep:
         # The gradient reduction averages over dp·cp, but the loss is already normalised by the whole global
         # batch: scale by dp·cp so the reduced gradient is that of the global loss.
         factor = loss_scale * dp * cp
+        # the MoE auxiliary losses: each micro-batch's, averaged over the global batch's micro-batches
+        set_aux_loss_scale(factor * args.micro_batch_size / args.global_batch_size)
         losses = []
 
         def forward_step(chunk: int, mb: int, hidden):
@@ -97,7 +101,7 @@ class PipelineStep:
         forward_backward(
             self.timers.wrap_forward(forward_step), m, schedule=schedule, tensor_shape=self.shape,
             dtype=args.param_dtype(), device=self.device, num_chunks=len(self.chunks), forward_only=forward_only,
-            grad_sync=None if forward_only else (lambda c, on: self.ddps[c].set_grad_sync(on)),
+            grad_sync=None if forward_only else (lambda c, on: [w.set_grad_sync(on) for w in self.wrappers[c]]),
             exchange_hook=self.timers.exchange_hook)
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
         if losses and dp * cp > 1:
@@ -109,7 +113,7 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
     """Train on the current ``torch.distributed`` world; returns the per-step records on the logging rank (the last
     rank), None elsewhere. ``cfg`` is ``validate(args)``'s result when the caller already validated."""
     cfg = validate(args) if cfg is None else cfg
-    mpu.initialize(args.tp, args.pp, vpp=args.vpp, cp=args.cp)
+    mpu.initialize(args.tp, args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep)
     try:
         return _train(task_for(cfg), args)
     finally:
@@ -121,22 +125,27 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     mpu.model_parallel_seed(args.seed, device.type)
     chunks = build_model_chunks(task, args, device)
-    ddps = [DistributedDataParallel(c, reduce_scatter=args.distributed_optimizer) for c in chunks]
-    opt = ParallelOptimizer(ddps, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
-                            distributed=args.distributed_optimizer, precision=args.precision, clip_grad=args.clip_grad,
-                            loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None)
-    lr_schedule = WarmupCosineSchedule(args.lr, args.min_lr, args.warmup_steps, args.steps)
+    wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
+    ddps = [d for ws in wrappers for d in ws]
+    opt = ParallelOptimizer(ddps, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                            weight_decay=args.weight_decay, distributed=args.distributed_optimizer,
+                            precision=args.precision, clip_grad=args.clip_grad,
+                            loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
+                            no_decay=no_decay_rule(chunks, args.no_weight_decay))
+    lr_schedule = LRSchedule(args.lr, args.min_lr, args.warmup_steps, args.lr_decay_steps or args.steps,
+                             args.lr_decay_style, args.lr_wsd_decay_steps)
     train_ds, valid_ds, _ = build_datasets(args, cfg)
     timers = StepTimers(args.step_timers, device)  # off unless megakernels bench asks (per-phase times)
-    run_batch = PipelineStep(task, chunks, ddps, args, device, timers)
+    run_batch = PipelineStep(task, chunks, wrappers, args, device, timers)
 
     log_rank = dist.get_rank() == dist.get_world_size() - 1
     tokens_per_step = args.global_batch_size * cfg.seq_length
     meter = MFUMeter(cfg.flops_per_token("none"), tokens_per_step, dist.get_world_size(), args.precision, device,
                      args.peak_tflops) if log_rank else None
     start = checkpoint.load(checkpoint.read_latest(args.load), chunks, opt, cfg) if args.load else 0
+    config = resolved(args, cfg)
     log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
-                      log_jsonl=args.log_jsonl, tensorboard=args.tensorboard)
+                      log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
     t_start = time.perf_counter()
     try:
         for step in range(start, args.steps):
@@ -150,12 +159,13 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
             timers.mark("communication")
             stepped, grad_norm = opt.step()
             timers.mark("optimizer")
+            moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
             rec = None
             if log_rank:
                 rec = {"step": step + 1, "loss": float(loss), "lr": opt.lr, "grad_norm": grad_norm,
                        "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
                        **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
-                       "skipped": not stepped}
+                       "skipped": not stepped, **(moe or {})}
                 if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
                     n = sum(p.numel() for c in chunks for p in c.parameters())
                     rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
@@ -165,11 +175,19 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 if rec is not None:
                     rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
             if args.save and _due(step, args.save_interval or args.steps, args.steps):
-                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints)
+                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints, config)
             log.log(rec)
     finally:
         log.close()
     return log.records if log_rank else None
+
+
+def no_decay_rule(chunks, names: str):
+    """The params without weight decay: biases and norm weights (fewer than 2 dims), and those whose name contains
+    one of the comma-separated ``names``."""
+    parts = [n.strip() for n in names.split(",") if n.strip()]
+    excluded = {id(p) for c in chunks for n, p in c.named_parameters() if any(part in n for part in parts)}
+    return lambda p: p.dim() < 2 or id(p) in excluded
 
 
 def _due(step: int, interval: int, steps: int) -> bool:

@@ -26,6 +26,7 @@ from torch import nn
 from megakernels.nn import FusedLayerNorm, FusedRMSNorm, RotaryEmbedding
 from megakernels.parallel import context, init, state
 from megakernels.parallel.blocks import ParallelGroupedQueryAttention, ParallelMLP, ParallelSelfAttention
+from megakernels.parallel.moe import MoELayer
 from megakernels.parallel.params import mark_sequence_parallel, mark_shared_embedding
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 from megakernels_models.config import ModelConfig
@@ -103,34 +104,42 @@ class TransformerLayer(nn.Module):
                                  "(position_embedding='rope')")
             self.attention = ParallelSelfAttention(c.hidden_size, c.num_heads, causal, sequence_parallel, **common)
         self.post_attention_norm = make_norm(c, device, dtype)
-        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
-                               approximate="tanh" if c.activation == "gelu_tanh" else "none",
-                               activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
-                               init_method=normal, output_init_method=scaled,
-                               seed=init.derive_seed(seed, f"{name}.mlp"), device=device, dtype=dtype)
+        if c.is_moe_layer(layer_number):
+            self.mlp = MoELayer(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_top_k, sequence_parallel,
+                                activation=c.activation, normalize=c.moe_normalize,
+                                aux_loss_coeff=c.moe_aux_loss_coeff, z_loss_coeff=c.moe_z_loss_coeff,
+                                capacity_factor=c.moe_capacity_factor, shared_experts=c.moe_shared_experts,
+                                seed=init.derive_seed(seed, f"{name}.mlp"), init_method=normal,
+                                output_init_method=scaled, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
+                                   approximate="tanh" if c.activation == "gelu_tanh" else "none",
+                                   activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
+                                   init_method=normal, output_init_method=scaled,
+                                   seed=init.derive_seed(seed, f"{name}.mlp"), device=device, dtype=dtype)
         self.post_norm = c.norm_position == "post"
         if sequence_parallel:
             mark_sequence_parallel(self.input_norm, self.post_attention_norm)
 
-    def _attention(self, x, attention_mask, positions):
+    def _attention(self, x, attention_mask, positions, kv_cache):
         if self.rotary:
-            return self.attention(x, attention_mask, positions)
-        return self.attention(x, attention_mask)
+            return self.attention(x, attention_mask, positions, kv_cache=kv_cache)
+        return self.attention(x, attention_mask, kv_cache=kv_cache)
 
-    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
-                 positions: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
+                 kv_cache=None) -> torch.Tensor:
         drop = lambda y: dropout(y, self.dropout_p, self.training, self.sequence_parallel)  # noqa: E731
         if self.post_norm:  # the original BERT: normalise each residual sum (input_norm is then after attention)
-            x = self.input_norm(x + drop(self._attention(x, attention_mask, positions)))
+            x = self.input_norm(x + drop(self._attention(x, attention_mask, positions, kv_cache)))
             return self.post_attention_norm(x + drop(self.mlp(x)))
-        x = x + drop(self._attention(self.input_norm(x), attention_mask, positions))
+        x = x + drop(self._attention(self.input_norm(x), attention_mask, positions, kv_cache))
         return x + drop(self.mlp(self.post_attention_norm(x)))
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         if self.recompute_layer and torch.is_grad_enabled():
             return checkpoint(self._forward, x, attention_mask, positions)
-        return self._forward(x, attention_mask, positions)
+        return self._forward(x, attention_mask, positions, kv_cache)
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -279,12 +288,18 @@ class LanguageModel(nn.Module):
             return None
         return context.positions(self.config.seq_length, self._cp, self._cp_rank, device)
 
-    def encode(self, ids=None, hidden=None, token_types=None, attention_mask=None) -> torch.Tensor:
+    def encode(self, ids=None, hidden=None, token_types=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
         """Embedding (first stage: ``ids`` ``[b, s]``, this rank's tokens under context parallelism) or ``hidden``
         from the previous stage, then the layers, then (last stage) the final norm. Returns ``[s, b, h]``
-        (``[s/tp, b, h]`` under sequence parallelism)."""
+        (``[s/tp, b, h]`` under sequence parallelism). With ``kv_cache`` (``megakernels.nn.KVCache``, one stage,
+        no context parallelism) the tokens continue the cached ones: their positions start at ``kv_cache.offset``
+        and attention sees the cached keys too; the offset advances."""
         device = (ids if ids is not None else hidden).device if (ids is not None or hidden is not None) else None
         positions = self.positions(device)
+        if kv_cache is not None:
+            if self._cp > 1 or not (self.pre_process and self.post_process):
+                raise ValueError(f"{type(self).__name__}: a KV cache needs the whole model on one rank (pp 1, cp 1)")
+            positions = kv_cache.positions(ids.shape[1], ids.device)
         if self.pre_process:
             if ids is None:
                 raise ValueError(f"{type(self).__name__}: the first pipeline stage needs ids [b, s]")
@@ -294,5 +309,7 @@ class LanguageModel(nn.Module):
                 raise ValueError(f"{type(self).__name__}: a later pipeline stage needs hidden from the previous one")
             x = hidden
         for layer in self.layers:
-            x = layer(x, attention_mask, positions)
+            x = layer(x, attention_mask, positions, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(ids.shape[1])
         return self.final_norm(x) if self.final_norm is not None else x

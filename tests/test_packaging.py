@@ -11,7 +11,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_ONLY = ("tqdm", "tensorboard", "tokenizers", "sentencepiece", "safetensors", "transformers", "matplotlib")
+TRAIN_ONLY = ("tqdm", "tensorboard", "tokenizers", "sentencepiece", "safetensors", "yaml", "transformers",
+              "matplotlib")
 
 # The path finder no longer finds the named top-level packages: to every importer (and to find_spec) they are
 # not installed, as on a kernels-only install.
@@ -44,7 +45,7 @@ def test_the_package_depends_on_torch_and_numpy_only():
     p = _project()
     assert _names(p["dependencies"]) == {"torch", "numpy"}
     assert _names(p["optional-dependencies"]["train"]) >= {"tqdm", "tensorboard", "tokenizers", "sentencepiece",
-                                                           "safetensors"}
+                                                           "safetensors", "pyyaml"}
     assert "matplotlib" in _names(p["optional-dependencies"]["bench"])
 
 

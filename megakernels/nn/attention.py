@@ -95,14 +95,17 @@ class FlashSelfAttention(_Core):
 
 class TorchSelfAttention(_Core):
     """The same contract as :class:`FlashSelfAttention` on ``torch.nn.functional.scaled_dot_product_attention``
-    (the baseline the fused core is measured against). Causal is top-left aligned as in PyTorch (equal to
-    bottom-right when sq == sk)."""
+    (the baseline the fused core is measured against), causal bottom-right aligned as FlashAttention's."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 causal: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         heads = q.shape[2]
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+        sq, sk = q.shape[1], k.shape[1]
+        if causal and sq != sk:  # PyTorch aligns is_causal top-left; ours is bottom-right (new queries are last)
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+            causal = False
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=None if mask is None else ~mask, dropout_p=p,
                                              is_causal=causal, scale=self.softmax_scale)

@@ -45,7 +45,8 @@ from megakernels.parallel.params import (is_sequence_parallel, is_shared_embeddi
                                          mark_sequence_parallel, mark_shared_embedding, mark_tensor_parallel)
 from megakernels.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
 from megakernels.parallel.state import (check_divisible, cp_group, cp_rank, cp_size, destroy, divide, dp_cp_group,
-                                        dp_cp_size, dp_group, dp_rank, dp_size, tp_replica_group,
+                                        dp_cp_size, dp_group, dp_rank, dp_size, ep_group, ep_rank, ep_size,
+                                        expert_dp_group, tp_replica_group,
                                         embedding_group, embedding_ranks, initialize, is_in_embedding_group,
                                         is_initialized, is_pp_first_stage, is_pp_last_stage, model_parallel_group,
                                         pp_group, pp_next_rank, pp_prev_rank, pp_rank, pp_ranks, pp_size,
@@ -54,7 +55,8 @@ from megakernels.parallel.state import (check_divisible, cp_group, cp_rank, cp_s
 __all__ = [
     # state
     "initialize", "destroy", "is_initialized", "tp_group", "pp_group", "dp_group", "model_parallel_group",
-    "cp_group", "cp_rank", "cp_size", "dp_cp_group", "dp_cp_size", "tp_replica_group",
+    "cp_group", "cp_rank", "cp_size", "dp_cp_group", "dp_cp_size", "tp_replica_group", "ep_group", "ep_rank",
+    "ep_size", "expert_dp_group",
     "embedding_group", "embedding_ranks", "is_in_embedding_group", "tp_rank", "tp_size", "pp_rank", "pp_size",
     "dp_rank", "dp_size", "vpp_rank", "vpp_size", "set_vpp_rank", "pp_ranks", "pp_next_rank", "pp_prev_rank",
     "is_pp_first_stage", "is_pp_last_stage", "check_divisible", "divide",

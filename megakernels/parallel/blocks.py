@@ -143,11 +143,14 @@ class ParallelSelfAttention(nn.Module):
                                       init_method=output_init_method or init_method, seed=_sub_seed(seed, "proj"),
                                       device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                kv_cache=None) -> torch.Tensor:
         _check_3d(self, x)
         qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(1, 0, 2, 3, 4).unbind(3)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self, k, v)
         ctx = _attend(self, q, k, v, attention_mask)
         return self.proj(ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim))
 
@@ -199,7 +202,8 @@ class ParallelGroupedQueryAttention(nn.Module):
             ``megakernels.nn.RotaryEmbedding``), or None.
 
     Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), ``positions`` (int ``[s]``, the
-    tokens' positions; default ``0..s-1``), optional ``attention_mask`` -> same shape as ``x``.
+    tokens' positions; default ``0..s-1``), optional ``attention_mask``, optional ``kv_cache``
+    (``megakernels.nn.KVCache``: attend over the cached tokens too, and cache these) -> same shape as ``x``.
 
     Raises:
         ValueError: heads not divisible by tp, ``num_kv_heads`` neither a multiple nor a divisor of tp or not
@@ -244,7 +248,7 @@ class ParallelGroupedQueryAttention(nn.Module):
                                       device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         _check_3d(self, x)
         weight = torch.cat([self.q.weight, self.kv.weight])
         bias = None if self.q.bias is None else torch.cat([self.q.bias, self.kv.bias])
@@ -256,5 +260,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions, seq_dim=0)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self, k, v)
         ctx = _attend(self, q, k, v, attention_mask)
         return self.proj(ctx.transpose(0, 1).reshape(s, b, nq * d))

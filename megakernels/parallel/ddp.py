@@ -46,7 +46,7 @@ from torch import nn
 
 from megakernels.parallel import comm, state
 from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
-from megakernels.parallel.params import info, is_sequence_parallel, is_shared_embedding
+from megakernels.parallel.params import info, is_expert_parallel, is_sequence_parallel, is_shared_embedding
 from megakernels.validation import positive_int
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,7 +90,13 @@ class DistributedDataParallel(nn.Module):
         overlap: launch each bucket's collective from the backward hooks as soon as it is complete; otherwise all
             are launched by ``finish_grad_sync()``.
         reduce_scatter: reduce-scatter instead of all-reduce (ZeRO-1); also moves the params into a flat buffer.
-        separate: params for which it returns True get a bucket of their own (default: the tied embedding, ``params.is_shared_embedding``).
+        separate: params for which it returns True get a bucket of their own (default: the tied embedding,
+            ``params.is_shared_embedding``).
+        include: the params this wrapper handles (default all); ``wrap_model`` gives a mixture-of-experts model
+            two wrappers, one for the dense params and one, over the expert-data-parallel group, for the experts'.
+        divisor: what the summed gradients are divided by (default the group's size: the mean). Experts' gradients
+            are summed over fewer ranks than the dense ones but come from the same scaled losses, so their wrapper
+            divides by the data-parallel size as well.
 
     Raises:
         ValueError: no trainable params, params on several devices, a non-contiguous param, a bad ``bucket_size``
@@ -100,7 +106,7 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
                  grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
-                 separate=is_shared_embedding) -> None:
+                 separate=is_shared_embedding, include=None, divisor: int | None = None) -> None:
         super().__init__()
         cls = type(self).__name__
         positive_int(bucket_size, "bucket_size", where=cls)
@@ -108,8 +114,9 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"{cls}: grad_dtype must be float32, bfloat16, float16 or None, got {grad_dtype}")
         self.module = module
         self.group, self.dp_size, self.dp_rank = self._resolve_group(group)
+        self.divisor = self.dp_size if divisor is None else positive_int(divisor, "divisor", where=cls)
         self.overlap, self.reduce_scatter, self.bucket_size = bool(overlap), bool(reduce_scatter), bucket_size
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad and (include is None or include(p))]
         if not params:
             raise ValueError(f"{cls}: module has no parameters with requires_grad=True")
         devices = {p.device for p in params}
@@ -209,10 +216,11 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        if self.divisor != 1:
+            bucket.grad_data.div_(self.divisor)
         if self.dp_size == 1:
             return
         data = bucket.grad_data
-        data.div_(self.dp_size)
         if self.reduce_scatter:
             shard = data[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
             comm.record("launch", "reduce_scatter")
@@ -291,6 +299,19 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
+def wrap_model(module: nn.Module, **kwargs) -> list[DistributedDataParallel]:
+    """The data-parallel wrappers of a model chunk: one over ``dp_cp_group()`` for its dense params and, when it has
+    mixture-of-experts weights (``params.is_expert_parallel``), one over ``expert_dp_group()`` for those (their
+    copies live on the ranks holding the same experts). ``kwargs`` go to both."""
+    experts = [p for p in module.parameters() if p.requires_grad and is_expert_parallel(p)]
+    if not experts:
+        return [DistributedDataParallel(module, **kwargs)]
+    group = state.expert_dp_group() if state.is_initialized() else None
+    divisor = state.dp_cp_size() if state.is_initialized() else 1
+    return [DistributedDataParallel(module, include=lambda p: not is_expert_parallel(p), **kwargs),
+            DistributedDataParallel(module, group=group, include=is_expert_parallel, divisor=divisor, **kwargs)]
+
+
 def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     """After the last backward of a step: finish every model chunk's data-parallel sync, then sum over the TP group
     the ``main_grad`` of params marked sequence-parallel (each TP rank saw only its tokens), over their replica
@@ -306,7 +327,7 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
         m.finish_grad_sync()
     if not state.is_initialized():
         return
-    params = [p for m in models for p in m.module.parameters() if p.requires_grad]
+    params = list(dict.fromkeys(p for m in models for b in m.buckets for p in b.params))
     if state.tp_size() > 1:
         grads = [p.main_grad for p in params if is_sequence_parallel(p)]
         _sum_over(grads, state.tp_group())

@@ -56,7 +56,7 @@ from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
-from megakernels.parallel.params import counts_in_grad_norm
+from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
 from megakernels.validation import finite_number, positive_int
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,6 +101,8 @@ class ParallelOptimizer:
         clip_grad: clip the global grad norm to this (0: no clipping; the norm is computed and returned anyway).
         loss_scaler: for ``'fp16'`` (default ``DynamicLossScaler()``); the trainer multiplies the loss by
             ``loss_scale`` before backward.
+        no_decay: params for which it returns True get no weight decay (default: those of fewer than 2 dims,
+            biases and norm weights).
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
@@ -111,7 +113,7 @@ class ParallelOptimizer:
 
     def __init__(self, models, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, distributed: bool = False, precision: str = "fp32",
-                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None) -> None:
+                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None, no_decay=None) -> None:
         cls = type(self).__name__
         if precision not in PRECISIONS:
             raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
@@ -132,7 +134,7 @@ class ParallelOptimizer:
         self.device = params[0].device if params else torch.device("cpu")
         tp_rank = state.tp_rank() if state.is_initialized() else 0
         self.pieces: list[Piece] = []
-        decay, no_decay = [], []
+        decay, no_decay_group = [], []
         for p, lo, hi in self._owned(params):
             flat = p.detach().view(-1)[lo:hi]
             main = flat if p.dtype == torch.float32 else flat.float().clone()
@@ -141,9 +143,10 @@ class ParallelOptimizer:
                 main.grad = grad
             counted = counts_in_grad_norm(p, tp_rank)
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
-            (decay if p.dim() > 1 else no_decay).append(main)
-        self._adam = FusedAdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas,
-                                eps=eps, weight_decay=weight_decay)
+            excluded = p.dim() < 2 if no_decay is None else no_decay(p)
+            (no_decay_group if excluded else decay).append(main)
+        self._adam = FusedAdamW([{"params": decay}, {"params": no_decay_group, "weight_decay": 0.0}], lr=lr,
+                                betas=betas, eps=eps, weight_decay=weight_decay)
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
 
     def _unpack(self, models):
@@ -222,16 +225,26 @@ class ParallelOptimizer:
         """The global sum of squares of the (still loss-scaled) main grads, every param counted once over the
         whole model (see the module docstring); an fp32 scalar on the params' device, no host sync."""
         grads = self._grads() if grads is None else grads
-        counted = [g for g, piece in zip(grads, self.pieces) if piece.counted]
-        local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
-        sumsq = local.float() ** 2
+        def sumsq(expert: bool) -> torch.Tensor:
+            counted = [g for g, piece in zip(grads, self.pieces) if piece.counted and is_expert_parallel(piece.param)
+                       == expert]
+            local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
+            return local.float() ** 2
+
         if self.distributed:
-            group = dist.group.WORLD if dist.is_initialized() else None  # tp × pp × dp: each dp rank a disjoint piece
-        else:
-            group = state.model_parallel_group() if state.is_initialized() else None
+            # every element has one owner in the world: tp × cp × pp × dp ranks hold disjoint pieces
+            total = sumsq(False) + sumsq(True)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(total)
+            return total
+        dense, experts = sumsq(False), sumsq(True)
+        if state.is_initialized() and state.ep_size() > 1:  # each expert-parallel rank holds other experts
+            dist.all_reduce(experts, group=state.ep_group())
+        total = dense + experts
+        group = state.model_parallel_group() if state.is_initialized() else None
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sumsq, group=group)
-        return sumsq
+            dist.all_reduce(total, group=group)
+        return total
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:

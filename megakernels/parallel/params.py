@@ -22,6 +22,12 @@ sequence parallel             a replicated parameter applied to this rank's sequ
 shared embedding              the word embedding tied between the first and the last pipeline stage: its
 (duplicate)                   gradient is summed over the embedding group; the last stage's copy is the
                               ``duplicate``, which the grad norm skips (the table is counted once).
+expert parallel               the stacked weights ``[E_local, ...]`` of a mixture-of-experts layer's experts
+(num_experts, first)          ``first .. first + E_local - 1`` (of ``num_experts``); the tensor-parallel marks
+                              then describe each expert's matrix (dim 0 or 1 of ``p[i]``). Their gradients are
+                              reduced over ``state.expert_dp_group()`` (the ranks holding the same experts), the
+                              grad norm sums them over the expert-parallel group too, and checkpoints store
+                              each expert under its global name (``...experts.<e>.fc1``).
 ============================  =============================================================================
 
 A parameter nobody marked is replicated over the TP group: the grad norm counts it on TP rank 0 only, and a
@@ -51,6 +57,9 @@ class ParamInfo:
     sequence_parallel: bool = False
     shared_embedding: bool = False
     shared_embedding_duplicate: bool = False
+    expert_parallel: bool = False
+    num_experts: int = 0
+    expert_first: int = 0
 
 
 _DEFAULT = ParamInfo()
@@ -97,6 +106,18 @@ def mark_tensor_parallel(*params, dim: int = 0, stride: int = 1, replicas: int =
         rec = _own(p)
         rec.tensor_parallel, rec.partition_dim, rec.real_size = True, dim, real_size
         rec.partition_stride, rec.replicas = stride, replicas
+
+
+def mark_expert_parallel(p, *, num_experts: int, first: int, dim: int, stride: int = 1) -> None:
+    """Mark stacked expert weights (see the module docstring): experts ``first ..`` of ``num_experts``, each
+    expert's matrix tensor-parallel along ``dim`` (0 or 1) with ``stride``."""
+    mark_tensor_parallel(p, dim=dim, stride=stride)
+    rec = _own(p)
+    rec.expert_parallel, rec.num_experts, rec.expert_first = True, num_experts, first
+
+
+def is_expert_parallel(p) -> bool:
+    return info(p).expert_parallel
 
 
 def mark_sequence_parallel(*items) -> None:
@@ -146,4 +167,4 @@ def copy_marks(src, dst) -> None:
 
 __all__ = ["ParamInfo", "info", "mark_tensor_parallel", "mark_sequence_parallel", "mark_shared_embedding",
            "is_tensor_parallel", "is_sequence_parallel", "is_shared_embedding", "is_shared_embedding_duplicate",
-           "counts_in_grad_norm", "copy_marks"]
+           "counts_in_grad_norm", "copy_marks", "mark_expert_parallel", "is_expert_parallel"]

@@ -48,6 +48,11 @@ class _State:
     cp_rank: int
     cp_group: object
     dp_cp_group: object
+    ep: int
+    ep_rank: int
+    ep_group: object
+    edp_group: object
+    tp_cp_group: object
     embedding_group: object | None
     pp_ranks: list[int]
     embedding_ranks: list[int]
@@ -76,7 +81,8 @@ def _init_world_from_env() -> None:
     dist.init_process_group(backend)
 
 
-def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None, cp: int = 1) -> None:
+def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None, cp: int = 1,
+               ep: int = 1) -> None:
     """Create the tensor-, context-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
 
     Initialises ``torch.distributed`` itself from torchrun's environment (nccl when CUDA is available, else gloo)
@@ -88,6 +94,8 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         dp: data-parallel size; defaults to ``world_size // (tp · cp · pp)``, and must equal it when given.
         vpp: virtual pipeline stages (model chunks) per rank for the interleaved schedule; ``None`` for none.
         cp: context-parallel size (ranks splitting each sequence, ``megakernels.parallel.context``).
+        ep: expert-parallel size: groups of ``ep`` consecutive data-parallel ranks split the experts of a
+            mixture-of-experts layer between them (``megakernels.parallel.moe``); must divide dp.
 
     Raises:
         ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · cp · pp``, a ``dp``
@@ -98,7 +106,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
     if _state is not None:
         raise RuntimeError(f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
                            "call megakernels.parallel.destroy() first")
-    tp, pp, cp = _positive_int("tp", tp), _positive_int("pp", pp), _positive_int("cp", cp)
+    tp, pp, cp, ep = (_positive_int(n, v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
     if vpp is not None:
         vpp = _positive_int("vpp", vpp)
         if vpp > 1 and pp == 1:
@@ -119,15 +127,19 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         elif model * dp != world:
             names, values = ("tp·cp·pp·dp", f"{tp}·{cp}·{pp}·{dp}") if cp > 1 else ("tp·pp·dp", f"{tp}·{pp}·{dp}")
             raise ValueError(f"initialize: {names} = {values} = {model * dp} != world size {world}")
+        if dp % ep:
+            raise ValueError(f"initialize: ep={ep} does not divide the data-parallel size {dp} (expert-parallel "
+                             "groups are carved out of the data-parallel ranks)")
     except ValueError:
         if owns_world:
             dist.destroy_process_group()
         raise
 
-    sizes = {"p": pp, "d": dp, "c": cp, "t": tp}  # outermost to innermost in the rank order
+    # outermost to innermost in the rank order; the data-parallel rank is g·ep + e (e: rank in its expert group)
+    sizes = {"p": pp, "g": dp // ep, "e": ep, "c": cp, "t": tp}
 
-    def at(p: int, d: int, c: int, t: int) -> int:
-        return ((p * dp + d) * cp + c) * tp + t
+    def at(p: int, g: int, e: int, c: int, t: int) -> int:
+        return ((p * dp + g * ep + e) * cp + c) * tp + t
 
     groups, mine = [], {}
 
@@ -145,10 +157,15 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
                 mine[kind], mine[kind + "_ranks"] = g, ranks
 
     make("tp", "t")
-    make("dp", "d")
+    make("dp", "ge")
     make("cp", "c")
     if cp > 1:
-        make("dp_cp", "dc")
+        make("dp_cp", "gec")
+    if cp > 1 and tp > 1:
+        make("tp_cp", "ct")  # the ranks holding different tokens of the same micro-batch
+    if ep > 1:
+        make("ep", "e")
+        make("edp", "gc")  # the ranks holding the same experts: their gradients are reduced over it
     make("pp", "p")
     make("mp", "pt")
     # the first and last pipeline stage (which share a tied word embedding)
@@ -157,6 +174,9 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
     tp_rank, cp_rank = rank % tp, (rank // tp) % cp
     dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
     _state = _State(tp=tp, pp=pp, dp=dp, vpp=vpp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                    ep=ep, ep_rank=dp_rank % ep, ep_group=mine.get("ep"),
+                    tp_cp_group=mine.get("tp_cp", mine["cp"] if cp > 1 else (mine["tp"] if tp > 1 else None)),
+                    edp_group=mine.get("edp", mine.get("dp_cp", mine["dp"])),
                     tp_group=mine["tp"], pp_group=mine["pp"], dp_group=mine["dp"], model_parallel_group=mine["mp"],
                     cp=cp, cp_rank=cp_rank, cp_group=mine["cp"], dp_cp_group=mine.get("dp_cp", mine["dp"]),
                     embedding_group=mine.get("emb"), pp_ranks=mine["pp_ranks"],
@@ -213,6 +233,33 @@ def cp_group():
 def dp_cp_group():
     """Data- and context-parallel ranks together: gradients are reduced and ZeRO-1 state is sharded over them."""
     return _get().dp_cp_group
+
+
+def ep_group():
+    """The expert-parallel group of this rank (None when ep is 1): ranks that split a MoE layer's experts and
+    exchange tokens by all-to-all."""
+    return _get().ep_group
+
+
+def expert_dp_group():
+    """The ranks holding the same experts (data- and context-parallel ranks at the same place of their expert
+    group): expert gradients are reduced, and their ZeRO-1 state sharded, over it (``dp_cp_group()`` when ep is
+    1)."""
+    return _get().edp_group
+
+
+def tp_cp_group():
+    """The tensor- and context-parallel ranks of one data-parallel replica (they hold different tokens of the same
+    micro-batch under sequence and context parallelism); None when tp and cp are 1."""
+    return _get().tp_cp_group
+
+
+def ep_rank() -> int:
+    return _get().ep_rank
+
+
+def ep_size() -> int:
+    return _get().ep
 
 
 def tp_replica_group(replicas: int):

@@ -3,7 +3,7 @@
     megakernels convert hf-to-megakernels --input HF_DIR --output CKPT_DIR     # then: train --load CKPT_DIR
     megakernels convert megakernels-to-hf --input CKPT_DIR --output HF_DIR     # then: from_pretrained(HF_DIR)
 
-One module per family (``gpt2``, ``bert``, ``llama``) holds its config translation both ways and one table of
+One module per family (``gpt2``, ``bert``, ``llama``, ``mixtral``) holds its config translation both ways and one table of
 tensor rules (``common.Rule``) applied in both directions. A ``tokenizer.json`` travels with the weights: the HF
 directory's becomes ``CKPT_DIR/tokenizer.json`` (which ``megakernels train --load`` and ``megakernels eval``
 default to), and a checkpoint's goes to the HF directory. The megakernels side is a DCP checkpoint directory as
@@ -18,11 +18,11 @@ from megakernels_models.config import ModelConfig
 import os
 import shutil
 
-from megakernels_models.convert import bert, gpt2, llama
+from megakernels_models.convert import bert, gpt2, llama, mixtral
 from megakernels_models.convert.common import ConversionError, apply, read_checkpoint, read_hf, write_checkpoint, \
     write_hf
 
-FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama)}
+FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral)}
 # megakernels model family -> the HuggingFace family it is written as
 _OURS = {"gpt": gpt2, "bert": bert, "llama": llama}
 TOKENIZER = "tokenizer.json"
@@ -46,9 +46,10 @@ def hf_to_megakernels(hf_dir: str, out_dir: str, rope_interleaved: bool = False)
     """
     hf, tensors = read_hf(hf_dir)
     fam = _family(hf.get("model_type"))
-    if rope_interleaved and fam is not llama:
-        raise ConversionError(f"--rope-interleaved is for Llama models, not {fam.MODEL_TYPE}")
-    cfg = fam.config_to_ours(hf, rope_interleaved) if fam is llama else fam.config_to_ours(hf)
+    rotary = fam in (llama, mixtral)
+    if rope_interleaved and not rotary:
+        raise ConversionError(f"--rope-interleaved is for Llama and Mixtral models, not {fam.MODEL_TYPE}")
+    cfg = fam.config_to_ours(hf, rope_interleaved) if rotary else fam.config_to_ours(hf)
     ours = apply(fam.rules(cfg), fam.normalize(tensors), "to_ours")
     path = write_checkpoint(ours, cfg, out_dir, f"hf-{fam.MODEL_TYPE}")
     _copy_tokenizer(hf_dir, out_dir)
@@ -81,7 +82,7 @@ def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
     """
     meta, tensors = read_checkpoint(ckpt_dir)
     cfg = ModelConfig(**meta["config"])
-    fam = _OURS.get(cfg.model)
+    fam = mixtral if cfg.model == "llama" and cfg.num_experts else _OURS.get(cfg.model)
     if fam is None:
         raise ConversionError(f"no HuggingFace family for a megakernels {cfg.model!r} model")
     config = fam.config_to_theirs(cfg)

@@ -50,7 +50,9 @@ def _packed(ours: str, theirs: tuple[str, str], first=None) -> Rule:
     return Rule((ours,), theirs, to_ours, to_theirs)
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
+def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
+    """The tensor rules of a Llama; ``mlp(i, a, m)`` gives layer ``i``'s MLP rules instead of the dense SwiGLU's
+    (``a``/``m``: the layer's HuggingFace and megakernels name prefixes)."""
     q_to_ours, q_to_theirs = _rows(cfg, cfg.num_heads)
     out = [copy("embedding.word.weight", "model.embed_tokens.weight"), copy("final_norm.weight", "model.norm.weight")]
     if not cfg.tie_embeddings:
@@ -63,9 +65,10 @@ def rules(cfg: ModelConfig) -> list[Rule]:
                      lambda ts: [q_to_ours(ts[0])], lambda ts: [q_to_theirs(ts[0])]),
                 _packed(m + "attention.kv.weight", (a + "self_attn.k_proj.weight", a + "self_attn.v_proj.weight"),
                         _rows(cfg, cfg.num_kv_heads)),
-                copy(m + "attention.proj.weight", a + "self_attn.o_proj.weight"),
-                _packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
-                copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight")]
+                copy(m + "attention.proj.weight", a + "self_attn.o_proj.weight")]
+        out += mlp(i, a, m) if mlp is not None else [
+            _packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
+            copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight")]
         if cfg.bias:
             out += [Rule((m + "attention.q.bias",), (a + "self_attn.q_proj.bias",),
                          lambda ts: [q_to_ours(ts[0])], lambda ts: [q_to_theirs(ts[0])]),

@@ -38,6 +38,12 @@ from megakernels_models.cli import parse_train_args
     (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], r"ring attention has no attention dropout"),
     (["--nproc", "2", "--device", "cuda"], r"--nproc 2 spawns CPU processes \(gloo\); with --device cuda launch one "
                                             r"process per GPU with torchrun --nproc-per-node 2"),
+    (["--model", "llama", "--num-experts", "4", "--moe-top-k", "5"], r"moe_top_k=5 must be in 1..num_experts=4"),
+    (["--model", "llama", "--num-experts", "6", "--ep", "4", "--nproc", "4", "--micro-batch-size", "4"],
+     r"--ep 4 does not divide num_experts=6"),
+    (["--model", "llama", "--num-experts", "4", "--ep", "2", "--nproc", "2", "--tp", "2"],
+     r"--ep 2 does not divide the data-parallel size 1"),
+    (["--ep", "2", "--nproc", "2"], r"--ep 2 needs a mixture-of-experts model"),
     (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
     (["--steps", "0"], r"--steps must be a positive int, got 0"),
     (["--data", "x"], r"--data x: cannot read x\.bin"),

@@ -26,8 +26,9 @@ def _env():
 
 
 def _records(path) -> list[dict]:
+    """The per-step records of a JSONL log (the ``{"config": ...}`` header of each run left out)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [r for r in (json.loads(line) for line in f if line.strip()) if "config" not in r]
 
 
 def test_train_logs_every_contract_field(tmp_path):

@@ -76,6 +76,25 @@ def _(rank, world):
         mp.tp_replica_group(3)
 
 
+@CHECKS.add("expert_groups_are_carved_out_of_the_data_parallel_ranks")
+def _(rank, world):
+    mp.initialize(2, 1, ep=2)  # dp 4: expert groups of 2 consecutive data-parallel ranks
+    assert (mp.ep_size(), mp.ep_rank()) == (2, (rank // 2) % 2)
+    assert _ranks(mp.ep_group()) == _mine([[0, 2], [1, 3], [4, 6], [5, 7]], rank)
+    assert _ranks(mp.expert_dp_group()) == _mine([[0, 4], [1, 5], [2, 6], [3, 7]], rank)
+    mp.destroy()
+    mp.initialize(1, 1, cp=2, ep=2)  # dp 4 × cp 2: the expert-data group spans cp too
+    assert _ranks(mp.ep_group()) == _mine([[0, 2], [1, 3], [4, 6], [5, 7]], rank)
+    assert _ranks(mp.expert_dp_group()) == _mine([[0, 1, 4, 5], [2, 3, 6, 7]], rank)
+    mp.destroy()
+    mp.initialize(2)
+    assert mp.ep_group() is None and mp.ep_size() == 1
+    assert mp.expert_dp_group() is mp.dp_cp_group()
+    mp.destroy()
+    with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size 4"):
+        mp.initialize(2, ep=3)
+
+
 @CHECKS.add("layout_tp2_pp4_dp1")
 def _(rank, world):
     _check_layout(rank, 2, 4,
