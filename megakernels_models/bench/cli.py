@@ -26,9 +26,11 @@ OPS = {
     "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "norms",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
     "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
+    "rope": "rope", "swiglu": "swiglu",
 }
 GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
           "softmax": [o for o, f in OPS.items() if f == "softmax"], "attention": ["flash_attention"],
+          "llama": ["rope", "swiglu"],
           "all": list(OPS)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -116,7 +118,7 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
         elif fam == "cross_entropy":
             rows += mod.run(dtypes or mod.DEFAULT_DTYPES, mod.default_shapes(device, quick), device=device,
                             min_run_time=t, ceilings=ceilings, peers=peers, log=log)
-        else:  # norms, softmax: fused vs eager vs torch.compile
+        else:  # norms, softmax, rope, swiglu: fused vs eager vs torch.compile
             rows += mod.run(mine, dtypes or mod.DEFAULT_DTYPES, mod.default_shapes(device, quick), device=device,
                             with_compile=not ns.no_compile, min_run_time=t, ceilings=ceilings, peers=peers, log=log)
     return rows
