@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from megakernels.triton._common import arch_of
+from megakernels.triton.launch import Launch
 
 
 @triton.jit
@@ -68,26 +69,37 @@ def _grad_kernel(X, TARGET, LSE, DLOSS, GRAD, stride_x, stride_g, n_cols, n_vali
         tl.store(GRAD + cols, g.to(GRAD.dtype.element_ty), mask=in_row)
 
 
-def _block_v(n_cols: int, device: torch.device) -> tuple[int, int]:
-    if arch_of(device) == 0:  # interpreter: the whole (small) row at once
+def _block_v(n_cols: int, arch: int) -> tuple[int, int]:
+    if arch == 0:  # interpreter: the whole (small) row at once
         return max(16, triton.next_power_of_2(n_cols)), 4
     return min(max(1024, triton.next_power_of_2(n_cols) // 16), 8192), 8
 
 
+def stats_launch(logits, target, out, vocab_start: int, n_valid: int, arch: int) -> Launch:
+    n, v = logits.shape
+    block, warps = _block_v(v, arch)
+    return Launch(_stats_kernel, (n,), (logits, target, out, logits.stride(0), v, n_valid, vocab_start),
+                  dict(BLOCK_V=block, num_warps=warps))
+
+
+def grad_launch(logits, target, lse, dloss, vocab_start: int, n_valid: int, ignore_index: int, smooth_target: float,
+                smooth_other: float, out, arch: int) -> Launch:
+    n, v = logits.shape
+    block, warps = _block_v(v, arch)
+    return Launch(_grad_kernel, (n,), (logits, target, lse, dloss, out, logits.stride(0), out.stride(0), v, n_valid,
+                                       vocab_start, ignore_index, smooth_target, smooth_other),
+                  dict(BLOCK_V=block, num_warps=warps))
+
+
 def stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int) -> torch.Tensor:
     """``[N, 4]`` fp32: row max, sum of exp(x - max), target logit (0 off-shard), sum of logits."""
-    n, v = logits.shape
-    out = torch.empty((n, 4), dtype=torch.float32, device=logits.device)
-    block, warps = _block_v(v, logits.device)
-    _stats_kernel[(n,)](logits, target, out, logits.stride(0), v, n_valid, vocab_start, BLOCK_V=block,
-                        num_warps=warps)
+    out = torch.empty((logits.shape[0], 4), dtype=torch.float32, device=logits.device)
+    stats_launch(logits, target, out, vocab_start, n_valid, arch_of(logits.device))()
     return out
 
 
 def grad(logits, target, lse, dloss, vocab_start: int, n_valid: int, ignore_index: int, smooth_target: float,
          smooth_other: float, out: torch.Tensor) -> torch.Tensor:
-    n, v = logits.shape
-    block, warps = _block_v(v, logits.device)
-    _grad_kernel[(n,)](logits, target, lse, dloss, out, logits.stride(0), out.stride(0), v, n_valid, vocab_start,
-                       ignore_index, smooth_target, smooth_other, BLOCK_V=block, num_warps=warps)
+    grad_launch(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out,
+                arch_of(logits.device))()
     return out

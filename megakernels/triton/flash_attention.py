@@ -28,6 +28,7 @@ import triton.language as tl
 
 from megakernels.triton._common import (arch_of, dropout_keep, dropout_row_hash, dropout_threshold, pick_config,
                                         seq_bucket)
+from megakernels.triton.launch import Launch
 
 LOG2E = 1.4426950408889634
 
@@ -295,54 +296,70 @@ def _dropout_args(dropout_p: float) -> tuple[bool, int, float]:
     return dropout_p > 0.0, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
+def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_p: float, cfg) -> Launch:
+    """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dropout, threshold, keep_scale = _dropout_args(dropout_p)
+    block_m, block_n, warps, stages = cfg
+    return Launch(_fwd_kernel, (triton.cdiv(sq, block_m), b * h),
+                  (q, k, v, out, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+                   h, h // hk, sq, sk, scale * LOG2E, threshold, keep_scale),
+                  dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+                       DROPOUT=dropout, PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages))
+
+
 def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):
     """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32)."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    dropout, threshold, keep_scale = _dropout_args(dropout_p)
     seed = lse if seed is None else seed  # SEED is read only with dropout; any pointer stands in
     arch = arch_of(q.device)
 
     def launch(cfg):
-        block_m, block_n, warps, stages = cfg
-        grid = (triton.cdiv(sq, block_m), b * h)
-        _fwd_kernel[grid](q, k, v, out, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                          h, h // hk, sq, sk, scale * LOG2E, threshold, keep_scale,
-                          HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_M=block_m, BLOCK_N=block_n,
-                          CAUSAL=causal, DROPOUT=dropout, PRECISION=_dot_precision(q.dtype),
-                          num_warps=warps, num_stages=stages)
+        forward_launch(q, k, v, out, lse, seed, causal, scale, dropout_p, cfg)()
 
-    key = ("fwd", arch, d, q.dtype, causal, dropout, seq_bucket(sq), seq_bucket(sk))
+    key = ("fwd", arch, d, q.dtype, causal, dropout_p > 0.0, seq_bucket(sq), seq_bucket(k.shape[1]))
     launch(pick_config(key, candidates(FWD_CONFIGS, arch, d), launch))
     return out, lse
+
+
+def backward_launches(do, q, k, v, lse, delta, dq, dk, dv, seed, causal: bool, scale: float, dropout_p: float,
+                      cfg) -> list[Launch]:
+    """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dropout, threshold, keep_scale = _dropout_args(dropout_p)
+    block_m, block_n, warps, stages = cfg
+    common = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=causal, DROPOUT=dropout,
+                  PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                  num_stages=stages)
+    return [
+        Launch(_bwd_dkdv_kernel, (triton.cdiv(sk, block_n), b * hk),
+               (q, k, v, do, lse, delta, dk, dv, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+                *_strides(dk), *_strides(dv), h, hk, h // hk, sq, sk, scale * LOG2E, scale, threshold, keep_scale),
+               dict(common)),
+        Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h),
+               (q, k, v, do, lse, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+                *_strides(dq), h, h // hk, sq, sk, scale * LOG2E, scale, threshold, keep_scale),
+               dict(common)),
+    ]
 
 
 def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):
     """Returns (dq, dk, dv) shaped and typed like q, k, v."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dropout, threshold, keep_scale = _dropout_args(dropout_p)
     seed = lse if seed is None else seed
     arch = arch_of(q.device)
-    common = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), CAUSAL=causal, DROPOUT=dropout,
-                  PRECISION=_dot_precision(q.dtype))
 
     def launch(cfg):
-        block_m, block_n, warps, stages = cfg
-        _bwd_dkdv_kernel[(triton.cdiv(sk, block_n), b * hk)](
-            q, k, v, do, lse, delta, dk, dv, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dk), *_strides(dv), h, hk, h // hk, sq, sk, scale * LOG2E, scale, threshold, keep_scale,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
-        _bwd_dq_kernel[(triton.cdiv(sq, block_m), b * h)](
-            q, k, v, do, lse, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-            *_strides(dq), h, h // hk, sq, sk, scale * LOG2E, scale, threshold, keep_scale,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+        for ln in backward_launches(do, q, k, v, lse, delta, dq, dk, dv, seed, causal, scale, dropout_p, cfg):
+            ln()
 
-    key = ("bwd", arch, d, q.dtype, causal, dropout, seq_bucket(sq), seq_bucket(sk))
+    key = ("bwd", arch, d, q.dtype, causal, dropout_p > 0.0, seq_bucket(sq), seq_bucket(k.shape[1]))
     launch(pick_config(key, candidates(BWD_CONFIGS, arch, d), launch))
     return dq, dk, dv

@@ -3,6 +3,7 @@
     megakernels bench [--ops NAME,...] [--dtype float32,bfloat16,...] [--quick] [--out DIR] [--device cpu|cuda]
                       [--no-compile] [--no-peers] [--min-run-time S]
     megakernels bench --e2e PRESET [--tp N --pp N --vpp N --dp N --nproc N --precision ... --steps N ...]
+    megakernels bench --static [--ops NAME,...] [--out DIR]
 
 Measures the device's ceilings first (copy bandwidth, GEMM FLOP/s per dtype; ``ceilings``), then prints one table
 per op: median time of ours, GB/s or TFLOP/s (the bytes or FLOPs that must move, counted in each op's module), %
@@ -10,7 +11,9 @@ of the measured ceiling, and the speed-up against every baseline measured in the
 torch.compile where it applies, torch's AdamW variants, SDPA, and apex / flash-attn / Liger-Kernel when
 installed — a missing peer is a note, not an error). With ``--out DIR``: ``DIR/bench.json`` ({machine, ceilings,
 notes, rows, e2e}) and ``DIR/<op>.png`` (speed vs size). ``--e2e`` runs the end-to-end measurement (``e2e``)
-instead of the microbenchmarks, or after them when ``--ops`` is given too.
+instead of the microbenchmarks, or after them when ``--ops`` is given too. ``--static`` measures nothing: it
+compiles every shipped GPU kernel config for sm_90 as a launch gets it and prints the static cost report (SASS,
+resources, a predicted fraction of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out.
 
 Argument errors exit with status 2 and name the flag, before anything is measured; a failed rank exits with 1.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # op -> family module (kept here, not imported from the modules: building the parser must not import torch)
@@ -50,6 +54,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds of calibrated repeats per measurement (default 0.5; 0.05 with --quick)")
     p.add_argument("--e2e", default=None, metavar="PRESET", help="end-to-end training throughput of PRESET "
                    "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)")
+    p.add_argument("--static", action="store_true", help="the static cost report of the GPU kernels (compiles for "
+                   "sm_90, needs no GPU; writes DIR/static.json with --out)")
     from megakernels_models.bench import e2e
 
     e2e.add_arguments(p)
@@ -84,6 +90,8 @@ def _check(ns) -> tuple[list[str], list[str] | None]:
     from megakernels_models.bench.common import DTYPE_ALIASES, split_list
 
     ops = resolve_ops(ns.ops, ns.e2e is not None)
+    if getattr(ns, "static", False) and ns.e2e is not None:
+        raise ValueError("--static: the static report runs alone; drop --e2e")
     dtypes = split_list("--dtype", ns.dtype, DTYPE_NAMES, DTYPE_ALIASES) if ns.dtype is not None else None
     if ns.min_run_time is not None and not ns.min_run_time > 0:
         raise ValueError(f"--min-run-time must be > 0 seconds, got {ns.min_run_time}")
@@ -141,6 +149,8 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:  # the trainer's ArgumentError included
         print(f"megakernels bench: error: {e}", file=sys.stderr)
         return 2
+    if ns.static:
+        return run_static(ops, ns.out)
     from megakernels.parallel.launch import WorldFailed
     from megakernels_models.bench import ceilings as ceil
     from megakernels_models.bench.common import machine, machine_line, write_json
@@ -173,3 +183,19 @@ def main(ns: argparse.Namespace) -> int:
             print(f"wrote {png}")
     return 0
 
+
+
+def run_static(ops: list[str], out: str | None) -> int:
+    """``megakernels bench --static``: the report for ``ops``; 1 when a kernel could not be analysed."""
+    from megakernels_models.bench.common import write_json
+    from megakernels_models.bench.static import report
+
+    rows = report.run(report.select(ops=None if set(ops) == set(OPS) else ops), jobs=os.cpu_count() or 1)
+    failed = [r for r in rows if "error" in r]
+    path = write_json(out, "static.json", report.payload(rows))
+    if path:
+        print(f"wrote {path}")
+    if failed:
+        print(f"megakernels bench --static: {len(failed)} of {len(rows)} kernels could not be analysed",
+              file=sys.stderr)
+    return 1 if failed else 0
