@@ -7,8 +7,10 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 
 #include "cuda_compat.h"
+#include "math.h"
 
 #ifdef MEGAKERNELS_CUDA_EMU
 #define MK_NS cuda_emu
@@ -127,6 +129,27 @@ __device__ __forceinline__ A group_sum(A v, int group_threads, A* smem) {
   return group_reduce(v, group_threads, smem, A(0), SumOp());
 }
 
+// Loads N consecutive parameters as accumulate values; an absent parameter reads as `fill`.
+template <typename W, int N, typename A>
+__device__ __forceinline__ void load_param(const W* p, int64_t j, A fill, A (&out)[N]) {
+  if (p) {
+    load_pack<W, N>(p, j, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = fill;
+  }
+}
+
+// out[j] = sum_w partial[w * stride + j], workers in order (deterministic); one thread per column, coalesced.
+template <typename W, typename A>
+__global__ void column_sum_kernel(const A* partial, int64_t workers, int64_t stride, int64_t H, W* out) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= H) return;
+  A s = A(0);
+  for (int64_t w = 0; w < workers; ++w) s += partial[w * stride + j];
+  out[j] = Cvt<W>::from(s);
+}
+
 // ---- host side -------------------------------------------------------------------------------------------------
 
 inline int sm_count() {
@@ -172,6 +195,52 @@ inline RowPlan plan_rows(int64_t rows, int64_t packs, int max_blocks_per_sm) {
   p.grid = needed < cap ? needed : cap;
   if (p.grid < 1) p.grid = 1;
   return p;
+}
+
+
+inline int64_t dtype_bytes(DType d) { return d == DType::F64 ? 8 : (d == DType::F32 ? 4 : 2); }
+
+// plan_rows for rows of `hidden` elements of `x_dtype` in 16-byte packs (the vector width decides the shape,
+// scalar path or not). `max_blocks_per_sm` bounds the grid: row groups loop over the remaining rows.
+inline RowPlan row_plan(int64_t rows, int64_t hidden, DType x_dtype, int max_blocks_per_sm) {
+  const int64_t per_pack = 16 / dtype_bytes(x_dtype);
+  return plan_rows(rows, (hidden + per_pack - 1) / per_pack, max_blocks_per_sm);
+}
+
+// Pack width N: 16 bytes of T when every row starts 16-byte aligned and all pointers allow it, else 1.
+template <typename T, typename W>
+int pack_width(int64_t hidden, std::initializer_list<const void*> row_ptrs, std::initializer_list<const void*> params) {
+  constexpr int N = 16 / sizeof(T);
+  if (hidden % N != 0) return 1;
+  for (const void* p : row_ptrs)
+    if (!aligned(p, 16)) return 1;
+  for (const void* p : params)
+    if (!aligned(p, int64_t(sizeof(W)) * N)) return 1;
+  return N;
+}
+
+template <typename W, typename A>
+const char* launch_column_sum(const void* ws, int64_t workers, int64_t stride, int64_t offset, int64_t H, void* out,
+                              cudaStream_t s) {
+  if (!out) return nullptr;
+  MK_LAUNCH((column_sum_kernel<W, A>), dim3((H + 255) / 256), dim3(256), 0, s, static_cast<const A*>(ws) + offset,
+            workers, stride, H, static_cast<W*>(out));
+  return last_error();
+}
+
+// (x dtype, parameter dtype) -> F<T, W>::run(a, stream): parameters in x's dtype, or fp32 for a 16-bit x.
+template <template <typename, typename> class F, typename Args>
+const char* dispatch_x_w(const Args& a, void* stream) {
+  if (a.rows == 0) return nullptr;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (a.x_dtype) {
+    case DType::F32: return F<float, float>::run(a, s);
+    case DType::F64: return F<double, double>::run(a, s);
+    case DType::BF16:
+      return a.w_dtype == DType::F32 ? F<__nv_bfloat16, float>::run(a, s) : F<__nv_bfloat16, __nv_bfloat16>::run(a, s);
+    case DType::F16: return a.w_dtype == DType::F32 ? F<__half, float>::run(a, s) : F<__half, __half>::run(a, s);
+  }
+  return "unsupported dtype";
 }
 
 }  // namespace
