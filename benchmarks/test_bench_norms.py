@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.common import DTYPES, IMPLS, implementation
-from megakernels_models.bench.norms import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
+from megakernels_models.bench.common import IMPLS
+from megakernels_models.bench.norms import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, suite_step
 
 
 def shapes(config):
@@ -28,8 +28,6 @@ def pytest_generate_tests(metafunc):
 @pytest.mark.parametrize("dtype", DEFAULT_DTYPES)
 @pytest.mark.parametrize("op", list(COMPOSITIONS))
 def test_norm(benchmark, op, dtype, passes, impl, shape):
-    comp = COMPOSITIONS[op]
-    x, params, dy = make_inputs(comp, shape, DTYPES[dtype], grad=passes != "fwd")
-    fn = step_fn(implementation(comp, impl), x, params, dy, backward=passes != "fwd")
+    fn = suite_step(COMPOSITIONS[op], impl, dtype, shape, passes != "fwd")
     benchmark.group = f"{op} {dtype} {shape[0]}x{shape[1]} {passes}"
     benchmark(fn)

@@ -193,18 +193,6 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> str | None:
     return path
 
 
-def finish(out_dir: str | None, name: str, info: dict, ceilings: dict, rows: list[dict], notes: list[str],
-           log: Callable[[str], None] = print) -> None:
-    """The end of a family script: the notes, ``out_dir/name`` ({machine, ceilings, notes, rows}) and the plots."""
-    for n in notes:
-        log(f"note: {n}")
-    if write_json(out_dir, name, {"machine": info, "ceilings": ceilings, "notes": notes, "rows": rows}):
-        from megakernels_models.bench import plot
-
-        for path in plot.write_plots(rows, out_dir):
-            log(f"wrote {path}")
-
-
 # ---- pytest-benchmark suites -----------------------------------------------------------------------------------
 
 IMPLS = ["fused", "eager", "compile"]

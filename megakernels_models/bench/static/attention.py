@@ -165,8 +165,10 @@ def flash_attention_entries() -> list[Entry]:
         for causal in (False, True):
             shape = f"b{b} s{s} h{h} d{d}{' causal' if causal else ''}"
             for passname, table, fn in (("fwd", fa.FWD_CONFIGS, _fwd_entry), ("bwd", fa.BWD_CONFIGS, _bwd_entry)):
+                bench = {"op": "flash_attention", "pass": passname, "shape": f"{b}x{h}x{s}x{d}", "dtype": "bfloat16",
+                         "variant": f"d{d} {'causal' if causal else 'full'}"}
                 for cfg in fa.candidates(table, 90, d):
                     out.append(Entry(f"flash_attention.{passname}", _config_name(cfg), shape, "bf16",
                                      (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg)),
-                                     family="attention", needs_wgmma=True, key=(s == 4096)))
+                                     family="attention", needs_wgmma=True, key=(s == 4096), bench=bench))
     return out

@@ -20,10 +20,16 @@ from megakernels_models.bench.static import analysis, compiled, model
 from megakernels_models.bench.static.analysis import Role
 from megakernels_models.bench.static.registry import Entry, register
 
-ELEMENTS = 1 << 25
-HIDDEN = (1024, 4096, 16384)
 DTYPES = {"bf16": ("__nv_bfloat16", 2), "fp32": ("float", 4)}
+BENCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 M = model.H200
+
+
+def row_shapes() -> list[tuple[int, int]]:
+    """(rows, hidden) of the norms / bias-GeLU: `megakernels bench`'s GPU shapes, and hidden 16k."""
+    from megakernels_models.bench.norms import GPU_SHAPES
+
+    return list(GPU_SHAPES) + [(2048, 16384)]
 
 
 @dataclasses.dataclass
@@ -71,7 +77,7 @@ def evaluate(parts: list[Part]) -> dict:
                  "predicted_time_us": pr["time_s"] * 1e6, "bound": pr["bound"], "loops": d["loops"],
                  "row_overhead_instructions": d["row_overhead_instructions"]}
                 for q, cc, k, d, pr in rows]
-    return {**c.resources(), "kernel": c.symbol, "blocks_per_sm": details["blocks_per_sm"],
+    return {**c.resources(), "kernel": c.symbol, "elements": p.elements, "blocks_per_sm": details["blocks_per_sm"],
             "instructions_per_element": round(cost.instructions, 2), "mufu_per_element": round(cost.mufu, 3),
             "bytes_per_element": round(cost.l2_bytes, 2), "min_bytes_per_element": p.min_bytes,
             "in_flight_kib_per_sm": round(cost.in_flight_per_sm / 1024, 1), "bound": pred["bound"],
@@ -85,15 +91,16 @@ def cuda(family: str, pattern: str, threads: int) -> Callable[[], compiled.Compi
 
 
 def _entry(name, family, config, shape, dtype, parts_fn) -> Entry:
-    return Entry(name, config, shape, dtype, lambda: evaluate(parts_fn()), family=family)
+    op, passname = name.split(".")
+    bench = {"op": op, "pass": passname, "shape": shape, "dtype": BENCH_DTYPES[dtype], "variant": ""}
+    return Entry(name, config, shape, dtype, lambda: evaluate(parts_fn()), family=family, bench=bench)
 
 
 # ---- norms -----------------------------------------------------------------------------------------------------
 
-def _norm_parts(op: str, passname: str, dtype: str, hidden: int) -> list[Part]:
+def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> list[Part]:
     t, size = DTYPES[dtype]
     pack = 16 // size
-    rows = ELEMENTS // hidden
     packs = hidden // pack
     rms = op == "rms_norm"
     wp = 1  # parameter vector loads per pack (w dtype == x dtype)
@@ -112,22 +119,21 @@ def _norm_parts(op: str, passname: str, dtype: str, hidden: int) -> list[Part]:
     return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, 3 * size, 3 * size)] + col
 
 
-def _bias_gelu_parts(passname: str, dtype: str, hidden: int) -> list[Part]:
+def _bias_gelu_parts(passname: str, dtype: str, rows: int, hidden: int) -> list[Part]:
     t, size = DTYPES[dtype]
     pack = 16 // size
-    rows = ELEMENTS // hidden
     n = rows * hidden
     if passname == "fwd":
         packs = n // pack
         grid = min(-(-packs // 256), M.sms * 32)
-        kern = cuda("norms", f"bias_gelu_fwd_kernel<{t}, {t}, {pack}>", 256)
+        kern = cuda("bias_gelu", f"bias_gelu_fwd_kernel<{t}, {t}, {pack}>", 256)
         return [Part(kern, [Role("gelu", 1, params=1, stores=1, reads_dram=True)], pack, packs / (grid * 256), grid,
                      n, 2 * size, 2 * size)]
     packs = hidden // pack
     group, block, grid = plan_rows(rows, packs, 2)
-    kern = cuda("norms", f"bias_gelu_bwd_kernel<{t}, {t}, {pack}>", block)
+    kern = cuda("bias_gelu", f"bias_gelu_bwd_kernel<{t}, {t}, {pack}>", block)
     workers = grid * (block // group)
-    col = Part(cuda("norms", f"column_sum_kernel<{t}, float>", 256), [Role("sum", 1, min_width=4)], 1, workers,
+    col = Part(cuda("bias_gelu", f"column_sum_kernel<{t}, float>", 256), [Role("sum", 1, min_width=4)], 1, workers,
                -(-hidden // 256), workers * hidden, 4, 0, name="column_sum")
     return [Part(kern, [Role("dgelu", 2, params=1, stores=1, reads_dram=True)], pack, math.ceil(packs / group),
                  grid, n, 3 * size, 3 * size), col]
@@ -139,46 +145,52 @@ def norm_entries() -> list[Entry]:
     for op in ("layer_norm", "layer_norm_gelu", "rms_norm"):
         for passname in ("fwd", "bwd"):
             for dtype in DTYPES:
-                for hidden in HIDDEN:
-                    shape = f"{ELEMENTS // hidden}x{hidden}"
-                    out.append(_entry(f"{op}.{passname}", "norms", "row plan", shape, dtype,
-                                      lambda op=op, p=passname, d=dtype, h=hidden: _norm_parts(op, p, d, h)))
+                for rows, hidden in row_shapes():
+                    out.append(_entry(f"{op}.{passname}", "norms", "row plan", f"{rows}x{hidden}", dtype,
+                                      lambda op=op, p=passname, d=dtype, r=rows, h=hidden: _norm_parts(op, p, d, r, h)))
     for passname in ("fwd", "bwd"):
         for dtype in DTYPES:
-            for hidden in HIDDEN:
-                shape = f"{ELEMENTS // hidden}x{hidden}"
-                out.append(_entry(f"bias_gelu.{passname}", "bias_gelu", "tanh", shape, dtype,
-                                  lambda p=passname, d=dtype, h=hidden: _bias_gelu_parts(p, d, h)))
+            for rows, hidden in row_shapes():
+                out.append(_entry(f"bias_gelu.{passname}", "bias_gelu", "tanh", f"{rows}x{hidden}", dtype,
+                                  lambda p=passname, d=dtype, r=rows, h=hidden: _bias_gelu_parts(p, d, r, h)))
     return out
 
 
 # ---- softmax ---------------------------------------------------------------------------------------------------
 
-def _softmax_parts(kind: str, passname: str, dtype: str, sk: int) -> list[Part]:
+def _causal_coverage(sq: int, sk: int) -> float:
+    """Fraction of a [sq, sk] causal (bottom-right aligned) score matrix that is kept."""
+    return sum(max(0, min(sk, i + sk - sq + 1)) for i in range(sq)) / (sq * sk)
+
+
+def _softmax_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
     t, size = DTYPES[dtype]
     pack = 16 // size
-    rows = ELEMENTS // sk
+    b, h, sq, sk = shape
+    rows = b * h * sq
     packs = sk // pack
     group, block, grid = plan_rows(rows, packs, 16)
     n = rows * sk
     causal = kind == "causal"
-    half = 0.5 if causal else 1.0
+    kept = _causal_coverage(sq, sk) if causal else 1.0
     if passname == "fwd":
         mask = {"plain": "softmax::MaskKind)0", "masked": "softmax::MaskKind)1", "causal": "softmax::MaskKind)2"}[kind]
         kern = cuda("softmax", f"softmax_fwd_kernel<{t}, {pack}, (megakernels::{mask}>", block)
         extra = 1 if kind == "masked" and pack >= 8 else 0  # the mask pack (one byte per element) is a vector load
-        roles = [Role("max_sum", 1 + extra, reads_dram=True, coverage=half),
-                 Role("write", 1 + extra, stores=1, coverage=half if causal else 1.0)]
-        mbytes = (half + 1) * size + (1 if kind == "masked" else 0)
+        roles = [Role("max_sum", 1 + extra, reads_dram=True, coverage=kept),
+                 Role("write", 1 + extra, stores=1, coverage=kept)]
+        mbytes = (kept + 1) * size + (1 if kind == "masked" else 0)
         return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, mbytes, mbytes)]
     kern = cuda("softmax", f"softmax_bwd_kernel<{t}, {pack}, {'true' if causal else 'false'}>", block)
-    roles = [Role("dot", 2, reads_dram=True, coverage=half), Role("dx", 2, stores=1, coverage=half)]
-    mbytes = (2 * half + 1) * size
+    roles = [Role("dot", 2, reads_dram=True, coverage=kept), Role("dx", 2, stores=1, coverage=kept)]
+    mbytes = (2 * kept + 1) * size
     return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, mbytes, mbytes)]
 
 
 @register
 def softmax_entries() -> list[Entry]:
+    from megakernels_models.bench.softmax import GPU_SHAPES
+
     out = []
     for kind, op in (("plain", "scaled_softmax"), ("masked", "scaled_masked_softmax"),
                      ("causal", "scaled_causal_softmax")):
@@ -186,17 +198,13 @@ def softmax_entries() -> list[Entry]:
             if kind == "masked" and passname == "bwd":
                 continue  # the masked backward is the plain one
             for dtype in DTYPES:
-                for sk in HIDDEN:
-                    shape = f"{ELEMENTS // sk}x{sk}"
-                    out.append(_entry(f"{op}.{passname}", "softmax", "row plan", shape, dtype,
-                                      lambda k=kind, p=passname, d=dtype, s=sk: _softmax_parts(k, p, d, s)))
+                for shape in GPU_SHAPES:
+                    out.append(_entry(f"{op}.{passname}", "softmax", "row plan", "x".join(map(str, shape)), dtype,
+                                      lambda k=kind, p=passname, d=dtype, s=shape: _softmax_parts(k, p, d, s)))
     return out
 
 
 # ---- cross-entropy (Triton) ------------------------------------------------------------------------------------
-
-CE_SHAPES = [(16384, 50304), (8192, 131072)]
-
 
 def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
     from megakernels.triton import cross_entropy as ce
@@ -220,6 +228,8 @@ def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
 
 @register
 def cross_entropy_entries() -> list[Entry]:
+    from megakernels_models.bench.cross_entropy import GPU_SHAPES as CE_SHAPES
+
     return [_entry(f"cross_entropy.{p}", "cross_entropy", "row per program", f"{n}x{v}", "bf16",
                    lambda p=p, n=n, v=v: _ce_parts(p, n, v))
             for n, v in CE_SHAPES for p in ("fwd", "bwd")]
@@ -227,7 +237,7 @@ def cross_entropy_entries() -> list[Entry]:
 
 # ---- optimizer -------------------------------------------------------------------------------------------------
 
-PARAMS = 100_000_000
+PARAMS, PARAMS_CONFIG = 100_000_000, "1x100M"  # megakernels bench's adamw config of one 100M tensor
 CHUNK = 65536
 CHUNKS_PER_LAUNCH = 256
 
@@ -256,6 +266,6 @@ def optim_entries() -> list[Entry]:
     for kernel, name in (("adamw", "adamw.update"), ("nonfinite", "adamw.nonfinite_check"), ("sumsq", "adamw.l2norm")):
         for dtype in DTYPES:
             cfg = f"{CHUNK // 1024}Ki x{CHUNKS_PER_LAUNCH}/launch"
-            out.append(_entry(name, "optim", cfg, f"{PARAMS // 1_000_000}M params", dtype,
+            out.append(_entry(name, "optim", cfg, PARAMS_CONFIG, dtype,
                               lambda k=kernel, d=dtype: _optim_parts(k, d)))
     return out
