@@ -1,23 +1,26 @@
 // CUDA kernels of the norm family: LayerNorm (+ GeLU epilogue), RMSNorm. No torch headers: this file
 // compiles in seconds with nvcc, and unchanged with g++ against csrc/emu (norms_cuda_emu.cpp) to run on a CPU.
 //
-// Design (why):
-// - A "row group" owns a row: one warp for rows of up to 8 packs per lane (hidden <= 2048 bf16 / 1024 fp32), so
-//   the reductions are pure shuffles and a 128-thread block serves 4 rows at once; one block (64..1024 threads)
-//   for longer rows, so every row is spread over enough threads to keep ~8 packs in flight each. Any hidden size
-//   works: sizes that are not a multiple of the pack width take the scalar (pack of 1) instantiation.
-// - Packs are 16 bytes (8 bf16/fp16, 4 fp32): one vectorised load per pack, the widest the memory system issues.
-// - Statistics: Welford per thread, merged across lanes with Chan's formula; stable where sum/sum-of-squares
-//   cancels (rows with a large mean). The normalise pass re-reads the row, which the stats pass has just pulled
-//   into L1/L2, instead of caching it in registers: no hidden-size-specific instantiations, no register spills.
-// - Weight/bias grads: each row group (a "worker") accumulates its rows into its own fp32 row of a workspace
-//   [workers, 2, hidden] (a column is owned by one thread of the group for every row, so no atomics and no
-//   races), then a second small kernel sums the workers in a fixed order: deterministic, run to run.
+// Two kinds of kernels:
+// - the row-resident kernels of norms_rows.cuh, for the common case (16-bit or fp32 rows of whole 16-byte packs up
+//   to 16k elements, weight and bias present): the row in registers, one DRAM read, the activation compiled in,
+//   weight/bias gradients accumulated in shared memory per block (their design notes are there);
+// - the looping kernels below for everything else (fp64, unaligned views or sizes, longer rows, absent
+//   parameters), which any hidden size takes:
+//   - a "row group" owns a row: one warp for rows of up to 8 packs per lane, a whole block (64..1024 threads) for
+//     longer rows; packs of 16 bytes where alignment allows, else scalar;
+//   - statistics: Welford per thread, merged across lanes with Chan's formula; the normalise pass re-reads the row
+//     from cache;
+//   - weight/bias grads: each row group accumulates its rows into its own fp32 row of a workspace
+//     [workers, 2, hidden] (a column is owned by one thread of the group), then column_sum_kernel adds the
+//     workers in a fixed order.
+// Both are deterministic run to run.
 #include <cstdint>
 
 #include "../common/cuda_compat.h"
 #include "../common/cuda_kernels.cuh"
 #include "norms.h"
+#include "norms_rows.cuh"
 
 namespace megakernels {
 namespace MK_NS {
@@ -182,8 +185,76 @@ __global__ void norm_bwd_kernel(BwdArgs a, int group_threads) {
 constexpr int kFwdBlocksPerSm = 16;
 constexpr int kBwdBlocksPerSm = 2;
 
+// The row-resident kernels (norms_rows.cuh) take 16-bit and fp32 rows of whole 16-byte packs up to 16k elements
+// with every parameter present; they return false for anything else, which the looping kernels below take.
+template <typename T, typename W>
+bool run_fwd_rows(const FwdArgs& a, cudaStream_t s) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = 16 / sizeof(T), P = row_packs_per_thread<T>();
+    if (!a.w || (!a.rms && !a.b) || !rows_kernel_fits(a.hidden, V, P) ||
+        pack_width<T, W>(a.hidden, {a.x, a.y}, {a.w, a.b}) != V)
+      return false;
+    const RowsPlan p = rows_plan(a.rows, a.hidden, V, P, 0);
+    const dim3 grid(unsigned(p.grid)), block(unsigned(p.group_threads * p.groups));
+    if (a.rms) {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::None, true>), grid, block, 0, s, a, p.group_threads);
+    } else if (a.act == Activation::Gelu) {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::Gelu, false>), grid, block, 0, s, a, p.group_threads);
+    } else if (a.act == Activation::GeluTanh) {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::GeluTanh, false>), grid, block, 0, s, a,
+                p.group_threads);
+    } else {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::None, false>), grid, block, 0, s, a, p.group_threads);
+    }
+    return true;
+  }
+}
+
+template <typename T, typename W, int P, Activation ACT, bool RMS>
+const char* launch_bwd_rows(const BwdArgs& a, const RowsPlan& p, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(T);
+  auto kernel = norm_bwd_rows_kernel<T, W, V, P, ACT, RMS>;
+  if (p.smem > 48 * 1024) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)) != cudaSuccess)
+      return last_error();
+  }
+  MK_LAUNCH(kernel, dim3(unsigned(p.grid)), dim3(unsigned(p.group_threads * p.groups)), p.smem, s, a,
+            p.group_threads);
+  return last_error();
+}
+
+template <typename T, typename W, int P>
+const char* launch_bwd_rows_act(const BwdArgs& a, const RowsPlan& p, cudaStream_t s) {
+  if (a.rms) return launch_bwd_rows<T, W, P, Activation::None, true>(a, p, s);
+  if (a.act == Activation::Gelu) return launch_bwd_rows<T, W, P, Activation::Gelu, false>(a, p, s);
+  if (a.act == Activation::GeluTanh) return launch_bwd_rows<T, W, P, Activation::GeluTanh, false>(a, p, s);
+  return launch_bwd_rows<T, W, P, Activation::None, false>(a, p, s);
+}
+
+template <typename T, typename W>
+bool run_bwd_rows(const BwdArgs& a, cudaStream_t s, const char** err) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = 16 / sizeof(T), P = row_packs_per_thread<T>();
+    if (!a.w || (!a.rms && !a.b) || !rows_kernel_fits(a.hidden, V, P) ||
+        pack_width<T, W>(a.hidden, {a.x, a.dy, a.dx}, {a.w, a.b}) != V)
+      return false;
+    const int k = a.rms ? 1 : 2;
+    const RowsPlan p = rows_plan(a.rows, a.hidden, V, P, k + (sizeof(T) == 4 ? 1 : 0));  // + the fp32 dz row
+    *err = launch_bwd_rows_act<T, W, P>(a, p, s);
+    if (!*err) *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, 0, a.hidden, a.dw, s);
+    if (!*err && !a.rms) *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, a.hidden, a.hidden,
+                                                            a.db, s);
+    return true;
+  }
+}
+
 template <typename T, typename W>
 const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
+  if (run_fwd_rows<T, W>(a, s)) return last_error();
   constexpr int V = 16 / sizeof(T);
   const RowPlan p = row_plan(a.rows, a.hidden, a.x_dtype, kFwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.y}, {a.w, a.b}) == V;
@@ -199,6 +270,8 @@ const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
 
 template <typename T, typename W>
 const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
+  const char* err = nullptr;
+  if (run_bwd_rows<T, W>(a, s, &err)) return err;
   using A = typename AccOf<T>::type;
   constexpr int V = 16 / sizeof(T);
   const RowPlan p = row_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
@@ -225,9 +298,16 @@ struct Bwd {
 };
 }  // namespace
 
+// Enough for either backward path (which one runs depends on the pointers, known only at launch).
 int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   if (rows <= 0) return 0;
-  return row_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden * (x_dtype == DType::F64 ? 8 : 4);
+  const int64_t loop = row_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden *
+                       (x_dtype == DType::F64 ? 8 : 4);
+  const int pack = int(16 / dtype_bytes(x_dtype)), ppt = 32 / pack;
+  if (x_dtype == DType::F64 || !rows_kernel_fits(hidden, pack, ppt)) return loop;
+  const int64_t resident = int64_t(rows_plan(rows, hidden, pack, ppt, x_dtype == DType::F32 ? 3 : 2).grid) * 2 *
+                           hidden * 4;
+  return loop > resident ? loop : resident;
 }
 const char* norm_fwd(const FwdArgs& a, void* stream) { return dispatch_x_w<Fwd>(a, stream); }
 const char* norm_bwd(const BwdArgs& a, void* stream) { return dispatch_x_w<Bwd>(a, stream); }

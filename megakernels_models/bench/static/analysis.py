@@ -132,11 +132,12 @@ def stream_cost(c: Compiled, roles: list[Role], pack: int, packs_per_thread: flo
 
 
 def mma_loops(c: Compiled, roles: list[str]) -> dict:
-    """The innermost loops that hold tensor-core instructions, in address order, named by ``roles``.
+    """The loops whose own code holds tensor-core instructions, in address order, named by ``roles`` (a loop may
+    hold inner loops that only spin on an mbarrier).
 
     Raises:
         ValueError: the number of such loops differs from the number of roles."""
-    loops = [lp for lp in c.fn.innermost_loops() if lp.counts.mma]
+    loops = [lp for lp in c.fn.loops if lp.counts.mma]
     if len(loops) != len(roles):
         raise ValueError(f"{c.symbol}: {len(loops)} MMA loops, expected {len(roles)} ({', '.join(roles)})")
     return dict(zip(roles, loops))

@@ -58,7 +58,7 @@ class Counts:
     mma: int = 0                   # HGMMA (wgmma) + HMMA (mma.sync) instructions
     wgmma: int = 0
     mma_flops: float = 0.0         # FLOPs of the tensor-core instructions, per warp (wgmma: per warpgroup / 4)
-    global_loads: dict = dataclasses.field(default_factory=dict)   # width in bytes -> count
+    global_loads: dict = dataclasses.field(default_factory=dict)   # width in bytes -> count (cp.async included)
     global_stores: dict = dataclasses.field(default_factory=dict)
     async_copies: int = 0          # LDGSTS (cp.async)
     async_copy_bytes: int = 0
@@ -95,9 +95,11 @@ class Counts:
         elif b == "STG":
             w = access_width(op)
             self.global_stores[w] = self.global_stores.get(w, 0) + 1
-        elif b == "LDGSTS":
+        elif b == "LDGSTS":  # a global load that lands in shared memory (cp.async)
             self.async_copies += 1
             self.async_copy_bytes += access_width(op)
+            w = access_width(op)
+            self.global_loads[w] = self.global_loads.get(w, 0) + 1
         elif b in ("UTMALDG", "UTMASTG", "UBLKCP", "UTMAREDG"):
             self.tma += 1
         elif b in ("RED", "ATOMG", "ATOM", "REDG"):
@@ -123,7 +125,7 @@ class Counts:
                 setattr(self, f.name, a + b)
 
     def load_bytes(self) -> int:
-        return sum(w * n for w, n in self.global_loads.items()) + self.async_copy_bytes
+        return sum(w * n for w, n in self.global_loads.items())
 
     def store_bytes(self) -> int:
         return sum(w * n for w, n in self.global_stores.items())

@@ -98,45 +98,83 @@ def _entry(name, family, config, shape, dtype, parts_fn) -> Entry:
 
 # ---- norms -----------------------------------------------------------------------------------------------------
 
+def rows_plan(rows: int, hidden: int, pack: int, packs_per_thread: int, accumulators: int) -> tuple[int, int, int]:
+    """(group threads, groups per block, grid) as csrc/norms/norms_rows.cuh's rows_plan: a row over G threads of
+    ``packs_per_thread`` packs each, 256-thread blocks of row groups, resident blocks per SM for 2048 threads
+    (forward) or 2 (backward), fewer where shared memory allows fewer."""
+    threads = -(-(hidden // pack) // packs_per_thread)
+    group = -(-threads // 32) * 32
+    groups = 1 if group >= 256 else 256 // group
+    block = group * groups
+    per_sm = 2 if accumulators else 2048 // block
+    smem = groups * accumulators * hidden * 4
+    if smem:
+        per_sm = min(per_sm, (228 * 1024) // (smem + 2048))
+    return group, groups, max(1, min(-(-rows // groups), M.sms * max(1, per_sm)))
+
+
+ACTS = {"layer_norm": 0, "layer_norm_gelu": 1, "rms_norm": 0}
+
+
+def column_sum_part(family: str, t: str, parts: int, cols: int) -> Part:
+    """csrc/common/cuda_kernels.cuh's column_sum_kernel over [parts, cols] fp32 partials (float4 columns): 32
+    column packs x 32 part-lanes per 1024-thread block. Its bytes are extra to the op's minimum."""
+    kern = cuda(family, f"column_sum_kernel<{t}, float, 4>", 1024)
+    return Part(kern, [Role("sum", 1, reads_dram=True)], 4, parts / 32, -(-cols // 128), parts * cols, 4, 0,
+                name="column_sum")
+
+
 def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> list[Part]:
+    """The row-resident kernels (the path of aligned rows up to 16k elements with their parameters)."""
     t, size = DTYPES[dtype]
     pack = 16 // size
-    packs = hidden // pack
+    ppt = 32 // pack  # 32 elements per thread
     rms = op == "rms_norm"
-    wp = 1  # parameter vector loads per pack (w dtype == x dtype)
+    act = f"(megakernels::Activation){ACTS[op]}"
     n = rows * hidden
+    k = 1 if rms else 2
     if passname == "fwd":
-        group, block, grid = plan_rows(rows, packs, 16)
-        kern = cuda("norms", f"norm_fwd_kernel<{t}, {t}, {pack}, {'true' if rms else 'false'}>", block)
-        roles = [Role("stats", 1, reads_dram=True), Role("normalise", 1, params=2 * wp, stores=1)]
-        return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, 2 * size, 2 * size)]
-    group, block, grid = plan_rows(rows, packs, 2)
-    kern = cuda("norms", f"norm_bwd_kernel<{t}, {t}, {pack}, {'true' if rms else 'false'}>", block)
-    roles = [Role("reduce", 2, params=2 * wp, reads_dram=True), Role("dx", 2, params=2 * wp, stores=1)]
-    workers = grid * (block // group)
-    col = [Part(cuda("norms", f"column_sum_kernel<{t}, float>", 256), [Role("sum", 1, min_width=4)], 1, workers,
-                -(-hidden // 256), workers * hidden, 4, 0, name="column_sum") for _ in range(2)]
-    return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, 3 * size, 3 * size)] + col
+        group, groups, grid = rows_plan(rows, hidden, pack, ppt, 0)
+        kern = cuda("norms", f"norm_fwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
+                    group * groups)
+        roles = [Role("row", 1, params=k, stores=1, reads_dram=True)]
+        return [Part(kern, roles, pack, ppt, grid, n, 2 * size, 2 * size)]
+    group, groups, grid = rows_plan(rows, hidden, pack, ppt, k + (1 if size == 4 else 0))  # fp32: dz row in smem
+    kern = cuda("norms", f"norm_bwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
+                group * groups)
+    if size == 2:  # one fully unrolled row pass: x and dy; w twice (dz * w, then dx), b for the activation
+        roles = [Role("row", 2, params=2 + (1 if ACTS[op] else 0), stores=1, reads_dram=True)]
+    else:  # fp32: a reduce loop and a dx loop (two packs per iteration each), x re-read in the second
+        roles = [Role("reduce", 2, params=1 + (1 if ACTS[op] else 0), reads_dram=True), Role("dx", 1, params=1, stores=1)]
+    col = column_sum_part("norms", t, grid, k * hidden)
+    return [Part(kern, roles, pack, ppt, grid, n, 3 * size, 3 * size), col]
+
+
+def column_plan(rows: int, packs: int) -> tuple[int, int, int, int]:
+    """(threads along the row, threads along rows, grid x, grid y) as csrc/bias_gelu's column_plan: 256-thread
+    blocks, ~4 resident blocks per SM, rows walked beyond that."""
+    tx = 256 if packs >= 256 else -(-packs // 32) * 32
+    ty = 256 // tx
+    gx = -(-packs // tx)
+    gy = max(1, min(-(-(M.sms * 4) // gx), -(-rows // ty)))
+    return tx, ty, gx, gy
 
 
 def _bias_gelu_parts(passname: str, dtype: str, rows: int, hidden: int) -> list[Part]:
+    """The column-tiled kernels (tanh GeLU, Megatron's default), each thread walking rows of its column pack."""
     t, size = DTYPES[dtype]
     pack = 16 // size
     n = rows * hidden
+    tx, ty, gx, gy = column_plan(rows, hidden // pack)
+    walkers = gy * ty
+    grid = gx * gy
     if passname == "fwd":
-        packs = n // pack
-        grid = min(-(-packs // 256), M.sms * 32)
-        kern = cuda("bias_gelu", f"bias_gelu_fwd_kernel<{t}, {t}, {pack}>", 256)
-        return [Part(kern, [Role("gelu", 1, params=1, stores=1, reads_dram=True)], pack, packs / (grid * 256), grid,
-                     n, 2 * size, 2 * size)]
-    packs = hidden // pack
-    group, block, grid = plan_rows(rows, packs, 2)
-    kern = cuda("bias_gelu", f"bias_gelu_bwd_kernel<{t}, {t}, {pack}>", block)
-    workers = grid * (block // group)
-    col = Part(cuda("bias_gelu", f"column_sum_kernel<{t}, float>", 256), [Role("sum", 1, min_width=4)], 1, workers,
-               -(-hidden // 256), workers * hidden, 4, 0, name="column_sum")
-    return [Part(kern, [Role("dgelu", 2, params=1, stores=1, reads_dram=True)], pack, math.ceil(packs / group),
-                 grid, n, 3 * size, 3 * size), col]
+        kern = cuda("bias_gelu", f"bias_gelu_fwd_kernel<{t}, {t}, {pack}, (megakernels::Activation)2>", tx * ty)
+        return [Part(kern, [Role("gelu", 1, stores=1, reads_dram=True)], pack, rows / walkers, grid, n, 2 * size,
+                     2 * size)]
+    kern = cuda("bias_gelu", f"bias_gelu_bwd_kernel<{t}, {t}, {pack}, (megakernels::Activation)2>", tx * ty)
+    return [Part(kern, [Role("dgelu", 2, stores=1, reads_dram=True)], pack, rows / walkers, grid, n, 3 * size,
+                 3 * size), column_sum_part("bias_gelu", t, walkers, hidden)]
 
 
 @register
@@ -163,7 +201,39 @@ def _causal_coverage(sq: int, sk: int) -> float:
     return sum(max(0, min(sk, i + sk - sq + 1)) for i in range(sq)) / (sq * sk)
 
 
+def softmax_rows_plan(rows: int, sk: int) -> tuple[int, int, int]:
+    """(group threads, block threads, grid) as csrc/softmax/softmax_rows.cuh's softmax_rows_plan."""
+    group = -(-(-(-sk // 32)) // 32) * 32
+    block = group * (1 if group >= 256 else 256 // group)
+    return group, block, max(1, min(-(-rows // (block // group)), M.sms * (2048 // block)))
+
+
 def _softmax_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
+    """The row-resident kernels (rows up to 16k elements; the 64k shape takes the looping kernels)."""
+    t, size = DTYPES[dtype]
+    pack = 16 // size
+    b, h, sq, sk = shape
+    rows = b * h * sq
+    n = rows * sk
+    causal = kind == "causal"
+    kept = _causal_coverage(sq, sk) if causal else 1.0
+    if sk > 16384:
+        return _softmax_loop_parts(kind, passname, dtype, shape)
+    group, block, grid = softmax_rows_plan(rows, sk)
+    ppt = 32 // pack
+    if passname == "fwd":
+        mask = {"plain": "softmax::MaskKind)0", "masked": "softmax::MaskKind)1", "causal": "softmax::MaskKind)2"}[kind]
+        kern = cuda("softmax", f"softmax_fwd_rows_kernel<{t}, {pack}, (megakernels::{mask}>", block)
+        loads = 1 + (1 if kind == "masked" else 0)  # the mask word of a pack: 8 bytes (bf16) / 4 (fp32)
+        roles = [Role("row", loads, stores=1, reads_dram=True, min_width=4 if kind == "masked" else 8)]
+        mbytes = (kept + 1) * size + (1 if kind == "masked" else 0)
+        return [Part(kern, roles, pack, ppt, grid, n, mbytes, mbytes)]
+    kern = cuda("softmax", f"softmax_bwd_rows_kernel<{t}, {pack}, {'true' if causal else 'false'}>", block)
+    mbytes = (2 * kept + 1) * size
+    return [Part(kern, [Role("row", 2, stores=1, reads_dram=True)], pack, ppt, grid, n, mbytes, mbytes)]
+
+
+def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
     t, size = DTYPES[dtype]
     pack = 16 // size
     b, h, sq, sk = shape
@@ -217,12 +287,12 @@ def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
         roles = [Role("stats", 1, reads_dram=True)]
         mbytes = 2
     else:
-        launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 0.9, 0.1 / v, x, 90)
+        launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 1.0, 0.0, x, 90)  # no label smoothing
         roles = [Role("grad", 1, stores=1, reads_dram=True)]
         mbytes = 4
     block = launch.kwargs["BLOCK_V"]
     threads = launch.num_warps * 32
-    packs = -(-v // block) * block / threads / 8
+    packs = v / threads / 8  # the tail chunk runs the masked loop, not modelled apart
     return [Part(lambda: compiled.triton_kernel(launch), roles, 8, packs, n, n * v, mbytes, mbytes)]
 
 
@@ -239,25 +309,24 @@ def cross_entropy_entries() -> list[Entry]:
 
 PARAMS, PARAMS_CONFIG = 100_000_000, "1x100M"  # megakernels bench's adamw config of one 100M tensor
 CHUNK = 65536
-CHUNKS_PER_LAUNCH = 256
 
 
 def _optim_parts(kernel: str, dtype: str) -> list[Part]:
+    """One launch per table of tensors, every chunk of them (no cap on the grid); packs of 4 elements."""
     t, size = DTYPES[dtype]
-    chunks = -(-PARAMS // CHUNK)
-    grid, launches = min(chunks, CHUNKS_PER_LAUNCH), -(-chunks // CHUNKS_PER_LAUNCH)
+    grid = -(-PARAMS // CHUNK)
     if kernel == "adamw":
         if dtype == "fp32":
             kern = cuda("optim/adamw_cuda.cu", "adamw_kernel<float, float, false>", 256)
             roles = [Role("update", 4, stores=3, reads_dram=True)]
-        else:  # master fp32 copy; nvcc splits the master and 16-bit param stores into scalars (2 vector stores)
+        else:  # fp32 master weights and moments: master, grad, m, v read; m, v, master, param written
             kern = cuda("optim/adamw_cuda.cu", f"adamw_kernel<{t}, float, true>", 256)
-            roles = [Role("update", 4, stores=2, reads_dram=True)]
-        return [Part(kern, roles, 4, CHUNK / 4 / 256, grid, PARAMS, 28, 28, launches=launches)]
+            roles = [Role("update", 4, stores=4, reads_dram=True)]
+        return [Part(kern, roles, 4, CHUNK / 4 / 256, grid, PARAMS, 28, 28)]
     name = {"nonfinite": "nonfinite_kernel", "sumsq": "sumsq_kernel"}[kernel]
     kern = cuda("optim/adamw_cuda.cu", f"{name}<{t}>", 256)
-    return [Part(kern, [Role("read", 1, reads_dram=True, min_width=1)], 1, CHUNK / 256, grid, PARAMS, size, size,
-                 launches=launches)]
+    return [Part(kern, [Role("read", 1, reads_dram=True, min_width=8)], 4, CHUNK / 4 / 256, grid, PARAMS, size,
+                 size)]
 
 
 @register
@@ -265,7 +334,7 @@ def optim_entries() -> list[Entry]:
     out = []
     for kernel, name in (("adamw", "adamw.update"), ("nonfinite", "adamw.nonfinite_check"), ("sumsq", "adamw.l2norm")):
         for dtype in DTYPES:
-            cfg = f"{CHUNK // 1024}Ki x{CHUNKS_PER_LAUNCH}/launch"
+            cfg = f"{CHUNK // 1024}Ki chunks"
             out.append(_entry(name, "optim", cfg, PARAMS_CONFIG, dtype,
                               lambda k=kernel, d=dtype: _optim_parts(k, d)))
     return out
