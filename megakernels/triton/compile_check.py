@@ -45,7 +45,8 @@ def attention_launches(arch: int, head_dim: int, cfg_index: int, passname: str, 
         cfg = fa.candidates(fa.FWD_CONFIGS, arch, head_dim)[cfg_index]
         return [fa.forward_launch(q, q, q, q, lse, seed, causal, scale, p, cfg)]
     cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim)[cfg_index]
-    return fa.backward_launches(q, q, q, q, lse, lse, q, q, q, seed, causal, scale, p, cfg)
+    dq = _meta((b, seqlen, h, head_dim), "float32")  # the atomic path's fp32 accumulator
+    return fa.backward_launches(q, q, q, q, q, lse, lse, dq, q, q, seed, causal, scale, p, cfg)
 
 
 def cross_entropy_launches(arch: int, vocab: int = 50304):

@@ -59,6 +59,32 @@ def _dkdv_schedule(launch, sq: int, sk: int):
     return per_bh * launch.grid[1], {"all": 2 * bm * d * 2 + 2 * bm * 4}
 
 
+def _bwd_schedule(launch, sq: int, sk: int):
+    """The one-pass backward: per key block, the query blocks of the diagonal band (masked), the fully visible
+    ones (unmasked) and the query tail (masked), for each query head of the group. Each iteration loads a q and
+    a dO tile, lse and delta, and (with atomics) adds a dQ tile: read and written at L2."""
+    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
+    group = launch.args[launch.kernel.arg_names.index("GROUP")]
+    full_end = sq // bm * bm
+    per_bh = []
+    for pid_n in range(launch.grid[0]):
+        if causal:
+            lo = max(pid_n * bn + sq - sk, 0) // bm * bm
+            mid = min(_cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
+        else:
+            lo = mid = 0
+        if (pid_n + 1) * bn > sk:
+            mid = full_end
+        mid = max(mid, lo)
+        per_bh.append({"diag": _cdiv(max(mid - lo, 0), bm) * group,
+                       "full": _cdiv(max(full_end - mid, 0), bm) * group,
+                       "tail": _cdiv(max(sq - max(full_end, mid), 0), bm) * group})
+    d = _head(launch)
+    atomics = 2 * bm * d * 4 if launch.kwargs.get("DQ_ATOMIC") else 0
+    per_iter = 2 * bm * d * 2 + 2 * bm * 4 + atomics
+    return per_bh * launch.grid[1], {"diag": per_iter, "full": per_iter, "tail": per_iter}
+
+
 def _dq_schedule(launch, sq: int, sk: int):
     bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
     per_bh = []
@@ -72,7 +98,8 @@ def _dq_schedule(launch, sq: int, sk: int):
 # iteration by role))
 SCHEDULES = {
     "_fwd_kernel": (["full", "masked"], _fwd_schedule),
-    "_bwd_dkdv_kernel": (["all"], _dkdv_schedule),
+    "_bwd_dkdv_kernel": (["all"], _dkdv_schedule),  # the two-kernel backward before the one-pass design
+    "_bwd_kernel": (["diag", "full", "tail"], _bwd_schedule),
     "_bwd_dq_kernel": (["all"], _dq_schedule),
 }
 
@@ -135,17 +162,20 @@ def _fwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
     return _row([(launch.name, c, pred)], flops)
 
 
-def _bwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
+def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -> dict:
     from megakernels.triton import flash_attention as fa
 
     b, h = 16384 // s, 2048 // d
     q, lse = _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
-    launches = fa.backward_launches(q, q, q, q, lse, lse, q, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg)
-    parts = [(ln.name, *kernel_prediction(ln, s, s)) for ln in launches]
-    extra = 0.0
-    if not any(ln.name.startswith("_bwd_delta") for ln in launches):
-        # delta = rowsum(dO * O) in torch ops: two upcasts, a product and a sum over fp32 copies (~28 B per element)
-        extra = 28 * b * s * h * d / model.H200.dram_copy
+    dq = q if deterministic else _meta(b, s, h, d, dtype=torch.float32)
+    launches = fa.backward_launches(q, q, q, q, q, lse, lse, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg,
+                                    deterministic)
+    mma = [ln for ln in launches if ln.name in SCHEDULES]
+    parts = [(ln.name, *kernel_prediction(ln, s, s)) for ln in mma]
+    elems = b * s * h * d
+    # Streaming launches at the copy rate: delta reads dO and O (4 B per element); the atomic path also zeroes
+    # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).
+    extra = (4 + (0 if deterministic else 10)) * elems / model.H200.dram_copy + model.H200.launch_s * 2
     flops = 10 * b * h * s * s * d * (0.5 if causal else 1.0)
     return _row(parts, flops, extra)
 
