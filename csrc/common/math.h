@@ -96,8 +96,13 @@ MK_MATH void normal_cdf_pdf(double z, double& cdf, double& pdf) {
 // erff ~26).
 MK_MATH void normal_cdf_pdf(float z, float& cdf, float& pdf) {
   const float x = std::fabs(z) * float(kInvSqrt2);
+#if defined(__CUDA_ARCH__)
   const float e = fast_exp2(z * z * float(-0.5 * 1.4426950408889634));  // exp(-x^2)
   const float t = fast_rcp(1.0f + 0.3275911f * x);
+#else  // the CPU kernels' vectorised form (a select in fast_exp2 would cost them)
+  const float e = mk_exp(-0.5f * z * z);
+  const float t = 1.0f / (1.0f + 0.3275911f * x);
+#endif
   pdf = float(kInvSqrt2Pi) * e;
   const float half_erfc =
       0.5f * e * t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
