@@ -1,6 +1,6 @@
 """Build of megakernels._C (torch.utils.cpp_extension + ninja).
 
-Sources (DESIGN.md §1-2):
+Sources (docs/design.md §1-2):
 - csrc/bindings/*.cpp              the only torch-facing C++ (checks, dispatch, TORCH_LIBRARY registration),
                                    one file per kernel family plus common.cpp and module.cpp
 - csrc/<family>/*_cpu.cpp          torch-free CPU kernels

@@ -4,7 +4,7 @@ shape (megakernels_models/bench/eager_gpt.py).
     pytest benchmarks/test_bench_e2e.py                       # full timing
     pytest benchmarks/test_bench_e2e.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (DESIGN.md §6).
+Never asserts on time (docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 - ``megakernels.nn``    drop-in modules built on them
 - ``megakernels.optim`` FusedAdamW and multi-tensor utilities (L2 norm, gradient clipping)
 - ``megakernels.parallel`` tensor/sequence parallelism: process groups, mappings, parallel layers and blocks
-- ``megakernels.backend(name)`` selects ``auto``/``cpu``/``cuda``/``cuda_emu`` (DESIGN.md §3)
+- ``megakernels.backend(name)`` selects ``auto``/``cpu``/``cuda``/``cuda_emu`` (docs/design.md §3)
 """
 
 from megakernels._backend import BACKENDS, backend, current_backend, has_backend

@@ -1,4 +1,4 @@
-"""Backend selection for the compiled ops (DESIGN.md §2-3).
+"""Backend selection for the compiled ops (docs/design.md §2-3).
 
 Backends:
 - ``auto`` (default): CUDA tensors run the CUDA kernels, CPU tensors the C++ CPU kernels.
@@ -75,21 +75,22 @@ def has_backend(name: str) -> bool:
     return bool(_build_flags() & flag)
 
 
-def emulate_for(op: str, x: torch.Tensor) -> bool:
-    """Whether ``op`` on tensor ``x`` runs the emulated CUDA kernels; raises if the backend cannot take ``x``."""
+def emulate_for(op: str, x: torch.Tensor, arg: str = "x") -> bool:
+    """Whether ``op`` on tensor ``x`` (the argument ``arg``, which decides the device) runs the emulated CUDA
+    kernels; raises, naming the argument, if the backend cannot take ``x``."""
     name = current_backend()
     if name == "auto":
         return False
     if name == "cuda_emu":
         if x.device.type != "cpu":
-            raise ValueError(f"{op}: backend cuda_emu runs CPU tensors, but x is on {x.device}")
+            raise ValueError(f"{op}: backend cuda_emu runs CPU tensors, but {arg} is on {x.device}")
         if not has_backend("cuda_emu"):
             raise RuntimeError(f"{op}: backend cuda_emu requested but the emulated CUDA kernels were not built")
         return True
     if name == "cuda" and x.device.type != "cuda":
-        raise ValueError(f"{op}: backend cuda requested, but x is on {x.device}")
+        raise ValueError(f"{op}: backend cuda requested, but {arg} is on {x.device}")
     if name == "cpu" and x.device.type != "cpu":
-        raise ValueError(f"{op}: backend cpu requested, but x is on {x.device}")
+        raise ValueError(f"{op}: backend cpu requested, but {arg} is on {x.device}")
     return False
 
 

@@ -1,7 +1,8 @@
-"""The trainer's arguments: one dataclass (what ``megakernels train`` parses into) and its validation.
+"""The trainer's settings: one dataclass, each field declared once with its flag, help and group (``settings``), and
+its validation.
 
-Everything that can be wrong with a layout is reported here, in the parent process, before any rank starts:
-each message names the flag and the rule it broke (``--tp 4 does not divide num_heads=6``).
+Everything that can be wrong with a layout is reported here, in the parent process, before any rank starts: each
+message names the flag and the rule it broke (``--tp 4 does not divide num_heads=6``).
 """
 
 from __future__ import annotations
@@ -11,80 +12,144 @@ import os
 
 import torch
 
+from megakernels.nn.attention import ATTENTION_CORES
+from megakernels.optim.lr_schedule import STYLES as LR_STYLES
+from megakernels.validation import finite_number, positive_int
 from megakernels_models.config import MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
+from megakernels_models.settings import ArgumentError, setting
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("1f1b", "gpipe")
+DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
+MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = ("model", "mixture of experts", "layout", "optimisation", "data",
+                                         "checkpoints, evaluation and logs")
+MOE_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_capacity_factor", "moe_shared_experts")
 
-class ArgumentError(ValueError):
-    """An invalid combination of trainer arguments (the message names the flag and the rule)."""
+__all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
 
 @dataclasses.dataclass
 class TrainArgs:
-    """All of ``megakernels train``'s flags (DESIGN.md §5); the defaults are the embedded default run."""
+    """All of ``megakernels train``'s settings (docs/design.md §5); the defaults are the embedded default run."""
 
     # model
-    model: str | None = None
-    preset: str | None = "gpt-tiny"
-    num_layers: int | None = None
-    hidden_size: int | None = None
-    num_heads: int | None = None
-    seq_length: int | None = None
-    vocab_size: int | None = None
-    ffn_hidden_size: int | None = None
-    dropout: float | None = None
-    attention: str = "flash"
+    model: str | None = setting(None, "model family (default: the preset's, else gpt)", MODEL, choices=MODELS)
+    preset: str | None = setting(None, "a preset model (default: the family's tiny one, e.g. gpt-tiny, unless "
+                                 "--num-layers, --hidden-size, --num-heads and --seq-length are all given); 'none' "
+                                 "to give every size with the flags below", MODEL, metavar="NAME")
+    num_layers: int | None = setting(None, "overrides the preset", MODEL)
+    hidden_size: int | None = setting(None, "overrides the preset", MODEL)
+    num_heads: int | None = setting(None, "overrides the preset", MODEL)
+    seq_length: int | None = setting(None, "overrides the preset", MODEL)
+    vocab_size: int | None = setting(None, "overrides the preset (default: the tokenizer's)", MODEL)
+    ffn_hidden_size: int | None = setting(None, "overrides the preset (default: 4 × hidden)", MODEL)
+    num_kv_heads: int | None = setting(None, "key/value heads, grouped-query attention (default: the preset's, or "
+                                       "--num-heads)", MODEL)
+    rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
+    num_experts: int | None = setting(None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)",
+                                      MOE)
+    moe_top_k: int | None = setting(None, "experts per token (default: the preset's)", MOE)
+    moe_ffn_hidden_size: int | None = setting(None, "each expert's MLP size (default: the preset's)", MOE)
+    moe_layer_freq: int | None = setting(None, "every N-th layer is a MoE layer (default: the preset's)", MOE)
+    moe_aux_loss_coeff: float | None = setting(None, "load-balancing loss coefficient (default: the preset's)", MOE)
+    moe_z_loss_coeff: float | None = setting(None, "router z-loss coefficient (default: the preset's)", MOE)
+    moe_capacity_factor: float | None = setting(None, "expert capacity as a factor of the even share; over-capacity "
+                                                "tokens are dropped (default: dropless)", MOE)
+    moe_shared_experts: int | None = setting(None, "shared experts every token goes through (default: the "
+                                             "preset's)", MOE)
+    dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
+    attention: str = setting("flash", "attention core: FlashAttention or PyTorch's SDPA (the baseline)", MODEL,
+                             choices=lambda: tuple(ATTENTION_CORES))
     # layout
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    dp: int | None = None
-    nproc: int = 1
-    device: str = "cpu"
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
+    tp: int = setting(1, "tensor-parallel size", LAYOUT)
+    cp: int = setting(1, "context-parallel size: each sequence split over cp ranks, ring attention", LAYOUT)
+    ep: int = setting(1, "expert-parallel size: MoE experts split over groups of ep data-parallel ranks", LAYOUT)
+    pp: int = setting(1, "pipeline-parallel size", LAYOUT)
+    vpp: int | None = setting(None, "virtual stages per pipeline rank (interleaved 1F1B)", LAYOUT)
+    dp: int | None = setting(None, "data-parallel size (default: world / (tp·pp))", LAYOUT)
+    nproc: int = setting(1, "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead (with "
+                         "--dry-run: the world size to plan for)", LAYOUT)
+    device: str = setting("cpu", "where to train", LAYOUT, choices=DEVICES)
+    sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations over the sequence (with --tp)",
+                                      LAYOUT)
+    schedule: str = setting("1f1b", "pipeline schedule (--vpp selects interleaved 1F1B)", LAYOUT, choices=SCHEDULES)
     # optimisation
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    steps: int = 300
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int | None = None  # default: a tenth of --steps
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    seed: int = 1234
-    precision: str = "fp32"
-    recompute: str = "none"
-    distributed_optimizer: bool = False
+    micro_batch_size: int = setting(8, "samples per micro-batch", OPTIM)
+    global_batch_size: int = setting(16, "samples per optimizer step, over all data-parallel ranks", OPTIM)
+    steps: int = setting(300, "optimizer steps in total (a resumed run continues up to it)", OPTIM)
+    lr: float = setting(2e-3, "peak learning rate", OPTIM)
+    min_lr: float = setting(2e-4, "learning rate at the end of the decay", OPTIM)
+    warmup_steps: int | None = setting(None, "linear warmup steps (default: a tenth of --steps)", OPTIM)
+    lr_decay_style: str = setting("cosine", "decay after warmup (wsd: warmup, stable, then a linear decay)", OPTIM,
+                                  choices=LR_STYLES)
+    lr_decay_steps: int | None = setting(None, "the step at which the decay reaches --min-lr (default: --steps)",
+                                         OPTIM)
+    lr_wsd_decay_steps: int | None = setting(None, "length of wsd's final decay (default: a tenth of the steps after "
+                                             "warmup)", OPTIM)
+    adam_beta1: float = setting(0.9, "AdamW beta1", OPTIM)
+    adam_beta2: float = setting(0.95, "AdamW beta2", OPTIM)
+    adam_eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
+    weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
+    no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
+                                   "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
+    clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
+    seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
+    precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
+                             choices=PRECISIONS)
+    recompute: str = setting("none", "activation recomputation", OPTIM, choices=RECOMPUTE)
+    distributed_optimizer: bool = setting(False, "ZeRO-1: shard optimizer state over data-parallel ranks", OPTIM)
     # data
-    data: str | None = None
-    tokenizer: str = "byte"
-    split: str = "949,50,1"
-    corpus_bytes: int = 8 << 20
+    data: str | None = setting(None, "PREFIX[,WEIGHT,PREFIX...] (default: the Python standard library's sources)",
+                               DATA)
+    tokenizer: str = setting("byte", "byte | hf:PATH | spm:PATH", DATA)
+    split: str = setting("949,50,1", "train,valid,test weights over documents", DATA)
+    corpus_bytes: int = setting(8 << 20, "cap of the embedded corpus in bytes", DATA)
     # checkpoints, evaluation, logs
-    save: str | None = None
-    save_interval: int | None = None
-    keep_checkpoints: int = 3
-    load: str | None = None
-    eval_interval: int = 100
-    eval_steps: int = 4
-    log_jsonl: str | None = None
-    tensorboard: str | None = None
-    progress: bool = True
-    peak_tflops: float | None = None
-    timeout: float = 600.0
-    dry_run: bool = False
-    step_timers: bool = False  # per-phase step times + peak memory in the records (megakernels bench --e2e)
+    save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
+    save_interval: int | None = setting(None, "steps between checkpoints (default: only at the end)", LOGS)
+    keep_checkpoints: int = setting(3, "how many of the latest checkpoints are kept", LOGS)
+    load: str | None = setting(None, "resume from DIR's latest checkpoint (any layout)", LOGS, metavar="DIR")
+    eval_interval: int = setting(100, "steps between validations (0 = never)", LOGS)
+    eval_steps: int = setting(4, "global batches per validation", LOGS)
+    log_jsonl: str | None = setting(None, "append one JSON object per step to FILE", LOGS, metavar="FILE")
+    tensorboard: str | None = setting(None, "write TensorBoard events to DIR", LOGS, metavar="DIR")
+    progress: bool = setting(True, "no progress bar", LOGS, flag="--no-progress")
+    peak_tflops: float | None = setting(None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on "
+                                        "the CPU)", LOGS)
+    timeout: float = setting(600.0, "seconds a collective may wait for a peer", LOGS)
+    gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)
+    gpu: str = setting("h200", "the GPU --dry-run checks memory against", LAYOUT, choices=("h200", "h100", "a100",
+                                                                                          "v100"))
+    dry_run: bool = setting(False, "validate and report parameters, FLOPs and memory per device, without training",
+                            LOGS)
+    architecture: dict | None = setting(None, "ModelConfig fields defining the model (from a --config file)", MODEL,
+                                        cli=False)
+    step_timers: bool = setting(False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS,
+                                cli=False)
 
     # ---- derived ------------------------------------------------------------------------------------------------
 
+    def preset_name(self) -> str | None:
+        """The preset in use: ``--preset`` (None for ``none``), else the family's tiny preset unless every size is
+        given."""
+        if self.preset == "none" or (self.architecture and self.preset is None):
+            return None
+        if self.preset is not None:
+            return self.preset
+        if all(getattr(self, k) is not None for k in SIZES[:4]):
+            return None
+        return f"{self.model or 'gpt'}-tiny"
+
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
-        sizes = {k: getattr(self, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
-                                               "ffn_hidden_size")}
+        sizes = {k: getattr(self, k) for k in SIZES}
+        for name in ("rope_theta",) + MOE_FIELDS:
+            if getattr(self, name) is not None:
+                sizes[name] = getattr(self, name)
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
         if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
             from megakernels_models.data.tokenizer import build_tokenizer
@@ -92,13 +157,19 @@ class TrainArgs:
                 sizes["vocab_size"] = build_tokenizer(self.tokenizer).vocab_size
             except (OSError, ValueError):
                 pass  # validate_data_args reports the tokenizer's problem, naming the flag
-        if self.preset is not None:
-            cfg = preset(self.preset, **sizes, **drop)
+        name = self.preset_name()
+        if name is not None:
+            cfg = preset(name, **sizes, **drop)
             if self.model is not None and self.model != cfg.model:
-                raise ArgumentError(f"--model {self.model} contradicts --preset {self.preset} (a {cfg.model} model)")
+                raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {cfg.model} model)")
             return cfg
-        missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_heads", "seq_length")
-                   if sizes[k] is None]
+        if self.architecture:
+            cfg = ModelConfig(**self.architecture)
+            cfg = cfg.replace(**{k: v for k, v in {**sizes, **drop}.items() if v is not None})
+            if self.model is not None and self.model != cfg.model:
+                raise ArgumentError(f"--model {self.model} contradicts the architecture (a {cfg.model} model)")
+            return cfg
+        missing = [f"--{k.replace('_', '-')}" for k in SIZES[:4] if sizes[k] is None]
         if missing:
             raise ArgumentError(f"without --preset, give {', '.join(missing)}")
         sizes = {k: v for k, v in sizes.items() if v is not None}
@@ -110,7 +181,7 @@ class TrainArgs:
         return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else self.nproc
 
     def data_parallel_size(self) -> int:
-        return self.world_size() // (self.tp * self.pp)
+        return self.world_size() // (self.tp * self.cp * self.pp)
 
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size())
@@ -119,48 +190,113 @@ class TrainArgs:
         return DTYPES[self.precision]
 
 
-def _positive(name: str, v, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ArgumentError(f"--{name} must be a positive integer, got {v!r}")
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def validate(a: TrainArgs) -> ModelConfig:
-    """Check every argument and their combinations; return the model configuration.
+    """Check every argument and their combinations; return the model configuration. Fills in the defaults that
+    depend on other settings (``warmup_steps``).
 
     Raises:
         ArgumentError: the first broken rule, naming the flag(s).
     """
     if a.model is not None and a.model not in MODELS:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
-    if a.preset is not None and a.preset not in PRESETS:
+    if a.preset not in (None, "none") and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    for name in ("tp", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps"):
-        _positive(name.replace("_", "-"), getattr(a, name))
+    for name in ("tp", "cp", "ep", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
+                 "keep_checkpoints"):
+        positive_int(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("vpp", "dp", "save_interval"):
-        _positive(name.replace("_", "-"), getattr(a, name), allow_none=True)
-    if isinstance(a.eval_interval, bool) or not isinstance(a.eval_interval, int) or a.eval_interval < 0:
-        raise ArgumentError(f"--eval-interval must be an integer >= 0 (0 = never), got {a.eval_interval!r}")
+        positive_int(getattr(a, name), _flag(name), allow_none=True, error=ArgumentError)
+    positive_int(a.eval_interval, "--eval-interval", minimum=0, error=ArgumentError)
+    positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
     try:
         cfg = a.model_config()
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("attention", ("flash", "torch")),
-                          ("schedule", SCHEDULES), ("device", ("cpu", "cuda"))):
+    for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("attention", tuple(ATTENTION_CORES)),
+                          ("schedule", SCHEDULES), ("device", DEVICES)):
         if getattr(a, name) not in choices:
             raise ArgumentError(f"--{name} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
+    under_torchrun = "WORLD_SIZE" in os.environ
+    if a.device == "cuda" and a.nproc > 1 and not under_torchrun and not a.dry_run:
+        raise ArgumentError(f"--nproc {a.nproc} spawns CPU processes (gloo); with --device cuda launch one process "
+                            f"per GPU with torchrun --nproc-per-node {a.nproc} (NCCL) and leave --nproc out")
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
-    world = a.world_size()
-    if world % (a.tp * a.pp):
+    _validate_layout(a, cfg)
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+        finite_number(getattr(a, name), _flag(name), error=ArgumentError)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= finite_number(getattr(a, name), _flag(name), error=ArgumentError) < 1.0:
+            raise ArgumentError(f"{_flag(name)} must be in [0, 1), got {getattr(a, name)}")
+    if a.lr_decay_style not in LR_STYLES:
+        raise ArgumentError(f"--lr-decay-style must be one of {', '.join(LR_STYLES)}, got {a.lr_decay_style!r}")
+    positive_int(a.lr_decay_steps, "--lr-decay-steps", allow_none=True, error=ArgumentError)
+    positive_int(a.lr_wsd_decay_steps, "--lr-wsd-decay-steps", allow_none=True, error=ArgumentError)
+    if a.min_lr > a.lr:
+        raise ArgumentError(f"--min-lr {a.min_lr} is larger than --lr {a.lr}")
+    if a.warmup_steps is None:
+        a.warmup_steps = a.steps // 10
+    positive_int(a.warmup_steps, "--warmup-steps", minimum=0, error=ArgumentError)
+    decay_steps = a.lr_decay_steps or a.steps
+    if a.warmup_steps > decay_steps:
+        raise ArgumentError(f"--warmup-steps {a.warmup_steps} is more than --lr-decay-steps {decay_steps}"
+                            if a.lr_decay_steps else f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}")
+    if a.lr_decay_style == "wsd" and a.lr_wsd_decay_steps is not None \
+            and a.lr_wsd_decay_steps > decay_steps - a.warmup_steps:
+        raise ArgumentError(f"--lr-wsd-decay-steps {a.lr_wsd_decay_steps} is more than the {decay_steps - a.warmup_steps}"
+                            " steps after warmup")
+    if a.save_interval is not None and a.save is None:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
+        raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
+    if a.load is not None:
+        from megakernels_models.checkpoint import CheckpointError, read_latest
+        try:
+            read_latest(a.load)
+        except CheckpointError as e:
+            raise ArgumentError(str(e)) from None
+    from megakernels_models.data.build import validate_data_args
+    validate_data_args(a, cfg)
+    if not a.timeout > 0:
+        raise ArgumentError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    if a.peak_tflops is not None and not a.peak_tflops > 0:
+        raise ArgumentError(f"--peak-tflops must be > 0, got {a.peak_tflops}")
+    return cfg
+
+
+def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
+    world, model = a.world_size(), a.tp * a.cp * a.pp
+    names = "--tp × --cp × --pp" if a.cp > 1 else "--tp × --pp"
+    sizes = " × ".join(str(x) for x in ((a.tp, a.cp, a.pp) if a.cp > 1 else (a.tp, a.pp)))
+    if world % model:
         raise ArgumentError(f"the world size {world} (--nproc or torchrun's WORLD_SIZE) is not divisible by "
-                            f"--tp × --pp = {a.tp} × {a.pp} = {a.tp * a.pp}")
-    dp = world // (a.tp * a.pp)
+                            f"{names} = {sizes} = {model}")
+    dp = world // model
     if a.dp is not None and a.dp != dp:
-        raise ArgumentError(f"--dp {a.dp} does not match world size / (tp × pp) = {world} / {a.tp * a.pp} = {dp}")
+        raise ArgumentError(f"--dp {a.dp} does not match world size / ({names[2:].replace(' --', ' ')}) = "
+                            f"{world} / {model} = {dp}")
     if cfg.num_heads % a.tp:
         raise ArgumentError(f"--tp {a.tp} does not divide num_heads={cfg.num_heads} (each TP rank holds whole heads)")
+    kv = cfg.num_kv_heads
+    if kv % a.tp and a.tp % kv:
+        raise ArgumentError(f"--tp {a.tp} and num_kv_heads={kv}: the key/value heads must split evenly over the "
+                            f"tensor-parallel ranks (num_kv_heads a multiple of tp) or be replicated on groups of "
+                            f"ranks (tp a multiple of num_kv_heads)")
+    if a.cp > 1:
+        if cfg.model == "bert":
+            raise ArgumentError(f"--cp {a.cp}: context parallelism is for causal language models (GPT, Llama); "
+                                "BERT's padding masks are not split over the ring")
+        if cfg.seq_length % (2 * a.cp * (a.tp if a.sequence_parallel else 1)):
+            rule = "2 × cp × tp" if a.sequence_parallel else "2 × cp"
+            raise ArgumentError(f"--cp {a.cp} needs seq_length={cfg.seq_length} divisible by {rule} (each rank "
+                                "holds two equal chunks of every sequence)")
+        if cfg.attention_dropout > 0:
+            raise ArgumentError(f"--cp {a.cp} with attention dropout {cfg.attention_dropout}: ring attention has no "
+                                "attention dropout (set --dropout 0)")
     if cfg.ffn_hidden_size % a.tp:
         raise ArgumentError(f"--tp {a.tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
     vpp = a.vpp or 1
@@ -176,44 +312,18 @@ def validate(a: TrainArgs) -> ModelConfig:
     if vpp > 1 and m % a.pp:
         raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "
                             f"(global / (micro × dp) = {m}) to be a multiple of --pp {a.pp}")
-    if a.sequence_parallel and cfg.seq_length % a.tp:
-        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide seq_length={cfg.seq_length}")
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
-        v = getattr(a, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-            raise ArgumentError(f"--{name.replace('_', '-')} must be a number >= 0, got {v!r}")
-    if a.min_lr > a.lr:
-        raise ArgumentError(f"--min-lr {a.min_lr} is larger than --lr {a.lr}")
-    if a.warmup_steps is None:
-        a.warmup_steps = a.steps // 10
-    if isinstance(a.warmup_steps, bool) or not isinstance(a.warmup_steps, int) or not 0 <= a.warmup_steps <= a.steps:
-        raise ArgumentError(f"--warmup-steps must be an integer in 0..--steps ({a.steps}), got {a.warmup_steps!r}")
-    if isinstance(a.seed, bool) or not isinstance(a.seed, int) or a.seed < 0:
-        raise ArgumentError(f"--seed must be an integer >= 0, got {a.seed!r}")
-    if a.save_interval is not None and a.save is None:
-        raise ArgumentError("--save-interval needs --save DIR")
-    _positive("keep-checkpoints", a.keep_checkpoints)
-    if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
-        raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
-    if a.load is not None:
-        from megakernels_models.checkpoint import CheckpointError, read_latest
-        try:
-            read_latest(a.load)
-        except CheckpointError as e:
-            raise ArgumentError(str(e)) from None
-    try:
-        split = [int(x) for x in a.split.split(",")]
-        if len(split) != 3 or min(split) < 0 or split[0] == 0:
-            raise ValueError
-    except ValueError:
-        raise ArgumentError(f"--split must be three non-negative integers like 949,50,1 (train > 0), got "
-                            f"{a.split!r}") from None
-    if a.eval_interval and split[1] == 0:
-        raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
-    from megakernels_models.data.build import validate_data_args  # data.build imports this module
-    validate_data_args(a, cfg)
-    if not a.timeout > 0:
-        raise ArgumentError(f"--timeout must be > 0 seconds, got {a.timeout}")
-    if a.peak_tflops is not None and not a.peak_tflops > 0:
-        raise ArgumentError(f"--peak-tflops must be > 0, got {a.peak_tflops}")
-    return cfg
+    if a.ep > 1 and not cfg.num_experts:
+        raise ArgumentError(f"--ep {a.ep} needs a mixture-of-experts model (--num-experts > 0)")
+    if dp % a.ep:
+        raise ArgumentError(f"--ep {a.ep} does not divide the data-parallel size {dp} (expert-parallel groups are "
+                            "carved out of the data-parallel ranks)")
+    if cfg.num_experts and cfg.num_experts % a.ep:
+        raise ArgumentError(f"--ep {a.ep} does not divide num_experts={cfg.num_experts} (each rank holds the same "
+                            "number of experts)")
+    if cfg.num_experts and a.tp > 1 and (cfg.seq_length // a.cp) % a.tp:
+        raise ArgumentError(f"--tp {a.tp} must divide the tokens per rank ({cfg.seq_length // a.cp}) of a MoE model "
+                            "(each TP rank routes its share of the tokens)")
+    if a.sequence_parallel and (cfg.seq_length // a.cp) % a.tp:
+        what = f"seq_length={cfg.seq_length}" if a.cp == 1 else f"the tokens per rank, seq_length / cp = " \
+            f"{cfg.seq_length // a.cp}"
+        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide {what}")

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from megakernels.nn import FusedLayerNorm
 from megakernels.parallel import init, state
-from megakernels.parallel.linear import mark_tensor_parallel
+from megakernels.parallel.params import mark_sequence_parallel, mark_tensor_parallel
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.mappings import gather_from_sequence_parallel_region
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels_models.config import ModelConfig
-from megakernels_models.transformer import LanguageModel, mark_sequence_parallel, replicated_linear
+from megakernels_models.transformer import LanguageModel, replicated_linear
 
 
 class BertModel(LanguageModel):
@@ -55,8 +55,7 @@ class BertModel(LanguageModel):
             self.pooler = replicated_linear(h, h, init.derive_seed(seed, "pooler"), c.init_std, **factory)
             self.sop_head = replicated_linear(h, 2, init.derive_seed(seed, "sop_head"), c.init_std, **factory)
             if self.sequence_parallel:
-                mark_sequence_parallel(self.mlm_dense)
-                mark_sequence_parallel(self.mlm_norm)
+                mark_sequence_parallel(self.mlm_dense, self.mlm_norm)
 
     def forward(self, ids=None, token_types=None, padding_mask=None, mlm_labels=None, sop_labels=None, hidden=None):
         mask = None if padding_mask is None else padding_mask[:, None, None, :]

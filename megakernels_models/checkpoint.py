@@ -2,9 +2,9 @@
 
 Every tensor is saved in the coordinates of the *full, unpadded* model, under its global name (``layers.7.mlp.fc1.
 weight``, whatever pipeline stage or local index holds it): a tensor-parallel shard is a chunk of its full tensor
-at its offset (``p.partition_dim``; a padded vocabulary keeps only its first ``p.real_size`` rows), a replicated
-tensor is saved whole (once: DCP de-duplicates the copies of data-parallel replicas, of the tied embedding on the
-first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
+at its offset (its marks in ``megakernels.parallel.params``: partition dim and stride; a padded vocabulary keeps
+only its real rows), a replicated tensor is saved whole (once: DCP de-duplicates the copies of data-parallel
+replicas, of the tied embedding on the first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
 chunks overlap them — so a checkpoint written at (tp, pp, dp) = (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2).
 
 What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments in the same per-parameter
@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megakernels.parallel as mpu
+from megakernels.parallel import params as marks
+from megakernels.parallel.init import shard_pieces
 from megakernels_models.config import ModelConfig
 
 LATEST = "latest"
@@ -61,43 +63,85 @@ def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def _chunks_of(p: torch.Tensor) -> tuple[list[int], int, list[tuple[int, int]]]:
-    """(full shape, partition dim, [(offset, size) per TP rank along it]) of a parameter."""
-    tp = mpu.tp_size()
-    if not getattr(p, "tensor_parallel", False):
-        dim, tp = 0, 1
-    else:
-        dim = p.partition_dim
-    n = p.shape[dim]
-    real = getattr(p, "real_size", n * tp)
-    full = list(p.shape)
-    full[dim] = real
-    return full, dim, [(t * n, max(0, min((t + 1) * n, real) - t * n)) for t in range(tp)]
+def _entries(chunks) -> list[tuple[str, torch.nn.Parameter, int | None]]:
+    """``(global name, param, expert index)`` of every tensor a checkpoint stores for this rank: one per parameter
+    (``global_parameters``), and for the stacked weights of mixture-of-experts layers one per local expert, named by
+    its global index (``...experts.fc1`` row ``i`` -> ``...experts.<first + i>.fc1``), so expert parallelism does not
+    change the names."""
+    out = []
+    for name, p in global_parameters(chunks):
+        rec = marks.info(p)
+        if not rec.expert_parallel:
+            out.append((name, p, None))
+            continue
+        head, _, leaf = name.rpartition(".")
+        out += [(f"{head}.{rec.expert_first + i}.{leaf}", p, i) for i in range(p.shape[0])]
+    return out
+
+
+def _select(t: torch.Tensor, index: int | None) -> torch.Tensor:
+    return t if index is None else t[index]
+
+
+def _chunks_of(p: torch.Tensor, shape=None) -> tuple[list[int], int, list[list[tuple[int, int, int]]]]:
+    """(full shape, partition dim, per TP rank the pieces ``(full offset, local offset, size)`` it declares along
+    that dim) of a parameter (or, ``shape`` given, of one expert's matrix of it), from its marks
+    (``megakernels.parallel.params``): a replicated parameter is one piece; a sharded one is its
+    ``init.shard_pieces``, cut to the first ``real_size`` entries. Of ``replicas`` ranks holding the same block only
+    the first declares it (they hold the same values; ``_sync_replicas``)."""
+    rec = marks.info(p)
+    shape = p.shape if shape is None else shape
+    tp = mpu.tp_size() if rec.tensor_parallel else 1
+    dim = rec.partition_dim
+    n = shape[dim]
+    full_len = n * tp // rec.replicas
+    full = list(shape)
+    full[dim] = full_len if rec.real_size is None else rec.real_size
+    pieces = []
+    for t in range(tp):
+        mine = []
+        if t % rec.replicas == 0:
+            for full_off, local_off, size in shard_pieces(full_len, t, tp, rec.partition_stride, rec.replicas):
+                size = max(0, min(full_off + size, full[dim]) - full_off)
+                if size:
+                    mine.append((full_off, local_off, size))
+        pieces.append(mine)
+    return full, dim, pieces
 
 
 def _sharded(local: torch.Tensor, p: torch.Tensor):
-    """``local`` (shaped like ``p``) as the chunk of the full tensor this rank holds: a plain tensor when the
-    chunk is the whole tensor, else a ShardedTensor describing every TP rank's chunk."""
+    """``local`` (shaped like ``p``) as the part of the full tensor this rank holds: a plain tensor when it is the
+    whole tensor, else a ShardedTensor describing every TP rank's pieces."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    full, dim, chunks = _chunks_of(p)
-    tp_rank = mpu.tp_rank() if getattr(p, "tensor_parallel", False) else 0
-    offset, size = chunks[tp_rank]
-    view = local.narrow(dim, 0, size)
-    if len(chunks) == 1:
-        return view
+    full, dim, pieces = _chunks_of(p, local.shape)
+    if len(pieces) == 1:  # one rank holds it all (its pieces are the whole dimension, in order)
+        return local.narrow(dim, 0, full[dim])
+    tp_rank = mpu.tp_rank()
     ranks = dist.get_process_group_ranks(mpu.tp_group())
-    metas = []
-    for t, (off, sz) in enumerate(chunks):
-        if sz:
+    metas, shards = [], []
+    for t, mine in enumerate(pieces):
+        for full_off, local_off, size in mine:
             offsets, sizes = [0] * len(full), list(full)
-            offsets[dim], sizes[dim] = off, sz
-            metas.append(ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}"))
-    shards = [Shard(view, m) for m in metas if m.placement.rank() == dist.get_rank()]
+            offsets[dim], sizes[dim] = full_off, size
+            meta = ShardMetadata(offsets, sizes, f"rank:{ranks[t]}/{local.device}")
+            metas.append(meta)
+            if t == tp_rank:
+                shards.append(Shard(local.narrow(dim, local_off, size), meta))
     md = ShardedTensorMetadata(metas, torch.Size(full), TensorProperties(dtype=local.dtype))
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md)
+
+
+def _sync_replicas(pairs) -> None:
+    """After loading: copy each replicated block (``params`` replicas > 1) from the first rank of its replica group,
+    which loaded it, to the others. ``pairs``: ``(param, tensor shaped like it)``."""
+    for p, t in pairs:
+        c = marks.info(p).replicas
+        if c > 1 and mpu.tp_size() > 1:
+            group = mpu.tp_replica_group(c)
+            dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
 
 
 def _templates(params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -108,28 +152,34 @@ def _templates(params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Complete per-parameter optimizer states for every param (under ZeRO-1 each rank has only its pieces, the
-    rest zeros, so a sum over the data-parallel group completes them) and the AdamW step count."""
+    rest zeros, so a sum over the group the states are sharded over completes them: the data- and context-parallel
+    ranks, or for experts the ranks holding the same experts) and the AdamW step count."""
     got, step = opt.param_state()
     out = [got.get(p) or t for p, t in zip(params, _templates(params))]
-    if opt.distributed and mpu.dp_size() > 1:
-        flat = [t for st in out for t in st.values()]
-        buf = torch._utils._flatten_dense_tensors(flat)
-        dist.all_reduce(buf, group=mpu.dp_group())
-        for t, r in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
-            t.copy_(r)
-        steps = torch.tensor([float(step)], device=flat[0].device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_group())
+    if opt.distributed:
+        steps = torch.tensor([float(step)], device=params[0].device)
+        for expert, group in ((False, mpu.dp_cp_group()), (True, mpu.expert_dp_group())):
+            flat = [t for p, st in zip(params, out) if marks.is_expert_parallel(p) == expert for t in st.values()]
+            if flat and dist.get_world_size(group) > 1:
+                buf = torch._utils._flatten_dense_tensors(flat)
+                dist.all_reduce(buf, group=group)
+                for t, r in zip(flat, torch._utils._unflatten_dense_tensors(buf, flat)):
+                    t.copy_(r)
+        if mpu.dp_cp_size() > 1:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=mpu.dp_cp_group())
         step = int(steps.item())
     return out, step
 
 
 def _state_dict(chunks, opt, states=None) -> dict:
-    named = global_parameters(chunks)
-    sd = {f"model.{name}": _sharded(p.detach(), p) for name, p in named}
-    if states is not None:
-        for (name, p), st in zip(named, states):
-            for k, t in st.items():
-                sd[f"optimizer.{k}.{name}"] = _sharded(t, p)
+    """Every tensor under its global name, as ``_sharded`` views; ``states`` (per param, as ``global_parameters``)
+    are stored beside the model as ``optimizer.<state>.<name>``."""
+    state_of = {} if states is None else {id(p): st for (_, p), st in zip(global_parameters(chunks), states)}
+    sd = {}
+    for name, p, index in _entries(chunks):
+        sd[f"model.{name}"] = _sharded(_select(p.detach(), index), p)
+        for k, t in state_of.get(id(p), {}).items():
+            sd[f"optimizer.{k}.{name}"] = _sharded(_select(t, index), p)
     return sd
 
 
@@ -141,15 +191,17 @@ def _rng_state() -> dict:
 
 
 def _layout() -> dict:
-    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "vpp": mpu.vpp_size(),
+    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "cp": mpu.cp_size(), "vpp": mpu.vpp_size(),
             "world": dist.get_world_size()}
 
 
 # ---- save ---------------------------------------------------------------------------------------------------
 
-def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3) -> str:
+def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3,
+         train_config: dict | None = None) -> str:
     """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
-    rank calls it. Returns the checkpoint's path."""
+    rank calls it; ``train_config`` (the run's resolved settings) is stored with the metadata. Returns the
+    checkpoint's path."""
     final = os.path.join(save_dir, f"step-{step:08d}")
     tmp = os.path.join(save_dir, f".tmp-step-{step:08d}")
     rank0 = dist.get_rank() == 0
@@ -164,7 +216,7 @@ def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int =
     sd[f"rng.rank{dist.get_rank()}"] = _rng_state()
     # One JSON string (DCP would flatten a dict into one entry per leaf).
     sd["meta"] = json.dumps({"step": int(step), "optimizer_step": opt_step, "config": dataclasses.asdict(config),
-                             "layout": _layout(),
+                             "layout": _layout(), "train_config": train_config,
                              "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)
@@ -176,10 +228,24 @@ def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int =
         if os.path.exists(final):  # a re-save of the same step: move the old one aside first
             shutil.rmtree(final)
         os.rename(tmp, final)
+        _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
         _write_latest(save_dir, os.path.basename(final))
         _prune(save_dir, keep)
     dist.barrier()
     return final
+
+
+def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
+    """A run with a HuggingFace tokenizer keeps its ``tokenizer.json`` beside its checkpoints (generation and
+    conversion find it there)."""
+    if not spec or not spec.startswith("hf:"):
+        return
+    src = spec[3:]
+    src = os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src
+    dst = os.path.join(save_dir, "tokenizer.json")
+    if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
+        shutil.copyfile(src, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
 
 
 def _write_latest(save_dir: str, name: str) -> None:
@@ -244,6 +310,10 @@ def read_latest(load_dir: str) -> str:
 
 def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
     now = dataclasses.asdict(config)
+    try:  # a checkpoint from before a field existed holds that field's default
+        saved = dataclasses.asdict(ModelConfig(**{k: v for k, v in saved.items() if k in now}))
+    except (TypeError, ValueError):
+        pass
     skip = {"dropout", "attention_dropout"}  # training-time settings, not the weights' shapes
     return [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in now.items()
             if k not in skip and saved.get(k) != v]
@@ -280,20 +350,21 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         if bad:
             raise CheckpointError(f"checkpoint {path} is for another model: " + "; ".join(bad))
         keys = saved_keys(path)
-        named = global_parameters(chunks)
-        missing = [f"model.{n}" for n, _ in named if f"model.{n}" not in keys]
+        missing = [f"model.{n}" for n, _, _ in _entries(chunks) if f"model.{n}" not in keys]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing[:5])}"
                                   + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        params = [p for _, p in named]
+        params = [p for _, p in global_parameters(chunks)]
         with_optimizer = opt is not None and any(k.startswith("optimizer.") for k in keys)
         targets = _templates(params) if with_optimizer else None
         sd = _state_dict(chunks, opt, targets)
         rng_key = f"rng.rank{dist.get_rank()}"
-        same_layout = meta["layout"] == _layout() and any(k.startswith(rng_key + ".") for k in keys)
+        same_layout = {"cp": 1, **meta["layout"]} == _layout() and any(k.startswith(rng_key + ".") for k in keys)
         if same_layout:
             sd[rng_key] = _rng_state()
         dcp.load(sd, checkpoint_id=path)
+    _sync_replicas([(p, p.data) for p in params]
+                   + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else []))
     if opt is not None:
         # Without saved state: masters from the loaded params, moments fresh (step 0).
         states = zip(params, targets) if with_optimizer else ((p, {}) for p in params)

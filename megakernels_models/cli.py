@@ -1,4 +1,4 @@
-"""The ``megakernels`` command (DESIGN.md §5): ``megakernels train|... [flags]``.
+"""The megakernels command: train, preprocess, convert, eval and bench (docs/design.md §5).
 
 ``megakernels train`` with no flags runs the embedded default: a tiny GPT on the Python standard library's sources
 with the byte tokenizer on the CPU, a few minutes, the loss falling. Invalid flags are reported before any process
@@ -11,56 +11,22 @@ import argparse
 import sys
 
 from megakernels_models.arguments import ArgumentError, TrainArgs
+from megakernels_models.settings import HelpFormatter, add_settings, given
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    d = TrainArgs()
-    p = sub.add_parser("train", help="train GPT or BERT (default: a tiny GPT on the Python stdlib, CPU)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", choices=["gpt", "bert"], default=None, help="model family (default: the preset's)")
-    g.add_argument("--preset", default=d.preset, help="gpt-tiny, bert-tiny, gpt-1.2b, gpt-2.5b, gpt-4.2b, gpt-8.3b, "
-                   "gpt-1.3b, bert-336m, bert-1.3b, bert-3.9b; 'none' to give every size")
-    for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size"):
-        g.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="overrides the preset")
-    g.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout (default: preset's)")
-    g.add_argument("--attention", choices=["flash", "torch"], default=d.attention)
-    g = p.add_argument_group("layout")
-    for name, help_ in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size")):
-        g.add_argument("--" + name, type=int, default=getattr(d, name), help=help_)
-    g.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved 1F1B)")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp·pp))")
-    g.add_argument("--nproc", type=int, default=d.nproc, help="local processes to spawn (gloo on CPU)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default=d.schedule, help="pipeline schedule (--vpp "
-                   "selects interleaved 1F1B)")
-    g = p.add_argument_group("optimisation")
-    for name, typ in (("micro_batch_size", int), ("global_batch_size", int), ("steps", int), ("lr", float),
-                      ("min_lr", float), ("weight_decay", float), ("clip_grad", float), ("seed", int)):
-        g.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name))
-    g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup (default: a tenth of --steps)")
-    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision)
-    g.add_argument("--recompute", choices=["none", "selective", "full"], default=d.recompute)
-    g.add_argument("--distributed-optimizer", action="store_true", help="ZeRO-1: shard optimizer state over dp")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="PREFIX[,WEIGHT,PREFIX...] (default: the Python stdlib sources)")
-    g.add_argument("--tokenizer", default=d.tokenizer, help="byte | hf:PATH | spm:PATH")
-    g.add_argument("--split", default=d.split, help="train,valid,test weights over documents")
-    g.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes, help="cap of the default corpus")
-    g = p.add_argument_group("checkpoints, evaluation and logs")
-    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (atomic, DCP)")
-    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and at the end)")
-    g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="the last K are kept")
-    g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR's latest checkpoint (any layout)")
-    g.add_argument("--eval-interval", type=int, default=d.eval_interval, help="0 = never")
-    g.add_argument("--eval-steps", type=int, default=d.eval_steps)
-    g.add_argument("--log-jsonl", default=None, help="one JSON object per step")
-    g.add_argument("--tensorboard", default=None, metavar="DIR")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: table/measured)")
-    g.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout in seconds")
-    g.add_argument("--dry-run", action="store_true", help="validate and report costs without training")
+    from megakernels_models.config import PRESETS
+
+    p = sub.add_parser("train", help="train a model (default: a tiny GPT on the Python stdlib, CPU)",
+                       description="Train a model on any tensor x pipeline x data-parallel layout. Without flags: "
+                       "a tiny GPT on the\nPython standard library's sources, byte tokenizer, CPU, a few minutes.\n\n"
+                       f"Presets: {', '.join(PRESETS)}.", formatter_class=HelpFormatter)
+    add_settings(p, TrainArgs)
+    g = p.add_argument_group("configuration files")
+    g.add_argument("--config", metavar="FILE", default=None, help="YAML or JSON file of settings (names as the flags; "
+                   "'architecture:' for the model's fields); flags given here override it")
+    g.add_argument("--print-config", action="store_true", help="print the resolved configuration (a file --config "
+                   "takes) and exit")
     return p
 
 
@@ -73,21 +39,29 @@ def parse_train_args(argv: list[str]) -> TrainArgs:
 
 
 def _train_args(ns: argparse.Namespace) -> TrainArgs:
-    ns = vars(ns).copy()
-    ns.pop("command")
-    ns.pop("_run", None)
-    if ns["preset"] in ("none", ""):
-        ns["preset"] = None
-    return TrainArgs(**ns)
+    values = given(ns, TrainArgs)
+    if getattr(ns, "config", None):
+        from megakernels_models.config_file import load
+
+        values = {**load(ns.config), **values}
+    if values.get("preset") == "":
+        values["preset"] = "none"
+    return TrainArgs(**values)
 
 
 def _run_train(ns: argparse.Namespace) -> int:
-    args = _train_args(ns)
     from megakernels.parallel.launch import WorldFailed
     from megakernels_models.checkpoint import CheckpointError
     from megakernels_models.train import run
 
     try:
+        args = _train_args(ns)
+        if ns.print_config:
+            from megakernels_models.arguments import validate
+            from megakernels_models.config_file import dump, resolved
+
+            print(dump(resolved(args, validate(args))), end="")
+            return 0
         records = run(args)
     except (ArgumentError, CheckpointError) as e:
         print(f"megakernels train: error: {e}", file=sys.stderr)
@@ -121,6 +95,8 @@ SUBCOMMANDS = {
     "preprocess": "megakernels_models.data.preprocess:add_parser",
     "convert": "megakernels_models.convert:add_parser",
     "eval": "megakernels_models.evaluate:add_parser",
+    "generate": "megakernels_models.generate:add_parser",
+    "plan": "megakernels_models.plan:add_parser",
     "bench": "megakernels_models.bench.cli:add_parser",
 }
 
@@ -136,9 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Packages of the `train` and `bench` extras (pip install 'megakernels[train]'); the library needs none of them.
+EXTRAS = {"tqdm": "train", "tensorboard": "train", "tokenizers": "train", "sentencepiece": "train",
+          "safetensors": "train", "yaml": "train", "matplotlib": "bench"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return ns._run(ns)
+    try:
+        return ns._run(ns)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"megakernels {ns.command}: needs {top}, part of the '{EXTRAS[top]}' extra: "
+              f"pip install 'megakernels[{EXTRAS[top]}]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

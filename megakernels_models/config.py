@@ -1,44 +1,80 @@
-"""Model configurations: one dataclass for GPT and BERT, the presets, and what a configuration costs.
+"""Model configurations: one dataclass for the GPT, BERT and Llama families, the presets, and what a configuration
+costs.
 
 The presets include the Megatron-LM paper's sizes (Shoeybi et al. 2019, Table 1 for GPT-2 style models, §4 for
-BERT) and tiny ones that train on a CPU in minutes. Sizes here are what the model *is*; how it is split over
-devices (tp/pp/dp) belongs to the trainer's configuration.
+BERT), the Llama 2 / Llama 3 shapes, and tiny ones that train on a CPU in minutes. Sizes here are what the model
+*is*; how it is split over devices (tp/cp/pp/dp) belongs to the trainer's configuration.
 
-FLOPs follow Narayanan et al. 2021 (§5.1), written per token and generalised to any FFN size: one layer's forward
-is ``2·(4h² + 2hf)`` GEMM FLOPs for QKV, the output projection and the MLP, plus ``4sh`` for the attention scores
-and the weighted sum (the full s×s square, as the paper counts it, causal or not); the LM head adds ``2hV``.
-Backward costs twice the forward, so a training step is 3× the forward; full recomputation adds one more forward
-of the layers (4×), selective recomputation one more attention core. With f = 4h this is the paper's
-``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token (``96 …`` with recomputation).
+FLOPs follow Narayanan et al. 2021 (§5.1), written per token for any attention and MLP shape: one layer's forward is
+``2·h·(q + 2·kv) + 2·q·h`` for the Q/K/V and output projections (``q = heads·head_dim``, ``kv = kv_heads·head_dim``;
+``4h²`` with full multi-head attention), ``2·h·f`` per MLP matrix (two for GeLU, three for SwiGLU), plus ``4·s·q``
+for the attention scores and the weighted sum (the full s×s square, as the paper counts it, causal or not); the LM
+head adds ``2hV``. Backward costs twice the forward, so a training step is 3× the forward; full recomputation adds
+one more forward of the layers (4×), selective recomputation one more attention core. With f = 4h and full MHA
+this is the paper's ``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token (``96 …`` with recomputation).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-MODELS = ("gpt", "bert")
+from megakernels.validation import positive_int
+
+MODELS = ("gpt", "bert", "llama")
 RECOMPUTE = ("none", "selective", "full")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+# What each family is unless a field says otherwise (fields left None take these).
+FAMILY_DEFAULTS = {
+    "gpt": dict(norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True,
+                tie_embeddings=True),
+    "bert": dict(norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True,
+                 tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False,
+                  tie_embeddings=False),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT or BERT Transformer (pre-norm, learned positions, GeLU MLP, word embedding tied to the output).
+    """A Transformer of the GPT (causal LM), BERT (masked LM + sentence order) or Llama (causal LM) family.
 
     Attributes:
-        model: ``"gpt"`` (causal LM) or ``"bert"`` (bidirectional; masked LM + sentence-order prediction).
+        model: ``"gpt"``, ``"bert"`` or ``"llama"``; the architecture fields below that are None take the family's
+            values (``FAMILY_DEFAULTS``): GPT/BERT pre-norm LayerNorm, learned positions, tanh-GeLU MLP with
+            biases, tied output embedding; Llama RMSNorm, rotary positions, SwiGLU MLP without biases, untied.
         num_layers, hidden_size, num_heads: l, h, a.
+        num_kv_heads: key/value heads (grouped-query attention; default ``num_heads``: multi-head).
         seq_length: s, tokens per sample (also the number of learned positions).
         vocab_size: V, the tokenizer's real vocabulary (padded for GEMMs inside the model, never in the math).
         ffn_hidden_size: the MLP's inner size f (default 4h).
         dropout: hidden dropout (after the embeddings and on each residual branch).
         attention_dropout: on the attention probabilities.
-        layernorm_eps: of every LayerNorm.
+        layernorm_eps: of every LayerNorm / RMSNorm.
         init_std: std of the normal init (output projections use ``init_std / sqrt(2·l)``).
-        num_token_types: BERT's segment embeddings (ignored by GPT).
-        norm_position: ``"pre"`` (LayerNorm on each branch's input, a final LayerNorm; every preset) or ``"post"``
-            (the original Transformer/BERT: LayerNorm after each residual sum and after the embeddings, no final
+        num_token_types: BERT's segment embeddings (ignored otherwise).
+        norm_position: ``"pre"`` (a norm on each branch's input, a final norm; every preset) or ``"post"``
+            (the original Transformer/BERT: a norm after each residual sum and after the embeddings, no final
             one; for models converted from HuggingFace BERT).
-        activation: the MLP's GeLU, ``"gelu_tanh"`` (GPT-2/Megatron) or ``"gelu"`` (erf, BERT).
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        position_embedding: ``"learned"`` (a table of ``seq_length`` positions) or ``"rope"`` (rotary, applied to
+            queries and keys).
+        rope_theta: the rotary base (10000 in Llama 2, 500000 in Llama 3).
+        rope_interleaved: rotate pairs ``(2i, 2i+1)`` (GPT-J, Meta's original Llama weights) instead of
+            ``(i, i + d/2)`` (GPT-NeoX, HuggingFace's Llama).
+        activation: the MLP: ``"gelu_tanh"`` (GPT-2/Megatron), ``"gelu"`` (erf, BERT) or ``"swiglu"``
+            (``silu(x W_gate) * (x W_up)``, Llama).
+        bias: biases in the linear layers.
+        tie_embeddings: the output layer is the word embedding's table.
+        num_experts: experts of each mixture-of-experts layer (0: every MLP is dense).
+        moe_top_k: experts per token.
+        moe_ffn_hidden_size: each expert's MLP size (default ``ffn_hidden_size``).
+        moe_layer_freq: layer ``i`` is a MoE layer when ``i % moe_layer_freq == 0`` (1: every layer).
+        moe_normalize: renormalise the top-k router weights (Mixtral) or not (Switch/GShard).
+        moe_aux_loss_coeff, moe_z_loss_coeff: load-balancing and router z-loss coefficients.
+        moe_capacity_factor: capacity per expert as a factor of the even share (None: dropless).
+        moe_shared_experts: dense experts every token of a MoE layer also goes through.
     """
 
     model: str = "gpt"
@@ -54,27 +90,72 @@ class ModelConfig:
     init_std: float = 0.02
     num_token_types: int = 2
     norm_position: str = "pre"
-    activation: str = "gelu_tanh"
+    activation: str | None = None
+    num_kv_heads: int | None = None
+    norm: str | None = None
+    position_embedding: str | None = None
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False
+    bias: bool | None = None
+    tie_embeddings: bool | None = None
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int = 1
+    moe_normalize: bool = True
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.0
+    moe_capacity_factor: float | None = None
+    moe_shared_experts: int = 0
 
     def __post_init__(self):
-        if self.norm_position not in ("pre", "post"):
-            raise ValueError(f"ModelConfig: norm_position must be 'pre' or 'post', got {self.norm_position!r}")
-        if self.activation not in ("gelu_tanh", "gelu"):
-            raise ValueError(f"ModelConfig: activation must be 'gelu_tanh' or 'gelu', got {self.activation!r}")
         if self.model not in MODELS:
             raise ValueError(f"ModelConfig: model must be one of {MODELS}, got {self.model!r}")
+        for name, value in FAMILY_DEFAULTS[self.model].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        for name, allowed in (("norm_position", ("pre", "post")), ("activation", ACTIVATIONS), ("norm", NORMS),
+                              ("position_embedding", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "num_token_types"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelConfig: {name} must be a positive int, got {v!r}")
+            positive_int(getattr(self, name), name, where="ModelConfig")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        elif isinstance(self.ffn_hidden_size, bool) or not isinstance(self.ffn_hidden_size, int) \
-                or self.ffn_hidden_size < 1:
-            raise ValueError(f"ModelConfig: ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
+        positive_int(self.ffn_hidden_size, "ffn_hidden_size", where="ModelConfig")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        positive_int(self.num_kv_heads, "num_kv_heads", where="ModelConfig")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (each key/value head serves a group of query heads)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"ModelConfig: hidden_size={self.hidden_size} is not divisible by "
                              f"num_heads={self.num_heads}")
+        if self.position_embedding == "rope":
+            if self.head_dim % 2:
+                raise ValueError(f"ModelConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
+            if not self.rope_theta > 1:
+                raise ValueError(f"ModelConfig: rope_theta must be > 1, got {self.rope_theta}")
+        if self.model == "bert" and (self.position_embedding != "learned" or self.activation == "swiglu"):
+            raise ValueError("ModelConfig: the BERT family has learned positions and a GeLU MLP")
+        if self.num_experts:
+            positive_int(self.num_experts, "num_experts", where="ModelConfig")
+            if self.model == "bert":
+                raise ValueError("ModelConfig: mixture-of-experts layers are for the GPT and Llama families")
+            if not 1 <= self.moe_top_k <= self.num_experts:
+                raise ValueError(f"ModelConfig: moe_top_k={self.moe_top_k} must be in 1..num_experts="
+                                 f"{self.num_experts}")
+            positive_int(self.moe_layer_freq, "moe_layer_freq", where="ModelConfig")
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            positive_int(self.moe_ffn_hidden_size, "moe_ffn_hidden_size", where="ModelConfig")
+            if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+                raise ValueError(f"ModelConfig: moe_capacity_factor must be > 0 or None (dropless), got "
+                                 f"{self.moe_capacity_factor}")
+            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                if not getattr(self, name) >= 0:
+                    raise ValueError(f"ModelConfig: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("dropout", "attention_dropout"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -91,10 +172,32 @@ class ModelConfig:
 
     # ---- cost model -------------------------------------------------------------------------------------------
 
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection: ``num_kv_heads · head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is a mixture-of-experts layer."""
+        return self.num_experts > 0 and i % self.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the MLP: three with SwiGLU (gate, up, down), else two."""
+        return 3 if self.activation == "swiglu" else 2
+
     def forward_flops_per_token(self) -> dict[str, float]:
         """Forward FLOPs per token: ``{"layers_gemm", "attention", "head"}`` (all layers together)."""
         h, f, s, l, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.num_layers, self.vocab_size
-        gemm = 2.0 * (4 * h * h + 2 * h * f) * l
+        moe = self.num_moe_layers
+        # a MoE layer's MLP: the router, top_k experts and the shared experts per token (the active parameters)
+        moe_mlp = (h * self.num_experts + (self.moe_top_k + self.moe_shared_experts) * self.mlp_matrices * h
+                   * (self.moe_ffn_hidden_size or f)) if moe else 0
+        gemm = 2.0 * ((h * (h + 2 * self.kv_size) + h * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
         attention = 4.0 * s * h * l
         head = 2.0 * h * V + (2.0 * h * h if self.model == "bert" else 0.0)  # BERT's MLM transform
         return {"layers_gemm": gemm, "attention": attention, "head": head}
@@ -116,21 +219,41 @@ class ModelConfig:
 
     def activation_bytes_per_layer(self, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                                    recompute: str = "none", bytes_per_element: int = 2,
-                                   flash_attention: bool = False) -> float:
-        """Activation memory one layer keeps for backward, per micro-batch (Korthikanti et al. 2022, Table 2).
+                                   flash_attention: bool = False, cp: int = 1) -> float:
+        """Activation memory one layer keeps for backward, per micro-batch (Korthikanti et al. 2022, §4.1,
+        generalised to grouped-query attention, any MLP width and SwiGLU).
 
-        ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism; ``s·b·h/t·(34 + 5·a·s/h)`` with sequence
-        parallelism too; selective recomputation (or FlashAttention, which never stores the s×s scores) drops the
-        ``5·a·s/h`` term; full recomputation keeps only the layer's input ``2·s·b·h`` (``/t`` with SP). The
-        paper's constants assume 2-byte activations; ``bytes_per_element=4`` doubles them (fp32 training)."""
-        s, b, h, a = self.seq_length, micro_batch_size, self.hidden_size, self.num_heads
+        In 2-byte elements per token: attention keeps its input (2h), Q (2h), K and V (2·2·kv), the input of the
+        output projection (2h) and, with dropout, its mask (h); the MLP its input (2h), the activation's input
+        (2f, 4f for SwiGLU's gate and up) and output (2f) and a dropout mask (h); the two norms their inputs (4h).
+        A mixture-of-experts MLP keeps each token ``top_k`` times (its expert rows, 2h each, and their MLPs) plus
+        the shared experts' (averaged over the layers, for models whose MoE layers are every n-th).
+        The attention scores add ``5·a·s`` (softmax output, dropout mask and output) unless FlashAttention or
+        selective recomputation avoid storing them. Tensor parallelism divides all but the norms' and branches'
+        inputs and the residual dropout masks (``10h`` of GPT's ``34h``); sequence parallelism divides those too.
+        Full recomputation keeps only the layer's input ``2·s·b·h`` (``/t`` with SP). With f = 4h, full MHA and
+        dropout this is the paper's ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (``s·b·h/t·(34 + 5·a·s/h)`` with SP).
+        Context parallelism gives each rank ``s/cp`` tokens (its attention runs as ring attention, never storing
+        scores). ``bytes_per_element=4`` doubles everything (fp32 training)."""
+        s, b, h, a = self.seq_length // cp, micro_batch_size, self.hidden_size, self.num_heads
+        f, kv = self.ffn_hidden_size, self.kv_size
         scale = bytes_per_element / 2.0
         if recompute == "full":
             return scale * 2.0 * s * b * h / (tp if sequence_parallel else 1)
-        scores = 0.0 if (recompute == "selective" or flash_attention) else 5.0 * a * s / h
+        mask = 1.0 if self.dropout > 0 else 0.0
+        mlp = lambda width: (4.0 if self.activation == "swiglu" else 2.0) * width + 2.0 * width  # noqa: E731
+        inside = mlp(f)
+        if self.num_experts:  # a MoE layer keeps each token k times (its rows for the experts) plus the shared MLPs
+            moe = self.moe_top_k * (2.0 * h + mlp(self.moe_ffn_hidden_size)) \
+                + self.moe_shared_experts * mlp(self.moe_ffn_hidden_size)
+            share = self.num_moe_layers / self.num_layers
+            inside = (1 - share) * inside + share * moe
+        replicated = (2.0 + mask) * h + (2.0 + mask) * h + 4.0 * h  # branch inputs + residual masks, norms
+        split = (2.0 * h + 4.0 * kv + 2.0 * h) + inside  # Q, K, V, projection input; the MLP's inside
+        scores = 0.0 if (recompute == "selective" or flash_attention or cp > 1) else 5.0 * a * s
         if sequence_parallel:
-            return scale * s * b * h / tp * (34.0 + scores)
-        return scale * s * b * h * (10.0 + 24.0 / tp + scores / tp)
+            return scale * s * b * (replicated + split + scores) / tp
+        return scale * s * b * (replicated + (split + scores) / tp)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -150,18 +273,49 @@ PRESETS: dict[str, ModelConfig] = {
     "bert-336m": ModelConfig("bert", num_layers=24, hidden_size=1024, num_heads=16, seq_length=512, vocab_size=30522),
     "bert-1.3b": ModelConfig("bert", num_layers=24, hidden_size=2048, num_heads=32, seq_length=512, vocab_size=30522),
     "bert-3.9b": ModelConfig("bert", num_layers=48, hidden_size=2560, num_heads=40, seq_length=512, vocab_size=30522),
+    # Llama: a tiny one for the CPU; Llama 3.2 1B, Llama 3 8B and Llama 2 7B shapes.
+    "llama-tiny": ModelConfig("llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, seq_length=256,
+                              vocab_size=261, ffn_hidden_size=704, dropout=0.0, attention_dropout=0.0,
+                              layernorm_eps=1e-5, rope_theta=10000.0),
+    "llama3-1b": ModelConfig("llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, seq_length=8192,
+                             vocab_size=128256, ffn_hidden_size=8192, dropout=0.0, attention_dropout=0.0,
+                             layernorm_eps=1e-5, rope_theta=500000.0, tie_embeddings=True),
+    "llama3-8b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, seq_length=8192,
+                             vocab_size=128256, ffn_hidden_size=14336, dropout=0.0, attention_dropout=0.0,
+                             layernorm_eps=1e-5, rope_theta=500000.0),
+    # Mixture of experts: tiny ones for the CPU, and Mixtral 8x7B (46.7B parameters, 12.9B active per token).
+    "gpt-moe-tiny": ModelConfig("gpt", num_layers=4, hidden_size=256, num_heads=8, seq_length=256, vocab_size=261,
+                                dropout=0.0, attention_dropout=0.0, num_experts=4, moe_top_k=2,
+                                moe_ffn_hidden_size=512, moe_normalize=False),
+    "llama-moe-tiny": ModelConfig("llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2,
+                                  seq_length=256, vocab_size=261, ffn_hidden_size=704, dropout=0.0,
+                                  attention_dropout=0.0, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=352),
+    "mixtral-8x7b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                                seq_length=32768, vocab_size=32000, ffn_hidden_size=14336, dropout=0.0,
+                                attention_dropout=0.0, layernorm_eps=1e-5, rope_theta=1e6, num_experts=8,
+                                moe_top_k=2, moe_aux_loss_coeff=0.02),
+    "llama2-7b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, seq_length=4096,
+                             vocab_size=32000, ffn_hidden_size=11008, dropout=0.0, attention_dropout=0.0,
+                             layernorm_eps=1e-5, rope_theta=10000.0),
 }
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """The preset ``name`` with fields replaced by ``overrides`` (those that are not None).
+    """The preset ``name`` with fields replaced by ``overrides`` (those that are not None). Sizes the preset derives
+    follow their source unless given: an MLP of 4h follows a new hidden size, and multi-head attention (as many
+    key/value heads as heads) a new head count.
 
     Raises:
         ValueError: an unknown name (listing the known ones).
     """
     if name not in PRESETS:
         raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+    base, given = PRESETS[name], {k: v for k, v in overrides.items() if v is not None}
+    if "hidden_size" in given and "ffn_hidden_size" not in given and base.ffn_hidden_size == 4 * base.hidden_size:
+        given["ffn_hidden_size"] = 4 * given["hidden_size"]
+    if "num_heads" in given and "num_kv_heads" not in given and base.num_kv_heads == base.num_heads:
+        given["num_kv_heads"] = given["num_heads"]
+    return base.replace(**given)
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:

@@ -1,131 +1,90 @@
 """``megakernels train --dry-run``: what a run would cost, computed without allocating the model.
 
 The model is built on the meta device (shapes only; seconds even for GPT-8.3B), so the parameter count is the real
-model's. Per-device numbers follow the layout:
-
-- parameters per device: sharded tensors (``p.tensor_parallel``) divided by tp (the vocabulary padded to 128·tp),
-  replicated ones whole, layers split over pipeline stages; the most loaded stage is reported;
-- weights + gradients + optimizer state per parameter, Megatron-LM's accounting: bf16/fp16 training keeps 2-byte
-  weights, 4-byte fp32 gradients and 12 bytes of fp32 master weight + Adam moments (18 bytes), the distributed
-  optimizer shards the 12 over dp (6 + 12/dp); fp32 training 4 + 4 + 8;
-- activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``) for the layers of a stage,
-  times the micro-batches the schedule keeps in flight on the first stage (1F1B: pp, so the whole model's layers'
-  worth; interleaved: × (1 + (pp−1)/(pp·vpp)); GPipe: all m), plus the last stage's logits;
-- FLOPs per step: model FLOPs (what MFU counts) and executed FLOPs (with recomputation).
+model's; memory per device follows the layout by ``costs.memory`` (weights, gradients, optimizer state and
+activations, Megatron-LM's and Korthikanti et al.'s accounting). FLOPs per step: model FLOPs (what MFU counts) and
+executed FLOPs (with recomputation). A layout that is likely poor gets a warning pointing to ``megakernels plan``:
+a pipeline bubble over 25 %, tensor parallelism wider than a node (``--gpus-per-node``), or a device more than 90 %
+full (on the ``--gpu`` it is planned for).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import torch.distributed as dist
 
-from megakernels.parallel.embedding import pad_vocab_size
+from megakernels_models import costs
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
-from megakernels_models.config import ModelConfig, human, stage_layers
+from megakernels_models.config import ModelConfig, human
 
 
-def _meta_model(cfg: ModelConfig):
-    from megakernels_models.bert import BertModel
-    from megakernels_models.gpt import GPTModel
+def layout_of(args: TrainArgs) -> costs.Layout:
+    """The ``costs.Layout`` of validated trainer arguments."""
+    return costs.Layout(tp=args.tp, pp=args.pp, dp=args.data_parallel_size(), cp=args.cp, ep=args.ep,
+                        vpp=args.vpp or 1, micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size, sequence_parallel=args.sequence_parallel,
+                        distributed_optimizer=args.distributed_optimizer, recompute=args.recompute,
+                        precision=args.precision, schedule=args.schedule, flash=args.attention == "flash")
 
-    from megakernels.parallel.launch import single_process_world
 
+def warnings_for(args: TrainArgs, rep: dict) -> list[str]:
+    """What looks poor about a layout (see the module docstring)."""
+    out = []
+    if rep.get("bubble_fraction", 0.0) > 0.25:
+        out.append(f"the pipeline bubble is {rep['bubble_fraction']:.0%} of the step: raise the micro-batches per "
+                   "step (global batch / (micro batch × dp)), interleave (--vpp) or use fewer stages")
+    if args.tp > args.gpus_per_node:
+        out.append(f"--tp {args.tp} spans more than a node ({args.gpus_per_node} GPUs): its per-layer all-reduces "
+                   "would cross the network")
+    device = costs.DEVICES[args.gpu]
+    if rep["memory_per_device_bytes"] > 0.9 * device.memory_gb * 1e9:
+        out.append(f"{human(rep['memory_per_device_bytes'], 'B')} per device is more than 90 % of an {device.name}'s "
+                   f"{device.memory_gb:g} GB")
+    return [w + "; `megakernels plan` ranks the layouts that fit" for w in out]
+
+
+def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
+    """Build the model on the meta device and report its costs (printed with ``out``; written to ``--log-jsonl`` as
+    one JSON object). ``cfg`` is ``validate(args)``'s result (validated here when not given). Returns the report."""
+    t0 = time.perf_counter()
+    cfg = validate(args) if cfg is None else cfg
     if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
-    with single_process_world(parallel=True):
-        cls = GPTModel if cfg.model == "gpt" else BertModel
-        return cls(cfg, 0, device="meta", attention="torch")
-
-
-def _params_per_stage(model, cfg: ModelConfig, tp: int, pp: int, vpp: int) -> list[int]:
-    owner = {}
-    for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp)):
-        for layers in chunks:
-            for i in layers:
-                owner[i] = r
-    vocab_local = pad_vocab_size(cfg.vocab_size, tp) // tp
-    stages = [0] * pp
-    for name, p in model.named_parameters():
-        if name in ("embedding.word.weight",):
-            n = vocab_local * cfg.hidden_size
-        elif name == "mlm_bias":
-            n = vocab_local
-        elif getattr(p, "tensor_parallel", False):
-            n = p.numel() // tp
-        else:
-            n = p.numel()
-        layer = re.match(r"layers\.(\d+)\.", name)
-        if layer:
-            stages[owner[int(layer.group(1))]] += n
-        elif name.startswith("embedding."):
-            stages[0] += n
-        else:
-            stages[-1] += n
-    if pp > 1:
-        stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
-    return stages
-
-
-def report(args: TrainArgs, out=print) -> dict:
-    """Validate ``args``, build the model on the meta device and report its costs (printed with ``out``; written
-    to ``--log-jsonl`` as one JSON object). Returns the report."""
-    t0 = time.perf_counter()
-    cfg = validate(args)
-    tp, pp, vpp, dp = args.tp, args.pp, args.vpp or 1, args.data_parallel_size()
-    world, m, mbs = args.world_size(), args.num_microbatches(), args.micro_batch_size
-    model = _meta_model(cfg)
-    total = sum(p.numel() for p in model.parameters())
-    stages = _params_per_stage(model, cfg, tp, pp, vpp)
-    half = args.precision != "fp32"
-    weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
-    if args.distributed_optimizer:
-        opt_b = opt_b / dp
-    bytes_el = 2 if half else 4
-    flash = args.attention == "flash"
-    per_layer = cfg.activation_bytes_per_layer(mbs, tp, args.sequence_parallel, args.recompute, bytes_el, flash)
-    layers_per_stage = cfg.num_layers // pp
-    if vpp > 1:
-        in_flight = pp * (1 + (pp - 1) / (pp * vpp))
-    elif args.schedule == "gpipe":
-        in_flight = m
-    else:
-        in_flight = min(pp, m)
-    act_first = per_layer * layers_per_stage * in_flight
-    logits = cfg.seq_length * mbs * pad_vocab_size(cfg.vocab_size, tp) / tp * 4  # fp32 logits kept for backward
-    mem = []
-    for r, n in enumerate(stages):
-        act = act_first if r == 0 else per_layer * layers_per_stage * max(1.0, in_flight - r)
-        if r == pp - 1:
-            act += logits
-        mem.append({"weights": n * weight_b, "grads": n * grad_b, "optimizer": n * opt_b, "activations": act})
-    totals = [sum(x.values()) for x in mem]
-    worst = max(range(pp), key=lambda r: totals[r])
+    meta = costs.MetaModel(cfg)
+    L = layout_of(args)
+    mem = costs.memory(meta, L)
     tokens = args.global_batch_size * cfg.seq_length
+    world, tp, cp, dp = args.world_size(), L.tp, L.cp, L.dp
     rep = {
-        "model": cfg.model, "preset": args.preset, "parameters": total,
-        "parameters_per_device": max(stages),
+        "model": cfg.model, "preset": args.preset_name(), "parameters": meta.parameters,
+        "active_parameters": meta.active_parameters, "parameters_per_device": mem["parameters_per_device"],
+        **({"expert_memory_per_device_bytes": mem["expert_bytes"]} if cfg.num_experts else {}),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
-        "memory_per_device_bytes": totals[worst],
-        "memory_breakdown_bytes": mem[worst],
-        "layout": {"tp": tp, "pp": pp, "vpp": vpp, "dp": dp, "world": world, "microbatches": m,
-                   "sequence_parallel": args.sequence_parallel, "distributed_optimizer": args.distributed_optimizer,
-                   "recompute": args.recompute, "precision": args.precision},
-        "ranks": {r: {"tp": r % tp, "dp": (r // tp) % dp, "pp": r // (tp * dp)} for r in range(min(world, 4096))},
+        "memory_per_device_bytes": mem["total"],
+        "memory_breakdown_bytes": mem["breakdown"],
+        "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": L.pp, "vpp": L.vpp, "dp": dp, "world": world,
+                   "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
+                   "distributed_optimizer": args.distributed_optimizer, "recompute": args.recompute,
+                   "precision": args.precision},
+        "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
+                  for r in range(min(world, 4096))},
     }
-    # The same stage's activations under every recompute / sequence-parallel choice (for choosing one).
+    # The first stage's activations under every recompute / sequence-parallel choice (for choosing one).
+    bytes_el = 2 if args.precision != "fp32" else 4
     rep["activations_by_choice_bytes"] = {
-        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(mbs, tp, sp, rc, bytes_el, flash)
-        * layers_per_stage * in_flight for rc in ("none", "selective", "full") for sp in (False, True)}
-    if pp > 1:
+        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(args.micro_batch_size, tp, sp, rc, bytes_el, L.flash,
+                                                                   cp) * (cfg.num_layers // L.pp) * mem["in_flight"]
+        for rc in ("none", "selective", "full") for sp in (False, True)}
+    if L.pp > 1:
         from megakernels.parallel.pipeline import bubble_fraction, format_schedule
-        name = "interleaved" if vpp > 1 else args.schedule
-        rep["bubble_fraction"] = bubble_fraction(name, pp, m, vpp)
-        if pp <= 8 and m * vpp <= 32:
-            rep["schedule"] = format_schedule(name, pp, m, vpp)
+        name = "interleaved" if L.vpp > 1 else args.schedule
+        rep["bubble_fraction"] = bubble_fraction(name, L.pp, L.microbatches, L.vpp)
+        if L.pp <= 8 and L.microbatches * L.vpp <= 32:
+            rep["schedule"] = format_schedule(name, L.pp, L.microbatches, L.vpp)
+    rep["warnings"] = warnings_for(args, rep)
     rep["seconds"] = time.perf_counter() - t0
     _print(rep, cfg, out)
     if args.log_jsonl:
@@ -139,14 +98,18 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"{rep['preset'] or cfg.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"seq {cfg.seq_length}, vocab {cfg.vocab_size}")
     out(f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
-        "device")
+        "device" + (f"; {human(rep['active_parameters'])} active per token ({cfg.num_experts} experts, top "
+                    f"{cfg.moe_top_k})" if cfg.num_experts else ""))
+    if "expert_memory_per_device_bytes" in rep:
+        out(f"expert weights, gradients and optimizer state per device: "
+            f"{human(rep['expert_memory_per_device_bytes'], 'B')} (ep={lay['ep']})")
     out(f"FLOPs per step: {human(rep['flops_per_step'], 'FLOP')} (model), "
         f"{human(rep['flops_per_step_executed'], 'FLOP')} executed with recompute={lay['recompute']}")
     b = rep["memory_breakdown_bytes"]
     out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}")
-    out(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
+    out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")
     out("activations on the first stage by choice (Korthikanti et al. 2022): " + ", ".join(
@@ -157,5 +120,8 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         out(rep["schedule"])
     ranks = rep["ranks"]
     if len(ranks) <= 64:
-        out("rank -> (tp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['pp']},{c['dp']})" for r, c in ranks.items()))
+        out("rank -> (tp, cp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['cp']},{c['pp']},{c['dp']})"
+                                                     for r, c in ranks.items()))
+    for w in rep["warnings"]:
+        out(f"warning: {w}")
     out(f"(computed in {rep['seconds']:.2f} s on the meta device)")

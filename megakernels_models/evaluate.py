@@ -84,17 +84,18 @@ def lambada_accuracy(model, tokenizer, passages: list[str], seq_length: int, voc
 
 
 def load_model(ckpt_dir: str, device: str = "cpu"):
-    """(GPT model at tp = pp = 1 with the checkpoint's weights, its config); needs an initialised one-rank world."""
+    """(causal LM at tp = pp = 1 with the checkpoint's weights, its config); needs an initialised one-rank world."""
     from megakernels_models import checkpoint
     from megakernels_models.config import ModelConfig
-    from megakernels_models.gpt import GPTModel
+    from megakernels_models.tasks import task_for
 
     path = checkpoint.read_latest(ckpt_dir)
     meta = checkpoint.read_meta(path)
     cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
-    if cfg.model != "gpt":
-        raise ValueError(f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT)")
-    model = GPTModel(cfg, seed=0, device=device).eval()
+    if cfg.model not in ("gpt", "llama"):
+        raise ValueError(f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT, "
+                         "Llama)")
+    model = task_for(cfg).build_chunk(0, device=device).eval()
     checkpoint.load(path, [model], None, cfg)
     return model, cfg
 
@@ -105,12 +106,12 @@ def _tokenizer(spec: str):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity (WikiText style) or LAMBADA accuracy of a GPT checkpoint")
+    p = sub.add_parser("eval", help="perplexity (WikiText style) or LAMBADA accuracy of a GPT or Llama checkpoint")
     p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint (any layout)")
     p.add_argument("--task", required=True, choices=["ppl", "lambada"])
     p.add_argument("--data", required=True, metavar="FILE", help="text file (ppl) or JSONL of passages (lambada)")
-    p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (the one the model was trained "
-                   "with)")
+    p.add_argument("--tokenizer", default=None, help="byte | hf:PATH | spm:PATH, the one the model was trained with "
+                   "(default: the checkpoint's tokenizer.json, else byte)")
     p.add_argument("--stride", type=int, default=None, help="ppl window stride (default: seq_length)")
     p.add_argument("--json-key", default="text")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -122,7 +123,9 @@ def main(ns) -> int:
     from megakernels_models.checkpoint import CheckpointError
 
     try:
-        tok = _tokenizer(ns.tokenizer)
+        from megakernels_models.convert import checkpoint_tokenizer
+
+        tok = _tokenizer(ns.tokenizer or checkpoint_tokenizer(ns.load) or "byte")
         with open(ns.data, encoding="utf-8") as f:
             raw = f.read()
     except (OSError, ValueError) as e:

@@ -28,20 +28,23 @@ class GPTModel(LanguageModel):
         ids: ``[b, s]`` token ids (first stage); hidden: ``[s, b, h]`` from the previous stage (other stages).
         labels: ``[b, s]`` next-token ids (``-100`` = ignore); on the last stage with labels the result is the
             per-token fp32 loss ``[s, b]``; without labels, the vocab-parallel logits ``[s, b, V_pad/tp]``.
+        kv_cache: a ``megakernels.nn.KVCache`` for incremental decoding (``generate.py``).
     On other stages the result is the hidden state to send on.
     """
 
+    family = "gpt"
+
     def __init__(self, config: ModelConfig, seed: int, **kwargs):
-        if config.model != "gpt":
-            raise ValueError(f"GPTModel: config.model is {config.model!r}, expected 'gpt'")
+        if config.model != self.family:
+            raise ValueError(f"{type(self).__name__}: config.model is {config.model!r}, expected {self.family!r}")
         super().__init__(config, seed, causal=True, **kwargs)
 
     def forward(self, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.encode(ids, hidden)
+                hidden: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        x = self.encode(ids, hidden, kv_cache=kv_cache)
         if not self.post_process:
             return x
-        logits = parallel_lm_logits(x, self.word_embedding_weight, True, self.sequence_parallel)
+        logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size)

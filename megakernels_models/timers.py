@@ -9,7 +9,7 @@ Phases of one optimizer step, on each rank:
 
 - ``forward``: time inside the trainer's ``forward_step`` (every micro-batch's forward, the loss included; tensor-
   parallel collectives inside the layers count here, they are not separable without a profiler);
-- ``bubble``: time blocked in pipeline exchanges (``p2p.communicate``): waiting for the neighbouring stage (the
+- ``bubble``: time blocked in pipeline exchanges (the executor's ``exchange_hook``): waiting for the neighbouring stage (the
   pipeline bubble) plus the transfers themselves, which on one node are the small part;
 - ``backward``: the rest of the pipeline phase: the backward passes (with their tensor-parallel collectives and the
   launch of the overlapped data-parallel bucket reductions), plus zeroing the gradient buffers, batch assembly and
@@ -24,8 +24,8 @@ Clocks: CUDA events on the current stream on a GPU (resolved once per step, in `
 the CPU. Peak memory since the timers were created: ``torch.cuda.max_memory_allocated`` on a GPU, the process's
 peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) on the CPU.
 
-To time the exchanges without touching the pipeline executor, ``start`` swaps ``p2p.communicate`` (which the
-executor calls through its module) for a timed wrapper and ``finish`` puts the original back.
+The exchanges are timed through the pipeline executor's ``exchange_hook`` (``forward_backward(...,
+exchange_hook=timers.exchange_hook)``), which wraps the exchange function of one step.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class StepTimers:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             _reset_rss_peak()
-        self._active, self._marks, self._spans, self._saved = False, {}, {"forward": [], "bubble": []}, None
+        self._active, self._marks, self._spans = False, {}, {"forward": [], "bubble": []}
 
     def _now(self):
         if self._cuda:
@@ -95,13 +95,13 @@ class StepTimers:
         """The top of a training step."""
         if not self.enabled:
             return
-        from megakernels.parallel.pipeline import p2p
-
         self._marks, self._spans = {"start": self._now()}, {"forward": [], "bubble": []}
         self._active = True
-        if self._saved is None:
-            self._saved = p2p.communicate
-            p2p.communicate = self._timed(self._saved, "bubble")
+
+    @property
+    def exchange_hook(self):
+        """For ``forward_backward(exchange_hook=...)``: times each pipeline exchange (None when disabled)."""
+        return (lambda communicate: self._timed(communicate, "bubble")) if self.enabled else None
 
     def wrap_forward(self, forward_step):
         """``forward_step`` timed while a step is being timed (evaluation forwards are not)."""
@@ -119,11 +119,7 @@ class StepTimers:
         Called on every rank of the world (the numbers are gathered over it)."""
         if not self.enabled:
             return
-        from megakernels.parallel.pipeline import p2p
-
         self._active = False
-        if self._saved is not None:
-            p2p.communicate, self._saved = self._saved, None
         if self._cuda:
             torch.cuda.synchronize(self.device)
         m = self._marks

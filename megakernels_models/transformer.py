@@ -1,64 +1,42 @@
-"""The pre-norm Transformer layer both models stack, and the attention cores it can use.
+"""The pre-norm Transformer layer every model family stacks, its embedding, and the chunk of layers a pipeline stage
+holds.
 
-    x = x + dropout(attention(layernorm(x)))        attention: column-parallel QKV, core, row-parallel projection
-    x = x + dropout(mlp(layernorm(x)))              MLP: column-parallel fc1, fused bias+GeLU, row-parallel fc2
+    x = x + dropout(attention(norm(x)))        attention: column-parallel QKV, core, row-parallel projection
+    x = x + dropout(mlp(norm(x)))              MLP: column-parallel fc1, fused bias+GeLU (or SwiGLU), row-parallel fc2
+
+The configuration picks the pieces: LayerNorm or RMSNorm; learned positions (a table added to the embeddings) or
+rotary embeddings (applied to queries and keys inside attention, with grouped-query attention); a GeLU or SwiGLU
+MLP; biases or none; an output layer tied to the word embedding or its own.
 
 Pre-norm (normalise each branch's input, keep the residual stream unnormalised) is what let Megatron-LM scale BERT
 past 336M parameters; GPT-2 uses it too. The layer runs on ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
 parallelism). Everything that owns weights is seeded by its name (``layers.<i>.attention``, ...), so a pipeline
 stage that builds only layers 8..15 gets exactly the weights those layers have in the single-process model.
 
-Attention cores (``attention=``):
-- ``"flash"``: ``megakernels.ops.flash_attention`` (Triton on CUDA, blocked on the CPU); with a padding mask (BERT)
-  the fused kernels' path instead: scores, ``scaled_masked_softmax``, weighted sum.
-- ``"torch"``: PyTorch's ``scaled_dot_product_attention`` (the baseline).
+Attention cores (``attention=``, ``megakernels.nn.attention``): ``"flash"`` (FlashAttention; with BERT's padding
+mask, the fused masked softmax) or ``"torch"`` (PyTorch's ``scaled_dot_product_attention``, the baseline).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.nn import FusedLayerNorm
-from megakernels.ops import flash_attention
-from megakernels.ops.softmax import scaled_masked_softmax
-from megakernels.parallel import init
-from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention, sdpa_attention
+from megakernels.nn import FusedLayerNorm, FusedRMSNorm, RotaryEmbedding
+from megakernels.parallel import context, init, state
+from megakernels.parallel.blocks import ParallelGroupedQueryAttention, ParallelMLP, ParallelSelfAttention
+from megakernels.parallel.moe import MoELayer
+from megakernels.parallel.params import mark_sequence_parallel, mark_shared_embedding
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 from megakernels_models.config import ModelConfig
 
-ATTENTION = ("flash", "torch")
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    dropout_p: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention on ``[b, s, heads, head_dim]``: FlashAttention without a mask; with a boolean ``mask``
-    (broadcastable to ``[b, heads, s, s]``, True = masked out) the scores go through the fused masked softmax."""
-    if mask is None:
-        return flash_attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    if causal:
-        raise ValueError("fused_attention: pass either causal=True or a mask, not both")
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    probs = scaled_masked_softmax(qh @ kh.transpose(-1, -2), mask, 1.0 / math.sqrt(q.shape[-1]))
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, dropout_p)
-    return (probs @ vh).transpose(1, 2)
-
-
-def attention_fn(name: str):
-    if name not in ATTENTION:
-        raise ValueError(f"attention must be one of {ATTENTION}, got {name!r}")
-    return fused_attention if name == "flash" else sdpa_attention
-
-
-def mark_sequence_parallel(module: nn.Module) -> None:
-    """Mark a replicated module's parameters as applied to sequence shards: their gradients are partial per TP
-    rank and are summed over the TP group once per step."""
-    for p in module.parameters():
-        p.sequence_parallel = True
+def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:
+    """The configuration's norm over the hidden size (LayerNorm or RMSNorm)."""
+    cls = FusedRMSNorm if config.norm == "rmsnorm" else FusedLayerNorm
+    return cls(config.hidden_size, config.layernorm_eps, device=device, dtype=dtype)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -111,41 +89,66 @@ class TransformerLayer(nn.Module):
         normal = init.init_method_normal(c.init_std)
         scaled = init.scaled_init_method_normal(c.init_std, c.num_layers)
         name = f"layers.{layer_number}"
-        self.input_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
-        self.attention = ParallelSelfAttention(
-            c.hidden_size, c.num_heads, causal, sequence_parallel, attention_fn=attention_fn(attention),
-            attention_dropout=c.attention_dropout, recompute=recompute == "selective", init_method=normal,
-            output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.attention"), device=device, dtype=dtype)
-        self.post_attention_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
-        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
-                               approximate="tanh" if c.activation == "gelu_tanh" else "none", init_method=normal,
-                               output_init_method=scaled, seed=init.derive_seed(seed, f"{name}.mlp"),
-                               device=device, dtype=dtype)
+        self.input_norm = make_norm(c, device, dtype)
+        common = dict(core=attention, attention_dropout=c.attention_dropout, bias=c.bias,
+                      recompute=recompute == "selective", init_method=normal, output_init_method=scaled,
+                      seed=init.derive_seed(seed, f"{name}.attention"), device=device, dtype=dtype)
+        self.rotary = c.position_embedding == "rope"
+        if self.rotary:
+            rope = RotaryEmbedding(c.head_dim, c.rope_theta, interleaved=c.rope_interleaved)
+            self.attention = ParallelGroupedQueryAttention(c.hidden_size, c.num_heads, c.num_kv_heads, causal,
+                                                           sequence_parallel, rotary=rope, **common)
+        else:
+            if c.num_kv_heads != c.num_heads:
+                raise ValueError("TransformerLayer: grouped-query attention needs rotary positions "
+                                 "(position_embedding='rope')")
+            self.attention = ParallelSelfAttention(c.hidden_size, c.num_heads, causal, sequence_parallel, **common)
+        self.post_attention_norm = make_norm(c, device, dtype)
+        if c.is_moe_layer(layer_number):
+            self.mlp = MoELayer(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_top_k, sequence_parallel,
+                                activation=c.activation, normalize=c.moe_normalize,
+                                aux_loss_coeff=c.moe_aux_loss_coeff, z_loss_coeff=c.moe_z_loss_coeff,
+                                capacity_factor=c.moe_capacity_factor, shared_experts=c.moe_shared_experts,
+                                seed=init.derive_seed(seed, f"{name}.mlp"), init_method=normal,
+                                output_init_method=scaled, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
+                                   approximate="tanh" if c.activation == "gelu_tanh" else "none",
+                                   activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
+                                   init_method=normal, output_init_method=scaled,
+                                   seed=init.derive_seed(seed, f"{name}.mlp"), device=device, dtype=dtype)
         self.post_norm = c.norm_position == "post"
         if sequence_parallel:
-            for m in (self.input_norm, self.post_attention_norm):
-                mark_sequence_parallel(m)
+            mark_sequence_parallel(self.input_norm, self.post_attention_norm)
 
-    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _attention(self, x, attention_mask, positions, kv_cache):
+        if self.rotary:
+            return self.attention(x, attention_mask, positions, kv_cache=kv_cache)
+        return self.attention(x, attention_mask, kv_cache=kv_cache)
+
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
+                 kv_cache=None) -> torch.Tensor:
         drop = lambda y: dropout(y, self.dropout_p, self.training, self.sequence_parallel)  # noqa: E731
         if self.post_norm:  # the original BERT: normalise each residual sum (input_norm is then after attention)
-            x = self.input_norm(x + drop(self.attention(x, attention_mask)))
+            x = self.input_norm(x + drop(self._attention(x, attention_mask, positions, kv_cache)))
             return self.post_attention_norm(x + drop(self.mlp(x)))
-        x = x + drop(self.attention(self.input_norm(x), attention_mask))
+        x = x + drop(self._attention(self.input_norm(x), attention_mask, positions, kv_cache))
         return x + drop(self.mlp(self.post_attention_norm(x)))
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         if self.recompute_layer and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attention_mask)
-        return self._forward(x, attention_mask)
+            return checkpoint(self._forward, x, attention_mask, positions)
+        return self._forward(x, attention_mask, positions, kv_cache)
 
 
 class LanguageModelEmbedding(nn.Module):
-    """Word (vocab-parallel) + learned position (+ token type) embeddings, then dropout.
+    """Word (vocab-parallel) + learned position (+ token type) embeddings, then dropout (no position table with
+    rotary embeddings).
 
-    Forward: ``ids`` ``[s, b]`` (and ``token_types`` ``[s, b]``) -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
-    parallelism: the word embedding's reduce-scatter leaves this rank's tokens, and the position and type
-    embeddings are added to those tokens only).
+    Forward: ``ids`` ``[s, b]`` (and ``token_types`` ``[s, b]``), ``positions`` (int ``[s]``, each token's position;
+    default ``0..s-1``) -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism: the word embedding's
+    reduce-scatter leaves this rank's tokens, and the position and type embeddings are added to those tokens only).
     """
 
     def __init__(self, config: ModelConfig, seed: int, *, sequence_parallel: bool = False, token_types: bool = False,
@@ -158,27 +161,28 @@ class LanguageModelEmbedding(nn.Module):
         normal = init.init_method_normal(c.init_std)
         self.word = VocabParallelEmbedding(c.vocab_size, c.hidden_size, sequence_parallel, init_method=normal,
                                            seed=init.derive_seed(seed, "embedding.word"), device=device, dtype=dtype)
-        self.position = replicated_embedding(c.seq_length, c.hidden_size, init.derive_seed(seed, "embedding.position"),
-                                             c.init_std, device, dtype)
+        self.position = (replicated_embedding(c.seq_length, c.hidden_size,
+                                              init.derive_seed(seed, "embedding.position"), c.init_std, device, dtype)
+                         if c.position_embedding == "learned" else None)
         self.token_type = (replicated_embedding(c.num_token_types, c.hidden_size,
                                                 init.derive_seed(seed, "embedding.token_type"), c.init_std, device,
                                                 dtype) if token_types else None)
         # Post-norm models normalise the embeddings' sum.
-        self.norm = (FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
-                     if c.norm_position == "post" else None)
+        self.norm = make_norm(c, device, dtype) if c.norm_position == "post" else None
         self._tp_rank, self._tp = state.tp_rank(), state.tp_size()
         if sequence_parallel:
-            for m in (self.position, self.token_type, self.norm):
-                if m is not None:
-                    mark_sequence_parallel(m)
+            mark_sequence_parallel(self.position, self.token_type, self.norm)
 
-    def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         s = ids.shape[0]
         x = self.word(ids)
         lo, hi = 0, s
         if self.sequence_parallel:
             lo, hi = self._tp_rank * s // self._tp, (self._tp_rank + 1) * s // self._tp
-        x = x + self.position.weight[lo:hi].unsqueeze(1)
+        if self.position is not None:
+            table = self.position.weight
+            x = x + (table[lo:hi] if positions is None else table[positions[lo:hi]]).unsqueeze(1)
         if self.token_type is not None:
             if token_types is None:
                 raise ValueError("LanguageModelEmbedding: token_types [s, b] are required (BERT segments)")
@@ -198,14 +202,18 @@ def replicated_embedding(num: int, dim: int, seed: int, std: float, device=None,
 
 
 class LanguageModel(nn.Module):
-    """What GPT and BERT share: one pipeline chunk of a pre-norm Transformer with a tied word embedding.
+    """What every family shares: one pipeline chunk of a Transformer with a word embedding and an output layer.
 
     A chunk holds the embedding if it is the first pipeline stage (``pre_process``), the layers in ``layers`` and,
-    if it is the last stage (``post_process``), the final LayerNorm and the output layer, whose weight is the word
-    embedding's. When the last stage is not also the first it holds its own copy of the word embedding (same seed,
-    so the same values); both copies carry ``shared_embedding = True`` and the last stage's also
-    ``shared_embedding_duplicate = True``: the trainer sums their gradients over the embedding group, so both
-    copies take identical steps, and a global grad norm counts the table once.
+    if it is the last stage (``post_process``), the final norm and the output layer. A tied output layer's weight is
+    the word embedding's: when the last stage is not also the first it holds its own copy of the word embedding
+    (same seed, so the same values); both copies are marked as the shared embedding and the last stage's as its
+    duplicate (``megakernels.parallel.params``): the trainer sums their gradients over the embedding group, so both
+    copies take identical steps, and a global grad norm counts the table once. An untied output layer is a
+    vocab-parallel table of its own (``output_layer``).
+
+    Under context parallelism a chunk holds its rank's two chunks of every sequence (``parallel.context``): the
+    learned positions and rotary embeddings use those tokens' positions.
 
     Args:
         config: the model.
@@ -235,21 +243,23 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(c, i, seed, causal=causal, sequence_parallel=sequence_parallel, attention=attention,
                              recompute=recompute, device=device, dtype=dtype) for i in layers)
-        self.output_embedding = None
-        self.final_norm = None
+        self.output_embedding = self.output_layer = self.final_norm = None
         if post_process:
             if c.norm_position == "pre":
-                self.final_norm = FusedLayerNorm(c.hidden_size, c.layernorm_eps, device=device, dtype=dtype)
+                self.final_norm = make_norm(c, device, dtype)
                 if sequence_parallel:
                     mark_sequence_parallel(self.final_norm)
-            if not pre_process:
-                self.output_embedding = VocabParallelEmbedding(
-                    c.vocab_size, c.hidden_size, sequence_parallel, init_method=init.init_method_normal(c.init_std),
-                    seed=init.derive_seed(seed, "embedding.word"), device=device, dtype=dtype)
-                self.output_embedding.weight.shared_embedding_duplicate = True
+            table = lambda name: VocabParallelEmbedding(  # noqa: E731
+                c.vocab_size, c.hidden_size, sequence_parallel, init_method=init.init_method_normal(c.init_std),
+                seed=init.derive_seed(seed, name), device=device, dtype=dtype)
+            if not c.tie_embeddings:
+                self.output_layer = table("output_layer")
+            elif not pre_process:
+                self.output_embedding = table("embedding.word")
         word = self.word_embedding_weight
-        if word is not None and not (pre_process and post_process):
-            word.shared_embedding = True
+        if c.tie_embeddings and word is not None and not (pre_process and post_process):
+            mark_shared_embedding(word, duplicate=self.output_embedding is not None)
+        self._cp, self._cp_rank = (state.cp_size(), state.cp_rank()) if state.is_initialized() else (1, 0)
 
     @property
     def word_embedding_weight(self) -> torch.Tensor | None:
@@ -259,21 +269,47 @@ class LanguageModel(nn.Module):
         return None if self.output_embedding is None else self.output_embedding.weight
 
     @property
+    def output_weight(self) -> torch.Tensor | None:
+        """The output layer's vocab-parallel table (``[V_pad/tp, h]``) on the last stage: the word embedding's when
+        tied, else ``output_layer``'s; None elsewhere."""
+        if not self.post_process:
+            return None
+        return self.output_layer.weight if self.output_layer is not None else self.word_embedding_weight
+
+    @property
     def padded_vocab_size(self) -> int:
-        emb = self.embedding.word if self.embedding is not None else self.output_embedding
+        emb = next(e for e in (self.output_layer, self.output_embedding, self.embedding and self.embedding.word)
+                   if e is not None)
         return emb.padded_num_embeddings
 
-    def encode(self, ids=None, hidden=None, token_types=None, attention_mask=None) -> torch.Tensor:
-        """Embedding (first stage: ``ids`` ``[b, s]``) or ``hidden`` from the previous stage, then the layers, then
-        (last stage) the final norm. Returns ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
+    def positions(self, device) -> torch.Tensor | None:
+        """Positions of this rank's tokens under context parallelism (None: ``0..s-1``)."""
+        if self._cp == 1:
+            return None
+        return context.positions(self.config.seq_length, self._cp, self._cp_rank, device)
+
+    def encode(self, ids=None, hidden=None, token_types=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
+        """Embedding (first stage: ``ids`` ``[b, s]``, this rank's tokens under context parallelism) or ``hidden``
+        from the previous stage, then the layers, then (last stage) the final norm. Returns ``[s, b, h]``
+        (``[s/tp, b, h]`` under sequence parallelism). With ``kv_cache`` (``megakernels.nn.KVCache``, one stage,
+        no context parallelism) the tokens continue the cached ones: their positions start at ``kv_cache.offset``
+        and attention sees the cached keys too; the offset advances."""
+        device = (ids if ids is not None else hidden).device if (ids is not None or hidden is not None) else None
+        positions = self.positions(device)
+        if kv_cache is not None:
+            if self._cp > 1 or not (self.pre_process and self.post_process):
+                raise ValueError(f"{type(self).__name__}: a KV cache needs the whole model on one rank (pp 1, cp 1)")
+            positions = kv_cache.positions(ids.shape[1], ids.device)
         if self.pre_process:
             if ids is None:
                 raise ValueError(f"{type(self).__name__}: the first pipeline stage needs ids [b, s]")
-            x = self.embedding(ids.t(), None if token_types is None else token_types.t())
+            x = self.embedding(ids.t(), None if token_types is None else token_types.t(), positions)
         else:
             if hidden is None:
                 raise ValueError(f"{type(self).__name__}: a later pipeline stage needs hidden from the previous one")
             x = hidden
         for layer in self.layers:
-            x = layer(x, attention_mask)
+            x = layer(x, attention_mask, positions, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(ids.shape[1])
         return self.final_norm(x) if self.final_norm is not None else x

@@ -14,7 +14,7 @@ fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 "${PIP[@]}" install --quiet "$TORCH_SPEC" ninja setuptools wheel
 # --no-build-isolation: build against the torch just installed instead of fetching a second one.
-"${PIP[@]}" install --quiet --no-build-isolation -e ".[test,bench]"
+"${PIP[@]}" install --quiet --no-build-isolation -e ".[train,test,bench]"
 .venv/bin/python - <<'PY'
 import megakernels
 print("megakernels ready: backends", ", ".join(b for b in ("cpu", "cuda_emu", "cuda") if megakernels.has_backend(b)))

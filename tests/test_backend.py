@@ -1,4 +1,4 @@
-"""Backend selection (DESIGN.md §3): env var, context manager, and errors instead of silent fallbacks."""
+"""Backend selection (docs/design.md §3): env var, context manager, and errors instead of silent fallbacks."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ void check_param(const char* op, const char* name, const at::Tensor& p, const at
   check_float_input(op, name, p);
   TORCH_CHECK_VALUE(p.dim() == 1 && p.numel() == hidden, op, ": ", name, " has shape ", p.sizes(),
                     ", expected [", hidden, "] (the hidden size, x's last dimension)");
-  TORCH_CHECK_VALUE(p.device() == x.device(), op, ": ", name, " is on ", p.device(), " but x is on ", x.device());
+  check_same_device(op, name, p, "x", x);
   const bool half_x = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_TYPE(p.scalar_type() == x.scalar_type() || (half_x && p.scalar_type() == at::kFloat), op, ": ",
                    name, " has dtype ", p.scalar_type(), " but x has dtype ", x.scalar_type(),
@@ -64,13 +64,18 @@ void check_backend(const char* op, const at::Tensor& x, bool emulate) {
                 "built (they need the CUDA headers at build time: set CUDA_HOME and reinstall)");
 }
 
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+                    ref.device(), "; every tensor argument must be on one device");
+}
+
 void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref) {
   TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " has shape ", t.sizes(), ", expected ", ref.sizes(),
                     " (", ref_name, "'s shape)");
   TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
                    ", expected ", ref.scalar_type(), " (", ref_name, "'s dtype)");
-  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
-                    ref.device());
+  check_same_device(op, name, t, ref_name, ref);
 }
 
 int64_t hidden_of(const char* op, const at::Tensor& x) {

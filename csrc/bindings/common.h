@@ -32,6 +32,9 @@ void check_float_input(const char* op, const char* name, const at::Tensor& t);
 void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t hidden);
 // x on CPU or CUDA; the requested backend (emulate) exists in this build and can take x.
 void check_backend(const char* op, const at::Tensor& x, bool emulate);
+// t is on ref's device: ValueError naming both and their devices (every tensor argument of an op shares one).
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref);
 // t has the shape, dtype and device of `ref` (named ref_name in the message).
 void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref);
 // x.size(-1), which must exist and be >= 1.

@@ -32,8 +32,7 @@ void check_scale(const char* op, double scale) {
 at::Tensor check_mask(const char* op, const at::Tensor& mask_in, const at::Tensor& x, softmax::FwdArgs& a) {
   TORCH_CHECK_TYPE(mask_in.scalar_type() == at::kBool, op, ": mask has dtype ", mask_in.scalar_type(),
                    "; expected torch.bool (True = masked out)");
-  TORCH_CHECK_VALUE(mask_in.device() == x.device(), op, ": mask is on ", mask_in.device(), " but x is on ",
-                    x.device());
+  check_same_device(op, "mask", mask_in, "x", x);
   TORCH_CHECK_VALUE(mask_in.dim() >= 2 && mask_in.dim() <= 4, op, ": mask has shape ", mask_in.sizes(),
                     "; expected 2 to 4 dims broadcastable to x's [b, heads, sq, sk] = ", x.sizes());
   const int64_t pad = 4 - mask_in.dim();

@@ -1,8 +1,12 @@
 """Drop-in modules built on megakernels.ops."""
 
-from megakernels.nn.attention import FlashSelfAttention
+from megakernels.nn.attention import ATTENTION_CORES, FlashSelfAttention, TorchSelfAttention, attention_core
 from megakernels.nn.bias_gelu import FusedBiasGeLU
+from megakernels.nn.kv_cache import KVCache
 from megakernels.nn.norms import FusedLayerNorm, FusedRMSNorm
+from megakernels.nn.rope import RotaryEmbedding
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
+from megakernels.nn.swiglu import FusedSwiGLU
 
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU", "FusedScaleMaskSoftmax", "FlashSelfAttention"]
+__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU", "FusedScaleMaskSoftmax", "FlashSelfAttention",
+           "TorchSelfAttention", "attention_core", "ATTENTION_CORES", "RotaryEmbedding", "FusedSwiGLU", "KVCache"]

@@ -1,17 +1,68 @@
-"""``FlashSelfAttention``: the attention core of a Transformer layer on :func:`megakernels.ops.flash_attention`
-(flash-attn's module of the same name). No parameters: it takes projected q, k, v and returns the per-head
-context; the projections and the output GEMM belong to the layer (megakernels.parallel's attention block)."""
+"""Attention cores: the part of a Transformer layer between the projections, ``softmax(q kᵀ · scale + mask) v``.
+
+No parameters: a core takes projected ``q``, ``k``, ``v`` ``[batch, seqlen, heads, head_dim]`` (k/v may have fewer
+heads: GQA/MQA) and returns the per-head context; the projections and the output GEMM belong to the layer
+(``megakernels.parallel.ParallelSelfAttention``). Two interchangeable cores, chosen by name with
+``attention_core``:
+
+- ``"flash"`` — ``FlashSelfAttention`` (flash-attn's module of the same name) on
+  :func:`megakernels.ops.flash_attention`: exact attention with O(seqlen) memory, causal or not. An arbitrary
+  boolean mask (BERT's padding) is something FlashAttention's tiles cannot take, so with ``mask=`` the scores are
+  formed explicitly and go through the fused masked softmax (:class:`FusedScaleMaskSoftmax`) instead.
+- ``"torch"`` — ``TorchSelfAttention`` on PyTorch's ``scaled_dot_product_attention`` (the baseline).
+
+Attention dropout is applied in training mode only; a model-parallel layer runs the core under its RNG tracker so
+the masks differ per tensor-parallel rank.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from megakernels.nn.softmax import FusedScaleMaskSoftmax
+from megakernels.ops import _checks
 from megakernels.ops.attention import flash_attention
 
 
-class FlashSelfAttention(nn.Module):
-    """Exact softmax attention with O(seqlen) memory.
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, s, kv_heads, d]`` -> ``[b, s, heads, d]``: each K/V head serves ``heads // kv_heads`` query heads."""
+    kv = t.shape[2]
+    return t if kv == heads else t.repeat_interleave(heads // kv, dim=2)
+
+
+class _Core(nn.Module):
+    def __init__(self, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0):
+        super().__init__()
+        if not 0.0 <= _checks.real(type(self).__name__, "attention_dropout", attention_dropout) < 1.0:
+            raise ValueError(f"{type(self).__name__}: attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.causal = bool(causal)
+        self.softmax_scale = softmax_scale
+        self.dropout_p = float(attention_dropout)
+
+    def _args(self, q, k, v, causal, mask):
+        if k is None and v is None:
+            if q.dim() != 5 or q.shape[2] != 3:
+                raise ValueError(f"{type(self).__name__}: packed qkv must be [batch, seqlen, 3, heads, head_dim], "
+                                 f"got shape {tuple(q.shape)}")
+            q, k, v = q.unbind(2)
+        elif k is None or v is None:
+            raise ValueError(f"{type(self).__name__}: pass either packed qkv, or all of q, k and v")
+        causal = self.causal if causal is None else bool(causal)
+        if causal and mask is not None:
+            raise ValueError(f"{type(self).__name__}: pass either causal=True or a mask, not both (a combined mask "
+                             "is a boolean mask: mask | causal_mask)")
+        return q, k, v, causal, self.dropout_p if self.training else 0.0
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, attention_dropout={self.dropout_p}"
+
+
+class FlashSelfAttention(_Core):
+    """Exact softmax attention with O(seqlen) memory (:func:`megakernels.ops.flash_attention`).
 
     Args:
         causal: bottom-right aligned causal mask by default (overridable per call).
@@ -19,30 +70,58 @@ class FlashSelfAttention(nn.Module):
         attention_dropout: dropout on the attention probabilities, applied in training mode only.
 
     ``forward(qkv)`` with qkv ``[batch, seqlen, 3, heads, head_dim]`` (packed), or ``forward(q, k, v)`` with
-    ``[batch, sq, heads, head_dim]`` and k/v ``[batch, sk, heads_kv, head_dim]`` (GQA/MQA). Returns
-    ``[batch, sq, heads, head_dim]``. Raises ValueError as :func:`megakernels.ops.flash_attention`, and for a
-    packed input that is not ``[b, s, 3, h, d]``.
+    ``[batch, sq, heads, head_dim]`` and k/v ``[batch, sk, heads_kv, head_dim]`` (GQA/MQA); optional ``causal=``
+    and ``mask=`` (bool, broadcastable to ``[batch, heads, sq, sk]``, True = masked out; goes through the fused
+    masked softmax, see the module docstring). Returns ``[batch, sq, heads, head_dim]``.
+
+    Raises:
+        ValueError: as :func:`megakernels.ops.flash_attention`; a packed input that is not ``[b, s, 3, h, d]``;
+            only some of q, k, v; a mask together with causal.
     """
 
-    def __init__(self, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0):
-        super().__init__()
-        if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"FlashSelfAttention: attention_dropout must be in [0, 1), got {attention_dropout}")
-        self.causal = causal
-        self.softmax_scale = softmax_scale
-        self.dropout_p = attention_dropout
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                causal: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v, causal, p = self._args(q, k, v, causal, mask)
+        if mask is None:
+            return flash_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, dropout_p=p)
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        heads = q.shape[2]
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, _expand_kv(k, heads), _expand_kv(v, heads)))
+        probs = FusedScaleMaskSoftmax(scale)(qh @ kh.transpose(-1, -2), mask)
+        if p > 0.0:
+            probs = F.dropout(probs, p)
+        return (probs @ vh).transpose(1, 2)
+
+
+class TorchSelfAttention(_Core):
+    """The same contract as :class:`FlashSelfAttention` on ``torch.nn.functional.scaled_dot_product_attention``
+    (the baseline the fused core is measured against), causal bottom-right aligned as FlashAttention's."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                causal: bool | None = None) -> torch.Tensor:
-        if k is None and v is None:
-            if q.dim() != 5 or q.shape[2] != 3:
-                raise ValueError(f"FlashSelfAttention: packed qkv must be [batch, seqlen, 3, heads, head_dim], got "
-                                 f"shape {tuple(q.shape)}")
-            q, k, v = q.unbind(2)
-        elif k is None or v is None:
-            raise ValueError("FlashSelfAttention: pass either packed qkv, or all of q, k and v")
-        return flash_attention(q, k, v, causal=self.causal if causal is None else causal,
-                               softmax_scale=self.softmax_scale, dropout_p=self.dropout_p if self.training else 0.0)
+                causal: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v, causal, p = self._args(q, k, v, causal, mask)
+        heads = q.shape[2]
+        k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+        sq, sk = q.shape[1], k.shape[1]
+        if causal and sq != sk:  # PyTorch aligns is_causal top-left; ours is bottom-right (new queries are last)
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+            causal = False
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=None if mask is None else ~mask, dropout_p=p,
+                                             is_causal=causal, scale=self.softmax_scale)
+        return out.transpose(1, 2)
 
-    def extra_repr(self) -> str:
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, attention_dropout={self.dropout_p}"
+
+ATTENTION_CORES = {"flash": FlashSelfAttention, "torch": TorchSelfAttention}
+
+
+def attention_core(name: str, causal: bool = False, softmax_scale: float | None = None,
+                   attention_dropout: float = 0.0) -> nn.Module:
+    """The attention core called ``name`` (``"flash"`` or ``"torch"``).
+
+    Raises:
+        ValueError: an unknown name, or attention_dropout outside [0, 1).
+    """
+    if name not in ATTENTION_CORES:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_CORES)}, got {name!r}")
+    return ATTENTION_CORES[name](causal, softmax_scale, attention_dropout)

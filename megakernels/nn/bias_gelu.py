@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megakernels.ops import _checks
 from megakernels.ops.bias_gelu import APPROXIMATIONS, bias_gelu
 
 
@@ -20,9 +21,7 @@ class FusedBiasGeLU(nn.Module):
         super().__init__()
         if approximate not in APPROXIMATIONS:
             raise ValueError(f"FusedBiasGeLU: approximate must be 'tanh' or 'none', got {approximate!r}")
-        if int(hidden_size) < 1:
-            raise ValueError(f"FusedBiasGeLU: hidden_size must be >= 1, got {hidden_size}")
-        self.hidden_size = int(hidden_size)
+        self.hidden_size = _checks.integer("FusedBiasGeLU", "hidden_size", hidden_size, minimum=1)
         self.approximate = approximate
         self.bias = nn.Parameter(torch.zeros(self.hidden_size, device=device, dtype=dtype))
 

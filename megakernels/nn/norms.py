@@ -14,19 +14,25 @@ import numbers
 import torch
 from torch import nn
 
+from megakernels.ops import _checks
 from megakernels.ops.norms import activation_code, layer_norm, rms_norm
 
 
-def _shape(normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
-        normalized_shape = (int(normalized_shape),)
-    shape = tuple(int(s) for s in normalized_shape)
-    if not shape or any(s < 1 for s in shape):
-        raise ValueError(f"normalized_shape must be a positive int or a tuple of positive ints, got {normalized_shape!r}")
-    return shape
+def _shape(module: str, normalized_shape) -> tuple[int, ...]:
+    """normalized_shape as a tuple of ints >= 1; anything else (a float such as 2.5, a string, an empty tuple) is an
+    error naming the parameter and the value, never a silent int() truncation."""
+    dims = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else normalized_shape
+    rule = f"{module}: normalized_shape must be a positive int or a non-empty tuple/list of positive ints"
+    if not isinstance(dims, (tuple, list, torch.Size)) or not all(
+            isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in dims):
+        raise TypeError(f"{rule}, got {normalized_shape!r}")
+    if not dims or any(s < 1 for s in dims):
+        raise ValueError(f"{rule}, got {normalized_shape!r}")
+    return tuple(int(s) for s in dims)
 
 
 def _flatten_last(op: str, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    _checks.tensor(op, "x", x)
     k = len(shape)
     if tuple(x.shape[-k:]) != shape:
         raise ValueError(f"{op}: input's last dims {tuple(x.shape[-k:])} do not match normalized_shape {shape}")
@@ -43,8 +49,8 @@ class FusedLayerNorm(nn.Module):
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None, activation: str | None = None):
         super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = float(eps)
+        self.normalized_shape = _shape("FusedLayerNorm", normalized_shape)
+        self.eps = _checks.real("FusedLayerNorm", "eps", eps, minimum=0.0)
         self.elementwise_affine = elementwise_affine
         activation_code("FusedLayerNorm", activation)
         self.activation = activation
@@ -80,8 +86,8 @@ class FusedRMSNorm(nn.Module):
     def __init__(self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None,
                  dtype=None):
         super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
+        self.normalized_shape = _shape("FusedRMSNorm", normalized_shape)
+        self.eps = None if eps is None else _checks.real("FusedRMSNorm", "eps", eps, minimum=0.0)
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))

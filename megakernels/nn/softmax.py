@@ -17,12 +17,10 @@ Fully masked rows give zeros, never NaN. Output in x's dtype; all math in fp32.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import nn
 
+from megakernels.ops import _checks
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 
 
@@ -40,13 +38,7 @@ class FusedScaleMaskSoftmax(nn.Module):
 
     def __init__(self, scale: float | None = None, causal: bool = False):
         super().__init__()
-        if scale is None:
-            scale = 1.0
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"FusedScaleMaskSoftmax: scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"FusedScaleMaskSoftmax: scale must be finite, got {scale}")
-        self.scale = float(scale)
+        self.scale = 1.0 if scale is None else _checks.real("FusedScaleMaskSoftmax", "scale", scale)
         self.causal = bool(causal)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

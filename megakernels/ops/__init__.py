@@ -1,12 +1,15 @@
 """Functional fused ops. Each is a torch.library custom op (autograd + fake impl, works under torch.compile),
-dispatched by device and backend (DESIGN.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
+dispatched by device and backend (docs/design.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
 emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
 
 from megakernels.ops.attention import flash_attention
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
+from megakernels.ops.rope import fused_rope, rope_cos_sin_table, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
+from megakernels.ops.swiglu import swiglu, swiglu_reference
 
 __all__ = ["layer_norm", "rms_norm", "bias_gelu", "scaled_softmax", "scaled_masked_softmax", "scaled_causal_softmax",
-           "flash_attention", "cross_entropy"]
+           "flash_attention", "cross_entropy", "fused_rope", "rope_reference", "rope_cos_sin_table", "swiglu",
+           "swiglu_reference"]

@@ -7,7 +7,7 @@ heads_kv)``. Causal masking is aligned to the bottom-right corner: query ``i`` s
 ``j <= i + sk - sq``, so with ``sq < sk`` the queries are the last positions of the keys (decoding), and with
 ``sq > sk`` the first ``sq - sk`` queries see nothing and output zeros (lse ``-inf``).
 
-Dispatch (DESIGN.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
+Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
 fp32); CPU tensors run the blocked CPU path (megakernels/ops/_attention_cpu.py, memory O(block * sk)); under
 ``megakernels.backend("cuda_emu")`` CPU tensors run the *Triton* kernels through Triton's interpreter (which needs
 ``TRITON_INTERPRET=1`` before megakernels.triton is imported).
@@ -26,6 +26,7 @@ import numbers
 import torch
 
 from megakernels._backend import emulate_for, runs_triton
+from megakernels.ops import _checks
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,6 +58,7 @@ def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 @_flash_attn_fwd.register_fake
 def _(q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False):
+    _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty((b, h, sq), dtype=lse_dtype)
@@ -75,6 +77,8 @@ def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 @_flash_attn_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, deterministic=False):
+    _checks.same_device("flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out),
+                        ("lse", lse))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -100,16 +104,14 @@ _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _check(q, k, v, softmax_scale, dropout_p) -> float:
     op = "flash_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        _checks.tensor(op, name, t)
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be 4-D [batch, seqlen, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected q's dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, expected q's device {q.device}")
+    _checks.same_device(op, "q", q, ("k", k), ("v", v))
     if k.shape != v.shape:
         raise ValueError(f"{op}: v has shape {tuple(v.shape)}, expected k's shape {tuple(k.shape)}")
     b, _, h, d = q.shape
@@ -164,7 +166,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         return_lse: also return the row log-sum-exp ``[batch, heads, sq]`` (fp32; ``-inf`` for a query that
             sees no key).
         generator: where the dropout seed is drawn from (default: the device's default generator).
-        deterministic: the Triton backward gives the same bits on every run (dQ from its own kernel, ~15% slower);
+        deterministic: the Triton backward gives the same bits on every run (dQ from its own kernel, which recomputes
+            the scores: seven matmuls instead of five);
             by default dQ is accumulated with fp32 atomics, whose order varies. The CPU path is always
             deterministic.
 
@@ -178,7 +181,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """
     scale = _check(q, k, v, softmax_scale, dropout_p)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    emulate = emulate_for("flash_attention", q)
+    emulate = emulate_for("flash_attention", q, "q")
     seed = draw_seed(q.device, generator) if dropout_p > 0.0 else None  # no launch without dropout
     if q.numel() == 0 or k.shape[1] == 0:
         out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph

@@ -11,18 +11,20 @@ import torch
 
 import megakernels._lib  # noqa: F401
 from megakernels._backend import emulate_for
-from megakernels.ops.norms import _check_tensor
+from megakernels.ops import _checks
 
 APPROXIMATIONS = {"none": 1, "tanh": 2}
 
 
 @torch.library.register_fake("megakernels::bias_gelu_fwd")
 def _bias_gelu_fwd_fake(x, bias, approximate, emulate):
+    _checks.same_device("bias_gelu", "x", x, ("bias", bias))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.register_fake("megakernels::bias_gelu_bwd")
 def _bias_gelu_bwd_fake(grad_output, x, bias, approximate, emulate):
+    _checks.same_device("bias_gelu_backward", "x", x, ("grad_output", grad_output), ("bias", bias))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(bias)
 
 
@@ -46,18 +48,19 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") ->
 
     Args:
         x: ``[..., hidden]``, fp32/fp16/bf16/fp64, CPU or CUDA.
-        bias: ``[hidden]``, x's dtype or fp32 for a fp16/bf16 x.
+        bias: ``[hidden]`` on x's device, x's dtype or fp32 for a fp16/bf16 x.
         approximate: ``"tanh"`` (Megatron's default) or ``"none"`` (erf GeLU), as ``torch.nn.functional.gelu``.
 
     Returns:
         ``[..., hidden]`` in x's dtype; differentiable w.r.t. x and bias.
 
     Raises:
-        TypeError / ValueError naming the argument for a wrong dtype, shape, device or ``approximate``.
+        TypeError / ValueError naming the argument for a wrong dtype, shape, layout (sparse), device (meta
+        included) or ``approximate``.
     """
     op = "bias_gelu"
-    _check_tensor(op, "x", x)
-    _check_tensor(op, "bias", bias)
+    _checks.tensor(op, "x", x)
+    _checks.tensor(op, "bias", bias)
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"{op}: approximate must be 'tanh' or 'none', got {approximate!r}")
     return torch.ops.megakernels.bias_gelu_fwd(x, bias, APPROXIMATIONS[approximate], emulate_for(op, x))

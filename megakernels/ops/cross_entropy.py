@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megakernels._backend import emulate_for, runs_triton
+from megakernels.ops import _checks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_BYTES = 64 << 20  # fp32 working set of one CPU row chunk
@@ -130,7 +131,7 @@ class _CrossEntropy(torch.autograd.Function):
                 inplace_backward, emulate):
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
         m, s, picked, total = _stats(logits, target, vocab_start, n_valid, emulate).unbind(1)
-        if group is not None:
+        if group is not None and logits.device.type != "meta":  # meta: shapes only, nothing to exchange
             global_max = m.clone()
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
             safe = global_max.masked_fill(torch.isneginf(global_max), 0.0)
@@ -163,9 +164,12 @@ class _CrossEntropy(torch.autograd.Function):
 
 def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     op = "cross_entropy"
-    for name, t in (("logits", logits), ("target", target)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _checks.tensor(op, "logits", logits)
+    _checks.tensor(op, "target", target)
+    ignore_index = _checks.integer(op, "ignore_index", ignore_index)
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {group!r} "
+                        f"({type(group).__name__})")
     if logits.dim() < 1 or logits.dtype not in _DTYPES:
         raise ValueError(f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} "
                          f"dtype {logits.dtype}")
@@ -174,8 +178,7 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape "
                          f"{tuple(logits.shape[:-1])}")
-    if target.device != logits.device:
-        raise ValueError(f"{op}: target is on {target.device}, expected logits' device {logits.device}")
+    _checks.same_device(op, "logits", logits, ("target", target))
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) \
             or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
@@ -187,6 +190,8 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
         raise ValueError(f"{op}: vocab_size must be an int in [1, {padded}] (the logits hold {padded} columns"
                          f"{' over the group' if group is not None else ''}), got {vocab_size!r}")
+    if target.device.type == "meta":  # no values to check: shapes only
+        return vocab_size, rank * v_local
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
     if torch.compiler.is_compiling():  # no data-dependent branch in a graph: an asserting op instead
         torch._assert_async(torch.logical_not(bad.any()), f"{op}: target outside [0, {vocab_size})")
@@ -219,15 +224,19 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         ``[...]`` fp32 per-token loss, differentiable w.r.t. logits.
 
     Raises:
-        TypeError for non-tensors; ValueError naming the argument for a wrong dtype or shape, a device mismatch, a
-        target outside ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing or vocab_size.
+        TypeError for non-tensors, a non-int ignore_index, a ``group`` that is not a ProcessGroup; ValueError
+        naming the argument for a wrong dtype, shape or layout (sparse), a device mismatch, a target outside
+        ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing or vocab_size.
+
+    Meta tensors (logits and target both on ``meta``) give a meta loss of the right shape: nothing is computed,
+    the target values are not checked and no collective runs.
     """
     vocab_size, vocab_start = _check(logits, target, ignore_index, label_smoothing, group, vocab_size)
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.numel() and flat.stride(-1) != 1:
         flat = flat.contiguous()
-    emulate = emulate_for("cross_entropy", logits)
+    emulate = emulate_for("cross_entropy", logits, "logits")
     loss, _ = _CrossEntropy.apply(flat, target.reshape(-1), int(ignore_index), float(label_smoothing), group,
                                   vocab_size, vocab_start, bool(inplace_backward), emulate)
     return loss.view(lead)

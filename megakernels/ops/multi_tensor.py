@@ -21,6 +21,7 @@ import torch
 
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
+from megakernels.ops import _checks
 
 DEFAULT_CHUNK = 0  # 0: the kernels' default (65536 elements)
 
@@ -28,16 +29,24 @@ DEFAULT_CHUNK = 0  # 0: the kernels' default (65536 elements)
 @torch.library.register_fake("megakernels::adamw_")
 def _adamw_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, steps, lr, beta1, beta2, eps, weight_decay,
                 grad_scale, found_inf, chunk_size, emulate):
+    if params:
+        _checks.same_device("adamw", "params[0]", params[0], ("params", params), ("grads", grads),
+                            ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("master_params", master_params),
+                            ("steps", steps), ("grad_scale", grad_scale), ("found_inf", found_inf))
     return None
 
 
 @torch.library.register_fake("megakernels::multi_tensor_nonfinite_check_")
 def _nonfinite_fake(tensors, grad_scale, found_inf, chunk_size, emulate):
+    if tensors:
+        _checks.same_device("multi_tensor_nonfinite_check", "tensors[0]", tensors[0], ("tensors", tensors),
+                            ("grad_scale", grad_scale), ("found_inf", found_inf))
     return None
 
 
 @torch.library.register_fake("megakernels::multi_tensor_l2norm")
 def _l2norm_fake(tensors, chunk_size, emulate):
+    _checks.same_device("multi_tensor_l2norm", "tensors[0]", tensors[0], ("tensors", tensors))
     return tensors[0].new_empty((), dtype=torch.float32)
 
 

@@ -21,6 +21,7 @@ import torch
 
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
+from megakernels.ops import _checks
 
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -31,15 +32,9 @@ def activation_code(op: str, activation: str | None) -> int:
     return ACTIVATIONS[activation]
 
 
-def _check_tensor(op: str, name: str, t, optional: bool = False) -> None:
-    if t is None and optional:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-
-
 @torch.library.register_fake("megakernels::norm_fwd")
 def _norm_fwd_fake(x, weight, bias, eps, activation, rms, emulate):
+    _checks.same_device("rms_norm" if rms else "layer_norm", "x", x, ("weight", weight), ("bias", bias))
     rows = x.numel() // max(x.shape[-1], 1)  # hidden 0 is rejected by the real kernel
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -48,6 +43,8 @@ def _norm_fwd_fake(x, weight, bias, eps, activation, rms, emulate):
 
 @torch.library.register_fake("megakernels::norm_bwd")
 def _norm_bwd_fake(grad_output, x, weight, bias, mean, rstd, activation, rms, emulate):
+    _checks.same_device("rms_norm_backward" if rms else "layer_norm_backward", "x", x, ("grad_output", grad_output),
+                        ("weight", weight), ("bias", bias), ("mean", mean), ("rstd", rstd))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.empty_like(weight) if weight is not None else x.new_empty((0,))
     db = torch.empty_like(bias) if bias is not None else x.new_empty((0,))
@@ -83,23 +80,25 @@ def layer_norm(
 
     Args:
         x: ``[..., hidden]``, fp32/fp16/bf16/fp64, on CPU or CUDA (non-contiguous input is copied).
-        weight, bias: ``[hidden]`` or None; x's dtype, or fp32 for a fp16/bf16 x.
-        eps: added to the variance, finite and >= 0.
+        weight, bias: ``[hidden]`` or None, on x's device; x's dtype, or fp32 for a fp16/bf16 x.
+        eps: added to the variance, a finite real number >= 0.
         activation: None, ``"gelu"`` (erf) or ``"gelu_tanh"``, applied to ``xhat * weight + bias``.
 
     Returns:
         ``[..., hidden]`` in x's dtype. Differentiable w.r.t. x, weight and bias.
 
     Raises:
-        TypeError: a non-tensor or non-floating argument. ValueError: a weight/bias of the wrong length or device,
-        an empty last dimension, negative eps, an unknown activation, a backend that cannot take x.
+        TypeError: a non-tensor or non-floating argument, an eps that is not a real number. ValueError: a sparse
+        tensor, a weight/bias of the wrong length or on another device than x (meta included), an empty last
+        dimension, a negative or non-finite eps, an unknown activation, a backend that cannot take x.
     """
     op = "layer_norm"
-    _check_tensor(op, "x", x)
-    _check_tensor(op, "weight", weight, optional=True)
-    _check_tensor(op, "bias", bias, optional=True)
+    _checks.tensor(op, "x", x)
+    _checks.tensor(op, "weight", weight, optional=True)
+    _checks.tensor(op, "bias", bias, optional=True)
     act = activation_code(op, activation)
-    y, _, _ = torch.ops.megakernels.norm_fwd(x, weight, bias, float(eps), act, False, emulate_for(op, x))
+    eps = _checks.real(op, "eps", eps, minimum=0.0)
+    y, _, _ = torch.ops.megakernels.norm_fwd(x, weight, bias, eps, act, False, emulate_for(op, x))
     return y
 
 
@@ -109,9 +108,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     Same dtypes, shapes, devices and errors as :func:`layer_norm` (no bias, no activation).
     """
     op = "rms_norm"
-    _check_tensor(op, "x", x)
-    _check_tensor(op, "weight", weight, optional=True)
-    y, _, _ = torch.ops.megakernels.norm_fwd(x, weight, None, float(eps), 0, True, emulate_for(op, x))
+    _checks.tensor(op, "x", x)
+    _checks.tensor(op, "weight", weight, optional=True)
+    eps = _checks.real(op, "eps", eps, minimum=0.0)
+    y, _, _ = torch.ops.megakernels.norm_fwd(x, weight, None, eps, 0, True, emulate_for(op, x))
     return y
 
 

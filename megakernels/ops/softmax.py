@@ -24,32 +24,22 @@ Dtypes: fp32/fp16/bf16 (and fp64, for gradcheck); output and gradients in x's dt
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
-
-
-def _check_tensor(op: str, name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_scale(op: str, scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{op}: scale must be a real number, got {type(scale).__name__}")
-    return float(scale)
+from megakernels.ops import _checks
 
 
 @torch.library.register_fake("megakernels::softmax_fwd")
 def _softmax_fwd_fake(x, mask, scale, causal, emulate):
+    _checks.same_device("scaled_masked_softmax", "x", x, ("mask", mask))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.register_fake("megakernels::softmax_bwd")
 def _softmax_bwd_fake(grad_output, y, scale, causal, emulate):
+    _checks.same_device("scaled_softmax_backward", "y", y, ("grad_output", grad_output))
     return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 
 
@@ -79,12 +69,12 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         ``[..., sk]`` in x's dtype; differentiable w.r.t. x. NaN/inf in x propagate as in ``torch.softmax``.
 
     Raises:
-        TypeError: x not a floating tensor, scale not a real number. ValueError: a 0-dim x, a non-finite scale, a
-        backend that cannot take x.
+        TypeError: x not a floating tensor, scale not a real number. ValueError: a 0-dim or sparse x, a non-finite
+        scale, a backend that cannot take x.
     """
     op = "scaled_softmax"
-    _check_tensor(op, "x", x)
-    s = _check_scale(op, scale)
+    _checks.tensor(op, "x", x)
+    s = _checks.real(op, "scale", scale)
     return torch.ops.megakernels.softmax_fwd(x, None, s, False, emulate_for(op, x))
 
 
@@ -103,12 +93,13 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor, scale: float = 1.
 
     Raises:
         TypeError: x not floating, mask not a bool tensor, scale not a real number. ValueError: x not 4-D, a mask
-        shape that does not broadcast, mask and x on different devices, a non-finite scale.
+        shape that does not broadcast, mask and x on different devices (meta included), a sparse x or mask, a
+        non-finite scale.
     """
     op = "scaled_masked_softmax"
-    _check_tensor(op, "x", x)
-    _check_tensor(op, "mask", mask)
-    s = _check_scale(op, scale)
+    _checks.tensor(op, "x", x)
+    _checks.tensor(op, "mask", mask)
+    s = _checks.real(op, "scale", scale)
     return torch.ops.megakernels.softmax_fwd(x, mask, s, False, emulate_for(op, x))
 
 
@@ -131,8 +122,8 @@ def scaled_causal_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         TypeError / ValueError as :func:`scaled_softmax`, and ValueError for an x with fewer than 2 dims.
     """
     op = "scaled_causal_softmax"
-    _check_tensor(op, "x", x)
-    s = _check_scale(op, scale)
+    _checks.tensor(op, "x", x)
+    s = _checks.real(op, "scale", scale)
     return torch.ops.megakernels.softmax_fwd(x, None, s, True, emulate_for(op, x))
 
 

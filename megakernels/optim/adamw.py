@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from megakernels.ops import _checks
 from megakernels.ops import multi_tensor as _mt
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,6 +65,23 @@ def _check_hypers(lr, betas, eps, weight_decay) -> None:
     weight_decay = _hyper("weight_decay", weight_decay)
     if not (weight_decay >= 0.0 and weight_decay != float("inf")):
         raise ValueError(f"FusedAdamW: weight_decay must be a finite number >= 0, got {weight_decay}")
+
+
+def _saved_step(idx, state: dict) -> float:
+    """The ``step`` of one parameter's saved state: a finite number >= 0, as a Python number or a one-element
+    real tensor (torch.optim.AdamW saves a float32 scalar tensor)."""
+    where = f"FusedAdamW.load_state_dict: state[{idx!r}]['step']"
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"FusedAdamW.load_state_dict: state[{idx!r}] has no 'step' entry")
+    step = state["step"]
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool or step.layout != torch.strided \
+                or step.device.type == "meta":
+            raise ValueError(f"{where} must be a number or a one-element real tensor with a value, got a "
+                             f"{step.layout} {step.dtype} tensor of shape {tuple(step.shape)} on {step.device}")
+        step = step.item()
+    value = _checks.real("FusedAdamW.load_state_dict", f"state[{idx!r}]['step']", step, minimum=0.0)
+    return value
 
 
 def _step_device(p: torch.Tensor) -> torch.device:
@@ -235,15 +253,14 @@ class FusedAdamW(torch.optim.Optimizer):
         """
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
+        steps = {idx: _saved_step(idx, orig) for idx, orig in saved_state.items()}  # all checked before any change
         super().load_state_dict(state_dict)
         for saved_group, group in zip(saved_groups, self.param_groups):
             for idx, p in zip(saved_group["params"], group["params"]):
                 if idx not in saved_state or p not in self.state:
                     continue
                 orig, state = saved_state[idx], self.state[p]
-                step = orig["step"]
-                step = step.detach() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-                state["step"] = step.to(device=_step_device(p), dtype=torch.float32).reshape(()).clone()
+                state["step"] = torch.tensor(steps[idx], dtype=torch.float32, device=_step_device(p))
                 if self._uses_master(p):
                     for key in ("exp_avg", "exp_avg_sq"):
                         state[key] = orig[key].to(device=p.device, dtype=torch.float32).contiguous()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from megakernels.validation import positive_int
+
 
 def _positive_float(name: str, value, *, above_one: bool = False, below_one: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -30,9 +32,7 @@ def _positive_float(name: str, value, *, above_one: bool = False, below_one: boo
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DynamicLossScaler: {name} must be a positive int, got {value!r}")
-    return value
+    return positive_int(value, name, where="DynamicLossScaler")
 
 
 class DynamicLossScaler:

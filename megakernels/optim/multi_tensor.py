@@ -34,6 +34,12 @@ def _check_list(op: str, tensors) -> list[torch.Tensor]:
             raise TypeError(f"{op}: tensors[{i}] is complex ({t.dtype}); not supported")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{op}: tensors[{i}] has dtype {t.dtype}; expected float32, float16 or bfloat16")
+    # Devices may mix (one fused call per device), but meta tensors hold no values to combine with real ones.
+    metas = [t.device.type == "meta" for t in tensors]
+    if any(metas) and not all(metas):
+        i = metas.index(not metas[0])
+        raise ValueError(f"{op}: tensors[{i}] is on {tensors[i].device} but tensors[0] is on {tensors[0].device}; "
+                         "meta tensors cannot be mixed with tensors that hold values")
     return tensors
 
 

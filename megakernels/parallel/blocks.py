@@ -11,60 +11,44 @@ Attention:  x -> ColumnParallelLinear(h, 3h) -> split heads -> attention core ->
 
 The QKV weight's ``3h`` output rows are ordered ``(head, {q, k, v}, head_dim)``: head-major, so the contiguous row
 block of TP rank r holds q, k and v of heads ``[r·n/tp, (r+1)·n/tp)`` and attention is rank-local. The attention
-core is pluggable: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, heads, head_dim]`` tensors returning
-the same layout (``megakernels.ops.flash_attention``'s signature); the default wraps PyTorch's
-``scaled_dot_product_attention``. Attention dropout runs on the tracker's per-TP-rank stream (``random.py``).
+core is one of the library's (``megakernels.nn.attention``: ``"flash"``, the default, or ``"torch"``) or any module
+with their contract, ``core(q, k, v, mask=None)`` on ``[b, s, heads, head_dim]``. Attention dropout runs on the
+tracker's per-TP-rank stream (``random.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megakernels.nn.attention import attention_core
 from megakernels.ops.bias_gelu import bias_gelu
+from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import init, state
-from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from megakernels.parallel.context import ring_attention
+from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
 from megakernels.parallel.random import checkpoint, get_rng_tracker
-
-AttentionFn = Callable[..., torch.Tensor]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, dropout_p: float = 0.0,
-                   softmax_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(q kᵀ · scale [+ causal mask]) v`` by ``torch.nn.functional.scaled_dot_product_attention``.
-
-    Args:
-        q, k, v: ``[b, s, heads, head_dim]`` (k, v may have another sequence length).
-        causal: mask future keys (query i attends keys <= i).
-        dropout_p: dropout on the attention probabilities.
-        softmax_scale: default ``1 / sqrt(head_dim)``.
-        mask: optional bool, broadcastable to ``[b, heads, s, s_k]``, True = masked out (not with ``causal``).
-
-    Returns:
-        ``[b, s, heads, head_dim]``.
-    """
-    attn_mask = None if mask is None else ~mask
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
-                                         scale=softmax_scale)
-    return out.transpose(1, 2)
-
 
 def _sub_seed(seed: int | None, name: str) -> int | None:
     return None if seed is None else init.derive_seed(seed, name)
 
 
 class ParallelMLP(nn.Module):
-    """Megatron's MLP ``fc2(gelu(fc1(x) + b1)) + b2`` split over the tensor-parallel ranks.
+    """Megatron's MLP ``fc2(gelu(fc1(x) + b1)) + b2`` split over the tensor-parallel ranks, or the gated
+    ``fc2(silu(x W_gate) * (x W_up))`` of Llama (``activation="swiglu"``).
+
+    With SwiGLU, fc1 is the packed ``[W_gate; W_up]`` (``[2f, h]`` in the full model) marked with stride 2, so TP
+    rank r holds rows r of the gate *and* of the up projection, ``[gate_r | up_r]``: its half of the gated product
+    needs nothing from another rank, and ``megakernels.ops.swiglu`` takes the packed output as it is.
 
     Args:
         hidden_size: h.
-        ffn_hidden_size: the inner size (default 4h); must divide by tp.
+        ffn_hidden_size: the inner size f (default 4h); must divide by tp.
         sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
         approximate: GeLU form, ``"tanh"`` (Megatron's) or ``"none"``.
+        activation: ``"gelu"`` (the default) or ``"swiglu"``.
+        bias: biases on fc1 and fc2.
         overlap_comm: overlap fc1's backward collectives with its weight-gradient GEMM.
         init_method: fc1's (default ``N(0, 0.02²)``); output_init_method: fc2's (default the same).
         seed: defines both weights (``derive_seed(seed, "fc1")`` / ``"fc2"``); default: each drawn from the default
@@ -78,24 +62,32 @@ class ParallelMLP(nn.Module):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int | None = None, sequence_parallel: bool = False, *,
-                 approximate: str = "tanh", overlap_comm: bool = True, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
-                 dtype=None):
+                 approximate: str = "tanh", activation: str = "gelu", bias: bool = True, overlap_comm: bool = True,
+                 init_method: init.InitMethod | None = None, output_init_method: init.InitMethod | None = None,
+                 seed: int | None = None, device=None, dtype=None):
         super().__init__()
         ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         if approximate not in ("tanh", "none"):
             raise ValueError(f"ParallelMLP: approximate must be 'tanh' or 'none', got {approximate!r}")
+        if activation not in ("gelu", "swiglu"):
+            raise ValueError(f"ParallelMLP: activation must be 'gelu' or 'swiglu', got {activation!r}")
         state.check_divisible(ffn_hidden_size=ffn_hidden_size)
-        self.approximate = approximate
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, sequence_parallel=sequence_parallel,
-                                        skip_bias_add=True, overlap_comm=overlap_comm, init_method=init_method,
+        self.approximate, self.activation = approximate, activation
+        gated = activation == "swiglu"
+        self.fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size, bias,
+                                        sequence_parallel=sequence_parallel, skip_bias_add=True,
+                                        overlap_comm=overlap_comm, stride=2 if gated else 1, init_method=init_method,
                                         seed=_sub_seed(seed, "fc1"), device=device, dtype=dtype)
-        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, sequence_parallel=sequence_parallel,
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
                                      init_method=output_init_method or init_method, seed=_sub_seed(seed, "fc2"),
                                      device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)
+        if self.activation == "swiglu":
+            return self.fc2(swiglu(y if b1 is None else y + b1))
+        if b1 is None:
+            return self.fc2(F.gelu(y, approximate=self.approximate))
         return self.fc2(bias_gelu(y, b1, self.approximate))
 
 
@@ -107,10 +99,10 @@ class ParallelSelfAttention(nn.Module):
         num_heads: n; must divide by tp (and be >= tp).
         causal: causal (GPT) or bidirectional (BERT) attention.
         sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
-        attention_fn: ``attn(q, k, v, causal=..., dropout_p=...)`` on ``[b, s, n/tp, h/n]``; default
-            ``sdpa_attention``. With an ``attention_mask`` it is called with ``mask=`` too.
-        attention_dropout: dropout on the attention probabilities while training (per-TP-rank stream: needs
-            ``model_parallel_seed``).
+        core: the attention core, a name for ``megakernels.nn.attention_core`` (``"flash"``, ``"torch"``) or a
+            module ``core(q, k, v, mask=None)`` on ``[b, s, n/tp, h/n]`` (its causality and dropout its own).
+        attention_dropout: dropout on the attention probabilities while training, for a core given by name
+            (per-TP-rank stream: needs ``model_parallel_seed``).
         bias: biases on the QKV and output projections.
         recompute: recompute the attention core in backward instead of saving its activations (Megatron's
             "selective" recomputation; the dropout streams are replayed, so the result is unchanged).
@@ -127,7 +119,7 @@ class ParallelSelfAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, causal: bool = True, sequence_parallel: bool = False, *,
-                 attention_fn: AttentionFn | None = None, attention_dropout: float = 0.0, bias: bool = True,
+                 core: str | nn.Module = "flash", attention_dropout: float = 0.0, bias: bool = True,
                  recompute: bool = False, overlap_comm: bool = True, init_method: init.InitMethod | None = None,
                  output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
                  dtype=None):
@@ -141,8 +133,8 @@ class ParallelSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.attention_fn = sdpa_attention if attention_fn is None else attention_fn
-        self.attention_dropout = float(attention_dropout)
+        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) \
+            else core
         self.recompute = bool(recompute)
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, sequence_parallel=sequence_parallel,
                                         overlap_comm=overlap_comm, init_method=init_method,
@@ -151,24 +143,124 @@ class ParallelSelfAttention(nn.Module):
                                       init_method=output_init_method or init_method, seed=_sub_seed(seed, "proj"),
                                       device=device, dtype=dtype)
 
-    def _core(self, q, k, v, mask):
-        p = self.attention_dropout if self.training else 0.0
-        kwargs = {} if mask is None else {"mask": mask}
-        if p > 0.0:
-            with get_rng_tracker().fork():
-                return self.attention_fn(q, k, v, causal=self.causal, dropout_p=p, **kwargs)
-        return self.attention_fn(q, k, v, causal=self.causal, dropout_p=0.0, **kwargs)
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 3:
-            raise ValueError(f"{type(self).__name__}: x must be [s, b, h] (sequence first), got shape "
-                             f"{tuple(x.shape)}")
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                kv_cache=None) -> torch.Tensor:
+        _check_3d(self, x)
         qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(1, 0, 2, 3, 4).unbind(3)
-        if self.recompute and torch.is_grad_enabled():
-            ctx = checkpoint(self._core, q, k, v, attention_mask)
-        else:
-            ctx = self._core(q, k, v, attention_mask)
-        ctx = ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim)
-        return self.proj(ctx)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self, k, v)
+        ctx = _attend(self, q, k, v, attention_mask)
+        return self.proj(ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim))
+
+
+def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"{type(module).__name__}: x must be [s, b, h] (sequence first), got shape {tuple(x.shape)}")
+
+
+def _run_core(module: nn.Module, q, k, v, mask):
+    if state.is_initialized() and state.cp_size() > 1:
+        if mask is not None:
+            raise ValueError(f"{type(module).__name__}: context parallelism takes no attention mask (padding masks "
+                             "are not split over the ring)")
+        return ring_attention(q, k, v, causal=module.causal, group=state.cp_group())
+    if module.training and getattr(module.core, "dropout_p", 0.0) > 0.0:
+        with get_rng_tracker().fork():
+            return module.core(q, k, v, mask=mask)
+    return module.core(q, k, v, mask=mask)
+
+
+def _attend(module: nn.Module, q, k, v, mask):
+    """The attention core on ``[b, s, heads, d]`` q, k, v: the module's core, or ring attention over the context-
+    parallel group; recomputed in backward with selective recomputation."""
+    if module.recompute and torch.is_grad_enabled():
+        return checkpoint(_run_core, module, q, k, v, mask)
+    return _run_core(module, q, k, v, mask)
+
+
+class ParallelGroupedQueryAttention(nn.Module):
+    """Grouped-query self-attention (Llama) with rotary position embeddings, heads split over the TP ranks.
+
+    ``num_kv_heads`` key/value heads each serve ``num_heads / num_kv_heads`` query heads. Parameters (full-model
+    layout, as HuggingFace's ``q_proj`` / ``k_proj`` + ``v_proj``): ``q.weight`` ``[heads·d, h]`` split by heads
+    over the TP ranks, and ``kv.weight`` ``[2·kv_heads·d, h]`` (keys, then values) marked with stride 2 so a rank
+    holds its keys and their values. With ``num_kv_heads`` a multiple of tp the key/value heads split evenly;
+    with fewer key/value heads than ranks (tp a multiple of ``num_kv_heads``) each head is replicated on the
+    ``tp / num_kv_heads`` consecutive ranks whose query heads use it, and their gradients are summed over those
+    ranks (``params`` replicas). Both projections share one input collective: the forward multiplies by their
+    concatenated weight (one GEMM; the concatenation copies the weight once per forward).
+
+    Args:
+        hidden_size, num_heads: h and the query heads (divisible by tp).
+        num_kv_heads: key/value heads; a multiple or a divisor of tp.
+        causal, sequence_parallel, core, attention_dropout, bias, recompute, overlap_comm, init_method,
+        output_init_method, seed, device, dtype: as ``ParallelSelfAttention`` (seeds ``"q"``, ``"kv"``,
+        ``"proj"``).
+        rotary: a module ``rotary(q, k, positions, seq_dim=0)`` applied to the queries and keys (e.g.
+            ``megakernels.nn.RotaryEmbedding``), or None.
+
+    Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), ``positions`` (int ``[s]``, the
+    tokens' positions; default ``0..s-1``), optional ``attention_mask``, optional ``kv_cache``
+    (``megakernels.nn.KVCache``: attend over the cached tokens too, and cache these) -> same shape as ``x``.
+
+    Raises:
+        ValueError: heads not divisible by tp, ``num_kv_heads`` neither a multiple nor a divisor of tp or not
+            dividing ``num_heads``, or what ``ParallelSelfAttention`` raises.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, causal: bool = True,
+                 sequence_parallel: bool = False, *, core: str | nn.Module = "flash", attention_dropout: float = 0.0,
+                 bias: bool = False, recompute: bool = False, rotary: nn.Module | None = None,
+                 overlap_comm: bool = True, init_method: init.InitMethod | None = None,
+                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
+                 dtype=None):
+        super().__init__()
+        cls = type(self).__name__
+        tp = state.tp_size()
+        state.check_divisible(num_heads=num_heads)
+        if hidden_size % num_heads:
+            raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{cls}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"{cls}: num_kv_heads={num_kv_heads} must be a multiple of the tensor-parallel size "
+                             f"{tp} (heads split) or divide it (heads replicated)")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+        self.causal, self.recompute = bool(causal), bool(recompute)
+        self.sequence_parallel, self.overlap_comm = bool(sequence_parallel), bool(overlap_comm)
+        self.head_dim = d = hidden_size // num_heads
+        replicas = max(1, tp // num_kv_heads)
+        self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
+        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) \
+            else core
+        self.rotary = rotary
+        self.q = ColumnParallelLinear(hidden_size, num_heads * d, bias, sequence_parallel=sequence_parallel,
+                                      init_method=init_method, seed=_sub_seed(seed, "q"), device=device, dtype=dtype)
+        self.kv = ColumnParallelLinear(hidden_size, 2 * num_kv_heads * d, bias, sequence_parallel=sequence_parallel,
+                                       stride=2, replicas=replicas, init_method=init_method,
+                                       seed=_sub_seed(seed, "kv"), device=device, dtype=dtype)
+        self.proj = RowParallelLinear(num_heads * d, hidden_size, bias, sequence_parallel=sequence_parallel,
+                                      init_method=output_init_method or init_method, seed=_sub_seed(seed, "proj"),
+                                      device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        _check_3d(self, x)
+        weight = torch.cat([self.q.weight, self.kv.weight])
+        bias = None if self.q.bias is None else torch.cat([self.q.bias, self.kv.bias])
+        y = linear_with_async_comm(x, weight, bias, state.tp_group(), self.sequence_parallel, self.overlap_comm)
+        s, b = y.shape[:2]
+        d, nq, nkv = self.head_dim, self.local_heads, self.local_kv_heads
+        q = y[..., :nq * d].view(s, b, nq, d)
+        k, v = y[..., nq * d:].view(s, b, 2, nkv, d).unbind(2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, positions, seq_dim=0)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self, k, v)
+        ctx = _attend(self, q, k, v, attention_mask)
+        return self.proj(ctx.transpose(0, 1).reshape(s, b, nq * d))

@@ -46,12 +46,10 @@ from torch import nn
 
 from megakernels.parallel import comm, state
 from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
+from megakernels.parallel.params import info, is_expert_parallel, is_sequence_parallel, is_shared_embedding
+from megakernels.validation import positive_int
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _is_shared_embedding(p: torch.Tensor) -> bool:
-    return getattr(p, "shared_embedding", False)
 
 
 class Bucket:
@@ -84,14 +82,21 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model (chunk); its trainable params must be dense, contiguous and on one device.
-        group: the data-parallel process group; default ``megakernels.parallel.dp_group()``. Without
+        group: the data-parallel process group; default ``megakernels.parallel.dp_cp_group()`` (the data- and
+            context-parallel ranks, which hold different tokens of the same parameters' gradient). Without
             ``megakernels.parallel`` initialised and without a multi-rank default group: one rank, no collectives.
         bucket_size: elements per bucket (a bucket closes once it reaches this; default 40M).
         grad_dtype: dtype of ``main_grad`` (fp32, bf16, fp16), or None for each param's own dtype.
         overlap: launch each bucket's collective from the backward hooks as soon as it is complete; otherwise all
             are launched by ``finish_grad_sync()``.
         reduce_scatter: reduce-scatter instead of all-reduce (ZeRO-1); also moves the params into a flat buffer.
-        separate: params for which it returns True get a bucket of their own (default: ``p.shared_embedding``).
+        separate: params for which it returns True get a bucket of their own (default: the tied embedding,
+            ``params.is_shared_embedding``).
+        include: the params this wrapper handles (default all); ``wrap_model`` gives a mixture-of-experts model
+            two wrappers, one for the dense params and one, over the expert-data-parallel group, for the experts'.
+        divisor: what the summed gradients are divided by (default the group's size: the mean). Experts' gradients
+            are summed over fewer ranks than the dense ones but come from the same scaled losses, so their wrapper
+            divides by the data-parallel size as well.
 
     Raises:
         ValueError: no trainable params, params on several devices, a non-contiguous param, a bad ``bucket_size``
@@ -101,17 +106,17 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
                  grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
-                 separate=_is_shared_embedding) -> None:
+                 separate=is_shared_embedding, include=None, divisor: int | None = None) -> None:
         super().__init__()
         cls = type(self).__name__
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"{cls}: bucket_size must be a positive int (elements), got {bucket_size!r}")
+        positive_int(bucket_size, "bucket_size", where=cls)
         if grad_dtype is not None and grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"{cls}: grad_dtype must be float32, bfloat16, float16 or None, got {grad_dtype}")
         self.module = module
         self.group, self.dp_size, self.dp_rank = self._resolve_group(group)
+        self.divisor = self.dp_size if divisor is None else positive_int(divisor, "divisor", where=cls)
         self.overlap, self.reduce_scatter, self.bucket_size = bool(overlap), bool(reduce_scatter), bucket_size
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad and (include is None or include(p))]
         if not params:
             raise ValueError(f"{cls}: module has no parameters with requires_grad=True")
         devices = {p.device for p in params}
@@ -137,7 +142,7 @@ class DistributedDataParallel(nn.Module):
     def _resolve_group(group):
         if group is None:
             if state.is_initialized():
-                group = state.dp_group()
+                group = state.dp_cp_group()
             elif dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError("DistributedDataParallel: megakernels.parallel is not initialised; call "
                                    "megakernels.parallel.initialize(tp, pp) first or pass group=")
@@ -211,10 +216,11 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        if self.divisor != 1:
+            bucket.grad_data.div_(self.divisor)
         if self.dp_size == 1:
             return
         data = bucket.grad_data
-        data.div_(self.dp_size)
         if self.reduce_scatter:
             shard = data[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
             comm.record("launch", "reduce_scatter")
@@ -293,11 +299,25 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
+def wrap_model(module: nn.Module, **kwargs) -> list[DistributedDataParallel]:
+    """The data-parallel wrappers of a model chunk: one over ``dp_cp_group()`` for its dense params and, when it has
+    mixture-of-experts weights (``params.is_expert_parallel``), one over ``expert_dp_group()`` for those (their
+    copies live on the ranks holding the same experts). ``kwargs`` go to both."""
+    experts = [p for p in module.parameters() if p.requires_grad and is_expert_parallel(p)]
+    if not experts:
+        return [DistributedDataParallel(module, **kwargs)]
+    group = state.expert_dp_group() if state.is_initialized() else None
+    divisor = state.dp_cp_size() if state.is_initialized() else 1
+    return [DistributedDataParallel(module, include=lambda p: not is_expert_parallel(p), **kwargs),
+            DistributedDataParallel(module, group=group, include=is_expert_parallel, divisor=divisor, **kwargs)]
+
+
 def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     """After the last backward of a step: finish every model chunk's data-parallel sync, then sum over the TP group
-    the ``main_grad`` of params marked ``sequence_parallel`` (each TP rank saw only its tokens), and over the
-    embedding group that of params marked ``shared_embedding`` (the tied word embedding of the first and last
-    pipeline stage).
+    the ``main_grad`` of params marked sequence-parallel (each TP rank saw only its tokens), over their replica
+    group that of blocks replicated within the TP group (each rank's copy got only its query heads' share), and
+    over the embedding group that of the shared embedding (the tied word embedding of the first and last pipeline
+    stage).
 
     Under ``reduce_scatter`` the sums are right for the shard each rank owns, given the same bucket layout on every
     TP rank (TP shards of equal shapes, as the parallel layers make them) and on both embedding stages (the
@@ -307,13 +327,19 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
         m.finish_grad_sync()
     if not state.is_initialized():
         return
-    params = [p for m in models for p in m.module.parameters() if p.requires_grad]
+    params = list(dict.fromkeys(p for m in models for b in m.buckets for p in b.params))
     if state.tp_size() > 1:
-        grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+        grads = [p.main_grad for p in params if is_sequence_parallel(p)]
         _sum_over(grads, state.tp_group())
+        replicated: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if info(p).replicas > 1:
+                replicated.setdefault(info(p).replicas, []).append(p.main_grad)
+        for c, grads in sorted(replicated.items()):
+            _sum_over(grads, state.tp_replica_group(c))
     group = state.embedding_group()
     if group is not None and len(state.embedding_ranks()) > 1:
-        _sum_over([p.main_grad for p in params if getattr(p, "shared_embedding", False)], group)
+        _sum_over([p.main_grad for p in params if is_shared_embedding(p)], group)
 
 
 def _sum_over(grads: list[torch.Tensor], group) -> None:

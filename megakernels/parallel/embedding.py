@@ -5,7 +5,7 @@ The ``[V, h]`` embedding table is split by rows (vocabulary ids) over the tensor
 (all-reduce; a reduce-scatter along the sequence under sequence parallelism) sums them into the full embedding.
 
 For GEMM-friendly shapes V is padded to a multiple of ``128 · tp`` (GPT-2's 50,257 becomes 51,200 at tp 8). The
-padding never changes the math (DESIGN.md §4): padded rows are zeros that no real id looks up, their logits are
+padding never changes the math (docs/design.md §4): padded rows are zeros that no real id looks up, their logits are
 excluded from the softmax by the loss (``vocab_size``) and from generation, and the real rows are generated from
 the seed in blocks that do not depend on how many padded rows follow (``megakernels.parallel.init``).
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.parallel import init, mappings, state
-from megakernels.parallel.linear import mark_tensor_parallel
+from megakernels.parallel.params import mark_tensor_parallel
+from megakernels.validation import positive_int
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -31,8 +32,7 @@ def pad_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE)
         ValueError: a non-positive argument.
     """
     for name, v in (("vocab_size", vocab_size), ("tp", tp), ("multiple", multiple)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"pad_vocab_size: {name} must be a positive int, got {v!r}")
+        positive_int(v, name, where="pad_vocab_size")
     step = multiple * tp
     return -(-vocab_size // step) * step
 
@@ -66,8 +66,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         cls = type(self).__name__
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{cls}: {name} must be a positive int, got {v!r}")
+            positive_int(v, name, where=cls)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp, self.sequence_parallel = state.tp_size(), bool(sequence_parallel)
         self.padded_num_embeddings = pad_vocab_size(num_embeddings, self.tp, pad_multiple)

@@ -1,6 +1,6 @@
 """Layout-independent weight initialisation: a seed defines the full weight; a rank generates only its shard.
 
-DESIGN.md §4: the same seed gives the same model for every (tp, pp, dp). Initialising the full "master" weight on
+docs/design.md §4: the same seed gives the same model for every (tp, pp, dp). Initialising the full "master" weight on
 every rank and slicing it meets that, but costs the full tensor's memory on every rank (a 51200 × 12288 embedding is
 2.4 GiB in fp32). Instead the full ``[rows, cols]`` weight is *defined* in blocks of ``INIT_BLOCK_ROWS`` rows:
 
@@ -79,26 +79,47 @@ def _block(seed: int, k: int, nrows: int, cols: int, init_method: InitMethod) ->
     return out
 
 
+def shard_pieces(full_len: int, rank: int, world: int, stride: int = 1, replicas: int = 1) -> list[tuple[int, int, int]]:
+    """``(full offset, local offset, length)`` of the pieces a rank holds along a partitioned dimension of
+    ``full_len``: the dimension is ``stride`` equal segments (e.g. the gate and up halves of a packed SwiGLU
+    projection), each cut into ``world / replicas`` blocks, and rank ``r`` holds block ``r // replicas`` of every
+    segment (``replicas`` consecutive ranks share a block, e.g. a key/value head serving several query shards).
+
+    Raises:
+        ValueError: sizes that do not divide.
+    """
+    if world % replicas or full_len % (stride * (world // replicas)):
+        raise ValueError(f"shard_pieces: {full_len} does not split into {stride} segment(s) of {world // replicas} "
+                         f"block(s) (world {world}, replicas {replicas})")
+    seg = full_len // stride
+    blk = seg * replicas // world
+    i = rank // replicas
+    return [(j * seg + i * blk, j * blk, blk) for j in range(stride)]
+
+
 @torch.no_grad()
 def init_shard_(shard: torch.Tensor, full_shape: tuple[int, int], partition_dim: int, rank: int, world: int,
-                seed: int, init_method: InitMethod, real_rows: int | None = None) -> torch.Tensor:
-    """Fill ``shard`` with block ``rank`` of ``world`` (along ``partition_dim``) of the seed-defined full weight.
+                seed: int, init_method: InitMethod, real_rows: int | None = None, stride: int = 1,
+                replicas: int = 1) -> torch.Tensor:
+    """Fill ``shard`` with rank ``rank``'s part (``shard_pieces`` along ``partition_dim``) of the seed-defined full
+    weight: with the defaults, block ``rank`` of ``world``.
 
     Args:
-        shard: the ``[rows / world, cols]`` (dim 0) or ``[rows, cols / world]`` (dim 1) tensor to fill, any float
-            dtype and device; left untouched on the meta device.
+        shard: the tensor to fill (``full_shape`` with the partitioned dim divided by ``world / replicas``), any
+            float dtype and device; left untouched on the meta device.
         full_shape: ``(rows, cols)`` of the full weight (rows including padding).
-        partition_dim: 0 (contiguous blocks of rows) or 1 (of columns).
-        rank, world: which block, of how many.
+        partition_dim: 0 (blocks of rows) or 1 (of columns).
+        rank, world: whose part, of how many ranks.
         seed: the weight's seed.
         init_method: ``init_method(tensor, generator)``, see the module docstring.
         real_rows: rows at and past this index are zeros (vocab padding); default ``rows``.
+        stride, replicas: see ``shard_pieces``.
 
     Returns:
         ``shard``.
 
     Raises:
-        ValueError: a shard shape that is not the block of ``full_shape``, ``partition_dim`` not 0/1, or
+        ValueError: a shard shape that is not the part of ``full_shape``, ``partition_dim`` not 0/1, or
             ``real_rows`` outside ``0..rows``.
     """
     rows, cols = full_shape
@@ -107,27 +128,36 @@ def init_shard_(shard: torch.Tensor, full_shape: tuple[int, int], partition_dim:
         raise ValueError(f"init_shard_: partition_dim must be 0 or 1, got {partition_dim}")
     if not 0 <= real_rows <= rows:
         raise ValueError(f"init_shard_: real_rows must be in 0..{rows}, got {real_rows}")
-    expected = (rows // world, cols) if partition_dim == 0 else (rows, cols // world)
-    if (rows, cols)[partition_dim] % world or tuple(shard.shape) != expected:
-        raise ValueError(f"init_shard_: shard has shape {tuple(shard.shape)}, expected {expected} (block {rank} of "
-                         f"{world} of {full_shape} along dim {partition_dim})")
+    parts = world // replicas if world % replicas == 0 else 0
+    expected = (rows // max(parts, 1), cols) if partition_dim == 0 else (rows, cols // max(parts, 1))
+    if not parts or (rows, cols)[partition_dim] % (parts * stride) or tuple(shard.shape) != expected:
+        raise ValueError(f"init_shard_: shard has shape {tuple(shard.shape)}, expected {expected} (part {rank} of "
+                         f"{world} of {full_shape} along dim {partition_dim}, stride {stride}, replicas {replicas})")
     if shard.device.type == "meta":
         return shard
-    if partition_dim == 0:
-        r0, r1 = rank * expected[0], (rank + 1) * expected[0]
-        c0, c1 = 0, cols
-    else:
-        r0, r1 = 0, rows
-        c0, c1 = rank * expected[1], (rank + 1) * expected[1]
     shard.zero_()
+    for full_off, local_off, n in shard_pieces((rows, cols)[partition_dim], rank, world, stride, replicas):
+        if partition_dim == 0:
+            _fill(shard[local_off:local_off + n], (full_off, full_off + n), (0, cols), cols, seed, init_method,
+                  real_rows)
+        else:
+            _fill(shard[:, local_off:local_off + n], (0, rows), (full_off, full_off + n), cols, seed, init_method,
+                  real_rows)
+    return shard
+
+
+def _fill(dst: torch.Tensor, row_range: tuple[int, int], col_range: tuple[int, int], cols: int, seed: int,
+          init_method: InitMethod, real_rows: int) -> None:
+    """Copy rows ``[r0, r1)`` and columns ``[c0, c1)`` of the full ``[.., cols]`` weight into ``dst``, generating
+    only the blocks of rows they touch, one at a time."""
+    (r0, r1), (c0, c1) = row_range, col_range
     B = INIT_BLOCK_ROWS
     for k in range(r0 // B, (min(r1, real_rows) + B - 1) // B):
         lo, hi = k * B, min((k + 1) * B, real_rows)
         block = _block(seed, k, hi - lo, cols, init_method)
         a, b = max(lo, r0), min(hi, r1)
         if a < b:
-            shard[a - r0:b - r0].copy_(block[a - lo:b - lo, c0:c1])
-    return shard
+            dst[a - r0:b - r0].copy_(block[a - lo:b - lo, c0:c1])
 
 
 def full_weight(full_shape: tuple[int, int], seed: int, init_method: InitMethod,

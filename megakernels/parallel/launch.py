@@ -216,3 +216,49 @@ def single_process_world(device: str = "cpu", timeout: float = 600.0, parallel: 
             state.destroy()
     finally:
         dist.destroy_process_group()
+
+
+def _call(rank: int, world_size: int, fn, args):
+    return fn(*args)
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (its environment names the rendezvous)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.0):
+    """Run ``fn(*args)`` on every rank of a ``torch.distributed`` world and return the last rank's result.
+
+    The world is torchrun's when this process was started by it (nccl for ``device="cuda"``, each rank on GPU
+    ``LOCAL_RANK``; gloo otherwise), else this process alone (``nproc == 1``), else ``nproc`` spawned local gloo
+    processes with ``cpu_count // nproc`` threads each (the CPU's way to run a multi-rank layout). The process
+    group is torn down afterwards in every case. For CUDA it sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the
+    environment sets it (the overlap of collectives with GEMMs depends on it, docs/design.md §4).
+
+    Raises:
+        ValueError: ``nproc > 1`` with ``device="cuda"`` outside torchrun (one process per GPU is torchrun's job).
+        WorldFailed: a spawned rank raised or died (its error in the message).
+    """
+    if device == "cuda":
+        # One hardware queue, so collectives queued before a GEMM start before it (docs/design.md §4). Read when
+        # the CUDA context is created, which has not happened yet in a launcher's process.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if under_torchrun():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        try:
+            return fn(*args)
+        finally:
+            dist.destroy_process_group()
+    if nproc == 1:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        with single_process_world(device, timeout):
+            return fn(*args)
+    if device == "cuda":
+        raise ValueError(f"launch: nproc={nproc} spawns CPU (gloo) processes; for GPUs use torchrun "
+                         f"--nproc-per-node {nproc}")
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    return run_world(nproc, _call, fn, args, timeout=timeout, threads=threads, world_timeout=None)[-1]

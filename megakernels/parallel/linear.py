@@ -22,9 +22,9 @@ layer's forward and backward are one autograd function with f fused into it, so 
 backward gathers it again, hidden behind the dgrad GEMM. With ``overlap_comm=False`` every collective is waited
 for right after its launch (the baseline of ``benchmarks/parallel_overlap.py``).
 
-On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. As in
-Megatron-LM, set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` so the GPU starts the communication kernel, queued first,
-before the GEMM queued after it takes every SM.
+On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. The overlap
+needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue: the communication kernel, queued first, starts before
+the GEMM queued after it takes every SM); ``megakernels train`` sets it for CUDA runs (docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.parallel import comm, init, mappings, state
+from megakernels.parallel.params import is_sequence_parallel, mark_sequence_parallel, mark_tensor_parallel
+from megakernels.validation import positive_int
 
 
 class LinearWithAsyncComm(torch.autograd.Function):
@@ -103,26 +105,8 @@ def linear_with_async_comm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return LinearWithAsyncComm.apply(x, weight, bias, group, bool(sequence_parallel), bool(overlap_comm))
 
 
-def mark_tensor_parallel(*params: nn.Parameter | None, dim: int = 0, real_size: int | None = None) -> None:
-    """Mark parameters as sharded over the TP group: ``p.tensor_parallel = True`` and ``p.partition_dim = dim``
-    (TP rank r holds the r-th equal block along that dim) and, for a vocabulary padded for GEMM shapes,
-    ``p.real_size`` (only the first ``real_size`` entries along ``dim`` of the full tensor are real).
-
-    Each rank holds a different part, so a global gradient norm counts them on every TP rank; unmarked parameters
-    are replicated over the group and counted once (on TP rank 0). Checkpoints use the marks to place each shard
-    in the full tensor."""
-    for p in params:
-        if p is not None:
-            p.tensor_parallel, p.partition_dim = True, dim
-            if real_size is not None:
-                p.real_size = real_size
-
-
 def _check_features(cls: str, in_features, out_features) -> tuple[int, int]:
-    for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{cls}: {name} must be a positive int, got {v!r}")
-    return in_features, out_features
+    return positive_int(in_features, "in_features", where=cls), positive_int(out_features, "out_features", where=cls)
 
 
 def _check_input(cls: str, x: torch.Tensor, features: int, sequence_parallel: bool) -> None:
@@ -140,7 +124,10 @@ class ColumnParallelLinear(nn.Module):
 
     Parameters: ``weight`` ``[out/tp, in]`` (rows ``[r·out/tp, (r+1)·out/tp)`` of the full weight on TP rank r),
     ``bias`` ``[out/tp]`` (zeros at init). The full weight is defined by ``seed`` (drawn from the default CPU
-    generator when None) and ``init_method`` (``N(0, 0.02²)`` by default), the same for every tp.
+    generator when None) and ``init_method`` (``N(0, 0.02²)`` by default), the same for every tp. With ``stride``
+    s the full output is s equal segments and each rank holds its block of every one (a packed projection stays
+    self-contained per rank); with ``replicas`` c, c consecutive ranks hold the same block (``[out·c/tp, in]``), for
+    outputs too few to split tp ways (``megakernels.parallel.params``).
 
     Args:
         in_features, out_features: sizes of the full layer; ``out_features`` must divide by tp.
@@ -149,6 +136,7 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: input is ``[s/tp, b, in]``, all-gathered along the sequence (fused into the GEMM).
         skip_bias_add: return ``(y_without_bias, bias)`` so a following fused op can add it (Megatron's).
         overlap_comm: overlap backward's collectives with the weight-gradient GEMM (True) or wait at once.
+        stride, replicas: the layout of the shards (above); ``out_features`` must divide by ``stride · tp / c``.
         init_method, seed: see ``megakernels.parallel.init``.
         device, dtype: of the parameters; on the meta device nothing is initialised (``reset_parameters`` later).
 
@@ -162,12 +150,23 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, *, skip_bias_add: bool = False, overlap_comm: bool = True,
-                 init_method: init.InitMethod | None = None, seed: int | None = None, device=None, dtype=None):
+                 stride: int = 1, replicas: int = 1, init_method: init.InitMethod | None = None,
+                 seed: int | None = None, device=None, dtype=None):
         super().__init__()
         cls = type(self).__name__
         self.in_features, self.out_features = _check_features(cls, in_features, out_features)
         self.tp = state.tp_size()
-        state.check_divisible(out_features=out_features)
+        self.stride, self.replicas = positive_int(stride, "stride", where=cls), positive_int(replicas, "replicas",
+                                                                                              where=cls)
+        if self.tp % replicas:
+            raise ValueError(f"{cls}: replicas={replicas} does not divide the tensor-parallel size {self.tp}")
+        parts = self.tp // replicas
+        if gather_output and (stride > 1 or replicas > 1):
+            raise ValueError(f"{cls}: gather_output=True needs stride=1 and replicas=1 (the gathered rows would not "
+                             "be in the full weight's order)")
+        if out_features % (stride * parts):
+            raise ValueError(f"{cls}: out_features={out_features} is not divisible by stride × tp / replicas = "
+                             f"{stride} × {parts}")
         if gather_output and sequence_parallel:
             raise ValueError(f"{cls}: gather_output=True cannot be combined with sequence_parallel=True (the output "
                              "of a sequence-parallel column layer feeds a row-parallel one)")
@@ -175,17 +174,19 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add, self.overlap_comm = bool(skip_bias_add), bool(overlap_comm)
         self.init_method = init.init_method_normal() if init_method is None else init_method
         self.seed = init.draw_seed() if seed is None else int(seed)
-        self.weight = nn.Parameter(torch.empty(out_features // self.tp, in_features, device=device, dtype=dtype))
-        self.bias = (nn.Parameter(torch.empty(out_features // self.tp, device=device, dtype=dtype))
-                     if bias else None)
-        mark_tensor_parallel(self.weight, self.bias)
+        local = out_features // parts
+        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
+        mark_tensor_parallel(self.weight, self.bias, stride=stride, replicas=replicas)
+        if replicas > 1:
+            state.tp_replica_group(replicas)  # collective on first use: every rank builds this layer now
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """(Re)initialise from ``seed``: this rank's rows of the full weight; bias zeros."""
         init.init_shard_(self.weight, (self.out_features, self.in_features), 0, state.tp_rank(), self.tp,
-                         self.seed, self.init_method)
+                         self.seed, self.init_method, stride=self.stride, replicas=self.replicas)
         if self.bias is not None and self.bias.device.type != "meta":
             self.bias.zero_()
 
@@ -198,7 +199,8 @@ class ColumnParallelLinear(nn.Module):
         return (y, self.bias) if self.skip_bias_add else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp}), "
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(/{self.tp // self.replicas}, stride {self.stride}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
@@ -208,7 +210,7 @@ class RowParallelLinear(nn.Module):
 
     Parameters: ``weight`` ``[out, in/tp]`` (columns ``[r·in/tp, (r+1)·in/tp)`` of the full weight on TP rank r),
     ``bias`` ``[out]``, replicated, added after the reduction (zeros at init). Under sequence parallelism each rank
-    adds the bias to its own tokens only, so its gradient is partial: the bias carries ``sequence_parallel = True``
+    adds the bias to its own tokens only, so its gradient is partial: the bias is marked sequence-parallel (``params``)
     and ``allreduce_sequence_parallel_grads`` sums such gradients over the TP group (once per step, as Megatron).
 
     Args:
@@ -242,8 +244,8 @@ class RowParallelLinear(nn.Module):
         self.seed = init.draw_seed() if seed is None else int(seed)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        if self.bias is not None:
-            self.bias.sequence_parallel = self.sequence_parallel
+        if self.bias is not None and self.sequence_parallel:
+            mark_sequence_parallel(self.bias)
         mark_tensor_parallel(self.weight, dim=1)
         self.reset_parameters()
 
@@ -280,7 +282,7 @@ class RowParallelLinear(nn.Module):
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
-    """Sum over the TP group the gradients of ``module``'s parameters marked ``sequence_parallel = True``.
+    """Sum over the TP group the gradients of ``module``'s parameters marked sequence-parallel (``params``).
 
     Under sequence parallelism a replicated parameter applied to the sequence shard (a row-parallel bias, a
     LayerNorm's weight and bias) gets from each rank only its tokens' share of the gradient; call this after
@@ -289,7 +291,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
     group = state.tp_group() if group is None else group
     if dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in module.parameters() if is_sequence_parallel(p) and p.grad is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

@@ -17,7 +17,8 @@ from torch import nn
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.parallel import init, mappings, state
 from megakernels.parallel.embedding import VOCAB_PAD_MULTIPLE, VocabParallelEmbedding, pad_vocab_size
-from megakernels.parallel.linear import linear_with_async_comm, mark_tensor_parallel
+from megakernels.parallel.linear import linear_with_async_comm
+from megakernels.parallel.params import mark_tensor_parallel
 
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, parallel_output: bool = True,

@@ -18,8 +18,8 @@ One step (``step()``), all on the device except where noted:
 
 1. fp16: ``found_inf`` = any main grad / scale not finite (this rank's pieces), MAX over the whole world, read on
    the host (the one host sync of the step): every rank must agree to skip. On overflow: skip, back off, return.
-2. Global grad norm: sum of squares of the grads this rank counts (a ``tensor_parallel`` param on every TP rank,
-   a replicated one on TP rank 0 only, a ``shared_embedding_duplicate`` never), summed over the model-parallel
+2. Global grad norm: sum of squares of the grads this rank counts (``params.counts_in_grad_norm``: a tensor-parallel param on
+   every TP rank, a replicated one on TP rank 0 only, the duplicate tied embedding never), summed over the model-parallel
    group (the whole world under ZeRO-1, where each dp rank holds a disjoint piece), square root, ÷ loss scale.
 3. One coefficient ``min(1, clip_grad / (norm + 1e-6))`` and the loss scale fold into FusedAdamW's ``grad_scale``,
    so unscaling and clipping cost no pass of their own. A non-finite norm skips the update on every rank (the
@@ -56,6 +56,8 @@ from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
+from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
+from megakernels.validation import finite_number, positive_int
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,8 +83,7 @@ def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1) -> tu
     """
     if precision not in PRECISIONS:
         raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"memory_bytes_per_param: dp must be a positive int, got {dp!r}")
+    positive_int(dp, "dp", where="memory_bytes_per_param")
     half = precision != "fp32"
     optimizer = 12.0 if half else 8.0
     return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
@@ -100,6 +101,8 @@ class ParallelOptimizer:
         clip_grad: clip the global grad norm to this (0: no clipping; the norm is computed and returned anyway).
         loss_scaler: for ``'fp16'`` (default ``DynamicLossScaler()``); the trainer multiplies the loss by
             ``loss_scale`` before backward.
+        no_decay: params for which it returns True get no weight decay (default: those of fewer than 2 dims,
+            biases and norm weights).
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
@@ -110,13 +113,11 @@ class ParallelOptimizer:
 
     def __init__(self, models, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, distributed: bool = False, precision: str = "fp32",
-                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None) -> None:
+                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None, no_decay=None) -> None:
         cls = type(self).__name__
         if precision not in PRECISIONS:
             raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-        if isinstance(clip_grad, bool) or not isinstance(clip_grad, (int, float)) or not (
-                clip_grad >= 0 and math.isfinite(clip_grad)):
-            raise ValueError(f"{cls}: clip_grad must be a finite number >= 0 (0: off), got {clip_grad!r}")
+        finite_number(clip_grad, "clip_grad", where=cls)
         if loss_scaler is not None and precision != "fp16":
             raise ValueError(f"{cls}: loss_scaler is only used with precision='fp16', got precision={precision!r}")
         self.precision, self.distributed, self.clip_grad = precision, bool(distributed), float(clip_grad)
@@ -133,19 +134,19 @@ class ParallelOptimizer:
         self.device = params[0].device if params else torch.device("cpu")
         tp_rank = state.tp_rank() if state.is_initialized() else 0
         self.pieces: list[Piece] = []
-        decay, no_decay = [], []
+        decay, no_decay_group = [], []
         for p, lo, hi in self._owned(params):
             flat = p.detach().view(-1)[lo:hi]
             main = flat if p.dtype == torch.float32 else flat.float().clone()
             grad = p.main_grad.view(-1)[lo:hi]
             if grad.dtype == torch.float32:
                 main.grad = grad
-            counted = (getattr(p, "tensor_parallel", False) or tp_rank == 0) and not getattr(
-                p, "shared_embedding_duplicate", False)
+            counted = counts_in_grad_norm(p, tp_rank)
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
-            (decay if p.dim() > 1 else no_decay).append(main)
-        self._adam = FusedAdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas,
-                                eps=eps, weight_decay=weight_decay)
+            excluded = p.dim() < 2 if no_decay is None else no_decay(p)
+            (no_decay_group if excluded else decay).append(main)
+        self._adam = FusedAdamW([{"params": decay}, {"params": no_decay_group, "weight_decay": 0.0}], lr=lr,
+                                betas=betas, eps=eps, weight_decay=weight_decay)
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
 
     def _unpack(self, models):
@@ -224,16 +225,26 @@ class ParallelOptimizer:
         """The global sum of squares of the (still loss-scaled) main grads, every param counted once over the
         whole model (see the module docstring); an fp32 scalar on the params' device, no host sync."""
         grads = self._grads() if grads is None else grads
-        counted = [g for g, piece in zip(grads, self.pieces) if piece.counted]
-        local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
-        sumsq = local.float() ** 2
+        def sumsq(expert: bool) -> torch.Tensor:
+            counted = [g for g, piece in zip(grads, self.pieces) if piece.counted and is_expert_parallel(piece.param)
+                       == expert]
+            local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
+            return local.float() ** 2
+
         if self.distributed:
-            group = dist.group.WORLD if dist.is_initialized() else None  # tp × pp × dp: each dp rank a disjoint piece
-        else:
-            group = state.model_parallel_group() if state.is_initialized() else None
+            # every element has one owner in the world: tp × cp × pp × dp ranks hold disjoint pieces
+            total = sumsq(False) + sumsq(True)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(total)
+            return total
+        dense, experts = sumsq(False), sumsq(True)
+        if state.is_initialized() and state.ep_size() > 1:  # each expert-parallel rank holds other experts
+            dist.all_reduce(experts, group=state.ep_group())
+        total = dense + experts
+        group = state.model_parallel_group() if state.is_initialized() else None
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sumsq, group=group)
-        return sumsq
+            dist.all_reduce(total, group=group)
+        return total
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:

@@ -22,6 +22,7 @@ import torch
 import torch.utils.checkpoint
 
 from megakernels.parallel import state
+from megakernels.validation import positive_int
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
@@ -142,8 +143,7 @@ def model_parallel_seed(seed: int, device: str | None = None) -> None:
         RuntimeError: ``initialize`` has not run.
     """
     global _tracker
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"model_parallel_seed: seed must be a non-negative int, got {seed!r}")
+    positive_int(seed, "seed", where="model_parallel_seed", minimum=0)
     device = _default_device() if device is None else device
     tracker = get_rng_tracker()
     if tracker.device != device:

@@ -1,13 +1,18 @@
-"""Process groups of 3D parallelism: tensor (tp) × data (dp) × pipeline (pp), plus virtual pipeline stages (vpp).
+"""Process groups of 3D parallelism: tensor (tp) × context (cp) × data (dp) × pipeline (pp), plus virtual
+pipeline stages (vpp).
 
-Global ranks are laid out with tp innermost, then dp, then pp (Megatron-LM's order), so the ranks of one tensor-
-parallel group are adjacent and stay inside a node, where the bandwidth for TP's per-layer all-reduces is:
+Global ranks are laid out with tp innermost, then cp, then dp, then pp (Megatron-LM's order), so the ranks of one
+tensor-parallel group are adjacent and stay inside a node, where the bandwidth for TP's per-layer all-reduces is,
+and a context-parallel ring is the next-closest ranks:
 
-    rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
+    rank = pp_rank · (dp · cp · tp) + dp_rank · (cp · tp) + cp_rank · tp + tp_rank
 
 Example, world 16 with tp 2, pp 4 (dp 2): tp groups [0,1] [2,3] ...; dp groups [0,2] [1,3] [4,6] ...; pp groups
 [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]; embedding groups (first + last pipeline stage, which share the
 word embedding when the output layer is tied to it) [0,12] [1,13] [2,14] [3,15].
+
+Context-parallel ranks hold different tokens of the same samples, so gradients are reduced (and ZeRO-1 shards its
+state) over the data-and-context group ``dp_cp_group()`` (dp · cp ranks; the dp group itself when cp is 1).
 
 Every rank creates every group (``torch.distributed.new_group`` is collective over the world) in the same order.
 The module holds one state object; ``destroy()`` clears it (and destroys the groups) so ``initialize`` may run
@@ -17,10 +22,13 @@ again, e.g. with another layout in the same world.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import torch
 import torch.distributed as dist
+
+from megakernels.validation import positive_int
 
 
 @dataclasses.dataclass
@@ -36,21 +44,29 @@ class _State:
     pp_group: object
     dp_group: object
     model_parallel_group: object
+    cp: int
+    cp_rank: int
+    cp_group: object
+    dp_cp_group: object
+    ep: int
+    ep_rank: int
+    ep_group: object
+    edp_group: object
+    tp_cp_group: object
     embedding_group: object | None
     pp_ranks: list[int]
     embedding_ranks: list[int]
     groups: list
     owns_world: bool
     vpp_rank: int | None = None
+    tp_replica_groups: dict = dataclasses.field(default_factory=dict)
 
 
 _state: _State | None = None
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"initialize: {name} must be a positive int, got {value!r}")
-    return value
+    return positive_int(value, name, where="initialize")
 
 
 def _init_world_from_env() -> None:
@@ -65,8 +81,9 @@ def _init_world_from_env() -> None:
     dist.init_process_group(backend)
 
 
-def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None) -> None:
-    """Create the tensor-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
+def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None, cp: int = 1,
+               ep: int = 1) -> None:
+    """Create the tensor-, context-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
 
     Initialises ``torch.distributed`` itself from torchrun's environment (nccl when CUDA is available, else gloo)
     when no default process group exists yet; ``destroy()`` then also tears that down.
@@ -74,19 +91,22 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
     Args:
         tp: tensor-parallel size (ranks sharding each layer).
         pp: pipeline-parallel size (stages).
-        dp: data-parallel size; defaults to ``world_size // (tp · pp)``, and must equal it when given.
+        dp: data-parallel size; defaults to ``world_size // (tp · cp · pp)``, and must equal it when given.
         vpp: virtual pipeline stages (model chunks) per rank for the interleaved schedule; ``None`` for none.
+        cp: context-parallel size (ranks splitting each sequence, ``megakernels.parallel.context``).
+        ep: expert-parallel size: groups of ``ep`` consecutive data-parallel ranks split the experts of a
+            mixture-of-experts layer between them (``megakernels.parallel.moe``); must divide dp.
 
     Raises:
-        ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · pp``, a ``dp`` that
-            does not make ``tp · pp · dp == world_size``, or ``vpp > 1`` with ``pp == 1``.
+        ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · cp · pp``, a ``dp``
+            that does not make ``tp · cp · pp · dp == world_size``, or ``vpp > 1`` with ``pp == 1``.
         RuntimeError: called twice without ``destroy()``, or no process group and no torchrun environment.
     """
     global _state
     if _state is not None:
         raise RuntimeError(f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
                            "call megakernels.parallel.destroy() first")
-    tp, pp = _positive_int("tp", tp), _positive_int("pp", pp)
+    tp, pp, cp, ep = (_positive_int(n, v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
     if vpp is not None:
         vpp = _positive_int("vpp", vpp)
         if vpp > 1 and pp == 1:
@@ -97,48 +117,68 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
     if owns_world:
         _init_world_from_env()
     world, rank = dist.get_world_size(), dist.get_rank()
+    model = tp * cp * pp
+    sizes = f"tp·cp·pp = {tp}·{cp}·{pp}" if cp > 1 else f"tp·pp = {tp}·{pp}"
     try:
-        if world % (tp * pp):
-            raise ValueError(f"initialize: world size {world} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}")
+        if world % model:
+            raise ValueError(f"initialize: world size {world} is not divisible by {sizes} = {model}")
         if dp is None:
-            dp = world // (tp * pp)
-        elif tp * pp * dp != world:
-            raise ValueError(f"initialize: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} != world size {world}")
+            dp = world // model
+        elif model * dp != world:
+            names, values = ("tp·cp·pp·dp", f"{tp}·{cp}·{pp}·{dp}") if cp > 1 else ("tp·pp·dp", f"{tp}·{pp}·{dp}")
+            raise ValueError(f"initialize: {names} = {values} = {model * dp} != world size {world}")
+        if dp % ep:
+            raise ValueError(f"initialize: ep={ep} does not divide the data-parallel size {dp} (expert-parallel "
+                             "groups are carved out of the data-parallel ranks)")
     except ValueError:
         if owns_world:
             dist.destroy_process_group()
         raise
 
-    def at(p: int, d: int, t: int) -> int:
-        return p * dp * tp + d * tp + t
+    # outermost to innermost in the rank order; the data-parallel rank is g·ep + e (e: rank in its expert group)
+    sizes = {"p": pp, "g": dp // ep, "e": ep, "c": cp, "t": tp}
+
+    def at(p: int, g: int, e: int, c: int, t: int) -> int:
+        return ((p * dp + g * ep + e) * cp + c) * tp + t
 
     groups, mine = [], {}
 
-    def make(kind: str, ranks: list[int]):
-        g = dist.new_group(ranks)
-        groups.append(g)
-        if rank in ranks:
-            mine[kind], mine[kind + "_ranks"] = g, ranks
-        return g
+    def make(kind: str, varying: str, keep=None):
+        """One group per value of the dimensions not in ``varying``, over every value of those in it (ranks in the
+        rank order); ``keep`` filters a group's ranks."""
+        fixed = [k for k in sizes if k not in varying]
+        for f in itertools.product(*(range(sizes[k]) for k in fixed)):
+            ranks = [at(**dict(zip(fixed, f)), **dict(zip(varying, v)))
+                     for v in itertools.product(*(range(sizes[k]) for k in varying))]
+            ranks = sorted(set(keep(ranks))) if keep else ranks
+            g = dist.new_group(ranks)
+            groups.append(g)
+            if rank in ranks:
+                mine[kind], mine[kind + "_ranks"] = g, ranks
 
-    for p in range(pp):
-        for d in range(dp):
-            make("tp", [at(p, d, t) for t in range(tp)])
-    for p in range(pp):
-        for t in range(tp):
-            make("dp", [at(p, d, t) for d in range(dp)])
-    for d in range(dp):
-        for t in range(tp):
-            make("pp", [at(p, d, t) for p in range(pp)])
-    for d in range(dp):
-        make("mp", [at(p, d, t) for p in range(pp) for t in range(tp)])
-    for d in range(dp):
-        for t in range(tp):
-            make("emb", sorted({at(0, d, t), at(pp - 1, d, t)}))
+    make("tp", "t")
+    make("dp", "ge")
+    make("cp", "c")
+    if cp > 1:
+        make("dp_cp", "gec")
+    if cp > 1 and tp > 1:
+        make("tp_cp", "ct")  # the ranks holding different tokens of the same micro-batch
+    if ep > 1:
+        make("ep", "e")
+        make("edp", "gc")  # the ranks holding the same experts: their gradients are reduced over it
+    make("pp", "p")
+    make("mp", "pt")
+    # the first and last pipeline stage (which share a tied word embedding)
+    make("emb", "p", keep=lambda ranks: (ranks[0], ranks[-1]))
 
-    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    tp_rank, cp_rank = rank % tp, (rank // tp) % cp
+    dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
     _state = _State(tp=tp, pp=pp, dp=dp, vpp=vpp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                    ep=ep, ep_rank=dp_rank % ep, ep_group=mine.get("ep"),
+                    tp_cp_group=mine.get("tp_cp", mine["cp"] if cp > 1 else (mine["tp"] if tp > 1 else None)),
+                    edp_group=mine.get("edp", mine.get("dp_cp", mine["dp"])),
                     tp_group=mine["tp"], pp_group=mine["pp"], dp_group=mine["dp"], model_parallel_group=mine["mp"],
+                    cp=cp, cp_rank=cp_rank, cp_group=mine["cp"], dp_cp_group=mine.get("dp_cp", mine["dp"]),
                     embedding_group=mine.get("emb"), pp_ranks=mine["pp_ranks"],
                     embedding_ranks=mine.get("emb_ranks", []),
                     groups=groups, owns_world=owns_world, vpp_rank=0 if vpp is not None else None)
@@ -185,6 +225,74 @@ def dp_group():
     return _get().dp_group
 
 
+def cp_group():
+    """The context-parallel process group of this rank (ranks holding different tokens of the same samples)."""
+    return _get().cp_group
+
+
+def dp_cp_group():
+    """Data- and context-parallel ranks together: gradients are reduced and ZeRO-1 state is sharded over them."""
+    return _get().dp_cp_group
+
+
+def ep_group():
+    """The expert-parallel group of this rank (None when ep is 1): ranks that split a MoE layer's experts and
+    exchange tokens by all-to-all."""
+    return _get().ep_group
+
+
+def expert_dp_group():
+    """The ranks holding the same experts (data- and context-parallel ranks at the same place of their expert
+    group): expert gradients are reduced, and their ZeRO-1 state sharded, over it (``dp_cp_group()`` when ep is
+    1)."""
+    return _get().edp_group
+
+
+def tp_cp_group():
+    """The tensor- and context-parallel ranks of one data-parallel replica (they hold different tokens of the same
+    micro-batch under sequence and context parallelism); None when tp and cp are 1."""
+    return _get().tp_cp_group
+
+
+def ep_rank() -> int:
+    return _get().ep_rank
+
+
+def ep_size() -> int:
+    return _get().ep
+
+
+def tp_replica_group(replicas: int):
+    """This rank's group of ``replicas`` consecutive tensor-parallel ranks (which hold the same block of a
+    parameter replicated within the TP group, e.g. a key/value head shared by several query-head shards).
+
+    Created on first use: every rank of the world must make the first call for a size at the same point.
+
+    Raises:
+        ValueError: ``replicas`` does not divide the tensor-parallel size.
+    """
+    s = _get()
+    _positive_int("replicas", replicas)
+    if s.tp % replicas:
+        raise ValueError(f"tp_replica_group: replicas={replicas} does not divide the tensor-parallel size {s.tp}")
+    if replicas not in s.tp_replica_groups:
+        mine = None
+        for tp_ranks in _all_tp_groups(s):
+            for i in range(0, s.tp, replicas):
+                ranks = tp_ranks[i:i + replicas]
+                g = dist.new_group(ranks)
+                s.groups.append(g)
+                if dist.get_rank() in ranks:
+                    mine = g
+        s.tp_replica_groups[replicas] = mine
+    return s.tp_replica_groups[replicas]
+
+
+def _all_tp_groups(s: _State) -> list[list[int]]:
+    world, tp = dist.get_world_size(), s.tp
+    return [list(range(start, start + tp)) for start in range(0, world, tp)]
+
+
 def model_parallel_group():
     """tp × pp ranks holding one full model replica (e.g. for a global gradient norm)."""
     return _get().model_parallel_group
@@ -228,6 +336,20 @@ def dp_rank() -> int:
 
 def dp_size() -> int:
     return _get().dp
+
+
+def cp_rank() -> int:
+    return _get().cp_rank
+
+
+def cp_size() -> int:
+    return _get().cp
+
+
+def dp_cp_size() -> int:
+    """dp · cp: the ranks a gradient is reduced over."""
+    s = _get()
+    return s.dp * s.cp
 
 
 def vpp_size() -> int | None:
@@ -294,8 +416,7 @@ def check_divisible(tp: int | None = None, **sizes: int) -> None:
     """
     tp = tp_size() if tp is None else tp
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(value, name)
         if value < tp:
             raise ValueError(f"{name}={value} is smaller than the tensor-parallel size {tp}: each of the {tp} "
                              f"ranks needs at least one")

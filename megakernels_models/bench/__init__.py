@@ -1,4 +1,4 @@
-"""``megakernels bench``: kernel microbenchmarks and end-to-end training throughput (DESIGN.md §5, §6).
+"""``megakernels bench``: kernel microbenchmarks and end-to-end training throughput (docs/design.md §5, §6).
 
 - ``common``  calibrated timing, the machine and commit, the result row every op produces, tables, JSON
 - ``ceilings``  the device's ceilings measured on the spot: copy bandwidth and GEMM FLOP/s per dtype

@@ -1,4 +1,4 @@
-"""``megakernels bench``: the kernel microbenchmarks and end-to-end throughput on this machine (DESIGN.md §5, §6).
+"""``megakernels bench``: the kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
 
     megakernels bench [--ops NAME,...] [--dtype float32,bfloat16,...] [--quick] [--out DIR] [--device cpu|cuda]
                       [--no-compile] [--no-peers] [--min-run-time S] [--shapes A,B[,C,D];...]
@@ -230,6 +230,10 @@ def main(ns: argparse.Namespace) -> int:
         from megakernels_models.bench import plot
 
         print(f"wrote {path}")
+        if rows and not plot.available():
+            print("note: matplotlib is not installed, so no plots were drawn; pip install 'megakernels[bench]' "
+                  "(or matplotlib) for DIR/<op>.png")
+            return 0
         for png in plot.write_plots(rows, ns.out):
             print(f"wrote {png}")
     return 0

@@ -23,16 +23,27 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.utils.benchmark as tb
 
 OURS = "megakernels"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def _torch_benchmark():
+    """``torch.utils.benchmark``, imported on first use: it imports ``torch.utils.cpp_extension``, which warns about
+    a missing CUDA runtime on machines without a GPU (irrelevant to timing), so that logger is quietened first."""
+    import logging
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    import torch.utils.benchmark as tb
+
+    return tb
+
+
 def median_seconds(fn: Callable[[], None], min_run_time: float) -> float:
     """Median seconds per call of ``fn`` over calibrated blocks of calls (CUDA work is synchronised)."""
     fn()  # warm-up (and compile, for torch.compile variants)
+    tb = _torch_benchmark()
     return tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
         min_run_time=min_run_time).median
 

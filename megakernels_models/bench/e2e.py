@@ -184,15 +184,12 @@ def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
     Raises:
         megakernels.parallel.launch.WorldFailed: a spawned rank failed.
     """
-    from megakernels_models.arguments import TrainArgs
-    from megakernels_models.train import device_peak_tflops
+    from megakernels_models.mfu import device_peak_tflops
 
     plan = prepare(ns) if plan is None else plan
     device = torch.device(ns.device)
-    peak = device_peak_tflops(TrainArgs(precision=ns.precision, device=ns.device, peak_tflops=ns.peak_tflops),
-                              device)
-    log(f"# {ns.precision} on {ns.device}; MFU against {peak:.3g} TFLOP/s "
-        f"({'given' if ns.peak_tflops else 'table' if ns.device == 'cuda' else 'measured matmul'})")
+    peak, source = device_peak_tflops(ns.precision, device, ns.peak_tflops)
+    log(f"# {ns.precision} on {ns.device}; MFU against {peak:.3g} TFLOP/s ({source})")
     out = []
     for name, cfg, mbs, targs in plan:
         entry = {"name": name, "precision": ns.precision, "device": ns.device, "micro_batch_size": mbs,

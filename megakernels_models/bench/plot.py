@@ -71,6 +71,13 @@ def plot_op(rows: list[dict], path: str) -> str:
     return path
 
 
+def available() -> bool:
+    """Whether matplotlib (the ``bench`` extra) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_plots(rows: list[dict], out_dir: str) -> list[str]:
     """``out_dir/<op>.png`` for every op in ``rows``; returns the paths written."""
     by_op: dict[str, list[dict]] = defaultdict(list)

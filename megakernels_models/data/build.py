@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from megakernels_models.arguments import ArgumentError
+from megakernels.validation import positive_int
+from megakernels_models.settings import ArgumentError
 from megakernels_models.data.blending import BlendedDataset, parse_blend
 from megakernels_models.data.corpus import stdlib_prefix
 from megakernels_models.data.datasets import BertDataset, GPTDataset, split_documents
@@ -32,6 +33,7 @@ def tokenizer_for(args):
 
 
 def _split(args) -> tuple[int, int, int]:
+    """``--split`` as (train, valid, test) weights over documents."""
     try:
         split = tuple(int(x) for x in str(args.split).split(","))
         if len(split) != 3 or min(split) < 0 or split[0] == 0:
@@ -55,7 +57,7 @@ def validate_data_args(args, cfg=None) -> None:
     """Check ``--data``, ``--tokenizer``, ``--split`` and ``--corpus-bytes`` against each other and the model
     (``cfg``, default ``args.model_config()``).
 
-    Rules: the tokenizer exists and its vocabulary fits ``cfg.vocab_size``; BERT needs its cls/sep/mask/pad tokens;
+    Rules: the split has a validation part when ``--eval-interval`` asks for validation; the tokenizer exists and its vocabulary fits ``cfg.vocab_size``; BERT needs its cls/sep/mask/pad tokens;
     the default corpus needs the byte tokenizer; every ``--data`` prefix has readable, valid ``PREFIX.bin``/``.idx``
     written with a vocabulary of the tokenizer's size, and a non-empty training split (for GPT holding at least
     ``seq_length + 1`` tokens; for BERT cut into sentences: a newline token or ``--split-sentences`` data).
@@ -74,12 +76,13 @@ def validate_data_args(args, cfg=None) -> None:
         except ValueError as e:
             raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
     split = _split(args)
+    if args.eval_interval and split[1] == 0:
+        raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
     if args.data is None:
         if tok.name != "byte":
             raise ArgumentError(f"--tokenizer {args.tokenizer}: the default corpus (no --data) is read with the byte "
                                 "tokenizer; give --data preprocessed with this tokenizer")
-        if isinstance(args.corpus_bytes, bool) or not isinstance(args.corpus_bytes, int) or args.corpus_bytes < 1:
-            raise ArgumentError(f"--corpus-bytes must be a positive integer, got {args.corpus_bytes!r}")
+        positive_int(args.corpus_bytes, "--corpus-bytes", error=ArgumentError)
         return
     for _, prefix in _blend(args):
         for p in paths(prefix):
@@ -104,7 +107,7 @@ def validate_data_args(args, cfg=None) -> None:
                                 "newline token and the data is one sequence per document; preprocess it with "
                                 "--split-sentences")
         tokens = int(ds.doc_offsets[train.stop] - ds.doc_offsets[train.start])
-        if cfg.model == "gpt" and tokens < cfg.seq_length + 1:
+        if cfg.model != "bert" and tokens < cfg.seq_length + 1:
             raise ArgumentError(f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                                 f"of seq_length + 1 = {cfg.seq_length + 1}")
 
@@ -133,7 +136,7 @@ def build_datasets(args, cfg):
                 continue
             seed = args.seed + 1000 * i
             try:
-                if cfg.model == "gpt":
+                if cfg.model != "bert":
                     ds = GPTDataset(data, cfg.seq_length, seed, documents=docs,
                                     num_samples=math.ceil(w * wanted[i]) + 1)
                 else:

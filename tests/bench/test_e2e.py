@@ -57,21 +57,19 @@ def test_disabled_timers_change_nothing():
     def f():
         return 1
 
-    assert timers.wrap_forward(f) is f
+    assert timers.wrap_forward(f) is f and timers.exchange_hook is None
     rec = {}
     timers.start(), timers.mark("pipeline"), timers.finish(rec)
     assert rec == {}
 
 
 def test_enabled_timers_split_a_step_into_phases():
-    from megakernels.parallel.pipeline import p2p
-
-    original = p2p.communicate
     timers = StepTimers(True, torch.device("cpu"))
     fwd = timers.wrap_forward(lambda: time.sleep(0.02))
+    exchange = timers.exchange_hook(lambda: time.sleep(0.01))  # what the pipeline executor wraps
     timers.start()
-    assert p2p.communicate is not original  # exchanges are timed while a step is
     fwd()
+    exchange()
     time.sleep(0.01)  # "backward"
     timers.mark("pipeline")
     time.sleep(0.01)
@@ -79,10 +77,9 @@ def test_enabled_timers_split_a_step_into_phases():
     timers.mark("optimizer")
     rec = {}
     timers.finish(rec)
-    assert p2p.communicate is original
     (mine,) = rec["step_timers"]["per_rank"]
     v = dict(zip(rec["step_timers"]["fields"], mine))
     assert list(rec["step_timers"]["fields"]) == list(FIELDS)
-    assert v["forward"] >= 0.02 and v["backward"] >= 0.01 and v["communication"] >= 0.01 and v["bubble"] == 0
+    assert v["forward"] >= 0.02 and v["backward"] >= 0.01 and v["communication"] >= 0.01 and v["bubble"] >= 0.01
     assert v["total"] == pytest.approx(sum(v[p] for p in PHASES)) and v["peak_memory_bytes"] > 0
     fwd()  # outside a step: not counted

@@ -212,11 +212,27 @@ def test_bad_split():
 
 # ---- in the trainer --------------------------------------------------------------------------------------------
 
-def test_trainer_runs_on_the_pipeline():
-    """Two steps train on the cached default corpus through the pipeline, with a validation loss."""
+def test_trainer_reads_the_pipelines_global_batches():
+    """The trainer's first loss is the seed's model on global batch 0 of the pipeline's training split, and its
+    validation loss (no training: lr 0) the same model on the first batches of the validation split."""
+    import torch
 
     from megakernels_models import train as train_mod
+    from megakernels_models.data.datasets import collate
+    from megakernels_models.gpt import GPTModel
 
+    args = dataclasses.replace(ARGS, steps=2, eval_interval=2, dropout=0.0, lr=0.0, min_lr=0.0)
+    cfg = args.model_config()
+    train_ds, valid_ds, _ = build_datasets(args, cfg)
     with single_process_world():
-        recs = train_mod.train(dataclasses.replace(ARGS, steps=2, eval_interval=2, dropout=0.0))
-    assert len(recs) == 2 and "val_loss" in recs[-1] and np.isfinite(recs[-1]["loss"])
+        recs = train_mod.train(args)
+    with single_process_world(parallel=True), torch.no_grad():
+        model = GPTModel(cfg, seed=args.seed)
+
+        def mean_loss(ds, first):
+            b = collate([ds[i] for i in range(first, first + args.global_batch_size)])
+            return model(b["ids"], labels=b["labels"]).mean().item()
+
+        assert recs[0]["loss"] == pytest.approx(mean_loss(train_ds, 0), rel=1e-5)
+        val = sum(mean_loss(valid_ds, s * args.global_batch_size) for s in range(args.eval_steps)) / args.eval_steps
+        assert recs[-1]["val_loss"] == pytest.approx(val, rel=1e-5)

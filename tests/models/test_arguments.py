@@ -27,11 +27,25 @@ from megakernels_models.cli import parse_train_args
     (["--preset", "gpt-2b"], r"--preset 'gpt-2b' is unknown"),
     (["--preset", "none", "--hidden-size", "64"], r"without --preset, give --num-layers, --num-heads, --seq-length"),
     (["--min-lr", "1", "--lr", "0.1"], r"--min-lr 1.0 is larger than --lr 0.1"),
-    (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps must be an integer in 0..--steps"),
+    (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps 500 is more than --steps 10"),
     (["--tp", "2", "--nproc", "2", "--sequence-parallel", "--seq-length", "127"],
      r"--sequence-parallel needs --tp 2 to divide seq_length=127"),
-    (["--model", "bert"], r"--model bert contradicts --preset gpt-tiny"),
-    (["--steps", "0"], r"--steps must be a positive integer"),
+    (["--model", "bert", "--preset", "gpt-tiny"], r"--model bert contradicts --preset gpt-tiny"),
+    (["--model", "llama", "--tp", "3", "--nproc", "3", "--num-heads", "6", "--hidden-size", "192",
+      "--num-kv-heads", "2"], r"--tp 3 and num_kv_heads=2: the key/value heads must split evenly"),
+    (["--cp", "2", "--nproc", "2", "--model", "bert"], r"--cp 2: context parallelism is for causal language models"),
+    (["--cp", "4", "--nproc", "4", "--seq-length", "100"], r"--cp 4 needs seq_length=100 divisible by 2 × cp"),
+    (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], r"ring attention has no attention dropout"),
+    (["--nproc", "2", "--device", "cuda"], r"--nproc 2 spawns CPU processes \(gloo\); with --device cuda launch one "
+                                            r"process per GPU with torchrun --nproc-per-node 2"),
+    (["--model", "llama", "--num-experts", "4", "--moe-top-k", "5"], r"moe_top_k=5 must be in 1..num_experts=4"),
+    (["--model", "llama", "--num-experts", "6", "--ep", "4", "--nproc", "4", "--micro-batch-size", "4"],
+     r"--ep 4 does not divide num_experts=6"),
+    (["--model", "llama", "--num-experts", "4", "--ep", "2", "--nproc", "2", "--tp", "2"],
+     r"--ep 2 does not divide the data-parallel size 1"),
+    (["--ep", "2", "--nproc", "2"], r"--ep 2 needs a mixture-of-experts model"),
+    (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
+    (["--steps", "0"], r"--steps must be a positive int, got 0"),
     (["--data", "x"], r"--data x: cannot read x\.bin"),
 ])
 def test_invalid_flags_name_the_rule(flags, message):
@@ -44,6 +58,13 @@ def test_the_default_is_the_embedded_tiny_gpt():
     assert args == TrainArgs()
     cfg = validate(args)
     assert (cfg.model, args.device, args.tokenizer, args.data) == ("gpt", "cpu", "byte", None)
+
+
+@pytest.mark.parametrize("model", ["bert", "llama"])
+def test_a_model_family_alone_picks_its_tiny_preset(model):
+    cfg = validate(parse_train_args(["--model", model]))
+    assert cfg == validate(parse_train_args(["--preset", f"{model}-tiny"]))
+    assert parse_train_args(["--model", model]).preset_name() == f"{model}-tiny"
 
 
 def test_cli_reports_errors_before_starting_processes():
@@ -84,7 +105,7 @@ def test_dry_run_pipeline_memory_and_bubble(tmp_path):
                              "--micro-batch-size", "1", "--dry-run"])
     rep = report(args, out=lambda s: None)
     assert rep["bubble_fraction"] == pytest.approx(3 / 16)
-    assert rep["ranks"][3] == {"tp": 0, "dp": 0, "pp": 3}
+    assert rep["ranks"][3] == {"tp": 0, "cp": 0, "dp": 0, "pp": 3}
     # the layers are split evenly; the first stage also holds the embeddings, the last the final norm + a copy
     # of the tied word embedding
     assert rep["parameters_per_device"] < rep["parameters"] / 4 * 1.1

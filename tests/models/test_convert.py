@@ -57,17 +57,32 @@ def test_gpt2_round_trip_gives_the_same_logits(single_world, tmp_path):
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_converted_checkpoint_trains(tmp_path):
-    from megakernels_models.arguments import TrainArgs
-    from megakernels_models.train import train
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_converted_checkpoint_trains_from_the_hf_weights(tmp_path, tp):
+    """The trainer resumes from the converted GPT-2 (at tp 1, and tp 2 through the layout-free checkpoint): its
+    first step's loss is transformers' loss on the same global batch, and training lowers it."""
+    import dataclasses
 
-    _hf_gpt2(tmp_path / "hf")
+    import torch.nn.functional as F
+
+    from megakernels_models.arguments import TrainArgs, validate
+    from megakernels_models.data.build import build_datasets
+    from megakernels_models.data.datasets import collate
+    from megakernels_models.train import run
+
+    hf = _hf_gpt2(tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
-    with single_process_world():
-        recs = train(TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=24,
-                               vocab_size=300, steps=3, micro_batch_size=2, global_batch_size=2, eval_interval=0,
-                               progress=False, corpus_bytes=1 << 18, load=str(tmp_path / "mk"), dropout=0.0))
-    assert len(recs) == 3 and recs[-1]["loss"] < recs[0]["loss"] + 1.0
+    args = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=24, vocab_size=300,
+                     steps=6, micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, lr=1e-2,
+                     corpus_bytes=1 << 18, load=str(tmp_path / "mk"), dropout=0.0, tp=tp, nproc=tp)
+    cfg = validate(dataclasses.replace(args))
+    batch = collate([build_datasets(args, cfg)[0][i] for i in range(4)])
+    with torch.no_grad():
+        logits = hf(batch["ids"]).logits
+    expected = F.cross_entropy(logits.reshape(-1, 300), batch["labels"].reshape(-1)).item()
+    losses = [r["loss"] for r in run(args)]
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[-1] < losses[0] - 0.05
 
 
 def test_unconvertible_inputs_are_refused(tmp_path, capsys):

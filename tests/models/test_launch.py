@@ -4,11 +4,14 @@ with the failing rank's error; never a hang)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 TINY = ["--preset", "gpt-tiny", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-length", "32",
@@ -23,15 +26,17 @@ def _env():
 
 
 def _records(path) -> list[dict]:
+    """The per-step records of a JSONL log (the ``{"config": ...}`` header of each run left out)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [r for r in (json.loads(line) for line in f if line.strip()) if "config" not in r]
 
 
 def test_train_logs_every_contract_field(tmp_path):
     log = tmp_path / "log.jsonl"
     r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "train", *TINY, "--steps", "4",
-                        "--eval-interval", "2", "--eval-steps", "1", "--log-jsonl", str(log), "--tensorboard",
-                        str(tmp_path / "tb")], capture_output=True, text=True, timeout=300, env=_env())
+                        "--warmup-steps", "2", "--lr", "0.01", "--min-lr", "0.001", "--eval-interval", "2",
+                        "--eval-steps", "1", "--log-jsonl", str(log), "--tensorboard", str(tmp_path / "tb")],
+                       capture_output=True, text=True, timeout=300, env=_env())
     assert r.returncode == 0, r.stderr
     recs = _records(log)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
@@ -40,7 +45,10 @@ def test_train_logs_every_contract_field(tmp_path):
                             "tflops_per_device", "mfu", "elapsed_s"}
         assert rec["tokens"] == rec["step"] * 4 * 32
     assert "val_loss" in recs[1] and "val_ppl" in recs[3] and "val_loss" not in recs[0]
-    assert recs[0]["lr"] < recs[1]["lr"] or recs[1]["lr"] >= recs[2]["lr"]  # warmup, then decay
+    # linear warmup over 2 steps to 0.01, then cosine decay to 0.001 at step 4
+    expected = [0.005, 0.01, 0.001 + 0.009 * 0.5 * (1 + math.cos(math.pi / 2)), 0.001]
+    assert [x["lr"] for x in recs] == pytest.approx(expected, rel=1e-12)
+    assert all(0 < x["mfu"] <= 1 for x in recs)
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     assert "done: 4 steps" in r.stdout
 

@@ -1,6 +1,10 @@
-"""The trainer's central test (DESIGN.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
-(tp, pp, dp) layout — with sequence parallelism, the distributed optimizer, recomputation, interleaving and
-gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT and BERT.
+"""The trainer's central test (docs/design.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
+(tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer, recomputation, interleaving and
+gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT, BERT and Llama
+(grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context parallelism
+by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixture-of-experts GPT and Llama
+(dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
+ZeRO-1; checkpoints resharded across ep).
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 10 steps, destroy), so the suite pays each world's start-up once.
@@ -28,7 +32,15 @@ BASE = TrainArgs(preset=None, num_layers=4, hidden_size=32, num_heads=4, seq_len
                  micro_batch_size=2, global_batch_size=8, lr=5e-3, min_lr=5e-4, warmup_steps=2, clip_grad=0.5,
                  eval_interval=0, progress=False, corpus_bytes=1 << 18, seed=7, timeout=120)
 
-# name: (nproc, changes); every layout is run for GPT and BERT unless named in GPT_ONLY.
+MODELS = ("gpt", "bert", "llama", "gpt-moe", "llama-moe")
+# The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
+LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
+MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+FAMILY = {"gpt": ("gpt", {}), "bert": ("bert", {}), "llama": ("llama", LLAMA), "gpt-moe": ("gpt", MOE),
+          "llama-moe": ("llama", {**LLAMA, **MOE})}
+DENSE, EXPERTS = ("gpt", "bert", "llama"), ("gpt-moe", "llama-moe")
+
+# name: (nproc, changes); every layout is run for GPT, BERT and Llama unless ONLY names its models.
 LAYOUTS = {
     "no-accumulation": (1, dict(micro_batch_size=8)),
     "tp2": (2, dict(tp=2)),
@@ -45,17 +57,35 @@ LAYOUTS = {
     "tp2-pp2-dp2": (8, dict(tp=2, pp=2)),
     "tp2-pp2-dp2-sp-zero1-recompute": (8, dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True,
                                                recompute="selective")),
+    "tp4-kv-replicated": (4, dict(tp=4)),
+    "cp2": (2, dict(cp=2)),
+    "cp4": (4, dict(cp=4)),
+    "tp2-cp2-sp": (4, dict(tp=2, cp=2, sequence_parallel=True)),
+    "pp2-cp2": (4, dict(pp=2, cp=2)),
+    "cp2-dp2-zero1": (4, dict(cp=2, distributed_optimizer=True)),
+    "tp2-cp2-pp2-recompute": (8, dict(tp=2, cp=2, pp=2, recompute="full")),
+    "ep2": (2, dict(ep=2)),
+    "ep4": (4, dict(ep=4)),
+    "tp2-ep2-sp": (4, dict(tp=2, ep=2, sequence_parallel=True)),
+    "pp2-ep2": (4, dict(pp=2, ep=2)),
+    "ep2-dp4-zero1": (4, dict(ep=2, distributed_optimizer=True)),
+    "cp2-ep2": (4, dict(cp=2, ep=2)),
 }
-GPT_ONLY = {"pp2-gpipe", "pp4", "tp2-dp2-sp", "pp2-dp2"}
+ONLY = {"pp2-gpipe": ("gpt",), "pp4": ("gpt",), "tp2-dp2-sp": ("gpt",), "pp2-dp2": ("gpt",),
+        "tp2-pp2": ("gpt", "bert"), "pp2-vpp2-dp2": ("gpt", "bert"), "tp2-pp2-dp2": ("gpt", "bert"),
+        "tp4-kv-replicated": ("llama",), "cp2": ("gpt", "llama"), "cp4": ("gpt", "llama"),
+        "tp2-cp2-sp": ("gpt", "llama"), "pp2-cp2": ("gpt", "llama"), "cp2-dp2-zero1": ("llama",),
+        "tp2-cp2-pp2-recompute": ("llama",), "ep2": EXPERTS, "ep4": EXPERTS, "tp2-ep2-sp": EXPERTS,
+        "pp2-ep2": EXPERTS, "ep2-dp4-zero1": ("gpt-moe",), "cp2-ep2": ("llama-moe",)}
 
 
 def _args(model: str, changes: dict, nproc: int) -> TrainArgs:
-    return dataclasses.replace(BASE, model=model, nproc=nproc, **changes)
+    family, extra = FAMILY[model]
+    return dataclasses.replace(BASE, model=family, nproc=nproc, **extra, **changes)
 
 
 def _cases(nproc: int) -> list[tuple[str, str]]:
-    return [(model, name) for name, (n, _) in LAYOUTS.items() if n == nproc for model in ("gpt", "bert")
-            if model == "gpt" or name not in GPT_ONLY]
+    return [(model, name) for name, (n, _) in LAYOUTS.items() if n == nproc for model in ONLY.get(name, DENSE)]
 
 
 def _losses(records) -> list[float]:
@@ -67,6 +97,12 @@ def _losses(records) -> list[float]:
 SAVE_LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3,
                    keep_checkpoints=5)
 RESHARD_TO = {"tp4-dp2": (8, dict(tp=4)), "pp4-dp2": (8, dict(pp=4)), "single": (1, dict())}
+# MoE models are saved with their experts over ep 2 and resumed at ep 1 (tp4-dp2, single) and ep 2 (pp4-dp2).
+EP_WHEN = {"saving": 2, "pp4-dp2": 2}
+
+
+def _with_ep(model: str, where: str, changes: dict) -> dict:
+    return dict(changes, ep=EP_WHEN[where]) if model in EXPERTS and where in EP_WHEN else changes
 CKPT_DIR = tempfile.mkdtemp(prefix="megakernels-layouts-")
 atexit.register(shutil.rmtree, CKPT_DIR, ignore_errors=True)
 
@@ -85,13 +121,15 @@ def _world(rank: int, world_size: int, cases, root: str):
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
     if world_size == 8:
-        for model in ("gpt", "bert"):
-            records = train(_args(model, dict(SAVE_LAYOUT, save=_saved(model, root)), world_size))
+        for model in MODELS:
+            records = train(_args(model, _with_ep(model, "saving", dict(SAVE_LAYOUT, save=_saved(model, root))),
+                                  world_size))
             if records is not None:
                 out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
             for target, (n, changes) in RESHARD_TO.items():
                 if n == world_size:
-                    records = train(_args(model, dict(changes, load=_resume_point(model, root)), world_size))
+                    records = train(_args(model, _with_ep(model, target, dict(changes, load=_resume_point(model, root))),
+                                          world_size))
                     if records is not None:
                         out[("reshard", model, target)] = (_losses(records), [r["grad_norm"] for r in records])
     return out
@@ -111,7 +149,7 @@ def _single(cases):
 
 @pytest.fixture(scope="module")
 def baseline():
-    return _single([("gpt", "single"), ("bert", "single"), *_cases(1)])
+    return _single([(m, "single") for m in MODELS] + _cases(1))
 
 
 _WORLDS: dict[int, object] = {}
@@ -130,7 +168,7 @@ def _world_results(n: int) -> dict:
 
 
 def test_single_process_loss_falls(baseline):
-    for model in ("gpt", "bert"):
+    for model in MODELS:
         losses, norms = baseline[(model, "single")]
         assert len(losses) == STEPS and losses[-1] < losses[0], (model, losses)
         assert all(n > 0 for n in norms)
@@ -164,14 +202,14 @@ def test_distributed_optimizer_shards_the_optimizer_state():
     assert zero["optimizer"] == pytest.approx(4.0, rel=0.02) and zero["grads"] == pytest.approx(4.0, rel=0.02)
 
 
-@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_saving_does_not_change_the_curve(baseline, model):
     got = _world_results(8)
     _assert_same_curve(got[("saving", model)], baseline[(model, "single")], f"{model} saving at (2,2,2)")
 
 
 @pytest.mark.parametrize("target", list(RESHARD_TO))
-@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
     """Saved at (tp, pp, dp) = (2, 2, 2) with SP and ZeRO-1 at step 3, loaded at another layout: steps 4..10
     equal the single process's (1e-5 relative)."""

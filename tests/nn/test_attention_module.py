@@ -50,3 +50,30 @@ def test_torch_compile_fullgraph(compile_backend):
     ref, _ = flash_attention_reference(*qkv.detach().unbind(2), causal=True)
     assert torch.allclose(out.detach().double(), ref, atol=1e-5)
     assert torch.allclose(grad, qkv.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["flash", "torch"])
+def test_a_padding_mask_and_gqa_match_the_reference(name):
+    """Both library cores take a boolean mask (True = masked out) and fewer K/V heads than query heads."""
+    from megakernels.nn import attention_core
+
+    torch.manual_seed(1)
+    q = torch.randn(2, 7, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 7, 2, 16, dtype=torch.float64), torch.randn(2, 7, 2, 16, dtype=torch.float64)
+    mask = torch.zeros(2, 1, 1, 7, dtype=torch.bool)
+    mask[0, ..., 5:] = True
+    kr, vr = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / 4.0
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(mask, float("-inf")).softmax(-1), vr)
+    got = attention_core(name)(q, k, v, mask=mask)
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_a_mask_with_causal_is_refused_and_unknown_cores_are_named():
+    from megakernels.nn import attention_core
+
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="either causal=True or a mask"):
+        FlashSelfAttention(causal=True)(q, q, q, mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention must be one of flash, torch, got 'xformers'"):
+        attention_core("xformers")

@@ -3,6 +3,8 @@ numerics against the torch.nn modules, and torch.compile(fullgraph=True)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -81,6 +83,27 @@ def test_bad_module_arguments():
         FusedLayerNorm((4, 8))(torch.randn(2, 8, 4))
     with pytest.raises(ValueError, match="approximate must be"):
         FusedBiasGeLU(8, approximate="fast")
+
+
+@pytest.mark.parametrize("module", [FusedLayerNorm, FusedRMSNorm])
+@pytest.mark.parametrize("shape", [2.5, "8", [4.0], (4, "8"), None, True])
+def test_normalized_shape_that_is_not_ints_is_refused_naming_it_and_the_value(module, shape):
+    with pytest.raises(TypeError, match=rf"{module.__name__}: normalized_shape must be .* got {re.escape(repr(shape))}"):
+        module(shape)
+
+
+@pytest.mark.parametrize("eps, exc", [(None, TypeError), ("1e-5", TypeError), (-1.0, ValueError)])
+def test_layer_norm_module_eps_must_be_a_number(eps, exc):
+    with pytest.raises(exc, match="FusedLayerNorm: eps must be"):
+        FusedLayerNorm(8, eps=eps)
+
+
+def test_rms_norm_module_eps_none_means_the_dtype_epsilon_as_torch():
+    x = make((3, 8), torch.float32, "cpu", scale=1e-4)
+    expect = nn.RMSNorm(8, eps=None)(x)
+    assert_close_to_reference(FusedRMSNorm(8, eps=None)(x), expect.double(), torch.float32, "eps=None")
+    with pytest.raises(TypeError, match="FusedRMSNorm: eps must be a real number"):
+        FusedRMSNorm(8, eps="small")
 
 
 class Block(nn.Module):

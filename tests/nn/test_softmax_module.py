@@ -50,7 +50,7 @@ def test_mask_with_causal_is_an_error():
 def test_bad_scale():
     with pytest.raises(TypeError, match="scale must be a real number"):
         FusedScaleMaskSoftmax(scale="1")
-    with pytest.raises(ValueError, match="scale must be finite"):
+    with pytest.raises(ValueError, match="scale must be a finite number"):
         FusedScaleMaskSoftmax(scale=math.inf)
     assert "scale=0.25, causal=True" in repr(FusedScaleMaskSoftmax(0.25, causal=True))
 

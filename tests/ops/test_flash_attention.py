@@ -27,7 +27,7 @@ CASES = [
 def _dtypes(triton_backend):
     if triton_backend.name == "cuda":
         return (torch.float16, torch.bfloat16)
-    if triton_backend.emulated:  # the interpreter's bf16 tl.dot is broken (DESIGN.md §3)
+    if triton_backend.emulated:  # the interpreter's bf16 tl.dot is broken (docs/design.md §3)
         return (torch.float16, torch.float32)
     return (torch.float16, torch.bfloat16, torch.float32)
 

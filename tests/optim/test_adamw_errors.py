@@ -143,3 +143,33 @@ def test_bad_params_added_later_are_rejected():
     opt = FusedAdamW([p(3)])
     with pytest.raises(TypeError, match="complex"):
         opt.add_param_group({"params": [torch.zeros(2, dtype=torch.complex64, requires_grad=True)]})
+
+
+def _saved_state(step):
+    param = p(4)
+    opt = FusedAdamW([param])
+    param.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = step
+    return sd
+
+
+@pytest.mark.parametrize("step, exc", [
+    ("abc", TypeError), (None, TypeError), (-1.0, ValueError), (float("nan"), ValueError),
+    (torch.tensor([1.0, 2.0]), ValueError), (torch.tensor(True), ValueError), (torch.zeros((), device="meta"), ValueError),
+])
+def test_bad_step_in_a_loaded_state_is_refused_naming_it_and_nothing_changes(step, exc):
+    param = p(4)
+    opt = FusedAdamW([param])
+    with pytest.raises(exc, match=r"FusedAdamW.load_state_dict: state\[0\]\['step'\] must be"):
+        opt.load_state_dict(_saved_state(step))
+    assert len(opt.state) == 0  # refused before anything was loaded
+
+
+@pytest.mark.parametrize("step", [3, 3.0, torch.tensor(3.0), torch.tensor([3.0]), torch.tensor(3, dtype=torch.int64)])
+def test_a_step_given_as_number_or_one_element_tensor_loads(step):
+    opt = FusedAdamW([p(4)])
+    opt.load_state_dict(_saved_state(step))
+    (state,) = opt.state.values()
+    assert state["step"].dtype == torch.float32 and state["step"].shape == () and float(state["step"]) == 3.0

@@ -251,18 +251,29 @@ def test_lr_scheduler_drives_the_learning_rate(backend):
         assert max_rel_error(p, r) <= 1e-6
 
 
-def test_closure_is_evaluated_with_grad(backend):
+def test_closure_is_evaluated_with_grad_and_its_gradient_is_the_step(backend):
+    """``step(closure)`` returns the closure's loss, computed with grad enabled (even under ``no_grad``), and the
+    update uses the gradient the closure produced — as torch.optim.AdamW does."""
     params = make_params([(3,)], backend.device)
-    opt = FusedAdamW(params, lr=1e-2)
+    ref_params = clone_params(params)
+    start = params[0].detach().clone()
 
-    def closure():
-        opt.zero_grad()
-        loss = (params[0] ** 2).sum()
-        loss.backward()
-        return loss
+    def closure_of(opt, p):
+        def closure():
+            opt.zero_grad()
+            loss = (p ** 2).sum()
+            loss.backward()
+            return loss
+        return closure
 
-    loss = opt.step(closure)
-    assert loss is not None and params[0].grad is not None
+    ours = FusedAdamW(params, lr=1e-2)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, foreach=False)
+    with torch.no_grad():
+        loss = ours.step(closure_of(ours, params[0]))
+    ref.step(closure_of(ref, ref_params[0]))
+    assert loss.item() == pytest.approx((start.double() ** 2).sum().item(), rel=1e-6)
+    torch.testing.assert_close(params[0].grad, 2 * start)
+    assert max_rel_error(params[0], ref_params[0]) <= 1e-6 and not torch.equal(params[0], start)
 
 
 @pytest.mark.cuda

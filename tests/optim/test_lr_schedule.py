@@ -69,3 +69,26 @@ def test_non_number_lr_and_negative_step_are_rejected():
         WarmupCosineSchedule(lr="1e-3")
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         WarmupCosineSchedule(lr=1.0, total_steps=3).lr_at(-1)
+
+
+def test_decay_styles_follow_their_formulas():
+    from megakernels.optim.lr_schedule import LRSchedule
+
+    lin = LRSchedule(1.0, 0.1, warmup_steps=2, total_steps=12, style="linear")
+    assert [lin.lr_at(s) for s in (1, 2, 7, 12, 20)] == pytest.approx([0.5, 1.0, 0.55, 0.1, 0.1])
+    const = LRSchedule(1.0, 0.1, warmup_steps=2, total_steps=12, style="constant")
+    assert [const.lr_at(s) for s in (1, 2, 12, 50)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    wsd = LRSchedule(1.0, 0.1, warmup_steps=2, total_steps=12, style="wsd", wsd_decay_steps=4)
+    # warmup, stable until step 8, then linear to min_lr at 12
+    assert [wsd.lr_at(s) for s in (2, 5, 8, 10, 12, 13)] == pytest.approx([1.0, 1.0, 1.0, 0.55, 0.1, 0.1])
+    cos = LRSchedule(1.0, 0.0, warmup_steps=0, total_steps=10, style="cosine")
+    assert cos.lr_at(5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(style="step"), "style must be one of cosine, linear, constant, wsd"),
+                                          (dict(style="wsd", wsd_decay_steps=11), "wsd_decay_steps=11 is more than")])
+def test_bad_styles_are_named(kwargs, match):
+    from megakernels.optim.lr_schedule import LRSchedule
+
+    with pytest.raises(ValueError, match=match):
+        LRSchedule(1.0, 0.1, warmup_steps=0, total_steps=10, **kwargs)

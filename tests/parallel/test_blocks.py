@@ -131,34 +131,36 @@ def _(rank, world):
 
 @CHECKS.add("attention_core_is_pluggable_with_layout_b_s_h_d")
 def _(rank, world):
+    from megakernels.nn import TorchSelfAttention
+
     mp.initialize(2)
     calls = []
 
-    def core(q, k, v, causal=False, dropout_p=0.0):
-        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), causal, dropout_p))
-        return mp.sdpa_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+    class Core(TorchSelfAttention):
+        def forward(self, q, k, v, mask=None):
+            calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), self.causal, mask))
+            return super().forward(q, k, v, mask=mask)
 
     torch.manual_seed(33)
-    default = mp.ParallelSelfAttention(H, HEADS)
+    by_name = mp.ParallelSelfAttention(H, HEADS, core="torch")
     torch.manual_seed(33)
-    plugged = mp.ParallelSelfAttention(H, HEADS, attention_fn=core)
+    plugged = mp.ParallelSelfAttention(H, HEADS, core=Core(causal=True))
     x = randn(S, B, H, seed=62)
-    assert torch.equal(default(x), plugged(x))
-    assert calls == [((B, S, HEADS // 2, H // HEADS),) * 3 + (True, 0.0)]
+    assert torch.equal(by_name(x), plugged(x))
+    assert calls == [((B, S, HEADS // 2, H // HEADS),) * 3 + (True, None)]
 
 
-@CHECKS.add("megakernels_flash_attention_plugs_in")
+@CHECKS.add("both_library_cores_match_the_unsharded_attention")
 def _(rank, world):
-    from megakernels.ops import flash_attention
-
-    for tp in TPS:
-        for sp in (False, True):
-            mp.initialize(tp)
-            torch.manual_seed(35)
-            attn = mp.ParallelSelfAttention(H, HEADS, sequence_parallel=sp, attention_fn=flash_attention)
-            _compare_block(attn, attn.qkv, attn.proj, lambda x, *w: _attention_reference(x, *w, causal=True),
-                           f"flash attention tp{tp} sp={sp}", sp, 70)
-            mp.destroy()
+    for core in ("flash", "torch"):
+        for tp in TPS:
+            for sp in (False, True):
+                mp.initialize(tp)
+                torch.manual_seed(35)
+                attn = mp.ParallelSelfAttention(H, HEADS, sequence_parallel=sp, core=core)
+                _compare_block(attn, attn.qkv, attn.proj, lambda x, *w: _attention_reference(x, *w, causal=True),
+                               f"{core} attention tp{tp} sp={sp}", sp, 70)
+                mp.destroy()
 
 
 @CHECKS.add("attention_dropout_uses_the_tensor_parallel_stream")

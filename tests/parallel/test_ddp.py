@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import megakernels.parallel as mp
+from megakernels.parallel import params
 from megakernels.optim import DynamicLossScaler
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.optimizer import ParallelOptimizer, memory_bytes_per_param
@@ -162,9 +163,12 @@ class _Params(nn.Module):
         super().__init__()
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t.to(dtype).clone()))
+        mark = {"tensor_parallel": params.mark_tensor_parallel, "sequence_parallel": params.mark_sequence_parallel,
+                "shared_embedding": params.mark_shared_embedding,
+                "shared_embedding_duplicate": lambda p: params.mark_shared_embedding(p, duplicate=True)}
         for attr, names in marks.items():
             for name in names:
-                setattr(getattr(self, name), attr, True)
+                mark[attr](getattr(self, name))
 
 
 @CHECKS.add("bf16_params_follow_fp32_masters_that_equal_the_fp32_reference")

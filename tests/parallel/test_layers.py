@@ -82,7 +82,7 @@ def _(rank, world):
             assert_close(xin.grad, block(xr.grad, -1, r, tp) if parallel_in else xr.grad, f"{what}: input grad")
             assert_close(layer.weight.grad, block(wr.grad, 1, r, tp), f"{what}: weight grad")
             assert_close(layer.bias.grad, br.grad, f"{what}: bias grad")
-            assert getattr(layer.bias, "sequence_parallel", False) == sp
+            assert mp.is_sequence_parallel(layer.bias) == sp
             mp.destroy()
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from megakernels.optim import DynamicLossScaler, WarmupCosineSchedule
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.optimizer import ParallelOptimizer, memory_bytes_per_param
+from megakernels.parallel.params import mark_shared_embedding
 
 
 def _model(dtype=torch.float32) -> nn.Sequential:
@@ -53,7 +54,7 @@ def test_backward_accumulates_into_main_grad_and_drops_grad():
 
 def test_separate_params_get_a_bucket_of_their_own():
     model = _model()
-    model[1].weight.shared_embedding = True
+    mark_shared_embedding(model[1].weight)
     ddp = DistributedDataParallel(model, bucket_size=10**6)
     assert [len(b.params) for b in ddp.buckets] == [3, 1, 2]  # reverse order: head, LN bias | LN weight | first
     assert ddp.buckets[1].params == [model[1].weight]

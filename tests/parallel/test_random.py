@@ -101,7 +101,7 @@ def _(rank, world):
         tracker.add("b", 1)
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
         mp.RNGStatesTracker("tpu")
-    with pytest.raises(ValueError, match="seed must be a non-negative int, got -1"):
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
         mp.model_parallel_seed(-1)
 
 

@@ -56,6 +56,45 @@ def _(rank, world):
                   emb_groups=[[0, 4], [1, 5], [2, 6], [3, 7]])
 
 
+@CHECKS.add("layout_tp2_cp2_dp2_puts_cp_between_tp_and_dp")
+def _(rank, world):
+    mp.initialize(2, 1, cp=2)
+    assert (mp.tp_size(), mp.cp_size(), mp.dp_size(), mp.dp_cp_size()) == (2, 2, 2, 4)
+    assert _ranks(mp.tp_group()) == _mine([[0, 1], [2, 3], [4, 5], [6, 7]], rank)
+    assert _ranks(mp.cp_group()) == _mine([[0, 2], [1, 3], [4, 6], [5, 7]], rank)
+    assert _ranks(mp.dp_group()) == _mine([[0, 4], [1, 5], [2, 6], [3, 7]], rank)
+    assert _ranks(mp.dp_cp_group()) == _mine([[0, 2, 4, 6], [1, 3, 5, 7]], rank)
+    assert (mp.tp_rank(), mp.cp_rank(), mp.dp_rank()) == (rank % 2, (rank // 2) % 2, rank // 4)
+    mp.destroy()
+    mp.initialize(4)
+    assert _ranks(mp.tp_replica_group(2)) == _mine([[0, 1], [2, 3], [4, 5], [6, 7]], rank)
+    assert mp.tp_replica_group(2) is mp.tp_replica_group(2)  # created once
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=mp.tp_replica_group(2))
+    assert x.item() == sum(_mine([[0, 1], [2, 3], [4, 5], [6, 7]], rank))
+    with pytest.raises(ValueError, match="replicas=3 does not divide the tensor-parallel size 4"):
+        mp.tp_replica_group(3)
+
+
+@CHECKS.add("expert_groups_are_carved_out_of_the_data_parallel_ranks")
+def _(rank, world):
+    mp.initialize(2, 1, ep=2)  # dp 4: expert groups of 2 consecutive data-parallel ranks
+    assert (mp.ep_size(), mp.ep_rank()) == (2, (rank // 2) % 2)
+    assert _ranks(mp.ep_group()) == _mine([[0, 2], [1, 3], [4, 6], [5, 7]], rank)
+    assert _ranks(mp.expert_dp_group()) == _mine([[0, 4], [1, 5], [2, 6], [3, 7]], rank)
+    mp.destroy()
+    mp.initialize(1, 1, cp=2, ep=2)  # dp 4 × cp 2: the expert-data group spans cp too
+    assert _ranks(mp.ep_group()) == _mine([[0, 2], [1, 3], [4, 6], [5, 7]], rank)
+    assert _ranks(mp.expert_dp_group()) == _mine([[0, 1, 4, 5], [2, 3, 6, 7]], rank)
+    mp.destroy()
+    mp.initialize(2)
+    assert mp.ep_group() is None and mp.ep_size() == 1
+    assert mp.expert_dp_group() is mp.dp_cp_group()
+    mp.destroy()
+    with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size 4"):
+        mp.initialize(2, ep=3)
+
+
 @CHECKS.add("layout_tp2_pp4_dp1")
 def _(rank, world):
     _check_layout(rank, 2, 4,

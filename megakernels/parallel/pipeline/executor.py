@@ -38,7 +38,7 @@ def _layout(num_chunks: int) -> tuple[int, int, bool]:
 def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], torch.Tensor], num_microbatches: int,
                      *, schedule: str = "1f1b", tensor_shape, dtype: torch.dtype, device, num_chunks: int = 1,
                      forward_only: bool = False, grad_sync: Callable[[int, bool], None] | None = None,
-                     ) -> list[torch.Tensor]:
+                     exchange_hook: Callable[[Callable], Callable] | None = None) -> list[torch.Tensor]:
     """One step of pipeline schedule ``schedule`` over ``num_microbatches`` micro-batches on this rank.
 
     Virtual stage ``k = chunk · pp_size + pp_rank``; the first is chunk 0 of pp rank 0, the last chunk
@@ -61,6 +61,8 @@ def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], tor
             every chunk before the first forward, and with True right before the last backward of each chunk, so
             that the gradient reduction happens once per step and overlaps the remaining backwards. Not called
             when forward-only.
+        exchange_hook: wraps the exchange function for this step (``exchange_hook(p2p.communicate)`` is called
+            instead of it), e.g. to time the time spent waiting on neighbours; None for the plain exchange.
 
     Returns:
         On the rank holding the last virtual stage, ``forward_step``'s losses, detached, in micro-batch order;
@@ -109,6 +111,7 @@ def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], tor
     input_grads: dict[tuple[int, int], torch.Tensor] = {}   # computed gradient, until sent
     losses: dict[int, torch.Tensor] = {}
     no_grad = contextlib.nullcontext if training else torch.no_grad
+    communicate = p2p.communicate if exchange_hook is None else exchange_hook(p2p.communicate)
 
     for i, step in enumerate(plan):
         if isinstance(step, Exchange):
@@ -118,7 +121,7 @@ def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], tor
                 send_next = outputs[key] if training else outputs.pop(key)
             if step.send_prev:
                 send_prev = input_grads.pop(step.send_prev[1:])
-            from_prev, from_next = p2p.communicate(send_next=send_next, send_prev=send_prev,
+            from_prev, from_next = communicate(send_next=send_next, send_prev=send_prev,
                                                    recv_prev=step.recv_prev is not None,
                                                    recv_next=step.recv_next is not None,
                                                    shape=tensor_shape, dtype=dtype, device=device)

@@ -18,8 +18,8 @@ Schedules (``m`` micro-batches, ``p`` ranks, ``v`` chunks per rank, ``t_f``/``t_
                    ``v`` times as many point-to-point messages. With ``v == 1`` it is ``1f1b``.
 - ``forward_only`` evaluation: the forwards alone (in the interleaved grouping when ``v > 1``; any ``m``).
 
-The executor lives in ``executor.py`` (``forward_backward`` is reachable from here as well); this module needs no
-process group. ``python -m megakernels.parallel.pipeline.schedules --pp 4 --microbatches 8 [--vpp 2]`` prints one.
+The executor lives in ``executor.py``; this module needs no process group.
+``python -m megakernels.parallel.pipeline.schedules --pp 4 --microbatches 8 [--vpp 2]`` prints one.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ import itertools
 import math
 from typing import NamedTuple
 
+from megakernels.validation import positive_int
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "forward_only")
 
 Op = tuple[str, int, int]  # ("F" | "B", chunk, microbatch)
 
 
 def _positive(fn: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
-    return value
+    return positive_int(value, name, where=fn)
 
 
 def _check(fn: str, name: str, pp_size: int, num_microbatches: int, vpp: int, vpp_arg: str = "vpp") -> None:
@@ -291,15 +291,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     return 0
-
-
-def __getattr__(name):
-    # The executor needs torch.distributed; it loads when first asked for.
-    if name == "forward_backward":
-        from megakernels.parallel.pipeline.executor import forward_backward
-
-        return forward_backward
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

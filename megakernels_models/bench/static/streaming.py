@@ -290,7 +290,6 @@ def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
         launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 1.0, 0.0, x, 90)  # no label smoothing
         roles = [Role("grad", 1, stores=1, reads_dram=True)]
         mbytes = 4
-    block = launch.kwargs["BLOCK_V"]
     threads = launch.num_warps * 32
     packs = v / threads / 8  # the tail chunk runs the masked loop, not modelled apart
     return [Part(lambda: compiled.triton_kernel(launch), roles, 8, packs, n, n * v, mbytes, mbytes)]

@@ -1,0 +1,127 @@
+"""Grouped GEMM: one matrix product per group of consecutive rows, each group with its own weight — the experts of
+a mixture-of-experts layer, whose tokens were permuted so each expert's rows are contiguous.
+
+    out[rows of group e] = x[rows of group e] @ weight[e]ᵀ          x [T, k], weight [E, n, k], out [T, n]
+
+``group_sizes`` ``[E]`` (int64, summing to T) says how many rows each group has; empty groups are fine. Backward:
+``dx[rows of e] = dout[rows of e] @ weight[e]`` and ``dweight[e] = dout[rows of e]ᵀ @ x[rows of e]`` (zero for an
+empty group). The weight is ``[E, n, k]`` like E stacked ``nn.Linear`` weights.
+
+Dispatch: the CPU path multiplies each group's rows with ATen's GEMM (the group sizes are read on the host: one
+synchronisation per call, nothing on the CPU); the same path serves CUDA tensors until a device kernel replaces
+it. All math in the input dtype with fp32 accumulation as ATen's GEMMs do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels.ops import _checks
+
+OP = "grouped_gemm"
+
+
+def _check(x, weight, group_sizes) -> None:
+    for name, t in (("x", x), ("weight", weight), ("group_sizes", group_sizes)):
+        _checks.tensor(OP, name, t)
+    if x.dim() != 2:
+        raise ValueError(f"{OP}: x must be 2-D [tokens, k], got shape {tuple(x.shape)}")
+    if weight.dim() != 3:
+        raise ValueError(f"{OP}: weight must be 3-D [groups, n, k], got shape {tuple(weight.shape)}")
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(f"{OP}: weight has k={weight.shape[2]}, expected x's {x.shape[1]}")
+    if group_sizes.dim() != 1 or group_sizes.shape[0] != weight.shape[0]:
+        raise ValueError(f"{OP}: group_sizes must be 1-D with one entry per group ({weight.shape[0]}), got shape "
+                         f"{tuple(group_sizes.shape)}")
+    if group_sizes.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{OP}: group_sizes must be int32 or int64, got {group_sizes.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"{OP}: weight has dtype {weight.dtype}, expected x's {x.dtype}")
+    _checks.same_device(OP, "x", x, ("weight", weight))
+    if x.device.type != "meta" and group_sizes.device.type != "meta":
+        sizes = group_sizes.cpu()
+        if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:
+            raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got "
+                             f"{sizes.tolist()}")
+
+
+def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(group, start, end)`` of every non-empty group."""
+    sizes = group_sizes.cpu().tolist()
+    out, start = [], 0
+    for e, n in enumerate(sizes):
+        if n:
+            out.append((e, start, start + n))
+        start += n
+    return out
+
+
+@torch.library.custom_op("megakernels::grouped_gemm", mutates_args=())
+def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    for e, a, b in _segments(group_sizes):
+        torch.mm(x[a:b], weight[e].t(), out=out[a:b])
+    return out
+
+
+@_grouped_gemm.register_fake
+def _(x, weight, group_sizes):
+    _checks.same_device(OP, "x", x, ("weight", weight))
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@torch.library.custom_op("megakernels::grouped_gemm_bwd", mutates_args=())
+def _grouped_gemm_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = torch.zeros_like(x)
+    dw = torch.zeros_like(weight)
+    for e, a, b in _segments(group_sizes):
+        torch.mm(dout[a:b], weight[e], out=dx[a:b])
+        torch.mm(dout[a:b].t(), x[a:b], out=dw[e])
+    return dx, dw
+
+
+@_grouped_gemm_bwd.register_fake
+def _(dout, x, weight, group_sizes):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, group_sizes = inputs
+    ctx.save_for_backward(x, weight, group_sizes)
+
+
+def _backward(ctx, dout):
+    x, weight, group_sizes = ctx.saved_tensors
+    dx, dw = _grouped_gemm_bwd(dout.contiguous(), x, weight, group_sizes)
+    return dx, dw, None
+
+
+_grouped_gemm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group e] = x[rows of group e] @ weight[e]ᵀ`` for consecutive groups of rows.
+
+    Args:
+        x: ``[T, k]``, rows sorted by group.
+        weight: ``[E, n, k]`` in x's dtype, on x's device.
+        group_sizes: int32/int64 ``[E]``, non-negative, summing to ``T`` (any device).
+
+    Returns:
+        ``[T, n]`` in x's dtype; differentiable w.r.t. x and weight.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, devices or group sizes.
+    """
+    _check(x, weight, group_sizes)
+    return _grouped_gemm(x.contiguous(), weight.contiguous(), group_sizes)
+
+
+def grouped_gemm_reference(x, weight, group_sizes, compute_dtype=torch.float64):
+    """A loop of per-group matrix products in ``compute_dtype`` (tests)."""
+    out, start = [], 0
+    for e, n in enumerate(group_sizes.tolist()):
+        out.append(x[start:start + n].to(compute_dtype) @ weight[e].to(compute_dtype).t())
+        start += n
+    return torch.cat(out) if out else x.new_empty((0, weight.shape[1]), dtype=compute_dtype)

@@ -1,0 +1,79 @@
+"""Fused SwiGLU (Shazeer 2020) on a packed gate/up projection: ``y = silu(g) * u`` for ``x = [g | u]`` along the last
+dim, forward and backward (csrc/swiglu).
+
+One read of x and one write of y (PyTorch eager writes silu(g) and reads it back; its backward materialises
+sigmoid(g), silu(g) and two products). Backward recomputes from the saved x::
+
+    s = sigmoid(g),  dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s
+
+and writes ``dx = [dg | du]`` in one pass. Packing: the gate comes first, then the up projection, in the last dim.
+Under tensor parallelism each rank's column shard of the fused gate/up weight is ``[gate_r | up_r]``, so the op
+sees a self-contained local tensor and needs no communication. Math in fp32 (fp64 for fp64 x), output in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
+from megakernels._backend import emulate_for
+from megakernels.ops import _checks
+
+OP = "swiglu"
+
+
+@torch.library.register_fake("megakernels::swiglu_fwd")
+def _swiglu_fwd_fake(x, emulate):
+    _check_packed(OP, x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _check_packed(op: str, x: torch.Tensor) -> None:
+    """The shape rule the kernel checks too, here for the fake (meta) path: ``[..., 2f]``."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}; expected [..., 2 * f] (the gate half, then the up "
+                         "half)")
+
+
+@torch.library.register_fake("megakernels::swiglu_bwd")
+def _swiglu_bwd_fake(grad_output, x, emulate):
+    _checks.same_device("swiglu_backward", "x", x, ("grad_output", grad_output))
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _setup_context(ctx, inputs, output):
+    x, emulate = inputs
+    ctx.save_for_backward(x)
+    ctx.emulate = emulate
+
+
+def _backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return torch.ops.megakernels.swiglu_bwd(dy, x, ctx.emulate), None
+
+
+torch.library.register_autograd("megakernels::swiglu_fwd", _backward, setup_context=_setup_context)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :f]) * x[..., f:]`` for x ``[..., 2f]``.
+
+    Args:
+        x: ``[..., 2f]``, the packed gate/up projection (gate first), fp32/bf16/fp16/fp64, any leading shape, CPU
+            or CUDA. A non-unit last-dim stride (or leading dims that do not flatten) costs one copy.
+
+    Returns:
+        ``[..., f]`` in x's dtype; differentiable w.r.t. x.
+
+    Raises:
+        TypeError: a non-tensor or non-floating x. ValueError: a sparse or 0-dim x, an odd last dim, a backend that
+        cannot take x.
+    """
+    _checks.tensor(OP, "x", x)
+    return torch.ops.megakernels.swiglu_fwd(x, emulate_for(OP, x))
+
+
+def swiglu_reference(x, compute_dtype=torch.float64):
+    """``F.silu(gate) * up`` with plain PyTorch in ``compute_dtype`` (differentiable)."""
+    gate, up = x.to(compute_dtype).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

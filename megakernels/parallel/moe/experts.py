@@ -1,0 +1,64 @@
+"""The experts of a mixture-of-experts layer: ``num_local`` MLPs run as two grouped GEMMs over their rows.
+
+Parameters are stacked over the local experts: ``fc1`` ``[E_local, 2f/tp, h]`` (SwiGLU: each TP shard of an
+expert holds its gate and up rows, stride 2) or ``[E_local, f/tp, h]`` (GeLU), ``fc2`` ``[E_local, h, f/tp]``. Expert
+``e`` of the whole model is defined by the seed of its name (``experts.<e>.fc1``), so any (ep, tp) layout holds
+exactly the weights of the single-process model. Each expert's MLP is split over the tensor-parallel ranks as a
+dense MLP is (column-parallel fc1, row-parallel fc2): the output is a partial sum the MoE layer reduces over TP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megakernels.ops.grouped_gemm import grouped_gemm
+from megakernels.ops.swiglu import swiglu
+from megakernels.parallel import init, state
+from megakernels.parallel.params import mark_expert_parallel
+
+
+class GroupedMLP(nn.Module):
+    """``num_local`` experts ``fc2(act(fc1(x)))`` on rows sorted by expert.
+
+    Args:
+        hidden_size, ffn_hidden_size: h and each expert's f (divisible by tp).
+        num_experts: E of the whole layer; this rank holds ``[first, first + num_local)``.
+        first, num_local: the local experts.
+        activation: ``"swiglu"``, ``"gelu"`` (erf) or ``"gelu_tanh"``.
+        seed: the layer's seed (each expert's weights from ``derive_seed(seed, "experts.<e>.fc1")``).
+        init_method, output_init_method, device, dtype: as ``ParallelMLP``.
+
+    ``forward(rows [N, h], group_sizes [num_local])`` -> ``[N, h]``, partial over the TP ranks.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, first: int, num_local: int, *,
+                 activation: str = "swiglu", seed: int = 0, init_method: init.InitMethod | None = None,
+                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+        super().__init__()
+        tp, r = state.tp_size(), state.tp_rank()
+        state.check_divisible(ffn_hidden_size=ffn_hidden_size)
+        self.activation, self.first, self.num_local = activation, first, num_local
+        gated = activation == "swiglu"
+        rows = (2 if gated else 1) * ffn_hidden_size
+        self.fc1 = nn.Parameter(torch.empty(num_local, rows // tp, hidden_size, device=device, dtype=dtype))
+        self.fc2 = nn.Parameter(torch.empty(num_local, hidden_size, ffn_hidden_size // tp, device=device, dtype=dtype))
+        mark_expert_parallel(self.fc1, num_experts=num_experts, first=first, dim=0, stride=2 if gated else 1)
+        mark_expert_parallel(self.fc2, num_experts=num_experts, first=first, dim=1)
+        if self.fc1.device.type != "meta":
+            normal = init_method or init.init_method_normal()
+            for i in range(num_local):
+                e = first + i
+                init.init_shard_(self.fc1[i], (rows, hidden_size), 0, r, tp, init.derive_seed(seed, f"experts.{e}.fc1"),
+                                 normal, stride=2 if gated else 1)
+                init.init_shard_(self.fc2[i], (hidden_size, ffn_hidden_size), 1, r, tp,
+                                 init.derive_seed(seed, f"experts.{e}.fc2"), output_init_method or normal)
+
+    def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        y = grouped_gemm(rows, self.fc1, group_sizes)
+        if self.activation == "swiglu":
+            y = swiglu(y)
+        else:
+            y = F.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return grouped_gemm(y, self.fc2, group_sizes)

@@ -1,0 +1,98 @@
+"""The router of a mixture-of-experts layer: which ``k`` experts each token goes to, with which weights, and the
+auxiliary losses that keep the experts busy evenly.
+
+All in fp32: ``logits = x Wᵀ`` ([tokens, E]), ``p = softmax(logits)``, the top-``k`` experts of each token and
+their probabilities (renormalised over the ``k`` with ``normalize=True``, as Mixtral; as they are otherwise, as
+Switch/GShard). Over a micro-batch's tokens:
+
+- load-balancing loss (Switch Transformer): ``E · Σ_i f_i · P_i``, ``f_i`` the fraction of the ``T·k`` assignments
+  that went to expert ``i`` (not differentiable), ``P_i`` the mean router probability of expert ``i``; 1 when
+  balanced;
+- router z-loss (ST-MoE): ``mean_t (logsumexp_i logits_ti)²``, keeping the logits small.
+
+When the micro-batch's tokens are split over ranks (context parallelism), the sums behind ``f``, ``P`` and the
+z-loss are summed over ``stats_group`` first, so every layout computes the same losses as one process; each rank's
+gradient flows into its own tokens only (the sum's backward is the identity), which is the gradient of that one
+loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megakernels.parallel import init
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward: each rank's share of a global sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, None
+
+
+def sum_over(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` (None or one rank: ``x``), differentiable as each rank's share."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _SumOverGroup.apply(x, group)
+
+
+class TopKRouter(nn.Module):
+    """Linear gate + top-k routing (see the module docstring).
+
+    Args:
+        hidden_size: h.
+        num_experts: E.
+        top_k: experts per token (1 <= top_k <= E).
+        normalize: renormalise the k probabilities to sum to 1.
+        init_method, seed, device, dtype: of the gate's weight ``[E, h]`` (replicated on every rank).
+
+    ``forward(x, stats_group=None)``: ``x`` ``[tokens, h]`` -> ``(weights [tokens, k] fp32, experts [tokens, k]
+    int64, stats)`` with ``stats``: ``aux_loss`` and ``z_loss`` (fp32 scalars, differentiable) and ``tokens_per_expert``
+    ([E], the micro-batch's assignments, summed over ``stats_group``).
+
+    Raises:
+        ValueError: ``top_k`` outside ``1..num_experts``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool = True, *,
+                 init_method: init.InitMethod | None = None, seed: int | None = None, device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"TopKRouter: top_k={top_k} must be in 1..num_experts={num_experts}")
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, bool(normalize)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            with torch.no_grad():
+                self.weight.copy_(init.full_weight((num_experts, hidden_size), init.draw_seed() if seed is None
+                                                   else seed, init_method or init.init_method_normal()))
+
+    def forward(self, x: torch.Tensor, stats_group=None):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 routing (fp64 for fp64 models)
+        logits = x.to(acc) @ self.weight.to(acc).t()
+        probs = logits.softmax(-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize and self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        E = self.num_experts
+        counts = torch.bincount(experts.flatten(), minlength=E).to(acc)
+        total = torch.tensor([float(x.shape[0])], dtype=acc, device=x.device)
+        if stats_group is not None and dist.get_world_size(stats_group) > 1:
+            counts, total = counts.clone(), total.clone()
+            dist.all_reduce(counts, group=stats_group)
+            dist.all_reduce(total, group=stats_group)
+        prob_sum = sum_over(probs.sum(0), stats_group)
+        z_sum = sum_over(torch.logsumexp(logits, -1).square().sum(), stats_group)
+        f = counts / (total * self.top_k)
+        P = prob_sum / total
+        stats = {"aux_loss": E * (f * P).sum(), "z_loss": z_sum / total[0], "tokens_per_expert": counts}
+        return weights, experts, stats

@@ -1,0 +1,120 @@
+"""``megakernels convert``: HuggingFace models (config.json + safetensors) <-> megakernels checkpoints.
+
+    megakernels convert hf-to-megakernels --input HF_DIR --output CKPT_DIR     # then: train --load CKPT_DIR
+    megakernels convert megakernels-to-hf --input CKPT_DIR --output HF_DIR     # then: from_pretrained(HF_DIR)
+
+One module per family (``gpt2``, ``bert``, ``llama``, ``mixtral``) holds its config translation both ways and one table of
+tensor rules (``common.Rule``) applied in both directions. A ``tokenizer.json`` travels with the weights: the HF
+directory's becomes ``CKPT_DIR/tokenizer.json`` (which ``megakernels train --load`` and ``megakernels eval``
+default to), and a checkpoint's goes to the HF directory. The megakernels side is a DCP checkpoint directory as
+``megakernels train --save`` writes it (``DIR/step-N`` + ``latest``), holding the model only (the optimizer starts
+fresh when training resumes from it) at step 0, in full-model coordinates (so it loads at any layout). Nothing is
+downloaded; ``transformers`` is not needed (only ``safetensors``).
+"""
+
+from __future__ import annotations
+
+from megakernels_models.config import ModelConfig
+import os
+import shutil
+
+from megakernels_models.convert import bert, gpt2, llama, mixtral
+from megakernels_models.convert.common import ConversionError, apply, read_checkpoint, read_hf, write_checkpoint, \
+    write_hf
+
+FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral)}
+# megakernels model family -> the HuggingFace family it is written as
+_OURS = {"gpt": gpt2, "bert": bert, "llama": llama}
+TOKENIZER = "tokenizer.json"
+
+__all__ = ["hf_to_megakernels", "megakernels_to_hf", "write_checkpoint", "read_checkpoint", "ConversionError",
+           "ModelConfig", "FAMILIES", "add_parser", "main"]
+
+
+def _family(model_type):
+    if model_type not in FAMILIES:
+        raise ConversionError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def hf_to_megakernels(hf_dir: str, out_dir: str, rope_interleaved: bool = False) -> str:
+    """Convert a HuggingFace model directory into a megakernels checkpoint directory; returns the checkpoint's path.
+    ``rope_interleaved``: a Llama becomes a megakernels Llama with the interleaved rotary layout (rows permuted).
+
+    Raises:
+        ConversionError: an unsupported model type or setting, a missing tensor, or an occupied ``out_dir``.
+    """
+    hf, tensors = read_hf(hf_dir)
+    fam = _family(hf.get("model_type"))
+    rotary = fam in (llama, mixtral)
+    if rope_interleaved and not rotary:
+        raise ConversionError(f"--rope-interleaved is for Llama and Mixtral models, not {fam.MODEL_TYPE}")
+    cfg = fam.config_to_ours(hf, rope_interleaved) if rotary else fam.config_to_ours(hf)
+    ours = apply(fam.rules(cfg), fam.normalize(tensors), "to_ours")
+    path = write_checkpoint(ours, cfg, out_dir, f"hf-{fam.MODEL_TYPE}")
+    _copy_tokenizer(hf_dir, out_dir)
+    return path
+
+
+def _copy_tokenizer(src_dir: str, dst_dir: str) -> None:
+    src = os.path.join(src_dir, TOKENIZER)
+    if os.path.exists(src):
+        tmp = os.path.join(dst_dir, f".{TOKENIZER}.tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, os.path.join(dst_dir, TOKENIZER))
+
+
+def checkpoint_tokenizer(ckpt_dir: str) -> str | None:
+    """``hf:PATH`` of the tokenizer that travels with a checkpoint directory (or its parent for ``DIR/step-N``),
+    or None."""
+    for d in (ckpt_dir, os.path.dirname(os.path.abspath(ckpt_dir))):
+        path = os.path.join(d, TOKENIZER)
+        if os.path.exists(path):
+            return f"hf:{path}"
+    return None
+
+
+def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
+    """Write a megakernels checkpoint as a HuggingFace directory (config.json + safetensors); returns ``out_dir``.
+
+    Raises:
+        ConversionError: a model HuggingFace's family cannot express (e.g. a pre-norm BERT).
+    """
+    meta, tensors = read_checkpoint(ckpt_dir)
+    cfg = ModelConfig(**meta["config"])
+    fam = mixtral if cfg.model == "llama" and cfg.num_experts else _OURS.get(cfg.model)
+    if fam is None:
+        raise ConversionError(f"no HuggingFace family for a megakernels {cfg.model!r} model")
+    config = fam.config_to_theirs(cfg)
+    write_hf(apply(fam.rules(cfg), tensors, "to_theirs"), config, out_dir)
+    spec = checkpoint_tokenizer(ckpt_dir)
+    if spec is not None:
+        _copy_tokenizer(os.path.dirname(spec[3:]), out_dir)
+    return out_dir
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help=f"HuggingFace ({', '.join(FAMILIES)}) <-> megakernels checkpoint")
+    p.add_argument("direction", choices=["hf-to-megakernels", "megakernels-to-hf"])
+    p.add_argument("--input", required=True, help="HF model directory, or megakernels checkpoint directory")
+    p.add_argument("--output", required=True, help="megakernels checkpoint directory, or HF model directory")
+    p.add_argument("--rope-interleaved", action="store_true", help="hf-to-megakernels of a Llama: use the "
+                   "interleaved rotary layout (pairs 2i, 2i+1), permuting the query/key rows to match")
+    p.set_defaults(_run=main)
+
+
+def main(ns) -> int:
+    import sys
+
+    from megakernels_models.checkpoint import CheckpointError
+
+    try:
+        if ns.direction == "hf-to-megakernels":
+            out = hf_to_megakernels(ns.input, ns.output, ns.rope_interleaved)
+        else:
+            out = megakernels_to_hf(ns.input, ns.output)
+    except (ConversionError, CheckpointError) as e:
+        print(f"megakernels convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,128 @@
+"""HuggingFace ``LlamaForCausalLM`` <-> megakernels Llama: the same architecture, so both directions are exact.
+
+Layouts: HuggingFace keeps separate ``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``; megakernels packs them
+(``attention.kv`` = keys then values, ``mlp.fc1`` = gate then up: the full-model layout of the strided
+tensor-parallel shards). HuggingFace's rotary layout rotates the pairs ``(i, i + d/2)`` of each head, as
+megakernels' default does, so the query and key rows map as they are. A megakernels model with the interleaved
+layout (``rope_interleaved``, pairs ``(2i, 2i+1)``, the layout of Meta's original weights) gets each head's query
+and key rows permuted so that both layouts compute the same attention: row ``2i`` is HuggingFace's row ``i`` and
+row ``2i+1`` its row ``i + d/2``.
+
+Refused, naming the setting: a ``rope_scaling`` (position interpolation changes the angles), an activation other
+than SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases on only some projections.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels_models.config import ModelConfig
+from megakernels_models.convert.common import ConversionError, Rule, copy
+
+MODEL_TYPE = "llama"
+
+
+def _interleave(t: torch.Tensor, heads: int, to_interleaved: bool) -> torch.Tensor:
+    """Permute each head's rows between the half-rotated and the interleaved rotary layouts."""
+    rest = t.shape[1:]
+    h = t.reshape(heads, 2, -1, *rest) if to_interleaved else t.reshape(heads, -1, 2, *rest)
+    return h.transpose(1, 2).reshape(-1, *rest).contiguous()
+
+
+def _rows(cfg: ModelConfig, heads: int):
+    """(to_ours, to_theirs) of one q or k tensor: identity, or the interleaving permutation."""
+    if not cfg.rope_interleaved:
+        return (lambda t: t), (lambda t: t)
+    return (lambda t: _interleave(t, heads, True)), (lambda t: _interleave(t, heads, False))
+
+
+def _packed(ours: str, theirs: tuple[str, str], first=None) -> Rule:
+    """Our ``[a; b]`` packed rows <-> their two tensors (``first`` maps the first part, e.g. the key rows)."""
+    to_ours_first, to_theirs_first = first or ((lambda t: t), (lambda t: t))
+
+    def to_ours(ts):
+        return [torch.cat([to_ours_first(ts[0]), ts[1]])]
+
+    def to_theirs(ts):
+        a, b = ts[0].chunk(2)
+        return [to_theirs_first(a).contiguous(), b.contiguous()]
+
+    return Rule((ours,), theirs, to_ours, to_theirs)
+
+
+def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
+    """The tensor rules of a Llama; ``mlp(i, a, m)`` gives layer ``i``'s MLP rules instead of the dense SwiGLU's
+    (``a``/``m``: the layer's HuggingFace and megakernels name prefixes)."""
+    q_to_ours, q_to_theirs = _rows(cfg, cfg.num_heads)
+    out = [copy("embedding.word.weight", "model.embed_tokens.weight"), copy("final_norm.weight", "model.norm.weight")]
+    if not cfg.tie_embeddings:
+        out.append(copy("output_layer.weight", "lm_head.weight"))
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.", f"layers.{i}."
+        out += [copy(m + "input_norm.weight", a + "input_layernorm.weight"),
+                copy(m + "post_attention_norm.weight", a + "post_attention_layernorm.weight"),
+                Rule((m + "attention.q.weight",), (a + "self_attn.q_proj.weight",),
+                     lambda ts: [q_to_ours(ts[0])], lambda ts: [q_to_theirs(ts[0])]),
+                _packed(m + "attention.kv.weight", (a + "self_attn.k_proj.weight", a + "self_attn.v_proj.weight"),
+                        _rows(cfg, cfg.num_kv_heads)),
+                copy(m + "attention.proj.weight", a + "self_attn.o_proj.weight")]
+        out += mlp(i, a, m) if mlp is not None else [
+            _packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
+            copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight")]
+        if cfg.bias:
+            out += [Rule((m + "attention.q.bias",), (a + "self_attn.q_proj.bias",),
+                         lambda ts: [q_to_ours(ts[0])], lambda ts: [q_to_theirs(ts[0])]),
+                    _packed(m + "attention.kv.bias", (a + "self_attn.k_proj.bias", a + "self_attn.v_proj.bias"),
+                            _rows(cfg, cfg.num_kv_heads)),
+                    copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"),
+                    _packed(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
+                    copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias")]
+    return out
+
+
+def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names of a ``LlamaForCausalLM`` (a bare ``LlamaModel`` saves them without the ``model.`` prefix)."""
+    return {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in tensors.items()}
+
+
+def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
+    """The megakernels Llama of a HuggingFace Llama config.
+
+    Raises:
+        ConversionError: a setting megakernels' Llama does not have (naming it).
+    """
+    # transformers < 5 writes rope_theta (+ rope_scaling); 5.x writes rope_parameters {rope_type, rope_theta, ...}
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        raise ConversionError(f"rope_scaling {scaling!r}: megakernels' rotary embeddings have no position scaling")
+    theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act {hf['hidden_act']!r}: megakernels' Llama MLP is SwiGLU (silu)")
+    h, n = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, h // n):
+        raise ConversionError(f"head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads = {h // n}")
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise ConversionError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megakernels' Llama has "
+                              "biases on every projection or on none")
+    return ModelConfig("llama", num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=n,
+                       num_kv_heads=hf.get("num_key_value_heads") or n, seq_length=hf["max_position_embeddings"],
+                       vocab_size=hf["vocab_size"], ffn_hidden_size=hf["intermediate_size"],
+                       dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                       layernorm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+                       rope_theta=theta, rope_interleaved=rope_interleaved,
+                       bias=attention_bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def config_to_theirs(cfg: ModelConfig) -> dict:
+    """The HuggingFace Llama config of a megakernels Llama."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_eps,
+            "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.attention_dropout,
+            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}

@@ -1,0 +1,76 @@
+"""HuggingFace ``MixtralForCausalLM`` <-> megakernels Llama with mixture-of-experts layers: exact both ways.
+
+Mixtral is a Llama whose every MLP is ``num_local_experts`` SwiGLU experts behind a top-``num_experts_per_tok``
+router with renormalised weights, as megakernels' ``MoELayer`` with ``moe_normalize=True``. Per layer the router is
+``block_sparse_moe.gate`` and expert ``e`` is ``block_sparse_moe.experts.<e>`` with ``w1`` (gate), ``w3`` (up) and
+``w2`` (down): megakernels packs ``[w1; w3]`` as the expert's ``fc1`` and stores every expert under its global name,
+so the checkpoint loads at any expert-parallel size. The attention and the rest follow ``llama``.
+
+Refused, naming the setting: router jitter noise, a sliding window shorter than the context, and what ``llama``
+refuses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels_models.config import ModelConfig
+from megakernels_models.convert import llama
+from megakernels_models.convert.common import ConversionError, copy
+
+MODEL_TYPE = "mixtral"
+
+
+def rules(cfg: ModelConfig):
+    def moe(i, a, m):
+        b = a + "block_sparse_moe."
+        out = [copy(m + "mlp.router.weight", b + "gate.weight")]
+        for e in range(cfg.num_experts):
+            x = f"{b}experts.{e}."
+            out += [llama._packed(f"{m}mlp.experts.{e}.fc1", (x + "w1.weight", x + "w3.weight")),
+                    copy(f"{m}mlp.experts.{e}.fc2", x + "w2.weight")]
+        return out
+
+    return llama.rules(cfg, mlp=moe)
+
+
+def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return llama.normalize(tensors)
+
+
+def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
+    """The megakernels MoE Llama of a HuggingFace Mixtral config.
+
+    Raises:
+        ConversionError: a setting megakernels does not have (naming it).
+    """
+    if hf.get("router_jitter_noise"):
+        raise ConversionError(f"router_jitter_noise {hf['router_jitter_noise']}: megakernels' router has no jitter")
+    window = hf.get("sliding_window")
+    if window is not None and window < hf["max_position_embeddings"]:
+        raise ConversionError(f"sliding_window {window}: megakernels' attention is full causal attention")
+    base = llama.config_to_ours({**hf, "attention_bias": False, "mlp_bias": False}, rope_interleaved)
+    return base.replace(num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
+                        moe_ffn_hidden_size=hf["intermediate_size"], moe_normalize=True,
+                        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
+
+
+def config_to_theirs(cfg: ModelConfig) -> dict:
+    """The HuggingFace Mixtral config of a megakernels MoE Llama (every layer MoE, renormalised top-k, no shared
+    experts, no capacity).
+
+    Raises:
+        ConversionError: a MoE model Mixtral cannot express.
+    """
+    if cfg.moe_layer_freq != 1 or cfg.moe_shared_experts or cfg.moe_capacity_factor is not None \
+            or not cfg.moe_normalize or cfg.bias:
+        raise ConversionError("Mixtral has a MoE MLP in every layer, renormalised top-k routing, no shared experts, "
+                              "no capacity and no biases; this model differs")
+    out = llama.config_to_theirs(cfg)
+    for key in ("attention_bias", "mlp_bias", "head_dim"):
+        out.pop(key, None)
+    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=cfg.moe_ffn_hidden_size,
+               num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
+               router_aux_loss_coef=cfg.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None,
+               output_router_logits=False)
+    return out

@@ -1,0 +1,259 @@
+"""What a layout costs: memory per device (``--dry-run``, ``megakernels plan``) and predicted step time
+(``megakernels plan``).
+
+Memory per device, Megatron-LM's accounting:
+
+- parameters per device from the model built once on the meta device: sharded tensors divided by tp (the vocabulary
+  padded to 128·tp; key/value heads replicated when tp exceeds them), expert weights by tp·ep, layers split over
+  pipeline stages; the most loaded stage is reported;
+- weights + gradients + optimizer state per parameter: 16-bit training keeps 2-byte weights, 4-byte fp32 gradients
+  and 12 bytes of fp32 master weight + Adam moments (18), the distributed optimizer shards the 12 over dp·cp (the
+  experts' over the ranks holding the same experts); fp32 training 4 + 4 + 8;
+- activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``) for a stage's layers, times
+  the micro-batches the schedule keeps in flight on the first stage (1F1B: pp; interleaved: × (1 + (pp−1)/(pp·vpp));
+  GPipe: all m), plus the last stage's fp32 logits.
+
+Step time (``predict``), the sum of what cannot overlap, each term from a documented device profile
+(``DEVICES``):
+
+- compute: the FLOPs a device executes (recomputation included) at ``peak × efficiency``; the efficiency falls for
+  thin GEMMs (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens per GEMM);
+- pipeline bubble: ``(pp−1)/(vpp·m)`` of the compute, plus the point-to-point activations of each micro-batch;
+- tensor parallelism: per layer and micro-batch, forward and backward, two all-reduces (or all-gather +
+  reduce-scatter with SP, the same bytes) of the ``[s/cp, b, h]`` activations in 16 bits, ring cost
+  ``2(t−1)/t·bytes/bandwidth`` over NVLink inside a node, the inter-node network beyond; not overlapped;
+- context parallelism: each layer's key/value ring (forward and backward) overlapped with the attention compute;
+  only what exceeds it counts;
+- data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
+  device's parameters over the network, overlapped with the backward of the last micro-batch, 1/m of the compute;
+- expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
+  tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from megakernels.parallel.embedding import pad_vocab_size
+from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
+from megakernels_models.config import ModelConfig, stage_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parallel layout and its batch: what a ``megakernels train`` command sets."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: str = "none"
+    precision: str = "bf16"
+    schedule: str = "1f1b"
+    flash: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Peak dense TFLOP/s (16-bit and fp32), the efficiency large GEMMs reach, memory, and bandwidths in GB/s per
+    device: inside a node (NVLink) and across nodes (one network adapter per GPU)."""
+
+    name: str
+    tflops_16: float
+    tflops_32: float
+    efficiency: float
+    memory_gb: float
+    intra_gbps: float
+    inter_gbps: float
+
+
+# Vendor data sheets for the peaks and links; efficiency: the fraction of peak a large bf16 GEMM sustains in a
+# training step (Megatron-LM and our DESIGN targets put well-tuned training near 0.55-0.6 of peak); inter-node:
+# one 400 Gb/s (H100/H200), 200 Gb/s (A100) or 100 Gb/s (V100, the Megatron-LM paper's DGX-2H) adapter per GPU.
+DEVICES = {
+    "h200": Device("H200", 989.0, 67.0, 0.6, 141.0, 450.0, 50.0),
+    "h100": Device("H100", 989.0, 67.0, 0.6, 80.0, 450.0, 50.0),
+    "a100": Device("A100", 312.0, 19.5, 0.6, 80.0, 300.0, 25.0),
+    "v100": Device("V100", 125.0, 15.7, 0.6, 32.0, 150.0, 12.5),
+}
+# Allowance beyond the model: the CUDA context, NCCL and cuBLAS workspaces, and allocator fragmentation.
+RESERVED_GB, FRAGMENTATION = 2.0, 0.10
+
+
+def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter on one device."""
+    half = layout.precision != "fp32"
+    weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
+    if layout.distributed_optimizer:
+        ranks = layout.dp * layout.cp // (ep if experts else 1)
+        opt_b = opt_b / max(ranks, 1)
+    return weight_b, grad_b, opt_b
+
+
+@functools.lru_cache(maxsize=None)
+def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts_only: bool = False) -> list[int]:
+    """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``)."""
+    model, cfg = model_key.model, model_key.config
+    owner = {}
+    for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp)):
+        for layers in chunks:
+            for i in layers:
+                owner[i] = r
+    vocab_local = pad_vocab_size(cfg.vocab_size, tp) // tp
+    kv_copies = max(1, tp // cfg.num_kv_heads)  # key/value heads replicated when tp exceeds them
+    stages = [0] * pp
+    for name, p in model.named_parameters():
+        if experts_only and not is_expert_parallel(p):
+            continue
+        if is_expert_parallel(p):
+            n = p.numel() // tp // ep
+        elif name in ("embedding.word.weight", "output_layer.weight"):
+            n = vocab_local * cfg.hidden_size
+        elif name == "mlm_bias":
+            n = vocab_local
+        elif name.endswith("attention.kv.weight") or name.endswith("attention.kv.bias"):
+            n = p.numel() * kv_copies // tp
+        elif is_tensor_parallel(p):
+            n = p.numel() // tp
+        else:
+            n = p.numel()
+        layer = name.split(".")[1] if name.startswith("layers.") else None
+        if layer is not None:
+            stages[owner[int(layer)]] += n
+        elif name.startswith("embedding."):
+            stages[0] += n
+        else:
+            stages[-1] += n
+    if pp > 1 and cfg.tie_embeddings and not experts_only:
+        stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
+    return stages
+
+
+class MetaModel:
+    """The model of ``config`` on the meta device, built once (hashable for the caches)."""
+
+    def __init__(self, config: ModelConfig):
+        from megakernels.parallel.launch import single_process_world
+        from megakernels_models.tasks import task_for
+
+        self.config = config
+        with single_process_world(parallel=True):
+            self.model = task_for(config).build_chunk(0, device="meta", attention="torch")
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.expert_parameters = sum(p.numel() for p in self.model.parameters() if is_expert_parallel(p))
+
+    @property
+    def active_parameters(self) -> int:
+        cfg = self.config
+        return self.parameters - self.expert_parameters + self.expert_parameters * cfg.moe_top_k // max(
+            cfg.num_experts, 1)
+
+
+def in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations the first stage holds at once."""
+    m = layout.microbatches
+    if layout.vpp > 1:
+        return layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
+    if layout.schedule == "gpipe":
+        return m
+    return min(layout.pp, m)
+
+
+def memory(meta: MetaModel, layout: Layout) -> dict:
+    """Memory per device: ``{"per_stage": [bytes], "worst": stage, "breakdown": {...}, "parameters_per_device",
+    "expert_bytes"}`` (see the module docstring)."""
+    cfg, L = meta.config, layout
+    stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep)
+    expert_stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True)
+    w, g, o = bytes_per_param(L)
+    _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
+    bytes_el = 2 if L.precision != "fp32" else 4
+    per_layer = cfg.activation_bytes_per_layer(L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, bytes_el,
+                                               L.flash, L.cp)
+    layers = cfg.num_layers // L.pp
+    flight = in_flight(L)
+    logits = cfg.seq_length // L.cp * L.micro_batch_size * pad_vocab_size(cfg.vocab_size, L.tp) / L.tp * 4
+    out = []
+    for r, (n, e) in enumerate(zip(stages, expert_stages)):
+        act = per_layer * layers * (flight if r == 0 else max(1.0, flight - r))
+        if r == L.pp - 1:
+            act += logits
+        out.append({"weights": n * w, "grads": n * g, "optimizer": (n - e) * o + e * eo, "activations": act})
+    totals = [sum(x.values()) for x in out]
+    worst = max(range(L.pp), key=lambda r: totals[r])
+    return {"per_stage": totals, "worst": worst, "breakdown": out[worst], "total": totals[worst],
+            "parameters_per_device": max(stages),
+            "expert_bytes": max(e * (w + g + eo) for e in expert_stages),
+            "activations_per_layer": per_layer, "in_flight": flight}
+
+
+def fits(total_bytes: float, device: Device) -> bool:
+    """Whether ``total_bytes`` of model state fits ``device`` with the allowance (``RESERVED_GB``, fragmentation)."""
+    return total_bytes * (1 + FRAGMENTATION) + RESERVED_GB * 1e9 <= device.memory_gb * 1e9
+
+
+def _ring(bytes_: float, n: int, gbps: float) -> float:
+    """Seconds of a ring all-reduce of ``bytes_`` over ``n`` ranks."""
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9)
+
+
+def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int = 8) -> dict:
+    """Predicted seconds per optimizer step and its parts (see the module docstring)."""
+    cfg, L = meta.config, layout
+    tokens = L.global_batch_size * cfg.seq_length
+    half = L.precision != "fp32"
+    peak = (device.tflops_16 if half else device.tflops_32) * 1e12
+    gemm_width = cfg.hidden_size / L.tp
+    gemm_tokens = L.micro_batch_size * cfg.seq_length / L.cp
+    eff = device.efficiency * min(1.0, gemm_width / 1024) ** 0.3 * min(1.0, gemm_tokens / 2048) ** 0.2
+    compute = cfg.flops_per_token(L.recompute) * tokens / L.world / (peak * eff)
+    m = L.microbatches
+    bubble = (L.pp - 1) / (L.vpp * m) * compute
+    act_bytes = cfg.seq_length // L.cp * L.micro_batch_size * cfg.hidden_size * (2 if half else 4)
+    # tensor parallelism: TP groups are consecutive ranks; a group wider than a node crosses the network
+    tp_bw = device.intra_gbps if L.tp <= gpus_per_node else device.inter_gbps
+    layers_per_device = cfg.num_layers / L.pp
+    tp_comm = 4 * m * layers_per_device * _ring(act_bytes, L.tp, tp_bw) * (1 if L.recompute != "full" else 1.5)
+    # pipeline: one activation forward and one gradient backward per micro-batch and stage boundary
+    pp_bw = device.inter_gbps if L.tp * L.cp * L.dp >= gpus_per_node else device.intra_gbps
+    pp_comm = 0.0 if L.pp == 1 else 2 * m * L.vpp * act_bytes / L.tp / (pp_bw * 1e9)
+    # context parallelism: the key/value ring, overlapped with the attention
+    cp_comm = 0.0
+    if L.cp > 1:
+        kv_bytes = 2 * act_bytes * cfg.kv_size / cfg.hidden_size / L.tp
+        ring = 3 * (L.cp - 1) * kv_bytes / (device.intra_gbps * 1e9) * m * layers_per_device
+        attention = cfg.forward_flops_per_token()["attention"] * 3 * tokens / L.world / (peak * eff)
+        cp_comm = max(0.0, ring - attention)
+    # data parallelism: gradients of this device's parameters, overlapped with the last micro-batch's backward
+    params = memory(meta, L)["parameters_per_device"]
+    dp_ranks = L.dp * L.cp
+    dp_bw = device.inter_gbps if L.world > gpus_per_node else device.intra_gbps
+    dp_comm = _ring(params * 4, dp_ranks, dp_bw)
+    dp_exposed = max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
+    # expert parallelism: dispatch + combine all-to-alls, forward and backward, of the routed tokens
+    ep_comm = 0.0
+    if cfg.num_experts and L.ep > 1:
+        routed = act_bytes / L.tp * cfg.moe_top_k * (L.ep - 1) / L.ep
+        ep_bw = device.intra_gbps if L.ep * L.tp * L.cp <= gpus_per_node else device.inter_gbps
+        ep_comm = 4 * routed / (ep_bw * 1e9) * m * cfg.num_moe_layers / L.pp
+    step = compute + bubble + tp_comm + pp_comm + cp_comm + dp_exposed + ep_comm
+    model_flops = cfg.flops_per_token("none") * tokens
+    return {"step_s": step, "compute_s": compute, "bubble_s": bubble, "tp_s": tp_comm, "pp_s": pp_comm,
+            "cp_s": cp_comm, "dp_s": dp_exposed, "ep_s": ep_comm, "tokens_per_s": tokens / step,
+            "mfu": model_flops / step / L.world / peak, "bubble_fraction": (L.pp - 1) / (L.vpp * m)}

@@ -1,0 +1,60 @@
+"""The trainer's output on the logging rank: a progress bar, one JSON object per step, TensorBoard scalars.
+
+The JSONL file starts (each run, resumed ones too) with ``{"config": ...}``, the resolved configuration
+(``config_file.resolved``, what ``--print-config`` prints); then fields per step (docs/design.md §5): ``step, loss, lr, grad_norm, loss_scale, tokens, tokens_per_s,
+tflops_per_device, mfu, elapsed_s`` (+ ``val_loss, val_ppl`` on evaluation steps, ``skipped`` when fp16 loss
+scaling skipped the update, and on the first step of a run ``memory_per_param_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class TrainLogger:
+    """Progress bar, JSONL and TensorBoard on the logging rank; does nothing elsewhere (``enabled=False``)."""
+
+    def __init__(self, enabled: bool, *, steps: int, start_step: int, progress: bool = True,
+                 log_jsonl: str | None = None, tensorboard: str | None = None, config: dict | None = None):
+        self.enabled, self.records = enabled, []
+        self.bar = self.jsonl = self.tb = None
+        if not enabled:
+            return
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if log_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(log_jsonl)), exist_ok=True)
+            self.jsonl = open(log_jsonl, "a", encoding="utf-8")
+            if config is not None:
+                self.jsonl.write(json.dumps({"config": config}) + "\n")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(tensorboard)
+            if config is not None:
+                self.tb.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", start_step)
+
+    def log(self, rec: dict | None) -> None:
+        if not self.enabled or rec is None:
+            return
+        self.records.append(rec)
+        if self.jsonl:
+            self.jsonl.write(json.dumps(rec) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tb.add_scalar(f"valid/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, rec["step"])
+        if self.bar:
+            post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+            if "val_loss" in rec:
+                post["val"] = f"{rec['val_loss']:.4f}"
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        for h in (self.bar, self.jsonl, self.tb):
+            if h is not None:
+                h.close()

@@ -1,0 +1,174 @@
+"""``megakernels plan``: choose a parallel layout for a model on a cluster.
+
+    megakernels plan --preset gpt-8.3b --gpus 512 [--gpus-per-node 8] [--gpu h200|h100|a100|v100]
+                     [--seq-length S] [--global-batch-size B] [--top K] [--json]
+    megakernels plan --config job.yaml --gpus 64
+
+Enumerates every layout of the GPUs — tensor parallelism (dividing the heads, at most a node), pipeline stages
+(dividing the layers) with or without interleaving, context parallelism for long sequences, expert parallelism for
+mixtures of experts, data parallelism over the rest — with every micro-batch size that divides the batch,
+recomputation none / selective / full, sequence parallelism with tp, and the distributed optimizer; drops the ones
+that break a rule ``megakernels train`` checks or that do not fit the GPU's memory (``costs.memory`` plus the
+allowance of ``costs.RESERVED_GB`` and ``costs.FRAGMENTATION``); and ranks the rest by predicted step time
+(``costs.predict``, every constant documented there). For each of the best ``--top`` it prints memory per GPU,
+predicted step time, tokens/s, MFU, the pipeline bubble and the ``megakernels train`` command that runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+
+from megakernels_models import costs
+from megakernels_models.config import ModelConfig, human
+from megakernels_models.settings import ArgumentError
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_node: int,
+               precision: str = "bf16") -> list[costs.Layout]:
+    """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check)."""
+    out = []
+    for tp in _divisors(min(gpus_per_node, gpus)):
+        if cfg.num_heads % tp or cfg.ffn_hidden_size % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+            continue
+        for pp in _divisors(gpus // tp):
+            if cfg.num_layers % pp:
+                continue
+            cps = [c for c in (1, 2, 4, 8) if cfg.seq_length >= 8192 * c or c == 1]
+            for cp in cps:
+                if cfg.model == "bert" and cp > 1 or (gpus % (tp * pp * cp)) or cfg.seq_length % (2 * cp * tp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                eps = [e for e in _divisors(dp) if cfg.num_experts and cfg.num_experts % e == 0] or [1]
+                vpps = [v for v in (1, 2, 4) if pp > 1 and cfg.num_layers % (pp * v) == 0] or [1]
+                for ep, vpp, mbs in itertools.product(eps, vpps, _divisors(max(1, global_batch_size // dp))):
+                    if global_batch_size % (mbs * dp) or mbs > 16:
+                        continue
+                    m = global_batch_size // (mbs * dp)
+                    if vpp > 1 and m % pp:
+                        continue
+                    for recompute, zero in itertools.product(("none", "selective", "full"), (True, False)):
+                        out.append(costs.Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, micro_batch_size=mbs,
+                                                global_batch_size=global_batch_size, sequence_parallel=tp > 1,
+                                                distributed_optimizer=zero and dp * cp > 1, recompute=recompute,
+                                                precision=precision))
+    return list(dict.fromkeys(out))
+
+
+def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Device, gpus_per_node: int = 8,
+         precision: str = "bf16") -> list[dict]:
+    """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}``.
+
+    Raises:
+        ArgumentError: no layout of the GPUs fits (the message says the smallest memory any layout needs).
+    """
+    meta = costs.MetaModel(cfg)
+    fitting, smallest = [], None
+    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision):
+        mem = costs.memory(meta, layout)
+        smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
+        if costs.fits(mem["total"], device):
+            fitting.append({"layout": layout, "memory_bytes": mem["total"],
+                            "prediction": costs.predict(meta, layout, device, gpus_per_node)})
+    if not fitting:
+        need = f"; the leanest needs {human(smallest, 'B')} per GPU" if smallest is not None else ""
+        raise ArgumentError(f"no layout of {gpus} GPUs fits {cfg.model} ({human(meta.parameters)} parameters) on "
+                            f"{device.name} ({device.memory_gb:g} GB){need}: use more GPUs or a smaller model")
+    # ties (layouts predicted equal) go to the less memory-hungry one
+    fitting.sort(key=lambda r: (round(r["prediction"]["step_s"], 9), r["memory_bytes"]))
+    return fitting
+
+
+def command(layout: costs.Layout, source: list[str], device: str = "cuda") -> str:
+    """The ``megakernels train`` command of a layout (``source``: the model flags, e.g. ``--preset NAME``)."""
+    flags = [*source, "--device", device, "--nproc", str(layout.world), "--tp", str(layout.tp), "--pp",
+             str(layout.pp)]
+    flags += ["--cp", str(layout.cp)] if layout.cp > 1 else []
+    flags += ["--ep", str(layout.ep)] if layout.ep > 1 else []
+    flags += ["--vpp", str(layout.vpp)] if layout.vpp > 1 else []
+    flags += ["--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size",
+              str(layout.global_batch_size), "--precision", layout.precision]
+    flags += ["--sequence-parallel"] if layout.sequence_parallel else []
+    flags += ["--distributed-optimizer"] if layout.distributed_optimizer else []
+    flags += ["--recompute", layout.recompute] if layout.recompute != "none" else []
+    return "megakernels train " + " ".join(flags)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank the parallel layouts of a model on N GPUs by predicted step time")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", metavar="NAME", help="a preset model")
+    src.add_argument("--config", metavar="FILE", help="a megakernels train configuration file")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", choices=sorted(costs.DEVICES), default="h200")
+    p.add_argument("--seq-length", type=int, default=None, help="overrides the model's")
+    p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's, else 8 × gpus")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    p.set_defaults(_run=main)
+
+
+def _model(ns) -> tuple[ModelConfig, list[str], int | None]:
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.cli import parse_train_args
+
+    if ns.preset is not None:
+        args = parse_train_args(["--preset", ns.preset, "--dry-run"])
+        source = ["--preset", ns.preset]
+        gbs = None
+    else:
+        args = parse_train_args(["--config", ns.config, "--dry-run"])
+        source = ["--config", ns.config]
+        gbs = args.global_batch_size if args.global_batch_size != TrainArgs().global_batch_size else None
+    if ns.seq_length is not None:
+        args = dataclasses.replace(args, seq_length=ns.seq_length)
+        source += ["--seq-length", str(ns.seq_length)]
+    try:
+        cfg = args.model_config()
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return cfg, source, gbs
+
+
+def main(ns) -> int:
+    try:
+        for name in ("gpus", "gpus_per_node", "top"):
+            if getattr(ns, name) < 1:
+                raise ArgumentError(f"--{name.replace('_', '-')} must be a positive int, got {getattr(ns, name)}")
+        cfg, source, gbs = _model(ns)
+        gbs = ns.global_batch_size or gbs or 8 * ns.gpus
+        device = costs.DEVICES[ns.gpu]
+        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision)
+    except (ArgumentError, ValueError) as e:
+        print(f"megakernels plan: error: {e}", file=sys.stderr)
+        return 2
+    best = ranked[:ns.top]
+    rows = [{"rank": i + 1, "layout": dataclasses.asdict(r["layout"]), "memory_per_gpu_bytes": r["memory_bytes"],
+             **{k: r["prediction"][k] for k in ("step_s", "tokens_per_s", "mfu", "bubble_fraction")},
+             "time_split_s": {k: r["prediction"][k] for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s",
+                                                               "ep_s")},
+             "command": command(r["layout"], source)} for i, r in enumerate(best)]
+    if ns.json:
+        print(json.dumps({"gpus": ns.gpus, "gpu": device.name, "global_batch_size": gbs, "layouts_fitting":
+                          len(ranked), "ranking": rows}, indent=1))
+        return 0
+    print(f"{cfg.model} {human(costs.MetaModel(cfg).parameters)} parameters on {ns.gpus} × {device.name} "
+          f"({ns.gpus_per_node} per node), global batch {gbs} × {cfg.seq_length} tokens: {len(ranked)} layouts fit")
+    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'dp':>5} {'mbs':>4} {'recompute':>9} "
+          f"{'zero':>4} {'GB/GPU':>7} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>7}")
+    for row in rows:
+        L = row["layout"]
+        print(f"{row['rank']:>2} {L['tp']:>3} {L['pp']:>3} {L['vpp']:>3} {L['cp']:>3} {L['ep']:>3} {L['dp']:>5} "
+              f"{L['micro_batch_size']:>4} {L['recompute']:>9} {'yes' if L['distributed_optimizer'] else 'no':>4} "
+              f"{row['memory_per_gpu_bytes'] / 1e9:>7.1f} {row['step_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
+              f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}")
+    print("\nrun the best:\n  " + rows[0]["command"])
+    return 0

@@ -1,0 +1,110 @@
+"""A checkpoint as an ordinary module: ``load_pretrained(DIR)`` gives a single-process model whose
+``model(input_ids)`` returns batch-first logits over the real vocabulary, whatever layout saved the checkpoint (or a
+converted HuggingFace model), with its tokenizer.
+
+    lm = load_pretrained("ckpt", device="cpu")
+    logits = lm(torch.tensor([[1, 2, 3]]))                     # [1, 3, vocab]
+    print(lm.tokenizer.decode(lm.generate(prompt_ids, max_new_tokens=20)[0].tolist()))
+
+The model's layers are megakernels' parallel layers at tp = pp = 1, which need ``megakernels.parallel``
+initialised: ``load_pretrained`` initialises a one-process world (gloo, or nccl on CUDA) when none exists and
+keeps it for the life of the process; in an initialised world it must be one rank with tp = pp = 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_OWNED = False
+
+
+def _ensure_world(device: str) -> None:
+    global _OWNED
+    import datetime
+
+    from megakernels.parallel import state
+
+    if state.is_initialized():
+        if state.tp_size() * state.pp_size() * state.cp_size() != 1:
+            raise RuntimeError("load_pretrained: megakernels.parallel is initialised with a model-parallel layout; "
+                               "load a checkpoint for one process in a world with tp = pp = cp = 1")
+        return
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=600))
+        _OWNED = True
+        atexit.register(_teardown)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError("load_pretrained: torch.distributed has several ranks; call it in a one-rank world or "
+                           "initialise megakernels.parallel with tp = pp = 1")
+    state.initialize(1, 1)
+
+
+def _teardown() -> None:
+    from megakernels.parallel import state
+
+    state.destroy()
+    if _OWNED and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class PretrainedLM(nn.Module):
+    """A causal language model loaded from a checkpoint (see the module docstring).
+
+    Attributes: ``model`` (the GPT/Llama chunk), ``config`` (its ``ModelConfig``), ``tokenizer`` (the checkpoint's
+    ``tokenizer.json``, else the byte tokenizer).
+
+    ``forward(input_ids [b, s], kv_cache=None)`` -> fp32 logits ``[b, s, vocab_size]`` (padding columns dropped).
+    """
+
+    def __init__(self, model: nn.Module, config, tokenizer):
+        super().__init__()
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"PretrainedLM: input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        logits = self.model(input_ids, kv_cache=kv_cache)
+        return logits.transpose(0, 1)[..., :self.config.vocab_size].float()
+
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``megakernels_models.generate.generate`` on this model."""
+        from megakernels_models.generate import generate
+
+        return generate(self, input_ids, **kwargs)
+
+
+def load_pretrained(path: str, device: str = "cpu", dtype: torch.dtype | None = None,
+                    tokenizer: str | None = None) -> PretrainedLM:
+    """The causal language model (GPT or Llama family) of the checkpoint at ``path`` (a ``--save`` directory or
+    one ``step-N`` in it), on ``device`` in ``dtype`` (default fp32), in evaluation mode.
+
+    Raises:
+        CheckpointError: no checkpoint there. ValueError: a BERT checkpoint (not a causal LM), or a tokenizer that
+        does not fit the model.
+    """
+    from megakernels_models import checkpoint
+    from megakernels_models.config import ModelConfig
+    from megakernels_models.convert import checkpoint_tokenizer
+    from megakernels_models.data.tokenizer import build_tokenizer
+    from megakernels_models.tasks import task_for
+
+    ckpt = checkpoint.read_latest(path)
+    meta = checkpoint.read_meta(ckpt)
+    cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    if cfg.model not in ("gpt", "llama"):
+        raise ValueError(f"load_pretrained: {path!r} holds a {cfg.model} model, not a causal language model")
+    _ensure_world(device)
+    model = task_for(cfg).build_chunk(0, device=device).eval()
+    checkpoint.load(ckpt, [model], None, cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    tok = build_tokenizer(tokenizer or checkpoint_tokenizer(path) or "byte")
+    if tok.vocab_size > cfg.vocab_size:
+        raise ValueError(f"load_pretrained: the tokenizer has {tok.vocab_size} ids, the model only {cfg.vocab_size}")
+    return PretrainedLM(model, cfg, tok)

@@ -1,0 +1,149 @@
+"""HuggingFace Llama <-> megakernels: a randomly initialised small LlamaForCausalLM (built here, nothing downloaded;
+grouped-query attention, rope theta 5000, untied and tied, saved as sharded safetensors) converts to a megakernels
+checkpoint whose logits equal transformers' — also with the interleaved rotary layout, which permutes the query and
+key rows — and back; its tokenizer travels with it; it trains at another layout starting from transformers' loss,
+and `megakernels eval` scores it as transformers does."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megakernels.parallel.launch import single_process_world
+
+transformers = pytest.importorskip("transformers")
+
+from megakernels_models import checkpoint, convert  # noqa: E402
+from megakernels_models.cli import main  # noqa: E402
+
+V, S = 300, 32
+
+
+def _hf_llama(path, **kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=S, rope_theta=5000.0,
+                                   rms_norm_eps=1e-5, **kw)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="20KB")  # several shards + an index
+    return model
+
+
+def _our_logits(ckpt_dir, ids):
+    from megakernels_models.llama import LlamaModel
+
+    meta, _ = convert.read_checkpoint(str(ckpt_dir))
+    cfg = convert.ModelConfig(**meta["config"])
+    model = LlamaModel(cfg, seed=0).eval()
+    checkpoint.load(checkpoint.read_latest(str(ckpt_dir)), [model], None, cfg)
+    with torch.no_grad():
+        return model(ids).transpose(0, 1)[..., :cfg.vocab_size], cfg
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_round_trip_gives_the_same_logits(single_world, tmp_path, tied):
+    hf = _hf_llama(tmp_path / "hf", tie_word_embeddings=tied)
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+    ids = torch.randint(0, V, (2, S))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
+                 str(tmp_path / "mk")]) == 0
+    ours, cfg = _our_logits(tmp_path / "mk", ids)
+    assert (cfg.num_kv_heads, cfg.rope_theta, cfg.tie_embeddings) == (2, 5000.0, tied)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
+                 str(tmp_path / "back")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_interleaved_rotary_layout_permutes_query_and_key_rows(single_world, tmp_path):
+    hf = _hf_llama(tmp_path / "hf")
+    ids = torch.randint(0, V, (2, S))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"), rope_interleaved=True)
+    _, plain = convert.read_checkpoint(str(tmp_path / "mk"))
+    hf_q = hf.model.layers[0].self_attn.q_proj.weight.detach()
+    assert not torch.equal(plain["layers.0.attention.q.weight"], hf_q)  # rows permuted...
+    d = 8
+    torch.testing.assert_close(plain["layers.0.attention.q.weight"][1], hf_q[d // 2])  # row 1 = HF row d/2
+    ours, cfg = _our_logits(tmp_path / "mk", ids)
+    assert cfg.rope_interleaved
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)  # ... and the model computes the same
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    torch.testing.assert_close(back.model.layers[0].self_attn.q_proj.weight, hf_q)
+
+
+def _tokenizer_json(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(path))
+
+
+def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_path, capsys):
+    import dataclasses
+
+    from megakernels_models.arguments import TrainArgs, validate
+    from megakernels_models.data.build import build_datasets
+    from megakernels_models.data.datasets import collate
+    from megakernels_models.data.tokenizer import build_tokenizer
+    from megakernels_models.train import run
+
+    hf = _hf_llama(tmp_path / "hf")
+    _tokenizer_json(tmp_path / "hf" / "tokenizer.json")
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    assert os.path.exists(tmp_path / "mk" / "tokenizer.json")  # the tokenizer travels with the checkpoint
+
+    # eval: one window, so its loss is transformers' mean cross-entropy over the text's tokens
+    text = "the lazy dog jumps over the quick brown fox"
+    (tmp_path / "t.txt").write_text(text)
+    assert main(["eval", "--load", str(tmp_path / "mk"), "--task", "ppl", "--data", str(tmp_path / "t.txt")]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = torch.as_tensor(build_tokenizer(f"hf:{tmp_path / 'mk' / 'tokenizer.json'}").encode(text), dtype=torch.long)
+    with torch.no_grad():
+        logits = hf(ids[None, :-1]).logits[0]
+    assert res["loss"] == pytest.approx(F.cross_entropy(logits, ids[1:]).item(), rel=1e-5)
+    assert res["ppl"] == pytest.approx(math.exp(res["loss"]), rel=1e-9)
+
+    # training at tp 2 (the key/value heads split) starts from transformers' loss on the first global batch
+    args = TrainArgs(model="llama", preset=None, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                     seq_length=S, vocab_size=V, ffn_hidden_size=48, rope_theta=5000.0, steps=4, lr=1e-2,
+                     micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18,
+                     load=str(tmp_path / "mk"), dropout=0.0, tp=2, nproc=2)
+    cfg = validate(dataclasses.replace(args))
+    batch = collate([build_datasets(args, cfg)[0][i] for i in range(4)])
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(batch["ids"]).logits.reshape(-1, V), batch["labels"].reshape(-1)).item()
+    losses = [r["loss"] for r in run(args)]
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+])
+def test_unconvertible_llamas_are_refused_naming_the_setting(tmp_path, capsys, change, message):
+    _hf_llama(tmp_path / "hf", **change)
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
+                 str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err

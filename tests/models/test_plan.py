@@ -1,0 +1,77 @@
+"""megakernels plan: the layouts it ranks first for the published configurations are the papers' (GPT-8.3B on 512
+V100s uses tp 8 inside a node; GPT-175B on 1024 A100s has Narayanan et al.'s tp 8 × pp 16 in its top 3), every
+layout it prints is one `megakernels train` accepts and that fits, and bad requests get a clear message. Also the
+dry run's warnings about poor layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megakernels_models import costs
+from megakernels_models.arguments import validate
+from megakernels_models.cli import main, parse_train_args
+from megakernels_models.config import ModelConfig, preset
+from megakernels_models.plan import rank
+
+GPT_175B = ModelConfig("gpt", num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048, vocab_size=51200)
+
+
+def test_gpt_8_3b_on_512_v100s_uses_tp_8_inside_a_node():
+    ranked = rank(preset("gpt-8.3b"), 512, 512, costs.DEVICES["v100"], 8, "fp16")
+    assert all(r["layout"].tp == 8 and r["layout"].pp == 1 for r in ranked[:3])
+
+
+def test_gpt_175b_on_1024_a100s_has_the_papers_layout_in_the_top_3():
+    ranked = rank(GPT_175B, 1024, 1536, costs.DEVICES["a100"], 8, "fp16")
+    assert any((r["layout"].tp, r["layout"].pp, r["layout"].dp) == (8, 16, 8) for r in ranked[:3])
+    assert all(r["memory_bytes"] * 1.1 + 2e9 <= 80e9 for r in ranked)  # every ranked layout fits an A100
+
+
+def test_the_printed_layouts_are_valid_commands(capsys):
+    assert main(["plan", "--preset", "llama3-8b", "--gpus", "16", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 16 and len(out["ranking"]) == 3
+    steps = [r["step_s"] for r in out["ranking"]]
+    assert steps == sorted(steps)
+    for row in out["ranking"]:
+        flags = row["command"].split()[2:]
+        args = parse_train_args([*flags, "--dry-run"])
+        validate(args)
+        assert args.world_size() == 16 and 0 < row["mfu"] < 1
+
+
+def test_the_table_names_the_best_command(capsys):
+    assert main(["plan", "--preset", "gpt-1.3b", "--gpus", "8", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts fit" in out and "megakernels train --preset gpt-1.3b --device cuda --nproc 8" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "gpt-9b", "--gpus", "8"], "unknown preset 'gpt-9b'"),
+    (["--preset", "llama3-8b", "--gpus", "1", "--gpu", "v100"], "no layout of 1 GPUs fits"),
+    (["--preset", "gpt-tiny", "--gpus", "0"], "--gpus must be a positive int"),
+])
+def test_bad_requests_get_a_clear_message(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_dry_run_warns_about_poor_layouts():
+    from megakernels_models.dryrun import report
+
+    rep = report(parse_train_args(["--preset", "gpt-8.3b", "--tp", "8", "--pp", "8", "--nproc", "512",
+                                   "--global-batch-size", "512", "--dry-run"]), out=lambda s: None)
+    assert any("pipeline bubble is 88%" in w for w in rep["warnings"])
+    rep = report(parse_train_args(["--preset", "llama3-8b", "--tp", "16", "--nproc", "16", "--dry-run",
+                                   "--micro-batch-size", "1", "--gpu", "a100"]), out=lambda s: None)
+    assert any("spans more than a node" in w for w in rep["warnings"])
+    rep = report(parse_train_args(["--preset", "llama3-8b", "--dry-run", "--micro-batch-size", "1", "--gpu", "a100"]),
+                 out=lambda s: None)
+    assert any("more than 90 % of an A100" in w for w in rep["warnings"])
+    assert rep["warnings"][0].endswith("`megakernels plan` ranks the layouts that fit")
+    good = report(parse_train_args(["--preset", "gpt-8.3b", "--tp", "8", "--nproc", "512", "--dry-run",
+                                    "--global-batch-size", "512", "--distributed-optimizer"]), out=lambda s: None)
+    assert good["warnings"] == []

@@ -1,0 +1,111 @@
+"""Context parallelism: the load-balanced chunk layout, and ring attention against unsplit attention in fp64
+(forward and every gradient, causal and not, GQA, cp 2 and 4), with each key/value transfer in flight while the
+held chunk is computed. One world of 4 gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megakernels.parallel as mp
+from megakernels.ops.attention import flash_attention_reference
+from megakernels.parallel import context
+from tests.parallel.checks import Checks, assert_close, randn
+
+CHECKS = Checks()
+B, S, HQ, HKV, D = 2, 16, 4, 2, 8
+
+
+def test_chunks_pair_an_early_and_a_late_block():
+    assert context.chunk_bounds(16, 2, 0) == [(0, 4), (12, 16)]
+    assert context.chunk_bounds(16, 2, 1) == [(4, 8), (8, 12)]
+    assert context.positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    full = torch.arange(16)
+    parts = [context.split_for_cp(full, 0, 4, r) for r in range(4)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(16))
+    with pytest.raises(ValueError, match="seq_length=12 is not divisible by 2·cp = 8"):
+        context.chunk_bounds(12, 4, 0)
+
+
+def test_causal_work_is_balanced():
+    """Every rank attends the same number of (query, key) pairs under the causal mask."""
+    for cp in (2, 4, 8):
+        s = 16 * cp
+        work = []
+        for r in range(cp):
+            pos = context.positions(s, cp, r)
+            work.append(int(sum(p + 1 for p in pos.tolist())))
+        assert max(work) - min(work) == 0 if cp == 2 else max(work) / min(work) < 1.01, work
+
+
+def _reference(q, k, v, causal):
+    out, _ = flash_attention_reference(q, k, v, causal=causal)
+    return out
+
+
+@CHECKS.add("ring_attention_matches_unsplit_attention_forward_and_backward")
+def _(rank, world):
+    for cp in (2, 4):
+        mp.initialize(cp=cp)
+        r = mp.cp_rank()
+        for causal in (True, False):
+            for hkv in (HQ, HKV):
+                what = f"cp{cp} causal={causal} heads_kv={hkv}"
+                q, k, v = (randn(B, S, h, D, seed=s).double() for s, h in ((1, HQ), (2, hkv), (3, hkv)))
+                dout = randn(B, S, HQ, D, seed=4).double()
+                full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                ref = _reference(*full, causal)
+                ref.backward(dout)
+                local = [context.split_for_cp(t, 1, cp, r).clone().requires_grad_(True) for t in (q, k, v)]
+                out = context.ring_attention(*local, causal=causal)
+                out.backward(context.split_for_cp(dout, 1, cp, r))
+                assert_close(out, context.split_for_cp(ref, 1, cp, r), f"{what}: output", rtol=1e-10)
+                for name, mine, f in zip("qkv", local, full):
+                    assert_close(mine.grad, context.split_for_cp(f.grad, 1, cp, r), f"{what}: d{name}", rtol=1e-10)
+                gathered = context.gather_from_cp(out.detach(), 1, mp.cp_group())
+                assert_close(gathered, ref, f"{what}: gathered output", rtol=1e-10)
+        mp.destroy()
+
+
+def _overlapped(events) -> list[str]:
+    """Each transfer (launch -> its wait, matched per kind in order) has some attention computed in between;
+    returns the kinds of the transfers that did not."""
+    open_, bad = {}, []
+    for event, detail in events:
+        if event == "launch":
+            open_.setdefault(detail, []).append(False)
+        elif event == "compute":
+            for pending in open_.values():
+                pending[:] = [True] * len(pending)
+        elif event == "wait":
+            if not open_[detail].pop(0):
+                bad.append(detail)
+    return bad
+
+
+@CHECKS.add("each_transfer_is_in_flight_while_the_held_chunk_is_computed")
+def _(rank, world):
+    mp.initialize(cp=4)
+    r = mp.cp_rank()
+    q, k, v = (context.split_for_cp(randn(B, S, HQ, D, seed=s), 1, 4, r).requires_grad_(True) for s in (5, 6, 7))
+    with mp.record_events() as fwd:
+        out = context.ring_attention(q, k, v, causal=True)
+    with mp.record_events() as bwd:
+        out.sum().backward()
+    launches = lambda ev, kind: sum(e == ("launch", kind) for e in ev)  # noqa: E731
+    assert launches(fwd, "cp_kv") == 3 and launches(bwd, "cp_kv") == 3 and launches(bwd, "cp_dkv") == 4
+    assert _overlapped(fwd) == [], fwd
+    # the last gradient hop (back to the owner) has nothing left to overlap with
+    assert _overlapped(bwd) == ["cp_dkv"], bwd
+
+
+def _world(rank, world_size):
+    return CHECKS.run(rank, world_size)
+
+
+world = CHECKS.fixture(4, _world)
+
+
+@pytest.mark.parametrize("name", CHECKS.names())
+def test_context(world, name):
+    CHECKS.assert_passed(world, name)

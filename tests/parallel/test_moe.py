@@ -1,0 +1,182 @@
+"""Mixture of experts against plain PyTorch written out here (fp64, one token at a time): the router's top-k and
+its losses, permutation and capacity dropping, the whole layer's output and every gradient (the auxiliary losses'
+included); then the layer split over tensor-, sequence- and expert-parallel ranks against the single process, in
+one world of 4 gloo processes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megakernels.parallel as mp
+from megakernels.parallel import init
+from megakernels.parallel.launch import single_process_world
+from megakernels.parallel.moe import MoELayer, permute, set_aux_loss_scale, unpermute
+from megakernels.parallel.moe.router import TopKRouter
+from tests.parallel.checks import Checks, assert_close, block, randn
+
+H, F_, E, K = 8, 12, 4, 2
+S, B = 8, 2
+CHECKS = Checks()
+
+
+def _expert(x, fc1, fc2):
+    gate, up = (x @ fc1.t()).split(F_, -1)
+    return (F.silu(gate) * up) @ fc2.t()
+
+
+def moe_reference(x, router, fc1, fc2, top_k=K, normalize=True, capacity=None):
+    """``x`` [T, h]; per token: softmax router, top-k, renormalised weights, the weighted sum of its experts' SwiGLU
+    MLPs (an assignment past an expert's capacity, in token order, contributes nothing). Also the Switch and z
+    losses."""
+    logits = x @ router.t()
+    probs = logits.softmax(-1)
+    w, idx = probs.topk(top_k, -1)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
+    used = [0] * router.shape[0]
+    out = []
+    for t in range(x.shape[0]):
+        y = torch.zeros_like(x[t])
+        for j in range(top_k):
+            e = int(idx[t, j])
+            if capacity is None or used[e] < capacity:
+                y = y + w[t, j] * _expert(x[t], fc1[e], fc2[e])
+            used[e] += 1
+        out.append(y)
+    counts = torch.bincount(idx.flatten(), minlength=router.shape[0]).double()
+    f = counts / (x.shape[0] * top_k)
+    aux = router.shape[0] * (f * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, -1).square().mean()
+    return torch.stack(out), aux, z
+
+
+def test_permutation_sorts_by_expert_and_unpermute_weights_and_sums():
+    x = torch.arange(5.0).repeat_interleave(2).view(5, 2)  # token t is [t, t]
+    experts = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2], [1, 0]])
+    perm = permute(x, experts, 3)
+    assert perm.group_sizes.tolist() == [4, 3, 3]
+    assert perm.rows[:, 0].tolist() == [0, 1, 3, 4, 1, 2, 4, 0, 2, 3]  # expert 0's tokens, then 1's, then 2's
+    weights = torch.rand(5, 2)
+    out = unpermute(perm.rows * 10, perm, weights)  # "experts" multiply by 10
+    torch.testing.assert_close(out, 10 * x * weights.sum(1, keepdim=True))
+
+
+def test_capacity_keeps_each_experts_earliest_tokens():
+    x = torch.arange(6.0).unsqueeze(1)
+    experts = torch.tensor([[0], [0], [1], [0], [1], [0]])
+    perm = permute(x, experts, 2, capacity=2)
+    assert perm.group_sizes.tolist() == [2, 2] and perm.dropped == 2
+    assert perm.rows[:, 0].tolist() == [0, 1, 2, 4]  # tokens 3 and 5 of expert 0 are over capacity
+    out = unpermute(perm.rows, perm, torch.ones(6, 1))
+    assert out[:, 0].tolist() == [0, 1, 2, 0, 4, 0]  # dropped tokens get nothing (they keep their residual)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_top_k_and_losses_match_the_switch_formulas(normalize):
+    torch.manual_seed(0)
+    router = TopKRouter(H, E, K, normalize, seed=3).double()
+    x = torch.randn(10, H, dtype=torch.float64)
+    w, idx, st = router(x)
+    probs = (x @ router.weight.t()).softmax(-1)
+    ref_w, ref_idx = probs.topk(K, -1)
+    if normalize:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(w.double(), ref_w)
+    _, aux, z = moe_reference(x, router.weight.detach(), torch.zeros(E, 2 * F_, H, dtype=torch.float64),
+                              torch.zeros(E, H, F_, dtype=torch.float64), normalize=normalize)
+    torch.testing.assert_close(st["aux_loss"].double(), aux)
+    torch.testing.assert_close(st["z_loss"].double(), z)
+    assert st["tokens_per_expert"].sum() == 10 * K
+
+
+def _layer_params(layer):
+    """The full (single-process) router, fc1 [E, 2F, H] and fc2 [E, H, F] of a layer built at any layout."""
+    seed = 77
+    fc1 = torch.stack([init.full_weight((2 * F_, H), init.derive_seed(seed, f"experts.{e}.fc1"),
+                                        init.init_method_normal()) for e in range(E)])
+    fc2 = torch.stack([init.full_weight((H, F_), init.derive_seed(seed, f"experts.{e}.fc2"),
+                                        init.init_method_normal()) for e in range(E)])
+    return layer.router.weight.detach().double(), fc1.double(), fc2.double()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_the_layer_and_its_gradients_match_the_per_token_reference(capacity_factor):
+    with single_process_world(parallel=True):
+        layer = MoELayer(H, F_, E, K, seed=77, aux_loss_coeff=0.3, z_loss_coeff=0.1,
+                         capacity_factor=capacity_factor).double()
+        x = randn(S, B, H, seed=1).double().requires_grad_(True)
+        dy = randn(S, B, H, seed=2).double()
+        set_aux_loss_scale(1.0)
+        out = layer(x)
+        out.backward(dy)
+        router, fc1, fc2 = (t.clone().requires_grad_(True) for t in _layer_params(layer))
+        xr = x.detach().clone().requires_grad_(True)
+        capacity = None if capacity_factor is None else math.ceil(capacity_factor * S * B * K / E)
+        ref, aux, z = moe_reference(xr.view(-1, H), router, fc1, fc2, capacity=capacity)
+        ((ref * dy.view(-1, H)).sum() + 0.3 * aux + 0.1 * z).backward()
+    torch.testing.assert_close(out.view(-1, H), ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.router.weight.grad, router.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.experts.fc1.grad, fc1.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.experts.fc2.grad, fc2.grad, rtol=1e-10, atol=1e-12)
+
+
+@CHECKS.add("the_layer_split_over_tp_sp_and_ep_matches_the_single_process")
+def _(rank, world):
+    for tp, ep, sp in ((2, 1, False), (2, 1, True), (1, 2, False), (1, 4, False), (2, 2, True)):
+        mp.initialize(tp, ep=ep)
+        what = f"tp{tp} ep{ep} sp={sp}"
+        layer = MoELayer(H, F_, E, K, sp, seed=77, aux_loss_coeff=0.3).double()
+        # each data-parallel rank its own tokens (the expert-parallel exchange mixes them)
+        d = mp.dp_rank()
+        x = randn(S, B, H, seed=10 + d).double()
+        dy = randn(S, B, H, seed=20 + d).double()
+        xin = (block(x, 0, mp.tp_rank(), tp) if sp else x).clone().requires_grad_(True)
+        set_aux_loss_scale(1.0)
+        out = layer(xin)
+        out.backward(block(dy, 0, mp.tp_rank(), tp) if sp else dy)
+        mp.allreduce_sequence_parallel_grads(layer)
+        params = _layer_params(layer)
+        router, fc1, fc2 = (t.clone().requires_grad_(True) for t in params)
+        xr = x.clone().requires_grad_(True)
+        ref, aux, _ = moe_reference(xr.view(-1, H), router, fc1, fc2)
+        ((ref * dy.view(-1, H)).sum() + 0.3 * aux).backward()
+        ref = ref.view(S, B, H)
+        # this rank's experts also served the tokens of the other ranks of its expert-parallel group
+        group_first = d - mp.ep_rank()
+        for peer in range(group_first, group_first + ep):
+            if peer != d:
+                _, f1, f2 = (t.clone().requires_grad_(True) for t in params)
+                out_p, aux_p, _ = moe_reference(randn(S, B, H, seed=10 + peer).double().view(-1, H), params[0], f1, f2)
+                (out_p * randn(S, B, H, seed=20 + peer).double().view(-1, H)).sum().backward()
+                fc1.grad += f1.grad
+                fc2.grad += f2.grad
+        assert_close(out, block(ref, 0, mp.tp_rank(), tp) if sp else ref, f"{what}: output", rtol=1e-10)
+        assert_close(xin.grad, block(xr.grad, 0, mp.tp_rank(), tp) if sp else xr.grad, f"{what}: input grad",
+                     rtol=1e-10)
+        assert_close(layer.router.weight.grad, router.grad, f"{what}: router grad", rtol=1e-10)
+        first, n = mp.ep_rank() * (E // ep), E // ep
+        r = mp.tp_rank()
+        shard1 = torch.cat([block(fc1.grad[:, :F_], 1, r, tp), block(fc1.grad[:, F_:], 1, r, tp)], 1)
+        assert_close(layer.experts.fc1.grad, shard1[first:first + n], f"{what}: fc1 grad (this rank's experts)",
+                     rtol=1e-10)
+        assert_close(layer.experts.fc2.grad, block(fc2.grad, 2, r, tp)[first:first + n], f"{what}: fc2 grad",
+                     rtol=1e-10)
+        mp.destroy()
+
+
+def _world(rank, world_size):
+    return CHECKS.run(rank, world_size)
+
+
+world = CHECKS.fixture(4, _world)
+
+
+@pytest.mark.parametrize("name", CHECKS.names())
+def test_moe_parallel(world, name):
+    CHECKS.assert_passed(world, name)

@@ -1,0 +1,98 @@
+"""Packaging: ``pip install megakernels`` (kernels, ops, nn, optim, parallel) needs only torch and numpy; the
+trainer's dependencies are the ``train`` extra and matplotlib the ``bench`` extra, and without matplotlib
+``megakernels bench --out`` still writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_ONLY = ("tqdm", "tensorboard", "tokenizers", "sentencepiece", "safetensors", "yaml", "transformers",
+              "matplotlib")
+
+# The path finder no longer finds the named top-level packages: to every importer (and to find_spec) they are
+# not installed, as on a kernels-only install.
+_BLOCK = """
+import sys
+from importlib.machinery import PathFinder
+_blocked, _find = set(%r), PathFinder.find_spec
+PathFinder.find_spec = classmethod(
+    lambda cls, name, path=None, target=None: None if name.split(".")[0] in _blocked else _find(name, path, target))
+"""
+
+
+def _run(code: str, blocked=TRAIN_ONLY, args=()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _BLOCK % (list(blocked),) + code, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _project() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _names(specs) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=!~\[ ;]", s, maxsplit=1)[0].lower() for s in specs}
+
+
+def test_the_package_depends_on_torch_and_numpy_only():
+    p = _project()
+    assert _names(p["dependencies"]) == {"torch", "numpy"}
+    assert _names(p["optional-dependencies"]["train"]) >= {"tqdm", "tensorboard", "tokenizers", "sentencepiece",
+                                                           "safetensors", "pyyaml"}
+    assert "matplotlib" in _names(p["optional-dependencies"]["bench"])
+
+
+def test_the_library_works_without_the_trainers_dependencies():
+    """Ops, modules, the optimizer and a one-rank parallel world run with every train/bench package missing."""
+    code = """
+import torch
+import megakernels
+from megakernels import ops, nn, optim, parallel
+from megakernels.parallel.launch import single_process_world
+x = torch.randn(4, 64, requires_grad=True)
+ln = nn.FusedLayerNorm(64, activation="gelu")
+ln(x).sum().backward()
+opt = optim.FusedAdamW(ln.parameters(), lr=1e-3)
+opt.step()
+q = torch.randn(1, 8, 2, 16)
+ops.flash_attention(q, q, q, causal=True)
+with single_process_world(parallel=True):
+    layer = parallel.ColumnParallelLinear(64, 32)
+    layer(torch.randn(3, 64))
+blocked = [m for m in %r if m in sys.modules]
+assert not blocked, blocked
+print("OK")
+""" % (list(TRAIN_ONLY),)
+    r = _run(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_bench_without_matplotlib_writes_json_and_says_how_to_get_plots(tmp_path):
+    code = """
+from megakernels_models.cli import main
+raise SystemExit(main(["bench", "--ops", "bias_gelu", "--dtype", "fp32", "--quick", "--no-compile", "--no-peers",
+                       "--out", sys.argv[1]]))
+"""
+    r = _run(code, blocked=("matplotlib",), args=(str(tmp_path),))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "matplotlib is not installed" in r.stdout and "megakernels[bench]" in r.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert rows and all(r["op"] == "bias_gelu" for r in rows)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_trainer_without_its_extra_names_the_extra_to_install():
+    code = """
+from megakernels_models.cli import main
+raise SystemExit(main(["train", "--steps", "1", "--log-jsonl", "/dev/null"]))
+"""
+    r = _run(code, blocked=("tqdm", "tokenizers", "sentencepiece", "tensorboard"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "pip install 'megakernels[train]'" in r.stderr
