@@ -73,8 +73,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def resolve_ops(value: str | None, e2e: bool) -> list[str]:
-    """``--ops`` -> op names (groups expanded, order kept).
+def resolve_ops(value: str | None, e2e: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    """``--ops`` -> op names (groups expanded, order kept); ``extra``: more accepted names (the static report's
+    ops that are not measured).
 
     Raises:
         ValueError: an unknown name (the message names --ops).
@@ -85,14 +86,22 @@ def resolve_ops(value: str | None, e2e: bool) -> list[str]:
     for item in (v.strip() for v in value.split(",")):
         if not item:
             continue
-        if item not in OPS and item not in GROUPS:
-            raise ValueError(f"--ops: unknown op {item!r}; choose from {', '.join([*OPS, *GROUPS])}")
+        if item not in OPS and item not in GROUPS and item not in extra:
+            known = [*OPS, *GROUPS, *(x for x in extra if x not in OPS)]
+            raise ValueError(f"--ops: unknown op {item!r}; choose from {', '.join(known)}")
         for op in GROUPS.get(item, [item]):
             if op not in out:
                 out.append(op)
     if not out:
         raise ValueError(f"--ops: expected a comma list of ops, got {value!r}")
     return out
+
+
+def static_ops() -> tuple[str, ...]:
+    """The op names of the static report's entries (the part of an entry's name before the dot)."""
+    from megakernels_models.bench.static import registry
+
+    return tuple(dict.fromkeys(e.name.split(".")[0] for e in registry.entries()))
 
 
 def _int_list(flag: str, value: str | None) -> list[int] | None:
@@ -134,8 +143,9 @@ def _check(ns) -> tuple[list[str], list[str] | None]:
     """Everything wrong with the flags, as a ValueError naming the flag, before anything is measured."""
     from megakernels_models.bench.common import DTYPE_ALIASES, split_list
 
-    ops = resolve_ops(ns.ops, ns.e2e is not None)
-    ns.shape_map = parse_shapes(ns.shapes, ops)
+    static = getattr(ns, "static", False)
+    ops = resolve_ops(ns.ops, ns.e2e is not None, static_ops() if static else ())
+    ns.shape_map = parse_shapes(ns.shapes, [o for o in ops if o in OPS])
     ns.head_dim_list, ns.seqlen_list = _int_list("--head-dims", ns.head_dims), _int_list("--seqlens", ns.seqlens)
     if getattr(ns, "static", False) and ns.e2e is not None:
         raise ValueError("--static: the static report runs alone; drop --e2e")

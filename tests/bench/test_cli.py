@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megakernels_models.bench.cli import GROUPS, OPS, parse_shapes, resolve_ops
+from megakernels_models.bench.cli import GROUPS, OPS, parse_shapes, resolve_ops, static_ops
 from megakernels_models.cli import build_parser, main
 
 
@@ -86,6 +86,13 @@ def test_malformed_sizes_exit_2_naming_the_flag(capsys, flag, value):
 def test_static_report_runs_alone(capsys):
     assert bench("--static", "--e2e", "gpt-tiny") == 2
     assert "--static" in capsys.readouterr().err
+
+
+def test_static_report_accepts_its_unmeasured_ops():
+    assert {"swiglu", "rope", "layer_norm", "flash_attention"} <= set(static_ops())
+    assert resolve_ops("rope,norms", e2e=False, extra=static_ops()) == ["rope", *GROUPS["norms"]]
+    with pytest.raises(ValueError, match="'rope'"):
+        resolve_ops("rope", e2e=False)
 
 
 def test_groups_expand_in_order_without_duplicates():
