@@ -11,17 +11,12 @@ from __future__ import annotations
 import pytest
 
 from megakernels_models.bench.bias_gelu import COMPOSITIONS, DEFAULT_DTYPES
-from megakernels_models.bench.common import IMPLS
+from megakernels_models.bench.common import IMPLS, parametrize_shapes
 from megakernels_models.bench.norms import QUICK_SHAPES, SHAPES, suite_step
 
 
-def shapes(config):
-    return QUICK_SHAPES if config.getoption("benchmark_disable") else SHAPES
-
-
 def pytest_generate_tests(metafunc):
-    if "shape" in metafunc.fixturenames:
-        metafunc.parametrize("shape", shapes(metafunc.config), ids=lambda s: f"{s[0]}x{s[1]}")
+    parametrize_shapes(metafunc, QUICK_SHAPES, SHAPES)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

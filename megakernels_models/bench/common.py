@@ -210,6 +210,14 @@ IMPLS = ["fused", "eager", "compile"]
 _compiled: dict = {}
 
 
+def parametrize_shapes(metafunc, quick: list, full: list) -> None:
+    """A suite's ``pytest_generate_tests``: its ``shape`` argument over ``quick`` under --benchmark-disable (the CI
+    check that everything runs), else over ``full``; ids like 4096x1024."""
+    if "shape" in metafunc.fixturenames:
+        shapes = quick if metafunc.config.getoption("benchmark_disable") else full
+        metafunc.parametrize("shape", shapes, ids=lambda s: "x".join(map(str, s)))
+
+
 def implementation(comp, impl: str) -> Callable:
     """The callable for ``impl`` of a composition with ``fused``/``eager`` members (``compile``: torch.compile of
     the eager one, compiled once per composition)."""
