@@ -35,16 +35,6 @@ using softmax::BwdArgs;
 using softmax::FwdArgs;
 using softmax::MaskKind;
 
-template <typename T, int N, typename A>
-__device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A (&out)[N]) {
-  if (j + N <= n) {
-    load_pack<T, N>(p, j, out);
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = j + k < n ? A(to_acc(p[j + k])) : A(0);
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, bool (&out)[N]) {
   Pack<unsigned char, N> pk = *pack_at<unsigned char, N>(m + j);

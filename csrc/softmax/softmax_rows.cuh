@@ -9,9 +9,9 @@
 // - The scale is folded with log2(e) into one multiply; the exponential is ex2.approx.ftz of z - max (math.h
 //   fast_exp2: one MUFU, no range checks).
 // - Masks are tested per pack: a causal pack is fully kept, fully masked (not even loaded) or straddles the
-//   diagonal (element tests); a boolean mask is loaded as one 8- or 4-byte word per pack, and a word of zeros (no
-//   masked element) takes no per-element select. In-row indices are 32-bit; the query index of a row is one
-//   32-bit division per row.
+//   diagonal (element tests; only its 8-byte words before the diagonal are loaded: load_raw_prefix); a boolean
+//   mask is loaded as one 8- or 4-byte word per pack, and a word of zeros (no masked element) takes no
+//   per-element select. In-row indices are 32-bit; the query index of a row is one 32-bit division per row.
 // - Several row groups share a block in lockstep (block barriers never diverge).
 // The semantics are softmax.h's, exactly: NaN or +inf among the kept inputs, or kept inputs that are all -inf, make
 // the row NaN (masked positions too); a row with nothing kept is zeros.
@@ -58,6 +58,31 @@ __device__ __forceinline__ unsigned kept_bits(int j, int n, const unsigned char*
   return all;
 }
 
+// The pack at j of a row whose elements from n on are not to be read (the causal masked triangle): one load when
+// the pack lies inside [0, n); else the pack's 8-byte words that hold an element before n (element loads for
+// packs of 8 bytes or less), zeros from n on. A 16-byte pack straddling the diagonal is two loads at most, and no
+// 8-byte word wholly inside the triangle is read (what csrc/softmax/tests checks under ASan).
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_raw_prefix(const T* p, int64_t j, int64_t n) {
+  if (j + N <= n) return load_raw<T, N>(p, j);
+  constexpr int W = N * sizeof(T) > 8 ? 8 / int(sizeof(T)) : 1;  // elements per load
+  Pack<T, N> r;
+#pragma unroll
+  for (int w = 0; w < N; w += W) {
+    Pack<T, W> q;
+    if (j + w < n) q = load_raw<T, W>(p, j + w);
+#pragma unroll
+    for (int k = 0; k < W; ++k) r.v[w + k] = j + w + k < n ? q.v[k] : Cvt<T>::from(0.0f);
+  }
+  return r;
+}
+template <typename T, int N, typename A>
+__device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A (&out)[N]) {
+  const Pack<T, N> r = load_raw_prefix<T, N>(p, j, n);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = A(to_acc(r.v[k]));
+}
+
 template <typename T, int N, MaskKind K>
 __global__ void __launch_bounds__(kMaxRowThreads) softmax_fwd_rows_kernel(softmax::FwdArgs a, int group_threads) {
   constexpr int P = kRowElems / N;
@@ -90,7 +115,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) softmax_fwd_rows_kernel(softma
       const int j = (t + p * group_threads) * N;
       keep[p] = (active && j < sk) ? kept_bits<N, K>(j, n, mr) : 0u;
       if (keep[p]) {
-        load_pack<T, N>(xr, j, z[p]);
+        if (K == MaskKind::Causal) load_prefix<T, N>(xr, j, n, z[p]);
+        else load_pack<T, N>(xr, j, z[p]);
       }
 #pragma unroll
       for (int k = 0; k < N; ++k) {
@@ -151,7 +177,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) softmax_bwd_rows_kernel(softma
     for (int p = 0; p < P; ++p) {
       const int j = (t + p * group_threads) * N;
       const bool live = active && j < sk && j < n;
-      if (live) {
+      if (live && CAUSAL) {
+        y[p] = load_raw_prefix<T, N>(static_cast<const T*>(a.y) + off, j, n);
+        load_prefix<T, N>(static_cast<const T*>(a.dy) + off, j, n, d[p]);
+      } else if (live) {
         y[p] = load_raw<T, N>(static_cast<const T*>(a.y) + off, j);
         load_pack<T, N>(static_cast<const T*>(a.dy) + off, j, d[p]);
       }
