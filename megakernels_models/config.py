@@ -168,7 +168,18 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``. Sizes derived from others follow them unless given: an MLP of 4h follows a new
+        hidden size, multi-head attention (as many key/value heads as heads) a new head count, experts as wide as
+        the dense MLP a new MLP width."""
+        c = dict(changes)
+        if "hidden_size" in c and "ffn_hidden_size" not in c and self.ffn_hidden_size == 4 * self.hidden_size:
+            c["ffn_hidden_size"] = 4 * c["hidden_size"]
+        if "num_heads" in c and "num_kv_heads" not in c and self.num_kv_heads == self.num_heads:
+            c["num_kv_heads"] = c["num_heads"]
+        if "ffn_hidden_size" in c and "moe_ffn_hidden_size" not in c and self.num_experts \
+                and self.moe_ffn_hidden_size == self.ffn_hidden_size:
+            c["moe_ffn_hidden_size"] = c["ffn_hidden_size"]
+        return dataclasses.replace(self, **c)
 
     # ---- cost model -------------------------------------------------------------------------------------------
 
@@ -310,12 +321,7 @@ def preset(name: str, **overrides) -> ModelConfig:
     """
     if name not in PRESETS:
         raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    base, given = PRESETS[name], {k: v for k, v in overrides.items() if v is not None}
-    if "hidden_size" in given and "ffn_hidden_size" not in given and base.ffn_hidden_size == 4 * base.hidden_size:
-        given["ffn_hidden_size"] = 4 * given["hidden_size"]
-    if "num_heads" in given and "num_kv_heads" not in given and base.num_kv_heads == base.num_heads:
-        given["num_kv_heads"] = given["num_heads"]
-    return base.replace(**given)
+    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:

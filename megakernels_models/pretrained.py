@@ -8,7 +8,8 @@ converted HuggingFace model), with its tokenizer.
 
 The model's layers are megakernels' parallel layers at tp = pp = 1, which need ``megakernels.parallel``
 initialised: ``load_pretrained`` initialises a one-process world (gloo, or nccl on CUDA) when none exists and
-keeps it for the life of the process; in an initialised world it must be one rank with tp = pp = 1.
+keeps it for the life of the process (``release()`` ends it earlier, e.g. before training in the same process); in
+an initialised world it must be one rank with tp = pp = 1.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_OWNED = False
+_OWNED = False  # whether load_pretrained created the process group (and so tears it down)
+_INITIALISED = False  # whether it initialised megakernels.parallel
 
 
 def _ensure_world(device: str) -> None:
-    global _OWNED
+    global _OWNED, _INITIALISED
     import datetime
 
     from megakernels.parallel import state
@@ -37,19 +39,26 @@ def _ensure_world(device: str) -> None:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=600))
         _OWNED = True
-        atexit.register(_teardown)
+        atexit.register(release)
     elif dist.get_world_size() != 1:
         raise RuntimeError("load_pretrained: torch.distributed has several ranks; call it in a one-rank world or "
                            "initialise megakernels.parallel with tp = pp = 1")
     state.initialize(1, 1)
+    _INITIALISED = True
 
 
-def _teardown() -> None:
+def release() -> None:
+    """End the one-process world ``load_pretrained`` started (models loaded by it cannot run afterwards); a no-op
+    when it started none."""
+    global _OWNED, _INITIALISED
     from megakernels.parallel import state
 
-    state.destroy()
+    if _INITIALISED:
+        state.destroy()
+        _INITIALISED = False
     if _OWNED and dist.is_initialized():
         dist.destroy_process_group()
+    _OWNED = False
 
 
 class PretrainedLM(nn.Module):

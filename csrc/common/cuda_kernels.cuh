@@ -129,6 +129,30 @@ __device__ __forceinline__ void store_pack(T* p, int64_t j, const A (&in)[N]) {
   *pack_at<T, N>(p + j) = pk;
 }
 
+// store_pack into global memory as one 16-byte access, always. store_pack leaves merging the element stores of a
+// pack of __nv_bfloat16/__half to the compiler, which cannot merge them across the conversions' inline assembly
+// once it has interleaved the two (seen in rope_cuda.cu: eight 2-byte stores per pack, 4x the store
+// instructions). Packs of other sizes, and the emulator, go through store_pack.
+template <typename T, int N, typename A>
+__device__ __forceinline__ void store_pack_global(T* p, int64_t j, const A (&in)[N]) {
+#if MK_CUDA_EMU
+  store_pack<T, N>(p, j, in);
+#else
+  if constexpr (sizeof(T) * N == 16) {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
+    uint32_t w[4];
+    memcpy(w, &pk, 16);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(pack_at<T, N>(p + j)), "r"(w[0]), "r"(w[1]),
+                 "r"(w[2]), "r"(w[3])
+                 : "memory");
+  } else {
+    store_pack<T, N>(p, j, in);
+  }
+#endif
+}
+
 struct MaxOp {
   template <typename A>
   __device__ __forceinline__ A operator()(A a, A b) const { return b > a ? b : a; }

@@ -21,9 +21,11 @@ namespace {
 using rope::Args;
 
 // (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) for every pair of a head row (s already negated for the inverse).
+// Out of line so that the __restrict promises hold: inlined into the token loop, GCC guards the vector loop with a
+// runtime overlap check between the fp32 input and output rows.
 template <typename A, bool INTERLEAVED>
-inline void rotate_row(const A* __restrict x, A* __restrict y, const A* __restrict c, const A* __restrict s,
-                       int64_t half) {
+__attribute__((noinline)) void rotate_row(const A* __restrict x, A* __restrict y, const A* __restrict c,
+                                          const A* __restrict s, int64_t half) {
   if constexpr (INTERLEAVED) {
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {

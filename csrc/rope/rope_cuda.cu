@@ -26,7 +26,7 @@ using rope::Args;
 
 template <typename T, int N, bool VEC, typename A>
 __device__ __forceinline__ void load_n(const T* p, int64_t j, A (&out)[N]) {
-  if (VEC) {
+  if constexpr (VEC) {
     load_pack<T, N>(p, j, out);
   } else {
 #pragma unroll
@@ -36,8 +36,8 @@ __device__ __forceinline__ void load_n(const T* p, int64_t j, A (&out)[N]) {
 
 template <typename T, int N, bool VEC, typename A>
 __device__ __forceinline__ void store_n(T* p, int64_t j, const A (&in)[N]) {
-  if (VEC) {
-    store_pack<T, N>(p, j, in);
+  if constexpr (VEC) {
+    store_pack_global<T, N>(p, j, in);
   } else {
 #pragma unroll
     for (int k = 0; k < N; ++k) p[j + k] = Cvt<T>::from(in[k]);
@@ -48,7 +48,7 @@ __device__ __forceinline__ void store_n(T* p, int64_t j, const A (&in)[N]) {
 template <typename T, bool INTERLEAVED, int NP, bool VEC, typename A>
 __device__ __forceinline__ void rotate_pack(const T* x, T* y, int64_t half, int64_t i0, const A (&c)[NP],
                                             const A (&s)[NP]) {
-  if (INTERLEAVED) {
+  if constexpr (INTERLEAVED) {
     A e[2 * NP];
     load_n<T, 2 * NP, VEC>(x, 2 * i0, e);
 #pragma unroll

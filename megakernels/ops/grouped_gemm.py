@@ -38,6 +38,9 @@ def _check(x, weight, group_sizes) -> None:
     if weight.dtype != x.dtype:
         raise ValueError(f"{OP}: weight has dtype {weight.dtype}, expected x's {x.dtype}")
     _checks.same_device(OP, "x", x, ("weight", weight))
+    if group_sizes.device.type == "meta" and x.device.type != "meta":  # a meta call computes nothing: no values
+        raise ValueError(f"{OP}: group_sizes is on meta but x is on {x.device}; meta group sizes hold no values "
+                         "(any other device is fine)")
     if x.device.type != "meta" and group_sizes.device.type != "meta":
         sizes = group_sizes.cpu()
         if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:

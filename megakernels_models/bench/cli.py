@@ -33,13 +33,16 @@ OPS = {
     "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
     "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
+    "rope": "rope", "swiglu": "swiglu",
 }
 GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
           "softmax": [o for o, f in OPS.items() if f == "softmax"], "attention": ["flash_attention"],
+          "llama": ["rope", "swiglu"],
           "all": list(OPS)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# --shapes: the families whose shapes have that many sizes
 SHAPE_DIMS = {"norms": "rows,hidden", "bias_gelu": "rows,hidden", "cross_entropy": "tokens,vocab",
-              "softmax": "b,h,sq,sk"}  # --shapes: the families whose shapes have that many sizes
+              "softmax": "b,h,sq,sk", "rope": "b,s,heads,kv_heads,head_dim", "swiglu": "rows,ffn"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -185,7 +188,7 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
         elif fam == "cross_entropy":
             rows += mod.run(dtypes or mod.DEFAULT_DTYPES, shapes, device=device, min_run_time=t, ceilings=ceilings,
                             peers=peers, log=log)
-        else:  # norms, bias_gelu, softmax: fused vs eager vs torch.compile
+        else:  # norms, bias_gelu, softmax, rope, swiglu: fused vs eager vs torch.compile
             rows += mod.run(mine, dtypes or mod.DEFAULT_DTYPES, shapes, device=device, with_compile=not ns.no_compile,
                             min_run_time=t, ceilings=ceilings, peers=peers, log=log)
     return rows

@@ -117,3 +117,16 @@ def test_quick_run_of_one_op_writes_json_and_png(tmp_path, capsys):
         assert r["fraction_of_ceiling"] == pytest.approx(r["rates"]["megakernels"] / data["ceilings"]["copy_GBps"])
         assert r["speedups"]["eager"] == pytest.approx(r["times_ms"]["eager"] / r["times_ms"]["megakernels"])
     assert (out / "bias_gelu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_run_of_the_llama_group_measures_rope_variants_and_swiglu(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert bench("--ops", "llama", "--dtype", "bf16", "--quick", "--no-compile", "--min-run-time", "0.01",
+                 "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "## rope" in printed and "## swiglu" in printed
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert {(r["op"], r["variant"], r["pass"]) for r in rows} == {
+        (op, v, p) for op, v in (("rope", "angles"), ("rope", "table"), ("swiglu", "")) for p in ("fwd", "fwd+bwd")}
+    assert all(r["dtype"] == "bfloat16" and r["unit"] == "GB/s" and "eager" in r["speedups"] for r in rows)
+    assert (out / "rope.png").exists() and (out / "swiglu.png").exists()

@@ -21,6 +21,7 @@ import megakernels.nn as mnn
 import megakernels.ops as mops
 from megakernels.ops.attention import flash_attention_reference
 from megakernels.ops.cross_entropy import cross_entropy_reference
+from megakernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from megakernels.ops.norms import layer_norm_reference, rms_norm_reference
 from megakernels.ops.softmax import (scaled_causal_softmax_reference, scaled_masked_softmax_reference,
                                      scaled_softmax_reference)
@@ -114,6 +115,13 @@ def _rope_build(draw, dtype):
     return kw
 
 
+def _grouped_gemm_build(draw, dtype):
+    groups, k, n = draw(st.integers(1, 3)), draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    sizes = torch.tensor([draw(st.integers(0, 4)) for _ in range(groups)])
+    return {"x": rand(draw, (int(sizes.sum()), k), dtype), "weight": rand(draw, (groups, n, k), dtype),
+            "group_sizes": sizes}
+
+
 OPS = [
     Entry("layer_norm", lambda draw, dt: {**_norm_build(draw, dt, 2), "activation": draw(st.sampled_from(
               [None, "gelu", "gelu_tanh"]))},
@@ -163,6 +171,10 @@ OPS = [
                                                       2 * draw(st.integers(1, 40))), dt, 3.0)},
           lambda x: mops.swiglu(x), lambda x: mops.swiglu_reference(d64(x)),
           tensors=("x",), backends=("auto", "cuda_emu")),
+    Entry("grouped_gemm", _grouped_gemm_build, lambda **kw: grouped_gemm(**kw),
+          lambda x, weight, group_sizes: grouped_gemm_reference(d64(x), d64(weight), group_sizes),
+          dtypes=(torch.float32, torch.float64), tensors=("x", "weight", "group_sizes"),
+          bad_dtype={"group_sizes": torch.float32}),
 ]
 
 

@@ -21,6 +21,15 @@ BASE = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_len
 FAMILIES = {"gpt": {}, "llama": dict(model="llama", num_kv_heads=2, ffn_hidden_size=48)}
 
 
+@pytest.fixture(autouse=True)
+def _release_the_world():
+    """load_pretrained keeps a one-process world open; later tests start their own."""
+    from megakernels_models.pretrained import release
+
+    yield
+    release()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A GPT saved at tp 2 and a Llama saved at pp 2 (spawned worlds), 30 steps on the Python stdlib."""

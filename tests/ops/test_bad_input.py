@@ -111,3 +111,13 @@ def test_raw_ops_refuse_meta_mixed_with_cpu_too():
         p = torch.zeros(4)
         torch.ops.megakernels.adamw_([p], [torch.zeros(4, device="meta")], [torch.zeros(4)], [torch.zeros(4)], [],
                                      [torch.zeros(())], 1e-3, 0.9, 0.999, 1e-8, 0.0, None, None, 0, False)
+
+
+def test_grouped_gemm_refuses_meta_group_sizes_for_real_tensors():
+    from megakernels.ops.grouped_gemm import grouped_gemm
+
+    with pytest.raises(ValueError, match="grouped_gemm: group_sizes is on meta but x is on cpu"):
+        grouped_gemm(torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([2, 3], device="meta"))
+    out = grouped_gemm(torch.randn(5, 4, device="meta"), torch.randn(2, 3, 4, device="meta"),
+                       torch.tensor([2, 3], device="meta"))
+    assert out.device.type == "meta" and out.shape == (5, 3)
