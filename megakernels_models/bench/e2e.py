@@ -5,7 +5,6 @@ eager GPT of the same shape on one device, measured in the same run.
                       [--dp N] [--nproc N] [--micro-batch-size B] [--global-batch-size G] [--steps 5] [--warmup 2]
                       [--sequence-parallel] [--distributed-optimizer] [--recompute none|selective|full]
                       [--no-baseline] [--quick] [--out DIR]
-    python -m benchmarks.e2e [--preset NAME] ...the same flags...
 
 PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one (``gpt-cpu-s256``,
 ``gpt-cpu-s1024``; the default on the CPU is both, on CUDA ``gpt-1.3b``).
@@ -28,18 +27,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
 import torch
 
-from megakernels_models.bench.common import machine, machine_line, write_json
 from megakernels_models.bench.eager_gpt import CPU_PRESETS, DTYPES as BASELINE_PRECISIONS, compare_single
 
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The trainer-layout and step flags shared by ``megakernels bench`` and ``python -m benchmarks.e2e``."""
+    """The trainer-layout and step flags of ``megakernels bench --e2e``."""
     g = p.add_argument_group("end-to-end (with --e2e)")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                    help="default: bf16 on CUDA, fp32 on the CPU")
@@ -261,35 +258,3 @@ def report_lines(e: dict) -> list[str]:
     if e.get("baseline_note"):
         lines.append(f"  note: {e['baseline_note']}")
     return lines
-
-
-def main(argv=None) -> int:
-    from megakernels.parallel.launch import WorldFailed
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", dest="e2e", default=None, help="comma list of presets (default: gpt-1.3b on CUDA; "
-                   f"on the CPU {', '.join(CPU_PRESETS)})")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--quick", action="store_true", help="a tiny model, 1 + 2 steps (a smoke run)")
-    p.add_argument("--out", default=None, help="directory for e2e.json")
-    add_arguments(p)
-    ns = p.parse_args(argv)
-    if ns.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device available")
-    try:
-        plan = prepare(ns)
-    except ValueError as e:  # ArgumentError included: reported before any training starts
-        p.error(str(e))
-    info = machine(ns.device)
-    print(machine_line(info))
-    try:
-        rows = run(ns, plan)
-    except WorldFailed as e:
-        print(f"e2e: a rank failed: {e}", file=sys.stderr)
-        return 1
-    write_json(ns.out, "e2e.json", {"machine": info, "rows": rows})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
