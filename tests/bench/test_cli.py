@@ -88,11 +88,11 @@ def test_static_report_runs_alone(capsys):
     assert "--static" in capsys.readouterr().err
 
 
-def test_static_report_accepts_its_unmeasured_ops():
-    assert {"swiglu", "rope", "layer_norm", "flash_attention"} <= set(static_ops())
-    assert resolve_ops("rope,norms", e2e=False, extra=static_ops()) == ["rope", *GROUPS["norms"]]
-    with pytest.raises(ValueError, match="'rope'"):
-        resolve_ops("rope", e2e=False)
+def test_static_report_covers_every_measured_op_and_accepts_unmeasured_ones():
+    assert set(OPS) <= set(static_ops())
+    assert resolve_ops("only_static,norms", e2e=False, extra=("only_static",)) == ["only_static", *GROUPS["norms"]]
+    with pytest.raises(ValueError, match="'only_static'"):
+        resolve_ops("only_static", e2e=False)
 
 
 def test_groups_expand_in_order_without_duplicates():
