@@ -38,11 +38,11 @@ OPS = {
     "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
     "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
-    "rope": "rope", "swiglu": "swiglu",
+    "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe",
 }
 GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
           "softmax": [o for o, f in OPS.items() if f == "softmax"], "attention": ["flash_attention"],
-          "llama": ["rope", "swiglu"],
+          "llama": ["rope", "swiglu"], "moe": ["grouped_gemm", "moe_dispatch"],
           "all": list(OPS)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # --shapes: the families whose shapes have that many sizes
@@ -195,6 +195,9 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
         elif fam == "adamw":
             rows += mod.run(mod.default_configs(quick), dtypes or mod.DEFAULT_DTYPES, device=device,
                             min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, peers=peers, log=log)
+        elif fam == "moe":
+            rows += mod.run(mine, dtypes, mod.default_shapes(device, quick), device=device, quick=quick,
+                            min_run_time=t, ceilings=ceilings, notes=peers.notes, log=log)
         elif fam == "cross_entropy":
             rows += mod.run(dtypes or mod.DEFAULT_DTYPES, shapes, device=device, min_run_time=t, ceilings=ceilings,
                             peers=peers, log=log)
@@ -208,9 +211,12 @@ def gemm_dtypes(ops: list[str], dtypes: list[str] | None, device: str) -> list[s
     """The dtypes whose GEMM rate is measured: the requested ones, else those the selected ops run in."""
     if dtypes:
         return dtypes
+    out = ["float32"]
     if "flash_attention" in ops:
-        return ["bfloat16", "float16"] if device == "cuda" else ["float32"]
-    return ["float32"]
+        out = ["bfloat16", "float16"] if device == "cuda" else ["float32"]
+    if "grouped_gemm" in ops:  # megakernels_models/bench/moe.py's DEFAULT_DTYPES
+        out += [d for d in ("float32", "bfloat16") if d not in out]
+    return out
 
 
 def main(ns: argparse.Namespace) -> int:
