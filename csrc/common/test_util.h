@@ -86,6 +86,25 @@ inline void compare(const std::string& what, const Buf& a, const Buf& b, float t
   expect(err <= t * scale && std::isfinite(err), what + ": max error " + std::to_string(err));
 }
 
+// The same against an fp64 reference: |a-b| <= tol * max(1, max|b|) elementwise; every element of a finite.
+inline void compare(const std::string& what, const Buf& a, const std::vector<double>& b, float t) {
+  double scale = 1.0, err = 0.0;
+  bool finite = true;
+  for (size_t i = 0; i < b.size(); ++i) scale = std::fmax(scale, std::fabs(b[i]));
+  for (size_t i = 0; i < b.size(); ++i) {
+    finite = finite && std::isfinite(a.get(i));
+    err = std::fmax(err, std::fabs(a.get(i) - b[i]));
+  }
+  expect(finite && err <= t * scale, what + ": max error " + std::to_string(err) + (finite ? "" : " (non-finite)"));
+}
+
+// A buffer's values in fp64 (to feed a reference).
+inline std::vector<double> as_doubles(const Buf& a) {
+  std::vector<double> v(a.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = a.get(i);
+  return v;
+}
+
 // GeLU in fp64 (the references): erf form, tanh form, or the identity.
 inline double gelu64(double z, Activation act) {
   if (act == Activation::Gelu) return 0.5 * z * (1 + std::erf(z / std::sqrt(2.0)));

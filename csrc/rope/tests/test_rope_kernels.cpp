@@ -34,23 +34,6 @@ std::string name(const Case& c) {
          (c.table ? " table" : "") + (c.inverse ? " inverse" : "") + (c.off ? " unaligned" : "");
 }
 
-// max |a - b| over the elements, relative to max(1, max |b|); both must be finite.
-void compare(const std::string& what, const Buf& a, const std::vector<double>& b, float t) {
-  double scale = 1.0, err = 0.0;
-  bool finite = true;
-  for (size_t i = 0; i < b.size(); ++i) scale = std::fmax(scale, std::fabs(b[i]));
-  for (size_t i = 0; i < b.size(); ++i) {
-    finite = finite && std::isfinite(a.get(i));
-    err = std::fmax(err, std::fabs(a.get(i) - b[i]));
-  }
-  expect(finite && err <= t * scale, what + ": max error " + std::to_string(err) + (finite ? "" : " (non-finite)"));
-}
-
-std::vector<double> as_doubles(const Buf& a) {
-  std::vector<double> v(a.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = a.get(i);
-  return v;
-}
 
 void run_case(const Case& c, std::mt19937& rng) {
   const std::string tag = name(c);

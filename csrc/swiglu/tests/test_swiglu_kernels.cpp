@@ -17,22 +17,6 @@ using namespace megakernels::testing;
 
 namespace {
 
-void compare(const std::string& what, const Buf& a, const std::vector<double>& b, float t) {
-  double scale = 1.0, err = 0.0;
-  bool finite = true;
-  for (size_t i = 0; i < b.size(); ++i) scale = std::fmax(scale, std::fabs(b[i]));
-  for (size_t i = 0; i < b.size(); ++i) {
-    finite = finite && std::isfinite(a.get(i));
-    err = std::fmax(err, std::fabs(a.get(i) - b[i]));
-  }
-  expect(finite && err <= t * scale, what + ": max error " + std::to_string(err) + (finite ? "" : " (non-finite)"));
-}
-
-std::vector<double> as_doubles(const Buf& a) {
-  std::vector<double> v(a.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = a.get(i);
-  return v;
-}
 
 // rows x [2f] stored with row stride `stride` (>= 2f) from element `off` of its buffer.
 void run_case(DType dt, int64_t rows, int64_t f, int64_t stride, size_t off, float scale, std::mt19937& rng) {
