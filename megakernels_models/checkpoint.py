@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 import megakernels.parallel as mpu
 from megakernels.parallel import params as marks
 from megakernels.parallel.init import shard_pieces
+from megakernels_models import syncpoints
 from megakernels_models.config import ModelConfig
 
 LATEST = "latest"
@@ -197,6 +198,21 @@ def _layout() -> dict:
 
 # ---- save ---------------------------------------------------------------------------------------------------
 
+class Writer(dcp.FileSystemWriter):
+    """DCP's file-system writer, marking the ``checkpoint-write-<step>`` sync point (``syncpoints``) once this
+    rank's data files are written and before DCP's metadata commits the checkpoint."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path)
+        self._point = f"checkpoint-write-{step:08d}"
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)
+        done.wait()
+        syncpoints.reach(self._point)
+        return done
+
+
 def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3,
          train_config: dict | None = None) -> str:
     """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
@@ -220,7 +236,7 @@ def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int =
                              "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)
-        dcp.save(sd, checkpoint_id=tmp)
+        dcp.save(sd, storage_writer=Writer(tmp, step))
     dist.barrier()
     if rank0:
         if not os.path.exists(os.path.join(tmp, _METADATA)):
@@ -283,15 +299,18 @@ def _prune(save_dir: str, keep: int) -> None:
 
 # ---- load ---------------------------------------------------------------------------------------------------
 
-def read_latest(load_dir: str) -> str:
+def find_latest(load_dir: str) -> str | None:
     """The checkpoint to resume from: ``load_dir`` itself if it is one (``DIR/step-N``), else the one ``latest``
-    names, else the newest complete ``step-N``.
+    names, else the newest complete ``step-N``; None when ``load_dir`` does not exist or holds no complete
+    checkpoint (a first launch with ``--save DIR --load DIR``).
 
     Raises:
-        CheckpointError: no such directory, or no complete checkpoint in it.
+        CheckpointError: ``load_dir`` exists and is not a directory.
     """
+    if not os.path.exists(load_dir):
+        return None
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir!r}: no such directory")
+        raise CheckpointError(f"--load {load_dir!r} is not a directory")
     if os.path.exists(os.path.join(load_dir, _METADATA)):  # a checkpoint itself (DIR/step-N)
         return load_dir
     marker = os.path.join(load_dir, LATEST)
@@ -302,10 +321,22 @@ def read_latest(load_dir: str) -> str:
         if _STEP_DIR.match(name) and os.path.exists(os.path.join(path, _METADATA)):
             return path
     steps = _complete_steps(load_dir)
-    if not steps:
+    return os.path.join(load_dir, steps[-1][1]) if steps else None
+
+
+def read_latest(load_dir: str) -> str:
+    """``find_latest``, for readers that need a checkpoint (evaluation, conversion, generation).
+
+    Raises:
+        CheckpointError: no such directory, or no complete checkpoint in it.
+    """
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir!r}: no such directory")
+    path = find_latest(load_dir)
+    if path is None:
         raise CheckpointError(f"--load {load_dir!r}: no complete checkpoint (step-N directory with DCP's "
                               f"{_METADATA}) in it")
-    return os.path.join(load_dir, steps[-1][1])
+    return path
 
 
 def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:

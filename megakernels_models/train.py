@@ -36,7 +36,7 @@ from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale, stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
-from megakernels_models import checkpoint, dryrun
+from megakernels_models import checkpoint, dryrun, syncpoints
 from megakernels_models.arguments import TrainArgs, validate
 from megakernels_models.config import ModelConfig, stage_layers
 from megakernels_models.config_file import resolved
@@ -44,6 +44,7 @@ from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.logger import TrainLogger
 from megakernels_models.mfu import MFUMeter
+from megakernels_models.preemption import StopConditions
 from megakernels_models.tasks import Task, task_for
 from megakernels_models.timers import StepTimers
 
@@ -142,44 +143,70 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     tokens_per_step = args.global_batch_size * cfg.seq_length
     meter = MFUMeter(cfg.flops_per_token("none"), tokens_per_step, dist.get_world_size(), args.precision, device,
                      args.peak_tflops) if log_rank else None
-    start = checkpoint.load(checkpoint.read_latest(args.load), chunks, opt, cfg) if args.load else 0
-    config = resolved(args, cfg)
-    log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
-                      log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
-    t_start = time.perf_counter()
-    try:
-        for step in range(start, args.steps):
-            t0 = time.perf_counter()
-            timers.start()
-            lr_schedule.apply(opt, step + 1)
-            opt.zero_grad()
-            loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
-            timers.mark("pipeline")
-            finalize_model_grads(ddps)
-            timers.mark("communication")
-            stepped, grad_norm = opt.step()
-            timers.mark("optimizer")
-            moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
-            rec = None
-            if log_rank:
-                rec = {"step": step + 1, "loss": float(loss), "lr": opt.lr, "grad_norm": grad_norm,
-                       "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
-                       **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
-                       "skipped": not stepped, **(moe or {})}
-                if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
-                    n = sum(p.numel() for c in chunks for p in c.parameters())
-                    rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
-            timers.finish(rec)
-            if _due(step, args.eval_interval, args.steps) and valid_ds is not None:
-                val = evaluate(chunks, lambda s: run_batch(valid_ds, s, forward_only=True), args.eval_steps)
-                if rec is not None:
-                    rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
-            if args.save and _due(step, args.save_interval or args.steps, args.steps):
-                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints, config)
-            log.log(rec)
-    finally:
-        log.close()
+    stop = StopConditions(args.exit_signal, args.exit_interval, args.exit_duration_mins, device)
+    with stop:
+        start = _resume(args, chunks, opt, cfg)
+        config = resolved(args, cfg)
+        log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
+                          log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
+        t_start = time.perf_counter()
+        try:
+            for step in range(start, args.steps):
+                t0 = time.perf_counter()
+                timers.start()
+                lr_schedule.apply(opt, step + 1)
+                opt.zero_grad()
+                loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
+                timers.mark("pipeline")
+                finalize_model_grads(ddps)
+                timers.mark("communication")
+                stepped, grad_norm = opt.step()
+                timers.mark("optimizer")
+                moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
+                rec = None
+                if log_rank:
+                    rec = {"step": step + 1, "loss": float(loss), "lr": opt.lr, "grad_norm": grad_norm,
+                           "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
+                           **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
+                           "skipped": not stepped, **(moe or {})}
+                    if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
+                        n = sum(p.numel() for c in chunks for p in c.parameters())
+                        rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
+                timers.finish(rec)
+                if _due(step, args.eval_interval, args.steps) and valid_ds is not None:
+                    val = evaluate(chunks, lambda s: run_batch(valid_ds, s, forward_only=True), args.eval_steps)
+                    if rec is not None:
+                        rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
+                syncpoints.reach(f"step-{step + 1}")
+                reason = stop.should_stop(step + 1)
+                saved = None
+                if args.save and (reason or _due(step, args.save_interval or args.steps, args.steps)):
+                    saved = checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints, config)
+                if reason and rec is not None:
+                    rec["stopped"] = reason
+                log.log(rec)
+                if reason:
+                    if log_rank:
+                        where = f"saved checkpoint {saved}; relaunch with --load {args.save} to resume" if saved \
+                            else "nothing saved (no --save)"
+                        print(f"megakernels train: stopped after step {step + 1} ({reason}): {where}", flush=True)
+                    break
+        finally:
+            log.close()
     return log.records if log_rank else None
+
+
+def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
+    """Load ``--load``'s latest checkpoint; returns its step (0, with a note, when there is none yet: a first launch
+    with ``--save DIR --load DIR``)."""
+    if not args.load:
+        return 0
+    path = checkpoint.find_latest(args.load)
+    if path is None:
+        if dist.get_rank() == 0:
+            print(f"megakernels train: no checkpoint in --load {args.load} yet; starting from scratch", flush=True)
+        return 0
+    return checkpoint.load(path, chunks, opt, cfg)
 
 
 def no_decay_rule(chunks, names: str):
