@@ -97,12 +97,16 @@ class TrainArgs:
     weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
     no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
                                    "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
+    freeze: str = setting("", "comma list of parameter-name parts that are not trained (e.g. embedding); incremental "
+                          "checkpoints reference their saved bytes instead of rewriting them", OPTIM, metavar="NAMES")
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
     precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
                              choices=PRECISIONS)
     recompute: str = setting("none", "activation recomputation", OPTIM, choices=RECOMPUTE)
     distributed_optimizer: bool = setting(False, "ZeRO-1: shard optimizer state over data-parallel ranks", OPTIM)
+    offload_optimizer: bool = setting(False, "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
+                                      "AdamW (each ZeRO-1 rank offloads its shard)", OPTIM)
     # data
     data: str | None = setting(None, "PREFIX[,WEIGHT,PREFIX...] (default: the Python standard library's sources)",
                                DATA)
