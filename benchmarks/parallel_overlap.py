@@ -19,34 +19,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp_
 
-from megakernels_models.bench.common import parse_choices, parse_shapes, start, write_json
+from megakernels_models.bench.common import parse_choices, parse_shapes, start, timed_over_ranks, write_json
 
 SHAPES = [(256, 4, 1024), (512, 4, 512)]
 QUICK_SHAPES = [(256, 2, 512)]
-
-
-def _timed(fns: dict, reps: int) -> dict:
-    """Median over ``reps`` steps of the slowest rank's seconds per step, for each of ``fns``; the callables take
-    turns step by step so that drift of the machine affects them alike (a warm-up step of each first)."""
-    for fn in fns.values():
-        fn()
-    times = torch.zeros(len(fns), reps, dtype=torch.float64)
-    for i in range(reps):
-        for j, fn in enumerate(fns.values()):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[j, i] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: statistics.median(times[j].tolist()) for j, name in enumerate(fns)}
 
 
 def _rank(rank: int, world: int, port: int, shapes, reps: int, results) -> None:
@@ -87,7 +69,7 @@ def _rank(rank: int, world: int, port: int, shapes, reps: int, results) -> None:
                         comm.all_reduce(dgrad, group)
                 steps["comm"] = comm_alone
                 steps["wgrad"] = lambda: dy2.t().matmul(total)
-                t = _timed(steps, reps)
+                t = timed_over_ranks(steps, reps)
                 rows.append({"tp": world, "shape": f"{s}x{b}x{h}", "sp": sp, "baseline_ms": t["baseline"] * 1e3,
                              "overlap_ms": t["overlap"] * 1e3, "ratio": t["overlap"] / t["baseline"],
                              "saved_ms": (t["baseline"] - t["overlap"]) * 1e3, "comm_ms": t["comm"] * 1e3,

@@ -7,18 +7,29 @@ a mixture-of-experts layer, whose tokens were permuted so each expert's rows are
 ``dx[rows of e] = dout[rows of e] @ weight[e]`` and ``dweight[e] = dout[rows of e]ᵀ @ x[rows of e]`` (zero for an
 empty group). The weight is ``[E, n, k]`` like E stacked ``nn.Linear`` weights.
 
-Dispatch: the CPU path multiplies each group's rows with ATen's GEMM (the group sizes are read on the host: one
-synchronisation per call, nothing on the CPU); the same path serves CUDA tensors until a device kernel replaces
-it. All math in the input dtype with fp32 accumulation as ATen's GEMMs do.
+Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/grouped_gemm.py: one launch
+per product over every group; the tile schedule is computed on the device from ``group_sizes``, so nothing waits
+for the host). CPU tensors multiply each group's rows with ATen's GEMM (the sizes are read on the host, which
+costs nothing there); under ``megakernels.backend("cuda_emu")`` CPU tensors run the Triton kernels through
+Triton's interpreter (``TRITON_INTERPRET=1`` before import). fp64 has no Triton path: on CUDA it takes the ATen
+loop (one host synchronisation per call), under ``cuda_emu`` it is refused. All math in the input dtype with fp32
+accumulation, as ATen's GEMMs.
+
+The values of ``group_sizes`` (non-negative, summing to T) are checked on the host when they are on the CPU or x
+is; for CUDA sizes with CUDA x the check is queued on the device (``torch._assert_async``: a violation fails the
+next synchronisation with a device-side assert instead of synchronising every call), and the kernels never touch
+rows past T either way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
 
 OP = "grouped_gemm"
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check(x, weight, group_sizes) -> None:
@@ -41,7 +52,10 @@ def _check(x, weight, group_sizes) -> None:
     if group_sizes.device.type == "meta" and x.device.type != "meta":  # a meta call computes nothing: no values
         raise ValueError(f"{OP}: group_sizes is on meta but x is on {x.device}; meta group sizes hold no values "
                          "(any other device is fine)")
-    if x.device.type != "meta" and group_sizes.device.type != "meta":
+    if x.device.type == "cuda" and group_sizes.device.type == "cuda":
+        torch._assert_async((group_sizes >= 0).all() & (group_sizes.sum() == x.shape[0]),
+                             f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows")
+    elif x.device.type != "meta" and group_sizes.device.type != "meta":
         sizes = group_sizes.cpu()
         if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:
             raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got "
@@ -49,7 +63,7 @@ def _check(x, weight, group_sizes) -> None:
 
 
 def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(group, start, end)`` of every non-empty group."""
+    """``(group, start, end)`` of every non-empty group (reads the sizes on the host)."""
     sizes = group_sizes.cpu().tolist()
     out, start = [], 0
     for e, n in enumerate(sizes):
@@ -59,8 +73,22 @@ def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
+def _triton_kernels():
+    try:
+        from megakernels.triton import grouped_gemm as kernels
+    except ImportError as e:  # pragma: no cover - a torch without Triton
+        raise RuntimeError(f"{OP}: CUDA tensors need Triton, which failed to import ({e})") from e
+    return kernels
+
+
+def _use_triton(x: torch.Tensor, emulate: bool) -> bool:
+    return x.dtype in _TRITON_DTYPES and runs_triton(OP, x, emulate)
+
+
 @torch.library.custom_op("megakernels::grouped_gemm", mutates_args=())
-def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, emulate: bool) -> torch.Tensor:
+    if _use_triton(x, emulate):
+        return _triton_kernels().forward(x, weight, group_sizes)
     out = x.new_empty((x.shape[0], weight.shape[1]))
     for e, a, b in _segments(group_sizes):
         torch.mm(x[a:b], weight[e].t(), out=out[a:b])
@@ -68,36 +96,41 @@ def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tens
 
 
 @_grouped_gemm.register_fake
-def _(x, weight, group_sizes):
+def _(x, weight, group_sizes, emulate):
     _checks.same_device(OP, "x", x, ("weight", weight))
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 @torch.library.custom_op("megakernels::grouped_gemm_bwd", mutates_args=())
-def _grouped_gemm_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dx = torch.zeros_like(x)
-    dw = torch.zeros_like(weight)
-    for e, a, b in _segments(group_sizes):
+def _grouped_gemm_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
+                      emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x, emulate):
+        return _triton_kernels().backward(dout, x, weight, group_sizes)
+    # The groups cover every row of dx (the sizes sum to T); dW needs zeros only where a group is empty.
+    segments = _segments(group_sizes)
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(weight) if len(segments) == weight.shape[0] else torch.zeros_like(weight)
+    for e, a, b in segments:
         torch.mm(dout[a:b], weight[e], out=dx[a:b])
         torch.mm(dout[a:b].t(), x[a:b], out=dw[e])
     return dx, dw
 
 
 @_grouped_gemm_bwd.register_fake
-def _(dout, x, weight, group_sizes):
+def _(dout, x, weight, group_sizes, emulate):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, group_sizes = inputs
+    x, weight, group_sizes, emulate = inputs
     ctx.save_for_backward(x, weight, group_sizes)
+    ctx.emulate = emulate
 
 
 def _backward(ctx, dout):
     x, weight, group_sizes = ctx.saved_tensors
-    dx, dw = _grouped_gemm_bwd(dout.contiguous(), x, weight, group_sizes)
-    return dx, dw, None
+    dx, dw = _grouped_gemm_bwd(dout.contiguous(), x, weight, group_sizes, ctx.emulate)
+    return dx, dw, None, None
 
 
 _grouped_gemm.register_autograd(_backward, setup_context=_setup_context)
@@ -109,16 +142,23 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tenso
     Args:
         x: ``[T, k]``, rows sorted by group.
         weight: ``[E, n, k]`` in x's dtype, on x's device.
-        group_sizes: int32/int64 ``[E]``, non-negative, summing to ``T`` (any device).
+        group_sizes: int32/int64 ``[E]``, non-negative, summing to ``T`` (any device; on x's device for CUDA
+            runs without a host synchronisation).
 
     Returns:
         ``[T, n]`` in x's dtype; differentiable w.r.t. x and weight.
 
     Raises:
-        TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, devices or group sizes.
+        TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, devices or group sizes
+        (for CUDA sizes on a CUDA x, the sizes' values fail a device-side assert at the next synchronisation);
+        ValueError for fp64 under backend cuda_emu.
     """
     _check(x, weight, group_sizes)
-    return _grouped_gemm(x.contiguous(), weight.contiguous(), group_sizes)
+    emulate = emulate_for(OP, x)
+    if emulate and x.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{OP}: backend cuda_emu runs the Triton kernels, which take "
+                         f"{', '.join(str(t) for t in _TRITON_DTYPES)}; x has dtype {x.dtype}")
+    return _grouped_gemm(x.contiguous(), weight.contiguous(), group_sizes, emulate)
 
 
 def grouped_gemm_reference(x, weight, group_sizes, compute_dtype=torch.float64):

@@ -1,10 +1,11 @@
-"""``megakernels bench``: the kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
+"""``megakernels bench``: kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
 
     megakernels bench [--ops NAME,...] [--dtype float32,bfloat16,...] [--quick] [--out DIR] [--device cpu|cuda]
                       [--no-compile] [--no-peers] [--min-run-time S] [--shapes A,B[,C,D];...]
                       [--head-dims 64,128] [--seqlens 4096,8192]
     megakernels bench --e2e PRESET [--tp N --pp N --vpp N --dp N --nproc N --precision ... --steps N ...]
     megakernels bench --static [--ops NAME,...] [--out DIR]
+    megakernels bench --plan-check [--steps N] [--warmup N] [--out DIR]
 
 Measures the device's ceilings first (copy bandwidth, GEMM FLOP/s per dtype; ``ceilings``), then prints one table
 per op: median time of ours, GB/s or TFLOP/s (the bytes or FLOPs that must move, counted in each op's module), %
@@ -13,10 +14,14 @@ torch.compile where it applies, torch's AdamW variants, SDPA, and apex / flash-a
 installed — a missing peer is a note, not an error). With ``--out DIR``: ``DIR/bench.json`` ({machine, ceilings,
 notes, rows, e2e}) and ``DIR/<op>.png`` (speed vs size). ``--e2e`` runs the end-to-end measurement (``e2e``)
 instead of the microbenchmarks, or after them when ``--ops`` is given too. ``--shapes`` replaces the default
-shapes of the ops whose shapes have that many sizes: rows,hidden (norms, bias_gelu), tokens,vocab
-(cross_entropy), b,h,sq,sk (softmax); ``--head-dims`` and ``--seqlens`` those of flash_attention. ``--static`` measures nothing: it
-compiles every shipped GPU kernel config for sm_90 as a launch gets it and prints the static cost report (SASS,
-resources, a predicted fraction of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out.
+shapes of the ops whose shapes have that many sizes: rows,hidden (norms, bias_gelu), rows,ffn (swiglu),
+tokens,vocab (cross_entropy), b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope); ``--head-dims`` and
+``--seqlens`` those of flash_attention. ``--static`` measures nothing: it compiles every shipped GPU kernel
+config for sm_90 as a launch gets it and prints the static cost report (SASS, resources, a predicted fraction
+of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out.
+``--plan-check`` asks whether ``megakernels plan`` orders layouts as this machine runs them: four layouts of
+gpt-tiny on 4 local processes, predicted with a CPU device profile measured here, then trained
+(``plan_check``; ``DIR/plan_check.json`` with --out).
 
 Argument errors exit with status 2 and name the flag, before anything is measured; a failed rank exits with 1.
 """
@@ -33,11 +38,11 @@ OPS = {
     "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
     "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
-    "rope": "rope", "swiglu": "swiglu",
+    "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe",
 }
 GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
           "softmax": [o for o, f in OPS.items() if f == "softmax"], "attention": ["flash_attention"],
-          "llama": ["rope", "swiglu"],
+          "llama": ["rope", "swiglu"], "moe": ["grouped_gemm", "moe_dispatch"],
           "all": list(OPS)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # --shapes: the families whose shapes have that many sizes
@@ -48,7 +53,7 @@ SHAPE_DIMS = {"norms": "rows,hidden", "bias_gelu": "rows,hidden", "cross_entropy
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``megakernels bench`` on the ``megakernels`` subparsers (``set_defaults(_run=main)``)."""
     p = sub.add_parser("bench", help="kernel microbenchmarks and end-to-end training throughput",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None, help=f"comma list of ops or groups ({', '.join(GROUPS)}): "
                    f"{', '.join(OPS)} (default: all, or none with --e2e)")
     p.add_argument("--dtype", default=None, help="comma list of float32, bfloat16, float16 (or fp32, bf16, fp16; "
@@ -63,12 +68,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--e2e", default=None, metavar="PRESET", help="end-to-end training throughput of PRESET "
                    "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)")
     p.add_argument("--shapes", default=None, metavar="A,B[,C,D];...", help="shapes instead of the defaults: "
-                   "rows,hidden (norms, bias_gelu), tokens,vocab (cross_entropy), b,h,sq,sk (softmax)")
+                   "rows,hidden (norms, bias_gelu), rows,ffn (swiglu), tokens,vocab (cross_entropy), "
+                   "b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope)")
     p.add_argument("--head-dims", default=None, metavar="D,...", help="flash_attention head dims (default 64,128)")
     p.add_argument("--seqlens", default=None, metavar="S,...", help="flash_attention sequence lengths (default: "
                    "512..16k on cuda, 512..4k on cpu)")
     p.add_argument("--static", action="store_true", help="the static cost report of the GPU kernels (compiles for "
                    "sm_90, needs no GPU; writes DIR/static.json with --out)")
+    p.add_argument("--plan-check", action="store_true", help="does megakernels plan order four layouts as this "
+                   "machine runs them? (4 local processes; writes DIR/plan_check.json with --out)")
     from megakernels_models.bench import e2e
 
     e2e.add_arguments(p)
@@ -152,6 +160,8 @@ def _check(ns) -> tuple[list[str], list[str] | None]:
     ns.head_dim_list, ns.seqlen_list = _int_list("--head-dims", ns.head_dims), _int_list("--seqlens", ns.seqlens)
     if getattr(ns, "static", False) and ns.e2e is not None:
         raise ValueError("--static: the static report runs alone; drop --e2e")
+    if getattr(ns, "plan_check", False) and (ns.e2e is not None or ns.ops is not None or ns.static):
+        raise ValueError("--plan-check: the layout-order check runs alone; drop --e2e, --ops and --static")
     dtypes = split_list("--dtype", ns.dtype, DTYPE_NAMES, DTYPE_ALIASES) if ns.dtype is not None else None
     if ns.min_run_time is not None and not ns.min_run_time > 0:
         raise ValueError(f"--min-run-time must be > 0 seconds, got {ns.min_run_time}")
@@ -185,6 +195,9 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
         elif fam == "adamw":
             rows += mod.run(mod.default_configs(quick), dtypes or mod.DEFAULT_DTYPES, device=device,
                             min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, peers=peers, log=log)
+        elif fam == "moe":
+            rows += mod.run(mine, dtypes, mod.default_shapes(device, quick), device=device, quick=quick,
+                            min_run_time=t, ceilings=ceilings, notes=peers.notes, log=log)
         elif fam == "cross_entropy":
             rows += mod.run(dtypes or mod.DEFAULT_DTYPES, shapes, device=device, min_run_time=t, ceilings=ceilings,
                             peers=peers, log=log)
@@ -198,9 +211,12 @@ def gemm_dtypes(ops: list[str], dtypes: list[str] | None, device: str) -> list[s
     """The dtypes whose GEMM rate is measured: the requested ones, else those the selected ops run in."""
     if dtypes:
         return dtypes
+    out = ["float32"]
     if "flash_attention" in ops:
-        return ["bfloat16", "float16"] if device == "cuda" else ["float32"]
-    return ["float32"]
+        out = ["bfloat16", "float16"] if device == "cuda" else ["float32"]
+    if "grouped_gemm" in ops:  # megakernels_models/bench/moe.py's DEFAULT_DTYPES
+        out += [d for d in ("float32", "bfloat16") if d not in out]
+    return out
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -215,6 +231,8 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     if ns.static:
         return run_static(ops, ns.out)
+    if ns.plan_check:
+        return run_plan_check(ns)
     from megakernels.parallel.launch import WorldFailed
     from megakernels_models.bench import ceilings as ceil
     from megakernels_models.bench.common import machine, machine_line, write_json
@@ -251,6 +269,22 @@ def main(ns: argparse.Namespace) -> int:
             print(f"wrote {png}")
     return 0
 
+
+def run_plan_check(ns) -> int:
+    """``megakernels bench --plan-check``; 1 when a rank failed."""
+    from megakernels.parallel.launch import WorldFailed
+    from megakernels_models.bench import plan_check
+    from megakernels_models.bench.common import write_json
+
+    try:
+        result = plan_check.run(plan_check.default_args(ns.warmup + ns.steps), warmup=ns.warmup)
+    except WorldFailed as e:
+        print(f"megakernels bench: a rank failed: {e}", file=sys.stderr)
+        return 1
+    path = write_json(ns.out, "plan_check.json", result)
+    if path:
+        print(f"wrote {path}")
+    return 0
 
 
 def run_static(ops: list[str], out: str | None) -> int:

@@ -53,6 +53,28 @@ def time_impls(steps: dict[str, Callable[[], None]], min_run_time: float) -> dic
     return {name: median_seconds(fn, min_run_time) for name, fn in steps.items()}
 
 
+def timed_over_ranks(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """Median over ``reps`` steps of the slowest rank's seconds per step, for each of ``fns``, inside a process
+    group. Every rank runs the same fixed number of steps (a calibrated repeat count could differ between ranks and
+    deadlock the collectives); the callables take turns step by step, so drift of the machine affects them alike
+    (a warm-up step of each first)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    for fn in fns.values():
+        fn()
+    times = torch.zeros(len(fns), reps, dtype=torch.float64)
+    for i in range(reps):
+        for j, fn in enumerate(fns.values()):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[j, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {name: statistics.median(times[j].tolist()) for j, name in enumerate(fns)}
+
+
 def git_commit() -> str:
     """The short commit of the checkout this package runs from ("" when installed outside a git checkout)."""
     try:

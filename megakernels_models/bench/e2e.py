@@ -35,29 +35,40 @@ from megakernels_models.bench.eager_gpt import CPU_PRESETS, DTYPES as BASELINE_P
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 
 
+# The trainer flags of --e2e: TrainArgs' own (help, choices and checks declared once, in arguments.py).
+LAYOUT_FLAGS = ("precision", "tp", "pp", "vpp", "dp", "nproc", "micro_batch_size", "global_batch_size",
+                "sequence_parallel", "distributed_optimizer", "recompute", "schedule", "attention")
+# Defaults that differ from TrainArgs' (None: decided per model and device in prepare / trainer_args).
+E2E_DEFAULTS = {"precision": None, "nproc": None, "micro_batch_size": None, "global_batch_size": None}
+E2E_GROUP = "end-to-end (with --e2e)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The trainer-layout and step flags of ``megakernels bench --e2e``."""
-    g = p.add_argument_group("end-to-end (with --e2e)")
-    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="default: bf16 on CUDA, fp32 on the CPU")
-    for name, help_ in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size")):
-        g.add_argument("--" + name, type=int, default=1, help=help_)
-    g.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default 1, or --nproc / (tp·pp))")
-    g.add_argument("--nproc", type=int, default=None, help="local processes (default tp·pp·dp; gloo on the CPU)")
-    g.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's (4 on CUDA)")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro × dp × (1, or 2·pp micro-batches with pipelining)")
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.settings import add_settings
+
+    add_settings(p, TrainArgs, names=LAYOUT_FLAGS, group=E2E_GROUP, defaults={
+        "precision": "bf16 on CUDA, fp32 on the CPU", "nproc": "tp·pp·dp", "micro_batch_size": "the preset's",
+        "global_batch_size": "micro × dp, × 2·pp with pipelining"})
+    g = next(a for a in p._action_groups if a.title == E2E_GROUP)
     g.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
     g.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--distributed-optimizer", action="store_true")
-    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
-    g.add_argument("--attention", choices=["flash", "torch"], default="flash")
     g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: table/measured)")
     g.add_argument("--no-baseline", action="store_true", help="skip the one-device eager-GPT comparison")
     g.add_argument("--no-trainer", action="store_true", help="skip the trainer run (baseline comparison only)")
+
+
+def _fill_layout(ns) -> None:
+    """The layout flags the user did not give (the parser leaves them out) take their e2e or TrainArgs default."""
+    import dataclasses
+
+    from megakernels_models.arguments import TrainArgs
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainArgs)}
+    for name in LAYOUT_FLAGS:
+        if not hasattr(ns, name):
+            setattr(ns, name, E2E_DEFAULTS.get(name, fields[name]))
 
 
 def presets_for(name: str | None, device: str, quick: bool) -> list[str]:
@@ -153,6 +164,7 @@ def prepare(ns) -> list[tuple]:
     Raises:
         ValueError: an unknown preset (naming --e2e); ``ArgumentError`` (a ValueError): a layout rule broken.
     """
+    _fill_layout(ns)
     ns.precision = ns.precision or ("bf16" if ns.device == "cuda" else "fp32")
     if ns.quick:
         ns.steps, ns.warmup = min(ns.steps, 2), min(ns.warmup, 1)

@@ -88,11 +88,11 @@ def test_static_report_runs_alone(capsys):
     assert "--static" in capsys.readouterr().err
 
 
-def test_static_report_accepts_its_unmeasured_ops():
-    assert {"swiglu", "rope", "layer_norm", "flash_attention"} <= set(static_ops())
-    assert resolve_ops("rope,norms", e2e=False, extra=static_ops()) == ["rope", *GROUPS["norms"]]
-    with pytest.raises(ValueError, match="'rope'"):
-        resolve_ops("rope", e2e=False)
+def test_static_report_covers_every_measured_op_and_accepts_unmeasured_ones():
+    assert set(OPS) - {"moe_dispatch"} <= set(static_ops())  # moe_dispatch times a collective, not a kernel
+    assert resolve_ops("only_static,norms", e2e=False, extra=("only_static",)) == ["only_static", *GROUPS["norms"]]
+    with pytest.raises(ValueError, match="'only_static'"):
+        resolve_ops("only_static", e2e=False)
 
 
 def test_groups_expand_in_order_without_duplicates():
@@ -130,3 +130,27 @@ def test_quick_run_of_the_llama_group_measures_rope_variants_and_swiglu(tmp_path
         (op, v, p) for op, v in (("rope", "angles"), ("rope", "table"), ("swiglu", "")) for p in ("fwd", "fwd+bwd")}
     assert all(r["dtype"] == "bfloat16" and r["unit"] == "GB/s" and "eager" in r["speedups"] for r in rows)
     assert (out / "rope.png").exists() and (out / "swiglu.png").exists()
+
+
+def test_quick_run_of_grouped_gemm_compares_the_loop_and_torch_grouped_mm(tmp_path, capsys):
+    from megakernels_models.bench import moe
+
+    out = tmp_path / "out"
+    assert bench("--ops", "grouped_gemm", "--dtype", "fp32", "--quick", "--min-run-time", "0.01",
+                 "--out", str(out)) == 0
+    payload = json.loads((out / "bench.json").read_text())
+    rows = payload["rows"]
+    assert {(r["op"], r["pass"]) for r in rows} == {("grouped_gemm", p) for p in ("fwd", "fwd+bwd")}
+    why = moe.available("grouped_mm", torch.float32, "cpu")
+    expected = {"loop"} | ({"grouped_mm"} if why is None else set())
+    assert all(set(r["speedups"]) == expected and r["unit"] == "TFLOP/s" for r in rows)
+    assert why is None or why in payload["notes"]
+    assert all(sum(r["group_sizes"]) == 64 * moe.TOP_K for r in rows)
+
+
+def test_moe_dispatch_times_expert_exchange_against_the_bare_all_to_all():
+    from megakernels_models.bench import moe
+
+    rows = moe.run_dispatch([2], [64], hidden=32, reps=2, log=lambda _: None)
+    assert len(rows) == 1 and rows[0]["op"] == "moe_dispatch" and rows[0]["world"] == 2
+    assert set(rows[0]["speedups"]) == {"all_to_all"} and rows[0]["work"] > 0

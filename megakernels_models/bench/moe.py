@@ -1,0 +1,200 @@
+"""Mixture-of-experts microbenchmarks, run by ``megakernels bench --ops moe``:
+
+- ``grouped_gemm``: ``megakernels.ops.grouped_gemm`` against a loop of per-expert matmuls (``torch.split`` by the
+  group sizes, one ``@`` per expert, ``torch.cat``: what a user writes) and against ``torch._grouped_mm`` where the
+  installed torch has it and it runs on this device and dtype (else a note). Forward and forward+backward, at
+  Mixtral-like shapes scaled to the device: 8 experts, a few thousand tokens routed top-2 by a skewed random router
+  (so the groups differ in size, one may be empty), the experts' fc1 (``h -> f``) and fc2 (``f -> h``). Work is the
+  FLOPs that must happen: ``2·rows·n·k`` forward, three times that with the backward.
+- ``moe_dispatch``: the all-to-all of ``ExpertExchange`` (megakernels/parallel/moe/dispatch.py) on gloo over 2 and 4
+  spawned ranks: one dispatch (counts, rows, re-sort by local expert) and its way back, against the bare
+  ``all_to_all_single`` of the same bytes in equal splits; time per exchange against the bytes a rank sends.
+
+Never asserts on time; the pytest-benchmark suite (benchmarks/test_bench_moe.py) times the same callables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels.ops.grouped_gemm import grouped_gemm
+from megakernels_models.bench import ceilings as ceil
+from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+
+FAMILY = "moe"
+EXPERTS, TOP_K = 8, 2
+# (tokens, k, n): fc1 and fc2 of an expert with h = 1024, f = 2048 (Mixtral's 4096/14336, scaled to the CPU).
+SHAPES = [(2048, 1024, 2048), (2048, 2048, 1024)]
+GPU_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096)]
+QUICK_SHAPES = [(64, 64, 96)]
+DEFAULT_DTYPES = ("float32", "bfloat16")
+DISPATCH_WORLDS = (2, 4)
+DISPATCH_ROWS = (256, 1024, 4096)  # rows each rank sends, hidden 1024 fp32: 1, 4, 16 MiB
+QUICK_DISPATCH_ROWS = (64,)
+DISPATCH_HIDDEN = 1024
+
+
+def routed_sizes(tokens: int, experts: int = EXPERTS, k: int = TOP_K, seed: int = 0) -> torch.Tensor:
+    """Rows per expert (int64 ``[experts]``, summing to ``tokens * k``) of a top-k router over random logits with a
+    per-expert bias, so popular and unpopular experts differ as in a trained router."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g) + torch.linspace(1.0, -1.0, experts)
+    return torch.bincount(logits.topk(k, dim=1).indices.flatten(), minlength=experts)
+
+
+def make_inputs(shape, dtype, grad=False, device="cpu"):
+    """(x ``[rows, k]``, weight ``[E, n, k]``, group sizes ``[E]`` on ``device``, dy ``[rows, n]``) for ``shape``
+    ``(tokens, k, n)``."""
+    tokens, k, n = shape
+    sizes = routed_sizes(tokens)
+    rows = int(sizes.sum())
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((rows, k), generator=g, device=device).to(dtype).requires_grad_(grad)
+    w = (torch.randn((EXPERTS, n, k), generator=g, device=device) * k ** -0.5).to(dtype).requires_grad_(grad)
+    dy = torch.randn((rows, n), generator=g, device=device).to(dtype)
+    return x, w, sizes.to(device), dy
+
+
+def loop_of_matmuls(x, w, sizes):
+    """The baseline: split by expert, one matmul each, concatenate."""
+    return torch.cat([xe @ w[e].t() for e, xe in enumerate(torch.split(x, sizes.tolist()))])
+
+
+def torch_grouped_mm(x, w, sizes):
+    """``torch._grouped_mm`` (weight as ``[E, k, n]``, offsets the int32 cumulative sizes)."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=torch.cumsum(sizes, 0).to(torch.int32))
+
+
+IMPLEMENTATIONS = {OURS: grouped_gemm, "loop": loop_of_matmuls, "grouped_mm": torch_grouped_mm}
+
+
+def available(impl: str, dtype: torch.dtype, device: str) -> str | None:
+    """None when ``impl`` runs here, else why not (a note for the table)."""
+    if impl != "grouped_mm":
+        return None
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    x, w, sizes, dy = make_inputs(QUICK_SHAPES[0], dtype, grad=True, device=device)
+    try:
+        torch_grouped_mm(x, w, sizes).backward(dy)
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch._grouped_mm does not run {dtype} on {device}: {str(e).splitlines()[0]}"
+    return None
+
+
+def step_fn(fn, x, w, sizes, dy, backward: bool):
+    """A zero-argument callable running ``fn(x, w, sizes)`` forward (and backward, grads dropped each call)."""
+    if not backward:
+        def fwd():
+            with torch.no_grad():
+                fn(x, w, sizes)
+        return fwd
+
+    def fwd_bwd():
+        torch.autograd.backward(fn(x, w, sizes), dy, inputs=[x, w])
+        x.grad = w.grad = None
+    return fwd_bwd
+
+
+def flops(shape, backward: bool) -> int:
+    tokens, k, n = shape
+    return 2 * tokens * TOP_K * n * k * (3 if backward else 1)
+
+
+def default_shapes(device: str, quick: bool):
+    return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
+
+
+def run_grouped_gemm(dtypes, shapes, *, device="cpu", min_run_time=0.5, ceilings=None, notes=None,
+                     log=print) -> list[dict]:
+    """Every (dtype, shape, fwd / fwd+bwd) of grouped_gemm against the baselines that run here."""
+    rows, table = [], TablePrinter(log)
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        impls = {}
+        for name, fn in IMPLEMENTATIONS.items():
+            why = available(name, dtype, device)
+            if why is None:
+                impls[name] = fn
+            elif notes is not None and why not in notes:
+                notes.append(why)
+        for shape in shapes:
+            for backward in (False, True):
+                x, w, sizes, dy = make_inputs(shape, dtype, grad=backward, device=device)
+                times = {name: median_seconds(step_fn(fn, x, w, sizes, dy, backward), min_run_time)
+                         for name, fn in impls.items()}
+                value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
+                tokens, k, n = shape
+                row = result_row("grouped_gemm", FAMILY, dtype=dtype_name, shape=f"{tokens}x{k}->{n}",
+                                 pass_="fwd+bwd" if backward else "fwd", size=tokens * TOP_K * n * k,
+                                 size_label="rows x n x k", unit="TFLOP/s", work=flops(shape, backward),
+                                 times=times, ceiling=value, ceiling_name=cname, experts=EXPERTS, top_k=TOP_K,
+                                 group_sizes=sizes.tolist())
+                rows.append(row)
+                table(row)
+    return rows
+
+
+# ---- the all-to-all of expert parallelism ------------------------------------------------------------------------
+
+def _dispatch_rank(rank: int, world: int, row_counts, hidden: int, reps: int) -> list[dict]:
+    import torch.distributed as dist
+
+    from megakernels.parallel.moe.dispatch import ExpertExchange
+    from megakernels_models.bench.common import timed_over_ranks
+
+    group = dist.group.WORLD
+    out = []
+    for count in row_counts:
+        sizes = routed_sizes(count, seed=rank)  # each rank routes its own tokens
+        rows = torch.randn(int(sizes.sum()), hidden)
+        flat = torch.randn(int(sizes.sum()) // world * world, hidden)
+        back = torch.empty_like(flat)
+        exchange = ExpertExchange(group, EXPERTS)
+
+        def ours():
+            received, _ = exchange.forward(rows, sizes)
+            exchange.backward(received)
+
+        def bare():
+            dist.all_to_all_single(back, flat, group=group)
+            dist.all_to_all_single(flat, back, group=group)
+
+        t = timed_over_ranks({OURS: ours, "all_to_all": bare}, reps)
+        sent = torch.tensor([rows.numel() * rows.element_size() * 2], dtype=torch.float64)
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+        out.append({"rows": int(sizes.sum()), "bytes": float(sent), "times": t})
+    return out
+
+
+def run_dispatch(worlds, row_counts, *, hidden=DISPATCH_HIDDEN, reps=20, log=print) -> list[dict]:
+    """ExpertExchange's dispatch and return on ``world`` gloo ranks (one thread each) for each rows-per-rank count;
+    a row per (world, rows): time per exchange (the slowest rank's median) and bytes per second a rank sends."""
+    from megakernels.parallel.launch import run_world
+
+    rows, table = [], TablePrinter(log)
+    for world in worlds:
+        for m in run_world(world, _dispatch_rank, list(row_counts), hidden, reps, timeout=600)[0]:
+            row = result_row("moe_dispatch", FAMILY, dtype="float32", shape=f"{m['rows']}x{hidden}",
+                             pass_="fwd+bwd", variant=f"gloo x{world}", size=m["bytes"],
+                             size_label="bytes a rank sends", unit="GB/s", work=m["bytes"],
+                             times=m["times"], ceiling=None, ceiling_name="", world=world)
+            rows.append(row)
+            table(row)
+    return rows
+
+
+def run(ops, dtypes, shapes, *, device="cpu", quick=False, min_run_time=0.5, ceilings=None, notes=None,
+        log=print) -> list[dict]:
+    """The rows of ``ops`` (``grouped_gemm``, ``moe_dispatch``); the dispatch runs on CPU ranks only."""
+    rows = []
+    if "grouped_gemm" in ops:
+        rows += run_grouped_gemm(dtypes or DEFAULT_DTYPES, shapes, device=device, min_run_time=min_run_time,
+                                 ceilings=ceilings, notes=notes, log=log)
+    if "moe_dispatch" in ops:
+        if device == "cpu":
+            rows += run_dispatch(DISPATCH_WORLDS, QUICK_DISPATCH_ROWS if quick else DISPATCH_ROWS,
+                                 reps=5 if quick else 20, log=log)
+        elif notes is not None:
+            notes.append("moe_dispatch runs on gloo CPU ranks only (skipped with --device cuda)")
+    return rows
