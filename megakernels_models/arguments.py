@@ -16,6 +16,7 @@ from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
 from megakernels_models.config import MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
+from megakernels_models.preemption import SIGNALS
 from megakernels_models.settings import ArgumentError, setting
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -96,12 +97,16 @@ class TrainArgs:
     weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
     no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
                                    "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
+    freeze: str = setting("", "comma list of parameter-name parts that are not trained (e.g. embedding); incremental "
+                          "checkpoints reference their saved bytes instead of rewriting them", OPTIM, metavar="NAMES")
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
     precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
                              choices=PRECISIONS)
     recompute: str = setting("none", "activation recomputation", OPTIM, choices=RECOMPUTE)
     distributed_optimizer: bool = setting(False, "ZeRO-1: shard optimizer state over data-parallel ranks", OPTIM)
+    offload_optimizer: bool = setting(False, "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
+                                      "AdamW (each ZeRO-1 rank offloads its shard)", OPTIM)
     # data
     data: str | None = setting(None, "PREFIX[,WEIGHT,PREFIX...] (default: the Python standard library's sources)",
                                DATA)
@@ -112,7 +117,15 @@ class TrainArgs:
     save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
     save_interval: int | None = setting(None, "steps between checkpoints (default: only at the end)", LOGS)
     keep_checkpoints: int = setting(3, "how many of the latest checkpoints are kept", LOGS)
-    load: str | None = setting(None, "resume from DIR's latest checkpoint (any layout)", LOGS, metavar="DIR")
+    load: str | None = setting(None, "resume from DIR's latest checkpoint (any layout); a missing or empty DIR starts "
+                               "from scratch, so --save DIR --load DIR serves every (re)launch", LOGS, metavar="DIR")
+    async_save: bool = setting(False, "write checkpoints in the background (staged to host memory at the step, "
+                               "written while training goes on)", LOGS)
+    exit_signal: str = setting("SIGTERM", "on this signal every rank finishes its step, saves (with --save) and exits "
+                               "0 (SIGUSR1: Slurm's --signal)", LOGS, choices=SIGNALS)
+    exit_interval: int | None = setting(None, "stop (saving) after every N-th step", LOGS)
+    exit_duration_mins: float | None = setting(None, "stop (saving) after the first step ending M minutes into the run",
+                                               LOGS, metavar="M")
     eval_interval: int = setting(100, "steps between validations (0 = never)", LOGS)
     eval_steps: int = setting(4, "global batches per validation", LOGS)
     log_jsonl: str | None = setting(None, "append one JSON object per step to FILE", LOGS, metavar="FILE")
@@ -254,11 +267,19 @@ def validate(a: TrainArgs) -> ModelConfig:
     if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
         raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
     if a.load is not None:
-        from megakernels_models.checkpoint import CheckpointError, read_latest
+        from megakernels_models.checkpoint import CheckpointError, find_latest
         try:
-            read_latest(a.load)
+            find_latest(a.load)  # missing or empty: a first launch, which starts from scratch
         except CheckpointError as e:
             raise ArgumentError(str(e)) from None
+    if a.async_save and a.save is None:
+        raise ArgumentError("--async-save needs --save DIR")
+    if a.exit_signal not in SIGNALS:
+        raise ArgumentError(f"--exit-signal must be one of {', '.join(SIGNALS)}, got {a.exit_signal!r}")
+    positive_int(a.exit_interval, "--exit-interval", allow_none=True, error=ArgumentError)
+    if a.exit_duration_mins is not None and not finite_number(a.exit_duration_mins, "--exit-duration-mins",
+                                                              error=ArgumentError) > 0:
+        raise ArgumentError(f"--exit-duration-mins must be > 0, got {a.exit_duration_mins}")
     from megakernels_models.data.build import validate_data_args
     validate_data_args(a, cfg)
     if not a.timeout > 0:

@@ -12,11 +12,9 @@ coordinates (ZeRO-1 shards are completed over the data-parallel group first, so 
 dp either) and its step count; the loss scaler; the step (the data position and the learning rate follow from it);
 each rank's RNG states (restored only at the same layout); the model configuration (a mismatch is refused).
 
-Atomicity: a checkpoint is written to ``DIR/.tmp-step-N`` and renamed to ``DIR/step-N`` once DCP has written
-its metadata (which it writes last), then ``DIR/latest`` (written to a temporary file and renamed over) names it.
-A process killed at any moment therefore leaves ``latest`` naming a complete checkpoint; without ``latest`` the
-newest ``step-N`` holding DCP's metadata file is used. Older checkpoints beyond the last ``keep`` are deleted
-after ``latest`` moves on. DIR must be one directory visible to every rank (a shared file system across nodes).
+Atomicity, ``latest``, keep-K pruning and incremental checkpoints' shared files: ``checkpoint_store``. Asynchronous
+and incremental saving by the trainer: ``checkpointer``. DIR must be one directory visible to every rank (a shared
+file system across nodes).
 """
 
 from __future__ import annotations
@@ -35,11 +33,10 @@ import torch.distributed.checkpoint as dcp
 import megakernels.parallel as mpu
 from megakernels.parallel import params as marks
 from megakernels.parallel.init import shard_pieces
+from megakernels_models import checkpoint_store as store, syncpoints
 from megakernels_models.config import ModelConfig
 
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_METADATA = ".metadata"
+LATEST = store.LATEST
 
 
 class CheckpointError(RuntimeError):
@@ -171,15 +168,16 @@ def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, t
     return out, step
 
 
-def _state_dict(chunks, opt, states=None) -> dict:
-    """Every tensor under its global name, as ``_sharded`` views; ``states`` (per param, as ``global_parameters``)
-    are stored beside the model as ``optimizer.<state>.<name>``."""
+def _state_dict(chunks, opt, states=None, stage=None) -> dict:
+    """Every tensor under its global name, as ``_sharded`` views (of ``stage(key, tensor)``'s copies when given);
+    ``states`` (per param, as ``global_parameters``) are stored beside the model as ``optimizer.<state>.<name>``."""
     state_of = {} if states is None else {id(p): st for (_, p), st in zip(global_parameters(chunks), states)}
+    stage = stage or (lambda key, t: t)
     sd = {}
     for name, p, index in _entries(chunks):
-        sd[f"model.{name}"] = _sharded(_select(p.detach(), index), p)
+        sd[f"model.{name}"] = _sharded(stage(f"model.{name}", _select(p.detach(), index)), p)
         for k, t in state_of.get(id(p), {}).items():
-            sd[f"optimizer.{k}.{name}"] = _sharded(_select(t, index), p)
+            sd[f"optimizer.{k}.{name}"] = _sharded(stage(f"optimizer.{k}.{name}", _select(t, index)), p)
     return sd
 
 
@@ -197,42 +195,98 @@ def _layout() -> dict:
 
 # ---- save ---------------------------------------------------------------------------------------------------
 
-def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3,
-         train_config: dict | None = None) -> str:
-    """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
-    rank calls it; ``train_config`` (the run's resolved settings) is stored with the metadata. Returns the
-    checkpoint's path."""
-    final = os.path.join(save_dir, f"step-{step:08d}")
-    tmp = os.path.join(save_dir, f".tmp-step-{step:08d}")
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+class Writer(dcp.FileSystemWriter):
+    """DCP's file-system writer, with two additions: the ``checkpoint-write-<step>`` sync point (``syncpoints``)
+    once this rank's data files are written and before the metadata commits the checkpoint; and the entries
+    ``reuse`` (left out of the state dict being saved) taken from the checkpoint at ``previous``, their chunks
+    pointing at the files that hold them (``checkpoint_store``: an incremental checkpoint)."""
+
+    def __init__(self, path: str, step: int, reuse=(), previous: str | None = None):
+        super().__init__(path)
+        self._point = f"checkpoint-write-{step:08d}"
+        self._reuse, self._previous = set(reuse), previous
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)
+        done.wait()
+        syncpoints.reach(self._point)
+        return done
+
+    def finish(self, metadata, results):
+        if self._reuse:
+            from torch.distributed.checkpoint.storage import WriteResult
+
+            old = dcp.FileSystemReader(self._previous).read_metadata()
+            here = os.path.basename(os.path.normpath(self._previous))
+            for key in self._reuse:
+                metadata.state_dict_metadata[key] = old.state_dict_metadata[key]
+            moved = [WriteResult(index=index, size_in_bytes=info.length, storage_data=dataclasses.replace(
+                        info, relative_path=info.relative_path if info.relative_path.startswith("../")
+                        else f"../{here}/{info.relative_path}"))
+                     for index, info in old.storage_data.items() if index.fqn in self._reuse]
+            results = [*results, moved]
+        super().finish(metadata, results)
+
+
+def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dict | None = None,
+                  stage=None) -> dict:
+    """The checkpoint's state dict for this rank (collective: ZeRO-1 states are completed over their group).
+    ``stage(name, tensor) -> tensor`` (optional) replaces each model / optimizer tensor by a copy (host staging for
+    an asynchronous save) before it is described as a shard."""
     params = [p for _, p in global_parameters(chunks)]
     states, opt_step = _optimizer_states(opt, params)
-    sd = _state_dict(chunks, opt, states)
+    sd = _state_dict(chunks, opt, states, stage)
     sd[f"rng.rank{dist.get_rank()}"] = _rng_state()
     # One JSON string (DCP would flatten a dict into one entry per leaf).
     sd["meta"] = json.dumps({"step": int(step), "optimizer_step": opt_step, "config": dataclasses.asdict(config),
                              "layout": _layout(), "train_config": train_config,
                              "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None})
+    return sd
+
+
+def write(sd: dict, save_dir: str, step: int, *, keep: int = 3, train_config: dict | None = None, group=None,
+          reuse=(), previous: str | None = None) -> str:
+    """Write ``sd`` as the checkpoint of ``step`` and commit it (``checkpoint_store``: temporary directory, DCP,
+    rename, ``latest``, pruning). Every rank calls it, with the same ``reuse`` (entries left out of ``sd`` that the
+    checkpoint ``previous`` holds unchanged). ``group``: the process group DCP coordinates over (default: the
+    world's). Returns the checkpoint's path.
+
+    Raises:
+        CheckpointError: the metadata is missing after DCP returned. DCP's own errors (a failed write on any rank
+        fails every rank).
+    """
+    final = os.path.join(save_dir, store.step_name(step))
+    tmp = os.path.join(save_dir, f".tmp-{store.step_name(step)}")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier(group=group)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)
-        dcp.save(sd, checkpoint_id=tmp)
-    dist.barrier()
-    if rank0:
-        if not os.path.exists(os.path.join(tmp, _METADATA)):
-            raise CheckpointError(f"checkpoint {tmp} has no {_METADATA} after saving")
-        if os.path.exists(final):  # a re-save of the same step: move the old one aside first
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
-        _write_latest(save_dir, os.path.basename(final))
-        _prune(save_dir, keep)
-    dist.barrier()
+        dcp.save(sd, storage_writer=Writer(tmp, step, reuse, previous), process_group=group)
+    failed = [None]
+    if rank0:  # DCP returned: every rank's files and the metadata are written
+        try:
+            store.commit(tmp, final, error=CheckpointError)
+            _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
+            store.prune(save_dir, keep)
+        except Exception as e:  # noqa: BLE001 - every rank must learn that the commit failed
+            failed[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(failed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if failed[0] is not None:
+        raise CheckpointError(f"committing the checkpoint of step {step} failed on rank 0: {failed[0]}")
     return final
+
+
+def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3,
+         train_config: dict | None = None) -> str:
+    """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
+    rank calls it; ``train_config`` (the run's resolved settings) is stored with the metadata. Returns the
+    checkpoint's path. (The trainer's ``Checkpointer`` adds asynchronous and incremental saving.)"""
+    return write(state_to_save(step, chunks, opt, config, train_config), save_dir, step, keep=keep,
+                 train_config=train_config)
 
 
 def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
@@ -248,64 +302,33 @@ def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
         os.replace(dst + ".tmp", dst)
 
 
-def _write_latest(save_dir: str, name: str) -> None:
-    tmp = os.path.join(save_dir, f".{LATEST}.tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, LATEST))
-    try:  # make the rename itself durable
-        fd = os.open(save_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _complete_steps(save_dir: str) -> list[tuple[int, str]]:
-    out = []
-    for name in os.listdir(save_dir):
-        m = _STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(save_dir, name, _METADATA)):
-            out.append((int(m.group(1)), name))
-    return sorted(out)
-
-
-def _prune(save_dir: str, keep: int) -> None:
-    latest = read_latest(save_dir)
-    for _, name in _complete_steps(save_dir)[:-keep] if keep > 0 else []:
-        if os.path.join(save_dir, name) != latest:
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+_write_latest = store.write_latest  # the converters write ``latest`` too
 
 
 # ---- load ---------------------------------------------------------------------------------------------------
 
+def find_latest(load_dir: str) -> str | None:
+    """``checkpoint_store.find_latest``: the checkpoint to resume from, None when there is none yet.
+
+    Raises:
+        CheckpointError: ``load_dir`` exists and is not a directory.
+    """
+    return store.find_latest(load_dir, error=CheckpointError)
+
+
 def read_latest(load_dir: str) -> str:
-    """The checkpoint to resume from: ``load_dir`` itself if it is one (``DIR/step-N``), else the one ``latest``
-    names, else the newest complete ``step-N``.
+    """``find_latest``, for readers that need a checkpoint (evaluation, conversion, generation).
 
     Raises:
         CheckpointError: no such directory, or no complete checkpoint in it.
     """
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir!r}: no such directory")
-    if os.path.exists(os.path.join(load_dir, _METADATA)):  # a checkpoint itself (DIR/step-N)
-        return load_dir
-    marker = os.path.join(load_dir, LATEST)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            name = f.read().strip()
-        path = os.path.join(load_dir, name)
-        if _STEP_DIR.match(name) and os.path.exists(os.path.join(path, _METADATA)):
-            return path
-    steps = _complete_steps(load_dir)
-    if not steps:
+    path = find_latest(load_dir)
+    if path is None:
         raise CheckpointError(f"--load {load_dir!r}: no complete checkpoint (step-N directory with DCP's "
-                              f"{_METADATA}) in it")
-    return os.path.join(load_dir, steps[-1][1])
+                              f"{store.METADATA}) in it")
+    return path
 
 
 def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:

@@ -77,10 +77,12 @@ def _run_train(ns: argparse.Namespace) -> int:
         if "val_loss" in last:
             msg += f", val loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
         print(msg)
-        mem = first.get("memory_per_param_bytes")
+        mem = dict(first.get("memory_per_param_bytes") or {})
+        host = mem.pop("host", None)
         if mem:
             print("memory per parameter (measured on the last rank): " + " + ".join(
-                f"{k} {v:.2f}" for k, v in mem.items()) + f" = {sum(mem.values()):.2f} bytes")
+                f"{k} {v:.2f}" for k, v in mem.items()) + f" = {sum(mem.values()):.2f} bytes"
+                + (f" on the device, {host:.2f} in host memory" if host is not None else ""))
     return 0
 
 

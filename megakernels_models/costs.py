@@ -55,6 +55,7 @@ class Layout:
     global_batch_size: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    offload_optimizer: bool = False
     recompute: str = "none"
     precision: str = "bf16"
     schedule: str = "1f1b"
@@ -98,13 +99,26 @@ RESERVED_GB, FRAGMENTATION = 2.0, 0.10
 
 
 def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter on one device."""
+    """(weights, gradients, optimizer state) bytes per parameter on one device; the optimizer state is 0 there with
+    ``offload_optimizer`` (``host_bytes_per_param``)."""
     half = layout.precision != "fp32"
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
+    if layout.offload_optimizer:
+        opt_b = 0
     if layout.distributed_optimizer:
         ranks = layout.dp * layout.cp // (ep if experts else 1)
         opt_b = opt_b / max(ranks, 1)
     return weight_b, grad_b, opt_b
+
+
+def host_bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> float:
+    """Host bytes per parameter of one rank with ``offload_optimizer``: fp32 master, two moments and a gradient
+    copy (16; ``megakernels.parallel.optimizer.host_bytes_per_param``), divided like the optimizer state under
+    ZeRO-1; 0 without offload."""
+    if not layout.offload_optimizer:
+        return 0.0
+    ranks = layout.dp * layout.cp // (ep if experts else 1) if layout.distributed_optimizer else 1
+    return 16.0 / max(ranks, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,7 +212,10 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
         out.append({"weights": n * w, "grads": n * g, "optimizer": (n - e) * o + e * eo, "activations": act})
     totals = [sum(x.values()) for x in out]
     worst = max(range(L.pp), key=lambda r: totals[r])
+    host = max((n - e) * host_bytes_per_param(L) + e * host_bytes_per_param(L, True, L.ep)
+               for n, e in zip(stages, expert_stages))
     return {"per_stage": totals, "worst": worst, "breakdown": out[worst], "total": totals[worst],
+            "host_optimizer_bytes": host,
             "parameters_per_device": max(stages),
             "expert_bytes": max(e * (w + g + eo) for e in expert_stages),
             "activations_per_layer": per_layer, "in_flight": flight}

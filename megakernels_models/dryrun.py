@@ -25,7 +25,8 @@ def layout_of(args: TrainArgs) -> costs.Layout:
     return costs.Layout(tp=args.tp, pp=args.pp, dp=args.data_parallel_size(), cp=args.cp, ep=args.ep,
                         vpp=args.vpp or 1, micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size, sequence_parallel=args.sequence_parallel,
-                        distributed_optimizer=args.distributed_optimizer, recompute=args.recompute,
+                        distributed_optimizer=args.distributed_optimizer,
+                        offload_optimizer=args.offload_optimizer, recompute=args.recompute,
                         precision=args.precision, schedule=args.schedule, flash=args.attention == "flash")
 
 
@@ -65,9 +66,11 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
         "memory_per_device_bytes": mem["total"],
         "memory_breakdown_bytes": mem["breakdown"],
+        **({"host_memory_per_rank_bytes": mem["host_optimizer_bytes"]} if args.offload_optimizer else {}),
         "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": L.pp, "vpp": L.vpp, "dp": dp, "world": world,
                    "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
-                   "distributed_optimizer": args.distributed_optimizer, "recompute": args.recompute,
+                   "distributed_optimizer": args.distributed_optimizer,
+                   "offload_optimizer": args.offload_optimizer, "recompute": args.recompute,
                    "precision": args.precision},
         "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
                   for r in range(min(world, 4096))},
@@ -109,6 +112,10 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}")
+    if "host_memory_per_rank_bytes" in rep:
+        out(f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
+            f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "
+            f"{human(rep['host_memory_per_rank_bytes'], 'B')}")
     out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")

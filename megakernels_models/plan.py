@@ -31,8 +31,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_node: int,
-               precision: str = "bf16") -> list[costs.Layout]:
-    """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check)."""
+               precision: str = "bf16", offload: bool = False) -> list[costs.Layout]:
+    """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check); ``offload``: with
+    the optimizer state in host memory (``--offload-optimizer``)."""
     out = []
     for tp in _divisors(min(gpus_per_node, gpus)):
         if cfg.num_heads % tp or cfg.ffn_hidden_size % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -57,12 +58,12 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_nod
                         out.append(costs.Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, micro_batch_size=mbs,
                                                 global_batch_size=global_batch_size, sequence_parallel=tp > 1,
                                                 distributed_optimizer=zero and dp * cp > 1, recompute=recompute,
-                                                precision=precision))
+                                                precision=precision, offload_optimizer=offload))
     return list(dict.fromkeys(out))
 
 
 def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Device, gpus_per_node: int = 8,
-         precision: str = "bf16") -> list[dict]:
+         precision: str = "bf16", offload: bool = False) -> list[dict]:
     """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}``.
 
     Raises:
@@ -70,7 +71,7 @@ def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Devi
     """
     meta = costs.MetaModel(cfg)
     fitting, smallest = [], None
-    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision):
+    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision, offload):
         mem = costs.memory(meta, layout)
         smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
         if costs.fits(mem["total"], device):
@@ -96,6 +97,7 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda") -> st
               str(layout.global_batch_size), "--precision", layout.precision]
     flags += ["--sequence-parallel"] if layout.sequence_parallel else []
     flags += ["--distributed-optimizer"] if layout.distributed_optimizer else []
+    flags += ["--offload-optimizer"] if layout.offload_optimizer else []
     flags += ["--recompute", layout.recompute] if layout.recompute != "none" else []
     return "megakernels train " + " ".join(flags)
 
@@ -111,6 +113,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-length", type=int, default=None, help="overrides the model's")
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's, else 8 × gpus")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--offload-optimizer", action="store_true", help="plan with the optimizer state in host memory "
+                   "(device memory drops by the optimizer state; the CPU AdamW's time is not in the prediction)")
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.set_defaults(_run=main)
@@ -146,7 +150,7 @@ def main(ns) -> int:
         cfg, source, gbs = _model(ns)
         gbs = ns.global_batch_size or gbs or 8 * ns.gpus
         device = costs.DEVICES[ns.gpu]
-        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision)
+        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision, ns.offload_optimizer)
     except (ArgumentError, ValueError) as e:
         print(f"megakernels plan: error: {e}", file=sys.stderr)
         return 2

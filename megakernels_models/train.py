@@ -23,6 +23,8 @@ how the batch is split: with dropout 0 in fp32 every layout's loss curve equals 
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 
 import torch
@@ -36,20 +38,24 @@ from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale, stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
-from megakernels_models import checkpoint, dryrun
+from megakernels_models import checkpoint, dryrun, syncpoints
 from megakernels_models.arguments import TrainArgs, validate
+from megakernels_models.checkpoint_store import step_name
+from megakernels_models.checkpointer import Checkpointer
 from megakernels_models.config import ModelConfig, stage_layers
 from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.logger import TrainLogger
 from megakernels_models.mfu import MFUMeter
+from megakernels_models.preemption import StopConditions
 from megakernels_models.tasks import Task, task_for
 from megakernels_models.timers import StepTimers
 
 
 def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), parameters in the training precision."""
+    """This rank's model chunks (one per virtual pipeline stage), parameters in the training precision; those whose
+    name contains a part of ``--freeze`` do not require grad (no gradient buffer, no optimizer state)."""
     pp, pp_rank, vpp = mpu.pp_size(), mpu.pp_rank(), args.vpp or 1
     chunks = []
     for c, layers in enumerate(stage_layers(task.config.num_layers, pp, vpp)[pp_rank]):
@@ -58,6 +64,11 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
                                  sequence_parallel=args.sequence_parallel, attention=args.attention,
                                  recompute=args.recompute, device=device)
         chunks.append(chunk.to(args.param_dtype()))
+    frozen = [n.strip() for n in args.freeze.split(",") if n.strip()]
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if any(part in name for part in frozen):
+                p.requires_grad_(False)
     return chunks
 
 
@@ -131,7 +142,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                             weight_decay=args.weight_decay, distributed=args.distributed_optimizer,
                             precision=args.precision, clip_grad=args.clip_grad,
                             loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
-                            no_decay=no_decay_rule(chunks, args.no_weight_decay))
+                            no_decay=no_decay_rule(chunks, args.no_weight_decay), offload=args.offload_optimizer)
     lr_schedule = LRSchedule(args.lr, args.min_lr, args.warmup_steps, args.lr_decay_steps or args.steps,
                              args.lr_decay_style, args.lr_wsd_decay_steps)
     train_ds, valid_ds, _ = build_datasets(args, cfg)
@@ -142,44 +153,80 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     tokens_per_step = args.global_batch_size * cfg.seq_length
     meter = MFUMeter(cfg.flops_per_token("none"), tokens_per_step, dist.get_world_size(), args.precision, device,
                      args.peak_tflops) if log_rank else None
-    start = checkpoint.load(checkpoint.read_latest(args.load), chunks, opt, cfg) if args.load else 0
-    config = resolved(args, cfg)
-    log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
-                      log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
-    t_start = time.perf_counter()
-    try:
-        for step in range(start, args.steps):
-            t0 = time.perf_counter()
-            timers.start()
-            lr_schedule.apply(opt, step + 1)
-            opt.zero_grad()
-            loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
-            timers.mark("pipeline")
-            finalize_model_grads(ddps)
-            timers.mark("communication")
-            stepped, grad_norm = opt.step()
-            timers.mark("optimizer")
-            moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
-            rec = None
-            if log_rank:
-                rec = {"step": step + 1, "loss": float(loss), "lr": opt.lr, "grad_norm": grad_norm,
-                       "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
-                       **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
-                       "skipped": not stepped, **(moe or {})}
-                if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
-                    n = sum(p.numel() for c in chunks for p in c.parameters())
-                    rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
-            timers.finish(rec)
-            if _due(step, args.eval_interval, args.steps) and valid_ds is not None:
-                val = evaluate(chunks, lambda s: run_batch(valid_ds, s, forward_only=True), args.eval_steps)
-                if rec is not None:
-                    rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
-            if args.save and _due(step, args.save_interval or args.steps, args.steps):
-                checkpoint.save(args.save, step + 1, chunks, opt, cfg, args.keep_checkpoints, config)
-            log.log(rec)
-    finally:
-        log.close()
+    stop = StopConditions(args.exit_signal, args.exit_interval, args.exit_duration_mins, device)
+    with stop:
+        start = _resume(args, chunks, opt, cfg)
+        config = resolved(args, cfg)
+        log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
+                          log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
+        saver = Checkpointer(args.save, args.keep_checkpoints, args.async_save, config) if args.save else None
+        t_start = time.perf_counter()
+        try:
+            for step in range(start, args.steps):
+                t0 = time.perf_counter()
+                timers.start()
+                lr_schedule.apply(opt, step + 1)
+                opt.zero_grad()
+                loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
+                timers.mark("pipeline")
+                finalize_model_grads(ddps)
+                timers.mark("communication")
+                stepped, grad_norm = opt.step()
+                timers.mark("optimizer")
+                save_error = saver.poll() if saver is not None else None
+                moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
+                rec = None
+                if log_rank:
+                    rec = {"step": step + 1, "loss": float(loss), "lr": opt.lr, "grad_norm": grad_norm,
+                           "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
+                           **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
+                           "skipped": not stepped, **(moe or {})}
+                    if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
+                        n = sum(p.numel() for c in chunks for p in c.parameters())
+                        rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
+                timers.finish(rec)
+                if _due(step, args.eval_interval, args.steps) and valid_ds is not None:
+                    val = evaluate(chunks, lambda s: run_batch(valid_ds, s, forward_only=True), args.eval_steps)
+                    if rec is not None:
+                        rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
+                syncpoints.reach(f"step-{step + 1}")
+                reason = stop.should_stop(step + 1)
+                if saver is not None and (reason or _due(step, args.save_interval or args.steps, args.steps)):
+                    save_error = saver.save(step + 1, chunks, opt, cfg) or save_error
+                if save_error and log_rank:
+                    rec["checkpoint_error"] = save_error
+                    print(f"megakernels train: warning: {save_error}", file=sys.stderr, flush=True)
+                if reason and rec is not None:
+                    rec["stopped"] = reason
+                log.log(rec)
+                if reason:
+                    if saver is not None:
+                        saver.close()  # the save of this step is complete (or its failure raised)
+                    if log_rank:
+                        where = (f"saved checkpoint {os.path.join(args.save, step_name(step + 1))}; relaunch with "
+                                 f"--load {args.save} to resume") if saver is not None else "nothing saved (no --save)"
+                        print(f"megakernels train: stopped after step {step + 1} ({reason}): {where}", flush=True)
+                    break
+            if saver is not None:
+                saver.close()  # raises if the last (asynchronous) save failed
+        finally:
+            log.close()
+            if saver is not None:
+                saver.close(raise_error=False)
     return log.records if log_rank else None
+
+
+def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
+    """Load ``--load``'s latest checkpoint; returns its step (0, with a note, when there is none yet: a first launch
+    with ``--save DIR --load DIR``)."""
+    if not args.load:
+        return 0
+    path = checkpoint.find_latest(args.load)
+    if path is None:
+        if dist.get_rank() == 0:
+            print(f"megakernels train: no checkpoint in --load {args.load} yet; starting from scratch", flush=True)
+        return 0
+    return checkpoint.load(path, chunks, opt, cfg)
 
 
 def no_decay_rule(chunks, names: str):

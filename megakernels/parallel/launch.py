@@ -28,6 +28,8 @@ import io
 import math
 import os
 import queue as queue_module
+import signal
+import threading
 import time
 import traceback
 
@@ -84,6 +86,25 @@ def _child(rank: int, world_size: int, port: int, init: str, timeout: float, thr
         results.join_thread()
 
 
+@contextlib.contextmanager
+def _forwarding(signals, procs):
+    """While inside: each of ``signals`` received by this process is sent on to the living ``procs``."""
+    def forward(signum, frame):
+        for p in procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    installed = {}
+    if threading.current_thread() is threading.main_thread():  # handlers can be set in the main thread only
+        installed = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
+
+
 def _stop(procs, grace: float = 1.0) -> None:
     for p in procs:
         if p.is_alive():
@@ -98,7 +119,7 @@ def _stop(procs, grace: float = 1.0) -> None:
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", threads: int = 1,
-              world_timeout: float | None = -1.0) -> list:
+              world_timeout: float | None = -1.0, forward_signals: tuple[int, ...] = ()) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
 
     Args:
@@ -111,6 +132,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         init: ``"store"`` (the default; the process group is initialised before ``fn`` runs) or ``"env"``
             (torchrun's environment variables are set and ``fn`` initialises the process group).
         threads: CPU threads per rank (``torch.set_num_threads``, ``OMP_NUM_THREADS``).
+        forward_signals: signals that this process, while it waits, passes on to every living rank instead of
+            acting on them (the trainer's preemption signal: the ranks save and exit, and so does the launcher).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -139,7 +162,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
                             name=f"rank{rank}", daemon=True)
             p.start()
             procs.append(p)
-        return _collect(procs, results, world_size, timeout if world_timeout == -1.0 else world_timeout, fn)
+        with _forwarding(forward_signals, procs):
+            return _collect(procs, results, world_size, timeout if world_timeout == -1.0 else world_timeout, fn)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -261,4 +285,7 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
         raise ValueError(f"launch: nproc={nproc} spawns CPU (gloo) processes; for GPUs use torchrun "
                          f"--nproc-per-node {nproc}")
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    return run_world(nproc, _call, fn, args, timeout=timeout, threads=threads, world_timeout=None)[-1]
+    # A preemption signal sent to this launcher (not to the whole process group) reaches the ranks too; they
+    # decide together when to stop (megakernels_models.preemption).
+    return run_world(nproc, _call, fn, args, timeout=timeout, threads=threads, world_timeout=None,
+                     forward_signals=(signal.SIGTERM, signal.SIGUSR1))[-1]

@@ -43,6 +43,7 @@ A trainer, per optimizer step (``chunks``: the DDP-wrapped model chunks of this 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -73,10 +74,12 @@ class Piece(NamedTuple):
     counted: bool          # whether it counts towards the global grad norm on this rank
 
 
-def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1) -> tuple[float, float, float]:
-    """Bytes per parameter on one rank as ``(params, grads, optimizer state)`` with fp32 ``main_grad`` buffers,
-    Megatron-LM's accounting: fp32 params 4 + 4 + 8 (two moments); bf16/fp16 params 2 + 4 + 12 (fp32 master and
-    two moments); the optimizer state divided by ``dp`` when ``distributed`` (ZeRO-1).
+def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1,
+                           offload: bool = False) -> tuple[float, float, float]:
+    """Device bytes per parameter on one rank as ``(params, grads, optimizer state)`` with fp32 ``main_grad``
+    buffers, Megatron-LM's accounting: fp32 params 4 + 4 + 8 (two moments); bf16/fp16 params 2 + 4 + 12 (fp32 master
+    and two moments); the optimizer state divided by ``dp`` when ``distributed`` (ZeRO-1). With ``offload`` the
+    optimizer state is in host memory (``host_bytes_per_param``): 0 on the device.
 
     Raises:
         ValueError: an unknown ``precision`` or ``dp < 1``.
@@ -85,8 +88,16 @@ def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1) -> tu
         raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
     positive_int(dp, "dp", where="memory_bytes_per_param")
     half = precision != "fp32"
-    optimizer = 12.0 if half else 8.0
+    optimizer = 0.0 if offload else 12.0 if half else 8.0
     return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
+
+
+def host_bytes_per_param(distributed: bool, dp: int = 1) -> float:
+    """Host bytes per parameter of one rank with ``offload``: an fp32 master, two fp32 moments and an fp32 gradient
+    copy, 16 (any precision: an fp32 parameter also gets a host master, the device copy being the model's), divided
+    by ``dp`` when ``distributed``."""
+    positive_int(dp, "dp", where="host_bytes_per_param")
+    return 16.0 / dp if distributed else 16.0
 
 
 class ParallelOptimizer:
@@ -103,6 +114,10 @@ class ParallelOptimizer:
             ``loss_scale`` before backward.
         no_decay: params for which it returns True get no weight decay (default: those of fewer than 2 dims,
             biases and norm weights).
+        offload: keep the fp32 masters, the Adam moments and a gradient copy in host memory (pinned for CUDA
+            params) and step them with the multi-threaded C++ CPU AdamW; the gradients go device-to-host and the
+            updated values host-to-device on a side stream (see ``step``). On the CPU the trajectory is the same,
+            bit for bit, as without it.
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
@@ -113,7 +128,8 @@ class ParallelOptimizer:
 
     def __init__(self, models, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, distributed: bool = False, precision: str = "fp32",
-                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None, no_decay=None) -> None:
+                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None, no_decay=None,
+                 offload: bool = False) -> None:
         cls = type(self).__name__
         if precision not in PRECISIONS:
             raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
@@ -132,15 +148,21 @@ class ParallelOptimizer:
                 raise ValueError(f"{cls}: a param has no main_grad; wrap the model in DistributedDataParallel "
                                  "(it allocates the fp32 grad buffers, also for one rank)")
         self.device = params[0].device if params else torch.device("cpu")
+        self.offload = bool(offload)
+        pinned = self.offload and self.device.type == "cuda"
         tp_rank = state.tp_rank() if state.is_initialized() else 0
         self.pieces: list[Piece] = []
         decay, no_decay_group = [], []
         for p, lo, hi in self._owned(params):
             flat = p.detach().view(-1)[lo:hi]
-            main = flat if p.dtype == torch.float32 else flat.float().clone()
             grad = p.main_grad.view(-1)[lo:hi]
-            if grad.dtype == torch.float32:
-                main.grad = grad
+            if self.offload:  # host master and gradient copy (the C++ CPU AdamW steps them)
+                main = torch.empty(hi - lo, dtype=torch.float32, pin_memory=pinned).copy_(flat)
+                main.grad = torch.empty(hi - lo, dtype=torch.float32, pin_memory=pinned)
+            else:
+                main = flat if p.dtype == torch.float32 else flat.float().clone()
+                if grad.dtype == torch.float32:
+                    main.grad = grad
             counted = counts_in_grad_norm(p, tp_rank)
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
             excluded = p.dim() < 2 if no_decay is None else no_decay(p)
@@ -202,12 +224,24 @@ class ParallelOptimizer:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def _grads(self) -> list[torch.Tensor]:
+        """The fp32 grads on the params' device (for the checks and the norm)."""
+        if self.offload:
+            return [piece.grad.float() if piece.grad.dtype != torch.float32 else piece.grad for piece in self.pieces]
         grads = []
         for piece in self.pieces:
             if piece.grad.dtype != torch.float32:  # 16-bit main_grad buffers: fp32 mains need fp32 grads
                 piece.main.grad = piece.grad.float()
             grads.append(piece.main.grad)
         return grads
+
+    def _side_stream(self):
+        """The stream the host copies run on (CUDA), so they overlap the default stream's work."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
 
     def _world_max(self, flag: torch.Tensor) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -266,9 +300,16 @@ class ParallelOptimizer:
         divisor = torch.where(torch.isfinite(norm), torch.ones_like(norm), torch.full_like(norm, math.nan)) * scale
         if self.clip_grad > 0:
             divisor = divisor / torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
-        self._adam.step(grad_scale=divisor)
+        if self.offload:
+            self._offloaded_step(grads, divisor)
+        else:
+            self._adam.step(grad_scale=divisor)
         if self._masters:
-            torch._foreach_copy_([m.flat for m in self._masters], [m.main for m in self._masters])
+            with self._side_stream():
+                torch._foreach_copy_([m.flat for m in self._masters], [m.main for m in self._masters],
+                                     non_blocking=self.offload)
+            if self.offload and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
         if self.distributed:
             for work in [w for m in self.models for w in m.start_param_sync()]:
                 work.wait()
@@ -277,6 +318,16 @@ class ParallelOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(not stepped)
         return stepped, norm_value
+
+    def _offloaded_step(self, grads: list[torch.Tensor], divisor: torch.Tensor) -> None:
+        """Grads device-to-host (a side stream on CUDA, pinned buffers), the CPU AdamW on the host masters."""
+        if not self.pieces:
+            return
+        with self._side_stream():
+            torch._foreach_copy_([piece.main.grad for piece in self.pieces], grads, non_blocking=True)
+        if self.device.type == "cuda":
+            self._stream.synchronize()
+        self._adam.step(grad_scale=divisor.to("cpu"))
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (``zero_grad_buffer()`` of every DDP wrapper, else every ``main_grad``)."""
@@ -292,7 +343,8 @@ class ParallelOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, measured on the tensors (each storage once): ``params`` (model params / param
         buffers), ``grads`` (main_grad buffers) and ``optimizer`` (moments and masters not sharing the params'
-        storage). Compare with ``memory_bytes_per_param``."""
+        storage); with ``offload``, ``host`` (those in host memory, and the gradient copies), ``optimizer`` 0.
+        Compare with ``memory_bytes_per_param`` and ``host_bytes_per_param``."""
         def nbytes(tensors, exclude=()):
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
             return sum(n for ptr, n in storages.items() if ptr not in exclude)
@@ -300,11 +352,15 @@ class ParallelOptimizer:
         flats = [piece.flat for piece in self.pieces]
         param_ptrs = {f.untyped_storage().data_ptr() for f in flats}
         moments = [s[k] for s in self._adam.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
-        return {"params": nbytes(flats) if not self.distributed else sum(
-                    b.untyped_storage().nbytes() for m in self.models for b in m.param_buffers),
-                "grads": nbytes([piece.grad for piece in self.pieces]) if not self.distributed else sum(
-                    b.untyped_storage().nbytes() for m in self.models for b in m.grad_buffers),
-                "optimizer": nbytes(moments) + nbytes([piece.main for piece in self.pieces], exclude=param_ptrs)}
+        state = nbytes(moments) + nbytes([piece.main for piece in self.pieces], exclude=param_ptrs)
+        out = {"params": nbytes(flats) if not self.distributed else sum(
+                   b.untyped_storage().nbytes() for m in self.models for b in m.param_buffers),
+               "grads": nbytes([piece.grad for piece in self.pieces]) if not self.distributed else sum(
+                   b.untyped_storage().nbytes() for m in self.models for b in m.grad_buffers),
+               "optimizer": 0 if self.offload else state}
+        if self.offload:  # in host memory: masters, moments and the gradient copies
+            out["host"] = state + nbytes([piece.main.grad for piece in self.pieces])
+        return out
 
     def param_state(self) -> tuple[dict[torch.Tensor, dict[str, torch.Tensor]], int]:
         """The optimizer state in the params' own shapes, for layout-independent checkpoints.

@@ -3,6 +3,7 @@ starts, naming the flag; the dry run reports the paper presets' costs in seconds
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -117,3 +118,28 @@ def test_dry_run_without_distributed_optimizer_is_18_bytes_per_param():
     rep = report(parse_train_args(["--preset", "gpt-1.2b", "--precision", "bf16", "--dry-run"]), out=lambda s: None)
     b, n = rep["memory_breakdown_bytes"], rep["parameters_per_device"]
     assert b["weights"] + b["grads"] + b["optimizer"] == 18 * n
+
+
+def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_on_the_host():
+    """bf16 params (2) + fp32 gradients (4) on the GPU; fp32 master, moments and gradient copy (16 / dp with
+    ZeRO-1) in host memory."""
+    from megakernels_models.dryrun import report
+
+    lines = []
+    rep = report(parse_train_args(["--preset", "gpt-1.2b", "--precision", "bf16", "--nproc", "4",
+                                   "--distributed-optimizer", "--offload-optimizer", "--global-batch-size", "32",
+                                   "--dry-run"]), out=lines.append)
+    b, n = rep["memory_breakdown_bytes"], rep["parameters_per_device"]
+    assert (b["weights"], b["grads"], b["optimizer"]) == (2 * n, 4 * n, 0)
+    assert rep["host_memory_per_rank_bytes"] == pytest.approx(16 * n / 4)
+    assert any("host memory per rank" in line for line in lines)
+
+
+def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
+    from megakernels_models import costs, plan
+
+    cfg = parse_train_args(["--preset", "gpt-8.3b", "--dry-run"]).model_config()
+    off = plan.rank(cfg, 8, 64, costs.DEVICES["h100"], offload=True)[0]
+    assert "--offload-optimizer" in plan.command(off["layout"], ["--preset", "gpt-8.3b"])
+    on_device = costs.memory(costs.MetaModel(cfg), dataclasses.replace(off["layout"], offload_optimizer=False))
+    assert off["memory_bytes"] < on_device["total"]

@@ -1,6 +1,6 @@
 """The trainer's central test (docs/design.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
-(tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer, recomputation, interleaving and
-gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT, BERT and Llama
+(tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer (and its CPU offload),
+recomputation, interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT, BERT and Llama
 (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context parallelism
 by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixture-of-experts GPT and Llama
 (dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
@@ -49,6 +49,8 @@ LAYOUTS = {
     "pp2-gpipe": (2, dict(pp=2, schedule="gpipe")),
     "dp2": (2, dict()),
     "dp2-zero1": (2, dict(distributed_optimizer=True)),
+    "offload": (1, dict(offload_optimizer=True)),
+    "dp2-zero1-offload": (2, dict(distributed_optimizer=True, offload_optimizer=True)),
     "tp2-pp2": (4, dict(tp=2, pp=2)),
     "tp2-dp2-sp": (4, dict(tp=2, sequence_parallel=True)),
     "pp2-dp2": (4, dict(pp=2)),
@@ -71,9 +73,9 @@ LAYOUTS = {
     "ep2-dp4-zero1": (4, dict(ep=2, distributed_optimizer=True)),
     "cp2-ep2": (4, dict(cp=2, ep=2)),
 }
-ONLY = {"pp2-gpipe": ("gpt",), "pp4": ("gpt",), "tp2-dp2-sp": ("gpt",), "pp2-dp2": ("gpt",),
-        "tp2-pp2": ("gpt", "bert"), "pp2-vpp2-dp2": ("gpt", "bert"), "tp2-pp2-dp2": ("bert",),
-        "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
+ONLY = {"offload": ("gpt",), "dp2-zero1-offload": ("gpt",), "pp2-gpipe": ("gpt",), "pp4": ("gpt",),
+        "tp2-dp2-sp": ("gpt",), "pp2-dp2": ("gpt",), "tp2-pp2": ("gpt", "bert"), "pp2-vpp2-dp2": ("gpt", "bert"),
+        "tp2-pp2-dp2": ("bert",), "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
         "tp4-kv-replicated": ("llama",), "cp2": ("gpt", "llama"), "cp4": ("gpt", "llama"),
         "tp2-cp2-sp": ("gpt", "llama"), "pp2-cp2": ("gpt", "llama"), "cp2-dp2-zero1": ("llama",),
         "tp2-cp2-pp2-recompute": ("llama",), "ep2": EXPERTS, "ep4": EXPERTS, "tp2-ep2-sp": EXPERTS,
@@ -93,10 +95,11 @@ def _losses(records) -> list[float]:
     return [r["loss"] for r in records]
 
 
-# Resharding: the (2, 2, 2) run with SP and ZeRO-1 saves at step 3; its checkpoint resumes at other layouts
-# (here in the world of 8, and at (1, 1, 1) in this process); steps 4..6 must follow the single-process curve.
+# Resharding: the (2, 2, 2) run with SP and ZeRO-1 saves (asynchronously) at step 3; its checkpoint resumes at
+# other layouts (here in the world of 8, and at (1, 1, 1) in this process); steps 4..6 must follow the single-process
+# curve.
 SAVE_LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3,
-                   keep_checkpoints=5)
+                   keep_checkpoints=5, async_save=True)
 RESHARD_TO = {"tp4-dp2": (8, dict(tp=4)), "pp4-dp2": (8, dict(pp=4)), "single": (1, dict())}
 # MoE models are saved with their experts over ep 2 and resumed at ep 1 (tp4-dp2, single) and ep 2 (pp4-dp2).
 EP_WHEN = {"saving": 2, "pp4-dp2": 2}
@@ -201,6 +204,8 @@ def test_distributed_optimizer_shards_the_optimizer_state():
     plain, zero = got[("memory", "gpt", "dp2")], got[("memory", "gpt", "dp2-zero1")]
     assert plain == {"params": pytest.approx(4.0), "grads": pytest.approx(4.0), "optimizer": pytest.approx(8.0)}
     assert zero["optimizer"] == pytest.approx(4.0, rel=0.02) and zero["grads"] == pytest.approx(4.0, rel=0.02)
+    offloaded = got[("memory", "gpt", "dp2-zero1-offload")]  # each rank's shard in host memory: 16 / dp
+    assert offloaded["optimizer"] == 0 and offloaded["host"] == pytest.approx(8.0, rel=0.02)
 
 
 @pytest.mark.parametrize("model", list(MODELS))

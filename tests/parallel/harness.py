@@ -5,10 +5,11 @@ from __future__ import annotations
 from megakernels.parallel import launch
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store") -> list:
-    """``launch.run_world`` (one thread per rank), raising ``AssertionError`` where it raises ``WorldFailed``."""
+def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", **kwargs) -> list:
+    """``launch.run_world`` (``kwargs`` are its other options), raising ``AssertionError`` where it raises
+    ``WorldFailed``."""
     try:
-        return launch.run_world(world_size, fn, *args, timeout=timeout, init=init)
+        return launch.run_world(world_size, fn, *args, timeout=timeout, init=init, **kwargs)
     except launch.WorldFailed as e:
         raise AssertionError(str(e)) from None
 

@@ -1,0 +1,140 @@
+"""The checkpoint directory: ``DIR/step-N`` checkpoints, the ``latest`` marker, atomic commits, keep-K pruning,
+and the files an incremental checkpoint shares with older ones.
+
+Commit. A checkpoint is written to ``DIR/.tmp-step-N`` and renamed to ``DIR/step-N`` once DCP's metadata exists
+(DCP writes it last, after every rank's data files), then ``DIR/latest`` (a temporary file renamed over) names it.
+A process killed at any moment therefore leaves ``latest`` naming a complete checkpoint; without ``latest`` the
+newest ``step-N`` holding the metadata is used.
+
+Shared files. An incremental checkpoint does not rewrite a tensor whose bytes equal those in the previous
+checkpoint: its metadata points at the file that already holds them, ``../step-M/__r_0.distcp`` (relative, so the
+directory can move as a whole). References always name the file where the bytes are, never a chain.
+
+Pruning keeps the newest ``keep`` complete checkpoints (and the one ``latest`` names). An older checkpoint whose
+files a kept one still references loses its metadata and its unreferenced files but keeps the referenced ones: it
+is no longer a checkpoint, only a store, deleted once nothing references it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import torch.distributed.checkpoint as dcp
+
+LATEST = "latest"
+METADATA = ".metadata"
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_steps(save_dir: str) -> list[tuple[int, str]]:
+    """``(step, name)`` of the complete checkpoints in ``save_dir``, oldest first."""
+    out = []
+    for name in os.listdir(save_dir):
+        m = STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(save_dir, name, METADATA)):
+            out.append((int(m.group(1)), name))
+    return sorted(out)
+
+
+def find_latest(load_dir: str, error=RuntimeError) -> str | None:
+    """The checkpoint to resume from: ``load_dir`` itself if it is one (``DIR/step-N``), else the one ``latest``
+    names, else the newest complete ``step-N``; None when ``load_dir`` does not exist or holds no complete
+    checkpoint (a first launch with ``--save DIR --load DIR``).
+
+    Raises:
+        error: ``load_dir`` exists and is not a directory.
+    """
+    if not os.path.exists(load_dir):
+        return None
+    if not os.path.isdir(load_dir):
+        raise error(f"--load {load_dir!r} is not a directory")
+    if os.path.exists(os.path.join(load_dir, METADATA)):
+        return load_dir
+    marker = os.path.join(load_dir, LATEST)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            name = f.read().strip()
+        path = os.path.join(load_dir, name)
+        if STEP_DIR.match(name) and os.path.exists(os.path.join(path, METADATA)):
+            return path
+    steps = complete_steps(load_dir)
+    return os.path.join(load_dir, steps[-1][1]) if steps else None
+
+
+def write_latest(save_dir: str, name: str) -> None:
+    """Point ``save_dir/latest`` at ``name``, atomically and durably."""
+    tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, LATEST))
+    try:  # make the rename itself durable
+        fd = os.open(save_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def commit(tmp: str, final: str, error=RuntimeError) -> None:
+    """Rename the written checkpoint ``tmp`` to ``final`` and point ``latest`` at it (rank 0, after DCP's save
+    returned on it, which is after every rank's files and the metadata are written).
+
+    Raises:
+        error: ``tmp`` has no metadata (the save did not finish).
+    """
+    if not os.path.exists(os.path.join(tmp, METADATA)):
+        raise error(f"checkpoint {tmp} has no {METADATA} after saving")
+    if os.path.exists(final):  # a re-save of the same step: the old one goes first
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    write_latest(os.path.dirname(final), os.path.basename(final))
+
+
+def storage_files(path: str) -> dict:
+    """``{MetadataIndex: storage info}`` of the checkpoint at ``path`` (where each chunk's bytes are)."""
+    return dcp.FileSystemReader(path).read_metadata().storage_data
+
+
+def referenced_elsewhere(save_dir: str, names) -> set[str]:
+    """The files (paths relative to ``save_dir``, ``step-M/file``) that the checkpoints ``names`` reference in
+    other directories."""
+    out = set()
+    for name in names:
+        for info in storage_files(os.path.join(save_dir, name)).values():
+            rel = info.relative_path
+            if rel.startswith("../"):
+                out.add(os.path.normpath(rel[3:]))
+    return out
+
+
+def prune(save_dir: str, keep: int) -> None:
+    """Delete what the newest ``keep`` complete checkpoints (and ``latest``'s) do not need (see the module
+    docstring); rank 0 only."""
+    complete = [name for _, name in complete_steps(save_dir)]
+    latest = find_latest(save_dir)
+    kept = set(complete[-keep:]) if keep > 0 else set(complete)
+    if latest is not None:
+        kept.add(os.path.basename(latest))
+    needed = referenced_elsewhere(save_dir, sorted(kept))
+    for name in os.listdir(save_dir):
+        if not STEP_DIR.match(name) or name in kept:
+            continue
+        folder = os.path.join(save_dir, name)
+        keep_files = {os.path.basename(f) for f in needed if os.path.dirname(f) == name}
+        if not keep_files:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        # Metadata first: from here on the directory is a store, never mistaken for a checkpoint.
+        for f in [METADATA] + sorted(os.listdir(folder)):
+            if f not in keep_files and os.path.exists(os.path.join(folder, f)):
+                os.remove(os.path.join(folder, f))

@@ -1,0 +1,156 @@
+"""Preemption and auto-resume: a signal makes every rank finish its step, save and exit 0; the same command
+relaunched continues from that checkpoint, and the two launches' loss curve is the uninterrupted run's exactly
+(fp32, dropout on: the RNG states travel in the checkpoint). ``--exit-interval`` and ``--exit-duration-mins`` stop
+the same way; ``--load`` of a directory without a checkpoint starts from scratch.
+
+The runs are real ``megakernels train`` processes held at sync points (``megakernels_models.syncpoints``), so the
+signals arrive at a known step and during a known part of the save, never after a sleep."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+
+import pytest
+
+from megakernels_models import checkpoint, syncpoints
+from megakernels_models.arguments import ArgumentError, validate
+from megakernels_models.preemption import StopConditions
+from tests.models.preemption_harness import TINY_FLAGS, Run, SyncDir, logged_losses, run_to_end
+from tests.parallel.harness import run_world
+from tests.models.test_checkpoint import TINY, _train
+
+WRITE_3 = "checkpoint-write-00000003"
+
+
+def test_a_signal_mid_run_then_the_same_command_gives_the_uninterrupted_curve(tmp_path):
+    """One process: SIGTERM after step 3 -> the step ends, the checkpoint is saved (a second SIGTERM arrives during
+    its write), exit 0 with the line saying where; the same command again resumes there. The two launches'
+    losses are the uninterrupted run's, bit for bit."""
+    common = TINY_FLAGS + ["--steps", "6"]
+    run_to_end(common + ["--log-jsonl", str(tmp_path / "reference.jsonl")])
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
+    flags = common + ["--save", ckpt, "--load", ckpt, "--log-jsonl", log]
+
+    run = Run(flags, str(tmp_path / "sync"), holds=("step-3",))
+    sync = run.sync
+    sync.wait_for("step-3", [0])
+    run.signal()
+    sync.wait_for("signal", [0])  # the handler ran while the step was held
+    sync.hold(WRITE_3)
+    sync.release("step-3")
+    sync.wait_for(WRITE_3, [0])
+    sync.forget("signal")
+    run.signal()
+    sync.wait_for("signal", [0])
+    sync.release(WRITE_3)
+    out = run.finish()
+    assert "starting from scratch" in out
+    assert f"stopped after step 3 (SIGTERM): saved checkpoint {os.path.join(ckpt, 'step-00000003')}" in out
+    assert checkpoint.read_latest(ckpt) == os.path.join(ckpt, "step-00000003")
+
+    out = run_to_end(flags)  # the same command line
+    assert "starting from scratch" not in out and "stopped" not in out
+    assert logged_losses(log) == logged_losses(str(tmp_path / "reference.jsonl"))
+
+
+def _preempted_world(rank: int, world_size: int, args):
+    from megakernels_models.train import train
+
+    first = train(args)  # stopped by the test's signal
+    return first, train(args)  # the same settings again: the relaunch
+
+
+def test_a_signal_to_one_of_four_ranks_stops_all_of_them_and_the_relaunch_continues_exactly(tmp_path, monkeypatch):
+    """Four processes (pp 2 × dp 2): SIGTERM to rank 1 only after step 3 -> every rank ends that step and saves;
+    SIGTERM to the launcher during the write, which forwards it to every rank, changes nothing; the same settings
+    again resume there. The curve equals the uninterrupted pp2-dp2 run of the layout suite (same world size and
+    threads) exactly."""
+    from tests.models import test_layouts as layouts
+
+    reference = layouts._world_results(4)[("gpt", "pp2-dp2")][0]
+    ckpt = str(tmp_path / "ckpt")
+    args = dataclasses.replace(layouts._args("gpt", layouts.LAYOUTS["pp2-dp2"][1], 4), save=ckpt, load=ckpt)
+    done, failed = threading.Event(), []
+
+    def alive(name):
+        assert not done.is_set(), f"the world ended before {name}"
+
+    sync = SyncDir(str(tmp_path / "sync"), alive)
+    monkeypatch.setenv(syncpoints.ENV, sync.path)  # the spawned ranks inherit it
+
+    def drive():  # the preemption, from a second thread: the launcher (this process) runs the world
+        try:
+            pids = sync.wait_for("step-3", range(4))
+            os.kill(pids[1], signal.SIGTERM)
+            sync.wait_for("signal", [1])
+            sync.hold(WRITE_3)
+            sync.release("step-3")
+            sync.wait_for(WRITE_3, range(4))
+            sync.forget("signal")
+            os.kill(os.getpid(), signal.SIGTERM)
+            sync.wait_for("signal", range(4))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            failed.append(e)
+        finally:
+            for name in ("step-3", WRITE_3):
+                if os.path.exists(os.path.join(sync.path, f"{name}.hold")):
+                    sync.release(name)
+
+    sync.hold("step-3")
+    driver = threading.Thread(target=drive)
+    driver.start()
+    try:
+        ranks = run_world(4, _preempted_world, args, timeout=300, forward_signals=(signal.SIGTERM,))
+    finally:
+        done.set()
+        driver.join()
+    if failed:
+        raise failed[0]
+    first, second = ranks[-1]  # the logging rank's records
+    assert [r["step"] for r in first] == [1, 2, 3] and first[-1]["stopped"] == "SIGTERM"
+    assert [r["step"] for r in second] == list(range(4, layouts.STEPS + 1))
+    assert [r["loss"] for r in first + second] == reference
+
+
+def test_exit_interval_stops_after_the_step_and_saves(world1, tmp_path):
+    full = _train(steps=6)
+    stopped = _train(steps=6, save=str(tmp_path), exit_interval=2)
+    assert stopped == full[:2]
+    assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000002")
+    assert _train(steps=6, save=str(tmp_path), load=str(tmp_path)) == full[2:]
+
+
+def test_exit_duration_stops_after_the_first_step_past_it(world1, tmp_path):
+    from megakernels_models.train import train
+
+    records = train(dataclasses.replace(TINY, steps=6, save=str(tmp_path), exit_duration_mins=1e-9))
+    assert [r["step"] for r in records] == [1]
+    assert records[0]["stopped"].startswith("--exit-duration-mins")
+    assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000001")
+
+
+def test_load_from_a_missing_or_empty_directory_starts_from_scratch(world1, tmp_path, capsys):
+    full = _train(steps=2)
+    assert _train(steps=2, load=str(tmp_path / "not-yet")) == full
+    assert "no checkpoint in --load" in capsys.readouterr().out
+    assert _train(steps=2, load=str(tmp_path)) == full  # exists, empty
+
+
+def test_stop_settings_are_validated():
+    with pytest.raises(ArgumentError, match="--exit-interval must be"):
+        validate(dataclasses.replace(TINY, exit_interval=0))
+    with pytest.raises(ArgumentError, match="--exit-duration-mins must be > 0"):
+        validate(dataclasses.replace(TINY, exit_duration_mins=0.0))
+    with pytest.raises(ArgumentError, match="--exit-signal must be one of SIGTERM, SIGUSR1, none"):
+        validate(dataclasses.replace(TINY, exit_signal="SIGKILL"))
+    with pytest.raises(ValueError, match="--exit-signal must be one of"):
+        StopConditions("SIGINT")
+
+
+def test_load_of_a_file_is_an_argument_error(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ArgumentError, match="is not a directory"):
+        validate(dataclasses.replace(TINY, load=str(tmp_path / "f")))
