@@ -72,7 +72,7 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Device:
     """Peak dense TFLOP/s (16-bit and fp32), the efficiency large GEMMs reach, memory, and bandwidths in GB/s per
-    device: inside a node (NVLink) and across nodes (one network adapter per GPU)."""
+    device: inside a node (NVLink) and across nodes (one network adapter per GPU); the latency of one message."""
 
     name: str
     tflops_16: float
@@ -81,6 +81,7 @@ class Device:
     memory_gb: float
     intra_gbps: float
     inter_gbps: float
+    latency_s: float = 10e-6
 
 
 # Vendor data sheets for the peaks and links; efficiency: the fraction of peak a large bf16 GEMM sustains in a
@@ -208,9 +209,10 @@ def fits(total_bytes: float, device: Device) -> bool:
     return total_bytes * (1 + FRAGMENTATION) + RESERVED_GB * 1e9 <= device.memory_gb * 1e9
 
 
-def _ring(bytes_: float, n: int, gbps: float) -> float:
-    """Seconds of a ring all-reduce of ``bytes_`` over ``n`` ranks."""
-    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9)
+def _ring(bytes_: float, n: int, gbps: float, latency: float = 0.0) -> float:
+    """Seconds of an all-reduce of ``bytes_`` over ``n`` ranks: the ring's ``2(n−1)/n`` of the bytes at
+    ``gbps``, plus a fixed ``latency`` per collective."""
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
 
 
 def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int = 8) -> dict:
@@ -229,10 +231,11 @@ def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int 
     # tensor parallelism: TP groups are consecutive ranks; a group wider than a node crosses the network
     tp_bw = device.intra_gbps if L.tp <= gpus_per_node else device.inter_gbps
     layers_per_device = cfg.num_layers / L.pp
-    tp_comm = 4 * m * layers_per_device * _ring(act_bytes, L.tp, tp_bw) * (1 if L.recompute != "full" else 1.5)
+    lat = device.latency_s
+    tp_comm = 4 * m * layers_per_device * _ring(act_bytes, L.tp, tp_bw, lat) * (1 if L.recompute != "full" else 1.5)
     # pipeline: one activation forward and one gradient backward per micro-batch and stage boundary
     pp_bw = device.inter_gbps if L.tp * L.cp * L.dp >= gpus_per_node else device.intra_gbps
-    pp_comm = 0.0 if L.pp == 1 else 2 * m * L.vpp * act_bytes / L.tp / (pp_bw * 1e9)
+    pp_comm = 0.0 if L.pp == 1 else 2 * m * L.vpp * (act_bytes / L.tp / (pp_bw * 1e9) + lat)
     # context parallelism: the key/value ring, overlapped with the attention
     cp_comm = 0.0
     if L.cp > 1:
@@ -244,7 +247,7 @@ def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int 
     params = memory(meta, L)["parameters_per_device"]
     dp_ranks = L.dp * L.cp
     dp_bw = device.inter_gbps if L.world > gpus_per_node else device.intra_gbps
-    dp_comm = _ring(params * 4, dp_ranks, dp_bw)
+    dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)
     dp_exposed = max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
     # expert parallelism: dispatch + combine all-to-alls, forward and backward, of the routed tokens
     ep_comm = 0.0
