@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
 VOCAB = 96
@@ -50,3 +53,12 @@ def batch(seed: int = 0, batch: int = 2, seq: int = 12) -> torch.Tensor:
     """Random token ids ``[batch, seq]`` (int64) above the special tokens."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+def accelerate_example():
+    """examples/hf_accelerate_train.py as a module (its ``build_model`` and ``dataset`` serve the training tests)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "hf_accelerate_train.py"
+    spec = importlib.util.spec_from_file_location("hf_accelerate_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

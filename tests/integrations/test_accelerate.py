@@ -6,7 +6,6 @@ on one process: Accelerate's checkpoints hold the unwrapped model and the full o
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,17 +18,11 @@ pytest.importorskip("accelerate")
 
 import megakernels.integrations.transformers as mkt  # noqa: E402
 from megakernels.optim import FusedAdamW  # noqa: E402
+from tests.integrations import hf_models as H  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "hf_accelerate_train.py"
+SCRIPT = ROOT / "examples" / "hf_accelerate_train.py"  # the example under test
 STEPS, SAVED_AT, BATCH, SEQ, LR = 4, 2, 8, 16, 3e-3
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("hf_accelerate_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _launch(tmp_path: Path, name: str, processes: int, *args: str) -> dict:
@@ -63,7 +56,7 @@ def _train(example, model, optimizer, first: int, last: int) -> list[tuple[float
 @pytest.fixture(scope="module")
 def single_process():
     """The single-process run: steps, the model and optimizer state dicts at SAVED_AT."""
-    example = _example()
+    example = H.accelerate_example()
     model = example.build_model(0)
     mkt.apply(model)
     optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=0.01)
