@@ -118,6 +118,16 @@ def test_quick_run_of_grouped_gemm_compares_the_loop_and_torch_grouped_mm(tmp_pa
     assert all(sum(r["group_sizes"]) == 64 * moe.TOP_K for r in rows)
 
 
+def test_quick_run_of_hf_train_times_patched_against_unpatched_models(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    assert bench("--ops", "hf", "--dtype", "fp32", "--quick", "--min-run-time", "0.01", "--out", str(out)) == 0
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert {(r["variant"], r["pass"]) for r in rows} == {(m, p) for m in ("gpt2-tiny", "llama-tiny")
+                                                         for p in ("fwd+bwd", "step")}
+    assert all(set(r["speedups"]) == {"transformers"} and r["unit"] == "TFLOP/s" for r in rows)
+
+
 def test_moe_dispatch_times_expert_exchange_against_the_bare_all_to_all():
     from megakernels_models.bench import moe
 

@@ -27,12 +27,12 @@ from megakernels.integrations.transformers._families import FAMILIES, family_of,
 MIN_TRANSFORMERS_VERSION = "5.0.0"  # 3-D Mixtral expert banks, AttentionMaskInterface, ``cache`` keyword
 ATTN_IMPLEMENTATION = _forwards.NAME
 
-__all__ = ["apply", "patch_classes", "patch_gpt2", "patch_bert", "patch_llama", "patch_mistral", "patch_mixtral",
+__all__ = ["apply", "patch_classes", "require_transformers", "patch_gpt2", "patch_bert", "patch_llama", "patch_mistral", "patch_mixtral",
            "register", "supported_model_types", "ClassPatch", "MIN_TRANSFORMERS_VERSION", "ATTN_IMPLEMENTATION"]
 
 
-def _transformers(op: str):
-    """transformers, imported and version-checked.
+def require_transformers(op: str):
+    """transformers, imported and version-checked (``op`` names the caller in the message).
 
     Raises:
         ImportError: transformers is not installed, or older than ``MIN_TRANSFORMERS_VERSION``.
@@ -64,7 +64,7 @@ def register() -> None:
     Raises:
         ImportError: transformers missing or too old.
     """
-    _transformers("register")
+    require_transformers("register")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -103,7 +103,7 @@ def apply(model, *, norms: bool = True, mlp: bool = True, attention: bool = True
         a transformers ``PreTrainedModel``. ValueError: a model type the integration does not know (named).
     """
     op = "megakernels.integrations.transformers.apply"
-    transformers = _transformers(op)
+    transformers = require_transformers(op)
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"{op}: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     family = family_of(getattr(model.config, "model_type", None), op)
@@ -178,7 +178,7 @@ def patch_classes(model_type: str, *, norms: bool = True, mlp: bool = True, atte
         is class-patched already (revert that patch first).
     """
     op = "megakernels.integrations.transformers.patch_classes"
-    _transformers(op)
+    require_transformers(op)
     family_of(model_type, op)
     if model_type in ClassPatch._active:
         raise ValueError(f"{op}: the {model_type!r} classes are patched already; revert() that patch first")
