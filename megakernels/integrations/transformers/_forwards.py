@@ -1,20 +1,23 @@
 """The forwards that replace transformers' own in patched modules, and the attention and loss functions registered
 with transformers. Every one keeps the module's parameters and their names (state dicts load either way) and
-computes what the module it replaces computes, through megakernels' fused ops:
+computes what the module it replaces computes, through megakernels' fused ops (docs/integrations.md):
 
 - norms: ``LayerNorm`` -> ``megakernels.ops.layer_norm``; ``*RMSNorm`` -> ``rms_norm`` (one pass each way, fp32
   statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after).
-- MLPs: GPT-2's ``c_fc`` + GeLU and BERT's ``dense`` + GeLU -> the GEMM without bias, then ``bias_gelu``; the
-  Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights, then ``swiglu``.
+- MLPs: GPT-2's ``c_fc`` + GeLU, BERT's intermediate ``dense`` + GeLU and its LM-head transform -> the GEMM
+  without bias, then ``bias_gelu``; the Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights
+  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu``.
 - Mixtral's experts -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
   ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
 - attention -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
-  without padding: its sdpa mask function returns None exactly then); with a mask (padding, a sliding window that
-  binds, packed sequences) or a head dim the CUDA kernel does not take, transformers' own SDPA path runs.
+  without padding: its SDPA mask function returns None exactly then); with a mask (padding, a sliding window that
+  binds, packed sequences), a softcap, sinks, a position bias or a head dim the CUDA kernel does not take,
+  transformers' own SDPA path runs.
 - causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
   with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation.
-"""
 
+Each module forward is bound to one module instance by ``_families.patch_modules`` (``self`` is that module).
+"""
 from __future__ import annotations
 
 import torch
@@ -35,12 +38,16 @@ def _norm_weight_ok(x: torch.Tensor, w: torch.Tensor | None) -> bool:
 
 
 def layer_norm_forward(self, x):
+    """``torch.nn.LayerNorm`` (1-D normalized shape) -> ``layer_norm``; x ``[..., h]`` in any dtype it takes, out in
+    x's dtype. Other shapes or weight dtypes run torch's forward."""
     if len(self.normalized_shape) != 1 or not _norm_weight_ok(x, self.weight):
         return torch.nn.LayerNorm.forward(self, x)
     return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def rms_norm_forward(self, x):
+    """transformers' ``*RMSNorm`` (``weight``, ``variance_epsilon``) -> ``rms_norm``; x ``[..., h]``, out in x's
+    dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one)."""
     if self.weight.dtype != x.dtype:  # transformers promotes (fp32 weight * bf16 x is fp32): its own forward
         return type(self).forward(self, x)
     return ops.rms_norm(x, self.weight, self.variance_epsilon)
@@ -57,12 +64,14 @@ def gelu_kind(name) -> str | None:
 
 
 def gpt2_mlp_forward(self, hidden_states, *, approximate: str):
+    """GPT-2's MLP (``c_fc``/``c_proj`` Conv1D, weight ``[in, out]``): ``[..., h]`` -> ``[..., h]``."""
     fc = self.c_fc  # Conv1D: x @ weight + bias, weight [in, out]
     h = ops.bias_gelu(torch.matmul(hidden_states, fc.weight), fc.bias, approximate=approximate)
     return self.dropout(self.c_proj(h))
 
 
 def bert_intermediate_forward(self, hidden_states, *, approximate: str):
+    """BERT's intermediate layer: ``[..., h]`` -> ``[..., ffn]``, GeLU(dense)."""
     return ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
 
 
@@ -73,6 +82,7 @@ def bert_head_transform_forward(self, hidden_states, *, approximate: str):
 
 
 def gated_mlp_forward(self, x):
+    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))``: ``[..., h]`` -> ``[..., h]``."""
     gate, up = self.gate_proj, self.up_proj
     weight = torch.cat([gate.weight, up.weight])
     bias = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
