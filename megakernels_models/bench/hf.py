@@ -21,7 +21,7 @@ import copy
 import torch
 
 from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, result_row, timed_in_turns
 
 FAMILY = "hf"
 BASELINE = "transformers"
@@ -87,6 +87,8 @@ def step_fn(model, ids: torch.Tensor, optimizer=None):
         if optimizer is not None:
             optimizer.step()
         model.zero_grad(set_to_none=True)
+        if ids.is_cuda:  # the steps are timed on the host
+            torch.cuda.synchronize()
     return step
 
 
@@ -106,13 +108,16 @@ def model_flops(model, tokens: int) -> int:
 
 
 def run(dtypes, *, quick=False, device="cpu", min_run_time=0.5, ceilings=None, notes=None, log=print) -> list[dict]:
-    """A row per (model, dtype, pass): ours (patched) against transformers' own modules."""
+    """A row per (model, dtype, pass): ours (patched) against transformers' own modules, the two taking turns step
+    by step (a step lasts about a second on a CPU: a calibrated block per implementation would see the machine's
+    drift as a difference between them); ``min_run_time`` sets the number of turns (10 per second of it, at least 5)."""
     why = missing()
     if why is not None:
         if notes is not None:
             notes.append(f"hf_train skipped: {why}")
         return []
     rows, table = [], TablePrinter(log)
+    reps = max(5, round(10 * min_run_time))
     for name, spec in (QUICK_MODELS if quick else MODELS).items():
         for dtype_name in dtypes or DEFAULT_DTYPES:
             plain, patched = (m.to(device) for m in pair(spec, DTYPES[dtype_name]))
@@ -121,7 +126,7 @@ def run(dtypes, *, quick=False, device="cpu", min_run_time=0.5, ceilings=None, n
                 opt = pass_ == "step"
                 steps = {OURS: step_fn(patched, ids, optimizer_for(patched, True) if opt else None),
                          BASELINE: step_fn(plain, ids, optimizer_for(plain, False) if opt else None)}
-                times = {k: median_seconds(fn, min_run_time) for k, fn in steps.items()}
+                times = timed_in_turns(steps, reps)
                 value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
                 tokens = ids.numel()
                 row = result_row("hf_train", FAMILY, dtype=dtype_name, shape=f"{spec[7]}x{spec[8]}", pass_=pass_,
