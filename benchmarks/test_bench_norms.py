@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.common import DTYPES, IMPLS, implementation
-from megakernels_models.bench.norms import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
-
-
-def shapes(config):
-    return QUICK_SHAPES if config.getoption("benchmark_disable") else SHAPES
+from megakernels_models.bench.common import IMPLS, parametrize_shapes
+from megakernels_models.bench.norms import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, suite_step
 
 
 def pytest_generate_tests(metafunc):
-    if "shape" in metafunc.fixturenames:
-        metafunc.parametrize("shape", shapes(metafunc.config), ids=lambda s: f"{s[0]}x{s[1]}")
+    parametrize_shapes(metafunc, QUICK_SHAPES, SHAPES)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -28,8 +23,6 @@ def pytest_generate_tests(metafunc):
 @pytest.mark.parametrize("dtype", DEFAULT_DTYPES)
 @pytest.mark.parametrize("op", list(COMPOSITIONS))
 def test_norm(benchmark, op, dtype, passes, impl, shape):
-    comp = COMPOSITIONS[op]
-    x, params, dy = make_inputs(comp, shape, DTYPES[dtype], grad=passes != "fwd")
-    fn = step_fn(implementation(comp, impl), x, params, dy, backward=passes != "fwd")
+    fn = suite_step(COMPOSITIONS[op], impl, dtype, shape, passes != "fwd")
     benchmark.group = f"{op} {dtype} {shape[0]}x{shape[1]} {passes}"
     benchmark(fn)

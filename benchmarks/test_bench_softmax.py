@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.common import DTYPES, IMPLS, implementation
+from megakernels_models.bench.common import DTYPES, IMPLS, implementation, parametrize_shapes
 from megakernels_models.bench.softmax import (COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, make_inputs,
                                               step_fn)
 
 
-def shapes(config):
-    return QUICK_SHAPES if config.getoption("benchmark_disable") else SHAPES
-
-
 def pytest_generate_tests(metafunc):
-    if "shape" in metafunc.fixturenames:
-        metafunc.parametrize("shape", shapes(metafunc.config), ids=lambda s: "x".join(map(str, s)))
+    parametrize_shapes(metafunc, QUICK_SHAPES, SHAPES)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -76,17 +76,19 @@ def _type(cls, f):
 _METAVARS = {int: "N", float: "X"}
 
 
-def add_settings(parser: argparse.ArgumentParser, cls, names=None, defaults: dict | None = None) -> None:
+def add_settings(parser: argparse.ArgumentParser, cls, names=None, defaults: dict | None = None,
+                 group: str | None = None) -> None:
     """Add a flag to ``parser`` for every command-line field of dataclass ``cls`` (or those in ``names``), grouped
-    as declared; ``defaults`` replaces field defaults in the help text (the values themselves still come from the
-    dataclass or the caller)."""
+    as declared (or all in ``group``); ``defaults`` replaces field defaults in the help text (the values themselves
+    still come from the dataclass or the caller)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     defaults = defaults or {}
     for f in cli_fields(cls):
         if names is not None and f.name not in names:
             continue
         md = f.metadata
-        group = groups.get(md["group"]) or groups.setdefault(md["group"], parser.add_argument_group(md["group"]))
+        title = group or md["group"]
+        grp = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         default = defaults.get(f.name, f.default)
         help_ = md["help"]
         if default is not None and not isinstance(default, bool) and "default" not in help_:
@@ -97,7 +99,7 @@ def add_settings(parser: argparse.ArgumentParser, cls, names=None, defaults: dic
         else:
             typ = _type(cls, f)
             kwargs.update(type=typ, choices=_choices(f), metavar=md.get("metavar") or _METAVARS.get(typ))
-        group.add_argument(flag_of(f), **kwargs)
+        grp.add_argument(flag_of(f), **kwargs)
 
 
 def given(ns: argparse.Namespace, cls) -> dict:

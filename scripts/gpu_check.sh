@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # GPU validation (docs/design.md §3). On a CUDA machine with torch, nvcc (and triton) already installed and no
-# network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, then the key
-# benchmarks on the GPU — FlashAttention d128 bf16 at s 4k/8k (causal and not), the norm and softmax families at
-# rows >= 4k, AdamW on 100M params, cross-entropy, and a GPT-1.3B end-to-end run (the trainer + the eager-GPT
-# baseline). Logs, JSON and PNG plots go to OUTDIR; the summary at the end (megakernels_models/bench/summary.py)
-# shows each stage's result and the numbers against the docs/design.md §6 targets (pass/fail, % of target). Aimed at
-# < 8 minutes on an H100/H200 (torch.compile baselines are skipped here for time; `megakernels bench --device
-# cuda` runs them).
+# network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, the static
+# cost report (`megakernels bench --static`: what the model predicts for each kernel), then the key benchmarks on
+# the GPU through `megakernels bench` — the norm, bias-GeLU and softmax families at rows >= 4k, AdamW (50x1M and
+# 1x100M params), FlashAttention d128 bf16 at s 4k/8k (causal and not), cross-entropy, and a GPT-1.3B end-to-end
+# run (the trainer + the eager-GPT baseline). Logs, JSON and PNG plots go to OUTDIR (one folder per benchmark
+# stage); the summary at the end (megakernels_models/bench/summary.py) shows each stage's result, the numbers
+# against the docs/design.md §6 targets (pass/fail, % of target), and every measurement beside the static model's
+# prediction (the first GPU run calibrates the model). Aimed at < 8 minutes on an H100/H200 (torch.compile
+# baselines are skipped here for time; `megakernels bench --device cuda` runs them).
 #   scripts/gpu_check.sh OUTDIR                 # the whole check
 #   scripts/gpu_check.sh --summary-only OUTDIR  # re-render the summary from OUTDIR's stages.tsv and JSON files
 # Exit status: 0 when every stage passed, 1 otherwise, 2 for a usage error. Targets missed do not change it
@@ -41,7 +43,7 @@ fi
 ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
 START=$(date +%s)
-STAGES=(build tests bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_e2e)
+STAGES=(build tests static bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_e2e)
 declare -A STATUS
 for s in "${STAGES[@]}"; do STATUS[$s]=skipped; done
 
@@ -58,17 +60,19 @@ stage() {  # stage NAME LOG CMD...: run CMD with its output in OUTDIR/LOG, recor
 if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q build_ext --inplace; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   stage tests pytest_cuda.log "$PY" -m pytest -m cuda -x -q -p no:cacheprovider tests
-  stage bench_norms bench_norms.txt "$PY" -m benchmarks.norms --device cuda --dtype bfloat16 --no-compile \
-    --out "$OUT"
-  stage bench_softmax bench_softmax.txt "$PY" -m benchmarks.softmax --device cuda --dtype bfloat16 --no-compile \
-    --out "$OUT"
-  stage bench_adamw bench_adamw.txt "$PY" -m benchmarks.adamw --device cuda --configs 1x100M --out "$OUT"
-  stage bench_attention bench_attention.txt "$PY" -m benchmarks.attention --device cuda --dtype bfloat16 \
-    --head-dims 128 --seqlens 4096,8192 --out "$OUT"
-  stage bench_cross_entropy bench_cross_entropy.txt "$PY" -m benchmarks.cross_entropy --device cuda \
-    --dtype bfloat16 --out "$OUT"
-  stage bench_e2e bench_e2e.txt "$PY" -m benchmarks.e2e --device cuda --preset gpt-1.3b --micro-batch-size 4 \
-    --steps 5 --warmup 2 --out "$OUT"
+  BENCH=("$PY" -m megakernels_models.cli bench)
+  stage static static.txt "${BENCH[@]}" --static --out "$OUT/static"
+  stage bench_norms bench_norms.txt "${BENCH[@]}" --ops norms,bias_gelu --device cuda --dtype bfloat16 \
+    --no-compile --out "$OUT/norms"
+  stage bench_softmax bench_softmax.txt "${BENCH[@]}" --ops softmax --device cuda --dtype bfloat16 --no-compile \
+    --out "$OUT/softmax"
+  stage bench_adamw bench_adamw.txt "${BENCH[@]}" --ops adamw --device cuda --out "$OUT/adamw"
+  stage bench_attention bench_attention.txt "${BENCH[@]}" --ops flash_attention --device cuda --dtype bfloat16 \
+    --head-dims 128 --seqlens 4096,8192 --out "$OUT/attention"
+  stage bench_cross_entropy bench_cross_entropy.txt "${BENCH[@]}" --ops cross_entropy --device cuda \
+    --dtype bfloat16 --out "$OUT/cross_entropy"
+  stage bench_e2e bench_e2e.txt "${BENCH[@]}" --e2e gpt-1.3b --device cuda --micro-batch-size 4 --steps 5 \
+    --warmup 2 --out "$OUT/e2e"
 fi
 
 : >"$OUT/stages.tsv"

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 
 #ifdef MEGAKERNELS_WITH_CUDA
@@ -46,6 +47,8 @@ void raise_if(const char* op, const char* err);
 void* stream_of(const at::Tensor& x);
 #endif
 void advise_huge_pages(const at::Tensor& t);
+// Rows per at::parallel_for grain for rows of `row_elements`: enough elements per task to amortise its overhead.
+inline int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, 16384 / row_elements); }
 
 // Where a launch of the CUDA kernels goes: for a CUDA tensor its device (guarded for the scope) and current
 // stream; for the emulator (a CPU tensor) no stream.

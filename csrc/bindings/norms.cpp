@@ -1,4 +1,4 @@
-// Norm family bindings: layer_norm / rms_norm (one op pair, norm_fwd/norm_bwd) and bias_gelu.
+// Norm family bindings: layer_norm / rms_norm (one op pair, norm_fwd/norm_bwd).
 #include "../norms/norms.h"
 #include "common.h"
 
@@ -11,14 +11,10 @@ struct NormKernels {
   const char* (*norm_fwd)(const norms::FwdArgs&, void*);
   int64_t (*norm_bwd_workspace_bytes)(int64_t, int64_t, DType);
   const char* (*norm_bwd)(const norms::BwdArgs&, void*);
-  const char* (*bias_gelu_fwd)(const norms::BiasGeluArgs&, void*);
-  int64_t (*bias_gelu_bwd_workspace_bytes)(int64_t, int64_t, DType);
-  const char* (*bias_gelu_bwd)(const norms::BiasGeluArgs&, void*);
 };
 #define MK_NORM_KERNELS(ns)                                                                                  \
   NormKernels {                                                                                              \
-    &ns::norm_fwd, &ns::norm_bwd_workspace_bytes, &ns::norm_bwd, &ns::bias_gelu_fwd,                         \
-        &ns::bias_gelu_bwd_workspace_bytes, &ns::bias_gelu_bwd                                               \
+    &ns::norm_fwd, &ns::norm_bwd_workspace_bytes, &ns::norm_bwd                                              \
   }
 
 const NormKernels* kernels_for(const at::Tensor& x, bool emulate) {
@@ -31,9 +27,6 @@ Activation to_activation(const char* op, int64_t a) {
   TORCH_CHECK_VALUE(a >= 0 && a <= 2, op, ": activation code ", a, " is not 0 (none), 1 (gelu) or 2 (gelu_tanh)");
   return static_cast<Activation>(a);
 }
-
-// Rows per at::parallel_for grain: enough elements per task to amortise the task overhead.
-int64_t row_grain(int64_t hidden) { return std::max<int64_t>(1, 16384 / hidden); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // LayerNorm / RMSNorm
@@ -157,77 +150,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   return {dx, dw, db};
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// bias + GeLU
-
-norms::BiasGeluArgs bias_gelu_args(const char* op, const at::Tensor& x, const at::Tensor& bias, int64_t approximate,
-                                   bool emulate) {
-  check_float_input(op, "x", x);
-  const int64_t H = hidden_of(op, x);
-  check_backend(op, x, emulate);
-  check_param(op, "bias", bias, x, H);
-  TORCH_CHECK_VALUE(approximate == 1 || approximate == 2, op, ": approximate code ", approximate,
-                    " is not 1 (none) or 2 (tanh)");
-  norms::BiasGeluArgs a{};
-  a.rows = x.numel() / H;
-  a.hidden = H;
-  a.x_dtype = to_dtype(x.scalar_type());
-  a.w_dtype = to_dtype(bias.scalar_type());
-  a.act = static_cast<Activation>(approximate);
-  return a;
-}
-
-at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in, int64_t approximate, bool emulate) {
-  const char* op = "bias_gelu";
-  norms::BiasGeluArgs a = bias_gelu_args(op, x_in, bias_in, approximate, emulate);
-  const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous();
-  at::Tensor y = at::empty_like(x);
-  advise_huge_pages(y);
-  if (a.rows == 0) return y;
-  a.x = x.data_ptr();
-  a.bias = bias.data_ptr();
-  a.y = y.data_ptr();
-  if (const NormKernels* k = kernels_for(x, emulate)) {
-    LaunchScope scope(x);
-    raise_if(op, k->bias_gelu_fwd(a, scope.stream()));
-  } else {
-    at::parallel_for(0, a.rows, row_grain(a.hidden), [&](int64_t b, int64_t e) { cpu::bias_gelu_fwd_rows(a, b, e); });
-  }
-  return y;
-}
-
-std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
-                                                 const at::Tensor& bias_in, int64_t approximate, bool emulate) {
-  const char* op = "bias_gelu_backward";
-  norms::BiasGeluArgs a = bias_gelu_args(op, x_in, bias_in, approximate, emulate);
-  check_same(op, "grad_output", dy_in, "x", x_in);
-  const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous(), dy = dy_in.contiguous();
-  at::Tensor dx = at::empty_like(x);
-  advise_huge_pages(dx);
-  at::Tensor dbias = at::empty_like(bias);
-  if (a.rows == 0) return {dx, dbias.zero_()};
-  a.x = x.data_ptr();
-  a.bias = bias.data_ptr();
-  a.dy = dy.data_ptr();
-  a.y = dx.data_ptr();
-  a.dbias = dbias.data_ptr();
-  at::Tensor ws;
-  if (const NormKernels* k = kernels_for(x, emulate)) {
-    LaunchScope scope(x);
-    ws = at::empty({k->bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
-    a.workspace = ws.data_ptr();
-    raise_if(op, k->bias_gelu_bwd(a, scope.stream()));
-  } else {
-    ws = at::empty({cpu::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
-    a.workspace = ws.data_ptr();
-    at::parallel_for(0, cpu::norm_bwd_chunks(a.rows, a.hidden), 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) cpu::bias_gelu_bwd_chunk(a, c);
-    });
-    at::parallel_for(0, a.hidden, 2048, [&](int64_t b, int64_t e) { cpu::bias_gelu_bwd_finish_cols(a, b, e); });
-  }
-  return {dx, dbias};
-}
-
 }  // namespace
 }  // namespace bindings
 }  // namespace megakernels
@@ -239,23 +161,17 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
   m.def(
       "norm_bwd(Tensor grad_output, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd,"
       " int activation, bool rms, bool emulate) -> (Tensor, Tensor, Tensor)");
-  m.def("bias_gelu_fwd(Tensor x, Tensor bias, int approximate, bool emulate) -> Tensor");
-  m.def("bias_gelu_bwd(Tensor grad_output, Tensor x, Tensor bias, int approximate, bool emulate) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
   m.impl("norm_fwd", &megakernels::bindings::norm_fwd);
   m.impl("norm_bwd", &megakernels::bindings::norm_bwd);
-  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_fwd);
-  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_bwd);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
   m.impl("norm_fwd", &megakernels::bindings::norm_fwd);
   m.impl("norm_bwd", &megakernels::bindings::norm_bwd);
-  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_fwd);
-  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_bwd);
 }
 #endif
 

@@ -23,9 +23,6 @@ const SoftmaxKernels* kernels_for(const at::Tensor& x, bool emulate) {
   return select_kernels(x, emulate, cuda_table, emu_table);
 }
 
-// Rows per at::parallel_for grain: enough elements per task to amortise the task overhead.
-int64_t row_grain(int64_t sk) { return std::max<int64_t>(1, 16384 / sk); }
-
 void check_scale(const char* op, double scale) {
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
 }

@@ -1,6 +1,7 @@
 // Helpers for the torch-free C++ kernel tests (csrc/<family>/tests/*.cpp): a check counter that reports like
 // the other tests, dtype-tagged buffers with float views, and the per-dtype tolerances the Python tests use too.
 #pragma once
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -75,6 +76,21 @@ inline Buf random_buf(DType dt, size_t n, std::mt19937& rng, float scale, float 
   Buf b(dt, n, off);
   for (size_t i = 0; i < n; ++i) b.set(i, nd(rng) * scale + shift);
   return b;
+}
+
+// Elementwise |a-b| <= tol * max(1, max|b|); the error must be finite.
+inline void compare(const std::string& what, const Buf& a, const Buf& b, float t) {
+  float scale = 1.f, err = 0.f;
+  for (size_t i = 0; i < b.size(); ++i) scale = std::fmax(scale, std::fabs(b.get(i)));
+  for (size_t i = 0; i < b.size(); ++i) err = std::fmax(err, std::fabs(a.get(i) - b.get(i)));
+  expect(err <= t * scale && std::isfinite(err), what + ": max error " + std::to_string(err));
+}
+
+// GeLU in fp64 (the references): erf form, tanh form, or the identity.
+inline double gelu64(double z, Activation act) {
+  if (act == Activation::Gelu) return 0.5 * z * (1 + std::erf(z / std::sqrt(2.0)));
+  if (act == Activation::GeluTanh) return 0.5 * z * (1 + std::tanh(kSqrt2OverPi * (z + kGeluCubic * z * z * z)));
+  return z;
 }
 
 }  // namespace testing

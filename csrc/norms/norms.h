@@ -1,4 +1,4 @@
-// Norm family (LayerNorm [+ GeLU epilogue], RMSNorm, bias-GeLU): arguments and launcher declarations shared by
+// Norm family (LayerNorm [+ GeLU epilogue], RMSNorm): arguments and launcher declarations shared by
 // the CPU kernels (norms_cpu.cpp), the CUDA kernels (norms_cuda.cu) and its CPU emulation (norms_cuda_emu.cpp).
 // Torch-free: tensors cross this boundary as raw pointers plus a DType tag; csrc/bindings/ does every check.
 //
@@ -44,19 +44,6 @@ struct BwdArgs {
   bool rms;
 };
 
-// bias_gelu: y = gelu(x + bias) with bias broadcast over rows; backward gives dx and dbias = sum over rows.
-struct BiasGeluArgs {
-  const void* x;     // [rows, hidden]
-  const void* bias;  // [hidden], x_dtype or fp32
-  const void* dy;    // backward only
-  void* y;           // forward: output; backward: dx
-  void* dbias;       // backward only, [hidden] in bias dtype
-  void* workspace;
-  int64_t rows, hidden;
-  DType x_dtype, w_dtype;
-  Activation act;
-};
-
 }  // namespace norms
 
 // The CPU kernels. Parallelism comes from the caller (torch's intra-op pool via at::parallel_for), so this code
@@ -71,11 +58,6 @@ int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);
 void norm_bwd_chunk(const norms::BwdArgs& a, int64_t chunk);
 void norm_bwd_finish_cols(const norms::BwdArgs& a, int64_t col_begin, int64_t col_end);
 
-void bias_gelu_fwd_rows(const norms::BiasGeluArgs& a, int64_t row_begin, int64_t row_end);
-// Backward: the same fixed chunks as norm_bwd_chunks, one [hidden] partial dbias row each.
-int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);
-void bias_gelu_bwd_chunk(const norms::BiasGeluArgs& a, int64_t chunk);
-void bias_gelu_bwd_finish_cols(const norms::BiasGeluArgs& a, int64_t col_begin, int64_t col_end);
 }  // namespace cpu
 
 // The CUDA kernels, compiled twice from norms_cuda.cu: by nvcc into namespace `cuda`, and by g++ against the
@@ -84,10 +66,7 @@ void bias_gelu_bwd_finish_cols(const norms::BiasGeluArgs& a, int64_t col_begin, 
 #define MK_DECLARE_NORM_LAUNCHERS                                                         \
   int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);         \
   const char* norm_fwd(const norms::FwdArgs& a, void* stream);                                    \
-  const char* norm_bwd(const norms::BwdArgs& a, void* stream);                                    \
-  int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);    \
-  const char* bias_gelu_fwd(const norms::BiasGeluArgs& a, void* stream);                          \
-  const char* bias_gelu_bwd(const norms::BiasGeluArgs& a, void* stream);
+  const char* norm_bwd(const norms::BwdArgs& a, void* stream);
 
 namespace cuda {
 MK_DECLARE_NORM_LAUNCHERS

@@ -1,4 +1,4 @@
-// CPU kernels of the norm family: LayerNorm (+ GeLU epilogue), RMSNorm, bias-GeLU. Torch-free.
+// CPU kernels of the norm family: LayerNorm (+ GeLU epilogue), RMSNorm. Torch-free.
 //
 // Layout of the work: one row is converted once into an fp32 (fp64 for double) scratch row that stays in L1/L2,
 // then every pass over it (mean, variance, normalise + epilogue) is a unit-stride loop that -O3 vectorises
@@ -11,14 +11,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "../common/cpu_types.h"
+#include "../common/cpu_rows.h"
 #include "norms.h"
 
 namespace megakernels {
 namespace cpu {
 namespace {
 
-using norms::BiasGeluArgs;
 using norms::BwdArgs;
 using norms::FwdArgs;
 
@@ -28,14 +27,6 @@ inline A row_sum(const A* v, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t j = 0; j < n; ++j) s += v[j];
   return s;
-}
-
-// Weight/bias converted once per call into the accumulate type; identity when absent.
-template <typename W, typename A>
-std::vector<A> load_param(const void* p, int64_t n, A fill) {
-  std::vector<A> v(static_cast<size_t>(n), fill);
-  if (p) load_row(static_cast<const W*>(p), v.data(), n);
-  return v;
 }
 
 // Per row: mean, variance (two passes over the cached row), then normalise + affine + activation + store in one
@@ -67,14 +58,6 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
     for (int64_t j = 0; j < H; ++j) o[j] = gelu_fwd<A>((v[j] - mean) * rstd * wp[j] + bp[j], ACT);
     finish_out(o, y + r * H, H);
   }
-}
-
-// Rows per backward chunk: enough chunks to feed every core, few enough that the [chunks, 2, hidden] partial
-// sums stay small (at most ~32 MiB) and the final column reduction is cheap.
-int64_t chunk_rows(int64_t rows, int64_t hidden) {
-  int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(64, (int64_t(4) << 20) / std::max<int64_t>(1, hidden)));
-  int64_t chunks = std::max<int64_t>(1, std::min(rows, max_chunks));
-  return (rows + chunks - 1) / chunks;
 }
 
 // Per row, two passes: (1) xhat, dz = dy * act'(xhat*w + b), the weight/bias partial sums and the two row sums;
@@ -126,88 +109,6 @@ void bwd_chunk(const BwdArgs& a, int64_t c) {
   }
 }
 
-// out[j] = sum over chunks of partial[c][j] (+ offset selects the dw or db half), in chunk order.
-template <typename W, typename A>
-void finish_cols(const void* workspace, int64_t chunks, int64_t stride, int64_t offset, void* out, int64_t c0,
-                 int64_t c1) {
-  if (!out) return;
-  const A* p = static_cast<const A*>(workspace) + offset;
-  std::vector<A> acc(size_t(c1 - c0), A(0));
-  for (int64_t c = 0; c < chunks; ++c) {
-    const A* pc = p + c * stride;
-#pragma omp simd
-    for (int64_t j = c0; j < c1; ++j) acc[size_t(j - c0)] += pc[j];
-  }
-  store_row(acc.data(), static_cast<W*>(out) + c0, c1 - c0);
-}
-
-template <typename T, typename W, typename A, Activation ACT>
-void bias_gelu_fwd(const BiasGeluArgs& a, int64_t r0, int64_t r1) {
-  const int64_t H = a.hidden;
-  const std::vector<A> b = load_param<W, A>(a.bias, H, A(0));
-  const size_t conv = std::is_same_v<T, A> ? 0 : static_cast<size_t>(H);
-  std::vector<A> in_buf(conv), out_buf(conv);
-  const A* bp = b.data();
-  for (int64_t r = r0; r < r1; ++r) {
-    const A* v = row_view(static_cast<const T*>(a.x) + r * H, in_buf.data(), H);
-    T* y = static_cast<T*>(a.y) + r * H;
-    A* o = out_view(y, out_buf.data());
-#pragma omp simd
-    for (int64_t j = 0; j < H; ++j) o[j] = gelu_fwd<A>(v[j] + bp[j], ACT);
-    finish_out(o, y, H);
-  }
-}
-
-template <typename T, typename W, typename A, Activation ACT>
-void bias_gelu_bwd(const BiasGeluArgs& a, int64_t c) {
-  const int64_t H = a.hidden;
-  const int64_t rpc = chunk_rows(a.rows, H);
-  const int64_t r0 = c * rpc, r1 = std::min(a.rows, r0 + rpc);
-  A* pb = static_cast<A*>(a.workspace) + c * H;
-  std::fill(pb, pb + H, A(0));
-  const std::vector<A> b = load_param<W, A>(a.bias, H, A(0));
-  const size_t conv = std::is_same_v<T, A> ? 0 : static_cast<size_t>(H);
-  std::vector<A> xbuf(conv), dybuf(conv), obuf(conv);
-  const A* bp = b.data();
-  for (int64_t r = r0; r < r1; ++r) {
-    const A* xv = row_view(static_cast<const T*>(a.x) + r * H, xbuf.data(), H);
-    const A* gv = row_view(static_cast<const T*>(a.dy) + r * H, dybuf.data(), H);
-    T* dx = static_cast<T*>(a.y) + r * H;
-    A* o = out_view(dx, obuf.data());
-#pragma omp simd
-    for (int64_t j = 0; j < H; ++j) {
-      const A g = gv[j] * gelu_grad<A>(xv[j] + bp[j], ACT);
-      pb[j] += g;
-      o[j] = g;
-    }
-    finish_out(o, dx, H);
-  }
-}
-
-// (x dtype, weight dtype, activation) -> template instantiation. Weights are the input's dtype or fp32.
-template <template <typename, typename, typename, Activation> class F, typename T, typename W, typename A,
-          typename... Args>
-void dispatch_act(Activation act, Args&&... args) {
-  switch (act) {
-    case Activation::None: return F<T, W, A, Activation::None>::run(args...);
-    case Activation::Gelu: return F<T, W, A, Activation::Gelu>::run(args...);
-    case Activation::GeluTanh: return F<T, W, A, Activation::GeluTanh>::run(args...);
-  }
-}
-template <template <typename, typename, typename, Activation> class F, typename... Args>
-void dispatch(DType xd, DType wd, Activation act, Args&&... args) {
-  switch (xd) {
-    case DType::F32: return dispatch_act<F, float, float, float>(act, args...);
-    case DType::F64: return dispatch_act<F, double, double, double>(act, args...);
-    case DType::BF16:
-      if (wd == DType::F32) return dispatch_act<F, bf16, float, float>(act, args...);
-      return dispatch_act<F, bf16, bf16, float>(act, args...);
-    case DType::F16:
-      if (wd == DType::F32) return dispatch_act<F, f16, float, float>(act, args...);
-      return dispatch_act<F, f16, f16, float>(act, args...);
-  }
-}
-
 template <typename T, typename W, typename A, Activation ACT>
 struct FwdOp {
   static void run(const FwdArgs& a, int64_t r0, int64_t r1) { fwd_rows<T, W, A, ACT>(a, r0, r1); }
@@ -224,47 +125,17 @@ struct BwdFinishOp {
     finish_cols<W, A>(a.workspace, chunks, 2 * a.hidden, a.hidden, a.db, c0, c1);
   }
 };
-template <typename T, typename W, typename A, Activation ACT>
-struct BiasGeluFwdOp {
-  static void run(const BiasGeluArgs& a, int64_t r0, int64_t r1) { bias_gelu_fwd<T, W, A, ACT>(a, r0, r1); }
-};
-template <typename T, typename W, typename A, Activation ACT>
-struct BiasGeluBwdOp {
-  static void run(const BiasGeluArgs& a, int64_t c) { bias_gelu_bwd<T, W, A, ACT>(a, c); }
-};
-template <typename T, typename W, typename A, Activation ACT>
-struct BiasGeluFinishOp {
-  static void run(const BiasGeluArgs& a, int64_t c0, int64_t c1) {
-    finish_cols<W, A>(a.workspace, norm_bwd_chunks(a.rows, a.hidden), a.hidden, 0, a.dbias, c0, c1);
-  }
-};
-
 }  // namespace
 
-int64_t norm_bwd_chunks(int64_t rows, int64_t hidden) {
-  if (rows <= 0) return 0;
-  const int64_t rpc = chunk_rows(rows, hidden);
-  return (rows + rpc - 1) / rpc;
-}
+int64_t norm_bwd_chunks(int64_t rows, int64_t hidden) { return row_chunks(rows, hidden); }
 int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   const int64_t acc = x_dtype == DType::F64 ? 8 : 4;
   return norm_bwd_chunks(rows, hidden) * 2 * hidden * acc;
-}
-int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
-  return norm_bwd_workspace_bytes(rows, hidden, x_dtype) / 2;
 }
 void norm_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1); }
 void norm_bwd_chunk(const BwdArgs& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.w_dtype, a.act, a, c); }
 void norm_bwd_finish_cols(const BwdArgs& a, int64_t c0, int64_t c1) {
   dispatch<BwdFinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);
 }
-void bias_gelu_fwd_rows(const BiasGeluArgs& a, int64_t r0, int64_t r1) {
-  dispatch<BiasGeluFwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1);
-}
-void bias_gelu_bwd_chunk(const BiasGeluArgs& a, int64_t c) { dispatch<BiasGeluBwdOp>(a.x_dtype, a.w_dtype, a.act, a, c); }
-void bias_gelu_bwd_finish_cols(const BiasGeluArgs& a, int64_t c0, int64_t c1) {
-  dispatch<BiasGeluFinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);
-}
-
 }  // namespace cpu
 }  // namespace megakernels

@@ -1,43 +1,33 @@
-// CUDA kernels of the norm family: LayerNorm (+ GeLU epilogue), RMSNorm, bias-GeLU. No torch headers: this file
+// CUDA kernels of the norm family: LayerNorm (+ GeLU epilogue), RMSNorm. No torch headers: this file
 // compiles in seconds with nvcc, and unchanged with g++ against csrc/emu (norms_cuda_emu.cpp) to run on a CPU.
 //
-// Design (why):
-// - A "row group" owns a row: one warp for rows of up to 8 packs per lane (hidden <= 2048 bf16 / 1024 fp32), so
-//   the reductions are pure shuffles and a 128-thread block serves 4 rows at once; one block (64..1024 threads)
-//   for longer rows, so every row is spread over enough threads to keep ~8 packs in flight each. Any hidden size
-//   works: sizes that are not a multiple of the pack width take the scalar (pack of 1) instantiation.
-// - Packs are 16 bytes (8 bf16/fp16, 4 fp32): one vectorised load per pack, the widest the memory system issues.
-// - Statistics: Welford per thread, merged across lanes with Chan's formula; stable where sum/sum-of-squares
-//   cancels (rows with a large mean). The normalise pass re-reads the row, which the stats pass has just pulled
-//   into L1/L2, instead of caching it in registers: no hidden-size-specific instantiations, no register spills.
-// - Weight/bias grads: each row group (a "worker") accumulates its rows into its own fp32 row of a workspace
-//   [workers, 2, hidden] (a column is owned by one thread of the group for every row, so no atomics and no
-//   races), then a second small kernel sums the workers in a fixed order: deterministic, run to run.
+// Two kinds of kernels:
+// - the row-resident kernels of norms_rows.cuh, for the common case (16-bit or fp32 rows of whole 16-byte packs up
+//   to 16k elements, weight and bias present): the row in registers, one DRAM read, the activation compiled in,
+//   weight/bias gradients accumulated in shared memory per block (their design notes are there);
+// - the looping kernels below for everything else (fp64, unaligned views or sizes, longer rows, absent
+//   parameters), which any hidden size takes:
+//   - a "row group" owns a row: one warp for rows of up to 8 packs per lane, a whole block (64..1024 threads) for
+//     longer rows; packs of 16 bytes where alignment allows, else scalar;
+//   - statistics: Welford per thread, merged across lanes with Chan's formula; the normalise pass re-reads the row
+//     from cache;
+//   - weight/bias grads: each row group accumulates its rows into its own fp32 row of a workspace
+//     [workers, 2, hidden] (a column is owned by one thread of the group), then column_sum_kernel adds the
+//     workers in a fixed order.
+// Both are deterministic run to run.
 #include <cstdint>
-#include <initializer_list>
 
 #include "../common/cuda_compat.h"
 #include "../common/cuda_kernels.cuh"
 #include "norms.h"
+#include "norms_rows.cuh"
 
 namespace megakernels {
 namespace MK_NS {
 namespace {
 
-using norms::BiasGeluArgs;
 using norms::BwdArgs;
 using norms::FwdArgs;
-
-// Loads N consecutive parameters as accumulate values; an absent parameter reads as `fill`.
-template <typename W, int N, typename A>
-__device__ __forceinline__ void load_param(const W* p, int64_t j, A fill, A (&out)[N]) {
-  if (p) {
-    load_pack<W, N>(p, j, out);
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = fill;
-  }
-}
 
 template <typename A>
 __device__ __forceinline__ Welford<A> shfl_welford(const Welford<A>& s, int o) {
@@ -189,95 +179,84 @@ __global__ void norm_bwd_kernel(BwdArgs a, int group_threads) {
   }
 }
 
-// out[j] = sum_w partial[w * stride + j], workers in order (deterministic); one thread per column, coalesced.
-template <typename W, typename A>
-__global__ void column_sum_kernel(const A* partial, int64_t workers, int64_t stride, int64_t H, W* out) {
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= H) return;
-  A s = A(0);
-  for (int64_t w = 0; w < workers; ++w) s += partial[w * stride + j];
-  out[j] = Cvt<W>::from(s);
-}
-
-template <typename T, typename W, int N>
-__global__ void bias_gelu_fwd_kernel(BiasGeluArgs a) {
-  using A = typename AccOf<T>::type;
-  const T* x = static_cast<const T*>(a.x);
-  const W* bias = static_cast<const W*>(a.bias);
-  T* y = static_cast<T*>(a.y);
-  const int64_t packs = a.rows * a.hidden / N;
-  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += int64_t(gridDim.x) * blockDim.x) {
-    A v[N], bv[N];
-    load_pack<T, N>(x, p * N, v);
-    load_param<W, N>(bias, (p * N) % a.hidden, A(0), bv);
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = gelu_fwd<A>(v[k] + bv[k], a.act);
-    store_pack<T, N>(y, p * N, v);
-  }
-}
-
-template <typename T, typename W, int N>
-__global__ void bias_gelu_bwd_kernel(BiasGeluArgs a, int group_threads) {
-  using A = typename AccOf<T>::type;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
-  const W* bias = static_cast<const W*>(a.bias);
-  const int64_t H = a.hidden;
-  const int groups = blockDim.x / group_threads;
-  const int t = threadIdx.x % group_threads;
-  const int64_t worker = int64_t(blockIdx.x) * groups + threadIdx.x / group_threads;
-  const int64_t workers = int64_t(gridDim.x) * groups;
-  A* pb = static_cast<A*>(a.workspace) + worker * H;
-  bool first = true;
-  for (int64_t row = worker; row < a.rows; row += workers, first = false) {
-    for (int64_t j = int64_t(t) * N; j < H; j += int64_t(group_threads) * N) {
-      A z[N], g[N], bv[N];
-      load_pack<T, N>(x + row * H, j, z);
-      load_pack<T, N>(dy + row * H, j, g);
-      load_param<W, N>(bias, j, A(0), bv);
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        g[k] *= gelu_grad<A>(z[k] + bv[k], a.act);
-        pb[j + k] = (first ? A(0) : pb[j + k]) + g[k];
-      }
-      store_pack<T, N>(static_cast<T*>(a.y) + row * H, j, g);
-    }
-  }
-  if (first) {
-    for (int64_t j = t; j < H; j += group_threads) pb[j] = A(0);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Launch planning (host side).
 
-int64_t elem_size(DType d) { return d == DType::F64 ? 8 : (d == DType::F32 ? 4 : 2); }
-
-// `max_blocks_per_sm` bounds the grid: forward passes want many resident blocks for latency hiding; backward
-// passes want few workers, since each worker owns a [2, hidden] fp32 partial row.
-RowPlan norm_plan(int64_t rows, int64_t hidden, DType x_dtype, int max_blocks_per_sm) {
-  const int64_t per_pack = 16 / elem_size(x_dtype);  // the vector width decides the shape, scalar path or not
-  return plan_rows(rows, (hidden + per_pack - 1) / per_pack, max_blocks_per_sm);
-}
 constexpr int kFwdBlocksPerSm = 16;
 constexpr int kBwdBlocksPerSm = 2;
 
-// Pack width N: 16 bytes of T when every row starts 16-byte aligned and all pointers allow it, else 1.
+// The row-resident kernels (norms_rows.cuh) take 16-bit and fp32 rows of whole 16-byte packs up to 16k elements
+// with every parameter present; they return false for anything else, which the looping kernels below take.
 template <typename T, typename W>
-int pack_width(int64_t hidden, std::initializer_list<const void*> row_ptrs, std::initializer_list<const void*> params) {
-  constexpr int N = 16 / sizeof(T);
-  if (hidden % N != 0) return 1;
-  for (const void* p : row_ptrs)
-    if (!aligned(p, 16)) return 1;
-  for (const void* p : params)
-    if (!aligned(p, int64_t(sizeof(W)) * N)) return 1;
-  return N;
+bool run_fwd_rows(const FwdArgs& a, cudaStream_t s) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = 16 / sizeof(T), P = row_packs_per_thread<T>();
+    if (!a.w || (!a.rms && !a.b) || !rows_kernel_fits(a.hidden, V, P) ||
+        pack_width<T, W>(a.hidden, {a.x, a.y}, {a.w, a.b}) != V)
+      return false;
+    const RowsPlan p = rows_plan(a.rows, a.hidden, V, P, 0);
+    const dim3 grid(unsigned(p.grid)), block(unsigned(p.group_threads * p.groups));
+    if (a.rms) {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::None, true>), grid, block, 0, s, a, p.group_threads);
+    } else if (a.act == Activation::Gelu) {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::Gelu, false>), grid, block, 0, s, a, p.group_threads);
+    } else if (a.act == Activation::GeluTanh) {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::GeluTanh, false>), grid, block, 0, s, a,
+                p.group_threads);
+    } else {
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::None, false>), grid, block, 0, s, a, p.group_threads);
+    }
+    return true;
+  }
+}
+
+template <typename T, typename W, int P, Activation ACT, bool RMS>
+const char* launch_bwd_rows(const BwdArgs& a, const RowsPlan& p, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(T);
+  auto kernel = norm_bwd_rows_kernel<T, W, V, P, ACT, RMS>;
+  if (p.smem > 48 * 1024) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)) != cudaSuccess)
+      return last_error();
+  }
+  MK_LAUNCH(kernel, dim3(unsigned(p.grid)), dim3(unsigned(p.group_threads * p.groups)), p.smem, s, a,
+            p.group_threads);
+  return last_error();
+}
+
+template <typename T, typename W, int P>
+const char* launch_bwd_rows_act(const BwdArgs& a, const RowsPlan& p, cudaStream_t s) {
+  if (a.rms) return launch_bwd_rows<T, W, P, Activation::None, true>(a, p, s);
+  if (a.act == Activation::Gelu) return launch_bwd_rows<T, W, P, Activation::Gelu, false>(a, p, s);
+  if (a.act == Activation::GeluTanh) return launch_bwd_rows<T, W, P, Activation::GeluTanh, false>(a, p, s);
+  return launch_bwd_rows<T, W, P, Activation::None, false>(a, p, s);
+}
+
+template <typename T, typename W>
+bool run_bwd_rows(const BwdArgs& a, cudaStream_t s, const char** err) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = 16 / sizeof(T), P = row_packs_per_thread<T>();
+    if (!a.w || (!a.rms && !a.b) || !rows_kernel_fits(a.hidden, V, P) ||
+        pack_width<T, W>(a.hidden, {a.x, a.dy, a.dx}, {a.w, a.b}) != V)
+      return false;
+    const int k = a.rms ? 1 : 2;
+    const RowsPlan p = rows_plan(a.rows, a.hidden, V, P, k + (sizeof(T) == 4 ? 1 : 0));  // + the fp32 dz row
+    *err = launch_bwd_rows_act<T, W, P>(a, p, s);
+    if (!*err) *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, 0, a.hidden, a.dw, s);
+    if (!*err && !a.rms) *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, a.hidden, a.hidden,
+                                                            a.db, s);
+    return true;
+  }
 }
 
 template <typename T, typename W>
 const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
+  if (run_fwd_rows<T, W>(a, s)) return last_error();
   constexpr int V = 16 / sizeof(T);
-  const RowPlan p = norm_plan(a.rows, a.hidden, a.x_dtype, kFwdBlocksPerSm);
+  const RowPlan p = row_plan(a.rows, a.hidden, a.x_dtype, kFwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.y}, {a.w, a.b}) == V;
   if (a.rms) {
     if (vec) MK_LAUNCH((norm_fwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
@@ -289,20 +268,13 @@ const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
   return last_error();
 }
 
-template <typename W, typename A>
-const char* launch_column_sum(const void* ws, int64_t workers, int64_t stride, int64_t offset, int64_t H, void* out,
-                              cudaStream_t s) {
-  if (!out) return nullptr;
-  MK_LAUNCH((column_sum_kernel<W, A>), dim3((H + 255) / 256), dim3(256), 0, s, static_cast<const A*>(ws) + offset,
-            workers, stride, H, static_cast<W*>(out));
-  return last_error();
-}
-
 template <typename T, typename W>
 const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
+  const char* err = nullptr;
+  if (run_bwd_rows<T, W>(a, s, &err)) return err;
   using A = typename AccOf<T>::type;
   constexpr int V = 16 / sizeof(T);
-  const RowPlan p = norm_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
+  const RowPlan p = row_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.dy, a.dx}, {a.w, a.b}) == V;
   if (a.rms) {
     if (vec) MK_LAUNCH((norm_bwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
@@ -317,45 +289,6 @@ const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
 }
 
 template <typename T, typename W>
-const char* run_bias_gelu_fwd(const BiasGeluArgs& a, cudaStream_t s) {
-  constexpr int V = 16 / sizeof(T);
-  const bool vec = pack_width<T, W>(a.hidden, {a.x, a.y}, {a.bias}) == V;
-  const int64_t packs = a.rows * a.hidden / (vec ? V : 1);
-  int64_t grid = (packs + 255) / 256;
-  const int64_t cap = int64_t(sm_count()) * 32;
-  if (grid > cap) grid = cap;
-  if (vec) MK_LAUNCH((bias_gelu_fwd_kernel<T, W, V>), dim3(grid), dim3(256), 0, s, a);
-  else MK_LAUNCH((bias_gelu_fwd_kernel<T, W, 1>), dim3(grid), dim3(256), 0, s, a);
-  return last_error();
-}
-
-template <typename T, typename W>
-const char* run_bias_gelu_bwd(const BiasGeluArgs& a, cudaStream_t s) {
-  using A = typename AccOf<T>::type;
-  constexpr int V = 16 / sizeof(T);
-  const RowPlan p = norm_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
-  const bool vec = pack_width<T, W>(a.hidden, {a.x, a.dy, a.y}, {a.bias}) == V;
-  if (vec) MK_LAUNCH((bias_gelu_bwd_kernel<T, W, V>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
-  else MK_LAUNCH((bias_gelu_bwd_kernel<T, W, 1>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
-  if (const char* e = last_error()) return e;
-  return launch_column_sum<W, A>(a.workspace, p.workers(), a.hidden, 0, a.hidden, a.dbias, s);
-}
-
-template <template <typename, typename> class F, typename Args>
-const char* dispatch(const Args& a, void* stream) {
-  if (a.rows == 0) return nullptr;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (a.x_dtype) {
-    case DType::F32: return F<float, float>::run(a, s);
-    case DType::F64: return F<double, double>::run(a, s);
-    case DType::BF16:
-      return a.w_dtype == DType::F32 ? F<__nv_bfloat16, float>::run(a, s) : F<__nv_bfloat16, __nv_bfloat16>::run(a, s);
-    case DType::F16: return a.w_dtype == DType::F32 ? F<__half, float>::run(a, s) : F<__half, __half>::run(a, s);
-  }
-  return "unsupported dtype";
-}
-
-template <typename T, typename W>
 struct Fwd {
   static const char* run(const FwdArgs& a, cudaStream_t s) { return run_fwd<T, W>(a, s); }
 };
@@ -363,28 +296,21 @@ template <typename T, typename W>
 struct Bwd {
   static const char* run(const BwdArgs& a, cudaStream_t s) { return run_bwd<T, W>(a, s); }
 };
-template <typename T, typename W>
-struct BgFwd {
-  static const char* run(const BiasGeluArgs& a, cudaStream_t s) { return run_bias_gelu_fwd<T, W>(a, s); }
-};
-template <typename T, typename W>
-struct BgBwd {
-  static const char* run(const BiasGeluArgs& a, cudaStream_t s) { return run_bias_gelu_bwd<T, W>(a, s); }
-};
-
 }  // namespace
 
+// Enough for either backward path (which one runs depends on the pointers, known only at launch).
 int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   if (rows <= 0) return 0;
-  return norm_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden * (x_dtype == DType::F64 ? 8 : 4);
+  const int64_t loop = row_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden *
+                       (x_dtype == DType::F64 ? 8 : 4);
+  const int pack = int(16 / dtype_bytes(x_dtype)), ppt = 32 / pack;
+  if (x_dtype == DType::F64 || !rows_kernel_fits(hidden, pack, ppt)) return loop;
+  const int64_t resident = int64_t(rows_plan(rows, hidden, pack, ppt, x_dtype == DType::F32 ? 3 : 2).grid) * 2 *
+                           hidden * 4;
+  return loop > resident ? loop : resident;
 }
-int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
-  return norm_bwd_workspace_bytes(rows, hidden, x_dtype) / 2;
-}
-const char* norm_fwd(const FwdArgs& a, void* stream) { return dispatch<Fwd>(a, stream); }
-const char* norm_bwd(const BwdArgs& a, void* stream) { return dispatch<Bwd>(a, stream); }
-const char* bias_gelu_fwd(const BiasGeluArgs& a, void* stream) { return dispatch<BgFwd>(a, stream); }
-const char* bias_gelu_bwd(const BiasGeluArgs& a, void* stream) { return dispatch<BgBwd>(a, stream); }
+const char* norm_fwd(const FwdArgs& a, void* stream) { return dispatch_x_w<Fwd>(a, stream); }
+const char* norm_bwd(const BwdArgs& a, void* stream) { return dispatch_x_w<Bwd>(a, stream); }
 
 }  // namespace MK_NS
 }  // namespace megakernels

@@ -1,7 +1,10 @@
 // CUDA kernels of the softmax family (scaled, scaled + boolean mask, scaled + causal mask), forward and backward.
 // No torch headers: compiles in seconds with nvcc, and unchanged with g++ against csrc/emu (softmax_cuda_emu.cpp).
 //
-// Design (why):
+// The row-resident kernels of softmax_rows.cuh take aligned rows of 16-byte packs up to 16k elements (one read,
+// one exp per element; their design notes are there). The looping kernels below take everything else.
+//
+// Design of the looping kernels (why):
 // - A "row group" owns a row. One warp for rows of up to 8 packs per lane (sk <= 2048 bf16 / 1024 fp32): the
 //   reductions are pure shuffles and a 128-thread block serves 4 rows. Longer rows get a whole block (64..1024
 //   threads, ~8 packs in flight per thread) and loop, so any sk works: there is no register-resident row and no
@@ -22,6 +25,7 @@
 #include "../common/cuda_compat.h"
 #include "../common/cuda_kernels.cuh"
 #include "softmax.h"
+#include "softmax_rows.cuh"
 
 namespace megakernels {
 namespace MK_NS {
@@ -30,16 +34,6 @@ namespace {
 using softmax::BwdArgs;
 using softmax::FwdArgs;
 using softmax::MaskKind;
-
-template <typename T, int N, typename A>
-__device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A (&out)[N]) {
-  if (j + N <= n) {
-    load_pack<T, N>(p, j, out);
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = j + k < n ? A(to_acc(p[j + k])) : A(0);
-  }
-}
 
 template <int N>
 __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, bool (&out)[N]) {
@@ -53,7 +47,8 @@ __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, boo
 template <typename T, int N, MaskKind K, typename A>
 __device__ __forceinline__ void load_valid(const T* xr, const unsigned char* mr, int64_t j, int64_t n, A (&z)[N],
                                            bool (&ok)[N]) {
-  load_prefix<T, N>(xr, j, n, z);
+  if (K == MaskKind::Causal) load_prefix<T, N>(xr, j, n, z);
+  else load_pack<T, N>(xr, j, z);  // n == sk, a multiple of N: never a partial pack
   if (K == MaskKind::Bool) {
     load_mask<N>(mr, j, ok);
 #pragma unroll
@@ -153,8 +148,13 @@ __global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
     A s = A(0);
     for (int64_t j = int64_t(t) * N; j < n; j += step) {
       A y[N], g[N];
-      load_prefix<T, N>(yr, j, n, y);  // past n both read as 0
-      load_prefix<T, N>(gr, j, n, g);
+      if (CAUSAL) {
+        load_prefix<T, N>(yr, j, n, y);  // past n both read as 0
+        load_prefix<T, N>(gr, j, n, g);
+      } else {
+        load_pack<T, N>(yr, j, y);
+        load_pack<T, N>(gr, j, g);
+      }
 #pragma unroll
       for (int k = 0; k < N; ++k) s += y[k] * g[k];
     }
@@ -163,8 +163,13 @@ __global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
       A d[N];
       if (j < n) {
         A y[N];
-        load_prefix<T, N>(yr, j, n, y);
-        load_prefix<T, N>(gr, j, n, d);
+        if (CAUSAL) {
+          load_prefix<T, N>(yr, j, n, y);
+          load_prefix<T, N>(gr, j, n, d);
+        } else {
+          load_pack<T, N>(yr, j, y);
+          load_pack<T, N>(gr, j, d);
+        }
 #pragma unroll
         for (int k = 0; k < N; ++k) d[k] = j + k < n ? scale * y[k] * (d[k] - s) : A(0);
       } else {
@@ -204,6 +209,24 @@ const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
   const bool mask_ok = a.kind != MaskKind::Bool ||
                        (aligned(a.mask, V) && a.mask_sb % V == 0 && a.mask_sh % V == 0 && a.mask_sq % V == 0);
   const bool vec = a.sk % V == 0 && aligned(a.x, 16) && aligned(a.y, 16) && mask_ok;
+  if constexpr (sizeof(T) <= 4) {
+    if (vec && rows_kernel_fits(a.rows, a.sk, V)) {
+      const RowPlan p = softmax_rows_plan(a.rows, a.sk);
+      const dim3 grid(unsigned(p.grid)), block(unsigned(p.block));
+      switch (a.kind) {
+        case MaskKind::None:
+          MK_LAUNCH((softmax_fwd_rows_kernel<T, V, MaskKind::None>), grid, block, 0, s, a, p.group_threads);
+          break;
+        case MaskKind::Bool:
+          MK_LAUNCH((softmax_fwd_rows_kernel<T, V, MaskKind::Bool>), grid, block, 0, s, a, p.group_threads);
+          break;
+        case MaskKind::Causal:
+          MK_LAUNCH((softmax_fwd_rows_kernel<T, V, MaskKind::Causal>), grid, block, 0, s, a, p.group_threads);
+          break;
+      }
+      return last_error();
+    }
+  }
   if (vec) launch_fwd_kind<T, V>(a, s);
   else launch_fwd_kind<T, 1>(a, s);
   return last_error();
@@ -213,6 +236,15 @@ template <typename T>
 const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = a.sk % V == 0 && aligned(a.y, 16) && aligned(a.dy, 16) && aligned(a.dx, 16);
+  if constexpr (sizeof(T) <= 4) {
+    if (vec && rows_kernel_fits(a.rows, a.sk, V)) {
+      const RowPlan p = softmax_rows_plan(a.rows, a.sk);
+      const dim3 grid(unsigned(p.grid)), block(unsigned(p.block));
+      if (a.causal) MK_LAUNCH((softmax_bwd_rows_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
+      else MK_LAUNCH((softmax_bwd_rows_kernel<T, V, false>), grid, block, 0, s, a, p.group_threads);
+      return last_error();
+    }
+  }
   const RowPlan p = plan_rows(a.rows, vec ? a.sk / V : a.sk, kBlocksPerSm);
   const dim3 grid(unsigned(p.grid)), block(p.block);
   if (vec) {

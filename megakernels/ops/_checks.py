@@ -10,16 +10,15 @@ Where each rule is enforced, and why there:
   But when any argument is a *meta* tensor the dispatcher routes the whole call to the fake implementation, so
   the C++ never runs: a CPU ``x`` with a meta ``weight`` would "succeed" with an uninitialised CPU output. So every
   fake implementation checks devices too (all-meta calls stay fine: that is how shapes are traced).
-- **Python scalars** (:func:`real`, :func:`integer`): at the entry points, so that ``eps=None`` says ``eps``
-  instead of ``float() argument must be ...``.
+- **Python scalars** (:func:`real`, :func:`integer`, the op-named forms of ``megakernels.validation``'s): at the
+  entry points, so that ``eps=None`` says ``eps`` instead of ``float() argument must be ...``.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
+
+from megakernels import validation
 
 
 def tensor(op: str, name: str, t, *, optional: bool = False) -> None:
@@ -53,30 +52,20 @@ def same_device(op: str, ref_name: str, ref: torch.Tensor, *named) -> None:
 
 
 def real(op: str, name: str, value, *, finite: bool = True, minimum: float | None = None) -> float:
-    """``value`` as a float: a real number (not a bool), finite unless ``finite=False``, and ``>= minimum``.
+    """``value`` as a float: a real number (not a bool), finite unless ``finite=False``, and ``>= minimum``
+    (``megakernels.validation.real``).
 
     Raises:
         TypeError: not a real number (None, a string, a tensor, a bool). ValueError: non-finite or too small.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{op}: {name} must be a real number, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if finite and not math.isfinite(v):
-        raise ValueError(f"{op}: {name} must be a finite number, got {v}")
-    if minimum is not None and not v >= minimum:
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
-    return v
+    return validation.real(value, name, where=op, finite=finite, minimum=minimum, type_error=TypeError)
 
 
 def integer(op: str, name: str, value, *, minimum: int | None = None) -> int:
-    """``value`` as an int: an integral number (not a bool, not a float such as 2.5 or 2.0), ``>= minimum``.
+    """``value`` as an int: an integral number (not a bool, not a float such as 2.5 or 2.0), ``>= minimum``
+    (``megakernels.validation.integer``).
 
     Raises:
         TypeError: not an integer. ValueError: below ``minimum``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{op}: {name} must be an int, got {value!r} ({type(value).__name__})")
-    v = int(value)
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
-    return v
+    return validation.integer(value, name, where=op, minimum=minimum, type_error=TypeError)

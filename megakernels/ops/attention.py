@@ -47,7 +47,8 @@ def _host_seed(seed: torch.Tensor | None) -> int:
 
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    dropout_p: float, seed: torch.Tensor | None, emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    dropout_p: float, seed: torch.Tensor | None, emulate: bool,
+                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed)
     from megakernels.ops import _attention_cpu
@@ -56,7 +57,7 @@ def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, causal, scale, dropout_p, seed, emulate):
+def _(q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False):
     _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -66,34 +67,35 @@ def _(q, k, v, causal, scale, dropout_p, seed, emulate):
 @torch.library.custom_op("megakernels::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                    emulate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    emulate: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
-        return _triton_kernels().backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed)
+        return _triton_kernels().backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic)
     from megakernels.ops import _attention_cpu
 
     return _attention_cpu.backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed))
 
 
 @_flash_attn_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate):
+def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, deterministic=False):
     _checks.same_device("flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out),
                         ("lse", lse))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, dropout_p, seed, emulate = inputs
+    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.causal, ctx.scale, ctx.dropout_p, ctx.emulate = causal, scale, dropout_p, emulate
+    ctx.deterministic = deterministic
     ctx.set_materialize_grads(True)
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, seed = ctx.saved_tensors
     dq, dk, dv = _flash_attn_bwd(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed,
-                                 ctx.emulate)
-    return dq, dk, dv, None, None, None, None, None
+                                 ctx.emulate, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -151,7 +153,7 @@ def draw_seed(device, generator: torch.Generator | None = None) -> torch.Tensor:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     softmax_scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                    generator: torch.Generator | None = None):
+                    generator: torch.Generator | None = None, deterministic: bool = False):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` per head, memory linear in the sequence length.
 
     Args:
@@ -164,6 +166,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         return_lse: also return the row log-sum-exp ``[batch, heads, sq]`` (fp32; ``-inf`` for a query that
             sees no key).
         generator: where the dropout seed is drawn from (default: the device's default generator).
+        deterministic: the Triton backward gives the same bits on every run (dQ from its own kernel, which recomputes
+            the scores: seven matmuls instead of five);
+            by default dQ is accumulated with fp32 atomics, whose order varies. The CPU path is always
+            deterministic.
 
     Returns:
         ``out`` ``[batch, sq, heads, head_dim]`` in q's dtype (and ``lse`` when asked); differentiable w.r.t.
@@ -181,7 +187,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)
         return (out, lse) if return_lse else out
-    out, lse = _flash_attn_fwd(q, k, v, bool(causal), scale, float(dropout_p), seed, emulate)
+    out, lse = _flash_attn_fwd(q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic))
     return (out, lse) if return_lse else out
 
 

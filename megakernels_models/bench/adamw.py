@@ -1,11 +1,11 @@
 """AdamW step microbenchmark: megakernels FusedAdamW vs torch.optim.AdamW (foreach=True and fused=True) (+ apex).
 
-    python -m benchmarks.adamw [--quick] [--configs 50x1M,1x100M] [--dtype float32] [--device cpu|cuda] [--out DIR]
+    megakernels bench --ops adamw [--dtype float32] [--device cpu|cuda] [--quick] [--out DIR]
 
 One optimizer step over a parameter set (e.g. 50 tensors of 1M params, or one of 100M), grads fixed, state
 already initialised. Prints a table (median step time over calibrated repeats, effective GB/s and its fraction of
-the copy bandwidth measured in the same run, speed-up vs each torch variant and apex FusedAdam when installed) and
-writes DIR/adamw.json and DIR/adamw.png. Never asserts on time.
+the copy bandwidth measured in the same run, speed-up vs each torch variant and apex FusedAdam when installed).
+Never asserts on time.
 
 Bytes that must move per element and step (fp32): read param, grad, exp_avg, exp_avg_sq and write param,
 exp_avg, exp_avg_sq = 7 x 4 bytes; with master weights (16-bit params) read/write the fp32 master as well.
@@ -14,15 +14,12 @@ The pytest-benchmark suite (benchmarks/test_bench_adamw.py) times the same calla
 
 from __future__ import annotations
 
-import argparse
-import sys
 
 import torch
 
 from megakernels.optim import FusedAdamW
 from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import (DTYPES, TablePrinter, finish, median_seconds, parse_choices,
-                                             result_row, start)
+from megakernels_models.bench.common import DTYPES, TablePrinter, median_seconds, result_row
 from megakernels_models.bench.peers import Peers
 
 FAMILY = "adamw"
@@ -104,30 +101,3 @@ def run(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=None,
             rows.append(row)
             table(row)
     return rows
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
-    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES), help="comma list of " + ", ".join(SUPPORTED_DTYPES)
-                   + " (16-bit: ours with fp32 master weights, torch with 16-bit state)")
-    p.add_argument("--quick", action="store_true", help="one small config, short timing (a smoke run)")
-    p.add_argument("--no-peers", action="store_true", help="skip apex FusedAdam even when installed")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
-    p.add_argument("--out", default=None, help="directory for adamw.json and the PNG plot")
-    args = p.parse_args(argv)
-    configs = QUICK_CONFIGS if args.quick else {}
-    if not args.quick:
-        configs = {c: CONFIGS[c] for c in parse_choices(p, "--configs", args.configs, CONFIGS)}
-    dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
-    info = start(p, args.device)
-    ceilings = ceil.measure(args.device, (), quick=args.quick)
-    peers = Peers(args.device, enabled=not args.no_peers)
-    rows = run(configs, dtypes, device=args.device, min_run_time=0.05 if args.quick else 1.0, ceilings=ceilings,
-               peers=peers)
-    finish(args.out, "adamw.json", info, ceilings, rows, peers.notes)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

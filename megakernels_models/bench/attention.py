@@ -1,30 +1,26 @@
 """FlashAttention microbenchmark: megakernels.ops.flash_attention vs torch's scaled_dot_product_attention (+ the
 flash-attn package when installed).
 
-    python -m benchmarks.attention [--quick] [--device cpu|cuda] [--dtype bfloat16,float16] [--head-dims 64,128]
-                                   [--seqlens 512,1024,...] [--out DIR]
+    megakernels bench --ops flash_attention [--device cpu|cuda] [--dtype bfloat16,float16] [--head-dims 64,128]
+                      [--seqlens 512,1024,...] [--quick] [--out DIR]
 
 TFLOP/s are counted as flash-attn does: forward ``4 * b * h * s^2 * d`` (halved when causal), backward 2.5x the
 forward; the fwd+bwd rows also carry the backward's own rate (``bwd_TFLOPs``, from the fwd+bwd time minus the fwd
 time of the same run), which docs/design.md §6's backward target is about. Each (head dim, seqlen) keeps ``b * s = 16k``
 tokens and ``h * d = 2048`` on a GPU (flash-attn's sweep), smaller on the CPU. SDPA gets the same data in its own
 ``[b, h, s, d]`` layout, so no transpose is timed. The ceiling is the GEMM rate in the same dtype, measured in the
-same run. On the CPU this compares the blocked CPU path with SDPA's CPU kernel. Writes DIR/attention.json and
-DIR/flash_attention.png; never asserts on time.
+same run. On the CPU this compares the blocked CPU path with SDPA's CPU kernel. Never asserts on time.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from megakernels.ops import flash_attention
 from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import (DTYPES, OURS, TablePrinter, finish, median_seconds, parse_choices,
-                                             result_row, start)
+from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 from megakernels_models.bench.peers import Peers
 
 FAMILY = "attention"
@@ -130,36 +126,3 @@ def run(dtypes, head_dims, seqlens, *, device="cpu", min_run_time=0.3, ceilings=
                         rows.append(row)
                         table(row)
     return rows
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, help="comma list of " + ", ".join(SUPPORTED_DTYPES) +
-                   " (default: bfloat16,float16 on cuda, float32 on cpu)")
-    p.add_argument("--head-dims", default="64,128")
-    p.add_argument("--seqlens", default=None, help="comma list (default: 512..16k on cuda, 512..4k on cpu)")
-    p.add_argument("--quick", action="store_true", help="one small point, short timing (a smoke run)")
-    p.add_argument("--no-peers", action="store_true", help="skip flash-attn even when installed")
-    p.add_argument("--out", default=None, help="directory for attention.json and the PNG plot")
-    args = p.parse_args(argv)
-    dtypes = parse_choices(p, "--dtype", args.dtype or ",".join(default_dtypes(args.device)), SUPPORTED_DTYPES)
-    try:
-        head_dims = [int(x) for x in args.head_dims.split(",") if x]
-        seqlens = [int(x) for x in args.seqlens.split(",") if x] if args.seqlens else \
-            (GPU_SEQLENS if args.device == "cuda" else CPU_SEQLENS)
-    except ValueError:
-        p.error("--head-dims/--seqlens: expected comma lists of integers")
-    if args.quick:
-        head_dims, seqlens = head_dims[:1], [128]
-    info = start(p, args.device)
-    ceilings = ceil.measure(args.device, dtypes, quick=args.quick)
-    peers = Peers(args.device, enabled=not args.no_peers)
-    rows = run(dtypes, head_dims, seqlens, device=args.device, min_run_time=0.05 if args.quick else 0.5,
-               ceilings=ceilings, peers=peers)
-    finish(args.out, "attention.json", info, ceilings, rows, peers.notes)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,11 @@
-"""``megakernels bench``: the kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
+"""``megakernels bench``: kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
 
     megakernels bench [--ops NAME,...] [--dtype float32,bfloat16,...] [--quick] [--out DIR] [--device cpu|cuda]
-                      [--no-compile] [--no-peers] [--min-run-time S]
+                      [--no-compile] [--no-peers] [--min-run-time S] [--shapes A,B[,C,D];...]
+                      [--head-dims 64,128] [--seqlens 4096,8192]
     megakernels bench --e2e PRESET [--tp N --pp N --vpp N --dp N --nproc N --precision ... --steps N ...]
+    megakernels bench --static [--ops NAME,...] [--out DIR]
+    megakernels bench --plan-check [--steps N] [--warmup N] [--out DIR]
 
 Measures the device's ceilings first (copy bandwidth, GEMM FLOP/s per dtype; ``ceilings``), then prints one table
 per op: median time of ours, GB/s or TFLOP/s (the bytes or FLOPs that must move, counted in each op's module), %
@@ -10,7 +13,15 @@ of the measured ceiling, and the speed-up against every baseline measured in the
 torch.compile where it applies, torch's AdamW variants, SDPA, and apex / flash-attn / Liger-Kernel when
 installed — a missing peer is a note, not an error). With ``--out DIR``: ``DIR/bench.json`` ({machine, ceilings,
 notes, rows, e2e}) and ``DIR/<op>.png`` (speed vs size). ``--e2e`` runs the end-to-end measurement (``e2e``)
-instead of the microbenchmarks, or after them when ``--ops`` is given too.
+instead of the microbenchmarks, or after them when ``--ops`` is given too. ``--shapes`` replaces the default
+shapes of the ops whose shapes have that many sizes: rows,hidden (norms, bias_gelu), rows,ffn (swiglu),
+tokens,vocab (cross_entropy), b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope); ``--head-dims`` and
+``--seqlens`` those of flash_attention. ``--static`` measures nothing: it compiles every shipped GPU kernel
+config for sm_90 as a launch gets it and prints the static cost report (SASS, resources, a predicted fraction
+of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out.
+``--plan-check`` asks whether ``megakernels plan`` orders layouts as this machine runs them: four layouts of
+gpt-tiny on 4 local processes, predicted with a CPU device profile measured here, then trained
+(``plan_check``; ``DIR/plan_check.json`` with --out).
 
 Argument errors exit with status 2 and name the flag, before anything is measured; a failed rank exits with 1.
 """
@@ -19,11 +30,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # op -> family module (kept here, not imported from the modules: building the parser must not import torch)
 OPS = {
-    "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "norms",
+    "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
     "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
     "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe", "hf_train": "hf",
@@ -33,12 +45,15 @@ GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
           "llama": ["rope", "swiglu"], "moe": ["grouped_gemm", "moe_dispatch"], "hf": ["hf_train"],
           "all": list(OPS)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# --shapes: the families whose shapes have that many sizes
+SHAPE_DIMS = {"norms": "rows,hidden", "bias_gelu": "rows,hidden", "cross_entropy": "tokens,vocab",
+              "softmax": "b,h,sq,sk", "rope": "b,s,heads,kv_heads,head_dim", "swiglu": "rows,ffn"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``megakernels bench`` on the ``megakernels`` subparsers (``set_defaults(_run=main)``)."""
     p = sub.add_parser("bench", help="kernel microbenchmarks and end-to-end training throughput",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None, help=f"comma list of ops or groups ({', '.join(GROUPS)}): "
                    f"{', '.join(OPS)} (default: all, or none with --e2e)")
     p.add_argument("--dtype", default=None, help="comma list of float32, bfloat16, float16 (or fp32, bf16, fp16; "
@@ -52,6 +67,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds of calibrated repeats per measurement (default 0.5; 0.05 with --quick)")
     p.add_argument("--e2e", default=None, metavar="PRESET", help="end-to-end training throughput of PRESET "
                    "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)")
+    p.add_argument("--shapes", default=None, metavar="A,B[,C,D];...", help="shapes instead of the defaults: "
+                   "rows,hidden (norms, bias_gelu), rows,ffn (swiglu), tokens,vocab (cross_entropy), "
+                   "b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope)")
+    p.add_argument("--head-dims", default=None, metavar="D,...", help="flash_attention head dims (default 64,128)")
+    p.add_argument("--seqlens", default=None, metavar="S,...", help="flash_attention sequence lengths (default: "
+                   "512..16k on cuda, 512..4k on cpu)")
+    p.add_argument("--static", action="store_true", help="the static cost report of the GPU kernels (compiles for "
+                   "sm_90, needs no GPU; writes DIR/static.json with --out)")
+    p.add_argument("--plan-check", action="store_true", help="does megakernels plan order four layouts as this "
+                   "machine runs them? (4 local processes; writes DIR/plan_check.json with --out)")
     from megakernels_models.bench import e2e
 
     e2e.add_arguments(p)
@@ -59,8 +84,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def resolve_ops(value: str | None, e2e: bool) -> list[str]:
-    """``--ops`` -> op names (groups expanded, order kept).
+def resolve_ops(value: str | None, e2e: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    """``--ops`` -> op names (groups expanded, order kept); ``extra``: more accepted names (the static report's
+    ops that are not measured).
 
     Raises:
         ValueError: an unknown name (the message names --ops).
@@ -71,8 +97,9 @@ def resolve_ops(value: str | None, e2e: bool) -> list[str]:
     for item in (v.strip() for v in value.split(",")):
         if not item:
             continue
-        if item not in OPS and item not in GROUPS:
-            raise ValueError(f"--ops: unknown op {item!r}; choose from {', '.join([*OPS, *GROUPS])}")
+        if item not in OPS and item not in GROUPS and item not in extra:
+            known = [*OPS, *GROUPS, *(x for x in extra if x not in OPS)]
+            raise ValueError(f"--ops: unknown op {item!r}; choose from {', '.join(known)}")
         for op in GROUPS.get(item, [item]):
             if op not in out:
                 out.append(op)
@@ -81,11 +108,60 @@ def resolve_ops(value: str | None, e2e: bool) -> list[str]:
     return out
 
 
+def static_ops() -> tuple[str, ...]:
+    """The op names of the static report's entries (the part of an entry's name before the dot)."""
+    from megakernels_models.bench.static import registry
+
+    return tuple(dict.fromkeys(e.name.split(".")[0] for e in registry.entries()))
+
+
+def _int_list(flag: str, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"{flag}: expected a comma list of positive integers, got {value!r}")
+    return out
+
+
+def parse_shapes(value: str | None, ops: list[str]) -> dict[str, list[tuple[int, ...]]]:
+    """``--shapes`` -> {family: shapes} for the families of ``ops`` that take shapes of that many sizes.
+
+    Raises:
+        ValueError: a malformed shape, or a selected family that takes shapes and got none of its size."""
+    if value is None:
+        return {}
+    try:
+        shapes = [tuple(int(v) for v in item.split(",")) for item in value.split(";") if item.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(min(s) < 1 for s in shapes):
+        raise ValueError(f"--shapes: expected positive sizes like 4096,1024;8192,4096, got {value!r}")
+    out = {}
+    for fam in dict.fromkeys(OPS[o] for o in ops):
+        if fam in SHAPE_DIMS:
+            n = len(SHAPE_DIMS[fam].split(","))
+            out[fam] = [s for s in shapes if len(s) == n]
+            if not out[fam]:
+                raise ValueError(f"--shapes: {fam} needs {SHAPE_DIMS[fam]} shapes ({n} sizes), got {value!r}")
+    return out
+
+
 def _check(ns) -> tuple[list[str], list[str] | None]:
     """Everything wrong with the flags, as a ValueError naming the flag, before anything is measured."""
     from megakernels_models.bench.common import DTYPE_ALIASES, split_list
 
-    ops = resolve_ops(ns.ops, ns.e2e is not None)
+    static = getattr(ns, "static", False)
+    ops = resolve_ops(ns.ops, ns.e2e is not None, static_ops() if static else ())
+    ns.shape_map = parse_shapes(ns.shapes, [o for o in ops if o in OPS])
+    ns.head_dim_list, ns.seqlen_list = _int_list("--head-dims", ns.head_dims), _int_list("--seqlens", ns.seqlens)
+    if getattr(ns, "static", False) and ns.e2e is not None:
+        raise ValueError("--static: the static report runs alone; drop --e2e")
+    if getattr(ns, "plan_check", False) and (ns.e2e is not None or ns.ops is not None or ns.static):
+        raise ValueError("--plan-check: the layout-order check runs alone; drop --e2e, --ops and --static")
     dtypes = split_list("--dtype", ns.dtype, DTYPE_NAMES, DTYPE_ALIASES) if ns.dtype is not None else None
     if ns.min_run_time is not None and not ns.min_run_time > 0:
         raise ValueError(f"--min-run-time must be > 0 seconds, got {ns.min_run_time}")
@@ -103,13 +179,17 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
     t = ns.min_run_time or (0.05 if quick else 0.5)
     rows = []
     families = list(dict.fromkeys(OPS[o] for o in ops))
+    shape_map = getattr(ns, "shape_map", None) or {}
     for fam in families:
         mod = importlib.import_module(f"megakernels_models.bench.{fam}")
         mine = [o for o in ops if OPS[o] == fam]
+        shapes = shape_map.get(fam) or (mod.default_shapes(device, quick) if fam in SHAPE_DIMS else None)
         if fam == "attention":
             ds = dtypes or list(mod.default_dtypes(device))
             head_dims, seqlens = ([64], [128]) if quick else ([64, 128], mod.GPU_SEQLENS if device == "cuda"
                                                               else mod.CPU_SEQLENS)
+            head_dims = getattr(ns, "head_dim_list", None) or head_dims
+            seqlens = getattr(ns, "seqlen_list", None) or seqlens
             rows += mod.run(ds, head_dims, seqlens, device=device, min_run_time=t, ceilings=ceilings, peers=peers,
                             log=log)
         elif fam == "adamw":
@@ -122,11 +202,11 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
             rows += mod.run(dtypes or mod.DEFAULT_DTYPES, quick=quick, device=device, min_run_time=t,
                             ceilings=ceilings, notes=peers.notes, log=log)
         elif fam == "cross_entropy":
-            rows += mod.run(dtypes or mod.DEFAULT_DTYPES, mod.default_shapes(device, quick), device=device,
+            rows += mod.run(dtypes or mod.DEFAULT_DTYPES, shapes, device=device, min_run_time=t, ceilings=ceilings,
+                            peers=peers, log=log)
+        else:  # norms, bias_gelu, softmax, rope, swiglu: fused vs eager vs torch.compile
+            rows += mod.run(mine, dtypes or mod.DEFAULT_DTYPES, shapes, device=device, with_compile=not ns.no_compile,
                             min_run_time=t, ceilings=ceilings, peers=peers, log=log)
-        else:  # norms, softmax, rope, swiglu: fused vs eager vs torch.compile
-            rows += mod.run(mine, dtypes or mod.DEFAULT_DTYPES, mod.default_shapes(device, quick), device=device,
-                            with_compile=not ns.no_compile, min_run_time=t, ceilings=ceilings, peers=peers, log=log)
     return rows
 
 
@@ -152,6 +232,10 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:  # the trainer's ArgumentError included
         print(f"megakernels bench: error: {e}", file=sys.stderr)
         return 2
+    if ns.static:
+        return run_static(ops, ns.out)
+    if ns.plan_check:
+        return run_plan_check(ns)
     from megakernels.parallel.launch import WorldFailed
     from megakernels_models.bench import ceilings as ceil
     from megakernels_models.bench.common import machine, machine_line, write_json
@@ -188,3 +272,35 @@ def main(ns: argparse.Namespace) -> int:
             print(f"wrote {png}")
     return 0
 
+
+def run_plan_check(ns) -> int:
+    """``megakernels bench --plan-check``; 1 when a rank failed."""
+    from megakernels.parallel.launch import WorldFailed
+    from megakernels_models.bench import plan_check
+    from megakernels_models.bench.common import write_json
+
+    try:
+        result = plan_check.run(plan_check.default_args(ns.warmup + ns.steps), warmup=ns.warmup)
+    except WorldFailed as e:
+        print(f"megakernels bench: a rank failed: {e}", file=sys.stderr)
+        return 1
+    path = write_json(ns.out, "plan_check.json", result)
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+def run_static(ops: list[str], out: str | None) -> int:
+    """``megakernels bench --static``: the report for ``ops``; 1 when a kernel could not be analysed."""
+    from megakernels_models.bench.common import write_json
+    from megakernels_models.bench.static import report
+
+    rows = report.run(report.select(ops=None if set(ops) == set(OPS) else ops), jobs=os.cpu_count() or 1)
+    failed = [r for r in rows if "error" in r]
+    path = write_json(out, "static.json", report.payload(rows))
+    if path:
+        print(f"wrote {path}")
+    if failed:
+        print(f"megakernels bench --static: {len(failed)} of {len(rows)} kernels could not be analysed",
+              file=sys.stderr)
+    return 1 if failed else 0

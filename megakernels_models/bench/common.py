@@ -234,22 +234,18 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> str | None:
     return path
 
 
-def finish(out_dir: str | None, name: str, info: dict, ceilings: dict, rows: list[dict], notes: list[str],
-           log: Callable[[str], None] = print) -> None:
-    """The end of a family script: the notes, ``out_dir/name`` ({machine, ceilings, notes, rows}) and the plots."""
-    for n in notes:
-        log(f"note: {n}")
-    if write_json(out_dir, name, {"machine": info, "ceilings": ceilings, "notes": notes, "rows": rows}):
-        from megakernels_models.bench import plot
-
-        for path in plot.write_plots(rows, out_dir):
-            log(f"wrote {path}")
-
-
 # ---- pytest-benchmark suites -----------------------------------------------------------------------------------
 
 IMPLS = ["fused", "eager", "compile"]
 _compiled: dict = {}
+
+
+def parametrize_shapes(metafunc, quick: list, full: list) -> None:
+    """A suite's ``pytest_generate_tests``: its ``shape`` argument over ``quick`` under --benchmark-disable (the CI
+    check that everything runs), else over ``full``; ids like 4096x1024."""
+    if "shape" in metafunc.fixturenames:
+        shapes = quick if metafunc.config.getoption("benchmark_disable") else full
+        metafunc.parametrize("shape", shapes, ids=lambda s: "x".join(map(str, s)))
 
 
 def implementation(comp, impl: str) -> Callable:

@@ -1,20 +1,20 @@
 """Cross-entropy microbenchmark: megakernels.ops.cross_entropy vs F.cross_entropy (+ Liger-Kernel when installed),
 time and peak memory.
 
-    python -m benchmarks.cross_entropy [--quick] [--device cpu|cuda] [--dtype bfloat16,float32] [--out DIR]
+    megakernels bench --ops cross_entropy [--device cpu|cuda] [--dtype bfloat16,float32] [--shapes tokens,vocab;...]
+                      [--quick] [--out DIR]
 
 Shapes [tokens, vocab]: [16384, 50304] and [8192, 131072] on a GPU (GPT-2's padded vocab, a Llama-3-size one),
 a quarter of the tokens on the CPU. The PyTorch baseline (``eager``) is what Megatron and nanoGPT write:
 ``F.cross_entropy(logits.float(), target)`` (the fp32 upcast of bf16 logits included). GB/s counts the bytes that
 must move: the logits read once forward; read once and the gradient written once backward. Peak memory is the
 largest amount of memory allocated during forward+backward beyond the logits and targets themselves (torch.cuda's
-counter on a GPU; on the CPU the rise of a fresh process's peak resident set over the inputs). Writes
-DIR/cross_entropy.json and DIR/cross_entropy.png; never asserts on time.
+counter on a GPU; on the CPU the rise of a fresh process's peak resident set over the inputs). Never asserts
+on time.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from megakernels.ops import cross_entropy
 from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import (DTYPES, TablePrinter, finish, median_seconds, parse_choices,
-                                             result_row, start)
+from megakernels_models.bench.common import DTYPES, TablePrinter, median_seconds, result_row
 from megakernels_models.bench.peers import Peers
 
 FAMILY = "cross_entropy"
@@ -122,25 +121,3 @@ def run(dtypes, shapes, *, device="cpu", min_run_time=0.3, ceilings=None, peers:
             rows.append(row)
             table(row)
     return rows
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES), help="comma list of " + ", ".join(SUPPORTED_DTYPES))
-    p.add_argument("--quick", action="store_true", help="one small shape, short timing (a smoke run)")
-    p.add_argument("--no-peers", action="store_true", help="skip Liger-Kernel even when installed")
-    p.add_argument("--out", default=None, help="directory for cross_entropy.json and the PNG plot")
-    args = p.parse_args(argv)
-    dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
-    info = start(p, args.device)
-    ceilings = ceil.measure(args.device, (), quick=args.quick)
-    peers = Peers(args.device, enabled=not args.no_peers)
-    rows = run(dtypes, default_shapes(args.device, args.quick), device=args.device,
-               min_run_time=0.05 if args.quick else 0.5, ceilings=ceilings, peers=peers)
-    finish(args.out, "cross_entropy.json", info, ceilings, rows, peers.notes)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,6 @@ eager GPT of the same shape on one device, measured in the same run.
                       [--dp N] [--nproc N] [--micro-batch-size B] [--global-batch-size G] [--steps 5] [--warmup 2]
                       [--sequence-parallel] [--distributed-optimizer] [--recompute none|selective|full]
                       [--no-baseline] [--quick] [--out DIR]
-    python -m benchmarks.e2e [--preset NAME] ...the same flags...
 
 PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one (``gpt-cpu-s256``,
 ``gpt-cpu-s1024``; the default on the CPU is both, on CUDA ``gpt-1.3b``).
@@ -28,39 +27,48 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
 import torch
 
-from megakernels_models.bench.common import machine, machine_line, write_json
 from megakernels_models.bench.eager_gpt import CPU_PRESETS, DTYPES as BASELINE_PRECISIONS, compare_single
 
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 
 
+# The trainer flags of --e2e: TrainArgs' own (help, choices and checks declared once, in arguments.py).
+LAYOUT_FLAGS = ("precision", "tp", "pp", "vpp", "dp", "nproc", "micro_batch_size", "global_batch_size",
+                "sequence_parallel", "distributed_optimizer", "recompute", "schedule", "attention")
+# Defaults that differ from TrainArgs' (None: decided per model and device in prepare / trainer_args).
+E2E_DEFAULTS = {"precision": None, "nproc": None, "micro_batch_size": None, "global_batch_size": None}
+E2E_GROUP = "end-to-end (with --e2e)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The trainer-layout and step flags shared by ``megakernels bench`` and ``python -m benchmarks.e2e``."""
-    g = p.add_argument_group("end-to-end (with --e2e)")
-    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="default: bf16 on CUDA, fp32 on the CPU")
-    for name, help_ in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size")):
-        g.add_argument("--" + name, type=int, default=1, help=help_)
-    g.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default 1, or --nproc / (tp·pp))")
-    g.add_argument("--nproc", type=int, default=None, help="local processes (default tp·pp·dp; gloo on the CPU)")
-    g.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's (4 on CUDA)")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro × dp × (1, or 2·pp micro-batches with pipelining)")
+    """The trainer-layout and step flags of ``megakernels bench --e2e``."""
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.settings import add_settings
+
+    add_settings(p, TrainArgs, names=LAYOUT_FLAGS, group=E2E_GROUP, defaults={
+        "precision": "bf16 on CUDA, fp32 on the CPU", "nproc": "tp·pp·dp", "micro_batch_size": "the preset's",
+        "global_batch_size": "micro × dp, × 2·pp with pipelining"})
+    g = next(a for a in p._action_groups if a.title == E2E_GROUP)
     g.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
     g.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--distributed-optimizer", action="store_true")
-    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
-    g.add_argument("--attention", choices=["flash", "torch"], default="flash")
     g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: table/measured)")
     g.add_argument("--no-baseline", action="store_true", help="skip the one-device eager-GPT comparison")
     g.add_argument("--no-trainer", action="store_true", help="skip the trainer run (baseline comparison only)")
+
+
+def _fill_layout(ns) -> None:
+    """The layout flags the user did not give (the parser leaves them out) take their e2e or TrainArgs default."""
+    import dataclasses
+
+    from megakernels_models.arguments import TrainArgs
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainArgs)}
+    for name in LAYOUT_FLAGS:
+        if not hasattr(ns, name):
+            setattr(ns, name, E2E_DEFAULTS.get(name, fields[name]))
 
 
 def presets_for(name: str | None, device: str, quick: bool) -> list[str]:
@@ -156,6 +164,7 @@ def prepare(ns) -> list[tuple]:
     Raises:
         ValueError: an unknown preset (naming --e2e); ``ArgumentError`` (a ValueError): a layout rule broken.
     """
+    _fill_layout(ns)
     ns.precision = ns.precision or ("bf16" if ns.device == "cuda" else "fp32")
     if ns.quick:
         ns.steps, ns.warmup = min(ns.steps, 2), min(ns.warmup, 1)
@@ -261,35 +270,3 @@ def report_lines(e: dict) -> list[str]:
     if e.get("baseline_note"):
         lines.append(f"  note: {e['baseline_note']}")
     return lines
-
-
-def main(argv=None) -> int:
-    from megakernels.parallel.launch import WorldFailed
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", dest="e2e", default=None, help="comma list of presets (default: gpt-1.3b on CUDA; "
-                   f"on the CPU {', '.join(CPU_PRESETS)})")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--quick", action="store_true", help="a tiny model, 1 + 2 steps (a smoke run)")
-    p.add_argument("--out", default=None, help="directory for e2e.json")
-    add_arguments(p)
-    ns = p.parse_args(argv)
-    if ns.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device available")
-    try:
-        plan = prepare(ns)
-    except ValueError as e:  # ArgumentError included: reported before any training starts
-        p.error(str(e))
-    info = machine(ns.device)
-    print(machine_line(info))
-    try:
-        rows = run(ns, plan)
-    except WorldFailed as e:
-        print(f"e2e: a rank failed: {e}", file=sys.stderr)
-        return 1
-    write_json(ns.out, "e2e.json", {"machine": info, "rows": rows})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,11 @@
 """Norm-family microbenchmarks: fused kernels vs PyTorch eager vs torch.compile of the same composition (+ peers).
 
-    python -m benchmarks.norms [--quick] [--ops layer_norm_gelu,layer_norm,rms_norm,bias_gelu]
-                               [--dtype float32,bfloat16] [--shapes rows,hidden;...] [--device cpu|cuda]
-                               [--no-compile] [--out DIR]
+    megakernels bench --ops layer_norm_gelu,layer_norm,rms_norm [--dtype float32,bfloat16]
+                      [--shapes rows,hidden;...] [--device cpu|cuda] [--no-compile] [--quick] [--out DIR]
 
 Prints one table per op (median time over calibrated repeats, effective GB/s and its fraction of the copy
 bandwidth measured in the same run, speed-up vs eager, vs torch.compile and vs apex / Liger-Kernel when installed)
-and writes DIR/norms.json and DIR/<op>.png. Never asserts on time. The pytest-benchmark suite
+(DIR/bench.json and DIR/<op>.png). Never asserts on time. The pytest-benchmark suite
 (benchmarks/test_bench_norms.py) times the same callables.
 
 Bytes that must move: x read and y written forward; backward adds dy read, dx written and x read again (the
@@ -15,19 +14,15 @@ parameters and their gradients, one row each, are left out).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from megakernels.ops import bias_gelu, layer_norm, rms_norm
+from megakernels.ops import layer_norm, rms_norm
 from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import (DTYPES, OURS, TablePrinter, finish, median_seconds, parse_choices,
-                                             parse_shapes,
-                                             result_row, start)
+from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 from megakernels_models.bench.peers import Peers
 
 FAMILY = "norms"
@@ -65,11 +60,6 @@ COMPOSITIONS = {
         lambda x, w: rms_norm(x, w, 1e-6),
         lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
     ),
-    "bias_gelu": Composition(
-        "bias_gelu", 1,
-        lambda x, b: bias_gelu(x, b, "tanh"),
-        lambda x, b: F.gelu(x + b, approximate="tanh"),
-    ),
 }
 OPS = tuple(COMPOSITIONS)
 
@@ -105,6 +95,14 @@ def step_fn(fn: Callable, x, params, dy, backward: bool) -> Callable[[], None]:
     return fwd_bwd
 
 
+def suite_step(comp: Composition, impl: str, dtype_name: str, shape, backward: bool) -> Callable[[], None]:
+    """The callable a pytest-benchmark suite times for ``impl`` (``common.IMPLS``) of ``comp`` on the CPU."""
+    from megakernels_models.bench.common import implementation
+
+    x, params, dy = make_inputs(comp, shape, DTYPES[dtype_name], grad=backward)
+    return step_fn(implementation(comp, impl), x, params, dy, backward=backward)
+
+
 def bytes_moved(comp: Composition, shape, dtype, backward: bool) -> int:
     """Bytes that must cross memory: x read + y written (+ dy read, dx written, x re-read in backward)."""
     elem = torch.finfo(dtype).bits // 8
@@ -117,13 +115,14 @@ def default_shapes(device: str, quick: bool):
 
 
 def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None,
-        peers: Peers | None = None, log=print) -> list[dict]:
-    """Measure every (op, dtype, shape, fwd / fwd+bwd); returns the result rows (``common.result_row``), each
-    printed through ``log`` as it is measured."""
+        peers: Peers | None = None, log=print, compositions=None, family=FAMILY) -> list[dict]:
+    """Measure every (op, dtype, shape, fwd / fwd+bwd) of ``compositions`` (default: the norms'); returns the result
+    rows (``common.result_row``), each printed through ``log`` as it is measured."""
     rows, table = [], TablePrinter(log)
     peers = peers or Peers(device, enabled=False)
+    compositions = compositions or COMPOSITIONS
     for name in ops:
-        comp = COMPOSITIONS[name]
+        comp = compositions[name]
         extra = peers.norm(name)
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
@@ -144,7 +143,7 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
                         except Exception as e:  # a peer's failure is reported, not fatal
                             peers.failed(peer, what, e)
                     value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
-                    row = result_row(name, FAMILY, dtype=dtype_name, shape=f"{shape[0]}x{shape[1]}",
+                    row = result_row(name, family, dtype=dtype_name, shape=f"{shape[0]}x{shape[1]}",
                                      pass_="fwd+bwd" if backward else "fwd", size=shape[0] * shape[1],
                                      size_label="elements (rows x hidden)", unit="GB/s",
                                      work=bytes_moved(comp, shape, dtype, backward), times=times, ceiling=value,
@@ -152,30 +151,3 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
                     rows.append(row)
                     table(row)
     return rows
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
-    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES), help="comma list of " + ", ".join(SUPPORTED_DTYPES))
-    p.add_argument("--shapes", default=None, help="semicolon list of rows,hidden (default: the standard set)")
-    p.add_argument("--quick", action="store_true", help="one small shape, short timing (a smoke run)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--no-peers", action="store_true", help="skip apex / Liger-Kernel even when installed")
-    p.add_argument("--out", default=None, help="directory for norms.json and the PNG plots")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live")
-    args = p.parse_args(argv)
-    ops = parse_choices(p, "--ops", args.ops, OPS)
-    dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
-    shapes = parse_shapes(p, args.shapes, "rows,hidden") if args.shapes else default_shapes(args.device, args.quick)
-    info = start(p, args.device)
-    ceilings = ceil.measure(args.device, (), quick=args.quick)
-    peers = Peers(args.device, enabled=not args.no_peers)
-    rows = run(ops, dtypes, shapes, device=args.device, with_compile=not args.no_compile,
-               min_run_time=0.05 if args.quick else 0.5, ceilings=ceilings, peers=peers)
-    finish(args.out, "norms.json", info, ceilings, rows, peers.notes)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

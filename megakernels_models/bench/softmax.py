@@ -1,13 +1,12 @@
 """Softmax-family microbenchmarks: fused kernels vs PyTorch eager vs torch.compile of the same composition.
 
-    python -m benchmarks.softmax [--quick] [--ops scaled,masked,causal] [--dtype float32,bfloat16] [--out DIR]
-                                 [--device cpu|cuda] [--shapes b,h,sq,sk;...] [--no-compile]
+    megakernels bench --ops softmax [--dtype float32,bfloat16] [--shapes b,h,sq,sk;...] [--device cpu|cuda]
+                      [--no-compile] [--quick] [--out DIR]
 
 The eager composition is what a user would otherwise write for attention scores x [b, heads, sq, sk]:
 ``torch.softmax((x * scale).masked_fill(mask, -inf), -1)`` (the causal mask is built once, outside the timing).
 Prints one table per op (median time over calibrated repeats, effective GB/s and its fraction of the copy
-bandwidth, speed-up vs eager and vs torch.compile, all measured in the same run) and writes DIR/softmax.json and
-DIR/<op>.png. Never asserts on time. The pytest-benchmark suite (benchmarks/test_bench_softmax.py) times the same
+bandwidth, speed-up vs eager and vs torch.compile, all measured in the same run) (DIR/bench.json and DIR/<op>.png). Never asserts on time. The pytest-benchmark suite (benchmarks/test_bench_softmax.py) times the same
 callables.
 
 Bytes that must move, forward: x read and y written; backward: y and dy read, dx written. For the causal op only
@@ -16,9 +15,7 @@ the kept (lower, bottom-right aligned) part of x, y and dy must be read; every o
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 
 import torch
@@ -26,9 +23,7 @@ import torch
 from megakernels.ops import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.softmax import causal_mask
 from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import (DTYPES, OURS, TablePrinter, finish, median_seconds, parse_choices,
-                                             parse_shapes,
-                                             result_row, start)
+from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 
 FAMILY = "softmax"
 SCALE = 0.125
@@ -148,28 +143,3 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
                     rows.append(row)
                     table(row)
     return rows
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default=",".join(COMPOSITIONS), help="comma list of " + ", ".join(COMPOSITIONS))
-    p.add_argument("--dtype", default=",".join(DEFAULT_DTYPES), help="comma list of " + ", ".join(SUPPORTED_DTYPES))
-    p.add_argument("--shapes", default=None, help="semicolon list of b,h,sq,sk (default: the standard set)")
-    p.add_argument("--quick", action="store_true", help="one small shape, short timing (a smoke run)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors live (default cpu)")
-    p.add_argument("--out", default=None, help="directory for softmax.json and the PNG plots")
-    args = p.parse_args(argv)
-    ops = parse_choices(p, "--ops", args.ops, COMPOSITIONS)
-    dtypes = parse_choices(p, "--dtype", args.dtype, SUPPORTED_DTYPES)
-    shapes = parse_shapes(p, args.shapes, "b,h,sq,sk") if args.shapes else default_shapes(args.device, args.quick)
-    info = start(p, args.device)
-    ceilings = ceil.measure(args.device, (), quick=args.quick)
-    rows = run(ops, dtypes, shapes, device=args.device, with_compile=not args.no_compile,
-               min_run_time=0.05 if args.quick else 0.5, ceilings=ceilings)
-    finish(args.out, "softmax.json", info, ceilings, rows, [])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,7 @@
-"""The closing table of scripts/gpu_check.sh: each stage's result, then the measured numbers against the targets of
-docs/design.md §6, read back from the JSON files the benchmarks wrote into OUTDIR.
+"""The closing table of scripts/gpu_check.sh: each stage's result, the measured numbers against the targets of
+docs/design.md §6, and every measurement beside what the static cost model predicted for it (docs/design.md §7,
+``megakernels bench --static``; the ratio calibrates the model), read back from the JSON files the benchmarks
+wrote into OUTDIR and its subfolders.
 
     python -m megakernels_models.bench.summary OUTDIR [--title TEXT]
 
@@ -29,17 +31,28 @@ MEMORY_BOUND = ("layer_norm", "layer_norm_gelu", "rms_norm", "bias_gelu", "scale
 STAGES_FILE = "stages.tsv"
 
 
-def load(out_dir: str) -> tuple[list[dict], list[dict]]:
-    """(kernel result rows, e2e entries) from every ``*.json`` in ``out_dir`` (unreadable files are skipped)."""
-    rows, e2e = [], []
-    for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
+def _payloads(out_dir: str):
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.json")) + glob.glob(os.path.join(out_dir, "*", "*.json"))):
         try:
             with open(path) as f:
                 payload = json.load(f)
         except (OSError, ValueError):
             continue
-        if not isinstance(payload, dict):
-            continue
+        if isinstance(payload, dict):
+            yield payload
+
+
+def load_static(out_dir: str) -> list[dict]:
+    """The kernel rows of every static report (``static.json``: a ``kernels`` list) in ``out_dir``."""
+    return [k for p in _payloads(out_dir) for k in p.get("kernels") or []
+            if isinstance(k, dict) and isinstance(k.get("bench"), dict) and "predicted_fraction" in k]
+
+
+def load(out_dir: str) -> tuple[list[dict], list[dict]]:
+    """(kernel result rows, e2e entries) from every ``*.json`` in ``out_dir`` and its subfolders (unreadable files
+    are skipped)."""
+    rows, e2e = [], []
+    for payload in _payloads(out_dir):
         for r in payload.get("rows", []):
             if isinstance(r, dict) and "op" in r and "rates" in r:
                 rows.append(r)
@@ -95,6 +108,49 @@ def evaluate(rows: list[dict], e2e: list[dict]) -> list[dict]:
     return out
 
 
+_PASSES = {"fwd": ["fwd"], "fwd+bwd": ["fwd", "bwd"], "step": ["update"]}
+_DTYPE = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
+def predicted(row: dict, static: list[dict]) -> tuple[float, str] | None:
+    """What the static model predicted for a measured row: (value, unit) — TFLOP/s for attention (the backward's
+    own rate for fwd+bwd rows), else the fraction of the copy bandwidth — or None when it has no prediction.
+    Among several configs of one kernel the best is taken (the GPU's autotuner picks the fastest)."""
+    def best(pass_: str) -> dict | None:
+        hits = [k for k in static if k["bench"].get("op") == row["op"] and k["bench"].get("pass") == pass_
+                and k["bench"].get("shape") == row.get("shape") and k["bench"].get("dtype") == row.get("dtype")
+                and k["bench"].get("variant", "") == row.get("variant", "") and "error" not in k]
+        return max(hits, key=lambda k: k["predicted_fraction"]) if hits else None
+
+    if row["op"] == "flash_attention":
+        k = best("bwd" if row["pass"] == "fwd+bwd" else "fwd")
+        return (k["predicted_tflops"], "TFLOP/s") if k else None
+    parts = [best(p) for p in _PASSES.get(row["pass"], [])]
+    if not parts or any(k is None for k in parts):
+        return None
+    moved = sum(k["min_bytes_per_element"] * k["elements"] for k in parts)
+    time_s = sum(k["predicted_time_us"] for k in parts) * 1e-6
+    copy = 4.3e12
+    return moved / time_s / copy, "fraction"
+
+
+def calibration(rows: list[dict], static: list[dict]) -> list[str]:
+    """Lines of the measured-beside-predicted table (rows without a prediction are left out)."""
+    out = []
+    for r in rows:
+        pred = predicted(r, static)
+        if pred is None:
+            continue
+        value, unit = pred
+        measured = (r.get("bwd_TFLOPs", {}).get("megakernels") if r["op"] == "flash_attention" and r["pass"] ==
+                    "fwd+bwd" else (r["rates"]["megakernels"] if unit == "TFLOP/s" else r.get("fraction_of_ceiling")))
+        if measured is None:
+            continue
+        out.append(f"{r['op'] + ' ' + _case(r):<64}{_fmt(measured, unit):>14}{_fmt(value, unit):>14}"
+                   f"{measured / value if value else float('nan'):>12.2f}")
+    return out
+
+
 def _fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
@@ -130,6 +186,14 @@ def render(out_dir: str, title: str = "") -> str:
         lines.append(f"{t['target']:<60}{_fmt(t['value'], t['unit']):>14}{_fmt(t['goal'], t['unit']):>14}{pct:>13}"
                      f"  {verdict:<7}{t['case']}")
     lines.append(f"{met} of {measured} measured targets met ({len(results) - measured} not measured)")
+    static = load_static(out_dir)
+    if static:
+        table = calibration(rows, static)
+        lines.append("")
+        lines.append("measured beside the static model's prediction (docs/design.md §7; bandwidth fractions of the "
+                     "copy ceiling, attention in TFLOP/s, the backward's own rate for fwd+bwd)")
+        lines.append(f"{'kernel':<64}{'measured':>14}{'predicted':>14}{'meas/pred':>12}")
+        lines += table or ["(no measurement has a prediction)"]
     return "\n".join(lines)
 
 

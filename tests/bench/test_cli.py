@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megakernels_models.bench.cli import GROUPS, OPS, resolve_ops
+from megakernels_models.bench.cli import GROUPS, OPS, parse_shapes, resolve_ops, static_ops
 from megakernels_models.cli import build_parser, main
 
 
@@ -63,6 +63,36 @@ def test_malformed_number_is_an_argparse_error():
     with pytest.raises(SystemExit) as e:
         bench("--steps", "many")
     assert e.value.code == 2
+
+
+def test_shapes_without_one_of_a_selected_familys_size_exit_2(capsys):
+    assert bench("--ops", "rms_norm,scaled_softmax", "--shapes", "64,256") == 2
+    err = capsys.readouterr().err
+    assert "--shapes" in err and "softmax needs b,h,sq,sk" in err
+
+
+def test_shapes_go_to_the_families_with_that_many_sizes():
+    assert parse_shapes("64,256;2,4,8,16;32,128", ["rms_norm", "bias_gelu", "scaled_softmax", "adamw"]) == {
+        "norms": [(64, 256), (32, 128)], "bias_gelu": [(64, 256), (32, 128)], "softmax": [(2, 4, 8, 16)]}
+
+
+@pytest.mark.parametrize("flag, value", [("--shapes", "64,x"), ("--shapes", "0,4"), ("--head-dims", "64,-1"),
+                                         ("--seqlens", "many")])
+def test_malformed_sizes_exit_2_naming_the_flag(capsys, flag, value):
+    assert bench("--ops", "rms_norm,flash_attention", flag, value) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_static_report_runs_alone(capsys):
+    assert bench("--static", "--e2e", "gpt-tiny") == 2
+    assert "--static" in capsys.readouterr().err
+
+
+def test_static_report_covers_every_measured_op_and_accepts_unmeasured_ones():
+    assert set(OPS) <= set(static_ops())
+    assert resolve_ops("only_static,norms", e2e=False, extra=("only_static",)) == ["only_static", *GROUPS["norms"]]
+    with pytest.raises(ValueError, match="'only_static'"):
+        resolve_ops("only_static", e2e=False)
 
 
 def test_groups_expand_in_order_without_duplicates():

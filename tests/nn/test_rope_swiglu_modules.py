@@ -35,12 +35,12 @@ def test_rotary_embedding_with_a_cached_table_matches_computed_angles():
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(head_dim=7), ValueError, "head_dim must be even"),
-    (dict(head_dim=0), ValueError, "head_dim must be >= 2"),
+    (dict(head_dim=0), ValueError, "head_dim must be an int >= 2"),
     (dict(head_dim=8.0), TypeError, "head_dim must be an int"),
     (dict(head_dim=8, theta=-1.0), ValueError, "theta must be a finite number > 0"),
     (dict(head_dim=8, theta="1e4"), TypeError, "theta must be a real number"),
     (dict(head_dim=8, interleaved=1), TypeError, "interleaved must be a bool"),
-    (dict(head_dim=8, max_positions=0), ValueError, "max_positions must be >= 1"),
+    (dict(head_dim=8, max_positions=0), ValueError, "max_positions must be a positive int"),
 ])
 def test_rotary_embedding_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=f"RotaryEmbedding: {match}"):

@@ -1,6 +1,6 @@
-"""The norm-family ops as test cases: each pairs the fused op with its plain-PyTorch reference and knows how to
-make its inputs, so one set of specification tests covers layer_norm (with each activation), rms_norm and
-bias_gelu."""
+"""The row-wise ops with [hidden] parameters as test cases: each pairs the fused op with its plain-PyTorch reference and knows how to
+make its inputs, so one specification (tests/ops/rowwise_spec.py) covers layer_norm (with each activation),
+rms_norm and bias_gelu."""
 
 from __future__ import annotations
 
@@ -66,5 +66,7 @@ BIAS_GELU_ERF = OpCase(
     n_params=1,
 )
 
-ALL_CASES = [LAYER_NORM, LAYER_NORM_GELU, LAYER_NORM_GELU_TANH, RMS_NORM, BIAS_GELU, BIAS_GELU_ERF]
+NORM_CASES = [LAYER_NORM, LAYER_NORM_GELU, LAYER_NORM_GELU_TANH, RMS_NORM]
+BIAS_GELU_CASES = [BIAS_GELU, BIAS_GELU_ERF]
+ALL_CASES = NORM_CASES + BIAS_GELU_CASES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

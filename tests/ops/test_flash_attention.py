@@ -127,6 +127,38 @@ def test_noncontiguous_inputs(triton_backend):
     assert _max_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+def test_strides_that_tma_cannot_address_take_the_pointer_path(triton_backend):
+    """A head stride of 33 fp16 elements (66 bytes) is no multiple of 16 bytes: the forward loads through
+    pointers instead of tensor descriptors, with the same result."""
+    from megakernels.triton import flash_attention as fa
+
+    dtype = torch.float16 if triton_backend.name != "cpu" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 40, 4, 33, generator=g).to(dtype=dtype, device=triton_backend.device)[..., :32]
+                   for _ in range(4))
+    assert not fa.tma_eligible(q, k, v)
+    results = _run(lambda *t: flash_attention(*t, causal=True), q, k, v, do)
+    exact = _run(lambda *t: flash_attention_reference(*t, causal=True)[0], q.double(), k.double(), v.double(),
+                 do.double())
+    for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
+        assert _max_err(r, ex) < (1e-5 if dtype == torch.float32 else 4e-3) * max(1.0, ex.abs().max().item()), name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_matches_reference_and_repeats_bitwise(triton_backend, causal):
+    case = (1, 130, 97, 4, 2, 64)
+    dtype = torch.float32 if triton_backend.name != "cuda" else torch.float16
+    q, k, v, do = _inputs(case, dtype, triton_backend.device)
+    fn = lambda *t: flash_attention(*t, causal=causal, deterministic=True)  # noqa: E731
+    first, second = _run(fn, q, k, v, do), _run(fn, q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(),
+                 do.double())
+    lowp = _run(lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
+                q.cpu(), k.cpu(), v.cpu(), do.cpu())
+    _assert_flash_style(first, lowp, exact, dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Dropout
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.ops.cases import ALL_CASES
-from tests.ops.test_norms import check_forward_backward
+from tests.ops.rowwise_spec import check_forward_backward
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
 LEADING = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=3)

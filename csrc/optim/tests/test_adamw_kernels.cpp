@@ -1,7 +1,7 @@
 // C++ test of the optimizer family without Python: the multi-tensor CUDA kernels (run by the emulator, csrc/emu)
 // against the CPU kernels and a naive fp64 reference. Lists mix many small tensors (odd sizes: scalar tails) with
-// a few big ones that cross chunk boundaries; small chunk sizes force several launch tables (too many tensors, too
-// many chunks, a tensor cut between tables). Also the skip path (found_inf set: nothing changes, steps included),
+// a few big ones that cross chunk boundaries; more tensors than one launch table holds force several launches,
+// and small chunk sizes give launches of many hundred chunks. Also the skip path (found_inf set: nothing changes, steps included),
 // grad unscaling, the non-finite check and the L2 norm. Built plain, with AddressSanitizer and with
 // ThreadSanitizer (CMakeLists.txt).
 #include <cmath>
@@ -250,8 +250,8 @@ int main() {
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     for (bool master : {false, true}) {
       if (dt == DType::F32 && master) continue;
-      test_adamw(dt, master, many, 16, false, rng);     // > 32 tensors and > 256 chunks: several tables
-      test_adamw(dt, master, mixed, 256, true, rng);    // tensors cut between tables (9000 / 256 > 35 chunks)
+      test_adamw(dt, master, many, 16, false, rng);     // > 32 tensors: several tables, hundreds of chunks
+      test_adamw(dt, master, mixed, 256, true, rng);    // big tensors of many chunks each
     }
   }
   test_adamw(DType::F32, false, big, 65536, false, rng);  // the default chunk: 70000 crosses one boundary

@@ -1,0 +1,209 @@
+"""The FlashAttention-2 backward kernels (launched by megakernels.triton.flash_attention).
+
+``P = exp(S - lse)`` is recomputed from the saved lse; ``delta = rowsum(dO * O)`` comes first from
+``_bwd_delta_kernel`` (one read of dO and O, instead of a chain of fp32 copies through torch).
+
+``_bwd_kernel``: one program per BLOCK_N keys of one *k/v* head loops over the query blocks of every query head of
+its group (GQA/MQA sum there): ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
+``dS^T = P^T * (dP^T - delta)``, ``dK += dS^T Q`` — and, in the same pass, ``dQ += dS K`` added with fp32 atomics
+into a zeroed fp32 buffer (``DQ_ATOMIC``): five matmuls and one exponential per score. With
+``deterministic=True`` the launcher leaves dQ out of this kernel and runs ``_bwd_dq_kernel`` (one program per
+BLOCK_M queries looping over the keys), which recomputes S and dP: seven matmuls and two exponentials, but the
+same bits on every run.
+
+Query blocks that see every key of the program's block and lie inside SQ take a loop without masks; only the
+diagonal band of a causal mask, the query tail and a key block that runs past SK pay for them. The scale is folded
+with log2(e) into the exponent (one FFMA).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megakernels.triton._common import dropout_keep, dropout_row_hash
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, H, SQ,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * SQ + offs_m, tl.sum(o * do, 1), mask=offs_m < SQ)
+
+
+@triton.jit
+def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK, stride_qs, stride_dos,
+              stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold, keep_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if MASKED:
+        q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+        lse2 = tl.load(LSE + bh * SQ + offs_m, mask=offs_m < SQ, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * SQ + offs_m, mask=offs_m < SQ, other=0.0)
+    else:
+        d_mask = offs_d[None, :] < HEAD_DIM
+        q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=d_mask, other=0.0)
+        do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=d_mask, other=0.0)
+        lse2 = tl.load(LSE + bh * SQ + offs_m) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * SQ + offs_m)
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that saw no key: P = 0
+    # Transposed scores [BLOCK_N, BLOCK_M], so dk and dv accumulate without transposing them.
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+    if MASKED:
+        valid = (offs_n[:, None] < SK) & (offs_m[None, :] < SQ)
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + (SK - SQ))
+        p_t = tl.where(valid, p_t, 0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    if DROPOUT:
+        keep = dropout_keep(dropout_row_hash(seed_lo, seed_hi, (bh * SQ + offs_m).to(tl.int32))[None, :],
+                            offs_n[:, None], threshold)
+        dv += tl.dot(tl.where(keep, p_t * keep_scale, 0.0).to(do.dtype), do, input_precision=PRECISION)
+        dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+    else:
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    if DQ_ATOMIC:
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * scale
+        dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+        if MASKED:
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                stride_dqb, stride_dqs, stride_dqh,
+                H, HK, GROUP, SQ, SK, qk_scale, scale, threshold, keep_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // HK).to(tl.int64)
+    hk = (bhk % HK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Query blocks [lo, mid) meet the causal diagonal band (masks); [mid, SQ // BLOCK_M * BLOCK_M) see every key of
+    # this block (no masks); the query tail past that is masked again. A key block that runs past SK masks all.
+    if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
+        lo = tl.maximum(pid_n * BLOCK_N + SQ - SK, 0) // BLOCK_M * BLOCK_M
+        mid = tl.minimum(tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M,
+                         SQ // BLOCK_M * BLOCK_M)
+    else:
+        lo = 0
+        mid = 0
+    full_end = SQ // BLOCK_M * BLOCK_M
+    if (pid_n + 1) * BLOCK_N > SK:  # the key tail: every query block masked
+        mid = full_end
+    mid = tl.maximum(mid, lo)
+    seed_lo = tl.full([], 0, tl.uint32)
+    seed_hi = tl.full([], 0, tl.uint32)
+    if DROPOUT:
+        seed = tl.load(SEED)
+        seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        Qh = Q + b * stride_qb + h * stride_qh
+        DOh = DO + b * stride_dob + h * stride_doh
+        DQh = DQ + b * stride_dqb + h * stride_dqh
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
+                               stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
+                               keep_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
+        for start_m in range(mid, full_end, BLOCK_M):
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
+                               stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
+                               keep_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
+        for start_m in range(tl.maximum(full_end, mid), SQ, BLOCK_M):
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
+                               stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
+                               keep_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
+    dk *= scale
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEED,
+                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                   stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                   stride_dqb, stride_dqs, stride_dqh,
+                   H, GROUP, SQ, SK, qk_scale, scale, threshold, keep_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+                 mask=q_mask, other=0.0)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=0.0)
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    row_hash = offs_m.to(tl.uint32)
+    if DROPOUT:
+        seed = tl.load(SEED)
+        row_hash = dropout_row_hash((seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32),
+                                    bh * SQ + offs_m)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0)) if CAUSAL else SK
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        valid = offs_n[None, :] < SK
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
+        p = tl.where(valid, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            dp = tl.where(dropout_keep(row_hash[:, None], offs_n[None, :], threshold), dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    dq *= scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+__all__ = ["_bwd_delta_kernel", "_bwd_kernel", "_bwd_dq_kernel", "triton"]

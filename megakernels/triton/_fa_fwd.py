@@ -1,0 +1,165 @@
+"""The FlashAttention-2 forward kernel (launched by megakernels.triton.flash_attention).
+
+One program per BLOCK_M queries of one (batch, head): stream the keys in BLOCK_N blocks, keeping a running row
+maximum ``m``, normaliser ``l`` and un-normalised output ``acc`` in fp32 (online softmax); the ``[sq, sk]`` score
+matrix never exists. The lse ``(m + log2 l) * ln 2`` is stored for the backward.
+
+Design (why; docs/static-cost-model.md has the model it is judged by):
+- Tiles come through TMA tensor descriptors where the Triton and the tensors allow it (``TMA``: a 4-D descriptor
+  over ``[b, s, h, d]``, out-of-range rows and head-dim columns zero-filled by the hardware), so the loads cost one
+  instruction per tile instead of an address and a cp.async per 16 bytes, and the pipeliner's stages are
+  mbarrier-synchronised; otherwise pointer loads with masks.
+- Scores stay in raw units; the scale is folded with log2(e) into the exponent: ``p = exp2(s * qk_scale - m)``
+  is one FFMA and one MUFU.EX2 per score.
+- Key blocks that every row of the query block sees entirely (all of them without causality, those left of the
+  diagonal band with it) take a loop with no masks; only the diagonal band and the last partial block pay.
+- Causal grids run heaviest first: program 0 takes the last query block (the one that sees the most keys), so the
+  short blocks fill the tail of the grid instead of the long ones.
+- ``WARP_SPEC``: the unmasked loop asks for Triton's automatic warp specialisation (producer warps load,
+  consumer warpgroups compute, so a wgmma is not waited on at once by a warp that could do softmax work). The
+  launcher leaves it off: Triton 3.8's Hopper pass (NVGPUWarpSpecialization) fails on this kernel, and a
+  hand-pipelined loop (QK^T of the next block issued before the softmax of this one) gets a wait after every
+  wgmma from Triton's pipeliner, no overlap. Overlap comes from a second resident CTA where the config allows it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megakernels.triton._common import dropout_keep, dropout_row_hash
+
+
+@triton.jit
+def _load_kv(K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEAD_DIM: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        k = K.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = V.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        kv_mask = offs_d[None, :] < HEAD_DIM
+        if MASKED:
+            kv_mask = kv_mask & (offs_n[:, None] < SK)
+        k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, stride_ks, stride_vs, qk_scale,
+              row_hash, threshold,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, v = _load_kv(K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D,
+                    MASKED, TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:
+        valid = offs_n[None, :] < SK
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(dropout_keep(row_hash[:, None], offs_n[None, :], threshold), p, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_block(acc, m_i, l_i, q, K, V, b, hk, offs_m, offs_d, start, stop, SQ, SK, stride_ks, stride_vs, qk_scale,
+               row_hash, threshold,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+               WARP_SPEC: tl.constexpr):
+    if WARP_SPEC and not MASKED:  # only Tritons that take warp_specialize ever see this branch
+        for start_n in tl.range(start, stop, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, stride_ks,
+                                      stride_vs, qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED,
+                                      CAUSAL, DROPOUT, PRECISION, TMA)
+    else:
+        for start_n in range(start, stop, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, stride_ks,
+                                      stride_vs, qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED,
+                                      CAUSAL, DROPOUT, PRECISION, TMA)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, SEED,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                H, GROUP, SQ, SK, qk_scale, threshold, keep_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                WARP_SPEC: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - pid if CAUSAL else pid  # causal: heaviest query block first
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
+    if TMA:
+        q = Q.load([b, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs
+                    + offs_d[None, :], mask=q_mask, other=0.0)
+        K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+        V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+
+    row_hash = offs_m.to(tl.uint32)
+    if DROPOUT:
+        seed = tl.load(SEED)
+        row_hash = dropout_row_hash((seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32),
+                                    bh * SQ + offs_m)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys [0, full) are visible to every row of this block and lie inside SK: no masks there.
+    if CAUSAL:
+        hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0))
+        full = tl.minimum(tl.maximum(pid_m * BLOCK_M + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
+    else:
+        hi = SK
+        full = SK // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, b, hk, offs_m, offs_d, 0, full, SQ, SK, stride_ks, stride_vs,
+                               qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DROPOUT,
+                               PRECISION, TMA, WARP_SPEC)
+    acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, b, hk, offs_m, offs_d, full, hi, SQ, SK, stride_ks,
+                               stride_vs, qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
+                               DROPOUT, PRECISION, TMA, WARP_SPEC)
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, keep_scale / tl.where(empty, 1.0, l_i))
+    out = (acc * inv_l[:, None]).to(O.dtype.element_ty if not TMA else O.dtype)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if TMA:
+        O.store([b, pid_m * BLOCK_M, h, 0], out.reshape(1, BLOCK_M, 1, BLOCK_D))
+    else:
+        tl.store(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_os
+                 + offs_d[None, :], out, mask=q_mask)
+    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
+
+
+def supports_tma() -> bool:
+    """Whether this Triton has host-side tensor descriptors (triton.tools.tensor_descriptor)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+
+
+def supports_warp_specialize() -> bool:
+    """Whether tl.range takes ``warp_specialize`` (Triton >= 3.4); the Hopper pass must also exist for it to act."""
+    import inspect
+
+    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+__all__ = ["_fwd_kernel", "supports_tma", "supports_warp_specialize", "triton"]

@@ -1,0 +1,116 @@
+"""A Triton kernel launch as data, so that the very launch a launcher makes can also be compiled for a GPU that is
+not here.
+
+A launcher builds ``Launch`` objects (kernel, grid, arguments, constexprs, ``num_warps``/``num_stages``) and calls
+them. ``compile_launch`` hands the same object to the Triton compiler for ``sm_<arch>`` with the specialisation
+``JITFunction.run`` would give those arguments: 16-byte divisibility of pointers and of integers that are
+multiples of 16, integers equal to 1 folded to constants, and the constexprs. Compiling a kernel from a
+hand-written signature instead (as this package once did) compiles a different kernel: without the divisibility
+hints Triton cannot vectorise or use TMA-friendly layouts, and the shared memory it reports is not what the launch
+gets. ``compile_check`` and ``megakernels bench --static`` both go through here.
+
+Pointer arguments may be meta tensors (``torch.empty(..., device="meta")``): their ``data_ptr()`` is 0, which is
+aligned, as the allocator's 256-byte-aligned buffers are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch of a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)``.
+
+    ``kwargs`` holds the constexprs and the launch options (``num_warps``, ``num_stages``)."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    @property
+    def num_warps(self) -> int:
+        return int(self.kwargs.get("num_warps", 4))
+
+    @property
+    def num_ctas(self) -> int:
+        n = 1
+        for g in self.grid:
+            n *= int(g)
+        return n
+
+
+def _fallback_specialisation(launch: Launch):
+    """Signature, constexprs and attributes for Triton versions without ``create_function_from_signature``: the
+    rules of JITFunction.run (pointer dtype from the tensor, 16-divisibility of pointers and integers, 1 folded to
+    a constant, floats fp32)."""
+    import torch
+
+    names = launch.kernel.arg_names
+    values = dict(zip(names, launch.args))
+    values.update({k: v for k, v in launch.kwargs.items() if k in names})
+    sig, consts, attrs = {}, {}, {}
+    tname = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+             torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+    for i, name in enumerate(names):
+        v = values[name]
+        if i in launch.kernel.constexprs or name in launch.kwargs:
+            sig[name], consts[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + tname[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1:
+                sig[name], consts[(i,)] = "constexpr", 1
+            else:
+                sig[name] = "i64" if not -2**31 <= v < 2**31 else "i32"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    options = {k: v for k, v in launch.kwargs.items() if k not in names}
+    return sig, consts, attrs, options
+
+
+def specialise(launch: Launch, arch: int):
+    """(signature, constexprs, attrs, options dict) that ``JITFunction.run`` derives from the launch's arguments,
+    for the CUDA target ``sm_<arch>``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    try:
+        from triton.runtime.jit import create_function_from_signature
+
+        binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+        bound, spec, opts = binder(*launch.args, **launch.kwargs)
+        options, signature, constexprs, attrs = launch.kernel._pack_args(backend, launch.kwargs, bound, spec, opts)
+        return signature, constexprs, attrs, options.__dict__
+    except (ImportError, AttributeError, TypeError):  # a Triton whose binder differs: the same rules, written out
+        sig, consts, attrs, options = _fallback_specialisation(launch)
+        return sig, consts, attrs, backend.parse_options(options).__dict__
+
+
+def compile_launch(launch: Launch, arch: int):
+    """``triton.compile`` of the launch's kernel for ``sm_<arch>`` (``sm_90a`` features on 90), specialised as the
+    launch would be. Needs no GPU (the Triton compiler and ptxas only). Returns the CompiledKernel (``asm['cubin']``,
+    ``metadata.shared``, ...). Triton's on-disk cache makes a repeated compile cheap."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs, options = specialise(launch, arch)
+    src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

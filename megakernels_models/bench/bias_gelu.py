@@ -1,0 +1,33 @@
+"""Bias-GeLU microbenchmark: the fused ``gelu(x + bias)`` vs PyTorch eager vs torch.compile of the same composition.
+
+    megakernels bench --ops bias_gelu [--dtype float32,bfloat16] [--shapes rows,hidden;...] [--device cpu|cuda]
+                      [--no-compile] [--quick] [--out DIR]
+
+The measurement is the norms' (``megakernels_models.bench.norms.run``: one table, GB/s and % of the copy
+bandwidth, speed-ups vs eager and torch.compile, never asserting on time) over this composition; bytes that must
+move: x read and y written forward; dy read, dx written and x read again backward. The pytest-benchmark suite
+(benchmarks/test_bench_bias_gelu.py) times the same callables.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn.functional as F
+
+from megakernels.ops import bias_gelu
+from megakernels_models.bench import norms
+from megakernels_models.bench.norms import Composition
+
+FAMILY = "bias_gelu"
+COMPOSITIONS = {
+    "bias_gelu": Composition(
+        "bias_gelu", 1,
+        lambda x, b: bias_gelu(x, b, "tanh"),
+        lambda x, b: F.gelu(x + b, approximate="tanh"),
+    ),
+}
+OPS = tuple(COMPOSITIONS)
+DEFAULT_DTYPES = norms.DEFAULT_DTYPES
+default_shapes = norms.default_shapes
+run = functools.partial(norms.run, compositions=COMPOSITIONS, family=FAMILY)

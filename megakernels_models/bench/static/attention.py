@@ -1,0 +1,204 @@
+"""FlashAttention in the static report: every sm_90 candidate config of the forward and backward at the key shapes
+(d64 and d128, bf16, causal and not, s = 4k and 8k with b * s = 16k tokens and h * d = 2048).
+
+Each kernel's launches come from the launcher itself (``forward_launch`` / ``backward_launches`` on meta tensors),
+so the report compiles exactly what runs. What the model needs besides the SASS is each kernel's *schedule*: how
+many iterations of each of its MMA loops every CTA runs, in launch order — the kernel's own loop bounds, written
+again here in Python (``SCHEDULES``), and the bytes each iteration loads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megakernels_models.bench.static import analysis, compiled, model
+from megakernels_models.bench.static.registry import Entry, register
+
+SHAPES = [(4096, 64), (4096, 128), (8192, 128)]   # (seqlen, head_dim); batch = 16k / s, heads = 2048 / d
+DTYPE = torch.bfloat16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fwd_schedule(launch, sq: int, sk: int):
+    """Per CTA (launch order: the query-block axis fastest): iterations of the unmasked and the masked loop."""
+    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
+    per_bh = []
+    for pid_m in range(launch.grid[0]):
+        if causal:
+            hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
+            full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
+        else:
+            hi, full = sk, sk // bn * bn
+        per_bh.append({"full": full // bn, "masked": _cdiv(max(hi - full, 0), bn)})
+    order = [per_bh[i] for i in _fwd_order(launch)]
+    return order * launch.grid[1], {"full": 2 * bn * _head(launch) * 2, "masked": 2 * bn * _head(launch) * 2}
+
+
+def _fwd_order(launch) -> list[int]:
+    """The query block each program id along axis 0 takes (identity unless the kernel remaps it)."""
+    return list(range(launch.grid[0]))
+
+
+def _head(launch) -> int:
+    return launch.kwargs["BLOCK_D"]
+
+
+def _dkdv_schedule(launch, sq: int, sk: int):
+    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
+    group = launch.args[launch.kernel.arg_names.index("GROUP")]
+    per_bh = []
+    for pid_n in range(launch.grid[0]):
+        lo = max(pid_n * bn + sq - sk, 0) // bm * bm if causal else 0
+        per_bh.append({"all": _cdiv(sq - lo, bm) * group})
+    d = _head(launch)
+    return per_bh * launch.grid[1], {"all": 2 * bm * d * 2 + 2 * bm * 4}
+
+
+def _bwd_schedule(launch, sq: int, sk: int):
+    """The one-pass backward: per key block, the query blocks of the diagonal band (masked), the fully visible
+    ones (unmasked) and the query tail (masked), for each query head of the group. Each iteration loads a q and
+    a dO tile, lse and delta, and (with atomics) adds a dQ tile: read and written at L2."""
+    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
+    group = launch.args[launch.kernel.arg_names.index("GROUP")]
+    full_end = sq // bm * bm
+    per_bh = []
+    for pid_n in range(launch.grid[0]):
+        if causal:
+            lo = max(pid_n * bn + sq - sk, 0) // bm * bm
+            mid = min(_cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
+        else:
+            lo = mid = 0
+        if (pid_n + 1) * bn > sk:
+            mid = full_end
+        mid = max(mid, lo)
+        per_bh.append({"diag": _cdiv(max(mid - lo, 0), bm) * group,
+                       "full": _cdiv(max(full_end - mid, 0), bm) * group,
+                       "tail": _cdiv(max(sq - max(full_end, mid), 0), bm) * group})
+    d = _head(launch)
+    atomics = 2 * bm * d * 4 if launch.kwargs.get("DQ_ATOMIC") else 0
+    per_iter = 2 * bm * d * 2 + 2 * bm * 4 + atomics
+    return per_bh * launch.grid[1], {"diag": per_iter, "full": per_iter, "tail": per_iter}
+
+
+def _dq_schedule(launch, sq: int, sk: int):
+    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
+    per_bh = []
+    for pid_m in range(launch.grid[0]):
+        hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0)) if causal else sk
+        per_bh.append({"all": _cdiv(hi, bn)})
+    return per_bh * launch.grid[1], {"all": 2 * bn * _head(launch) * 2}
+
+
+# kernel name -> (MMA loop roles in address order, schedule(launch, sq, sk) -> (per-CTA iterations, L2 bytes per
+# iteration by role))
+SCHEDULES = {
+    "_fwd_kernel": (["full", "masked"], _fwd_schedule),
+    "_bwd_dkdv_kernel": (["all"], _dkdv_schedule),  # the two-kernel backward before the one-pass design
+    "_bwd_kernel": (["diag", "full", "tail"], _bwd_schedule),
+    "_bwd_dq_kernel": (["all"], _dq_schedule),
+}
+
+
+def kernel_prediction(launch, sq: int, sk: int, m: model.Machine = model.H200) -> tuple[compiled.Compiled, dict]:
+    """Compile one launch and predict its time from its MMA loops and schedule."""
+    c = compiled.triton_kernel(launch)
+    roles, sched = SCHEDULES[launch.name]
+    loops = analysis.mma_loops(c, roles)
+    ctas, l2 = sched(launch, sq, sk)
+    warps = launch.num_warps
+    its = {r: analysis.tile_iteration(c, lp, warps, l2[r]) for r, lp in loops.items()}
+    per_sm = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes)
+    if per_sm == 0:
+        raise RuntimeError(f"{launch.name}: does not fit an SM ({c.registers} registers, {c.shared_bytes} B shared)")
+    outside = c.fn.totals.instructions - sum(lp.counts.instructions for lp in loops.values())
+    pred = model.predict_tiles(ctas, its, per_sm, outside * warps / 4, m)
+    pred["ctas_per_sm"] = per_sm
+    pred["per_iteration"] = {r: {"instructions": lp.counts.instructions, "mufu": lp.counts.mufu,
+                                 "branches": lp.counts.branches,
+                                 "mma_instructions": lp.counts.mma, "barriers": lp.counts.barriers,
+                                 "wgmma_waits": lp.counts.wgmma_waits,
+                                 "overlapped_instructions": its[r].overlap_instr,
+                                 "mma_flops": its[r].mma_flops}
+                             for r, lp in loops.items()}
+    return c, pred
+
+
+def _meta(*shape, dtype=DTYPE):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _row(parts: list, flops: float, extra_time: float = 0.0, m: model.Machine = model.H200) -> dict:
+    """The JSON fields of a pass made of ``parts`` [(name, Compiled, prediction)]: the heaviest launch's resources,
+    every launch's time, and the pass's predicted fraction of the dense bf16 peak."""
+    total = sum(p["time_s"] for _, _, p in parts) + extra_time
+    name, main, pred = max(parts, key=lambda p: p[2]["time_s"])
+    role = next(iter(pred["per_iteration"]))
+    launches = [{"kernel": n, **c.resources(), "ctas_per_sm": p["ctas_per_sm"],
+                 "predicted_time_us": p["time_s"] * 1e6, "bounds": p["bounds"],
+                 "tail_efficiency": round(p["tail_efficiency"], 3), "per_iteration": p["per_iteration"]}
+                for n, c, p in parts]
+    return {**main.resources(), "kernel": name, "blocks_per_sm": pred["ctas_per_sm"],
+            "instructions_per_iteration": pred["per_iteration"][role]["instructions"],
+            "mufu_per_iteration": pred["per_iteration"][role]["mufu"], "bound": pred["bounds"][role],
+            "hot_loop_branches": pred["per_iteration"][role]["branches"],
+            "predicted_time_us": total * 1e6, "predicted_tflops": flops / total / 1e12,
+            "predicted_fraction": flops / total / m.mma_dense_bf16, "launches": launches,
+            **({"other_time_us": extra_time * 1e6} if extra_time else {})}
+
+
+def _fwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
+    from megakernels.triton import flash_attention as fa
+
+    b, h = 16384 // s, 2048 // d
+    q, out, lse = _meta(b, s, h, d), _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
+    launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg)
+    c, pred = kernel_prediction(launch, s, s)
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return _row([(launch.name, c, pred)], flops)
+
+
+def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -> dict:
+    from megakernels.triton import flash_attention as fa
+
+    b, h = 16384 // s, 2048 // d
+    q, lse = _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
+    dq = q if deterministic else _meta(b, s, h, d, dtype=torch.float32)
+    launches = fa.backward_launches(q, q, q, q, q, lse, lse, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg,
+                                    deterministic)
+    mma = [ln for ln in launches if ln.name in SCHEDULES]
+    parts = [(ln.name, *kernel_prediction(ln, s, s)) for ln in mma]
+    elems = b * s * h * d
+    # Streaming launches at the copy rate: delta reads dO and O (4 B per element); the atomic path also zeroes
+    # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).
+    extra = (4 + (0 if deterministic else 10)) * elems / model.H200.dram_copy + model.H200.launch_s * 2
+    flops = 10 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return _row(parts, flops, extra)
+
+
+def _config_name(cfg) -> str:
+    bm, bn, w, st = cfg
+    return f"{bm}x{bn} w{w} s{st}"
+
+
+@register
+def flash_attention_entries() -> list[Entry]:
+    from megakernels.triton import flash_attention as fa
+
+    out = []
+    for s, d in SHAPES:
+        b, h = 16384 // s, 2048 // d
+        for causal in (False, True):
+            shape = f"b{b} s{s} h{h} d{d}{' causal' if causal else ''}"
+            for passname, table, fn in (("fwd", fa.FWD_CONFIGS, _fwd_entry), ("bwd", fa.BWD_CONFIGS, _bwd_entry)):
+                bench = {"op": "flash_attention", "pass": passname, "shape": f"{b}x{h}x{s}x{d}", "dtype": "bfloat16",
+                         "variant": f"d{d} {'causal' if causal else 'full'}"}
+                for cfg in fa.candidates(table, 90, d):
+                    out.append(Entry(f"flash_attention.{passname}", _config_name(cfg), shape, "bf16",
+                                     (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg)),
+                                     family="attention", needs_wgmma=True, key=(s == 4096), bench=bench))
+    return out

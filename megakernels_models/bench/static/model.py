@@ -1,0 +1,164 @@
+"""The static cost model: from what a kernel compiles to (``sass``) and how it is launched, a predicted time and
+fraction of the H200's ceiling. Written down, with its assumptions, in docs/static-cost-model.md; the constants
+below are the ones the first GPU run calibrates (scripts/gpu_check.sh prints predicted beside measured).
+
+Two kernel kinds:
+
+- **Streaming** (memory-bound: norms, softmax, bias-GeLU, cross-entropy, AdamW). Per element: SASS instructions
+  issued, MUFU operations, bytes through L2, and the bytes that must cross DRAM. Time is the largest of the DRAM
+  time (at the copy bandwidth, or less when too few bytes are in flight per SM to cover the memory latency), the
+  L2 time, the issue time (4 schedulers x 32 lanes per SM per clock) and the MUFU time (16 per SM per clock).
+- **Tiled MMA** (FlashAttention). Per tile iteration of one CTA: tensor-core cycles (wgmma at the dense bf16
+  rate, mma.sync at a fraction of it), issue cycles of everything else, MUFU cycles, L2 cycles of the K/V tile
+  loads. A CTA's critical path is MMA + softmax minus what the SASS overlaps (instructions issued between a wgmma
+  and the wait on it); k resident CTAs per SM share the units. CTAs are list-scheduled onto the SMs in launch
+  order, so a causal grid launched lightest-first pays for its tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """An H200 SXM (sm_90). Rates are per SM per clock unless named otherwise."""
+
+    name: str = "H200 SXM (sm_90)"
+    sms: int = 132
+    clock_hz: float = 1.83e9            # the clock at which the 989 TFLOP/s dense bf16 rating holds (boost: 1.98)
+    issue_lanes: int = 128              # 4 schedulers x 1 warp-instruction x 32 lanes
+    mufu_lanes: int = 16                # ex2 / rcp / rsqrt / lg2 results per SM per clock
+    mma_dense_bf16: float = 989e12      # FLOP/s, wgmma dense bf16 peak (the attention ceiling)
+    mma_sustained: float = 0.80         # fraction of that peak a saturating GEMM sustains (cuBLAS ~790 TFLOP/s)
+    mma_sync_rate: float = 0.625        # mma.sync's rate relative to wgmma on Hopper
+    dram_peak: float = 4.8e12           # B/s, HBM3e
+    dram_copy: float = 4.3e12           # B/s, a measured device-to-device copy (the streaming ceiling)
+    l2_bw: float = 10e12                # B/s, L2 -> SM (assumption; calibrate)
+    dram_latency_s: float = 0.8e-6      # loaded DRAM latency: bytes in flight per SM must cover it
+    launch_s: float = 2e-6              # per kernel launch: launch, ramp-up and drain of a grid
+    max_warps: int = 64
+    max_blocks: int = 32
+    regs: int = 65536
+    smem: int = 233472                  # 228 KiB per SM
+    smem_per_block: int = 232448        # 227 KiB opt-in per block
+    smem_reserved: int = 1024           # per block, on sm_90
+
+    @property
+    def issue_per_s(self) -> float:
+        return self.sms * self.issue_lanes * self.clock_hz
+
+    @property
+    def mufu_per_s(self) -> float:
+        return self.sms * self.mufu_lanes * self.clock_hz
+
+
+H200 = Machine()
+
+
+def blocks_per_sm(m: Machine, threads: int, registers: int, shared: int, grid_cap: int | None = None) -> int:
+    """Resident blocks per SM: registers (allocated per warp in units of 256), shared memory, warps, blocks, and
+    the launch's own cap (a grid of ``grid_cap`` blocks per SM at most)."""
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    limits = [m.max_blocks, m.max_warps // warps, m.regs // (regs_per_warp * warps)]
+    if shared:
+        limits.append(m.smem // (shared + m.smem_reserved))
+    if grid_cap is not None:
+        limits.append(max(1, grid_cap))
+    return max(0, min(limits))
+
+
+# ---- streaming kernels -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StreamCost:
+    """Per element of the op (not per thread): what the hot loops and their row overhead cost."""
+
+    instructions: float
+    mufu: float
+    l2_bytes: float           # through L2 (all global traffic but the L1-resident parameters)
+    dram_bytes: float         # that must cross DRAM (the compulsory traffic)
+    min_bytes: float          # the op's minimum (what the GB/s of `megakernels bench` counts)
+    in_flight_per_sm: float   # bytes of loads in flight per SM in the DRAM-reading loop
+    warps_per_sm: int
+    sm_fraction: float = 1.0  # of the SMs the grid occupies (a grid smaller than the machine leaves SMs idle)
+
+
+def predict_stream(c: StreamCost, elements: float, launches: int = 1, m: Machine = H200) -> dict:
+    """Time and fraction of the copy ceiling for ``elements`` elements processed by ``launches`` launches."""
+    f = max(c.sm_fraction, 1e-9)
+    bw = min(m.dram_copy, c.in_flight_per_sm * m.sms * f / m.dram_latency_s)
+    times = {
+        "dram": elements * c.dram_bytes / bw,
+        "l2": elements * c.l2_bytes / (m.l2_bw * f),
+        "issue": elements * c.instructions / (m.issue_per_s * f),
+        "mufu": elements * c.mufu / (m.mufu_per_s * f),
+    }
+    bound = max(times, key=times.get)
+    t = times[bound] + launches * m.launch_s
+    achieved = elements * c.min_bytes / t if t > 0 else 0.0
+    return {"time_s": t, "bound": bound, "times_s": times, "bandwidth_Bps": achieved,
+            "latency_limited_bw_Bps": bw, "predicted_fraction": achieved / m.dram_copy}
+
+
+# ---- tiled MMA kernels -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TileIteration:
+    """One CTA's pass through a loop iteration, from the SASS (per warp) and the launch."""
+
+    warps: int
+    instructions: float      # per warp
+    mufu: float              # per warp
+    mma_flops: float         # per CTA
+    wgmma: bool              # tensor cores through wgmma (else mma.sync)
+    overlap_instr: float     # per warp: instructions issued while a wgmma is in flight
+    l2_bytes: float          # per CTA (tile loads)
+
+    def cycles(self, m: Machine) -> dict:
+        rate = 4096 * m.mma_sustained * (1.0 if self.wgmma else m.mma_sync_rate)  # FLOP per SM-clock
+        mma = self.mma_flops / rate
+        issue = self.instructions * self.warps / 4
+        mufu = self.mufu * 32 * self.warps / m.mufu_lanes
+        l2 = self.l2_bytes / (m.l2_bw / m.sms / m.clock_hz)
+        soft = max(issue, mufu)
+        overlap = min(mma, self.overlap_instr * self.warps / 4)
+        return {"mma": mma, "issue": issue, "mufu": mufu, "l2": l2, "critical": mma + soft - overlap}
+
+
+def per_iteration_cycles(it: TileIteration, ctas_per_sm: int, m: Machine = H200) -> tuple[float, str]:
+    """SM cycles one CTA-iteration costs when ``ctas_per_sm`` CTAs share the SM, and what bounds it."""
+    c = it.cycles(m)
+    terms = {"mma": c["mma"], "issue": c["issue"], "mufu": c["mufu"], "l2": c["l2"],
+             "latency": c["critical"] / max(1, ctas_per_sm)}
+    bound = max(terms, key=terms.get)
+    return terms[bound], bound
+
+
+def schedule(durations: list[float], slots: int) -> float:
+    """Makespan of jobs taken in launch order by the first free of ``slots`` workers (the block scheduler)."""
+    free = [0.0] * min(slots, max(1, len(durations)))
+    heapq.heapify(free)
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
+def predict_tiles(ctas: list[dict], iterations: dict, ctas_per_sm: int, overhead_cycles: float,
+                  m: Machine = H200) -> dict:
+    """Time of a grid whose CTA ``i`` runs ``ctas[i][role]`` iterations of each loop role (``iterations[role]``
+    a TileIteration), in launch order; ``overhead_cycles`` per CTA (prologue, epilogue)."""
+    per = {role: per_iteration_cycles(it, ctas_per_sm, m) for role, it in iterations.items()}
+    # A CTA occupies one of ctas_per_sm slots of an SM; in its slot it advances at 1/ctas_per_sm of the SM's rate.
+    durations = [(overhead_cycles + sum(n * per[r][0] for r, n in cta.items())) * ctas_per_sm for cta in ctas]
+    cycles = schedule(durations, m.sms * max(1, ctas_per_sm))
+    busy = sum(durations) / (m.sms * max(1, ctas_per_sm))
+    bounds = {r: b for r, (_, b) in per.items()}
+    return {"time_s": cycles / m.clock_hz + m.launch_s, "tail_efficiency": busy / cycles if cycles else 1.0, "bounds": bounds,
+            "cycles_per_iteration": {r: c for r, (c, _) in per.items()}}

@@ -1,0 +1,125 @@
+"""The static cost model's pieces on inputs whose answers are known: SASS control flow (loops, cold slow paths,
+waits on wgmma), access widths, occupancy, the block scheduler, and the streaming roofline."""
+
+from __future__ import annotations
+
+import pytest
+
+from megakernels_models.bench.static import model, sass
+
+NESTED = """
+	Function : k
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+        /*0020*/               @P0 EXIT ;
+        /*0030*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0040*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0050*/                   MUFU.EX2 R9, R8 ;
+        /*0060*/              @!P1 BRA 0x90 ;
+        /*0070*/                   CALL.REL.NOINC 0x200 ;
+        /*0080*/                   MOV R9, R2 ;
+        /*0090*/                   FADD R10, R10, R9 ;
+        /*00a0*/                   STG.E.128 desc[UR4][R6.64], R8 ;
+        /*00b0*/               @P2 BRA 0x40 ;
+        /*00c0*/                   SHFL.BFLY PT, R3, R10, 0x10, 0x1f ;
+        /*00d0*/               @P3 BRA 0x30 ;
+        /*00e0*/                   EXIT ;
+        /*00f0*/                   BRA 0xf0 ;
+        /*0200*/                   FFMA R2, R2, R2, R2 ;
+        /*0210*/                   RET.REL.NODEC R4 0x0 ;
+"""
+
+WGMMA = """
+	Function : attn
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/                   FMUL R2, R24, R3 ;
+        /*0060*/                   MUFU.EX2 R2, R2 ;
+        /*0070*/                   WARPGROUP.ARRIVE ;
+        /*0080*/                   HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12], R88, gsb0 ;
+        /*0090*/                   FADD R4, R4, R2 ;
+        /*00a0*/                   FADD R5, R5, R2 ;
+        /*00b0*/               @P0 BRA 0x10 ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def _fn(text: str) -> sass.Function:
+    return next(iter(sass.parse_sass(text).values()))
+
+
+def test_nested_loops_are_found_with_their_own_instructions():
+    fn = _fn(NESTED)
+    inner = fn.innermost_loops()
+    assert len(fn.loops) == 2 and len(inner) == 1
+    outer = fn.enclosing(inner[0])
+    assert outer is not None and inner[0].addr == 0x40 and outer.addr == 0x30
+    assert outer.counts.instructions == 3 and outer.counts.shuffles == 1  # LDG, SHFL, BRA: the inner loop excluded
+
+
+def test_a_block_calling_a_slow_path_is_cold_and_not_counted():
+    inner = _fn(NESTED).innermost_loops()[0]
+    # LDG, MUFU, BRA | FADD, STG, BRA: the MOV / CALL / MOV slow path is left out
+    assert inner.counts.instructions == 6
+    assert inner.counts.mufu == 1 and inner.counts.branches == 1
+
+
+def test_global_accesses_are_counted_by_width():
+    c = _fn(NESTED).innermost_loops()[0].counts
+    assert c.global_loads == {16: 1} and c.global_stores == {16: 1}
+    assert c.load_bytes() == 16 and c.vector_loads() == 1
+    assert [sass.access_width(op) for op in ("LDG.E.128", "LDG.E.64", "STG.E.U16", "LDG.E")] == [16, 8, 2, 4]
+
+
+def test_wgmma_flops_and_the_instructions_overlapping_each_wgmma():
+    fn = _fn(WGMMA)
+    (loop,) = fn.innermost_loops()
+    assert loop.counts.wgmma == 3
+    assert loop.counts.mma_flops == (2 * 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16) / 4
+    # QK^T is waited on at once; P V overlaps the two FADDs and the branch before the next iteration's wait
+    assert sorted(fn.waits_after_mma(loop)) == [0, 3]
+
+
+def test_blocks_per_sm_obeys_each_hardware_limit():
+    m = model.H200
+    assert model.blocks_per_sm(m, 128, 32, 0) == 16             # 64 warps
+    assert model.blocks_per_sm(m, 128, 255, 0) == 2             # registers
+    assert model.blocks_per_sm(m, 128, 32, 100 * 1024) == 2     # shared memory (+1 KiB reserved each)
+    assert model.blocks_per_sm(m, 128, 32, 0, grid_cap=3) == 3  # the launch's own grid
+
+
+def test_heaviest_first_scheduling_shortens_a_skewed_grid():
+    jobs = [1, 2, 3, 4, 5, 6]
+    assert model.schedule(jobs, 3) == 9
+    assert model.schedule(sorted(jobs, reverse=True), 3) == 7
+    assert model.schedule([1.0] * 4, 2) == 2
+
+
+def test_streaming_kernel_within_budget_is_dram_bound():
+    c = model.StreamCost(instructions=16, mufu=1, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=64 << 10,
+                         warps_per_sm=64)
+    p = model.predict_stream(c, 1 << 26)
+    assert p["bound"] == "dram"
+    assert p["predicted_fraction"] == pytest.approx((1 << 28) / model.H200.dram_copy
+                                                    / ((1 << 28) / model.H200.dram_copy + model.H200.launch_s))
+
+
+def test_too_few_bytes_in_flight_limit_the_bandwidth():
+    m = model.H200
+    c = model.StreamCost(instructions=8, mufu=0, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=8 << 10,
+                         warps_per_sm=8)
+    p = model.predict_stream(c, 1 << 26)
+    assert p["latency_limited_bw_Bps"] == pytest.approx((8 << 10) * m.sms / m.dram_latency_s)
+    assert p["predicted_fraction"] < 0.35
+
+
+def test_too_many_instructions_per_element_make_a_kernel_issue_bound():
+    m = model.H200
+    budget = m.issue_per_s / (m.dram_copy / 4)  # instructions per 4-byte element the copy rate allows
+    c = model.StreamCost(instructions=2 * budget, mufu=0, l2_bytes=4, dram_bytes=4, min_bytes=4,
+                         in_flight_per_sm=64 << 10, warps_per_sm=64)
+    p = model.predict_stream(c, 1 << 26)
+    assert p["bound"] == "issue" and p["predicted_fraction"] == pytest.approx(0.5, rel=0.02)
