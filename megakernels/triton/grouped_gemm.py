@@ -25,11 +25,12 @@ import triton
 import triton.language as tl
 
 from megakernels.triton._common import arch_of, pick_config
+from megakernels.triton.launch import Launch
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture and element size; the first is the default.
 # 16-bit tiles of 128x128 with 64-deep k slices are wgmma-shaped on sm_90 (3 stages: 96 KiB of shared memory).
 # fp32 runs IEEE FMAs (no tensor cores, as ATen's default fp32 matmul): 64x64 tiles, since 128x128 needs all 255
-# registers per thread (tests/triton/grouped_gemm_sm90.py reports them).
+# registers per thread (megakernels bench --static --ops grouped_gemm and tests/triton/grouped_gemm_sm90.py).
 ROWS_CONFIGS = {
     90: {2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)],
          4: [(64, 64, 32, 4, 4), (128, 128, 32, 8, 3)]},
@@ -139,7 +140,7 @@ def _wgrad_kernel(DOUT, X, DW, SIZES, T, N, K, E, stride_dm, stride_xm, stride_w
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Launches as data (kernel, grid, args, kwargs): what the launchers below run and what a compile check compiles.
+# Launches as data (megakernels.triton.launch): what the launchers below run and what the static report compiles.
 
 
 def _block_e(num_groups: int) -> int:
@@ -163,7 +164,7 @@ def rows_launch(a: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor, out: torc
     args = (a, w, out, sizes, t, n, kdim, e, a.stride(0), w.stride(0), stride_bk, stride_bn, out.stride(0))
     kwargs = dict(BLOCK_E=_block_e(e), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=kdim % bk == 0,
                   PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages)
-    return _rows_kernel, grid, args, kwargs
+    return Launch(_rows_kernel, grid, args, kwargs)
 
 
 def wgrad_launch(dout: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, dw: torch.Tensor, cfg: tuple):
@@ -176,19 +177,14 @@ def wgrad_launch(dout: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, dw: t
     args = (dout, x, dw, sizes, t, n, kdim, e, dout.stride(0), x.stride(0), dw.stride(0))
     kwargs = dict(BLOCK_E=_block_e(e), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PRECISION=_precision(x.dtype),
                   num_warps=warps, num_stages=stages)
-    return _wgrad_kernel, grid, args, kwargs
-
-
-def _run(launch) -> None:
-    kernel, grid, args, kwargs = launch
-    kernel[grid](*args, **kwargs)
+    return Launch(_wgrad_kernel, grid, args, kwargs)
 
 
 def _tuned(name: str, table: dict, interp: tuple, a: torch.Tensor, shape_key: tuple, make) -> None:
     arch = arch_of(a.device)
     cands = candidates(table, arch, a.dtype, interp)
     key = (name, arch, a.dtype, *shape_key)
-    _run(make(pick_config(key, cands, lambda cfg: _run(make(cfg)))))
+    make(pick_config(key, cands, lambda cfg: make(cfg)()))()
 
 
 def _device_sizes(group_sizes: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -89,7 +89,8 @@ def test_static_report_runs_alone(capsys):
 
 
 def test_static_report_covers_every_measured_op_and_accepts_unmeasured_ones():
-    assert set(OPS) <= set(static_ops())
+    # moe_dispatch times a collective, hf_train whole HuggingFace models: no kernel of their own
+    assert set(OPS) - {"moe_dispatch", "hf_train"} <= set(static_ops())
     assert resolve_ops("only_static,norms", e2e=False, extra=("only_static",)) == ["only_static", *GROUPS["norms"]]
     with pytest.raises(ValueError, match="'only_static'"):
         resolve_ops("only_static", e2e=False)

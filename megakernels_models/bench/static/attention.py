@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megakernels_models.bench.static import analysis, compiled, model
+from megakernels_models.bench.static import compiled, model, tiles
 from megakernels_models.bench.static.registry import Entry, register
 
 SHAPES = [(4096, 64), (4096, 128), (8192, 128)]   # (seqlen, head_dim); batch = 16k / s, heads = 2048 / d
@@ -105,50 +105,13 @@ SCHEDULES = {
 
 
 def kernel_prediction(launch, sq: int, sk: int, m: model.Machine = model.H200) -> tuple[compiled.Compiled, dict]:
-    """Compile one launch and predict its time from its MMA loops and schedule."""
-    c = compiled.triton_kernel(launch)
+    """Compile one launch and predict its time from its MMA loops and schedule (``SCHEDULES``)."""
     roles, sched = SCHEDULES[launch.name]
-    loops = analysis.mma_loops(c, roles)
-    ctas, l2 = sched(launch, sq, sk)
-    warps = launch.num_warps
-    its = {r: analysis.tile_iteration(c, lp, warps, l2[r]) for r, lp in loops.items()}
-    per_sm = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes)
-    if per_sm == 0:
-        raise RuntimeError(f"{launch.name}: does not fit an SM ({c.registers} registers, {c.shared_bytes} B shared)")
-    outside = c.fn.totals.instructions - sum(lp.counts.instructions for lp in loops.values())
-    pred = model.predict_tiles(ctas, its, per_sm, outside * warps / 4, m)
-    pred["ctas_per_sm"] = per_sm
-    pred["per_iteration"] = {r: {"instructions": lp.counts.instructions, "mufu": lp.counts.mufu,
-                                 "branches": lp.counts.branches,
-                                 "mma_instructions": lp.counts.mma, "barriers": lp.counts.barriers,
-                                 "wgmma_waits": lp.counts.wgmma_waits,
-                                 "overlapped_instructions": its[r].overlap_instr,
-                                 "mma_flops": its[r].mma_flops}
-                             for r, lp in loops.items()}
-    return c, pred
+    return tiles.kernel_prediction(launch, roles, *sched(launch, sq, sk), m)
 
 
 def _meta(*shape, dtype=DTYPE):
     return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _row(parts: list, flops: float, extra_time: float = 0.0, m: model.Machine = model.H200) -> dict:
-    """The JSON fields of a pass made of ``parts`` [(name, Compiled, prediction)]: the heaviest launch's resources,
-    every launch's time, and the pass's predicted fraction of the dense bf16 peak."""
-    total = sum(p["time_s"] for _, _, p in parts) + extra_time
-    name, main, pred = max(parts, key=lambda p: p[2]["time_s"])
-    role = next(iter(pred["per_iteration"]))
-    launches = [{"kernel": n, **c.resources(), "ctas_per_sm": p["ctas_per_sm"],
-                 "predicted_time_us": p["time_s"] * 1e6, "bounds": p["bounds"],
-                 "tail_efficiency": round(p["tail_efficiency"], 3), "per_iteration": p["per_iteration"]}
-                for n, c, p in parts]
-    return {**main.resources(), "kernel": name, "blocks_per_sm": pred["ctas_per_sm"],
-            "instructions_per_iteration": pred["per_iteration"][role]["instructions"],
-            "mufu_per_iteration": pred["per_iteration"][role]["mufu"], "bound": pred["bounds"][role],
-            "hot_loop_branches": pred["per_iteration"][role]["branches"],
-            "predicted_time_us": total * 1e6, "predicted_tflops": flops / total / 1e12,
-            "predicted_fraction": flops / total / m.mma_dense_bf16, "launches": launches,
-            **({"other_time_us": extra_time * 1e6} if extra_time else {})}
 
 
 def _fwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
@@ -159,7 +122,7 @@ def _fwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
     launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg)
     c, pred = kernel_prediction(launch, s, s)
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    return _row([(launch.name, c, pred)], flops)
+    return tiles.pass_row([(launch.name, c, pred)], flops)
 
 
 def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -> dict:
@@ -177,7 +140,7 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
     # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).
     extra = (4 + (0 if deterministic else 10)) * elems / model.H200.dram_copy + model.H200.launch_s * 2
     flops = 10 * b * h * s * s * d * (0.5 if causal else 1.0)
-    return _row(parts, flops, extra)
+    return tiles.pass_row(parts, flops, extra)
 
 
 def _config_name(cfg) -> str:

@@ -201,6 +201,11 @@ def _causal_coverage(sq: int, sk: int) -> float:
     return sum(max(0, min(sk, i + sk - sq + 1)) for i in range(sq)) / (sq * sk)
 
 
+# The causal kernels load a pack that straddles the diagonal as its 8-byte words before it (load_raw_prefix), a
+# path one pack per row takes: only the 16-byte loads are the pack's loads (the prefix's instructions still count).
+CAUSAL_WIDTH = 16
+
+
 def softmax_rows_plan(rows: int, sk: int) -> tuple[int, int, int]:
     """(group threads, block threads, grid) as csrc/softmax/softmax_rows.cuh's softmax_rows_plan."""
     group = -(-(-(-sk // 32)) // 32) * 32
@@ -225,12 +230,14 @@ def _softmax_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
         mask = {"plain": "softmax::MaskKind)0", "masked": "softmax::MaskKind)1", "causal": "softmax::MaskKind)2"}[kind]
         kern = cuda("softmax", f"softmax_fwd_rows_kernel<{t}, {pack}, (megakernels::{mask}>", block)
         loads = 1 + (1 if kind == "masked" else 0)  # the mask word of a pack: 8 bytes (bf16) / 4 (fp32)
-        roles = [Role("row", loads, stores=1, reads_dram=True, min_width=4 if kind == "masked" else 8)]
+        roles = [Role("row", loads, stores=1, reads_dram=True, min_width=4 if kind == "masked" else CAUSAL_WIDTH
+                      if causal else 8)]
         mbytes = (kept + 1) * size + (1 if kind == "masked" else 0)
         return [Part(kern, roles, pack, ppt, grid, n, mbytes, mbytes)]
     kern = cuda("softmax", f"softmax_bwd_rows_kernel<{t}, {pack}, {'true' if causal else 'false'}>", block)
     mbytes = (2 * kept + 1) * size
-    return [Part(kern, [Role("row", 2, stores=1, reads_dram=True)], pack, ppt, grid, n, mbytes, mbytes)]
+    return [Part(kern, [Role("row", 2, stores=1, reads_dram=True, min_width=CAUSAL_WIDTH if causal else 8)], pack,
+                 ppt, grid, n, mbytes, mbytes)]
 
 
 def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
@@ -247,12 +254,15 @@ def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Par
         mask = {"plain": "softmax::MaskKind)0", "masked": "softmax::MaskKind)1", "causal": "softmax::MaskKind)2"}[kind]
         kern = cuda("softmax", f"softmax_fwd_kernel<{t}, {pack}, (megakernels::{mask}>", block)
         extra = 1 if kind == "masked" and pack >= 8 else 0  # the mask pack (one byte per element) is a vector load
-        roles = [Role("max_sum", 1 + extra, reads_dram=True, coverage=kept),
-                 Role("write", 1 + extra, stores=1, coverage=kept)]
+        w = CAUSAL_WIDTH if causal else 8
+        roles = [Role("max_sum", 1 + extra, reads_dram=True, coverage=kept, min_width=w),
+                 Role("write", 1 + extra, stores=1, coverage=kept, min_width=w)]
         mbytes = (kept + 1) * size + (1 if kind == "masked" else 0)
         return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, mbytes, mbytes)]
     kern = cuda("softmax", f"softmax_bwd_kernel<{t}, {pack}, {'true' if causal else 'false'}>", block)
-    roles = [Role("dot", 2, reads_dram=True, coverage=kept), Role("dx", 2, stores=1, coverage=kept)]
+    w = CAUSAL_WIDTH if causal else 8
+    roles = [Role("dot", 2, reads_dram=True, coverage=kept, min_width=w),
+             Role("dx", 2, stores=1, coverage=kept, min_width=w)]
     mbytes = (2 * kept + 1) * size
     return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, mbytes, mbytes)]
 
