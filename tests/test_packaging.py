@@ -1,6 +1,6 @@
 """Packaging: ``pip install megakernels`` (kernels, ops, nn, optim, parallel) needs only torch and numpy; the
-trainer's dependencies are the ``train`` extra and matplotlib the ``bench`` extra, and without matplotlib
-``megakernels bench --out`` still writes its JSON."""
+trainer's dependencies are the ``train`` extra, matplotlib the ``bench`` extra, transformers and accelerate the
+``hf`` extra, and without matplotlib ``megakernels bench --out`` still writes its JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_ONLY = ("tqdm", "tensorboard", "tokenizers", "sentencepiece", "safetensors", "yaml", "transformers",
-              "matplotlib")
+              "accelerate", "matplotlib")
 
 # The path finder no longer finds the named top-level packages: to every importer (and to find_spec) they are
 # not installed, as on a kernels-only install.
@@ -47,6 +47,8 @@ def test_the_package_depends_on_torch_and_numpy_only():
     assert _names(p["optional-dependencies"]["train"]) >= {"tqdm", "tensorboard", "tokenizers", "sentencepiece",
                                                            "safetensors", "pyyaml"}
     assert "matplotlib" in _names(p["optional-dependencies"]["bench"])
+    assert _names(p["optional-dependencies"]["hf"]) == {"transformers", "accelerate"}
+    assert _names(p["optional-dependencies"]["test"]) >= {"transformers", "accelerate"}  # CI tests the integration
 
 
 def test_the_library_works_without_the_trainers_dependencies():
@@ -66,6 +68,13 @@ ops.flash_attention(q, q, q, causal=True)
 with single_process_world(parallel=True):
     layer = parallel.ColumnParallelLinear(64, 32)
     layer(torch.randn(3, 64))
+import megakernels.integrations.transformers as mkt  # importable without transformers; its calls name the extra
+try:
+    mkt.apply(ln)
+except ImportError as e:
+    assert "pip install 'megakernels[hf]'" in str(e), e
+else:
+    raise AssertionError("apply ran without transformers")
 blocked = [m for m in %r if m in sys.modules]
 assert not blocked, blocked
 print("OK")

@@ -38,11 +38,11 @@ OPS = {
     "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
     "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
-    "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe",
+    "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe", "hf_train": "hf",
 }
 GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
           "softmax": [o for o, f in OPS.items() if f == "softmax"], "attention": ["flash_attention"],
-          "llama": ["rope", "swiglu"], "moe": ["grouped_gemm", "moe_dispatch"],
+          "llama": ["rope", "swiglu"], "moe": ["grouped_gemm", "moe_dispatch"], "hf": ["hf_train"],
           "all": list(OPS)}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # --shapes: the families whose shapes have that many sizes
@@ -198,6 +198,9 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
         elif fam == "moe":
             rows += mod.run(mine, dtypes, mod.default_shapes(device, quick), device=device, quick=quick,
                             min_run_time=t, ceilings=ceilings, notes=peers.notes, log=log)
+        elif fam == "hf":
+            rows += mod.run(dtypes or mod.DEFAULT_DTYPES, quick=quick, device=device, min_run_time=t,
+                            ceilings=ceilings, notes=peers.notes, log=log)
         elif fam == "cross_entropy":
             rows += mod.run(dtypes or mod.DEFAULT_DTYPES, shapes, device=device, min_run_time=t, ceilings=ceilings,
                             peers=peers, log=log)

@@ -53,11 +53,12 @@ def time_impls(steps: dict[str, Callable[[], None]], min_run_time: float) -> dic
     return {name: median_seconds(fn, min_run_time) for name, fn in steps.items()}
 
 
-def timed_over_ranks(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median over ``reps`` steps of the slowest rank's seconds per step, for each of ``fns``, inside a process
-    group. Every rank runs the same fixed number of steps (a calibrated repeat count could differ between ranks and
-    deadlock the collectives); the callables take turns step by step, so drift of the machine affects them alike
-    (a warm-up step of each first)."""
+def timed_in_turns(fns: dict[str, Callable[[], None]], reps: int, over_ranks: bool = False) -> dict[str, float]:
+    """Median over ``reps`` steps of the seconds per step of each of ``fns``; the callables take turns step by step,
+    so drift of the machine (other jobs, a long step's thermal or memory state) affects them alike (a warm-up step of
+    each first). ``over_ranks``: inside a process group, every rank runs the same fixed number of steps (a
+    calibrated repeat count could differ between ranks and deadlock the collectives), each step starts at a
+    barrier and counts the slowest rank's time."""
     import statistics
 
     import torch.distributed as dist
@@ -67,12 +68,19 @@ def timed_over_ranks(fns: dict[str, Callable[[], None]], reps: int) -> dict[str,
     times = torch.zeros(len(fns), reps, dtype=torch.float64)
     for i in range(reps):
         for j, fn in enumerate(fns.values()):
-            dist.barrier()
+            if over_ranks:
+                dist.barrier()
             t0 = time.perf_counter()
             fn()
             times[j, i] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    if over_ranks:
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return {name: statistics.median(times[j].tolist()) for j, name in enumerate(fns)}
+
+
+def timed_over_ranks(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """:func:`timed_in_turns` inside a process group (the slowest rank's seconds per step)."""
+    return timed_in_turns(fns, reps, over_ranks=True)
 
 
 def git_commit() -> str:

@@ -89,7 +89,8 @@ def test_static_report_runs_alone(capsys):
 
 
 def test_static_report_covers_every_measured_op_and_accepts_unmeasured_ones():
-    assert set(OPS) - {"moe_dispatch"} <= set(static_ops())  # moe_dispatch times a collective, not a kernel
+    # moe_dispatch times a collective, hf_train whole HuggingFace models: no kernel of their own
+    assert set(OPS) - {"moe_dispatch", "hf_train"} <= set(static_ops())
     assert resolve_ops("only_static,norms", e2e=False, extra=("only_static",)) == ["only_static", *GROUPS["norms"]]
     with pytest.raises(ValueError, match="'only_static'"):
         resolve_ops("only_static", e2e=False)
@@ -146,6 +147,16 @@ def test_quick_run_of_grouped_gemm_compares_the_loop_and_torch_grouped_mm(tmp_pa
     assert all(set(r["speedups"]) == expected and r["unit"] == "TFLOP/s" for r in rows)
     assert why is None or why in payload["notes"]
     assert all(sum(r["group_sizes"]) == 64 * moe.TOP_K for r in rows)
+
+
+def test_quick_run_of_hf_train_times_patched_against_unpatched_models(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    assert bench("--ops", "hf", "--dtype", "fp32", "--quick", "--min-run-time", "0.01", "--out", str(out)) == 0
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert {(r["variant"], r["pass"]) for r in rows} == {(m, p) for m in ("gpt2-tiny", "llama-tiny")
+                                                         for p in ("fwd+bwd", "step")}
+    assert all(set(r["speedups"]) == {"transformers"} and r["unit"] == "TFLOP/s" for r in rows)
 
 
 def test_moe_dispatch_times_expert_exchange_against_the_bare_all_to_all():

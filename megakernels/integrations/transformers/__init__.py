@@ -1,0 +1,211 @@
+"""HuggingFace transformers models on megakernels' fused kernels, in one call (docs/integrations.md).
+
+    import megakernels.integrations.transformers as mkt
+
+    model = LlamaForCausalLM(config)
+    mkt.apply(model)                          # patch a built model in place
+
+    with mkt.patch_llama():                   # or patch the family's classes: every model built inside is patched
+        model = AutoModelForCausalLM.from_pretrained(path)
+
+What changes (each switchable): LayerNorm / RMSNorm -> the fused norms; the MLP's bias + GeLU -> fused bias-GeLU
+(GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral); Mixtral's experts -> two grouped
+GEMMs around SwiGLU; attention -> FlashAttention, registered with transformers as
+``attn_implementation="megakernels"``; the causal-LM loss -> the fused cross-entropy on the logits in their own
+dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
+None of the five families has a norm followed by a GeLU, so the norms' GeLU epilogue has no use here.
+
+transformers is an optional dependency: importing this module does not import it; the first call does, and checks
+its version (``MIN_TRANSFORMERS_VERSION``).
+"""
+
+from __future__ import annotations
+
+from megakernels.integrations.transformers import _forwards
+from megakernels.integrations.transformers._families import FAMILIES, family_of, patch_modules
+
+MIN_TRANSFORMERS_VERSION = "5.0.0"  # 3-D Mixtral expert banks, AttentionMaskInterface, ``cache`` keyword
+ATTN_IMPLEMENTATION = _forwards.NAME
+
+__all__ = ["apply", "patch_classes", "require_transformers", "patch_gpt2", "patch_bert", "patch_llama", "patch_mistral", "patch_mixtral",
+           "register", "supported_model_types", "ClassPatch", "MIN_TRANSFORMERS_VERSION", "ATTN_IMPLEMENTATION"]
+
+
+def require_transformers(op: str):
+    """transformers, imported and version-checked (``op`` names the caller in the message).
+
+    Raises:
+        ImportError: transformers is not installed, or older than ``MIN_TRANSFORMERS_VERSION``.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"{op}: needs HuggingFace transformers >= {MIN_TRANSFORMERS_VERSION} (pip install "
+                          f"'megakernels[hf]')") from e
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS_VERSION):
+        raise ImportError(f"{op}: transformers {transformers.__version__} is installed; megakernels needs "
+                          f">= {MIN_TRANSFORMERS_VERSION}")
+    return transformers
+
+
+def supported_model_types() -> list[str]:
+    """The ``config.model_type`` values :func:`apply` and :func:`patch_classes` accept."""
+    return sorted(FAMILIES)
+
+
+def register() -> None:
+    """Register ``attn_implementation="megakernels"`` with transformers' ``AttentionInterface`` and its mask
+    function (transformers' SDPA masks: None when no mask is needed, which is when FlashAttention runs) with
+    ``AttentionMaskInterface``. Idempotent; :func:`apply` calls it. After it, ``from_pretrained(...,
+    attn_implementation="megakernels")`` works for any model using transformers' attention interface.
+
+    Raises:
+        ImportError: transformers missing or too old.
+    """
+    require_transformers("register")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_forwards.NAME, _forwards.attention_forward)
+    AttentionMaskInterface.register(_forwards.NAME, sdpa_mask)
+
+
+def _uses_causal_lm_loss(model) -> bool:
+    """The model computes its loss through ``loss_function`` with transformers' causal-LM loss (``*ForCausalLM``;
+    GPT-2's and BERT's LM-head models, whose class names map to no loss type, fall back to it)."""
+    from transformers import GenerationMixin
+
+    loss_type = getattr(model, "loss_type", None)
+    return loss_type == "ForCausalLM" or (loss_type is None and isinstance(model, GenerationMixin))
+
+
+def apply(model, *, norms: bool = True, mlp: bool = True, attention: bool = True, loss: bool = True) -> dict:
+    """Patch a built transformers model in place to run on megakernels' fused kernels.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` of a supported ``config.model_type`` (gpt2, bert, llama,
+            mistral, mixtral), on any device and dtype, built or loaded already.
+        norms: LayerNorm / RMSNorm modules -> ``megakernels.ops.layer_norm`` / ``rms_norm``.
+        mlp: the MLP activation -> ``bias_gelu`` (GeLU MLPs) or one GEMM + ``swiglu`` (gated MLPs); Mixtral's
+            experts -> ``grouped_gemm``. A model whose activation is neither a GeLU nor SiLU keeps its MLP.
+        attention: ``model.set_attn_implementation("megakernels")`` (FlashAttention without a mask; transformers'
+            SDPA where a mask is needed).
+        loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
+            their own dtype; only models using transformers' causal-LM loss are changed.
+
+    Returns:
+        What was patched: ``{"norms": int, "mlp": int, "experts": int, "attention": bool, "loss": bool}``.
+
+    Raises:
+        ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not
+        a transformers ``PreTrainedModel``. ValueError: a model type the integration does not know (named).
+    """
+    op = "megakernels.integrations.transformers.apply"
+    transformers = require_transformers(op)
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"{op}: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    family = family_of(getattr(model.config, "model_type", None), op)
+    done = patch_modules(model, family, norms=norms, mlp=mlp)
+    done["attention"] = False
+    if attention:
+        register()
+        model.set_attn_implementation(_forwards.NAME)
+        done["attention"] = model.config._attn_implementation == _forwards.NAME
+    done["loss"] = bool(loss) and _uses_causal_lm_loss(model)
+    if done["loss"]:
+        model.loss_function = _forwards.causal_lm_loss
+    return done
+
+
+class ClassPatch:
+    """Class patching of one model family: every model of the family built while it is active is patched by
+    :func:`apply` with the same options as the last step of its construction (``post_init``), whether built from a
+    config or by ``from_pretrained``. ``revert()`` (or leaving the ``with`` block) restores the classes; models
+    built meanwhile stay patched."""
+
+    _active: dict[str, ClassPatch] = {}
+
+    def __init__(self, model_type: str, options: dict):
+        self.model_type, self.options = model_type, options
+        self._base = getattr(FAMILIES[model_type].modeling, FAMILIES[model_type].base)
+        self._own = self._base.__dict__.get("post_init")
+        base, own = self._base, self._own
+
+        def post_init(model):
+            if own is not None:
+                own(model)
+            else:
+                super(base, model).post_init()
+            apply(model, **options)
+
+        post_init.__doc__ = f"transformers' post_init, then megakernels' apply (patched by {__name__})."
+        base.post_init = post_init
+        ClassPatch._active[model_type] = self
+
+    @property
+    def active(self) -> bool:
+        return ClassPatch._active.get(self.model_type) is self
+
+    def revert(self) -> None:
+        """Restore the family's classes (idempotent)."""
+        if not self.active:
+            return
+        if self._own is None:
+            del self._base.post_init
+        else:
+            self._base.post_init = self._own
+        del ClassPatch._active[self.model_type]
+
+    def __enter__(self) -> ClassPatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+def patch_classes(model_type: str, *, norms: bool = True, mlp: bool = True, attention: bool = True,
+                  loss: bool = True) -> ClassPatch:
+    """Patch the classes of ``model_type``'s family so every model of it built afterwards is patched (see
+    :class:`ClassPatch`; the options are :func:`apply`'s).
+
+    Returns:
+        The active :class:`ClassPatch` (a context manager; ``revert()`` undoes it).
+
+    Raises:
+        ImportError: transformers missing or too old. ValueError: an unknown model type (named), or a family that
+        is class-patched already (revert that patch first).
+    """
+    op = "megakernels.integrations.transformers.patch_classes"
+    require_transformers(op)
+    family_of(model_type, op)
+    if model_type in ClassPatch._active:
+        raise ValueError(f"{op}: the {model_type!r} classes are patched already; revert() that patch first")
+    return ClassPatch(model_type, {"norms": norms, "mlp": mlp, "attention": attention, "loss": loss})
+
+
+def patch_gpt2(**options) -> ClassPatch:
+    """:func:`patch_classes` for GPT-2 (fused LayerNorm, bias-GeLU MLP, FlashAttention, fused loss)."""
+    return patch_classes("gpt2", **options)
+
+
+def patch_bert(**options) -> ClassPatch:
+    """:func:`patch_classes` for BERT (fused LayerNorm, bias-GeLU intermediate and LM-head transform,
+    FlashAttention, fused loss of ``BertLMHeadModel``)."""
+    return patch_classes("bert", **options)
+
+
+def patch_llama(**options) -> ClassPatch:
+    """:func:`patch_classes` for Llama (fused RMSNorm, SwiGLU MLP, FlashAttention, fused loss)."""
+    return patch_classes("llama", **options)
+
+
+def patch_mistral(**options) -> ClassPatch:
+    """:func:`patch_classes` for Mistral (as Llama; a sliding window that binds falls back to SDPA)."""
+    return patch_classes("mistral", **options)
+
+
+def patch_mixtral(**options) -> ClassPatch:
+    """:func:`patch_classes` for Mixtral (fused RMSNorm, grouped-GEMM experts, FlashAttention, fused loss)."""
+    return patch_classes("mixtral", **options)

@@ -1,0 +1,152 @@
+"""The forwards that replace transformers' own in patched modules, and the attention and loss functions registered
+with transformers. Every one keeps the module's parameters and their names (state dicts load either way) and
+computes what the module it replaces computes, through megakernels' fused ops (docs/integrations.md):
+
+- norms: ``LayerNorm`` -> ``megakernels.ops.layer_norm``; ``*RMSNorm`` -> ``rms_norm`` (one pass each way, fp32
+  statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after).
+- MLPs: GPT-2's ``c_fc`` + GeLU, BERT's intermediate ``dense`` + GeLU and its LM-head transform -> the GEMM
+  without bias, then ``bias_gelu``; the Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights
+  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu``.
+- Mixtral's experts -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
+  ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
+- attention -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
+  without padding: its SDPA mask function returns None exactly then); with a mask (padding, a sliding window that
+  binds, packed sequences), a softcap, sinks, a position bias or a head dim the CUDA kernel does not take,
+  transformers' own SDPA path runs.
+- causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
+  with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation.
+
+Each module forward is bound to one module instance by ``_families.patch_modules`` (``self`` is that module).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megakernels import ops
+from megakernels.ops.attention import MAX_TRITON_HEAD_DIM
+from megakernels.ops.grouped_gemm import grouped_gemm
+from megakernels.parallel.moe.dispatch import permute, unpermute
+
+NAME = "megakernels"  # the attn_implementation (and mask function) registered with transformers
+
+
+# ---- norms --------------------------------------------------------------------------------------------------------
+
+def _norm_weight_ok(x: torch.Tensor, w: torch.Tensor | None) -> bool:
+    return w is None or w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16))
+
+
+def layer_norm_forward(self, x):
+    """``torch.nn.LayerNorm`` (1-D normalized shape) -> ``layer_norm``; x ``[..., h]`` in any dtype it takes, out in
+    x's dtype. Other shapes or weight dtypes run torch's forward."""
+    if len(self.normalized_shape) != 1 or not _norm_weight_ok(x, self.weight):
+        return torch.nn.LayerNorm.forward(self, x)
+    return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def rms_norm_forward(self, x):
+    """transformers' ``*RMSNorm`` (``weight``, ``variance_epsilon``) -> ``rms_norm``; x ``[..., h]``, out in x's
+    dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one)."""
+    if self.weight.dtype != x.dtype:  # transformers promotes (fp32 weight * bf16 x is fp32): its own forward
+        return type(self).forward(self, x)
+    return ops.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+# ---- MLPs ---------------------------------------------------------------------------------------------------------
+
+_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+
+def gelu_kind(name) -> str | None:
+    """``approximate`` of ``bias_gelu`` for transformers' activation name, None when it is no GeLU we fuse."""
+    return _GELU.get(name) if isinstance(name, str) else None
+
+
+def gpt2_mlp_forward(self, hidden_states, *, approximate: str):
+    """GPT-2's MLP (``c_fc``/``c_proj`` Conv1D, weight ``[in, out]``): ``[..., h]`` -> ``[..., h]``."""
+    fc = self.c_fc  # Conv1D: x @ weight + bias, weight [in, out]
+    h = ops.bias_gelu(torch.matmul(hidden_states, fc.weight), fc.bias, approximate=approximate)
+    return self.dropout(self.c_proj(h))
+
+
+def bert_intermediate_forward(self, hidden_states, *, approximate: str):
+    """BERT's intermediate layer: ``[..., h]`` -> ``[..., ffn]``, GeLU(dense)."""
+    return ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
+
+
+def bert_head_transform_forward(self, hidden_states, *, approximate: str):
+    """BERT's LM-head transform: dense + GeLU fused, then its LayerNorm (itself patched when norms are)."""
+    h = ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
+    return self.LayerNorm(h)
+
+
+def gated_mlp_forward(self, x):
+    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))``: ``[..., h]`` -> ``[..., h]``."""
+    gate, up = self.gate_proj, self.up_proj
+    weight = torch.cat([gate.weight, up.weight])
+    bias = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
+    return self.down_proj(ops.swiglu(F.linear(x, weight, bias)))
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Mixtral's experts (``gate_up_proj`` ``[E, 2f, h]`` gate first, ``down_proj`` ``[E, h, f]``): the rows of every
+    expert in one grouped GEMM each way instead of a Python loop over the experts."""
+    perm = permute(hidden_states, top_k_index, self.num_experts)
+    y = grouped_gemm(perm.rows, self.gate_up_proj, perm.group_sizes)
+    y = grouped_gemm(ops.swiglu(y), self.down_proj, perm.group_sizes)
+    return unpermute(y, perm, top_k_weights)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------------
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
+                      **kwargs):
+    """transformers' attention-function signature: q ``[b, h, sq, d]``, k/v ``[b, h_kv, sk, d]`` (``h % h_kv == 0``)
+    -> (out ``[b, sq, h, d]``, None). Without a mask this is what transformers' SDPA path computes: causal (unless
+    the module or the call says otherwise) for more than one query, the keys cut to the queries when a static cache
+    hands over more keys than queries at prefill, no mask for a single query."""
+    d, sq = query.shape[-1], query.shape[2]
+    unsupported = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None \
+        or kwargs.get("position_bias") is not None \
+        or (query.device.type == "cuda" and (d % 8 or d > MAX_TRITON_HEAD_DIM))
+    if attention_mask is not None or unsupported:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(causal) and sq > 1
+    if causal and key.shape[2] > sq:
+        key, value = key[:, :, :sq], value[:, :, :sq]
+    out = ops.flash_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
+                              softmax_scale=scaling, dropout_p=float(dropout))
+    return out, None
+
+
+# ---- loss ---------------------------------------------------------------------------------------------------------
+
+def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                   shift_labels=None, **kwargs):
+    """transformers' ``ForCausalLMLoss`` (tokens < n predict n; mean over the counted tokens, or sum over
+    ``num_items_in_batch``) through the fused cross-entropy: fp32 math, the logits read in their own dtype."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(logits.device)
+    per_token = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index,
+                                  vocab_size=vocab_size)
+    if num_items_in_batch is None:
+        return per_token.sum() / (target != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(per_token.device)
+    return per_token.sum() / num_items_in_batch
+
+
+def register() -> None:
+    """Register ``attn_implementation="megakernels"`` (and its mask function: transformers' SDPA masks, which are
+    None when no mask is needed) with transformers. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)

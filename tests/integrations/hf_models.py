@@ -1,0 +1,64 @@
+"""Tiny randomly initialised transformers models of every family the integration patches, built in the test
+(nothing is downloaded): two layers, hidden 32, four heads (two key/value heads where the family has GQA)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+FAMILIES = ("gpt2", "bert", "llama", "mistral", "mixtral")
+
+
+def config(family: str):
+    """The tiny config of ``family`` (dropout 0, so training-mode forwards are deterministic)."""
+    import transformers as tf
+
+    llama_like = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    if family == "gpt2":
+        return tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "bert":
+        return tf.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                             vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0, is_decoder=True, pad_token_id=0)
+    if family == "llama":
+        return tf.LlamaConfig(**llama_like)
+    if family == "mistral":
+        return tf.MistralConfig(**llama_like, sliding_window=None)
+    if family == "mixtral":
+        return tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    raise ValueError(family)
+
+
+def model_class(family: str):
+    """The causal-LM class of ``family`` (BERT's is ``BertLMHeadModel``)."""
+    import transformers as tf
+
+    return {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertLMHeadModel, "llama": tf.LlamaForCausalLM,
+            "mistral": tf.MistralForCausalLM, "mixtral": tf.MixtralForCausalLM}[family]
+
+
+def build(family: str, seed: int = 0):
+    """A fresh fp32 causal LM of ``family`` whose weights depend only on ``seed``."""
+    torch.manual_seed(seed)
+    return model_class(family)(config(family))
+
+
+def batch(seed: int = 0, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    """Random token ids ``[batch, seq]`` (int64) above the special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+def accelerate_example():
+    """examples/hf_accelerate_train.py as a module (its ``build_model`` and ``dataset`` serve the training tests)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "hf_accelerate_train.py"
+    spec = importlib.util.spec_from_file_location("hf_accelerate_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,250 @@
+"""megakernels.integrations.transformers: a patched model computes what the unpatched one computes (logits, loss,
+every parameter gradient, greedy generation with the KV cache), through the fused ops, for each family, patched
+in place or through its classes.
+
+Tolerances: fp32 within 1e-5 (logits, loss) and 1e-4 relative + 1e-6 absolute (gradients). bf16 (documented in
+docs/integrations.md): against the fp32 model, the relative L2 error of the patched bf16 model's logits and of each
+gradient is at most twice the unpatched bf16 model's, plus 0.002.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import megakernels.integrations.transformers as mkt
+from tests.integrations import hf_models as H
+
+# The fused ops each family's patched forward + backward must reach.
+EXPECTED_OPS = {
+    "gpt2": {"norm_fwd", "bias_gelu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
+    "bert": {"norm_fwd", "bias_gelu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
+    "llama": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
+    "mistral": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
+    "mixtral": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
+}
+
+
+class MegakernelsOps(TorchDispatchMode):
+    """Records the names of the ``megakernels::`` ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "megakernels":
+            self.names.add(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def patched_copy(model, mode: str, family: str):
+    """``model``'s weights in a patched model: patched in place, or rebuilt under the family's class patch."""
+    if mode == "in_place":
+        twin = copy.deepcopy(model)
+        mkt.apply(twin)
+        return twin
+    with mkt.patch_classes(family):
+        twin = type(model)(model.config)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def step(model, ids):
+    """Loss and logits of one training forward on ``ids`` (labels = ids), and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "classes"])
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_patched_model_matches_unpatched_fp32(family, mode):
+    ref = H.build(family)
+    model = patched_copy(ref, mode, family)
+    ids = H.batch()
+    logits0, loss0, grads0 = step(ref, ids)
+    with MegakernelsOps() as seen:
+        logits1, loss1, grads1 = step(model, ids)
+    assert EXPECTED_OPS[family] <= seen.names
+    torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    assert grads1.keys() == grads0.keys()
+    for name, g in grads0.items():
+        assert grads1[name] is not None, name
+        torch.testing.assert_close(grads1[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_patched_bf16_is_as_accurate_as_unpatched_bf16(family):
+    ref = H.build(family)
+    plain = copy.deepcopy(ref).to(torch.bfloat16)
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    mkt.apply(model)
+    ids = H.batch()
+    logits, _, grads = step(ref, ids)
+    logits_u, _, grads_u = step(plain, ids)
+    logits_p, _, grads_p = step(model, ids)
+    assert _rel(logits_p, logits) <= 2 * _rel(logits_u, logits) + 2e-3
+    scale = max(g.norm() for g in grads.values())
+    for name, g in grads.items():
+        if g.norm() < 1e-6 * scale:  # the key biases: their gradient is zero (softmax ignores a per-row shift)
+            continue
+        assert _rel(grads_p[name], g) <= 2 * _rel(grads_u[name], g) + 2e-3, name
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_greedy_generation_with_kv_cache_gives_the_same_tokens(family):
+    ref = H.build(family).eval()
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    prompt = H.batch(seed=1, batch=2, seq=5)
+    kwargs = dict(max_new_tokens=10, do_sample=False, use_cache=True, pad_token_id=0)
+    expected = ref.generate(prompt, **kwargs)
+    with MegakernelsOps() as seen:
+        got = model.generate(prompt, **kwargs)
+    assert "flash_attn_fwd" in seen.names
+    assert got.shape == (2, 15)
+    assert torch.equal(got, expected)
+
+
+def test_padded_batch_falls_back_to_sdpa_with_the_same_logits():
+    ref = H.build("llama")
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    ids = H.batch()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: transformers builds a mask, which FlashAttention does not take
+    expected = ref(input_ids=ids, attention_mask=mask).logits
+    with MegakernelsOps() as seen:
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert "flash_attn_fwd" not in seen.names
+    torch.testing.assert_close(got[:, 4:], expected[:, 4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_causal_lm_loss_matches_transformers_with_ignored_tokens_and_num_items_in_batch():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from megakernels.integrations.transformers._forwards import causal_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=g, dtype=torch.float64).float().requires_grad_()
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    labels[0, 2:5] = -100
+    for n_items in (None, 11, torch.tensor(11)):
+        expected = ForCausalLMLoss(logits, labels, 50, num_items_in_batch=n_items)
+        got = causal_lm_loss(logits, labels, 50, num_items_in_batch=n_items)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        (ge,) = torch.autograd.grad(expected, logits)
+        (gg,) = torch.autograd.grad(got, logits)
+        torch.testing.assert_close(gg, ge, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_logits_reach_the_loss_without_an_fp32_copy():
+    from megakernels.integrations.transformers._forwards import causal_lm_loss
+
+    logits = torch.randn(2, 5, 40).to(torch.bfloat16)
+    labels = torch.randint(0, 40, (2, 5))
+    with MegakernelsOps() as seen, torch.no_grad():
+        causal_lm_loss(logits, labels, 40)
+    assert "cross_entropy_stats" in seen.names  # the fused op reads the bf16 logits
+
+
+def test_patch_leaves_parameters_and_state_dict_names_unchanged():
+    ref = H.build("mixtral")
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    ref.load_state_dict(model.state_dict())  # and each loads into the other
+
+
+def test_apply_reports_what_it_patched():
+    done = mkt.apply(H.build("llama"), attention=False, loss=False)
+    assert done == {"norms": 5, "mlp": 2, "experts": 0, "attention": False, "loss": False}
+
+
+def test_unselected_parts_keep_transformers_forwards():
+    model = H.build("llama")
+    mkt.apply(model, norms=False, mlp=True, attention=False, loss=False)
+    with MegakernelsOps() as seen:
+        step(model, H.batch())
+    assert seen.names == {"swiglu_fwd", "swiglu_bwd"}
+    assert model.config._attn_implementation != mkt.ATTN_IMPLEMENTATION
+
+
+def test_class_patch_reverts():
+    from transformers.models.llama import modeling_llama
+
+    before = modeling_llama.LlamaPreTrainedModel.__dict__.get("post_init")
+    with mkt.patch_llama() as patch:
+        assert patch.active
+        assert "forward" in H.build("llama").model.norm.__dict__
+    assert not patch.active
+    assert modeling_llama.LlamaPreTrainedModel.__dict__.get("post_init") is before
+    model = H.build("llama")
+    assert "forward" not in model.model.norm.__dict__
+    assert model.config._attn_implementation != mkt.ATTN_IMPLEMENTATION
+
+
+def test_class_patch_twice_is_refused():
+    with mkt.patch_gpt2():
+        with pytest.raises(ValueError, match="'gpt2' classes are patched already"):
+            mkt.patch_gpt2()
+
+
+def test_class_patched_from_pretrained_is_patched(tmp_path):
+    ref = H.build("mistral")
+    ref.save_pretrained(tmp_path)
+    with mkt.patch_mistral():
+        model = type(ref).from_pretrained(tmp_path)
+    assert model.config._attn_implementation == mkt.ATTN_IMPLEMENTATION
+    ids = H.batch()
+    with MegakernelsOps() as seen:
+        got = model(input_ids=ids).logits
+    assert EXPECTED_OPS["mistral"] - {"cross_entropy_stats"} <= seen.names
+    torch.testing.assert_close(got, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_attn_implementation_megakernels_is_registered():
+    import transformers
+
+    mkt.register()
+    model = transformers.AutoModelForCausalLM.from_config(H.config("gpt2"), attn_implementation="megakernels")
+    with MegakernelsOps() as seen:
+        model(input_ids=H.batch())
+    assert "flash_attn_fwd" in seen.names
+
+
+def test_unknown_model_type_is_refused_naming_it():
+    import transformers
+
+    config = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                        intermediate_size=64, vocab_size=64)
+    model = transformers.GPTNeoXForCausalLM(config)
+    with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
+        mkt.apply(model)
+    with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
+        mkt.patch_classes("gpt_neox")
+
+
+def test_a_module_that_is_not_a_transformers_model_is_refused():
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel, got Linear"):
+        mkt.apply(torch.nn.Linear(2, 2))
+
+
+def test_transformers_older_than_the_minimum_is_refused(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.45.0")
+    with pytest.raises(ImportError, match=r"transformers 4.45.0 is installed; megakernels needs >= 5.0.0"):
+        mkt.apply(H.build("gpt2"))
