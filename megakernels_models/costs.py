@@ -113,7 +113,7 @@ def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple
 
 def host_bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> float:
     """Host bytes per parameter of one rank with ``offload_optimizer``: fp32 master, two moments and a gradient
-    copy (16; ``megakernels.parallel.optimizer.host_bytes_per_param``), divided like the optimizer state under
+    copy (16; ``megakernels.parallel.optimizer_memory.host_bytes_per_param``), divided like the optimizer state under
     ZeRO-1; 0 without offload."""
     if not layout.offload_optimizer:
         return 0.0

@@ -57,11 +57,9 @@ from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
+from megakernels.parallel.optimizer_memory import PRECISIONS, host_bytes_per_param, memory_bytes_per_param  # noqa: F401
 from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
-from megakernels.validation import finite_number, positive_int
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
+from megakernels.validation import finite_number
 
 class Piece(NamedTuple):
     """A contiguous piece ``param.view(-1)[lo:hi]`` that this rank updates."""
@@ -72,32 +70,6 @@ class Piece(NamedTuple):
     main: torch.Tensor     # fp32, 1-D: ``flat`` itself for fp32 params, else its fp32 master copy
     grad: torch.Tensor     # the piece of ``param.main_grad``, a view
     counted: bool          # whether it counts towards the global grad norm on this rank
-
-
-def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1,
-                           offload: bool = False) -> tuple[float, float, float]:
-    """Device bytes per parameter on one rank as ``(params, grads, optimizer state)`` with fp32 ``main_grad``
-    buffers, Megatron-LM's accounting: fp32 params 4 + 4 + 8 (two moments); bf16/fp16 params 2 + 4 + 12 (fp32 master
-    and two moments); the optimizer state divided by ``dp`` when ``distributed`` (ZeRO-1). With ``offload`` the
-    optimizer state is in host memory (``host_bytes_per_param``): 0 on the device.
-
-    Raises:
-        ValueError: an unknown ``precision`` or ``dp < 1``.
-    """
-    if precision not in PRECISIONS:
-        raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    positive_int(dp, "dp", where="memory_bytes_per_param")
-    half = precision != "fp32"
-    optimizer = 0.0 if offload else 12.0 if half else 8.0
-    return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
-
-
-def host_bytes_per_param(distributed: bool, dp: int = 1) -> float:
-    """Host bytes per parameter of one rank with ``offload``: an fp32 master, two fp32 moments and an fp32 gradient
-    copy, 16 (any precision: an fp32 parameter also gets a host master, the device copy being the model's), divided
-    by ``dp`` when ``distributed``."""
-    positive_int(dp, "dp", where="host_bytes_per_param")
-    return 16.0 / dp if distributed else 16.0
 
 
 class ParallelOptimizer:

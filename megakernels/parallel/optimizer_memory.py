@@ -1,0 +1,37 @@
+"""Bytes per parameter of ``ParallelOptimizer``'s state, by precision, ZeRO-1 and CPU offload: the figures the dry
+run and ``megakernels plan`` use, and that ``ParallelOptimizer.memory_bytes`` measures on the tensors (the tests
+check one against the other)."""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels.validation import positive_int
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1,
+                           offload: bool = False) -> tuple[float, float, float]:
+    """Device bytes per parameter on one rank as ``(params, grads, optimizer state)`` with fp32 ``main_grad``
+    buffers, Megatron-LM's accounting: fp32 params 4 + 4 + 8 (two moments); bf16/fp16 params 2 + 4 + 12 (fp32 master
+    and two moments); the optimizer state divided by ``dp`` when ``distributed`` (ZeRO-1). With ``offload`` the
+    optimizer state is in host memory (``host_bytes_per_param``): 0 on the device.
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``dp < 1``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    positive_int(dp, "dp", where="memory_bytes_per_param")
+    half = precision != "fp32"
+    optimizer = 0.0 if offload else 12.0 if half else 8.0
+    return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
+
+
+def host_bytes_per_param(distributed: bool, dp: int = 1) -> float:
+    """Host bytes per parameter of one rank with ``offload``: an fp32 master, two fp32 moments and an fp32 gradient
+    copy, 16 (any precision: an fp32 parameter also gets a host master, the device copy being the model's), divided
+    by ``dp`` when ``distributed``."""
+    positive_int(dp, "dp", where="host_bytes_per_param")
+    return 16.0 / dp if distributed else 16.0
