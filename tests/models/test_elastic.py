@@ -29,10 +29,10 @@ from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from tests.models.preemption_harness import TINY_FLAGS, SyncDir, run_to_end
 
 RUN_ID = "elastic-test"
-DEADLINE_S = 120.0
+DEADLINE_S = 240.0  # two agents and their workers starting on a machine other tests share
 # Fast failure detection and rendezvous: heartbeats every second, a node dead after five missed ones (slack for a
 # loaded machine), a rendezvous with fewer than the maximum nodes closing one second after the minimum joined.
-RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=120"
 
 
 def _agent(nnodes: str, port: int, flags: list[str], env: dict, out, **popen) -> subprocess.Popen:
@@ -107,7 +107,7 @@ def test_a_lost_node_restarts_the_job_at_the_smaller_world_from_the_checkpoint(t
                     assert p.poll() is None, f"an agent ended before {name}:\n{(tmp_path / out).read_text()}"
 
             sync.alive = alive
-            workers = sync.wait_for("step-3", [0, 1])
+            workers = sync.wait_for("step-3", [0, 1], timeout=DEADLINE_S)
             victims = [w for w in workers if _parent(w) == lost.pid]
             assert len(victims) == 1, (workers, lost.pid)
             os.kill(lost.pid, signal.SIGKILL)  # the node is lost: its agent and its worker
