@@ -193,6 +193,11 @@ class TrainArgs:
         """Ranks: torchrun's ``WORLD_SIZE`` under torchrun, else ``--nproc``."""
         return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else self.nproc
 
+    def restart_count(self) -> int:
+        """How many times torchrun's elastic agent restarted the workers (``TORCHELASTIC_RESTART_COUNT``; 0 on the
+        first attempt and outside torchrun). A restart may come with a different world size."""
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
     def data_parallel_size(self) -> int:
         return self.world_size() // (self.tp * self.cp * self.pp)
 
@@ -291,15 +296,20 @@ def validate(a: TrainArgs) -> ModelConfig:
 
 def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
     world, model = a.world_size(), a.tp * a.cp * a.pp
+    restarts = a.restart_count() if "WORLD_SIZE" in os.environ else 0
+    # After an elastic restart the world is whatever rejoined, not what the command line planned for: say so.
+    source = (f"torchrun's WORLD_SIZE after elastic restart {restarts}" if restarts
+              else "--nproc or torchrun's WORLD_SIZE")
     names = "--tp × --cp × --pp" if a.cp > 1 else "--tp × --pp"
     sizes = " × ".join(str(x) for x in ((a.tp, a.cp, a.pp) if a.cp > 1 else (a.tp, a.pp)))
     if world % model:
-        raise ArgumentError(f"the world size {world} (--nproc or torchrun's WORLD_SIZE) is not divisible by "
+        raise ArgumentError(f"the world size {world} ({source}) is not divisible by "
                             f"{names} = {sizes} = {model}")
     dp = world // model
     if a.dp is not None and a.dp != dp:
         raise ArgumentError(f"--dp {a.dp} does not match world size / ({names[2:].replace(' --', ' ')}) = "
-                            f"{world} / {model} = {dp}")
+                            f"{world} / {model} = {dp} (world size from {source}; leave --dp out and it follows "
+                            "the world)")
     if cfg.num_heads % a.tp:
         raise ArgumentError(f"--tp {a.tp} does not divide num_heads={cfg.num_heads} (each TP rank holds whole heads)")
     kv = cfg.num_kv_heads
@@ -328,7 +338,8 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
         raise ArgumentError(f"{rule} does not divide num_layers={cfg.num_layers} (equal layers per stage)")
     if a.global_batch_size % (a.micro_batch_size * dp):
         raise ArgumentError(f"--global-batch-size {a.global_batch_size} is not divisible by --micro-batch-size × "
-                            f"dp = {a.micro_batch_size} × {dp} = {a.micro_batch_size * dp}")
+                            f"dp = {a.micro_batch_size} × {dp} = {a.micro_batch_size * dp} (dp = world size {world} "
+                            f"from {source} / {names[2:].replace(' --', ' ')} {model})")
     m = a.global_batch_size // (a.micro_batch_size * dp)
     if vpp > 1 and m % a.pp:
         raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "

@@ -184,6 +184,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                     if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
                         n = sum(p.numel() for c in chunks for p in c.parameters())
                         rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
+                        rec["layout"] = _layout(args)
                 timers.finish(rec)
                 if _due(step, args.eval_interval, args.steps) and valid_ds is not None:
                     val = evaluate(chunks, lambda s: run_batch(valid_ds, s, forward_only=True), args.eval_steps)
@@ -216,17 +217,36 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     return log.records if log_rank else None
 
 
+def _layout(args: TrainArgs) -> dict:
+    """This run's world as the first step's record reports it: an elastic restart may change the world size, and
+    with it dp and the micro-batches per step, never the global batch."""
+    return {"world_size": dist.get_world_size(), "tp": mpu.tp_size(), "cp": mpu.cp_size(), "pp": mpu.pp_size(),
+            "dp": mpu.dp_size(), "num_microbatches": args.num_microbatches(), "restart": args.restart_count()}
+
+
 def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
     """Load ``--load``'s latest checkpoint; returns its step (0, with a note, when there is none yet: a first launch
-    with ``--save DIR --load DIR``)."""
+    with ``--save DIR --load DIR``). After an elastic restart (torchrun brought the workers back, possibly with
+    another world size) rank 0 says at which layout the run continues."""
+    rank0, restarts = dist.get_rank() == 0, args.restart_count()
+    if restarts and rank0:
+        print(f"megakernels train: torchrun restart {restarts}: world size {dist.get_world_size()}, dp "
+              f"{mpu.dp_size()}, {args.num_microbatches()} micro-batches per step (global batch "
+              f"{args.global_batch_size})", flush=True)
     if not args.load:
+        if restarts and rank0:
+            print("megakernels train: warning: restarted without --load: training starts again from step 0 "
+                  "(give --save DIR --load DIR to resume from the latest checkpoint)", file=sys.stderr, flush=True)
         return 0
     path = checkpoint.find_latest(args.load)
     if path is None:
-        if dist.get_rank() == 0:
+        if rank0:
             print(f"megakernels train: no checkpoint in --load {args.load} yet; starting from scratch", flush=True)
         return 0
-    return checkpoint.load(path, chunks, opt, cfg)
+    step = checkpoint.load(path, chunks, opt, cfg)
+    if restarts and rank0:
+        print(f"megakernels train: resumed from {path} (step {step})", flush=True)
+    return step
 
 
 def no_decay_rule(chunks, names: str):

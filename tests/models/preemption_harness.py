@@ -30,14 +30,15 @@ class SyncDir:
     def release(self, name: str) -> None:
         os.remove(os.path.join(self.path, f"{name}.hold"))
 
-    def wait_for(self, name: str, ranks) -> list[int]:
-        """Wait until every rank in ``ranks`` reached ``name``; returns their process ids."""
+    def wait_for(self, name: str, ranks, timeout: float = DEADLINE_S) -> list[int]:
+        """Wait (at most ``timeout`` seconds) until every rank in ``ranks`` reached ``name``; returns their process
+        ids."""
         paths = [os.path.join(self.path, f"{name}.{r}") for r in ranks]
-        deadline = time.monotonic() + DEADLINE_S
+        deadline = time.monotonic() + timeout
         while not all(os.path.exists(p) for p in paths):
             if self.alive is not None:
                 self.alive(name)
-            assert time.monotonic() < deadline, f"no {name} after {DEADLINE_S} s"
+            assert time.monotonic() < deadline, f"no {name} after {timeout:g} s"
             time.sleep(0.01)
         pids = []
         for p in paths:
