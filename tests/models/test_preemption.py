@@ -18,7 +18,7 @@ import pytest
 from megakernels_models import checkpoint, syncpoints
 from megakernels_models.arguments import ArgumentError, validate
 from megakernels_models.preemption import StopConditions
-from tests.models.preemption_harness import TINY_FLAGS, Run, SyncDir, logged_losses, run_to_end
+from tests.models.preemption_harness import DEADLINE_S, TINY_FLAGS, Run, SyncDir, logged_losses, run_to_end
 from tests.parallel.harness import run_world
 from tests.models.test_checkpoint import TINY, _train
 
@@ -59,18 +59,20 @@ def test_a_signal_mid_run_then_the_same_command_gives_the_uninterrupted_curve(tm
 def _preempted_world(rank: int, world_size: int, args):
     from megakernels_models.train import train
 
+    sync_dir = os.environ.pop(syncpoints.ENV)  # the reference passes no sync point
+    reference = train(dataclasses.replace(args, save=None, load=None))  # uninterrupted, same ranks and threads
+    os.environ[syncpoints.ENV] = sync_dir
     first = train(args)  # stopped by the test's signal
-    return first, train(args)  # the same settings again: the relaunch
+    return reference, first, train(args)  # the same settings again: the relaunch
 
 
 def test_a_signal_to_one_of_four_ranks_stops_all_of_them_and_the_relaunch_continues_exactly(tmp_path, monkeypatch):
     """Four processes (pp 2 × dp 2): SIGTERM to rank 1 only after step 3 -> every rank ends that step and saves;
     SIGTERM to the launcher during the write, which forwards it to every rank, changes nothing; the same settings
-    again resume there. The curve equals the uninterrupted pp2-dp2 run of the layout suite (same world size and
-    threads) exactly."""
+    again resume there. The curve equals, exactly, the uninterrupted run that the same world trains first (same
+    ranks and threads)."""
     from tests.models import test_layouts as layouts
 
-    reference = layouts._world_results(4)[("gpt", "pp2-dp2")][0]
     ckpt = str(tmp_path / "ckpt")
     args = dataclasses.replace(layouts._args("gpt", layouts.LAYOUTS["pp2-dp2"][1], 4), save=ckpt, load=ckpt)
     done, failed = threading.Event(), []
@@ -83,7 +85,7 @@ def test_a_signal_to_one_of_four_ranks_stops_all_of_them_and_the_relaunch_contin
 
     def drive():  # the preemption, from a second thread: the launcher (this process) runs the world
         try:
-            pids = sync.wait_for("step-3", range(4))
+            pids = sync.wait_for("step-3", range(4), timeout=3 * DEADLINE_S)  # after the reference run
             os.kill(pids[1], signal.SIGTERM)
             sync.wait_for("signal", [1])
             sync.hold(WRITE_3)
@@ -109,7 +111,9 @@ def test_a_signal_to_one_of_four_ranks_stops_all_of_them_and_the_relaunch_contin
         driver.join()
     if failed:
         raise failed[0]
-    first, second = ranks[-1]  # the logging rank's records
+    reference, first, second = ranks[-1]  # the logging rank's records
+    reference = [r["loss"] for r in reference]
+    assert len(reference) == layouts.STEPS
     assert [r["step"] for r in first] == [1, 2, 3] and first[-1]["stopped"] == "SIGTERM"
     assert [r["step"] for r in second] == list(range(4, layouts.STEPS + 1))
     assert [r["loss"] for r in first + second] == reference
