@@ -58,7 +58,13 @@ def triton_backend(backend):
     return backend
 
 
+# The longest test files, run first: with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of
+# work, and the longest one started last would leave the other worker idle at the end.
+LONG_POLES = ("tests/models/test_layouts.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_POLES))  # stable: the rest keep their order
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
