@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import megakernels.parallel as mp
 from megakernels.optim import DynamicLossScaler
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.optimizer import ParallelOptimizer, host_bytes_per_param, memory_bytes_per_param
@@ -77,6 +78,65 @@ def test_offloaded_param_state_round_trips_into_a_device_optimizer():
         for k in states[q]:
             assert torch.equal(back[p][k], states[q][k]), k
     assert step_back == step == 2
+
+
+def _first_layer_backward_marker(model, events):
+    def mark(module, inputs, out):
+        out.register_hook(lambda g: events.append(("start", "first_layer_backward")))
+    model[0].register_forward_hook(mark)
+
+
+def test_each_bucket_is_copied_to_the_host_as_soon_as_it_is_reduced_during_backward():
+    model = _model(torch.float32)
+    ddp = DistributedDataParallel(model, bucket_size=1)  # a bucket per param: 6 buckets, 2 in the first layer
+    opt = ParallelOptimizer(ddp, lr=1e-2, offload=True)
+    x = torch.linspace(-2, 2, 5 * 16).reshape(5, 16)
+    with mp.record_events() as events:
+        _first_layer_backward_marker(model, events)
+        ddp(x).square().mean().backward()
+        events.append(("end", "backward"))
+        finalize_model_grads([ddp])
+    start = events.index(("start", "first_layer_backward"))
+    copy = ("copy", "grads_to_host")
+    assert events[:start] == [copy] * 4 and events[start + 1:] == [copy] * 2 + [("end", "backward")], events
+    for piece in opt.pieces:  # the host copies hold the reduced gradients before step() runs
+        assert torch.equal(piece.main.grad, piece.grad)
+
+
+class _Tied(nn.Module):
+    """A head reading a table whose own forward never runs (the last pipeline stage's tied embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.norm, self.table = nn.Linear(16, 8), nn.LayerNorm(8), nn.Embedding(4, 8)
+
+    def forward(self, x):
+        return self.norm(self.body(x)) @ self.table.weight.t()
+
+
+def test_the_next_forward_waits_for_each_parameter_copy_when_the_module_owning_it_starts():
+    model = _Tied()
+    ddp = DistributedDataParallel(model, bucket_size=1)
+    opt = ParallelOptimizer(ddp, lr=1e-2, offload=True)
+    x = torch.linspace(-2, 2, 3 * 16).reshape(3, 16)
+    seen = []
+    def check(module, args):  # runs after the optimizer's pre-hook of the same module
+        seen.append({n: opt._copies.in_flight(p) for n, p in model.named_parameters()})
+    for m in (model, model.body, model.norm):
+        m.register_forward_pre_hook(check)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        finalize_model_grads([ddp])
+        seen.clear()
+        opt.step()
+        assert all(opt._copies.in_flight(p) for p in model.parameters())
+        ddp(x)
+        # the table, whose forward never runs, when the model's starts; the others when their own module starts
+        body, norm = {"body.weight", "body.bias"}, {"norm.weight", "norm.bias"}
+        assert seen == [{n: n in body | norm for n in seen[0]}, {n: n in norm for n in seen[0]},
+                        {n: False for n in seen[0]}], seen
 
 
 @pytest.mark.cuda
