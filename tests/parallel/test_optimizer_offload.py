@@ -21,9 +21,9 @@ def _model(dtype, device="cpu") -> nn.Sequential:
     return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)).to(device=device, dtype=dtype)
 
 
-def _trajectory(dtype, offload: bool, precision: str, steps: int = 5, device="cpu", scaler=None):
+def _trajectory(dtype, offload: bool, precision: str, steps: int = 5, device="cpu", scaler=None, bucket_size=300):
     model = _model(dtype, device)
-    ddp = DistributedDataParallel(model, bucket_size=300)
+    ddp = DistributedDataParallel(model, bucket_size=bucket_size)
     opt = ParallelOptimizer(ddp, lr=1e-2, weight_decay=0.1, precision=precision, clip_grad=0.5, offload=offload,
                             loss_scaler=scaler)
     x = torch.linspace(-2, 2, 5 * 16, device=device).reshape(5, 16).to(dtype)
@@ -141,8 +141,8 @@ def test_the_next_forward_waits_for_each_parameter_copy_when_the_module_owning_i
 
 @pytest.mark.cuda
 def test_cuda_offload_keeps_pinned_host_state_and_follows_the_device_trajectory():
-    ref, _ = _trajectory(torch.bfloat16, False, "bf16", device="cuda")
-    got, opt = _trajectory(torch.bfloat16, True, "bf16", device="cuda")
+    ref, _ = _trajectory(torch.bfloat16, False, "bf16", device="cuda", bucket_size=1)
+    got, opt = _trajectory(torch.bfloat16, True, "bf16", device="cuda", bucket_size=1)
     for piece in opt.pieces:
         assert piece.main.device.type == "cpu" and piece.main.is_pinned() and piece.main.grad.is_pinned()
         st = opt._adam.state[piece.main]
@@ -151,3 +151,43 @@ def test_cuda_offload_keeps_pinned_host_state_and_follows_the_device_trajectory(
         assert n == pytest.approx(n_ref, rel=1e-5)
         for a, b in zip(p, p_ref):  # the CPU and CUDA AdamW kernels may round differently by an ulp
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def _cuda_setup(bucket_size=1):
+    model = _model(torch.bfloat16, "cuda")
+    ddp = DistributedDataParallel(model, bucket_size=bucket_size)
+    opt = ParallelOptimizer(ddp, lr=1e-2, precision="bf16", offload=True)
+    x = torch.linspace(-2, 2, 5 * 16, device="cuda").reshape(5, 16).bfloat16()
+    return model, ddp, opt, x
+
+
+@pytest.mark.cuda
+def test_cuda_gradients_are_copied_per_bucket_from_backward_on_the_copy_stream():
+    model, ddp, opt, x = _cuda_setup()
+    opt.zero_grad()
+    ddp(x).float().square().mean().backward()
+    # every bucket's copy was issued from backward, on the copy stream, before finalize_model_grads or step()
+    assert len(opt._copies._copied) == len(ddp.buckets) == len(list(model.parameters()))
+    finalize_model_grads([ddp])
+    opt._copies._d2h.synchronize()
+    for piece in opt.pieces:
+        assert torch.equal(piece.main.grad, piece.grad.cpu())
+
+
+@pytest.mark.cuda
+def test_cuda_next_forward_waits_for_the_parameter_copies_on_the_device():
+    model, ddp, opt, x = _cuda_setup()
+    opt.zero_grad()
+    ddp(x).float().square().mean().backward()
+    finalize_model_grads([ddp])
+    opt.step()
+    assert all(opt._copies.in_flight(p) for p in model.parameters())
+    expected = {id(piece.param): piece.main.bfloat16() for piece in opt.pieces}  # host: the masters rounded
+    out = ddp(x)  # the compute stream waits for each module's copy event; the host does not wait
+    assert not any(opt._copies.in_flight(p) for p in model.parameters())
+    ref = _model(torch.bfloat16)
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), model.parameters()):
+            p.copy_(expected[id(q)].view(q.shape))
+            assert torch.equal(q.cpu(), p)
+    torch.testing.assert_close(out.float().cpu(), ref(x.cpu()).float(), rtol=2e-2, atol=2e-2)
