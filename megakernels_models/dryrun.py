@@ -30,6 +30,12 @@ def layout_of(args: TrainArgs) -> costs.Layout:
                         precision=args.precision, schedule=args.schedule, flash=args.attention == "flash")
 
 
+def _offload_seconds(meta: costs.MetaModel, layout: costs.Layout, args: TrainArgs) -> dict:
+    """``costs.predict``'s optimizer-offload terms on ``--gpu`` (host AdamW at ``costs.HOST_ADAMW_NS_PER_PARAM``)."""
+    pred = costs.predict(meta, layout, costs.DEVICES[args.gpu], args.gpus_per_node)
+    return {"device": costs.DEVICES[args.gpu].name, **{k: pred[k] for k in ("offload_s", "host_adam_s", "d2h_s", "h2d_s")}}
+
+
 def warnings_for(args: TrainArgs, rep: dict) -> list[str]:
     """What looks poor about a layout (see the module docstring)."""
     out = []
@@ -67,6 +73,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         "memory_per_device_bytes": mem["total"],
         "memory_breakdown_bytes": mem["breakdown"],
         **({"host_memory_per_rank_bytes": mem["host_optimizer_bytes"]} if args.offload_optimizer else {}),
+        **({"offload_seconds": _offload_seconds(meta, L, args)} if args.offload_optimizer else {}),
         "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": L.pp, "vpp": L.vpp, "dp": dp, "world": world,
                    "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
                    "distributed_optimizer": args.distributed_optimizer,
@@ -116,6 +123,8 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         out(f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
             f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "
             f"{human(rep['host_memory_per_rank_bytes'], 'B')}")
+        out(f"offloaded optimizer per step on an {rep['offload_seconds']['device']}: "
+            f"{costs.describe_offload(rep['offload_seconds'], costs.HOST_ADAMW_NS_PER_PARAM)}")
     out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")
