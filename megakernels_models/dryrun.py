@@ -73,7 +73,8 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         "memory_per_device_bytes": mem["total"],
         "memory_breakdown_bytes": mem["breakdown"],
         **({"host_memory_per_rank_bytes": mem["host_optimizer_bytes"]} if args.offload_optimizer else {}),
-        **({"offload_seconds": _offload_seconds(meta, L, args)} if args.offload_optimizer else {}),
+        **({"offload_seconds": _offload_seconds(meta, L, args),
+            "device_bytes_per_param": sum(costs.bytes_per_param(L))} if args.offload_optimizer else {}),
         "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": L.pp, "vpp": L.vpp, "dp": dp, "world": world,
                    "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
                    "distributed_optimizer": args.distributed_optimizer,
@@ -119,6 +120,11 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}")
+    if "device_bytes_per_param" in rep:
+        weight = 4 if lay["precision"] == "fp32" else 2
+        out(f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
+            f"({lay['precision']} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation and "
+            "the reduction, also under ZeRO-1); no optimizer state")
     if "host_memory_per_rank_bytes" in rep:
         out(f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
             f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "

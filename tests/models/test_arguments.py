@@ -137,6 +137,8 @@ def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_
     from megakernels_models import costs
     assert rep["offload_seconds"]["host_adam_s"] == pytest.approx(n / 4 * costs.HOST_ADAMW_NS_PER_PARAM * 1e-9)
     assert any(line.startswith("offloaded optimizer per step on an H200") for line in lines)
+    assert rep["device_bytes_per_param"] == 6
+    assert any(line.startswith("device memory per parameter (--offload-optimizer): 6 bytes") for line in lines)
 
 
 def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
