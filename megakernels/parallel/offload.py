@@ -50,17 +50,16 @@ class HostCopies:
 
     def __init__(self, pieces, models, device: torch.device) -> None:
         self.pieces, self.device, self.cuda = pieces, device, device.type == "cuda"
-        index = {p: i for i, p in enumerate(dict.fromkeys(piece.param for piece in pieces))}
-        by_param: dict[torch.Tensor, list[int]] = {}
+        by_param: dict[torch.Tensor, list[int]] = {}  # a param's pieces (one, or its ZeRO-1 intersections)
         for i, piece in enumerate(pieces):
-            by_param.setdefault(index[piece.param], []).append(i)
+            by_param.setdefault(piece.param, []).append(i)
         # per bucket (keyed by id): the pieces its hook copies, and every piece it holds (for the parameter copies)
         self._early: dict[int, list[int]] = {}
         self.buckets: list[tuple[int, list[int]]] = []
         placed: set[int] = set()
         for m in models:
             for b in m.buckets:
-                held = [i for p in b.params if p in index for i in by_param.get(index[p], [])]
+                held = [i for p in b.params for i in by_param.get(p, ())]
                 if held:
                     self.buckets.append((id(b), held))
                     self._early[id(b)] = [i for i in held if not changed_after_sync(pieces[i].param)]
@@ -84,8 +83,7 @@ class HostCopies:
                 self._roots.append(m.module)
         for root in self._roots:
             for module in root.modules():
-                keys = [bucket_of_piece[i] for p in module.parameters(recurse=False) if p in index
-                        for i in by_param.get(index[p], [])]
+                keys = [bucket_of_piece[i] for p in module.parameters(recurse=False) for i in by_param.get(p, ())]
                 if keys or module is root:
                     if module not in self._waits:
                         self._waits[module] = list(dict.fromkeys(keys))
