@@ -103,7 +103,7 @@ DEVICES = {
     "v100": Device("V100", 125.0, 15.7, 0.6, 32.0, 150.0, 12.5, host_gbps=12.0),
 }
 # The host AdamW step (``--offload-optimizer``) per parameter of a rank, in ns: a property of the host (its cores and
-# memory bandwidth per rank), not of the GPU. The default is what ``python -m benchmarks.optimizer_offload`` measured
+# memory bandwidth per rank), not of the GPU. The default is what ``megakernels bench --ops adamw_offload`` measured
 # for our C++ CPU AdamW on the 2-core development machine (benchmarks/results/2026-12-01-cpu-xeon-optimizer-offload.md),
 # a pessimistic figure for a training node, where each rank has several cores; measure the target host with the same
 # command and pass it to ``megakernels plan --host-adamw-ns``.

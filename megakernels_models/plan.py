@@ -120,8 +120,8 @@ def add_parser(sub) -> None:
                    "(device memory drops by the optimizer state; the host AdamW and the transfers not hidden are "
                    "added to the step time)")
     p.add_argument("--host-adamw-ns", type=float, default=costs.HOST_ADAMW_NS_PER_PARAM, metavar="NS",
-                   help="with --offload-optimizer: the host AdamW's ns per parameter of a rank, as `python -m "
-                   f"benchmarks.optimizer_offload` measures it on the target host (default {costs.HOST_ADAMW_NS_PER_PARAM})")
+                   help="with --offload-optimizer: the host AdamW's ns per parameter of a rank, as `megakernels "
+                   f"bench --ops adamw_offload` measures it on the target host (default {costs.HOST_ADAMW_NS_PER_PARAM})")
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.set_defaults(_run=main)
