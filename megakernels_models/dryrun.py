@@ -33,7 +33,8 @@ def layout_of(args: TrainArgs) -> costs.Layout:
 def _offload_seconds(meta: costs.MetaModel, layout: costs.Layout, args: TrainArgs) -> dict:
     """``costs.predict``'s optimizer-offload terms on ``--gpu`` (host AdamW at ``costs.HOST_ADAMW_NS_PER_PARAM``)."""
     pred = costs.predict(meta, layout, costs.DEVICES[args.gpu], args.gpus_per_node)
-    return {"device": costs.DEVICES[args.gpu].name, **{k: pred[k] for k in ("offload_s", "host_adam_s", "d2h_s", "h2d_s")}}
+    terms = {k: pred[k] for k in ("offload_s", "host_adam_s", "d2h_s", "h2d_s")}
+    return {"device": costs.DEVICES[args.gpu].name, **terms}
 
 
 def warnings_for(args: TrainArgs, rep: dict) -> list[str]:
@@ -123,8 +124,8 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     if "device_bytes_per_param" in rep:
         weight = 4 if lay["precision"] == "fp32" else 2
         out(f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
-            f"({lay['precision']} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation and "
-            "the reduction, also under ZeRO-1); no optimizer state")
+            f"({lay['precision']} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
+            "and the reduction, also under ZeRO-1); no optimizer state")
     if "host_memory_per_rank_bytes" in rep:
         out(f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
             f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "

@@ -121,7 +121,8 @@ def add_parser(sub) -> None:
                    "added to the step time)")
     p.add_argument("--host-adamw-ns", type=float, default=costs.HOST_ADAMW_NS_PER_PARAM, metavar="NS",
                    help="with --offload-optimizer: the host AdamW's ns per parameter of a rank, as `megakernels "
-                   f"bench --ops adamw_offload` measures it on the target host (default {costs.HOST_ADAMW_NS_PER_PARAM})")
+                   f"bench --ops adamw_offload` measures it on the target host (default "
+                   f"{costs.HOST_ADAMW_NS_PER_PARAM})")
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.set_defaults(_run=main)
@@ -186,7 +187,8 @@ def main(ns) -> int:
               f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}")
     if ns.offload_optimizer:
         best_prediction = ranked[0]["prediction"]
-        print(f"\noffloaded optimizer in the best layout's step: {costs.describe_offload(best_prediction, ns.host_adamw_ns)}")
+        line = costs.describe_offload(best_prediction, ns.host_adamw_ns)
+        print(f"\noffloaded optimizer in the best layout's step: {line}")
     print("\nrun the best:\n  " + rows[0]["command"])
     return 0
 
