@@ -104,7 +104,7 @@ DEVICES = {
 }
 # The host AdamW step (``--offload-optimizer``) per parameter of a rank, in ns: a property of the host (its cores and
 # memory bandwidth per rank), not of the GPU. The default is what ``megakernels bench --ops adamw_offload`` measured
-# for our C++ CPU AdamW on the 2-core development machine (benchmarks/results/2026-12-01-cpu-xeon-optimizer-offload.md),
+# for our C++ CPU AdamW on the 2-core development machine (benchmarks/results/2026-12-01-cpu-xeon-adamw-offload.md),
 # a pessimistic figure for a training node, where each rank has several cores; measure the target host with the same
 # command and pass it to ``megakernels plan --host-adamw-ns``.
 HOST_ADAMW_NS_PER_PARAM = 5.6
