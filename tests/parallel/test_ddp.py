@@ -3,7 +3,9 @@ all-reduce and reduce-scatter give the mean gradient over dp, gradient accumulat
 micro-batch equals one big batch, bucket collectives overlap backward; ZeRO-1 and the non-distributed step equal
 torch.optim.AdamW on the averaged grads (fp32), bf16 keeps fp32 masters, an fp16 overflow on one rank skips the
 step on every rank, the global grad norm counts every param once under tp / pp (tied embedding) / ZeRO-1 and clips
-like torch.nn.utils.clip_grad_norm_, and the memory held per param follows Megatron's accounting.
+like torch.nn.utils.clip_grad_norm_ (also with the optimizer offloaded), the offloaded step copies each reduced
+bucket to the host and equals the device step bit for bit, and the memory held per param follows Megatron's
+accounting.
 One world of 4 gloo processes."""
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 by the C++ CPU AdamW. On the CPU the trajectory is the non-offloaded one bit for bit (fp32 and bf16, with clipping
 and the fp16 loss scaler); the state lives in host tensors (pinned for CUDA params), the memory accounting moves it
 off the device, and checkpoints' per-parameter state is the same. The CUDA path (side stream, pinned buffers) is
-in the ``cuda``-marked test. ZeRO-1 with offload runs in the layout suite (``dp2-zero1-offload``)."""
+in the ``cuda``-marked tests. Each reduced bucket's gradients reach the host during backward, and the next forward
+waits for each bucket's parameter copy when the module owning it starts. dp > 1 and ZeRO-1 (bit for bit against the
+device step, the copies after each bucket's collective) and the gradients finalize_model_grads changes after the
+sync (sequence parallel, the tied embedding) are checked in test_ddp.py's world; the trainer with ZeRO-1 and offload
+in the layout suite (``dp2-zero1-offload``)."""
 
 from __future__ import annotations
 
