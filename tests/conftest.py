@@ -21,6 +21,12 @@ if "MEGAKERNELS_CACHE" not in os.environ:
 
     os.environ["MEGAKERNELS_CACHE"] = tempfile.mkdtemp(prefix="megakernels-test-cache-")
 
+# CI runs two pytest workers on two cores: one intra-op thread each (the processes they start inherit it; spawned
+# ranks set their own). With more threads than cores, a small op's parallel region waits for a descheduled thread:
+# a matmul of a few KB took 6 ms on a loaded machine. Tests of thread-count behaviour set the count themselves.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Spawned worlds start their ranks from a fork server that has imported torch once (megakernels.parallel.launch):
 # the suite runs hundreds of ranks, each of which would otherwise pay torch's import.
 os.environ.setdefault("MEGAKERNELS_START_METHOD", "forkserver")
