@@ -285,13 +285,7 @@ class ModelConfig:
         if self.model == "vlm":
             from megakernels_models.vlm_costs import vlm_flops_per_sample
             return vlm_flops_per_sample(self, recompute) / self.seq_length
-        fw = self.forward_flops_per_token()
-        total = 3.0 * sum(fw.values())
-        if recompute == "full":
-            total += fw["layers_gemm"] + fw["attention"]
-        elif recompute == "selective":
-            total += fw["attention"]
-        return total
+        return training_flops(self.forward_flops_per_token(), recompute)
 
     def activation_bytes_per_layer(self, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                                    recompute: str = "none", bytes_per_element: int = 2,
@@ -451,6 +445,17 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
                          "number of layers)")
     per = num_layers // stages
     return [[range((c * pp + r) * per, (c * pp + r + 1) * per) for c in range(vpp)] for r in range(pp)]
+
+
+def training_flops(forward: dict[str, float], recompute: str) -> float:
+    """Training FLOPs from forward FLOPs ``{"layers_gemm", "attention", "head"}``: 3× the forward (backward is
+    twice it), plus the layers again with full recomputation or the attention cores again with selective."""
+    total = 3.0 * sum(forward.values())
+    if recompute == "full":
+        total += forward["layers_gemm"] + forward["attention"]
+    elif recompute == "selective":
+        total += forward["attention"]
+    return total
 
 
 def ceil_div(a: int, b: int) -> int:

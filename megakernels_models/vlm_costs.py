@@ -33,10 +33,6 @@ def vlm_forward_flops_per_sample(cfg) -> dict[str, float]:
 
 def vlm_flops_per_sample(cfg, recompute: str = "none") -> float:
     """Training FLOPs of one sample (3× the forward, plus what recomputation repeats, as ``flops_per_token``)."""
-    fw = vlm_forward_flops_per_sample(cfg)
-    total = 3.0 * sum(fw.values())
-    if recompute == "full":
-        total += fw["layers_gemm"] + fw["attention"]
-    elif recompute == "selective":
-        total += fw["attention"]
-    return total
+    from megakernels_models.config import training_flops
+
+    return training_flops(vlm_forward_flops_per_sample(cfg), recompute)

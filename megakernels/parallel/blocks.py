@@ -124,12 +124,7 @@ class ParallelSelfAttention(nn.Module):
                  output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
                  dtype=None):
         super().__init__()
-        cls = type(self).__name__
-        state.check_divisible(num_heads=num_heads)
-        if hidden_size % num_heads:
-            raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
-        if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
+        _check_heads(self, hidden_size, num_heads, attention_dropout)
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
@@ -153,6 +148,16 @@ class ParallelSelfAttention(nn.Module):
             k, v = kv_cache.update(self, k, v)
         ctx = _attend(self, q, k, v, attention_mask)
         return self.proj(ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim))
+
+
+def _check_heads(module: nn.Module, hidden_size: int, num_heads: int, attention_dropout: float) -> None:
+    """Heads split over the TP ranks, whole head dims, a dropout probability."""
+    cls = type(module).__name__
+    state.check_divisible(num_heads=num_heads)
+    if hidden_size % num_heads:
+        raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    if not 0.0 <= attention_dropout < 1.0:
+        raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
 
 
 def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
@@ -283,8 +288,8 @@ class ParallelCrossAttention(nn.Module):
     Forward: ``x`` ``[sq, b, h]``, ``context`` ``[sk, b, context_size]`` -> ``[sq, b, h]``.
 
     Raises:
-        ValueError: heads not divisible by tp, ``hidden_size`` not divisible by ``num_heads``, inputs that are not
-            3-D, or context parallelism (the context is not split over a ring).
+        ValueError: heads not divisible by tp, ``hidden_size`` not divisible by ``num_heads``, ``attention_dropout``
+            outside [0, 1), inputs that are not 3-D, or context parallelism (the context is not split over a ring).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, context_size: int | None = None, *,
@@ -293,10 +298,7 @@ class ParallelCrossAttention(nn.Module):
                  output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
                  dtype=None):
         super().__init__()
-        cls = type(self).__name__
-        state.check_divisible(num_heads=num_heads)
-        if hidden_size % num_heads:
-            raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+        _check_heads(self, hidden_size, num_heads, attention_dropout)
         context_size = hidden_size if context_size is None else context_size
         self.causal, self.recompute = False, bool(recompute)
         self.head_dim = hidden_size // num_heads

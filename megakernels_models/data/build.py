@@ -100,13 +100,7 @@ def validate_data_args(args, cfg=None) -> None:
             except OSError as e:
                 raise ArgumentError(f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
                                     f"preprocess --output-prefix {prefix}") from None
-        try:
-            ds = IndexedDataset(prefix)
-        except ValueError as e:
-            raise ArgumentError(f"--data {prefix}: {e}") from None
-        if ds.vocab_size != tok.vocab_size:
-            raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
-                                f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+        ds = _open_data(IndexedDataset, prefix, args, tok)
         train = split_documents(ds.doc_count, split)[0]
         if not train:
             raise ArgumentError(f"--data {prefix}: its {ds.doc_count} documents leave no training documents with "
@@ -119,6 +113,18 @@ def validate_data_args(args, cfg=None) -> None:
         if cfg.model != "bert" and tokens < cfg.seq_length + 1:
             raise ArgumentError(f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                                 f"of seq_length + 1 = {cfg.seq_length + 1}")
+
+
+def _open_data(reader, prefix: str, args, tok):
+    """``reader(prefix)``, its problems and a vocabulary other than the tokenizer's as ``ArgumentError``s."""
+    try:
+        ds = reader(prefix)
+    except ValueError as e:
+        raise ArgumentError(f"--data {prefix}: {e}") from None
+    if ds.vocab_size != tok.vocab_size:
+        raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
+                            f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+    return ds
 
 
 def build_datasets(args, cfg):
@@ -184,13 +190,7 @@ def _validate_image_data(args, cfg, tok) -> None:
     if not is_image_text(prefix):
         raise ArgumentError(f"--data {prefix}: {prefix}.idx is missing or not an image-text index (make one with "
                             "megakernels preprocess --images DIR --captions FILE.jsonl)")
-    try:
-        ds = ImageTextIndexed(prefix)
-    except ValueError as e:
-        raise ArgumentError(f"--data {prefix}: {e}") from None
-    if ds.vocab_size != tok.vocab_size:
-        raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
-                            f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+    ds = _open_data(ImageTextIndexed, prefix, args, tok)
     want = (cfg.image_size, cfg.image_size, cfg.image_channels)
     bad = np.flatnonzero((ds.shapes != np.asarray(want)).any(axis=1))
     if len(bad):
