@@ -64,7 +64,9 @@ class Checks:
                 mp.destroy()
         return out
 
-    def fixture(self, world_size: int, worker: Callable, timeout: float = 90.0):
+    def fixture(self, world_size: int, worker: Callable, timeout: float = 300.0):
+        # The limit only ends a hang: CI runs two pytest workers on two cores, so an 8-process world that takes
+        # 15 s on an idle machine can take 6x that while the other worker runs a world of its own.
         @pytest.fixture(scope="module")
         def world():
             return run_world(world_size, worker, timeout=timeout)

@@ -225,7 +225,7 @@ def _world(rank, world_size):
     return CHECKS.run(rank, world_size)
 
 
-world = CHECKS.fixture(4, _world, timeout=120.0)
+world = CHECKS.fixture(4, _world)
 
 
 @pytest.mark.parametrize("name", CHECKS.names())
