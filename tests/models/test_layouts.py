@@ -5,8 +5,9 @@ recomputation, interleaving and gradient accumulation on or off — equal the si
 by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixture-of-experts GPT and Llama
 (dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
 ZeRO-1; checkpoints resharded across ep), and vision-language models (a ViT + projector before a GPT, the image
-tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at tp 2, pp 2 (the encoder on the first
-stage), dp 2 with ZeRO-1, and tp 2 × dp 2 with ZeRO-1 and selective recomputation.
+tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on the first
+stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split) alone and × dp 2 with ZeRO-1
+and selective recomputation.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once.
@@ -88,7 +89,7 @@ ONLY = {"offload": ("gpt",), "dp2-zero1-offload": ("gpt",), "pp2-gpipe": ("gpt",
         "tp2-cp2-sp": ("gpt", "llama"), "pp2-cp2": ("gpt", "llama"), "cp2-dp2-zero1": ("llama",),
         "tp2-cp2-pp2-recompute": ("llama",), "ep2": EXPERTS, "ep4": EXPERTS, "tp2-ep2-sp": EXPERTS,
         "pp2-ep2": EXPERTS, "ep2-dp4-zero1": ("gpt-moe",), "cp2-ep2": ("llama-moe",),
-        "tp2": DENSE + VISION, "pp2": DENSE + VISION, "dp2-zero1": DENSE + ("vlm",),
+        "tp2": DENSE + ("vlm-x",), "pp2": DENSE + VISION, "dp2-zero1": DENSE + ("vlm",),
         "tp2-dp2-recompute": ("vlm-x",)}
 
 
