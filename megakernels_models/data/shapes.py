@@ -1,11 +1,12 @@
 """The embedded image–caption data: coloured shapes at positions, drawn procedurally (nothing downloaded).
 
 Sample ``i`` of seed ``k`` is a dark ``S×S`` RGB image with two shapes of different colours — a circle, a square or
-a triangle, in red, green, blue or yellow — one above, below, left or right of the other, and its caption, e.g.
-``"a red circle above a blue square"``. Everything is drawn from ``(k, i)`` alone, so any layout reads the same
-samples; the held-out images of ``megakernels eval --task caption`` come from another seed. The caption is
-determined by the image, and no text-only model can guess it: the five attributes are uniform and independent
-(192 × 4 captions), so image-conditioned accuracy far above a text-only baseline means the model sees.
+a triangle, in red, green, blue or yellow — one above or left of the other, and its caption, e.g.
+``"a red circle above a blue square"`` (the upper, or left, shape is named first, so the caption is a function of
+the image). Everything is drawn from ``(k, i)`` alone, so any layout reads the same samples; the held-out images
+of ``megakernels eval --task caption`` come from another seed. No text-only model can guess a caption: its five
+attributes are uniform and independent (4·3·2·3·3 = 216 captions), so image-conditioned accuracy far above a
+text-only baseline means the model sees.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from megakernels_models.data.sample_index import rng
 
 COLOURS = {"red": (220, 50, 50), "green": (50, 200, 70), "blue": (60, 90, 235), "yellow": (235, 215, 50)}
 SHAPES = ("circle", "square", "triangle")
-RELATIONS = ("above", "below", "left of", "right of")
+RELATIONS = ("above", "left of")
 
 
 def _mask(shape: str, size: int, cy: float, cx: float, r: float) -> np.ndarray:
@@ -45,11 +46,10 @@ def shapes_sample(seed: int, i: int, image_size: int = 32) -> tuple[np.ndarray, 
     rel = int(g.integers(0, len(RELATIONS)))
     near, far = g.uniform(r, S / 2 - r, 2), g.uniform(S / 2 + r, S - r, 2)
     free = g.uniform(r, S - r, 2)  # the other coordinate of each shape
-    first, second = (near, far) if rel in (0, 2) else (far, near)  # "above"/"left of": the first is nearer 0
-    if rel < 2:  # vertical relation: (y, x)
-        a, b = (first[0], free[0]), (second[0], free[1])
-    else:
-        a, b = (free[0], first[0]), (free[1], second[0])
+    if rel == 0:  # "above": (y, x), the first shape nearer the top
+        a, b = (near[0], free[0]), (far[0], free[1])
+    else:  # "left of"
+        a, b = (free[0], near[0]), (free[1], far[0])
     img = np.full((S, S, 3), 20, dtype=np.uint8)
     names = list(COLOURS)
     for (cy, cx), shape, colour in ((a, SHAPES[sa], names[ca]), (b, SHAPES[sb], names[cb])):
