@@ -27,7 +27,12 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
 - data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
   device's parameters over the network, overlapped with the backward of the last micro-batch, 1/m of the compute;
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
-  tokens.
+  tokens;
+- optimizer offload (``offload_time``): the host AdamW on this rank's share of the parameters (its ZeRO-1 shard)
+  at ``HOST_ADAMW_NS_PER_PARAM``, never overlapped (it needs every gradient and the next forward needs its result);
+  the fp32 gradients device→host over PCIe (``Device.host_gbps``), overlapped with the last micro-batch's backward
+  like the data-parallel reduction; the updated parameters host→device (2 bytes in 16-bit training, 4 in fp32),
+  overlapped with the first micro-batch's forward, not at all under ZeRO-1 (its all-gather needs them first).
 """
 
 from __future__ import annotations
@@ -83,17 +88,26 @@ class Device:
     intra_gbps: float
     inter_gbps: float
     latency_s: float = 10e-6
+    host_gbps: float = 25.0  # host <-> device (PCIe), GB/s per direction and GPU, pinned memory
 
 
 # Vendor data sheets for the peaks and links; efficiency: the fraction of peak a large bf16 GEMM sustains in a
 # training step (Megatron-LM and our DESIGN targets put well-tuned training near 0.55-0.6 of peak); inter-node:
 # one 400 Gb/s (H100/H200), 200 Gb/s (A100) or 100 Gb/s (V100, the Megatron-LM paper's DGX-2H) adapter per GPU.
+# Host links: PCIe Gen5 x16 (H100/H200, 64 GB/s a direction, ~50 sustained from pinned memory), Gen4 (A100, ~25),
+# Gen3 (V100, ~12).
 DEVICES = {
-    "h200": Device("H200", 989.0, 67.0, 0.6, 141.0, 450.0, 50.0),
-    "h100": Device("H100", 989.0, 67.0, 0.6, 80.0, 450.0, 50.0),
-    "a100": Device("A100", 312.0, 19.5, 0.6, 80.0, 300.0, 25.0),
-    "v100": Device("V100", 125.0, 15.7, 0.6, 32.0, 150.0, 12.5),
+    "h200": Device("H200", 989.0, 67.0, 0.6, 141.0, 450.0, 50.0, host_gbps=50.0),
+    "h100": Device("H100", 989.0, 67.0, 0.6, 80.0, 450.0, 50.0, host_gbps=50.0),
+    "a100": Device("A100", 312.0, 19.5, 0.6, 80.0, 300.0, 25.0, host_gbps=25.0),
+    "v100": Device("V100", 125.0, 15.7, 0.6, 32.0, 150.0, 12.5, host_gbps=12.0),
 }
+# The host AdamW step (``--offload-optimizer``) per parameter of a rank, in ns: a property of the host (its cores and
+# memory bandwidth per rank), not of the GPU. The default is what ``megakernels bench --ops adamw_offload`` measured
+# for our C++ CPU AdamW on the 2-core development machine (benchmarks/results/2026-12-01-cpu-xeon-adamw-offload.md),
+# a pessimistic figure for a training node, where each rank has several cores; measure the target host with the same
+# command and pass it to ``megakernels plan --host-adamw-ns``.
+HOST_ADAMW_NS_PER_PARAM = 5.6
 # Allowance beyond the model: the CUDA context, NCCL and cuBLAS workspaces, and allocator fragmentation.
 RESERVED_GB, FRAGMENTATION = 2.0, 0.10
 
@@ -238,8 +252,10 @@ def _ring(bytes_: float, n: int, gbps: float, latency: float = 0.0) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
 
 
-def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int = 8) -> dict:
-    """Predicted seconds per optimizer step and its parts (see the module docstring)."""
+def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int = 8,
+            host_adamw_ns: float = HOST_ADAMW_NS_PER_PARAM) -> dict:
+    """Predicted seconds per optimizer step and its parts (see the module docstring); ``host_adamw_ns``: the
+    host AdamW's ns per parameter with ``offload_optimizer``."""
     cfg, L = meta.config, layout
     tokens = L.global_batch_size * cfg.seq_length
     half = L.precision != "fp32"
@@ -278,8 +294,40 @@ def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int 
         routed = act_bytes / L.tp * cfg.moe_top_k * (L.ep - 1) / L.ep
         ep_bw = device.intra_gbps if L.ep * L.tp * L.cp <= gpus_per_node else device.inter_gbps
         ep_comm = 4 * routed / (ep_bw * 1e9) * m * cfg.num_moe_layers / L.pp
-    step = compute + bubble + tp_comm + pp_comm + cp_comm + dp_exposed + ep_comm
+    offload = offload_time(params, L, device, compute, host_adamw_ns)
+    step = compute + bubble + tp_comm + pp_comm + cp_comm + dp_exposed + ep_comm + offload["offload_s"]
     model_flops = cfg.flops_per_token("none") * tokens
     return {"step_s": step, "compute_s": compute, "bubble_s": bubble, "tp_s": tp_comm, "pp_s": pp_comm,
-            "cp_s": cp_comm, "dp_s": dp_exposed, "ep_s": ep_comm, "tokens_per_s": tokens / step,
+            "cp_s": cp_comm, "dp_s": dp_exposed, "ep_s": ep_comm, **offload, "tokens_per_s": tokens / step,
             "mfu": model_flops / step / L.world / peak, "bubble_fraction": (L.pp - 1) / (L.vpp * m)}
+
+
+def offload_time(params: float, layout: Layout, device: Device, compute: float,
+                 host_adamw_ns: float = HOST_ADAMW_NS_PER_PARAM) -> dict:
+    """Seconds a step spends on the offloaded optimizer beyond the rest (all 0 without ``offload_optimizer``):
+    ``{"offload_s": host_s + d2h_s + h2d_s, "host_adam_s", "d2h_s", "h2d_s"}`` (the transfers: what is not hidden).
+
+    ``params``: parameters on the device; ``compute``: the step's compute seconds. A rank steps ``params`` (ZeRO-1:
+    ``params / (dp·cp)``) at ``host_adamw_ns`` each; its gradients go to the host (4 bytes each) behind the last
+    micro-batch's backward (2/3 of a micro-batch's compute) and its updated parameters come back (2 bytes each in
+    16-bit training, 4 in fp32) behind the first micro-batch's forward (1/3), or in full under ZeRO-1.
+    """
+    zero = {"offload_s": 0.0, "host_adam_s": 0.0, "d2h_s": 0.0, "h2d_s": 0.0}
+    if not layout.offload_optimizer:
+        return zero
+    L, bw = layout, device.host_gbps * 1e9
+    owned = params / (L.dp * L.cp) if L.distributed_optimizer else params
+    micro = compute / max(L.microbatches, 1)
+    host = owned * host_adamw_ns * 1e-9
+    d2h = max(0.0, owned * 4 / bw - micro * 2 / 3)
+    h2d = owned * (2 if L.precision != "fp32" else 4) / bw
+    if not L.distributed_optimizer:
+        h2d = max(0.0, h2d - micro / 3)
+    return {"offload_s": host + d2h + h2d, "host_adam_s": host, "d2h_s": d2h, "h2d_s": h2d}
+
+
+def describe_offload(prediction: dict, host_adamw_ns: float) -> str:
+    """The optimizer-offload part of a ``predict`` result, in words (the plan and the dry run print it)."""
+    return (f"{prediction['offload_s']:.3f} s = host AdamW {prediction['host_adam_s']:.3f} s ({host_adamw_ns:g} ns "
+            f"per parameter) + gradients to the host {prediction['d2h_s']:.3f} s + parameters to the device "
+            f"{prediction['h2d_s']:.3f} s not hidden")

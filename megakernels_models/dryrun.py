@@ -30,6 +30,13 @@ def layout_of(args: TrainArgs) -> costs.Layout:
                         precision=args.precision, schedule=args.schedule, flash=args.attention == "flash")
 
 
+def _offload_seconds(meta: costs.MetaModel, layout: costs.Layout, args: TrainArgs) -> dict:
+    """``costs.predict``'s optimizer-offload terms on ``--gpu`` (host AdamW at ``costs.HOST_ADAMW_NS_PER_PARAM``)."""
+    pred = costs.predict(meta, layout, costs.DEVICES[args.gpu], args.gpus_per_node)
+    terms = {k: pred[k] for k in ("offload_s", "host_adam_s", "d2h_s", "h2d_s")}
+    return {"device": costs.DEVICES[args.gpu].name, **terms}
+
+
 def warnings_for(args: TrainArgs, rep: dict) -> list[str]:
     """What looks poor about a layout (see the module docstring)."""
     out = []
@@ -69,6 +76,8 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         "memory_per_device_bytes": mem["total"],
         "memory_breakdown_bytes": mem["breakdown"],
         **({"host_memory_per_rank_bytes": mem["host_optimizer_bytes"]} if args.offload_optimizer else {}),
+        **({"offload_seconds": _offload_seconds(meta, L, args),
+            "device_bytes_per_param": sum(costs.bytes_per_param(L))} if args.offload_optimizer else {}),
         "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": L.pp, "vpp": L.vpp, "dp": dp, "world": world,
                    "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
                    "distributed_optimizer": args.distributed_optimizer,
@@ -118,10 +127,17 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}")
+    if "device_bytes_per_param" in rep:
+        weight = 4 if lay["precision"] == "fp32" else 2
+        out(f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
+            f"({lay['precision']} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
+            "and the reduction, also under ZeRO-1); no optimizer state")
     if "host_memory_per_rank_bytes" in rep:
         out(f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
             f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "
             f"{human(rep['host_memory_per_rank_bytes'], 'B')}")
+        out(f"offloaded optimizer per step on an {rep['offload_seconds']['device']}: "
+            f"{costs.describe_offload(rep['offload_seconds'], costs.HOST_ADAMW_NS_PER_PARAM)}")
     out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")

@@ -1,7 +1,8 @@
 """``megakernels plan``: choose a parallel layout for a model on a cluster.
 
     megakernels plan --preset gpt-8.3b --gpus 512 [--gpus-per-node 8] [--gpu h200|h100|a100|v100]
-                     [--seq-length S] [--global-batch-size B] [--top K] [--json]
+                     [--seq-length S] [--global-batch-size B] [--offload-optimizer [--host-adamw-ns NS]]
+                     [--top K] [--json]
     megakernels plan --config job.yaml --gpus 64
 
 Enumerates every layout of the GPUs — tensor parallelism (dividing the heads, at most a node), pipeline stages
@@ -63,8 +64,10 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_nod
 
 
 def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Device, gpus_per_node: int = 8,
-         precision: str = "bf16", offload: bool = False) -> list[dict]:
-    """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}``.
+         precision: str = "bf16", offload: bool = False,
+         host_adamw_ns: float = costs.HOST_ADAMW_NS_PER_PARAM) -> list[dict]:
+    """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}`` (``host_adamw_ns``: the
+    host AdamW's ns per parameter, with ``offload``).
 
     Raises:
         ArgumentError: no layout of the GPUs fits (the message says the smallest memory any layout needs).
@@ -76,7 +79,7 @@ def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Devi
         smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
         if costs.fits(mem["total"], device):
             fitting.append({"layout": layout, "memory_bytes": mem["total"],
-                            "prediction": costs.predict(meta, layout, device, gpus_per_node)})
+                            "prediction": costs.predict(meta, layout, device, gpus_per_node, host_adamw_ns)})
     if not fitting:
         need = f"; the leanest needs {human(smallest, 'B')} per GPU" if smallest is not None else ""
         raise ArgumentError(f"no layout of {gpus} GPUs fits {cfg.model} ({human(meta.parameters)} parameters) on "
@@ -114,7 +117,12 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's, else 8 × gpus")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--offload-optimizer", action="store_true", help="plan with the optimizer state in host memory "
-                   "(device memory drops by the optimizer state; the CPU AdamW's time is not in the prediction)")
+                   "(device memory drops by the optimizer state; the host AdamW and the transfers not hidden are "
+                   "added to the step time)")
+    p.add_argument("--host-adamw-ns", type=float, default=costs.HOST_ADAMW_NS_PER_PARAM, metavar="NS",
+                   help="with --offload-optimizer: the host AdamW's ns per parameter of a rank, as `megakernels "
+                   f"bench --ops adamw_offload` measures it on the target host (default "
+                   f"{costs.HOST_ADAMW_NS_PER_PARAM})")
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.set_defaults(_run=main)
@@ -147,10 +155,13 @@ def main(ns) -> int:
         for name in ("gpus", "gpus_per_node", "top"):
             if getattr(ns, name) < 1:
                 raise ArgumentError(f"--{name.replace('_', '-')} must be a positive int, got {getattr(ns, name)}")
+        if not ns.host_adamw_ns >= 0 or ns.host_adamw_ns == float("inf"):
+            raise ArgumentError(f"--host-adamw-ns must be a finite number >= 0, got {ns.host_adamw_ns}")
         cfg, source, gbs = _model(ns)
         gbs = ns.global_batch_size or gbs or 8 * ns.gpus
         device = costs.DEVICES[ns.gpu]
-        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision, ns.offload_optimizer)
+        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision, ns.offload_optimizer,
+                      ns.host_adamw_ns)
     except (ArgumentError, ValueError) as e:
         print(f"megakernels plan: error: {e}", file=sys.stderr)
         return 2
@@ -158,7 +169,7 @@ def main(ns) -> int:
     rows = [{"rank": i + 1, "layout": dataclasses.asdict(r["layout"]), "memory_per_gpu_bytes": r["memory_bytes"],
              **{k: r["prediction"][k] for k in ("step_s", "tokens_per_s", "mfu", "bubble_fraction")},
              "time_split_s": {k: r["prediction"][k] for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s",
-                                                               "ep_s")},
+                                                               "ep_s", "offload_s")},
              "command": command(r["layout"], source)} for i, r in enumerate(best)]
     if ns.json:
         print(json.dumps({"gpus": ns.gpus, "gpu": device.name, "global_batch_size": gbs, "layouts_fitting":
@@ -174,5 +185,10 @@ def main(ns) -> int:
               f"{L['micro_batch_size']:>4} {L['recompute']:>9} {'yes' if L['distributed_optimizer'] else 'no':>4} "
               f"{row['memory_per_gpu_bytes'] / 1e9:>7.1f} {row['step_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
               f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}")
+    if ns.offload_optimizer:
+        best_prediction = ranked[0]["prediction"]
+        line = costs.describe_offload(best_prediction, ns.host_adamw_ns)
+        print(f"\noffloaded optimizer in the best layout's step: {line}")
     print("\nrun the best:\n  " + rows[0]["command"])
     return 0
+

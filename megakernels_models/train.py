@@ -196,6 +196,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 syncpoints.reach(f"step-{step + 1}")
                 reason = stop.should_stop(step + 1)
                 if saver is not None and (reason or _due(step, args.save_interval or args.steps, args.steps)):
+                    opt.wait_params()  # offload: the updated params may still be on their way to the device
                     save_error = saver.save(step + 1, chunks, opt, cfg) or save_error
                 if save_error and log_rank:
                     rec["checkpoint_error"] = save_error

@@ -21,6 +21,10 @@ if "MEGAKERNELS_CACHE" not in os.environ:
 
     os.environ["MEGAKERNELS_CACHE"] = tempfile.mkdtemp(prefix="megakernels-test-cache-")
 
+# Spawned worlds start their ranks from a fork server that has imported torch once (megakernels.parallel.launch):
+# the suite runs hundreds of ranks, each of which would otherwise pay torch's import.
+os.environ.setdefault("MEGAKERNELS_START_METHOD", "forkserver")
+
 import megakernels  # noqa: E402
 from tests.helpers import Backend  # noqa: E402
 

@@ -65,6 +65,12 @@ class Pending:
             self._result, self._finish = self._finish(self._result), None
         return self._result
 
+    def wait_stream(self) -> None:
+        """Make the current stream wait for the collective without consuming it: a later ``wait()`` still orders
+        its own stream. For a consumer on a side stream (nccl: no host synchronisation; gloo: blocks the host)."""
+        if self._work is not None:
+            self._work.wait()
+
 
 def _launch(kind: str, fn, result: torch.Tensor, async_op: bool, finish=None):
     record("launch", kind)

@@ -70,11 +70,11 @@ class Bucket:
         self.shard_size = numel // dp
         self.ready: set[int] = set()
         self.pending: comm.Pending | None = None
-        self.launched = False
+        self.launched = self.reduced_hooks_ran = False
 
     def reset(self) -> None:
         self.ready.clear()
-        self.pending, self.launched = None, False
+        self.pending, self.launched, self.reduced_hooks_ran = None, False, False
 
 
 class DistributedDataParallel(nn.Module):
@@ -137,6 +137,7 @@ class DistributedDataParallel(nn.Module):
             self._build_buffer(group_params, param_dtype, gdtype, separate, device)
         self._sync_enabled = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._reduced_hooks: list = []
 
     @staticmethod
     def _resolve_group(group):
@@ -214,12 +215,30 @@ class DistributedDataParallel(nn.Module):
             if len(bucket.ready) == len(bucket.params):
                 self._launch(bucket)
 
+    def register_grad_reduced_hook(self, hook) -> None:
+        """Call ``hook(bucket)`` once per bucket and step as soon as the bucket's gradients are reduced (the optimizer
+        offload copies them to the host then). On CUDA it runs when the collective is launched (from backward): the
+        hook orders its own stream after it with ``bucket.pending.wait_stream()`` (``pending`` is None with one
+        rank). On the CPU it runs once the collective completed (in ``finish_grad_sync``), or at launch with one
+        rank."""
+        self._reduced_hooks.append(hook)
+
+    def _run_reduced_hooks(self, bucket: Bucket) -> None:
+        if not bucket.reduced_hooks_ran:
+            bucket.reduced_hooks_ran = True
+            for hook in self._reduced_hooks:
+                hook(bucket)
+
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         if self.divisor != 1:
             bucket.grad_data.div_(self.divisor)
-        if self.dp_size == 1:
-            return
+        if self.dp_size > 1:
+            self._start_collective(bucket)
+        if bucket.pending is None or bucket.grad_data.is_cuda:
+            self._run_reduced_hooks(bucket)
+
+    def _start_collective(self, bucket: Bucket) -> None:
         data = bucket.grad_data
         if self.reduce_scatter:
             shard = data[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
@@ -241,6 +260,7 @@ class DistributedDataParallel(nn.Module):
             if bucket.pending is not None:
                 bucket.pending.wait()
                 bucket.pending = None
+                self._run_reduced_hooks(bucket)
 
     def start_param_sync(self) -> list[comm.Pending]:
         """ZeRO-1: all-gather every bucket's param shards over the group (asynchronously); returns the pending
@@ -337,9 +357,22 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
                 replicated.setdefault(info(p).replicas, []).append(p.main_grad)
         for c, grads in sorted(replicated.items()):
             _sum_over(grads, state.tp_replica_group(c))
-    group = state.embedding_group()
-    if group is not None and len(state.embedding_ranks()) > 1:
-        _sum_over([p.main_grad for p in params if is_shared_embedding(p)], group)
+    if _tied_across_stages():
+        _sum_over([p.main_grad for p in params if is_shared_embedding(p)], state.embedding_group())
+
+
+def _tied_across_stages() -> bool:
+    return state.embedding_group() is not None and len(state.embedding_ranks()) > 1
+
+
+def changed_after_sync(p) -> bool:
+    """Whether ``finalize_model_grads`` still changes ``p.main_grad`` after the data-parallel sync: with tp > 1 a
+    sequence-parallel or TP-replicated param, and the tied embedding shared by the first and last pipeline stage."""
+    if not state.is_initialized():
+        return False
+    if state.tp_size() > 1 and (is_sequence_parallel(p) or info(p).replicas > 1):
+        return True
+    return is_shared_embedding(p) and _tied_across_stages()
 
 
 def _sum_over(grads: list[torch.Tensor], group) -> None:

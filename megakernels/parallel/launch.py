@@ -7,6 +7,10 @@
 Spawned, not forked: each child is a fresh interpreter (no inherited CUDA/OpenMP/gloo state), so ``fn`` must be a
 module-level function and its arguments and return value picklable (tensors are fine: they travel as
 ``torch.save`` bytes, not shared memory, so a rank may exit before the parent reads them).
+``MEGAKERNELS_START_METHOD=forkserver`` starts the ranks from a fork server instead: a clean single-threaded
+process that imported torch once and forks each rank from there, so a rank starts in milliseconds instead of paying
+torch's import (~1.5 s of CPU each) -- for processes that run many small worlds, such as the test suite. Each rank
+still gets this process's current environment and working directory, as a spawned one would.
 
 The rendezvous store is a ``TCPStore`` hosted by the parent on a port the kernel picks (port 0), so there is no
 window between choosing a free port and binding it; every rank connects as a client. With ``init="env"`` the
@@ -36,6 +40,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 HOST = "127.0.0.1"
 _POLL_S = 0.05
@@ -59,8 +64,43 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+START_METHODS = ("spawn", "forkserver")
+
+
+def _context():
+    method = os.environ.get("MEGAKERNELS_START_METHOD", "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"MEGAKERNELS_START_METHOD must be one of {', '.join(START_METHODS)}, got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # torch and this package, which read the environment only when used (not at import): what a rank imports
+        # after the fork sees the environment it was given (below). Nothing here starts a thread.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "megakernels.parallel.launch"])
+    return ctx
+
+
+class _Stdio:
+    """This process's stdout and stderr, for a rank forked by the fork server (which otherwise writes to the
+    server's, i.e. to whatever they were when the server started): pickled, the two descriptors travel to the new
+    process (``multiprocessing.reduction.DupFd``); unpickled there, they replace its own."""
+
+    def __reduce__(self):
+        return _Stdio._adopt, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _adopt(out, err) -> None:
+        for fd, dup in ((1, out), (2, err)):
+            new = dup.detach()
+            os.dup2(new, fd)
+            os.close(new)
+
+
 def _child(rank: int, world_size: int, port: int, init: str, timeout: float, threads: int, results, fn,
-           args) -> None:
+           args, env: dict | None = None, cwd: str | None = None, stdio=None) -> None:
+    if env is not None:  # forked from the fork server, whose environment is the one it started with
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
     torch.set_num_threads(threads)
     report = None
     try:
@@ -139,14 +179,14 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        ValueError: ``world_size`` outside 1..64 or an unknown ``init``.
+        ValueError: ``world_size`` outside 1..64, an unknown ``init`` or ``MEGAKERNELS_START_METHOD``.
         WorldFailed: a rank raised (its traceback is in the message), died, or the world timed out.
     """
     if not 1 <= int(world_size) <= 64:
         raise ValueError(f"run_world: world_size must be in 1..64, got {world_size}")
     if init not in ("store", "env"):
         raise ValueError(f"run_world: init must be 'store' or 'env', got {init!r}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
@@ -157,9 +197,10 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
     try:
         # The children read these at import time, before any code of ours runs in them.
         os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        where = (dict(os.environ), os.getcwd(), _Stdio()) if ctx.get_start_method() == "forkserver" else ()
         for rank in range(world_size):
-            p = ctx.Process(target=_child, args=(rank, world_size, store.port, init, timeout, threads, results, fn, args),
-                            name=f"rank{rank}", daemon=True)
+            p = ctx.Process(target=_child, args=(rank, world_size, store.port, init, timeout, threads, results, fn, args,
+                                                 *where), name=f"rank{rank}", daemon=True)
             p.start()
             procs.append(p)
         with _forwarding(forward_signals, procs):

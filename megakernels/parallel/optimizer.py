@@ -26,6 +26,10 @@ One step (``step()``), all on the device except where noted:
    kernel's check; the norm is the same everywhere).
 4. bf16/fp16: masters rounded into the params; ZeRO-1: params all-gathered. Then the norm is read on the host.
 
+With ``offload`` the gradients reach the host per bucket during backward, step 3 runs the C++ CPU AdamW on the host
+state, and step 4's copies go host-to-device per bucket, overlapped with the next forward
+(``megakernels.parallel.offload``).
+
 A trainer, per optimizer step (``chunks``: the DDP-wrapped model chunks of this rank)::
 
     opt = ParallelOptimizer(chunks, lr=..., weight_decay=..., distributed=zero1, precision=..., clip_grad=...)
@@ -43,7 +47,6 @@ A trainer, per optimizer step (``chunks``: the DDP-wrapped model chunks of this 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -57,6 +60,7 @@ from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import state
 from megakernels.parallel.ddp import DistributedDataParallel
+from megakernels.parallel.offload import HostCopies
 from megakernels.parallel.optimizer_memory import PRECISIONS, host_bytes_per_param, memory_bytes_per_param  # noqa: F401
 from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
 from megakernels.validation import finite_number
@@ -87,9 +91,10 @@ class ParallelOptimizer:
         no_decay: params for which it returns True get no weight decay (default: those of fewer than 2 dims,
             biases and norm weights).
         offload: keep the fp32 masters, the Adam moments and a gradient copy in host memory (pinned for CUDA
-            params) and step them with the multi-threaded C++ CPU AdamW; the gradients go device-to-host and the
-            updated values host-to-device on a side stream (see ``step``). On the CPU the trajectory is the same,
-            bit for bit, as without it.
+            params) and step them with the multi-threaded C++ CPU AdamW; the gradients go device-to-host per DDP
+            bucket as soon as it is reduced, and the updated values host-to-device per bucket, waited for by the
+            next forward (side streams on CUDA; ``megakernels.parallel.offload``). On the CPU the trajectory is the
+            same, bit for bit, as without it.
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
@@ -142,6 +147,7 @@ class ParallelOptimizer:
         self._adam = FusedAdamW([{"params": decay}, {"params": no_decay_group, "weight_decay": 0.0}], lr=lr,
                                 betas=betas, eps=eps, weight_decay=weight_decay)
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
+        self._copies = HostCopies(self.pieces, self.models, self.device) if self.offload else None
 
     def _unpack(self, models):
         if isinstance(models, DistributedDataParallel):
@@ -206,15 +212,6 @@ class ParallelOptimizer:
             grads.append(piece.main.grad)
         return grads
 
-    def _side_stream(self):
-        """The stream the host copies run on (CUDA), so they overlap the default stream's work."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if getattr(self, "_stream", None) is None:
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
-
     def _world_max(self, flag: torch.Tensor) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -265,6 +262,8 @@ class ParallelOptimizer:
         scale = self.loss_scale
         if self.loss_scaler is not None and self._found_inf(grads, scale):
             self.loss_scaler.update(True)
+            if self._copies is not None:
+                self._copies.abandon()
             return False, None
         norm = self.grad_norm_squared(grads).sqrt() / scale
         # FusedAdamW divides every grad by grad_scale: the loss scale, and the clipping coefficient's inverse. A
@@ -272,16 +271,16 @@ class ParallelOptimizer:
         divisor = torch.where(torch.isfinite(norm), torch.ones_like(norm), torch.full_like(norm, math.nan)) * scale
         if self.clip_grad > 0:
             divisor = divisor / torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
-        if self.offload:
-            self._offloaded_step(grads, divisor)
+        if self._copies is not None:
+            self._copies.finish()  # the gradients not copied per bucket, then the host waits for all of them
+            self._adam.step(grad_scale=divisor.to("cpu"))
+            self._copies.put_params()  # overlapped with the next forward; ZeRO-1's all-gather waits for them
+            if self.distributed:
+                self._copies.wait_params()
         else:
             self._adam.step(grad_scale=divisor)
-        if self._masters:
-            with self._side_stream():
-                torch._foreach_copy_([m.flat for m in self._masters], [m.main for m in self._masters],
-                                     non_blocking=self.offload)
-            if self.offload and self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            if self._masters:
+                torch._foreach_copy_([m.flat for m in self._masters], [m.main for m in self._masters])
         if self.distributed:
             for work in [w for m in self.models for w in m.start_param_sync()]:
                 work.wait()
@@ -291,15 +290,12 @@ class ParallelOptimizer:
             self.loss_scaler.update(not stepped)
         return stepped, norm_value
 
-    def _offloaded_step(self, grads: list[torch.Tensor], divisor: torch.Tensor) -> None:
-        """Grads device-to-host (a side stream on CUDA, pinned buffers), the CPU AdamW on the host masters."""
-        if not self.pieces:
-            return
-        with self._side_stream():
-            torch._foreach_copy_([piece.main.grad for piece in self.pieces], grads, non_blocking=True)
-        if self.device.type == "cuda":
-            self._stream.synchronize()
-        self._adam.step(grad_scale=divisor.to("cpu"))
+    def wait_params(self) -> None:
+        """With ``offload``: make the current stream wait until the updated params are on the device (the next
+        forward does it per module by itself; call this before reading params otherwise, e.g. to checkpoint them).
+        No host synchronisation; a no-op without offload."""
+        if self._copies is not None:
+            self._copies.wait_params()
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers (``zero_grad_buffer()`` of every DDP wrapper, else every ``main_grad``)."""

@@ -1,6 +1,14 @@
 """AdamW step microbenchmark: megakernels FusedAdamW vs torch.optim.AdamW (foreach=True and fused=True) (+ apex).
 
     megakernels bench --ops adamw [--dtype float32] [--device cpu|cuda] [--quick] [--out DIR]
+    megakernels bench --ops adamw_offload [--dtype bfloat16] [--device cpu|cuda] [--quick] [--out DIR]
+
+``adamw_offload`` (``run_offload``): the optimizer step of ``--offload-optimizer`` per parameter. Ours is the C++
+CPU AdamW on an offloaded ``ParallelOptimizer``'s host state (fp32 masters and moments, whatever the params'
+dtype); the baselines are torch's AdamW (fused, foreach) on fp32 params on ``--device``; the extra columns give
+ours and the whole offloaded ``ParallelOptimizer.step()`` (gradient copies to the host, norm, clipping, the host
+AdamW, the copies back into the params) in ns per parameter. ``costs.HOST_ADAMW_NS_PER_PARAM``, the plan's
+default, is what it measured on the development machine.
 
 One optimizer step over a parameter set (e.g. 50 tensors of 1M params, or one of 100M), grads fixed, state
 already initialised. Prints a table (median step time over calibrated repeats, effective GB/s and its fraction of
@@ -23,7 +31,10 @@ from megakernels_models.bench.common import DTYPES, TablePrinter, median_seconds
 from megakernels_models.bench.peers import Peers
 
 FAMILY = "adamw"
-OPS = ("adamw",)
+OPS = ("adamw", "adamw_offload")
+OFFLOAD_CONFIGS = {"16x1M": (16, 1 << 20), "64x1M": (64, 1 << 20)}
+OFFLOAD_QUICK_CONFIGS = {"4x64K": (4, 1 << 16)}
+OFFLOAD_DTYPES = ("bfloat16",)
 CONFIGS = {"50x1M": (50, 1 << 20), "1x100M": (1, 100_000_000)}
 QUICK_CONFIGS = {"8x64K": (8, 1 << 16)}
 DEFAULT_DTYPES = ("float32",)
@@ -98,6 +109,53 @@ def run(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=None,
                              size_label="parameters", unit="GB/s", work=bytes_moved(n, numel, dtype, master),
                              times=times, ceiling=value, ceiling_name=name, tensors=n, numel=numel,
                              master_weights=master)
+            rows.append(row)
+            table(row)
+    return rows
+
+
+def make_offloaded(n_tensors: int, numel: int, dtype: torch.dtype, device: str = "cpu"):
+    """A ``ParallelOptimizer(offload=True)`` over ``n_tensors`` params of ``numel`` (fp32 or bf16) whose fp32
+    ``main_grad`` is set, after one step (state initialised).
+
+    Raises:
+        ValueError: a dtype other than float32 and bfloat16.
+    """
+    from megakernels.parallel.optimizer import ParallelOptimizer
+
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+    if precision is None:
+        raise ValueError(f"adamw_offload: dtype must be float32 or bfloat16, got {dtype}")
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(n_tensors):
+        p = torch.randn(numel, generator=g).to(dtype=dtype, device=device).requires_grad_(True)
+        p.main_grad = (torch.randn(numel, generator=g) * 1e-2).to(device)
+        params.append(p)
+    opt = ParallelOptimizer(params, lr=1e-4, weight_decay=0.01, precision=precision, clip_grad=1.0, offload=True)
+    opt.step()
+    return opt
+
+
+def run_offload(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=None, log=print) -> list[dict]:
+    """Time the offloaded optimizer step (see the module docstring) for each config ``{name: (tensors, numel)}``
+    and params dtype; returns the result rows, each printed through ``log`` as it is measured."""
+    rows, table = [], TablePrinter(log)
+    for cname, (n, numel) in configs.items():
+        for dtype_name in dtypes:
+            opt = make_offloaded(n, numel, DTYPES[dtype_name], device)
+            times = {"megakernels": median_seconds(opt._adam.step, min_run_time)}
+            whole = median_seconds(opt.step, min_run_time)
+            opt = None
+            for impl in ("torch_fused", "torch_foreach"):
+                times[impl] = median_seconds(make_optimizer(impl, n, numel, torch.float32, device).step,
+                                             min_run_time)
+            per = 1e9 / (n * numel)
+            value, name = ceil.for_unit(ceilings, "GB/s", "float32")
+            row = result_row("adamw_offload", FAMILY, dtype=dtype_name, shape=cname, pass_="step", size=n * numel,
+                             size_label="parameters", unit="GB/s", work=bytes_moved(n, numel, torch.float32, False),
+                             times=times, ceiling=value, ceiling_name=name, tensors=n, numel=numel,
+                             extra_columns={"ns/param": times["megakernels"] * per, "step ns/param": whole * per})
             rows.append(row)
             table(row)
     return rows

@@ -37,7 +37,7 @@ import sys
 OPS = {
     "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
     "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
-    "adamw": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
+    "adamw": "adamw", "adamw_offload": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
     "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe", "hf_train": "hf",
 }
 GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
@@ -193,8 +193,13 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
             rows += mod.run(ds, head_dims, seqlens, device=device, min_run_time=t, ceilings=ceilings, peers=peers,
                             log=log)
         elif fam == "adamw":
-            rows += mod.run(mod.default_configs(quick), dtypes or mod.DEFAULT_DTYPES, device=device,
-                            min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, peers=peers, log=log)
+            if "adamw" in mine:
+                rows += mod.run(mod.default_configs(quick), dtypes or mod.DEFAULT_DTYPES, device=device,
+                                min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, peers=peers, log=log)
+            if "adamw_offload" in mine:
+                rows += mod.run_offload(mod.OFFLOAD_QUICK_CONFIGS if quick else mod.OFFLOAD_CONFIGS,
+                                        dtypes or mod.OFFLOAD_DTYPES, device=device,
+                                        min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, log=log)
         elif fam == "moe":
             rows += mod.run(mine, dtypes, mod.default_shapes(device, quick), device=device, quick=quick,
                             min_run_time=t, ceilings=ceilings, notes=peers.notes, log=log)

@@ -89,8 +89,8 @@ def test_static_report_runs_alone(capsys):
 
 
 def test_static_report_covers_every_measured_op_and_accepts_unmeasured_ones():
-    # moe_dispatch times a collective, hf_train whole HuggingFace models: no kernel of their own
-    assert set(OPS) - {"moe_dispatch", "hf_train"} <= set(static_ops())
+    # moe_dispatch times a collective, hf_train whole HuggingFace models, adamw_offload the CPU AdamW: no GPU kernel
+    assert set(OPS) - {"moe_dispatch", "hf_train", "adamw_offload"} <= set(static_ops())
     assert resolve_ops("only_static,norms", e2e=False, extra=("only_static",)) == ["only_static", *GROUPS["norms"]]
     with pytest.raises(ValueError, match="'only_static'"):
         resolve_ops("only_static", e2e=False)
@@ -165,3 +165,16 @@ def test_moe_dispatch_times_expert_exchange_against_the_bare_all_to_all():
     rows = moe.run_dispatch([2], [64], hidden=32, reps=2, log=lambda _: None)
     assert len(rows) == 1 and rows[0]["op"] == "moe_dispatch" and rows[0]["world"] == 2
     assert set(rows[0]["speedups"]) == {"all_to_all"} and rows[0]["work"] > 0
+
+
+def test_offloaded_adamw_reports_ns_per_parameter_against_torchs_fused_adamw():
+    from megakernels_models.bench.adamw import run_offload
+
+    rows = run_offload({"2x4K": (2, 4096)}, ["bfloat16"], min_run_time=0.01, log=lambda s: None)
+    (row,) = rows
+    assert row["op"] == "adamw_offload" and row["size"] == 2 * 4096
+    assert set(row["times_ms"]) == {"megakernels", "torch_fused", "torch_foreach"}
+    assert row["extra_columns"]["ns/param"] == pytest.approx(row["times_ms"]["megakernels"] * 1e6 / row["size"])
+    assert row["extra_columns"]["step ns/param"] > 0
+    assert row["speedups"]["torch_fused"] == pytest.approx(row["times_ms"]["torch_fused"]
+                                                           / row["times_ms"]["megakernels"])

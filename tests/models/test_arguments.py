@@ -133,6 +133,12 @@ def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_
     assert (b["weights"], b["grads"], b["optimizer"]) == (2 * n, 4 * n, 0)
     assert rep["host_memory_per_rank_bytes"] == pytest.approx(16 * n / 4)
     assert any("host memory per rank" in line for line in lines)
+    # the host AdamW steps this rank's ZeRO-1 quarter; the plan's model of the step (costs.offload_time)
+    from megakernels_models import costs
+    assert rep["offload_seconds"]["host_adam_s"] == pytest.approx(n / 4 * costs.HOST_ADAMW_NS_PER_PARAM * 1e-9)
+    assert any(line.startswith("offloaded optimizer per step on an H200") for line in lines)
+    assert rep["device_bytes_per_param"] == 6
+    assert any(line.startswith("device memory per parameter (--offload-optimizer): 6 bytes") for line in lines)
 
 
 def test_plan_with_offload_prints_the_flag_and_needs_less_memory():

@@ -83,7 +83,8 @@ def test_a_killed_rank_ends_the_whole_run_with_its_error(tmp_path):
     log = tmp_path / "log.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "megakernels_models.cli", "train", *TINY, "--steps", "100000",
                              "--nproc", "2", "--eval-interval", "0", "--log-jsonl", str(log), "--timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(_env(), MEGAKERNELS_START_METHOD="spawn"))  # the ranks: the launcher's children
     try:
         deadline = time.monotonic() + 240
         while not (log.exists() and log.read_text().strip()):

@@ -52,6 +52,8 @@ def test_the_table_names_the_best_command(capsys):
     (["--preset", "gpt-9b", "--gpus", "8"], "unknown preset 'gpt-9b'"),
     (["--preset", "llama3-8b", "--gpus", "1", "--gpu", "v100"], "no layout of 1 GPUs fits"),
     (["--preset", "gpt-tiny", "--gpus", "0"], "--gpus must be a positive int"),
+    (["--preset", "gpt-tiny", "--gpus", "2", "--offload-optimizer", "--host-adamw-ns", "-1"],
+     "--host-adamw-ns must be a finite number >= 0"),
 ])
 def test_bad_requests_get_a_clear_message(capsys, argv, message):
     assert main(["plan", *argv]) == 2
@@ -75,3 +77,41 @@ def test_the_dry_run_warns_about_poor_layouts():
     good = report(parse_train_args(["--preset", "gpt-8.3b", "--tp", "8", "--nproc", "512", "--dry-run",
                                     "--global-batch-size", "512", "--distributed-optimizer"]), out=lambda s: None)
     assert good["warnings"] == []
+
+
+SMALL_GPT = ModelConfig("gpt", num_layers=4, hidden_size=1024, num_heads=16, seq_length=2048, vocab_size=51200)
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_offload_adds_the_host_adamw_and_the_transfers_not_hidden_to_the_predicted_step(zero1):
+    """By hand: a rank steps its parameters (its ZeRO-1 quarter) on the host at ns each; 4 bytes of gradient per
+    parameter cross PCIe behind the last micro-batch's backward (2/3 of its compute), 2 bytes of bf16 parameter
+    back behind the first one's forward (1/3), not hidden under ZeRO-1."""
+    meta, device = costs.MetaModel(SMALL_GPT), costs.DEVICES["h200"]
+    layout = costs.Layout(dp=4, micro_batch_size=1, global_batch_size=64, distributed_optimizer=zero1)
+    offloaded = costs.Layout(**{**layout.__dict__, "offload_optimizer": True})
+    base = costs.predict(meta, layout, device)
+    got = costs.predict(meta, offloaded, device, host_adamw_ns=2.5)
+    n = costs.memory(meta, layout)["parameters_per_device"]
+    owned = n / 4 if zero1 else n
+    micro = base["compute_s"] / 16  # 64 samples / (1 × dp 4) micro-batches
+    bw = device.host_gbps * 1e9
+    host = owned * 2.5e-9
+    d2h = max(0.0, 4 * owned / bw - micro * 2 / 3)
+    h2d = 2 * owned / bw if zero1 else max(0.0, 2 * owned / bw - micro / 3)
+    assert d2h > 0 and h2d > 0  # this layout exposes both transfers: the formula is exercised, not clipped to 0
+    assert got["host_adam_s"] == pytest.approx(host) and got["d2h_s"] == pytest.approx(d2h)
+    assert got["h2d_s"] == pytest.approx(h2d)
+    assert got["step_s"] - base["step_s"] == pytest.approx(host + d2h + h2d)
+    assert base["offload_s"] == 0.0
+    slower_host = costs.predict(meta, offloaded, device, host_adamw_ns=5.0)
+    assert slower_host["step_s"] - got["step_s"] == pytest.approx(owned * 2.5e-9)
+
+
+def test_plan_with_offload_prints_its_share_of_the_step(capsys):
+    argv = ["plan", "--preset", "gpt-1.3b", "--gpus", "8", "--top", "1", "--offload-optimizer"]
+    assert main([*argv, "--host-adamw-ns", "3", "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)["ranking"][0]["time_split_s"]
+    assert split["offload_s"] > 0
+    assert main([*argv, "--host-adamw-ns", "3"]) == 0
+    assert "offloaded optimizer in the best layout's step" in capsys.readouterr().out

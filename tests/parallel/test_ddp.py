@@ -3,7 +3,9 @@ all-reduce and reduce-scatter give the mean gradient over dp, gradient accumulat
 micro-batch equals one big batch, bucket collectives overlap backward; ZeRO-1 and the non-distributed step equal
 torch.optim.AdamW on the averaged grads (fp32), bf16 keeps fp32 masters, an fp16 overflow on one rank skips the
 step on every rank, the global grad norm counts every param once under tp / pp (tied embedding) / ZeRO-1 and clips
-like torch.nn.utils.clip_grad_norm_, and the memory held per param follows Megatron's accounting.
+like torch.nn.utils.clip_grad_norm_ (also with the optimizer offloaded), the offloaded step copies each reduced
+bucket to the host and equals the device step bit for bit, and the memory held per param follows Megatron's
+accounting.
 One world of 4 gloo processes."""
 
 from __future__ import annotations
@@ -125,16 +127,38 @@ def _(rank, world):
         assert events[-8:] == [("wait", kind)] * 8, events
 
 
-def _train(model, distributed: bool, steps: int):
+def _train(model, distributed: bool, steps: int, offload: bool = False, after_sync=None):
     ddp = DistributedDataParallel(model, bucket_size=64, reduce_scatter=distributed)
-    opt = ParallelOptimizer(ddp, distributed=distributed, **ADAM)
+    opt = ParallelOptimizer(ddp, distributed=distributed, offload=offload, **ADAM)
     for s in range(steps):
         opt.zero_grad()
         x, y = _batch(mp.dp_rank(), s)
-        F.mse_loss(ddp(x), y).backward()
-        finalize_model_grads([ddp])
+        with mp.record_events() as events:
+            F.mse_loss(ddp(x), y).backward()
+            finalize_model_grads([ddp])
+        if after_sync is not None:
+            after_sync(ddp, opt, events)
         assert opt.step()[0]
     return ddp, opt
+
+
+@CHECKS.add("offloaded_steps_copy_each_reduced_bucket_to_the_host_and_equal_the_device_steps_under_dp_and_zero1")
+def _(rank, world):
+    mp.initialize(1, 1, 4)
+    def copied_per_bucket(ddp, opt, events):
+        kind = "reduce_scatter" if ddp.reduce_scatter else "all_reduce"
+        # each bucket's copy right after its collective completed, before the step; the host holds the reduced grads
+        synced = [e for e in events if e[0] != "launch" and e[1] != "params_to_device"]  # not the forward's waits
+        assert synced == [("wait", kind), ("copy", "grads_to_host")] * len(
+            ddp.buckets), events
+        for piece in opt.pieces:
+            assert torch.equal(piece.main.grad, piece.grad)
+    for distributed in (False, True):
+        ref, _ = _train(_mlp(), distributed, 3)
+        got, opt = _train(_mlp(), distributed, 3, offload=True, after_sync=copied_per_bucket)
+        assert len(got.buckets) > 2 and all(piece.main.device.type == "cpu" for piece in opt.pieces)
+        for (name, p), r in zip(got.module.named_parameters(), ref.module.parameters()):
+            assert torch.equal(p, r), (distributed, name)
 
 
 @CHECKS.add("zero1_and_non_distributed_steps_equal_torch_adamw_on_the_averaged_grads")
@@ -253,13 +277,14 @@ def _clip_case(layout: str, dp_rank: int, tp_rank: int, pp_rank: int, step: int)
 @CHECKS.add("global_grad_norm_clipping_equals_clip_grad_norm_on_the_unsharded_model")
 def _(rank, world):
     for layout, tp, pp in (("tp2", 2, 1), ("pp2_tied_embedding", 1, 2)):
-        for distributed in (False, True):
-            what = f"{layout} distributed={distributed}"
+        # offload: the sequence-parallel and tied-embedding grads change after the DP sync, copied at step time
+        for distributed, offload in ((False, False), (True, False), (False, True), (True, True)):
+            what = f"{layout} distributed={distributed} offload={offload}"
             mp.initialize(tp, pp, 2)
             full, local, marks, _, _ = _clip_case(layout, mp.dp_rank(), mp.tp_rank(), mp.pp_rank(), 0)
             model, ref = _Params(local, **marks), _Params(full)
             ddp = DistributedDataParallel(model, bucket_size=16, reduce_scatter=distributed)
-            opt = ParallelOptimizer(ddp, distributed=distributed, clip_grad=0.3, **ADAM)
+            opt = ParallelOptimizer(ddp, distributed=distributed, clip_grad=0.3, offload=offload, **ADAM)
             ref_opt = _torch_adamw(list(ref.parameters()))
             for s in range(2):
                 *_, grads, mean = _clip_case(layout, mp.dp_rank(), mp.tp_rank(), mp.pp_rank(), s)

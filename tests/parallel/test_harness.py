@@ -48,6 +48,11 @@ def _env_initialised(rank, world_size):
     return int(x.item()), dist.get_rank()
 
 
+def _where_am_i(rank, world_size):
+    print(f"rank {rank} on stdout", flush=True)
+    return os.getcwd(), os.environ.get("MEGAKERNELS_TEST_MARK")
+
+
 def _no_children_left():
     deadline = time.monotonic() + 5
     while multiprocessing.active_children() and time.monotonic() < deadline:
@@ -60,7 +65,9 @@ def _port_released(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_results_come_back_in_rank_order_with_one_thread_per_rank():
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_results_come_back_in_rank_order_with_one_thread_per_rank(monkeypatch, start_method):
+    monkeypatch.setenv("MEGAKERNELS_START_METHOD", start_method)
     out = run_world(3, _sum_of_ranks, 2.0, timeout=60)
     assert [r["rank"] for r in out] == [0, 1, 2]
     assert all(torch.equal(r["sum"], torch.tensor([6.0])) for r in out)
@@ -107,3 +114,30 @@ def test_bad_arguments_are_rejected():
         run_world(0, _sum_of_ranks, 1.0)
     with pytest.raises(ValueError, match="init"):
         run_world(1, _sum_of_ranks, 1.0, init="file")
+
+
+def test_forkserver_ranks_get_the_current_environment_directory_and_stdout(monkeypatch, tmp_path):
+    """The fork server keeps the environment, directory and stdout it started with; each rank must still see the
+    launcher's as they are at launch, as a spawned rank does."""
+    monkeypatch.setenv("MEGAKERNELS_START_METHOD", "forkserver")
+    run_world(1, _where_am_i, timeout=60)  # the server is running from here on
+    monkeypatch.setenv("MEGAKERNELS_TEST_MARK", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    log = tmp_path / "stdout.txt"
+    saved = os.dup(1)
+    try:
+        with open(log, "w") as f:
+            os.dup2(f.fileno(), 1)
+            out = run_world(2, _where_am_i, timeout=60)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert out == [(str(tmp_path), "set after the server started")] * 2
+    assert sorted(log.read_text().splitlines()) == ["rank 0 on stdout", "rank 1 on stdout"]
+    _no_children_left()
+
+
+def test_an_unknown_start_method_is_named(monkeypatch):
+    monkeypatch.setenv("MEGAKERNELS_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="MEGAKERNELS_START_METHOD must be one of spawn, forkserver, got 'fork'"):
+        run_world(1, _sum_of_ranks, 1.0)
