@@ -15,7 +15,7 @@ import torch
 from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
-from megakernels_models.config import MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
+from megakernels_models.config import LANGUAGE_MODELS, MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
 from megakernels_models.preemption import SIGNALS
 from megakernels_models.settings import ArgumentError, setting
 
@@ -25,11 +25,13 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = ("model", "mixture of experts", "layout", "optimisation", "data",
-                                         "checkpoints, evaluation and logs")
+MODEL, MOE, VISION, LAYOUT, OPTIM, DATA, LOGS = ("model", "mixture of experts", "vision-language (--model vlm)",
+                                                 "layout", "optimisation", "data", "checkpoints, evaluation and logs")
 MOE_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
               "moe_z_loss_coeff", "moe_capacity_factor", "moe_shared_experts")
 
+VISION_FIELDS = ("lm", "image_size", "patch_size", "vision_layers", "vision_hidden_size", "vision_heads",
+                 "cross_attention_every", "contrastive_coeff")
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
 
@@ -62,6 +64,19 @@ class TrainArgs:
                                                 "tokens are dropped (default: dropless)", MOE)
     moe_shared_experts: int | None = setting(None, "shared experts every token goes through (default: the "
                                              "preset's)", MOE)
+    lm: str | None = setting(None, "the language model of a vlm (default: the preset's)", VISION,
+                             choices=LANGUAGE_MODELS)
+    image_size: int | None = setting(None, "image side in pixels (default: the preset's)", VISION)
+    patch_size: int | None = setting(None, "ViT patch side in pixels; must divide --image-size (default: the "
+                                     "preset's)", VISION)
+    vision_layers: int | None = setting(None, "vision encoder layers (default: the preset's)", VISION)
+    vision_hidden_size: int | None = setting(None, "vision encoder width (default: the preset's)", VISION)
+    vision_heads: int | None = setting(None, "vision encoder attention heads (default: the preset's)", VISION)
+    cross_attention_every: int | None = setting(None, "0: image tokens before the text (LLaVA); N: a gated "
+                                                "cross-attention layer after every N-th language layer (Flamingo) "
+                                                "(default: the preset's)", VISION)
+    contrastive_coeff: float | None = setting(None, "weight of the CLIP-style image-caption contrastive loss "
+                                              "(default: the preset's, 0)", VISION)
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
     attention: str = setting("flash", "attention core: FlashAttention or PyTorch's SDPA (the baseline)", MODEL,
                              choices=lambda: tuple(ATTENTION_CORES))
@@ -97,8 +112,9 @@ class TrainArgs:
     weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
     no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
                                    "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
-    freeze: str = setting("", "comma list of parameter-name parts that are not trained (e.g. embedding); incremental "
-                          "checkpoints reference their saved bytes instead of rewriting them", OPTIM, metavar="NAMES")
+    freeze: str = setting("", "comma list of parameter-name parts that are not trained (e.g. embedding; for a vlm "
+                          "also the groups vision, projector, lm, cross); incremental checkpoints reference their "
+                          "saved bytes instead of rewriting them", OPTIM, metavar="NAMES")
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
     precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
@@ -160,7 +176,7 @@ class TrainArgs:
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
         sizes = {k: getattr(self, k) for k in SIZES}
-        for name in ("rope_theta",) + MOE_FIELDS:
+        for name in ("rope_theta",) + MOE_FIELDS + VISION_FIELDS:
             if getattr(self, name) is not None:
                 sizes[name] = getattr(self, name)
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
@@ -226,14 +242,22 @@ def validate(a: TrainArgs) -> ModelConfig:
     for name in ("tp", "cp", "ep", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
                  "keep_checkpoints"):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
-    for name in ("vpp", "dp", "save_interval"):
+    for name in ("vpp", "dp", "save_interval", "image_size", "patch_size", "vision_layers", "vision_hidden_size",
+                 "vision_heads"):
         positive_int(getattr(a, name), _flag(name), allow_none=True, error=ArgumentError)
+    positive_int(a.cross_attention_every, "--cross-attention-every", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.eval_interval, "--eval-interval", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
+    if a.image_size is not None and a.patch_size is not None and a.image_size % a.patch_size:
+        raise ArgumentError(f"--image-size {a.image_size} is not divisible by --patch-size {a.patch_size} (an "
+                            "image is cut into whole patches)")
     try:
         cfg = a.model_config()
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    given = [f for f in VISION_FIELDS if getattr(a, f) is not None]
+    if given and cfg.model != "vlm":
+        raise ArgumentError(f"{_flag(given[0])} is for vision-language models (--model vlm)")
     for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("attention", tuple(ATTENTION_CORES)),
                           ("schedule", SCHEDULES), ("device", DEVICES)):
         if getattr(a, name) not in choices:
@@ -330,6 +354,8 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
                                 "attention dropout (set --dropout 0)")
     if cfg.ffn_hidden_size % a.tp:
         raise ArgumentError(f"--tp {a.tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
+    if cfg.model == "vlm":
+        _validate_vision_layout(a, cfg)
     vpp = a.vpp or 1
     if vpp > 1 and a.pp == 1:
         raise ArgumentError(f"--vpp {a.vpp} needs pipeline parallelism (--pp > 1)")
@@ -359,3 +385,18 @@ def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
         what = f"seq_length={cfg.seq_length}" if a.cp == 1 else f"the tokens per rank, seq_length / cp = " \
             f"{cfg.seq_length // a.cp}"
         raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide {what}")
+
+
+def _validate_vision_layout(a: TrainArgs, cfg: ModelConfig) -> None:
+    """What a vision-language model needs of the layout: tp dividing the encoder's and projector's widths; no
+    sequence or context parallelism (the image tokens are replicated over the tensor-parallel ranks)."""
+    if a.sequence_parallel or a.cp > 1:
+        flag = "--sequence-parallel" if a.sequence_parallel else f"--cp {a.cp}"
+        raise ArgumentError(f"{flag} is not supported for --model vlm (the image tokens are not split over ranks)")
+    v = cfg.vision_config()
+    for name, value in (("vision_heads", v.num_heads), ("vision_hidden_size", v.hidden_size),
+                        ("vision ffn_hidden_size", v.ffn_hidden_size),
+                        ("projector_hidden_size", cfg.projector_hidden_size)):
+        if value % a.tp:
+            raise ArgumentError(f"--tp {a.tp} does not divide {name}={value} (the vision encoder and projector are "
+                                "split over the tensor-parallel ranks)")

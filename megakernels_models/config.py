@@ -20,7 +20,8 @@ import dataclasses
 
 from megakernels.validation import positive_int
 
-MODELS = ("gpt", "bert", "llama")
+MODELS = ("gpt", "bert", "llama", "vlm")
+LANGUAGE_MODELS = ("gpt", "llama")  # what a vision-language model's language model may be
 RECOMPUTE = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -107,11 +108,29 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
     moe_shared_experts: int = 0
+    lm: str | None = None
+    image_size: int = 32
+    patch_size: int = 8
+    image_channels: int = 3
+    vision_layers: int = 2
+    vision_hidden_size: int = 64
+    vision_heads: int = 4
+    vision_ffn_hidden_size: int | None = None
+    vision_activation: str = "gelu_tanh"
+    vision_class_token: bool = False
+    vision_pre_norm: bool = False
+    vision_final_norm: bool = True
+    projector_hidden_size: int | None = None
+    cross_attention_every: int = 0
+    contrastive_coeff: float = 0.0
+    contrastive_temperature: float = 0.07
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"ModelConfig: model must be one of {MODELS}, got {self.model!r}")
-        for name, value in FAMILY_DEFAULTS[self.model].items():
+        if self.model == "vlm":
+            _check_vision(self)
+        for name, value in FAMILY_DEFAULTS[self.lm if self.model == "vlm" else self.model].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         for name, allowed in (("norm_position", ("pre", "post")), ("activation", ACTIVATIONS), ("norm", NORMS),
@@ -167,6 +186,45 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    # ---- vision-language models (model="vlm", vlm.py) ---------------------------------------------------------
+
+    @property
+    def num_patches(self) -> int:
+        """Patches per image (``(image_size / patch_size)²``; 0 for a text-only model)."""
+        return (self.image_size // self.patch_size) ** 2 if self.model == "vlm" else 0
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Image tokens the vision encoder gives per image: the patches, plus a class token when it has one."""
+        return self.num_patches + (self.vision_class_token and self.model == "vlm")
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Positions of the hidden state a pipeline stage sends on: the image tokens (first) and the text tokens of
+        a vision-language model; ``seq_length`` otherwise."""
+        return self.seq_length + self.num_image_tokens
+
+    def vision_config(self) -> ModelConfig:
+        """The vision encoder's Transformer as a bidirectional (BERT-family) configuration: its layers are the
+        same ``TransformerLayer`` every family stacks."""
+        return ModelConfig("bert", num_layers=self.vision_layers, hidden_size=self.vision_hidden_size,
+                           num_heads=self.vision_heads, seq_length=self.num_image_tokens, vocab_size=1,
+                           ffn_hidden_size=self.vision_ffn_hidden_size, activation=self.vision_activation,
+                           dropout=self.dropout, attention_dropout=self.attention_dropout,
+                           layernorm_eps=self.layernorm_eps, init_std=self.init_std)
+
+    def language_config(self) -> ModelConfig:
+        """A vision-language model's language model alone (the GPT or Llama it is built on); ``self`` otherwise."""
+        if self.model != "vlm":
+            return self
+        return dataclasses.replace(self, model=self.lm, lm=None)
+
+    def has_cross_attention_after(self, layer: int) -> bool:
+        """Whether a gated cross-attention layer follows language layer ``layer`` (every ``cross_attention_every``
+        layers; never with 0, where the image tokens are the sequence's prefix)."""
+        n = self.cross_attention_every
+        return self.model == "vlm" and n > 0 and (layer + 1) % n == 0
+
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``. Sizes derived from others follow them unless given: an MLP of 4h follows a new
         hidden size, multi-head attention (as many key/value heads as heads) a new head count, experts as wide as
@@ -176,6 +234,9 @@ class ModelConfig:
             c["ffn_hidden_size"] = 4 * c["hidden_size"]
         if "num_heads" in c and "num_kv_heads" not in c and self.num_kv_heads == self.num_heads:
             c["num_kv_heads"] = c["num_heads"]
+        if "hidden_size" in c and "projector_hidden_size" not in c and self.model == "vlm" \
+                and self.projector_hidden_size == self.hidden_size:
+            c["projector_hidden_size"] = c["hidden_size"]
         if "ffn_hidden_size" in c and "moe_ffn_hidden_size" not in c and self.num_experts \
                 and self.moe_ffn_hidden_size == self.ffn_hidden_size:
             c["moe_ffn_hidden_size"] = c["ffn_hidden_size"]
@@ -214,19 +275,17 @@ class ModelConfig:
         return {"layers_gemm": gemm, "attention": attention, "head": head}
 
     def flops_per_token(self, recompute: str = "none") -> float:
-        """Training FLOPs per token (forward + backward = 3× forward, plus what recomputation repeats).
+        """Training FLOPs per token (forward + backward = 3× forward, plus what recomputation repeats); for a
+        vision-language model per *text* token (its FLOPs per sample over ``seq_length``).
 
         ``recompute="none"`` gives the *model* FLOPs that MFU is measured against; ``"full"``/``"selective"``
         give the hardware FLOPs actually executed."""
         if recompute not in RECOMPUTE:
             raise ValueError(f"flops_per_token: recompute must be one of {RECOMPUTE}, got {recompute!r}")
-        fw = self.forward_flops_per_token()
-        total = 3.0 * sum(fw.values())
-        if recompute == "full":
-            total += fw["layers_gemm"] + fw["attention"]
-        elif recompute == "selective":
-            total += fw["attention"]
-        return total
+        if self.model == "vlm":
+            from megakernels_models.vlm_costs import vlm_flops_per_sample
+            return vlm_flops_per_sample(self, recompute) / self.seq_length
+        return training_flops(self.forward_flops_per_token(), recompute)
 
     def activation_bytes_per_layer(self, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                                    recompute: str = "none", bytes_per_element: int = 2,
@@ -311,6 +370,52 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def _check_vision(c: ModelConfig) -> None:
+    """The vision-language fields' rules (``model="vlm"``); fills the language model's default (GPT)."""
+    if c.lm is None:
+        object.__setattr__(c, "lm", "gpt")
+    if c.lm not in LANGUAGE_MODELS:
+        raise ValueError(f"ModelConfig: lm (the language model of a vlm) must be one of {LANGUAGE_MODELS}, got "
+                         f"{c.lm!r}")
+    for name in ("image_size", "patch_size", "image_channels", "vision_layers", "vision_hidden_size",
+                 "vision_heads"):
+        positive_int(getattr(c, name), name, where="ModelConfig")
+    if c.image_size % c.patch_size:
+        raise ValueError(f"ModelConfig: image_size={c.image_size} is not divisible by patch_size={c.patch_size}")
+    if c.vision_hidden_size % c.vision_heads:
+        raise ValueError(f"ModelConfig: vision_hidden_size={c.vision_hidden_size} is not divisible by "
+                         f"vision_heads={c.vision_heads}")
+    if c.vision_activation not in ("gelu", "gelu_tanh"):
+        raise ValueError(f"ModelConfig: vision_activation must be 'gelu' or 'gelu_tanh', got {c.vision_activation!r}")
+    if c.projector_hidden_size is None:
+        object.__setattr__(c, "projector_hidden_size", c.hidden_size)
+    positive_int(c.projector_hidden_size, "projector_hidden_size", where="ModelConfig")
+    positive_int(c.cross_attention_every, "cross_attention_every", minimum=0, where="ModelConfig")
+    if c.num_experts:
+        raise ValueError("ModelConfig: a vision-language model's language model is dense (num_experts=0)")
+    if not c.contrastive_coeff >= 0 or not c.contrastive_temperature > 0:
+        raise ValueError("ModelConfig: contrastive_coeff must be >= 0 and contrastive_temperature > 0")
+
+
+_VLM_TINY = dict(image_size=32, patch_size=8, vision_layers=2, vision_hidden_size=64, vision_heads=4,
+                 num_layers=4, hidden_size=128, num_heads=4, seq_length=48, vocab_size=261, dropout=0.0,
+                 attention_dropout=0.0)
+PRESETS.update({
+    # Vision-language: a ViT-Ti-like encoder over 32×32 images (16 patches) and a 4-layer GPT, for the CPU; the same
+    # with Flamingo-style gated cross-attention every second layer over a tiny Llama.
+    "vlm-tiny": ModelConfig("vlm", lm="gpt", **_VLM_TINY),
+    "vlm-llama-tiny": ModelConfig("vlm", lm="llama", **{**_VLM_TINY, "num_kv_heads": 2}, cross_attention_every=2),
+    # LLaVA-1.5 shape: a ViT-L/14 (CLIP) encoder at 336 px (576 patches) and a Llama-2-7B.
+    "vlm-7b": ModelConfig("vlm", lm="llama", image_size=336, patch_size=14, vision_layers=24, vision_hidden_size=1024,
+                          vision_heads=16, vision_ffn_hidden_size=4096, vision_activation="gelu",
+                          vision_class_token=True, vision_pre_norm=True, vision_final_norm=False,
+                          projector_hidden_size=4096, num_layers=32, hidden_size=4096, num_heads=32,
+                          seq_length=2048, vocab_size=32000, ffn_hidden_size=11008, dropout=0.0,
+                          attention_dropout=0.0, layernorm_eps=1e-5),
+})
+
+
+
 def preset(name: str, **overrides) -> ModelConfig:
     """The preset ``name`` with fields replaced by ``overrides`` (those that are not None). Sizes the preset derives
     follow their source unless given: an MLP of 4h follows a new hidden size, and multi-head attention (as many
@@ -340,6 +445,17 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
                          "number of layers)")
     per = num_layers // stages
     return [[range((c * pp + r) * per, (c * pp + r + 1) * per) for c in range(vpp)] for r in range(pp)]
+
+
+def training_flops(forward: dict[str, float], recompute: str) -> float:
+    """Training FLOPs from forward FLOPs ``{"layers_gemm", "attention", "head"}``: 3× the forward (backward is
+    twice it), plus the layers again with full recomputation or the attention cores again with selective."""
+    total = 3.0 * sum(forward.values())
+    if recompute == "full":
+        total += forward["layers_gemm"] + forward["attention"]
+    elif recompute == "selective":
+        total += forward["attention"]
+    return total
 
 
 def ceil_div(a: int, b: int) -> int:

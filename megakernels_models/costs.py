@@ -162,10 +162,10 @@ def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts
             n = p.numel() // tp
         else:
             n = p.numel()
-        layer = name.split(".")[1] if name.startswith("layers.") else None
-        if layer is not None:
+        layer = name.split(".")[1] if name.startswith(("layers.", "cross.")) else None
+        if layer is not None:  # a language layer, or the cross-attention layer after it (vlm)
             stages[owner[int(layer)]] += n
-        elif name.startswith("embedding."):
+        elif name.startswith(("embedding.", "vision.", "projector.")):  # vlm: the encoder is on the first stage
             stages[0] += n
         else:
             stages[-1] += n
@@ -219,8 +219,14 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     flight = in_flight(L)
     logits = cfg.seq_length // L.cp * L.micro_batch_size * pad_vocab_size(cfg.vocab_size, L.tp) / L.tp * 4
     out = []
+    vision = 0.0
+    if cfg.model == "vlm":  # the vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
+        v = cfg.vision_config()
+        vision = v.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash) \
+            * v.num_layers
+        per_layer *= cfg.tokens_per_sample / cfg.seq_length
     for r, (n, e) in enumerate(zip(stages, expert_stages)):
-        act = per_layer * layers * (flight if r == 0 else max(1.0, flight - r))
+        act = (per_layer * layers + (vision if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
         if r == L.pp - 1:
             act += logits
         out.append({"weights": n * w, "grads": n * g, "optimizer": (n - e) * o + e * eo, "activations": act})

@@ -92,9 +92,9 @@ def load_model(ckpt_dir: str, device: str = "cpu"):
     path = checkpoint.read_latest(ckpt_dir)
     meta = checkpoint.read_meta(path)
     cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
-    if cfg.model not in ("gpt", "llama"):
+    if cfg.model not in ("gpt", "llama", "vlm"):
         raise ValueError(f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT, "
-                         "Llama)")
+                         "Llama) and vision-language models (--task caption)")
     model = task_for(cfg).build_chunk(0, device=device).eval()
     checkpoint.load(path, [model], None, cfg)
     return model, cfg
@@ -106,10 +106,17 @@ def _tokenizer(spec: str):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity (WikiText style) or LAMBADA accuracy of a GPT or Llama checkpoint")
+    p = sub.add_parser("eval", help="perplexity (WikiText style) or LAMBADA accuracy of a GPT or Llama checkpoint; "
+                       "caption accuracy of a vision-language one")
     p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint (any layout)")
-    p.add_argument("--task", required=True, choices=["ppl", "lambada"])
-    p.add_argument("--data", required=True, metavar="FILE", help="text file (ppl) or JSONL of passages (lambada)")
+    p.add_argument("--task", required=True, choices=["ppl", "lambada", "caption"])
+    p.add_argument("--data", default=None, metavar="FILE", help="text file (ppl) or JSONL of passages (lambada); "
+                   "caption: an image-text PREFIX (default: the embedded shapes)")
+    p.add_argument("--samples", type=int, default=256, help="caption: held-out samples scored (default 256)")
+    p.add_argument("--baseline-captions", type=int, default=4096, help="caption: training captions the text-only "
+                   "baseline learns from (default 4096)")
+    p.add_argument("--seed", type=int, default=1234, help="caption: the training run's --seed (held-out draws use "
+                   "another)")
     p.add_argument("--tokenizer", default=None, help="byte | hf:PATH | spm:PATH, the one the model was trained with "
                    "(default: the checkpoint's tokenizer.json, else byte)")
     p.add_argument("--stride", type=int, default=None, help="ppl window stride (default: seq_length)")
@@ -122,6 +129,11 @@ def main(ns) -> int:
     from megakernels.parallel.launch import single_process_world
     from megakernels_models.checkpoint import CheckpointError
 
+    if ns.task == "caption":
+        return _caption(ns)
+    if ns.data is None:
+        print(f"megakernels eval: error: --task {ns.task} needs --data FILE", file=sys.stderr)
+        return 2
     try:
         from megakernels_models.convert import checkpoint_tokenizer
 
@@ -148,5 +160,37 @@ def main(ns) -> int:
     except (CheckpointError, ValueError, KeyError) as e:
         print(f"megakernels eval: error: {e}", file=sys.stderr)
         return 2
+    print(json.dumps(res))
+    return 0
+
+
+def _caption(ns) -> int:
+    from megakernels.parallel.launch import single_process_world
+    from megakernels_models.caption_eval import caption_report
+    from megakernels_models.checkpoint import CheckpointError
+    from megakernels_models.convert import checkpoint_tokenizer
+    from megakernels_models.data.build import caption_datasets
+
+    try:
+        if ns.samples < 1 or ns.baseline_captions < 1:
+            raise ValueError("--samples and --baseline-captions must be >= 1")
+        tok = _tokenizer(ns.tokenizer or checkpoint_tokenizer(ns.load) or "byte")
+        with single_process_world(ns.device, parallel=True):
+            model, cfg = load_model(ns.load, ns.device)
+            if cfg.model != "vlm":
+                raise ValueError(f"--task caption needs a vision-language checkpoint; --load {ns.load} holds a "
+                                 f"{cfg.model} model")
+            train, _, test = caption_datasets(cfg, tok, ns.data, ns.seed)
+            if test is None:
+                raise ValueError(f"--data {ns.data}: the test split (949,50,1) is empty")
+            samples = [test[i] for i in range(min(ns.samples, len(test)))]
+            seen = [train[i] for i in range(min(ns.baseline_captions, len(train)))]
+            res = caption_report(model, cfg, samples, seen)
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        print(f"megakernels eval: error: {e}", file=sys.stderr)
+        return 2
+    for name in ("model", "mismatched_image", "text_only"):
+        r = res[name]
+        print(f"caption {name:>16}: token accuracy {r['token_accuracy']:.4f}, exact match {r['exact_match']:.4f}")
     print(json.dumps(res))
     return 0

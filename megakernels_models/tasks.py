@@ -34,6 +34,10 @@ class Task:
         ``attention``, ``recompute``, ``device``)."""
         return self.model_class(self.config, seed, **kwargs)
 
+    def is_frozen(self, name: str, parts: list[str]) -> bool:
+        """Whether parameter ``name`` is frozen by ``--freeze``'s ``parts`` (a part anywhere in the name)."""
+        return any(part in name for part in parts)
+
     def normalizers(self, micro: list[dict], global_batch: int, device) -> dict:
         """Loss denominators of the whole global batch, from this rank's micro-batches (collective over dp)."""
         raise NotImplementedError
@@ -73,10 +77,7 @@ class BertTask(Task):
         self.model_class = BertModel
 
     def normalizers(self, micro, global_batch, device):
-        count = torch.stack([(b["mlm_labels"] != -100).sum() for b in micro]).sum().to(torch.float32)
-        if mpu.dp_size() > 1:
-            dist.all_reduce(count, group=mpu.dp_group())
-        return {"tokens": count.clamp(min=1.0), "samples": global_batch}
+        return {"tokens": _count_labels(micro, "mlm_labels"), "samples": global_batch}
 
     def forward(self, model, batch, hidden, norm):
         out = model(ids=batch["ids"] if model.pre_process else None, token_types=batch["token_types"],
@@ -88,7 +89,51 @@ class BertTask(Task):
         return mlm.sum() / norm["tokens"] + sop.sum() / norm["samples"]
 
 
-TASKS: dict[str, type[Task]] = {"gpt": CausalLMTask, "llama": CausalLMTask, "bert": BertTask}
+class VisionLanguageTask(Task):
+    """Captioning (``vlm``): cross-entropy averaged over the global batch's caption tokens (labels other than
+    -100), plus ``contrastive_coeff`` × the CLIP-style image–caption loss averaged over its samples."""
+
+    def __init__(self, config: ModelConfig):
+        from megakernels_models.vlm import VLMModel
+
+        super().__init__(config)
+        self.model_class = VLMModel
+
+    # --freeze's groups: the top-level modules each names (the usual two-stage recipe freezes vision and lm,
+    # training the projector, then unfreezes the language model)
+    GROUPS = {"vision": ("vision",), "projector": ("projector",), "cross": ("cross",),
+              "lm": ("embedding", "layers", "final_norm", "output_layer", "output_embedding")}
+
+    def is_frozen(self, name, parts):
+        top = name.split(".", 1)[0]
+        return any(top in self.GROUPS[p] if p in self.GROUPS else p in name for p in parts)
+
+    def normalizers(self, micro, global_batch, device):
+        return {"tokens": _count_labels(micro, "labels"), "samples": global_batch}
+
+    def forward(self, model, batch, hidden, norm):
+        first = model.pre_process
+        out = model(images=batch["images"] if first else None, ids=batch["ids"] if first else None,
+                    labels=batch["labels"] if model.post_process else None, hidden=hidden)
+        if not model.post_process:
+            return out
+        if isinstance(out, tuple):
+            lm, contrastive = out
+            return lm.sum() / norm["tokens"] + self.config.contrastive_coeff * contrastive.sum() / norm["samples"]
+        return out.sum() / norm["tokens"]
+
+
+def _count_labels(micro: list[dict], key: str) -> torch.Tensor:
+    """The global batch's labelled tokens (``key`` other than -100), from this rank's micro-batches (collective
+    over dp); at least 1."""
+    count = torch.stack([(b[key] != -100).sum() for b in micro]).sum().to(torch.float32)
+    if mpu.dp_size() > 1:
+        dist.all_reduce(count, group=mpu.dp_group())
+    return count.clamp(min=1.0)
+
+
+TASKS: dict[str, type[Task]] = {"gpt": CausalLMTask, "llama": CausalLMTask, "bert": BertTask,
+                                "vlm": VisionLanguageTask}
 
 
 def task_for(config: ModelConfig) -> Task:

@@ -67,7 +67,7 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
     frozen = [n.strip() for n in args.freeze.split(",") if n.strip()]
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if any(part in name for part in frozen):
+            if task.is_frozen(name, frozen):
                 p.requires_grad_(False)
     return chunks
 
@@ -79,7 +79,7 @@ class PipelineStep:
         self.task, self.chunks, self.wrappers, self.args, self.device, self.timers = task, chunks, wrappers, args, \
             device, timers
         cfg = task.config
-        seq = cfg.seq_length // mpu.cp_size()  # context parallelism: this rank's two chunks of each sequence
+        seq = cfg.tokens_per_sample // mpu.cp_size()  # context parallelism: this rank's two chunks of each sequence
         seq = seq // mpu.tp_size() if args.sequence_parallel else seq
         self.shape = (seq, args.micro_batch_size, cfg.hidden_size)
         self.num_microbatches = args.num_microbatches()
@@ -181,6 +181,9 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                            "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
                            **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
                            "skipped": not stepped, **(moe or {})}
+                    if cfg.num_image_tokens:  # vision-language: images through the encoder per second
+                        rec["image_tokens_per_s"] = args.global_batch_size * cfg.num_image_tokens / max(
+                            time.perf_counter() - t0, 1e-9)
                     if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
                         n = sum(p.numel() for c in chunks for p in c.parameters())
                         rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}

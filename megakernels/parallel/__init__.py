@@ -9,7 +9,7 @@
 - ``embedding`` ``VocabParallelEmbedding`` (vocabulary padded to 128·tp without changing the math)
 - ``lm_head``   the output layer (``parallel_lm_logits``, ``ParallelLMHead``, tied or not) and the vocab-parallel
                 cross-entropy of ``megakernels.ops.cross_entropy`` over the TP group
-- ``blocks``    ``ParallelMLP`` and ``ParallelSelfAttention``
+- ``blocks``    ``ParallelMLP``, ``ParallelSelfAttention`` and ``ParallelCrossAttention``
 - ``params``    the marks each parameter carries (tensor-parallel dim/stride, sequence-parallel, shared
                 embedding) and what they mean to gradient sums, the grad norm and checkpoints
 - ``init``      layout-independent initialisation: a seed defines the full weight; each rank generates its shard
@@ -25,7 +25,7 @@
 Works on gloo (CPU) and nccl (CUDA) with the same code.
 """
 
-from megakernels.parallel.blocks import ParallelMLP, ParallelSelfAttention
+from megakernels.parallel.blocks import ParallelCrossAttention, ParallelMLP, ParallelSelfAttention
 from megakernels.parallel.comm import record_events
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.embedding import VocabParallelEmbedding, pad_vocab_size
@@ -69,7 +69,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "LinearWithAsyncComm", "linear_with_async_comm",
     "allreduce_sequence_parallel_grads", "VocabParallelEmbedding", "pad_vocab_size", "parallel_lm_logits",
     "vocab_parallel_cross_entropy", "ParallelLMHead",
-    "ParallelMLP", "ParallelSelfAttention",
+    "ParallelCrossAttention", "ParallelMLP", "ParallelSelfAttention",
     # data parallelism and the optimizer step
     "DistributedDataParallel", "finalize_model_grads", "ParallelOptimizer", "memory_bytes_per_param",
     # parameter marks

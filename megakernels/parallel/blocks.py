@@ -124,12 +124,7 @@ class ParallelSelfAttention(nn.Module):
                  output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
                  dtype=None):
         super().__init__()
-        cls = type(self).__name__
-        state.check_divisible(num_heads=num_heads)
-        if hidden_size % num_heads:
-            raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
-        if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
+        _check_heads(self, hidden_size, num_heads, attention_dropout)
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
@@ -153,6 +148,16 @@ class ParallelSelfAttention(nn.Module):
             k, v = kv_cache.update(self, k, v)
         ctx = _attend(self, q, k, v, attention_mask)
         return self.proj(ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim))
+
+
+def _check_heads(module: nn.Module, hidden_size: int, num_heads: int, attention_dropout: float) -> None:
+    """Heads split over the TP ranks, whole head dims, a dropout probability."""
+    cls = type(module).__name__
+    state.check_divisible(num_heads=num_heads)
+    if hidden_size % num_heads:
+        raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    if not 0.0 <= attention_dropout < 1.0:
+        raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
 
 
 def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
@@ -264,3 +269,57 @@ class ParallelGroupedQueryAttention(nn.Module):
             k, v = kv_cache.update(self, k, v)
         ctx = _attend(self, q, k, v, attention_mask)
         return self.proj(ctx.transpose(0, 1).reshape(s, b, nq * d))
+
+
+class ParallelCrossAttention(nn.Module):
+    """Multi-head cross-attention: queries from ``x`` attend every position of a ``context`` (non-causal, any
+    lengths), the heads split over the tensor-parallel ranks (Flamingo's text-to-image attention).
+
+    Parameters (full-model layout): ``q.weight`` ``[h, h]`` split by heads; ``kv.weight`` ``[2h, context_size]``
+    (keys, then values) marked with stride 2 so a rank holds its heads' keys and their values; ``proj`` row-parallel.
+    The core is FlashAttention with ``sq ≠ sk`` (or PyTorch's SDPA, ``core="torch"``).
+
+    Args:
+        hidden_size, num_heads: h and the heads (divisible by tp).
+        context_size: width of the context (default h).
+        core, attention_dropout, bias, recompute, init_method, output_init_method, seed, device, dtype: as
+            ``ParallelSelfAttention`` (seeds ``"q"``, ``"kv"``, ``"proj"``).
+
+    Forward: ``x`` ``[sq, b, h]``, ``context`` ``[sk, b, context_size]`` -> ``[sq, b, h]``.
+
+    Raises:
+        ValueError: heads not divisible by tp, ``hidden_size`` not divisible by ``num_heads``, ``attention_dropout``
+            outside [0, 1), inputs that are not 3-D, or context parallelism (the context is not split over a ring).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, context_size: int | None = None, *,
+                 core: str | nn.Module = "flash", attention_dropout: float = 0.0, bias: bool = True,
+                 recompute: bool = False, init_method: init.InitMethod | None = None,
+                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
+                 dtype=None):
+        super().__init__()
+        _check_heads(self, hidden_size, num_heads, attention_dropout)
+        context_size = hidden_size if context_size is None else context_size
+        self.causal, self.recompute = False, bool(recompute)
+        self.head_dim = hidden_size // num_heads
+        self.local_heads = num_heads // state.tp_size()
+        self.core = attention_core(core, False, attention_dropout=attention_dropout) if isinstance(core, str) \
+            else core
+        self.q = ColumnParallelLinear(hidden_size, hidden_size, bias, init_method=init_method,
+                                      seed=_sub_seed(seed, "q"), device=device, dtype=dtype)
+        self.kv = ColumnParallelLinear(context_size, 2 * hidden_size, bias, stride=2, init_method=init_method,
+                                       seed=_sub_seed(seed, "kv"), device=device, dtype=dtype)
+        self.proj = RowParallelLinear(hidden_size, hidden_size, bias, init_method=output_init_method or init_method,
+                                      seed=_sub_seed(seed, "proj"), device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        _check_3d(self, x)
+        _check_3d(self, context)
+        if state.is_initialized() and state.cp_size() > 1:
+            raise ValueError(f"{type(self).__name__}: context parallelism is not supported (the context would have "
+                             "to be split over the ring)")
+        (sq, b), sk, d, n = x.shape[:2], context.shape[0], self.head_dim, self.local_heads
+        q = self.q(x).view(sq, b, n, d).transpose(0, 1)
+        k, v = (t.transpose(0, 1) for t in self.kv(context).view(sk, b, 2, n, d).unbind(2))
+        ctx = _attend(self, q, k, v, None)  # [b, sq, n, d]
+        return self.proj(ctx.transpose(0, 1).reshape(sq, b, n * d))

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from megakernels.validation import positive_int
 from megakernels_models.settings import ArgumentError
 from megakernels_models.data.blending import BlendedDataset, parse_blend
 from megakernels_models.data.corpus import stdlib_prefix
 from megakernels_models.data.datasets import BertDataset, GPTDataset, split_documents
+from megakernels_models.data.images import CaptionDataset, ImageTextIndexed, is_image_text
 from megakernels_models.data.indexed import IndexedDataset, paths
+from megakernels_models.data.shapes import ShapesSource
 from megakernels_models.data.tokenizer import build_tokenizer
 
 
@@ -70,6 +74,9 @@ def validate_data_args(args, cfg=None) -> None:
     if tok.vocab_size > cfg.vocab_size:
         raise ArgumentError(f"--tokenizer {args.tokenizer} has {tok.vocab_size} ids, more than the model's vocab size "
                             f"{cfg.vocab_size} (raise --vocab-size)")
+    if cfg.model == "vlm":
+        _validate_image_data(args, cfg, tok)
+        return
     if cfg.model == "bert":
         try:
             tok.require("cls", "sep", "mask", "pad", use="--model bert")
@@ -85,19 +92,15 @@ def validate_data_args(args, cfg=None) -> None:
         positive_int(args.corpus_bytes, "--corpus-bytes", error=ArgumentError)
         return
     for _, prefix in _blend(args):
+        if is_image_text(prefix):
+            raise ArgumentError(f"--data {prefix} holds images and captions: train it with --model vlm")
         for p in paths(prefix):
             try:
                 open(p, "rb").close()
             except OSError as e:
                 raise ArgumentError(f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
                                     f"preprocess --output-prefix {prefix}") from None
-        try:
-            ds = IndexedDataset(prefix)
-        except ValueError as e:
-            raise ArgumentError(f"--data {prefix}: {e}") from None
-        if ds.vocab_size != tok.vocab_size:
-            raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
-                                f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+        ds = _open_data(IndexedDataset, prefix, args, tok)
         train = split_documents(ds.doc_count, split)[0]
         if not train:
             raise ArgumentError(f"--data {prefix}: its {ds.doc_count} documents leave no training documents with "
@@ -110,6 +113,18 @@ def validate_data_args(args, cfg=None) -> None:
         if cfg.model != "bert" and tokens < cfg.seq_length + 1:
             raise ArgumentError(f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                                 f"of seq_length + 1 = {cfg.seq_length + 1}")
+
+
+def _open_data(reader, prefix: str, args, tok):
+    """``reader(prefix)``, its problems and a vocabulary other than the tokenizer's as ``ArgumentError``s."""
+    try:
+        ds = reader(prefix)
+    except ValueError as e:
+        raise ArgumentError(f"--data {prefix}: {e}") from None
+    if ds.vocab_size != tok.vocab_size:
+        raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
+                            f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+    return ds
 
 
 def build_datasets(args, cfg):
@@ -125,6 +140,8 @@ def build_datasets(args, cfg):
     """
     tok = tokenizer_for(args)
     split = _split(args)
+    if cfg.model == "vlm":
+        return caption_datasets(cfg, tok, args.data, args.seed, split)
     blend = [(w, IndexedDataset(p)) for w, p in _blend(args)]
     wanted = [args.steps * args.global_batch_size] + [args.eval_steps * args.global_batch_size] * 2
     out = []
@@ -154,3 +171,45 @@ def build_datasets(args, cfg):
         else:
             out.append(BlendedDataset(parts, weights))
     return tuple(out)
+
+
+def _validate_image_data(args, cfg, tok) -> None:
+    """``--data`` of a vision-language model: none (the embedded shapes, drawn at the model's image size) or one
+    image–text prefix whose images all are ``image_size × image_size × image_channels``."""
+    split = _split(args)
+    if args.eval_interval and split[1] == 0:
+        raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
+    if args.data is None:
+        if cfg.image_size < 16 or cfg.image_channels != 3:
+            raise ArgumentError(f"--model vlm without --data draws the embedded shapes: they need RGB images of at "
+                                f"least 16 pixels (--image-size {cfg.image_size}, {cfg.image_channels} channels)")
+        return
+    prefix = args.data
+    if "," in prefix:
+        raise ArgumentError(f"--data {prefix}: a vision-language model reads one image-text prefix (no blends)")
+    if not is_image_text(prefix):
+        raise ArgumentError(f"--data {prefix}: {prefix}.idx is missing or not an image-text index (make one with "
+                            "megakernels preprocess --images DIR --captions FILE.jsonl)")
+    ds = _open_data(ImageTextIndexed, prefix, args, tok)
+    want = (cfg.image_size, cfg.image_size, cfg.image_channels)
+    bad = np.flatnonzero((ds.shapes != np.asarray(want)).any(axis=1))
+    if len(bad):
+        h, w, c = ds.shapes[bad[0]]
+        raise ArgumentError(f"--data {prefix}: image {bad[0]} is {h}x{w}x{c} but the model takes {want[0]}x{want[1]}x"
+                            f"{want[2]} (--image-size {cfg.image_size}); preprocess with --image-size {cfg.image_size}")
+    if not split_documents(len(ds), split)[0]:
+        raise ArgumentError(f"--data {prefix}: its {len(ds)} samples leave no training samples with --split "
+                            f"{args.split}")
+
+
+def caption_datasets(cfg, tok, data: str | None, seed: int, split=(949, 50, 1)):
+    """``(train, valid, test)`` captioning datasets of a vision-language model: the splits of the image–text prefix
+    ``data``'s samples (None for an empty split), or without it the embedded shapes drawn with seed ``seed + 1000·i``
+    for split i (disjoint draws, endless)."""
+    pad = tok.pad if tok.has("pad") else tok.eod
+    if data is None:
+        return tuple(CaptionDataset(ShapesSource(seed + 1000 * i, cfg.image_size, tok), cfg.seq_length,
+                                    seed + 1000 * i, tok.eod, pad) for i in range(3))
+    source = ImageTextIndexed(data)
+    return tuple(CaptionDataset(source, cfg.seq_length, seed + 1000 * i, tok.eod, pad, documents=docs) if docs
+                 else None for i, docs in enumerate(split_documents(len(source), split)))

@@ -273,10 +273,19 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``preprocess`` to the ``megakernels`` subparsers."""
-    p = sub.add_parser("preprocess", help="text/JSONL files or folders -> PREFIX.bin + PREFIX.idx",
-                       description="Tokenise text or JSONL files (or folders of them) into PREFIX.bin + PREFIX.idx.")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
+    p = sub.add_parser("preprocess", help="text/JSONL files or folders -> PREFIX.bin + PREFIX.idx; or images + "
+                       "captions (--images, --captions)",
+                       description="Tokenise text or JSONL files (or folders of them) into PREFIX.bin + PREFIX.idx; "
+                       "or, with --images DIR --captions FILE.jsonl, write an image-text dataset (uint8 images in "
+                       ".bin, shapes and caption tokens in .idx) for --model vlm.")
+    p.add_argument("--input", nargs="+", default=None, metavar="FILE_OR_DIR",
                    help="text, .jsonl/.json (one object per line) or .gz of either; folders are walked")
+    p.add_argument("--images", default=None, metavar="DIR", help="image-text: the folder the captions' image paths "
+                   "are relative to (PNG, JPEG, ... decoded by Pillow)")
+    p.add_argument("--captions", default=None, metavar="FILE", help='image-text: JSONL of {"image": PATH, "caption": '
+                   'TEXT}')
+    p.add_argument("--image-size", type=int, default=None, metavar="N", help="image-text: resize every image to "
+                   "N x N (default: keep; the model then needs them all at its --image-size)")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (default: byte)")
     p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
@@ -293,6 +302,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def main(ns: argparse.Namespace) -> int:
     """Run ``megakernels preprocess``; returns the exit status (2 for bad input, reported on stderr)."""
+    if ns.images is not None or ns.captions is not None:
+        return _images_main(ns)
+    if not ns.input:
+        print("megakernels preprocess: error: give --input FILE_OR_DIR (text) or --images DIR --captions FILE "
+              "(image-text)", file=sys.stderr)
+        return 2
     try:
         if ns.train_tokenizer is not None and ns.tokenizer != "byte":
             raise ValueError(f"give --tokenizer {ns.tokenizer} or --train-tokenizer, not both")
@@ -304,4 +319,32 @@ def main(ns: argparse.Namespace) -> int:
     print(f"wrote {ns.output_prefix}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
           f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s"
           + (f"; skipped {len(stats['skipped'])} files that are not UTF-8 text" if stats["skipped"] else ""))
+    return 0
+
+
+def _images_main(ns: argparse.Namespace) -> int:
+    """``preprocess --images DIR --captions FILE.jsonl``: the image-text format of ``data.images``."""
+    from megakernels_models.data.images import read_captioned_folder, write_image_text
+    from megakernels_models.data.tokenizer import build_tokenizer
+
+    t0 = time.perf_counter()
+    try:
+        if ns.images is None or ns.captions is None:
+            raise ValueError("image-text preprocessing needs both --images DIR and --captions FILE.jsonl")
+        if ns.input:
+            raise ValueError("give --input (text) or --images/--captions (image-text), not both")
+        if not os.path.isdir(ns.images):
+            raise ValueError(f"--images {ns.images}: not a directory")
+        if not os.path.isfile(ns.captions):
+            raise ValueError(f"--captions {ns.captions}: no such file")
+        if ns.image_size is not None and ns.image_size < 1:
+            raise ValueError(f"--image-size must be >= 1, got {ns.image_size}")
+        tok = build_tokenizer(ns.tokenizer)
+        n = write_image_text(ns.output_prefix, read_captioned_folder(ns.images, ns.captions, tok, ns.image_size),
+                             tok.vocab_size)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"megakernels preprocess: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {ns.output_prefix}.bin/.idx: {n} images with captions ({tok.name}) in "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0

@@ -4,7 +4,10 @@ recomputation, interleaving and gradient accumulation on or off — equal the si
 (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context parallelism
 by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixture-of-experts GPT and Llama
 (dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
-ZeRO-1; checkpoints resharded across ep).
+ZeRO-1; checkpoints resharded across ep), and vision-language models (a ViT + projector before a GPT, the image
+tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on the first
+stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split) alone and × dp 2 with ZeRO-1
+and selective recomputation.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once.
@@ -32,13 +35,18 @@ BASE = TrainArgs(preset=None, num_layers=4, hidden_size=32, num_heads=4, seq_len
                  micro_batch_size=2, global_batch_size=8, lr=5e-3, min_lr=5e-4, warmup_steps=2, clip_grad=0.5,
                  eval_interval=0, progress=False, corpus_bytes=1 << 18, seed=7, timeout=120)
 
-MODELS = ("gpt", "bert", "llama", "gpt-moe", "llama-moe")
+MODELS = ("gpt", "bert", "llama", "gpt-moe", "llama-moe", "vlm", "vlm-x")
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
 MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+# Vision-language: a 1-layer ViT over 16×16 shapes (4 patches of 8) in front of the GPT, the image tokens a prefix
+# (LLaVA); and with gated cross-attention after every second layer of the Llama and the contrastive loss (Flamingo).
+VLM = dict(image_size=16, patch_size=8, vision_layers=1, vision_hidden_size=16, vision_heads=2)
 FAMILY = {"gpt": ("gpt", {}), "bert": ("bert", {}), "llama": ("llama", LLAMA), "gpt-moe": ("gpt", MOE),
-          "llama-moe": ("llama", {**LLAMA, **MOE})}
-DENSE, EXPERTS = ("gpt", "bert", "llama"), ("gpt-moe", "llama-moe")
+          "llama-moe": ("llama", {**LLAMA, **MOE}), "vlm": ("vlm", VLM),
+          "vlm-x": ("vlm", {**VLM, **LLAMA, "lm": "llama", "cross_attention_every": 2, "contrastive_coeff": 0.5})}
+DENSE, EXPERTS, VISION = ("gpt", "bert", "llama"), ("gpt-moe", "llama-moe"), ("vlm", "vlm-x")
+SAVED = ("gpt", "bert", "llama", "gpt-moe", "llama-moe")  # the families of the resharding tests
 
 # name: (nproc, changes); every layout is run for GPT, BERT and Llama unless ONLY names its models.
 LAYOUTS = {
@@ -72,6 +80,7 @@ LAYOUTS = {
     "pp2-ep2": (4, dict(pp=2, ep=2)),
     "ep2-dp4-zero1": (4, dict(ep=2, distributed_optimizer=True)),
     "cp2-ep2": (4, dict(cp=2, ep=2)),
+    "tp2-dp2-recompute": (4, dict(tp=2, recompute="selective", distributed_optimizer=True)),
 }
 ONLY = {"offload": ("gpt",), "dp2-zero1-offload": ("gpt",), "pp2-gpipe": ("gpt",), "pp4": ("gpt",),
         "tp2-dp2-sp": ("gpt",), "pp2-dp2": ("gpt",), "tp2-pp2": ("gpt", "bert"), "pp2-vpp2-dp2": ("gpt", "bert"),
@@ -79,7 +88,9 @@ ONLY = {"offload": ("gpt",), "dp2-zero1-offload": ("gpt",), "pp2-gpipe": ("gpt",
         "tp4-kv-replicated": ("llama",), "cp2": ("gpt", "llama"), "cp4": ("gpt", "llama"),
         "tp2-cp2-sp": ("gpt", "llama"), "pp2-cp2": ("gpt", "llama"), "cp2-dp2-zero1": ("llama",),
         "tp2-cp2-pp2-recompute": ("llama",), "ep2": EXPERTS, "ep4": EXPERTS, "tp2-ep2-sp": EXPERTS,
-        "pp2-ep2": EXPERTS, "ep2-dp4-zero1": ("gpt-moe",), "cp2-ep2": ("llama-moe",)}
+        "pp2-ep2": EXPERTS, "ep2-dp4-zero1": ("gpt-moe",), "cp2-ep2": ("llama-moe",),
+        "tp2": DENSE + ("vlm-x",), "pp2": DENSE + VISION, "dp2-zero1": DENSE + ("vlm",),
+        "tp2-dp2-recompute": ("vlm-x",)}
 
 
 def _args(model: str, changes: dict, nproc: int) -> TrainArgs:
@@ -125,7 +136,7 @@ def _world(rank: int, world_size: int, cases, root: str):
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
     if world_size == 8:
-        for model in MODELS:
+        for model in SAVED:
             records = train(_args(model, _with_ep(model, "saving", dict(SAVE_LAYOUT, save=_saved(model, root))),
                                   world_size))
             if records is not None:
@@ -208,14 +219,14 @@ def test_distributed_optimizer_shards_the_optimizer_state():
     assert offloaded["optimizer"] == 0 and offloaded["host"] == pytest.approx(8.0, rel=0.02)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", list(SAVED))
 def test_saving_does_not_change_the_curve(baseline, model):
     got = _world_results(8)
     _assert_same_curve(got[("saving", model)], baseline[(model, "single")], f"{model} saving at (2,2,2)")
 
 
 @pytest.mark.parametrize("target", list(RESHARD_TO))
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", list(SAVED))
 def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
     """Saved at (tp, pp, dp) = (2, 2, 2) with SP and ZeRO-1 at step 3, loaded at another layout: steps 4..6
     equal the single process's (1e-5 relative)."""

@@ -1,0 +1,84 @@
+"""HuggingFace CLIP vision tower -> the vision encoder of a megakernels vision-language model (``vision.py``).
+
+A ``CLIPVisionModel`` is a ViT with a class token, learned positions over ``1 + (image / patch)²`` tokens, a
+LayerNorm before the layers (``pre_layrnorm``) and pre-norm layers with biases; its ``last_hidden_state`` is the
+features LLaVA projects. It converts exactly into our encoder with ``vision_class_token``, ``vision_pre_norm`` and
+no final norm (``post_layernorm`` only normalises the pooled class token, which a vision-language model does not
+use): the patch convolution becomes the patch linear over (row, col, channel)-flattened patches (bias zero), the
+query/key/value projections our fused head-major QKV. Our fused MLP is GeLU (erf or tanh); CLIP's ``quick_gelu``
+(OpenAI's checkpoints) is refused rather than approximated.
+
+    fields = vision_fields(clip.config)           # ModelConfig fields of the encoder
+    cfg = ModelConfig("vlm", **fields, ...)
+    encoder.load_state_dict(vision_state_dict(clip.state_dict(), cfg))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakernels_models.config import ModelConfig
+from megakernels_models.convert.bert import _ACTIVATIONS, _split_qkv_rule
+from megakernels_models.convert.common import ConversionError, Rule, apply, copy
+
+
+def vision_fields(hf) -> dict:
+    """The ``ModelConfig`` fields of the encoder of a ``CLIPVisionConfig`` (or its dict).
+
+    Raises:
+        ConversionError: an activation our fused MLP does not compute (``quick_gelu``).
+    """
+    hf = hf if isinstance(hf, dict) else hf.to_dict()
+    act = _ACTIVATIONS.get(hf.get("hidden_act"))
+    if act is None:
+        raise ConversionError(f"hidden_act {hf.get('hidden_act')!r}: megakernels' fused MLP computes GeLU (erf or "
+                              "tanh), not this activation")
+    return dict(image_size=hf["image_size"], patch_size=hf["patch_size"], image_channels=hf.get("num_channels", 3),
+                vision_layers=hf["num_hidden_layers"], vision_hidden_size=hf["hidden_size"],
+                vision_heads=hf["num_attention_heads"], vision_ffn_hidden_size=hf["intermediate_size"],
+                vision_activation=act, vision_class_token=True, vision_pre_norm=True, vision_final_norm=False,
+                layernorm_eps=hf.get("layer_norm_eps", 1e-5))
+
+
+def _patch_rule(ours: str, theirs: str, channels: int, patch: int) -> Rule:
+    """Conv weight ``[d, C, p, p]`` <-> our patch linear ``[d, p·p·C]`` ((row, col, channel) order)."""
+    to_ours = lambda ts: [ts[0].permute(0, 2, 3, 1).reshape(ts[0].shape[0], -1).contiguous()]  # noqa: E731
+    to_theirs = lambda ts: [ts[0].reshape(ts[0].shape[0], patch, patch, channels).permute(0, 3, 1, 2)  # noqa: E731
+                            .contiguous()]
+    return Rule((ours,), (theirs,), to_ours, to_theirs)
+
+
+def rules(cfg: ModelConfig, prefix: str = "") -> list[Rule]:
+    """Our encoder's names (``VisionEncoder.state_dict()``) <-> a ``CLIPVisionModel``'s (``prefix``: what precedes
+    ``embeddings.``, e.g. ``vision_model.`` in a ``CLIPModel``)."""
+    e = f"{prefix}embeddings."
+    out = [_patch_rule("patch.weight", f"{e}patch_embedding.weight", cfg.image_channels, cfg.patch_size),
+           copy("positions.weight", f"{e}position_embedding.weight"), copy("class_token", f"{e}class_embedding")]
+    for x in ("weight", "bias"):
+        out.append(copy(f"pre_norm.{x}", f"{prefix}pre_layrnorm.{x}"))
+    for i in range(cfg.vision_layers):
+        a, m = f"{prefix}encoder.layers.{i}.", f"layers.{i}."
+        for x in ("weight", "bias"):
+            out.append(_split_qkv_rule(f"{m}attention.qkv.{x}", tuple(f"{a}self_attn.{y}_proj.{x}" for y in "qkv"),
+                                       cfg.vision_heads))
+            for ours, theirs in (("attention.proj", "self_attn.out_proj"), ("input_norm", "layer_norm1"),
+                                 ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2"),
+                                 ("post_attention_norm", "layer_norm2")):
+                out.append(copy(f"{m}{ours}.{x}", f"{a}{theirs}.{x}"))
+    return out
+
+
+def vision_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our ``VisionEncoder`` state dict (tp 1) from a ``CLIPVisionModel``'s (or a ``CLIPModel``'s) tensors; the patch
+    bias, which CLIP's convolution lacks, is zero.
+
+    Raises:
+        ConversionError: a tensor is missing (naming it), or ``cfg`` is not a CLIP-shaped encoder.
+    """
+    if not (cfg.vision_class_token and cfg.vision_pre_norm and not cfg.vision_final_norm):
+        raise ConversionError("a CLIP vision tower needs vision_class_token=True, vision_pre_norm=True and "
+                              "vision_final_norm=False (see vision_fields)")
+    prefix = "vision_model." if "vision_model.embeddings.patch_embedding.weight" in tensors else ""
+    out = apply(rules(cfg, prefix), tensors, "to_ours")
+    out["patch.bias"] = torch.zeros(cfg.vision_hidden_size, dtype=out["patch.weight"].dtype)
+    return out
