@@ -64,7 +64,7 @@ class Checks:
                 mp.destroy()
         return out
 
-    def fixture(self, world_size: int, worker: Callable, timeout: float = 180.0):
+    def fixture(self, world_size: int, worker: Callable, timeout: float = 300.0):
         # The limit ends a hang: CI runs two pytest workers on two cores, so an 8-process world that takes 15 s on
         # an idle machine can take several times that while the other worker runs a world of its own.
         @pytest.fixture(scope="module")
