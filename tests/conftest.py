@@ -30,6 +30,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Spawned worlds start their ranks from a fork server that has imported torch once (megakernels.parallel.launch):
 # the suite runs hundreds of ranks, each of which would otherwise pay torch's import.
 os.environ.setdefault("MEGAKERNELS_START_METHOD", "forkserver")
+# ... which also imports, once, what a rank that trains would import on its own: the trainer (~1.7 s: with
+# torch.distributed.checkpoint and what it pulls in) and torch._dynamo (~3 s; torch.optim.Optimizer imports it
+# when the first parameter group is added).
+os.environ.setdefault("MEGAKERNELS_FORKSERVER_PRELOAD", "torch._dynamo,megakernels_models.train")
 
 import megakernels  # noqa: E402
 from tests.helpers import Backend  # noqa: E402
