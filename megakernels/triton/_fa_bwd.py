@@ -11,6 +11,12 @@ into a zeroed fp32 buffer (``DQ_ATOMIC``): five matmuls and one exponential per 
 BLOCK_M queries looping over the keys), which recomputes S and dP: seven matmuls and two exponentials, but the
 same bits on every run.
 
+With query blocks under 64 rows (the d128 default on sm_90: 32 queries x 128 keys, 8 warps) dQ is computed
+transposed, ``dQ^T = K^T dS^T``: a wgmma's M is 64 rows per warpgroup, so ``dS K`` with 32 rows would fall back
+to mma.sync, and Triton would keep K as its register operand (32 registers a thread). 128 keys over two
+warpgroups give each its own 64 rows of S^T, dP^T, dK and dV; 64 keys over 8 warps (the previous default) had
+both warpgroups compute the same S^T and dP^T (seven matmuls' worth of wgmma per step instead of five).
+
 Query blocks that see every key of the program's block and lie inside SQ take a loop without masks; only the
 diagonal band of a causal mask, the query tail and a key block that runs past SK pay for them. The scale is folded
 with log2(e) into the exponent (one FFMA).
@@ -79,12 +85,20 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     if DQ_ATOMIC:
-        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * scale
-        dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-        if MASKED:
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+        if BLOCK_M < 64:  # a wgmma's M is 64 rows a warpgroup: dQ^T = K^T dS^T has BLOCK_D of them, dS K too few
+            dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=PRECISION) * scale
+            dq_ptrs = DQh + offs_m[None, :] * stride_dqs + offs_d[:, None]
+            dq_mask = offs_d[:, None] < HEAD_DIM
+            if MASKED:
+                dq_mask = dq_mask & (offs_m[None, :] < SQ)
+            tl.atomic_add(dq_ptrs, dq_t, mask=dq_mask, sem="relaxed")
         else:
-            tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * scale
+            dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+            dq_mask = offs_d[None, :] < HEAD_DIM
+            if MASKED:
+                dq_mask = dq_mask & (offs_m[:, None] < SQ)
+            tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 

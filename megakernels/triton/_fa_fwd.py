@@ -8,18 +8,27 @@ Design (why; docs/static-cost-model.md has the model it is judged by):
 - Tiles come through TMA tensor descriptors where the Triton and the tensors allow it (``TMA``: a 4-D descriptor
   over ``[b, s, h, d]``, out-of-range rows and head-dim columns zero-filled by the hardware), so the loads cost one
   instruction per tile instead of an address and a cp.async per 16 bytes, and the pipeliner's stages are
-  mbarrier-synchronised; otherwise pointer loads with masks.
+  mbarrier-synchronised; otherwise pointer loads with masks. The query tile comes through a 2-D descriptor over
+  ``[b * s, h * d]`` where the layout allows (``Q_ROWS``: batches packed, heads adjacent, d a power of two): a
+  loaded 4-D tile must be reshaped, and Triton then keeps Q as wgmma's A operand in registers (32 per thread at
+  128 x 128 over 8 warps), which keeps a 128-row, 8-warp CTA from sharing its SM with a second one. The query
+  rows past SQ of the last block read the next batch's rows; only their own output rows see them, and those are
+  not stored (O's 4-D descriptor clips them).
 - Scores stay in raw units; the scale is folded with log2(e) into the exponent: ``p = exp2(s * qk_scale - m)``
   is one FFMA and one MUFU.EX2 per score.
 - Key blocks that every row of the query block sees entirely (all of them without causality, those left of the
   diagonal band with it) take a loop with no masks; only the diagonal band and the last partial block pay.
-- Causal grids run heaviest first: program 0 takes the last query block (the one that sees the most keys), so the
-  short blocks fill the tail of the grid instead of the long ones.
+- Causal grids run heaviest first across all heads: the grid is ``(b * h, query blocks)``, so the block scheduler
+  (x fastest) hands out the last query block (the one that sees the most keys) of every head before the
+  second-to-last of any, and the short blocks fill the tail of the grid instead of the long ones.
 - ``WARP_SPEC``: the unmasked loop asks for Triton's automatic warp specialisation (producer warps load,
   consumer warpgroups compute, so a wgmma is not waited on at once by a warp that could do softmax work). The
-  launcher leaves it off: Triton 3.8's Hopper pass (NVGPUWarpSpecialization) fails on this kernel, and a
+  launcher leaves it off: Triton 3.8's Hopper pass (NVGPUWarpSpecialization) fails on this kernel at 4 warps and
+  leaves it unchanged at 8 (no ``ttg.warp_specialize`` in the TTGIR), and a
   hand-pipelined loop (QK^T of the next block issued before the softmax of this one) gets a wait after every
-  wgmma from Triton's pipeliner, no overlap. Overlap comes from a second resident CTA where the config allows it.
+  wgmma from Triton's pipeliner, no overlap. Overlap comes from a second resident CTA: the d128 default (128 x 32,
+  8 warps, Q in shared memory) takes 114 registers and 96 KiB, so two CTAs share an SM and one's softmax runs
+  under the other's wgmma.
 """
 
 from __future__ import annotations
@@ -96,10 +105,13 @@ def _fwd_kernel(Q, K, V, O, LSE, SEED,
                 H, GROUP, SQ, SK, qk_scale, threshold, keep_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                WARP_SPEC: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_m = tl.num_programs(0) - 1 - pid if CAUSAL else pid  # causal: heaviest query block first
-    bh = tl.program_id(1)
+                Q_ROWS: tl.constexpr, WARP_SPEC: tl.constexpr):
+    if CAUSAL:  # grid (b * h, query blocks): the heaviest query block of every head first, the lightest last
+        bh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:  # grid (query blocks, b * h): the blocks of one head side by side share its keys in L2
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
@@ -107,7 +119,10 @@ def _fwd_kernel(Q, K, V, O, LSE, SEED,
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
     if TMA:
-        q = Q.load([b, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D)
+        if Q_ROWS:  # a 2-D descriptor over [b * s, h * d]: the tile lands in shared memory as wgmma's A operand
+            q = Q.load([b * SQ + pid_m * BLOCK_M, h * HEAD_DIM])
+        else:
+            q = Q.load([b, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
         q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs
                     + offs_d[None, :], mask=q_mask, other=0.0)

@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 FWD_CONFIGS = {
     90: {32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
          64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
-         128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+         128: [(128, 32, 8, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
          256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)]},
     80: {32: [(128, 64, 4, 3), (64, 64, 4, 4)],
          64: [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 4)],
@@ -41,7 +41,7 @@ FWD_CONFIGS = {
 BWD_CONFIGS = {
     90: {32: [(64, 64, 4, 2), (64, 128, 8, 2)],
          64: [(64, 128, 8, 2)],
-         128: [(64, 64, 8, 3)],
+         128: [(32, 128, 8, 2), (64, 64, 8, 3)],
          256: [(64, 32, 8, 1)]},
     80: {32: [(64, 128, 8, 2), (64, 64, 4, 3)],
          64: [(64, 64, 4, 2), (64, 128, 8, 1), (32, 64, 4, 3)],
@@ -94,6 +94,18 @@ def _descriptor(t, rows: int, block_d: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, block_d])
 
 
+def _rows_descriptor(t, rows: int):
+    """A 2-D descriptor over ``t`` ``[b, s, h, d]`` seen as ``[b * s, h * d]`` (``rows`` x d tiles), or None
+    where that view does not exist (batches not packed, heads not adjacent) or a tile would reach into the next
+    head (d not a power of two >= 32)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, s, h, d = t.shape
+    if d != padded_head_dim(d) or t.stride(2) != d or (b > 1 and t.stride(0) != s * t.stride(1)):
+        return None
+    return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, d])
+
+
 def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_p: float, cfg,
                    tma: bool | None = None) -> Launch:
     """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. ``tma``: load
@@ -106,13 +118,16 @@ def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_
     if tma is None:
         tma = (arch == 0 or arch >= 90) and tma_eligible(q, k, v, out)
     bd = padded_head_dim(d)
-    qa, ka, va, oa = (_descriptor(q, block_m, bd), _descriptor(k, block_n, bd), _descriptor(v, block_n, bd),
-                      _descriptor(out, block_m, bd)) if tma else (q, k, v, out)
-    return Launch(_fwd_kernel, (triton.cdiv(sq, block_m), b * h),
+    q_rows = _rows_descriptor(q, block_m) if tma else None
+    qa, ka, va, oa = (q_rows if q_rows is not None else _descriptor(q, block_m, bd), _descriptor(k, block_n, bd),
+                      _descriptor(v, block_n, bd), _descriptor(out, block_m, bd)) if tma else (q, k, v, out)
+    blocks = triton.cdiv(sq, block_m)
+    return Launch(_fwd_kernel, (b * h, blocks) if causal else (blocks, b * h),
                   (qa, ka, va, oa, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
                    h, h // hk, sq, sk, scale * LOG2E, threshold, keep_scale),
                   dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                       DROPOUT=dropout, PRECISION=_dot_precision(q.dtype), TMA=tma, WARP_SPEC=False,
+                       DROPOUT=dropout, PRECISION=_dot_precision(q.dtype), TMA=tma, Q_ROWS=q_rows is not None,
+                       WARP_SPEC=False,
                        num_warps=warps, num_stages=stages))
 
 

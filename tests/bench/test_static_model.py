@@ -83,6 +83,21 @@ def test_wgmma_flops_and_the_instructions_overlapping_each_wgmma():
     assert sorted(fn.waits_after_mma(loop)) == [0, 3]
 
 
+def test_mma_sync_in_a_wgmma_loop_is_priced_at_the_mma_sync_rate():
+    fn = _fn(WGMMA.replace("HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12], R88, gsb0",
+                           "HMMA.16816.F32.BF16 R88, R24, R40, R88"))
+    (loop,) = fn.innermost_loops()
+    assert loop.counts.mma_sync_flops == 2 * 16 * 8 * 16
+    m = model.H200
+    rate = 4096 * m.mma_sustained
+    it = model.TileIteration(warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=True, overlap_instr=0,
+                             l2_bytes=0, mma_sync_flops=1e6)
+    assert it.cycles(m)["mma"] == pytest.approx(2e6 / rate + 1e6 / (rate * m.mma_sync_rate))
+    only_sync = model.TileIteration(warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=False, overlap_instr=0,
+                                    l2_bytes=0)
+    assert only_sync.cycles(m)["mma"] == pytest.approx(3e6 / (rate * m.mma_sync_rate))
+
+
 def test_blocks_per_sm_obeys_each_hardware_limit():
     m = model.H200
     assert model.blocks_per_sm(m, 128, 32, 0) == 16             # 64 warps

@@ -222,3 +222,42 @@ def test_dropout_mask_is_the_same_in_triton():
     lo, hi = split_seed(seed)
     dropout_mask_kernel[(24,)](out, lo, hi, dropout_threshold(0.25), SK=64)
     assert torch.equal(out.cpu().bool(), dropout_mask(seed, 1, 1, 24, 64, 0.25)[0, 0])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_queries_whose_batches_are_not_packed_take_the_4d_descriptor(triton_backend, causal):
+    """Queries sliced out of a longer sequence (batch stride != sq x row stride) cannot be viewed as [b * sq, h * d]
+    rows: the forward loads them through the 4-D descriptor, with the same result as the packed layout."""
+    from megakernels.triton import flash_attention as fa
+
+    dtype = torch.float16 if triton_backend.name != "cpu" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 48, 2, 32, generator=g).to(dtype=dtype, device=triton_backend.device)[:, :40]
+    k, v, do = (torch.randn(2, 40, 2, 32, generator=g).to(dtype=dtype, device=triton_backend.device)
+                for _ in range(3))
+    assert fa._rows_descriptor(q, 32) is None and fa._rows_descriptor(q.contiguous(), 32) is not None
+    results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
+    exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(),
+                 do.double())
+    for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
+        assert _max_err(r, ex) < (1e-5 if dtype == torch.float32 else 4e-3) * max(1.0, ex.abs().max().item()), name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_with_64_row_query_blocks_matches_reference(triton_backend, causal, monkeypatch):
+    """The backward adds dQ as dS K when a query block has 64 rows or more (a wgmma's M), and as (K^T dS^T)^T below
+    that (the interpreter's default 32-row blocks): the 64-row form against the fp64 reference."""
+    from megakernels.triton import flash_attention as fa
+
+    if not triton_backend.emulated:
+        pytest.skip("sets the config of the Triton interpreter (cuda_emu); a GPU or the CPU path picks its own")
+    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", (64, 32, 4, 1))
+    case = (2, 130, 97, 4, 2, 64)
+    for dtype in _dtypes(triton_backend):
+        q, k, v, do = _inputs(case, dtype, triton_backend.device)
+        results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
+        exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(),
+                     v.double(), do.double())
+        lowp = _run(lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
+                    q.cpu(), k.cpu(), v.cpu(), do.cpu())
+        _assert_flash_style(results, lowp, exact, dtype)

@@ -149,4 +149,5 @@ def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float) -> model.Tile
     overlap = sum(c.fn.waits_after_mma(loop))
     return model.TileIteration(warps=warps, instructions=k.instructions - k.mma, mufu=k.mufu,
                                mma_flops=k.mma_flops * warps, wgmma=k.wgmma > 0, overlap_instr=overlap,
+                               mma_sync_flops=k.mma_sync_flops * warps,
                                l2_bytes=l2_bytes)

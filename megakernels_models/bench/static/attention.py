@@ -25,23 +25,28 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _fwd_schedule(launch, sq: int, sk: int):
-    """Per CTA (launch order: the query-block axis fastest): iterations of the unmasked and the masked loop."""
+    """Per CTA in launch order (grid axis 0 fastest): iterations of the unmasked and the masked loop."""
     bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
-    per_bh = []
-    for pid_m in range(launch.grid[0]):
+    per_block = []
+    for pid_m in range(_cdiv(sq, bm)):
         if causal:
             hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
             full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
         else:
             hi, full = sk, sk // bn * bn
-        per_bh.append({"full": full // bn, "masked": _cdiv(max(hi - full, 0), bn)})
-    order = [per_bh[i] for i in _fwd_order(launch)]
-    return order * launch.grid[1], {"full": 2 * bn * _head(launch) * 2, "masked": 2 * bn * _head(launch) * 2}
+        per_block.append({"full": full // bn, "masked": _cdiv(max(hi - full, 0), bn)})
+    return ([per_block[i] for i in _fwd_order(launch)],
+            {"full": 2 * bn * _head(launch) * 2, "masked": 2 * bn * _head(launch) * 2})
 
 
 def _fwd_order(launch) -> list[int]:
-    """The query block each program id along axis 0 takes (identity unless the kernel remaps it)."""
-    return list(range(launch.grid[0]))
+    """The query block of every program in launch order, as the kernel maps program ids: causal grids are
+    ``(b * h, blocks)`` with the last block first; the others ``(blocks, b * h)``."""
+    if launch.kwargs["CAUSAL"]:
+        heads, blocks = launch.grid
+        return [blocks - 1 - y for y in range(blocks) for _ in range(heads)]
+    blocks, heads = launch.grid
+    return list(range(blocks)) * heads
 
 
 def _head(launch) -> int:

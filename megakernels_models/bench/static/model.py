@@ -117,10 +117,12 @@ class TileIteration:
     wgmma: bool              # tensor cores through wgmma (else mma.sync)
     overlap_instr: float     # per warp: instructions issued while a wgmma is in flight
     l2_bytes: float          # per CTA (tile loads)
+    mma_sync_flops: float = 0.0  # per CTA: the part of mma_flops on mma.sync in a loop that also has wgmma
 
     def cycles(self, m: Machine) -> dict:
-        rate = 4096 * m.mma_sustained * (1.0 if self.wgmma else m.mma_sync_rate)  # FLOP per SM-clock
-        mma = self.mma_flops / rate
+        rate = 4096 * m.mma_sustained  # wgmma FLOP per SM-clock
+        sync = self.mma_sync_flops if self.wgmma else self.mma_flops
+        mma = (self.mma_flops - sync) / rate + sync / (rate * m.mma_sync_rate)
         issue = self.instructions * self.warps / 4
         mufu = self.mufu * 32 * self.warps / m.mufu_lanes
         l2 = self.l2_bytes / (m.l2_bw / m.sms / m.clock_hz)

@@ -58,6 +58,7 @@ class Counts:
     mma: int = 0                   # HGMMA (wgmma) + HMMA (mma.sync) instructions
     wgmma: int = 0
     mma_flops: float = 0.0         # FLOPs of the tensor-core instructions, per warp (wgmma: per warpgroup / 4)
+    mma_sync_flops: float = 0.0    # the part of mma_flops issued by HMMA (mma.sync)
     global_loads: dict = dataclasses.field(default_factory=dict)   # width in bytes -> count (cp.async included)
     global_stores: dict = dataclasses.field(default_factory=dict)
     async_copies: int = 0          # LDGSTS (cp.async)
@@ -89,6 +90,7 @@ class Counts:
             shape = op.split(".")[1] if "." in op else ""
             if shape.startswith("168") and shape[3:].isdigit():  # HMMA.16816: m16 n8 k16 per warp
                 self.mma_flops += 2 * 16 * 8 * int(shape[3:])
+                self.mma_sync_flops += 2 * 16 * 8 * int(shape[3:])
         elif b == "LDG":
             w = access_width(op)
             self.global_loads[w] = self.global_loads.get(w, 0) + 1
