@@ -234,3 +234,28 @@ def test_bf16_training_runs_and_learns(world1):
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     assert records[-1]["image_tokens_per_s"] > 0
+
+
+# A reduced vlm-tiny (a 2-layer 64-wide GPT, 16×16 images of two 8-pixel cells' shapes, 4 image tokens) whose captions
+# are cut to 7 characters ("a red c"): the first colour, the one of the upper or left shape, is the caption's main
+# image-dependent token. 150 steps take ~10 s on one core.
+LEARNS = ["--model", "vlm", "--preset", "vlm-tiny", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "8",
+          "--image-size", "16", "--patch-size", "8", "--vision-hidden-size", "32", "--steps", "150",
+          "--eval-interval", "0", "--no-progress"]
+
+
+def test_default_recipe_learns_to_read_the_image(tmp_path, capsys):
+    """After a short run, captions of held-out images are predicted far better with the image than by the best
+    text-only predictor or by the same model shown another sample's image: the model reads the pixels. (A model
+    that ignores its image prefix scores the text-only level on the image-dependent tokens.)"""
+    from megakernels_models.cli import main
+
+    assert main(["train", *LEARNS, "--save", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--load", str(tmp_path / "ckpt"), "--task", "caption", "--samples", "256",
+                 "--baseline-captions", "2048"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    seen, blind, rolled = (res[k]["image_token_accuracy"] for k in ("model", "text_only", "mismatched_image"))
+    assert res["image_tokens"] >= res["samples"], res  # at least the first colour of every caption
+    assert seen > 0.6 and seen > max(blind, rolled) + 0.25, res
+    assert res["model"]["exact_match"] > res["text_only"]["exact_match"] + 0.2, res
