@@ -259,3 +259,23 @@ def test_default_recipe_learns_to_read_the_image(tmp_path, capsys):
     assert res["image_tokens"] >= res["samples"], res  # at least the first colour of every caption
     assert seen > 0.6 and seen > max(blind, rolled) + 0.25, res
     assert res["model"]["exact_match"] > res["text_only"]["exact_match"] + 0.2, res
+
+
+def test_dry_run_counts_no_gradients_or_optimizer_state_for_frozen_parameters():
+    """LLaVA's first stage (only the projector trained): the frozen encoder and language model hold their bf16
+    weights, but gradients (4 bytes) and optimizer state (12) only for the projector's share of a device."""
+    from megakernels_models.dryrun import report
+
+    def run(freeze):
+        return report(TrainArgs(model="vlm", preset="vlm-7b", nproc=16, tp=8, micro_batch_size=1, global_batch_size=16,
+                                precision="bf16", freeze=freeze, dry_run=True), out=lambda *_: None)
+
+    full, stage1 = run(""), run("vision,lm")
+    # fc1 column-parallel (weight and bias split over tp = 8), fc2 row-parallel (weight split, bias replicated)
+    projector = (1024 * 4096 + 4096) // 8 + 4096 * 4096 // 8 + 4096
+    assert stage1["trained_parameters_per_device"] == projector and "trained_parameters_per_device" not in full
+    b, f = stage1["memory_breakdown_bytes"], full["memory_breakdown_bytes"]
+    assert b["weights"] == f["weights"] == 2 * full["parameters_per_device"]
+    assert (b["grads"], b["optimizer"]) == (4 * projector, 12 * projector)
+    assert (f["grads"], f["optimizer"]) == (4 * full["parameters_per_device"], 12 * full["parameters_per_device"])
+    assert stage1["layout"]["frozen"] == ["vision", "lm"]
