@@ -279,3 +279,48 @@ def test_dry_run_counts_no_gradients_or_optimizer_state_for_frozen_parameters():
     assert (b["grads"], b["optimizer"]) == (4 * projector, 12 * projector)
     assert (f["grads"], f["optimizer"]) == (4 * full["parameters_per_device"], 12 * full["parameters_per_device"])
     assert stage1["layout"]["frozen"] == ["vision", "lm"]
+
+
+def test_convert_puts_a_clip_vision_tower_in_front_of_a_language_model(single_world, tmp_path, capsys):
+    """``convert hf-to-megakernels --input GPT2 --vision CLIP``: a vision-language checkpoint whose encoder gives
+    CLIP's features, whose language model is the plain conversion's, and whose projector is the one ``--seed``
+    initialises; a directory that is not CLIP is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from megakernels_models import checkpoint, convert
+    from megakernels_models.cli import main
+    from megakernels_models.vision import Projector
+    from megakernels_models.vlm import VLMModel
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=24)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    clip = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+        intermediate_size=64, hidden_act="gelu")).eval()
+    clip.save_pretrained(tmp_path / "clip", safe_serialization=True)
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--vision",
+                 str(tmp_path / "clip"), "--output", str(tmp_path / "vlm"), "--seed", "5"]) == 0
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--output",
+                 str(tmp_path / "lm")]) == 0
+
+    meta, tensors = convert.read_checkpoint(str(tmp_path / "vlm"))
+    cfg = ModelConfig(**meta["config"])
+    assert (cfg.model, cfg.lm, cfg.num_image_tokens, cfg.hidden_size) == ("vlm", "gpt", 17, 32)
+    _, lm = convert.read_checkpoint(str(tmp_path / "lm"))
+    assert set(lm) == {k for k in tensors if not k.startswith(("vision.", "projector."))}
+    for name, t in lm.items():
+        torch.testing.assert_close(tensors[name], t, rtol=0, atol=0, msg=name)
+
+    model = VLMModel(cfg, seed=0).eval()
+    checkpoint.load(checkpoint.read_latest(str(tmp_path / "vlm")), [model], None, cfg)
+    pixels = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.vision(pixels.permute(0, 2, 3, 1)).transpose(0, 1),
+                                   clip(pixel_values=pixels).last_hidden_state, rtol=1e-4, atol=1e-4)
+    for name, t in Projector(cfg, 5).state_dict().items():
+        torch.testing.assert_close(model.projector.state_dict()[name], t, rtol=0, atol=0, msg=name)
+
+    capsys.readouterr()
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--vision",
+                 str(tmp_path / "gpt2"), "--output", str(tmp_path / "bad")]) == 2
+    assert "--vision" in capsys.readouterr().err
