@@ -224,16 +224,27 @@ def test_vlm_7b_dry_run_counts_llava_parameters():
     assert 0 < rep["memory_per_device_bytes"] < 141e9
 
 
-def test_bf16_training_runs_and_learns(world1):
+def _tiny_run(precision: str) -> list[dict]:
     from megakernels_models.train import train
 
-    records = train(TrainArgs(model="vlm", preset="none", **{k: v for k, v in TINY.items()
-                                                            if k != "attention_dropout"},
-                            precision="bf16", steps=4, micro_batch_size=4, global_batch_size=4, lr=5e-3,
-                            warmup_steps=1, eval_interval=0, progress=False))
+    return train(TrainArgs(model="vlm", preset="none", **{k: v for k, v in TINY.items() if k != "attention_dropout"},
+                           precision=precision, steps=4, micro_batch_size=4, global_batch_size=4, lr=5e-3,
+                           warmup_steps=1, eval_interval=0, progress=False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16bit_training_follows_the_fp32_curve(world1, precision):
+    """16-bit weights with fp32 master weights (fp16 with its dynamic loss scale): the loss falls, and each step's
+    loss and (unscaled) gradient norm are the fp32 run's within 16-bit rounding."""
+    ref, records = _tiny_run("fp32"), _tiny_run(precision)
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r["loss"] for r in ref]), rtol=2e-3, atol=0)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in records]),
+                               torch.tensor([r["grad_norm"] for r in ref]), rtol=2e-2, atol=0)  # unscaled
     assert records[-1]["image_tokens_per_s"] > 0
+    if precision == "fp16":
+        assert records[-1]["loss_scale"] > 1 and not any(r["skipped"] for r in records)
 
 
 # A reduced vlm-tiny (a 2-layer 64-wide GPT, 16×16 images of two 8-pixel cells' shapes, 4 image tokens) whose captions
