@@ -2,6 +2,7 @@
 
 Sources (docs/design.md §1-2):
 - csrc/bindings/*.cpp              the only torch-facing C++ (checks, dispatch, TORCH_LIBRARY registration),
+                                   compiled as one unit through csrc/bindings/all.cpp (which must include each),
                                    one file per kernel family plus common.cpp and module.cpp
 - csrc/<family>/*_cpu.cpp          torch-free CPU kernels
 - csrc/<family>/*_cuda.cu          torch-free CUDA kernels, built when nvcc and a CUDA torch are present
@@ -55,6 +56,19 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
+def _bindings_unit():
+    """csrc/bindings/all.cpp, after checking that it includes every other bindings file (a family left out
+    would build and import fine, without its ops)."""
+    unit = os.path.join(ROOT, "csrc", "bindings", "all.cpp")
+    with open(unit) as f:
+        text = f.read()
+    for path in sorted(glob.glob(os.path.join(ROOT, "csrc", "bindings", "*.cpp"))):
+        name = os.path.basename(path)
+        if name != "all.cpp" and f'#include "{name}"' not in text:
+            sys.exit(f"megakernels: csrc/bindings/all.cpp must #include \"{name}\" (it builds every bindings file)")
+    return unit
+
+
 def _arch_flags(archs):
     flags = []
     for arch in archs.replace(",", ";").split(";"):
@@ -70,8 +84,7 @@ def extensions():
     with_cuda = not force_cpu and torch.version.cuda is not None and _nvcc() is not None
     with_emu = cuda_inc is not None and os.environ.get("MEGAKERNELS_NO_EMU", "0") != "1"
 
-    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "bindings", "*.cpp"))
-                   + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
+    sources = _rel([_bindings_unit()] + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
     # -fopenmp: at::parallel_for is inline and runs `omp parallel` in *our* translation unit; without the flag it
     # silently runs serially. The libgomp.so.1 this links is the one torch has already loaded (same soname), so
     # there is one OpenMP runtime and one thread pool in the process (tests/test_threads.py checks both).

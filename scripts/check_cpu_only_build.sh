@@ -2,7 +2,8 @@
 # The CPU-only build (MEGAKERNELS_FORCE_CPU_ONLY=1): builds the extension without the CUDA kernels from a clean
 # export of HEAD in a temporary directory, then runs the backend and op tests against it (backends cpu and
 # cuda_emu; the cuda-marked tests skip, as on a machine without a GPU). Uses the .venv of scripts/setup.sh.
-# About 5 CPU-minutes of compiling, which is why CI (scripts/test.sh) does not run it.
+# A few CPU-minutes of compiling, which is why CI (scripts/test.sh) does not run it; CI compiles the one unit that
+# differs from the full build (tests/test_cpu_only_build.py: the bindings reference no CUDA launcher).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

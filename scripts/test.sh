@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine (README, .ci/run):
-#   1. CMake build of csrc without Python: every .cu compiled for sm_90 by nvcc (a compile error fails here),
-#      plus the C++ tests (emulator and emulated kernels, plain / AddressSanitizer / ThreadSanitizer) via ctest.
-#      It needs neither Python nor torch, so it runs in the background from the start, beside the set-up (which
-#      mostly waits on unpacking packages) and pytest; its log is build/cpp-tests.log, its result checked at the end;
+#   1. CMake build of the C++ tests without Python (emulator and emulated kernels, plain / AddressSanitizer /
+#      ThreadSanitizer) and ctest. It needs neither Python nor torch, so it runs in the background from the start,
+#      beside the set-up and pytest; its log is build/cpp-tests.log, its result checked at the end. It skips the
+#      kernel libraries (MEGAKERNELS_KERNEL_LIBS=OFF): the extension build compiles the same CPU kernels, and every
+#      .cu for sm_90 with nvcc (a compile error fails the set-up; checked below that the CUDA kernels were built);
 #   2. set-up (scripts/setup.sh), then pytest: the Python test suite (cpu and cuda_emu backends; cuda-marked tests
 #      skip without a GPU) and the benchmark suite in quick mode (runs every benchmark once, times nothing), on two
 #      pytest-xdist workers with whole files per worker (a file's spawned worlds and module fixtures are shared by
@@ -16,16 +17,19 @@ mkdir -p build
 if [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDACXX=/usr/local/cuda/bin/nvcc; fi
 (
   set -euo pipefail
-  cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release -DMEGAKERNELS_CUDA_ARCHS=90 >/dev/null
+  cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release -DMEGAKERNELS_KERNEL_LIBS=OFF >/dev/null
   cmake --build build/cmake -j 2
   ctest --test-dir build/cmake --output-on-failure -j 2
 ) > build/cpp-tests.log 2>&1 &
 CPP=$!
 trap 'kill $CPP 2>/dev/null || true' EXIT
 
-# Nothing runs the CUDA kernels here: the extension compiles them for one architecture (the CMake build above
-# compiles the same .cu files standalone).
+# Nothing runs the CUDA kernels here: the extension compiles them for one architecture.
 MEGAKERNELS_CUDA_ARCHS=${MEGAKERNELS_CUDA_ARCHS:-90} bash scripts/setup.sh
+if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
+  .venv/bin/python -c "import megakernels, sys; megakernels.has_backend('cuda') or sys.exit(
+      'nvcc is installed but the extension was built without its CUDA kernels: the .cu files were not compiled')"
+fi
 
 status=0
 .venv/bin/python -m pytest tests benchmarks --benchmark-disable -q -p no:cacheprovider -n 2 --dist loadfile \

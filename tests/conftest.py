@@ -30,6 +30,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Spawned worlds start their ranks from a fork server that has imported torch once (megakernels.parallel.launch):
 # the suite runs hundreds of ranks, each of which would otherwise pay torch's import.
 os.environ.setdefault("MEGAKERNELS_START_METHOD", "forkserver")
+# ... which also imports, once, what a rank that trains would import on its own: the trainer (~1.7 s: with
+# torch.distributed.checkpoint and what it pulls in) and torch._dynamo (~3 s; torch.optim.Optimizer imports it
+# when the first parameter group is added).
+os.environ.setdefault("MEGAKERNELS_FORKSERVER_PRELOAD", "torch._dynamo,megakernels_models.train")
 
 import megakernels  # noqa: E402
 from tests.helpers import Backend  # noqa: E402
@@ -68,13 +72,22 @@ def triton_backend(backend):
     return backend
 
 
-# The longest test files, run first: with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of
-# work, and the longest one started last would leave the other worker idle at the end.
-LONG_POLES = ("tests/models/test_layouts.py",)
+# The longest test files (spawned worlds, Triton compiles; 40-300 s each), longest first and run before the rest:
+# with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of work, and a long one started last
+# would leave the other worker idle at the end.
+LONG_POLES = ("tests/models/test_layouts.py", "tests/bench/test_static.py", "tests/models/test_launch.py",
+              "tests/models/test_elastic.py", "tests/models/test_preemption.py",
+              "tests/integrations/test_accelerate.py", "tests/models/test_generate.py",
+              "tests/models/test_async_checkpoint.py", "tests/optim/test_multi_tensor.py")
+
+
+def _run_order(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONG_POLES.index(path) if path in LONG_POLES else len(LONG_POLES)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_POLES))  # stable: the rest keep their order
+    items.sort(key=_run_order)  # stable: the rest keep their order
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")

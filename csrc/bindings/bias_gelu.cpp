@@ -4,7 +4,7 @@
 
 namespace megakernels {
 namespace bindings {
-namespace {
+namespace bias_gelu_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
 
 // The CUDA launchers of bias_gelu_cuda.cu, as built by nvcc or for the emulator.
 struct BiasGeluKernels {
@@ -89,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
   return {dx, dbias};
 }
 
-}  // namespace
+}  // namespace bias_gelu_ops
 }  // namespace bindings
 }  // namespace megakernels
 
@@ -99,13 +99,13 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
-  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_fwd);
-  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_bwd);
+  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_ops::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_ops::bias_gelu_bwd);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
-  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_fwd);
-  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_bwd);
+  m.impl("bias_gelu_fwd", &megakernels::bindings::bias_gelu_ops::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &megakernels::bindings::bias_gelu_ops::bias_gelu_bwd);
 }
 #endif

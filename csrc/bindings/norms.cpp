@@ -4,7 +4,7 @@
 
 namespace megakernels {
 namespace bindings {
-namespace {
+namespace norms_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
 
 // The CUDA launchers of norms_cuda.cu, as built by nvcc or for the emulator.
 struct NormKernels {
@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
   return {dx, dw, db};
 }
 
-}  // namespace
+}  // namespace norms_ops
 }  // namespace bindings
 }  // namespace megakernels
 
@@ -164,14 +164,14 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
-  m.impl("norm_fwd", &megakernels::bindings::norm_fwd);
-  m.impl("norm_bwd", &megakernels::bindings::norm_bwd);
+  m.impl("norm_fwd", &megakernels::bindings::norms_ops::norm_fwd);
+  m.impl("norm_bwd", &megakernels::bindings::norms_ops::norm_bwd);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
-  m.impl("norm_fwd", &megakernels::bindings::norm_fwd);
-  m.impl("norm_bwd", &megakernels::bindings::norm_bwd);
+  m.impl("norm_fwd", &megakernels::bindings::norms_ops::norm_fwd);
+  m.impl("norm_bwd", &megakernels::bindings::norms_ops::norm_bwd);
 }
 #endif
 

@@ -10,7 +10,7 @@
 
 namespace megakernels {
 namespace bindings {
-namespace {
+namespace optim_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
 
 // The CUDA launchers of adamw_cuda.cu, as built by nvcc or for the emulator.
 struct OptimKernels {
@@ -254,7 +254,7 @@ at::Tensor multi_tensor_l2norm(at::TensorList tensors_in, int64_t chunk_size, bo
   return out;
 }
 
-}  // namespace
+}  // namespace optim_ops
 }  // namespace bindings
 }  // namespace megakernels
 
@@ -270,15 +270,15 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
-  m.impl("adamw_", &megakernels::bindings::adamw_);
-  m.impl("multi_tensor_nonfinite_check_", &megakernels::bindings::multi_tensor_nonfinite_check_);
-  m.impl("multi_tensor_l2norm", &megakernels::bindings::multi_tensor_l2norm);
+  m.impl("adamw_", &megakernels::bindings::optim_ops::adamw_);
+  m.impl("multi_tensor_nonfinite_check_", &megakernels::bindings::optim_ops::multi_tensor_nonfinite_check_);
+  m.impl("multi_tensor_l2norm", &megakernels::bindings::optim_ops::multi_tensor_l2norm);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
-  m.impl("adamw_", &megakernels::bindings::adamw_);
-  m.impl("multi_tensor_nonfinite_check_", &megakernels::bindings::multi_tensor_nonfinite_check_);
-  m.impl("multi_tensor_l2norm", &megakernels::bindings::multi_tensor_l2norm);
+  m.impl("adamw_", &megakernels::bindings::optim_ops::adamw_);
+  m.impl("multi_tensor_nonfinite_check_", &megakernels::bindings::optim_ops::multi_tensor_nonfinite_check_);
+  m.impl("multi_tensor_l2norm", &megakernels::bindings::optim_ops::multi_tensor_l2norm);
 }
 #endif

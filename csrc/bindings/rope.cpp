@@ -6,7 +6,7 @@
 
 namespace megakernels {
 namespace bindings {
-namespace {
+namespace rope_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
 
 // The CUDA launcher of rope_cuda.cu, as built by nvcc or for the emulator.
 struct RopeKernels {
@@ -113,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> rope_fwd(const at::Tensor& q_in, const at::Te
   return {qo, ko};
 }
 
-}  // namespace
+}  // namespace rope_ops
 }  // namespace bindings
 }  // namespace megakernels
 
@@ -123,8 +123,8 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
       " bool interleaved, int seq_dim, bool inverse, bool emulate) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(megakernels, CPU, m) { m.impl("rope", &megakernels::bindings::rope_fwd); }
+TORCH_LIBRARY_IMPL(megakernels, CPU, m) { m.impl("rope", &megakernels::bindings::rope_ops::rope_fwd); }
 
 #ifdef MEGAKERNELS_WITH_CUDA
-TORCH_LIBRARY_IMPL(megakernels, CUDA, m) { m.impl("rope", &megakernels::bindings::rope_fwd); }
+TORCH_LIBRARY_IMPL(megakernels, CUDA, m) { m.impl("rope", &megakernels::bindings::rope_ops::rope_fwd); }
 #endif

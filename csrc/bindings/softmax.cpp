@@ -7,7 +7,7 @@
 
 namespace megakernels {
 namespace bindings {
-namespace {
+namespace softmax_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
 
 // The CUDA launchers of softmax_cuda.cu, as built by nvcc or for the emulator.
 struct SoftmaxKernels {
@@ -125,7 +125,7 @@ at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y_in, double s
   return dx;
 }
 
-}  // namespace
+}  // namespace softmax_ops
 }  // namespace bindings
 }  // namespace megakernels
 
@@ -135,13 +135,13 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
-  m.impl("softmax_fwd", &megakernels::bindings::softmax_fwd);
-  m.impl("softmax_bwd", &megakernels::bindings::softmax_bwd);
+  m.impl("softmax_fwd", &megakernels::bindings::softmax_ops::softmax_fwd);
+  m.impl("softmax_bwd", &megakernels::bindings::softmax_ops::softmax_bwd);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
-  m.impl("softmax_fwd", &megakernels::bindings::softmax_fwd);
-  m.impl("softmax_bwd", &megakernels::bindings::softmax_bwd);
+  m.impl("softmax_fwd", &megakernels::bindings::softmax_ops::softmax_fwd);
+  m.impl("softmax_bwd", &megakernels::bindings::softmax_ops::softmax_bwd);
 }
 #endif

@@ -4,7 +4,7 @@
 
 namespace megakernels {
 namespace bindings {
-namespace {
+namespace swiglu_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
 
 // The CUDA launchers of swiglu_cuda.cu, as built by nvcc or for the emulator.
 struct SwigluKernels {
@@ -94,7 +94,7 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool emul
   return dx;
 }
 
-}  // namespace
+}  // namespace swiglu_ops
 }  // namespace bindings
 }  // namespace megakernels
 
@@ -104,13 +104,13 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
-  m.impl("swiglu_fwd", &megakernels::bindings::swiglu_fwd);
-  m.impl("swiglu_bwd", &megakernels::bindings::swiglu_bwd);
+  m.impl("swiglu_fwd", &megakernels::bindings::swiglu_ops::swiglu_fwd);
+  m.impl("swiglu_bwd", &megakernels::bindings::swiglu_ops::swiglu_bwd);
 }
 
 #ifdef MEGAKERNELS_WITH_CUDA
 TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
-  m.impl("swiglu_fwd", &megakernels::bindings::swiglu_fwd);
-  m.impl("swiglu_bwd", &megakernels::bindings::swiglu_bwd);
+  m.impl("swiglu_fwd", &megakernels::bindings::swiglu_ops::swiglu_fwd);
+  m.impl("swiglu_bwd", &megakernels::bindings::swiglu_ops::swiglu_bwd);
 }
 #endif

@@ -4,7 +4,7 @@
 #   include(<repo>/csrc/emu/emu.cmake)   # or add_subdirectory(csrc/emu), which includes it
 #
 #   megakernels_emu_test(<name> SOURCES <file.cpp|file.cu>... [ARGS <arg>...] [FLAVOURS plain asan tsan])
-#     Builds <name>_plain (-O1 -g), <name>_asan (AddressSanitizer) and <name>_tsan (ThreadSanitizer) and adds
+#     Builds <name>_plain (-O1 -g1), <name>_asan (AddressSanitizer) and <name>_tsan (ThreadSanitizer) and adds
 #     a ctest test of the same name for each. A .cu source is compiled as C++ through a generated one-line
 #     wrapper that #includes it (g++ does not know the .cu extension), with MEGAKERNELS_CUDA_EMU defined and
 #     csrc/ on the include path, so the file includes "common/cuda_compat.h". Flavours whose sanitizer the
@@ -97,7 +97,9 @@ function(megakernels_emu_test name)
     set(target "${name}_${flavour}")
     add_executable(${target} ${sources})
     target_link_libraries(${target} PRIVATE megakernels_emu)
-    target_compile_options(${target} PRIVATE -O1 -g ${san})
+    # -g1 (line tables): sanitizer reports still name file:line, and the heavily templated kernel sources compile
+    # in half the time of full -g.
+    target_compile_options(${target} PRIVATE -O1 -g1 ${san})
     target_link_options(${target} PRIVATE ${san})
     add_test(NAME ${target} COMMAND ${target} ${arg_ARGS})
     set_tests_properties(${target} PROPERTIES TIMEOUT 300 LABELS "emu;${flavour}")

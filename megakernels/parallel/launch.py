@@ -10,7 +10,10 @@ module-level function and its arguments and return value picklable (tensors are 
 ``MEGAKERNELS_START_METHOD=forkserver`` starts the ranks from a fork server instead: a clean single-threaded
 process that imported torch once and forks each rank from there, so a rank starts in milliseconds instead of paying
 torch's import (~1.5 s of CPU each) -- for processes that run many small worlds, such as the test suite. Each rank
-still gets this process's current environment and working directory, as a spawned one would.
+still gets this process's current environment and working directory, and writes to its stdout/stderr, as a
+spawned one would. ``MEGAKERNELS_FORKSERVER_PRELOAD`` (comma-separated module names) adds modules for the server to
+import once, e.g. ``megakernels_models.train`` (~1.7 s of imports per rank that trains); they must not start
+threads or read the environment at import.
 
 The rendezvous store is a ``TCPStore`` hosted by the parent on a port the kernel picks (port 0), so there is no
 window between choosing a free port and binding it; every rank connects as a client. With ``init="env"`` the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import io
 import math
 import os
@@ -75,8 +79,22 @@ def _context():
     if method == "forkserver":
         # torch and this package, which read the environment only when used (not at import): what a rank imports
         # after the fork sees the environment it was given (below). Nothing here starts a thread.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "megakernels.parallel.launch"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "megakernels.parallel.launch"] + _extra_preload())
     return ctx
+
+
+def _extra_preload() -> list[str]:
+    """The modules named by MEGAKERNELS_FORKSERVER_PRELOAD; ValueError for one that cannot be found (the fork
+    server would skip it silently)."""
+    names = [n.strip() for n in os.environ.get("MEGAKERNELS_FORKSERVER_PRELOAD", "").split(",") if n.strip()]
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"MEGAKERNELS_FORKSERVER_PRELOAD names module {name!r}, which cannot be imported")
+    return names
 
 
 class _Stdio:
@@ -97,6 +115,9 @@ class _Stdio:
 
 def _child(rank: int, world_size: int, port: int, init: str, timeout: float, threads: int, results, fn,
            args, env: dict | None = None, cwd: str | None = None, stdio=None) -> None:
+    # `stdio` (a _Stdio, forkserver only) did its work while the arguments were unpickled: this process's
+    # stdout/stderr are already the launcher's.
+    del stdio
     if env is not None:  # forked from the fork server, whose environment is the one it started with
         os.environ.clear()
         os.environ.update(env)

@@ -1,5 +1,6 @@
 """Property test: random shapes, dtypes, parameter dtypes and activations against the fp64 reference
-(200 examples per op on the C++ CPU backend, 60 through the CUDA emulator)."""
+(200 examples per op on the C++ CPU backend, 30 through the CUDA emulator, whose thread-per-CUDA-thread blocks
+make each example ~100x dearer; the ctest suite also runs these kernels, at hidden sizes 1 to 4104)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,4 @@ def fuzz(case, backend, examples):
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=str)
 def test_fuzz_against_reference(case, backend):
-    fuzz(case, backend, 60 if backend.emulated else 200)
+    fuzz(case, backend, 30 if backend.emulated else 200)

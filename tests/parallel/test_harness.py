@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -51,6 +52,10 @@ def _env_initialised(rank, world_size):
 def _where_am_i(rank, world_size):
     print(f"rank {rank} on stdout", flush=True)
     return os.getcwd(), os.environ.get("MEGAKERNELS_TEST_MARK")
+
+
+def _preloaded(rank, world_size, names):
+    return {name: name in sys.modules for name in names}
 
 
 def _no_children_left():
@@ -137,6 +142,22 @@ def test_forkserver_ranks_get_the_current_environment_directory_and_stdout(monke
     assert sorted(line for line in log.read_text().splitlines() if "on stdout" in line) == [
         "rank 0 on stdout", "rank 1 on stdout"]
     _no_children_left()
+
+
+def test_forkserver_ranks_start_with_the_preload_modules_imported(monkeypatch):
+    """What MEGAKERNELS_FORKSERVER_PRELOAD names (tests/conftest.py: the trainer) is imported by the fork server
+    once, so a rank starts with it; nothing this test module imports pulls it in."""
+    monkeypatch.setenv("MEGAKERNELS_START_METHOD", "forkserver")
+    names = [n for n in os.environ.get("MEGAKERNELS_FORKSERVER_PRELOAD", "").split(",") if n]
+    assert "megakernels_models.train" in names and "torch._dynamo" in names
+    assert run_world(2, _preloaded, names, timeout=60) == [{name: True for name in names}] * 2
+
+
+def test_a_preload_module_that_does_not_exist_is_named(monkeypatch):
+    monkeypatch.setenv("MEGAKERNELS_START_METHOD", "forkserver")
+    monkeypatch.setenv("MEGAKERNELS_FORKSERVER_PRELOAD", "torch,no_such_module_here")
+    with pytest.raises(ValueError, match="MEGAKERNELS_FORKSERVER_PRELOAD names module 'no_such_module_here'"):
+        run_world(1, _sum_of_ranks, 1.0)
 
 
 def test_an_unknown_start_method_is_named(monkeypatch):
