@@ -406,7 +406,7 @@ PRESETS.update({
     # captions' (with 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes:
     # benchmarks/results/2026-12-01-cpu-vlm-caption.md). The same encoder at 8-pixel patches (16 image tokens) with
     # Flamingo-style gated cross-attention every second layer over a tiny Llama.
-    "vlm-tiny": ModelConfig("vlm", lm="gpt", **{**_VLM_TINY, "patch_size": 16}, contrastive_coeff=1.0),
+    "vlm-tiny": ModelConfig("vlm", lm="gpt", **{**_VLM_TINY, "patch_size": 16}, contrastive_coeff=0.5),
     "vlm-llama-tiny": ModelConfig("vlm", lm="llama", **{**_VLM_TINY, "num_kv_heads": 2}, cross_attention_every=2),
     # LLaVA-1.5 shape: a ViT-L/14 (CLIP) encoder at 336 px (576 patches) and a Llama-2-7B.
     "vlm-7b": ModelConfig("vlm", lm="llama", image_size=336, patch_size=14, vision_layers=24, vision_hidden_size=1024,
