@@ -214,6 +214,10 @@ class TrainArgs:
         first attempt and outside torchrun). A restart may come with a different world size."""
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
+    def frozen_parts(self) -> tuple[str, ...]:
+        """``--freeze``'s name parts (``Task.is_frozen``), empty ones dropped."""
+        return tuple(n.strip() for n in self.freeze.split(",") if n.strip())
+
     def data_parallel_size(self) -> int:
         return self.world_size() // (self.tp * self.cp * self.pp)
 

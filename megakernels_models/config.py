@@ -401,9 +401,12 @@ _VLM_TINY = dict(image_size=32, patch_size=8, vision_layers=2, vision_hidden_siz
                  num_layers=4, hidden_size=128, num_heads=4, seq_length=48, vocab_size=261, dropout=0.0,
                  attention_dropout=0.0)
 PRESETS.update({
-    # Vision-language: a ViT-Ti-like encoder over 32×32 images (16 patches) and a 4-layer GPT, for the CPU; the same
-    # with Flamingo-style gated cross-attention every second layer over a tiny Llama.
-    "vlm-tiny": ModelConfig("vlm", lm="gpt", **_VLM_TINY),
+    # Vision-language, for the CPU: a 2-layer 64-wide ViT over 32×32 images and a 4-layer GPT; vlm-tiny reads 16-pixel
+    # patches (a 2×2 grid, one per cell of the embedded shapes) and trains with the contrastive loss beside the
+    # captions' (with 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes:
+    # benchmarks/results/2026-12-01-cpu-vlm-caption.md). The same encoder at 8-pixel patches (16 image tokens) with
+    # Flamingo-style gated cross-attention every second layer over a tiny Llama.
+    "vlm-tiny": ModelConfig("vlm", lm="gpt", **{**_VLM_TINY, "patch_size": 16}, contrastive_coeff=0.5),
     "vlm-llama-tiny": ModelConfig("vlm", lm="llama", **{**_VLM_TINY, "num_kv_heads": 2}, cross_attention_every=2),
     # LLaVA-1.5 shape: a ViT-L/14 (CLIP) encoder at 336 px (576 patches) and a Llama-2-7B.
     "vlm-7b": ModelConfig("vlm", lm="llama", image_size=336, patch_size=14, vision_layers=24, vision_hidden_size=1024,

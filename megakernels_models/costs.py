@@ -8,7 +8,8 @@ Memory per device, Megatron-LM's accounting:
   pipeline stages; the most loaded stage is reported;
 - weights + gradients + optimizer state per parameter: 16-bit training keeps 2-byte weights, 4-byte fp32 gradients
   and 12 bytes of fp32 master weight + Adam moments (18), the distributed optimizer shards the 12 over dp·cp (the
-  experts' over the ranks holding the same experts); fp32 training 4 + 4 + 8;
+  experts' over the ranks holding the same experts); fp32 training 4 + 4 + 8; parameters frozen by ``--freeze``
+  (``Layout.frozen``) hold their weights only — no gradient, no optimizer state;
 - activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``) for a stage's layers, times
   the micro-batches the schedule keeps in flight on the first stage (1F1B: pp; interleaved: × (1 + (pp−1)/(pp·vpp));
   GPipe: all m), plus the last stage's fp32 logits.
@@ -65,6 +66,7 @@ class Layout:
     precision: str = "bf16"
     schedule: str = "1f1b"
     flash: bool = True
+    frozen: tuple[str, ...] = ()  # --freeze's name parts (Task.is_frozen): weights without gradients or optimizer
 
     @property
     def world(self) -> int:
@@ -136,9 +138,14 @@ def host_bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts_only: bool = False) -> list[int]:
-    """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``)."""
+def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts_only: bool = False,
+                     frozen: tuple[str, ...] | None = None) -> list[int]:
+    """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``); with ``frozen`` (``--freeze``'s
+    name parts) only the trained ones, those ``Task.is_frozen`` leaves out."""
+    from megakernels_models.tasks import task_for
+
     model, cfg = model_key.model, model_key.config
+    skip = (lambda name: task_for(cfg).is_frozen(name, list(frozen))) if frozen else (lambda name: False)
     owner = {}
     for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp)):
         for layers in chunks:
@@ -148,7 +155,7 @@ def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts
     kv_copies = max(1, tp // cfg.num_kv_heads)  # key/value heads replicated when tp exceeds them
     stages = [0] * pp
     for name, p in model.named_parameters():
-        if experts_only and not is_expert_parallel(p):
+        if (experts_only and not is_expert_parallel(p)) or skip(name):
             continue
         if is_expert_parallel(p):
             n = p.numel() // tp // ep
@@ -169,7 +176,7 @@ def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts
             stages[0] += n
         else:
             stages[-1] += n
-    if pp > 1 and cfg.tie_embeddings and not experts_only:
+    if pp > 1 and cfg.tie_embeddings and not experts_only and not skip("embedding.word.weight"):
         stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
     return stages
 
@@ -210,6 +217,8 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     cfg, L = meta.config, layout
     stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep)
     expert_stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True)
+    trained = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, frozen=L.frozen) if L.frozen else stages
+    trained_experts = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True, L.frozen) if L.frozen else expert_stages
     w, g, o = bytes_per_param(L)
     _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
     bytes_el = 2 if L.precision != "fp32" else 4
@@ -225,18 +234,18 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
         vision = v.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash) \
             * v.num_layers
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
-    for r, (n, e) in enumerate(zip(stages, expert_stages)):
+    for r, (n, t, e) in enumerate(zip(stages, trained, trained_experts)):
         act = (per_layer * layers + (vision if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
         if r == L.pp - 1:
             act += logits
-        out.append({"weights": n * w, "grads": n * g, "optimizer": (n - e) * o + e * eo, "activations": act})
+        out.append({"weights": n * w, "grads": t * g, "optimizer": (t - e) * o + e * eo, "activations": act})
     totals = [sum(x.values()) for x in out]
     worst = max(range(L.pp), key=lambda r: totals[r])
-    host = max((n - e) * host_bytes_per_param(L) + e * host_bytes_per_param(L, True, L.ep)
-               for n, e in zip(stages, expert_stages))
+    host = max((t - e) * host_bytes_per_param(L) + e * host_bytes_per_param(L, True, L.ep)
+               for t, e in zip(trained, trained_experts))
     return {"per_stage": totals, "worst": worst, "breakdown": out[worst], "total": totals[worst],
             "host_optimizer_bytes": host,
-            "parameters_per_device": max(stages),
+            "parameters_per_device": max(stages), "trained_parameters_per_device": max(trained),
             "expert_bytes": max(e * (w + g + eo) for e in expert_stages),
             "activations_per_layer": per_layer, "in_flight": flight}
 

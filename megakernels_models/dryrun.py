@@ -27,7 +27,8 @@ def layout_of(args: TrainArgs) -> costs.Layout:
                         global_batch_size=args.global_batch_size, sequence_parallel=args.sequence_parallel,
                         distributed_optimizer=args.distributed_optimizer,
                         offload_optimizer=args.offload_optimizer, recompute=args.recompute,
-                        precision=args.precision, schedule=args.schedule, flash=args.attention == "flash")
+                        precision=args.precision, schedule=args.schedule, flash=args.attention == "flash",
+                        frozen=args.frozen_parts())
 
 
 def _offload_seconds(meta: costs.MetaModel, layout: costs.Layout, args: TrainArgs) -> dict:
@@ -68,6 +69,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     rep = {
         "model": cfg.model, "preset": args.preset_name(), "parameters": meta.parameters,
         "active_parameters": meta.active_parameters, "parameters_per_device": mem["parameters_per_device"],
+        **({"trained_parameters_per_device": mem["trained_parameters_per_device"]} if L.frozen else {}),
         **({"expert_memory_per_device_bytes": mem["expert_bytes"]} if cfg.num_experts else {}),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
@@ -82,7 +84,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
                    "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
                    "distributed_optimizer": args.distributed_optimizer,
                    "offload_optimizer": args.offload_optimizer, "recompute": args.recompute,
-                   "precision": args.precision},
+                   "precision": args.precision, **({"frozen": list(L.frozen)} if L.frozen else {})},
         "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
                   for r in range(min(world, 4096))},
     }
@@ -113,7 +115,9 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         f"seq {cfg.seq_length}, vocab {cfg.vocab_size}")
     out(f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
         "device" + (f"; {human(rep['active_parameters'])} active per token ({cfg.num_experts} experts, top "
-                    f"{cfg.moe_top_k})" if cfg.num_experts else ""))
+                    f"{cfg.moe_top_k})" if cfg.num_experts else "")
+        + (f"; {human(rep['trained_parameters_per_device'])} trained on it (--freeze {','.join(lay['frozen'])}: "
+           "the frozen ones have no gradients or optimizer state)" if "trained_parameters_per_device" in rep else ""))
     if "expert_memory_per_device_bytes" in rep:
         out(f"expert weights, gradients and optimizer state per device: "
             f"{human(rep['expert_memory_per_device_bytes'], 'B')} (ep={lay['ep']})")

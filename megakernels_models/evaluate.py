@@ -191,6 +191,7 @@ def _caption(ns) -> int:
         return 2
     for name in ("model", "mismatched_image", "text_only"):
         r = res[name]
-        print(f"caption {name:>16}: token accuracy {r['token_accuracy']:.4f}, exact match {r['exact_match']:.4f}")
+        print(f"caption {name:>16}: token accuracy {r['token_accuracy']:.4f}, exact match {r['exact_match']:.4f}, "
+              f"image-dependent token accuracy {r['image_token_accuracy']:.4f}")
     print(json.dumps(res))
     return 0

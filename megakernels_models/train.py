@@ -64,7 +64,7 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
                                  sequence_parallel=args.sequence_parallel, attention=args.attention,
                                  recompute=args.recompute, device=device)
         chunks.append(chunk.to(args.param_dtype()))
-    frozen = [n.strip() for n in args.freeze.split(",") if n.strip()]
+    frozen = list(args.frozen_parts())
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if task.is_frozen(name, frozen):

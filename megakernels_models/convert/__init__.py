@@ -2,6 +2,7 @@
 
     megakernels convert hf-to-megakernels --input HF_DIR --output CKPT_DIR     # then: train --load CKPT_DIR
     megakernels convert megakernels-to-hf --input CKPT_DIR --output HF_DIR     # then: from_pretrained(HF_DIR)
+    megakernels convert hf-to-megakernels --input LM_DIR --vision CLIP_DIR --output CKPT_DIR   # a LLaVA-style vlm
 
 One module per family (``gpt2``, ``bert``, ``llama``, ``mixtral``) holds its config translation both ways and one table of
 tensor rules (``common.Rule``) applied in both directions. A ``tokenizer.json`` travels with the weights: the HF
@@ -37,9 +38,12 @@ def _family(model_type):
     return FAMILIES[model_type]
 
 
-def hf_to_megakernels(hf_dir: str, out_dir: str, rope_interleaved: bool = False) -> str:
+def hf_to_megakernels(hf_dir: str, out_dir: str, rope_interleaved: bool = False, vision_dir: str | None = None,
+                      seed: int = 1234) -> str:
     """Convert a HuggingFace model directory into a megakernels checkpoint directory; returns the checkpoint's path.
     ``rope_interleaved``: a Llama becomes a megakernels Llama with the interleaved rotary layout (rows permuted).
+    ``vision_dir``: a HuggingFace CLIP directory whose vision tower goes in front of the language model, making a
+    vision-language checkpoint with a projector initialised from ``seed`` (``clip.with_clip_vision``).
 
     Raises:
         ConversionError: an unsupported model type or setting, a missing tensor, or an occupied ``out_dir``.
@@ -51,7 +55,13 @@ def hf_to_megakernels(hf_dir: str, out_dir: str, rope_interleaved: bool = False)
         raise ConversionError(f"--rope-interleaved is for Llama and Mixtral models, not {fam.MODEL_TYPE}")
     cfg = fam.config_to_ours(hf, rope_interleaved) if rotary else fam.config_to_ours(hf)
     ours = apply(fam.rules(cfg), fam.normalize(tensors), "to_ours")
-    path = write_checkpoint(ours, cfg, out_dir, f"hf-{fam.MODEL_TYPE}")
+    source = f"hf-{fam.MODEL_TYPE}"
+    if vision_dir is not None:
+        from megakernels_models.convert.clip import with_clip_vision
+
+        cfg, ours = with_clip_vision(cfg, ours, vision_dir, seed)
+        source += "+clip"
+    path = write_checkpoint(ours, cfg, out_dir, source)
     _copy_tokenizer(hf_dir, out_dir)
     return path
 
@@ -100,6 +110,11 @@ def add_parser(sub) -> None:
     p.add_argument("--output", required=True, help="megakernels checkpoint directory, or HF model directory")
     p.add_argument("--rope-interleaved", action="store_true", help="hf-to-megakernels of a Llama: use the "
                    "interleaved rotary layout (pairs 2i, 2i+1), permuting the query/key rows to match")
+    p.add_argument("--vision", metavar="CLIP_DIR", help="hf-to-megakernels: a HuggingFace CLIP model (or CLIP vision "
+                   "model) directory whose vision tower goes in front of the language model, making a vision-language "
+                   "checkpoint (LLaVA) with a fresh projector; train it first with --freeze vision,lm")
+    p.add_argument("--seed", type=int, default=1234, help="with --vision: the projector's initialisation seed (as "
+                   "megakernels train --seed)")
     p.set_defaults(_run=main)
 
 
@@ -110,7 +125,10 @@ def main(ns) -> int:
 
     try:
         if ns.direction == "hf-to-megakernels":
-            out = hf_to_megakernels(ns.input, ns.output, ns.rope_interleaved)
+            out = hf_to_megakernels(ns.input, ns.output, ns.rope_interleaved, ns.vision, ns.seed)
+        elif ns.vision is not None:
+            raise ConversionError("--vision is for hf-to-megakernels (a vision-language checkpoint converts to "
+                                  "HuggingFace only through its parts)")
         else:
             out = megakernels_to_hf(ns.input, ns.output)
     except (ConversionError, CheckpointError) as e:

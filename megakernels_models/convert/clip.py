@@ -11,15 +11,19 @@ query/key/value projections our fused head-major QKV. Our fused MLP is GeLU (erf
     fields = vision_fields(clip.config)           # ModelConfig fields of the encoder
     cfg = ModelConfig("vlm", **fields, ...)
     encoder.load_state_dict(vision_state_dict(clip.state_dict(), cfg))
+
+``megakernels convert hf-to-megakernels --input LM_DIR --vision CLIP_DIR`` (``with_clip_vision``) puts a CLIP vision
+tower in front of a converted GPT-2 or Llama, LLaVA's starting point: a vision-language checkpoint whose projector
+is freshly initialised (from ``--seed``), to be trained first with ``--freeze vision,lm``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megakernels_models.config import ModelConfig
+from megakernels_models.config import LANGUAGE_MODELS, ModelConfig
 from megakernels_models.convert.bert import _ACTIVATIONS, _split_qkv_rule
-from megakernels_models.convert.common import ConversionError, Rule, apply, copy
+from megakernels_models.convert.common import ConversionError, Rule, apply, copy, read_hf
 
 
 def vision_fields(hf) -> dict:
@@ -82,3 +86,45 @@ def vision_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
     out = apply(rules(cfg, prefix), tensors, "to_ours")
     out["patch.bias"] = torch.zeros(cfg.vision_hidden_size, dtype=out["patch.weight"].dtype)
     return out
+
+
+def with_clip_vision(cfg: ModelConfig, tensors: dict[str, torch.Tensor], clip_dir: str,
+                     seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A vision-language model (``model="vlm"``, image tokens a prefix) from a converted language model (``cfg``,
+    its full tensors) and the HuggingFace CLIP directory ``clip_dir`` (a ``CLIPVisionModel`` or a ``CLIPModel``,
+    whose vision tower is taken): the vision tensors under ``vision.``, a projector as wide as the language model
+    initialised from ``seed`` (as ``megakernels train --seed`` would) under ``projector.``.
+
+    Raises:
+        ConversionError: ``clip_dir`` is not a CLIP model, the language model is not a dense GPT or Llama, or the
+            two models' LayerNorm epsilons differ (one ``layernorm_eps`` serves both).
+    """
+    hf, clip = read_hf(clip_dir)
+    if hf.get("model_type") not in ("clip", "clip_vision_model"):
+        raise ConversionError(f"--vision {clip_dir}: model_type {hf.get('model_type')!r} is not a CLIP model "
+                              "('clip' or 'clip_vision_model')")
+    if cfg.model not in LANGUAGE_MODELS or cfg.num_experts:
+        raise ConversionError(f"--vision: the language model of a vision-language model must be a dense "
+                              f"{' or '.join(LANGUAGE_MODELS)}, got a {cfg.model} with {cfg.num_experts} experts")
+    fields = vision_fields(hf["vision_config"] if hf["model_type"] == "clip" else hf)
+    eps = fields.pop("layernorm_eps")
+    if eps != cfg.layernorm_eps:
+        raise ConversionError(f"--vision: CLIP's layer_norm_eps {eps:g} differs from the language model's "
+                              f"{cfg.layernorm_eps:g} (megakernels uses one layernorm_eps for both)")
+    vlm = cfg.replace(model="vlm", lm=cfg.model, **fields)
+    out = dict(tensors)
+    out.update({f"vision.{k}": v for k, v in vision_state_dict(clip, vlm).items()})
+    out.update({f"projector.{k}": v for k, v in _fresh_projector(vlm, seed).items()})
+    return vlm, out
+
+
+def _fresh_projector(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The projector's full tensors as ``megakernels train --seed seed`` initialises them (built at tp 1)."""
+    from megakernels.parallel.launch import single_process_world
+    from megakernels.parallel import state
+    from megakernels_models.vision import Projector
+
+    if state.is_initialized():
+        return Projector(cfg, seed).state_dict()
+    with single_process_world(parallel=True):
+        return Projector(cfg, seed).state_dict()

@@ -7,7 +7,7 @@ by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixt
 ZeRO-1; checkpoints resharded across ep), and vision-language models (a ViT + projector before a GPT, the image
 tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on the first
 stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split) alone and × dp 2 with ZeRO-1
-and selective recomputation.
+and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2 resume in one process.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once.
@@ -112,6 +112,10 @@ def _losses(records) -> list[float]:
 SAVE_LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3,
                    keep_checkpoints=5, async_save=True)
 RESHARD_TO = {"tp4-dp2": (8, dict(tp=4)), "pp4-dp2": (8, dict(pp=4)), "single": (1, dict())}
+# Vision-language models are saved in the world of 2 (no sequence parallelism for them): the GPT one at dp 2 with
+# ZeRO-1 (its optimizer state sharded), the cross-attention Llama at tp 2 (encoder, projector and cross-attention
+# split); both resume in this process.
+VISION_SAVE = {"vlm": dict(distributed_optimizer=True), "vlm-x": dict(tp=2)}
 # MoE models are saved with their experts over ep 2 and resumed at ep 1 (tp4-dp2, single) and ep 2 (pp4-dp2).
 EP_WHEN = {"saving": 2, "pp4-dp2": 2}
 
@@ -135,6 +139,12 @@ def _world(rank: int, world_size: int, cases, root: str):
         if records is not None:
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
+    if world_size == 2:
+        for model, changes in VISION_SAVE.items():
+            records = train(_args(model, dict(changes, save=_saved(model, root), save_interval=3, keep_checkpoints=5),
+                                  world_size))
+            if records is not None:
+                out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
     if world_size == 8:
         for model in SAVED:
             records = train(_args(model, _with_ep(model, "saving", dict(SAVE_LAYOUT, save=_saved(model, root))),
@@ -242,3 +252,19 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
     ref_losses, ref_norms = baseline[(model, "single")]
     assert len(got[0]) == STEPS - 3
     _assert_same_curve(got, (ref_losses[3:], ref_norms[3:]), f"{model} resumed at {target}")
+
+
+@pytest.mark.parametrize("model", list(VISION_SAVE))
+def test_a_vision_language_checkpoint_resumes_at_another_layout(baseline, model):
+    """Saved in the world of 2 at step 3 (VISION_SAVE), loaded in one process: steps 4..6 equal the single
+    process's (1e-5 relative), as does the saving run."""
+    from megakernels_models.train import train
+
+    saving = _world_results(2)[("saving", model)]
+    _assert_same_curve(saving, baseline[(model, "single")], f"{model} saving at {VISION_SAVE[model]}")
+    with single_process_world():
+        records = train(_args(model, dict(load=_resume_point(model)), 1))
+    ref_losses, ref_norms = baseline[(model, "single")]
+    assert len(records) == STEPS - 3
+    _assert_same_curve((_losses(records), [r["grad_norm"] for r in records]), (ref_losses[3:], ref_norms[3:]),
+                       f"{model} saved at {VISION_SAVE[model]}, resumed in one process")
