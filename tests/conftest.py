@@ -78,7 +78,8 @@ def triton_backend(backend):
 LONG_POLES = ("tests/models/test_layouts.py", "tests/bench/test_static.py", "tests/models/test_launch.py",
               "tests/models/test_elastic.py", "tests/models/test_preemption.py",
               "tests/integrations/test_accelerate.py", "tests/models/test_generate.py",
-              "tests/models/test_async_checkpoint.py", "tests/optim/test_multi_tensor.py")
+              "tests/models/test_async_checkpoint.py", "tests/optim/test_multi_tensor.py",
+              "tests/triton/test_compile.py", "tests/triton/test_grouped_gemm_compile.py")
 
 
 def _run_order(item) -> int:
