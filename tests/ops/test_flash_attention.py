@@ -52,6 +52,17 @@ def _max_err(a, b):
     return (a.double().cpu() - b.double().cpu()).abs().max().item() if a.numel() else 0.0
 
 
+def _assert_matches_fp64(q, k, v, do, causal):
+    """Output and gradients of flash_attention against the fp64 reference: 1e-5 (fp32) or 4e-3 (16-bit) of the
+    largest magnitude."""
+    results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
+    exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(),
+                 do.double())
+    for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
+        tol = 1e-5 if q.dtype == torch.float32 else 4e-3
+        assert _max_err(r, ex) < tol * max(1.0, ex.abs().max().item()), f"{name} (causal={causal})"
+
+
 def _assert_flash_style(results, lowp, exact, dtype, names=("out", "dq", "dk", "dv")):
     for name, r, lp, ex in zip(names, results, lowp, exact):
         assert r.shape == ex.shape and r.dtype == dtype, f"{name}: {r.shape}/{r.dtype}"
@@ -137,11 +148,7 @@ def test_strides_that_tma_cannot_address_take_the_pointer_path(triton_backend):
     q, k, v, do = (torch.randn(1, 40, 4, 33, generator=g).to(dtype=dtype, device=triton_backend.device)[..., :32]
                    for _ in range(4))
     assert not fa.tma_eligible(q, k, v)
-    results = _run(lambda *t: flash_attention(*t, causal=True), q, k, v, do)
-    exact = _run(lambda *t: flash_attention_reference(*t, causal=True)[0], q.double(), k.double(), v.double(),
-                 do.double())
-    for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
-        assert _max_err(r, ex) < (1e-5 if dtype == torch.float32 else 4e-3) * max(1.0, ex.abs().max().item()), name
+    _assert_matches_fp64(q, k, v, do, causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -236,11 +243,7 @@ def test_queries_whose_batches_are_not_packed_take_the_4d_descriptor(triton_back
     k, v, do = (torch.randn(2, 40, 2, 32, generator=g).to(dtype=dtype, device=triton_backend.device)
                 for _ in range(3))
     assert fa._rows_descriptor(q, 32) is None and fa._rows_descriptor(q.contiguous(), 32) is not None
-    results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
-    exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(),
-                 do.double())
-    for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
-        assert _max_err(r, ex) < (1e-5 if dtype == torch.float32 else 4e-3) * max(1.0, ex.abs().max().item()), name
+    _assert_matches_fp64(q, k, v, do, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
