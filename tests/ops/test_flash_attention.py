@@ -74,8 +74,13 @@ def _assert_flash_style(results, lowp, exact, dtype, names=("out", "dq", "dk", "
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}_hk{}_d{}".format(*c))
 def test_matches_reference(triton_backend, case, causal):
-    for dtype in _dtypes(triton_backend):
-        q, k, v, do = _inputs(case, dtype, triton_backend.device)
+    _assert_case_flash_style(triton_backend, case, causal)
+
+
+def _assert_case_flash_style(backend, case, causal):
+    """``case`` in every dtype of the backend: against fp64, within twice PyTorch's own error in that dtype."""
+    for dtype in _dtypes(backend):
+        q, k, v, do = _inputs(case, dtype, backend.device)
         results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
         exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(),
                      v.double(), do.double())
@@ -255,12 +260,4 @@ def test_backward_with_64_row_query_blocks_matches_reference(triton_backend, cau
     if not triton_backend.emulated:
         pytest.skip("sets the config of the Triton interpreter (cuda_emu); a GPU or the CPU path picks its own")
     monkeypatch.setattr(fa, "INTERPRETER_CONFIG", (64, 32, 4, 1))
-    case = (2, 130, 97, 4, 2, 64)
-    for dtype in _dtypes(triton_backend):
-        q, k, v, do = _inputs(case, dtype, triton_backend.device)
-        results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
-        exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(),
-                     v.double(), do.double())
-        lowp = _run(lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
-                    q.cpu(), k.cpu(), v.cpu(), do.cpu())
-        _assert_flash_style(results, lowp, exact, dtype)
+    _assert_case_flash_style(triton_backend, (2, 130, 97, 4, 2, 64), causal)
