@@ -89,3 +89,18 @@ def test_static_report_writes_the_documented_json(tmp_path, key_rows):
                       "tma", "instructions_per_element", "predicted_fraction"):
             assert field in row, field
         assert row["arch"] == "sm_90" and 0 < row["predicted_fraction"] <= 1
+
+
+def test_attention_forward_shared_memory_traffic_matches_its_tiles(key_rows):
+    """Shared-memory bytes of a forward iteration, read from the SASS, against the tile shapes: every 64-row query
+    tile's wgmmas read the K and the V tile at least once, and TMA writes both; the d128 default (128 queries x 32
+    keys, two warpgroups) reads Q too (QK^T takes its A operand from shared memory, PV takes P from registers)."""
+    rows = [r for r in key_rows if r["name"] == "flash_attention.fwd" and "error" not in r]
+    assert rows
+    for r in rows:
+        (bm, bn), d = map(int, r["config"].split()[0].split("x")), int(r["shape"].split(" d")[1].split()[0])
+        tiles, kv = bm // 64, bn * d * 2
+        it = r["launches"][0]["per_iteration"]["full"]
+        assert it["shared_bytes"] >= tiles * 2 * kv + (2 * kv if r["tma"] else 0), (r["config"], r["shape"])
+        if (r["config"], d) == ("128x32 w8 s4", 128):
+            assert it["shared_bytes"] == tiles * (64 * d * 2 + kv) + tiles * kv + 2 * kv

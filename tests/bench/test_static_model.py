@@ -98,6 +98,54 @@ def test_mma_sync_in_a_wgmma_loop_is_priced_at_the_mma_sync_rate():
     assert only_sync.cycles(m)["mma"] == pytest.approx(3e6 / (rate * m.mma_sync_rate))
 
 
+SHARED = """
+	Function : fill
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R19+0x10000], desc[UR56][R22.64], P5 ;
+        /*0020*/                   LDS.128 R152, [R14+UR6+0x18000] ;
+        /*0030*/                   STSM.16.M88.4 [R200], R176 ;
+        /*0040*/                   LDSM.16.MT88.2 R4, [R200] ;
+        /*0050*/                   STS [R3], R4 ;
+        /*0060*/              @!PT LDS RZ, [RZ] ;
+        /*0070*/               @P0 BRA 0x10 ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_wgmma_operands_read_from_shared_memory_depend_on_the_form():
+    (loop,) = _fn(WGMMA).innermost_loops()
+    ss = (64 * 16 + 16 * 64) * 2  # SS 64x64x16 (A from a descriptor): A and B
+    rs = 16 * 128 * 2             # RS 64x128x16 (A in registers): B only
+    assert loop.counts.wgmma_shapes == {(2 * 64 * 64 * 16, ss): 2, (2 * 64 * 128 * 16, rs): 1}
+    assert loop.counts.shared_bytes == (2 * ss + rs) / 4  # per warp: a quarter of each warpgroup instruction
+    tf32 = sass.Instr(0, "", "HGMMA.64x32x8.F32.TF32", "R24, gdesc[UR4], R24")
+    assert sass.wgmma_shared_bytes(tf32, 64, 32, 8) == (64 * 8 + 8 * 32) * 4
+
+
+def test_shared_accesses_count_every_lane_and_skip_placeholders():
+    (loop,) = _fn(SHARED).innermost_loops()
+    # cp.async 16 B, LDS.128 16 B, STSM of four 8x8 16-bit matrices 512 B a warp, LDSM of two 256 B, STS 4 B;
+    # the @!PT LDS never runs
+    assert loop.counts.shared_bytes == 32 * 16 + 32 * 16 + 512 + 256 + 32 * 4
+
+
+def test_shared_memory_bounds_an_iteration_and_slows_a_starved_wgmma():
+    m = model.H200
+    rate = 4096 * m.mma_sustained
+    base = dict(warps=8, instructions=0, mufu=0, mma_flops=2 * 2 ** 20, wgmma=True, overlap_instr=0, l2_bytes=0)
+    fed = model.TileIteration(**base, shared_bytes=40 * 1024)
+    assert model.per_iteration_cycles(fed, 2, m) == pytest.approx((2 * 2 ** 20 / rate, "mma"))
+    starved = model.TileIteration(**base, shared_bytes=120 * 1024)
+    assert model.per_iteration_cycles(starved, 2, m) == pytest.approx((120 * 1024 / m.smem_bytes_per_clk, "smem"))
+    # 32 SS 64x32x16 wgmmas (3 KiB for 64 KFLOP each) wait on their operands: the CTA's own path grows by the
+    # operand time beyond the MMA time of each
+    ops = model.TileIteration(**base, wgmma_ops=((65536, 3072, 32),)).cycles(m)
+    assert ops["mma"] == pytest.approx(2 * 2 ** 20 / rate)
+    assert ops["critical"] == pytest.approx(ops["mma"] + 32 * (3072 / m.smem_bytes_per_clk - 65536 / rate))
+    rs = model.TileIteration(**base, wgmma_ops=((262144, 4096, 8),)).cycles(m)
+    assert rs["critical"] == pytest.approx(rs["mma"])  # fed fast enough: no change
+
+
 def test_blocks_per_sm_obeys_each_hardware_limit():
     m = model.H200
     assert model.blocks_per_sm(m, 128, 32, 0) == 16             # 64 warps

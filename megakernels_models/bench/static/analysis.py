@@ -147,7 +147,12 @@ def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float) -> model.Tile
     """One CTA-iteration of an MMA loop: its SASS counts (per warp), scaled to the CTA where the model needs it."""
     k = loop.counts
     overlap = sum(c.fn.waits_after_mma(loop))
+    # A loop that issues TMA copies fills shared memory with its tile loads (the schedule's bytes: the copy's size
+    # is in the descriptor, not the SASS); cp.async fills and LDS/STS are counted from the SASS per warp.
+    fills = l2_bytes if k.tma else 0.0
+    wgmma_ops = tuple((f, b, n * warps / 4) for (f, b), n in sorted(k.wgmma_shapes.items()))
     return model.TileIteration(warps=warps, instructions=k.instructions - k.mma, mufu=k.mufu,
                                mma_flops=k.mma_flops * warps, wgmma=k.wgmma > 0, overlap_instr=overlap,
                                mma_sync_flops=k.mma_sync_flops * warps,
-                               l2_bytes=l2_bytes)
+                               l2_bytes=l2_bytes, shared_bytes=k.shared_bytes * warps + fills,
+                               wgmma_ops=wgmma_ops)

@@ -10,8 +10,9 @@ Two kernel kinds:
   L2 time, the issue time (4 schedulers x 32 lanes per SM per clock) and the MUFU time (16 per SM per clock).
 - **Tiled MMA** (FlashAttention). Per tile iteration of one CTA: tensor-core cycles (wgmma at the dense bf16
   rate, mma.sync at a fraction of it), issue cycles of everything else, MUFU cycles, L2 cycles of the K/V tile
-  loads. A CTA's critical path is MMA + softmax minus what the SASS overlaps (instructions issued between a wgmma
-  and the wait on it); k resident CTAs per SM share the units. CTAs are list-scheduled onto the SMs in launch
+  loads, shared-memory cycles (wgmma operands read from shared memory, TMA/cp.async fills, LDS/STS). A CTA's
+  critical path is MMA (each wgmma no faster than its shared-memory operands arrive) + softmax minus what the
+  SASS overlaps (instructions issued between a wgmma and the wait on it); k resident CTAs per SM share the units. CTAs are list-scheduled onto the SMs in launch
   order, so a causal grid launched lightest-first pays for its tail.
 """
 
@@ -37,6 +38,8 @@ class Machine:
     dram_peak: float = 4.8e12           # B/s, HBM3e
     dram_copy: float = 4.3e12           # B/s, a measured device-to-device copy (the streaming ceiling)
     l2_bw: float = 10e12                # B/s, L2 -> SM (assumption; calibrate)
+    smem_bytes_per_clk: float = 128.0   # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
+                                        # cp.async fills, LDS/STS share it (assumption; calibrate)
     dram_latency_s: float = 0.8e-6      # loaded DRAM latency: bytes in flight per SM must cover it
     launch_s: float = 2e-6              # per kernel launch: launch, ramp-up and drain of a grid
     max_warps: int = 64
@@ -118,6 +121,8 @@ class TileIteration:
     overlap_instr: float     # per warp: instructions issued while a wgmma is in flight
     l2_bytes: float          # per CTA (tile loads)
     mma_sync_flops: float = 0.0  # per CTA: the part of mma_flops on mma.sync in a loop that also has wgmma
+    shared_bytes: float = 0.0    # per CTA: bytes through shared memory (wgmma operands, fills, LDS/STS)
+    wgmma_ops: tuple = ()        # per CTA: (FLOPs, shared-memory operand bytes, count) of each wgmma shape
 
     def cycles(self, m: Machine) -> dict:
         rate = 4096 * m.mma_sustained  # wgmma FLOP per SM-clock
@@ -126,15 +131,19 @@ class TileIteration:
         issue = self.instructions * self.warps / 4
         mufu = self.mufu * 32 * self.warps / m.mufu_lanes
         l2 = self.l2_bytes / (m.l2_bw / m.sms / m.clock_hz)
+        smem = self.shared_bytes / m.smem_bytes_per_clk
+        # On the CTA's own path a wgmma takes the slower of its tensor-core time and the reads of its
+        # shared-memory operands (a 64x32x16 wgmma with A in shared memory reads 3 KiB for 20 clocks of MMA).
+        fed = mma + sum(n * max(0.0, b / m.smem_bytes_per_clk - f / rate) for f, b, n in self.wgmma_ops)
         soft = max(issue, mufu)
-        overlap = min(mma, self.overlap_instr * self.warps / 4)
-        return {"mma": mma, "issue": issue, "mufu": mufu, "l2": l2, "critical": mma + soft - overlap}
+        overlap = min(fed, self.overlap_instr * self.warps / 4)
+        return {"mma": mma, "issue": issue, "mufu": mufu, "l2": l2, "smem": smem, "critical": fed + soft - overlap}
 
 
 def per_iteration_cycles(it: TileIteration, ctas_per_sm: int, m: Machine = H200) -> tuple[float, str]:
     """SM cycles one CTA-iteration costs when ``ctas_per_sm`` CTAs share the SM, and what bounds it."""
     c = it.cycles(m)
-    terms = {"mma": c["mma"], "issue": c["issue"], "mufu": c["mufu"], "l2": c["l2"],
+    terms = {"mma": c["mma"], "issue": c["issue"], "mufu": c["mufu"], "l2": c["l2"], "smem": c["smem"],
              "latency": c["critical"] / max(1, ctas_per_sm)}
     bound = max(terms, key=terms.get)
     return terms[bound], bound

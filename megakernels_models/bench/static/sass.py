@@ -69,6 +69,10 @@ class Counts:
     wgmma_waits: int = 0           # WARPGROUP.DEPBAR (waits for wgmma results)
     shuffles: int = 0
     branches: int = 0              # conditional branches other than the loop's own back edge
+    shared_bytes: float = 0.0      # per warp: bytes through shared memory (LDS/STS/LDSM/STSM, cp.async fills, and
+                                   # a quarter of each wgmma's shared-memory operands)
+    wgmma_shapes: dict = dataclasses.field(default_factory=dict)  # (FLOPs, shared bytes) of one warpgroup wgmma
+                                                                  # -> instructions (per warp)
 
     def add(self, ins: Instr) -> None:
         if ins.base == "NOP":
@@ -84,7 +88,11 @@ class Counts:
             self.wgmma += 1
             m = re.search(r"(\d+)x(\d+)x(\d+)", op)
             if m:  # one wgmma is a warpgroup's M x N x K; per warp a quarter of it
-                self.mma_flops += 2 * int(m[1]) * int(m[2]) * int(m[3]) / 4
+                flops = 2 * int(m[1]) * int(m[2]) * int(m[3])
+                self.mma_flops += flops / 4
+                read = wgmma_shared_bytes(ins, int(m[1]), int(m[2]), int(m[3]))
+                self.shared_bytes += read / 4
+                self.wgmma_shapes[(flops, read)] = self.wgmma_shapes.get((flops, read), 0) + 1
         elif b == "HMMA":
             self.mma += 1
             shape = op.split(".")[1] if "." in op else ""
@@ -100,6 +108,7 @@ class Counts:
         elif b == "LDGSTS":  # a global load that lands in shared memory (cp.async)
             self.async_copies += 1
             self.async_copy_bytes += access_width(op)
+            self.shared_bytes += 32 * access_width(op) if ins.pred != "@!PT" else 0
             w = access_width(op)
             self.global_loads[w] = self.global_loads.get(w, 0) + 1
         elif b in ("UTMALDG", "UTMASTG", "UBLKCP", "UTMAREDG"):
@@ -114,6 +123,8 @@ class Counts:
             self.wgmma_waits += 1
         elif b == "SHFL":
             self.shuffles += 1
+        elif b in ("LDS", "STS", "LDSM", "STSM") and ins.pred != "@!PT":  # @!PT: a placeholder that never runs
+            self.shared_bytes += 32 * shared_width(op)
         if b == "BRA" and ins.pred and not op.startswith("BRA.DIV"):
             self.branches += 1
 
@@ -146,6 +157,30 @@ def access_width(op: str) -> int:
         if m in mods:
             return w
     return 4
+
+
+def shared_width(op: str) -> int:
+    """Bytes per thread of a shared-memory access: LDS/STS by their size modifier (as ``access_width``);
+    LDSM/STSM move 1, 2 or 4 8x8 matrices of 16-bit elements per warp (``.4`` -> 16 B a thread)."""
+    b, mods = op.split(".", 1)[0], op.split(".")[1:]
+    if b in ("LDSM", "STSM"):
+        n = int(mods[-1]) if mods and mods[-1] in ("1", "2", "4") else 1
+        return 4 * n
+    return access_width(op)
+
+
+_ELEMENT_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1, "U8": 1}
+
+
+def wgmma_shared_bytes(ins: Instr, m: int, n: int, k: int) -> int:
+    """Bytes one warpgroup wgmma (HGMMA) reads from shared memory: B (K x N) always, A (M x K) too when it comes
+    from a descriptor (``R.., gdesc[..], ..``: the SS form) rather than registers (``R.., R.., gdesc[..]``: RS).
+    Each operand counts once per instruction (the model's assumption: the four warps' tensor cores share one read
+    of B)."""
+    size = next((_ELEMENT_BYTES[t] for t in reversed(ins.op.split(".")) if t in _ELEMENT_BYTES), 2)
+    operands = [o.strip() for o in ins.operands.split(",")]
+    a_shared = len(operands) > 1 and operands[1].startswith("gdesc")
+    return (k * n + (m * k if a_shared else 0)) * size
 
 
 @dataclasses.dataclass

@@ -29,7 +29,10 @@ def kernel_prediction(launch, roles: list[str], ctas: list[dict], l2_bytes: dict
                                  "mma_instructions": lp.counts.mma, "barriers": lp.counts.barriers,
                                  "wgmma_waits": lp.counts.wgmma_waits,
                                  "overlapped_instructions": its[r].overlap_instr,
-                                 "mma_flops": its[r].mma_flops}
+                                 "mma_flops": its[r].mma_flops, "shared_bytes": its[r].shared_bytes,
+                                 # of the SM's shared-memory bandwidth, at the predicted time per iteration
+                                 "shared_utilisation": round(its[r].cycles(m)["smem"]
+                                                             / pred["cycles_per_iteration"][r], 3)}
                              for r, lp in loops.items()}
     return c, pred
 
