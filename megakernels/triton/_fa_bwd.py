@@ -1,7 +1,10 @@
 """The FlashAttention-2 backward kernels (launched by megakernels.triton.flash_attention).
 
-``P = exp(S - lse)`` is recomputed from the saved lse; ``delta = rowsum(dO * O)`` comes first from
-``_bwd_delta_kernel`` (one read of dO and O, instead of a chain of fp32 copies through torch).
+``P = exp(S - lse)`` is recomputed from the saved lse. ``_bwd_delta_kernel`` runs first (one read of dO and O,
+instead of a chain of fp32 copies through torch) and writes, per query row, ``scale * rowsum(dO * O)`` and the lse
+in base 2 (``-inf``, a row that saw no key, as ``+inf`` so its P is 0): the score loops then compute
+``dS = P * (scale * dP - scale * delta)`` with one FFMA and add ``dS K`` and ``dS^T Q`` already scaled, and take the
+exponent with one FFMA, instead of scaling dQ, converting the lse and testing it for ``-inf`` in every step.
 
 ``_bwd_kernel``: one program per BLOCK_N keys of one *k/v* head loops over the query blocks of every query head of
 its group (GQA/MQA sum there): ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
@@ -31,8 +34,8 @@ from megakernels.triton._common import dropout_keep, dropout_row_hash
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, H, SQ,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                      H, SQ, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -44,11 +47,14 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh, stride_dob,
                 other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask,
                  other=0.0).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * SQ + offs_m, tl.sum(o * do, 1), mask=offs_m < SQ)
+    rows = bh.to(tl.int64) * SQ + offs_m
+    tl.store(DELTA + rows, tl.sum(o * do, 1) * scale, mask=offs_m < SQ)
+    lse = tl.load(LSE + rows, mask=offs_m < SQ, other=0.0)
+    tl.store(LSE2 + rows, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=offs_m < SQ)
 
 
 @triton.jit
-def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK, stride_qs, stride_dos,
+def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK, stride_qs, stride_dos,
               stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold, keep_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
@@ -57,15 +63,14 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_
         q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
         do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-        lse2 = tl.load(LSE + bh * SQ + offs_m, mask=offs_m < SQ, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(LSE2 + bh * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
         delta = tl.load(DELTA + bh * SQ + offs_m, mask=offs_m < SQ, other=0.0)
     else:
         d_mask = offs_d[None, :] < HEAD_DIM
         q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=d_mask, other=0.0)
         do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=d_mask, other=0.0)
-        lse2 = tl.load(LSE + bh * SQ + offs_m) * 1.4426950408889634
+        lse2 = tl.load(LSE2 + bh * SQ + offs_m)
         delta = tl.load(DELTA + bh * SQ + offs_m)
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that saw no key: P = 0
     # Transposed scores [BLOCK_N, BLOCK_M], so dk and dv accumulate without transposing them.
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
@@ -82,18 +87,18 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_
         dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
     else:
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
+    ds_t = p_t * (dp_t * scale - delta[None, :])  # delta is scaled already: dS carries the softmax scale
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     if DQ_ATOMIC:
         if BLOCK_M < 64:  # a wgmma's M is 64 rows a warpgroup: dQ^T = K^T dS^T has BLOCK_D of them, dS K too few
-            dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=PRECISION) * scale
+            dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=PRECISION)
             dq_ptrs = DQh + offs_m[None, :] * stride_dqs + offs_d[:, None]
             dq_mask = offs_d[:, None] < HEAD_DIM
             if MASKED:
                 dq_mask = dq_mask & (offs_m[None, :] < SQ)
             tl.atomic_add(dq_ptrs, dq_t, mask=dq_mask, sem="relaxed")
         else:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * scale
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
             dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
             dq_mask = offs_d[None, :] < HEAD_DIM
             if MASKED:
@@ -103,7 +108,7 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED,
+def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, SEED,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -150,18 +155,17 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED,
         DOh = DO + b * stride_dob + h * stride_doh
         DQh = DQ + b * stride_dqb + h * stride_dqh
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
                                stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
                                keep_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
         for start_m in range(mid, full_end, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
                                stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
                                keep_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
         for start_m in range(tl.maximum(full_end, mid), SQ, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
                                stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
                                keep_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
-    dk *= scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
@@ -169,7 +173,7 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEED,
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, SEED,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                    stride_dqb, stride_dqs, stride_dqh,
@@ -188,8 +192,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEED,
                 other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
                  mask=q_mask, other=0.0)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=float("inf")) * 1.4426950408889634
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    lse2 = tl.load(LSE2 + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=0.0)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
@@ -213,9 +216,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEED,
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
             dp = tl.where(dropout_keep(row_hash[:, None], offs_n[None, :], threshold), dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp * scale - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    dq *= scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 

@@ -46,7 +46,8 @@ def attention_launches(arch: int, head_dim: int, cfg_index: int, passname: str, 
         return [fa.forward_launch(q, q, q, q, lse, seed, causal, scale, p, cfg)]
     cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim)[cfg_index]
     dq = _meta((b, seqlen, h, head_dim), "float32")  # the atomic path's fp32 accumulator
-    return fa.backward_launches(q, q, q, q, q, lse, lse, dq, q, q, seed, causal, scale, p, cfg)
+    delta = _meta((2, b, h, seqlen), "float32")  # scaled delta and base-2 lse
+    return fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg)
 
 
 def cross_entropy_launches(arch: int, vocab: int = 50304):

@@ -151,7 +151,8 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
                       cfg, deterministic: bool = False) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
-    ``deterministic`` the pass without dQ and the dQ kernel (``dq`` in q's dtype)."""
+    ``deterministic`` the pass without dQ and the dQ kernel (``dq`` in q's dtype). ``delta`` is a [2, b, h, sq]
+    fp32 scratch: the first launch writes the scaled delta into ``delta[0]`` and the base-2 lse into ``delta[1]``."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -160,17 +161,18 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
     common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DROPOUT=dropout, PRECISION=_dot_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     delta_rows = 64 if bd <= 128 else 32
+    delta, lse2 = delta[0], delta[1]
     launches = [Launch(_bwd_delta_kernel, (triton.cdiv(sq, delta_rows), b * h),
-                       (out, do, delta, *_strides(out), *_strides(do), h, sq),
+                       (out, do, lse, delta, lse2, *_strides(out), *_strides(do), h, sq, scale),
                        dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, num_warps=4)),
                 Launch(_bwd_kernel, (triton.cdiv(sk, block_n), b * hk),
-                       (q, k, v, do, lse, delta, dk, dv, dq, seed, *_strides(q), *_strides(k), *_strides(v),
+                       (q, k, v, do, lse2, delta, dk, dv, dq, seed, *_strides(q), *_strides(k), *_strides(v),
                         *_strides(do), *_strides(dk), *_strides(dv), *_strides(dq), h, hk, h // hk, sq, sk,
                         scale * LOG2E, scale, threshold, keep_scale),
                        dict(common, DQ_ATOMIC=not deterministic))]
     if deterministic:
         launches.append(Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h),
-                               (q, k, v, do, lse, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v),
+                               (q, k, v, do, lse2, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v),
                                 *_strides(do), *_strides(dq), h, h // hk, sq, sk, scale * LOG2E, scale, threshold,
                                 keep_scale),
                                dict(common)))
@@ -183,7 +185,7 @@ def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float
     separate kernel instead of atomics)."""
     b, sq, h, d = q.shape
     do = do if do.stride(-1) == 1 else do.contiguous()
-    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    delta = torch.empty((2, b, h, sq), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     seed = lse if seed is None else seed
     arch = arch_of(q.device)
