@@ -136,7 +136,8 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
     b, h = 16384 // s, 2048 // d
     q, lse = _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     dq = q if deterministic else _meta(b, s, h, d, dtype=torch.float32)
-    launches = fa.backward_launches(q, q, q, q, q, lse, _meta(2, b, h, s, dtype=torch.float32), dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg,
+    delta = _meta(2, b, h, s, dtype=torch.float32)  # scaled delta and base-2 lse
+    launches = fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg,
                                     deterministic)
     mma = [ln for ln in launches if ln.name in SCHEDULES]
     parts = [(ln.name, *kernel_prediction(ln, s, s)) for ln in mma]
