@@ -20,6 +20,31 @@ def interpreting() -> bool:
     return not hasattr(_probe, "run") or type(_probe).__name__ == "InterpretedFunction"
 
 
+def install_interpreter_descriptor_reduce() -> None:
+    """Give Triton's CPU interpreter the tensor-descriptor add (``desc.atomic_add``: a TMA reduce on the GPU) it
+    lacks, as the masked fp32/int atomic add of the descriptor's tile (out-of-range elements skipped, as the
+    hardware clips them), so the kernels that use it run under the interpreter too. A Triton that has it, or has no
+    interpreter, is left alone."""
+    try:
+        from triton._C.libtriton import ir
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or hasattr(builder, "create_descriptor_reduce"):
+        return
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduce {kind} under the interpreter")
+        ptrs, mask = desc.materialize_pointers(indices)
+        op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
+        mask = interpreter.TensorHandle(mask, tl.int1)
+        return self.create_atomic_rmw(op, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED, None)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Config choice. Each kernel has, per GPU architecture, an ordered list of candidate configs; the first is the
 # default. With MEGAKERNELS_AUTOTUNE=1 (the default on a GPU) every candidate is timed once per shape class and the

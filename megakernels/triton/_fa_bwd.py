@@ -14,6 +14,10 @@ into a zeroed fp32 buffer (``DQ_ATOMIC``): five matmuls and one exponential per 
 BLOCK_M queries looping over the keys), which recomputes S and dP: seven matmuls and two exponentials, but the
 same bits on every run.
 
+``DQ_TMA`` (Hopper, and the interpreter): dQ tiles are added through a tensor descriptor (a TMA reduce: the tile
+goes to shared memory in any layout and one thread issues the add), instead of fp32 atomics, which need the tile
+converted through shared memory into 16-byte rows and a 64-bit address per vector in registers.
+
 With query blocks under 64 rows (the d128 default on sm_90: 32 queries x 128 keys, 8 warps) dQ is computed
 transposed, ``dQ^T = K^T dS^T``: a wgmma's M is 64 rows per warpgroup, so ``dS K`` with 32 rows would fall back
 to mma.sync, and Triton would keep K as its register operand (32 registers a thread). 128 keys over two
@@ -54,10 +58,11 @@ def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_os, stride_oh, 
 
 
 @triton.jit
-def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK, stride_qs, stride_dos,
-              stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold, keep_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b, h, bh, start_m, offs_n, offs_d, SQ, SK, stride_qs,
+              stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold, keep_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+              DQ_TMA: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
         q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
@@ -92,18 +97,24 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs
     if DQ_ATOMIC:
         if BLOCK_M < 64:  # a wgmma's M is 64 rows a warpgroup: dQ^T = K^T dS^T has BLOCK_D of them, dS K too few
             dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=PRECISION)
-            dq_ptrs = DQh + offs_m[None, :] * stride_dqs + offs_d[:, None]
-            dq_mask = offs_d[:, None] < HEAD_DIM
-            if MASKED:
-                dq_mask = dq_mask & (offs_m[None, :] < SQ)
-            tl.atomic_add(dq_ptrs, dq_t, mask=dq_mask, sem="relaxed")
+            if DQ_TMA:  # rows past SQ and columns past HEAD_DIM fall outside the descriptor: clipped
+                DQh.atomic_add([b, start_m, h, 0], tl.trans(dq_t).reshape(1, BLOCK_M, 1, BLOCK_D))
+            else:
+                dq_ptrs = DQh + offs_m[None, :] * stride_dqs + offs_d[:, None]
+                dq_mask = offs_d[:, None] < HEAD_DIM
+                if MASKED:
+                    dq_mask = dq_mask & (offs_m[None, :] < SQ)
+                tl.atomic_add(dq_ptrs, dq_t, mask=dq_mask, sem="relaxed")
         else:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
-            dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-            dq_mask = offs_d[None, :] < HEAD_DIM
-            if MASKED:
-                dq_mask = dq_mask & (offs_m[:, None] < SQ)
-            tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
+            if DQ_TMA:
+                DQh.atomic_add([b, start_m, h, 0], dq.reshape(1, BLOCK_M, 1, BLOCK_D))
+            else:
+                dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+                dq_mask = offs_d[None, :] < HEAD_DIM
+                if MASKED:
+                    dq_mask = dq_mask & (offs_m[:, None] < SQ)
+                tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
@@ -115,7 +126,8 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, SEED,
                 stride_dqb, stride_dqs, stride_dqh,
                 H, HK, GROUP, SQ, SK, qk_scale, scale, threshold, keep_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                DQ_TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // HK).to(tl.int64)
@@ -151,21 +163,29 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, SEED,
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * H + h
+        b32 = b.to(tl.int32)  # descriptor coordinates are 32-bit
+        h32 = h.to(tl.int32)
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
-        DQh = DQ + b * stride_dqb + h * stride_dqh
+        if DQ_TMA:  # a 4-D descriptor over the fp32 dQ buffer, indexed by (b, row, h, 0)
+            DQh = DQ
+        else:
+            DQh = DQ + b * stride_dqb + h * stride_dqh
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
-                               stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
-                               keep_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b32, h32, bh, start_m, offs_n, offs_d,
+                               SQ, SK, stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi,
+                               threshold, keep_scale, HEAD_DIM, BLOCK_M, BLOCK_D, True, CAUSAL, DROPOUT, PRECISION,
+                               DQ_ATOMIC, DQ_TMA)
         for start_m in range(mid, full_end, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
-                               stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
-                               keep_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b32, h32, bh, start_m, offs_n, offs_d,
+                               SQ, SK, stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi,
+                               threshold, keep_scale, HEAD_DIM, BLOCK_M, BLOCK_D, False, CAUSAL, DROPOUT, PRECISION,
+                               DQ_ATOMIC, DQ_TMA)
         for start_m in range(tl.maximum(full_end, mid), SQ, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, bh, start_m, offs_n, offs_d, SQ, SK,
-                               stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold,
-                               keep_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, DROPOUT, PRECISION, DQ_ATOMIC)
+            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b32, h32, bh, start_m, offs_n, offs_d,
+                               SQ, SK, stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi,
+                               threshold, keep_scale, HEAD_DIM, BLOCK_M, BLOCK_D, True, CAUSAL, DROPOUT, PRECISION,
+                               DQ_ATOMIC, DQ_TMA)
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],

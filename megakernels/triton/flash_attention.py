@@ -15,12 +15,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from megakernels.triton._common import arch_of, dropout_threshold, pick_config, seq_bucket
+from megakernels.triton._common import (arch_of, dropout_threshold, install_interpreter_descriptor_reduce,
+                                        pick_config, seq_bucket)
 from megakernels.triton._fa_bwd import _bwd_delta_kernel, _bwd_dq_kernel, _bwd_kernel
 from megakernels.triton._fa_fwd import _fwd_kernel, supports_tma
 from megakernels.triton.launch import Launch
 
 LOG2E = 1.4426950408889634
+install_interpreter_descriptor_reduce()  # the backward's dQ add through a descriptor runs under the interpreter too
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per architecture and padded head dim; the first is the
 # default, autotuning picks among them on a GPU. The sm_90 lists hold the configs that do not spill, fit the
@@ -148,11 +150,13 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.T
 
 
 def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bool, scale: float, dropout_p: float,
-                      cfg, deterministic: bool = False) -> list[Launch]:
+                      cfg, deterministic: bool = False, dq_tma: bool | None = None) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
     ``deterministic`` the pass without dQ and the dQ kernel (``dq`` in q's dtype). ``delta`` is a [2, b, h, sq]
-    fp32 scratch: the first launch writes the scaled delta into ``delta[0]`` and the base-2 lse into ``delta[1]``."""
+    fp32 scratch: the first launch writes the scaled delta into ``delta[0]`` and the base-2 lse into ``delta[1]``.
+    ``dq_tma``: the one-pass kernel adds dQ tiles through a tensor descriptor (a TMA reduce) instead of fp32
+    atomics (default: with atomics, where ``tma_eligible(dq)`` and the target is Hopper or the interpreter)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -160,16 +164,20 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
     bd = padded_head_dim(d)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DROPOUT=dropout, PRECISION=_dot_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    if dq_tma is None:
+        arch = arch_of(q.device) if q.device.type != "meta" else 90
+        dq_tma = not deterministic and (arch == 0 or arch >= 90) and tma_eligible(dq)
+    dq_arg = _descriptor(dq, block_m, bd) if dq_tma else dq
     delta_rows = 64 if bd <= 128 else 32
     delta, lse2 = delta[0], delta[1]
     launches = [Launch(_bwd_delta_kernel, (triton.cdiv(sq, delta_rows), b * h),
                        (out, do, lse, delta, lse2, *_strides(out), *_strides(do), h, sq, scale),
                        dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, num_warps=4)),
                 Launch(_bwd_kernel, (triton.cdiv(sk, block_n), b * hk),
-                       (q, k, v, do, lse2, delta, dk, dv, dq, seed, *_strides(q), *_strides(k), *_strides(v),
+                       (q, k, v, do, lse2, delta, dk, dv, dq_arg, seed, *_strides(q), *_strides(k), *_strides(v),
                         *_strides(do), *_strides(dk), *_strides(dv), *_strides(dq), h, hk, h // hk, sq, sk,
                         scale * LOG2E, scale, threshold, keep_scale),
-                       dict(common, DQ_ATOMIC=not deterministic))]
+                       dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma))]
     if deterministic:
         launches.append(Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h),
                                (q, k, v, do, lse2, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v),

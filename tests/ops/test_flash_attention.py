@@ -261,3 +261,18 @@ def test_backward_with_64_row_query_blocks_matches_reference(triton_backend, cau
         pytest.skip("sets the config of the Triton interpreter (cuda_emu); a GPU or the CPU path picks its own")
     monkeypatch.setattr(fa, "INTERPRETER_CONFIG", (64, 32, 4, 1))
     _assert_case_flash_style(triton_backend, (2, 130, 97, 4, 2, 64), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("config", [(32, 32, 4, 1), (64, 32, 4, 1)], ids=["dq_t", "dq"])
+def test_backward_adds_dq_with_atomics_where_no_descriptor_can(triton_backend, causal, config, monkeypatch):
+    """dQ tiles go through a tensor descriptor (a TMA reduce) on Hopper and under the interpreter; where no
+    descriptor can address the buffers (or before Hopper) the backward adds them with fp32 atomics, in both forms
+    (K^T dS^T below 64 query rows, dS K from 64): against the fp64 reference."""
+    from megakernels.triton import flash_attention as fa
+
+    if not triton_backend.emulated:
+        pytest.skip("sets the config of the Triton interpreter (cuda_emu); a GPU or the CPU path picks its own")
+    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", config)
+    monkeypatch.setattr(fa, "tma_eligible", lambda *tensors: False)
+    _assert_case_flash_style(triton_backend, (2, 130, 97, 4, 2, 64), causal)

@@ -143,13 +143,14 @@ def mma_loops(c: Compiled, roles: list[str]) -> dict:
     return dict(zip(roles, loops))
 
 
-def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float) -> model.TileIteration:
-    """One CTA-iteration of an MMA loop: its SASS counts (per warp), scaled to the CTA where the model needs it."""
+def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float, tma_bytes: float = 0.0) -> model.TileIteration:
+    """One CTA-iteration of an MMA loop: its SASS counts (per warp), scaled to the CTA where the model needs it.
+    ``tma_bytes``: what the loop's TMA copies move between shared memory and global memory per iteration (the
+    schedule's bytes: a copy's size is in its descriptor, not the SASS), counted when the SASS issues TMA."""
     k = loop.counts
     overlap = sum(c.fn.waits_after_mma(loop))
-    # A loop that issues TMA copies fills shared memory with its tile loads (the schedule's bytes: the copy's size
-    # is in the descriptor, not the SASS); cp.async fills and LDS/STS are counted from the SASS per warp.
-    fills = l2_bytes if k.tma else 0.0
+    # cp.async fills and LDS/STS are counted from the SASS per warp.
+    fills = tma_bytes if k.tma else 0.0
     wgmma_ops = tuple((f, b, n * warps / 4) for (f, b), n in sorted(k.wgmma_shapes.items()))
     return model.TileIteration(warps=warps, instructions=k.instructions - k.mma, mufu=k.mufu,
                                mma_flops=k.mma_flops * warps, wgmma=k.wgmma > 0, overlap_instr=overlap,

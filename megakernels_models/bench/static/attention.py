@@ -35,8 +35,9 @@ def _fwd_schedule(launch, sq: int, sk: int):
         else:
             hi, full = sk, sk // bn * bn
         per_block.append({"full": full // bn, "masked": _cdiv(max(hi - full, 0), bn)})
-    return ([per_block[i] for i in _fwd_order(launch)],
-            {"full": 2 * bn * _head(launch) * 2, "masked": 2 * bn * _head(launch) * 2})
+    kv = 2 * bn * _head(launch) * 2
+    tma = kv if launch.kwargs.get("TMA") else 0
+    return [per_block[i] for i in _fwd_order(launch)], {"full": kv, "masked": kv}, {"full": tma, "masked": tma}
 
 
 def _fwd_order(launch) -> list[int]:
@@ -61,13 +62,14 @@ def _dkdv_schedule(launch, sq: int, sk: int):
         lo = max(pid_n * bn + sq - sk, 0) // bm * bm if causal else 0
         per_bh.append({"all": _cdiv(sq - lo, bm) * group})
     d = _head(launch)
-    return per_bh * launch.grid[1], {"all": 2 * bm * d * 2 + 2 * bm * 4}
+    return per_bh * launch.grid[1], {"all": 2 * bm * d * 2 + 2 * bm * 4}, {}
 
 
 def _bwd_schedule(launch, sq: int, sk: int):
     """The one-pass backward: per key block, the query blocks of the diagonal band (masked), the fully visible
     ones (unmasked) and the query tail (masked), for each query head of the group. Each iteration loads a q and
-    a dO tile, lse and delta, and (with atomics) adds a dQ tile: read and written at L2."""
+    a dO tile, lse and delta, and (with atomics) adds a dQ tile: read and written at L2; through a descriptor
+    (``DQ_TMA``) the tile also leaves through shared memory."""
     bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
     group = launch.args[launch.kernel.arg_names.index("GROUP")]
     full_end = sq // bm * bm
@@ -87,7 +89,9 @@ def _bwd_schedule(launch, sq: int, sk: int):
     d = _head(launch)
     atomics = 2 * bm * d * 4 if launch.kwargs.get("DQ_ATOMIC") else 0
     per_iter = 2 * bm * d * 2 + 2 * bm * 4 + atomics
-    return per_bh * launch.grid[1], {"diag": per_iter, "full": per_iter, "tail": per_iter}
+    tma = bm * d * 4 if launch.kwargs.get("DQ_TMA") else 0
+    return (per_bh * launch.grid[1], {"diag": per_iter, "full": per_iter, "tail": per_iter},
+            {"diag": tma, "full": tma, "tail": tma})
 
 
 def _dq_schedule(launch, sq: int, sk: int):
@@ -96,11 +100,11 @@ def _dq_schedule(launch, sq: int, sk: int):
     for pid_m in range(launch.grid[0]):
         hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0)) if causal else sk
         per_bh.append({"all": _cdiv(hi, bn)})
-    return per_bh * launch.grid[1], {"all": 2 * bn * _head(launch) * 2}
+    return per_bh * launch.grid[1], {"all": 2 * bn * _head(launch) * 2}, {}
 
 
 # kernel name -> (MMA loop roles in address order, schedule(launch, sq, sk) -> (per-CTA iterations, L2 bytes per
-# iteration by role))
+# iteration by role, TMA bytes per iteration by role))
 SCHEDULES = {
     "_fwd_kernel": (["full", "masked"], _fwd_schedule),
     "_bwd_dkdv_kernel": (["all"], _dkdv_schedule),  # the two-kernel backward before the one-pass design
@@ -112,7 +116,8 @@ SCHEDULES = {
 def kernel_prediction(launch, sq: int, sk: int, m: model.Machine = model.H200) -> tuple[compiled.Compiled, dict]:
     """Compile one launch and predict its time from its MMA loops and schedule (``SCHEDULES``)."""
     roles, sched = SCHEDULES[launch.name]
-    return tiles.kernel_prediction(launch, roles, *sched(launch, sq, sk), m)
+    ctas, l2, tma = sched(launch, sq, sk)
+    return tiles.kernel_prediction(launch, roles, ctas, l2, m, tma_bytes=tma)
 
 
 def _meta(*shape, dtype=DTYPE):

@@ -8,16 +8,18 @@ from megakernels_models.bench.static import analysis, compiled, model
 
 
 def kernel_prediction(launch, roles: list[str], ctas: list[dict], l2_bytes: dict,
-                      m: model.Machine = model.H200) -> tuple[compiled.Compiled, dict]:
+                      m: model.Machine = model.H200, tma_bytes: dict | None = None) -> tuple[compiled.Compiled, dict]:
     """Compile ``launch`` and predict its time: ``roles`` names its MMA loops in address order, ``ctas[i][role]``
-    is how many iterations of each CTA ``i`` runs (launch order), ``l2_bytes[role]`` what one iteration loads.
+    is how many iterations of each CTA ``i`` runs (launch order), ``l2_bytes[role]`` what one iteration loads,
+    ``tma_bytes[role]`` what its TMA copies move through shared memory (loads and reduces).
 
     Raises:
         RuntimeError: the kernel does not fit an SM. ValueError: its MMA loops do not match ``roles``."""
     c = compiled.triton_kernel(launch)
     loops = analysis.mma_loops(c, roles)
     warps = launch.num_warps
-    its = {r: analysis.tile_iteration(c, lp, warps, l2_bytes[r]) for r, lp in loops.items()}
+    its = {r: analysis.tile_iteration(c, lp, warps, l2_bytes[r], (tma_bytes or {}).get(r, 0.0))
+           for r, lp in loops.items()}
     per_sm = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes)
     if per_sm == 0:
         raise RuntimeError(f"{launch.name}: does not fit an SM ({c.registers} registers, {c.shared_bytes} B shared)")
