@@ -47,8 +47,7 @@ def attention_launches(arch: int, head_dim: int, cfg_index: int, passname: str, 
     cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim)[cfg_index]
     dq = _meta((b, seqlen, h, head_dim), "float32")  # the atomic path's fp32 accumulator
     delta = _meta((2, b, h, seqlen), "float32")  # scaled delta and base-2 lse
-    # tensor descriptors (TMA) where the target has them, as arch_of would decide on that GPU
-    return fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg, dq_tma=arch >= 90)
+    return fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg, arch=arch)
 
 
 def cross_entropy_launches(arch: int, vocab: int = 50304):

@@ -50,6 +50,10 @@ BWD_CONFIGS = {
          128: [(64, 64, 8, 1), (32, 64, 4, 2), (32, 32, 4, 2)],
          256: [(32, 32, 4, 1), (16, 32, 4, 1)]},
 }
+# The deterministic backward's dQ kernel (BLOCK_M queries per program, BLOCK_N keys per step, num_warps) where it
+# differs from the backward's own config: on sm_90 64 query rows keep its dS K on wgmma (32 rows fall back to
+# mma.sync) and 4 warps let two to four programs share an SM; elsewhere the backward's config.
+DQ_CONFIGS = {90: {32: (64, 64, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)}}
 INTERPRETER_CONFIG = (32, 32, 4, 1)  # small blocks: many partial-block edges in the tests, fast under numpy
 
 
@@ -150,13 +154,15 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.T
 
 
 def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bool, scale: float, dropout_p: float,
-                      cfg, deterministic: bool = False, dq_tma: bool | None = None) -> list[Launch]:
+                      cfg, deterministic: bool = False, dq_tma: bool | None = None,
+                      arch: int | None = None) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
     ``deterministic`` the pass without dQ and the dQ kernel (``dq`` in q's dtype). ``delta`` is a [2, b, h, sq]
     fp32 scratch: the first launch writes the scaled delta into ``delta[0]`` and the base-2 lse into ``delta[1]``.
     ``dq_tma``: the one-pass kernel adds dQ tiles through a tensor descriptor (a TMA reduce) instead of fp32
-    atomics (default: with atomics, where ``tma_eligible(dq)`` and the target is Hopper or the interpreter)."""
+    atomics (default: with atomics, where ``tma_eligible(dq)`` and the target is Hopper or the interpreter).
+    ``arch``: the target (default: the tensors' device; sm_90 for meta tensors)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -164,8 +170,9 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
     bd = padded_head_dim(d)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DROPOUT=dropout, PRECISION=_dot_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    if dq_tma is None:
+    if arch is None:
         arch = arch_of(q.device) if q.device.type != "meta" else 90
+    if dq_tma is None:
         dq_tma = not deterministic and (arch == 0 or arch >= 90) and tma_eligible(dq)
     dq_arg = _descriptor(dq, block_m, bd) if dq_tma else dq
     delta_rows = 64 if bd <= 128 else 32
@@ -179,11 +186,13 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
                         scale * LOG2E, scale, threshold, keep_scale),
                        dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma))]
     if deterministic:
-        launches.append(Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h),
+        known = [a for a in DQ_CONFIGS if a <= arch]
+        dq_m, dq_n, dq_warps = (DQ_CONFIGS[max(known)][bd] if known and arch else (block_m, block_n, warps))
+        launches.append(Launch(_bwd_dq_kernel, (triton.cdiv(sq, dq_m), b * h),
                                (q, k, v, do, lse2, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v),
                                 *_strides(do), *_strides(dq), h, h // hk, sq, sk, scale * LOG2E, scale, threshold,
                                 keep_scale),
-                               dict(common)))
+                               dict(common, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps)))
     return launches
 
 

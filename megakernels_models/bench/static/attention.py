@@ -175,4 +175,9 @@ def flash_attention_entries() -> list[Entry]:
                     out.append(Entry(f"flash_attention.{passname}", _config_name(cfg), shape, "bf16",
                                      (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg)),
                                      family="attention", needs_wgmma=True, key=(s == 4096), bench=bench))
+            # deterministic=True: the one-pass kernel without dQ, then the dQ kernel (its default config)
+            cfg = fa.candidates(fa.BWD_CONFIGS, 90, d)[0]
+            out.append(Entry("flash_attention.bwd_deterministic", _config_name(cfg), shape, "bf16",
+                             (lambda s=s, d=d, causal=causal, cfg=cfg: _bwd_entry(s, d, causal, cfg, True)),
+                             family="attention", needs_wgmma=True, key=(s == 4096)))
     return out

@@ -49,19 +49,19 @@ def _pct(v) -> str:
 
 def format_row(r: dict) -> str:
     if "error" in r:
-        return f"  {r['name']:<28}{r['shape']:<28}{r['dtype']:<6}{r['config']:<16}  error: {r['error']}"
+        return f"  {r['name']:<34}{r['shape']:<28}{r['dtype']:<6}{r['config']:<16}  error: {r['error']}"
     per = r.get("instructions_per_element")
     unit = "/el"
     if per is None:
         per, unit = r.get("instructions_per_iteration"), "/it"
     mufu = r.get("mufu_per_element", r.get("mufu_per_iteration"))
     bytes_ = (f"{r['bytes_per_element']:.1f}/{r['min_bytes_per_element']:.1f}" if "bytes_per_element" in r else "-")
-    return (f"  {r['name']:<28}{r['shape']:<28}{r['dtype']:<6}{r['config']:<16}{r['registers']:>5}{r['spill_bytes']:>6}"
+    return (f"  {r['name']:<34}{r['shape']:<28}{r['dtype']:<6}{r['config']:<16}{r['registers']:>5}{r['spill_bytes']:>6}"
             f"{r['shared_bytes'] / 1024:>8.1f}{r.get('blocks_per_sm', 0):>5}  {r['mma']:<9}{'yes' if r['tma'] else 'no':<4}"
             f"{per:>8.1f}{unit}{mufu:>7.2f}{bytes_:>12}  {r.get('bound', '-'):<8}{_pct(r['predicted_fraction']):>6}")
 
 
-HEADER = (f"  {'kernel':<28}{'shape':<28}{'dtype':<6}{'config':<16}{'regs':>5}{'spill':>6}{'smemKiB':>8}{'blk':>5}  "
+HEADER = (f"  {'kernel':<34}{'shape':<28}{'dtype':<6}{'config':<16}{'regs':>5}{'spill':>6}{'smemKiB':>8}{'blk':>5}  "
           f"{'mma':<9}{'tma':<4}{'instr':>11}{'mufu':>7}{'B/el(min)':>12}  {'bound':<8}{'pred':>6}")
 
 
