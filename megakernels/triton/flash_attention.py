@@ -24,14 +24,17 @@ from megakernels.triton.launch import Launch
 LOG2E = 1.4426950408889634
 install_interpreter_descriptor_reduce()  # the backward's dQ add through a descriptor runs under the interpreter too
 
-# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per architecture and padded head dim; the first is the
-# default, autotuning picks among them on a GPU. The sm_90 lists hold the configs that do not spill, fit the
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) per architecture and padded head dim; the first is
+# the default, autotuning picks among them on a GPU. The sm_90 lists hold the configs that do not spill, fit the
 # shared memory and run on wgmma, ordered by the static model's prediction (`megakernels bench --static`,
-# benchmarks/results/2026-12-01-static-sm90.*); tests/bench/test_static.py holds them to the first three.
+# benchmarks/results/2026-12-01-static-sm90.*); tests/bench/test_static.py holds them to the first three. The
+# d128 forward's second candidate caps registers at 128 so that 128x64 tiles run two CTAs an SM: shared memory
+# 78% busy instead of the default's 100%, but ptxas then waits on every wgmma; the model cannot tell them apart,
+# the first GPU run's autotuning will.
 FWD_CONFIGS = {
     90: {32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
          64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
-         128: [(128, 32, 8, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
+         128: [(128, 32, 8, 4), (128, 64, 8, 2, 128), (64, 64, 4, 3)],
          256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)]},
     80: {32: [(128, 64, 4, 3), (64, 64, 4, 4)],
          64: [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 4)],
@@ -114,12 +117,12 @@ def _rows_descriptor(t, rows: int):
 
 def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_p: float, cfg,
                    tma: bool | None = None) -> Launch:
-    """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. ``tma``: load
+    """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])``. ``tma``: load
     through tensor descriptors (default: where ``tma_eligible`` and the target is Hopper or the interpreter)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
-    block_m, block_n, warps, stages = cfg
+    block_m, block_n, warps, stages, *limit = cfg
     arch = arch_of(q.device) if q.device.type != "meta" else 90
     if tma is None:
         tma = (arch == 0 or arch >= 90) and tma_eligible(q, k, v, out)
@@ -134,7 +137,7 @@ def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_
                   dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
                        DROPOUT=dropout, PRECISION=_dot_precision(q.dtype), TMA=tma, Q_ROWS=q_rows is not None,
                        WARP_SPEC=False,
-                       num_warps=warps, num_stages=stages))
+                       num_warps=warps, num_stages=stages, **({"maxnreg": limit[0]} if limit else {})))
 
 
 def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):

@@ -155,8 +155,8 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
 
 
 def _config_name(cfg) -> str:
-    bm, bn, w, st = cfg
-    return f"{bm}x{bn} w{w} s{st}"
+    bm, bn, w, st, *limit = cfg
+    return f"{bm}x{bn} w{w} s{st}" + (f" r{limit[0]}" if limit else "")
 
 
 @register

@@ -12,8 +12,9 @@ Two kernel kinds:
   rate, mma.sync at a fraction of it), issue cycles of everything else, MUFU cycles, L2 cycles of the K/V tile
   loads, shared-memory cycles (wgmma operands read from shared memory, TMA/cp.async fills, LDS/STS). A CTA's
   critical path is MMA (each wgmma no faster than its shared-memory operands arrive) + softmax minus what the
-  SASS overlaps (instructions issued between a wgmma and the wait on it); k resident CTAs per SM share the units. CTAs are list-scheduled onto the SMs in launch
-  order, so a causal grid launched lightest-first pays for its tail.
+  SASS overlaps (instructions issued between a wgmma and the wait on it); k resident CTAs per SM share the units.
+  CTAs are list-scheduled onto the SMs in launch order, so a causal grid launched lightest-first pays for its
+  tail.
 """
 
 from __future__ import annotations
