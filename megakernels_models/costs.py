@@ -26,11 +26,12 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
 - context parallelism: each layer's key/value ring (forward and backward) overlapped with the attention compute;
   only what exceeds it counts;
 - data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
-  device's parameters over the network, overlapped with the backward of the last micro-batch, 1/m of the compute;
+  device's trained parameters (``--freeze``'s have no gradient) over the network, overlapped with the backward of
+  the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen layers included);
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
   tokens;
-- optimizer offload (``offload_time``): the host AdamW on this rank's share of the parameters (its ZeRO-1 shard)
-  at ``HOST_ADAMW_NS_PER_PARAM``, never overlapped (it needs every gradient and the next forward needs its result);
+- optimizer offload (``offload_time``): the host AdamW on this rank's share of the trained parameters (its ZeRO-1
+  shard) at ``HOST_ADAMW_NS_PER_PARAM``, never overlapped (it needs every gradient and the next forward needs its result);
   the fp32 gradients device→host over PCIe (``Device.host_gbps``), overlapped with the last micro-batch's backward
   like the data-parallel reduction; the updated parameters host→device (2 bytes in 16-bit training, 4 in fp32),
   overlapped with the first micro-batch's forward, not at all under ZeRO-1 (its all-gather needs them first).
@@ -291,8 +292,9 @@ def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int 
         ring = 3 * (L.cp - 1) * kv_bytes / (device.intra_gbps * 1e9) * m * layers_per_device
         attention = cfg.forward_flops_per_token()["attention"] * 3 * tokens / L.world / (peak * eff)
         cp_comm = max(0.0, ring - attention)
-    # data parallelism: gradients of this device's parameters, overlapped with the last micro-batch's backward
-    params = memory(meta, L)["parameters_per_device"]
+    # data parallelism: gradients of this device's trained parameters (frozen ones have none), overlapped with the
+    # last micro-batch's backward
+    params = memory(meta, L)["trained_parameters_per_device"]
     dp_ranks = L.dp * L.cp
     dp_bw = device.inter_gbps if L.world > gpus_per_node else device.intra_gbps
     dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)

@@ -335,3 +335,27 @@ def test_convert_puts_a_clip_vision_tower_in_front_of_a_language_model(single_wo
     assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--vision",
                  str(tmp_path / "gpt2"), "--output", str(tmp_path / "bad")]) == 2
     assert "--vision" in capsys.readouterr().err
+
+
+def test_frozen_parameters_leave_the_data_parallel_reduction_and_the_offloaded_optimizer():
+    """By hand: the gradient all-reduce of a step moves 4 bytes per *trained* parameter of a device over the ring
+    (2(n-1)/n of them), behind the last micro-batch's backward; the offloaded optimizer steps only those. LLaVA's
+    first stage at dp 16 (tp 2, two micro-batches: the reduction is exposed)."""
+    from megakernels_models import costs, dryrun
+
+    def predict(freeze, offload=False):
+        args = TrainArgs(model="vlm", preset="vlm-7b", nproc=32, tp=2, micro_batch_size=1, global_batch_size=32,
+                         precision="bf16", freeze=freeze, offload_optimizer=offload, dry_run=True)
+        meta, layout = costs.MetaModel(validate(args)), dryrun.layout_of(args)
+        return costs.memory(meta, layout)["trained_parameters_per_device"], costs.predict(
+            meta, layout, costs.DEVICES["h200"], 8)
+
+    device = costs.DEVICES["h200"]
+    for freeze in ("", "vision,lm"):
+        trained, got = predict(freeze)
+        ring = 2 * 15 / 16 * 4 * trained / (device.inter_gbps * 1e9) + device.latency_s
+        assert got["dp_s"] == pytest.approx(max(0.0, ring - got["compute_s"] / 2 * 2 / 3))
+    full, stage1 = predict("")[1], predict("vision,lm")[1]
+    assert full["dp_s"] > 0 and stage1["dp_s"] < full["dp_s"] / 10
+    trained, offloaded = predict("vision,lm", offload=True)
+    assert offloaded["host_adam_s"] == pytest.approx(trained * costs.HOST_ADAMW_NS_PER_PARAM * 1e-9)
