@@ -309,14 +309,14 @@ struct RowPlan {
   int64_t workers() const { return grid * (block / group_threads); }  // row groups in the grid
 };
 
-inline RowPlan plan_rows(int64_t rows, int64_t packs, int max_blocks_per_sm) {
+inline RowPlan plan_rows(int64_t rows, int64_t packs, int max_blocks_per_sm, int max_threads = 1024) {
   RowPlan p;
   if (packs <= 32 * 8) {
     p.group_threads = 32;
     p.block = 128;
   } else {
     const int64_t threads = (packs / 8 + 31) / 32 * 32;
-    p.group_threads = p.block = int(threads < 64 ? 64 : (threads > 1024 ? 1024 : threads));
+    p.group_threads = p.block = int(threads < 64 ? 64 : (threads > max_threads ? max_threads : threads));
   }
   const int64_t groups = p.block / p.group_threads;
   const int64_t needed = (rows + groups - 1) / groups;

@@ -6,8 +6,8 @@
 //
 // Design of the looping kernels (why):
 // - A "row group" owns a row. One warp for rows of up to 8 packs per lane (sk <= 2048 bf16 / 1024 fp32): the
-//   reductions are pure shuffles and a 128-thread block serves 4 rows. Longer rows get a whole block (64..1024
-//   threads, ~8 packs in flight per thread) and loop, so any sk works: there is no register-resident row and no
+//   reductions are pure shuffles and a 128-thread block serves 4 rows. Longer rows get a whole block (64..512
+//   threads, ~8 packs per thread before the cap) and loop, so any sk works: there is no register-resident row and no
 //   per-length instantiation, which is what capped Megatron's kernels at 16k (2k for the causal one).
 // - Packs are 16 bytes (8 bf16/fp16, 4 fp32): one vectorised load per pack, the widest the memory system issues,
 //   used when sk is a multiple of the pack and every row start is 16-byte aligned; otherwise packs of 1.
@@ -17,6 +17,8 @@
 // - The causal kernel runs both passes over the valid prefix of each row only (the straddling pack is read
 //   element by element) and writes the masked tail without reading x: about half the reads and exps of the full
 //   square for sq == sk.
+// - Every pass takes the packs wholly inside the valid prefix in a loop of its own, with no per-element test;
+//   the straddling pack (causal) and every pack of a boolean-masked row take the general loop after it.
 // - The boolean mask is read through its own strides, so a [1 or b, 1 or h, 1 or sq, sk] mask is broadcast in
 //   place, never materialised.
 // - Backward needs only y and dy: one pass for sum(dy * y), one that writes dx (again re-reading from cache).
@@ -43,7 +45,7 @@ __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, boo
 }
 
 // N elements of x from the row's valid prefix [0, n) (load_prefix), and which of them take part: not masked
-// (boolean mask) and inside the prefix. Both forward passes go through here.
+// (boolean mask) and inside the prefix: the forward passes' general loops.
 template <typename T, int N, MaskKind K, typename A>
 __device__ __forceinline__ void load_valid(const T* xr, const unsigned char* mr, int64_t j, int64_t n, A (&z)[N],
                                            bool (&ok)[N]) {
@@ -57,6 +59,11 @@ __device__ __forceinline__ void load_valid(const T* xr, const unsigned char* mr,
 #pragma unroll
     for (int k = 0; k < N; ++k) ok[k] = j + k < n;
   }
+}
+
+// The first of a thread's positions j0, j0 + step, ... at or after `from`.
+__device__ __forceinline__ int64_t first_at_or_after(int64_t j0, int64_t from, int64_t step) {
+  return j0 >= from ? j0 : j0 + (from - j0 + step - 1) / step * step;
 }
 
 __device__ __forceinline__ bool group_any(bool p, int group_threads) {
@@ -88,7 +95,28 @@ __global__ void softmax_fwd_kernel(FwdArgs a, int group_threads) {
     // nothing (and must not: exp(-inf - -inf) is NaN); a NaN input makes s NaN.
     A m = ninf, s = A(0);
     bool any_valid = false;
-    for (int64_t j = int64_t(t) * N; j < n; j += step) {
+    // Packs wholly inside the valid prefix (all of them but a causal row's straddling pack; none with a boolean
+    // mask, which is tested per element) take a loop without per-element tests: a -inf input adds exp(-inf) = 0
+    // as long as the running max is finite, so only a pack seen while it is still -inf needs a stand-in (0).
+    const int64_t n_full = K == MaskKind::Bool ? 0 : n / N * N;
+    for (int64_t j = int64_t(t) * N; j < n_full; j += step) {
+      A z[N];
+      load_pack<T, N>(xr, j, z);
+      A pm = ninf;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        z[k] *= scale;
+        pm = MaxOp()(pm, z[k]);
+      }
+      if (pm > m) {
+        s = s * softmax::softmax_exp(m - pm);
+        m = pm;
+      }
+      const A mm = m == ninf ? A(0) : m;
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += softmax::softmax_exp(z[k] - mm);
+    }
+    for (int64_t j = first_at_or_after(int64_t(t) * N, n_full, step); j < n; j += step) {
       A z[N];
       bool ok[N];
       load_valid<T, N, K>(xr, mr, j, n, z, ok);
@@ -113,8 +141,16 @@ __global__ void softmax_fwd_kernel(FwdArgs a, int group_threads) {
     A inv = (gm == ninf || gm == -ninf) ? A(NAN) : A(1) / gs;
     if (!row_valid) inv = A(0);
     const A fill = A(0) * inv;  // masked positions: 0, or NaN in a NaN row
-    // Pass 2: write y over the whole row; x is re-read (from cache) only where it is valid.
-    for (int64_t j = int64_t(t) * N; j < sk; j += step) {
+    // Pass 2: write y over the whole row; x is re-read (from cache) only where it is valid. The packs of the
+    // valid prefix first, without per-element tests (n_full > 0 implies a valid row).
+    for (int64_t j = int64_t(t) * N; j < n_full; j += step) {
+      A z[N];
+      load_pack<T, N>(xr, j, z);
+#pragma unroll
+      for (int k = 0; k < N; ++k) z[k] = softmax::softmax_exp(z[k] * scale - gm) * inv;
+      store_pack<T, N>(yr, j, z);
+    }
+    for (int64_t j = first_at_or_after(int64_t(t) * N, n_full, step); j < sk; j += step) {
       A z[N];
       if (j < n && row_valid) {
         bool ok[N];
@@ -145,8 +181,16 @@ __global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
     const T* gr = static_cast<const T*>(a.dy) + row * sk;
     T* dxr = static_cast<T*>(a.dx) + row * sk;
     const int64_t n = CAUSAL ? softmax::causal_valid(row % a.sq, a.sq, sk) : sk;
+    const int64_t n_full = n / N * N;  // packs wholly inside the valid prefix: no per-element tests
     A s = A(0);
-    for (int64_t j = int64_t(t) * N; j < n; j += step) {
+    for (int64_t j = int64_t(t) * N; j < n_full; j += step) {
+      A y[N], g[N];
+      load_pack<T, N>(yr, j, y);
+      load_pack<T, N>(gr, j, g);
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += y[k] * g[k];
+    }
+    for (int64_t j = first_at_or_after(int64_t(t) * N, n_full, step); j < n; j += step) {
       A y[N], g[N];
       if (CAUSAL) {
         load_prefix<T, N>(yr, j, n, y);  // past n both read as 0
@@ -159,7 +203,15 @@ __global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
       for (int k = 0; k < N; ++k) s += y[k] * g[k];
     }
     s = group_reduce(s, group_threads, smem, A(0), SumOp());
-    for (int64_t j = int64_t(t) * N; j < sk; j += step) {
+    for (int64_t j = int64_t(t) * N; j < n_full; j += step) {
+      A y[N], d[N];
+      load_pack<T, N>(yr, j, y);
+      load_pack<T, N>(gr, j, d);
+#pragma unroll
+      for (int k = 0; k < N; ++k) d[k] = scale * y[k] * (d[k] - s);
+      store_pack<T, N>(dxr, j, d);
+    }
+    for (int64_t j = first_at_or_after(int64_t(t) * N, n_full, step); j < sk; j += step) {
       A d[N];
       if (j < n) {
         A y[N];
@@ -185,10 +237,13 @@ __global__ void softmax_bwd_kernel(BwdArgs a, int group_threads) {
 // Launch planning (host side).
 
 constexpr int kBlocksPerSm = 16;  // enough resident blocks to hide latency; row groups loop beyond
+// Long rows get blocks of at most 512 threads: a kernel over 32 registers a thread (the causal ones, the
+// backward) still keeps 3-4 blocks and their loads in flight on an SM, where a 1024-thread block would run alone.
+constexpr int kMaxLoopThreads = 512;
 
 template <typename T, int N, MaskKind K>
 void launch_fwd(const FwdArgs& a, cudaStream_t s) {
-  const RowPlan p = plan_rows(a.rows, a.sk / N, kBlocksPerSm);
+  const RowPlan p = plan_rows(a.rows, a.sk / N, kBlocksPerSm, kMaxLoopThreads);
   MK_LAUNCH((softmax_fwd_kernel<T, N, K>), dim3(unsigned(p.grid)), dim3(p.block), 0, s, a, p.group_threads);
 }
 
@@ -245,7 +300,7 @@ const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
       return last_error();
     }
   }
-  const RowPlan p = plan_rows(a.rows, vec ? a.sk / V : a.sk, kBlocksPerSm);
+  const RowPlan p = plan_rows(a.rows, vec ? a.sk / V : a.sk, kBlocksPerSm, kMaxLoopThreads);
   const dim3 grid(unsigned(p.grid)), block(p.block);
   if (vec) {
     if (a.causal) MK_LAUNCH((softmax_bwd_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);

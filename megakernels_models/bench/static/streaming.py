@@ -46,14 +46,14 @@ class Part:
     launches: int = 1         # launches the launcher splits this work into
 
 
-def plan_rows(rows: int, packs: int, blocks_per_sm: int) -> tuple[int, int, int]:
+def plan_rows(rows: int, packs: int, blocks_per_sm: int, max_threads: int = 1024) -> tuple[int, int, int]:
     """(group threads, block threads, grid) as csrc/common/cuda_kernels.cuh's plan_rows: a warp per row up to 8
-    packs per lane, else a block of 64..1024 threads with ~8 packs each; the grid capped per SM."""
+    packs per lane, else a block of 64..``max_threads`` threads with ~8 packs each; the grid capped per SM."""
     if packs <= 32 * 8:
         group, block = 32, 128
     else:
         threads = (packs // 8 + 31) // 32 * 32
-        group = block = min(max(threads, 64), 1024)
+        group = block = min(max(threads, 64), max_threads)
     needed = -(-rows // (block // group))
     return group, block, max(1, min(needed, M.sms * blocks_per_sm))
 
@@ -246,7 +246,7 @@ def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Par
     b, h, sq, sk = shape
     rows = b * h * sq
     packs = sk // pack
-    group, block, grid = plan_rows(rows, packs, 16)
+    group, block, grid = plan_rows(rows, packs, 16, 512)  # kMaxLoopThreads of softmax_cuda.cu
     n = rows * sk
     causal = kind == "causal"
     kept = _causal_coverage(sq, sk) if causal else 1.0
