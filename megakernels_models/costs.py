@@ -31,10 +31,10 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
   tokens;
 - optimizer offload (``offload_time``): the host AdamW on this rank's share of the trained parameters (its ZeRO-1
-  shard) at ``HOST_ADAMW_NS_PER_PARAM``, never overlapped (it needs every gradient and the next forward needs its result);
-  the fp32 gradients device→host over PCIe (``Device.host_gbps``), overlapped with the last micro-batch's backward
-  like the data-parallel reduction; the updated parameters host→device (2 bytes in 16-bit training, 4 in fp32),
-  overlapped with the first micro-batch's forward, not at all under ZeRO-1 (its all-gather needs them first).
+  shard) at ``HOST_ADAMW_NS_PER_PARAM``, never overlapped (it needs every gradient and the next forward needs its
+  result); the fp32 gradients device→host over PCIe (``Device.host_gbps``), overlapped with the last micro-batch's
+  backward like the data-parallel reduction; the updated parameters host→device (2 bytes in 16-bit training, 4 in
+  fp32), overlapped with the first micro-batch's forward, not at all under ZeRO-1 (its all-gather needs them first).
 """
 
 from __future__ import annotations
