@@ -83,11 +83,29 @@ __device__ __forceinline__ const Pack<T, N>* pack_at(const T* p) {
   return pack_at<T, N>(const_cast<T*>(p));
 }
 
+// Element k of a pack in the accumulate type. bf16 pairs share a 32-bit word, low half first: the low element
+// converts with a shift and the high one with a mask, where __bfloat162float of the high half costs an extract
+// (PRMT) and a shift. k is a constant of an unrolled loop, so the choice folds away.
+template <typename T, int N>
+__device__ __forceinline__ auto pack_acc(const Pack<T, N>& pk, int k) {
+  return to_acc(pk.v[k]);
+}
+template <int N>
+__device__ __forceinline__ float pack_acc(const Pack<__nv_bfloat16, N>& pk, int k) {
+  if constexpr (N % 2 == 0) {
+    uint32_t word;
+    std::memcpy(&word, &pk.v[k & ~1], sizeof(word));
+    return __uint_as_float((k & 1) ? (word & 0xffff0000u) : (word << 16));
+  } else {
+    return to_acc(pk.v[k]);
+  }
+}
+
 template <typename T, int N, typename A>
 __device__ __forceinline__ void load_pack(const T* p, int64_t j, A (&out)[N]) {
   const Pack<T, N> pk = *pack_at<T, N>(p + j);
 #pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = A(to_acc(pk.v[k]));
+  for (int k = 0; k < N; ++k) out[k] = A(pack_acc(pk, k));
 }
 
 // A pack kept in its storage type (half the registers of its fp32 values for 16-bit types).

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) norm_bwd_rows_kernel(norms::Bw
         if (!RMS) load_pack<float, Q>(my_acc + H, j + k0, pb);
 #pragma unroll
         for (int k = k0; k < k0 + Q; ++k) {
-          const float xh = (to_acc(xp.v[k]) - mean) * rstd;
+          const float xh = (pack_acc(xp, k) - mean) * rstd;
           if (ACT != Activation::None) d[k] *= gelu_derivative<ACT, LOWP>(xh * wv[k] + bv[k]);
           const float gw = d[k] * wv[k];
           s[0] += gw;
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) norm_bwd_rows_kernel(norms::Bw
       if (!KEEP_X) load_pack<float, N>(my_dz, j, d);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const float xh = (to_acc(xp.v[k]) - mean) * rstd;
+        const float xh = (pack_acc(xp, k) - mean) * rstd;
         d[k] = rstd * (d[k] * wv[k] - c1 - xh * c2);
       }
       store_pack<T, N>(static_cast<T*>(a.dx) + off, j, d);

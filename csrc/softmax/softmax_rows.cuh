@@ -80,7 +80,7 @@ template <typename T, int N, typename A>
 __device__ __forceinline__ void load_prefix(const T* p, int64_t j, int64_t n, A (&out)[N]) {
   const Pack<T, N> r = load_raw_prefix<T, N>(p, j, n);
 #pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = A(to_acc(r.v[k]));
+  for (int k = 0; k < N; ++k) out[k] = A(pack_acc(r, k));
 }
 
 template <typename T, int N, MaskKind K>
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) softmax_bwd_rows_kernel(softma
       for (int k = 0; k < N; ++k) {
         const bool kk = live && (!CAUSAL || j + k < n);
         if (!kk) d[p][k] = 0.0f;
-        s[0] += kk ? d[p][k] * to_acc(y[p].v[k]) : 0.0f;
+        s[0] += kk ? d[p][k] * pack_acc(y[p], k) : 0.0f;
       }
     }
     groups_sum<1>(s, group_threads, red);
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) softmax_bwd_rows_kernel(softma
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const bool kk = live && (!CAUSAL || j + k < n);
-        d[p][k] = kk ? scale * to_acc(y[p].v[k]) * (d[p][k] - s[0]) : 0.0f;
+        d[p][k] = kk ? scale * pack_acc(y[p], k) * (d[p][k] - s[0]) : 0.0f;
       }
       store_pack<T, N>(static_cast<T*>(a.dx) + off, j, d[p]);
     }
