@@ -64,12 +64,28 @@ def padded_head_dim(d: int) -> int:
     return max(32, triton.next_power_of_2(d))
 
 
+def _for_arch(table: dict, arch: int):
+    """``table``'s entry for the newest architecture at or below ``arch``, or None."""
+    known = [a for a in table if a <= arch]
+    return table[max(known)] if known else None
+
+
 def candidates(table: dict, arch: int, head_dim: int) -> list[tuple]:
     """Configs for ``arch`` (newest table at or below it) and head dim (padded to its power of two)."""
     if arch == 0:
         return [INTERPRETER_CONFIG]
-    known = sorted(a for a in table if a <= arch) or [min(table)]
-    return table[known[-1]][padded_head_dim(head_dim)]
+    return (_for_arch(table, arch) or table[min(table)])[padded_head_dim(head_dim)]
+
+
+def _launch_arch(t: torch.Tensor) -> int:
+    """The target a launch on ``t`` compiles for: its GPU's, 0 under the interpreter, sm_90 for meta tensors (the
+    static report)."""
+    return arch_of(t.device) if t.device.type != "meta" else 90
+
+
+def _has_tma(arch: int) -> bool:
+    """Whether tensor descriptors are used on ``arch``: Hopper and newer, and the interpreter."""
+    return arch == 0 or arch >= 90
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -123,9 +139,8 @@ def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n, warps, stages, *limit = cfg
-    arch = arch_of(q.device) if q.device.type != "meta" else 90
     if tma is None:
-        tma = (arch == 0 or arch >= 90) and tma_eligible(q, k, v, out)
+        tma = _has_tma(_launch_arch(q)) and tma_eligible(q, k, v, out)
     bd = padded_head_dim(d)
     q_rows = _rows_descriptor(q, block_m) if tma else None
     qa, ka, va, oa = (q_rows if q_rows is not None else _descriptor(q, block_m, bd), _descriptor(k, block_n, bd),
@@ -174,9 +189,9 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
     common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DROPOUT=dropout, PRECISION=_dot_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if arch is None:
-        arch = arch_of(q.device) if q.device.type != "meta" else 90
+        arch = _launch_arch(q)
     if dq_tma is None:
-        dq_tma = not deterministic and (arch == 0 or arch >= 90) and tma_eligible(dq)
+        dq_tma = not deterministic and _has_tma(arch) and tma_eligible(dq)
     dq_arg = _descriptor(dq, block_m, bd) if dq_tma else dq
     delta_rows = 64 if bd <= 128 else 32
     delta, lse2 = delta[0], delta[1]
@@ -189,8 +204,8 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
                         scale * LOG2E, scale, threshold, keep_scale),
                        dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma))]
     if deterministic:
-        known = [a for a in DQ_CONFIGS if a <= arch]
-        dq_m, dq_n, dq_warps = (DQ_CONFIGS[max(known)][bd] if known and arch else (block_m, block_n, warps))
+        dq_table = _for_arch(DQ_CONFIGS, arch) if arch else None
+        dq_m, dq_n, dq_warps = dq_table[bd] if dq_table else (block_m, block_n, warps)
         launches.append(Launch(_bwd_dq_kernel, (triton.cdiv(sq, dq_m), b * h),
                                (q, k, v, do, lse2, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v),
                                 *_strides(do), *_strides(dq), h, h // hk, sq, sk, scale * LOG2E, scale, threshold,
