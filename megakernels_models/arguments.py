@@ -16,6 +16,7 @@ from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
 from megakernels_models.config import LANGUAGE_MODELS, MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
+from megakernels_models.layout_rules import validate_layout
 from megakernels_models.preemption import SIGNALS
 from megakernels_models.settings import ArgumentError, setting
 
@@ -137,6 +138,9 @@ class TrainArgs:
                                "from scratch, so --save DIR --load DIR serves every (re)launch", LOGS, metavar="DIR")
     async_save: bool = setting(False, "write checkpoints in the background (staged to host memory at the step, "
                                "written while training goes on)", LOGS)
+    max_save_failures: int = setting(3, "stop the run (exit 1) after N checkpoint saves in a row failed (a full "
+                                     "disk: each failed save is reported and cleaned up, the next one tries again); "
+                                     "0: never stop for it", LOGS)
     exit_signal: str = setting("SIGTERM", "on this signal every rank finishes its step, saves (with --save) and exits "
                                "0 (SIGUSR1: Slurm's --signal)", LOGS, choices=SIGNALS)
     exit_interval: int | None = setting(None, "stop (saving) after every N-th step", LOGS)
@@ -155,8 +159,14 @@ class TrainArgs:
                                                                                           "v100"))
     dry_run: bool = setting(False, "validate and report parameters, FLOPs and memory per device, without training",
                             LOGS)
+    memory_check: bool = setting(True, "train even when the model's estimated memory (--dry-run's) is more than "
+                                 "this machine has free (the device's memory; on the CPU what the processes may "
+                                 "use)", LAYOUT, flag="--no-memory-check")
     architecture: dict | None = setting(None, "ModelConfig fields defining the model (from a --config file)", MODEL,
                                         cli=False)
+    config_file: str | None = setting(None, "the --config file the settings came from (errors name it)", MODEL,
+                                      cli=False)
+    config_settings: dict | None = setting(None, "the values that file gave", MODEL, cli=False)
     step_timers: bool = setting(False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS,
                                 cli=False)
 
@@ -186,15 +196,17 @@ class TrainArgs:
                 sizes["vocab_size"] = build_tokenizer(self.tokenizer).vocab_size
             except (OSError, ValueError):
                 pass  # validate_data_args reports the tokenizer's problem, naming the flag
+        overrides = {k: v for k, v in {**sizes, **drop}.items() if v is not None}
         name = self.preset_name()
         if name is not None:
             cfg = preset(name, **sizes, **drop)
             if self.model is not None and self.model != cfg.model:
                 raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {cfg.model} model)")
+            if self.architecture:
+                self._check_architecture_agrees(name, cfg, overrides)
             return cfg
         if self.architecture:
-            cfg = ModelConfig(**self.architecture)
-            cfg = cfg.replace(**{k: v for k, v in {**sizes, **drop}.items() if v is not None})
+            cfg = self._architecture_config(overrides)
             if self.model is not None and self.model != cfg.model:
                 raise ArgumentError(f"--model {self.model} contradicts the architecture (a {cfg.model} model)")
             return cfg
@@ -204,6 +216,33 @@ class TrainArgs:
         sizes = {k: v for k, v in sizes.items() if v is not None}
         sizes.setdefault("vocab_size", 261)
         return ModelConfig(self.model or "gpt", **sizes, **drop)
+
+    def _architecture_source(self) -> str:
+        return f"--config {self.config_file}: architecture" if self.config_file else "architecture"
+
+    def _architecture_config(self, overrides: dict) -> ModelConfig:
+        """The ``architecture`` fields with the size settings given (``overrides``) replacing them."""
+        try:
+            return ModelConfig(**self.architecture).replace(**overrides)
+        except ValueError as e:
+            raise ArgumentError(f"{self._architecture_source()}: {e}") from None
+
+    def _check_architecture_agrees(self, name: str, cfg: ModelConfig, overrides: dict) -> None:
+        """A preset (giving ``cfg``) and an architecture together: one of them would be ignored, so every field the
+        architecture gives must come out as the preset's (after the size settings replace both; see config_file's
+        precedence).
+
+        Raises:
+            ArgumentError: listing the fields that differ, with both values.
+        """
+        mine = self._architecture_config(overrides)
+        conflicts = [f"{k}={getattr(mine, k)!r} (the preset's {getattr(cfg, k)!r})" for k in self.architecture
+                     if getattr(mine, k) != getattr(cfg, k)]
+        if conflicts:
+            by = "the same file's preset" if (self.config_settings or {}).get("preset") == self.preset else "--preset"
+            raise ArgumentError(f"{self._architecture_source()} differs from {by} {name} in {', '.join(conflicts)}: "
+                                "give one of them (--preset none trains the architecture; without the "
+                                "architecture the preset is trained)")
 
     def world_size(self) -> int:
         """Ranks: torchrun's ``WORLD_SIZE`` under torchrun, else ``--nproc``."""
@@ -232,13 +271,35 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def validate(a: TrainArgs) -> ModelConfig:
+# --timeout's bounds in seconds: below one second the first rendezvous cannot finish (1e-9 ended in a
+# DistNetworkError traceback); past a year torch's timedelta arithmetic overflows.
+TIMEOUT_RANGE = (1.0, 365 * 86400.0)
+
+
+def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
     """Check every argument and their combinations; return the model configuration. Fills in the defaults that
-    depend on other settings (``warmup_steps``).
+    depend on other settings (``warmup_steps``). With ``check_memory`` (and ``--memory-check``, not for
+    ``--dry-run``), a model whose estimated memory is more than this machine has is refused
+    (``memory_limits.check``).
 
     Raises:
-        ArgumentError: the first broken rule, naming the flag(s).
+        ArgumentError: the first broken rule, naming the flag(s); when a setting it names came from a ``--config``
+            file, the message says so (``--steps must be a positive int, got -1 (steps: from --config job.yaml)``).
     """
+    try:
+        cfg = _validate(a)
+        if check_memory and a.memory_check and not a.dry_run:
+            from megakernels_models.memory_limits import check
+
+            check(a, cfg)
+        return cfg
+    except ArgumentError as e:
+        from megakernels_models.config_file import naming_the_file
+
+        raise ArgumentError(naming_the_file(a, str(e))) from None
+
+
+def _validate(a: TrainArgs) -> ModelConfig:
     if a.model is not None and a.model not in MODELS:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.preset not in (None, "none") and a.preset not in PRESETS:
@@ -251,6 +312,7 @@ def validate(a: TrainArgs) -> ModelConfig:
         positive_int(getattr(a, name), _flag(name), allow_none=True, error=ArgumentError)
     positive_int(a.cross_attention_every, "--cross-attention-every", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.eval_interval, "--eval-interval", minimum=0, error=ArgumentError)
+    positive_int(a.max_save_failures, "--max-save-failures", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
     if a.image_size is not None and a.patch_size is not None and a.image_size % a.patch_size:
         raise ArgumentError(f"--image-size {a.image_size} is not divisible by --patch-size {a.patch_size} (an "
@@ -272,7 +334,7 @@ def validate(a: TrainArgs) -> ModelConfig:
                             f"per GPU with torchrun --nproc-per-node {a.nproc} (NCCL) and leave --nproc out")
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
-    _validate_layout(a, cfg)
+    validate_layout(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("adam_beta1", "adam_beta2"):
@@ -315,92 +377,10 @@ def validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--exit-duration-mins must be > 0, got {a.exit_duration_mins}")
     from megakernels_models.data.build import validate_data_args
     validate_data_args(a, cfg)
-    if not a.timeout > 0:
-        raise ArgumentError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    lo, hi = TIMEOUT_RANGE
+    if not lo <= finite_number(a.timeout, "--timeout", minimum=None, error=ArgumentError) <= hi:
+        raise ArgumentError(f"--timeout must be at least {lo:g} s and at most {hi:.0f} s (a year): how long a "
+                            f"collective waits for a peer, got {a.timeout:g}")
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         raise ArgumentError(f"--peak-tflops must be > 0, got {a.peak_tflops}")
     return cfg
-
-
-def _validate_layout(a: TrainArgs, cfg: ModelConfig) -> None:
-    world, model = a.world_size(), a.tp * a.cp * a.pp
-    restarts = a.restart_count() if "WORLD_SIZE" in os.environ else 0
-    # After an elastic restart the world is whatever rejoined, not what the command line planned for: say so.
-    source = (f"torchrun's WORLD_SIZE after elastic restart {restarts}" if restarts
-              else "--nproc or torchrun's WORLD_SIZE")
-    names = "--tp × --cp × --pp" if a.cp > 1 else "--tp × --pp"
-    sizes = " × ".join(str(x) for x in ((a.tp, a.cp, a.pp) if a.cp > 1 else (a.tp, a.pp)))
-    if world % model:
-        raise ArgumentError(f"the world size {world} ({source}) is not divisible by "
-                            f"{names} = {sizes} = {model}")
-    dp = world // model
-    if a.dp is not None and a.dp != dp:
-        raise ArgumentError(f"--dp {a.dp} does not match world size / ({names[2:].replace(' --', ' ')}) = "
-                            f"{world} / {model} = {dp} (world size from {source}; leave --dp out and it follows "
-                            "the world)")
-    if cfg.num_heads % a.tp:
-        raise ArgumentError(f"--tp {a.tp} does not divide num_heads={cfg.num_heads} (each TP rank holds whole heads)")
-    kv = cfg.num_kv_heads
-    if kv % a.tp and a.tp % kv:
-        raise ArgumentError(f"--tp {a.tp} and num_kv_heads={kv}: the key/value heads must split evenly over the "
-                            f"tensor-parallel ranks (num_kv_heads a multiple of tp) or be replicated on groups of "
-                            f"ranks (tp a multiple of num_kv_heads)")
-    if a.cp > 1:
-        if cfg.model == "bert":
-            raise ArgumentError(f"--cp {a.cp}: context parallelism is for causal language models (GPT, Llama); "
-                                "BERT's padding masks are not split over the ring")
-        if cfg.seq_length % (2 * a.cp * (a.tp if a.sequence_parallel else 1)):
-            rule = "2 × cp × tp" if a.sequence_parallel else "2 × cp"
-            raise ArgumentError(f"--cp {a.cp} needs seq_length={cfg.seq_length} divisible by {rule} (each rank "
-                                "holds two equal chunks of every sequence)")
-        if cfg.attention_dropout > 0:
-            raise ArgumentError(f"--cp {a.cp} with attention dropout {cfg.attention_dropout}: ring attention has no "
-                                "attention dropout (set --dropout 0)")
-    if cfg.ffn_hidden_size % a.tp:
-        raise ArgumentError(f"--tp {a.tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
-    if cfg.model == "vlm":
-        _validate_vision_layout(a, cfg)
-    vpp = a.vpp or 1
-    if vpp > 1 and a.pp == 1:
-        raise ArgumentError(f"--vpp {a.vpp} needs pipeline parallelism (--pp > 1)")
-    if cfg.num_layers % (a.pp * vpp):
-        rule = f"--pp × --vpp = {a.pp} × {vpp} = {a.pp * vpp}" if vpp > 1 else f"--pp {a.pp}"
-        raise ArgumentError(f"{rule} does not divide num_layers={cfg.num_layers} (equal layers per stage)")
-    if a.global_batch_size % (a.micro_batch_size * dp):
-        raise ArgumentError(f"--global-batch-size {a.global_batch_size} is not divisible by --micro-batch-size × "
-                            f"dp = {a.micro_batch_size} × {dp} = {a.micro_batch_size * dp} (dp = world size {world} "
-                            f"from {source} / {names[2:].replace(' --', ' ')} {model})")
-    m = a.global_batch_size // (a.micro_batch_size * dp)
-    if vpp > 1 and m % a.pp:
-        raise ArgumentError(f"the interleaved schedule (--vpp {vpp}) needs the number of micro-batches per step "
-                            f"(global / (micro × dp) = {m}) to be a multiple of --pp {a.pp}")
-    if a.ep > 1 and not cfg.num_experts:
-        raise ArgumentError(f"--ep {a.ep} needs a mixture-of-experts model (--num-experts > 0)")
-    if dp % a.ep:
-        raise ArgumentError(f"--ep {a.ep} does not divide the data-parallel size {dp} (expert-parallel groups are "
-                            "carved out of the data-parallel ranks)")
-    if cfg.num_experts and cfg.num_experts % a.ep:
-        raise ArgumentError(f"--ep {a.ep} does not divide num_experts={cfg.num_experts} (each rank holds the same "
-                            "number of experts)")
-    if cfg.num_experts and a.tp > 1 and (cfg.seq_length // a.cp) % a.tp:
-        raise ArgumentError(f"--tp {a.tp} must divide the tokens per rank ({cfg.seq_length // a.cp}) of a MoE model "
-                            "(each TP rank routes its share of the tokens)")
-    if a.sequence_parallel and (cfg.seq_length // a.cp) % a.tp:
-        what = f"seq_length={cfg.seq_length}" if a.cp == 1 else f"the tokens per rank, seq_length / cp = " \
-            f"{cfg.seq_length // a.cp}"
-        raise ArgumentError(f"--sequence-parallel needs --tp {a.tp} to divide {what}")
-
-
-def _validate_vision_layout(a: TrainArgs, cfg: ModelConfig) -> None:
-    """What a vision-language model needs of the layout: tp dividing the encoder's and projector's widths; no
-    sequence or context parallelism (the image tokens are replicated over the tensor-parallel ranks)."""
-    if a.sequence_parallel or a.cp > 1:
-        flag = "--sequence-parallel" if a.sequence_parallel else f"--cp {a.cp}"
-        raise ArgumentError(f"{flag} is not supported for --model vlm (the image tokens are not split over ranks)")
-    v = cfg.vision_config()
-    for name, value in (("vision_heads", v.num_heads), ("vision_hidden_size", v.hidden_size),
-                        ("vision ffn_hidden_size", v.ffn_hidden_size),
-                        ("projector_hidden_size", cfg.projector_hidden_size)):
-        if value % a.tp:
-            raise ArgumentError(f"--tp {a.tp} does not divide {name}={value} (the vision encoder and projector are "
-                                "split over the tensor-parallel ranks)")

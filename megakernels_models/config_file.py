@@ -2,10 +2,22 @@
 
 A file is a mapping of trainer settings by their names (``tp: 8``, ``global_batch_size: 512``; dashes or
 underscores), optionally with an ``architecture:`` mapping of ``ModelConfig`` fields that defines the model itself
-instead of a preset. Flags given on the command line override the file. Unknown names are refused with the
-nearest valid one suggested. ``--print-config`` prints the resolved settings in this same format (the model's
-architecture included), so its output is a file that reproduces the run; the same resolved configuration is saved
-in every checkpoint and written at the top of the JSONL log.
+instead of a preset. Unknown names are refused with the nearest valid one suggested. Every value is checked
+against its field's declared type by the rule the flags use (``settings.field_value``): numbers are numbers however
+they are written (YAML 1.2's ``1e-3``, ``3e4`` and ``.1`` included, which YAML 1.1 reads as text), an integer
+setting takes a whole float (``steps: 3e2`` is 300) but not ``2.5``, and a mistake is one line naming the file and
+the key (``--config job.yaml: save_interval: expected an integer, got 'x' (str)``).
+
+Precedence: flags > file > preset. A flag replaces the file's value of the same setting; the file's settings
+replace the defaults. The model comes from ``--preset`` (flag or file) or from the file's ``architecture:``; when
+both are given the architecture must agree with the preset field by field (a file written by ``--print-config``
+for that preset does), else the run is refused naming the fields that differ: one of the two would be silently
+ignored. Size settings (``--num-layers``, ``--hidden-size``, ... as flags or top-level keys of the file) then
+replace the architecture's or the preset's fields, as they replace a preset's without a file.
+
+``--print-config`` prints the resolved settings in this same format (the model's architecture included, the preset
+and size settings folded into it), so its output is a file that reproduces the run; the same resolved configuration
+is saved in every checkpoint and written at the top of the JSONL log.
 
 ``configs/`` in the repository ships every preset (``configs/presets/<name>.yaml``, the presets' architectures) and
 example jobs (``configs/jobs/``).
@@ -15,11 +27,32 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
+import re
 
-from megakernels_models.settings import ArgumentError
+from megakernels_models.settings import ArgumentError, field_value
 
 ARCHITECTURE = "architecture"
+# What ``load`` adds to the settings: the file's path and the values it gave, so that ``arguments.validate`` can name
+# the file in a range error about one of them (TrainArgs fields without flags).
+CONFIG_FILE, CONFIG_SETTINGS = "config_file", "config_settings"
+
+# YAML 1.2's floats that YAML 1.1 (PyYAML) reads as text: an exponent without a dot or without a sign.
+_FLOAT_12 = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+
+
+@functools.cache
+def _loader():
+    """A ``yaml.SafeLoader`` subclass that also resolves YAML 1.2's floats (the global loader is left as it is)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # add_implicit_resolver copies the inherited table into the subclass before adding to it
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+    return Loader
 
 
 def _suggest(name: str, valid) -> str:
@@ -27,56 +60,110 @@ def _suggest(name: str, valid) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def load(path: str) -> dict:
-    """The settings in the YAML/JSON file ``path``, names normalised to underscores, checked against ``TrainArgs``
-    and ``ModelConfig``.
+def _one_line(e: Exception) -> str:
+    """A YAML parser's multi-line message as one line: the problem and where."""
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(e).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
+
+
+def parse(path: str, text: str):
+    """The document ``text`` of the file ``path``: JSON when the name ends in ``.json``, else YAML (with YAML 1.2's
+    floats).
 
     Raises:
-        ArgumentError: an unreadable or malformed file, or an unknown name (naming the file, the name and the
-            nearest valid one).
+        ArgumentError: not valid JSON/YAML, in one line naming the file, the problem and where.
     """
-    from megakernels_models.arguments import TrainArgs
-    from megakernels_models.config import ModelConfig
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ArgumentError(f"--config {path}: {e.strerror}") from None
     import yaml
 
+    kind = "JSON" if path.endswith(".json") else "YAML"
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        raise ArgumentError(f"--config {path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") \
-            from None
+        return json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise ArgumentError(f"--config {path}: not valid {kind}: nested too deeply") from None
+    except Exception as e:  # noqa: BLE001 -- PyYAML's constructors let Python's own errors out for some explicitly
+        # tagged garbage (``!!timestamp x``: AttributeError); whatever the parser raises, the file is not valid
+        raise ArgumentError(f"--config {path}: not valid {kind}: {_one_line(e)}") from None
+
+
+def load(path: str) -> dict:
+    """The settings in the YAML/JSON file ``path``, names normalised to underscores, each checked against its
+    ``TrainArgs`` field (``architecture:`` fields against ``ModelConfig``'s) and converted to its type; with
+    ``config_file`` (the path) and ``config_settings`` (the file's values) added when it holds any.
+
+    Raises:
+        ArgumentError: an unreadable or malformed file, an unknown name (with the nearest valid one) or a value of
+            the wrong type; one line naming the file and the key.
+    """
+    from megakernels_models.arguments import TrainArgs
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except OSError as e:
+        raise ArgumentError(f"--config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ArgumentError(f"--config {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    data = parse(path, text)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ArgumentError(f"--config {path}: expected a mapping of settings, got a {type(data).__name__}")
-    valid = {f.name for f in dataclasses.fields(TrainArgs) if f.metadata.get("cli")} - {ARCHITECTURE}
+    fields = {f.name: f for f in dataclasses.fields(TrainArgs) if f.metadata.get("cli")}
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name == ARCHITECTURE:
-            out[name] = _architecture(path, value, {f.name for f in dataclasses.fields(ModelConfig)})
-        elif name not in valid:
-            raise ArgumentError(f"--config {path}: unknown setting {key!r}{_suggest(name, valid | {ARCHITECTURE})}")
+            out[name] = _architecture(path, value)
+        elif name not in fields:
+            raise ArgumentError(f"--config {path}: unknown setting {key!r}{_suggest(name, [*fields, ARCHITECTURE])}")
         else:
-            out[name] = value
+            try:
+                out[name] = field_value(TrainArgs, fields[name], value)
+            except ValueError as e:
+                raise ArgumentError(f"--config {path}: {key}: {e}") from None
+    if out:
+        out[CONFIG_SETTINGS] = dict(out)
+        out[CONFIG_FILE] = path
     return out
 
 
-def _architecture(path: str, value, valid: set[str]) -> dict:
+def _architecture(path: str, value) -> dict:
+    from megakernels_models.config import ModelConfig
+
     if not isinstance(value, dict):
-        raise ArgumentError(f"--config {path}: {ARCHITECTURE} must be a mapping of model fields")
+        raise ArgumentError(f"--config {path}: {ARCHITECTURE} must be a mapping of model fields, got a "
+                            f"{type(value).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
     out = {}
     for key, v in value.items():
         name = str(key).replace("-", "_")
-        if name not in valid:
-            raise ArgumentError(f"--config {path}: unknown {ARCHITECTURE} field {key!r}{_suggest(name, valid)}")
-        out[name] = v
+        if name not in fields:
+            raise ArgumentError(f"--config {path}: unknown {ARCHITECTURE} field {key!r}{_suggest(name, fields)}")
+        try:
+            out[name] = field_value(ModelConfig, fields[name], v)
+        except ValueError as e:
+            raise ArgumentError(f"--config {path}: {ARCHITECTURE}: {key}: {e}") from None
     return out
+
+
+def naming_the_file(args, message: str) -> str:
+    """``message`` (an error of ``arguments.validate``, naming flags) with the settings among those flags that came
+    from ``args``'s ``--config`` file named, so the user knows where to fix them; unchanged otherwise."""
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.settings import flag_of
+
+    given = args.config_settings or {}
+    if not args.config_file or "--config" in message:
+        return message
+    flags = set(re.findall(r"--[a-z][a-z0-9-]*", message))
+    names = [f.name for f in dataclasses.fields(TrainArgs) if f.name in given and flag_of(f) in flags
+             and getattr(args, f.name) == given[f.name]]  # not replaced by a flag
+    return f"{message} ({', '.join(names)}: from --config {args.config_file})" if names else message
 
 
 def resolved(args, cfg) -> dict:
@@ -102,4 +189,3 @@ def dump(values: dict) -> str:
     import yaml
 
     return yaml.safe_dump(values, sort_keys=False, default_flow_style=False)
-

@@ -64,13 +64,99 @@ def _choices(f):
 def _type(cls, f):
     if f.metadata.get("type") is not None:
         return f.metadata["type"]
-    if f.default is not None:
+    if f.default is not None and f.default is not dataclasses.MISSING:
         return type(f.default)
     hint = typing.get_type_hints(cls)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if len(args) == 1 and args[0] in (int, float, str):
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if len(args) == 1 and args[0] in (int, float, str, bool):
         return args[0]
     raise TypeError(f"setting {f.name}: give type= (the default is None and the annotation is {hint})")
+
+
+def _optional(cls, f) -> bool:
+    """Whether ``f`` of ``cls`` may be None (its default is, or its annotation says so)."""
+    return f.default is None or type(None) in typing.get_args(typing.get_type_hints(cls)[f.name])
+
+
+_EXPECTED = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def convert(value, typ: type, *, optional: bool = False):
+    """``value`` as a setting of type ``typ`` (int, float, str or bool; other types pass through): the one rule for
+    a flag's text and a configuration file's value, so both accept and refuse the same things.
+
+    An int is an integer, a float that is integral (``3e2``, which YAML and JSON read as 300.0) or text that reads
+    as either; a float is any real number or text that reads as one (the range, e.g. finiteness, is
+    ``arguments.validate``'s); a str is text; a bool is true or false. Booleans are never numbers. None is accepted
+    only when ``optional``.
+
+    Raises:
+        ValueError: anything else, saying what was expected and what was given (``expected an integer, got 'x'
+            (str)``).
+    """
+    if value is None and optional:
+        return None
+    if typ not in _EXPECTED:
+        return value
+    got = f"got {value!r} ({type(value).__name__})"
+    if typ is bool or typ is str:
+        if isinstance(value, typ):
+            return value
+        raise ValueError(f"expected {_EXPECTED[typ]}, {got}")
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValueError(f"expected {_EXPECTED[typ]}, {got}") from None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise ValueError(f"expected {_EXPECTED[typ]}, {got}")
+    if typ is float:
+        try:
+            return float(number)
+        except OverflowError:  # an integer past 1e308
+            raise ValueError(f"expected {_EXPECTED[typ]}, {got}: too large for a float") from None
+    if isinstance(number, float):
+        if not number.is_integer():  # also nan and inf
+            raise ValueError(f"expected {_EXPECTED[typ]}, {got}")
+        return int(number)
+    return number
+
+
+def field_value(cls, f: dataclasses.Field, value):
+    """``value`` checked and converted as field ``f`` of dataclass ``cls`` (its declared type, None when it is
+    optional, and its choices): how a configuration file's values are read, by the rule the flags use.
+
+    Raises:
+        ValueError: the wrong type or not one of the choices (the message says which, without the field's name).
+    """
+    try:
+        typ = _type(cls, f)
+    except TypeError:
+        return value  # a field without a scalar type (a mapping): its reader checks it
+    value = convert(value, typ, optional=_optional(cls, f))
+    choices = _choices(f)
+    if value is not None and choices and value not in choices:
+        raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def _flag_type(typ):
+    """argparse's ``type=`` for ``typ``: ``convert`` with argparse's error type (its message becomes the error)."""
+    if typ not in (int, float):
+        return typ
+
+    def parse(text: str):
+        try:
+            return convert(text, typ)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = typ.__name__
+    return parse
 
 
 _METAVARS = {int: "N", float: "X"}
@@ -98,7 +184,7 @@ def add_settings(parser: argparse.ArgumentParser, cls, names=None, defaults: dic
             kwargs["action"] = "store_false" if f.default else "store_true"
         else:
             typ = _type(cls, f)
-            kwargs.update(type=typ, choices=_choices(f), metavar=md.get("metavar") or _METAVARS.get(typ))
+            kwargs.update(type=_flag_type(typ), choices=_choices(f), metavar=md.get("metavar") or _METAVARS.get(typ))
         grp.add_argument(flag_of(f), **kwargs)
 
 
