@@ -29,18 +29,17 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 import megakernels.parallel as mpu
 from megakernels.parallel import params as marks
 from megakernels.parallel.init import shard_pieces
-from megakernels_models import checkpoint_store as store, syncpoints
+from megakernels_models import checkpoint_store as store, checkpoint_verify as verified, syncpoints
+from megakernels_models.checkpoint_verify import CheckpointError
 from megakernels_models.config import ModelConfig
 
 LATEST = store.LATEST
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded (missing, incomplete, or for another model)."""
 
 
 # ---- tensors in full-model coordinates ----------------------------------------------------------------------
@@ -195,11 +194,18 @@ def _layout() -> dict:
 
 # ---- save ---------------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _Digested(StorageInfo):
+    """A write result's storage info with the digest of its bytes, on its way to the coordinating rank."""
+    digest: str | None = None
+
+
 class Writer(dcp.FileSystemWriter):
-    """DCP's file-system writer, with two additions: the ``checkpoint-write-<step>`` sync point (``syncpoints``)
-    once this rank's data files are written and before the metadata commits the checkpoint; and the entries
-    ``reuse`` (left out of the state dict being saved) taken from the checkpoint at ``previous``, their chunks
-    pointing at the files that hold them (``checkpoint_store``: an incremental checkpoint)."""
+    """DCP's file-system writer, with three additions: the ``checkpoint-write-<step>`` sync point (``syncpoints``)
+    once this rank's data files are written and before the metadata commits the checkpoint; the digest of every
+    byte range it wrote (``checkpoint_verify``), written as the checkpoint's digest table before the metadata; and
+    the entries ``reuse`` (left out of the state dict being saved) taken from the checkpoint at ``previous``, their
+    chunks pointing at the files that hold them (``checkpoint_store``: an incremental checkpoint)."""
 
     def __init__(self, path: str, step: int, reuse=(), previous: str | None = None):
         super().__init__(path)
@@ -208,11 +214,31 @@ class Writer(dcp.FileSystemWriter):
 
     def write_data(self, plan, planner):
         done = super().write_data(plan, planner)
-        done.wait()
+        results = done.wait()
+        digests = verified.digests_of_results(str(self.path), results)
+        for i, r in enumerate(results):
+            info = r.storage_data
+            results[i] = dataclasses.replace(r, storage_data=_Digested(
+                info.relative_path, info.offset, info.length, info.transform_descriptors,
+                digest=digests[verified._key(info.relative_path, info.offset, info.length)]))
         syncpoints.reach(self._point)
-        return done
+        out = torch.futures.Future()
+        out.set_result(results)
+        return out
 
     def finish(self, metadata, results):
+        digests = {}
+        plain = []
+        for rank_results in results:
+            out = []
+            for r in rank_results:
+                info = r.storage_data
+                if isinstance(info, _Digested):
+                    digests[verified._key(info.relative_path, info.offset, info.length)] = info.digest
+                    info = StorageInfo(info.relative_path, info.offset, info.length, info.transform_descriptors)
+                out.append(dataclasses.replace(r, storage_data=info))
+            plain.append(out)
+        results = plain
         if self._reuse:
             from torch.distributed.checkpoint.storage import WriteResult
 
@@ -225,6 +251,9 @@ class Writer(dcp.FileSystemWriter):
                         else f"../{here}/{info.relative_path}"))
                      for index, info in old.storage_data.items() if index.fqn in self._reuse]
             results = [*results, moved]
+        # The digests are written before DCP's metadata, which commits the checkpoint: a complete checkpoint
+        # always has them.
+        verified.write_digests(str(self.path), digests, self._previous if self._reuse else None)
         super().finish(metadata, results)
 
 
@@ -244,39 +273,105 @@ def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dic
     return sd
 
 
+def describe_error(e: BaseException) -> str:
+    """One line for a failed save's error; for DCP's (raised on every rank), each failing rank's own error."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"
+
+
+def _chunk_bytes(sd: dict) -> dict[tuple, int]:
+    """``{(entry, chunk offsets): bytes}`` that this rank would write of ``sd``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in sd.items():
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                out[(key, tuple(shard.metadata.shard_offsets))] = shard.tensor.numel() * shard.tensor.element_size()
+        elif isinstance(value, torch.Tensor):
+            out[(key, ())] = value.numel() * value.element_size()
+        elif isinstance(value, str):
+            out[(key, ())] = len(value.encode())
+        else:
+            out[(key, ())] = 4096  # a pickled object (RNG states): small
+    return out
+
+
+def bytes_to_write(sd: dict, group=None) -> int:
+    """The bytes a save of ``sd`` writes over all ranks (collective): each chunk once, as DCP de-duplicates the
+    copies that replicas hold."""
+    views = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, _chunk_bytes(sd), group=group)
+    merged = {}
+    for v in views:
+        merged.update(v)
+    return sum(merged.values())
+
+
+SPACE_MARGIN = 1.05  # DCP's headers and the metadata, over the tensors' bytes
+
+
 def write(sd: dict, save_dir: str, step: int, *, keep: int = 3, train_config: dict | None = None, group=None,
           reuse=(), previous: str | None = None) -> str:
     """Write ``sd`` as the checkpoint of ``step`` and commit it (``checkpoint_store``: temporary directory, DCP,
-    rename, ``latest``, pruning). Every rank calls it, with the same ``reuse`` (entries left out of ``sd`` that the
-    checkpoint ``previous`` holds unchanged). ``group``: the process group DCP coordinates over (default: the
-    world's). Returns the checkpoint's path.
+    digests, rename, ``latest``, pruning). Every rank calls it, with the same ``reuse`` (entries left out of ``sd``
+    that the checkpoint ``previous`` holds unchanged). ``group``: the process group DCP coordinates over (default:
+    the world's). Returns the checkpoint's path.
+
+    Before writing, the free space of ``save_dir`` is checked against the bytes the save needs; a save that fails
+    (there, in DCP's write on any rank, or in the commit) removes its temporary directory, so the space it took is
+    free for the next try, and the previous checkpoint stays ``latest``.
 
     Raises:
-        CheckpointError: the metadata is missing after DCP returned. DCP's own errors (a failed write on any rank
-        fails every rank).
+        CheckpointError: not enough free space, or the save failed (one line: what failed on which rank).
     """
     final = os.path.join(save_dir, store.step_name(step))
     tmp = os.path.join(save_dir, f".tmp-{store.step_name(step)}")
     rank0 = dist.get_rank() == 0
-    if rank0:
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    need = bytes_to_write(sd, group)
+
+    def agree(fn) -> None:  # rank 0 acts; every rank learns whether it failed
+        failed = [None]
+        if rank0:
+            try:
+                failed[0] = fn()
+            except Exception as e:  # noqa: BLE001 - every rank must learn that it failed
+                failed[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(failed, src=src, group=group)
+        if failed[0] is not None:
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            syncpoints.note(f"checkpoint-failed-{step:08d}")
+            raise CheckpointError(f"the checkpoint of step {step} was not saved: {failed[0]}")
+
+    def prepare() -> str | None:
         os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save killed before it could clean up
+        free = shutil.disk_usage(save_dir).free
+        if free < need * SPACE_MARGIN:
+            return (f"not enough disk space in {save_dir}: it needs about {need / 2**20:.1f} MiB, "
+                    f"{free / 2**20:.1f} MiB are free")
         os.makedirs(tmp)
-    dist.barrier(group=group)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)
-        dcp.save(sd, storage_writer=Writer(tmp, step, reuse, previous), process_group=group)
-    failed = [None]
-    if rank0:  # DCP returned: every rank's files and the metadata are written
-        try:
-            store.commit(tmp, final, error=CheckpointError)
-            _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
-            store.prune(save_dir, keep)
-        except Exception as e:  # noqa: BLE001 - every rank must learn that the commit failed
-            failed[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(failed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if failed[0] is not None:
-        raise CheckpointError(f"committing the checkpoint of step {step} failed on rank 0: {failed[0]}")
+        return None
+
+    agree(prepare)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation notice (see module notes)
+            dcp.save(sd, storage_writer=Writer(tmp, step, reuse, previous), process_group=group)
+    except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's write failed
+        error = describe_error(e)
+        agree(lambda: error)
+    # DCP returned: every rank's files, the digests and the metadata are written
+
+    def commit() -> None:
+        store.commit(tmp, final, error=CheckpointError)
+        _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
+        store.prune(save_dir, keep)
+
+    agree(commit)
     return final
 
 
@@ -345,16 +440,24 @@ def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
 def read_meta(path: str) -> dict:
     """The checkpoint's metadata: ``step``, ``optimizer_step``, ``config`` (ModelConfig fields), ``layout``,
     ``loss_scaler``. Reads only that entry; works with or without a process group."""
+    verified.read_metadata(path)  # a clear error for a missing or damaged metadata file
     sd = {"meta": ""}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
-    return json.loads(sd["meta"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+        meta = json.loads(sd["meta"])
+        if not isinstance(meta, dict) or not {"step", "config"} <= meta.keys():
+            raise ValueError("not the checkpoint's meta record")
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged entry fails in many ways
+        raise CheckpointError(f"checkpoint {path}: its 'meta' entry is unreadable ({describe_error(e)[:200]})") \
+            from None
+    return meta
 
 
 def saved_keys(path: str) -> set[str]:
     """The entries of the checkpoint at ``path`` (``model.<name>``, ``optimizer.<state>.<name>``, ...)."""
-    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    return set(verified.read_metadata(path).state_dict_metadata)
 
 
 def load(path: str, chunks, opt, config: ModelConfig) -> int:
@@ -385,7 +488,10 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         same_layout = {"cp": 1, **meta["layout"]} == _layout() and any(k.startswith(rng_key + ".") for k in keys)
         if same_layout:
             sd[rng_key] = _rng_state()
-        dcp.load(sd, checkpoint_id=path)
+        try:
+            dcp.load(sd, checkpoint_id=path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
+            raise CheckpointError(f"loading checkpoint {path} failed: {describe_error(e)[:500]}") from None
     _sync_replicas([(p, p.data) for p in params]
                    + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else []))
     if opt is not None:

@@ -56,19 +56,32 @@ def find_latest(load_dir: str, error=RuntimeError) -> str | None:
         raise error(f"--load {load_dir!r} is not a directory")
     if os.path.exists(os.path.join(load_dir, METADATA)):
         return load_dir
-    marker = os.path.join(load_dir, LATEST)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            name = f.read().strip()
-        path = os.path.join(load_dir, name)
-        if STEP_DIR.match(name) and os.path.exists(os.path.join(path, METADATA)):
-            return path
+    name = read_marker(load_dir)
+    path = os.path.join(load_dir, name or "")
+    if name and STEP_DIR.match(name) and os.path.exists(os.path.join(path, METADATA)):
+        return path
     steps = complete_steps(load_dir)
     return os.path.join(load_dir, steps[-1][1]) if steps else None
 
 
+def read_marker(save_dir: str) -> str | None:
+    """The checkpoint name ``save_dir/latest`` holds; None when there is no marker or it is not one (a damaged,
+    binary or oversized file, or a directory): the newest complete checkpoint is used then."""
+    marker = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(marker):
+        return None
+    try:
+        with open(marker, "rb") as f:
+            name = f.read(256).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if STEP_DIR.match(name) else None
+
+
 def write_latest(save_dir: str, name: str) -> None:
     """Point ``save_dir/latest`` at ``name``, atomically and durably."""
+    if os.path.isdir(os.path.join(save_dir, LATEST)):
+        raise OSError(f"{os.path.join(save_dir, LATEST)} is a directory, not the marker file: move it away")
     tmp = os.path.join(save_dir, f".{LATEST}.tmp")
     with open(tmp, "w") as f:
         f.write(name + "\n")
@@ -138,3 +151,68 @@ def prune(save_dir: str, keep: int) -> None:
         for f in [METADATA] + sorted(os.listdir(folder)):
             if f not in keep_files and os.path.exists(os.path.join(folder, f)):
                 os.remove(os.path.join(folder, f))
+
+
+# ---- one writer per directory -------------------------------------------------------------------------------
+
+LOCK = ".lock"
+
+
+class DirectoryLock:
+    """The right to write checkpoints into ``save_dir``, held by one job at a time (its rank 0).
+
+    An exclusive ``flock`` on ``save_dir/.lock``, which the kernel releases when the holder dies however it died, so
+    a dead owner's lock is simply taken over; the file names the owner (host, pid, start time) for the message a
+    second job gets while the owner lives. (On network file systems without working ``flock`` — some NFS setups —
+    the lock is only as good as the file system's.)
+
+    Raises (``acquire``):
+        error: another live process holds the lock (naming it), or the lock file cannot be opened.
+    """
+
+    def __init__(self, save_dir: str, error=RuntimeError):
+        self.save_dir, self.error, self._fd = save_dir, error, None
+        self.took_over: str | None = None  # the previous owner's description when a dead owner's lock was taken
+
+    def acquire(self) -> DirectoryLock:
+        import fcntl
+        import json
+        import socket
+        import time
+
+        os.makedirs(self.save_dir, exist_ok=True)
+        path = os.path.join(self.save_dir, LOCK)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise self.error(f"--save {self.save_dir}: cannot open the lock file {path}: {e.strerror}") from None
+        previous = _read_owner(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise self.error(f"--save {self.save_dir} is in use by another job ({previous or 'owner unknown'}); one "
+                             f"job at a time may write a checkpoint directory: wait for it, stop it, or save "
+                             f"elsewhere") from None
+        self.took_over = previous or None
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+
+def _read_owner(fd: int) -> str:
+    import json
+
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {owner['pid']} on host {owner['host']} since {owner['since']}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return ""

@@ -51,25 +51,39 @@ def _digest(value) -> bytes | None:
     return h.digest()
 
 
-def _describe(e: BaseException) -> str:
-    """One line for an error; for DCP's, each failing rank's own error."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
-    return f"{type(e).__name__}: {e}"
-
-
 class Checkpointer:
-    """Saves checkpoints into ``save_dir`` (every rank constructs it: it creates a process group).
+    """Saves checkpoints into ``save_dir`` (every rank constructs it: it creates a process group, and rank 0 takes
+    the directory's lock, ``checkpoint_store.DirectoryLock``, held until ``close``).
 
     Args:
         save_dir: the checkpoint directory. keep: complete checkpoints kept (``--keep-checkpoints``).
         async_save: write in a background thread (see the module docstring).
         train_config: the run's resolved settings, stored with each checkpoint.
+
+    Raises:
+        CheckpointError: another live job holds ``save_dir``'s lock (on every rank).
     """
 
     def __init__(self, save_dir: str, keep: int, async_save: bool = False, train_config: dict | None = None):
         self.save_dir, self.keep, self.async_save, self.train_config = save_dir, keep, async_save, train_config
         self.group = dist.new_group(backend="gloo")
+        self._lock = None
+        self.failures = 0  # saves that failed in a row (reset by one that succeeds)
+        outcome = [None, None]
+        if dist.get_rank() == 0:
+            try:
+                self._lock = store.DirectoryLock(save_dir, error=checkpoint.CheckpointError).acquire()
+                outcome[1] = self._lock.took_over
+            except checkpoint.CheckpointError as e:
+                outcome[0] = str(e)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        if outcome[0] is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+            raise checkpoint.CheckpointError(outcome[0])
+        if outcome[1] and dist.get_rank() == 0:
+            print(f"megakernels train: note: took over {save_dir}'s lock from a job that is gone ({outcome[1]})",
+                  flush=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-writer") if async_save else None
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
@@ -89,7 +103,11 @@ class Checkpointer:
         stage = self._stage if self.async_save else None
         sd = checkpoint.state_to_save(step, chunks, opt, config, self.train_config, stage=stage)
         if not self.async_save:
-            self._write(sd, step)
+            try:
+                self._write(sd, step)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported; training goes on
+                return self._failed(step, e)
+            self.failures = 0
             return error
         if any(b.is_pinned() for b in self._buffers.values()):
             torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies have landed
@@ -138,10 +156,17 @@ class Checkpointer:
         try:
             future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the trainer, which carries on
-            latest = store.find_latest(self.save_dir)
-            kept = os.path.basename(latest) if latest else "no checkpoint"
-            return f"the asynchronous save of step {step} failed ({_describe(e)}); {kept} stays latest"
+            return self._failed(step, e, "asynchronous ")
+        self.failures = 0
         return None
+
+    def _failed(self, step: int, e: BaseException, kind: str = "") -> str:
+        """Count a failed save; its one-line report."""
+        self.failures += 1
+        latest = store.find_latest(self.save_dir)
+        kept = os.path.basename(latest) if latest else "no checkpoint"
+        text = str(e) if isinstance(e, checkpoint.CheckpointError) else checkpoint.describe_error(e)
+        return f"the {kind}save of step {step} failed ({text}); {kept} stays latest"
 
     def close(self, raise_error: bool = True) -> None:
         """Wait for the last save, release the writer thread and the process group (idempotent).
@@ -158,5 +183,8 @@ class Checkpointer:
             if self.group is not None:
                 dist.destroy_process_group(self.group)
                 self.group = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
         if error and raise_error:
             raise checkpoint.CheckpointError(error)

@@ -69,6 +69,8 @@ def _run_train(ns: argparse.Namespace) -> int:
     except WorldFailed as e:
         print(f"megakernels train: a rank failed: {e}", file=sys.stderr)
         return 1
+    if records and not args.dry_run and records[-1].get("failed"):
+        return 1  # the run said why (one line) as it stopped
     if records and not args.dry_run:
         first, last = records[0], records[-1]
         msg = (f"done: {len(records)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
@@ -99,6 +101,7 @@ SUBCOMMANDS = {
     "eval": "megakernels_models.evaluate:add_parser",
     "generate": "megakernels_models.generate:add_parser",
     "plan": "megakernels_models.plan:add_parser",
+    "checkpoint": "megakernels_models.checkpoint_verify:add_parser",
     "bench": "megakernels_models.bench.cli:add_parser",
 }
 

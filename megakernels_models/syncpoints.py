@@ -11,6 +11,7 @@ The points the trainer marks:
 - ``step-<N>``: after optimizer step N (1-based), before the stop conditions are checked;
 - ``checkpoint-write-<N>``: inside torch.distributed.checkpoint's write of the checkpoint of step N, after this
   rank's data files are written and before the metadata (the commit) is: in the writer thread for ``--async-save``;
+- ``checkpoint-failed-<N>``: the save of step N failed and its temporary directory is removed (``note``);
 - ``signal``: the exit signal arrived (``note``: never held).
 """
 

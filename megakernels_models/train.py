@@ -198,27 +198,61 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 if saver is not None and (reason or _due(step, args.save_interval or args.steps, args.steps)):
                     opt.wait_params()  # offload: the updated params may still be on their way to the device
                     save_error = saver.save(step + 1, chunks, opt, cfg) or save_error
+                    if reason:  # the save of this step completes before the run stops
+                        save_error = saver.wait() or save_error
                 if save_error and log_rank:
                     rec["checkpoint_error"] = save_error
                     print(f"megakernels train: warning: {save_error}", file=sys.stderr, flush=True)
-                if reason and rec is not None:
-                    rec["stopped"] = reason
+                failed = _too_many_save_failures(saver, args.max_save_failures, device)
+                if rec is not None:
+                    if reason:
+                        rec["stopped"] = reason
+                    if failed:
+                        rec["failed"] = failed
                 log.log(rec)
-                if reason:
-                    if saver is not None:
-                        saver.close()  # the save of this step is complete (or its failure raised)
-                    if log_rank:
-                        where = (f"saved checkpoint {os.path.join(args.save, step_name(step + 1))}; relaunch with "
-                                 f"--load {args.save} to resume") if saver is not None else "nothing saved (no --save)"
-                        print(f"megakernels train: stopped after step {step + 1} ({reason}): {where}", flush=True)
+                if reason or failed:
+                    if log_rank and failed:
+                        print(f"megakernels train: error: stopped after step {step + 1}: {failed}", file=sys.stderr,
+                              flush=True)
+                    elif log_rank:
+                        where = ("nothing saved (no --save)" if saver is None else
+                                 f"the save failed, {_latest_name(args.save)} is the latest checkpoint" if save_error
+                                 else f"saved checkpoint {os.path.join(args.save, step_name(step + 1))}")
+                        print(f"megakernels train: stopped after step {step + 1} ({reason}): {where}"
+                              + (f"; relaunch with --load {args.save} to resume" if saver is not None else ""),
+                              flush=True)
                     break
             if saver is not None:
-                saver.close()  # raises if the last (asynchronous) save failed
+                final_error = saver.wait()  # the last (asynchronous) save
+                if final_error and log.records:
+                    log.records[-1]["failed"] = f"the last checkpoint was not saved: {final_error}"
+                    print(f"megakernels train: error: {final_error}", file=sys.stderr, flush=True)
         finally:
             log.close()
             if saver is not None:
                 saver.close(raise_error=False)
     return log.records if log_rank else None
+
+
+def _too_many_save_failures(saver, limit: int, device) -> str | None:
+    """Why the run stops for failed saves (the same answer on every rank), or None: ``limit`` saves in a row failed
+    on some rank (an asynchronous save's failure reaches each rank's count at its own step boundary, so the counts
+    are combined)."""
+    if saver is None or not limit:
+        return None
+    count = torch.tensor([float(saver.failures)], device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    n = int(count.item())
+    if n < limit:
+        return None
+    return (f"{n} checkpoint saves in a row failed (--max-save-failures {limit}); the latest checkpoint is "
+            f"{_latest_name(saver.save_dir)}")
+
+
+def _latest_name(save_dir: str) -> str:
+    path = checkpoint.find_latest(save_dir)
+    return os.path.basename(path) if path else "none"
 
 
 def _layout(args: TrainArgs) -> dict:
@@ -242,7 +276,10 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
             print("megakernels train: warning: restarted without --load: training starts again from step 0 "
                   "(give --save DIR --load DIR to resume from the latest checkpoint)", file=sys.stderr, flush=True)
         return 0
-    path = checkpoint.find_latest(args.load)
+    from megakernels_models.checkpoint_verify import select
+
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else (lambda line: None)
+    path = select(args.load, say)  # the newest checkpoint that verifies (collective)
     if path is None:
         if rank0:
             print(f"megakernels train: no checkpoint in --load {args.load} yet; starting from scratch", flush=True)

@@ -137,7 +137,7 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     """
     import torch.distributed.checkpoint as dcp
 
-    from megakernels_models.checkpoint import _write_latest
+    from megakernels_models.checkpoint import Writer, _write_latest
 
     sd = {f"model.{k}": v.float().contiguous() for k, v in tensors.items()}
     sd["meta"] = json.dumps({"step": 0, "optimizer_step": 0, "config": dataclasses.asdict(cfg), "layout": {},
@@ -149,7 +149,7 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(sd, checkpoint_id=tmp, no_dist=True)
+            dcp.save(sd, storage_writer=Writer(tmp, 0), no_dist=True)  # with its digests
         os.rename(tmp, path)
         os.makedirs(tmp)  # TemporaryDirectory removes it again
     _write_latest(out_dir, os.path.basename(path))

@@ -53,12 +53,15 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(world1, tmp_path, mon
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(checkpoint.dcp, "save", dies_halfway)
-    with pytest.raises(RuntimeError, match="disk full"):
-        _train(steps=4, save=str(tmp_path), load=str(tmp_path))
+    from megakernels_models.train import train
+
+    records = train(dataclasses.replace(TINY, steps=4, save=str(tmp_path), load=str(tmp_path)))
     monkeypatch.setattr(checkpoint.dcp, "save", real_save)
+    # reported in the step's record, training went on, the next save is tried (and fails the same way here)
+    assert "the save of step 4 failed (the checkpoint of step 4 was not saved: RuntimeError: disk full)" in \
+        records[-1]["checkpoint_error"]
     assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000002")
-    assert os.path.exists(tmp_path / ".tmp-step-00000004")  # the torso of the failed save, never loaded
-    assert len(_train(steps=4, load=str(tmp_path))) == 2
+    assert not os.path.exists(tmp_path / ".tmp-step-00000004")  # the torso of the failed save is removed
 
 
 def test_another_models_checkpoint_is_refused(world1, tmp_path):
