@@ -12,8 +12,8 @@
 
 from megakernels_models.data.blending import BlendedDataset, parse_blend
 from megakernels_models.data.datasets import BertDataset, GPTDataset, global_batch_indices, split_documents
-from megakernels_models.data.indexed import IndexedDataset, IndexedDatasetWriter
+from megakernels_models.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from megakernels_models.data.tokenizer import ByteTokenizer, build_tokenizer
 
-__all__ = ["ByteTokenizer", "build_tokenizer", "IndexedDataset", "IndexedDatasetWriter", "GPTDataset", "BertDataset",
-           "BlendedDataset", "parse_blend", "global_batch_indices", "split_documents"]
+__all__ = ["ByteTokenizer", "build_tokenizer", "DataError", "IndexedDataset", "IndexedDatasetWriter", "GPTDataset",
+           "BertDataset", "BlendedDataset", "parse_blend", "global_batch_indices", "split_documents"]

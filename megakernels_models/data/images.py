@@ -19,9 +19,10 @@ bytes    field
 T·d      the caption tokens (the dtype above)
 =======  ===========================================================================================
 
-The reader checks it all on open (and that ``.bin`` holds exactly the pixels described), raising ``ValueError``
-naming the file and the broken rule. A captioning sample (``CaptionDataset``) is the image and ``[EOD] caption
-[EOD]`` as next-token ids and labels of ``seq_length`` (padding labelled -100, never scored).
+The reader checks it all on open (and that ``.bin`` holds exactly the pixels described, and every caption token
+is inside the recorded vocabulary), raising ``indexed.DataError`` naming the file and the broken rule. A captioning
+sample (``CaptionDataset``) is the image and ``[EOD] caption [EOD]`` as next-token ids and labels of
+``seq_length`` (padding labelled -100, never scored).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import uuid
 import numpy as np
 
 from megakernels_models.data.datasets import _Epochs
-from megakernels_models.data.indexed import DTYPES, _CODES, best_dtype, paths
+from megakernels_models.data.indexed import DTYPES, _CODES, DataError, best_dtype, paths
 
 MAGIC = b"MKIMG\x00\x00\x01"
 VERSION = 1
@@ -98,7 +99,8 @@ class ImageTextIndexed:
     int64 caption ids)``, ``shapes`` ``[N, 3]``, ``vocab_size``.
 
     Raises:
-        ValueError: a file that is missing, truncated, of another format or inconsistent (naming it).
+        DataError: a file that is missing, truncated, of another format or inconsistent, or a caption token outside
+            the vocabulary (naming it).
     """
 
     def __init__(self, prefix: str):
@@ -106,20 +108,20 @@ class ImageTextIndexed:
         bin_path, idx_path = paths(prefix)
         for p in (bin_path, idx_path):
             if not os.path.isfile(p):
-                raise ValueError(f"{p}: no such file (make it with megakernels preprocess --images ...)")
+                raise DataError(f"{p}: no such file (make it with megakernels preprocess --images ...)")
         with open(idx_path, "rb") as f:
             raw = f.read()
         if len(raw) < _HEADER.size:
-            raise ValueError(f"{idx_path}: truncated header")
+            raise DataError(f"{idx_path}: truncated header")
         magic, version, code, self.vocab_size, n, t = _HEADER.unpack_from(raw)
         if magic != MAGIC:
-            raise ValueError(f"{idx_path}: not an image-text index (magic {magic!r})")
+            raise DataError(f"{idx_path}: not an image-text index (magic {magic!r})")
         if version != VERSION or code not in DTYPES:
-            raise ValueError(f"{idx_path}: unsupported version {version} or dtype code {code}")
+            raise DataError(f"{idx_path}: unsupported version {version} or dtype code {code}")
         dtype = DTYPES[code].newbyteorder("<")
         want = _HEADER.size + 12 * n + 8 * n + 16 * n + t * dtype.itemsize
         if len(raw) != want:
-            raise ValueError(f"{idx_path}: {len(raw)} bytes, expected {want} for {n} samples and {t} tokens")
+            raise DataError(f"{idx_path}: {len(raw)} bytes, expected {want} for {n} samples and {t} tokens")
         at = _HEADER.size
         self.shapes = np.frombuffer(raw, "<i4", 3 * n, at).reshape(n, 3).astype(np.int64)
         self.offsets = np.frombuffer(raw, "<i8", n, at + 12 * n)
@@ -127,12 +129,19 @@ class ImageTextIndexed:
         self.tokens = np.frombuffer(raw, dtype, t, at + 36 * n)
         sizes = self.shapes.prod(axis=1)
         if n and ((self.shapes <= 0).any() or (self.offsets != np.concatenate([[0], np.cumsum(sizes)[:-1]])).any()
-                  or (self.spans[:, 0] < 0).any() or (self.spans.sum(axis=1) > t).any()):
-            raise ValueError(f"{idx_path}: inconsistent shapes, offsets or caption spans")
+                  or (self.spans < 0).any() or (self.spans[:, 1] > t - self.spans[:, 0]).any()):
+            raise DataError(f"{idx_path}: inconsistent shapes, offsets or caption spans")
         if os.path.getsize(bin_path) != int(sizes.sum()):
-            raise ValueError(f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} describes "
-                             f"{int(sizes.sum())} bytes of pixels")
+            raise DataError(f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} describes "
+                            f"{int(sizes.sum())} bytes of pixels")
         self._bin = np.memmap(bin_path, np.uint8, "r") if sizes.sum() else np.zeros(0, np.uint8)
+        if t and self.vocab_size < 1 << (8 * dtype.itemsize) and int(self.tokens.max()) >= self.vocab_size:
+            at = int(np.argmax(self.tokens >= self.vocab_size))
+            owner = np.flatnonzero((self.spans[:, 0] <= at) & (at < self.spans.sum(axis=1)))
+            where = f"sample {owner[0]}'s caption" if len(owner) else "no caption"
+            raise DataError(f"{idx_path}: token id {int(self.tokens[at])} at caption token {at} ({where}) is outside "
+                            f"the vocabulary 0..{self.vocab_size - 1} it records (corrupt, or written with another "
+                            "tokenizer)")
 
     def __len__(self) -> int:
         return len(self.shapes)

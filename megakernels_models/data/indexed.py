@@ -19,12 +19,19 @@ bytes    field
 =======  =========================================================================================
 
 The reader checks all of it on open (and that the ``.bin`` holds exactly the tokens the index describes), so a
-truncated, corrupt or mismatched pair raises ``ValueError`` naming the file and the broken rule instead of handing
-out garbage tokens. The writer streams tokens to temporary files and publishes them by renaming only when complete.
+truncated, corrupt or mismatched pair raises ``DataError`` naming the file and the broken rule instead of handing
+out garbage tokens. It also checks that every token id is inside the vocabulary the header records: an id past it
+would index past the model's embedding (an IndexError deep in a step, or silently another row where the table is
+padded). The index does not record the largest id, so the ``.bin`` is scanned once (chunked, through the memory
+map) and the result cached beside it in ``PREFIX.maxid.json``, keyed by the ``.bin``'s size and modification time
+(written atomically; a folder that cannot be written only means the next open scans again). A dtype that cannot
+hold an id past the vocabulary (uint8 for 256 ids) needs no scan. The writer streams tokens to temporary files and
+publishes them by renaming only when complete.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import uuid
@@ -36,6 +43,13 @@ VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQ")
 DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 _CODES = {v: k for k, v in DTYPES.items()}
+MAXID_FORMAT = 1
+_SCAN_CHUNK = 1 << 24  # tokens per step of the vocabulary scan (16-64 MiB of the memory map)
+
+
+class DataError(ValueError):
+    """A dataset file that is truncated, corrupt, inconsistent with its pair or holds token ids outside its
+    vocabulary (the message names the file and the broken rule)."""
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -70,7 +84,8 @@ class IndexedDataset:
 
     Raises:
         FileNotFoundError: ``PREFIX.bin`` or ``PREFIX.idx`` missing (the message names it).
-        ValueError: either file is truncated, corrupt or does not match the other (named, with the rule).
+        DataError: either file is truncated, corrupt or does not match the other, or a token id is outside the
+            vocabulary (named, with the rule; for an id its value, token offset and document).
     """
 
     def __init__(self, prefix: str):
@@ -83,45 +98,60 @@ class IndexedDataset:
         n_tokens = int(self.sequence_offsets[-1] + self.sequence_sizes[-1]) if len(self.sequence_sizes) else 0
         nbytes = os.path.getsize(self.bin_path)
         if nbytes != n_tokens * self.dtype.itemsize:
-            raise ValueError(f"{self.bin_path}: holds {nbytes} bytes but {self.idx_path} describes {n_tokens} "
-                             f"{self.dtype.name} tokens = {n_tokens * self.dtype.itemsize} bytes (truncated or from "
-                             "another run)")
+            raise DataError(f"{self.bin_path}: holds {nbytes} bytes but {self.idx_path} describes {n_tokens} "
+                            f"{self.dtype.name} tokens = {n_tokens * self.dtype.itemsize} bytes (truncated or from "
+                            "another run)")
         self._tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if n_tokens
                         else np.zeros(0, dtype=self.dtype))
-        starts = self.sequence_offsets[self.doc_index[:-1]] if self.doc_count else np.zeros(0, np.int64)
+        # a document of no sequences (the writer never makes one; the format allows it) starts where the next does
+        starts = np.append(self.sequence_offsets, n_tokens)[self.doc_index[:-1]]
         self.doc_offsets = np.append(starts, n_tokens).astype(np.int64)
         self.sizes = np.diff(self.doc_offsets)
         self.num_tokens = n_tokens
+        self._check_token_ids()
+
+    def _check_token_ids(self) -> None:
+        """Every id < ``vocab_size`` (see the module docstring: the scan and its cache)."""
+        if not self.num_tokens or self.vocab_size >= 1 << (8 * self.dtype.itemsize):
+            return
+        top, at = max_token_id(self.bin_path, self._tokens)
+        if top >= self.vocab_size:
+            doc = int(np.searchsorted(self.doc_offsets, at, side="right")) - 1
+            raise DataError(f"{self.bin_path}: token id {top} at token {at} (document {doc}) is outside the "
+                            f"vocabulary 0..{self.vocab_size - 1} that {self.idx_path} records (corrupt, or written "
+                            "with another tokenizer)")
 
     def _read_index(self) -> None:
         path = self.idx_path
         with open(path, "rb") as f:
             head = f.read(_HEADER.size)
             if len(head) < _HEADER.size:
-                raise ValueError(f"{path}: {len(head)} bytes is shorter than the {_HEADER.size}-byte header")
+                raise DataError(f"{path}: {len(head)} bytes is shorter than the {_HEADER.size}-byte header")
             magic, version, code, vocab, n_seq, n_doc = _HEADER.unpack(head)
             if magic != MAGIC:
-                raise ValueError(f"{path}: wrong magic bytes {magic!r} (expected {MAGIC!r}): not a megakernels "
-                                 "index file")
+                raise DataError(f"{path}: wrong magic bytes {magic!r} (expected {MAGIC!r}): not a megakernels "
+                                "index file")
             if version != VERSION:
-                raise ValueError(f"{path}: format version {version} is not supported (this reader reads "
-                                 f"version {VERSION})")
+                raise DataError(f"{path}: format version {version} is not supported (this reader reads "
+                                f"version {VERSION})")
             if code not in DTYPES:
-                raise ValueError(f"{path}: dtype code {code} is unknown (expected one of {sorted(DTYPES)})")
+                raise DataError(f"{path}: dtype code {code} is unknown (expected one of {sorted(DTYPES)})")
             want = _HEADER.size + 12 * n_seq + 8 * (n_doc + 1)
             size = os.fstat(f.fileno()).st_size
             if size != want:
-                raise ValueError(f"{path}: {size} bytes, but its header ({n_seq} sequences, {n_doc} documents) "
-                                 f"needs exactly {want} (truncated or corrupt)")
+                raise DataError(f"{path}: {size} bytes, but its header ({n_seq} sequences, {n_doc} documents) "
+                                f"needs exactly {want} (truncated or corrupt)")
             sizes = np.fromfile(f, dtype="<i4", count=n_seq).astype(np.int64)
             offsets = np.fromfile(f, dtype="<i8", count=n_seq)
             doc_index = np.fromfile(f, dtype="<i8", count=n_doc + 1)
         if n_seq and (sizes.min() < 0 or offsets[0] != 0 or np.any(offsets[1:] != offsets[:-1] + sizes[:-1])):
-            raise ValueError(f"{path}: sequence offsets are not the running sum of the sequence lengths "
-                             "(corrupt index)")
+            raise DataError(f"{path}: sequence offsets are not the running sum of the sequence lengths "
+                            "(corrupt index)")
         if doc_index[0] != 0 or doc_index[-1] != n_seq or np.any(np.diff(doc_index) < 0):
-            raise ValueError(f"{path}: document boundaries must rise from 0 to the number of sequences {n_seq} "
-                             "(corrupt index)")
+            raise DataError(f"{path}: document boundaries must rise from 0 to the number of sequences {n_seq} "
+                            "(corrupt index)")
+        if vocab < 1:
+            raise DataError(f"{path}: records a vocabulary of {vocab} ids (corrupt index)")
         self.dtype, self.vocab_size, self.doc_count = DTYPES[code], int(vocab), int(n_doc)
         self.sequence_sizes, self.sequence_offsets, self.doc_index = sizes, offsets, doc_index
 
@@ -153,6 +183,41 @@ class IndexedDataset:
         """Document ``doc``'s sequences (its sentences when preprocessed with ``--split-sentences``)."""
         a, b = self.doc_index[doc], self.doc_index[doc + 1]
         return [self._tokens[o:o + s] for o, s in zip(self.sequence_offsets[a:b], self.sequence_sizes[a:b])]
+
+
+def max_token_id(bin_path: str, tokens: np.ndarray) -> tuple[int, int]:
+    """``(largest id, its first token offset)`` of ``tokens`` (the memory map of ``bin_path``), from the cache
+    ``bin_path``'s prefix + ``.maxid.json`` when it matches the file's size and modification time, else by one
+    chunked scan whose result is cached (atomically; not at all where the folder cannot be written)."""
+    st = os.stat(bin_path)
+    key = {"format": MAXID_FORMAT, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
+    cache = bin_path[:-len(".bin")] + ".maxid.json" if bin_path.endswith(".bin") else bin_path + ".maxid.json"
+    try:
+        with open(cache, encoding="utf-8") as f:
+            got = json.load(f)
+        if isinstance(got, dict) and all(got.get(k) == v for k, v in key.items()):
+            top, at = got["max_id"], got["offset"]
+            if isinstance(top, int) and isinstance(at, int) and 0 <= at < len(tokens):
+                return top, at
+    except (OSError, ValueError, KeyError):
+        pass  # missing or unreadable: scan
+    top, at = -1, 0
+    for start in range(0, len(tokens), _SCAN_CHUNK):
+        chunk = tokens[start:start + _SCAN_CHUNK]
+        m = int(chunk.max())
+        if m > top:
+            top, at = m, start + int(np.argmax(chunk))
+    tmp = f"{cache}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({**key, "max_id": top, "offset": at}, f)
+        os.replace(tmp, cache)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+    return top, at
 
 
 class IndexedDatasetWriter:

@@ -86,7 +86,8 @@ def test_cli_returns_0_and_writes_the_pair(tmp_path, documents, capsys):
     assert "12 documents" in capsys.readouterr().out
     ds = IndexedDataset(str(tmp_path / "d"))
     assert ds[0].tolist() == list(documents[0].encode()) + [256]
-    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "in"]  # no temporary files left
+    # no temporary files left; opening the pair cached its vocabulary scan beside it
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.maxid.json", "in"]
 
 
 @pytest.mark.parametrize("case,content,message", [
@@ -126,7 +127,7 @@ def test_a_failed_run_keeps_no_half_written_output(tmp_path, documents):
     with pytest.raises(ValueError, match=r"zzz\.jsonl:2: no string field 'text'"):
         preprocess([str(tmp_path / "in")], str(tmp_path / "d"), workers=2)
     assert IndexedDataset(str(tmp_path / "d"))[0].tolist() == before
-    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "in"]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.maxid.json", "in"]
 
 
 def test_train_tokenizer(tmp_path, documents, capsys):
