@@ -164,9 +164,9 @@ class Checkpointer:
         """Count a failed save; its one-line report."""
         self.failures += 1
         latest = store.find_latest(self.save_dir)
-        kept = os.path.basename(latest) if latest else "no checkpoint"
+        kept = f"{os.path.basename(latest)} stays latest" if latest else "there is no checkpoint yet"
         text = str(e) if isinstance(e, checkpoint.CheckpointError) else checkpoint.describe_error(e)
-        return f"the {kind}save of step {step} failed ({text}); {kept} stays latest"
+        return f"the {kind}save of step {step} failed ({text}); {kept}"
 
     def close(self, raise_error: bool = True) -> None:
         """Wait for the last save, release the writer thread and the process group (idempotent).

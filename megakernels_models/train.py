@@ -225,8 +225,9 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
             if saver is not None:
                 final_error = saver.wait()  # the last (asynchronous) save
                 if final_error and log.records:
-                    log.records[-1]["failed"] = f"the last checkpoint was not saved: {final_error}"
-                    print(f"megakernels train: error: {final_error}", file=sys.stderr, flush=True)
+                    kind = "warning" if "failed" in log.records[-1] else "error"  # already stopping for failures
+                    log.records[-1].setdefault("failed", f"the last checkpoint was not saved: {final_error}")
+                    print(f"megakernels train: {kind}: {final_error}", file=sys.stderr, flush=True)
         finally:
             log.close()
             if saver is not None:

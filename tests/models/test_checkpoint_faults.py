@@ -249,7 +249,7 @@ def test_a_full_disk_costs_one_reported_save_and_the_next_one_succeeds(world1, s
     failed_step = 2 if how.endswith("async") else 1
     expected = "not enough disk space" if how == "precheck" else "No space left on device"
     assert expected in (errors[failed_step] or ""), errors
-    assert "step 1" in errors[failed_step] and "stays latest" in errors[failed_step]
+    assert "save of step 1 failed" in errors[failed_step] and "there is no checkpoint yet" in errors[failed_step]
     assert [s for s, e in errors.items() if e] == [failed_step]
     assert not [n for n in os.listdir(mount / "ckpt") if n.startswith(".tmp-")]  # cleaned up
     assert store.find_latest(str(mount / "ckpt")).endswith("step-00000004")
