@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
 
 import torch
@@ -412,14 +413,17 @@ def find_latest(load_dir: str) -> str | None:
 
 
 def read_latest(load_dir: str) -> str:
-    """``find_latest``, for readers that need a checkpoint (evaluation, conversion, generation).
+    """The newest checkpoint in ``load_dir`` that verifies (``checkpoint_verify.select``: a damaged newer one is
+    reported and skipped), for readers that need a checkpoint (evaluation, conversion, generation). Collective when
+    a process group is initialised.
 
     Raises:
-        CheckpointError: no such directory, or no complete checkpoint in it.
+        CheckpointError: no such directory, no complete checkpoint in it, or none that verifies.
     """
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir!r}: no such directory")
-    path = find_latest(load_dir)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    path = verified.select(load_dir, lambda line: rank0 and print(f"megakernels: {line}", file=sys.stderr))
     if path is None:
         raise CheckpointError(f"--load {load_dir!r}: no complete checkpoint (step-N directory with DCP's "
                               f"{store.METADATA}) in it")

@@ -198,7 +198,7 @@ def candidates(load_dir: str) -> list[str]:
 
 def select(load_dir: str, say=print) -> str | None:
     """The checkpoint to resume from: the newest candidate (``candidates``) that verifies, each skipped one reported
-    through ``say`` with its problems; None when ``load_dir`` holds no checkpoint yet. Collective when a process
+    through ``say`` (a line without the program's name) with its problems; None when ``load_dir`` holds no checkpoint yet. Collective when a process
     group is initialised (every rank gets the same answer).
 
     Raises:
@@ -211,12 +211,12 @@ def select(load_dir: str, say=print) -> str | None:
         problems = verify_collective(path)
         if not problems:
             if failures:
-                say(f"megakernels train: warning: falling back to {path}, the newest checkpoint that verifies")
+                say(f"warning: falling back to {path}, the newest checkpoint that verifies")
             if not has_digests(path):
-                say(f"megakernels train: note: {path} was saved without digests; loading it unchecked")
+                say(f"note: {path} was saved without digests; loading it unchecked")
             return path
         failures.append(f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-        say(f"megakernels train: warning: checkpoint {path} fails verification: {problems[0]}"
+        say(f"warning: checkpoint {path} fails verification: {problems[0]}"
             + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
     if failures:
         raise CheckpointError(f"--load {load_dir}: no checkpoint verifies: " + "; ".join(failures))

@@ -279,7 +279,8 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
         return 0
     from megakernels_models.checkpoint_verify import select
 
-    say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else (lambda line: None)
+    say = (lambda line: print(f"megakernels train: {line}", file=sys.stderr, flush=True)) if rank0 else \
+        (lambda line: None)
     path = select(args.load, say)  # the newest checkpoint that verifies (collective)
     if path is None:
         if rank0:

@@ -333,3 +333,14 @@ def test_fuzz_damaged_checkpoints_are_found_or_refused_never_a_traceback(saved, 
 
     check()
     assert any("flip" in s for s in seen) and any("delete" in s for s in seen)
+
+
+def test_readers_skip_a_damaged_newest_checkpoint(saved, tmp_path, capsys):
+    """Evaluation, conversion and generation find their checkpoint through read_latest: it verifies too."""
+    ckpt = _copy(saved[0], tmp_path)
+    entry, _ = _flip_byte(str(ckpt / "step-00000004"), "model.final_norm")
+    assert checkpoint.read_latest(str(ckpt)) == str(ckpt / "step-00000002")
+    assert entry in capsys.readouterr().err
+    _flip_byte(str(ckpt / "step-00000002"), "model.final_norm")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint verifies"):
+        checkpoint.read_latest(str(ckpt))
