@@ -122,3 +122,124 @@ def test_bad_optimiser_settings_name_the_flag():
         validate(parse_train_args(["--steps", "30", "--warmup-steps", "0", "--lr-decay-style", "wsd",
                                    "--lr-wsd-decay-steps", "50"]))
     assert TrainArgs().lr_decay_style == "cosine"
+
+
+# ---- numbers, types and precedence (issue 35) -------------------------------------------------------------------
+
+def _file(tmp_path, text: str, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _refused(argv, capsys) -> str:
+    """``megakernels train argv``'s one-line error (exit 2, no traceback)."""
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("text,name,value", [
+    ("lr: 1e-3", "lr", 1e-3), ("min_lr: 3e-5", "min_lr", 3e-5), ("lr: 1E-3", "lr", 1e-3),
+    ("adam_eps: 1.0e-8", "adam_eps", 1e-8), ("weight_decay: .1", "weight_decay", 0.1), ("lr: -.5e-1", "lr", -0.05),
+    ("steps: 3e2", "steps", 300), ("global_batch_size: 1.6E1", "global_batch_size", 16), ("steps: 300.0", "steps", 300),
+    ("lr: 1", "lr", 1.0), ("steps: '40'", "steps", 40),
+])
+def test_yaml_numbers_are_numbers_however_written(tmp_path, text, name, value):
+    got = load(_file(tmp_path, text + "\n"))[name]
+    assert got == value and type(got) is type(value)
+
+
+def test_json_numbers_and_the_global_yaml_loader_are_unchanged(tmp_path):
+    import yaml
+
+    got = load(_file(tmp_path, '{"lr": 1e-3, "steps": 3e2, "min_lr": 0}', "job.json"))
+    assert (got["lr"], got["steps"], got["min_lr"]) == (1e-3, 300, 0.0) and type(got["steps"]) is int
+    assert yaml.safe_load("x: 1e-3") == {"x": "1e-3"}  # only the trainer's own loader reads YAML 1.2 floats
+
+
+def test_flags_take_numbers_by_the_files_rule(capsys):
+    args = parse_train_args(["--steps", "3e2", "--lr", "1e-3", "--global-batch-size", "16.0"])
+    assert (args.steps, args.lr, args.global_batch_size) == (300, 1e-3, 16) and type(args.steps) is int
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(["--steps", "2.5"])
+    assert e.value.code == 2 and "argument --steps: expected an integer, got '2.5' (str)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,message", [
+    ('save_interval: "x"', "save_interval: expected an integer, got 'x' (str)"),
+    ("steps: 2.5", "steps: expected an integer, got 2.5 (float)"),
+    ("steps: .nan", "steps: expected an integer, got nan (float)"),
+    ("steps: true", "steps: expected an integer, got True (bool)"),
+    ("steps: null", "steps: expected an integer, got None (NoneType)"),
+    ("timeout: fast", "timeout: expected a number, got 'fast' (str)"),
+    ("peak_tflops: [1]", "peak_tflops: expected a number, got [1] (list)"),
+    ("async_save: 3", "async_save: expected true or false, got 3 (int)"),
+    ("tokenizer: 5", "tokenizer: expected a string, got 5 (int)"),
+    ("precision: fp8", "precision: expected one of fp32, bf16, fp16, got 'fp8'"),
+    ("save-interval: {a: 1}", "save-interval: expected an integer, got {'a': 1} (dict)"),
+    ("architecture:\n  hidden_size: wide", "architecture: hidden_size: expected an integer, got 'wide' (str)"),
+    ("architecture:\n  bias: 1", "architecture: bias: expected true or false, got 1 (int)"),
+    ("architecture: 3", "architecture must be a mapping of model fields, got a int"),
+    ("steps: !!timestamp x", "not valid YAML"),
+    ("a: [1, {b: }", "not valid YAML: "),
+])
+def test_type_mistakes_are_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
+    path = _file(tmp_path, text + "\n")
+    assert f"--config {path}: {message}" in _refused(["--config", path], capsys)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\xff\xfe\x00lr: 1", "not UTF-8 text"), (b'{"lr": 1e-3,', "not valid JSON: "), (b"[" * 100000, "not valid"),
+])
+def test_unreadable_files_are_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "job.json"
+    path.write_bytes(content)
+    assert f"--config {path}: {message}" in _refused(["--config", str(path)], capsys)
+
+
+def test_range_mistakes_in_a_file_name_the_file(tmp_path, capsys):
+    path = _file(tmp_path, "steps: -1\n")
+    assert f"--steps must be a positive int, got -1 (steps: from --config {path})" in _refused(["--config", path],
+                                                                                                 capsys)
+    path = _file(tmp_path, "lr: 0.1\nmin_lr: 1\n")
+    assert f"--min-lr 1.0 is larger than --lr 0.1 (lr, min_lr: from --config {path})" in _refused(
+        ["--config", path], capsys)
+    # a flag that replaces the file's value is the flag's mistake
+    assert "from --config" not in _refused(["--config", _file(tmp_path, "steps: 5\n"), "--steps", "0"], capsys)
+
+
+HUGE = "architecture:\n  num_layers: 48\n  hidden_size: 8192\n  num_heads: 64\n"
+
+
+def test_an_architecture_that_differs_from_a_preset_flag_is_refused_naming_the_fields(tmp_path, capsys):
+    path = _file(tmp_path, HUGE)
+    err = _refused(["--config", path, "--preset", "gpt-tiny", *TINY[8:]], capsys)
+    assert (f"--config {path}: architecture differs from --preset gpt-tiny in num_layers=48 (the preset's 4), "
+            "hidden_size=8192 (the preset's 256), num_heads=64 (the preset's 8)") in err
+
+
+def test_an_architecture_that_differs_from_the_files_preset_is_refused(tmp_path, capsys):
+    path = _file(tmp_path, "preset: llama-tiny\narchitecture:\n  num_layers: 2\n")
+    assert "architecture differs from the same file's preset llama-tiny in num_layers=2" in _refused(
+        ["--config", path], capsys)
+
+
+def test_an_architecture_that_agrees_with_the_preset_trains_the_preset(tmp_path, capsys):
+    assert main(["train", "--preset", "llama-tiny", "--print-config"]) == 0
+    path = _file(tmp_path, capsys.readouterr().out)
+    assert validate(parse_train_args(["--config", path, "--preset", "llama-tiny"])) == PRESETS["llama-tiny"]
+    # size flags replace both, and what follows from them (the MLP's width) agrees too
+    cfg = validate(parse_train_args(["--config", path, "--preset", "llama-tiny", "--hidden-size", "512"]))
+    assert cfg == PRESETS["llama-tiny"].replace(hidden_size=512)
+
+
+def test_flags_then_file_then_preset(tmp_path):
+    path = _file(tmp_path, "preset: llama-tiny\nsteps: 7\n")
+    assert validate(parse_train_args(["--config", path, "--preset", "gpt-tiny"])).model == "gpt"  # flag over file
+    path = _file(tmp_path, "architecture:\n  num_layers: 4\n  hidden_size: 64\n  num_heads: 4\n  seq_length: 32\n")
+    cfg = validate(parse_train_args(["--config", path, "--num-layers", "2"]))  # a size flag over the file
+    assert (cfg.num_layers, cfg.hidden_size, cfg.seq_length) == (2, 64, 32)
+    assert validate(parse_train_args(["--config", _file(tmp_path, HUGE), "--preset", "none", "--dry-run"])) \
+        .num_layers == 48  # --preset none: the architecture is the model
