@@ -27,6 +27,7 @@ from megakernels_models.config import human
 from megakernels_models.settings import ArgumentError
 
 MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
 # cgroup v1 writes "no limit" as the largest page-aligned int64
 _V1_UNLIMITED = 1 << 62
@@ -51,7 +52,7 @@ def _mem_available() -> int | None:
 def _cgroup_limit() -> tuple[int, str] | None:
     """The smallest memory limit of this process's cgroup and its ancestors (v2, else v1), with the file."""
     best = None
-    for line in (_read("/proc/self/cgroup") or "").splitlines():
+    for line in (_read(PROC_CGROUP) or "").splitlines():
         hier, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hier == "0" and controllers == "":
