@@ -23,10 +23,10 @@ truncated, corrupt or mismatched pair raises ``DataError`` naming the file and t
 out garbage tokens. It also checks that every token id is inside the vocabulary the header records: an id past it
 would index past the model's embedding (an IndexError deep in a step, or silently another row where the table is
 padded). The index does not record the largest id, so the ``.bin`` is scanned once (chunked, through the memory
-map) and the result cached beside it in ``PREFIX.maxid.json``, keyed by the ``.bin``'s size and modification time
-(written atomically; a folder that cannot be written only means the next open scans again). A dtype that cannot
-hold an id past the vocabulary (uint8 for 256 ids) needs no scan. The writer streams tokens to temporary files and
-publishes them by renaming only when complete.
+map) and the result cached beside it in ``PREFIX.maxid.json``, keyed by the ``.bin``'s size, modification time
+and inode (written atomically; a folder that cannot be written only means the next open scans again). A dtype that
+cannot hold an id past the vocabulary (uint8 for 256 ids) needs no scan. The writer streams tokens to temporary
+files and publishes them by renaming only when complete.
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ def max_token_id(bin_path: str, tokens: np.ndarray) -> tuple[int, int]:
     ``bin_path``'s prefix + ``.maxid.json`` when it matches the file's size and modification time, else by one
     chunked scan whose result is cached (atomically; not at all where the folder cannot be written)."""
     st = os.stat(bin_path)
-    key = {"format": MAXID_FORMAT, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
+    # the inode too: a pair published again by renaming (the writer) within one tick of a coarse clock
+    key = {"format": MAXID_FORMAT, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns, "bin_inode": st.st_ino}
     cache = bin_path[:-len(".bin")] + ".maxid.json" if bin_path.endswith(".bin") else bin_path + ".maxid.json"
     try:
         with open(cache, encoding="utf-8") as f:
@@ -226,8 +227,8 @@ class IndexedDatasetWriter:
     ``add_document(sequences)`` appends one document (a list of token arrays, one per sequence); ``finish()``
     writes the index and publishes both files by renaming (the old ``PREFIX.idx`` is removed first, so a run
     interrupted between the two renames leaves no index that could pair with the wrong ``.bin``). Leaving the
-    ``with`` block without ``finish()`` (an exception, an interrupt) removes the temporary files. Memory use is independent of the
-    corpus size except for the index itself (12 bytes per sequence, 8 per document).
+    ``with`` block without ``finish()`` (an exception, an interrupt) removes the temporary files. Memory use is
+    independent of the corpus size except for the index itself (12 bytes per sequence, 8 per document).
 
     Raises:
         ValueError: a token id >= ``vocab_size`` (from ``add_document``).

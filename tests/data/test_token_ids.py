@@ -55,8 +55,8 @@ def test_the_scan_is_cached_beside_the_data_keyed_by_size_and_mtime(tmp_path):
     cache = json.loads((tmp_path / "d.maxid.json").read_text())
     st = os.stat(prefix + ".bin")
     top = int(np.asarray(ds.tokens(0, ds.num_tokens)).max())
-    assert cache == {"format": 1, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns, "max_id": top,
-                     "offset": int(np.argmax(np.asarray(ds.tokens(0, ds.num_tokens))))}
+    assert cache == {"format": 1, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns, "bin_inode": st.st_ino,
+                     "max_id": top, "offset": int(np.argmax(np.asarray(ds.tokens(0, ds.num_tokens))))}
     poke(prefix, 5, 300, keep_mtime=True)
     IndexedDataset(prefix)  # same size and mtime: the cached scan is trusted
     poke(prefix, 5, 300)
