@@ -43,16 +43,17 @@ _FLOAT_12 = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE]
 
 
 @functools.cache
-def _loader():
-    """A ``yaml.SafeLoader`` subclass that also resolves YAML 1.2's floats (the global loader is left as it is)."""
+def _yaml(kind: str):
+    """A ``yaml.SafeLoader`` (``kind="Loader"``) or ``yaml.SafeDumper`` subclass that also resolves YAML 1.2's floats
+    (PyYAML's own classes are left as they are). The dumper needs it too: it quotes a string only when the
+    resolver would read it as something else, so without it ``--data 3e2`` would print unquoted and read back as
+    a number."""
     import yaml
 
-    class Loader(yaml.SafeLoader):
-        pass
-
+    cls = type(f"Yaml12{kind}", (getattr(yaml, f"Safe{kind}"),), {})
     # add_implicit_resolver copies the inherited table into the subclass before adding to it
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
-    return Loader
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+    return cls
 
 
 def _suggest(name: str, valid) -> str:
@@ -82,7 +83,7 @@ def parse(path: str, text: str):
 
     kind = "JSON" if path.endswith(".json") else "YAML"
     try:
-        return json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader)
+        return json.loads(text) if kind == "JSON" else yaml.load(text, Loader=_yaml("Loader"))  # noqa: S506 (a SafeLoader)
     except RecursionError:
         raise ArgumentError(f"--config {path}: not valid {kind}: nested too deeply") from None
     except Exception as e:  # noqa: BLE001 -- PyYAML's constructors let Python's own errors out for some explicitly
@@ -188,4 +189,4 @@ def dump(values: dict) -> str:
     """``values`` as YAML (keys in declaration order)."""
     import yaml
 
-    return yaml.safe_dump(values, sort_keys=False, default_flow_style=False)
+    return yaml.dump(values, Dumper=_yaml("Dumper"), sort_keys=False, default_flow_style=False)

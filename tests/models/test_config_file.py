@@ -243,3 +243,11 @@ def test_flags_then_file_then_preset(tmp_path):
     assert (cfg.num_layers, cfg.hidden_size, cfg.seq_length) == (2, 64, 32)
     assert validate(parse_train_args(["--config", _file(tmp_path, HUGE), "--preset", "none", "--dry-run"])) \
         .num_layers == 48  # --preset none: the architecture is the model
+
+
+def test_print_config_quotes_text_that_reads_as_a_number(tmp_path):
+    from megakernels_models.config_file import dump
+
+    path = _file(tmp_path, dump({"data": "3e2", "freeze": "1E5", "lr": 1e-3}))
+    assert load(path) == {"data": "3e2", "freeze": "1E5", "lr": 1e-3, "config_file": path,
+                          "config_settings": {"data": "3e2", "freeze": "1E5", "lr": 1e-3}}
