@@ -74,7 +74,7 @@ def files(draw):
 _count = itertools.count()
 
 
-@settings(derandomize=True, max_examples=250, deadline=None, database=None,
+@settings(derandomize=True, max_examples=400, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=files())
 def test_config_files_are_accepted_or_refused_naming_the_file(tmp_path, monkeypatch, case):
