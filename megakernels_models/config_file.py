@@ -162,8 +162,9 @@ def naming_the_file(args, message: str) -> str:
     if not args.config_file or "--config" in message:
         return message
     flags = set(re.findall(r"--[a-z][a-z0-9-]*", message))
+    # the file's value still in args (identity: the same object, also for nan), not one a flag replaced
     names = [f.name for f in dataclasses.fields(TrainArgs) if f.name in given and flag_of(f) in flags
-             and getattr(args, f.name) == given[f.name]]  # not replaced by a flag
+             and (getattr(args, f.name) is given[f.name] or getattr(args, f.name) == given[f.name])]
     return f"{message} ({', '.join(names)}: from --config {args.config_file})" if names else message
 
 

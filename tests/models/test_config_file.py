@@ -206,6 +206,9 @@ def test_range_mistakes_in_a_file_name_the_file(tmp_path, capsys):
     path = _file(tmp_path, "lr: 0.1\nmin_lr: 1\n")
     assert f"--min-lr 1.0 is larger than --lr 0.1 (lr, min_lr: from --config {path})" in _refused(
         ["--config", path], capsys)
+    path = _file(tmp_path, "lr: .nan\n")
+    assert f"--lr must be a finite number >= 0, got nan (lr: from --config {path})" in _refused(["--config", path],
+                                                                                              capsys)
     # a flag that replaces the file's value is the flag's mistake
     assert "from --config" not in _refused(["--config", _file(tmp_path, "steps: 5\n"), "--steps", "0"], capsys)
 
