@@ -149,3 +149,20 @@ def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
     assert "--offload-optimizer" in plan.command(off["layout"], ["--preset", "gpt-8.3b"])
     on_device = costs.memory(costs.MetaModel(cfg), dataclasses.replace(off["layout"], offload_optimizer=False))
     assert off["memory_bytes"] < on_device["total"]
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "x"], ["train", "--precision", "fp7"], ["trian"]])
+def test_a_flag_mistake_is_one_line(argv, capsys):
+    from megakernels_models.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error:" in err and "usage" not in err, err
+
+
+def test_print_config_does_not_need_the_memory_a_run_would(capsys):
+    from megakernels_models.cli import main
+
+    assert main(["train", "--preset", "gpt-8.3b", "--print-config"]) == 0
+    assert "architecture:" in capsys.readouterr().out
