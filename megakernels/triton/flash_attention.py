@@ -25,9 +25,10 @@ LOG2E = 1.4426950408889634
 install_interpreter_descriptor_reduce()  # the backward's dQ add through a descriptor runs under the interpreter too
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) per architecture and padded head dim; the first is
-# the default, autotuning picks among them on a GPU. The sm_90 lists hold the configs that do not spill, fit the
-# shared memory and run on wgmma, ordered by the static model's prediction (`megakernels bench --static`,
-# benchmarks/results/2026-12-01-static-sm90.*); tests/bench/test_static.py holds them to the first three. The
+# the default, autotuning picks among them on a GPU. The sm_90 lists are plain data: the configs that do not spill,
+# fit the shared memory and run on wgmma, ordered by hand by the static model's prediction, which
+# `megakernels bench --static --ops flash_attention` prints for every candidate (rerun it after changing a kernel
+# and reorder); tests/bench/test_static.py holds them to the first three. The
 # d128 forward's second candidate caps registers at 128 so that 128x64 tiles run two CTAs an SM: shared memory
 # 78% busy instead of the default's 100%, but ptxas then waits on every wgmma; the model cannot tell them apart,
 # the first GPU run's autotuning will.
