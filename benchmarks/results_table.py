@@ -1,0 +1,285 @@
+"""Append the figures of new reports in benchmarks/results/ to the table ``benchmarks/results/all.jsonl``.
+
+    python -m benchmarks.results_table            # append the runs not yet in the table
+    python -m benchmarks.results_table --check    # change nothing; fail if a report is missing or has changed
+
+Every JSON file in the results directory is one run's report, named ``<date>-<machine>-<what>.json``, and never
+rewritten once recorded. The table has one JSON object a line, one figure each::
+
+    {"run" (the report's file stem), "date", "commit", "machine", "kind" ("measured" | "predicted"),
+     "what" (kernel, op or benchmark), "config" (shape, dtype, ...: a mapping), "metric", "value", "unit",
+     "report_sha256" (of the report file the row was read from)}
+
+The table is append-only: a run's rows are written once, when its report first appears, and existing lines are
+never touched, so a figure keeps the line it was first recorded on. The stored hash is what keeps a report
+immutable: when a report no longer matches the hash its rows were written with, the command refuses (and appends
+nothing) rather than let the table and the report disagree; record new figures as a new run instead. Reports whose
+rows are in the table but whose file is gone are only named: git history keeps the file.
+
+Figures are read by the report's layout (the static cost report, ``megakernels bench``, the older benchmark
+scripts' ``results`` lists, ``bench --plan-check``). A number whose unit cannot be told from its name stops the
+command: a table row without a unit would be a guess. Traces (per-step losses, per-rank splits and memory) stay
+in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+TABLE = "all.jsonl"
+FIELDS = ("run", "date", "commit", "machine", "kind", "what", "config", "metric", "value", "unit", "report_sha256")
+DATE = re.compile(r"^\d{4}-\d{2}-\d{2}-")
+
+# The static report's figures and their units: everything it writes is a prediction of the model (or, for
+# registers and spills, read from the SASS it compiled), none of it measured on the GPU it models.
+STATIC_METRICS = {"predicted_fraction": "fraction of ceiling", "predicted_time_us": "us",
+                  "predicted_tflops": "TFLOP/s", "registers": "registers/thread", "spill_bytes": "B",
+                  "shared_bytes": "B", "instructions_per_element": "instructions/element",
+                  "instructions_per_iteration": "instructions/iteration"}
+
+
+class ReportError(Exception):
+    """A report the table cannot take as it is (changed since recorded, several runs in one file, a figure
+    without a unit)."""
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def unit_of(path: tuple[str, ...]) -> str:
+    """The unit of a figure from its key (and its parent's: ``time_split_s.forward`` is in seconds)."""
+    for key in (path[-1].lower(), path[-2].lower() if len(path) > 1 else ""):
+        if key.endswith("_ms") or key == "ms":
+            return "ms"
+        if key == "tokens_per_s":
+            return "tokens/s"
+        if key.endswith("_s"):
+            return "s"
+        if "gbps" in key:
+            return "GB/s"
+        if "tflops" in key:
+            return "TFLOP/s"
+        if key.endswith("_mib"):
+            return "MiB"
+        if key.startswith("speedup") or key == "ratio":
+            return "x"
+        if key.startswith("fraction") or key.endswith("fraction") or key == "mfu" or "accuracy" in key \
+                or key == "exact_match":
+            return "fraction"
+        if "loss" in key:
+            return "nats/token"
+        if key == "kendall_tau":
+            return "tau"
+    raise ReportError(f"no unit for the figure {'.'.join(path)!r}: name it by its unit or teach unit_of")
+
+
+def _leaves(value, path=()):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, path + (str(k),))
+    else:
+        yield path, value
+
+
+def _figure(value) -> bool:
+    # ints in these reports are sizes and counts that say what was run (batch, heads, tp), so config; a float is a
+    # figure. bool is an int in Python, hence the explicit test.
+    return isinstance(value, float)
+
+
+def _machine(report: dict) -> str:
+    m = report.get("machine")
+    if isinstance(m, dict):
+        if "name" in m:  # the static model's constants
+            return f"{m['name']}, static model"
+        if m.get("gpu"):
+            return str(m["gpu"])
+        if "cpu" in m:
+            return f"{m['cpu']}, {m['threads']} threads" if "threads" in m else str(m["cpu"])
+    device = report.get("device")
+    if isinstance(device, dict) and "name" in device:
+        return str(device["name"])
+    raise ReportError("the report names no machine")
+
+
+def _static_rows(report):
+    for k in report["kernels"]:
+        config = {"shape": k.get("shape"), "dtype": k.get("dtype"), "config": k.get("config"), "arch": k.get("arch")}
+        for metric, unit in STATIC_METRICS.items():
+            if isinstance(k.get(metric), (int, float)) and not isinstance(k.get(metric), bool):
+                yield "predicted", k["name"], config, metric, k[metric], unit
+
+
+def _bench_rows(report):
+    ceilings = report.get("ceilings") or {}
+    for path, value in _leaves({k: v for k, v in ceilings.items() if k not in ("device", "copy_bytes", "gemm_n")}):
+        if _figure(value):
+            yield "measured", "ceiling", {"device": ceilings.get("device")}, ".".join(path), value, unit_of(path)
+    for row in report.get("rows", []):
+        config = {k: row.get(k) for k in ("dtype", "shape", "pass", "variant")}
+        sections = {"times_ms": lambda _: "ms", "rates": lambda _: row["unit"], "speedups": lambda _: "x",
+                    "extra_columns": lambda name: name}
+        for section, unit in sections.items():
+            for impl, value in (row.get(section) or {}).items():
+                if value is not None:
+                    yield "measured", row["op"], config, f"{section}.{impl}", value, unit(impl)
+        if row.get("fraction_of_ceiling") is not None:
+            yield ("measured", row["op"], config, "fraction_of_ceiling", row["fraction_of_ceiling"],
+                   f"fraction of {row['ceiling_name']}")
+    for entry in report.get("e2e", []):
+        config = {"precision": entry.get("precision"), "micro_batch_size": entry.get("micro_batch_size"),
+                  "shape": entry.get("shape"), "layout": (entry.get("trainer") or {}).get("layout")}
+        for part in ("trainer", "baseline"):
+            for path, value in _leaves(entry.get(part) or {}):
+                if not _figure(value):
+                    continue
+                # the schedule's bubble is the 1F1B formula's, not a timing
+                kind = "predicted" if path[-1] == "schedule_bubble_fraction" else "measured"
+                yield kind, entry["name"], config, ".".join((part,) + path), value, unit_of(path)
+
+
+def _results_rows(report, default_what):
+    for r in report["results"]:
+        what = r.get("op") or r.get("name") or default_what
+        leaves = list(_leaves({k: v for k, v in r.items() if k not in ("op", "name")}))
+        config = {".".join(path): value for path, value in leaves if not _figure(value)}
+        for path, value in leaves:
+            if not _figure(value):
+                continue
+            yield "measured", what, config, ".".join(path), value, unit_of(path)
+
+
+def _plan_check_rows(report):
+    for path, value in _leaves(report.get("device") or {}):
+        # efficiency and memory are the profile's assumptions, not what the run measured
+        if _figure(value) and path[-1] not in ("efficiency", "memory_gb"):
+            yield "measured", "plan_check device profile", {}, ".".join(path), value, unit_of(path)
+    for kind in ("predicted", "measured"):
+        for layout, seconds in report[kind].items():
+            yield kind, "plan_check step", {"layout": layout}, "step_s", seconds, "s"
+    if isinstance(report.get("kendall_tau"), (int, float)):
+        yield "measured", "plan_check order", {}, "kendall_tau", float(report["kendall_tau"]), "tau"
+
+
+def figures(report: dict, stem: str):
+    """(kind, what, config, metric, value, unit) for every figure of one report, by its layout."""
+    if "runs" in report:
+        raise ReportError("the file holds several runs: split it into one report per run")
+    if "kernels" in report:
+        return list(_static_rows(report))
+    if "rows" in report or "e2e" in report:
+        return list(_bench_rows(report))
+    if "results" in report:
+        return list(_results_rows(report, DATE.sub("", stem)))
+    if "predicted" in report and "measured" in report:
+        return list(_plan_check_rows(report))
+    raise ReportError("unknown report layout: teach benchmarks/results_table.py to read it")
+
+
+def report_rows(path: str) -> list[dict]:
+    """The table rows of one report file."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if not DATE.match(stem):
+        raise ReportError(f"{path}: a report is named <date>-<machine>-<what>.json")
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    machine = report.get("machine") if isinstance(report.get("machine"), dict) else {}
+    date = report.get("date") or machine.get("date") or stem[:10]
+    commit = report.get("commit") or machine.get("commit") or None
+    digest = sha256(path)
+    try:
+        found = figures(report, stem)
+        where = _machine(report)
+    except ReportError as e:
+        raise ReportError(f"{path}: {e}") from None
+    if not found:
+        raise ReportError(f"{path}: no figures found (an empty report would be read again on every run)")
+    return [dict(zip(FIELDS, (stem, date, commit, where, kind, what, config, metric, value, unit, digest)))
+            for kind, what, config, metric, value, unit in found]
+
+
+def read_table(table: str) -> dict[str, str]:
+    """{run: report_sha256} of the runs already in the table."""
+    runs: dict[str, str] = {}
+    if not os.path.exists(table):
+        return runs
+    with open(table, encoding="utf-8") as f:
+        text = f.read()
+    if text and not text.endswith("\n"):
+        raise ReportError(f"{table}: the last line is incomplete; repair it by hand before appending")
+    for n, line in enumerate(text.splitlines(), 1):
+        row = json.loads(line)
+        if runs.setdefault(row["run"], row["report_sha256"]) != row["report_sha256"]:
+            raise ReportError(f"{table}:{n}: run {row['run']} has rows with two report hashes")
+    return runs
+
+
+def pending(results: str, table: str) -> tuple[list[dict], list[str]]:
+    """(rows to append, runs in the table whose report is gone); ReportError when a recorded report changed."""
+    known = read_table(table)
+    reports = sorted(f for f in os.listdir(results) if f.endswith(".json"))
+    stems = {os.path.splitext(f)[0] for f in reports}
+    changed, rows = [], []
+    for name in reports:
+        path = os.path.join(results, name)
+        stem = os.path.splitext(name)[0]
+        if stem in known:
+            digest = sha256(path)
+            if digest != known[stem]:
+                changed.append(f"{path} (sha256 {known[stem][:12]}... when recorded, {digest[:12]}... now)")
+            continue
+        rows.extend(report_rows(path))
+    if changed:
+        raise ReportError("reports changed since their rows were added to " + table + ": " + "; ".join(changed)
+                          + ". A recorded report is immutable: restore it, and record new figures as a new run.")
+    return rows, sorted(set(known) - stems)
+
+
+def append(results: str = RESULTS, table: str | None = None) -> tuple[int, int, list[str]]:
+    """Append the rows of every report not yet in the table: (runs added, rows added, runs whose report is gone).
+    Nothing is written when any report is refused."""
+    table = table or os.path.join(results, TABLE)
+    rows, gone = pending(results, table)
+    if rows:
+        with open(table, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    return len({r["run"] for r in rows}), len(rows), gone
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.results_table", description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default=RESULTS, help="the reports' directory (default: %(default)s)")
+    parser.add_argument("--table", default=None, help="the table (default: RESULTS/all.jsonl)")
+    parser.add_argument("--check", action="store_true", help="write nothing; fail if a report is not in the table")
+    args = parser.parse_args(argv)
+    table = args.table or os.path.join(args.results, TABLE)
+    try:
+        if args.check:
+            rows, gone = pending(args.results, table)
+            missing = sorted({r["run"] for r in rows})
+            if missing:
+                print(f"not in {table}: {', '.join(missing)} (run python -m benchmarks.results_table)",
+                      file=sys.stderr)
+                return 1
+            print(f"{table}: every report's rows are in the table")
+            return 0
+        runs, n, gone = append(args.results, table)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{table}: {n} rows of {runs} new runs appended")
+    for stem in gone:
+        print(f"note: {stem} has rows in the table but no report in {args.results} (git history keeps it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
