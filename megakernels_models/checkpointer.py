@@ -23,6 +23,7 @@ in the writer thread for asynchronous saves.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import hashlib
 import os
 
@@ -59,14 +60,18 @@ class Checkpointer:
         save_dir: the checkpoint directory. keep: complete checkpoints kept (``--keep-checkpoints``).
         async_save: write in a background thread (see the module docstring).
         train_config: the run's resolved settings, stored with each checkpoint.
+        timeout: seconds a collective of the save waits for a peer (the trainer's ``--timeout``).
 
     Raises:
         CheckpointError: another live job holds ``save_dir``'s lock (on every rank).
     """
 
-    def __init__(self, save_dir: str, keep: int, async_save: bool = False, train_config: dict | None = None):
+    def __init__(self, save_dir: str, keep: int, async_save: bool = False, train_config: dict | None = None,
+                 timeout: float | None = None):
         self.save_dir, self.keep, self.async_save, self.train_config = save_dir, keep, async_save, train_config
-        self.group = dist.new_group(backend="gloo")
+        # A group made without a timeout waits torch's default (30 minutes) for a peer, not the world's.
+        wait = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.group = dist.new_group(backend="gloo", timeout=wait)
         self._lock = None
         self.failures = 0  # saves that failed in a row (reset by one that succeeds)
         outcome = [None, None]
