@@ -124,7 +124,7 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
     """Train on the current ``torch.distributed`` world; returns the per-step records on the logging rank (the last
     rank), None elsewhere. ``cfg`` is ``validate(args)``'s result when the caller already validated."""
     cfg = validate(args) if cfg is None else cfg
-    mpu.initialize(args.tp, args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep)
+    mpu.initialize(args.tp, args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, timeout=args.timeout)
     try:
         return _train(task_for(cfg), args)
     finally:

@@ -22,6 +22,7 @@ again, e.g. with another layout in the same world.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import os
 
@@ -60,6 +61,7 @@ class _State:
     owns_world: bool
     vpp_rank: int | None = None
     tp_replica_groups: dict = dataclasses.field(default_factory=dict)
+    timeout: datetime.timedelta | None = None  # of every group's collectives (None: torch's default)
 
 
 _state: _State | None = None
@@ -69,7 +71,7 @@ def _positive_int(name: str, value) -> int:
     return positive_int(value, name, where="initialize")
 
 
-def _init_world_from_env() -> None:
+def _init_world_from_env(timeout: datetime.timedelta | None) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError("initialize: torch.distributed is not initialised and the torchrun environment is "
@@ -78,11 +80,11 @@ def _init_world_from_env() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None, cp: int = 1,
-               ep: int = 1) -> None:
+               ep: int = 1, timeout: float | None = None) -> None:
     """Create the tensor-, context-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
 
     Initialises ``torch.distributed`` itself from torchrun's environment (nccl when CUDA is available, else gloo)
@@ -96,6 +98,9 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         cp: context-parallel size (ranks splitting each sequence, ``megakernels.parallel.context``).
         ep: expert-parallel size: groups of ``ep`` consecutive data-parallel ranks split the experts of a
             mixture-of-experts layer between them (``megakernels.parallel.moe``); must divide dp.
+        timeout: seconds a collective of these groups waits for a peer before it raises; None for torch's default
+            (30 minutes for gloo). Give the world's own (the trainer's ``--timeout``): a group made without one
+            does not inherit the world's, so a rank that stopped would hold its peers for torch's default.
 
     Raises:
         ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · cp · pp``, a ``dp``
@@ -103,6 +108,9 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         RuntimeError: called twice without ``destroy()``, or no process group and no torchrun environment.
     """
     global _state
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"initialize: timeout must be > 0 seconds (or None), got {timeout}")
+    wait = None if timeout is None else datetime.timedelta(seconds=timeout)
     if _state is not None:
         raise RuntimeError(f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
                            "call megakernels.parallel.destroy() first")
@@ -115,7 +123,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         dp = _positive_int("dp", dp)
     owns_world = not dist.is_initialized()
     if owns_world:
-        _init_world_from_env()
+        _init_world_from_env(wait)
     world, rank = dist.get_world_size(), dist.get_rank()
     model = tp * cp * pp
     sizes = f"tp·cp·pp = {tp}·{cp}·{pp}" if cp > 1 else f"tp·pp = {tp}·{pp}"
@@ -151,7 +159,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
             ranks = [at(**dict(zip(fixed, f)), **dict(zip(varying, v)))
                      for v in itertools.product(*(range(sizes[k]) for k in varying))]
             ranks = sorted(set(keep(ranks))) if keep else ranks
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=wait)
             groups.append(g)
             if rank in ranks:
                 mine[kind], mine[kind + "_ranks"] = g, ranks
@@ -181,7 +189,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
                     cp=cp, cp_rank=cp_rank, cp_group=mine["cp"], dp_cp_group=mine.get("dp_cp", mine["dp"]),
                     embedding_group=mine.get("emb"), pp_ranks=mine["pp_ranks"],
                     embedding_ranks=mine.get("emb_ranks", []),
-                    groups=groups, owns_world=owns_world, vpp_rank=0 if vpp is not None else None)
+                    groups=groups, owns_world=owns_world, vpp_rank=0 if vpp is not None else None, timeout=wait)
 
 
 def destroy() -> None:
@@ -280,7 +288,7 @@ def tp_replica_group(replicas: int):
         for tp_ranks in _all_tp_groups(s):
             for i in range(0, s.tp, replicas):
                 ranks = tp_ranks[i:i + replicas]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=s.timeout)
                 s.groups.append(g)
                 if dist.get_rank() in ranks:
                     mine = g
