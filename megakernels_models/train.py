@@ -33,6 +33,7 @@ import torch.distributed as dist
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.lr_schedule import LRSchedule
+from megakernels.parallel import watchdog
 from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale, stats as moe_stats
@@ -134,6 +135,7 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
 def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     cfg = task.config
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    watchdog.progress("setup")  # the watchdog's phases (megakernels.parallel.watchdog)
     mpu.model_parallel_seed(args.seed, device.type)
     chunks = build_model_chunks(task, args, device)
     wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
@@ -155,6 +157,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                      args.peak_tflops) if log_rank else None
     stop = StopConditions(args.exit_signal, args.exit_interval, args.exit_duration_mins, device)
     with stop:
+        watchdog.progress("load")
         start = _resume(args, chunks, opt, cfg)
         config = resolved(args, cfg)
         log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
@@ -163,16 +166,20 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
         t_start = time.perf_counter()
         try:
             for step in range(start, args.steps):
+                watchdog.progress("pipeline", step + 1)
                 t0 = time.perf_counter()
                 timers.start()
                 lr_schedule.apply(opt, step + 1)
                 opt.zero_grad()
                 loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
                 timers.mark("pipeline")
+                watchdog.progress("gradient reduction")
                 finalize_model_grads(ddps)
                 timers.mark("communication")
+                watchdog.progress("optimizer")
                 stepped, grad_norm = opt.step()
                 timers.mark("optimizer")
+                watchdog.progress("step end")
                 save_error = saver.poll() if saver is not None else None
                 moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
                 rec = None
@@ -193,9 +200,11 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                     val = evaluate(chunks, lambda s: run_batch(valid_ds, s, forward_only=True), args.eval_steps)
                     if rec is not None:
                         rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 700.0))
+                watchdog.progress("stop check")
                 syncpoints.reach(f"step-{step + 1}")
                 reason = stop.should_stop(step + 1)
                 if saver is not None and (reason or _due(step, args.save_interval or args.steps, args.steps)):
+                    watchdog.progress("save")
                     opt.wait_params()  # offload: the updated params may still be on their way to the device
                     save_error = saver.save(step + 1, chunks, opt, cfg) or save_error
                     if reason:  # the save of this step completes before the run stops
@@ -209,6 +218,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                         rec["stopped"] = reason
                     if failed:
                         rec["failed"] = failed
+                watchdog.progress("logging")
                 log.log(rec)
                 if reason or failed:
                     if log_rank and failed:
@@ -222,6 +232,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                               + (f"; relaunch with --load {args.save} to resume" if saver is not None else ""),
                               flush=True)
                     break
+            watchdog.progress("save")
             if saver is not None:
                 final_error = saver.wait()  # the last (asynchronous) save
                 if final_error and log.records:
@@ -310,7 +321,10 @@ def evaluate(chunks, run_batch, steps: int) -> float:
     for c in chunks:
         c.eval()
     with torch.no_grad():
-        total = sum(float(run_batch(s)) for s in range(steps))
+        total = 0.0
+        for s in range(steps):
+            watchdog.progress("evaluation")
+            total += float(run_batch(s))
     for c in chunks:
         c.train()
     return total / steps

@@ -24,7 +24,15 @@ way) and ``fn`` initialises the process group itself.
 Failure never hangs: if a rank raises, the others are killed and the parent raises ``WorldFailed`` with that
 rank's traceback; if a rank dies without reporting (``os._exit``, a signal) or the whole world runs past
 ``timeout`` seconds, everything is killed and the parent fails with a message saying which ranks and why. Children
-are always reaped and the store is closed before ``run_world`` returns or raises.
+are always reaped and the store is closed before ``run_world`` returns or raises. With ``watch`` (``launch`` sets
+it to the trainer's ``--timeout``) each rank runs a watchdog (``megakernels.parallel.watchdog``) that ends it after
+that long without progress, and the parent reads the ranks' heartbeats: it ends the world when one is older than
+the timeout (a stopped process cannot end itself), and every failure's message names the ranks that stopped
+responding and the phase each rank was in.
+
+No orphans: every rank is killed by the kernel when its parent dies (``PR_SET_PDEATHSIG``), whatever killed the
+parent; a rank forked by the fork server lets go of the server's "alive" pipe, so the server exits with the
+launcher and its ranks with it, and the watchdog also watches the launcher itself.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import io
 import math
 import os
 import queue as queue_module
+import shutil
 import signal
 import threading
 import time
@@ -45,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import reduction
+
+from megakernels.parallel import liveness, watchdog
 
 HOST = "127.0.0.1"
 _POLL_S = 0.05
@@ -114,7 +125,10 @@ class _Stdio:
 
 
 def _child(rank: int, world_size: int, port: int, init: str, timeout: float, threads: int, results, fn,
-           args, env: dict | None = None, cwd: str | None = None, stdio=None) -> None:
+           args, launcher: int, watch: tuple[float, str] | None, env: dict | None = None, cwd: str | None = None,
+           stdio=None) -> None:
+    # First, before anything that can take time: a rank dies with its launcher, whatever killed it.
+    watchdog.die_with(launcher)
     # `stdio` (a _Stdio, forkserver only) did its work while the arguments were unpickled: this process's
     # stdout/stderr are already the launcher's.
     del stdio
@@ -122,19 +136,30 @@ def _child(rank: int, world_size: int, port: int, init: str, timeout: float, thr
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        _leave_fork_server()
     torch.set_num_threads(threads)
+    dog = None
+    if watch is not None:
+        dog = watchdog.Watchdog(watch[0], rank, liveness_dir=watch[1], launcher=launcher).start()
+        dog.progress("rendezvous")
     report = None
     try:
-        if init == "store":
-            store = dist.TCPStore(HOST, port, world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout))
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
-        else:
-            os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                              LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                              TORCHELASTIC_USE_AGENT_STORE=str(True))
-        report = (rank, "ok", _dumps(fn(rank, world_size, *args)))
+        try:
+            if init == "store":
+                store = dist.TCPStore(HOST, port, world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=timeout))
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout))
+            else:
+                os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank),
+                                  WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                                  LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE=str(True))
+            if dog is not None:
+                dog.progress("start")
+            report = (rank, "ok", _dumps(fn(rank, world_size, *args)))
+        finally:
+            if dog is not None:
+                dog.stop()
     except BaseException:  # noqa: BLE001 - everything a rank raises goes back to the parent
         report = (rank, "error", traceback.format_exc())
     # Report before tearing down: if teardown hangs (peers stuck in a collective), the parent already knows.
@@ -145,6 +170,21 @@ def _child(rank: int, world_size: int, port: int, init: str, timeout: float, thr
     finally:
         results.close()
         results.join_thread()
+
+
+def _leave_fork_server() -> None:
+    """Close this rank's write end of the fork server's "alive" pipe. multiprocessing gives one to every process the
+    server forks, so that the server lives while any of them does; but the server is the rank's parent, and the
+    rank must die when the server does (it exits when the launcher does): a rank stopped by SIGSTOP would otherwise
+    keep the server, and so itself, alive for ever after its launcher died. A rank that starts processes of its own
+    from a fork server starts a new one."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # private: multiprocessing has no public way to let go of the pipe
+    with contextlib.suppress(AttributeError, OSError, TypeError):
+        fd, server._forkserver_alive_fd, server._forkserver_address = server._forkserver_alive_fd, None, None
+        if fd is not None:
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -180,7 +220,8 @@ def _stop(procs, grace: float = 1.0) -> None:
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", threads: int = 1,
-              world_timeout: float | None = -1.0, forward_signals: tuple[int, ...] = ()) -> list:
+              world_timeout: float | None = -1.0, forward_signals: tuple[int, ...] = (),
+              watch: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
 
     Args:
@@ -195,18 +236,26 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         threads: CPU threads per rank (``torch.set_num_threads``, ``OMP_NUM_THREADS``).
         forward_signals: signals that this process, while it waits, passes on to every living rank instead of
             acting on them (the trainer's preemption signal: the ranks save and exit, and so does the launcher).
+        watch: seconds a rank may go without reporting progress (``megakernels.parallel.watchdog``; ``fn`` must
+            call ``watchdog.progress`` more often than that) before its watchdog ends it; this process also ends
+            the world when a rank's heartbeat is that old (a stopped process), and says which rank stopped
+            responding and in which phase each rank was. None: no watchdog.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        ValueError: ``world_size`` outside 1..64, an unknown ``init`` or ``MEGAKERNELS_START_METHOD``.
-        WorldFailed: a rank raised (its traceback is in the message), died, or the world timed out.
+        ValueError: ``world_size`` outside 1..64, an unknown ``init`` or ``MEGAKERNELS_START_METHOD``, ``watch``
+            not > 0.
+        WorldFailed: a rank raised (its traceback is in the message), died, stopped responding, or the world timed
+            out.
     """
     if not 1 <= int(world_size) <= 64:
         raise ValueError(f"run_world: world_size must be in 1..64, got {world_size}")
     if init not in ("store", "env"):
         raise ValueError(f"run_world: init must be 'store' or 'env', got {init!r}")
+    if watch is not None and not watch > 0:
+        raise ValueError(f"run_world: watch must be > 0 seconds (or None), got {watch}")
     ctx = _context()
     results = ctx.Queue()
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
@@ -214,6 +263,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
     global last_port
     last_port = store.port
     procs = []
+    beats = liveness.new_dir() if watch is not None else None
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
         # The children read these at import time, before any code of ours runs in them.
@@ -221,11 +271,13 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         where = (dict(os.environ), os.getcwd(), _Stdio()) if ctx.get_start_method() == "forkserver" else ()
         for rank in range(world_size):
             p = ctx.Process(target=_child, args=(rank, world_size, store.port, init, timeout, threads, results, fn, args,
-                                                 *where), name=f"rank{rank}", daemon=True)
+                                                 os.getpid(), None if watch is None else (watch, beats), *where),
+                            name=f"rank{rank}", daemon=True)
             p.start()
             procs.append(p)
         with _forwarding(forward_signals, procs):
-            return _collect(procs, results, world_size, timeout if world_timeout == -1.0 else world_timeout, fn)
+            return _collect(procs, results, world_size, timeout if world_timeout == -1.0 else world_timeout, fn,
+                            _Liveness(beats, watch) if beats is not None else None)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -236,9 +288,42 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         results.close()
         results.join_thread()
         del store
+        if beats is not None:
+            shutil.rmtree(beats, ignore_errors=True)
 
 
-def _collect(procs, results, world_size: int, timeout: float | None, fn) -> list:
+class _Liveness:
+    """The launcher's view of its ranks' heartbeats (``megakernels.parallel.watchdog``)."""
+
+    def __init__(self, directory: str, timeout: float):
+        self.directory, self.timeout = directory, timeout
+        self.next_check = time.monotonic()
+
+    def unresponsive(self, procs, done) -> str | None:
+        """Why the world must end now: a living rank's heartbeat is older than the timeout (checked once per
+        watchdog interval); else None."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return None
+        self.next_check = now + watchdog.interval(self.timeout)
+        records = liveness.read(self.directory)
+        late = [r for r, rec in records.items()
+                if r not in done and procs[r].exitcode is None and now - rec["beat"] > self.timeout]
+        if not late:
+            return None
+        return self.report(set())
+
+    def report(self, skip) -> str:
+        """What each rank not in ``skip`` was doing: the stale ones first, as having stopped responding."""
+        records = {r: rec for r, rec in liveness.read(self.directory).items() if r not in skip}
+        return liveness.summary(records, time.monotonic(), watchdog.stale_after(self.timeout))
+
+    def verdict(self, rank: int) -> str | None:
+        """The line a rank's watchdog printed before ending it, if it left one."""
+        return liveness.read_verdict(self.directory, rank)
+
+
+def _collect(procs, results, world_size: int, timeout: float | None, fn, beats: _Liveness | None = None) -> list:
     name = f"run_world({world_size}, {getattr(fn, '__qualname__', repr(fn))})"
     out: dict[int, object] = {}
     deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -248,11 +333,21 @@ def _collect(procs, results, world_size: int, timeout: float | None, fn) -> list
         # Ranks that exited without reporting; a peer's exit usually surfaces first as a gloo error on a survivor.
         end = time.monotonic() + wait
         while True:
-            dead = [f"rank {r} died with exit code {p.exitcode} before returning a result"
-                    for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+            dead = [died(r, p.exitcode) for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
             if dead or time.monotonic() >= end:
                 return dead
             time.sleep(_POLL_S)
+
+    def died(rank: int, code: int) -> str:
+        if beats is not None and code == watchdog.EXIT_CODE:
+            return f"rank {rank} was ended by its watchdog (no progress for the {beats.timeout:g} s timeout)"
+        return f"rank {rank} died with exit code {code} before returning a result"
+
+    def failed(cause: str, skip=()) -> WorldFailed:
+        # Which ranks stopped responding and where every rank was: stale heartbeats first, so the rank that
+        # stopped is named before the peers that timed out waiting for it.
+        states = beats.report(set(skip)) if beats is not None else ""
+        return WorldFailed(f"{name}: " + (f"{states}; " if states else "") + cause)
 
     while len(out) < world_size:
         try:
@@ -263,7 +358,7 @@ def _collect(procs, results, world_size: int, timeout: float | None, fn) -> list
             if status == "error":
                 dead = dead_ranks(0.5)
                 cause = "".join(f"{d}; " for d in dead)
-                raise WorldFailed(f"{name}: {cause}rank {rank} raised:\n{payload}")
+                raise failed(f"{cause}rank {rank} raised:\n{payload}", skip=[rank])
             out[rank] = _loads(payload)
             continue
         now = time.monotonic()
@@ -272,9 +367,15 @@ def _collect(procs, results, world_size: int, timeout: float | None, fn) -> list
                 continue
             # Exited without a result yet: give the queue's pipe a moment, then call it dead.
             first = dead_since.setdefault(rank, now)
+            if beats is not None and p.exitcode == watchdog.EXIT_CODE:
+                verdict = beats.verdict(rank)  # its line, with what its peers were doing
+                raise WorldFailed(f"{name}: {verdict}") if verdict else failed(died(rank, p.exitcode), skip=[rank])
             if now - first > _DRAIN_S:
-                raise WorldFailed(f"{name}: rank {rank} died with exit code {p.exitcode} before returning a "
-                                     "result")
+                raise failed(died(rank, p.exitcode), skip=[rank])
+        if beats is not None:
+            stopped = beats.unresponsive(procs, out)
+            if stopped is not None:
+                raise WorldFailed(f"{name}: {stopped}")
         if now > deadline:
             missing = [r for r in range(world_size) if r not in out]
             raise WorldFailed(f"{name}: timed out after {timeout:g} s; ranks {missing} had not finished (a hang, "
@@ -308,6 +409,11 @@ def _call(rank: int, world_size: int, fn, args):
     return fn(*args)
 
 
+def _remove_if_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun (its environment names the rendezvous)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -322,26 +428,49 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
     group is torn down afterwards in every case. For CUDA it sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the
     environment sets it (the overlap of collectives with GEMMs depends on it, docs/design.md §4).
 
+    Every rank runs a watchdog (``megakernels.parallel.watchdog``): ``fn`` reports its phases with
+    ``watchdog.progress``, and a rank that goes ``timeout`` seconds without progress (a step, a collective, a save)
+    is ended with a line naming its phase; the job ends within about twice the timeout. A spawned rank or a
+    torchrun worker also dies with its launcher (the spawning process, or torchrun's agent), whatever killed it.
+    Under torchrun, a failing rank also ends its local peers that stopped responding: a stopped process cannot act
+    on the agent's SIGTERM, which the agent would wait 30 s for.
+
     Raises:
         ValueError: ``nproc > 1`` with ``device="cuda"`` outside torchrun (one process per GPU is torchrun's job).
-        WorldFailed: a spawned rank raised or died (its error in the message).
+        WorldFailed: a spawned rank raised, died or stopped responding (its error in the message).
     """
     if device == "cuda":
         # One hardware queue, so collectives queued before a GEMM start before it (docs/design.md §4). Read when
         # the CUDA context is created, which has not happened yet in a launcher's process.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if under_torchrun():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
-        try:
-            return fn(*args)
-        finally:
-            dist.destroy_process_group()
+        agent = os.getppid()  # torchrun's agent started this process; a death before this line goes unnoticed
+        watchdog.die_with(agent)
+        beats = liveness.local_dir()
+        with contextlib.ExitStack() as cleanup, watchdog.Watchdog(timeout, int(os.environ["RANK"]),
+                                                                  liveness_dir=beats, launcher=agent,
+                                                                  end_stale_peers=True) as dog:
+            if beats is not None and not os.environ.get(liveness.ENV_DIR):
+                # the agent's directory, once its last rank is done with it (removal fails while records remain)
+                cleanup.callback(_remove_if_empty, beats)
+            dog.progress("rendezvous")
+            if device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
+            try:
+                dog.progress("start")
+                return fn(*args)
+            except BaseException:
+                dog.end_stale_peers()
+                raise
+            finally:
+                dog.progress("teardown")
+                dist.destroy_process_group()
     if nproc == 1:
         if device == "cuda":
             torch.cuda.set_device(0)
-        with single_process_world(device, timeout):
+        with single_process_world(device, timeout), watchdog.Watchdog(timeout):
             return fn(*args)
     if device == "cuda":
         raise ValueError(f"launch: nproc={nproc} spawns CPU (gloo) processes; for GPUs use torchrun "
@@ -350,4 +479,4 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
     # A preemption signal sent to this launcher (not to the whole process group) reaches the ranks too; they
     # decide together when to stop (megakernels_models.preemption).
     return run_world(nproc, _call, fn, args, timeout=timeout, threads=threads, world_timeout=None,
-                     forward_signals=(signal.SIGTERM, signal.SIGUSR1))[-1]
+                     forward_signals=(signal.SIGTERM, signal.SIGUSR1), watch=timeout)[-1]
