@@ -4,7 +4,8 @@ in the middle of a run, a kill inside a checkpoint write) without sleeping and h
 With ``MEGAKERNELS_SYNC_DIR=DIR`` in the environment (spawned ranks inherit it), ``reach(name)`` on rank ``r``
 writes ``DIR/<name>.<r>`` (holding the process id) and then, while ``DIR/<name>.hold`` exists, waits for it to be
 removed. A test creates the ``.hold`` file, starts the run, waits for the ``.<r>`` files, acts (signals, kills),
-and removes the ``.hold`` file to let the run go on. Without the variable ``reach`` returns at once.
+and removes the ``.hold`` file to let the run go on. Without the variable ``reach`` returns at once. A held rank
+keeps its watchdog fed (``megakernels.parallel.watchdog``, phase ``held at <name>``): a hold is not a hang.
 
 The points the trainer marks:
 
@@ -53,10 +54,11 @@ def reach(name: str) -> None:
     hold = os.path.join(root, f"{name}.hold")
     if not os.path.exists(hold):
         return
-    # A held rank is the test's doing, not a hang: it keeps its watchdog fed, then resumes the phase it was in.
-    phase = watchdog.current_phase()
+    # A held rank is the test's doing, not a hang: it keeps its watchdog fed, then resumes the phase it was in
+    # (unless another thread has reported a phase since: a hold in the asynchronous checkpoint writer).
+    phase, holding = watchdog.current_phase(), f"held at {name}"
     while os.path.exists(hold):  # waiting on a condition the test controls, not on time
-        watchdog.progress(f"held at {name}")
+        watchdog.progress(holding)
         time.sleep(_POLL_S)
-    if phase is not None:
+    if phase is not None and watchdog.current_phase() == holding:
         watchdog.progress(phase)

@@ -270,9 +270,9 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         where = (dict(os.environ), os.getcwd(), _Stdio()) if ctx.get_start_method() == "forkserver" else ()
         for rank in range(world_size):
-            p = ctx.Process(target=_child, args=(rank, world_size, store.port, init, timeout, threads, results, fn, args,
-                                                 os.getpid(), None if watch is None else (watch, beats), *where),
-                            name=f"rank{rank}", daemon=True)
+            p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
+                            args=(rank, world_size, store.port, init, timeout, threads, results, fn, args, os.getpid(),
+                                  None if watch is None else (watch, beats), *where))
             p.start()
             procs.append(p)
         with _forwarding(forward_signals, procs):
