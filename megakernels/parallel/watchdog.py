@@ -106,6 +106,7 @@ class Watchdog:
         self._state = (time.monotonic(), "start", None)  # (time of the last progress, phase, step)
         self._lock = threading.Lock()  # progress and the thread both write the record
         self._record: liveness.Record | None = None
+        self._previous: Watchdog | None = None  # the process's watchdog before this one started
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megakernels-watchdog", daemon=True)
 
@@ -132,7 +133,7 @@ class Watchdog:
         self._beat(time.monotonic())
         if self._launcher is not None and self._launcher.gone():
             self._launcher_gone()
-        _active = self
+        self._previous, _active = _active, self
         self._thread.start()
         return self
 
@@ -143,7 +144,7 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join()
         if _active is self:
-            _active = None
+            _active = self._previous
         if self._launcher is not None:
             self._launcher.close()
         if self._record is not None:

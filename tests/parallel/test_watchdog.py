@@ -231,3 +231,12 @@ def test_the_groups_collectives_time_out_after_the_timeout_given_to_initialize()
     world's timeout."""
     elapsed, message = launch.run_world(2, _dp_all_reduce_without_rank_1, timeout=60)[0]
     assert "Timed out" in message and 2.0 <= elapsed < 30.0, (elapsed, message)
+
+
+def test_a_watchdog_started_inside_another_hands_progress_back_to_it_when_it_stops():
+    with watchdog.Watchdog(60.0) as outer:
+        with watchdog.Watchdog(60.0):
+            watchdog.progress("inner")
+        watchdog.progress("outer again")
+        assert outer.phase == "outer again"
+    assert watchdog.current_phase() is None
