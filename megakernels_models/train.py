@@ -162,7 +162,8 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
         config = resolved(args, cfg)
         log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
                           log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
-        saver = Checkpointer(args.save, args.keep_checkpoints, args.async_save, config) if args.save else None
+        saver = Checkpointer(args.save, args.keep_checkpoints, args.async_save, config, args.timeout) \
+            if args.save else None
         t_start = time.perf_counter()
         try:
             for step in range(start, args.steps):
