@@ -153,7 +153,8 @@ class TrainArgs:
     progress: bool = setting(True, "no progress bar", LOGS, flag="--no-progress")
     peak_tflops: float | None = setting(None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on "
                                         "the CPU)", LOGS)
-    timeout: float = setting(600.0, "seconds a collective may wait for a peer", LOGS)
+    timeout: float = setting(600.0, "seconds a rank may go without progress (a step phase, a collective, a save) "
+                             "before the watchdog ends the job, naming the rank that stopped responding", LOGS)
     gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)
     gpu: str = setting("h200", "the GPU --dry-run checks memory against", LAYOUT, choices=("h200", "h100", "a100",
                                                                                           "v100"))
@@ -258,7 +259,9 @@ class TrainArgs:
         return tuple(n.strip() for n in self.freeze.split(",") if n.strip())
 
     def data_parallel_size(self) -> int:
-        return self.world_size() // (self.tp * self.cp * self.pp)
+        from megakernels_models.layout_rules import layout_of
+
+        return layout_of(self).dp
 
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size())

@@ -204,6 +204,27 @@ class ModelConfig:
         a vision-language model; ``seq_length`` otherwise."""
         return self.seq_length + self.num_image_tokens
 
+    def layout_shapes(self):
+        """The shapes the parallel layout's rules check (``megakernels.parallel.layout.ModelShapes``)."""
+        from megakernels.parallel.layout import ModelShapes
+
+        widths, no_cp, no_sp = (), None, None
+        if self.model == "bert":
+            no_cp = (": context parallelism is for causal language models (GPT, Llama); BERT's padding masks are "
+                     "not split over the ring")
+        if self.model == "vlm":
+            v = self.vision_config()
+            widths = (("vision_heads", v.num_heads), ("vision_hidden_size", v.hidden_size),
+                      ("vision ffn_hidden_size", v.ffn_hidden_size), ("projector_hidden_size",
+                                                                       self.projector_hidden_size))
+            no_sp = "is not supported for --model vlm (the image tokens are not split over ranks)"
+            no_cp = " " + no_sp
+        return ModelShapes(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           ffn_hidden_size=self.ffn_hidden_size, num_layers=self.num_layers,
+                           seq_length=self.seq_length, num_experts=self.num_experts or 0,
+                           attention_dropout=self.attention_dropout, tp_widths=widths, context_parallel=no_cp,
+                           sequence_parallel=no_sp)
+
     def vision_config(self) -> ModelConfig:
         """The vision encoder's Transformer as a bidirectional (BERT-family) configuration: its layers are the
         same ``TransformerLayer`` every family stacks."""

@@ -15,7 +15,7 @@ import time
 
 import torch.distributed as dist
 
-from megakernels_models import costs
+from megakernels_models import costs, layout_rules
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config import ModelConfig, human
 
@@ -66,6 +66,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     mem = costs.memory(meta, L)
     tokens = args.global_batch_size * cfg.seq_length
     world, tp, cp, dp = args.world_size(), L.tp, L.cp, L.dp
+    parallel = layout_rules.layout_of(args)  # the rank order's one definition
     rep = {
         "model": cfg.model, "preset": args.preset_name(), "parameters": meta.parameters,
         "active_parameters": meta.active_parameters, "parameters_per_device": mem["parameters_per_device"],
@@ -85,8 +86,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
                    "distributed_optimizer": args.distributed_optimizer,
                    "offload_optimizer": args.offload_optimizer, "recompute": args.recompute,
                    "precision": args.precision, **({"frozen": list(L.frozen)} if L.frozen else {})},
-        "ranks": {r: {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
-                  for r in range(min(world, 4096))},
+        "ranks": {r: parallel.rank_coordinates(r) for r in range(min(world, 4096))},
     }
     # The first stage's activations under every recompute / sequence-parallel choice (for choosing one).
     bytes_el = 2 if args.precision != "fp32" else 4

@@ -22,6 +22,7 @@ import itertools
 import json
 import sys
 
+from megakernels.parallel.layout import LayoutError, ParallelLayout
 from megakernels_models import costs
 from megakernels_models.config import ModelConfig, human
 from megakernels_models.settings import ArgumentError
@@ -33,31 +34,35 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_node: int,
                precision: str = "bf16", offload: bool = False) -> list[costs.Layout]:
-    """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check); ``offload``: with
-    the optimizer state in host memory (``--offload-optimizer``)."""
+    """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check): the degrees and
+    micro-batch sizes worth ranking, kept when ``megakernels.parallel.layout`` — the rules ``megakernels train``
+    validates with — finds nothing broken. ``offload``: with the optimizer state in host memory
+    (``--offload-optimizer``)."""
+    shapes = cfg.layout_shapes()
+    sequence_parallel = shapes.sequence_parallel is None  # with tp > 1, whenever the family supports it
     out = []
-    for tp in _divisors(min(gpus_per_node, gpus)):
-        if cfg.num_heads % tp or cfg.ffn_hidden_size % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
-            continue
-        for pp in _divisors(gpus // tp):
-            if cfg.num_layers % pp:
+    for tp, pp in itertools.product(_divisors(min(gpus_per_node, gpus)), _divisors(gpus)):
+        # context parallelism pays off only for long sequences: 8k tokens a rank at least
+        for cp in [c for c in (1, 2, 4, 8) if cfg.seq_length >= 8192 * c or c == 1]:
+            if gpus % (tp * pp * cp):
                 continue
-            cps = [c for c in (1, 2, 4, 8) if cfg.seq_length >= 8192 * c or c == 1]
-            for cp in cps:
-                if cfg.model == "bert" and cp > 1 or (gpus % (tp * pp * cp)) or cfg.seq_length % (2 * cp * tp):
+            dp = gpus // (tp * pp * cp)
+            for ep, vpp in itertools.product(_divisors(dp) if cfg.num_experts else [1], (None, 2, 4) if pp > 1
+                                             else (None,)):
+                try:
+                    layout = ParallelLayout.build(gpus, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp,
+                                                  sequence_parallel=sequence_parallel and tp > 1)
+                except LayoutError:
                     continue
-                dp = gpus // (tp * pp * cp)
-                eps = [e for e in _divisors(dp) if cfg.num_experts and cfg.num_experts % e == 0] or [1]
-                vpps = [v for v in (1, 2, 4) if pp > 1 and cfg.num_layers % (pp * v) == 0] or [1]
-                for ep, vpp, mbs in itertools.product(eps, vpps, _divisors(max(1, global_batch_size // dp))):
-                    if global_batch_size % (mbs * dp) or mbs > 16:
-                        continue
-                    m = global_batch_size // (mbs * dp)
-                    if vpp > 1 and m % pp:
+                if layout.model_problem(shapes):
+                    continue
+                for mbs in _divisors(max(1, global_batch_size // dp)):
+                    if mbs > 16 or layout.batch_problem(mbs, global_batch_size):
                         continue
                     for recompute, zero in itertools.product(("none", "selective", "full"), (True, False)):
-                        out.append(costs.Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, micro_batch_size=mbs,
-                                                global_batch_size=global_batch_size, sequence_parallel=tp > 1,
+                        out.append(costs.Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp or 1,
+                                                micro_batch_size=mbs, global_batch_size=global_batch_size,
+                                                sequence_parallel=layout.sequence_parallel,
                                                 distributed_optimizer=zero and dp * cp > 1, recompute=recompute,
                                                 precision=precision, offload_optimizer=offload))
     return list(dict.fromkeys(out))
@@ -89,10 +94,11 @@ def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Devi
     return fitting
 
 
-def command(layout: costs.Layout, source: list[str], device: str = "cuda") -> str:
-    """The ``megakernels train`` command of a layout (``source``: the model flags, e.g. ``--preset NAME``)."""
-    flags = [*source, "--device", device, "--nproc", str(layout.world), "--tp", str(layout.tp), "--pp",
-             str(layout.pp)]
+def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_per_node: int = 8) -> str:
+    """The command that runs a layout (``source``: the model flags, e.g. ``--preset NAME``): on GPUs, torchrun with
+    one process per GPU (on every node, with a rendezvous endpoint, when the layout spans several nodes); on the
+    CPU, ``megakernels train --nproc N``."""
+    flags = [*source, "--device", device, "--tp", str(layout.tp), "--pp", str(layout.pp)]
     flags += ["--cp", str(layout.cp)] if layout.cp > 1 else []
     flags += ["--ep", str(layout.ep)] if layout.ep > 1 else []
     flags += ["--vpp", str(layout.vpp)] if layout.vpp > 1 else []
@@ -102,7 +108,15 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda") -> st
     flags += ["--distributed-optimizer"] if layout.distributed_optimizer else []
     flags += ["--offload-optimizer"] if layout.offload_optimizer else []
     flags += ["--recompute", layout.recompute] if layout.recompute != "none" else []
-    return "megakernels train " + " ".join(flags)
+    if device != "cuda":
+        return "megakernels train " + " ".join(["--nproc", str(layout.world), *flags])
+    per_node = min(layout.world, gpus_per_node)
+    nodes = -(-layout.world // per_node)
+    launcher = f"torchrun --nproc-per-node {per_node}"
+    if nodes > 1:  # the same command on every node; MASTER_ADDR: node 0's address
+        launcher = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+                    "--rdzv-endpoint $MASTER_ADDR:29500")
+    return f"{launcher} -m megakernels_models.cli train " + " ".join(flags)
 
 
 def add_parser(sub) -> None:
@@ -170,7 +184,7 @@ def main(ns) -> int:
              **{k: r["prediction"][k] for k in ("step_s", "tokens_per_s", "mfu", "bubble_fraction")},
              "time_split_s": {k: r["prediction"][k] for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s",
                                                                "ep_s", "offload_s")},
-             "command": command(r["layout"], source)} for i, r in enumerate(best)]
+             "command": command(r["layout"], source, gpus_per_node=ns.gpus_per_node)} for i, r in enumerate(best)]
     if ns.json:
         print(json.dumps({"gpus": ns.gpus, "gpu": device.name, "global_batch_size": gbs, "layouts_fitting":
                           len(ranked), "ranking": rows}, indent=1))

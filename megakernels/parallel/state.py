@@ -29,6 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megakernels.parallel.layout import LayoutError, ParallelLayout
 from megakernels.validation import positive_int
 
 
@@ -114,34 +115,17 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
     if _state is not None:
         raise RuntimeError(f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
                            "call megakernels.parallel.destroy() first")
-    tp, pp, cp, ep = (_positive_int(n, v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
-    if vpp is not None:
-        vpp = _positive_int("vpp", vpp)
-        if vpp > 1 and pp == 1:
-            raise ValueError(f"initialize: vpp={vpp} needs pipeline parallelism (pp > 1), got pp=1")
-    if dp is not None:
-        dp = _positive_int("dp", dp)
     owns_world = not dist.is_initialized()
     if owns_world:
         _init_world_from_env(wait)
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = tp * cp * pp
-    sizes = f"tp·cp·pp = {tp}·{cp}·{pp}" if cp > 1 else f"tp·pp = {tp}·{pp}"
     try:
-        if world % model:
-            raise ValueError(f"initialize: world size {world} is not divisible by {sizes} = {model}")
-        if dp is None:
-            dp = world // model
-        elif model * dp != world:
-            names, values = ("tp·cp·pp·dp", f"{tp}·{cp}·{pp}·{dp}") if cp > 1 else ("tp·pp·dp", f"{tp}·{pp}·{dp}")
-            raise ValueError(f"initialize: {names} = {values} = {model * dp} != world size {world}")
-        if dp % ep:
-            raise ValueError(f"initialize: ep={ep} does not divide the data-parallel size {dp} (expert-parallel "
-                             "groups are carved out of the data-parallel ranks)")
-    except ValueError:
+        layout = ParallelLayout.build(world, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp, dp=dp)
+    except LayoutError as e:
         if owns_world:
             dist.destroy_process_group()
-        raise
+        raise LayoutError(f"initialize: {e}") from None
+    tp, cp, pp, dp, ep, vpp = layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.vpp
 
     # outermost to innermost in the rank order; the data-parallel rank is g·ep + e (e: rank in its expert group)
     sizes = {"p": pp, "g": dp // ep, "e": ep, "c": cp, "t": tp}

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from megakernels_models import costs
+from megakernels_models import costs, plan
 from megakernels_models.arguments import validate
 from megakernels_models.cli import main, parse_train_args
 from megakernels_models.config import ModelConfig, preset
@@ -29,15 +29,17 @@ def test_gpt_175b_on_1024_a100s_has_the_papers_layout_in_the_top_3():
     assert all(r["memory_bytes"] * 1.1 + 2e9 <= 80e9 for r in ranked)  # every ranked layout fits an A100
 
 
-def test_the_printed_layouts_are_valid_commands(capsys):
+def test_the_printed_layouts_are_valid_commands(capsys, monkeypatch):
     assert main(["plan", "--preset", "llama3-8b", "--gpus", "16", "--top", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gpus"] == 16 and len(out["ranking"]) == 3
     steps = [r["step_s"] for r in out["ranking"]]
     assert steps == sorted(steps)
     for row in out["ranking"]:
-        flags = row["command"].split()[2:]
-        args = parse_train_args([*flags, "--dry-run"])
+        words = row["command"].split()
+        assert words[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]  # 16 GPUs: 2 nodes of 8
+        monkeypatch.setenv("WORLD_SIZE", "16")  # as torchrun sets it
+        args = parse_train_args([*words[words.index("train") + 1:], "--dry-run"])  # no GPU here
         validate(args)
         assert args.world_size() == 16 and 0 < row["mfu"] < 1
 
@@ -45,7 +47,8 @@ def test_the_printed_layouts_are_valid_commands(capsys):
 def test_the_table_names_the_best_command(capsys):
     assert main(["plan", "--preset", "gpt-1.3b", "--gpus", "8", "--top", "2"]) == 0
     out = capsys.readouterr().out
-    assert "layouts fit" in out and "megakernels train --preset gpt-1.3b --device cuda --nproc 8" in out
+    assert "layouts fit" in out
+    assert "torchrun --nproc-per-node 8 -m megakernels_models.cli train --preset gpt-1.3b --device cuda" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -115,3 +118,28 @@ def test_plan_with_offload_prints_its_share_of_the_step(capsys):
     assert split["offload_s"] > 0
     assert main([*argv, "--host-adamw-ns", "3"]) == 0
     assert "offloaded optimizer in the best layout's step" in capsys.readouterr().out
+
+
+def test_every_layout_plan_considers_is_accepted_by_train_for_every_preset(monkeypatch):
+    """The planner and the trainer ask one layout object (megakernels.parallel.layout): each degree combination
+    plan enumerates for a preset, as the command plan prints, passes megakernels train's validation."""
+    import shlex
+
+    from megakernels_models.config import PRESETS
+
+    checked = 0
+    for name in PRESETS:
+        cfg = preset(name)
+        seen = set()
+        for gpus in (8, 16):
+            for layout in plan.candidates(cfg, gpus, 8 * gpus, gpus_per_node=8):
+                key = (layout.tp, layout.pp, layout.cp, layout.ep, layout.vpp)  # every degree combination once
+                if key in seen:
+                    continue
+                seen.add(key)
+                words = shlex.split(plan.command(layout, ["--preset", name]))
+                monkeypatch.setenv("WORLD_SIZE", str(gpus))  # as torchrun sets it
+                # the layout rules; --dry-run: this machine has no GPU for --device cuda
+                validate(parse_train_args([*words[words.index("train") + 1:], "--dry-run"]))  # or raises
+                checked += 1
+    assert checked > len(PRESETS)

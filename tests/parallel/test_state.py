@@ -91,7 +91,7 @@ def _(rank, world):
     assert mp.ep_group() is None and mp.ep_size() == 1
     assert mp.expert_dp_group() is mp.dp_cp_group()
     mp.destroy()
-    with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size 4"):
+    with pytest.raises(ValueError, match="initialize: ep 3 does not divide the data-parallel size 4"):
         mp.initialize(2, ep=3)
 
 
@@ -127,7 +127,7 @@ def _(rank, world):
     mp.initialize(2, 2, dp=2)
     assert mp.dp_size() == 2
     mp.destroy()
-    with pytest.raises(ValueError, match=r"tp·pp·dp = 2·2·1 = 4 != world size 8"):
+    with pytest.raises(ValueError, match=r"initialize: dp 1 does not match world size / \(tp × pp\) = 8 / 4 = 2"):
         mp.initialize(2, 2, dp=1)
     assert not mp.is_initialized()
 
@@ -149,9 +149,9 @@ def _(rank, world):
 
 @CHECKS.add("world_not_divisible_by_tp_pp")
 def _(rank, world):
-    with pytest.raises(ValueError, match=r"world size 8 is not divisible by tp·pp = 3·1 = 3"):
+    with pytest.raises(ValueError, match=r"the world size 8 \(.*\) is not divisible by tp × pp = 3 × 1 = 3"):
         mp.initialize(3, 1)
-    with pytest.raises(ValueError, match=r"world size 8 is not divisible by tp·pp = 2·3 = 6"):
+    with pytest.raises(ValueError, match=r"the world size 8 \(.*\) is not divisible by tp × pp = 2 × 3 = 6"):
         mp.initialize(2, 3)
     assert not mp.is_initialized()
 
@@ -162,7 +162,7 @@ def _(rank, world):
         mp.initialize(0, 1)
     with pytest.raises(ValueError, match="pp must be a positive int"):
         mp.initialize(1, 1.5)
-    with pytest.raises(ValueError, match=r"vpp=2 needs pipeline parallelism \(pp > 1\)"):
+    with pytest.raises(ValueError, match=r"vpp 2 needs pipeline parallelism \(pp > 1\)"):
         mp.initialize(2, 1, vpp=2)
 
 
