@@ -190,7 +190,7 @@ class ParallelLayout:
         n, dp, mbs, gbs = self.names, self.dp, micro_batch_size, global_batch_size
         if gbs % (mbs * dp):
             return (f"{names[1]} {gbs} is not divisible by {names[0]} × dp = {mbs} × {dp} = {mbs * dp} (dp = world "
-                    f"size {self.world_size} from {self.source} / {_names(n, self.cp > 1)} "
+                    f"size {self.world_size} from {self.source} / {_names(ARGUMENTS, self.cp > 1)} "
                     f"{self.model_parallel_size})")
         m = gbs // (mbs * dp)
         vpp = self.vpp or 1

@@ -50,7 +50,10 @@ def _env_initialised(rank, world_size):
 
 
 def _where_am_i(rank, world_size):
-    print(f"rank {rank} on stdout", flush=True)
+    # one write of the whole line: print's text and newline are two writes, which two ranks sharing the file
+    # interleave when stdout is unbuffered
+    sys.stdout.write(f"rank {rank} on stdout\n")
+    sys.stdout.flush()
     return os.getcwd(), os.environ.get("MEGAKERNELS_TEST_MARK")
 
 
