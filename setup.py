@@ -65,7 +65,7 @@ def _bindings_unit():
     for path in sorted(glob.glob(os.path.join(ROOT, "csrc", "bindings", "*.cpp"))):
         name = os.path.basename(path)
         if name != "all.cpp" and f'#include "{name}"' not in text:
-            sys.exit(f"megakernels: csrc/bindings/all.cpp must #include \"{name}\" (it builds every bindings file)")
+            sys.exit(f'megakernels: csrc/bindings/all.cpp must #include "{name}" (it builds every bindings file)')
     return unit
 
 
@@ -104,16 +104,27 @@ def extensions():
         nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + _arch_flags(archs)
         print(f"megakernels: building CUDA kernels for archs {archs}")
         ext = CUDAExtension(
-            "megakernels._C", sources, include_dirs=include_dirs, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-pthread", "-fopenmp"],
+            "megakernels._C",
+            sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=["-pthread", "-fopenmp"],
         )
     else:
-        why = "MEGAKERNELS_FORCE_CPU_ONLY=1" if force_cpu else (
-            "torch has no CUDA" if torch.version.cuda is None else "nvcc not found")
+        why = (
+            "MEGAKERNELS_FORCE_CPU_ONLY=1"
+            if force_cpu
+            else ("torch has no CUDA" if torch.version.cuda is None else "nvcc not found")
+        )
         print(f"megakernels: CPU-only build ({why}); emulated CUDA kernels: {'yes' if with_emu else 'no'}")
         ext = CppExtension(
-            "megakernels._C", sources, include_dirs=include_dirs, define_macros=define_macros,
-            extra_compile_args={"cxx": cxx}, extra_link_args=["-pthread", "-fopenmp"],
+            "megakernels._C",
+            sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-pthread", "-fopenmp"],
         )
     return [ext]
 

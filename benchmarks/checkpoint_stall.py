@@ -29,10 +29,25 @@ def _run(mode: str, args, root: str) -> dict:
 
     log = os.path.join(root, f"{mode}.jsonl")
     steps = args.every * (args.saves + 1)
-    ta = TrainArgs(preset="none", num_layers=args.layers, hidden_size=args.hidden, num_heads=8, seq_length=64,
-                   micro_batch_size=2, global_batch_size=2, steps=steps, eval_interval=0, progress=False,
-                   corpus_bytes=1 << 20, save=os.path.join(root, mode), save_interval=args.every,
-                   keep_checkpoints=1, async_save=mode == "async", log_jsonl=log, peak_tflops=1.0)
+    ta = TrainArgs(
+        preset="none",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=8,
+        seq_length=64,
+        micro_batch_size=2,
+        global_batch_size=2,
+        steps=steps,
+        eval_interval=0,
+        progress=False,
+        corpus_bytes=1 << 20,
+        save=os.path.join(root, mode),
+        save_interval=args.every,
+        keep_checkpoints=1,
+        async_save=mode == "async",
+        log_jsonl=log,
+        peak_tflops=1.0,
+    )
     with single_process_world():
         records = train(ta)
     t = [r["elapsed_s"] for r in records]
@@ -44,13 +59,22 @@ def _run(mode: str, args, root: str) -> dict:
     with open(os.path.join(root, mode, "latest")) as f:
         ckpt = os.path.join(root, mode, f.read().strip())
     size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
-    return {"mode": mode, "median_stall_s": statistics.median(stalls), "stalls_s": stalls, "step_s": base,
-            "mean_interval_s": statistics.mean(gaps[1:]), "checkpoint_mb": size / 1e6}
+    return {
+        "mode": mode,
+        "median_stall_s": statistics.median(stalls),
+        "stalls_s": stalls,
+        "step_s": base,
+        "mean_interval_s": statistics.mean(gaps[1:]),
+        "checkpoint_mb": size / 1e6,
+    }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint_stall", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.checkpoint_stall",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="a small model, one save each (a smoke run)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
@@ -68,8 +92,10 @@ def main(argv=None) -> int:
             rows.append(_run(mode, args, root))
     print(f"{'save':>6} {'checkpoint MB':>14} {'step s':>8} {'stall s (median)':>17} {'mean step s':>12}")
     for r in rows:
-        print(f"{r['mode']:>6} {r['checkpoint_mb']:>14.1f} {r['step_s']:>8.3f} {r['median_stall_s']:>17.3f} "
-              f"{r['mean_interval_s']:>12.3f}")
+        print(
+            f"{r['mode']:>6} {r['checkpoint_mb']:>14.1f} {r['step_s']:>8.3f} {r['median_stall_s']:>17.3f} "
+            f"{r['mean_interval_s']:>12.3f}"
+        )
     sync, async_ = rows
     if sync["median_stall_s"] > 0:
         print(f"async stall / sync stall = {async_['median_stall_s'] / sync['median_stall_s']:.2f}")

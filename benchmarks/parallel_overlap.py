@@ -65,15 +65,26 @@ def _rank(rank: int, world: int, port: int, shapes, reps: int, results) -> None:
                         comm.all_gather(shard, 0, group)
                         comm.reduce_scatter(dgrad, 0, group)
                 else:
+
                     def comm_alone():
                         comm.all_reduce(dgrad, group)
+
                 steps["comm"] = comm_alone
                 steps["wgrad"] = lambda: dy2.t().matmul(total)
                 t = timed_over_ranks(steps, reps)
-                rows.append({"tp": world, "shape": f"{s}x{b}x{h}", "sp": sp, "baseline_ms": t["baseline"] * 1e3,
-                             "overlap_ms": t["overlap"] * 1e3, "ratio": t["overlap"] / t["baseline"],
-                             "saved_ms": (t["baseline"] - t["overlap"]) * 1e3, "comm_ms": t["comm"] * 1e3,
-                             "wgrad_ms": t["wgrad"] * 1e3})
+                rows.append(
+                    {
+                        "tp": world,
+                        "shape": f"{s}x{b}x{h}",
+                        "sp": sp,
+                        "baseline_ms": t["baseline"] * 1e3,
+                        "overlap_ms": t["overlap"] * 1e3,
+                        "ratio": t["overlap"] / t["baseline"],
+                        "saved_ms": (t["baseline"] - t["overlap"]) * 1e3,
+                        "comm_ms": t["comm"] * 1e3,
+                        "wgrad_ms": t["wgrad"] * 1e3,
+                    }
+                )
     finally:
         mp.destroy()
         dist.destroy_process_group()
@@ -87,8 +98,9 @@ def run_world(world: int, shapes, reps: int) -> list[dict]:
     results = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     os.environ["OMP_NUM_THREADS"] = "1"
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, shapes, reps, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, store.port, shapes, reps, results), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -100,8 +112,9 @@ def run_world(world: int, shapes, reps: int) -> list[dict]:
                 p.kill()
                 p.join()
     if any(p.exitcode for p in procs):
-        raise RuntimeError(f"parallel_overlap: a rank of the tp={world} world failed (exit codes "
-                           f"{[p.exitcode for p in procs]})")
+        raise RuntimeError(
+            f"parallel_overlap: a rank of the tp={world} world failed (exit codes {[p.exitcode for p in procs]})"
+        )
     return rows
 
 
@@ -115,20 +128,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     tps = [int(t) for t in parse_choices(parser, "--tp", args.tp, ["2", "4", "8"])]
     shapes = parse_shapes(parser, args.shapes, "s,b,h") if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
-    for s, _, h in shapes:
+    for s, _, _ in shapes:
         if any(s % tp for tp in tps):
             parser.error(f"--shapes: sequence length {s} must be divisible by every --tp value {tps}")
     reps = args.reps or (10 if args.quick else 20)
     info = start(parser, "cpu")
     print(f"# ColumnParallelLinear(h, 4h) forward+backward, gloo, 1 thread/rank, median of {reps} steps")
-    print(f"{'tp':<4}{'s x b x h':<16}{'sp':<7}{'waited ms':>11}{'overlap ms':>12}{'ratio':>8}{'saved ms':>10}"
-          f"{'comm ms':>10}{'wgrad ms':>10}")
+    print(
+        f"{'tp':<4}{'s x b x h':<16}{'sp':<7}{'waited ms':>11}{'overlap ms':>12}{'ratio':>8}{'saved ms':>10}"
+        f"{'comm ms':>10}{'wgrad ms':>10}"
+    )
     rows = []
     for tp in tps:
         for r in run_world(tp, shapes, reps):
             rows.append(r)
-            print(f"{r['tp']:<4}{r['shape']:<16}{str(r['sp']):<7}{r['baseline_ms']:>11.2f}{r['overlap_ms']:>12.2f}"
-                  f"{r['ratio']:>8.3f}{r['saved_ms']:>10.2f}{r['comm_ms']:>10.2f}{r['wgrad_ms']:>10.2f}")
+            print(
+                f"{r['tp']:<4}{r['shape']:<16}{str(r['sp']):<7}{r['baseline_ms']:>11.2f}{r['overlap_ms']:>12.2f}"
+                f"{r['ratio']:>8.3f}{r['saved_ms']:>10.2f}{r['comm_ms']:>10.2f}{r['wgrad_ms']:>10.2f}"
+            )
     write_json(args.out, "parallel_overlap.json", {"machine": info, "results": rows})
     return 0
 

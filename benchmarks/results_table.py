@@ -38,10 +38,16 @@ DATE = re.compile(r"^\d{4}-\d{2}-\d{2}-")
 
 # The static report's figures and their units: everything it writes is a prediction of the model (or, for
 # registers and spills, read from the SASS it compiled), none of it measured on the GPU it models.
-STATIC_METRICS = {"predicted_fraction": "fraction of ceiling", "predicted_time_us": "us",
-                  "predicted_tflops": "TFLOP/s", "registers": "registers/thread", "spill_bytes": "B",
-                  "shared_bytes": "B", "instructions_per_element": "instructions/element",
-                  "instructions_per_iteration": "instructions/iteration"}
+STATIC_METRICS = {
+    "predicted_fraction": "fraction of ceiling",
+    "predicted_time_us": "us",
+    "predicted_tflops": "TFLOP/s",
+    "registers": "registers/thread",
+    "spill_bytes": "B",
+    "shared_bytes": "B",
+    "instructions_per_element": "instructions/element",
+    "instructions_per_iteration": "instructions/iteration",
+}
 
 
 class ReportError(Exception):
@@ -71,8 +77,13 @@ def unit_of(path: tuple[str, ...]) -> str:
             return "MiB"
         if key.startswith("speedup") or key == "ratio":
             return "x"
-        if key.startswith("fraction") or key.endswith("fraction") or key == "mfu" or "accuracy" in key \
-                or key == "exact_match":
+        if (
+            key.startswith("fraction")
+            or key.endswith("fraction")
+            or key == "mfu"
+            or "accuracy" in key
+            or key == "exact_match"
+        ):
             return "fraction"
         if "loss" in key:
             return "nats/token"
@@ -125,18 +136,32 @@ def _bench_rows(report):
             yield "measured", "ceiling", {"device": ceilings.get("device")}, ".".join(path), value, unit_of(path)
     for row in report.get("rows", []):
         config = {k: row.get(k) for k in ("dtype", "shape", "pass", "variant")}
-        sections = {"times_ms": lambda _: "ms", "rates": lambda _: row["unit"], "speedups": lambda _: "x",
-                    "extra_columns": lambda name: name}
+        sections = {
+            "times_ms": lambda _: "ms",
+            "rates": lambda _: row["unit"],
+            "speedups": lambda _: "x",
+            "extra_columns": lambda name: name,
+        }
         for section, unit in sections.items():
             for impl, value in (row.get(section) or {}).items():
                 if value is not None:
                     yield "measured", row["op"], config, f"{section}.{impl}", value, unit(impl)
         if row.get("fraction_of_ceiling") is not None:
-            yield ("measured", row["op"], config, "fraction_of_ceiling", row["fraction_of_ceiling"],
-                   f"fraction of {row['ceiling_name']}")
+            yield (
+                "measured",
+                row["op"],
+                config,
+                "fraction_of_ceiling",
+                row["fraction_of_ceiling"],
+                f"fraction of {row['ceiling_name']}",
+            )
     for entry in report.get("e2e", []):
-        config = {"precision": entry.get("precision"), "micro_batch_size": entry.get("micro_batch_size"),
-                  "shape": entry.get("shape"), "layout": (entry.get("trainer") or {}).get("layout")}
+        config = {
+            "precision": entry.get("precision"),
+            "micro_batch_size": entry.get("micro_batch_size"),
+            "shape": entry.get("shape"),
+            "layout": (entry.get("trainer") or {}).get("layout"),
+        }
         for part in ("trainer", "baseline"):
             for path, value in _leaves(entry.get(part) or {}):
                 if not _figure(value):
@@ -202,8 +227,10 @@ def report_rows(path: str) -> list[dict]:
         raise ReportError(f"{path}: {e}") from None
     if not found:
         raise ReportError(f"{path}: no figures found (an empty report would be read again on every run)")
-    return [dict(zip(FIELDS, (stem, date, commit, where, kind, what, config, metric, value, unit, digest)))
-            for kind, what, config, metric, value, unit in found]
+    return [
+        dict(zip(FIELDS, (stem, date, commit, where, kind, what, config, metric, value, unit, digest)))
+        for kind, what, config, metric, value, unit in found
+    ]
 
 
 def read_table(table: str) -> dict[str, str]:
@@ -238,8 +265,13 @@ def pending(results: str, table: str) -> tuple[list[dict], list[str]]:
             continue
         rows.extend(report_rows(path))
     if changed:
-        raise ReportError("reports changed since their rows were added to " + table + ": " + "; ".join(changed)
-                          + ". A recorded report is immutable: restore it, and record new figures as a new run.")
+        raise ReportError(
+            "reports changed since their rows were added to "
+            + table
+            + ": "
+            + "; ".join(changed)
+            + ". A recorded report is immutable: restore it, and record new figures as a new run."
+        )
     return rows, sorted(set(known) - stems)
 
 
@@ -266,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             rows, gone = pending(args.results, table)
             missing = sorted({r["run"] for r in rows})
             if missing:
-                print(f"not in {table}: {', '.join(missing)} (run python -m benchmarks.results_table)",
-                      file=sys.stderr)
+                print(f"not in {table}: {', '.join(missing)} (run python -m benchmarks.results_table)", file=sys.stderr)
                 return 1
             print(f"{table}: every report's rows are in the table")
             return 0

@@ -10,10 +10,9 @@ Never asserts on time (docs/design.md §6).
 from __future__ import annotations
 
 import pytest
-
-from megakernels.parallel.launch import single_process_world
 import torch
 
+from megakernels.parallel.launch import single_process_world
 from megakernels_models.bench.eager_gpt import CPU_PRESETS, EagerGPT, copy_weights
 
 

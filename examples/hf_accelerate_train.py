@@ -34,9 +34,18 @@ def build_model(seed: int = 0, model: str | None = None):
     torch.manual_seed(seed)
     if model is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(model)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                                      max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -82,8 +91,9 @@ def main(argv=None) -> None:
     import megakernels.integrations.transformers as mkt
     from megakernels.optim import FusedAdamW
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              dataloader_config=DataLoaderConfiguration(split_batches=True))
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), dataloader_config=DataLoaderConfiguration(split_batches=True)
+    )
     model = build_model(args.seed, args.model)
     mkt.apply(model)
     optimizer = FusedAdamW(model.parameters(), lr=args.lr, weight_decay=0.01)

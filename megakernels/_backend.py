@@ -104,7 +104,9 @@ def runs_triton(op: str, x: torch.Tensor, emulate: bool) -> bool:
         from megakernels.triton import interpreting
 
         if not interpreting():
-            raise RuntimeError(f"{op}: backend cuda_emu runs the Triton kernels on the CPU, which needs "
-                               "TRITON_INTERPRET=1 in the environment before megakernels is imported")
+            raise RuntimeError(
+                f"{op}: backend cuda_emu runs the Triton kernels on the CPU, which needs "
+                "TRITON_INTERPRET=1 in the environment before megakernels is imported"
+            )
         return True
     return False

@@ -19,8 +19,16 @@ def _prefix(where: str) -> str:
     return f"{where}: " if where else ""
 
 
-def integer(value, name: str, *, where: str = "", minimum: int | None = None, allow_none: bool = False,
-            error: type[Exception] = ValueError, type_error: type[Exception] | None = None):
+def integer(
+    value,
+    name: str,
+    *,
+    where: str = "",
+    minimum: int | None = None,
+    allow_none: bool = False,
+    error: type[Exception] = ValueError,
+    type_error: type[Exception] | None = None,
+):
     """``int(value)`` if it is an integral number (not a bool, not a float such as 2.0) >= ``minimum`` (or None
     when ``allow_none``).
 
@@ -38,8 +46,16 @@ def integer(value, name: str, *, where: str = "", minimum: int | None = None, al
     return int(value)
 
 
-def real(value, name: str, *, where: str = "", finite: bool = True, minimum: float | None = None,
-         error: type[Exception] = ValueError, type_error: type[Exception] | None = None) -> float:
+def real(
+    value,
+    name: str,
+    *,
+    where: str = "",
+    finite: bool = True,
+    minimum: float | None = None,
+    error: type[Exception] = ValueError,
+    type_error: type[Exception] | None = None,
+) -> float:
     """``float(value)`` if it is a real number (not a bool, not a tensor), finite unless ``finite=False``, and
     ``>= minimum`` (any when None).
 
@@ -49,7 +65,8 @@ def real(value, name: str, *, where: str = "", finite: bool = True, minimum: flo
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise (type_error or error)(
-            f"{_prefix(where)}{name} must be a real number, got {value!r} ({type(value).__name__})")
+            f"{_prefix(where)}{name} must be a real number, got {value!r} ({type(value).__name__})"
+        )
     v = float(value)
     if (finite and not math.isfinite(v)) or (minimum is not None and not v >= minimum):
         rule = ("a finite number" if finite else "a number") + ("" if minimum is None else f" >= {minimum:g}")
@@ -57,13 +74,21 @@ def real(value, name: str, *, where: str = "", finite: bool = True, minimum: flo
     return v
 
 
-def positive_int(value, name: str, *, where: str = "", minimum: int = 1, allow_none: bool = False,
-                 error: type[Exception] = ValueError):
+def positive_int(
+    value,
+    name: str,
+    *,
+    where: str = "",
+    minimum: int = 1,
+    allow_none: bool = False,
+    error: type[Exception] = ValueError,
+):
     """``integer`` with ``minimum`` 1 by default and one error type."""
     return integer(value, name, where=where, minimum=minimum, allow_none=allow_none, error=error)
 
 
-def finite_number(value, name: str, *, where: str = "", minimum: float | None = 0.0,
-                  error: type[Exception] = ValueError) -> float:
+def finite_number(
+    value, name: str, *, where: str = "", minimum: float | None = 0.0, error: type[Exception] = ValueError
+) -> float:
     """``real``, finite, ``>= 0`` by default, with one error type."""
     return real(value, name, where=where, minimum=minimum, error=error)

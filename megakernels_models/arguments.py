@@ -26,13 +26,36 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, MOE, VISION, LAYOUT, OPTIM, DATA, LOGS = ("model", "mixture of experts", "vision-language (--model vlm)",
-                                                 "layout", "optimisation", "data", "checkpoints, evaluation and logs")
-MOE_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff",
-              "moe_z_loss_coeff", "moe_capacity_factor", "moe_shared_experts")
+MODEL, MOE, VISION, LAYOUT, OPTIM, DATA, LOGS = (
+    "model",
+    "mixture of experts",
+    "vision-language (--model vlm)",
+    "layout",
+    "optimisation",
+    "data",
+    "checkpoints, evaluation and logs",
+)
+MOE_FIELDS = (
+    "num_experts",
+    "moe_top_k",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_capacity_factor",
+    "moe_shared_experts",
+)
 
-VISION_FIELDS = ("lm", "image_size", "patch_size", "vision_layers", "vision_hidden_size", "vision_heads",
-                 "cross_attention_every", "contrastive_coeff")
+VISION_FIELDS = (
+    "lm",
+    "image_size",
+    "patch_size",
+    "vision_layers",
+    "vision_hidden_size",
+    "vision_heads",
+    "cross_attention_every",
+    "contrastive_coeff",
+)
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
 
@@ -42,45 +65,65 @@ class TrainArgs:
 
     # model
     model: str | None = setting(None, "model family (default: the preset's, else gpt)", MODEL, choices=MODELS)
-    preset: str | None = setting(None, "a preset model (default: the family's tiny one, e.g. gpt-tiny, unless "
-                                 "--num-layers, --hidden-size, --num-heads and --seq-length are all given); 'none' "
-                                 "to give every size with the flags below", MODEL, metavar="NAME")
+    preset: str | None = setting(
+        None,
+        "a preset model (default: the family's tiny one, e.g. gpt-tiny, unless "
+        "--num-layers, --hidden-size, --num-heads and --seq-length are all given); 'none' "
+        "to give every size with the flags below",
+        MODEL,
+        metavar="NAME",
+    )
     num_layers: int | None = setting(None, "overrides the preset", MODEL)
     hidden_size: int | None = setting(None, "overrides the preset", MODEL)
     num_heads: int | None = setting(None, "overrides the preset", MODEL)
     seq_length: int | None = setting(None, "overrides the preset", MODEL)
     vocab_size: int | None = setting(None, "overrides the preset (default: the tokenizer's)", MODEL)
     ffn_hidden_size: int | None = setting(None, "overrides the preset (default: 4 × hidden)", MODEL)
-    num_kv_heads: int | None = setting(None, "key/value heads, grouped-query attention (default: the preset's, or "
-                                       "--num-heads)", MODEL)
+    num_kv_heads: int | None = setting(
+        None, "key/value heads, grouped-query attention (default: the preset's, or --num-heads)", MODEL
+    )
     rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
-    num_experts: int | None = setting(None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)",
-                                      MOE)
+    num_experts: int | None = setting(
+        None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)", MOE
+    )
     moe_top_k: int | None = setting(None, "experts per token (default: the preset's)", MOE)
     moe_ffn_hidden_size: int | None = setting(None, "each expert's MLP size (default: the preset's)", MOE)
     moe_layer_freq: int | None = setting(None, "every N-th layer is a MoE layer (default: the preset's)", MOE)
     moe_aux_loss_coeff: float | None = setting(None, "load-balancing loss coefficient (default: the preset's)", MOE)
     moe_z_loss_coeff: float | None = setting(None, "router z-loss coefficient (default: the preset's)", MOE)
-    moe_capacity_factor: float | None = setting(None, "expert capacity as a factor of the even share; over-capacity "
-                                                "tokens are dropped (default: dropless)", MOE)
-    moe_shared_experts: int | None = setting(None, "shared experts every token goes through (default: the "
-                                             "preset's)", MOE)
-    lm: str | None = setting(None, "the language model of a vlm (default: the preset's)", VISION,
-                             choices=LANGUAGE_MODELS)
+    moe_capacity_factor: float | None = setting(
+        None, "expert capacity as a factor of the even share; over-capacity tokens are dropped (default: dropless)", MOE
+    )
+    moe_shared_experts: int | None = setting(
+        None, "shared experts every token goes through (default: the preset's)", MOE
+    )
+    lm: str | None = setting(
+        None, "the language model of a vlm (default: the preset's)", VISION, choices=LANGUAGE_MODELS
+    )
     image_size: int | None = setting(None, "image side in pixels (default: the preset's)", VISION)
-    patch_size: int | None = setting(None, "ViT patch side in pixels; must divide --image-size (default: the "
-                                     "preset's)", VISION)
+    patch_size: int | None = setting(
+        None, "ViT patch side in pixels; must divide --image-size (default: the preset's)", VISION
+    )
     vision_layers: int | None = setting(None, "vision encoder layers (default: the preset's)", VISION)
     vision_hidden_size: int | None = setting(None, "vision encoder width (default: the preset's)", VISION)
     vision_heads: int | None = setting(None, "vision encoder attention heads (default: the preset's)", VISION)
-    cross_attention_every: int | None = setting(None, "0: image tokens before the text (LLaVA); N: a gated "
-                                                "cross-attention layer after every N-th language layer (Flamingo) "
-                                                "(default: the preset's)", VISION)
-    contrastive_coeff: float | None = setting(None, "weight of the CLIP-style image-caption contrastive loss "
-                                              "(default: the preset's, 0)", VISION)
+    cross_attention_every: int | None = setting(
+        None,
+        "0: image tokens before the text (LLaVA); N: a gated "
+        "cross-attention layer after every N-th language layer (Flamingo) "
+        "(default: the preset's)",
+        VISION,
+    )
+    contrastive_coeff: float | None = setting(
+        None, "weight of the CLIP-style image-caption contrastive loss (default: the preset's, 0)", VISION
+    )
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
-    attention: str = setting("flash", "attention core: FlashAttention or PyTorch's SDPA (the baseline)", MODEL,
-                             choices=lambda: tuple(ATTENTION_CORES))
+    attention: str = setting(
+        "flash",
+        "attention core: FlashAttention or PyTorch's SDPA (the baseline)",
+        MODEL,
+        choices=lambda: tuple(ATTENTION_CORES),
+    )
     # layout
     tp: int = setting(1, "tensor-parallel size", LAYOUT)
     cp: int = setting(1, "context-parallel size: each sequence split over cp ranks, ring attention", LAYOUT)
@@ -88,11 +131,16 @@ class TrainArgs:
     pp: int = setting(1, "pipeline-parallel size", LAYOUT)
     vpp: int | None = setting(None, "virtual stages per pipeline rank (interleaved 1F1B)", LAYOUT)
     dp: int | None = setting(None, "data-parallel size (default: world / (tp·pp))", LAYOUT)
-    nproc: int = setting(1, "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead (with "
-                         "--dry-run: the world size to plan for)", LAYOUT)
+    nproc: int = setting(
+        1,
+        "local CPU processes to spawn (gloo); on GPUs launch with torchrun instead (with "
+        "--dry-run: the world size to plan for)",
+        LAYOUT,
+    )
     device: str = setting("cpu", "where to train", LAYOUT, choices=DEVICES)
-    sequence_parallel: bool = setting(False, "shard LayerNorm/dropout activations over the sequence (with --tp)",
-                                      LAYOUT)
+    sequence_parallel: bool = setting(
+        False, "shard LayerNorm/dropout activations over the sequence (with --tp)", LAYOUT
+    )
     schedule: str = setting("1f1b", "pipeline schedule (--vpp selects interleaved 1F1B)", LAYOUT, choices=SCHEDULES)
     # optimisation
     micro_batch_size: int = setting(8, "samples per micro-batch", OPTIM)
@@ -101,32 +149,45 @@ class TrainArgs:
     lr: float = setting(2e-3, "peak learning rate", OPTIM)
     min_lr: float = setting(2e-4, "learning rate at the end of the decay", OPTIM)
     warmup_steps: int | None = setting(None, "linear warmup steps (default: a tenth of --steps)", OPTIM)
-    lr_decay_style: str = setting("cosine", "decay after warmup (wsd: warmup, stable, then a linear decay)", OPTIM,
-                                  choices=LR_STYLES)
-    lr_decay_steps: int | None = setting(None, "the step at which the decay reaches --min-lr (default: --steps)",
-                                         OPTIM)
-    lr_wsd_decay_steps: int | None = setting(None, "length of wsd's final decay (default: a tenth of the steps after "
-                                             "warmup)", OPTIM)
+    lr_decay_style: str = setting(
+        "cosine", "decay after warmup (wsd: warmup, stable, then a linear decay)", OPTIM, choices=LR_STYLES
+    )
+    lr_decay_steps: int | None = setting(None, "the step at which the decay reaches --min-lr (default: --steps)", OPTIM)
+    lr_wsd_decay_steps: int | None = setting(
+        None, "length of wsd's final decay (default: a tenth of the steps after warmup)", OPTIM
+    )
     adam_beta1: float = setting(0.9, "AdamW beta1", OPTIM)
     adam_beta2: float = setting(0.95, "AdamW beta2", OPTIM)
     adam_eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
     weight_decay: float = setting(0.1, "AdamW weight decay", OPTIM)
-    no_weight_decay: str = setting("", "comma list of parameter-name parts that get no weight decay, besides biases "
-                                   "and norms (which never do), e.g. embedding", OPTIM, metavar="NAMES")
-    freeze: str = setting("", "comma list of parameter-name parts that are not trained (e.g. embedding; for a vlm "
-                          "also the groups vision, projector, lm, cross); incremental checkpoints reference their "
-                          "saved bytes instead of rewriting them", OPTIM, metavar="NAMES")
+    no_weight_decay: str = setting(
+        "",
+        "comma list of parameter-name parts that get no weight decay, besides biases "
+        "and norms (which never do), e.g. embedding",
+        OPTIM,
+        metavar="NAMES",
+    )
+    freeze: str = setting(
+        "",
+        "comma list of parameter-name parts that are not trained (e.g. embedding; for a vlm "
+        "also the groups vision, projector, lm, cross); incremental checkpoints reference their "
+        "saved bytes instead of rewriting them",
+        OPTIM,
+        metavar="NAMES",
+    )
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
-    precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM,
-                             choices=PRECISIONS)
+    precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM, choices=PRECISIONS)
     recompute: str = setting("none", "activation recomputation", OPTIM, choices=RECOMPUTE)
     distributed_optimizer: bool = setting(False, "ZeRO-1: shard optimizer state over data-parallel ranks", OPTIM)
-    offload_optimizer: bool = setting(False, "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
-                                      "AdamW (each ZeRO-1 rank offloads its shard)", OPTIM)
+    offload_optimizer: bool = setting(
+        False,
+        "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
+        "AdamW (each ZeRO-1 rank offloads its shard)",
+        OPTIM,
+    )
     # data
-    data: str | None = setting(None, "PREFIX[,WEIGHT,PREFIX...] (default: the Python standard library's sources)",
-                               DATA)
+    data: str | None = setting(None, "PREFIX[,WEIGHT,PREFIX...] (default: the Python standard library's sources)", DATA)
     tokenizer: str = setting("byte", "byte | hf:PATH | spm:PATH", DATA)
     split: str = setting("949,50,1", "train,valid,test weights over documents", DATA)
     corpus_bytes: int = setting(8 << 20, "cap of the embedded corpus in bytes", DATA)
@@ -134,42 +195,74 @@ class TrainArgs:
     save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
     save_interval: int | None = setting(None, "steps between checkpoints (default: only at the end)", LOGS)
     keep_checkpoints: int = setting(3, "how many of the latest checkpoints are kept", LOGS)
-    load: str | None = setting(None, "resume from DIR's latest checkpoint (any layout); a missing or empty DIR starts "
-                               "from scratch, so --save DIR --load DIR serves every (re)launch", LOGS, metavar="DIR")
-    async_save: bool = setting(False, "write checkpoints in the background (staged to host memory at the step, "
-                               "written while training goes on)", LOGS)
-    max_save_failures: int = setting(3, "stop the run (exit 1) after N checkpoint saves in a row failed (a full "
-                                     "disk: each failed save is reported and cleaned up, the next one tries again); "
-                                     "0: never stop for it", LOGS)
-    exit_signal: str = setting("SIGTERM", "on this signal every rank finishes its step, saves (with --save) and exits "
-                               "0 (SIGUSR1: Slurm's --signal)", LOGS, choices=SIGNALS)
+    load: str | None = setting(
+        None,
+        "resume from DIR's latest checkpoint (any layout); a missing or empty DIR starts "
+        "from scratch, so --save DIR --load DIR serves every (re)launch",
+        LOGS,
+        metavar="DIR",
+    )
+    async_save: bool = setting(
+        False,
+        "write checkpoints in the background (staged to host memory at the step, written while training goes on)",
+        LOGS,
+    )
+    max_save_failures: int = setting(
+        3,
+        "stop the run (exit 1) after N checkpoint saves in a row failed (a full "
+        "disk: each failed save is reported and cleaned up, the next one tries again); "
+        "0: never stop for it",
+        LOGS,
+    )
+    exit_signal: str = setting(
+        "SIGTERM",
+        "on this signal every rank finishes its step, saves (with --save) and exits 0 (SIGUSR1: Slurm's --signal)",
+        LOGS,
+        choices=SIGNALS,
+    )
     exit_interval: int | None = setting(None, "stop (saving) after every N-th step", LOGS)
-    exit_duration_mins: float | None = setting(None, "stop (saving) after the first step ending M minutes into the run",
-                                               LOGS, metavar="M")
+    exit_duration_mins: float | None = setting(
+        None, "stop (saving) after the first step ending M minutes into the run", LOGS, metavar="M"
+    )
     eval_interval: int = setting(100, "steps between validations (0 = never)", LOGS)
     eval_steps: int = setting(4, "global batches per validation", LOGS)
     log_jsonl: str | None = setting(None, "append one JSON object per step to FILE", LOGS, metavar="FILE")
     tensorboard: str | None = setting(None, "write TensorBoard events to DIR", LOGS, metavar="DIR")
     progress: bool = setting(True, "no progress bar", LOGS, flag="--no-progress")
-    peak_tflops: float | None = setting(None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on "
-                                        "the CPU)", LOGS)
-    timeout: float = setting(600.0, "seconds a rank may go without progress (a step phase, a collective, a save) "
-                             "before the watchdog ends the job, naming the rank that stopped responding", LOGS)
+    peak_tflops: float | None = setting(
+        None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on the CPU)", LOGS
+    )
+    timeout: float = setting(
+        600.0,
+        "seconds a rank may go without progress (a step phase, a collective, a save) "
+        "before the watchdog ends the job, naming the rank that stopped responding",
+        LOGS,
+    )
     gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)
-    gpu: str = setting("h200", "the GPU --dry-run checks memory against", LAYOUT, choices=("h200", "h100", "a100",
-                                                                                          "v100"))
-    dry_run: bool = setting(False, "validate and report parameters, FLOPs and memory per device, without training",
-                            LOGS)
-    memory_check: bool = setting(True, "train even when the model's estimated memory (--dry-run's) is more than "
-                                 "this machine has free (the device's memory; on the CPU what the processes may "
-                                 "use)", LAYOUT, flag="--no-memory-check")
-    architecture: dict | None = setting(None, "ModelConfig fields defining the model (from a --config file)", MODEL,
-                                        cli=False)
-    config_file: str | None = setting(None, "the --config file the settings came from (errors name it)", MODEL,
-                                      cli=False)
+    gpu: str = setting(
+        "h200", "the GPU --dry-run checks memory against", LAYOUT, choices=("h200", "h100", "a100", "v100")
+    )
+    dry_run: bool = setting(
+        False, "validate and report parameters, FLOPs and memory per device, without training", LOGS
+    )
+    memory_check: bool = setting(
+        True,
+        "train even when the model's estimated memory (--dry-run's) is more than "
+        "this machine has free (the device's memory; on the CPU what the processes may "
+        "use)",
+        LAYOUT,
+        flag="--no-memory-check",
+    )
+    architecture: dict | None = setting(
+        None, "ModelConfig fields defining the model (from a --config file)", MODEL, cli=False
+    )
+    config_file: str | None = setting(
+        None, "the --config file the settings came from (errors name it)", MODEL, cli=False
+    )
     config_settings: dict | None = setting(None, "the values that file gave", MODEL, cli=False)
-    step_timers: bool = setting(False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS,
-                                cli=False)
+    step_timers: bool = setting(
+        False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS, cli=False
+    )
 
     # ---- derived ------------------------------------------------------------------------------------------------
 
@@ -193,6 +286,7 @@ class TrainArgs:
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
         if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
             from megakernels_models.data.tokenizer import build_tokenizer
+
             try:
                 sizes["vocab_size"] = build_tokenizer(self.tokenizer).vocab_size
             except (OSError, ValueError):
@@ -237,13 +331,18 @@ class TrainArgs:
             ArgumentError: listing the fields that differ, with both values.
         """
         mine = self._architecture_config(overrides)
-        conflicts = [f"{k}={getattr(mine, k)!r} (the preset's {getattr(cfg, k)!r})" for k in self.architecture
-                     if getattr(mine, k) != getattr(cfg, k)]
+        conflicts = [
+            f"{k}={getattr(mine, k)!r} (the preset's {getattr(cfg, k)!r})"
+            for k in self.architecture
+            if getattr(mine, k) != getattr(cfg, k)
+        ]
         if conflicts:
             by = "the same file's preset" if (self.config_settings or {}).get("preset") == self.preset else "--preset"
-            raise ArgumentError(f"{self._architecture_source()} differs from {by} {name} in {', '.join(conflicts)}: "
-                                "give one of them (--preset none trains the architecture; without the "
-                                "architecture the preset is trained)")
+            raise ArgumentError(
+                f"{self._architecture_source()} differs from {by} {name} in {', '.join(conflicts)}: "
+                "give one of them (--preset none trains the architecture; without the "
+                "architecture the preset is trained)"
+            )
 
     def world_size(self) -> int:
         """Ranks: torchrun's ``WORLD_SIZE`` under torchrun, else ``--nproc``."""
@@ -307,19 +406,39 @@ def _validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.preset not in (None, "none") and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    for name in ("tp", "cp", "ep", "pp", "nproc", "micro_batch_size", "global_batch_size", "steps", "eval_steps",
-                 "keep_checkpoints"):
+    for name in (
+        "tp",
+        "cp",
+        "ep",
+        "pp",
+        "nproc",
+        "micro_batch_size",
+        "global_batch_size",
+        "steps",
+        "eval_steps",
+        "keep_checkpoints",
+    ):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
-    for name in ("vpp", "dp", "save_interval", "image_size", "patch_size", "vision_layers", "vision_hidden_size",
-                 "vision_heads"):
+    for name in (
+        "vpp",
+        "dp",
+        "save_interval",
+        "image_size",
+        "patch_size",
+        "vision_layers",
+        "vision_hidden_size",
+        "vision_heads",
+    ):
         positive_int(getattr(a, name), _flag(name), allow_none=True, error=ArgumentError)
     positive_int(a.cross_attention_every, "--cross-attention-every", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.eval_interval, "--eval-interval", minimum=0, error=ArgumentError)
     positive_int(a.max_save_failures, "--max-save-failures", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
     if a.image_size is not None and a.patch_size is not None and a.image_size % a.patch_size:
-        raise ArgumentError(f"--image-size {a.image_size} is not divisible by --patch-size {a.patch_size} (an "
-                            "image is cut into whole patches)")
+        raise ArgumentError(
+            f"--image-size {a.image_size} is not divisible by --patch-size {a.patch_size} (an "
+            "image is cut into whole patches)"
+        )
     try:
         cfg = a.model_config()
     except ValueError as e:
@@ -327,14 +446,21 @@ def _validate(a: TrainArgs) -> ModelConfig:
     given = [f for f in VISION_FIELDS if getattr(a, f) is not None]
     if given and cfg.model != "vlm":
         raise ArgumentError(f"{_flag(given[0])} is for vision-language models (--model vlm)")
-    for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("attention", tuple(ATTENTION_CORES)),
-                          ("schedule", SCHEDULES), ("device", DEVICES)):
+    for name, choices in (
+        ("precision", PRECISIONS),
+        ("recompute", RECOMPUTE),
+        ("attention", tuple(ATTENTION_CORES)),
+        ("schedule", SCHEDULES),
+        ("device", DEVICES),
+    ):
         if getattr(a, name) not in choices:
             raise ArgumentError(f"--{name} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     under_torchrun = "WORLD_SIZE" in os.environ
     if a.device == "cuda" and a.nproc > 1 and not under_torchrun and not a.dry_run:
-        raise ArgumentError(f"--nproc {a.nproc} spawns CPU processes (gloo); with --device cuda launch one process "
-                            f"per GPU with torchrun --nproc-per-node {a.nproc} (NCCL) and leave --nproc out")
+        raise ArgumentError(
+            f"--nproc {a.nproc} spawns CPU processes (gloo); with --device cuda launch one process "
+            f"per GPU with torchrun --nproc-per-node {a.nproc} (NCCL) and leave --nproc out"
+        )
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
     validate_layout(a, cfg)
@@ -354,18 +480,27 @@ def _validate(a: TrainArgs) -> ModelConfig:
     positive_int(a.warmup_steps, "--warmup-steps", minimum=0, error=ArgumentError)
     decay_steps = a.lr_decay_steps or a.steps
     if a.warmup_steps > decay_steps:
-        raise ArgumentError(f"--warmup-steps {a.warmup_steps} is more than --lr-decay-steps {decay_steps}"
-                            if a.lr_decay_steps else f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}")
-    if a.lr_decay_style == "wsd" and a.lr_wsd_decay_steps is not None \
-            and a.lr_wsd_decay_steps > decay_steps - a.warmup_steps:
-        raise ArgumentError(f"--lr-wsd-decay-steps {a.lr_wsd_decay_steps} is more than the {decay_steps - a.warmup_steps}"
-                            " steps after warmup")
+        raise ArgumentError(
+            f"--warmup-steps {a.warmup_steps} is more than --lr-decay-steps {decay_steps}"
+            if a.lr_decay_steps
+            else f"--warmup-steps {a.warmup_steps} is more than --steps {a.steps}"
+        )
+    if (
+        a.lr_decay_style == "wsd"
+        and a.lr_wsd_decay_steps is not None
+        and a.lr_wsd_decay_steps > decay_steps - a.warmup_steps
+    ):
+        raise ArgumentError(
+            f"--lr-wsd-decay-steps {a.lr_wsd_decay_steps} is more than the {decay_steps - a.warmup_steps}"
+            " steps after warmup"
+        )
     if a.save_interval is not None and a.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
         raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
     if a.load is not None:
         from megakernels_models.checkpoint import CheckpointError, find_latest
+
         try:
             find_latest(a.load)  # missing or empty: a first launch, which starts from scratch
         except CheckpointError as e:
@@ -375,15 +510,20 @@ def _validate(a: TrainArgs) -> ModelConfig:
     if a.exit_signal not in SIGNALS:
         raise ArgumentError(f"--exit-signal must be one of {', '.join(SIGNALS)}, got {a.exit_signal!r}")
     positive_int(a.exit_interval, "--exit-interval", allow_none=True, error=ArgumentError)
-    if a.exit_duration_mins is not None and not finite_number(a.exit_duration_mins, "--exit-duration-mins",
-                                                              error=ArgumentError) > 0:
+    if (
+        a.exit_duration_mins is not None
+        and not finite_number(a.exit_duration_mins, "--exit-duration-mins", error=ArgumentError) > 0
+    ):
         raise ArgumentError(f"--exit-duration-mins must be > 0, got {a.exit_duration_mins}")
     from megakernels_models.data.build import validate_data_args
+
     validate_data_args(a, cfg)
     lo, hi = TIMEOUT_RANGE
     if not lo <= finite_number(a.timeout, "--timeout", minimum=None, error=ArgumentError) <= hi:
-        raise ArgumentError(f"--timeout must be at least {lo:g} s and at most {hi:.0f} s (a year): how long a "
-                            f"collective waits for a peer, got {a.timeout:g}")
+        raise ArgumentError(
+            f"--timeout must be at least {lo:g} s and at most {hi:.0f} s (a year): how long a "
+            f"collective waits for a peer, got {a.timeout:g}"
+        )
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         raise ArgumentError(f"--peak-tflops must be > 0, got {a.peak_tflops}")
     return cfg

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from megakernels.nn import FusedLayerNorm
+from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.parallel import init, state
-from megakernels.parallel.params import mark_sequence_parallel, mark_tensor_parallel
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.mappings import gather_from_sequence_parallel_region
-from megakernels.ops.bias_gelu import bias_gelu
+from megakernels.parallel.params import mark_sequence_parallel, mark_tensor_parallel
 from megakernels_models.config import ModelConfig
 from megakernels_models.transformer import LanguageModel, replicated_linear
 
@@ -64,8 +64,9 @@ class BertModel(LanguageModel):
             return x
         # Sentence order from the first token ([CLS]); under SP it lives on TP rank 0's shard, so gather the
         # sequence (the pooler is replicated: its gradient is split back, not summed).
-        full = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False) \
-            if self.sequence_parallel else x
+        full = (
+            gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False) if self.sequence_parallel else x
+        )
         sop_logits = self.sop_head(torch.tanh(self.pooler(full[0])))
         y = F.linear(x, self.mlm_dense.weight)
         y = self.mlm_norm(bias_gelu(y, self.mlm_dense.bias, "none"))

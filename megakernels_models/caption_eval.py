@@ -34,9 +34,11 @@ import torch
 def _scores(correct: np.ndarray, mask: np.ndarray, image_dependent: np.ndarray) -> dict:
     """Token accuracy and exact match of boolean ``[n, s]`` predictions over the ``mask``ed positions, and the
     token accuracy over the ``image_dependent`` ones."""
-    return {"token_accuracy": float((correct & mask).sum() / max(int(mask.sum()), 1)),
-            "exact_match": float(((correct | ~mask).all(axis=1)).mean()) if len(mask) else 0.0,
-            "image_token_accuracy": float((correct & image_dependent).sum() / max(int(image_dependent.sum()), 1))}
+    return {
+        "token_accuracy": float((correct & mask).sum() / max(int(mask.sum()), 1)),
+        "exact_match": float(((correct | ~mask).all(axis=1)).mean()) if len(mask) else 0.0,
+        "image_token_accuracy": float((correct & image_dependent).sum() / max(int(image_dependent.sum()), 1)),
+    }
 
 
 @torch.no_grad()
@@ -48,10 +50,10 @@ def model_predictions(model, cfg, samples: list[dict], batch_size: int = 32, rol
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(samples), batch_size):
-        batch = collate(samples[i:i + batch_size], device)
+        batch = collate(samples[i : i + batch_size], device)
         images = batch["images"].roll(1, 0) if roll_images else batch["images"]
         logits = model(images=images, ids=batch["ids"])  # [s, b, V_pad]
-        out.append(logits[..., :cfg.vocab_size].argmax(-1).t().cpu().numpy())
+        out.append(logits[..., : cfg.vocab_size].argmax(-1).t().cpu().numpy())
     return np.concatenate(out)
 
 
@@ -63,12 +65,12 @@ def text_only_predictions(train_samples: list[dict], samples: list[dict]) -> tup
     for s in train_samples:
         ids, labels = s["ids"], s["labels"]
         for j in np.flatnonzero(labels != -100):
-            votes[tuple(ids[:j + 1])][int(labels[j])] += 1
+            votes[tuple(ids[: j + 1])][int(labels[j])] += 1
     shape = (len(samples), len(samples[0]["ids"])) if samples else (0, 0)
     out, open_ = np.full(shape, -1, dtype=np.int64), np.zeros(shape, dtype=bool)
     for n, s in enumerate(samples):
         for j in np.flatnonzero(s["labels"] != -100):
-            c = votes.get(tuple(s["ids"][:j + 1]))
+            c = votes.get(tuple(s["ids"][: j + 1]))
             open_[n, j] = not c or len(c) > 1
             if c:
                 out[n, j] = c.most_common(1)[0][0]
@@ -82,8 +84,12 @@ def caption_report(model, cfg, samples: list[dict], train_samples: list[dict]) -
     mask = labels != -100
     text_only, image_dependent = text_only_predictions(train_samples, samples)
     image_dependent &= mask
-    return {"samples": len(samples), "image_tokens": int(image_dependent.sum()),
-            "model": _scores(model_predictions(model, cfg, samples) == labels, mask, image_dependent),
-            "mismatched_image": _scores(model_predictions(model, cfg, samples, roll_images=True) == labels, mask,
-                                        image_dependent),
-            "text_only": _scores(text_only == labels, mask, image_dependent)}
+    return {
+        "samples": len(samples),
+        "image_tokens": int(image_dependent.sum()),
+        "model": _scores(model_predictions(model, cfg, samples) == labels, mask, image_dependent),
+        "mismatched_image": _scores(
+            model_predictions(model, cfg, samples, roll_images=True) == labels, mask, image_dependent
+        ),
+        "text_only": _scores(text_only == labels, mask, image_dependent),
+    }

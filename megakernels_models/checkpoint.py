@@ -4,7 +4,8 @@ Every tensor is saved in the coordinates of the *full, unpadded* model, under it
 weight``, whatever pipeline stage or local index holds it): a tensor-parallel shard is a chunk of its full tensor
 at its offset (its marks in ``megakernels.parallel.params``: partition dim and stride; a padded vocabulary keeps
 only its real rows), a replicated tensor is saved whole (once: DCP de-duplicates the copies of data-parallel
-replicas, of the tied embedding on the first and last stage, ...). Loading asks for the chunks of the *current* layout, and DCP reads whichever saved
+replicas, of the tied embedding on the first and last stage, ...). Loading asks for the chunks of the *current* layout,
+and DCP reads whichever saved
 chunks overlap them — so a checkpoint written at (tp, pp, dp) = (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2).
 
 What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments in the same per-parameter
@@ -36,7 +37,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 import megakernels.parallel as mpu
 from megakernels.parallel import params as marks
 from megakernels.parallel.init import shard_pieces
-from megakernels_models import checkpoint_store as store, checkpoint_verify as verified, syncpoints
+from megakernels_models import checkpoint_store as store
+from megakernels_models import checkpoint_verify as verified
+from megakernels_models import syncpoints
 from megakernels_models.checkpoint_verify import CheckpointError
 from megakernels_models.config import ModelConfig
 
@@ -44,6 +47,7 @@ LATEST = store.LATEST
 
 
 # ---- tensors in full-model coordinates ----------------------------------------------------------------------
+
 
 def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     """``(global name, param)`` of this rank's model chunks: layer ``i`` of the whole model is ``layers.i``
@@ -55,7 +59,7 @@ def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
             if m:
                 name = f"layers.{chunk.layers[int(m.group(1))].layer_number}.{m.group(2)}"
             elif name.startswith("output_embedding."):
-                name = "embedding.word." + name[len("output_embedding."):]
+                name = "embedding.word." + name[len("output_embedding.") :]
             out.append((name, p))
     return out
 
@@ -189,15 +193,23 @@ def _rng_state() -> dict:
 
 
 def _layout() -> dict:
-    return {"tp": mpu.tp_size(), "pp": mpu.pp_size(), "dp": mpu.dp_size(), "cp": mpu.cp_size(), "vpp": mpu.vpp_size(),
-            "world": dist.get_world_size()}
+    return {
+        "tp": mpu.tp_size(),
+        "pp": mpu.pp_size(),
+        "dp": mpu.dp_size(),
+        "cp": mpu.cp_size(),
+        "vpp": mpu.vpp_size(),
+        "world": dist.get_world_size(),
+    }
 
 
 # ---- save ---------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class _Digested(StorageInfo):
     """A write result's storage info with the digest of its bytes, on its way to the coordinating rank."""
+
     digest: str | None = None
 
 
@@ -219,9 +231,16 @@ class Writer(dcp.FileSystemWriter):
         digests = verified.digests_of_results(str(self.path), results)
         for i, r in enumerate(results):
             info = r.storage_data
-            results[i] = dataclasses.replace(r, storage_data=_Digested(
-                info.relative_path, info.offset, info.length, info.transform_descriptors,
-                digest=digests[verified._key(info.relative_path, info.offset, info.length)]))
+            results[i] = dataclasses.replace(
+                r,
+                storage_data=_Digested(
+                    info.relative_path,
+                    info.offset,
+                    info.length,
+                    info.transform_descriptors,
+                    digest=digests[verified._key(info.relative_path, info.offset, info.length)],
+                ),
+            )
         syncpoints.reach(self._point)
         out = torch.futures.Future()
         out.set_result(results)
@@ -247,10 +266,20 @@ class Writer(dcp.FileSystemWriter):
             here = os.path.basename(os.path.normpath(self._previous))
             for key in self._reuse:
                 metadata.state_dict_metadata[key] = old.state_dict_metadata[key]
-            moved = [WriteResult(index=index, size_in_bytes=info.length, storage_data=dataclasses.replace(
-                        info, relative_path=info.relative_path if info.relative_path.startswith("../")
-                        else f"../{here}/{info.relative_path}"))
-                     for index, info in old.storage_data.items() if index.fqn in self._reuse]
+            moved = [
+                WriteResult(
+                    index=index,
+                    size_in_bytes=info.length,
+                    storage_data=dataclasses.replace(
+                        info,
+                        relative_path=info.relative_path
+                        if info.relative_path.startswith("../")
+                        else f"../{here}/{info.relative_path}",
+                    ),
+                )
+                for index, info in old.storage_data.items()
+                if index.fqn in self._reuse
+            ]
             results = [*results, moved]
         # The digests are written before DCP's metadata, which commits the checkpoint: a complete checkpoint
         # always has them.
@@ -258,8 +287,7 @@ class Writer(dcp.FileSystemWriter):
         super().finish(metadata, results)
 
 
-def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dict | None = None,
-                  stage=None) -> dict:
+def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dict | None = None, stage=None) -> dict:
     """The checkpoint's state dict for this rank (collective: ZeRO-1 states are completed over their group).
     ``stage(name, tensor) -> tensor`` (optional) replaces each model / optimizer tensor by a copy (host staging for
     an asynchronous save) before it is described as a shard."""
@@ -268,9 +296,16 @@ def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dic
     sd = _state_dict(chunks, opt, states, stage)
     sd[f"rng.rank{dist.get_rank()}"] = _rng_state()
     # One JSON string (DCP would flatten a dict into one entry per leaf).
-    sd["meta"] = json.dumps({"step": int(step), "optimizer_step": opt_step, "config": dataclasses.asdict(config),
-                             "layout": _layout(), "train_config": train_config,
-                             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None})
+    sd["meta"] = json.dumps(
+        {
+            "step": int(step),
+            "optimizer_step": opt_step,
+            "config": dataclasses.asdict(config),
+            "layout": _layout(),
+            "train_config": train_config,
+            "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None,
+        }
+    )
     return sd
 
 
@@ -313,8 +348,17 @@ def bytes_to_write(sd: dict, group=None) -> int:
 SPACE_MARGIN = 1.05  # DCP's headers and the metadata, over the tensors' bytes
 
 
-def write(sd: dict, save_dir: str, step: int, *, keep: int = 3, train_config: dict | None = None, group=None,
-          reuse=(), previous: str | None = None) -> str:
+def write(
+    sd: dict,
+    save_dir: str,
+    step: int,
+    *,
+    keep: int = 3,
+    train_config: dict | None = None,
+    group=None,
+    reuse=(),
+    previous: str | None = None,
+) -> str:
     """Write ``sd`` as the checkpoint of ``step`` and commit it (``checkpoint_store``: temporary directory, DCP,
     digests, rename, ``latest``, pruning). Every rank calls it, with the same ``reuse`` (entries left out of ``sd``
     that the checkpoint ``previous`` holds unchanged). ``group``: the process group DCP coordinates over (default:
@@ -352,8 +396,10 @@ def write(sd: dict, save_dir: str, step: int, *, keep: int = 3, train_config: di
         shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save killed before it could clean up
         free = shutil.disk_usage(save_dir).free
         if free < need * SPACE_MARGIN:
-            return (f"not enough disk space in {save_dir}: it needs about {need / 2**20:.1f} MiB, "
-                    f"{free / 2**20:.1f} MiB are free")
+            return (
+                f"not enough disk space in {save_dir}: it needs about {need / 2**20:.1f} MiB, "
+                f"{free / 2**20:.1f} MiB are free"
+            )
         os.makedirs(tmp)
         return None
 
@@ -376,13 +422,15 @@ def write(sd: dict, save_dir: str, step: int, *, keep: int = 3, train_config: di
     return final
 
 
-def save(save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3,
-         train_config: dict | None = None) -> str:
+def save(
+    save_dir: str, step: int, chunks, opt, config: ModelConfig, keep: int = 3, train_config: dict | None = None
+) -> str:
     """Write the checkpoint of ``step`` to ``save_dir/step-<step>`` atomically (see the module docstring); every
     rank calls it; ``train_config`` (the run's resolved settings) is stored with the metadata. Returns the
     checkpoint's path. (The trainer's ``Checkpointer`` adds asynchronous and incremental saving.)"""
-    return write(state_to_save(step, chunks, opt, config, train_config), save_dir, step, keep=keep,
-                 train_config=train_config)
+    return write(
+        state_to_save(step, chunks, opt, config, train_config), save_dir, step, keep=keep, train_config=train_config
+    )
 
 
 def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
@@ -402,6 +450,7 @@ _write_latest = store.write_latest  # the converters write ``latest`` too
 
 
 # ---- load ---------------------------------------------------------------------------------------------------
+
 
 def find_latest(load_dir: str) -> str | None:
     """``checkpoint_store.find_latest``: the checkpoint to resume from, None when there is none yet.
@@ -425,8 +474,9 @@ def read_latest(load_dir: str) -> str:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     path = verified.select(load_dir, lambda line: rank0 and print(f"megakernels: {line}", file=sys.stderr))
     if path is None:
-        raise CheckpointError(f"--load {load_dir!r}: no complete checkpoint (step-N directory with DCP's "
-                              f"{store.METADATA}) in it")
+        raise CheckpointError(
+            f"--load {load_dir!r}: no complete checkpoint (step-N directory with DCP's {store.METADATA}) in it"
+        )
     return path
 
 
@@ -437,8 +487,9 @@ def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
     except (TypeError, ValueError):
         pass
     skip = {"dropout", "attention_dropout"}  # training-time settings, not the weights' shapes
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in now.items()
-            if k not in skip and saved.get(k) != v]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in now.items() if k not in skip and saved.get(k) != v
+    ]
 
 
 def read_meta(path: str) -> dict:
@@ -454,8 +505,9 @@ def read_meta(path: str) -> dict:
         if not isinstance(meta, dict) or not {"step", "config"} <= meta.keys():
             raise ValueError("not the checkpoint's meta record")
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged entry fails in many ways
-        raise CheckpointError(f"checkpoint {path}: its 'meta' entry is unreadable ({describe_error(e)[:200]})") \
-            from None
+        raise CheckpointError(
+            f"checkpoint {path}: its 'meta' entry is unreadable ({describe_error(e)[:200]})"
+        ) from None
     return meta
 
 
@@ -482,8 +534,10 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         keys = saved_keys(path)
         missing = [f"model.{n}" for n, _, _ in _entries(chunks) if f"model.{n}" not in keys]
         if missing:
-            raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing[:5])}"
-                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            raise CheckpointError(
+                f"checkpoint {path} lacks {', '.join(missing[:5])}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            )
         params = [p for _, p in global_parameters(chunks)]
         with_optimizer = opt is not None and any(k.startswith("optimizer.") for k in keys)
         targets = _templates(params) if with_optimizer else None
@@ -496,8 +550,10 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
             dcp.load(sd, checkpoint_id=path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
             raise CheckpointError(f"loading checkpoint {path} failed: {describe_error(e)[:500]}") from None
-    _sync_replicas([(p, p.data) for p in params]
-                   + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else []))
+    _sync_replicas(
+        [(p, p.data) for p in params]
+        + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else [])
+    )
     if opt is not None:
         # Without saved state: masters from the loaded params, moments fresh (step 0).
         states = zip(params, targets) if with_optimizer else ((p, {}) for p in params)

@@ -191,9 +191,11 @@ class DirectoryLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise self.error(f"--save {self.save_dir} is in use by another job ({previous or 'owner unknown'}); one "
-                             f"job at a time may write a checkpoint directory: wait for it, stop it, or save "
-                             f"elsewhere") from None
+            raise self.error(
+                f"--save {self.save_dir} is in use by another job ({previous or 'owner unknown'}); one "
+                f"job at a time may write a checkpoint directory: wait for it, stop it, or save "
+                f"elsewhere"
+            ) from None
         self.took_over = previous or None
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)

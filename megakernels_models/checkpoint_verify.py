@@ -76,14 +76,16 @@ def read_metadata(path: str):
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path}: no {store.METADATA} file (not a complete checkpoint)") from None
     except Exception as e:  # noqa: BLE001 - unpickling garbage raises almost anything
-        raise CheckpointError(f"checkpoint {path}: {meta_file} is unreadable (truncated or damaged): "
-                              f"{type(e).__name__}: {e}") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {meta_file} is unreadable (truncated or damaged): {type(e).__name__}: {e}"
+        ) from None
     if getattr(md, "storage_data", None) is None or getattr(md, "state_dict_metadata", None) is None:
         raise CheckpointError(f"checkpoint {path}: {meta_file} is not a torch.distributed.checkpoint metadata file")
     return md
 
 
 # ---- writing --------------------------------------------------------------------------------------------------
+
 
 def digests_of_results(checkpoint_dir: str, results) -> dict[str, str]:
     """Digests of the byte ranges this rank's ``WriteResult``s describe (read back from ``checkpoint_dir``)."""
@@ -134,6 +136,7 @@ def _load_table(path: str) -> dict[str, str]:
 
 # ---- checking -------------------------------------------------------------------------------------------------
 
+
 def has_digests(path: str) -> bool:
     return os.path.exists(os.path.join(path, DIGESTS))
 
@@ -159,8 +162,10 @@ def verify(path: str, share: tuple[int, int] = (0, 1)) -> list[str]:
             problems.append(f"checkpoint {path}: {where}: the file is missing")
             continue
         if os.path.getsize(file) < info.offset + info.length:
-            problems.append(f"checkpoint {path}: {where}: the file is truncated ({os.path.getsize(file)} bytes, the "
-                            f"chunk ends at {info.offset + info.length})")
+            problems.append(
+                f"checkpoint {path}: {where}: the file is truncated ({os.path.getsize(file)} bytes, the "
+                f"chunk ends at {info.offset + info.length})"
+            )
             continue
         if not table:
             continue
@@ -168,8 +173,10 @@ def verify(path: str, share: tuple[int, int] = (0, 1)) -> list[str]:
         if expected is None:
             problems.append(f"checkpoint {path}: {where}: no recorded digest")
         elif digest_range(file, info.offset, info.length) != expected:
-            problems.append(f"checkpoint {path}: {where}: the bytes do not match the digest recorded at save time "
-                            "(the file was changed or damaged after the save)")
+            problems.append(
+                f"checkpoint {path}: {where}: the bytes do not match the digest recorded at save time "
+                "(the file was changed or damaged after the save)"
+            )
     return problems
 
 
@@ -198,7 +205,8 @@ def candidates(load_dir: str) -> list[str]:
 
 def select(load_dir: str, say=print) -> str | None:
     """The checkpoint to resume from: the newest candidate (``candidates``) that verifies, each skipped one reported
-    through ``say`` (a line without the program's name) with its problems; None when ``load_dir`` holds no checkpoint yet. Collective when a process
+    through ``say`` (a line without the program's name) with its problems; None when ``load_dir`` holds no checkpoint
+    yet. Collective when a process
     group is initialised (every rank gets the same answer).
 
     Raises:
@@ -216,8 +224,10 @@ def select(load_dir: str, say=print) -> str | None:
                 say(f"note: {path} was saved without digests; loading it unchecked")
             return path
         failures.append(f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-        say(f"warning: checkpoint {path} fails verification: {problems[0]}"
-            + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+        say(
+            f"warning: checkpoint {path} fails verification: {problems[0]}"
+            + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+        )
     if failures:
         raise CheckpointError(f"--load {load_dir}: no checkpoint verifies: " + "; ".join(failures))
     return None
@@ -225,14 +235,17 @@ def select(load_dir: str, say=print) -> str | None:
 
 # ---- the command line -----------------------------------------------------------------------------------------
 
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("checkpoint", help="inspect checkpoints (verify their digests)",
-                       description="Checkpoint tools.")
+    p = sub.add_parser("checkpoint", help="inspect checkpoints (verify their digests)", description="Checkpoint tools.")
     actions = p.add_subparsers(dest="action", required=True)
-    v = actions.add_parser("verify", help="check every stored chunk against the digest recorded when it was saved",
-                           description="Check every chunk of a checkpoint (DIR/step-N) or of every complete "
-                           "checkpoint in a save directory against the digests recorded at save time. Exit status "
-                           "0 when all verify, 1 when any does not, 2 when DIR holds no checkpoint.")
+    v = actions.add_parser(
+        "verify",
+        help="check every stored chunk against the digest recorded when it was saved",
+        description="Check every chunk of a checkpoint (DIR/step-N) or of every complete "
+        "checkpoint in a save directory against the digests recorded at save time. Exit status "
+        "0 when all verify, 1 when any does not, 2 when DIR holds no checkpoint.",
+    )
     v.add_argument("dir", metavar="DIR", help="a checkpoint (step-N) or a --save directory")
     v.set_defaults(_run=_run_verify)
 
@@ -245,12 +258,18 @@ def _run_verify(ns: argparse.Namespace) -> int:
     if os.path.exists(os.path.join(root, store.METADATA)):
         paths = [root]
     else:
-        paths = [os.path.join(root, name) for name in sorted(os.listdir(root))
-                 if store.STEP_DIR.match(name) and os.path.isdir(os.path.join(root, name))
-                 and os.path.exists(os.path.join(root, name, store.METADATA))]
+        paths = [
+            os.path.join(root, name)
+            for name in sorted(os.listdir(root))
+            if store.STEP_DIR.match(name)
+            and os.path.isdir(os.path.join(root, name))
+            and os.path.exists(os.path.join(root, name, store.METADATA))
+        ]
     if not paths:
-        print(f"megakernels checkpoint verify: {root}: no checkpoint (step-N directory with {store.METADATA})",
-              file=sys.stderr)
+        print(
+            f"megakernels checkpoint verify: {root}: no checkpoint (step-N directory with {store.METADATA})",
+            file=sys.stderr,
+        )
         return 2
     status = 0
     for path in paths:

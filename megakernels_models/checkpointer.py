@@ -66,8 +66,14 @@ class Checkpointer:
         CheckpointError: another live job holds ``save_dir``'s lock (on every rank).
     """
 
-    def __init__(self, save_dir: str, keep: int, async_save: bool = False, train_config: dict | None = None,
-                 timeout: float | None = None):
+    def __init__(
+        self,
+        save_dir: str,
+        keep: int,
+        async_save: bool = False,
+        train_config: dict | None = None,
+        timeout: float | None = None,
+    ):
         self.save_dir, self.keep, self.async_save, self.train_config = save_dir, keep, async_save, train_config
         # A group made without a timeout waits torch's default (30 minutes) for a peer, not the world's.
         wait = None if timeout is None else datetime.timedelta(seconds=timeout)
@@ -87,8 +93,10 @@ class Checkpointer:
             self.group = None
             raise checkpoint.CheckpointError(outcome[0])
         if outcome[1] and dist.get_rank() == 0:
-            print(f"megakernels train: note: took over {save_dir}'s lock from a job that is gone ({outcome[1]})",
-                  flush=True)
+            print(
+                f"megakernels train: note: took over {save_dir}'s lock from a job that is gone ({outcome[1]})",
+                flush=True,
+            )
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "checkpoint-writer") if async_save else None
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
@@ -130,9 +138,16 @@ class Checkpointer:
     def _write(self, sd: dict, step: int) -> str:
         digests = {k: d for k, d in ((k, _digest(v)) for k, v in sd.items()) if d is not None}
         reuse = self._unchanged(digests) if self._last is not None else set()
-        path = checkpoint.write({k: v for k, v in sd.items() if k not in reuse}, self.save_dir, step, keep=self.keep,
-                                train_config=self.train_config, group=self.group, reuse=reuse,
-                                previous=os.path.join(self.save_dir, self._last) if reuse else None)
+        path = checkpoint.write(
+            {k: v for k, v in sd.items() if k not in reuse},
+            self.save_dir,
+            step,
+            keep=self.keep,
+            train_config=self.train_config,
+            group=self.group,
+            reuse=reuse,
+            previous=os.path.join(self.save_dir, self._last) if reuse else None,
+        )
         self._digests, self._last = digests, os.path.basename(path)
         return path
 

@@ -25,16 +25,26 @@ class Parser(argparse.ArgumentParser):
 def _train_parser(sub) -> argparse.ArgumentParser:
     from megakernels_models.config import PRESETS
 
-    p = sub.add_parser("train", help="train a model (default: a tiny GPT on the Python stdlib, CPU)",
-                       description="Train a model on any tensor x pipeline x data-parallel layout. Without flags: "
-                       "a tiny GPT on the\nPython standard library's sources, byte tokenizer, CPU, a few minutes.\n\n"
-                       f"Presets: {', '.join(PRESETS)}.", formatter_class=HelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train a model (default: a tiny GPT on the Python stdlib, CPU)",
+        description="Train a model on any tensor x pipeline x data-parallel layout. Without flags: "
+        "a tiny GPT on the\nPython standard library's sources, byte tokenizer, CPU, a few minutes.\n\n"
+        f"Presets: {', '.join(PRESETS)}.",
+        formatter_class=HelpFormatter,
+    )
     add_settings(p, TrainArgs)
     g = p.add_argument_group("configuration files")
-    g.add_argument("--config", metavar="FILE", default=None, help="YAML or JSON file of settings (names as the flags; "
-                   "'architecture:' for the model's fields); flags given here override it")
-    g.add_argument("--print-config", action="store_true", help="print the resolved configuration (a file --config "
-                   "takes) and exit")
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="YAML or JSON file of settings (names as the flags; "
+        "'architecture:' for the model's fields); flags given here override it",
+    )
+    g.add_argument(
+        "--print-config", action="store_true", help="print the resolved configuration (a file --config takes) and exit"
+    )
     return p
 
 
@@ -81,18 +91,23 @@ def _run_train(ns: argparse.Namespace) -> int:
         return 1  # the run said why (one line) as it stopped
     if records and not args.dry_run:
         first, last = records[0], records[-1]
-        msg = (f"done: {len(records)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-               f"{last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device']:.3g} TFLOP/s per device, "
-               f"MFU {last['mfu']:.1%}")
+        msg = (
+            f"done: {len(records)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+            f"{last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device']:.3g} TFLOP/s per device, "
+            f"MFU {last['mfu']:.1%}"
+        )
         if "val_loss" in last:
             msg += f", val loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
         print(msg)
         mem = dict(first.get("memory_per_param_bytes") or {})
         host = mem.pop("host", None)
         if mem:
-            print("memory per parameter (measured on the last rank): " + " + ".join(
-                f"{k} {v:.2f}" for k, v in mem.items()) + f" = {sum(mem.values()):.2f} bytes"
-                + (f" on the device, {host:.2f} in host memory" if host is not None else ""))
+            print(
+                "memory per parameter (measured on the last rank): "
+                + " + ".join(f"{k} {v:.2f}" for k, v in mem.items())
+                + f" = {sum(mem.values()):.2f} bytes"
+                + (f" on the device, {host:.2f} in host memory" if host is not None else "")
+            )
     return 0
 
 
@@ -126,8 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Packages of the `train` and `bench` extras (pip install 'megakernels[train]'); the library needs none of them.
-EXTRAS = {"tqdm": "train", "tensorboard": "train", "tokenizers": "train", "sentencepiece": "train",
-          "safetensors": "train", "yaml": "train", "matplotlib": "bench"}
+EXTRAS = {
+    "tqdm": "train",
+    "tensorboard": "train",
+    "tokenizers": "train",
+    "sentencepiece": "train",
+    "safetensors": "train",
+    "yaml": "train",
+    "matplotlib": "bench",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         top = (e.name or "").split(".")[0]
         if top not in EXTRAS:
             raise
-        print(f"megakernels {ns.command}: needs {top}, part of the '{EXTRAS[top]}' extra: "
-              f"pip install 'megakernels[{EXTRAS[top]}]'", file=sys.stderr)
+        print(
+            f"megakernels {ns.command}: needs {top}, part of the '{EXTRAS[top]}' extra: "
+            f"pip install 'megakernels[{EXTRAS[top]}]'",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -28,12 +28,11 @@ POSITIONS = ("learned", "rope")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
 # What each family is unless a field says otherwise (fields left None take these).
 FAMILY_DEFAULTS = {
-    "gpt": dict(norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True,
-                tie_embeddings=True),
-    "bert": dict(norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True,
-                 tie_embeddings=True),
-    "llama": dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False,
-                  tie_embeddings=False),
+    "gpt": dict(norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True, tie_embeddings=True),
+    "bert": dict(
+        norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True, tie_embeddings=True
+    ),
+    "llama": dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, tie_embeddings=False),
 }
 
 
@@ -133,8 +132,12 @@ class ModelConfig:
         for name, value in FAMILY_DEFAULTS[self.lm if self.model == "vlm" else self.model].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        for name, allowed in (("norm_position", ("pre", "post")), ("activation", ACTIVATIONS), ("norm", NORMS),
-                              ("position_embedding", POSITIONS)):
+        for name, allowed in (
+            ("norm_position", ("pre", "post")),
+            ("activation", ACTIVATIONS),
+            ("norm", NORMS),
+            ("position_embedding", POSITIONS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "num_token_types"):
@@ -146,11 +149,14 @@ class ModelConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         positive_int(self.num_kv_heads, "num_kv_heads", where="ModelConfig")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads} (each key/value head serves a group of query heads)")
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (each key/value head serves a group of query heads)"
+            )
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"ModelConfig: hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}")
+            raise ValueError(
+                f"ModelConfig: hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
         if self.position_embedding == "rope":
             if self.head_dim % 2:
                 raise ValueError(f"ModelConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
@@ -163,15 +169,17 @@ class ModelConfig:
             if self.model == "bert":
                 raise ValueError("ModelConfig: mixture-of-experts layers are for the GPT and Llama families")
             if not 1 <= self.moe_top_k <= self.num_experts:
-                raise ValueError(f"ModelConfig: moe_top_k={self.moe_top_k} must be in 1..num_experts="
-                                 f"{self.num_experts}")
+                raise ValueError(
+                    f"ModelConfig: moe_top_k={self.moe_top_k} must be in 1..num_experts={self.num_experts}"
+                )
             positive_int(self.moe_layer_freq, "moe_layer_freq", where="ModelConfig")
             if self.moe_ffn_hidden_size is None:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
             positive_int(self.moe_ffn_hidden_size, "moe_ffn_hidden_size", where="ModelConfig")
             if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-                raise ValueError(f"ModelConfig: moe_capacity_factor must be > 0 or None (dropless), got "
-                                 f"{self.moe_capacity_factor}")
+                raise ValueError(
+                    f"ModelConfig: moe_capacity_factor must be > 0 or None (dropless), got {self.moe_capacity_factor}"
+                )
             for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
                 if not getattr(self, name) >= 0:
                     raise ValueError(f"ModelConfig: {name} must be >= 0, got {getattr(self, name)}")
@@ -210,29 +218,50 @@ class ModelConfig:
 
         widths, no_cp, no_sp = (), None, None
         if self.model == "bert":
-            no_cp = (": context parallelism is for causal language models (GPT, Llama); BERT's padding masks are "
-                     "not split over the ring")
+            no_cp = (
+                ": context parallelism is for causal language models (GPT, Llama); BERT's padding masks are "
+                "not split over the ring"
+            )
         if self.model == "vlm":
             v = self.vision_config()
-            widths = (("vision_heads", v.num_heads), ("vision_hidden_size", v.hidden_size),
-                      ("vision ffn_hidden_size", v.ffn_hidden_size), ("projector_hidden_size",
-                                                                       self.projector_hidden_size))
+            widths = (
+                ("vision_heads", v.num_heads),
+                ("vision_hidden_size", v.hidden_size),
+                ("vision ffn_hidden_size", v.ffn_hidden_size),
+                ("projector_hidden_size", self.projector_hidden_size),
+            )
             no_sp = "is not supported for --model vlm (the image tokens are not split over ranks)"
             no_cp = " " + no_sp
-        return ModelShapes(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           ffn_hidden_size=self.ffn_hidden_size, num_layers=self.num_layers,
-                           seq_length=self.seq_length, num_experts=self.num_experts or 0,
-                           attention_dropout=self.attention_dropout, tp_widths=widths, context_parallel=no_cp,
-                           sequence_parallel=no_sp)
+        return ModelShapes(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_layers=self.num_layers,
+            seq_length=self.seq_length,
+            num_experts=self.num_experts or 0,
+            attention_dropout=self.attention_dropout,
+            tp_widths=widths,
+            context_parallel=no_cp,
+            sequence_parallel=no_sp,
+        )
 
     def vision_config(self) -> ModelConfig:
         """The vision encoder's Transformer as a bidirectional (BERT-family) configuration: its layers are the
         same ``TransformerLayer`` every family stacks."""
-        return ModelConfig("bert", num_layers=self.vision_layers, hidden_size=self.vision_hidden_size,
-                           num_heads=self.vision_heads, seq_length=self.num_image_tokens, vocab_size=1,
-                           ffn_hidden_size=self.vision_ffn_hidden_size, activation=self.vision_activation,
-                           dropout=self.dropout, attention_dropout=self.attention_dropout,
-                           layernorm_eps=self.layernorm_eps, init_std=self.init_std)
+        return ModelConfig(
+            "bert",
+            num_layers=self.vision_layers,
+            hidden_size=self.vision_hidden_size,
+            num_heads=self.vision_heads,
+            seq_length=self.num_image_tokens,
+            vocab_size=1,
+            ffn_hidden_size=self.vision_ffn_hidden_size,
+            activation=self.vision_activation,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            layernorm_eps=self.layernorm_eps,
+            init_std=self.init_std,
+        )
 
     def language_config(self) -> ModelConfig:
         """A vision-language model's language model alone (the GPT or Llama it is built on); ``self`` otherwise."""
@@ -255,11 +284,19 @@ class ModelConfig:
             c["ffn_hidden_size"] = 4 * c["hidden_size"]
         if "num_heads" in c and "num_kv_heads" not in c and self.num_kv_heads == self.num_heads:
             c["num_kv_heads"] = c["num_heads"]
-        if "hidden_size" in c and "projector_hidden_size" not in c and self.model == "vlm" \
-                and self.projector_hidden_size == self.hidden_size:
+        if (
+            "hidden_size" in c
+            and "projector_hidden_size" not in c
+            and self.model == "vlm"
+            and self.projector_hidden_size == self.hidden_size
+        ):
             c["projector_hidden_size"] = c["hidden_size"]
-        if "ffn_hidden_size" in c and "moe_ffn_hidden_size" not in c and self.num_experts \
-                and self.moe_ffn_hidden_size == self.ffn_hidden_size:
+        if (
+            "ffn_hidden_size" in c
+            and "moe_ffn_hidden_size" not in c
+            and self.num_experts
+            and self.moe_ffn_hidden_size == self.ffn_hidden_size
+        ):
             c["moe_ffn_hidden_size"] = c["ffn_hidden_size"]
         return dataclasses.replace(self, **c)
 
@@ -288,8 +325,14 @@ class ModelConfig:
         h, f, s, l, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.num_layers, self.vocab_size
         moe = self.num_moe_layers
         # a MoE layer's MLP: the router, top_k experts and the shared experts per token (the active parameters)
-        moe_mlp = (h * self.num_experts + (self.moe_top_k + self.moe_shared_experts) * self.mlp_matrices * h
-                   * (self.moe_ffn_hidden_size or f)) if moe else 0
+        moe_mlp = (
+            (
+                h * self.num_experts
+                + (self.moe_top_k + self.moe_shared_experts) * self.mlp_matrices * h * (self.moe_ffn_hidden_size or f)
+            )
+            if moe
+            else 0
+        )
         gemm = 2.0 * ((h * (h + 2 * self.kv_size) + h * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
         attention = 4.0 * s * h * l
         head = 2.0 * h * V + (2.0 * h * h if self.model == "bert" else 0.0)  # BERT's MLM transform
@@ -305,12 +348,20 @@ class ModelConfig:
             raise ValueError(f"flops_per_token: recompute must be one of {RECOMPUTE}, got {recompute!r}")
         if self.model == "vlm":
             from megakernels_models.vlm_costs import vlm_flops_per_sample
+
             return vlm_flops_per_sample(self, recompute) / self.seq_length
         return training_flops(self.forward_flops_per_token(), recompute)
 
-    def activation_bytes_per_layer(self, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                                   recompute: str = "none", bytes_per_element: int = 2,
-                                   flash_attention: bool = False, cp: int = 1) -> float:
+    def activation_bytes_per_layer(
+        self,
+        micro_batch_size: int,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        bytes_per_element: int = 2,
+        flash_attention: bool = False,
+        cp: int = 1,
+    ) -> float:
         """Activation memory one layer keeps for backward, per micro-batch (Korthikanti et al. 2022, §4.1,
         generalised to grouped-query attention, any MLP width and SwiGLU).
 
@@ -335,8 +386,9 @@ class ModelConfig:
         mlp = lambda width: (4.0 if self.activation == "swiglu" else 2.0) * width + 2.0 * width  # noqa: E731
         inside = mlp(f)
         if self.num_experts:  # a MoE layer keeps each token k times (its rows for the experts) plus the shared MLPs
-            moe = self.moe_top_k * (2.0 * h + mlp(self.moe_ffn_hidden_size)) \
-                + self.moe_shared_experts * mlp(self.moe_ffn_hidden_size)
+            moe = self.moe_top_k * (2.0 * h + mlp(self.moe_ffn_hidden_size)) + self.moe_shared_experts * mlp(
+                self.moe_ffn_hidden_size
+            )
             share = self.num_moe_layers / self.num_layers
             inside = (1 - share) * inside + share * moe
         replicated = (2.0 + mask) * h + (2.0 + mask) * h + 4.0 * h  # branch inputs + residual masks, norms
@@ -349,10 +401,26 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # Tiny models for the CPU (byte-level vocabulary).
-    "gpt-tiny": ModelConfig("gpt", num_layers=4, hidden_size=256, num_heads=8, seq_length=256, vocab_size=261,
-                            dropout=0.0, attention_dropout=0.0),
-    "bert-tiny": ModelConfig("bert", num_layers=4, hidden_size=192, num_heads=6, seq_length=128, vocab_size=261,
-                             dropout=0.0, attention_dropout=0.0),
+    "gpt-tiny": ModelConfig(
+        "gpt",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=8,
+        seq_length=256,
+        vocab_size=261,
+        dropout=0.0,
+        attention_dropout=0.0,
+    ),
+    "bert-tiny": ModelConfig(
+        "bert",
+        num_layers=4,
+        hidden_size=192,
+        num_heads=6,
+        seq_length=128,
+        vocab_size=261,
+        dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # Megatron-LM paper, GPT-2 vocabulary and context.
     "gpt-1.2b": ModelConfig("gpt", num_layers=40, hidden_size=1536, num_heads=16, seq_length=1024, vocab_size=50257),
     "gpt-2.5b": ModelConfig("gpt", num_layers=54, hidden_size=1920, num_heads=20, seq_length=1024, vocab_size=50257),
@@ -365,29 +433,109 @@ PRESETS: dict[str, ModelConfig] = {
     "bert-1.3b": ModelConfig("bert", num_layers=24, hidden_size=2048, num_heads=32, seq_length=512, vocab_size=30522),
     "bert-3.9b": ModelConfig("bert", num_layers=48, hidden_size=2560, num_heads=40, seq_length=512, vocab_size=30522),
     # Llama: a tiny one for the CPU; Llama 3.2 1B, Llama 3 8B and Llama 2 7B shapes.
-    "llama-tiny": ModelConfig("llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, seq_length=256,
-                              vocab_size=261, ffn_hidden_size=704, dropout=0.0, attention_dropout=0.0,
-                              layernorm_eps=1e-5, rope_theta=10000.0),
-    "llama3-1b": ModelConfig("llama", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, seq_length=8192,
-                             vocab_size=128256, ffn_hidden_size=8192, dropout=0.0, attention_dropout=0.0,
-                             layernorm_eps=1e-5, rope_theta=500000.0, tie_embeddings=True),
-    "llama3-8b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, seq_length=8192,
-                             vocab_size=128256, ffn_hidden_size=14336, dropout=0.0, attention_dropout=0.0,
-                             layernorm_eps=1e-5, rope_theta=500000.0),
+    "llama-tiny": ModelConfig(
+        "llama",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=2,
+        seq_length=256,
+        vocab_size=261,
+        ffn_hidden_size=704,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_eps=1e-5,
+        rope_theta=10000.0,
+    ),
+    "llama3-1b": ModelConfig(
+        "llama",
+        num_layers=16,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=8,
+        seq_length=8192,
+        vocab_size=128256,
+        ffn_hidden_size=8192,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "llama3-8b": ModelConfig(
+        "llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        seq_length=8192,
+        vocab_size=128256,
+        ffn_hidden_size=14336,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
     # Mixture of experts: tiny ones for the CPU, and Mixtral 8x7B (46.7B parameters, 12.9B active per token).
-    "gpt-moe-tiny": ModelConfig("gpt", num_layers=4, hidden_size=256, num_heads=8, seq_length=256, vocab_size=261,
-                                dropout=0.0, attention_dropout=0.0, num_experts=4, moe_top_k=2,
-                                moe_ffn_hidden_size=512, moe_normalize=False),
-    "llama-moe-tiny": ModelConfig("llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2,
-                                  seq_length=256, vocab_size=261, ffn_hidden_size=704, dropout=0.0,
-                                  attention_dropout=0.0, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=352),
-    "mixtral-8x7b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                                seq_length=32768, vocab_size=32000, ffn_hidden_size=14336, dropout=0.0,
-                                attention_dropout=0.0, layernorm_eps=1e-5, rope_theta=1e6, num_experts=8,
-                                moe_top_k=2, moe_aux_loss_coeff=0.02),
-    "llama2-7b": ModelConfig("llama", num_layers=32, hidden_size=4096, num_heads=32, seq_length=4096,
-                             vocab_size=32000, ffn_hidden_size=11008, dropout=0.0, attention_dropout=0.0,
-                             layernorm_eps=1e-5, rope_theta=10000.0),
+    "gpt-moe-tiny": ModelConfig(
+        "gpt",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=8,
+        seq_length=256,
+        vocab_size=261,
+        dropout=0.0,
+        attention_dropout=0.0,
+        num_experts=4,
+        moe_top_k=2,
+        moe_ffn_hidden_size=512,
+        moe_normalize=False,
+    ),
+    "llama-moe-tiny": ModelConfig(
+        "llama",
+        num_layers=4,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=2,
+        seq_length=256,
+        vocab_size=261,
+        ffn_hidden_size=704,
+        dropout=0.0,
+        attention_dropout=0.0,
+        num_experts=4,
+        moe_top_k=2,
+        moe_ffn_hidden_size=352,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        "llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        seq_length=32768,
+        vocab_size=32000,
+        ffn_hidden_size=14336,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_eps=1e-5,
+        rope_theta=1e6,
+        num_experts=8,
+        moe_top_k=2,
+        moe_aux_loss_coeff=0.02,
+    ),
+    "llama2-7b": ModelConfig(
+        "llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        seq_length=4096,
+        vocab_size=32000,
+        ffn_hidden_size=11008,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_eps=1e-5,
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -396,16 +544,17 @@ def _check_vision(c: ModelConfig) -> None:
     if c.lm is None:
         object.__setattr__(c, "lm", "gpt")
     if c.lm not in LANGUAGE_MODELS:
-        raise ValueError(f"ModelConfig: lm (the language model of a vlm) must be one of {LANGUAGE_MODELS}, got "
-                         f"{c.lm!r}")
-    for name in ("image_size", "patch_size", "image_channels", "vision_layers", "vision_hidden_size",
-                 "vision_heads"):
+        raise ValueError(
+            f"ModelConfig: lm (the language model of a vlm) must be one of {LANGUAGE_MODELS}, got {c.lm!r}"
+        )
+    for name in ("image_size", "patch_size", "image_channels", "vision_layers", "vision_hidden_size", "vision_heads"):
         positive_int(getattr(c, name), name, where="ModelConfig")
     if c.image_size % c.patch_size:
         raise ValueError(f"ModelConfig: image_size={c.image_size} is not divisible by patch_size={c.patch_size}")
     if c.vision_hidden_size % c.vision_heads:
-        raise ValueError(f"ModelConfig: vision_hidden_size={c.vision_hidden_size} is not divisible by "
-                         f"vision_heads={c.vision_heads}")
+        raise ValueError(
+            f"ModelConfig: vision_hidden_size={c.vision_hidden_size} is not divisible by vision_heads={c.vision_heads}"
+        )
     if c.vision_activation not in ("gelu", "gelu_tanh"):
         raise ValueError(f"ModelConfig: vision_activation must be 'gelu' or 'gelu_tanh', got {c.vision_activation!r}")
     if c.projector_hidden_size is None:
@@ -418,26 +567,57 @@ def _check_vision(c: ModelConfig) -> None:
         raise ValueError("ModelConfig: contrastive_coeff must be >= 0 and contrastive_temperature > 0")
 
 
-_VLM_TINY = dict(image_size=32, patch_size=8, vision_layers=2, vision_hidden_size=64, vision_heads=4,
-                 num_layers=4, hidden_size=128, num_heads=4, seq_length=48, vocab_size=261, dropout=0.0,
-                 attention_dropout=0.0)
-PRESETS.update({
-    # Vision-language, for the CPU: a 2-layer 64-wide ViT over 32×32 images and a 4-layer GPT; vlm-tiny reads 16-pixel
-    # patches (a 2×2 grid, one per cell of the embedded shapes) and trains with the contrastive loss beside the
-    # captions' (with 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes:
-    # benchmarks/results/2026-12-01-cpu-vlm-caption.md). The same encoder at 8-pixel patches (16 image tokens) with
-    # Flamingo-style gated cross-attention every second layer over a tiny Llama.
-    "vlm-tiny": ModelConfig("vlm", lm="gpt", **{**_VLM_TINY, "patch_size": 16}, contrastive_coeff=0.5),
-    "vlm-llama-tiny": ModelConfig("vlm", lm="llama", **{**_VLM_TINY, "num_kv_heads": 2}, cross_attention_every=2),
-    # LLaVA-1.5 shape: a ViT-L/14 (CLIP) encoder at 336 px (576 patches) and a Llama-2-7B.
-    "vlm-7b": ModelConfig("vlm", lm="llama", image_size=336, patch_size=14, vision_layers=24, vision_hidden_size=1024,
-                          vision_heads=16, vision_ffn_hidden_size=4096, vision_activation="gelu",
-                          vision_class_token=True, vision_pre_norm=True, vision_final_norm=False,
-                          projector_hidden_size=4096, num_layers=32, hidden_size=4096, num_heads=32,
-                          seq_length=2048, vocab_size=32000, ffn_hidden_size=11008, dropout=0.0,
-                          attention_dropout=0.0, layernorm_eps=1e-5),
-})
-
+_VLM_TINY = dict(
+    image_size=32,
+    patch_size=8,
+    vision_layers=2,
+    vision_hidden_size=64,
+    vision_heads=4,
+    num_layers=4,
+    hidden_size=128,
+    num_heads=4,
+    seq_length=48,
+    vocab_size=261,
+    dropout=0.0,
+    attention_dropout=0.0,
+)
+PRESETS.update(
+    {
+        # Vision-language, for the CPU: a 2-layer 64-wide ViT over 32×32 images and a 4-layer GPT; vlm-tiny reads
+        # 16-pixel
+        # patches (a 2×2 grid, one per cell of the embedded shapes) and trains with the contrastive loss beside the
+        # captions' (with 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes:
+        # benchmarks/results/2026-12-01-cpu-vlm-caption.md). The same encoder at 8-pixel patches (16 image tokens) with
+        # Flamingo-style gated cross-attention every second layer over a tiny Llama.
+        "vlm-tiny": ModelConfig("vlm", lm="gpt", **{**_VLM_TINY, "patch_size": 16}, contrastive_coeff=0.5),
+        "vlm-llama-tiny": ModelConfig("vlm", lm="llama", **{**_VLM_TINY, "num_kv_heads": 2}, cross_attention_every=2),
+        # LLaVA-1.5 shape: a ViT-L/14 (CLIP) encoder at 336 px (576 patches) and a Llama-2-7B.
+        "vlm-7b": ModelConfig(
+            "vlm",
+            lm="llama",
+            image_size=336,
+            patch_size=14,
+            vision_layers=24,
+            vision_hidden_size=1024,
+            vision_heads=16,
+            vision_ffn_hidden_size=4096,
+            vision_activation="gelu",
+            vision_class_token=True,
+            vision_pre_norm=True,
+            vision_final_norm=False,
+            projector_hidden_size=4096,
+            num_layers=32,
+            hidden_size=4096,
+            num_heads=32,
+            seq_length=2048,
+            vocab_size=32000,
+            ffn_hidden_size=11008,
+            dropout=0.0,
+            attention_dropout=0.0,
+            layernorm_eps=1e-5,
+        ),
+    }
+)
 
 
 def preset(name: str, **overrides) -> ModelConfig:
@@ -465,8 +645,9 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
     stages = pp * vpp
     if num_layers % stages:
         rule = f"pp·vpp = {pp}·{vpp} = {stages}" if vpp > 1 else f"pp = {pp}"
-        raise ValueError(f"num_layers={num_layers} is not divisible by {rule} (each pipeline stage needs the same "
-                         "number of layers)")
+        raise ValueError(
+            f"num_layers={num_layers} is not divisible by {rule} (each pipeline stage needs the same number of layers)"
+        )
     per = num_layers // stages
     return [[range((c * pp + r) * per, (c * pp + r + 1) * per) for c in range(vpp)] for r in range(pp)]
 

@@ -137,8 +137,9 @@ def _architecture(path: str, value) -> dict:
     from megakernels_models.config import ModelConfig
 
     if not isinstance(value, dict):
-        raise ArgumentError(f"--config {path}: {ARCHITECTURE} must be a mapping of model fields, got a "
-                            f"{type(value).__name__}")
+        raise ArgumentError(
+            f"--config {path}: {ARCHITECTURE} must be a mapping of model fields, got a {type(value).__name__}"
+        )
     fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
     out = {}
     for key, v in value.items():
@@ -163,8 +164,13 @@ def naming_the_file(args, message: str) -> str:
         return message
     flags = set(re.findall(r"--[a-z][a-z0-9-]*", message))
     # the file's value still in args (identity: the same object, also for nan), not one a flag replaced
-    names = [f.name for f in dataclasses.fields(TrainArgs) if f.name in given and flag_of(f) in flags
-             and (getattr(args, f.name) is given[f.name] or getattr(args, f.name) == given[f.name])]
+    names = [
+        f.name
+        for f in dataclasses.fields(TrainArgs)
+        if f.name in given
+        and flag_of(f) in flags
+        and (getattr(args, f.name) is given[f.name] or getattr(args, f.name) == given[f.name])
+    ]
     return f"{message} ({', '.join(names)}: from --config {args.config_file})" if names else message
 
 
@@ -177,10 +183,27 @@ def resolved(args, cfg) -> dict:
     for name in ("dry_run",):
         values.pop(name, None)
     # the architecture defines the model; the preset and size flags it came from are folded into it
-    for name in ("preset", "model", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
-                 "ffn_hidden_size", "num_kv_heads", "rope_theta", "dropout", "num_experts", "moe_top_k",
-                 "moe_ffn_hidden_size", "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                 "moe_capacity_factor", "moe_shared_experts"):
+    for name in (
+        "preset",
+        "model",
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "seq_length",
+        "vocab_size",
+        "ffn_hidden_size",
+        "num_kv_heads",
+        "rope_theta",
+        "dropout",
+        "num_experts",
+        "moe_top_k",
+        "moe_ffn_hidden_size",
+        "moe_layer_freq",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_capacity_factor",
+        "moe_shared_experts",
+    ):
         values.pop(name, None)
     values[ARCHITECTURE] = dataclasses.asdict(cfg)
     return values

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from megakernels.parallel.embedding import pad_vocab_size
 from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
@@ -138,9 +137,16 @@ def host_bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> 
     return 16.0 / max(ranks, 1)
 
 
-@functools.lru_cache(maxsize=None)
-def params_per_stage(model_key, tp: int, pp: int, vpp: int, ep: int = 1, experts_only: bool = False,
-                     frozen: tuple[str, ...] | None = None) -> list[int]:
+@functools.cache
+def params_per_stage(
+    model_key,
+    tp: int,
+    pp: int,
+    vpp: int,
+    ep: int = 1,
+    experts_only: bool = False,
+    frozen: tuple[str, ...] | None = None,
+) -> list[int]:
     """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``); with ``frozen`` (``--freeze``'s
     name parts) only the trained ones, those ``Task.is_frozen`` leaves out."""
     from megakernels_models.tasks import task_for
@@ -198,8 +204,9 @@ class MetaModel:
     @property
     def active_parameters(self) -> int:
         cfg = self.config
-        return self.parameters - self.expert_parameters + self.expert_parameters * cfg.moe_top_k // max(
-            cfg.num_experts, 1)
+        return (
+            self.parameters - self.expert_parameters + self.expert_parameters * cfg.moe_top_k // max(cfg.num_experts, 1)
+        )
 
 
 def in_flight(layout: Layout) -> float:
@@ -223,8 +230,9 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     w, g, o = bytes_per_param(L)
     _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
     bytes_el = 2 if L.precision != "fp32" else 4
-    per_layer = cfg.activation_bytes_per_layer(L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, bytes_el,
-                                               L.flash, L.cp)
+    per_layer = cfg.activation_bytes_per_layer(
+        L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, bytes_el, L.flash, L.cp
+    )
     layers = cfg.num_layers // L.pp
     flight = in_flight(L)
     logits = cfg.seq_length // L.cp * L.micro_batch_size * pad_vocab_size(cfg.vocab_size, L.tp) / L.tp * 4
@@ -232,8 +240,9 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     vision = 0.0
     if cfg.model == "vlm":  # the vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
         v = cfg.vision_config()
-        vision = v.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash) \
-            * v.num_layers
+        vision = (
+            v.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash) * v.num_layers
+        )
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
     for r, (n, t, e) in enumerate(zip(stages, trained, trained_experts)):
         act = (per_layer * layers + (vision if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
@@ -242,13 +251,22 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
         out.append({"weights": n * w, "grads": t * g, "optimizer": (t - e) * o + e * eo, "activations": act})
     totals = [sum(x.values()) for x in out]
     worst = max(range(L.pp), key=lambda r: totals[r])
-    host = max((t - e) * host_bytes_per_param(L) + e * host_bytes_per_param(L, True, L.ep)
-               for t, e in zip(trained, trained_experts))
-    return {"per_stage": totals, "worst": worst, "breakdown": out[worst], "total": totals[worst],
-            "host_optimizer_bytes": host,
-            "parameters_per_device": max(stages), "trained_parameters_per_device": max(trained),
-            "expert_bytes": max(e * (w + g + eo) for e in expert_stages),
-            "activations_per_layer": per_layer, "in_flight": flight}
+    host = max(
+        (t - e) * host_bytes_per_param(L) + e * host_bytes_per_param(L, True, L.ep)
+        for t, e in zip(trained, trained_experts)
+    )
+    return {
+        "per_stage": totals,
+        "worst": worst,
+        "breakdown": out[worst],
+        "total": totals[worst],
+        "host_optimizer_bytes": host,
+        "parameters_per_device": max(stages),
+        "trained_parameters_per_device": max(trained),
+        "expert_bytes": max(e * (w + g + eo) for e in expert_stages),
+        "activations_per_layer": per_layer,
+        "in_flight": flight,
+    }
 
 
 def fits(total_bytes: float, device: Device) -> bool:
@@ -262,8 +280,13 @@ def _ring(bytes_: float, n: int, gbps: float, latency: float = 0.0) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
 
 
-def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int = 8,
-            host_adamw_ns: float = HOST_ADAMW_NS_PER_PARAM) -> dict:
+def predict(
+    meta: MetaModel,
+    layout: Layout,
+    device: Device,
+    gpus_per_node: int = 8,
+    host_adamw_ns: float = HOST_ADAMW_NS_PER_PARAM,
+) -> dict:
     """Predicted seconds per optimizer step and its parts (see the module docstring); ``host_adamw_ns``: the
     host AdamW's ns per parameter with ``offload_optimizer``."""
     cfg, L = meta.config, layout
@@ -308,13 +331,25 @@ def predict(meta: MetaModel, layout: Layout, device: Device, gpus_per_node: int 
     offload = offload_time(params, L, device, compute, host_adamw_ns)
     step = compute + bubble + tp_comm + pp_comm + cp_comm + dp_exposed + ep_comm + offload["offload_s"]
     model_flops = cfg.flops_per_token("none") * tokens
-    return {"step_s": step, "compute_s": compute, "bubble_s": bubble, "tp_s": tp_comm, "pp_s": pp_comm,
-            "cp_s": cp_comm, "dp_s": dp_exposed, "ep_s": ep_comm, **offload, "tokens_per_s": tokens / step,
-            "mfu": model_flops / step / L.world / peak, "bubble_fraction": (L.pp - 1) / (L.vpp * m)}
+    return {
+        "step_s": step,
+        "compute_s": compute,
+        "bubble_s": bubble,
+        "tp_s": tp_comm,
+        "pp_s": pp_comm,
+        "cp_s": cp_comm,
+        "dp_s": dp_exposed,
+        "ep_s": ep_comm,
+        **offload,
+        "tokens_per_s": tokens / step,
+        "mfu": model_flops / step / L.world / peak,
+        "bubble_fraction": (L.pp - 1) / (L.vpp * m),
+    }
 
 
-def offload_time(params: float, layout: Layout, device: Device, compute: float,
-                 host_adamw_ns: float = HOST_ADAMW_NS_PER_PARAM) -> dict:
+def offload_time(
+    params: float, layout: Layout, device: Device, compute: float, host_adamw_ns: float = HOST_ADAMW_NS_PER_PARAM
+) -> dict:
     """Seconds a step spends on the offloaded optimizer beyond the rest (all 0 without ``offload_optimizer``):
     ``{"offload_s": host_s + d2h_s + h2d_s, "host_adam_s", "d2h_s", "h2d_s"}`` (the transfers: what is not hidden).
 
@@ -339,6 +374,8 @@ def offload_time(params: float, layout: Layout, device: Device, compute: float,
 
 def describe_offload(prediction: dict, host_adamw_ns: float) -> str:
     """The optimizer-offload part of a ``predict`` result, in words (the plan and the dry run print it)."""
-    return (f"{prediction['offload_s']:.3f} s = host AdamW {prediction['host_adam_s']:.3f} s ({host_adamw_ns:g} ns "
-            f"per parameter) + gradients to the host {prediction['d2h_s']:.3f} s + parameters to the device "
-            f"{prediction['h2d_s']:.3f} s not hidden")
+    return (
+        f"{prediction['offload_s']:.3f} s = host AdamW {prediction['host_adam_s']:.3f} s ({host_adamw_ns:g} ns "
+        f"per parameter) + gradients to the host {prediction['d2h_s']:.3f} s + parameters to the device "
+        f"{prediction['h2d_s']:.3f} s not hidden"
+    )

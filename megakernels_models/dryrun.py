@@ -22,13 +22,24 @@ from megakernels_models.config import ModelConfig, human
 
 def layout_of(args: TrainArgs) -> costs.Layout:
     """The ``costs.Layout`` of validated trainer arguments."""
-    return costs.Layout(tp=args.tp, pp=args.pp, dp=args.data_parallel_size(), cp=args.cp, ep=args.ep,
-                        vpp=args.vpp or 1, micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.global_batch_size, sequence_parallel=args.sequence_parallel,
-                        distributed_optimizer=args.distributed_optimizer,
-                        offload_optimizer=args.offload_optimizer, recompute=args.recompute,
-                        precision=args.precision, schedule=args.schedule, flash=args.attention == "flash",
-                        frozen=args.frozen_parts())
+    return costs.Layout(
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.data_parallel_size(),
+        cp=args.cp,
+        ep=args.ep,
+        vpp=args.vpp or 1,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.distributed_optimizer,
+        offload_optimizer=args.offload_optimizer,
+        recompute=args.recompute,
+        precision=args.precision,
+        schedule=args.schedule,
+        flash=args.attention == "flash",
+        frozen=args.frozen_parts(),
+    )
 
 
 def _offload_seconds(meta: costs.MetaModel, layout: costs.Layout, args: TrainArgs) -> dict:
@@ -42,15 +53,21 @@ def warnings_for(args: TrainArgs, rep: dict) -> list[str]:
     """What looks poor about a layout (see the module docstring)."""
     out = []
     if rep.get("bubble_fraction", 0.0) > 0.25:
-        out.append(f"the pipeline bubble is {rep['bubble_fraction']:.0%} of the step: raise the micro-batches per "
-                   "step (global batch / (micro batch × dp)), interleave (--vpp) or use fewer stages")
+        out.append(
+            f"the pipeline bubble is {rep['bubble_fraction']:.0%} of the step: raise the micro-batches per "
+            "step (global batch / (micro batch × dp)), interleave (--vpp) or use fewer stages"
+        )
     if args.tp > args.gpus_per_node:
-        out.append(f"--tp {args.tp} spans more than a node ({args.gpus_per_node} GPUs): its per-layer all-reduces "
-                   "would cross the network")
+        out.append(
+            f"--tp {args.tp} spans more than a node ({args.gpus_per_node} GPUs): its per-layer all-reduces "
+            "would cross the network"
+        )
     device = costs.DEVICES[args.gpu]
     if rep["memory_per_device_bytes"] > 0.9 * device.memory_gb * 1e9:
-        out.append(f"{human(rep['memory_per_device_bytes'], 'B')} per device is more than 90 % of an {device.name}'s "
-                   f"{device.memory_gb:g} GB")
+        out.append(
+            f"{human(rep['memory_per_device_bytes'], 'B')} per device is more than 90 % of an {device.name}'s "
+            f"{device.memory_gb:g} GB"
+        )
     return [w + "; `megakernels plan` ranks the layouts that fit" for w in out]
 
 
@@ -68,34 +85,66 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     world, tp, cp, dp = args.world_size(), L.tp, L.cp, L.dp
     parallel = layout_rules.layout_of(args)  # the rank order's one definition
     rep = {
-        "model": cfg.model, "preset": args.preset_name(), "parameters": meta.parameters,
-        "active_parameters": meta.active_parameters, "parameters_per_device": mem["parameters_per_device"],
+        "model": cfg.model,
+        "preset": args.preset_name(),
+        "parameters": meta.parameters,
+        "active_parameters": meta.active_parameters,
+        "parameters_per_device": mem["parameters_per_device"],
         **({"trained_parameters_per_device": mem["trained_parameters_per_device"]} if L.frozen else {}),
         **({"expert_memory_per_device_bytes": mem["expert_bytes"]} if cfg.num_experts else {}),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
-        **({"flops_per_sample": cfg.flops_per_token("none") * cfg.seq_length,
-            "image_tokens_per_sample": cfg.num_image_tokens} if cfg.model == "vlm" else {}),
+        **(
+            {
+                "flops_per_sample": cfg.flops_per_token("none") * cfg.seq_length,
+                "image_tokens_per_sample": cfg.num_image_tokens,
+            }
+            if cfg.model == "vlm"
+            else {}
+        ),
         "memory_per_device_bytes": mem["total"],
         "memory_breakdown_bytes": mem["breakdown"],
         **({"host_memory_per_rank_bytes": mem["host_optimizer_bytes"]} if args.offload_optimizer else {}),
-        **({"offload_seconds": _offload_seconds(meta, L, args),
-            "device_bytes_per_param": sum(costs.bytes_per_param(L))} if args.offload_optimizer else {}),
-        "layout": {"tp": tp, "cp": cp, "ep": args.ep, "pp": L.pp, "vpp": L.vpp, "dp": dp, "world": world,
-                   "microbatches": L.microbatches, "sequence_parallel": args.sequence_parallel,
-                   "distributed_optimizer": args.distributed_optimizer,
-                   "offload_optimizer": args.offload_optimizer, "recompute": args.recompute,
-                   "precision": args.precision, **({"frozen": list(L.frozen)} if L.frozen else {})},
+        **(
+            {
+                "offload_seconds": _offload_seconds(meta, L, args),
+                "device_bytes_per_param": sum(costs.bytes_per_param(L)),
+            }
+            if args.offload_optimizer
+            else {}
+        ),
+        "layout": {
+            "tp": tp,
+            "cp": cp,
+            "ep": args.ep,
+            "pp": L.pp,
+            "vpp": L.vpp,
+            "dp": dp,
+            "world": world,
+            "microbatches": L.microbatches,
+            "sequence_parallel": args.sequence_parallel,
+            "distributed_optimizer": args.distributed_optimizer,
+            "offload_optimizer": args.offload_optimizer,
+            "recompute": args.recompute,
+            "precision": args.precision,
+            **({"frozen": list(L.frozen)} if L.frozen else {}),
+        },
         "ranks": {r: parallel.rank_coordinates(r) for r in range(min(world, 4096))},
     }
     # The first stage's activations under every recompute / sequence-parallel choice (for choosing one).
     bytes_el = 2 if args.precision != "fp32" else 4
     rep["activations_by_choice_bytes"] = {
-        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(args.micro_batch_size, tp, sp, rc, bytes_el, L.flash,
-                                                                   cp) * (cfg.num_layers // L.pp) * mem["in_flight"]
-        for rc in ("none", "selective", "full") for sp in (False, True)}
+        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(
+            args.micro_batch_size, tp, sp, rc, bytes_el, L.flash, cp
+        )
+        * (cfg.num_layers // L.pp)
+        * mem["in_flight"]
+        for rc in ("none", "selective", "full")
+        for sp in (False, True)
+    }
     if L.pp > 1:
         from megakernels.parallel.pipeline import bubble_fraction, format_schedule
+
         name = "interleaved" if L.vpp > 1 else args.schedule
         rep["bubble_fraction"] = bubble_fraction(name, L.pp, L.microbatches, L.vpp)
         if L.pp <= 8 and L.microbatches * L.vpp <= 32:
@@ -111,50 +160,82 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
 
 def _print(rep: dict, cfg: ModelConfig, out) -> None:
     lay = rep["layout"]
-    out(f"{rep['preset'] or cfg.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
-        f"seq {cfg.seq_length}, vocab {cfg.vocab_size}")
-    out(f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
-        "device" + (f"; {human(rep['active_parameters'])} active per token ({cfg.num_experts} experts, top "
-                    f"{cfg.moe_top_k})" if cfg.num_experts else "")
-        + (f"; {human(rep['trained_parameters_per_device'])} trained on it (--freeze {','.join(lay['frozen'])}: "
-           "the frozen ones have no gradients or optimizer state)" if "trained_parameters_per_device" in rep else ""))
+    out(
+        f"{rep['preset'] or cfg.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
+        f"seq {cfg.seq_length}, vocab {cfg.vocab_size}"
+    )
+    out(
+        f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
+        "device"
+        + (
+            f"; {human(rep['active_parameters'])} active per token ({cfg.num_experts} experts, top {cfg.moe_top_k})"
+            if cfg.num_experts
+            else ""
+        )
+        + (
+            f"; {human(rep['trained_parameters_per_device'])} trained on it (--freeze {','.join(lay['frozen'])}: "
+            "the frozen ones have no gradients or optimizer state)"
+            if "trained_parameters_per_device" in rep
+            else ""
+        )
+    )
     if "expert_memory_per_device_bytes" in rep:
-        out(f"expert weights, gradients and optimizer state per device: "
-            f"{human(rep['expert_memory_per_device_bytes'], 'B')} (ep={lay['ep']})")
+        out(
+            f"expert weights, gradients and optimizer state per device: "
+            f"{human(rep['expert_memory_per_device_bytes'], 'B')} (ep={lay['ep']})"
+        )
     if "flops_per_sample" in rep:
-        out(f"vision: {cfg.image_size}px images, patch {cfg.patch_size}, {rep['image_tokens_per_sample']} image tokens "
+        out(
+            f"vision: {cfg.image_size}px images, patch {cfg.patch_size}, {rep['image_tokens_per_sample']} image tokens "
             f"per sample, encoder {cfg.vision_layers} layers × {cfg.vision_hidden_size}; "
-            f"{human(rep['flops_per_sample'], 'FLOP')} per sample (encoder, projector and language model)")
-    out(f"FLOPs per step: {human(rep['flops_per_step'], 'FLOP')} (model), "
-        f"{human(rep['flops_per_step_executed'], 'FLOP')} executed with recompute={lay['recompute']}")
+            f"{human(rep['flops_per_sample'], 'FLOP')} per sample (encoder, projector and language model)"
+        )
+    out(
+        f"FLOPs per step: {human(rep['flops_per_step'], 'FLOP')} (model), "
+        f"{human(rep['flops_per_step_executed'], 'FLOP')} executed with recompute={lay['recompute']}"
+    )
     b = rep["memory_breakdown_bytes"]
-    out(f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
+    out(
+        f"memory per device: {human(rep['memory_per_device_bytes'], 'B')} = weights {human(b['weights'], 'B')} "
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
-        f"+ activations {human(b['activations'], 'B')}")
+        f"+ activations {human(b['activations'], 'B')}"
+    )
     if "device_bytes_per_param" in rep:
         weight = 4 if lay["precision"] == "fp32" else 2
-        out(f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
+        out(
+            f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
             f"({lay['precision']} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
-            "and the reduction, also under ZeRO-1); no optimizer state")
+            "and the reduction, also under ZeRO-1); no optimizer state"
+        )
     if "host_memory_per_rank_bytes" in rep:
-        out(f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
+        out(
+            f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
             f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "
-            f"{human(rep['host_memory_per_rank_bytes'], 'B')}")
-        out(f"offloaded optimizer per step on an {rep['offload_seconds']['device']}: "
-            f"{costs.describe_offload(rep['offload_seconds'], costs.HOST_ADAMW_NS_PER_PARAM)}")
-    out(f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
+            f"{human(rep['host_memory_per_rank_bytes'], 'B')}"
+        )
+        out(
+            f"offloaded optimizer per step on an {rep['offload_seconds']['device']}: "
+            f"{costs.describe_offload(rep['offload_seconds'], costs.HOST_ADAMW_NS_PER_PARAM)}"
+        )
+    out(
+        f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
-        f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}")
-    out("activations on the first stage by choice (Korthikanti et al. 2022): " + ", ".join(
-        f"{k} {human(v, 'B')}" for k, v in rep["activations_by_choice_bytes"].items()))
+        f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}"
+    )
+    out(
+        "activations on the first stage by choice (Korthikanti et al. 2022): "
+        + ", ".join(f"{k} {human(v, 'B')}" for k, v in rep["activations_by_choice_bytes"].items())
+    )
     if "bubble_fraction" in rep:
         out(f"pipeline bubble: {rep['bubble_fraction']:.3f} of the step's useful time")
     if "schedule" in rep:
         out(rep["schedule"])
     ranks = rep["ranks"]
     if len(ranks) <= 64:
-        out("rank -> (tp, cp, pp, dp): " + ", ".join(f"{r}:({c['tp']},{c['cp']},{c['pp']},{c['dp']})"
-                                                     for r, c in ranks.items()))
+        out(
+            "rank -> (tp, cp, pp, dp): "
+            + ", ".join(f"{r}:({c['tp']},{c['cp']},{c['pp']},{c['dp']})" for r, c in ranks.items())
+        )
     for w in rep["warnings"]:
         out(f"warning: {w}")
     out(f"(computed in {rep['seconds']:.2f} s on the meta device)")

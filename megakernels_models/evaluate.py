@@ -34,8 +34,9 @@ def _logits(model, ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model, tokens: torch.Tensor, seq_length: int, vocab: int, stride: int | None = None,
-               words: int | None = None) -> dict:
+def perplexity(
+    model, tokens: torch.Tensor, seq_length: int, vocab: int, stride: int | None = None, words: int | None = None
+) -> dict:
     """Score every token of ``tokens`` (1-D) but the first once; see the module docstring.
 
     Raises:
@@ -50,7 +51,7 @@ def perplexity(model, tokens: torch.Tensor, seq_length: int, vocab: int, stride:
     loss_sum, scored, end_scored = 0.0, 0, 1  # targets [1, end_scored) are done
     start = 0
     while end_scored < n:
-        window = tokens[start:start + seq_length + 1]
+        window = tokens[start : start + seq_length + 1]
         logits = _logits(model, window[:-1].unsqueeze(0), vocab)[0]
         losses = F.cross_entropy(logits, window[1:], reduction="none")
         first_new = end_scored - (start + 1)  # index in `losses` of the first target not yet scored
@@ -76,10 +77,10 @@ def lambada_accuracy(model, tokenizer, passages: list[str], seq_length: int, voc
             raise ValueError(f"lambada: a passage without a last word after a space: {text[:60]!r}")
         context = torch.as_tensor(tokenizer.encode(text[:cut]), dtype=torch.long)
         target = torch.as_tensor(tokenizer.encode(text[cut:]), dtype=torch.long)
-        ids = torch.cat([context, target])[-(seq_length + 1):]
+        ids = torch.cat([context, target])[-(seq_length + 1) :]
         logits = _logits(model, ids[:-1].unsqueeze(0), vocab)[0]
-        guess = logits[-target.numel():].argmax(-1)
-        correct += bool(torch.equal(guess, ids[-target.numel():]))
+        guess = logits[-target.numel() :].argmax(-1)
+        correct += bool(torch.equal(guess, ids[-target.numel() :]))
     return {"accuracy": correct / len(passages), "correct": correct, "passages": len(passages)}
 
 
@@ -93,8 +94,10 @@ def load_model(ckpt_dir: str, device: str = "cpu"):
     meta = checkpoint.read_meta(path)
     cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
     if cfg.model not in ("gpt", "llama", "vlm"):
-        raise ValueError(f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT, "
-                         "Llama) and vision-language models (--task caption)")
+        raise ValueError(
+            f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT, "
+            "Llama) and vision-language models (--task caption)"
+        )
     model = task_for(cfg).build_chunk(0, device=device).eval()
     checkpoint.load(path, [model], None, cfg)
     return model, cfg
@@ -102,23 +105,41 @@ def load_model(ckpt_dir: str, device: str = "cpu"):
 
 def _tokenizer(spec: str):
     from megakernels_models.data.tokenizer import build_tokenizer
+
     return build_tokenizer(spec)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity (WikiText style) or LAMBADA accuracy of a GPT or Llama checkpoint; "
-                       "caption accuracy of a vision-language one")
+    p = sub.add_parser(
+        "eval",
+        help="perplexity (WikiText style) or LAMBADA accuracy of a GPT or Llama checkpoint; "
+        "caption accuracy of a vision-language one",
+    )
     p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint (any layout)")
     p.add_argument("--task", required=True, choices=["ppl", "lambada", "caption"])
-    p.add_argument("--data", default=None, metavar="FILE", help="text file (ppl) or JSONL of passages (lambada); "
-                   "caption: an image-text PREFIX (default: the embedded shapes)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="text file (ppl) or JSONL of passages (lambada); "
+        "caption: an image-text PREFIX (default: the embedded shapes)",
+    )
     p.add_argument("--samples", type=int, default=256, help="caption: held-out samples scored (default 256)")
-    p.add_argument("--baseline-captions", type=int, default=4096, help="caption: training captions the text-only "
-                   "baseline learns from (default 4096)")
-    p.add_argument("--seed", type=int, default=1234, help="caption: the training run's --seed (held-out draws use "
-                   "another)")
-    p.add_argument("--tokenizer", default=None, help="byte | hf:PATH | spm:PATH, the one the model was trained with "
-                   "(default: the checkpoint's tokenizer.json, else byte)")
+    p.add_argument(
+        "--baseline-captions",
+        type=int,
+        default=4096,
+        help="caption: training captions the text-only baseline learns from (default 4096)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=1234, help="caption: the training run's --seed (held-out draws use another)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="byte | hf:PATH | spm:PATH, the one the model was trained with "
+        "(default: the checkpoint's tokenizer.json, else byte)",
+    )
     p.add_argument("--stride", type=int, default=None, help="ppl window stride (default: seq_length)")
     p.add_argument("--json-key", default="text")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -151,8 +172,10 @@ def main(ns) -> int:
             if ns.task == "ppl":
                 tokens = torch.as_tensor(tok.encode(raw), dtype=torch.long, device=ns.device)
                 res = perplexity(model, tokens, cfg.seq_length, cfg.vocab_size, ns.stride, len(raw.split()))
-                print(f"ppl: {res['tokens']} tokens, loss {res['loss']:.4f}, token ppl {res['ppl']:.3f}, "
-                      f"word ppl {res['word_ppl']:.3f} ({res['words']} words)")
+                print(
+                    f"ppl: {res['tokens']} tokens, loss {res['loss']:.4f}, token ppl {res['ppl']:.3f}, "
+                    f"word ppl {res['word_ppl']:.3f} ({res['words']} words)"
+                )
             else:
                 passages = [json.loads(line)[ns.json_key] for line in raw.splitlines() if line.strip()]
                 res = lambada_accuracy(model, tok, passages, cfg.seq_length, cfg.vocab_size)
@@ -178,8 +201,9 @@ def _caption(ns) -> int:
         with single_process_world(ns.device, parallel=True):
             model, cfg = load_model(ns.load, ns.device)
             if cfg.model != "vlm":
-                raise ValueError(f"--task caption needs a vision-language checkpoint; --load {ns.load} holds a "
-                                 f"{cfg.model} model")
+                raise ValueError(
+                    f"--task caption needs a vision-language checkpoint; --load {ns.load} holds a {cfg.model} model"
+                )
             train, _, test = caption_datasets(cfg, tok, ns.data, ns.seed)
             if test is None:
                 raise ValueError(f"--data {ns.data}: the test split (949,50,1) is empty")
@@ -191,7 +215,9 @@ def _caption(ns) -> int:
         return 2
     for name in ("model", "mismatched_image", "text_only"):
         r = res[name]
-        print(f"caption {name:>16}: token accuracy {r['token_accuracy']:.4f}, exact match {r['exact_match']:.4f}, "
-              f"image-dependent token accuracy {r['image_token_accuracy']:.4f}")
+        print(
+            f"caption {name:>16}: token accuracy {r['token_accuracy']:.4f}, exact match {r['exact_match']:.4f}, "
+            f"image-dependent token accuracy {r['image_token_accuracy']:.4f}"
+        )
     print(json.dumps(res))
     return 0

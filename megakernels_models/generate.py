@@ -19,8 +19,13 @@ import torch
 from megakernels.nn.kv_cache import KVCache
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """The next token of each row of ``logits`` ``[b, vocab]`` (see the module docstring); int64 ``[b]``."""
     if temperature == 0.0:
         return logits.argmax(-1)
@@ -39,9 +44,17 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             eos_token_id: int | None = None, on_token=None) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | None = None,
+    on_token=None,
+) -> torch.Tensor:
     """Continue ``input_ids`` ``[b, s]`` by up to ``max_new_tokens`` tokens with ``model`` (a ``PretrainedLM``);
     returns ``[b, s + generated]``. ``on_token(ids [b])`` is called for each new token (streaming). Stops early
     when every row produced ``eos_token_id``, or at the model's ``seq_length`` with learned positions.
@@ -61,8 +74,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     cfg = model.config
     limit = cfg.seq_length if cfg.position_embedding == "learned" else None
     if limit is not None and input_ids.shape[1] > limit:
-        raise ValueError(f"generate: the prompt has {input_ids.shape[1]} tokens, more than the model's learned "
-                         f"positions ({limit})")
+        raise ValueError(
+            f"generate: the prompt has {input_ids.shape[1]} tokens, more than the model's learned positions ({limit})"
+        )
     generator = None if seed is None else torch.Generator(device=input_ids.device).manual_seed(seed)
     cache = KVCache()
     out = input_ids
@@ -93,8 +107,11 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--tokenizer", default=None, help="byte | hf:PATH | spm:PATH (default: the checkpoint's "
-                   "tokenizer.json, else byte)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="byte | hf:PATH | spm:PATH (default: the checkpoint's tokenizer.json, else byte)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(_run=main)
 

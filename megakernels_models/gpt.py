@@ -39,8 +39,13 @@ class GPTModel(LanguageModel):
             raise ValueError(f"{type(self).__name__}: config.model is {config.model!r}, expected {self.family!r}")
         super().__init__(config, seed, causal=True, **kwargs)
 
-    def forward(self, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
         x = self.encode(ids, hidden, kv_cache=kv_cache)
         if not self.post_process:
             return x

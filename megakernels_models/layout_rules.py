@@ -20,11 +20,22 @@ def layout_of(a) -> ParallelLayout:
     """
     restarts = a.restart_count() if "WORLD_SIZE" in os.environ else 0
     # After an elastic restart the world is whatever rejoined, not what the command line planned for: say so.
-    source = (f"torchrun's WORLD_SIZE after elastic restart {restarts}" if restarts
-              else "--nproc or torchrun's WORLD_SIZE")
+    source = (
+        f"torchrun's WORLD_SIZE after elastic restart {restarts}" if restarts else "--nproc or torchrun's WORLD_SIZE"
+    )
     try:
-        return ParallelLayout.build(a.world_size(), tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, vpp=a.vpp, dp=a.dp,
-                                    sequence_parallel=a.sequence_parallel, source=source, names=FLAGS)
+        return ParallelLayout.build(
+            a.world_size(),
+            tp=a.tp,
+            cp=a.cp,
+            pp=a.pp,
+            ep=a.ep,
+            vpp=a.vpp,
+            dp=a.dp,
+            sequence_parallel=a.sequence_parallel,
+            source=source,
+            names=FLAGS,
+        )
     except LayoutError as e:
         raise ArgumentError(str(e)) from None
 

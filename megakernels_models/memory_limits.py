@@ -81,8 +81,10 @@ def host_memory() -> dict:
     if cgroup is not None:
         candidates.append((cgroup[0], f"the cgroup limit {cgroup[1]}"))
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return {"available": min(candidates) if candidates else None,
-            "per_process": (soft, "RLIMIT_AS (ulimit -v)") if soft != resource.RLIM_INFINITY else None}
+    return {
+        "available": min(candidates) if candidates else None,
+        "per_process": (soft, "RLIMIT_AS (ulimit -v)") if soft != resource.RLIM_INFINITY else None,
+    }
 
 
 def device_memory(index: int) -> tuple[int, int]:
@@ -120,17 +122,23 @@ def check(args, cfg) -> None:
     what = "model state and activations" if args.device == "cpu" else "host optimizer state (--offload-optimizer)"
     if on_host and host["available"] is not None and ranks * on_host > host["available"][0]:
         limit, source = host["available"]
-        raise ArgumentError(f"the model needs about {human(ranks * on_host, 'B')} of memory ({ranks} rank(s) × "
-                            f"{human(on_host, 'B')} of {what}, the --dry-run estimate) but this machine has "
-                            f"{human(limit, 'B')} available ({source}){skip}")
+        raise ArgumentError(
+            f"the model needs about {human(ranks * on_host, 'B')} of memory ({ranks} rank(s) × "
+            f"{human(on_host, 'B')} of {what}, the --dry-run estimate) but this machine has "
+            f"{human(limit, 'B')} available ({source}){skip}"
+        )
     if on_host and host["per_process"] is not None and on_host > host["per_process"][0]:
         limit, source = host["per_process"]
-        raise ArgumentError(f"each rank needs about {human(on_host, 'B')} of memory ({what}, the --dry-run estimate) "
-                            f"but a process may use {human(limit, 'B')} ({source}){skip}")
+        raise ArgumentError(
+            f"each rank needs about {human(on_host, 'B')} of memory ({what}, the --dry-run estimate) "
+            f"but a process may use {human(limit, 'B')} ({source}){skip}"
+        )
     if args.device == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0"))
         free, total = device_memory(index)
         if need["device"] > free:
-            raise ArgumentError(f"the model needs about {human(need['device'], 'B')} per GPU (model state and "
-                                f"activations, the --dry-run estimate) but cuda:{index} has {human(free, 'B')} free "
-                                f"of {human(total, 'B')}{skip}")
+            raise ArgumentError(
+                f"the model needs about {human(need['device'], 'B')} per GPU (model state and "
+                f"activations, the --dry-run estimate) but cuda:{index} has {human(free, 'B')} free "
+                f"of {human(total, 'B')}{skip}"
+            )

@@ -77,7 +77,7 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int | None = None,
     for _ in range(trials):
         t0 = time.perf_counter()
         a @ b
-        best = max(best, 2.0 * n ** 3 / (time.perf_counter() - t0) / 1e12)
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - t0) / 1e12)
     return best
 
 
@@ -119,8 +119,15 @@ class MFUMeter:
     """Per-step throughput of the logging rank: tokens/s, model TFLOP/s per device and MFU (see the module
     docstring; MFU never exceeds 1 against a measured CPU peak)."""
 
-    def __init__(self, flops_per_token: float, tokens_per_step: int, world: int, precision: str,
-                 device: torch.device, given: float | None = None):
+    def __init__(
+        self,
+        flops_per_token: float,
+        tokens_per_step: int,
+        world: int,
+        precision: str,
+        device: torch.device,
+        given: float | None = None,
+    ):
         self.flops_per_token, self.tokens_per_step, self.world = flops_per_token, tokens_per_step, world
         self.peak, self.source = device_peak_tflops(precision, device, given)
         self._dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

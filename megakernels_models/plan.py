@@ -32,8 +32,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_node: int,
-               precision: str = "bf16", offload: bool = False) -> list[costs.Layout]:
+def candidates(
+    cfg: ModelConfig,
+    gpus: int,
+    global_batch_size: int,
+    gpus_per_node: int,
+    precision: str = "bf16",
+    offload: bool = False,
+) -> list[costs.Layout]:
     """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check): the degrees and
     micro-batch sizes worth ranking, kept when ``megakernels.parallel.layout`` — the rules ``megakernels train``
     validates with — finds nothing broken. ``offload``: with the optimizer state in host memory
@@ -47,11 +53,13 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_nod
             if gpus % (tp * pp * cp):
                 continue
             dp = gpus // (tp * pp * cp)
-            for ep, vpp in itertools.product(_divisors(dp) if cfg.num_experts else [1], (None, 2, 4) if pp > 1
-                                             else (None,)):
+            for ep, vpp in itertools.product(
+                _divisors(dp) if cfg.num_experts else [1], (None, 2, 4) if pp > 1 else (None,)
+            ):
                 try:
-                    layout = ParallelLayout.build(gpus, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp,
-                                                  sequence_parallel=sequence_parallel and tp > 1)
+                    layout = ParallelLayout.build(
+                        gpus, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp, sequence_parallel=sequence_parallel and tp > 1
+                    )
                 except LayoutError:
                     continue
                 if layout.model_problem(shapes):
@@ -60,17 +68,36 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch_size: int, gpus_per_nod
                     if mbs > 16 or layout.batch_problem(mbs, global_batch_size):
                         continue
                     for recompute, zero in itertools.product(("none", "selective", "full"), (True, False)):
-                        out.append(costs.Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp or 1,
-                                                micro_batch_size=mbs, global_batch_size=global_batch_size,
-                                                sequence_parallel=layout.sequence_parallel,
-                                                distributed_optimizer=zero and dp * cp > 1, recompute=recompute,
-                                                precision=precision, offload_optimizer=offload))
+                        out.append(
+                            costs.Layout(
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                cp=cp,
+                                ep=ep,
+                                vpp=vpp or 1,
+                                micro_batch_size=mbs,
+                                global_batch_size=global_batch_size,
+                                sequence_parallel=layout.sequence_parallel,
+                                distributed_optimizer=zero and dp * cp > 1,
+                                recompute=recompute,
+                                precision=precision,
+                                offload_optimizer=offload,
+                            )
+                        )
     return list(dict.fromkeys(out))
 
 
-def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Device, gpus_per_node: int = 8,
-         precision: str = "bf16", offload: bool = False,
-         host_adamw_ns: float = costs.HOST_ADAMW_NS_PER_PARAM) -> list[dict]:
+def rank(
+    cfg: ModelConfig,
+    gpus: int,
+    global_batch_size: int,
+    device: costs.Device,
+    gpus_per_node: int = 8,
+    precision: str = "bf16",
+    offload: bool = False,
+    host_adamw_ns: float = costs.HOST_ADAMW_NS_PER_PARAM,
+) -> list[dict]:
     """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}`` (``host_adamw_ns``: the
     host AdamW's ns per parameter, with ``offload``).
 
@@ -83,12 +110,19 @@ def rank(cfg: ModelConfig, gpus: int, global_batch_size: int, device: costs.Devi
         mem = costs.memory(meta, layout)
         smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
         if costs.fits(mem["total"], device):
-            fitting.append({"layout": layout, "memory_bytes": mem["total"],
-                            "prediction": costs.predict(meta, layout, device, gpus_per_node, host_adamw_ns)})
+            fitting.append(
+                {
+                    "layout": layout,
+                    "memory_bytes": mem["total"],
+                    "prediction": costs.predict(meta, layout, device, gpus_per_node, host_adamw_ns),
+                }
+            )
     if not fitting:
         need = f"; the leanest needs {human(smallest, 'B')} per GPU" if smallest is not None else ""
-        raise ArgumentError(f"no layout of {gpus} GPUs fits {cfg.model} ({human(meta.parameters)} parameters) on "
-                            f"{device.name} ({device.memory_gb:g} GB){need}: use more GPUs or a smaller model")
+        raise ArgumentError(
+            f"no layout of {gpus} GPUs fits {cfg.model} ({human(meta.parameters)} parameters) on "
+            f"{device.name} ({device.memory_gb:g} GB){need}: use more GPUs or a smaller model"
+        )
     # ties (layouts predicted equal) go to the less memory-hungry one
     fitting.sort(key=lambda r: (round(r["prediction"]["step_s"], 9), r["memory_bytes"]))
     return fitting
@@ -102,8 +136,14 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_
     flags += ["--cp", str(layout.cp)] if layout.cp > 1 else []
     flags += ["--ep", str(layout.ep)] if layout.ep > 1 else []
     flags += ["--vpp", str(layout.vpp)] if layout.vpp > 1 else []
-    flags += ["--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size",
-              str(layout.global_batch_size), "--precision", layout.precision]
+    flags += [
+        "--micro-batch-size",
+        str(layout.micro_batch_size),
+        "--global-batch-size",
+        str(layout.global_batch_size),
+        "--precision",
+        layout.precision,
+    ]
     flags += ["--sequence-parallel"] if layout.sequence_parallel else []
     flags += ["--distributed-optimizer"] if layout.distributed_optimizer else []
     flags += ["--offload-optimizer"] if layout.offload_optimizer else []
@@ -114,8 +154,10 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_
     nodes = -(-layout.world // per_node)
     launcher = f"torchrun --nproc-per-node {per_node}"
     if nodes > 1:  # the same command on every node; MASTER_ADDR: node 0's address
-        launcher = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-                    "--rdzv-endpoint $MASTER_ADDR:29500")
+        launcher = (
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            "--rdzv-endpoint $MASTER_ADDR:29500"
+        )
     return f"{launcher} -m megakernels_models.cli train " + " ".join(flags)
 
 
@@ -130,13 +172,22 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-length", type=int, default=None, help="overrides the model's")
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's, else 8 × gpus")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--offload-optimizer", action="store_true", help="plan with the optimizer state in host memory "
-                   "(device memory drops by the optimizer state; the host AdamW and the transfers not hidden are "
-                   "added to the step time)")
-    p.add_argument("--host-adamw-ns", type=float, default=costs.HOST_ADAMW_NS_PER_PARAM, metavar="NS",
-                   help="with --offload-optimizer: the host AdamW's ns per parameter of a rank, as `megakernels "
-                   f"bench --ops adamw_offload` measures it on the target host (default "
-                   f"{costs.HOST_ADAMW_NS_PER_PARAM})")
+    p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="plan with the optimizer state in host memory "
+        "(device memory drops by the optimizer state; the host AdamW and the transfers not hidden are "
+        "added to the step time)",
+    )
+    p.add_argument(
+        "--host-adamw-ns",
+        type=float,
+        default=costs.HOST_ADAMW_NS_PER_PARAM,
+        metavar="NS",
+        help="with --offload-optimizer: the host AdamW's ns per parameter of a rank, as `megakernels "
+        f"bench --ops adamw_offload` measures it on the target host (default "
+        f"{costs.HOST_ADAMW_NS_PER_PARAM})",
+    )
     p.add_argument("--top", type=int, default=5, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.set_defaults(_run=main)
@@ -174,35 +225,58 @@ def main(ns) -> int:
         cfg, source, gbs = _model(ns)
         gbs = ns.global_batch_size or gbs or 8 * ns.gpus
         device = costs.DEVICES[ns.gpu]
-        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision, ns.offload_optimizer,
-                      ns.host_adamw_ns)
+        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision, ns.offload_optimizer, ns.host_adamw_ns)
     except (ArgumentError, ValueError) as e:
         print(f"megakernels plan: error: {e}", file=sys.stderr)
         return 2
-    best = ranked[:ns.top]
-    rows = [{"rank": i + 1, "layout": dataclasses.asdict(r["layout"]), "memory_per_gpu_bytes": r["memory_bytes"],
-             **{k: r["prediction"][k] for k in ("step_s", "tokens_per_s", "mfu", "bubble_fraction")},
-             "time_split_s": {k: r["prediction"][k] for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s",
-                                                               "ep_s", "offload_s")},
-             "command": command(r["layout"], source, gpus_per_node=ns.gpus_per_node)} for i, r in enumerate(best)]
+    best = ranked[: ns.top]
+    rows = [
+        {
+            "rank": i + 1,
+            "layout": dataclasses.asdict(r["layout"]),
+            "memory_per_gpu_bytes": r["memory_bytes"],
+            **{k: r["prediction"][k] for k in ("step_s", "tokens_per_s", "mfu", "bubble_fraction")},
+            "time_split_s": {
+                k: r["prediction"][k]
+                for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s", "ep_s", "offload_s")
+            },
+            "command": command(r["layout"], source, gpus_per_node=ns.gpus_per_node),
+        }
+        for i, r in enumerate(best)
+    ]
     if ns.json:
-        print(json.dumps({"gpus": ns.gpus, "gpu": device.name, "global_batch_size": gbs, "layouts_fitting":
-                          len(ranked), "ranking": rows}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "gpus": ns.gpus,
+                    "gpu": device.name,
+                    "global_batch_size": gbs,
+                    "layouts_fitting": len(ranked),
+                    "ranking": rows,
+                },
+                indent=1,
+            )
+        )
         return 0
-    print(f"{cfg.model} {human(costs.MetaModel(cfg).parameters)} parameters on {ns.gpus} × {device.name} "
-          f"({ns.gpus_per_node} per node), global batch {gbs} × {cfg.seq_length} tokens: {len(ranked)} layouts fit")
-    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'dp':>5} {'mbs':>4} {'recompute':>9} "
-          f"{'zero':>4} {'GB/GPU':>7} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>7}")
+    print(
+        f"{cfg.model} {human(costs.MetaModel(cfg).parameters)} parameters on {ns.gpus} × {device.name} "
+        f"({ns.gpus_per_node} per node), global batch {gbs} × {cfg.seq_length} tokens: {len(ranked)} layouts fit"
+    )
+    print(
+        f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'dp':>5} {'mbs':>4} {'recompute':>9} "
+        f"{'zero':>4} {'GB/GPU':>7} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>7}"
+    )
     for row in rows:
         L = row["layout"]
-        print(f"{row['rank']:>2} {L['tp']:>3} {L['pp']:>3} {L['vpp']:>3} {L['cp']:>3} {L['ep']:>3} {L['dp']:>5} "
-              f"{L['micro_batch_size']:>4} {L['recompute']:>9} {'yes' if L['distributed_optimizer'] else 'no':>4} "
-              f"{row['memory_per_gpu_bytes'] / 1e9:>7.1f} {row['step_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
-              f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}")
+        print(
+            f"{row['rank']:>2} {L['tp']:>3} {L['pp']:>3} {L['vpp']:>3} {L['cp']:>3} {L['ep']:>3} {L['dp']:>5} "
+            f"{L['micro_batch_size']:>4} {L['recompute']:>9} {'yes' if L['distributed_optimizer'] else 'no':>4} "
+            f"{row['memory_per_gpu_bytes'] / 1e9:>7.1f} {row['step_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
+            f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}"
+        )
     if ns.offload_optimizer:
         best_prediction = ranked[0]["prediction"]
         line = costs.describe_offload(best_prediction, ns.host_adamw_ns)
         print(f"\noffloaded optimizer in the best layout's step: {line}")
     print("\nrun the best:\n  " + rows[0]["command"])
     return 0
-

@@ -31,14 +31,19 @@ class StopConditions:
         exit_signal: ``"SIGTERM"``, ``"SIGUSR1"`` or ``"none"`` (no handler: the signal's default action).
         exit_interval: stop after every step that is a multiple of it (None: never).
         exit_duration_mins: stop after the first step that ends this many minutes after construction (None: never).
-        device: where the agreement all-reduce's tensor lives (the process group's device).
+        device: where the agreement all-reduce's tensor lives (the process group's device; default the CPU).
 
     Raises:
         ValueError: an unknown ``exit_signal``.
     """
 
-    def __init__(self, exit_signal: str = "SIGTERM", exit_interval: int | None = None,
-                 exit_duration_mins: float | None = None, device=torch.device("cpu")):
+    def __init__(
+        self,
+        exit_signal: str = "SIGTERM",
+        exit_interval: int | None = None,
+        exit_duration_mins: float | None = None,
+        device=None,
+    ):
         if exit_signal not in SIGNALS:
             raise ValueError(f"--exit-signal must be one of {', '.join(SIGNALS)}, got {exit_signal!r}")
         self.signal = None if exit_signal == "none" else getattr(signal, exit_signal)

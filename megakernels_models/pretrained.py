@@ -32,17 +32,26 @@ def _ensure_world(device: str) -> None:
 
     if state.is_initialized():
         if state.tp_size() * state.pp_size() * state.cp_size() != 1:
-            raise RuntimeError("load_pretrained: megakernels.parallel is initialised with a model-parallel layout; "
-                               "load a checkpoint for one process in a world with tp = pp = cp = 1")
+            raise RuntimeError(
+                "load_pretrained: megakernels.parallel is initialised with a model-parallel layout; "
+                "load a checkpoint for one process in a world with tp = pp = cp = 1"
+            )
         return
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=600),
+        )
         _OWNED = True
         atexit.register(release)
     elif dist.get_world_size() != 1:
-        raise RuntimeError("load_pretrained: torch.distributed has several ranks; call it in a one-rank world or "
-                           "initialise megakernels.parallel with tp = pp = 1")
+        raise RuntimeError(
+            "load_pretrained: torch.distributed has several ranks; call it in a one-rank world or "
+            "initialise megakernels.parallel with tp = pp = 1"
+        )
     state.initialize(1, 1)
     _INITIALISED = True
 
@@ -79,7 +88,7 @@ class PretrainedLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"PretrainedLM: input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         logits = self.model(input_ids, kv_cache=kv_cache)
-        return logits.transpose(0, 1)[..., :self.config.vocab_size].float()
+        return logits.transpose(0, 1)[..., : self.config.vocab_size].float()
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """``megakernels_models.generate.generate`` on this model."""
@@ -88,8 +97,9 @@ class PretrainedLM(nn.Module):
         return generate(self, input_ids, **kwargs)
 
 
-def load_pretrained(path: str, device: str = "cpu", dtype: torch.dtype | None = None,
-                    tokenizer: str | None = None) -> PretrainedLM:
+def load_pretrained(
+    path: str, device: str = "cpu", dtype: torch.dtype | None = None, tokenizer: str | None = None
+) -> PretrainedLM:
     """The causal language model (GPT or Llama family) of the checkpoint at ``path`` (a ``--save`` directory or
     one ``step-N`` in it), on ``device`` in ``dtype`` (default fp32), in evaluation mode.
 

@@ -24,8 +24,17 @@ class ArgumentError(ValueError):
     """An invalid setting or combination of settings (the message names the flag and the rule)."""
 
 
-def setting(default, help: str, group: str, *, choices=None, flag: str | None = None, metavar: str | None = None,
-            type=None, cli: bool = True):
+def setting(
+    default,
+    help: str,
+    group: str,
+    *,
+    choices=None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    type=None,
+    cli: bool = True,
+):
     """A dataclass field with its command-line description.
 
     Args:
@@ -37,8 +46,18 @@ def setting(default, help: str, group: str, *, choices=None, flag: str | None = 
         metavar, type: as argparse's; ``type`` defaults to the default's type (needed when the default is None).
         cli: False for a setting only code sets (no flag).
     """
-    return dataclasses.field(default=default, metadata={
-        "help": help, "group": group, "choices": choices, "flag": flag, "metavar": metavar, "type": type, "cli": cli})
+    return dataclasses.field(
+        default=default,
+        metadata={
+            "help": help,
+            "group": group,
+            "choices": choices,
+            "flag": flag,
+            "metavar": metavar,
+            "type": type,
+            "cli": cli,
+        },
+    )
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -162,8 +181,9 @@ def _flag_type(typ):
 _METAVARS = {int: "N", float: "X"}
 
 
-def add_settings(parser: argparse.ArgumentParser, cls, names=None, defaults: dict | None = None,
-                 group: str | None = None) -> None:
+def add_settings(
+    parser: argparse.ArgumentParser, cls, names=None, defaults: dict | None = None, group: str | None = None
+) -> None:
     """Add a flag to ``parser`` for every command-line field of dataclass ``cls`` (or those in ``names``), grouped
     as declared (or all in ``group``); ``defaults`` replaces field defaults in the help text (the values themselves
     still come from the dataclass or the caller)."""

@@ -61,8 +61,11 @@ class CausalLMTask(Task):
         return {"tokens": global_batch * self.config.seq_length}
 
     def forward(self, model, batch, hidden, norm):
-        out = model(ids=batch["ids"] if model.pre_process else None,
-                    labels=batch["labels"] if model.post_process else None, hidden=hidden)
+        out = model(
+            ids=batch["ids"] if model.pre_process else None,
+            labels=batch["labels"] if model.post_process else None,
+            hidden=hidden,
+        )
         return out.sum() / norm["tokens"] if model.post_process else out
 
 
@@ -80,9 +83,14 @@ class BertTask(Task):
         return {"tokens": _count_labels(micro, "mlm_labels"), "samples": global_batch}
 
     def forward(self, model, batch, hidden, norm):
-        out = model(ids=batch["ids"] if model.pre_process else None, token_types=batch["token_types"],
-                    padding_mask=batch["padding_mask"], mlm_labels=batch["mlm_labels"] if model.post_process else None,
-                    sop_labels=batch["sop_labels"], hidden=hidden)
+        out = model(
+            ids=batch["ids"] if model.pre_process else None,
+            token_types=batch["token_types"],
+            padding_mask=batch["padding_mask"],
+            mlm_labels=batch["mlm_labels"] if model.post_process else None,
+            sop_labels=batch["sop_labels"],
+            hidden=hidden,
+        )
         if not model.post_process:
             return out
         mlm, sop = out
@@ -101,8 +109,12 @@ class VisionLanguageTask(Task):
 
     # --freeze's groups: the top-level modules each names (the usual two-stage recipe freezes vision and lm,
     # training the projector, then unfreezes the language model)
-    GROUPS = {"vision": ("vision",), "projector": ("projector",), "cross": ("cross",),
-              "lm": ("embedding", "layers", "final_norm", "output_layer", "output_embedding")}
+    GROUPS = {
+        "vision": ("vision",),
+        "projector": ("projector",),
+        "cross": ("cross",),
+        "lm": ("embedding", "layers", "final_norm", "output_layer", "output_embedding"),
+    }
 
     def is_frozen(self, name, parts):
         top = name.split(".", 1)[0]
@@ -113,8 +125,12 @@ class VisionLanguageTask(Task):
 
     def forward(self, model, batch, hidden, norm):
         first = model.pre_process
-        out = model(images=batch["images"] if first else None, ids=batch["ids"] if first else None,
-                    labels=batch["labels"] if model.post_process else None, hidden=hidden)
+        out = model(
+            images=batch["images"] if first else None,
+            ids=batch["ids"] if first else None,
+            labels=batch["labels"] if model.post_process else None,
+            hidden=hidden,
+        )
         if not model.post_process:
             return out
         if isinstance(out, tuple):
@@ -132,8 +148,7 @@ def _count_labels(micro: list[dict], key: str) -> torch.Tensor:
     return count.clamp(min=1.0)
 
 
-TASKS: dict[str, type[Task]] = {"gpt": CausalLMTask, "llama": CausalLMTask, "bert": BertTask,
-                                "vlm": VisionLanguageTask}
+TASKS: dict[str, type[Task]] = {"gpt": CausalLMTask, "llama": CausalLMTask, "bert": BertTask, "vlm": VisionLanguageTask}
 
 
 def task_for(config: ModelConfig) -> Task:

@@ -9,7 +9,8 @@ Phases of one optimizer step, on each rank:
 
 - ``forward``: time inside the trainer's ``forward_step`` (every micro-batch's forward, the loss included; tensor-
   parallel collectives inside the layers count here, they are not separable without a profiler);
-- ``bubble``: time blocked in pipeline exchanges (the executor's ``exchange_hook``): waiting for the neighbouring stage (the
+- ``bubble``: time blocked in pipeline exchanges (the executor's ``exchange_hook``): waiting for the neighbouring stage
+(the
   pipeline bubble) plus the transfers themselves, which on one node are the small part;
 - ``backward``: the rest of the pipeline phase: the backward passes (with their tensor-parallel collectives and the
   launch of the overlapped data-parallel bucket reductions), plus zeroing the gradient buffers, batch assembly and
@@ -89,6 +90,7 @@ class StepTimers:
                 return fn(*args, **kwargs)
             finally:
                 self._spans[span].append((t0, self._now()))
+
         return timed
 
     def start(self) -> None:
@@ -125,15 +127,20 @@ class StepTimers:
         m = self._marks
         span = {k: sum(self._seconds(a, b) for a, b in v) for k, v in self._spans.items()}
         pipeline = self._seconds(m["start"], m["pipeline"])
-        values = {"forward": span["forward"], "bubble": span["bubble"],
-                  "backward": max(0.0, pipeline - span["forward"] - span["bubble"]),
-                  "communication": self._seconds(m["pipeline"], m["communication"]),
-                  "optimizer": self._seconds(m["communication"], m["optimizer"]),
-                  "total": self._seconds(m["start"], m["optimizer"]),
-                  "peak_memory_bytes": float(torch.cuda.max_memory_allocated(self.device) if self._cuda
-                                             else _rss_peak_bytes())}
-        mine = torch.tensor([values[f] for f in FIELDS], dtype=torch.float64,
-                            device=self.device if self._cuda else "cpu")
+        values = {
+            "forward": span["forward"],
+            "bubble": span["bubble"],
+            "backward": max(0.0, pipeline - span["forward"] - span["bubble"]),
+            "communication": self._seconds(m["pipeline"], m["communication"]),
+            "optimizer": self._seconds(m["communication"], m["optimizer"]),
+            "total": self._seconds(m["start"], m["optimizer"]),
+            "peak_memory_bytes": float(
+                torch.cuda.max_memory_allocated(self.device) if self._cuda else _rss_peak_bytes()
+            ),
+        }
+        mine = torch.tensor(
+            [values[f] for f in FIELDS], dtype=torch.float64, device=self.device if self._cuda else "cpu"
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(every, mine)

@@ -36,7 +36,8 @@ from megakernels.optim.lr_schedule import LRSchedule
 from megakernels.parallel import watchdog
 from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import finalize_model_grads, wrap_model
-from megakernels.parallel.moe import set_aux_loss_scale, stats as moe_stats
+from megakernels.parallel.moe import set_aux_loss_scale
+from megakernels.parallel.moe import stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
 from megakernels_models import checkpoint, dryrun, syncpoints
@@ -60,10 +61,16 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
     pp, pp_rank, vpp = mpu.pp_size(), mpu.pp_rank(), args.vpp or 1
     chunks = []
     for c, layers in enumerate(stage_layers(task.config.num_layers, pp, vpp)[pp_rank]):
-        chunk = task.build_chunk(args.seed, layers=layers, pre_process=pp_rank == 0 and c == 0,
-                                 post_process=pp_rank == pp - 1 and c == vpp - 1,
-                                 sequence_parallel=args.sequence_parallel, attention=args.attention,
-                                 recompute=args.recompute, device=device)
+        chunk = task.build_chunk(
+            args.seed,
+            layers=layers,
+            pre_process=pp_rank == 0 and c == 0,
+            post_process=pp_rank == pp - 1 and c == vpp - 1,
+            sequence_parallel=args.sequence_parallel,
+            attention=args.attention,
+            recompute=args.recompute,
+            device=device,
+        )
         chunks.append(chunk.to(args.param_dtype()))
     frozen = list(args.frozen_parts())
     for chunk in chunks:
@@ -77,8 +84,14 @@ class PipelineStep:
     """One global batch through this rank's chunks: micro-batching, the schedule, the summed loss."""
 
     def __init__(self, task: Task, chunks, wrappers, args: TrainArgs, device, timers: StepTimers):
-        self.task, self.chunks, self.wrappers, self.args, self.device, self.timers = task, chunks, wrappers, args, \
-            device, timers
+        self.task, self.chunks, self.wrappers, self.args, self.device, self.timers = (
+            task,
+            chunks,
+            wrappers,
+            args,
+            device,
+            timers,
+        )
         cfg = task.config
         seq = cfg.tokens_per_sample // mpu.cp_size()  # context parallelism: this rank's two chunks of each sequence
         seq = seq // mpu.tp_size() if args.sequence_parallel else seq
@@ -90,7 +103,7 @@ class PipelineStep:
         args, mbs, m = self.args, self.args.micro_batch_size, self.num_microbatches
         dp, cp = mpu.dp_size(), mpu.cp_size()
         samples = [dataset[i] for i in global_batch_indices(step, args.global_batch_size, mpu.dp_rank(), dp)]
-        micro = [collate(samples[i * mbs:(i + 1) * mbs], self.device) for i in range(m)]
+        micro = [collate(samples[i * mbs : (i + 1) * mbs], self.device) for i in range(m)]
         norm = self.task.normalizers(micro, args.global_batch_size, self.device)
         if cp > 1:  # this rank's two chunks of every sequence
             micro = [{k: split_for_cp(v, 1, cp, mpu.cp_rank()) for k, v in b.items()} for b in micro]
@@ -111,10 +124,17 @@ class PipelineStep:
 
         schedule = "interleaved" if (args.vpp or 1) > 1 else ("forward_only" if forward_only else args.schedule)
         forward_backward(
-            self.timers.wrap_forward(forward_step), m, schedule=schedule, tensor_shape=self.shape,
-            dtype=args.param_dtype(), device=self.device, num_chunks=len(self.chunks), forward_only=forward_only,
+            self.timers.wrap_forward(forward_step),
+            m,
+            schedule=schedule,
+            tensor_shape=self.shape,
+            dtype=args.param_dtype(),
+            device=self.device,
+            num_chunks=len(self.chunks),
+            forward_only=forward_only,
             grad_sync=None if forward_only else (lambda c, on: [w.set_grad_sync(on) for w in self.wrappers[c]]),
-            exchange_hook=self.timers.exchange_hook)
+            exchange_hook=self.timers.exchange_hook,
+        )
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
         if losses and dp * cp > 1:
             dist.all_reduce(total, group=mpu.dp_cp_group())
@@ -140,30 +160,62 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     chunks = build_model_chunks(task, args, device)
     wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
     ddps = [d for ws in wrappers for d in ws]
-    opt = ParallelOptimizer(ddps, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                            weight_decay=args.weight_decay, distributed=args.distributed_optimizer,
-                            precision=args.precision, clip_grad=args.clip_grad,
-                            loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
-                            no_decay=no_decay_rule(chunks, args.no_weight_decay), offload=args.offload_optimizer)
-    lr_schedule = LRSchedule(args.lr, args.min_lr, args.warmup_steps, args.lr_decay_steps or args.steps,
-                             args.lr_decay_style, args.lr_wsd_decay_steps)
+    opt = ParallelOptimizer(
+        ddps,
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+        distributed=args.distributed_optimizer,
+        precision=args.precision,
+        clip_grad=args.clip_grad,
+        loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
+        no_decay=no_decay_rule(chunks, args.no_weight_decay),
+        offload=args.offload_optimizer,
+    )
+    lr_schedule = LRSchedule(
+        args.lr,
+        args.min_lr,
+        args.warmup_steps,
+        args.lr_decay_steps or args.steps,
+        args.lr_decay_style,
+        args.lr_wsd_decay_steps,
+    )
     train_ds, valid_ds, _ = build_datasets(args, cfg)
     timers = StepTimers(args.step_timers, device)  # off unless megakernels bench asks (per-phase times)
     run_batch = PipelineStep(task, chunks, wrappers, args, device, timers)
 
     log_rank = dist.get_rank() == dist.get_world_size() - 1
     tokens_per_step = args.global_batch_size * cfg.seq_length
-    meter = MFUMeter(cfg.flops_per_token("none"), tokens_per_step, dist.get_world_size(), args.precision, device,
-                     args.peak_tflops) if log_rank else None
+    meter = (
+        MFUMeter(
+            cfg.flops_per_token("none"),
+            tokens_per_step,
+            dist.get_world_size(),
+            args.precision,
+            device,
+            args.peak_tflops,
+        )
+        if log_rank
+        else None
+    )
     stop = StopConditions(args.exit_signal, args.exit_interval, args.exit_duration_mins, device)
     with stop:
         watchdog.progress("load")
         start = _resume(args, chunks, opt, cfg)
         config = resolved(args, cfg)
-        log = TrainLogger(log_rank, steps=args.steps, start_step=start, progress=args.progress,
-                          log_jsonl=args.log_jsonl, tensorboard=args.tensorboard, config=config)
-        saver = Checkpointer(args.save, args.keep_checkpoints, args.async_save, config, args.timeout) \
-            if args.save else None
+        log = TrainLogger(
+            log_rank,
+            steps=args.steps,
+            start_step=start,
+            progress=args.progress,
+            log_jsonl=args.log_jsonl,
+            tensorboard=args.tensorboard,
+            config=config,
+        )
+        saver = (
+            Checkpointer(args.save, args.keep_checkpoints, args.async_save, config, args.timeout) if args.save else None
+        )
         t_start = time.perf_counter()
         try:
             for step in range(start, args.steps):
@@ -185,13 +237,22 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 moe = moe_stats.summary(mpu.pp_group()) if task.config.num_experts else None
                 rec = None
                 if log_rank:
-                    rec = {"step": step + 1, "loss": float(loss), "lr": opt.lr, "grad_norm": grad_norm,
-                           "loss_scale": float(opt.loss_scale), "tokens": tokens_per_step * (step + 1),
-                           **meter.measure(time.perf_counter() - t0), "elapsed_s": time.perf_counter() - t_start,
-                           "skipped": not stepped, **(moe or {})}
+                    rec = {
+                        "step": step + 1,
+                        "loss": float(loss),
+                        "lr": opt.lr,
+                        "grad_norm": grad_norm,
+                        "loss_scale": float(opt.loss_scale),
+                        "tokens": tokens_per_step * (step + 1),
+                        **meter.measure(time.perf_counter() - t0),
+                        "elapsed_s": time.perf_counter() - t_start,
+                        "skipped": not stepped,
+                        **(moe or {}),
+                    }
                     if cfg.num_image_tokens:  # vision-language: images through the encoder per second
-                        rec["image_tokens_per_s"] = args.global_batch_size * cfg.num_image_tokens / max(
-                            time.perf_counter() - t0, 1e-9)
+                        rec["image_tokens_per_s"] = (
+                            args.global_batch_size * cfg.num_image_tokens / max(time.perf_counter() - t0, 1e-9)
+                        )
                     if step == start:  # measured on the tensors this rank holds (optimizer state exists after a step)
                         n = sum(p.numel() for c in chunks for p in c.parameters())
                         rec["memory_per_param_bytes"] = {k: v / n for k, v in opt.memory_bytes().items()}
@@ -223,15 +284,24 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 log.log(rec)
                 if reason or failed:
                     if log_rank and failed:
-                        print(f"megakernels train: error: stopped after step {step + 1}: {failed}", file=sys.stderr,
-                              flush=True)
+                        print(
+                            f"megakernels train: error: stopped after step {step + 1}: {failed}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     elif log_rank:
-                        where = ("nothing saved (no --save)" if saver is None else
-                                 f"the save failed, {_latest_name(args.save)} is the latest checkpoint" if save_error
-                                 else f"saved checkpoint {os.path.join(args.save, step_name(step + 1))}")
-                        print(f"megakernels train: stopped after step {step + 1} ({reason}): {where}"
-                              + (f"; relaunch with --load {args.save} to resume" if saver is not None else ""),
-                              flush=True)
+                        where = (
+                            "nothing saved (no --save)"
+                            if saver is None
+                            else f"the save failed, {_latest_name(args.save)} is the latest checkpoint"
+                            if save_error
+                            else f"saved checkpoint {os.path.join(args.save, step_name(step + 1))}"
+                        )
+                        print(
+                            f"megakernels train: stopped after step {step + 1} ({reason}): {where}"
+                            + (f"; relaunch with --load {args.save} to resume" if saver is not None else ""),
+                            flush=True,
+                        )
                     break
             watchdog.progress("save")
             if saver is not None:
@@ -259,8 +329,10 @@ def _too_many_save_failures(saver, limit: int, device) -> str | None:
     n = int(count.item())
     if n < limit:
         return None
-    return (f"{n} checkpoint saves in a row failed (--max-save-failures {limit}); the latest checkpoint is "
-            f"{_latest_name(saver.save_dir)}")
+    return (
+        f"{n} checkpoint saves in a row failed (--max-save-failures {limit}); the latest checkpoint is "
+        f"{_latest_name(saver.save_dir)}"
+    )
 
 
 def _latest_name(save_dir: str) -> str:
@@ -271,8 +343,15 @@ def _latest_name(save_dir: str) -> str:
 def _layout(args: TrainArgs) -> dict:
     """This run's world as the first step's record reports it: an elastic restart may change the world size, and
     with it dp and the micro-batches per step, never the global batch."""
-    return {"world_size": dist.get_world_size(), "tp": mpu.tp_size(), "cp": mpu.cp_size(), "pp": mpu.pp_size(),
-            "dp": mpu.dp_size(), "num_microbatches": args.num_microbatches(), "restart": args.restart_count()}
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": mpu.tp_size(),
+        "cp": mpu.cp_size(),
+        "pp": mpu.pp_size(),
+        "dp": mpu.dp_size(),
+        "num_microbatches": args.num_microbatches(),
+        "restart": args.restart_count(),
+    }
 
 
 def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
@@ -281,18 +360,28 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
     another world size) rank 0 says at which layout the run continues."""
     rank0, restarts = dist.get_rank() == 0, args.restart_count()
     if restarts and rank0:
-        print(f"megakernels train: torchrun restart {restarts}: world size {dist.get_world_size()}, dp "
-              f"{mpu.dp_size()}, {args.num_microbatches()} micro-batches per step (global batch "
-              f"{args.global_batch_size})", flush=True)
+        print(
+            f"megakernels train: torchrun restart {restarts}: world size {dist.get_world_size()}, dp "
+            f"{mpu.dp_size()}, {args.num_microbatches()} micro-batches per step (global batch "
+            f"{args.global_batch_size})",
+            flush=True,
+        )
     if not args.load:
         if restarts and rank0:
-            print("megakernels train: warning: restarted without --load: training starts again from step 0 "
-                  "(give --save DIR --load DIR to resume from the latest checkpoint)", file=sys.stderr, flush=True)
+            print(
+                "megakernels train: warning: restarted without --load: training starts again from step 0 "
+                "(give --save DIR --load DIR to resume from the latest checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
         return 0
     from megakernels_models.checkpoint_verify import select
 
-    say = (lambda line: print(f"megakernels train: {line}", file=sys.stderr, flush=True)) if rank0 else \
-        (lambda line: None)
+    say = (
+        (lambda line: print(f"megakernels train: {line}", file=sys.stderr, flush=True))
+        if rank0
+        else (lambda line: None)
+    )
     path = select(args.load, say)  # the newest checkpoint that verifies (collective)
     if path is None:
         if rank0:

@@ -32,7 +32,6 @@ from megakernels.parallel.random import checkpoint, get_rng_tracker
 from megakernels_models.config import ModelConfig
 
 
-
 def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:
     """The configuration's norm over the hidden size (LayerNorm or RMSNorm)."""
     cls = FusedRMSNorm if config.norm == "rmsnorm" else FusedLayerNorm
@@ -50,8 +49,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     return F.dropout(x, p, True)
 
 
-def replicated_linear(in_features: int, out_features: int, seed: int, std: float, device=None,
-                      dtype=None) -> nn.Linear:
+def replicated_linear(in_features: int, out_features: int, seed: int, std: float, device=None, dtype=None) -> nn.Linear:
     """An ``nn.Linear`` replicated on every TP rank, weight defined by ``seed`` (``N(0, std²)``), bias zero."""
     layer = nn.Linear(in_features, out_features, device=device, dtype=dtype)
     with torch.no_grad():
@@ -79,9 +77,19 @@ class TransformerLayer(nn.Module):
     shape as ``x``.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, seed: int, *, causal: bool,
-                 sequence_parallel: bool = False, attention: str = "flash", recompute: str = "none", device=None,
-                 dtype=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_number: int,
+        seed: int,
+        *,
+        causal: bool,
+        sequence_parallel: bool = False,
+        attention: str = "flash",
+        recompute: str = "none",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         c = config
         self.layer_number, self.dropout_p, self.sequence_parallel = layer_number, c.dropout, bool(sequence_parallel)
@@ -90,33 +98,63 @@ class TransformerLayer(nn.Module):
         scaled = init.scaled_init_method_normal(c.init_std, c.num_layers)
         name = f"layers.{layer_number}"
         self.input_norm = make_norm(c, device, dtype)
-        common = dict(core=attention, attention_dropout=c.attention_dropout, bias=c.bias,
-                      recompute=recompute == "selective", init_method=normal, output_init_method=scaled,
-                      seed=init.derive_seed(seed, f"{name}.attention"), device=device, dtype=dtype)
+        common = dict(
+            core=attention,
+            attention_dropout=c.attention_dropout,
+            bias=c.bias,
+            recompute=recompute == "selective",
+            init_method=normal,
+            output_init_method=scaled,
+            seed=init.derive_seed(seed, f"{name}.attention"),
+            device=device,
+            dtype=dtype,
+        )
         self.rotary = c.position_embedding == "rope"
         if self.rotary:
             rope = RotaryEmbedding(c.head_dim, c.rope_theta, interleaved=c.rope_interleaved)
-            self.attention = ParallelGroupedQueryAttention(c.hidden_size, c.num_heads, c.num_kv_heads, causal,
-                                                           sequence_parallel, rotary=rope, **common)
+            self.attention = ParallelGroupedQueryAttention(
+                c.hidden_size, c.num_heads, c.num_kv_heads, causal, sequence_parallel, rotary=rope, **common
+            )
         else:
             if c.num_kv_heads != c.num_heads:
-                raise ValueError("TransformerLayer: grouped-query attention needs rotary positions "
-                                 "(position_embedding='rope')")
+                raise ValueError(
+                    "TransformerLayer: grouped-query attention needs rotary positions (position_embedding='rope')"
+                )
             self.attention = ParallelSelfAttention(c.hidden_size, c.num_heads, causal, sequence_parallel, **common)
         self.post_attention_norm = make_norm(c, device, dtype)
         if c.is_moe_layer(layer_number):
-            self.mlp = MoELayer(c.hidden_size, c.moe_ffn_hidden_size, c.num_experts, c.moe_top_k, sequence_parallel,
-                                activation=c.activation, normalize=c.moe_normalize,
-                                aux_loss_coeff=c.moe_aux_loss_coeff, z_loss_coeff=c.moe_z_loss_coeff,
-                                capacity_factor=c.moe_capacity_factor, shared_experts=c.moe_shared_experts,
-                                seed=init.derive_seed(seed, f"{name}.mlp"), init_method=normal,
-                                output_init_method=scaled, device=device, dtype=dtype)
+            self.mlp = MoELayer(
+                c.hidden_size,
+                c.moe_ffn_hidden_size,
+                c.num_experts,
+                c.moe_top_k,
+                sequence_parallel,
+                activation=c.activation,
+                normalize=c.moe_normalize,
+                aux_loss_coeff=c.moe_aux_loss_coeff,
+                z_loss_coeff=c.moe_z_loss_coeff,
+                capacity_factor=c.moe_capacity_factor,
+                shared_experts=c.moe_shared_experts,
+                seed=init.derive_seed(seed, f"{name}.mlp"),
+                init_method=normal,
+                output_init_method=scaled,
+                device=device,
+                dtype=dtype,
+            )
         else:
-            self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, sequence_parallel,
-                                   approximate="tanh" if c.activation == "gelu_tanh" else "none",
-                                   activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
-                                   init_method=normal, output_init_method=scaled,
-                                   seed=init.derive_seed(seed, f"{name}.mlp"), device=device, dtype=dtype)
+            self.mlp = ParallelMLP(
+                c.hidden_size,
+                c.ffn_hidden_size,
+                sequence_parallel,
+                approximate="tanh" if c.activation == "gelu_tanh" else "none",
+                activation="swiglu" if c.activation == "swiglu" else "gelu",
+                bias=c.bias,
+                init_method=normal,
+                output_init_method=scaled,
+                seed=init.derive_seed(seed, f"{name}.mlp"),
+                device=device,
+                dtype=dtype,
+            )
         self.post_norm = c.norm_position == "post"
         if sequence_parallel:
             mark_sequence_parallel(self.input_norm, self.post_attention_norm)
@@ -126,8 +164,9 @@ class TransformerLayer(nn.Module):
             return self.attention(x, attention_mask, positions, kv_cache=kv_cache)
         return self.attention(x, attention_mask, kv_cache=kv_cache)
 
-    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
-                 kv_cache=None) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None, kv_cache=None
+    ) -> torch.Tensor:
         drop = lambda y: dropout(y, self.dropout_p, self.training, self.sequence_parallel)  # noqa: E731
         if self.post_norm:  # the original BERT: normalise each residual sum (input_norm is then after attention)
             x = self.input_norm(x + drop(self._attention(x, attention_mask, positions, kv_cache)))
@@ -135,8 +174,13 @@ class TransformerLayer(nn.Module):
         x = x + drop(self._attention(self.input_norm(x), attention_mask, positions, kv_cache))
         return x + drop(self.mlp(self.post_attention_norm(x)))
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
         if self.recompute_layer and torch.is_grad_enabled():
             return checkpoint(self._forward, x, attention_mask, positions)
         return self._forward(x, attention_mask, positions, kv_cache)
@@ -151,30 +195,59 @@ class LanguageModelEmbedding(nn.Module):
     reduce-scatter leaves this rank's tokens, and the position and type embeddings are added to those tokens only).
     """
 
-    def __init__(self, config: ModelConfig, seed: int, *, sequence_parallel: bool = False, token_types: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        seed: int,
+        *,
+        sequence_parallel: bool = False,
+        token_types: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         from megakernels.parallel import VocabParallelEmbedding, state
 
         c = config
         self.sequence_parallel, self.dropout_p = bool(sequence_parallel), c.dropout
         normal = init.init_method_normal(c.init_std)
-        self.word = VocabParallelEmbedding(c.vocab_size, c.hidden_size, sequence_parallel, init_method=normal,
-                                           seed=init.derive_seed(seed, "embedding.word"), device=device, dtype=dtype)
-        self.position = (replicated_embedding(c.seq_length, c.hidden_size,
-                                              init.derive_seed(seed, "embedding.position"), c.init_std, device, dtype)
-                         if c.position_embedding == "learned" else None)
-        self.token_type = (replicated_embedding(c.num_token_types, c.hidden_size,
-                                                init.derive_seed(seed, "embedding.token_type"), c.init_std, device,
-                                                dtype) if token_types else None)
+        self.word = VocabParallelEmbedding(
+            c.vocab_size,
+            c.hidden_size,
+            sequence_parallel,
+            init_method=normal,
+            seed=init.derive_seed(seed, "embedding.word"),
+            device=device,
+            dtype=dtype,
+        )
+        self.position = (
+            replicated_embedding(
+                c.seq_length, c.hidden_size, init.derive_seed(seed, "embedding.position"), c.init_std, device, dtype
+            )
+            if c.position_embedding == "learned"
+            else None
+        )
+        self.token_type = (
+            replicated_embedding(
+                c.num_token_types,
+                c.hidden_size,
+                init.derive_seed(seed, "embedding.token_type"),
+                c.init_std,
+                device,
+                dtype,
+            )
+            if token_types
+            else None
+        )
         # Post-norm models normalise the embeddings' sum.
         self.norm = make_norm(c, device, dtype) if c.norm_position == "post" else None
         self._tp_rank, self._tp = state.tp_rank(), state.tp_size()
         if sequence_parallel:
             mark_sequence_parallel(self.position, self.token_type, self.norm)
 
-    def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, token_types: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         s = ids.shape[0]
         x = self.word(ids)
         lo, hi = 0, s
@@ -226,9 +299,22 @@ class LanguageModel(nn.Module):
         device, dtype: of the parameters.
     """
 
-    def __init__(self, config: ModelConfig, seed: int, *, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, causal: bool, sequence_parallel: bool = False, attention: str = "flash",
-                 recompute: str = "none", token_types: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        seed: int,
+        *,
+        layers: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        causal: bool,
+        sequence_parallel: bool = False,
+        attention: str = "flash",
+        recompute: str = "none",
+        token_types: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         from megakernels.parallel import VocabParallelEmbedding
 
@@ -238,11 +324,27 @@ class LanguageModel(nn.Module):
             raise ValueError(f"{type(self).__name__}: layers {layers} outside 0..{c.num_layers - 1}")
         self.pre_process, self.post_process = bool(pre_process), bool(post_process)
         self.sequence_parallel = bool(sequence_parallel)
-        self.embedding = (LanguageModelEmbedding(c, seed, sequence_parallel=sequence_parallel, token_types=token_types,
-                                                 device=device, dtype=dtype) if pre_process else None)
+        self.embedding = (
+            LanguageModelEmbedding(
+                c, seed, sequence_parallel=sequence_parallel, token_types=token_types, device=device, dtype=dtype
+            )
+            if pre_process
+            else None
+        )
         self.layers = nn.ModuleList(
-            TransformerLayer(c, i, seed, causal=causal, sequence_parallel=sequence_parallel, attention=attention,
-                             recompute=recompute, device=device, dtype=dtype) for i in layers)
+            TransformerLayer(
+                c,
+                i,
+                seed,
+                causal=causal,
+                sequence_parallel=sequence_parallel,
+                attention=attention,
+                recompute=recompute,
+                device=device,
+                dtype=dtype,
+            )
+            for i in layers
+        )
         self.output_embedding = self.output_layer = self.final_norm = None
         if post_process:
             if c.norm_position == "pre":
@@ -250,8 +352,14 @@ class LanguageModel(nn.Module):
                 if sequence_parallel:
                     mark_sequence_parallel(self.final_norm)
             table = lambda name: VocabParallelEmbedding(  # noqa: E731
-                c.vocab_size, c.hidden_size, sequence_parallel, init_method=init.init_method_normal(c.init_std),
-                seed=init.derive_seed(seed, name), device=device, dtype=dtype)
+                c.vocab_size,
+                c.hidden_size,
+                sequence_parallel,
+                init_method=init.init_method_normal(c.init_std),
+                seed=init.derive_seed(seed, name),
+                device=device,
+                dtype=dtype,
+            )
             if not c.tie_embeddings:
                 self.output_layer = table("output_layer")
             elif not pre_process:
@@ -278,8 +386,11 @@ class LanguageModel(nn.Module):
 
     @property
     def padded_vocab_size(self) -> int:
-        emb = next(e for e in (self.output_layer, self.output_embedding, self.embedding and self.embedding.word)
-                   if e is not None)
+        emb = next(
+            e
+            for e in (self.output_layer, self.output_embedding, self.embedding and self.embedding.word)
+            if e is not None
+        )
         return emb.padded_num_embeddings
 
     def positions(self, device) -> torch.Tensor | None:

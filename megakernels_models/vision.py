@@ -64,36 +64,58 @@ class VisionEncoder(nn.Module):
         ValueError: images whose shape is not ``[b, image_size, image_size, image_channels]``.
     """
 
-    def __init__(self, config: ModelConfig, seed: int, *, attention: str = "flash", recompute: str = "none",
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        seed: int,
+        *,
+        attention: str = "flash",
+        recompute: str = "none",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         c, v = config, config.vision_config()
         self.config, seed = config, init.derive_seed(seed, "vision")
         self.dropout_p = c.dropout
         h, n = c.vision_hidden_size, c.num_image_tokens
-        self.patch = ColumnParallelLinear(c.patch_size ** 2 * c.image_channels, h, True, gather_output=True,
-                                          init_method=init.init_method_normal(c.init_std),
-                                          seed=init.derive_seed(seed, "patch"), device=device, dtype=dtype)
+        self.patch = ColumnParallelLinear(
+            c.patch_size**2 * c.image_channels,
+            h,
+            True,
+            gather_output=True,
+            init_method=init.init_method_normal(c.init_std),
+            seed=init.derive_seed(seed, "patch"),
+            device=device,
+            dtype=dtype,
+        )
         self.positions = replicated_embedding(n, h, init.derive_seed(seed, "positions"), c.init_std, device, dtype)
         self.class_token = None
         if c.vision_class_token:
             self.class_token = nn.Parameter(torch.empty(h, device=device, dtype=dtype))
             if self.class_token.device.type != "meta":
                 with torch.no_grad():
-                    self.class_token.copy_(init.full_weight((1, h), init.derive_seed(seed, "class_token"),
-                                                            init.init_method_normal(c.init_std))[0])
+                    self.class_token.copy_(
+                        init.full_weight(
+                            (1, h), init.derive_seed(seed, "class_token"), init.init_method_normal(c.init_std)
+                        )[0]
+                    )
         factory = {"device": device, "dtype": dtype}
         self.pre_norm = FusedLayerNorm(h, c.layernorm_eps, **factory) if c.vision_pre_norm else None
-        self.layers = nn.ModuleList(TransformerLayer(v, i, seed, causal=False, attention=attention,
-                                                     recompute=recompute, **factory) for i in range(v.num_layers))
+        self.layers = nn.ModuleList(
+            TransformerLayer(v, i, seed, causal=False, attention=attention, recompute=recompute, **factory)
+            for i in range(v.num_layers)
+        )
         self.final_norm = FusedLayerNorm(h, c.layernorm_eps, **factory) if c.vision_final_norm else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c = self.config
         want = (c.image_size, c.image_size, c.image_channels)
         if images.dim() != 4 or tuple(images.shape[1:]) != want:
-            raise ValueError(f"VisionEncoder: images must be [b, {want[0]}, {want[1]}, {want[2]}] (image_size "
-                             f"{c.image_size}, {c.image_channels} channels), got shape {tuple(images.shape)}")
+            raise ValueError(
+                f"VisionEncoder: images must be [b, {want[0]}, {want[1]}, {want[2]}] (image_size "
+                f"{c.image_size}, {c.image_channels} channels), got shape {tuple(images.shape)}"
+            )
         x = self.patch(patchify(to_pixels(images, self.patch.weight.dtype), c.patch_size))  # [N, b, hv]
         if self.class_token is not None:
             x = torch.cat([self.class_token.expand(1, x.shape[1], -1), x])
@@ -116,11 +138,25 @@ class Projector(nn.Module):
         super().__init__()
         c, seed = config, init.derive_seed(seed, "projector")
         normal = init.init_method_normal(c.init_std)
-        self.fc1 = ColumnParallelLinear(c.vision_hidden_size, c.projector_hidden_size, True, skip_bias_add=True,
-                                        init_method=normal, seed=init.derive_seed(seed, "fc1"), device=device,
-                                        dtype=dtype)
-        self.fc2 = RowParallelLinear(c.projector_hidden_size, c.hidden_size, True, init_method=normal,
-                                     seed=init.derive_seed(seed, "fc2"), device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(
+            c.vision_hidden_size,
+            c.projector_hidden_size,
+            True,
+            skip_bias_add=True,
+            init_method=normal,
+            seed=init.derive_seed(seed, "fc1"),
+            device=device,
+            dtype=dtype,
+        )
+        self.fc2 = RowParallelLinear(
+            c.projector_hidden_size,
+            c.hidden_size,
+            True,
+            init_method=normal,
+            seed=init.derive_seed(seed, "fc2"),
+            device=device,
+            dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)

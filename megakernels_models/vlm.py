@@ -41,8 +41,17 @@ class GatedCrossAttentionLayer(nn.Module):
     Forward: ``text`` ``[s, b, h]``, ``image`` ``[n, b, h]`` -> ``[s, b, h]``.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, seed: int, *, attention: str = "flash",
-                 recompute: str = "none", device=None, dtype=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_number: int,
+        seed: int,
+        *,
+        attention: str = "flash",
+        recompute: str = "none",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         c, name = config, f"cross.{layer_number}"
         normal = init.init_method_normal(c.init_std)
@@ -50,16 +59,30 @@ class GatedCrossAttentionLayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.recompute_layer = recompute == "full"
         self.norm = make_norm(c, **factory)
-        self.attention = ParallelCrossAttention(c.hidden_size, c.num_heads, core=attention,
-                                                attention_dropout=c.attention_dropout, bias=c.bias,
-                                                recompute=recompute == "selective", init_method=normal,
-                                                output_init_method=scaled,
-                                                seed=init.derive_seed(seed, f"{name}.attention"), **factory)
+        self.attention = ParallelCrossAttention(
+            c.hidden_size,
+            c.num_heads,
+            core=attention,
+            attention_dropout=c.attention_dropout,
+            bias=c.bias,
+            recompute=recompute == "selective",
+            init_method=normal,
+            output_init_method=scaled,
+            seed=init.derive_seed(seed, f"{name}.attention"),
+            **factory,
+        )
         self.mlp_norm = make_norm(c, **factory)
-        self.mlp = ParallelMLP(c.hidden_size, c.ffn_hidden_size, approximate="tanh" if c.activation == "gelu_tanh"
-                               else "none", activation="swiglu" if c.activation == "swiglu" else "gelu", bias=c.bias,
-                               init_method=normal, output_init_method=scaled,
-                               seed=init.derive_seed(seed, f"{name}.mlp"), **factory)
+        self.mlp = ParallelMLP(
+            c.hidden_size,
+            c.ffn_hidden_size,
+            approximate="tanh" if c.activation == "gelu_tanh" else "none",
+            activation="swiglu" if c.activation == "swiglu" else "gelu",
+            bias=c.bias,
+            init_method=normal,
+            output_init_method=scaled,
+            seed=init.derive_seed(seed, f"{name}.mlp"),
+            **factory,
+        )
         self.attention_gate = nn.Parameter(torch.zeros(1, **factory))
         self.mlp_gate = nn.Parameter(torch.zeros(1, **factory))
 
@@ -73,8 +96,9 @@ class GatedCrossAttentionLayer(nn.Module):
         return self._forward(text, image)
 
 
-def contrastive_loss(image: torch.Tensor, text: torch.Tensor, caption_mask: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
+def contrastive_loss(
+    image: torch.Tensor, text: torch.Tensor, caption_mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """CLIP's symmetric InfoNCE over a micro-batch: sample i's image against every sample's caption and back.
 
     Args:
@@ -89,8 +113,9 @@ def contrastive_loss(image: torch.Tensor, text: torch.Tensor, caption_mask: torc
     txt = F.normalize((text.float() * mask).sum(0) / mask.sum(0).clamp(min=1.0), dim=-1)
     logits = img @ txt.t() / temperature
     target = torch.arange(logits.shape[0], device=logits.device)
-    return 0.5 * (F.cross_entropy(logits, target, reduction="none")
-                  + F.cross_entropy(logits.t(), target, reduction="none"))
+    return 0.5 * (
+        F.cross_entropy(logits, target, reduction="none") + F.cross_entropy(logits.t(), target, reduction="none")
+    )
 
 
 class VLMModel(LanguageModel):
@@ -111,27 +136,58 @@ class VLMModel(LanguageModel):
 
     family = "vlm"
 
-    def __init__(self, config: ModelConfig, seed: int, *, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False, attention: str = "flash",
-                 recompute: str = "none", device=None, dtype=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        seed: int,
+        *,
+        layers: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        sequence_parallel: bool = False,
+        attention: str = "flash",
+        recompute: str = "none",
+        device=None,
+        dtype=None,
+    ):
         if config.model != self.family:
             raise ValueError(f"VLMModel: config.model is {config.model!r}, expected 'vlm'")
         if sequence_parallel:
             raise ValueError("VLMModel: sequence parallelism is not supported (the image tokens are replicated)")
-        super().__init__(config, seed, layers=layers, pre_process=pre_process, post_process=post_process,
-                         causal=True, attention=attention, recompute=recompute, device=device, dtype=dtype)
+        super().__init__(
+            config,
+            seed,
+            layers=layers,
+            pre_process=pre_process,
+            post_process=post_process,
+            causal=True,
+            attention=attention,
+            recompute=recompute,
+            device=device,
+            dtype=dtype,
+        )
         factory = {"device": device, "dtype": dtype}
         self.vision = self.projector = None
         if pre_process:
             self.vision = VisionEncoder(config, seed, attention=attention, recompute=recompute, **factory)
             self.projector = Projector(config, seed, **factory)
-        self.cross = nn.ModuleDict({
-            str(layer.layer_number): GatedCrossAttentionLayer(config, layer.layer_number, seed, attention=attention,
-                                                              recompute=recompute, **factory)
-            for layer in self.layers if config.has_cross_attention_after(layer.layer_number)})
+        self.cross = nn.ModuleDict(
+            {
+                str(layer.layer_number): GatedCrossAttentionLayer(
+                    config, layer.layer_number, seed, attention=attention, recompute=recompute, **factory
+                )
+                for layer in self.layers
+                if config.has_cross_attention_after(layer.layer_number)
+            }
+        )
 
-    def forward(self, images: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None):
+    def forward(
+        self,
+        images: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ):
         c, n = self.config, self.config.num_image_tokens
         if self.pre_process:
             if images is None or ids is None:

@@ -20,15 +20,17 @@ def vlm_forward_flops_per_sample(cfg) -> dict[str, float]:
     cross-attention layers counted in ``layers_gemm``/``attention``)."""
     n, s, h = cfg.num_image_tokens, cfg.seq_length, cfg.hidden_size
     vision = cfg.vision_config().forward_flops_per_token()
-    patch = 2.0 * cfg.patch_size ** 2 * cfg.image_channels * cfg.vision_hidden_size * cfg.num_patches
+    patch = 2.0 * cfg.patch_size**2 * cfg.image_channels * cfg.vision_hidden_size * cfg.num_patches
     projector = 2.0 * (cfg.vision_hidden_size + h) * cfg.projector_hidden_size * n
     lm_tokens = s if cfg.cross_attention_every else s + n
     lm = cfg.language_config().replace(seq_length=lm_tokens).forward_flops_per_token()
     cross = sum(cfg.has_cross_attention_after(i) for i in range(cfg.num_layers))
     cross_gemm = cross * (s * (4.0 * h * h + 2.0 * cfg.mlp_matrices * h * cfg.ffn_hidden_size) + n * 4.0 * h * h)
-    return {"layers_gemm": vision["layers_gemm"] * n + patch + projector + lm["layers_gemm"] * lm_tokens + cross_gemm,
-            "attention": vision["attention"] * n + lm["attention"] * lm_tokens + cross * 4.0 * s * n * h,
-            "head": lm["head"] * s}
+    return {
+        "layers_gemm": vision["layers_gemm"] * n + patch + projector + lm["layers_gemm"] * lm_tokens + cross_gemm,
+        "attention": vision["attention"] * n + lm["attention"] * lm_tokens + cross * 4.0 * s * n * h,
+        "head": lm["head"] * s,
+    }
 
 
 def vlm_flops_per_sample(cfg, recompute: str = "none") -> float:

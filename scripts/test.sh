@@ -5,8 +5,8 @@
 #      beside the set-up and pytest; its log is build/cpp-tests.log, its result checked at the end. It skips the
 #      kernel libraries (MEGAKERNELS_KERNEL_LIBS=OFF): the extension build compiles the same CPU kernels, and every
 #      .cu for sm_90 with nvcc (a compile error fails the set-up; checked below that the CUDA kernels were built);
-#   2. set-up (scripts/setup.sh), then pytest: the Python test suite (cpu and cuda_emu backends; cuda-marked tests
-#      skip without a GPU) and the benchmark suite in quick mode (runs every benchmark once, times nothing), on two
+#   2. set-up (scripts/setup.sh), the lint and format checks (scripts/lint.sh: ruff, clang-format), then pytest:
+#      the Python test suite (cpu and cuda_emu backends; cuda-marked tests skip without a GPU) and the benchmark suite in quick mode (runs every benchmark once, times nothing), on two
 #      pytest-xdist workers with whole files per worker (a file's spawned worlds and module fixtures are shared by
 #      its tests).
 set -euo pipefail
@@ -32,6 +32,7 @@ if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
 fi
 
 status=0
+bash scripts/lint.sh || status=1  # ruff (lint + format) and clang-format: a failure fails the run, after the tests
 .venv/bin/python -m pytest tests benchmarks --benchmark-disable -q -p no:cacheprovider -n 2 --dist loadfile \
   || status=$?
 

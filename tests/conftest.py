@@ -75,11 +75,19 @@ def triton_backend(backend):
 # The longest test files (spawned worlds, Triton compiles; 40-300 s each), longest first and run before the rest:
 # with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of work, and a long one started last
 # would leave the other worker idle at the end.
-LONG_POLES = ("tests/models/test_layouts.py", "tests/bench/test_static.py", "tests/models/test_launch.py",
-              "tests/models/test_elastic.py", "tests/models/test_preemption.py",
-              "tests/integrations/test_accelerate.py", "tests/models/test_generate.py",
-              "tests/models/test_async_checkpoint.py", "tests/optim/test_multi_tensor.py",
-              "tests/triton/test_compile.py", "tests/triton/test_grouped_gemm_compile.py")
+LONG_POLES = (
+    "tests/models/test_layouts.py",
+    "tests/bench/test_static.py",
+    "tests/models/test_launch.py",
+    "tests/models/test_elastic.py",
+    "tests/models/test_preemption.py",
+    "tests/integrations/test_accelerate.py",
+    "tests/models/test_generate.py",
+    "tests/models/test_async_checkpoint.py",
+    "tests/optim/test_multi_tensor.py",
+    "tests/triton/test_compile.py",
+    "tests/triton/test_grouped_gemm_compile.py",
+)
 
 
 def _run_order(item) -> int:

@@ -18,6 +18,7 @@ class Backend:
     def emulated(self) -> bool:
         return self.name == "cuda_emu"
 
+
 # Tolerances against an fp64 reference, relative to the reference's largest magnitude (so a bf16 result is
 # allowed its storage rounding, ~2^-8 relative, plus fp32-accumulation noise; fp32 gets 2e-5 of headroom).
 TOLERANCE = {
@@ -28,8 +29,9 @@ TOLERANCE = {
 }
 
 
-def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
-                              factor: float = 1.0) -> None:
+def assert_close_to_reference(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str, factor: float = 1.0
+) -> None:
     """``|actual - expected| <= tol(dtype) * factor * max(1, max|expected|)`` elementwise, with a clear message."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a = actual.detach().to(torch.float64).cpu()

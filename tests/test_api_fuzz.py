@@ -30,8 +30,9 @@ def run_fuzz(examples: int = EXAMPLES, timeout: float = TIMEOUT_S, env: dict | N
     case a dead or hung child was on, or the falsifying case and its error)."""
     cmd = [sys.executable, "-m", "tests.fuzz.child", "--examples", str(examples)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as e:
         return f"the fuzz hung: no result after {timeout:.0f} s, during {_last_case(_text(e.stdout))}"
     out, err = proc.stdout, proc.stderr

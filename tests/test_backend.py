@@ -38,7 +38,8 @@ def test_env_var_selects_backend_and_cuda_emu_runs_the_emulated_kernels():
     code = (
         "import torch, megakernels; from megakernels.ops import layer_norm;"
         "x = torch.randn(4, 40);"
-        "print(megakernels.current_backend(), float((layer_norm(x) - torch.nn.functional.layer_norm(x, (40,))).abs().max()))"
+        "ref = torch.nn.functional.layer_norm(x, (40,));"
+        "print(megakernels.current_backend(), float((layer_norm(x) - ref).abs().max()))"
     )
     env = dict(os.environ, MEGAKERNELS_BACKEND="cuda_emu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -48,8 +49,12 @@ def test_env_var_selects_backend_and_cuda_emu_runs_the_emulated_kernels():
 
 def test_bad_env_var_is_an_error():
     env = dict(os.environ, MEGAKERNELS_BACKEND="gpu")
-    proc = subprocess.run([sys.executable, "-c", "import megakernels; megakernels.current_backend()"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import megakernels; megakernels.current_backend()"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "MEGAKERNELS_BACKEND: unknown backend 'gpu'" in proc.stderr
 
 

@@ -41,14 +41,29 @@ def test_the_cpu_only_bindings_reference_no_cuda_launcher(tmp_path, monkeypatch)
     unit = [s for s in ext.sources if s.endswith(os.path.join("bindings", "all.cpp"))]
     assert unit, ext.sources
     obj = tmp_path / "bindings.o"
-    cmd = (["g++", "-c", str(ROOT / unit[0]), "-o", str(obj), "-O0", "-std=c++20", "-fPIC",
-            f"-I{sysconfig.get_paths()['include']}", "-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1"]
-           + [f"-I{ROOT / d}" for d in ext.include_dirs]  # an absolute d stays itself
-           + [f"-I{p}" for p in include_paths()] + flags)
+    cmd = (
+        [
+            "g++",
+            "-c",
+            str(ROOT / unit[0]),
+            "-o",
+            str(obj),
+            "-O0",
+            "-std=c++20",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            "-DTORCH_EXTENSION_NAME=_C",
+            "-D_GLIBCXX_USE_CXX11_ABI=1",
+        ]
+        + [f"-I{ROOT / d}" for d in ext.include_dirs]  # an absolute d stays itself
+        + [f"-I{p}" for p in include_paths()]
+        + flags
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    undefined = subprocess.run(["nm", "-C", "--undefined-only", str(obj)], capture_output=True, text=True,
-                               check=True).stdout.splitlines()
+    undefined = subprocess.run(
+        ["nm", "-C", "--undefined-only", str(obj)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     cuda = [s for s in undefined if "megakernels::cuda::" in s]
     assert not cuda, "the CPU-only bindings reference CUDA launchers:\n" + "\n".join(cuda)
     # The check sees launcher references: with the emulator built, the emulated ones are referenced.

@@ -23,7 +23,7 @@ struct Args {
   void* workspace;   // backward only, see *_bwd_workspace_bytes
   int64_t rows, hidden;
   DType x_dtype, w_dtype;
-  Activation act;    // Gelu or GeluTanh
+  Activation act;  // Gelu or GeluTanh
 };
 
 }  // namespace bias_gelu
@@ -41,9 +41,9 @@ void bias_gelu_bwd_finish_cols(const bias_gelu::Args& a, int64_t col_begin, int6
 
 // The CUDA kernels, compiled by nvcc into namespace `cuda` and by g++ against csrc/emu into `cuda_emu`.
 // Launchers return nullptr on success, else the CUDA error string; `stream` is a cudaStream_t.
-#define MK_DECLARE_BIAS_GELU_LAUNCHERS                                                  \
-  int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);  \
-  const char* bias_gelu_fwd(const bias_gelu::Args& a, void* stream);                   \
+#define MK_DECLARE_BIAS_GELU_LAUNCHERS                                                \
+  int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype); \
+  const char* bias_gelu_fwd(const bias_gelu::Args& a, void* stream);                  \
   const char* bias_gelu_bwd(const bias_gelu::Args& a, void* stream);
 
 namespace cuda {

@@ -78,7 +78,9 @@ int64_t bias_gelu_bwd_chunks(int64_t rows, int64_t hidden) { return row_chunks(r
 int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   return row_chunks(rows, hidden) * hidden * (x_dtype == DType::F64 ? 8 : 4);
 }
-void bias_gelu_fwd_rows(const Args& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1); }
+void bias_gelu_fwd_rows(const Args& a, int64_t r0, int64_t r1) {
+  dispatch<FwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1);
+}
 void bias_gelu_bwd_chunk(const Args& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.w_dtype, a.act, a, c); }
 void bias_gelu_bwd_finish_cols(const Args& a, int64_t c0, int64_t c1) {
   dispatch<FinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);

@@ -133,14 +133,18 @@ int vector_width(const Args& a, std::initializer_list<const void*> rows) {
 
 template <typename T, typename W, int N>
 void launch_fwd(const Args& a, const ColumnPlan& p, cudaStream_t s) {
-  if (a.act == Activation::Gelu) MK_LAUNCH((bias_gelu_fwd_kernel<T, W, N, Activation::Gelu>), p.grid, p.block, 0, s, a);
-  else MK_LAUNCH((bias_gelu_fwd_kernel<T, W, N, Activation::GeluTanh>), p.grid, p.block, 0, s, a);
+  if (a.act == Activation::Gelu)
+    MK_LAUNCH((bias_gelu_fwd_kernel<T, W, N, Activation::Gelu>), p.grid, p.block, 0, s, a);
+  else
+    MK_LAUNCH((bias_gelu_fwd_kernel<T, W, N, Activation::GeluTanh>), p.grid, p.block, 0, s, a);
 }
 
 template <typename T, typename W, int N>
 void launch_bwd(const Args& a, const ColumnPlan& p, cudaStream_t s) {
-  if (a.act == Activation::Gelu) MK_LAUNCH((bias_gelu_bwd_kernel<T, W, N, Activation::Gelu>), p.grid, p.block, 0, s, a);
-  else MK_LAUNCH((bias_gelu_bwd_kernel<T, W, N, Activation::GeluTanh>), p.grid, p.block, 0, s, a);
+  if (a.act == Activation::Gelu)
+    MK_LAUNCH((bias_gelu_bwd_kernel<T, W, N, Activation::Gelu>), p.grid, p.block, 0, s, a);
+  else
+    MK_LAUNCH((bias_gelu_bwd_kernel<T, W, N, Activation::GeluTanh>), p.grid, p.block, 0, s, a);
 }
 
 template <typename T, typename W>
@@ -148,8 +152,10 @@ const char* run_fwd(const Args& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = vector_width<T, W>(a, {a.x, a.y}) == V;
   const ColumnPlan p = column_plan(a.rows, vec ? a.hidden / V : a.hidden);
-  if (vec) launch_fwd<T, W, V>(a, p, s);
-  else launch_fwd<T, W, 1>(a, p, s);
+  if (vec)
+    launch_fwd<T, W, V>(a, p, s);
+  else
+    launch_fwd<T, W, 1>(a, p, s);
   return last_error();
 }
 
@@ -159,8 +165,10 @@ const char* run_bwd(const Args& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = vector_width<T, W>(a, {a.x, a.dy, a.y}) == V;
   const ColumnPlan p = column_plan(a.rows, vec ? a.hidden / V : a.hidden);
-  if (vec) launch_bwd<T, W, V>(a, p, s);
-  else launch_bwd<T, W, 1>(a, p, s);
+  if (vec)
+    launch_bwd<T, W, V>(a, p, s);
+  else
+    launch_bwd<T, W, 1>(a, p, s);
   if (const char* e = last_error()) return e;
   return launch_column_sum<W, A>(a.workspace, p.partial_rows(), a.hidden, 0, a.hidden, a.dbias, s);
 }

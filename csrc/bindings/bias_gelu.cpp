@@ -22,7 +22,7 @@ const BiasGeluKernels* kernels_for(const at::Tensor& x, bool emulate) {
 }
 
 bias_gelu::Args bias_gelu_args(const char* op, const at::Tensor& x, const at::Tensor& bias, int64_t approximate,
-                                   bool emulate) {
+                               bool emulate) {
   check_float_input(op, "x", x);
   const int64_t H = hidden_of(op, x);
   check_backend(op, x, emulate);

@@ -10,7 +10,6 @@
 namespace megakernels {
 namespace bindings {
 
-
 int64_t build_flags() {
   int64_t f = 0;
 #ifdef MEGAKERNELS_WITH_CUDA
@@ -42,12 +41,12 @@ void check_float_input(const char* op, const char* name, const at::Tensor& t) {
 // 16-bit x: an fp32 x with fp32 weights is already "mixed").
 void check_param(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t hidden) {
   check_float_input(op, name, p);
-  TORCH_CHECK_VALUE(p.dim() == 1 && p.numel() == hidden, op, ": ", name, " has shape ", p.sizes(),
-                    ", expected [", hidden, "] (the hidden size, x's last dimension)");
+  TORCH_CHECK_VALUE(p.dim() == 1 && p.numel() == hidden, op, ": ", name, " has shape ", p.sizes(), ", expected [",
+                    hidden, "] (the hidden size, x's last dimension)");
   check_same_device(op, name, p, "x", x);
   const bool half_x = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_TYPE(p.scalar_type() == x.scalar_type() || (half_x && p.scalar_type() == at::kFloat), op, ": ",
-                   name, " has dtype ", p.scalar_type(), " but x has dtype ", x.scalar_type(),
+  TORCH_CHECK_TYPE(p.scalar_type() == x.scalar_type() || (half_x && p.scalar_type() == at::kFloat), op, ": ", name,
+                   " has dtype ", p.scalar_type(), " but x has dtype ", x.scalar_type(),
                    "; expected the same dtype, or float32 for a float16/bfloat16 x");
 }
 
@@ -73,8 +72,8 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
 void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref) {
   TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, " has shape ", t.sizes(), ", expected ", ref.sizes(),
                     " (", ref_name, "'s shape)");
-  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
-                   ", expected ", ref.scalar_type(), " (", ref_name, "'s dtype)");
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(), ", expected ",
+                   ref.scalar_type(), " (", ref_name, "'s dtype)");
   check_same_device(op, name, t, ref_name, ref);
 }
 
@@ -84,7 +83,6 @@ int64_t hidden_of(const char* op, const at::Tensor& x) {
   TORCH_CHECK_VALUE(h >= 1, op, ": x has an empty last dimension (hidden size 0); nothing to normalise");
   return h;
 }
-
 
 void* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 

@@ -12,10 +12,8 @@ struct NormKernels {
   int64_t (*norm_bwd_workspace_bytes)(int64_t, int64_t, DType);
   const char* (*norm_bwd)(const norms::BwdArgs&, void*);
 };
-#define MK_NORM_KERNELS(ns)                                                                                  \
-  NormKernels {                                                                                              \
-    &ns::norm_fwd, &ns::norm_bwd_workspace_bytes, &ns::norm_bwd                                              \
-  }
+#define MK_NORM_KERNELS(ns) \
+  NormKernels { &ns::norm_fwd, &ns::norm_bwd_workspace_bytes, &ns::norm_bwd }
 
 const NormKernels* kernels_for(const at::Tensor& x, bool emulate) {
   static const NormKernels* cuda_table = MK_IF_CUDA(new NormKernels(MK_NORM_KERNELS(cuda)));
@@ -144,8 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
     at::parallel_for(0, cpu::norm_bwd_chunks(rows, H), 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) cpu::norm_bwd_chunk(a, c);
     });
-    if (a.dw || a.db)
-      at::parallel_for(0, H, 2048, [&](int64_t b, int64_t e) { cpu::norm_bwd_finish_cols(a, b, e); });
+    if (a.dw || a.db) at::parallel_for(0, H, 2048, [&](int64_t b, int64_t e) { cpu::norm_bwd_finish_cols(a, b, e); });
   }
   return {dx, dw, db};
 }
@@ -174,4 +171,3 @@ TORCH_LIBRARY_IMPL(megakernels, CUDA, m) {
   m.impl("norm_bwd", &megakernels::bindings::norms_ops::norm_bwd);
 }
 #endif
-

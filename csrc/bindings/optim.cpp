@@ -42,8 +42,8 @@ void check_list_tensor(const char* op, const char* list, size_t i, const at::Ten
   const auto s = t.scalar_type();
   TORCH_CHECK_TYPE(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, op, ": ", list, "[", i, "] has dtype ", s,
                    "; expected float32, float16 or bfloat16");
-  TORCH_CHECK_TYPE(s == first.scalar_type(), op, ": ", list, "[", i, "] has dtype ", s, " but ", list,
-                   "[0] has dtype ", first.scalar_type(), "; one launch takes one dtype");
+  TORCH_CHECK_TYPE(s == first.scalar_type(), op, ": ", list, "[", i, "] has dtype ", s, " but ", list, "[0] has dtype ",
+                   first.scalar_type(), "; one launch takes one dtype");
   TORCH_CHECK_VALUE(t.device() == first.device(), op, ": ", list, "[", i, "] is on ", t.device(), " but ", list,
                     "[0] is on ", first.device(), "; one launch takes one device");
 }
@@ -53,8 +53,8 @@ void check_companion(const char* op, const char* list, size_t i, const at::Tenso
                      at::ScalarType dtype, bool need_contiguous) {
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", list, "[", i, "] is ", t.layout(),
                     "; sparse tensors are not supported");
-  TORCH_CHECK_VALUE(t.sizes() == param.sizes(), op, ": ", list, "[", i, "] has shape ", t.sizes(),
-                    " but params[", i, "] has shape ", param.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == param.sizes(), op, ": ", list, "[", i, "] has shape ", t.sizes(), " but params[", i,
+                    "] has shape ", param.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", list, "[", i, "] has dtype ", t.scalar_type(), ", expected ",
                    dtype);
   TORCH_CHECK_VALUE(t.device() == param.device(), op, ": ", list, "[", i, "] is on ", t.device(), " but params[", i,
@@ -104,7 +104,8 @@ void for_each_chunk(int64_t n, const Fn& fn) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n; c = next.fetch_add(1, std::memory_order_relaxed))
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n;
+         c = next.fetch_add(1, std::memory_order_relaxed))
       fn(c);
   });
 }
@@ -173,7 +174,8 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
     raise_if(op, k->adamw(a, scope.stream()));
   } else {
     if (a.found_inf && *a.found_inf != 0.0f) return;
-    const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return tensors[t].numel; });
+    const std::vector<Chunk> chunks =
+        chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return tensors[t].numel; });
     for_each_chunk(int64_t(chunks.size()),
                    [&](int64_t c) { cpu::adamw_range(a, chunks[c].t, chunks[c].begin, chunks[c].end); });
     for (size_t i = 0; i < n; ++i) *steps[i].data_ptr<float>() += 1.0f;

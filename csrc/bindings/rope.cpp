@@ -20,7 +20,9 @@ const RopeKernels* kernels_for(const at::Tensor& x, bool emulate) {
 }
 
 // Tokens per at::parallel_for grain: enough elements per task to amortise the task overhead.
-int64_t token_grain(int64_t elems_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, elems_per_token)); }
+int64_t token_grain(int64_t elems_per_token) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, elems_per_token));
+}
 
 // A head tensor [n0, n1, heads, d] with a contiguous last dim (a view with another last-dim stride is copied).
 at::Tensor head_tensor(const char* op, const char* name, const at::Tensor& t) {

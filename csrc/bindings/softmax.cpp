@@ -84,8 +84,8 @@ at::Tensor softmax_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& 
   a.sq = x.dim() >= 2 ? x.size(-2) : 1;
   a.scale = scale;
   a.dtype = to_dtype(x.scalar_type());
-  a.kind = mask_in.has_value() ? softmax::MaskKind::Bool
-                               : (causal ? softmax::MaskKind::Causal : softmax::MaskKind::None);
+  a.kind =
+      mask_in.has_value() ? softmax::MaskKind::Bool : (causal ? softmax::MaskKind::Causal : softmax::MaskKind::None);
   if (const SoftmaxKernels* k = kernels_for(x, emulate)) {
     LaunchScope scope(x);
     raise_if(op, k->softmax_fwd(a, scope.stream()));

@@ -53,7 +53,9 @@ inline float to_float(f16 v) {
 template <typename T>
 inline T from_float(float v);
 template <>
-inline float from_float<float>(float v) { return v; }
+inline float from_float<float>(float v) {
+  return v;
+}
 template <>
 inline bf16 from_float<bf16>(float v) {
   // Round to nearest even, as torch and CUDA's __float2bfloat16 do; NaN stays a (quiet) NaN.
@@ -72,7 +74,7 @@ inline f16 from_float<f16>(float v) {
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return f16{uint16_t(sign | 0x7e00u)};
   if (a >= 0x477ff000u) return f16{uint16_t(sign | 0x7c00u)};  // rounds to >= 65520: inf
-  if (a < 0x38800000u) {                                        // below 2^-14: subnormal or zero
+  if (a < 0x38800000u) {                                       // below 2^-14: subnormal or zero
     float f;
     std::memcpy(&f, &a, 4);
     // Adding 0.5 (2^-1) aligns the half-subnormal quantum 2^-24 with the fp32 ulp of 0.5, so the FPU's own
@@ -87,7 +89,9 @@ inline f16 from_float<f16>(float v) {
   return f16{uint16_t(sign | uint16_t(a >> 13))};
 }
 template <>
-inline double from_float<double>(float v) { return v; }
+inline double from_float<double>(float v) {
+  return v;
+}
 
 // Row conversions. Written as plain loops so that -O3 vectorises them; fp16 uses F16C when compiled for it.
 template <typename T, typename A>
@@ -134,8 +138,10 @@ inline const A* row_view(const T* src, A* scratch, int64_t n) {
 // finish_out then converts into the output.
 template <typename T, typename A>
 inline A* out_view(T* dst, A* scratch) {
-  if constexpr (std::is_same_v<T, A>) return dst;
-  else return scratch;
+  if constexpr (std::is_same_v<T, A>)
+    return dst;
+  else
+    return scratch;
 }
 template <typename T, typename A>
 inline void finish_out(const A* scratch, T* dst, int64_t n) {

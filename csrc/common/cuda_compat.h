@@ -33,8 +33,7 @@
 #include <cuda_runtime.h>
 
 #define MK_CUDA_EMU 0
-#define MK_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
-  kernel<<<grid, block, smem_bytes, stream>>>(__VA_ARGS__)
+#define MK_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) kernel<<<grid, block, smem_bytes, stream>>>(__VA_ARGS__)
 #define MK_DYNAMIC_SHARED(T, name)                                        \
   extern __shared__ __align__(16) unsigned char mk_dynamic_smem_bytes_[]; \
   T* name = reinterpret_cast<T*>(mk_dynamic_smem_bytes_)

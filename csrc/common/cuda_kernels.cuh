@@ -71,8 +71,8 @@ template <typename T, int N>
 __device__ __forceinline__ Pack<T, N>* pack_at(T* p) {
 #if MK_CUDA_EMU
   if (reinterpret_cast<uintptr_t>(p) % alignof(Pack<T, N>) != 0) {
-    std::fprintf(stderr, "[megakernels cuda_emu] misaligned %d-byte vector access at %p\n",
-                 int(sizeof(Pack<T, N>)), static_cast<const void*>(p));
+    std::fprintf(stderr, "[megakernels cuda_emu] misaligned %d-byte vector access at %p\n", int(sizeof(Pack<T, N>)),
+                 static_cast<const void*>(p));
     __trap();
   }
 #endif
@@ -173,11 +173,15 @@ __device__ __forceinline__ void store_pack_global(T* p, int64_t j, const A (&in)
 
 struct MaxOp {
   template <typename A>
-  __device__ __forceinline__ A operator()(A a, A b) const { return b > a ? b : a; }
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return b > a ? b : a;
+  }
 };
 struct SumOp {
   template <typename A>
-  __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return a + b;
+  }
 };
 
 // Reduction over a row group (a warp, or the whole block): shuffles within the warp; for a block-wide group one
@@ -267,7 +271,7 @@ __device__ __forceinline__ void load_param(const W* p, int64_t j, A fill, A (&ou
 constexpr int kSumCols = 32;
 constexpr int kSumLanes = 32;
 template <typename W, typename A, int V>
-__global__ void __launch_bounds__(kSumCols * kSumLanes)
+__global__ void __launch_bounds__(kSumCols* kSumLanes)
     column_sum_kernel(const A* partial, int64_t parts, int64_t stride, int64_t H, W* out) {
   __shared__ A lane_sums[kSumLanes][kSumCols * V];
   const int c = threadIdx.x, lane = threadIdx.y, lanes = blockDim.y;  // lanes <= kSumLanes (fewer parts: fewer)
@@ -344,7 +348,6 @@ inline RowPlan plan_rows(int64_t rows, int64_t packs, int max_blocks_per_sm, int
   return p;
 }
 
-
 inline int64_t dtype_bytes(DType d) { return d == DType::F64 ? 8 : (d == DType::F32 ? 4 : 2); }
 
 // plan_rows for rows of `hidden` elements of `x_dtype` in 16-byte packs (the vector width decides the shape,
@@ -377,8 +380,8 @@ const char* launch_column_sum(const void* ws, int64_t workers, int64_t stride, i
   while (lanes < max_lanes && lanes < workers) lanes *= 2;
   const dim3 block(kSumCols, unsigned(lanes));
   if (H % 4 == 0 && stride % 4 == 0 && aligned(base, 4 * sizeof(A))) {
-    MK_LAUNCH((column_sum_kernel<W, A, 4>), dim3(unsigned((H + 4 * kSumCols - 1) / (4 * kSumCols))), block, 0, s,
-              base, workers, stride, H, static_cast<W*>(out));
+    MK_LAUNCH((column_sum_kernel<W, A, 4>), dim3(unsigned((H + 4 * kSumCols - 1) / (4 * kSumCols))), block, 0, s, base,
+              workers, stride, H, static_cast<W*>(out));
   } else {
     MK_LAUNCH((column_sum_kernel<W, A, 1>), dim3(unsigned((H + kSumCols - 1) / kSumCols)), block, 0, s, base, workers,
               stride, H, static_cast<W*>(out));

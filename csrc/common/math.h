@@ -152,13 +152,13 @@ MK_MATH A gelu_grad(A z, Activation act) {
 // GeLU than the tanh form, and below bf16/fp16 rounding of values and gradients of order 0.1 and up). One ex2 and
 // one rcp, ~9 instructions (the A&S erfc form is ~16). z^2 is capped at 100 (|z| = 10, where Phi is 0 or 1 in
 // fp32) so that the negative z^5 term never turns p around. The derivative is that of the same function.
-constexpr double kGeluErfC1 = 0.797717590518013, kGeluErfC3 = 0.03679872855395207,
-                 kGeluErfC5 = -0.0003159486753902881;
+constexpr double kGeluErfC1 = 0.797717590518013, kGeluErfC3 = 0.03679872855395207, kGeluErfC5 = -0.0003159486753902881;
 constexpr double kM2Log2e = -2.0 * 1.4426950408889634;  // ex2's argument is -2 log2(e) p(z)
 // Returns -2 p'(z); s = sigmoid(2 p(z)).
 MK_MATH float gelu_erf_lowp(float z, float& s) {
   const float z2 = fminf(z * z, 100.0f);
-  const float q = float(kM2Log2e * kGeluErfC1) + z2 * (float(kM2Log2e * kGeluErfC3) + z2 * float(kM2Log2e * kGeluErfC5));
+  const float q =
+      float(kM2Log2e * kGeluErfC1) + z2 * (float(kM2Log2e * kGeluErfC3) + z2 * float(kM2Log2e * kGeluErfC5));
   s = fast_rcp(1.0f + fast_exp2(z * q));
   return float(-2 * kGeluErfC1) + z2 * (float(-6 * kGeluErfC3) + z2 * float(-10 * kGeluErfC5));
 }

@@ -15,8 +15,20 @@ constexpr unsigned kMaxThreadsPerBlock = 1024;
 constexpr unsigned kMaxWarps = kMaxThreadsPerBlock / 32;
 
 // ---- per-block state ----------------------------------------------------------------------------------------
-enum class WarpOp : uint8_t { Sync, Shfl, Vote, Match, ReduceAdd, ReduceMinS, ReduceMinU, ReduceMaxS, ReduceMaxU,
-                              ReduceAnd, ReduceOr, ReduceXor };
+enum class WarpOp : uint8_t {
+  Sync,
+  Shfl,
+  Vote,
+  Match,
+  ReduceAdd,
+  ReduceMinS,
+  ReduceMinU,
+  ReduceMaxS,
+  ReduceMaxU,
+  ReduceAnd,
+  ReduceOr,
+  ReduceXor
+};
 
 // Where each thread is, for deadlock reports only.
 enum ThreadState : uint8_t { kRunning = 0, kAtSyncthreads = 1, kAtWarpOp = 2, kExited = 3 };
@@ -58,9 +70,9 @@ struct Block {
   // __syncthreads: one 64-bit word, low half = threads arrived, high half = live (not exited) threads, so an
   // arrival and an exit can both decide atomically whether they completed the barrier.
   uint64_t bar_word = 0;
-  alignas(64) Signal bar;  // bar.seq: barrier generation, bumped when a barrier completes
+  alignas(64) Signal bar;     // bar.seq: barrier generation, bumped when a barrier completes
   uint32_t pred[2] = {0, 0};  // __syncthreads_count/and/or accumulator, double-buffered by generation parity
-  alignas(64) Signal fin;  // fin.seq: threads of the block that finished
+  alignas(64) Signal fin;     // fin.seq: threads of the block that finished
   uint8_t state[kMaxThreadsPerBlock];
   const char* op_name[kMaxThreadsPerBlock];
   Warp warps[kMaxWarps];
@@ -89,8 +101,8 @@ inline ThreadCtx& ctx(const char* what) {
 
 inline void describe_thread(char* buf, size_t n, const Block& b, unsigned tid) {
   unsigned bx = b.bdim[0], by = b.bdim[1];
-  std::snprintf(buf, n, "thread (%u,%u,%u) [linear %u, warp %u, lane %u]", tid % bx, (tid / bx) % by,
-                tid / (bx * by), tid, tid / 32, tid % 32);
+  std::snprintf(buf, n, "thread (%u,%u,%u) [linear %u, warp %u, lane %u]", tid % bx, (tid / bx) % by, tid / (bx * by),
+                tid, tid / 32, tid % 32);
 }
 
 [[noreturn]] inline void report_deadlock(const ThreadCtx& c, const char* what, const char* detail) {
@@ -163,10 +175,22 @@ inline int shfl_source(ShflMode m, int lane, int b, int width) {
   int j = lane;
   bool ok = false;
   switch (m) {
-    case ShflMode::Up: j = lane - b; ok = j >= max_lane; break;
-    case ShflMode::Down: j = lane + b; ok = j <= max_lane; break;
-    case ShflMode::Xor: j = lane ^ b; ok = j <= max_lane && j >= 0; break;
-    case ShflMode::Idx: j = min_lane | (b & ~segmask & 31); ok = true; break;
+    case ShflMode::Up:
+      j = lane - b;
+      ok = j >= max_lane;
+      break;
+    case ShflMode::Down:
+      j = lane + b;
+      ok = j <= max_lane;
+      break;
+    case ShflMode::Xor:
+      j = lane ^ b;
+      ok = j <= max_lane && j >= 0;
+      break;
+    case ShflMode::Idx:
+      j = min_lane | (b & ~segmask & 31);
+      ok = true;
+      break;
   }
   return ok ? j : lane;
 }
@@ -277,8 +301,10 @@ inline uint64_t warp_meet(const char* name, WarpOp op, uint32_t mask, uint64_t v
       r = &o;
     } else if ((o.mask & bit) && (o.arrived & mask)) {
       // Lanes of `o` wait for this lane while this lane would wait for them: the masks do not agree.
-      std::snprintf(msg, sizeof msg, "mask 0x%08x disagrees with mask 0x%08x of lanes 0x%08x (in %s) that wait "
-                    "for this lane: a certain deadlock", mask, o.mask, o.arrived, o.name);
+      std::snprintf(msg, sizeof msg,
+                    "mask 0x%08x disagrees with mask 0x%08x of lanes 0x%08x (in %s) that wait "
+                    "for this lane: a certain deadlock",
+                    mask, o.mask, o.arrived, o.name);
       warp_misuse(c, name, msg);
     }
   }
@@ -293,7 +319,7 @@ inline uint64_t warp_meet(const char* name, WarpOp op, uint32_t mask, uint64_t v
   }
   const bool others_waiting = r->arrived != 0;
   r->arrived |= bit;
-  complete_ready(w);                               // may remove *r
+  complete_ready(w);                           // may remove *r
   if (load_rlx(&w.done_seq[c.lane]) != seq) {  // this lane completed the rendezvous
     lk.unlock();
     if (others_waiting) signal_bump(w.epoch);

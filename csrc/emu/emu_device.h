@@ -99,19 +99,19 @@ inline int __all_sync(unsigned mask, int pred) {
   return uint32_t(r) == uint32_t(r >> 32);  // ballot == participants
 }
 
-#define MK_EMU_SHFL_OVERLOADS(T)                                                                              \
-  inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {                                    \
-    return mk_emu::detail::shfl("__shfl_sync()", mk_emu::detail::ShflMode::Idx, mask, v, src_lane, width);   \
-  }                                                                                                           \
-  inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {                               \
-    return mk_emu::detail::shfl("__shfl_up_sync()", mk_emu::detail::ShflMode::Up, mask, v,                    \
-                                delta > 64 ? 64 : int(delta), width);                                         \
-  }                                                                                                           \
-  inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {                             \
-    return mk_emu::detail::shfl("__shfl_down_sync()", mk_emu::detail::ShflMode::Down, mask, v,                \
-                                delta > 64 ? 64 : int(delta), width);                                         \
-  }                                                                                                           \
-  inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {                               \
+#define MK_EMU_SHFL_OVERLOADS(T)                                                                                \
+  inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {                                      \
+    return mk_emu::detail::shfl("__shfl_sync()", mk_emu::detail::ShflMode::Idx, mask, v, src_lane, width);      \
+  }                                                                                                             \
+  inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {                                 \
+    return mk_emu::detail::shfl("__shfl_up_sync()", mk_emu::detail::ShflMode::Up, mask, v,                      \
+                                delta > 64 ? 64 : int(delta), width);                                           \
+  }                                                                                                             \
+  inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {                               \
+    return mk_emu::detail::shfl("__shfl_down_sync()", mk_emu::detail::ShflMode::Down, mask, v,                  \
+                                delta > 64 ? 64 : int(delta), width);                                           \
+  }                                                                                                             \
+  inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {                                 \
     return mk_emu::detail::shfl("__shfl_xor_sync()", mk_emu::detail::ShflMode::Xor, mask, v, lane_mask, width); \
   }
 MK_EMU_SHFL_OVERLOADS(int)
@@ -128,16 +128,16 @@ MK_EMU_SHFL_OVERLOADS(__nv_bfloat16)
 MK_EMU_SHFL_OVERLOADS(__nv_bfloat162)
 #undef MK_EMU_SHFL_OVERLOADS
 
-#define MK_EMU_MATCH_OVERLOADS(T)                                                                         \
-  inline unsigned __match_any_sync(unsigned mask, T v) {                                                  \
+#define MK_EMU_MATCH_OVERLOADS(T)                                                                        \
+  inline unsigned __match_any_sync(unsigned mask, T v) {                                                 \
     return unsigned(mk_emu::detail::warp_meet("__match_any_sync()", mk_emu::detail::WarpOp::Match, mask, \
-                                              mk_emu::detail::to_bits(v), 0));                            \
-  }                                                                                                       \
-  inline unsigned __match_all_sync(unsigned mask, T v, int* pred) {                                       \
+                                              mk_emu::detail::to_bits(v), 0));                           \
+  }                                                                                                      \
+  inline unsigned __match_all_sync(unsigned mask, T v, int* pred) {                                      \
     uint64_t r = mk_emu::detail::warp_meet("__match_all_sync()", mk_emu::detail::WarpOp::Match, mask,    \
-                                           mk_emu::detail::to_bits(v), 0);                                \
-    *pred = int(r >> 32);                                                                                 \
-    return *pred ? unsigned(r) : 0u;                                                                      \
+                                           mk_emu::detail::to_bits(v), 0);                               \
+    *pred = int(r >> 32);                                                                                \
+    return *pred ? unsigned(r) : 0u;                                                                     \
   }
 MK_EMU_MATCH_OVERLOADS(int)
 MK_EMU_MATCH_OVERLOADS(unsigned int)
@@ -149,8 +149,8 @@ MK_EMU_MATCH_OVERLOADS(float)
 MK_EMU_MATCH_OVERLOADS(double)
 #undef MK_EMU_MATCH_OVERLOADS
 
-#define MK_EMU_REDUCE(fn, T, op)                                                                            \
-  inline T fn(unsigned mask, T v) {                                                                         \
+#define MK_EMU_REDUCE(fn, T, op)                                                                               \
+  inline T fn(unsigned mask, T v) {                                                                            \
     return T(uint32_t(mk_emu::detail::warp_meet(#fn "()", mk_emu::detail::WarpOp::op, mask, uint32_t(v), 0))); \
   }
 MK_EMU_REDUCE(__reduce_add_sync, unsigned, ReduceAdd)
@@ -188,15 +188,19 @@ inline T atomic_update(T* p, F f) {
 // The overload sets are CUDA's own (e.g. no atomicSub on 64-bit), so code that nvcc rejects fails here too.
 #define MK_EMU_ATOMIC_RMW(T, name, builtin) \
   inline T name(T* p, T v) { return builtin(p, v, __ATOMIC_SEQ_CST); }
-#define MK_EMU_ATOMIC_MINMAX(T)                                                                            \
-  inline T atomicMax(T* p, T v) { return mk_emu::detail::atomic_update(p, [v](T o) { return o < v ? v : o; }); } \
-  inline T atomicMin(T* p, T v) { return mk_emu::detail::atomic_update(p, [v](T o) { return v < o ? v : o; }); }
-#define MK_EMU_ATOMIC_CAS(T)                                                          \
-  inline T atomicCAS(T* p, T cmp, T v) {                                              \
-    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
-    return cmp;                                                                       \
+#define MK_EMU_ATOMIC_MINMAX(T)                                                  \
+  inline T atomicMax(T* p, T v) {                                                \
+    return mk_emu::detail::atomic_update(p, [v](T o) { return o < v ? v : o; }); \
+  }                                                                              \
+  inline T atomicMin(T* p, T v) {                                                \
+    return mk_emu::detail::atomic_update(p, [v](T o) { return v < o ? v : o; }); \
   }
-#define MK_EMU_ATOMIC_BITS(T)                        \
+#define MK_EMU_ATOMIC_CAS(T)                                                            \
+  inline T atomicCAS(T* p, T cmp, T v) {                                                \
+    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+    return cmp;                                                                         \
+  }
+#define MK_EMU_ATOMIC_BITS(T)                         \
   MK_EMU_ATOMIC_RMW(T, atomicAnd, __atomic_fetch_and) \
   MK_EMU_ATOMIC_RMW(T, atomicOr, __atomic_fetch_or)   \
   MK_EMU_ATOMIC_RMW(T, atomicXor, __atomic_fetch_xor)
@@ -230,7 +234,9 @@ inline unsigned atomicInc(unsigned* p, unsigned limit) {
 inline unsigned atomicDec(unsigned* p, unsigned limit) {
   return mk_emu::detail::atomic_update(p, [limit](unsigned o) { return (o == 0 || o > limit) ? limit : o - 1; });
 }
-inline float atomicAdd(float* p, float v) { return mk_emu::detail::atomic_update(p, [v](float o) { return o + v; }); }
+inline float atomicAdd(float* p, float v) {
+  return mk_emu::detail::atomic_update(p, [v](float o) { return o + v; });
+}
 inline double atomicAdd(double* p, double v) {
   return mk_emu::detail::atomic_update(p, [v](double o) { return o + v; });
 }
@@ -253,11 +259,15 @@ inline __nv_bfloat162 atomicAdd(__nv_bfloat162* p, __nv_bfloat162 v) {
 }
 
 // Scope variants: one device, one coherent host memory, so the scope changes nothing here.
-#define MK_EMU_SCOPED(name)                                                             \
-  template <class T, class... A>                                                        \
-  inline auto name##_block(T* p, A... a) -> decltype(name(p, a...)) { return name(p, a...); } \
-  template <class T, class... A>                                                        \
-  inline auto name##_system(T* p, A... a) -> decltype(name(p, a...)) { return name(p, a...); }
+#define MK_EMU_SCOPED(name)                                            \
+  template <class T, class... A>                                       \
+  inline auto name##_block(T* p, A... a) -> decltype(name(p, a...)) {  \
+    return name(p, a...);                                              \
+  }                                                                    \
+  template <class T, class... A>                                       \
+  inline auto name##_system(T* p, A... a) -> decltype(name(p, a...)) { \
+    return name(p, a...);                                              \
+  }
 MK_EMU_SCOPED(atomicAdd)
 MK_EMU_SCOPED(atomicSub)
 MK_EMU_SCOPED(atomicExch)

@@ -95,8 +95,8 @@ inline double __dsqrt_rn(double x) { return std::sqrt(x); }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 
 // CUDA's host/device min/max overloads (crt/math_functions.hpp gives the host the same set).
-#define MK_EMU_MINMAX(T)                                   \
-  inline T min(T a, T b) { return b < a ? b : a; }         \
+#define MK_EMU_MINMAX(T)                           \
+  inline T min(T a, T b) { return b < a ? b : a; } \
   inline T max(T a, T b) { return a < b ? b : a; }
 MK_EMU_MINMAX(int)
 MK_EMU_MINMAX(unsigned int)
@@ -186,22 +186,42 @@ inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned s) {
 
 // ---- cache-hinted loads and stores: plain accesses on the host --------------------------------------------
 template <class T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  return *p;
+}
 template <class T>
-inline T __ldca(const T* p) { return *p; }
+inline T __ldca(const T* p) {
+  return *p;
+}
 template <class T>
-inline T __ldcg(const T* p) { return *p; }
+inline T __ldcg(const T* p) {
+  return *p;
+}
 template <class T>
-inline T __ldcs(const T* p) { return *p; }
+inline T __ldcs(const T* p) {
+  return *p;
+}
 template <class T>
-inline T __ldlu(const T* p) { return *p; }
+inline T __ldlu(const T* p) {
+  return *p;
+}
 template <class T>
-inline T __ldcv(const T* p) { return *p; }
+inline T __ldcv(const T* p) {
+  return *p;
+}
 template <class T>
-inline void __stwb(T* p, T v) { *p = v; }
+inline void __stwb(T* p, T v) {
+  *p = v;
+}
 template <class T>
-inline void __stcg(T* p, T v) { *p = v; }
+inline void __stcg(T* p, T v) {
+  *p = v;
+}
 template <class T>
-inline void __stcs(T* p, T v) { *p = v; }
+inline void __stcs(T* p, T v) {
+  *p = v;
+}
 template <class T>
-inline void __stwt(T* p, T v) { *p = v; }
+inline void __stwt(T* p, T v) {
+  *p = v;
+}

@@ -159,10 +159,12 @@ inline cudaError_t megakernels_emu_cudaDeviceGetAttribute(int* value, cudaDevice
     case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = 233472; break;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
     case cudaDevAttrMaxThreadsPerMultiProcessor: *value = 2048; break;
-    case cudaDevAttrMaxBlockDimX: case cudaDevAttrMaxBlockDimY: *value = 1024; break;
+    case cudaDevAttrMaxBlockDimX:
+    case cudaDevAttrMaxBlockDimY: *value = 1024; break;
     case cudaDevAttrMaxBlockDimZ: *value = 64; break;
     case cudaDevAttrMaxGridDimX: *value = 2147483647; break;
-    case cudaDevAttrMaxGridDimY: case cudaDevAttrMaxGridDimZ: *value = 65535; break;
+    case cudaDevAttrMaxGridDimY:
+    case cudaDevAttrMaxGridDimZ: *value = 65535; break;
     case cudaDevAttrWarpSize: *value = 32; break;
     case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
     case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
@@ -203,7 +205,7 @@ inline cudaError_t megakernels_emu_cudaMemset(void* p, int v, size_t n) {
   return megakernels_emu_cudaMemsetAsync(p, v, n);
 }
 inline cudaError_t megakernels_emu_cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind,
-                                                    cudaStream_t = nullptr) {
+                                                   cudaStream_t = nullptr) {
   if (n) std::memmove(dst, src, n);
   return cudaSuccess;
 }

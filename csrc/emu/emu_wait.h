@@ -30,13 +30,21 @@ namespace detail {
 
 // ---- atomics (GCC builtins: understood by ThreadSanitizer, no std::atomic_ref needed) -----------------------
 template <class T>
-inline T load_acq(const T* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline T load_acq(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
 template <class T>
-inline T load_rlx(const T* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline T load_rlx(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
 template <class T>
-inline void store_rel(T* p, T v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void store_rel(T* p, T v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
 template <class T>
-inline void store_rlx(T* p, T v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline void store_rlx(T* p, T v) {
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -74,7 +82,9 @@ inline void os_wait(uint32_t* word, uint32_t expected, int64_t ns) {
   parking().cv.wait_for(lk, std::chrono::nanoseconds(t));
 }
 inline void os_wake(uint32_t*, int) {
-  { std::lock_guard<std::mutex> lk(parking().mu); }
+  {
+    std::lock_guard<std::mutex> lk(parking().mu);
+  }
   parking().cv.notify_all();
 }
 #endif

@@ -14,12 +14,12 @@ namespace megakernels {
 namespace norms {
 
 struct FwdArgs {
-  const void* x;   // [rows, hidden]
-  const void* w;   // [hidden] or nullptr (no affine scale)
-  const void* b;   // [hidden] or nullptr (no shift; always nullptr for RMSNorm)
-  void* y;         // [rows, hidden]
-  void* mean;      // [rows] accumulate type; unused for RMSNorm
-  void* rstd;      // [rows] accumulate type
+  const void* x;  // [rows, hidden]
+  const void* w;  // [hidden] or nullptr (no affine scale)
+  const void* b;  // [hidden] or nullptr (no shift; always nullptr for RMSNorm)
+  void* y;        // [rows, hidden]
+  void* mean;     // [rows] accumulate type; unused for RMSNorm
+  void* rstd;     // [rows] accumulate type
   int64_t rows, hidden;
   double eps;
   DType x_dtype, w_dtype;
@@ -34,10 +34,10 @@ struct BwdArgs {
   const void* b;   // [hidden] or nullptr
   const void* mean;
   const void* rstd;
-  void* dx;        // [rows, hidden]
-  void* dw;        // [hidden] w_dtype, or nullptr when w is nullptr
-  void* db;        // [hidden] w_dtype, or nullptr when b is nullptr
-  void* workspace; // see *_bwd_workspace_bytes
+  void* dx;         // [rows, hidden]
+  void* dw;         // [hidden] w_dtype, or nullptr when w is nullptr
+  void* db;         // [hidden] w_dtype, or nullptr when b is nullptr
+  void* workspace;  // see *_bwd_workspace_bytes
   int64_t rows, hidden;
   DType x_dtype, w_dtype;
   Activation act;
@@ -63,9 +63,9 @@ void norm_bwd_finish_cols(const norms::BwdArgs& a, int64_t col_begin, int64_t co
 // The CUDA kernels, compiled twice from norms_cuda.cu: by nvcc into namespace `cuda`, and by g++ against the
 // emulation layer (csrc/emu) into namespace `cuda_emu`. Launchers return nullptr on success, else the CUDA
 // error string. `stream` is a cudaStream_t (nullptr for the emulator).
-#define MK_DECLARE_NORM_LAUNCHERS                                                         \
-  int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);         \
-  const char* norm_fwd(const norms::FwdArgs& a, void* stream);                                    \
+#define MK_DECLARE_NORM_LAUNCHERS                                                \
+  int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype); \
+  const char* norm_fwd(const norms::FwdArgs& a, void* stream);                   \
   const char* norm_bwd(const norms::BwdArgs& a, void* stream);
 
 namespace cuda {

@@ -132,7 +132,9 @@ int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   const int64_t acc = x_dtype == DType::F64 ? 8 : 4;
   return norm_bwd_chunks(rows, hidden) * 2 * hidden * acc;
 }
-void norm_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1); }
+void norm_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
+  dispatch<FwdOp>(a.x_dtype, a.w_dtype, a.act, a, r0, r1);
+}
 void norm_bwd_chunk(const BwdArgs& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.w_dtype, a.act, a, c); }
 void norm_bwd_finish_cols(const BwdArgs& a, int64_t c0, int64_t c1) {
   dispatch<BwdFinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);

@@ -203,8 +203,7 @@ bool run_fwd_rows(const FwdArgs& a, cudaStream_t s) {
     } else if (a.act == Activation::Gelu) {
       MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::Gelu, false>), grid, block, 0, s, a, p.group_threads);
     } else if (a.act == Activation::GeluTanh) {
-      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::GeluTanh, false>), grid, block, 0, s, a,
-                p.group_threads);
+      MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::GeluTanh, false>), grid, block, 0, s, a, p.group_threads);
     } else {
       MK_LAUNCH((norm_fwd_rows_kernel<T, W, V, P, Activation::None, false>), grid, block, 0, s, a, p.group_threads);
     }
@@ -220,8 +219,7 @@ const char* launch_bwd_rows(const BwdArgs& a, const RowsPlan& p, cudaStream_t s)
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(p.smem)) != cudaSuccess)
       return last_error();
   }
-  MK_LAUNCH(kernel, dim3(unsigned(p.grid)), dim3(unsigned(p.group_threads * p.groups)), p.smem, s, a,
-            p.group_threads);
+  MK_LAUNCH(kernel, dim3(unsigned(p.grid)), dim3(unsigned(p.group_threads * p.groups)), p.smem, s, a, p.group_threads);
   return last_error();
 }
 
@@ -246,8 +244,8 @@ bool run_bwd_rows(const BwdArgs& a, cudaStream_t s, const char** err) {
     const RowsPlan p = rows_plan(a.rows, a.hidden, V, P, k + (sizeof(T) == 4 ? 1 : 0));  // + the fp32 dz row
     *err = launch_bwd_rows_act<T, W, P>(a, p, s);
     if (!*err) *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, 0, a.hidden, a.dw, s);
-    if (!*err && !a.rms) *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, a.hidden, a.hidden,
-                                                            a.db, s);
+    if (!*err && !a.rms)
+      *err = launch_column_sum<W, float>(a.workspace, p.grid, k * a.hidden, a.hidden, a.hidden, a.db, s);
     return true;
   }
 }
@@ -259,11 +257,15 @@ const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
   const RowPlan p = row_plan(a.rows, a.hidden, a.x_dtype, kFwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.y}, {a.w, a.b}) == V;
   if (a.rms) {
-    if (vec) MK_LAUNCH((norm_fwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
-    else MK_LAUNCH((norm_fwd_kernel<T, W, 1, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    if (vec)
+      MK_LAUNCH((norm_fwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((norm_fwd_kernel<T, W, 1, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
   } else {
-    if (vec) MK_LAUNCH((norm_fwd_kernel<T, W, V, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
-    else MK_LAUNCH((norm_fwd_kernel<T, W, 1, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    if (vec)
+      MK_LAUNCH((norm_fwd_kernel<T, W, V, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((norm_fwd_kernel<T, W, 1, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
   }
   return last_error();
 }
@@ -277,11 +279,15 @@ const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
   const RowPlan p = row_plan(a.rows, a.hidden, a.x_dtype, kBwdBlocksPerSm);
   const bool vec = pack_width<T, W>(a.hidden, {a.x, a.dy, a.dx}, {a.w, a.b}) == V;
   if (a.rms) {
-    if (vec) MK_LAUNCH((norm_bwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
-    else MK_LAUNCH((norm_bwd_kernel<T, W, 1, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    if (vec)
+      MK_LAUNCH((norm_bwd_kernel<T, W, V, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((norm_bwd_kernel<T, W, 1, true>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
   } else {
-    if (vec) MK_LAUNCH((norm_bwd_kernel<T, W, V, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
-    else MK_LAUNCH((norm_bwd_kernel<T, W, 1, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    if (vec)
+      MK_LAUNCH((norm_bwd_kernel<T, W, V, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((norm_bwd_kernel<T, W, 1, false>), dim3(p.grid), dim3(p.block), 0, s, a, p.group_threads);
   }
   if (const char* e = last_error()) return e;
   if (const char* e = launch_column_sum<W, A>(a.workspace, p.workers(), 2 * a.hidden, 0, a.hidden, a.dw, s)) return e;
@@ -301,12 +307,12 @@ struct Bwd {
 // Enough for either backward path (which one runs depends on the pointers, known only at launch).
 int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype) {
   if (rows <= 0) return 0;
-  const int64_t loop = row_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden *
-                       (x_dtype == DType::F64 ? 8 : 4);
+  const int64_t loop =
+      row_plan(rows, hidden, x_dtype, kBwdBlocksPerSm).workers() * 2 * hidden * (x_dtype == DType::F64 ? 8 : 4);
   const int pack = int(16 / dtype_bytes(x_dtype)), ppt = 32 / pack;
   if (x_dtype == DType::F64 || !rows_kernel_fits(hidden, pack, ppt)) return loop;
-  const int64_t resident = int64_t(rows_plan(rows, hidden, pack, ppt, x_dtype == DType::F32 ? 3 : 2).grid) * 2 *
-                           hidden * 4;
+  const int64_t resident =
+      int64_t(rows_plan(rows, hidden, pack, ppt, x_dtype == DType::F32 ? 3 : 2).grid) * 2 * hidden * 4;
   return loop > resident ? loop : resident;
 }
 const char* norm_fwd(const FwdArgs& a, void* stream) { return dispatch_x_w<Fwd>(a, stream); }

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) norm_bwd_rows_kernel(norms::Bw
   const float inv_h = 1.0f / float(H);
   const int groups = blockDim.x / group_threads;
   const int g = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
-  float* my_acc = acc + g * K * H;  // this group's [K, H]; thread t owns the columns of its packs
+  float* my_acc = acc + g * K * H;            // this group's [K, H]; thread t owns the columns of its packs
   float* my_dz = acc + (groups * K + g) * H;  // fp32 only: this group's dz row
 #pragma unroll
   for (int p = 0; p < P; ++p) {

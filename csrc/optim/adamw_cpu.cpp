@@ -58,14 +58,18 @@ void adamw_kernel(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t begin
 
 template <typename P, typename S, bool MASTER>
 void adamw_scale(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t b, int64_t e) {
-  if (a.grad_scale) adamw_kernel<P, S, MASTER, true>(a, t, b, e);
-  else adamw_kernel<P, S, MASTER, false>(a, t, b, e);
+  if (a.grad_scale)
+    adamw_kernel<P, S, MASTER, true>(a, t, b, e);
+  else
+    adamw_kernel<P, S, MASTER, false>(a, t, b, e);
 }
 
 template <typename P>
 void adamw_dispatch(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t b, int64_t e) {
-  if (a.master) adamw_scale<P, float, true>(a, t, b, e);
-  else adamw_scale<P, P, false>(a, t, b, e);
+  if (a.master)
+    adamw_scale<P, float, true>(a, t, b, e);
+  else
+    adamw_scale<P, P, false>(a, t, b, e);
 }
 
 // inf * 0 and NaN * 0 are NaN, finite * 0 is 0: the sum stays 0 exactly when every element is finite, and the

@@ -33,10 +33,9 @@ using optim::ListArgs;
 
 constexpr int kBlock = 256;
 constexpr int kPack = 4;
-constexpr int kMaxTensors = 32;       // AdamW: 57 bytes per tensor
-constexpr int kMaxListTensors = 96;   // check / norm: 17 bytes per tensor
+constexpr int kMaxTensors = 32;      // AdamW: 57 bytes per tensor
+constexpr int kMaxListTensors = 96;  // check / norm: 17 bytes per tensor
 constexpr int kMaxSteps = 480;
-
 
 // ---------------------------------------------------------------------------------------------------------------
 // Kernel argument tables. first_chunk[t] is the launch's block index of tensor t's first chunk (a prefix sum;
@@ -45,7 +44,7 @@ constexpr int kMaxSteps = 480;
 struct AdamWBatch {
   AdamWTensor tensors[kMaxTensors];
   int32_t first_chunk[kMaxTensors + 1];
-  uint8_t vec[kMaxTensors];          // every pointer of the tensor allows packs of kPack (views may not)
+  uint8_t vec[kMaxTensors];  // every pointer of the tensor allows packs of kPack (views may not)
   int32_t n;
 };
 
@@ -62,7 +61,7 @@ struct ListBatch {
   int32_t first_chunk[kMaxListTensors + 1];
   uint8_t vec[kMaxListTensors];
   int32_t n;
-  int64_t first_slot;                // workspace slot of this launch's first chunk (l2norm)
+  int64_t first_slot;  // workspace slot of this launch's first chunk (l2norm)
 };
 
 struct StepBatch {
@@ -75,8 +74,10 @@ __device__ __forceinline__ int tensor_of_block(const int32_t* first_chunk, int n
   int lo = 0, hi = n;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (first_chunk[mid] <= b) lo = mid;
-    else hi = mid;
+    if (first_chunk[mid] <= b)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -85,11 +86,12 @@ __device__ __forceinline__ int tensor_of_block(const int32_t* first_chunk, int n
 // Kernels.
 
 template <typename P, typename S, bool MASTER, int N>
-__device__ __forceinline__ void adamw_elems(const AdamWTensor& t, int64_t i, float scale,
-                                            const optim::AdamWCoeffs& c) {
+__device__ __forceinline__ void adamw_elems(const AdamWTensor& t, int64_t i, float scale, const optim::AdamWCoeffs& c) {
   float p[N], g[N], m[N], v[N];
-  if (MASTER) load_pack<float, N>(t.master, i, p);
-  else load_pack<P, N>(static_cast<const P*>(t.param), i, p);
+  if (MASTER)
+    load_pack<float, N>(t.master, i, p);
+  else
+    load_pack<P, N>(static_cast<const P*>(t.param), i, p);
   load_pack<P, N>(static_cast<const P*>(t.grad), i, g);
   load_pack<S, N>(static_cast<const S*>(t.exp_avg), i, m);
   load_pack<S, N>(static_cast<const S*>(t.exp_avg_sq), i, v);
@@ -259,8 +261,8 @@ const char* run_adamw(const AdamWArgs& a, cudaStream_t stream) {
     MK_LAUNCH((adamw_kernel<P, S, MASTER>), dim3(unsigned(chunks)), dim3(kBlock), 0, stream, b, s);
     return last_error();
   };
-  if (const char* e = for_each_launch(a.n_tensors, a.chunk_size, kMaxTensors,
-                                      [&](int64_t t) { return a.tensors[t].numel; }, add, flush))
+  if (const char* e = for_each_launch(
+          a.n_tensors, a.chunk_size, kMaxTensors, [&](int64_t t) { return a.tensors[t].numel; }, add, flush))
     return e;
   // Steps advance after every update launch has read them (same stream, so in order).
   StepBatch sb;
@@ -300,8 +302,8 @@ const char* for_each_list_launch(const ListArgs& a, Launch launch) {
     b.first_slot += chunks;
     return nullptr;
   };
-  return for_each_launch(a.n_tensors, a.chunk_size, kMaxListTensors, [&](int64_t t) { return a.numels[t]; }, add,
-                         flush);
+  return for_each_launch(
+      a.n_tensors, a.chunk_size, kMaxListTensors, [&](int64_t t) { return a.numels[t]; }, add, flush);
 }
 
 }  // namespace
@@ -346,11 +348,15 @@ const char* l2norm(const ListArgs& a, float* partials, float* out, void* stream)
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const char* e = for_each_list_launch(a, [&](const ListBatch& b, int chunks) -> const char* {
     switch (a.dtype) {
-      case DType::F32: MK_LAUNCH(sumsq_kernel<float>, dim3(chunks), dim3(kBlock), 0, s, b, a.chunk_size, partials); break;
+      case DType::F32:
+        MK_LAUNCH(sumsq_kernel<float>, dim3(chunks), dim3(kBlock), 0, s, b, a.chunk_size, partials);
+        break;
       case DType::BF16:
         MK_LAUNCH(sumsq_kernel<__nv_bfloat16>, dim3(chunks), dim3(kBlock), 0, s, b, a.chunk_size, partials);
         break;
-      case DType::F16: MK_LAUNCH(sumsq_kernel<__half>, dim3(chunks), dim3(kBlock), 0, s, b, a.chunk_size, partials); break;
+      case DType::F16:
+        MK_LAUNCH(sumsq_kernel<__half>, dim3(chunks), dim3(kBlock), 0, s, b, a.chunk_size, partials);
+        break;
       default: return "l2norm: unsupported dtype";
     }
     return last_error();

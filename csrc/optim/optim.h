@@ -30,24 +30,24 @@ constexpr int64_t kDefaultChunk = 65536;
 
 // One parameter of a multi-tensor AdamW launch. Every pointer is on the launch's device.
 struct AdamWTensor {
-  void* param;          // numel, param_dtype
-  const void* grad;     // numel, param_dtype
-  void* exp_avg;        // numel, param_dtype, or fp32 in master mode
-  void* exp_avg_sq;     // numel, same dtype as exp_avg
-  float* master;        // numel fp32 master weights, or nullptr (then param is updated in place)
-  const float* step;    // scalar: optimizer steps taken so far (torch's state["step"]); read, not written
+  void* param;        // numel, param_dtype
+  const void* grad;   // numel, param_dtype
+  void* exp_avg;      // numel, param_dtype, or fp32 in master mode
+  void* exp_avg_sq;   // numel, same dtype as exp_avg
+  float* master;      // numel fp32 master weights, or nullptr (then param is updated in place)
+  const float* step;  // scalar: optimizer steps taken so far (torch's state["step"]); read, not written
   int64_t numel;
 };
 
 struct AdamWArgs {
   const AdamWTensor* tensors;  // host array of n_tensors
   int64_t n_tensors;
-  DType param_dtype;           // F32, F16 or BF16
-  bool master;                 // every tensor has a master copy; moments are fp32
+  DType param_dtype;  // F32, F16 or BF16
+  bool master;        // every tensor has a master copy; moments are fp32
   double lr, beta1, beta2, eps, weight_decay;
-  const float* grad_scale;     // scalar on the device, or nullptr: grads are divided by it
-  const float* found_inf;      // scalar on the device, or nullptr: when != 0 the launch changes nothing
-  int64_t chunk_size;          // elements per chunk, > 0
+  const float* grad_scale;  // scalar on the device, or nullptr: grads are divided by it
+  const float* found_inf;   // scalar on the device, or nullptr: when != 0 the launch changes nothing
+  int64_t chunk_size;       // elements per chunk, > 0
 };
 
 // Lists of one tensor kind for the non-finite check and the L2 norm.
@@ -55,17 +55,17 @@ struct ListArgs {
   const void* const* tensors;  // host array of n_tensors pointers
   const int64_t* numels;       // host array
   int64_t n_tensors;
-  DType dtype;                 // F32, F16 or BF16
+  DType dtype;  // F32, F16 or BF16
   int64_t chunk_size;
 };
 
 // fp32 coefficients of one AdamW step of a tensor, computed in fp64 and rounded once, as torch passes them.
 struct AdamWCoeffs {
-  float decay;       // 1 - lr * weight_decay
-  float w1;          // 1 - beta1 (the lerp weight)
-  float beta2, w2;   // beta2, 1 - beta2
-  float neg_step;    // -lr * sqrt(bc2) / bc1
-  float eps;         // eps * sqrt(bc2)
+  float decay;      // 1 - lr * weight_decay
+  float w1;         // 1 - beta1 (the lerp weight)
+  float beta2, w2;  // beta2, 1 - beta2
+  float neg_step;   // -lr * sqrt(bc2) / bc1
+  float eps;        // eps * sqrt(bc2)
 };
 
 MK_MATH AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double eps, double wd, float step) {
@@ -129,10 +129,10 @@ float sumsq_range(const optim::ListArgs& a, int64_t t, int64_t begin, int64_t en
 //                   otherwise *found_inf is left as it was.
 //   l2norm:         *out = sqrt(sum of squares) in fp32; `partials` is a device workspace of
 //                   l2norm_workspace_floats(a) floats. Deterministic: fixed chunk partials, fixed-order sum.
-#define MK_DECLARE_OPTIM_LAUNCHERS                                                           \
-  const char* adamw(const optim::AdamWArgs& a, void* stream);                                \
+#define MK_DECLARE_OPTIM_LAUNCHERS                                                                                \
+  const char* adamw(const optim::AdamWArgs& a, void* stream);                                                     \
   const char* nonfinite_check(const optim::ListArgs& a, const float* grad_scale, float* found_inf, void* stream); \
-  int64_t l2norm_workspace_floats(const optim::ListArgs& a);                                 \
+  int64_t l2norm_workspace_floats(const optim::ListArgs& a);                                                      \
   const char* l2norm(const optim::ListArgs& a, float* partials, float* out, void* stream);
 
 namespace cuda {

@@ -63,8 +63,8 @@ MK_MATH void sincos_angle(float angle, float& s, float& c) {
   const float r = float(fma(-k, 1.5707963267948966192, x));
   const float z = r * r;
   const float sr = r + r * z * (-1.6666654611e-1f + z * (8.3321608736e-3f + z * -1.9515295891e-4f));
-  const float cr = 1.0f - 0.5f * z + z * z * (4.166664568298827e-2f + z * (-1.388731625493765e-3f +
-                                                                             z * 2.443315711809948e-5f));
+  const float cr =
+      1.0f - 0.5f * z + z * z * (4.166664568298827e-2f + z * (-1.388731625493765e-3f + z * 2.443315711809948e-5f));
   const int q = int(int64_t(k) & 3);
   const float s0 = (q & 1) ? cr : sr, c0 = (q & 1) ? sr : cr;
   s = (q & 2) ? -s0 : s0;

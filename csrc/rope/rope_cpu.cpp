@@ -93,8 +93,10 @@ void tokens(const Args& a, int64_t t0, int64_t t1) {
 
 template <typename T>
 void dispatch_layout(const Args& a, int64_t t0, int64_t t1) {
-  if (a.interleaved) tokens<T, true>(a, t0, t1);
-  else tokens<T, false>(a, t0, t1);
+  if (a.interleaved)
+    tokens<T, true>(a, t0, t1);
+  else
+    tokens<T, false>(a, t0, t1);
 }
 
 }  // namespace

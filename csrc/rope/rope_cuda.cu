@@ -99,8 +99,8 @@ __global__ void rope_kernel(Args a, int lanes, int64_t heads_per_slice) {
     const int64_t h_end = h_begin + heads_per_slice < heads ? h_begin + heads_per_slice : heads;
     const T* xb = static_cast<const T*>(is_q ? a.x[0] : a.x[1]) + i0 * (is_q ? a.xs0[0] : a.xs0[1]) +
                   i1 * (is_q ? a.xs1[0] : a.xs1[1]);
-    T* yb = static_cast<T*>(is_q ? a.y[0] : a.y[1]) + i0 * (is_q ? a.ys0[0] : a.ys0[1]) +
-            i1 * (is_q ? a.ys1[0] : a.ys1[1]);
+    T* yb =
+        static_cast<T*>(is_q ? a.y[0] : a.y[1]) + i0 * (is_q ? a.ys0[0] : a.ys0[1]) + i1 * (is_q ? a.ys1[0] : a.ys1[1]);
     const int64_t xsh = is_q ? a.xsh[0] : a.xsh[1], ysh = is_q ? a.ysh[0] : a.ysh[1];
     const bool in_table = pos >= 0 && pos < a.max_pos;
     for (int64_t p = lane; p < packs; p += lanes) {
@@ -154,8 +154,8 @@ const char* launch(const Args& a, cudaStream_t stream) {
   const int64_t cap = int64_t(sm_count()) * kBlocksPerSm;
   if (grid > cap) grid = cap;
   const size_t smem = a.cos_sin ? 0 : size_t(half) * sizeof(float);
-  MK_LAUNCH((rope_kernel<T, INTERLEAVED, NP, VEC>), dim3(unsigned(grid)), dim3(lanes * slots), smem, stream, a,
-            lanes, hps);
+  MK_LAUNCH((rope_kernel<T, INTERLEAVED, NP, VEC>), dim3(unsigned(grid)), dim3(lanes * slots), smem, stream, a, lanes,
+            hps);
   return last_error();
 }
 

@@ -71,7 +71,7 @@ void softmax_bwd_rows(const softmax::BwdArgs& a, int64_t row_begin, int64_t row_
 
 // The CUDA kernels, compiled by nvcc into namespace `cuda` and by g++ against csrc/emu into `cuda_emu`.
 // Launchers return nullptr on success, else the CUDA error string; `stream` is a cudaStream_t.
-#define MK_DECLARE_SOFTMAX_LAUNCHERS                                  \
+#define MK_DECLARE_SOFTMAX_LAUNCHERS                                \
   const char* softmax_fwd(const softmax::FwdArgs& a, void* stream); \
   const char* softmax_bwd(const softmax::BwdArgs& a, void* stream);
 

@@ -140,8 +140,10 @@ struct FwdOp {
 template <typename T, typename A>
 struct BwdOp {
   static void run(const BwdArgs& a, int64_t r0, int64_t r1) {
-    if (a.causal) bwd_rows<T, A, true>(a, r0, r1);
-    else bwd_rows<T, A, false>(a, r0, r1);
+    if (a.causal)
+      bwd_rows<T, A, true>(a, r0, r1);
+    else
+      bwd_rows<T, A, false>(a, r0, r1);
   }
 };
 

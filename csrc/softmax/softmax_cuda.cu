@@ -49,8 +49,10 @@ __device__ __forceinline__ void load_mask(const unsigned char* m, int64_t j, boo
 template <typename T, int N, MaskKind K, typename A>
 __device__ __forceinline__ void load_valid(const T* xr, const unsigned char* mr, int64_t j, int64_t n, A (&z)[N],
                                            bool (&ok)[N]) {
-  if (K == MaskKind::Causal) load_prefix<T, N>(xr, j, n, z);
-  else load_pack<T, N>(xr, j, z);  // n == sk, a multiple of N: never a partial pack
+  if (K == MaskKind::Causal)
+    load_prefix<T, N>(xr, j, n, z);
+  else
+    load_pack<T, N>(xr, j, z);  // n == sk, a multiple of N: never a partial pack
   if (K == MaskKind::Bool) {
     load_mask<N>(mr, j, ok);
 #pragma unroll
@@ -282,8 +284,10 @@ const char* run_fwd(const FwdArgs& a, cudaStream_t s) {
       return last_error();
     }
   }
-  if (vec) launch_fwd_kind<T, V>(a, s);
-  else launch_fwd_kind<T, 1>(a, s);
+  if (vec)
+    launch_fwd_kind<T, V>(a, s);
+  else
+    launch_fwd_kind<T, 1>(a, s);
   return last_error();
 }
 
@@ -295,19 +299,25 @@ const char* run_bwd(const BwdArgs& a, cudaStream_t s) {
     if (vec && rows_kernel_fits(a.rows, a.sk, V)) {
       const RowPlan p = softmax_rows_plan(a.rows, a.sk);
       const dim3 grid(unsigned(p.grid)), block(unsigned(p.block));
-      if (a.causal) MK_LAUNCH((softmax_bwd_rows_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
-      else MK_LAUNCH((softmax_bwd_rows_kernel<T, V, false>), grid, block, 0, s, a, p.group_threads);
+      if (a.causal)
+        MK_LAUNCH((softmax_bwd_rows_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
+      else
+        MK_LAUNCH((softmax_bwd_rows_kernel<T, V, false>), grid, block, 0, s, a, p.group_threads);
       return last_error();
     }
   }
   const RowPlan p = plan_rows(a.rows, vec ? a.sk / V : a.sk, kBlocksPerSm, kMaxLoopThreads);
   const dim3 grid(unsigned(p.grid)), block(p.block);
   if (vec) {
-    if (a.causal) MK_LAUNCH((softmax_bwd_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
-    else MK_LAUNCH((softmax_bwd_kernel<T, V, false>), grid, block, 0, s, a, p.group_threads);
+    if (a.causal)
+      MK_LAUNCH((softmax_bwd_kernel<T, V, true>), grid, block, 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((softmax_bwd_kernel<T, V, false>), grid, block, 0, s, a, p.group_threads);
   } else {
-    if (a.causal) MK_LAUNCH((softmax_bwd_kernel<T, 1, true>), grid, block, 0, s, a, p.group_threads);
-    else MK_LAUNCH((softmax_bwd_kernel<T, 1, false>), grid, block, 0, s, a, p.group_threads);
+    if (a.causal)
+      MK_LAUNCH((softmax_bwd_kernel<T, 1, true>), grid, block, 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((softmax_bwd_kernel<T, 1, false>), grid, block, 0, s, a, p.group_threads);
   }
   return last_error();
 }

@@ -47,8 +47,8 @@ __device__ __forceinline__ unsigned kept_bits(int j, int n, const unsigned char*
     return (1u << (n - j)) - 1u;
   }
   if (K == MaskKind::Bool) {
-    const auto word = *reinterpret_cast<const typename MaskWord<N>::type*>(pack_at<unsigned char, N>(
-        const_cast<unsigned char*>(m) + j));
+    const auto word = *reinterpret_cast<const typename MaskWord<N>::type*>(
+        pack_at<unsigned char, N>(const_cast<unsigned char*>(m) + j));
     if (word == 0) return all;
     unsigned bits = 0u;
 #pragma unroll
@@ -115,8 +115,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) softmax_fwd_rows_kernel(softma
       const int j = (t + p * group_threads) * N;
       keep[p] = (active && j < sk) ? kept_bits<N, K>(j, n, mr) : 0u;
       if (keep[p]) {
-        if (K == MaskKind::Causal) load_prefix<T, N>(xr, j, n, z[p]);
-        else load_pack<T, N>(xr, j, z[p]);
+        if (K == MaskKind::Causal)
+          load_prefix<T, N>(xr, j, n, z[p]);
+        else
+          load_pack<T, N>(xr, j, z[p]);
       }
 #pragma unroll
       for (int k = 0; k < N; ++k) {

@@ -32,8 +32,10 @@ inline A in(T v) {
 }
 template <typename T, typename A>
 inline T out(A v) {
-  if constexpr (std::is_same_v<T, A>) return v;
-  else return from_float<T>(float(v));
+  if constexpr (std::is_same_v<T, A>)
+    return v;
+  else
+    return from_float<T>(float(v));
 }
 
 // The element loops take __restrict pointers and stay out of line: inlined into the row loop, where an fp32 output

@@ -71,11 +71,15 @@ const char* run(const Args& a, cudaStream_t s) {
   const RowPlan p = plan_rows(a.rows, vec ? a.f / V : a.f, kBlocksPerSm);
   const dim3 grid(unsigned(p.grid)), block(p.block);
   if (BWD) {
-    if (vec) MK_LAUNCH((swiglu_bwd_kernel<T, V>), grid, block, 0, s, a, p.group_threads);
-    else MK_LAUNCH((swiglu_bwd_kernel<T, 1>), grid, block, 0, s, a, p.group_threads);
+    if (vec)
+      MK_LAUNCH((swiglu_bwd_kernel<T, V>), grid, block, 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((swiglu_bwd_kernel<T, 1>), grid, block, 0, s, a, p.group_threads);
   } else {
-    if (vec) MK_LAUNCH((swiglu_fwd_kernel<T, V>), grid, block, 0, s, a, p.group_threads);
-    else MK_LAUNCH((swiglu_fwd_kernel<T, 1>), grid, block, 0, s, a, p.group_threads);
+    if (vec)
+      MK_LAUNCH((swiglu_fwd_kernel<T, V>), grid, block, 0, s, a, p.group_threads);
+    else
+      MK_LAUNCH((swiglu_fwd_kernel<T, 1>), grid, block, 0, s, a, p.group_threads);
   }
   return last_error();
 }

@@ -8,5 +8,16 @@ from megakernels.nn.rope import RotaryEmbedding
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
 from megakernels.nn.swiglu import FusedSwiGLU
 
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "FusedBiasGeLU", "FusedScaleMaskSoftmax", "FlashSelfAttention",
-           "TorchSelfAttention", "attention_core", "ATTENTION_CORES", "RotaryEmbedding", "FusedSwiGLU", "KVCache"]
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "FusedBiasGeLU",
+    "FusedScaleMaskSoftmax",
+    "FlashSelfAttention",
+    "TorchSelfAttention",
+    "attention_core",
+    "ATTENTION_CORES",
+    "RotaryEmbedding",
+    "FusedSwiGLU",
+    "KVCache",
+]

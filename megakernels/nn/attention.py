@@ -46,15 +46,19 @@ class _Core(nn.Module):
     def _args(self, q, k, v, causal, mask):
         if k is None and v is None:
             if q.dim() != 5 or q.shape[2] != 3:
-                raise ValueError(f"{type(self).__name__}: packed qkv must be [batch, seqlen, 3, heads, head_dim], "
-                                 f"got shape {tuple(q.shape)}")
+                raise ValueError(
+                    f"{type(self).__name__}: packed qkv must be [batch, seqlen, 3, heads, head_dim], "
+                    f"got shape {tuple(q.shape)}"
+                )
             q, k, v = q.unbind(2)
         elif k is None or v is None:
             raise ValueError(f"{type(self).__name__}: pass either packed qkv, or all of q, k and v")
         causal = self.causal if causal is None else bool(causal)
         if causal and mask is not None:
-            raise ValueError(f"{type(self).__name__}: pass either causal=True or a mask, not both (a combined mask "
-                             "is a boolean mask: mask | causal_mask)")
+            raise ValueError(
+                f"{type(self).__name__}: pass either causal=True or a mask, not both (a combined mask "
+                "is a boolean mask: mask | causal_mask)"
+            )
         return q, k, v, causal, self.dropout_p if self.training else 0.0
 
     def extra_repr(self) -> str:
@@ -79,8 +83,14 @@ class FlashSelfAttention(_Core):
             only some of q, k, v; a mask together with causal.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                causal: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        causal: bool | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         if mask is None:
             return flash_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, dropout_p=p)
@@ -97,8 +107,14 @@ class TorchSelfAttention(_Core):
     """The same contract as :class:`FlashSelfAttention` on ``torch.nn.functional.scaled_dot_product_attention``
     (the baseline the fused core is measured against), causal bottom-right aligned as FlashAttention's."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                causal: bool | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        causal: bool | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         heads = q.shape[2]
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
@@ -106,17 +122,24 @@ class TorchSelfAttention(_Core):
         if causal and sq != sk:  # PyTorch aligns is_causal top-left; ours is bottom-right (new queries are last)
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
             causal = False
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=None if mask is None else ~mask, dropout_p=p,
-                                             is_causal=causal, scale=self.softmax_scale)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=None if mask is None else ~mask,
+            dropout_p=p,
+            is_causal=causal,
+            scale=self.softmax_scale,
+        )
         return out.transpose(1, 2)
 
 
 ATTENTION_CORES = {"flash": FlashSelfAttention, "torch": TorchSelfAttention}
 
 
-def attention_core(name: str, causal: bool = False, softmax_scale: float | None = None,
-                   attention_dropout: float = 0.0) -> nn.Module:
+def attention_core(
+    name: str, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0
+) -> nn.Module:
     """The attention core called ``name`` (``"flash"`` or ``"torch"``).
 
     Raises:

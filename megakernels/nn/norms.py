@@ -24,7 +24,8 @@ def _shape(module: str, normalized_shape) -> tuple[int, ...]:
     dims = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else normalized_shape
     rule = f"{module}: normalized_shape must be a positive int or a non-empty tuple/list of positive ints"
     if not isinstance(dims, (tuple, list, torch.Size)) or not all(
-            isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in dims):
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in dims
+    ):
         raise TypeError(f"{rule}, got {normalized_shape!r}")
     if not dims or any(s < 1 for s in dims):
         raise ValueError(f"{rule}, got {normalized_shape!r}")
@@ -46,8 +47,16 @@ class FusedLayerNorm(nn.Module):
     fp16, bf16 or fp64; parameters may stay fp32 under a bf16/fp16 input (mixed precision).
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None, activation: str | None = None):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        activation: str | None = None,
+    ):
         super().__init__()
         self.normalized_shape = _shape("FusedLayerNorm", normalized_shape)
         self.eps = _checks.real("FusedLayerNorm", "eps", eps, minimum=0.0)
@@ -83,8 +92,9 @@ class FusedRMSNorm(nn.Module):
     """RMSNorm ``x / sqrt(mean(x^2) + eps) * weight``; arguments and parameters as :class:`torch.nn.RMSNorm`
     (``eps=None`` means ``torch.finfo(x.dtype).eps``, as there)."""
 
-    def __init__(self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None,
-                 dtype=None):
+    def __init__(
+        self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None, dtype=None
+    ):
         super().__init__()
         self.normalized_shape = _shape("FusedRMSNorm", normalized_shape)
         self.eps = None if eps is None else _checks.real("FusedRMSNorm", "eps", eps, minimum=0.0)

@@ -28,8 +28,14 @@ class RotaryEmbedding(nn.Module):
     :func:`megakernels.ops.fused_rope`, and ValueError for a q whose last dim is not ``head_dim``.
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0, interleaved: bool = False,
-                 max_positions: int | None = None, device=None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        interleaved: bool = False,
+        max_positions: int | None = None,
+        device=None,
+    ):
         super().__init__()
         name = "RotaryEmbedding"
         self.head_dim = _checks.integer(name, "head_dim", head_dim, minimum=2)
@@ -41,18 +47,34 @@ class RotaryEmbedding(nn.Module):
         if not isinstance(interleaved, bool):
             raise TypeError(f"{name}: interleaved must be a bool, got {interleaved!r}")
         self.interleaved = interleaved
-        self.max_positions = None if max_positions is None else _checks.integer(name, "max_positions", max_positions,
-                                                                                minimum=1)
-        table = None if max_positions is None else rope_cos_sin_table(self.max_positions, self.head_dim, self.theta,
-                                                                      device)
+        self.max_positions = (
+            None if max_positions is None else _checks.integer(name, "max_positions", max_positions, minimum=1)
+        )
+        table = (
+            None if max_positions is None else rope_cos_sin_table(self.max_positions, self.head_dim, self.theta, device)
+        )
         self.register_buffer("cos_sin", table, persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, seq_dim: int = 1,
-                position_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        seq_dim: int = 1,
+        position_offset: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(q, torch.Tensor) and q.dim() >= 1 and q.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding: q has head_dim {q.shape[-1]}, expected {self.head_dim}")
-        return fused_rope(q, k, positions, theta=self.theta, interleaved=self.interleaved,
-                          position_offset=position_offset, cos_sin=self.cos_sin, seq_dim=seq_dim)
+        return fused_rope(
+            q,
+            k,
+            positions,
+            theta=self.theta,
+            interleaved=self.interleaved,
+            position_offset=position_offset,
+            cos_sin=self.cos_sin,
+            seq_dim=seq_dim,
+        )
 
     def extra_repr(self) -> str:
         cache = f", max_positions={self.max_positions}" if self.max_positions else ""

@@ -10,6 +10,18 @@ from megakernels.ops.rope import fused_rope, rope_cos_sin_table, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.swiglu import swiglu, swiglu_reference
 
-__all__ = ["layer_norm", "rms_norm", "bias_gelu", "scaled_softmax", "scaled_masked_softmax", "scaled_causal_softmax",
-           "flash_attention", "cross_entropy", "fused_rope", "rope_reference", "rope_cos_sin_table", "swiglu",
-           "swiglu_reference"]
+__all__ = [
+    "layer_norm",
+    "rms_norm",
+    "bias_gelu",
+    "scaled_softmax",
+    "scaled_masked_softmax",
+    "scaled_causal_softmax",
+    "flash_attention",
+    "cross_entropy",
+    "fused_rope",
+    "rope_reference",
+    "rope_cos_sin_table",
+    "swiglu",
+    "swiglu_reference",
+]

@@ -52,8 +52,9 @@ def _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, devi
 
         g = h // hk
         heads = torch.arange(h, device=device).view(hk, g)
-        flat = (torch.arange(b, device=device)[:, None, None, None] * h + heads[None, :, :, None]) * sq \
-            + torch.arange(start, stop, device=device)[None, None, None, :]
+        flat = (torch.arange(b, device=device)[:, None, None, None] * h + heads[None, :, :, None]) * sq + torch.arange(
+            start, stop, device=device
+        )[None, None, None, :]
         keep = dropout_keep_reference(seed, flat.reshape(-1), torch.arange(kv, device=device), dropout_p)
         keep = keep.view(b, hk, g * (stop - start), kv)
     return causal_mask, keep

@@ -32,8 +32,10 @@ def tensor(op: str, name: str, t, *, optional: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise ValueError(f"{op}: {name} is a {t.layout} tensor; only dense (torch.strided) tensors are supported "
-                         f"(convert with {name}.to_dense())")
+        raise ValueError(
+            f"{op}: {name} is a {t.layout} tensor; only dense (torch.strided) tensors are supported "
+            f"(convert with {name}.to_dense())"
+        )
 
 
 def same_device(op: str, ref_name: str, ref: torch.Tensor, *named) -> None:
@@ -47,8 +49,10 @@ def same_device(op: str, ref_name: str, ref: torch.Tensor, *named) -> None:
         if isinstance(t, (list, tuple)):
             same_device(op, ref_name, ref, *((f"{name}[{i}]", u) for i, u in enumerate(t)))
         elif t is not None and t.device != ref.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; every tensor "
-                             "argument must be on one device")
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; every tensor "
+                "argument must be on one device"
+            )
 
 
 def real(op: str, name: str, value, *, finite: bool = True, minimum: float | None = None) -> float:

@@ -46,9 +46,17 @@ def _host_seed(seed: torch.Tensor | None) -> int:
 
 
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    dropout_p: float, seed: torch.Tensor | None, emulate: bool,
-                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    emulate: bool,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed)
     from megakernels.ops import _attention_cpu
@@ -65,9 +73,20 @@ def _(q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False):
 
 
 @torch.library.custom_op("megakernels::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                    emulate: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_attn_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    emulate: bool,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic)
     from megakernels.ops import _attention_cpu
@@ -77,8 +96,9 @@ def _flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 @_flash_attn_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, deterministic=False):
-    _checks.same_device("flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out),
-                        ("lse", lse))
+    _checks.same_device(
+        "flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)
+    )
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -93,8 +113,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, seed = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed,
-                                 ctx.emulate, ctx.deterministic)
+    dq, dk, dv = _flash_attn_bwd(
+        grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed, ctx.emulate, ctx.deterministic
+    )
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -106,8 +127,7 @@ def _check(q, k, v, softmax_scale, dropout_p) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(op, name, t)
         if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D [batch, seqlen, heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"{op}: {name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected q's dtype {q.dtype}")
@@ -121,19 +141,26 @@ def _check(q, k, v, softmax_scale, dropout_p) -> float:
         raise ValueError(f"{op}: k has head_dim {k.shape[3]}, expected q's head_dim {d}")
     hk = k.shape[2]
     if hk == 0 or h % hk != 0:
-        raise ValueError(f"{op}: q has {h} heads, which is not a multiple of k/v's {hk} heads (grouped-query "
-                         "attention needs heads_q % heads_kv == 0)")
+        raise ValueError(
+            f"{op}: q has {h} heads, which is not a multiple of k/v's {hk} heads (grouped-query "
+            "attention needs heads_q % heads_kv == 0)"
+        )
     allowed = _TRITON_DTYPES if q.device.type == "cuda" else _CPU_DTYPES
     if q.dtype not in allowed:
-        raise ValueError(f"{op}: q has dtype {q.dtype}; supported on {q.device.type}: "
-                         f"{', '.join(str(t) for t in allowed)}")
+        raise ValueError(
+            f"{op}: q has dtype {q.dtype}; supported on {q.device.type}: {', '.join(str(t) for t in allowed)}"
+        )
     if q.device.type == "cuda" and (d % 8 != 0 or d > MAX_TRITON_HEAD_DIM or d == 0):
-        raise ValueError(f"{op}: head_dim {d} is not supported on CUDA (a multiple of 8, at most "
-                         f"{MAX_TRITON_HEAD_DIM})")
+        raise ValueError(
+            f"{op}: head_dim {d} is not supported on CUDA (a multiple of 8, at most {MAX_TRITON_HEAD_DIM})"
+        )
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(d) if d else 1.0
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
-            or not math.isfinite(softmax_scale):
+    elif (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real)
+        or not math.isfinite(softmax_scale)
+    ):
         raise ValueError(f"{op}: softmax_scale must be a finite real number or None, got {softmax_scale!r}")
     else:
         scale = float(softmax_scale)
@@ -151,9 +178,17 @@ def draw_seed(device, generator: torch.Generator | None = None) -> torch.Tensor:
     return torch.randint(0, 2**62, (), device=device, dtype=torch.int64, generator=generator)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    softmax_scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                    generator: torch.Generator | None = None, deterministic: bool = False):
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    generator: torch.Generator | None = None,
+    deterministic: bool = False,
+):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` per head, memory linear in the sequence length.
 
     Args:
@@ -195,8 +230,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 # Reference semantics in plain PyTorch (tests; documentation).
 
 
-def dropout_mask(seed: int, batch: int, heads: int, sq: int, sk: int, dropout_p: float,
-                 device=None) -> torch.Tensor:
+def dropout_mask(seed: int, batch: int, heads: int, sq: int, sk: int, dropout_p: float, device=None) -> torch.Tensor:
     """The keep-mask ``[batch, heads, sq, sk]`` (bool) that flash_attention uses for ``seed`` on every device."""
     from megakernels.triton._common import dropout_keep_reference
 
@@ -204,8 +238,9 @@ def dropout_mask(seed: int, batch: int, heads: int, sq: int, sk: int, dropout_p:
     return dropout_keep_reference(seed, rows, torch.arange(sk, device=device), dropout_p).view(batch, heads, sq, sk)
 
 
-def flash_attention_reference(q, k, v, causal=False, softmax_scale=None, keep=None, dropout_p=0.0,
-                              compute_dtype=torch.float64):
+def flash_attention_reference(
+    q, k, v, causal=False, softmax_scale=None, keep=None, dropout_p=0.0, compute_dtype=torch.float64
+):
     """Materialising attention in ``compute_dtype``: returns (out ``[b, sq, h, d]``, lse ``[b, h, sq]``).
 
     ``keep`` (``[b, h, sq, sk]`` bool) applies dropout with scale ``1 / (1 - dropout_p)``. Queries that see no

@@ -79,8 +79,7 @@ def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, sm
 
 
 @torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
-def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int,
-           emulate: bool) -> torch.Tensor:
+def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
     if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
@@ -93,23 +92,44 @@ def _(logits, target, vocab_start, n_valid, emulate):
     return logits.new_empty((logits.shape[0], 4), dtype=torch.float32)
 
 
-def _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
-               emulate, out):
+def _grad_into(
+    logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, out
+):
     if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
-        return kernels.grad(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target,
-                            smooth_other, out)
-    return _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
-                     out)
+        return kernels.grad(
+            logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out
+        )
+    return _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out)
 
 
 @torch.library.custom_op("megakernels::cross_entropy_grad", mutates_args=())
-def _grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, vocab_start: int,
-          n_valid: int, ignore_index: int, smooth_target: float, smooth_other: float,
-          emulate: bool) -> torch.Tensor:
-    return _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
-                      emulate, torch.empty_like(logits))
+def _grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    dloss: torch.Tensor,
+    vocab_start: int,
+    n_valid: int,
+    ignore_index: int,
+    smooth_target: float,
+    smooth_other: float,
+    emulate: bool,
+) -> torch.Tensor:
+    return _grad_into(
+        logits,
+        target,
+        lse,
+        dloss,
+        vocab_start,
+        n_valid,
+        ignore_index,
+        smooth_target,
+        smooth_other,
+        emulate,
+        torch.empty_like(logits),
+    )
 
 
 @_grad.register_fake
@@ -118,17 +138,28 @@ def _(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_tar
 
 
 @torch.library.custom_op("megakernels::cross_entropy_grad_", mutates_args=("logits",))
-def _grad_inplace(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor,
-                  vocab_start: int, n_valid: int, ignore_index: int, smooth_target: float, smooth_other: float,
-                  emulate: bool) -> None:
-    _grad_into(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
-               emulate, logits)
+def _grad_inplace(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    dloss: torch.Tensor,
+    vocab_start: int,
+    n_valid: int,
+    ignore_index: int,
+    smooth_target: float,
+    smooth_other: float,
+    emulate: bool,
+) -> None:
+    _grad_into(
+        logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, logits
+    )
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, vocab_start,
-                inplace_backward, emulate):
+    def forward(
+        ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, vocab_start, inplace_backward, emulate
+    ):
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
         m, s, picked, total = _stats(logits, target, vocab_start, n_valid, emulate).unbind(1)
         if group is not None and logits.device.type != "meta":  # meta: shapes only, nothing to exchange
@@ -144,8 +175,7 @@ class _CrossEntropy(torch.autograd.Function):
         loss = lse - (1.0 - label_smoothing) * picked - (label_smoothing / vocab_size) * total
         loss = loss.masked_fill(target == ignore_index, 0.0)
         ctx.save_for_backward(logits, target, lse)
-        ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size,
-                    emulate)
+        ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size, emulate)
         ctx.inplace_backward = inplace_backward
         ctx.mark_non_differentiable(lse)
         return loss, lse
@@ -168,19 +198,25 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     _checks.tensor(op, "target", target)
     ignore_index = _checks.integer(op, "ignore_index", ignore_index)
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup or None, got {group!r} "
-                        f"({type(group).__name__})")
+        raise TypeError(
+            f"{op}: group must be a torch.distributed ProcessGroup or None, got {group!r} ({type(group).__name__})"
+        )
     if logits.dim() < 1 or logits.dtype not in _DTYPES:
-        raise ValueError(f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} "
-                         f"dtype {logits.dtype}")
+        raise ValueError(
+            f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} dtype {logits.dtype}"
+        )
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{op}: target must be an integer (int64/int32) tensor, got {target.dtype}")
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape "
-                         f"{tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape {tuple(logits.shape[:-1])}"
+        )
     _checks.same_device(op, "logits", logits, ("target", target))
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) \
-            or not 0.0 <= label_smoothing <= 1.0:
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, numbers.Real)
+        or not 0.0 <= label_smoothing <= 1.0
+    ):
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
     world, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     v_local = logits.shape[-1]
@@ -188,8 +224,10 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     if vocab_size is None:
         vocab_size = padded
     elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
-        raise ValueError(f"{op}: vocab_size must be an int in [1, {padded}] (the logits hold {padded} columns"
-                         f"{' over the group' if group is not None else ''}), got {vocab_size!r}")
+        raise ValueError(
+            f"{op}: vocab_size must be an int in [1, {padded}] (the logits hold {padded} columns"
+            f"{' over the group' if group is not None else ''}), got {vocab_size!r}"
+        )
     if target.device.type == "meta":  # no values to check: shapes only
         return vocab_size, rank * v_local
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
@@ -197,14 +235,19 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
         torch._assert_async(torch.logical_not(bad.any()), f"{op}: target outside [0, {vocab_size})")
     elif bool(bad.any()):
         value = int(target[bad].flatten()[0])
-        raise ValueError(f"{op}: target holds {value}, outside [0, {vocab_size}) and not ignore_index "
-                         f"({ignore_index})")
+        raise ValueError(f"{op}: target holds {value}, outside [0, {vocab_size}) and not ignore_index ({ignore_index})")
     return vocab_size, rank * v_local
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  label_smoothing: float = 0.0, group=None, vocab_size: int | None = None,
-                  inplace_backward: bool = False) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    group=None,
+    vocab_size: int | None = None,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
     """Per-token cross-entropy (``F.cross_entropy(..., reduction="none")`` semantics) of possibly vocab-sharded
     logits.
 
@@ -237,16 +280,27 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     if flat.numel() and flat.stride(-1) != 1:
         flat = flat.contiguous()
     emulate = emulate_for("cross_entropy", logits, "logits")
-    loss, _ = _CrossEntropy.apply(flat, target.reshape(-1), int(ignore_index), float(label_smoothing), group,
-                                  vocab_size, vocab_start, bool(inplace_backward), emulate)
+    loss, _ = _CrossEntropy.apply(
+        flat,
+        target.reshape(-1),
+        int(ignore_index),
+        float(label_smoothing),
+        group,
+        vocab_size,
+        vocab_start,
+        bool(inplace_backward),
+        emulate,
+    )
     return loss.view(lead)
 
 
-def cross_entropy_reference(logits, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None,
-                            compute_dtype=torch.float64):
+def cross_entropy_reference(
+    logits, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None, compute_dtype=torch.float64
+):
     """``F.cross_entropy(reduction="none")`` in ``compute_dtype`` over the first ``vocab_size`` columns of full
     (unsharded) logits."""
     v = logits.shape[-1] if vocab_size is None else vocab_size
     x = logits[..., :v].to(compute_dtype).reshape(-1, v)
-    return torch.nn.functional.cross_entropy(x, target.reshape(-1), ignore_index=ignore_index,
-                                             label_smoothing=label_smoothing, reduction="none").view(target.shape)
+    return torch.nn.functional.cross_entropy(
+        x, target.reshape(-1), ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    ).view(target.shape)

@@ -42,24 +42,29 @@ def _check(x, weight, group_sizes) -> None:
     if weight.shape[2] != x.shape[1]:
         raise ValueError(f"{OP}: weight has k={weight.shape[2]}, expected x's {x.shape[1]}")
     if group_sizes.dim() != 1 or group_sizes.shape[0] != weight.shape[0]:
-        raise ValueError(f"{OP}: group_sizes must be 1-D with one entry per group ({weight.shape[0]}), got shape "
-                         f"{tuple(group_sizes.shape)}")
+        raise ValueError(
+            f"{OP}: group_sizes must be 1-D with one entry per group ({weight.shape[0]}), got shape "
+            f"{tuple(group_sizes.shape)}"
+        )
     if group_sizes.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{OP}: group_sizes must be int32 or int64, got {group_sizes.dtype}")
     if weight.dtype != x.dtype:
         raise ValueError(f"{OP}: weight has dtype {weight.dtype}, expected x's {x.dtype}")
     _checks.same_device(OP, "x", x, ("weight", weight))
     if group_sizes.device.type == "meta" and x.device.type != "meta":  # a meta call computes nothing: no values
-        raise ValueError(f"{OP}: group_sizes is on meta but x is on {x.device}; meta group sizes hold no values "
-                         "(any other device is fine)")
+        raise ValueError(
+            f"{OP}: group_sizes is on meta but x is on {x.device}; meta group sizes hold no values "
+            "(any other device is fine)"
+        )
     if x.device.type == "cuda" and group_sizes.device.type == "cuda":
-        torch._assert_async((group_sizes >= 0).all() & (group_sizes.sum() == x.shape[0]),
-                             f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows")
+        torch._assert_async(
+            (group_sizes >= 0).all() & (group_sizes.sum() == x.shape[0]),
+            f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows",
+        )
     elif x.device.type != "meta" and group_sizes.device.type != "meta":
         sizes = group_sizes.cpu()
         if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:
-            raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got "
-                             f"{sizes.tolist()}")
+            raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got {sizes.tolist()}")
 
 
 def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -102,8 +107,9 @@ def _(x, weight, group_sizes, emulate):
 
 
 @torch.library.custom_op("megakernels::grouped_gemm_bwd", mutates_args=())
-def _grouped_gemm_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                      emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_gemm_bwd(
+    dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, emulate: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x, emulate):
         return _triton_kernels().backward(dout, x, weight, group_sizes)
     # The groups cover every row of dx (the sizes sum to T); dW needs zeros only where a group is empty.
@@ -156,8 +162,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tenso
     _check(x, weight, group_sizes)
     emulate = emulate_for(OP, x)
     if emulate and x.dtype not in _TRITON_DTYPES:
-        raise ValueError(f"{OP}: backend cuda_emu runs the Triton kernels, which take "
-                         f"{', '.join(str(t) for t in _TRITON_DTYPES)}; x has dtype {x.dtype}")
+        raise ValueError(
+            f"{OP}: backend cuda_emu runs the Triton kernels, which take "
+            f"{', '.join(str(t) for t in _TRITON_DTYPES)}; x has dtype {x.dtype}"
+        )
     return _grouped_gemm(x.contiguous(), weight.contiguous(), group_sizes, emulate)
 
 
@@ -165,6 +173,6 @@ def grouped_gemm_reference(x, weight, group_sizes, compute_dtype=torch.float64):
     """A loop of per-group matrix products in ``compute_dtype`` (tests)."""
     out, start = [], 0
     for e, n in enumerate(group_sizes.tolist()):
-        out.append(x[start:start + n].to(compute_dtype) @ weight[e].to(compute_dtype).t())
+        out.append(x[start : start + n].to(compute_dtype) @ weight[e].to(compute_dtype).t())
         start += n
     return torch.cat(out) if out else x.new_empty((0, weight.shape[1]), dtype=compute_dtype)

@@ -27,20 +27,51 @@ DEFAULT_CHUNK = 0  # 0: the kernels' default (65536 elements)
 
 
 @torch.library.register_fake("megakernels::adamw_")
-def _adamw_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, steps, lr, beta1, beta2, eps, weight_decay,
-                grad_scale, found_inf, chunk_size, emulate):
+def _adamw_fake(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    master_params,
+    steps,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    grad_scale,
+    found_inf,
+    chunk_size,
+    emulate,
+):
     if params:
-        _checks.same_device("adamw", "params[0]", params[0], ("params", params), ("grads", grads),
-                            ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("master_params", master_params),
-                            ("steps", steps), ("grad_scale", grad_scale), ("found_inf", found_inf))
+        _checks.same_device(
+            "adamw",
+            "params[0]",
+            params[0],
+            ("params", params),
+            ("grads", grads),
+            ("exp_avgs", exp_avgs),
+            ("exp_avg_sqs", exp_avg_sqs),
+            ("master_params", master_params),
+            ("steps", steps),
+            ("grad_scale", grad_scale),
+            ("found_inf", found_inf),
+        )
     return None
 
 
 @torch.library.register_fake("megakernels::multi_tensor_nonfinite_check_")
 def _nonfinite_fake(tensors, grad_scale, found_inf, chunk_size, emulate):
     if tensors:
-        _checks.same_device("multi_tensor_nonfinite_check", "tensors[0]", tensors[0], ("tensors", tensors),
-                            ("grad_scale", grad_scale), ("found_inf", found_inf))
+        _checks.same_device(
+            "multi_tensor_nonfinite_check",
+            "tensors[0]",
+            tensors[0],
+            ("tensors", tensors),
+            ("grad_scale", grad_scale),
+            ("found_inf", found_inf),
+        )
     return None
 
 
@@ -50,9 +81,23 @@ def _l2norm_fake(tensors, chunk_size, emulate):
     return tensors[0].new_empty((), dtype=torch.float32)
 
 
-def adamw_(params, grads, exp_avgs, exp_avg_sqs, master_params, steps, *, lr: float, beta1: float, beta2: float,
-           eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
-           found_inf: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK) -> None:
+def adamw_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    master_params,
+    steps,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> None:
     """In-place multi-tensor AdamW step on one (device, dtype) list; see the module docstring.
 
     Args:
@@ -70,21 +115,38 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, master_params, steps, *, lr: fl
     if not params:
         return
     torch.ops.megakernels.adamw_(
-        params, grads, exp_avgs, exp_avg_sqs, master_params, steps, float(lr), float(beta1), float(beta2),
-        float(eps), float(weight_decay), grad_scale, found_inf, int(chunk_size), emulate_for("adamw", params[0]))
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        master_params,
+        steps,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        grad_scale,
+        found_inf,
+        int(chunk_size),
+        emulate_for("adamw", params[0]),
+    )
 
 
-def nonfinite_check_(tensors, found_inf: torch.Tensor, grad_scale: torch.Tensor | None = None,
-                     chunk_size: int = DEFAULT_CHUNK) -> None:
+def nonfinite_check_(
+    tensors, found_inf: torch.Tensor, grad_scale: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK
+) -> None:
     """Sets ``found_inf`` (float32, one element, on the tensors' device) to 1.0 when any element of ``tensors``
     (one device and dtype), divided by ``grad_scale`` if given, is inf or NaN; leaves it unchanged otherwise."""
     if not tensors:
         return
     torch.ops.megakernels.multi_tensor_nonfinite_check_(
-        tensors, grad_scale, found_inf, int(chunk_size), emulate_for("multi_tensor_nonfinite_check", tensors[0]))
+        tensors, grad_scale, found_inf, int(chunk_size), emulate_for("multi_tensor_nonfinite_check", tensors[0])
+    )
 
 
 def l2norm(tensors, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     """2-norm of the concatenation of ``tensors`` (one device and dtype) as a float32 scalar on their device."""
     return torch.ops.megakernels.multi_tensor_l2norm(
-        tensors, int(chunk_size), emulate_for("multi_tensor_l2norm", tensors[0]))
+        tensors, int(chunk_size), emulate_for("multi_tensor_l2norm", tensors[0])
+    )

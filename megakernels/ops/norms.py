@@ -43,8 +43,16 @@ def _norm_fwd_fake(x, weight, bias, eps, activation, rms, emulate):
 
 @torch.library.register_fake("megakernels::norm_bwd")
 def _norm_bwd_fake(grad_output, x, weight, bias, mean, rstd, activation, rms, emulate):
-    _checks.same_device("rms_norm_backward" if rms else "layer_norm_backward", "x", x, ("grad_output", grad_output),
-                        ("weight", weight), ("bias", bias), ("mean", mean), ("rstd", rstd))
+    _checks.same_device(
+        "rms_norm_backward" if rms else "layer_norm_backward",
+        "x",
+        x,
+        ("grad_output", grad_output),
+        ("weight", weight),
+        ("bias", bias),
+        ("mean", mean),
+        ("rstd", rstd),
+    )
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.empty_like(weight) if weight is not None else x.new_empty((0,))
     db = torch.empty_like(bias) if bias is not None else x.new_empty((0,))
@@ -60,9 +68,7 @@ def _norm_setup_context(ctx, inputs, output):
 
 def _norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.megakernels.norm_bwd(
-        dy, x, weight, bias, mean, rstd, ctx.activation, ctx.rms, ctx.emulate
-    )
+    dx, dw, db = torch.ops.megakernels.norm_bwd(dy, x, weight, bias, mean, rstd, ctx.activation, ctx.rms, ctx.emulate)
     return dx, (dw if weight is not None else None), (db if bias is not None else None), None, None, None, None
 
 

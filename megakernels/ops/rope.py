@@ -38,10 +38,18 @@ OP = "fused_rope"
 def _rope_fake(q, k, positions, cos_sin, theta, position_offset, interleaved, seq_dim, inverse, emulate):
     _checks.same_device(OP, "q", q, ("k", k), ("positions", positions), ("cos_sin", cos_sin))
     # The shape rules the kernel checks too, here for the fake (meta) path.
-    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] \
-            or q.shape[3] % 2 or q.shape[3] < 2:
-        raise ValueError(f"{OP}: q {tuple(q.shape)} and k {tuple(k.shape)} must be 4-D with equal first two dims "
-                         "and an equal, even head_dim")
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or q.shape[:2] != k.shape[:2]
+        or q.shape[3] != k.shape[3]
+        or q.shape[3] % 2
+        or q.shape[3] < 2
+    ):
+        raise ValueError(
+            f"{OP}: q {tuple(q.shape)} and k {tuple(k.shape)} must be 4-D with equal first two dims "
+            "and an equal, even head_dim"
+        )
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
 
@@ -54,8 +62,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dq, dk):
     positions, cos_sin = ctx.saved_tensors
     theta, offset, interleaved, seq_dim, inverse, emulate = ctx.rest
-    gq, gk = torch.ops.megakernels.rope(dq, dk, positions, cos_sin, theta, offset, interleaved, seq_dim, not inverse,
-                                        emulate)
+    gq, gk = torch.ops.megakernels.rope(
+        dq, dk, positions, cos_sin, theta, offset, interleaved, seq_dim, not inverse, emulate
+    )
     return gq, gk, None, None, None, None, None, None, None, None
 
 
@@ -68,8 +77,10 @@ def _check_table_rows(positions, cos_sin: torch.Tensor, offset: int, seq: int) -
     rows = cos_sin.shape[0]
     if positions is None:
         if seq and not (offset >= 0 and offset + seq <= rows):
-            raise ValueError(f"{OP}: positions [{offset}, {offset + seq}) (position_offset + range(seq_len)) fall "
-                             f"outside the cos_sin table's {rows} rows")
+            raise ValueError(
+                f"{OP}: positions [{offset}, {offset + seq}) (position_offset + range(seq_len)) fall "
+                f"outside the cos_sin table's {rows} rows"
+            )
         return
     if positions.numel() == 0 or positions.device.type == "meta":
         return
@@ -83,9 +94,17 @@ def _check_table_rows(positions, cos_sin: torch.Tensor, offset: int, seq: int) -
         raise ValueError(f"{OP}: positions + position_offset reaches {bad}, outside the cos_sin table's {rows} rows")
 
 
-def fused_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, *, theta: float = 10000.0,
-               interleaved: bool = False, position_offset: int = 0, cos_sin: torch.Tensor | None = None,
-               seq_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    *,
+    theta: float = 10000.0,
+    interleaved: bool = False,
+    position_offset: int = 0,
+    cos_sin: torch.Tensor | None = None,
+    seq_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of q and k in one fused pass.
 
     Args:
@@ -118,27 +137,30 @@ def fused_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None 
     _checks.same_device(OP, "q", q, ("k", k), ("positions", positions), ("cos_sin", cos_sin))
     seq_dim = _checks.integer(OP, "seq_dim", seq_dim)
     if seq_dim not in (0, 1):
-        raise ValueError(f"{OP}: seq_dim must be 0 ([seq, batch, heads, d]) or 1 ([batch, seq, heads, d]), "
-                         f"got {seq_dim}")
+        raise ValueError(
+            f"{OP}: seq_dim must be 0 ([seq, batch, heads, d]) or 1 ([batch, seq, heads, d]), got {seq_dim}"
+        )
     offset = _checks.integer(OP, "position_offset", position_offset)
     if not isinstance(interleaved, bool):
         raise TypeError(f"{OP}: interleaved must be a bool, got {interleaved!r}")
     if q.dim() != 4:
-        raise ValueError(f"{OP}: q has shape {tuple(q.shape)}; expected 4 dims [batch, seq, heads, head_dim] "
-                         "(or [seq, batch, heads, head_dim] with seq_dim=0)")
+        raise ValueError(
+            f"{OP}: q has shape {tuple(q.shape)}; expected 4 dims [batch, seq, heads, head_dim] "
+            "(or [seq, batch, heads, head_dim] with seq_dim=0)"
+        )
     if cos_sin is None:
         theta = _checks.real(OP, "theta", theta)
         if not theta > 0:
             raise ValueError(f"{OP}: theta must be a finite number > 0, got {theta}")
     else:
         if cos_sin.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{OP}: cos_sin requires grad, but the table is not differentiated; pass "
-                             "cos_sin.detach()")
+            raise ValueError(f"{OP}: cos_sin requires grad, but the table is not differentiated; pass cos_sin.detach()")
         if cos_sin.dim() == 3:  # a wrong shape is reported by the kernel's checks
             _check_table_rows(positions, cos_sin, offset, q.shape[seq_dim])
         theta = 1.0
-    return torch.ops.megakernels.rope(q, k, positions, cos_sin, float(theta), offset, interleaved, seq_dim, False,
-                                      emulate_for(OP, q, "q"))
+    return torch.ops.megakernels.rope(
+        q, k, positions, cos_sin, float(theta), offset, interleaved, seq_dim, False, emulate_for(OP, q, "q")
+    )
 
 
 def rope_cos_sin_table(max_positions: int, head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
@@ -159,8 +181,18 @@ def _angles(pos: torch.Tensor, d: int, theta: float) -> torch.Tensor:
     return pos.float()[..., None] * inv_freq
 
 
-def rope_reference(q, k, positions=None, *, theta=10000.0, interleaved=False, position_offset=0, cos_sin=None,
-                   seq_dim=1, compute_dtype=torch.float64):
+def rope_reference(
+    q,
+    k,
+    positions=None,
+    *,
+    theta=10000.0,
+    interleaved=False,
+    position_offset=0,
+    cos_sin=None,
+    seq_dim=1,
+    compute_dtype=torch.float64,
+):
     """:func:`fused_rope` with plain PyTorch ops; returns ``(q_rot, k_rot)`` in ``compute_dtype`` (differentiable).
 
     The angles are computed as the contract says (fp32), their cos and sin and the rotation in ``compute_dtype``.
@@ -188,7 +220,7 @@ def rope_reference(q, k, positions=None, *, theta=10000.0, interleaved=False, po
         if interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
     return rotate(q), rotate(k)

@@ -31,8 +31,7 @@ def _swiglu_fwd_fake(x, emulate):
 def _check_packed(op: str, x: torch.Tensor) -> None:
     """The shape rule the kernel checks too, here for the fake (meta) path: ``[..., 2f]``."""
     if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"{op}: x has shape {tuple(x.shape)}; expected [..., 2 * f] (the gate half, then the up "
-                         "half)")
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}; expected [..., 2 * f] (the gate half, then the up half)")
 
 
 @torch.library.register_fake("megakernels::swiglu_bwd")

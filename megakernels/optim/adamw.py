@@ -42,8 +42,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _hyper(name: str, value) -> float:
     if isinstance(value, torch.Tensor):
-        raise TypeError(f"FusedAdamW: {name} must be a Python number, got a tensor; tensor {name} (for "
-                        f"CUDA-graph capture) is not supported, pass float({name})")
+        raise TypeError(
+            f"FusedAdamW: {name} must be a Python number, got a tensor; tensor {name} (for "
+            f"CUDA-graph capture) is not supported, pass float({name})"
+        )
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"FusedAdamW: {name} must be a number, got {type(value).__name__}")
     return float(value)
@@ -75,10 +77,17 @@ def _saved_step(idx, state: dict) -> float:
         raise ValueError(f"FusedAdamW.load_state_dict: state[{idx!r}] has no 'step' entry")
     step = state["step"]
     if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool or step.layout != torch.strided \
-                or step.device.type == "meta":
-            raise ValueError(f"{where} must be a number or a one-element real tensor with a value, got a "
-                             f"{step.layout} {step.dtype} tensor of shape {tuple(step.shape)} on {step.device}")
+        if (
+            step.numel() != 1
+            or step.is_complex()
+            or step.dtype == torch.bool
+            or step.layout != torch.strided
+            or step.device.type == "meta"
+        ):
+            raise ValueError(
+                f"{where} must be a number or a one-element real tensor with a value, got a "
+                f"{step.layout} {step.dtype} tensor of shape {tuple(step.shape)} on {step.device}"
+            )
         step = step.item()
     value = _checks.real("FusedAdamW.load_state_dict", f"state[{idx!r}]['step']", step, minimum=0.0)
     return value
@@ -107,8 +116,17 @@ class FusedAdamW(torch.optim.Optimizer):
     # torch.amp.GradScaler.step then skips its own unscale pass and sets `grad_scale` / `found_inf` on the optimizer.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, master_weights: bool = False, chunk_size: int = 0) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        master_weights: bool = False,
+        chunk_size: int = 0,
+    ) -> None:
         _check_hypers(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
         self.master_weights = bool(master_weights)
@@ -118,8 +136,10 @@ class FusedAdamW(torch.optim.Optimizer):
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
         if p.is_complex():
-            raise TypeError(f"FusedAdamW: params[{i}] is complex ({p.dtype}); not supported "
-                            "(view it as real with torch.view_as_real, or use torch.optim.AdamW)")
+            raise TypeError(
+                f"FusedAdamW: params[{i}] is complex ({p.dtype}); not supported "
+                "(view it as real with torch.view_as_real, or use torch.optim.AdamW)"
+            )
         if p.dtype not in _DTYPES:
             raise TypeError(f"FusedAdamW: params[{i}] has dtype {p.dtype}; expected float32, float16 or bfloat16")
         if p.layout != torch.strided:
@@ -159,8 +179,10 @@ class FusedAdamW(torch.optim.Optimizer):
                     continue
                 g = p.grad
                 if g.is_sparse or g.layout != torch.strided:
-                    raise RuntimeError(f"FusedAdamW: param_groups[{gi}].params[{i}] has a sparse gradient; "
-                                       "AdamW does not support sparse gradients (use torch.optim.SparseAdam)")
+                    raise RuntimeError(
+                        f"FusedAdamW: param_groups[{gi}].params[{i}] has a sparse gradient; "
+                        "AdamW does not support sparse gradients (use torch.optim.SparseAdam)"
+                    )
                 self._check_param(p, i)
                 state = self.state[p]
                 if len(state) == 0:
@@ -199,8 +221,12 @@ class FusedAdamW(torch.optim.Optimizer):
         return flags
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None, grad_scale: torch.Tensor | float | None = None,
-             found_inf: torch.Tensor | None = None):
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        grad_scale: torch.Tensor | float | None = None,
+        found_inf: torch.Tensor | None = None,
+    ):
         """One AdamW step over every parameter with a grad.
 
         Args:
@@ -237,10 +263,22 @@ class FusedAdamW(torch.optim.Optimizer):
         for group, buckets in work:
             beta1, beta2 = group["betas"]
             for (dev, _dt), (params, grads, exp_avgs, exp_avg_sqs, masters, steps) in buckets.items():
-                _mt.adamw_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr=group["lr"], beta1=beta1,
-                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                           grad_scale=grad_scale.to(dev) if grad_scale is not None else None,
-                           found_inf=flags[dev] if flags is not None else None, chunk_size=self.chunk_size)
+                _mt.adamw_(
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    masters,
+                    steps,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    grad_scale=grad_scale.to(dev) if grad_scale is not None else None,
+                    found_inf=flags[dev] if flags is not None else None,
+                    chunk_size=self.chunk_size,
+                )
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

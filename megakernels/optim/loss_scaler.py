@@ -60,9 +60,16 @@ class DynamicLossScaler:
         scaler.update(overflow)             # skip the step when overflow
     """
 
-    def __init__(self, initial_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, min_scale: float = 1.0, max_scale: float = 2.0**24,
-                 hysteresis: int = 1) -> None:
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+    ) -> None:
         self.growth_factor = _positive_float("growth_factor", growth_factor, above_one=True)
         self.backoff_factor = _positive_float("backoff_factor", backoff_factor, below_one=True)
         self.growth_interval = _positive_int("growth_interval", growth_interval)
@@ -71,8 +78,10 @@ class DynamicLossScaler:
         self.max_scale = _positive_float("max_scale", max_scale)
         initial_scale = _positive_float("initial_scale", initial_scale)
         if not self.min_scale <= initial_scale <= self.max_scale:
-            raise ValueError(f"DynamicLossScaler: initial_scale must be in [min_scale, max_scale] = "
-                             f"[{self.min_scale:g}, {self.max_scale:g}], got {initial_scale:g}")
+            raise ValueError(
+                f"DynamicLossScaler: initial_scale must be in [min_scale, max_scale] = "
+                f"[{self.min_scale:g}, {self.max_scale:g}], got {initial_scale:g}"
+            )
         self._scale = initial_scale
         self._clean_steps = 0
         self._overflows_left = self.hysteresis
@@ -119,11 +128,15 @@ class DynamicLossScaler:
         scale = _positive_float("state['scale']", state["scale"])
         clean, left = int(state["clean_steps"]), int(state["overflows_left"])
         if clean < 0 or left < 0:
-            raise ValueError(f"DynamicLossScaler.load_state_dict: counters must be >= 0, got clean_steps={clean}, "
-                             f"overflows_left={left}")
+            raise ValueError(
+                f"DynamicLossScaler.load_state_dict: counters must be >= 0, got clean_steps={clean}, "
+                f"overflows_left={left}"
+            )
         self._scale, self._clean_steps, self._overflows_left = scale, clean, left or self.hysteresis
 
     def __repr__(self) -> str:
-        return (f"DynamicLossScaler(scale={self._scale:g}, growth_factor={self.growth_factor:g}, "
-                f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
-                f"min_scale={self.min_scale:g}, max_scale={self.max_scale:g}, hysteresis={self.hysteresis})")
+        return (
+            f"DynamicLossScaler(scale={self._scale:g}, growth_factor={self.growth_factor:g}, "
+            f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
+            f"min_scale={self.min_scale:g}, max_scale={self.max_scale:g}, hysteresis={self.hysteresis})"
+        )

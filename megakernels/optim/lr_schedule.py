@@ -53,8 +53,15 @@ class LRSchedule:
         style, or a WSD decay longer than the steps after warmup.
     """
 
-    def __init__(self, lr: float, min_lr: float = 0.0, warmup_steps: int = 0, total_steps: int = 1,
-                 style: str = "cosine", wsd_decay_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        lr: float,
+        min_lr: float = 0.0,
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        style: str = "cosine",
+        wsd_decay_steps: int | None = None,
+    ) -> None:
         self.lr, self.min_lr = _number("lr", lr), _number("min_lr", min_lr)
         if self.min_lr > self.lr:
             raise ValueError(f"LRSchedule: min_lr must be <= lr, got min_lr={self.min_lr:g} > lr={self.lr:g}")
@@ -62,17 +69,21 @@ class LRSchedule:
         if self.total_steps < 1:
             raise ValueError(f"LRSchedule: total_steps must be >= 1, got {total_steps}")
         if self.warmup_steps > self.total_steps:
-            raise ValueError(f"LRSchedule: warmup_steps must be <= total_steps, got warmup_steps="
-                             f"{self.warmup_steps} > total_steps={self.total_steps}")
+            raise ValueError(
+                f"LRSchedule: warmup_steps must be <= total_steps, got warmup_steps="
+                f"{self.warmup_steps} > total_steps={self.total_steps}"
+            )
         if style not in STYLES:
             raise ValueError(f"LRSchedule: style must be one of {', '.join(STYLES)}, got {style!r}")
         self.style = style
         span = self.total_steps - self.warmup_steps
-        self.wsd_decay_steps = max(1, span // 10) if wsd_decay_steps is None else _count("wsd_decay_steps",
-                                                                                         wsd_decay_steps)
+        self.wsd_decay_steps = (
+            max(1, span // 10) if wsd_decay_steps is None else _count("wsd_decay_steps", wsd_decay_steps)
+        )
         if style == "wsd" and self.wsd_decay_steps > span:
-            raise ValueError(f"LRSchedule: wsd_decay_steps={self.wsd_decay_steps} is more than the {span} steps "
-                             "after warmup")
+            raise ValueError(
+                f"LRSchedule: wsd_decay_steps={self.wsd_decay_steps} is more than the {span} steps after warmup"
+            )
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (1-based: the first step is 1).
@@ -105,12 +116,20 @@ class LRSchedule:
         return lr
 
     def state_dict(self) -> dict:
-        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-                "total_steps": self.total_steps, "style": self.style, "wsd_decay_steps": self.wsd_decay_steps}
+        return {
+            "lr": self.lr,
+            "min_lr": self.min_lr,
+            "warmup_steps": self.warmup_steps,
+            "total_steps": self.total_steps,
+            "style": self.style,
+            "wsd_decay_steps": self.wsd_decay_steps,
+        }
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(lr={self.lr:g}, min_lr={self.min_lr:g}, warmup_steps={self.warmup_steps}, "
-                f"total_steps={self.total_steps}, style={self.style!r})")
+        return (
+            f"{type(self).__name__}(lr={self.lr:g}, min_lr={self.min_lr:g}, warmup_steps={self.warmup_steps}, "
+            f"total_steps={self.total_steps}, style={self.style!r})"
+        )
 
 
 class WarmupCosineSchedule(LRSchedule):

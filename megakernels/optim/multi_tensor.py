@@ -38,8 +38,10 @@ def _check_list(op: str, tensors) -> list[torch.Tensor]:
     metas = [t.device.type == "meta" for t in tensors]
     if any(metas) and not all(metas):
         i = metas.index(not metas[0])
-        raise ValueError(f"{op}: tensors[{i}] is on {tensors[i].device} but tensors[0] is on {tensors[0].device}; "
-                         "meta tensors cannot be mixed with tensors that hold values")
+        raise ValueError(
+            f"{op}: tensors[{i}] is on {tensors[i].device} but tensors[0] is on {tensors[0].device}; "
+            "meta tensors cannot be mixed with tensors that hold values"
+        )
     return tensors
 
 

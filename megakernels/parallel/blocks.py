@@ -30,6 +30,7 @@ from megakernels.parallel.context import ring_attention
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
+
 def _sub_seed(seed: int | None, name: str) -> int | None:
     return None if seed is None else init.derive_seed(seed, name)
 
@@ -61,10 +62,22 @@ class ParallelMLP(nn.Module):
         ValueError: ``ffn_hidden_size`` not divisible by tp, non-positive sizes, or a bad ``approximate``.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int | None = None, sequence_parallel: bool = False, *,
-                 approximate: str = "tanh", activation: str = "gelu", bias: bool = True, overlap_comm: bool = True,
-                 init_method: init.InitMethod | None = None, output_init_method: init.InitMethod | None = None,
-                 seed: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int | None = None,
+        sequence_parallel: bool = False,
+        *,
+        approximate: str = "tanh",
+        activation: str = "gelu",
+        bias: bool = True,
+        overlap_comm: bool = True,
+        init_method: init.InitMethod | None = None,
+        output_init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         if approximate not in ("tanh", "none"):
@@ -74,13 +87,29 @@ class ParallelMLP(nn.Module):
         state.check_divisible(ffn_hidden_size=ffn_hidden_size)
         self.approximate, self.activation = approximate, activation
         gated = activation == "swiglu"
-        self.fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size, bias,
-                                        sequence_parallel=sequence_parallel, skip_bias_add=True,
-                                        overlap_comm=overlap_comm, stride=2 if gated else 1, init_method=init_method,
-                                        seed=_sub_seed(seed, "fc1"), device=device, dtype=dtype)
-        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
-                                     init_method=output_init_method or init_method, seed=_sub_seed(seed, "fc2"),
-                                     device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(
+            hidden_size,
+            2 * ffn_hidden_size if gated else ffn_hidden_size,
+            bias,
+            sequence_parallel=sequence_parallel,
+            skip_bias_add=True,
+            overlap_comm=overlap_comm,
+            stride=2 if gated else 1,
+            init_method=init_method,
+            seed=_sub_seed(seed, "fc1"),
+            device=device,
+            dtype=dtype,
+        )
+        self.fc2 = RowParallelLinear(
+            ffn_hidden_size,
+            hidden_size,
+            bias,
+            sequence_parallel=sequence_parallel,
+            init_method=output_init_method or init_method,
+            seed=_sub_seed(seed, "fc2"),
+            device=device,
+            dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)
@@ -118,28 +147,54 @@ class ParallelSelfAttention(nn.Module):
             ``num_heads``, ``attention_dropout`` outside [0, 1), or an input that is not 3-D ``[s, b, h]``.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, causal: bool = True, sequence_parallel: bool = False, *,
-                 core: str | nn.Module = "flash", attention_dropout: float = 0.0, bias: bool = True,
-                 recompute: bool = False, overlap_comm: bool = True, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
-                 dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        causal: bool = True,
+        sequence_parallel: bool = False,
+        *,
+        core: str | nn.Module = "flash",
+        attention_dropout: float = 0.0,
+        bias: bool = True,
+        recompute: bool = False,
+        overlap_comm: bool = True,
+        init_method: init.InitMethod | None = None,
+        output_init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         _check_heads(self, hidden_size, num_heads, attention_dropout)
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) \
-            else core
+        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) else core
         self.recompute = bool(recompute)
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, sequence_parallel=sequence_parallel,
-                                        overlap_comm=overlap_comm, init_method=init_method,
-                                        seed=_sub_seed(seed, "qkv"), device=device, dtype=dtype)
-        self.proj = RowParallelLinear(hidden_size, hidden_size, bias, sequence_parallel=sequence_parallel,
-                                      init_method=output_init_method or init_method, seed=_sub_seed(seed, "proj"),
-                                      device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(
+            hidden_size,
+            3 * hidden_size,
+            bias,
+            sequence_parallel=sequence_parallel,
+            overlap_comm=overlap_comm,
+            init_method=init_method,
+            seed=_sub_seed(seed, "qkv"),
+            device=device,
+            dtype=dtype,
+        )
+        self.proj = RowParallelLinear(
+            hidden_size,
+            hidden_size,
+            bias,
+            sequence_parallel=sequence_parallel,
+            init_method=output_init_method or init_method,
+            seed=_sub_seed(seed, "proj"),
+            device=device,
+            dtype=dtype,
+        )
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         _check_3d(self, x)
         qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
         s, b = qkv.shape[:2]
@@ -168,8 +223,10 @@ def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
 def _run_core(module: nn.Module, q, k, v, mask):
     if state.is_initialized() and state.cp_size() > 1:
         if mask is not None:
-            raise ValueError(f"{type(module).__name__}: context parallelism takes no attention mask (padding masks "
-                             "are not split over the ring)")
+            raise ValueError(
+                f"{type(module).__name__}: context parallelism takes no attention mask (padding masks "
+                "are not split over the ring)"
+            )
         return ring_attention(q, k, v, causal=module.causal, group=state.cp_group())
     if module.training and getattr(module.core, "dropout_p", 0.0) > 0.0:
         with get_rng_tracker().fork():
@@ -215,12 +272,26 @@ class ParallelGroupedQueryAttention(nn.Module):
             dividing ``num_heads``, or what ``ParallelSelfAttention`` raises.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, causal: bool = True,
-                 sequence_parallel: bool = False, *, core: str | nn.Module = "flash", attention_dropout: float = 0.0,
-                 bias: bool = False, recompute: bool = False, rotary: nn.Module | None = None,
-                 overlap_comm: bool = True, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
-                 dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        causal: bool = True,
+        sequence_parallel: bool = False,
+        *,
+        core: str | nn.Module = "flash",
+        attention_dropout: float = 0.0,
+        bias: bool = False,
+        recompute: bool = False,
+        rotary: nn.Module | None = None,
+        overlap_comm: bool = True,
+        init_method: init.InitMethod | None = None,
+        output_init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         cls = type(self).__name__
         tp = state.tp_size()
@@ -230,8 +301,10 @@ class ParallelGroupedQueryAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"{cls}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if num_kv_heads % tp and tp % num_kv_heads:
-            raise ValueError(f"{cls}: num_kv_heads={num_kv_heads} must be a multiple of the tensor-parallel size "
-                             f"{tp} (heads split) or divide it (heads replicated)")
+            raise ValueError(
+                f"{cls}: num_kv_heads={num_kv_heads} must be a multiple of the tensor-parallel size "
+                f"{tp} (heads split) or divide it (heads replicated)"
+            )
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
@@ -240,28 +313,56 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.head_dim = d = hidden_size // num_heads
         replicas = max(1, tp // num_kv_heads)
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
-        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) \
-            else core
+        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) else core
         self.rotary = rotary
-        self.q = ColumnParallelLinear(hidden_size, num_heads * d, bias, sequence_parallel=sequence_parallel,
-                                      init_method=init_method, seed=_sub_seed(seed, "q"), device=device, dtype=dtype)
-        self.kv = ColumnParallelLinear(hidden_size, 2 * num_kv_heads * d, bias, sequence_parallel=sequence_parallel,
-                                       stride=2, replicas=replicas, init_method=init_method,
-                                       seed=_sub_seed(seed, "kv"), device=device, dtype=dtype)
-        self.proj = RowParallelLinear(num_heads * d, hidden_size, bias, sequence_parallel=sequence_parallel,
-                                      init_method=output_init_method or init_method, seed=_sub_seed(seed, "proj"),
-                                      device=device, dtype=dtype)
+        self.q = ColumnParallelLinear(
+            hidden_size,
+            num_heads * d,
+            bias,
+            sequence_parallel=sequence_parallel,
+            init_method=init_method,
+            seed=_sub_seed(seed, "q"),
+            device=device,
+            dtype=dtype,
+        )
+        self.kv = ColumnParallelLinear(
+            hidden_size,
+            2 * num_kv_heads * d,
+            bias,
+            sequence_parallel=sequence_parallel,
+            stride=2,
+            replicas=replicas,
+            init_method=init_method,
+            seed=_sub_seed(seed, "kv"),
+            device=device,
+            dtype=dtype,
+        )
+        self.proj = RowParallelLinear(
+            num_heads * d,
+            hidden_size,
+            bias,
+            sequence_parallel=sequence_parallel,
+            init_method=output_init_method or init_method,
+            seed=_sub_seed(seed, "proj"),
+            device=device,
+            dtype=dtype,
+        )
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
         _check_3d(self, x)
         weight = torch.cat([self.q.weight, self.kv.weight])
         bias = None if self.q.bias is None else torch.cat([self.q.bias, self.kv.bias])
         y = linear_with_async_comm(x, weight, bias, state.tp_group(), self.sequence_parallel, self.overlap_comm)
         s, b = y.shape[:2]
         d, nq, nkv = self.head_dim, self.local_heads, self.local_kv_heads
-        q = y[..., :nq * d].view(s, b, nq, d)
-        k, v = y[..., nq * d:].view(s, b, 2, nkv, d).unbind(2)
+        q = y[..., : nq * d].view(s, b, nq, d)
+        k, v = y[..., nq * d :].view(s, b, 2, nkv, d).unbind(2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions, seq_dim=0)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
@@ -292,32 +393,66 @@ class ParallelCrossAttention(nn.Module):
             outside [0, 1), inputs that are not 3-D, or context parallelism (the context is not split over a ring).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, context_size: int | None = None, *,
-                 core: str | nn.Module = "flash", attention_dropout: float = 0.0, bias: bool = True,
-                 recompute: bool = False, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, seed: int | None = None, device=None,
-                 dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        context_size: int | None = None,
+        *,
+        core: str | nn.Module = "flash",
+        attention_dropout: float = 0.0,
+        bias: bool = True,
+        recompute: bool = False,
+        init_method: init.InitMethod | None = None,
+        output_init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         _check_heads(self, hidden_size, num_heads, attention_dropout)
         context_size = hidden_size if context_size is None else context_size
         self.causal, self.recompute = False, bool(recompute)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.core = attention_core(core, False, attention_dropout=attention_dropout) if isinstance(core, str) \
-            else core
-        self.q = ColumnParallelLinear(hidden_size, hidden_size, bias, init_method=init_method,
-                                      seed=_sub_seed(seed, "q"), device=device, dtype=dtype)
-        self.kv = ColumnParallelLinear(context_size, 2 * hidden_size, bias, stride=2, init_method=init_method,
-                                       seed=_sub_seed(seed, "kv"), device=device, dtype=dtype)
-        self.proj = RowParallelLinear(hidden_size, hidden_size, bias, init_method=output_init_method or init_method,
-                                      seed=_sub_seed(seed, "proj"), device=device, dtype=dtype)
+        self.core = attention_core(core, False, attention_dropout=attention_dropout) if isinstance(core, str) else core
+        self.q = ColumnParallelLinear(
+            hidden_size,
+            hidden_size,
+            bias,
+            init_method=init_method,
+            seed=_sub_seed(seed, "q"),
+            device=device,
+            dtype=dtype,
+        )
+        self.kv = ColumnParallelLinear(
+            context_size,
+            2 * hidden_size,
+            bias,
+            stride=2,
+            init_method=init_method,
+            seed=_sub_seed(seed, "kv"),
+            device=device,
+            dtype=dtype,
+        )
+        self.proj = RowParallelLinear(
+            hidden_size,
+            hidden_size,
+            bias,
+            init_method=output_init_method or init_method,
+            seed=_sub_seed(seed, "proj"),
+            device=device,
+            dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         _check_3d(self, x)
         _check_3d(self, context)
         if state.is_initialized() and state.cp_size() > 1:
-            raise ValueError(f"{type(self).__name__}: context parallelism is not supported (the context would have "
-                             "to be split over the ring)")
+            raise ValueError(
+                f"{type(self).__name__}: context parallelism is not supported (the context would have "
+                "to be split over the ring)"
+            )
         (sq, b), sk, d, n = x.shape[:2], context.shape[0], self.head_dim, self.local_heads
         q = self.q(x).view(sq, b, n, d).transpose(0, 1)
         k, v = (t.transpose(0, 1) for t in self.kv(context).view(sk, b, 2, n, d).unbind(2))

@@ -98,8 +98,13 @@ def all_gather(x: torch.Tensor, dim: int, group, async_op: bool = False):
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     finish = None if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
-    return _launch("all_gather", lambda async_op: _all_gather_single(out, src, group=group, async_op=async_op),
-                   out, async_op, finish)
+    return _launch(
+        "all_gather",
+        lambda async_op: _all_gather_single(out, src, group=group, async_op=async_op),
+        out,
+        async_op,
+        finish,
+    )
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, async_op: bool = False):
@@ -111,14 +116,19 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, async_op: bool = False):
     world = dist.get_world_size(group)
     dim = dim % x.dim()
     if x.shape[dim] % world:
-        raise ValueError(f"reduce_scatter: dimension {dim} of x has {x.shape[dim]} elements, not divisible by the "
-                         f"group size {world}")
+        raise ValueError(
+            f"reduce_scatter: dimension {dim} of x has {x.shape[dim]} elements, not divisible by the group size {world}"
+        )
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // world,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     finish = None if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
-    return _launch("reduce_scatter", lambda async_op: _reduce_scatter_single(out, src, group=group,
-                                                                             async_op=async_op),
-                   out, async_op, finish)
+    return _launch(
+        "reduce_scatter",
+        lambda async_op: _reduce_scatter_single(out, src, group=group, async_op=async_op),
+        out,
+        async_op,
+        finish,
+    )
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -129,6 +139,8 @@ def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[dim] % world:
-        raise ValueError(f"split: dimension {dim % x.dim()} of x has {x.shape[dim]} elements, not divisible by the "
-                         f"group size {world}")
+        raise ValueError(
+            f"split: dimension {dim % x.dim()} of x has {x.shape[dim]} elements, not divisible by the "
+            f"group size {world}"
+        )
     return x.chunk(world, dim)[rank].contiguous()

@@ -74,6 +74,7 @@ def gather_from_cp(local: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 # ---- the partial attentions --------------------------------------------------------------------------------------
 
+
 def _emulate(q: torch.Tensor) -> bool:
     from megakernels._backend import emulate_for
 
@@ -179,8 +180,17 @@ class RingAttention(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             for rows, keys, cz in _plan(step, rank, cp, causal, c):
-                pq, pk, pv = _bwd(dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows],
-                                  lse[:, :, rows].contiguous(), cz, scale, emulate)
+                pq, pk, pv = _bwd(
+                    dout[:, rows],
+                    q[:, rows],
+                    held[0][:, keys],
+                    held[1][:, keys],
+                    out[:, rows],
+                    lse[:, :, rows].contiguous(),
+                    cz,
+                    scale,
+                    emulate,
+                )
                 comm.record("compute", "cp_attention_backward")
                 dq[:, rows] += pq.to(acc)
                 dk[:, keys] += pk.to(acc)
@@ -189,15 +199,23 @@ class RingAttention(torch.autograd.Function):
                 prev_dk, prev_dv = incoming.wait()
                 dk += prev_dk
                 dv += prev_dv
-            incoming = _Ring([dk, dv], group, "cp_dkv")  # on to the next holder; the last hop returns them to their owner
+            incoming = _Ring(
+                [dk, dv], group, "cp_dkv"
+            )  # on to the next holder; the last hop returns them to their owner
             if ring is not None:
                 held = tuple(ring.wait())
         dk, dv = incoming.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                   softmax_scale: float | None = None, group=None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group=None,
+) -> torch.Tensor:
     """Exact attention over a sequence split by ``split_for_cp`` over ``group`` (default ``state.cp_group()``).
 
     Args:
@@ -217,7 +235,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
         group = state.cp_group()
     if q.shape[1] % 2 or k.shape[1] != q.shape[1]:
-        raise ValueError(f"ring_attention: q and k must hold the same two equal chunks (an even local length), got "
-                         f"{q.shape[1]} queries and {k.shape[1]} keys")
+        raise ValueError(
+            f"ring_attention: q and k must hold the same two equal chunks (an even local length), got "
+            f"{q.shape[1]} queries and {k.shape[1]} keys"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group)

@@ -104,9 +104,19 @@ class DistributedDataParallel(nn.Module):
             no ``group``.
     """
 
-    def __init__(self, module: nn.Module, *, group=None, bucket_size: int = 40_000_000,
-                 grad_dtype: torch.dtype | None = torch.float32, overlap: bool = True, reduce_scatter: bool = False,
-                 separate=is_shared_embedding, include=None, divisor: int | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group=None,
+        bucket_size: int = 40_000_000,
+        grad_dtype: torch.dtype | None = torch.float32,
+        overlap: bool = True,
+        reduce_scatter: bool = False,
+        separate=is_shared_embedding,
+        include=None,
+        divisor: int | None = None,
+    ) -> None:
         super().__init__()
         cls = type(self).__name__
         positive_int(bucket_size, "bucket_size", where=cls)
@@ -145,8 +155,10 @@ class DistributedDataParallel(nn.Module):
             if state.is_initialized():
                 group = state.dp_cp_group()
             elif dist.is_initialized() and dist.get_world_size() > 1:
-                raise RuntimeError("DistributedDataParallel: megakernels.parallel is not initialised; call "
-                                   "megakernels.parallel.initialize(tp, pp) first or pass group=")
+                raise RuntimeError(
+                    "DistributedDataParallel: megakernels.parallel is not initialised; call "
+                    "megakernels.parallel.initialize(tp, pp) first or pass group="
+                )
             else:
                 return None, 1, 0
         return group, dist.get_world_size(group), dist.get_rank(group)
@@ -191,8 +203,9 @@ class DistributedDataParallel(nn.Module):
                     p.data = param[lo:hi].view(p.shape)
                 at += p.numel()
             end = start + size
-            bucket = Bucket(members, offsets, size, grad[start:end], param[start:end] if param is not None else None,
-                            dp)
+            bucket = Bucket(
+                members, offsets, size, grad[start:end], param[start:end] if param is not None else None, dp
+            )
             self.buckets.append(bucket)
             for i, p in enumerate(members):
                 self._bucket_of[p] = (bucket, i)
@@ -205,9 +218,11 @@ class DistributedDataParallel(nn.Module):
             return
         bucket, i = self._bucket_of[p]
         if bucket.launched:
-            raise RuntimeError("DistributedDataParallel: a parameter received a gradient after its bucket's "
-                               "gradient sync was launched; call zero_grad_buffer() after each step and disable "
-                               "sync (no_sync()) for all but the last micro-batch")
+            raise RuntimeError(
+                "DistributedDataParallel: a parameter received a gradient after its bucket's "
+                "gradient sync was launched; call zero_grad_buffer() after each step and disable "
+                "sync (no_sync()) for all but the last micro-batch"
+            )
         p.main_grad.add_(p.grad)
         p.grad = None
         if self._sync_enabled and self.overlap:
@@ -241,7 +256,7 @@ class DistributedDataParallel(nn.Module):
     def _start_collective(self, bucket: Bucket) -> None:
         data = bucket.grad_data
         if self.reduce_scatter:
-            shard = data[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
+            shard = data[self.dp_rank * bucket.shard_size : (self.dp_rank + 1) * bucket.shard_size]
             comm.record("launch", "reduce_scatter")
             work = _reduce_scatter_single(shard, data, group=self.group, async_op=True)
             bucket.pending = comm.Pending("reduce_scatter", work, shard)
@@ -273,8 +288,9 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             full, n = bucket.param_data, bucket.shard_size
             comm.record("launch", "all_gather")
-            work = _all_gather_single(full, full[self.dp_rank * n:(self.dp_rank + 1) * n], group=self.group,
-                                      async_op=True)
+            work = _all_gather_single(
+                full, full[self.dp_rank * n : (self.dp_rank + 1) * n], group=self.group, async_op=True
+            )
             pending.append(comm.Pending("all_gather", work, full))
         return pending
 
@@ -314,8 +330,10 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign and self.reduce_scatter:
-            raise ValueError("DistributedDataParallel.load_state_dict: assign=True would move params out of the "
-                             "param buffer that reduce_scatter=True relies on")
+            raise ValueError(
+                "DistributedDataParallel.load_state_dict: assign=True would move params out of the "
+                "param buffer that reduce_scatter=True relies on"
+            )
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
@@ -328,8 +346,10 @@ def wrap_model(module: nn.Module, **kwargs) -> list[DistributedDataParallel]:
         return [DistributedDataParallel(module, **kwargs)]
     group = state.expert_dp_group() if state.is_initialized() else None
     divisor = state.dp_cp_size() if state.is_initialized() else 1
-    return [DistributedDataParallel(module, include=lambda p: not is_expert_parallel(p), **kwargs),
-            DistributedDataParallel(module, group=group, include=is_expert_parallel, divisor=divisor, **kwargs)]
+    return [
+        DistributedDataParallel(module, include=lambda p: not is_expert_parallel(p), **kwargs),
+        DistributedDataParallel(module, group=group, include=is_expert_parallel, divisor=divisor, **kwargs),
+    ]
 
 
 def finalize_model_grads(models: list[DistributedDataParallel]) -> None:

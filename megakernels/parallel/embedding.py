@@ -60,9 +60,18 @@ class VocabParallelEmbedding(nn.Module):
             ``[s, b]`` with ``s`` divisible by tp.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, sequence_parallel: bool = False, *,
-                 pad_multiple: int = VOCAB_PAD_MULTIPLE, init_method: init.InitMethod | None = None,
-                 seed: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        sequence_parallel: bool = False,
+        *,
+        pad_multiple: int = VOCAB_PAD_MULTIPLE,
+        init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         cls = type(self).__name__
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
@@ -82,18 +91,34 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """(Re)initialise from ``seed``: this rank's rows of the full table, padded rows zero."""
-        init.init_shard_(self.weight, (self.padded_num_embeddings, self.embedding_dim), 0, state.tp_rank(), self.tp,
-                         self.seed, self.init_method, real_rows=self.num_embeddings)
+        init.init_shard_(
+            self.weight,
+            (self.padded_num_embeddings, self.embedding_dim),
+            0,
+            state.tp_rank(),
+            self.tp,
+            self.seed,
+            self.init_method,
+            real_rows=self.num_embeddings,
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         cls = type(self).__name__
-        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
-                or ids.dtype == torch.bool:
-            raise TypeError(f"{cls}: ids must be an integer tensor, got "
-                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        if (
+            not isinstance(ids, torch.Tensor)
+            or ids.dtype.is_floating_point
+            or ids.dtype.is_complex
+            or ids.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"{cls}: ids must be an integer tensor, got "
+                f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+            )
         if self.sequence_parallel and (ids.dim() != 2 or ids.shape[0] % self.tp):
-            raise ValueError(f"{cls}: under sequence parallelism ids must be [s, b] with s divisible by the "
-                             f"tensor-parallel size {self.tp}, got shape {tuple(ids.shape)}")
+            raise ValueError(
+                f"{cls}: under sequence parallelism ids must be [s, b] with s divisible by the "
+                f"tensor-parallel size {self.tp}, got shape {tuple(ids.shape)}"
+            )
         if self.tp == 1:
             out = F.embedding(ids, self.weight)
         else:
@@ -105,5 +130,7 @@ class VocabParallelEmbedding(nn.Module):
         return mappings.reduce_from_tensor_model_parallel_region(out)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, /{self.tp}), {self.embedding_dim}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings} (padded {self.padded_num_embeddings}, /{self.tp}), {self.embedding_dim}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

@@ -79,7 +79,9 @@ def _block(seed: int, k: int, nrows: int, cols: int, init_method: InitMethod) ->
     return out
 
 
-def shard_pieces(full_len: int, rank: int, world: int, stride: int = 1, replicas: int = 1) -> list[tuple[int, int, int]]:
+def shard_pieces(
+    full_len: int, rank: int, world: int, stride: int = 1, replicas: int = 1
+) -> list[tuple[int, int, int]]:
     """``(full offset, local offset, length)`` of the pieces a rank holds along a partitioned dimension of
     ``full_len``: the dimension is ``stride`` equal segments (e.g. the gate and up halves of a packed SwiGLU
     projection), each cut into ``world / replicas`` blocks, and rank ``r`` holds block ``r // replicas`` of every
@@ -89,8 +91,10 @@ def shard_pieces(full_len: int, rank: int, world: int, stride: int = 1, replicas
         ValueError: sizes that do not divide.
     """
     if world % replicas or full_len % (stride * (world // replicas)):
-        raise ValueError(f"shard_pieces: {full_len} does not split into {stride} segment(s) of {world // replicas} "
-                         f"block(s) (world {world}, replicas {replicas})")
+        raise ValueError(
+            f"shard_pieces: {full_len} does not split into {stride} segment(s) of {world // replicas} "
+            f"block(s) (world {world}, replicas {replicas})"
+        )
     seg = full_len // stride
     blk = seg * replicas // world
     i = rank // replicas
@@ -98,9 +102,18 @@ def shard_pieces(full_len: int, rank: int, world: int, stride: int = 1, replicas
 
 
 @torch.no_grad()
-def init_shard_(shard: torch.Tensor, full_shape: tuple[int, int], partition_dim: int, rank: int, world: int,
-                seed: int, init_method: InitMethod, real_rows: int | None = None, stride: int = 1,
-                replicas: int = 1) -> torch.Tensor:
+def init_shard_(
+    shard: torch.Tensor,
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    rank: int,
+    world: int,
+    seed: int,
+    init_method: InitMethod,
+    real_rows: int | None = None,
+    stride: int = 1,
+    replicas: int = 1,
+) -> torch.Tensor:
     """Fill ``shard`` with rank ``rank``'s part (``shard_pieces`` along ``partition_dim``) of the seed-defined full
     weight: with the defaults, block ``rank`` of ``world``.
 
@@ -131,23 +144,46 @@ def init_shard_(shard: torch.Tensor, full_shape: tuple[int, int], partition_dim:
     parts = world // replicas if world % replicas == 0 else 0
     expected = (rows // max(parts, 1), cols) if partition_dim == 0 else (rows, cols // max(parts, 1))
     if not parts or (rows, cols)[partition_dim] % (parts * stride) or tuple(shard.shape) != expected:
-        raise ValueError(f"init_shard_: shard has shape {tuple(shard.shape)}, expected {expected} (part {rank} of "
-                         f"{world} of {full_shape} along dim {partition_dim}, stride {stride}, replicas {replicas})")
+        raise ValueError(
+            f"init_shard_: shard has shape {tuple(shard.shape)}, expected {expected} (part {rank} of "
+            f"{world} of {full_shape} along dim {partition_dim}, stride {stride}, replicas {replicas})"
+        )
     if shard.device.type == "meta":
         return shard
     shard.zero_()
     for full_off, local_off, n in shard_pieces((rows, cols)[partition_dim], rank, world, stride, replicas):
         if partition_dim == 0:
-            _fill(shard[local_off:local_off + n], (full_off, full_off + n), (0, cols), cols, seed, init_method,
-                  real_rows)
+            _fill(
+                shard[local_off : local_off + n],
+                (full_off, full_off + n),
+                (0, cols),
+                cols,
+                seed,
+                init_method,
+                real_rows,
+            )
         else:
-            _fill(shard[:, local_off:local_off + n], (0, rows), (full_off, full_off + n), cols, seed, init_method,
-                  real_rows)
+            _fill(
+                shard[:, local_off : local_off + n],
+                (0, rows),
+                (full_off, full_off + n),
+                cols,
+                seed,
+                init_method,
+                real_rows,
+            )
     return shard
 
 
-def _fill(dst: torch.Tensor, row_range: tuple[int, int], col_range: tuple[int, int], cols: int, seed: int,
-          init_method: InitMethod, real_rows: int) -> None:
+def _fill(
+    dst: torch.Tensor,
+    row_range: tuple[int, int],
+    col_range: tuple[int, int],
+    cols: int,
+    seed: int,
+    init_method: InitMethod,
+    real_rows: int,
+) -> None:
     """Copy rows ``[r0, r1)`` and columns ``[c0, c1)`` of the full ``[.., cols]`` weight into ``dst``, generating
     only the blocks of rows they touch, one at a time."""
     (r0, r1), (c0, c1) = row_range, col_range
@@ -157,10 +193,11 @@ def _fill(dst: torch.Tensor, row_range: tuple[int, int], col_range: tuple[int, i
         block = _block(seed, k, hi - lo, cols, init_method)
         a, b = max(lo, r0), min(hi, r1)
         if a < b:
-            dst[a - r0:b - r0].copy_(block[a - lo:b - lo, c0:c1])
+            dst[a - r0 : b - r0].copy_(block[a - lo : b - lo, c0:c1])
 
 
-def full_weight(full_shape: tuple[int, int], seed: int, init_method: InitMethod,
-                real_rows: int | None = None) -> torch.Tensor:
+def full_weight(
+    full_shape: tuple[int, int], seed: int, init_method: InitMethod, real_rows: int | None = None
+) -> torch.Tensor:
     """The whole seed-defined weight as a CPU fp32 tensor (what a single-process model holds)."""
     return init_shard_(torch.empty(full_shape), full_shape, 0, 0, 1, seed, init_method, real_rows)

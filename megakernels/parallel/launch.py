@@ -49,11 +49,11 @@ import signal
 import threading
 import time
 import traceback
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing import reduction
 
 from megakernels.parallel import liveness, watchdog
 
@@ -124,9 +124,22 @@ class _Stdio:
             os.close(new)
 
 
-def _child(rank: int, world_size: int, port: int, init: str, timeout: float, threads: int, results, fn,
-           args, launcher: int, watch: tuple[float, str] | None, env: dict | None = None, cwd: str | None = None,
-           stdio=None) -> None:
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    init: str,
+    timeout: float,
+    threads: int,
+    results,
+    fn,
+    args,
+    launcher: int,
+    watch: tuple[float, str] | None,
+    env: dict | None = None,
+    cwd: str | None = None,
+    stdio=None,
+) -> None:
     # First, before anything that can take time: a rank dies with its launcher, whatever killed it.
     watchdog.die_with(launcher)
     # `stdio` (a _Stdio, forkserver only) did its work while the arguments were unpickled: this process's
@@ -146,14 +159,22 @@ def _child(rank: int, world_size: int, port: int, init: str, timeout: float, thr
     try:
         try:
             if init == "store":
-                store = dist.TCPStore(HOST, port, world_size, is_master=False,
-                                      timeout=datetime.timedelta(seconds=timeout))
-                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                        timeout=datetime.timedelta(seconds=timeout))
+                store = dist.TCPStore(
+                    HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+                )
+                dist.init_process_group(
+                    "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+                )
             else:
-                os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank),
-                                  WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                                  LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE=str(True))
+                os.environ.update(
+                    MASTER_ADDR=HOST,
+                    MASTER_PORT=str(port),
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world_size),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(world_size),
+                    TORCHELASTIC_USE_AGENT_STORE=str(True),
+                )
             if dog is not None:
                 dog.progress("start")
             report = (rank, "ok", _dumps(fn(rank, world_size, *args)))
@@ -190,6 +211,7 @@ def _leave_fork_server() -> None:
 @contextlib.contextmanager
 def _forwarding(signals, procs):
     """While inside: each of ``signals`` received by this process is sent on to the living ``procs``."""
+
     def forward(signum, frame):
         for p in procs:
             if p.is_alive():
@@ -219,9 +241,17 @@ def _stop(procs, grace: float = 1.0) -> None:
         p.join()
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "store", threads: int = 1,
-              world_timeout: float | None = -1.0, forward_signals: tuple[int, ...] = (),
-              watch: float | None = None) -> list:
+def run_world(
+    world_size: int,
+    fn,
+    *args,
+    timeout: float = 120.0,
+    init: str = "store",
+    threads: int = 1,
+    world_timeout: float | None = -1.0,
+    forward_signals: tuple[int, ...] = (),
+    watch: float | None = None,
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
 
     Args:
@@ -258,8 +288,9 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         raise ValueError(f"run_world: watch must be > 0 seconds (or None), got {watch}")
     ctx = _context()
     results = ctx.Queue()
-    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
     global last_port
     last_port = store.port
     procs = []
@@ -270,14 +301,36 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         where = (dict(os.environ), os.getcwd(), _Stdio()) if ctx.get_start_method() == "forkserver" else ()
         for rank in range(world_size):
-            p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
-                            args=(rank, world_size, store.port, init, timeout, threads, results, fn, args, os.getpid(),
-                                  None if watch is None else (watch, beats), *where))
+            p = ctx.Process(
+                target=_child,
+                name=f"rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    init,
+                    timeout,
+                    threads,
+                    results,
+                    fn,
+                    args,
+                    os.getpid(),
+                    None if watch is None else (watch, beats),
+                    *where,
+                ),
+            )
             p.start()
             procs.append(p)
         with _forwarding(forward_signals, procs):
-            return _collect(procs, results, world_size, timeout if world_timeout == -1.0 else world_timeout, fn,
-                            _Liveness(beats, watch) if beats is not None else None)
+            return _collect(
+                procs,
+                results,
+                world_size,
+                timeout if world_timeout == -1.0 else world_timeout,
+                fn,
+                _Liveness(beats, watch) if beats is not None else None,
+            )
     finally:
         for k, v in saved.items():
             if v is None:
@@ -307,8 +360,11 @@ class _Liveness:
             return None
         self.next_check = now + watchdog.interval(self.timeout)
         records = liveness.read(self.directory)
-        late = [r for r, rec in records.items()
-                if r not in done and procs[r].exitcode is None and now - rec["beat"] > self.timeout]
+        late = [
+            r
+            for r, rec in records.items()
+            if r not in done and procs[r].exitcode is None and now - rec["beat"] > self.timeout
+        ]
         if not late:
             return None
         return self.report(set())
@@ -378,8 +434,10 @@ def _collect(procs, results, world_size: int, timeout: float | None, fn, beats: 
                 raise WorldFailed(f"{name}: {stopped}")
         if now > deadline:
             missing = [r for r in range(world_size) if r not in out]
-            raise WorldFailed(f"{name}: timed out after {timeout:g} s; ranks {missing} had not finished (a hang, "
-                                 "a deadlock or a dead peer)")
+            raise WorldFailed(
+                f"{name}: timed out after {timeout:g} s; ranks {missing} had not finished (a hang, "
+                "a deadlock or a dead peer)"
+            )
     return [out[r] for r in range(world_size)]
 
 
@@ -388,8 +446,13 @@ def single_process_world(device: str = "cpu", timeout: float = 600.0, parallel: 
     """A one-rank ``torch.distributed`` world in this process (gloo, or nccl for ``device="cuda"``), torn down on
     exit; with ``parallel``, ``megakernels.parallel`` initialised at tp = pp = dp = 1 inside it. For single-device
     training, evaluation, dry runs and benchmarks, which run the same code as a multi-rank world."""
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
     try:
         if not parallel:
             yield
@@ -447,17 +510,19 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
         agent = os.getppid()  # torchrun's agent started this process; a death before this line goes unnoticed
         watchdog.die_with(agent)
         beats = liveness.local_dir()
-        with contextlib.ExitStack() as cleanup, watchdog.Watchdog(timeout, int(os.environ["RANK"]),
-                                                                  liveness_dir=beats, launcher=agent,
-                                                                  end_stale_peers=True) as dog:
+        with (
+            contextlib.ExitStack() as cleanup,
+            watchdog.Watchdog(
+                timeout, int(os.environ["RANK"]), liveness_dir=beats, launcher=agent, end_stale_peers=True
+            ) as dog,
+        ):
             if beats is not None and not os.environ.get(liveness.ENV_DIR):
                 # the agent's directory, once its last rank is done with it (removal fails while records remain)
                 cleanup.callback(_remove_if_empty, beats)
             dog.progress("rendezvous")
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
             try:
                 dog.progress("start")
                 return fn(*args)
@@ -473,10 +538,20 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
         with single_process_world(device, timeout), watchdog.Watchdog(timeout):
             return fn(*args)
     if device == "cuda":
-        raise ValueError(f"launch: nproc={nproc} spawns CPU (gloo) processes; for GPUs use torchrun "
-                         f"--nproc-per-node {nproc}")
+        raise ValueError(
+            f"launch: nproc={nproc} spawns CPU (gloo) processes; for GPUs use torchrun --nproc-per-node {nproc}"
+        )
     threads = max(1, (os.cpu_count() or 1) // nproc)
     # A preemption signal sent to this launcher (not to the whole process group) reaches the ranks too; they
     # decide together when to stop (megakernels_models.preemption).
-    return run_world(nproc, _call, fn, args, timeout=timeout, threads=threads, world_timeout=None,
-                     forward_signals=(signal.SIGTERM, signal.SIGUSR1), watch=timeout)[-1]
+    return run_world(
+        nproc,
+        _call,
+        fn,
+        args,
+        timeout=timeout,
+        threads=threads,
+        world_timeout=None,
+        forward_signals=(signal.SIGTERM, signal.SIGUSR1),
+        watch=timeout,
+    )[-1]

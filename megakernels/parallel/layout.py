@@ -73,9 +73,20 @@ class ParallelLayout:
     # ---- the degrees ----------------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, world_size: int, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None,
-              dp: int | None = None, sequence_parallel: bool = False, source: str = "torch.distributed's world",
-              names: dict = ARGUMENTS) -> ParallelLayout:
+    def build(
+        cls,
+        world_size: int,
+        *,
+        tp: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        vpp: int | None = None,
+        dp: int | None = None,
+        sequence_parallel: bool = False,
+        source: str = "torch.distributed's world",
+        names: dict = ARGUMENTS,
+    ) -> ParallelLayout:
         """The layout of ``world_size`` ranks at these degrees; ``dp`` defaults to ``world_size // (tp·cp·pp)``.
         ``source`` says where the world size came from (for messages: ``--nproc or torchrun's WORLD_SIZE``).
 
@@ -84,25 +95,41 @@ class ParallelLayout:
                 given ``dp`` that does not match, ``vpp > 1`` without pipeline parallelism, ep not dividing dp.
         """
         n = names
-        tp, cp, pp, ep, vpp, dp = (positive_int(v, n[k], allow_none=k in ("vpp", "dp"), error=LayoutError)
-                                   for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("vpp", vpp),
-                                                ("dp", dp)))
+        tp, cp, pp, ep, vpp, dp = (
+            positive_int(v, n[k], allow_none=k in ("vpp", "dp"), error=LayoutError)
+            for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("vpp", vpp), ("dp", dp))
+        )
         if vpp is not None and vpp > 1 and pp == 1:
             raise LayoutError(f"{n['vpp']} {vpp} needs pipeline parallelism ({n['pp']} > 1)")
         model = tp * cp * pp
         if world_size % model:
-            raise LayoutError(f"the world size {world_size} ({source}) is not divisible by "
-                              f"{_product(n, tp=tp, cp=cp, pp=pp)}")
+            raise LayoutError(
+                f"the world size {world_size} ({source}) is not divisible by {_product(n, tp=tp, cp=cp, pp=pp)}"
+            )
         derived = world_size // model
         if dp is not None and dp != derived:
-            raise LayoutError(f"{n['dp']} {dp} does not match world size / ({_names(n, cp > 1)}) = {world_size} / "
-                              f"{model} = {derived} (world size from {source}; leave {n['dp']} out and it follows "
-                              "the world)")
+            raise LayoutError(
+                f"{n['dp']} {dp} does not match world size / ({_names(n, cp > 1)}) = {world_size} / "
+                f"{model} = {derived} (world size from {source}; leave {n['dp']} out and it follows "
+                "the world)"
+            )
         if derived % ep:
-            raise LayoutError(f"{n['ep']} {ep} does not divide the data-parallel size {derived} (expert-parallel "
-                              "groups are carved out of the data-parallel ranks)")
-        return cls(world_size, tp=tp, cp=cp, pp=pp, dp=derived, ep=ep, vpp=vpp, sequence_parallel=sequence_parallel,
-                   source=source, names=names)
+            raise LayoutError(
+                f"{n['ep']} {ep} does not divide the data-parallel size {derived} (expert-parallel "
+                "groups are carved out of the data-parallel ranks)"
+            )
+        return cls(
+            world_size,
+            tp=tp,
+            cp=cp,
+            pp=pp,
+            dp=derived,
+            ep=ep,
+            vpp=vpp,
+            sequence_parallel=sequence_parallel,
+            source=source,
+            names=names,
+        )
 
     @property
     def model_parallel_size(self) -> int:
@@ -132,19 +159,25 @@ class ParallelLayout:
             return f"{n['tp']} {tp} does not divide num_heads={m.num_heads} (each TP rank holds whole heads)"
         kv = m.num_kv_heads
         if kv % tp and tp % kv:
-            return (f"{n['tp']} {tp} and num_kv_heads={kv}: the key/value heads must split evenly over the "
-                    "tensor-parallel ranks (num_kv_heads a multiple of tp) or be replicated on groups of ranks (tp a "
-                    "multiple of num_kv_heads)")
+            return (
+                f"{n['tp']} {tp} and num_kv_heads={kv}: the key/value heads must split evenly over the "
+                "tensor-parallel ranks (num_kv_heads a multiple of tp) or be replicated on groups of ranks (tp a "
+                "multiple of num_kv_heads)"
+            )
         if cp > 1:
             if m.context_parallel is not None:
                 return f"{n['cp']} {cp}{m.context_parallel}"
             if m.seq_length % (2 * cp * (tp if sp else 1)):
                 rule = "2 × cp × tp" if sp else "2 × cp"
-                return (f"{n['cp']} {cp} needs seq_length={m.seq_length} divisible by {rule} (each rank holds two "
-                        "equal chunks of every sequence)")
+                return (
+                    f"{n['cp']} {cp} needs seq_length={m.seq_length} divisible by {rule} (each rank holds two "
+                    "equal chunks of every sequence)"
+                )
             if m.attention_dropout > 0:
-                return (f"{n['cp']} {cp} with attention dropout {m.attention_dropout}: ring attention has no "
-                        "attention dropout (set the dropout to 0)")
+                return (
+                    f"{n['cp']} {cp} with attention dropout {m.attention_dropout}: ring attention has no "
+                    "attention dropout (set the dropout to 0)"
+                )
         if sp and m.sequence_parallel is not None:
             return f"{n['sp']} {m.sequence_parallel}"
         if m.ffn_hidden_size % tp:
@@ -159,12 +192,16 @@ class ParallelLayout:
         if ep > 1 and not m.num_experts:
             return f"{n['ep']} {ep} needs a mixture-of-experts model (num_experts > 0)"
         if m.num_experts and m.num_experts % ep:
-            return (f"{n['ep']} {ep} does not divide num_experts={m.num_experts} (each rank holds the same number of "
-                    "experts)")
+            return (
+                f"{n['ep']} {ep} does not divide num_experts={m.num_experts} (each rank holds the same number of "
+                "experts)"
+            )
         tokens = m.seq_length // cp
         if m.num_experts and tp > 1 and tokens % tp:
-            return (f"{n['tp']} {tp} must divide the tokens per rank ({tokens}) of a MoE model (each TP rank routes "
-                    "its share of the tokens)")
+            return (
+                f"{n['tp']} {tp} must divide the tokens per rank ({tokens}) of a MoE model (each TP rank routes "
+                "its share of the tokens)"
+            )
         if sp and tokens % tp:
             what = f"seq_length={m.seq_length}" if cp == 1 else f"the tokens per rank, seq_length / cp = {tokens}"
             return f"{n['sp']} needs {n['tp']} {tp} to divide {what}"
@@ -172,8 +209,12 @@ class ParallelLayout:
 
     # ---- the batch --------------------------------------------------------------------------------------------
 
-    def check_batch(self, micro_batch_size: int, global_batch_size: int, names: tuple[str, str] = (
-            "--micro-batch-size", "--global-batch-size")) -> int:
+    def check_batch(
+        self,
+        micro_batch_size: int,
+        global_batch_size: int,
+        names: tuple[str, str] = ("--micro-batch-size", "--global-batch-size"),
+    ) -> int:
         """The micro-batches per step of each data-parallel rank.
 
         Raises:
@@ -185,18 +226,26 @@ class ParallelLayout:
             raise LayoutError(problem)
         return global_batch_size // (micro_batch_size * self.dp)
 
-    def batch_problem(self, micro_batch_size: int, global_batch_size: int,
-                      names: tuple[str, str] = ("--micro-batch-size", "--global-batch-size")) -> str | None:
+    def batch_problem(
+        self,
+        micro_batch_size: int,
+        global_batch_size: int,
+        names: tuple[str, str] = ("--micro-batch-size", "--global-batch-size"),
+    ) -> str | None:
         n, dp, mbs, gbs = self.names, self.dp, micro_batch_size, global_batch_size
         if gbs % (mbs * dp):
-            return (f"{names[1]} {gbs} is not divisible by {names[0]} × dp = {mbs} × {dp} = {mbs * dp} (dp = world "
-                    f"size {self.world_size} from {self.source} / {_names(ARGUMENTS, self.cp > 1)} "
-                    f"{self.model_parallel_size})")
+            return (
+                f"{names[1]} {gbs} is not divisible by {names[0]} × dp = {mbs} × {dp} = {mbs * dp} (dp = world "
+                f"size {self.world_size} from {self.source} / {_names(ARGUMENTS, self.cp > 1)} "
+                f"{self.model_parallel_size})"
+            )
         m = gbs // (mbs * dp)
         vpp = self.vpp or 1
         if vpp > 1 and m % self.pp:
-            return (f"the interleaved schedule ({n['vpp']} {vpp}) needs the number of micro-batches per step "
-                    f"(global / (micro × dp) = {m}) to be a multiple of {n['pp']} {self.pp}")
+            return (
+                f"the interleaved schedule ({n['vpp']} {vpp}) needs the number of micro-batches per step "
+                f"(global / (micro × dp) = {m}) to be a multiple of {n['pp']} {self.pp}"
+            )
         return None
 
 

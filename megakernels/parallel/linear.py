@@ -90,8 +90,14 @@ class LinearWithAsyncComm(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def linear_with_async_comm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
-                           sequence_parallel: bool = False, overlap_comm: bool = True) -> torch.Tensor:
+def linear_with_async_comm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group=None,
+    sequence_parallel: bool = False,
+    overlap_comm: bool = True,
+) -> torch.Tensor:
     """``f(x) @ weight.T + bias`` with f fused (see the module docstring); ``group`` defaults to ``tp_group()``.
 
     Args:
@@ -115,8 +121,9 @@ def _check_input(cls: str, x: torch.Tensor, features: int, sequence_parallel: bo
     if x.dim() == 0 or x.shape[-1] != features:
         raise ValueError(f"{cls}: x has shape {tuple(x.shape)}, expected last dimension {features}")
     if sequence_parallel and x.dim() != 3:
-        raise ValueError(f"{cls}: under sequence parallelism x must be [s/tp, b, h] (sequence first), got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"{cls}: under sequence parallelism x must be [s/tp, b, h] (sequence first), got shape {tuple(x.shape)}"
+        )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -148,28 +155,48 @@ class ColumnParallelLinear(nn.Module):
             ``sequence_parallel``, or an input whose last dimension is not ``in_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 sequence_parallel: bool = False, *, skip_bias_add: bool = False, overlap_comm: bool = True,
-                 stride: int = 1, replicas: int = 1, init_method: init.InitMethod | None = None,
-                 seed: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        *,
+        skip_bias_add: bool = False,
+        overlap_comm: bool = True,
+        stride: int = 1,
+        replicas: int = 1,
+        init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         cls = type(self).__name__
         self.in_features, self.out_features = _check_features(cls, in_features, out_features)
         self.tp = state.tp_size()
-        self.stride, self.replicas = positive_int(stride, "stride", where=cls), positive_int(replicas, "replicas",
-                                                                                              where=cls)
+        self.stride, self.replicas = (
+            positive_int(stride, "stride", where=cls),
+            positive_int(replicas, "replicas", where=cls),
+        )
         if self.tp % replicas:
             raise ValueError(f"{cls}: replicas={replicas} does not divide the tensor-parallel size {self.tp}")
         parts = self.tp // replicas
         if gather_output and (stride > 1 or replicas > 1):
-            raise ValueError(f"{cls}: gather_output=True needs stride=1 and replicas=1 (the gathered rows would not "
-                             "be in the full weight's order)")
+            raise ValueError(
+                f"{cls}: gather_output=True needs stride=1 and replicas=1 (the gathered rows would not "
+                "be in the full weight's order)"
+            )
         if out_features % (stride * parts):
-            raise ValueError(f"{cls}: out_features={out_features} is not divisible by stride × tp / replicas = "
-                             f"{stride} × {parts}")
+            raise ValueError(
+                f"{cls}: out_features={out_features} is not divisible by stride × tp / replicas = {stride} × {parts}"
+            )
         if gather_output and sequence_parallel:
-            raise ValueError(f"{cls}: gather_output=True cannot be combined with sequence_parallel=True (the output "
-                             "of a sequence-parallel column layer feeds a row-parallel one)")
+            raise ValueError(
+                f"{cls}: gather_output=True cannot be combined with sequence_parallel=True (the output "
+                "of a sequence-parallel column layer feeds a row-parallel one)"
+            )
         self.gather_output, self.sequence_parallel = bool(gather_output), bool(sequence_parallel)
         self.skip_bias_add, self.overlap_comm = bool(skip_bias_add), bool(overlap_comm)
         self.init_method = init.init_method_normal() if init_method is None else init_method
@@ -185,8 +212,17 @@ class ColumnParallelLinear(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """(Re)initialise from ``seed``: this rank's rows of the full weight; bias zeros."""
-        init.init_shard_(self.weight, (self.out_features, self.in_features), 0, state.tp_rank(), self.tp,
-                         self.seed, self.init_method, stride=self.stride, replicas=self.replicas)
+        init.init_shard_(
+            self.weight,
+            (self.out_features, self.in_features),
+            0,
+            state.tp_rank(),
+            self.tp,
+            self.seed,
+            self.init_method,
+            stride=self.stride,
+            replicas=self.replicas,
+        )
         if self.bias is not None and self.bias.device.type != "meta":
             self.bias.zero_()
 
@@ -199,10 +235,12 @@ class ColumnParallelLinear(nn.Module):
         return (y, self.bias) if self.skip_bias_add else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(/{self.tp // self.replicas}, stride {self.stride}), "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(/{self.tp // self.replicas}, stride {self.stride}), "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -228,9 +266,20 @@ class RowParallelLinear(nn.Module):
             ``input_is_parallel=False``, or an input of the wrong last dimension.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, *, skip_bias_add: bool = False,
-                 init_method: init.InitMethod | None = None, seed: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        *,
+        skip_bias_add: bool = False,
+        init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         cls = type(self).__name__
         self.in_features, self.out_features = _check_features(cls, in_features, out_features)
@@ -252,8 +301,9 @@ class RowParallelLinear(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """(Re)initialise from ``seed``: this rank's columns of the full weight; bias zeros."""
-        init.init_shard_(self.weight, (self.out_features, self.in_features), 1, state.tp_rank(), self.tp,
-                         self.seed, self.init_method)
+        init.init_shard_(
+            self.weight, (self.out_features, self.in_features), 1, state.tp_rank(), self.tp, self.seed, self.init_method
+        )
         if self.bias is not None and self.bias.device.type != "meta":
             self.bias.zero_()
 
@@ -266,8 +316,10 @@ class RowParallelLinear(nn.Module):
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             if partial.dim() != 3:
-                raise ValueError(f"{cls}: under sequence parallelism x must be [s, b, h/tp] (sequence first), got "
-                                 f"shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"{cls}: under sequence parallelism x must be [s, b, h/tp] (sequence first), got "
+                    f"shape {tuple(x.shape)}"
+                )
             y = mappings.reduce_scatter_to_sequence_parallel_region(partial)
         else:
             y = mappings.reduce_from_tensor_model_parallel_region(partial)
@@ -276,9 +328,11 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (/{self.tp}), out_features={self.out_features}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features} (/{self.tp}), out_features={self.out_features}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:

@@ -72,8 +72,14 @@ class Record:
 
     def write(self, rank: int, state: tuple, beat: float) -> None:
         since, phase, step = state
-        payload = _PAYLOAD.pack(rank, os.getpid(), since, beat, -1 if step is None else int(step),
-                                phase.encode("utf-8", errors="replace")[:96])
+        payload = _PAYLOAD.pack(
+            rank,
+            os.getpid(),
+            since,
+            beat,
+            -1 if step is None else int(step),
+            phase.encode("utf-8", errors="replace")[:96],
+        )
         self.map[:] = _CRC.pack(zlib.crc32(payload)) + payload
 
     def remove(self) -> None:
@@ -91,11 +97,17 @@ def _read_record(path: str) -> dict | None:
             return None
         if len(data) != RECORD_BYTES:
             return None
-        payload = data[_CRC.size:]
+        payload = data[_CRC.size :]
         if _CRC.unpack_from(data)[0] == zlib.crc32(payload):
             rank, pid, since, beat, step, phase = _PAYLOAD.unpack(payload)
-            return {"rank": rank, "pid": pid, "since": since, "beat": beat, "step": None if step < 0 else step,
-                    "phase": phase.rstrip(b"\0").decode("utf-8", errors="replace")}
+            return {
+                "rank": rank,
+                "pid": pid,
+                "since": since,
+                "beat": beat,
+                "step": None if step < 0 else step,
+                "phase": phase.rstrip(b"\0").decode("utf-8", errors="replace"),
+            }
     return None
 
 
@@ -140,8 +152,10 @@ def summary(records: dict[int, dict], now: float, stale: float) -> str:
         rec = records[r]
         place = where(rec["phase"], rec["step"])
         if now - rec["beat"] > stale:
-            late.append(f"rank {r} (pid {rec['pid']}) stopped responding: no heartbeat for {now - rec['beat']:.1f} "
-                        f"s, last in {place}")
+            late.append(
+                f"rank {r} (pid {rec['pid']}) stopped responding: no heartbeat for {now - rec['beat']:.1f} "
+                f"s, last in {place}"
+            )
         else:
             alive.append(f"rank {r} in {place} for {now - rec['since']:.1f} s")
     return "; ".join(late + alive)

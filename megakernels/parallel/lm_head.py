@@ -21,9 +21,14 @@ from megakernels.parallel.linear import linear_with_async_comm
 from megakernels.parallel.params import mark_tensor_parallel
 
 
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, parallel_output: bool = True,
-                       sequence_parallel: bool = False, bias: torch.Tensor | None = None,
-                       overlap_comm: bool = True) -> torch.Tensor:
+def parallel_lm_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    parallel_output: bool = True,
+    sequence_parallel: bool = False,
+    bias: torch.Tensor | None = None,
+    overlap_comm: bool = True,
+) -> torch.Tensor:
     """Logits against a vocab-parallel weight (usually the tied ``VocabParallelEmbedding.weight``).
 
     Args:
@@ -44,22 +49,33 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, parallel_outp
             is not 3-D.
     """
     if weight.dim() != 2 or hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"parallel_lm_logits: hidden has shape {tuple(hidden.shape)} and weight "
-                         f"{tuple(weight.shape)}; expected hidden [..., h] and weight [V_pad/tp, h]")
+        raise ValueError(
+            f"parallel_lm_logits: hidden has shape {tuple(hidden.shape)} and weight "
+            f"{tuple(weight.shape)}; expected hidden [..., h] and weight [V_pad/tp, h]"
+        )
     if sequence_parallel and hidden.dim() != 3:
-        raise ValueError("parallel_lm_logits: under sequence parallelism hidden must be [s/tp, b, h], got shape "
-                         f"{tuple(hidden.shape)}")
+        raise ValueError(
+            "parallel_lm_logits: under sequence parallelism hidden must be [s/tp, b, h], got shape "
+            f"{tuple(hidden.shape)}"
+        )
     logits = linear_with_async_comm(hidden, weight, bias, state.tp_group(), sequence_parallel, overlap_comm)
     return logits if parallel_output else mappings.gather_from_tensor_model_parallel_region(logits)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int = -100, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Per-token fp32 loss of vocab-parallel logits ``[..., V_pad/tp]`` over the TP group; ``target`` ``[...]``
     holds global ids in ``[0, vocab_size)`` or ``ignore_index``. Columns ``>= vocab_size`` (padding) are excluded.
     Raises what ``megakernels.ops.cross_entropy`` raises (a target outside the vocabulary, shapes, dtypes)."""
-    return cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                         group=state.tp_group(), vocab_size=vocab_size)
+    return cross_entropy(
+        logits,
+        target,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        group=state.tp_group(),
+        vocab_size=vocab_size,
+    )
 
 
 class ParallelLMHead(nn.Module):
@@ -80,10 +96,22 @@ class ParallelLMHead(nn.Module):
         ValueError: a tied embedding of another vocabulary size, hidden size or sequence-parallel setting.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, sequence_parallel: bool = False, *,
-                 tied_embedding: VocabParallelEmbedding | None = None, overlap_comm: bool = True,
-                 ignore_index: int = -100, label_smoothing: float = 0.0, pad_multiple: int = VOCAB_PAD_MULTIPLE,
-                 init_method: init.InitMethod | None = None, seed: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        sequence_parallel: bool = False,
+        *,
+        tied_embedding: VocabParallelEmbedding | None = None,
+        overlap_comm: bool = True,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        pad_multiple: int = VOCAB_PAD_MULTIPLE,
+        init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         cls = type(self).__name__
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -92,8 +120,10 @@ class ParallelLMHead(nn.Module):
         if tied_embedding is not None:
             emb = tied_embedding
             if (emb.num_embeddings, emb.embedding_dim) != (vocab_size, hidden_size):
-                raise ValueError(f"{cls}: tied_embedding is {emb.num_embeddings} x {emb.embedding_dim}, expected "
-                                 f"vocab_size x hidden_size = {vocab_size} x {hidden_size}")
+                raise ValueError(
+                    f"{cls}: tied_embedding is {emb.num_embeddings} x {emb.embedding_dim}, expected "
+                    f"vocab_size x hidden_size = {vocab_size} x {hidden_size}"
+                )
             self.padded_vocab_size = emb.padded_num_embeddings
             self._tied = [emb]  # a list: not registered as a submodule, so its table is not a parameter twice
             self.weight = None
@@ -102,8 +132,9 @@ class ParallelLMHead(nn.Module):
             self.padded_vocab_size = pad_vocab_size(vocab_size, state.tp_size(), pad_multiple)
             self.init_method = init.init_method_normal() if init_method is None else init_method
             self.seed = init.draw_seed() if seed is None else int(seed)
-            self.weight = nn.Parameter(torch.empty(self.padded_vocab_size // state.tp_size(), hidden_size,
-                                                   device=device, dtype=dtype))
+            self.weight = nn.Parameter(
+                torch.empty(self.padded_vocab_size // state.tp_size(), hidden_size, device=device, dtype=dtype)
+            )
             mark_tensor_parallel(self.weight, dim=0, real_size=vocab_size)
             self.reset_parameters()
 
@@ -111,17 +142,25 @@ class ParallelLMHead(nn.Module):
     def reset_parameters(self) -> None:
         """(Re)initialise an untied weight from ``seed`` (no-op when tied)."""
         if self.weight is not None:
-            init.init_shard_(self.weight, (self.padded_vocab_size, self.hidden_size), 0, state.tp_rank(),
-                             state.tp_size(), self.seed, self.init_method, real_rows=self.vocab_size)
+            init.init_shard_(
+                self.weight,
+                (self.padded_vocab_size, self.hidden_size),
+                0,
+                state.tp_rank(),
+                state.tp_size(),
+                self.seed,
+                self.init_method,
+                real_rows=self.vocab_size,
+            )
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        logits = parallel_lm_logits(hidden, self.output_weight, True, self.sequence_parallel,
-                                    overlap_comm=self.overlap_comm)
+        logits = parallel_lm_logits(
+            hidden, self.output_weight, True, self.sequence_parallel, overlap_comm=self.overlap_comm
+        )
         if target is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, target, self.vocab_size, self.ignore_index,
-                                            self.label_smoothing)
+        return vocab_parallel_cross_entropy(logits, target, self.vocab_size, self.ignore_index, self.label_smoothing)

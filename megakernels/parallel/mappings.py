@@ -125,8 +125,10 @@ def _check_dim(op: str, x: torch.Tensor, dim: int, group) -> None:
         raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
     world = dist.get_world_size(group)
     if x.shape[dim] % world:
-        raise ValueError(f"{op}: x has {x.shape[dim]} elements along dim {dim % x.dim()}, not divisible by the "
-                         f"tensor-parallel size {world}")
+        raise ValueError(
+            f"{op}: x has {x.shape[dim]} elements along dim {dim % x.dim()}, not divisible by the "
+            f"tensor-parallel size {world}"
+        )
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -171,8 +173,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Te
     return x if _single(group) else _ScatterSeq.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group=None, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """``[s/tp, ...]`` -> ``[s, ...]`` (all-gather along dim 0) forward.
 
     Backward: reduce-scatter of the gradient when the consumer is a tensor-parallel region whose ranks each hold a

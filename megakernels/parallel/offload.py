@@ -146,7 +146,7 @@ class HostCopies:
                     piece = self.pieces[i]
                     src = piece.main
                     if piece.flat.dtype != torch.float32:  # round on the host: 2 bytes a param over the bus
-                        src = piece.main.grad.view(piece.flat.dtype)[:src.numel()].copy_(src)
+                        src = piece.main.grad.view(piece.flat.dtype)[: src.numel()].copy_(src)
                     piece.flat.copy_(src, non_blocking=self.cuda)
             event = None
             if self.cuda:

@@ -18,9 +18,10 @@ One step (``step()``), all on the device except where noted:
 
 1. fp16: ``found_inf`` = any main grad / scale not finite (this rank's pieces), MAX over the whole world, read on
    the host (the one host sync of the step): every rank must agree to skip. On overflow: skip, back off, return.
-2. Global grad norm: sum of squares of the grads this rank counts (``params.counts_in_grad_norm``: a tensor-parallel param on
-   every TP rank, a replicated one on TP rank 0 only, the duplicate tied embedding never), summed over the model-parallel
-   group (the whole world under ZeRO-1, where each dp rank holds a disjoint piece), square root, ÷ loss scale.
+2. Global grad norm: sum of squares of the grads this rank counts (``params.counts_in_grad_norm``: a
+   tensor-parallel param on every TP rank, a replicated one on TP rank 0 only, the duplicate tied embedding never),
+   summed over the model-parallel group (the whole world under ZeRO-1, where each dp rank holds a disjoint
+   piece), square root, ÷ loss scale.
 3. One coefficient ``min(1, clip_grad / (norm + 1e-6))`` and the loss scale fold into FusedAdamW's ``grad_scale``,
    so unscaling and clipping cost no pass of their own. A non-finite norm skips the update on every rank (the
    kernel's check; the norm is the same everywhere).
@@ -65,15 +66,17 @@ from megakernels.parallel.optimizer_memory import PRECISIONS, host_bytes_per_par
 from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
 from megakernels.validation import finite_number
 
+
 class Piece(NamedTuple):
     """A contiguous piece ``param.view(-1)[lo:hi]`` that this rank updates."""
+
     param: torch.Tensor
     lo: int
     hi: int
-    flat: torch.Tensor     # the piece of the param (param dtype), a view
-    main: torch.Tensor     # fp32, 1-D: ``flat`` itself for fp32 params, else its fp32 master copy
-    grad: torch.Tensor     # the piece of ``param.main_grad``, a view
-    counted: bool          # whether it counts towards the global grad norm on this rank
+    flat: torch.Tensor  # the piece of the param (param dtype), a view
+    main: torch.Tensor  # fp32, 1-D: ``flat`` itself for fp32 params, else its fp32 master copy
+    grad: torch.Tensor  # the piece of ``param.main_grad``, a view
+    counted: bool  # whether it counts towards the global grad norm on this rank
 
 
 class ParallelOptimizer:
@@ -103,10 +106,21 @@ class ParallelOptimizer:
         of lr, betas, eps, weight_decay.
     """
 
-    def __init__(self, models, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, distributed: bool = False, precision: str = "fp32",
-                 clip_grad: float = 0.0, loss_scaler: DynamicLossScaler | None = None, no_decay=None,
-                 offload: bool = False) -> None:
+    def __init__(
+        self,
+        models,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        distributed: bool = False,
+        precision: str = "fp32",
+        clip_grad: float = 0.0,
+        loss_scaler: DynamicLossScaler | None = None,
+        no_decay=None,
+        offload: bool = False,
+    ) -> None:
         cls = type(self).__name__
         if precision not in PRECISIONS:
             raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
@@ -119,11 +133,15 @@ class ParallelOptimizer:
         allowed = {torch.float32, PRECISIONS[precision]}
         for p in params:
             if p.dtype not in allowed:
-                raise ValueError(f"{cls}: precision={precision!r} allows params of dtype "
-                                 f"{sorted(map(str, allowed))}, got a param of dtype {p.dtype}")
+                raise ValueError(
+                    f"{cls}: precision={precision!r} allows params of dtype "
+                    f"{sorted(map(str, allowed))}, got a param of dtype {p.dtype}"
+                )
             if not hasattr(p, "main_grad"):
-                raise ValueError(f"{cls}: a param has no main_grad; wrap the model in DistributedDataParallel "
-                                 "(it allocates the fp32 grad buffers, also for one rank)")
+                raise ValueError(
+                    f"{cls}: a param has no main_grad; wrap the model in DistributedDataParallel "
+                    "(it allocates the fp32 grad buffers, also for one rank)"
+                )
         self.device = params[0].device if params else torch.device("cpu")
         self.offload = bool(offload)
         pinned = self.offload and self.device.type == "cuda"
@@ -144,8 +162,13 @@ class ParallelOptimizer:
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
             excluded = p.dim() < 2 if no_decay is None else no_decay(p)
             (no_decay_group if excluded else decay).append(main)
-        self._adam = FusedAdamW([{"params": decay}, {"params": no_decay_group, "weight_decay": 0.0}], lr=lr,
-                                betas=betas, eps=eps, weight_decay=weight_decay)
+        self._adam = FusedAdamW(
+            [{"params": decay}, {"params": no_decay_group, "weight_decay": 0.0}],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
         self._copies = HostCopies(self.pieces, self.models, self.device) if self.offload else None
 
@@ -153,21 +176,27 @@ class ParallelOptimizer:
         if isinstance(models, DistributedDataParallel):
             models = [models]
         elif isinstance(models, nn.Module):
-            raise TypeError(f"{type(self).__name__}: models must be DistributedDataParallel wrappers or params; got "
-                            f"a plain {type(models).__name__} (wrap it in DistributedDataParallel)")
+            raise TypeError(
+                f"{type(self).__name__}: models must be DistributedDataParallel wrappers or params; got "
+                f"a plain {type(models).__name__} (wrap it in DistributedDataParallel)"
+            )
         items = list(models)
         if items and all(isinstance(m, DistributedDataParallel) for m in items):
             for i, m in enumerate(items):
                 if m.reduce_scatter != self.distributed:
-                    raise ValueError(f"{type(self).__name__}: models[{i}] has reduce_scatter={m.reduce_scatter}, "
-                                     f"distributed={self.distributed} needs reduce_scatter={self.distributed}")
+                    raise ValueError(
+                        f"{type(self).__name__}: models[{i}] has reduce_scatter={m.reduce_scatter}, "
+                        f"distributed={self.distributed} needs reduce_scatter={self.distributed}"
+                    )
             params = list(dict.fromkeys(p for m in items for b in m.buckets for p in b.params))
             return items, params
         if not all(isinstance(p, torch.Tensor) for p in items):
             raise TypeError(f"{type(self).__name__}: models must be DistributedDataParallel wrappers or params")
         if self.distributed:
-            raise ValueError(f"{type(self).__name__}: distributed=True needs DistributedDataParallel wrappers "
-                             "with reduce_scatter=True, got params")
+            raise ValueError(
+                f"{type(self).__name__}: distributed=True needs DistributedDataParallel wrappers "
+                "with reduce_scatter=True, got params"
+            )
         return [], list(dict.fromkeys(p for p in items if p.requires_grad))
 
     def _owned(self, params):
@@ -228,9 +257,11 @@ class ParallelOptimizer:
         """The global sum of squares of the (still loss-scaled) main grads, every param counted once over the
         whole model (see the module docstring); an fp32 scalar on the params' device, no host sync."""
         grads = self._grads() if grads is None else grads
+
         def sumsq(expert: bool) -> torch.Tensor:
-            counted = [g for g, piece in zip(grads, self.pieces) if piece.counted and is_expert_parallel(piece.param)
-                       == expert]
+            counted = [
+                g for g, piece in zip(grads, self.pieces) if piece.counted and is_expert_parallel(piece.param) == expert
+            ]
             local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
             return local.float() ** 2
 
@@ -313,6 +344,7 @@ class ParallelOptimizer:
         buffers), ``grads`` (main_grad buffers) and ``optimizer`` (moments and masters not sharing the params'
         storage); with ``offload``, ``host`` (those in host memory, and the gradient copies), ``optimizer`` 0.
         Compare with ``memory_bytes_per_param`` and ``host_bytes_per_param``."""
+
         def nbytes(tensors, exclude=()):
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
             return sum(n for ptr, n in storages.items() if ptr not in exclude)
@@ -321,11 +353,15 @@ class ParallelOptimizer:
         param_ptrs = {f.untyped_storage().data_ptr() for f in flats}
         moments = [s[k] for s in self._adam.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
         state = nbytes(moments) + nbytes([piece.main for piece in self.pieces], exclude=param_ptrs)
-        out = {"params": nbytes(flats) if not self.distributed else sum(
-                   b.untyped_storage().nbytes() for m in self.models for b in m.param_buffers),
-               "grads": nbytes([piece.grad for piece in self.pieces]) if not self.distributed else sum(
-                   b.untyped_storage().nbytes() for m in self.models for b in m.grad_buffers),
-               "optimizer": 0 if self.offload else state}
+        out = {
+            "params": nbytes(flats)
+            if not self.distributed
+            else sum(b.untyped_storage().nbytes() for m in self.models for b in m.param_buffers),
+            "grads": nbytes([piece.grad for piece in self.pieces])
+            if not self.distributed
+            else sum(b.untyped_storage().nbytes() for m in self.models for b in m.grad_buffers),
+            "optimizer": 0 if self.offload else state,
+        }
         if self.offload:  # in host memory: masters, moments and the gradient copies
             out["host"] = state + nbytes([piece.main.grad for piece in self.pieces])
         return out
@@ -348,10 +384,10 @@ class ParallelOptimizer:
             st = self._adam.state.get(piece.main)
             if st:
                 step = int(st["step"].item())
-                out[p]["exp_avg"].view(-1)[piece.lo:piece.hi] = st["exp_avg"]
-                out[p]["exp_avg_sq"].view(-1)[piece.lo:piece.hi] = st["exp_avg_sq"]
+                out[p]["exp_avg"].view(-1)[piece.lo : piece.hi] = st["exp_avg"]
+                out[p]["exp_avg_sq"].view(-1)[piece.lo : piece.hi] = st["exp_avg_sq"]
             if "master" in out[p]:
-                out[p]["master"].view(-1)[piece.lo:piece.hi] = piece.main
+                out[p]["master"].view(-1)[piece.lo : piece.hi] = piece.main
         return out, step
 
     def load_param_state(self, states: dict[torch.Tensor, dict[str, torch.Tensor]], step: int) -> None:
@@ -365,24 +401,28 @@ class ParallelOptimizer:
         for piece in self.pieces:
             st = states[piece.param]
             if "master" in st and piece.main is not piece.flat:
-                piece.main.copy_(st["master"].reshape(-1)[piece.lo:piece.hi])
+                piece.main.copy_(st["master"].reshape(-1)[piece.lo : piece.hi])
             elif piece.main is not piece.flat:
                 piece.main.copy_(piece.flat)
             if step > 0:
                 dev = piece.main.device if piece.main.device.type == "cuda" else torch.device("cpu")
                 self._adam.state[piece.main] = {
                     "step": torch.tensor(float(step), dtype=torch.float32, device=dev),
-                    "exp_avg": st["exp_avg"].reshape(-1)[piece.lo:piece.hi].to(piece.main).clone(),
-                    "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[piece.lo:piece.hi].to(piece.main).clone()}
+                    "exp_avg": st["exp_avg"].reshape(-1)[piece.lo : piece.hi].to(piece.main).clone(),
+                    "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[piece.lo : piece.hi].to(piece.main).clone(),
+                }
             else:
                 self._adam.state.pop(piece.main, None)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state: FusedAdamW's (moments, steps, hyper-parameters), the fp32 masters, the loss
         scaler, and the layout (piece sizes) it belongs to. Under ZeRO-1 it is this dp rank's shard only."""
-        return {"adam": self._adam.state_dict(), "masters": [m.main for m in self._masters],
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                "layout": self._layout_key()}
+        return {
+            "adam": self._adam.state_dict(),
+            "masters": [m.main for m in self._masters],
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "layout": self._layout_key(),
+        }
 
     def _layout_key(self) -> dict:
         return {"distributed": self.distributed, "pieces": [(piece.lo, piece.hi) for piece in self.pieces]}
@@ -394,11 +434,15 @@ class ParallelOptimizer:
             ValueError: a different layout (distributed flag, piece sizes) or number of masters.
         """
         if state_dict["layout"] != self._layout_key():
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state was saved for another layout "
-                             f"(distributed, piece sizes) than this optimizer's; resharding is not supported here")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state was saved for another layout "
+                f"(distributed, piece sizes) than this optimizer's; resharding is not supported here"
+            )
         if len(state_dict["masters"]) != len(self._masters):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(state_dict['masters'])} masters saved, "
-                             f"this optimizer has {len(self._masters)}")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: {len(state_dict['masters'])} masters saved, "
+                f"this optimizer has {len(self._masters)}"
+            )
         self._adam.load_state_dict(state_dict["adam"])
         for master, saved in zip(self._masters, state_dict["masters"]):
             master.main.copy_(saved)

@@ -11,8 +11,9 @@ from megakernels.validation import positive_int
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def memory_bytes_per_param(precision: str, distributed: bool, dp: int = 1,
-                           offload: bool = False) -> tuple[float, float, float]:
+def memory_bytes_per_param(
+    precision: str, distributed: bool, dp: int = 1, offload: bool = False
+) -> tuple[float, float, float]:
     """Device bytes per parameter on one rank as ``(params, grads, optimizer state)`` with fp32 ``main_grad``
     buffers, Megatron-LM's accounting: fp32 params 4 + 4 + 8 (two moments); bf16/fp16 params 2 + 4 + 12 (fp32 master
     and two moments); the optimizer state divided by ``dp`` when ``distributed`` (ZeRO-1). With ``offload`` the

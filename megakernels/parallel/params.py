@@ -87,8 +87,9 @@ def _params(items) -> list:
     return out
 
 
-def mark_tensor_parallel(*params, dim: int = 0, stride: int = 1, replicas: int = 1,
-                         real_size: int | None = None) -> None:
+def mark_tensor_parallel(
+    *params, dim: int = 0, stride: int = 1, replicas: int = 1, real_size: int | None = None
+) -> None:
     """Mark parameters (None entries are skipped) as sharded over the TP group along ``dim``.
 
     Raises:
@@ -100,8 +101,9 @@ def mark_tensor_parallel(*params, dim: int = 0, stride: int = 1, replicas: int =
     positive_int(stride, "stride", where="mark_tensor_parallel")
     positive_int(replicas, "replicas", where="mark_tensor_parallel")
     if real_size is not None and (stride > 1 or replicas > 1):
-        raise ValueError("mark_tensor_parallel: real_size (a padded dimension) cannot be combined with stride or "
-                         "replicas > 1")
+        raise ValueError(
+            "mark_tensor_parallel: real_size (a padded dimension) cannot be combined with stride or replicas > 1"
+        )
     for p in _params(params):
         rec = _own(p)
         rec.tensor_parallel, rec.partition_dim, rec.real_size = True, dim, real_size
@@ -165,6 +167,18 @@ def copy_marks(src, dst) -> None:
         setattr(dst, _ATTR, dataclasses.replace(rec))
 
 
-__all__ = ["ParamInfo", "info", "mark_tensor_parallel", "mark_sequence_parallel", "mark_shared_embedding",
-           "is_tensor_parallel", "is_sequence_parallel", "is_shared_embedding", "is_shared_embedding_duplicate",
-           "counts_in_grad_norm", "copy_marks", "mark_expert_parallel", "is_expert_parallel"]
+__all__ = [
+    "ParamInfo",
+    "info",
+    "mark_tensor_parallel",
+    "mark_sequence_parallel",
+    "mark_shared_embedding",
+    "is_tensor_parallel",
+    "is_sequence_parallel",
+    "is_shared_embedding",
+    "is_shared_embedding_duplicate",
+    "counts_in_grad_norm",
+    "copy_marks",
+    "mark_expert_parallel",
+    "is_expert_parallel",
+]

@@ -108,8 +108,10 @@ class RNGStatesTracker:
             KeyError: no stream ``name`` (``model_parallel_seed`` or ``add`` first).
         """
         if name not in self._states:
-            raise KeyError(f"RNGStatesTracker.fork: no stream {name!r}; call model_parallel_seed(seed) or "
-                           f"add({name!r}, seed) first (streams: {self.names()})")
+            raise KeyError(
+                f"RNGStatesTracker.fork: no stream {name!r}; call model_parallel_seed(seed) or "
+                f"add({name!r}, seed) first (streams: {self.names()})"
+            )
         saved = _get_state(self.device)
         _set_state(self.device, self._states[name])
         try:
@@ -182,5 +184,10 @@ def checkpoint(fn, *args):
         finally:
             tracker.set_states(now)
 
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                                             context_fn=lambda: (forward_context(), recompute_context()))
+    return torch.utils.checkpoint.checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: (forward_context(), recompute_context()),
+    )

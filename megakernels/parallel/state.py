@@ -75,17 +75,26 @@ def _positive_int(name: str, value) -> int:
 def _init_world_from_env(timeout: datetime.timedelta | None) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError("initialize: torch.distributed is not initialised and the torchrun environment is "
-                           f"incomplete (missing {', '.join(missing)}); call torch.distributed.init_process_group "
-                           "first or launch with torchrun")
+        raise RuntimeError(
+            "initialize: torch.distributed is not initialised and the torchrun environment is "
+            f"incomplete (missing {', '.join(missing)}); call torch.distributed.init_process_group "
+            "first or launch with torchrun"
+        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timeout)
 
 
-def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None = None, cp: int = 1,
-               ep: int = 1, timeout: float | None = None) -> None:
+def initialize(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    vpp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    timeout: float | None = None,
+) -> None:
     """Create the tensor-, context-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
 
     Initialises ``torch.distributed`` itself from torchrun's environment (nccl when CUDA is available, else gloo)
@@ -113,8 +122,10 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         raise ValueError(f"initialize: timeout must be > 0 seconds (or None), got {timeout}")
     wait = None if timeout is None else datetime.timedelta(seconds=timeout)
     if _state is not None:
-        raise RuntimeError(f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
-                           "call megakernels.parallel.destroy() first")
+        raise RuntimeError(
+            f"initialize: already initialised (tp={_state.tp}, pp={_state.pp}, dp={_state.dp}); "
+            "call megakernels.parallel.destroy() first"
+        )
     owns_world = not dist.is_initialized()
     if owns_world:
         _init_world_from_env(wait)
@@ -140,8 +151,10 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
         rank order); ``keep`` filters a group's ranks."""
         fixed = [k for k in sizes if k not in varying]
         for f in itertools.product(*(range(sizes[k]) for k in fixed)):
-            ranks = [at(**dict(zip(fixed, f)), **dict(zip(varying, v)))
-                     for v in itertools.product(*(range(sizes[k]) for k in varying))]
+            ranks = [
+                at(**dict(zip(fixed, f)), **dict(zip(varying, v)))
+                for v in itertools.product(*(range(sizes[k]) for k in varying))
+            ]
             ranks = sorted(set(keep(ranks))) if keep else ranks
             g = dist.new_group(ranks, timeout=wait)
             groups.append(g)
@@ -165,15 +178,35 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int | None 
 
     tp_rank, cp_rank = rank % tp, (rank // tp) % cp
     dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
-    _state = _State(tp=tp, pp=pp, dp=dp, vpp=vpp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                    ep=ep, ep_rank=dp_rank % ep, ep_group=mine.get("ep"),
-                    tp_cp_group=mine.get("tp_cp", mine["cp"] if cp > 1 else (mine["tp"] if tp > 1 else None)),
-                    edp_group=mine.get("edp", mine.get("dp_cp", mine["dp"])),
-                    tp_group=mine["tp"], pp_group=mine["pp"], dp_group=mine["dp"], model_parallel_group=mine["mp"],
-                    cp=cp, cp_rank=cp_rank, cp_group=mine["cp"], dp_cp_group=mine.get("dp_cp", mine["dp"]),
-                    embedding_group=mine.get("emb"), pp_ranks=mine["pp_ranks"],
-                    embedding_ranks=mine.get("emb_ranks", []),
-                    groups=groups, owns_world=owns_world, vpp_rank=0 if vpp is not None else None, timeout=wait)
+    _state = _State(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        vpp=vpp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        ep=ep,
+        ep_rank=dp_rank % ep,
+        ep_group=mine.get("ep"),
+        tp_cp_group=mine.get("tp_cp", mine["cp"] if cp > 1 else (mine["tp"] if tp > 1 else None)),
+        edp_group=mine.get("edp", mine.get("dp_cp", mine["dp"])),
+        tp_group=mine["tp"],
+        pp_group=mine["pp"],
+        dp_group=mine["dp"],
+        model_parallel_group=mine["mp"],
+        cp=cp,
+        cp_rank=cp_rank,
+        cp_group=mine["cp"],
+        dp_cp_group=mine.get("dp_cp", mine["dp"]),
+        embedding_group=mine.get("emb"),
+        pp_ranks=mine["pp_ranks"],
+        embedding_ranks=mine.get("emb_ranks", []),
+        groups=groups,
+        owns_world=owns_world,
+        vpp_rank=0 if vpp is not None else None,
+        timeout=wait,
+    )
 
 
 def destroy() -> None:
@@ -195,12 +228,15 @@ def is_initialized() -> bool:
 
 def _get() -> _State:
     if _state is None:
-        raise RuntimeError("megakernels.parallel is not initialised: call megakernels.parallel.initialize(tp, pp) "
-                           "after torch.distributed.init_process_group (or under torchrun)")
+        raise RuntimeError(
+            "megakernels.parallel is not initialised: call megakernels.parallel.initialize(tp, pp) "
+            "after torch.distributed.init_process_group (or under torchrun)"
+        )
     return _state
 
 
 # ---- accessors -------------------------------------------------------------------------------------------------
+
 
 def tp_group():
     """The tensor-parallel process group of this rank."""
@@ -271,7 +307,7 @@ def tp_replica_group(replicas: int):
         mine = None
         for tp_ranks in _all_tp_groups(s):
             for i in range(0, s.tp, replicas):
-                ranks = tp_ranks[i:i + replicas]
+                ranks = tp_ranks[i : i + replicas]
                 g = dist.new_group(ranks, timeout=s.timeout)
                 s.groups.append(g)
                 if dist.get_rank() in ranks:
@@ -397,6 +433,7 @@ def is_pp_last_stage(ignore_virtual: bool = False) -> bool:
 
 # ---- validation ------------------------------------------------------------------------------------------------
 
+
 def check_divisible(tp: int | None = None, **sizes: int) -> None:
     """Check that each named size splits evenly over ``tp`` ranks (default ``tp_size()``).
 
@@ -410,8 +447,10 @@ def check_divisible(tp: int | None = None, **sizes: int) -> None:
     for name, value in sizes.items():
         positive_int(value, name)
         if value < tp:
-            raise ValueError(f"{name}={value} is smaller than the tensor-parallel size {tp}: each of the {tp} "
-                             f"ranks needs at least one")
+            raise ValueError(
+                f"{name}={value} is smaller than the tensor-parallel size {tp}: each of the {tp} "
+                f"ranks needs at least one"
+            )
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp}")
 

@@ -95,8 +95,15 @@ class Watchdog:
         ValueError: ``timeout`` not > 0.
     """
 
-    def __init__(self, timeout: float, rank: int = 0, liveness_dir: str | None = None, launcher: int | None = None,
-                 end_stale_peers: bool = False, program: str = PROGRAM):
+    def __init__(
+        self,
+        timeout: float,
+        rank: int = 0,
+        liveness_dir: str | None = None,
+        launcher: int | None = None,
+        end_stale_peers: bool = False,
+        program: str = PROGRAM,
+    ):
         if not timeout > 0:
             raise ValueError(f"Watchdog: timeout must be > 0 seconds, got {timeout}")
         self.timeout, self.rank, self.liveness_dir, self.program = float(timeout), rank, liveness_dir, program
@@ -192,13 +199,18 @@ class Watchdog:
         limit = stale_after(self.timeout)
         stale = [r for r, rec in records.items() if now - rec["beat"] > limit]
         ended = [r for r in stale if self._end_stale_peers and _kill_sibling(records[r]["pid"])]
-        return liveness.summary(records, now, limit), len(stale), (
-            f"; ended unresponsive rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}" if ended else "")
+        return (
+            liveness.summary(records, now, limit),
+            len(stale),
+            (f"; ended unresponsive rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}" if ended else ""),
+        )
 
     def _fire(self, age: float, phase: str, step: int | None) -> None:
         now = time.monotonic()
-        line = (f"rank {self.rank}: no progress for {age:.1f} s (timeout {self.timeout:g} s) in "
-                f"{liveness.where(phase, step)}")
+        line = (
+            f"rank {self.rank}: no progress for {age:.1f} s (timeout {self.timeout:g} s) in "
+            f"{liveness.where(phase, step)}"
+        )
         peers, _, ended = self._report_peers(now)
         line += (f"; {peers}" if peers else "") + ended
         if self.liveness_dir is not None:  # the launcher quotes it
@@ -218,6 +230,7 @@ def _say(line: str) -> None:
 
 
 # ---- processes --------------------------------------------------------------------------------------------------
+
 
 class _ProcessWatch:
     """Whether a process has ended: a pidfd (Linux 5.3+; never fooled by a reused pid), else signal 0."""

@@ -38,8 +38,25 @@ from megakernels.triton._common import dropout_keep, dropout_row_hash
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                      H, SQ, scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_delta_kernel(
+    O,
+    DO,
+    LSE,
+    DELTA,
+    LSE2,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    H,
+    SQ,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -47,10 +64,12 @@ def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_os, stride_oh, 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask,
-                 other=0.0).to(tl.float32)
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
     rows = bh.to(tl.int64) * SQ + offs_m
     tl.store(DELTA + rows, tl.sum(o * do, 1) * scale, mask=offs_m < SQ)
     lse = tl.load(LSE + rows, mask=offs_m < SQ, other=0.0)
@@ -58,11 +77,43 @@ def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_ob, stride_os, stride_oh, 
 
 
 @triton.jit
-def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b, h, bh, start_m, offs_n, offs_d, SQ, SK, stride_qs,
-              stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi, threshold, keep_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-              DQ_TMA: tl.constexpr):
+def _bwd_step(
+    dk,
+    dv,
+    k,
+    v,
+    Qh,
+    DOh,
+    DQh,
+    LSE2,
+    DELTA,
+    b,
+    h,
+    bh,
+    start_m,
+    offs_n,
+    offs_d,
+    SQ,
+    SK,
+    stride_qs,
+    stride_dos,
+    stride_dqs,
+    qk_scale,
+    scale,
+    seed_lo,
+    seed_hi,
+    threshold,
+    keep_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr,
+):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
         q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
@@ -86,8 +137,9 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b, h, bh, start_m, offs_n
         p_t = tl.where(valid, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
-        keep = dropout_keep(dropout_row_hash(seed_lo, seed_hi, (bh * SQ + offs_m).to(tl.int32))[None, :],
-                            offs_n[:, None], threshold)
+        keep = dropout_keep(
+            dropout_row_hash(seed_lo, seed_hi, (bh * SQ + offs_m).to(tl.int32))[None, :], offs_n[:, None], threshold
+        )
         dv += tl.dot(tl.where(keep, p_t * keep_scale, 0.0).to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
     else:
@@ -119,15 +171,57 @@ def _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b, h, bh, start_m, offs_n
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, SEED,
-                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                stride_dqb, stride_dqs, stride_dqh,
-                H, HK, GROUP, SQ, SK, qk_scale, scale, threshold, keep_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                DQ_TMA: tl.constexpr):
+def _bwd_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    DQ,
+    SEED,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    H,
+    HK,
+    GROUP,
+    SQ,
+    SK,
+    qk_scale,
+    scale,
+    threshold,
+    keep_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // HK).to(tl.int64)
@@ -135,18 +229,21 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, SEED,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
-                other=0.0)
+    k = tl.load(
+        K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
+    )
+    v = tl.load(
+        V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # Query blocks [lo, mid) meet the causal diagonal band (masks); [mid, SQ // BLOCK_M * BLOCK_M) see every key of
     # this block (no masks); the query tail past that is masked again. A key block that runs past SK masks all.
     if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
         lo = tl.maximum(pid_n * BLOCK_N + SQ - SK, 0) // BLOCK_M * BLOCK_M
-        mid = tl.minimum(tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M,
-                         SQ // BLOCK_M * BLOCK_M)
+        mid = tl.minimum(
+            tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M, SQ // BLOCK_M * BLOCK_M
+        )
     else:
         lo = 0
         mid = 0
@@ -172,34 +269,172 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, SEED,
         else:
             DQh = DQ + b * stride_dqb + h * stride_dqh
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b32, h32, bh, start_m, offs_n, offs_d,
-                               SQ, SK, stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi,
-                               threshold, keep_scale, HEAD_DIM, BLOCK_M, BLOCK_D, True, CAUSAL, DROPOUT, PRECISION,
-                               DQ_ATOMIC, DQ_TMA)
+            dk, dv = _bwd_step(
+                dk,
+                dv,
+                k,
+                v,
+                Qh,
+                DOh,
+                DQh,
+                LSE2,
+                DELTA,
+                b32,
+                h32,
+                bh,
+                start_m,
+                offs_n,
+                offs_d,
+                SQ,
+                SK,
+                stride_qs,
+                stride_dos,
+                stride_dqs,
+                qk_scale,
+                scale,
+                seed_lo,
+                seed_hi,
+                threshold,
+                keep_scale,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D,
+                True,
+                CAUSAL,
+                DROPOUT,
+                PRECISION,
+                DQ_ATOMIC,
+                DQ_TMA,
+            )
         for start_m in range(mid, full_end, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b32, h32, bh, start_m, offs_n, offs_d,
-                               SQ, SK, stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi,
-                               threshold, keep_scale, HEAD_DIM, BLOCK_M, BLOCK_D, False, CAUSAL, DROPOUT, PRECISION,
-                               DQ_ATOMIC, DQ_TMA)
+            dk, dv = _bwd_step(
+                dk,
+                dv,
+                k,
+                v,
+                Qh,
+                DOh,
+                DQh,
+                LSE2,
+                DELTA,
+                b32,
+                h32,
+                bh,
+                start_m,
+                offs_n,
+                offs_d,
+                SQ,
+                SK,
+                stride_qs,
+                stride_dos,
+                stride_dqs,
+                qk_scale,
+                scale,
+                seed_lo,
+                seed_hi,
+                threshold,
+                keep_scale,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D,
+                False,
+                CAUSAL,
+                DROPOUT,
+                PRECISION,
+                DQ_ATOMIC,
+                DQ_TMA,
+            )
         for start_m in range(tl.maximum(full_end, mid), SQ, BLOCK_M):
-            dk, dv = _bwd_step(dk, dv, k, v, Qh, DOh, DQh, LSE2, DELTA, b32, h32, bh, start_m, offs_n, offs_d,
-                               SQ, SK, stride_qs, stride_dos, stride_dqs, qk_scale, scale, seed_lo, seed_hi,
-                               threshold, keep_scale, HEAD_DIM, BLOCK_M, BLOCK_D, True, CAUSAL, DROPOUT, PRECISION,
-                               DQ_ATOMIC, DQ_TMA)
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+            dk, dv = _bwd_step(
+                dk,
+                dv,
+                k,
+                v,
+                Qh,
+                DOh,
+                DQh,
+                LSE2,
+                DELTA,
+                b32,
+                h32,
+                bh,
+                start_m,
+                offs_n,
+                offs_d,
+                SQ,
+                SK,
+                stride_qs,
+                stride_dos,
+                stride_dqs,
+                qk_scale,
+                scale,
+                seed_lo,
+                seed_hi,
+                threshold,
+                keep_scale,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D,
+                True,
+                CAUSAL,
+                DROPOUT,
+                PRECISION,
+                DQ_ATOMIC,
+                DQ_TMA,
+            )
+    tl.store(
+        DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, SEED,
-                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                   stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                   stride_dqb, stride_dqs, stride_dqh,
-                   H, GROUP, SQ, SK, qk_scale, scale, threshold, keep_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DQ,
+    SEED,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    H,
+    GROUP,
+    SQ,
+    SK,
+    qk_scale,
+    scale,
+    threshold,
+    keep_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -208,10 +443,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, SEED,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask,
-                other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0
+    )
     lse2 = tl.load(LSE2 + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=0.0)
     K += b * stride_kb + hk * stride_kh
@@ -219,8 +456,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, SEED,
     row_hash = offs_m.to(tl.uint32)
     if DROPOUT:
         seed = tl.load(SEED)
-        row_hash = dropout_row_hash((seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32),
-                                    bh * SQ + offs_m)
+        row_hash = dropout_row_hash(
+            (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), bh * SQ + offs_m
+        )
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0)) if CAUSAL else SK
     for start_n in range(0, hi, BLOCK_N):
@@ -238,8 +476,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, SEED,
             dp = tl.where(dropout_keep(row_hash[:, None], offs_n[None, :], threshold), dp * keep_scale, 0.0)
         ds = p * (dp * scale - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(
+        DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
 __all__ = ["_bwd_delta_kernel", "_bwd_kernel", "_bwd_dq_kernel", "triton"]

@@ -40,8 +40,23 @@ from megakernels.triton._common import dropout_keep, dropout_row_hash
 
 
 @triton.jit
-def _load_kv(K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEAD_DIM: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+def _load_kv(
+    K,
+    V,
+    b,
+    hk,
+    start_n,
+    offs_n,
+    offs_d,
+    SK,
+    stride_ks,
+    stride_vs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+):
     if TMA:
         k = K.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
         v = V.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
@@ -55,13 +70,38 @@ def _load_kv(K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEA
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, stride_ks, stride_vs, qk_scale,
-              row_hash, threshold,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _fwd_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    b,
+    hk,
+    start_n,
+    offs_m,
+    offs_d,
+    SQ,
+    SK,
+    stride_ks,
+    stride_vs,
+    qk_scale,
+    row_hash,
+    threshold,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, v = _load_kv(K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D,
-                    MASKED, TMA)
+    k, v = _load_kv(
+        K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, TMA
+    )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         valid = offs_n[None, :] < SK
@@ -80,32 +120,137 @@ def _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, st
 
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q, K, V, b, hk, offs_m, offs_d, start, stop, SQ, SK, stride_ks, stride_vs, qk_scale,
-               row_hash, threshold,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-               WARP_SPEC: tl.constexpr):
+def _fwd_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    b,
+    hk,
+    offs_m,
+    offs_d,
+    start,
+    stop,
+    SQ,
+    SK,
+    stride_ks,
+    stride_vs,
+    qk_scale,
+    row_hash,
+    threshold,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
     if WARP_SPEC and not MASKED:  # only Tritons that take warp_specialize ever see this branch
         for start_n in tl.range(start, stop, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, stride_ks,
-                                      stride_vs, qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED,
-                                      CAUSAL, DROPOUT, PRECISION, TMA)
+            acc, m_i, l_i = _fwd_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                K,
+                V,
+                b,
+                hk,
+                start_n,
+                offs_m,
+                offs_d,
+                SQ,
+                SK,
+                stride_ks,
+                stride_vs,
+                qk_scale,
+                row_hash,
+                threshold,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                MASKED,
+                CAUSAL,
+                DROPOUT,
+                PRECISION,
+                TMA,
+            )
     else:
         for start_n in range(start, stop, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, b, hk, start_n, offs_m, offs_d, SQ, SK, stride_ks,
-                                      stride_vs, qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED,
-                                      CAUSAL, DROPOUT, PRECISION, TMA)
+            acc, m_i, l_i = _fwd_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                K,
+                V,
+                b,
+                hk,
+                start_n,
+                offs_m,
+                offs_d,
+                SQ,
+                SK,
+                stride_ks,
+                stride_vs,
+                qk_scale,
+                row_hash,
+                threshold,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                MASKED,
+                CAUSAL,
+                DROPOUT,
+                PRECISION,
+                TMA,
+            )
     return acc, m_i, l_i
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, SEED,
-                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                H, GROUP, SQ, SK, qk_scale, threshold, keep_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                Q_ROWS: tl.constexpr, WARP_SPEC: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    SEED,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    H,
+    GROUP,
+    SQ,
+    SK,
+    qk_scale,
+    threshold,
+    keep_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    Q_ROWS: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
     if CAUSAL:  # grid (b * h, query blocks): the heaviest query block of every head first, the lightest last
         bh = tl.program_id(0)
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -124,16 +269,20 @@ def _fwd_kernel(Q, K, V, O, LSE, SEED,
         else:
             q = Q.load([b, pid_m * BLOCK_M, h, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs
-                    + offs_d[None, :], mask=q_mask, other=0.0)
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
         K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
 
     row_hash = offs_m.to(tl.uint32)
     if DROPOUT:
         seed = tl.load(SEED)
-        row_hash = dropout_row_hash((seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32),
-                                    bh * SQ + offs_m)
+        row_hash = dropout_row_hash(
+            (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), bh * SQ + offs_m
+        )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -145,12 +294,66 @@ def _fwd_kernel(Q, K, V, O, LSE, SEED,
     else:
         hi = SK
         full = SK // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, b, hk, offs_m, offs_d, 0, full, SQ, SK, stride_ks, stride_vs,
-                               qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DROPOUT,
-                               PRECISION, TMA, WARP_SPEC)
-    acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, b, hk, offs_m, offs_d, full, hi, SQ, SK, stride_ks,
-                               stride_vs, qk_scale, row_hash, threshold, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL,
-                               DROPOUT, PRECISION, TMA, WARP_SPEC)
+    acc, m_i, l_i = _fwd_block(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        b,
+        hk,
+        offs_m,
+        offs_d,
+        0,
+        full,
+        SQ,
+        SK,
+        stride_ks,
+        stride_vs,
+        qk_scale,
+        row_hash,
+        threshold,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        False,
+        CAUSAL,
+        DROPOUT,
+        PRECISION,
+        TMA,
+        WARP_SPEC,
+    )
+    acc, m_i, l_i = _fwd_block(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        b,
+        hk,
+        offs_m,
+        offs_d,
+        full,
+        hi,
+        SQ,
+        SK,
+        stride_ks,
+        stride_vs,
+        qk_scale,
+        row_hash,
+        threshold,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        True,
+        CAUSAL,
+        DROPOUT,
+        PRECISION,
+        TMA,
+        WARP_SPEC,
+    )
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, keep_scale / tl.where(empty, 1.0, l_i))
     out = (acc * inv_l[:, None]).to(O.dtype.element_ty if not TMA else O.dtype)
@@ -158,8 +361,11 @@ def _fwd_kernel(Q, K, V, O, LSE, SEED,
     if TMA:
         O.store([b, pid_m * BLOCK_M, h, 0], out.reshape(1, BLOCK_M, 1, BLOCK_D))
     else:
-        tl.store(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_os
-                 + offs_d[None, :], out, mask=q_mask)
+        tl.store(
+            O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+            out,
+            mask=q_mask,
+        )
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
 
 

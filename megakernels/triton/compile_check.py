@@ -31,8 +31,9 @@ def _meta(shape, dtype):
     return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
 
 
-def attention_launches(arch: int, head_dim: int, cfg_index: int, passname: str, dtype: str, causal: bool,
-                       dropout: bool, seqlen: int = 4096):
+def attention_launches(
+    arch: int, head_dim: int, cfg_index: int, passname: str, dtype: str, causal: bool, dropout: bool, seqlen: int = 4096
+):
     """The launches of one FlashAttention config (``fa.candidates(...)[cfg_index]``) at a 4k-token shape."""
     from megakernels.triton import flash_attention as fa
 
@@ -54,8 +55,10 @@ def cross_entropy_launches(arch: int, vocab: int = 50304):
     from megakernels.triton import cross_entropy as ce
 
     x, tgt, f32 = _meta((1024, vocab), "bfloat16"), _meta((1024,), "int64"), _meta((1024, 4), "float32")
-    return [ce.stats_launch(x, tgt, f32, 0, vocab, arch),
-            ce.grad_launch(x, tgt, f32, f32, 0, vocab, -100, 0.9, 0.1 / vocab, x, arch)]
+    return [
+        ce.stats_launch(x, tgt, f32, 0, vocab, arch),
+        ce.grad_launch(x, tgt, f32, f32, 0, vocab, -100, 0.9, 0.1 / vocab, x, arch),
+    ]
 
 
 def jobs(archs, full: bool, defaults: bool):
@@ -75,8 +78,10 @@ def jobs(archs, full: bool, defaults: bool):
                     if defaults or (not full and not (head_dim == 128 and i == 0)):
                         variants = [("float16", True, False)]
                     for dtype, causal, dropout in variants:
-                        what = (f"flash_attention {passname} sm_{arch} {dtype} d{head_dim} {cfg} causal={causal} "
-                                f"dropout={dropout}")
+                        what = (
+                            f"flash_attention {passname} sm_{arch} {dtype} d{head_dim} {cfg} causal={causal} "
+                            f"dropout={dropout}"
+                        )
                         yield (what, arch, ("fa", head_dim, i, passname, dtype, causal, dropout))
 
 

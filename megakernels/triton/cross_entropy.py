@@ -25,7 +25,6 @@ from megakernels.triton._common import arch_of
 from megakernels.triton.launch import Launch
 
 
-
 @triton.jit
 def _stats_chunk(X, cols, mask, m, s, total, n_valid, MASKED: tl.constexpr):
     if MASKED:
@@ -34,8 +33,9 @@ def _stats_chunk(X, cols, mask, m, s, total, n_valid, MASKED: tl.constexpr):
         x = tl.load(X + cols).to(tl.float32)
     m_new = tl.maximum(m, tl.max(x, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing but -inf so far
-    s = s * tl.math.exp2((m - m_safe) * 1.4426950408889634) + \
-        tl.sum(tl.math.exp2(x * 1.4426950408889634 - m_safe * 1.4426950408889634), 0)
+    s = s * tl.math.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(
+        tl.math.exp2(x * 1.4426950408889634 - m_safe * 1.4426950408889634), 0
+    )
     if MASKED:
         total += tl.where(mask, x, 0.0)
     else:
@@ -44,8 +44,9 @@ def _stats_chunk(X, cols, mask, m, s, total, n_valid, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(X, TARGET, STATS, stride_x, n_cols, n_valid, vocab_start, BLOCK_V: tl.constexpr,
-                  STAGES: tl.constexpr):
+def _stats_kernel(
+    X, TARGET, STATS, stride_x, n_cols, n_valid, vocab_start, BLOCK_V: tl.constexpr, STAGES: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
     target = tl.load(TARGET + row).to(tl.int64) - vocab_start
@@ -67,8 +68,24 @@ def _stats_kernel(X, TARGET, STATS, stride_x, n_cols, n_valid, vocab_start, BLOC
 
 
 @triton.jit
-def _grad_kernel(X, TARGET, LSE, DLOSS, GRAD, stride_x, stride_g, n_cols, n_valid, vocab_start, ignore_index,
-                 smooth_target, smooth_other, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr, STAGES: tl.constexpr):
+def _grad_kernel(
+    X,
+    TARGET,
+    LSE,
+    DLOSS,
+    GRAD,
+    stride_x,
+    stride_g,
+    n_cols,
+    n_valid,
+    vocab_start,
+    ignore_index,
+    smooth_target,
+    smooth_other,
+    BLOCK_V: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
     GRAD += row * stride_g
@@ -114,17 +131,49 @@ def _block_v(n_cols: int, arch: int) -> tuple[int, int, int]:
 def stats_launch(logits, target, out, vocab_start: int, n_valid: int, arch: int) -> Launch:
     n, v = logits.shape
     block, warps, stages = _block_v(v, arch)
-    return Launch(_stats_kernel, (n,), (logits, target, out, logits.stride(0), v, n_valid, vocab_start),
-                  dict(BLOCK_V=block, STAGES=stages, num_warps=warps))
+    return Launch(
+        _stats_kernel,
+        (n,),
+        (logits, target, out, logits.stride(0), v, n_valid, vocab_start),
+        dict(BLOCK_V=block, STAGES=stages, num_warps=warps),
+    )
 
 
-def grad_launch(logits, target, lse, dloss, vocab_start: int, n_valid: int, ignore_index: int, smooth_target: float,
-                smooth_other: float, out, arch: int) -> Launch:
+def grad_launch(
+    logits,
+    target,
+    lse,
+    dloss,
+    vocab_start: int,
+    n_valid: int,
+    ignore_index: int,
+    smooth_target: float,
+    smooth_other: float,
+    out,
+    arch: int,
+) -> Launch:
     n, v = logits.shape
     block, warps, stages = _block_v(v, arch)
-    return Launch(_grad_kernel, (n,), (logits, target, lse, dloss, out, logits.stride(0), out.stride(0), v, n_valid,
-                                       vocab_start, ignore_index, smooth_target, smooth_other),
-                  dict(BLOCK_V=block, SMOOTH=smooth_other != 0.0, STAGES=stages, num_warps=warps))
+    return Launch(
+        _grad_kernel,
+        (n,),
+        (
+            logits,
+            target,
+            lse,
+            dloss,
+            out,
+            logits.stride(0),
+            out.stride(0),
+            v,
+            n_valid,
+            vocab_start,
+            ignore_index,
+            smooth_target,
+            smooth_other,
+        ),
+        dict(BLOCK_V=block, SMOOTH=smooth_other != 0.0, STAGES=stages, num_warps=warps),
+    )
 
 
 def stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int) -> torch.Tensor:
@@ -134,8 +183,29 @@ def stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid:
     return out
 
 
-def grad(logits, target, lse, dloss, vocab_start: int, n_valid: int, ignore_index: int, smooth_target: float,
-         smooth_other: float, out: torch.Tensor) -> torch.Tensor:
-    grad_launch(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out,
-                arch_of(logits.device))()
+def grad(
+    logits,
+    target,
+    lse,
+    dloss,
+    vocab_start: int,
+    n_valid: int,
+    ignore_index: int,
+    smooth_target: float,
+    smooth_other: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    grad_launch(
+        logits,
+        target,
+        lse,
+        dloss,
+        vocab_start,
+        n_valid,
+        ignore_index,
+        smooth_target,
+        smooth_other,
+        out,
+        arch_of(logits.device),
+    )()
     return out

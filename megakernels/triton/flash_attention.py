@@ -15,8 +15,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from megakernels.triton._common import (arch_of, dropout_threshold, install_interpreter_descriptor_reduce,
-                                        pick_config, seq_bucket)
+from megakernels.triton._common import (
+    arch_of,
+    dropout_threshold,
+    install_interpreter_descriptor_reduce,
+    pick_config,
+    seq_bucket,
+)
 from megakernels.triton._fa_bwd import _bwd_delta_kernel, _bwd_dq_kernel, _bwd_kernel
 from megakernels.triton._fa_fwd import _fwd_kernel, supports_tma
 from megakernels.triton.launch import Launch
@@ -33,26 +38,34 @@ install_interpreter_descriptor_reduce()  # the backward's dQ add through a descr
 # 78% busy instead of the default's 100%, but ptxas then waits on every wgmma; the model cannot tell them apart,
 # the first GPU run's autotuning will.
 FWD_CONFIGS = {
-    90: {32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
-         64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
-         128: [(128, 32, 8, 4), (128, 64, 8, 2, 128), (64, 64, 4, 3)],
-         256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)]},
-    80: {32: [(128, 64, 4, 3), (64, 64, 4, 4)],
-         64: [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 4)],
-         128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
-         256: [(64, 32, 4, 2), (64, 64, 8, 1)]},
+    90: {
+        32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
+        64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
+        128: [(128, 32, 8, 4), (128, 64, 8, 2, 128), (64, 64, 4, 3)],
+        256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
+    },
+    80: {
+        32: [(128, 64, 4, 3), (64, 64, 4, 4)],
+        64: [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 4)],
+        128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 1)],
+    },
 }
 # Backward: (BLOCK_M query rows per step, BLOCK_N keys per program, num_warps, num_stages). At d256 every config
 # spills a little (8-16 bytes at 64x32, 8 warps): the key and value tiles and two fp32 accumulators of 64 x 256.
 BWD_CONFIGS = {
-    90: {32: [(64, 64, 4, 2), (64, 128, 8, 2)],
-         64: [(64, 128, 8, 2)],
-         128: [(32, 128, 8, 2), (64, 64, 8, 3)],
-         256: [(64, 32, 8, 1)]},
-    80: {32: [(64, 128, 8, 2), (64, 64, 4, 3)],
-         64: [(64, 64, 4, 2), (64, 128, 8, 1), (32, 64, 4, 3)],
-         128: [(64, 64, 8, 1), (32, 64, 4, 2), (32, 32, 4, 2)],
-         256: [(32, 32, 4, 1), (16, 32, 4, 1)]},
+    90: {
+        32: [(64, 64, 4, 2), (64, 128, 8, 2)],
+        64: [(64, 128, 8, 2)],
+        128: [(32, 128, 8, 2), (64, 64, 8, 3)],
+        256: [(64, 32, 8, 1)],
+    },
+    80: {
+        32: [(64, 128, 8, 2), (64, 64, 4, 3)],
+        64: [(64, 64, 4, 2), (64, 128, 8, 1), (32, 64, 4, 3)],
+        128: [(64, 64, 8, 1), (32, 64, 4, 2), (32, 32, 4, 2)],
+        256: [(32, 32, 4, 1), (16, 32, 4, 1)],
+    },
 }
 # The deterministic backward's dQ kernel (BLOCK_M queries per program, BLOCK_N keys per step, num_warps) where it
 # differs from the backward's own config: on sm_90 64 query rows keep its dS K on wgmma (32 rows fall back to
@@ -110,8 +123,10 @@ def tma_eligible(*tensors) -> bool:
     16-byte aligned and every stride but the last is a multiple of 16 bytes (the hardware's rules)."""
     if not supports_tma():
         return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
-               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+    return all(
+        t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+        for t in tensors
+    )
 
 
 def _descriptor(t, rows: int, block_d: int):
@@ -132,8 +147,9 @@ def _rows_descriptor(t, rows: int):
     return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, d])
 
 
-def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_p: float, cfg,
-                   tma: bool | None = None) -> Launch:
+def forward_launch(
+    q, k, v, out, lse, seed, causal: bool, scale: float, dropout_p: float, cfg, tma: bool | None = None
+) -> Launch:
     """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])``. ``tma``: load
     through tensor descriptors (default: where ``tma_eligible`` and the target is Hopper or the interpreter)."""
     b, sq, h, d = q.shape
@@ -144,16 +160,55 @@ def forward_launch(q, k, v, out, lse, seed, causal: bool, scale: float, dropout_
         tma = _has_tma(_launch_arch(q)) and tma_eligible(q, k, v, out)
     bd = padded_head_dim(d)
     q_rows = _rows_descriptor(q, block_m) if tma else None
-    qa, ka, va, oa = (q_rows if q_rows is not None else _descriptor(q, block_m, bd), _descriptor(k, block_n, bd),
-                      _descriptor(v, block_n, bd), _descriptor(out, block_m, bd)) if tma else (q, k, v, out)
+    qa, ka, va, oa = (
+        (
+            q_rows if q_rows is not None else _descriptor(q, block_m, bd),
+            _descriptor(k, block_n, bd),
+            _descriptor(v, block_n, bd),
+            _descriptor(out, block_m, bd),
+        )
+        if tma
+        else (q, k, v, out)
+    )
     blocks = triton.cdiv(sq, block_m)
-    return Launch(_fwd_kernel, (b * h, blocks) if causal else (blocks, b * h),
-                  (qa, ka, va, oa, lse, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                   h, h // hk, sq, sk, scale * LOG2E, threshold, keep_scale),
-                  dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                       DROPOUT=dropout, PRECISION=_dot_precision(q.dtype), TMA=tma, Q_ROWS=q_rows is not None,
-                       WARP_SPEC=False,
-                       num_warps=warps, num_stages=stages, **({"maxnreg": limit[0]} if limit else {})))
+    return Launch(
+        _fwd_kernel,
+        (b * h, blocks) if causal else (blocks, b * h),
+        (
+            qa,
+            ka,
+            va,
+            oa,
+            lse,
+            seed,
+            *_strides(q),
+            *_strides(k),
+            *_strides(v),
+            *_strides(out),
+            h,
+            h // hk,
+            sq,
+            sk,
+            scale * LOG2E,
+            threshold,
+            keep_scale,
+        ),
+        dict(
+            HEAD_DIM=d,
+            BLOCK_D=bd,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            CAUSAL=causal,
+            DROPOUT=dropout,
+            PRECISION=_dot_precision(q.dtype),
+            TMA=tma,
+            Q_ROWS=q_rows is not None,
+            WARP_SPEC=False,
+            num_warps=warps,
+            num_stages=stages,
+            **({"maxnreg": limit[0]} if limit else {}),
+        ),
+    )
 
 
 def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):
@@ -172,9 +227,26 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.T
     return out, lse
 
 
-def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bool, scale: float, dropout_p: float,
-                      cfg, deterministic: bool = False, dq_tma: bool | None = None,
-                      arch: int | None = None) -> list[Launch]:
+def backward_launches(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    delta,
+    dq,
+    dk,
+    dv,
+    seed,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    cfg,
+    deterministic: bool = False,
+    dq_tma: bool | None = None,
+    arch: int | None = None,
+) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
     ``deterministic`` the pass without dQ and the dQ kernel (``dq`` in q's dtype). ``delta`` is a [2, b, h, sq]
@@ -187,8 +259,17 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n, warps, stages = cfg
     bd = padded_head_dim(d)
-    common = dict(HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, DROPOUT=dropout, PRECISION=_dot_precision(q.dtype),
-                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    common = dict(
+        HEAD_DIM=d,
+        BLOCK_D=bd,
+        CAUSAL=causal,
+        DROPOUT=dropout,
+        PRECISION=_dot_precision(q.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+        num_stages=stages,
+    )
     if arch is None:
         arch = _launch_arch(q)
     if dq_tma is None:
@@ -196,27 +277,96 @@ def backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal: bo
     dq_arg = _descriptor(dq, block_m, bd) if dq_tma else dq
     delta_rows = 64 if bd <= 128 else 32
     delta, lse2 = delta[0], delta[1]
-    launches = [Launch(_bwd_delta_kernel, (triton.cdiv(sq, delta_rows), b * h),
-                       (out, do, lse, delta, lse2, *_strides(out), *_strides(do), h, sq, scale),
-                       dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, num_warps=4)),
-                Launch(_bwd_kernel, (triton.cdiv(sk, block_n), b * hk),
-                       (q, k, v, do, lse2, delta, dk, dv, dq_arg, seed, *_strides(q), *_strides(k), *_strides(v),
-                        *_strides(do), *_strides(dk), *_strides(dv), *_strides(dq), h, hk, h // hk, sq, sk,
-                        scale * LOG2E, scale, threshold, keep_scale),
-                       dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma))]
+    launches = [
+        Launch(
+            _bwd_delta_kernel,
+            (triton.cdiv(sq, delta_rows), b * h),
+            (out, do, lse, delta, lse2, *_strides(out), *_strides(do), h, sq, scale),
+            dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, num_warps=4),
+        ),
+        Launch(
+            _bwd_kernel,
+            (triton.cdiv(sk, block_n), b * hk),
+            (
+                q,
+                k,
+                v,
+                do,
+                lse2,
+                delta,
+                dk,
+                dv,
+                dq_arg,
+                seed,
+                *_strides(q),
+                *_strides(k),
+                *_strides(v),
+                *_strides(do),
+                *_strides(dk),
+                *_strides(dv),
+                *_strides(dq),
+                h,
+                hk,
+                h // hk,
+                sq,
+                sk,
+                scale * LOG2E,
+                scale,
+                threshold,
+                keep_scale,
+            ),
+            dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma),
+        ),
+    ]
     if deterministic:
         dq_table = _for_arch(DQ_CONFIGS, arch) if arch else None
         dq_m, dq_n, dq_warps = dq_table[bd] if dq_table else (block_m, block_n, warps)
-        launches.append(Launch(_bwd_dq_kernel, (triton.cdiv(sq, dq_m), b * h),
-                               (q, k, v, do, lse2, delta, dq, seed, *_strides(q), *_strides(k), *_strides(v),
-                                *_strides(do), *_strides(dq), h, h // hk, sq, sk, scale * LOG2E, scale, threshold,
-                                keep_scale),
-                               dict(common, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps)))
+        launches.append(
+            Launch(
+                _bwd_dq_kernel,
+                (triton.cdiv(sq, dq_m), b * h),
+                (
+                    q,
+                    k,
+                    v,
+                    do,
+                    lse2,
+                    delta,
+                    dq,
+                    seed,
+                    *_strides(q),
+                    *_strides(k),
+                    *_strides(v),
+                    *_strides(do),
+                    *_strides(dq),
+                    h,
+                    h // hk,
+                    sq,
+                    sk,
+                    scale * LOG2E,
+                    scale,
+                    threshold,
+                    keep_scale,
+                ),
+                dict(common, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps),
+            )
+        )
     return launches
 
 
-def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
-             deterministic: bool = False):
+def backward(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    deterministic: bool = False,
+):
     """Returns (dq, dk, dv) shaped and typed like q, k, v. ``deterministic``: the same bits on every run (dQ by a
     separate kernel instead of atomics)."""
     b, sq, h, d = q.shape
@@ -228,8 +378,9 @@ def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float
 
     def launch(cfg):
         dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        for ln in backward_launches(do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal, scale, dropout_p, cfg,
-                                    deterministic):
+        for ln in backward_launches(
+            do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal, scale, dropout_p, cfg, deterministic
+        ):
             ln()
         return dq
 

@@ -32,17 +32,22 @@ from megakernels.triton.launch import Launch
 # fp32 runs IEEE FMAs (no tensor cores, as ATen's default fp32 matmul): 64x64 tiles, since 128x128 needs all 255
 # registers per thread (megakernels bench --static --ops grouped_gemm and tests/triton/grouped_gemm_sm90.py).
 ROWS_CONFIGS = {
-    90: {2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)],
-         4: [(64, 64, 32, 4, 4), (128, 128, 32, 8, 3)]},
-    80: {2: [(128, 128, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4)],
-         4: [(128, 64, 32, 4, 3), (64, 64, 32, 4, 3)]},
+    90: {
+        2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)],
+        4: [(64, 64, 32, 4, 4), (128, 128, 32, 8, 3)],
+    },
+    80: {
+        2: [(128, 128, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4)],
+        4: [(128, 64, 32, 4, 3), (64, 64, 32, 4, 3)],
+    },
 }
 # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages): a [BLOCK_N, BLOCK_K] tile of dW[e], BLOCK_T rows per step.
 WGRAD_CONFIGS = {
-    90: {2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
-         4: [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)]},
-    80: {2: [(128, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
-         4: [(64, 64, 32, 4, 3)]},
+    90: {
+        2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+        4: [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)],
+    },
+    80: {2: [(128, 128, 32, 8, 3), (64, 64, 32, 4, 4)], 4: [(64, 64, 32, 4, 3)]},
 }
 INTERPRETER_ROWS = (16, 16, 16, 4, 1)  # small tiles: the tests' odd sizes cross many tile edges
 INTERPRETER_WGRAD = (16, 16, 16, 4, 1)
@@ -76,9 +81,27 @@ def _group_of_tile(SIZES, E, tile, BLOCK_E: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(A, B, C, SIZES, T, N, K, E, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                 BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _rows_kernel(
+    A,
+    B,
+    C,
+    SIZES,
+    T,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g, start, end = _group_of_tile(SIZES, E, pid_m, BLOCK_E, BLOCK_M)
@@ -109,9 +132,24 @@ def _rows_kernel(A, B, C, SIZES, T, N, K, E, stride_am, stride_be, stride_bk, st
 
 
 @triton.jit
-def _wgrad_kernel(DOUT, X, DW, SIZES, T, N, K, E, stride_dm, stride_xm, stride_we,
-                  BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _wgrad_kernel(
+    DOUT,
+    X,
+    DW,
+    SIZES,
+    T,
+    N,
+    K,
+    E,
+    stride_dm,
+    stride_xm,
+    stride_we,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid = tl.program_id(0)
     g = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -130,10 +168,14 @@ def _wgrad_kernel(DOUT, X, DW, SIZES, T, N, K, E, stride_dm, stride_xm, stride_w
     for t0 in range(start, end, BLOCK_T):
         rows = t0 + offs_t
         t_ok = rows < end
-        d = tl.load(DOUT + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], mask=t_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        d = tl.load(
+            DOUT + rows.to(tl.int64)[:, None] * stride_dm + offs_n[None, :],
+            mask=t_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0
+        )
         acc = tl.dot(tl.trans(d), x, acc, input_precision=PRECISION)
     dw_ptrs = DW + g.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
@@ -147,8 +189,9 @@ def _block_e(num_groups: int) -> int:
     return max(2, triton.next_power_of_2(num_groups))
 
 
-def rows_launch(a: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor, transpose_w: bool,
-                cfg: tuple):
+def rows_launch(
+    a: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor, out: torch.Tensor, transpose_w: bool, cfg: tuple
+):
     """``out[rows of e] = a[rows of e] @ (w[e]ᵀ if transpose_w else w[e])``; ``a`` ``[T, K]`` and ``w``
     ``[E, R, C]`` contiguous, ``sizes`` ``[E]`` int32/int64 on a's device."""
     bm, bn, bk, warps, stages = cfg
@@ -157,13 +200,21 @@ def rows_launch(a: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor, out: torc
     if transpose_w:  # B_e = W[e]ᵀ: element (kk, nn) at W[e, nn, kk]
         n = w.shape[1]
         stride_bk, stride_bn = 1, w.shape[2]
-    else:            # B_e = W[e]: element (kk, nn) at W[e, kk, nn]
+    else:  # B_e = W[e]: element (kk, nn) at W[e, kk, nn]
         n = w.shape[2]
         stride_bk, stride_bn = w.shape[2], 1
     grid = (triton.cdiv(t, bm) + e, triton.cdiv(n, bn))
     args = (a, w, out, sizes, t, n, kdim, e, a.stride(0), w.stride(0), stride_bk, stride_bn, out.stride(0))
-    kwargs = dict(BLOCK_E=_block_e(e), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=kdim % bk == 0,
-                  PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages)
+    kwargs = dict(
+        BLOCK_E=_block_e(e),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN_K=kdim % bk == 0,
+        PRECISION=_precision(a.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return Launch(_rows_kernel, grid, args, kwargs)
 
 
@@ -175,8 +226,15 @@ def wgrad_launch(dout: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, dw: t
     e = dw.shape[0]
     grid = (triton.cdiv(n, bn) * triton.cdiv(kdim, bk), e)
     args = (dout, x, dw, sizes, t, n, kdim, e, dout.stride(0), x.stride(0), dw.stride(0))
-    kwargs = dict(BLOCK_E=_block_e(e), BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PRECISION=_precision(x.dtype),
-                  num_warps=warps, num_stages=stages)
+    kwargs = dict(
+        BLOCK_E=_block_e(e),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        BLOCK_T=bt,
+        PRECISION=_precision(x.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return Launch(_wgrad_kernel, grid, args, kwargs)
 
 
@@ -197,21 +255,40 @@ def forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) ->
     if out.numel() == 0:
         return out
     sizes = _device_sizes(group_sizes, x.device)
-    _tuned("grouped_gemm_fwd", ROWS_CONFIGS, INTERPRETER_ROWS, x, (weight.shape[1], weight.shape[2]),
-           lambda cfg: rows_launch(x, weight, sizes, out, True, cfg))
+    _tuned(
+        "grouped_gemm_fwd",
+        ROWS_CONFIGS,
+        INTERPRETER_ROWS,
+        x,
+        (weight.shape[1], weight.shape[2]),
+        lambda cfg: rows_launch(x, weight, sizes, out, True, cfg),
+    )
     return out
 
 
-def backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-             group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(
+    dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [T, k], dweight [E, n, k])`` of ``forward`` for ``dout`` ``[T, n]`` (contiguous)."""
     sizes = _device_sizes(group_sizes, x.device)
     dx = torch.empty_like(x)
     dw = torch.empty_like(weight)
     if dx.numel():  # n == 0 runs too: an empty reduction writes zeros
-        _tuned("grouped_gemm_dx", ROWS_CONFIGS, INTERPRETER_ROWS, x, (weight.shape[1], weight.shape[2]),
-               lambda cfg: rows_launch(dout, weight, sizes, dx, False, cfg))
+        _tuned(
+            "grouped_gemm_dx",
+            ROWS_CONFIGS,
+            INTERPRETER_ROWS,
+            x,
+            (weight.shape[1], weight.shape[2]),
+            lambda cfg: rows_launch(dout, weight, sizes, dx, False, cfg),
+        )
     if dw.numel():
-        _tuned("grouped_gemm_dw", WGRAD_CONFIGS, INTERPRETER_WGRAD, x, (weight.shape[1], weight.shape[2]),
-               lambda cfg: wgrad_launch(dout, x, sizes, dw, cfg))
+        _tuned(
+            "grouped_gemm_dw",
+            WGRAD_CONFIGS,
+            INTERPRETER_WGRAD,
+            x,
+            (weight.shape[1], weight.shape[2]),
+            lambda cfg: wgrad_launch(dout, x, sizes, dw, cfg),
+        )
     return dx, dw

@@ -59,8 +59,17 @@ def _fallback_specialisation(launch: Launch):
     values = dict(zip(names, launch.args))
     values.update({k: v for k, v in launch.kwargs.items() if k in names})
     sig, consts, attrs = {}, {}, {}
-    tname = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-             torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+    tname = {
+        torch.float16: "fp16",
+        torch.bfloat16: "bf16",
+        torch.float32: "fp32",
+        torch.float64: "fp64",
+        torch.int64: "i64",
+        torch.int32: "i32",
+        torch.int8: "i8",
+        torch.uint8: "u8",
+        torch.bool: "i1",
+    }
     for i, name in enumerate(names):
         v = values[name]
         if i in launch.kernel.constexprs or name in launch.kwargs:
@@ -75,7 +84,7 @@ def _fallback_specialisation(launch: Launch):
             if v == 1:
                 sig[name], consts[(i,)] = "constexpr", 1
             else:
-                sig[name] = "i64" if not -2**31 <= v < 2**31 else "i32"
+                sig[name] = "i64" if not -(2**31) <= v < 2**31 else "i32"
                 if v % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:

@@ -22,7 +22,6 @@ The pytest-benchmark suite (benchmarks/test_bench_adamw.py) times the same calla
 
 from __future__ import annotations
 
-
 import torch
 
 from megakernels.optim import FusedAdamW
@@ -65,8 +64,9 @@ def make_optimizer(impl: str, n_tensors: int, numel: int, dtype: torch.dtype, de
     elif impl == "torch_fused":
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     else:
-        raise ValueError(f"make_optimizer: impl must be one of {', '.join(IMPLS)} (or a peer with a factory), "
-                         f"got {impl!r}")
+        raise ValueError(
+            f"make_optimizer: impl must be one of {', '.join(IMPLS)} (or a peer with a factory), got {impl!r}"
+        )
     opt.step()
     return opt
 
@@ -84,8 +84,17 @@ def default_configs(quick: bool) -> dict:
     return QUICK_CONFIGS if quick else CONFIGS
 
 
-def run(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=None, peers: Peers | None = None,
-        log=print, impls=IMPLS) -> list[dict]:
+def run(
+    configs: dict,
+    dtypes,
+    *,
+    device="cpu",
+    min_run_time=0.5,
+    ceilings=None,
+    peers: Peers | None = None,
+    log=print,
+    impls=IMPLS,
+) -> list[dict]:
     """Time one step of every implementation for each config ``{name: (tensors, numel)}`` and dtype; returns the
     result rows, each printed through ``log`` as it is measured."""
     rows, table = [], TablePrinter(log)
@@ -105,10 +114,23 @@ def run(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=None,
                 opt = None  # free this implementation's state before the next one allocates its own
             master = dtype != torch.float32
             value, name = ceil.for_unit(ceilings, "GB/s", dtype_name)
-            row = result_row("adamw", FAMILY, dtype=dtype_name, shape=cname, pass_="step", size=n * numel,
-                             size_label="parameters", unit="GB/s", work=bytes_moved(n, numel, dtype, master),
-                             times=times, ceiling=value, ceiling_name=name, tensors=n, numel=numel,
-                             master_weights=master)
+            row = result_row(
+                "adamw",
+                FAMILY,
+                dtype=dtype_name,
+                shape=cname,
+                pass_="step",
+                size=n * numel,
+                size_label="parameters",
+                unit="GB/s",
+                work=bytes_moved(n, numel, dtype, master),
+                times=times,
+                ceiling=value,
+                ceiling_name=name,
+                tensors=n,
+                numel=numel,
+                master_weights=master,
+            )
             rows.append(row)
             table(row)
     return rows
@@ -148,14 +170,26 @@ def run_offload(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilin
             whole = median_seconds(opt.step, min_run_time)
             opt = None
             for impl in ("torch_fused", "torch_foreach"):
-                times[impl] = median_seconds(make_optimizer(impl, n, numel, torch.float32, device).step,
-                                             min_run_time)
+                times[impl] = median_seconds(make_optimizer(impl, n, numel, torch.float32, device).step, min_run_time)
             per = 1e9 / (n * numel)
             value, name = ceil.for_unit(ceilings, "GB/s", "float32")
-            row = result_row("adamw_offload", FAMILY, dtype=dtype_name, shape=cname, pass_="step", size=n * numel,
-                             size_label="parameters", unit="GB/s", work=bytes_moved(n, numel, torch.float32, False),
-                             times=times, ceiling=value, ceiling_name=name, tensors=n, numel=numel,
-                             extra_columns={"ns/param": times["megakernels"] * per, "step ns/param": whole * per})
+            row = result_row(
+                "adamw_offload",
+                FAMILY,
+                dtype=dtype_name,
+                shape=cname,
+                pass_="step",
+                size=n * numel,
+                size_label="parameters",
+                unit="GB/s",
+                work=bytes_moved(n, numel, torch.float32, False),
+                times=times,
+                ceiling=value,
+                ceiling_name=name,
+                tensors=n,
+                numel=numel,
+                extra_columns={"ns/param": times["megakernels"] * per, "step ns/param": whole * per},
+            )
             rows.append(row)
             table(row)
     return rows

@@ -14,7 +14,6 @@ same run. On the CPU this compares the blocked CPU path with SDPA's CPU kernel. 
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -75,20 +74,23 @@ def steps(q, k, v, do, causal, backward, peers: dict | None = None):
             out = fn(q, k, v, causal)
             if backward:
                 torch.autograd.backward(out, do, inputs=[q, k, v])
+
         return run
 
     def no_grad(fn):
         def run():
             with torch.no_grad():
                 fn()
+
         return run
 
     out = {"flash": ours, "sdpa": sdpa, **{name: peer(fn) for name, fn in (peers or {}).items()}}
     return out if backward else {name: no_grad(fn) for name, fn in out.items()}
 
 
-def run(dtypes, head_dims, seqlens, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None,
-        log=print) -> list[dict]:
+def run(
+    dtypes, head_dims, seqlens, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None, log=print
+) -> list[dict]:
     """Measure every (dtype, head dim, seqlen, causal or not, fwd / fwd+bwd); returns the result rows, each printed
     through ``log`` as it is measured."""
     rows, table = [], TablePrinter(log)
@@ -115,13 +117,32 @@ def run(dtypes, head_dims, seqlens, *, device="cpu", min_run_time=0.3, ceilings=
                         fields = {}
                         if backward:  # the backward's own rate: 2.5x the forward's FLOPs over (fwd+bwd - fwd)
                             fb = flops(b, h, s, d, causal, False) * 2.5
-                            fields["bwd_TFLOPs"] = {k: fb / (t - fwd_times[k]) / 1e12 for k, t in times.items()
-                                                    if k in fwd_times and t > fwd_times[k]}
-                        row = result_row("flash_attention", FAMILY, dtype=dtype_name, shape=f"{b}x{h}x{s}x{d}",
-                                         pass_="fwd+bwd" if backward else "fwd", size=s, size_label="sequence length",
-                                         unit="TFLOP/s", work=f, times=times, ceiling=value, ceiling_name=cname,
-                                         variant=f"d{d} {'causal' if causal else 'full'}", batch=b, heads=h,
-                                         seqlen=s, head_dim=d, causal=causal, **fields)
+                            fields["bwd_TFLOPs"] = {
+                                k: fb / (t - fwd_times[k]) / 1e12
+                                for k, t in times.items()
+                                if k in fwd_times and t > fwd_times[k]
+                            }
+                        row = result_row(
+                            "flash_attention",
+                            FAMILY,
+                            dtype=dtype_name,
+                            shape=f"{b}x{h}x{s}x{d}",
+                            pass_="fwd+bwd" if backward else "fwd",
+                            size=s,
+                            size_label="sequence length",
+                            unit="TFLOP/s",
+                            work=f,
+                            times=times,
+                            ceiling=value,
+                            ceiling_name=cname,
+                            variant=f"d{d} {'causal' if causal else 'full'}",
+                            batch=b,
+                            heads=h,
+                            seqlen=s,
+                            head_dim=d,
+                            causal=causal,
+                            **fields,
+                        )
                         fwd_times = times
                         rows.append(row)
                         table(row)

@@ -22,7 +22,8 @@ from megakernels_models.bench.norms import Composition
 FAMILY = "bias_gelu"
 COMPOSITIONS = {
     "bias_gelu": Composition(
-        "bias_gelu", 1,
+        "bias_gelu",
+        1,
         lambda x, b: bias_gelu(x, b, "tanh"),
         lambda x, b: F.gelu(x + b, approximate="tanh"),
     ),

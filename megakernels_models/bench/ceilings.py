@@ -45,7 +45,7 @@ def gemm_tflops(device: str = "cpu", dtype: str = "float32", n: int | None = Non
     b = torch.randn(n, n, generator=g, device=device).to(DTYPES[dtype])
     out = torch.empty(n, n, device=device, dtype=DTYPES[dtype])
     seconds = median_seconds(lambda: torch.mm(a, b, out=out), min_run_time)
-    return 2.0 * n ** 3 / seconds / 1e12
+    return 2.0 * n**3 / seconds / 1e12
 
 
 def measure(device: str = "cpu", dtypes=("float32",), quick: bool = False, log=print) -> dict:
@@ -57,10 +57,17 @@ def measure(device: str = "cpu", dtypes=("float32",), quick: bool = False, log=p
     numel = (1 << 24) if quick else (1 << 28 if device == "cuda" else 1 << 26)
     n = 512 if quick else (8192 if device == "cuda" else 2048)
     t = 0.1 if quick else 0.5
-    out = {"device": device, "copy_GBps": copy_bandwidth(device, numel, t), "copy_bytes": numel * 4,
-           "gemm_TFLOPs": {d: gemm_tflops(device, d, n, t) for d in dtypes}, "gemm_n": n}
-    log(f"# ceilings on {device}: copy {out['copy_GBps']:.1f} GB/s ({numel * 4 >> 20} MiB tensors); GEMM n={n}: "
-        + ", ".join(f"{d} {v:.3g} TFLOP/s" for d, v in out["gemm_TFLOPs"].items()))
+    out = {
+        "device": device,
+        "copy_GBps": copy_bandwidth(device, numel, t),
+        "copy_bytes": numel * 4,
+        "gemm_TFLOPs": {d: gemm_tflops(device, d, n, t) for d in dtypes},
+        "gemm_n": n,
+    }
+    log(
+        f"# ceilings on {device}: copy {out['copy_GBps']:.1f} GB/s ({numel * 4 >> 20} MiB tensors); GEMM n={n}: "
+        + ", ".join(f"{d} {v:.3g} TFLOP/s" for d, v in out["gemm_TFLOPs"].items())
+    )
     return out
 
 

@@ -35,48 +35,108 @@ import sys
 
 # op -> family module (kept here, not imported from the modules: building the parser must not import torch)
 OPS = {
-    "layer_norm": "norms", "layer_norm_gelu": "norms", "rms_norm": "norms", "bias_gelu": "bias_gelu",
-    "scaled_softmax": "softmax", "scaled_masked_softmax": "softmax", "scaled_causal_softmax": "softmax",
-    "adamw": "adamw", "adamw_offload": "adamw", "cross_entropy": "cross_entropy", "flash_attention": "attention",
-    "rope": "rope", "swiglu": "swiglu", "grouped_gemm": "moe", "moe_dispatch": "moe", "hf_train": "hf",
+    "layer_norm": "norms",
+    "layer_norm_gelu": "norms",
+    "rms_norm": "norms",
+    "bias_gelu": "bias_gelu",
+    "scaled_softmax": "softmax",
+    "scaled_masked_softmax": "softmax",
+    "scaled_causal_softmax": "softmax",
+    "adamw": "adamw",
+    "adamw_offload": "adamw",
+    "cross_entropy": "cross_entropy",
+    "flash_attention": "attention",
+    "rope": "rope",
+    "swiglu": "swiglu",
+    "grouped_gemm": "moe",
+    "moe_dispatch": "moe",
+    "hf_train": "hf",
 }
-GROUPS = {"norms": [o for o, f in OPS.items() if f == "norms"],
-          "softmax": [o for o, f in OPS.items() if f == "softmax"], "attention": ["flash_attention"],
-          "llama": ["rope", "swiglu"], "moe": ["grouped_gemm", "moe_dispatch"], "hf": ["hf_train"],
-          "all": list(OPS)}
+GROUPS = {
+    "norms": [o for o, f in OPS.items() if f == "norms"],
+    "softmax": [o for o, f in OPS.items() if f == "softmax"],
+    "attention": ["flash_attention"],
+    "llama": ["rope", "swiglu"],
+    "moe": ["grouped_gemm", "moe_dispatch"],
+    "hf": ["hf_train"],
+    "all": list(OPS),
+}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # --shapes: the families whose shapes have that many sizes
-SHAPE_DIMS = {"norms": "rows,hidden", "bias_gelu": "rows,hidden", "cross_entropy": "tokens,vocab",
-              "softmax": "b,h,sq,sk", "rope": "b,s,heads,kv_heads,head_dim", "swiglu": "rows,ffn"}
+SHAPE_DIMS = {
+    "norms": "rows,hidden",
+    "bias_gelu": "rows,hidden",
+    "cross_entropy": "tokens,vocab",
+    "softmax": "b,h,sq,sk",
+    "rope": "b,s,heads,kv_heads,head_dim",
+    "swiglu": "rows,ffn",
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``megakernels bench`` on the ``megakernels`` subparsers (``set_defaults(_run=main)``)."""
-    p = sub.add_parser("bench", help="kernel microbenchmarks and end-to-end training throughput",
-                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default=None, help=f"comma list of ops or groups ({', '.join(GROUPS)}): "
-                   f"{', '.join(OPS)} (default: all, or none with --e2e)")
-    p.add_argument("--dtype", default=None, help="comma list of float32, bfloat16, float16 (or fp32, bf16, fp16; "
-                   "default: each op's usual set)")
+    p = sub.add_parser(
+        "bench",
+        help="kernel microbenchmarks and end-to-end training throughput",
+        description=__doc__.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--ops",
+        default=None,
+        help=f"comma list of ops or groups ({', '.join(GROUPS)}): {', '.join(OPS)} (default: all, or none with --e2e)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="comma list of float32, bfloat16, float16 (or fp32, bf16, fp16; default: each op's usual set)",
+    )
     p.add_argument("--quick", action="store_true", help="small shapes, short timing (a smoke run)")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/bench.json and DIR/<op>.png")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--no-peers", action="store_true", help="skip apex / flash-attn / Liger-Kernel even if installed")
-    p.add_argument("--min-run-time", type=float, default=None, metavar="S",
-                   help="seconds of calibrated repeats per measurement (default 0.5; 0.05 with --quick)")
-    p.add_argument("--e2e", default=None, metavar="PRESET", help="end-to-end training throughput of PRESET "
-                   "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)")
-    p.add_argument("--shapes", default=None, metavar="A,B[,C,D];...", help="shapes instead of the defaults: "
-                   "rows,hidden (norms, bias_gelu), rows,ffn (swiglu), tokens,vocab (cross_entropy), "
-                   "b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope)")
+    p.add_argument(
+        "--min-run-time",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds of calibrated repeats per measurement (default 0.5; 0.05 with --quick)",
+    )
+    p.add_argument(
+        "--e2e",
+        default=None,
+        metavar="PRESET",
+        help="end-to-end training throughput of PRESET "
+        "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)",
+    )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        metavar="A,B[,C,D];...",
+        help="shapes instead of the defaults: "
+        "rows,hidden (norms, bias_gelu), rows,ffn (swiglu), tokens,vocab (cross_entropy), "
+        "b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope)",
+    )
     p.add_argument("--head-dims", default=None, metavar="D,...", help="flash_attention head dims (default 64,128)")
-    p.add_argument("--seqlens", default=None, metavar="S,...", help="flash_attention sequence lengths (default: "
-                   "512..16k on cuda, 512..4k on cpu)")
-    p.add_argument("--static", action="store_true", help="the static cost report of the GPU kernels (compiles for "
-                   "sm_90, needs no GPU; writes DIR/static.json with --out)")
-    p.add_argument("--plan-check", action="store_true", help="does megakernels plan order four layouts as this "
-                   "machine runs them? (4 local processes; writes DIR/plan_check.json with --out)")
+    p.add_argument(
+        "--seqlens",
+        default=None,
+        metavar="S,...",
+        help="flash_attention sequence lengths (default: 512..16k on cuda, 512..4k on cpu)",
+    )
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="the static cost report of the GPU kernels (compiles for "
+        "sm_90, needs no GPU; writes DIR/static.json with --out)",
+    )
+    p.add_argument(
+        "--plan-check",
+        action="store_true",
+        help="does megakernels plan order four layouts as this "
+        "machine runs them? (4 local processes; writes DIR/plan_check.json with --out)",
+    )
     from megakernels_models.bench import e2e
 
     e2e.add_arguments(p)
@@ -186,32 +246,78 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
         shapes = shape_map.get(fam) or (mod.default_shapes(device, quick) if fam in SHAPE_DIMS else None)
         if fam == "attention":
             ds = dtypes or list(mod.default_dtypes(device))
-            head_dims, seqlens = ([64], [128]) if quick else ([64, 128], mod.GPU_SEQLENS if device == "cuda"
-                                                              else mod.CPU_SEQLENS)
+            head_dims, seqlens = (
+                ([64], [128]) if quick else ([64, 128], mod.GPU_SEQLENS if device == "cuda" else mod.CPU_SEQLENS)
+            )
             head_dims = getattr(ns, "head_dim_list", None) or head_dims
             seqlens = getattr(ns, "seqlen_list", None) or seqlens
-            rows += mod.run(ds, head_dims, seqlens, device=device, min_run_time=t, ceilings=ceilings, peers=peers,
-                            log=log)
+            rows += mod.run(
+                ds, head_dims, seqlens, device=device, min_run_time=t, ceilings=ceilings, peers=peers, log=log
+            )
         elif fam == "adamw":
             if "adamw" in mine:
-                rows += mod.run(mod.default_configs(quick), dtypes or mod.DEFAULT_DTYPES, device=device,
-                                min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, peers=peers, log=log)
+                rows += mod.run(
+                    mod.default_configs(quick),
+                    dtypes or mod.DEFAULT_DTYPES,
+                    device=device,
+                    min_run_time=max(t, 0.05 if quick else 1.0),
+                    ceilings=ceilings,
+                    peers=peers,
+                    log=log,
+                )
             if "adamw_offload" in mine:
-                rows += mod.run_offload(mod.OFFLOAD_QUICK_CONFIGS if quick else mod.OFFLOAD_CONFIGS,
-                                        dtypes or mod.OFFLOAD_DTYPES, device=device,
-                                        min_run_time=max(t, 0.05 if quick else 1.0), ceilings=ceilings, log=log)
+                rows += mod.run_offload(
+                    mod.OFFLOAD_QUICK_CONFIGS if quick else mod.OFFLOAD_CONFIGS,
+                    dtypes or mod.OFFLOAD_DTYPES,
+                    device=device,
+                    min_run_time=max(t, 0.05 if quick else 1.0),
+                    ceilings=ceilings,
+                    log=log,
+                )
         elif fam == "moe":
-            rows += mod.run(mine, dtypes, mod.default_shapes(device, quick), device=device, quick=quick,
-                            min_run_time=t, ceilings=ceilings, notes=peers.notes, log=log)
+            rows += mod.run(
+                mine,
+                dtypes,
+                mod.default_shapes(device, quick),
+                device=device,
+                quick=quick,
+                min_run_time=t,
+                ceilings=ceilings,
+                notes=peers.notes,
+                log=log,
+            )
         elif fam == "hf":
-            rows += mod.run(dtypes or mod.DEFAULT_DTYPES, quick=quick, device=device, min_run_time=t,
-                            ceilings=ceilings, notes=peers.notes, log=log)
+            rows += mod.run(
+                dtypes or mod.DEFAULT_DTYPES,
+                quick=quick,
+                device=device,
+                min_run_time=t,
+                ceilings=ceilings,
+                notes=peers.notes,
+                log=log,
+            )
         elif fam == "cross_entropy":
-            rows += mod.run(dtypes or mod.DEFAULT_DTYPES, shapes, device=device, min_run_time=t, ceilings=ceilings,
-                            peers=peers, log=log)
+            rows += mod.run(
+                dtypes or mod.DEFAULT_DTYPES,
+                shapes,
+                device=device,
+                min_run_time=t,
+                ceilings=ceilings,
+                peers=peers,
+                log=log,
+            )
         else:  # norms, bias_gelu, softmax, rope, swiglu: fused vs eager vs torch.compile
-            rows += mod.run(mine, dtypes or mod.DEFAULT_DTYPES, shapes, device=device, with_compile=not ns.no_compile,
-                            min_run_time=t, ceilings=ceilings, peers=peers, log=log)
+            rows += mod.run(
+                mine,
+                dtypes or mod.DEFAULT_DTYPES,
+                shapes,
+                device=device,
+                with_compile=not ns.no_compile,
+                min_run_time=t,
+                ceilings=ceilings,
+                peers=peers,
+                log=log,
+            )
     return rows
 
 
@@ -270,8 +376,10 @@ def main(ns: argparse.Namespace) -> int:
 
         print(f"wrote {path}")
         if rows and not plot.available():
-            print("note: matplotlib is not installed, so no plots were drawn; pip install 'megakernels[bench]' "
-                  "(or matplotlib) for DIR/<op>.png")
+            print(
+                "note: matplotlib is not installed, so no plots were drawn; pip install 'megakernels[bench]' "
+                "(or matplotlib) for DIR/<op>.png"
+            )
             return 0
         for png in plot.write_plots(rows, ns.out):
             print(f"wrote {png}")
@@ -306,6 +414,7 @@ def run_static(ops: list[str], out: str | None) -> int:
     if path:
         print(f"wrote {path}")
     if failed:
-        print(f"megakernels bench --static: {len(failed)} of {len(rows)} kernels could not be analysed",
-              file=sys.stderr)
+        print(
+            f"megakernels bench --static: {len(failed)} of {len(rows)} kernels could not be analysed", file=sys.stderr
+        )
     return 1 if failed else 0

@@ -44,8 +44,11 @@ def median_seconds(fn: Callable[[], None], min_run_time: float) -> float:
     """Median seconds per call of ``fn`` over calibrated blocks of calls (CUDA work is synchronised)."""
     fn()  # warm-up (and compile, for torch.compile variants)
     tb = _torch_benchmark()
-    return tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
-        min_run_time=min_run_time).median
+    return (
+        tb.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+        .blocked_autorange(min_run_time=min_run_time)
+        .median
+    )
 
 
 def time_impls(steps: dict[str, Callable[[], None]], min_run_time: float) -> dict[str, float]:
@@ -86,8 +89,13 @@ def timed_over_ranks(fns: dict[str, Callable[[], None]], reps: int) -> dict[str,
 def git_commit() -> str:
     """The short commit of the checkout this package runs from ("" when installed outside a git checkout)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
@@ -101,8 +109,15 @@ def machine(device: str = "cpu") -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": git_commit(),
-            "date": time.strftime("%Y-%m-%d"), "device": device, "python": platform.python_version()}
+    info = {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device,
+        "python": platform.python_version(),
+    }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -114,6 +129,7 @@ def machine_line(info: dict) -> str:
 
 
 # ---- arguments -------------------------------------------------------------------------------------------------
+
 
 def split_list(flag: str, value: str, choices, aliases: dict | None = None) -> list[str]:
     """A comma list from ``flag``, aliases resolved, duplicates dropped.
@@ -168,20 +184,47 @@ def start(parser, device: str) -> dict:
 
 # ---- rows and tables -------------------------------------------------------------------------------------------
 
-def result_row(op: str, family: str, *, dtype: str, shape: str, pass_: str, size: float, size_label: str,
-               unit: str, work: float, times: dict[str, float], ceiling: float | None, ceiling_name: str,
-               variant: str = "", **extra) -> dict:
+
+def result_row(
+    op: str,
+    family: str,
+    *,
+    dtype: str,
+    shape: str,
+    pass_: str,
+    size: float,
+    size_label: str,
+    unit: str,
+    work: float,
+    times: dict[str, float],
+    ceiling: float | None,
+    ceiling_name: str,
+    variant: str = "",
+    **extra,
+) -> dict:
     """One result row (see the module docstring) from seconds per call of each implementation."""
     scale = 1e9 if unit == "GB/s" else 1e12
     ours = times[OURS]
     rate = work / ours / scale
-    return {"op": op, "family": family, "dtype": dtype, "shape": shape, "pass": pass_, "variant": variant,
-            "size": size, "size_label": size_label, "unit": unit, "work": work,
-            "times_ms": {k: v * 1e3 for k, v in times.items()},
-            "rates": {k: work / v / scale for k, v in times.items()},
-            "ceiling": ceiling, "ceiling_name": ceiling_name,
-            "fraction_of_ceiling": rate / ceiling if ceiling else None,
-            "speedups": {k: v / ours for k, v in times.items() if k != OURS}, **extra}
+    return {
+        "op": op,
+        "family": family,
+        "dtype": dtype,
+        "shape": shape,
+        "pass": pass_,
+        "variant": variant,
+        "size": size,
+        "size_label": size_label,
+        "unit": unit,
+        "work": work,
+        "times_ms": {k: v * 1e3 for k, v in times.items()},
+        "rates": {k: work / v / scale for k, v in times.items()},
+        "ceiling": ceiling,
+        "ceiling_name": ceiling_name,
+        "fraction_of_ceiling": rate / ceiling if ceiling else None,
+        "speedups": {k: v / ours for k, v in times.items() if k != OURS},
+        **extra,
+    }
 
 
 class TablePrinter:
@@ -199,22 +242,43 @@ class TablePrinter:
             self.variant = bool(row.get("variant"))
             ceil = f"{row['ceiling_name']}" if row.get("ceiling_name") else "no ceiling"
             self.log(f"\n## {row['op']} ({row['unit']}; % of the measured {ceil})")
-            self.log(self._line("dtype", "shape", "pass", "variant", "ms", row["unit"], "% ceil",
-                                [f"vs {b}" for b in self.baselines], self.extras))
+            self.log(
+                self._line(
+                    "dtype",
+                    "shape",
+                    "pass",
+                    "variant",
+                    "ms",
+                    row["unit"],
+                    "% ceil",
+                    [f"vs {b}" for b in self.baselines],
+                    self.extras,
+                )
+            )
         pct = row.get("fraction_of_ceiling")
-        self.log(self._line(
-            row["dtype"], row["shape"], row["pass"], row.get("variant", ""),
-            f"{row['times_ms'][OURS]:.3f}", f"{row['rates'][OURS]:.3g}",
-            f"{100 * pct:.0f}%" if pct is not None else "-",
-            [f"{row['speedups'][b]:.2f}x" if b in row["speedups"] else "-" for b in self.baselines],
-            [_fmt(row.get("extra_columns", {}).get(e)) for e in self.extras]))
+        self.log(
+            self._line(
+                row["dtype"],
+                row["shape"],
+                row["pass"],
+                row.get("variant", ""),
+                f"{row['times_ms'][OURS]:.3f}",
+                f"{row['rates'][OURS]:.3g}",
+                f"{100 * pct:.0f}%" if pct is not None else "-",
+                [f"{row['speedups'][b]:.2f}x" if b in row["speedups"] else "-" for b in self.baselines],
+                [_fmt(row.get("extra_columns", {}).get(e)) for e in self.extras],
+            )
+        )
 
     def _line(self, dtype, shape, pass_, variant, ms, rate, pct, vs, extras) -> str:
         variant = f"{variant:<14}" if self.variant else ""
         vs_w = [max(12, len(b) + 5) for b in self.baselines]  # "vs " + name + a space
         ex_w = [max(10, len(e) + 2) for e in self.extras]
-        return (f"{dtype:<10}{shape:<20}{pass_:<9}{variant}{ms:>10}{rate:>10}{pct:>8}"
-                + "".join(f"{v:>{w}}" for v, w in zip(vs, vs_w)) + "".join(f"{v:>{w}}" for v, w in zip(extras, ex_w)))
+        return (
+            f"{dtype:<10}{shape:<20}{pass_:<9}{variant}{ms:>10}{rate:>10}{pct:>8}"
+            + "".join(f"{v:>{w}}" for v, w in zip(vs, vs_w))
+            + "".join(f"{v:>{w}}" for v, w in zip(extras, ex_w))
+        )
 
 
 def _fmt(v) -> str:

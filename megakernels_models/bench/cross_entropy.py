@@ -61,6 +61,7 @@ def step(impl, x, t, fn=None):
     def run():
         fn(x, t).backward()
         x.grad = None
+
     return run
 
 
@@ -78,10 +79,12 @@ def peak_bytes(impl, x, t, fn=None) -> int | None:
         return None
     # CPU: in a fresh process, the peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs
     # exist) over the resident set at that point.
-    code = (f"from megakernels_models.bench.cross_entropy import make_inputs, step, _proc_kib; import torch; "
-            f"x, t = make_inputs({x.shape[0]}, {x.shape[1]}, {x.dtype}, 'cpu'); "
-            f"open('/proc/self/clear_refs', 'w').write('5'); base = _proc_kib('VmRSS'); "
-            f"step({impl!r}, x, t)(); print((_proc_kib('VmHWM') - base) * 1024)")
+    code = (
+        f"from megakernels_models.bench.cross_entropy import make_inputs, step, _proc_kib; import torch; "
+        f"x, t = make_inputs({x.shape[0]}, {x.shape[1]}, {x.dtype}, 'cpu'); "
+        f"open('/proc/self/clear_refs', 'w').write('5'); base = _proc_kib('VmRSS'); "
+        f"step({impl!r}, x, t)(); print((_proc_kib('VmHWM') - base) * 1024)"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return int(out.stdout.split()[-1])
@@ -91,8 +94,9 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else CPU_SHAPES)
 
 
-def run(dtypes, shapes, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None,
-        log=print) -> list[dict]:
+def run(
+    dtypes, shapes, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None, log=print
+) -> list[dict]:
     """Time and measure the peak memory of forward+backward for every (dtype, shape); returns the result rows,
     each printed through ``log`` as it is measured."""
     rows, table = [], TablePrinter(log)
@@ -114,10 +118,25 @@ def run(dtypes, shapes, *, device="cpu", min_run_time=0.3, ceilings=None, peers:
                     peers.failed(impl, f"cross_entropy {dtype_name} {n}x{v}", e)
             value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
             peak_mib = {k: (b / 2**20 if b is not None else None) for k, b in peaks.items()}
-            row = result_row("cross_entropy", FAMILY, dtype=dtype_name, shape=f"{n}x{v}", pass_="fwd+bwd", size=v,
-                             size_label="vocabulary", unit="GB/s", work=3 * n * v * x.element_size(), times=times,
-                             ceiling=value, ceiling_name=cname, tokens=n, vocab=v, peak_MiB=peak_mib,
-                             rows=n, extra_columns={f"{k} MiB": m for k, m in peak_mib.items()})
+            row = result_row(
+                "cross_entropy",
+                FAMILY,
+                dtype=dtype_name,
+                shape=f"{n}x{v}",
+                pass_="fwd+bwd",
+                size=v,
+                size_label="vocabulary",
+                unit="GB/s",
+                work=3 * n * v * x.element_size(),
+                times=times,
+                ceiling=value,
+                ceiling_name=cname,
+                tokens=n,
+                vocab=v,
+                peak_MiB=peak_mib,
+                rows=n,
+                extra_columns={f"{k} MiB": m for k, m in peak_mib.items()},
+            )
             rows.append(row)
             table(row)
     return rows

@@ -30,14 +30,28 @@ import os
 
 import torch
 
-from megakernels_models.bench.eager_gpt import CPU_PRESETS, DTYPES as BASELINE_PRECISIONS, compare_single
+from megakernels_models.bench.eager_gpt import CPU_PRESETS, compare_single
+from megakernels_models.bench.eager_gpt import DTYPES as BASELINE_PRECISIONS
 
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 
 
 # The trainer flags of --e2e: TrainArgs' own (help, choices and checks declared once, in arguments.py).
-LAYOUT_FLAGS = ("precision", "tp", "pp", "vpp", "dp", "nproc", "micro_batch_size", "global_batch_size",
-                "sequence_parallel", "distributed_optimizer", "recompute", "schedule", "attention")
+LAYOUT_FLAGS = (
+    "precision",
+    "tp",
+    "pp",
+    "vpp",
+    "dp",
+    "nproc",
+    "micro_batch_size",
+    "global_batch_size",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "recompute",
+    "schedule",
+    "attention",
+)
 # Defaults that differ from TrainArgs' (None: decided per model and device in prepare / trainer_args).
 E2E_DEFAULTS = {"precision": None, "nproc": None, "micro_batch_size": None, "global_batch_size": None}
 E2E_GROUP = "end-to-end (with --e2e)"
@@ -48,9 +62,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from megakernels_models.arguments import TrainArgs
     from megakernels_models.settings import add_settings
 
-    add_settings(p, TrainArgs, names=LAYOUT_FLAGS, group=E2E_GROUP, defaults={
-        "precision": "bf16 on CUDA, fp32 on the CPU", "nproc": "tp·pp·dp", "micro_batch_size": "the preset's",
-        "global_batch_size": "micro × dp, × 2·pp with pipelining"})
+    add_settings(
+        p,
+        TrainArgs,
+        names=LAYOUT_FLAGS,
+        group=E2E_GROUP,
+        defaults={
+            "precision": "bf16 on CUDA, fp32 on the CPU",
+            "nproc": "tp·pp·dp",
+            "micro_batch_size": "the preset's",
+            "global_batch_size": "micro × dp, × 2·pp with pipelining",
+        },
+    )
     g = next(a for a in p._action_groups if a.title == E2E_GROUP)
     g.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
     g.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
@@ -89,8 +112,9 @@ def model_config(name: str, device: str):
     from megakernels_models.config import PRESETS, ModelConfig, preset
 
     if name == QUICK:
-        return preset("gpt-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0,
-                      attention_dropout=0.0), 2
+        return preset(
+            "gpt-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0, attention_dropout=0.0
+        ), 2
     if name in CPU_PRESETS:
         cfg, mbs = CPU_PRESETS[name]
         return ModelConfig(**cfg), mbs
@@ -111,15 +135,41 @@ def trainer_args(name: str, cfg, mbs: int, ns, peak: float | None):
     dp = ns.dp or (ns.nproc // (ns.tp * ns.pp) if ns.nproc else 1)
     nproc = ns.nproc or ns.tp * ns.pp * dp
     gbs = ns.global_batch_size or mbs * max(1, dp) * (1 if ns.pp == 1 else 2 * ns.pp)
-    sizes = {} if name in PRESETS else {k: getattr(cfg, k) for k in (
-        "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")}
-    args = TrainArgs(model="gpt", preset=name if name in PRESETS else None, **sizes, dropout=0.0,
-                     tp=ns.tp, pp=ns.pp, vpp=ns.vpp, dp=ns.dp, nproc=nproc, device=ns.device,
-                     sequence_parallel=ns.sequence_parallel, schedule=ns.schedule, attention=ns.attention,
-                     micro_batch_size=mbs, global_batch_size=gbs, steps=ns.warmup + ns.steps, warmup_steps=0,
-                     precision=ns.precision, recompute=ns.recompute, distributed_optimizer=ns.distributed_optimizer,
-                     corpus_bytes=4 << 20, eval_interval=0, progress=False, step_timers=True,
-                     peak_tflops=peak if peak and math.isfinite(peak) else None)
+    sizes = (
+        {}
+        if name in PRESETS
+        else {
+            k: getattr(cfg, k)
+            for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")
+        }
+    )
+    args = TrainArgs(
+        model="gpt",
+        preset=name if name in PRESETS else None,
+        **sizes,
+        dropout=0.0,
+        tp=ns.tp,
+        pp=ns.pp,
+        vpp=ns.vpp,
+        dp=ns.dp,
+        nproc=nproc,
+        device=ns.device,
+        sequence_parallel=ns.sequence_parallel,
+        schedule=ns.schedule,
+        attention=ns.attention,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        steps=ns.warmup + ns.steps,
+        warmup_steps=0,
+        precision=ns.precision,
+        recompute=ns.recompute,
+        distributed_optimizer=ns.distributed_optimizer,
+        corpus_bytes=4 << 20,
+        eval_interval=0,
+        progress=False,
+        step_timers=True,
+        peak_tflops=peak if peak and math.isfinite(peak) else None,
+    )
     validate(args)
     return args
 
@@ -136,25 +186,43 @@ def measure_trainer(args, cfg, warmup: int) -> dict:
     tflops = cfg.flops_per_token("none") * tokens_step / step_s / world / 1e12
     device_peak = records[-1]["tflops_per_device"] / records[-1]["mfu"] if records[-1]["mfu"] else float("nan")
     fields = records[-1]["step_timers"]["fields"]
-    per_rank = [[sum(r["step_timers"]["per_rank"][k][i] for r in records) / len(records) for i in range(len(fields))]
-                for k in range(world)]
-    peak_mem = [max(r["step_timers"]["per_rank"][k][fields.index("peak_memory_bytes")] for r in records)
-                for k in range(world)]
+    per_rank = [
+        [sum(r["step_timers"]["per_rank"][k][i] for r in records) / len(records) for i in range(len(fields))]
+        for k in range(world)
+    ]
+    peak_mem = [
+        max(r["step_timers"]["per_rank"][k][fields.index("peak_memory_bytes")] for r in records) for k in range(world)
+    ]
     phases = [f for f in fields if f not in ("total", "peak_memory_bytes")]
     split = {f: sum(rank[fields.index(f)] for rank in per_rank) / world for f in phases}
     m = args.num_microbatches()
     name = "interleaved" if (args.vpp or 1) > 1 else args.schedule
-    return {"layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": args.data_parallel_size(),
-                       "nproc": world, "micro_batch_size": args.micro_batch_size,
-                       "global_batch_size": args.global_batch_size, "microbatches": m,
-                       "sequence_parallel": args.sequence_parallel,
-                       "distributed_optimizer": args.distributed_optimizer, "recompute": args.recompute},
-            "steps": len(records), "step_s": step_s, "tokens_per_s": tokens_step / step_s,
-            "tflops_per_device": tflops, "mfu": tflops / device_peak, "device_peak_tflops": device_peak,
-            "peak_memory_bytes_per_rank": peak_mem, "time_split_s": split,
-            "time_split_per_rank_s": [dict(zip(fields, rank)) for rank in per_rank],
-            "schedule_bubble_fraction": bubble_fraction(name, args.pp, m, args.vpp or 1) if args.pp > 1 else 0.0,
-            "losses": [r["loss"] for r in records]}
+    return {
+        "layout": {
+            "tp": args.tp,
+            "pp": args.pp,
+            "vpp": args.vpp,
+            "dp": args.data_parallel_size(),
+            "nproc": world,
+            "micro_batch_size": args.micro_batch_size,
+            "global_batch_size": args.global_batch_size,
+            "microbatches": m,
+            "sequence_parallel": args.sequence_parallel,
+            "distributed_optimizer": args.distributed_optimizer,
+            "recompute": args.recompute,
+        },
+        "steps": len(records),
+        "step_s": step_s,
+        "tokens_per_s": tokens_step / step_s,
+        "tflops_per_device": tflops,
+        "mfu": tflops / device_peak,
+        "device_peak_tflops": device_peak,
+        "peak_memory_bytes_per_rank": peak_mem,
+        "time_split_s": split,
+        "time_split_per_rank_s": [dict(zip(fields, rank)) for rank in per_rank],
+        "schedule_bubble_fraction": bubble_fraction(name, args.pp, m, args.vpp or 1) if args.pp > 1 else 0.0,
+        "losses": [r["loss"] for r in records],
+    }
 
 
 def prepare(ns) -> list[tuple]:
@@ -204,9 +272,15 @@ def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
     log(f"# {ns.precision} on {ns.device}; MFU against {peak:.3g} TFLOP/s ({source})")
     out = []
     for name, cfg, mbs, targs in plan:
-        entry = {"name": name, "precision": ns.precision, "device": ns.device, "micro_batch_size": mbs,
-                 "shape": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length",
-                                                        "vocab_size")}}
+        entry = {
+            "name": name,
+            "precision": ns.precision,
+            "device": ns.device,
+            "micro_batch_size": mbs,
+            "shape": {
+                k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
+            },
+        }
         if targs is not None:
             targs = trainer_args(name, cfg, mbs, ns, rank_peak(peak, targs.nproc, ns))
             entry["trainer"] = measure_trainer(targs, cfg, ns.warmup)
@@ -230,43 +304,63 @@ def _gib(b) -> str:
 def report_lines(e: dict) -> list[str]:
     """The printed report of one ``run`` entry: a row per implementation, then the trainer's time split."""
     s = e["shape"]
-    lines = [f"\n## e2e {e['name']}: l{s['num_layers']} h{s['hidden_size']} a{s['num_heads']} s{s['seq_length']} "
-             f"V{s['vocab_size']}, {e['precision']} on {e['device']}",
-             f"{'run':<22}{'layout':<26}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s/dev':>13}{'MFU':>8}"
-             f"{'peak mem/dev':>14}{'vs eager/dev':>14}"]
+    lines = [
+        f"\n## e2e {e['name']}: l{s['num_layers']} h{s['hidden_size']} a{s['num_heads']} s{s['seq_length']} "
+        f"V{s['vocab_size']}, {e['precision']} on {e['device']}",
+        f"{'run':<22}{'layout':<26}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s/dev':>13}{'MFU':>8}"
+        f"{'peak mem/dev':>14}{'vs eager/dev':>14}",
+    ]
     base = e.get("baseline")
     eager_tps = base["eager"]["tokens_per_s"] if base else None
 
     def line(label, layout, step_s, tps, tflops, mfu, mem, world=1):
         vs = f"{tps / world / eager_tps:.2f}x" if eager_tps else "-"
-        lines.append(f"{label:<22}{layout:<26}{step_s * 1e3:>10.1f}{tps:>11.0f}{tflops:>13.3g}{mfu:>8.1%}"
-                     f"{mem:>14}{vs:>14}")
+        lines.append(
+            f"{label:<22}{layout:<26}{step_s * 1e3:>10.1f}{tps:>11.0f}{tflops:>13.3g}{mfu:>8.1%}{mem:>14}{vs:>14}"
+        )
 
     if base:
         for impl, label in (("eager", "eager GPT (PyTorch)"), ("megakernels", "megakernels GPTModel")):
             r = base[impl]
-            line(label, f"1 device, b{e['micro_batch_size']}", r["step_s"], r["tokens_per_s"], r["tflops"], r["mfu"],
-                 "-")
+            line(
+                label, f"1 device, b{e['micro_batch_size']}", r["step_s"], r["tokens_per_s"], r["tflops"], r["mfu"], "-"
+            )
     t = e.get("trainer")
     if t:
         lay = t["layout"]
-        desc = (f"tp{lay['tp']} pp{lay['pp']}{'v' + str(lay['vpp']) if lay['vpp'] else ''} dp{lay['dp']}, "
-                f"b{lay['micro_batch_size']}x{lay['microbatches']}")
-        line("megakernels train", desc, t["step_s"], t["tokens_per_s"], t["tflops_per_device"], t["mfu"],
-             _gib(max(t["peak_memory_bytes_per_rank"])), lay["nproc"])
+        desc = (
+            f"tp{lay['tp']} pp{lay['pp']}{'v' + str(lay['vpp']) if lay['vpp'] else ''} dp{lay['dp']}, "
+            f"b{lay['micro_batch_size']}x{lay['microbatches']}"
+        )
+        line(
+            "megakernels train",
+            desc,
+            t["step_s"],
+            t["tokens_per_s"],
+            t["tflops_per_device"],
+            t["mfu"],
+            _gib(max(t["peak_memory_bytes_per_rank"])),
+            lay["nproc"],
+        )
         total = sum(t["time_split_s"].values()) or float("nan")
         parts = " | ".join(f"{k} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in t["time_split_s"].items())
-        lines.append(f"  trainer step split (mean over {lay['nproc']} rank(s)): {parts}; schedule's ideal bubble "
-                     f"fraction {t['schedule_bubble_fraction']:.3f}")
+        lines.append(
+            f"  trainer step split (mean over {lay['nproc']} rank(s)): {parts}; schedule's ideal bubble "
+            f"fraction {t['schedule_bubble_fraction']:.3f}"
+        )
         if e["device"] == "cpu" and lay["nproc"] > 1:
-            lines.append(f"  the {lay['nproc']} ranks share this CPU: MFU per rank against its share of the cores, "
-                         f"{t['device_peak_tflops']:.3g} TFLOP/s")
+            lines.append(
+                f"  the {lay['nproc']} ranks share this CPU: MFU per rank against its share of the cores, "
+                f"{t['device_peak_tflops']:.3g} TFLOP/s"
+            )
         if lay["nproc"] > 1:
             lines.append("  peak memory per rank: " + ", ".join(_gib(b) for b in t["peak_memory_bytes_per_rank"]))
     if base and base["megakernels"].get("step_memory_bytes") is not None:
-        lines.append(f"  one-device step memory beyond weights and optimizer state: eager "
-                     f"{_gib(base['eager']['step_memory_bytes'])}, megakernels "
-                     f"{_gib(base['megakernels']['step_memory_bytes'])}")
+        lines.append(
+            f"  one-device step memory beyond weights and optimizer state: eager "
+            f"{_gib(base['eager']['step_memory_bytes'])}, megakernels "
+            f"{_gib(base['megakernels']['step_memory_bytes'])}"
+        )
     if e.get("baseline_note"):
         lines.append(f"  note: {e['baseline_note']}")
     return lines

@@ -34,10 +34,19 @@ class EagerGPT(nn.Module):
         h, self.n = cfg.hidden_size, cfg.num_heads
         self.wte = nn.Embedding(cfg.vocab_size, h)
         self.wpe = nn.Embedding(cfg.seq_length, h)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
-            ln1=nn.LayerNorm(h), qkv=nn.Linear(h, 3 * h), proj=nn.Linear(h, h), ln2=nn.LayerNorm(h),
-            fc1=nn.Linear(h, cfg.ffn_hidden_size), fc2=nn.Linear(cfg.ffn_hidden_size, h)))
-            for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    ln1=nn.LayerNorm(h),
+                    qkv=nn.Linear(h, 3 * h),
+                    proj=nn.Linear(h, h),
+                    ln2=nn.LayerNorm(h),
+                    fc1=nn.Linear(h, cfg.ffn_hidden_size),
+                    fc2=nn.Linear(cfg.ffn_hidden_size, h),
+                )
+            )
+            for _ in range(cfg.num_layers)
+        )
         self.ln_f = nn.LayerNorm(h)
 
     def forward(self, ids, labels):
@@ -64,14 +73,18 @@ def copy_weights(eager: EagerGPT, fused) -> None:
         eager.wpe.weight.copy_(p["embedding.position.weight"])
         eager.ln_f.weight.copy_(p["final_norm.weight"])
         eager.ln_f.bias.copy_(p["final_norm.bias"])
-        names = {"ln1": "input_norm", "qkv": "attention.qkv", "proj": "attention.proj", "ln2": "post_attention_norm",
-                 "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+        names = {
+            "ln1": "input_norm",
+            "qkv": "attention.qkv",
+            "proj": "attention.proj",
+            "ln2": "post_attention_norm",
+            "fc1": "mlp.fc1",
+            "fc2": "mlp.fc2",
+        }
         for i, blk in enumerate(eager.blocks):
             for ours, theirs in names.items():
                 blk[ours].weight.copy_(p[f"layers.{i}.{theirs}.weight"])
                 blk[ours].bias.copy_(p[f"layers.{i}.{theirs}.bias"])
-
-
 
 
 def time_steps(step, steps: int, device: torch.device) -> tuple[float, int | None]:
@@ -140,12 +153,22 @@ def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: i
 
         tokens = mbs * cfg.seq_length
         flops = cfg.flops_per_token("none") * tokens
-        row = {"precision": precision, "micro_batch_size": mbs, "device": device.type,
-               "shape": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length",
-                                                      "vocab_size")}}
+        row = {
+            "precision": precision,
+            "micro_batch_size": mbs,
+            "device": device.type,
+            "shape": {
+                k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
+            },
+        }
         for name, fn in (("eager", eager_step), ("megakernels", fused_step)):
             t, mem = time_steps(fn, steps, device)
-            row[name] = {"step_s": t, "tokens_per_s": tokens / t, "tflops": flops / t / 1e12,
-                         "mfu": flops / t / 1e12 / peak, "step_memory_bytes": mem}
+            row[name] = {
+                "step_s": t,
+                "tokens_per_s": tokens / t,
+                "tflops": flops / t / 1e12,
+                "mfu": flops / t / 1e12 / peak,
+                "step_memory_bytes": mem,
+            }
         row["speedup"] = row["eager"]["step_s"] / row["megakernels"]["step_s"]
         return row

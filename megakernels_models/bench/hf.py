@@ -27,10 +27,14 @@ FAMILY = "hf"
 BASELINE = "transformers"
 DEFAULT_DTYPES = ("float32",)
 # name -> (family, layers, hidden, heads, kv heads, MLP width, vocab, batch, sequence)
-MODELS = {"gpt2-small-2l": ("gpt2", 2, 768, 12, 12, 3072, 8192, 2, 256),
-          "llama-768-2l": ("llama", 2, 768, 12, 4, 2048, 8192, 2, 256)}
-QUICK_MODELS = {"gpt2-tiny": ("gpt2", 1, 64, 4, 4, 256, 512, 2, 32),
-                "llama-tiny": ("llama", 1, 64, 4, 2, 176, 512, 2, 32)}
+MODELS = {
+    "gpt2-small-2l": ("gpt2", 2, 768, 12, 12, 3072, 8192, 2, 256),
+    "llama-768-2l": ("llama", 2, 768, 12, 4, 2048, 8192, 2, 256),
+}
+QUICK_MODELS = {
+    "gpt2-tiny": ("gpt2", 1, 64, 4, 4, 256, 512, 2, 32),
+    "llama-tiny": ("llama", 1, 64, 4, 2, 176, 512, 2, 32),
+}
 PASSES = ("fwd+bwd", "step")
 
 
@@ -52,13 +56,32 @@ def build(spec, dtype=torch.float32, seed: int = 0):
     family, layers, hidden, heads, kv, ffn, vocab, _, seq = spec
     torch.manual_seed(seed)
     if family == "gpt2":
-        config = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=ffn, vocab_size=vocab,
-                               n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                               bos_token_id=0, eos_token_id=0)
+        config = tf.GPT2Config(
+            n_layer=layers,
+            n_embd=hidden,
+            n_head=heads,
+            n_inner=ffn,
+            vocab_size=vocab,
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return tf.GPT2LMHeadModel(config).to(dtype)
-    config = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                            num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab,
-                            max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    config = tf.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    )
     return tf.LlamaForCausalLM(config).to(dtype)
 
 
@@ -89,6 +112,7 @@ def step_fn(model, ids: torch.Tensor, optimizer=None):
         model.zero_grad(set_to_none=True)
         if ids.is_cuda:  # the steps are timed on the host
             torch.cuda.synchronize()
+
     return step
 
 
@@ -124,14 +148,28 @@ def run(dtypes, *, quick=False, device="cpu", min_run_time=0.5, ceilings=None, n
             ids = batch(spec).to(device)
             for pass_ in PASSES:
                 opt = pass_ == "step"
-                steps = {OURS: step_fn(patched, ids, optimizer_for(patched, True) if opt else None),
-                         BASELINE: step_fn(plain, ids, optimizer_for(plain, False) if opt else None)}
+                steps = {
+                    OURS: step_fn(patched, ids, optimizer_for(patched, True) if opt else None),
+                    BASELINE: step_fn(plain, ids, optimizer_for(plain, False) if opt else None),
+                }
                 times = timed_in_turns(steps, reps)
                 value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
                 tokens = ids.numel()
-                row = result_row("hf_train", FAMILY, dtype=dtype_name, shape=f"{spec[7]}x{spec[8]}", pass_=pass_,
-                                 variant=name, size=tokens, size_label="tokens", unit="TFLOP/s",
-                                 work=model_flops(plain, tokens), times=times, ceiling=value, ceiling_name=cname)
+                row = result_row(
+                    "hf_train",
+                    FAMILY,
+                    dtype=dtype_name,
+                    shape=f"{spec[7]}x{spec[8]}",
+                    pass_=pass_,
+                    variant=name,
+                    size=tokens,
+                    size_label="tokens",
+                    unit="TFLOP/s",
+                    work=model_flops(plain, tokens),
+                    times=times,
+                    ceiling=value,
+                    ceiling_name=cname,
+                )
                 rows.append(row)
                 table(row)
     return rows

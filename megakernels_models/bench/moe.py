@@ -50,7 +50,7 @@ def make_inputs(shape, dtype, grad=False, device="cpu"):
     rows = int(sizes.sum())
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn((rows, k), generator=g, device=device).to(dtype).requires_grad_(grad)
-    w = (torch.randn((EXPERTS, n, k), generator=g, device=device) * k ** -0.5).to(dtype).requires_grad_(grad)
+    w = (torch.randn((EXPERTS, n, k), generator=g, device=device) * k**-0.5).to(dtype).requires_grad_(grad)
     dy = torch.randn((rows, n), generator=g, device=device).to(dtype)
     return x, w, sizes.to(device), dy
 
@@ -85,14 +85,17 @@ def available(impl: str, dtype: torch.dtype, device: str) -> str | None:
 def step_fn(fn, x, w, sizes, dy, backward: bool):
     """A zero-argument callable running ``fn(x, w, sizes)`` forward (and backward, grads dropped each call)."""
     if not backward:
+
         def fwd():
             with torch.no_grad():
                 fn(x, w, sizes)
+
         return fwd
 
     def fwd_bwd():
         torch.autograd.backward(fn(x, w, sizes), dy, inputs=[x, w])
         x.grad = w.grad = None
+
     return fwd_bwd
 
 
@@ -105,8 +108,9 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run_grouped_gemm(dtypes, shapes, *, device="cpu", min_run_time=0.5, ceilings=None, notes=None,
-                     log=print) -> list[dict]:
+def run_grouped_gemm(
+    dtypes, shapes, *, device="cpu", min_run_time=0.5, ceilings=None, notes=None, log=print
+) -> list[dict]:
     """Every (dtype, shape, fwd / fwd+bwd) of grouped_gemm against the baselines that run here."""
     rows, table = [], TablePrinter(log)
     for dtype_name in dtypes:
@@ -121,21 +125,36 @@ def run_grouped_gemm(dtypes, shapes, *, device="cpu", min_run_time=0.5, ceilings
         for shape in shapes:
             for backward in (False, True):
                 x, w, sizes, dy = make_inputs(shape, dtype, grad=backward, device=device)
-                times = {name: median_seconds(step_fn(fn, x, w, sizes, dy, backward), min_run_time)
-                         for name, fn in impls.items()}
+                times = {
+                    name: median_seconds(step_fn(fn, x, w, sizes, dy, backward), min_run_time)
+                    for name, fn in impls.items()
+                }
                 value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
                 tokens, k, n = shape
-                row = result_row("grouped_gemm", FAMILY, dtype=dtype_name, shape=f"{tokens}x{k}->{n}",
-                                 pass_="fwd+bwd" if backward else "fwd", size=tokens * TOP_K * n * k,
-                                 size_label="rows x n x k", unit="TFLOP/s", work=flops(shape, backward),
-                                 times=times, ceiling=value, ceiling_name=cname, experts=EXPERTS, top_k=TOP_K,
-                                 group_sizes=sizes.tolist())
+                row = result_row(
+                    "grouped_gemm",
+                    FAMILY,
+                    dtype=dtype_name,
+                    shape=f"{tokens}x{k}->{n}",
+                    pass_="fwd+bwd" if backward else "fwd",
+                    size=tokens * TOP_K * n * k,
+                    size_label="rows x n x k",
+                    unit="TFLOP/s",
+                    work=flops(shape, backward),
+                    times=times,
+                    ceiling=value,
+                    ceiling_name=cname,
+                    experts=EXPERTS,
+                    top_k=TOP_K,
+                    group_sizes=sizes.tolist(),
+                )
                 rows.append(row)
                 table(row)
     return rows
 
 
 # ---- the all-to-all of expert parallelism ------------------------------------------------------------------------
+
 
 def _dispatch_rank(rank: int, world: int, row_counts, hidden: int, reps: int) -> list[dict]:
     import torch.distributed as dist
@@ -175,26 +194,47 @@ def run_dispatch(worlds, row_counts, *, hidden=DISPATCH_HIDDEN, reps=20, log=pri
     rows, table = [], TablePrinter(log)
     for world in worlds:
         for m in run_world(world, _dispatch_rank, list(row_counts), hidden, reps, timeout=600)[0]:
-            row = result_row("moe_dispatch", FAMILY, dtype="float32", shape=f"{m['rows']}x{hidden}",
-                             pass_="fwd+bwd", variant=f"gloo x{world}", size=m["bytes"],
-                             size_label="bytes a rank sends", unit="GB/s", work=m["bytes"],
-                             times=m["times"], ceiling=None, ceiling_name="", world=world)
+            row = result_row(
+                "moe_dispatch",
+                FAMILY,
+                dtype="float32",
+                shape=f"{m['rows']}x{hidden}",
+                pass_="fwd+bwd",
+                variant=f"gloo x{world}",
+                size=m["bytes"],
+                size_label="bytes a rank sends",
+                unit="GB/s",
+                work=m["bytes"],
+                times=m["times"],
+                ceiling=None,
+                ceiling_name="",
+                world=world,
+            )
             rows.append(row)
             table(row)
     return rows
 
 
-def run(ops, dtypes, shapes, *, device="cpu", quick=False, min_run_time=0.5, ceilings=None, notes=None,
-        log=print) -> list[dict]:
+def run(
+    ops, dtypes, shapes, *, device="cpu", quick=False, min_run_time=0.5, ceilings=None, notes=None, log=print
+) -> list[dict]:
     """The rows of ``ops`` (``grouped_gemm``, ``moe_dispatch``); the dispatch runs on CPU ranks only."""
     rows = []
     if "grouped_gemm" in ops:
-        rows += run_grouped_gemm(dtypes or DEFAULT_DTYPES, shapes, device=device, min_run_time=min_run_time,
-                                 ceilings=ceilings, notes=notes, log=log)
+        rows += run_grouped_gemm(
+            dtypes or DEFAULT_DTYPES,
+            shapes,
+            device=device,
+            min_run_time=min_run_time,
+            ceilings=ceilings,
+            notes=notes,
+            log=log,
+        )
     if "moe_dispatch" in ops:
         if device == "cpu":
-            rows += run_dispatch(DISPATCH_WORLDS, QUICK_DISPATCH_ROWS if quick else DISPATCH_ROWS,
-                                 reps=5 if quick else 20, log=log)
+            rows += run_dispatch(
+                DISPATCH_WORLDS, QUICK_DISPATCH_ROWS if quick else DISPATCH_ROWS, reps=5 if quick else 20, log=log
+            )
         elif notes is not None:
             notes.append("moe_dispatch runs on gloo CPU ranks only (skipped with --device cuda)")
     return rows

@@ -46,17 +46,20 @@ class Composition:
 
 COMPOSITIONS = {
     "layer_norm_gelu": Composition(
-        "layer_norm_gelu", 2,
+        "layer_norm_gelu",
+        2,
         lambda x, w, b: layer_norm(x, w, b, 1e-5, "gelu"),
         lambda x, w, b: F.gelu(F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)),
     ),
     "layer_norm": Composition(
-        "layer_norm", 2,
+        "layer_norm",
+        2,
         lambda x, w, b: layer_norm(x, w, b, 1e-5),
         lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
     ),
     "rms_norm": Composition(
-        "rms_norm", 1,
+        "rms_norm",
+        1,
         lambda x, w: rms_norm(x, w, 1e-6),
         lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
     ),
@@ -80,9 +83,11 @@ def make_inputs(comp: Composition, shape, dtype, device="cpu", grad=False):
 def step_fn(fn: Callable, x, params, dy, backward: bool) -> Callable[[], None]:
     """A zero-argument callable running fn forward (and backward, grads dropped each call)."""
     if not backward:
+
         def fwd():
             with torch.no_grad():
                 fn(x, *params)
+
         return fwd
 
     leaves = [x, *params]
@@ -92,6 +97,7 @@ def step_fn(fn: Callable, x, params, dy, backward: bool) -> Callable[[], None]:
         torch.autograd.backward(out, dy, inputs=leaves)
         for t in leaves:
             t.grad = None
+
     return fwd_bwd
 
 
@@ -114,8 +120,20 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None,
-        peers: Peers | None = None, log=print, compositions=None, family=FAMILY) -> list[dict]:
+def run(
+    ops,
+    dtypes,
+    shapes,
+    *,
+    device="cpu",
+    with_compile=True,
+    min_run_time=0.3,
+    ceilings=None,
+    peers: Peers | None = None,
+    log=print,
+    compositions=None,
+    family=FAMILY,
+) -> list[dict]:
     """Measure every (op, dtype, shape, fwd / fwd+bwd) of ``compositions`` (default: the norms'); returns the result
     rows (``common.result_row``), each printed through ``log`` as it is measured."""
     rows, table = [], TablePrinter(log)
@@ -129,8 +147,10 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
             for shape in shapes:
                 for backward in (False, True):
                     x, params, dy = make_inputs(comp, shape, dtype, device=device, grad=backward)
-                    steps = {OURS: step_fn(comp.fused, x, params, dy, backward),
-                             "eager": step_fn(comp.eager, x, params, dy, backward)}
+                    steps = {
+                        OURS: step_fn(comp.fused, x, params, dy, backward),
+                        "eager": step_fn(comp.eager, x, params, dy, backward),
+                    }
                     times = {k: median_seconds(fn, min_run_time) for k, fn in steps.items()}
                     if with_compile:
                         torch._dynamo.reset()
@@ -143,11 +163,22 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
                         except Exception as e:  # a peer's failure is reported, not fatal
                             peers.failed(peer, what, e)
                     value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
-                    row = result_row(name, family, dtype=dtype_name, shape=f"{shape[0]}x{shape[1]}",
-                                     pass_="fwd+bwd" if backward else "fwd", size=shape[0] * shape[1],
-                                     size_label="elements (rows x hidden)", unit="GB/s",
-                                     work=bytes_moved(comp, shape, dtype, backward), times=times, ceiling=value,
-                                     ceiling_name=cname, rows=shape[0], hidden=shape[1])
+                    row = result_row(
+                        name,
+                        family,
+                        dtype=dtype_name,
+                        shape=f"{shape[0]}x{shape[1]}",
+                        pass_="fwd+bwd" if backward else "fwd",
+                        size=shape[0] * shape[1],
+                        size_label="elements (rows x hidden)",
+                        unit="GB/s",
+                        work=bytes_moved(comp, shape, dtype, backward),
+                        times=times,
+                        ceiling=value,
+                        ceiling_name=cname,
+                        rows=shape[0],
+                        hidden=shape[1],
+                    )
                     rows.append(row)
                     table(row)
     return rows

@@ -15,8 +15,7 @@ from collections.abc import Callable
 import torch
 
 # package -> (what it is, whether its kernels need CUDA)
-PACKAGES = {"apex": ("NVIDIA apex", True), "flash_attn": ("flash-attn", True),
-            "liger_kernel": ("Liger-Kernel", True)}
+PACKAGES = {"apex": ("NVIDIA apex", True), "flash_attn": ("flash-attn", True), "liger_kernel": ("Liger-Kernel", True)}
 
 
 class Peers:
@@ -62,10 +61,16 @@ class Peers:
 
     def norm(self, op: str) -> dict[str, Callable]:
         """Peers of ``layer_norm`` (x, w, b) and ``rms_norm`` (x, w): module classes applied with our parameters."""
-        specs = {"layer_norm": [("apex", "apex.normalization", "FusedLayerNorm", 1e-5),
-                                ("liger_kernel", "liger_kernel.transformers", "LigerLayerNorm", 1e-5)],
-                 "rms_norm": [("apex", "apex.normalization", "FusedRMSNorm", 1e-6),
-                              ("liger_kernel", "liger_kernel.transformers", "LigerRMSNorm", 1e-6)]}
+        specs = {
+            "layer_norm": [
+                ("apex", "apex.normalization", "FusedLayerNorm", 1e-5),
+                ("liger_kernel", "liger_kernel.transformers", "LigerLayerNorm", 1e-5),
+            ],
+            "rms_norm": [
+                ("apex", "apex.normalization", "FusedRMSNorm", 1e-6),
+                ("liger_kernel", "liger_kernel.transformers", "LigerRMSNorm", 1e-6),
+            ],
+        }
         out = {}
         for package, module, attr, eps in specs.get(op, []):
             cls = self._attr(package, module, attr)
@@ -78,8 +83,9 @@ class Peers:
         cls = self._attr("apex", "apex.optimizers", "FusedAdam")
         if cls is None:
             return {}
-        return {"apex": lambda params, lr, weight_decay: cls(params, lr=lr, weight_decay=weight_decay,
-                                                              adam_w_mode=True)}
+        return {
+            "apex": lambda params, lr, weight_decay: cls(params, lr=lr, weight_decay=weight_decay, adam_w_mode=True)
+        }
 
     def attention(self, dtype: torch.dtype) -> dict[str, Callable]:
         """Peers of FlashAttention: ``fn(q, k, v, causal)`` on ``[b, s, h, d]`` (flash-attn: fp16/bf16 only)."""
@@ -109,6 +115,7 @@ def _module_applier(cls, eps: float) -> Callable:
         key = (x.shape[-1], x.device, params[0].dtype)
         if key not in cache:
             cache[key] = cls(x.shape[-1], eps=eps).to(device=x.device, dtype=params[0].dtype)
-        names = ("weight", "bias")[:len(params)]
+        names = ("weight", "bias")[: len(params)]
         return torch.func.functional_call(cache[key], dict(zip(names, params)), (x,))
+
     return apply

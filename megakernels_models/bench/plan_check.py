@@ -55,8 +55,10 @@ def cpu_device(nproc: int) -> costs.Device:
 
 def _kendall(a: list, b: list) -> float:
     pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
-    score = sum(1 if (a.index(x) - a.index(y)) * (b.index(x) - b.index(y)) > 0 else -1
-                for x, y in ((a[i], a[j]) for i, j in pairs))
+    score = sum(
+        1 if (a.index(x) - a.index(y)) * (b.index(x) - b.index(y)) > 0 else -1
+        for x, y in ((a[i], a[j]) for i, j in pairs)
+    )
     return score / len(pairs)
 
 
@@ -64,8 +66,18 @@ def default_args(steps: int):
     """``args_for`` of ``run``: gpt-tiny on 4 local processes for ``steps`` optimizer steps (global batch 16)."""
     from megakernels_models.arguments import TrainArgs
 
-    base = TrainArgs(preset="gpt-tiny", nproc=4, steps=steps, micro_batch_size=2, global_batch_size=16,
-                     eval_interval=0, progress=False, warmup_steps=0, corpus_bytes=1 << 20, dropout=0.0)
+    base = TrainArgs(
+        preset="gpt-tiny",
+        nproc=4,
+        steps=steps,
+        micro_batch_size=2,
+        global_batch_size=16,
+        eval_interval=0,
+        progress=False,
+        warmup_steps=0,
+        corpus_bytes=1 << 20,
+        dropout=0.0,
+    )
     return lambda changes: dataclasses.replace(base, **changes)
 
 
@@ -79,8 +91,10 @@ def run(args_for, warmup: int = 1, log=print) -> dict:
     from megakernels_models.train import run as train_run
 
     device = cpu_device(4)
-    log(f"# CPU profile: {device.tflops_32:.3g} TFLOP/s per rank, gloo {device.intra_gbps:.3g} GB/s, "
-        f"latency {device.latency_s * 1e6:.0f} µs")
+    log(
+        f"# CPU profile: {device.tflops_32:.3g} TFLOP/s per rank, gloo {device.intra_gbps:.3g} GB/s, "
+        f"latency {device.latency_s * 1e6:.0f} µs"
+    )
     predicted, measured = {}, {}
     meta = None
     for name, changes in LAYOUTS.items():
@@ -95,8 +109,14 @@ def run(args_for, warmup: int = 1, log=print) -> dict:
         log(f"{name:>8}: predicted {predicted[name]:.3f} s/step, measured {measured[name]:.3f} s/step")
     p_order = sorted(predicted, key=predicted.get)
     m_order = sorted(measured, key=measured.get)
-    out = {"device": dataclasses.asdict(device), "predicted": predicted, "measured": measured,
-           "predicted_order": p_order, "measured_order": m_order, "kendall_tau": _kendall(p_order, m_order),
-           "agree": p_order == m_order}
+    out = {
+        "device": dataclasses.asdict(device),
+        "predicted": predicted,
+        "measured": measured,
+        "predicted_order": p_order,
+        "measured_order": m_order,
+        "kendall_tau": _kendall(p_order, m_order),
+        "agree": p_order == m_order,
+    }
     log(f"predicted order {p_order}; measured {m_order}; Kendall tau {out['kendall_tau']:.2f}")
     return out

@@ -61,7 +61,7 @@ def plot_op(rows: list[dict], path: str) -> str:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(f"{rows[0]['op']}: {unit} vs size (dashed: measured ceiling)", fontsize=11)
     fig.tight_layout()

@@ -58,10 +58,12 @@ class Composition:
 
 
 COMPOSITIONS = {
-    "angles": Composition("angles", lambda q, k, ctx: fused_rope(q, k, ctx["positions"], theta=THETA),
-                          _eager_angles),
-    "table": Composition("table", lambda q, k, ctx: fused_rope(q, k, ctx["positions"], cos_sin=ctx["cos_sin"]),
-                         lambda q, k, ctx: _apply(q, k, ctx["cos"], ctx["sin"])),
+    "angles": Composition("angles", lambda q, k, ctx: fused_rope(q, k, ctx["positions"], theta=THETA), _eager_angles),
+    "table": Composition(
+        "table",
+        lambda q, k, ctx: fused_rope(q, k, ctx["positions"], cos_sin=ctx["cos_sin"]),
+        lambda q, k, ctx: _apply(q, k, ctx["cos"], ctx["sin"]),
+    ),
 }
 
 
@@ -72,28 +74,38 @@ def make_inputs(shape, dtype, grad=False, device="cpu"):
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn((b, s, hq, d), generator=g, device=device).to(dtype).requires_grad_(grad)
     k = torch.randn((b, s, hk, d), generator=g, device=device).to(dtype).requires_grad_(grad)
-    grads = (torch.randn(q.shape, generator=g, device=device).to(dtype),
-             torch.randn(k.shape, generator=g, device=device).to(dtype))
+    grads = (
+        torch.randn(q.shape, generator=g, device=device).to(dtype),
+        torch.randn(k.shape, generator=g, device=device).to(dtype),
+    )
     positions = torch.arange(s, device=device)
     inv_freq = 1.0 / (THETA ** (torch.arange(0, d, 2, device=device).float() / d))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1)
-    ctx = {"positions": positions, "inv_freq": inv_freq, "cos": emb.cos().to(dtype)[None, :, None, :],
-           "sin": emb.sin().to(dtype)[None, :, None, :], "cos_sin": rope_cos_sin_table(s, d, THETA, device)}
+    ctx = {
+        "positions": positions,
+        "inv_freq": inv_freq,
+        "cos": emb.cos().to(dtype)[None, :, None, :],
+        "sin": emb.sin().to(dtype)[None, :, None, :],
+        "cos_sin": rope_cos_sin_table(s, d, THETA, device),
+    }
     return q, k, ctx, grads
 
 
 def step_fn(fn: Callable, q, k, ctx, grads, backward: bool) -> Callable[[], None]:
     """A zero-argument callable running ``fn`` forward (and backward, the grads dropped each call)."""
     if not backward:
+
         def fwd():
             with torch.no_grad():
                 fn(q, k, ctx)
+
         return fwd
 
     def fwd_bwd():
         torch.autograd.backward(fn(q, k, ctx), grads, inputs=[q, k])
         q.grad = k.grad = None
+
     return fwd_bwd
 
 
@@ -108,8 +120,9 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print,
-        peers=None) -> list[dict]:
+def run(
+    ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
+) -> list[dict]:
     """Measure both variants at every (dtype, shape, fwd / fwd+bwd). ``ops`` is ``["rope"]`` (the bench CLI's
     uniform signature); no peer ships this op, so ``peers`` is unused. Returns the result rows."""
     rows, table = [], TablePrinter(log)
@@ -119,19 +132,32 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
             for comp in COMPOSITIONS.values():
                 for backward in (False, True):
                     q, k, ctx, grads = make_inputs(shape, dtype, grad=backward, device=device)
-                    times = {OURS: median_seconds(step_fn(comp.fused, q, k, ctx, grads, backward), min_run_time),
-                             "eager": median_seconds(step_fn(comp.eager, q, k, ctx, grads, backward), min_run_time)}
+                    times = {
+                        OURS: median_seconds(step_fn(comp.fused, q, k, ctx, grads, backward), min_run_time),
+                        "eager": median_seconds(step_fn(comp.eager, q, k, ctx, grads, backward), min_run_time),
+                    }
                     if with_compile:
                         torch._dynamo.reset()
                         compiled = torch.compile(comp.eager, dynamic=False)
-                        times["compile"] = median_seconds(step_fn(compiled, q, k, ctx, grads, backward),
-                                                          min_run_time)
+                        times["compile"] = median_seconds(step_fn(compiled, q, k, ctx, grads, backward), min_run_time)
                     value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
                     b, s, hq, hk, d = shape
-                    row = result_row("rope", FAMILY, dtype=dtype_name, shape=f"{b}x{s}x{hq}+{hk}x{d}",
-                                     pass_="fwd+bwd" if backward else "fwd", variant=comp.variant, size=b * s,
-                                     size_label="tokens", unit="GB/s", work=bytes_moved(shape, dtype, backward),
-                                     times=times, ceiling=value, ceiling_name=cname, dims=list(shape))
+                    row = result_row(
+                        "rope",
+                        FAMILY,
+                        dtype=dtype_name,
+                        shape=f"{b}x{s}x{hq}+{hk}x{d}",
+                        pass_="fwd+bwd" if backward else "fwd",
+                        variant=comp.variant,
+                        size=b * s,
+                        size_label="tokens",
+                        unit="GB/s",
+                        work=bytes_moved(shape, dtype, backward),
+                        times=times,
+                        ceiling=value,
+                        ceiling_name=cname,
+                        dims=list(shape),
+                    )
                     rows.append(row)
                     table(row)
     return rows

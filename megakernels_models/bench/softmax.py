@@ -6,7 +6,8 @@
 The eager composition is what a user would otherwise write for attention scores x [b, heads, sq, sk]:
 ``torch.softmax((x * scale).masked_fill(mask, -inf), -1)`` (the causal mask is built once, outside the timing).
 Prints one table per op (median time over calibrated repeats, effective GB/s and its fraction of the copy
-bandwidth, speed-up vs eager and vs torch.compile, all measured in the same run) (DIR/bench.json and DIR/<op>.png). Never asserts on time. The pytest-benchmark suite (benchmarks/test_bench_softmax.py) times the same
+bandwidth, speed-up vs eager and vs torch.compile, all measured in the same run) (DIR/bench.json and DIR/<op>.png).
+Never asserts on time. The pytest-benchmark suite (benchmarks/test_bench_softmax.py) times the same
 callables.
 
 Bytes that must move, forward: x read and y written; backward: y and dy read, dx written. For the causal op only
@@ -64,10 +65,16 @@ def _padding_mask(shape):
 
 COMPOSITIONS = {
     "scaled": Composition("scaled", "scaled_softmax", lambda x, m: scaled_softmax(x, SCALE), _eager, lambda s: None),
-    "masked": Composition("masked", "scaled_masked_softmax", lambda x, m: scaled_masked_softmax(x, m, SCALE), _eager,
-                          _padding_mask),
-    "causal": Composition("causal", "scaled_causal_softmax", lambda x, m: scaled_causal_softmax(x, SCALE), _eager,
-                          lambda s: causal_mask(s[-2], s[-1])),
+    "masked": Composition(
+        "masked", "scaled_masked_softmax", lambda x, m: scaled_masked_softmax(x, m, SCALE), _eager, _padding_mask
+    ),
+    "causal": Composition(
+        "causal",
+        "scaled_causal_softmax",
+        lambda x, m: scaled_causal_softmax(x, SCALE),
+        _eager,
+        lambda s: causal_mask(s[-2], s[-1]),
+    ),
 }
 OPS = {c.op: c.name for c in COMPOSITIONS.values()}  # op name -> short name
 
@@ -86,15 +93,18 @@ def make_inputs(comp: Composition, shape, dtype, grad=False, device="cpu"):
 def step_fn(fn: Callable, x, mask, dy, backward: bool) -> Callable[[], None]:
     """A zero-argument callable running fn forward (and backward, the grad dropped each call)."""
     if not backward:
+
         def fwd():
             with torch.no_grad():
                 fn(x, mask)
+
         return fwd
 
     def fwd_bwd():
         out = fn(x, mask)
         torch.autograd.backward(out, dy, inputs=[x])
         x.grad = None
+
     return fwd_bwd
 
 
@@ -114,8 +124,9 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print,
-        peers=None) -> list[dict]:
+def run(
+    ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
+) -> list[dict]:
     """Measure every (op, dtype, shape, fwd / fwd+bwd); ``ops`` are short names (``scaled``) or op names
     (``scaled_softmax``). Returns the result rows, each printed through ``log`` as it is measured. No peer ships
     these ops, so ``peers`` is accepted for a uniform signature and unused."""
@@ -127,19 +138,31 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
             for shape in shapes:
                 for backward in (False, True):
                     x, mask, dy = make_inputs(comp, shape, dtype, grad=backward, device=device)
-                    times = {OURS: median_seconds(step_fn(comp.fused, x, mask, dy, backward), min_run_time),
-                             "eager": median_seconds(step_fn(comp.eager, x, mask, dy, backward), min_run_time)}
+                    times = {
+                        OURS: median_seconds(step_fn(comp.fused, x, mask, dy, backward), min_run_time),
+                        "eager": median_seconds(step_fn(comp.eager, x, mask, dy, backward), min_run_time),
+                    }
                     if with_compile:
                         torch._dynamo.reset()
                         compiled = torch.compile(comp.eager, dynamic=False)
                         times["compile"] = median_seconds(step_fn(compiled, x, mask, dy, backward), min_run_time)
                     value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
-                    row = result_row(comp.op, FAMILY, dtype=dtype_name, shape="x".join(map(str, shape)),
-                                     pass_="fwd+bwd" if backward else "fwd", size=shape[-1],
-                                     size_label="row length sk", unit="GB/s",
-                                     work=bytes_moved(shape, dtype, backward, comp.name == "causal"), times=times,
-                                     ceiling=value, ceiling_name=cname, dims=list(shape),
-                                     rows=shape[0] * shape[1] * shape[2])
+                    row = result_row(
+                        comp.op,
+                        FAMILY,
+                        dtype=dtype_name,
+                        shape="x".join(map(str, shape)),
+                        pass_="fwd+bwd" if backward else "fwd",
+                        size=shape[-1],
+                        size_label="row length sk",
+                        unit="GB/s",
+                        work=bytes_moved(shape, dtype, backward, comp.name == "causal"),
+                        times=times,
+                        ceiling=value,
+                        ceiling_name=cname,
+                        dims=list(shape),
+                        rows=shape[0] * shape[1] * shape[2],
+                    )
                     rows.append(row)
                     table(row)
     return rows

@@ -26,8 +26,16 @@ import json
 import os
 import sys
 
-MEMORY_BOUND = ("layer_norm", "layer_norm_gelu", "rms_norm", "bias_gelu", "scaled_softmax", "scaled_masked_softmax",
-                "scaled_causal_softmax", "cross_entropy")
+MEMORY_BOUND = (
+    "layer_norm",
+    "layer_norm_gelu",
+    "rms_norm",
+    "bias_gelu",
+    "scaled_softmax",
+    "scaled_masked_softmax",
+    "scaled_causal_softmax",
+    "cross_entropy",
+)
 STAGES_FILE = "stages.tsv"
 
 
@@ -44,8 +52,12 @@ def _payloads(out_dir: str):
 
 def load_static(out_dir: str) -> list[dict]:
     """The kernel rows of every static report (``static.json``: a ``kernels`` list) in ``out_dir``."""
-    return [k for p in _payloads(out_dir) for k in p.get("kernels") or []
-            if isinstance(k, dict) and isinstance(k.get("bench"), dict) and "predicted_fraction" in k]
+    return [
+        k
+        for p in _payloads(out_dir)
+        for k in p.get("kernels") or []
+        if isinstance(k, dict) and isinstance(k.get("bench"), dict) and "predicted_fraction" in k
+    ]
 
 
 def load(out_dir: str) -> tuple[list[dict], list[dict]]:
@@ -70,38 +82,65 @@ def _worst(label: str, candidates: list[tuple[float, str]], target: float, unit:
     if not candidates:
         return {"target": label, "value": None, "goal": target, "unit": unit, "case": "no measurement"}
     value, case = min(candidates, key=lambda c: c[0])
-    return {"target": label, "value": value, "goal": target, "unit": unit,
-            "case": f"worst of {len(candidates)}: {case}" if len(candidates) > 1 else case}
+    return {
+        "target": label,
+        "value": value,
+        "goal": target,
+        "unit": unit,
+        "case": f"worst of {len(candidates)}: {case}" if len(candidates) > 1 else case,
+    }
 
 
 def evaluate(rows: list[dict], e2e: list[dict]) -> list[dict]:
     """One entry per target group: ``{target, value, goal, unit, case}`` (value None: nothing measured)."""
     out = []
-    fa = [r for r in rows if r["op"] == "flash_attention" and r.get("dtype") == "bfloat16"
-          and r.get("head_dim") == 128 and r.get("seqlen", 0) >= 4096]
+    fa = [
+        r
+        for r in rows
+        if r["op"] == "flash_attention"
+        and r.get("dtype") == "bfloat16"
+        and r.get("head_dim") == 128
+        and r.get("seqlen", 0) >= 4096
+    ]
     for causal in (False, True):
         mask = "causal" if causal else "full"
         fwd = [(r["rates"]["megakernels"], _case(r)) for r in fa if r["pass"] == "fwd" and r.get("causal") == causal]
-        bwd = [(r["bwd_TFLOPs"]["megakernels"], _case(r)) for r in fa if r["pass"] == "fwd+bwd"
-               and r.get("causal") == causal and "megakernels" in r.get("bwd_TFLOPs", {})]
+        bwd = [
+            (r["bwd_TFLOPs"]["megakernels"], _case(r))
+            for r in fa
+            if r["pass"] == "fwd+bwd" and r.get("causal") == causal and "megakernels" in r.get("bwd_TFLOPs", {})
+        ]
         out.append(_worst(f"FlashAttention fwd d128 bf16 s>=4k {mask}", fwd, 550.0, "TFLOP/s"))
         out.append(_worst(f"FlashAttention bwd d128 bf16 s>=4k {mask}", bwd, 420.0, "TFLOP/s"))
     for op in MEMORY_BOUND:
         for pass_ in ("fwd", "fwd+bwd"):
-            cands = [(r["fraction_of_ceiling"], _case(r)) for r in rows if r["op"] == op and r["pass"] == pass_
-                     and r.get("rows", 0) >= 4096 and r.get("fraction_of_ceiling") is not None]
+            cands = [
+                (r["fraction_of_ceiling"], _case(r))
+                for r in rows
+                if r["op"] == op
+                and r["pass"] == pass_
+                and r.get("rows", 0) >= 4096
+                and r.get("fraction_of_ceiling") is not None
+            ]
             if cands or op != "cross_entropy" or pass_ == "fwd+bwd":  # cross-entropy is measured fwd+bwd only
                 out.append(_worst(f"{op} {pass_} rows>=4k, of copy bw", cands, 0.90, "fraction"))
-    cands = [(r["fraction_of_ceiling"], _case(r)) for r in rows if r["op"] == "adamw"
-             and r.get("fraction_of_ceiling") is not None]
+    cands = [
+        (r["fraction_of_ceiling"], _case(r))
+        for r in rows
+        if r["op"] == "adamw" and r.get("fraction_of_ceiling") is not None
+    ]
     out.append(_worst("AdamW step, of copy bandwidth", cands, 0.85, "fraction"))
     cands = []
     for e in e2e:
         if e.get("name") != "gpt-1.3b":
             continue
         if e.get("trainer"):
-            cands.append((e["trainer"]["mfu"], f"trainer, {e.get('precision', '')} "
-                                                f"b{e['trainer']['layout']['micro_batch_size']}"))
+            cands.append(
+                (
+                    e["trainer"]["mfu"],
+                    f"trainer, {e.get('precision', '')} b{e['trainer']['layout']['micro_batch_size']}",
+                )
+            )
         elif e.get("baseline"):
             cands.append((e["baseline"]["megakernels"]["mfu"], f"one-device step, b{e.get('micro_batch_size')}"))
     out.append(_worst("GPT-1.3B MFU on one GPU", cands, 0.55, "fraction"))
@@ -116,10 +155,18 @@ def predicted(row: dict, static: list[dict]) -> tuple[float, str] | None:
     """What the static model predicted for a measured row: (value, unit) — TFLOP/s for attention (the backward's
     own rate for fwd+bwd rows), else the fraction of the copy bandwidth — or None when it has no prediction.
     Among several configs of one kernel the best is taken (the GPU's autotuner picks the fastest)."""
+
     def best(pass_: str) -> dict | None:
-        hits = [k for k in static if k["bench"].get("op") == row["op"] and k["bench"].get("pass") == pass_
-                and k["bench"].get("shape") == row.get("shape") and k["bench"].get("dtype") == row.get("dtype")
-                and k["bench"].get("variant", "") == row.get("variant", "") and "error" not in k]
+        hits = [
+            k
+            for k in static
+            if k["bench"].get("op") == row["op"]
+            and k["bench"].get("pass") == pass_
+            and k["bench"].get("shape") == row.get("shape")
+            and k["bench"].get("dtype") == row.get("dtype")
+            and k["bench"].get("variant", "") == row.get("variant", "")
+            and "error" not in k
+        ]
         return max(hits, key=lambda k: k["predicted_fraction"]) if hits else None
 
     if row["op"] == "flash_attention":
@@ -142,12 +189,17 @@ def calibration(rows: list[dict], static: list[dict]) -> list[str]:
         if pred is None:
             continue
         value, unit = pred
-        measured = (r.get("bwd_TFLOPs", {}).get("megakernels") if r["op"] == "flash_attention" and r["pass"] ==
-                    "fwd+bwd" else (r["rates"]["megakernels"] if unit == "TFLOP/s" else r.get("fraction_of_ceiling")))
+        measured = (
+            r.get("bwd_TFLOPs", {}).get("megakernels")
+            if r["op"] == "flash_attention" and r["pass"] == "fwd+bwd"
+            else (r["rates"]["megakernels"] if unit == "TFLOP/s" else r.get("fraction_of_ceiling"))
+        )
         if measured is None:
             continue
-        out.append(f"{r['op'] + ' ' + _case(r):<64}{_fmt(measured, unit):>14}{_fmt(value, unit):>14}"
-                   f"{measured / value if value else float('nan'):>12.2f}")
+        out.append(
+            f"{r['op'] + ' ' + _case(r):<64}{_fmt(measured, unit):>14}{_fmt(value, unit):>14}"
+            f"{measured / value if value else float('nan'):>12.2f}"
+        )
     return out
 
 
@@ -183,15 +235,19 @@ def render(out_dir: str, title: str = "") -> str:
             ok = t["value"] >= t["goal"]
             met += ok
             verdict, pct = ("PASS" if ok else "FAIL"), f"{t['value'] / t['goal']:.0%}"
-        lines.append(f"{t['target']:<60}{_fmt(t['value'], t['unit']):>14}{_fmt(t['goal'], t['unit']):>14}{pct:>13}"
-                     f"  {verdict:<7}{t['case']}")
+        lines.append(
+            f"{t['target']:<60}{_fmt(t['value'], t['unit']):>14}{_fmt(t['goal'], t['unit']):>14}{pct:>13}"
+            f"  {verdict:<7}{t['case']}"
+        )
     lines.append(f"{met} of {measured} measured targets met ({len(results) - measured} not measured)")
     static = load_static(out_dir)
     if static:
         table = calibration(rows, static)
         lines.append("")
-        lines.append("measured beside the static model's prediction (docs/design.md §7; bandwidth fractions of the "
-                     "copy ceiling, attention in TFLOP/s, the backward's own rate for fwd+bwd)")
+        lines.append(
+            "measured beside the static model's prediction (docs/design.md §7; bandwidth fractions of the "
+            "copy ceiling, attention in TFLOP/s, the backward's own rate for fwd+bwd)"
+        )
         lines.append(f"{'kernel':<64}{'measured':>14}{'predicted':>14}{'meas/pred':>12}")
         lines += table or ["(no measurement has a prediction)"]
     return "\n".join(lines)

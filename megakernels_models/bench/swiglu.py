@@ -51,14 +51,17 @@ def make_inputs(shape, dtype, grad=False, device="cpu"):
 def step_fn(fn: Callable, x, dy, backward: bool) -> Callable[[], None]:
     """A zero-argument callable running ``fn`` forward (and backward, the grad dropped each call)."""
     if not backward:
+
         def fwd():
             with torch.no_grad():
                 fn(x)
+
         return fwd
 
     def fwd_bwd():
         torch.autograd.backward(fn(x), dy, inputs=[x])
         x.grad = None
+
     return fwd_bwd
 
 
@@ -72,8 +75,9 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print,
-        peers=None) -> list[dict]:
+def run(
+    ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
+) -> list[dict]:
     """Measure every (dtype, shape, fwd / fwd+bwd). ``ops`` is ``["swiglu"]`` (the bench CLI's uniform signature);
     ``peers`` is unused. Returns the result rows."""
     rows, table = [], TablePrinter(log)
@@ -82,18 +86,32 @@ def run(ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.
         for shape in shapes:
             for backward in (False, True):
                 x, dy = make_inputs(shape, dtype, grad=backward, device=device)
-                times = {OURS: median_seconds(step_fn(swiglu, x, dy, backward), min_run_time),
-                         "eager": median_seconds(step_fn(_eager, x, dy, backward), min_run_time)}
+                times = {
+                    OURS: median_seconds(step_fn(swiglu, x, dy, backward), min_run_time),
+                    "eager": median_seconds(step_fn(_eager, x, dy, backward), min_run_time),
+                }
                 if with_compile:
                     torch._dynamo.reset()
                     times["compile"] = median_seconds(
-                        step_fn(torch.compile(_eager, dynamic=False), x, dy, backward), min_run_time)
+                        step_fn(torch.compile(_eager, dynamic=False), x, dy, backward), min_run_time
+                    )
                 value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
-                row = result_row("swiglu", FAMILY, dtype=dtype_name, shape=f"{shape[0]}x{2 * shape[1]}",
-                                 pass_="fwd+bwd" if backward else "fwd", size=shape[0] * shape[1],
-                                 size_label="outputs (rows x f)", unit="GB/s",
-                                 work=bytes_moved(shape, dtype, backward), times=times, ceiling=value,
-                                 ceiling_name=cname, rows=shape[0], f=shape[1])
+                row = result_row(
+                    "swiglu",
+                    FAMILY,
+                    dtype=dtype_name,
+                    shape=f"{shape[0]}x{2 * shape[1]}",
+                    pass_="fwd+bwd" if backward else "fwd",
+                    size=shape[0] * shape[1],
+                    size_label="outputs (rows x f)",
+                    unit="GB/s",
+                    work=bytes_moved(shape, dtype, backward),
+                    times=times,
+                    ceiling=value,
+                    ceiling_name=cname,
+                    rows=shape[0],
+                    f=shape[1],
+                )
                 rows.append(row)
                 table(row)
     return rows

@@ -4,7 +4,8 @@
     megakernels convert megakernels-to-hf --input CKPT_DIR --output HF_DIR     # then: from_pretrained(HF_DIR)
     megakernels convert hf-to-megakernels --input LM_DIR --vision CLIP_DIR --output CKPT_DIR   # a LLaVA-style vlm
 
-One module per family (``gpt2``, ``bert``, ``llama``, ``mixtral``) holds its config translation both ways and one table of
+One module per family (``gpt2``, ``bert``, ``llama``, ``mixtral``) holds its config translation both ways and one table
+of
 tensor rules (``common.Rule``) applied in both directions. A ``tokenizer.json`` travels with the weights: the HF
 directory's becomes ``CKPT_DIR/tokenizer.json`` (which ``megakernels train --load`` and ``megakernels eval``
 default to), and a checkpoint's goes to the HF directory. The megakernels side is a DCP checkpoint directory as
@@ -15,21 +16,36 @@ downloaded; ``transformers`` is not needed (only ``safetensors``).
 
 from __future__ import annotations
 
-from megakernels_models.config import ModelConfig
 import os
 import shutil
 
+from megakernels_models.config import ModelConfig
 from megakernels_models.convert import bert, gpt2, llama, mixtral
-from megakernels_models.convert.common import ConversionError, apply, read_checkpoint, read_hf, write_checkpoint, \
-    write_hf
+from megakernels_models.convert.common import (
+    ConversionError,
+    apply,
+    read_checkpoint,
+    read_hf,
+    write_checkpoint,
+    write_hf,
+)
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral)}
 # megakernels model family -> the HuggingFace family it is written as
 _OURS = {"gpt": gpt2, "bert": bert, "llama": llama}
 TOKENIZER = "tokenizer.json"
 
-__all__ = ["hf_to_megakernels", "megakernels_to_hf", "write_checkpoint", "read_checkpoint", "ConversionError",
-           "ModelConfig", "FAMILIES", "add_parser", "main"]
+__all__ = [
+    "hf_to_megakernels",
+    "megakernels_to_hf",
+    "write_checkpoint",
+    "read_checkpoint",
+    "ConversionError",
+    "ModelConfig",
+    "FAMILIES",
+    "add_parser",
+    "main",
+]
 
 
 def _family(model_type):
@@ -38,8 +54,9 @@ def _family(model_type):
     return FAMILIES[model_type]
 
 
-def hf_to_megakernels(hf_dir: str, out_dir: str, rope_interleaved: bool = False, vision_dir: str | None = None,
-                      seed: int = 1234) -> str:
+def hf_to_megakernels(
+    hf_dir: str, out_dir: str, rope_interleaved: bool = False, vision_dir: str | None = None, seed: int = 1234
+) -> str:
     """Convert a HuggingFace model directory into a megakernels checkpoint directory; returns the checkpoint's path.
     ``rope_interleaved``: a Llama becomes a megakernels Llama with the interleaved rotary layout (rows permuted).
     ``vision_dir``: a HuggingFace CLIP directory whose vision tower goes in front of the language model, making a
@@ -108,13 +125,25 @@ def add_parser(sub) -> None:
     p.add_argument("direction", choices=["hf-to-megakernels", "megakernels-to-hf"])
     p.add_argument("--input", required=True, help="HF model directory, or megakernels checkpoint directory")
     p.add_argument("--output", required=True, help="megakernels checkpoint directory, or HF model directory")
-    p.add_argument("--rope-interleaved", action="store_true", help="hf-to-megakernels of a Llama: use the "
-                   "interleaved rotary layout (pairs 2i, 2i+1), permuting the query/key rows to match")
-    p.add_argument("--vision", metavar="CLIP_DIR", help="hf-to-megakernels: a HuggingFace CLIP model (or CLIP vision "
-                   "model) directory whose vision tower goes in front of the language model, making a vision-language "
-                   "checkpoint (LLaVA) with a fresh projector; train it first with --freeze vision,lm")
-    p.add_argument("--seed", type=int, default=1234, help="with --vision: the projector's initialisation seed (as "
-                   "megakernels train --seed)")
+    p.add_argument(
+        "--rope-interleaved",
+        action="store_true",
+        help="hf-to-megakernels of a Llama: use the "
+        "interleaved rotary layout (pairs 2i, 2i+1), permuting the query/key rows to match",
+    )
+    p.add_argument(
+        "--vision",
+        metavar="CLIP_DIR",
+        help="hf-to-megakernels: a HuggingFace CLIP model (or CLIP vision "
+        "model) directory whose vision tower goes in front of the language model, making a vision-language "
+        "checkpoint (LLaVA) with a fresh projector; train it first with --freeze vision,lm",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="with --vision: the projector's initialisation seed (as megakernels train --seed)",
+    )
     p.set_defaults(_run=main)
 
 
@@ -127,8 +156,10 @@ def main(ns) -> int:
         if ns.direction == "hf-to-megakernels":
             out = hf_to_megakernels(ns.input, ns.output, ns.rope_interleaved, ns.vision, ns.seed)
         elif ns.vision is not None:
-            raise ConversionError("--vision is for hf-to-megakernels (a vision-language checkpoint converts to "
-                                  "HuggingFace only through its parts)")
+            raise ConversionError(
+                "--vision is for hf-to-megakernels (a vision-language checkpoint converts to "
+                "HuggingFace only through its parts)"
+            )
         else:
             out = megakernels_to_hf(ns.input, ns.output)
     except (ConversionError, CheckpointError) as e:

@@ -67,6 +67,7 @@ def apply(rules: list[Rule], tensors: dict[str, torch.Tensor], direction: str) -
 
 # ---- HuggingFace directories ------------------------------------------------------------------------------------
 
+
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(config.json, {name: tensor})`` of a HuggingFace model directory: one ``*.safetensors`` file or several
     named by ``model.safetensors.index.json`` (sharded).
@@ -79,8 +80,9 @@ def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg_path = os.path.join(hf_dir, "config.json")
     files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")) if os.path.isdir(hf_dir) else []
     if not os.path.exists(cfg_path) or not files:
-        raise ConversionError(f"--input {hf_dir!r}: expected a HuggingFace model directory with config.json and "
-                              "*.safetensors")
+        raise ConversionError(
+            f"--input {hf_dir!r}: expected a HuggingFace model directory with config.json and *.safetensors"
+        )
     with open(cfg_path) as f:
         config = json.load(f)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
@@ -128,6 +130,7 @@ def write_hf(tensors: dict[str, torch.Tensor], config: dict, out_dir: str, max_s
 
 # ---- megakernels checkpoints --------------------------------------------------------------------------------------
 
+
 def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str, source: str) -> str:
     """A model-only megakernels checkpoint (``out_dir/step-00000000`` + ``latest``) from full, unpadded tensors
     named as in the model (``layers.0.mlp.fc1.weight``); written in this process, no process group needed.
@@ -140,8 +143,16 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     from megakernels_models.checkpoint import Writer, _write_latest
 
     sd = {f"model.{k}": v.float().contiguous() for k, v in tensors.items()}
-    sd["meta"] = json.dumps({"step": 0, "optimizer_step": 0, "config": dataclasses.asdict(cfg), "layout": {},
-                             "loss_scaler": None, "converted_from": source})
+    sd["meta"] = json.dumps(
+        {
+            "step": 0,
+            "optimizer_step": 0,
+            "config": dataclasses.asdict(cfg),
+            "layout": {},
+            "loss_scaler": None,
+            "converted_from": source,
+        }
+    )
     path = os.path.join(out_dir, "step-00000000")
     if os.path.exists(path):
         raise ConversionError(f"--output {out_dir!r} already holds a converted checkpoint ({path})")
@@ -170,4 +181,4 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         warnings.simplefilter("ignore")
         dcp.load(sd, checkpoint_id=path, no_dist=True)
     meta = json.loads(sd.pop("meta"))
-    return meta, {k[len("model."):]: v for k, v in sd.items()}
+    return meta, {k[len("model.") :]: v for k, v in sd.items()}

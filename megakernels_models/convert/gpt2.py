@@ -17,6 +17,7 @@ _PREFIX = "transformer."
 
 def qkv_rule(ours: str, theirs: str, heads: int, conv1d: bool) -> Rule:
     """A fused QKV tensor: HuggingFace (3, heads, d) rows (columns of a ``Conv1D`` weight) <-> ours (heads, 3, d)."""
+
     def regroup(t, a, b):
         rest = t.shape[1:]
         return t.reshape(a, b, -1, *rest).transpose(0, 1).reshape(-1, *rest).contiguous()
@@ -34,20 +35,33 @@ def qkv_rule(ours: str, theirs: str, heads: int, conv1d: bool) -> Rule:
 
 def rules(cfg: ModelConfig) -> list[Rule]:
     p, n = _PREFIX, cfg.num_heads
-    out = [copy("embedding.word.weight", p + "wte.weight"), copy("embedding.position.weight", p + "wpe.weight"),
-           copy("final_norm.weight", p + "ln_f.weight"), copy("final_norm.bias", p + "ln_f.bias")]
+    out = [
+        copy("embedding.word.weight", p + "wte.weight"),
+        copy("embedding.position.weight", p + "wpe.weight"),
+        copy("final_norm.weight", p + "ln_f.weight"),
+        copy("final_norm.bias", p + "ln_f.bias"),
+    ]
     for i in range(cfg.num_layers):
         a, m = f"{p}h.{i}.", f"layers.{i}."
-        out += [qkv_rule(m + "attention.qkv.weight", a + "attn.c_attn.weight", n, conv1d=True),
-                qkv_rule(m + "attention.qkv.bias", a + "attn.c_attn.bias", n, conv1d=False),
-                transposed(m + "attention.proj.weight", a + "attn.c_proj.weight"),
-                transposed(m + "mlp.fc1.weight", a + "mlp.c_fc.weight"),
-                transposed(m + "mlp.fc2.weight", a + "mlp.c_proj.weight")]
-        for ours, theirs in (("input_norm", "ln_1"), ("post_attention_norm", "ln_2"), ("attention.proj", "attn.c_proj"),
-                             ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+        out += [
+            qkv_rule(m + "attention.qkv.weight", a + "attn.c_attn.weight", n, conv1d=True),
+            qkv_rule(m + "attention.qkv.bias", a + "attn.c_attn.bias", n, conv1d=False),
+            transposed(m + "attention.proj.weight", a + "attn.c_proj.weight"),
+            transposed(m + "mlp.fc1.weight", a + "mlp.c_fc.weight"),
+            transposed(m + "mlp.fc2.weight", a + "mlp.c_proj.weight"),
+        ]
+        for ours, theirs in (
+            ("input_norm", "ln_1"),
+            ("post_attention_norm", "ln_2"),
+            ("attention.proj", "attn.c_proj"),
+            ("mlp.fc1", "mlp.c_fc"),
+            ("mlp.fc2", "mlp.c_proj"),
+        ):
             out.append(copy(f"{m}{ours}.bias", f"{a}{theirs}.bias"))
-        out += [copy(m + "input_norm.weight", a + "ln_1.weight"),
-                copy(m + "post_attention_norm.weight", a + "ln_2.weight")]
+        out += [
+            copy(m + "input_norm.weight", a + "ln_1.weight"),
+            copy(m + "post_attention_norm.weight", a + "ln_2.weight"),
+        ]
     return out
 
 
@@ -71,12 +85,19 @@ def config_to_ours(hf: dict) -> ModelConfig:
     if hf.get("scale_attn_weights", True) is False:
         raise ConversionError("scale_attn_weights=False has no megakernels equivalent")
     h = hf["n_embd"]
-    return ModelConfig("gpt", num_layers=hf["n_layer"], hidden_size=h, num_heads=hf["n_head"],
-                       seq_length=hf["n_positions"], vocab_size=hf["vocab_size"],
-                       ffn_hidden_size=hf.get("n_inner") or 4 * h, dropout=hf.get("resid_pdrop", 0.1),
-                       attention_dropout=hf.get("attn_pdrop", 0.1),
-                       layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       init_std=hf.get("initializer_range", 0.02))
+    return ModelConfig(
+        "gpt",
+        num_layers=hf["n_layer"],
+        hidden_size=h,
+        num_heads=hf["n_head"],
+        seq_length=hf["n_positions"],
+        vocab_size=hf["vocab_size"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * h,
+        dropout=hf.get("resid_pdrop", 0.1),
+        attention_dropout=hf.get("attn_pdrop", 0.1),
+        layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        init_std=hf.get("initializer_range", 0.02),
+    )
 
 
 def config_to_theirs(cfg: ModelConfig) -> dict:
@@ -87,9 +108,22 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
     """
     if cfg.norm_position != "pre" or cfg.activation != "gelu_tanh":
         raise ConversionError("GPT-2 is pre-norm with the tanh GeLU; this model is not")
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.seq_length, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu_new",
-            "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std,
-            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attention_dropout,
-            "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_length,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "n_inner": cfg.ffn_hidden_size,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.layernorm_eps,
+        "initializer_range": cfg.init_std,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }

@@ -59,24 +59,47 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
         out.append(copy("output_layer.weight", "lm_head.weight"))
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.", f"layers.{i}."
-        out += [copy(m + "input_norm.weight", a + "input_layernorm.weight"),
-                copy(m + "post_attention_norm.weight", a + "post_attention_layernorm.weight"),
-                Rule((m + "attention.q.weight",), (a + "self_attn.q_proj.weight",),
-                     lambda ts: [q_to_ours(ts[0])], lambda ts: [q_to_theirs(ts[0])]),
-                _packed(m + "attention.kv.weight", (a + "self_attn.k_proj.weight", a + "self_attn.v_proj.weight"),
-                        _rows(cfg, cfg.num_kv_heads)),
-                copy(m + "attention.proj.weight", a + "self_attn.o_proj.weight")]
-        out += mlp(i, a, m) if mlp is not None else [
-            _packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
-            copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight")]
+        out += [
+            copy(m + "input_norm.weight", a + "input_layernorm.weight"),
+            copy(m + "post_attention_norm.weight", a + "post_attention_layernorm.weight"),
+            Rule(
+                (m + "attention.q.weight",),
+                (a + "self_attn.q_proj.weight",),
+                lambda ts: [q_to_ours(ts[0])],
+                lambda ts: [q_to_theirs(ts[0])],
+            ),
+            _packed(
+                m + "attention.kv.weight",
+                (a + "self_attn.k_proj.weight", a + "self_attn.v_proj.weight"),
+                _rows(cfg, cfg.num_kv_heads),
+            ),
+            copy(m + "attention.proj.weight", a + "self_attn.o_proj.weight"),
+        ]
+        out += (
+            mlp(i, a, m)
+            if mlp is not None
+            else [
+                _packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
+                copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight"),
+            ]
+        )
         if cfg.bias:
-            out += [Rule((m + "attention.q.bias",), (a + "self_attn.q_proj.bias",),
-                         lambda ts: [q_to_ours(ts[0])], lambda ts: [q_to_theirs(ts[0])]),
-                    _packed(m + "attention.kv.bias", (a + "self_attn.k_proj.bias", a + "self_attn.v_proj.bias"),
-                            _rows(cfg, cfg.num_kv_heads)),
-                    copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"),
-                    _packed(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
-                    copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias")]
+            out += [
+                Rule(
+                    (m + "attention.q.bias",),
+                    (a + "self_attn.q_proj.bias",),
+                    lambda ts: [q_to_ours(ts[0])],
+                    lambda ts: [q_to_theirs(ts[0])],
+                ),
+                _packed(
+                    m + "attention.kv.bias",
+                    (a + "self_attn.k_proj.bias", a + "self_attn.v_proj.bias"),
+                    _rows(cfg, cfg.num_kv_heads),
+                ),
+                copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"),
+                _packed(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
+                copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias"),
+            ]
     return out
 
 
@@ -104,25 +127,52 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
         raise ConversionError(f"head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads = {h // n}")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
-        raise ConversionError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megakernels' Llama has "
-                              "biases on every projection or on none")
-    return ModelConfig("llama", num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=n,
-                       num_kv_heads=hf.get("num_key_value_heads") or n, seq_length=hf["max_position_embeddings"],
-                       vocab_size=hf["vocab_size"], ffn_hidden_size=hf["intermediate_size"],
-                       dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-                       layernorm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
-                       rope_theta=theta, rope_interleaved=rope_interleaved,
-                       bias=attention_bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        raise ConversionError(
+            f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megakernels' Llama has "
+            "biases on every projection or on none"
+        )
+    return ModelConfig(
+        "llama",
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=h,
+        num_heads=n,
+        num_kv_heads=hf.get("num_key_value_heads") or n,
+        seq_length=hf["max_position_embeddings"],
+        vocab_size=hf["vocab_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        dropout=0.0,
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        layernorm_eps=hf.get("rms_norm_eps", 1e-6),
+        init_std=hf.get("initializer_range", 0.02),
+        rope_theta=theta,
+        rope_interleaved=rope_interleaved,
+        bias=attention_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
 
 
 def config_to_theirs(cfg: ModelConfig) -> dict:
     """The HuggingFace Llama config of a megakernels Llama."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.layernorm_eps,
-            "initializer_range": cfg.init_std, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.attention_dropout,
-            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_length,
+        "rms_norm_eps": cfg.layernorm_eps,
+        "initializer_range": cfg.init_std,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": cfg.bias,
+        "mlp_bias": cfg.bias,
+        "attention_dropout": cfg.attention_dropout,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+    }

@@ -27,8 +27,10 @@ def rules(cfg: ModelConfig):
         out = [copy(m + "mlp.router.weight", b + "gate.weight")]
         for e in range(cfg.num_experts):
             x = f"{b}experts.{e}."
-            out += [llama._packed(f"{m}mlp.experts.{e}.fc1", (x + "w1.weight", x + "w3.weight")),
-                    copy(f"{m}mlp.experts.{e}.fc2", x + "w2.weight")]
+            out += [
+                llama._packed(f"{m}mlp.experts.{e}.fc1", (x + "w1.weight", x + "w3.weight")),
+                copy(f"{m}mlp.experts.{e}.fc2", x + "w2.weight"),
+            ]
         return out
 
     return llama.rules(cfg, mlp=moe)
@@ -50,9 +52,13 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     if window is not None and window < hf["max_position_embeddings"]:
         raise ConversionError(f"sliding_window {window}: megakernels' attention is full causal attention")
     base = llama.config_to_ours({**hf, "attention_bias": False, "mlp_bias": False}, rope_interleaved)
-    return base.replace(num_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
-                        moe_ffn_hidden_size=hf["intermediate_size"], moe_normalize=True,
-                        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
+    return base.replace(
+        num_experts=hf["num_local_experts"],
+        moe_top_k=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["intermediate_size"],
+        moe_normalize=True,
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)),
+    )
 
 
 def config_to_theirs(cfg: ModelConfig) -> dict:
@@ -62,15 +68,29 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
     Raises:
         ConversionError: a MoE model Mixtral cannot express.
     """
-    if cfg.moe_layer_freq != 1 or cfg.moe_shared_experts or cfg.moe_capacity_factor is not None \
-            or not cfg.moe_normalize or cfg.bias:
-        raise ConversionError("Mixtral has a MoE MLP in every layer, renormalised top-k routing, no shared experts, "
-                              "no capacity and no biases; this model differs")
+    if (
+        cfg.moe_layer_freq != 1
+        or cfg.moe_shared_experts
+        or cfg.moe_capacity_factor is not None
+        or not cfg.moe_normalize
+        or cfg.bias
+    ):
+        raise ConversionError(
+            "Mixtral has a MoE MLP in every layer, renormalised top-k routing, no shared experts, "
+            "no capacity and no biases; this model differs"
+        )
     out = llama.config_to_theirs(cfg)
     for key in ("attention_bias", "mlp_bias", "head_dim"):
         out.pop(key, None)
-    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=cfg.moe_ffn_hidden_size,
-               num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
-               router_aux_loss_coef=cfg.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None,
-               output_router_logits=False)
+    out.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=cfg.moe_ffn_hidden_size,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+        output_router_logits=False,
+    )
     return out

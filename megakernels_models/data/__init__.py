@@ -15,5 +15,16 @@ from megakernels_models.data.datasets import BertDataset, GPTDataset, global_bat
 from megakernels_models.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from megakernels_models.data.tokenizer import ByteTokenizer, build_tokenizer
 
-__all__ = ["ByteTokenizer", "build_tokenizer", "DataError", "IndexedDataset", "IndexedDatasetWriter", "GPTDataset",
-           "BertDataset", "BlendedDataset", "parse_blend", "global_batch_indices", "split_documents"]
+__all__ = [
+    "ByteTokenizer",
+    "build_tokenizer",
+    "DataError",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "GPTDataset",
+    "BertDataset",
+    "BlendedDataset",
+    "parse_blend",
+    "global_batch_indices",
+    "split_documents",
+]

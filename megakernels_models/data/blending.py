@@ -25,8 +25,9 @@ def parse_blend(spec: str) -> list[tuple[float, str]]:
     if len(fields) == 1:
         return [(1.0, fields[0])]
     if len(fields) % 2:
-        raise ValueError(f"--data {spec!r}: {len(fields)} fields; expected WEIGHT,PREFIX pairs "
-                         "(e.g. 0.7,data/a,0.3,data/b)")
+        raise ValueError(
+            f"--data {spec!r}: {len(fields)} fields; expected WEIGHT,PREFIX pairs (e.g. 0.7,data/a,0.3,data/b)"
+        )
     pairs = []
     for w, prefix in zip(fields[::2], fields[1::2]):
         try:

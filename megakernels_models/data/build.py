@@ -14,7 +14,6 @@ import math
 import numpy as np
 
 from megakernels.validation import positive_int
-from megakernels_models.settings import ArgumentError
 from megakernels_models.data.blending import BlendedDataset, parse_blend
 from megakernels_models.data.corpus import stdlib_prefix
 from megakernels_models.data.datasets import BertDataset, GPTDataset, split_documents
@@ -22,6 +21,7 @@ from megakernels_models.data.images import CaptionDataset, ImageTextIndexed, is_
 from megakernels_models.data.indexed import IndexedDataset, paths
 from megakernels_models.data.shapes import ShapesSource
 from megakernels_models.data.tokenizer import build_tokenizer
+from megakernels_models.settings import ArgumentError
 
 
 def tokenizer_for(args):
@@ -43,8 +43,9 @@ def _split(args) -> tuple[int, int, int]:
         if len(split) != 3 or min(split) < 0 or split[0] == 0:
             raise ValueError
     except ValueError:
-        raise ArgumentError(f"--split must be three non-negative integers like 949,50,1 (train > 0), got "
-                            f"{args.split!r}") from None
+        raise ArgumentError(
+            f"--split must be three non-negative integers like 949,50,1 (train > 0), got {args.split!r}"
+        ) from None
     return split
 
 
@@ -61,7 +62,8 @@ def validate_data_args(args, cfg=None) -> None:
     """Check ``--data``, ``--tokenizer``, ``--split`` and ``--corpus-bytes`` against each other and the model
     (``cfg``, default ``args.model_config()``).
 
-    Rules: the split has a validation part when ``--eval-interval`` asks for validation; the tokenizer exists and its vocabulary fits ``cfg.vocab_size``; BERT needs its cls/sep/mask/pad tokens;
+    Rules: the split has a validation part when ``--eval-interval`` asks for validation; the tokenizer exists and its
+    vocabulary fits ``cfg.vocab_size``; BERT needs its cls/sep/mask/pad tokens;
     the default corpus needs the byte tokenizer; every ``--data`` prefix has readable, valid ``PREFIX.bin``/``.idx``
     written with a vocabulary of the tokenizer's size, and a non-empty training split (for GPT holding at least
     ``seq_length + 1`` tokens; for BERT cut into sentences: a newline token or ``--split-sentences`` data).
@@ -72,8 +74,10 @@ def validate_data_args(args, cfg=None) -> None:
     cfg = args.model_config() if cfg is None else cfg
     tok = tokenizer_for(args)
     if tok.vocab_size > cfg.vocab_size:
-        raise ArgumentError(f"--tokenizer {args.tokenizer} has {tok.vocab_size} ids, more than the model's vocab size "
-                            f"{cfg.vocab_size} (raise --vocab-size)")
+        raise ArgumentError(
+            f"--tokenizer {args.tokenizer} has {tok.vocab_size} ids, more than the model's vocab size "
+            f"{cfg.vocab_size} (raise --vocab-size)"
+        )
     if cfg.model == "vlm":
         _validate_image_data(args, cfg, tok)
         return
@@ -87,8 +91,10 @@ def validate_data_args(args, cfg=None) -> None:
         raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
     if args.data is None:
         if tok.name != "byte":
-            raise ArgumentError(f"--tokenizer {args.tokenizer}: the default corpus (no --data) is read with the byte "
-                                "tokenizer; give --data preprocessed with this tokenizer")
+            raise ArgumentError(
+                f"--tokenizer {args.tokenizer}: the default corpus (no --data) is read with the byte "
+                "tokenizer; give --data preprocessed with this tokenizer"
+            )
         positive_int(args.corpus_bytes, "--corpus-bytes", error=ArgumentError)
         return
     for _, prefix in _blend(args):
@@ -98,21 +104,28 @@ def validate_data_args(args, cfg=None) -> None:
             try:
                 open(p, "rb").close()
             except OSError as e:
-                raise ArgumentError(f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
-                                    f"preprocess --output-prefix {prefix}") from None
+                raise ArgumentError(
+                    f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
+                    f"preprocess --output-prefix {prefix}"
+                ) from None
         ds = _open_data(IndexedDataset, prefix, args, tok)
         train = split_documents(ds.doc_count, split)[0]
         if not train:
-            raise ArgumentError(f"--data {prefix}: its {ds.doc_count} documents leave no training documents with "
-                                f"--split {args.split}")
+            raise ArgumentError(
+                f"--data {prefix}: its {ds.doc_count} documents leave no training documents with --split {args.split}"
+            )
         if cfg.model == "bert" and tok.newline is None and len(ds.sequence_sizes) == ds.doc_count:
-            raise ArgumentError(f"--data {prefix}: BERT needs sentences, but --tokenizer {args.tokenizer} has no "
-                                "newline token and the data is one sequence per document; preprocess it with "
-                                "--split-sentences")
+            raise ArgumentError(
+                f"--data {prefix}: BERT needs sentences, but --tokenizer {args.tokenizer} has no "
+                "newline token and the data is one sequence per document; preprocess it with "
+                "--split-sentences"
+            )
         tokens = int(ds.doc_offsets[train.stop] - ds.doc_offsets[train.start])
         if cfg.model != "bert" and tokens < cfg.seq_length + 1:
-            raise ArgumentError(f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
-                                f"of seq_length + 1 = {cfg.seq_length + 1}")
+            raise ArgumentError(
+                f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
+                f"of seq_length + 1 = {cfg.seq_length + 1}"
+            )
 
 
 def _open_data(reader, prefix: str, args, tok):
@@ -122,8 +135,10 @@ def _open_data(reader, prefix: str, args, tok):
     except ValueError as e:
         raise ArgumentError(f"--data {prefix}: {e}") from None
     if ds.vocab_size != tok.vocab_size:
-        raise ArgumentError(f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
-                            f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer")
+        raise ArgumentError(
+            f"--data {prefix} was tokenized with a vocabulary of {ds.vocab_size} ids but "
+            f"--tokenizer {args.tokenizer} has {tok.vocab_size}: preprocess it with that tokenizer"
+        )
     return ds
 
 
@@ -154,8 +169,9 @@ def build_datasets(args, cfg):
             seed = args.seed + 1000 * i
             try:
                 if cfg.model != "bert":
-                    ds = GPTDataset(data, cfg.seq_length, seed, documents=docs,
-                                    num_samples=math.ceil(w * wanted[i]) + 1)
+                    ds = GPTDataset(
+                        data, cfg.seq_length, seed, documents=docs, num_samples=math.ceil(w * wanted[i]) + 1
+                    )
                 else:
                     ds = BertDataset(data, cfg.seq_length, seed, tok, documents=docs)
             except ValueError:
@@ -181,25 +197,32 @@ def _validate_image_data(args, cfg, tok) -> None:
         raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
     if args.data is None:
         if cfg.image_size < 16 or cfg.image_channels != 3:
-            raise ArgumentError(f"--model vlm without --data draws the embedded shapes: they need RGB images of at "
-                                f"least 16 pixels (--image-size {cfg.image_size}, {cfg.image_channels} channels)")
+            raise ArgumentError(
+                f"--model vlm without --data draws the embedded shapes: they need RGB images of at "
+                f"least 16 pixels (--image-size {cfg.image_size}, {cfg.image_channels} channels)"
+            )
         return
     prefix = args.data
     if "," in prefix:
         raise ArgumentError(f"--data {prefix}: a vision-language model reads one image-text prefix (no blends)")
     if not is_image_text(prefix):
-        raise ArgumentError(f"--data {prefix}: {prefix}.idx is missing or not an image-text index (make one with "
-                            "megakernels preprocess --images DIR --captions FILE.jsonl)")
+        raise ArgumentError(
+            f"--data {prefix}: {prefix}.idx is missing or not an image-text index (make one with "
+            "megakernels preprocess --images DIR --captions FILE.jsonl)"
+        )
     ds = _open_data(ImageTextIndexed, prefix, args, tok)
     want = (cfg.image_size, cfg.image_size, cfg.image_channels)
     bad = np.flatnonzero((ds.shapes != np.asarray(want)).any(axis=1))
     if len(bad):
         h, w, c = ds.shapes[bad[0]]
-        raise ArgumentError(f"--data {prefix}: image {bad[0]} is {h}x{w}x{c} but the model takes {want[0]}x{want[1]}x"
-                            f"{want[2]} (--image-size {cfg.image_size}); preprocess with --image-size {cfg.image_size}")
+        raise ArgumentError(
+            f"--data {prefix}: image {bad[0]} is {h}x{w}x{c} but the model takes {want[0]}x{want[1]}x"
+            f"{want[2]} (--image-size {cfg.image_size}); preprocess with --image-size {cfg.image_size}"
+        )
     if not split_documents(len(ds), split)[0]:
-        raise ArgumentError(f"--data {prefix}: its {len(ds)} samples leave no training samples with --split "
-                            f"{args.split}")
+        raise ArgumentError(
+            f"--data {prefix}: its {len(ds)} samples leave no training samples with --split {args.split}"
+        )
 
 
 def caption_datasets(cfg, tok, data: str | None, seed: int, split=(949, 50, 1)):
@@ -208,8 +231,14 @@ def caption_datasets(cfg, tok, data: str | None, seed: int, split=(949, 50, 1)):
     for split i (disjoint draws, endless)."""
     pad = tok.pad if tok.has("pad") else tok.eod
     if data is None:
-        return tuple(CaptionDataset(ShapesSource(seed + 1000 * i, cfg.image_size, tok), cfg.seq_length,
-                                    seed + 1000 * i, tok.eod, pad) for i in range(3))
+        return tuple(
+            CaptionDataset(
+                ShapesSource(seed + 1000 * i, cfg.image_size, tok), cfg.seq_length, seed + 1000 * i, tok.eod, pad
+            )
+            for i in range(3)
+        )
     source = ImageTextIndexed(data)
-    return tuple(CaptionDataset(source, cfg.seq_length, seed + 1000 * i, tok.eod, pad, documents=docs) if docs
-                 else None for i, docs in enumerate(split_documents(len(source), split)))
+    return tuple(
+        CaptionDataset(source, cfg.seq_length, seed + 1000 * i, tok.eod, pad, documents=docs) if docs else None
+        for i, docs in enumerate(split_documents(len(source), split))
+    )

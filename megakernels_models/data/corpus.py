@@ -34,8 +34,9 @@ def stdlib_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "test", "tests",
-                                                     "idle_test", "__pycache__"))
+        dirs[:] = sorted(
+            x for x in dirs if x not in ("site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__")
+        )
         out.extend(os.path.join(d, f) for f in files if f.endswith(".py"))
     return sorted(out)
 
@@ -69,8 +70,9 @@ def _file_bytes(max_bytes: int | None):
         total += len(data)
         yield data
     if total == 0:
-        raise RuntimeError(f"no Python sources under {sysconfig.get_paths()['stdlib']!r} for the default corpus; "
-                           "pass --data")
+        raise RuntimeError(
+            f"no Python sources under {sysconfig.get_paths()['stdlib']!r} for the default corpus; pass --data"
+        )
 
 
 def cache_dir() -> str:

@@ -64,11 +64,11 @@ class InMemoryDocuments:
         return self.doc_count
 
     def __getitem__(self, doc: int) -> np.ndarray:
-        return self._tokens[self.doc_offsets[doc]:self.doc_offsets[doc + 1]]
+        return self._tokens[self.doc_offsets[doc] : self.doc_offsets[doc + 1]]
 
     def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         d = self[doc]
-        return d[offset:len(d) if length is None else offset + length]
+        return d[offset : len(d) if length is None else offset + length]
 
     def sentences(self, doc: int) -> list[np.ndarray]:
         return [self[doc]]
@@ -120,31 +120,50 @@ class GPTDataset:
         IndexError: a negative sample number.
     """
 
-    def __init__(self, data, seq_length: int, seed: int, eod: int | None = None, *, documents: range | None = None,
-                 num_samples: int | None = None):
+    def __init__(
+        self,
+        data,
+        seq_length: int,
+        seed: int,
+        eod: int | None = None,
+        *,
+        documents: range | None = None,
+        num_samples: int | None = None,
+    ):
         self.data = _as_source(data, eod)
         self.documents = _documents(self.data, documents)
         self.seq_length, self.seed = int(seq_length), int(seed)
-        sizes = np.asarray(self.data.sizes[self.documents.start:self.documents.stop], dtype=np.int64)
+        sizes = np.asarray(self.data.sizes[self.documents.start : self.documents.stop], dtype=np.int64)
         self._sizes = np.asarray(self.data.sizes, dtype=np.int64)
         self.num_windows = si.gpt_windows(sizes, self.seq_length)
         if self.num_windows < 1:
-            raise ValueError(f"GPTDataset: {int(sizes.sum())} tokens in documents {self.documents.start}.."
-                             f"{self.documents.stop - 1} cannot fill one sample of seq_length + 1 = "
-                             f"{self.seq_length + 1}")
+            raise ValueError(
+                f"GPTDataset: {int(sizes.sum())} tokens in documents {self.documents.start}.."
+                f"{self.documents.stop - 1} cannot fill one sample of seq_length + 1 = "
+                f"{self.seq_length + 1}"
+            )
         self.num_samples = self.num_windows if num_samples is None else max(1, int(num_samples))
         epochs = -(-self.num_samples // self.num_windows)
-        key = si.index_key("gpt", sizes, self.documents.start, self.documents.stop, self.seq_length, self.seed,
-                           self.num_samples)
+        key = si.index_key(
+            "gpt", sizes, self.documents.start, self.documents.stop, self.seq_length, self.seed, self.num_samples
+        )
         w, d = self.num_windows, len(sizes)
 
         def check(a):
-            return (a["doc_idx"].shape == (epochs, d) and a["sample_idx"].shape == (epochs * w, 2)
-                    and a["shuffle_idx"].shape == (epochs * w,))
+            return (
+                a["doc_idx"].shape == (epochs, d)
+                and a["sample_idx"].shape == (epochs * w, 2)
+                and a["shuffle_idx"].shape == (epochs * w,)
+            )
 
         idx, self.from_cache = si.load_or_build(
-            self.data.prefix, "gpt", key, ("doc_idx", "sample_idx", "shuffle_idx"),
-            lambda: si.gpt_index(sizes, self.documents.start, self.seq_length, self.seed, epochs), check)
+            self.data.prefix,
+            "gpt",
+            key,
+            ("doc_idx", "sample_idx", "shuffle_idx"),
+            lambda: si.gpt_index(sizes, self.documents.start, self.seq_length, self.seed, epochs),
+            check,
+        )
         self.cache_key, self._cached_epochs = key, epochs
         self._idx = idx
         self._extra = (-1, None)  # the last epoch computed past the cached ones
@@ -155,10 +174,13 @@ class GPTDataset:
     def _epoch(self, e: int):
         if e < self._cached_epochs:
             w = self.num_windows
-            return (self._idx["doc_idx"][e], self._idx["sample_idx"][e * w:(e + 1) * w],
-                    self._idx["shuffle_idx"][e * w:(e + 1) * w])
+            return (
+                self._idx["doc_idx"][e],
+                self._idx["sample_idx"][e * w : (e + 1) * w],
+                self._idx["shuffle_idx"][e * w : (e + 1) * w],
+            )
         if self._extra[0] != e:
-            sizes = self._sizes[self.documents.start:self.documents.stop]
+            sizes = self._sizes[self.documents.start : self.documents.stop]
             self._extra = (e, si.gpt_epoch(sizes, self.documents.start, self.seq_length, self.seed, e))
         return self._extra[1]
 
@@ -207,8 +229,17 @@ class BertDataset:
         IndexError: a negative sample number.
     """
 
-    def __init__(self, data, seq_length: int, seed: int, tokenizer, newline: int | None = None,
-                 mask_prob: float = 0.15, *, documents: range | None = None):
+    def __init__(
+        self,
+        data,
+        seq_length: int,
+        seed: int,
+        tokenizer,
+        newline: int | None = None,
+        mask_prob: float = 0.15,
+        *,
+        documents: range | None = None,
+    ):
         tokenizer.require("cls", "sep", "mask", "pad", use="BERT")
         self.data = _as_source(data, None)
         self.documents = _documents(self.data, documents)
@@ -218,11 +249,22 @@ class BertDataset:
         eod = tokenizer.eod if tokenizer.has("eod") else None
         by_sequence = len(getattr(self.data, "sequence_sizes", self.data.sizes)) > len(self.data)
         if not by_sequence and newline is None:
-            raise ValueError(f"BertDataset: tokenizer {tokenizer.name} has no newline token to cut documents into "
-                             "sentences; preprocess the data with --split-sentences")
-        sizes = np.asarray(self.data.sizes[self.documents.start:self.documents.stop])
-        key = si.index_key("bert", sizes, self.documents.start, self.documents.stop, self.seq_length, self.seed,
-                           by_sequence, newline, eod)
+            raise ValueError(
+                f"BertDataset: tokenizer {tokenizer.name} has no newline token to cut documents into "
+                "sentences; preprocess the data with --split-sentences"
+            )
+        sizes = np.asarray(self.data.sizes[self.documents.start : self.documents.stop])
+        key = si.index_key(
+            "bert",
+            sizes,
+            self.documents.start,
+            self.documents.stop,
+            self.seq_length,
+            self.seed,
+            by_sequence,
+            newline,
+            eod,
+        )
 
         def sentences(doc):
             if by_sequence:
@@ -237,9 +279,13 @@ class BertDataset:
             return [x for x in lens if x > 0]
 
         idx, self.from_cache = si.load_or_build(
-            self.data.prefix, "bert", key, ("pairs",),
+            self.data.prefix,
+            "bert",
+            key,
+            ("pairs",),
             lambda: {"pairs": si.bert_pairs(sentences, self.documents, self.seq_length, self.seed)},
-            lambda a: a["pairs"].ndim == 2 and a["pairs"].shape[1] == 5)
+            lambda a: a["pairs"].ndim == 2 and a["pairs"].shape[1] == 5,
+        )
         self.pairs = idx["pairs"]
         if len(self.pairs) == 0:
             raise ValueError("BertDataset: no document has two sentences to pair")
@@ -260,9 +306,9 @@ class BertDataset:
         ids = np.full(s, t["pad"], dtype=np.int64)
         types = np.zeros(s, dtype=np.int64)
         n = len(a) + len(b) + 3
-        ids[0], ids[1:len(a) + 1], ids[len(a) + 1] = t["cls"], a, t["sep"]
-        ids[len(a) + 2:n - 1], ids[n - 1] = b, t["sep"]
-        types[len(a) + 2:n] = 1
+        ids[0], ids[1 : len(a) + 1], ids[len(a) + 1] = t["cls"], a, t["sep"]
+        ids[len(a) + 2 : n - 1], ids[n - 1] = b, t["sep"]
+        types[len(a) + 2 : n] = 1
         labels = np.full(s, -100, dtype=np.int64)
         real = np.concatenate([np.arange(1, len(a) + 1), np.arange(len(a) + 2, n - 1)])
         chosen = real[rng.random(len(real)) < self.mask_prob]
@@ -273,8 +319,13 @@ class BertDataset:
         ids[chosen[action < 0.8]] = t["mask"]
         rand = chosen[(action >= 0.8) & (action < 0.9)]
         ids[rand] = self._normal[rng.integers(0, len(self._normal), len(rand))]
-        return {"ids": ids, "token_types": types, "padding_mask": np.arange(s) >= n, "mlm_labels": labels,
-                "sop_labels": np.int64(swap)}
+        return {
+            "ids": ids,
+            "token_types": types,
+            "padding_mask": np.arange(s) >= n,
+            "mlm_labels": labels,
+            "sop_labels": np.int64(swap),
+        }
 
 
 def global_batch_indices(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:

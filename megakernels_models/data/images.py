@@ -35,7 +35,7 @@ import uuid
 import numpy as np
 
 from megakernels_models.data.datasets import _Epochs
-from megakernels_models.data.indexed import DTYPES, _CODES, DataError, best_dtype, paths
+from megakernels_models.data.indexed import _CODES, DTYPES, DataError, best_dtype, paths
 
 MAGIC = b"MKIMG\x00\x00\x01"
 VERSION = 1
@@ -67,8 +67,10 @@ def write_image_text(prefix: str, samples, vocab_size: int) -> int:
             for img, caption in samples:
                 img, caption = np.asarray(img), np.asarray(caption, dtype=np.int64).reshape(-1)
                 if img.dtype != np.uint8 or img.ndim != 3:
-                    raise ValueError(f"write_image_text: sample {len(shapes)}: images must be uint8 [H, W, C], got "
-                                     f"{img.dtype} {img.shape}")
+                    raise ValueError(
+                        f"write_image_text: sample {len(shapes)}: images must be uint8 [H, W, C], got "
+                        f"{img.dtype} {img.shape}"
+                    )
                 if caption.size and (caption.min() < 0 or caption.max() >= vocab_size):
                     raise ValueError(f"write_image_text: sample {len(shapes)}: token ids outside 0..{vocab_size - 1}")
                 binf.write(np.ascontiguousarray(img).tobytes())
@@ -83,8 +85,9 @@ def write_image_text(prefix: str, samples, vocab_size: int) -> int:
             f.write(np.asarray(shapes, dtype="<i4").reshape(n, 3).tobytes())
             f.write(np.asarray(offsets, dtype="<i8").tobytes())
             f.write(np.asarray(spans, dtype="<i8").reshape(n, 2).tobytes())
-            f.write((np.concatenate(tokens) if tokens else np.zeros(0, dtype)).astype(dtype.newbyteorder("<"))
-                    .tobytes())
+            f.write(
+                (np.concatenate(tokens) if tokens else np.zeros(0, dtype)).astype(dtype.newbyteorder("<")).tobytes()
+            )
         for t, final in zip(tmp, paths(prefix)):
             os.replace(t, final)
         return n
@@ -128,20 +131,28 @@ class ImageTextIndexed:
         self.spans = np.frombuffer(raw, "<i8", 2 * n, at + 20 * n).reshape(n, 2)
         self.tokens = np.frombuffer(raw, dtype, t, at + 36 * n)
         sizes = self.shapes.prod(axis=1)
-        if n and ((self.shapes <= 0).any() or (self.offsets != np.concatenate([[0], np.cumsum(sizes)[:-1]])).any()
-                  or (self.spans < 0).any() or (self.spans[:, 1] > t - self.spans[:, 0]).any()):
+        if n and (
+            (self.shapes <= 0).any()
+            or (self.offsets != np.concatenate([[0], np.cumsum(sizes)[:-1]])).any()
+            or (self.spans < 0).any()
+            or (self.spans[:, 1] > t - self.spans[:, 0]).any()
+        ):
             raise DataError(f"{idx_path}: inconsistent shapes, offsets or caption spans")
         if os.path.getsize(bin_path) != int(sizes.sum()):
-            raise DataError(f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} describes "
-                            f"{int(sizes.sum())} bytes of pixels")
+            raise DataError(
+                f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} describes "
+                f"{int(sizes.sum())} bytes of pixels"
+            )
         self._bin = np.memmap(bin_path, np.uint8, "r") if sizes.sum() else np.zeros(0, np.uint8)
         if t and self.vocab_size < 1 << (8 * dtype.itemsize) and int(self.tokens.max()) >= self.vocab_size:
             at = int(np.argmax(self.tokens >= self.vocab_size))
             owner = np.flatnonzero((self.spans[:, 0] <= at) & (at < self.spans.sum(axis=1)))
             where = f"sample {owner[0]}'s caption" if len(owner) else "no caption"
-            raise DataError(f"{idx_path}: token id {int(self.tokens[at])} at caption token {at} ({where}) is outside "
-                            f"the vocabulary 0..{self.vocab_size - 1} it records (corrupt, or written with another "
-                            "tokenizer)")
+            raise DataError(
+                f"{idx_path}: token id {int(self.tokens[at])} at caption token {at} ({where}) is outside "
+                f"the vocabulary 0..{self.vocab_size - 1} it records (corrupt, or written with another "
+                "tokenizer)"
+            )
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -149,9 +160,9 @@ class ImageTextIndexed:
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         h, w, c = (int(x) for x in self.shapes[i])
         o = int(self.offsets[i])
-        img = np.asarray(self._bin[o:o + h * w * c]).reshape(h, w, c)
+        img = np.asarray(self._bin[o : o + h * w * c]).reshape(h, w, c)
         off, length = (int(x) for x in self.spans[i])
-        return img, self.tokens[off:off + length].astype(np.int64)
+        return img, self.tokens[off : off + length].astype(np.int64)
 
 
 class CaptionDataset:
@@ -177,20 +188,25 @@ class CaptionDataset:
         return len(self.documents)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        j = self.documents[i % len(self.documents)] if self._order is None else \
-            self.documents[self._order(i)]
+        j = self.documents[i % len(self.documents)] if self._order is None else self.documents[self._order(i)]
         img, caption = self.source.sample(j)
         s = self.seq_length
         window = np.full(s + 1, self.pad, dtype=np.int64)
-        text = np.concatenate([[self.eod], caption[:s - 1], [self.eod]])
-        window[:len(text)] = text
+        text = np.concatenate([[self.eod], caption[: s - 1], [self.eod]])
+        window[: len(text)] = text
         labels = window[1:].copy()
-        labels[len(text) - 1:] = -100
+        labels[len(text) - 1 :] = -100
         return {"images": img, "ids": window[:-1], "labels": labels}
 
 
-def read_captioned_folder(images_dir: str, captions: str, tokenizer, image_size: int | None = None,
-                          image_key: str = "image", caption_key: str = "caption"):
+def read_captioned_folder(
+    images_dir: str,
+    captions: str,
+    tokenizer,
+    image_size: int | None = None,
+    image_key: str = "image",
+    caption_key: str = "caption",
+):
     """Yield ``(uint8 [H, W, 3] image, caption ids)`` for each line of the JSONL ``captions``
     (``{"image": "relative/path.png", "caption": "..."}``), the image decoded by Pillow (PNG, JPEG, ...), converted
     to RGB and, with ``image_size``, resized to ``image_size × image_size`` (bicubic).
@@ -211,8 +227,9 @@ def read_captioned_folder(images_dir: str, captions: str, tokenizer, image_size:
                 rec = json.loads(line)
                 name, caption = rec[image_key], rec[caption_key]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{captions}:{n}: expected a JSON object with {image_key!r} and {caption_key!r} "
-                                 f"({e})") from None
+                raise ValueError(
+                    f"{captions}:{n}: expected a JSON object with {image_key!r} and {caption_key!r} ({e})"
+                ) from None
             path = os.path.join(images_dir, name)
             if not os.path.isfile(path):
                 raise ValueError(f"{captions}:{n}: image {path} does not exist")
@@ -223,6 +240,5 @@ def read_captioned_folder(images_dir: str, captions: str, tokenizer, image_size:
                         im = im.resize((image_size, image_size), Image.BICUBIC)
                     pixels = np.asarray(im, dtype=np.uint8)
             except (UnidentifiedImageError, OSError, SyntaxError) as e:
-                raise ValueError(f"{captions}:{n}: image {path} cannot be decoded ({type(e).__name__}: {e})") \
-                    from None
+                raise ValueError(f"{captions}:{n}: image {path} cannot be decoded ({type(e).__name__}: {e})") from None
             yield pixels, np.asarray(tokenizer.encode(caption), dtype=np.int64)

@@ -98,11 +98,14 @@ class IndexedDataset:
         n_tokens = int(self.sequence_offsets[-1] + self.sequence_sizes[-1]) if len(self.sequence_sizes) else 0
         nbytes = os.path.getsize(self.bin_path)
         if nbytes != n_tokens * self.dtype.itemsize:
-            raise DataError(f"{self.bin_path}: holds {nbytes} bytes but {self.idx_path} describes {n_tokens} "
-                            f"{self.dtype.name} tokens = {n_tokens * self.dtype.itemsize} bytes (truncated or from "
-                            "another run)")
-        self._tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if n_tokens
-                        else np.zeros(0, dtype=self.dtype))
+            raise DataError(
+                f"{self.bin_path}: holds {nbytes} bytes but {self.idx_path} describes {n_tokens} "
+                f"{self.dtype.name} tokens = {n_tokens * self.dtype.itemsize} bytes (truncated or from "
+                "another run)"
+            )
+        self._tokens = (
+            np.memmap(self.bin_path, dtype=self.dtype, mode="r") if n_tokens else np.zeros(0, dtype=self.dtype)
+        )
         # a document of no sequences (the writer never makes one; the format allows it) starts where the next does
         starts = np.append(self.sequence_offsets, n_tokens)[self.doc_index[:-1]]
         self.doc_offsets = np.append(starts, n_tokens).astype(np.int64)
@@ -117,9 +120,11 @@ class IndexedDataset:
         top, at = max_token_id(self.bin_path, self._tokens)
         if top >= self.vocab_size:
             doc = int(np.searchsorted(self.doc_offsets, at, side="right")) - 1
-            raise DataError(f"{self.bin_path}: token id {top} at token {at} (document {doc}) is outside the "
-                            f"vocabulary 0..{self.vocab_size - 1} that {self.idx_path} records (corrupt, or written "
-                            "with another tokenizer)")
+            raise DataError(
+                f"{self.bin_path}: token id {top} at token {at} (document {doc}) is outside the "
+                f"vocabulary 0..{self.vocab_size - 1} that {self.idx_path} records (corrupt, or written "
+                "with another tokenizer)"
+            )
 
     def _read_index(self) -> None:
         path = self.idx_path
@@ -129,27 +134,31 @@ class IndexedDataset:
                 raise DataError(f"{path}: {len(head)} bytes is shorter than the {_HEADER.size}-byte header")
             magic, version, code, vocab, n_seq, n_doc = _HEADER.unpack(head)
             if magic != MAGIC:
-                raise DataError(f"{path}: wrong magic bytes {magic!r} (expected {MAGIC!r}): not a megakernels "
-                                "index file")
+                raise DataError(
+                    f"{path}: wrong magic bytes {magic!r} (expected {MAGIC!r}): not a megakernels index file"
+                )
             if version != VERSION:
-                raise DataError(f"{path}: format version {version} is not supported (this reader reads "
-                                f"version {VERSION})")
+                raise DataError(
+                    f"{path}: format version {version} is not supported (this reader reads version {VERSION})"
+                )
             if code not in DTYPES:
                 raise DataError(f"{path}: dtype code {code} is unknown (expected one of {sorted(DTYPES)})")
             want = _HEADER.size + 12 * n_seq + 8 * (n_doc + 1)
             size = os.fstat(f.fileno()).st_size
             if size != want:
-                raise DataError(f"{path}: {size} bytes, but its header ({n_seq} sequences, {n_doc} documents) "
-                                f"needs exactly {want} (truncated or corrupt)")
+                raise DataError(
+                    f"{path}: {size} bytes, but its header ({n_seq} sequences, {n_doc} documents) "
+                    f"needs exactly {want} (truncated or corrupt)"
+                )
             sizes = np.fromfile(f, dtype="<i4", count=n_seq).astype(np.int64)
             offsets = np.fromfile(f, dtype="<i8", count=n_seq)
             doc_index = np.fromfile(f, dtype="<i8", count=n_doc + 1)
         if n_seq and (sizes.min() < 0 or offsets[0] != 0 or np.any(offsets[1:] != offsets[:-1] + sizes[:-1])):
-            raise DataError(f"{path}: sequence offsets are not the running sum of the sequence lengths "
-                            "(corrupt index)")
+            raise DataError(f"{path}: sequence offsets are not the running sum of the sequence lengths (corrupt index)")
         if doc_index[0] != 0 or doc_index[-1] != n_seq or np.any(np.diff(doc_index) < 0):
-            raise DataError(f"{path}: document boundaries must rise from 0 to the number of sequences {n_seq} "
-                            "(corrupt index)")
+            raise DataError(
+                f"{path}: document boundaries must rise from 0 to the number of sequences {n_seq} (corrupt index)"
+            )
         if vocab < 1:
             raise DataError(f"{path}: records a vocabulary of {vocab} ids (corrupt index)")
         self.dtype, self.vocab_size, self.doc_count = DTYPES[code], int(vocab), int(n_doc)
@@ -161,7 +170,7 @@ class IndexedDataset:
     def __getitem__(self, doc: int) -> np.ndarray:
         if not 0 <= doc < self.doc_count:
             raise IndexError(f"document {doc} out of range 0..{self.doc_count - 1} of {self.prefix}")
-        return self._tokens[self.doc_offsets[doc]:self.doc_offsets[doc + 1]]
+        return self._tokens[self.doc_offsets[doc] : self.doc_offsets[doc + 1]]
 
     def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset .. offset+length`` of document ``doc`` (to its end when ``length`` is None).
@@ -182,7 +191,7 @@ class IndexedDataset:
     def sentences(self, doc: int) -> list[np.ndarray]:
         """Document ``doc``'s sequences (its sentences when preprocessed with ``--split-sentences``)."""
         a, b = self.doc_index[doc], self.doc_index[doc + 1]
-        return [self._tokens[o:o + s] for o, s in zip(self.sequence_offsets[a:b], self.sequence_sizes[a:b])]
+        return [self._tokens[o : o + s] for o, s in zip(self.sequence_offsets[a:b], self.sequence_sizes[a:b])]
 
 
 def max_token_id(bin_path: str, tokens: np.ndarray) -> tuple[int, int]:
@@ -192,7 +201,7 @@ def max_token_id(bin_path: str, tokens: np.ndarray) -> tuple[int, int]:
     st = os.stat(bin_path)
     # the inode too: a pair published again by renaming (the writer) within one tick of a coarse clock
     key = {"format": MAXID_FORMAT, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns, "bin_inode": st.st_ino}
-    cache = bin_path[:-len(".bin")] + ".maxid.json" if bin_path.endswith(".bin") else bin_path + ".maxid.json"
+    cache = bin_path[: -len(".bin")] + ".maxid.json" if bin_path.endswith(".bin") else bin_path + ".maxid.json"
     try:
         with open(cache, encoding="utf-8") as f:
             got = json.load(f)
@@ -204,7 +213,7 @@ def max_token_id(bin_path: str, tokens: np.ndarray) -> tuple[int, int]:
         pass  # missing or unreadable: scan
     top, at = -1, 0
     for start in range(0, len(tokens), _SCAN_CHUNK):
-        chunk = tokens[start:start + _SCAN_CHUNK]
+        chunk = tokens[start : start + _SCAN_CHUNK]
         m = int(chunk.max())
         if m > top:
             top, at = m, start + int(np.argmax(chunk))

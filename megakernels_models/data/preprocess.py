@@ -4,7 +4,8 @@ Inputs: a plain text file is one document; a ``.jsonl``/``.json`` file holds one
 ``--json-key`` field is a document; either may be gzipped (``.gz``). Folders are walked in sorted path order,
 skipping hidden files, this pipeline's own outputs (``.bin``, ``.idx``, ``.npy``, temporary ``.tmp-`` files) and
 plain files that are not UTF-8 text (compiled files next to sources; counted in the summary). A file named
-directly must be readable text. Empty documents are skipped. ``--append-eod`` ends each document with the tokenizer's end-of-document token (GPT training
+directly must be readable text. Empty documents are skipped. ``--append-eod`` ends each document with the tokenizer's
+end-of-document token (GPT training
 needs it between documents); ``--split-sentences`` stores each line as its own sequence (BERT's sentences, for
 tokenizers without a newline token such as SentencePiece).
 
@@ -26,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -66,8 +67,9 @@ def _is_input(name: str) -> bool:
     return not (name.startswith(".") or ".tmp-" in name or name.endswith((".bin", ".idx", ".npy")))
 
 
-def read_documents(files: Iterable[tuple[str, bool]], json_key: str = "text",
-                   skipped: list[str] | None = None) -> Iterator[str]:
+def read_documents(
+    files: Iterable[tuple[str, bool]], json_key: str = "text", skipped: list[str] | None = None
+) -> Iterator[str]:
     """The documents of ``files`` (``input_files``) in order (see the module docstring), empty ones skipped.
     Plain files found in folders that are not UTF-8 are left out and appended to ``skipped``.
 
@@ -121,13 +123,19 @@ def train_bpe(files: list[str], vocab_size: int, path: str, json_key: str = "tex
 
     least = 256 + len(TRAINED_SPECIALS)
     if vocab_size < least:
-        raise ValueError(f"--train-tokenizer {vocab_size}: needs at least {least} ids (256 bytes + "
-                         f"{len(TRAINED_SPECIALS)} special tokens)")
+        raise ValueError(
+            f"--train-tokenizer {vocab_size}: needs at least {least} ids (256 bytes + "
+            f"{len(TRAINED_SPECIALS)} special tokens)"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TRAINED_SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(TRAINED_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
     tok.train_from_iterator(read_documents(files, json_key), trainer)
     tmp = f"{path}.tmp-{os.getpid()}"
     tok.save(tmp)
@@ -182,8 +190,9 @@ def _chunks(docs: Iterator[str], n: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def tokenize_documents(docs: Iterator[str], spec: str, workers: int = 1, append_eod: bool = False,
-                       split_sentences: bool = False) -> Iterator[list[np.ndarray]]:
+def tokenize_documents(
+    docs: Iterator[str], spec: str, workers: int = 1, append_eod: bool = False, split_sentences: bool = False
+) -> Iterator[list[np.ndarray]]:
     """Tokenise ``docs`` on ``workers`` processes; yields each document's sequences in input order."""
     chunks = _chunks(docs, CHUNK_DOCUMENTS)
     if workers == 1:
@@ -223,9 +232,17 @@ def tokenize_documents(docs: Iterator[str], spec: str, workers: int = 1, append_
         pool.join()
 
 
-def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", json_key: str = "text",
-               workers: int = 1, append_eod: bool = False, split_sentences: bool = False,
-               train_tokenizer: int | None = None, progress: bool = False) -> dict:
+def preprocess(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer: str = "byte",
+    json_key: str = "text",
+    workers: int = 1,
+    append_eod: bool = False,
+    split_sentences: bool = False,
+    train_tokenizer: int | None = None,
+    progress: bool = False,
+) -> dict:
     """Write ``output_prefix.bin``/``.idx`` from ``inputs`` (the module docstring). Returns ``documents, sequences,
     tokens, dtype, tokenizer, skipped`` (files left out) and ``seconds``.
 
@@ -250,8 +267,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
     bar = tqdm(desc="preprocess", unit=" docs", disable=not progress, dynamic_ncols=True)
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as w:
         skipped: list[str] = []
-        stream = tokenize_documents(read_documents(files, json_key, skipped), tok.name, workers, append_eod,
-                                    split_sentences)
+        stream = tokenize_documents(
+            read_documents(files, json_key, skipped), tok.name, workers, append_eod, split_sentences
+        )
         try:
             for seqs in stream:
                 w.add_document(seqs)
@@ -264,35 +282,66 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "byte", j
         if w.doc_count == 0:
             raise ValueError(f"--input {' '.join(inputs)}: no non-empty documents")
         w.finish()
-        return {"documents": w.doc_count, "sequences": w.sequence_count, "tokens": w.num_tokens,
-                "dtype": w.dtype.name, "tokenizer": tok.name, "skipped": skipped,
-                "seconds": time.perf_counter() - t0}
+        return {
+            "documents": w.doc_count,
+            "sequences": w.sequence_count,
+            "tokens": w.num_tokens,
+            "dtype": w.dtype.name,
+            "tokenizer": tok.name,
+            "skipped": skipped,
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 # ---- the subcommand -------------------------------------------------------------------------------------------
 
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``preprocess`` to the ``megakernels`` subparsers."""
-    p = sub.add_parser("preprocess", help="text/JSONL files or folders -> PREFIX.bin + PREFIX.idx; or images + "
-                       "captions (--images, --captions)",
-                       description="Tokenise text or JSONL files (or folders of them) into PREFIX.bin + PREFIX.idx; "
-                       "or, with --images DIR --captions FILE.jsonl, write an image-text dataset (uint8 images in "
-                       ".bin, shapes and caption tokens in .idx) for --model vlm.")
-    p.add_argument("--input", nargs="+", default=None, metavar="FILE_OR_DIR",
-                   help="text, .jsonl/.json (one object per line) or .gz of either; folders are walked")
-    p.add_argument("--images", default=None, metavar="DIR", help="image-text: the folder the captions' image paths "
-                   "are relative to (PNG, JPEG, ... decoded by Pillow)")
-    p.add_argument("--captions", default=None, metavar="FILE", help='image-text: JSONL of {"image": PATH, "caption": '
-                   'TEXT}')
-    p.add_argument("--image-size", type=int, default=None, metavar="N", help="image-text: resize every image to "
-                   "N x N (default: keep; the model then needs them all at its --image-size)")
+    p = sub.add_parser(
+        "preprocess",
+        help="text/JSONL files or folders -> PREFIX.bin + PREFIX.idx; or images + captions (--images, --captions)",
+        description="Tokenise text or JSONL files (or folders of them) into PREFIX.bin + PREFIX.idx; "
+        "or, with --images DIR --captions FILE.jsonl, write an image-text dataset (uint8 images in "
+        ".bin, shapes and caption tokens in .idx) for --model vlm.",
+    )
+    p.add_argument(
+        "--input",
+        nargs="+",
+        default=None,
+        metavar="FILE_OR_DIR",
+        help="text, .jsonl/.json (one object per line) or .gz of either; folders are walked",
+    )
+    p.add_argument(
+        "--images",
+        default=None,
+        metavar="DIR",
+        help="image-text: the folder the captions' image paths are relative to (PNG, JPEG, ... decoded by Pillow)",
+    )
+    p.add_argument(
+        "--captions", default=None, metavar="FILE", help='image-text: JSONL of {"image": PATH, "caption": TEXT}'
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="image-text: resize every image to "
+        "N x N (default: keep; the model then needs them all at its --image-size)",
+    )
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (default: byte)")
-    p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
-                   help="train a byte-level BPE on the input first (saved as PREFIX.tokenizer.json)")
+    p.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=None,
+        metavar="VOCAB_SIZE",
+        help="train a byte-level BPE on the input first (saved as PREFIX.tokenizer.json)",
+    )
     p.add_argument("--json-key", default="text", help="the document field of JSONL objects (default: text)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenising processes (default: the number of CPUs)")
+    p.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes (default: the number of CPUs)"
+    )
     p.add_argument("--append-eod", action="store_true", help="end each document with the EOD token (GPT)")
     p.add_argument("--split-sentences", action="store_true", help="each line its own sequence (BERT sentences)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -305,20 +354,34 @@ def main(ns: argparse.Namespace) -> int:
     if ns.images is not None or ns.captions is not None:
         return _images_main(ns)
     if not ns.input:
-        print("megakernels preprocess: error: give --input FILE_OR_DIR (text) or --images DIR --captions FILE "
-              "(image-text)", file=sys.stderr)
+        print(
+            "megakernels preprocess: error: give --input FILE_OR_DIR (text) or --images DIR --captions FILE "
+            "(image-text)",
+            file=sys.stderr,
+        )
         return 2
     try:
         if ns.train_tokenizer is not None and ns.tokenizer != "byte":
             raise ValueError(f"give --tokenizer {ns.tokenizer} or --train-tokenizer, not both")
-        stats = preprocess(ns.input, ns.output_prefix, ns.tokenizer, ns.json_key, ns.workers,
-                           ns.append_eod, ns.split_sentences, ns.train_tokenizer, ns.progress)
+        stats = preprocess(
+            ns.input,
+            ns.output_prefix,
+            ns.tokenizer,
+            ns.json_key,
+            ns.workers,
+            ns.append_eod,
+            ns.split_sentences,
+            ns.train_tokenizer,
+            ns.progress,
+        )
     except (ValueError, OSError) as e:
         print(f"megakernels preprocess: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {ns.output_prefix}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
-          f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s"
-          + (f"; skipped {len(stats['skipped'])} files that are not UTF-8 text" if stats["skipped"] else ""))
+    print(
+        f"wrote {ns.output_prefix}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
+        f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s"
+        + (f"; skipped {len(stats['skipped'])} files that are not UTF-8 text" if stats["skipped"] else "")
+    )
     return 0
 
 
@@ -340,11 +403,13 @@ def _images_main(ns: argparse.Namespace) -> int:
         if ns.image_size is not None and ns.image_size < 1:
             raise ValueError(f"--image-size must be >= 1, got {ns.image_size}")
         tok = build_tokenizer(ns.tokenizer)
-        n = write_image_text(ns.output_prefix, read_captioned_folder(ns.images, ns.captions, tok, ns.image_size),
-                             tok.vocab_size)
+        n = write_image_text(
+            ns.output_prefix, read_captioned_folder(ns.images, ns.captions, tok, ns.image_size), tok.vocab_size
+        )
     except (ValueError, OSError, ImportError) as e:
         print(f"megakernels preprocess: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {ns.output_prefix}.bin/.idx: {n} images with captions ({tok.name}) in "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"wrote {ns.output_prefix}.bin/.idx: {n} images with captions ({tok.name}) in {time.perf_counter() - t0:.1f} s"
+    )
     return 0

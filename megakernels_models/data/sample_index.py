@@ -27,7 +27,7 @@ import hashlib
 import os
 import uuid
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,9 +47,14 @@ def index_key(kind: str, sizes: np.ndarray, *params) -> str:
     return h.hexdigest()[:16]
 
 
-def load_or_build(prefix: str | None, kind: str, key: str, names: tuple[str, ...],
-                  build: Callable[[], dict[str, np.ndarray]],
-                  check: Callable[[dict[str, np.ndarray]], bool]) -> tuple[dict[str, np.ndarray], bool]:
+def load_or_build(
+    prefix: str | None,
+    kind: str,
+    key: str,
+    names: tuple[str, ...],
+    build: Callable[[], dict[str, np.ndarray]],
+    check: Callable[[dict[str, np.ndarray]], bool],
+) -> tuple[dict[str, np.ndarray], bool]:
     """Arrays ``names`` of the index ``kind``/``key`` of the data at ``prefix``: read (memory-mapped) from the
     ``.npy`` files when they all load and pass ``check``, else ``build()`` and saved (``prefix`` None: built, not
     saved). Returns the arrays and whether they came from the cache."""
@@ -66,7 +71,9 @@ def load_or_build(prefix: str | None, kind: str, key: str, names: tuple[str, ...
             for n in names:
                 _save(index_path(prefix, kind, key, n), arrays[n])
         except OSError as e:
-            warnings.warn(f"cannot cache the {kind} sample index beside {prefix} ({e}); it stays in memory")
+            warnings.warn(
+                f"cannot cache the {kind} sample index beside {prefix} ({e}); it stays in memory", stacklevel=2
+            )
     return arrays, False
 
 
@@ -87,6 +94,7 @@ def _save(path: str, array: np.ndarray) -> None:
 
 
 # ---- GPT ------------------------------------------------------------------------------------------------------
+
 
 def gpt_windows(sizes: np.ndarray, seq_length: int) -> int:
     """Windows per epoch: ``(T - 1) // seq_length`` for ``T = sizes.sum()`` tokens."""
@@ -113,11 +121,15 @@ def gpt_epoch(sizes: np.ndarray, first_doc: int, seq_length: int, seed: int, epo
 def gpt_index(sizes: np.ndarray, first_doc: int, seq_length: int, seed: int, epochs: int) -> dict[str, np.ndarray]:
     """Epochs ``0 .. epochs-1`` stacked: ``doc_idx [E, D]``, ``sample_idx [E·W, 2]``, ``shuffle_idx [E·W]``."""
     parts = [gpt_epoch(sizes, first_doc, seq_length, seed, e) for e in range(epochs)]
-    return {"doc_idx": np.stack([p[0] for p in parts]), "sample_idx": np.concatenate([p[1] for p in parts]),
-            "shuffle_idx": np.concatenate([p[2] for p in parts])}
+    return {
+        "doc_idx": np.stack([p[0] for p in parts]),
+        "sample_idx": np.concatenate([p[1] for p in parts]),
+        "shuffle_idx": np.concatenate([p[2] for p in parts]),
+    }
 
 
 # ---- BERT -----------------------------------------------------------------------------------------------------
+
 
 def truncate_pair(la: int, lb: int, budget: int) -> tuple[int, int]:
     """Lengths of A and B after dropping tokens from the end of the longer one (A on ties) until they fit."""

@@ -52,8 +52,9 @@ class _Specials:
         missing = [r for r in roles if self._ids.get(r) is None]
         if missing:
             looked = "; ".join(f"{r}: {' '.join(SPELLINGS[r])}" for r in missing)
-            raise ValueError(f"tokenizer {self.name} has no {', '.join(missing)} token, which {use} needs "
-                             f"(looked for {looked})")
+            raise ValueError(
+                f"tokenizer {self.name} has no {', '.join(missing)} token, which {use} needs (looked for {looked})"
+            )
 
 
 class ByteTokenizer:
@@ -204,5 +205,6 @@ def build_tokenizer(spec: str):
         return HFTokenizer(path)
     if kind == "spm" and path:
         return SentencePieceTokenizer(path)
-    raise ValueError(f"unknown tokenizer {spec!r}: expected byte, hf:PATH (a tokenizer.json) or spm:PATH "
-                     "(a SentencePiece .model)")
+    raise ValueError(
+        f"unknown tokenizer {spec!r}: expected byte, hf:PATH (a tokenizer.json) or spm:PATH (a SentencePiece .model)"
+    )

@@ -73,11 +73,15 @@ def test_shapes_without_one_of_a_selected_familys_size_exit_2(capsys):
 
 def test_shapes_go_to_the_families_with_that_many_sizes():
     assert parse_shapes("64,256;2,4,8,16;32,128", ["rms_norm", "bias_gelu", "scaled_softmax", "adamw"]) == {
-        "norms": [(64, 256), (32, 128)], "bias_gelu": [(64, 256), (32, 128)], "softmax": [(2, 4, 8, 16)]}
+        "norms": [(64, 256), (32, 128)],
+        "bias_gelu": [(64, 256), (32, 128)],
+        "softmax": [(2, 4, 8, 16)],
+    }
 
 
-@pytest.mark.parametrize("flag, value", [("--shapes", "64,x"), ("--shapes", "0,4"), ("--head-dims", "64,-1"),
-                                         ("--seqlens", "many")])
+@pytest.mark.parametrize(
+    "flag, value", [("--shapes", "64,x"), ("--shapes", "0,4"), ("--head-dims", "64,-1"), ("--seqlens", "many")]
+)
 def test_malformed_sizes_exit_2_naming_the_flag(capsys, flag, value):
     assert bench("--ops", "rms_norm,flash_attention", flag, value) == 2
     assert flag in capsys.readouterr().err
@@ -104,8 +108,21 @@ def test_groups_expand_in_order_without_duplicates():
 
 def test_quick_run_of_one_op_writes_json_and_png(tmp_path, capsys):
     out = tmp_path / "out"
-    assert bench("--ops", "bias_gelu", "--dtype", "fp32", "--quick", "--no-compile", "--min-run-time", "0.01",
-                 "--out", str(out)) == 0
+    assert (
+        bench(
+            "--ops",
+            "bias_gelu",
+            "--dtype",
+            "fp32",
+            "--quick",
+            "--no-compile",
+            "--min-run-time",
+            "0.01",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "## bias_gelu" in printed and "vs eager" in printed and "% ceil" in printed
     data = json.loads((out / "bench.json").read_text())
@@ -122,13 +139,18 @@ def test_quick_run_of_one_op_writes_json_and_png(tmp_path, capsys):
 
 def test_quick_run_of_the_llama_group_measures_rope_variants_and_swiglu(tmp_path, capsys):
     out = tmp_path / "out"
-    assert bench("--ops", "llama", "--dtype", "bf16", "--quick", "--no-compile", "--min-run-time", "0.01",
-                 "--out", str(out)) == 0
+    assert (
+        bench(
+            "--ops", "llama", "--dtype", "bf16", "--quick", "--no-compile", "--min-run-time", "0.01", "--out", str(out)
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "## rope" in printed and "## swiglu" in printed
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert {(r["op"], r["variant"], r["pass"]) for r in rows} == {
-        (op, v, p) for op, v in (("rope", "angles"), ("rope", "table"), ("swiglu", "")) for p in ("fwd", "fwd+bwd")}
+        (op, v, p) for op, v in (("rope", "angles"), ("rope", "table"), ("swiglu", "")) for p in ("fwd", "fwd+bwd")
+    }
     assert all(r["dtype"] == "bfloat16" and r["unit"] == "GB/s" and "eager" in r["speedups"] for r in rows)
     assert (out / "rope.png").exists() and (out / "swiglu.png").exists()
 
@@ -137,8 +159,9 @@ def test_quick_run_of_grouped_gemm_compares_the_loop_and_torch_grouped_mm(tmp_pa
     from megakernels_models.bench import moe
 
     out = tmp_path / "out"
-    assert bench("--ops", "grouped_gemm", "--dtype", "fp32", "--quick", "--min-run-time", "0.01",
-                 "--out", str(out)) == 0
+    assert (
+        bench("--ops", "grouped_gemm", "--dtype", "fp32", "--quick", "--min-run-time", "0.01", "--out", str(out)) == 0
+    )
     payload = json.loads((out / "bench.json").read_text())
     rows = payload["rows"]
     assert {(r["op"], r["pass"]) for r in rows} == {("grouped_gemm", p) for p in ("fwd", "fwd+bwd")}
@@ -154,8 +177,9 @@ def test_quick_run_of_hf_train_times_patched_against_unpatched_models(tmp_path):
     out = tmp_path / "out"
     assert bench("--ops", "hf", "--dtype", "fp32", "--quick", "--min-run-time", "0.01", "--out", str(out)) == 0
     rows = json.loads((out / "bench.json").read_text())["rows"]
-    assert {(r["variant"], r["pass"]) for r in rows} == {(m, p) for m in ("gpt2-tiny", "llama-tiny")
-                                                         for p in ("fwd+bwd", "step")}
+    assert {(r["variant"], r["pass"]) for r in rows} == {
+        (m, p) for m in ("gpt2-tiny", "llama-tiny") for p in ("fwd+bwd", "step")
+    }
     assert all(set(r["speedups"]) == {"transformers"} and r["unit"] == "TFLOP/s" for r in rows)
 
 
@@ -176,5 +200,6 @@ def test_offloaded_adamw_reports_ns_per_parameter_against_torchs_fused_adamw():
     assert set(row["times_ms"]) == {"megakernels", "torch_fused", "torch_foreach"}
     assert row["extra_columns"]["ns/param"] == pytest.approx(row["times_ms"]["megakernels"] * 1e6 / row["size"])
     assert row["extra_columns"]["step ns/param"] > 0
-    assert row["speedups"]["torch_fused"] == pytest.approx(row["times_ms"]["torch_fused"]
-                                                           / row["times_ms"]["megakernels"])
+    assert row["speedups"]["torch_fused"] == pytest.approx(
+        row["times_ms"]["torch_fused"] / row["times_ms"]["megakernels"]
+    )

@@ -40,10 +40,29 @@ def test_e2e_json_has_one_entry_per_rank(tmp_path):
 
     from megakernels_models.bench import e2e
 
-    ns = Namespace(e2e="gpt-tiny", device="cpu", quick=True, precision=None, tp=1, pp=2, vpp=None, dp=None,
-                   nproc=None, micro_batch_size=None, global_batch_size=None, steps=2, warmup=1,
-                   sequence_parallel=False, distributed_optimizer=False, recompute="none", schedule="1f1b",
-                   attention="flash", peak_tflops=1.0, no_baseline=True, no_trainer=False)
+    ns = Namespace(
+        e2e="gpt-tiny",
+        device="cpu",
+        quick=True,
+        precision=None,
+        tp=1,
+        pp=2,
+        vpp=None,
+        dp=None,
+        nproc=None,
+        micro_batch_size=None,
+        global_batch_size=None,
+        steps=2,
+        warmup=1,
+        sequence_parallel=False,
+        distributed_optimizer=False,
+        recompute="none",
+        schedule="1f1b",
+        attention="flash",
+        peak_tflops=1.0,
+        no_baseline=True,
+        no_trainer=False,
+    )
     (entry,) = e2e.run(ns, log=lambda s: None)
     t = entry["trainer"]
     assert len(t["time_split_per_rank_s"]) == 2 and len(t["peak_memory_bytes_per_rank"]) == 2

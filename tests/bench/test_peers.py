@@ -23,8 +23,9 @@ def test_absent_peers_are_skipped_with_one_note_each(no_peers_installed):
     p = peers.Peers("cuda")
     assert p.norm("layer_norm") == {} and p.norm("rms_norm") == {} and p.adamw() == {}
     assert p.attention(torch.bfloat16) == {} and p.cross_entropy() == {}
-    assert sorted(p.notes) == sorted(f"peer {n} ({label}): not installed; skipped"
-                                     for n, (label, _) in peers.PACKAGES.items())
+    assert sorted(p.notes) == sorted(
+        f"peer {n} ({label}): not installed; skipped" for n, (label, _) in peers.PACKAGES.items()
+    )
 
 
 def test_disabled_peers_are_not_even_imported(no_peers_installed):
@@ -35,8 +36,10 @@ def test_disabled_peers_are_not_even_imported(no_peers_installed):
 def test_a_quick_norms_run_prints_the_notes(no_peers_installed, capsys):
     from megakernels_models.cli import main
 
-    assert main(["bench", "--ops", "rms_norm", "--dtype", "float32", "--quick", "--no-compile",
-                 "--min-run-time", "0.01"]) == 0
+    assert (
+        main(["bench", "--ops", "rms_norm", "--dtype", "float32", "--quick", "--no-compile", "--min-run-time", "0.01"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "note: peer apex (NVIDIA apex): not installed; skipped" in out
     assert "note: peer liger_kernel (Liger-Kernel): not installed; skipped" in out
@@ -79,8 +82,9 @@ def test_an_installed_peer_applies_our_weight_and_gets_its_gradient(stand_in_lig
 
 def test_an_installed_peer_is_a_column_of_the_row(stand_in_liger):
     p = peers.Peers("cpu")
-    rows = norms.run(["rms_norm"], ["float32"], [(64, 32)], with_compile=False, min_run_time=0.01, peers=p,
-                     log=lambda s: None)
+    rows = norms.run(
+        ["rms_norm"], ["float32"], [(64, 32)], with_compile=False, min_run_time=0.01, peers=p, log=lambda s: None
+    )
     assert all("liger_kernel" in r["speedups"] and r["rates"]["liger_kernel"] > 0 for r in rows)
     assert p.notes == ["peer apex (NVIDIA apex): not installed; skipped"]
 
@@ -88,8 +92,9 @@ def test_an_installed_peer_is_a_column_of_the_row(stand_in_liger):
 def test_a_peer_that_fails_is_dropped_from_the_row_with_a_note(stand_in_liger):
     stand_in_liger.LigerRMSNorm = _Broken
     p = peers.Peers("cpu")
-    rows = norms.run(["rms_norm"], ["float32"], [(64, 32)], with_compile=False, min_run_time=0.01, peers=p,
-                     log=lambda s: None)
+    rows = norms.run(
+        ["rms_norm"], ["float32"], [(64, 32)], with_compile=False, min_run_time=0.01, peers=p, log=lambda s: None
+    )
     assert all("liger_kernel" not in r["times_ms"] for r in rows)
     assert any("peer liger_kernel failed on rms_norm float32 64x32: RuntimeError" in n for n in p.notes)
 

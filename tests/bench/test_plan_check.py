@@ -13,12 +13,15 @@ from megakernels_models.bench import plan_check
 from megakernels_models.cli import main
 
 
-@pytest.mark.parametrize("measured, tau", [
-    (["a", "b", "c", "d"], 1.0),
-    (["d", "c", "b", "a"], -1.0),
-    (["b", "a", "c", "d"], 1 - 2 * 1 / 6),  # one discordant pair of six
-    (["b", "a", "d", "c"], 1 - 2 * 2 / 6),
-])
+@pytest.mark.parametrize(
+    "measured, tau",
+    [
+        (["a", "b", "c", "d"], 1.0),
+        (["d", "c", "b", "a"], -1.0),
+        (["b", "a", "c", "d"], 1 - 2 * 1 / 6),  # one discordant pair of six
+        (["b", "a", "d", "c"], 1 - 2 * 2 / 6),
+    ],
+)
 def test_kendall_tau_counts_discordant_pairs(measured, tau):
     assert plan_check._kendall(["a", "b", "c", "d"], measured) == pytest.approx(tau)
 

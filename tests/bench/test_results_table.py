@@ -37,8 +37,13 @@ def copy_reports(tmp_path: Path, names: list[str] | None = None) -> Path:
 
 
 # a few reports of each layout keep the tmp_path tests quick; the committed table covers every report
-SAMPLE = ["2026-11-30-cpu-epyc-adamw", "2026-11-30-cpu-epyc-bench-e2e-pp2", "2026-12-01-cpu-xeon-plan-check-loaded",
-          "2026-12-01-cpu-xeon-hf-train", "2026-12-01-static-sm90-swiglu-rope"]
+SAMPLE = [
+    "2026-11-30-cpu-epyc-adamw",
+    "2026-11-30-cpu-epyc-bench-e2e-pp2",
+    "2026-12-01-cpu-xeon-plan-check-loaded",
+    "2026-12-01-cpu-xeon-hf-train",
+    "2026-12-01-static-sm90-swiglu-rope",
+]
 
 
 def test_the_table_has_every_report_run_with_its_current_hash():
@@ -86,7 +91,7 @@ def test_a_second_invocation_appends_nothing_and_a_new_run_only_appends(tmp_path
     assert results_table.append(str(results))[0] == 1
     after = table.read_bytes()
     assert after.startswith(first) and len(after) > len(first)
-    added = [json.loads(line) for line in after[len(first):].decode().splitlines()]
+    added = [json.loads(line) for line in after[len(first) :].decode().splitlines()]
     assert {r["run"] for r in added} == {"2026-12-02-cpu-xeon-hf-train"}
 
     # the committed table, given some of its reports, gains nothing (the others are only named as gone)
@@ -129,7 +134,8 @@ def test_a_file_of_several_runs_and_a_figure_without_a_unit_are_refused(tmp_path
         results_table.append(str(results))
     (results / "2026-12-02-cpu-test-two.json").unlink()
     (results / "2026-12-02-cpu-test-odd.json").write_text(
-        json.dumps({"machine": machine, "results": [{"op": "x", "furlongs": 1.5}]}))
+        json.dumps({"machine": machine, "results": [{"op": "x", "furlongs": 1.5}]})
+    )
     with pytest.raises(results_table.ReportError, match="no unit for the figure 'furlongs'"):
         results_table.append(str(results))
     assert not (results / "all.jsonl").exists()
@@ -153,10 +159,15 @@ def test_no_shipped_code_reads_a_results_file():
     for package in ("megakernels", "megakernels_models", "scripts"):
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for node in _strings_outside_docstrings(tree)
-                          if "benchmarks/results" in node.value or "static-sm90" in node.value]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno}"
+                for node in _strings_outside_docstrings(tree)
+                if "benchmarks/results" in node.value or "static-sm90" in node.value
+            ]
         for path in sorted((ROOT / package).rglob("*.sh")):
-            offenders += [f"{path.relative_to(ROOT)}:{n}" for n, line in
-                          enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-                          if "benchmarks/results" in line and not line.lstrip().startswith("#")]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{n}"
+                for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if "benchmarks/results" in line and not line.lstrip().startswith("#")
+            ]
     assert not offenders, offenders

@@ -36,8 +36,9 @@ def key_rows(tmp_path_factory) -> list[dict]:
     if compiled.nvcc() is None or sass.find_tool("cuobjdump") is None:
         pytest.skip("static analysis needs nvcc and cuobjdump")
     out = tmp_path_factory.mktemp("static") / "rows.json"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], env=_env(), capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(out)], env=_env(), capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -57,36 +58,67 @@ def test_every_key_config_is_analysed(key_rows):
 
 
 def test_no_shipped_config_spills(key_rows):
-    spills = [f"{_what(r, ln)}: {ln['spill_bytes']} B" for r in key_rows if "error" not in r
-              for ln in _launches(r) if ln["spill_bytes"]]
+    spills = [
+        f"{_what(r, ln)}: {ln['spill_bytes']} B"
+        for r in key_rows
+        if "error" not in r
+        for ln in _launches(r)
+        if ln["spill_bytes"]
+    ]
     assert not spills, "\n".join(spills)
 
 
 def test_every_shipped_config_fits_the_shared_memory_of_a_block(key_rows):
     limit = model.H200.smem_per_block
-    over = [f"{_what(r, ln)}: {ln['shared_bytes']} B" for r in key_rows if "error" not in r
-            for ln in _launches(r) if ln["shared_bytes"] > limit]
+    over = [
+        f"{_what(r, ln)}: {ln['shared_bytes']} B"
+        for r in key_rows
+        if "error" not in r
+        for ln in _launches(r)
+        if ln["shared_bytes"] > limit
+    ]
     assert not over, "\n".join(over)
 
 
 def test_sm90_attention_kernels_run_on_wgmma(key_rows):
     rows = [r for r in key_rows if r.get("needs_wgmma") and "error" not in r]
     assert rows
-    not_wgmma = [f"{_what(r, ln)}: {ln['mma']}" for r in rows for ln in _launches(r)
-                 if ln["mma"] != "wgmma" and ln.get("per_iteration")]
+    not_wgmma = [
+        f"{_what(r, ln)}: {ln['mma']}"
+        for r in rows
+        for ln in _launches(r)
+        if ln["mma"] != "wgmma" and ln.get("per_iteration")
+    ]
     assert not not_wgmma, "\n".join(not_wgmma)
 
 
 def test_static_report_writes_the_documented_json(tmp_path, key_rows):
-    proc = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "bench", "--static", "--ops", "adamw",
-                           "--out", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megakernels_models.cli", "bench", "--static", "--ops", "adamw", "--out", str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "adamw.update" in proc.stdout and "pred" in proc.stdout
     data = json.loads((tmp_path / "static.json").read_text())
     assert data["machine"]["sms"] == 132 and data["kernels"]
     for row in data["kernels"]:
-        for field in ("name", "config", "shape", "dtype", "arch", "registers", "spill_bytes", "shared_bytes", "mma",
-                      "tma", "instructions_per_element", "predicted_fraction"):
+        for field in (
+            "name",
+            "config",
+            "shape",
+            "dtype",
+            "arch",
+            "registers",
+            "spill_bytes",
+            "shared_bytes",
+            "mma",
+            "tma",
+            "instructions_per_element",
+            "predicted_fraction",
+        ):
             assert field in row, field
         assert row["arch"] == "sm_90" and 0 < row["predicted_fraction"] <= 1
 

@@ -84,17 +84,22 @@ def test_wgmma_flops_and_the_instructions_overlapping_each_wgmma():
 
 
 def test_mma_sync_in_a_wgmma_loop_is_priced_at_the_mma_sync_rate():
-    fn = _fn(WGMMA.replace("HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12], R88, gsb0",
-                           "HMMA.16816.F32.BF16 R88, R24, R40, R88"))
+    fn = _fn(
+        WGMMA.replace(
+            "HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12], R88, gsb0", "HMMA.16816.F32.BF16 R88, R24, R40, R88"
+        )
+    )
     (loop,) = fn.innermost_loops()
     assert loop.counts.mma_sync_flops == 2 * 16 * 8 * 16
     m = model.H200
     rate = 4096 * m.mma_sustained
-    it = model.TileIteration(warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=True, overlap_instr=0,
-                             l2_bytes=0, mma_sync_flops=1e6)
+    it = model.TileIteration(
+        warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=True, overlap_instr=0, l2_bytes=0, mma_sync_flops=1e6
+    )
     assert it.cycles(m)["mma"] == pytest.approx(2e6 / rate + 1e6 / (rate * m.mma_sync_rate))
-    only_sync = model.TileIteration(warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=False, overlap_instr=0,
-                                    l2_bytes=0)
+    only_sync = model.TileIteration(
+        warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=False, overlap_instr=0, l2_bytes=0
+    )
     assert only_sync.cycles(m)["mma"] == pytest.approx(3e6 / (rate * m.mma_sync_rate))
 
 
@@ -115,7 +120,7 @@ SHARED = """
 def test_wgmma_operands_read_from_shared_memory_depend_on_the_form():
     (loop,) = _fn(WGMMA).innermost_loops()
     ss = (64 * 16 + 16 * 64) * 2  # SS 64x64x16 (A from a descriptor): A and B
-    rs = 16 * 128 * 2             # RS 64x128x16 (A in registers): B only
+    rs = 16 * 128 * 2  # RS 64x128x16 (A in registers): B only
     assert loop.counts.wgmma_shapes == {(2 * 64 * 64 * 16, ss): 2, (2 * 64 * 128 * 16, rs): 1}
     assert loop.counts.shared_bytes == (2 * ss + rs) / 4  # per warp: a quarter of each warpgroup instruction
     tf32 = sass.Instr(0, "", "HGMMA.64x32x8.F32.TF32", "R24, gdesc[UR4], R24")
@@ -132,15 +137,15 @@ def test_shared_accesses_count_every_lane_and_skip_placeholders():
 def test_shared_memory_bounds_an_iteration_and_slows_a_starved_wgmma():
     m = model.H200
     rate = 4096 * m.mma_sustained
-    base = dict(warps=8, instructions=0, mufu=0, mma_flops=2 * 2 ** 20, wgmma=True, overlap_instr=0, l2_bytes=0)
+    base = dict(warps=8, instructions=0, mufu=0, mma_flops=2 * 2**20, wgmma=True, overlap_instr=0, l2_bytes=0)
     fed = model.TileIteration(**base, shared_bytes=40 * 1024)
-    assert model.per_iteration_cycles(fed, 2, m) == pytest.approx((2 * 2 ** 20 / rate, "mma"))
+    assert model.per_iteration_cycles(fed, 2, m) == pytest.approx((2 * 2**20 / rate, "mma"))
     starved = model.TileIteration(**base, shared_bytes=120 * 1024)
     assert model.per_iteration_cycles(starved, 2, m) == pytest.approx((120 * 1024 / m.smem_bytes_per_clk, "smem"))
     # 32 SS 64x32x16 wgmmas (3 KiB for 64 KFLOP each) wait on their operands: the CTA's own path grows by the
     # operand time beyond the MMA time of each
     ops = model.TileIteration(**base, wgmma_ops=((65536, 3072, 32),)).cycles(m)
-    assert ops["mma"] == pytest.approx(2 * 2 ** 20 / rate)
+    assert ops["mma"] == pytest.approx(2 * 2**20 / rate)
     assert ops["critical"] == pytest.approx(ops["mma"] + 32 * (3072 / m.smem_bytes_per_clk - 65536 / rate))
     rs = model.TileIteration(**base, wgmma_ops=((262144, 4096, 8),)).cycles(m)
     assert rs["critical"] == pytest.approx(rs["mma"])  # fed fast enough: no change
@@ -148,9 +153,9 @@ def test_shared_memory_bounds_an_iteration_and_slows_a_starved_wgmma():
 
 def test_blocks_per_sm_obeys_each_hardware_limit():
     m = model.H200
-    assert model.blocks_per_sm(m, 128, 32, 0) == 16             # 64 warps
-    assert model.blocks_per_sm(m, 128, 255, 0) == 2             # registers
-    assert model.blocks_per_sm(m, 128, 32, 100 * 1024) == 2     # shared memory (+1 KiB reserved each)
+    assert model.blocks_per_sm(m, 128, 32, 0) == 16  # 64 warps
+    assert model.blocks_per_sm(m, 128, 255, 0) == 2  # registers
+    assert model.blocks_per_sm(m, 128, 32, 100 * 1024) == 2  # shared memory (+1 KiB reserved each)
     assert model.blocks_per_sm(m, 128, 32, 0, grid_cap=3) == 3  # the launch's own grid
 
 
@@ -162,18 +167,21 @@ def test_heaviest_first_scheduling_shortens_a_skewed_grid():
 
 
 def test_streaming_kernel_within_budget_is_dram_bound():
-    c = model.StreamCost(instructions=16, mufu=1, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=64 << 10,
-                         warps_per_sm=64)
+    c = model.StreamCost(
+        instructions=16, mufu=1, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=64 << 10, warps_per_sm=64
+    )
     p = model.predict_stream(c, 1 << 26)
     assert p["bound"] == "dram"
-    assert p["predicted_fraction"] == pytest.approx((1 << 28) / model.H200.dram_copy
-                                                    / ((1 << 28) / model.H200.dram_copy + model.H200.launch_s))
+    assert p["predicted_fraction"] == pytest.approx(
+        (1 << 28) / model.H200.dram_copy / ((1 << 28) / model.H200.dram_copy + model.H200.launch_s)
+    )
 
 
 def test_too_few_bytes_in_flight_limit_the_bandwidth():
     m = model.H200
-    c = model.StreamCost(instructions=8, mufu=0, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=8 << 10,
-                         warps_per_sm=8)
+    c = model.StreamCost(
+        instructions=8, mufu=0, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=8 << 10, warps_per_sm=8
+    )
     p = model.predict_stream(c, 1 << 26)
     assert p["latency_limited_bw_Bps"] == pytest.approx((8 << 10) * m.sms / m.dram_latency_s)
     assert p["predicted_fraction"] < 0.35
@@ -182,7 +190,14 @@ def test_too_few_bytes_in_flight_limit_the_bandwidth():
 def test_too_many_instructions_per_element_make_a_kernel_issue_bound():
     m = model.H200
     budget = m.issue_per_s / (m.dram_copy / 4)  # instructions per 4-byte element the copy rate allows
-    c = model.StreamCost(instructions=2 * budget, mufu=0, l2_bytes=4, dram_bytes=4, min_bytes=4,
-                         in_flight_per_sm=64 << 10, warps_per_sm=64)
+    c = model.StreamCost(
+        instructions=2 * budget,
+        mufu=0,
+        l2_bytes=4,
+        dram_bytes=4,
+        min_bytes=4,
+        in_flight_per_sm=64 << 10,
+        warps_per_sm=64,
+    )
     p = model.predict_stream(c, 1 << 26)
     assert p["bound"] == "issue" and p["predicted_fraction"] == pytest.approx(0.5, rel=0.02)

@@ -77,5 +77,5 @@ def test_measurements_are_shown_beside_the_static_prediction():
 
 def test_rows_without_a_prediction_are_left_out_of_the_calibration():
     text = summary.render(str(DATA))
-    calib = text[text.index("measured beside"):]
+    calib = text[text.index("measured beside") :]
     assert "rms_norm" not in calib and "adamw" not in calib

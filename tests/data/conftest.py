@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 SPECIALS = ["<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"]
-WORDS = ("the quick brown fox jumps over a lazy dog while naïve cafés serve crème brûlée to 42 tired "
-         "programmers who write kernels in C++ and Python; every tensor has a shape, a dtype and a device").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while naïve cafés serve crème brûlée to 42 tired "
+    "programmers who write kernels in C++ and Python; every tensor has a shape, a dtype and a device"
+).split()
 
 
 def make_documents(n: int = 12, seed: int = 0) -> list[str]:
@@ -38,8 +40,12 @@ def hf_path(tmp_path_factory, documents) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(documents, trainer)
     path = str(tmp_path_factory.mktemp("hf") / "tokenizer.json")
     tok.save(path)
@@ -54,9 +60,16 @@ def spm_path(tmp_path_factory, documents) -> str:
     folder = tmp_path_factory.mktemp("spm")
     text = folder / "train.txt"
     text.write_text("".join(documents * 3), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(folder / "m"), vocab_size=120,
-                                   model_type="bpe", pad_id=3, user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
-                                   minloglevel=2, hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(folder / "m"),
+        vocab_size=120,
+        model_type="bpe",
+        pad_id=3,
+        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     return str(folder / "m.model")
 
 

@@ -28,23 +28,27 @@ def test_parse_single_prefix_and_pairs():
     assert parse_blend("2,a,6,b") == [(0.25, "a"), (0.75, "b")]
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("", "empty field"),
-    ("0.7,a,", "empty field"),
-    ("0.7,a,0.3", "3 fields; expected WEIGHT,PREFIX pairs"),
-    ("a,b", "weight 'a' is not a number"),
-    ("0.5,a,-1,b", "weight -1 of b must be a positive finite number"),
-    ("0,a,1,b", "weight 0 of a must be a positive"),
-    ("nan,a,1,b", "must be a positive finite number"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("", "empty field"),
+        ("0.7,a,", "empty field"),
+        ("0.7,a,0.3", "3 fields; expected WEIGHT,PREFIX pairs"),
+        ("a,b", "weight 'a' is not a number"),
+        ("0.5,a,-1,b", "weight -1 of b must be a positive finite number"),
+        ("0,a,1,b", "weight 0 of a must be a positive"),
+        ("nan,a,1,b", "must be a positive finite number"),
+    ],
+)
 def test_bad_blend_syntax_names_data(spec, message):
     with pytest.raises(ValueError, match="--data") as e:
         parse_blend(spec)
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.125, 0.125], [0.2, 0.3, 0.5], [1 / 3, 1 / 3, 1 / 3],
-                                     [0.01, 0.99]])
+@pytest.mark.parametrize(
+    "weights", [[0.7, 0.3], [0.5, 0.25, 0.125, 0.125], [0.2, 0.3, 0.5], [1 / 3, 1 / 3, 1 / 3], [0.01, 0.99]]
+)
 def test_counts_stay_within_one_sample_of_the_share(weights):
     comp, _ = blend_assignment(weights, 5000)
     counts = np.zeros((5000, len(weights)))

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from megakernels.parallel.launch import single_process_world
-
 from megakernels_models.arguments import ArgumentError, TrainArgs
 from megakernels_models.data import corpus
 from megakernels_models.data.blending import BlendedDataset
@@ -22,9 +21,20 @@ from megakernels_models.data.indexed import IndexedDataset
 from megakernels_models.data.preprocess import preprocess
 from tests.data.conftest import make_documents, write_inputs
 
-ARGS = TrainArgs(preset=None, num_layers=2, hidden_size=64, num_heads=4, seq_length=32, steps=4,
-                 global_batch_size=8, micro_batch_size=4, eval_steps=2, corpus_bytes=1 << 17, seed=3,
-                 progress=False)
+ARGS = TrainArgs(
+    preset=None,
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    seq_length=32,
+    steps=4,
+    global_batch_size=8,
+    micro_batch_size=4,
+    eval_steps=2,
+    corpus_bytes=1 << 17,
+    seed=3,
+    progress=False,
+)
 
 
 def args_cfg(**changes):
@@ -33,6 +43,7 @@ def args_cfg(**changes):
 
 
 # ---- the default corpus ----------------------------------------------------------------------------------------
+
 
 def test_stdlib_cache_is_built_once_and_reused(private_cache, monkeypatch):
     prefix = corpus.stdlib_prefix(1 << 17)
@@ -119,6 +130,7 @@ def test_tokenizer_for(hf_path):
 
 # ---- validation ------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def prefix(tmp_path):
     write_inputs(tmp_path / "in", make_documents(20), "txt")
@@ -188,8 +200,9 @@ def test_bert_tokenizer_needs_mask(tmp_path, prefix):
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel()
-    t.train_from_iterator(["x"], trainers.BpeTrainer(vocab_size=261, special_tokens=["<|endoftext|>"],
-                                                     show_progress=False))
+    t.train_from_iterator(
+        ["x"], trainers.BpeTrainer(vocab_size=261, special_tokens=["<|endoftext|>"], show_progress=False)
+    )
     t.save(str(tmp_path / "t.json"))
     msg = _error(tokenizer=f"hf:{tmp_path / 't.json'}", model="bert", vocab_size=512, data=prefix)
     assert msg.startswith("--tokenizer") and "cls, sep, mask, pad" in msg
@@ -211,6 +224,7 @@ def test_bad_split():
 
 
 # ---- in the trainer --------------------------------------------------------------------------------------------
+
 
 def test_trainer_reads_the_pipelines_global_batches():
     """The trainer's first loss is the seed's model on global batch 0 of the pipeline's training split, and its

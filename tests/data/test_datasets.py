@@ -39,7 +39,7 @@ def test_epoch_windows_tile_the_shuffled_documents(tmp_path):
     stream = np.concatenate([data[int(d)] for d in order])  # the reference: this epoch's documents end to end
     assert len(ds) == (len(stream) - 1) // 16
     windows = sorted(ds.window(i).tolist() for i in range(len(ds)))
-    assert windows == sorted(stream[w * 16:w * 16 + 17].tolist() for w in range(len(ds)))
+    assert windows == sorted(stream[w * 16 : w * 16 + 17].tolist() for w in range(len(ds)))
     sample = ds[0]
     assert sample["ids"].dtype == np.int64 and sample["ids"].shape == (16,)
     np.testing.assert_array_equal(sample["labels"][:-1], sample["ids"][1:])
@@ -138,6 +138,7 @@ def test_list_of_arrays_still_works():
 
 # ---- BERT ------------------------------------------------------------------------------------------------------
 
+
 def bert_data(prefix, documents, spec="byte", split_sentences=False):
     from megakernels_models.data.preprocess import preprocess
 
@@ -190,7 +191,7 @@ def test_bert_sample_layout_and_determinism(tmp_path, documents):
         n = int((~s["padding_mask"]).sum())
         seps = np.flatnonzero(ids[:n] == tok.sep)
         assert ids[0] == tok.cls and len(seps) == 2 and seps[1] == n - 1
-        a, b = bytes(ids[1:seps[0]].astype(np.uint8)), bytes(ids[seps[0] + 1:n - 1].astype(np.uint8))
+        a, b = bytes(ids[1 : seps[0]].astype(np.uint8)), bytes(ids[seps[0] + 1 : n - 1].astype(np.uint8))
         first, second = (b, a) if s["sop_labels"] else (a, b)
         assert any((first + second) in d.encode() for d in documents)  # consecutive text of one document
         assert (s["token_types"][:n] == (np.arange(n) > seps[0])).all()
@@ -201,8 +202,10 @@ def test_bert_with_a_hf_tokenizer_never_draws_special_tokens(tmp_path, documents
 
     tok = build_tokenizer(f"hf:{hf_path}")
     ds = BertDataset(bert_data(tmp_path / "d", documents * 3, f"hf:{hf_path}"), 64, seed=0, tokenizer=tok)
-    drawn = [s["ids"][(s["mlm_labels"] != -100) & (s["ids"] != tok.mask) & (s["ids"] != s["mlm_labels"])]
-             for s in (ds[i] for i in range(400))]
+    drawn = [
+        s["ids"][(s["mlm_labels"] != -100) & (s["ids"] != tok.mask) & (s["ids"] != s["mlm_labels"])]
+        for s in (ds[i] for i in range(400))
+    ]
     drawn = np.concatenate(drawn)
     assert len(drawn) > 50 and not np.isin(drawn, list(tok.special_ids)).any()
 

@@ -34,8 +34,9 @@ def test_round_trip(tmp_path):
         ds.get(0, 2, 5)
 
 
-@pytest.mark.parametrize("vocab,dtype", [(100, np.uint8), (256, np.uint8), (257, np.uint16), (65536, np.uint16),
-                                         (65537, np.uint32)])
+@pytest.mark.parametrize(
+    "vocab,dtype", [(100, np.uint8), (256, np.uint8), (257, np.uint16), (65536, np.uint16), (65537, np.uint32)]
+)
 def test_smallest_dtype(tmp_path, vocab, dtype):
     assert best_dtype(vocab) == dtype
     ds = IndexedDataset(write(tmp_path / "d", [[[0, vocab - 1]]], vocab))

@@ -54,12 +54,18 @@ def test_append_eod_and_split_sentences(tmp_path, documents, hf_path):
         lines = text.splitlines(keepends=True)
         sentences = [s.tolist() for s in ds.sentences(i)]
         assert sentences == [reference_ids("hf", hf_path, x) for x in lines[:-1]] + [
-            reference_ids("hf", hf_path, lines[-1]) + [eod]]
+            reference_ids("hf", hf_path, lines[-1]) + [eod]
+        ]
 
 
 def test_folders_are_walked_in_sorted_order(tmp_path):
-    for name, text in [("b/2.txt", "two"), ("a/1.txt", "one"), ("b/10.txt", "ten"), ("c.txt", "three"),
-                       (".hidden.txt", "no")]:
+    for name, text in [
+        ("b/2.txt", "two"),
+        ("a/1.txt", "one"),
+        ("b/10.txt", "ten"),
+        ("c.txt", "three"),
+        (".hidden.txt", "no"),
+    ]:
         os.makedirs(os.path.dirname(tmp_path / "in" / name), exist_ok=True)
         (tmp_path / "in" / name).write_text(text)
     preprocess([str(tmp_path / "in")], str(tmp_path / "d"), workers=1)
@@ -71,8 +77,21 @@ def test_binary_files_in_folders_are_skipped(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.py").write_text("print(1)\n")
     (tmp_path / "in" / "a.so").write_bytes(b"\x7fELF\xff\xfe")
-    assert main(["preprocess", "--input", str(tmp_path / "in"), "--output-prefix", str(tmp_path / "d"),
-                 "--no-progress", "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(tmp_path / "in"),
+                "--output-prefix",
+                str(tmp_path / "d"),
+                "--no-progress",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "1 documents" in out and "skipped 1 files that are not UTF-8 text" in out
     assert len(IndexedDataset(str(tmp_path / "d"))) == 1
@@ -80,8 +99,19 @@ def test_binary_files_in_folders_are_skipped(tmp_path, capsys):
 
 def test_cli_returns_0_and_writes_the_pair(tmp_path, documents, capsys):
     write_inputs(tmp_path / "in", documents, "jsonl")
-    rc = main(["preprocess", "--input", str(tmp_path / "in"), "--output-prefix", str(tmp_path / "d"),
-               "--append-eod", "--workers", "2", "--no-progress"])
+    rc = main(
+        [
+            "preprocess",
+            "--input",
+            str(tmp_path / "in"),
+            "--output-prefix",
+            str(tmp_path / "d"),
+            "--append-eod",
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "12 documents" in capsys.readouterr().out
     ds = IndexedDataset(str(tmp_path / "d"))
@@ -90,21 +120,34 @@ def test_cli_returns_0_and_writes_the_pair(tmp_path, documents, capsys):
     assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.maxid.json", "in"]
 
 
-@pytest.mark.parametrize("case,content,message", [
-    ("missing", None, "--input .*nope: no such file or folder"),
-    ("bad-json", "{not json}\n", r"bad\.jsonl:1: not a JSON object per line"),
-    ("no-key", '{"body": "x"}\n', r"bad\.jsonl:1: no string field 'text' \(--json-key text\)"),
-    ("not-utf8", b"\xff\xfe bytes", r"bad\.txt: not UTF-8 text"),
-    ("empty", "", "no non-empty documents"),
-    ("bad-gzip", b"not gzip", r"bad\.txt\.gz: not a valid gzip file"),
-])
+@pytest.mark.parametrize(
+    "case,content,message",
+    [
+        ("missing", None, "--input .*nope: no such file or folder"),
+        ("bad-json", "{not json}\n", r"bad\.jsonl:1: not a JSON object per line"),
+        ("no-key", '{"body": "x"}\n', r"bad\.jsonl:1: no string field 'text' \(--json-key text\)"),
+        ("not-utf8", b"\xff\xfe bytes", r"bad\.txt: not UTF-8 text"),
+        ("empty", "", "no non-empty documents"),
+        ("bad-gzip", b"not gzip", r"bad\.txt\.gz: not a valid gzip file"),
+    ],
+)
 def test_cli_bad_input_returns_2(tmp_path, capsys, case, content, message):
     name = {"bad-json": "bad.jsonl", "no-key": "bad.jsonl", "bad-gzip": "bad.txt.gz"}.get(case, "bad.txt")
     path = tmp_path / ("nope" if case == "missing" else name)
     if content is not None:
         (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
-    rc = main(["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out" / "d"), "--workers", "1",
-               "--no-progress"])
+    rc = main(
+        [
+            "preprocess",
+            "--input",
+            str(path),
+            "--output-prefix",
+            str(tmp_path / "out" / "d"),
+            "--workers",
+            "1",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("megakernels preprocess: error: "), err
     assert re.search(message, err), err
@@ -113,8 +156,17 @@ def test_cli_bad_input_returns_2(tmp_path, capsys, case, content, message):
 
 def test_cli_bad_tokenizer_returns_2(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
-    rc = main(["preprocess", "--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "d"),
-               "--tokenizer", "hf:/no/such.json"])
+    rc = main(
+        [
+            "preprocess",
+            "--input",
+            str(tmp_path / "a.txt"),
+            "--output-prefix",
+            str(tmp_path / "d"),
+            "--tokenizer",
+            "hf:/no/such.json",
+        ]
+    )
     assert rc == 2 and "/no/such.json" in capsys.readouterr().err
 
 
@@ -135,9 +187,23 @@ def test_train_tokenizer(tmp_path, documents, capsys):
 
     with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"content": d}) + "\n" for d in documents)
-    rc = main(["preprocess", "--input", str(tmp_path / "docs.jsonl.gz"), "--output-prefix", str(tmp_path / "d"),
-               "--json-key", "content", "--train-tokenizer", "320", "--append-eod", "--workers", "2",
-               "--no-progress"])
+    rc = main(
+        [
+            "preprocess",
+            "--input",
+            str(tmp_path / "docs.jsonl.gz"),
+            "--output-prefix",
+            str(tmp_path / "d"),
+            "--json-key",
+            "content",
+            "--train-tokenizer",
+            "320",
+            "--append-eod",
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     ref = Tokenizer.from_file(str(tmp_path / "d.tokenizer.json"))
     assert ref.get_vocab_size() == 320
@@ -146,8 +212,20 @@ def test_train_tokenizer(tmp_path, documents, capsys):
     assert ds.vocab_size == 320
     for i, text in enumerate(documents):
         assert ds[i].tolist() == ref.encode(text, add_special_tokens=False).ids + [eod]
-    assert main(["preprocess", "--input", str(tmp_path / "docs.jsonl.gz"), "--output-prefix", str(tmp_path / "e"),
-                 "--train-tokenizer", "100"]) == 2
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(tmp_path / "docs.jsonl.gz"),
+                "--output-prefix",
+                str(tmp_path / "e"),
+                "--train-tokenizer",
+                "100",
+            ]
+        )
+        == 2
+    )
     assert "needs at least 261 ids" in capsys.readouterr().err
 
 

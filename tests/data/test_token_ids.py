@@ -45,8 +45,10 @@ def test_an_id_past_the_vocabulary_is_refused_naming_the_file_id_offset_and_docu
     poke(prefix, 1234, 9000)
     with pytest.raises(DataError) as e:
         IndexedDataset(prefix)
-    assert str(e.value) == (f"{prefix}.bin: token id 9000 at token 1234 (document 12) is outside the vocabulary "
-                            f"0..260 that {prefix}.idx records (corrupt, or written with another tokenizer)")
+    assert str(e.value) == (
+        f"{prefix}.bin: token id 9000 at token 1234 (document 12) is outside the vocabulary "
+        f"0..260 that {prefix}.idx records (corrupt, or written with another tokenizer)"
+    )
 
 
 def test_the_scan_is_cached_beside_the_data_keyed_by_size_and_mtime(tmp_path):
@@ -55,8 +57,14 @@ def test_the_scan_is_cached_beside_the_data_keyed_by_size_and_mtime(tmp_path):
     cache = json.loads((tmp_path / "d.maxid.json").read_text())
     st = os.stat(prefix + ".bin")
     top = int(np.asarray(ds.tokens(0, ds.num_tokens)).max())
-    assert cache == {"format": 1, "bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns, "bin_inode": st.st_ino,
-                     "max_id": top, "offset": int(np.argmax(np.asarray(ds.tokens(0, ds.num_tokens))))}
+    assert cache == {
+        "format": 1,
+        "bin_size": st.st_size,
+        "bin_mtime_ns": st.st_mtime_ns,
+        "bin_inode": st.st_ino,
+        "max_id": top,
+        "offset": int(np.argmax(np.asarray(ds.tokens(0, ds.num_tokens)))),
+    }
     poke(prefix, 5, 300, keep_mtime=True)
     IndexedDataset(prefix)  # same size and mtime: the cached scan is trusted
     poke(prefix, 5, 300)
@@ -91,8 +99,7 @@ def test_an_index_with_an_empty_document_reads_it_as_empty(tmp_path):
         body = f.read()
     magic, version, code, vocab, n_seq, n_doc = indexed._HEADER.unpack(bytes(head))
     with open(prefix + ".idx", "wb") as f:
-        f.write(indexed._HEADER.pack(magic, version, code, vocab, n_seq, n_doc + 1) + body
-                + np.int64(n_seq).tobytes())
+        f.write(indexed._HEADER.pack(magic, version, code, vocab, n_seq, n_doc + 1) + body + np.int64(n_seq).tobytes())
     ds = IndexedDataset(prefix)
     assert len(ds) == 2 and len(ds[0]) == 5 and len(ds[1]) == 0
 
@@ -130,6 +137,9 @@ def test_an_image_text_caption_past_the_vocabulary_is_refused(tmp_path):
     with open(prefix + ".idx", "r+b") as f:  # the captions are the index's last 6 uint16 tokens
         f.seek(-2, os.SEEK_END)
         f.write(np.uint16(5000).tobytes())
-    with pytest.raises(DataError, match=rf"{prefix}\.idx: token id 5000 at caption token 5 \(sample 1's caption\) is "
-                                        r"outside the vocabulary 0\.\.260"):
+    with pytest.raises(
+        DataError,
+        match=rf"{prefix}\.idx: token id 5000 at caption token 5 \(sample 1's caption\) is "
+        r"outside the vocabulary 0\.\.260",
+    ):
         ImageTextIndexed(prefix)

@@ -16,8 +16,15 @@ def test_byte_tokenizer_ids_are_utf8_bytes():
     assert isinstance(tok, ByteTokenizer)
     np.testing.assert_array_equal(tok.encode(TEXT), list(TEXT.encode("utf-8")))
     assert tok.decode(tok.encode(TEXT)) == TEXT
-    assert (tok.vocab_size, tok.eod, tok.pad, tok.cls, tok.sep, tok.mask, tok.newline) == (261, 256, 257, 258, 259,
-                                                                                           260, 10)
+    assert (tok.vocab_size, tok.eod, tok.pad, tok.cls, tok.sep, tok.mask, tok.newline) == (
+        261,
+        256,
+        257,
+        258,
+        259,
+        260,
+        10,
+    )
 
 
 def test_hf_tokenizer_matches_the_library(hf_path):
@@ -28,8 +35,9 @@ def test_hf_tokenizer_matches_the_library(hf_path):
     np.testing.assert_array_equal(tok.encode(TEXT), ref.encode(TEXT, add_special_tokens=False).ids)
     assert tok.decode(tok.encode(TEXT)) == TEXT
     assert tok.vocab_size == ref.get_vocab_size() == 300
-    assert [tok.eod, tok.pad, tok.cls, tok.sep, tok.mask] == [ref.token_to_id(t) for t in
-                                                             ("<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]")]
+    assert [tok.eod, tok.pad, tok.cls, tok.sep, tok.mask] == [
+        ref.token_to_id(t) for t in ("<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]")
+    ]
     assert tok.newline == ref.encode("\n").ids[0]
     assert set(range(5)) <= tok.special_ids
 
@@ -59,15 +67,16 @@ def test_missing_role_is_an_error_only_when_used(tmp_path):
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel()
-    t.train_from_iterator(["plain text"], trainers.BpeTrainer(vocab_size=270, special_tokens=["<|endoftext|>"],
-                                                              show_progress=False))
+    t.train_from_iterator(
+        ["plain text"], trainers.BpeTrainer(vocab_size=270, special_tokens=["<|endoftext|>"], show_progress=False)
+    )
     t.save(str(tmp_path / "t.json"))
     tok = build_tokenizer(f"hf:{tmp_path / 't.json'}")
     assert tok.eod == 0 and tok.has("eod") and not tok.has("mask")
     with pytest.raises(ValueError, match=r"no cls, sep, mask, pad token, which BERT needs.*\[MASK\]"):
         tok.require("cls", "sep", "mask", "pad", use="BERT")
     with pytest.raises(ValueError, match="no mask token"):
-        tok.mask
+        _ = tok.mask
 
 
 @pytest.mark.parametrize("spec", ["hf:/no/such/tokenizer.json", "spm:/no/such/m.model"])

@@ -50,8 +50,7 @@ class Case:
     def __str__(self) -> str:
         shapes = {k: tuple(v.shape) for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}
         what = f" {self.arg}={self.value!r}" if self.mutation == "scalar" else (f" {self.arg}" if self.arg else "")
-        return (f"{self.entry.name} [{self.mutation}{what}] backend={self.backend} dtype={self.dtype} "
-                f"shapes={shapes}")
+        return f"{self.entry.name} [{self.mutation}{what}] backend={self.backend} dtype={self.dtype} shapes={shapes}"
 
 
 @st.composite
@@ -131,8 +130,12 @@ def check(case: Case) -> None:
     """Runs one case; raises AssertionError (with the case) where the contract is broken."""
     kw = apply(case)
     call = case.entry.call
-    if case.mutation == "meta" and case.entry.meta_ok and case.backend == "auto" and all(
-            t.device.type == "meta" for t in _tensors(list(kw.values()))):
+    if (
+        case.mutation == "meta"
+        and case.entry.meta_ok
+        and case.backend == "auto"
+        and all(t.device.type == "meta" for t in _tensors(list(kw.values())))
+    ):
         case.mutation = "all_meta"  # the only tensor argument went to meta: shapes must trace
     try:
         with megakernels.backend(case.backend):
@@ -177,8 +180,14 @@ def main(argv=None) -> int:
     abort_at = int(os.environ.get("MK_FUZZ_ABORT_AT", "-1"))
     count = 0
 
-    @settings(max_examples=args.examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+    @settings(
+        max_examples=args.examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(case=cases())
     def fuzz(case: Case) -> None:
         nonlocal count

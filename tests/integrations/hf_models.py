@@ -16,16 +16,45 @@ def config(family: str):
     """The tiny config of ``family`` (dropout 0, so training-mode forwards are deterministic)."""
     import transformers as tf
 
-    llama_like = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
-                      bos_token_id=1, eos_token_id=2)
+    llama_like = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if family == "gpt2":
-        return tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return tf.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if family == "bert":
-        return tf.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                             vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                             attention_probs_dropout_prob=0.0, is_decoder=True, pad_token_id=0)
+        return tf.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            is_decoder=True,
+            pad_token_id=0,
+        )
     if family == "llama":
         return tf.LlamaConfig(**llama_like)
     if family == "mistral":
@@ -39,8 +68,13 @@ def model_class(family: str):
     """The causal-LM class of ``family`` (BERT's is ``BertLMHeadModel``)."""
     import transformers as tf
 
-    return {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertLMHeadModel, "llama": tf.LlamaForCausalLM,
-            "mistral": tf.MistralForCausalLM, "mixtral": tf.MixtralForCausalLM}[family]
+    return {
+        "gpt2": tf.GPT2LMHeadModel,
+        "bert": tf.BertLMHeadModel,
+        "llama": tf.LlamaForCausalLM,
+        "mistral": tf.MistralForCausalLM,
+        "mixtral": tf.MixtralForCausalLM,
+    }[family]
 
 
 def build(family: str, seed: int = 0):

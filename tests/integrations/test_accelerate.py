@@ -28,11 +28,39 @@ STEPS, SAVED_AT, BATCH, SEQ, LR = 4, 2, 8, 16, 3e-3
 def _launch(tmp_path: Path, name: str, processes: int, *args: str) -> dict:
     """The example under ``accelerate launch`` on ``processes`` CPU processes (1: plain ``python``)."""
     log = tmp_path / f"{name}.json"
-    launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", "0"] if processes > 1 else []
-    cmd = [sys.executable, *launcher, str(SCRIPT), "--global-batch-size", str(BATCH), "--seq-length", str(SEQ),
-           "--lr", str(LR), "--log-json", str(log), *args]
+    launcher = (
+        [
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+        ]
+        if processes > 1
+        else []
+    )
+    cmd = [
+        sys.executable,
+        *launcher,
+        str(SCRIPT),
+        "--global-batch-size",
+        str(BATCH),
+        "--seq-length",
+        str(SEQ),
+        "--lr",
+        str(LR),
+        "--log-json",
+        str(log),
+        *args,
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(log.read_text())
@@ -44,7 +72,7 @@ def _train(example, model, optimizer, first: int, last: int) -> list[tuple[float
     data = example.dataset(4096, SEQ).tensors[0]  # the example's default --samples
     out = []
     for i in range(first, last):
-        ids = data[i * BATCH:(i + 1) * BATCH]
+        ids = data[i * BATCH : (i + 1) * BATCH]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         out.append((loss.item(), [p.grad.norm().item() for p in model.parameters()]))
@@ -94,8 +122,9 @@ def test_save_state_holds_the_fused_adamw_state(runs, single_process):
         assert float(saved["state"][idx]["step"]) == SAVED_AT
         for key in ("exp_avg", "exp_avg_sq"):
             # all-reduced and single-process gradients differ in the last bits: relative to each tensor's scale
-            torch.testing.assert_close(saved["state"][idx][key], state[key], rtol=1e-4,
-                                       atol=1e-4 * float(state[key].abs().max()))
+            torch.testing.assert_close(
+                saved["state"][idx][key], state[key], rtol=1e-4, atol=1e-4 * float(state[key].abs().max())
+            )
 
 
 def test_load_state_resumes_as_if_never_interrupted(runs, single_process):

@@ -38,7 +38,9 @@ class OptimizerAtStart:
 
         class Callback(TrainerCallback):
             def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-                outer.state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()}
+                outer.state = {
+                    k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()
+                }
 
         self.callback, self.state = Callback(), None
 
@@ -50,11 +52,26 @@ def _trainer(out_dir, max_steps: int, save_steps: int, callbacks=()):
     mkt.apply(model)
     optimizer = FusedAdamW(model.parameters(), lr=LR, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, WARMUP, max_steps)
-    args = TrainingArguments(output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=BATCH,
-                             logging_steps=1, save_strategy="steps", save_steps=save_steps, report_to=[],
-                             use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
-    return Trainer(model=model, args=args, train_dataset=Sequences(1024), optimizers=(optimizer, scheduler),
-                   callbacks=list(callbacks))
+    args = TrainingArguments(
+        output_dir=str(out_dir),
+        max_steps=max_steps,
+        per_device_train_batch_size=BATCH,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=save_steps,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=Sequences(1024),
+        optimizers=(optimizer, scheduler),
+        callbacks=list(callbacks),
+    )
 
 
 def _losses(trainer) -> list[float]:

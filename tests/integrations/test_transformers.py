@@ -228,8 +228,9 @@ def test_attn_implementation_megakernels_is_registered():
 def test_unknown_model_type_is_refused_naming_it():
     import transformers
 
-    config = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
-                                        intermediate_size=64, vocab_size=64)
+    config = transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64
+    )
     model = transformers.GPTNeoXForCausalLM(config)
     with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
         mkt.apply(model)

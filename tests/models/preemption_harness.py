@@ -11,9 +11,29 @@ import sys
 import time
 
 DEADLINE_S = 60.0
-TINY_FLAGS = ["--preset", "none", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-length", "16",
-              "--micro-batch-size", "2", "--global-batch-size", "4", "--corpus-bytes", "262144", "--no-progress",
-              "--eval-interval", "0", "--dropout", "0.1"]
+TINY_FLAGS = [
+    "--preset",
+    "none",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--corpus-bytes",
+    "262144",
+    "--no-progress",
+    "--eval-interval",
+    "0",
+    "--dropout",
+    "0.1",
+]
 
 
 class SyncDir:
@@ -65,8 +85,13 @@ class Run:
         env.pop("MEGAKERNELS_SYNC_DIR", None)
         if sync is not None:
             env["MEGAKERNELS_SYNC_DIR"] = sync
-        self.proc = subprocess.Popen([sys.executable, "-m", "megakernels_models.cli", "train", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megakernels_models.cli", "train", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def _alive(self, waiting_for: str) -> None:
         if self.proc.poll() is not None:

@@ -14,41 +14,78 @@ from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.cli import parse_train_args
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--tp", "3", "--nproc", "3"], r"--tp 3 does not divide num_heads=8"),
-    (["--pp", "3", "--nproc", "3"], r"--pp 3 does not divide num_layers=4"),
-    (["--pp", "2", "--vpp", "4", "--nproc", "2"], r"--pp × --vpp = 2 × 4 = 8 does not divide num_layers=4"),
-    (["--vpp", "2"], r"--vpp 2 needs pipeline parallelism"),
-    (["--tp", "2"], r"world size 1 .* is not divisible by --tp × --pp = 2 × 1"),
-    (["--nproc", "2", "--global-batch-size", "12", "--micro-batch-size", "4"],
-     r"--global-batch-size 12 is not divisible by --micro-batch-size × dp = 4 × 2"),
-    (["--nproc", "4", "--pp", "2", "--vpp", "2", "--global-batch-size", "16", "--micro-batch-size", "8"],
-     r"interleaved schedule .* micro-batches per step .* multiple of --pp 2"),
-    (["--nproc", "2", "--dp", "4"], r"--dp 4 does not match"),
-    (["--preset", "gpt-2b"], r"--preset 'gpt-2b' is unknown"),
-    (["--preset", "none", "--hidden-size", "64"], r"without --preset, give --num-layers, --num-heads, --seq-length"),
-    (["--min-lr", "1", "--lr", "0.1"], r"--min-lr 1.0 is larger than --lr 0.1"),
-    (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps 500 is more than --steps 10"),
-    (["--tp", "2", "--nproc", "2", "--sequence-parallel", "--seq-length", "127"],
-     r"--sequence-parallel needs --tp 2 to divide seq_length=127"),
-    (["--model", "bert", "--preset", "gpt-tiny"], r"--model bert contradicts --preset gpt-tiny"),
-    (["--model", "llama", "--tp", "3", "--nproc", "3", "--num-heads", "6", "--hidden-size", "192",
-      "--num-kv-heads", "2"], r"--tp 3 and num_kv_heads=2: the key/value heads must split evenly"),
-    (["--cp", "2", "--nproc", "2", "--model", "bert"], r"--cp 2: context parallelism is for causal language models"),
-    (["--cp", "4", "--nproc", "4", "--seq-length", "100"], r"--cp 4 needs seq_length=100 divisible by 2 × cp"),
-    (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], r"ring attention has no attention dropout"),
-    (["--nproc", "2", "--device", "cuda"], r"--nproc 2 spawns CPU processes \(gloo\); with --device cuda launch one "
-                                            r"process per GPU with torchrun --nproc-per-node 2"),
-    (["--model", "llama", "--num-experts", "4", "--moe-top-k", "5"], r"moe_top_k=5 must be in 1..num_experts=4"),
-    (["--model", "llama", "--num-experts", "6", "--ep", "4", "--nproc", "4", "--micro-batch-size", "4"],
-     r"--ep 4 does not divide num_experts=6"),
-    (["--model", "llama", "--num-experts", "4", "--ep", "2", "--nproc", "2", "--tp", "2"],
-     r"--ep 2 does not divide the data-parallel size 1"),
-    (["--ep", "2", "--nproc", "2"], r"--ep 2 needs a mixture-of-experts model"),
-    (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
-    (["--steps", "0"], r"--steps must be a positive int, got 0"),
-    (["--data", "x"], r"--data x: cannot read x\.bin"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--tp", "3", "--nproc", "3"], r"--tp 3 does not divide num_heads=8"),
+        (["--pp", "3", "--nproc", "3"], r"--pp 3 does not divide num_layers=4"),
+        (["--pp", "2", "--vpp", "4", "--nproc", "2"], r"--pp × --vpp = 2 × 4 = 8 does not divide num_layers=4"),
+        (["--vpp", "2"], r"--vpp 2 needs pipeline parallelism"),
+        (["--tp", "2"], r"world size 1 .* is not divisible by --tp × --pp = 2 × 1"),
+        (
+            ["--nproc", "2", "--global-batch-size", "12", "--micro-batch-size", "4"],
+            r"--global-batch-size 12 is not divisible by --micro-batch-size × dp = 4 × 2",
+        ),
+        (
+            ["--nproc", "4", "--pp", "2", "--vpp", "2", "--global-batch-size", "16", "--micro-batch-size", "8"],
+            r"interleaved schedule .* micro-batches per step .* multiple of --pp 2",
+        ),
+        (["--nproc", "2", "--dp", "4"], r"--dp 4 does not match"),
+        (["--preset", "gpt-2b"], r"--preset 'gpt-2b' is unknown"),
+        (
+            ["--preset", "none", "--hidden-size", "64"],
+            r"without --preset, give --num-layers, --num-heads, --seq-length",
+        ),
+        (["--min-lr", "1", "--lr", "0.1"], r"--min-lr 1.0 is larger than --lr 0.1"),
+        (["--warmup-steps", "500", "--steps", "10"], r"--warmup-steps 500 is more than --steps 10"),
+        (
+            ["--tp", "2", "--nproc", "2", "--sequence-parallel", "--seq-length", "127"],
+            r"--sequence-parallel needs --tp 2 to divide seq_length=127",
+        ),
+        (["--model", "bert", "--preset", "gpt-tiny"], r"--model bert contradicts --preset gpt-tiny"),
+        (
+            [
+                "--model",
+                "llama",
+                "--tp",
+                "3",
+                "--nproc",
+                "3",
+                "--num-heads",
+                "6",
+                "--hidden-size",
+                "192",
+                "--num-kv-heads",
+                "2",
+            ],
+            r"--tp 3 and num_kv_heads=2: the key/value heads must split evenly",
+        ),
+        (
+            ["--cp", "2", "--nproc", "2", "--model", "bert"],
+            r"--cp 2: context parallelism is for causal language models",
+        ),
+        (["--cp", "4", "--nproc", "4", "--seq-length", "100"], r"--cp 4 needs seq_length=100 divisible by 2 × cp"),
+        (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], r"ring attention has no attention dropout"),
+        (
+            ["--nproc", "2", "--device", "cuda"],
+            r"--nproc 2 spawns CPU processes \(gloo\); with --device cuda launch one "
+            r"process per GPU with torchrun --nproc-per-node 2",
+        ),
+        (["--model", "llama", "--num-experts", "4", "--moe-top-k", "5"], r"moe_top_k=5 must be in 1..num_experts=4"),
+        (
+            ["--model", "llama", "--num-experts", "6", "--ep", "4", "--nproc", "4", "--micro-batch-size", "4"],
+            r"--ep 4 does not divide num_experts=6",
+        ),
+        (
+            ["--model", "llama", "--num-experts", "4", "--ep", "2", "--nproc", "2", "--tp", "2"],
+            r"--ep 2 does not divide the data-parallel size 1",
+        ),
+        (["--ep", "2", "--nproc", "2"], r"--ep 2 needs a mixture-of-experts model"),
+        (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
+        (["--steps", "0"], r"--steps must be a positive int, got 0"),
+        (["--data", "x"], r"--data x: cannot read x\.bin"),
+    ],
+)
 def test_invalid_flags_name_the_rule(flags, message):
     with pytest.raises(ArgumentError, match=message):
         validate(parse_train_args(flags))
@@ -69,22 +106,56 @@ def test_a_model_family_alone_picks_its_tiny_preset(model):
 
 
 def test_cli_reports_errors_before_starting_processes():
-    r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "train", "--tp", "3", "--nproc", "3"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "megakernels_models.cli", "train", "--tp", "3", "--nproc", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "--tp 3 does not divide num_heads=8" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("name,tp", [("gpt-1.2b", 8), ("gpt-2.5b", 4), ("gpt-4.2b", 8), ("gpt-8.3b", 8),
-                                     ("bert-336m", 8), ("bert-1.3b", 8), ("bert-3.9b", 8)])
+@pytest.mark.parametrize(
+    "name,tp",
+    [
+        ("gpt-1.2b", 8),
+        ("gpt-2.5b", 4),
+        ("gpt-4.2b", 8),
+        ("gpt-8.3b", 8),
+        ("bert-336m", 8),
+        ("bert-1.3b", 8),
+        ("bert-3.9b", 8),
+    ],
+)
 def test_dry_run_of_paper_presets(name, tp, tmp_path):
     from megakernels_models.dryrun import report
 
     log = tmp_path / "dry.jsonl"
-    args = parse_train_args(["--preset", name, "--tp", str(tp), "--nproc", str(8 * tp), "--micro-batch-size", "4",
-                             "--global-batch-size", "512", "--precision", "bf16", "--distributed-optimizer",
-                             "--sequence-parallel", "--recompute", "selective", "--dry-run", "--log-jsonl", str(log)])
+    args = parse_train_args(
+        [
+            "--preset",
+            name,
+            "--tp",
+            str(tp),
+            "--nproc",
+            str(8 * tp),
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "512",
+            "--precision",
+            "bf16",
+            "--distributed-optimizer",
+            "--sequence-parallel",
+            "--recompute",
+            "selective",
+            "--dry-run",
+            "--log-jsonl",
+            str(log),
+        ]
+    )
     lines = []
     report(args, out=lines.append)
     rec = json.loads(log.read_text())
@@ -102,8 +173,21 @@ def test_dry_run_of_paper_presets(name, tp, tmp_path):
 def test_dry_run_pipeline_memory_and_bubble(tmp_path):
     from megakernels_models.dryrun import report
 
-    args = parse_train_args(["--preset", "gpt-8.3b", "--pp", "4", "--nproc", "4", "--global-batch-size", "16",
-                             "--micro-batch-size", "1", "--dry-run"])
+    args = parse_train_args(
+        [
+            "--preset",
+            "gpt-8.3b",
+            "--pp",
+            "4",
+            "--nproc",
+            "4",
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "1",
+            "--dry-run",
+        ]
+    )
     rep = report(args, out=lambda s: None)
     assert rep["bubble_fraction"] == pytest.approx(3 / 16)
     assert rep["ranks"][3] == {"tp": 0, "cp": 0, "dp": 0, "pp": 3}
@@ -126,15 +210,31 @@ def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_
     from megakernels_models.dryrun import report
 
     lines = []
-    rep = report(parse_train_args(["--preset", "gpt-1.2b", "--precision", "bf16", "--nproc", "4",
-                                   "--distributed-optimizer", "--offload-optimizer", "--global-batch-size", "32",
-                                   "--dry-run"]), out=lines.append)
+    rep = report(
+        parse_train_args(
+            [
+                "--preset",
+                "gpt-1.2b",
+                "--precision",
+                "bf16",
+                "--nproc",
+                "4",
+                "--distributed-optimizer",
+                "--offload-optimizer",
+                "--global-batch-size",
+                "32",
+                "--dry-run",
+            ]
+        ),
+        out=lines.append,
+    )
     b, n = rep["memory_breakdown_bytes"], rep["parameters_per_device"]
     assert (b["weights"], b["grads"], b["optimizer"]) == (2 * n, 4 * n, 0)
     assert rep["host_memory_per_rank_bytes"] == pytest.approx(16 * n / 4)
     assert any("host memory per rank" in line for line in lines)
     # the host AdamW steps this rank's ZeRO-1 quarter; the plan's model of the step (costs.offload_time)
     from megakernels_models import costs
+
     assert rep["offload_seconds"]["host_adam_s"] == pytest.approx(n / 4 * costs.HOST_ADAMW_NS_PER_PARAM * 1e-9)
     assert any(line.startswith("offloaded optimizer per step on an H200") for line in lines)
     assert rep["device_bytes_per_param"] == 6

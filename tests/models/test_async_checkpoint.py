@@ -16,7 +16,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megakernels_models import checkpoint
-from megakernels_models.checkpoint import CheckpointError
 from tests.models.preemption_harness import TINY_FLAGS, Run
 from tests.models.test_checkpoint import TINY, _train
 
@@ -33,8 +32,11 @@ def test_an_asynchronous_save_holds_the_state_of_its_step(world1, tmp_path):
 def test_a_kill_inside_a_save_leaves_the_previous_checkpoint_latest(world1, tmp_path, mode):
     ckpt = str(tmp_path / "ckpt")
     flags = TINY_FLAGS + ["--steps", "6", "--save", ckpt, "--save-interval", "1", "--keep-checkpoints", "2"]
-    run = Run(flags + (["--async-save"] if mode == "async" else []), str(tmp_path / "sync"),
-              holds=("checkpoint-write-00000003",))
+    run = Run(
+        flags + (["--async-save"] if mode == "async" else []),
+        str(tmp_path / "sync"),
+        holds=("checkpoint-write-00000003",),
+    )
     run.sync.wait_for("checkpoint-write-00000003", [0])  # step 3's data files written, its metadata not
     if mode == "async":
         run.sync.wait_for("step-4", [0])  # training went on while the write was held
@@ -46,8 +48,9 @@ def test_a_kill_inside_a_save_leaves_the_previous_checkpoint_latest(world1, tmp_
     torch.testing.assert_close(resumed, full[2:], rtol=1e-5, atol=0)  # another thread count than the killed run
 
 
-def test_a_failed_asynchronous_write_is_reported_and_the_previous_checkpoint_stays_latest(world1, tmp_path,
-                                                                                          monkeypatch):
+def test_a_failed_asynchronous_write_is_reported_and_the_previous_checkpoint_stays_latest(
+    world1, tmp_path, monkeypatch
+):
     real = checkpoint.Writer.write_data
 
     def fails_from_step_4(self, plan, planner):
@@ -59,8 +62,11 @@ def test_a_failed_asynchronous_write_is_reported_and_the_previous_checkpoint_sta
     log = tmp_path / "log.jsonl"
     from megakernels_models.train import train
 
-    last = train(dataclasses.replace(TINY, steps=5, save=str(tmp_path / "ckpt"), save_interval=2, async_save=True,
-                                     log_jsonl=str(log)))[-1]
+    last = train(
+        dataclasses.replace(
+            TINY, steps=5, save=str(tmp_path / "ckpt"), save_interval=2, async_save=True, log_jsonl=str(log)
+        )
+    )[-1]
     # the last save's failure ends the run as failed (the command exits 1), with one line, no traceback
     assert re.search("save of step 5 failed .*no space left.*step-00000002 stays latest", last["failed"])
     records = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]

@@ -12,9 +12,20 @@ import pytest
 from megakernels_models import checkpoint
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 
-TINY = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=16, dropout=0.1, steps=8,
-                 micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18)
-
+TINY = TrainArgs(
+    preset=None,
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    seq_length=16,
+    dropout=0.1,
+    steps=8,
+    micro_batch_size=2,
+    global_batch_size=4,
+    eval_interval=0,
+    progress=False,
+    corpus_bytes=1 << 18,
+)
 
 
 def _train(**changes):
@@ -58,8 +69,10 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(world1, tmp_path, mon
     records = train(dataclasses.replace(TINY, steps=4, save=str(tmp_path), load=str(tmp_path)))
     monkeypatch.setattr(checkpoint.dcp, "save", real_save)
     # reported in the step's record, training went on, the next save is tried (and fails the same way here)
-    assert "the save of step 4 failed (the checkpoint of step 4 was not saved: RuntimeError: disk full)" in \
-        records[-1]["checkpoint_error"]
+    assert (
+        "the save of step 4 failed (the checkpoint of step 4 was not saved: RuntimeError: disk full)"
+        in records[-1]["checkpoint_error"]
+    )
     assert checkpoint.read_latest(str(tmp_path)) == str(tmp_path / "step-00000002")
     assert not os.path.exists(tmp_path / ".tmp-step-00000004")  # the torso of the failed save is removed
 

@@ -13,12 +13,26 @@ import threading
 
 import pytest
 
-from megakernels_models import checkpoint, checkpoint_store as store, checkpoint_verify as verified, syncpoints
+from megakernels_models import checkpoint, syncpoints
+from megakernels_models import checkpoint_store as store
+from megakernels_models import checkpoint_verify as verified
 from megakernels_models.arguments import TrainArgs
 from megakernels_models.cli import main
 
-TINY = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=16, dropout=0.0, steps=4,
-                 micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18)
+TINY = TrainArgs(
+    preset=None,
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    seq_length=16,
+    dropout=0.0,
+    steps=4,
+    micro_batch_size=2,
+    global_batch_size=4,
+    eval_interval=0,
+    progress=False,
+    corpus_bytes=1 << 18,
+)
 
 
 def _train(**changes) -> list[dict]:
@@ -31,8 +45,9 @@ def _flip_byte(ckpt: str, entry_prefix: str, mask: int = 0x10) -> tuple[str, str
     """Flip one byte in the middle of the stored bytes of the first chunk whose entry starts with ``entry_prefix``;
     returns (entry, file)."""
     md = verified.read_metadata(ckpt)
-    index, info = next((i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn)
-                       if i.fqn.startswith(entry_prefix))
+    index, info = next(
+        (i, s) for i, s in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn) if i.fqn.startswith(entry_prefix)
+    )
     path = os.path.join(ckpt, info.relative_path)
     with open(path, "r+b") as f:
         f.seek(info.offset + info.length // 2)
@@ -133,6 +148,7 @@ def test_verify_cli_exit_status_without_checkpoints(tmp_path, capsys):
 
 # ---- one writer per directory -------------------------------------------------------------------------------
 
+
 def test_a_second_writer_is_refused_while_the_owner_lives(tmp_path):
     first = store.DirectoryLock(str(tmp_path)).acquire()
     try:
@@ -154,10 +170,13 @@ def test_a_training_run_refuses_a_directory_another_job_writes(world1, tmp_path)
 
 
 def test_a_dead_owners_lock_is_taken_over(tmp_path):
-    code = ("import sys; from megakernels_models import checkpoint_store as s; s.DirectoryLock(sys.argv[1]).acquire();"
-            " print('locked', flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from megakernels_models import checkpoint_store as s; s.DirectoryLock(sys.argv[1]).acquire();"
+        " print('locked', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(RuntimeError, match=f"pid {proc.pid}"):
@@ -174,14 +193,18 @@ def test_a_dead_owners_lock_is_taken_over(tmp_path):
 
 # ---- a full disk ----------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_disk(tmp_path, saved):
     """A tmpfs with room for three checkpoints of the tiny model (a real file system that runs out of space)."""
     size = sum(f.stat().st_size for f in (saved[0] / "step-00000004").iterdir())
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={3 * size + (64 << 10)}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={3 * size + (64 << 10)}", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     try:
@@ -228,8 +251,9 @@ def _while_held(monkeypatch, sync_dir, actions: dict):
 
 
 @pytest.mark.parametrize("how", ["precheck", "enospc", "enospc-async"])
-def test_a_full_disk_costs_one_reported_save_and_the_next_one_succeeds(world1, small_disk, tmp_path, monkeypatch,
-                                                                       how, capsys):
+def test_a_full_disk_costs_one_reported_save_and_the_next_one_succeeds(
+    world1, small_disk, tmp_path, monkeypatch, how, capsys
+):
     mount, size = small_disk
     if how != "precheck":  # let the save start, so that the file system itself says it is full
         monkeypatch.setattr(checkpoint, "SPACE_MARGIN", 0.0)
@@ -239,10 +263,12 @@ def test_a_full_disk_costs_one_reported_save_and_the_next_one_succeeds(world1, s
         _wait_for(tmp_path / "sync" / "checkpoint-failed-00000001.0")
         os.remove(filler[0])
 
-    thread = _while_held(monkeypatch, tmp_path / "sync", {1: lambda: filler.append(_fill(mount, size // 3)),
-                                                           2: space_back})
-    records = _train(steps=4, save=str(mount / "ckpt"), save_interval=1, keep_checkpoints=1,
-                     async_save=how.endswith("async"))
+    thread = _while_held(
+        monkeypatch, tmp_path / "sync", {1: lambda: filler.append(_fill(mount, size // 3)), 2: space_back}
+    )
+    records = _train(
+        steps=4, save=str(mount / "ckpt"), save_interval=1, keep_checkpoints=1, async_save=how.endswith("async")
+    )
     thread.join()
     errors = {r["step"]: r.get("checkpoint_error") for r in records}
     # an asynchronous save's failure is reported at the next step boundary
@@ -278,6 +304,7 @@ def test_an_unwritable_log_is_one_warning_and_training_goes_on(world1, capsys):
 
 # ---- fuzz: damaged checkpoints --------------------------------------------------------------------------------
 
+
 def _damage(ckpt, draw) -> tuple[str, bool]:
     """Damage one file of the checkpoint ``ckpt`` as ``draw`` says; returns (what was done, whether the stored
     tensors' bytes changed: a change verification must find)."""
@@ -309,7 +336,8 @@ def test_fuzz_damaged_checkpoints_are_found_or_refused_never_a_traceback(saved, 
     found; reading the checkpoint's meta either works or raises CheckpointError (nothing else)."""
     import shutil
 
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     pristine = saved[0] / "step-00000004"
     seen = []

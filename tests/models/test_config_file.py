@@ -18,9 +18,25 @@ from megakernels_models.config import PRESETS, ModelConfig
 from megakernels_models.config_file import load
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--corpus-bytes", "262144", "--no-progress",
-        "--eval-interval", "0"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--corpus-bytes",
+    "262144",
+    "--no-progress",
+    "--eval-interval",
+    "0",
+]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -46,12 +62,15 @@ def test_flags_override_the_file(tmp_path):
     assert (args.preset, args.steps, args.global_batch_size, args.lr) == ("llama-tiny", 9, 32, 0.01)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("global_batch: 8\n", "unknown setting 'global_batch' (did you mean 'global_batch_size'?)"),
-    ("architecture:\n  num_layer: 2\n", "unknown architecture field 'num_layer' (did you mean 'num_layers'?)"),
-    ("- 1\n- 2\n", "expected a mapping of settings, got a list"),
-    ("steps: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("global_batch: 8\n", "unknown setting 'global_batch' (did you mean 'global_batch_size'?)"),
+        ("architecture:\n  num_layer: 2\n", "unknown architecture field 'num_layer' (did you mean 'num_layers'?)"),
+        ("- 1\n- 2\n", "expected a mapping of settings, got a list"),
+        ("steps: [\n", "not valid YAML"),
+    ],
+)
 def test_bad_files_are_refused_naming_the_problem(tmp_path, capsys, text, message):
     f = tmp_path / "bad.yaml"
     f.write_text(text)
@@ -61,8 +80,21 @@ def test_bad_files_are_refused_naming_the_problem(tmp_path, capsys, text, messag
 
 
 def test_print_config_output_reproduces_the_run(tmp_path, capsys):
-    flags = ["--model", "llama", *TINY, "--num-kv-heads", "2", "--tp", "2", "--nproc", "2", "--lr-decay-style",
-             "wsd", "--adam-beta2", "0.99"]
+    flags = [
+        "--model",
+        "llama",
+        *TINY,
+        "--num-kv-heads",
+        "2",
+        "--tp",
+        "2",
+        "--nproc",
+        "2",
+        "--lr-decay-style",
+        "wsd",
+        "--adam-beta2",
+        "0.99",
+    ]
     assert main(["train", *flags, "--print-config"]) == 0
     printed = capsys.readouterr().out
     (tmp_path / "run.yaml").write_text(printed)
@@ -77,8 +109,9 @@ def test_the_log_starts_with_the_configuration_and_checkpoints_keep_it(tmp_path)
     from megakernels_models import checkpoint
     from megakernels_models.train import train
 
-    args = parse_train_args([*TINY, "--steps", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--save",
-                             str(tmp_path / "ckpt")])
+    args = parse_train_args(
+        [*TINY, "--steps", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--save", str(tmp_path / "ckpt")]
+    )
     with single_process_world():
         train(args)
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
@@ -103,9 +136,31 @@ def test_optimiser_settings_reach_the_optimizer(monkeypatch):
             seen["no_decay"] = [len(g["params"]) for g in self.param_groups]
 
     monkeypatch.setattr(train_module, "ParallelOptimizer", Spy)
-    args = parse_train_args([*TINY, "--steps", "4", "--warmup-steps", "0", "--lr", "0.01", "--min-lr", "0.001",
-                             "--lr-decay-style", "linear", "--lr-decay-steps", "2", "--adam-beta1", "0.8",
-                             "--adam-beta2", "0.9", "--adam-eps", "1e-6", "--no-weight-decay", "embedding"])
+    args = parse_train_args(
+        [
+            *TINY,
+            "--steps",
+            "4",
+            "--warmup-steps",
+            "0",
+            "--lr",
+            "0.01",
+            "--min-lr",
+            "0.001",
+            "--lr-decay-style",
+            "linear",
+            "--lr-decay-steps",
+            "2",
+            "--adam-beta1",
+            "0.8",
+            "--adam-beta2",
+            "0.9",
+            "--adam-eps",
+            "1e-6",
+            "--no-weight-decay",
+            "embedding",
+        ]
+    )
     with single_process_world():
         records = train_module.train(args)
     assert [r["lr"] for r in records] == pytest.approx([0.0055, 0.001, 0.001, 0.001])
@@ -119,12 +174,16 @@ def test_bad_optimiser_settings_name_the_flag():
     with pytest.raises(ArgumentError, match=r"--adam-beta2 must be in \[0, 1\), got 1.0"):
         validate(parse_train_args(["--adam-beta2", "1.0"]))
     with pytest.raises(ArgumentError, match="--lr-wsd-decay-steps 50 is more than the 30 steps after warmup"):
-        validate(parse_train_args(["--steps", "30", "--warmup-steps", "0", "--lr-decay-style", "wsd",
-                                   "--lr-wsd-decay-steps", "50"]))
+        validate(
+            parse_train_args(
+                ["--steps", "30", "--warmup-steps", "0", "--lr-decay-style", "wsd", "--lr-wsd-decay-steps", "50"]
+            )
+        )
     assert TrainArgs().lr_decay_style == "cosine"
 
 
 # ---- numbers, types and precedence (issue 35) -------------------------------------------------------------------
+
 
 def _file(tmp_path, text: str, name: str = "job.yaml") -> str:
     path = tmp_path / name
@@ -140,12 +199,22 @@ def _refused(argv, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("text,name,value", [
-    ("lr: 1e-3", "lr", 1e-3), ("min_lr: 3e-5", "min_lr", 3e-5), ("lr: 1E-3", "lr", 1e-3),
-    ("adam_eps: 1.0e-8", "adam_eps", 1e-8), ("weight_decay: .1", "weight_decay", 0.1), ("lr: -.5e-1", "lr", -0.05),
-    ("steps: 3e2", "steps", 300), ("global_batch_size: 1.6E1", "global_batch_size", 16), ("steps: 300.0", "steps", 300),
-    ("lr: 1", "lr", 1.0), ("steps: '40'", "steps", 40),
-])
+@pytest.mark.parametrize(
+    "text,name,value",
+    [
+        ("lr: 1e-3", "lr", 1e-3),
+        ("min_lr: 3e-5", "min_lr", 3e-5),
+        ("lr: 1E-3", "lr", 1e-3),
+        ("adam_eps: 1.0e-8", "adam_eps", 1e-8),
+        ("weight_decay: .1", "weight_decay", 0.1),
+        ("lr: -.5e-1", "lr", -0.05),
+        ("steps: 3e2", "steps", 300),
+        ("global_batch_size: 1.6E1", "global_batch_size", 16),
+        ("steps: 300.0", "steps", 300),
+        ("lr: 1", "lr", 1.0),
+        ("steps: '40'", "steps", 40),
+    ],
+)
 def test_yaml_numbers_are_numbers_however_written(tmp_path, text, name, value):
     got = load(_file(tmp_path, text + "\n"))[name]
     assert got == value and type(got) is type(value)
@@ -167,32 +236,40 @@ def test_flags_take_numbers_by_the_files_rule(capsys):
     assert e.value.code == 2 and "argument --steps: expected an integer, got '2.5' (str)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text,message", [
-    ('save_interval: "x"', "save_interval: expected an integer, got 'x' (str)"),
-    ("steps: 2.5", "steps: expected an integer, got 2.5 (float)"),
-    ("steps: .nan", "steps: expected an integer, got nan (float)"),
-    ("steps: true", "steps: expected an integer, got True (bool)"),
-    ("steps: null", "steps: expected an integer, got None (NoneType)"),
-    ("timeout: fast", "timeout: expected a number, got 'fast' (str)"),
-    ("peak_tflops: [1]", "peak_tflops: expected a number, got [1] (list)"),
-    ("async_save: 3", "async_save: expected true or false, got 3 (int)"),
-    ("tokenizer: 5", "tokenizer: expected a string, got 5 (int)"),
-    ("precision: fp8", "precision: expected one of fp32, bf16, fp16, got 'fp8'"),
-    ("save-interval: {a: 1}", "save-interval: expected an integer, got {'a': 1} (dict)"),
-    ("architecture:\n  hidden_size: wide", "architecture: hidden_size: expected an integer, got 'wide' (str)"),
-    ("architecture:\n  bias: 1", "architecture: bias: expected true or false, got 1 (int)"),
-    ("architecture: 3", "architecture must be a mapping of model fields, got a int"),
-    ("steps: !!timestamp x", "not valid YAML"),
-    ("a: [1, {b: }", "not valid YAML: "),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('save_interval: "x"', "save_interval: expected an integer, got 'x' (str)"),
+        ("steps: 2.5", "steps: expected an integer, got 2.5 (float)"),
+        ("steps: .nan", "steps: expected an integer, got nan (float)"),
+        ("steps: true", "steps: expected an integer, got True (bool)"),
+        ("steps: null", "steps: expected an integer, got None (NoneType)"),
+        ("timeout: fast", "timeout: expected a number, got 'fast' (str)"),
+        ("peak_tflops: [1]", "peak_tflops: expected a number, got [1] (list)"),
+        ("async_save: 3", "async_save: expected true or false, got 3 (int)"),
+        ("tokenizer: 5", "tokenizer: expected a string, got 5 (int)"),
+        ("precision: fp8", "precision: expected one of fp32, bf16, fp16, got 'fp8'"),
+        ("save-interval: {a: 1}", "save-interval: expected an integer, got {'a': 1} (dict)"),
+        ("architecture:\n  hidden_size: wide", "architecture: hidden_size: expected an integer, got 'wide' (str)"),
+        ("architecture:\n  bias: 1", "architecture: bias: expected true or false, got 1 (int)"),
+        ("architecture: 3", "architecture must be a mapping of model fields, got a int"),
+        ("steps: !!timestamp x", "not valid YAML"),
+        ("a: [1, {b: }", "not valid YAML: "),
+    ],
+)
 def test_type_mistakes_are_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
     path = _file(tmp_path, text + "\n")
     assert f"--config {path}: {message}" in _refused(["--config", path], capsys)
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"\xff\xfe\x00lr: 1", "not UTF-8 text"), (b'{"lr": 1e-3,', "not valid JSON: "), (b"[" * 100000, "not valid"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"\xff\xfe\x00lr: 1", "not UTF-8 text"),
+        (b'{"lr": 1e-3,', "not valid JSON: "),
+        (b"[" * 100000, "not valid"),
+    ],
+)
 def test_unreadable_files_are_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "job.json"
     path.write_bytes(content)
@@ -201,14 +278,17 @@ def test_unreadable_files_are_one_line(tmp_path, capsys, content, message):
 
 def test_range_mistakes_in_a_file_name_the_file(tmp_path, capsys):
     path = _file(tmp_path, "steps: -1\n")
-    assert f"--steps must be a positive int, got -1 (steps: from --config {path})" in _refused(["--config", path],
-                                                                                                 capsys)
+    assert f"--steps must be a positive int, got -1 (steps: from --config {path})" in _refused(
+        ["--config", path], capsys
+    )
     path = _file(tmp_path, "lr: 0.1\nmin_lr: 1\n")
     assert f"--min-lr 1.0 is larger than --lr 0.1 (lr, min_lr: from --config {path})" in _refused(
-        ["--config", path], capsys)
+        ["--config", path], capsys
+    )
     path = _file(tmp_path, "lr: .nan\n")
-    assert f"--lr must be a finite number >= 0, got nan (lr: from --config {path})" in _refused(["--config", path],
-                                                                                              capsys)
+    assert f"--lr must be a finite number >= 0, got nan (lr: from --config {path})" in _refused(
+        ["--config", path], capsys
+    )
     # a flag that replaces the file's value is the flag's mistake
     assert "from --config" not in _refused(["--config", _file(tmp_path, "steps: 5\n"), "--steps", "0"], capsys)
 
@@ -219,14 +299,17 @@ HUGE = "architecture:\n  num_layers: 48\n  hidden_size: 8192\n  num_heads: 64\n"
 def test_an_architecture_that_differs_from_a_preset_flag_is_refused_naming_the_fields(tmp_path, capsys):
     path = _file(tmp_path, HUGE)
     err = _refused(["--config", path, "--preset", "gpt-tiny", *TINY[8:]], capsys)
-    assert (f"--config {path}: architecture differs from --preset gpt-tiny in num_layers=48 (the preset's 4), "
-            "hidden_size=8192 (the preset's 256), num_heads=64 (the preset's 8)") in err
+    assert (
+        f"--config {path}: architecture differs from --preset gpt-tiny in num_layers=48 (the preset's 4), "
+        "hidden_size=8192 (the preset's 256), num_heads=64 (the preset's 8)"
+    ) in err
 
 
 def test_an_architecture_that_differs_from_the_files_preset_is_refused(tmp_path, capsys):
     path = _file(tmp_path, "preset: llama-tiny\narchitecture:\n  num_layers: 2\n")
     assert "architecture differs from the same file's preset llama-tiny in num_layers=2" in _refused(
-        ["--config", path], capsys)
+        ["--config", path], capsys
+    )
 
 
 def test_an_architecture_that_agrees_with_the_preset_trains_the_preset(tmp_path, capsys):
@@ -244,13 +327,20 @@ def test_flags_then_file_then_preset(tmp_path):
     path = _file(tmp_path, "architecture:\n  num_layers: 4\n  hidden_size: 64\n  num_heads: 4\n  seq_length: 32\n")
     cfg = validate(parse_train_args(["--config", path, "--num-layers", "2"]))  # a size flag over the file
     assert (cfg.num_layers, cfg.hidden_size, cfg.seq_length) == (2, 64, 32)
-    assert validate(parse_train_args(["--config", _file(tmp_path, HUGE), "--preset", "none", "--dry-run"])) \
-        .num_layers == 48  # --preset none: the architecture is the model
+    assert (
+        validate(parse_train_args(["--config", _file(tmp_path, HUGE), "--preset", "none", "--dry-run"])).num_layers
+        == 48
+    )  # --preset none: the architecture is the model
 
 
 def test_print_config_quotes_text_that_reads_as_a_number(tmp_path):
     from megakernels_models.config_file import dump
 
     path = _file(tmp_path, dump({"data": "3e2", "freeze": "1E5", "lr": 1e-3}))
-    assert load(path) == {"data": "3e2", "freeze": "1E5", "lr": 1e-3, "config_file": path,
-                          "config_settings": {"data": "3e2", "freeze": "1E5", "lr": 1e-3}}
+    assert load(path) == {
+        "data": "3e2",
+        "freeze": "1E5",
+        "lr": 1e-3,
+        "config_file": path,
+        "config_settings": {"data": "3e2", "freeze": "1E5", "lr": 1e-3},
+    }

@@ -22,14 +22,27 @@ NAMES = [f.name for f in cli_fields(TrainArgs)]
 ARCH_NAMES = [f.name for f in dataclasses.fields(ModelConfig)]
 WORDS = ["1e-3", "3e2", ".5", "fp8", "none", "gpt-tiny", "llama-tiny", "bert", "x", "", "1,2,3", "-1", "cuda"]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2, 600), st.integers(-(2**70), 2**70),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6), st.sampled_from(WORDS))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                      | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=5)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 600),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.sampled_from(WORDS),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=5,
+)
 # values of a field's own type (most of them), so that many files get past the reader into validate
-TYPED = {int: st.integers(-1, 9) | st.sampled_from([16, 64, 3e2, 2**40]), bool: st.booleans(),
-         float: st.floats(-1, 2) | st.sampled_from([1e-3, 1e-9, 0.0, float("nan")]),
-         str: st.sampled_from(WORDS + ["gpt", "llama", "vlm", "fp32", "bf16", "rmsnorm", "swiglu", "rope", "gelu"])}
+TYPED = {
+    int: st.integers(-1, 9) | st.sampled_from([16, 64, 3e2, 2**40]),
+    bool: st.booleans(),
+    float: st.floats(-1, 2) | st.sampled_from([1e-3, 1e-9, 0.0, float("nan")]),
+    str: st.sampled_from(WORDS + ["gpt", "llama", "vlm", "fp32", "bf16", "rmsnorm", "swiglu", "rope", "gelu"]),
+}
 
 
 def _typed(cls, name: str):
@@ -45,12 +58,21 @@ def mappings(draw, cls, names: list[str]):
     return {k: draw(_typed(cls, k) if draw(st.integers(0, 39)) else values) for k in keys}
 
 
-typed = st.builds(lambda s, a: {**s, **({"architecture": a} if a else {})}, mappings(TrainArgs, NAMES),
-                  st.none() | mappings(ModelConfig, ARCH_NAMES))
+typed = st.builds(
+    lambda s, a: {**s, **({"architecture": a} if a else {})},
+    mappings(TrainArgs, NAMES),
+    st.none() | mappings(ModelConfig, ARCH_NAMES),
+)
 # typed documents three times in five (st.one_of would draw each branch alike)
-documents = st.sampled_from([typed, typed, typed, values,
-                             st.dictionaries(st.sampled_from([*NAMES, "global_batch", "architecture"]), values,
-                                             max_size=5)]).flatmap(lambda strategy: strategy)
+documents = st.sampled_from(
+    [
+        typed,
+        typed,
+        typed,
+        values,
+        st.dictionaries(st.sampled_from([*NAMES, "global_batch", "architecture"]), values, max_size=5),
+    ]
+).flatmap(lambda strategy: strategy)
 
 
 @st.composite
@@ -61,11 +83,14 @@ def files(draw):
     text = (json.dumps(doc) if suffix == ".json" else yaml.safe_dump(doc, allow_unicode=True)).encode()
     how = draw(st.sampled_from(["clean", "clean", "clean", "cut", "splice", "noise"]))
     if how == "cut":
-        text = text[:draw(st.integers(0, len(text)))]
+        text = text[: draw(st.integers(0, len(text)))]
     elif how == "splice":
         at = draw(st.integers(0, len(text)))
-        text = text[:at] + draw(st.binary(max_size=6) | st.sampled_from([b": ", b"[", b"{", b"!!", b"\t", b"\n -"])) \
+        text = (
+            text[:at]
+            + draw(st.binary(max_size=6) | st.sampled_from([b": ", b"[", b"{", b"!!", b"\t", b"\n -"]))
             + text[at:]
+        )
     elif how == "noise":
         text = draw(st.binary(max_size=40))
     return suffix, text
@@ -74,8 +99,13 @@ def files(draw):
 _count = itertools.count()
 
 
-@settings(derandomize=True, max_examples=400, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    derandomize=True,
+    max_examples=400,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=files())
 def test_config_files_are_accepted_or_refused_naming_the_file(tmp_path, monkeypatch, case):
     monkeypatch.chdir(tmp_path)  # a fuzzed --load/--save/--data names paths relative to here

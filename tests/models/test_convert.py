@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from megakernels.parallel.launch import single_process_world
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -17,11 +15,11 @@ from megakernels_models import checkpoint, convert  # noqa: E402
 from megakernels_models.cli import main  # noqa: E402
 
 
-
 def _hf_gpt2(path, **kw):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=24,
-                                  bos_token_id=299, eos_token_id=299, **kw)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=24, bos_token_id=299, eos_token_id=299, **kw
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # non-trivial norms and biases
         for name, p in model.named_parameters():
@@ -39,7 +37,7 @@ def _our_logits(ckpt_dir, ids):
     model = GPTModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(ckpt_dir), [model], None, cfg)
     with torch.no_grad():
-        return model(ids).transpose(0, 1)[..., :cfg.vocab_size]
+        return model(ids).transpose(0, 1)[..., : cfg.vocab_size]
 
 
 def test_gpt2_round_trip_gives_the_same_logits(single_world, tmp_path):
@@ -47,11 +45,13 @@ def test_gpt2_round_trip_gives_the_same_logits(single_world, tmp_path):
     ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
         ref = hf(ids).logits
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
-                 str(tmp_path / "mk")]) == 0
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mk")]) == 0
+    )
     torch.testing.assert_close(_our_logits(tmp_path / "mk", ids), ref, rtol=1e-4, atol=1e-4)
-    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
-                 str(tmp_path / "back")]) == 0
+    assert (
+        main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output", str(tmp_path / "back")]) == 0
+    )
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
@@ -72,9 +72,25 @@ def test_a_converted_checkpoint_trains_from_the_hf_weights(tmp_path, tp):
 
     hf = _hf_gpt2(tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
-    args = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=24, vocab_size=300,
-                     steps=6, micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, lr=1e-2,
-                     corpus_bytes=1 << 18, load=str(tmp_path / "mk"), dropout=0.0, tp=tp, nproc=tp)
+    args = TrainArgs(
+        preset=None,
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        seq_length=24,
+        vocab_size=300,
+        steps=6,
+        micro_batch_size=2,
+        global_batch_size=4,
+        eval_interval=0,
+        progress=False,
+        lr=1e-2,
+        corpus_bytes=1 << 18,
+        load=str(tmp_path / "mk"),
+        dropout=0.0,
+        tp=tp,
+        nproc=tp,
+    )
     cfg = validate(dataclasses.replace(args))
     batch = collate([build_datasets(args, cfg)[0][i] for i in range(4)])
     with torch.no_grad():
@@ -87,20 +103,29 @@ def test_a_converted_checkpoint_trains_from_the_hf_weights(tmp_path, tp):
 
 def test_unconvertible_inputs_are_refused(tmp_path, capsys):
     _hf_gpt2(tmp_path / "erf", activation_function="gelu")
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "erf"), "--output",
-                 str(tmp_path / "o")]) == 2
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "erf"), "--output", str(tmp_path / "o")]) == 2
+    )
     assert "activation_function 'gelu'" in capsys.readouterr().err
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "none"), "--output",
-                 str(tmp_path / "o")]) == 2
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "none"), "--output", str(tmp_path / "o")]) == 2
+    )
     assert "expected a HuggingFace model directory" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o" / "step-00000000")
 
 
 def _hf_bert(path):
     torch.manual_seed(1)
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                  vocab_size=300, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=300,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = transformers.BertForPreTraining(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -120,8 +145,9 @@ def test_hf_bert_converts_exactly_to_post_norm_and_back(single_world, tmp_path):
     keep[1, 12:] = 0  # padding
     with torch.no_grad():
         ref = hf(input_ids=ids, token_type_ids=types, attention_mask=keep)
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
-                 str(tmp_path / "mk")]) == 0
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mk")]) == 0
+    )
     meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
     cfg = convert.ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
     assert (cfg.norm_position, cfg.activation) == ("post", "gelu")
@@ -130,11 +156,11 @@ def test_hf_bert_converts_exactly_to_post_norm_and_back(single_world, tmp_path):
     with torch.no_grad():
         mlm, sop = model(ids, types, keep == 0)
     real = keep.bool()
-    torch.testing.assert_close(mlm.transpose(0, 1)[..., :300][real], ref.prediction_logits[real], rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(mlm.transpose(0, 1)[..., :300][real], ref.prediction_logits[real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(sop, ref.seq_relationship_logits, rtol=1e-4, atol=1e-4)
-    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
-                 str(tmp_path / "back")]) == 0
+    assert (
+        main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output", str(tmp_path / "back")]) == 0
+    )
     back = transformers.BertForPreTraining.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         again = back(input_ids=ids, token_type_ids=types, attention_mask=keep)
@@ -146,9 +172,12 @@ def test_a_pre_norm_bert_does_not_convert_to_hf(single_world, tmp_path, capsys):
 
     cfg = convert.ModelConfig("bert", num_layers=1, hidden_size=16, num_heads=2, seq_length=8)
     model = BertModel(cfg, seed=0)
-    tensors = {k: v.detach()[:cfg.vocab_size] if k in ("embedding.word.weight", "mlm_bias") else v.detach()
-               for k, v in model.named_parameters()}
+    tensors = {
+        k: v.detach()[: cfg.vocab_size] if k in ("embedding.word.weight", "mlm_bias") else v.detach()
+        for k, v in model.named_parameters()
+    }
     convert.write_checkpoint(tensors, cfg, str(tmp_path / "mk"), "test")
-    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
-                 str(tmp_path / "hf")]) == 2
+    assert (
+        main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output", str(tmp_path / "hf")]) == 2
+    )
     assert "pre-norm" in capsys.readouterr().err

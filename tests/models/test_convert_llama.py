@@ -14,8 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megakernels.parallel.launch import single_process_world
-
 transformers = pytest.importorskip("transformers")
 
 from megakernels_models import checkpoint, convert  # noqa: E402
@@ -26,9 +24,18 @@ V, S = 300, 32
 
 def _hf_llama(path, **kw):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=S, rope_theta=5000.0,
-                                   rms_norm_eps=1e-5, **kw)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=S,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        **kw,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms away from 1
         for name, p in model.named_parameters():
@@ -46,7 +53,7 @@ def _our_logits(ckpt_dir, ids):
     model = LlamaModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(str(ckpt_dir)), [model], None, cfg)
     with torch.no_grad():
-        return model(ids).transpose(0, 1)[..., :cfg.vocab_size], cfg
+        return model(ids).transpose(0, 1)[..., : cfg.vocab_size], cfg
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -56,13 +63,15 @@ def test_llama_round_trip_gives_the_same_logits(single_world, tmp_path, tied):
     ids = torch.randint(0, V, (2, S))
     with torch.no_grad():
         ref = hf(ids).logits
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
-                 str(tmp_path / "mk")]) == 0
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mk")]) == 0
+    )
     ours, cfg = _our_logits(tmp_path / "mk", ids)
     assert (cfg.num_kv_heads, cfg.rope_theta, cfg.tie_embeddings) == (2, 5000.0, tied)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
-                 str(tmp_path / "back")]) == 0
+    assert (
+        main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output", str(tmp_path / "back")]) == 0
+    )
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
@@ -92,8 +101,9 @@ def _tokenizer_json(path):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     tok.save(str(path))
 
@@ -124,10 +134,29 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
     assert res["ppl"] == pytest.approx(math.exp(res["loss"]), rel=1e-9)
 
     # training at tp 2 (the key/value heads split) starts from transformers' loss on the first global batch
-    args = TrainArgs(model="llama", preset=None, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                     seq_length=S, vocab_size=V, ffn_hidden_size=48, rope_theta=5000.0, steps=4, lr=1e-2,
-                     micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18,
-                     load=str(tmp_path / "mk"), dropout=0.0, tp=2, nproc=2)
+    args = TrainArgs(
+        model="llama",
+        preset=None,
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        seq_length=S,
+        vocab_size=V,
+        ffn_hidden_size=48,
+        rope_theta=5000.0,
+        steps=4,
+        lr=1e-2,
+        micro_batch_size=2,
+        global_batch_size=4,
+        eval_interval=0,
+        progress=False,
+        corpus_bytes=1 << 18,
+        load=str(tmp_path / "mk"),
+        dropout=0.0,
+        tp=2,
+        nproc=2,
+    )
     cfg = validate(dataclasses.replace(args))
     batch = collate([build_datasets(args, cfg)[0][i] for i in range(4)])
     with torch.no_grad():
@@ -137,13 +166,15 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+    ],
+)
 def test_unconvertible_llamas_are_refused_naming_the_setting(tmp_path, capsys, change, message):
     _hf_llama(tmp_path / "hf", **change)
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
-                 str(tmp_path / "o")]) == 2
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err

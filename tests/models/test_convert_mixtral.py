@@ -20,10 +20,19 @@ V, S = 300, 16
 
 def _hf_mixtral(path, **kw):
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=V, max_position_embeddings=S,
-                                     num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
-                                     **{"sliding_window": None, **kw})
+    cfg = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=S,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=10000.0,
+        **{"sliding_window": None, **kw},
+    )
     model = transformers.MixtralForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -42,8 +51,9 @@ def test_mixtral_round_trip_gives_the_same_logits(single_world, tmp_path):
     ids = torch.randint(0, V, (2, S))
     with torch.no_grad():
         ref = hf(ids).logits
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
-                 str(tmp_path / "mk")]) == 0
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mk")]) == 0
+    )
     meta, tensors = convert.read_checkpoint(str(tmp_path / "mk"))
     assert "layers.1.mlp.experts.3.fc1" in tensors and tensors["layers.1.mlp.experts.3.fc1"].shape == (48, 32)
     cfg = convert.ModelConfig(**meta["config"])
@@ -53,8 +63,9 @@ def test_mixtral_round_trip_gives_the_same_logits(single_world, tmp_path):
     with torch.no_grad():
         ours = model(ids).transpose(0, 1)[..., :V]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-    assert main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output",
-                 str(tmp_path / "back")]) == 0
+    assert (
+        main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output", str(tmp_path / "back")]) == 0
+    )
     back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
@@ -68,11 +79,33 @@ def test_a_converted_mixtral_trains_with_experts_split_over_ep2(tmp_path):
 
     hf = _hf_mixtral(tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
-    args = TrainArgs(model="llama", preset=None, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                     seq_length=S, vocab_size=V, ffn_hidden_size=24, num_experts=4, moe_top_k=2,
-                     moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.001, rope_theta=10000.0, steps=3, lr=1e-2,
-                     micro_batch_size=2, global_batch_size=4, eval_interval=0, progress=False, corpus_bytes=1 << 18,
-                     load=str(tmp_path / "mk"), dropout=0.0, nproc=2, ep=2)
+    args = TrainArgs(
+        model="llama",
+        preset=None,
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        seq_length=S,
+        vocab_size=V,
+        ffn_hidden_size=24,
+        num_experts=4,
+        moe_top_k=2,
+        moe_ffn_hidden_size=24,
+        moe_aux_loss_coeff=0.001,
+        rope_theta=10000.0,
+        steps=3,
+        lr=1e-2,
+        micro_batch_size=2,
+        global_batch_size=4,
+        eval_interval=0,
+        progress=False,
+        corpus_bytes=1 << 18,
+        load=str(tmp_path / "mk"),
+        dropout=0.0,
+        nproc=2,
+        ep=2,
+    )
     cfg = validate(dataclasses.replace(args))
     assert cfg.moe_normalize
     train_ds = build_datasets(args, cfg)[0]
@@ -85,10 +118,11 @@ def test_a_converted_mixtral_trains_with_experts_split_over_ep2(tmp_path):
     assert records[0]["dropped_fraction"] == 0.0  # dropless
 
 
-@pytest.mark.parametrize("change,message", [(dict(router_jitter_noise=0.1), "router_jitter_noise"),
-                                            (dict(sliding_window=8), "sliding_window 8")])
+@pytest.mark.parametrize(
+    "change,message",
+    [(dict(router_jitter_noise=0.1), "router_jitter_noise"), (dict(sliding_window=8), "sliding_window 8")],
+)
 def test_unconvertible_mixtrals_are_refused(tmp_path, capsys, change, message):
     _hf_mixtral(tmp_path / "hf", **change)
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output",
-                 str(tmp_path / "o")]) == 2
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err

@@ -37,10 +37,35 @@ RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_
 
 def _agent(nnodes: str, port: int, flags: list[str], env: dict, out, **popen) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID,
-         "--rdzv-conf", RDZV_CONF, "--max-restarts", "1", "-m", "megakernels_models.cli", "train", *flags],
-        stdout=out, stderr=subprocess.STDOUT, text=True, env=env, **popen)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            RUN_ID,
+            "--rdzv-conf",
+            RDZV_CONF,
+            "--max-restarts",
+            "1",
+            "-m",
+            "megakernels_models.cli",
+            "train",
+            *flags,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        **popen,
+    )
 
 
 def _parent(pid: int) -> int:
@@ -85,8 +110,9 @@ def test_a_lost_node_restarts_the_job_at_the_smaller_world_from_the_checkpoint(t
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGAKERNELS_SYNC_DIR=sync.path)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(k, None)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=DEADLINE_S))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=DEADLINE_S)
+    )
     procs = []
     with open(tmp_path / "lost.out", "w") as lost_out, open(tmp_path / "survivor.out", "w") as survivor_out:
         try:
@@ -125,10 +151,24 @@ def test_a_lost_node_restarts_the_job_at_the_smaller_world_from_the_checkpoint(t
 
     first, second = _runs(log)  # the logging rank of the first attempt may have been on either node
     assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in second] == [3, 4, 5, 6]
-    assert first[0]["layout"] == {"world_size": 2, "tp": 1, "cp": 1, "pp": 1, "dp": 2, "num_microbatches": 1,
-                                  "restart": 0}
-    assert second[0]["layout"] == {"world_size": 1, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "num_microbatches": 2,
-                                   "restart": 1}
+    assert first[0]["layout"] == {
+        "world_size": 2,
+        "tp": 1,
+        "cp": 1,
+        "pp": 1,
+        "dp": 2,
+        "num_microbatches": 1,
+        "restart": 0,
+    }
+    assert second[0]["layout"] == {
+        "world_size": 1,
+        "tp": 1,
+        "cp": 1,
+        "pp": 1,
+        "dp": 1,
+        "num_microbatches": 2,
+        "restart": 1,
+    }
     expected = [r["loss"] for r in _runs(reference)[0]]
     got = [r["loss"] for r in first + second]
     assert len(got) == len(expected) == 6
@@ -145,5 +185,7 @@ def test_a_restart_at_a_world_the_global_batch_does_not_divide_is_refused_naming
     with pytest.raises(ArgumentError) as e:
         validate(args)
     message = str(e.value)
-    assert message == ("--global-batch-size 4 is not divisible by --micro-batch-size × dp = 2 × 3 = 6 (dp = world "
-                       "size 3 from torchrun's WORLD_SIZE after elastic restart 1 / tp × pp 1)")
+    assert message == (
+        "--global-batch-size 4 is not divisible by --micro-batch-size × dp = 2 × 3 = 6 (dp = world "
+        "size 3 from torchrun's WORLD_SIZE after elastic restart 1 / tp × pp 1)"
+    )

@@ -8,16 +8,16 @@ import json
 import math
 
 import pytest
-
-from megakernels.parallel.launch import single_process_world
 import torch
 
+from megakernels.parallel.launch import single_process_world
 from megakernels_models.cli import main
 from megakernels_models.config import ModelConfig
 from megakernels_models.convert import write_checkpoint
 
-CFG = ModelConfig("gpt", num_layers=1, hidden_size=16, num_heads=2, seq_length=8, vocab_size=261, dropout=0.0,
-                  attention_dropout=0.0)
+CFG = ModelConfig(
+    "gpt", num_layers=1, hidden_size=16, num_heads=2, seq_length=8, vocab_size=261, dropout=0.0, attention_dropout=0.0
+)
 
 
 @pytest.fixture
@@ -26,8 +26,10 @@ def zero_model(tmp_path):
 
     with single_process_world(parallel=True):
         model = GPTModel(CFG, seed=0)
-        tensors = {k: torch.zeros_like(v)[:261] if k == "embedding.word.weight" else torch.zeros_like(v)
-                   for k, v in model.named_parameters()}
+        tensors = {
+            k: torch.zeros_like(v)[:261] if k == "embedding.word.weight" else torch.zeros_like(v)
+            for k, v in model.named_parameters()
+        }
     return write_checkpoint(tensors, CFG, str(tmp_path / "zero"), "test")
 
 
@@ -65,10 +67,12 @@ def test_lambada_needs_every_token_of_the_last_word():
     from megakernels_models.data.tokenizer import ByteTokenizer
     from megakernels_models.evaluate import lambada_accuracy
 
-    passages = ["wxyz abc",   # z -> ' ', ' ' -> a, a -> b, b -> c: right
-                "wxyz abd",   # the last token is wrong: the word is wrong
-                "wxyq abc",   # the space after q is wrong
-                "uvwxyz a"]   # a one-letter word: right
+    passages = [
+        "wxyz abc",  # z -> ' ', ' ' -> a, a -> b, b -> c: right
+        "wxyz abd",  # the last token is wrong: the word is wrong
+        "wxyq abc",  # the space after q is wrong
+        "uvwxyz a",
+    ]  # a one-letter word: right
     res = lambada_accuracy(_NextLetter(), ByteTokenizer(), passages, seq_length=16, vocab=261)
     assert res == {"accuracy": 0.5, "correct": 2, "passages": 4}
 

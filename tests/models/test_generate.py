@@ -15,9 +15,21 @@ from megakernels_models.arguments import TrainArgs
 from megakernels_models.generate import generate, sample_next
 from megakernels_models.train import run
 
-BASE = TrainArgs(preset=None, num_layers=2, hidden_size=32, num_heads=4, seq_length=32, steps=30, lr=1e-2,
-                 micro_batch_size=4, global_batch_size=8, eval_interval=0, progress=False, corpus_bytes=1 << 18,
-                 dropout=0.0)
+BASE = TrainArgs(
+    preset=None,
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    seq_length=32,
+    steps=30,
+    lr=1e-2,
+    micro_batch_size=4,
+    global_batch_size=8,
+    eval_interval=0,
+    progress=False,
+    corpus_bytes=1 << 18,
+    dropout=0.0,
+)
 FAMILIES = {"gpt": {}, "llama": dict(model="llama", num_kv_heads=2, ffn_hidden_size=48)}
 
 
@@ -59,8 +71,8 @@ def test_greedy_decoding_with_the_cache_equals_full_recompute(checkpoints, famil
 
     cache = KVCache()
     lm(prompt, kv_cache=cache)
-    step = lm(ref[:, prompt.shape[1]:prompt.shape[1] + 1], kv_cache=cache)
-    torch.testing.assert_close(step[:, 0], lm(ref[:, :prompt.shape[1] + 1])[:, -1], rtol=1e-5, atol=1e-5)
+    step = lm(ref[:, prompt.shape[1] : prompt.shape[1] + 1], kv_cache=cache)
+    torch.testing.assert_close(step[:, 0], lm(ref[:, : prompt.shape[1] + 1])[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_the_model_is_the_checkpoints_at_any_layout(checkpoints):
@@ -103,12 +115,31 @@ def test_seeded_sampling_is_reproducible_and_learned_positions_stop_at_seq_lengt
 
 
 def test_the_cli_streams_the_continuation(checkpoints):
-    r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "generate", "--load", checkpoints["llama"],
-                        "--prompt", "class ", "--max-new-tokens", "10"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megakernels_models.cli",
+            "generate",
+            "--load",
+            checkpoints["llama"],
+            "--prompt",
+            "class ",
+            "--max-new-tokens",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("class ") and len(r.stdout.rstrip("\n")) > len("class ")
-    bad = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "generate", "--load", "/nonexistent",
-                          "--prompt", "x"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "megakernels_models.cli", "generate", "--load", "/nonexistent", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "no such directory" in bad.stderr
 
 
@@ -122,13 +153,23 @@ def test_a_run_with_a_hf_tokenizer_keeps_it_beside_its_checkpoints(tmp_path):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["alpha beta gamma delta\n"] * 50, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["alpha beta gamma delta\n"] * 50,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(tmp_path / "tok.json"))
     (tmp_path / "docs.txt").write_text("alpha beta gamma delta " * 400)
     preprocess([str(tmp_path / "docs.txt")], str(tmp_path / "data"), f"hf:{tmp_path / 'tok.json'}")
-    args = dataclasses.replace(BASE, steps=2, data=str(tmp_path / "data"), tokenizer=f"hf:{tmp_path / 'tok.json'}",
-                               save=str(tmp_path / "ckpt"), split="1,0,0")
+    args = dataclasses.replace(
+        BASE,
+        steps=2,
+        data=str(tmp_path / "data"),
+        tokenizer=f"hf:{tmp_path / 'tok.json'}",
+        save=str(tmp_path / "ckpt"),
+        split="1,0,0",
+    )
     with single_process_world():
         train(args)
     assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == (tmp_path / "tok.json").read_text()

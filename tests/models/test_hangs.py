@@ -97,9 +97,26 @@ def test_a_stopped_rank_ends_a_torchrun_job_within_twice_the_timeout(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGAKERNELS_SYNC_DIR=sync.path)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "--max-restarts", "0", "-m", "megakernels_models.cli", "train", *FLAGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "-m",
+            "megakernels_models.cli",
+            "train",
+            *FLAGS,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     pids = []
     try:
         pids, elapsed, err = _stop_rank_1_and_time_the_exit(proc, sync)

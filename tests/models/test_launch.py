@@ -13,9 +13,25 @@ import time
 
 import pytest
 
-
-TINY = ["--preset", "gpt-tiny", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--corpus-bytes", "262144", "--no-progress"]
+TINY = [
+    "--preset",
+    "gpt-tiny",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--corpus-bytes",
+    "262144",
+    "--no-progress",
+]
 
 
 def _env():
@@ -33,16 +49,51 @@ def _records(path) -> list[dict]:
 
 def test_train_logs_every_contract_field(tmp_path):
     log = tmp_path / "log.jsonl"
-    r = subprocess.run([sys.executable, "-m", "megakernels_models.cli", "train", *TINY, "--steps", "4",
-                        "--warmup-steps", "2", "--lr", "0.01", "--min-lr", "0.001", "--eval-interval", "2",
-                        "--eval-steps", "1", "--log-jsonl", str(log), "--tensorboard", str(tmp_path / "tb")],
-                       capture_output=True, text=True, timeout=300, env=_env())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megakernels_models.cli",
+            "train",
+            *TINY,
+            "--steps",
+            "4",
+            "--warmup-steps",
+            "2",
+            "--lr",
+            "0.01",
+            "--min-lr",
+            "0.001",
+            "--eval-interval",
+            "2",
+            "--eval-steps",
+            "1",
+            "--log-jsonl",
+            str(log),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stderr
     recs = _records(log)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
     for rec in recs:
-        assert set(rec) >= {"step", "loss", "lr", "grad_norm", "loss_scale", "tokens", "tokens_per_s",
-                            "tflops_per_device", "mfu", "elapsed_s"}
+        assert set(rec) >= {
+            "step",
+            "loss",
+            "lr",
+            "grad_norm",
+            "loss_scale",
+            "tokens",
+            "tokens_per_s",
+            "tflops_per_device",
+            "mfu",
+            "elapsed_s",
+        }
         assert rec["tokens"] == rec["step"] * 4 * 32
     assert "val_loss" in recs[1] and "val_ppl" in recs[3] and "val_loss" not in recs[0]
     # linear warmup over 2 steps to 0.01, then cosine decay to 0.001 at step 4
@@ -55,10 +106,32 @@ def test_train_logs_every_contract_field(tmp_path):
 
 def test_torchrun_launch(tmp_path):
     log = tmp_path / "log.jsonl"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "megakernels_models.cli", "train", *TINY, "--steps", "2", "--pp", "2",
-                        "--eval-interval", "0", "--log-jsonl", str(log)],
-                       capture_output=True, text=True, timeout=300, env=_env())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "megakernels_models.cli",
+            "train",
+            *TINY,
+            "--steps",
+            "2",
+            "--pp",
+            "2",
+            "--eval-interval",
+            "0",
+            "--log-jsonl",
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["step"] for x in _records(log)] == [1, 2]
 
@@ -81,10 +154,29 @@ def _cmdline(pid: int) -> str:
 
 def test_a_killed_rank_ends_the_whole_run_with_its_error(tmp_path):
     log = tmp_path / "log.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "megakernels_models.cli", "train", *TINY, "--steps", "100000",
-                             "--nproc", "2", "--eval-interval", "0", "--log-jsonl", str(log), "--timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(_env(), MEGAKERNELS_START_METHOD="spawn"))  # the ranks: the launcher's children
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megakernels_models.cli",
+            "train",
+            *TINY,
+            "--steps",
+            "100000",
+            "--nproc",
+            "2",
+            "--eval-interval",
+            "0",
+            "--log-jsonl",
+            str(log),
+            "--timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(_env(), MEGAKERNELS_START_METHOD="spawn"),
+    )  # the ranks: the launcher's children
     try:
         deadline = time.monotonic() + 240
         while not (log.exists() and log.read_text().strip()):

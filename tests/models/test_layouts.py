@@ -1,6 +1,7 @@
 """The trainer's central test (docs/design.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
 (tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer (and its CPU offload),
-recomputation, interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT, BERT and Llama
+recomputation, interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for
+tiny GPT, BERT and Llama
 (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context parallelism
 by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixture-of-experts GPT and Llama
 (dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
@@ -22,18 +23,34 @@ import shutil
 import tempfile
 
 import pytest
-
-from megakernels.parallel.launch import single_process_world
 import torch
 
+from megakernels.parallel.launch import single_process_world
 from megakernels_models.arguments import TrainArgs
 from tests.parallel.harness import run_world
 
 STEPS = 6
 RTOL = 1e-5
-BASE = TrainArgs(preset=None, num_layers=4, hidden_size=32, num_heads=4, seq_length=16, dropout=0.0, steps=STEPS,
-                 micro_batch_size=2, global_batch_size=8, lr=5e-3, min_lr=5e-4, warmup_steps=2, clip_grad=0.5,
-                 eval_interval=0, progress=False, corpus_bytes=1 << 18, seed=7, timeout=120)
+BASE = TrainArgs(
+    preset=None,
+    num_layers=4,
+    hidden_size=32,
+    num_heads=4,
+    seq_length=16,
+    dropout=0.0,
+    steps=STEPS,
+    micro_batch_size=2,
+    global_batch_size=8,
+    lr=5e-3,
+    min_lr=5e-4,
+    warmup_steps=2,
+    clip_grad=0.5,
+    eval_interval=0,
+    progress=False,
+    corpus_bytes=1 << 18,
+    seed=7,
+    timeout=120,
+)
 
 MODELS = ("gpt", "bert", "llama", "gpt-moe", "llama-moe", "vlm", "vlm-x")
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
@@ -42,9 +59,15 @@ MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coef
 # Vision-language: a 1-layer ViT over 16×16 shapes (4 patches of 8) in front of the GPT, the image tokens a prefix
 # (LLaVA); and with gated cross-attention after every second layer of the Llama and the contrastive loss (Flamingo).
 VLM = dict(image_size=16, patch_size=8, vision_layers=1, vision_hidden_size=16, vision_heads=2)
-FAMILY = {"gpt": ("gpt", {}), "bert": ("bert", {}), "llama": ("llama", LLAMA), "gpt-moe": ("gpt", MOE),
-          "llama-moe": ("llama", {**LLAMA, **MOE}), "vlm": ("vlm", VLM),
-          "vlm-x": ("vlm", {**VLM, **LLAMA, "lm": "llama", "cross_attention_every": 2, "contrastive_coeff": 0.5})}
+FAMILY = {
+    "gpt": ("gpt", {}),
+    "bert": ("bert", {}),
+    "llama": ("llama", LLAMA),
+    "gpt-moe": ("gpt", MOE),
+    "llama-moe": ("llama", {**LLAMA, **MOE}),
+    "vlm": ("vlm", VLM),
+    "vlm-x": ("vlm", {**VLM, **LLAMA, "lm": "llama", "cross_attention_every": 2, "contrastive_coeff": 0.5}),
+}
 DENSE, EXPERTS, VISION = ("gpt", "bert", "llama"), ("gpt-moe", "llama-moe"), ("vlm", "vlm-x")
 SAVED = ("gpt", "bert", "llama", "gpt-moe", "llama-moe")  # the families of the resharding tests
 
@@ -65,8 +88,10 @@ LAYOUTS = {
     "pp2-vpp2-dp2": (4, dict(pp=2, vpp=2)),
     "pp4": (4, dict(pp=4, recompute="full")),
     "tp2-pp2-dp2": (8, dict(tp=2, pp=2)),
-    "tp2-pp2-dp2-sp-zero1-recompute": (8, dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True,
-                                               recompute="selective")),
+    "tp2-pp2-dp2-sp-zero1-recompute": (
+        8,
+        dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, recompute="selective"),
+    ),
     "tp4-kv-replicated": (4, dict(tp=4)),
     "cp2": (2, dict(cp=2)),
     "cp4": (4, dict(cp=4)),
@@ -82,15 +107,35 @@ LAYOUTS = {
     "cp2-ep2": (4, dict(cp=2, ep=2)),
     "tp2-dp2-recompute": (4, dict(tp=2, recompute="selective", distributed_optimizer=True)),
 }
-ONLY = {"offload": ("gpt",), "dp2-zero1-offload": ("gpt",), "pp2-gpipe": ("gpt",), "pp4": ("gpt",),
-        "tp2-dp2-sp": ("gpt",), "pp2-dp2": ("gpt",), "tp2-pp2": ("gpt", "bert"), "pp2-vpp2-dp2": ("gpt", "bert"),
-        "tp2-pp2-dp2": ("bert",), "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
-        "tp4-kv-replicated": ("llama",), "cp2": ("gpt", "llama"), "cp4": ("gpt", "llama"),
-        "tp2-cp2-sp": ("gpt", "llama"), "pp2-cp2": ("gpt", "llama"), "cp2-dp2-zero1": ("llama",),
-        "tp2-cp2-pp2-recompute": ("llama",), "ep2": EXPERTS, "ep4": EXPERTS, "tp2-ep2-sp": EXPERTS,
-        "pp2-ep2": EXPERTS, "ep2-dp4-zero1": ("gpt-moe",), "cp2-ep2": ("llama-moe",),
-        "tp2": DENSE + ("vlm-x",), "pp2": DENSE + VISION, "dp2-zero1": DENSE + ("vlm",),
-        "tp2-dp2-recompute": ("vlm-x",)}
+ONLY = {
+    "offload": ("gpt",),
+    "dp2-zero1-offload": ("gpt",),
+    "pp2-gpipe": ("gpt",),
+    "pp4": ("gpt",),
+    "tp2-dp2-sp": ("gpt",),
+    "pp2-dp2": ("gpt",),
+    "tp2-pp2": ("gpt", "bert"),
+    "pp2-vpp2-dp2": ("gpt", "bert"),
+    "tp2-pp2-dp2": ("bert",),
+    "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
+    "tp4-kv-replicated": ("llama",),
+    "cp2": ("gpt", "llama"),
+    "cp4": ("gpt", "llama"),
+    "tp2-cp2-sp": ("gpt", "llama"),
+    "pp2-cp2": ("gpt", "llama"),
+    "cp2-dp2-zero1": ("llama",),
+    "tp2-cp2-pp2-recompute": ("llama",),
+    "ep2": EXPERTS,
+    "ep4": EXPERTS,
+    "tp2-ep2-sp": EXPERTS,
+    "pp2-ep2": EXPERTS,
+    "ep2-dp4-zero1": ("gpt-moe",),
+    "cp2-ep2": ("llama-moe",),
+    "tp2": DENSE + ("vlm-x",),
+    "pp2": DENSE + VISION,
+    "dp2-zero1": DENSE + ("vlm",),
+    "tp2-dp2-recompute": ("vlm-x",),
+}
 
 
 def _args(model: str, changes: dict, nproc: int) -> TrainArgs:
@@ -109,8 +154,9 @@ def _losses(records) -> list[float]:
 # Resharding: the (2, 2, 2) run with SP and ZeRO-1 saves (asynchronously) at step 3; its checkpoint resumes at
 # other layouts (here in the world of 8, and at (1, 1, 1) in this process); steps 4..6 must follow the single-process
 # curve.
-SAVE_LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3,
-                   keep_checkpoints=5, async_save=True)
+SAVE_LAYOUT = dict(
+    tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3, keep_checkpoints=5, async_save=True
+)
 RESHARD_TO = {"tp4-dp2": (8, dict(tp=4)), "pp4-dp2": (8, dict(pp=4)), "single": (1, dict())}
 # Vision-language models are saved in the world of 2 (no sequence parallelism for them): the GPT one at dp 2 with
 # ZeRO-1 (its optimizer state sharded), the cross-attention Llama at tp 2 (encoder, projector and cross-attention
@@ -122,6 +168,8 @@ EP_WHEN = {"saving": 2, "pp4-dp2": 2}
 
 def _with_ep(model: str, where: str, changes: dict) -> dict:
     return dict(changes, ep=EP_WHEN[where]) if model in EXPERTS and where in EP_WHEN else changes
+
+
 CKPT_DIR = tempfile.mkdtemp(prefix="megakernels-layouts-")
 atexit.register(shutil.rmtree, CKPT_DIR, ignore_errors=True)
 
@@ -141,20 +189,25 @@ def _world(rank: int, world_size: int, cases, root: str):
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
     if world_size == 2:
         for model, changes in VISION_SAVE.items():
-            records = train(_args(model, dict(changes, save=_saved(model, root), save_interval=3, keep_checkpoints=5),
-                                  world_size))
+            records = train(
+                _args(model, dict(changes, save=_saved(model, root), save_interval=3, keep_checkpoints=5), world_size)
+            )
             if records is not None:
                 out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
     if world_size == 8:
         for model in SAVED:
-            records = train(_args(model, _with_ep(model, "saving", dict(SAVE_LAYOUT, save=_saved(model, root))),
-                                  world_size))
+            records = train(
+                _args(model, _with_ep(model, "saving", dict(SAVE_LAYOUT, save=_saved(model, root))), world_size)
+            )
             if records is not None:
                 out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
             for target, (n, changes) in RESHARD_TO.items():
                 if n == world_size:
-                    records = train(_args(model, _with_ep(model, target, dict(changes, load=_resume_point(model, root))),
-                                          world_size))
+                    records = train(
+                        _args(
+                            model, _with_ep(model, target, dict(changes, load=_resume_point(model, root))), world_size
+                        )
+                    )
                     if records is not None:
                         out[("reshard", model, target)] = (_losses(records), [r["grad_norm"] for r in records])
     return out
@@ -168,8 +221,14 @@ def _single(cases):
     from megakernels_models.train import train
 
     with single_process_world():
-        return {c: ((lambda r: (_losses(r), [x["grad_norm"] for x in r]))(
-            train(_args(c[0], LAYOUTS[c[1]][1] if c[1] in LAYOUTS else {}, 1)))) for c in cases}
+        return {
+            c: (
+                (lambda r: (_losses(r), [x["grad_norm"] for x in r]))(
+                    train(_args(c[0], LAYOUTS[c[1]][1] if c[1] in LAYOUTS else {}, 1))
+                )
+            )
+            for c in cases
+        }
 
 
 @pytest.fixture(scope="module")
@@ -201,10 +260,20 @@ def test_single_process_loss_falls(baseline):
 
 def _assert_same_curve(got, ref, what):
     (losses, norms), (ref_losses, ref_norms) = got, ref
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
-                               rtol=RTOL, atol=0, msg=lambda m: f"{what} loss curve differs: {losses} vs {ref_losses}\n{m}")
-    torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(ref_norms, dtype=torch.float64),
-                               rtol=1e-4, atol=0, msg=lambda m: f"{what} grad norms differ\n{m}")
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=RTOL,
+        atol=0,
+        msg=lambda m: f"{what} loss curve differs: {losses} vs {ref_losses}\n{m}",
+    )
+    torch.testing.assert_close(
+        torch.tensor(norms, dtype=torch.float64),
+        torch.tensor(ref_norms, dtype=torch.float64),
+        rtol=1e-4,
+        atol=0,
+        msg=lambda m: f"{what} grad norms differ\n{m}",
+    )
 
 
 @pytest.mark.parametrize("case", _cases(1), ids=lambda c: f"{c[0]}-{c[1]}")
@@ -266,5 +335,8 @@ def test_a_vision_language_checkpoint_resumes_at_another_layout(baseline, model)
         records = train(_args(model, dict(load=_resume_point(model)), 1))
     ref_losses, ref_norms = baseline[(model, "single")]
     assert len(records) == STEPS - 3
-    _assert_same_curve((_losses(records), [r["grad_norm"] for r in records]), (ref_losses[3:], ref_norms[3:]),
-                       f"{model} saved at {VISION_SAVE[model]}, resumed in one process")
+    _assert_same_curve(
+        (_losses(records), [r["grad_norm"] for r in records]),
+        (ref_losses[3:], ref_norms[3:]),
+        f"{model} saved at {VISION_SAVE[model]}, resumed in one process",
+    )

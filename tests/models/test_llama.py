@@ -13,8 +13,19 @@ import torch.nn.functional as F
 from megakernels_models.config import PRESETS, ModelConfig
 from megakernels_models.llama import LlamaModel
 
-LLAMA = ModelConfig("llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, seq_length=16,
-                    vocab_size=261, ffn_hidden_size=48, dropout=0.0, attention_dropout=0.0, rope_theta=500.0)
+LLAMA = ModelConfig(
+    "llama",
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    seq_length=16,
+    vocab_size=261,
+    ffn_hidden_size=48,
+    dropout=0.0,
+    attention_dropout=0.0,
+    rope_theta=500.0,
+)
 
 
 def _rms(x, w, eps):
@@ -30,14 +41,14 @@ def _rotate(t, pos, theta, interleaved):
     if interleaved:
         a, b = t[..., 0::2], t[..., 1::2]
         return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
-    a, b = t[..., : d // 2], t[..., d // 2:]
+    a, b = t[..., : d // 2], t[..., d // 2 :]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
 
 
 def llama_reference(p, ids, labels, cfg, positions=None):
     """Per-token loss [b, s] of a Llama with parameters ``p`` (our names, fp64)."""
     b, s = ids.shape
-    h, n, kv, d, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_hidden_size
+    n, kv, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_hidden_size
     pos = torch.arange(s) if positions is None else positions
     x = p["embedding.word.weight"][ids]
     for i in range(cfg.num_layers):
@@ -55,14 +66,22 @@ def llama_reference(p, ids, labels, cfg, positions=None):
         gate, up = (y @ p[m + "mlp.fc1.weight"].t()).split(f, -1)
         x = x + (F.silu(gate) * up) @ p[m + "mlp.fc2.weight"].t()
     x = _rms(x, p["final_norm.weight"], cfg.layernorm_eps)
-    out = p["output_layer.weight" if not cfg.tie_embeddings else "embedding.word.weight"][:cfg.vocab_size]
+    out = p["output_layer.weight" if not cfg.tie_embeddings else "embedding.word.weight"][: cfg.vocab_size]
     logits = x @ out.t()
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="none").view(b, s)
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, LLAMA.replace(tie_embeddings=True), LLAMA.replace(rope_interleaved=True),
-                                 LLAMA.replace(num_kv_heads=4), LLAMA.replace(num_kv_heads=1)],
-                         ids=["gqa-untied", "tied", "interleaved", "mha", "mqa"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LLAMA,
+        LLAMA.replace(tie_embeddings=True),
+        LLAMA.replace(rope_interleaved=True),
+        LLAMA.replace(num_kv_heads=4),
+        LLAMA.replace(num_kv_heads=1),
+    ],
+    ids=["gqa-untied", "tied", "interleaved", "mha", "mqa"],
+)
 def test_llama_loss_and_grads_match_plain_pytorch(single_world, cfg):
     torch.manual_seed(0)
     model = LlamaModel(cfg, seed=5)
@@ -99,7 +118,14 @@ def test_presets_have_the_published_sizes_on_the_meta_device(single_world, name,
 
 def test_flops_count_three_mlp_matrices_and_the_smaller_kv_projection():
     cfg = PRESETS["llama3-8b"]
-    h, f, kv, l, s, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_size, cfg.num_layers, cfg.seq_length, cfg.vocab_size
+    h, f, kv, l, s, V = (
+        cfg.hidden_size,
+        cfg.ffn_hidden_size,
+        cfg.kv_size,
+        cfg.num_layers,
+        cfg.seq_length,
+        cfg.vocab_size,
+    )
     per_layer = 2 * (h * h + 2 * h * kv + h * h + 3 * h * f)
     expected = 3 * (l * per_layer + 4 * s * h * l + 2 * h * V)
     assert cfg.flops_per_token() == pytest.approx(expected, rel=1e-12)
@@ -124,10 +150,29 @@ def test_llama3_8b_at_32k_tokens_fits_eight_h200s_with_context_parallelism(tmp_p
     from megakernels_models.dryrun import report
 
     def run(*layout):
-        return report(parse_train_args(["--preset", "llama3-8b", "--seq-length", "32768", "--nproc", "8",
-                                        "--micro-batch-size", "1", "--global-batch-size", "8", "--precision", "bf16",
-                                        "--distributed-optimizer", "--sequence-parallel", "--dry-run", *layout]),
-                      out=lambda s: None)
+        return report(
+            parse_train_args(
+                [
+                    "--preset",
+                    "llama3-8b",
+                    "--seq-length",
+                    "32768",
+                    "--nproc",
+                    "8",
+                    "--micro-batch-size",
+                    "1",
+                    "--global-batch-size",
+                    "8",
+                    "--precision",
+                    "bf16",
+                    "--distributed-optimizer",
+                    "--sequence-parallel",
+                    "--dry-run",
+                    *layout,
+                ]
+            ),
+            out=lambda s: None,
+        )
 
     cp4, cp1 = run("--tp", "2", "--cp", "4"), run("--tp", "2", "--cp", "1")
     assert cp4["layout"]["cp"] == 4 and cp4["memory_per_device_bytes"] < 141e9

@@ -37,8 +37,11 @@ def test_ranks_times_the_estimate_must_fit_the_available_memory(monkeypatch):
     need = memory_limits.estimate(args, cfg)["device"]
     _host(monkeypatch, available=(int(1.5 * need), "a fake limit"))
     memory_limits.check(dataclasses.replace(args, nproc=1), cfg)  # one rank fits
-    with pytest.raises(ArgumentError, match=r"the model needs about .* \(2 rank\(s\) × .* the --dry-run estimate\) "
-                                            r"but this machine has .* available \(a fake limit\); --no-memory-check"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"the model needs about .* \(2 rank\(s\) × .* the --dry-run estimate\) "
+        r"but this machine has .* available \(a fake limit\); --no-memory-check",
+    ):
         validate(args)
     validate(dataclasses.replace(args, memory_check=False))
     validate(dataclasses.replace(args, dry_run=True))
@@ -46,8 +49,11 @@ def test_ranks_times_the_estimate_must_fit_the_available_memory(monkeypatch):
 
 def test_one_rank_must_fit_the_process_limit(monkeypatch):
     _host(monkeypatch, per_process=(1 << 20, "RLIMIT_AS (ulimit -v)"))
-    with pytest.raises(ArgumentError, match=r"each rank needs about .* but a process may use 1\.05 MB "
-                                            r"\(RLIMIT_AS \(ulimit -v\)\)"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"each rank needs about .* but a process may use 1\.05 MB "
+        r"\(RLIMIT_AS \(ulimit -v\)\)",
+    ):
         validate(TrainArgs())
 
 
@@ -75,15 +81,27 @@ def _limits(monkeypatch, tmp_path, meminfo_kb: int, cgroup: str, files: dict[str
 
 
 def test_the_cgroup_v2_limit_of_the_process_or_an_ancestor_counts(monkeypatch, tmp_path):
-    got = _limits(monkeypatch, tmp_path, 4 << 20, "0::/job.slice/run\n",
-                  {"job.slice/run/memory.max": "max\n", "job.slice/memory.max": f"{1 << 30}\n"})
+    got = _limits(
+        monkeypatch,
+        tmp_path,
+        4 << 20,
+        "0::/job.slice/run\n",
+        {"job.slice/run/memory.max": "max\n", "job.slice/memory.max": f"{1 << 30}\n"},
+    )
     assert got == (1 << 30, f"the cgroup limit {tmp_path}/fs/job.slice/memory.max")
 
 
 def test_the_cgroup_v1_limit_counts_and_unlimited_is_ignored(monkeypatch, tmp_path):
-    got = _limits(monkeypatch, tmp_path, 4 << 20, "4:memory:/docker/abc\n0::/\n",
-                  {"memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",
-                   "memory/memory.limit_in_bytes": f"{512 << 20}\n"})
+    got = _limits(
+        monkeypatch,
+        tmp_path,
+        4 << 20,
+        "4:memory:/docker/abc\n0::/\n",
+        {
+            "memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",
+            "memory/memory.limit_in_bytes": f"{512 << 20}\n",
+        },
+    )
     assert got == (512 << 20, f"the cgroup limit {tmp_path}/fs/memory/memory.limit_in_bytes")
 
 
@@ -92,12 +110,20 @@ def test_memavailable_counts_when_it_is_the_least(monkeypatch, tmp_path):
     assert got == (1 << 20, f"MemAvailable in {tmp_path}/meminfo")
 
 
-@pytest.mark.parametrize("value,message", [
-    ("1e-9", r"--timeout must be at least 1 s and at most 31536000 s \(a year\): how long a collective waits for a "
-             r"peer, got 1e-09"),
-    ("0", "--timeout must be at least 1 s"), ("1e12", "--timeout must be at least 1 s and at most"),
-    ("nan", "--timeout must be a finite number, got nan"), ("inf", "--timeout must be a finite number, got inf"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (
+            "1e-9",
+            r"--timeout must be at least 1 s and at most 31536000 s \(a year\): how long a collective waits for a "
+            r"peer, got 1e-09",
+        ),
+        ("0", "--timeout must be at least 1 s"),
+        ("1e12", "--timeout must be at least 1 s and at most"),
+        ("nan", "--timeout must be a finite number, got nan"),
+        ("inf", "--timeout must be a finite number, got inf"),
+    ],
+)
 def test_timeout_is_bounded(value, message):
     with pytest.raises(ArgumentError, match=message):
         validate(parse_train_args(["--timeout", value]))

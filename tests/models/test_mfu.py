@@ -28,8 +28,7 @@ def test_the_cpu_peak_is_measured_once_and_cached(cache, monkeypatch):
 
 def test_a_step_faster_than_the_peak_raises_it_and_mfu_stays_at_most_one(cache, monkeypatch):
     monkeypatch.setattr(mfu, "measure_cpu_tflops", lambda dtype: 1.0)
-    meter = mfu.MFUMeter(flops_per_token=1e12, tokens_per_step=3, world=1, precision="fp32",
-                         device=torch.device("cpu"))
+    meter = mfu.MFUMeter(flops_per_token=1e12, tokens_per_step=3, world=1, precision="fp32", device=torch.device("cpu"))
     fast = meter.measure(1.0)  # 3 TFLOP/s against a cached 1.0
     assert fast["tflops_per_device"] == pytest.approx(3.0) and fast["mfu"] == pytest.approx(1.0)
     assert mfu.cpu_peak_tflops(torch.float32) == pytest.approx(3.0)  # the cache learnt it

@@ -15,8 +15,9 @@ from megakernels_models.bert import BertModel
 from megakernels_models.config import PRESETS, ModelConfig, preset, stage_layers
 from megakernels_models.gpt import GPTModel
 
-GPT = ModelConfig("gpt", num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=261, dropout=0.0,
-                  attention_dropout=0.0)
+GPT = ModelConfig(
+    "gpt", num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=261, dropout=0.0, attention_dropout=0.0
+)
 BERT = GPT.replace(model="bert")
 
 
@@ -167,9 +168,19 @@ def test_bf16_model_follows_the_fp32_model(single_world):
         assert cos > 0.99, (name, cos)
 
 
-@pytest.mark.parametrize("name,billions", [("gpt-1.2b", 1.2), ("gpt-2.5b", 2.5), ("gpt-4.2b", 4.2), ("gpt-8.3b", 8.3),
-                                           ("bert-336m", 0.336), ("bert-1.3b", 1.3), ("bert-3.9b", 3.9),
-                                           ("gpt-1.3b", 1.3)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [
+        ("gpt-1.2b", 1.2),
+        ("gpt-2.5b", 2.5),
+        ("gpt-4.2b", 4.2),
+        ("gpt-8.3b", 8.3),
+        ("bert-336m", 0.336),
+        ("bert-1.3b", 1.3),
+        ("bert-3.9b", 3.9),
+        ("gpt-1.3b", 1.3),
+    ],
+)
 def test_paper_presets_have_the_papers_sizes_on_the_meta_device(single_world, name, billions):
     cfg = PRESETS[name]
     cls = GPTModel if cfg.model == "gpt" else BertModel

@@ -15,24 +15,57 @@ def _dry(*flags):
 
 
 def test_mixtral_8x7b_has_the_published_total_and_active_parameters():
-    rep = _dry("--preset", "mixtral-8x7b", "--seq-length", "4096", "--nproc", "64", "--tp", "8", "--ep", "8",
-               "--micro-batch-size", "1", "--global-batch-size", "64")
+    rep = _dry(
+        "--preset",
+        "mixtral-8x7b",
+        "--seq-length",
+        "4096",
+        "--nproc",
+        "64",
+        "--tp",
+        "8",
+        "--ep",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "64",
+    )
     assert rep["parameters"] == pytest.approx(46.7e9, rel=0.01)
     assert rep["active_parameters"] == pytest.approx(12.9e9, rel=0.01)
 
 
 def test_flops_per_token_count_the_active_experts():
     cfg = PRESETS["mixtral-8x7b"]
-    h, l, s, kv, f, V = (cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.kv_size, cfg.moe_ffn_hidden_size,
-                         cfg.vocab_size)
+    h, l, s, kv, f, V = (
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.seq_length,
+        cfg.kv_size,
+        cfg.moe_ffn_hidden_size,
+        cfg.vocab_size,
+    )
     per_layer = 2 * (2 * h * h + 2 * h * kv + cfg.num_experts * h + cfg.moe_top_k * 3 * h * f)
     assert cfg.flops_per_token() == pytest.approx(3 * (l * per_layer + 4 * s * h * l + 2 * h * V), rel=1e-12)
 
 
 def test_expert_memory_per_device_shrinks_with_ep():
-    flags = ["--preset", "mixtral-8x7b", "--seq-length", "4096", "--nproc", "64", "--tp", "8", "--micro-batch-size",
-             "1", "--global-batch-size", "64", "--precision", "bf16"]
+    flags = [
+        "--preset",
+        "mixtral-8x7b",
+        "--seq-length",
+        "4096",
+        "--nproc",
+        "64",
+        "--tp",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "64",
+        "--precision",
+        "bf16",
+    ]
     ep1, ep8 = _dry(*flags), _dry(*flags, "--ep", "8")
-    assert ep8["expert_memory_per_device_bytes"] == pytest.approx(ep1["expert_memory_per_device_bytes"] / 8,
-                                                                  rel=1e-6)
+    assert ep8["expert_memory_per_device_bytes"] == pytest.approx(ep1["expert_memory_per_device_bytes"] / 8, rel=1e-6)
     assert ep8["memory_per_device_bytes"] < ep1["memory_per_device_bytes"]

@@ -39,7 +39,7 @@ def test_the_printed_layouts_are_valid_commands(capsys, monkeypatch):
         words = row["command"].split()
         assert words[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]  # 16 GPUs: 2 nodes of 8
         monkeypatch.setenv("WORLD_SIZE", "16")  # as torchrun sets it
-        args = parse_train_args([*words[words.index("train") + 1:], "--dry-run"])  # no GPU here
+        args = parse_train_args([*words[words.index("train") + 1 :], "--dry-run"])  # no GPU here
         validate(args)
         assert args.world_size() == 16 and 0 < row["mfu"] < 1
 
@@ -51,13 +51,18 @@ def test_the_table_names_the_best_command(capsys):
     assert "torchrun --nproc-per-node 8 -m megakernels_models.cli train --preset gpt-1.3b --device cuda" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--preset", "gpt-9b", "--gpus", "8"], "unknown preset 'gpt-9b'"),
-    (["--preset", "llama3-8b", "--gpus", "1", "--gpu", "v100"], "no layout of 1 GPUs fits"),
-    (["--preset", "gpt-tiny", "--gpus", "0"], "--gpus must be a positive int"),
-    (["--preset", "gpt-tiny", "--gpus", "2", "--offload-optimizer", "--host-adamw-ns", "-1"],
-     "--host-adamw-ns must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--preset", "gpt-9b", "--gpus", "8"], "unknown preset 'gpt-9b'"),
+        (["--preset", "llama3-8b", "--gpus", "1", "--gpu", "v100"], "no layout of 1 GPUs fits"),
+        (["--preset", "gpt-tiny", "--gpus", "0"], "--gpus must be a positive int"),
+        (
+            ["--preset", "gpt-tiny", "--gpus", "2", "--offload-optimizer", "--host-adamw-ns", "-1"],
+            "--host-adamw-ns must be a finite number >= 0",
+        ),
+    ],
+)
 def test_bad_requests_get_a_clear_message(capsys, argv, message):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
@@ -67,18 +72,67 @@ def test_bad_requests_get_a_clear_message(capsys, argv, message):
 def test_the_dry_run_warns_about_poor_layouts():
     from megakernels_models.dryrun import report
 
-    rep = report(parse_train_args(["--preset", "gpt-8.3b", "--tp", "8", "--pp", "8", "--nproc", "512",
-                                   "--global-batch-size", "512", "--dry-run"]), out=lambda s: None)
+    rep = report(
+        parse_train_args(
+            [
+                "--preset",
+                "gpt-8.3b",
+                "--tp",
+                "8",
+                "--pp",
+                "8",
+                "--nproc",
+                "512",
+                "--global-batch-size",
+                "512",
+                "--dry-run",
+            ]
+        ),
+        out=lambda s: None,
+    )
     assert any("pipeline bubble is 88%" in w for w in rep["warnings"])
-    rep = report(parse_train_args(["--preset", "llama3-8b", "--tp", "16", "--nproc", "16", "--dry-run",
-                                   "--micro-batch-size", "1", "--gpu", "a100"]), out=lambda s: None)
+    rep = report(
+        parse_train_args(
+            [
+                "--preset",
+                "llama3-8b",
+                "--tp",
+                "16",
+                "--nproc",
+                "16",
+                "--dry-run",
+                "--micro-batch-size",
+                "1",
+                "--gpu",
+                "a100",
+            ]
+        ),
+        out=lambda s: None,
+    )
     assert any("spans more than a node" in w for w in rep["warnings"])
-    rep = report(parse_train_args(["--preset", "llama3-8b", "--dry-run", "--micro-batch-size", "1", "--gpu", "a100"]),
-                 out=lambda s: None)
+    rep = report(
+        parse_train_args(["--preset", "llama3-8b", "--dry-run", "--micro-batch-size", "1", "--gpu", "a100"]),
+        out=lambda s: None,
+    )
     assert any("more than 90 % of an A100" in w for w in rep["warnings"])
     assert rep["warnings"][0].endswith("`megakernels plan` ranks the layouts that fit")
-    good = report(parse_train_args(["--preset", "gpt-8.3b", "--tp", "8", "--nproc", "512", "--dry-run",
-                                    "--global-batch-size", "512", "--distributed-optimizer"]), out=lambda s: None)
+    good = report(
+        parse_train_args(
+            [
+                "--preset",
+                "gpt-8.3b",
+                "--tp",
+                "8",
+                "--nproc",
+                "512",
+                "--dry-run",
+                "--global-batch-size",
+                "512",
+                "--distributed-optimizer",
+            ]
+        ),
+        out=lambda s: None,
+    )
     assert good["warnings"] == []
 
 
@@ -140,6 +194,6 @@ def test_every_layout_plan_considers_is_accepted_by_train_for_every_preset(monke
                 words = shlex.split(plan.command(layout, ["--preset", name]))
                 monkeypatch.setenv("WORLD_SIZE", str(gpus))  # as torchrun sets it
                 # the layout rules; --dry-run: this machine has no GPU for --device cuda
-                validate(parse_train_args([*words[words.index("train") + 1:], "--dry-run"]))  # or raises
+                validate(parse_train_args([*words[words.index("train") + 1 :], "--dry-run"]))  # or raises
                 checked += 1
     assert checked > len(PRESETS)

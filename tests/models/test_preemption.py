@@ -19,8 +19,8 @@ from megakernels_models import checkpoint, syncpoints
 from megakernels_models.arguments import ArgumentError, validate
 from megakernels_models.preemption import StopConditions
 from tests.models.preemption_harness import DEADLINE_S, TINY_FLAGS, Run, SyncDir, logged_losses, run_to_end
-from tests.parallel.harness import run_world
 from tests.models.test_checkpoint import TINY, _train
+from tests.parallel.harness import run_world
 
 WRITE_3 = "checkpoint-write-00000003"
 

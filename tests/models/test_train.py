@@ -10,10 +10,24 @@ import pytest
 
 from megakernels_models.arguments import TrainArgs
 
-TINY = TrainArgs(preset=None, num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0, steps=8,
-                 micro_batch_size=4, global_batch_size=8, lr=3e-3, min_lr=3e-4, eval_interval=4, eval_steps=2,
-                 progress=False, corpus_bytes=1 << 18, seed=3)
-
+TINY = TrainArgs(
+    preset=None,
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    seq_length=32,
+    dropout=0.0,
+    steps=8,
+    micro_batch_size=4,
+    global_batch_size=8,
+    lr=3e-3,
+    min_lr=3e-4,
+    eval_interval=4,
+    eval_steps=2,
+    progress=False,
+    corpus_bytes=1 << 18,
+    seed=3,
+)
 
 
 def _train(**changes):

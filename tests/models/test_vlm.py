@@ -15,10 +15,21 @@ import torch
 
 from megakernels.parallel.launch import single_process_world
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
-from megakernels_models.config import ModelConfig, preset
+from megakernels_models.config import ModelConfig
 
-TINY = dict(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, dropout=0.0, attention_dropout=0.0,
-            image_size=16, patch_size=8, vision_layers=1, vision_hidden_size=16, vision_heads=2)
+TINY = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    seq_length=16,
+    dropout=0.0,
+    attention_dropout=0.0,
+    image_size=16,
+    patch_size=8,
+    vision_layers=1,
+    vision_hidden_size=16,
+    vision_heads=2,
+)
 
 
 def test_clip_vision_tower_converts_to_the_same_features(single_world):
@@ -27,8 +38,15 @@ def test_clip_vision_tower_converts_to_the_same_features(single_world):
     from megakernels_models.vision import VisionEncoder
 
     torch.manual_seed(0)
-    hc = transformers.CLIPVisionConfig(image_size=16, patch_size=4, hidden_size=32, num_attention_heads=4,
-                                       num_hidden_layers=2, intermediate_size=64, hidden_act="gelu")
+    hc = transformers.CLIPVisionConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        hidden_act="gelu",
+    )
     hf = transformers.CLIPVisionModel(hc).eval()
     with torch.no_grad():  # non-trivial norms and biases
         for name, p in hf.named_parameters():
@@ -65,8 +83,7 @@ def test_cross_attention_is_softmax_attention_over_the_context(single_world):
     q = (x @ att.q.weight.t() + att.q.bias).view(5, 2, 4, 8)
     k, v = (ctx @ att.kv.weight.t() + att.kv.bias).view(7, 2, 2, 4, 8).unbind(2)  # keys, then values
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(8)
-    ref = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(5, 2, 32) @ att.proj.weight.t() \
-        + att.proj.bias
+    ref = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(5, 2, 32) @ att.proj.weight.t() + att.proj.bias
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -90,8 +107,10 @@ def test_gated_cross_attention_starts_as_the_identity_then_reads_the_image(singl
     cfg = ModelConfig("vlm", lm="llama", cross_attention_every=1, **TINY)
     model = VLMModel(cfg, 1).eval()
     ids = torch.randint(0, 256, (2, 16))
-    a, b = torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8), torch.randint(0, 256, (2, 16, 16, 3),
-                                                                                 dtype=torch.uint8)
+    a, b = (
+        torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8),
+        torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8),
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(a, ids), model(b, ids), rtol=0, atol=0)  # gates tanh(0) = 0
         for layer in model.cross.values():
@@ -165,15 +184,30 @@ def test_preprocess_writes_decoded_resized_images(tmp_path):
     from megakernels_models.data.images import ImageTextIndexed
 
     _folder(tmp_path)
-    assert main(["preprocess", "--images", str(tmp_path), "--captions", str(tmp_path / "captions.jsonl"),
-                 "--image-size", "16", "--output-prefix", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                "--images",
+                str(tmp_path),
+                "--captions",
+                str(tmp_path / "captions.jsonl"),
+                "--image-size",
+                "16",
+                "--output-prefix",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     ds = ImageTextIndexed(str(tmp_path / "out"))
     assert len(ds) == 2 and (ds.shapes == [16, 16, 3]).all()
     assert bytes(ds.sample(1)[1].astype(np.uint8)).decode() == "picture b.jpg"
 
 
-@pytest.mark.parametrize("damage, message", [("missing", r"b\.jpg does not exist"),
-                                             ("corrupt", r"b\.jpg cannot be decoded")])
+@pytest.mark.parametrize(
+    "damage, message", [("missing", r"b\.jpg does not exist"), ("corrupt", r"b\.jpg cannot be decoded")]
+)
 def test_preprocess_names_a_bad_image(tmp_path, capsys, damage, message):
     pytest.importorskip("PIL")
     from megakernels_models.cli import main
@@ -183,13 +217,26 @@ def test_preprocess_names_a_bad_image(tmp_path, capsys, damage, message):
         (tmp_path / "b.jpg").unlink()
     else:
         (tmp_path / "b.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
-    assert main(["preprocess", "--images", str(tmp_path), "--captions", str(tmp_path / "captions.jsonl"),
-                 "--output-prefix", str(tmp_path / "out")]) == 2
+    assert (
+        main(
+            [
+                "preprocess",
+                "--images",
+                str(tmp_path),
+                "--captions",
+                str(tmp_path / "captions.jsonl"),
+                "--output-prefix",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "captions.jsonl:2" in err and "b.jpg" in err, err
     with pytest.raises(ValueError, match=message):
         from megakernels_models.data.images import read_captioned_folder
         from megakernels_models.data.tokenizer import build_tokenizer
+
         list(read_captioned_folder(str(tmp_path), str(tmp_path / "captions.jsonl"), build_tokenizer("byte")))
 
 
@@ -201,6 +248,7 @@ def test_bad_vision_flags_are_named(tmp_path):
     with pytest.raises(ArgumentError, match="--image-size is for vision-language models"):
         validate(TrainArgs(model="gpt", image_size=32))
     from megakernels_models.data.images import write_image_text
+
     write_image_text(str(tmp_path / "d"), [(np.zeros((24, 24, 3), np.uint8), np.arange(5))] * 4, 261)
     with pytest.raises(ArgumentError, match=r"--data .*d: image 0 is 24x24x3 but the model takes 32x32x3"):
         validate(TrainArgs(model="vlm", data=str(tmp_path / "d")))
@@ -211,12 +259,20 @@ def test_bad_vision_flags_are_named(tmp_path):
 def test_vlm_7b_dry_run_counts_llava_parameters():
     from megakernels_models.dryrun import report
 
-    rep = report(TrainArgs(model="vlm", preset="vlm-7b", nproc=16, tp=8, micro_batch_size=1,
-                           global_batch_size=16, dry_run=True), out=lambda *_: None)
+    rep = report(
+        TrainArgs(model="vlm", preset="vlm-7b", nproc=16, tp=8, micro_batch_size=1, global_batch_size=16, dry_run=True),
+        out=lambda *_: None,
+    )
     # Llama-2-7B 6.738e9 + CLIP ViT-L/14-336 without its post-norm 3.034e8 + a 1024 -> 4096 -> 4096 projector
-    llama = 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096
-    clip = 24 * (4 * 1024 ** 2 + 4 * 1024 + 2 * 1024 * 4096 + 4096 + 1024 + 4 * 1024) + 577 * 1024 + 1024 \
-        + 3 * 14 * 14 * 1024 + 1024 + 2 * 1024  # layers, positions, class token, patch (+ bias), pre-norm
+    llama = 32 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    clip = (
+        24 * (4 * 1024**2 + 4 * 1024 + 2 * 1024 * 4096 + 4096 + 1024 + 4 * 1024)
+        + 577 * 1024
+        + 1024
+        + 3 * 14 * 14 * 1024
+        + 1024
+        + 2 * 1024
+    )  # layers, positions, class token, patch (+ bias), pre-norm
     projector = 1024 * 4096 + 4096 + 4096 * 4096 + 4096
     assert rep["parameters"] == llama + clip + projector
     assert rep["image_tokens_per_sample"] == 577
@@ -227,9 +283,21 @@ def test_vlm_7b_dry_run_counts_llava_parameters():
 def _tiny_run(precision: str) -> list[dict]:
     from megakernels_models.train import train
 
-    return train(TrainArgs(model="vlm", preset="none", **{k: v for k, v in TINY.items() if k != "attention_dropout"},
-                           precision=precision, steps=4, micro_batch_size=4, global_batch_size=4, lr=5e-3,
-                           warmup_steps=1, eval_interval=0, progress=False))
+    return train(
+        TrainArgs(
+            model="vlm",
+            preset="none",
+            **{k: v for k, v in TINY.items() if k != "attention_dropout"},
+            precision=precision,
+            steps=4,
+            micro_batch_size=4,
+            global_batch_size=4,
+            lr=5e-3,
+            warmup_steps=1,
+            eval_interval=0,
+            progress=False,
+        )
+    )
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -240,8 +308,9 @@ def test_16bit_training_follows_the_fp32_curve(world1, precision):
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([r["loss"] for r in ref]), rtol=2e-3, atol=0)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in records]),
-                               torch.tensor([r["grad_norm"] for r in ref]), rtol=2e-2, atol=0)  # unscaled
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in records]), torch.tensor([r["grad_norm"] for r in ref]), rtol=2e-2, atol=0
+    )  # unscaled
     assert records[-1]["image_tokens_per_s"] > 0
     if precision == "fp16":
         assert records[-1]["loss_scale"] > 1 and not any(r["skipped"] for r in records)
@@ -250,9 +319,29 @@ def test_16bit_training_follows_the_fp32_curve(world1, precision):
 # A reduced vlm-tiny (a 2-layer 64-wide GPT, 16×16 images of two 8-pixel cells' shapes, 4 image tokens) whose captions
 # are cut to 7 characters ("a red c"): the first colour, the one of the upper or left shape, is the caption's main
 # image-dependent token. 150 steps take ~10 s on one core.
-LEARNS = ["--model", "vlm", "--preset", "vlm-tiny", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "8",
-          "--image-size", "16", "--patch-size", "8", "--vision-hidden-size", "32", "--steps", "150",
-          "--eval-interval", "0", "--no-progress"]
+LEARNS = [
+    "--model",
+    "vlm",
+    "--preset",
+    "vlm-tiny",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--seq-length",
+    "8",
+    "--image-size",
+    "16",
+    "--patch-size",
+    "8",
+    "--vision-hidden-size",
+    "32",
+    "--steps",
+    "150",
+    "--eval-interval",
+    "0",
+    "--no-progress",
+]
 
 
 def test_default_recipe_learns_to_read_the_image(tmp_path, capsys):
@@ -263,8 +352,22 @@ def test_default_recipe_learns_to_read_the_image(tmp_path, capsys):
 
     assert main(["train", *LEARNS, "--save", str(tmp_path / "ckpt")]) == 0
     capsys.readouterr()
-    assert main(["eval", "--load", str(tmp_path / "ckpt"), "--task", "caption", "--samples", "256",
-                 "--baseline-captions", "2048"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--load",
+                str(tmp_path / "ckpt"),
+                "--task",
+                "caption",
+                "--samples",
+                "256",
+                "--baseline-captions",
+                "2048",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     seen, blind, rolled = (res[k]["image_token_accuracy"] for k in ("model", "text_only", "mismatched_image"))
     assert res["image_tokens"] >= res["samples"], res  # at least the first colour of every caption
@@ -278,8 +381,20 @@ def test_dry_run_counts_no_gradients_or_optimizer_state_for_frozen_parameters():
     from megakernels_models.dryrun import report
 
     def run(freeze):
-        return report(TrainArgs(model="vlm", preset="vlm-7b", nproc=16, tp=8, micro_batch_size=1, global_batch_size=16,
-                                precision="bf16", freeze=freeze, dry_run=True), out=lambda *_: None)
+        return report(
+            TrainArgs(
+                model="vlm",
+                preset="vlm-7b",
+                nproc=16,
+                tp=8,
+                micro_batch_size=1,
+                global_batch_size=16,
+                precision="bf16",
+                freeze=freeze,
+                dry_run=True,
+            ),
+            out=lambda *_: None,
+        )
 
     full, stage1 = run(""), run("vision,lm")
     # fc1 column-parallel (weight and bias split over tp = 8), fc2 row-parallel (weight split, bias replicated)
@@ -305,14 +420,38 @@ def test_convert_puts_a_clip_vision_tower_in_front_of_a_language_model(single_wo
     torch.manual_seed(0)
     gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=24)
     transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2", safe_serialization=True)
-    clip = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
-        image_size=16, patch_size=4, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-        intermediate_size=64, hidden_act="gelu")).eval()
+    clip = transformers.CLIPVisionModel(
+        transformers.CLIPVisionConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            hidden_act="gelu",
+        )
+    ).eval()
     clip.save_pretrained(tmp_path / "clip", safe_serialization=True)
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--vision",
-                 str(tmp_path / "clip"), "--output", str(tmp_path / "vlm"), "--seed", "5"]) == 0
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--output",
-                 str(tmp_path / "lm")]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "hf-to-megakernels",
+                "--input",
+                str(tmp_path / "gpt2"),
+                "--vision",
+                str(tmp_path / "clip"),
+                "--output",
+                str(tmp_path / "vlm"),
+                "--seed",
+                "5",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--output", str(tmp_path / "lm")]) == 0
+    )
 
     meta, tensors = convert.read_checkpoint(str(tmp_path / "vlm"))
     cfg = ModelConfig(**meta["config"])
@@ -326,14 +465,31 @@ def test_convert_puts_a_clip_vision_tower_in_front_of_a_language_model(single_wo
     checkpoint.load(checkpoint.read_latest(str(tmp_path / "vlm")), [model], None, cfg)
     pixels = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
-        torch.testing.assert_close(model.vision(pixels.permute(0, 2, 3, 1)).transpose(0, 1),
-                                   clip(pixel_values=pixels).last_hidden_state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model.vision(pixels.permute(0, 2, 3, 1)).transpose(0, 1),
+            clip(pixel_values=pixels).last_hidden_state,
+            rtol=1e-4,
+            atol=1e-4,
+        )
     for name, t in Projector(cfg, 5).state_dict().items():
         torch.testing.assert_close(model.projector.state_dict()[name], t, rtol=0, atol=0, msg=name)
 
     capsys.readouterr()
-    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "gpt2"), "--vision",
-                 str(tmp_path / "gpt2"), "--output", str(tmp_path / "bad")]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "hf-to-megakernels",
+                "--input",
+                str(tmp_path / "gpt2"),
+                "--vision",
+                str(tmp_path / "gpt2"),
+                "--output",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     assert "--vision" in capsys.readouterr().err
 
 
@@ -344,11 +500,22 @@ def test_frozen_parameters_leave_the_data_parallel_reduction_and_the_offloaded_o
     from megakernels_models import costs, dryrun
 
     def predict(freeze, offload=False):
-        args = TrainArgs(model="vlm", preset="vlm-7b", nproc=32, tp=2, micro_batch_size=1, global_batch_size=32,
-                         precision="bf16", freeze=freeze, offload_optimizer=offload, dry_run=True)
+        args = TrainArgs(
+            model="vlm",
+            preset="vlm-7b",
+            nproc=32,
+            tp=2,
+            micro_batch_size=1,
+            global_batch_size=32,
+            precision="bf16",
+            freeze=freeze,
+            offload_optimizer=offload,
+            dry_run=True,
+        )
         meta, layout = costs.MetaModel(validate(args)), dryrun.layout_of(args)
         return costs.memory(meta, layout)["trained_parameters_per_device"], costs.predict(
-            meta, layout, costs.DEVICES["h200"], 8)
+            meta, layout, costs.DEVICES["h200"], 8
+        )
 
     device = costs.DEVICES["h200"]
     for freeze in ("", "vision,lm"):

@@ -50,8 +50,9 @@ def test_layer_norm_module_with_gelu_epilogue_and_bf16_input_fp32_params():
     x = make((10, 64), torch.bfloat16, "cpu").requires_grad_(True)
     y = m(x)
     assert y.dtype == torch.bfloat16
-    ref = nn.functional.gelu(nn.functional.layer_norm(x.double(), (64,), m.weight.double(), m.bias.double()),
-                             approximate="tanh")
+    ref = nn.functional.gelu(
+        nn.functional.layer_norm(x.double(), (64,), m.weight.double(), m.bias.double()), approximate="tanh"
+    )
     assert_close_to_reference(y, ref, torch.bfloat16, "LN+GeLU")
     y.float().sum().backward()
     assert m.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
@@ -88,7 +89,9 @@ def test_bad_module_arguments():
 @pytest.mark.parametrize("module", [FusedLayerNorm, FusedRMSNorm])
 @pytest.mark.parametrize("shape", [2.5, "8", [4.0], (4, "8"), None, True])
 def test_normalized_shape_that_is_not_ints_is_refused_naming_it_and_the_value(module, shape):
-    with pytest.raises(TypeError, match=rf"{module.__name__}: normalized_shape must be .* got {re.escape(repr(shape))}"):
+    with pytest.raises(
+        TypeError, match=rf"{module.__name__}: normalized_shape must be .* got {re.escape(repr(shape))}"
+    ):
         module(shape)
 
 

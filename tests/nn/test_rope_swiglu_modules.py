@@ -33,15 +33,18 @@ def test_rotary_embedding_with_a_cached_table_matches_computed_angles():
     assert_close_to_reference(a[0], c[0].double(), torch.bfloat16, "cached vs computed")
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(head_dim=7), ValueError, "head_dim must be even"),
-    (dict(head_dim=0), ValueError, "head_dim must be an int >= 2"),
-    (dict(head_dim=8.0), TypeError, "head_dim must be an int"),
-    (dict(head_dim=8, theta=-1.0), ValueError, "theta must be a finite number > 0"),
-    (dict(head_dim=8, theta="1e4"), TypeError, "theta must be a real number"),
-    (dict(head_dim=8, interleaved=1), TypeError, "interleaved must be a bool"),
-    (dict(head_dim=8, max_positions=0), ValueError, "max_positions must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(head_dim=7), ValueError, "head_dim must be even"),
+        (dict(head_dim=0), ValueError, "head_dim must be an int >= 2"),
+        (dict(head_dim=8.0), TypeError, "head_dim must be an int"),
+        (dict(head_dim=8, theta=-1.0), ValueError, "theta must be a finite number > 0"),
+        (dict(head_dim=8, theta="1e4"), TypeError, "theta must be a real number"),
+        (dict(head_dim=8, interleaved=1), TypeError, "interleaved must be a bool"),
+        (dict(head_dim=8, max_positions=0), ValueError, "max_positions must be a positive int"),
+    ],
+)
 def test_rotary_embedding_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=f"RotaryEmbedding: {match}"):
         RotaryEmbedding(**kwargs)
@@ -74,7 +77,7 @@ class LlamaBlockCore(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         qkv = self.qkv(self.norm(x)).view(b, s, self.heads + 2 * self.kv_heads, self.d)
-        q, k = self.rope(qkv[:, :, : self.heads], qkv[:, :, self.heads: self.heads + self.kv_heads])
+        q, k = self.rope(qkv[:, :, : self.heads], qkv[:, :, self.heads : self.heads + self.kv_heads])
         mixed = q.sum(2).repeat(1, 1, self.heads) + k.sum(2).repeat(1, 1, self.heads)
         return x + self.down(self.act(self.gate_up(mixed)))
 

@@ -15,7 +15,7 @@ from tests.helpers import assert_close_to_reference, make
 
 
 def eager(x, mask, scale):
-    z = (x.double() * scale)
+    z = x.double() * scale
     if mask is not None:
         z = z.masked_fill(mask, float("-inf"))
     return torch.softmax(z, -1)

@@ -1,4 +1,5 @@
-"""The row-wise ops with [hidden] parameters as test cases: each pairs the fused op with its plain-PyTorch reference and knows how to
+"""The row-wise ops with [hidden] parameters as test cases: each pairs the fused op with its plain-PyTorch reference
+and knows how to
 make its inputs, so one specification (tests/ops/rowwise_spec.py) covers layer_norm (with each activation),
 rms_norm and bias_gelu."""
 
@@ -27,8 +28,10 @@ class OpCase:
         hidden = shape[-1]
         x = make(shape, dtype, device, scale=2.0, shift=0.5, seed=seed)
         pd = param_dtype or dtype
-        params = [make((hidden,), pd, device, scale=0.5, shift=1.0 if i == 0 else 0.0, seed=seed + 1 + i)
-                  for i in range(self.n_params)]
+        params = [
+            make((hidden,), pd, device, scale=0.5, shift=1.0 if i == 0 else 0.0, seed=seed + 1 + i)
+            for i in range(self.n_params)
+        ]
         return [x, *params]
 
     def __str__(self) -> str:

@@ -35,8 +35,13 @@ def check_forward_backward(case, backend, shape, dtype, param_dtype=None, grad_f
         assert g.dtype == t.dtype, f"{case} {name}: dtype {g.dtype}, expected {t.dtype}"
         # Parameter grads sum over rows: allow accumulation noise growing with the row count.
         factor = grad_factor * (1.0 if name == "dx" else max(1.0, math.prod(shape[:-1]) ** 0.5))
-        assert_close_to_reference(g, rg, dtype if name == "dx" else t.dtype if t.dtype != torch.float32 else dtype,
-                                  f"{case} {name}", factor=factor)
+        assert_close_to_reference(
+            g,
+            rg,
+            dtype if name == "dx" else t.dtype if t.dtype != torch.float32 else dtype,
+            f"{case} {name}",
+            factor=factor,
+        )
 
 
 class RowwiseOpSpec:
@@ -76,9 +81,12 @@ class RowwiseOpSpec:
         xt = x.t()  # [6, 48], non-contiguous, hidden 48
         params = [make((48,), torch.float32, backend.device, seed=7 + i) for i in range(len(params))]
         assert not xt.is_contiguous()
-        assert_close_to_reference(case.fused(xt, *params),
-                                  case.reference(xt.double(), *[p.double() for p in params]),
-                                  torch.float32, f"{case} on a transposed input")
+        assert_close_to_reference(
+            case.fused(xt, *params),
+            case.reference(xt.double(), *[p.double() for p in params]),
+            torch.float32,
+            f"{case} on a transposed input",
+        )
 
     def test_deterministic_run_to_run(self, case, backend):
         inputs = case.inputs((37, 300), torch.float32, backend.device)
@@ -109,8 +117,9 @@ class RowwiseOpSpec:
 
     @pytest.mark.cuda
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-    @pytest.mark.parametrize("shape", [(8192, 1024), (4096, 4096), (2048, 12800), (16, 65536), (4097, 769)],
-                             ids=lambda s: f"{s[0]}x{s[1]}")
+    @pytest.mark.parametrize(
+        "shape", [(8192, 1024), (4096, 4096), (2048, 12800), (16, 65536), (4097, 769)], ids=lambda s: f"{s[0]}x{s[1]}"
+    )
     def test_gpu_sizes_match_reference(self, case, dtype, shape):
         """Real GPU sizes (GPU only): many rows per block/warp group, and the deterministic reduction at scale."""
         import megakernels

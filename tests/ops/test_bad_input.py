@@ -17,20 +17,31 @@ def _norm_args():
 # op -> (callable taking keyword tensors, a function making good keyword tensors)
 OPS = {
     "layer_norm": (lambda **t: ops.layer_norm(t["x"], t["weight"], t["bias"]), _norm_args),
-    "rms_norm": (lambda **t: ops.rms_norm(t["x"], t["weight"]),
-                 lambda: {k: v for k, v in _norm_args().items() if k != "bias"}),
-    "bias_gelu": (lambda **t: ops.bias_gelu(t["x"], t["bias"]),
-                  lambda: {k: v for k, v in _norm_args().items() if k != "weight"}),
+    "rms_norm": (
+        lambda **t: ops.rms_norm(t["x"], t["weight"]),
+        lambda: {k: v for k, v in _norm_args().items() if k != "bias"},
+    ),
+    "bias_gelu": (
+        lambda **t: ops.bias_gelu(t["x"], t["bias"]),
+        lambda: {k: v for k, v in _norm_args().items() if k != "weight"},
+    ),
     "scaled_softmax": (lambda **t: ops.scaled_softmax(t["x"], 0.5), lambda: {"x": torch.randn(2, 2, 3, 5)}),
-    "scaled_causal_softmax": (lambda **t: ops.scaled_causal_softmax(t["x"], 0.5),
-                              lambda: {"x": torch.randn(2, 2, 3, 5)}),
-    "scaled_masked_softmax": (lambda **t: ops.scaled_masked_softmax(t["x"], t["mask"], 0.5),
-                              lambda: {"x": torch.randn(2, 2, 3, 5), "mask": torch.rand(2, 1, 3, 5) > 0.5}),
-    "flash_attention": (lambda **t: ops.flash_attention(t["q"], t["k"], t["v"], causal=True),
-                        lambda: {"q": torch.randn(1, 4, 4, 8), "k": torch.randn(1, 6, 2, 8),
-                                 "v": torch.randn(1, 6, 2, 8)}),
-    "cross_entropy": (lambda **t: ops.cross_entropy(t["logits"], t["target"]),
-                      lambda: {"logits": torch.randn(5, 11), "target": torch.tensor([0, 3, 10, -100, 7])}),
+    "scaled_causal_softmax": (
+        lambda **t: ops.scaled_causal_softmax(t["x"], 0.5),
+        lambda: {"x": torch.randn(2, 2, 3, 5)},
+    ),
+    "scaled_masked_softmax": (
+        lambda **t: ops.scaled_masked_softmax(t["x"], t["mask"], 0.5),
+        lambda: {"x": torch.randn(2, 2, 3, 5), "mask": torch.rand(2, 1, 3, 5) > 0.5},
+    ),
+    "flash_attention": (
+        lambda **t: ops.flash_attention(t["q"], t["k"], t["v"], causal=True),
+        lambda: {"q": torch.randn(1, 4, 4, 8), "k": torch.randn(1, 6, 2, 8), "v": torch.randn(1, 6, 2, 8)},
+    ),
+    "cross_entropy": (
+        lambda **t: ops.cross_entropy(t["logits"], t["target"]),
+        lambda: {"logits": torch.randn(5, 11), "target": torch.tensor([0, 3, 10, -100, 7])},
+    ),
 }
 ARGS = [(op, arg) for op, (_, make) in OPS.items() for arg in make()]
 
@@ -55,7 +66,8 @@ def test_every_tensor_on_meta_gives_meta_results_of_the_real_shape(op):
 
 # COO for every argument; CSR (beta in torch) where the argument is 2-D, as CSR needs.
 LAYOUTS = [(op, arg, "sparse_coo") for op, arg in ARGS] + [
-    (op, arg, "sparse_csr") for op, arg in ARGS if OPS[op][1]()[arg].dim() == 2]
+    (op, arg, "sparse_csr") for op, arg in ARGS if OPS[op][1]()[arg].dim() == 2
+]
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
@@ -82,8 +94,10 @@ def test_cross_entropy_on_meta_gives_a_meta_loss_and_gradient():
     assert logits.grad.device.type == "meta" and logits.grad.shape == logits.shape
 
 
-@pytest.mark.parametrize("value, exc", [(None, TypeError), ("1e-5", TypeError), (True, TypeError),
-                                        (-1.0, ValueError), (float("inf"), ValueError)])
+@pytest.mark.parametrize(
+    "value, exc",
+    [(None, TypeError), ("1e-5", TypeError), (True, TypeError), (-1.0, ValueError), (float("inf"), ValueError)],
+)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_eps_must_be_a_finite_number_at_least_zero(op, value, exc):
     with pytest.raises(exc, match=f"{op}: eps must be"):
@@ -109,8 +123,23 @@ def test_raw_ops_refuse_meta_mixed_with_cpu_too():
         torch.ops.megakernels.norm_fwd(x, torch.ones(4, device="meta"), None, 1e-5, 0, False, False)
     with pytest.raises(ValueError, match=r"adamw: grads\[0\] is on meta but params\[0\] is on cpu"):
         p = torch.zeros(4)
-        torch.ops.megakernels.adamw_([p], [torch.zeros(4, device="meta")], [torch.zeros(4)], [torch.zeros(4)], [],
-                                     [torch.zeros(())], 1e-3, 0.9, 0.999, 1e-8, 0.0, None, None, 0, False)
+        torch.ops.megakernels.adamw_(
+            [p],
+            [torch.zeros(4, device="meta")],
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [],
+            [torch.zeros(())],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            None,
+            None,
+            0,
+            False,
+        )
 
 
 def test_grouped_gemm_refuses_meta_group_sizes_for_real_tensors():
@@ -118,6 +147,7 @@ def test_grouped_gemm_refuses_meta_group_sizes_for_real_tensors():
 
     with pytest.raises(ValueError, match="grouped_gemm: group_sizes is on meta but x is on cpu"):
         grouped_gemm(torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([2, 3], device="meta"))
-    out = grouped_gemm(torch.randn(5, 4, device="meta"), torch.randn(2, 3, 4, device="meta"),
-                       torch.tensor([2, 3], device="meta"))
+    out = grouped_gemm(
+        torch.randn(5, 4, device="meta"), torch.randn(2, 3, 4, device="meta"), torch.tensor([2, 3], device="meta")
+    )
     assert out.device.type == "meta" and out.shape == (5, 3)

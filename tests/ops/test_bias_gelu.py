@@ -28,8 +28,16 @@ def x32(*shape, device="cpu"):
     "call, exc, match",
     [
         (lambda d: bias_gelu(x32(2, 4, device=d), torch.ones(3, device=d)), ValueError, r"bias_gelu: bias has shape"),
-        (lambda d: bias_gelu(x32(2, 4, device=d), torch.ones(4, device=d), approximate="sigmoid"), ValueError, "approximate must be"),
-        (lambda d: bias_gelu(torch.ones(2, 4, dtype=torch.int16, device=d), torch.ones(4, device=d)), TypeError, "bias_gelu: x has dtype"),
+        (
+            lambda d: bias_gelu(x32(2, 4, device=d), torch.ones(4, device=d), approximate="sigmoid"),
+            ValueError,
+            "approximate must be",
+        ),
+        (
+            lambda d: bias_gelu(torch.ones(2, 4, dtype=torch.int16, device=d), torch.ones(4, device=d)),
+            TypeError,
+            "bias_gelu: x has dtype",
+        ),
         (lambda d: bias_gelu(x32(2, 4, device=d), None), TypeError, "bias must be a torch.Tensor"),
     ],
 )

@@ -27,9 +27,13 @@ def _check_against_reference(x, t, dloss, **kwargs):
     loss.backward(dloss)
     grad = logits.grad
     xr = x.detach().double().requires_grad_(True)
-    ref = cross_entropy_reference(xr, t, ignore_index=kwargs.get("ignore_index", -100),
-                                  label_smoothing=kwargs.get("label_smoothing", 0.0),
-                                  vocab_size=kwargs.get("vocab_size"))
+    ref = cross_entropy_reference(
+        xr,
+        t,
+        ignore_index=kwargs.get("ignore_index", -100),
+        label_smoothing=kwargs.get("label_smoothing", 0.0),
+        vocab_size=kwargs.get("vocab_size"),
+    )
     ref.backward(dloss.double())
     assert loss.dtype == torch.float32 and loss.shape == t.shape
     scale = max(1.0, ref.abs().max().item())
@@ -40,8 +44,11 @@ def _check_against_reference(x, t, dloss, **kwargs):
 
 
 def _dtypes(triton_backend):
-    return (torch.float32, torch.bfloat16, torch.float16) if triton_backend.name != "cuda_emu" else (torch.float32,
-                                                                                              torch.bfloat16)
+    return (
+        (torch.float32, torch.bfloat16, torch.float16)
+        if triton_backend.name != "cuda_emu"
+        else (torch.float32, torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
@@ -59,8 +66,9 @@ def test_padding_columns_are_excluded(triton_backend):
     x, t = _case(16, 300, torch.float32, triton_backend.device)
     t = t.clamp(max=255)
     x[:, 256:] = 50.0  # padding with big logits would dominate the softmax if it were not excluded
-    _, grad = _check_against_reference(x, t, torch.ones(16, device=triton_backend.device), vocab_size=256,
-                                       label_smoothing=0.1)
+    _, grad = _check_against_reference(
+        x, t, torch.ones(16, device=triton_backend.device), vocab_size=256, label_smoothing=0.1
+    )
     assert (grad[:, 256:] == 0).all()
 
 
@@ -78,14 +86,16 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(triton_backend):
 def test_leading_dims_and_ignore_index(triton_backend):
     x, t = _case(2 * 5, 64, torch.float32, triton_backend.device)
     t[::3] = 7
-    _check_against_reference(x.view(2, 5, 64), t.view(2, 5), torch.rand(2, 5, device=triton_backend.device),
-                             ignore_index=7)
+    _check_against_reference(
+        x.view(2, 5, 64), t.view(2, 5), torch.rand(2, 5, device=triton_backend.device), ignore_index=7
+    )
 
 
 def test_torch_compile_fullgraph():
     x, t = _case(9, 50, torch.float32, "cpu")
-    fn = torch.compile(lambda a, b: cross_entropy(a, b, label_smoothing=0.1).mean(), fullgraph=True,
-                       backend="aot_eager")
+    fn = torch.compile(
+        lambda a, b: cross_entropy(a, b, label_smoothing=0.1).mean(), fullgraph=True, backend="aot_eager"
+    )
     xs = x.clone().requires_grad_(True)
     fn(xs, t).backward()
     xr = x.double().requires_grad_(True)
@@ -93,14 +103,17 @@ def test_torch_compile_fullgraph():
     assert torch.allclose(xs.grad.double(), xr.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("args, message", [
-    (lambda x, t: (x, t.float()), "target must be an integer"),
-    (lambda x, t: (x, t[:-1]), "target has shape"),
-    (lambda x, t: (x.int(), t), "logits must be"),
-    (lambda x, t: (x, t.clone().fill_(50)), "target holds 50, outside \\[0, 50\\)"),
-    (lambda x, t: (x, t.clone().fill_(-1)), "target holds -1"),
-    (lambda x, t: (x.tolist(), t), "logits must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda x, t: (x, t.float()), "target must be an integer"),
+        (lambda x, t: (x, t[:-1]), "target has shape"),
+        (lambda x, t: (x.int(), t), "logits must be"),
+        (lambda x, t: (x, t.clone().fill_(50)), "target holds 50, outside \\[0, 50\\)"),
+        (lambda x, t: (x, t.clone().fill_(-1)), "target holds -1"),
+        (lambda x, t: (x.tolist(), t), "logits must be a torch.Tensor"),
+    ],
+)
 def test_bad_input_names_the_argument(args, message):
     x, t = _case(4, 50, torch.float32, "cpu")
     with pytest.raises((ValueError, TypeError), match=message):

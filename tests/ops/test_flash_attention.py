@@ -35,8 +35,10 @@ def _dtypes(triton_backend):
 def _inputs(case, dtype, device, seed=0):
     b, sq, sk, h, hk, d = case
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(shape, generator=g).to(dtype=dtype, device=device)
-               for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    q, k, v = (
+        torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+        for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+    )
     do = torch.randn((b, sq, h, d), generator=g).to(dtype=dtype, device=device)
     return q, k, v, do
 
@@ -56,8 +58,9 @@ def _assert_matches_fp64(q, k, v, do, causal):
     """Output and gradients of flash_attention against the fp64 reference: 1e-5 (fp32) or 4e-3 (16-bit) of the
     largest magnitude."""
     results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
-    exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(),
-                 do.double())
+    exact = _run(
+        lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(), do.double()
+    )
     for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
         tol = 1e-5 if q.dtype == torch.float32 else 4e-3
         assert _max_err(r, ex) < tol * max(1.0, ex.abs().max().item()), f"{name} (causal={causal})"
@@ -82,11 +85,17 @@ def _assert_case_flash_style(backend, case, causal):
     for dtype in _dtypes(backend):
         q, k, v, do = _inputs(case, dtype, backend.device)
         results = _run(lambda *t: flash_attention(*t, causal=causal), q, k, v, do)
-        exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(),
-                     v.double(), do.double())
+        exact = _run(
+            lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(), do.double()
+        )
         # PyTorch's own attention in the input precision (fp32 softmax for 16-bit, as its SDPA math path).
-        lowp = _run(lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
-                    q.cpu(), k.cpu(), v.cpu(), do.cpu())
+        lowp = _run(
+            lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
+            q.cpu(),
+            k.cpu(),
+            v.cpu(),
+            do.cpu(),
+        )
         _assert_flash_style(results, lowp, exact, dtype)
 
 
@@ -108,8 +117,10 @@ def test_lse_matches_reference_and_is_minus_inf_for_rows_that_see_no_key(triton_
 def test_gradcheck_cpu_fp64():
     g = torch.Generator().manual_seed(1)
     for causal in (False, True):
-        q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
-                   for s in ((1, 5, 4, 8), (1, 7, 2, 8), (1, 7, 2, 8)))
+        q, k, v = (
+            torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+            for s in ((1, 5, 4, 8), (1, 7, 2, 8), (1, 7, 2, 8))
+        )
         assert torch.autograd.gradcheck(lambda *t: flash_attention(*t, causal=causal), (q, k, v))
 
 
@@ -121,7 +132,8 @@ def test_cpu_path_at_seq_4096_matches_sdpa():
         with megakernels.backend("cpu"):
             out = flash_attention(q, k, v, causal=causal)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double(), is_causal=causal)
+            q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double(), is_causal=causal
+        )
         assert _max_err(out, ref.transpose(1, 2)) < 2e-5
 
 
@@ -150,8 +162,9 @@ def test_strides_that_tma_cannot_address_take_the_pointer_path(triton_backend):
 
     dtype = torch.float16 if triton_backend.name != "cpu" else torch.float32
     g = torch.Generator().manual_seed(3)
-    q, k, v, do = (torch.randn(1, 40, 4, 33, generator=g).to(dtype=dtype, device=triton_backend.device)[..., :32]
-                   for _ in range(4))
+    q, k, v, do = (
+        torch.randn(1, 40, 4, 33, generator=g).to(dtype=dtype, device=triton_backend.device)[..., :32] for _ in range(4)
+    )
     assert not fa.tma_eligible(q, k, v)
     _assert_matches_fp64(q, k, v, do, causal=True)
 
@@ -164,10 +177,16 @@ def test_deterministic_backward_matches_reference_and_repeats_bitwise(triton_bac
     fn = lambda *t: flash_attention(*t, causal=causal, deterministic=True)  # noqa: E731
     first, second = _run(fn, q, k, v, do), _run(fn, q, k, v, do)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    exact = _run(lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(),
-                 do.double())
-    lowp = _run(lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
-                q.cpu(), k.cpu(), v.cpu(), do.cpu())
+    exact = _run(
+        lambda *t: flash_attention_reference(*t, causal=causal)[0], q.double(), k.double(), v.double(), do.double()
+    )
+    lowp = _run(
+        lambda *t: flash_attention_reference(*t, causal=causal, compute_dtype=dtype)[0].to(dtype),
+        q.cpu(),
+        k.cpu(),
+        v.cpu(),
+        do.cpu(),
+    )
     _assert_flash_style(first, lowp, exact, dtype)
 
 
@@ -182,20 +201,34 @@ def test_dropout_matches_reference_with_the_documented_mask(triton_backend):
         dtype = torch.float32 if triton_backend.name != "cuda" else torch.float16
         q, k, v, do = _inputs(case, dtype, triton_backend.device)
         gen = torch.Generator(device=triton_backend.device).manual_seed(7)
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device=triton_backend.device,
-                                 generator=torch.Generator(device=triton_backend.device).manual_seed(7)))
+        seed = int(
+            torch.randint(
+                0,
+                2**62,
+                (),
+                dtype=torch.int64,
+                device=triton_backend.device,
+                generator=torch.Generator(device=triton_backend.device).manual_seed(7),
+            )
+        )
         keep = dropout_mask(seed, 2, 4, 37, 45, p, device=triton_backend.device)
         results = _run(lambda *t: flash_attention(*t, causal=causal, dropout_p=p, generator=gen), q, k, v, do)
-        exact = _run(lambda *t: flash_attention_reference(*t, causal=causal, keep=keep, dropout_p=p)[0],
-                     q.double(), k.double(), v.double(), do.double())
+        exact = _run(
+            lambda *t: flash_attention_reference(*t, causal=causal, keep=keep, dropout_p=p)[0],
+            q.double(),
+            k.double(),
+            v.double(),
+            do.double(),
+        )
         for name, r, ex in zip(("out", "dq", "dk", "dv"), results, exact):
             tol = (2e-5 if dtype == torch.float32 else 4e-3) * max(1.0, ex.abs().max().item())
             assert _max_err(r, ex) <= tol, f"{name} (causal={causal})"
 
 
 def test_dropout_is_reproducible_and_seed_dependent(triton_backend):
-    q, k, v, _ = _inputs((1, 20, 20, 2, 2, 32), torch.float32 if triton_backend.name != "cuda" else torch.float16,
-                         triton_backend.device)
+    q, k, v, _ = _inputs(
+        (1, 20, 20, 2, 2, 32), torch.float32 if triton_backend.name != "cuda" else torch.float16, triton_backend.device
+    )
     runs = []
     for seed in (1, 1, 2):
         torch.manual_seed(seed)
@@ -245,8 +278,7 @@ def test_queries_whose_batches_are_not_packed_take_the_4d_descriptor(triton_back
     dtype = torch.float16 if triton_backend.name != "cpu" else torch.float32
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 48, 2, 32, generator=g).to(dtype=dtype, device=triton_backend.device)[:, :40]
-    k, v, do = (torch.randn(2, 40, 2, 32, generator=g).to(dtype=dtype, device=triton_backend.device)
-                for _ in range(3))
+    k, v, do = (torch.randn(2, 40, 2, 32, generator=g).to(dtype=dtype, device=triton_backend.device) for _ in range(3))
     assert fa._rows_descriptor(q, 32) is None and fa._rows_descriptor(q.contiguous(), 32) is not None
     _assert_matches_fp64(q, k, v, do, causal)
 

@@ -7,31 +7,40 @@ from megakernels.ops import flash_attention
 
 
 def _qkv(b=1, sq=8, sk=8, h=4, hk=2, d=32, dtype=torch.float32):
-    return torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype), \
-        torch.randn(b, sk, hk, d, dtype=dtype)
+    return (
+        torch.randn(b, sq, h, d, dtype=dtype),
+        torch.randn(b, sk, hk, d, dtype=dtype),
+        torch.randn(b, sk, hk, d, dtype=dtype),
+    )
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda q, k, v: (q[0], k, v), "q must be 4-D"),
-    (lambda q, k, v: (q, k.half(), v), "k has dtype torch.float16, expected q's dtype"),
-    (lambda q, k, v: (q, k, v[:, :4]), "v has shape"),
-    (lambda q, k, v: (q, torch.randn(2, 8, 2, 32), torch.randn(2, 8, 2, 32)), "k has batch 2"),
-    (lambda q, k, v: (q, k[..., :16], v[..., :16]), "k has head_dim 16, expected q's head_dim 32"),
-    (lambda q, k, v: (q[:, :, :3], k, v), "q has 3 heads, which is not a multiple of k/v's 2 heads"),
-    (lambda q, k, v: (q.int(), k.int(), v.int()), "q has dtype torch.int32"),
-    (lambda q, k, v: (q.tolist(), k, v), "q must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda q, k, v: (q[0], k, v), "q must be 4-D"),
+        (lambda q, k, v: (q, k.half(), v), "k has dtype torch.float16, expected q's dtype"),
+        (lambda q, k, v: (q, k, v[:, :4]), "v has shape"),
+        (lambda q, k, v: (q, torch.randn(2, 8, 2, 32), torch.randn(2, 8, 2, 32)), "k has batch 2"),
+        (lambda q, k, v: (q, k[..., :16], v[..., :16]), "k has head_dim 16, expected q's head_dim 32"),
+        (lambda q, k, v: (q[:, :, :3], k, v), "q has 3 heads, which is not a multiple of k/v's 2 heads"),
+        (lambda q, k, v: (q.int(), k.int(), v.int()), "q has dtype torch.int32"),
+        (lambda q, k, v: (q.tolist(), k, v), "q must be a torch.Tensor"),
+    ],
+)
 def test_bad_tensors_name_the_argument(mutate, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace(".", r"\.")):
         flash_attention(*mutate(*_qkv()))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(dropout_p=1.0), "dropout_p must be in"),
-    (dict(dropout_p=-0.1), "dropout_p must be in"),
-    (dict(softmax_scale=float("nan")), "softmax_scale must be a finite"),
-    (dict(softmax_scale="1"), "softmax_scale must be a finite"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dropout_p=1.0), "dropout_p must be in"),
+        (dict(dropout_p=-0.1), "dropout_p must be in"),
+        (dict(softmax_scale=float("nan")), "softmax_scale must be a finite"),
+        (dict(softmax_scale="1"), "softmax_scale must be a finite"),
+    ],
+)
 def test_bad_options_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
         flash_attention(*_qkv(), **kwargs)

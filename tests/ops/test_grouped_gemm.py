@@ -10,8 +10,15 @@ import torch
 from megakernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from tests.helpers import assert_close_to_reference, make
 
-CASES = [([3, 0, 5, 1], 7, 5), ([0, 0, 9], 4, 6), ([13], 8, 3), ([1, 1, 1, 1, 1], 5, 7), ([0, 0], 3, 2),
-         ([0, 40, 0, 17], 33, 20), ([37, 0, 0], 16, 48)]  # the last two cross the interpreter's 16-wide tiles
+CASES = [
+    ([3, 0, 5, 1], 7, 5),
+    ([0, 0, 9], 4, 6),
+    ([13], 8, 3),
+    ([1, 1, 1, 1, 1], 5, 7),
+    ([0, 0], 3, 2),
+    ([0, 40, 0, 17], 33, 20),
+    ([37, 0, 0], 16, 48),
+]  # the last two cross the interpreter's 16-wide tiles
 
 BACKEND_DTYPES = [
     pytest.param("cpu", torch.float64, id="cpu-float64"),
@@ -42,7 +49,7 @@ def _check_against_loop(x, w, g, dy, dtype):
     ref = grouped_gemm_reference(xr, wr, g.cpu())
     ref.backward(dy.double().cpu())
     k = x.shape[1]
-    assert_close_to_reference(out, ref, dtype, "out", factor=max(1.0, k ** 0.5 / 4))
+    assert_close_to_reference(out, ref, dtype, "out", factor=max(1.0, k**0.5 / 4))
     assert_close_to_reference(xk.grad, xr.grad, dtype, "dx", factor=max(1.0, w.shape[1] ** 0.5 / 4))
     assert_close_to_reference(wk.grad, wr.grad, dtype, "dweight", factor=max(1.0, x.shape[0] ** 0.5 / 4))
     return wk.grad
@@ -99,20 +106,27 @@ def test_float64_is_refused_under_cuda_emu():
     import megakernels
 
     with megakernels.backend("cuda_emu"), pytest.raises(ValueError, match="x has dtype torch.float64"):
-        grouped_gemm(torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 5, 3, dtype=torch.float64),
-                     torch.tensor([2, 2]))
+        grouped_gemm(
+            torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 5, 3, dtype=torch.float64), torch.tensor([2, 2])
+        )
 
 
-@pytest.mark.parametrize("args,error,match", [
-    (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([1, 2])), ValueError, "sum to x's 4 rows"),
-    (lambda: (torch.randn(4, 3), torch.randn(2, 5, 2), torch.tensor([2, 2])), ValueError, "weight has k=2"),
-    (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([2.0, 2.0])), ValueError, "int32 or int64"),
-    (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([5, -1])), ValueError, ">= 0"),
-    (lambda: (torch.randn(4, 3), torch.randn(5, 3), torch.tensor([4])), ValueError, "weight must be 3-D"),
-    (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3, dtype=torch.float64), torch.tensor([2, 2])), ValueError,
-     "weight has dtype"),
-    (lambda: ("x", torch.randn(2, 5, 3), torch.tensor([2, 2])), TypeError, "x must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([1, 2])), ValueError, "sum to x's 4 rows"),
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 2), torch.tensor([2, 2])), ValueError, "weight has k=2"),
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([2.0, 2.0])), ValueError, "int32 or int64"),
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([5, -1])), ValueError, ">= 0"),
+        (lambda: (torch.randn(4, 3), torch.randn(5, 3), torch.tensor([4])), ValueError, "weight must be 3-D"),
+        (
+            lambda: (torch.randn(4, 3), torch.randn(2, 5, 3, dtype=torch.float64), torch.tensor([2, 2])),
+            ValueError,
+            "weight has dtype",
+        ),
+        (lambda: ("x", torch.randn(2, 5, 3), torch.tensor([2, 2])), TypeError, "x must be a torch.Tensor"),
+    ],
+)
 def test_bad_input_is_named(args, error, match):
     with pytest.raises(error, match=match):
         grouped_gemm(*args())

@@ -17,13 +17,34 @@ def x32(*shape, device="cpu"):
     [
         (lambda d: layer_norm(torch.ones(2, 4, dtype=torch.int64, device=d)), TypeError, "layer_norm: x has dtype"),
         (lambda d: layer_norm(torch.ones(2, 4, dtype=torch.bool, device=d)), TypeError, "x has dtype"),
-        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(3, device=d)), ValueError, r"weight has shape \[3\], expected \[4\]"),
+        (
+            lambda d: layer_norm(x32(2, 4, device=d), torch.ones(3, device=d)),
+            ValueError,
+            r"weight has shape \[3\], expected \[4\]",
+        ),
         (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(2, 2, device=d)), ValueError, "weight has shape"),
-        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, device=d), torch.ones(5, device=d)), ValueError, "bias has shape"),
-        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, dtype=torch.float64, device=d)), TypeError, "weight has dtype"),
-        (lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, dtype=torch.bfloat16, device=d)), TypeError, "weight has dtype"),
-        (lambda d: layer_norm(x32(2, 4, device=d).bfloat16(), torch.ones(4, device=d), torch.ones(4, device=d).bfloat16()), TypeError,
-         "bias has dtype"),
+        (
+            lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, device=d), torch.ones(5, device=d)),
+            ValueError,
+            "bias has shape",
+        ),
+        (
+            lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, dtype=torch.float64, device=d)),
+            TypeError,
+            "weight has dtype",
+        ),
+        (
+            lambda d: layer_norm(x32(2, 4, device=d), torch.ones(4, dtype=torch.bfloat16, device=d)),
+            TypeError,
+            "weight has dtype",
+        ),
+        (
+            lambda d: layer_norm(
+                x32(2, 4, device=d).bfloat16(), torch.ones(4, device=d), torch.ones(4, device=d).bfloat16()
+            ),
+            TypeError,
+            "bias has dtype",
+        ),
         (lambda d: layer_norm(x32(2, 0, device=d)), ValueError, "empty last dimension"),
         (lambda d: layer_norm(torch.tensor(1.0, device=d)), ValueError, "at least 1 dimension"),
         (lambda d: layer_norm(x32(2, 4, device=d), eps=-1.0), ValueError, "eps must be"),

@@ -17,10 +17,10 @@ LEADING = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=3
 
 
 def fuzz(case, backend, examples):
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(leading=LEADING, hidden=st.integers(min_value=1, max_value=700), dtype=DTYPES,
-           fp32_params=st.booleans())
+    @settings(
+        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(leading=LEADING, hidden=st.integers(min_value=1, max_value=700), dtype=DTYPES, fp32_params=st.booleans())
     def run(leading, hidden, dtype, fp32_params):
         param_dtype = torch.float32 if fp32_params and dtype in (torch.bfloat16, torch.float16) else dtype
         shape = (*leading, hidden) if leading else (1, hidden)

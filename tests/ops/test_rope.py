@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megakernels.ops import fused_rope, rope_cos_sin_table, rope_reference
-from tests.helpers import assert_close_to_reference, kernel_grads, make, reference_grads
+from tests.helpers import assert_close_to_reference, make
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -34,8 +34,12 @@ def check(backend, q, k, dtype, **kw):
     q2, k2 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
     ref = rope_reference(q2, k2, **kw)
     torch.autograd.backward(ref, (dq.double(), dk.double()))
-    for name, a, e in (("q_rot", out[0], ref[0]), ("k_rot", out[1], ref[1]), ("dq", q1.grad, q2.grad),
-                       ("dk", k1.grad, k2.grad)):
+    for name, a, e in (
+        ("q_rot", out[0], ref[0]),
+        ("k_rot", out[1], ref[1]),
+        ("dq", q1.grad, q2.grad),
+        ("dk", k1.grad, k2.grad),
+    ):
         assert a.dtype == dtype and a.shape == e.shape, f"{name}: {a.dtype} {tuple(a.shape)}"
         assert_close_to_reference(a, e, dtype, name)
 
@@ -54,8 +58,14 @@ def test_sequence_first_layout_equals_batch_first(backend, interleaved):
     bsd = fused_rope(q, k, interleaved=interleaved)
     sbd = fused_rope(q.transpose(0, 1), k.transpose(0, 1), interleaved=interleaved, seq_dim=0)
     assert torch.equal(sbd[0].transpose(0, 1), bsd[0]) and torch.equal(sbd[1].transpose(0, 1), bsd[1])
-    check(backend, q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), torch.float32,
-          interleaved=interleaved, seq_dim=0)
+    check(
+        backend,
+        q.transpose(0, 1).contiguous(),
+        k.transpose(0, 1).contiguous(),
+        torch.float32,
+        interleaved=interleaved,
+        seq_dim=0,
+    )
 
 
 def test_context_parallel_chunks_rotate_as_their_place_in_the_full_sequence(backend):
@@ -90,7 +100,7 @@ def test_per_batch_positions(backend):
 def test_views_of_a_packed_qkv_projection_are_read_in_place(backend, interleaved):
     b, s, hq, hk, d = 2, 5, 4, 2, 32
     qkv = make((b, s, (hq + 2 * hk) * d), torch.bfloat16, backend.device).view(b, s, hq + 2 * hk, d)
-    q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hk]
+    q, k = qkv[:, :, :hq], qkv[:, :, hq : hq + hk]
     assert not q.is_contiguous() and not k.is_contiguous()
     out = fused_rope(q, k, interleaved=interleaved)
     ref = fused_rope(q.contiguous(), k.contiguous(), interleaved=interleaved)
@@ -131,7 +141,7 @@ def _hf_rotate_half_fp64(x, pos, theta):
     emb = torch.cat([freqs, freqs], -1).double()
     cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
     x = x.double()
-    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + rotated * sin
 
 
@@ -153,8 +163,9 @@ def test_half_layout_with_transformers_own_cos_sin_is_exact_to_fp32(backend):
     freqs = pos.float()[:, None] * inv_freq
     table = torch.stack([freqs.cos(), freqs.sin()], -1)  # HF's own fp32 cos/sin as our table
     emb = torch.cat([freqs, freqs], -1)
-    hq, hk = modeling.apply_rotary_pos_emb(q.cpu().transpose(1, 2), k.cpu().transpose(1, 2), emb.cos()[None],
-                                           emb.sin()[None])
+    hq, hk = modeling.apply_rotary_pos_emb(
+        q.cpu().transpose(1, 2), k.cpu().transpose(1, 2), emb.cos()[None], emb.sin()[None]
+    )
     out = fused_rope(q, k, cos_sin=table.to(backend.device))
     assert_close_to_reference(out[0], hq.transpose(1, 2).double(), torch.float32, "q vs transformers")
     assert_close_to_reference(out[1], hk.transpose(1, 2).double(), torch.float32, "k vs transformers")
@@ -210,19 +221,36 @@ def test_cpu_result_independent_of_thread_count():
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(), dict(positions="1d", interleaved=True), dict(positions="2d", seq_dim=0, position_offset=2),
-    dict(cos_sin=True),
-], ids=["default", "positions-interleaved", "per-batch-seq-first", "table"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(positions="1d", interleaved=True),
+        dict(positions="2d", seq_dim=0, position_offset=2),
+        dict(cos_sin=True),
+    ],
+    ids=["default", "positions-interleaved", "per-batch-seq-first", "table"],
+)
 def test_opcheck(kwargs):
     q, k = qk((2, 4, 2, 8), 1, torch.float32, "cpu")
     q.requires_grad_(True)
     k.requires_grad_(True)
     pos = {"1d": torch.tensor([3, 1, 2, 0]), "2d": torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])}.get(
-        kwargs.get("positions"))
+        kwargs.get("positions")
+    )
     table = rope_cos_sin_table(8, 8) if kwargs.get("cos_sin") else None
-    args = (q, k, pos, table, 10000.0, kwargs.get("position_offset", 0), kwargs.get("interleaved", False),
-            kwargs.get("seq_dim", 1), False, False)
+    args = (
+        q,
+        k,
+        pos,
+        table,
+        10000.0,
+        kwargs.get("position_offset", 0),
+        kwargs.get("interleaved", False),
+        kwargs.get("seq_dim", 1),
+        False,
+        False,
+    )
     torch.library.opcheck(torch.ops.megakernels.rope.default, args)
 
 

@@ -41,8 +41,9 @@ def random_mask(shape, device, p=0.3, seed=1):
 
 
 PLAIN = Variant("scaled", lambda x, m: scaled_softmax(x, SCALE), lambda s, d: None)
-MASKED = Variant("masked", lambda x, m: scaled_masked_softmax(x, m, SCALE),
-                 lambda s, d: random_mask((s[0], 1, s[2], s[3]), d))
+MASKED = Variant(
+    "masked", lambda x, m: scaled_masked_softmax(x, m, SCALE), lambda s, d: random_mask((s[0], 1, s[2], s[3]), d)
+)
 CAUSAL = Variant("causal", lambda x, m: scaled_causal_softmax(x, SCALE), lambda s, d: causal_mask(s[-2], s[-1], d))
 VARIANTS = [PLAIN, MASKED, CAUSAL]
 
@@ -99,8 +100,9 @@ def test_rows_of_65536_keys(backend):
         check_forward_backward(variant, backend, (1, 1, 1 if backend.emulated else 2, sk), torch.bfloat16)
 
 
-@pytest.mark.parametrize("shape", [(7,), (3, 40), (2, 3, 96), (2, 1, 3, 64), (2, 2, 1, 2, 5)],
-                         ids=lambda s: f"rank{len(s)}")
+@pytest.mark.parametrize(
+    "shape", [(7,), (3, 40), (2, 3, 96), (2, 1, 3, 64), (2, 2, 1, 2, 5)], ids=lambda s: f"rank{len(s)}"
+)
 def test_scaled_softmax_takes_any_leading_shape(backend, shape):
     check_forward_backward(PLAIN, backend, shape, torch.float32)
 
@@ -110,8 +112,17 @@ def test_causal_softmax_takes_any_leading_shape(backend, shape):
     check_forward_backward(CAUSAL, backend, shape, torch.float32)
 
 
-MASK_SHAPES = [(1, 1, 5, 24), (3, 1, 5, 24), (1, 2, 5, 24), (3, 2, 5, 24), (3, 1, 1, 24), (1, 2, 1, 24), (5, 24),
-               (1, 24), (2, 5, 24)]
+MASK_SHAPES = [
+    (1, 1, 5, 24),
+    (3, 1, 5, 24),
+    (1, 2, 5, 24),
+    (3, 2, 5, 24),
+    (3, 1, 1, 24),
+    (1, 2, 1, 24),
+    (5, 24),
+    (1, 24),
+    (2, 5, 24),
+]
 
 
 @pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -192,10 +203,12 @@ def test_masked_kernel_ignores_values_under_the_mask(backend):
     dirty = x.clone()
     full = mask.expand(shape)
     dirty[full] = torch.tensor([float("nan"), float("inf"), 1e30, -1e30], device=backend.device).repeat(
-        int(full.sum()) // 4 + 1)[: int(full.sum())]
+        int(full.sum()) // 4 + 1
+    )[: int(full.sum())]
     assert torch.equal(scaled_masked_softmax(dirty, mask, SCALE), scaled_masked_softmax(x, mask, SCALE))
-    assert_close_to_reference(scaled_masked_softmax(dirty, mask, SCALE), MASKED.reference(x.double(), mask),
-                              torch.float32, "y")
+    assert_close_to_reference(
+        scaled_masked_softmax(dirty, mask, SCALE), MASKED.reference(x.double(), mask), torch.float32, "y"
+    )
 
 
 def _with(x, row, col, value):
@@ -299,8 +312,11 @@ def test_cpu_result_independent_of_thread_count():
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("shape", [(8, 16, 512, 512), (2, 16, 2048, 2048), (1, 8, 128, 16384), (1, 4, 16, 65536),
-                                   (4, 8, 100, 1027)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(8, 16, 512, 512), (2, 16, 2048, 2048), (1, 8, 128, 16384), (1, 4, 16, 65536), (4, 8, 100, 1027)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_gpu_sizes_match_reference(variant, dtype, shape):
     """Real attention sizes (GPU only): many rows per grid, warp- and block-per-row paths at scale."""
     import megakernels

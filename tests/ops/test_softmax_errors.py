@@ -20,22 +20,45 @@ def mask(*shape, dtype=torch.bool, device="cpu"):
     "call, exc, match",
     [
         # x
-        (lambda d: scaled_softmax(torch.ones(2, 4, dtype=torch.int64, device=d)), TypeError, "scaled_softmax: x has dtype"),
+        (
+            lambda d: scaled_softmax(torch.ones(2, 4, dtype=torch.int64, device=d)),
+            TypeError,
+            "scaled_softmax: x has dtype",
+        ),
         (lambda d: scaled_softmax(torch.ones(2, 4, dtype=torch.bool, device=d)), TypeError, "x has dtype"),
         (lambda d: scaled_softmax(torch.tensor(1.0, device=d)), ValueError, "at least 1 dimension"),
         (lambda d: scaled_softmax([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
-        (lambda d: scaled_masked_softmax(torch.ones(2, 3, 4, 5, dtype=torch.int32, device=d), mask(device=d)), TypeError,
-         "scaled_masked_softmax: x has dtype"),
-        (lambda d: scaled_masked_softmax(x4(3, 4, 5, device=d), mask(1, 4, 5, device=d)), ValueError, r"x has shape \[3, 4, 5\]; expected 4"),
-        (lambda d: scaled_masked_softmax(x4(1, 2, 3, 4, 5, device=d), mask(4, 5, device=d)), ValueError, "expected 4 dims"),
+        (
+            lambda d: scaled_masked_softmax(torch.ones(2, 3, 4, 5, dtype=torch.int32, device=d), mask(device=d)),
+            TypeError,
+            "scaled_masked_softmax: x has dtype",
+        ),
+        (
+            lambda d: scaled_masked_softmax(x4(3, 4, 5, device=d), mask(1, 4, 5, device=d)),
+            ValueError,
+            r"x has shape \[3, 4, 5\]; expected 4",
+        ),
+        (
+            lambda d: scaled_masked_softmax(x4(1, 2, 3, 4, 5, device=d), mask(4, 5, device=d)),
+            ValueError,
+            "expected 4 dims",
+        ),
         (lambda d: scaled_masked_softmax(None, mask(device=d)), TypeError, "x must be a torch.Tensor"),
         (lambda d: scaled_causal_softmax(torch.randn(5, device=d)), ValueError, "scaled_causal_softmax: x has shape"),
         (lambda d: scaled_causal_softmax(torch.ones(3, 3, dtype=torch.int8, device=d)), TypeError, "x has dtype"),
         (lambda d: scaled_causal_softmax("x"), TypeError, "x must be a torch.Tensor"),
         # mask
         (lambda d: scaled_masked_softmax(x4(device=d), mask(dtype=torch.uint8, device=d)), TypeError, "mask has dtype"),
-        (lambda d: scaled_masked_softmax(x4(device=d), mask(dtype=torch.float32, device=d)), TypeError, "mask has dtype"),
-        (lambda d: scaled_masked_softmax(x4(device=d), mask(2, 1, 4, 6, device=d)), ValueError, r"mask has shape \[2, 1, 4, 6\]"),
+        (
+            lambda d: scaled_masked_softmax(x4(device=d), mask(dtype=torch.float32, device=d)),
+            TypeError,
+            "mask has dtype",
+        ),
+        (
+            lambda d: scaled_masked_softmax(x4(device=d), mask(2, 1, 4, 6, device=d)),
+            ValueError,
+            r"mask has shape \[2, 1, 4, 6\]",
+        ),
         (lambda d: scaled_masked_softmax(x4(device=d), mask(2, 1, 4, 1, device=d)), ValueError, "mask has shape"),
         (lambda d: scaled_masked_softmax(x4(device=d), mask(3, 1, 4, 5, device=d)), ValueError, "not broadcastable"),
         (lambda d: scaled_masked_softmax(x4(device=d), mask(2, 2, 4, 5, device=d)), ValueError, "not broadcastable"),

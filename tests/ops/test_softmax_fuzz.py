@@ -13,12 +13,23 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.fl
 
 
 def test_fuzz_against_reference(backend):
-    @settings(max_examples=30 if backend.emulated else 120, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(b=st.integers(1, 3), h=st.integers(1, 3), sq=st.integers(1, 9), sk=st.integers(1, 700), dtype=DTYPES,
-           variant=st.sampled_from([PLAIN, MASKED, CAUSAL]), bcast=st.tuples(st.booleans(), st.booleans(),
-                                                                             st.booleans()),
-           p=st.sampled_from([0.0, 0.3, 0.9, 1.0]))
+    @settings(
+        max_examples=30 if backend.emulated else 120,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        b=st.integers(1, 3),
+        h=st.integers(1, 3),
+        sq=st.integers(1, 9),
+        sk=st.integers(1, 700),
+        dtype=DTYPES,
+        variant=st.sampled_from([PLAIN, MASKED, CAUSAL]),
+        bcast=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+        p=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+    )
     def run(b, h, sq, sk, dtype, variant, bcast, p):
         shape = (b, h, sq, sk)
         mask = None

@@ -13,14 +13,17 @@ def p(*shape, dtype=torch.float32):
     return torch.zeros(shape, dtype=dtype, requires_grad=True)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"lr": -1e-3}, "lr must be"),
-    ({"eps": -1.0}, "eps must be"),
-    ({"weight_decay": -0.1}, "weight_decay must be"),
-    ({"betas": (1.0, 0.999)}, r"betas\[0\] must be in \[0, 1\)"),
-    ({"betas": (0.9, -0.1)}, r"betas\[1\] must be in \[0, 1\)"),
-    ({"betas": (0.9,)}, "betas must be a pair"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr": -1e-3}, "lr must be"),
+        ({"eps": -1.0}, "eps must be"),
+        ({"weight_decay": -0.1}, "weight_decay must be"),
+        ({"betas": (1.0, 0.999)}, r"betas\[0\] must be in \[0, 1\)"),
+        ({"betas": (0.9, -0.1)}, r"betas\[1\] must be in \[0, 1\)"),
+        ({"betas": (0.9,)}, "betas must be a pair"),
+    ],
+)
 def test_bad_hyperparameters_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusedAdamW([p(3)], **kwargs)
@@ -104,10 +107,16 @@ def test_kernel_rejects_list_length_mismatch_and_bad_steps():
         mt.adamw_(params, grads, m, v, [], steps, **HYPER)
 
 
-@pytest.mark.parametrize("name, value, match", [
-    ("lr", -1.0, "lr must be"), ("eps", -1.0, "eps must be"), ("weight_decay", -1.0, "weight_decay must be"),
-    ("beta1", 1.0, r"betas\[0\]"), ("beta2", 1.5, r"betas\[1\]"),
-])
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("lr", -1.0, "lr must be"),
+        ("eps", -1.0, "eps must be"),
+        ("weight_decay", -1.0, "weight_decay must be"),
+        ("beta1", 1.0, r"betas\[0\]"),
+        ("beta2", 1.5, r"betas\[1\]"),
+    ],
+)
 def test_kernel_rejects_bad_hyperparameters(name, value, match):
     params = [torch.zeros(3)]
     grads, m, v, steps = kernel_lists(params)
@@ -155,10 +164,18 @@ def _saved_state(step):
     return sd
 
 
-@pytest.mark.parametrize("step, exc", [
-    ("abc", TypeError), (None, TypeError), (-1.0, ValueError), (float("nan"), ValueError),
-    (torch.tensor([1.0, 2.0]), ValueError), (torch.tensor(True), ValueError), (torch.zeros((), device="meta"), ValueError),
-])
+@pytest.mark.parametrize(
+    "step, exc",
+    [
+        ("abc", TypeError),
+        (None, TypeError),
+        (-1.0, ValueError),
+        (float("nan"), ValueError),
+        (torch.tensor([1.0, 2.0]), ValueError),
+        (torch.tensor(True), ValueError),
+        (torch.zeros((), device="meta"), ValueError),
+    ],
+)
 def test_bad_step_in_a_loaded_state_is_refused_naming_it_and_nothing_changes(step, exc):
     param = p(4)
     opt = FusedAdamW([param])

@@ -105,10 +105,10 @@ def assert_same_state_layout(ours, ref, ours_params, ref_params):
 def test_state_dict_interchange_with_torch_adamw(backend, direction):
     shapes = [(3, 5), (130,), (7,)]
     params = make_params(shapes, backend.device)
-    other = clone_params(params)
     groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 5e-3}]  # noqa: E731
-    first_cls, second_cls = (torch.optim.AdamW, FusedAdamW) if direction == "torch_to_fused" else (
-        FusedAdamW, torch.optim.AdamW)
+    first_cls, second_cls = (
+        (torch.optim.AdamW, FusedAdamW) if direction == "torch_to_fused" else (FusedAdamW, torch.optim.AdamW)
+    )
     first = first_cls(groups(params), lr=1e-2, weight_decay=0.1)
     # Warm up `first` alone, save, and load into a fresh `second` over copies of the same params.
     for s in range(5):
@@ -118,8 +118,10 @@ def test_state_dict_interchange_with_torch_adamw(backend, direction):
     second = second_cls(groups(second_params), lr=1.0, weight_decay=0.0)  # hypers come from the state dict
     second.load_state_dict(saved(first))
     fused, fused_params, torch_opt, torch_params = (
-        (second, second_params, first, params) if direction == "torch_to_fused" else
-        (first, params, second, second_params))
+        (second, second_params, first, params)
+        if direction == "torch_to_fused"
+        else (first, params, second, second_params)
+    )
     assert_same_state_layout(fused, torch_opt, fused_params, torch_params)
     assert all(s["step"].device.type == "cpu" for s in torch_opt.state.values()) or backend.name == "cuda"
     # Both continue in lock step and stay together.
@@ -174,8 +176,7 @@ def assert_unchanged(opt, params, snap):
 def test_nonfinite_grad_skips_the_whole_step_and_sets_found_inf(backend, bad, master):
     dtype = torch.bfloat16 if master else torch.float32
     params = make_params([(3, 5), (130,), (7,)], backend.device, dtype)
-    opt = FusedAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, master_weights=master,
-                     chunk_size=64)
+    opt = FusedAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, master_weights=master, chunk_size=64)
     set_grads(params, grads_for(params, 0))
     opt.step()
     snap = snapshot(opt, params)
@@ -261,9 +262,10 @@ def test_closure_is_evaluated_with_grad_and_its_gradient_is_the_step(backend):
     def closure_of(opt, p):
         def closure():
             opt.zero_grad()
-            loss = (p ** 2).sum()
+            loss = (p**2).sum()
             loss.backward()
             return loss
+
         return closure
 
     ours = FusedAdamW(params, lr=1e-2)

@@ -74,14 +74,17 @@ def test_load_state_dict_rejects_missing_keys_and_bad_scales():
         s.load_state_dict({"scale": float("inf"), "clean_steps": 0, "overflows_left": 1})
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(initial_scale=0.0), "initial_scale must be a finite number > 0"),
-    (dict(growth_factor=1.0), "growth_factor must be > 1"),
-    (dict(backoff_factor=1.0), "backoff_factor must be < 1"),
-    (dict(growth_interval=0), "growth_interval must be a positive int"),
-    (dict(hysteresis=0), "hysteresis must be a positive int"),
-    (dict(initial_scale=0.5, min_scale=1.0), "initial_scale must be in \\[min_scale, max_scale\\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(initial_scale=0.0), "initial_scale must be a finite number > 0"),
+        (dict(growth_factor=1.0), "growth_factor must be > 1"),
+        (dict(backoff_factor=1.0), "backoff_factor must be < 1"),
+        (dict(growth_interval=0), "growth_interval must be a positive int"),
+        (dict(hysteresis=0), "hysteresis must be a positive int"),
+        (dict(initial_scale=0.5, min_scale=1.0), "initial_scale must be in \\[min_scale, max_scale\\]"),
+    ],
+)
 def test_invalid_arguments_name_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicLossScaler(**kwargs)

@@ -33,8 +33,9 @@ def test_schedule_is_continuous_and_never_increases_after_warmup():
 
 def test_without_warmup_the_decay_starts_at_the_peak():
     s = WarmupCosineSchedule(lr=2.0, min_lr=0.0, warmup_steps=0, total_steps=4)
-    assert [s.lr_at(i) for i in range(5)] == pytest.approx([2.0, 1 + math.cos(math.pi / 4), 1.0,
-                                                             1 + math.cos(3 * math.pi / 4), 0.0], abs=1e-12)
+    assert [s.lr_at(i) for i in range(5)] == pytest.approx(
+        [2.0, 1 + math.cos(math.pi / 4), 1.0, 1 + math.cos(3 * math.pi / 4), 0.0], abs=1e-12
+    )
 
 
 def test_warmup_equal_to_total_steps_ends_at_min_lr_after_the_peak():
@@ -50,15 +51,18 @@ def test_apply_sets_every_param_group_of_an_optimizer():
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(lr=-1.0), "lr must be a finite number >= 0"),
-    (dict(lr=float("nan")), "lr must be a finite number >= 0"),
-    (dict(lr=1.0, min_lr=2.0), "min_lr must be <= lr"),
-    (dict(lr=1.0, warmup_steps=-1), "warmup_steps must be an int >= 0"),
-    (dict(lr=1.0, warmup_steps=1.5), "warmup_steps must be an int >= 0"),
-    (dict(lr=1.0, total_steps=0), "total_steps must be >= 1"),
-    (dict(lr=1.0, warmup_steps=5, total_steps=4), "warmup_steps must be <= total_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr=-1.0), "lr must be a finite number >= 0"),
+        (dict(lr=float("nan")), "lr must be a finite number >= 0"),
+        (dict(lr=1.0, min_lr=2.0), "min_lr must be <= lr"),
+        (dict(lr=1.0, warmup_steps=-1), "warmup_steps must be an int >= 0"),
+        (dict(lr=1.0, warmup_steps=1.5), "warmup_steps must be an int >= 0"),
+        (dict(lr=1.0, total_steps=0), "total_steps must be >= 1"),
+        (dict(lr=1.0, warmup_steps=5, total_steps=4), "warmup_steps must be <= total_steps"),
+    ],
+)
 def test_invalid_arguments_name_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WarmupCosineSchedule(**kwargs)
@@ -85,8 +89,13 @@ def test_decay_styles_follow_their_formulas():
     assert cos.lr_at(5) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(style="step"), "style must be one of cosine, linear, constant, wsd"),
-                                          (dict(style="wsd", wsd_decay_steps=11), "wsd_decay_steps=11 is more than")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(style="step"), "style must be one of cosine, linear, constant, wsd"),
+        (dict(style="wsd", wsd_decay_steps=11), "wsd_decay_steps=11 is more than"),
+    ],
+)
 def test_bad_styles_are_named(kwargs, match):
     from megakernels.optim.lr_schedule import LRSchedule
 

@@ -42,6 +42,7 @@ class Checks:
                 raise ValueError(f"duplicate check {name!r}")
             self._checks[name] = (fn, args)
             return fn
+
         return register
 
     def names(self) -> list[str]:
@@ -79,6 +80,7 @@ class Checks:
                 # Checks have no side effects, so the world runs once more; a check that really hangs hangs again.
                 print(f"world of {world_size} timed out; running it once more:\n{e}", file=sys.stderr, flush=True)
                 return run_world(world_size, worker, timeout=timeout)
+
         return world
 
     @staticmethod

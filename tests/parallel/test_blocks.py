@@ -93,9 +93,15 @@ def _(rank, world):
                 mp.initialize(tp)
                 torch.manual_seed(32)
                 attn = mp.ParallelSelfAttention(H, HEADS, causal=causal, sequence_parallel=sp)
-                _compare_block(attn, attn.qkv, attn.proj,
-                               lambda x, *w: _attention_reference(x, *w, causal=causal),
-                               f"attention tp{tp} sp={sp} causal={causal}", sp, 50)
+                _compare_block(
+                    attn,
+                    attn.qkv,
+                    attn.proj,
+                    lambda x, *w: _attention_reference(x, *w, causal=causal),
+                    f"attention tp{tp} sp={sp} causal={causal}",
+                    sp,
+                    50,
+                )
                 mp.destroy()
 
 
@@ -105,8 +111,10 @@ def _collectives(module, x):
         y = module(x)
     with mp.record_events() as bwd:
         y.sum().backward()
-    return {name: collections.Counter(d for e, d in ev if e == "launch") for name, ev in (("forward", fwd),
-                                                                                          ("backward", bwd))}
+    return {
+        name: collections.Counter(d for e, d in ev if e == "launch")
+        for name, ev in (("forward", fwd), ("backward", bwd))
+    }
 
 
 @CHECKS.add("each_block_costs_one_all_reduce_forward_and_one_backward")
@@ -120,13 +128,17 @@ def _(rank, world):
 @CHECKS.add("sequence_parallel_blocks_all_gather_and_reduce_scatter_instead")
 def _(rank, world):
     mp.initialize(4)
-    for module in (mp.ParallelMLP(H, FFN, sequence_parallel=True),
-                   mp.ParallelSelfAttention(H, HEADS, sequence_parallel=True)):
+    for module in (
+        mp.ParallelMLP(H, FFN, sequence_parallel=True),
+        mp.ParallelSelfAttention(H, HEADS, sequence_parallel=True),
+    ):
         counts = _collectives(module, _leaf(randn(S // 4, B, H, seed=61)))
         # backward: the output's all-gather, the input gradient's reduce-scatter, and the re-gather of the column
         # layer's input (not saved by forward) for its weight gradient
-        assert counts == {"forward": {"all_gather": 1, "reduce_scatter": 1},
-                          "backward": {"all_gather": 2, "reduce_scatter": 1}}, counts
+        assert counts == {
+            "forward": {"all_gather": 1, "reduce_scatter": 1},
+            "backward": {"all_gather": 2, "reduce_scatter": 1},
+        }, counts
 
 
 @CHECKS.add("attention_core_is_pluggable_with_layout_b_s_h_d")
@@ -158,8 +170,15 @@ def _(rank, world):
                 mp.initialize(tp)
                 torch.manual_seed(35)
                 attn = mp.ParallelSelfAttention(H, HEADS, sequence_parallel=sp, core=core)
-                _compare_block(attn, attn.qkv, attn.proj, lambda x, *w: _attention_reference(x, *w, causal=True),
-                               f"{core} attention tp{tp} sp={sp}", sp, 70)
+                _compare_block(
+                    attn,
+                    attn.qkv,
+                    attn.proj,
+                    lambda x, *w: _attention_reference(x, *w, causal=True),
+                    f"{core} attention tp{tp} sp={sp}",
+                    sp,
+                    70,
+                )
                 mp.destroy()
 
 
@@ -180,10 +199,18 @@ def _(rank, world):
         assert torch.equal(after, torch.rand(4))
     assert torch.equal(outs[0], outs[1])
     attn.eval()
-    assert_close(attn(x), _attention_reference(
-        x.double(), init.full_weight((3 * H, H), attn.qkv.seed, NORMAL).double(),
-        torch.zeros(3 * H, dtype=torch.float64), init.full_weight((H, H), attn.proj.seed, NORMAL).double(),
-        torch.zeros(H, dtype=torch.float64), causal=True), "eval: no dropout")
+    assert_close(
+        attn(x),
+        _attention_reference(
+            x.double(),
+            init.full_weight((3 * H, H), attn.qkv.seed, NORMAL).double(),
+            torch.zeros(3 * H, dtype=torch.float64),
+            init.full_weight((H, H), attn.proj.seed, NORMAL).double(),
+            torch.zeros(H, dtype=torch.float64),
+            causal=True,
+        ),
+        "eval: no dropout",
+    )
     assert not torch.allclose(outs[0], attn(x))
 
 

@@ -61,7 +61,8 @@ for _size in (2, 4):
     for _backend in ("cpu", "cuda_emu"):
         for _dtype, _eps in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.1)):
             CHECKS.add(f"group{_size}_{_backend}_{str(_dtype)[6:]}_eps{_eps}", _size, _backend, _dtype, _eps)(
-                lambda rank, world, size, backend, dtype, eps: _check_group(rank, size, backend, dtype, eps))
+                lambda rank, world, size, backend, dtype, eps: _check_group(rank, size, backend, dtype, eps)
+            )
 
 
 @CHECKS.add("two_all_reduces_forward_none_backward")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import megakernels.parallel as mp
-from megakernels.parallel import params
 from megakernels.optim import DynamicLossScaler
+from megakernels.parallel import params
 from megakernels.parallel.ddp import DistributedDataParallel, finalize_model_grads
 from megakernels.parallel.optimizer import ParallelOptimizer, memory_bytes_per_param
 from tests.parallel.checks import Checks, assert_close, block, randn
@@ -31,8 +31,9 @@ ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(),
-                         nn.Linear(H, OUT))
+    return nn.Sequential(
+        nn.Linear(IN, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh(), nn.Linear(H, OUT)
+    )
 
 
 def _batch(dp_rank: int, micro: int = 0, n: int = B):
@@ -50,8 +51,9 @@ def _reference_grads(model: nn.Module, step: int = 0) -> dict[str, torch.Tensor]
 
 def _torch_adamw(params: list[torch.Tensor]) -> torch.optim.AdamW:
     decay = [p for p in params if p.dim() > 1]
-    return torch.optim.AdamW([{"params": decay}, {"params": [p for p in params if p.dim() <= 1],
-                                                  "weight_decay": 0.0}], foreach=False, **ADAM)
+    return torch.optim.AdamW(
+        [{"params": decay}, {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}], foreach=False, **ADAM
+    )
 
 
 @CHECKS.add("all_reduce_and_reduce_scatter_give_the_mean_gradient_over_dp")
@@ -70,9 +72,10 @@ def _(rank, world):
         for b in ddp.buckets:
             ref = torch.zeros(b.numel, dtype=torch.float64)
             for p, at in zip(b.params, b.offsets):
-                ref[at:at + p.numel()] = expected[names[p]].flatten()
-            part = slice(mp.dp_rank() * b.shard_size, (mp.dp_rank() + 1) * b.shard_size) if reduce_scatter else \
-                slice(None)
+                ref[at : at + p.numel()] = expected[names[p]].flatten()
+            part = (
+                slice(mp.dp_rank() * b.shard_size, (mp.dp_rank() + 1) * b.shard_size) if reduce_scatter else slice(None)
+            )
             assert_close(b.grad_data[part], ref[part], f"reduce_scatter={reduce_scatter} bucket")
 
 
@@ -108,6 +111,7 @@ def _(rank, world):
         model = _mlp()
         # bucket_size=1: every param is a bucket; a hook on the first layer's output marks where its backward starts.
         ddp = DistributedDataParallel(model, bucket_size=1, overlap=overlap, reduce_scatter=reduce_scatter)
+
         def mark(module, inputs, out):
             out.register_hook(lambda g: mp.comm.record("start", "first_layer_backward"))
 
@@ -120,10 +124,10 @@ def _(rank, world):
         start, end = events.index(("start", "first_layer_backward")), events.index(("end", "backward"))
         if overlap:  # the 3 later layers' weights and biases before, the first layer's 2 params after
             assert events[:start] == [("launch", kind)] * 6, events
-            assert events[start + 1:end] == [("launch", kind)] * 2, events
+            assert events[start + 1 : end] == [("launch", kind)] * 2, events
         else:
             assert events[:end] == [("start", "first_layer_backward")], events
-            assert events[end + 1:end + 9] == [("launch", kind)] * 8, events
+            assert events[end + 1 : end + 9] == [("launch", kind)] * 8, events
         assert events[-8:] == [("wait", kind)] * 8, events
 
 
@@ -145,14 +149,15 @@ def _train(model, distributed: bool, steps: int, offload: bool = False, after_sy
 @CHECKS.add("offloaded_steps_copy_each_reduced_bucket_to_the_host_and_equal_the_device_steps_under_dp_and_zero1")
 def _(rank, world):
     mp.initialize(1, 1, 4)
+
     def copied_per_bucket(ddp, opt, events):
         kind = "reduce_scatter" if ddp.reduce_scatter else "all_reduce"
         # each bucket's copy right after its collective completed, before the step; the host holds the reduced grads
         synced = [e for e in events if e[0] != "launch" and e[1] != "params_to_device"]  # not the forward's waits
-        assert synced == [("wait", kind), ("copy", "grads_to_host")] * len(
-            ddp.buckets), events
+        assert synced == [("wait", kind), ("copy", "grads_to_host")] * len(ddp.buckets), events
         for piece in opt.pieces:
             assert torch.equal(piece.main.grad, piece.grad)
+
     for distributed in (False, True):
         ref, _ = _train(_mlp(), distributed, 3)
         got, opt = _train(_mlp(), distributed, 3, offload=True, after_sync=copied_per_bucket)
@@ -187,9 +192,12 @@ class _Params(nn.Module):
         super().__init__()
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t.to(dtype).clone()))
-        mark = {"tensor_parallel": params.mark_tensor_parallel, "sequence_parallel": params.mark_sequence_parallel,
-                "shared_embedding": params.mark_shared_embedding,
-                "shared_embedding_duplicate": lambda p: params.mark_shared_embedding(p, duplicate=True)}
+        mark = {
+            "tensor_parallel": params.mark_tensor_parallel,
+            "sequence_parallel": params.mark_sequence_parallel,
+            "shared_embedding": params.mark_shared_embedding,
+            "shared_embedding_duplicate": lambda p: params.mark_shared_embedding(p, duplicate=True),
+        }
         for attr, names in marks.items():
             for name in names:
                 mark[attr](getattr(self, name))
@@ -221,9 +229,8 @@ def _(rank, world):
         for piece in opt.pieces:  # fp32 masters equal the fp32 reference; the bf16 params are them rounded
             assert piece.main.dtype == torch.float32 and piece.flat.dtype == torch.bfloat16
             assert torch.equal(piece.flat, piece.main.bfloat16())
-            expected = getattr(ref, names[piece.param]).detach().flatten()[piece.lo:piece.hi]
-            assert_close(piece.main, expected, f"distributed={distributed} master of {names[piece.param]}",
-                         rtol=1e-6)
+            expected = getattr(ref, names[piece.param]).detach().flatten()[piece.lo : piece.hi]
+            assert_close(piece.main, expected, f"distributed={distributed} master of {names[piece.param]}", rtol=1e-6)
         for name, p in model.named_parameters():  # ... and the bf16 params are them rounded (within one ulp)
             assert p.dtype == torch.bfloat16
             assert_close(p, getattr(ref, name).detach(), f"distributed={distributed} {name}", rtol=2**-8)
@@ -328,8 +335,12 @@ def _(rank, world):
             owned = sum(piece.hi - piece.lo for piece in opt.pieces)
             assert held["optimizer"] == (12 if precision == "bf16" else 8) * owned, (precision, distributed, held)
             assert abs(held["optimizer"] - per_param[2] * n) <= 12 * pad, (precision, distributed, held)
-            expected = {("bf16", True): (2, 4, 3.0), ("bf16", False): (2, 4, 12), ("fp32", True): (4, 4, 2.0),
-                        ("fp32", False): (4, 4, 8)}[precision, distributed]
+            expected = {
+                ("bf16", True): (2, 4, 3.0),
+                ("bf16", False): (2, 4, 12),
+                ("fp32", True): (4, 4, 2.0),
+                ("fp32", False): (4, 4, 8),
+            }[precision, distributed]
             assert per_param == expected
 
 

@@ -143,7 +143,9 @@ def test_forkserver_ranks_get_the_current_environment_directory_and_stdout(monke
     assert out == [(str(tmp_path), "set after the server started")] * 2
     # (other writers of this process's stdout may add lines of their own while it is redirected)
     assert sorted(line for line in log.read_text().splitlines() if "on stdout" in line) == [
-        "rank 0 on stdout", "rank 1 on stdout"]
+        "rank 0 on stdout",
+        "rank 1 on stdout",
+    ]
     _no_children_left()
 
 

@@ -157,8 +157,11 @@ def _(rank, world):
     torch.manual_seed(23)
     eager = mp.ColumnParallelLinear(16, 24), mp.RowParallelLinear(24, 16), mp.VocabParallelEmbedding(V, H)
     torch.manual_seed(23)
-    lazy = (mp.ColumnParallelLinear(16, 24, device="meta"), mp.RowParallelLinear(24, 16, device="meta"),
-            mp.VocabParallelEmbedding(V, H, device="meta"))
+    lazy = (
+        mp.ColumnParallelLinear(16, 24, device="meta"),
+        mp.RowParallelLinear(24, 16, device="meta"),
+        mp.VocabParallelEmbedding(V, H, device="meta"),
+    )
     for e, m in zip(eager, lazy):
         assert m.weight.is_meta
         m.to_empty(device="cpu")
@@ -173,8 +176,19 @@ def _(rank, world):
     assert torch.equal(full[260:], torch.zeros(40, 40))
     for world_, dim in ((4, 0), (5, 0), (4, 1), (8, 1)):
         shape = (300 // world_, 40) if dim == 0 else (300, 40 // world_)
-        parts = [init.init_shard_(torch.empty(shape, dtype=torch.float64), (300, 40), dim, i, world_, 5,
-                                  init.init_method_normal(), real_rows=260) for i in range(world_)]
+        parts = [
+            init.init_shard_(
+                torch.empty(shape, dtype=torch.float64),
+                (300, 40),
+                dim,
+                i,
+                world_,
+                5,
+                init.init_method_normal(),
+                real_rows=260,
+            )
+            for i in range(world_)
+        ]
         assert torch.equal(torch.cat(parts, dim).float(), full), f"world {world_} dim {dim}"
     with pytest.raises(ValueError, match=r"shard has shape \(10, 40\), expected \(75, 40\)"):
         init.init_shard_(torch.empty(10, 40), (300, 40), 0, 0, 4, 5, init.init_method_normal())

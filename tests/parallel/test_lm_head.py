@@ -97,8 +97,9 @@ def _(rank, world):
     w = _padded_table(head.seed, head.padded_vocab_size)[:V]
     h, target = randn(S, B, H, seed=25), _target(26, ignore_some=True)
     loss = head(h, target)
-    ref = F.cross_entropy((h.double() @ w.double().t()).view(-1, V), target.view(-1), reduction="none",
-                          label_smoothing=0.1).view(S, B)
+    ref = F.cross_entropy(
+        (h.double() @ w.double().t()).view(-1, V), target.view(-1), reduction="none", label_smoothing=0.1
+    ).view(S, B)
     assert_close(loss, ref, "label smoothing 0.1 with ignored tokens")
     assert loss[2, 0] == 0 and loss[5, 1] == 0
 

@@ -37,6 +37,7 @@ def _each_tp(check):
                 check(tp, mp.tp_rank())
             finally:
                 mp.destroy()
+
     return run
 
 
@@ -90,8 +91,9 @@ def _(tp, r):
     assert torch.equal(y, torch.cat(xs, 0))
     full = sum(randn(2 * tp, 3, 12, seed=90 + i) for i in range(tp))
     assert_close(dx, block(full, 0, r, tp), f"tp{tp} gather-seq backward (reduce-scatter)")
-    y, dx, dy = _run(lambda t: mp.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False),
-                     xs[r], seed=95)
+    y, dx, dy = _run(
+        lambda t: mp.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False), xs[r], seed=95
+    )
     assert torch.equal(dx, block(dy, 0, r, tp))
 
 
@@ -109,10 +111,15 @@ def _(rank, world):
     mp.initialize(1)
     x = randn(*SHAPE, seed=4)
     with comm.record_events() as events:
-        for fn in (mp.copy_to_tensor_model_parallel_region, mp.reduce_from_tensor_model_parallel_region,
-                   mp.scatter_to_tensor_model_parallel_region, mp.gather_from_tensor_model_parallel_region,
-                   mp.scatter_to_sequence_parallel_region, mp.gather_from_sequence_parallel_region,
-                   mp.reduce_scatter_to_sequence_parallel_region):
+        for fn in (
+            mp.copy_to_tensor_model_parallel_region,
+            mp.reduce_from_tensor_model_parallel_region,
+            mp.scatter_to_tensor_model_parallel_region,
+            mp.gather_from_tensor_model_parallel_region,
+            mp.scatter_to_sequence_parallel_region,
+            mp.gather_from_sequence_parallel_region,
+            mp.reduce_scatter_to_sequence_parallel_region,
+        ):
             assert fn(x) is x
     assert events == []
 

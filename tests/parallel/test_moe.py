@@ -87,8 +87,13 @@ def test_router_top_k_and_losses_match_the_switch_formulas(normalize):
         ref_w = ref_w / ref_w.sum(-1, keepdim=True)
     assert torch.equal(idx, ref_idx)
     torch.testing.assert_close(w.double(), ref_w)
-    _, aux, z = moe_reference(x, router.weight.detach(), torch.zeros(E, 2 * F_, H, dtype=torch.float64),
-                              torch.zeros(E, H, F_, dtype=torch.float64), normalize=normalize)
+    _, aux, z = moe_reference(
+        x,
+        router.weight.detach(),
+        torch.zeros(E, 2 * F_, H, dtype=torch.float64),
+        torch.zeros(E, H, F_, dtype=torch.float64),
+        normalize=normalize,
+    )
     torch.testing.assert_close(st["aux_loss"].double(), aux)
     torch.testing.assert_close(st["z_loss"].double(), z)
     assert st["tokens_per_expert"].sum() == 10 * K
@@ -97,18 +102,27 @@ def test_router_top_k_and_losses_match_the_switch_formulas(normalize):
 def _layer_params(layer):
     """The full (single-process) router, fc1 [E, 2F, H] and fc2 [E, H, F] of a layer built at any layout."""
     seed = 77
-    fc1 = torch.stack([init.full_weight((2 * F_, H), init.derive_seed(seed, f"experts.{e}.fc1"),
-                                        init.init_method_normal()) for e in range(E)])
-    fc2 = torch.stack([init.full_weight((H, F_), init.derive_seed(seed, f"experts.{e}.fc2"),
-                                        init.init_method_normal()) for e in range(E)])
+    fc1 = torch.stack(
+        [
+            init.full_weight((2 * F_, H), init.derive_seed(seed, f"experts.{e}.fc1"), init.init_method_normal())
+            for e in range(E)
+        ]
+    )
+    fc2 = torch.stack(
+        [
+            init.full_weight((H, F_), init.derive_seed(seed, f"experts.{e}.fc2"), init.init_method_normal())
+            for e in range(E)
+        ]
+    )
     return layer.router.weight.detach().double(), fc1.double(), fc2.double()
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
 def test_the_layer_and_its_gradients_match_the_per_token_reference(capacity_factor):
     with single_process_world(parallel=True):
-        layer = MoELayer(H, F_, E, K, seed=77, aux_loss_coeff=0.3, z_loss_coeff=0.1,
-                         capacity_factor=capacity_factor).double()
+        layer = MoELayer(
+            H, F_, E, K, seed=77, aux_loss_coeff=0.3, z_loss_coeff=0.1, capacity_factor=capacity_factor
+        ).double()
         x = randn(S, B, H, seed=1).double().requires_grad_(True)
         dy = randn(S, B, H, seed=2).double()
         set_aux_loss_scale(1.0)
@@ -157,16 +171,19 @@ def _(rank, world):
                 fc1.grad += f1.grad
                 fc2.grad += f2.grad
         assert_close(out, block(ref, 0, mp.tp_rank(), tp) if sp else ref, f"{what}: output", rtol=1e-10)
-        assert_close(xin.grad, block(xr.grad, 0, mp.tp_rank(), tp) if sp else xr.grad, f"{what}: input grad",
-                     rtol=1e-10)
+        assert_close(
+            xin.grad, block(xr.grad, 0, mp.tp_rank(), tp) if sp else xr.grad, f"{what}: input grad", rtol=1e-10
+        )
         assert_close(layer.router.weight.grad, router.grad, f"{what}: router grad", rtol=1e-10)
         first, n = mp.ep_rank() * (E // ep), E // ep
         r = mp.tp_rank()
         shard1 = torch.cat([block(fc1.grad[:, :F_], 1, r, tp), block(fc1.grad[:, F_:], 1, r, tp)], 1)
-        assert_close(layer.experts.fc1.grad, shard1[first:first + n], f"{what}: fc1 grad (this rank's experts)",
-                     rtol=1e-10)
-        assert_close(layer.experts.fc2.grad, block(fc2.grad, 2, r, tp)[first:first + n], f"{what}: fc2 grad",
-                     rtol=1e-10)
+        assert_close(
+            layer.experts.fc1.grad, shard1[first : first + n], f"{what}: fc1 grad (this rank's experts)", rtol=1e-10
+        )
+        assert_close(
+            layer.experts.fc2.grad, block(fc2.grad, 2, r, tp)[first : first + n], f"{what}: fc2 grad", rtol=1e-10
+        )
         mp.destroy()
 
 

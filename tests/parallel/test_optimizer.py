@@ -122,8 +122,7 @@ def test_16_bit_grad_buffers_are_widened_for_the_fp32_step():
     model, ref = _model(), _model()
     ddp = DistributedDataParallel(model, grad_dtype=torch.bfloat16)
     assert model[0].weight.main_grad.dtype == torch.bfloat16
-    opt, ref_opt = ParallelOptimizer(ddp, clip_grad=1.0), ParallelOptimizer(DistributedDataParallel(ref),
-                                                                                clip_grad=1.0)
+    opt, ref_opt = ParallelOptimizer(ddp, clip_grad=1.0), ParallelOptimizer(DistributedDataParallel(ref), clip_grad=1.0)
     _backward(ddp)
     _backward(ref_opt.models[0])
     (s1, n1), (s2, n2) = opt.step(), ref_opt.step()
@@ -167,14 +166,17 @@ def test_memory_table_is_megatrons():
         memory_bytes_per_param("bf16", True, 0)
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(precision="fp8"), ValueError, "precision must be one of"),
-    (dict(clip_grad=-1.0), ValueError, "clip_grad must be a finite number >= 0"),
-    (dict(loss_scaler=DynamicLossScaler()), ValueError, "loss_scaler is only used with precision='fp16'"),
-    (dict(distributed=True), ValueError, "reduce_scatter=False, distributed=True needs reduce_scatter=True"),
-    (dict(precision="fp16"), None, None),
-    (dict(lr=-1.0), ValueError, "lr must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(precision="fp8"), ValueError, "precision must be one of"),
+        (dict(clip_grad=-1.0), ValueError, "clip_grad must be a finite number >= 0"),
+        (dict(loss_scaler=DynamicLossScaler()), ValueError, "loss_scaler is only used with precision='fp16'"),
+        (dict(distributed=True), ValueError, "reduce_scatter=False, distributed=True needs reduce_scatter=True"),
+        (dict(precision="fp16"), None, None),
+        (dict(lr=-1.0), ValueError, "lr must be a finite number >= 0"),
+    ],
+)
 def test_optimizer_arguments_are_checked(kwargs, error, message):
     ddp = DistributedDataParallel(_model())
     if error is None:
@@ -193,10 +195,13 @@ def test_optimizer_rejects_params_it_cannot_step():
         ParallelOptimizer(DistributedDataParallel(_model(torch.bfloat16)))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(bucket_size=0), "bucket_size must be a positive int"),
-    (dict(grad_dtype=torch.float64), "grad_dtype must be float32, bfloat16, float16 or None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bucket_size=0), "bucket_size must be a positive int"),
+        (dict(grad_dtype=torch.float64), "grad_dtype must be float32, bfloat16, float16 or None"),
+    ],
+)
 def test_ddp_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DistributedDataParallel(_model(), **kwargs)

@@ -28,8 +28,9 @@ def _model(dtype, device="cpu") -> nn.Sequential:
 def _trajectory(dtype, offload: bool, precision: str, steps: int = 5, device="cpu", scaler=None, bucket_size=300):
     model = _model(dtype, device)
     ddp = DistributedDataParallel(model, bucket_size=bucket_size)
-    opt = ParallelOptimizer(ddp, lr=1e-2, weight_decay=0.1, precision=precision, clip_grad=0.5, offload=offload,
-                            loss_scaler=scaler)
+    opt = ParallelOptimizer(
+        ddp, lr=1e-2, weight_decay=0.1, precision=precision, clip_grad=0.5, offload=offload, loss_scaler=scaler
+    )
     x = torch.linspace(-2, 2, 5 * 16, device=device).reshape(5, 16).to(dtype)
     out = []
     for _ in range(steps):
@@ -41,10 +42,11 @@ def _trajectory(dtype, offload: bool, precision: str, steps: int = 5, device="cp
     return out, opt
 
 
-@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
-                                             (torch.float16, "fp16")])
+@pytest.mark.parametrize(
+    "dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")]
+)
 def test_offloaded_steps_equal_the_device_steps_bit_for_bit_on_the_cpu(dtype, precision):
-    scaler = (lambda: DynamicLossScaler(initial_scale=2.0 ** 8)) if precision == "fp16" else (lambda: None)
+    scaler = (lambda: DynamicLossScaler(initial_scale=2.0**8)) if precision == "fp16" else (lambda: None)
     ref, _ = _trajectory(dtype, False, precision, scaler=scaler())
     got, opt = _trajectory(dtype, True, precision, scaler=scaler())
     for (s_ref, n_ref, p_ref), (s, n, p) in zip(ref, got):
@@ -75,8 +77,9 @@ def test_offloaded_param_state_round_trips_into_a_device_optimizer():
         p.data.copy_(q)
     ddp = DistributedDataParallel(model, bucket_size=300)
     on = ParallelOptimizer(ddp, lr=1e-2, weight_decay=0.1, precision="bf16", clip_grad=0.5)
-    on.load_param_state({p: states[q] for p, q in zip(model.parameters(),
-                                                      [piece.param for piece in off.pieces][::-1])}, step)
+    on.load_param_state(
+        {p: states[q] for p, q in zip(model.parameters(), [piece.param for piece in off.pieces][::-1])}, step
+    )
     back, step_back = on.param_state()
     for p, q in zip(model.parameters(), [piece.param for piece in off.pieces][::-1]):
         for k in states[q]:
@@ -87,6 +90,7 @@ def test_offloaded_param_state_round_trips_into_a_device_optimizer():
 def _first_layer_backward_marker(model, events):
     def mark(module, inputs, out):
         out.register_hook(lambda g: events.append(("start", "first_layer_backward")))
+
     model[0].register_forward_hook(mark)
 
 
@@ -102,7 +106,7 @@ def test_each_bucket_is_copied_to_the_host_as_soon_as_it_is_reduced_during_backw
         finalize_model_grads([ddp])
     start = events.index(("start", "first_layer_backward"))
     copy = ("copy", "grads_to_host")
-    assert events[:start] == [copy] * 4 and events[start + 1:] == [copy] * 2 + [("end", "backward")], events
+    assert events[:start] == [copy] * 4 and events[start + 1 :] == [copy] * 2 + [("end", "backward")], events
     for piece in opt.pieces:  # the host copies hold the reduced gradients before step() runs
         assert torch.equal(piece.main.grad, piece.grad)
 
@@ -125,8 +129,10 @@ def test_the_next_forward_waits_for_each_parameter_copy_when_the_module_owning_i
     opt = ParallelOptimizer(ddp, lr=1e-2, offload=True)
     x = torch.linspace(-2, 2, 3 * 16).reshape(3, 16)
     seen = []
+
     def check(module, args):  # runs after the optimizer's pre-hook of the same module
         seen.append({n: opt._copies.in_flight(p) for n, p in model.named_parameters()})
+
     for m in (model, model.body, model.norm):
         m.register_forward_pre_hook(check)
     for _ in range(2):
@@ -139,8 +145,11 @@ def test_the_next_forward_waits_for_each_parameter_copy_when_the_module_owning_i
         ddp(x)
         # the table, whose forward never runs, when the model's starts; the others when their own module starts
         body, norm = {"body.weight", "body.bias"}, {"norm.weight", "norm.bias"}
-        assert seen == [{n: n in body | norm for n in seen[0]}, {n: n in norm for n in seen[0]},
-                        {n: False for n in seen[0]}], seen
+        assert seen == [
+            {n: n in body | norm for n in seen[0]},
+            {n: n in norm for n in seen[0]},
+            {n: False for n in seen[0]},
+        ], seen
 
 
 @pytest.mark.cuda

@@ -17,14 +17,42 @@ S, B, IN, OUT = 8, 2, 16, 32
 
 ORDER = {
     # (sequence_parallel, overlap_comm): backward events
-    (False, True): [("start", "dgrad"), ("end", "dgrad"), ("launch", "all_reduce"), ("start", "wgrad"),
-                    ("end", "wgrad"), ("wait", "all_reduce")],
-    (False, False): [("start", "dgrad"), ("end", "dgrad"), ("launch", "all_reduce"), ("wait", "all_reduce"),
-                     ("start", "wgrad"), ("end", "wgrad")],
-    (True, True): [("launch", "all_gather"), ("start", "dgrad"), ("end", "dgrad"), ("wait", "all_gather"),
-                   ("launch", "reduce_scatter"), ("start", "wgrad"), ("end", "wgrad"), ("wait", "reduce_scatter")],
-    (True, False): [("launch", "all_gather"), ("wait", "all_gather"), ("start", "dgrad"), ("end", "dgrad"),
-                    ("launch", "reduce_scatter"), ("wait", "reduce_scatter"), ("start", "wgrad"), ("end", "wgrad")],
+    (False, True): [
+        ("start", "dgrad"),
+        ("end", "dgrad"),
+        ("launch", "all_reduce"),
+        ("start", "wgrad"),
+        ("end", "wgrad"),
+        ("wait", "all_reduce"),
+    ],
+    (False, False): [
+        ("start", "dgrad"),
+        ("end", "dgrad"),
+        ("launch", "all_reduce"),
+        ("wait", "all_reduce"),
+        ("start", "wgrad"),
+        ("end", "wgrad"),
+    ],
+    (True, True): [
+        ("launch", "all_gather"),
+        ("start", "dgrad"),
+        ("end", "dgrad"),
+        ("wait", "all_gather"),
+        ("launch", "reduce_scatter"),
+        ("start", "wgrad"),
+        ("end", "wgrad"),
+        ("wait", "reduce_scatter"),
+    ],
+    (True, False): [
+        ("launch", "all_gather"),
+        ("wait", "all_gather"),
+        ("start", "dgrad"),
+        ("end", "dgrad"),
+        ("launch", "reduce_scatter"),
+        ("wait", "reduce_scatter"),
+        ("start", "wgrad"),
+        ("end", "wgrad"),
+    ],
 }
 
 
@@ -44,6 +72,7 @@ def _backward(sp: bool, overlap: bool):
 
 for _tp in (2, 4):
     for _key in ORDER:
+
         def _check(rank, world, tp=_tp, key=_key):
             mp.initialize(tp)
             forward, backward, _ = _backward(*key)

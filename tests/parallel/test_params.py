@@ -47,8 +47,10 @@ def test_marks_survive_a_dtype_change_of_the_module():
     assert params.is_tensor_parallel(lin.weight)
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(dim=2), "dim must be 0 or 1"), (dict(stride=0), "stride"),
-                                          (dict(stride=2, real_size=3), "real_size")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(dim=2), "dim must be 0 or 1"), (dict(stride=0), "stride"), (dict(stride=2, real_size=3), "real_size")],
+)
 def test_bad_marks_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         params.mark_tensor_parallel(nn.Parameter(torch.zeros(2)), **kwargs)

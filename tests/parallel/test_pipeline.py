@@ -8,8 +8,16 @@ import sys
 
 import pytest
 
-from megakernels.parallel.pipeline.schedules import (SCHEDULES, Exchange, bubble_fraction, communication_plan,
-                                                     format_schedule, main, schedule_order, simulate)
+from megakernels.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Exchange,
+    bubble_fraction,
+    communication_plan,
+    format_schedule,
+    main,
+    schedule_order,
+    simulate,
+)
 
 
 def _cases(schedules=SCHEDULES, pps=(2, 4), vpps=(1, 2)):
@@ -34,13 +42,26 @@ def B(c, j):
 
 # ---- orders ----------------------------------------------------------------------------------------------------
 
+
 def test_gpipe_runs_every_forward_then_every_backward():
     assert schedule_order("gpipe", 4, 2, 3) == [F(0, 0), F(0, 1), F(0, 2), B(0, 0), B(0, 1), B(0, 2)]
 
 
 def test_1f1b_warms_up_with_pp_minus_rank_minus_one_forwards():
-    assert schedule_order("1f1b", 4, 1, 6) == [F(0, 0), F(0, 1), F(0, 2), B(0, 0), F(0, 3), B(0, 1), F(0, 4),
-                                               B(0, 2), F(0, 5), B(0, 3), B(0, 4), B(0, 5)]
+    assert schedule_order("1f1b", 4, 1, 6) == [
+        F(0, 0),
+        F(0, 1),
+        F(0, 2),
+        B(0, 0),
+        F(0, 3),
+        B(0, 1),
+        F(0, 4),
+        B(0, 2),
+        F(0, 5),
+        B(0, 3),
+        B(0, 4),
+        B(0, 5),
+    ]
     assert schedule_order("1f1b", 4, 3, 2) == [F(0, 0), B(0, 0), F(0, 1), B(0, 1)]
     # Fewer micro-batches than the warm-up wants: all forwards first.
     assert schedule_order("1f1b", 4, 0, 2) == [F(0, 0), F(0, 1), B(0, 0), B(0, 1)]
@@ -50,15 +71,29 @@ def test_1f1b_warms_up_with_pp_minus_rank_minus_one_forwards():
 def test_1f1b_keeps_pp_minus_rank_microbatches_in_flight(p, m):
     for r in range(p):
         order = schedule_order("1f1b", p, r, m)
-        assert order[:min(p - r, m)] == [F(0, j) for j in range(min(p - r, m))]  # warm-up + first steady F
+        assert order[: min(p - r, m)] == [F(0, j) for j in range(min(p - r, m))]  # warm-up + first steady F
         assert simulate("1f1b", p, m)["peak_in_flight"][r] == min(p - r, m)
 
 
 def test_interleaved_takes_microbatches_in_groups_of_pp_through_the_chunks():
     assert schedule_order("interleaved", 2, 0, 4, vpp=2) == [
-        F(0, 0), F(0, 1), F(1, 0), F(1, 1),                                          # warm-up: 2·(p-r-1) + (v-1)·p
-        F(0, 2), B(1, 0), F(0, 3), B(1, 1), F(1, 2), B(0, 0), F(1, 3), B(0, 1),      # steady 1F1B
-        B(1, 2), B(1, 3), B(0, 2), B(0, 3)]                                          # cool-down
+        F(0, 0),
+        F(0, 1),
+        F(1, 0),
+        F(1, 1),  # warm-up: 2·(p-r-1) + (v-1)·p
+        F(0, 2),
+        B(1, 0),
+        F(0, 3),
+        B(1, 1),
+        F(1, 2),
+        B(0, 0),
+        F(1, 3),
+        B(0, 1),  # steady 1F1B
+        B(1, 2),
+        B(1, 3),
+        B(0, 2),
+        B(0, 3),
+    ]  # cool-down
     assert schedule_order("interleaved", 2, 1, 4, vpp=2)[:4] == [F(0, 0), F(0, 1), F(1, 0), B(1, 0)]
 
 
@@ -84,6 +119,7 @@ def test_every_op_runs_once_and_backward_after_its_forward(name, p, m, v):
 
 # ---- simulator -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name, p, m, v", list(_cases()))
 def test_simulated_bubble_fraction_is_the_closed_form(name, p, m, v):
     sim = simulate(name, p, m, v)
@@ -91,8 +127,9 @@ def test_simulated_bubble_fraction_is_the_closed_form(name, p, m, v):
     assert sim["idle_time"] == pytest.approx([sim["total_time"] - sim["useful_time"]] * p)
 
 
-@pytest.mark.parametrize("p, m, v, expected",
-                         [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (2, 4, 2, 1 / 8), (4, 17, 1, 3 / 17)])
+@pytest.mark.parametrize(
+    "p, m, v, expected", [(4, 8, 1, 3 / 8), (4, 8, 2, 3 / 16), (2, 4, 2, 1 / 8), (4, 17, 1, 3 / 17)]
+)
 def test_bubble_fraction_values_from_the_paper(p, m, v, expected):
     assert bubble_fraction("interleaved" if v > 1 else "1f1b", p, m, v) == pytest.approx(expected)
 
@@ -118,6 +155,7 @@ def test_interleaved_holds_chunks_of_the_warm_up_plus_one():
 
 # ---- exchanges between stages ----------------------------------------------------------------------------------
 
+
 def _messages(p: int, r: int, ex: Exchange):
     """(send | recv, peer, message) of one exchange; a message is (act | grad, producing virtual stage, mb)."""
     out = []
@@ -125,10 +163,14 @@ def _messages(p: int, r: int, ex: Exchange):
         if op is not None:
             kind, c, j = op
             k = c * p + r
-            out.append({"send_next": ("send", (r + 1) % p, ("act", k, j)),
-                        "send_prev": ("send", (r - 1) % p, ("grad", k, j)),
-                        "recv_prev": ("recv", (r - 1) % p, ("act", k - 1, j)),
-                        "recv_next": ("recv", (r + 1) % p, ("grad", k + 1, j))}[field])
+            out.append(
+                {
+                    "send_next": ("send", (r + 1) % p, ("act", k, j)),
+                    "send_prev": ("send", (r - 1) % p, ("grad", k, j)),
+                    "recv_prev": ("recv", (r - 1) % p, ("act", k - 1, j)),
+                    "recv_next": ("recv", (r + 1) % p, ("grad", k + 1, j)),
+                }[field]
+            )
     return out
 
 
@@ -155,8 +197,11 @@ def replay_blocking(plans: list[list]) -> None:
             waits.setdefault((b, eb), []).append((a, ea))
     pos = [0] * p
     while any(pos[r] < len(exchanges[r]) for r in range(p)):
-        ready = [r for r in range(p) if pos[r] < len(exchanges[r])
-                 and all(pos[b] >= eb for b, eb in waits.get((r, pos[r]), []))]
+        ready = [
+            r
+            for r in range(p)
+            if pos[r] < len(exchanges[r]) and all(pos[b] >= eb for b, eb in waits.get((r, pos[r]), []))
+        ]
         assert ready, f"deadlock with ranks at exchanges {pos}"
         for r in ready:
             pos[r] += 1
@@ -180,12 +225,16 @@ def test_exchanges_cannot_deadlock_even_with_unbuffered_blocking_messages(name, 
 
 
 def test_replay_finds_the_send_then_receive_deadlock():
-    plans = [[F(0, 0), Exchange(send_next=F(0, 0)), Exchange(recv_next=B(0, 0)), B(0, 0)],
-             [Exchange(recv_prev=F(0, 0)), F(0, 0), B(0, 0), Exchange(send_prev=B(0, 0))]]
+    plans = [
+        [F(0, 0), Exchange(send_next=F(0, 0)), Exchange(recv_next=B(0, 0)), B(0, 0)],
+        [Exchange(recv_prev=F(0, 0)), F(0, 0), B(0, 0), Exchange(send_prev=B(0, 0))],
+    ]
     replay_blocking(plans)
     # Both neighbours send first and receive in a second call: NCCL hangs; the replay must say so.
-    plans = [[F(0, 0), Exchange(send_next=F(0, 0)), Exchange(recv_next=B(0, 0)), B(0, 0)],
-             [Exchange(send_prev=B(0, 0)), Exchange(recv_prev=F(0, 0)), F(0, 0), B(0, 0)]]
+    plans = [
+        [F(0, 0), Exchange(send_next=F(0, 0)), Exchange(recv_next=B(0, 0)), B(0, 0)],
+        [Exchange(send_prev=B(0, 0)), Exchange(recv_prev=F(0, 0)), F(0, 0), B(0, 0)],
+    ]
     with pytest.raises(AssertionError, match="deadlock"):
         replay_blocking(plans)
 
@@ -196,13 +245,15 @@ def test_single_stage_has_no_exchanges():
 
 # ---- printout --------------------------------------------------------------------------------------------------
 
+
 def test_format_schedule_prints_a_row_per_rank_and_the_bubble():
     text = format_schedule("1f1b", 2, 3)
     assert text.splitlines()[1:] == [
         "rank 0 | F0 F1 .. .. B0 B0 F2 B1 B1 .. B2 B2",
         "rank 1 | .. F0 B0 B0 F1 B1 B1 F2 B2 B2 .. ..",
         "bubble fraction 0.3333 (closed form 0.3333); total time 12, useful 9 per rank",
-        "peak in-flight micro-batches per rank: 2 1"]
+        "peak in-flight micro-batches per rank: 2 1",
+    ]
     assert "F3b" in format_schedule("interleaved", 2, 4, 2) and "b = chunk 1" in format_schedule("interleaved", 2, 4, 2)
 
 
@@ -215,26 +266,48 @@ def test_command_line_defaults_to_interleaved_with_vpp(capsys):
 
 
 def test_runs_as_a_module_without_warnings():
-    out = subprocess.run([sys.executable, "-W", "error", "-m", "megakernels.parallel.pipeline.schedules", "--pp", "2",
-                          "--microbatches", "2", "--schedule", "gpipe"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-m",
+            "megakernels.parallel.pipeline.schedules",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "gpipe",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.splitlines()[1] == "rank 0 | F0 F1 .. .. .. B0 B0 B1 B1"
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: schedule_order("zb", 2, 0, 4), "name must be one of gpipe, 1f1b, interleaved, forward_only"),
-    (lambda: schedule_order("1f1b", 0, 0, 4), "pp_size must be a positive int, got 0"),
-    (lambda: schedule_order("1f1b", 2, 2, 4), r"pp_rank must be in 0..1, got 2"),
-    (lambda: schedule_order("1f1b", 2, 0, 0), "num_microbatches must be a positive int, got 0"),
-    (lambda: schedule_order("gpipe", 2, 0, 4, vpp=0), "vpp must be a positive int, got 0"),
-    (lambda: schedule_order("1f1b", 2, 0, 4, vpp=2), "schedule '1f1b' runs one model chunk per rank, got vpp=2"),
-    (lambda: schedule_order("interleaved", 4, 0, 6, vpp=2),
-     "interleaved schedule needs num_microbatches divisible by pp_size .* num_microbatches=6, pp_size=4"),
-    (lambda: communication_plan("interleaved", 1, 0, 2, vpp=2), r"vpp=2 needs pipeline parallelism"),
-    (lambda: simulate("1f1b", 2, 4, t_backward=0), "t_backward must be positive, got 0"),
-    (lambda: bubble_fraction("interleaved", 4, 5, 2), "divisible by pp_size"),
-])
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: schedule_order("zb", 2, 0, 4), "name must be one of gpipe, 1f1b, interleaved, forward_only"),
+        (lambda: schedule_order("1f1b", 0, 0, 4), "pp_size must be a positive int, got 0"),
+        (lambda: schedule_order("1f1b", 2, 2, 4), r"pp_rank must be in 0..1, got 2"),
+        (lambda: schedule_order("1f1b", 2, 0, 0), "num_microbatches must be a positive int, got 0"),
+        (lambda: schedule_order("gpipe", 2, 0, 4, vpp=0), "vpp must be a positive int, got 0"),
+        (lambda: schedule_order("1f1b", 2, 0, 4, vpp=2), "schedule '1f1b' runs one model chunk per rank, got vpp=2"),
+        (
+            lambda: schedule_order("interleaved", 4, 0, 6, vpp=2),
+            "interleaved schedule needs num_microbatches divisible by pp_size .* num_microbatches=6, pp_size=4",
+        ),
+        (lambda: communication_plan("interleaved", 1, 0, 2, vpp=2), r"vpp=2 needs pipeline parallelism"),
+        (lambda: simulate("1f1b", 2, 4, t_backward=0), "t_backward must be positive, got 0"),
+        (lambda: bubble_fraction("interleaved", 4, 5, 2), "divisible by pp_size"),
+    ],
+)
 def test_errors_name_the_argument_and_the_rule(call, message):
     with pytest.raises(ValueError, match=message):
         call()

@@ -31,7 +31,7 @@ def _layers() -> list[torch.nn.Linear]:
     for _ in range(L):
         layer = torch.nn.Linear(H, H, dtype=DTYPE)
         with torch.no_grad():
-            layer.weight.copy_(torch.randn(H, H, generator=g, dtype=DTYPE) / H ** 0.5)
+            layer.weight.copy_(torch.randn(H, H, generator=g, dtype=DTYPE) / H**0.5)
             layer.bias.copy_(torch.randn(H, generator=g, dtype=DTYPE) * 0.1)
         layers.append(layer)
     return layers
@@ -76,7 +76,7 @@ def _pipeline(schedule: str, m: int, vpp: int = 1, forward_only: bool = False):
     """Run the toy model through forward_backward on this rank; returns (losses, {chunk: layers}, log, held)."""
     p, r = mp.pp_size(), mp.pp_rank()
     layers, data, per = _layers(), _data(m), L // (p * vpp)
-    chunks = {c: layers[(c * p + r) * per:(c * p + r + 1) * per] for c in range(vpp)}
+    chunks = {c: layers[(c * p + r) * per : (c * p + r + 1) * per] for c in range(vpp)}
     log, alive, held = [], [], []
 
     def forward_step(chunk, microbatch, x):
@@ -89,17 +89,28 @@ def _pipeline(schedule: str, m: int, vpp: int = 1, forward_only: bool = False):
         return out
 
     with mp.record_events() as events:
-        losses = forward_backward(forward_step, m, schedule=schedule, tensor_shape=SHAPE, dtype=DTYPE, device="cpu",
-                                  num_chunks=vpp, forward_only=forward_only,
-                                  grad_sync=lambda c, on: log.append(("sync", c, on)))
+        losses = forward_backward(
+            forward_step,
+            m,
+            schedule=schedule,
+            tensor_shape=SHAPE,
+            dtype=DTYPE,
+            device="cpu",
+            num_chunks=vpp,
+            forward_only=forward_only,
+            grad_sync=lambda c, on: log.append(("sync", c, on)),
+        )
     log.append(("p2p", [detail for kind, detail in events if kind == "p2p"]))
     return losses, chunks, log, held
 
 
 def _planned_exchanges(name, m, vpp) -> list[str]:
     plan = communication_plan(name, mp.pp_size(), mp.pp_rank(), m, vpp)
-    return ["+".join(f for f in ("send_next", "send_prev", "recv_prev", "recv_next") if getattr(s, f) is not None)
-            for s in plan if isinstance(s, Exchange)]
+    return [
+        "+".join(f for f in ("send_next", "send_prev", "recv_prev", "recv_next") if getattr(s, f) is not None)
+        for s in plan
+        if isinstance(s, Exchange)
+    ]
 
 
 def _check_step(schedule: str, m: int, vpp: int = 1, forward_only: bool = False) -> None:
@@ -145,8 +156,12 @@ def _check_step(schedule: str, m: int, vpp: int = 1, forward_only: bool = False)
 
 
 for _p in (2, 4):
-    for _schedule, _vpp, _ms in (("gpipe", 1, (_p, 2 * _p, 4 * _p + 1)), ("1f1b", 1, (_p, 2 * _p, 4 * _p + 1)),
-                                 ("interleaved", 2, (_p, 2 * _p))):
+    for _schedule, _vpp, _ms in (
+        ("gpipe", 1, (_p, 2 * _p, 4 * _p + 1)),
+        ("1f1b", 1, (_p, 2 * _p, 4 * _p + 1)),
+        ("interleaved", 2, (_p, 2 * _p)),
+    ):
+
         def _check(rank, world, p=_p, schedule=_schedule, vpp=_vpp, ms=_ms):
             mp.initialize(1, p, vpp=vpp if vpp > 1 else None)
             for m in ms:
@@ -235,13 +250,20 @@ def test_pipeline(world, name):
 
 # ---- one stage, no process group -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_single_stage_without_process_group_accumulates_gradients(schedule):
     m, layers, data = 4, _layers(), _data(4)
     calls = []
-    losses = forward_backward(lambda c, j, x: _loss(_run(layers, data[j]), m), m, schedule=schedule,
-                              tensor_shape=SHAPE, dtype=DTYPE, device="cpu",
-                              grad_sync=lambda c, on: calls.append((c, on)))
+    losses = forward_backward(
+        lambda c, j, x: _loss(_run(layers, data[j]), m),
+        m,
+        schedule=schedule,
+        tensor_shape=SHAPE,
+        dtype=DTYPE,
+        device="cpu",
+        grad_sync=lambda c, on: calls.append((c, on)),
+    )
     ref_losses, ref_layers = _reference(m)
     assert calls == [(0, False), (0, True)]
     for got, want in zip(losses, ref_losses):
@@ -252,20 +274,29 @@ def test_single_stage_without_process_group_accumulates_gradients(schedule):
 
 def test_forward_only_without_process_group_keeps_no_graph():
     layers, data = _layers(), _data(2)
-    losses = forward_backward(lambda c, j, x: _loss(_run(layers, data[j]), 2), 2, tensor_shape=SHAPE, dtype=DTYPE,
-                              device="cpu", forward_only=True)
+    losses = forward_backward(
+        lambda c, j, x: _loss(_run(layers, data[j]), 2),
+        2,
+        tensor_shape=SHAPE,
+        dtype=DTYPE,
+        device="cpu",
+        forward_only=True,
+    )
     assert len(losses) == 2 and not any(loss.requires_grad for loss in losses)
     assert all(layer.weight.grad is None for layer in layers)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(schedule="zero_bubble"), "schedule must be one of gpipe, 1f1b, interleaved, forward_only"),
-    (dict(tensor_shape=(3, 0)), r"tensor_shape must be non-empty with positive sizes, got \(3, 0\)"),
-    (dict(tensor_shape=None), "tensor_shape must be a sequence of ints"),
-    (dict(dtype="float64"), "dtype must be a torch.dtype"),
-    (dict(schedule="interleaved", num_chunks=2), "num_chunks=2 needs megakernels.parallel initialised with vpp=2"),
-    (dict(num_chunks=0), "num_chunks must be a positive int, got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(schedule="zero_bubble"), "schedule must be one of gpipe, 1f1b, interleaved, forward_only"),
+        (dict(tensor_shape=(3, 0)), r"tensor_shape must be non-empty with positive sizes, got \(3, 0\)"),
+        (dict(tensor_shape=None), "tensor_shape must be a sequence of ints"),
+        (dict(dtype="float64"), "dtype must be a torch.dtype"),
+        (dict(schedule="interleaved", num_chunks=2), "num_chunks=2 needs megakernels.parallel initialised with vpp=2"),
+        (dict(num_chunks=0), "num_chunks must be a positive int, got 0"),
+    ],
+)
 def test_executor_errors_name_the_argument(kwargs, message):
     args = dict(tensor_shape=SHAPE, dtype=DTYPE, device="cpu") | kwargs
     with pytest.raises(ValueError, match=message):
@@ -275,10 +306,23 @@ def test_executor_errors_name_the_argument(kwargs, message):
 
 
 def test_forward_step_results_are_checked():
-    with pytest.raises(ValueError, match=r"forward_step\(chunk=0, microbatch=0\) on the last stage must return a "
-                                         r"scalar loss, got shape \(3, 6\)"):
-        forward_backward(lambda c, j, x: torch.zeros(SHAPE, dtype=DTYPE).requires_grad_(), 2,
-                         tensor_shape=SHAPE, dtype=DTYPE, device="cpu", forward_only=False, schedule="gpipe")
-    with pytest.raises(ValueError, match=r"returned a torch.float32 tensor of shape \(3, 5\); the next stage expects "
-                                         r"tensor_shape=\(3, 6\), dtype=torch.float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"forward_step\(chunk=0, microbatch=0\) on the last stage must return a "
+        r"scalar loss, got shape \(3, 6\)",
+    ):
+        forward_backward(
+            lambda c, j, x: torch.zeros(SHAPE, dtype=DTYPE).requires_grad_(),
+            2,
+            tensor_shape=SHAPE,
+            dtype=DTYPE,
+            device="cpu",
+            forward_only=False,
+            schedule="gpipe",
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"returned a torch.float32 tensor of shape \(3, 5\); the next stage expects "
+        r"tensor_shape=\(3, 6\), dtype=torch.float64",
+    ):
         _check_output(torch.zeros(3, 5), 1, 2, False, torch.Size(SHAPE), DTYPE)

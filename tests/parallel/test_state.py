@@ -49,11 +49,15 @@ def _check_layout(rank, tp, pp, tp_groups, dp_groups, pp_groups, emb_groups):
 
 @CHECKS.add("layout_tp2_pp2_dp2")
 def _(rank, world):
-    _check_layout(rank, 2, 2,
-                  tp_groups=[[0, 1], [2, 3], [4, 5], [6, 7]],
-                  dp_groups=[[0, 2], [1, 3], [4, 6], [5, 7]],
-                  pp_groups=[[0, 4], [1, 5], [2, 6], [3, 7]],
-                  emb_groups=[[0, 4], [1, 5], [2, 6], [3, 7]])
+    _check_layout(
+        rank,
+        2,
+        2,
+        tp_groups=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        dp_groups=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        pp_groups=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        emb_groups=[[0, 4], [1, 5], [2, 6], [3, 7]],
+    )
 
 
 @CHECKS.add("layout_tp2_cp2_dp2_puts_cp_between_tp_and_dp")
@@ -97,11 +101,15 @@ def _(rank, world):
 
 @CHECKS.add("layout_tp2_pp4_dp1")
 def _(rank, world):
-    _check_layout(rank, 2, 4,
-                  tp_groups=[[0, 1], [2, 3], [4, 5], [6, 7]],
-                  dp_groups=[[r] for r in range(8)],
-                  pp_groups=[[0, 2, 4, 6], [1, 3, 5, 7]],
-                  emb_groups=[[0, 6], [1, 7]])
+    _check_layout(
+        rank,
+        2,
+        4,
+        tp_groups=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        dp_groups=[[r] for r in range(8)],
+        pp_groups=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        emb_groups=[[0, 6], [1, 7]],
+    )
     stage = rank // 2
     assert mp.pp_next_rank() == (rank + 2) % 8 and mp.pp_prev_rank() == (rank - 2) % 8
     assert mp.is_pp_first_stage() == (stage == 0) and mp.is_pp_last_stage() == (stage == 3)
@@ -111,15 +119,29 @@ def _(rank, world):
 
 @CHECKS.add("layout_dp8_is_the_default_dp")
 def _(rank, world):
-    _check_layout(rank, 1, 1, tp_groups=[[r] for r in range(8)], dp_groups=[list(range(8))],
-                  pp_groups=[[r] for r in range(8)], emb_groups=[[r] for r in range(8)])
+    _check_layout(
+        rank,
+        1,
+        1,
+        tp_groups=[[r] for r in range(8)],
+        dp_groups=[list(range(8))],
+        pp_groups=[[r] for r in range(8)],
+        emb_groups=[[r] for r in range(8)],
+    )
     assert mp.is_pp_first_stage() and mp.is_pp_last_stage() and mp.vpp_size() is None
 
 
 @CHECKS.add("layout_tp8")
 def _(rank, world):
-    _check_layout(rank, 8, 1, tp_groups=[list(range(8))], dp_groups=[[r] for r in range(8)],
-                  pp_groups=[[r] for r in range(8)], emb_groups=[[r] for r in range(8)])
+    _check_layout(
+        rank,
+        8,
+        1,
+        tp_groups=[list(range(8))],
+        dp_groups=[[r] for r in range(8)],
+        pp_groups=[[r] for r in range(8)],
+        emb_groups=[[r] for r in range(8)],
+    )
 
 
 @CHECKS.add("explicit_dp_must_match_world")

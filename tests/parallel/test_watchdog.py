@@ -40,8 +40,9 @@ FOREVER = "threading.Event().wait()\n"
 
 
 def _python(code: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
 
 
 def _gone(pid: int) -> bool:
@@ -82,9 +83,11 @@ def test_a_rank_without_progress_is_ended_with_its_rank_phase_and_step():
 
 def test_a_rank_that_reports_progress_more_often_than_the_timeout_runs_on():
     # Progress every tenth of the timeout for three timeouts: the watchdog must not fire; the process ends itself.
-    rank = _python("w = wd.Watchdog(0.5, rank=0).start()\n"
-                   "for i in range(30):\n    wd.progress('step', i)\n    time.sleep(0.05)\n"
-                   "w.stop()\nprint('done')\n")
+    rank = _python(
+        "w = wd.Watchdog(0.5, rank=0).start()\n"
+        "for i in range(30):\n    wd.progress('step', i)\n    time.sleep(0.05)\n"
+        "w.stop()\nprint('done')\n"
+    )
     out, err = rank.communicate(timeout=DEADLINE_S)
     assert rank.returncode == 0 and out == "done\n", err
 
@@ -103,11 +106,14 @@ def test_the_heartbeat_record_names_the_phase_at_once_and_is_removed_when_the_wa
 
 def test_the_summary_names_the_stale_rank_first():
     now = 1000.0
-    records = {0: {"rank": 0, "pid": 10, "phase": "stop check", "step": 3, "since": now - 7.5, "beat": now - 0.2},
-               1: {"rank": 1, "pid": 11, "phase": "pipeline", "step": 4, "since": now - 9.0, "beat": now - 9.0}}
+    records = {
+        0: {"rank": 0, "pid": 10, "phase": "stop check", "step": 3, "since": now - 7.5, "beat": now - 0.2},
+        1: {"rank": 1, "pid": 11, "phase": "pipeline", "step": 4, "since": now - 9.0, "beat": now - 9.0},
+    }
     assert liveness.summary(records, now, stale=2.0) == (
         "rank 1 (pid 11) stopped responding: no heartbeat for 9.0 s, last in phase 'pipeline' (step 4); "
-        "rank 0 in phase 'stop check' (step 3) for 7.5 s")
+        "rank 0 in phase 'stop check' (step 3) for 7.5 s"
+    )
 
 
 def test_a_damaged_record_is_left_out(tmp_path):
@@ -120,8 +126,9 @@ def test_a_damaged_record_is_left_out(tmp_path):
 def test_a_rank_watching_a_launcher_that_is_not_its_parent_ends_when_the_launcher_dies():
     # As a rank forked by the fork server: its parent lives on, its launcher is another process.
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    rank = _python(f"w = wd.Watchdog(600.0, rank=1, launcher={launcher.pid}).start()\nprint('watching', flush=True)\n"
-                   + FOREVER)
+    rank = _python(
+        f"w = wd.Watchdog(600.0, rank=1, launcher={launcher.pid}).start()\nprint('watching', flush=True)\n" + FOREVER
+    )
     try:
         assert rank.stdout.readline() == "watching\n"
         launcher.kill()
@@ -140,8 +147,10 @@ def test_a_stopped_rank_dies_with_its_parent_killed_by_sigkill():
     # The parent starts the rank and says its pid; the rank arms the parent-death signal and says so. The test stops
     # the rank (its own threads cannot act any more) and kills the parent: the kernel's SIGKILL still ends the rank.
     rank_code = PRELUDE + "assert wd.die_with(os.getppid())\nprint('armed', flush=True)\n" + FOREVER
-    parent = _python(f"import subprocess\np = subprocess.Popen([sys.executable, '-c', {rank_code!r}])\n"
-                     "print(p.pid, flush=True)\n" + FOREVER)
+    parent = _python(
+        f"import subprocess\np = subprocess.Popen([sys.executable, '-c', {rank_code!r}])\n"
+        "print(p.pid, flush=True)\n" + FOREVER
+    )
     rank_pid = int(parent.stdout.readline())
     try:
         # the rank's "armed" goes to the parent's stdout, the same pipe
@@ -184,6 +193,7 @@ def test_a_new_liveness_directory_sweeps_away_those_of_dead_launchers():
 
 # ---- in a spawned world (megakernels.parallel.launch.run_world with a watchdog) --------------------------------
 
+
 def _stuck(rank: int, world_size: int) -> None:
     watchdog.progress("waiting", 9)
     threading.Event().wait()  # no progress, no collective: only the watchdog can end it
@@ -197,14 +207,20 @@ def _rank_1_stops(rank: int, world_size: int) -> None:
 
 
 def test_a_rank_without_progress_fails_the_world_with_its_watchdogs_line():
-    with pytest.raises(launch.WorldFailed, match=r"rank 0: no progress for 2\.\d s \(timeout 2 s\) in phase "
-                                                 r"'waiting' \(step 9\)"):
+    with pytest.raises(
+        launch.WorldFailed,
+        match=r"rank 0: no progress for 2\.\d s \(timeout 2 s\) in phase "
+        r"'waiting' \(step 9\)",
+    ):
         launch.run_world(1, _stuck, timeout=60, world_timeout=None, watch=2.0)
 
 
 def test_a_stopped_rank_is_named_by_the_launcher():
-    with pytest.raises(launch.WorldFailed, match=r"rank 1 \(pid \d+\) stopped responding: no heartbeat for [\d.]+ s, "
-                                                 r"last in phase 'before the barrier' \(step 1\)"):
+    with pytest.raises(
+        launch.WorldFailed,
+        match=r"rank 1 \(pid \d+\) stopped responding: no heartbeat for [\d.]+ s, "
+        r"last in phase 'before the barrier' \(step 1\)",
+    ):
         launch.run_world(2, _rank_1_stops, timeout=60, world_timeout=None, watch=2.0)
 
 

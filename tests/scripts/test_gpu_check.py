@@ -17,8 +17,12 @@ RECORDED = ROOT / "tests" / "bench" / "data" / "gpu_check"
 
 
 def run(*args, **env):
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": sys.executable, **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+    )
 
 
 def test_usage_error_without_outdir():

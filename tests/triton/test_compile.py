@@ -13,7 +13,12 @@ import pytest
 def test_default_configs_compile_and_fit_for_sm80():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "megakernels.triton.compile_check", "--arch", "80", "--defaults"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megakernels.triton.compile_check", "--arch", "80", "--defaults"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "kernel configs compiled and fit" in proc.stdout

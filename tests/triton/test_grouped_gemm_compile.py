@@ -15,12 +15,14 @@ SHARED_LIMIT_SM90 = 232448
 def compiled():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.triton.grouped_gemm_sm90"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.triton.grouped_gemm_sm90"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {(r["pass"], r["dtype"]) for r in rows} == {(p, d) for p in ("fwd", "dx", "dw")
-                                                      for d in ("bfloat16", "float16", "float32")}
+    assert {(r["pass"], r["dtype"]) for r in rows} == {
+        (p, d) for p in ("fwd", "dx", "dw") for d in ("bfloat16", "float16", "float32")
+    }
     return rows
 
 

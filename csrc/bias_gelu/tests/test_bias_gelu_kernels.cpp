@@ -18,8 +18,9 @@ using namespace megakernels::testing;
 namespace {
 
 void test_bias_gelu(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, std::mt19937& rng) {
-  const std::string tag = std::string("bias_gelu ") + dtype_name(dt) + "/" + dtype_name(wdt) + " rows=" + std::to_string(rows) +
-                          " H=" + std::to_string(H) + " act=" + std::to_string(int(act));
+  const std::string tag = std::string("bias_gelu ") + dtype_name(dt) + "/" + dtype_name(wdt) +
+                          " rows=" + std::to_string(rows) + " H=" + std::to_string(H) +
+                          " act=" + std::to_string(int(act));
   const size_t n = size_t(rows * H);
   Buf x = random_buf(dt, n, rng, 2.f, 0.f), dy = random_buf(dt, n, rng, 1.f, 0.f);
   Buf bias = random_buf(wdt, size_t(H), rng, 1.f, 0.f);

@@ -6,8 +6,8 @@ MK_HD float scaled(float x, float s) { return x * s; }
 
 // Scales x into y through dynamic shared memory (reversed twice) and sums y into *total.
 template <typename T, int kUnroll>
-__global__ void __launch_bounds__(256) scale_kernel(const T* __restrict__ x, float* __restrict__ y,
-                                                    float* __restrict__ total, float s, int n) {
+__global__ void __launch_bounds__(256)
+    scale_kernel(const T* __restrict__ x, float* __restrict__ y, float* __restrict__ total, float s, int n) {
   MK_DYNAMIC_SHARED(float, tile);
   const int t = threadIdx.x, base = blockIdx.x * blockDim.x * kUnroll;
 #pragma unroll
@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(256) scale_kernel(const T* __restrict__ x, flo
 const char* launch_scale(const __nv_bfloat16* x, float* y, float* total, float s, int n, cudaStream_t stream) {
   constexpr int kUnroll = 4, kThreads = 256;
   const int blocks = (n + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-  MK_LAUNCH((scale_kernel<__nv_bfloat16, kUnroll>), dim3(blocks), dim3(kThreads),
-            kThreads * kUnroll * sizeof(float), stream, x, y, total, s, n);
+  MK_LAUNCH((scale_kernel<__nv_bfloat16, kUnroll>), dim3(blocks), dim3(kThreads), kThreads * kUnroll * sizeof(float),
+            stream, x, y, total, s, n);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

@@ -21,14 +21,14 @@
 namespace {
 
 int g_failures = 0;
-#define CHECK(cond, ...)                                                        \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      ++g_failures;                                                             \
+#define CHECK(cond, ...)                                                              \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      ++g_failures;                                                                   \
       std::fprintf(stderr, "  %s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                        \
-      std::fprintf(stderr, "\n");                                               \
-    }                                                                           \
+      std::fprintf(stderr, __VA_ARGS__);                                              \
+      std::fprintf(stderr, "\n");                                                     \
+    }                                                                                 \
   } while (0)
 #define CHECK_LAUNCH_OK() CHECK(cudaGetLastError() == cudaSuccess, "launch failed")
 
@@ -142,8 +142,8 @@ void check_shuffles(const char* tname) {
             const int s = want_source(kind, lane, src, int(delta), lane_mask, width);
             const unsigned lanes_in_warp = std::min(32u, n - warp_base);
             const T want = unsigned(s) < lanes_in_warp ? lane_value<T>(warp_base + s) : all_ones<T>();
-            CHECK(same_bits(out[kind * n + t], want), "%s shuffle kind %d n %u width %d p %d thread %u", tname, kind,
-                  n, width, p, t);
+            CHECK(same_bits(out[kind * n + t], want), "%s shuffle kind %d n %u width %d p %d thread %u", tname, kind, n,
+                  width, p, t);
           }
       }
     }
@@ -169,8 +169,10 @@ __global__ void vote_kernel(unsigned* out) {
   out[2 * n + t] = __all_sync(0xffffffffu, t < 70);
   out[3 * n + t] = __activemask();
   // Divergent halves with their own masks: each half sees only its own lanes.
-  if (lane < 16) out[4 * n + t] = __ballot_sync(0x0000ffffu, 1);
-  else out[4 * n + t] = __ballot_sync(0xffff0000u, 1);
+  if (lane < 16)
+    out[4 * n + t] = __ballot_sync(0x0000ffffu, 1);
+  else
+    out[4 * n + t] = __ballot_sync(0xffff0000u, 1);
   out[5 * n + t] = __syncthreads_count(t % 4 == 0);
   out[6 * n + t] = __syncthreads_and(t < 1000);
   out[7 * n + t] = __syncthreads_or(t == 77);
@@ -322,13 +324,14 @@ void test_dynamic_smem() {
   const size_t big = size_t(big_threads) * big_per * sizeof(float);
   MK_LAUNCH(dynamic_smem_kernel, 1, big_threads, big, 0, big_out.data(), big_flags.data(), big_per);
   CHECK(cudaGetLastError() == cudaErrorInvalidValue, "64 KiB without opt-in must fail");
-  CHECK(cudaFuncSetAttribute(dynamic_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(big)) ==
-            cudaSuccess, "opt-in");
+  CHECK(cudaFuncSetAttribute(dynamic_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(big)) == cudaSuccess,
+        "opt-in");
   MK_LAUNCH(dynamic_smem_kernel, 1, big_threads, big, 0, big_out.data(), big_flags.data(), big_per);
   CHECK_LAUNCH_OK();
   CHECK(big_out[0] == float(big_threads * big_per - 1), "64 KiB result");
   CHECK(cudaFuncSetAttribute(dynamic_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 232449) ==
-            cudaErrorInvalidValue, "opt-in beyond the device limit");
+            cudaErrorInvalidValue,
+        "opt-in beyond the device limit");
   cudaGetLastError();
 }
 
@@ -410,13 +413,13 @@ __global__ void random_exit_kernel(const int* exit_round, int* out, int rounds) 
   int acc = 0;
   for (int r = 0; r < rounds; ++r) {
     if (exit_round[blockIdx.x * n + t] == r) return;
-    acc += __syncthreads_count(1);                    // live threads of the block
+    acc += __syncthreads_count(1);  // live threads of the block
     // The lanes of this warp still live in round r, from the exit schedule: __activemask() would race with
     // lanes that are exiting in this very round (a GPU gives no guarantee there either).
     unsigned live = 0;
     const int w0 = t & ~31;
     for (int u = w0; u < w0 + 32 && u < n; ++u) live |= unsigned(exit_round[blockIdx.x * n + u] > r) << (u - w0);
-    acc += __reduce_add_sync(live, 1u);               // live lanes of the warp
+    acc += __reduce_add_sync(live, 1u);  // live lanes of the warp
     __syncthreads();
   }
   out[blockIdx.x * n + t] = acc;
@@ -485,11 +488,11 @@ __global__ void convert_kernel(const float* in, __nv_bfloat16* bf, __half* h, in
 }
 
 void test_half_rounding() {
-  const float in[] = {1.00390625f,             // 1 + 2^-8: halfway in bf16, ties to even -> 1
-                      1.01171875f,             // 1 + 3*2^-8: halfway, ties to even -> 1 + 2^-6
-                      1.00048828125f,          // 1 + 2^-11: halfway in fp16 -> 1
-                      1.00146484375f,          // 1 + 3*2^-11: halfway in fp16 -> 1 + 2^-9
-                      3.4e38f,                 // beyond the largest finite bf16/fp16 after rounding -> inf
+  const float in[] = {1.00390625f,     // 1 + 2^-8: halfway in bf16, ties to even -> 1
+                      1.01171875f,     // 1 + 3*2^-8: halfway, ties to even -> 1 + 2^-6
+                      1.00048828125f,  // 1 + 2^-11: halfway in fp16 -> 1
+                      1.00146484375f,  // 1 + 3*2^-11: halfway in fp16 -> 1 + 2^-9
+                      3.4e38f,         // beyond the largest finite bf16/fp16 after rounding -> inf
                       -0.0f};
   const float want_bf[] = {1.0f, 1.015625f, 1.0f, 1.0f, INFINITY, -0.0f};
   const float want_h[] = {1.00390625f, 1.01171875f, 1.0f, 1.001953125f, INFINITY, -0.0f};
@@ -550,7 +553,8 @@ void test_runtime_and_args() {
   CHECK(__float_as_int(1.0f) == 0x3f800000 && __int_as_float(0x40000000) == 2.0f, "reinterpret");
   CHECK(rsqrtf(4.0f) == 0.5f && __fdividef(1.f, 4.f) == 0.25f && __expf(0.f) == 1.f, "math intrinsics");
   CHECK(__float2int_rn(2.5f) == 2 && __float2int_rn(3.5f) == 4 && __float2int_rz(NAN) == 0 &&
-            __float2int_rz(1e20f) == 2147483647, "saturating conversions");
+            __float2int_rz(1e20f) == 2147483647,
+        "saturating conversions");
   CHECK(min(3, 4) == 3 && max(2.5f, 1.0f) == 2.5f, "min/max");
 }
 
@@ -608,12 +612,16 @@ void test_timing() {
 
 // ---- misuse that must abort with a message (each case runs in a child process) ---------------------------
 __global__ void warp_vs_block_deadlock_kernel() {
-  if (threadIdx.x == 0) __syncwarp(0x3u);  // waits for lane 1 ...
-  else __syncthreads();                    // ... which waits for thread 0
+  if (threadIdx.x == 0)
+    __syncwarp(0x3u);  // waits for lane 1 ...
+  else
+    __syncthreads();  // ... which waits for thread 0
 }
 __global__ void mask_mismatch_kernel() {  // lane 0 names lanes {0,1}; lanes 1 and 2 name {0,1,2}
-  if (threadIdx.x == 0) __syncwarp(0x3u);
-  else __syncwarp(0x7u);
+  if (threadIdx.x == 0)
+    __syncwarp(0x3u);
+  else
+    __syncwarp(0x7u);
 }
 __global__ void lane_not_in_mask_kernel(int* out) { out[threadIdx.x] = __shfl_sync(0x1u, 1, 0); }
 __global__ void bad_width_kernel(int* out) { out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1, 3); }
@@ -698,14 +706,20 @@ struct TestCase {
   void (*fn)();
 };
 const TestCase kTests[] = {
-    {"block_sum", test_block_sum},         {"shuffles", test_shuffles},
-    {"votes", test_votes},                 {"atomics", test_atomics},
-    {"dynamic_smem", test_dynamic_smem},   {"index_math", test_index_math},
-    {"early_exit", test_early_exit},       {"random_exits", test_random_exits},
+    {"block_sum", test_block_sum},
+    {"shuffles", test_shuffles},
+    {"votes", test_votes},
+    {"atomics", test_atomics},
+    {"dynamic_smem", test_dynamic_smem},
+    {"index_math", test_index_math},
+    {"early_exit", test_early_exit},
+    {"random_exits", test_random_exits},
     {"invalid_launches", test_invalid_launches},
-    {"half_rounding", test_half_rounding}, {"runtime_and_args", test_runtime_and_args},
+    {"half_rounding", test_half_rounding},
+    {"runtime_and_args", test_runtime_and_args},
     {"constant_and_math", test_constant_and_math},
-    {"misuse_aborts", test_misuse_aborts}, {"timing", test_timing},
+    {"misuse_aborts", test_misuse_aborts},
+    {"timing", test_timing},
 };
 
 }  // namespace

@@ -28,9 +28,9 @@ void compare_floats(const std::string& what, const std::vector<float>& a, const 
 }
 
 void test_norm(DType dt, DType wdt, int64_t rows, int64_t H, Activation act, bool rms, bool affine, std::mt19937& rng) {
-  const std::string tag = std::string(rms ? "rms" : "ln") + " " + dtype_name(dt) + "/" + dtype_name(wdt) + " rows=" +
-                          std::to_string(rows) + " H=" + std::to_string(H) + " act=" + std::to_string(int(act)) +
-                          (affine ? "" : " no-affine");
+  const std::string tag = std::string(rms ? "rms" : "ln") + " " + dtype_name(dt) + "/" + dtype_name(wdt) +
+                          " rows=" + std::to_string(rows) + " H=" + std::to_string(H) +
+                          " act=" + std::to_string(int(act)) + (affine ? "" : " no-affine");
   const size_t n = size_t(rows * H);
   Buf x = random_buf(dt, n, rng, 2.f, 0.5f), dy = random_buf(dt, n, rng, 1.f, 0.f);
   Buf w = random_buf(wdt, size_t(H), rng, 0.5f, 1.f), b = random_buf(wdt, size_t(H), rng, 0.5f, 0.f);

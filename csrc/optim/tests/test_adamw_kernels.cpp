@@ -1,8 +1,8 @@
 // C++ test of the optimizer family without Python: the multi-tensor CUDA kernels (run by the emulator, csrc/emu)
 // against the CPU kernels and a naive fp64 reference. Lists mix many small tensors (odd sizes: scalar tails) with
 // a few big ones that cross chunk boundaries; more tensors than one launch table holds force several launches,
-// and small chunk sizes give launches of many hundred chunks. Also the skip path (found_inf set: nothing changes, steps included),
-// grad unscaling, the non-finite check and the L2 norm. Built plain, with AddressSanitizer and with
+// and small chunk sizes give launches of many hundred chunks. Also the skip path (found_inf set: nothing changes, steps
+// included), grad unscaling, the non-finite check and the L2 norm. Built plain, with AddressSanitizer and with
 // ThreadSanitizer (CMakeLists.txt).
 #include <cmath>
 #include <cstdio>
@@ -34,8 +34,8 @@ struct ListState {
   std::vector<optim::AdamWTensor> views() {
     std::vector<optim::AdamWTensor> out;
     for (State& x : s)
-      out.push_back({x.param.data(), x.grad.data(), x.m.data(), x.v.data(), x.master.empty() ? nullptr : x.master.data(),
-                     &x.step, int64_t(x.param.size())});
+      out.push_back({x.param.data(), x.grad.data(), x.m.data(), x.v.data(),
+                     x.master.empty() ? nullptr : x.master.data(), &x.step, int64_t(x.param.size())});
     return out;
   }
 };
@@ -99,8 +99,9 @@ bool same_bytes(const ListState& a, const ListState& b) {
 
 void test_adamw(DType pdt, bool master, const std::vector<int64_t>& sizes, int64_t chunk, bool scaled,
                 std::mt19937& rng) {
-  const std::string tag = std::string("adamw ") + dtype_name(pdt) + (master ? " master" : "") + " tensors=" +
-                          std::to_string(sizes.size()) + " chunk=" + std::to_string(chunk) + (scaled ? " scaled" : "");
+  const std::string tag = std::string("adamw ") + dtype_name(pdt) + (master ? " master" : "") +
+                          " tensors=" + std::to_string(sizes.size()) + " chunk=" + std::to_string(chunk) +
+                          (scaled ? " scaled" : "");
   const float step0 = 4.f;
   ListState orig = make_list(sizes, pdt, master, rng, step0);
   float scale = 8.f;
@@ -133,8 +134,8 @@ void test_adamw(DType pdt, bool master, const std::vector<int64_t>& sizes, int64
     expect(c.step == step0 + 1 && e.step == step0 + 1, tt + " step advanced once");
     // The emulated CUDA kernels and the CPU kernels run the same per-element math (optim.h): equal up to FMA
     // contraction differences between the two compilations.
-    expect(max_abs_diff(c.param, e.param) <= ptol * 4, tt + " param emu vs cpu " +
-                                                          std::to_string(max_abs_diff(c.param, e.param)));
+    expect(max_abs_diff(c.param, e.param) <= ptol * 4,
+           tt + " param emu vs cpu " + std::to_string(max_abs_diff(c.param, e.param)));
     expect(max_abs_diff(c.m, e.m) <= 1e-6f && max_abs_diff(c.v, e.v) <= 1e-6f, tt + " moments emu vs cpu");
     double worst = 0;
     for (size_t i = 0; i < o.param.size(); ++i) {
@@ -172,8 +173,8 @@ void test_adamw(DType pdt, bool master, const std::vector<int64_t>& sizes, int64
   expect(same_bytes(skip_cpu, orig) && same_bytes(skip_emu, orig), tag + " found_inf=1 changes nothing");
 }
 
-optim::ListArgs list_of(std::vector<Buf>& bufs, std::vector<const void*>& ptrs, std::vector<int64_t>& numels,
-                        DType dt, int64_t chunk) {
+optim::ListArgs list_of(std::vector<Buf>& bufs, std::vector<const void*>& ptrs, std::vector<int64_t>& numels, DType dt,
+                        int64_t chunk) {
   ptrs.clear();
   numels.clear();
   for (Buf& b : bufs) {
@@ -204,8 +205,8 @@ void test_lists(DType dt, const std::vector<int64_t>& sizes, int64_t chunk, std:
   float out = -1.f;
   const char* err = cuda_emu::l2norm(a, partials.data(), &out, nullptr);
   expect(err == nullptr, tag + " l2norm launch");
-  expect(std::fabs(out - ref) <= 2e-6 * ref, tag + " l2norm emu vs fp64: " + std::to_string(out) + " vs " +
-                                                 std::to_string(ref));
+  expect(std::fabs(out - ref) <= 2e-6 * ref,
+         tag + " l2norm emu vs fp64: " + std::to_string(out) + " vs " + std::to_string(ref));
   expect(std::fabs(std::sqrt(cpu_ss) - ref) <= 2e-6 * ref, tag + " l2norm cpu vs fp64");
   float again = -1.f;
   cuda_emu::l2norm(a, partials.data(), &again, nullptr);
@@ -250,8 +251,8 @@ int main() {
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     for (bool master : {false, true}) {
       if (dt == DType::F32 && master) continue;
-      test_adamw(dt, master, many, 16, false, rng);     // > 32 tensors: several tables, hundreds of chunks
-      test_adamw(dt, master, mixed, 256, true, rng);    // big tensors of many chunks each
+      test_adamw(dt, master, many, 16, false, rng);   // > 32 tensors: several tables, hundreds of chunks
+      test_adamw(dt, master, mixed, 256, true, rng);  // big tensors of many chunks each
     }
   }
   test_adamw(DType::F32, false, big, 65536, false, rng);  // the default chunk: 70000 crosses one boundary

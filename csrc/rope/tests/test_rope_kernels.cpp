@@ -34,7 +34,6 @@ std::string name(const Case& c) {
          (c.table ? " table" : "") + (c.inverse ? " inverse" : "") + (c.off ? " unaligned" : "");
 }
 
-
 void run_case(const Case& c, std::mt19937& rng) {
   const std::string tag = name(c);
   const int64_t half = c.d / 2, heads = c.hq + 2 * c.hk;  // packed [q | k | v] heads per token
@@ -47,7 +46,9 @@ void run_case(const Case& c, std::mt19937& rng) {
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t s = 0; s < seq; ++s) pos_store[size_t((b * seq + s) * 3)] = (s < seq / 2 ? s : 9000 + s) + 7 * b;
   const int64_t offset = c.positions ? 5 : 1000;
-  auto position = [&](int64_t b, int64_t s) { return offset + (c.positions ? pos_store[size_t((b * seq + s) * 3)] : s); };
+  auto position = [&](int64_t b, int64_t s) {
+    return offset + (c.positions ? pos_store[size_t((b * seq + s) * 3)] : s);
+  };
   int64_t max_pos = 0;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t s = 0; s < seq; ++s) max_pos = std::max(max_pos, position(b, s) + 1);
@@ -136,8 +137,10 @@ void out_of_table_positions_give_nan() {
   for (int emu = 0; emu < 2; ++emu) {
     Buf yq(DType::F32, size_t(2 * d)), yk(DType::F32, size_t(2 * d));
     a.y[0] = yq.data(), a.y[1] = yk.data();
-    if (emu) expect(cuda_emu::rope(a, nullptr) == nullptr, "out-of-table launch");
-    else cpu::rope_tokens(a, 0, 2);
+    if (emu)
+      expect(cuda_emu::rope(a, nullptr) == nullptr, "out-of-table launch");
+    else
+      cpu::rope_tokens(a, 0, 2);
     bool ok = true;
     for (int64_t j = 0; j < d; ++j) ok = ok && std::isfinite(yq.get(size_t(j))) && std::isnan(yq.get(size_t(d + j)));
     expect(ok, std::string(emu ? "emu" : "cpu") + ": a position past the table gives NaN, others finite");
@@ -153,8 +156,8 @@ int main() {
     for (bool il : {false, true})
       for (int64_t d : {2, 6, 64, 128}) {
         run_case({dt, il, d, 4, 2, 3, 5, 1, false, false, false, 0}, rng);  // [b, s, h, d], positions = range
-        run_case({dt, il, d, 3, 1, 6, 2, 0, true, false, true, 0}, rng);   // [s, b, h, d], positions, inverse
-        run_case({dt, il, d, 2, 2, 2, 4, 1, true, true, false, 1}, rng);   // table, unaligned rows
+        run_case({dt, il, d, 3, 1, 6, 2, 0, true, false, true, 0}, rng);    // [s, b, h, d], positions, inverse
+        run_case({dt, il, d, 2, 2, 2, 4, 1, true, true, false, 1}, rng);    // table, unaligned rows
       }
   // Many tokens and heads: the launch splits heads into slices and loops the grid.
   run_case({DType::BF16, false, 128, 32, 8, 2, 33, 1, true, false, false, 0}, rng);

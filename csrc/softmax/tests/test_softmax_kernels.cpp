@@ -26,7 +26,6 @@ using softmax::MaskKind;
 
 namespace {
 
-
 // The causal kernels must not read the masked triangle. Under AddressSanitizer the masked tail of every row is
 // poisoned while they run (from the first 8-byte granule wholly inside it: ASan's granularity), so a read there is
 // a hard error rather than a value that happened to be ignored. Elsewhere this is a no-op.
@@ -38,8 +37,10 @@ void poison_causal_tails(const Buf& b, int64_t rows, int64_t sq, int64_t sk, boo
     const uintptr_t begin = (row + size_t(softmax::causal_valid(r % sq, sq, sk)) * elem + 7) & ~uintptr_t(7);
     const uintptr_t end = row + size_t(sk) * elem;
     if (end > begin) {
-      if (poison) ASAN_POISON_MEMORY_REGION(reinterpret_cast<void*>(begin), end - begin);
-      else ASAN_UNPOISON_MEMORY_REGION(reinterpret_cast<void*>(begin), end - begin);
+      if (poison)
+        ASAN_POISON_MEMORY_REGION(reinterpret_cast<void*>(begin), end - begin);
+      else
+        ASAN_UNPOISON_MEMORY_REGION(reinterpret_cast<void*>(begin), end - begin);
     }
   }
 #else
@@ -55,7 +56,9 @@ struct Mask {
 
 void test_case(DType dt, MaskKind kind, int64_t b, int64_t h, int64_t sq, int64_t sk, const Mask* mask,
                std::mt19937& rng) {
-  const std::string tag = std::string(kind == MaskKind::None ? "plain" : kind == MaskKind::Bool ? "masked" : "causal") +
+  const std::string tag = std::string(kind == MaskKind::None   ? "plain"
+                                      : kind == MaskKind::Bool ? "masked"
+                                                               : "causal") +
                           " " + dtype_name(dt) + " [" + std::to_string(b) + "," + std::to_string(h) + "," +
                           std::to_string(sq) + "," + std::to_string(sk) + "]" +
                           (mask ? " mask [" + std::to_string(mask->mb) + "," + std::to_string(mask->mh) + "," +

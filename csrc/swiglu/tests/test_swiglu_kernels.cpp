@@ -17,11 +17,10 @@ using namespace megakernels::testing;
 
 namespace {
 
-
 // rows x [2f] stored with row stride `stride` (>= 2f) from element `off` of its buffer.
 void run_case(DType dt, int64_t rows, int64_t f, int64_t stride, size_t off, float scale, std::mt19937& rng) {
-  const std::string tag = std::string(dtype_name(dt)) + " rows=" + std::to_string(rows) + " f=" +
-                          std::to_string(f) + " stride=" + std::to_string(stride) + (off ? " unaligned" : "");
+  const std::string tag = std::string(dtype_name(dt)) + " rows=" + std::to_string(rows) + " f=" + std::to_string(f) +
+                          " stride=" + std::to_string(stride) + (off ? " unaligned" : "");
   Buf x = random_buf(dt, size_t(rows * stride), rng, scale, 0.f, off);
   Buf dy = random_buf(dt, size_t(rows * f), rng, 1.f);
   std::vector<double> y_ref(size_t(rows * f)), dx_ref(size_t(rows * 2 * f));
@@ -66,8 +65,8 @@ int main() {
   const DType dtypes[] = {DType::F32, DType::BF16, DType::F16, DType::F64};
   for (DType dt : dtypes) {
     for (int64_t f : {1, 3, 8, 40, 1000, 2056, 4104}) {
-      run_case(dt, 5, f, 2 * f, 0, 2.f, rng);           // contiguous rows
-      run_case(dt, 3, f, 2 * f + 8, 0, 2.f, rng);       // a view: rows wider than 2f
+      run_case(dt, 5, f, 2 * f, 0, 2.f, rng);             // contiguous rows
+      run_case(dt, 3, f, 2 * f + 8, 0, 2.f, rng);         // a view: rows wider than 2f
       if (f > 1) run_case(dt, 3, f, 2 * f, 1, 2.f, rng);  // every row start unaligned: scalar path
     }
     run_case(dt, 4, 64, 128, 0, 60.f, rng);  // |gate| up to ~200: exp saturates, silu -> 0 or g, no NaN

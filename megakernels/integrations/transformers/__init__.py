@@ -27,8 +27,21 @@ from megakernels.integrations.transformers._families import FAMILIES, family_of,
 MIN_TRANSFORMERS_VERSION = "5.0.0"  # 3-D Mixtral expert banks, AttentionMaskInterface, ``cache`` keyword
 ATTN_IMPLEMENTATION = _forwards.NAME
 
-__all__ = ["apply", "patch_classes", "require_transformers", "patch_gpt2", "patch_bert", "patch_llama", "patch_mistral", "patch_mixtral",
-           "register", "supported_model_types", "ClassPatch", "MIN_TRANSFORMERS_VERSION", "ATTN_IMPLEMENTATION"]
+__all__ = [
+    "apply",
+    "patch_classes",
+    "require_transformers",
+    "patch_gpt2",
+    "patch_bert",
+    "patch_llama",
+    "patch_mistral",
+    "patch_mixtral",
+    "register",
+    "supported_model_types",
+    "ClassPatch",
+    "MIN_TRANSFORMERS_VERSION",
+    "ATTN_IMPLEMENTATION",
+]
 
 
 def require_transformers(op: str):
@@ -40,13 +53,16 @@ def require_transformers(op: str):
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(f"{op}: needs HuggingFace transformers >= {MIN_TRANSFORMERS_VERSION} (pip install "
-                          f"'megakernels[hf]')") from e
+        raise ImportError(
+            f"{op}: needs HuggingFace transformers >= {MIN_TRANSFORMERS_VERSION} (pip install 'megakernels[hf]')"
+        ) from e
     from packaging.version import Version
 
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS_VERSION):
-        raise ImportError(f"{op}: transformers {transformers.__version__} is installed; megakernels needs "
-                          f">= {MIN_TRANSFORMERS_VERSION}")
+        raise ImportError(
+            f"{op}: transformers {transformers.__version__} is installed; megakernels needs "
+            f">= {MIN_TRANSFORMERS_VERSION}"
+        )
     return transformers
 
 
@@ -165,8 +181,9 @@ class ClassPatch:
         self.revert()
 
 
-def patch_classes(model_type: str, *, norms: bool = True, mlp: bool = True, attention: bool = True,
-                  loss: bool = True) -> ClassPatch:
+def patch_classes(
+    model_type: str, *, norms: bool = True, mlp: bool = True, attention: bool = True, loss: bool = True
+) -> ClassPatch:
     """Patch the classes of ``model_type``'s family so every model of it built afterwards is patched (see
     :class:`ClassPatch`; the options are :func:`apply`'s).
 

@@ -39,17 +39,32 @@ class Family:
         return tuple(getattr(self.modeling, n) for n in names)
 
 
-FAMILIES = {f.model_type: f for f in (
-    Family("gpt2", "GPT2PreTrainedModel", "activation_function", gelu_mlps={"GPT2MLP": fw.gpt2_mlp_forward}),
-    Family("bert", "BertPreTrainedModel", "hidden_act",
-           gelu_mlps={"BertIntermediate": fw.bert_intermediate_forward,
-                      "BertPredictionHeadTransform": fw.bert_head_transform_forward}),
-    Family("llama", "LlamaPreTrainedModel", "hidden_act", rms_norms=("LlamaRMSNorm",), gated_mlps=("LlamaMLP",)),
-    Family("mistral", "MistralPreTrainedModel", "hidden_act", rms_norms=("MistralRMSNorm",),
-           gated_mlps=("MistralMLP",)),
-    Family("mixtral", "MixtralPreTrainedModel", "hidden_act", rms_norms=("MixtralRMSNorm",),
-           experts=("MixtralExperts",)),
-)}
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("gpt2", "GPT2PreTrainedModel", "activation_function", gelu_mlps={"GPT2MLP": fw.gpt2_mlp_forward}),
+        Family(
+            "bert",
+            "BertPreTrainedModel",
+            "hidden_act",
+            gelu_mlps={
+                "BertIntermediate": fw.bert_intermediate_forward,
+                "BertPredictionHeadTransform": fw.bert_head_transform_forward,
+            },
+        ),
+        Family("llama", "LlamaPreTrainedModel", "hidden_act", rms_norms=("LlamaRMSNorm",), gated_mlps=("LlamaMLP",)),
+        Family(
+            "mistral", "MistralPreTrainedModel", "hidden_act", rms_norms=("MistralRMSNorm",), gated_mlps=("MistralMLP",)
+        ),
+        Family(
+            "mixtral",
+            "MixtralPreTrainedModel",
+            "hidden_act",
+            rms_norms=("MixtralRMSNorm",),
+            experts=("MixtralExperts",),
+        ),
+    )
+}
 
 
 def family_of(model_type, op: str) -> Family:
@@ -59,8 +74,9 @@ def family_of(model_type, op: str) -> Family:
         ValueError: a model type the integration does not know (the message names it and the known ones).
     """
     if model_type not in FAMILIES:
-        raise ValueError(f"{op}: model type {model_type!r} is not supported; supported model types: "
-                         f"{', '.join(sorted(FAMILIES))}")
+        raise ValueError(
+            f"{op}: model type {model_type!r} is not supported; supported model types: {', '.join(sorted(FAMILIES))}"
+        )
     return FAMILIES[model_type]
 
 

@@ -18,6 +18,7 @@ computes what the module it replaces computes, through megakernels' fused ops (d
 
 Each module forward is bound to one module instance by ``_families.patch_modules`` (``self`` is that module).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,6 +33,7 @@ NAME = "megakernels"  # the attn_implementation (and mask function) registered w
 
 
 # ---- norms --------------------------------------------------------------------------------------------------------
+
 
 def _norm_weight_ok(x: torch.Tensor, w: torch.Tensor | None) -> bool:
     return w is None or w.dtype == x.dtype or (w.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16))
@@ -100,41 +102,54 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 # ---- attention ----------------------------------------------------------------------------------------------------
 
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
-                      **kwargs):
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
     """transformers' attention-function signature: q ``[b, h, sq, d]``, k/v ``[b, h_kv, sk, d]`` (``h % h_kv == 0``)
     -> (out ``[b, sq, h, d]``, None). Without a mask this is what transformers' SDPA path computes: causal (unless
     the module or the call says otherwise) for more than one query, the keys cut to the queries when a static cache
     hands over more keys than queries at prefill, no mask for a single query."""
     d, sq = query.shape[-1], query.shape[2]
-    unsupported = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None \
-        or kwargs.get("position_bias") is not None \
+    unsupported = (
+        kwargs.get("softcap") is not None
+        or kwargs.get("s_aux") is not None
+        or kwargs.get("position_bias") is not None
         or (query.device.type == "cuda" and (d % 8 or d > MAX_TRITON_HEAD_DIM))
+    )
     if attention_mask is not None or unsupported:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = bool(causal) and sq > 1
     if causal and key.shape[2] > sq:
         key, value = key[:, :, :sq], value[:, :, :sq]
-    out = ops.flash_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                              softmax_scale=scaling, dropout_p=float(dropout))
+    out = ops.flash_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        causal=causal,
+        softmax_scale=scaling,
+        dropout_p=float(dropout),
+    )
     return out, None
 
 
 # ---- loss ---------------------------------------------------------------------------------------------------------
 
-def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
-                   shift_labels=None, **kwargs):
+
+def causal_lm_loss(
+    logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, shift_labels=None, **kwargs
+):
     """transformers' ``ForCausalLMLoss`` (tokens < n predict n; mean over the counted tokens, or sum over
     ``num_items_in_batch``) through the fused cross-entropy: fp32 math, the logits read in their own dtype."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.reshape(-1).to(logits.device)
-    per_token = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index,
-                                  vocab_size=vocab_size)
+    per_token = ops.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target, ignore_index=ignore_index, vocab_size=vocab_size
+    )
     if num_items_in_batch is None:
         return per_token.sum() / (target != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):

@@ -14,5 +14,13 @@ from megakernels.parallel.moe.experts import GroupedMLP
 from megakernels.parallel.moe.layer import MoELayer, set_aux_loss_scale
 from megakernels.parallel.moe.router import TopKRouter
 
-__all__ = ["MoELayer", "TopKRouter", "GroupedMLP", "ExpertExchange", "permute", "unpermute", "set_aux_loss_scale",
-           "stats"]
+__all__ = [
+    "MoELayer",
+    "TopKRouter",
+    "GroupedMLP",
+    "ExpertExchange",
+    "permute",
+    "unpermute",
+    "set_aux_loss_scale",
+    "stats",
+]

@@ -24,8 +24,9 @@ from megakernels.parallel import comm
 class Permutation:
     """The result of ``permute``: rows for the experts, their counts, and how to put them back."""
 
-    def __init__(self, rows: torch.Tensor, group_sizes: torch.Tensor, kept: torch.Tensor, num_tokens: int, k: int,
-                 dropped: int):
+    def __init__(
+        self, rows: torch.Tensor, group_sizes: torch.Tensor, kept: torch.Tensor, num_tokens: int, k: int, dropped: int
+    ):
         self.rows, self.group_sizes, self.kept = rows, group_sizes, kept
         self.num_tokens, self.k, self.dropped = num_tokens, k, dropped
 

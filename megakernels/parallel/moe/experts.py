@@ -33,9 +33,21 @@ class GroupedMLP(nn.Module):
     ``forward(rows [N, h], group_sizes [num_local])`` -> ``[N, h]``, partial over the TP ranks.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, first: int, num_local: int, *,
-                 activation: str = "swiglu", seed: int = 0, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        first: int,
+        num_local: int,
+        *,
+        activation: str = "swiglu",
+        seed: int = 0,
+        init_method: init.InitMethod | None = None,
+        output_init_method: init.InitMethod | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp, r = state.tp_size(), state.tp_rank()
         state.check_divisible(ffn_hidden_size=ffn_hidden_size)
@@ -50,10 +62,25 @@ class GroupedMLP(nn.Module):
             normal = init_method or init.init_method_normal()
             for i in range(num_local):
                 e = first + i
-                init.init_shard_(self.fc1[i], (rows, hidden_size), 0, r, tp, init.derive_seed(seed, f"experts.{e}.fc1"),
-                                 normal, stride=2 if gated else 1)
-                init.init_shard_(self.fc2[i], (hidden_size, ffn_hidden_size), 1, r, tp,
-                                 init.derive_seed(seed, f"experts.{e}.fc2"), output_init_method or normal)
+                init.init_shard_(
+                    self.fc1[i],
+                    (rows, hidden_size),
+                    0,
+                    r,
+                    tp,
+                    init.derive_seed(seed, f"experts.{e}.fc1"),
+                    normal,
+                    stride=2 if gated else 1,
+                )
+                init.init_shard_(
+                    self.fc2[i],
+                    (hidden_size, ffn_hidden_size),
+                    1,
+                    r,
+                    tp,
+                    init.derive_seed(seed, f"experts.{e}.fc2"),
+                    output_init_method or normal,
+                )
 
     def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         y = grouped_gemm(rows, self.fc1, group_sizes)

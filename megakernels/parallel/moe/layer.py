@@ -82,11 +82,26 @@ class MoELayer(nn.Module):
             sequence not divisible by tp (the router splits it), a bad capacity factor.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
-                 sequence_parallel: bool = False, *, activation: str = "swiglu", normalize: bool = True,
-                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, capacity_factor: float | None = None,
-                 shared_experts: int = 0, seed: int = 0, init_method: init.InitMethod | None = None,
-                 output_init_method: init.InitMethod | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        sequence_parallel: bool = False,
+        *,
+        activation: str = "swiglu",
+        normalize: bool = True,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        capacity_factor: float | None = None,
+        shared_experts: int = 0,
+        seed: int = 0,
+        init_method: init.InitMethod | None = None,
+        output_init_method: init.InitMethod | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         cls = type(self).__name__
         ep = state.ep_size()
@@ -97,19 +112,45 @@ class MoELayer(nn.Module):
         self.num_experts, self.top_k, self.sequence_parallel = num_experts, top_k, bool(sequence_parallel)
         self.aux_loss_coeff, self.z_loss_coeff, self.capacity_factor = aux_loss_coeff, z_loss_coeff, capacity_factor
         local = num_experts // ep
-        self.router = TopKRouter(hidden_size, num_experts, top_k, normalize, init_method=init_method,
-                                 seed=init.derive_seed(seed, "router"), device=device, dtype=dtype)
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            normalize,
+            init_method=init_method,
+            seed=init.derive_seed(seed, "router"),
+            device=device,
+            dtype=dtype,
+        )
         mark_sequence_parallel(self.router)  # each TP rank routes its share of the tokens (module docstring)
-        self.experts = GroupedMLP(hidden_size, ffn_hidden_size, num_experts, state.ep_rank() * local, local,
-                                  activation=activation, seed=seed, init_method=init_method,
-                                  output_init_method=output_init_method, device=device, dtype=dtype)
+        self.experts = GroupedMLP(
+            hidden_size,
+            ffn_hidden_size,
+            num_experts,
+            state.ep_rank() * local,
+            local,
+            activation=activation,
+            seed=seed,
+            init_method=init_method,
+            output_init_method=output_init_method,
+            device=device,
+            dtype=dtype,
+        )
         self.shared = None
         if shared_experts:
-            self.shared = ParallelMLP(hidden_size, ffn_hidden_size * shared_experts, sequence_parallel,
-                                      activation="swiglu" if activation == "swiglu" else "gelu",
-                                      approximate="tanh" if activation == "gelu_tanh" else "none", bias=False,
-                                      init_method=init_method, output_init_method=output_init_method,
-                                      seed=init.derive_seed(seed, "shared"), device=device, dtype=dtype)
+            self.shared = ParallelMLP(
+                hidden_size,
+                ffn_hidden_size * shared_experts,
+                sequence_parallel,
+                activation="swiglu" if activation == "swiglu" else "gelu",
+                approximate="tanh" if activation == "gelu_tanh" else "none",
+                bias=False,
+                init_method=init_method,
+                output_init_method=output_init_method,
+                seed=init.derive_seed(seed, "shared"),
+                device=device,
+                dtype=dtype,
+            )
 
     def _route(self, x: torch.Tensor):
         """Router on this rank's token shard; decisions gathered to every TP rank; statistics over tp and cp."""
@@ -119,15 +160,15 @@ class MoELayer(nn.Module):
         # the micro-batch's tokens are split over the TP ranks (here) and the context-parallel ranks
         weights, experts, st = self.router(local.reshape(-1, h), state.tp_cp_group())
         if tp > 1:
-            weights = mappings.gather_from_sequence_parallel_region(weights.view(s_local, b, -1),
-                                                                   tensor_parallel_output_grad=True)
+            weights = mappings.gather_from_sequence_parallel_region(
+                weights.view(s_local, b, -1), tensor_parallel_output_grad=True
+            )
             experts = comm.all_gather(experts.view(s_local, b, -1).contiguous(), 0, state.tp_group())
         return weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), st
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
-            raise ValueError(f"{type(self).__name__}: x must be [s, b, h] (sequence first), got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"{type(self).__name__}: x must be [s, b, h] (sequence first), got shape {tuple(x.shape)}")
         weights, experts, st = self._route(x)
         full = x
         if self.sequence_parallel:
@@ -153,8 +194,13 @@ class MoELayer(nn.Module):
             aux = self.aux_loss_coeff * st["aux_loss"] + self.z_loss_coeff * st["z_loss"]
             if aux.requires_grad:
                 out = _InjectAuxLoss.apply(out, aux)
-            stats.record(st["aux_loss"].detach(), st["z_loss"].detach(), st["tokens_per_expert"], perm.dropped,
-                         perm.num_tokens * perm.k)
+            stats.record(
+                st["aux_loss"].detach(),
+                st["z_loss"].detach(),
+                st["tokens_per_expert"],
+                perm.dropped,
+                perm.num_tokens * perm.k,
+            )
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(out)
         else:

@@ -64,8 +64,18 @@ class TopKRouter(nn.Module):
         ValueError: ``top_k`` outside ``1..num_experts``.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool = True, *,
-                 init_method: init.InitMethod | None = None, seed: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool = True,
+        *,
+        init_method: init.InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"TopKRouter: top_k={top_k} must be in 1..num_experts={num_experts}")
@@ -73,8 +83,13 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         if self.weight.device.type != "meta":
             with torch.no_grad():
-                self.weight.copy_(init.full_weight((num_experts, hidden_size), init.draw_seed() if seed is None
-                                                   else seed, init_method or init.init_method_normal()))
+                self.weight.copy_(
+                    init.full_weight(
+                        (num_experts, hidden_size),
+                        init.draw_seed() if seed is None else seed,
+                        init_method or init.init_method_normal(),
+                    )
+                )
 
     def forward(self, x: torch.Tensor, stats_group=None):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 routing (fp64 for fp64 models)

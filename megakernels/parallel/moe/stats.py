@@ -15,8 +15,9 @@ import torch.distributed as dist
 _records: list[tuple] = []
 
 
-def record(aux_loss: torch.Tensor, z_loss: torch.Tensor, tokens_per_expert: torch.Tensor, dropped: int,
-           assignments: int) -> None:
+def record(
+    aux_loss: torch.Tensor, z_loss: torch.Tensor, tokens_per_expert: torch.Tensor, dropped: int, assignments: int
+) -> None:
     _records.append((float(aux_loss), float(z_loss), tokens_per_expert.double().cpu(), dropped, assignments))
 
 
@@ -40,5 +41,10 @@ def summary(group=None) -> dict | None:
     n = sums[2].item()
     if n == 0:
         return None
-    return {"moe_aux_loss": sums[0].item() / n, "moe_z_loss": sums[1].item() / n, "max_expert_load": peak.item(),
-            "mean_expert_load": sums[5].item() / n, "dropped_fraction": sums[3].item() / max(sums[4].item(), 1.0)}
+    return {
+        "moe_aux_loss": sums[0].item() / n,
+        "moe_z_loss": sums[1].item() / n,
+        "max_expert_load": peak.item(),
+        "mean_expert_load": sums[5].item() / n,
+        "dropped_fraction": sums[3].item() / max(sums[4].item(), 1.0),
+    }

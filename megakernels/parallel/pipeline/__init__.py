@@ -23,8 +23,17 @@ More micro-batches shrink the bubble of every schedule; only 1F1B (and interleav
 doing so, which is why they are the ones used for training.
 """
 
-__all__ = ["SCHEDULES", "schedule_order", "communication_plan", "Exchange", "bubble_fraction", "simulate",
-           "format_schedule", "forward_backward", "p2p"]
+__all__ = [
+    "SCHEDULES",
+    "schedule_order",
+    "communication_plan",
+    "Exchange",
+    "bubble_fraction",
+    "simulate",
+    "format_schedule",
+    "forward_backward",
+    "p2p",
+]
 
 _HOME = {"forward_backward": "executor"}
 

@@ -25,20 +25,33 @@ def _layout(num_chunks: int) -> tuple[int, int, bool]:
     """(pp size, pp rank, whether to set the vpp rank) of this process; one stage when nothing is initialised."""
     if not state.is_initialized():
         if num_chunks != 1:
-            raise ValueError(f"forward_backward: num_chunks={num_chunks} needs megakernels.parallel initialised with "
-                             f"vpp={num_chunks}")
+            raise ValueError(
+                f"forward_backward: num_chunks={num_chunks} needs megakernels.parallel initialised with "
+                f"vpp={num_chunks}"
+            )
         return 1, 0, False
     vpp = state.vpp_size()
     if num_chunks != (vpp or 1):
-        raise ValueError(f"forward_backward: num_chunks={num_chunks} must equal the vpp megakernels.parallel was "
-                         f"initialised with (vpp={vpp})")
+        raise ValueError(
+            f"forward_backward: num_chunks={num_chunks} must equal the vpp megakernels.parallel was "
+            f"initialised with (vpp={vpp})"
+        )
     return state.pp_size(), state.pp_rank(), vpp is not None
 
 
-def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], torch.Tensor], num_microbatches: int,
-                     *, schedule: str = "1f1b", tensor_shape, dtype: torch.dtype, device, num_chunks: int = 1,
-                     forward_only: bool = False, grad_sync: Callable[[int, bool], None] | None = None,
-                     exchange_hook: Callable[[Callable], Callable] | None = None) -> list[torch.Tensor]:
+def forward_backward(
+    forward_step: Callable[[int, int, torch.Tensor | None], torch.Tensor],
+    num_microbatches: int,
+    *,
+    schedule: str = "1f1b",
+    tensor_shape,
+    dtype: torch.dtype,
+    device,
+    num_chunks: int = 1,
+    forward_only: bool = False,
+    grad_sync: Callable[[int, bool], None] | None = None,
+    exchange_hook: Callable[[Callable], Callable] | None = None,
+) -> list[torch.Tensor]:
     """One step of pipeline schedule ``schedule`` over ``num_microbatches`` micro-batches on this rank.
 
     Virtual stage ``k = chunk · pp_size + pp_rank``; the first is chunk 0 of pp rank 0, the last chunk
@@ -105,10 +118,10 @@ def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], tor
         for c in range(num_chunks):
             grad_sync(c, False)
 
-    inputs: dict[tuple[int, int], torch.Tensor] = {}        # received activation, until its backward
-    outputs: dict[tuple[int, int], torch.Tensor] = {}       # forward output or loss, until backward (or sent)
+    inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activation, until its backward
+    outputs: dict[tuple[int, int], torch.Tensor] = {}  # forward output or loss, until backward (or sent)
     output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradient, until its backward
-    input_grads: dict[tuple[int, int], torch.Tensor] = {}   # computed gradient, until sent
+    input_grads: dict[tuple[int, int], torch.Tensor] = {}  # computed gradient, until sent
     losses: dict[int, torch.Tensor] = {}
     no_grad = contextlib.nullcontext if training else torch.no_grad
     communicate = p2p.communicate if exchange_hook is None else exchange_hook(p2p.communicate)
@@ -121,10 +134,15 @@ def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], tor
                 send_next = outputs[key] if training else outputs.pop(key)
             if step.send_prev:
                 send_prev = input_grads.pop(step.send_prev[1:])
-            from_prev, from_next = communicate(send_next=send_next, send_prev=send_prev,
-                                                   recv_prev=step.recv_prev is not None,
-                                                   recv_next=step.recv_next is not None,
-                                                   shape=tensor_shape, dtype=dtype, device=device)
+            from_prev, from_next = communicate(
+                send_next=send_next,
+                send_prev=send_prev,
+                recv_prev=step.recv_prev is not None,
+                recv_next=step.recv_next is not None,
+                shape=tensor_shape,
+                dtype=dtype,
+                device=device,
+            )
             if step.recv_prev:
                 inputs[step.recv_prev[1:]] = from_prev
             if step.recv_next:
@@ -158,13 +176,16 @@ def forward_backward(forward_step: Callable[[int, int, torch.Tensor | None], tor
     return [losses[j] for j in range(num_microbatches)] if rank == pp - 1 else []
 
 
-def _check_output(out, chunk: int, microbatch: int, is_last: bool, tensor_shape: torch.Size,
-                  dtype: torch.dtype) -> None:
+def _check_output(
+    out, chunk: int, microbatch: int, is_last: bool, tensor_shape: torch.Size, dtype: torch.dtype
+) -> None:
     where = f"forward_backward: forward_step(chunk={chunk}, microbatch={microbatch})"
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"{where} must return a tensor, got {type(out).__name__}")
     if is_last and out.numel() != 1:
         raise ValueError(f"{where} on the last stage must return a scalar loss, got shape {tuple(out.shape)}")
     if not is_last and (out.shape != tensor_shape or out.dtype != dtype):
-        raise ValueError(f"{where} returned a {out.dtype} tensor of shape {tuple(out.shape)}; the next stage expects "
-                         f"tensor_shape={tuple(tensor_shape)}, dtype={dtype}")
+        raise ValueError(
+            f"{where} returned a {out.dtype} tensor of shape {tuple(out.shape)}; the next stage expects "
+            f"tensor_shape={tuple(tensor_shape)}, dtype={dtype}"
+        )

@@ -31,9 +31,16 @@ import torch.distributed as dist
 from megakernels.parallel import comm, state
 
 
-def communicate(*, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                recv_prev: bool = False, recv_next: bool = False, shape=None, dtype: torch.dtype | None = None,
-                device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def communicate(
+    *,
+    send_next: torch.Tensor | None = None,
+    send_prev: torch.Tensor | None = None,
+    recv_prev: bool = False,
+    recv_next: bool = False,
+    shape=None,
+    dtype: torch.dtype | None = None,
+    device=None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send to and receive from the neighbouring stages in one ``batch_isend_irecv``, and wait for all of it.
 
     Args:
@@ -67,10 +74,12 @@ def communicate(*, send_next: torch.Tensor | None = None, send_prev: torch.Tenso
     from_next = empty() if recv_next else None
     ops, names = [], []
     # Fixed order (see the module docstring): with two stages, nxt == prev and NCCL pairs operations by order.
-    for name, op, tensor, peer in (("send_next", dist.isend, send_next, nxt),
-                                   ("send_prev", dist.isend, send_prev, prev),
-                                   ("recv_prev", dist.irecv, from_prev, prev),
-                                   ("recv_next", dist.irecv, from_next, nxt)):
+    for name, op, tensor, peer in (
+        ("send_next", dist.isend, send_next, nxt),
+        ("send_prev", dist.isend, send_prev, prev),
+        ("recv_prev", dist.irecv, from_prev, prev),
+        ("recv_next", dist.irecv, from_next, nxt),
+    ):
         if tensor is not None:
             if op is dist.isend:
                 tensor = tensor.detach().contiguous()
@@ -88,6 +97,7 @@ def communicate(*, send_next: torch.Tensor | None = None, send_prev: torch.Tenso
 
 # ---- Megatron-LM's combined operations ------------------------------------------------------------------------
 # Call them only where the neighbour exists and does the matching operation at the same point of the schedule.
+
 
 def recv_forward(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     """The input activation from the previous stage (``requires_grad``)."""
@@ -132,11 +142,25 @@ def send_backward_recv_backward(input_grad: torch.Tensor, recv_next: bool = True
     return communicate(send_prev=input_grad, recv_next=recv_next)[1]
 
 
-def send_forward_backward_recv_forward_backward(output: torch.Tensor | None, input_grad: torch.Tensor | None,
-                                                recv_prev: bool = True, recv_next: bool = True, *, shape=None,
-                                                dtype: torch.dtype | None = None, device=None):
+def send_forward_backward_recv_forward_backward(
+    output: torch.Tensor | None,
+    input_grad: torch.Tensor | None,
+    recv_prev: bool = True,
+    recv_next: bool = True,
+    *,
+    shape=None,
+    dtype: torch.dtype | None = None,
+    device=None,
+):
     """Both directions at once (interleaved steady state): send ``output`` to the next stage and ``input_grad`` to
     the previous one (either may be None), receive an activation from the previous stage and a gradient from the
     next one. Returns ``(input_activation, output_grad)``, each None unless asked for."""
-    return communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next,
-                       shape=shape, dtype=dtype, device=device)
+    return communicate(
+        send_next=output,
+        send_prev=input_grad,
+        recv_prev=recv_prev,
+        recv_next=recv_next,
+        shape=shape,
+        dtype=dtype,
+        device=device,
+    )

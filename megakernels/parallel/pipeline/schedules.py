@@ -48,12 +48,16 @@ def _check(fn: str, name: str, pp_size: int, num_microbatches: int, vpp: int, vp
     _positive(fn, "num_microbatches", num_microbatches)
     _positive(fn, vpp_arg, vpp)
     if vpp > 1 and name in ("gpipe", "1f1b"):
-        raise ValueError(f"{fn}: schedule {name!r} runs one model chunk per rank, got {vpp_arg}={vpp}; use "
-                         "'interleaved' for virtual pipeline stages")
+        raise ValueError(
+            f"{fn}: schedule {name!r} runs one model chunk per rank, got {vpp_arg}={vpp}; use "
+            "'interleaved' for virtual pipeline stages"
+        )
     if vpp > 1 and name == "interleaved" and num_microbatches % pp_size:
-        raise ValueError(f"{fn}: the interleaved schedule needs num_microbatches divisible by pp_size (micro-batches "
-                         f"go through the chunks in groups of pp_size), got num_microbatches={num_microbatches}, "
-                         f"pp_size={pp_size}")
+        raise ValueError(
+            f"{fn}: the interleaved schedule needs num_microbatches divisible by pp_size (micro-batches "
+            f"go through the chunks in groups of pp_size), got num_microbatches={num_microbatches}, "
+            f"pp_size={pp_size}"
+        )
 
 
 def _interleaved_op(kind: str, k: int, pp: int, m: int, vpp: int) -> Op:
@@ -100,7 +104,7 @@ def schedule_order(name: str, pp_size: int, pp_rank: int, num_microbatches: int,
     order = forwards[:warmup]
     for i in range(len(forwards) - warmup):
         order += [forwards[warmup + i], backwards[i]]
-    return order + backwards[len(forwards) - warmup:]
+    return order + backwards[len(forwards) - warmup :]
 
 
 def _timeline(name: str, p: int, m: int, vpp: int, duration: dict) -> list[list]:
@@ -145,8 +149,9 @@ class Exchange(NamedTuple):
     recv_next: Op | None = None
 
 
-def communication_plan(name: str, pp_size: int, pp_rank: int, num_microbatches: int,
-                       vpp: int = 1) -> list[Op | Exchange]:
+def communication_plan(
+    name: str, pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1
+) -> list[Op | Exchange]:
     """``schedule_order`` with the point-to-point exchanges between its compute steps.
 
     The plan is lock-step: run all ranks' orders with every op taking one tick (``_timeline``); a tensor made at
@@ -202,8 +207,9 @@ def bubble_fraction(name: str, pp: int, m: int, vpp: int = 1) -> float:
     return (pp - 1) / (m * (vpp if interleaved else 1))
 
 
-def simulate(name: str, pp_size: int, num_microbatches: int, vpp: int = 1, t_forward: float = 1.0,
-             t_backward: float = 2.0) -> dict:
+def simulate(
+    name: str, pp_size: int, num_microbatches: int, vpp: int = 1, t_forward: float = 1.0, t_backward: float = 2.0
+) -> dict:
     """Run every rank's ``schedule_order`` against the cross-stage dependencies, communication taking no time.
 
     ``t_forward`` / ``t_backward`` are one micro-batch's forward / backward through a rank's whole share of the
@@ -227,14 +233,28 @@ def simulate(name: str, pp_size: int, num_microbatches: int, vpp: int = 1, t_for
     p, m = pp_size, num_microbatches
     timeline = _timeline(name, p, m, vpp, {"F": t_forward / vpp, "B": t_backward / vpp})
     # Activations live from a forward to its backward; forward_only keeps one chunk's at a time.
-    peak = [1 if name == "forward_only" else
-            max(itertools.accumulate(1 if kind == "F" else -1 for _, _, (kind, _, _) in row)) for row in timeline]
+    peak = [
+        1
+        if name == "forward_only"
+        else max(itertools.accumulate(1 if kind == "F" else -1 for _, _, (kind, _, _) in row))
+        for row in timeline
+    ]
     total = max(row[-1][1] for row in timeline)
     useful = m * (t_forward + (0.0 if name == "forward_only" else t_backward))
     idle = [total - useful for _ in range(p)]
-    return {"schedule": name, "pp": p, "microbatches": m, "vpp": vpp, "total_time": total, "useful_time": useful,
-            "idle_time": idle, "bubble_fraction": sum(idle) / p / useful, "peak_in_flight": peak,
-            "peak_activations": [x / vpp for x in peak], "timeline": timeline}
+    return {
+        "schedule": name,
+        "pp": p,
+        "microbatches": m,
+        "vpp": vpp,
+        "total_time": total,
+        "useful_time": useful,
+        "idle_time": idle,
+        "bubble_fraction": sum(idle) / p / useful,
+        "peak_in_flight": peak,
+        "peak_activations": [x / vpp for x in peak],
+        "timeline": timeline,
+    }
 
 
 def _slot(*durations: float) -> fractions.Fraction:
@@ -242,8 +262,9 @@ def _slot(*durations: float) -> fractions.Fraction:
     return fractions.Fraction(math.gcd(*(f.numerator for f in parts)), math.lcm(*(f.denominator for f in parts)))
 
 
-def format_schedule(name: str, pp_size: int, num_microbatches: int, vpp: int = 1, t_forward: float = 1.0,
-                    t_backward: float = 2.0) -> str:
+def format_schedule(
+    name: str, pp_size: int, num_microbatches: int, vpp: int = 1, t_forward: float = 1.0, t_backward: float = 2.0
+) -> str:
     """The simulated timeline as text: one row per rank, one cell per time slot (the largest unit dividing both
     durations), ``F3`` / ``B3`` for micro-batch 3 (``F3b``: chunk 1 with ``vpp > 1``), ``.`` for idle; then the
     bubble fraction (simulated and closed form) and the peak in-flight micro-batches. Raises as ``simulate``."""
@@ -256,8 +277,10 @@ def format_schedule(name: str, pp_size: int, num_microbatches: int, vpp: int = 1
 
     width = max(len(label(op)) for row in sim["timeline"] for _, _, op in row)
     slots = round(fractions.Fraction(sim["total_time"]).limit_denominator(1000) / unit)
-    lines = [f"schedule {name}: pp={pp_size}, microbatches={num_microbatches}, vpp={vpp}, "
-             f"t_forward={t_forward:g}, t_backward={t_backward:g} (one slot = {float(unit):g})"]
+    lines = [
+        f"schedule {name}: pp={pp_size}, microbatches={num_microbatches}, vpp={vpp}, "
+        f"t_forward={t_forward:g}, t_backward={t_backward:g} (one slot = {float(unit):g})"
+    ]
     for r, row in enumerate(sim["timeline"]):
         cells = ["." * width] * slots
         for start, end, op in row:
@@ -269,8 +292,10 @@ def format_schedule(name: str, pp_size: int, num_microbatches: int, vpp: int = 1
     if vpp > 1:
         lines.append("chunks: " + ", ".join(f"{chr(ord('a') + c)} = chunk {c}" for c in range(vpp)))
     closed = bubble_fraction(name, pp_size, num_microbatches, vpp)
-    lines.append(f"bubble fraction {sim['bubble_fraction']:.4f} (closed form {closed:.4f}); total time "
-                 f"{sim['total_time']:g}, useful {sim['useful_time']:g} per rank")
+    lines.append(
+        f"bubble fraction {sim['bubble_fraction']:.4f} (closed form {closed:.4f}); total time "
+        f"{sim['total_time']:g}, useful {sim['useful_time']:g} per rank"
+    )
     lines.append("peak in-flight micro-batches per rank: " + " ".join(f"{x:g}" for x in sim["peak_activations"]))
     return "\n".join(lines)
 
@@ -280,8 +305,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaving)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default=None,
-                        help="default: interleaved when --vpp > 1, else 1f1b")
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default=None, help="default: interleaved when --vpp > 1, else 1f1b"
+    )
     parser.add_argument("--t-forward", type=float, default=1.0, help="forward time of a whole stage")
     parser.add_argument("--t-backward", type=float, default=2.0, help="backward time of a whole stage")
     args = parser.parse_args(argv)

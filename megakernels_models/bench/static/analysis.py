@@ -17,18 +17,18 @@ import math
 from megakernels_models.bench.static import model
 from megakernels_models.bench.static.compiled import Compiled
 
-VECTOR_BYTES = 8     # accesses at least this wide are pack accesses; narrower ones are scalar traffic
-PARAM_BYTES = 16     # width of one parameter vector load
+VECTOR_BYTES = 8  # accesses at least this wide are pack accesses; narrower ones are scalar traffic
+PARAM_BYTES = 16  # width of one parameter vector load
 
 
 @dataclasses.dataclass(frozen=True)
 class Role:
     name: str
-    loads: int              # vector loads of streamed tensors per pack
-    params: int = 0         # vector loads of parameters per pack
-    stores: int = 0         # vector stores per pack
+    loads: int  # vector loads of streamed tensors per pack
+    params: int = 0  # vector loads of parameters per pack
+    stores: int = 0  # vector stores per pack
     reads_dram: bool = False  # this loop's loads come from DRAM (they set the bytes in flight)
-    coverage: float = 1.0   # fraction of the row's packs this loop visits (a causal prefix: about half)
+    coverage: float = 1.0  # fraction of the row's packs this loop visits (a causal prefix: about half)
     min_width: int = VECTOR_BYTES  # narrowest access that counts as one of the pack's loads/stores
 
     @property
@@ -73,18 +73,27 @@ def match_roles(c: Compiled, roles: list[Role]) -> list[Matched]:
     out = []
     for role, hits in zip(roles, found):
         if not hits:
-            raise ValueError(f"{c.symbol}: no loop matches role {role.name!r} ({role.vector_loads} vector loads, "
-                             f"{role.stores} stores per pack); loops: "
-                             + ", ".join(f"{dict(lp.counts.global_loads)}L/{dict(lp.counts.global_stores)}S"
-                                         for lp in loops))
+            raise ValueError(
+                f"{c.symbol}: no loop matches role {role.name!r} ({role.vector_loads} vector loads, "
+                f"{role.stores} stores per pack); loops: "
+                + ", ".join(f"{dict(lp.counts.global_loads)}L/{dict(lp.counts.global_stores)}S" for lp in loops)
+            )
         u, main = max(hits, key=lambda h: h[0])
         rem = next((lp for v, lp in hits if v == 1), None) if u > 1 else None
         out.append(Matched(role, main, u, rem))
     return out
 
 
-def stream_cost(c: Compiled, roles: list[Role], pack: int, packs_per_thread: float, dram_bytes: float,
-                min_bytes: float, grid_blocks: int, m: model.Machine = model.H200) -> tuple[model.StreamCost, dict]:
+def stream_cost(
+    c: Compiled,
+    roles: list[Role],
+    pack: int,
+    packs_per_thread: float,
+    dram_bytes: float,
+    min_bytes: float,
+    grid_blocks: int,
+    m: model.Machine = model.H200,
+) -> tuple[model.StreamCost, dict]:
     """Per-element costs of a streaming kernel whose threads each handle ``packs_per_thread`` packs of ``pack``
     elements per row (or per unit of work: a chunk, a grid-stride sweep), launched as ``grid_blocks`` blocks."""
     matched = match_roles(c, roles)
@@ -118,16 +127,30 @@ def stream_cost(c: Compiled, roles: list[Role], pack: int, packs_per_thread: flo
     elems = p * pack
     blocks = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(grid_blocks / m.sms))
     warps = blocks * math.ceil(c.threads / 32)
-    cost = model.StreamCost(instructions=instr / elems, mufu=mufu / elems, l2_bytes=l2 / elems,
-                            dram_bytes=dram_bytes, min_bytes=min_bytes,
-                            in_flight_per_sm=in_flight * 32 * warps, warps_per_sm=warps,
-                            sm_fraction=min(1.0, grid_blocks / m.sms))
-    details = {"loops": {mt.role.name: {"instructions": mt.loop.counts.instructions, "unroll": mt.unroll,
-                                        "elements": mt.unroll * pack, "mufu": mt.loop.counts.mufu,
-                                        "branches": mt.loop.counts.branches}
-                         for mt in matched},
-               "row_overhead_instructions": overhead.instructions if overhead is not None else 0,
-               "blocks_per_sm": blocks}
+    cost = model.StreamCost(
+        instructions=instr / elems,
+        mufu=mufu / elems,
+        l2_bytes=l2 / elems,
+        dram_bytes=dram_bytes,
+        min_bytes=min_bytes,
+        in_flight_per_sm=in_flight * 32 * warps,
+        warps_per_sm=warps,
+        sm_fraction=min(1.0, grid_blocks / m.sms),
+    )
+    details = {
+        "loops": {
+            mt.role.name: {
+                "instructions": mt.loop.counts.instructions,
+                "unroll": mt.unroll,
+                "elements": mt.unroll * pack,
+                "mufu": mt.loop.counts.mufu,
+                "branches": mt.loop.counts.branches,
+            }
+            for mt in matched
+        },
+        "row_overhead_instructions": overhead.instructions if overhead is not None else 0,
+        "blocks_per_sm": blocks,
+    }
     return cost, details
 
 
@@ -152,8 +175,15 @@ def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float, tma_bytes: fl
     # cp.async fills and LDS/STS are counted from the SASS per warp.
     fills = tma_bytes if k.tma else 0.0
     wgmma_ops = tuple((f, b, n * warps / 4) for (f, b), n in sorted(k.wgmma_shapes.items()))
-    return model.TileIteration(warps=warps, instructions=k.instructions - k.mma, mufu=k.mufu,
-                               mma_flops=k.mma_flops * warps, wgmma=k.wgmma > 0, overlap_instr=overlap,
-                               mma_sync_flops=k.mma_sync_flops * warps,
-                               l2_bytes=l2_bytes, shared_bytes=k.shared_bytes * warps + fills,
-                               wgmma_ops=wgmma_ops)
+    return model.TileIteration(
+        warps=warps,
+        instructions=k.instructions - k.mma,
+        mufu=k.mufu,
+        mma_flops=k.mma_flops * warps,
+        wgmma=k.wgmma > 0,
+        overlap_instr=overlap,
+        mma_sync_flops=k.mma_sync_flops * warps,
+        l2_bytes=l2_bytes,
+        shared_bytes=k.shared_bytes * warps + fills,
+        wgmma_ops=wgmma_ops,
+    )

@@ -16,7 +16,7 @@ import torch
 from megakernels_models.bench.static import compiled, model, tiles
 from megakernels_models.bench.static.registry import Entry, register
 
-SHAPES = [(4096, 64), (4096, 128), (8192, 128)]   # (seqlen, head_dim); batch = 16k / s, heads = 2048 / d
+SHAPES = [(4096, 64), (4096, 128), (8192, 128)]  # (seqlen, head_dim); batch = 16k / s, heads = 2048 / d
 DTYPE = torch.bfloat16
 
 
@@ -83,15 +83,22 @@ def _bwd_schedule(launch, sq: int, sk: int):
         if (pid_n + 1) * bn > sk:
             mid = full_end
         mid = max(mid, lo)
-        per_bh.append({"diag": _cdiv(max(mid - lo, 0), bm) * group,
-                       "full": _cdiv(max(full_end - mid, 0), bm) * group,
-                       "tail": _cdiv(max(sq - max(full_end, mid), 0), bm) * group})
+        per_bh.append(
+            {
+                "diag": _cdiv(max(mid - lo, 0), bm) * group,
+                "full": _cdiv(max(full_end - mid, 0), bm) * group,
+                "tail": _cdiv(max(sq - max(full_end, mid), 0), bm) * group,
+            }
+        )
     d = _head(launch)
     atomics = 2 * bm * d * 4 if launch.kwargs.get("DQ_ATOMIC") else 0
     per_iter = 2 * bm * d * 2 + 2 * bm * 4 + atomics
     tma = bm * d * 4 if launch.kwargs.get("DQ_TMA") else 0
-    return (per_bh * launch.grid[1], {"diag": per_iter, "full": per_iter, "tail": per_iter},
-            {"diag": tma, "full": tma, "tail": tma})
+    return (
+        per_bh * launch.grid[1],
+        {"diag": per_iter, "full": per_iter, "tail": per_iter},
+        {"diag": tma, "full": tma, "tail": tma},
+    )
 
 
 def _dq_schedule(launch, sq: int, sk: int):
@@ -142,8 +149,9 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
     q, lse = _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     dq = q if deterministic else _meta(b, s, h, d, dtype=torch.float32)
     delta = _meta(2, b, h, s, dtype=torch.float32)  # scaled delta and base-2 lse
-    launches = fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg,
-                                    deterministic)
+    launches = fa.backward_launches(
+        q, q, q, q, q, lse, delta, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg, deterministic
+    )
     mma = [ln for ln in launches if ln.name in SCHEDULES]
     parts = [(ln.name, *kernel_prediction(ln, s, s)) for ln in mma]
     elems = b * s * h * d
@@ -169,15 +177,39 @@ def flash_attention_entries() -> list[Entry]:
         for causal in (False, True):
             shape = f"b{b} s{s} h{h} d{d}{' causal' if causal else ''}"
             for passname, table, fn in (("fwd", fa.FWD_CONFIGS, _fwd_entry), ("bwd", fa.BWD_CONFIGS, _bwd_entry)):
-                bench = {"op": "flash_attention", "pass": passname, "shape": f"{b}x{h}x{s}x{d}", "dtype": "bfloat16",
-                         "variant": f"d{d} {'causal' if causal else 'full'}"}
+                bench = {
+                    "op": "flash_attention",
+                    "pass": passname,
+                    "shape": f"{b}x{h}x{s}x{d}",
+                    "dtype": "bfloat16",
+                    "variant": f"d{d} {'causal' if causal else 'full'}",
+                }
                 for cfg in fa.candidates(table, 90, d):
-                    out.append(Entry(f"flash_attention.{passname}", _config_name(cfg), shape, "bf16",
-                                     (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg)),
-                                     family="attention", needs_wgmma=True, key=(s == 4096), bench=bench))
+                    out.append(
+                        Entry(
+                            f"flash_attention.{passname}",
+                            _config_name(cfg),
+                            shape,
+                            "bf16",
+                            (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg)),
+                            family="attention",
+                            needs_wgmma=True,
+                            key=(s == 4096),
+                            bench=bench,
+                        )
+                    )
             # deterministic=True: the one-pass kernel without dQ, then the dQ kernel (its default config)
             cfg = fa.candidates(fa.BWD_CONFIGS, 90, d)[0]
-            out.append(Entry("flash_attention.bwd_deterministic", _config_name(cfg), shape, "bf16",
-                             (lambda s=s, d=d, causal=causal, cfg=cfg: _bwd_entry(s, d, causal, cfg, True)),
-                             family="attention", needs_wgmma=True, key=(s == 4096)))
+            out.append(
+                Entry(
+                    "flash_attention.bwd_deterministic",
+                    _config_name(cfg),
+                    shape,
+                    "bf16",
+                    (lambda s=s, d=d, causal=causal, cfg=cfg: _bwd_entry(s, d, causal, cfg, True)),
+                    family="attention",
+                    needs_wgmma=True,
+                    key=(s == 4096),
+                )
+            )
     return out

@@ -32,7 +32,7 @@ class Compiled:
 
     fn: sass.Function
     threads: int
-    shared_bytes: int        # per block: static + dynamic
+    shared_bytes: int  # per block: static + dynamic
     symbol: str
 
     @property
@@ -53,8 +53,13 @@ class Compiled:
         return self.fn.totals.tma > 0
 
     def resources(self) -> dict:
-        return {"registers": self.registers, "spill_bytes": self.spill_bytes, "shared_bytes": self.shared_bytes,
-                "mma": self.mma, "tma": self.tma}
+        return {
+            "registers": self.registers,
+            "spill_bytes": self.spill_bytes,
+            "shared_bytes": self.shared_bytes,
+            "mma": self.mma,
+            "tma": self.tma,
+        }
 
 
 def csrc_dir() -> str | None:
@@ -78,7 +83,7 @@ def _cache_dir() -> str:
     return os.path.join(root, "megakernels", "static")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_cubin(source: str, arch: int) -> bytes:
     """The cubin of ``csrc/<source>`` (e.g. ``norms/norms_cuda.cu``) for ``sm_<arch>``.
 
@@ -119,7 +124,7 @@ def family_cubin(source: str, arch: int) -> bytes:
     return data
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _family_functions(source: str, arch: int) -> tuple[dict, dict]:
     funcs = sass.read_cubin(family_cubin(source, arch))
     return funcs, sass.demangle(list(funcs))
@@ -149,8 +154,15 @@ def triton_kernel(launch, arch: int = 90) -> Compiled:
     from megakernels.triton.launch import compile_launch, specialise
 
     sig, consts, attrs, options = specialise(launch, arch)
-    key = (launch.name, arch, repr(sorted(sig.items())), repr(sorted(consts.items(), key=repr)),
-           repr(sorted(attrs.items(), key=repr)), options.get("num_warps"), options.get("num_stages"))
+    key = (
+        launch.name,
+        arch,
+        repr(sorted(sig.items())),
+        repr(sorted(consts.items(), key=repr)),
+        repr(sorted(attrs.items(), key=repr)),
+        options.get("num_warps"),
+        options.get("num_stages"),
+    )
     if key not in _TRITON:
         ck = compile_launch(launch, arch)
         funcs = sass.read_cubin(ck.asm["cubin"])

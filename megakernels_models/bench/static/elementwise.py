@@ -31,18 +31,48 @@ def _swiglu_parts(passname: str, dtype: str, rows: int, f: int) -> list[Part]:
     n = rows * f
     if passname == "fwd":
         kern = cuda("swiglu", f"swiglu_fwd_kernel<{t}, {pack}>", block)
-        return [Part(kern, [Role("swiglu", 2, stores=1, reads_dram=True)], pack, math.ceil(packs / group), grid, n,
-                     3 * size, 3 * size)]
+        return [
+            Part(
+                kern,
+                [Role("swiglu", 2, stores=1, reads_dram=True)],
+                pack,
+                math.ceil(packs / group),
+                grid,
+                n,
+                3 * size,
+                3 * size,
+            )
+        ]
     kern = cuda("swiglu", f"swiglu_bwd_kernel<{t}, {pack}>", block)
-    return [Part(kern, [Role("dswiglu", 3, stores=2, reads_dram=True)], pack, math.ceil(packs / group), grid, n,
-                 5 * size, 5 * size)]
+    return [
+        Part(
+            kern,
+            [Role("dswiglu", 3, stores=2, reads_dram=True)],
+            pack,
+            math.ceil(packs / group),
+            grid,
+            n,
+            5 * size,
+            5 * size,
+        )
+    ]
 
 
 @register
 def swiglu_entries() -> list[Entry]:
-    return [_entry(f"swiglu.{p}", "swiglu", "row plan", f"{rows}x{f}", dtype,
-                   lambda p=p, d=dtype, r=rows, f=f: _swiglu_parts(p, d, r, f))
-            for p in ("fwd", "bwd") for dtype in DTYPES for rows, f in SWIGLU_SHAPES]
+    return [
+        _entry(
+            f"swiglu.{p}",
+            "swiglu",
+            "row plan",
+            f"{rows}x{f}",
+            dtype,
+            lambda p=p, d=dtype, r=rows, f=f: _swiglu_parts(p, d, r, f),
+        )
+        for p in ("fwd", "bwd")
+        for dtype in DTYPES
+        for rows, f in SWIGLU_SHAPES
+    ]
 
 
 ROPE_SHAPES = [(16384, 32, 8, 128), (16384, 32, 32, 128)]  # (tokens, q heads, k heads, head dim)
@@ -64,12 +94,20 @@ def _rope_parts(dtype: str, tokens: int, hq: int, hk: int, d: int) -> list[Part]
     # A "pack" of the role is one rotation: a 16-byte pack from each half of the head row (2 * pack elements).
     per_lane = (hq + hk) / slices * ((d // 2) / pack / lanes)
     n = tokens * (hq + hk) * d
-    return [Part(kern, [Role("rotate", 2, stores=2, reads_dram=True)], 2 * pack, per_lane, grid, n, 2 * size,
-                 2 * size)]
+    return [Part(kern, [Role("rotate", 2, stores=2, reads_dram=True)], 2 * pack, per_lane, grid, n, 2 * size, 2 * size)]
 
 
 @register
 def rope_entries() -> list[Entry]:
-    return [_entry("rope.fwd", "rope", "theta, half", f"{tokens}x{hq}+{hk}x{d}", dtype,
-                   lambda d_=dtype, s=(tokens, hq, hk, d): _rope_parts(d_, *s))
-            for dtype in DTYPES for tokens, hq, hk, d in ROPE_SHAPES]
+    return [
+        _entry(
+            "rope.fwd",
+            "rope",
+            "theta, half",
+            f"{tokens}x{hq}+{hk}x{d}",
+            dtype,
+            lambda d_=dtype, s=(tokens, hq, hk, d): _rope_parts(d_, *s),
+        )
+        for dtype in DTYPES
+        for tokens, hq, hk, d in ROPE_SHAPES
+    ]

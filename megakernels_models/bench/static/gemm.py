@@ -25,7 +25,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _rows_schedule(launch, t: int, e: int):
     bm, bk = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_K"]
-    n, k = launch.args[5], launch.args[6]
+    k = launch.args[6]
     active = sum(_cdiv(t // e, bm) for _ in range(e))
     per_n = [{"k": _cdiv(k, bk) if i < active else 0} for i in range(launch.grid[0])]
     return per_n * launch.grid[1], {"k": (bm + launch.kwargs["BLOCK_N"]) * bk * DTYPE.itemsize}
@@ -72,7 +72,17 @@ def grouped_gemm_entries() -> list[Entry]:
     for pass_, table in (("fwd", gg.ROWS_CONFIGS), ("dx", gg.ROWS_CONFIGS), ("dw", gg.WGRAD_CONFIGS)):
         bench = {"op": "grouped_gemm", "pass": pass_, "shape": shape, "dtype": "bfloat16", "variant": "balanced"}
         for i, cfg in enumerate(gg.candidates(table, 90, DTYPE, None)):
-            out.append(Entry(f"grouped_gemm.{pass_}", "x".join(map(str, cfg[:3])) + f" w{cfg[3]} s{cfg[4]}", shape,
-                             "bf16", (lambda p=pass_, c=cfg: _entry(p, c)), family="moe", needs_wgmma=True,
-                             key=i == 0, bench=bench))
+            out.append(
+                Entry(
+                    f"grouped_gemm.{pass_}",
+                    "x".join(map(str, cfg[:3])) + f" w{cfg[3]} s{cfg[4]}",
+                    shape,
+                    "bf16",
+                    (lambda p=pass_, c=cfg: _entry(p, c)),
+                    family="moe",
+                    needs_wgmma=True,
+                    key=i == 0,
+                    bench=bench,
+                )
+            )
     return out

@@ -30,25 +30,25 @@ class Machine:
 
     name: str = "H200 SXM (sm_90)"
     sms: int = 132
-    clock_hz: float = 1.83e9            # the clock at which the 989 TFLOP/s dense bf16 rating holds (boost: 1.98)
-    issue_lanes: int = 128              # 4 schedulers x 1 warp-instruction x 32 lanes
-    mufu_lanes: int = 16                # ex2 / rcp / rsqrt / lg2 results per SM per clock
-    mma_dense_bf16: float = 989e12      # FLOP/s, wgmma dense bf16 peak (the attention ceiling)
-    mma_sustained: float = 0.80         # fraction of that peak a saturating GEMM sustains (cuBLAS ~790 TFLOP/s)
-    mma_sync_rate: float = 0.625        # mma.sync's rate relative to wgmma on Hopper
-    dram_peak: float = 4.8e12           # B/s, HBM3e
-    dram_copy: float = 4.3e12           # B/s, a measured device-to-device copy (the streaming ceiling)
-    l2_bw: float = 10e12                # B/s, L2 -> SM (assumption; calibrate)
-    smem_bytes_per_clk: float = 128.0   # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
-                                        # cp.async fills, LDS/STS share it (assumption; calibrate)
-    dram_latency_s: float = 0.8e-6      # loaded DRAM latency: bytes in flight per SM must cover it
-    launch_s: float = 2e-6              # per kernel launch: launch, ramp-up and drain of a grid
+    clock_hz: float = 1.83e9  # the clock at which the 989 TFLOP/s dense bf16 rating holds (boost: 1.98)
+    issue_lanes: int = 128  # 4 schedulers x 1 warp-instruction x 32 lanes
+    mufu_lanes: int = 16  # ex2 / rcp / rsqrt / lg2 results per SM per clock
+    mma_dense_bf16: float = 989e12  # FLOP/s, wgmma dense bf16 peak (the attention ceiling)
+    mma_sustained: float = 0.80  # fraction of that peak a saturating GEMM sustains (cuBLAS ~790 TFLOP/s)
+    mma_sync_rate: float = 0.625  # mma.sync's rate relative to wgmma on Hopper
+    dram_peak: float = 4.8e12  # B/s, HBM3e
+    dram_copy: float = 4.3e12  # B/s, a measured device-to-device copy (the streaming ceiling)
+    l2_bw: float = 10e12  # B/s, L2 -> SM (assumption; calibrate)
+    smem_bytes_per_clk: float = 128.0  # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
+    # cp.async fills, LDS/STS share it (assumption; calibrate)
+    dram_latency_s: float = 0.8e-6  # loaded DRAM latency: bytes in flight per SM must cover it
+    launch_s: float = 2e-6  # per kernel launch: launch, ramp-up and drain of a grid
     max_warps: int = 64
     max_blocks: int = 32
     regs: int = 65536
-    smem: int = 233472                  # 228 KiB per SM
-    smem_per_block: int = 232448        # 227 KiB opt-in per block
-    smem_reserved: int = 1024           # per block, on sm_90
+    smem: int = 233472  # 228 KiB per SM
+    smem_per_block: int = 232448  # 227 KiB opt-in per block
+    smem_reserved: int = 1024  # per block, on sm_90
 
     @property
     def issue_per_s(self) -> float:
@@ -77,16 +77,17 @@ def blocks_per_sm(m: Machine, threads: int, registers: int, shared: int, grid_ca
 
 # ---- streaming kernels -----------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class StreamCost:
     """Per element of the op (not per thread): what the hot loops and their row overhead cost."""
 
     instructions: float
     mufu: float
-    l2_bytes: float           # through L2 (all global traffic but the L1-resident parameters)
-    dram_bytes: float         # that must cross DRAM (the compulsory traffic)
-    min_bytes: float          # the op's minimum (what the GB/s of `megakernels bench` counts)
-    in_flight_per_sm: float   # bytes of loads in flight per SM in the DRAM-reading loop
+    l2_bytes: float  # through L2 (all global traffic but the L1-resident parameters)
+    dram_bytes: float  # that must cross DRAM (the compulsory traffic)
+    min_bytes: float  # the op's minimum (what the GB/s of `megakernels bench` counts)
+    in_flight_per_sm: float  # bytes of loads in flight per SM in the DRAM-reading loop
     warps_per_sm: int
     sm_fraction: float = 1.0  # of the SMs the grid occupies (a grid smaller than the machine leaves SMs idle)
 
@@ -104,26 +105,33 @@ def predict_stream(c: StreamCost, elements: float, launches: int = 1, m: Machine
     bound = max(times, key=times.get)
     t = times[bound] + launches * m.launch_s
     achieved = elements * c.min_bytes / t if t > 0 else 0.0
-    return {"time_s": t, "bound": bound, "times_s": times, "bandwidth_Bps": achieved,
-            "latency_limited_bw_Bps": bw, "predicted_fraction": achieved / m.dram_copy}
+    return {
+        "time_s": t,
+        "bound": bound,
+        "times_s": times,
+        "bandwidth_Bps": achieved,
+        "latency_limited_bw_Bps": bw,
+        "predicted_fraction": achieved / m.dram_copy,
+    }
 
 
 # ---- tiled MMA kernels -----------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class TileIteration:
     """One CTA's pass through a loop iteration, from the SASS (per warp) and the launch."""
 
     warps: int
-    instructions: float      # per warp
-    mufu: float              # per warp
-    mma_flops: float         # per CTA
-    wgmma: bool              # tensor cores through wgmma (else mma.sync)
-    overlap_instr: float     # per warp: instructions issued while a wgmma is in flight
-    l2_bytes: float          # per CTA (tile loads)
+    instructions: float  # per warp
+    mufu: float  # per warp
+    mma_flops: float  # per CTA
+    wgmma: bool  # tensor cores through wgmma (else mma.sync)
+    overlap_instr: float  # per warp: instructions issued while a wgmma is in flight
+    l2_bytes: float  # per CTA (tile loads)
     mma_sync_flops: float = 0.0  # per CTA: the part of mma_flops on mma.sync in a loop that also has wgmma
-    shared_bytes: float = 0.0    # per CTA: bytes through shared memory (wgmma operands, fills, LDS/STS)
-    wgmma_ops: tuple = ()        # per CTA: (FLOPs, shared-memory operand bytes, count) of each wgmma shape
+    shared_bytes: float = 0.0  # per CTA: bytes through shared memory (wgmma operands, fills, LDS/STS)
+    wgmma_ops: tuple = ()  # per CTA: (FLOPs, shared-memory operand bytes, count) of each wgmma shape
 
     def cycles(self, m: Machine) -> dict:
         rate = 4096 * m.mma_sustained  # wgmma FLOP per SM-clock
@@ -144,8 +152,14 @@ class TileIteration:
 def per_iteration_cycles(it: TileIteration, ctas_per_sm: int, m: Machine = H200) -> tuple[float, str]:
     """SM cycles one CTA-iteration costs when ``ctas_per_sm`` CTAs share the SM, and what bounds it."""
     c = it.cycles(m)
-    terms = {"mma": c["mma"], "issue": c["issue"], "mufu": c["mufu"], "l2": c["l2"], "smem": c["smem"],
-             "latency": c["critical"] / max(1, ctas_per_sm)}
+    terms = {
+        "mma": c["mma"],
+        "issue": c["issue"],
+        "mufu": c["mufu"],
+        "l2": c["l2"],
+        "smem": c["smem"],
+        "latency": c["critical"] / max(1, ctas_per_sm),
+    }
     bound = max(terms, key=terms.get)
     return terms[bound], bound
 
@@ -162,8 +176,9 @@ def schedule(durations: list[float], slots: int) -> float:
     return end
 
 
-def predict_tiles(ctas: list[dict], iterations: dict, ctas_per_sm: int, overhead_cycles: float,
-                  m: Machine = H200) -> dict:
+def predict_tiles(
+    ctas: list[dict], iterations: dict, ctas_per_sm: int, overhead_cycles: float, m: Machine = H200
+) -> dict:
     """Time of a grid whose CTA ``i`` runs ``ctas[i][role]`` iterations of each loop role (``iterations[role]``
     a TileIteration), in launch order; ``overhead_cycles`` per CTA (prologue, epilogue)."""
     per = {role: per_iteration_cycles(it, ctas_per_sm, m) for role, it in iterations.items()}
@@ -172,5 +187,9 @@ def predict_tiles(ctas: list[dict], iterations: dict, ctas_per_sm: int, overhead
     cycles = schedule(durations, m.sms * max(1, ctas_per_sm))
     busy = sum(durations) / (m.sms * max(1, ctas_per_sm))
     bounds = {r: b for r, (_, b) in per.items()}
-    return {"time_s": cycles / m.clock_hz + m.launch_s, "tail_efficiency": busy / cycles if cycles else 1.0, "bounds": bounds,
-            "cycles_per_iteration": {r: c for r, (c, _) in per.items()}}
+    return {
+        "time_s": cycles / m.clock_hz + m.launch_s,
+        "tail_efficiency": busy / cycles if cycles else 1.0,
+        "bounds": bounds,
+        "cycles_per_iteration": {r: c for r, (c, _) in per.items()},
+    }

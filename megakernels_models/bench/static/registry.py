@@ -34,12 +34,19 @@ class Entry:
     family: str = ""
     key: bool = True
     needs_wgmma: bool = False
-    bench: dict | None = None   # the `megakernels bench` row it predicts: {op, pass, shape, variant}
+    bench: dict | None = None  # the `megakernels bench` row it predicts: {op, pass, shape, variant}
 
     def row(self) -> dict:
         """The JSON object of this entry: identity, then what ``evaluate`` measured (or its ``error``)."""
-        head = {"name": self.name, "family": self.family, "config": self.config, "shape": self.shape,
-                "dtype": self.dtype, "arch": f"sm_{self.arch}", "bench": self.bench}
+        head = {
+            "name": self.name,
+            "family": self.family,
+            "config": self.config,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "arch": f"sm_{self.arch}",
+            "bench": self.bench,
+        }
         try:
             return {**head, **self.evaluate()}
         except (RuntimeError, ValueError, OSError) as e:  # a kernel that cannot be analysed is reported, not fatal

@@ -3,7 +3,8 @@
 Compiles every registered kernel config for sm_90 as a real launch gets it (no GPU: nvcc, the Triton compiler,
 ptxas, cuobjdump), prints one table per family — registers, spills, shared memory, resident blocks per SM, MMA
 kind, TMA, SASS instructions and MUFU operations per element (streaming kernels) or per tile iteration
-(attention, the grouped GEMM), bytes through L2 per element against the minimum, what bounds it, and the predicted fraction of the
+(attention, the grouped GEMM), bytes through L2 per element against the minimum, what bounds it, and the predicted
+fraction of the
 H200 ceiling — and with ``--out DIR`` writes ``DIR/static.json``::
 
     {"machine": {model constants}, "tools": {...}, "commit", "date",
@@ -55,22 +56,30 @@ def format_row(r: dict) -> str:
     if per is None:
         per, unit = r.get("instructions_per_iteration"), "/it"
     mufu = r.get("mufu_per_element", r.get("mufu_per_iteration"))
-    bytes_ = (f"{r['bytes_per_element']:.1f}/{r['min_bytes_per_element']:.1f}" if "bytes_per_element" in r else "-")
-    return (f"  {r['name']:<34}{r['shape']:<28}{r['dtype']:<6}{r['config']:<16}{r['registers']:>5}{r['spill_bytes']:>6}"
-            f"{r['shared_bytes'] / 1024:>8.1f}{r.get('blocks_per_sm', 0):>5}  {r['mma']:<9}{'yes' if r['tma'] else 'no':<4}"
-            f"{per:>8.1f}{unit}{mufu:>7.2f}{bytes_:>12}  {r.get('bound', '-'):<8}{_pct(r['predicted_fraction']):>6}")
+    bytes_ = f"{r['bytes_per_element']:.1f}/{r['min_bytes_per_element']:.1f}" if "bytes_per_element" in r else "-"
+    return (
+        f"  {r['name']:<34}{r['shape']:<28}{r['dtype']:<6}{r['config']:<16}{r['registers']:>5}{r['spill_bytes']:>6}"
+        f"{r['shared_bytes'] / 1024:>8.1f}{r.get('blocks_per_sm', 0):>5}  {r['mma']:<9}{'yes' if r['tma'] else 'no':<4}"
+        f"{per:>8.1f}{unit}{mufu:>7.2f}{bytes_:>12}  {r.get('bound', '-'):<8}{_pct(r['predicted_fraction']):>6}"
+    )
 
 
-HEADER = (f"  {'kernel':<34}{'shape':<28}{'dtype':<6}{'config':<16}{'regs':>5}{'spill':>6}{'smemKiB':>8}{'blk':>5}  "
-          f"{'mma':<9}{'tma':<4}{'instr':>11}{'mufu':>7}{'B/el(min)':>12}  {'bound':<8}{'pred':>6}")
+HEADER = (
+    f"  {'kernel':<34}{'shape':<28}{'dtype':<6}{'config':<16}{'regs':>5}{'spill':>6}{'smemKiB':>8}{'blk':>5}  "
+    f"{'mma':<9}{'tma':<4}{'instr':>11}{'mufu':>7}{'B/el(min)':>12}  {'bound':<8}{'pred':>6}"
+)
 
 
 def select(families: list[str] | None = None, ops: list[str] | None = None, key_only: bool = False) -> list[int]:
     """Indices into ``registry.entries()`` of the entries of ``families`` / ops in ``ops`` (the part of an entry's
     name before the dot), only the test suite's key configs with ``key_only``."""
-    return [i for i, e in enumerate(registry.entries())
-            if (families is None or e.family in families) and (ops is None or e.name.split(".")[0] in ops)
-            and (e.key or not key_only)]
+    return [
+        i
+        for i, e in enumerate(registry.entries())
+        if (families is None or e.family in families)
+        and (ops is None or e.name.split(".")[0] in ops)
+        and (e.key or not key_only)
+    ]
 
 
 def _evaluate(index: int) -> dict:
@@ -106,8 +115,10 @@ def _print(entries, indices, results, log) -> list[dict]:
         e = entries[i]
         if e.family != family:
             family = e.family
-            log(f"\n## {family} (sm_{e.arch}; predicted fraction of "
-                f"{'dense bf16 peak' if family in MMA_FAMILIES else 'copy bandwidth'})")
+            log(
+                f"\n## {family} (sm_{e.arch}; predicted fraction of "
+                f"{'dense bf16 peak' if family in MMA_FAMILIES else 'copy bandwidth'})"
+            )
             log(HEADER)
         rows.append(r)
         log(format_row(r))
@@ -117,5 +128,10 @@ def _print(entries, indices, results, log) -> list[dict]:
 def payload(rows: list[dict]) -> dict:
     from megakernels_models.bench.common import git_commit
 
-    return {"machine": dataclasses.asdict(model.H200), "tools": tools(), "commit": git_commit(),
-            "date": time.strftime("%Y-%m-%d"), "kernels": rows}
+    return {
+        "machine": dataclasses.asdict(model.H200),
+        "tools": tools(),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "kernels": rows,
+    }

@@ -31,8 +31,8 @@ _RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 @dataclasses.dataclass
 class Instr:
     addr: int
-    pred: str      # "" or the guard, e.g. "@!P0"
-    op: str        # full opcode with modifiers, e.g. "LDG.E.128"
+    pred: str  # "" or the guard, e.g. "@!P0"
+    op: str  # full opcode with modifiers, e.g. "LDG.E.128"
     operands: str
 
     @property
@@ -43,7 +43,7 @@ class Instr:
 @dataclasses.dataclass
 class Resources:
     registers: int
-    stack_bytes: int   # local-memory stack frame: spills (and arrays not kept in registers)
+    stack_bytes: int  # local-memory stack frame: spills (and arrays not kept in registers)
     static_shared: int
     local_bytes: int
 
@@ -55,24 +55,24 @@ class Counts:
     instructions: int = 0
     mufu: int = 0
     mufu_ops: dict = dataclasses.field(default_factory=dict)
-    mma: int = 0                   # HGMMA (wgmma) + HMMA (mma.sync) instructions
+    mma: int = 0  # HGMMA (wgmma) + HMMA (mma.sync) instructions
     wgmma: int = 0
-    mma_flops: float = 0.0         # FLOPs of the tensor-core instructions, per warp (wgmma: per warpgroup / 4)
-    mma_sync_flops: float = 0.0    # the part of mma_flops issued by HMMA (mma.sync)
-    global_loads: dict = dataclasses.field(default_factory=dict)   # width in bytes -> count (cp.async included)
+    mma_flops: float = 0.0  # FLOPs of the tensor-core instructions, per warp (wgmma: per warpgroup / 4)
+    mma_sync_flops: float = 0.0  # the part of mma_flops issued by HMMA (mma.sync)
+    global_loads: dict = dataclasses.field(default_factory=dict)  # width in bytes -> count (cp.async included)
     global_stores: dict = dataclasses.field(default_factory=dict)
-    async_copies: int = 0          # LDGSTS (cp.async)
+    async_copies: int = 0  # LDGSTS (cp.async)
     async_copy_bytes: int = 0
-    tma: int = 0                   # UTMALDG / UTMASTG / UBLKCP (bulk tensor copies)
+    tma: int = 0  # UTMALDG / UTMASTG / UBLKCP (bulk tensor copies)
     atomics: int = 0
-    barriers: int = 0              # BAR.SYNC / BAR.RED
-    wgmma_waits: int = 0           # WARPGROUP.DEPBAR (waits for wgmma results)
+    barriers: int = 0  # BAR.SYNC / BAR.RED
+    wgmma_waits: int = 0  # WARPGROUP.DEPBAR (waits for wgmma results)
     shuffles: int = 0
-    branches: int = 0              # conditional branches other than the loop's own back edge
-    shared_bytes: float = 0.0      # per warp: bytes through shared memory (LDS/STS/LDSM/STSM, cp.async fills, and
-                                   # a quarter of each wgmma's shared-memory operands)
+    branches: int = 0  # conditional branches other than the loop's own back edge
+    shared_bytes: float = 0.0  # per warp: bytes through shared memory (LDS/STS/LDSM/STSM, cp.async fills, and
+    # a quarter of each wgmma's shared-memory operands)
     wgmma_shapes: dict = dataclasses.field(default_factory=dict)  # (FLOPs, shared bytes) of one warpgroup wgmma
-                                                                  # -> instructions (per warp)
+    # -> instructions (per warp)
 
     def add(self, ins: Instr) -> None:
         if ins.base == "NOP":
@@ -128,7 +128,7 @@ class Counts:
         if b == "BRA" and ins.pred and not op.startswith("BRA.DIV"):
             self.branches += 1
 
-    def merge(self, other: "Counts") -> None:
+    def merge(self, other: Counts) -> None:
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if isinstance(a, dict):
@@ -185,19 +185,19 @@ def wgmma_shared_bytes(ins: Instr, m: int, n: int, k: int) -> int:
 
 @dataclasses.dataclass
 class Block:
-    start: int            # index into Function.instrs
-    end: int              # exclusive
+    start: int  # index into Function.instrs
+    end: int  # exclusive
     succ: list = dataclasses.field(default_factory=list)
     cold: bool = False
 
 
 @dataclasses.dataclass
 class Loop:
-    header: int                 # block index
-    blocks: set                 # block indices of the whole natural loop (inner loops included)
-    own: set = dataclasses.field(default_factory=set)   # blocks not inside an inner loop
+    header: int  # block index
+    blocks: set  # block indices of the whole natural loop (inner loops included)
+    own: set = dataclasses.field(default_factory=set)  # blocks not inside an inner loop
     inner: list = dataclasses.field(default_factory=list)
-    counts: Counts = dataclasses.field(default_factory=Counts)   # one iteration of this loop's own blocks
+    counts: Counts = dataclasses.field(default_factory=Counts)  # one iteration of this loop's own blocks
     addr: int = 0
 
     @property
@@ -239,8 +239,12 @@ class Function:
         """For each committed group of wgmmas in the loop: the instructions this warp issues between the commit
         and the wait that retires it (``WARPGROUP.DEPBAR.LE gsb0, N`` retires all but the newest N groups),
         following the loop around its back edge. 0: the wgmma is waited on at once and nothing overlaps it."""
-        seq = [ins for bi in sorted(loop.blocks) if not self.blocks[bi].cold
-               for ins in self.instrs[self.blocks[bi].start:self.blocks[bi].end]]
+        seq = [
+            ins
+            for bi in sorted(loop.blocks)
+            if not self.blocks[bi].cold
+            for ins in self.instrs[self.blocks[bi].start : self.blocks[bi].end]
+        ]
         out, open_groups = [], []
         for lap in (0, 1):
             for ins in seq:
@@ -251,8 +255,10 @@ class Function:
                 if ins.op.startswith("WARPGROUP.DEPBAR"):
                     m = _TARGET.findall(ins.operands)
                     keep = int(m[-1], 16) if m else 0
-                    done, open_groups = open_groups[:max(0, len(open_groups) - keep)], \
-                        open_groups[max(0, len(open_groups) - keep):]
+                    done, open_groups = (
+                        open_groups[: max(0, len(open_groups) - keep)],
+                        open_groups[max(0, len(open_groups) - keep) :],
+                    )
                     out += [n for n, when in done if when == 1 or lap == 1]
                 elif ins.base not in ("NOP", "WARPGROUP"):
                     for g in open_groups:
@@ -287,7 +293,7 @@ def _basic_blocks(instrs: list) -> list:
                 b.succ.append(k + 1)
         elif not unconditional_exit and k + 1 < len(blocks):
             b.succ.append(k + 1)
-        b.cold = any(ins.base == "CALL" for ins in instrs[b.start:b.end])
+        b.cold = any(ins.base == "CALL" for ins in instrs[b.start : b.end])
     return blocks
 
 
@@ -346,13 +352,14 @@ def _natural_loops(instrs: list, blocks: list) -> list:
         for bi in sorted(lp.own):
             if blocks[bi].cold:
                 continue
-            for ins in instrs[blocks[bi].start:blocks[bi].end]:
+            for ins in instrs[blocks[bi].start : blocks[bi].end]:
                 lp.counts.add(ins)
         lp.counts.branches = max(0, lp.counts.branches - 1)  # the loop's own back edge
     return loops
 
 
 # ---- tools -----------------------------------------------------------------------------------------------------
+
 
 def find_tool(name: str) -> str | None:
     """``cuobjdump`` / ``nvdisasm`` / ``ptxas``: the CUDA toolkit's, else the copy Triton ships."""
@@ -387,7 +394,7 @@ def parse_sass(text: str) -> dict[str, Function]:
     for line in text.splitlines():
         s = line.strip()
         if s.startswith("Function : "):
-            current = Function(s[len("Function : "):].strip(), [])
+            current = Function(s[len("Function : ") :].strip(), [])
             funcs[current.name] = current
             continue
         if current is None:
@@ -405,7 +412,7 @@ def read_cubin(cubin: bytes) -> dict[str, Function]:
     for line in _cuobjdump(["-res-usage"], cubin).splitlines():
         s = line.strip()
         if s.startswith("Function "):
-            name = s[len("Function "):].rstrip(":").strip()
+            name = s[len("Function ") :].rstrip(":").strip()
             continue
         m = _RES.search(s)
         if m and name in funcs:

@@ -34,16 +34,16 @@ def row_shapes() -> list[tuple[int, int]]:
 
 @dataclasses.dataclass
 class Part:
-    kernel: Callable[[], compiled.Compiled]   # compiles (cached) on first call
+    kernel: Callable[[], compiled.Compiled]  # compiles (cached) on first call
     roles: list
-    pack: int                 # elements per pack of the streamed tensor
-    packs_per_thread: float   # per row (or unit of work)
+    pack: int  # elements per pack of the streamed tensor
+    packs_per_thread: float  # per row (or unit of work)
     grid: int
-    elements: float           # elements of the whole launch (the unit the costs are per)
-    dram_bytes: float         # per element, that must cross DRAM
-    min_bytes: float          # per element, the op's minimum
+    elements: float  # elements of the whole launch (the unit the costs are per)
+    dram_bytes: float  # per element, that must cross DRAM
+    min_bytes: float  # per element, the op's minimum
     name: str = ""
-    launches: int = 1         # launches the launcher splits this work into
+    launches: int = 1  # launches the launcher splits this work into
 
 
 def plan_rows(rows: int, packs: int, blocks_per_sm: int, max_threads: int = 1024) -> tuple[int, int, int]:
@@ -64,26 +64,44 @@ def evaluate(parts: list[Part]) -> dict:
     rows, total, min_bytes = [], 0.0, 0.0
     for p in parts:
         c = p.kernel()
-        cost, details = analysis.stream_cost(c, p.roles, p.pack, p.packs_per_thread, p.dram_bytes, p.min_bytes,
-                                             p.grid)
+        cost, details = analysis.stream_cost(c, p.roles, p.pack, p.packs_per_thread, p.dram_bytes, p.min_bytes, p.grid)
         pred = model.predict_stream(cost, p.elements, p.launches)
         total += pred["time_s"]
         min_bytes += p.min_bytes * p.elements
         rows.append((p, c, cost, details, pred))
     p, c, cost, details, pred = rows[0]
-    launches = [{"kernel": q.name or cc.symbol, **cc.resources(), "blocks_per_sm": d["blocks_per_sm"],
-                 "instructions_per_element": round(k.instructions, 2), "mufu_per_element": round(k.mufu, 3),
-                 "l2_bytes_per_element": round(k.l2_bytes, 2), "in_flight_kib_per_sm": round(k.in_flight_per_sm / 1024, 1),
-                 "predicted_time_us": pr["time_s"] * 1e6, "bound": pr["bound"], "loops": d["loops"],
-                 "row_overhead_instructions": d["row_overhead_instructions"]}
-                for q, cc, k, d, pr in rows]
-    return {**c.resources(), "kernel": c.symbol, "elements": p.elements, "blocks_per_sm": details["blocks_per_sm"],
-            "instructions_per_element": round(cost.instructions, 2), "mufu_per_element": round(cost.mufu, 3),
-            "bytes_per_element": round(cost.l2_bytes, 2), "min_bytes_per_element": p.min_bytes,
-            "in_flight_kib_per_sm": round(cost.in_flight_per_sm / 1024, 1), "bound": pred["bound"],
-            "hot_loop_branches": sum(v["branches"] for v in details["loops"].values()),
-            "predicted_time_us": total * 1e6, "predicted_fraction": min_bytes / total / M.dram_copy,
-            "launches": launches}
+    launches = [
+        {
+            "kernel": q.name or cc.symbol,
+            **cc.resources(),
+            "blocks_per_sm": d["blocks_per_sm"],
+            "instructions_per_element": round(k.instructions, 2),
+            "mufu_per_element": round(k.mufu, 3),
+            "l2_bytes_per_element": round(k.l2_bytes, 2),
+            "in_flight_kib_per_sm": round(k.in_flight_per_sm / 1024, 1),
+            "predicted_time_us": pr["time_s"] * 1e6,
+            "bound": pr["bound"],
+            "loops": d["loops"],
+            "row_overhead_instructions": d["row_overhead_instructions"],
+        }
+        for q, cc, k, d, pr in rows
+    ]
+    return {
+        **c.resources(),
+        "kernel": c.symbol,
+        "elements": p.elements,
+        "blocks_per_sm": details["blocks_per_sm"],
+        "instructions_per_element": round(cost.instructions, 2),
+        "mufu_per_element": round(cost.mufu, 3),
+        "bytes_per_element": round(cost.l2_bytes, 2),
+        "min_bytes_per_element": p.min_bytes,
+        "in_flight_kib_per_sm": round(cost.in_flight_per_sm / 1024, 1),
+        "bound": pred["bound"],
+        "hot_loop_branches": sum(v["branches"] for v in details["loops"].values()),
+        "predicted_time_us": total * 1e6,
+        "predicted_fraction": min_bytes / total / M.dram_copy,
+        "launches": launches,
+    }
 
 
 def cuda(family: str, pattern: str, threads: int) -> Callable[[], compiled.Compiled]:
@@ -97,6 +115,7 @@ def _entry(name, family, config, shape, dtype, parts_fn) -> Entry:
 
 
 # ---- norms -----------------------------------------------------------------------------------------------------
+
 
 def rows_plan(rows: int, hidden: int, pack: int, packs_per_thread: int, accumulators: int) -> tuple[int, int, int]:
     """(group threads, groups per block, grid) as csrc/norms/norms_rows.cuh's rows_plan: a row over G threads of
@@ -120,8 +139,9 @@ def column_sum_part(family: str, t: str, parts: int, cols: int) -> Part:
     """csrc/common/cuda_kernels.cuh's column_sum_kernel over [parts, cols] fp32 partials (float4 columns): 32
     column packs x 32 part-lanes per 1024-thread block. Its bytes are extra to the op's minimum."""
     kern = cuda(family, f"column_sum_kernel<{t}, float, 4>", 1024)
-    return Part(kern, [Role("sum", 1, reads_dram=True)], 4, parts / 32, -(-cols // 128), parts * cols, 4, 0,
-                name="column_sum")
+    return Part(
+        kern, [Role("sum", 1, reads_dram=True)], 4, parts / 32, -(-cols // 128), parts * cols, 4, 0, name="column_sum"
+    )
 
 
 def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> list[Part]:
@@ -135,17 +155,24 @@ def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> l
     k = 1 if rms else 2
     if passname == "fwd":
         group, groups, grid = rows_plan(rows, hidden, pack, ppt, 0)
-        kern = cuda("norms", f"norm_fwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
-                    group * groups)
+        kern = cuda(
+            "norms",
+            f"norm_fwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
+            group * groups,
+        )
         roles = [Role("row", 1, params=k, stores=1, reads_dram=True)]
         return [Part(kern, roles, pack, ppt, grid, n, 2 * size, 2 * size)]
     group, groups, grid = rows_plan(rows, hidden, pack, ppt, k + (1 if size == 4 else 0))  # fp32: dz row in smem
-    kern = cuda("norms", f"norm_bwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
-                group * groups)
+    kern = cuda(
+        "norms", f"norm_bwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>", group * groups
+    )
     if size == 2:  # one fully unrolled row pass: x and dy; w twice (dz * w, then dx), b for the activation
         roles = [Role("row", 2, params=2 + (1 if ACTS[op] else 0), stores=1, reads_dram=True)]
     else:  # fp32: a reduce loop and a dx loop (two packs per iteration each), x re-read in the second
-        roles = [Role("reduce", 2, params=1 + (1 if ACTS[op] else 0), reads_dram=True), Role("dx", 1, params=1, stores=1)]
+        roles = [
+            Role("reduce", 2, params=1 + (1 if ACTS[op] else 0), reads_dram=True),
+            Role("dx", 1, params=1, stores=1),
+        ]
     col = column_sum_part("norms", t, grid, k * hidden)
     return [Part(kern, roles, pack, ppt, grid, n, 3 * size, 3 * size), col]
 
@@ -170,11 +197,14 @@ def _bias_gelu_parts(passname: str, dtype: str, rows: int, hidden: int) -> list[
     grid = gx * gy
     if passname == "fwd":
         kern = cuda("bias_gelu", f"bias_gelu_fwd_kernel<{t}, {t}, {pack}, (megakernels::Activation)2>", tx * ty)
-        return [Part(kern, [Role("gelu", 1, stores=1, reads_dram=True)], pack, rows / walkers, grid, n, 2 * size,
-                     2 * size)]
+        return [
+            Part(kern, [Role("gelu", 1, stores=1, reads_dram=True)], pack, rows / walkers, grid, n, 2 * size, 2 * size)
+        ]
     kern = cuda("bias_gelu", f"bias_gelu_bwd_kernel<{t}, {t}, {pack}, (megakernels::Activation)2>", tx * ty)
-    return [Part(kern, [Role("dgelu", 2, stores=1, reads_dram=True)], pack, rows / walkers, grid, n, 3 * size,
-                 3 * size), column_sum_part("bias_gelu", t, walkers, hidden)]
+    return [
+        Part(kern, [Role("dgelu", 2, stores=1, reads_dram=True)], pack, rows / walkers, grid, n, 3 * size, 3 * size),
+        column_sum_part("bias_gelu", t, walkers, hidden),
+    ]
 
 
 @register
@@ -184,17 +214,34 @@ def norm_entries() -> list[Entry]:
         for passname in ("fwd", "bwd"):
             for dtype in DTYPES:
                 for rows, hidden in row_shapes():
-                    out.append(_entry(f"{op}.{passname}", "norms", "row plan", f"{rows}x{hidden}", dtype,
-                                      lambda op=op, p=passname, d=dtype, r=rows, h=hidden: _norm_parts(op, p, d, r, h)))
+                    out.append(
+                        _entry(
+                            f"{op}.{passname}",
+                            "norms",
+                            "row plan",
+                            f"{rows}x{hidden}",
+                            dtype,
+                            lambda op=op, p=passname, d=dtype, r=rows, h=hidden: _norm_parts(op, p, d, r, h),
+                        )
+                    )
     for passname in ("fwd", "bwd"):
         for dtype in DTYPES:
             for rows, hidden in row_shapes():
-                out.append(_entry(f"bias_gelu.{passname}", "bias_gelu", "tanh", f"{rows}x{hidden}", dtype,
-                                  lambda p=passname, d=dtype, r=rows, h=hidden: _bias_gelu_parts(p, d, r, h)))
+                out.append(
+                    _entry(
+                        f"bias_gelu.{passname}",
+                        "bias_gelu",
+                        "tanh",
+                        f"{rows}x{hidden}",
+                        dtype,
+                        lambda p=passname, d=dtype, r=rows, h=hidden: _bias_gelu_parts(p, d, r, h),
+                    )
+                )
     return out
 
 
 # ---- softmax ---------------------------------------------------------------------------------------------------
+
 
 def _causal_coverage(sq: int, sk: int) -> float:
     """Fraction of a [sq, sk] causal (bottom-right aligned) score matrix that is kept."""
@@ -208,7 +255,8 @@ CAUSAL_WIDTH = 16
 
 def softmax_rows_plan(rows: int, sk: int) -> tuple[int, int, int]:
     """(group threads, block threads, grid) as csrc/softmax/softmax_rows.cuh's softmax_rows_plan."""
-    group = -(-(-(-sk // 32)) // 32) * 32
+    warps = -(-sk // 32)  # ceil: 32 lanes a warp
+    group = -(-warps // 32) * 32
     block = group * (1 if group >= 256 else 256 // group)
     return group, block, max(1, min(-(-rows // (block // group)), M.sms * (2048 // block)))
 
@@ -230,14 +278,31 @@ def _softmax_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
         mask = {"plain": "softmax::MaskKind)0", "masked": "softmax::MaskKind)1", "causal": "softmax::MaskKind)2"}[kind]
         kern = cuda("softmax", f"softmax_fwd_rows_kernel<{t}, {pack}, (megakernels::{mask}>", block)
         loads = 1 + (1 if kind == "masked" else 0)  # the mask word of a pack: 8 bytes (bf16) / 4 (fp32)
-        roles = [Role("row", loads, stores=1, reads_dram=True, min_width=4 if kind == "masked" else CAUSAL_WIDTH
-                      if causal else 8)]
+        roles = [
+            Role(
+                "row",
+                loads,
+                stores=1,
+                reads_dram=True,
+                min_width=4 if kind == "masked" else CAUSAL_WIDTH if causal else 8,
+            )
+        ]
         mbytes = (kept + 1) * size + (1 if kind == "masked" else 0)
         return [Part(kern, roles, pack, ppt, grid, n, mbytes, mbytes)]
     kern = cuda("softmax", f"softmax_bwd_rows_kernel<{t}, {pack}, {'true' if causal else 'false'}>", block)
     mbytes = (2 * kept + 1) * size
-    return [Part(kern, [Role("row", 2, stores=1, reads_dram=True, min_width=CAUSAL_WIDTH if causal else 8)], pack,
-                 ppt, grid, n, mbytes, mbytes)]
+    return [
+        Part(
+            kern,
+            [Role("row", 2, stores=1, reads_dram=True, min_width=CAUSAL_WIDTH if causal else 8)],
+            pack,
+            ppt,
+            grid,
+            n,
+            mbytes,
+            mbytes,
+        )
+    ]
 
 
 def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
@@ -255,14 +320,18 @@ def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Par
         kern = cuda("softmax", f"softmax_fwd_kernel<{t}, {pack}, (megakernels::{mask}>", block)
         extra = 1 if kind == "masked" and pack >= 8 else 0  # the mask pack (one byte per element) is a vector load
         w = CAUSAL_WIDTH if causal else 8
-        roles = [Role("max_sum", 1 + extra, reads_dram=True, coverage=kept, min_width=w),
-                 Role("write", 1 + extra, stores=1, coverage=kept, min_width=w)]
+        roles = [
+            Role("max_sum", 1 + extra, reads_dram=True, coverage=kept, min_width=w),
+            Role("write", 1 + extra, stores=1, coverage=kept, min_width=w),
+        ]
         mbytes = (kept + 1) * size + (1 if kind == "masked" else 0)
         return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, mbytes, mbytes)]
     kern = cuda("softmax", f"softmax_bwd_kernel<{t}, {pack}, {'true' if causal else 'false'}>", block)
     w = CAUSAL_WIDTH if causal else 8
-    roles = [Role("dot", 2, reads_dram=True, coverage=kept, min_width=w),
-             Role("dx", 2, stores=1, coverage=kept, min_width=w)]
+    roles = [
+        Role("dot", 2, reads_dram=True, coverage=kept, min_width=w),
+        Role("dx", 2, stores=1, coverage=kept, min_width=w),
+    ]
     mbytes = (2 * kept + 1) * size
     return [Part(kern, roles, pack, math.ceil(packs / group), grid, n, mbytes, mbytes)]
 
@@ -272,19 +341,31 @@ def softmax_entries() -> list[Entry]:
     from megakernels_models.bench.softmax import GPU_SHAPES
 
     out = []
-    for kind, op in (("plain", "scaled_softmax"), ("masked", "scaled_masked_softmax"),
-                     ("causal", "scaled_causal_softmax")):
+    for kind, op in (
+        ("plain", "scaled_softmax"),
+        ("masked", "scaled_masked_softmax"),
+        ("causal", "scaled_causal_softmax"),
+    ):
         for passname in ("fwd", "bwd"):
             if kind == "masked" and passname == "bwd":
                 continue  # the masked backward is the plain one
             for dtype in DTYPES:
                 for shape in GPU_SHAPES:
-                    out.append(_entry(f"{op}.{passname}", "softmax", "row plan", "x".join(map(str, shape)), dtype,
-                                      lambda k=kind, p=passname, d=dtype, s=shape: _softmax_parts(k, p, d, s)))
+                    out.append(
+                        _entry(
+                            f"{op}.{passname}",
+                            "softmax",
+                            "row plan",
+                            "x".join(map(str, shape)),
+                            dtype,
+                            lambda k=kind, p=passname, d=dtype, s=shape: _softmax_parts(k, p, d, s),
+                        )
+                    )
     return out
 
 
 # ---- cross-entropy (Triton) ------------------------------------------------------------------------------------
+
 
 def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
     from megakernels.triton import cross_entropy as ce
@@ -309,9 +390,18 @@ def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
 def cross_entropy_entries() -> list[Entry]:
     from megakernels_models.bench.cross_entropy import GPU_SHAPES as CE_SHAPES
 
-    return [_entry(f"cross_entropy.{p}", "cross_entropy", "row per program", f"{n}x{v}", "bf16",
-                   lambda p=p, n=n, v=v: _ce_parts(p, n, v))
-            for n, v in CE_SHAPES for p in ("fwd", "bwd")]
+    return [
+        _entry(
+            f"cross_entropy.{p}",
+            "cross_entropy",
+            "row per program",
+            f"{n}x{v}",
+            "bf16",
+            lambda p=p, n=n, v=v: _ce_parts(p, n, v),
+        )
+        for n, v in CE_SHAPES
+        for p in ("fwd", "bwd")
+    ]
 
 
 # ---- optimizer -------------------------------------------------------------------------------------------------
@@ -334,8 +424,7 @@ def _optim_parts(kernel: str, dtype: str) -> list[Part]:
         return [Part(kern, roles, 4, CHUNK / 4 / 256, grid, PARAMS, 28, 28)]
     name = {"nonfinite": "nonfinite_kernel", "sumsq": "sumsq_kernel"}[kernel]
     kern = cuda("optim/adamw_cuda.cu", f"{name}<{t}>", 256)
-    return [Part(kern, [Role("read", 1, reads_dram=True, min_width=8)], 4, CHUNK / 4 / 256, grid, PARAMS, size,
-                 size)]
+    return [Part(kern, [Role("read", 1, reads_dram=True, min_width=8)], 4, CHUNK / 4 / 256, grid, PARAMS, size, size)]
 
 
 @register
@@ -344,6 +433,5 @@ def optim_entries() -> list[Entry]:
     for kernel, name in (("adamw", "adamw.update"), ("nonfinite", "adamw.nonfinite_check"), ("sumsq", "adamw.l2norm")):
         for dtype in DTYPES:
             cfg = f"{CHUNK // 1024}Ki chunks"
-            out.append(_entry(name, "optim", cfg, PARAMS_CONFIG, dtype,
-                              lambda k=kernel, d=dtype: _optim_parts(k, d)))
+            out.append(_entry(name, "optim", cfg, PARAMS_CONFIG, dtype, lambda k=kernel, d=dtype: _optim_parts(k, d)))
     return out
