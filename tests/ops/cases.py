@@ -22,6 +22,10 @@ class OpCase:
     fused: Callable  # fused(x, *params)
     reference: Callable  # reference(x, *params) in the inputs' dtype (callers pass fp64 copies)
     n_params: int  # weight (+ bias) of shape [hidden]
+    # The largest 1/std the norm divides by, from x (fp64): a norm's dx is rstd times a difference of O(|dy·w|)
+    # terms, so its rounding error grows with rstd (a row of one element, or of equal values, has rstd
+    # 1/sqrt(eps) ~ 300 while its exact dx is 0). None: not a norm.
+    rstd: Callable | None = None
 
     def inputs(self, shape, dtype, device, param_dtype=None, seed=0):
         """x with a non-zero mean (exercises the variance's cancellation) and random params."""
@@ -44,6 +48,7 @@ def _ln(activation):
         fused=lambda x, w, b: layer_norm(x, w, b, 1e-5, activation),
         reference=lambda x, w, b: layer_norm_reference(x, w, b, 1e-5, activation, compute_dtype=x.dtype),
         n_params=2,
+        rstd=lambda x: (x.var(-1, unbiased=False) + 1e-5).rsqrt().amax().item() if x.numel() else 1.0,
     )
 
 
@@ -55,6 +60,7 @@ RMS_NORM = OpCase(
     fused=lambda x, w: rms_norm(x, w, 1e-6),
     reference=lambda x, w: rms_norm_reference(x, w, 1e-6, compute_dtype=x.dtype),
     n_params=1,
+    rstd=lambda x: (x.pow(2).mean(-1) + 1e-6).rsqrt().amax().item() if x.numel() else 1.0,
 )
 BIAS_GELU = OpCase(
     name="bias_gelu_tanh",

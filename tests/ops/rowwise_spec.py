@@ -33,8 +33,12 @@ def check_forward_backward(case, backend, shape, dtype, param_dtype=None, grad_f
     names = ["dx", "dweight", "dbias"] if case.n_params == 2 else ["dx", "dparam"]
     for name, g, rg, t in zip(names, grads, ref_grads, inputs):
         assert g.dtype == t.dtype, f"{case} {name}: dtype {g.dtype}, expected {t.dtype}"
-        # Parameter grads sum over rows: allow accumulation noise growing with the row count.
-        factor = grad_factor * (1.0 if name == "dx" else max(1.0, math.prod(shape[:-1]) ** 0.5))
+        # Parameter grads sum over rows: allow accumulation noise growing with the row count. A norm's dx: noise
+        # growing with the 1/std it divides by (``OpCase.rstd``).
+        if name == "dx":
+            factor = grad_factor * (max(1.0, case.rstd(inputs[0].double())) if case.rstd else 1.0)
+        else:
+            factor = grad_factor * max(1.0, math.prod(shape[:-1]) ** 0.5)
         assert_close_to_reference(
             g,
             rg,
