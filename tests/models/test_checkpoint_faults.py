@@ -372,3 +372,22 @@ def test_readers_skip_a_damaged_newest_checkpoint(saved, tmp_path, capsys):
     _flip_byte(str(ckpt / "step-00000002"), "model.final_norm")
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint verifies"):
         checkpoint.read_latest(str(ckpt))
+
+
+def test_an_incremental_checkpoint_verifies_the_older_files_it_references(world1, tmp_path):
+    """Frozen parameters are not rewritten (their chunks point at an older step's file): their digests travel with
+    the newer checkpoint, and damage in the older file is found when the newer checkpoint is verified."""
+    _train(steps=3, save=str(tmp_path), save_interval=1, keep_checkpoints=3, freeze="embedding.word")
+    newest = tmp_path / "step-00000003"
+    md = verified.read_metadata(str(newest))
+    shared = [(i, s) for i, s in md.storage_data.items() if s.relative_path.startswith("../")]
+    assert shared and verified.verify(str(newest)) == []
+    index, info = shared[0]
+    file = os.path.normpath(os.path.join(newest, info.relative_path))
+    with open(file, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+    problems = verified.verify(str(newest))
+    assert len(problems) == 1 and index.fqn in problems[0] and file in problems[0]
