@@ -56,6 +56,8 @@ VISION_FIELDS = (
     "cross_attention_every",
     "contrastive_coeff",
 )
+# Every setting that describes the model itself: a resolved configuration folds them into its architecture.
+ARCHITECTURE_SETTINGS = ("preset", "model", *SIZES, "rope_theta", "dropout", *MOE_FIELDS, *VISION_FIELDS)
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
 

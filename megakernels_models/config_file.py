@@ -177,33 +177,13 @@ def naming_the_file(args, message: str) -> str:
 def resolved(args, cfg) -> dict:
     """The settings of ``args`` (validated) with the model's full architecture: what ``--print-config`` prints, a
     checkpoint stores and the JSONL log starts with. Loading it with ``--config`` gives the same run."""
-    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.arguments import ARCHITECTURE_SETTINGS, TrainArgs
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs) if f.metadata.get("cli")}
     for name in ("dry_run",):
         values.pop(name, None)
-    # the architecture defines the model; the preset and size flags it came from are folded into it
-    for name in (
-        "preset",
-        "model",
-        "num_layers",
-        "hidden_size",
-        "num_heads",
-        "seq_length",
-        "vocab_size",
-        "ffn_hidden_size",
-        "num_kv_heads",
-        "rope_theta",
-        "dropout",
-        "num_experts",
-        "moe_top_k",
-        "moe_ffn_hidden_size",
-        "moe_layer_freq",
-        "moe_aux_loss_coeff",
-        "moe_z_loss_coeff",
-        "moe_capacity_factor",
-        "moe_shared_experts",
-    ):
+    # the architecture defines the model; the preset and the model settings it came from are folded into it
+    for name in ARCHITECTURE_SETTINGS:
         values.pop(name, None)
     values[ARCHITECTURE] = dataclasses.asdict(cfg)
     return values

@@ -344,3 +344,20 @@ def test_print_config_quotes_text_that_reads_as_a_number(tmp_path):
         "config_file": path,
         "config_settings": {"data": "3e2", "freeze": "1E5", "lr": 1e-3},
     }
+
+
+@pytest.mark.parametrize("model", ["vlm", "llama"])
+def test_print_config_folds_every_model_setting_into_the_architecture(model, tmp_path, capsys):
+    """The model's settings (sizes, MoE, vision) appear once, inside ``architecture:``, and the file reproduces
+    the run's configuration."""
+    import yaml
+
+    from megakernels_models.arguments import ARCHITECTURE_SETTINGS
+
+    assert main(["train", "--model", model, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    top = yaml.safe_load(printed)
+    assert not set(ARCHITECTURE_SETTINGS) & set(top), sorted(set(ARCHITECTURE_SETTINGS) & set(top))
+    (tmp_path / "run.yaml").write_text(printed)
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
