@@ -446,9 +446,6 @@ def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
         os.replace(dst + ".tmp", dst)
 
 
-_write_latest = store.write_latest  # the converters write ``latest`` too
-
-
 # ---- load ---------------------------------------------------------------------------------------------------
 
 

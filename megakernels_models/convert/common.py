@@ -140,7 +140,8 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     """
     import torch.distributed.checkpoint as dcp
 
-    from megakernels_models.checkpoint import Writer, _write_latest
+    from megakernels_models.checkpoint import Writer
+    from megakernels_models.checkpoint_store import write_latest
 
     sd = {f"model.{k}": v.float().contiguous() for k, v in tensors.items()}
     sd["meta"] = json.dumps(
@@ -163,7 +164,7 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
             dcp.save(sd, storage_writer=Writer(tmp, 0), no_dist=True)  # with its digests
         os.rename(tmp, path)
         os.makedirs(tmp)  # TemporaryDirectory removes it again
-    _write_latest(out_dir, os.path.basename(path))
+    write_latest(out_dir, os.path.basename(path))
     return path
 
 
