@@ -19,7 +19,7 @@ import os
 import statistics
 import tempfile
 
-from megakernels_models.bench.common import machine, machine_line, write_json
+from megakernels.bench.common import machine, machine_line, write_json
 
 
 def _run(mode: str, args, root: str) -> dict:

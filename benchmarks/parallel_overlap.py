@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp_
 
-from megakernels_models.bench.common import parse_choices, parse_shapes, start, timed_over_ranks, write_json
+from megakernels.bench.common import parse_choices, parse_shapes, start, timed_over_ranks, write_json
 
 SHAPES = [(256, 4, 1024), (512, 4, 512)]
 QUICK_SHAPES = [(256, 2, 512)]

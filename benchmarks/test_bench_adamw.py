@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.adamw import CONFIGS, IMPLS, QUICK_CONFIGS, make_optimizer
-from megakernels_models.bench.common import DTYPES
+from megakernels.bench.adamw import CONFIGS, IMPLS, QUICK_CONFIGS, make_optimizer
+from megakernels.bench.common import DTYPES
 
 
 def configs(config):

@@ -9,7 +9,7 @@ Never asserts on time (docs/design.md §6).
 import pytest
 import torch
 
-from megakernels_models.bench.attention import make_inputs, shape_for, steps
+from megakernels.bench.attention import make_inputs, shape_for, steps
 
 
 def _seqlen(config):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.bias_gelu import COMPOSITIONS, DEFAULT_DTYPES
-from megakernels_models.bench.common import IMPLS, parametrize_shapes
-from megakernels_models.bench.norms import QUICK_SHAPES, SHAPES, suite_step
+from megakernels.bench.bias_gelu import COMPOSITIONS, DEFAULT_DTYPES
+from megakernels.bench.common import IMPLS, parametrize_shapes
+from megakernels.bench.norms import QUICK_SHAPES, SHAPES, suite_step
 
 
 def pytest_generate_tests(metafunc):

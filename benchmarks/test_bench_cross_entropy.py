@@ -8,8 +8,8 @@ Never asserts on time (docs/design.md §6).
 import pytest
 import torch
 
-from megakernels_models.bench.common import DTYPES
-from megakernels_models.bench.cross_entropy import CPU_SHAPES, DEFAULT_DTYPES, IMPLS, QUICK_SHAPES, make_inputs, step
+from megakernels.bench.common import DTYPES
+from megakernels.bench.cross_entropy import CPU_SHAPES, DEFAULT_DTYPES, IMPLS, QUICK_SHAPES, make_inputs, step
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

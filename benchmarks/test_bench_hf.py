@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench import hf
+from megakernels.bench import hf
 
 pytest.importorskip("transformers")
 

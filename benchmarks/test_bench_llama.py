@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench import rope, swiglu
-from megakernels_models.bench.common import DTYPES, IMPLS, implementation
+from megakernels.bench import rope, swiglu
+from megakernels.bench.common import DTYPES, IMPLS, implementation
 
 MODULES = {"test_rope": rope, "test_swiglu": swiglu}
 

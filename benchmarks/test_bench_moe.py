@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench import moe
-from megakernels_models.bench.common import DTYPES
+from megakernels.bench import moe
+from megakernels.bench.common import DTYPES
 
 
 def pytest_generate_tests(metafunc):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.common import IMPLS, parametrize_shapes
-from megakernels_models.bench.norms import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, suite_step
+from megakernels.bench.common import IMPLS, parametrize_shapes
+from megakernels.bench.norms import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, suite_step
 
 
 def pytest_generate_tests(metafunc):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.common import DTYPES, IMPLS, implementation, parametrize_shapes
-from megakernels_models.bench.softmax import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
+from megakernels.bench.common import DTYPES, IMPLS, implementation, parametrize_shapes
+from megakernels.bench.softmax import COMPOSITIONS, DEFAULT_DTYPES, QUICK_SHAPES, SHAPES, make_inputs, step_fn
 
 
 def pytest_generate_tests(metafunc):

@@ -125,7 +125,7 @@ SUBCOMMANDS = {
     "generate": "megakernels_models.generate:add_parser",
     "plan": "megakernels_models.plan:add_parser",
     "checkpoint": "megakernels_models.checkpoint_verify:add_parser",
-    "bench": "megakernels_models.bench.cli:add_parser",
+    "bench": "megakernels_models.bench:add_parser",
 }
 
 

@@ -5,7 +5,7 @@
 # the GPU through `megakernels bench` — the norm, bias-GeLU and softmax families at rows >= 4k, AdamW (50x1M and
 # 1x100M params), FlashAttention d128 bf16 at s 4k/8k (causal and not), cross-entropy, and a GPT-1.3B end-to-end
 # run (the trainer + the eager-GPT baseline). Logs, JSON and PNG plots go to OUTDIR (one folder per benchmark
-# stage); the summary at the end (megakernels_models/bench/summary.py) shows each stage's result, the numbers
+# stage); the summary at the end (megakernels/bench/summary.py) shows each stage's result, the numbers
 # against the docs/design.md §6 targets (pass/fail, % of target), and every measurement beside the static model's
 # prediction (the first GPU run calibrates the model). Aimed at < 8 minutes on an H100/H200 (torch.compile
 # baselines are skipped here for time; `megakernels bench --device cuda` runs them).
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
 summary() {  # summary TITLE: the closing table, also saved as OUTDIR/summary.txt
-  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m megakernels_models.bench.summary "$OUT" --title "$1" \
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" megakernels/bench/summary.py "$OUT" --title "$1" \
     | tee "$OUT/summary.txt"
 }
 

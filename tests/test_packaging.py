@@ -126,3 +126,26 @@ raise SystemExit(main(["train", "--steps", "1", "--log-jsonl", "/dev/null"]))
     r = _run(code, blocked=("tqdm", "tokenizers", "sentencepiece", "tensorboard"))
     assert r.returncode == 2, r.stderr[-3000:]
     assert "pip install 'megakernels[train]'" in r.stderr
+
+
+def test_the_library_benchmarks_its_kernels_without_the_trainer(tmp_path):
+    """``python -m megakernels.bench`` (the microbenchmarks and the static model's registry) runs with the trainer
+    package and its dependencies missing, and imports nothing of the trainer."""
+    code = """
+from megakernels.bench.__main__ import main
+from megakernels.bench.static import registry
+assert registry.entries()
+status = main(["--ops", "layer_norm", "--dtype", "fp32", "--quick", "--no-compile", "--no-peers", "--out", sys.argv[1]])
+assert not [m for m in sys.modules if m.split(".")[0] == "megakernels_models"]
+raise SystemExit(status)
+"""
+    r = _run(code, blocked=(*TRAIN_ONLY, "megakernels_models"), args=(str(tmp_path),))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert rows and {r["op"] for r in rows} == {"layer_norm"}
+    assert (
+        "[--e2e PRESET]"
+        not in subprocess.run(
+            [sys.executable, "-m", "megakernels.bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        ).stdout
+    )

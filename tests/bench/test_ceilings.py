@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench import ceilings
+from megakernels.bench import ceilings
 
 
 def test_quick_ceilings_are_positive_for_every_dtype_asked():

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megakernels_models.bench.cli import GROUPS, OPS, parse_shapes, resolve_ops, static_ops
+from megakernels.bench.cli import GROUPS, OPS, parse_shapes, resolve_ops, static_ops
 from megakernels_models.cli import build_parser, main
 
 
@@ -156,7 +156,7 @@ def test_quick_run_of_the_llama_group_measures_rope_variants_and_swiglu(tmp_path
 
 
 def test_quick_run_of_grouped_gemm_compares_the_loop_and_torch_grouped_mm(tmp_path, capsys):
-    from megakernels_models.bench import moe
+    from megakernels.bench import moe
 
     out = tmp_path / "out"
     assert (
@@ -184,7 +184,7 @@ def test_quick_run_of_hf_train_times_patched_against_unpatched_models(tmp_path):
 
 
 def test_moe_dispatch_times_expert_exchange_against_the_bare_all_to_all():
-    from megakernels_models.bench import moe
+    from megakernels.bench import moe
 
     rows = moe.run_dispatch([2], [64], hidden=32, reps=2, log=lambda _: None)
     assert len(rows) == 1 and rows[0]["op"] == "moe_dispatch" and rows[0]["world"] == 2
@@ -192,7 +192,7 @@ def test_moe_dispatch_times_expert_exchange_against_the_bare_all_to_all():
 
 
 def test_offloaded_adamw_reports_ns_per_parameter_against_torchs_fused_adamw():
-    from megakernels_models.bench.adamw import run_offload
+    from megakernels.bench.adamw import run_offload
 
     rows = run_offload({"2x4K": (2, 4096)}, ["bfloat16"], min_run_time=0.01, log=lambda s: None)
     (row,) = rows

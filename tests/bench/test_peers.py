@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megakernels_models.bench import norms, peers
+from megakernels.bench import norms, peers
 
 
 @pytest.fixture

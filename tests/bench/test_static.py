@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from megakernels_models.bench.static import compiled, model, sass
+from megakernels.bench.static import compiled, model, sass
 
 SCRIPT = """
 import json, os, sys
-from megakernels_models.bench.static import report
+from megakernels.bench.static import report
 rows = report.run(report.select(key_only=True), jobs=os.cpu_count() or 1, log=lambda line: None)
 with open(sys.argv[1], "w") as f:
     json.dump(rows, f)

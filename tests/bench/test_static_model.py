@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megakernels_models.bench.static import model, sass
+from megakernels.bench.static import model, sass
 
 NESTED = """
 	Function : k

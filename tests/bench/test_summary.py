@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from megakernels_models.bench import summary
+from megakernels.bench import summary
 
 DATA = Path(__file__).parent / "data" / "gpu_check"
 

@@ -1,5 +1,5 @@
 """Compile the grouped GEMM's default launches for sm_90 as a real launch specialises them (the static report's
-compiler path: megakernels.triton.launch and megakernels_models.bench.static.compiled), in every dtype.
+compiler path: megakernels.triton.launch and megakernels.bench.static.compiled), in every dtype.
 
 ``python -m tests.triton.grouped_gemm_sm90`` (without TRITON_INTERPRET) prints one JSON object per launch: pass,
 dtype, config, registers, spill bytes, shared memory and MMA kind. ``megakernels bench --static --ops grouped_gemm``
@@ -15,8 +15,8 @@ import torch
 
 
 def main() -> int:
+    from megakernels.bench.static import compiled, gemm
     from megakernels.triton import grouped_gemm as gg
-    from megakernels_models.bench.static import compiled, gemm
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for pass_, table in (("fwd", gg.ROWS_CONFIGS), ("dx", gg.ROWS_CONFIGS), ("dw", gg.WGRAD_CONFIGS)):

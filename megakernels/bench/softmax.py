@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 from megakernels.ops import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.softmax import causal_mask
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 
 FAMILY = "softmax"
 SCALE = 0.125

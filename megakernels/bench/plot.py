@@ -9,7 +9,7 @@ import math
 import os
 from collections import defaultdict
 
-from megakernels_models.bench.common import OURS
+from megakernels.bench.common import OURS
 
 
 def _panels(rows: list[dict]) -> dict[str, list[dict]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.bench.common import DTYPES, median_seconds
+from megakernels.bench.common import DTYPES, median_seconds
 
 
 def copy_bandwidth(device: str = "cpu", numel: int | None = None, min_run_time: float = 0.5) -> float:

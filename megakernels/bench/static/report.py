@@ -21,14 +21,14 @@ import dataclasses
 import os
 import time
 
-from megakernels_models.bench.static import model, registry
+from megakernels.bench.static import model, registry
 
 
 def tools() -> dict:
     """Versions of the compilers the report used."""
     import subprocess
 
-    from megakernels_models.bench.static import compiled
+    from megakernels.bench.static import compiled
 
     out = {}
     try:
@@ -126,7 +126,7 @@ def _print(entries, indices, results, log) -> list[dict]:
 
 
 def payload(rows: list[dict]) -> dict:
-    from megakernels_models.bench.common import git_commit
+    from megakernels.bench.common import git_commit
 
     return {
         "machine": dataclasses.asdict(model.H200),

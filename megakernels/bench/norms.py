@@ -20,10 +20,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.peers import Peers
 from megakernels.ops import layer_norm, rms_norm
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
-from megakernels_models.bench.peers import Peers
 
 FAMILY = "norms"
 SHAPES = [(8192, 1024), (4096, 4096), (2048, 12800)]
@@ -103,7 +103,7 @@ def step_fn(fn: Callable, x, params, dy, backward: bool) -> Callable[[], None]:
 
 def suite_step(comp: Composition, impl: str, dtype_name: str, shape, backward: bool) -> Callable[[], None]:
     """The callable a pytest-benchmark suite times for ``impl`` (``common.IMPLS``) of ``comp`` on the CPU."""
-    from megakernels_models.bench.common import implementation
+    from megakernels.bench.common import implementation
 
     x, params, dy = make_inputs(comp, shape, DTYPES[dtype_name], grad=backward)
     return step_fn(implementation(comp, impl), x, params, dy, backward=backward)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 from megakernels.ops.grouped_gemm import grouped_gemm
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 
 FAMILY = "moe"
 EXPERTS, TOP_K = 8, 2
@@ -159,8 +159,8 @@ def run_grouped_gemm(
 def _dispatch_rank(rank: int, world: int, row_counts, hidden: int, reps: int) -> list[dict]:
     import torch.distributed as dist
 
+    from megakernels.bench.common import timed_over_ranks
     from megakernels.parallel.moe.dispatch import ExpertExchange
-    from megakernels_models.bench.common import timed_over_ranks
 
     group = dist.group.WORLD
     out = []

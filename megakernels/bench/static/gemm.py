@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.bench.static import tiles
-from megakernels_models.bench.static.registry import Entry, register
+from megakernels.bench.static import tiles
+from megakernels.bench.static.registry import Entry, register
 
 T, E, HIDDEN, FFN = 8192, 8, 4096, 14336
 DTYPE = torch.bfloat16

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, TablePrinter, median_seconds, result_row
+from megakernels.bench.peers import Peers
 from megakernels.optim import FusedAdamW
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, TablePrinter, median_seconds, result_row
-from megakernels_models.bench.peers import Peers
 
 FAMILY = "adamw"
 OPS = ("adamw", "adamw_offload")

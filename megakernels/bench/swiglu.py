@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 from megakernels.ops import swiglu
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 
 FAMILY = "swiglu"
 SHAPES = [(256, 14336), (1024, 14336)]  # (rows, f)

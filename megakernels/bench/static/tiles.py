@@ -4,7 +4,7 @@ schedule, written again in Python by its family module) and the L2 bytes each it
 
 from __future__ import annotations
 
-from megakernels_models.bench.static import analysis, compiled, model
+from megakernels.bench.static import analysis, compiled, model
 
 
 def kernel_prediction(

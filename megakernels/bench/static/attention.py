@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from megakernels_models.bench.static import compiled, model, tiles
-from megakernels_models.bench.static.registry import Entry, register
+from megakernels.bench.static import compiled, model, tiles
+from megakernels.bench.static.registry import Entry, register
 
 SHAPES = [(4096, 64), (4096, 128), (8192, 128)]  # (seqlen, head_dim); batch = 16k / s, heads = 2048 / d
 DTYPE = torch.bfloat16

@@ -3,7 +3,7 @@ docs/design.md §6, and every measurement beside what the static cost model pred
 ``megakernels bench --static``; the ratio calibrates the model), read back from the JSON files the benchmarks
 wrote into OUTDIR and its subfolders.
 
-    python -m megakernels_models.bench.summary OUTDIR [--title TEXT]
+    python -m megakernels.bench.summary OUTDIR [--title TEXT]
 
 Targets (H200):
 - FlashAttention d128 bf16, s >= 4k: forward >= 550 TFLOP/s, backward >= 420 TFLOP/s (the backward's own rate,

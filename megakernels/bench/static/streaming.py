@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from megakernels_models.bench.static import analysis, compiled, model
-from megakernels_models.bench.static.analysis import Role
-from megakernels_models.bench.static.registry import Entry, register
+from megakernels.bench.static import analysis, compiled, model
+from megakernels.bench.static.analysis import Role
+from megakernels.bench.static.registry import Entry, register
 
 DTYPES = {"bf16": ("__nv_bfloat16", 2), "fp32": ("float", 4)}
 BENCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -27,7 +27,7 @@ M = model.H200
 
 def row_shapes() -> list[tuple[int, int]]:
     """(rows, hidden) of the norms / bias-GeLU: `megakernels bench`'s GPU shapes, and hidden 16k."""
-    from megakernels_models.bench.norms import GPU_SHAPES
+    from megakernels.bench.norms import GPU_SHAPES
 
     return list(GPU_SHAPES) + [(2048, 16384)]
 
@@ -338,7 +338,7 @@ def _softmax_loop_parts(kind: str, passname: str, dtype: str, shape) -> list[Par
 
 @register
 def softmax_entries() -> list[Entry]:
-    from megakernels_models.bench.softmax import GPU_SHAPES
+    from megakernels.bench.softmax import GPU_SHAPES
 
     out = []
     for kind, op in (
@@ -388,7 +388,7 @@ def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
 
 @register
 def cross_entropy_entries() -> list[Entry]:
-    from megakernels_models.bench.cross_entropy import GPU_SHAPES as CE_SHAPES
+    from megakernels.bench.cross_entropy import GPU_SHAPES as CE_SHAPES
 
     return [
         _entry(

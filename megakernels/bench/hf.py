@@ -20,8 +20,8 @@ import copy
 
 import torch
 
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, result_row, timed_in_turns
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, result_row, timed_in_turns
 
 FAMILY = "hf"
 BASELINE = "transformers"

@@ -25,6 +25,9 @@ gpt-tiny on 4 local processes, predicted with a CPU device profile measured here
 
 Argument errors exit with status 2 and name the flag, before anything is measured; a failed rank exits with 1.
 """
+# The microbenchmarks and --static are the kernel library's own (``python -m megakernels.bench`` runs them without
+# the trainer); --e2e and --plan-check train models, so the trainer adds them on top as ``Extension``s
+# (megakernels_models/bench/modes.py): this package never imports megakernels_models.
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 
 # op -> family module (kept here, not imported from the modules: building the parser must not import torch)
 OPS = {
@@ -73,14 +77,40 @@ SHAPE_DIMS = {
 }
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    """Register ``megakernels bench`` on the ``megakernels`` subparsers (``set_defaults(_run=main)``)."""
+class Extension:
+    """A mode that a package on top of the library adds to ``megakernels bench`` (the trainer adds --e2e and
+    --plan-check). ``dest``: the namespace attribute of its flag (given when not None/False), and the key of its
+    result in bench.json; ``alone``: its mode replaces the microbenchmarks (and exits with ``run``'s status)."""
+
+    dest: str = ""
+    alone: bool = False
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """Add the flags of this mode to ``p``."""
+
+    def prepare(self, ns: argparse.Namespace):
+        """Check the flags before anything is measured (ValueError naming the flag); returns what ``run`` gets."""
+
+    def run(self, ns: argparse.Namespace, state):
+        """Run the mode: the exit status when ``alone``, else the rows stored under ``dest`` in bench.json."""
+        raise NotImplementedError
+
+
+def add_parser(sub, extensions: Sequence[Extension] = ()) -> argparse.ArgumentParser:
+    """Register ``megakernels bench`` on the ``megakernels`` subparsers (``set_defaults(_run=main)``), with the
+    modes ``extensions`` add."""
     p = sub.add_parser(
         "bench",
         help="kernel microbenchmarks and end-to-end training throughput",
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    configure(p, extensions)
+    return p
+
+
+def configure(p: argparse.ArgumentParser, extensions: Sequence[Extension] = ()) -> argparse.ArgumentParser:
+    """Add the flags of ``megakernels bench`` and those of ``extensions`` to ``p`` (``set_defaults(_run=main)``)."""
     p.add_argument(
         "--ops",
         default=None,
@@ -104,13 +134,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="seconds of calibrated repeats per measurement (default 0.5; 0.05 with --quick)",
     )
     p.add_argument(
-        "--e2e",
-        default=None,
-        metavar="PRESET",
-        help="end-to-end training throughput of PRESET "
-        "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)",
-    )
-    p.add_argument(
         "--shapes",
         default=None,
         metavar="A,B[,C,D];...",
@@ -131,16 +154,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="the static cost report of the GPU kernels (compiles for "
         "sm_90, needs no GPU; writes DIR/static.json with --out)",
     )
-    p.add_argument(
-        "--plan-check",
-        action="store_true",
-        help="does megakernels plan order four layouts as this "
-        "machine runs them? (4 local processes; writes DIR/plan_check.json with --out)",
-    )
-    from megakernels_models.bench import e2e
-
-    e2e.add_arguments(p)
-    p.set_defaults(_run=main)
+    for ext in extensions:
+        ext.add_arguments(p)
+    p.set_defaults(_run=main, _extensions=tuple(extensions))
     return p
 
 
@@ -170,7 +186,7 @@ def resolve_ops(value: str | None, e2e: bool, extra: tuple[str, ...] = ()) -> li
 
 def static_ops() -> tuple[str, ...]:
     """The op names of the static report's entries (the part of an entry's name before the dot)."""
-    from megakernels_models.bench.static import registry
+    from megakernels.bench.static import registry
 
     return tuple(dict.fromkeys(e.name.split(".")[0] for e in registry.entries()))
 
@@ -210,18 +226,24 @@ def parse_shapes(value: str | None, ops: list[str]) -> dict[str, list[tuple[int,
     return out
 
 
+def _active(ns) -> list[Extension]:
+    """The extensions whose flag was given, those that run alone first."""
+    given = [x for x in getattr(ns, "_extensions", ()) if getattr(ns, x.dest, None) not in (None, False)]
+    return sorted(given, key=lambda x: not x.alone)
+
+
 def _check(ns) -> tuple[list[str], list[str] | None]:
     """Everything wrong with the flags, as a ValueError naming the flag, before anything is measured."""
-    from megakernels_models.bench.common import DTYPE_ALIASES, split_list
+    from megakernels.bench.common import DTYPE_ALIASES, split_list
 
     static = getattr(ns, "static", False)
-    ops = resolve_ops(ns.ops, ns.e2e is not None, static_ops() if static else ())
+    after = [x for x in _active(ns) if not x.alone]  # modes run after the microbenchmarks (--e2e)
+    ops = resolve_ops(ns.ops, bool(after), static_ops() if static else ())
     ns.shape_map = parse_shapes(ns.shapes, [o for o in ops if o in OPS])
     ns.head_dim_list, ns.seqlen_list = _int_list("--head-dims", ns.head_dims), _int_list("--seqlens", ns.seqlens)
-    if getattr(ns, "static", False) and ns.e2e is not None:
-        raise ValueError("--static: the static report runs alone; drop --e2e")
-    if getattr(ns, "plan_check", False) and (ns.e2e is not None or ns.ops is not None or ns.static):
-        raise ValueError("--plan-check: the layout-order check runs alone; drop --e2e, --ops and --static")
+    if static and after:
+        flags = ", ".join("--" + x.dest.replace("_", "-") for x in after)
+        raise ValueError(f"--static: the static report runs alone; drop {flags}")
     dtypes = split_list("--dtype", ns.dtype, DTYPE_NAMES, DTYPE_ALIASES) if ns.dtype is not None else None
     if ns.min_run_time is not None and not ns.min_run_time > 0:
         raise ValueError(f"--min-run-time must be > 0 seconds, got {ns.min_run_time}")
@@ -241,7 +263,7 @@ def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers,
     families = list(dict.fromkeys(OPS[o] for o in ops))
     shape_map = getattr(ns, "shape_map", None) or {}
     for fam in families:
-        mod = importlib.import_module(f"megakernels_models.bench.{fam}")
+        mod = importlib.import_module(f"megakernels.bench.{fam}")
         mine = [o for o in ops if OPS[o] == fam]
         shapes = shape_map.get(fam) or (mod.default_shapes(device, quick) if fam in SHAPE_DIMS else None)
         if fam == "attention":
@@ -328,51 +350,49 @@ def gemm_dtypes(ops: list[str], dtypes: list[str] | None, device: str) -> list[s
     out = ["float32"]
     if "flash_attention" in ops:
         out = ["bfloat16", "float16"] if device == "cuda" else ["float32"]
-    if "grouped_gemm" in ops:  # megakernels_models/bench/moe.py's DEFAULT_DTYPES
+    if "grouped_gemm" in ops:  # megakernels/bench/moe.py's DEFAULT_DTYPES
         out += [d for d in ("float32", "bfloat16") if d not in out]
     return out
 
 
 def main(ns: argparse.Namespace) -> int:
     """Run ``megakernels bench`` on parsed flags; returns the exit status (2: bad flags, 1: a failed rank)."""
-    from megakernels_models.bench import e2e as e2e_mod
-
+    active = _active(ns)
     try:
         ops, dtypes = _check(ns)
-        plan = e2e_mod.prepare(ns) if ns.e2e is not None else None
-    except ValueError as e:  # the trainer's ArgumentError included
+        states = [(x, x.prepare(ns)) for x in active]
+    except ValueError as e:  # an extension's own argument errors included (the trainer's ArgumentError)
         print(f"megakernels bench: error: {e}", file=sys.stderr)
         return 2
     if ns.static:
         return run_static(ops, ns.out)
-    if ns.plan_check:
-        return run_plan_check(ns)
+    for x, state in states:
+        if x.alone:
+            return x.run(ns, state)
+    from megakernels.bench import ceilings as ceil
+    from megakernels.bench.common import machine, machine_line, write_json
+    from megakernels.bench.peers import Peers
     from megakernels.parallel.launch import WorldFailed
-    from megakernels_models.bench import ceilings as ceil
-    from megakernels_models.bench.common import machine, machine_line, write_json
-    from megakernels_models.bench.peers import Peers
 
     info = machine(ns.device)
     print(machine_line(info))
     ceilings = ceil.measure(ns.device, gemm_dtypes(ops, dtypes, ns.device), quick=ns.quick)
     peers = Peers(ns.device, enabled=not ns.no_peers)
     rows = run_ops(ops, dtypes, ns, ceilings, peers) if ops else []
-    e2e_rows = None
-    if plan is not None:
+    extra = {}
+    for x, state in states:
         try:
-            e2e_rows = e2e_mod.run(ns, plan)
+            extra[x.dest] = x.run(ns, state)
         except WorldFailed as e:
             print(f"megakernels bench: a rank failed: {e}", file=sys.stderr)
             return 1
     print()
     for n in peers.notes:
         print(f"note: {n}")
-    payload = {"machine": info, "ceilings": ceilings, "notes": peers.notes, "rows": rows}
-    if e2e_rows is not None:
-        payload["e2e"] = e2e_rows
+    payload = {"machine": info, "ceilings": ceilings, "notes": peers.notes, "rows": rows, **extra}
     path = write_json(ns.out, "bench.json", payload)
     if path:
-        from megakernels_models.bench import plot
+        from megakernels.bench import plot
 
         print(f"wrote {path}")
         if rows and not plot.available():
@@ -386,27 +406,10 @@ def main(ns: argparse.Namespace) -> int:
     return 0
 
 
-def run_plan_check(ns) -> int:
-    """``megakernels bench --plan-check``; 1 when a rank failed."""
-    from megakernels.parallel.launch import WorldFailed
-    from megakernels_models.bench import plan_check
-    from megakernels_models.bench.common import write_json
-
-    try:
-        result = plan_check.run(plan_check.default_args(ns.warmup + ns.steps), warmup=ns.warmup)
-    except WorldFailed as e:
-        print(f"megakernels bench: a rank failed: {e}", file=sys.stderr)
-        return 1
-    path = write_json(ns.out, "plan_check.json", result)
-    if path:
-        print(f"wrote {path}")
-    return 0
-
-
 def run_static(ops: list[str], out: str | None) -> int:
     """``megakernels bench --static``: the report for ``ops``; 1 when a kernel could not be analysed."""
-    from megakernels_models.bench.common import write_json
-    from megakernels_models.bench.static import report
+    from megakernels.bench.common import write_json
+    from megakernels.bench.static import report
 
     rows = report.run(report.select(ops=None if set(ops) == set(OPS) else ops), jobs=os.cpu_count() or 1)
     failed = [r for r in rows if "error" in r]

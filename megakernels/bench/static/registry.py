@@ -62,6 +62,6 @@ def register(builder: Callable[[], list]) -> Callable[[], list]:
 def entries(families: list[str] | None = None) -> list[Entry]:
     """Every registered entry (of ``families`` when given), in registration order."""
     for mod in FAMILY_MODULES:
-        importlib.import_module(f"megakernels_models.bench.static.{mod}")
+        importlib.import_module(f"megakernels.bench.static.{mod}")
     out = [e for b in _BUILDERS for e in b()]
     return [e for e in out if families is None or e.family in families]

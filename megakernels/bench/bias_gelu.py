@@ -3,7 +3,7 @@
     megakernels bench --ops bias_gelu [--dtype float32,bfloat16] [--shapes rows,hidden;...] [--device cpu|cuda]
                       [--no-compile] [--quick] [--out DIR]
 
-The measurement is the norms' (``megakernels_models.bench.norms.run``: one table, GB/s and % of the copy
+The measurement is the norms' (``megakernels.bench.norms.run``: one table, GB/s and % of the copy
 bandwidth, speed-ups vs eager and torch.compile, never asserting on time) over this composition; bytes that must
 move: x read and y written forward; dy read, dx written and x read again backward. The pytest-benchmark suite
 (benchmarks/test_bench_bias_gelu.py) times the same callables.
@@ -15,9 +15,9 @@ import functools
 
 import torch.nn.functional as F
 
+from megakernels.bench import norms
+from megakernels.bench.norms import Composition
 from megakernels.ops import bias_gelu
-from megakernels_models.bench import norms
-from megakernels_models.bench.norms import Composition
 
 FAMILY = "bias_gelu"
 COMPOSITIONS = {

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 from megakernels.ops import fused_rope, rope_cos_sin_table
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
 
 FAMILY = "rope"
 THETA = 500000.0

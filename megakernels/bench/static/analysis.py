@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megakernels_models.bench.static import model
-from megakernels_models.bench.static.compiled import Compiled
+from megakernels.bench.static import model
+from megakernels.bench.static.compiled import Compiled
 
 VECTOR_BYTES = 8  # accesses at least this wide are pack accesses; narrower ones are scalar traffic
 PARAM_BYTES = 16  # width of one parameter vector load

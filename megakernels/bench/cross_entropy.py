@@ -22,10 +22,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, TablePrinter, median_seconds, result_row
+from megakernels.bench.peers import Peers
 from megakernels.ops import cross_entropy
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, TablePrinter, median_seconds, result_row
-from megakernels_models.bench.peers import Peers
 
 FAMILY = "cross_entropy"
 OPS = ("cross_entropy",)
@@ -80,7 +80,7 @@ def peak_bytes(impl, x, t, fn=None) -> int | None:
     # CPU: in a fresh process, the peak resident set (VmHWM, reset through /proc/self/clear_refs once the inputs
     # exist) over the resident set at that point.
     code = (
-        f"from megakernels_models.bench.cross_entropy import make_inputs, step, _proc_kib; import torch; "
+        f"from megakernels.bench.cross_entropy import make_inputs, step, _proc_kib; import torch; "
         f"x, t = make_inputs({x.shape[0]}, {x.shape[1]}, {x.dtype}, 'cpu'); "
         f"open('/proc/self/clear_refs', 'w').write('5'); base = _proc_kib('VmRSS'); "
         f"step({impl!r}, x, t)(); print((_proc_kib('VmHWM') - base) * 1024)"

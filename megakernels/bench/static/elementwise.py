@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from megakernels_models.bench.static.analysis import Role
-from megakernels_models.bench.static.registry import Entry, register
-from megakernels_models.bench.static.streaming import DTYPES, M, Part, _entry, cuda, plan_rows
+from megakernels.bench.static.analysis import Role
+from megakernels.bench.static.registry import Entry, register
+from megakernels.bench.static.streaming import DTYPES, M, Part, _entry, cuda, plan_rows
 
 SWIGLU_SHAPES = [(16384, 11008), (16384, 4096)]  # (rows, f): x is [rows, 2f]
 

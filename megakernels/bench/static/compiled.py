@@ -20,7 +20,7 @@ import os
 import subprocess
 import tempfile
 
-from megakernels_models.bench.static import model, sass
+from megakernels.bench.static import model, sass
 
 # The nvcc flags of setup.py's CUDA build (with its -gencode for one arch).
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]

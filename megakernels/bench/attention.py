@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megakernels.bench import ceilings as ceil
+from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.peers import Peers
 from megakernels.ops import flash_attention
-from megakernels_models.bench import ceilings as ceil
-from megakernels_models.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
-from megakernels_models.bench.peers import Peers
 
 FAMILY = "attention"
 OPS = ("flash_attention",)
