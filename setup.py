@@ -69,12 +69,23 @@ def _bindings_unit():
     return unit
 
 
+def _targets():
+    """megakernels/_targets.py (nvcc flags, per-arch limits), loaded by path: the package is not installed yet."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_megakernels_targets", os.path.join(ROOT, "megakernels", "_targets.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _arch_flags(archs):
     flags = []
     for arch in archs.replace(",", ";").split(";"):
-        arch = arch.strip().replace(".", "")
-        if arch:
-            flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        if arch.strip():
+            flags += _targets().gencode(arch)
     return flags
 
 
@@ -101,7 +112,7 @@ def extensions():
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cuda.cu")))
         define_macros.append(("MEGAKERNELS_WITH_CUDA", "1"))
         archs = os.environ.get("MEGAKERNELS_CUDA_ARCHS", "80;90")
-        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + _arch_flags(archs)
+        nvcc = list(_targets().NVCC_FLAGS) + _arch_flags(archs)
         print(f"megakernels: building CUDA kernels for archs {archs}")
         ext = CUDAExtension(
             "megakernels._C",

@@ -20,8 +20,8 @@ import multiprocessing
 import os
 import sys
 
-# Opt-in shared memory per block (bytes): sm_90 (H100/H200) 227 KiB, sm_80 (A100) 163 KiB.
-SHARED_LIMIT = {90: 232448, 80: 166912}
+from megakernels._targets import SHARED_LIMIT  # opt-in shared memory per block, per arch (one table)
+
 HEAD_DIMS = (32, 64, 128, 256)
 
 

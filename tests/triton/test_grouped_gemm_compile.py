@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-SHARED_LIMIT_SM90 = 232448
+from megakernels._targets import SHARED_LIMIT
+
+SHARED_LIMIT_SM90 = SHARED_LIMIT[90]
 
 
 @pytest.fixture(scope="module")

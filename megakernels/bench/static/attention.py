@@ -54,17 +54,6 @@ def _head(launch) -> int:
     return launch.kwargs["BLOCK_D"]
 
 
-def _dkdv_schedule(launch, sq: int, sk: int):
-    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
-    group = launch.args[launch.kernel.arg_names.index("GROUP")]
-    per_bh = []
-    for pid_n in range(launch.grid[0]):
-        lo = max(pid_n * bn + sq - sk, 0) // bm * bm if causal else 0
-        per_bh.append({"all": _cdiv(sq - lo, bm) * group})
-    d = _head(launch)
-    return per_bh * launch.grid[1], {"all": 2 * bm * d * 2 + 2 * bm * 4}, {}
-
-
 def _bwd_schedule(launch, sq: int, sk: int):
     """The one-pass backward: per key block, the query blocks of the diagonal band (masked), the fully visible
     ones (unmasked) and the query tail (masked), for each query head of the group. Each iteration loads a q and
@@ -114,7 +103,6 @@ def _dq_schedule(launch, sq: int, sk: int):
 # iteration by role, TMA bytes per iteration by role))
 SCHEDULES = {
     "_fwd_kernel": (["full", "masked"], _fwd_schedule),
-    "_bwd_dkdv_kernel": (["all"], _dkdv_schedule),  # the two-kernel backward before the one-pass design
     "_bwd_kernel": (["diag", "full", "tail"], _bwd_schedule),
     "_bwd_dq_kernel": (["all"], _dq_schedule),
 }

@@ -20,10 +20,11 @@ import os
 import subprocess
 import tempfile
 
+from megakernels import _targets
 from megakernels.bench.static import model, sass
 
-# The nvcc flags of setup.py's CUDA build (with its -gencode for one arch).
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+# The nvcc flags of setup.py's CUDA build (megakernels/_targets.py; with its -gencode for one arch).
+NVCC_FLAGS = list(_targets.NVCC_FLAGS)
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ def family_cubin(source: str, arch: int) -> bytes:
     src = os.path.join(root, source)
     if not os.path.exists(src):
         raise RuntimeError(f"no CUDA source {src}")
-    flags = NVCC_FLAGS + [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    flags = NVCC_FLAGS + _targets.gencode(arch)
     h = hashlib.sha256()
     for path in sorted(glob.glob(os.path.join(root, "common", "*")) + glob.glob(os.path.join(root, family, "*.[ch]*"))):
         with open(path, "rb") as f:

@@ -23,6 +23,8 @@ import dataclasses
 import heapq
 import math
 
+from megakernels import _targets
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -46,8 +48,8 @@ class Machine:
     max_warps: int = 64
     max_blocks: int = 32
     regs: int = 65536
-    smem: int = 233472  # 228 KiB per SM
-    smem_per_block: int = 232448  # 227 KiB opt-in per block
+    smem: int = _targets.SHARED_PER_SM[90]  # 228 KiB per SM
+    smem_per_block: int = _targets.SHARED_LIMIT[90]  # 227 KiB opt-in per block
     smem_reserved: int = 1024  # per block, on sm_90
 
     @property

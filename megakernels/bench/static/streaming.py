@@ -46,16 +46,19 @@ class Part:
     launches: int = 1  # launches the launcher splits this work into
 
 
-def plan_rows(rows: int, packs: int, blocks_per_sm: int, max_threads: int = 1024) -> tuple[int, int, int]:
+def plan_rows(
+    rows: int, packs: int, blocks_per_sm: int, max_threads: int = 1024, sms: int = M.sms
+) -> tuple[int, int, int]:
     """(group threads, block threads, grid) as csrc/common/cuda_kernels.cuh's plan_rows: a warp per row up to 8
-    packs per lane, else a block of 64..``max_threads`` threads with ~8 packs each; the grid capped per SM."""
+    packs per lane, else a block of 64..``max_threads`` threads with ~8 packs each; the grid capped at
+    ``blocks_per_sm`` per SM. A mirror of the C++: tests/bench/test_launch_drift.py compares the two."""
     if packs <= 32 * 8:
         group, block = 32, 128
     else:
         threads = (packs // 8 + 31) // 32 * 32
         group = block = min(max(threads, 64), max_threads)
     needed = -(-rows // (block // group))
-    return group, block, max(1, min(needed, M.sms * blocks_per_sm))
+    return group, block, max(1, min(needed, sms * blocks_per_sm))
 
 
 def evaluate(parts: list[Part]) -> dict:
@@ -128,7 +131,7 @@ def rows_plan(rows: int, hidden: int, pack: int, packs_per_thread: int, accumula
     per_sm = 2 if accumulators else 2048 // block
     smem = groups * accumulators * hidden * 4
     if smem:
-        per_sm = min(per_sm, (228 * 1024) // (smem + 2048))
+        per_sm = min(per_sm, M.smem // (smem + 2048))  # 228 KiB per SM, as norms_rows.cuh
     return group, groups, max(1, min(-(-rows // groups), M.sms * max(1, per_sm)))
 
 
