@@ -1,17 +1,17 @@
 """The trainer's checkpoint saving: synchronous or asynchronous (``--async-save``), always incremental.
 
 Asynchronous. At the step boundary every model and optimizer tensor is copied into host buffers (pinned for CUDA
-tensors, allocated once and reused: at most one save is in flight, so one set suffices), which is the only part
-of a save the training waits for; a background thread then runs torch.distributed.checkpoint's save of the staged
-copies — DCP's asynchronous save, thread flavour: stage, then ``dcp.save`` in a thread — over a gloo process group
-of its own (collectives of a second thread must not interleave with the training's on the same group). The commit
-(rename, ``latest``, pruning; ``checkpoint_store``) is done by rank 0 in that thread after DCP returned there,
-which is after every rank's files and the metadata are written. A save waits for the previous one (at most one in
-flight). A failed write leaves the previous checkpoint ``latest`` and is reported at the next step boundary
-(``poll``) or at the next save, whichever sees it first; the end of training waits for the last save and raises
-if it failed. The thread is DCP's ``async_save`` design done here rather than called, because ``async_save``'s
-signature and staging differ across the torch versions we support and the incremental step below must run
-between staging and DCP's planning.
+tensors, allocated once and reused: at most one save is in flight, so one set suffices), which is the only part of a
+save the training waits for; a background thread then runs torch.distributed.checkpoint's save of the staged copies —
+DCP's asynchronous save, thread flavour: stage, then ``dcp.save`` in a thread — over a gloo process group of its own,
+``megakernels.parallel``'s ``checkpoint_group()`` (collectives of a second thread must not interleave with the
+training's on the same group). The commit (rename, ``latest``, pruning; ``checkpoint_store``) is done by rank 0 in that
+thread after DCP returned there, which is after every rank's files and the metadata are written. A save waits for the
+previous one (at most one in flight). A failed write leaves the previous checkpoint ``latest`` and is reported at the
+next step boundary (``poll``) or at the next save, whichever sees it first; the end of training waits for the last save
+and raises if it failed. The thread is DCP's ``async_save`` design done here rather than called, because
+``async_save``'s signature and staging differ across the torch versions we support and the incremental step below must
+run between staging and DCP's planning.
 
 Incremental. Each rank hashes (BLAKE2b) the bytes of every tensor it is about to write; an entry whose bytes
 equal those of the previous checkpoint this run saved on every rank holding it (frozen parameters and their
@@ -23,7 +23,6 @@ in the writer thread for asynchronous saves.
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import hashlib
 import os
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+import megakernels.parallel as mpu
 from megakernels_models import checkpoint
 from megakernels_models import checkpoint_store as store
 
@@ -53,17 +53,20 @@ def _digest(value) -> bytes | None:
 
 
 class Checkpointer:
-    """Saves checkpoints into ``save_dir`` (every rank constructs it: it creates a process group, and rank 0 takes
-    the directory's lock, ``checkpoint_store.DirectoryLock``, held until ``close``).
+    """Saves checkpoints into ``save_dir`` (every rank constructs it: rank 0 takes the directory's lock,
+    ``checkpoint_store.DirectoryLock``, held until ``close``). The saves run over ``megakernels.parallel``'s
+    ``checkpoint_group()``, a gloo group that ``initialize`` made.
 
     Args:
         save_dir: the checkpoint directory. keep: complete checkpoints kept (``--keep-checkpoints``).
         async_save: write in a background thread (see the module docstring).
         train_config: the run's resolved settings, stored with each checkpoint.
-        timeout: seconds a collective of the save waits for a peer (the trainer's ``--timeout``).
+        timeout: seconds a collective of the save waits for a peer (the trainer's ``--timeout``): the group's,
+            given to ``initialize``; None to take it as it is.
 
     Raises:
         CheckpointError: another live job holds ``save_dir``'s lock (on every rank).
+        ValueError: ``timeout`` is not the one ``initialize`` gave the group.
     """
 
     def __init__(
@@ -76,8 +79,12 @@ class Checkpointer:
     ):
         self.save_dir, self.keep, self.async_save, self.train_config = save_dir, keep, async_save, train_config
         # A group made without a timeout waits torch's default (30 minutes) for a peer, not the world's.
-        wait = None if timeout is None else datetime.timedelta(seconds=timeout)
-        self.group = dist.new_group(backend="gloo", timeout=wait)
+        if timeout is not None and abs((mpu.group_timeout() or float("inf")) - timeout) > 1e-6:
+            raise ValueError(
+                f"Checkpointer: timeout {timeout} s differs from the {mpu.group_timeout()} s that "
+                "megakernels.parallel.initialize gave the checkpoint group"
+            )
+        self.group = mpu.checkpoint_group()
         self._lock = None
         self.failures = 0  # saves that failed in a row (reset by one that succeeds)
         outcome = [None, None]
@@ -89,7 +96,6 @@ class Checkpointer:
                 outcome[0] = str(e)
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         if outcome[0] is not None:
-            dist.destroy_process_group(self.group)
             self.group = None
             raise checkpoint.CheckpointError(outcome[0])
         if outcome[1] and dist.get_rank() == 0:
@@ -189,7 +195,8 @@ class Checkpointer:
         return f"the {kind}save of step {step} failed ({text}); {kept}"
 
     def close(self, raise_error: bool = True) -> None:
-        """Wait for the last save, release the writer thread and the process group (idempotent).
+        """Wait for the last save, release the writer thread and the process group (which
+        ``megakernels.parallel.destroy`` destroys; idempotent).
 
         Raises:
             CheckpointError: the last asynchronous save failed (with ``raise_error``).
@@ -200,9 +207,7 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-            if self.group is not None:
-                dist.destroy_process_group(self.group)
-                self.group = None
+            self.group = None  # megakernels.parallel.destroy() destroys it
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None

@@ -59,6 +59,7 @@ from megakernels.parallel.params import (
 from megakernels.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
 from megakernels.parallel.state import (
     check_divisible,
+    checkpoint_group,
     cp_group,
     cp_rank,
     cp_size,
@@ -75,6 +76,7 @@ from megakernels.parallel.state import (
     ep_rank,
     ep_size,
     expert_dp_group,
+    group_timeout,
     initialize,
     is_in_embedding_group,
     is_initialized,
@@ -111,6 +113,8 @@ __all__ = [
     "dp_cp_group",
     "dp_cp_size",
     "tp_replica_group",
+    "checkpoint_group",
+    "group_timeout",
     "ep_group",
     "ep_rank",
     "ep_size",

@@ -205,8 +205,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
         mark_tensor_parallel(self.weight, self.bias, stride=stride, replicas=replicas)
-        if replicas > 1:
-            state.tp_replica_group(replicas)  # collective on first use: every rank builds this layer now
         self.reset_parameters()
 
     @torch.no_grad()

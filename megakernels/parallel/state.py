@@ -14,15 +14,23 @@ word embedding when the output layer is tied to it) [0,12] [1,13] [2,14] [3,15].
 Context-parallel ranks hold different tokens of the same samples, so gradients are reduced (and ZeRO-1 shards its
 state) over the data-and-context group ``dp_cp_group()`` (dp · cp ranks; the dp group itself when cp is 1).
 
-Every rank creates every group (``torch.distributed.new_group`` is collective over the world) in the same order.
-The module holds one state object; ``destroy()`` clears it (and destroys the groups) so ``initialize`` may run
-again, e.g. with another layout in the same world.
+Every group is made in one place, ``initialize`` (through ``_new_groups``), eagerly and in the same order on every
+rank: the layout's groups, this rank's ``tp_replica_group`` for every divisor of tp, and the gloo group of the
+trainer's background checkpoint writes (``checkpoint_group()``). Nothing else makes a group (a constructor never
+does: with pipeline parallelism the stages build different layers). A family of groups that partitions the world
+(every rank in exactly one of them) is made with ``use_local_synchronization`` where torch has it: each rank only
+creates its own group, and only its members synchronise. The embedding groups (middle stages are in none) are made
+by every rank: torch names a locally synchronised group after the count of groups the rank made before it, so the
+counts must stay equal across ranks. The module holds one state object; ``destroy()`` waits for every rank
+(a barrier) and then destroys the groups, so ``initialize`` may run again, e.g. with another layout in the same
+world.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import itertools
 import os
 
@@ -62,10 +70,35 @@ class _State:
     owns_world: bool
     vpp_rank: int | None = None
     tp_replica_groups: dict = dataclasses.field(default_factory=dict)
+    checkpoint_group: object = None
     timeout: datetime.timedelta | None = None  # of every group's collectives (None: torch's default)
 
 
 _state: _State | None = None
+
+# torch >= 2.1 takes use_local_synchronization; the check keeps older or stripped-down builds working.
+_LOCAL_SYNC = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
+
+
+def _new_groups(rank_lists, timeout, backend=None, partition: bool = True) -> list:
+    """The one place this package creates process groups: one per list of ``rank_lists`` (in that order, the same
+    on every rank); returns this rank's (None for a list without it).
+
+    ``partition``: the lists split the world (every rank in exactly one). Then, where torch supports it, the
+    groups are made with local synchronisation: a rank creates only its own, and only its members synchronise.
+    Otherwise every rank takes part in making every group (``torch.distributed.new_group`` is then collective
+    over the world), which keeps torch's count of groups made (its names for locally synchronised groups) equal
+    on every rank."""
+    rank, made = dist.get_rank(), []
+    local = partition and _LOCAL_SYNC
+    for ranks in rank_lists:
+        if local and rank not in ranks:
+            made.append(None)
+            continue
+        kwargs = {"use_local_synchronization": True} if local else {}
+        g = dist.new_group(list(ranks), timeout=timeout, backend=backend, **kwargs)
+        made.append(g if rank in ranks else None)
+    return made
 
 
 def _positive_int(name: str, value) -> int:
@@ -148,17 +181,21 @@ def initialize(
 
     def make(kind: str, varying: str, keep=None):
         """One group per value of the dimensions not in ``varying``, over every value of those in it (ranks in the
-        rank order); ``keep`` filters a group's ranks."""
+        rank order); ``keep`` filters a group's ranks (the lists then need not partition the world)."""
         fixed = [k for k in sizes if k not in varying]
+        lists = []
         for f in itertools.product(*(range(sizes[k]) for k in fixed)):
             ranks = [
                 at(**dict(zip(fixed, f)), **dict(zip(varying, v)))
                 for v in itertools.product(*(range(sizes[k]) for k in varying))
             ]
-            ranks = sorted(set(keep(ranks))) if keep else ranks
-            g = dist.new_group(ranks, timeout=wait)
-            groups.append(g)
-            if rank in ranks:
+            lists.append(sorted(set(keep(ranks))) if keep else ranks)
+        add(kind, lists, partition=keep is None)
+
+    def add(kind: str, lists, backend=None, partition: bool = True):
+        for ranks, g in zip(lists, _new_groups(lists, wait, backend=backend, partition=partition)):
+            if g is not None:
+                groups.append(g)
                 mine[kind], mine[kind + "_ranks"] = g, ranks
 
     make("tp", "t")
@@ -175,6 +212,12 @@ def initialize(
     make("mp", "pt")
     # the first and last pipeline stage (which share a tied word embedding)
     make("emb", "p", keep=lambda ranks: (ranks[0], ranks[-1]))
+    # the ranks of a tensor-parallel group holding the same replicated block (tp_replica_group), for each size
+    replicas = [c for c in range(2, tp) if tp % c == 0]
+    for c in replicas:
+        add(f"replicas{c}", [list(range(s, s + c)) for s in range(0, world, c)])
+    # the trainer's background checkpoint writes: gloo (CPU copies) and apart from the training's collectives
+    add("checkpoint", [list(range(world))], backend="gloo")
 
     tp_rank, cp_rank = rank % tp, (rank // tp) % cp
     dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
@@ -203,6 +246,8 @@ def initialize(
         pp_ranks=mine["pp_ranks"],
         embedding_ranks=mine.get("emb_ranks", []),
         groups=groups,
+        tp_replica_groups={**{c: mine[f"replicas{c}"] for c in replicas}, tp: mine["tp"], 1: None},
+        checkpoint_group=mine["checkpoint"],
         owns_world=owns_world,
         vpp_rank=0 if vpp is not None else None,
         timeout=wait,
@@ -210,11 +255,15 @@ def initialize(
 
 
 def destroy() -> None:
-    """Destroy the groups created by ``initialize`` (and the default group if ``initialize`` created it)."""
+    """Destroy the groups created by ``initialize`` (and the default group if ``initialize`` created it).
+
+    Collective: every rank must call it. A barrier first, so that no rank tears down a group a peer still uses
+    (a peer's collective on it would fail or hang)."""
     global _state
     if _state is None:
         return
     state, _state = _state, None
+    dist.barrier(group=state.checkpoint_group)  # gloo, over the whole world: no device synchronisation needed
     for g in state.groups:
         dist.destroy_process_group(g)
     if state.owns_world and dist.is_initialized():
@@ -294,7 +343,8 @@ def tp_replica_group(replicas: int):
     """This rank's group of ``replicas`` consecutive tensor-parallel ranks (which hold the same block of a
     parameter replicated within the TP group, e.g. a key/value head shared by several query-head shards).
 
-    Created on first use: every rank of the world must make the first call for a size at the same point.
+    Made by ``initialize`` for every divisor of tp (the tp group itself for ``replicas == tp``); None for 1 (no
+    replicas).
 
     Raises:
         ValueError: ``replicas`` does not divide the tensor-parallel size.
@@ -303,22 +353,19 @@ def tp_replica_group(replicas: int):
     _positive_int("replicas", replicas)
     if s.tp % replicas:
         raise ValueError(f"tp_replica_group: replicas={replicas} does not divide the tensor-parallel size {s.tp}")
-    if replicas not in s.tp_replica_groups:
-        mine = None
-        for tp_ranks in _all_tp_groups(s):
-            for i in range(0, s.tp, replicas):
-                ranks = tp_ranks[i : i + replicas]
-                g = dist.new_group(ranks, timeout=s.timeout)
-                s.groups.append(g)
-                if dist.get_rank() in ranks:
-                    mine = g
-        s.tp_replica_groups[replicas] = mine
     return s.tp_replica_groups[replicas]
 
 
-def _all_tp_groups(s: _State) -> list[list[int]]:
-    world, tp = dist.get_world_size(), s.tp
-    return [list(range(start, start + tp)) for start in range(0, world, tp)]
+def checkpoint_group():
+    """A gloo group over the whole world for the trainer's background checkpoint writes: collectives of a second
+    thread must not interleave with the training's on the same group, and they move CPU copies."""
+    return _get().checkpoint_group
+
+
+def group_timeout() -> float | None:
+    """Seconds a collective of these groups waits for a peer (``initialize``'s ``timeout``; None: torch's)."""
+    wait = _get().timeout
+    return None if wait is None else wait.total_seconds()
 
 
 def model_parallel_group():

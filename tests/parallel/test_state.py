@@ -3,11 +3,14 @@ configuration errors, in one world of 8 gloo processes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import megakernels.parallel as mp
+from megakernels.parallel import state
 from tests.parallel.checks import Checks
 from tests.parallel.harness import run_world
 
@@ -72,7 +75,8 @@ def _(rank, world):
     mp.destroy()
     mp.initialize(4)
     assert _ranks(mp.tp_replica_group(2)) == _mine([[0, 1], [2, 3], [4, 5], [6, 7]], rank)
-    assert mp.tp_replica_group(2) is mp.tp_replica_group(2)  # created once
+    assert mp.tp_replica_group(2) is mp.tp_replica_group(2)  # created once, by initialize
+    assert mp.tp_replica_group(4) is mp.tp_group() and mp.tp_replica_group(1) is None
     x = torch.tensor([float(rank)])
     dist.all_reduce(x, group=mp.tp_replica_group(2))
     assert x.item() == sum(_mine([[0, 1], [2, 3], [4, 5], [6, 7]], rank))
@@ -214,6 +218,77 @@ def _(rank, world):
         mp.RowParallelLinear(20, 16)
     with pytest.raises(ValueError, match="ffn_hidden_size=36 is not divisible"):
         mp.ParallelMLP(16, 36)
+
+
+@contextlib.contextmanager
+def _new_group_calls(fail: bool = False):
+    """The ranks of every ``dist.new_group`` call made inside; with ``fail``, each call raises instead."""
+    calls, original = [], dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        if fail:
+            raise AssertionError(f"a process group {ranks} was created after initialize")
+        calls.append(sorted(ranks))
+        return original(ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield calls
+    finally:
+        dist.new_group = original
+
+
+@CHECKS.add("initialize_creates_every_group")
+def _(rank, world):
+    with _new_group_calls() as calls:
+        mp.initialize(4, 2)  # tp 4 (replica groups of 2 and 4), pp 2, dp 1
+    tp = [rank - rank % 4 + i for i in range(4)]
+    pipe = [rank % 4, rank % 4 + 4]
+    everyone = list(range(8))
+    # tp, dp, cp, pp, model-parallel, embedding, replicas of 2, checkpoint (tp itself serves replicas of 4)
+    expected = [tp, [rank], [rank], pipe, everyone, pipe, [rank - rank % 2, rank - rank % 2 + 1], everyone]
+    assert sorted(_ranks(g) for g in state._get().groups) == sorted(expected)
+    assert [c for c in calls if rank in c] == expected
+    # A family of groups that splits the world is made by its members only (torch's local synchronisation); the
+    # embedding groups (none for middle stages; here every rank is on an end stage) by every rank.
+    assert len(calls) == (7 + 4 if state._LOCAL_SYNC else 2 + 8 + 8 + 4 + 1 + 4 + 4 + 1)
+    assert _ranks(mp.checkpoint_group()) == everyone and dist.get_backend(mp.checkpoint_group()) == "gloo"
+    for group in (mp.tp_replica_group(2), mp.checkpoint_group()):
+        x = torch.tensor([1.0])
+        dist.all_reduce(x, group=group)
+        assert x.item() == dist.get_world_size(group)
+
+
+def _build_gqa(tp: int, kv_heads: int):
+    """The stages of a tiny grouped-query-attention Llama at tp, pp 2, as the trainer builds them."""
+    from megakernels_models.config import ModelConfig
+    from megakernels_models.llama import LlamaModel
+
+    cfg = ModelConfig(
+        "llama",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        seq_length=16,
+        vocab_size=256,
+        ffn_hidden_size=48,
+    )
+    stage = mp.pp_rank()
+    return LlamaModel(cfg, seed=3, layers=range(stage, stage + 1), pre_process=stage == 0, post_process=stage == 1)
+
+
+@CHECKS.add("no_group_is_created_after_initialize")
+def _(rank, world):
+    for tp, kv_heads in ((2, 1), (4, 1), (4, 2)):  # key/value heads replicated on 2, 4 and 2 ranks
+        mp.initialize(tp, 2)
+        replicas = tp // kv_heads
+        with _new_group_calls(fail=True):
+            _build_gqa(tp, kv_heads)
+            x = torch.tensor([1.0])
+            dist.all_reduce(x, group=mp.tp_replica_group(replicas))
+        assert x.item() == replicas
+        mp.destroy()
 
 
 def _world(rank, world_size):
