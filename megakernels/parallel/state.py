@@ -33,6 +33,7 @@ import datetime
 import inspect
 import itertools
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -254,16 +255,21 @@ def initialize(
     )
 
 
-def destroy() -> None:
+def destroy(barrier: bool | None = None) -> None:
     """Destroy the groups created by ``initialize`` (and the default group if ``initialize`` created it).
 
-    Collective: every rank must call it. A barrier first, so that no rank tears down a group a peer still uses
-    (a peer's collective on it would fail or hang)."""
+    Collective: every rank calls it. A barrier first, so that no rank tears down a group a peer still uses (the
+    peer's collective on it would fail or hang). ``barrier=None`` (the default) skips it while an exception is
+    propagating through the caller (``finally:`` after an error): the peers of a failing rank may never come, and
+    the error must not wait for them, nor be replaced by the barrier's timeout."""
     global _state
     if _state is None:
         return
     state, _state = _state, None
-    dist.barrier(group=state.checkpoint_group)  # gloo, over the whole world: no device synchronisation needed
+    if barrier is None:
+        barrier = sys.exc_info()[0] is None
+    if barrier:
+        dist.barrier(group=state.checkpoint_group)  # gloo, over the whole world: no device synchronisation
     for g in state.groups:
         dist.destroy_process_group(g)
     if state.owns_world and dist.is_initialized():

@@ -291,6 +291,22 @@ def _(rank, world):
         mp.destroy()
 
 
+@CHECKS.add("destroy_waits_for_every_rank_unless_an_error_propagates")
+def _(rank, world):
+    mp.initialize(2)
+    if rank == 0:  # its peers are not in destroy(): a barrier would wait for them until the timeout
+        with pytest.raises(RuntimeError, match="deliberate"):
+            try:
+                raise RuntimeError("deliberate")
+            finally:
+                mp.destroy()
+    else:
+        mp.destroy(barrier=False)
+    dist.barrier()
+    mp.initialize(2)
+    mp.destroy()  # the barrier: every rank is here
+
+
 def _world(rank, world_size):
     return CHECKS.run(rank, world_size)
 
