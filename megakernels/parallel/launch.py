@@ -61,8 +61,6 @@ HOST = "127.0.0.1"
 _POLL_S = 0.05
 # After a rank's exit code is visible, how long its result may still be in flight through the queue's pipe.
 _DRAIN_S = 2.0
-# The rendezvous port of the latest world (tests check it is released).
-last_port: int | None = None
 
 
 class WorldFailed(RuntimeError):
@@ -108,20 +106,29 @@ def _extra_preload() -> list[str]:
     return names
 
 
-class _Stdio:
-    """This process's stdout and stderr, for a rank forked by the fork server (which otherwise writes to the
-    server's, i.e. to whatever they were when the server started): pickled, the two descriptors travel to the new
-    process (``multiprocessing.reduction.DupFd``); unpickled there, they replace its own."""
+class _Descriptor:
+    """A descriptor of this process given to a child it starts: pickled as the child starts, it travels as
+    ``multiprocessing.reduction.DupFd`` (through the fork server's socket), and the child receives that DupFd,
+    whose ``detach()`` returns the child's copy. Unpickling does nothing else: the child adopts it explicitly."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
 
     def __reduce__(self):
-        return _Stdio._adopt, (reduction.DupFd(1), reduction.DupFd(2))
+        return _received, (reduction.DupFd(self.fd),)
 
-    @staticmethod
-    def _adopt(out, err) -> None:
-        for fd, dup in ((1, out), (2, err)):
-            new = dup.detach()
-            os.dup2(new, fd)
-            os.close(new)
+
+def _received(dup):
+    return dup
+
+
+def _adopt_stdio(stdout, stderr) -> None:
+    """Make the descriptors received for stdout and stderr (``_Descriptor``'s DupFd) this process's own: a rank
+    forked by the fork server otherwise writes to the server's, i.e. to whatever they were when it started."""
+    for fd, dup in ((1, stdout), (2, stderr)):
+        new = dup.detach()
+        os.dup2(new, fd)
+        os.close(new)
 
 
 def _child(
@@ -138,13 +145,13 @@ def _child(
     watch: tuple[float, str] | None,
     env: dict | None = None,
     cwd: str | None = None,
-    stdio=None,
+    stdout=None,
+    stderr=None,
 ) -> None:
     # First, before anything that can take time: a rank dies with its launcher, whatever killed it.
     watchdog.die_with(launcher)
-    # `stdio` (a _Stdio, forkserver only) did its work while the arguments were unpickled: this process's
-    # stdout/stderr are already the launcher's.
-    del stdio
+    if stdout is not None:  # forked from the fork server: write where the launcher writes
+        _adopt_stdio(stdout, stderr)
     if env is not None:  # forked from the fork server, whose environment is the one it started with
         os.environ.clear()
         os.environ.update(env)
@@ -291,15 +298,14 @@ def run_world(
     store = dist.TCPStore(
         HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
     )
-    global last_port
-    last_port = store.port
     procs = []
     beats = liveness.new_dir() if watch is not None else None
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
         # The children read these at import time, before any code of ours runs in them.
         os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        where = (dict(os.environ), os.getcwd(), _Stdio()) if ctx.get_start_method() == "forkserver" else ()
+        forked = ctx.get_start_method() == "forkserver"
+        where = (dict(os.environ), os.getcwd(), _Descriptor(1), _Descriptor(2)) if forked else ()
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child,

@@ -14,7 +14,15 @@ def run_world(world_size: int, fn, *args, timeout: float = 120.0, init: str = "s
         raise AssertionError(str(e)) from None
 
 
-def __getattr__(name: str):
-    if name == "last_port":
-        return launch.last_port
-    raise AttributeError(name)
+def record_store_ports(monkeypatch) -> list[int]:
+    """The ports of the rendezvous stores that ``launch.run_world`` hosts from now on in this process (until
+    ``monkeypatch`` undoes it), to check that each is released."""
+    ports, original = [], launch.dist.TCPStore
+
+    def recording(*args, **kwargs):
+        store = original(*args, **kwargs)
+        ports.append(store.port)
+        return store
+
+    monkeypatch.setattr(launch.dist, "TCPStore", recording)
+    return ports

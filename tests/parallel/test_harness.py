@@ -76,12 +76,13 @@ def _port_released(port: int) -> bool:
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_results_come_back_in_rank_order_with_one_thread_per_rank(monkeypatch, start_method):
     monkeypatch.setenv("MEGAKERNELS_START_METHOD", start_method)
+    ports = harness.record_store_ports(monkeypatch)
     out = run_world(3, _sum_of_ranks, 2.0, timeout=60)
     assert [r["rank"] for r in out] == [0, 1, 2]
     assert all(torch.equal(r["sum"], torch.tensor([6.0])) for r in out)
     assert all(r["threads"] == 1 for r in out)
     _no_children_left()
-    assert _port_released(harness.last_port)
+    assert len(ports) == 1 and _port_released(ports[0])
 
 
 def test_env_init_lets_the_function_initialise_like_torchrun():
@@ -89,7 +90,8 @@ def test_env_init_lets_the_function_initialise_like_torchrun():
     _no_children_left()
 
 
-def test_a_raising_rank_fails_the_parent_with_its_traceback():
+def test_a_raising_rank_fails_the_parent_with_its_traceback(monkeypatch):
+    ports = harness.record_store_ports(monkeypatch)
     start = time.monotonic()
     with pytest.raises(AssertionError, match="rank 1 raised") as info:
         run_world(2, _rank_one_raises, timeout=60)
@@ -97,7 +99,7 @@ def test_a_raising_rank_fails_the_parent_with_its_traceback():
     assert "_rank_one_raises" in str(info.value)  # the traceback, not just the message
     assert time.monotonic() - start < 30
     _no_children_left()
-    assert _port_released(harness.last_port)
+    assert len(ports) == 1 and _port_released(ports[0])
 
 
 def test_a_dying_rank_fails_the_parent_instead_of_hanging():
