@@ -18,7 +18,6 @@ import triton
 from megakernels.triton._common import (
     arch_of,
     dropout_threshold,
-    install_interpreter_descriptor_reduce,
     pick_config,
     seq_bucket,
 )
@@ -27,7 +26,6 @@ from megakernels.triton._fa_fwd import _fwd_kernel, supports_tma
 from megakernels.triton.launch import Launch
 
 LOG2E = 1.4426950408889634
-install_interpreter_descriptor_reduce()  # the backward's dQ add through a descriptor runs under the interpreter too
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) per architecture and padded head dim; the first is
 # the default, autotuning picks among them on a GPU. The sm_90 lists are plain data: the configs that do not spill,
