@@ -106,6 +106,16 @@ def _positive_int(name: str, value) -> int:
     return positive_int(value, name, where="initialize")
 
 
+def _world_timeout() -> datetime.timedelta | None:
+    """The timeout the default process group was made with, where this torch exposes it (None otherwise)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        found = dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return found if isinstance(found, datetime.timedelta) else None
+
+
 def _init_world_from_env(timeout: datetime.timedelta | None) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -142,9 +152,9 @@ def initialize(
         cp: context-parallel size (ranks splitting each sequence, ``megakernels.parallel.context``).
         ep: expert-parallel size: groups of ``ep`` consecutive data-parallel ranks split the experts of a
             mixture-of-experts layer between them (``megakernels.parallel.moe``); must divide dp.
-        timeout: seconds a collective of these groups waits for a peer before it raises; None for torch's default
-            (30 minutes for gloo). Give the world's own (the trainer's ``--timeout``): a group made without one
-            does not inherit the world's, so a rank that stopped would hold its peers for torch's default.
+        timeout: seconds a collective of these groups waits for a peer before it raises; None: the default process
+            group's own where torch exposes it, else torch's default (30 minutes for gloo). (A group made without one
+            does not inherit the world's, so a rank that stopped would hold its peers for torch's default.)
 
     Raises:
         ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · cp · pp``, a ``dp``
@@ -163,6 +173,8 @@ def initialize(
     owns_world = not dist.is_initialized()
     if owns_world:
         _init_world_from_env(wait)
+    if wait is None:  # the world's own: a group made without a timeout would wait torch's default instead
+        wait = _world_timeout()
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
         layout = ParallelLayout.build(world, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp, dp=dp)

@@ -346,3 +346,22 @@ def test_accessors_before_initialize():
         mp.tp_group()
     with pytest.raises(RuntimeError, match="not initialised"):
         mp.ColumnParallelLinear(4, 4)
+
+
+def test_groups_wait_as_long_as_the_world_unless_told_otherwise():
+    """initialize without a timeout gives its groups the default process group's, not torch's 30 minutes (a stall
+    in a test's world then raises within the world's timeout)."""
+    from megakernels.parallel import state
+    from megakernels.parallel.launch import single_process_world
+
+    with single_process_world(timeout=17.0):
+        state.initialize(1, 1)
+        try:
+            assert state.group_timeout() == 17.0
+        finally:
+            state.destroy()
+        state.initialize(1, 1, timeout=5.0)
+        try:
+            assert state.group_timeout() == 5.0
+        finally:
+            state.destroy()
