@@ -82,10 +82,11 @@ def test_a_rank_without_progress_is_ended_with_its_rank_phase_and_step():
 
 
 def test_a_rank_that_reports_progress_more_often_than_the_timeout_runs_on():
-    # Progress every tenth of the timeout for three timeouts: the watchdog must not fire; the process ends itself.
+    # Progress every fortieth of the timeout for one and a half timeouts: the watchdog must not fire; the process
+    # ends itself. (A 2 s timeout: a loaded CI machine can hold a process off the CPU for a fraction of a second.)
     rank = _python(
-        "w = wd.Watchdog(0.5, rank=0).start()\n"
-        "for i in range(30):\n    wd.progress('step', i)\n    time.sleep(0.05)\n"
+        "w = wd.Watchdog(2.0, rank=0).start()\n"
+        "for i in range(60):\n    wd.progress('step', i)\n    time.sleep(0.05)\n"
         "w.stop()\nprint('done')\n"
     )
     out, err = rank.communicate(timeout=DEADLINE_S)
