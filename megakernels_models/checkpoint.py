@@ -228,17 +228,13 @@ class Writer(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         done = super().write_data(plan, planner)
         results = done.wait()
-        digests = verified.digests_of_results(str(self.path), results)
         for i, r in enumerate(results):
             info = r.storage_data
+            digest = verified.digest_of(str(self.path), info)
             results[i] = dataclasses.replace(
                 r,
                 storage_data=_Digested(
-                    info.relative_path,
-                    info.offset,
-                    info.length,
-                    info.transform_descriptors,
-                    digest=digests[verified._key(info.relative_path, info.offset, info.length)],
+                    info.relative_path, info.offset, info.length, info.transform_descriptors, digest=digest
                 ),
             )
         syncpoints.reach(self._point)
@@ -254,7 +250,7 @@ class Writer(dcp.FileSystemWriter):
             for r in rank_results:
                 info = r.storage_data
                 if isinstance(info, _Digested):
-                    digests[verified._key(info.relative_path, info.offset, info.length)] = info.digest
+                    digests[verified.range_key(info.relative_path, info.offset, info.length)] = info.digest
                     info = StorageInfo(info.relative_path, info.offset, info.length, info.transform_descriptors)
                 out.append(dataclasses.replace(r, storage_data=info))
             plain.append(out)

@@ -53,7 +53,8 @@ def digest_range(path: str, offset: int, length: int) -> str | None:
     return h.hexdigest()
 
 
-def _key(relative_path: str, offset: int, length: int) -> str:
+def range_key(relative_path: str, offset: int, length: int) -> str:
+    """The digest table's key of a byte range of a checkpoint file."""
     return f"{os.path.normpath(relative_path)}@{offset}+{length}"
 
 
@@ -87,14 +88,10 @@ def read_metadata(path: str):
 # ---- writing --------------------------------------------------------------------------------------------------
 
 
-def digests_of_results(checkpoint_dir: str, results) -> dict[str, str]:
-    """Digests of the byte ranges this rank's ``WriteResult``s describe (read back from ``checkpoint_dir``)."""
-    out = {}
-    for r in results:
-        info = r.storage_data
-        digest = digest_range(os.path.join(checkpoint_dir, info.relative_path), info.offset, info.length)
-        out[_key(info.relative_path, info.offset, info.length)] = digest
-    return out
+def digest_of(checkpoint_dir: str, info) -> str | None:
+    """The digest of the byte range a DCP storage info (``relative_path``, ``offset``, ``length``) describes, read
+    back from ``checkpoint_dir``."""
+    return digest_range(os.path.join(checkpoint_dir, info.relative_path), info.offset, info.length)
 
 
 def write_digests(checkpoint_dir: str, digests: dict[str, str], previous: str | None = None) -> None:
@@ -169,7 +166,7 @@ def verify(path: str, share: tuple[int, int] = (0, 1)) -> list[str]:
             continue
         if not table:
             continue
-        expected = table.get(_key(info.relative_path, info.offset, info.length))
+        expected = table.get(range_key(info.relative_path, info.offset, info.length))
         if expected is None:
             problems.append(f"checkpoint {path}: {where}: no recorded digest")
         elif digest_range(file, info.offset, info.length) != expected:

@@ -265,16 +265,18 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 watchdog.progress("stop check")
                 syncpoints.reach(f"step-{step + 1}")
                 reason = stop.should_stop(step + 1)
+                failed = None
                 if saver is not None and (reason or _due(step, args.save_interval or args.steps, args.steps)):
                     watchdog.progress("save")
                     opt.wait_params()  # offload: the updated params may still be on their way to the device
                     save_error = saver.save(step + 1, chunks, opt, cfg) or save_error
                     if reason:  # the save of this step completes before the run stops
                         save_error = saver.wait() or save_error
+                    # decided at save steps only: no collective or host sync added to the other steps
+                    failed = _too_many_save_failures(saver, args.max_save_failures, device)
                 if save_error and log_rank:
                     rec["checkpoint_error"] = save_error
                     print(f"megakernels train: warning: {save_error}", file=sys.stderr, flush=True)
-                failed = _too_many_save_failures(saver, args.max_save_failures, device)
                 if rec is not None:
                     if reason:
                         rec["stopped"] = reason
@@ -319,8 +321,8 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
 
 def _too_many_save_failures(saver, limit: int, device) -> str | None:
     """Why the run stops for failed saves (the same answer on every rank), or None: ``limit`` saves in a row failed
-    on some rank (an asynchronous save's failure reaches each rank's count at its own step boundary, so the counts
-    are combined)."""
+    on some rank. Called after a save (which first waits for the previous one, so every rank has counted it); the
+    counts are still combined, as an asynchronous failure may reach one rank's count at an earlier poll."""
     if saver is None or not limit:
         return None
     count = torch.tensor([float(saver.failures)], device=device)
