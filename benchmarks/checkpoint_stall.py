@@ -25,7 +25,7 @@ from megakernels.bench.common import machine, machine_line, write_json
 def _run(mode: str, args, root: str) -> dict:
     from megakernels.parallel.launch import single_process_world
     from megakernels_models.arguments import TrainArgs
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     log = os.path.join(root, f"{mode}.jsonl")
     steps = args.every * (args.saves + 1)

@@ -26,8 +26,8 @@ def world():
 @pytest.mark.parametrize("name", list(CPU_PRESETS))
 def test_train_step(benchmark, world, name, impl):
     from megakernels.optim import FusedAdamW
-    from megakernels_models.config import ModelConfig
-    from megakernels_models.gpt import GPTModel
+    from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.gpt.model import GPTModel
 
     cfg, mbs = CPU_PRESETS[name]
     cfg = ModelConfig(**cfg)

@@ -12,8 +12,8 @@ the trainer and the ``megakernels`` command.
 
 
 def load_pretrained(path: str, device: str = "cpu", dtype=None, tokenizer: str | None = None):
-    """``megakernels_models.pretrained.load_pretrained`` (imported on first use)."""
-    from megakernels_models.pretrained import load_pretrained as load
+    """``megakernels_models.inference.pretrained.load_pretrained`` (imported on first use)."""
+    from megakernels_models.inference.pretrained import load_pretrained as load
 
     return load(path, device, dtype, tokenizer)
 

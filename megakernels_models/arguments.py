@@ -15,10 +15,10 @@ import torch
 from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
-from megakernels_models.config import LANGUAGE_MODELS, MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
-from megakernels_models.layout_rules import validate_layout
-from megakernels_models.preemption import SIGNALS
+from megakernels_models.models.config import LANGUAGE_MODELS, MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
+from megakernels_models.planning.layout_rules import validate_layout
 from megakernels_models.settings import ArgumentError, setting
+from megakernels_models.training.preemption import SIGNALS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("1f1b", "gpipe")
@@ -360,7 +360,7 @@ class TrainArgs:
         return tuple(n.strip() for n in self.freeze.split(",") if n.strip())
 
     def data_parallel_size(self) -> int:
-        from megakernels_models.layout_rules import layout_of
+        from megakernels_models.planning.layout_rules import layout_of
 
         return layout_of(self).dp
 
@@ -393,7 +393,7 @@ def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
     try:
         cfg = _validate(a)
         if check_memory and a.memory_check and not a.dry_run:
-            from megakernels_models.memory_limits import check
+            from megakernels_models.training.memory_limits import check
 
             check(a, cfg)
         return cfg
@@ -501,7 +501,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
         raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
     if a.load is not None:
-        from megakernels_models.checkpoint import CheckpointError, find_latest
+        from megakernels_models.training.checkpoint import CheckpointError, find_latest
 
         try:
             find_latest(a.load)  # missing or empty: a first launch, which starts from scratch

@@ -23,7 +23,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    from megakernels_models.config import PRESETS
+    from megakernels_models.models.config import PRESETS
 
     p = sub.add_parser(
         "train",
@@ -69,8 +69,8 @@ def _train_args(ns: argparse.Namespace) -> TrainArgs:
 
 def _run_train(ns: argparse.Namespace) -> int:
     from megakernels.parallel.launch import WorldFailed
-    from megakernels_models.checkpoint import CheckpointError
-    from megakernels_models.train import run
+    from megakernels_models.training.checkpoint import CheckpointError
+    from megakernels_models.training.train import run
 
     try:
         args = _train_args(ns)
@@ -121,10 +121,10 @@ SUBCOMMANDS = {
     "train": "megakernels_models.cli:_add_train",
     "preprocess": "megakernels_models.data.preprocess:add_parser",
     "convert": "megakernels_models.convert:add_parser",
-    "eval": "megakernels_models.evaluate:add_parser",
-    "generate": "megakernels_models.generate:add_parser",
-    "plan": "megakernels_models.plan:add_parser",
-    "checkpoint": "megakernels_models.checkpoint_verify:add_parser",
+    "eval": "megakernels_models.inference.evaluate:add_parser",
+    "generate": "megakernels_models.inference.generate:add_parser",
+    "plan": "megakernels_models.planning.plan:add_parser",
+    "checkpoint": "megakernels_models.training.checkpoint_verify:add_parser",
     "bench": "megakernels_models.bench:add_parser",
 }
 

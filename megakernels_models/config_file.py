@@ -134,7 +134,7 @@ def load(path: str) -> dict:
 
 
 def _architecture(path: str, value) -> dict:
-    from megakernels_models.config import ModelConfig
+    from megakernels_models.models.config import ModelConfig
 
     if not isinstance(value, dict):
         raise ArgumentError(

@@ -34,7 +34,7 @@ os.environ.setdefault("MEGAKERNELS_START_METHOD", "forkserver")
 # ... which also imports, once, what a rank that trains would import on its own: the trainer (~1.7 s: with
 # torch.distributed.checkpoint and what it pulls in) and torch._dynamo (~3 s; torch.optim.Optimizer imports it
 # when the first parameter group is added).
-os.environ.setdefault("MEGAKERNELS_FORKSERVER_PRELOAD", "torch._dynamo,megakernels_models.train")
+os.environ.setdefault("MEGAKERNELS_FORKSERVER_PRELOAD", "torch._dynamo,megakernels_models.training.train")
 
 import megakernels  # noqa: E402
 from tests.helpers import Backend  # noqa: E402

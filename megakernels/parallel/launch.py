@@ -12,7 +12,7 @@ process that imported torch once and forks each rank from there, so a rank start
 torch's import (~1.5 s of CPU each) -- for processes that run many small worlds, such as the test suite. Each rank
 still gets this process's current environment and working directory, and writes to its stdout/stderr, as a
 spawned one would. ``MEGAKERNELS_FORKSERVER_PRELOAD`` (comma-separated module names) adds modules for the server to
-import once, e.g. ``megakernels_models.train`` (~1.7 s of imports per rank that trains); they must not start
+import once, e.g. ``megakernels_models.training.train`` (~1.7 s of imports per rank that trains); they must not start
 threads or read the environment at import.
 
 The rendezvous store is a ``TCPStore`` hosted by the parent on a port the kernel picks (port 0), so there is no
@@ -549,7 +549,7 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
         )
     threads = max(1, (os.cpu_count() or 1) // nproc)
     # A preemption signal sent to this launcher (not to the whole process group) reaches the ranks too; they
-    # decide together when to stop (megakernels_models.preemption).
+    # decide together when to stop (megakernels_models.training.preemption).
     return run_world(
         nproc,
         _call,

@@ -9,9 +9,9 @@ eager GPT of the same shape on one device, measured in the same run.
 PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one (``gpt-cpu-s256``,
 ``gpt-cpu-s1024``; the default on the CPU is both, on CUDA ``gpt-1.3b``).
 
-1. The trainer (``megakernels_models.train.run``, so exactly what ``megakernels train`` runs, spawning ``--nproc``
+1. The trainer (``megakernels_models.training.train.run``, so exactly what ``megakernels train`` runs, spawning ``--nproc``
    local processes for a layout on the CPU) trains ``--warmup`` + ``--steps`` optimizer steps on the embedded corpus
-   with per-phase step timers on (``megakernels_models.timers``); the last ``--steps`` are reported: tokens/s,
+   with per-phase step timers on (``megakernels_models.training.timers``); the last ``--steps`` are reported: tokens/s,
    TFLOP/s per device (model FLOPs of Narayanan et al.: 3x forward incl. attention, no recompute), MFU against the
    device's peak (the trainer's table for GPUs, a timed matmul on the CPU, or ``--peak-tflops``), peak memory per
    device (CUDA allocated memory, or each rank's peak resident set on the CPU) and the time split (forward,
@@ -109,7 +109,7 @@ def model_config(name: str, device: str):
     Raises:
         ValueError: an unknown preset or a BERT preset (the message names ``--e2e``).
     """
-    from megakernels_models.config import PRESETS, ModelConfig, preset
+    from megakernels_models.models.config import PRESETS, ModelConfig, preset
 
     if name == QUICK:
         return preset(
@@ -130,7 +130,7 @@ def trainer_args(name: str, cfg, mbs: int, ns, peak: float | None):
     """``TrainArgs`` of the trainer run for model ``name`` from the flags (validated: ``ArgumentError`` names the
     flag and the rule)."""
     from megakernels_models.arguments import TrainArgs, validate
-    from megakernels_models.config import PRESETS
+    from megakernels_models.models.config import PRESETS
 
     dp = ns.dp or (ns.nproc // (ns.tp * ns.pp) if ns.nproc else 1)
     nproc = ns.nproc or ns.tp * ns.pp * dp
@@ -177,7 +177,7 @@ def trainer_args(name: str, cfg, mbs: int, ns, peak: float | None):
 def measure_trainer(args, cfg, warmup: int) -> dict:
     """Train per ``args`` and summarise the steps after ``warmup`` (see the module docstring)."""
     from megakernels.parallel.pipeline.schedules import bubble_fraction
-    from megakernels_models.train import run
+    from megakernels_models.training.train import run
 
     records = run(args)[warmup:]
     tokens_step = args.global_batch_size * cfg.seq_length
@@ -264,7 +264,7 @@ def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
     Raises:
         megakernels.parallel.launch.WorldFailed: a spawned rank failed.
     """
-    from megakernels_models.mfu import device_peak_tflops
+    from megakernels_models.training.mfu import device_peak_tflops
 
     plan = prepare(ns) if plan is None else plan
     device = torch.device(ns.device)

@@ -121,7 +121,7 @@ def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: i
     """
     from megakernels.optim import FusedAdamW
     from megakernels.parallel.launch import single_process_world
-    from megakernels_models.gpt import GPTModel
+    from megakernels_models.models.gpt.model import GPTModel
 
     if precision not in DTYPES:
         raise ValueError(f"compare_single: precision must be one of {', '.join(DTYPES)}, got {precision!r}")

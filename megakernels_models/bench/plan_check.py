@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megakernels_models import costs
+from megakernels_models.planning import costs
 
 LAYOUTS = {"dp4": dict(), "tp2-dp2": dict(tp=2), "pp2-dp2": dict(pp=2), "tp4": dict(tp=4)}
 EFFICIENCY = 0.5
@@ -38,7 +38,7 @@ def _collective_times(rank: int, world: int) -> tuple[float, float]:
 def cpu_device(nproc: int) -> costs.Device:
     """The CPU profile for ``nproc`` local ranks (see the module docstring)."""
     from megakernels.parallel.launch import run_world
-    from megakernels_models.mfu import cpu_peak_tflops
+    from megakernels_models.training.mfu import cpu_peak_tflops
 
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
@@ -87,8 +87,8 @@ def run(args_for, warmup: int = 1, log=print) -> dict:
     "measured": {...}, "predicted_order", "measured_order", "kendall_tau",
     "agree"}``."""
     from megakernels_models.arguments import validate
-    from megakernels_models.dryrun import layout_of
-    from megakernels_models.train import run as train_run
+    from megakernels_models.planning.dryrun import layout_of
+    from megakernels_models.training.train import run as train_run
 
     device = cpu_device(4)
     log(

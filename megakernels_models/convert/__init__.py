@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 
-from megakernels_models.config import ModelConfig
 from megakernels_models.convert import bert, gpt2, llama, mixtral
 from megakernels_models.convert.common import (
     ConversionError,
@@ -29,6 +28,7 @@ from megakernels_models.convert.common import (
     write_checkpoint,
     write_hf,
 )
+from megakernels_models.models.config import ModelConfig
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral)}
 # megakernels model family -> the HuggingFace family it is written as
@@ -150,7 +150,7 @@ def add_parser(sub) -> None:
 def main(ns) -> int:
     import sys
 
-    from megakernels_models.checkpoint import CheckpointError
+    from megakernels_models.training.checkpoint import CheckpointError
 
     try:
         if ns.direction == "hf-to-megakernels":

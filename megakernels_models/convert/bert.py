@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.config import ModelConfig
 from megakernels_models.convert.common import ConversionError, Rule, copy
+from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "bert"
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.config import LANGUAGE_MODELS, ModelConfig
 from megakernels_models.convert.bert import _ACTIVATIONS, _split_qkv_rule
 from megakernels_models.convert.common import ConversionError, Rule, apply, copy, read_hf
+from megakernels_models.models.config import LANGUAGE_MODELS, ModelConfig
 
 
 def vision_fields(hf) -> dict:
@@ -156,7 +156,7 @@ def _fresh_projector(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The projector's full tensors as ``megakernels train --seed seed`` initialises them (built at tp 1)."""
     from megakernels.parallel import state
     from megakernels.parallel.launch import single_process_world
-    from megakernels_models.vision import Projector
+    from megakernels_models.models.vlm.vision import Projector
 
     if state.is_initialized():
         return Projector(cfg, seed).state_dict()

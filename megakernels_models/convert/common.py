@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from megakernels_models.config import ModelConfig
+from megakernels_models.models.config import ModelConfig
 
 Tensors = list[torch.Tensor]
 
@@ -140,8 +140,8 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
     """
     import torch.distributed.checkpoint as dcp
 
-    from megakernels_models.checkpoint import Writer
-    from megakernels_models.checkpoint_store import write_latest
+    from megakernels_models.training.checkpoint import Writer
+    from megakernels_models.training.checkpoint_store import write_latest
 
     sd = {f"model.{k}": v.float().contiguous() for k, v in tensors.items()}
     sd["meta"] = json.dumps(
@@ -172,7 +172,7 @@ def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, {name: full tensor}) of a megakernels checkpoint's model, loaded in this process (no process group)."""
     import torch.distributed.checkpoint as dcp
 
-    from megakernels_models.checkpoint import read_latest
+    from megakernels_models.training.checkpoint import read_latest
 
     path = read_latest(path)
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

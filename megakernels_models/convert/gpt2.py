@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.config import ModelConfig
 from megakernels_models.convert.common import ConversionError, Rule, copy, transposed
+from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "gpt2"
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

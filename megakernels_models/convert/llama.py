@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.config import ModelConfig
 from megakernels_models.convert.common import ConversionError, Rule, copy
+from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "llama"
 

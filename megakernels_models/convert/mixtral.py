@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.config import ModelConfig
 from megakernels_models.convert import llama
 from megakernels_models.convert.common import ConversionError, copy
+from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "mixtral"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megakernels_models.cli import main
-from megakernels_models.timers import FIELDS, PHASES, StepTimers
+from megakernels_models.training.timers import FIELDS, PHASES, StepTimers
 
 
 def test_quick_e2e_reports_the_trainer_and_the_baseline(tmp_path, capsys):

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from megakernels_models import costs
 from megakernels_models.bench import plan_check
 from megakernels_models.cli import main
+from megakernels_models.planning import costs
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_cpu_device_profile_is_measured_and_finite():
 def test_run_compares_predicted_and_measured_orders(monkeypatch):
     """With the trainer's step times fixed (tp4 fastest, dp4 slowest), run reports them, orders both sides and
     scores the agreement with the model's own predictions."""
-    import megakernels_models.train as train
+    import megakernels_models.training.train as train
     from megakernels_models.arguments import validate
 
     step_s = {(1, 1): 4.0, (2, 1): 2.0, (1, 2): 3.0, (4, 1): 1.0}  # (tp, pp) -> seconds per step

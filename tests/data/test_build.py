@@ -231,9 +231,9 @@ def test_trainer_reads_the_pipelines_global_batches():
     validation loss (no training: lr 0) the same model on the first batches of the validation split."""
     import torch
 
-    from megakernels_models import train as train_mod
     from megakernels_models.data.datasets import collate
-    from megakernels_models.gpt import GPTModel
+    from megakernels_models.models.gpt.model import GPTModel
+    from megakernels_models.training import train as train_mod
 
     args = dataclasses.replace(ARGS, steps=2, eval_interval=2, dropout=0.0, lr=0.0, min_lr=0.0)
     cfg = args.model_config()

@@ -130,7 +130,7 @@ def test_cli_reports_errors_before_starting_processes():
     ],
 )
 def test_dry_run_of_paper_presets(name, tp, tmp_path):
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     log = tmp_path / "dry.jsonl"
     args = parse_train_args(
@@ -171,7 +171,7 @@ def test_dry_run_of_paper_presets(name, tp, tmp_path):
 
 
 def test_dry_run_pipeline_memory_and_bubble(tmp_path):
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     args = parse_train_args(
         [
@@ -197,7 +197,7 @@ def test_dry_run_pipeline_memory_and_bubble(tmp_path):
 
 
 def test_dry_run_without_distributed_optimizer_is_18_bytes_per_param():
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     rep = report(parse_train_args(["--preset", "gpt-1.2b", "--precision", "bf16", "--dry-run"]), out=lambda s: None)
     b, n = rep["memory_breakdown_bytes"], rep["parameters_per_device"]
@@ -207,7 +207,7 @@ def test_dry_run_without_distributed_optimizer_is_18_bytes_per_param():
 def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_on_the_host():
     """bf16 params (2) + fp32 gradients (4) on the GPU; fp32 master, moments and gradient copy (16 / dp with
     ZeRO-1) in host memory."""
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     lines = []
     rep = report(
@@ -233,7 +233,7 @@ def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_
     assert rep["host_memory_per_rank_bytes"] == pytest.approx(16 * n / 4)
     assert any("host memory per rank" in line for line in lines)
     # the host AdamW steps this rank's ZeRO-1 quarter; the plan's model of the step (costs.offload_time)
-    from megakernels_models import costs
+    from megakernels_models.planning import costs
 
     assert rep["offload_seconds"]["host_adam_s"] == pytest.approx(n / 4 * costs.HOST_ADAMW_NS_PER_PARAM * 1e-9)
     assert any(line.startswith("offloaded optimizer per step on an H200") for line in lines)
@@ -242,7 +242,7 @@ def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_
 
 
 def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
-    from megakernels_models import costs, plan
+    from megakernels_models.planning import costs, plan
 
     cfg = parse_train_args(["--preset", "gpt-8.3b", "--dry-run"]).model_config()
     off = plan.rank(cfg, 8, 64, costs.DEVICES["h100"], offload=True)[0]

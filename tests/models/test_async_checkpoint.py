@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megakernels_models import checkpoint
+from megakernels_models.training import checkpoint
 from tests.models.preemption_harness import TINY_FLAGS, Run
 from tests.models.test_checkpoint import TINY, _train
 
@@ -60,7 +60,7 @@ def test_a_failed_asynchronous_write_is_reported_and_the_previous_checkpoint_sta
 
     monkeypatch.setattr(checkpoint.Writer, "write_data", fails_from_step_4)
     log = tmp_path / "log.jsonl"
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     last = train(
         dataclasses.replace(

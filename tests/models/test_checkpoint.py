@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from megakernels_models import checkpoint
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
+from megakernels_models.training import checkpoint
 
 TINY = TrainArgs(
     preset=None,
@@ -29,7 +29,7 @@ TINY = TrainArgs(
 
 
 def _train(**changes):
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     return [r["loss"] for r in train(dataclasses.replace(TINY, **changes))]
 
@@ -64,7 +64,7 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(world1, tmp_path, mon
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(checkpoint.dcp, "save", dies_halfway)
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     records = train(dataclasses.replace(TINY, steps=4, save=str(tmp_path), load=str(tmp_path)))
     monkeypatch.setattr(checkpoint.dcp, "save", real_save)

@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from megakernels_models import checkpoint, syncpoints
-from megakernels_models import checkpoint_store as store
-from megakernels_models import checkpoint_verify as verified
 from megakernels_models.arguments import TrainArgs
 from megakernels_models.cli import main
+from megakernels_models.training import checkpoint, syncpoints
+from megakernels_models.training import checkpoint_store as store
+from megakernels_models.training import checkpoint_verify as verified
 
 TINY = TrainArgs(
     preset=None,
@@ -36,7 +36,7 @@ TINY = TrainArgs(
 
 
 def _train(**changes) -> list[dict]:
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     return train(dataclasses.replace(TINY, **changes))
 
@@ -171,7 +171,7 @@ def test_a_training_run_refuses_a_directory_another_job_writes(world1, tmp_path)
 
 def test_a_dead_owners_lock_is_taken_over(tmp_path):
     code = (
-        "import sys; from megakernels_models import checkpoint_store as s; s.DirectoryLock(sys.argv[1]).acquire();"
+        "import sys; from megakernels_models.training import checkpoint_store as s; s.DirectoryLock(sys.argv[1]).acquire();"
         " print('locked', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(

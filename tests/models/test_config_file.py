@@ -14,8 +14,8 @@ import pytest
 from megakernels.parallel.launch import single_process_world
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.cli import main, parse_train_args
-from megakernels_models.config import PRESETS, ModelConfig
 from megakernels_models.config_file import load
+from megakernels_models.models.config import PRESETS, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -48,7 +48,7 @@ def test_every_preset_ships_as_a_file_equal_to_it(name):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "jobs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_example_job_validates_and_fits_an_h200(path):
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     args = parse_train_args(["--config", str(path), "--dry-run"])
     rep = report(args, validate(args), out=lambda s: None)
@@ -106,8 +106,8 @@ def test_print_config_output_reproduces_the_run(tmp_path, capsys):
 
 
 def test_the_log_starts_with_the_configuration_and_checkpoints_keep_it(tmp_path):
-    from megakernels_models import checkpoint
-    from megakernels_models.train import train
+    from megakernels_models.training import checkpoint
+    from megakernels_models.training.train import train
 
     args = parse_train_args(
         [*TINY, "--steps", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--save", str(tmp_path / "ckpt")]
@@ -123,7 +123,7 @@ def test_the_log_starts_with_the_configuration_and_checkpoints_keep_it(tmp_path)
 
 def test_optimiser_settings_reach_the_optimizer(monkeypatch):
     from megakernels.parallel import optimizer as optimizer_module
-    from megakernels_models import train as train_module
+    from megakernels_models.training import train as train_module
 
     seen = {}
     real = optimizer_module.ParallelOptimizer

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
-from megakernels_models.config import ModelConfig
 from megakernels_models.config_file import load
+from megakernels_models.models.config import ModelConfig
 from megakernels_models.settings import cli_fields
 
 NAMES = [f.name for f in cli_fields(TrainArgs)]

@@ -11,8 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megakernels_models import checkpoint, convert  # noqa: E402
+from megakernels_models import convert
 from megakernels_models.cli import main  # noqa: E402
+from megakernels_models.training import checkpoint  # noqa: E402
 
 
 def _hf_gpt2(path, **kw):
@@ -30,7 +31,7 @@ def _hf_gpt2(path, **kw):
 
 
 def _our_logits(ckpt_dir, ids):
-    from megakernels_models.gpt import GPTModel
+    from megakernels_models.models.gpt.model import GPTModel
 
     meta, _ = convert.read_checkpoint(ckpt_dir)
     cfg = convert.ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
@@ -68,7 +69,7 @@ def test_a_converted_checkpoint_trains_from_the_hf_weights(tmp_path, tp):
     from megakernels_models.arguments import TrainArgs, validate
     from megakernels_models.data.build import build_datasets
     from megakernels_models.data.datasets import collate
-    from megakernels_models.train import run
+    from megakernels_models.training.train import run
 
     hf = _hf_gpt2(tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
@@ -136,7 +137,7 @@ def _hf_bert(path):
 
 
 def test_hf_bert_converts_exactly_to_post_norm_and_back(single_world, tmp_path):
-    from megakernels_models.bert import BertModel
+    from megakernels_models.models.bert.model import BertModel
 
     hf = _hf_bert(tmp_path / "hf")
     ids = torch.randint(0, 300, (2, 16))
@@ -168,7 +169,7 @@ def test_hf_bert_converts_exactly_to_post_norm_and_back(single_world, tmp_path):
 
 
 def test_a_pre_norm_bert_does_not_convert_to_hf(single_world, tmp_path, capsys):
-    from megakernels_models.bert import BertModel
+    from megakernels_models.models.bert.model import BertModel
 
     cfg = convert.ModelConfig("bert", num_layers=1, hidden_size=16, num_heads=2, seq_length=8)
     model = BertModel(cfg, seed=0)

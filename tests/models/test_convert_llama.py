@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from megakernels_models import checkpoint, convert  # noqa: E402
+from megakernels_models import convert
 from megakernels_models.cli import main  # noqa: E402
+from megakernels_models.training import checkpoint  # noqa: E402
 
 V, S = 300, 32
 
@@ -46,7 +47,7 @@ def _hf_llama(path, **kw):
 
 
 def _our_logits(ckpt_dir, ids):
-    from megakernels_models.llama import LlamaModel
+    from megakernels_models.models.llama.model import LlamaModel
 
     meta, _ = convert.read_checkpoint(str(ckpt_dir))
     cfg = convert.ModelConfig(**meta["config"])
@@ -115,7 +116,7 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
     from megakernels_models.data.build import build_datasets
     from megakernels_models.data.datasets import collate
     from megakernels_models.data.tokenizer import build_tokenizer
-    from megakernels_models.train import run
+    from megakernels_models.training.train import run
 
     hf = _hf_llama(tmp_path / "hf")
     _tokenizer_json(tmp_path / "hf" / "tokenizer.json")

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from megakernels_models import checkpoint, convert  # noqa: E402
+from megakernels_models import convert
 from megakernels_models.cli import main  # noqa: E402
+from megakernels_models.training import checkpoint  # noqa: E402
 
 V, S = 300, 16
 
@@ -45,7 +46,7 @@ def _hf_mixtral(path, **kw):
 
 
 def test_mixtral_round_trip_gives_the_same_logits(single_world, tmp_path):
-    from megakernels_models.llama import LlamaModel
+    from megakernels_models.models.llama.model import LlamaModel
 
     hf = _hf_mixtral(tmp_path / "hf")
     ids = torch.randint(0, V, (2, S))
@@ -75,7 +76,7 @@ def test_a_converted_mixtral_trains_with_experts_split_over_ep2(tmp_path):
     from megakernels_models.arguments import TrainArgs, validate
     from megakernels_models.data.build import build_datasets
     from megakernels_models.data.datasets import collate
-    from megakernels_models.train import run
+    from megakernels_models.training.train import run
 
     hf = _hf_mixtral(tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))

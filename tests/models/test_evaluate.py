@@ -12,8 +12,8 @@ import torch
 
 from megakernels.parallel.launch import single_process_world
 from megakernels_models.cli import main
-from megakernels_models.config import ModelConfig
 from megakernels_models.convert import write_checkpoint
+from megakernels_models.models.config import ModelConfig
 
 CFG = ModelConfig(
     "gpt", num_layers=1, hidden_size=16, num_heads=2, seq_length=8, vocab_size=261, dropout=0.0, attention_dropout=0.0
@@ -22,7 +22,7 @@ CFG = ModelConfig(
 
 @pytest.fixture
 def zero_model(tmp_path):
-    from megakernels_models.gpt import GPTModel
+    from megakernels_models.models.gpt.model import GPTModel
 
     with single_process_world(parallel=True):
         model = GPTModel(CFG, seed=0)
@@ -65,7 +65,7 @@ class _NextLetter(torch.nn.Module):
 
 def test_lambada_needs_every_token_of_the_last_word():
     from megakernels_models.data.tokenizer import ByteTokenizer
-    from megakernels_models.evaluate import lambada_accuracy
+    from megakernels_models.inference.evaluate import lambada_accuracy
 
     passages = [
         "wxyz abc",  # z -> ' ', ' ' -> a, a -> b, b -> c: right

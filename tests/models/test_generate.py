@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megakernels_models.arguments import TrainArgs
-from megakernels_models.generate import generate, sample_next
-from megakernels_models.train import run
+from megakernels_models.inference.generate import generate, sample_next
+from megakernels_models.training.train import run
 
 BASE = TrainArgs(
     preset=None,
@@ -36,7 +36,7 @@ FAMILIES = {"gpt": {}, "llama": dict(model="llama", num_kv_heads=2, ffn_hidden_s
 @pytest.fixture(autouse=True)
 def _release_the_world():
     """load_pretrained keeps a one-process world open; later tests start their own."""
-    from megakernels_models.pretrained import release
+    from megakernels_models.inference.pretrained import release
 
     yield
     release()
@@ -149,7 +149,7 @@ def test_a_run_with_a_hf_tokenizer_keeps_it_beside_its_checkpoints(tmp_path):
     from megakernels.parallel.launch import single_process_world
     from megakernels_models import load_pretrained
     from megakernels_models.data.preprocess import preprocess
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()

@@ -179,7 +179,7 @@ def _saved(model: str, root: str = CKPT_DIR) -> str:
 
 
 def _world(rank: int, world_size: int, cases, root: str):
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     out = {}
     for model, name in cases:
@@ -218,7 +218,7 @@ def _resume_point(model: str, root: str = CKPT_DIR) -> str:
 
 
 def _single(cases):
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     with single_process_world():
         return {
@@ -310,7 +310,7 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
     """Saved at (tp, pp, dp) = (2, 2, 2) with SP and ZeRO-1 at step 3, loaded at another layout: steps 4..6
     equal the single process's (1e-5 relative)."""
     if RESHARD_TO[target][0] == 1:
-        from megakernels_models.train import train
+        from megakernels_models.training.train import train
 
         _world_results(8)  # the checkpoint
         with single_process_world():
@@ -327,7 +327,7 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
 def test_a_vision_language_checkpoint_resumes_at_another_layout(baseline, model):
     """Saved in the world of 2 at step 3 (VISION_SAVE), loaded in one process: steps 4..6 equal the single
     process's (1e-5 relative), as does the saving run."""
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     saving = _world_results(2)[("saving", model)]
     _assert_same_curve(saving, baseline[(model, "single")], f"{model} saving at {VISION_SAVE[model]}")

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megakernels_models.config import PRESETS, ModelConfig
-from megakernels_models.llama import LlamaModel
+from megakernels_models.models.config import PRESETS, ModelConfig
+from megakernels_models.models.llama.model import LlamaModel
 
 LLAMA = ModelConfig(
     "llama",
@@ -147,7 +147,7 @@ def test_llama3_8b_at_32k_tokens_fits_eight_h200s_with_context_parallelism(tmp_p
     """The dry run's memory per device for Llama-3-8B at seq 32768 on 8 GPUs (tp 2 × cp 4, bf16, ZeRO-1, SP) is
     under an H200's 141 GB, and context parallelism divides the activations by cp."""
     from megakernels_models.cli import parse_train_args
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     def run(*layout):
         return report(

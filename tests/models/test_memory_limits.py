@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from megakernels_models import memory_limits
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.cli import main, parse_train_args
+from megakernels_models.training import memory_limits
 
 HUGE = ["--preset", "none", "--num-layers", "8", "--hidden-size", "65536", "--num-heads", "64", "--seq-length", "128"]
 

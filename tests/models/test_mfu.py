@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megakernels_models import mfu
+from megakernels_models.training import mfu
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from megakernels.parallel.params import is_shared_embedding, is_shared_embedding_duplicate
-from megakernels_models.bert import BertModel
-from megakernels_models.config import PRESETS, ModelConfig, preset, stage_layers
-from megakernels_models.gpt import GPTModel
+from megakernels_models.models.bert.model import BertModel
+from megakernels_models.models.config import PRESETS, ModelConfig, preset, stage_layers
+from megakernels_models.models.gpt.model import GPTModel
 
 GPT = ModelConfig(
     "gpt", num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=261, dropout=0.0, attention_dropout=0.0

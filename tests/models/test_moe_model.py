@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megakernels_models.cli import parse_train_args
-from megakernels_models.config import PRESETS
-from megakernels_models.dryrun import report
+from megakernels_models.models.config import PRESETS
+from megakernels_models.planning.dryrun import report
 
 
 def _dry(*flags):

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from megakernels_models import costs, plan
 from megakernels_models.arguments import validate
 from megakernels_models.cli import main, parse_train_args
-from megakernels_models.config import ModelConfig, preset
-from megakernels_models.plan import rank
+from megakernels_models.models.config import ModelConfig, preset
+from megakernels_models.planning import costs, plan
+from megakernels_models.planning.plan import rank
 
 GPT_175B = ModelConfig("gpt", num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048, vocab_size=51200)
 
@@ -70,7 +70,7 @@ def test_bad_requests_get_a_clear_message(capsys, argv, message):
 
 
 def test_the_dry_run_warns_about_poor_layouts():
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     rep = report(
         parse_train_args(
@@ -179,7 +179,7 @@ def test_every_layout_plan_considers_is_accepted_by_train_for_every_preset(monke
     plan enumerates for a preset, as the command plan prints, passes megakernels train's validation."""
     import shlex
 
-    from megakernels_models.config import PRESETS
+    from megakernels_models.models.config import PRESETS
 
     checked = 0
     for name in PRESETS:

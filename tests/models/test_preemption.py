@@ -3,7 +3,7 @@ relaunched continues from that checkpoint, and the two launches' loss curve is t
 (fp32, dropout on: the RNG states travel in the checkpoint). ``--exit-interval`` and ``--exit-duration-mins`` stop
 the same way; ``--load`` of a directory without a checkpoint starts from scratch.
 
-The runs are real ``megakernels train`` processes held at sync points (``megakernels_models.syncpoints``), so the
+The runs are real ``megakernels train`` processes held at sync points (``megakernels_models.training.syncpoints``), so the
 signals arrive at a known step and during a known part of the save, never after a sleep."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import threading
 
 import pytest
 
-from megakernels_models import checkpoint, syncpoints
 from megakernels_models.arguments import ArgumentError, validate
-from megakernels_models.preemption import StopConditions
+from megakernels_models.training import checkpoint, syncpoints
+from megakernels_models.training.preemption import StopConditions
 from tests.models.preemption_harness import DEADLINE_S, TINY_FLAGS, Run, SyncDir, logged_losses, run_to_end
 from tests.models.test_checkpoint import TINY, _train
 from tests.parallel.harness import run_world
@@ -57,7 +57,7 @@ def test_a_signal_mid_run_then_the_same_command_gives_the_uninterrupted_curve(tm
 
 
 def _preempted_world(rank: int, world_size: int, args):
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     sync_dir = os.environ.pop(syncpoints.ENV)  # the reference passes no sync point
     reference = train(dataclasses.replace(args, save=None, load=None))  # uninterrupted, same ranks and threads
@@ -128,7 +128,7 @@ def test_exit_interval_stops_after_the_step_and_saves(world1, tmp_path):
 
 
 def test_exit_duration_stops_after_the_first_step_past_it(world1, tmp_path):
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     records = train(dataclasses.replace(TINY, steps=6, save=str(tmp_path), exit_duration_mins=1e-9))
     assert [r["step"] for r in records] == [1]

@@ -31,7 +31,7 @@ TINY = TrainArgs(
 
 
 def _train(**changes):
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     return train(dataclasses.replace(TINY, **changes))
 

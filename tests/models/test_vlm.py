@@ -15,7 +15,7 @@ import torch
 
 from megakernels.parallel.launch import single_process_world
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
-from megakernels_models.config import ModelConfig
+from megakernels_models.models.config import ModelConfig
 
 TINY = dict(
     num_layers=2,
@@ -35,7 +35,7 @@ TINY = dict(
 def test_clip_vision_tower_converts_to_the_same_features(single_world):
     transformers = pytest.importorskip("transformers")
     from megakernels_models.convert.clip import vision_fields, vision_state_dict
-    from megakernels_models.vision import VisionEncoder
+    from megakernels_models.models.vlm.vision import VisionEncoder
 
     torch.manual_seed(0)
     hc = transformers.CLIPVisionConfig(
@@ -88,7 +88,7 @@ def test_cross_attention_is_softmax_attention_over_the_context(single_world):
 
 
 def test_contrastive_loss_is_clips_symmetric_cross_entropy():
-    from megakernels_models.vlm import contrastive_loss
+    from megakernels_models.models.vlm.model import contrastive_loss
 
     torch.manual_seed(0)
     image, text = torch.randn(4, 3, 8, dtype=torch.float64), torch.randn(5, 3, 8, dtype=torch.float64)
@@ -102,7 +102,7 @@ def test_contrastive_loss_is_clips_symmetric_cross_entropy():
 
 
 def test_gated_cross_attention_starts_as_the_identity_then_reads_the_image(single_world):
-    from megakernels_models.vlm import VLMModel
+    from megakernels_models.models.vlm.model import VLMModel
 
     cfg = ModelConfig("vlm", lm="llama", cross_attention_every=1, **TINY)
     model = VLMModel(cfg, 1).eval()
@@ -119,7 +119,7 @@ def test_gated_cross_attention_starts_as_the_identity_then_reads_the_image(singl
 
 
 def test_freeze_groups_leave_only_the_projector_trainable():
-    from megakernels_models.tasks import task_for
+    from megakernels_models.models.tasks import task_for
 
     cfg = ModelConfig("vlm", cross_attention_every=1, **TINY)
     task = task_for(cfg)
@@ -257,7 +257,7 @@ def test_bad_vision_flags_are_named(tmp_path):
 
 
 def test_vlm_7b_dry_run_counts_llava_parameters():
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     rep = report(
         TrainArgs(model="vlm", preset="vlm-7b", nproc=16, tp=8, micro_batch_size=1, global_batch_size=16, dry_run=True),
@@ -281,7 +281,7 @@ def test_vlm_7b_dry_run_counts_llava_parameters():
 
 
 def _tiny_run(precision: str) -> list[dict]:
-    from megakernels_models.train import train
+    from megakernels_models.training.train import train
 
     return train(
         TrainArgs(
@@ -378,7 +378,7 @@ def test_default_recipe_learns_to_read_the_image(tmp_path, capsys):
 def test_dry_run_counts_no_gradients_or_optimizer_state_for_frozen_parameters():
     """LLaVA's first stage (only the projector trained): the frozen encoder and language model hold their bf16
     weights, but gradients (4 bytes) and optimizer state (12) only for the projector's share of a device."""
-    from megakernels_models.dryrun import report
+    from megakernels_models.planning.dryrun import report
 
     def run(freeze):
         return report(
@@ -412,10 +412,11 @@ def test_convert_puts_a_clip_vision_tower_in_front_of_a_language_model(single_wo
     CLIP's features, whose language model is the plain conversion's, and whose projector is the one ``--seed``
     initialises; a directory that is not CLIP is refused by name."""
     transformers = pytest.importorskip("transformers")
-    from megakernels_models import checkpoint, convert
+    from megakernels_models import convert
     from megakernels_models.cli import main
-    from megakernels_models.vision import Projector
-    from megakernels_models.vlm import VLMModel
+    from megakernels_models.models.vlm.model import VLMModel
+    from megakernels_models.models.vlm.vision import Projector
+    from megakernels_models.training import checkpoint
 
     torch.manual_seed(0)
     gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=24)
@@ -497,7 +498,7 @@ def test_frozen_parameters_leave_the_data_parallel_reduction_and_the_offloaded_o
     """By hand: the gradient all-reduce of a step moves 4 bytes per *trained* parameter of a device over the ring
     (2(n-1)/n of them), behind the last micro-batch's backward; the offloaded optimizer steps only those. LLaVA's
     first stage at dp 16 (tp 2, two micro-batches: the reduction is exposed)."""
-    from megakernels_models import costs, dryrun
+    from megakernels_models.planning import costs, dryrun
 
     def predict(freeze, offload=False):
         args = TrainArgs(

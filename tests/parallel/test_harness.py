@@ -156,7 +156,7 @@ def test_forkserver_ranks_start_with_the_preload_modules_imported(monkeypatch):
     once, so a rank starts with it; nothing this test module imports pulls it in."""
     monkeypatch.setenv("MEGAKERNELS_START_METHOD", "forkserver")
     names = [n for n in os.environ.get("MEGAKERNELS_FORKSERVER_PRELOAD", "").split(",") if n]
-    assert "megakernels_models.train" in names and "torch._dynamo" in names
+    assert "megakernels_models.training.train" in names and "torch._dynamo" in names
     assert run_world(2, _preloaded, names, timeout=60) == [{name: True for name in names}] * 2
 
 

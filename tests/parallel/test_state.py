@@ -261,8 +261,8 @@ def _(rank, world):
 
 def _build_gqa(tp: int, kv_heads: int):
     """The stages of a tiny grouped-query-attention Llama at tp, pp 2, as the trainer builds them."""
-    from megakernels_models.config import ModelConfig
-    from megakernels_models.llama import LlamaModel
+    from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.llama.model import LlamaModel
 
     cfg = ModelConfig(
         "llama",

@@ -117,8 +117,8 @@ def add_parser(sub) -> None:
 
 
 def main(ns) -> int:
-    from megakernels_models.checkpoint import CheckpointError
-    from megakernels_models.pretrained import load_pretrained
+    from megakernels_models.inference.pretrained import load_pretrained
+    from megakernels_models.training.checkpoint import CheckpointError
 
     try:
         lm = load_pretrained(ns.load, ns.device, tokenizer=ns.tokenizer)

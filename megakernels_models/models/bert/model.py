@@ -25,8 +25,8 @@ from megakernels.parallel import init, state
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.mappings import gather_from_sequence_parallel_region
 from megakernels.parallel.params import mark_sequence_parallel, mark_tensor_parallel
-from megakernels_models.config import ModelConfig
-from megakernels_models.transformer import LanguageModel, replicated_linear
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.transformer import LanguageModel, replicated_linear
 
 
 class BertModel(LanguageModel):

@@ -37,11 +37,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 import megakernels.parallel as mpu
 from megakernels.parallel import params as marks
 from megakernels.parallel.init import shard_pieces
-from megakernels_models import checkpoint_store as store
-from megakernels_models import checkpoint_verify as verified
-from megakernels_models import syncpoints
-from megakernels_models.checkpoint_verify import CheckpointError
-from megakernels_models.config import ModelConfig
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.training import checkpoint_store as store
+from megakernels_models.training import checkpoint_verify as verified
+from megakernels_models.training import syncpoints
+from megakernels_models.training.checkpoint_verify import CheckpointError
 
 LATEST = store.LATEST
 

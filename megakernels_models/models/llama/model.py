@@ -18,7 +18,7 @@ multiple of tp, or are replicated on the ranks whose query heads share them when
 
 from __future__ import annotations
 
-from megakernels_models.gpt import GPTModel
+from megakernels_models.models.gpt.model import GPTModel
 
 
 class LlamaModel(GPTModel):

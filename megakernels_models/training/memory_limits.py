@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import resource
 
-from megakernels_models.config import human
+from megakernels_models.models.config import human
 from megakernels_models.settings import ArgumentError
 
 MEMINFO = "/proc/meminfo"
@@ -97,8 +97,8 @@ def device_memory(index: int) -> tuple[int, int]:
 def estimate(args, cfg) -> dict:
     """The dry run's memory model for trainer arguments ``args`` and model ``cfg``: ``{"device": bytes per device
     (the most loaded stage), "host": host optimizer bytes per rank (``--offload-optimizer``, else 0)}``."""
-    from megakernels_models import costs
-    from megakernels_models.dryrun import layout_of
+    from megakernels_models.planning import costs
+    from megakernels_models.planning.dryrun import layout_of
 
     mem = costs.memory(costs.MetaModel(cfg), layout_of(args))
     return {"device": mem["total"], "host": mem["host_optimizer_bytes"] if args.offload_optimizer else 0.0}

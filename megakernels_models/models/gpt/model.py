@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
-from megakernels_models.config import ModelConfig
-from megakernels_models.transformer import LanguageModel
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.transformer import LanguageModel
 
 
 class GPTModel(LanguageModel):

@@ -27,7 +27,7 @@ import sys
 
 import torch.distributed as dist
 
-from megakernels_models import checkpoint_store as store
+from megakernels_models.training import checkpoint_store as store
 
 DIGESTS = ".digests.json"
 ALGORITHM = "blake2b-128"

@@ -35,6 +35,6 @@ def vlm_forward_flops_per_sample(cfg) -> dict[str, float]:
 
 def vlm_flops_per_sample(cfg, recompute: str = "none") -> float:
     """Training FLOPs of one sample (3× the forward, plus what recomputation repeats, as ``flops_per_token``)."""
-    from megakernels_models.config import training_flops
+    from megakernels_models.models.config import training_flops
 
     return training_flops(vlm_forward_flops_per_sample(cfg), recompute)

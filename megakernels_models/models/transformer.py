@@ -29,7 +29,7 @@ from megakernels.parallel.blocks import ParallelGroupedQueryAttention, ParallelM
 from megakernels.parallel.moe import MoELayer
 from megakernels.parallel.params import mark_sequence_parallel, mark_shared_embedding
 from megakernels.parallel.random import checkpoint, get_rng_tracker
-from megakernels_models.config import ModelConfig
+from megakernels_models.models.config import ModelConfig
 
 
 def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:

@@ -44,7 +44,7 @@ import functools
 
 from megakernels.parallel.embedding import pad_vocab_size
 from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
-from megakernels_models.config import ModelConfig, stage_layers
+from megakernels_models.models.config import ModelConfig, stage_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ def params_per_stage(
 ) -> list[int]:
     """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``); with ``frozen`` (``--freeze``'s
     name parts) only the trained ones, those ``Task.is_frozen`` leaves out."""
-    from megakernels_models.tasks import task_for
+    from megakernels_models.models.tasks import task_for
 
     model, cfg = model_key.model, model_key.config
     skip = (lambda name: task_for(cfg).is_frozen(name, list(frozen))) if frozen else (lambda name: False)
@@ -193,7 +193,7 @@ class MetaModel:
 
     def __init__(self, config: ModelConfig):
         from megakernels.parallel.launch import single_process_world
-        from megakernels_models.tasks import task_for
+        from megakernels_models.models.tasks import task_for
 
         self.config = config
         with single_process_world(parallel=True):

@@ -40,19 +40,20 @@ from megakernels.parallel.moe import set_aux_loss_scale
 from megakernels.parallel.moe import stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
-from megakernels_models import checkpoint, dryrun, syncpoints
 from megakernels_models.arguments import TrainArgs, validate
-from megakernels_models.checkpoint_store import step_name
-from megakernels_models.checkpointer import Checkpointer
-from megakernels_models.config import ModelConfig, stage_layers
 from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
-from megakernels_models.logger import TrainLogger
-from megakernels_models.mfu import MFUMeter
-from megakernels_models.preemption import StopConditions
-from megakernels_models.tasks import Task, task_for
-from megakernels_models.timers import StepTimers
+from megakernels_models.models.config import ModelConfig, stage_layers
+from megakernels_models.models.tasks import Task, task_for
+from megakernels_models.planning import dryrun
+from megakernels_models.training import checkpoint, syncpoints
+from megakernels_models.training.checkpoint_store import step_name
+from megakernels_models.training.checkpointer import Checkpointer
+from megakernels_models.training.logger import TrainLogger
+from megakernels_models.training.mfu import MFUMeter
+from megakernels_models.training.preemption import StopConditions
+from megakernels_models.training.timers import StepTimers
 
 
 def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Module]:
@@ -377,7 +378,7 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
                 flush=True,
             )
         return 0
-    from megakernels_models.checkpoint_verify import select
+    from megakernels_models.training.checkpoint_verify import select
 
     say = (
         (lambda line: print(f"megakernels train: {line}", file=sys.stderr, flush=True))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import megakernels.parallel as mpu
-from megakernels_models.config import ModelConfig
+from megakernels_models.models.config import ModelConfig
 
 
 class Task:
@@ -51,8 +51,8 @@ class CausalLMTask(Task):
     """Next-token prediction (GPT, Llama): mean cross-entropy over every token of the global batch."""
 
     def __init__(self, config: ModelConfig):
-        from megakernels_models.gpt import GPTModel
-        from megakernels_models.llama import LlamaModel
+        from megakernels_models.models.gpt.model import GPTModel
+        from megakernels_models.models.llama.model import LlamaModel
 
         super().__init__(config)
         self.model_class = LlamaModel if config.model == "llama" else GPTModel
@@ -74,7 +74,7 @@ class BertTask(Task):
     sentence-order prediction averaged over its samples."""
 
     def __init__(self, config: ModelConfig):
-        from megakernels_models.bert import BertModel
+        from megakernels_models.models.bert.model import BertModel
 
         super().__init__(config)
         self.model_class = BertModel
@@ -102,7 +102,7 @@ class VisionLanguageTask(Task):
     -100), plus ``contrastive_coeff`` × the CLIP-style image–caption loss averaged over its samples."""
 
     def __init__(self, config: ModelConfig):
-        from megakernels_models.vlm import VLMModel
+        from megakernels_models.models.vlm.model import VLMModel
 
         super().__init__(config)
         self.model_class = VLMModel

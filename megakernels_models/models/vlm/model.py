@@ -29,9 +29,9 @@ from megakernels.parallel import init
 from megakernels.parallel.blocks import ParallelCrossAttention, ParallelMLP
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.random import checkpoint
-from megakernels_models.config import ModelConfig
-from megakernels_models.transformer import LanguageModel, make_norm
-from megakernels_models.vision import Projector, VisionEncoder
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.transformer import LanguageModel, make_norm
+from megakernels_models.models.vlm.vision import Projector, VisionEncoder
 
 
 class GatedCrossAttentionLayer(nn.Module):

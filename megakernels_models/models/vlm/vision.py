@@ -20,8 +20,8 @@ from megakernels.nn import FusedLayerNorm
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.parallel import init
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from megakernels_models.config import ModelConfig
-from megakernels_models.transformer import TransformerLayer, dropout, replicated_embedding
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.transformer import TransformerLayer, dropout, replicated_embedding
 
 
 def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:

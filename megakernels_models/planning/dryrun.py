@@ -15,9 +15,9 @@ import time
 
 import torch.distributed as dist
 
-from megakernels_models import costs, layout_rules
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
-from megakernels_models.config import ModelConfig, human
+from megakernels_models.models.config import ModelConfig, human
+from megakernels_models.planning import costs, layout_rules
 
 
 def layout_of(args: TrainArgs) -> costs.Layout:

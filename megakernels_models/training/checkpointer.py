@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 import megakernels.parallel as mpu
-from megakernels_models import checkpoint
-from megakernels_models import checkpoint_store as store
+from megakernels_models.training import checkpoint
+from megakernels_models.training import checkpoint_store as store
 
 
 def _digest(value) -> bytes | None:

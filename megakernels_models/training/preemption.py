@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megakernels_models import syncpoints
+from megakernels_models.training import syncpoints
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "none")
 

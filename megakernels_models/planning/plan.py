@@ -23,8 +23,8 @@ import json
 import sys
 
 from megakernels.parallel.layout import LayoutError, ParallelLayout
-from megakernels_models import costs
-from megakernels_models.config import ModelConfig, human
+from megakernels_models.models.config import ModelConfig, human
+from megakernels_models.planning import costs
 from megakernels_models.settings import ArgumentError
 
 

@@ -91,8 +91,8 @@ class PretrainedLM(nn.Module):
         return logits.transpose(0, 1)[..., : self.config.vocab_size].float()
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``megakernels_models.generate.generate`` on this model."""
-        from megakernels_models.generate import generate
+        """``megakernels_models.inference.generate.generate`` on this model."""
+        from megakernels_models.inference.generate import generate
 
         return generate(self, input_ids, **kwargs)
 
@@ -107,11 +107,11 @@ def load_pretrained(
         CheckpointError: no checkpoint there. ValueError: a BERT checkpoint (not a causal LM), or a tokenizer that
         does not fit the model.
     """
-    from megakernels_models import checkpoint
-    from megakernels_models.config import ModelConfig
     from megakernels_models.convert import checkpoint_tokenizer
     from megakernels_models.data.tokenizer import build_tokenizer
-    from megakernels_models.tasks import task_for
+    from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.tasks import task_for
+    from megakernels_models.training import checkpoint
 
     ckpt = checkpoint.read_latest(path)
     meta = checkpoint.read_meta(ckpt)

@@ -86,9 +86,9 @@ def lambada_accuracy(model, tokenizer, passages: list[str], seq_length: int, voc
 
 def load_model(ckpt_dir: str, device: str = "cpu"):
     """(causal LM at tp = pp = 1 with the checkpoint's weights, its config); needs an initialised one-rank world."""
-    from megakernels_models import checkpoint
-    from megakernels_models.config import ModelConfig
-    from megakernels_models.tasks import task_for
+    from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.tasks import task_for
+    from megakernels_models.training import checkpoint
 
     path = checkpoint.read_latest(ckpt_dir)
     meta = checkpoint.read_meta(path)
@@ -148,7 +148,7 @@ def add_parser(sub) -> None:
 
 def main(ns) -> int:
     from megakernels.parallel.launch import single_process_world
-    from megakernels_models.checkpoint import CheckpointError
+    from megakernels_models.training.checkpoint import CheckpointError
 
     if ns.task == "caption":
         return _caption(ns)
@@ -189,10 +189,10 @@ def main(ns) -> int:
 
 def _caption(ns) -> int:
     from megakernels.parallel.launch import single_process_world
-    from megakernels_models.caption_eval import caption_report
-    from megakernels_models.checkpoint import CheckpointError
     from megakernels_models.convert import checkpoint_tokenizer
     from megakernels_models.data.build import caption_datasets
+    from megakernels_models.models.vlm.caption_eval import caption_report
+    from megakernels_models.training.checkpoint import CheckpointError
 
     try:
         if ns.samples < 1 or ns.baseline_captions < 1:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from megakernels.parallel.layout import FLAGS, LayoutError, ParallelLayout
-from megakernels_models.config import ModelConfig
+from megakernels_models.models.config import ModelConfig
 from megakernels_models.settings import ArgumentError
 
 

@@ -347,7 +347,7 @@ class ModelConfig:
         if recompute not in RECOMPUTE:
             raise ValueError(f"flops_per_token: recompute must be one of {RECOMPUTE}, got {recompute!r}")
         if self.model == "vlm":
-            from megakernels_models.vlm_costs import vlm_flops_per_sample
+            from megakernels_models.models.vlm.costs import vlm_flops_per_sample
 
             return vlm_flops_per_sample(self, recompute) / self.seq_length
         return training_flops(self.forward_flops_per_token(), recompute)
