@@ -171,7 +171,8 @@ def test_a_training_run_refuses_a_directory_another_job_writes(world1, tmp_path)
 
 def test_a_dead_owners_lock_is_taken_over(tmp_path):
     code = (
-        "import sys; from megakernels_models.training import checkpoint_store as s; s.DirectoryLock(sys.argv[1]).acquire();"
+        "import sys; from megakernels_models.training import checkpoint_store as s;"
+        " s.DirectoryLock(sys.argv[1]).acquire();"
         " print('locked', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(

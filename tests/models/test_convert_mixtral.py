@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from megakernels_models import convert
+from megakernels_models import convert  # noqa: E402
 from megakernels_models.cli import main  # noqa: E402
 from megakernels_models.training import checkpoint  # noqa: E402
 

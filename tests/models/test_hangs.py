@@ -2,8 +2,8 @@
 or NCCL hang looks from outside) ends the whole job within twice ``--timeout``, the message naming the rank that
 stopped and where each rank was; killing only the launcher (SIGKILL) leaves no rank training on without it.
 
-The runs are real ``megakernels train`` processes held at a sync point (``megakernels_models.training.syncpoints``) while the
-test stops or kills; every wait is for an event or a process's exit, with a deadline."""
+The runs are real ``megakernels train`` processes held at a sync point (``megakernels_models.training.syncpoints``)
+while the test stops or kills; every wait is for an event or a process's exit, with a deadline."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ relaunched continues from that checkpoint, and the two launches' loss curve is t
 (fp32, dropout on: the RNG states travel in the checkpoint). ``--exit-interval`` and ``--exit-duration-mins`` stop
 the same way; ``--load`` of a directory without a checkpoint starts from scratch.
 
-The runs are real ``megakernels train`` processes held at sync points (``megakernels_models.training.syncpoints``), so the
-signals arrive at a known step and during a known part of the save, never after a sleep."""
+The runs are real ``megakernels train`` processes held at sync points (``megakernels_models.training.syncpoints``), so
+the signals arrive at a known step and during a known part of the save, never after a sleep."""
 
 from __future__ import annotations
 
