@@ -11,8 +11,8 @@ PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one 
 
 1. The trainer (``megakernels_models.training.train.run``, so exactly what ``megakernels train`` runs, spawning
    ``--nproc`` local processes for a layout on the CPU) trains ``--warmup`` + ``--steps`` optimizer steps on the
-   embedded corpus with per-phase step timers on (``megakernels_models.training.timers``); the last ``--steps`` are reported: tokens/s,
-   TFLOP/s per device (model FLOPs of Narayanan et al.: 3x forward incl. attention, no recompute), MFU against the
+   embedded corpus with per-phase step timers on (``megakernels_models.training.timers``); the last ``--steps`` are
+   reported: tokens/s, TFLOP/s per device (model FLOPs of Narayanan et al.: 3x forward incl. attention, no recompute), MFU against the
    device's peak (the trainer's table for GPUs, a timed matmul on the CPU, or ``--peak-tflops``), peak memory per
    device (CUDA allocated memory, or each rank's peak resident set on the CPU) and the time split (forward,
    backward, optimizer, communication, bubble; mean over ranks) next to the schedule's ideal bubble fraction.
