@@ -7,7 +7,10 @@ query that sees no key gets output 0 and lse ``-inf``. Dropout keeps element (ro
 CPU path reproduces it.
 
 Every launch is a ``Launch`` (megakernels.triton.launch) built by ``forward_launch`` / ``backward_launches``, so
-compile_check and ``megakernels bench --static`` compile exactly what runs.
+compile_check and ``megakernels bench --static`` compile exactly what runs. The tile loops each program of a launch
+runs (``SCHEDULES``: ``forward_schedule``, ``backward_schedule``, ``dq_schedule``) are written here once, beside the
+launchers, for the static model; the kernels compute the same bounds on the device, and
+tests/triton/test_schedules.py runs them under Triton's interpreter to hold the two together.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from megakernels.triton._common import (
 )
 from megakernels.triton._fa_bwd import _bwd_delta_kernel, _bwd_dq_kernel, _bwd_kernel
 from megakernels.triton._fa_fwd import _fwd_kernel, supports_tma
-from megakernels.triton.launch import Launch
+from megakernels.triton.launch import Launch, Schedule
 
 LOG2E = 1.4426950408889634
 
@@ -350,6 +353,83 @@ def backward_launches(
             )
         )
     return launches
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Schedules: the ranges of the kernels' tile loops, per program in launch order (the bounds each kernel computes from
+# its program id; tests/triton/test_schedules.py compares them with the loops the kernels run).
+
+
+def forward_schedule(launch: Launch) -> Schedule:
+    """The schedule of ``_fwd_kernel`` (a ``forward_launch``). A program is one query block of one head (causal
+    grids ``(b * h, blocks)`` run the last query block of every head first, the others are ``(blocks, b * h)``); it
+    runs the key blocks that every row of it sees in full, ``range(0, full, BLOCK_N)`` without masks ("full"), then
+    ``range(full, hi, BLOCK_N)`` with them ("masked"): up to the causal diagonal and SK's partial block."""
+    sq, sk = launch.arg("SQ"), launch.arg("SK")
+    bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
+
+    def runs(pid_m: int) -> list[tuple[str, range]]:
+        if causal:
+            hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
+            full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
+        else:
+            hi, full = sk, sk // bn * bn
+        return [("full", range(0, full, bn)), ("masked", range(full, hi, bn))]
+
+    blocks = launch.grid[1] if causal else launch.grid[0]
+    per_block = [runs(m) for m in range(blocks)]
+    if causal:
+        return Schedule(("full", "masked"), [per_block[blocks - 1 - y] for _, y in launch.program_ids()])
+    return Schedule(("full", "masked"), [per_block[x] for x, _ in launch.program_ids()])
+
+
+def backward_schedule(launch: Launch) -> Schedule:
+    """The schedule of ``_bwd_kernel`` (the one-pass backward of ``backward_launches``), grid ``(key blocks,
+    b * k/v heads)``. For each query head of its k/v head's group in turn, a program runs the query blocks of the
+    causal diagonal band ``range(lo, mid, BLOCK_M)`` with masks ("diag"), the ones that see every key of its block
+    ``range(mid, SQ // BLOCK_M * BLOCK_M, BLOCK_M)`` without ("full"), then the query tail with masks ("tail"); a
+    key block that runs past SK takes every query block masked."""
+    sq, sk, group = launch.arg("SQ"), launch.arg("SK"), launch.arg("GROUP")
+    bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
+    full_end = sq // bm * bm
+
+    def runs(pid_n: int) -> list[tuple[str, range]]:
+        if causal:  # query i sees key j iff j <= i + SK - SQ
+            lo = max(pid_n * bn + sq - sk, 0) // bm * bm
+            mid = min(triton.cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
+        else:
+            lo = mid = 0
+        if (pid_n + 1) * bn > sk:
+            mid = full_end
+        mid = max(mid, lo)
+        one = [
+            ("diag", range(lo, mid, bm)),
+            ("full", range(mid, full_end, bm)),
+            ("tail", range(max(full_end, mid), sq, bm)),
+        ]
+        return one * group
+
+    per_block = [runs(n) for n in range(launch.grid[0])]
+    return Schedule(("diag", "full", "tail"), [per_block[x] for x, _ in launch.program_ids()])
+
+
+def dq_schedule(launch: Launch) -> Schedule:
+    """The schedule of ``_bwd_dq_kernel`` (the deterministic backward's dQ), grid ``(query blocks, b * h)``: each
+    program runs the key blocks its queries see, ``range(0, hi, BLOCK_N)`` ("all")."""
+    sq, sk = launch.arg("SQ"), launch.arg("SK")
+    bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
+    per_block = [
+        [("all", range(0, min(sk, max((m + 1) * bm + sk - sq, 0)) if causal else sk, bn))]
+        for m in range(launch.grid[0])
+    ]
+    return Schedule(("all",), [per_block[x] for x, _ in launch.program_ids()])
+
+
+# kernel name -> its schedule: every kernel of this module with tile loops (``_bwd_delta_kernel`` has none)
+SCHEDULES = {
+    k.fn.__name__: f
+    for k, f in ((_fwd_kernel, forward_schedule), (_bwd_kernel, backward_schedule), (_bwd_dq_kernel, dq_schedule))
+}
 
 
 def backward(

@@ -13,6 +13,10 @@ Rows of ``x`` ``[T, k]`` are sorted by group; group ``e`` owns ``group_sizes[e]`
 - ``_wgrad_kernel`` computes ``dW[e] = dout[rows of e]ᵀ @ x[rows of e]``: one program per (``[BLOCK_N, BLOCK_K]``
   tile of ``dW[e]``, group), reducing over that group's rows in ``BLOCK_T`` chunks (an empty group writes zeros).
 
+The tile loops each program runs (``rows_schedule``, ``wgrad_schedule``: what the static model prices) are written
+once, beside the launchers; the kernels compute the same bounds on the device, and tests/triton/test_schedules.py
+runs them under Triton's interpreter to hold the two together.
+
 Accumulation is fp32; inputs fp16/bf16 (tensor cores) or fp32 (IEEE products, as ATen's default fp32 matmul).
 Rows past ``T`` are never touched even if the group sizes do not sum to ``T`` (their values are checked on the
 CPU; on CUDA asynchronously, see megakernels/ops/grouped_gemm.py).
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megakernels.triton._common import arch_of, pick_config
-from megakernels.triton.launch import Launch
+from megakernels.triton.launch import Launch, Schedule
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per architecture and element size; the first is the default.
 # 16-bit tiles of 128x128 with 64-deep k slices are wgmma-shaped on sm_90 (3 stages: 96 KiB of shared memory).
@@ -236,6 +240,35 @@ def wgrad_launch(dout: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, dw: t
         num_stages=stages,
     )
     return Launch(_wgrad_kernel, grid, args, kwargs)
+
+
+def _group_sizes(launch: Launch, group_sizes) -> list[int]:
+    sizes = [int(v) for v in group_sizes]
+    if len(sizes) != launch.arg("E"):
+        raise ValueError(f"{launch.name}: {len(sizes)} group sizes for a launch over {launch.arg('E')} groups")
+    return sizes
+
+
+def rows_schedule(launch: Launch, group_sizes) -> Schedule:
+    """The schedule of ``_rows_kernel`` (a ``rows_launch``) for ``group_sizes``, which the kernel reads on the device
+    and the host never does (the static model passes the sizes it assumes). Row tile ``i`` (grid axis 0) belongs to
+    the group whose tiles, ``cdiv(size, BLOCK_M)`` of each group in order, cover it; a program past the last tile
+    returns before its loop; every other runs ``range(0, K, BLOCK_K)`` ("k")."""
+    bm, bk, k = launch.arg("BLOCK_M"), launch.arg("BLOCK_K"), launch.arg("K")
+    tiles = sum(triton.cdiv(s, bm) for s in _group_sizes(launch, group_sizes))
+    loop = [("k", range(0, k, bk))]
+    return Schedule(("k",), [loop if x < tiles else [] for x, _ in launch.program_ids()])
+
+
+def wgrad_schedule(launch: Launch, group_sizes) -> Schedule:
+    """The schedule of ``_wgrad_kernel`` (a ``wgrad_launch``) for ``group_sizes``, grid ``(dW tiles, groups)``: the
+    program of group ``g`` runs its rows, ``range(start, min(start + size, T), BLOCK_T)`` ("t"), ``start`` the
+    rows of the groups before it."""
+    bt, t = launch.arg("BLOCK_T"), launch.arg("T")
+    sizes = _group_sizes(launch, group_sizes)
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    per_group = [[("t", range(starts[g], min(starts[g] + sizes[g], t), bt))] for g in range(len(sizes))]
+    return Schedule(("t",), [per_group[g] for _, g in launch.program_ids()])
 
 
 def _tuned(name: str, table: dict, interp: tuple, a: torch.Tensor, shape_key: tuple, make) -> None:

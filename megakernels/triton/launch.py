@@ -9,6 +9,12 @@ hand-written signature instead (as this package once did) compiles a different k
 hints Triton cannot vectorise or use TMA-friendly layouts, and the shared memory it reports is not what the launch
 gets. ``compile_check`` and ``megakernels bench --static`` both go through here.
 
+A kernel whose programs loop over tiles also has a *schedule* (``Schedule``): the ranges each program's loops run,
+computed on the host by one function beside the kernel's launcher (``flash_attention.SCHEDULES``,
+``grouped_gemm.rows_schedule`` / ``wgrad_schedule``). The kernels compute those bounds themselves on the device; a
+schedule is their mirror, which the static model prices and tests/triton/test_schedules.py holds to the kernels (it
+runs them under Triton's interpreter and records the loops they run).
+
 Pointer arguments may be meta tensors (``torch.empty(..., device="meta")``): their ``data_ptr()`` is 0, which is
 aligned, as the allocator's 256-byte-aligned buffers are.
 """
@@ -47,6 +53,40 @@ class Launch:
         for g in self.grid:
             n *= int(g)
         return n
+
+    def arg(self, name: str):
+        """The value the launch passes for the kernel's parameter ``name`` (an argument or a constexpr)."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[list(self.kernel.arg_names).index(name)]
+
+    def program_ids(self) -> list[tuple[int, ...]]:
+        """Every program's id, in launch order: grid axis 0 fastest, as the block scheduler hands out CTAs."""
+        ids = [()]
+        for n in self.grid:
+            ids = [(*rest, i) for i in range(int(n)) for rest in ids]
+        return ids
+
+
+@dataclasses.dataclass
+class Schedule:
+    """The tile loops every program of one launch runs. ``loops`` names the kernel's loops in source order;
+    ``programs[i]`` lists what program ``i`` (launch order, ``Launch.program_ids``) runs, in the order it runs
+    them: ``(loop, range)``, the ``range`` the kernel's ``for`` goes over (a loop entered several times, as one
+    inside a loop over heads, appears once per entry)."""
+
+    loops: tuple[str, ...]
+    programs: list[list[tuple[str, range]]]
+
+    def iterations(self) -> list[dict[str, int]]:
+        """Per program (launch order): how many iterations of each loop it runs."""
+        out = []
+        for runs in self.programs:
+            n = dict.fromkeys(self.loops, 0)
+            for loop, r in runs:
+                n[loop] += len(r)
+            out.append(n)
+        return out
 
 
 def _fallback_specialisation(launch: Launch):

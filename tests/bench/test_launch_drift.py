@@ -69,14 +69,6 @@ def test_plan_rows_is_the_launchers(cpp_plan_rows):
     assert not bad, f"{len(bad)} of {len(cases)} (rows, packs, blocks/SM, max threads) differ, e.g. {bad[:5]}"
 
 
-def test_attention_schedules_are_for_kernels_that_exist():
-    pytest.importorskip("triton")
-    from megakernels.bench.static.attention import SCHEDULES
-    from megakernels.triton import _fa_bwd, _fa_fwd
-
-    assert [k for k in SCHEDULES if not hasattr(_fa_fwd, k) and not hasattr(_fa_bwd, k)] == []
-
-
 def test_setup_py_and_the_static_model_compile_with_one_flag_table():
     """setup.py reads megakernels/_targets.py by path (it runs before the package is installed); the static model
     compiles the CUDA kernels with the same flags."""

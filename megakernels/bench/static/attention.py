@@ -3,8 +3,9 @@
 
 Each kernel's launches come from the launcher itself (``forward_launch`` / ``backward_launches`` on meta tensors),
 so the report compiles exactly what runs. What the model needs besides the SASS is each kernel's *schedule*: how
-many iterations of each of its MMA loops every CTA runs, in launch order — the kernel's own loop bounds, written
-again here in Python (``SCHEDULES``), and the bytes each iteration loads.
+many iterations of each of its MMA loops every CTA runs, in launch order — ``flash_attention.SCHEDULES``, beside the
+launchers, held to the kernels' own loop bounds by tests/triton/test_schedules.py — and the bytes each iteration
+loads (``LOOP_BYTES``, here).
 """
 
 from __future__ import annotations
@@ -20,99 +21,45 @@ SHAPES = [(4096, 64), (4096, 128), (8192, 128)]  # (seqlen, head_dim); batch = 1
 DTYPE = torch.bfloat16
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _fwd_schedule(launch, sq: int, sk: int):
-    """Per CTA in launch order (grid axis 0 fastest): iterations of the unmasked and the masked loop."""
-    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
-    per_block = []
-    for pid_m in range(_cdiv(sq, bm)):
-        if causal:
-            hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
-            full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
-        else:
-            hi, full = sk, sk // bn * bn
-        per_block.append({"full": full // bn, "masked": _cdiv(max(hi - full, 0), bn)})
-    kv = 2 * bn * _head(launch) * 2
-    tma = kv if launch.kwargs.get("TMA") else 0
-    return [per_block[i] for i in _fwd_order(launch)], {"full": kv, "masked": kv}, {"full": tma, "masked": tma}
-
-
-def _fwd_order(launch) -> list[int]:
-    """The query block of every program in launch order, as the kernel maps program ids: causal grids are
-    ``(b * h, blocks)`` with the last block first; the others ``(blocks, b * h)``."""
-    if launch.kwargs["CAUSAL"]:
-        heads, blocks = launch.grid
-        return [blocks - 1 - y for y in range(blocks) for _ in range(heads)]
-    blocks, heads = launch.grid
-    return list(range(blocks)) * heads
-
-
 def _head(launch) -> int:
     return launch.kwargs["BLOCK_D"]
 
 
-def _bwd_schedule(launch, sq: int, sk: int):
-    """The one-pass backward: per key block, the query blocks of the diagonal band (masked), the fully visible
-    ones (unmasked) and the query tail (masked), for each query head of the group. Each iteration loads a q and
-    a dO tile, lse and delta, and (with atomics) adds a dQ tile: read and written at L2; through a descriptor
-    (``DQ_TMA``) the tile also leaves through shared memory."""
-    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
-    group = launch.args[launch.kernel.arg_names.index("GROUP")]
-    full_end = sq // bm * bm
-    per_bh = []
-    for pid_n in range(launch.grid[0]):
-        if causal:
-            lo = max(pid_n * bn + sq - sk, 0) // bm * bm
-            mid = min(_cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
-        else:
-            lo = mid = 0
-        if (pid_n + 1) * bn > sk:
-            mid = full_end
-        mid = max(mid, lo)
-        per_bh.append(
-            {
-                "diag": _cdiv(max(mid - lo, 0), bm) * group,
-                "full": _cdiv(max(full_end - mid, 0), bm) * group,
-                "tail": _cdiv(max(sq - max(full_end, mid), 0), bm) * group,
-            }
-        )
-    d = _head(launch)
+def _fwd_bytes(launch):
+    """Each key block loads a k and a v tile (through TMA with ``TMA``)."""
+    kv = 2 * launch.kwargs["BLOCK_N"] * _head(launch) * 2
+    tma = kv if launch.kwargs.get("TMA") else 0
+    return {"full": kv, "masked": kv}, {"full": tma, "masked": tma}
+
+
+def _bwd_bytes(launch):
+    """Each query block of the one-pass backward loads a q and a dO tile, lse and delta, and (with atomics) adds a
+    dQ tile: read and written at L2; through a descriptor (``DQ_TMA``) the tile also leaves through shared memory."""
+    bm, d = launch.kwargs["BLOCK_M"], _head(launch)
     atomics = 2 * bm * d * 4 if launch.kwargs.get("DQ_ATOMIC") else 0
     per_iter = 2 * bm * d * 2 + 2 * bm * 4 + atomics
     tma = bm * d * 4 if launch.kwargs.get("DQ_TMA") else 0
-    return (
-        per_bh * launch.grid[1],
-        {"diag": per_iter, "full": per_iter, "tail": per_iter},
-        {"diag": tma, "full": tma, "tail": tma},
-    )
+    return {"diag": per_iter, "full": per_iter, "tail": per_iter}, {"diag": tma, "full": tma, "tail": tma}
 
 
-def _dq_schedule(launch, sq: int, sk: int):
-    bm, bn, causal = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"], launch.kwargs["CAUSAL"]
-    per_bh = []
-    for pid_m in range(launch.grid[0]):
-        hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0)) if causal else sk
-        per_bh.append({"all": _cdiv(hi, bn)})
-    return per_bh * launch.grid[1], {"all": 2 * bn * _head(launch) * 2}, {}
+def _dq_bytes(launch):
+    """Each key block of the dQ kernel loads a k and a v tile."""
+    return {"all": 2 * launch.kwargs["BLOCK_N"] * _head(launch) * 2}, {}
 
 
-# kernel name -> (MMA loop roles in address order, schedule(launch, sq, sk) -> (per-CTA iterations, L2 bytes per
-# iteration by role, TMA bytes per iteration by role))
-SCHEDULES = {
-    "_fwd_kernel": (["full", "masked"], _fwd_schedule),
-    "_bwd_kernel": (["diag", "full", "tail"], _bwd_schedule),
-    "_bwd_dq_kernel": (["all"], _dq_schedule),
-}
+# kernel name -> (L2 bytes per iteration by loop, TMA bytes per iteration by loop); the loops and their iteration
+# counts come from the kernel's schedule (flash_attention.SCHEDULES)
+LOOP_BYTES = {"_fwd_kernel": _fwd_bytes, "_bwd_kernel": _bwd_bytes, "_bwd_dq_kernel": _dq_bytes}
 
 
-def kernel_prediction(launch, sq: int, sk: int, m: model.Machine = model.H200) -> tuple[compiled.Compiled, dict]:
-    """Compile one launch and predict its time from its MMA loops and schedule (``SCHEDULES``)."""
-    roles, sched = SCHEDULES[launch.name]
-    ctas, l2, tma = sched(launch, sq, sk)
-    return tiles.kernel_prediction(launch, roles, ctas, l2, m, tma_bytes=tma)
+def kernel_prediction(launch, m: model.Machine = model.H200) -> tuple[compiled.Compiled, dict]:
+    """Compile one launch and predict its time from its MMA loops, its schedule (flash_attention.SCHEDULES) and the
+    bytes each iteration loads (``LOOP_BYTES``)."""
+    from megakernels.triton import flash_attention as fa
+
+    sched = fa.SCHEDULES[launch.name](launch)
+    l2, tma = LOOP_BYTES[launch.name](launch)
+    return tiles.kernel_prediction(launch, list(sched.loops), sched.iterations(), l2, m, tma_bytes=tma)
 
 
 def _meta(*shape, dtype=DTYPE):
@@ -125,7 +72,7 @@ def _fwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
     b, h = 16384 // s, 2048 // d
     q, out, lse = _meta(b, s, h, d), _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg)
-    c, pred = kernel_prediction(launch, s, s)
+    c, pred = kernel_prediction(launch)
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     return tiles.pass_row([(launch.name, c, pred)], flops)
 
@@ -140,8 +87,8 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
     launches = fa.backward_launches(
         q, q, q, q, q, lse, delta, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg, deterministic
     )
-    mma = [ln for ln in launches if ln.name in SCHEDULES]
-    parts = [(ln.name, *kernel_prediction(ln, s, s)) for ln in mma]
+    mma = [ln for ln in launches if ln.name in fa.SCHEDULES]
+    parts = [(ln.name, *kernel_prediction(ln)) for ln in mma]
     elems = b * s * h * d
     # Streaming launches at the copy rate: delta reads dO and O (4 B per element); the atomic path also zeroes
     # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).

@@ -3,9 +3,10 @@
 top-2 over 8 experts (T = 8192 rows, 1024 per expert), hidden 4096, expert FFN 14336, bf16 — built by the launchers
 of megakernels/triton/grouped_gemm.py on meta tensors, so the kernel compiled is the one that runs.
 
-Schedules (the kernels' own loop bounds, again in Python): the row kernel's grid is (row tiles + E, column
-tiles); with balanced groups the first T / BLOCK_M programs of axis 0 each run K / BLOCK_K iterations and the E
-spare ones exit at once. The dW kernel runs one CTA per (N, K) tile per expert, T_e / BLOCK_T iterations each.
+Schedules (``grouped_gemm.rows_schedule`` / ``wgrad_schedule``, beside the launchers, for balanced groups: held
+to the kernels' own loop bounds by tests/triton/test_schedules.py): the row kernel's grid is (row tiles + E, column
+tiles); the first T / BLOCK_M programs of axis 0 each run K / BLOCK_K iterations and the E spare ones exit at once.
+The dW kernel runs one CTA per (N, K) tile per expert, T_e / BLOCK_T iterations each.
 """
 
 from __future__ import annotations
@@ -19,22 +20,14 @@ T, E, HIDDEN, FFN = 8192, 8, 4096, 14336
 DTYPE = torch.bfloat16
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _rows_bytes(launch) -> dict:
+    """Each k step loads an A tile and a B tile."""
+    return {"k": (launch.kwargs["BLOCK_M"] + launch.kwargs["BLOCK_N"]) * launch.kwargs["BLOCK_K"] * DTYPE.itemsize}
 
 
-def _rows_schedule(launch, t: int, e: int):
-    bm, bk = launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_K"]
-    k = launch.args[6]
-    active = sum(_cdiv(t // e, bm) for _ in range(e))
-    per_n = [{"k": _cdiv(k, bk) if i < active else 0} for i in range(launch.grid[0])]
-    return per_n * launch.grid[1], {"k": (bm + launch.kwargs["BLOCK_N"]) * bk * DTYPE.itemsize}
-
-
-def _wgrad_schedule(launch, t: int, e: int):
-    bn, bk, bt = launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_K"], launch.kwargs["BLOCK_T"]
-    ctas = [{"t": _cdiv(t // e, bt)} for _ in range(launch.grid[0] * launch.grid[1])]
-    return ctas, {"t": (bn + bk) * bt * DTYPE.itemsize}
+def _wgrad_bytes(launch) -> dict:
+    """Each row step loads a dout tile and an x tile."""
+    return {"t": (launch.kwargs["BLOCK_N"] + launch.kwargs["BLOCK_K"]) * launch.kwargs["BLOCK_T"] * DTYPE.itemsize}
 
 
 def _meta(*shape, dtype=DTYPE):
@@ -55,11 +48,15 @@ def launches(pass_: str, cfg: tuple, dtype: torch.dtype = DTYPE):
 
 
 def _entry(pass_: str, cfg: tuple) -> dict:
+    from megakernels.triton import grouped_gemm as gg
+
     launch = launches(pass_, cfg)
+    sizes = [T // E] * E  # balanced groups
     if pass_ == "dw":
-        c, pred = tiles.kernel_prediction(launch, ["t"], *_wgrad_schedule(launch, T, E))
+        sched, l2 = gg.wgrad_schedule(launch, sizes), _wgrad_bytes(launch)
     else:
-        c, pred = tiles.kernel_prediction(launch, ["k"], *_rows_schedule(launch, T, E))
+        sched, l2 = gg.rows_schedule(launch, sizes), _rows_bytes(launch)
+    c, pred = tiles.kernel_prediction(launch, list(sched.loops), sched.iterations(), l2)
     return tiles.pass_row([(launch.name, c, pred)], 2.0 * T * HIDDEN * FFN)
 
 

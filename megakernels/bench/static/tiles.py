@@ -1,6 +1,7 @@
 """The tile-loop half of the static model shared by the MMA kernels (FlashAttention, the grouped GEMM): compile a
 launch, find its MMA loops, and predict its time from the per-CTA iteration counts of each loop (the kernel's
-schedule, written again in Python by its family module) and the L2 bytes each iteration loads."""
+schedule, ``Schedule.iterations()`` of the function beside its launcher in megakernels/triton/) and the L2 bytes
+each iteration loads (the family module's)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,162 @@
+"""The schedules beside the Triton launchers (``flash_attention.SCHEDULES``, ``grouped_gemm.rows_schedule`` /
+``wgrad_schedule``: what the static cost model prices) are the loops the kernels run. The kernels compute their
+loop bounds on the device, so each schedule is a mirror; here the real kernels run under Triton's interpreter with
+the builtin ``range`` of their modules replaced by one that records, per program, every tile loop
+(``range(start, stop, BLOCK)``) they enter, and the record must equal the schedule: the same ranges, in the same
+order, for every program of the launch. Shapes cross every edge of the bounds: partial blocks, sq != sk both
+ways with the causal diagonal, GQA groups, query and key blocks of different sizes, empty groups."""
+
+from __future__ import annotations
+
+import builtins
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from megakernels.triton import interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+class LoopRecorder:
+    """Replaces ``range`` in the kernels' modules while a launch runs: every three-argument range (a tile loop;
+    the loop over a GQA group's heads is ``range(0, GROUP)``) is recorded under the program that entered it."""
+
+    def __init__(self, monkeypatch, modules):
+        from triton.runtime.interpreter import interpreter_builder
+
+        self.builder = interpreter_builder
+        self.monkeypatch = monkeypatch
+        self.modules = modules
+
+    def run(self, launch) -> list[list[range]]:
+        ids = {pid: i for i, pid in enumerate(launch.program_ids())}
+        seen: list[list[range]] = [[] for _ in ids]
+
+        def recording_range(*args):
+            r = builtins.range(*args)
+            if len(args) == 3:
+                seen[ids[tuple(self.builder.grid_idx[: len(launch.grid)])]].append(r)
+            return r
+
+        with self.monkeypatch.context() as m:
+            for mod in self.modules:
+                m.setattr(mod, "range", recording_range, raising=False)
+            launch()
+        return seen
+
+
+def _assert_schedule(launch, schedule, seen):
+    want = [[r for _, r in runs] for runs in schedule.programs]
+    assert len(want) == len(seen) == launch.num_ctas
+    bad = [(pid, w, s) for pid, w, s in zip(launch.program_ids(), want, seen, strict=True) if w != s]
+    assert not bad, f"{launch.name} grid {launch.grid}: {len(bad)} programs differ (id, schedule, kernel): {bad[:3]}"
+    assert all(loop in schedule.loops for runs in schedule.programs for loop, _ in runs)
+
+
+# (sq, sk): equal, partial blocks, more keys than queries and fewer (the causal diagonal off the corner)
+FA_SHAPES = [(64, 64), (40, 40), (33, 70), (70, 33), (17, 100)]
+FA_CONFIGS = [(32, 32, 4, 1), (16, 64, 4, 1), (64, 16, 4, 1)]  # BLOCK_M, BLOCK_N, warps, stages
+
+
+@pytest.fixture
+def fa_recorder(monkeypatch):
+    from megakernels.triton import _fa_bwd, _fa_fwd
+
+    return LoopRecorder(monkeypatch, [_fa_fwd, _fa_bwd])
+
+
+def _fa_tensors(sq, sk, h, hk, d=32, b=2):
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    q = torch.randn(b, sq, h, d, generator=g)
+    k, v = torch.randn(b, sk, hk, d, generator=g), torch.randn(b, sk, hk, d, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", FA_SHAPES)
+def test_forward_schedule_is_the_kernels(fa_recorder, sq, sk, causal):
+    from megakernels.triton import flash_attention as fa
+
+    q, k, v = _fa_tensors(sq, sk, 2, 1)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[0], 2, sq)
+    for cfg in FA_CONFIGS:
+        launch = fa.forward_launch(q, k, v, out, lse, lse, causal, 1 / math.sqrt(32), 0.0, cfg)
+        _assert_schedule(launch, fa.SCHEDULES[launch.name](launch), fa_recorder.run(launch))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", FA_SHAPES)
+def test_backward_schedules_are_the_kernels(fa_recorder, sq, sk, causal, deterministic):
+    from megakernels.triton import flash_attention as fa
+
+    h, hk = 2, 1  # a GQA group of two query heads per k/v head
+    q, k, v = _fa_tensors(sq, sk, h, hk)
+    b = q.shape[0]
+    lse = torch.zeros(b, h, sq)
+    delta = torch.empty(2, b, h, sq)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    scheduled = set()
+    for cfg in FA_CONFIGS:
+        dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape)
+        launches = fa.backward_launches(
+            q, q, k, v, q, lse, delta, dq, dk, dv, lse, causal, 0.1, 0.0, cfg, deterministic, arch=0
+        )
+        for launch in launches:
+            seen = fa_recorder.run(launch)
+            if launch.name not in fa.SCHEDULES:  # the delta kernel: no tile loops
+                assert seen == [[]] * launch.num_ctas, launch.name
+                continue
+            _assert_schedule(launch, fa.SCHEDULES[launch.name](launch), seen)
+            scheduled.add(launch.name)
+    assert scheduled == {"_bwd_kernel"} | ({"_bwd_dq_kernel"} if deterministic else set())
+
+
+def test_every_attention_kernel_with_tile_loops_has_a_schedule_and_no_other(fa_recorder):
+    """``SCHEDULES`` holds exactly the kernels the launchers launch that enter tile loops."""
+    from megakernels.triton import flash_attention as fa
+
+    q, k, v = _fa_tensors(40, 40, 2, 1)
+    lse, delta = torch.zeros(2, 2, 40), torch.empty(2, 2, 2, 40)
+    cfg = FA_CONFIGS[0]
+    launches = [fa.forward_launch(q, k, v, torch.empty_like(q), lse, lse, True, 0.1, 0.0, cfg)]
+    for det in (False, True):
+        dq = torch.empty_like(q) if det else torch.zeros(q.shape)
+        launches += fa.backward_launches(
+            q, q, k, v, q, lse, delta, dq, torch.empty_like(k), torch.empty_like(v), lse, True, 0.1, 0.0, cfg, det
+        )
+    looping = {ln.name for ln in launches if any(fa_recorder.run(ln))}
+    assert looping == set(fa.SCHEDULES)
+
+
+# group sizes (their sum is T): uneven, an empty group, a group of one partial tile, one group
+GROUPS = [[5, 0, 33, 17], [16, 16, 16, 16], [1, 40, 0, 0, 9], [50]]
+
+
+@pytest.fixture
+def gemm_recorder(monkeypatch):
+    from megakernels.triton import grouped_gemm
+
+    return LoopRecorder(monkeypatch, [grouped_gemm])
+
+
+@pytest.mark.parametrize("sizes", GROUPS, ids=["uneven", "even", "empty", "one"])
+def test_grouped_gemm_schedules_are_the_kernels(gemm_recorder, sizes):
+    from megakernels.triton import grouped_gemm as gg
+
+    t, e, n, k = sum(sizes), len(sizes), 24, 40  # k not a multiple of BLOCK_K: the masked k path
+    g = torch.Generator().manual_seed(t)
+    x, dout = torch.randn(t, k, generator=g), torch.randn(t, n, generator=g)
+    w = torch.randn(e, n, k, generator=g)
+    dev_sizes = torch.tensor(sizes)
+    for cfg in [(16, 16, 16, 4, 1), (32, 16, 32, 4, 1)]:
+        fwd = gg.rows_launch(x, w, dev_sizes, torch.empty(t, n), True, cfg)
+        _assert_schedule(fwd, gg.rows_schedule(fwd, sizes), gemm_recorder.run(fwd))
+        dx = gg.rows_launch(dout, w, dev_sizes, torch.empty(t, k), False, cfg)
+        _assert_schedule(dx, gg.rows_schedule(dx, sizes), gemm_recorder.run(dx))
+        dw = gg.wgrad_launch(dout, x, dev_sizes, torch.empty(e, n, k), cfg)
+        _assert_schedule(dw, gg.wgrad_schedule(dw, sizes), gemm_recorder.run(dw))
