@@ -4,8 +4,9 @@ cross-entropy at 16384 x 50304 and 8192 x 131072, AdamW over 100M parameters.
 
 A ``Part`` is one launch: which compiled kernel (a CUDA family's template instantiation by demangled name, or a
 Triton launch), how the launcher shapes it (threads, blocks, packs per thread per row: the launch plan of the
-.cu file, mirrored by ``plan_rows``), its hot loops (``analysis.Role``) and the bytes it must move. An entry is
-one pass (forward or backward) of one or more parts; its prediction is the sum of its parts' times.
+.cu file, mirrored by ``plan_rows``, ``rows_plan``, ``softmax_rows_plan`` and ``column_plan``, each compared with
+the C++ by tests/bench/test_launch_drift.py), its hot loops (``analysis.Role``) and the bytes it must move. An
+entry is one pass (forward or backward) of one or more parts; its prediction is the sum of its parts' times.
 """
 
 from __future__ import annotations
@@ -120,10 +121,13 @@ def _entry(name, family, config, shape, dtype, parts_fn) -> Entry:
 # ---- norms -----------------------------------------------------------------------------------------------------
 
 
-def rows_plan(rows: int, hidden: int, pack: int, packs_per_thread: int, accumulators: int) -> tuple[int, int, int]:
+def rows_plan(
+    rows: int, hidden: int, pack: int, packs_per_thread: int, accumulators: int, sms: int = M.sms
+) -> tuple[int, int, int]:
     """(group threads, groups per block, grid) as csrc/norms/norms_rows.cuh's rows_plan: a row over G threads of
     ``packs_per_thread`` packs each, 256-thread blocks of row groups, resident blocks per SM for 2048 threads
-    (forward) or 2 (backward), fewer where shared memory allows fewer."""
+    (forward) or 2 (backward), fewer where shared memory allows fewer. A mirror of the C++:
+    tests/bench/test_launch_drift.py compares the two."""
     threads = -(-(hidden // pack) // packs_per_thread)
     group = -(-threads // 32) * 32
     groups = 1 if group >= 256 else 256 // group
@@ -132,7 +136,7 @@ def rows_plan(rows: int, hidden: int, pack: int, packs_per_thread: int, accumula
     smem = groups * accumulators * hidden * 4
     if smem:
         per_sm = min(per_sm, M.smem // (smem + 2048))  # 228 KiB per SM, as norms_rows.cuh
-    return group, groups, max(1, min(-(-rows // groups), M.sms * max(1, per_sm)))
+    return group, groups, max(1, min(-(-rows // groups), sms * max(1, per_sm)))
 
 
 ACTS = {"layer_norm": 0, "layer_norm_gelu": 1, "rms_norm": 0}
@@ -180,13 +184,14 @@ def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> l
     return [Part(kern, roles, pack, ppt, grid, n, 3 * size, 3 * size), col]
 
 
-def column_plan(rows: int, packs: int) -> tuple[int, int, int, int]:
-    """(threads along the row, threads along rows, grid x, grid y) as csrc/bias_gelu's column_plan: 256-thread
-    blocks, ~4 resident blocks per SM, rows walked beyond that."""
+def column_plan(rows: int, packs: int, sms: int = M.sms) -> tuple[int, int, int, int]:
+    """(threads along the row, threads along rows, grid x, grid y) as csrc/bias_gelu/bias_gelu_cuda.cu's
+    column_plan: 256-thread blocks, ~4 resident blocks per SM, rows walked beyond that. A mirror of the C++:
+    tests/bench/test_launch_drift.py compares the two."""
     tx = 256 if packs >= 256 else -(-packs // 32) * 32
     ty = 256 // tx
     gx = -(-packs // tx)
-    gy = max(1, min(-(-(M.sms * 4) // gx), -(-rows // ty)))
+    gy = max(1, min(-(-(sms * 4) // gx), -(-rows // ty)))
     return tx, ty, gx, gy
 
 
@@ -256,12 +261,14 @@ def _causal_coverage(sq: int, sk: int) -> float:
 CAUSAL_WIDTH = 16
 
 
-def softmax_rows_plan(rows: int, sk: int) -> tuple[int, int, int]:
-    """(group threads, block threads, grid) as csrc/softmax/softmax_rows.cuh's softmax_rows_plan."""
-    warps = -(-sk // 32)  # ceil: 32 lanes a warp
-    group = -(-warps // 32) * 32
+def softmax_rows_plan(rows: int, sk: int, sms: int = M.sms) -> tuple[int, int, int]:
+    """(group threads, block threads, grid) as csrc/softmax/softmax_rows.cuh's softmax_rows_plan: 32 elements a
+    thread, rows over whole warps, 256-thread blocks of row groups, 2048 threads an SM. A mirror of the C++:
+    tests/bench/test_launch_drift.py compares the two."""
+    threads = -(-sk // 32)  # kRowElems elements a thread
+    group = -(-threads // 32) * 32
     block = group * (1 if group >= 256 else 256 // group)
-    return group, block, max(1, min(-(-rows // (block // group)), M.sms * (2048 // block)))
+    return group, block, max(1, min(-(-rows // (block // group)), sms * (2048 // block)))
 
 
 def _softmax_parts(kind: str, passname: str, dtype: str, shape) -> list[Part]:
