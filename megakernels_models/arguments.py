@@ -15,7 +15,8 @@ import torch
 from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.validation import finite_number, positive_int
-from megakernels_models.models.config import LANGUAGE_MODELS, MODELS, PRESETS, RECOMPUTE, ModelConfig, preset
+from megakernels_models.models import registry
+from megakernels_models.models.config import PRESETS, RECOMPUTE, ModelConfig, preset
 from megakernels_models.planning.layout_rules import validate_layout
 from megakernels_models.settings import ArgumentError, setting
 from megakernels_models.training.preemption import SIGNALS
@@ -26,10 +27,9 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, MOE, VISION, LAYOUT, OPTIM, DATA, LOGS = (
+MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
     "model",
     "mixture of experts",
-    "vision-language (--model vlm)",
     "layout",
     "optimisation",
     "data",
@@ -46,27 +46,23 @@ MOE_FIELDS = (
     "moe_shared_experts",
 )
 
-VISION_FIELDS = (
-    "lm",
-    "image_size",
-    "patch_size",
-    "vision_layers",
-    "vision_hidden_size",
-    "vision_heads",
-    "cross_attention_every",
-    "contrastive_coeff",
-)
+# The flags only some families take (``FamilySpec.settings``): each is its family's config field of the same name.
+FAMILY_SETTINGS = {
+    f.name: spec for spec in registry.families() if spec.settings for f in dataclasses.fields(spec.settings)
+}
 # Every setting that describes the model itself: a resolved configuration folds them into its architecture.
-ARCHITECTURE_SETTINGS = ("preset", "model", *SIZES, "rope_theta", "dropout", *MOE_FIELDS, *VISION_FIELDS)
+ARCHITECTURE_SETTINGS = ("preset", "model", *SIZES, "rope_theta", "dropout", *MOE_FIELDS, *FAMILY_SETTINGS)
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
 
 @dataclasses.dataclass
-class TrainArgs:
-    """All of ``megakernels train``'s settings (docs/design.md §5); the defaults are the embedded default run."""
+class _Settings:
+    """The settings every family takes (``TrainArgs`` adds the families' own)."""
 
     # model
-    model: str | None = setting(None, "model family (default: the preset's, else gpt)", MODEL, choices=MODELS)
+    model: str | None = setting(
+        None, f"model family (default: the preset's, else {registry.DEFAULT})", MODEL, choices=registry.names
+    )
     preset: str | None = setting(
         None,
         "a preset model (default: the family's tiny one, e.g. gpt-tiny, unless "
@@ -98,26 +94,6 @@ class TrainArgs:
     )
     moe_shared_experts: int | None = setting(
         None, "shared experts every token goes through (default: the preset's)", MOE
-    )
-    lm: str | None = setting(
-        None, "the language model of a vlm (default: the preset's)", VISION, choices=LANGUAGE_MODELS
-    )
-    image_size: int | None = setting(None, "image side in pixels (default: the preset's)", VISION)
-    patch_size: int | None = setting(
-        None, "ViT patch side in pixels; must divide --image-size (default: the preset's)", VISION
-    )
-    vision_layers: int | None = setting(None, "vision encoder layers (default: the preset's)", VISION)
-    vision_hidden_size: int | None = setting(None, "vision encoder width (default: the preset's)", VISION)
-    vision_heads: int | None = setting(None, "vision encoder attention heads (default: the preset's)", VISION)
-    cross_attention_every: int | None = setting(
-        None,
-        "0: image tokens before the text (LLaVA); N: a gated "
-        "cross-attention layer after every N-th language layer (Flamingo) "
-        "(default: the preset's)",
-        VISION,
-    )
-    contrastive_coeff: float | None = setting(
-        None, "weight of the CLIP-style image-caption contrastive loss (default: the preset's, 0)", VISION
     )
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
     attention: str = setting(
@@ -266,6 +242,12 @@ class TrainArgs:
         False, "per-phase step times and peak memory (megakernels bench --e2e)", LOGS, cli=False
     )
 
+
+@dataclasses.dataclass
+class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings), _Settings):
+    """All of ``megakernels train``'s settings (docs/design.md §5): every family's (``_Settings``) and each family's
+    own (``FamilySpec.settings``); the defaults are the embedded default run."""
+
     # ---- derived ------------------------------------------------------------------------------------------------
 
     def preset_name(self) -> str | None:
@@ -277,12 +259,28 @@ class TrainArgs:
             return self.preset
         if all(getattr(self, k) is not None for k in SIZES[:4]):
             return None
-        return f"{self.model or 'gpt'}-tiny"
+        return registry.family(self.model or registry.DEFAULT).tiny_preset
+
+    def family_name(self) -> str:
+        """The model's family: the preset's, the architecture's, ``--model``'s or the default."""
+        name = self.preset_name()
+        if name is not None and name in PRESETS:
+            return PRESETS[name].model
+        if self.architecture:
+            return self.architecture.get("model", registry.DEFAULT)
+        return self.model or registry.DEFAULT
+
+    def _check_family_settings(self) -> None:
+        """A flag of another family's (``--image-size`` for a GPT) is an error naming the family it is for."""
+        mine = self.family_name()
+        for name, spec in FAMILY_SETTINGS.items():
+            if getattr(self, name) is not None and spec.name != mine:
+                raise ArgumentError(f"{_flag(name)} is for {spec.title}s (--model {spec.name})")
 
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
         sizes = {k: getattr(self, k) for k in SIZES}
-        for name in ("rope_theta",) + MOE_FIELDS + VISION_FIELDS:
+        for name in ("rope_theta",) + MOE_FIELDS + tuple(FAMILY_SETTINGS):
             if getattr(self, name) is not None:
                 sizes[name] = getattr(self, name)
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
@@ -295,24 +293,24 @@ class TrainArgs:
                 pass  # validate_data_args reports the tokenizer's problem, naming the flag
         overrides = {k: v for k, v in {**sizes, **drop}.items() if v is not None}
         name = self.preset_name()
+        if name is not None and self.model is not None and name in PRESETS and self.model != PRESETS[name].model:
+            raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {PRESETS[name].model} model)")
+        if self.architecture and self.model is not None and self.model != self.family_name():
+            raise ArgumentError(f"--model {self.model} contradicts the architecture (a {self.family_name()} model)")
+        self._check_family_settings()
         if name is not None:
             cfg = preset(name, **sizes, **drop)
-            if self.model is not None and self.model != cfg.model:
-                raise ArgumentError(f"--model {self.model} contradicts --preset {name} (a {cfg.model} model)")
             if self.architecture:
                 self._check_architecture_agrees(name, cfg, overrides)
             return cfg
         if self.architecture:
-            cfg = self._architecture_config(overrides)
-            if self.model is not None and self.model != cfg.model:
-                raise ArgumentError(f"--model {self.model} contradicts the architecture (a {cfg.model} model)")
-            return cfg
+            return self._architecture_config(overrides)
         missing = [f"--{k.replace('_', '-')}" for k in SIZES[:4] if sizes[k] is None]
         if missing:
             raise ArgumentError(f"without --preset, give {', '.join(missing)}")
         sizes = {k: v for k, v in sizes.items() if v is not None}
         sizes.setdefault("vocab_size", 261)
-        return ModelConfig(self.model or "gpt", **sizes, **drop)
+        return ModelConfig(self.model or registry.DEFAULT, **sizes, **drop)
 
     def _architecture_source(self) -> str:
         return f"--config {self.config_file}: architecture" if self.config_file else "architecture"
@@ -404,8 +402,8 @@ def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
 
 
 def _validate(a: TrainArgs) -> ModelConfig:
-    if a.model is not None and a.model not in MODELS:
-        raise ArgumentError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
+    if a.model is not None and a.model not in registry.names():
+        raise ArgumentError(f"--model must be one of {', '.join(registry.names())}, got {a.model!r}")
     if a.preset not in (None, "none") and a.preset not in PRESETS:
         raise ArgumentError(f"--preset {a.preset!r} is unknown; known presets: {', '.join(PRESETS)}")
     for name in (
@@ -421,33 +419,18 @@ def _validate(a: TrainArgs) -> ModelConfig:
         "keep_checkpoints",
     ):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
-    for name in (
-        "vpp",
-        "dp",
-        "save_interval",
-        "image_size",
-        "patch_size",
-        "vision_layers",
-        "vision_hidden_size",
-        "vision_heads",
-    ):
+    for name in ("vpp", "dp", "save_interval"):
         positive_int(getattr(a, name), _flag(name), allow_none=True, error=ArgumentError)
-    positive_int(a.cross_attention_every, "--cross-attention-every", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.eval_interval, "--eval-interval", minimum=0, error=ArgumentError)
     positive_int(a.max_save_failures, "--max-save-failures", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
-    if a.image_size is not None and a.patch_size is not None and a.image_size % a.patch_size:
-        raise ArgumentError(
-            f"--image-size {a.image_size} is not divisible by --patch-size {a.patch_size} (an "
-            "image is cut into whole patches)"
-        )
+    for spec in registry.families():
+        if spec.settings is not None:
+            spec.settings.check(a)
     try:
         cfg = a.model_config()
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    given = [f for f in VISION_FIELDS if getattr(a, f) is not None]
-    if given and cfg.model != "vlm":
-        raise ArgumentError(f"{_flag(given[0])} is for vision-language models (--model vlm)")
     for name, choices in (
         ("precision", PRECISIONS),
         ("recompute", RECOMPUTE),

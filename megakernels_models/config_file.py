@@ -134,20 +134,30 @@ def load(path: str) -> dict:
 
 
 def _architecture(path: str, value) -> dict:
-    from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.config import RETIRED
+    from megakernels_models.models.registry import DEFAULT, family
 
     if not isinstance(value, dict):
         raise ArgumentError(
             f"--config {path}: {ARCHITECTURE} must be a mapping of model fields, got a {type(value).__name__}"
         )
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    try:
+        config_class = family(value.get("model", DEFAULT)).config_class
+    except ValueError as e:
+        raise ArgumentError(f"--config {path}: {ARCHITECTURE}: {e}") from None
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
     out = {}
     for key, v in value.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise ArgumentError(f"--config {path}: unknown {ARCHITECTURE} field {key!r}{_suggest(name, fields)}")
+            if name in RETIRED and v == RETIRED[name]:
+                continue  # written before each family owned its fields, at the default it had then
+            raise ArgumentError(
+                f"--config {path}: unknown {ARCHITECTURE} field {key!r} for a {config_class.family} model"
+                f"{_suggest(name, fields)}"
+            )
         try:
-            out[name] = field_value(ModelConfig, fields[name], v)
+            out[name] = field_value(config_class, fields[name], v)
         except ValueError as e:
             raise ArgumentError(f"--config {path}: {ARCHITECTURE}: {key}: {e}") from None
     return out

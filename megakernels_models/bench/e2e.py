@@ -12,9 +12,9 @@ PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one 
 1. The trainer (``megakernels_models.training.train.run``, so exactly what ``megakernels train`` runs, spawning
    ``--nproc`` local processes for a layout on the CPU) trains ``--warmup`` + ``--steps`` optimizer steps on the
    embedded corpus with per-phase step timers on (``megakernels_models.training.timers``); the last ``--steps`` are
-   reported: tokens/s, TFLOP/s per device (model FLOPs of Narayanan et al.: 3x forward incl. attention, no recompute), MFU against the
-   device's peak (the trainer's table for GPUs, a timed matmul on the CPU, or ``--peak-tflops``), peak memory per
-   device (CUDA allocated memory, or each rank's peak resident set on the CPU) and the time split (forward,
+   reported: tokens/s, TFLOP/s per device (model FLOPs of Narayanan et al.: 3x forward incl. attention, no recompute),
+   MFU against the device's peak (the trainer's table for GPUs, a timed matmul on the CPU, or ``--peak-tflops``), peak
+   memory per device (CUDA allocated memory, or each rank's peak resident set on the CPU) and the time split (forward,
    backward, optimizer, communication, bubble; mean over ranks) next to the schedule's ideal bubble fraction.
 2. The baseline (``eager_gpt.compare_single``): one training step of megakernels' ``GPTModel`` and of a plain
    PyTorch GPT of the same shape and weights, tp = pp = dp = 1, the trainer's micro-batch.
@@ -110,6 +110,7 @@ def model_config(name: str, device: str):
         ValueError: an unknown preset or a BERT preset (the message names ``--e2e``).
     """
     from megakernels_models.models.config import PRESETS, ModelConfig, preset
+    from megakernels_models.models.gpt import SPEC as GPT
 
     if name == QUICK:
         return preset(
@@ -121,7 +122,7 @@ def model_config(name: str, device: str):
     if name not in PRESETS:
         raise ValueError(f"--e2e: unknown preset {name!r}; choose from {', '.join([*CPU_PRESETS, *PRESETS])}")
     cfg = preset(name, dropout=0.0, attention_dropout=0.0)
-    if cfg.model != "gpt":
+    if cfg.model != GPT.name:
         raise ValueError(f"--e2e: {name} is a {cfg.model} model; the end-to-end benchmark measures GPT presets")
     return cfg, 4 if device == "cuda" else 2
 

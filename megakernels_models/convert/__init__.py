@@ -29,10 +29,9 @@ from megakernels_models.convert.common import (
     write_hf,
 )
 from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.registry import family
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral)}
-# megakernels model family -> the HuggingFace family it is written as
-_OURS = {"gpt": gpt2, "bert": bert, "llama": llama}
 TOKENIZER = "tokenizer.json"
 
 __all__ = [
@@ -108,8 +107,9 @@ def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
         ConversionError: a model HuggingFace's family cannot express (e.g. a pre-norm BERT).
     """
     meta, tensors = read_checkpoint(ckpt_dir)
-    cfg = ModelConfig(**meta["config"])
-    fam = mixtral if cfg.model == "llama" and cfg.num_experts else _OURS.get(cfg.model)
+    cfg = ModelConfig.from_dict(meta["config"])
+    spec = family(cfg)
+    fam = spec.hf(cfg) if spec.hf is not None else None
     if fam is None:
         raise ConversionError(f"no HuggingFace family for a megakernels {cfg.model!r} model")
     config = fam.config_to_theirs(cfg)

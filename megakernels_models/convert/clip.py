@@ -9,7 +9,7 @@ query/key/value projections our fused head-major QKV. Our fused MLP is GeLU (erf
 (OpenAI's checkpoints) is refused rather than approximated.
 
     fields = vision_fields(clip.config)           # ModelConfig fields of the encoder
-    cfg = ModelConfig("vlm", **fields, ...)
+    cfg = VLMConfig(**fields, ...)
     encoder.load_state_dict(vision_state_dict(clip.state_dict(), cfg))
 
 ``megakernels convert hf-to-megakernels --input LM_DIR --vision CLIP_DIR`` (``with_clip_vision``) puts a CLIP vision
@@ -23,7 +23,8 @@ import torch
 
 from megakernels_models.convert.bert import _ACTIVATIONS, _split_qkv_rule
 from megakernels_models.convert.common import ConversionError, Rule, apply, copy, read_hf
-from megakernels_models.models.config import LANGUAGE_MODELS, ModelConfig
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.vlm import VLMConfig, language_models
 
 
 def vision_fields(hf) -> dict:
@@ -118,7 +119,7 @@ def vision_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 def with_clip_vision(
     cfg: ModelConfig, tensors: dict[str, torch.Tensor], clip_dir: str, seed: int
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A vision-language model (``model="vlm"``, image tokens a prefix) from a converted language model (``cfg``,
+    """A vision-language model (``VLMConfig``, image tokens a prefix) from a converted language model (``cfg``,
     its full tensors) and the HuggingFace CLIP directory ``clip_dir`` (a ``CLIPVisionModel`` or a ``CLIPModel``,
     whose vision tower is taken): the vision tensors under ``vision.``, a projector as wide as the language model
     initialised from ``seed`` (as ``megakernels train --seed`` would) under ``projector.``.
@@ -133,10 +134,10 @@ def with_clip_vision(
             f"--vision {clip_dir}: model_type {hf.get('model_type')!r} is not a CLIP model "
             "('clip' or 'clip_vision_model')"
         )
-    if cfg.model not in LANGUAGE_MODELS or cfg.num_experts:
+    if cfg.model not in language_models() or cfg.num_experts:
         raise ConversionError(
             f"--vision: the language model of a vision-language model must be a dense "
-            f"{' or '.join(LANGUAGE_MODELS)}, got a {cfg.model} with {cfg.num_experts} experts"
+            f"{' or '.join(language_models())}, got a {cfg.model} with {cfg.num_experts} experts"
         )
     fields = vision_fields(hf["vision_config"] if hf["model_type"] == "clip" else hf)
     eps = fields.pop("layernorm_eps")
@@ -145,7 +146,7 @@ def with_clip_vision(
             f"--vision: CLIP's layer_norm_eps {eps:g} differs from the language model's "
             f"{cfg.layernorm_eps:g} (megakernels uses one layernorm_eps for both)"
         )
-    vlm = cfg.replace(model="vlm", lm=cfg.model, **fields)
+    vlm = VLMConfig(**cfg.shared(), lm=cfg.model, **fields)
     out = dict(tensors)
     out.update({f"vision.{k}": v for k, v in vision_state_dict(clip, vlm).items()})
     out.update({f"projector.{k}": v for k, v in _fresh_projector(vlm, seed).items()})

@@ -21,6 +21,7 @@ from megakernels_models.data.images import CaptionDataset, ImageTextIndexed, is_
 from megakernels_models.data.indexed import IndexedDataset, paths
 from megakernels_models.data.shapes import ShapesSource
 from megakernels_models.data.tokenizer import build_tokenizer
+from megakernels_models.models.registry import families, family
 from megakernels_models.settings import ArgumentError
 
 
@@ -78,12 +79,13 @@ def validate_data_args(args, cfg=None) -> None:
             f"--tokenizer {args.tokenizer} has {tok.vocab_size} ids, more than the model's vocab size "
             f"{cfg.vocab_size} (raise --vocab-size)"
         )
-    if cfg.model == "vlm":
+    kind = family(cfg).data
+    if kind == "captions":
         _validate_image_data(args, cfg, tok)
         return
-    if cfg.model == "bert":
+    if kind == "sentences":
         try:
-            tok.require("cls", "sep", "mask", "pad", use="--model bert")
+            tok.require("cls", "sep", "mask", "pad", use=f"--model {cfg.model}")
         except ValueError as e:
             raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
     split = _split(args)
@@ -99,7 +101,8 @@ def validate_data_args(args, cfg=None) -> None:
         return
     for _, prefix in _blend(args):
         if is_image_text(prefix):
-            raise ArgumentError(f"--data {prefix} holds images and captions: train it with --model vlm")
+            takes = " or ".join(f"--model {s.name}" for s in families() if s.data == "captions")
+            raise ArgumentError(f"--data {prefix} holds images and captions: train it with {takes}")
         for p in paths(prefix):
             try:
                 open(p, "rb").close()
@@ -114,14 +117,14 @@ def validate_data_args(args, cfg=None) -> None:
             raise ArgumentError(
                 f"--data {prefix}: its {ds.doc_count} documents leave no training documents with --split {args.split}"
             )
-        if cfg.model == "bert" and tok.newline is None and len(ds.sequence_sizes) == ds.doc_count:
+        if kind == "sentences" and tok.newline is None and len(ds.sequence_sizes) == ds.doc_count:
             raise ArgumentError(
-                f"--data {prefix}: BERT needs sentences, but --tokenizer {args.tokenizer} has no "
+                f"--data {prefix}: {family(cfg).title} needs sentences, but --tokenizer {args.tokenizer} has no "
                 "newline token and the data is one sequence per document; preprocess it with "
                 "--split-sentences"
             )
         tokens = int(ds.doc_offsets[train.stop] - ds.doc_offsets[train.start])
-        if cfg.model != "bert" and tokens < cfg.seq_length + 1:
+        if kind == "tokens" and tokens < cfg.seq_length + 1:
             raise ArgumentError(
                 f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                 f"of seq_length + 1 = {cfg.seq_length + 1}"
@@ -155,7 +158,8 @@ def build_datasets(args, cfg):
     """
     tok = tokenizer_for(args)
     split = _split(args)
-    if cfg.model == "vlm":
+    kind = family(cfg).data
+    if kind == "captions":
         return caption_datasets(cfg, tok, args.data, args.seed, split)
     blend = [(w, IndexedDataset(p)) for w, p in _blend(args)]
     wanted = [args.steps * args.global_batch_size] + [args.eval_steps * args.global_batch_size] * 2
@@ -168,7 +172,7 @@ def build_datasets(args, cfg):
                 continue
             seed = args.seed + 1000 * i
             try:
-                if cfg.model != "bert":
+                if kind == "tokens":
                     ds = GPTDataset(
                         data, cfg.seq_length, seed, documents=docs, num_samples=math.ceil(w * wanted[i]) + 1
                     )

@@ -87,16 +87,17 @@ def lambada_accuracy(model, tokenizer, passages: list[str], seq_length: int, voc
 def load_model(ckpt_dir: str, device: str = "cpu"):
     """(causal LM at tp = pp = 1 with the checkpoint's weights, its config); needs an initialised one-rank world."""
     from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.registry import family, titles
     from megakernels_models.models.tasks import task_for
     from megakernels_models.training import checkpoint
 
     path = checkpoint.read_latest(ckpt_dir)
     meta = checkpoint.read_meta(path)
-    cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
-    if cfg.model not in ("gpt", "llama", "vlm"):
+    cfg = ModelConfig.from_dict(meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    if not family(cfg).causal:
         raise ValueError(
-            f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models (GPT, "
-            "Llama) and vision-language models (--task caption)"
+            f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models "
+            f"({titles(lambda s: s.causal)}; --task caption for those trained on captions)"
         )
     model = task_for(cfg).build_chunk(0, device=device).eval()
     checkpoint.load(path, [model], None, cfg)
@@ -191,6 +192,7 @@ def _caption(ns) -> int:
     from megakernels.parallel.launch import single_process_world
     from megakernels_models.convert import checkpoint_tokenizer
     from megakernels_models.data.build import caption_datasets
+    from megakernels_models.models.registry import family, titles
     from megakernels_models.models.vlm.caption_eval import caption_report
     from megakernels_models.training.checkpoint import CheckpointError
 
@@ -200,9 +202,10 @@ def _caption(ns) -> int:
         tok = _tokenizer(ns.tokenizer or checkpoint_tokenizer(ns.load) or "byte")
         with single_process_world(ns.device, parallel=True):
             model, cfg = load_model(ns.load, ns.device)
-            if cfg.model != "vlm":
+            if family(cfg).data != "captions":
                 raise ValueError(
-                    f"--task caption needs a vision-language checkpoint; --load {ns.load} holds a {cfg.model} model"
+                    f"--task caption needs a checkpoint of a model trained on captions "
+                    f"({titles(lambda s: s.data == 'captions')}); --load {ns.load} holds a {cfg.model} model"
                 )
             train, _, test = caption_datasets(cfg, tok, ns.data, ns.seed)
             if test is None:

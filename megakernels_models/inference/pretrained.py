@@ -110,14 +110,18 @@ def load_pretrained(
     from megakernels_models.convert import checkpoint_tokenizer
     from megakernels_models.data.tokenizer import build_tokenizer
     from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.registry import family, titles
     from megakernels_models.models.tasks import task_for
     from megakernels_models.training import checkpoint
 
     ckpt = checkpoint.read_latest(path)
     meta = checkpoint.read_meta(ckpt)
-    cfg = ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
-    if cfg.model not in ("gpt", "llama"):
-        raise ValueError(f"load_pretrained: {path!r} holds a {cfg.model} model, not a causal language model")
+    cfg = ModelConfig.from_dict(meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    if not family(cfg).text_generation:
+        raise ValueError(
+            f"load_pretrained: {path!r} holds a {cfg.model} model, not a text-only causal language model "
+            f"({titles(lambda s: s.text_generation)})"
+        )
     _ensure_world(device)
     model = task_for(cfg).build_chunk(0, device=device).eval()
     checkpoint.load(ckpt, [model], None, cfg)

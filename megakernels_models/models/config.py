@@ -1,9 +1,11 @@
-"""Model configurations: one dataclass for the GPT, BERT and Llama families, the presets, and what a configuration
-costs.
+"""Model configurations: ``ModelConfig``, the fields every family shares (a Transformer's sizes and architecture
+options, mixture-of-experts layers for the decoders), the presets, and what a configuration costs.
 
-The presets include the Megatron-LM paper's sizes (Shoeybi et al. 2019, Table 1 for GPT-2 style models, §4 for
-BERT), the Llama 2 / Llama 3 shapes, and tiny ones that train on a CPU in minutes. Sizes here are what the model
-*is*; how it is split over devices (tp/cp/pp/dp) belongs to the trainer's configuration.
+Each family (``models/<family>/``) subclasses it with its own fields, defaults and rules and registers the subclass
+(``registry.FamilySpec``); ``ModelConfig(model=NAME, ...)`` builds the registered family's class, so a configuration
+read back from a checkpoint or a file is always its family's. The presets are the families' (the Megatron-LM paper's
+sizes, the Llama 2 / Llama 3 shapes, Mixtral, LLaVA, and tiny ones that train on a CPU in minutes). Sizes here are
+what the model *is*; how it is split over devices (tp/cp/pp/dp) belongs to the trainer's configuration.
 
 FLOPs follow Narayanan et al. 2021 (§5.1), written per token for any attention and MLP shape: one layer's forward is
 ``2·h·(q + 2·kv) + 2·q·h`` for the Q/K/V and output projections (``q = heads·head_dim``, ``kv = kv_heads·head_dim``;
@@ -19,31 +21,25 @@ from __future__ import annotations
 import dataclasses
 
 from megakernels.validation import positive_int
+from megakernels_models.models.registry import DEFAULT, PRESETS, family
 
-MODELS = ("gpt", "bert", "llama", "vlm")
-LANGUAGE_MODELS = ("gpt", "llama")  # what a vision-language model's language model may be
 RECOMPUTE = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
-# What each family is unless a field says otherwise (fields left None take these).
-FAMILY_DEFAULTS = {
-    "gpt": dict(norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True, tie_embeddings=True),
-    "bert": dict(
-        norm="layernorm", position_embedding="learned", activation="gelu_tanh", bias=True, tie_embeddings=True
-    ),
-    "llama": dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, tie_embeddings=False),
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Transformer of the GPT (causal LM), BERT (masked LM + sentence order) or Llama (causal LM) family.
+    """A Transformer of a registered family (``registry.names()``); the fields every family has.
+
+    ``ModelConfig(model=NAME, ...)`` (or ``ModelConfig(NAME, ...)``) is an instance of family NAME's subclass, which
+    adds the family's own fields and rules; ``dataclasses.replace`` and pickling keep the class.
 
     Attributes:
-        model: ``"gpt"``, ``"bert"`` or ``"llama"``; the architecture fields below that are None take the family's
-            values (``FAMILY_DEFAULTS``): GPT/BERT pre-norm LayerNorm, learned positions, tanh-GeLU MLP with
-            biases, tied output embedding; Llama RMSNorm, rotary positions, SwiGLU MLP without biases, untied.
+        model: the family (``registry.names()``); the architecture fields below that are None take the family's
+            values (its config class's ``DEFAULTS``: e.g. GPT's pre-norm LayerNorm, learned positions, tanh-GeLU MLP
+            with biases and tied output embedding; Llama's RMSNorm, rotary positions, SwiGLU without biases).
         num_layers, hidden_size, num_heads: l, h, a.
         num_kv_heads: key/value heads (grouped-query attention; default ``num_heads``: multi-head).
         seq_length: s, tokens per sample (also the number of learned positions).
@@ -53,7 +49,6 @@ class ModelConfig:
         attention_dropout: on the attention probabilities.
         layernorm_eps: of every LayerNorm / RMSNorm.
         init_std: std of the normal init (output projections use ``init_std / sqrt(2·l)``).
-        num_token_types: BERT's segment embeddings (ignored otherwise).
         norm_position: ``"pre"`` (a norm on each branch's input, a final norm; every preset) or ``"post"``
             (the original Transformer/BERT: a norm after each residual sum and after the embeddings, no final
             one; for models converted from HuggingFace BERT).
@@ -77,7 +72,7 @@ class ModelConfig:
         moe_shared_experts: dense experts every token of a MoE layer also goes through.
     """
 
-    model: str = "gpt"
+    model: str = DEFAULT
     num_layers: int = 4
     hidden_size: int = 128
     num_heads: int = 4
@@ -88,7 +83,6 @@ class ModelConfig:
     attention_dropout: float = 0.1
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
-    num_token_types: int = 2
     norm_position: str = "pre"
     activation: str | None = None
     num_kv_heads: int | None = None
@@ -107,29 +101,22 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
     moe_shared_experts: int = 0
-    lm: str | None = None
-    image_size: int = 32
-    patch_size: int = 8
-    image_channels: int = 3
-    vision_layers: int = 2
-    vision_hidden_size: int = 64
-    vision_heads: int = 4
-    vision_ffn_hidden_size: int | None = None
-    vision_activation: str = "gelu_tanh"
-    vision_class_token: bool = False
-    vision_pre_norm: bool = False
-    vision_final_norm: bool = True
-    projector_hidden_size: int | None = None
-    cross_attention_every: int = 0
-    contrastive_coeff: float = 0.0
-    contrastive_temperature: float = 0.07
+
+    family = None  # the family's name, set by each subclass
+    DEFAULTS = {}  # the family's values of the architecture fields left None
+
+    def __new__(cls, *args, **kwargs):
+        name = kwargs.get("model", args[0] if args else (cls.family or DEFAULT))
+        target = cls if name == cls.family else family(name).config_class
+        if not issubclass(target, cls):
+            raise ValueError(f"{cls.__name__}: model={name!r} is not a {cls.family} model")
+        return object.__new__(target)
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            raise ValueError(f"ModelConfig: model must be one of {MODELS}, got {self.model!r}")
-        if self.model == "vlm":
-            _check_vision(self)
-        for name, value in FAMILY_DEFAULTS[self.lm if self.model == "vlm" else self.model].items():
+        if self.model != self.family:
+            raise ValueError(f"{type(self).__name__}: model must be {self.family!r}, got {self.model!r}")
+        self._check_family()
+        for name, value in self.family_defaults().items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         for name, allowed in (
@@ -140,7 +127,7 @@ class ModelConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "num_token_types"):
+        for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size"):
             positive_int(getattr(self, name), name, where="ModelConfig")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
@@ -162,12 +149,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
             if not self.rope_theta > 1:
                 raise ValueError(f"ModelConfig: rope_theta must be > 1, got {self.rope_theta}")
-        if self.model == "bert" and (self.position_embedding != "learned" or self.activation == "swiglu"):
-            raise ValueError("ModelConfig: the BERT family has learned positions and a GeLU MLP")
         if self.num_experts:
             positive_int(self.num_experts, "num_experts", where="ModelConfig")
-            if self.model == "bert":
-                raise ValueError("ModelConfig: mixture-of-experts layers are for the GPT and Llama families")
             if not 1 <= self.moe_top_k <= self.num_experts:
                 raise ValueError(
                     f"ModelConfig: moe_top_k={self.moe_top_k} must be in 1..num_experts={self.num_experts}"
@@ -189,22 +172,53 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: {name} must be in [0, 1), got {v}")
         if not self.init_std > 0 or not self.layernorm_eps > 0:
             raise ValueError("ModelConfig: init_std and layernorm_eps must be > 0")
+        self._check_architecture()
+
+    # ---- what a family changes (its subclass overrides these) ---------------------------------------------------
+
+    def _check_family(self) -> None:
+        """The family's own fields' rules, before the defaults are filled in (may fill the family's own)."""
+
+    def _check_architecture(self) -> None:
+        """The family's rules on the shared fields, once every default is filled in."""
+
+    def family_defaults(self) -> dict:
+        """The values of the architecture fields left None (the class's ``DEFAULTS``)."""
+        return self.DEFAULTS
+
+    def shared(self) -> dict:
+        """The values of the fields every family has (``ModelConfig``'s, without ``model``): another family's
+        configuration of the same Transformer is ``OtherConfig(**cfg.shared(), ...)``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig) if f.name != "model"}
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> ModelConfig:
+        """The configuration a checkpoint or file stored (``dataclasses.asdict``), by its ``model``.
+
+        Configurations written before each family owned its fields carry every family's (``RETIRED``); a field the
+        family does not have is accepted at that old default and dropped, and refused at any other value.
+
+        Raises:
+            ValueError: an unknown family, or a field the family does not have (naming it).
+        """
+        target = family(fields.get("model", DEFAULT)).config_class
+        own = {f.name for f in dataclasses.fields(target)}
+        foreign = sorted(k for k, v in fields.items() if k not in own and (k not in RETIRED or RETIRED[k] != v))
+        if foreign:
+            raise ValueError(
+                f"ModelConfig: {', '.join(foreign)} {'is not a field' if len(foreign) == 1 else 'are not fields'} of "
+                f"a {target.family} model"
+            )
+        return target(**{k: v for k, v in fields.items() if k in own})
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    # ---- vision-language models (model="vlm", vlm.py) ---------------------------------------------------------
-
-    @property
-    def num_patches(self) -> int:
-        """Patches per image (``(image_size / patch_size)²``; 0 for a text-only model)."""
-        return (self.image_size // self.patch_size) ** 2 if self.model == "vlm" else 0
-
     @property
     def num_image_tokens(self) -> int:
-        """Image tokens the vision encoder gives per image: the patches, plus a class token when it has one."""
-        return self.num_patches + (self.vision_class_token and self.model == "vlm")
+        """Image tokens the model reads per sample before its text (0 for a text-only model)."""
+        return 0
 
     @property
     def tokens_per_sample(self) -> int:
@@ -212,26 +226,31 @@ class ModelConfig:
         a vision-language model; ``seq_length`` otherwise."""
         return self.seq_length + self.num_image_tokens
 
+    def encoder_config(self) -> ModelConfig | None:
+        """The configuration of an encoder on the first pipeline stage that reads other inputs than the text (a
+        vision-language model's vision encoder), or None."""
+        return None
+
+    def language_config(self) -> ModelConfig:
+        """The language model alone (a vision-language model's GPT or Llama); ``self`` otherwise."""
+        return self
+
+    def has_cross_attention_after(self, layer: int) -> bool:
+        """Whether a gated cross-attention layer follows language layer ``layer``."""
+        return False
+
+    def report(self) -> tuple[dict, list[str]]:
+        """What ``--dry-run`` adds for this family: report fields and lines of text (none by default)."""
+        return {}, []
+
+    def _layout_limits(self) -> dict:
+        """``ModelShapes``' family-specific rules: ``tp_widths``, ``context_parallel``, ``sequence_parallel``."""
+        return {}
+
     def layout_shapes(self):
         """The shapes the parallel layout's rules check (``megakernels.parallel.layout.ModelShapes``)."""
         from megakernels.parallel.layout import ModelShapes
 
-        widths, no_cp, no_sp = (), None, None
-        if self.model == "bert":
-            no_cp = (
-                ": context parallelism is for causal language models (GPT, Llama); BERT's padding masks are "
-                "not split over the ring"
-            )
-        if self.model == "vlm":
-            v = self.vision_config()
-            widths = (
-                ("vision_heads", v.num_heads),
-                ("vision_hidden_size", v.hidden_size),
-                ("vision ffn_hidden_size", v.ffn_hidden_size),
-                ("projector_hidden_size", self.projector_hidden_size),
-            )
-            no_sp = "is not supported for --model vlm (the image tokens are not split over ranks)"
-            no_cp = " " + no_sp
         return ModelShapes(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -240,57 +259,20 @@ class ModelConfig:
             seq_length=self.seq_length,
             num_experts=self.num_experts or 0,
             attention_dropout=self.attention_dropout,
-            tp_widths=widths,
-            context_parallel=no_cp,
-            sequence_parallel=no_sp,
+            **self._layout_limits(),
         )
-
-    def vision_config(self) -> ModelConfig:
-        """The vision encoder's Transformer as a bidirectional (BERT-family) configuration: its layers are the
-        same ``TransformerLayer`` every family stacks."""
-        return ModelConfig(
-            "bert",
-            num_layers=self.vision_layers,
-            hidden_size=self.vision_hidden_size,
-            num_heads=self.vision_heads,
-            seq_length=self.num_image_tokens,
-            vocab_size=1,
-            ffn_hidden_size=self.vision_ffn_hidden_size,
-            activation=self.vision_activation,
-            dropout=self.dropout,
-            attention_dropout=self.attention_dropout,
-            layernorm_eps=self.layernorm_eps,
-            init_std=self.init_std,
-        )
-
-    def language_config(self) -> ModelConfig:
-        """A vision-language model's language model alone (the GPT or Llama it is built on); ``self`` otherwise."""
-        if self.model != "vlm":
-            return self
-        return dataclasses.replace(self, model=self.lm, lm=None)
-
-    def has_cross_attention_after(self, layer: int) -> bool:
-        """Whether a gated cross-attention layer follows language layer ``layer`` (every ``cross_attention_every``
-        layers; never with 0, where the image tokens are the sequence's prefix)."""
-        n = self.cross_attention_every
-        return self.model == "vlm" and n > 0 and (layer + 1) % n == 0
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``. Sizes derived from others follow them unless given: an MLP of 4h follows a new
         hidden size, multi-head attention (as many key/value heads as heads) a new head count, experts as wide as
-        the dense MLP a new MLP width."""
+        the dense MLP a new MLP width. A new ``model`` keeps the fields every family shares (the new family's own
+        take their defaults unless given)."""
         c = dict(changes)
         if "hidden_size" in c and "ffn_hidden_size" not in c and self.ffn_hidden_size == 4 * self.hidden_size:
             c["ffn_hidden_size"] = 4 * c["hidden_size"]
         if "num_heads" in c and "num_kv_heads" not in c and self.num_kv_heads == self.num_heads:
             c["num_kv_heads"] = c["num_heads"]
-        if (
-            "hidden_size" in c
-            and "projector_hidden_size" not in c
-            and self.model == "vlm"
-            and self.projector_hidden_size == self.hidden_size
-        ):
-            c["projector_hidden_size"] = c["hidden_size"]
+        self._follow(c)
         if (
             "ffn_hidden_size" in c
             and "moe_ffn_hidden_size" not in c
@@ -298,7 +280,12 @@ class ModelConfig:
             and self.moe_ffn_hidden_size == self.ffn_hidden_size
         ):
             c["moe_ffn_hidden_size"] = c["ffn_hidden_size"]
+        if c.get("model", self.model) != self.model:  # the same Transformer in another family: the shared fields
+            return ModelConfig(**{**self.shared(), **c})
         return dataclasses.replace(self, **c)
+
+    def _follow(self, changes: dict) -> None:
+        """``replace``'s rule for the family's own derived sizes (adds to ``changes``)."""
 
     # ---- cost model -------------------------------------------------------------------------------------------
 
@@ -335,7 +322,7 @@ class ModelConfig:
         )
         gemm = 2.0 * ((h * (h + 2 * self.kv_size) + h * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
         attention = 4.0 * s * h * l
-        head = 2.0 * h * V + (2.0 * h * h if self.model == "bert" else 0.0)  # BERT's MLM transform
+        head = 2.0 * h * V
         return {"layers_gemm": gemm, "attention": attention, "head": head}
 
     def flops_per_token(self, recompute: str = "none") -> float:
@@ -346,10 +333,6 @@ class ModelConfig:
         give the hardware FLOPs actually executed."""
         if recompute not in RECOMPUTE:
             raise ValueError(f"flops_per_token: recompute must be one of {RECOMPUTE}, got {recompute!r}")
-        if self.model == "vlm":
-            from megakernels_models.models.vlm.costs import vlm_flops_per_sample
-
-            return vlm_flops_per_sample(self, recompute) / self.seq_length
         return training_flops(self.forward_flops_per_token(), recompute)
 
     def activation_bytes_per_layer(
@@ -399,225 +382,27 @@ class ModelConfig:
         return scale * s * b * (replicated + (split + scores) / tp)
 
 
-PRESETS: dict[str, ModelConfig] = {
-    # Tiny models for the CPU (byte-level vocabulary).
-    "gpt-tiny": ModelConfig(
-        "gpt",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=8,
-        seq_length=256,
-        vocab_size=261,
-        dropout=0.0,
-        attention_dropout=0.0,
-    ),
-    "bert-tiny": ModelConfig(
-        "bert",
-        num_layers=4,
-        hidden_size=192,
-        num_heads=6,
-        seq_length=128,
-        vocab_size=261,
-        dropout=0.0,
-        attention_dropout=0.0,
-    ),
-    # Megatron-LM paper, GPT-2 vocabulary and context.
-    "gpt-1.2b": ModelConfig("gpt", num_layers=40, hidden_size=1536, num_heads=16, seq_length=1024, vocab_size=50257),
-    "gpt-2.5b": ModelConfig("gpt", num_layers=54, hidden_size=1920, num_heads=20, seq_length=1024, vocab_size=50257),
-    "gpt-4.2b": ModelConfig("gpt", num_layers=64, hidden_size=2304, num_heads=24, seq_length=1024, vocab_size=50257),
-    "gpt-8.3b": ModelConfig("gpt", num_layers=72, hidden_size=3072, num_heads=32, seq_length=1024, vocab_size=50257),
-    # GPT-3 XL shape (the 1.3B single-GPU MFU benchmark).
-    "gpt-1.3b": ModelConfig("gpt", num_layers=24, hidden_size=2048, num_heads=16, seq_length=2048, vocab_size=50257),
-    # Megatron-LM paper BERT sizes, WordPiece vocabulary.
-    "bert-336m": ModelConfig("bert", num_layers=24, hidden_size=1024, num_heads=16, seq_length=512, vocab_size=30522),
-    "bert-1.3b": ModelConfig("bert", num_layers=24, hidden_size=2048, num_heads=32, seq_length=512, vocab_size=30522),
-    "bert-3.9b": ModelConfig("bert", num_layers=48, hidden_size=2560, num_heads=40, seq_length=512, vocab_size=30522),
-    # Llama: a tiny one for the CPU; Llama 3.2 1B, Llama 3 8B and Llama 2 7B shapes.
-    "llama-tiny": ModelConfig(
-        "llama",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=8,
-        num_kv_heads=2,
-        seq_length=256,
-        vocab_size=261,
-        ffn_hidden_size=704,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-5,
-        rope_theta=10000.0,
-    ),
-    "llama3-1b": ModelConfig(
-        "llama",
-        num_layers=16,
-        hidden_size=2048,
-        num_heads=32,
-        num_kv_heads=8,
-        seq_length=8192,
-        vocab_size=128256,
-        ffn_hidden_size=8192,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-5,
-        rope_theta=500000.0,
-        tie_embeddings=True,
-    ),
-    "llama3-8b": ModelConfig(
-        "llama",
-        num_layers=32,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        seq_length=8192,
-        vocab_size=128256,
-        ffn_hidden_size=14336,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-5,
-        rope_theta=500000.0,
-    ),
-    # Mixture of experts: tiny ones for the CPU, and Mixtral 8x7B (46.7B parameters, 12.9B active per token).
-    "gpt-moe-tiny": ModelConfig(
-        "gpt",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=8,
-        seq_length=256,
-        vocab_size=261,
-        dropout=0.0,
-        attention_dropout=0.0,
-        num_experts=4,
-        moe_top_k=2,
-        moe_ffn_hidden_size=512,
-        moe_normalize=False,
-    ),
-    "llama-moe-tiny": ModelConfig(
-        "llama",
-        num_layers=4,
-        hidden_size=256,
-        num_heads=8,
-        num_kv_heads=2,
-        seq_length=256,
-        vocab_size=261,
-        ffn_hidden_size=704,
-        dropout=0.0,
-        attention_dropout=0.0,
-        num_experts=4,
-        moe_top_k=2,
-        moe_ffn_hidden_size=352,
-    ),
-    "mixtral-8x7b": ModelConfig(
-        "llama",
-        num_layers=32,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        seq_length=32768,
-        vocab_size=32000,
-        ffn_hidden_size=14336,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-5,
-        rope_theta=1e6,
-        num_experts=8,
-        moe_top_k=2,
-        moe_aux_loss_coeff=0.02,
-    ),
-    "llama2-7b": ModelConfig(
-        "llama",
-        num_layers=32,
-        hidden_size=4096,
-        num_heads=32,
-        seq_length=4096,
-        vocab_size=32000,
-        ffn_hidden_size=11008,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-5,
-        rope_theta=10000.0,
-    ),
+# Fields every configuration had before each family owned its own, at their defaults then: checkpoints and files
+# written before carry them (``ModelConfig.from_dict``).
+RETIRED = {
+    "num_token_types": 2,
+    "lm": None,
+    "image_size": 32,
+    "patch_size": 8,
+    "image_channels": 3,
+    "vision_layers": 2,
+    "vision_hidden_size": 64,
+    "vision_heads": 4,
+    "vision_ffn_hidden_size": None,
+    "vision_activation": "gelu_tanh",
+    "vision_class_token": False,
+    "vision_pre_norm": False,
+    "vision_final_norm": True,
+    "projector_hidden_size": None,
+    "cross_attention_every": 0,
+    "contrastive_coeff": 0.0,
+    "contrastive_temperature": 0.07,
 }
-
-
-def _check_vision(c: ModelConfig) -> None:
-    """The vision-language fields' rules (``model="vlm"``); fills the language model's default (GPT)."""
-    if c.lm is None:
-        object.__setattr__(c, "lm", "gpt")
-    if c.lm not in LANGUAGE_MODELS:
-        raise ValueError(
-            f"ModelConfig: lm (the language model of a vlm) must be one of {LANGUAGE_MODELS}, got {c.lm!r}"
-        )
-    for name in ("image_size", "patch_size", "image_channels", "vision_layers", "vision_hidden_size", "vision_heads"):
-        positive_int(getattr(c, name), name, where="ModelConfig")
-    if c.image_size % c.patch_size:
-        raise ValueError(f"ModelConfig: image_size={c.image_size} is not divisible by patch_size={c.patch_size}")
-    if c.vision_hidden_size % c.vision_heads:
-        raise ValueError(
-            f"ModelConfig: vision_hidden_size={c.vision_hidden_size} is not divisible by vision_heads={c.vision_heads}"
-        )
-    if c.vision_activation not in ("gelu", "gelu_tanh"):
-        raise ValueError(f"ModelConfig: vision_activation must be 'gelu' or 'gelu_tanh', got {c.vision_activation!r}")
-    if c.projector_hidden_size is None:
-        object.__setattr__(c, "projector_hidden_size", c.hidden_size)
-    positive_int(c.projector_hidden_size, "projector_hidden_size", where="ModelConfig")
-    positive_int(c.cross_attention_every, "cross_attention_every", minimum=0, where="ModelConfig")
-    if c.num_experts:
-        raise ValueError("ModelConfig: a vision-language model's language model is dense (num_experts=0)")
-    if not c.contrastive_coeff >= 0 or not c.contrastive_temperature > 0:
-        raise ValueError("ModelConfig: contrastive_coeff must be >= 0 and contrastive_temperature > 0")
-
-
-_VLM_TINY = dict(
-    image_size=32,
-    patch_size=8,
-    vision_layers=2,
-    vision_hidden_size=64,
-    vision_heads=4,
-    num_layers=4,
-    hidden_size=128,
-    num_heads=4,
-    seq_length=48,
-    vocab_size=261,
-    dropout=0.0,
-    attention_dropout=0.0,
-)
-PRESETS.update(
-    {
-        # Vision-language, for the CPU: a 2-layer 64-wide ViT over 32×32 images and a 4-layer GPT; vlm-tiny reads
-        # 16-pixel
-        # patches (a 2×2 grid, one per cell of the embedded shapes) and trains with the contrastive loss beside the
-        # captions' (with 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes:
-        # benchmarks/results/2026-12-01-cpu-vlm-caption.md). The same encoder at 8-pixel patches (16 image tokens) with
-        # Flamingo-style gated cross-attention every second layer over a tiny Llama.
-        "vlm-tiny": ModelConfig("vlm", lm="gpt", **{**_VLM_TINY, "patch_size": 16}, contrastive_coeff=0.5),
-        "vlm-llama-tiny": ModelConfig("vlm", lm="llama", **{**_VLM_TINY, "num_kv_heads": 2}, cross_attention_every=2),
-        # LLaVA-1.5 shape: a ViT-L/14 (CLIP) encoder at 336 px (576 patches) and a Llama-2-7B.
-        "vlm-7b": ModelConfig(
-            "vlm",
-            lm="llama",
-            image_size=336,
-            patch_size=14,
-            vision_layers=24,
-            vision_hidden_size=1024,
-            vision_heads=16,
-            vision_ffn_hidden_size=4096,
-            vision_activation="gelu",
-            vision_class_token=True,
-            vision_pre_norm=True,
-            vision_final_norm=False,
-            projector_hidden_size=4096,
-            num_layers=32,
-            hidden_size=4096,
-            num_heads=32,
-            seq_length=2048,
-            vocab_size=32000,
-            ffn_hidden_size=11008,
-            dropout=0.0,
-            attention_dropout=0.0,
-            layernorm_eps=1e-5,
-        ),
-    }
-)
 
 
 def preset(name: str, **overrides) -> ModelConfig:
@@ -675,4 +460,4 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:.3g} {unit}".rstrip()
 
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "stage_layers", "MODELS", "RECOMPUTE", "human", "ceil_div"]
+__all__ = ["ModelConfig", "PRESETS", "preset", "stage_layers", "RECOMPUTE", "human", "ceil_div"]

@@ -237,15 +237,16 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     flight = in_flight(L)
     logits = cfg.seq_length // L.cp * L.micro_batch_size * pad_vocab_size(cfg.vocab_size, L.tp) / L.tp * 4
     out = []
-    vision = 0.0
-    if cfg.model == "vlm":  # the vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
-        v = cfg.vision_config()
-        vision = (
-            v.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash) * v.num_layers
+    encoder = 0.0
+    enc = cfg.encoder_config()
+    if enc is not None:  # e.g. a vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
+        encoder = (
+            enc.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash)
+            * enc.num_layers
         )
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
     for r, (n, t, e) in enumerate(zip(stages, trained, trained_experts)):
-        act = (per_layer * layers + (vision if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
+        act = (per_layer * layers + (encoder if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
         if r == L.pp - 1:
             act += logits
         out.append({"weights": n * w, "grads": t * g, "optimizer": (t - e) * o + e * eo, "activations": act})

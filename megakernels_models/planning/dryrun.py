@@ -94,14 +94,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         **({"expert_memory_per_device_bytes": mem["expert_bytes"]} if cfg.num_experts else {}),
         "flops_per_step": cfg.flops_per_token("none") * tokens,
         "flops_per_step_executed": cfg.flops_per_token(args.recompute) * tokens,
-        **(
-            {
-                "flops_per_sample": cfg.flops_per_token("none") * cfg.seq_length,
-                "image_tokens_per_sample": cfg.num_image_tokens,
-            }
-            if cfg.model == "vlm"
-            else {}
-        ),
+        **cfg.report()[0],
         "memory_per_device_bytes": mem["total"],
         "memory_breakdown_bytes": mem["breakdown"],
         **({"host_memory_per_rank_bytes": mem["host_optimizer_bytes"]} if args.offload_optimizer else {}),
@@ -184,12 +177,8 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
             f"expert weights, gradients and optimizer state per device: "
             f"{human(rep['expert_memory_per_device_bytes'], 'B')} (ep={lay['ep']})"
         )
-    if "flops_per_sample" in rep:
-        out(
-            f"vision: {cfg.image_size}px images, patch {cfg.patch_size}, {rep['image_tokens_per_sample']} image tokens "
-            f"per sample, encoder {cfg.vision_layers} layers × {cfg.vision_hidden_size}; "
-            f"{human(rep['flops_per_sample'], 'FLOP')} per sample (encoder, projector and language model)"
-        )
+    for line in cfg.report()[1]:
+        out(line)
     out(
         f"FLOPs per step: {human(rep['flops_per_step'], 'FLOP')} (model), "
         f"{human(rep['flops_per_step_executed'], 'FLOP')} executed with recompute={lay['recompute']}"

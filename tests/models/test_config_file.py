@@ -66,7 +66,12 @@ def test_flags_override_the_file(tmp_path):
     "text,message",
     [
         ("global_batch: 8\n", "unknown setting 'global_batch' (did you mean 'global_batch_size'?)"),
-        ("architecture:\n  num_layer: 2\n", "unknown architecture field 'num_layer' (did you mean 'num_layers'?)"),
+        (
+            "architecture:\n  num_layer: 2\n",
+            "unknown architecture field 'num_layer' for a gpt model (did you mean 'num_layers'?)",
+        ),
+        ("architecture:\n  model: llama\n  image_size: 64\n", "unknown architecture field 'image_size' for a llama"),
+        ("architecture:\n  model: t5\n", "architecture: model must be one of"),
         ("- 1\n- 2\n", "expected a mapping of settings, got a list"),
         ("steps: [\n", "not valid YAML"),
     ],

@@ -34,7 +34,7 @@ def _our_logits(ckpt_dir, ids):
     from megakernels_models.models.gpt.model import GPTModel
 
     meta, _ = convert.read_checkpoint(ckpt_dir)
-    cfg = convert.ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    cfg = convert.ModelConfig.from_dict(meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(ckpt_dir), [model], None, cfg)
     with torch.no_grad():
@@ -150,7 +150,7 @@ def test_hf_bert_converts_exactly_to_post_norm_and_back(single_world, tmp_path):
         main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mk")]) == 0
     )
     meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
-    cfg = convert.ModelConfig(**meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    cfg = convert.ModelConfig.from_dict(meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
     assert (cfg.norm_position, cfg.activation) == ("post", "gelu")
     model = BertModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(str(tmp_path / "mk")), [model], None, cfg)

@@ -50,7 +50,7 @@ def _our_logits(ckpt_dir, ids):
     from megakernels_models.models.llama.model import LlamaModel
 
     meta, _ = convert.read_checkpoint(str(ckpt_dir))
-    cfg = convert.ModelConfig(**meta["config"])
+    cfg = convert.ModelConfig.from_dict(meta["config"])
     model = LlamaModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(str(ckpt_dir)), [model], None, cfg)
     with torch.no_grad():

@@ -57,7 +57,7 @@ def test_mixtral_round_trip_gives_the_same_logits(single_world, tmp_path):
     )
     meta, tensors = convert.read_checkpoint(str(tmp_path / "mk"))
     assert "layers.1.mlp.experts.3.fc1" in tensors and tensors["layers.1.mlp.experts.3.fc1"].shape == (48, 32)
-    cfg = convert.ModelConfig(**meta["config"])
+    cfg = convert.ModelConfig.from_dict(meta["config"])
     assert (cfg.num_experts, cfg.moe_top_k, cfg.moe_normalize) == (4, 2, True)
     model = LlamaModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(str(tmp_path / "mk")), [model], None, cfg)

@@ -455,7 +455,7 @@ def test_convert_puts_a_clip_vision_tower_in_front_of_a_language_model(single_wo
     )
 
     meta, tensors = convert.read_checkpoint(str(tmp_path / "vlm"))
-    cfg = ModelConfig(**meta["config"])
+    cfg = ModelConfig.from_dict(meta["config"])
     assert (cfg.model, cfg.lm, cfg.num_image_tokens, cfg.hidden_size) == ("vlm", "gpt", 17, 32)
     _, lm = convert.read_checkpoint(str(tmp_path / "lm"))
     assert set(lm) == {k for k in tensors if not k.startswith(("vision.", "projector."))}

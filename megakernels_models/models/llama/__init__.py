@@ -1,0 +1,72 @@
+"""The Llama family: a causal language model of the Llama 2 / Llama 3 architecture: RMSNorm, rotary positions,
+SwiGLU MLP, no biases, its own output layer (tied in the small Llama 3.2 models); grouped-query attention;
+mixture-of-experts layers as an option (Mixtral).
+
+Presets: ``llama-tiny`` (the CPU default), Llama 3.2 1B, Llama 3 8B and Llama 2 7B shapes, a tiny MoE and Mixtral
+8x7B (46.7B parameters, 12.9B active per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakernels_models.models.config import ModelConfig
+from megakernels_models.models.registry import FamilySpec, register
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    """A Llama model (``ModelConfig``'s fields, Llama's defaults)."""
+
+    model: str = "llama"
+    family = "llama"
+    DEFAULTS = dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, tie_embeddings=False)
+
+
+def _llama(layers: int, hidden: int, heads: int, kv: int, seq: int, vocab: int, ffn: int, **kw) -> LlamaConfig:
+    return LlamaConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        seq_length=seq,
+        vocab_size=vocab,
+        ffn_hidden_size=ffn,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_eps=1e-5,
+        **kw,
+    )
+
+
+PRESETS = {
+    "llama-tiny": _llama(4, 256, 8, 2, 256, 261, 704, rope_theta=10000.0),  # byte-level vocabulary, for the CPU
+    "llama3-1b": _llama(16, 2048, 32, 8, 8192, 128256, 8192, rope_theta=500000.0, tie_embeddings=True),
+    "llama3-8b": _llama(32, 4096, 32, 8, 8192, 128256, 14336, rope_theta=500000.0),
+    "llama-moe-tiny": _llama(4, 256, 8, 2, 256, 261, 704, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=352),
+    "mixtral-8x7b": _llama(
+        32, 4096, 32, 8, 32768, 32000, 14336, rope_theta=1e6, num_experts=8, moe_top_k=2, moe_aux_loss_coeff=0.02
+    ),
+    "llama2-7b": _llama(32, 4096, 32, 32, 4096, 32000, 11008, rope_theta=10000.0),
+}
+
+
+def _model():
+    from megakernels_models.models.llama.model import LlamaModel
+
+    return LlamaModel
+
+
+def _task(config):
+    from megakernels_models.models.tasks import CausalLMTask
+
+    return CausalLMTask(config)
+
+
+def _hf(config):
+    from megakernels_models.convert import llama, mixtral
+
+    return mixtral if config.num_experts else llama
+
+
+SPEC = register(FamilySpec("llama", "Llama", LlamaConfig, _model, _task, "tokens", PRESETS, hf=_hf))
