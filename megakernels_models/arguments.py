@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import torch
 
@@ -18,7 +19,7 @@ from megakernels.validation import finite_number, positive_int
 from megakernels_models.models import registry
 from megakernels_models.models.config import PRESETS, RECOMPUTE, ModelConfig, preset
 from megakernels_models.planning.layout_rules import validate_layout
-from megakernels_models.settings import ArgumentError, setting
+from megakernels_models.settings import ArgumentError, flag_of, setting
 from megakernels_models.training.preemption import SIGNALS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -373,6 +374,24 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _naming_the_file(args, message: str) -> str:
+    """``message`` (an error of ``arguments.validate``, naming flags) with the settings among those flags that came
+    from ``args``'s ``--config`` file named, so the user knows where to fix them; unchanged otherwise."""
+    given = args.config_settings or {}
+    if not args.config_file or "--config" in message:
+        return message
+    flags = set(re.findall(r"--[a-z][a-z0-9-]*", message))
+    # the file's value still in args (identity: the same object, also for nan), not one a flag replaced
+    names = [
+        f.name
+        for f in dataclasses.fields(TrainArgs)
+        if f.name in given
+        and flag_of(f) in flags
+        and (getattr(args, f.name) is given[f.name] or getattr(args, f.name) == given[f.name])
+    ]
+    return f"{message} ({', '.join(names)}: from --config {args.config_file})" if names else message
+
+
 # --timeout's bounds in seconds: below one second the first rendezvous cannot finish (1e-9 ended in a
 # DistNetworkError traceback); past a year torch's timedelta arithmetic overflows.
 TIMEOUT_RANGE = (1.0, 365 * 86400.0)
@@ -396,9 +415,7 @@ def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
             check(a, cfg)
         return cfg
     except ArgumentError as e:
-        from megakernels_models.config_file import naming_the_file
-
-        raise ArgumentError(naming_the_file(a, str(e))) from None
+        raise ArgumentError(_naming_the_file(a, str(e))) from None
 
 
 def _validate(a: TrainArgs) -> ModelConfig:

@@ -122,7 +122,7 @@ SUBCOMMANDS = {
     "preprocess": "megakernels_models.data.preprocess:add_parser",
     "convert": "megakernels_models.convert:add_parser",
     "eval": "megakernels_models.inference.evaluate:add_parser",
-    "generate": "megakernels_models.inference.generate:add_parser",
+    "generate": "megakernels_models.inference.pretrained:add_parser",
     "plan": "megakernels_models.planning.plan:add_parser",
     "checkpoint": "megakernels_models.training.checkpoint_verify:add_parser",
     "bench": "megakernels_models.bench:add_parser",

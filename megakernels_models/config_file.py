@@ -163,27 +163,6 @@ def _architecture(path: str, value) -> dict:
     return out
 
 
-def naming_the_file(args, message: str) -> str:
-    """``message`` (an error of ``arguments.validate``, naming flags) with the settings among those flags that came
-    from ``args``'s ``--config`` file named, so the user knows where to fix them; unchanged otherwise."""
-    from megakernels_models.arguments import TrainArgs
-    from megakernels_models.settings import flag_of
-
-    given = args.config_settings or {}
-    if not args.config_file or "--config" in message:
-        return message
-    flags = set(re.findall(r"--[a-z][a-z0-9-]*", message))
-    # the file's value still in args (identity: the same object, also for nan), not one a flag replaced
-    names = [
-        f.name
-        for f in dataclasses.fields(TrainArgs)
-        if f.name in given
-        and flag_of(f) in flags
-        and (getattr(args, f.name) is given[f.name] or getattr(args, f.name) == given[f.name])
-    ]
-    return f"{message} ({', '.join(names)}: from --config {args.config_file})" if names else message
-
-
 def resolved(args, cfg) -> dict:
     """The settings of ``args`` (validated) with the model's full architecture: what ``--print-config`` prints, a
     checkpoint stores and the JSONL log starts with. Loading it with ``--config`` gives the same run."""

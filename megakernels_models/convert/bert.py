@@ -16,10 +16,10 @@ from megakernels_models.convert.common import ConversionError, Rule, copy
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "bert"
-_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _split_qkv_rule(ours: str, theirs: tuple[str, str, str], heads: int) -> Rule:
+def split_qkv_rule(ours: str, theirs: tuple[str, str, str], heads: int) -> Rule:
     """Separate query/key/value tensors <-> our fused rows ordered (head, q|k|v, head_dim)."""
 
     def to_ours(ts):
@@ -57,7 +57,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         a, m = f"bert.encoder.layer.{i}.", f"layers.{i}."
         for x in ("weight", "bias"):
             out.append(
-                _split_qkv_rule(
+                split_qkv_rule(
                     f"{m}attention.qkv.{x}",
                     tuple(f"{a}attention.self.{y}.{x}" for y in ("query", "key", "value")),
                     cfg.num_heads,
@@ -81,7 +81,7 @@ def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def config_to_ours(hf: dict) -> ModelConfig:
     """The megakernels (post-norm) BERT of a HuggingFace BERT config."""
-    act = _ACTIVATIONS.get(hf.get("hidden_act"))
+    act = HF_ACTIVATIONS.get(hf.get("hidden_act"))
     if act is None:
         raise ConversionError(f"hidden_act {hf.get('hidden_act')!r}: megakernels' MLP uses GeLU (erf or tanh)")
     if hf.get("position_embedding_type", "absolute") != "absolute":

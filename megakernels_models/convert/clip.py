@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.convert.bert import _ACTIVATIONS, _split_qkv_rule
+from megakernels_models.convert.bert import HF_ACTIVATIONS, split_qkv_rule
 from megakernels_models.convert.common import ConversionError, Rule, apply, copy, read_hf
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.vlm import VLMConfig, language_models
@@ -34,7 +34,7 @@ def vision_fields(hf) -> dict:
         ConversionError: an activation our fused MLP does not compute (``quick_gelu``).
     """
     hf = hf if isinstance(hf, dict) else hf.to_dict()
-    act = _ACTIVATIONS.get(hf.get("hidden_act"))
+    act = HF_ACTIVATIONS.get(hf.get("hidden_act"))
     if act is None:
         raise ConversionError(
             f"hidden_act {hf.get('hidden_act')!r}: megakernels' fused MLP computes GeLU (erf or "
@@ -83,7 +83,7 @@ def rules(cfg: ModelConfig, prefix: str = "") -> list[Rule]:
         a, m = f"{prefix}encoder.layers.{i}.", f"layers.{i}."
         for x in ("weight", "bias"):
             out.append(
-                _split_qkv_rule(
+                split_qkv_rule(
                     f"{m}attention.qkv.{x}", tuple(f"{a}self_attn.{y}_proj.{x}" for y in "qkv"), cfg.vision_heads
                 )
             )

@@ -85,7 +85,7 @@ def _documents(source, documents: range | None) -> range:
     return docs
 
 
-class _Epochs:
+class Epochs:
     """A seeded permutation of ``n`` items per epoch (the last one cached)."""
 
     def __init__(self, n: int, seed: int):
@@ -289,7 +289,7 @@ class BertDataset:
         self.pairs = idx["pairs"]
         if len(self.pairs) == 0:
             raise ValueError("BertDataset: no document has two sentences to pair")
-        self._order = _Epochs(len(self.pairs), seed)
+        self._order = Epochs(len(self.pairs), seed)
         self._normal = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
 
     def __len__(self) -> int:

@@ -34,8 +34,8 @@ import uuid
 
 import numpy as np
 
-from megakernels_models.data.datasets import _Epochs
-from megakernels_models.data.indexed import _CODES, DTYPES, DataError, best_dtype, paths
+from megakernels_models.data.datasets import Epochs
+from megakernels_models.data.indexed import DTYPE_CODES, DTYPES, DataError, best_dtype, paths
 
 MAGIC = b"MKIMG\x00\x00\x01"
 VERSION = 1
@@ -81,7 +81,7 @@ def write_image_text(prefix: str, samples, vocab_size: int) -> int:
                 at, n_tok = at + img.size, n_tok + caption.size
         n = len(shapes)
         with open(tmp[1], "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _CODES[dtype], vocab_size, n, n_tok))
+            f.write(_HEADER.pack(MAGIC, VERSION, DTYPE_CODES[dtype], vocab_size, n, n_tok))
             f.write(np.asarray(shapes, dtype="<i4").reshape(n, 3).tobytes())
             f.write(np.asarray(offsets, dtype="<i8").tobytes())
             f.write(np.asarray(spans, dtype="<i8").reshape(n, 2).tobytes())
@@ -182,7 +182,7 @@ class CaptionDataset:
         self.documents = range(len(source)) if documents is None else documents
         if not len(self.documents):
             raise ValueError("CaptionDataset: no samples in the split")
-        self._order = None if source.prefix is None else _Epochs(len(self.documents), seed)
+        self._order = None if source.prefix is None else Epochs(len(self.documents), seed)
 
     def __len__(self) -> int:
         return len(self.documents)

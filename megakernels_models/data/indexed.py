@@ -42,7 +42,7 @@ MAGIC = b"MKIDX\x00\x00\x01"
 VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQ")
 DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
-_CODES = {v: k for k, v in DTYPES.items()}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 MAXID_FORMAT = 1
 _SCAN_CHUNK = 1 << 24  # tokens per step of the vocabulary scan (16-64 MiB of the memory map)
 
@@ -288,7 +288,7 @@ class IndexedDatasetWriter:
         offsets = np.zeros(len(sizes), dtype="<i8")
         np.cumsum(sizes[:-1], out=offsets[1:])
         with open(self._tmp[1], "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _CODES[self.dtype], self.vocab_size, len(sizes), self.doc_count))
+            f.write(_HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], self.vocab_size, len(sizes), self.doc_count))
             f.write(sizes.astype("<i4").tobytes())
             f.write(offsets.tobytes())
             f.write(np.asarray(self._docs, dtype="<i8").tobytes())

@@ -1,4 +1,4 @@
-"""Text generation with a KV cache, and ``megakernels generate``.
+"""Text generation with a KV cache (``megakernels generate``, in ``pretrained.py``, calls it).
 
     megakernels generate --load ckpt --prompt "def fib(n):" --max-new-tokens 80 [--temperature 0.8 --top-k 40
                          --top-p 0.95 --seed 1]
@@ -11,8 +11,6 @@ with learned positions stops at its ``seq_length``; one with rotary embeddings c
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -96,50 +94,3 @@ def generate(
             break
         logits = model(nxt[:, None], kv_cache=cache)[:, -1]
     return out
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="continue a prompt with a trained or converted GPT/Llama checkpoint")
-    p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint (any layout)")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        help="byte | hf:PATH | spm:PATH (default: the checkpoint's tokenizer.json, else byte)",
-    )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.set_defaults(_run=main)
-
-
-def main(ns) -> int:
-    from megakernels_models.inference.pretrained import load_pretrained
-    from megakernels_models.training.checkpoint import CheckpointError
-
-    try:
-        lm = load_pretrained(ns.load, ns.device, tokenizer=ns.tokenizer)
-        ids = torch.as_tensor(lm.tokenizer.encode(ns.prompt), dtype=torch.long, device=ns.device)[None]
-        if ids.shape[1] == 0:
-            raise ValueError("--prompt encodes to no tokens")
-        sys.stdout.write(ns.prompt)
-        pending: list[int] = []
-
-        def stream(tok):  # decode as soon as the pending tokens form whole characters
-            pending.append(int(tok[0]))
-            text = lm.tokenizer.decode(pending)
-            if "\ufffd" not in text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-                pending.clear()
-
-        eos = lm.tokenizer.eod if lm.tokenizer.has("eod") else None
-        generate(lm, ids, ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, ns.seed, eos, on_token=stream)
-        sys.stdout.write("\n")
-    except (CheckpointError, ValueError, OSError) as e:
-        print(f"megakernels generate: error: {e}", file=sys.stderr)
-        return 2
-    return 0

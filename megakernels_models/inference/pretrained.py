@@ -10,11 +10,15 @@ The model's layers are megakernels' parallel layers at tp = pp = 1, which need `
 initialised: ``load_pretrained`` initialises a one-process world (gloo, or nccl on CUDA) when none exists and
 keeps it for the life of the process (``release()`` ends it earlier, e.g. before training in the same process); in
 an initialised world it must be one rank with tp = pp = 1.
+
+``megakernels generate`` (``add_parser``/``main``) loads a checkpoint this way and streams a continuation of a prompt
+(``generate.generate``).
 """
 
 from __future__ import annotations
 
 import atexit
+import sys
 
 import torch
 import torch.distributed as dist
@@ -131,3 +135,51 @@ def load_pretrained(
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"load_pretrained: the tokenizer has {tok.vocab_size} ids, the model only {cfg.vocab_size}")
     return PretrainedLM(model, cfg, tok)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a trained or converted GPT/Llama checkpoint")
+    p.add_argument("--load", required=True, metavar="DIR", help="a checkpoint (any layout)")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="byte | hf:PATH | spm:PATH (default: the checkpoint's tokenizer.json, else byte)",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.set_defaults(_run=main)
+
+
+def main(ns) -> int:
+    """``megakernels generate``: continue ``--prompt``, streaming the text as it is decoded."""
+    from megakernels_models.inference.generate import generate
+    from megakernels_models.training.checkpoint import CheckpointError
+
+    try:
+        lm = load_pretrained(ns.load, ns.device, tokenizer=ns.tokenizer)
+        ids = torch.as_tensor(lm.tokenizer.encode(ns.prompt), dtype=torch.long, device=ns.device)[None]
+        if ids.shape[1] == 0:
+            raise ValueError("--prompt encodes to no tokens")
+        sys.stdout.write(ns.prompt)
+        pending: list[int] = []
+
+        def stream(tok):  # decode as soon as the pending tokens form whole characters
+            pending.append(int(tok[0]))
+            text = lm.tokenizer.decode(pending)
+            if "\ufffd" not in text:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                pending.clear()
+
+        eos = lm.tokenizer.eod if lm.tokenizer.has("eod") else None
+        generate(lm, ids, ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, ns.seed, eos, on_token=stream)
+        sys.stdout.write("\n")
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"megakernels generate: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -76,6 +76,28 @@ class Layout:
     def microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @classmethod
+    def of(cls, args) -> Layout:
+        """The layout of validated trainer arguments (``arguments.TrainArgs``)."""
+        return cls(
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.data_parallel_size(),
+            cp=args.cp,
+            ep=args.ep,
+            vpp=args.vpp or 1,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            sequence_parallel=args.sequence_parallel,
+            distributed_optimizer=args.distributed_optimizer,
+            offload_optimizer=args.offload_optimizer,
+            recompute=args.recompute,
+            precision=args.precision,
+            schedule=args.schedule,
+            flash=args.attention == "flash",
+            frozen=args.frozen_parts(),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Device:

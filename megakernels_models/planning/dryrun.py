@@ -20,28 +20,6 @@ from megakernels_models.models.config import ModelConfig, human
 from megakernels_models.planning import costs, layout_rules
 
 
-def layout_of(args: TrainArgs) -> costs.Layout:
-    """The ``costs.Layout`` of validated trainer arguments."""
-    return costs.Layout(
-        tp=args.tp,
-        pp=args.pp,
-        dp=args.data_parallel_size(),
-        cp=args.cp,
-        ep=args.ep,
-        vpp=args.vpp or 1,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        sequence_parallel=args.sequence_parallel,
-        distributed_optimizer=args.distributed_optimizer,
-        offload_optimizer=args.offload_optimizer,
-        recompute=args.recompute,
-        precision=args.precision,
-        schedule=args.schedule,
-        flash=args.attention == "flash",
-        frozen=args.frozen_parts(),
-    )
-
-
 def _offload_seconds(meta: costs.MetaModel, layout: costs.Layout, args: TrainArgs) -> dict:
     """``costs.predict``'s optimizer-offload terms on ``--gpu`` (host AdamW at ``costs.HOST_ADAMW_NS_PER_PARAM``)."""
     pred = costs.predict(meta, layout, costs.DEVICES[args.gpu], args.gpus_per_node)
@@ -79,7 +57,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
     meta = costs.MetaModel(cfg)
-    L = layout_of(args)
+    L = costs.Layout.of(args)
     mem = costs.memory(meta, L)
     tokens = args.global_batch_size * cfg.seq_length
     world, tp, cp, dp = args.world_size(), L.tp, L.cp, L.dp

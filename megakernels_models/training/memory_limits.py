@@ -98,9 +98,8 @@ def estimate(args, cfg) -> dict:
     """The dry run's memory model for trainer arguments ``args`` and model ``cfg``: ``{"device": bytes per device
     (the most loaded stage), "host": host optimizer bytes per rank (``--offload-optimizer``, else 0)}``."""
     from megakernels_models.planning import costs
-    from megakernels_models.planning.dryrun import layout_of
 
-    mem = costs.memory(costs.MetaModel(cfg), layout_of(args))
+    mem = costs.memory(costs.MetaModel(cfg), costs.Layout.of(args))
     return {"device": mem["total"], "host": mem["host_optimizer_bytes"] if args.offload_optimizer else 0.0}
 
 

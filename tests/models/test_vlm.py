@@ -498,7 +498,7 @@ def test_frozen_parameters_leave_the_data_parallel_reduction_and_the_offloaded_o
     """By hand: the gradient all-reduce of a step moves 4 bytes per *trained* parameter of a device over the ring
     (2(n-1)/n of them), behind the last micro-batch's backward; the offloaded optimizer steps only those. LLaVA's
     first stage at dp 16 (tp 2, two micro-batches: the reduction is exposed)."""
-    from megakernels_models.planning import costs, dryrun
+    from megakernels_models.planning import costs
 
     def predict(freeze, offload=False):
         args = TrainArgs(
@@ -513,7 +513,7 @@ def test_frozen_parameters_leave_the_data_parallel_reduction_and_the_offloaded_o
             offload_optimizer=offload,
             dry_run=True,
         )
-        meta, layout = costs.MetaModel(validate(args)), dryrun.layout_of(args)
+        meta, layout = costs.MetaModel(validate(args)), costs.Layout.of(args)
         return costs.memory(meta, layout)["trained_parameters_per_device"], costs.predict(
             meta, layout, costs.DEVICES["h200"], 8
         )
