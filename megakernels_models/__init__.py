@@ -1,13 +1,14 @@
-"""What users run on top of megakernels: the GPT, BERT and Llama families (mixture-of-experts variants included),
-the trainer and the ``megakernels`` command.
+"""What users run on top of megakernels: the model families (GPT, BERT, Llama, vision-language; mixture-of-experts
+decoders), the trainer and the ``megakernels`` command.
 
-- ``config``  ``ModelConfig``, presets (tiny CPU models, the Megatron-LM paper sizes, Llama, Mixtral), FLOPs and
-  memory model; ``arguments`` / ``settings`` / ``config_file``: the trainer's settings, flags and files
-- ``gpt``, ``bert``, ``llama``  the models, one pipeline chunk per instance; ``tasks``: what each family trains on
-- ``train``  the training loop (tensor × context × pipeline × data × expert parallel); ``cli``: ``megakernels``
-- ``pretrained``  ``load_pretrained``: a checkpoint as a one-process module; ``generate``: decoding with a KV cache
-- ``data``, ``checkpoint``, ``convert``, ``evaluate``, ``bench``  data pipeline, checkpoints, HuggingFace
-  conversion, evaluation, benchmarks
+- ``models``  the family registry (``models.registry``), ``ModelConfig`` and presets (``models.config``), the shared
+  layers and tasks, one folder per family
+- ``training``  the training loop (tensor × context × pipeline × data × expert parallel), checkpoints, preemption,
+  logs, timers, MFU
+- ``planning``  the step-time and memory model, ``--dry-run``, ``megakernels plan``
+- ``inference``  ``load_pretrained`` (a checkpoint as a one-process module), decoding, ``megakernels eval``
+- ``data``, ``convert``, ``bench``  data pipeline, HuggingFace conversion, the trainer's benchmarks
+- ``arguments`` / ``settings`` / ``config_file``: the trainer's settings, flags and files; ``cli``: ``megakernels``
 """
 
 
