@@ -23,7 +23,9 @@ way) and ``fn`` initialises the process group itself.
 
 Failure never hangs: if a rank raises, the others are killed and the parent raises ``WorldFailed`` with that
 rank's traceback; if a rank dies without reporting (``os._exit``, a signal) or the whole world runs past
-``timeout`` seconds, everything is killed and the parent fails with a message saying which ranks and why. Children
+``timeout`` seconds, everything is killed and the parent fails with a message saying which ranks and why; a timed-out
+world's message also holds the Python stack of every thread of every rank that had not finished, as it was when the
+time ran out (each rank dumps its own with ``faulthandler`` on ``STACK_SIGNAL``, even while blocked in C++). Children
 are always reaped and the store is closed before ``run_world`` returns or raises. With ``watch`` (``launch`` sets
 it to the trainer's ``--timeout``) each rank runs a watchdog (``megakernels.parallel.watchdog``) that ends it after
 that long without progress, and the parent reads the ranks' heartbeats: it ends the world when one is older than
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import importlib.util
 import io
 import math
@@ -46,6 +49,7 @@ import os
 import queue as queue_module
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -61,6 +65,12 @@ HOST = "127.0.0.1"
 _POLL_S = 0.05
 # After a rank's exit code is visible, how long its result may still be in flight through the queue's pipe.
 _DRAIN_S = 2.0
+# On it, a rank writes the Python stacks of all its threads to its file in the world's stack directory (faulthandler:
+# a C-level handler, so a rank blocked in a collective or a store wait answers too). SIGUSR1 and SIGTERM are the
+# trainer's (preemption).
+STACK_SIGNAL = signal.SIGUSR2
+# How long a timed-out world's ranks get to write their stacks (a rank that is stopped never does).
+_STACK_WAIT_S = 5.0
 
 
 class WorldFailed(RuntimeError):
@@ -143,6 +153,7 @@ def _child(
     args,
     launcher: int,
     watch: tuple[float, str] | None,
+    stacks: str | None = None,
     env: dict | None = None,
     cwd: str | None = None,
     stdout=None,
@@ -152,6 +163,8 @@ def _child(
     watchdog.die_with(launcher)
     if stdout is not None:  # forked from the fork server: write where the launcher writes
         _adopt_stdio(stdout, stderr)
+    if stacks is not None:
+        _answer_stack_requests(stacks, rank)
     if env is not None:  # forked from the fork server, whose environment is the one it started with
         os.environ.clear()
         os.environ.update(env)
@@ -198,6 +211,65 @@ def _child(
     finally:
         results.close()
         results.join_thread()
+
+
+def _answer_stack_requests(directory: str, rank: int) -> None:
+    """From now on, ``STACK_SIGNAL`` makes this process write the Python stacks of all its threads to
+    ``<directory>/rank-<rank>`` (each request writes them once more, after what is there). The file appears once the
+    handler is in place: the launcher signals only ranks that have one (the signal's default action ends a process)."""
+    path = os.path.join(directory, f"rank-{rank}")
+    f = open(path + ".tmp", "w")  # noqa: SIM115 - faulthandler writes to it until the process exits
+    faulthandler.register(STACK_SIGNAL, file=f, all_threads=True)
+    os.rename(path + ".tmp", path)
+
+
+def _stacks_of(procs, ranks, directory: str) -> str:
+    """Ask each of ``ranks`` still running for its threads' stacks and return them, one section per rank (a rank
+    still starting up, or one that does not answer within ``_STACK_WAIT_S``, e.g. a stopped one, is named as such)."""
+    asked = []
+    for r in ranks:
+        if procs[r].exitcode is None and os.path.exists(os.path.join(directory, f"rank-{r}")):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[r].pid, STACK_SIGNAL)
+                asked.append(r)
+    path = {r: os.path.join(directory, f"rank-{r}") for r in asked}
+
+    def size(r):
+        try:
+            return os.path.getsize(path[r])
+        except OSError:
+            return 0
+
+    # A dump is written in one go by the signal handler: done when the file has stopped growing.
+    deadline, last = time.monotonic() + _STACK_WAIT_S, {}
+    while time.monotonic() < deadline:
+        now = {r: size(r) for r in asked}
+        if all(now[r] > 0 and now[r] == last.get(r) for r in asked):
+            break
+        last = now
+        time.sleep(0.1)
+    sections = []
+    for r in ranks:
+        text, why = "", "it was still starting up" if procs[r].exitcode is None else "it had exited"
+        if r in path:
+            with contextlib.suppress(OSError), open(path[r]) as f:
+                text = _below_child(f.read()).rstrip()
+            why = "it did not answer (stopped?)"
+        sections.append(f"--- rank {r} (pid {procs[r].pid}) ---\n" + (text or f"(no stack: {why})"))
+    return "\n".join(sections)
+
+
+def _below_child(dump: str) -> str:
+    """A faulthandler dump without the frames that start a rank (multiprocessing's, below ``_child``)."""
+    out, skipping = [], False
+    for line in dump.splitlines():
+        if not line.startswith("  File "):
+            skipping = False
+        elif skipping:
+            continue
+        out.append(line)
+        skipping = skipping or (line.startswith("  File ") and line.endswith(" in _child"))
+    return "\n".join(out)
 
 
 def _leave_fork_server() -> None:
@@ -300,6 +372,7 @@ def run_world(
     )
     procs = []
     beats = liveness.new_dir() if watch is not None else None
+    stacks = tempfile.mkdtemp(prefix=f"megakernels-stacks-{os.getpid()}-")  # the ranks' stack dumps (on a timeout)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
         # The children read these at import time, before any code of ours runs in them.
@@ -323,6 +396,7 @@ def run_world(
                     args,
                     os.getpid(),
                     None if watch is None else (watch, beats),
+                    stacks,
                     *where,
                 ),
             )
@@ -336,6 +410,7 @@ def run_world(
                 timeout if world_timeout == -1.0 else world_timeout,
                 fn,
                 _Liveness(beats, watch) if beats is not None else None,
+                stacks,
             )
     finally:
         for k, v in saved.items():
@@ -349,6 +424,7 @@ def run_world(
         del store
         if beats is not None:
             shutil.rmtree(beats, ignore_errors=True)
+        shutil.rmtree(stacks, ignore_errors=True)
 
 
 class _Liveness:
@@ -385,7 +461,9 @@ class _Liveness:
         return liveness.read_verdict(self.directory, rank)
 
 
-def _collect(procs, results, world_size: int, timeout: float | None, fn, beats: _Liveness | None = None) -> list:
+def _collect(
+    procs, results, world_size: int, timeout: float | None, fn, beats: _Liveness | None = None, stacks=None
+) -> list:
     name = f"run_world({world_size}, {getattr(fn, '__qualname__', repr(fn))})"
     out: dict[int, object] = {}
     deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -440,9 +518,10 @@ def _collect(procs, results, world_size: int, timeout: float | None, fn, beats: 
                 raise WorldFailed(f"{name}: {stopped}")
         if now > deadline:
             missing = [r for r in range(world_size) if r not in out]
+            where = "" if stacks is None else "; where each was:\n" + _stacks_of(procs, missing, stacks)
             raise WorldFailed(
                 f"{name}: timed out after {timeout:g} s; ranks {missing} had not finished (a hang, "
-                "a deadlock or a dead peer)"
+                f"a deadlock or a dead peer){where}"
             )
     return [out[r] for r in range(world_size)]
 

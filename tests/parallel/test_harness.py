@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import tempfile
 import time
 
 import pytest
@@ -39,6 +40,12 @@ def _rank_zero_hangs(rank, world_size):
     if rank == 0:
         time.sleep(600)
     return rank
+
+
+def _rank_zero_sleeps_and_rank_one_waits_for_it(rank, world_size):
+    if rank == 0:
+        time.sleep(600)
+    dist.barrier()  # blocked in gloo (C++): its stack must come back all the same
 
 
 def _env_initialised(rank, world_size):
@@ -117,6 +124,19 @@ def test_a_hanging_world_times_out():
         run_world(2, _rank_zero_hangs, timeout=5)
     assert time.monotonic() - start < 15
     _no_children_left()
+
+
+def test_a_timed_out_world_reports_where_every_unfinished_rank_was(monkeypatch):
+    monkeypatch.setenv("MEGAKERNELS_START_METHOD", "forkserver")
+    run_world(1, _sum_of_ranks, 1.0, timeout=120)  # the fork server is up: the ranks below start in milliseconds
+    with pytest.raises(AssertionError, match=r"timed out after 10 s; ranks \[0, 1\] had not finished") as info:
+        run_world(2, _rank_zero_sleeps_and_rank_one_waits_for_it, timeout=10)
+    message = str(info.value)
+    rank0, rank1 = message.split("--- rank 0 (pid ")[1].split("--- rank 1 (pid ")
+    assert "in _rank_zero_sleeps_and_rank_one_waits_for_it" in rank0 and " in barrier" not in rank0
+    assert " in barrier" in rank1 and "in _rank_zero_sleeps_and_rank_one_waits_for_it" in rank1
+    _no_children_left()
+    assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"megakernels-stacks-{os.getpid()}-")]
 
 
 def test_bad_arguments_are_rejected():
