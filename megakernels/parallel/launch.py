@@ -49,7 +49,6 @@ import os
 import queue as queue_module
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import traceback
@@ -372,7 +371,7 @@ def run_world(
     )
     procs = []
     beats = liveness.new_dir() if watch is not None else None
-    stacks = tempfile.mkdtemp(prefix=f"megakernels-stacks-{os.getpid()}-")  # the ranks' stack dumps (on a timeout)
+    stacks = liveness.new_dir("stacks")  # where the ranks dump their stacks when the world times out
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
         # The children read these at import time, before any code of ours runs in them.
@@ -424,7 +423,8 @@ def run_world(
         del store
         if beats is not None:
             shutil.rmtree(beats, ignore_errors=True)
-        shutil.rmtree(stacks, ignore_errors=True)
+        if stacks is not None:
+            shutil.rmtree(stacks, ignore_errors=True)
 
 
 class _Liveness:

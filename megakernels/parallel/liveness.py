@@ -10,8 +10,9 @@ rank leaves its line beside the record (``rank-<R>.verdict``) for the launcher t
 
 Directories live in ``/dev/shm`` where it is writable (memory: no disk to be full or slow), else in the temporary
 directory, under ``megakernels-watchdog-<uid>``: ``launcher-<pid>-*`` for a spawned world (made and removed by the
-launcher), ``agent-<pid>-restart-<n>`` for the ranks of one torchrun agent (``$MEGAKERNELS_WATCHDOG_DIR`` instead,
-where set). Making one removes those whose process is gone.
+launcher; ``stacks-<pid>-*`` beside it holds its ranks' stack dumps when it times out), ``agent-<pid>-restart-<n>``
+for the ranks of one torchrun agent (``$MEGAKERNELS_WATCHDOG_DIR`` instead, where set). Making one removes those
+whose process is gone.
 """
 
 from __future__ import annotations
@@ -195,15 +196,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def new_dir() -> str | None:
-    """A fresh liveness directory for the ranks this process launches (the caller removes it); None where none can
-    be made (the ranks then run without heartbeats)."""
+def new_dir(kind: str = "launcher") -> str | None:
+    """A fresh liveness directory for the ranks this process launches (the caller removes it; one left by a launcher
+    that is gone is removed by the next one made), ``<kind>-<pid>-*``: ``launcher`` for heartbeats, ``stacks`` for
+    the stack dumps of a timed-out world (``megakernels.parallel.launch``). None where none can be made (the ranks
+    then run without heartbeats, or stack dumps)."""
     root = _root()
     if root is None:
         return None
     _sweep(root)
     try:
-        return tempfile.mkdtemp(prefix=f"launcher-{os.getpid()}-", dir=root)
+        return tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-", dir=root)
     except OSError:
         return None
 

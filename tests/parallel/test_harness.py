@@ -7,13 +7,13 @@ import multiprocessing
 import os
 import socket
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megakernels.parallel import launch
 from tests.parallel import harness
 from tests.parallel.harness import run_world
 
@@ -128,6 +128,13 @@ def test_a_hanging_world_times_out():
 
 def test_a_timed_out_world_reports_where_every_unfinished_rank_was(monkeypatch):
     monkeypatch.setenv("MEGAKERNELS_START_METHOD", "forkserver")
+    made, new_dir = [], launch.liveness.new_dir
+
+    def recording(*args):
+        made.append(new_dir(*args))
+        return made[-1]
+
+    monkeypatch.setattr(launch.liveness, "new_dir", recording)
     run_world(1, _sum_of_ranks, 1.0, timeout=120)  # the fork server is up: the ranks below start in milliseconds
     with pytest.raises(AssertionError, match=r"timed out after 10 s; ranks \[0, 1\] had not finished") as info:
         run_world(2, _rank_zero_sleeps_and_rank_one_waits_for_it, timeout=10)
@@ -136,7 +143,7 @@ def test_a_timed_out_world_reports_where_every_unfinished_rank_was(monkeypatch):
     assert "in _rank_zero_sleeps_and_rank_one_waits_for_it" in rank0 and " in barrier" not in rank0
     assert " in barrier" in rank1 and "in _rank_zero_sleeps_and_rank_one_waits_for_it" in rank1
     _no_children_left()
-    assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"megakernels-stacks-{os.getpid()}-")]
+    assert made and not any(os.path.exists(d) for d in made)  # the stack directories are removed
 
 
 def test_bad_arguments_are_rejected():
