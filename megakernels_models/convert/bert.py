@@ -16,6 +16,8 @@ from megakernels_models.convert.common import ConversionError, Rule, copy
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "bert"
+# The position ids buffer (arange) some checkpoints hold: no weight.
+IGNORED = (r"\.position_ids$",)
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -72,6 +74,14 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             ):
                 out.append(copy(f"{m}{ours}.{x}", f"{a}{theirs}.{x}"))
     return out
+
+
+def tied(cfg: ModelConfig) -> dict[str, str]:
+    """The MLM decoder's weight and bias, where a checkpoint stores them: the word embedding and the MLM bias."""
+    return {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
 
 
 def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -26,6 +26,16 @@ from megakernels_models.convert.common import ConversionError, Rule, apply, copy
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.vlm import VLMConfig, language_models
 
+# What a CLIPModel holds besides the vision tower, which a vision-language model does not use: the text tower and
+# the two contrastive projections, and the norm of the pooled class token (``post_layernorm``); position id buffers.
+IGNORED = (
+    r"^text_model\.",
+    r"^(text|visual)_projection\.",
+    r"^logit_scale$",
+    r"post_layernorm\.",
+    r"\.position_ids$",
+)
+
 
 def vision_fields(hf) -> dict:
     """The ``ModelConfig`` fields of the encoder of a ``CLIPVisionConfig`` (or its dict).
@@ -111,7 +121,7 @@ def vision_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
             "vision_final_norm=False (see vision_fields)"
         )
     prefix = "vision_model." if "vision_model.embeddings.patch_embedding.weight" in tensors else ""
-    out = apply(rules(cfg, prefix), tensors, "to_ours")
+    out = apply(rules(cfg, prefix), tensors, "to_ours", IGNORED)
     out["patch.bias"] = torch.zeros(cfg.vision_hidden_size, dtype=out["patch.weight"].dtype)
     return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -47,21 +48,50 @@ def transposed(ours: str, theirs: str) -> Rule:
     return Rule((ours,), (theirs,), flip, flip)
 
 
-def apply(rules: list[Rule], tensors: dict[str, torch.Tensor], direction: str) -> dict[str, torch.Tensor]:
-    """Map ``tensors`` by ``rules`` in ``direction`` (``"to_ours"`` or ``"to_theirs"``).
+def apply(
+    rules: list[Rule],
+    tensors: dict[str, torch.Tensor],
+    direction: str,
+    ignored: tuple[str, ...] = (),
+    tied: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Map ``tensors`` by ``rules`` in ``direction`` (``"to_ours"`` or ``"to_theirs"``). Strict: every input tensor
+    is consumed by exactly one rule, or matches one of the ``ignored`` patterns (regular expressions, searched: a
+    family's documented buffers that hold no weights, e.g. an old GPT-2's causal-mask ``attn.bias``), or is a copy
+    its model ties to another input tensor (``tied``: name -> the tensor it must equal).
 
     Raises:
-        ConversionError: a tensor a rule needs is missing (naming it).
+        ConversionError: a tensor a rule needs is missing, a tensor no rule consumes (naming them), a tensor two
+            rules consume, or a tied copy that differs from its source.
     """
     src, dst = ("theirs", "ours") if direction == "to_ours" else ("ours", "theirs")
-    out = {}
+    out, used = {}, set()
     for rule in rules:
         names = getattr(rule, src)
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ConversionError(f"the input has no tensor {missing[0]!r}")
+        twice = used.intersection(names)
+        if twice:
+            raise ConversionError(f"two rules map the input tensor {sorted(twice)[0]!r}")
+        used.update(names)
         for name, t in zip(getattr(rule, dst), getattr(rule, direction)([tensors[n] for n in names])):
             out[name] = t
+    for name, source in (tied or {}).items():
+        if name in tensors and name not in used:
+            if source not in tensors or not torch.equal(tensors[name], tensors[source]):
+                raise ConversionError(
+                    f"the input's {name!r} differs from {source!r}, but the model ties them (one tensor); "
+                    "a model with its own output layer sets tie_word_embeddings=false"
+                )
+            used.add(name)
+    left = sorted(n for n in tensors if n not in used and not any(re.search(p, n) for p in ignored))
+    if left:
+        shown = ", ".join(repr(n) for n in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        raise ConversionError(
+            f"{len(left)} input tensor(s) that no rule of this model maps: {shown} (a setting of the model that "
+            "the conversion does not know would drop them)"
+        )
     return out
 
 

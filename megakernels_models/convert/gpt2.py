@@ -1,5 +1,6 @@
 """GPT-2 (``GPT2LMHeadModel``) <-> megakernels GPT: the same architecture (pre-norm, learned positions, tanh-GeLU
-MLP, tied output embedding), so both directions are exact. Only layouts differ: GPT-2's ``Conv1D`` weights are
+MLP, the output layer tied to the word embedding or, with ``tie_word_embeddings=false``, its own ``lm_head``), so
+both directions are exact. Only layouts differ: GPT-2's ``Conv1D`` weights are
 ``[in, out]``, and its fused QKV columns are ordered (q|k|v, head, head_dim) where megakernels orders the rows
 (head, q|k|v, head_dim) so that a tensor-parallel shard holds whole heads."""
 
@@ -11,6 +12,8 @@ from megakernels_models.convert.common import ConversionError, Rule, copy, trans
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "gpt2"
+# Buffers some GPT-2 checkpoints hold that are no weights: the causal mask and its fill value of older transformers.
+IGNORED = (r"\.attn\.(bias|masked_bias)$",)
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _PREFIX = "transformer."
 
@@ -41,6 +44,8 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         copy("final_norm.weight", p + "ln_f.weight"),
         copy("final_norm.bias", p + "ln_f.bias"),
     ]
+    if not cfg.tie_embeddings:
+        out.append(copy("output_layer.weight", "lm_head.weight"))
     for i in range(cfg.num_layers):
         a, m = f"{p}h.{i}.", f"layers.{i}."
         out += [
@@ -63,6 +68,11 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             copy(m + "post_attention_norm.weight", a + "ln_2.weight"),
         ]
     return out
+
+
+def tied(cfg: ModelConfig) -> dict[str, str]:
+    """A tied model's head, where a checkpoint stores it anyway: it must be the word embedding."""
+    return {"lm_head.weight": _PREFIX + "wte.weight"} if cfg.tie_embeddings else {}
 
 
 def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -97,6 +107,7 @@ def config_to_ours(hf: dict) -> ModelConfig:
         attention_dropout=hf.get("attn_pdrop", 0.1),
         layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
         init_std=hf.get("initializer_range", 0.02),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
     )
 
 
@@ -123,7 +134,7 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "attn_pdrop": cfg.attention_dropout,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
     }

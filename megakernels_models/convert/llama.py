@@ -20,6 +20,8 @@ from megakernels_models.convert.common import ConversionError, Rule, copy
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "llama"
+# Buffers older transformers saved that are no weights: the rotary inverse frequencies (recomputed from the config).
+IGNORED = (r"\.rotary_emb\.inv_freq$",)
 
 
 def _interleave(t: torch.Tensor, heads: int, to_interleaved: bool) -> torch.Tensor:
@@ -101,6 +103,11 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
                 copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias"),
             ]
     return out
+
+
+def tied(cfg: ModelConfig) -> dict[str, str]:
+    """A tied model's head, where a checkpoint stores it anyway: it must be the word embedding."""
+    return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {}
 
 
 def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ from megakernels_models.convert.common import ConversionError, copy
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "mixtral"
+IGNORED = llama.IGNORED
+tied = llama.tied
 
 
 def rules(cfg: ModelConfig):

@@ -5,6 +5,7 @@ layout-independent checkpoint, any layout), and converting back gives transforme
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -182,3 +183,48 @@ def test_a_pre_norm_bert_does_not_convert_to_hf(single_world, tmp_path, capsys):
         main(["convert", "megakernels-to-hf", "--input", str(tmp_path / "mk"), "--output", str(tmp_path / "hf")]) == 2
     )
     assert "pre-norm" in capsys.readouterr().err
+
+
+def test_an_untied_gpt2_keeps_its_own_head_both_ways(single_world, tmp_path):
+    """``tie_word_embeddings=False``: the head is ``lm_head.weight``, not the word embedding (it was tied before,
+    logits off by ~1)."""
+    hf = _hf_gpt2(tmp_path / "hf", tie_word_embeddings=False)
+    assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    torch.testing.assert_close(_our_logits(tmp_path / "mk", ids), ref, rtol=1e-4, atol=1e-4)
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    assert not back.config.tie_word_embeddings
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def _add_tensors(hf_dir, extra: dict):
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    tensors = {**load_file(path), **extra}
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_tensor_no_rule_maps_is_an_error_naming_it(tmp_path):
+    _hf_gpt2(tmp_path / "hf")
+    _add_tensors(tmp_path / "hf", {"transformer.h.0.adapter.weight": torch.zeros(3)})
+    err = "1 input tensor(s) that no rule of this model maps: 'transformer.h.0.adapter.weight'"
+    with pytest.raises(convert.ConversionError, match=re.escape(err)):
+        convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    assert not (tmp_path / "mk" / "step-00000000").exists()
+
+
+def test_documented_buffers_and_equal_tied_copies_are_accepted_and_a_differing_copy_refused(single_world, tmp_path):
+    hf = _hf_gpt2(tmp_path / "hf")
+    wte = hf.transformer.wte.weight.detach().clone()
+    # an old checkpoint's causal-mask buffer and a stored copy of the tied head
+    _add_tensors(tmp_path / "hf", {"transformer.h.1.attn.bias": torch.ones(1, 1, 24, 24), "lm_head.weight": wte})
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "ok"))
+    _add_tensors(tmp_path / "hf", {"lm_head.weight": wte + 1})
+    with pytest.raises(convert.ConversionError, match="'lm_head.weight' differs from 'transformer.wte.weight'"):
+        convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "bad"))
