@@ -16,6 +16,7 @@ downloaded; ``transformers`` is not needed (only ``safetensors``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -30,6 +31,7 @@ from megakernels_models.convert.common import (
 )
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.registry import family
+from megakernels_models.training.checkpoint import GENERATION_CONFIG
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral)}
 TOKENIZER = "tokenizer.json"
@@ -79,7 +81,51 @@ def hf_to_megakernels(
         source += "+clip"
     path = write_checkpoint(ours, cfg, out_dir, source)
     _copy_tokenizer(hf_dir, out_dir)
+    special = _special_tokens(hf_dir, hf)
+    if special:
+        _write_json(os.path.join(out_dir, GENERATION_CONFIG), special)
     return path
+
+
+SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _special_tokens(hf_dir: str, hf: dict) -> dict:
+    """The model's special token ids: its config's, replaced by its ``generation_config.json``'s where that has
+    them (Llama 3.1's instruction models stop on several eos ids there); None values left out."""
+    out = {k: hf.get(k) for k in SPECIAL}
+    path = os.path.join(hf_dir, GENERATION_CONFIG)
+    if os.path.exists(path):
+        with open(path) as f:
+            gen = json.load(f)
+        out.update({k: gen[k] for k in SPECIAL if gen.get(k) is not None})
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def checkpoint_special_tokens(ckpt_dir: str) -> dict:
+    """The special token ids that travel with a checkpoint directory (``generation_config.json`` in it or its
+    parent, written by conversion and kept by training), else those of its tokenizer (eos = its end-of-document
+    token, pad), else ``{}``."""
+    for d in (ckpt_dir, os.path.dirname(os.path.abspath(ckpt_dir))):
+        path = os.path.join(d, GENERATION_CONFIG)
+        if os.path.exists(path):
+            with open(path) as f:
+                gen = json.load(f)
+            return {k: gen[k] for k in SPECIAL if gen.get(k) is not None}
+    spec = checkpoint_tokenizer(ckpt_dir)
+    if spec is None:
+        return {}
+    from megakernels_models.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(spec)
+    return {f"{k}_token_id": getattr(tok, role) for k, role in (("eos", "eod"), ("pad", "pad")) if tok.has(role)}
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _copy_tokenizer(src_dir: str, dst_dir: str) -> None:
@@ -101,7 +147,9 @@ def checkpoint_tokenizer(ckpt_dir: str) -> str | None:
 
 
 def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
-    """Write a megakernels checkpoint as a HuggingFace directory (config.json + safetensors); returns ``out_dir``.
+    """Write a megakernels checkpoint as a HuggingFace directory (config.json + safetensors, the tokenizer and a
+    ``generation_config.json`` with the special token ids that travel with it: ``checkpoint_special_tokens``);
+    returns ``out_dir``.
 
     Raises:
         ConversionError: a model HuggingFace's family cannot express (e.g. a pre-norm BERT).
@@ -112,8 +160,10 @@ def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
     fam = spec.hf(cfg) if spec.hf is not None else None
     if fam is None:
         raise ConversionError(f"no HuggingFace family for a megakernels {cfg.model!r} model")
-    config = fam.config_to_theirs(cfg)
+    special = checkpoint_special_tokens(ckpt_dir)
+    config = {**fam.config_to_theirs(cfg), **special}
     write_hf(apply(fam.rules(cfg), tensors, "to_theirs"), config, out_dir)
+    _write_json(os.path.join(out_dir, GENERATION_CONFIG), special)
     spec = checkpoint_tokenizer(ckpt_dir)
     if spec is not None:
         _copy_tokenizer(os.path.dirname(spec[3:]), out_dir)

@@ -50,12 +50,13 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     on_token=None,
 ) -> torch.Tensor:
     """Continue ``input_ids`` ``[b, s]`` by up to ``max_new_tokens`` tokens with ``model`` (a ``PretrainedLM``);
     returns ``[b, s + generated]``. ``on_token(ids [b])`` is called for each new token (streaming). Stops early
-    when every row produced ``eos_token_id``, or at the model's ``seq_length`` with learned positions.
+    when every row produced an end token (``eos_token_id``: one id or several, as Llama 3's instruction models
+    have; a finished row is padded with the first), or at the model's ``seq_length`` with learned positions.
 
     Raises:
         ValueError: a bad ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, or a prompt longer than a
@@ -76,6 +77,13 @@ def generate(
             f"generate: the prompt has {input_ids.shape[1]} tokens, more than the model's learned positions ({limit})"
         )
     generator = None if seed is None else torch.Generator(device=input_ids.device).manual_seed(seed)
+    ends = None
+    if eos_token_id is not None:
+        ends = torch.as_tensor(
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=input_ids.device
+        )
+        if ends.numel() == 0:
+            ends = None
     cache = KVCache()
     out = input_ids
     logits = model(input_ids, kv_cache=cache)[:, -1]
@@ -84,13 +92,13 @@ def generate(
         if limit is not None and out.shape[1] >= limit:
             break
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        if eos_token_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-            done |= nxt == eos_token_id
+        if ends is not None:
+            nxt = torch.where(done, ends[0].expand_as(nxt), nxt)
+            done |= torch.isin(nxt, ends)
         out = torch.cat([out, nxt[:, None]], 1)
         if on_token is not None:
             on_token(nxt)
-        if eos_token_id is not None and bool(done.all()):
+        if ends is not None and bool(done.all()):
             break
         logits = model(nxt[:, None], kv_cache=cache)[:, -1]
     return out

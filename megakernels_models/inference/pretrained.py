@@ -78,14 +78,27 @@ class PretrainedLM(nn.Module):
     """A causal language model loaded from a checkpoint (see the module docstring).
 
     Attributes: ``model`` (the GPT/Llama chunk), ``config`` (its ``ModelConfig``), ``tokenizer`` (the checkpoint's
-    ``tokenizer.json``, else the byte tokenizer).
+    ``tokenizer.json``, else the byte tokenizer where the vocabulary holds it, else None: logits need none),
+    ``special_tokens`` (the bos/eos/pad ids that travel with the checkpoint), ``eos_token_ids``.
 
     ``forward(input_ids [b, s], kv_cache=None)`` -> fp32 logits ``[b, s, vocab_size]`` (padding columns dropped).
     """
 
-    def __init__(self, model: nn.Module, config, tokenizer):
+    def __init__(self, model: nn.Module, config, tokenizer, special_tokens: dict | None = None):
         super().__init__()
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.special_tokens = dict(special_tokens or {})
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids generation stops on: the checkpoint's ``eos_token_id`` (one or several), else the tokenizer's
+        end-of-document token, else none."""
+        eos = self.special_tokens.get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+        if self.tokenizer is not None and self.tokenizer.has("eod"):
+            return [self.tokenizer.eod]
+        return []
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, kv_cache=None) -> torch.Tensor:
@@ -111,7 +124,7 @@ def load_pretrained(
         CheckpointError: no checkpoint there. ValueError: a BERT checkpoint (not a causal LM), or a tokenizer that
         does not fit the model.
     """
-    from megakernels_models.convert import checkpoint_tokenizer
+    from megakernels_models.convert import checkpoint_special_tokens, checkpoint_tokenizer
     from megakernels_models.data.tokenizer import build_tokenizer
     from megakernels_models.models.config import ModelConfig
     from megakernels_models.models.registry import family, titles
@@ -131,10 +144,15 @@ def load_pretrained(
     checkpoint.load(ckpt, [model], None, cfg)
     if dtype is not None:
         model = model.to(dtype)
-    tok = build_tokenizer(tokenizer or checkpoint_tokenizer(path) or "byte")
+    spec = tokenizer or checkpoint_tokenizer(path)
+    tok = build_tokenizer(spec or "byte")
     if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"load_pretrained: the tokenizer has {tok.vocab_size} ids, the model only {cfg.vocab_size}")
-    return PretrainedLM(model, cfg, tok)
+        if spec is not None:
+            raise ValueError(
+                f"load_pretrained: the tokenizer has {tok.vocab_size} ids, the model only {cfg.vocab_size}"
+            )
+        tok = None  # no tokenizer travels with it and the byte one does not fit: logits need none
+    return PretrainedLM(model, cfg, tok, checkpoint_special_tokens(path))
 
 
 def add_parser(sub) -> None:
@@ -162,6 +180,11 @@ def main(ns) -> int:
 
     try:
         lm = load_pretrained(ns.load, ns.device, tokenizer=ns.tokenizer)
+        if lm.tokenizer is None:
+            raise ValueError(
+                f"--load {ns.load} has no tokenizer.json and the byte tokenizer does not fit its vocabulary of "
+                f"{lm.config.vocab_size}: give --tokenizer"
+            )
         ids = torch.as_tensor(lm.tokenizer.encode(ns.prompt), dtype=torch.long, device=ns.device)[None]
         if ids.shape[1] == 0:
             raise ValueError("--prompt encodes to no tokens")
@@ -176,7 +199,7 @@ def main(ns) -> int:
                 sys.stdout.flush()
                 pending.clear()
 
-        eos = lm.tokenizer.eod if lm.tokenizer.has("eod") else None
+        eos = lm.eos_token_ids or None
         generate(lm, ids, ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, ns.seed, eos, on_token=stream)
         sys.stdout.write("\n")
     except (CheckpointError, ValueError, OSError) as e:

@@ -44,6 +44,8 @@ from megakernels_models.training import syncpoints
 from megakernels_models.training.checkpoint_verify import CheckpointError
 
 LATEST = store.LATEST
+# The special token ids (bos, eos, pad) of a converted model, beside its checkpoints as in a HuggingFace directory.
+GENERATION_CONFIG = "generation_config.json"
 
 
 # ---- tensors in full-model coordinates ----------------------------------------------------------------------
@@ -412,6 +414,7 @@ def write(
     def commit() -> None:
         store.commit(tmp, final, error=CheckpointError)
         _keep_tokenizer(save_dir, (train_config or {}).get("tokenizer"))
+        _keep_generation_config(save_dir, (train_config or {}).get("load"))
         store.prune(save_dir, keep)
 
     agree(commit)
@@ -437,6 +440,17 @@ def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
     src = spec[3:]
     src = os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src
     dst = os.path.join(save_dir, "tokenizer.json")
+    if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
+        shutil.copyfile(src, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
+
+
+def _keep_generation_config(save_dir: str, load_dir: str | None) -> None:
+    """A run resumed from a directory holding ``generation_config.json`` (a converted model's special tokens) keeps
+    it beside its own checkpoints (export and generation read it there)."""
+    if not load_dir:
+        return
+    src, dst = os.path.join(load_dir, GENERATION_CONFIG), os.path.join(save_dir, GENERATION_CONFIG)
     if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
         shutil.copyfile(src, dst + ".tmp")
         os.replace(dst + ".tmp", dst)

@@ -25,7 +25,7 @@ V, S = 300, 32
 
 def _hf_llama(path, **kw):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    fields = dict(
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -35,8 +35,8 @@ def _hf_llama(path, **kw):
         max_position_embeddings=S,
         rope_theta=5000.0,
         rms_norm_eps=1e-5,
-        **kw,
     )
+    cfg = transformers.LlamaConfig(**{**fields, **kw})
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms away from 1
         for name, p in model.named_parameters():
@@ -154,6 +154,7 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
         progress=False,
         corpus_bytes=1 << 18,
         load=str(tmp_path / "mk"),
+        save=str(tmp_path / "tuned"),
         dropout=0.0,
         tp=2,
         nproc=2,
@@ -165,6 +166,8 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
     losses = [r["loss"] for r in run(args)]
     assert losses[0] == pytest.approx(expected, rel=1e-5)
     assert losses[-1] < losses[0]
+    # the converted model's special tokens stay with the fine-tuned checkpoints
+    assert json.loads((tmp_path / "tuned" / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
 
 
 @pytest.mark.parametrize(
@@ -179,3 +182,48 @@ def test_unconvertible_llamas_are_refused_naming_the_setting(tmp_path, capsys, c
     _hf_llama(tmp_path / "hf", **change)
     assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_special_tokens_travel_both_ways_and_generation_stops_on_any_eos(single_world, tmp_path):
+    """bos/eos/pad (several eos ids in generation_config.json, as Llama 3.1's instruction models have) go into the
+    checkpoint's directory, back into the exported config.json and generation_config.json, and stop greedy
+    generation as transformers' does."""
+    from megakernels_models import load_pretrained
+    from megakernels_models.inference.generate import generate
+
+    _hf_llama(tmp_path / "hf", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    lm = None
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "plain"))
+    free = generate(load_pretrained(str(tmp_path / "plain")), prompt, max_new_tokens=8)[0, 4:].tolist()
+    stop = [299, free[2]]  # the third generated token (and one never generated) end the text
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": stop}))
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    lm = load_pretrained(str(tmp_path / "mk"))
+    assert lm.eos_token_ids == stop
+    ours = generate(lm, prompt, max_new_tokens=8, eos_token_id=lm.eos_token_ids)[0].tolist()
+    assert ours[4:] == free[: free.index(free[2]) + 1]
+
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back_cfg["bos_token_id"], back_cfg["eos_token_id"], back_cfg["pad_token_id"]) == (1, stop, 0)
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "back").eos_token_id == stop
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        theirs = back.generate(prompt, max_new_tokens=8, do_sample=False)[0].tolist()
+    assert theirs == ours
+
+
+def test_load_pretrained_needs_no_tokenizer_for_logits(single_world, tmp_path):
+    """A converted model whose vocabulary is below the byte tokenizer's 261 ids, without tokenizer.json, loads and
+    gives transformers' logits (its tokenizer is None)."""
+    from megakernels_models import load_pretrained
+
+    hf = _hf_llama(tmp_path / "hf", vocab_size=100)
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    lm = load_pretrained(str(tmp_path / "mk"))
+    assert lm.tokenizer is None
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+    assert main(["generate", "--load", str(tmp_path / "mk"), "--prompt", "x"]) == 2
