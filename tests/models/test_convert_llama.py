@@ -167,7 +167,10 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
     assert losses[0] == pytest.approx(expected, rel=1e-5)
     assert losses[-1] < losses[0]
     # the converted model's special tokens stay with the fine-tuned checkpoints
-    assert json.loads((tmp_path / "tuned" / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
+    assert json.loads((tmp_path / "tuned" / "generation_config.json").read_text()) == {
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
 
 
 @pytest.mark.parametrize(
