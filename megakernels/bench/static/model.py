@@ -28,29 +28,38 @@ from megakernels import _targets
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """An H200 SXM (sm_90). Rates are per SM per clock unless named otherwise."""
+    """One GPU as the model sees it (defaults: the H200 SXM, sm_90). Rates are per SM per clock unless named
+    otherwise. ``MACHINES`` holds every GPU the model knows, each value with its source (``sources``)."""
 
     name: str = "H200 SXM (sm_90)"
+    arch: int = 90
     sms: int = 132
     clock_hz: float = 1.83e9  # the clock at which the 989 TFLOP/s dense bf16 rating holds (boost: 1.98)
+    boost_clock_hz: float = 1.98e9
     issue_lanes: int = 128  # 4 schedulers x 1 warp-instruction x 32 lanes
     mufu_lanes: int = 16  # ex2 / rcp / rsqrt / lg2 results per SM per clock
-    mma_dense_bf16: float = 989e12  # FLOP/s, wgmma dense bf16 peak (the attention ceiling)
+    mma_dense_bf16: float = 989e12  # FLOP/s, wgmma dense bf16 peak (the attention ceiling); fp16 is the same
+    mma_dense_fp8: float = 1979e12  # FLOP/s dense (0: no fp8 tensor cores)
+    mma_dense_tf32: float = 494.7e12  # FLOP/s dense
     mma_sustained: float = 0.80  # fraction of that peak a saturating GEMM sustains (cuBLAS ~790 TFLOP/s)
     mma_sync_rate: float = 0.625  # mma.sync's rate relative to wgmma on Hopper
     dram_peak: float = 4.8e12  # B/s, HBM3e
     dram_copy: float = 4.3e12  # B/s, a measured device-to-device copy (the streaming ceiling)
     l2_bw: float = 10e12  # B/s, L2 -> SM (assumption; calibrate)
+    l2_bytes: int = 50 << 20  # L2 capacity
     smem_bytes_per_clk: float = 128.0  # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
     # cp.async fills, LDS/STS share it (assumption; calibrate)
     dram_latency_s: float = 0.8e-6  # loaded DRAM latency: bytes in flight per SM must cover it
     launch_s: float = 2e-6  # per kernel launch: launch, ramp-up and drain of a grid
+    issue_efficiency: float = 1.0  # fraction of the issue slots a streaming kernel's warps fill (dependency stalls)
+    overlap_p: float = math.inf  # streaming terms combine as (sum t_i^p)^(1/p): inf = perfect overlap (the max)
     max_warps: int = 64
     max_blocks: int = 32
     regs: int = 65536
     smem: int = _targets.SHARED_PER_SM[90]  # 228 KiB per SM
     smem_per_block: int = _targets.SHARED_LIMIT[90]  # 227 KiB opt-in per block
     smem_reserved: int = 1024  # per block, on sm_90
+    sources: tuple = ()  # (field, source) pairs: where each number comes from
 
     @property
     def issue_per_s(self) -> float:
@@ -61,7 +70,93 @@ class Machine:
         return self.sms * self.mufu_lanes * self.clock_hz
 
 
-H200 = Machine()
+# Device-to-device copy over the HBM peak, measured on the H200 (4.3 of 4.8 TB/s); assumed for the GPUs whose copy
+# rate nobody here has measured.
+COPY_FRACTION = 4.3 / 4.8
+
+_HOPPER_SRC = (
+    ("sms, l2_bytes, smem, regs, max_warps, max_blocks", "NVIDIA H100 Tensor Core GPU Architecture whitepaper; CUDA C "
+     "Programming Guide, compute capability 9.0 table"),
+    ("mma_dense_*, dram_peak, boost_clock_hz", "NVIDIA H100 / H200 datasheets (dense = the sparse figure / 2)"),
+    ("clock_hz", "mma_dense_bf16 / (sms x 4096 FLOP/clk/SM): the clock the dense rating assumes"),
+    ("dram_copy", "H200: a measured copy; others dram_peak x COPY_FRACTION (assumption)"),
+    ("l2_bw, dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
+)
+
+H200 = Machine(sources=_HOPPER_SRC)
+
+MACHINES: dict[str, Machine] = {
+    "H200": H200,
+    "H100-SXM": dataclasses.replace(
+        H200, name="H100 SXM5 80GB (sm_90)", dram_peak=3.35e12, dram_copy=3.35e12 * COPY_FRACTION
+    ),
+    "H100-NVL": dataclasses.replace(
+        H200,
+        name="H100 NVL 94GB (sm_90)",
+        clock_hz=835e12 / (132 * 4096),  # power-limited: 835 of the SXM's 989 TFLOP/s at the same SM count
+        boost_clock_hz=1.785e9,
+        mma_dense_bf16=835e12,
+        mma_dense_fp8=1670e12,
+        mma_dense_tf32=417.5e12,
+        dram_peak=3.9e12,
+        dram_copy=3.9e12 * COPY_FRACTION,
+    ),
+    "H100-PCIe": dataclasses.replace(
+        H200,
+        name="H100 PCIe 80GB (sm_90)",
+        sms=114,
+        clock_hz=756e12 / (114 * 4096),  # 1.62 GHz: the 350 W limit (boost 1.755)
+        boost_clock_hz=1.755e9,
+        mma_dense_bf16=756e12,
+        mma_dense_fp8=1513e12,
+        mma_dense_tf32=378e12,
+        dram_peak=2.0e12,
+        dram_copy=2.0e12 * COPY_FRACTION,
+    ),
+    "A100-SXM4-80GB": Machine(
+        name="A100 SXM4 80GB (sm_80)",
+        arch=80,
+        sms=108,
+        clock_hz=1.41e9,  # boost; 312e12 / (108 x 2048 FLOP/clk/SM)
+        boost_clock_hz=1.41e9,
+        mma_dense_bf16=312e12,
+        mma_dense_fp8=0.0,
+        mma_dense_tf32=156e12,
+        mma_sync_rate=1.0,  # mma.sync is Ampere's tensor-core instruction
+        dram_peak=2.039e12,
+        dram_copy=2.039e12 * COPY_FRACTION,
+        l2_bw=5.0e12,  # assumption (microbenchmarks report 4.5-5.5 TB/s)
+        l2_bytes=40 << 20,
+        smem=_targets.SHARED_PER_SM[80],
+        smem_per_block=_targets.SHARED_LIMIT[80],
+        sources=(
+            ("sms, l2_bytes, smem, regs, max_warps, max_blocks", "NVIDIA A100 Tensor Core GPU Architecture "
+             "whitepaper; CUDA C Programming Guide, compute capability 8.0 table"),
+            ("mma_dense_*, dram_peak, clock_hz", "NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s bf16 dense, "
+             "2039 GB/s, 1410 MHz boost)"),
+            ("dram_copy", "dram_peak x COPY_FRACTION (assumption)"),
+            ("l2_bw, dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
+        ),
+    ),
+}
+
+# ``gpu_name`` as torch.cuda.get_device_name() prints it (a substring, first match wins) -> MACHINES key.
+GPU_NAMES = (
+    ("H200", "H200"),
+    ("H100 NVL", "H100-NVL"),
+    ("H100 PCIe", "H100-PCIe"),
+    ("H100 80GB HBM3", "H100-SXM"),
+    ("H100 SXM", "H100-SXM"),
+    ("A100-SXM4-80GB", "A100-SXM4-80GB"),
+)
+
+
+def machine_for(gpu_name: str) -> Machine | None:
+    """The machine of a GPU named as torch names it (``NVIDIA H100 80GB HBM3``), or None when the model has none."""
+    for part, key in GPU_NAMES:
+        if part in gpu_name:
+            return MACHINES[key]
+    return None
 
 
 def blocks_per_sm(m: Machine, threads: int, registers: int, shared: int, grid_cap: int | None = None) -> int:
@@ -94,6 +189,15 @@ class StreamCost:
     sm_fraction: float = 1.0  # of the SMs the grid occupies (a grid smaller than the machine leaves SMs idle)
 
 
+def combine(times: list[float], p: float) -> float:
+    """Resource times that overlap imperfectly: the p-norm (sum t^p)^(1/p), between their sum (p = 1) and their
+    largest (p = inf, perfect overlap)."""
+    big = max(times)
+    if big <= 0 or math.isinf(p):
+        return big
+    return big * sum((t / big) ** p for t in times) ** (1 / p)
+
+
 def predict_stream(c: StreamCost, elements: float, launches: int = 1, m: Machine = H200) -> dict:
     """Time and fraction of the copy ceiling for ``elements`` elements processed by ``launches`` launches."""
     f = max(c.sm_fraction, 1e-9)
@@ -101,11 +205,11 @@ def predict_stream(c: StreamCost, elements: float, launches: int = 1, m: Machine
     times = {
         "dram": elements * c.dram_bytes / bw,
         "l2": elements * c.l2_bytes / (m.l2_bw * f),
-        "issue": elements * c.instructions / (m.issue_per_s * f),
+        "issue": elements * c.instructions / (m.issue_per_s * f * m.issue_efficiency),
         "mufu": elements * c.mufu / (m.mufu_per_s * f),
     }
     bound = max(times, key=times.get)
-    t = times[bound] + launches * m.launch_s
+    t = combine(list(times.values()), m.overlap_p) + launches * m.launch_s
     achieved = elements * c.min_bytes / t if t > 0 else 0.0
     return {
         "time_s": t,

@@ -1,0 +1,792 @@
+"""A peer's published GPU timings through the static model: ``megakernels bench --static --peer-csv FILE``.
+
+Liger-Kernel publishes per-kernel timings (``benchmark/data/*.csv`` of its repository: ``kernel_name,
+kernel_provider, kernel_operation_mode, metric_name, x_value, y_value_50, extra_benchmark_config_str, gpu_name,
+liger_version``). For every ``liger`` row of an op we drive (``DRIVERS``), the liger-kernel version the row names
+is imported from a scratch directory (``peer_path``), its Python entry points are run on fake CUDA tensors at the
+row's shapes — exactly the launches its benchmark script times, recorded instead of run: every Triton launch
+(kernel, grid, arguments, constexprs) and every PyTorch op (a GEMM, a reduction, an allocation) — and each Triton
+launch is compiled for the row's GPU (``model.machine_for(gpu_name)``), read from its SASS and priced by the same
+streaming model as our kernels (``model.predict_stream``). Nothing runs on a GPU.
+
+Per Triton launch, per program (Triton's unit of work):
+
+- instructions and MUFU operations: the SASS outside loops (cold blocks excluded) plus each loop's own code times
+  its trip count; trip counts come from the Triton IR (``scf.for`` bounds evaluated from the launch's arguments at
+  program 0); the i-th SASS loop is the i-th IR loop (a kernel whose loop counts differ is not modelled);
+- bytes through L2: the SASS's global loads and stores (32 lanes x width, every lane counted);
+- bytes that must cross DRAM: each tensor argument the IR loads from once, each it stores to once (a tensor both
+  loaded and stored counts twice), unless the programs resident on the whole GPU touch more than the L2 holds, in
+  which case every L2 byte is a DRAM byte (re-reads miss);
+- bytes in flight: a program's loads of one loop iteration (all its loads without a loop) x resident programs.
+
+A PyTorch op costs, on the GPU: a GEMM its FLOPs at ``mma_sustained`` of the dtype's dense peak (or its bytes at
+the copy rate when slower), anything else its tensors' bytes at the copy rate; views and ``empty`` cost nothing.
+Every kernel adds ``launch_s``.
+
+The benchmark harness (``triton.testing.do_bench``) times a region on CUDA events after zeroing a 256 MB buffer
+(its L2 flush), so the host's work of the region overlaps the flush: the published time is the larger of the GPU
+time and the host time the flush does not hide (``HOST``), all of it after a device sync (``.item()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import types
+
+from megakernels.bench.static import model
+
+FIELDS = (
+    "kernel_name",
+    "kernel_provider",
+    "kernel_operation_mode",
+    "metric_name",
+    "x_value",
+    "y_value_50",
+    "extra_benchmark_config_str",
+    "gpu_name",
+    "liger_version",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """The host side of a do_bench measurement (assumptions, calibrated on the development set)."""
+
+    triton_launch_s: float = 25e-6  # a Triton launch from Python (argument binding, the launcher)
+    torch_op_s: float = 6e-6  # an eager PyTorch op, views included
+    function_s: float = 30e-6  # an autograd.Function call
+    backward_s: float = 60e-6  # more for a backward: the autograd engine's pass (Tensor.backward)
+    flush_bytes: float = 256e6  # do_bench's L2 flush: a 256 MB zero_ before each timed call
+
+
+HOST = Host()
+
+
+# ---- the CSV ---------------------------------------------------------------------------------------------------
+
+
+def read_csv(path: str) -> list[dict]:
+    """The rows of a CSV in Liger-Kernel's format (the ``FIELDS`` columns; others kept as they are).
+
+    Raises:
+        ValueError: a column of ``FIELDS`` is missing."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in FIELDS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: not a Liger-Kernel benchmark CSV (no column {', '.join(missing)})")
+        return [dict(r) for r in reader]
+
+
+def select(rows: list[dict], kernels=None, gpus=None, providers=None, metric: str = "speed") -> list[dict]:
+    """The rows of ``metric`` (in ms) whose kernel, GPU name (substring) and provider are among those given."""
+    out = []
+    for r in rows:
+        if r["metric_name"] != metric or r.get("metric_unit", "ms") not in ("ms", ""):
+            continue
+        if kernels is not None and r["kernel_name"] not in kernels:
+            continue
+        if gpus is not None and not any(g in r["gpu_name"] for g in gpus):
+            continue
+        if providers is not None and r["kernel_provider"] not in providers:
+            continue
+        out.append(r)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by linear interpolation between order statistics (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Row count, median and 90th percentile of |rel_error| over the rows that have one: overall and per GPU."""
+
+    def stats(rs):
+        e = [abs(r["rel_error"]) for r in rs]
+        return {"rows": len(e), "median_abs_rel_error": statistics.median(e) if e else None,
+                "p90_abs_rel_error": percentile(e, 0.9) if e else None}
+
+    done = [r for r in rows if r.get("rel_error") is not None]
+    out = {"overall": stats(done), "per_gpu": {}}
+    for g in sorted({r["gpu_name"] for r in done}):
+        out["per_gpu"][g] = stats([r for r in done if r["gpu_name"] == g])
+    out["not_modelled"] = sum(1 for r in rows if r.get("rel_error") is None)
+    return out
+
+
+# ---- recording what a peer's entry points launch ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Op:
+    """One recorded step: a Triton ``launch`` (megakernels.triton.launch.Launch), a PyTorch op (``func`` with its
+    input and output tensors' (shape, dtype) lists) or a host ``sync``."""
+
+    kind: str  # "triton" | "torch" | "sync" | "call"
+    launch: object = None
+    func: object = None
+    inputs: tuple = ()
+    outputs: tuple = ()
+
+
+def _meta(v):
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if isinstance(v, torch.Tensor):
+        with _disable_current_modes():
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    return v
+
+
+def _tensors(x) -> tuple:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return ((tuple(x.shape), x.dtype),)
+    if isinstance(x, (list, tuple)):
+        return tuple(t for y in x for t in _tensors(y))
+    return ()
+
+
+class Recorder:
+    """A context that records (``ops``) instead of running: Triton launches and PyTorch ops on fake CUDA tensors.
+    CUDA queries a peer's launcher makes (the SM count, the current device) answer as ``machine``."""
+
+    def __init__(self, machine: model.Machine):
+        self.m = machine
+        self.ops: list[Op] = []
+        self.active = True
+
+    @contextlib.contextmanager
+    def patched(self):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+        from triton.runtime.jit import JITFunction
+
+        from megakernels.triton.launch import Launch
+
+        rec = self
+
+        def run(kernel, *args, grid, warmup=False, **kwargs):
+            if callable(grid):
+                grid = grid(dict(zip(kernel.arg_names, args)) | kwargs)
+            if rec.active:
+                launch = Launch(kernel, tuple(grid), tuple(_meta(a) for a in args),
+                                {k: _meta(v) for k, v in kwargs.items()})
+                rec.ops.append(Op("triton", launch=launch))
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+                            torch.ops.aten.is_nonzero.default):
+                    if rec.active:
+                        rec.ops.append(Op("sync", func=func))
+                    return True if func is not torch.ops.aten._local_scalar_dense.default else 1
+                out = func(*args, **kwargs)
+                if rec.active:
+                    rec.ops.append(Op("torch", func=func, inputs=_tensors(list(args) + list(kwargs.values())),
+                                      outputs=_tensors(out)))
+                return out
+
+        props = types.SimpleNamespace(multi_processor_count=self.m.sms, name=self.m.name,
+                                      major=self.m.arch // 10, minor=self.m.arch % 10)
+        tensor = torch.tensor
+
+        def fake_tensor(data, *a, device=None, dtype=None, **k):
+            with _disable_current_modes():
+                t = tensor(data, dtype=dtype)
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+        saved = [(JITFunction, "run"), (torch.cuda, "is_available"), (torch.cuda, "get_device_properties"),
+                 (torch.cuda, "device"), (torch.cuda, "get_device_capability"), (torch.cuda, "current_device"),
+                 (torch.cuda, "device_count"), (torch, "tensor")]
+        old = [getattr(o, n) for o, n in saved]
+        JITFunction.run = run
+        torch.cuda.is_available = lambda: True
+        torch.cuda.get_device_properties = lambda *a, **k: props
+        torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
+        torch.cuda.get_device_capability = lambda *a, **k: (self.m.arch // 10, self.m.arch % 10)
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.device_count = lambda: 1
+        torch.tensor = fake_tensor
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                self._dispatch = Dispatch
+                yield self
+        finally:
+            for (o, n), v in zip(saved, old):
+                setattr(o, n, v)
+
+    @contextlib.contextmanager
+    def recording(self, on: bool = True):
+        """Record the ops run inside (``on``) or run them unrecorded (setting up a forward for a backward)."""
+        prev, self.active = self.active, on
+        with self._dispatch():
+            try:
+                yield
+            finally:
+                self.active = prev
+
+    def call(self, backward: bool = False) -> None:
+        """Mark a Python-level call of a peer's autograd function (host cost ``HOST.function_s``, and
+        ``HOST.backward_s`` more for a backward)."""
+        if self.active:
+            self.ops.append(Op("call", func="backward" if backward else "forward"))
+
+
+class Ctx:
+    """The ``ctx`` an autograd.Function's forward and backward get (called directly: the autograd engine needs a
+    CUDA stream even for fake tensors)."""
+
+    needs_input_grad = (True,) * 16
+
+    def save_for_backward(self, *t):
+        self.saved_tensors = t
+
+    def mark_non_differentiable(self, *a):
+        pass
+
+    def set_materialize_grads(self, *a):
+        pass
+
+
+def _call(fn, ctx, **named):
+    """``fn(ctx, ...)`` with the arguments ``fn`` names among ``named`` (parameter names differ across versions);
+    required parameters not given are None."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    args = []
+    for p in params:
+        if p.name in named:
+            args.append(named[p.name])
+        elif p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            args.append(None)
+        else:
+            break
+    return fn(ctx, *args)
+
+
+# ---- the ops a row can name: how the peer's benchmark script calls it at the row's shape -----------------------
+
+
+def _dtype(cfg: dict, default="torch.float32"):
+    import torch
+
+    return getattr(torch, str(cfg.get("dtype", default)).replace("torch.", ""))
+
+
+def _fn(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+def _function_pass(rec, fn, mode, fwd_args: dict, grads):
+    """A Liger autograd function's forward and/or backward, recorded as ``mode`` asks."""
+    ctx = Ctx()
+    with rec.recording(mode in ("forward", "full")):
+        rec.call()
+        out = _call(fn.forward, ctx, **fwd_args)
+    if mode == "forward":
+        return
+    with rec.recording(False):
+        g = grads(out)  # made before the timed region, as the benchmark's dy
+    with rec.recording(True):
+        rec.call(backward=True)
+        fn.backward(ctx, *g)
+
+
+def _norm(kind):
+    def drive(rec, mode, x, cfg):
+        import torch
+
+        m, n, dt = int(cfg["M"]), int(x), _dtype(cfg)
+        X = torch.randn(m, n, device="cuda", dtype=dt)
+        W = torch.randn(n, device="cuda", dtype=dt)
+        eps = float(cfg.get("eps", 1e-6))
+        if kind == "rms_norm":
+            fn = _fn("liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
+            args = {"X": X, "W": W, "eps": eps}
+        else:
+            fn = _fn("liger_kernel.ops.layer_norm", "LigerLayerNormFunction")
+            args = {"X": X, "W": W, "B": torch.randn(n, device="cuda", dtype=dt), "eps": eps}
+        _function_pass(rec, fn, mode, args, lambda y: (torch.randn_like(y),))
+
+    return drive
+
+
+def _cross_entropy(rec, mode, x, cfg):
+    import torch
+
+    rows, v = int(cfg["B"]) * int(cfg["T"]), int(x)
+    X = torch.randn(rows, v, device="cuda", dtype=_dtype(cfg))
+    t = torch.randint(v, (rows,), device="cuda")
+    fn = _fn("liger_kernel.ops.cross_entropy", "LigerCrossEntropyFunction")
+    args = {"_input": X, "target": t, "ignore_index": -100}
+
+    def grads(out):
+        loss = out[0] if isinstance(out, tuple) else out
+        return (torch.ones_like(loss),) + ((None,) if isinstance(out, tuple) else ())
+
+    _function_pass(rec, fn, mode, args, grads)
+
+
+def _rope(rec, mode, x, cfg):
+    import torch
+
+    hq, hk, dt = int(cfg["num_q_heads"]), int(cfg["num_kv_heads"]), _dtype(cfg)
+    hidden = int(cfg.get("hidden_size", x))
+    seq = int(cfg.get("seq_len", x))
+    d = hidden // hq
+    q = torch.randn(1, seq, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+    k = torch.randn(1, seq, hk, d, device="cuda", dtype=dt).transpose(1, 2)
+    cos = torch.randn(1, seq, d, device="cuda", dtype=dt)
+    sin = torch.randn(1, seq, d, device="cuda", dtype=dt)
+    fn = _fn("liger_kernel.ops.rope", "LigerRopeFunction")
+    args = {"q": q, "k": k, "cos": cos, "sin": sin, "position_ids": None, "unsqueeze_dim": 1}
+    _function_pass(rec, fn, mode, args, lambda out: (torch.randn_like(out[0]), torch.randn_like(out[1])))
+
+
+def _gated_mlp(function: str):
+    """LLaMA's MLP with a peer's gated activation: gate and up projections, the activation, the down projection
+    (the peer's benchmark times the whole module), and their backward as nn.Linear's autograd computes it."""
+
+    def drive(rec, mode, x, cfg):
+        import torch
+
+        b = int(cfg.get("B", cfg.get("bsz", 1)))
+        rows, h, f, dt = b * int(x), int(cfg["hidden_size"]), int(cfg["intermediate_size"]), _dtype(cfg)
+        fn = _fn(f"liger_kernel.ops.{function[0]}", function[1])
+        X = torch.randn(rows, h, device="cuda", dtype=dt)
+        Wg, Wu = torch.randn(f, h, device="cuda", dtype=dt), torch.randn(f, h, device="cuda", dtype=dt)
+        Wd = torch.randn(h, f, device="cuda", dtype=dt)
+        ctx = Ctx()
+        with rec.recording(mode in ("forward", "full")):
+            g, u = X @ Wg.t(), X @ Wu.t()
+            rec.call()
+            a = _call(fn.forward, ctx, a=g, b=u)
+            y = a @ Wd.t()
+        if mode == "forward":
+            return
+        with rec.recording(False):
+            dy = torch.randn_like(y)
+        with rec.recording(True):
+            da = dy @ Wd
+            _ = dy.t() @ a
+            rec.call(backward=True)
+            dg, du = fn.backward(ctx, da)[:2]
+            dx = dg @ Wg
+            dx = dx + du @ Wu
+            _ = dg.t() @ X
+            _ = du.t() @ X
+
+    return drive
+
+
+DRIVERS = {
+    "rms_norm": _norm("rms_norm"),
+    "layer_norm": _norm("layer_norm"),
+    "cross_entropy": _cross_entropy,
+    "rope": _rope,
+    "swiglu": _gated_mlp(("swiglu", "LigerSiLUMulFunction")),
+    "geglu": _gated_mlp(("geglu", "LigerGELUMulFunction")),
+}
+
+
+# ---- the installed peer ----------------------------------------------------------------------------------------
+
+
+def default_peer_root() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "megakernels", "peers")
+
+
+def peer_dir(version: str, peer_path: str | None) -> str | None:
+    """Where liger-kernel ``version`` is installed: ``peer_path/liger-kernel-<version>`` or
+    ``peer_path/liger-<version>`` (``pip install --no-deps --target DIR liger-kernel==<version>``), or
+    ``peer_path`` itself when it holds that version; None when not found."""
+    for root in [peer_path, default_peer_root()] if peer_path else [default_peer_root()]:
+        for d in (os.path.join(root, f"liger-kernel-{version}"), os.path.join(root, f"liger-{version}"), root):
+            if os.path.isdir(os.path.join(d, "liger_kernel")) and _installed_version(d) == version:
+                return d
+    return None
+
+
+def _installed_version(d: str) -> str | None:
+    for name in os.listdir(d):
+        m = re.fullmatch(r"liger_kernel-(.+)\.dist-info", name)
+        if m:
+            return m.group(1)
+    return None
+
+
+def install_hint(version: str, peer_path: str | None) -> str:
+    root = peer_path or default_peer_root()
+    return (f"liger-kernel {version} is not installed: pip install --no-deps --target "
+            f"{os.path.join(root, 'liger-kernel-' + version)} liger-kernel=={version}")
+
+
+@contextlib.contextmanager
+def imported(path: str):
+    """liger_kernel imported from ``path`` (and forgotten afterwards, so another version can be imported)."""
+    def forget():
+        for k in [k for k in sys.modules if k == "liger_kernel" or k.startswith("liger_kernel.")]:
+            del sys.modules[k]
+
+    forget()
+    sys.path.insert(0, path)
+    try:
+        yield
+    finally:
+        sys.path.remove(path)
+        forget()
+
+
+# ---- pricing ---------------------------------------------------------------------------------------------------
+
+_FOR = re.compile(r"scf\.for\s+%[\w.]+\s*=\s*(%[\w.]+)\s+to\s+(%[\w.]+)\s+step\s+(%[\w.]+)")
+_DEF = re.compile(r"^\s*(%[\w.#]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
+_ARITH = {
+    "arith.addi": lambda a, b: a + b,
+    "arith.subi": lambda a, b: a - b,
+    "arith.muli": lambda a, b: a * b,
+    "arith.divsi": lambda a, b: int(a / b),
+    "arith.divui": lambda a, b: a // b,
+    "arith.remsi": lambda a, b: a - b * int(a / b),
+    "arith.minsi": min,
+    "arith.maxsi": max,
+    "arith.minui": min,
+    "arith.maxui": max,
+}
+
+
+class IR:
+    """What the pricing needs from a kernel's Triton IR (TTIR): its ``scf.for`` loops' trip counts and which
+    pointer arguments it loads from and stores to."""
+
+    def __init__(self, ttir: str, values: dict):
+        self.defs: dict[str, tuple[str, list[str], str]] = {}
+        self.loops: list[tuple[str, str, str, int]] = []  # (lb, ub, step, depth)
+        self.values = values
+        depth = 0
+        for line in ttir.splitlines():
+            m = _FOR.search(line)
+            if m:
+                self.loops.append((*m.groups(), depth))
+                for a, b in re.findall(r"(%[\w.]+)\s*=\s*(%[\w.]+)", line.split("iter_args", 1)[1]) if (
+                        "iter_args" in line) else []:
+                    self.defs[a] = ("alias", [b], "")
+            d = _DEF.match(line)
+            if d and not m:
+                self.defs[d.group(1)] = (d.group(2), re.findall(r"%[\w.#]+", d.group(3)), d.group(3))
+            depth += line.count("{") - line.count("}")
+        self.loaded, self.stored = set(), set()
+        for line in ttir.splitlines():
+            for op, into in (("tt.load", self.loaded), ("tt.store", self.stored), ("tt.atomic", self.stored)):
+                if re.search(rf"\b{op}", line):
+                    ptr = re.findall(r"%[\w.#]+", line.split(op, 1)[1])
+                    if ptr:
+                        into.update(self._args(ptr[0], set()))
+
+    def _args(self, v: str, seen: set) -> set:
+        if v in seen:
+            return set()
+        seen.add(v)
+        name = v[1:].split("#")[0]
+        if name in self.values:
+            return {name}
+        if v not in self.defs:
+            return set()
+        op, operands, _ = self.defs[v]
+        if op in ("arith.constant",):
+            return set()
+        out = set()
+        for o in operands:
+            out |= self._args(o, seen)
+        return out
+
+    def eval(self, v: str, pid: int = 0):
+        name = v[1:].split("#")[0]
+        if name in self.values and not hasattr(self.values[name], "shape"):
+            return int(self.values[name])
+        if v not in self.defs:
+            raise ValueError(f"loop bound {v} is not a constant or an argument")
+        op, operands, rest = self.defs[v]
+        if op == "arith.constant":
+            return int(re.match(r"\s*(-?\d+)", rest).group(1))
+        if op == "tt.get_program_id":
+            return pid
+        if op in ("arith.extsi", "arith.extui", "arith.trunci", "arith.index_cast", "alias"):
+            return self.eval(operands[0], pid)
+        if op in _ARITH:
+            return _ARITH[op](self.eval(operands[0], pid), self.eval(operands[1], pid))
+        raise ValueError(f"loop bound through {op}")
+
+    def trips(self) -> list[tuple[int, int]]:
+        """(trip count at program 0, nesting depth) of each loop, in program order."""
+        out = []
+        for lb, ub, st, depth in self.loops:
+            lo, hi, step = self.eval(lb), self.eval(ub), self.eval(st)
+            out.append((max(0, -(-(hi - lo) // step)), depth))
+        return out
+
+
+def _program_counts(fn, trips: list[int]):
+    """Per program, per warp: (instructions, MUFU, load bytes, store bytes, loads of one iteration of the first
+    loop that loads, or of the whole program without one)."""
+    from megakernels.bench.static import sass
+
+    in_loop = set()
+    for lp in fn.loops:
+        in_loop |= lp.blocks
+    flat = sass.Counts()
+    for i, b in enumerate(fn.blocks):
+        if i not in in_loop and not b.cold:
+            for ins in fn.instrs[b.start:b.end]:
+                flat.add(ins)
+    instr, mufu, ld, st = flat.instructions, flat.mufu, flat.load_bytes(), flat.store_bytes()
+    in_flight = flat.load_bytes()
+    # a loop runs (its trips) x (its enclosing loops' trips) times
+    mult = {}
+    for lp, t in zip(fn.loops, trips):
+        outer = fn.enclosing(lp)
+        mult[id(lp)] = t * (mult.get(id(outer), 1) if outer is not None else 1)
+    for lp in fn.loops:
+        n, c = mult[id(lp)], lp.counts
+        instr += n * c.instructions
+        mufu += n * c.mufu
+        ld += n * c.load_bytes()
+        st += n * c.store_bytes()
+        if c.load_bytes() and n:
+            in_flight = max(in_flight, c.load_bytes())
+    return instr, mufu, ld, st, in_flight
+
+
+_ANALYSED: dict = {}
+
+
+def price_triton(launch, m: model.Machine) -> dict:
+    """Time of one Triton launch on ``m``: compiled for its arch, read from SASS, priced by ``predict_stream``."""
+    key = (id(launch), m.name)
+    if key not in _ANALYSED:
+        _ANALYSED[key] = (launch, analyse_triton(launch, m))
+    cost, details = _ANALYSED[key][1]
+    pred = model.predict_stream(cost, details["grid"], 1, m)
+    return {**details, "bound": pred["bound"], "time_s": pred["time_s"], "times_s": pred["times_s"]}
+
+
+def analyse_triton(launch, m: model.Machine) -> tuple:
+    """(StreamCost per program, details) of one Triton launch compiled for ``m``."""
+    import torch
+
+    from megakernels.bench.static import compiled
+    from megakernels.triton.launch import compile_launch
+
+    c = compiled.triton_kernel(launch, m.arch)
+    ck = compile_launch(launch, m.arch)  # Triton's cache: the IR of the same compile
+    values = dict(zip(launch.kernel.arg_names, launch.args))
+    values.update({k: v for k, v in launch.kwargs.items() if k in launch.kernel.arg_names})
+    ir = IR(ck.asm["ttir"], values)
+    trips = ir.trips()
+    if len(trips) != len(c.fn.loops):
+        # ptxas unrolls loops of known trip count away: drop the IR loops with constant bounds first
+        var = [(t, d) for (t, d), lp in zip(trips, ir.loops) if not all(
+            re.match(r"%c", x) for x in lp[:3])]
+        if len(var) != len(c.fn.loops) and len({t for t, _ in trips}) == 1:
+            var = [trips[0]] * len(c.fn.loops)  # every loop of the IR runs the same count: so do the SASS's
+        if len(var) != len(c.fn.loops):
+            raise ValueError(f"{launch.name}: {len(trips)} loops in the IR, {len(c.fn.loops)} in the SASS")
+        trips = var
+    instr, mufu, ld, st, flight = _program_counts(c.fn, [t for t, _ in trips])
+    warps = launch.num_warps
+    programs = launch.num_ctas
+    resident = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(programs / m.sms))
+    nbytes = {k: v.numel() * v.element_size() for k, v in values.items() if isinstance(v, torch.Tensor)}
+    compulsory = sum(nbytes[k] for k in ir.loaded if k in nbytes) + sum(nbytes[k] for k in ir.stored if k in nbytes)
+    l2_total = (ld + st) * 32 * warps * programs
+    # Re-reads hit L2 while the data a program reuses stays there: one iteration of a single top-level loop (a
+    # stream of rows), else everything the program loads (several passes over the same row).
+    loaded = sum(nbytes[k] for k in ir.loaded if k in nbytes) / programs
+    top = [t for t, d in trips if d == 0]
+    reuse = loaded / max(1, top[0]) if len(top) == 1 else loaded
+    touched = reuse * min(programs, resident * m.sms)
+    dram_total = compulsory if touched <= m.l2_bytes else max(compulsory, l2_total)
+    cost = model.StreamCost(
+        instructions=instr * 32 * warps,
+        mufu=mufu * 32 * warps,
+        l2_bytes=(ld + st) * 32 * warps,
+        dram_bytes=dram_total / programs,
+        min_bytes=compulsory / programs,
+        in_flight_per_sm=flight * 32 * warps * resident,
+        warps_per_sm=resident * warps,
+        sm_fraction=min(1.0, programs / m.sms),
+    )
+    return cost, {"kernel": launch.name, "grid": programs, "warps": warps, "registers": c.registers,
+                  "spill_bytes": c.spill_bytes, "blocks_per_sm": resident, "loop_trips": [t for t, _ in trips],
+                  "instructions_per_program": instr * warps, "dram_bytes": dram_total, "l2_bytes": l2_total}
+
+
+def price_torch(op: Op, m: model.Machine) -> dict | None:
+    """GPU time of one recorded PyTorch op on ``m``; None for one that launches no kernel."""
+    import torch
+
+    name = op.func.__name__.split(".")[0] if hasattr(op.func, "__name__") else str(op.func)
+    schema = getattr(op.func, "_schema", None)
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        return None  # a view
+    if name in ("empty", "empty_like", "empty_strided", "new_empty", "device", "lift_fresh", "sym_size",
+                "sym_stride", "sym_numel"):
+        return None
+    if not op.outputs:
+        return None
+
+    def size(t):
+        return math.prod(t[0]) * t[1].itemsize
+
+    nbytes = sum(size(t) for t in op.inputs) + sum(size(t) for t in op.outputs)
+    t = nbytes / m.dram_copy
+    bound = "dram"
+    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and len(op.inputs) >= 2:
+        a, b = op.inputs[-2][0], op.inputs[-1][0]
+        flops = 2 * math.prod(a) * b[-1]
+        peak = m.mma_dense_tf32 if op.inputs[-1][1] == torch.float32 else m.mma_dense_bf16
+        tm = flops / (peak * m.mma_sustained)
+        if tm > t:
+            t, bound = tm, "mma"
+    return {"kernel": f"aten.{name}", "bound": bound, "time_s": t + m.launch_s, "dram_bytes": nbytes}
+
+
+def price(ops: list[Op], m: model.Machine, host: Host = HOST) -> dict:
+    """The published time of a recorded region: the GPU's time (its kernels in order) or the host's time the
+    flush does not hide, whichever is longer."""
+    gpu, host_t, after_sync, synced, launches = 0.0, 0.0, 0.0, False, []
+    for op in ops:
+        if op.kind == "triton":
+            r = price_triton(op.launch, m)
+            dh = host.triton_launch_s
+        elif op.kind == "torch":
+            r = price_torch(op, m)
+            dh = host.torch_op_s
+        elif op.kind == "sync":
+            synced, after_sync, r, dh = True, 0.0, None, host.torch_op_s
+            after_sync = max(after_sync, 0.0)
+            gpu = max(gpu, host_t - host.flush_bytes / m.dram_copy)  # the host waited for the GPU
+        else:
+            r, dh = None, host.function_s + (host.backward_s if op.func == "backward" else 0.0)
+        host_t += dh
+        after_sync += dh
+        if r is not None:
+            gpu += r["time_s"]
+            launches.append(r)
+    flush = host.flush_bytes / m.dram_copy
+    exposed = after_sync if synced else max(0.0, host_t - flush)
+    total = max(gpu, exposed)
+    return {"time_s": total, "gpu_s": gpu, "host_exposed_s": exposed,
+            "bound": "host" if exposed > gpu else "gpu", "launches": launches}
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+
+def _key(r: dict) -> tuple:
+    return (r["kernel_name"], r["kernel_operation_mode"], r["gpu_name"], r["x_value"],
+            r["extra_benchmark_config_str"], r["liger_version"])
+
+
+def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | None = None,
+                host: Host = HOST) -> dict:
+    """One CSV row through the model: ``predicted_ms`` and ``rel_error``, or ``reason`` it cannot be modelled."""
+    out = {k: r.get(k) for k in ("kernel_name", "kernel_provider", "kernel_operation_mode", "gpu_name", "x_value",
+                                 "extra_benchmark_config_str", "liger_version")}
+    try:
+        out["published_ms"] = float(r["y_value_50"])
+    except (TypeError, ValueError):
+        return {**out, "published_ms": None, "predicted_ms": None, "rel_error": None, "reason": "no y_value_50"}
+    none = {"predicted_ms": None, "rel_error": None}
+    if r["kernel_provider"] != "liger":
+        return {**out, **none, "reason": f"provider {r['kernel_provider']!r}: only the peer's kernels are modelled"}
+    if r["kernel_name"] not in DRIVERS:
+        return {**out, **none, "reason": f"no driver for kernel {r['kernel_name']!r} (drivers: {', '.join(DRIVERS)})"}
+    m = model.machine_for(r["gpu_name"])
+    if m is not None and machines:
+        m = machines.get(m.name, m)
+    if m is None:
+        return {**out, **none, "reason": f"GPU {r['gpu_name']!r} is not in model.MACHINES"}
+    if r["kernel_operation_mode"] not in ("forward", "backward", "full"):
+        return {**out, **none, "reason": f"mode {r['kernel_operation_mode']!r}"}
+    key = _key(r)
+    if key not in cache:
+        cache[key] = record(r, m, peer_path)
+    rec = cache[key]
+    if isinstance(rec, str):
+        return {**out, **none, "reason": rec}
+    try:
+        res = price(rec, m, host)
+    except Exception as e:  # noqa: BLE001 - a kernel the model cannot read is a reason, not a crash
+        return {**out, **none, "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+    pred_ms = res["time_s"] * 1e3
+    return {**out, "predicted_ms": pred_ms, "rel_error": (pred_ms - out["published_ms"]) / out["published_ms"],
+            "bound": res["bound"], "gpu_ms": res["gpu_s"] * 1e3, "host_exposed_ms": res["host_exposed_s"] * 1e3,
+            "launches": [{k: v for k, v in q.items() if k != "times_s"} | {
+                "time_us": q["time_s"] * 1e6} for q in res["launches"]]}
+
+
+def record(r: dict, m: model.Machine, peer_path: str | None) -> list | str:
+    """The ops the row's timed region runs (``Op`` list), or why they cannot be recorded."""
+    version = r["liger_version"]
+    path = peer_dir(version, peer_path)
+    if path is None:
+        return install_hint(version, peer_path)
+    try:
+        cfg = json.loads(r["extra_benchmark_config_str"] or "{}")
+        x = float(r["x_value"])
+        x = int(x) if x.is_integer() else x
+    except ValueError as e:
+        return f"unreadable shape: {e}"
+    rec = Recorder(m)
+    try:
+        with imported(path), rec.patched():
+            DRIVERS[r["kernel_name"]](rec, r["kernel_operation_mode"], x, cfg)
+        return rec.ops
+    except Exception as e:  # noqa: BLE001 - a peer version the drivers do not fit is a reason, not a crash
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def run(csv_path: str, peer_path: str | None = None, log=print) -> dict:
+    """Every row of ``csv_path`` through the model; the ``calibration.json`` payload."""
+    rows = select(read_csv(csv_path))
+    cache: dict = {}
+    out = []
+    for r in rows:
+        p = predict_row(r, peer_path, cache)
+        out.append(p)
+        if log and p.get("rel_error") is not None:
+            log(f"  {p['kernel_name']:<14}{p['kernel_operation_mode']:<9}{p['gpu_name'][7:]:<20}{p['x_value']:>8}"
+                f"  published {p['published_ms']:9.4f} ms  predicted {p['predicted_ms']:9.4f} ms"
+                f"  {100 * p['rel_error']:+6.0f}%  {p['bound']}")
+    modelled = [p for p in out if p.get("rel_error") is not None]
+    skipped = [p for p in out if p.get("rel_error") is None and p["kernel_provider"] == "liger"]
+    summary = summarise(modelled)
+    summary["not_modelled"] = {"rows": len(out) - len(modelled), "peer_rows": len(skipped),
+                               "reasons": sorted({p["reason"] for p in skipped})}
+    return {"csv": os.path.abspath(csv_path), "machines": {k: dataclasses.asdict(v) for k, v in
+                                                           model.MACHINES.items()},
+            "host": dataclasses.asdict(HOST), "rows": out, "summary": summary}
