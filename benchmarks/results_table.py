@@ -194,12 +194,34 @@ def _plan_check_rows(report):
         yield "measured", "plan_check order", {}, "kendall_tau", float(report["kendall_tau"]), "tau"
 
 
+def _calibration_rows(report):
+    # ``bench --static --peer-csv``: a peer's published timings (measured, by the peer) beside the model's
+    for r in report["rows"]:
+        config = {
+            k: r.get(k)
+            for k in (
+                "kernel_provider",
+                "kernel_operation_mode",
+                "gpu_name",
+                "x_value",
+                "extra_benchmark_config_str",
+                "liger_version",
+            )
+        }
+        if isinstance(r.get("published_ms"), float):
+            yield "measured", r["kernel_name"], config, "published_ms", r["published_ms"], "ms"
+        if isinstance(r.get("predicted_ms"), float):
+            yield "predicted", r["kernel_name"], config, "predicted_ms", r["predicted_ms"], "ms"
+
+
 def figures(report: dict, stem: str):
     """(kind, what, config, metric, value, unit) for every figure of one report, by its layout."""
     if "runs" in report:
         raise ReportError("the file holds several runs: split it into one report per run")
     if "kernels" in report:
         return list(_static_rows(report))
+    if "rows" in report and "summary" in report and "host" in report:
+        return list(_calibration_rows(report))
     if "rows" in report or "e2e" in report:
         return list(_bench_rows(report))
     if "results" in report:

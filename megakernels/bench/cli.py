@@ -5,6 +5,7 @@
                       [--head-dims 64,128] [--seqlens 4096,8192]
     megakernels bench --e2e PRESET [--tp N --pp N --vpp N --dp N --nproc N --precision ... --steps N ...]
     megakernels bench --static [--ops NAME,...] [--out DIR]
+    megakernels bench --static --peer-csv FILE [--peer-path DIR] [--out DIR]
     megakernels bench --plan-check [--steps N] [--warmup N] [--out DIR]
 
 Measures the device's ceilings first (copy bandwidth, GEMM FLOP/s per dtype; ``ceilings``), then prints one table
@@ -18,7 +19,11 @@ shapes of the ops whose shapes have that many sizes: rows,hidden (norms, bias_ge
 tokens,vocab (cross_entropy), b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope); ``--head-dims`` and
 ``--seqlens`` those of flash_attention. ``--static`` measures nothing: it compiles every shipped GPU kernel
 config for sm_90 as a launch gets it and prints the static cost report (SASS, resources, a predicted fraction
-of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out.
+of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out. ``--static --peer-csv FILE``
+predicts every row of a Liger-Kernel benchmark CSV with the same model (the peer's kernels compiled for each row's
+GPU) and writes ``DIR/calibration.json`` (rows with published and predicted ms, and a summary of the errors);
+``--peer-path DIR`` is where the liger-kernel versions the rows name are installed
+(``DIR/liger-kernel-<version>``; default ``~/.cache/megakernels/peers``).
 ``--plan-check`` asks whether ``megakernels plan`` orders layouts as this machine runs them: four layouts of
 gpt-tiny on 4 local processes, predicted with a CPU device profile measured here, then trained
 (``plan_check``; ``DIR/plan_check.json`` with --out).
@@ -153,6 +158,19 @@ def configure(p: argparse.ArgumentParser, extensions: Sequence[Extension] = ()) 
         action="store_true",
         help="the static cost report of the GPU kernels (compiles for "
         "sm_90, needs no GPU; writes DIR/static.json with --out)",
+    )
+    p.add_argument(
+        "--peer-csv",
+        default=None,
+        metavar="FILE",
+        help="with --static: predict the rows of a Liger-Kernel benchmark CSV (DIR/calibration.json)",
+    )
+    p.add_argument(
+        "--peer-path",
+        default=None,
+        metavar="DIR",
+        help="where liger-kernel versions are installed: DIR/liger-kernel-<version> "
+        "(default ~/.cache/megakernels/peers)",
     )
     for ext in extensions:
         ext.add_arguments(p)
@@ -364,6 +382,8 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:  # an extension's own argument errors included (the trainer's ArgumentError)
         print(f"megakernels bench: error: {e}", file=sys.stderr)
         return 2
+    if ns.static and getattr(ns, "peer_csv", None):
+        return run_peer(ns.peer_csv, ns.peer_path, ns.out)
     if ns.static:
         return run_static(ops, ns.out)
     for x, state in states:
@@ -404,6 +424,31 @@ def main(ns: argparse.Namespace) -> int:
         for png in plot.write_plots(rows, ns.out):
             print(f"wrote {png}")
     return 0
+
+
+def run_peer(csv_path: str, peer_path: str | None, out: str | None) -> int:
+    """``megakernels bench --static --peer-csv FILE``: the CSV's rows through the static model; 1 when no row could
+    be modelled."""
+    from megakernels.bench.common import write_json
+    from megakernels.bench.static import peer
+
+    if not os.path.exists(csv_path):
+        print(f"megakernels bench: error: --peer-csv: no file {csv_path}", file=sys.stderr)
+        return 2
+    payload = peer.run(csv_path, peer_path)
+    s = payload["summary"]
+    for name, st in [("overall", s["overall"]), *s["per_gpu"].items()]:
+        if st["rows"]:
+            print(
+                f"{name}: {st['rows']} rows, median |error| {100 * st['median_abs_rel_error']:.1f}%, "
+                f"p90 {100 * st['p90_abs_rel_error']:.1f}%"
+            )
+    for reason in s["not_modelled"]["reasons"]:
+        print(f"not modelled: {reason}")
+    path = write_json(out, "calibration.json", payload)
+    if path:
+        print(f"wrote {path}")
+    return 0 if s["overall"]["rows"] else 1
 
 
 def run_static(ops: list[str], out: str | None) -> int:

@@ -50,9 +50,9 @@ class Machine:
     smem_bytes_per_clk: float = 128.0  # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
     # cp.async fills, LDS/STS share it (assumption; calibrate)
     dram_latency_s: float = 0.8e-6  # loaded DRAM latency: bytes in flight per SM must cover it
-    launch_s: float = 2e-6  # per kernel launch: launch, ramp-up and drain of a grid
-    issue_efficiency: float = 1.0  # fraction of the issue slots a streaming kernel's warps fill (dependency stalls)
-    overlap_p: float = math.inf  # streaming terms combine as (sum t_i^p)^(1/p): inf = perfect overlap (the max)
+    launch_s: float = 8e-6  # per kernel launch as CUDA events time it: launch, ramp-up, drain (calibrated)
+    issue_efficiency: float = 0.7  # fraction of the issue slots a streaming kernel's warps fill (calibrated)
+    overlap_p: float = 2.0  # streaming terms combine as (sum t_i^p)^(1/p); inf = perfect overlap (calibrated)
     max_warps: int = 64
     max_blocks: int = 32
     regs: int = 65536
@@ -75,8 +75,10 @@ class Machine:
 COPY_FRACTION = 4.3 / 4.8
 
 _HOPPER_SRC = (
-    ("sms, l2_bytes, smem, regs, max_warps, max_blocks", "NVIDIA H100 Tensor Core GPU Architecture whitepaper; CUDA C "
-     "Programming Guide, compute capability 9.0 table"),
+    (
+        "sms, l2_bytes, smem, regs, max_warps, max_blocks",
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper; CUDA C Programming Guide, compute capability 9.0 table",
+    ),
     ("mma_dense_*, dram_peak, boost_clock_hz", "NVIDIA H100 / H200 datasheets (dense = the sparse figure / 2)"),
     ("clock_hz", "mma_dense_bf16 / (sms x 4096 FLOP/clk/SM): the clock the dense rating assumes"),
     ("dram_copy", "H200: a measured copy; others dram_peak x COPY_FRACTION (assumption)"),
@@ -130,10 +132,15 @@ MACHINES: dict[str, Machine] = {
         smem=_targets.SHARED_PER_SM[80],
         smem_per_block=_targets.SHARED_LIMIT[80],
         sources=(
-            ("sms, l2_bytes, smem, regs, max_warps, max_blocks", "NVIDIA A100 Tensor Core GPU Architecture "
-             "whitepaper; CUDA C Programming Guide, compute capability 8.0 table"),
-            ("mma_dense_*, dram_peak, clock_hz", "NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s bf16 dense, "
-             "2039 GB/s, 1410 MHz boost)"),
+            (
+                "sms, l2_bytes, smem, regs, max_warps, max_blocks",
+                "NVIDIA A100 Tensor Core GPU Architecture "
+                "whitepaper; CUDA C Programming Guide, compute capability 8.0 table",
+            ),
+            (
+                "mma_dense_*, dram_peak, clock_hz",
+                "NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s bf16 dense, 2039 GB/s, 1410 MHz boost)",
+            ),
             ("dram_copy", "dram_peak x COPY_FRACTION (assumption)"),
             ("l2_bw, dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
         ),

@@ -63,10 +63,10 @@ FIELDS = (
 class Host:
     """The host side of a do_bench measurement (assumptions, calibrated on the development set)."""
 
-    triton_launch_s: float = 25e-6  # a Triton launch from Python (argument binding, the launcher)
-    torch_op_s: float = 6e-6  # an eager PyTorch op, views included
+    triton_launch_s: float = 40e-6  # a Triton launch from Python (argument binding, the launcher)
+    torch_op_s: float = 5e-6  # an eager PyTorch op, views included
     function_s: float = 30e-6  # an autograd.Function call
-    backward_s: float = 60e-6  # more for a backward: the autograd engine's pass (Tensor.backward)
+    backward_s: float = 130e-6  # more for a backward: the autograd engine's pass (Tensor.backward)
     flush_bytes: float = 256e6  # do_bench's L2 flush: a 256 MB zero_ before each timed call
 
 
@@ -121,8 +121,11 @@ def summarise(rows: list[dict]) -> dict:
 
     def stats(rs):
         e = [abs(r["rel_error"]) for r in rs]
-        return {"rows": len(e), "median_abs_rel_error": statistics.median(e) if e else None,
-                "p90_abs_rel_error": percentile(e, 0.9) if e else None}
+        return {
+            "rows": len(e),
+            "median_abs_rel_error": statistics.median(e) if e else None,
+            "p90_abs_rel_error": percentile(e, 0.9) if e else None,
+        }
 
     done = [r for r in rows if r.get("rel_error") is not None]
     out = {"overall": stats(done), "per_gpu": {}}
@@ -191,26 +194,37 @@ class Recorder:
             if callable(grid):
                 grid = grid(dict(zip(kernel.arg_names, args)) | kwargs)
             if rec.active:
-                launch = Launch(kernel, tuple(grid), tuple(_meta(a) for a in args),
-                                {k: _meta(v) for k, v in kwargs.items()})
+                launch = Launch(
+                    kernel, tuple(grid), tuple(_meta(a) for a in args), {k: _meta(v) for k, v in kwargs.items()}
+                )
                 rec.ops.append(Op("triton", launch=launch))
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-                            torch.ops.aten.is_nonzero.default):
+                if func in (
+                    torch.ops.aten._local_scalar_dense.default,
+                    torch.ops.aten.equal.default,
+                    torch.ops.aten.is_nonzero.default,
+                ):
                     if rec.active:
                         rec.ops.append(Op("sync", func=func))
                     return True if func is not torch.ops.aten._local_scalar_dense.default else 1
                 out = func(*args, **kwargs)
                 if rec.active:
-                    rec.ops.append(Op("torch", func=func, inputs=_tensors(list(args) + list(kwargs.values())),
-                                      outputs=_tensors(out)))
+                    rec.ops.append(
+                        Op(
+                            "torch",
+                            func=func,
+                            inputs=_tensors(list(args) + list(kwargs.values())),
+                            outputs=_tensors(out),
+                        )
+                    )
                 return out
 
-        props = types.SimpleNamespace(multi_processor_count=self.m.sms, name=self.m.name,
-                                      major=self.m.arch // 10, minor=self.m.arch % 10)
+        props = types.SimpleNamespace(
+            multi_processor_count=self.m.sms, name=self.m.name, major=self.m.arch // 10, minor=self.m.arch % 10
+        )
         tensor = torch.tensor
 
         def fake_tensor(data, *a, device=None, dtype=None, **k):
@@ -218,9 +232,16 @@ class Recorder:
                 t = tensor(data, dtype=dtype)
             return torch.empty(t.shape, dtype=t.dtype, device=device)
 
-        saved = [(JITFunction, "run"), (torch.cuda, "is_available"), (torch.cuda, "get_device_properties"),
-                 (torch.cuda, "device"), (torch.cuda, "get_device_capability"), (torch.cuda, "current_device"),
-                 (torch.cuda, "device_count"), (torch, "tensor")]
+        saved = [
+            (JITFunction, "run"),
+            (torch.cuda, "is_available"),
+            (torch.cuda, "get_device_properties"),
+            (torch.cuda, "device"),
+            (torch.cuda, "get_device_capability"),
+            (torch.cuda, "current_device"),
+            (torch.cuda, "device_count"),
+            (torch, "tensor"),
+        ]
         old = [getattr(o, n) for o, n in saved]
         JITFunction.run = run
         torch.cuda.is_available = lambda: True
@@ -347,6 +368,9 @@ def _cross_entropy(rec, mode, x, cfg):
         return (torch.ones_like(loss),) + ((None,) if isinstance(out, tuple) else ())
 
     _function_pass(rec, fn, mode, args, grads)
+    if mode == "full":  # the benchmark's full pass sets no grad_to_none: the engine accumulates into X.grad
+        with rec.recording(True):
+            _ = X + X
 
 
 def _rope(rec, mode, x, cfg):
@@ -440,24 +464,30 @@ def _installed_version(d: str) -> str | None:
 
 def install_hint(version: str, peer_path: str | None) -> str:
     root = peer_path or default_peer_root()
-    return (f"liger-kernel {version} is not installed: pip install --no-deps --target "
-            f"{os.path.join(root, 'liger-kernel-' + version)} liger-kernel=={version}")
+    return (
+        f"liger-kernel {version} is not installed: pip install --no-deps --target "
+        f"{os.path.join(root, 'liger-kernel-' + version)} liger-kernel=={version}"
+    )
 
 
 @contextlib.contextmanager
 def imported(path: str):
     """liger_kernel imported from ``path`` (and forgotten afterwards, so another version can be imported)."""
+
     def forget():
         for k in [k for k in sys.modules if k == "liger_kernel" or k.startswith("liger_kernel.")]:
             del sys.modules[k]
 
     forget()
     sys.path.insert(0, path)
+    interp = os.environ.pop("TRITON_INTERPRET", None)  # @triton.jit must build JIT functions, to be compiled
     try:
         yield
     finally:
         sys.path.remove(path)
         forget()
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
 
 
 # ---- pricing ---------------------------------------------------------------------------------------------------
@@ -491,8 +521,11 @@ class IR:
             m = _FOR.search(line)
             if m:
                 self.loops.append((*m.groups(), depth))
-                for a, b in re.findall(r"(%[\w.]+)\s*=\s*(%[\w.]+)", line.split("iter_args", 1)[1]) if (
-                        "iter_args" in line) else []:
+                for a, b in (
+                    re.findall(r"(%[\w.]+)\s*=\s*(%[\w.]+)", line.split("iter_args", 1)[1])
+                    if ("iter_args" in line)
+                    else []
+                ):
                     self.defs[a] = ("alias", [b], "")
             d = _DEF.match(line)
             if d and not m:
@@ -560,7 +593,7 @@ def _program_counts(fn, trips: list[int]):
     flat = sass.Counts()
     for i, b in enumerate(fn.blocks):
         if i not in in_loop and not b.cold:
-            for ins in fn.instrs[b.start:b.end]:
+            for ins in fn.instrs[b.start : b.end]:
                 flat.add(ins)
     instr, mufu, ld, st = flat.instructions, flat.mufu, flat.load_bytes(), flat.store_bytes()
     in_flight = flat.load_bytes()
@@ -608,8 +641,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
     trips = ir.trips()
     if len(trips) != len(c.fn.loops):
         # ptxas unrolls loops of known trip count away: drop the IR loops with constant bounds first
-        var = [(t, d) for (t, d), lp in zip(trips, ir.loops) if not all(
-            re.match(r"%c", x) for x in lp[:3])]
+        var = [(t, d) for (t, d), lp in zip(trips, ir.loops) if not all(re.match(r"%c", x) for x in lp[:3])]
         if len(var) != len(c.fn.loops) and len({t for t, _ in trips}) == 1:
             var = [trips[0]] * len(c.fn.loops)  # every loop of the IR runs the same count: so do the SASS's
         if len(var) != len(c.fn.loops):
@@ -639,9 +671,18 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         warps_per_sm=resident * warps,
         sm_fraction=min(1.0, programs / m.sms),
     )
-    return cost, {"kernel": launch.name, "grid": programs, "warps": warps, "registers": c.registers,
-                  "spill_bytes": c.spill_bytes, "blocks_per_sm": resident, "loop_trips": [t for t, _ in trips],
-                  "instructions_per_program": instr * warps, "dram_bytes": dram_total, "l2_bytes": l2_total}
+    return cost, {
+        "kernel": launch.name,
+        "grid": programs,
+        "warps": warps,
+        "registers": c.registers,
+        "spill_bytes": c.spill_bytes,
+        "blocks_per_sm": resident,
+        "loop_trips": [t for t, _ in trips],
+        "instructions_per_program": instr * warps,
+        "dram_bytes": dram_total,
+        "l2_bytes": l2_total,
+    }
 
 
 def price_torch(op: Op, m: model.Machine) -> dict | None:
@@ -652,8 +693,17 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
     schema = getattr(op.func, "_schema", None)
     if schema is not None and any(r.alias_info is not None for r in schema.returns):
         return None  # a view
-    if name in ("empty", "empty_like", "empty_strided", "new_empty", "device", "lift_fresh", "sym_size",
-                "sym_stride", "sym_numel"):
+    if name in (
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "device",
+        "lift_fresh",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+    ):
         return None
     if not op.outputs:
         return None
@@ -699,23 +749,43 @@ def price(ops: list[Op], m: model.Machine, host: Host = HOST) -> dict:
     flush = host.flush_bytes / m.dram_copy
     exposed = after_sync if synced else max(0.0, host_t - flush)
     total = max(gpu, exposed)
-    return {"time_s": total, "gpu_s": gpu, "host_exposed_s": exposed,
-            "bound": "host" if exposed > gpu else "gpu", "launches": launches}
+    return {
+        "time_s": total,
+        "gpu_s": gpu,
+        "host_exposed_s": exposed,
+        "bound": "host" if exposed > gpu else "gpu",
+        "launches": launches,
+    }
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
 
 
 def _key(r: dict) -> tuple:
-    return (r["kernel_name"], r["kernel_operation_mode"], r["gpu_name"], r["x_value"],
-            r["extra_benchmark_config_str"], r["liger_version"])
+    return (
+        r["kernel_name"],
+        r["kernel_operation_mode"],
+        r["gpu_name"],
+        r["x_value"],
+        r["extra_benchmark_config_str"],
+        r["liger_version"],
+    )
 
 
-def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | None = None,
-                host: Host = HOST) -> dict:
+def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | None = None, host: Host = HOST) -> dict:
     """One CSV row through the model: ``predicted_ms`` and ``rel_error``, or ``reason`` it cannot be modelled."""
-    out = {k: r.get(k) for k in ("kernel_name", "kernel_provider", "kernel_operation_mode", "gpu_name", "x_value",
-                                 "extra_benchmark_config_str", "liger_version")}
+    out = {
+        k: r.get(k)
+        for k in (
+            "kernel_name",
+            "kernel_provider",
+            "kernel_operation_mode",
+            "gpu_name",
+            "x_value",
+            "extra_benchmark_config_str",
+            "liger_version",
+        )
+    }
     try:
         out["published_ms"] = float(r["y_value_50"])
     except (TypeError, ValueError):
@@ -743,10 +813,17 @@ def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | No
     except Exception as e:  # noqa: BLE001 - a kernel the model cannot read is a reason, not a crash
         return {**out, **none, "reason": f"{type(e).__name__}: {str(e)[:300]}"}
     pred_ms = res["time_s"] * 1e3
-    return {**out, "predicted_ms": pred_ms, "rel_error": (pred_ms - out["published_ms"]) / out["published_ms"],
-            "bound": res["bound"], "gpu_ms": res["gpu_s"] * 1e3, "host_exposed_ms": res["host_exposed_s"] * 1e3,
-            "launches": [{k: v for k, v in q.items() if k != "times_s"} | {
-                "time_us": q["time_s"] * 1e6} for q in res["launches"]]}
+    return {
+        **out,
+        "predicted_ms": pred_ms,
+        "rel_error": (pred_ms - out["published_ms"]) / out["published_ms"],
+        "bound": res["bound"],
+        "gpu_ms": res["gpu_s"] * 1e3,
+        "host_exposed_ms": res["host_exposed_s"] * 1e3,
+        "launches": [
+            {k: v for k, v in q.items() if k != "times_s"} | {"time_us": q["time_s"] * 1e6} for q in res["launches"]
+        ],
+    }
 
 
 def record(r: dict, m: model.Machine, peer_path: str | None) -> list | str:
@@ -779,14 +856,29 @@ def run(csv_path: str, peer_path: str | None = None, log=print) -> dict:
         p = predict_row(r, peer_path, cache)
         out.append(p)
         if log and p.get("rel_error") is not None:
-            log(f"  {p['kernel_name']:<14}{p['kernel_operation_mode']:<9}{p['gpu_name'][7:]:<20}{p['x_value']:>8}"
+            log(
+                f"  {p['kernel_name']:<14}{p['kernel_operation_mode']:<9}{p['gpu_name'][7:]:<20}{p['x_value']:>8}"
                 f"  published {p['published_ms']:9.4f} ms  predicted {p['predicted_ms']:9.4f} ms"
-                f"  {100 * p['rel_error']:+6.0f}%  {p['bound']}")
+                f"  {100 * p['rel_error']:+6.0f}%  {p['bound']}"
+            )
     modelled = [p for p in out if p.get("rel_error") is not None]
     skipped = [p for p in out if p.get("rel_error") is None and p["kernel_provider"] == "liger"]
     summary = summarise(modelled)
-    summary["not_modelled"] = {"rows": len(out) - len(modelled), "peer_rows": len(skipped),
-                               "reasons": sorted({p["reason"] for p in skipped})}
-    return {"csv": os.path.abspath(csv_path), "machines": {k: dataclasses.asdict(v) for k, v in
-                                                           model.MACHINES.items()},
-            "host": dataclasses.asdict(HOST), "rows": out, "summary": summary}
+    summary["not_modelled"] = {
+        "rows": len(out) - len(modelled),
+        "peer_rows": len(skipped),
+        "reasons": sorted({p["reason"] for p in skipped}),
+    }
+    from megakernels.bench.common import git_commit
+
+    gpus = sorted({p["gpu_name"] for p in modelled})
+    return {
+        "machine": {"name": "published Liger-Kernel timings on " + ", ".join(gpus)},
+        "commit": git_commit(),
+        "date": __import__("time").strftime("%Y-%m-%d"),
+        "csv": os.path.relpath(csv_path),
+        "machines": {k: dataclasses.asdict(v) for k, v in model.MACHINES.items()},
+        "host": dataclasses.asdict(HOST),
+        "rows": out,
+        "summary": summary,
+    }
