@@ -2,7 +2,9 @@
 
 No parameters and no table in memory by default: the kernel computes each token's angles from its position. With
 ``max_positions`` the module keeps the contract's fp32 cos/sin table as a (non-persistent) buffer and the kernel
-reads it instead.
+reads it instead. With position ``scaling`` (``megakernels.ops.RopeScaling``: Llama 3.1's, or linear interpolation)
+the angles always come from such a table, built from the scaled inverse frequencies; it covers ``max_positions``
+(default 4096) and is rebuilt larger when a call reaches past it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from torch import nn
 
 from megakernels.ops import _checks
-from megakernels.ops.rope import fused_rope, rope_cos_sin_table
+from megakernels.ops.rope import RopeScaling, fused_rope, rope_cos_sin_table
 
 
 class RotaryEmbedding(nn.Module):
@@ -22,6 +24,7 @@ class RotaryEmbedding(nn.Module):
         theta: the base (10000 Llama 2, 500000 Llama 3), a finite number > 0.
         interleaved: False for the half-rotated NeoX/Llama layout (HF's rotate_half), True for GPT-J's.
         max_positions: if given, cache the cos/sin table for positions ``[0, max_positions)`` as a buffer.
+        scaling: position scaling of the frequencies (``RopeScaling``), or None.
 
     ``forward(q, k, positions=None, seq_dim=1, position_offset=0)`` with q ``[batch, seq, heads_q, d]`` and k
     ``[batch, seq, heads_k, d]`` (or sequence-first with ``seq_dim=0``); returns ``(q_rot, k_rot)``. Raises as
@@ -35,6 +38,7 @@ class RotaryEmbedding(nn.Module):
         interleaved: bool = False,
         max_positions: int | None = None,
         device=None,
+        scaling: RopeScaling | None = None,
     ):
         super().__init__()
         name = "RotaryEmbedding"
@@ -47,13 +51,26 @@ class RotaryEmbedding(nn.Module):
         if not isinstance(interleaved, bool):
             raise TypeError(f"{name}: interleaved must be a bool, got {interleaved!r}")
         self.interleaved = interleaved
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise TypeError(f"{name}: scaling must be a megakernels.ops.RopeScaling or None, got {scaling!r}")
+        self.scaling = scaling
+        if max_positions is None and scaling is not None:
+            max_positions = 4096
         self.max_positions = (
             None if max_positions is None else _checks.integer(name, "max_positions", max_positions, minimum=1)
         )
-        table = (
-            None if max_positions is None else rope_cos_sin_table(self.max_positions, self.head_dim, self.theta, device)
-        )
-        self.register_buffer("cos_sin", table, persistent=False)
+        self.register_buffer("cos_sin", None if max_positions is None else self._table(self.max_positions, device), False)
+
+    def _table(self, positions: int, device) -> torch.Tensor:
+        return rope_cos_sin_table(positions, self.head_dim, self.theta, device, self.scaling)
+
+    def _cover(self, q: torch.Tensor, positions, seq_dim: int, position_offset: int) -> None:
+        """A scaled embedding's table reaches every position of this call (rebuilt at twice the need if not)."""
+        seq = q.shape[seq_dim]
+        last = position_offset + (seq - 1 if positions is None else int(positions.max()) if positions.numel() else 0)
+        if last >= self.cos_sin.shape[0] and self.cos_sin.device.type != "meta":
+            self.max_positions = 2 * (last + 1)
+            self.cos_sin = self._table(self.max_positions, self.cos_sin.device)
 
     def forward(
         self,
@@ -65,6 +82,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(q, torch.Tensor) and q.dim() >= 1 and q.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding: q has head_dim {q.shape[-1]}, expected {self.head_dim}")
+        if self.scaling is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+            self._cover(q, positions, seq_dim, position_offset)
         return fused_rope(
             q,
             k,
@@ -78,4 +97,5 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         cache = f", max_positions={self.max_positions}" if self.max_positions else ""
-        return f"{self.head_dim}, theta={self.theta}, interleaved={self.interleaved}{cache}"
+        scaled = f", scaling={self.scaling}" if self.scaling else ""
+        return f"{self.head_dim}, theta={self.theta}, interleaved={self.interleaved}{cache}{scaled}"

@@ -6,7 +6,7 @@ from megakernels.ops.attention import flash_attention
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
-from megakernels.ops.rope import fused_rope, rope_cos_sin_table, rope_reference
+from megakernels.ops.rope import RopeScaling, fused_rope, rope_cos_sin_table, rope_inv_freq, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.swiglu import swiglu, swiglu_reference
 
@@ -22,6 +22,8 @@ __all__ = [
     "fused_rope",
     "rope_reference",
     "rope_cos_sin_table",
+    "rope_inv_freq",
+    "RopeScaling",
     "swiglu",
     "swiglu_reference",
 ]

@@ -23,6 +23,7 @@ Math in fp32 (fp64 for fp64 data), outputs in the input dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -163,22 +164,77 @@ def fused_rope(
     )
 
 
-def rope_cos_sin_table(max_positions: int, head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
+def rope_cos_sin_table(
+    max_positions: int, head_dim: int, theta: float = 10000.0, device=None, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """The contract's ``cos_sin`` table: fp32 ``[max_positions, head_dim/2, 2]``, (cos, sin) of the fp32 angle
-    ``float(pos) * fp32(theta^(-2i/d))``, evaluated in fp64 and rounded once."""
-    angle = _angles(torch.arange(max_positions, device=device), head_dim, theta)
+    ``float(pos) * inv_freq[i]`` (``rope_inv_freq``: ``theta^(-2i/d)``, scaled by ``scaling``), evaluated in fp64
+    and rounded once. A scaled model's rotary embedding reads its angles from this table: the scaled inverse
+    frequencies are the kernel's input through it."""
+    angle = _angles(torch.arange(max_positions, device=device), head_dim, theta, scaling)
     return torch.stack([angle.double().cos(), angle.double().sin()], -1).float()
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Position scaling of the rotary frequencies (long-context Llama models).
+
+    Attributes:
+        kind: ``"linear"`` (every frequency divided by ``factor``: position interpolation) or ``"llama3"``
+            (Llama 3.1's: wavelengths shorter than ``original_max_positions / high_freq_factor`` kept, longer than
+            ``original_max_positions / low_freq_factor`` divided by ``factor``, a linear blend of the two between).
+        factor, low_freq_factor, high_freq_factor, original_max_positions: as above (Llama 3.1: 8, 1, 4, 8192).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    KINDS = ("linear", "llama3")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"RopeScaling: kind must be one of {self.KINDS}, got {self.kind!r}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"RopeScaling: factor must be >= 1, got {self.factor}")
+        if self.kind == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor and self.original_max_positions >= 1
+        ):
+            raise ValueError(
+                "RopeScaling: llama3 needs 0 < low_freq_factor < high_freq_factor and original_max_positions >= 1, "
+                f"got {self.low_freq_factor}, {self.high_freq_factor}, {self.original_max_positions}"
+            )
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (fp64 in, fp64 out)."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        wavelength = 2.0 * math.pi / inv_freq
+        short = self.original_max_positions / self.high_freq_factor  # shorter wavelengths are kept
+        long = self.original_max_positions / self.low_freq_factor  # longer ones are divided by the factor
+        blend = (self.original_max_positions / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        mixed = (1.0 - blend) * inv_freq / self.factor + blend * inv_freq
+        return torch.where(wavelength < short, inv_freq, torch.where(wavelength > long, inv_freq / self.factor, mixed))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+    """fp32 ``[head_dim/2]``: ``theta^(-2i/d)`` computed in fp64, scaled by ``scaling`` (fp64), rounded once."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+    inv_freq = torch.exp2(-(2.0 * i / head_dim) * math.log2(theta))
+    return (inv_freq if scaling is None else scaling.apply(inv_freq)).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reference semantics in plain PyTorch (tests; documentation).
 
 
-def _angles(pos: torch.Tensor, d: int, theta: float) -> torch.Tensor:
+def _angles(pos: torch.Tensor, d: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """fp32 angles ``[..., d/2]`` for integer positions ``[...]``: the kernels' exact arithmetic."""
-    i = torch.arange(d // 2, dtype=torch.float64, device=pos.device)
-    inv_freq = torch.exp2(-(2.0 * i / d) * math.log2(theta)).float()
-    return pos.float()[..., None] * inv_freq
+    return pos.float()[..., None] * rope_inv_freq(d, theta, scaling, pos.device)
 
 
 def rope_reference(

@@ -8,8 +8,10 @@ layout (``rope_interleaved``, pairs ``(2i, 2i+1)``, the layout of Meta's origina
 and key rows permuted so that both layouts compute the same attention: row ``2i`` is HuggingFace's row ``i`` and
 row ``2i+1`` its row ``i + d/2``.
 
-Refused, naming the setting: a ``rope_scaling`` (position interpolation changes the angles), an activation other
-than SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases on only some projections.
+Rotary position scaling: ``llama3`` (Llama 3.1+) and ``linear`` map to ``ModelConfig.rope_scaling``; other kinds
+(``dynamic``, ``yarn``, ``longrope``) are refused by name.
+
+Refused, naming the setting: an activation other than SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases on only some projections.
 """
 
 from __future__ import annotations
@@ -124,8 +126,6 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     # transformers < 5 writes rope_theta (+ rope_scaling); 5.x writes rope_parameters {rope_type, rope_theta, ...}
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        raise ConversionError(f"rope_scaling {scaling!r}: megakernels' rotary embeddings have no position scaling")
     theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"hidden_act {hf['hidden_act']!r}: megakernels' Llama MLP is SwiGLU (silu)")
@@ -140,6 +140,7 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
         )
     return ModelConfig(
         "llama",
+        **rope_scaling_to_ours(scaling),
         num_layers=hf["num_hidden_layers"],
         hidden_size=h,
         num_heads=n,
@@ -158,8 +159,49 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     )
 
 
+def rope_scaling_to_ours(scaling: dict | None) -> dict:
+    """``ModelConfig`` fields of a HuggingFace ``rope_scaling`` / ``rope_parameters`` (``llama3`` and ``linear``).
+
+    Raises:
+        ConversionError: another kind (``dynamic``, ``yarn``, ``longrope``, ...), named.
+    """
+    if not scaling:
+        return {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        return {"rope_scaling": "linear", "rope_scaling_factor": float(scaling["factor"])}
+    if kind == "llama3":
+        return {
+            "rope_scaling": "llama3",
+            "rope_scaling_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+            "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+            "rope_original_max_positions": int(scaling["original_max_position_embeddings"]),
+        }
+    raise ConversionError(
+        f"rope_scaling of type {kind!r}: megakernels' rotary embeddings scale positions as 'llama3' or 'linear' only"
+    )
+
+
+def rope_scaling_to_theirs(cfg: ModelConfig) -> dict | None:
+    """The HuggingFace ``rope_scaling`` of a megakernels configuration, or None."""
+    if cfg.rope_scaling is None:
+        return None
+    out = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor}
+    if cfg.rope_scaling == "llama3":
+        out.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_positions,
+        )
+    return out
+
+
 def config_to_theirs(cfg: ModelConfig) -> dict:
     """The HuggingFace Llama config of a megakernels Llama."""
+    scaling = rope_scaling_to_theirs(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -175,8 +217,8 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.layernorm_eps,
         "initializer_range": cfg.init_std,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
         "attention_dropout": cfg.attention_dropout,

@@ -58,6 +58,12 @@ class ModelConfig:
         rope_theta: the rotary base (10000 in Llama 2, 500000 in Llama 3).
         rope_interleaved: rotate pairs ``(2i, 2i+1)`` (GPT-J, Meta's original Llama weights) instead of
             ``(i, i + d/2)`` (GPT-NeoX, HuggingFace's Llama).
+        rope_scaling: position scaling of the rotary frequencies for long contexts: None, ``"linear"`` (position
+            interpolation: every frequency / ``rope_scaling_factor``) or ``"llama3"`` (Llama 3.1+: frequencies
+            whose wavelength exceeds ``rope_original_max_positions / rope_low_freq_factor`` divided by the factor,
+            those below ``.. / rope_high_freq_factor`` kept, a blend between; ``megakernels.ops.RopeScaling``).
+        rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions: its
+            parameters (Llama 3.1: 8, 1, 4, 8192; Llama 3.2: 32, 1, 4, 8192).
         activation: the MLP: ``"gelu_tanh"`` (GPT-2/Megatron), ``"gelu"`` (erf, BERT) or ``"swiglu"``
             (``silu(x W_gate) * (x W_up)``, Llama).
         bias: biases in the linear layers.
@@ -90,6 +96,11 @@ class ModelConfig:
     position_embedding: str | None = None
     rope_theta: float = 10000.0
     rope_interleaved: bool = False
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     bias: bool | None = None
     tie_embeddings: bool | None = None
     num_experts: int = 0
@@ -149,6 +160,13 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
             if not self.rope_theta > 1:
                 raise ValueError(f"ModelConfig: rope_theta must be > 1, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            if self.position_embedding != "rope":
+                raise ValueError("ModelConfig: rope_scaling needs rotary positions (position_embedding='rope')")
+            try:
+                self.rope_scaling_spec()
+            except ValueError as e:
+                raise ValueError(f"ModelConfig: {e}") from None
         if self.num_experts:
             positive_int(self.num_experts, "num_experts", where="ModelConfig")
             if not 1 <= self.moe_top_k <= self.num_experts:
@@ -210,6 +228,20 @@ class ModelConfig:
                 f"a {target.family} model"
             )
         return target(**{k: v for k, v in fields.items() if k in own})
+
+    def rope_scaling_spec(self):
+        """The rotary position scaling as a ``megakernels.ops.RopeScaling``, or None."""
+        if self.rope_scaling is None:
+            return None
+        from megakernels.ops.rope import RopeScaling
+
+        return RopeScaling(
+            self.rope_scaling,
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_positions,
+        )
 
     @property
     def head_dim(self) -> int:

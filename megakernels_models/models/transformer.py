@@ -111,7 +111,15 @@ class TransformerLayer(nn.Module):
         )
         self.rotary = c.position_embedding == "rope"
         if self.rotary:
-            rope = RotaryEmbedding(c.head_dim, c.rope_theta, interleaved=c.rope_interleaved)
+            scaling = c.rope_scaling_spec()
+            rope = RotaryEmbedding(
+                c.head_dim,
+                c.rope_theta,
+                interleaved=c.rope_interleaved,
+                scaling=scaling,
+                max_positions=c.seq_length if scaling is not None else None,
+                device=device,
+            )
             self.attention = ParallelGroupedQueryAttention(
                 c.hidden_size, c.num_heads, c.num_kv_heads, causal, sequence_parallel, rotary=rope, **common
             )

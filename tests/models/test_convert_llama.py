@@ -176,7 +176,7 @@ def test_a_converted_llama_trains_at_tp2_and_evaluates_like_transformers(tmp_pat
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling of type 'dynamic'"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
     ],
@@ -230,3 +230,41 @@ def test_load_pretrained_needs_no_tokenizer_for_logits(single_world, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(lm(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
     assert main(["generate", "--load", str(tmp_path / "mk"), "--prompt", "x"]) == 2
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        # Llama 3.1's kind, at a small original context so that every regime (kept, blended, divided) is hit
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+    ids=lambda s: s["rope_type"],
+)
+def test_rope_scaled_llamas_convert_both_ways_with_transformers_logits(single_world, tmp_path, scaling):
+    hf = _hf_llama(tmp_path / "hf", rope_scaling=scaling)
+    ids = torch.randint(0, V, (2, S))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    ours, cfg = _our_logits(tmp_path / "mk", ids)
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor) == (scaling["rope_type"], scaling["factor"])
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
+        # generation past the rotary table a scaled model starts with (its seq_length) rebuilds it larger
+        from megakernels_models import load_pretrained
+        from megakernels_models.inference.generate import generate
+
+        lm = load_pretrained(str(tmp_path / "mk"))
+        prompt = ids[:1, : S - 2]
+        theirs = back.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generate(lm, prompt, max_new_tokens=6).tolist() == theirs.tolist()

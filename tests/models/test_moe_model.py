@@ -69,3 +69,13 @@ def test_expert_memory_per_device_shrinks_with_ep():
     ep1, ep8 = _dry(*flags), _dry(*flags, "--ep", "8")
     assert ep8["expert_memory_per_device_bytes"] == pytest.approx(ep1["expert_memory_per_device_bytes"] / 8, rel=1e-6)
     assert ep8["memory_per_device_bytes"] < ep1["memory_per_device_bytes"]
+
+
+@pytest.mark.parametrize(
+    "name,published",
+    [("llama3.1-8b", 8.03e9), ("llama3.1-70b", 70.6e9), ("llama3.2-1b", 1.24e9), ("llama3.2-3b", 3.21e9)],
+)
+def test_llama3_presets_have_the_published_parameter_counts(name, published):
+    rep = _dry("--preset", name, "--nproc", "8", "--tp", "8", "--micro-batch-size", "1", "--global-batch-size", "8")
+    assert rep["parameters"] == pytest.approx(published, rel=0.01)
+    assert PRESETS[name].rope_scaling == "llama3"
