@@ -59,7 +59,9 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = (
             None if max_positions is None else _checks.integer(name, "max_positions", max_positions, minimum=1)
         )
-        self.register_buffer("cos_sin", None if max_positions is None else self._table(self.max_positions, device), False)
+        self.register_buffer(
+            "cos_sin", None if max_positions is None else self._table(self.max_positions, device), False
+        )
 
     def _table(self, positions: int, device) -> torch.Tensor:
         return rope_cos_sin_table(positions, self.head_dim, self.theta, device, self.scaling)
