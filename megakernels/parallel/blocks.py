@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakernels.nn.attention import attention_core
+from megakernels.nn.norms import FusedRMSNorm
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import init, state
 from megakernels.parallel.context import ring_attention
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
+from megakernels.parallel.params import mark_sequence_parallel
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 
@@ -262,6 +264,9 @@ class ParallelGroupedQueryAttention(nn.Module):
         ``"proj"``).
         rotary: a module ``rotary(q, k, positions, seq_dim=0)`` applied to the queries and keys (e.g.
             ``megakernels.nn.RotaryEmbedding``), or None.
+        proj_bias: a bias on the output projection (default ``bias``; Qwen 2.5 has q/k/v biases only).
+        qk_norm_eps: an RMSNorm of this epsilon over each query and key head (``q_norm``, ``k_norm``: weights of
+            size d shared by the heads, before the rotary embedding; Qwen 3), or None.
 
     Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), ``positions`` (int ``[s]``, the
     tokens' positions; default ``0..s-1``), optional ``attention_mask``, optional ``kv_cache``
@@ -286,6 +291,8 @@ class ParallelGroupedQueryAttention(nn.Module):
         recompute: bool = False,
         rotary: nn.Module | None = None,
         overlap_comm: bool = True,
+        proj_bias: bool | None = None,
+        qk_norm_eps: float | None = None,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
         seed: int | None = None,
@@ -340,13 +347,18 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.proj = RowParallelLinear(
             num_heads * d,
             hidden_size,
-            bias,
+            bias if proj_bias is None else proj_bias,
             sequence_parallel=sequence_parallel,
             init_method=output_init_method or init_method,
             seed=_sub_seed(seed, "proj"),
             device=device,
             dtype=dtype,
         )
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:  # one RMSNorm over each head's d (Qwen 3): replicated, each rank's heads partial
+            self.q_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype)
+            self.k_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype)
+            mark_sequence_parallel(self.q_norm.weight, self.k_norm.weight)
 
     def forward(
         self,
@@ -363,6 +375,8 @@ class ParallelGroupedQueryAttention(nn.Module):
         d, nq, nkv = self.head_dim, self.local_heads, self.local_kv_heads
         q = y[..., : nq * d].view(s, b, nq, d)
         k, v = y[..., nq * d :].view(s, b, 2, nkv, d).unbind(2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions, seq_dim=0)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]

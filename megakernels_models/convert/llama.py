@@ -11,7 +11,8 @@ row ``2i+1`` its row ``i + d/2``.
 Rotary position scaling: ``llama3`` (Llama 3.1+) and ``linear`` map to ``ModelConfig.rope_scaling``; other kinds
 (``dynamic``, ``yarn``, ``longrope``) are refused by name.
 
-Refused, naming the setting: an activation other than SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``, biases on only some projections.
+Refused, naming the setting: an activation other than SiLU, a ``head_dim`` other than ``hidden_size /
+num_attention_heads``, biases on only some projections.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
                 copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight"),
             ]
         )
-        if cfg.bias:
+        if cfg.qkv_bias:
             out += [
                 Rule(
                     (m + "attention.q.bias",),
@@ -100,6 +101,14 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
                     (a + "self_attn.k_proj.bias", a + "self_attn.v_proj.bias"),
                     _rows(cfg, cfg.num_kv_heads),
                 ),
+            ]
+        if cfg.qk_norm:
+            out += [
+                copy(m + "attention.q_norm.weight", a + "self_attn.q_norm.weight"),
+                copy(m + "attention.k_norm.weight", a + "self_attn.k_norm.weight"),
+            ]
+        if cfg.bias:
+            out += [
                 copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"),
                 _packed(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
                 copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias"),

@@ -67,6 +67,9 @@ class ModelConfig:
         activation: the MLP: ``"gelu_tanh"`` (GPT-2/Megatron), ``"gelu"`` (erf, BERT) or ``"swiglu"``
             (``silu(x W_gate) * (x W_up)``, Llama).
         bias: biases in the linear layers.
+        qkv_bias: biases on the query, key and value projections only (default ``bias``; Qwen 2.5: True with
+            ``bias`` False). Needs rotary positions (the grouped-query attention block).
+        qk_norm: an RMSNorm over each query and key head before the rotary embedding (Qwen 3).
         tie_embeddings: the output layer is the word embedding's table.
         num_experts: experts of each mixture-of-experts layer (0: every MLP is dense).
         moe_top_k: experts per token.
@@ -102,6 +105,8 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
     bias: bool | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
     tie_embeddings: bool | None = None
     num_experts: int = 0
     moe_top_k: int = 2
@@ -140,6 +145,13 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size"):
             positive_int(getattr(self, name), name, where="ModelConfig")
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        if (self.qkv_bias != self.bias or self.qk_norm) and self.position_embedding != "rope":
+            raise ValueError(
+                "ModelConfig: qkv_bias other than bias, and qk_norm, are options of the rotary (grouped-query) "
+                "attention: they need position_embedding='rope'"
+            )
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         positive_int(self.ffn_hidden_size, "ffn_hidden_size", where="ModelConfig")
@@ -304,6 +316,8 @@ class ModelConfig:
             c["ffn_hidden_size"] = 4 * c["hidden_size"]
         if "num_heads" in c and "num_kv_heads" not in c and self.num_kv_heads == self.num_heads:
             c["num_kv_heads"] = c["num_heads"]
+        if "bias" in c and "qkv_bias" not in c and self.qkv_bias == self.bias:
+            c["qkv_bias"] = c["bias"]
         self._follow(c)
         if (
             "ffn_hidden_size" in c

@@ -121,7 +121,15 @@ class TransformerLayer(nn.Module):
                 device=device,
             )
             self.attention = ParallelGroupedQueryAttention(
-                c.hidden_size, c.num_heads, c.num_kv_heads, causal, sequence_parallel, rotary=rope, **common
+                c.hidden_size,
+                c.num_heads,
+                c.num_kv_heads,
+                causal,
+                sequence_parallel,
+                rotary=rope,
+                **{**common, "bias": c.qkv_bias},
+                proj_bias=c.bias,
+                qk_norm_eps=c.layernorm_eps if c.qk_norm else None,
             )
         else:
             if c.num_kv_heads != c.num_heads:

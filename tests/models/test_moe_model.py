@@ -73,9 +73,15 @@ def test_expert_memory_per_device_shrinks_with_ep():
 
 @pytest.mark.parametrize(
     "name,published",
-    [("llama3.1-8b", 8.03e9), ("llama3.1-70b", 70.6e9), ("llama3.2-1b", 1.24e9), ("llama3.2-3b", 3.21e9)],
+    [
+        ("llama3.1-8b", 8.03e9),
+        ("llama3.1-70b", 70.6e9),
+        ("llama3.2-1b", 1.24e9),
+        ("llama3.2-3b", 3.21e9),
+        ("qwen2.5-7b", 7.61e9),
+        ("qwen3-8b", 8.19e9),
+    ],
 )
-def test_llama3_presets_have_the_published_parameter_counts(name, published):
-    rep = _dry("--preset", name, "--nproc", "8", "--tp", "8", "--micro-batch-size", "1", "--global-batch-size", "8")
+def test_open_model_presets_have_the_published_parameter_counts(name, published):
+    rep = _dry("--preset", name, "--nproc", "8", "--tp", "4", "--micro-batch-size", "1", "--global-batch-size", "8")
     assert rep["parameters"] == pytest.approx(published, rel=0.01)
-    assert PRESETS[name].rope_scaling == "llama3"
