@@ -181,6 +181,14 @@ class _Settings:
         LOGS,
         metavar="DIR",
     )
+    load_hf: str | None = setting(
+        None,
+        "fine-tune the HuggingFace model in DIR: converted into --save's directory as its step-0 checkpoint (a "
+        "temporary one without --save) and loaded from there (its architecture and tokenizer unless given; a "
+        "relaunch resumes --save's latest checkpoint)",
+        LOGS,
+        metavar="DIR",
+    )
     async_save: bool = setting(
         False,
         "write checkpoints in the background (staged to host memory at the step, written while training goes on)",

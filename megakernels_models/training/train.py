@@ -22,9 +22,13 @@ how the batch is split: with dropout 0 in fp32 every layout's loss curve equals 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -40,7 +44,7 @@ from megakernels.parallel.moe import set_aux_loss_scale
 from megakernels.parallel.moe import stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
-from megakernels_models.arguments import TrainArgs, validate
+from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
@@ -433,7 +437,46 @@ def run(args: TrainArgs):
     """
     from megakernels.parallel.launch import launch
 
-    cfg = validate(args)
-    if args.dry_run:
-        return dryrun.report(args, cfg)
-    return launch(train, args, cfg, nproc=args.nproc, device=args.device, timeout=args.timeout)
+    with hf_import(args) as args:
+        cfg = validate(args)
+        if args.dry_run:
+            return dryrun.report(args, cfg)
+        return launch(train, args, cfg, nproc=args.nproc, device=args.device, timeout=args.timeout)
+
+
+@contextlib.contextmanager
+def hf_import(args: TrainArgs):
+    """``--load-hf DIR``: the arguments that fine-tune the HuggingFace model in DIR. It is converted (in this
+    process, once) into ``--save``'s directory as its step-0 checkpoint — or, without ``--save``, into a temporary
+    directory removed afterwards — unless that directory already holds a checkpoint (a relaunch resumes it); the run
+    then loads it (``--load``: any layout, the learning-rate schedule from its start), takes its architecture
+    (unless a preset or an architecture is given) and, with the default tokenizer, the tokenizer that came with it.
+
+    Raises:
+        ArgumentError: ``--load-hf`` with ``--load``, or a directory that does not convert (the reason named).
+    """
+    if not args.load_hf:
+        yield args
+        return
+    from megakernels_models.convert import checkpoint_tokenizer, hf_to_megakernels
+    from megakernels_models.convert.common import ConversionError
+
+    if args.load is not None:
+        raise ArgumentError("--load-hf DIR and --load DIR: give one (--load-hf converts into --save's directory)")
+    target = args.save or tempfile.mkdtemp(prefix="megakernels-hf-")
+    try:
+        if checkpoint.find_latest(target) is None:
+            try:
+                hf_to_megakernels(args.load_hf, target)
+            except (ConversionError, OSError) as e:
+                raise ArgumentError(f"--load-hf {args.load_hf}: {e}") from None
+        meta = checkpoint.read_meta(checkpoint.read_latest(target))
+        changes = {"load": target}
+        if args.preset is None and not args.architecture:
+            changes["architecture"] = meta["config"]
+        if args.tokenizer == "byte" and checkpoint_tokenizer(target):
+            changes["tokenizer"] = checkpoint_tokenizer(target)
+        yield dataclasses.replace(args, **changes)
+    finally:
+        if args.save is None:
+            shutil.rmtree(target, ignore_errors=True)

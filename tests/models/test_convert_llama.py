@@ -268,3 +268,32 @@ def test_rope_scaled_llamas_convert_both_ways_with_transformers_logits(single_wo
         prompt = ids[:1, : S - 2]
         theirs = back.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert generate(lm, prompt, max_new_tokens=6).tolist() == theirs.tolist()
+
+
+def test_fine_tuning_a_hf_checkpoint_is_one_command_and_exports_back(tmp_path, capsys):
+    """The README's recipe: the example script's random Llama, `megakernels train --load-hf` at tp 2 (converted
+    into --save as step 0, trained, saved), a relaunch that resumes instead of converting again, and the export
+    that transformers loads with our logits."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    hf_dir, out = tmp_path / "hf", tmp_path / "tuned"
+    subprocess.run([sys.executable, os.path.join(root, "examples", "make_small_hf_llama.py"), str(hf_dir)], check=True)
+    common = ["--load-hf", str(hf_dir), "--save", str(out), "--micro-batch-size", "2", "--global-batch-size", "4"]
+    common += ["--corpus-bytes", "262144", "--eval-interval", "0", "--no-progress", "--lr", "1e-2"]
+    assert main(["train", *common, "--steps", "3", "--tp", "2", "--nproc", "2"]) == 0
+    assert {"generation_config.json", "step-00000000", "step-00000003"} <= set(os.listdir(out))
+    assert main(["train", *common, "--steps", "5"]) == 0  # resumes step 3 (any layout), no second conversion
+    assert "step-00000005" in os.listdir(out)
+    capsys.readouterr()
+    assert main(["convert", "megakernels-to-hf", "--input", str(out), "--output", str(tmp_path / "back")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, 300, (1, 16))
+    from megakernels_models import load_pretrained
+
+    lm = load_pretrained(str(out))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, lm(ids), rtol=1e-4, atol=1e-4)
+        original = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+        assert not torch.allclose(original(ids).logits, lm(ids), atol=1e-3)  # it was trained
