@@ -86,22 +86,18 @@ def lambada_accuracy(model, tokenizer, passages: list[str], seq_length: int, voc
 
 def load_model(ckpt_dir: str, device: str = "cpu"):
     """(causal LM at tp = pp = 1 with the checkpoint's weights, its config); needs an initialised one-rank world."""
-    from megakernels_models.models.config import ModelConfig
-    from megakernels_models.models.registry import family, titles
-    from megakernels_models.models.tasks import task_for
-    from megakernels_models.training import checkpoint
+    from megakernels_models.inference.pretrained import load_chunk
+    from megakernels_models.models.registry import titles
 
-    path = checkpoint.read_latest(ckpt_dir)
-    meta = checkpoint.read_meta(path)
-    cfg = ModelConfig.from_dict(meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
-    if not family(cfg).causal:
-        raise ValueError(
+    return load_chunk(
+        ckpt_dir,
+        device,
+        lambda spec: spec.causal,
+        lambda cfg: (
             f"--load {ckpt_dir!r} holds a {cfg.model} model; eval scores causal language models "
             f"({titles(lambda s: s.causal)}; --task caption for those trained on captions)"
-        )
-    model = task_for(cfg).build_chunk(0, device=device).eval()
-    checkpoint.load(path, [model], None, cfg)
-    return model, cfg
+        ),
+    )
 
 
 def _tokenizer(spec: str):

@@ -114,6 +114,28 @@ class PretrainedLM(nn.Module):
         return generate(self, input_ids, **kwargs)
 
 
+def load_chunk(path: str, device: str, accepts, refusal) -> tuple[nn.Module, object]:
+    """(the whole model as one chunk at tp = pp = 1 with the checkpoint's weights, in evaluation mode, its config
+    without dropout); needs an initialised one-rank world.
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``. ValueError: ``refusal(config)`` when ``accepts(its family's
+        spec)`` is false.
+    """
+    from megakernels_models.models.config import ModelConfig
+    from megakernels_models.models.registry import family
+    from megakernels_models.models.tasks import task_for
+    from megakernels_models.training import checkpoint
+
+    ckpt = checkpoint.read_latest(path)
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(ckpt)["config"]).replace(dropout=0.0, attention_dropout=0.0)
+    if not accepts(family(cfg)):
+        raise ValueError(refusal(cfg))
+    model = task_for(cfg).build_chunk(0, device=device).eval()
+    checkpoint.load(ckpt, [model], None, cfg)
+    return model, cfg
+
+
 def load_pretrained(
     path: str, device: str = "cpu", dtype: torch.dtype | None = None, tokenizer: str | None = None
 ) -> PretrainedLM:
@@ -126,22 +148,18 @@ def load_pretrained(
     """
     from megakernels_models.convert import checkpoint_special_tokens, checkpoint_tokenizer
     from megakernels_models.data.tokenizer import build_tokenizer
-    from megakernels_models.models.config import ModelConfig
-    from megakernels_models.models.registry import family, titles
-    from megakernels_models.models.tasks import task_for
-    from megakernels_models.training import checkpoint
+    from megakernels_models.models.registry import titles
 
-    ckpt = checkpoint.read_latest(path)
-    meta = checkpoint.read_meta(ckpt)
-    cfg = ModelConfig.from_dict(meta["config"]).replace(dropout=0.0, attention_dropout=0.0)
-    if not family(cfg).text_generation:
-        raise ValueError(
+    _ensure_world(device)
+    model, cfg = load_chunk(
+        path,
+        device,
+        lambda spec: spec.text_generation,
+        lambda cfg: (
             f"load_pretrained: {path!r} holds a {cfg.model} model, not a text-only causal language model "
             f"({titles(lambda s: s.text_generation)})"
-        )
-    _ensure_world(device)
-    model = task_for(cfg).build_chunk(0, device=device).eval()
-    checkpoint.load(ckpt, [model], None, cfg)
+        ),
+    )
     if dtype is not None:
         model = model.to(dtype)
     spec = tokenizer or checkpoint_tokenizer(path)

@@ -451,6 +451,25 @@ RETIRED = {
 }
 
 
+def sized(
+    cls: type[ModelConfig], layers: int, hidden: int, heads: int, kv: int, seq: int, vocab: int, ffn: int, **fields
+) -> ModelConfig:
+    """A dropout-free configuration of family class ``cls`` by its sizes (layers, hidden, heads, key/value heads,
+    sequence, vocabulary, MLP): how the presets of published decoders are written."""
+    return cls(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        seq_length=seq,
+        vocab_size=vocab,
+        ffn_hidden_size=ffn,
+        dropout=0.0,
+        attention_dropout=0.0,
+        **fields,
+    )
+
+
 def preset(name: str, **overrides) -> ModelConfig:
     """The preset ``name`` with fields replaced by ``overrides`` (those that are not None). Sizes the preset derives
     follow their source unless given: an MLP of 4h follows a new hidden size, and multi-head attention (as many

@@ -103,6 +103,13 @@ def family(name_or_config) -> FamilySpec:
     return _FAMILIES[name]
 
 
+def causal_lm_task(config):
+    """``models.tasks.CausalLMTask(config)`` (imported on first use): the task of every causal language model."""
+    from megakernels_models.models.tasks import CausalLMTask
+
+    return CausalLMTask(config)
+
+
 def titles(which: Callable[[FamilySpec], bool]) -> str:
     """``"GPT, Llama"``: the titles of the families ``which`` selects (for messages)."""
     return ", ".join(s.title for s in families() if which(s))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from megakernels_models.models.config import ModelConfig
-from megakernels_models.models.registry import FamilySpec, register
+from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +46,10 @@ def _model():
     return GPTModel
 
 
-def _task(config):
-    from megakernels_models.models.tasks import CausalLMTask
-
-    return CausalLMTask(config)
-
-
 def _hf(config):
     from megakernels_models.convert import gpt2
 
     return gpt2
 
 
-SPEC = register(FamilySpec("gpt", "GPT", GPTConfig, _model, _task, "tokens", PRESETS, hf=_hf))
+SPEC = register(FamilySpec("gpt", "GPT", GPTConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakernels_models.models.config import ModelConfig
-from megakernels_models.models.registry import FamilySpec, register
+from megakernels_models.models.config import ModelConfig, sized
+from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,20 +24,8 @@ class LlamaConfig(ModelConfig):
     DEFAULTS = dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, tie_embeddings=False)
 
 
-def _llama(layers: int, hidden: int, heads: int, kv: int, seq: int, vocab: int, ffn: int, **kw) -> LlamaConfig:
-    return LlamaConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv,
-        seq_length=seq,
-        vocab_size=vocab,
-        ffn_hidden_size=ffn,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-5,
-        **kw,
-    )
+def _llama(*sizes: int, **kw) -> LlamaConfig:
+    return sized(LlamaConfig, *sizes, layernorm_eps=1e-5, **kw)
 
 
 _LLAMA31 = dict(rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0)
@@ -65,16 +53,10 @@ def _model():
     return LlamaModel
 
 
-def _task(config):
-    from megakernels_models.models.tasks import CausalLMTask
-
-    return CausalLMTask(config)
-
-
 def _hf(config):
     from megakernels_models.convert import llama, mixtral
 
     return mixtral if config.num_experts else llama
 
 
-SPEC = register(FamilySpec("llama", "Llama", LlamaConfig, _model, _task, "tokens", PRESETS, hf=_hf))
+SPEC = register(FamilySpec("llama", "Llama", LlamaConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))

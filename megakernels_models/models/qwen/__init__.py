@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakernels_models.models.config import ModelConfig
-from megakernels_models.models.registry import FamilySpec, register
+from megakernels_models.models.config import ModelConfig, sized
+from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,21 +22,8 @@ class QwenConfig(ModelConfig):
     DEFAULTS = dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, tie_embeddings=False)
 
 
-def _qwen(layers: int, hidden: int, heads: int, kv: int, seq: int, vocab: int, ffn: int, **kw) -> QwenConfig:
-    return QwenConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv,
-        seq_length=seq,
-        vocab_size=vocab,
-        ffn_hidden_size=ffn,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_eps=1e-6,
-        rope_theta=1e6,
-        **kw,
-    )
+def _qwen(*sizes: int, **kw) -> QwenConfig:
+    return sized(QwenConfig, *sizes, layernorm_eps=1e-6, rope_theta=1e6, **kw)
 
 
 PRESETS = {
@@ -52,16 +39,10 @@ def _model():
     return QwenModel
 
 
-def _task(config):
-    from megakernels_models.models.tasks import CausalLMTask
-
-    return CausalLMTask(config)
-
-
 def _hf(config):
     from megakernels_models.convert import qwen2, qwen3
 
     return qwen3 if config.qk_norm else qwen2
 
 
-SPEC = register(FamilySpec("qwen", "Qwen", QwenConfig, _model, _task, "tokens", PRESETS, hf=_hf))
+SPEC = register(FamilySpec("qwen", "Qwen", QwenConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))
