@@ -123,8 +123,7 @@ def load_chunk(path: str, device: str, accepts, refusal) -> tuple[nn.Module, obj
         spec)`` is false.
     """
     from megakernels_models.models.config import ModelConfig
-    from megakernels_models.models.registry import family
-    from megakernels_models.models.tasks import task_for
+    from megakernels_models.models.registry import family, task_for
     from megakernels_models.training import checkpoint
 
     ckpt = checkpoint.read_latest(path)

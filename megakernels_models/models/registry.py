@@ -24,7 +24,8 @@ class FamilySpec:
         config_class: its ``ModelConfig`` subclass: the family's own fields and defaults, its rules, its FLOPs and
             activation-memory formulas and the shapes the parallel layout checks.
         model: returns the ``torch.nn.Module`` class of one pipeline chunk (imported on first use).
-        task: ``task(config) -> models.tasks.Task``: how a chunk is built and a micro-batch becomes a loss.
+        task: ``task(config, model_class) -> models.tasks.Task``: how a chunk is built and a micro-batch becomes
+            a loss (``task_for``).
         data: the kind of training data it reads (``data.build``): ``"tokens"`` (documents cut into samples of
             ``seq_length + 1`` tokens), ``"sentences"`` (sentence pairs with masked tokens) or ``"captions"``
             (images and their captions).
@@ -103,11 +104,17 @@ def family(name_or_config) -> FamilySpec:
     return _FAMILIES[name]
 
 
-def causal_lm_task(config):
-    """``models.tasks.CausalLMTask(config)`` (imported on first use): the task of every causal language model."""
+def task_for(config):
+    """The task of ``config``'s family, building its model class (``FamilySpec.task`` and ``.model``)."""
+    spec = family(config)
+    return spec.task(config, spec.model())
+
+
+def causal_lm_task(config, model_class):
+    """``models.tasks.CausalLMTask`` (imported on first use): the task of every causal language model."""
     from megakernels_models.models.tasks import CausalLMTask
 
-    return CausalLMTask(config)
+    return CausalLMTask(config, model_class)
 
 
 def titles(which: Callable[[FamilySpec], bool]) -> str:

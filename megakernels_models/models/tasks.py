@@ -1,7 +1,7 @@
 """What a model family trains on: how a pipeline chunk is built, and how a micro-batch becomes a loss.
 
-The trainer (``training/train.py``) is the same for every family; a ``Task`` (the family's, from its spec) holds
-what differs:
+The trainer (``training/train.py``) is the same for every family; a ``Task`` (the family's, from its spec:
+``registry.task_for``) holds what differs:
 
 - ``build_chunk``: one pipeline chunk of the family's model;
 - ``normalizers``: the loss denominators of the whole global batch (so a loss does not depend on how the batch is
@@ -15,20 +15,22 @@ losses over every data-parallel rank gives exactly the single-process loss of th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 import megakernels.parallel as mpu
-from megakernels_models.models.config import ModelConfig
-from megakernels_models.models.registry import family
+
+if TYPE_CHECKING:
+    from megakernels_models.models.config import ModelConfig
 
 
 class Task:
     """A model family's training objective (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig):
-        self.config = config
-        self.model_class = family(config).model()
+    def __init__(self, config: ModelConfig, model_class: type):
+        self.config, self.model_class = config, model_class
 
     def build_chunk(self, seed: int, **kwargs) -> torch.nn.Module:
         """One pipeline chunk (kwargs: ``layers``, ``pre_process``, ``post_process``, ``sequence_parallel``,
@@ -71,8 +73,3 @@ def count_labels(micro: list[dict], key: str) -> torch.Tensor:
     if mpu.dp_size() > 1:
         dist.all_reduce(count, group=mpu.dp_group())
     return count.clamp(min=1.0)
-
-
-def task_for(config: ModelConfig) -> Task:
-    """The task of ``config``'s family (``registry.FamilySpec.task``)."""
-    return family(config).task(config)

@@ -171,7 +171,7 @@ def params_per_stage(
 ) -> list[int]:
     """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``); with ``frozen`` (``--freeze``'s
     name parts) only the trained ones, those ``Task.is_frozen`` leaves out."""
-    from megakernels_models.models.tasks import task_for
+    from megakernels_models.models.registry import task_for
 
     model, cfg = model_key.model, model_key.config
     skip = (lambda name: task_for(cfg).is_frozen(name, list(frozen))) if frozen else (lambda name: False)
@@ -215,7 +215,7 @@ class MetaModel:
 
     def __init__(self, config: ModelConfig):
         from megakernels.parallel.launch import single_process_world
-        from megakernels_models.models.tasks import task_for
+        from megakernels_models.models.registry import task_for
 
         self.config = config
         with single_process_world(parallel=True):

@@ -49,7 +49,8 @@ from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.models.config import ModelConfig, stage_layers
-from megakernels_models.models.tasks import Task, task_for
+from megakernels_models.models.registry import task_for
+from megakernels_models.models.tasks import Task
 from megakernels_models.planning import dryrun
 from megakernels_models.training import checkpoint, syncpoints
 from megakernels_models.training.checkpoint_store import step_name

@@ -33,8 +33,18 @@ MODULES = _modules()
 
 def _imports(path: pathlib.Path):
     """``(module, name)`` of every ``from X import name`` and ``(module, None)`` of every ``import X``, deferred
-    imports inside functions included."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    imports inside functions included (those only type checkers run, under ``if TYPE_CHECKING:``, left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
                 yield node.module, a.name
@@ -212,4 +222,4 @@ def test_a_family_registered_from_outside_trains_and_plans(tmp_path):
 def test_each_spec_builds_its_tiny_model(spec):
     assert spec.model().__name__.endswith("Model")
     cfg = spec.presets[spec.tiny_preset]
-    assert type(spec.task(cfg)).__name__.endswith("Task")
+    assert type(spec.task(cfg, spec.model())).__name__.endswith("Task")

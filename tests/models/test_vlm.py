@@ -119,7 +119,7 @@ def test_gated_cross_attention_starts_as_the_identity_then_reads_the_image(singl
 
 
 def test_freeze_groups_leave_only_the_projector_trainable():
-    from megakernels_models.models.tasks import task_for
+    from megakernels_models.models.registry import task_for
 
     cfg = ModelConfig("vlm", cross_attention_every=1, **TINY)
     task = task_for(cfg)

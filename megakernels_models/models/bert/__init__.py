@@ -66,10 +66,10 @@ def _model():
     return BertModel
 
 
-def _task(config):
+def _task(config, model_class):
     from megakernels_models.models.bert.task import BertTask
 
-    return BertTask(config)
+    return BertTask(config, model_class)
 
 
 def _hf(config):

@@ -277,10 +277,10 @@ def _model():
     return VLMModel
 
 
-def _task(config):
+def _task(config, model_class):
     from megakernels_models.models.vlm.task import VisionLanguageTask
 
-    return VisionLanguageTask(config)
+    return VisionLanguageTask(config, model_class)
 
 
 SPEC = register(
