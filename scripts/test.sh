@@ -31,6 +31,12 @@ if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
       'nvcc is installed but the extension was built without its CUDA kernels: the .cu files were not compiled')"
 fi
 
+# A fresh Inductor cache for each run: a cache shared with another run (another checkout, or an earlier commit)
+# handed back code compiled against an older signature of a custom op (flash_attn_fwd called with 11 arguments
+# by a graph cached from a checkout whose op took them), failing torch.compile tests that pass on their own.
+rm -rf build/inductor-cache
+export TORCHINDUCTOR_CACHE_DIR="$PWD/build/inductor-cache"
+
 status=0
 bash scripts/lint.sh || status=1  # ruff (lint + format) and clang-format: a failure fails the run, after the tests
 .venv/bin/python -m pytest tests benchmarks --benchmark-disable -q -p no:cacheprovider -n 2 --dist loadfile \
