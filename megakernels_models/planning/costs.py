@@ -62,6 +62,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     offload_optimizer: bool = False
+    fsdp: bool = False  # parameters and gradients sharded over dp·cp too (ZeRO-3): ``megakernels plan --reproduce``
     recompute: str = "none"
     precision: str = "bf16"
     schedule: str = "1f1b"
@@ -101,8 +102,10 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Device:
-    """Peak dense TFLOP/s (16-bit and fp32), the efficiency large GEMMs reach, memory, and bandwidths in GB/s per
-    device: inside a node (NVLink) and across nodes (one network adapter per GPU); the latency of one message."""
+    """A GPU in its system: peak dense TFLOP/s (16-bit, fp32, fp8; 0 where the GPU has no fp8), the efficiency large
+    GEMMs reach, memory, and bandwidths in GB/s per device: inside a node (NVLink through NVSwitch, per direction)
+    and across nodes (the node's network adapters shared by its ``gpus_per_node`` GPUs, ``inter_gbps`` each); the
+    latency of one message; ``sources``: (constant, where it comes from) pairs."""
 
     name: str
     tflops_16: float
@@ -113,18 +116,76 @@ class Device:
     inter_gbps: float
     latency_s: float = 10e-6
     host_gbps: float = 25.0  # host <-> device (PCIe), GB/s per direction and GPU, pinned memory
+    tflops_8: float = 0.0
+    gpus_per_node: int = 8
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def network_gbps(self, gpus_per_node: int | None = None) -> float:
+        """GB/s of the inter-node network per GPU when ``gpus_per_node`` GPUs share a node's adapters (the
+        system's own node: ``inter_gbps``)."""
+        return self.inter_gbps * self.gpus_per_node / (gpus_per_node or self.gpus_per_node)
 
 
-# Vendor data sheets for the peaks and links; efficiency: the fraction of peak a large bf16 GEMM sustains in a
-# training step (Megatron-LM and our DESIGN targets put well-tuned training near 0.55-0.6 of peak); inter-node:
-# one 400 Gb/s (H100/H200), 200 Gb/s (A100) or 100 Gb/s (V100, the Megatron-LM paper's DGX-2H) adapter per GPU.
-# Host links: PCIe Gen5 x16 (H100/H200, 64 GB/s a direction, ~50 sustained from pinned memory), Gen4 (A100, ~25),
-# Gen3 (V100, ~12).
+_HOPPER_SOURCES = (
+    ("tflops_16, tflops_8, tflops_32, memory_gb", "NVIDIA H100 / H200 SXM datasheets (dense = the sparse figure / 2)"),
+    ("intra_gbps", "NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions together (450 each way); DGX H100"),
+    ("inter_gbps", "DGX H100 / HGX H200: 8 ConnectX-7 400 Gb/s NDR InfiniBand adapters per 8-GPU node (50 GB/s each)"),
+    ("host_gbps", "PCIe Gen5 x16: 64 GB/s a direction, ~50 sustained from pinned memory"),
+)
+# efficiency: the fraction of peak a large 16-bit GEMM sustains in a training step (``predict``'s compute term).
 DEVICES = {
-    "h200": Device("H200", 989.0, 67.0, 0.6, 141.0, 450.0, 50.0, host_gbps=50.0),
-    "h100": Device("H100", 989.0, 67.0, 0.6, 80.0, 450.0, 50.0, host_gbps=50.0),
-    "a100": Device("A100", 312.0, 19.5, 0.6, 80.0, 300.0, 25.0, host_gbps=25.0),
-    "v100": Device("V100", 125.0, 15.7, 0.6, 32.0, 150.0, 12.5, host_gbps=12.0),
+    "h200": Device(
+        "H200", 989.0, 67.0, 0.6, 141.0, 450.0, 50.0, host_gbps=50.0, tflops_8=1979.0, sources=_HOPPER_SOURCES
+    ),
+    "h100": Device(
+        "H100", 989.0, 67.0, 0.6, 80.0, 450.0, 50.0, host_gbps=50.0, tflops_8=1979.0, sources=_HOPPER_SOURCES
+    ),
+    "a100": Device(
+        "A100",
+        312.0,
+        19.5,
+        0.6,
+        80.0,
+        300.0,
+        25.0,
+        host_gbps=25.0,
+        sources=(
+            ("tflops_16, tflops_32, memory_gb", "NVIDIA A100 80GB SXM datasheet (312 TFLOP/s dense bf16/fp16)"),
+            ("intra_gbps", "NVLink 3 through NVSwitch: 600 GB/s per GPU, both directions together (300 each way)"),
+            (
+                "inter_gbps",
+                "DGX A100 (Selene, Narayanan et al. 2021 §5): 8 Mellanox 200 Gb/s HDR InfiniBand adapters per "
+                "8-GPU node for application traffic (25 GB/s each)",
+            ),
+            ("host_gbps", "PCIe Gen4 x16: 32 GB/s a direction, ~25 sustained"),
+        ),
+    ),
+    "v100": Device(
+        "V100",
+        125.0,
+        15.7,
+        0.6,
+        32.0,
+        150.0,
+        6.25,
+        host_gbps=12.0,
+        gpus_per_node=16,
+        sources=(
+            ("tflops_16, tflops_32, memory_gb", "NVIDIA V100 SXM datasheet (125 TFLOP/s fp16 tensor cores)"),
+            (
+                "intra_gbps",
+                "DGX-2H: NVLink 2 through NVSwitch, 300 GB/s per GPU both directions together (Shoeybi et al. "
+                "2019 §5: '300 GB/sec bandwidth between GPUs inside a server via NVSwitch')",
+            ),
+            (
+                "inter_gbps, gpus_per_node",
+                "DGX-2H: 16 GPUs and 8 100 Gb/s InfiniBand adapters per node (Shoeybi et al. 2019 §5: '100 GB/sec "
+                "of interconnect bandwidth between servers using 8 InfiniBand adapters per server'): 6.25 GB/s "
+                "per GPU",
+            ),
+            ("host_gbps", "PCIe Gen3 x16: 16 GB/s a direction, ~12 sustained"),
+        ),
+    ),
 }
 # The host AdamW step (``--offload-optimizer``) per parameter of a rank, in ns: a property of the host (its cores and
 # memory bandwidth per rank), not of the GPU. The default is plain data: the 5.6 ns per parameter that
@@ -323,13 +384,14 @@ def predict(
     m = L.microbatches
     bubble = (L.pp - 1) / (L.vpp * m) * compute
     act_bytes = cfg.seq_length // L.cp * L.micro_batch_size * cfg.hidden_size * (2 if half else 4)
+    net = device.network_gbps(gpus_per_node)
     # tensor parallelism: TP groups are consecutive ranks; a group wider than a node crosses the network
-    tp_bw = device.intra_gbps if L.tp <= gpus_per_node else device.inter_gbps
+    tp_bw = device.intra_gbps if L.tp <= gpus_per_node else net
     layers_per_device = cfg.num_layers / L.pp
     lat = device.latency_s
     tp_comm = 4 * m * layers_per_device * _ring(act_bytes, L.tp, tp_bw, lat) * (1 if L.recompute != "full" else 1.5)
     # pipeline: one activation forward and one gradient backward per micro-batch and stage boundary
-    pp_bw = device.inter_gbps if L.tp * L.cp * L.dp >= gpus_per_node else device.intra_gbps
+    pp_bw = net if L.tp * L.cp * L.dp >= gpus_per_node else device.intra_gbps
     pp_comm = 0.0 if L.pp == 1 else 2 * m * L.vpp * (act_bytes / L.tp / (pp_bw * 1e9) + lat)
     # context parallelism: the key/value ring, overlapped with the attention
     cp_comm = 0.0
@@ -342,14 +404,14 @@ def predict(
     # last micro-batch's backward
     params = memory(meta, L)["trained_parameters_per_device"]
     dp_ranks = L.dp * L.cp
-    dp_bw = device.inter_gbps if L.world > gpus_per_node else device.intra_gbps
+    dp_bw = net if L.world > gpus_per_node else device.intra_gbps
     dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)
     dp_exposed = max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
     # expert parallelism: dispatch + combine all-to-alls, forward and backward, of the routed tokens
     ep_comm = 0.0
     if cfg.num_experts and L.ep > 1:
         routed = act_bytes / L.tp * cfg.moe_top_k * (L.ep - 1) / L.ep
-        ep_bw = device.intra_gbps if L.ep * L.tp * L.cp <= gpus_per_node else device.inter_gbps
+        ep_bw = device.intra_gbps if L.ep * L.tp * L.cp <= gpus_per_node else net
         ep_comm = 4 * routed / (ep_bw * 1e9) * m * cfg.num_moe_layers / L.pp
     offload = offload_time(params, L, device, compute, host_adamw_ns)
     step = compute + bubble + tp_comm + pp_comm + cp_comm + dp_exposed + ep_comm + offload["offload_s"]

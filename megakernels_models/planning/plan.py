@@ -4,6 +4,7 @@
                      [--seq-length S] [--global-batch-size B] [--offload-optimizer [--host-adamw-ns NS]]
                      [--top K] [--json]
     megakernels plan --config job.yaml --gpus 64
+    megakernels plan --reproduce runs.csv [more.csv ...] [--json]
 
 Enumerates every layout of the GPUs — tensor parallelism (dividing the heads, at most a node), pipeline stages
 (dividing the layers) with or without interleaving, context parallelism for long sequences, expert parallelism for
@@ -166,7 +167,15 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", metavar="NAME", help="a preset model")
     src.add_argument("--config", metavar="FILE", help="a megakernels train configuration file")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    src.add_argument(
+        "--reproduce",
+        metavar="CSV",
+        nargs="+",
+        help="published training runs (one a row: model, layout, GPU, published metric) through the step-time "
+        "model: predicted beside published, the error per row and its median and 90th percentile "
+        "(planning/reproduce.py names the columns)",
+    )
+    p.add_argument("--gpus", type=int, help="GPUs in the job (required with --preset/--config)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", choices=sorted(costs.DEVICES), default="h200")
     p.add_argument("--seq-length", type=int, default=None, help="overrides the model's")
@@ -215,8 +224,27 @@ def _model(ns) -> tuple[ModelConfig, list[str], int | None]:
     return cfg, source, gbs
 
 
-def main(ns) -> int:
+def _reproduce(ns) -> int:
+    from megakernels_models.planning import reproduce
+
     try:
+        report = reproduce.reproduce(*ns.reproduce)
+    except reproduce.ReproduceError as e:
+        print(f"megakernels plan: error: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps(report, indent=1))
+    else:
+        reproduce.print_report(report)
+    return 0
+
+
+def main(ns) -> int:
+    if ns.reproduce is not None:
+        return _reproduce(ns)
+    try:
+        if ns.gpus is None:
+            raise ArgumentError("--gpus is required with --preset or --config")
         for name in ("gpus", "gpus_per_node", "top"):
             if getattr(ns, name) < 1:
                 raise ArgumentError(f"--{name.replace('_', '-')} must be a positive int, got {getattr(ns, name)}")
