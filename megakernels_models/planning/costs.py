@@ -117,6 +117,7 @@ class Device:
     latency_s: float = 10e-6
     host_gbps: float = 25.0  # host <-> device (PCIe), GB/s per direction and GPU, pinned memory
     tflops_8: float = 0.0
+    hbm_gbps: float = 0.0  # device memory bandwidth (data sheet); 0: not modelled (the CPU profile)
     gpus_per_node: int = 8
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -127,18 +128,46 @@ class Device:
 
 
 _HOPPER_SOURCES = (
-    ("tflops_16, tflops_8, tflops_32, memory_gb", "NVIDIA H100 / H200 SXM datasheets (dense = the sparse figure / 2)"),
+    (
+        "tflops_16, tflops_8, tflops_32, memory_gb, hbm_gbps",
+        "NVIDIA H100 / H200 SXM datasheets (dense = the sparse figure / 2)",
+    ),
     ("intra_gbps", "NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions together (450 each way); DGX H100"),
     ("inter_gbps", "DGX H100 / HGX H200: 8 ConnectX-7 400 Gb/s NDR InfiniBand adapters per 8-GPU node (50 GB/s each)"),
     ("host_gbps", "PCIe Gen5 x16: 64 GB/s a direction, ~50 sustained from pinned memory"),
 )
-# efficiency: the fraction of peak a large 16-bit GEMM sustains in a training step (``predict``'s compute term).
+# efficiency: the fraction of peak a large 16-bit GEMM sustains in a training step (``compute_time``). A100: 0.6, the
+# prior assumption, which the development set (Narayanan et al. 2021 Table 1, benchmarks/published) confirms (median
+# error -3 % with the memory-bound term); V100: 0.4, **calibrated** on its only development rows (Shoeybi et al.
+# 2019's weak scaling: the value whose median error over the 8 rows is 0), which measure 2019 Megatron-LM (its v1.0
+# reached 62.4 TFLOP/s on the same 1.2B baseline a year later, so runs of later software are under-predicted);
+# H100/H200: 0.6, an assumption no published row has checked yet.
 DEVICES = {
     "h200": Device(
-        "H200", 989.0, 67.0, 0.6, 141.0, 450.0, 50.0, host_gbps=50.0, tflops_8=1979.0, sources=_HOPPER_SOURCES
+        "H200",
+        989.0,
+        67.0,
+        0.6,
+        141.0,
+        450.0,
+        50.0,
+        host_gbps=50.0,
+        tflops_8=1979.0,
+        hbm_gbps=4800.0,
+        sources=_HOPPER_SOURCES,
     ),
     "h100": Device(
-        "H100", 989.0, 67.0, 0.6, 80.0, 450.0, 50.0, host_gbps=50.0, tflops_8=1979.0, sources=_HOPPER_SOURCES
+        "H100",
+        989.0,
+        67.0,
+        0.6,
+        80.0,
+        450.0,
+        50.0,
+        host_gbps=50.0,
+        tflops_8=1979.0,
+        hbm_gbps=3350.0,
+        sources=_HOPPER_SOURCES,
     ),
     "a100": Device(
         "A100",
@@ -149,8 +178,12 @@ DEVICES = {
         300.0,
         25.0,
         host_gbps=25.0,
+        hbm_gbps=2039.0,
         sources=(
-            ("tflops_16, tflops_32, memory_gb", "NVIDIA A100 80GB SXM datasheet (312 TFLOP/s dense bf16/fp16)"),
+            (
+                "tflops_16, tflops_32, memory_gb, hbm_gbps",
+                "NVIDIA A100 80GB SXM datasheet (312 TFLOP/s dense, 2039 GB/s)",
+            ),
             ("intra_gbps", "NVLink 3 through NVSwitch: 600 GB/s per GPU, both directions together (300 each way)"),
             (
                 "inter_gbps",
@@ -164,14 +197,15 @@ DEVICES = {
         "V100",
         125.0,
         15.7,
-        0.6,
+        0.4,
         32.0,
         150.0,
         6.25,
         host_gbps=12.0,
+        hbm_gbps=900.0,
         gpus_per_node=16,
         sources=(
-            ("tflops_16, tflops_32, memory_gb", "NVIDIA V100 SXM datasheet (125 TFLOP/s fp16 tensor cores)"),
+            ("tflops_16, tflops_32, memory_gb, hbm_gbps", "NVIDIA V100 SXM datasheet (125 TFLOP/s fp16, 900 GB/s)"),
             (
                 "intra_gbps",
                 "DGX-2H: NVLink 2 through NVSwitch, 300 GB/s per GPU both directions together (Shoeybi et al. "
@@ -364,6 +398,64 @@ def _ring(bytes_: float, n: int, gbps: float, latency: float = 0.0) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
 
 
+# Calibrated on the development set (benchmarks/published, docs/design.md §4 "Step time"): HBM traffic of the
+# memory-bound kernels per training pass of a layer's stored activations, and the fraction of HBM bandwidth they
+# reach (``megakernels/bench/static``'s copy fraction, 0.8 of the data-sheet bandwidth on sm_80 and sm_90).
+ELEMENTWISE_PASSES = 5.0  # forward writes and reads each stored tensor (2), backward reads it and its gradient
+# and writes the gradient (3); full recomputation repeats the forward (+2)
+HBM_FRACTION = 0.8
+OPTIMIZER_BYTES_PER_PARAM = 32.0  # AdamW: reads 16-bit weight, fp32 grad, master, two moments (18); writes 14
+
+
+def gemm_efficiency(cfg: ModelConfig, layout: Layout, device: Device) -> float:
+    """The fraction of peak the step's GEMMs reach: ``device.efficiency``, less for thin GEMMs (``hidden/tp`` below
+    1024: ×(width/1024)^0.3) and small micro-batches (fewer than 2048 tokens: ×(tokens/2048)^0.2)."""
+    width = cfg.hidden_size / layout.tp
+    tokens = layout.micro_batch_size * cfg.seq_length / layout.cp
+    return device.efficiency * min(1.0, width / 1024) ** 0.3 * min(1.0, tokens / 2048) ** 0.2
+
+
+def compute_time(meta: MetaModel, layout: Layout, device: Device) -> tuple[float, float, float, float]:
+    """Seconds a device computes per step: ``(total, gemm, memory_bound, optimizer)``.
+
+    GEMMs (every FLOP of ``flops_per_token(recompute)``) run at ``peak × efficiency``, less for thin GEMMs
+    (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens); the memory-bound kernels (norms,
+    activations, dropout, softmax, residual adds, the attention scores where FlashAttention does not keep them out
+    of memory) move ``ELEMENTWISE_PASSES`` (+2 with full recomputation) times the bytes a layer stores for backward
+    (``activation_bytes_per_layer`` without recomputation) at ``HBM_FRACTION`` of the HBM bandwidth; the optimizer
+    step moves ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of the device (its ZeRO shard's 12-byte state only)."""
+    cfg, L = meta.config, layout
+    tokens = L.global_batch_size * cfg.seq_length
+    half = L.precision != "fp32"
+    peak = (device.tflops_16 if half else device.tflops_32) * 1e12
+    eff = gemm_efficiency(cfg, L, device)
+    gemm = cfg.flops_per_token(L.recompute) * tokens / L.world / (peak * eff)
+    if not device.hbm_gbps:
+        return gemm, gemm, 0.0, 0.0
+    bw = device.hbm_gbps * 1e9 * HBM_FRACTION
+    stored = cfg.activation_bytes_per_layer(
+        L.micro_batch_size, L.tp, L.sequence_parallel, "none", 2 if half else 4, L.flash, L.cp
+    )
+    passes = ELEMENTWISE_PASSES + (2.0 if L.recompute == "full" else 0.0)
+    memory_bound = stored * passes * cfg.num_layers / L.pp * L.microbatches / bw
+    params = max(params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep))
+    state = OPTIMIZER_BYTES_PER_PARAM - (24.0 * (1 - 1 / (L.dp * L.cp)) if L.distributed_optimizer else 0.0)
+    optimizer = params * state / bw
+    return gemm + memory_bound + optimizer, gemm, memory_bound, optimizer
+
+
+def dp_gbps(layout: Layout, device: Device, gpus_per_node: int = 8) -> float:
+    """GB/s of a data-parallel group's ring. Inside a node, NVLink. Across nodes NCCL runs one ring per network
+    adapter, so the group's traffic leaves a node through the adapters of the group's members in it: the
+    ``gpus_per_node / (tp·cp)`` ranks of one group a node hold (data-parallel ranks are ``tp·cp`` apart) share
+    the node with the other ``tp·cp`` groups, each getting ``network_gbps`` per member."""
+    L = layout
+    if L.world <= gpus_per_node:
+        return device.intra_gbps
+    members = max(1, min(L.dp * L.cp, gpus_per_node // (L.tp * L.cp)))
+    return min(device.intra_gbps, device.network_gbps(gpus_per_node) * members)
+
+
 def predict(
     meta: MetaModel,
     layout: Layout,
@@ -377,10 +469,7 @@ def predict(
     tokens = L.global_batch_size * cfg.seq_length
     half = L.precision != "fp32"
     peak = (device.tflops_16 if half else device.tflops_32) * 1e12
-    gemm_width = cfg.hidden_size / L.tp
-    gemm_tokens = L.micro_batch_size * cfg.seq_length / L.cp
-    eff = device.efficiency * min(1.0, gemm_width / 1024) ** 0.3 * min(1.0, gemm_tokens / 2048) ** 0.2
-    compute = cfg.flops_per_token(L.recompute) * tokens / L.world / (peak * eff)
+    compute, gemm_s, memory_s, optimizer_s = compute_time(meta, L, device)
     m = L.microbatches
     bubble = (L.pp - 1) / (L.vpp * m) * compute
     act_bytes = cfg.seq_length // L.cp * L.micro_batch_size * cfg.hidden_size * (2 if half else 4)
@@ -398,15 +487,20 @@ def predict(
     if L.cp > 1:
         kv_bytes = 2 * act_bytes * cfg.kv_size / cfg.hidden_size / L.tp
         ring = 3 * (L.cp - 1) * kv_bytes / (device.intra_gbps * 1e9) * m * layers_per_device
+        eff = gemm_efficiency(cfg, L, device)
         attention = cfg.forward_flops_per_token()["attention"] * 3 * tokens / L.world / (peak * eff)
         cp_comm = max(0.0, ring - attention)
     # data parallelism: gradients of this device's trained parameters (frozen ones have none), overlapped with the
     # last micro-batch's backward
     params = memory(meta, L)["trained_parameters_per_device"]
     dp_ranks = L.dp * L.cp
-    dp_bw = net if L.world > gpus_per_node else device.intra_gbps
+    dp_bw = dp_gbps(L, device, gpus_per_node)
     dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)
     dp_exposed = max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
+    if L.fsdp:  # ZeRO-3: every micro-batch all-gathers the 16-bit parameters for forward and again for backward and
+        # reduce-scatters its gradients (each half a ring all-reduce), prefetched behind the whole step's compute
+        per_micro = 3 * _ring(params * 2, dp_ranks, dp_bw, lat) / 2
+        dp_exposed = max(0.0, m * per_micro - compute) + max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
     # expert parallelism: dispatch + combine all-to-alls, forward and backward, of the routed tokens
     ep_comm = 0.0
     if cfg.num_experts and L.ep > 1:
@@ -419,6 +513,9 @@ def predict(
     return {
         "step_s": step,
         "compute_s": compute,
+        "gemm_s": gemm_s,
+        "memory_bound_s": memory_s,
+        "optimizer_s": optimizer_s,
         "bubble_s": bubble,
         "tp_s": tp_comm,
         "pp_s": pp_comm,

@@ -9,9 +9,11 @@ Columns — required: ``model`` (gpt | llama), ``num_layers, hidden, heads, voca
 key: h200, h100, a100, v100), ``num_gpus, tp, pp, global_batch, published_metric, published_value``; optional:
 ``num_kv_heads, ffn_hidden, vpp, cp, dp, micro_batch, gpus_per_node, precision`` (bf16 | fp16 | fp8),
 ``recompute`` (none | selective | full), ``sequence_parallel, distributed_optimizer, fsdp`` (true/false, 1/0,
-yes/no), ``source``. An empty optional cell takes the default: num_kv_heads = heads, ffn_hidden the family's, vpp 1,
-cp 1, dp = num_gpus / (tp·pp·cp), gpus_per_node the GPU's system (``Device.gpus_per_node``), precision bf16,
-recompute none, the flags false. ``micro_batch`` empty or ``auto`` (publications often leave it out), and ``vpp``
+yes/no), ``flash_attention`` (true/false: whether attention keeps its scores out of memory, as FlashAttention does;
+default true; false for runs before it, whose scores go through memory-bound softmax kernels), ``source``. An
+empty optional cell takes the default: num_kv_heads = heads, ffn_hidden the family's, vpp 1, cp 1,
+dp = num_gpus / (tp·pp·cp), gpus_per_node the GPU's system (``Device.gpus_per_node``), precision bf16, recompute
+none, the flags false. ``micro_batch`` empty or ``auto`` (publications often leave it out), and ``vpp``
 ``auto``: the value the planner would choose — the fastest predicted of those the layout rules accept and that fit
 the GPU's memory (micro-batches of at most 16 samples dividing the per-replica batch; every chunk count dividing a
 stage's layers); the chosen values are reported with the row.
@@ -71,6 +73,7 @@ OPTIONAL = (
     "sequence_parallel",
     "distributed_optimizer",
     "fsdp",
+    "flash_attention",
     "source",
 )
 METRICS = ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu", "iteration_s")
@@ -177,9 +180,11 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
     precision = choice("precision", PRECISIONS, "bf16")
     recompute = choice("recompute", RECOMPUTE, "none")
     sp, zero1, fsdp = flag("sequence_parallel"), flag("distributed_optimizer"), flag("fsdp")
+    flash = flag("flash_attention") if cell.get("flash_attention", "") != "" else True
     metric = choice("published_metric", METRICS)
+    value = text("published_value")
     try:
-        published = float(text("published_value"))
+        published = float(value)
     except ValueError:
         fail("published_value", f"expected a number, got {cell.get('published_value')!r}")
     if not published > 0 or math.isinf(published):
@@ -194,6 +199,7 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
             seq_length=seq,
             vocab_size=vocab,
             ffn_hidden_size=ffn,
+            attention_dropout=0.0 if cp > 1 else 0.1,  # ring attention has none
         )
     except (ValueError, TypeError) as e:
         fail("model", f"not a valid {model} model: {e}")
@@ -203,7 +209,8 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
     except LayoutError as e:
         problem = str(e)
     if problem:
-        fail("tp" if "tp" in problem else "pp", f"the layout does not fit the model: {problem}")
+        named = [c for c in ("vpp", "cp", "tp", "pp") if c in problem.split()] or ["tp"]
+        fail(named[0], f"the layout does not fit the model: {problem}")
     layout = costs.Layout(
         tp=tp,
         pp=pp,
@@ -215,6 +222,7 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         sequence_parallel=sp and tp > 1,
         distributed_optimizer=zero1 or fsdp,
         fsdp=fsdp,
+        flash=flash,
         recompute=recompute,
         precision=precision,
     )
