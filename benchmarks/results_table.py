@@ -214,12 +214,36 @@ def _calibration_rows(report):
             yield "predicted", r["kernel_name"], config, "predicted_ms", r["predicted_ms"], "ms"
 
 
+REPRODUCE_UNITS = {
+    "tflops_per_gpu": "TFLOP/s",
+    "mfu": "fraction",
+    "tokens_per_s_per_gpu": "tokens/s",
+    "iteration_s": "s",
+}
+
+
+def _reproduce_rows(report):
+    # ``megakernels plan --reproduce``: a publication's figure (measured, by its authors) beside the step-time model's
+    for r in report["rows"]:
+        config = {
+            k: r.get(k)
+            for k in ("csv", "source", "model", "num_layers", "hidden", "gpu", "num_gpus", "tp", "pp", "global_batch")
+        }
+        config["layout"] = r.get("layout")
+        unit = REPRODUCE_UNITS[r["published_metric"]]
+        what = f"{r['model']} l{r['num_layers']} h{r['hidden']} on {r['num_gpus']} {r['gpu']}"
+        yield "measured", what, config, r["published_metric"], float(r["published_value"]), unit
+        yield "predicted", what, config, r["published_metric"], float(r["predicted"]), unit
+
+
 def figures(report: dict, stem: str):
     """(kind, what, config, metric, value, unit) for every figure of one report, by its layout."""
     if "runs" in report:
         raise ReportError("the file holds several runs: split it into one report per run")
     if "kernels" in report:
         return list(_static_rows(report))
+    if report.get("kind") == "plan --reproduce":
+        return list(_reproduce_rows(report))
     if "rows" in report and "summary" in report and "host" in report:
         return list(_calibration_rows(report))
     if "rows" in report or "e2e" in report:

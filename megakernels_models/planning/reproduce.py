@@ -226,7 +226,7 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         recompute=recompute,
         precision=precision,
     )
-    row = {k: v for k, v in cell.items() if k in REQUIRED or k in OPTIONAL}
+    row = dict(cell)  # every input column, extra ones included (the report carries them; the model ignores them)
     return Run(cfg, gpu, num_gpus, per_node, layout, micro is None, vpp is None, metric, published, row)
 
 
