@@ -15,10 +15,14 @@ Memory per device, Megatron-LM's accounting:
   GPipe: all m), plus the last stage's fp32 logits.
 
 Step time (``predict``), the sum of what cannot overlap, each term from a documented device profile
-(``DEVICES``):
+(``DEVICES``, each constant with its source), checked against published training runs by ``megakernels plan
+--reproduce`` (``reproduce.py``; development set and errors: docs/design.md §4, benchmarks/published):
 
-- compute: the FLOPs a device executes (recomputation included) at ``peak × efficiency``; the efficiency falls for
-  thin GEMMs (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens per GEMM);
+- compute (``compute_time``): the FLOPs a device executes (recomputation included) at ``peak × efficiency``, the
+  efficiency falling for thin GEMMs (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens per
+  GEMM); plus the memory-bound kernels: ``ELEMENTWISE_PASSES`` (+2 with full recomputation) times the bytes a layer
+  stores for backward (``activation_bytes_per_layer``: the attention scores too without FlashAttention) at
+  ``HBM_FRACTION`` of ``Device.hbm_gbps``; plus the optimizer's ``OPTIMIZER_BYTES_PER_PARAM`` per parameter;
 - pipeline bubble: ``(pp−1)/(vpp·m)`` of the compute, plus the point-to-point activations of each micro-batch;
 - tensor parallelism: per layer and micro-batch, forward and backward, two all-reduces (or all-gather +
   reduce-scatter with SP, the same bytes) of the ``[s/cp, b, h]`` activations in 16 bits, ring cost
@@ -26,8 +30,11 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
 - context parallelism: each layer's key/value ring (forward and backward) overlapped with the attention compute;
   only what exceeds it counts;
 - data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
-  device's trained parameters (``--freeze``'s have no gradient) over the network, overlapped with the backward of
-  the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen layers included);
+  device's trained parameters (``--freeze``'s have no gradient), over NVLink inside a node, across nodes through
+  the network adapters of the group's members in each node (``dp_gbps``: NCCL runs a ring per adapter), overlapped
+  with the backward of the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen
+  layers included); ZeRO-3 (``Layout.fsdp``, ``plan --reproduce`` only) adds per micro-batch two parameter
+  all-gathers and a gradient reduce-scatter in 16 bits, hidden behind the step's compute as far as it goes;
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
   tokens;
 - optimizer offload (``offload_time``): the host AdamW on this rank's share of the trained parameters (its ZeRO-1
