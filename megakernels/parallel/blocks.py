@@ -265,6 +265,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         rotary: a module ``rotary(q, k, positions, seq_dim=0)`` applied to the queries and keys (e.g.
             ``megakernels.nn.RotaryEmbedding``), or None.
         proj_bias: a bias on the output projection (default ``bias``; Qwen 2.5 has q/k/v biases only).
+        head_dim: each head's size (default ``hidden_size / num_heads``; the query width is ``num_heads · head_dim``).
         qk_norm_eps: an RMSNorm of this epsilon over each query and key head (``q_norm``, ``k_norm``: weights of
             size d shared by the heads, before the rotary embedding; Qwen 3), or None.
 
@@ -293,6 +294,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         overlap_comm: bool = True,
         proj_bias: bool | None = None,
         qk_norm_eps: float | None = None,
+        head_dim: int | None = None,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
         seed: int | None = None,
@@ -303,7 +305,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         cls = type(self).__name__
         tp = state.tp_size()
         state.check_divisible(num_heads=num_heads)
-        if hidden_size % num_heads:
+        if head_dim is None and hidden_size % num_heads:
             raise ValueError(f"{cls}: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{cls}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -317,7 +319,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.causal, self.recompute = bool(causal), bool(recompute)
         self.sequence_parallel, self.overlap_comm = bool(sequence_parallel), bool(overlap_comm)
-        self.head_dim = d = hidden_size // num_heads
+        self.head_dim = d = hidden_size // num_heads if head_dim is None else int(head_dim)
         replicas = max(1, tp // num_kv_heads)
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
         self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) else core

@@ -11,8 +11,8 @@ row ``2i+1`` its row ``i + d/2``.
 Rotary position scaling: ``llama3`` (Llama 3.1+) and ``linear`` map to ``ModelConfig.rope_scaling``; other kinds
 (``dynamic``, ``yarn``, ``longrope``) are refused by name.
 
-Refused, naming the setting: an activation other than SiLU, a ``head_dim`` other than ``hidden_size /
-num_attention_heads``, biases on only some projections.
+Refused, naming the setting: an activation other than SiLU, biases on only some projections. A ``head_dim`` other
+than ``hidden_size / num_attention_heads`` maps to ``ModelConfig.head_dim``.
 """
 
 from __future__ import annotations
@@ -139,8 +139,6 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"hidden_act {hf['hidden_act']!r}: megakernels' Llama MLP is SwiGLU (silu)")
     h, n = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, h // n):
-        raise ConversionError(f"head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads = {h // n}")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise ConversionError(
@@ -154,6 +152,7 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
         hidden_size=h,
         num_heads=n,
         num_kv_heads=hf.get("num_key_value_heads") or n,
+        head_dim=hf.get("head_dim") or h // n,
         seq_length=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
         ffn_hidden_size=hf["intermediate_size"],

@@ -2,8 +2,8 @@
 key head (``qk_norm``: ``self_attn.q_norm`` / ``k_norm``) and no biases; exact both ways (the tensor rules are
 ``llama``'s).
 
-Refused, naming the setting: a ``head_dim`` other than ``hidden_size / num_attention_heads`` (the small Qwen 3
-models), a sliding window shorter than the context, attention biases, and what ``llama`` refuses.
+Refused, naming the setting: a sliding window shorter than the context, attention biases, and what ``llama``
+refuses.
 """
 
 from __future__ import annotations

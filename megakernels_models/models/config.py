@@ -42,6 +42,8 @@ class ModelConfig:
             with biases and tied output embedding; Llama's RMSNorm, rotary positions, SwiGLU without biases).
         num_layers, hidden_size, num_heads: l, h, a.
         num_kv_heads: key/value heads (grouped-query attention; default ``num_heads``: multi-head).
+        head_dim: the size of each attention head (default ``hidden_size / num_heads``; another value, as in
+            Qwen 3's MoE models, makes the query width ``num_heads · head_dim`` differ from h: rotary models only).
         seq_length: s, tokens per sample (also the number of learned positions).
         vocab_size: V, the tokenizer's real vocabulary (padded for GEMMs inside the model, never in the math).
         ffn_hidden_size: the MLP's inner size f (default 4h).
@@ -95,6 +97,7 @@ class ModelConfig:
     norm_position: str = "pre"
     activation: str | None = None
     num_kv_heads: int | None = None
+    head_dim: int | None = None
     norm: str | None = None
     position_embedding: str | None = None
     rope_theta: float = 10000.0
@@ -163,9 +166,17 @@ class ModelConfig:
                 f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (each key/value head serves a group of query heads)"
             )
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"ModelConfig: hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        positive_int(self.head_dim, "head_dim", where="ModelConfig")
+        if self.head_dim * self.num_heads != self.hidden_size and self.position_embedding != "rope":
             raise ValueError(
-                f"ModelConfig: hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+                f"ModelConfig: head_dim={self.head_dim} other than hidden_size / num_heads is an option of the "
+                "rotary (grouped-query) attention: it needs position_embedding='rope'"
             )
         if self.position_embedding == "rope":
             if self.head_dim % 2:
@@ -256,8 +267,9 @@ class ModelConfig:
         )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_size(self) -> int:
+        """Width of the query projection (and the output projection's input): ``num_heads · head_dim``."""
+        return self.num_heads * self.head_dim
 
     @property
     def num_image_tokens(self) -> int:
@@ -316,6 +328,8 @@ class ModelConfig:
             c["ffn_hidden_size"] = 4 * c["hidden_size"]
         if "num_heads" in c and "num_kv_heads" not in c and self.num_kv_heads == self.num_heads:
             c["num_kv_heads"] = c["num_heads"]
+        if ("hidden_size" in c or "num_heads" in c) and "head_dim" not in c and self.q_size == self.hidden_size:
+            c["head_dim"] = None  # follows hidden_size / num_heads
         if "bias" in c and "qkv_bias" not in c and self.qkv_bias == self.bias:
             c["qkv_bias"] = c["bias"]
         self._follow(c)
@@ -366,8 +380,9 @@ class ModelConfig:
             if moe
             else 0
         )
-        gemm = 2.0 * ((h * (h + 2 * self.kv_size) + h * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
-        attention = 4.0 * s * h * l
+        q = self.q_size
+        gemm = 2.0 * ((h * (q + 2 * self.kv_size) + q * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
+        attention = 4.0 * s * q * l
         head = 2.0 * h * V
         return {"layers_gemm": gemm, "attention": attention, "head": head}
 
@@ -421,7 +436,8 @@ class ModelConfig:
             share = self.num_moe_layers / self.num_layers
             inside = (1 - share) * inside + share * moe
         replicated = (2.0 + mask) * h + (2.0 + mask) * h + 4.0 * h  # branch inputs + residual masks, norms
-        split = (2.0 * h + 4.0 * kv + 2.0 * h) + inside  # Q, K, V, projection input; the MLP's inside
+        q = self.q_size
+        split = (2.0 * q + 4.0 * kv + 2.0 * q) + inside  # Q, K, V, projection input; the MLP's inside
         scores = 0.0 if (recompute == "selective" or flash_attention or cp > 1) else 5.0 * a * s
         if sequence_parallel:
             return scale * s * b * (replicated + split + scores) / tp

@@ -130,6 +130,7 @@ class TransformerLayer(nn.Module):
                 **{**common, "bias": c.qkv_bias},
                 proj_bias=c.bias,
                 qk_norm_eps=c.layernorm_eps if c.qk_norm else None,
+                head_dim=c.head_dim,
             )
         else:
             if c.num_kv_heads != c.num_heads:

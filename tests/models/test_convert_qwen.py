@@ -27,6 +27,13 @@ SMALL = dict(
 KINDS = {
     "qwen2": (lambda **kw: transformers.Qwen2Config(**SMALL, **kw), transformers.Qwen2ForCausalLM),
     "qwen3": (lambda **kw: transformers.Qwen3Config(**SMALL, head_dim=8, **kw), transformers.Qwen3ForCausalLM),
+    # heads of 16 over a 32-wide model (queries 64 wide), 4 experts of 16, top 2
+    "qwen3_moe": (
+        lambda **kw: transformers.Qwen3MoeConfig(
+            **SMALL, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **kw
+        ),
+        transformers.Qwen3MoeForCausalLM,
+    ),
 }
 
 
@@ -53,20 +60,30 @@ def _ours(ckpt_dir, ids):
         return model(ids).transpose(0, 1)[..., : cfg.vocab_size], cfg
 
 
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_qwen_converts_both_ways_with_transformers_logits_and_tokens(single_world, tmp_path, kind, tied):
+@pytest.mark.parametrize(
+    "kind,tied,extra",
+    [
+        ("qwen2", False, {}),
+        ("qwen2", True, {}),
+        ("qwen3", False, {}),
+        ("qwen3", True, {}),
+        ("qwen3_moe", False, {"norm_topk_prob": True}),
+        ("qwen3_moe", False, {"norm_topk_prob": False}),
+    ],
+)
+def test_qwen_converts_both_ways_with_transformers_logits_and_tokens(single_world, tmp_path, kind, tied, extra):
     from megakernels_models import load_pretrained
     from megakernels_models.inference.generate import generate
 
-    hf = _hf(kind, tmp_path / "hf", tie_word_embeddings=tied)
+    hf = _hf(kind, tmp_path / "hf", tie_word_embeddings=tied, **extra)
     assert any(n.endswith("q_proj.bias") for n, _ in hf.named_parameters()) == (kind == "qwen2")
     ids = torch.randint(0, V, (2, S))
     with torch.no_grad():
         ref = hf(ids).logits
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
     ours, cfg = _ours(tmp_path / "mk", ids)
-    assert (cfg.model, cfg.qkv_bias, cfg.qk_norm, cfg.bias) == ("qwen", kind == "qwen2", kind == "qwen3", False)
+    assert (cfg.model, cfg.qkv_bias, cfg.qk_norm, cfg.bias) == ("qwen", kind == "qwen2", kind != "qwen2", False)
+    assert (cfg.num_experts, cfg.moe_normalize) == ((4, extra["norm_topk_prob"]) if extra else (0, True))
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     prompt = ids[:1, :8]
     with torch.no_grad():
@@ -78,10 +95,17 @@ def test_qwen_converts_both_ways_with_transformers_logits_and_tokens(single_worl
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_converted_qwen3_trains_at_any_layout_from_transformers_loss(tmp_path):
-    """At tp 2 the q/k norms are replicated over the ranks, each seeing its own heads: the first step's loss is
-    transformers' on the same batch, training (their gradients summed over the ranks) lowers it, and one process
-    and tp 2 x pp 2 give the same losses."""
+@pytest.mark.parametrize(
+    "kind,first,layouts",
+    [
+        ("qwen3", dict(tp=2, nproc=2), [dict(tp=1, nproc=1), dict(tp=2, pp=2, nproc=4)]),
+        ("qwen3_moe", dict(ep=2, nproc=2), [dict(ep=1, nproc=1), dict(tp=2, ep=2, nproc=4)]),
+    ],
+)
+def test_a_converted_qwen3_trains_at_any_layout_from_transformers_loss(tmp_path, kind, first, layouts):
+    """At tp 2 (with ep 2 for the MoE) the q/k norms are replicated over the ranks, each seeing its own heads: the
+    first step's loss is transformers' on the same batch, training (their gradients summed over the ranks) lowers
+    it, and one process and tp 2 x pp 2 give the same losses."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -91,7 +115,7 @@ def test_a_converted_qwen3_trains_at_any_layout_from_transformers_loss(tmp_path)
     from megakernels_models.data.datasets import collate
     from megakernels_models.training.train import run
 
-    hf = _hf("qwen3", tmp_path / "hf")
+    hf = _hf(kind, tmp_path / "hf")
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
     meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
     args = TrainArgs(
@@ -105,8 +129,7 @@ def test_a_converted_qwen3_trains_at_any_layout_from_transformers_loss(tmp_path)
         corpus_bytes=1 << 18,
         load=str(tmp_path / "mk"),
         dropout=0.0,
-        tp=2,
-        nproc=2,
+        **first,
     )
     cfg = validate(dataclasses.replace(args))
     assert cfg.qk_norm and cfg.model == "qwen"
@@ -116,7 +139,7 @@ def test_a_converted_qwen3_trains_at_any_layout_from_transformers_loss(tmp_path)
     losses = [r["loss"] for r in run(args)]
     assert losses[0] == pytest.approx(expected, rel=1e-5)
     assert losses[-1] < losses[0]
-    # the same run on one process and at tp 2 x pp 2: the same losses (the norms' gradients summed over tp)
-    for layout in (dict(tp=1, nproc=1), dict(tp=2, pp=2, nproc=4)):
+    # the same run on one process and at other layouts: the same losses (the norms' gradients summed over tp)
+    for layout in layouts:
         again = [r["loss"] for r in run(dataclasses.replace(args, **layout))]
         assert again == pytest.approx(losses, rel=1e-5), layout

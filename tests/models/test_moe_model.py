@@ -80,8 +80,14 @@ def test_expert_memory_per_device_shrinks_with_ep():
         ("llama3.2-3b", 3.21e9),
         ("qwen2.5-7b", 7.61e9),
         ("qwen3-8b", 8.19e9),
+        ("qwen3-30b-a3b", 30.5e9),
     ],
 )
 def test_open_model_presets_have_the_published_parameter_counts(name, published):
     rep = _dry("--preset", name, "--nproc", "8", "--tp", "4", "--micro-batch-size", "1", "--global-batch-size", "8")
     assert rep["parameters"] == pytest.approx(published, rel=0.01)
+
+
+def test_qwen3_moe_preset_has_the_published_active_parameters():
+    rep = _dry("--preset", "qwen3-30b-a3b", "--nproc", "8", "--ep", "8", "--micro-batch-size", "1")
+    assert rep["active_parameters"] == pytest.approx(3.3e9, rel=0.02)  # published as "3.3B activated"

@@ -2,7 +2,8 @@
 positions with θ 1e6, SwiGLU, grouped-query attention), with biases on the query/key/value projections only
 (Qwen 2.5) or an RMSNorm over each query and key head and no biases (Qwen 3).
 
-Presets: ``qwen-tiny`` (the CPU default, Qwen 3 style), ``qwen2.5-7b`` (7.61 B parameters), ``qwen3-8b`` (8.19 B).
+Presets: ``qwen-tiny`` (the CPU default, Qwen 3 style), ``qwen2.5-7b`` (7.61 B parameters), ``qwen3-8b`` (8.19 B),
+``qwen3-30b-a3b`` (Qwen 3 MoE: 30.5 B parameters, 3.3 B active per token).
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ PRESETS = {
     "qwen-tiny": _qwen(4, 256, 8, 2, 256, 261, 704, qk_norm=True),  # byte-level vocabulary, for the CPU
     "qwen2.5-7b": _qwen(28, 3584, 28, 4, 8192, 152064, 18944, qkv_bias=True),
     "qwen3-8b": _qwen(36, 4096, 32, 8, 8192, 151936, 12288, qk_norm=True),
+    # Qwen 3 MoE: 128 experts of 768, top 8 renormalised, no shared expert; heads of 128 over a 2048-wide model
+    "qwen3-30b-a3b": _qwen(
+        48,
+        2048,
+        32,
+        4,
+        8192,
+        151936,
+        6144,
+        qk_norm=True,
+        head_dim=128,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        moe_aux_loss_coeff=0.001,
+    ),
 }
 
 
@@ -40,9 +57,9 @@ def _model():
 
 
 def _hf(config):
-    from megakernels_models.convert import qwen2, qwen3
+    from megakernels_models.convert import qwen2, qwen3, qwen3_moe
 
-    return qwen3 if config.qk_norm else qwen2
+    return (qwen3_moe if config.num_experts else qwen3) if config.qk_norm else qwen2
 
 
 SPEC = register(FamilySpec("qwen", "Qwen", QwenConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))
