@@ -1,7 +1,8 @@
 """The CPU path of flash_attention: blocked over queries, so memory is O(block * sk) per (batch, head), never
 O(sq * sk), with every product a large GEMM (the BLAS does the work).
 
-Forward, per block of queries: scores against the visible keys only (causal blocks stop at the diagonal), the
+Forward, per block of queries: scores against the visible keys only (causal blocks stop at the diagonal, windowed
+ones also start at the band's near edge, so the cost grows with the window, not the sequence), the
 row log-sum-exp, ``P = exp(S - lse)``, the dropout mask of megakernels.triton._common (same bits as the GPU
 kernel), ``out = P V``. Backward recomputes ``P`` from the lse, per block: ``dv += P^T dO``,
 ``dS = P * (dO V^T - delta)``, ``dq = scale dS K``, ``dk += scale dS^T Q``. Grouped-query heads are folded into
@@ -26,12 +27,18 @@ def _rows_per_block(b: int, h: int, sk: int, itemsize: int) -> int:
     return max(16, min(1024, _BLOCK_BYTES // max(1, b * h * sk * itemsize)))
 
 
-def _blocks(sq: int, sk: int, rows: int, causal: bool):
-    """(start, stop, visible keys) per query block; with causality keys past the block's last row are skipped."""
+def _blocks(sq: int, sk: int, rows: int, causal: bool, window: int = 0, shift: int = 0):
+    """(start, stop, k0, k1) per query block: its rows see keys in ``[k0, k1)`` only. With causality keys past the
+    block's last row are skipped; with a window also keys before the band of its first row."""
+    diag = sk - sq + shift
     for start in range(0, sq, rows):
         stop = min(sq, start + rows)
-        kv = min(sk, max(0, stop + sk - sq)) if causal else sk
-        yield start, stop, kv
+        k0 = min(sk, max(0, start + diag - window + 1)) if window else 0
+        if causal:
+            k1 = min(sk, max(0, stop + diag))
+        else:
+            k1 = min(sk, max(0, stop + diag + window - 1)) if window else sk
+        yield start, stop, k0, max(k0, k1)
 
 
 def _by_kv_head(t: torch.Tensor, hk: int) -> torch.Tensor:
@@ -40,12 +47,15 @@ def _by_kv_head(t: torch.Tensor, hk: int) -> torch.Tensor:
     return t.view(b, s, hk, h // hk, d).permute(0, 2, 3, 1, 4)
 
 
-def _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, device):
-    """(causal mask [rows, kv] or None, dropout keep [b, hk, group*rows, kv] or None)."""
+def _block_mask(start, stop, k0, k1, sq, sk, causal, window, shift, dropout_p, seed, b, h, hk, device):
+    """(mask [rows, k1 - k0], True = not seen, or None; dropout keep [b, hk, group*rows, k1 - k0] or None)."""
     causal_mask = None
-    if causal:
-        rows = torch.arange(start, stop, device=device)
-        causal_mask = torch.arange(kv, device=device)[None, :] > rows[:, None] + (sk - sq)
+    rows, cols = torch.arange(start, stop, device=device), torch.arange(k0, k1, device=device)
+    if window:  # query i sees key j iff 0 <= i + diag - j < window (causal) or |i + diag - j| < window
+        rel = rows[:, None] + (sk - sq + shift) - cols[None, :]
+        causal_mask = (rel >= window) | ((rel < 0) if causal else (rel <= -window))
+    elif causal:
+        causal_mask = cols[None, :] > rows[:, None] + (sk - sq)
     keep = None
     if dropout_p > 0.0:
         from megakernels.triton._common import dropout_keep_reference
@@ -55,8 +65,8 @@ def _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, devi
         flat = (torch.arange(b, device=device)[:, None, None, None] * h + heads[None, :, :, None]) * sq + torch.arange(
             start, stop, device=device
         )[None, None, None, :]
-        keep = dropout_keep_reference(seed, flat.reshape(-1), torch.arange(kv, device=device), dropout_p)
-        keep = keep.view(b, hk, g * (stop - start), kv)
+        keep = dropout_keep_reference(seed, flat.reshape(-1), cols, dropout_p)
+        keep = keep.view(b, hk, g * (stop - start), k1 - k0)
     return causal_mask, keep
 
 
@@ -68,7 +78,7 @@ def _scores(qb, kt, causal_mask, g):
     return s
 
 
-def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: int):
+def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: int, window: int = 0, shift: int = 0):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -80,28 +90,32 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: int):
     oh = _by_kv_head(out, hk)
     lse = torch.empty((b, hk, g, sq), dtype=ct)  # fp32 (fp64 for fp64 input: gradcheck)
     keep_scale = 1.0 / (1.0 - dropout_p)
-    for start, stop, kv in _blocks(sq, sk, _rows_per_block(b, h, sk, 4), causal):
+    for start, stop, k0, k1 in _blocks(sq, sk, _rows_per_block(b, h, sk, 4), causal, window, shift):
         rows = stop - start
-        if kv == 0:
+        if k1 == k0:
             oh[:, :, :, start:stop].zero_()
             lse[..., start:stop] = float("-inf")
             continue
-        causal_mask, keep = _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, q.device)
+        causal_mask, keep = _block_mask(
+            start, stop, k0, k1, sq, sk, causal, window, shift, dropout_p, seed, b, h, hk, q.device
+        )
         qb = (qh[:, :, :, start:stop].to(ct) * scale).reshape(b, hk, g * rows, d)
         # In place on the block's scores: max, exp(s - max), row sums (4 passes; the GEMMs are the BLAS's).
-        p = _scores(qb, kt[..., :kv], causal_mask, g)
+        p = _scores(qb, kt[..., k0:k1], causal_mask, g)
         m = p.amax(-1, keepdim=True)
         m = m.masked_fill_(torch.isneginf(m), 0.0)  # a row that sees no key: P = 0, l = 0, lse = -inf
         l = p.sub_(m).exp_().sum(-1, keepdim=True)
         if keep is not None:
             p = p.masked_fill_(~keep, 0.0)
-        o = torch.matmul(p, vc[:, :, :kv]).mul_(keep_scale / l.masked_fill(l == 0, 1.0))
+        o = torch.matmul(p, vc[:, :, k0:k1]).mul_(keep_scale / l.masked_fill(l == 0, 1.0))
         oh[:, :, :, start:stop] = o.view(b, hk, g, rows, d)
         lse[..., start:stop] = (m + torch.log(l)).view(b, hk, g, rows)
     return out, lse.view(b, h, sq)
 
 
-def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: int):
+def backward(
+    do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float, seed: int, window: int = 0, shift: int = 0
+):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -117,26 +131,28 @@ def backward(do, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float
     dk = torch.zeros((b, hk, sk, d), dtype=ct)
     dv = torch.zeros((b, hk, sk, d), dtype=ct)
     keep_scale = 1.0 / (1.0 - dropout_p)
-    for start, stop, kv in _blocks(sq, sk, _rows_per_block(b, h, sk, 4), causal):
+    for start, stop, k0, k1 in _blocks(sq, sk, _rows_per_block(b, h, sk, 4), causal, window, shift):
         rows = stop - start
-        if kv == 0:
+        if k1 == k0:
             dqh[:, :, :, start:stop].zero_()
             continue
-        causal_mask, keep = _block_mask(start, stop, kv, sq, sk, causal, dropout_p, seed, b, h, hk, q.device)
+        causal_mask, keep = _block_mask(
+            start, stop, k0, k1, sq, sk, causal, window, shift, dropout_p, seed, b, h, hk, q.device
+        )
         qb = (qh[:, :, :, start:stop].to(ct) * scale).reshape(b, hk, g * rows, d)
         dob = doh[:, :, :, start:stop].to(ct).reshape(b, hk, g * rows, d)
         m = lse[..., start:stop].reshape(b, hk, g * rows, 1).to(ct)
-        p = _scores(qb, kt[..., :kv], causal_mask, g).sub_(m.masked_fill(torch.isneginf(m), math.inf)).exp_()
-        dp = torch.matmul(dob, vt[..., :kv])
+        p = _scores(qb, kt[..., k0:k1], causal_mask, g).sub_(m.masked_fill(torch.isneginf(m), math.inf)).exp_()
+        dp = torch.matmul(dob, vt[..., k0:k1])
         if keep is not None:
             pd = p.masked_fill(~keep, 0.0).mul_(keep_scale)
             dp = dp.masked_fill_(~keep, 0.0).mul_(keep_scale)
         else:
             pd = p
-        dv[:, :, :kv] += torch.matmul(pd.transpose(-1, -2), dob)
+        dv[:, :, k0:k1] += torch.matmul(pd.transpose(-1, -2), dob)
         ds = dp.sub_(delta[..., start:stop].reshape(b, hk, g * rows, 1)).mul_(p)
-        dqh[:, :, :, start:stop] = torch.matmul(ds, kc[:, :, :kv]).mul_(scale).view(b, hk, g, rows, d)
-        dk[:, :, :kv] += torch.matmul(ds.transpose(-1, -2), qb)  # qb holds scale * q
+        dqh[:, :, :, start:stop] = torch.matmul(ds, kc[:, :, k0:k1]).mul_(scale).view(b, hk, g, rows, d)
+        dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qb)  # qb holds scale * q
     dk = dk.permute(0, 2, 1, 3).to(k.dtype)
     dv = dv.permute(0, 2, 1, 3).to(v.dtype)
     return dq, dk.contiguous(), dv.contiguous()

@@ -7,6 +7,14 @@ heads_kv)``. Causal masking is aligned to the bottom-right corner: query ``i`` s
 ``j <= i + sk - sq``, so with ``sq < sk`` the queries are the last positions of the keys (decoding), and with
 ``sq > sk`` the first ``sq - sk`` queries see nothing and output zeros (lse ``-inf``).
 
+Sliding window (``window=w``, Mistral): with ``rel = i + sk - sq - j`` (how far key ``j`` lies behind query ``i``,
+bottom-right aligned), causal attention sees ``0 <= rel < w`` — HuggingFace Mistral's ``i - w < j <= i``, flash-attn's
+``window_size=(w - 1, 0)``: the query itself and the ``w - 1`` keys before it — and non-causal attention the
+symmetric band ``|rel| < w`` (flash-attn's ``(w - 1, w - 1)``, which HuggingFace's flash-attention path passes; its
+eager bidirectional overlay takes ``|rel| <= w`` instead). The kernels visit only the key blocks that meet the band,
+so the cost grows with ``w``, not with the sequence. The custom ops also take a ``shift`` added to ``sk - sq`` (with a
+window only): context parallelism (megakernels/parallel/context.py) attends chunks at any absolute offset.
+
 Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
 fp32); CPU tensors run the blocked CPU path (megakernels/ops/_attention_cpu.py, memory O(block * sk)); under
 ``megakernels.backend("cuda_emu")`` CPU tensors run the *Triton* kernels through Triton's interpreter (which needs
@@ -56,16 +64,18 @@ def _flash_attn_fwd(
     seed: torch.Tensor | None,
     emulate: bool,
     deterministic: bool = False,
+    window: int = 0,
+    shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
-        return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed)
+        return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift)
     from megakernels.ops import _attention_cpu
 
-    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed))
+    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed), window, shift)
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False):
+def _(q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False, window=0, shift=0):
     _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -86,16 +96,22 @@ def _flash_attn_bwd(
     seed: torch.Tensor | None,
     emulate: bool,
     deterministic: bool = False,
+    window: int = 0,
+    shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if runs_triton("flash_attention", q, emulate):
-        return _triton_kernels().backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic)
+        return _triton_kernels().backward(
+            grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift
+        )
     from megakernels.ops import _attention_cpu
 
-    return _attention_cpu.backward(grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed))
+    return _attention_cpu.backward(
+        grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed), window, shift
+    )
 
 
 @_flash_attn_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, deterministic=False):
+def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, deterministic=False, window=0, shift=0):
     _checks.same_device(
         "flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)
     )
@@ -103,23 +119,48 @@ def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, dete
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic = inputs
+    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic, window, shift = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed)
     ctx.causal, ctx.scale, ctx.dropout_p, ctx.emulate = causal, scale, dropout_p, emulate
-    ctx.deterministic = deterministic
+    ctx.deterministic, ctx.window, ctx.shift = deterministic, window, shift
     ctx.set_materialize_grads(True)
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, seed = ctx.saved_tensors
     dq, dk, dv = _flash_attn_bwd(
-        grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed, ctx.emulate, ctx.deterministic
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ctx.causal,
+        ctx.scale,
+        ctx.dropout_p,
+        seed,
+        ctx.emulate,
+        ctx.deterministic,
+        ctx.window,
+        ctx.shift,
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_window(op: str, window) -> int:
+    """``window`` as the kernels take it: None or 0 (full attention) as 0, else a positive int.
+
+    Raises:
+        ValueError: anything else, naming ``op``."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        raise ValueError(f"{op}: window must be a positive int, or None or 0 (full attention), got {window!r}")
+    return int(window)
 
 
 def _check(q, k, v, softmax_scale, dropout_p) -> float:
@@ -188,6 +229,7 @@ def flash_attention(
     return_lse: bool = False,
     generator: torch.Generator | None = None,
     deterministic: bool = False,
+    window: int | None = None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` per head, memory linear in the sequence length.
 
@@ -205,6 +247,10 @@ def flash_attention(
             the scores: seven matmuls instead of five);
             by default dQ is accumulated with fp32 atomics, whose order varies. The CPU path is always
             deterministic.
+        window: sliding-window attention over the last ``window`` keys, the query's own included (causal: query i
+            sees key j iff ``i + sk - sq - window < j <= i + sk - sq``, HuggingFace Mistral's ``sliding_window``);
+            without causality the band ``|i + sk - sq - j| < window``. None: every key (as a window at least the
+            sequence long; so is 0). Key blocks outside the band are skipped: the cost grows with the window.
 
     Returns:
         ``out`` ``[batch, sq, heads, head_dim]`` in q's dtype (and ``lse`` when asked); differentiable w.r.t.
@@ -212,9 +258,12 @@ def flash_attention(
 
     Raises:
         TypeError for a non-tensor; ValueError naming the argument for wrong rank, dtype or device mismatches,
-        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale or dropout_p.
+        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale, dropout_p or window.
     """
     scale = _check(q, k, v, softmax_scale, dropout_p)
+    window = check_window("flash_attention", window)
+    if window >= max(q.shape[1], k.shape[1]):  # the band holds every (query, key) pair: the kernel without one
+        window = 0
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     emulate = emulate_for("flash_attention", q, "q")
     seed = draw_seed(q.device, generator) if dropout_p > 0.0 else None  # no launch without dropout
@@ -222,7 +271,9 @@ def flash_attention(
         out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)
         return (out, lse) if return_lse else out
-    out, lse = _flash_attn_fwd(q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic))
+    out, lse = _flash_attn_fwd(
+        q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic), window, 0
+    )
     return (out, lse) if return_lse else out
 
 
@@ -238,13 +289,25 @@ def dropout_mask(seed: int, batch: int, heads: int, sq: int, sk: int, dropout_p:
     return dropout_keep_reference(seed, rows, torch.arange(sk, device=device), dropout_p).view(batch, heads, sq, sk)
 
 
+def window_mask(sq: int, sk: int, causal: bool, window: int | None = None, shift: int = 0, device=None) -> torch.Tensor:
+    """``[sq, sk]`` bool, True where query i does *not* see key j: ``rel = i + sk - sq + shift - j`` outside
+    ``0 <= rel`` (causal) and ``|rel| < window`` (a window); None where every key is seen."""
+    if not causal and not window:
+        return None
+    rel = torch.arange(sq, device=device)[:, None] + (sk - sq + shift) - torch.arange(sk, device=device)[None, :]
+    hidden = rel < 0 if causal else torch.zeros_like(rel, dtype=torch.bool)
+    if window:
+        hidden = hidden | (rel >= window) | (rel <= -window)
+    return hidden
+
+
 def flash_attention_reference(
-    q, k, v, causal=False, softmax_scale=None, keep=None, dropout_p=0.0, compute_dtype=torch.float64
+    q, k, v, causal=False, softmax_scale=None, keep=None, dropout_p=0.0, compute_dtype=torch.float64, window=None
 ):
     """Materialising attention in ``compute_dtype``: returns (out ``[b, sq, h, d]``, lse ``[b, h, sq]``).
 
-    ``keep`` (``[b, h, sq, sk]`` bool) applies dropout with scale ``1 / (1 - dropout_p)``. Queries that see no
-    key give zeros and lse -inf."""
+    ``keep`` (``[b, h, sq, sk]`` bool) applies dropout with scale ``1 / (1 - dropout_p)``; ``window`` as
+    ``flash_attention``'s. Queries that see no key give zeros and lse -inf."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -252,8 +315,9 @@ def flash_attention_reference(
     kc = k.to(compute_dtype).transpose(1, 2).repeat_interleave(h // hk, 1)
     vc = v.to(compute_dtype).transpose(1, 2).repeat_interleave(h // hk, 1)
     s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), float("-inf"))
+    hidden = window_mask(sq, sk, causal, window, device=q.device)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
     if keep is not None:

@@ -88,6 +88,22 @@ def seq_bucket(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Sliding-window attention: query ``i`` sees key ``j`` iff ``rel = i + diag - j`` (how far the key lies behind the
+# query, in absolute positions; ``diag = SK - SQ`` aligns the bottom-right corners) satisfies ``0 <= rel < window``
+# causally (HuggingFace Mistral's ``i - w < j <= i``, flash-attn's ``window_size=(w - 1, 0)``) or
+# ``|rel| < window`` without causality (flash-attn's ``(w - 1, w - 1)``).
+
+
+@triton.jit
+def in_band(rows, cols, diag, window, CAUSAL: tl.constexpr):
+    """Boolean mask (broadcast of ``rows`` and ``cols``, absolute query and key indices) of the window's band."""
+    rel = rows + diag - cols
+    if CAUSAL:
+        return (rel >= 0) & (rel < window)
+    return (rel < window) & (rel > -window)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Dropout: keep(seed, row, col) from a 32-bit integer hash (murmur3's finaliser), so the mask is a pure function of
 # the seed and the element's coordinates: the same on CPU and GPU, the same in forward and backward, independent of
 # the block sizes. ``row`` is the flat (batch*heads + head)*sq + query index, ``col`` the key index.

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megakernels.triton._common import dropout_keep, dropout_row_hash
+from megakernels.triton._common import dropout_keep, dropout_row_hash, in_band
 
 
 @triton.jit
@@ -104,6 +104,8 @@ def _bwd_step(
     seed_hi,
     threshold,
     keep_scale,
+    diag,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -113,6 +115,7 @@ def _bwd_step(
     PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
     DQ_TMA: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
@@ -132,7 +135,9 @@ def _bwd_step(
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:
         valid = (offs_n[:, None] < SK) & (offs_m[None, :] < SQ)
-        if CAUSAL:
+        if WINDOWED:
+            valid = valid & in_band(offs_m[None, :], offs_n[:, None], diag, window, CAUSAL)
+        elif CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + (SK - SQ))
         p_t = tl.where(valid, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -212,6 +217,8 @@ def _bwd_kernel(
     scale,
     threshold,
     keep_scale,
+    WINDOW,
+    SHIFT,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -221,6 +228,7 @@ def _bwd_kernel(
     PRECISION: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
     DQ_TMA: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -237,20 +245,43 @@ def _bwd_kernel(
     )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Query blocks [lo, mid) meet the causal diagonal band (masks); [mid, SQ // BLOCK_M * BLOCK_M) see every key of
-    # this block (no masks); the query tail past that is masked again. A key block that runs past SK masks all.
-    if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
-        lo = tl.maximum(pid_n * BLOCK_N + SQ - SK, 0) // BLOCK_M * BLOCK_M
-        mid = tl.minimum(
-            tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M, SQ // BLOCK_M * BLOCK_M
-        )
+    if WINDOWED:
+        # Query i sees key j iff 0 <= i + diag - j < WINDOW (causal) or |i + diag - j| < WINDOW: query blocks
+        # [lo, mid) meet the band's near edge (masks), [mid, full_end) see every key of this block (no masks),
+        # [full_end, hi) its far edge and the query tail (masks); query blocks outside the band are never visited.
+        diag = SK - SQ + SHIFT
+        n0 = pid_n * BLOCK_N
+        if CAUSAL:
+            lo = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
+            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        else:
+            lo = tl.maximum(n0 - diag - WINDOW + 1, 0) // BLOCK_M * BLOCK_M
+            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - diag - WINDOW, 0), BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(SQ, tl.maximum(n0 + BLOCK_N - diag + WINDOW - 1, 0)), lo)
+        mid = tl.minimum(tl.maximum(mid, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+        full_end = tl.minimum(tl.maximum(n0 - diag + WINDOW, 0), SQ) // BLOCK_M * BLOCK_M
+        if n0 + BLOCK_N > SK:  # the key tail: every query block masked
+            full_end = mid
+        full_end = tl.maximum(full_end, mid)
     else:
-        lo = 0
-        mid = 0
-    full_end = SQ // BLOCK_M * BLOCK_M
-    if (pid_n + 1) * BLOCK_N > SK:  # the key tail: every query block masked
-        mid = full_end
-    mid = tl.maximum(mid, lo)
+        diag = 0  # unused without a window
+        # Query blocks [lo, mid) meet the causal diagonal band (masks); [mid, SQ // BLOCK_M * BLOCK_M) see every key
+        # of this block (no masks); the query tail past that is masked again. A key block that runs past SK masks
+        # all.
+        if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
+            lo = tl.maximum(pid_n * BLOCK_N + SQ - SK, 0) // BLOCK_M * BLOCK_M
+            mid = tl.minimum(
+                tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M,
+                SQ // BLOCK_M * BLOCK_M,
+            )
+        else:
+            lo = 0
+            mid = 0
+        full_end = SQ // BLOCK_M * BLOCK_M
+        if (pid_n + 1) * BLOCK_N > SK:  # the key tail: every query block masked
+            mid = full_end
+        mid = tl.maximum(mid, lo)
+        hi = SQ
     seed_lo = tl.full([], 0, tl.uint32)
     seed_hi = tl.full([], 0, tl.uint32)
     if DROPOUT:
@@ -296,6 +327,8 @@ def _bwd_kernel(
                 seed_hi,
                 threshold,
                 keep_scale,
+                diag,
+                WINDOW,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -305,6 +338,7 @@ def _bwd_kernel(
                 PRECISION,
                 DQ_ATOMIC,
                 DQ_TMA,
+                WINDOWED,
             )
         for start_m in range(mid, full_end, BLOCK_M):
             dk, dv = _bwd_step(
@@ -334,6 +368,8 @@ def _bwd_kernel(
                 seed_hi,
                 threshold,
                 keep_scale,
+                diag,
+                WINDOW,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -343,8 +379,9 @@ def _bwd_kernel(
                 PRECISION,
                 DQ_ATOMIC,
                 DQ_TMA,
+                WINDOWED,
             )
-        for start_m in range(tl.maximum(full_end, mid), SQ, BLOCK_M):
+        for start_m in range(tl.maximum(full_end, mid), hi, BLOCK_M):
             dk, dv = _bwd_step(
                 dk,
                 dv,
@@ -372,6 +409,8 @@ def _bwd_kernel(
                 seed_hi,
                 threshold,
                 keep_scale,
+                diag,
+                WINDOW,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -381,6 +420,7 @@ def _bwd_kernel(
                 PRECISION,
                 DQ_ATOMIC,
                 DQ_TMA,
+                WINDOWED,
             )
     tl.store(
         DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
@@ -427,6 +467,8 @@ def _bwd_dq_kernel(
     scale,
     threshold,
     keep_scale,
+    WINDOW,
+    SHIFT,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -434,6 +476,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -460,15 +503,28 @@ def _bwd_dq_kernel(
             (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), bh * SQ + offs_m
         )
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0)) if CAUSAL else SK
-    for start_n in range(0, hi, BLOCK_N):
+    if WINDOWED:  # the key blocks that meet the band of some row of this block (as the forward's)
+        diag = SK - SQ + SHIFT
+        lo = tl.maximum(pid_m * BLOCK_M + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + diag, 0))
+        else:
+            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + diag + WINDOW - 1, 0))
+        hi = tl.maximum(hi, lo)
+    else:
+        diag = 0  # unused without a window
+        lo = 0
+        hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0)) if CAUSAL else SK
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         valid = offs_n[None, :] < SK
-        if CAUSAL:
+        if WINDOWED:
+            valid = valid & in_band(offs_m[:, None], offs_n[None, :], diag, WINDOW, CAUSAL)
+        elif CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
         p = tl.where(valid, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)

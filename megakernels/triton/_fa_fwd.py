@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megakernels.triton._common import dropout_keep, dropout_row_hash
+from megakernels.triton._common import dropout_keep, dropout_row_hash, in_band
 
 
 @triton.jit
@@ -89,6 +89,8 @@ def _fwd_step(
     qk_scale,
     row_hash,
     threshold,
+    diag,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -97,6 +99,7 @@ def _fwd_step(
     DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _load_kv(
@@ -105,7 +108,9 @@ def _fwd_step(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         valid = offs_n[None, :] < SK
-        if CAUSAL:
+        if WINDOWED:
+            valid = valid & in_band(offs_m[:, None], offs_n[None, :], diag, window, CAUSAL)
+        elif CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -140,6 +145,8 @@ def _fwd_block(
     qk_scale,
     row_hash,
     threshold,
+    diag,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -149,6 +156,7 @@ def _fwd_block(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     if WARP_SPEC and not MASKED:  # only Tritons that take warp_specialize ever see this branch
         for start_n in tl.range(start, stop, BLOCK_N, warp_specialize=True):
@@ -171,6 +179,8 @@ def _fwd_block(
                 qk_scale,
                 row_hash,
                 threshold,
+                diag,
+                window,
                 HEAD_DIM,
                 BLOCK_N,
                 BLOCK_D,
@@ -179,6 +189,7 @@ def _fwd_block(
                 DROPOUT,
                 PRECISION,
                 TMA,
+                WINDOWED,
             )
     else:
         for start_n in range(start, stop, BLOCK_N):
@@ -201,6 +212,8 @@ def _fwd_block(
                 qk_scale,
                 row_hash,
                 threshold,
+                diag,
+                window,
                 HEAD_DIM,
                 BLOCK_N,
                 BLOCK_D,
@@ -209,6 +222,7 @@ def _fwd_block(
                 DROPOUT,
                 PRECISION,
                 TMA,
+                WINDOWED,
             )
     return acc, m_i, l_i
 
@@ -240,6 +254,8 @@ def _fwd_kernel(
     qk_scale,
     threshold,
     keep_scale,
+    WINDOW,
+    SHIFT,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -250,6 +266,7 @@ def _fwd_kernel(
     TMA: tl.constexpr,
     Q_ROWS: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     if CAUSAL:  # grid (b * h, query blocks): the heaviest query block of every head first, the lightest last
         bh = tl.program_id(0)
@@ -287,73 +304,197 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys [0, full) are visible to every row of this block and lie inside SK: no masks there.
-    if CAUSAL:
-        hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0))
-        full = tl.minimum(tl.maximum(pid_m * BLOCK_M + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
+    if WINDOWED:
+        # Query i sees key j iff 0 <= i + diag - j < WINDOW (causal) or |i + diag - j| < WINDOW. Over the block's
+        # rows: keys [lo, hi) meet some row's band, keys [full_lo, full_hi) every row's (and lie inside SK); the
+        # band's two edges are masked, and key blocks outside it are never visited.
+        diag = SK - SQ + SHIFT
+        m0 = pid_m * BLOCK_M
+        lo = tl.maximum(m0 + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag, 0))
+            full_hi = tl.minimum(tl.maximum(m0 + diag + 1, 0), SK) // BLOCK_N * BLOCK_N
+        else:
+            hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag + WINDOW - 1, 0))
+            full_hi = tl.minimum(tl.maximum(m0 + diag + WINDOW, 0), SK) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(hi, lo)
+        full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(full_hi, full_lo)
+        acc, m_i, l_i = _fwd_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            b,
+            hk,
+            offs_m,
+            offs_d,
+            lo,
+            full_lo,
+            SQ,
+            SK,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            row_hash,
+            threshold,
+            diag,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            CAUSAL,
+            DROPOUT,
+            PRECISION,
+            TMA,
+            WARP_SPEC,
+            WINDOWED,
+        )
+        acc, m_i, l_i = _fwd_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            b,
+            hk,
+            offs_m,
+            offs_d,
+            full_lo,
+            full_hi,
+            SQ,
+            SK,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            row_hash,
+            threshold,
+            diag,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            CAUSAL,
+            DROPOUT,
+            PRECISION,
+            TMA,
+            WARP_SPEC,
+            WINDOWED,
+        )
+        acc, m_i, l_i = _fwd_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            b,
+            hk,
+            offs_m,
+            offs_d,
+            full_hi,
+            hi,
+            SQ,
+            SK,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            row_hash,
+            threshold,
+            diag,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            CAUSAL,
+            DROPOUT,
+            PRECISION,
+            TMA,
+            WARP_SPEC,
+            WINDOWED,
+        )
     else:
-        hi = SK
-        full = SK // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _fwd_block(
-        acc,
-        m_i,
-        l_i,
-        q,
-        K,
-        V,
-        b,
-        hk,
-        offs_m,
-        offs_d,
-        0,
-        full,
-        SQ,
-        SK,
-        stride_ks,
-        stride_vs,
-        qk_scale,
-        row_hash,
-        threshold,
-        HEAD_DIM,
-        BLOCK_N,
-        BLOCK_D,
-        False,
-        CAUSAL,
-        DROPOUT,
-        PRECISION,
-        TMA,
-        WARP_SPEC,
-    )
-    acc, m_i, l_i = _fwd_block(
-        acc,
-        m_i,
-        l_i,
-        q,
-        K,
-        V,
-        b,
-        hk,
-        offs_m,
-        offs_d,
-        full,
-        hi,
-        SQ,
-        SK,
-        stride_ks,
-        stride_vs,
-        qk_scale,
-        row_hash,
-        threshold,
-        HEAD_DIM,
-        BLOCK_N,
-        BLOCK_D,
-        True,
-        CAUSAL,
-        DROPOUT,
-        PRECISION,
-        TMA,
-        WARP_SPEC,
-    )
+        diag = 0  # unused without a window
+        # Keys [0, full) are visible to every row of this block and lie inside SK: no masks there.
+        if CAUSAL:
+            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0))
+            full = tl.minimum(tl.maximum(pid_m * BLOCK_M + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
+        else:
+            hi = SK
+            full = SK // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _fwd_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            b,
+            hk,
+            offs_m,
+            offs_d,
+            0,
+            full,
+            SQ,
+            SK,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            row_hash,
+            threshold,
+            diag,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            CAUSAL,
+            DROPOUT,
+            PRECISION,
+            TMA,
+            WARP_SPEC,
+            WINDOWED,
+        )
+        acc, m_i, l_i = _fwd_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            b,
+            hk,
+            offs_m,
+            offs_d,
+            full,
+            hi,
+            SQ,
+            SK,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            row_hash,
+            threshold,
+            diag,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            CAUSAL,
+            DROPOUT,
+            PRECISION,
+            TMA,
+            WARP_SPEC,
+            WINDOWED,
+        )
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, keep_scale / tl.where(empty, 1.0, l_i))
     out = (acc * inv_l[:, None]).to(O.dtype.element_ty if not TMA else O.dtype)

@@ -149,10 +149,24 @@ def _rows_descriptor(t, rows: int):
 
 
 def forward_launch(
-    q, k, v, out, lse, seed, causal: bool, scale: float, dropout_p: float, cfg, tma: bool | None = None
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seed,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    cfg,
+    tma: bool | None = None,
+    window: int = 0,
+    shift: int = 0,
 ) -> Launch:
     """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])``. ``tma``: load
-    through tensor descriptors (default: where ``tma_eligible`` and the target is Hopper or the interpreter)."""
+    through tensor descriptors (default: where ``tma_eligible`` and the target is Hopper or the interpreter).
+    ``window`` > 0: sliding-window attention (the ``WINDOWED`` kernel; 0 compiles the kernel without it), with the
+    query-key offset ``SK - SQ + shift`` (``shift`` != 0 only with a window: context-parallel chunks)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -193,6 +207,8 @@ def forward_launch(
             scale * LOG2E,
             threshold,
             keep_scale,
+            window,
+            shift,
         ),
         dict(
             HEAD_DIM=d,
@@ -205,6 +221,7 @@ def forward_launch(
             TMA=tma,
             Q_ROWS=q_rows is not None,
             WARP_SPEC=False,
+            WINDOWED=window > 0,
             num_warps=warps,
             num_stages=stages,
             **({"maxnreg": limit[0]} if limit else {}),
@@ -212,8 +229,11 @@ def forward_launch(
     )
 
 
-def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None):
-    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32)."""
+def forward(
+    q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None, window: int = 0, shift: int = 0
+):
+    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32). ``window``, ``shift``: as
+    ``forward_launch``."""
     b, sq, h, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -221,9 +241,9 @@ def forward(q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.T
     arch = arch_of(q.device)
 
     def launch(cfg):
-        forward_launch(q, k, v, out, lse, seed, causal, scale, dropout_p, cfg)()
+        forward_launch(q, k, v, out, lse, seed, causal, scale, dropout_p, cfg, window=window, shift=shift)()
 
-    key = ("fwd", arch, d, q.dtype, causal, dropout_p > 0.0, seq_bucket(sq), seq_bucket(k.shape[1]))
+    key = ("fwd", arch, d, q.dtype, causal, dropout_p > 0.0, window > 0, seq_bucket(sq), seq_bucket(k.shape[1]))
     launch(pick_config(key, candidates(FWD_CONFIGS, arch, d), launch))
     return out, lse
 
@@ -247,6 +267,8 @@ def backward_launches(
     deterministic: bool = False,
     dq_tma: bool | None = None,
     arch: int | None = None,
+    window: int = 0,
+    shift: int = 0,
 ) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
@@ -254,7 +276,8 @@ def backward_launches(
     fp32 scratch: the first launch writes the scaled delta into ``delta[0]`` and the base-2 lse into ``delta[1]``.
     ``dq_tma``: the one-pass kernel adds dQ tiles through a tensor descriptor (a TMA reduce) instead of fp32
     atomics (default: with atomics, where ``tma_eligible(dq)`` and the target is Hopper or the interpreter).
-    ``arch``: the target (default: the tensors' device; sm_90 for meta tensors)."""
+    ``arch``: the target (default: the tensors' device; sm_90 for meta tensors). ``window``, ``shift``: as
+    ``forward_launch``."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -266,6 +289,7 @@ def backward_launches(
         CAUSAL=causal,
         DROPOUT=dropout,
         PRECISION=_dot_precision(q.dtype),
+        WINDOWED=window > 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -315,6 +339,8 @@ def backward_launches(
                 scale,
                 threshold,
                 keep_scale,
+                window,
+                shift,
             ),
             dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma),
         ),
@@ -348,6 +374,8 @@ def backward_launches(
                     scale,
                     threshold,
                     keep_scale,
+                    window,
+                    shift,
                 ),
                 dict(common, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps),
             )
@@ -360,15 +388,46 @@ def backward_launches(
 # its program id; tests/triton/test_schedules.py compares them with the loops the kernels run).
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _window_keys(launch: Launch, m0: int) -> tuple[int, int, int, int]:
+    """``(lo, full_lo, full_hi, hi)`` of a windowed launch's query block starting at row ``m0`` (the forward's and the
+    dQ kernel's bounds): keys ``[lo, hi)`` meet the band of some row, ``[full_lo, full_hi)`` every row's."""
+    sq, sk, bm, bn = launch.arg("SQ"), launch.arg("SK"), launch.arg("BLOCK_M"), launch.arg("BLOCK_N")
+    w, diag, causal = launch.arg("WINDOW"), sk - sq + launch.arg("SHIFT"), launch.arg("CAUSAL")
+    lo = max(m0 + diag - w + 1, 0) // bn * bn
+    if causal:
+        hi = min(sk, max(m0 + bm + diag, 0))
+        full_hi = min(max(m0 + diag + 1, 0), sk) // bn * bn
+    else:
+        hi = min(sk, max(m0 + bm + diag + w - 1, 0))
+        full_hi = min(max(m0 + diag + w, 0), sk) // bn * bn
+    hi = max(hi, lo)
+    full_lo = min(max(_cdiv(max(m0 + bm + diag - w, 0), bn) * bn, lo), _cdiv(hi, bn) * bn)
+    return lo, full_lo, max(full_hi, full_lo), hi
+
+
 def forward_schedule(launch: Launch) -> Schedule:
     """The schedule of ``_fwd_kernel`` (a ``forward_launch``). A program is one query block of one head (causal
     grids ``(b * h, blocks)`` run the last query block of every head first, the others are ``(blocks, b * h)``); it
     runs the key blocks that every row of it sees in full, ``range(0, full, BLOCK_N)`` without masks ("full"), then
-    ``range(full, hi, BLOCK_N)`` with them ("masked"): up to the causal diagonal and SK's partial block."""
+    ``range(full, hi, BLOCK_N)`` with them ("masked"): up to the causal diagonal and SK's partial block. With a
+    window (``WINDOWED``) it runs only the key blocks that meet its rows' band: the band's near edge with masks
+    ("window"), the blocks inside every row's band without ("full"), then the far edge ("masked")."""
     sq, sk = launch.arg("SQ"), launch.arg("SK")
     bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
+    windowed = launch.arg("WINDOWED")
 
     def runs(pid_m: int) -> list[tuple[str, range]]:
+        if windowed:
+            lo, full_lo, full_hi, hi = _window_keys(launch, pid_m * bm)
+            return [
+                ("window", range(lo, full_lo, bn)),
+                ("full", range(full_lo, full_hi, bn)),
+                ("masked", range(full_hi, hi, bn)),
+            ]
         if causal:
             hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
             full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
@@ -376,11 +435,12 @@ def forward_schedule(launch: Launch) -> Schedule:
             hi, full = sk, sk // bn * bn
         return [("full", range(0, full, bn)), ("masked", range(full, hi, bn))]
 
+    loops = ("window", "full", "masked") if windowed else ("full", "masked")
     blocks = launch.grid[1] if causal else launch.grid[0]
     per_block = [runs(m) for m in range(blocks)]
     if causal:
-        return Schedule(("full", "masked"), [per_block[blocks - 1 - y] for _, y in launch.program_ids()])
-    return Schedule(("full", "masked"), [per_block[x] for x, _ in launch.program_ids()])
+        return Schedule(loops, [per_block[blocks - 1 - y] for _, y in launch.program_ids()])
+    return Schedule(loops, [per_block[x] for x, _ in launch.program_ids()])
 
 
 def backward_schedule(launch: Launch) -> Schedule:
@@ -388,25 +448,41 @@ def backward_schedule(launch: Launch) -> Schedule:
     b * k/v heads)``. For each query head of its k/v head's group in turn, a program runs the query blocks of the
     causal diagonal band ``range(lo, mid, BLOCK_M)`` with masks ("diag"), the ones that see every key of its block
     ``range(mid, SQ // BLOCK_M * BLOCK_M, BLOCK_M)`` without ("full"), then the query tail with masks ("tail"); a
-    key block that runs past SK takes every query block masked."""
+    key block that runs past SK takes every query block masked. With a window (``WINDOWED``) only the query blocks
+    that meet its keys' band: the near edge ("diag"), those inside every key's band ("full"), then the far edge and
+    the query tail ("tail")."""
     sq, sk, group = launch.arg("SQ"), launch.arg("SK"), launch.arg("GROUP")
     bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
-    full_end = sq // bm * bm
+    w, diag = launch.arg("WINDOW"), sk - sq + launch.arg("SHIFT")
 
-    def runs(pid_n: int) -> list[tuple[str, range]]:
+    def windowed_runs(n0: int) -> tuple[int, int, int, int, int]:
+        if causal:
+            lo = max(n0 - diag, 0) // bm * bm
+            mid = _cdiv(max(n0 + bn - 1 - diag, 0), bm) * bm
+        else:
+            lo = max(n0 - diag - w + 1, 0) // bm * bm
+            mid = _cdiv(max(n0 + bn - diag - w, 0), bm) * bm
+        hi = max(min(sq, max(n0 + bn - diag + w - 1, 0)), lo)
+        mid = min(max(mid, lo), _cdiv(hi, bm) * bm)
+        full_end = mid if n0 + bn > sk else min(max(n0 - diag + w, 0), sq) // bm * bm
+        full_end = max(full_end, mid)
+        return lo, mid, full_end, full_end, hi
+
+    def plain_runs(pid_n: int) -> tuple[int, int, int, int, int]:
+        full_end = sq // bm * bm
         if causal:  # query i sees key j iff j <= i + SK - SQ
             lo = max(pid_n * bn + sq - sk, 0) // bm * bm
-            mid = min(triton.cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
+            mid = min(_cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
         else:
             lo = mid = 0
         if (pid_n + 1) * bn > sk:
             mid = full_end
         mid = max(mid, lo)
-        one = [
-            ("diag", range(lo, mid, bm)),
-            ("full", range(mid, full_end, bm)),
-            ("tail", range(max(full_end, mid), sq, bm)),
-        ]
+        return lo, mid, full_end, max(full_end, mid), sq
+
+    def runs(pid_n: int) -> list[tuple[str, range]]:
+        lo, mid, full_end, tail, hi = windowed_runs(pid_n * bn) if launch.arg("WINDOWED") else plain_runs(pid_n)
+        one = [("diag", range(lo, mid, bm)), ("full", range(mid, full_end, bm)), ("tail", range(tail, hi, bm))]
         return one * group
 
     per_block = [runs(n) for n in range(launch.grid[0])]
@@ -415,13 +491,18 @@ def backward_schedule(launch: Launch) -> Schedule:
 
 def dq_schedule(launch: Launch) -> Schedule:
     """The schedule of ``_bwd_dq_kernel`` (the deterministic backward's dQ), grid ``(query blocks, b * h)``: each
-    program runs the key blocks its queries see, ``range(0, hi, BLOCK_N)`` ("all")."""
+    program runs the key blocks its queries see, ``range(0, hi, BLOCK_N)`` ("all"); with a window, those that meet
+    its rows' band, ``range(lo, hi, BLOCK_N)``."""
     sq, sk = launch.arg("SQ"), launch.arg("SK")
     bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
-    per_block = [
-        [("all", range(0, min(sk, max((m + 1) * bm + sk - sq, 0)) if causal else sk, bn))]
-        for m in range(launch.grid[0])
-    ]
+
+    def keys(m: int) -> range:
+        if launch.arg("WINDOWED"):
+            lo, _, _, hi = _window_keys(launch, m * bm)
+            return range(lo, hi, bn)
+        return range(0, min(sk, max((m + 1) * bm + sk - sq, 0)) if causal else sk, bn)
+
+    per_block = [[("all", keys(m))] for m in range(launch.grid[0])]
     return Schedule(("all",), [per_block[x] for x, _ in launch.program_ids()])
 
 
@@ -444,9 +525,11 @@ def backward(
     dropout_p: float,
     seed: torch.Tensor | None,
     deterministic: bool = False,
+    window: int = 0,
+    shift: int = 0,
 ):
     """Returns (dq, dk, dv) shaped and typed like q, k, v. ``deterministic``: the same bits on every run (dQ by a
-    separate kernel instead of atomics)."""
+    separate kernel instead of atomics). ``window``, ``shift``: as ``forward_launch``."""
     b, sq, h, d = q.shape
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = torch.empty((2, b, h, sq), dtype=torch.float32, device=q.device)
@@ -457,11 +540,39 @@ def backward(
     def launch(cfg):
         dq = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for ln in backward_launches(
-            do, q, k, v, out, lse, delta, dq, dk, dv, seed, causal, scale, dropout_p, cfg, deterministic
+            do,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            delta,
+            dq,
+            dk,
+            dv,
+            seed,
+            causal,
+            scale,
+            dropout_p,
+            cfg,
+            deterministic,
+            window=window,
+            shift=shift,
         ):
             ln()
         return dq
 
-    key = ("bwd", arch, d, q.dtype, causal, dropout_p > 0.0, deterministic, seq_bucket(sq), seq_bucket(k.shape[1]))
+    key = (
+        "bwd",
+        arch,
+        d,
+        q.dtype,
+        causal,
+        dropout_p > 0.0,
+        deterministic,
+        window > 0,
+        seq_bucket(sq),
+        seq_bucket(k.shape[1]),
+    )
     dq = launch(pick_config(key, candidates(BWD_CONFIGS, arch, d), launch))
     return (dq if deterministic else dq.to(q.dtype)), dk, dv

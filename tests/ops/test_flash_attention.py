@@ -143,7 +143,9 @@ def test_cpu_blocks_bound_the_score_memory():
     rows = _attention_cpu._rows_per_block(1, 2, 16384, 4)
     assert 16 <= rows < 16384 and rows * 2 * 16384 * 4 <= _attention_cpu._BLOCK_BYTES
     blocks = list(_attention_cpu._blocks(300, 300, 128, causal=True))
-    assert blocks == [(0, 128, 128), (128, 256, 256), (256, 300, 300)]  # causal blocks stop at the diagonal
+    assert blocks == [(0, 128, 0, 128), (128, 256, 0, 256), (256, 300, 0, 300)]  # causal blocks stop at the diagonal
+    blocks = list(_attention_cpu._blocks(300, 300, 128, causal=True, window=100))  # and start at the window's edge
+    assert blocks == [(0, 128, 0, 128), (128, 256, 29, 256), (256, 300, 157, 300)]
 
 
 def test_noncontiguous_inputs(triton_backend):

@@ -116,6 +116,90 @@ def test_backward_schedules_are_the_kernels(fa_recorder, sq, sk, causal, determi
     assert scheduled == {"_bwd_kernel"} | ({"_bwd_dq_kernel"} if deterministic else set())
 
 
+# (window, shift): a band inside one block, one wider than a block, and bands moved by a context-parallel offset
+# (keys behind the queries, keys ahead of them)
+WINDOWS = [(5, 0), (40, 0), (20, 37), (30, -45)]
+
+
+@pytest.mark.parametrize("window,shift", WINDOWS, ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", FA_SHAPES)
+def test_windowed_schedules_are_the_kernels(fa_recorder, sq, sk, causal, window, shift):
+    """Sliding-window launches: the forward, the one-pass backward and the dQ kernel visit only the blocks that
+    meet the band, and the schedules say so."""
+    from megakernels.triton import flash_attention as fa
+
+    h, hk = 2, 1
+    q, k, v = _fa_tensors(sq, sk, h, hk)
+    b = q.shape[0]
+    out, lse = torch.empty_like(q), torch.zeros(b, h, sq)
+    delta = torch.empty(2, b, h, sq)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for cfg in FA_CONFIGS:
+        launches = [fa.forward_launch(q, k, v, out, lse, lse, causal, 0.1, 0.0, cfg, window=window, shift=shift)]
+        for det in (False, True):
+            dq = torch.empty_like(q) if det else torch.zeros(q.shape)
+            launches += fa.backward_launches(
+                q,
+                q,
+                k,
+                v,
+                q,
+                lse,
+                delta,
+                dq,
+                dk,
+                dv,
+                lse,
+                causal,
+                0.1,
+                0.0,
+                cfg,
+                det,
+                arch=0,
+                window=window,
+                shift=shift,
+            )
+        for launch in launches:
+            if launch.name in fa.SCHEDULES:
+                _assert_schedule(launch, fa.SCHEDULES[launch.name](launch), fa_recorder.run(launch))
+
+
+def test_a_window_skips_the_key_blocks_outside_it():
+    """The work of a windowed launch grows with the window, not the sequence: each program runs exactly the blocks
+    of the other side that hold a (query, key) pair of the band (from the mask, block by block), at s = 1024 with
+    64 x 64 blocks and a window of 200: at most 200 / 64 + 2 of 16 per program (causal; twice that without)."""
+    from megakernels.triton import flash_attention as fa
+
+    s, d, bs, cfg = 1024, 64, 64, (64, 64, 4, 1)
+    n = s // bs
+    q = torch.empty(1, s, 1, d, device="meta")
+    lse, delta = torch.empty(1, 1, s, device="meta"), torch.empty(2, 1, 1, s, device="meta")
+    pos = torch.arange(s)
+    for causal in (True, False):
+        totals = {}
+        for window in (0, 200):
+            rel = pos[:, None] - pos[None, :]  # query i, key j
+            seen = (rel >= 0) if causal else torch.ones(s, s, dtype=torch.bool)
+            if window:
+                seen &= (rel < window) & (rel > -window)
+            pairs = seen.view(n, bs, n, bs).any(3).any(1)  # [query block, key block]: meets the band
+            fwd = fa.forward_launch(q, q, q, q, lse, lse, causal, 0.1, 0.0, cfg, tma=False, window=window)
+            bwd, dq = fa.backward_launches(
+                q, q, q, q, q, lse, delta, q, q, q, lse, causal, 0.1, 0.0, cfg, True, window=window
+            )[1:]
+            for launch, per_block in ((fwd, pairs.sum(1)), (dq, pairs.sum(1)), (bwd, pairs.sum(0))):
+                runs = [sum(it.values()) for it in fa.SCHEDULES[launch.name](launch).iterations()]
+                block = [p[1] if launch is fwd and causal else p[0] for p in launch.program_ids()]
+                if launch is fwd and causal:  # the heaviest query block first
+                    block = [n - 1 - y for y in block]
+                assert runs == [int(per_block[m]) for m in block], (launch.name, causal, window)
+                if window:
+                    assert max(runs) <= (200 // bs + 2) * (1 if causal else 2)
+            totals[window] = int(pairs.sum())
+        assert totals[200] < totals[0]
+
+
 def test_every_attention_kernel_with_tile_loops_has_a_schedule_and_no_other(fa_recorder):
     """``SCHEDULES`` holds exactly the kernels the launchers launch that enter tile loops."""
     from megakernels.triton import flash_attention as fa

@@ -26,10 +26,11 @@ def _head(launch) -> int:
 
 
 def _fwd_bytes(launch):
-    """Each key block loads a k and a v tile (through TMA with ``TMA``)."""
+    """Each key block loads a k and a v tile (through TMA with ``TMA``), in every loop (a sliding window's near edge,
+    "window", too)."""
     kv = 2 * launch.kwargs["BLOCK_N"] * _head(launch) * 2
     tma = kv if launch.kwargs.get("TMA") else 0
-    return {"full": kv, "masked": kv}, {"full": tma, "masked": tma}
+    return {"window": kv, "full": kv, "masked": kv}, {"window": tma, "full": tma, "masked": tma}
 
 
 def _bwd_bytes(launch):
