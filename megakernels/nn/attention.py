@@ -11,6 +11,10 @@ heads: GQA/MQA) and returns the per-head context; the projections and the output
   formed explicitly and go through the fused masked softmax (:class:`FusedScaleMaskSoftmax`) instead.
 - ``"torch"`` — ``TorchSelfAttention`` on PyTorch's ``scaled_dot_product_attention`` (the baseline).
 
+Both take a sliding ``window`` (Mistral; :func:`megakernels.ops.flash_attention`'s: causal query i sees key j iff
+``i - window < j <= i``, bottom-right aligned; without causality ``|i - j| < window``): the flash core skips the key
+blocks outside it, the torch core passes SDPA the band as a boolean mask.
+
 Attention dropout is applied in training mode only; a model-parallel layer runs the core under its RNG tracker so
 the masks differ per tensor-parallel rank.
 """
@@ -25,7 +29,7 @@ from torch import nn
 
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
 from megakernels.ops import _checks
-from megakernels.ops.attention import flash_attention
+from megakernels.ops.attention import check_window, flash_attention, window_mask
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -35,13 +39,20 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class _Core(nn.Module):
-    def __init__(self, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0):
+    def __init__(
+        self,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        attention_dropout: float = 0.0,
+        window: int | None = None,
+    ):
         super().__init__()
         if not 0.0 <= _checks.real(type(self).__name__, "attention_dropout", attention_dropout) < 1.0:
             raise ValueError(f"{type(self).__name__}: attention_dropout must be in [0, 1), got {attention_dropout}")
         self.causal = bool(causal)
         self.softmax_scale = softmax_scale
         self.dropout_p = float(attention_dropout)
+        self.window = check_window(type(self).__name__, window) or None
 
     def _args(self, q, k, v, causal, mask):
         if k is None and v is None:
@@ -61,8 +72,15 @@ class _Core(nn.Module):
             )
         return q, k, v, causal, self.dropout_p if self.training else 0.0
 
+    def _with_window(self, mask, sq, sk, causal, device):
+        """``mask`` (True = masked out) with the keys outside the window (and, causally, ahead of the query) added;
+        None where nothing is masked."""
+        band = window_mask(sq, sk, causal, self.window, device=device)
+        return band if mask is None else mask | band if band is not None else mask
+
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, attention_dropout={self.dropout_p}"
+        window = f", window={self.window}" if self.window else ""
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, attention_dropout={self.dropout_p}{window}"
 
 
 class FlashSelfAttention(_Core):
@@ -72,6 +90,7 @@ class FlashSelfAttention(_Core):
         causal: bottom-right aligned causal mask by default (overridable per call).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         attention_dropout: dropout on the attention probabilities, applied in training mode only.
+        window: sliding-window attention (``flash_attention``'s ``window``); None: every key.
 
     ``forward(qkv)`` with qkv ``[batch, seqlen, 3, heads, head_dim]`` (packed), or ``forward(q, k, v)`` with
     ``[batch, sq, heads, head_dim]`` and k/v ``[batch, sk, heads_kv, head_dim]`` (GQA/MQA); optional ``causal=``
@@ -93,7 +112,11 @@ class FlashSelfAttention(_Core):
     ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         if mask is None:
-            return flash_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, dropout_p=p)
+            return flash_attention(
+                q, k, v, causal=causal, softmax_scale=self.softmax_scale, dropout_p=p, window=self.window
+            )
+        if self.window:
+            mask = self._with_window(mask, q.shape[1], k.shape[1], False, q.device)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         heads = q.shape[2]
         qh, kh, vh = (t.transpose(1, 2) for t in (q, _expand_kv(k, heads), _expand_kv(v, heads)))
@@ -119,7 +142,10 @@ class TorchSelfAttention(_Core):
         heads = q.shape[2]
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
         sq, sk = q.shape[1], k.shape[1]
-        if causal and sq != sk:  # PyTorch aligns is_causal top-left; ours is bottom-right (new queries are last)
+        if self.window and self.window < max(sq, sk):  # the band as a boolean mask (SDPA has no window)
+            mask = self._with_window(mask, sq, sk, causal, q.device)
+            causal = False
+        elif causal and sq != sk:  # PyTorch aligns is_causal top-left; ours is bottom-right (new queries are last)
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
             causal = False
         out = F.scaled_dot_product_attention(
@@ -138,13 +164,17 @@ ATTENTION_CORES = {"flash": FlashSelfAttention, "torch": TorchSelfAttention}
 
 
 def attention_core(
-    name: str, causal: bool = False, softmax_scale: float | None = None, attention_dropout: float = 0.0
+    name: str,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    attention_dropout: float = 0.0,
+    window: int | None = None,
 ) -> nn.Module:
-    """The attention core called ``name`` (``"flash"`` or ``"torch"``).
+    """The attention core called ``name`` (``"flash"`` or ``"torch"``), with a sliding ``window`` if given.
 
     Raises:
-        ValueError: an unknown name, or attention_dropout outside [0, 1).
+        ValueError: an unknown name, attention_dropout outside [0, 1), or a window that is not a positive int.
     """
     if name not in ATTENTION_CORES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CORES)}, got {name!r}")
-    return ATTENTION_CORES[name](causal, softmax_scale, attention_dropout)
+    return ATTENTION_CORES[name](causal, softmax_scale, attention_dropout, window)

@@ -18,6 +18,13 @@ keys of rank ``j = (i − t) mod cp``:
 
 So every step costs every rank the same: half of the queries against all held keys, or all queries against half.
 
+**Sliding window** (``window=w``, Mistral). A rank's partial attentions are then one per (query chunk, key chunk)
+pair, each a windowed FlashAttention whose diagonal is moved by the chunks' absolute offset (``shift = (a − b)·c``
+for query chunk ``a`` and key chunk ``b`` of ``c`` tokens), so every query sees exactly the keys ``i − w < j ≤ i``
+(causal) or ``|i − j| < w`` of the whole sequence; a pair that no query's window reaches is skipped, and so is a ring
+step whose held chunks no query here sees (no compute: the chunks still travel on, as other ranks need them).
+A window as long as the sequence is no window.
+
 **Backward** runs the ring again. With the final output and log-sum-exp, FlashAttention's backward of each partial
 gives that partial's exact share of dq, dk and dv. The key/value gradients travel with their chunk and are
 accumulated by every rank that attended it; one last hop returns them to their owner. The key/value transfer of the
@@ -81,12 +88,14 @@ def _emulate(q: torch.Tensor) -> bool:
     return emulate_for("ring_attention", q)
 
 
-def _fwd(q, k, v, causal, scale, emulate):
-    return torch.ops.megakernels.flash_attn_fwd(q, k, v, causal, scale, 0.0, None, emulate)
+def _fwd(q, k, v, causal, scale, emulate, window=0, shift=0):
+    return torch.ops.megakernels.flash_attn_fwd(q, k, v, causal, scale, 0.0, None, emulate, False, window, shift)
 
 
-def _bwd(dout, q, k, v, out, lse, causal, scale, emulate):
-    return torch.ops.megakernels.flash_attn_bwd(dout, q, k, v, out, lse, causal, scale, 0.0, None, emulate)
+def _bwd(dout, q, k, v, out, lse, causal, scale, emulate, window=0, shift=0):
+    return torch.ops.megakernels.flash_attn_bwd(
+        dout, q, k, v, out, lse, causal, scale, 0.0, None, emulate, False, window, shift
+    )
 
 
 def _acc_dtype(q: torch.Tensor) -> torch.dtype:
@@ -94,16 +103,29 @@ def _acc_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _plan(step: int, rank: int, cp: int, causal: bool, c: int):
-    """The partial attentions of ring step ``step``: ``(query slice, key slice, causal)`` triples over the local
-    query chunks and the held key chunks (each of ``c`` tokens)."""
+def _plan(step: int, rank: int, cp: int, causal: bool, c: int, window: int = 0):
+    """The partial attentions of ring step ``step``: ``(query slice, key slice, causal, window, shift)`` over the
+    local query chunks and the held key chunks (each of ``c`` tokens). Without a window (0) the module docstring's
+    plan; with one, a windowed attention per (query chunk, key chunk) pair that some query's window reaches, its
+    diagonal moved by the chunks' offset."""
     both, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
+    if window:
+        src = (rank - step) % cp
+        plan = []
+        for rows, a in ((first, rank), (second, 2 * cp - 1 - rank)):
+            for keys, b in ((first, src), (second, 2 * cp - 1 - src)):
+                shift = (a - b) * c  # query x and key y are (a - b)·c + x - y apart
+                near, far = shift - (c - 1), shift + (c - 1)  # the closest and farthest (query - key) of the pair
+                if near >= window or far <= (-1 if causal else -window):
+                    continue  # no query of the chunk sees a key of it
+                plan.append((rows, keys, causal, window, shift))
+        return plan
     if not causal:
-        return [(both, both, False)]
+        return [(both, both, False, 0, 0)]
     if step == 0:
-        return [(first, first, True), (second, both, True)]
+        return [(first, first, True, 0, 0), (second, both, True, 0, 0)]
     src = (rank - step) % cp
-    return [(both, first, False)] if src < rank else [(second, both, False)]
+    return [(both, first, False, 0, 0)] if src < rank else [(second, both, False, 0, 0)]
 
 
 def _merge(out, lse, rows, o, l):
@@ -143,7 +165,7 @@ class RingAttention(torch.autograd.Function):
     """Autograd of ``ring_attention`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, group):
+    def forward(ctx, q, k, v, causal: bool, scale: float, group, window: int = 0):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         emulate = _emulate(q)
         c = q.shape[1] // 2
@@ -154,15 +176,15 @@ class RingAttention(torch.autograd.Function):
         held = (k, v)
         for step in range(cp):
             ring = _Ring(list(held), group, "cp_kv") if step < cp - 1 else None
-            for rows, keys, cz in _plan(step, rank, cp, causal, c):
-                o, l = _fwd(q[:, rows], held[0][:, keys], held[1][:, keys], cz, scale, emulate)
+            for rows, keys, cz, w, shift in _plan(step, rank, cp, causal, c, window):
+                o, l = _fwd(q[:, rows], held[0][:, keys], held[1][:, keys], cz, scale, emulate, w, shift)
                 comm.record("compute", "cp_attention")
                 _merge(out, lse, rows, o, l)
             if ring is not None:
                 held = tuple(ring.wait())
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group, ctx.emulate = causal, scale, group, emulate
+        ctx.causal, ctx.scale, ctx.group, ctx.emulate, ctx.window = causal, scale, group, emulate, window
         return out
 
     @staticmethod
@@ -179,7 +201,7 @@ class RingAttention(torch.autograd.Function):
             ring = _Ring(list(held), group, "cp_kv") if step < cp - 1 else None
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-            for rows, keys, cz in _plan(step, rank, cp, causal, c):
+            for rows, keys, cz, w, shift in _plan(step, rank, cp, causal, c, ctx.window):
                 pq, pk, pv = _bwd(
                     dout[:, rows],
                     q[:, rows],
@@ -190,6 +212,8 @@ class RingAttention(torch.autograd.Function):
                     cz,
                     scale,
                     emulate,
+                    w,
+                    shift,
                 )
                 comm.record("compute", "cp_attention_backward")
                 dq[:, rows] += pq.to(acc)
@@ -205,7 +229,7 @@ class RingAttention(torch.autograd.Function):
             if ring is not None:
                 held = tuple(ring.wait())
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -215,6 +239,7 @@ def ring_attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     group=None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split by ``split_for_cp`` over ``group`` (default ``state.cp_group()``).
 
@@ -223,13 +248,18 @@ def ring_attention(
             ``[batch, s/cp, heads_kv, head_dim]`` (GQA allowed).
         causal: causal over the *whole* sequence's positions.
         softmax_scale: default ``1 / sqrt(head_dim)``.
+        window: sliding-window attention over the whole sequence's positions (``flash_attention``'s ``window``);
+            None: every key.
 
     Returns:
         ``[batch, s/cp, heads, head_dim]``, this rank's rows of the full attention; differentiable.
 
     Raises:
-        ValueError: a local sequence that is not two equal chunks.
+        ValueError: a local sequence that is not two equal chunks, or a window that is not a positive int.
     """
+    from megakernels.ops.attention import check_window
+
+    window = check_window("ring_attention", window)
     if group is None:
         from megakernels.parallel import state
 
@@ -240,4 +270,6 @@ def ring_attention(
             f"{q.shape[1]} queries and {k.shape[1]} keys"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group)
+    if window >= q.shape[1] * dist.get_world_size(group):  # the band holds the whole sequence
+        window = 0
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group, window)

@@ -77,3 +77,38 @@ def test_a_mask_with_causal_is_refused_and_unknown_cores_are_named():
         FlashSelfAttention(causal=True)(q, q, q, mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="attention must be one of flash, torch, got 'xformers'"):
         attention_core("xformers")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("sq,sk", [(37, 37), (20, 37)])
+def test_flash_and_torch_cores_agree_with_a_window(causal, sq, sk):
+    """``--attention flash`` and ``--attention torch`` compute the same sliding-window attention (GQA, sq != sk,
+    with and without a padding mask), equal to the fp64 reference masked by hand: causal query i (at position
+    i + sk - sq) sees key j iff i - w < j <= i; without causality |i - j| < w."""
+    from megakernels.nn import attention_core
+
+    torch.manual_seed(2)
+    q = torch.randn(2, sq, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(2, sk, 2, 16, dtype=torch.float64), torch.randn(2, sk, 2, 16, dtype=torch.float64)
+    w = 6
+    qpos, kpos = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    hidden = ((kpos > qpos) | (kpos <= qpos - w)) if causal else ((qpos - kpos).abs() >= w)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) / 4.0
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(2, 2))
+    outs = {name: attention_core(name, causal, window=w)(q, k, v) for name in ("flash", "torch")}
+    for name, out in outs.items():
+        assert torch.allclose(out, ref, atol=1e-10), name
+    if not causal:  # with a padding mask: the band and the mask together
+        pad = torch.zeros(2, 1, 1, sk, dtype=torch.bool)
+        pad[1, ..., :3] = True
+        want = torch.einsum(
+            "bhqk,bkhd->bqhd",
+            torch.softmax(scores.masked_fill(hidden | pad, float("-inf")), -1),
+            v.repeat_interleave(2, 2),
+        )
+        for name in ("flash", "torch"):
+            assert torch.allclose(attention_core(name, False, window=w)(q, k, v, mask=pad), want, atol=1e-10), name
+    assert "window=6" in repr(attention_core("flash", causal, window=w))
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        attention_core("torch", causal, window=-3)

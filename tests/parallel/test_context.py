@@ -1,6 +1,6 @@
 """Context parallelism: the load-balanced chunk layout, and ring attention against unsplit attention in fp64
-(forward and every gradient, causal and not, GQA, cp 2 and 4), with each key/value transfer in flight while the
-held chunk is computed. One world of 4 gloo processes."""
+(forward and every gradient, causal and not, GQA, cp 2 and 4, with and without a sliding window), with each
+key/value transfer in flight while the held chunk is computed. One world of 4 gloo processes."""
 
 from __future__ import annotations
 
@@ -64,6 +64,51 @@ def _(rank, world):
                     assert_close(mine.grad, context.split_for_cp(f.grad, 1, cp, r), f"{what}: d{name}", rtol=1e-10)
                 gathered = context.gather_from_cp(out.detach(), 1, mp.cp_group())
                 assert_close(gathered, ref, f"{what}: gathered output", rtol=1e-10)
+        mp.destroy()
+
+
+def _windowed_reference(q, k, v, causal, window):
+    """fp64 attention masked by hand: causal query i sees key j iff i - w < j <= i, else iff |i - j| < w."""
+    pos = torch.arange(q.shape[1])
+    rel = pos[:, None] - pos[None, :]
+    hidden = (rel >= window) | ((rel < 0) if causal else (rel <= -window))
+    kk, vv = (t.repeat_interleave(q.shape[2] // t.shape[2], 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores.masked_fill(hidden, float("-inf")), -1), vv)
+
+
+@CHECKS.add("windowed_ring_attention_matches_unsplit_windowed_attention_and_skips_unseen_chunks")
+def _(rank, world):
+    """Sliding windows shorter than a chunk, between one and two chunks, and longer: every rank's rows and
+    gradients equal single-device windowed attention; a (query chunk, key chunk) pair no query's window reaches is
+    never computed (the attentions each rank runs are exactly the pairs the mask meets)."""
+    for cp in (2, 4):
+        mp.initialize(cp=cp)
+        r = mp.cp_rank()
+        c = S // (2 * cp)
+        chunks = [r, 2 * cp - 1 - r]
+        for causal in (True, False):
+            for window in (2, 3, 5, 9):  # window 1: dq = dk = 0 exactly (a softmax over one key)
+                what = f"cp{cp} causal={causal} window={window}"
+                q, k, v = (randn(B, S, h, D, seed=s).double() for s, h in ((1, HQ), (2, HKV), (3, HKV)))
+                dout = randn(B, S, HQ, D, seed=4).double()
+                full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                ref = _windowed_reference(*full, causal, window)
+                ref.backward(dout)
+                local = [context.split_for_cp(t, 1, cp, r).clone().requires_grad_(True) for t in (q, k, v)]
+                with mp.record_events() as events:
+                    out = context.ring_attention(*local, causal=causal, window=window)
+                out.backward(context.split_for_cp(dout, 1, cp, r))
+                assert_close(out, context.split_for_cp(ref, 1, cp, r), f"{what}: output", rtol=1e-10)
+                for name, mine, f in zip("qkv", local, full):
+                    assert_close(mine.grad, context.split_for_cp(f.grad, 1, cp, r), f"{what}: d{name}", rtol=1e-10)
+                met = 0
+                for a in chunks:
+                    for b in range(2 * cp):
+                        d = [(a - b) * c + x - y for x in range(c) for y in range(c)]  # query - key positions
+                        met += any((0 <= e < window) if causal else (abs(e) < window) for e in d)
+                computed = sum(e == ("compute", "cp_attention") for e in events)
+                assert computed == met, f"{what}: {computed} partial attentions, {met} chunk pairs meet the window"
         mp.destroy()
 
 
