@@ -52,7 +52,16 @@ FAMILY_SETTINGS = {
     f.name: spec for spec in registry.families() if spec.settings for f in dataclasses.fields(spec.settings)
 }
 # Every setting that describes the model itself: a resolved configuration folds them into its architecture.
-ARCHITECTURE_SETTINGS = ("preset", "model", *SIZES, "rope_theta", "dropout", *MOE_FIELDS, *FAMILY_SETTINGS)
+ARCHITECTURE_SETTINGS = (
+    "preset",
+    "model",
+    *SIZES,
+    "rope_theta",
+    "sliding_window",
+    "dropout",
+    *MOE_FIELDS,
+    *FAMILY_SETTINGS,
+)
 __all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
 
 
@@ -82,6 +91,13 @@ class _Settings:
         None, "key/value heads, grouped-query attention (default: the preset's, or --num-heads)", MODEL
     )
     rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
+    sliding_window: int | None = setting(
+        None,
+        "sliding-window attention: each token attends the last N positions, its own included (Mistral); 0: every "
+        "position (default: the preset's)",
+        MODEL,
+        metavar="N",
+    )
     num_experts: int | None = setting(
         None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)", MOE
     )
@@ -287,8 +303,17 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
                 raise ArgumentError(f"{_flag(name)} is for {spec.title}s (--model {spec.name})")
 
     def model_config(self) -> ModelConfig:
-        """The model: the preset (if any) with the explicitly given sizes replacing its fields."""
+        """The model: the preset (if any) with the explicitly given sizes replacing its fields (``--sliding-window
+        0`` removes the preset's window)."""
+        cfg = self._model_config()
+        if self.sliding_window == 0 and cfg.sliding_window is not None:
+            cfg = cfg.replace(sliding_window=None)
+        return cfg
+
+    def _model_config(self) -> ModelConfig:
         sizes = {k: getattr(self, k) for k in SIZES}
+        if self.sliding_window:
+            sizes["sliding_window"] = self.sliding_window
         for name in ("rope_theta",) + MOE_FIELDS + tuple(FAMILY_SETTINGS):
             if getattr(self, name) is not None:
                 sizes[name] = getattr(self, name)
@@ -447,6 +472,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     for name in ("vpp", "dp", "save_interval"):
         positive_int(getattr(a, name), _flag(name), allow_none=True, error=ArgumentError)
     positive_int(a.eval_interval, "--eval-interval", minimum=0, error=ArgumentError)
+    positive_int(a.sliding_window, "--sliding-window", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.max_save_failures, "--max-save-failures", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
     for spec in registry.families():

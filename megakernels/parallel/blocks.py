@@ -137,6 +137,8 @@ class ParallelSelfAttention(nn.Module):
         bias: biases on the QKV and output projections.
         recompute: recompute the attention core in backward instead of saving its activations (Megatron's
             "selective" recomputation; the dropout streams are replayed, so the result is unchanged).
+        window: sliding-window attention (Mistral; ``megakernels.ops.flash_attention``'s ``window``), also under
+            context parallelism; needs a core given by name. None: every position.
         overlap_comm, init_method, output_init_method, device, dtype: as ``ParallelMLP``; seed as ``ParallelMLP``
             (``"qkv"`` / ``"proj"``).
 
@@ -160,6 +162,7 @@ class ParallelSelfAttention(nn.Module):
         attention_dropout: float = 0.0,
         bias: bool = True,
         recompute: bool = False,
+        window: int | None = None,
         overlap_comm: bool = True,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
@@ -172,7 +175,7 @@ class ParallelSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) else core
+        self.core, self.window = _core(self, core, causal, attention_dropout, window)
         self.recompute = bool(recompute)
         self.qkv = ColumnParallelLinear(
             hidden_size,
@@ -217,6 +220,16 @@ def _check_heads(module: nn.Module, hidden_size: int, num_heads: int, attention_
         raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
 
 
+def _core(module: nn.Module, core, causal: bool, attention_dropout: float, window: int | None):
+    """(the attention core: ``core`` itself or the library's core of that name, the window as an int or None)."""
+    if not isinstance(core, str):
+        if window:
+            raise ValueError(f"{type(module).__name__}: a sliding window needs a core given by name, not a module")
+        return core, None
+    made = attention_core(core, causal, attention_dropout=attention_dropout, window=window)
+    return made, made.window
+
+
 def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
     if x.dim() != 3:
         raise ValueError(f"{type(module).__name__}: x must be [s, b, h] (sequence first), got shape {tuple(x.shape)}")
@@ -229,7 +242,9 @@ def _run_core(module: nn.Module, q, k, v, mask):
                 f"{type(module).__name__}: context parallelism takes no attention mask (padding masks "
                 "are not split over the ring)"
             )
-        return ring_attention(q, k, v, causal=module.causal, group=state.cp_group())
+        return ring_attention(
+            q, k, v, causal=module.causal, group=state.cp_group(), window=getattr(module, "window", None)
+        )
     if module.training and getattr(module.core, "dropout_p", 0.0) > 0.0:
         with get_rng_tracker().fork():
             return module.core(q, k, v, mask=mask)
@@ -259,7 +274,7 @@ class ParallelGroupedQueryAttention(nn.Module):
     Args:
         hidden_size, num_heads: h and the query heads (divisible by tp).
         num_kv_heads: key/value heads; a multiple or a divisor of tp.
-        causal, sequence_parallel, core, attention_dropout, bias, recompute, overlap_comm, init_method,
+        causal, sequence_parallel, core, attention_dropout, bias, recompute, window, overlap_comm, init_method,
         output_init_method, seed, device, dtype: as ``ParallelSelfAttention`` (seeds ``"q"``, ``"kv"``,
         ``"proj"``).
         rotary: a module ``rotary(q, k, positions, seq_dim=0)`` applied to the queries and keys (e.g.
@@ -290,6 +305,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         attention_dropout: float = 0.0,
         bias: bool = False,
         recompute: bool = False,
+        window: int | None = None,
         rotary: nn.Module | None = None,
         overlap_comm: bool = True,
         proj_bias: bool | None = None,
@@ -322,7 +338,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.head_dim = d = hidden_size // num_heads if head_dim is None else int(head_dim)
         replicas = max(1, tp // num_kv_heads)
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
-        self.core = attention_core(core, causal, attention_dropout=attention_dropout) if isinstance(core, str) else core
+        self.core, self.window = _core(self, core, causal, attention_dropout, window)
         self.rotary = rotary
         self.q = ColumnParallelLinear(
             hidden_size,

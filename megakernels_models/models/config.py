@@ -10,9 +10,10 @@ what the model *is*; how it is split over devices (tp/cp/pp/dp) belongs to the t
 FLOPs follow Narayanan et al. 2021 (§5.1), written per token for any attention and MLP shape: one layer's forward is
 ``2·h·(q + 2·kv) + 2·q·h`` for the Q/K/V and output projections (``q = heads·head_dim``, ``kv = kv_heads·head_dim``;
 ``4h²`` with full multi-head attention), ``2·h·f`` per MLP matrix (two for GeLU, three for SwiGLU), plus ``4·s·q``
-for the attention scores and the weighted sum (the full s×s square, as the paper counts it, causal or not); the LM
-head adds ``2hV``. Backward costs twice the forward, so a training step is 3× the forward; full recomputation adds
-one more forward of the layers (4×), selective recomputation one more attention core. With f = 4h and full MHA
+for the attention scores and the weighted sum (the full s×s square, as the paper counts it, causal or not; with a
+sliding window of w keys, ``4·min(w, s)·q``: each query's keys are at most the window, however long the sequence);
+the LM head adds ``2hV``. Backward costs twice the forward, so a training step is 3× the forward; full recomputation
+adds one more forward of the layers (4×), selective recomputation one more attention core. With f = 4h and full MHA
 this is the paper's ``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token (``96 …`` with recomputation).
 """
 
@@ -58,6 +59,9 @@ class ModelConfig:
         position_embedding: ``"learned"`` (a table of ``seq_length`` positions) or ``"rope"`` (rotary, applied to
             queries and keys).
         rope_theta: the rotary base (10000 in Llama 2, 500000 in Llama 3).
+        sliding_window: sliding-window attention (Mistral): each query sees the last ``sliding_window`` positions,
+            its own included (HuggingFace's ``sliding_window``; ``|i - j| < w`` in a bidirectional encoder); None:
+            every position.
         rope_interleaved: rotate pairs ``(2i, 2i+1)`` (GPT-J, Meta's original Llama weights) instead of
             ``(i, i + d/2)`` (GPT-NeoX, HuggingFace's Llama).
         rope_scaling: position scaling of the rotary frequencies for long contexts: None, ``"linear"`` (position
@@ -107,6 +111,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    sliding_window: int | None = None
     bias: bool | None = None
     qkv_bias: bool | None = None
     qk_norm: bool = False
@@ -190,6 +195,8 @@ class ModelConfig:
                 self.rope_scaling_spec()
             except ValueError as e:
                 raise ValueError(f"ModelConfig: {e}") from None
+        if self.sliding_window is not None:
+            positive_int(self.sliding_window, "sliding_window", where="ModelConfig")
         if self.num_experts:
             positive_int(self.num_experts, "num_experts", where="ModelConfig")
             if not 1 <= self.moe_top_k <= self.num_experts:
@@ -367,9 +374,16 @@ class ModelConfig:
         """Weight matrices of the MLP: three with SwiGLU (gate, up, down), else two."""
         return 3 if self.activation == "swiglu" else 2
 
+    @property
+    def attended_keys(self) -> int:
+        """Keys each query's attention is counted over: ``min(sliding_window, seq_length)`` (``seq_length``
+        without a window), in the FLOPs and the activation memory of the scores."""
+        s = self.seq_length
+        return s if self.sliding_window is None else min(self.sliding_window, s)
+
     def forward_flops_per_token(self) -> dict[str, float]:
         """Forward FLOPs per token: ``{"layers_gemm", "attention", "head"}`` (all layers together)."""
-        h, f, s, l, V = self.hidden_size, self.ffn_hidden_size, self.seq_length, self.num_layers, self.vocab_size
+        h, f, l, V = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.vocab_size
         moe = self.num_moe_layers
         # a MoE layer's MLP: the router, top_k experts and the shared experts per token (the active parameters)
         moe_mlp = (
@@ -382,7 +396,7 @@ class ModelConfig:
         )
         q = self.q_size
         gemm = 2.0 * ((h * (q + 2 * self.kv_size) + q * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
-        attention = 4.0 * s * q * l
+        attention = 4.0 * self.attended_keys * q * l
         head = 2.0 * h * V
         return {"layers_gemm": gemm, "attention": attention, "head": head}
 
@@ -414,8 +428,9 @@ class ModelConfig:
         (2f, 4f for SwiGLU's gate and up) and output (2f) and a dropout mask (h); the two norms their inputs (4h).
         A mixture-of-experts MLP keeps each token ``top_k`` times (its expert rows, 2h each, and their MLPs) plus
         the shared experts' (averaged over the layers, for models whose MoE layers are every n-th).
-        The attention scores add ``5·a·s`` (softmax output, dropout mask and output) unless FlashAttention or
-        selective recomputation avoid storing them. Tensor parallelism divides all but the norms' and branches'
+        The attention scores add ``5·a·s`` (softmax output, dropout mask and output; ``5·a·min(w, s)`` with a
+        sliding window of w keys, the scores outside it never formed) unless FlashAttention or selective
+        recomputation avoid storing them. Tensor parallelism divides all but the norms' and branches'
         inputs and the residual dropout masks (``10h`` of GPT's ``34h``); sequence parallelism divides those too.
         Full recomputation keeps only the layer's input ``2·s·b·h`` (``/t`` with SP). With f = 4h, full MHA and
         dropout this is the paper's ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (``s·b·h/t·(34 + 5·a·s/h)`` with SP).
@@ -438,7 +453,9 @@ class ModelConfig:
         replicated = (2.0 + mask) * h + (2.0 + mask) * h + 4.0 * h  # branch inputs + residual masks, norms
         q = self.q_size
         split = (2.0 * q + 4.0 * kv + 2.0 * q) + inside  # Q, K, V, projection input; the MLP's inside
-        scores = 0.0 if (recompute == "selective" or flash_attention or cp > 1) else 5.0 * a * s
+        scores = (
+            0.0 if (recompute == "selective" or flash_attention or cp > 1) else 5.0 * a * min(s, self.attended_keys)
+        )
         if sequence_parallel:
             return scale * s * b * (replicated + split + scores) / tp
         return scale * s * b * (replicated + (split + scores) / tp)

@@ -103,6 +103,7 @@ class TransformerLayer(nn.Module):
             attention_dropout=c.attention_dropout,
             bias=c.bias,
             recompute=recompute == "selective",
+            window=c.sliding_window,
             init_method=normal,
             output_init_method=scaled,
             seed=init.derive_seed(seed, f"{name}.attention"),

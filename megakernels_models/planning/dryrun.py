@@ -134,6 +134,7 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(
         f"{rep['preset'] or cfg.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
         f"seq {cfg.seq_length}, vocab {cfg.vocab_size}"
+        + (f", sliding window {cfg.sliding_window}" if cfg.sliding_window else "")
     )
     out(
         f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "

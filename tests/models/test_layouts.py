@@ -3,7 +3,8 @@
 recomputation, interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for
 tiny GPT, BERT and Llama
 (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context parallelism
-by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1), and mixture-of-experts GPT and Llama
+by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1; a sliding window shorter than the sequence,
+at tp 2, cp 2 and both, and with the torch attention core), and mixture-of-experts GPT and Llama
 (dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
 ZeRO-1; checkpoints resharded across ep), and vision-language models (a ViT + projector before a GPT, the image
 tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on the first
@@ -52,7 +53,7 @@ BASE = TrainArgs(
     timeout=120,
 )
 
-MODELS = ("gpt", "bert", "llama", "gpt-moe", "llama-moe", "vlm", "vlm-x")
+MODELS = ("gpt", "bert", "llama", "llama-swa", "gpt-moe", "llama-moe", "vlm", "vlm-x")
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
 MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
@@ -63,6 +64,7 @@ FAMILY = {
     "gpt": ("gpt", {}),
     "bert": ("bert", {}),
     "llama": ("llama", LLAMA),
+    "llama-swa": ("llama", {**LLAMA, "sliding_window": 5}),  # Mistral's attention: 5 of 16 positions, over 2 chunks
     "gpt-moe": ("gpt", MOE),
     "llama-moe": ("llama", {**LLAMA, **MOE}),
     "vlm": ("vlm", VLM),
@@ -74,6 +76,7 @@ SAVED = ("gpt", "bert", "llama", "gpt-moe", "llama-moe")  # the families of the 
 # name: (nproc, changes); every layout is run for GPT, BERT and Llama unless ONLY names its models.
 LAYOUTS = {
     "no-accumulation": (1, dict(micro_batch_size=8)),
+    "torch-attention": (1, dict(attention="torch")),
     "tp2": (2, dict(tp=2)),
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2": (2, dict(pp=2)),
@@ -119,9 +122,7 @@ ONLY = {
     "tp2-pp2-dp2": ("bert",),
     "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
     "tp4-kv-replicated": ("llama",),
-    "cp2": ("gpt", "llama"),
     "cp4": ("gpt", "llama"),
-    "tp2-cp2-sp": ("gpt", "llama"),
     "pp2-cp2": ("gpt", "llama"),
     "cp2-dp2-zero1": ("llama",),
     "tp2-cp2-pp2-recompute": ("llama",),
@@ -131,7 +132,10 @@ ONLY = {
     "pp2-ep2": EXPERTS,
     "ep2-dp4-zero1": ("gpt-moe",),
     "cp2-ep2": ("llama-moe",),
-    "tp2": DENSE + ("vlm-x",),
+    "tp2": DENSE + ("llama-swa", "vlm-x"),
+    "cp2": ("gpt", "llama", "llama-swa"),
+    "tp2-cp2-sp": ("gpt", "llama", "llama-swa"),
+    "torch-attention": ("llama-swa",),
     "pp2": DENSE + VISION,
     "dp2-zero1": DENSE + ("vlm",),
     "tp2-dp2-recompute": ("vlm-x",),

@@ -109,7 +109,9 @@ def test_untied_output_layer_is_its_own_table(single_world):
     assert tied.output_layer is None and tied.output_weight is tied.embedding.word.weight
 
 
-@pytest.mark.parametrize("name,billions", [("llama3-1b", 1.24), ("llama3-8b", 8.03), ("llama2-7b", 6.74)])
+@pytest.mark.parametrize(
+    "name,billions", [("llama3-1b", 1.24), ("llama3-8b", 8.03), ("llama2-7b", 6.74), ("mistral-7b", 7.24)]
+)
 def test_presets_have_the_published_sizes_on_the_meta_device(single_world, name, billions):
     cfg = PRESETS[name]
     n = sum(p.numel() for p in LlamaModel(cfg, seed=0, device="meta").parameters())
@@ -179,3 +181,56 @@ def test_llama3_8b_at_32k_tokens_fits_eight_h200s_with_context_parallelism(tmp_p
     assert cp4["parameters"] == pytest.approx(8.03e9, rel=0.01)
     layers = cp4["memory_breakdown_bytes"]["activations"], cp1["memory_breakdown_bytes"]["activations"]
     assert layers[0] == pytest.approx(layers[1] / 4, rel=0.01)
+
+
+def test_mistral_preset_dry_runs_at_7_24_billion_with_its_window():
+    from megakernels_models.cli import parse_train_args
+    from megakernels_models.planning.dryrun import report
+
+    lines = []
+    rep = report(parse_train_args(["--preset", "mistral-7b", "--dry-run"]), out=lines.append)
+    assert rep["parameters"] == pytest.approx(7.24e9, rel=0.005)
+    assert "sliding window 4096" in lines[0]
+    cfg = PRESETS["mistral-7b"]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size) == (
+        32,
+        4096,
+        32,
+        8,
+        14336,
+    )
+    assert (cfg.vocab_size, cfg.seq_length, cfg.rope_theta, cfg.sliding_window) == (32000, 32768, 1e6, 4096)
+    assert not cfg.tie_embeddings and cfg.norm == "rmsnorm" and cfg.layernorm_eps == 1e-5
+
+
+def test_a_sliding_window_counts_attention_over_the_window_only():
+    """FLOPs and the stored scores count min(window, s) keys per query."""
+    cfg = PRESETS["mistral-7b"]
+    full = cfg.replace(sliding_window=None)
+    h, l, s, w = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.sliding_window
+    assert full.forward_flops_per_token()["attention"] == 4.0 * s * h * l
+    assert cfg.forward_flops_per_token()["attention"] == 4.0 * w * h * l
+    assert cfg.replace(seq_length=1024).forward_flops_per_token()["attention"] == 4.0 * 1024 * h * l
+    assert cfg.forward_flops_per_token()["layers_gemm"] == full.forward_flops_per_token()["layers_gemm"]
+    scores = lambda c: c.activation_bytes_per_layer(1) - c.activation_bytes_per_layer(1, flash_attention=True)  # noqa: E731
+    assert scores(full) == 5.0 * cfg.num_heads * s * s  # 5·a·s per token, s tokens, 2-byte elements
+    assert scores(cfg) == 5.0 * cfg.num_heads * w * s
+
+
+def test_sliding_window_setting_and_its_rules():
+    from megakernels_models.arguments import ArgumentError, validate
+    from megakernels_models.cli import parse_train_args
+
+    assert LLAMA.sliding_window is None
+    assert LLAMA.replace(sliding_window=64).sliding_window == 64
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="sliding_window"):
+            LLAMA.replace(sliding_window=bad)
+    args = lambda *f: parse_train_args(["--preset", "mistral-7b", *f, "--dry-run"])  # noqa: E731
+    assert args().model_config().sliding_window == 4096
+    assert args("--sliding-window", "1024").model_config().sliding_window == 1024
+    assert args("--sliding-window", "0").model_config().sliding_window is None  # 0: every position
+    llama = parse_train_args(["--preset", "llama-tiny", "--sliding-window", "64", "--dry-run"]).model_config()
+    assert llama.sliding_window == 64 and llama.rope_theta == PRESETS["llama-tiny"].rope_theta
+    with pytest.raises(ArgumentError, match="--sliding-window must be an int >= 0"):
+        validate(parse_train_args(["--preset", "llama-tiny", "--sliding-window", "-3", "--dry-run"]))

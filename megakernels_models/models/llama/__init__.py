@@ -1,10 +1,10 @@
 """The Llama family: a causal language model of the Llama 2 / Llama 3 architecture: RMSNorm, rotary positions,
 SwiGLU MLP, no biases, its own output layer (tied in the small Llama 3.2 models); grouped-query attention;
-mixture-of-experts layers as an option (Mixtral).
+mixture-of-experts layers as an option (Mixtral); sliding-window attention as an option (Mistral).
 
 Presets: ``llama-tiny`` (the CPU default), Llama 3.2 1B, Llama 3 8B and Llama 2 7B shapes, a tiny MoE, Mixtral
 8x7B (46.7B parameters, 12.9B active per token), and Llama 3.1 8B / 70B and 3.2 1B / 3B with their llama3 rotary
-scaling (8.03 B, 70.6 B, 1.24 B, 3.21 B parameters).
+scaling (8.03 B, 70.6 B, 1.24 B, 3.21 B parameters), and Mistral 7B (7.24B; a 4096-token sliding window).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ PRESETS = {
     "llama3.1-70b": _llama(80, 8192, 64, 8, 8192, 128256, 28672, **_LLAMA31),
     "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, 128256, 8192, **_LLAMA32, tie_embeddings=True),
     "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, 128256, 8192, **_LLAMA32, tie_embeddings=True),
+    "mistral-7b": _llama(32, 4096, 32, 8, 32768, 32000, 14336, rope_theta=1e6, sliding_window=4096),
 }
 
 
