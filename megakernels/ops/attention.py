@@ -53,6 +53,11 @@ def _host_seed(seed: torch.Tensor | None) -> int:
     return int(seed.item()) if seed is not None else 0
 
 
+def _check_shift(window: int, shift: int) -> None:
+    if shift and not window:
+        raise ValueError(f"flash_attention: shift={shift} moves a sliding window's diagonal; it needs window > 0")
+
+
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(
     q: torch.Tensor,
@@ -67,6 +72,7 @@ def _flash_attn_fwd(
     window: int = 0,
     shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_shift(window, shift)
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift)
     from megakernels.ops import _attention_cpu
@@ -99,6 +105,7 @@ def _flash_attn_bwd(
     window: int = 0,
     shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_shift(window, shift)
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().backward(
             grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift

@@ -131,3 +131,13 @@ def test_bad_window_is_refused(window):
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="window must be a positive int, or None or 0"):
         flash_attention(q, q, q, causal=True, window=window)
+
+
+def test_a_shifted_diagonal_needs_a_window():
+    """The ops' ``shift`` (context parallelism's chunk offset) moves a window's band; without a window it is refused
+    rather than ignored."""
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="needs window > 0"):
+        torch.ops.megakernels.flash_attn_fwd(q, q, q, True, 0.3, 0.0, None, False, False, 0, 2)
+    out, _ = torch.ops.megakernels.flash_attn_fwd(q, q, q, True, 0.3, 0.0, None, False, False, 2, -4)
+    assert (out == 0).all()  # every key 4 positions ahead of its query: none in a causal window
