@@ -99,6 +99,7 @@ def _attention_build(draw, dtype):
         "k": rand(draw, (b, sk, hk, d), dtype),
         "v": rand(draw, (b, sk, hk, d), dtype),
         "causal": draw(st.booleans()),
+        "window": draw(st.sampled_from([None, 1, 2, 4, 12])),
     }
 
 
@@ -207,10 +208,14 @@ OPS = [
         "flash_attention",
         _attention_build,
         lambda **kw: mops.flash_attention(**kw),
-        lambda q, k, v, causal: flash_attention_reference(d64(q), d64(k), d64(v), causal)[0],
+        lambda q, k, v, causal, window: flash_attention_reference(d64(q), d64(k), d64(v), causal, window=window)[0],
         dtypes=(torch.float32, torch.float64),
         tensors=("q", "k", "v"),
-        scalars={"softmax_scale": ["1", NAN, True], "dropout_p": [1.0, -0.1, "0", None]},
+        scalars={
+            "softmax_scale": ["1", NAN, True],
+            "dropout_p": [1.0, -0.1, "0", None],
+            "window": [-1, 2.5, True, "3"],
+        },
     ),
     Entry(
         "cross_entropy",
@@ -363,11 +368,15 @@ MODULES = [
     Entry(
         "FlashSelfAttention",
         lambda draw, dt: {**_attention_build(draw, dt), "attention_dropout": 0.0},
-        lambda q, k, v, causal, attention_dropout: mnn.FlashSelfAttention(causal, None, attention_dropout)(q, k, v),
-        lambda q, k, v, causal, attention_dropout: flash_attention_reference(d64(q), d64(k), d64(v), causal)[0],
+        lambda q, k, v, causal, window, attention_dropout: mnn.FlashSelfAttention(
+            causal, None, attention_dropout, window
+        )(q, k, v),
+        lambda q, k, v, causal, window, attention_dropout: flash_attention_reference(
+            d64(q), d64(k), d64(v), causal, window=window
+        )[0],
         dtypes=(torch.float32,),
         tensors=("q", "k", "v"),
-        scalars={"attention_dropout": [1.0, -0.1, "0.1", None]},
+        scalars={"attention_dropout": [1.0, -0.1, "0.1", None], "window": [-2, 1.5]},
     ),
     Entry(
         "RotaryEmbedding",
