@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from megakernels.bench.static import model
 from megakernels.bench.static.analysis import Role
 from megakernels.bench.static.registry import Entry, register
 from megakernels.bench.static.streaming import DTYPES, M, Part, _entry, cuda, plan_rows
@@ -23,14 +24,14 @@ from megakernels.bench.static.streaming import DTYPES, M, Part, _entry, cuda, pl
 SWIGLU_SHAPES = [(16384, 11008), (16384, 4096)]  # (rows, f): x is [rows, 2f]
 
 
-def _swiglu_parts(passname: str, dtype: str, rows: int, f: int) -> list[Part]:
+def _swiglu_parts(passname: str, dtype: str, rows: int, f: int, m: model.Machine = M) -> list[Part]:
     t, size = DTYPES[dtype]
     pack = 16 // size
     packs = f // pack
-    group, block, grid = plan_rows(rows, packs, 16)
+    group, block, grid = plan_rows(rows, packs, 16, sms=m.sms)
     n = rows * f
     if passname == "fwd":
-        kern = cuda("swiglu", f"swiglu_fwd_kernel<{t}, {pack}>", block)
+        kern = cuda("swiglu", f"swiglu_fwd_kernel<{t}, {pack}>", block, m.arch)
         return [
             Part(
                 kern,
@@ -43,7 +44,7 @@ def _swiglu_parts(passname: str, dtype: str, rows: int, f: int) -> list[Part]:
                 3 * size,
             )
         ]
-    kern = cuda("swiglu", f"swiglu_bwd_kernel<{t}, {pack}>", block)
+    kern = cuda("swiglu", f"swiglu_bwd_kernel<{t}, {pack}>", block, m.arch)
     return [
         Part(
             kern,
@@ -78,19 +79,19 @@ def swiglu_entries() -> list[Entry]:
 ROPE_SHAPES = [(16384, 32, 8, 128), (16384, 32, 32, 128)]  # (tokens, q heads, k heads, head dim)
 
 
-def _rope_parts(dtype: str, tokens: int, hq: int, hk: int, d: int) -> list[Part]:
+def _rope_parts(dtype: str, tokens: int, hq: int, hk: int, d: int, m: model.Machine = M) -> list[Part]:
     """As csrc/rope/rope_cuda.cu's launch: 256-thread blocks of ``lanes`` (= packs per half row) lane groups,
     heads split into slices only as far as needed to fill the GPU, the grid capped at 8 blocks per SM."""
     t, size = DTYPES[dtype]
     pack = 16 // size
     lanes = min((d // 2) // pack, 256)
     slots = 256 // lanes
-    want, have = M.sms * 2048, tokens * lanes * 2
+    want, have = m.sms * 2048, tokens * lanes * 2
     splits = 1 if have >= want else -(-want // have)
     hps = max(1, -(-max(hq, hk) // splits))
     slices = -(-hq // hps) + -(-hk // hps)
-    grid = min(-(-tokens * slices // slots), M.sms * 8)
-    kern = cuda("rope", f"rope_kernel<{t}, false, {pack}, true>", lanes * slots)
+    grid = min(-(-tokens * slices // slots), m.sms * 8)
+    kern = cuda("rope", f"rope_kernel<{t}, false, {pack}, true>", lanes * slots, m.arch)
     # A "pack" of the role is one rotation: a 16-byte pack from each half of the head row (2 * pack elements).
     per_lane = (hq + hk) / slices * ((d // 2) / pack / lanes)
     n = tokens * (hq + hk) * d

@@ -275,6 +275,12 @@ class Recorder:
         if self.active:
             self.ops.append(Op("call", func="backward" if backward else "forward"))
 
+    def ret(self) -> None:
+        """Mark the end of a peer's autograd function (what ran since ``call`` is the peer's own work: our kernels
+        take its place in ``price_ours``). Costs nothing."""
+        if self.active:
+            self.ops.append(Op("return"))
+
 
 class Ctx:
     """The ``ctx`` an autograd.Function's forward and backward get (called directly: the autograd engine needs a
@@ -326,6 +332,7 @@ def _function_pass(rec, fn, mode, fwd_args: dict, grads):
     with rec.recording(mode in ("forward", "full")):
         rec.call()
         out = _call(fn.forward, ctx, **fwd_args)
+        rec.ret()
     if mode == "forward":
         return
     with rec.recording(False):
@@ -333,6 +340,7 @@ def _function_pass(rec, fn, mode, fwd_args: dict, grads):
     with rec.recording(True):
         rec.call(backward=True)
         fn.backward(ctx, *g)
+        rec.ret()
 
 
 def _norm(kind):
@@ -407,6 +415,7 @@ def _gated_mlp(function: str):
             g, u = X @ Wg.t(), X @ Wu.t()
             rec.call()
             a = _call(fn.forward, ctx, a=g, b=u)
+            rec.ret()
             y = a @ Wd.t()
         if mode == "forward":
             return
@@ -417,6 +426,7 @@ def _gated_mlp(function: str):
             _ = dy.t() @ a
             rec.call(backward=True)
             dg, du = fn.backward(ctx, da)[:2]
+            rec.ret()
             dx = dg @ Wg
             dx = dx + du @ Wu
             _ = dg.t() @ X
@@ -729,7 +739,12 @@ def price(ops: list[Op], m: model.Machine, host: Host = HOST) -> dict:
     flush does not hide, whichever is longer."""
     gpu, host_t, after_sync, synced, launches = 0.0, 0.0, 0.0, False, []
     for op in ops:
-        if op.kind == "triton":
+        if op.kind == "return":
+            continue
+        if op.kind == "ours":  # one of our launches (streaming.Part), made from C++ behind a custom op
+            r = ours_price(op.launch, m)
+            dh = host.torch_op_s
+        elif op.kind == "triton":
             r = price_triton(op.launch, m)
             dh = host.triton_launch_s
         elif op.kind == "torch":
@@ -755,6 +770,89 @@ def price(ops: list[Op], m: model.Machine, host: Host = HOST) -> dict:
         "host_exposed_s": exposed,
         "bound": "host" if exposed > gpu else "gpu",
         "launches": launches,
+    }
+
+
+def ours_price(part, m: model.Machine) -> dict:
+    """Time of one of our launches (a ``streaming.Part``) on ``m``."""
+    from megakernels.bench.static import streaming
+
+    key = (id(part), m.name)
+    if key not in _ANALYSED:
+        _ANALYSED[key] = (part, streaming.price_parts([part], m)[0])
+    return {**_ANALYSED[key][1], "ours": True}
+
+
+def substitute(ops: list[Op], ours: dict) -> list[Op]:
+    """The recorded region with each of the peer's autograd function passes (what ran between ``call`` and
+    ``return``) replaced by our launches for that pass (``ours``: {"fwd"/"bwd": [Part, ...]}); the call itself
+    (the autograd function's host cost) and everything around it are kept.
+
+    Raises:
+        ValueError: a pass the region runs that ``ours`` has no launches for."""
+    out, inside = [], False
+    for op in ops:
+        if op.kind == "call":
+            p = "bwd" if op.func == "backward" else "fwd"
+            if p not in ours:
+                raise ValueError(f"no launches of ours for the {p} pass")
+            out.append(op)
+            out.extend(Op("ours", launch=part) for part in ours[p])
+            inside = True
+        elif op.kind == "return":
+            inside = False
+        elif not inside:
+            out.append(op)
+    return out
+
+
+def _inside(ops: list[Op]) -> list[Op]:
+    """The ops the peer's autograd functions ran (between ``call`` and ``return``)."""
+    out, inside = [], False
+    for op in ops:
+        if op.kind in ("call", "return"):
+            inside = op.kind == "call"
+        elif inside:
+            out.append(op)
+    return out
+
+
+def _op_time(op: Op, m: model.Machine) -> float:
+    r = price_triton(op.launch, m) if op.kind == "triton" else price_torch(op, m) if op.kind == "torch" else None
+    return r["time_s"] if r else 0.0
+
+
+def price_ours(r: dict, rec: list, m: model.Machine, host: Host = HOST) -> dict:
+    """Our kernels in the peer's benchmark region of row ``r``: ``ours_predicted_ms`` and what binds it, or
+    ``ours_reason`` why we have no prediction."""
+    from megakernels.bench.static import ours
+
+    try:
+        cfg = json.loads(r["extra_benchmark_config_str"] or "{}")
+        parts = ours.passes(r["kernel_name"], r["kernel_operation_mode"], float(r["x_value"]), cfg, m)
+        if isinstance(parts, str):
+            return {"ours_predicted_ms": None, "ours_reason": parts}
+        res = price(substitute(rec, parts), m, host)
+    except Exception as e:  # noqa: BLE001 - a kernel of ours the model cannot read is a reason, not a crash
+        return {"ours_predicted_ms": None, "ours_reason": f"{type(e).__name__}: {str(e)[:300]}"}
+    mine = [q for q in res["launches"] if q.get("ours")]
+    kernels_s = sum(q["time_s"] for q in mine)
+    if res["bound"] == "host":
+        bound = "host"
+    else:
+        top = max(res["launches"], key=lambda q: q["time_s"])
+        bound = f"{top['bound']} ({top['kernel'] if not top.get('ours') else 'ours: ' + top['kernel']})"
+    return {
+        "ours_predicted_ms": res["time_s"] * 1e3,
+        "ours_gpu_ms": res["gpu_s"] * 1e3,
+        "ours_kernels_ms": kernels_s * 1e3,
+        "ours_host_exposed_ms": res["host_exposed_s"] * 1e3,
+        "ours_bound": bound,
+        "ours_launches": [
+            {"kernel": q["kernel"], "bound": q["bound"], "time_us": q["time_s"] * 1e6}
+            | ({"ours": True} if q.get("ours") else {})
+            for q in res["launches"]
+        ],
     }
 
 
@@ -813,8 +911,15 @@ def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | No
     except Exception as e:  # noqa: BLE001 - a kernel the model cannot read is a reason, not a crash
         return {**out, **none, "reason": f"{type(e).__name__}: {str(e)[:300]}"}
     pred_ms = res["time_s"] * 1e3
+    mine = price_ours(r, rec, m, host)
+    if mine["ours_predicted_ms"] is not None:
+        mine["ours_over_peer"] = mine["ours_predicted_ms"] / pred_ms
+        if mine["ours_over_peer"] <= 1:
+            mine.pop("ours_bound")  # the binding resource is reported where we are behind
+        mine["peer_kernels_ms"] = sum(_op_time(op, m) for op in _inside(rec)) * 1e3
     return {
         **out,
+        **mine,
         "predicted_ms": pred_ms,
         "rel_error": (pred_ms - out["published_ms"]) / out["published_ms"],
         "bound": res["bound"],
@@ -861,6 +966,10 @@ def run(csv_path: str, peer_path: str | None = None, log=print) -> dict:
                 f"  published {p['published_ms']:9.4f} ms  predicted {p['predicted_ms']:9.4f} ms"
                 f"  {100 * p['rel_error']:+6.0f}%  {p['bound']}"
             )
+    side = side_by_side(out)
+    if log:
+        for line in side_by_side_table(side):
+            log(line)
     modelled = [p for p in out if p.get("rel_error") is not None]
     skipped = [p for p in out if p.get("rel_error") is None and p["kernel_provider"] == "liger"]
     summary = summarise(modelled)
@@ -881,4 +990,104 @@ def run(csv_path: str, peer_path: str | None = None, log=print) -> dict:
         "host": dataclasses.asdict(HOST),
         "rows": out,
         "summary": summary,
+        "side_by_side": side,
     }
+
+
+def _shape_key(p: dict) -> tuple:
+    return (p["kernel_name"], p["kernel_operation_mode"], p["gpu_name"], p["x_value"], p["extra_benchmark_config_str"])
+
+
+def side_by_side(rows: list[dict]) -> dict:
+    """Per op, mode and shape of the peer's rows: our predicted time over the peer's (``ours_over_peer``) and over
+    the published HuggingFace-eager and torch.compile rows of the same shape (``ours_over_hf``,
+    ``ours_over_compile``); where we are behind, what binds ours; and a summary (shapes ahead, behind, the worst)."""
+    published: dict = {}
+    for p in rows:
+        if p.get("published_ms") is not None:
+            published.setdefault(_shape_key(p), {})[p["kernel_provider"]] = p["published_ms"]
+    shapes = []
+    for p in rows:
+        if p["kernel_provider"] != "liger":
+            continue
+        pub = published.get(_shape_key(p), {})
+        ours_ms = p.get("ours_predicted_ms")
+        s = {
+            "kernel_name": p["kernel_name"],
+            "mode": p["kernel_operation_mode"],
+            "gpu_name": p["gpu_name"],
+            "x_value": p["x_value"],
+            "config": p["extra_benchmark_config_str"],
+            "ours_predicted_ms": ours_ms,
+            "peer_predicted_ms": p.get("predicted_ms"),
+            "ours_over_peer": p.get("ours_over_peer"),
+            "peer_published_ms": pub.get("liger"),
+            "huggingface_ms": pub.get("huggingface"),
+            "torch_compile_ms": pub.get("torch_compile"),
+        }
+        for name, prov in (("ours_over_hf", "huggingface"), ("ours_over_compile", "torch_compile")):
+            s[name] = ours_ms / pub[prov] if ours_ms is not None and pub.get(prov) else None
+        if p.get("ours_bound"):
+            s["ours_bound"] = p["ours_bound"]
+        if ours_ms is None:
+            s["reason"] = p.get("ours_reason") or p.get("reason")
+        shapes.append(s)
+    done = [s for s in shapes if s["ours_over_peer"] is not None]
+    behind = [s for s in done if s["ours_over_peer"] > 1]
+    worst = max(done, key=lambda s: s["ours_over_peer"]) if done else None
+    summary = {
+        "shapes": len(shapes),
+        "compared": len(done),
+        "ahead": len(done) - len(behind),
+        "behind": len(behind),
+        "median_ours_over_peer": statistics.median([s["ours_over_peer"] for s in done]) if done else None,
+        "worst": worst,
+        "behind_by_bound": {},
+        "not_compared": sorted({s["reason"] for s in shapes if s["ours_over_peer"] is None and s.get("reason")}),
+    }
+    for s in behind:
+        b = s["ours_bound"].split(" ")[0]
+        summary["behind_by_bound"][b] = summary["behind_by_bound"].get(b, 0) + 1
+    return {"shapes": shapes, "summary": summary}
+
+
+def side_by_side_table(side: dict) -> list[str]:
+    """The side-by-side table, a line a shape (op, mode, GPU, shape), then its summary."""
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
+
+    lines = [
+        f"{'op':<14}{'mode':<9}{'gpu':<8}{'x':>7}  {'ours ms':>9} {'peer ms':>9} {'ours/peer':>9}"
+        f"  {'liger pub':>9} {'hf pub':>9} {'ours/hf':>8} {'compile':>8}  bound of ours where behind"
+    ]
+    for s in side["shapes"]:
+        gpu = "A100" if "A100" in s["gpu_name"] else "H100" if "H100" in s["gpu_name"] else s["gpu_name"][:7]
+        tail = s.get("ours_bound", "") if (s["ours_over_peer"] or 0) > 1 else ""
+        if s["ours_over_peer"] is None:
+            tail = "not compared: " + str(s.get("reason"))[:70]
+        cols = [
+            f(s["ours_predicted_ms"], "9.4f"),
+            f(s["peer_predicted_ms"], "9.4f"),
+            f(s["ours_over_peer"], "9.2f") + " ",
+            f(s["peer_published_ms"], "9.4f"),
+            f(s["huggingface_ms"], "9.4f"),
+            f(s["ours_over_hf"], "8.2f"),
+            f(s["torch_compile_ms"], "8.4f") + " ",
+            tail,
+        ]
+        lines.append(f"{s['kernel_name']:<14}{s['mode']:<9}{gpu:<8}{s['x_value']:>7}  " + " ".join(cols))
+    sm = side["summary"]
+    lines.append(
+        f"side by side: {sm['compared']} of {sm['shapes']} peer shapes compared, ours ahead at {sm['ahead']}, "
+        f"behind at {sm['behind']}"
+        + (f" (median ours/peer {sm['median_ours_over_peer']:.2f})" if sm["compared"] else "")
+        + (f"; behind by bound: {sm['behind_by_bound']}" if sm["behind"] else "")
+    )
+    if sm["worst"]:
+        w = sm["worst"]
+        lines.append(
+            f"worst: {w['kernel_name']} {w['mode']} {w['gpu_name']} x={w['x_value']}: "
+            f"ours/peer {w['ours_over_peer']:.2f}"
+        )
+    return lines

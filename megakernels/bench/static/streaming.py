@@ -108,8 +108,22 @@ def evaluate(parts: list[Part]) -> dict:
     }
 
 
-def cuda(family: str, pattern: str, threads: int) -> Callable[[], compiled.Compiled]:
-    return lambda: compiled.cuda_kernel(family, pattern, threads)
+def cuda(family: str, pattern: str, threads: int, arch: int = 90) -> Callable[[], compiled.Compiled]:
+    return lambda: compiled.cuda_kernel(family, pattern, threads, arch)
+
+
+def price_parts(parts: list[Part], m: model.Machine = M) -> list[dict]:
+    """Each part's predicted time on ``m`` (its kernel compiled for ``m.arch`` by the part's builder): kernel
+    name, ``time_s``, ``bound`` and the resource ``times_s``."""
+    out = []
+    for p in parts:
+        c = p.kernel()
+        cost, _ = analysis.stream_cost(c, p.roles, p.pack, p.packs_per_thread, p.dram_bytes, p.min_bytes, p.grid, m)
+        pred = model.predict_stream(cost, p.elements, p.launches, m)
+        out.append(
+            {"kernel": p.name or c.symbol, "time_s": pred["time_s"], "bound": pred["bound"], "times_s": pred["times_s"]}
+        )
+    return out
 
 
 def _entry(name, family, config, shape, dtype, parts_fn) -> Entry:
@@ -122,7 +136,7 @@ def _entry(name, family, config, shape, dtype, parts_fn) -> Entry:
 
 
 def rows_plan(
-    rows: int, hidden: int, pack: int, packs_per_thread: int, accumulators: int, sms: int = M.sms
+    rows: int, hidden: int, pack: int, packs_per_thread: int, accumulators: int, sms: int = M.sms, smem: int = M.smem
 ) -> tuple[int, int, int]:
     """(group threads, groups per block, grid) as csrc/norms/norms_rows.cuh's rows_plan: a row over G threads of
     ``packs_per_thread`` packs each, 256-thread blocks of row groups, resident blocks per SM for 2048 threads
@@ -133,26 +147,27 @@ def rows_plan(
     groups = 1 if group >= 256 else 256 // group
     block = group * groups
     per_sm = 2 if accumulators else 2048 // block
-    smem = groups * accumulators * hidden * 4
+    smem_per_sm, smem = smem, groups * accumulators * hidden * 4
     if smem:
-        per_sm = min(per_sm, M.smem // (smem + 2048))  # 228 KiB per SM, as norms_rows.cuh
+        per_sm = min(per_sm, smem_per_sm // (smem + 2048))  # 228 KiB per SM, as norms_rows.cuh
     return group, groups, max(1, min(-(-rows // groups), sms * max(1, per_sm)))
 
 
 ACTS = {"layer_norm": 0, "layer_norm_gelu": 1, "rms_norm": 0}
 
 
-def column_sum_part(family: str, t: str, parts: int, cols: int) -> Part:
+def column_sum_part(family: str, t: str, parts: int, cols: int, arch: int = 90) -> Part:
     """csrc/common/cuda_kernels.cuh's column_sum_kernel over [parts, cols] fp32 partials (float4 columns): 32
     column packs x 32 part-lanes per 1024-thread block. Its bytes are extra to the op's minimum."""
-    kern = cuda(family, f"column_sum_kernel<{t}, float, 4>", 1024)
+    kern = cuda(family, f"column_sum_kernel<{t}, float, 4>", 1024, arch)
     return Part(
         kern, [Role("sum", 1, reads_dram=True)], 4, parts / 32, -(-cols // 128), parts * cols, 4, 0, name="column_sum"
     )
 
 
-def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> list[Part]:
-    """The row-resident kernels (the path of aligned rows up to 16k elements with their parameters)."""
+def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int, m: model.Machine = M) -> list[Part]:
+    """The row-resident kernels (the path of aligned rows up to 16k elements with their parameters), launched on
+    ``m`` (its SM count and shared memory shape the plan; compiled for its arch)."""
     t, size = DTYPES[dtype]
     pack = 16 // size
     ppt = 32 // pack  # 32 elements per thread
@@ -161,17 +176,22 @@ def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> l
     n = rows * hidden
     k = 1 if rms else 2
     if passname == "fwd":
-        group, groups, grid = rows_plan(rows, hidden, pack, ppt, 0)
+        group, groups, grid = rows_plan(rows, hidden, pack, ppt, 0, m.sms, m.smem)
         kern = cuda(
             "norms",
             f"norm_fwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
             group * groups,
+            m.arch,
         )
         roles = [Role("row", 1, params=k, stores=1, reads_dram=True)]
         return [Part(kern, roles, pack, ppt, grid, n, 2 * size, 2 * size)]
-    group, groups, grid = rows_plan(rows, hidden, pack, ppt, k + (1 if size == 4 else 0))  # fp32: dz row in smem
+    acc = k + (1 if size == 4 else 0)  # fp32: dz row in smem
+    group, groups, grid = rows_plan(rows, hidden, pack, ppt, acc, m.sms, m.smem)
     kern = cuda(
-        "norms", f"norm_bwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>", group * groups
+        "norms",
+        f"norm_bwd_rows_kernel<{t}, {t}, {pack}, {ppt}, {act}, {'true' if rms else 'false'}>",
+        group * groups,
+        m.arch,
     )
     if size == 2:  # one fully unrolled row pass: x and dy; w twice (dz * w, then dx), b for the activation
         roles = [Role("row", 2, params=2 + (1 if ACTS[op] else 0), stores=1, reads_dram=True)]
@@ -180,7 +200,7 @@ def _norm_parts(op: str, passname: str, dtype: str, rows: int, hidden: int) -> l
             Role("reduce", 2, params=1 + (1 if ACTS[op] else 0), reads_dram=True),
             Role("dx", 1, params=1, stores=1),
         ]
-    col = column_sum_part("norms", t, grid, k * hidden)
+    col = column_sum_part("norms", t, grid, k * hidden, m.arch)
     return [Part(kern, roles, pack, ppt, grid, n, 3 * size, 3 * size), col]
 
 
@@ -377,23 +397,25 @@ def softmax_entries() -> list[Entry]:
 # ---- cross-entropy (Triton) ------------------------------------------------------------------------------------
 
 
-def _ce_parts(passname: str, n: int, v: int) -> list[Part]:
+def _ce_parts(passname: str, n: int, v: int, m: model.Machine = M, dtype: str = "bf16") -> list[Part]:
     from megakernels.triton import cross_entropy as ce
 
-    x = torch.empty(n, v, dtype=torch.bfloat16, device="meta")
+    size = DTYPES[dtype][1]
+    pack = 16 // size
+    x = torch.empty(n, v, dtype=getattr(torch, BENCH_DTYPES[dtype]), device="meta")
     tgt = torch.empty(n, dtype=torch.int64, device="meta")
     f32 = torch.empty(n, 4, dtype=torch.float32, device="meta")
     if passname == "fwd":
-        launch = ce.stats_launch(x, tgt, f32, 0, v, 90)
+        launch = ce.stats_launch(x, tgt, f32, 0, v, m.arch)
         roles = [Role("stats", 1, reads_dram=True)]
-        mbytes = 2
+        mbytes = size
     else:
-        launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 1.0, 0.0, x, 90)  # no label smoothing
+        launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 1.0, 0.0, x, m.arch)  # no label smoothing
         roles = [Role("grad", 1, stores=1, reads_dram=True)]
-        mbytes = 4
+        mbytes = 2 * size
     threads = launch.num_warps * 32
-    packs = v / threads / 8  # the tail chunk runs the masked loop, not modelled apart
-    return [Part(lambda: compiled.triton_kernel(launch), roles, 8, packs, n, n * v, mbytes, mbytes)]
+    packs = v / threads / pack  # the tail chunk runs the masked loop, not modelled apart
+    return [Part(lambda: compiled.triton_kernel(launch, m.arch), roles, pack, packs, n, n * v, mbytes, mbytes)]
 
 
 @register
