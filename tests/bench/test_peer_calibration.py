@@ -119,3 +119,99 @@ def test_the_command_end_to_end(tmp_path):
     kinds = [q["kernel"] for q in swiglu["launches"]]
     assert "_swiglu_forward_kernel" in kinds and kinds.count("aten.mm") == 3  # the MLP's three projections
     assert payload["summary"]["overall"]["rows"] == 2
+
+
+# ---- side by side: our kernels at the peer's shapes ------------------------------------------------------------
+
+SIDE = os.path.join(HERE, "data", "liger_side.csv")
+
+
+def test_substitute_puts_our_launches_where_the_peer_function_ran():
+    Op = peer.Op
+    ops = [
+        Op("torch", func="mm"),
+        Op("call", func="forward"),
+        Op("triton", launch="peer fwd"),
+        Op("torch", func="sum"),
+        Op("return"),
+        Op("torch", func="mm"),
+        Op("call", func="backward"),
+        Op("triton", launch="peer bwd"),
+        Op("return"),
+    ]
+    out = peer.substitute(ops, {"fwd": ["a"], "bwd": ["b", "c"]})
+    assert [(o.kind, o.launch if o.kind == "ours" else o.func) for o in out] == [
+        ("torch", "mm"),
+        ("call", "forward"),
+        ("ours", "a"),
+        ("torch", "mm"),
+        ("call", "backward"),
+        ("ours", "b"),
+        ("ours", "c"),
+    ]
+    with pytest.raises(ValueError, match="bwd"):
+        peer.substitute(ops, {"fwd": ["a"]})
+
+
+def test_side_by_side_ratios_and_summary():
+    shape = {"kernel_operation_mode": "forward", "gpu_name": "NVIDIA A100-SXM4-80GB", "x_value": "1024"}
+    shape["extra_benchmark_config_str"] = "{}"
+    rows = [
+        {**shape, "kernel_name": "rms_norm", "kernel_provider": "liger", "published_ms": 0.02, "predicted_ms": 0.02}
+        | {"ours_predicted_ms": 0.01, "ours_over_peer": 0.5},
+        {**shape, "kernel_name": "rms_norm", "kernel_provider": "huggingface", "published_ms": 0.08},
+        {**shape, "kernel_name": "rope", "kernel_provider": "liger", "published_ms": 0.1, "predicted_ms": 0.1}
+        | {"ours_predicted_ms": 0.15, "ours_over_peer": 1.5, "ours_bound": "host"},
+        {**shape, "kernel_name": "geglu", "kernel_provider": "liger", "published_ms": 9.0, "predicted_ms": 9.0}
+        | {"ours_predicted_ms": None, "ours_reason": "megakernels has no GeGLU kernel"},
+    ]
+    side = peer.side_by_side(rows)
+    by = {s["kernel_name"]: s for s in side["shapes"]}
+    assert len(by) == 3  # the peer's shapes, not the HuggingFace row
+    assert by["rms_norm"]["huggingface_ms"] == 0.08
+    assert by["rms_norm"]["ours_over_hf"] == pytest.approx(0.01 / 0.08)
+    assert by["rms_norm"]["torch_compile_ms"] is None and "ours_bound" not in by["rms_norm"]
+    assert by["rope"]["ours_bound"] == "host" and by["rope"]["ours_over_hf"] is None
+    assert by["geglu"]["ours_over_peer"] is None and "GeGLU" in by["geglu"]["reason"]
+    sm = side["summary"]
+    assert (sm["compared"], sm["ahead"], sm["behind"]) == (2, 1, 1)
+    assert sm["worst"]["kernel_name"] == "rope" and sm["behind_by_bound"] == {"host": 1}
+    lines = peer.side_by_side_table(side)
+    assert any(line.startswith("rope") and "host" in line for line in lines)
+    assert any("not compared" in line and "GeGLU" in line for line in lines)
+
+
+def test_side_by_side_end_to_end(tmp_path):
+    path = _peer_path()
+    from megakernels.bench.__main__ import main
+
+    args = ["--static", "--peer-csv", SIDE, "--out", str(tmp_path)] + (["--peer-path", path] if path else [])
+    assert main(args) == 0
+    payload = json.loads((tmp_path / "calibration.json").read_text())
+    rows = {(r["kernel_name"], r["kernel_provider"]): r for r in payload["rows"]}
+    rms = rows[("rms_norm", "liger")]
+    assert rms["ours_predicted_ms"] > 0 and rms["predicted_ms"] > 0
+    assert rms["ours_over_peer"] == pytest.approx(rms["ours_predicted_ms"] / rms["predicted_ms"])
+    ours = [q["kernel"] for q in rms["ours_launches"] if q.get("ours")]
+    assert any("norm_fwd_rows_kernel" in k for k in ours) and any("norm_bwd_rows_kernel" in k for k in ours)
+    assert (rms["ours_over_peer"] > 1) == ("ours_bound" in rms)
+    geglu = rows[("geglu", "liger")]
+    assert geglu["predicted_ms"] > 0  # the peer is still modelled
+    assert geglu["ours_predicted_ms"] is None and "no GeGLU kernel" in geglu["ours_reason"]
+    side = {s["kernel_name"]: s for s in payload["side_by_side"]["shapes"]}
+    assert side["rms_norm"]["ours_over_hf"] == pytest.approx(
+        rms["ours_predicted_ms"] / rows[("rms_norm", "huggingface")]["published_ms"]
+    )
+
+
+def test_our_launch_plans_take_the_machine():
+    from megakernels.bench.static import elementwise, model, streaming
+
+    a100, h200 = model.MACHINES["A100-SXM4-80GB"], model.H200
+    # a grid capped at resident blocks per SM scales with the SM count
+    assert (
+        streaming.rows_plan(1 << 20, 1024, 8, 4, 0, a100.sms, a100.smem)[2]
+        < streaming.rows_plan(1 << 20, 1024, 8, 4, 0)[2]
+    )
+    assert elementwise._rope_parts("bf16", 16384, 32, 8, 128, a100)[0].grid == a100.sms * 8
+    assert elementwise._rope_parts("bf16", 16384, 32, 8, 128, h200)[0].grid == h200.sms * 8
