@@ -212,6 +212,10 @@ def _calibration_rows(report):
             yield "measured", r["kernel_name"], config, "published_ms", r["published_ms"], "ms"
         if isinstance(r.get("predicted_ms"), float):
             yield "predicted", r["kernel_name"], config, "predicted_ms", r["predicted_ms"], "ms"
+        # the side-by-side: our kernels at the peer's shape, through the same model
+        if isinstance(r.get("ours_predicted_ms"), float):
+            yield "predicted", r["kernel_name"], config, "ours_predicted_ms", r["ours_predicted_ms"], "ms"
+            yield "predicted", r["kernel_name"], config, "ours_over_peer", r["ours_over_peer"], "x"
 
 
 REPRODUCE_UNITS = {

@@ -839,9 +839,10 @@ def price_ours(r: dict, rec: list, m: model.Machine, host: Host = HOST) -> dict:
     kernels_s = sum(q["time_s"] for q in mine)
     if res["bound"] == "host":
         bound = "host"
-    else:
-        top = max(res["launches"], key=lambda q: q["time_s"])
-        bound = f"{top['bound']} ({top['kernel'] if not top.get('ours') else 'ours: ' + top['kernel']})"
+    else:  # the resource that binds our slowest launch (what the region shares with the peer binds both alike)
+        top = max(mine or res["launches"], key=lambda q: q["time_s"])
+        name = re.search(r"(\w+)(<|\(|$)", top["kernel"].split("::")[-1])
+        bound = f"{top['bound']} ({name.group(1) if name else top['kernel']})"
     return {
         "ours_predicted_ms": res["time_s"] * 1e3,
         "ours_gpu_ms": res["gpu_s"] * 1e3,
@@ -1040,6 +1041,7 @@ def side_by_side(rows: list[dict]) -> dict:
         "compared": len(done),
         "ahead": len(done) - len(behind),
         "behind": len(behind),
+        "behind_within_2pct": sum(1 for s in behind if s["ours_over_peer"] <= 1.02),
         "median_ours_over_peer": statistics.median([s["ours_over_peer"] for s in done]) if done else None,
         "worst": worst,
         "behind_by_bound": {},
@@ -1080,7 +1082,7 @@ def side_by_side_table(side: dict) -> list[str]:
     sm = side["summary"]
     lines.append(
         f"side by side: {sm['compared']} of {sm['shapes']} peer shapes compared, ours ahead at {sm['ahead']}, "
-        f"behind at {sm['behind']}"
+        f"behind at {sm['behind']} ({sm['behind_within_2pct']} of them within 2%)"
         + (f" (median ours/peer {sm['median_ours_over_peer']:.2f})" if sm["compared"] else "")
         + (f"; behind by bound: {sm['behind_by_bound']}" if sm["behind"] else "")
     )
