@@ -841,7 +841,7 @@ def price_ours(r: dict, rec: list, m: model.Machine, host: Host = HOST) -> dict:
         bound = "host"
     else:  # the resource that binds our slowest launch (what the region shares with the peer binds both alike)
         top = max(mine or res["launches"], key=lambda q: q["time_s"])
-        name = re.search(r"(\w+)(<|\(|$)", top["kernel"].split("::")[-1])
+        name = re.search(r"(\w+)<", top["kernel"]) or re.search(r"(\w+)\(", top["kernel"])
         bound = f"{top['bound']} ({name.group(1) if name else top['kernel']})"
     return {
         "ours_predicted_ms": res["time_s"] * 1e3,
