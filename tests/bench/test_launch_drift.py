@@ -153,3 +153,18 @@ def test_setup_py_and_the_static_model_compile_with_one_flag_table():
         spec.loader.exec_module(setup_py)
     assert setup_py._targets().NVCC_FLAGS == _targets.NVCC_FLAGS == tuple(compiled.NVCC_FLAGS)
     assert setup_py._arch_flags("80; 9.0") == [*_targets.gencode(80), *_targets.gencode(90)]
+
+
+def test_the_optimizer_model_uses_the_kernels_chunk_and_block():
+    """The streaming model's AdamW / non-finite / sum-of-squares launches: one block of kBlock threads per chunk of
+    kDefaultChunk elements, as csrc/optim launches them (the constants read from the sources)."""
+    import re
+
+    from megakernels.bench.static import streaming
+
+    chunk = re.search(r"constexpr int64_t kDefaultChunk = (\d+);", (CSRC / "optim" / "optim.h").read_text())
+    cu = (CSRC / "optim" / "adamw_cuda.cu").read_text()
+    block = re.search(r"constexpr int kBlock = (\d+);", cu)
+    assert chunk and block, "the optimizer's chunk or block constant moved: update this test and the model"
+    assert (streaming.CHUNK, streaming.OPTIM_BLOCK) == (int(chunk.group(1)), int(block.group(1)))
+    assert "dim3(unsigned(chunks)), dim3(kBlock)" in cu  # one block per chunk, as the model's grid

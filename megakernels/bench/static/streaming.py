@@ -439,7 +439,9 @@ def cross_entropy_entries() -> list[Entry]:
 # ---- optimizer -------------------------------------------------------------------------------------------------
 
 PARAMS, PARAMS_CONFIG = 100_000_000, "1x100M"  # megakernels bench's adamw config of one 100M tensor
-CHUNK = 65536
+# csrc/optim: kDefaultChunk (optim.h) and kBlock (adamw_cuda.cu), one block of kBlock threads per chunk
+# (tests/bench/test_launch_drift.py reads them from the sources)
+CHUNK, OPTIM_BLOCK = 65536, 256
 
 
 def _optim_parts(kernel: str, dtype: str) -> list[Part]:
@@ -448,15 +450,19 @@ def _optim_parts(kernel: str, dtype: str) -> list[Part]:
     grid = -(-PARAMS // CHUNK)
     if kernel == "adamw":
         if dtype == "fp32":
-            kern = cuda("optim/adamw_cuda.cu", "adamw_kernel<float, float, false>", 256)
+            kern = cuda("optim/adamw_cuda.cu", "adamw_kernel<float, float, false>", OPTIM_BLOCK)
             roles = [Role("update", 4, stores=3, reads_dram=True)]
         else:  # fp32 master weights and moments: master, grad, m, v read; m, v, master, param written
-            kern = cuda("optim/adamw_cuda.cu", f"adamw_kernel<{t}, float, true>", 256)
+            kern = cuda("optim/adamw_cuda.cu", f"adamw_kernel<{t}, float, true>", OPTIM_BLOCK)
             roles = [Role("update", 4, stores=4, reads_dram=True)]
-        return [Part(kern, roles, 4, CHUNK / 4 / 256, grid, PARAMS, 28, 28)]
+        return [Part(kern, roles, 4, CHUNK / 4 / OPTIM_BLOCK, grid, PARAMS, 28, 28)]
     name = {"nonfinite": "nonfinite_kernel", "sumsq": "sumsq_kernel"}[kernel]
-    kern = cuda("optim/adamw_cuda.cu", f"{name}<{t}>", 256)
-    return [Part(kern, [Role("read", 1, reads_dram=True, min_width=8)], 4, CHUNK / 4 / 256, grid, PARAMS, size, size)]
+    kern = cuda("optim/adamw_cuda.cu", f"{name}<{t}>", OPTIM_BLOCK)
+    return [
+        Part(
+            kern, [Role("read", 1, reads_dram=True, min_width=8)], 4, CHUNK / 4 / OPTIM_BLOCK, grid, PARAMS, size, size
+        )
+    ]
 
 
 @register
