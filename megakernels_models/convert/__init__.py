@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 
-from megakernels_models.convert import bert, gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
+from megakernels_models.convert import bert, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from megakernels_models.convert.common import (
     ConversionError,
     apply,
@@ -33,7 +33,7 @@ from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.registry import family
 from megakernels_models.training.checkpoint import GENERATION_CONFIG
 
-FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mixtral, qwen2, qwen3, qwen3_moe)}
+FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)}
 TOKENIZER = "tokenizer.json"
 
 __all__ = [
@@ -68,7 +68,7 @@ def hf_to_megakernels(
     """
     hf, tensors = read_hf(hf_dir)
     fam = _family(hf.get("model_type"))
-    rotary = fam in (llama, mixtral, qwen2, qwen3, qwen3_moe)
+    rotary = fam in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)
     if rope_interleaved and not rotary:
         raise ConversionError(f"--rope-interleaved is for Llama and Mixtral models, not {fam.MODEL_TYPE}")
     cfg = fam.config_to_ours(hf, rope_interleaved) if rotary else fam.config_to_ours(hf)

@@ -145,9 +145,11 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
             f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: megakernels' Llama has "
             "biases on every projection or on none"
         )
+    window = hf.get("sliding_window")  # Mistral's (keys within the last `window` positions); Llama has none
     return ModelConfig(
         "llama",
         **rope_scaling_to_ours(scaling),
+        sliding_window=window if window is not None and window < hf["max_position_embeddings"] else None,
         num_layers=hf["num_hidden_layers"],
         hidden_size=h,
         num_heads=n,

@@ -6,8 +6,8 @@ router with renormalised weights, as megakernels' ``MoELayer`` with ``moe_normal
 ``w2`` (down): megakernels packs ``[w1; w3]`` as the expert's ``fc1`` and stores every expert under its global name,
 so the checkpoint loads at any expert-parallel size. The attention and the rest follow ``llama``.
 
-Refused, naming the setting: router jitter noise, a sliding window shorter than the context, and what ``llama``
-refuses.
+A sliding window maps to ``ModelConfig.sliding_window``. Refused, naming the setting: router jitter noise, and what
+``llama`` refuses.
 """
 
 from __future__ import annotations
@@ -50,9 +50,6 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     """
     if hf.get("router_jitter_noise"):
         raise ConversionError(f"router_jitter_noise {hf['router_jitter_noise']}: megakernels' router has no jitter")
-    window = hf.get("sliding_window")
-    if window is not None and window < hf["max_position_embeddings"]:
-        raise ConversionError(f"sliding_window {window}: megakernels' attention is full causal attention")
     base = llama.config_to_ours({**hf, "attention_bias": False, "mlp_bias": False}, rope_interleaved)
     return base.replace(
         num_experts=hf["num_local_experts"],
@@ -92,7 +89,7 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         num_experts_per_tok=cfg.moe_top_k,
         router_aux_loss_coef=cfg.moe_aux_loss_coeff,
         router_jitter_noise=0.0,
-        sliding_window=None,
+        sliding_window=cfg.sliding_window,
         output_router_logits=False,
     )
     return out

@@ -26,7 +26,9 @@ def check_window(hf: dict) -> None:
 def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     """The megakernels Qwen of a HuggingFace Qwen 2 config."""
     check_window(hf)
-    base = llama.config_to_ours({**hf, "attention_bias": False, "mlp_bias": False}, rope_interleaved)
+    base = llama.config_to_ours(
+        {**hf, "attention_bias": False, "mlp_bias": False, "sliding_window": None}, rope_interleaved
+    )
     return ModelConfig("qwen", **{**base.shared(), "qkv_bias": True, "bias": False})
 
 

@@ -22,7 +22,9 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     qwen2.check_window(hf)
     if hf.get("attention_bias"):
         raise ConversionError("attention_bias=True: megakernels' Qwen 3 has no attention biases")
-    base = llama.config_to_ours({**hf, "attention_bias": False, "mlp_bias": False}, rope_interleaved)
+    base = llama.config_to_ours(
+        {**hf, "attention_bias": False, "mlp_bias": False, "sliding_window": None}, rope_interleaved
+    )
     return ModelConfig("qwen", **{**base.shared(), "qk_norm": True, "qkv_bias": False, "bias": False})
 
 

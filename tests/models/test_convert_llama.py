@@ -292,8 +292,53 @@ def test_fine_tuning_a_hf_checkpoint_is_one_command_and_exports_back(tmp_path, c
     ids = torch.randint(0, 300, (1, 16))
     from megakernels_models import load_pretrained
 
+    from megakernels_models.inference.pretrained import release
+
     lm = load_pretrained(str(out))
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(back(ids).logits, lm(ids), rtol=1e-4, atol=1e-4)
+            original = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+            assert not torch.allclose(original(ids).logits, lm(ids), atol=1e-3)  # it was trained
+    finally:
+        release()  # the one-process world load_pretrained started (later tests make their own)
+
+
+def test_mistral_with_its_sliding_window_converts_both_ways(single_world, tmp_path):
+    """A window (8) shorter than the context (32): transformers' logits and greedy tokens, and back."""
+    from megakernels_models import load_pretrained
+    from megakernels_models.inference.generate import generate
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=S,
+        rms_norm_eps=1e-5,
+        sliding_window=8,
+    )
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ids = torch.randint(0, V, (2, S))
     with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, lm(ids), rtol=1e-4, atol=1e-4)
-        original = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
-        assert not torch.allclose(original(ids).logits, lm(ids), atol=1e-3)  # it was trained
+        ref = hf(ids).logits
+        full = transformers.MistralForCausalLM(transformers.MistralConfig(**{**cfg.to_dict(), "sliding_window": None}))
+        full.load_state_dict(hf.state_dict())
+        assert not torch.allclose(full.eval()(ids).logits, ref, atol=1e-3)  # the window changes the result
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    ours, mk = _our_logits(tmp_path / "mk", ids)
+    assert mk.sliding_window == 8
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    prompt = ids[:1, :10]
+    with torch.no_grad():
+        theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generate(load_pretrained(str(tmp_path / "mk")), prompt, max_new_tokens=12).tolist() == theirs.tolist()
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back = transformers.MistralForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert back.config.sliding_window == 8
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)

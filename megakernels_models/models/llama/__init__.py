@@ -55,9 +55,9 @@ def _model():
 
 
 def _hf(config):
-    from megakernels_models.convert import llama, mixtral
+    from megakernels_models.convert import llama, mistral, mixtral
 
-    return mixtral if config.num_experts else llama
+    return mixtral if config.num_experts else mistral if config.sliding_window else llama
 
 
 SPEC = register(FamilySpec("llama", "Llama", LlamaConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))
