@@ -291,7 +291,6 @@ def test_fine_tuning_a_hf_checkpoint_is_one_command_and_exports_back(tmp_path, c
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     ids = torch.randint(0, 300, (1, 16))
     from megakernels_models import load_pretrained
-
     from megakernels_models.inference.pretrained import release
 
     lm = load_pretrained(str(out))
