@@ -121,6 +121,21 @@ def tied(cfg: ModelConfig) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {}
 
 
+def expert_rules(cfg: ModelConfig, m: str, router: str, expert: str, names: tuple[str, str, str]) -> list[Rule]:
+    """A MoE layer's rules: the router (their ``router``) and each expert ``e`` (their ``expert.format(e)`` prefix
+    with the gate, up and down ``names``) <-> ours (``m`` + ``mlp.router``, ``mlp.experts.<e>.fc1`` = [gate; up],
+    ``.fc2`` = down: every expert under its global name, so any expert-parallel size loads it)."""
+    gate, up, down = names
+    out = [copy(m + "mlp.router.weight", router)]
+    for e in range(cfg.num_experts):
+        x = expert.format(e)
+        out += [
+            _packed(f"{m}mlp.experts.{e}.fc1", (x + gate, x + up)),
+            copy(f"{m}mlp.experts.{e}.fc2", x + down),
+        ]
+    return out
+
+
 def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Names of a ``LlamaForCausalLM`` (a bare ``LlamaModel`` saves them without the ``model.`` prefix)."""
     return {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in tensors.items()}

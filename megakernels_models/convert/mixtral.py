@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megakernels_models.convert import llama
-from megakernels_models.convert.common import ConversionError, copy
+from megakernels_models.convert.common import ConversionError
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "mixtral"
@@ -26,14 +26,8 @@ tied = llama.tied
 def rules(cfg: ModelConfig):
     def moe(i, a, m):
         b = a + "block_sparse_moe."
-        out = [copy(m + "mlp.router.weight", b + "gate.weight")]
-        for e in range(cfg.num_experts):
-            x = f"{b}experts.{e}."
-            out += [
-                llama._packed(f"{m}mlp.experts.{e}.fc1", (x + "w1.weight", x + "w3.weight")),
-                copy(f"{m}mlp.experts.{e}.fc2", x + "w2.weight"),
-            ]
-        return out
+        names = ("w1.weight", "w3.weight", "w2.weight")
+        return llama.expert_rules(cfg, m, b + "gate.weight", b + "experts.{}.", names)
 
     return llama.rules(cfg, mlp=moe)
 

@@ -13,7 +13,7 @@ and what ``qwen3`` refuses.
 from __future__ import annotations
 
 from megakernels_models.convert import llama, qwen3
-from megakernels_models.convert.common import ConversionError, copy
+from megakernels_models.convert.common import ConversionError
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "qwen3_moe"
@@ -23,14 +23,8 @@ normalize, tied = llama.normalize, llama.tied
 
 def rules(cfg: ModelConfig):
     def moe(i, a, m):
-        out = [copy(m + "mlp.router.weight", a + "mlp.gate.weight")]
-        for e in range(cfg.num_experts):
-            x = f"{a}mlp.experts.{e}."
-            out += [
-                llama._packed(f"{m}mlp.experts.{e}.fc1", (x + "gate_proj.weight", x + "up_proj.weight")),
-                copy(f"{m}mlp.experts.{e}.fc2", x + "down_proj.weight"),
-            ]
-        return out
+        names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        return llama.expert_rules(cfg, m, a + "mlp.gate.weight", a + "mlp.experts.{}.", names)
 
     return llama.rules(cfg, mlp=moe)
 
