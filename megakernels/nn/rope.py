@@ -4,7 +4,8 @@ No parameters and no table in memory by default: the kernel computes each token'
 ``max_positions`` the module keeps the contract's fp32 cos/sin table as a (non-persistent) buffer and the kernel
 reads it instead. With position ``scaling`` (``megakernels.ops.RopeScaling``: Llama 3.1's, or linear interpolation)
 the angles always come from such a table, built from the scaled inverse frequencies; it covers ``max_positions``
-(default 4096) and is rebuilt larger when a call reaches past it.
+(default 4096) and is rebuilt larger when a call without explicit positions reaches past it, or when ``cover``
+is told of a later position (a model decoding with a KV cache passes explicit positions and calls it).
 """
 
 from __future__ import annotations
@@ -66,11 +67,10 @@ class RotaryEmbedding(nn.Module):
     def _table(self, positions: int, device) -> torch.Tensor:
         return rope_cos_sin_table(positions, self.head_dim, self.theta, device, self.scaling)
 
-    def _cover(self, q: torch.Tensor, positions, seq_dim: int, position_offset: int) -> None:
-        """A scaled embedding's table reaches every position of this call (rebuilt at twice the need if not)."""
-        seq = q.shape[seq_dim]
-        last = position_offset + (seq - 1 if positions is None else int(positions.max()) if positions.numel() else 0)
-        if last >= self.cos_sin.shape[0] and self.cos_sin.device.type != "meta":
+    def cover(self, last: int) -> None:
+        """Make a table reach position ``last`` (rebuilt at twice the need if it does not: generation past it).
+        Called with the host's count of positions, never by reading a positions tensor (a device sync)."""
+        if self.cos_sin is not None and last >= self.cos_sin.shape[0] and self.cos_sin.device.type != "meta":
             self.max_positions = 2 * (last + 1)
             self.cos_sin = self._table(self.max_positions, self.cos_sin.device)
 
@@ -84,8 +84,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(q, torch.Tensor) and q.dim() >= 1 and q.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding: q has head_dim {q.shape[-1]}, expected {self.head_dim}")
-        if self.scaling is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
-            self._cover(q, positions, seq_dim, position_offset)
+        if self.scaling is not None and positions is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+            self.cover(position_offset + q.shape[seq_dim] - 1)
         return fused_rope(
             q,
             k,

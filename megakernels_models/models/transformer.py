@@ -429,6 +429,10 @@ class LanguageModel(nn.Module):
             if self._cp > 1 or not (self.pre_process and self.post_process):
                 raise ValueError(f"{type(self).__name__}: a KV cache needs the whole model on one rank (pp 1, cp 1)")
             positions = kv_cache.positions(ids.shape[1], ids.device)
+            last = kv_cache.offset + ids.shape[1] - 1  # on the host: decoding may pass a scaled rotary's table
+            for m in self.modules():
+                if isinstance(m, RotaryEmbedding) and m.scaling is not None:
+                    m.cover(last)
         if self.pre_process:
             if ids is None:
                 raise ValueError(f"{type(self).__name__}: the first pipeline stage needs ids [b, s]")
