@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 from megakernels_models.convert import bert, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from megakernels_models.convert.common import (
@@ -32,6 +31,7 @@ from megakernels_models.convert.common import (
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.registry import family
 from megakernels_models.training.checkpoint import GENERATION_CONFIG
+from megakernels_models.training.checkpoint_store import copy_beside
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)}
 TOKENIZER = "tokenizer.json"
@@ -129,11 +129,7 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def _copy_tokenizer(src_dir: str, dst_dir: str) -> None:
-    src = os.path.join(src_dir, TOKENIZER)
-    if os.path.exists(src):
-        tmp = os.path.join(dst_dir, f".{TOKENIZER}.tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, os.path.join(dst_dir, TOKENIZER))
+    copy_beside(os.path.join(src_dir, TOKENIZER), os.path.join(dst_dir, TOKENIZER))
 
 
 def checkpoint_tokenizer(ckpt_dir: str) -> str | None:

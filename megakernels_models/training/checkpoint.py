@@ -439,21 +439,14 @@ def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
         return
     src = spec[3:]
     src = os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src
-    dst = os.path.join(save_dir, "tokenizer.json")
-    if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
-        shutil.copyfile(src, dst + ".tmp")
-        os.replace(dst + ".tmp", dst)
+    store.copy_beside(src, os.path.join(save_dir, "tokenizer.json"))
 
 
 def _keep_generation_config(save_dir: str, load_dir: str | None) -> None:
     """A run resumed from a directory holding ``generation_config.json`` (a converted model's special tokens) keeps
     it beside its own checkpoints (export and generation read it there)."""
-    if not load_dir:
-        return
-    src, dst = os.path.join(load_dir, GENERATION_CONFIG), os.path.join(save_dir, GENERATION_CONFIG)
-    if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
-        shutil.copyfile(src, dst + ".tmp")
-        os.replace(dst + ".tmp", dst)
+    if load_dir:
+        store.copy_beside(os.path.join(load_dir, GENERATION_CONFIG), os.path.join(save_dir, GENERATION_CONFIG))
 
 
 # ---- load ---------------------------------------------------------------------------------------------------

@@ -218,3 +218,11 @@ def _read_owner(fd: int) -> str:
         return f"pid {owner['pid']} on host {owner['host']} since {owner['since']}"
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return ""
+
+
+def copy_beside(src: str, dst: str) -> None:
+    """Copy file ``src`` to ``dst`` whole (through a temporary name and a rename: a reader never sees half of it);
+    nothing when ``src`` does not exist or is ``dst``."""
+    if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
+        shutil.copyfile(src, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)

@@ -128,8 +128,6 @@ class VLMConfig(ModelConfig):
             init_std=self.init_std,
         )
 
-    vision_config = encoder_config
-
     def language_config(self) -> ModelConfig:
         """The language model alone (of family ``lm``, with this model's shared fields)."""
         return family(self.lm).config_class(**self.shared())

@@ -19,7 +19,7 @@ def vlm_forward_flops_per_sample(cfg) -> dict[str, float]:
     """Forward FLOPs of one sample: ``{"layers_gemm", "attention", "head"}`` (the vision encoder, projector and
     cross-attention layers counted in ``layers_gemm``/``attention``)."""
     n, s, h = cfg.num_image_tokens, cfg.seq_length, cfg.hidden_size
-    vision = cfg.vision_config().forward_flops_per_token()
+    vision = cfg.encoder_config().forward_flops_per_token()
     patch = 2.0 * cfg.patch_size**2 * cfg.image_channels * cfg.vision_hidden_size * cfg.num_patches
     projector = 2.0 * (cfg.vision_hidden_size + h) * cfg.projector_hidden_size * n
     lm_tokens = s if cfg.cross_attention_every else s + n

@@ -6,7 +6,7 @@
           ─ projector: column-parallel fc1 ─ fused bias-GeLU ─ row-parallel fc2  ─>  image tokens [N, b, h]
 
 The Transformer layers are the ones every family stacks (``transformer.TransformerLayer`` of
-``ModelConfig.vision_config()``: FlashAttention without a mask, fused LayerNorm, fused bias-GeLU MLP), seeded under
+``VLMConfig.encoder_config()``: FlashAttention without a mask, fused LayerNorm, fused bias-GeLU MLP), seeded under
 ``vision``: the encoder's weights depend on the model's seed only, never on the layout. The position table has one
 learned vector per grid cell (``(image_size / patch_size)²``, plus one for the class token), as ViT and CLIP.
 """
@@ -75,7 +75,7 @@ class VisionEncoder(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        c, v = config, config.vision_config()
+        c, v = config, config.encoder_config()
         self.config, seed = config, init.derive_seed(seed, "vision")
         self.dropout_p = c.dropout
         h, n = c.vision_hidden_size, c.num_image_tokens
