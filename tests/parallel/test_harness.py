@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -38,13 +39,13 @@ def _rank_one_exits(rank, world_size):
 
 def _rank_zero_hangs(rank, world_size):
     if rank == 0:
-        time.sleep(600)
+        threading.Event().wait()  # a hang: an event nothing sets
     return rank
 
 
-def _rank_zero_sleeps_and_rank_one_waits_for_it(rank, world_size):
+def _rank_zero_hangs_and_rank_one_waits_for_it(rank, world_size):
     if rank == 0:
-        time.sleep(600)
+        threading.Event().wait()  # a hang in Python: an event nothing sets
     dist.barrier()  # blocked in gloo (C++): its stack must come back all the same
 
 
@@ -137,11 +138,11 @@ def test_a_timed_out_world_reports_where_every_unfinished_rank_was(monkeypatch):
     monkeypatch.setattr(launch.liveness, "new_dir", recording)
     run_world(1, _sum_of_ranks, 1.0, timeout=120)  # the fork server is up: the ranks below start in milliseconds
     with pytest.raises(AssertionError, match=r"timed out after 10 s; ranks \[0, 1\] had not finished") as info:
-        run_world(2, _rank_zero_sleeps_and_rank_one_waits_for_it, timeout=10)
+        run_world(2, _rank_zero_hangs_and_rank_one_waits_for_it, timeout=10)
     message = str(info.value)
     rank0, rank1 = message.split("--- rank 0 (pid ")[1].split("--- rank 1 (pid ")
-    assert "in _rank_zero_sleeps_and_rank_one_waits_for_it" in rank0 and " in barrier" not in rank0
-    assert " in barrier" in rank1 and "in _rank_zero_sleeps_and_rank_one_waits_for_it" in rank1
+    assert "in _rank_zero_hangs_and_rank_one_waits_for_it" in rank0 and " in barrier" not in rank0
+    assert " in barrier" in rank1 and "in _rank_zero_hangs_and_rank_one_waits_for_it" in rank1
     _no_children_left()
     assert made and not any(os.path.exists(d) for d in made)  # the stack directories are removed
 
