@@ -39,12 +39,20 @@ MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
 MOE_FIELDS = (
     "num_experts",
     "moe_top_k",
+    "moe_normalize",
     "moe_ffn_hidden_size",
     "moe_layer_freq",
     "moe_aux_loss_coeff",
     "moe_z_loss_coeff",
     "moe_capacity_factor",
     "moe_shared_experts",
+)
+ROPE_FIELDS = (
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_positions",
 )
 
 # The flags only some families take (``FamilySpec.settings``): each is its family's config field of the same name.
@@ -57,6 +65,7 @@ ARCHITECTURE_SETTINGS = (
     "model",
     *SIZES,
     "rope_theta",
+    *ROPE_FIELDS,
     "sliding_window",
     "dropout",
     *MOE_FIELDS,
@@ -91,6 +100,23 @@ class _Settings:
         None, "key/value heads, grouped-query attention (default: the preset's, or --num-heads)", MODEL
     )
     rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
+    rope_scaling: str | None = setting(
+        None,
+        "rotary position scaling for contexts past the trained one: linear (every frequency / factor) or llama3 "
+        "(Llama 3.1+: low frequencies / factor, high ones kept, a blend between); none: off (default: the preset's)",
+        MODEL,
+        choices=("linear", "llama3", "none"),
+    )
+    rope_scaling_factor: float | None = setting(None, "the position scaling's factor (default: the preset's)", MODEL)
+    rope_low_freq_factor: float | None = setting(
+        None, "llama3 scaling: wavelengths past original / this are scaled (default: the preset's, 1)", MODEL
+    )
+    rope_high_freq_factor: float | None = setting(
+        None, "llama3 scaling: wavelengths below original / this are kept (default: the preset's, 4)", MODEL
+    )
+    rope_original_max_positions: int | None = setting(
+        None, "llama3 scaling: the context the model was trained at (default: the preset's, 8192)", MODEL
+    )
     sliding_window: int | None = setting(
         None,
         "sliding-window attention: each token attends the last N positions, its own included (Mistral); 0: every "
@@ -102,6 +128,11 @@ class _Settings:
         None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)", MOE
     )
     moe_top_k: int | None = setting(None, "experts per token (default: the preset's)", MOE)
+    moe_normalize: bool | None = setting(
+        None,
+        "renormalise the top-k router weights to sum to 1 (Mixtral) or not (Qwen 3 MoE) (default: the preset's)",
+        MOE,
+    )
     moe_ffn_hidden_size: int | None = setting(None, "each expert's MLP size (default: the preset's)", MOE)
     moe_layer_freq: int | None = setting(None, "every N-th layer is a MoE layer (default: the preset's)", MOE)
     moe_aux_loss_coeff: float | None = setting(None, "load-balancing loss coefficient (default: the preset's)", MOE)
@@ -304,19 +335,23 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
 
     def model_config(self) -> ModelConfig:
         """The model: the preset (if any) with the explicitly given sizes replacing its fields (``--sliding-window
-        0`` removes the preset's window)."""
+        0`` removes the preset's window, ``--rope-scaling none`` its position scaling)."""
         cfg = self._model_config()
         if self.sliding_window == 0 and cfg.sliding_window is not None:
             cfg = cfg.replace(sliding_window=None)
+        if self.rope_scaling == "none" and cfg.rope_scaling is not None:
+            cfg = cfg.replace(rope_scaling=None)
         return cfg
 
     def _model_config(self) -> ModelConfig:
         sizes = {k: getattr(self, k) for k in SIZES}
         if self.sliding_window:
             sizes["sliding_window"] = self.sliding_window
-        for name in ("rope_theta",) + MOE_FIELDS + tuple(FAMILY_SETTINGS):
+        for name in ("rope_theta",) + ROPE_FIELDS + MOE_FIELDS + tuple(FAMILY_SETTINGS):
             if getattr(self, name) is not None:
                 sizes[name] = getattr(self, name)
+        if self.rope_scaling == "none":
+            sizes["rope_scaling"] = None  # model_config removes the preset's
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}
         if sizes["vocab_size"] is None and self.tokenizer != "byte":  # the model's vocabulary is the tokenizer's
             from megakernels_models.data.tokenizer import build_tokenizer
@@ -475,8 +510,9 @@ def _validate(a: TrainArgs) -> ModelConfig:
     positive_int(a.sliding_window, "--sliding-window", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.max_save_failures, "--max-save-failures", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
+    positive_int(a.rope_original_max_positions, "--rope-original-max-positions", allow_none=True, error=ArgumentError)
     for spec in registry.families():
-        if spec.settings is not None:
+        if hasattr(spec.settings, "check"):
             spec.settings.check(a)
     try:
         cfg = a.model_config()

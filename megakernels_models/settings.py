@@ -202,6 +202,8 @@ def add_settings(
         kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
         if isinstance(f.default, bool):
             kwargs["action"] = "store_false" if f.default else "store_true"
+        elif _type(cls, f) is bool:  # an optional switch (None: the preset's): --x and --no-x
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             typ = _type(cls, f)
             kwargs.update(type=_flag_type(typ), choices=_choices(f), metavar=md.get("metavar") or _METAVARS.get(typ))

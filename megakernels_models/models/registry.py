@@ -35,7 +35,8 @@ class FamilySpec:
             model's language model).
         hf: ``hf(config)`` -> the ``megakernels_models.convert`` module writing it as a HuggingFace family, or None.
         settings: a dataclass of ``megakernels train`` flags only this family takes (``settings.setting`` fields,
-            named as its config's fields), or None; its ``check(args)`` validates them, naming the flags.
+            named as its config's fields), or None; its ``check(args)``, if it has one, validates them, naming the
+            flags.
     """
 
     name: str

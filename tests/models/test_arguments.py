@@ -84,11 +84,34 @@ from megakernels_models.cli import parse_train_args
         (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
         (["--steps", "0"], r"--steps must be a positive int, got 0"),
         (["--data", "x"], r"--data x: cannot read x\.bin"),
+        (["--model", "gpt", "--qk-norm"], r"--qk-norm is for Qwens \(--model qwen\)"),
+        (["--model", "llama", "--no-qkv-bias"], r"--qkv-bias is for Qwens \(--model qwen\)"),
+        (["--model", "gpt", "--rope-scaling", "llama3"], r"rope_scaling needs rotary positions"),
+        (
+            ["--model", "llama", "--rope-scaling", "llama3", "--rope-original-max-positions", "0"],
+            r"--rope-original-max-positions must be a positive int, got 0",
+        ),
     ],
 )
 def test_invalid_flags_name_the_rule(flags, message):
     with pytest.raises(ArgumentError, match=message):
         validate(parse_train_args(flags))
+
+
+def test_the_families_switches_and_the_position_scaling_replace_the_presets():
+    """Qwen's --qkv-bias/--qk-norm, --moe-normalize and the rotary scaling flags reach the model; their --no-
+    forms and --rope-scaling none remove what the preset has."""
+    qwen = validate(parse_train_args(["--model", "qwen", "--qkv-bias", "--no-qk-norm", "--no-moe-normalize"]))
+    assert (qwen.model, qwen.qkv_bias, qwen.qk_norm, qwen.moe_normalize) == ("qwen", True, False, False)
+    assert validate(parse_train_args(["--model", "qwen"])).qk_norm  # qwen-tiny is Qwen 3 style
+    flags = ["--model", "llama", "--rope-scaling", "llama3", "--rope-scaling-factor", "8"]
+    scaled = validate(parse_train_args(flags + ["--rope-original-max-positions", "64", "--rope-high-freq-factor", "2"]))
+    assert (scaled.rope_scaling, scaled.rope_scaling_factor, scaled.rope_original_max_positions) == ("llama3", 8.0, 64)
+    assert scaled.rope_high_freq_factor == 2.0 and scaled.rope_low_freq_factor == 1.0
+    big = parse_train_args(["--preset", "llama3.1-8b", "--rope-scaling", "none"]).model_config()
+    assert big.rope_scaling is None and parse_train_args(["--preset", "llama3.1-8b"]).model_config().rope_scaling
+    with pytest.raises(ArgumentError, match="--qk-norm is for Qwens"):
+        parse_train_args(["--preset", "llama3-8b", "--qk-norm"]).model_config()
 
 
 def test_the_default_is_the_embedded_tiny_gpt():
@@ -251,7 +274,15 @@ def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
     assert off["memory_bytes"] < on_device["total"]
 
 
-@pytest.mark.parametrize("argv", [["train", "--steps", "x"], ["train", "--precision", "fp7"], ["trian"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--steps", "x"],
+        ["train", "--precision", "fp7"],
+        ["trian"],
+        ["train", "--model", "llama", "--rope-scaling", "yarn"],  # HF's dynamic and yarn are not ours
+    ],
+)
 def test_a_flag_mistake_is_one_line(argv, capsys):
     from megakernels_models.cli import main
 

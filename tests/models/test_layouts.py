@@ -1,15 +1,15 @@
 """The trainer's central test (docs/design.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
-(tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer (and its CPU offload),
-recomputation, interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for
-tiny GPT, BERT and Llama
-(grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context parallelism
-by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1; a sliding window shorter than the sequence,
-at tp 2, cp 2 and both, and with the torch attention core), and mixture-of-experts GPT and Llama
-(dropless top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and
-ZeRO-1; checkpoints resharded across ep), and vision-language models (a ViT + projector before a GPT, the image
-tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on the first
-stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split) alone and × dp 2 with ZeRO-1
-and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2 resume in one process.
+(tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer (and its CPU offload), recomputation,
+interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT, BERT
+and Llama (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context
+parallelism by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1; a sliding window shorter than the
+sequence, at tp 2, cp 2 and both, and with the torch attention core), Qwen (q/k/v biases, per-head q/k RMSNorm and
+Llama 3.1's position scaling) at tp 2 × pp 2, and mixture-of-experts GPT, Llama and Qwen 3 (dropless top-2 routing
+with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and ZeRO-1; Qwen's unnormalised
+top-k at ep 2 and tp 2 × pp 2; checkpoints resharded across ep), and vision-language models (a ViT + projector before
+a GPT, the image tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on
+the first stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split) alone and × dp 2 with
+ZeRO-1 and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2 resume in one process.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once.
@@ -53,9 +53,10 @@ BASE = TrainArgs(
     timeout=120,
 )
 
-MODELS = ("gpt", "bert", "llama", "llama-swa", "gpt-moe", "llama-moe", "vlm", "vlm-x")
+MODELS = ("gpt", "bert", "llama", "llama-swa", "qwen", "gpt-moe", "llama-moe", "qwen-moe", "vlm", "vlm-x")
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
+QWEN = dict(qkv_bias=True, qk_norm=True, rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_positions=8)
 MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 # Vision-language: a 1-layer ViT over 16×16 shapes (4 patches of 8) in front of the GPT, the image tokens a prefix
 # (LLaVA); and with gated cross-attention after every second layer of the Llama and the contrastive loss (Flamingo).
@@ -65,8 +66,12 @@ FAMILY = {
     "bert": ("bert", {}),
     "llama": ("llama", LLAMA),
     "llama-swa": ("llama", {**LLAMA, "sliding_window": 5}),  # Mistral's attention: 5 of 16 positions, over 2 chunks
+    # Qwen: 2.5's biases on q/k/v and 3's per-head q/k RMSNorm together (each split over tp), with Llama 3.1's
+    # position scaling (its original context shorter than the sequence, so every frequency band is in play)
+    "qwen": ("qwen", {**LLAMA, **QWEN}),
     "gpt-moe": ("gpt", MOE),
     "llama-moe": ("llama", {**LLAMA, **MOE}),
+    "qwen-moe": ("qwen", {**LLAMA, **MOE, "qk_norm": True, "moe_normalize": False}),  # Qwen 3 MoE, top-k unnormalised
     "vlm": ("vlm", VLM),
     "vlm-x": ("vlm", {**VLM, **LLAMA, "lm": "llama", "cross_attention_every": 2, "contrastive_coeff": 0.5}),
 }
@@ -117,7 +122,7 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert"),
+    "tp2-pp2": ("gpt", "bert", "qwen", "qwen-moe"),
     "pp2-vpp2-dp2": ("gpt", "bert"),
     "tp2-pp2-dp2": ("bert",),
     "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
@@ -126,7 +131,7 @@ ONLY = {
     "pp2-cp2": ("gpt", "llama"),
     "cp2-dp2-zero1": ("llama",),
     "tp2-cp2-pp2-recompute": ("llama",),
-    "ep2": EXPERTS,
+    "ep2": EXPERTS + ("qwen-moe",),
     "ep4": EXPERTS,
     "tp2-ep2-sp": EXPERTS,
     "pp2-ep2": EXPERTS,

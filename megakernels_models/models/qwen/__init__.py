@@ -12,6 +12,7 @@ import dataclasses
 
 from megakernels_models.models.config import ModelConfig, sized
 from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
+from megakernels_models.settings import setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,20 @@ class QwenConfig(ModelConfig):
     model: str = "qwen"
     family = "qwen"
     DEFAULTS = dict(norm="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, tie_embeddings=False)
+
+
+@dataclasses.dataclass
+class QwenSettings:
+    """``megakernels train``'s flags for this family (each replaces the preset's field of the same name)."""
+
+    qkv_bias: bool | None = setting(
+        None, "biases on the query, key and value projections (Qwen 2.5) (default: the preset's)", "Qwen"
+    )
+    qk_norm: bool | None = setting(
+        None,
+        "an RMSNorm over each query and key head before the rotary embedding (Qwen 3) (default: the preset's)",
+        "Qwen",
+    )
 
 
 def _qwen(*sizes: int, **kw) -> QwenConfig:
@@ -62,4 +77,6 @@ def _hf(config):
     return (qwen3_moe if config.num_experts else qwen3) if config.qk_norm else qwen2
 
 
-SPEC = register(FamilySpec("qwen", "Qwen", QwenConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))
+SPEC = register(
+    FamilySpec("qwen", "Qwen", QwenConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf, settings=QwenSettings)
+)
