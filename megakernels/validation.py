@@ -68,7 +68,8 @@ def real(
             f"{_prefix(where)}{name} must be a real number, got {value!r} ({type(value).__name__})"
         )
     v = float(value)
-    if (finite and not math.isfinite(v)) or (minimum is not None and not v >= minimum):
+    # abs(v) < inf rather than math.isfinite: a comparison a compiler can guard on when v is a symbolic float
+    if (finite and not abs(v) < math.inf) or (minimum is not None and not v >= minimum):
         rule = ("a finite number" if finite else "a number") + ("" if minimum is None else f" >= {minimum:g}")
         raise error(f"{_prefix(where)}{name} must be {rule}, got {v}")
     return v

@@ -61,10 +61,16 @@ def _check(x, weight, group_sizes) -> None:
             (group_sizes >= 0).all() & (group_sizes.sum() == x.shape[0]),
             f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows",
         )
-    elif x.device.type != "meta" and group_sizes.device.type != "meta":
-        sizes = group_sizes.cpu()
-        if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:
-            raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got {sizes.tolist()}")
+    # Sizes read on the host are checked inside the op (_check_host_sizes), which runs eagerly even when compiled.
+
+
+def _check_host_sizes(x: torch.Tensor, group_sizes: torch.Tensor) -> None:
+    """Sizes that are not on x's GPU: their values on the host (the op reads them there anyway)."""
+    if x.device.type == "cuda" and group_sizes.device.type == "cuda":
+        return
+    sizes = group_sizes.cpu()
+    if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:
+        raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got {sizes.tolist()}")
 
 
 def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -92,6 +98,7 @@ def _use_triton(x: torch.Tensor, emulate: bool) -> bool:
 
 @torch.library.custom_op("megakernels::grouped_gemm", mutates_args=())
 def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, emulate: bool) -> torch.Tensor:
+    _check_host_sizes(x, group_sizes)
     if _use_triton(x, emulate):
         return _triton_kernels().forward(x, weight, group_sizes)
     out = x.new_empty((x.shape[0], weight.shape[1]))

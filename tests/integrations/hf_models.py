@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 VOCAB = 96
-FAMILIES = ("gpt2", "bert", "llama", "mistral", "mixtral")
+FAMILIES = ("gpt2", "bert", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+WINDOW = 5  # Mistral's sliding window in these models: it binds on the tests' sequences of 12
 
 
 def config(family: str):
@@ -58,9 +59,25 @@ def config(family: str):
     if family == "llama":
         return tf.LlamaConfig(**llama_like)
     if family == "mistral":
-        return tf.MistralConfig(**llama_like, sliding_window=None)
+        return tf.MistralConfig(**llama_like, sliding_window=WINDOW)
     if family == "mixtral":
         return tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    qwen = dict(llama_like, rope_theta=1e6, rms_norm_eps=1e-6)
+    if family == "qwen2":  # biases on q/k/v (Qwen 2.5)
+        return tf.Qwen2Config(**qwen, use_sliding_window=False)
+    if family == "qwen3":  # per-head q/k RMSNorm, head_dim apart from hidden / heads
+        return tf.Qwen3Config(**qwen, head_dim=16, use_sliding_window=False)
+    if family == "qwen3_moe":  # 4 experts, top 2 unnormalised, a dense MLP every second layer
+        return tf.Qwen3MoeConfig(
+            **qwen,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            mlp_only_layers=[],
+        )
     raise ValueError(family)
 
 
@@ -74,6 +91,9 @@ def model_class(family: str):
         "llama": tf.LlamaForCausalLM,
         "mistral": tf.MistralForCausalLM,
         "mixtral": tf.MixtralForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
     }[family]
 
 

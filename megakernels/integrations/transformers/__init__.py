@@ -8,12 +8,14 @@
     with mkt.patch_llama():                   # or patch the family's classes: every model built inside is patched
         model = AutoModelForCausalLM.from_pretrained(path)
 
-What changes (each switchable): LayerNorm / RMSNorm -> the fused norms; the MLP's bias + GeLU -> fused bias-GeLU
-(GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral); Mixtral's experts -> two grouped
-GEMMs around SwiGLU; attention -> FlashAttention, registered with transformers as
-``attn_implementation="megakernels"``; the causal-LM loss -> the fused cross-entropy on the logits in their own
-dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
-None of the five families has a norm followed by a GeLU, so the norms' GeLU epilogue has no use here.
+What changes (each switchable): LayerNorm / RMSNorm (and Qwen 3's per-head q/k RMSNorms) -> the fused norms; the
+MLP's bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral,
+Qwen 2/2.5/3); Mixtral's and Qwen 3 MoE's experts -> two grouped GEMMs around SwiGLU, without a data-dependent shape
+(``torch.compile(fullgraph=True)`` holds); attention -> FlashAttention, a sliding window inside the kernel,
+registered with transformers as ``attn_implementation="megakernels"``; the causal-LM loss -> the fused
+cross-entropy on the logits in their own dtype. Parameters, their names and the state dict stay as they are, so
+checkpoints load and save either way. None of the families has a norm followed by a GeLU, so the norms' GeLU
+epilogue has no use here.
 
 transformers is an optional dependency: importing this module does not import it; the first call does, and checks
 its version (``MIN_TRANSFORMERS_VERSION``).
@@ -36,6 +38,9 @@ __all__ = [
     "patch_llama",
     "patch_mistral",
     "patch_mixtral",
+    "patch_qwen2",
+    "patch_qwen3",
+    "patch_qwen3_moe",
     "register",
     "supported_model_types",
     "ClassPatch",
@@ -73,19 +78,16 @@ def supported_model_types() -> list[str]:
 
 def register() -> None:
     """Register ``attn_implementation="megakernels"`` with transformers' ``AttentionInterface`` and its mask
-    function (transformers' SDPA masks: None when no mask is needed, which is when FlashAttention runs) with
-    ``AttentionMaskInterface``. Idempotent; :func:`apply` calls it. After it, ``from_pretrained(...,
-    attn_implementation="megakernels")`` works for any model using transformers' attention interface.
+    function (transformers' SDPA masks: None when no mask is needed, which is when FlashAttention runs; a sliding
+    window alone needs none, the kernel applies it) with ``AttentionMaskInterface``. Idempotent; :func:`apply`
+    calls it. After it, ``from_pretrained(..., attn_implementation="megakernels")`` works for any model using
+    transformers' attention interface.
 
     Raises:
         ImportError: transformers missing or too old.
     """
     require_transformers("register")
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(_forwards.NAME, _forwards.attention_forward)
-    AttentionMaskInterface.register(_forwards.NAME, sdpa_mask)
+    _forwards.register()
 
 
 def _uses_causal_lm_loss(model) -> bool:
@@ -102,10 +104,11 @@ def apply(model, *, norms: bool = True, mlp: bool = True, attention: bool = True
 
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported ``config.model_type`` (gpt2, bert, llama,
-            mistral, mixtral), on any device and dtype, built or loaded already.
+            mistral, mixtral, qwen2, qwen3, qwen3_moe), on any device and dtype, built or loaded already.
         norms: LayerNorm / RMSNorm modules -> ``megakernels.ops.layer_norm`` / ``rms_norm``.
         mlp: the MLP activation -> ``bias_gelu`` (GeLU MLPs) or one GEMM + ``swiglu`` (gated MLPs); Mixtral's
-            experts -> ``grouped_gemm``. A model whose activation is neither a GeLU nor SiLU keeps its MLP.
+            and Qwen 3 MoE's experts -> ``grouped_gemm``. A model whose activation is neither a GeLU nor SiLU keeps
+            its MLP.
         attention: ``model.set_attn_implementation("megakernels")`` (FlashAttention without a mask; transformers'
             SDPA where a mask is needed).
         loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
@@ -219,10 +222,25 @@ def patch_llama(**options) -> ClassPatch:
 
 
 def patch_mistral(**options) -> ClassPatch:
-    """:func:`patch_classes` for Mistral (as Llama; a sliding window that binds falls back to SDPA)."""
+    """:func:`patch_classes` for Mistral (as Llama; the sliding window inside FlashAttention)."""
     return patch_classes("mistral", **options)
 
 
 def patch_mixtral(**options) -> ClassPatch:
     """:func:`patch_classes` for Mixtral (fused RMSNorm, grouped-GEMM experts, FlashAttention, fused loss)."""
     return patch_classes("mixtral", **options)
+
+
+def patch_qwen2(**options) -> ClassPatch:
+    """:func:`patch_classes` for Qwen 2 / 2.5 (as Llama; the q/k/v biases stay in their projections)."""
+    return patch_classes("qwen2", **options)
+
+
+def patch_qwen3(**options) -> ClassPatch:
+    """:func:`patch_classes` for Qwen 3 (as Llama, with the per-head q/k RMSNorms fused too)."""
+    return patch_classes("qwen3", **options)
+
+
+def patch_qwen3_moe(**options) -> ClassPatch:
+    """:func:`patch_classes` for Qwen 3 MoE (fused RMSNorms, grouped-GEMM experts, FlashAttention, fused loss)."""
+    return patch_classes("qwen3_moe", **options)

@@ -63,6 +63,16 @@ FAMILIES = {
             rms_norms=("MixtralRMSNorm",),
             experts=("MixtralExperts",),
         ),
+        Family("qwen2", "Qwen2PreTrainedModel", "hidden_act", rms_norms=("Qwen2RMSNorm",), gated_mlps=("Qwen2MLP",)),
+        Family("qwen3", "Qwen3PreTrainedModel", "hidden_act", rms_norms=("Qwen3RMSNorm",), gated_mlps=("Qwen3MLP",)),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoePreTrainedModel",
+            "hidden_act",
+            rms_norms=("Qwen3MoeRMSNorm",),
+            gated_mlps=("Qwen3MoeMLP",),  # the dense layers between sparse ones (decoder_sparse_step > 1)
+            experts=("Qwen3MoeExperts",),
+        ),
     )
 }
 

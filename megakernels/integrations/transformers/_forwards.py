@@ -10,9 +10,10 @@ computes what the module it replaces computes, through megakernels' fused ops (d
 - Mixtral's experts -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
   ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
 - attention -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
-  without padding: its SDPA mask function returns None exactly then); with a mask (padding, a sliding window that
-  binds, packed sequences), a softcap, sinks, a position bias or a head dim the CUDA kernel does not take,
-  transformers' own SDPA path runs.
+  without padding: its SDPA mask function returns None exactly then, and ours also when the only reason for a mask
+  is a sliding window, which the kernel applies itself, skipping the key blocks outside it); with a mask (padding,
+  packed sequences, a chunked prefill), a softcap, sinks, a position bias or a head dim the CUDA kernel does not
+  take, transformers' own SDPA path runs.
 - causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
   with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation.
 
@@ -122,8 +123,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = bool(causal) and sq > 1
-    if causal and key.shape[2] > sq:
+    window = kwargs.get("sliding_window")  # Mistral's, Qwen's sliding layers': the kernel's own window
+    causal = bool(causal) and (sq > 1 or window is not None)  # one query: bottom-right causal is every key
+    if causal and sq > 1 and key.shape[2] > sq:
         key, value = key[:, :, :sq], value[:, :, :sq]
     out = ops.flash_attention(
         query.transpose(1, 2),
@@ -132,8 +134,20 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         causal=causal,
         softmax_scale=scaling,
         dropout_p=float(dropout),
+        window=window,
     )
     return out, None
+
+
+def attention_mask(*args, local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
+    """The mask function registered with the attention: transformers' SDPA mask, except that a sliding window
+    alone needs no mask (FlashAttention applies it): None whenever the mask would be None without the window —
+    causal attention without padding, a whole prefill or one decoded query."""
+    from transformers.masking_utils import sdpa_mask
+
+    if local_size is not None and allow_is_causal_skip and sdpa_mask(*args, **kwargs) is None:
+        return None
+    return sdpa_mask(*args, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 # ---- loss ---------------------------------------------------------------------------------------------------------
@@ -161,7 +175,7 @@ def register() -> None:
     """Register ``attn_implementation="megakernels"`` (and its mask function: transformers' SDPA masks, which are
     None when no mask is needed) with transformers. Idempotent."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, attention_mask)

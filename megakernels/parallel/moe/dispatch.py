@@ -37,7 +37,8 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: 
     T, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    sizes = torch.bincount(flat, minlength=num_experts)
+    # rows per expert, as a fixed-size count (bincount's length depends on the data: a graph break when compiled)
+    sizes = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     dropped = 0
     if capacity is not None:
         starts = torch.cumsum(sizes, 0) - sizes
