@@ -1,15 +1,16 @@
 """The trainer's central test (docs/design.md §4): with the same seed, dropout 0 and fp32, the per-step losses of every
 (tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer (and its CPU offload), recomputation,
-interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT, BERT
-and Llama (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context
+interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT,
+BERT and Llama (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context
 parallelism by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-1; a sliding window shorter than the
-sequence, at tp 2, cp 2 and both, and with the torch attention core), Qwen (q/k/v biases, per-head q/k RMSNorm and
-Llama 3.1's position scaling) at tp 2 × pp 2, and mixture-of-experts GPT, Llama and Qwen 3 (dropless top-2 routing
-with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and ZeRO-1; Qwen's unnormalised
-top-k at ep 2 and tp 2 × pp 2; checkpoints resharded across ep), and vision-language models (a ViT + projector before
-a GPT, the image tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp 2 (the encoder on
-the first stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split) alone and × dp 2 with
-ZeRO-1 and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2 resume in one process.
+sequence, at tp 2, cp 2, both and tp 2 × pp 2, and with the torch attention core), Qwen (q/k/v biases, per-head q/k
+RMSNorm and Llama 3.1's position scaling) at tp 2 × pp 2, and mixture-of-experts GPT, Llama and Qwen 3 (dropless
+top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and ZeRO-1; Qwen's
+unnormalised top-k at ep 2 and tp 2 × pp 2; checkpoints resharded across ep), and vision-language models (a ViT +
+projector before a GPT, the image tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp
+2 (the encoder on the first stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split)
+alone and × dp 2 with ZeRO-1 and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2
+resume in one process.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once.
@@ -122,7 +123,7 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert", "qwen", "qwen-moe"),
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe"),
     "pp2-vpp2-dp2": ("gpt", "bert"),
     "tp2-pp2-dp2": ("bert",),
     "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
