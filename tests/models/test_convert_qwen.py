@@ -143,3 +143,22 @@ def test_a_converted_qwen3_trains_at_any_layout_from_transformers_loss(tmp_path,
     for layout in layouts:
         again = [r["loss"] for r in run(dataclasses.replace(args, **layout))]
         assert again == pytest.approx(losses, rel=1e-5), layout
+
+
+@pytest.mark.parametrize(
+    "kind,change,message",
+    [
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window with sliding_window 8"),
+        ("qwen3", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling of type 'yarn'"),
+    ],
+)
+def test_unconvertible_qwens_are_refused_naming_the_setting(tmp_path, capsys, kind, change, message):
+    """A per-layer window (Qwen 2's use_sliding_window, windowed from max_window_layers on) and YaRN scaling have
+    no megakernels equivalent: the conversion stops naming them and writes nothing."""
+    from megakernels_models.cli import main
+
+    _hf(kind, tmp_path / "hf", **change)
+    argv = ["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
