@@ -217,6 +217,21 @@ class _Settings:
     tokenizer: str = setting("byte", "byte | hf:PATH | spm:PATH", DATA)
     split: str = setting("949,50,1", "train,valid,test weights over documents", DATA)
     corpus_bytes: int = setting(8 << 20, "cap of the embedded corpus in bytes", DATA)
+    document_masking: bool = setting(
+        False,
+        "packed pre-training: positions restart and attention stops at each document's end (EOD), and an EOD "
+        "token predicts nothing (the three flags below together)",
+        DATA,
+    )
+    reset_position_ids: bool = setting(False, "positions restart after each EOD token (Megatron-LM's name)", DATA)
+    reset_attention_mask: bool = setting(False, "attention stays within each document (Megatron-LM's name)", DATA)
+    eod_mask_loss: bool = setting(False, "an EOD token predicts nothing: no loss there (Megatron-LM's name)", DATA)
+    sft: bool = setting(
+        False,
+        "supervised fine-tuning on --data made by 'megakernels preprocess --chat': conversations packed whole, "
+        "loss on the assistant's tokens only",
+        DATA,
+    )
     # checkpoints, evaluation, logs
     save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
     save_interval: int | None = setting(None, "steps between checkpoints (default: only at the end)", LOGS)
@@ -465,6 +480,24 @@ def _naming_the_file(args, message: str) -> str:
 TIMEOUT_RANGE = (1.0, 365 * 86400.0)
 
 
+PACKING_SETTINGS = ("document_masking", "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "sft")
+
+
+def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
+    """Packed sequences (--document-masking, the Megatron-LM flags, --sft) are for causal language models, and
+    --sft reads a chat dataset."""
+    given = [_flag(n) for n in PACKING_SETTINGS if getattr(a, n)]
+    if not given:
+        return
+    if registry.family(cfg.model).task is not registry.causal_lm_task:
+        lms = registry.titles(lambda s: s.task is registry.causal_lm_task)
+        raise ArgumentError(f"{given[0]} is for causal language models ({lms}), not --model {cfg.model}")
+    if a.sft and a.data is None:
+        raise ArgumentError("--sft needs --data PREFIX, made by 'megakernels preprocess --chat FILE.jsonl'")
+    if a.sft and len(given) > 1:
+        raise ArgumentError(f"--sft keeps each conversation's positions and attention apart already; drop {given[0]}")
+
+
 def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
     """Check every argument and their combinations; return the model configuration. Fills in the defaults that
     depend on other settings (``warmup_steps``). With ``check_memory`` (and ``--memory-check``, not for
@@ -536,6 +569,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
     validate_layout(a, cfg)
+    _check_packing(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("adam_beta1", "adam_beta2"):

@@ -1,6 +1,12 @@
 """Drop-in modules built on megakernels.ops."""
 
-from megakernels.nn.attention import ATTENTION_CORES, FlashSelfAttention, TorchSelfAttention, attention_core
+from megakernels.nn.attention import (
+    ATTENTION_CORES,
+    DocumentMask,
+    FlashSelfAttention,
+    TorchSelfAttention,
+    attention_core,
+)
 from megakernels.nn.bias_gelu import FusedBiasGeLU
 from megakernels.nn.kv_cache import KVCache
 from megakernels.nn.norms import FusedLayerNorm, FusedRMSNorm
@@ -15,6 +21,7 @@ __all__ = [
     "FusedScaleMaskSoftmax",
     "FlashSelfAttention",
     "TorchSelfAttention",
+    "DocumentMask",
     "attention_core",
     "ATTENTION_CORES",
     "RotaryEmbedding",

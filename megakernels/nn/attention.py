@@ -11,6 +11,11 @@ heads: GQA/MQA) and returns the per-head context; the projections and the output
   formed explicitly and go through the fused masked softmax (:class:`FusedScaleMaskSoftmax`) instead.
 - ``"torch"`` — ``TorchSelfAttention`` on PyTorch's ``scaled_dot_product_attention`` (the baseline).
 
+Both take packed sequences (``documents=``: per-token document ids, non-decreasing along the sequence; a token
+attends only within its own document, on top of causality and the window): the flash core passes them to
+:func:`megakernels.ops.flash_attention`, which skips the key blocks of other documents; the torch core adds the
+document boundaries to SDPA's boolean mask. ``DocumentMask`` carries the ids through a model's ``attention_mask``.
+
 Both take a sliding ``window`` (Mistral; :func:`megakernels.ops.flash_attention`'s: causal query i sees key j iff
 ``i - window < j <= i``, bottom-right aligned; without causality ``|i - j| < window``): the flash core skips the key
 blocks outside it, the torch core passes SDPA the band as a boolean mask.
@@ -21,6 +26,7 @@ the masks differ per tensor-parallel rank.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -30,6 +36,29 @@ from torch import nn
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
 from megakernels.ops import _checks
 from megakernels.ops.attention import check_window, flash_attention, window_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentMask:
+    """Packed sequences as a model's attention mask: ``ids`` int ``[b, s]``, each token's document, non-decreasing
+    along the sequence; a token attends only within its document. The ids are the whole sequence's, also under
+    context parallelism (ring attention takes each chunk's)."""
+
+    ids: torch.Tensor
+
+
+def document_pair(documents, sq: int, sk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``documents`` (ids ``[b, s]`` shared by queries and keys, or a pair ``(q_ids [b, sq], k_ids [b, sk])``) as
+    the pair."""
+    if isinstance(documents, torch.Tensor):
+        if sq != sk:
+            raise ValueError(
+                f"documents: one ids tensor serves queries and keys of the same length; got sq={sq}, sk={sk} "
+                "(pass a pair (q_ids, k_ids))"
+            )
+        return documents, documents
+    q_ids, k_ids = documents
+    return q_ids, k_ids
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -95,7 +124,8 @@ class FlashSelfAttention(_Core):
     ``forward(qkv)`` with qkv ``[batch, seqlen, 3, heads, head_dim]`` (packed), or ``forward(q, k, v)`` with
     ``[batch, sq, heads, head_dim]`` and k/v ``[batch, sk, heads_kv, head_dim]`` (GQA/MQA); optional ``causal=``
     and ``mask=`` (bool, broadcastable to ``[batch, heads, sq, sk]``, True = masked out; goes through the fused
-    masked softmax, see the module docstring). Returns ``[batch, sq, heads, head_dim]``.
+    masked softmax, see the module docstring), or ``documents=`` (packed sequences: ``flash_attention``'s).
+    Returns ``[batch, sq, heads, head_dim]``.
 
     Raises:
         ValueError: as :func:`megakernels.ops.flash_attention`; a packed input that is not ``[b, s, 3, h, d]``;
@@ -109,12 +139,22 @@ class FlashSelfAttention(_Core):
         v: torch.Tensor | None = None,
         causal: bool | None = None,
         mask: torch.Tensor | None = None,
+        documents=None,
     ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         if mask is None:
             return flash_attention(
-                q, k, v, causal=causal, softmax_scale=self.softmax_scale, dropout_p=p, window=self.window
+                q,
+                k,
+                v,
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+                dropout_p=p,
+                window=self.window,
+                **({} if documents is None else {"documents": documents}),
             )
+        if documents is not None:
+            raise ValueError(f"{type(self).__name__}: pass either a mask or documents, not both")
         if self.window:
             mask = self._with_window(mask, q.shape[1], k.shape[1], False, q.device)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -137,6 +177,7 @@ class TorchSelfAttention(_Core):
         v: torch.Tensor | None = None,
         causal: bool | None = None,
         mask: torch.Tensor | None = None,
+        documents=None,
     ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         heads = q.shape[2]
@@ -145,9 +186,13 @@ class TorchSelfAttention(_Core):
         if self.window and self.window < max(sq, sk):  # the band as a boolean mask (SDPA has no window)
             mask = self._with_window(mask, sq, sk, causal, q.device)
             causal = False
-        elif causal and sq != sk:  # PyTorch aligns is_causal top-left; ours is bottom-right (new queries are last)
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        elif causal and (sq != sk or documents is not None):  # PyTorch aligns is_causal top-left, ours bottom-right
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)  # and no is_causal + mask
             causal = False
+        if documents is not None:  # keys of other documents, [b, 1, sq, sk]
+            q_ids, k_ids = document_pair(documents, sq, sk)
+            other = q_ids[:, None, :, None] != k_ids[:, None, None, :]
+            mask = other if mask is None else mask | other
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.nn.attention import attention_core
+from megakernels.nn.attention import DocumentMask, attention_core
 from megakernels.nn.norms import FusedRMSNorm
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.swiglu import swiglu
@@ -236,19 +236,28 @@ def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
 
 
 def _run_core(module: nn.Module, q, k, v, mask):
+    """``mask``: None, a boolean mask (True = masked out) or a ``DocumentMask`` (packed sequences)."""
+    documents = mask.ids if isinstance(mask, DocumentMask) else None
     if state.is_initialized() and state.cp_size() > 1:
-        if mask is not None:
+        if mask is not None and documents is None:
             raise ValueError(
-                f"{type(module).__name__}: context parallelism takes no attention mask (padding masks "
-                "are not split over the ring)"
+                f"{type(module).__name__}: context parallelism takes no boolean attention mask (padding masks "
+                "are not split over the ring; packed documents are, as a DocumentMask)"
             )
         return ring_attention(
-            q, k, v, causal=module.causal, group=state.cp_group(), window=getattr(module, "window", None)
+            q,
+            k,
+            v,
+            causal=module.causal,
+            group=state.cp_group(),
+            window=getattr(module, "window", None),
+            documents=documents,
         )
+    kwargs = {"mask": mask} if documents is None else {"documents": documents}
     if module.training and getattr(module.core, "dropout_p", 0.0) > 0.0:
         with get_rng_tracker().fork():
-            return module.core(q, k, v, mask=mask)
-    return module.core(q, k, v, mask=mask)
+            return module.core(q, k, v, **kwargs)
+    return module.core(q, k, v, **kwargs)
 
 
 def _attend(module: nn.Module, q, k, v, mask):

@@ -240,6 +240,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     group=None,
     window: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split by ``split_for_cp`` over ``group`` (default ``state.cp_group()``).
 
@@ -250,6 +251,8 @@ def ring_attention(
         softmax_scale: default ``1 / sqrt(head_dim)``.
         window: sliding-window attention over the whole sequence's positions (``flash_attention``'s ``window``);
             None: every key.
+        documents: packed sequences: int ``[batch, s]``, the *whole* sequence's document ids (non-decreasing);
+            a token attends only within its document.
 
     Returns:
         ``[batch, s/cp, heads, head_dim]``, this rank's rows of the full attention; differentiable.
@@ -260,6 +263,8 @@ def ring_attention(
     from megakernels.ops.attention import check_window
 
     window = check_window("ring_attention", window)
+    if documents is not None:
+        raise NotImplementedError("ring_attention: packed documents over context parallelism are not supported yet")
     if group is None:
         from megakernels.parallel import state
 

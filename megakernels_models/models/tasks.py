@@ -51,17 +51,28 @@ class Task:
 
 
 class CausalLMTask(Task):
-    """Next-token prediction (the causal language models): mean cross-entropy over every token of the global
-    batch."""
+    """Next-token prediction (the causal language models): mean cross-entropy over every labelled token of the
+    global batch.
+
+    A batch of packed sequences also holds ``documents`` (int ``[b, s]``: each token's document, non-decreasing)
+    and/or ``positions`` (``[b, s]``: each token's position in its document); attention then stays within each
+    document and positions restart per document. Labels of -100 (a document's last token, prompts in supervised
+    fine-tuning, padding) are not counted: the loss is the sum over the labelled tokens divided by their number in
+    the whole global batch, so it does not depend on how samples were packed or split over micro-batches and
+    ranks."""
 
     def normalizers(self, micro, global_batch, device):
-        return {"tokens": global_batch * self.config.seq_length}
+        return {"tokens": count_labels(micro, "labels")}  # every token of the global batch when none is -100
 
     def forward(self, model, batch, hidden, norm):
+        packed = {}
+        if "documents" in batch or "positions" in batch:
+            packed["documents"] = (batch.get("documents"), batch.get("positions"))
         out = model(
             ids=batch["ids"] if model.pre_process else None,
             labels=batch["labels"] if model.post_process else None,
             hidden=hidden,
+            **packed,
         )
         return out.sum() / norm["tokens"] if model.post_process else out
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.nn import FusedLayerNorm, FusedRMSNorm, RotaryEmbedding
+from megakernels.nn import DocumentMask, FusedLayerNorm, FusedRMSNorm, RotaryEmbedding
 from megakernels.parallel import context, init, state
 from megakernels.parallel.blocks import ParallelGroupedQueryAttention, ParallelMLP, ParallelSelfAttention
 from megakernels.parallel.moe import MoELayer
@@ -208,9 +208,10 @@ class LanguageModelEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position (+ token type) embeddings, then dropout (no position table with
     rotary embeddings).
 
-    Forward: ``ids`` ``[s, b]`` (and ``token_types`` ``[s, b]``), ``positions`` (int ``[s]``, each token's position;
-    default ``0..s-1``) -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism: the word embedding's
-    reduce-scatter leaves this rank's tokens, and the position and type embeddings are added to those tokens only).
+    Forward: ``ids`` ``[s, b]`` (and ``token_types`` ``[s, b]``), ``positions`` (int ``[s]``, each token's position,
+    or ``[b, s]``, each sample's own; default ``0..s-1``) -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
+    parallelism: the word embedding's reduce-scatter leaves this rank's tokens, and the position and type embeddings
+    are added to those tokens only).
     """
 
     def __init__(
@@ -273,7 +274,12 @@ class LanguageModelEmbedding(nn.Module):
             lo, hi = self._tp_rank * s // self._tp, (self._tp_rank + 1) * s // self._tp
         if self.position is not None:
             table = self.position.weight
-            x = x + (table[lo:hi] if positions is None else table[positions[lo:hi]]).unsqueeze(1)
+            if positions is None:
+                x = x + table[lo:hi].unsqueeze(1)
+            elif positions.dim() == 2:  # each sample's own positions (packed documents), [b, s]
+                x = x + table[positions.t()[lo:hi]]
+            else:
+                x = x + table[positions[lo:hi]].unsqueeze(1)
         if self.token_type is not None:
             if token_types is None:
                 raise ValueError("LanguageModelEmbedding: token_types [s, b] are required (BERT segments)")
@@ -411,20 +417,41 @@ class LanguageModel(nn.Module):
         )
         return emb.padded_num_embeddings
 
+    def _packed(self, documents, attention_mask, positions):
+        """(the attention mask, the positions) of a packed batch: the document ids as a ``DocumentMask``, the
+        per-sample positions."""
+        doc_ids, doc_positions = documents
+        if doc_ids is not None:
+            if attention_mask is not None:
+                raise ValueError(f"{type(self).__name__}: pass either an attention mask or documents, not both")
+            attention_mask = DocumentMask(doc_ids)
+        if doc_positions is not None:
+            positions = doc_positions
+        return attention_mask, positions
+
     def positions(self, device) -> torch.Tensor | None:
         """Positions of this rank's tokens under context parallelism (None: ``0..s-1``)."""
         if self._cp == 1:
             return None
         return context.positions(self.config.seq_length, self._cp, self._cp_rank, device)
 
-    def encode(self, ids=None, hidden=None, token_types=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
+    def encode(
+        self, ids=None, hidden=None, token_types=None, attention_mask=None, kv_cache=None, documents=None
+    ) -> torch.Tensor:
         """Embedding (first stage: ``ids`` ``[b, s]``, this rank's tokens under context parallelism) or ``hidden``
         from the previous stage, then the layers, then (last stage) the final norm. Returns ``[s, b, h]``
         (``[s/tp, b, h]`` under sequence parallelism). With ``kv_cache`` (``megakernels.nn.KVCache``, one stage,
         no context parallelism) the tokens continue the cached ones: their positions start at ``kv_cache.offset``
-        and attention sees the cached keys too; the offset advances."""
+        and attention sees the cached keys too; the offset advances.
+
+        Packed sequences: ``documents`` = ``(ids, positions)``, int ``[b, s]`` each: every token attends only
+        within its document (ids non-decreasing; the whole sequence's, also under context parallelism, where the
+        ring reads each chunk's), and its position (rotary or learned) is ``positions``' (restarting per document;
+        this rank's tokens', as ``ids`` of the first argument); either may be None."""
         device = (ids if ids is not None else hidden).device if (ids is not None or hidden is not None) else None
         positions = self.positions(device)
+        if documents is not None:
+            attention_mask, positions = self._packed(documents, attention_mask, positions)
         if kv_cache is not None:
             if self._cp > 1 or not (self.pre_process and self.post_process):
                 raise ValueError(f"{type(self).__name__}: a KV cache needs the whole model on one rank (pp 1, cp 1)")

@@ -111,8 +111,11 @@ class PipelineStep:
         samples = [dataset[i] for i in global_batch_indices(step, args.global_batch_size, mpu.dp_rank(), dp)]
         micro = [collate(samples[i * mbs : (i + 1) * mbs], self.device) for i in range(m)]
         norm = self.task.normalizers(micro, args.global_batch_size, self.device)
-        if cp > 1:  # this rank's two chunks of every sequence
-            micro = [{k: split_for_cp(v, 1, cp, mpu.cp_rank()) for k, v in b.items()} for b in micro]
+        if cp > 1:  # this rank's two chunks of every sequence (packed documents' ids stay whole: the ring's keys)
+            micro = [
+                {k: v if k == "documents" else split_for_cp(v, 1, cp, mpu.cp_rank()) for k, v in b.items()}
+                for b in micro
+            ]
         # The gradient reduction averages over dp·cp, but the loss is already normalised by the whole global
         # batch: scale by dp·cp so the reduced gradient is that of the global loss.
         factor = loss_scale * dp * cp

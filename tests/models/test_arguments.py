@@ -84,6 +84,8 @@ from megakernels_models.cli import parse_train_args
         (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
         (["--steps", "0"], r"--steps must be a positive int, got 0"),
         (["--data", "x"], r"--data x: cannot read x\.bin"),
+        (["--model", "bert", "--document-masking"], r"--document-masking is for causal language models \(GPT, "),
+        (["--sft"], r"--sft needs --data PREFIX, made by 'megakernels preprocess --chat FILE.jsonl'"),
         (["--model", "gpt", "--qk-norm"], r"--qk-norm is for Qwens \(--model qwen\)"),
         (["--model", "llama", "--no-qkv-bias"], r"--qkv-bias is for Qwens \(--model qwen\)"),
         (["--model", "gpt", "--rope-scaling", "llama3"], r"rope_scaling needs rotary positions"),

@@ -29,6 +29,7 @@ class GPTModel(LanguageModel):
         labels: ``[b, s]`` next-token ids (``-100`` = ignore); on the last stage with labels the result is the
             per-token fp32 loss ``[s, b]``; without labels, the vocab-parallel logits ``[s, b, V_pad/tp]``.
         kv_cache: a ``megakernels.nn.KVCache`` for incremental decoding (``generate.py``).
+        documents: packed sequences, ``(ids, positions)`` int ``[b, s]`` (``LanguageModel.encode``), or None.
     On other stages the result is the hidden state to send on.
     """
 
@@ -45,8 +46,9 @@ class GPTModel(LanguageModel):
         labels: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         kv_cache=None,
+        documents=None,
     ) -> torch.Tensor:
-        x = self.encode(ids, hidden, kv_cache=kv_cache)
+        x = self.encode(ids, hidden, kv_cache=kv_cache, documents=documents)
         if not self.post_process:
             return x
         logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
