@@ -56,10 +56,11 @@ def patched_copy(model, mode: str, family: str):
     return twin
 
 
-def step(model, ids):
-    """Loss and logits of one training forward on ``ids`` (labels = ids), and every parameter's gradient."""
+def step(model, ids, labels=None, **kwargs):
+    """Loss and logits of one training forward on ``ids`` (labels: ``ids`` unless given), and every parameter's
+    gradient."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids if labels is None else labels, **kwargs)
     out.loss.backward()
     return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -136,6 +137,32 @@ def test_patched_model_compiles_as_one_graph(family):
     grads = dict(model.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe"])
+def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
+    """DataCollatorWithFlattening's batches (sequences concatenated, position_ids restarting, -100 at each
+    sequence's first label): no mask is made, FlashAttention keeps the sequences apart (Mistral's window inside
+    each); logits equal each sequence run alone, loss and gradients equal transformers' own packed masks."""
+    from transformers import DataCollatorWithFlattening
+
+    ref = H.build(family)
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    seqs = [H.batch(seed=i, batch=1, seq=n)[0] for i, n in enumerate((5, 9, 4))]
+    batch = DataCollatorWithFlattening()([{"input_ids": s.tolist()} for s in seqs])
+    with MegakernelsOps() as seen:
+        logits, loss, grads = step(
+            model, batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]
+        )
+    assert "flash_attn_fwd" in seen.names
+    with torch.no_grad():
+        alone = torch.cat([ref(input_ids=s[None]).logits for s in seqs], 1)
+    torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+    _, loss0, grads0 = step(ref, batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+    torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
+    for name, g in grads0.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_padded_batch_falls_back_to_sdpa_with_the_same_logits():

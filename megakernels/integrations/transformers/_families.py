@@ -21,7 +21,8 @@ class Family:
     ``rms_norms`` its RMSNorm classes; ``gelu_mlps`` class -> forward taking ``approximate``, used when the
     config's activation (attribute ``activation``) is a GeLU; ``gated_mlps`` its SwiGLU MLP classes and ``experts``
     its 3-D expert banks, used when that activation is SiLU. LayerNorms are ``torch.nn.LayerNorm`` in every
-    family."""
+    family. ``packs``: a decoder whose causal mask has no other reason than padding, a cache or packed sequences
+    (no prefix or image blocks), so a padding-free packed batch runs FlashAttention over its sequences."""
 
     model_type: str
     base: str
@@ -30,6 +31,7 @@ class Family:
     gelu_mlps: dict = field(default_factory=dict)
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
+    packs: bool = True
 
     @functools.cached_property
     def modeling(self):
@@ -42,7 +44,13 @@ class Family:
 FAMILIES = {
     f.model_type: f
     for f in (
-        Family("gpt2", "GPT2PreTrainedModel", "activation_function", gelu_mlps={"GPT2MLP": fw.gpt2_mlp_forward}),
+        Family(
+            "gpt2",
+            "GPT2PreTrainedModel",
+            "activation_function",
+            gelu_mlps={"GPT2MLP": fw.gpt2_mlp_forward},
+            packs=False,  # learned positions: not checked with packed batches
+        ),
         Family(
             "bert",
             "BertPreTrainedModel",
@@ -51,6 +59,7 @@ FAMILIES = {
                 "BertIntermediate": fw.bert_intermediate_forward,
                 "BertPredictionHeadTransform": fw.bert_head_transform_forward,
             },
+            packs=False,  # an encoder
         ),
         Family("llama", "LlamaPreTrainedModel", "hidden_act", rms_norms=("LlamaRMSNorm",), gated_mlps=("LlamaMLP",)),
         Family(

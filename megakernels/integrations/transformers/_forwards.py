@@ -123,6 +123,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    documents = None if attention_mask is not None else packed_documents(kwargs.get("position_ids"), query.shape[0], sq)
     window = kwargs.get("sliding_window")  # Mistral's, Qwen's sliding layers': the kernel's own window
     causal = bool(causal) and (sq > 1 or window is not None)  # one query: bottom-right causal is every key
     if causal and sq > 1 and key.shape[2] > sq:
@@ -135,16 +136,53 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         softmax_scale=scaling,
         dropout_p=float(dropout),
         window=window,
+        **({} if documents is None else {"documents": documents}),
     )
     return out, None
+
+
+def packed_documents(position_ids, batch: int, sq: int) -> torch.Tensor | None:
+    """Padding-free packed batches (transformers' ``DataCollatorWithFlattening``: the sequences concatenated, their
+    ``position_ids`` restarting at each): each token's sequence, int32 ``[b, s]`` (a new one wherever a position is
+    not its predecessor's plus one, transformers' rule); None when no row holds more than one sequence (read on the
+    host, except while compiling) or the positions are not the queries'."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != sq or sq < 2:
+        return None
+    pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+    starts = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
+    documents = starts.cumsum(-1, dtype=torch.int32)
+    if not torch.compiler.is_compiling() and not bool(documents[:, -1].any()):
+        return None
+    return documents
+
+
+def _packed_without_padding(allow_is_causal_skip: bool, kwargs: dict) -> bool:
+    """transformers asks for a mask although nothing is padded and nothing is cached: in the families patched here
+    that is a packed batch (its positions restart), which the attention takes from ``position_ids`` instead."""
+    from megakernels.integrations.transformers._families import FAMILIES
+
+    family = FAMILIES.get(getattr(kwargs.get("config"), "model_type", None))
+    return (
+        not allow_is_causal_skip
+        and family is not None
+        and family.packs
+        and kwargs.get("attention_mask") is None
+        and not isinstance(kwargs.get("q_offset", 0), torch.Tensor)
+        and kwargs.get("q_offset", 0) == 0
+        and kwargs.get("kv_offset", 0) == 0
+        and kwargs.get("kv_length") == kwargs.get("q_length")
+    )
 
 
 def attention_mask(*args, local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
     """The mask function registered with the attention: transformers' SDPA mask, except that a sliding window
     alone needs no mask (FlashAttention applies it): None whenever the mask would be None without the window —
-    causal attention without padding, a whole prefill or one decoded query."""
+    causal attention without padding, a whole prefill or one decoded query; and none for a padding-free packed batch
+    (the attention reads the sequences from ``position_ids`` and FlashAttention keeps them apart)."""
     from transformers.masking_utils import sdpa_mask
 
+    if _packed_without_padding(allow_is_causal_skip, kwargs):
+        return None
     if local_size is not None and allow_is_causal_skip and sdpa_mask(*args, **kwargs) is None:
         return None
     return sdpa_mask(*args, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
