@@ -8,7 +8,11 @@
 # stage); the summary at the end (megakernels/bench/summary.py) shows each stage's result, the numbers
 # against the docs/design.md §6 targets (pass/fail, % of target), and every measurement beside the static model's
 # prediction (the first GPU run calibrates the model). Aimed at < 8 minutes on an H100/H200 (torch.compile
-# baselines are skipped here for time; `megakernels bench --device cuda` runs them).
+# baselines are skipped here for time; `megakernels bench --device cuda` runs them). The peer stage times our
+# kernels and Liger-Kernel's at the shapes of its published development rows (benchmarks/peer/liger_dev.csv) and
+# writes OUTDIR/peer/measured.csv in Liger's CSV format, rows for the kernel calibration set; the machine has no
+# network, so Liger-Kernel comes from a wheel directory: MEGAKERNELS_PEER_WHEELS=DIR (pip install --no-index;
+# without it, or if the install fails, only our kernels are timed and the stage says so).
 #   scripts/gpu_check.sh OUTDIR                 # the whole check
 #   scripts/gpu_check.sh --summary-only OUTDIR  # re-render the summary from OUTDIR's stages.tsv and JSON files
 # Exit status: 0 when every stage passed, 1 otherwise, 2 for a usage error. Targets missed do not change it
@@ -43,7 +47,7 @@ fi
 ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
 START=$(date +%s)
-STAGES=(build tests static bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_e2e)
+STAGES=(build tests static bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_peer bench_e2e)
 declare -A STATUS
 for s in "${STAGES[@]}"; do STATUS[$s]=skipped; done
 
@@ -71,6 +75,12 @@ if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q bu
     --head-dims 128 --seqlens 4096,8192 --out "$OUT/attention"
   stage bench_cross_entropy bench_cross_entropy.txt "${BENCH[@]}" --ops cross_entropy --device cuda \
     --dtype bfloat16 --out "$OUT/cross_entropy"
+  if [ -n "${MEGAKERNELS_PEER_WHEELS:-}" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --find-links "$MEGAKERNELS_PEER_WHEELS" liger-kernel \
+      >"$OUT/peer_install.log" 2>&1 || echo "gpu_check: liger-kernel did not install (see peer_install.log)"
+  fi
+  stage bench_peer bench_peer.txt "${BENCH[@]}" --peer-csv benchmarks/peer/liger_dev.csv --device cuda \
+    --out "$OUT/peer"
   stage bench_e2e bench_e2e.txt "${BENCH[@]}" --e2e gpt-1.3b --device cuda --micro-batch-size 4 --steps 5 \
     --warmup 2 --out "$OUT/e2e"
 fi

@@ -6,6 +6,7 @@
     megakernels bench --e2e PRESET [--tp N --pp N --vpp N --dp N --nproc N --precision ... --steps N ...]
     megakernels bench --static [--ops NAME,...] [--out DIR]
     megakernels bench --static --peer-csv FILE [--peer-path DIR] [--out DIR]
+    megakernels bench --peer-csv FILE --device cuda [--out DIR]
     megakernels bench --plan-check [--steps N] [--warmup N] [--out DIR]
 
 Measures the device's ceilings first (copy bandwidth, GEMM FLOP/s per dtype; ``ceilings``), then prints one table
@@ -23,7 +24,9 @@ of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out.
 predicts every row of a Liger-Kernel benchmark CSV with the same model (the peer's kernels compiled for each row's
 GPU) and writes ``DIR/calibration.json`` (rows with published and predicted ms, and a summary of the errors);
 ``--peer-path DIR`` is where the liger-kernel versions the rows name are installed
-(``DIR/liger-kernel-<version>``; default ``~/.cache/megakernels/peers``).
+(``DIR/liger-kernel-<version>``; default ``~/.cache/megakernels/peers``). ``--peer-csv FILE`` without
+``--static`` measures instead: at every shape of the CSV it times our kernels and the installed Liger-Kernel's
+on this device and writes ``DIR/measured.csv`` in the same format (``peer_measure``; the peer only on CUDA).
 ``--plan-check`` asks whether ``megakernels plan`` orders layouts as this machine runs them: four layouts of
 gpt-tiny on 4 local processes, predicted with a CPU device profile measured here, then trained
 (``plan_check``; ``DIR/plan_check.json`` with --out).
@@ -163,7 +166,8 @@ def configure(p: argparse.ArgumentParser, extensions: Sequence[Extension] = ()) 
         "--peer-csv",
         default=None,
         metavar="FILE",
-        help="with --static: predict the rows of a Liger-Kernel benchmark CSV (DIR/calibration.json)",
+        help="with --static: predict the rows of a Liger-Kernel benchmark CSV (DIR/calibration.json); without: "
+        "time ours and the installed Liger-Kernel at its shapes on --device (DIR/measured.csv)",
     )
     p.add_argument(
         "--peer-path",
@@ -384,6 +388,8 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     if ns.static and getattr(ns, "peer_csv", None):
         return run_peer(ns.peer_csv, ns.peer_path, ns.out)
+    if getattr(ns, "peer_csv", None):
+        return measure_peer(ns.peer_csv, ns.device, ns.out, quick=ns.quick)
     if ns.static:
         return run_static(ops, ns.out)
     for x, state in states:
@@ -424,6 +430,31 @@ def main(ns: argparse.Namespace) -> int:
         for png in plot.write_plots(rows, ns.out):
             print(f"wrote {png}")
     return 0
+
+
+def measure_peer(csv_path: str, device: str, out: str | None, quick: bool = False) -> int:
+    """``megakernels bench --peer-csv FILE`` (no --static): ours and the installed peer timed at the CSV's shapes,
+    ``DIR/measured.csv`` in the CSV's format."""
+    from megakernels.bench import peer_measure
+
+    if not os.path.exists(csv_path):
+        print(f"megakernels bench: error: --peer-csv: no file {csv_path}", file=sys.stderr)
+        return 2
+    try:
+        peer_measure.peer.read_csv(csv_path)
+    except ValueError as e:  # not a Liger-format CSV
+        print(f"megakernels bench: error: --peer-csv: {e}", file=sys.stderr)
+        return 2
+    res = peer_measure.measure(csv_path, device, repeats=3 if quick else 20, warmup=1 if quick else 3)
+    for n in res["notes"]:
+        print(f"note: {n}")
+    print(f"{len(res['rows'])} rows measured on {res['gpu']}")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "measured.csv")
+        peer_measure.write_csv(path, res["rows"])
+        print(f"wrote {path}")
+    return 0 if res["rows"] else 1
 
 
 def run_peer(csv_path: str, peer_path: str | None, out: str | None) -> int:

@@ -174,6 +174,8 @@ class Recorder:
     """A context that records (``ops``) instead of running: Triton launches and PyTorch ops on fake CUDA tensors.
     CUDA queries a peer's launcher makes (the SM count, the current device) answer as ``machine``."""
 
+    device = "cuda"  # where the drivers make their tensors (fake ones here)
+
     def __init__(self, machine: model.Machine):
         self.m = machine
         self.ops: list[Op] = []
@@ -348,15 +350,15 @@ def _norm(kind):
         import torch
 
         m, n, dt = int(cfg["M"]), int(x), _dtype(cfg)
-        X = torch.randn(m, n, device="cuda", dtype=dt)
-        W = torch.randn(n, device="cuda", dtype=dt)
+        X = torch.randn(m, n, device=rec.device, dtype=dt)
+        W = torch.randn(n, device=rec.device, dtype=dt)
         eps = float(cfg.get("eps", 1e-6))
         if kind == "rms_norm":
             fn = _fn("liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
             args = {"X": X, "W": W, "eps": eps}
         else:
             fn = _fn("liger_kernel.ops.layer_norm", "LigerLayerNormFunction")
-            args = {"X": X, "W": W, "B": torch.randn(n, device="cuda", dtype=dt), "eps": eps}
+            args = {"X": X, "W": W, "B": torch.randn(n, device=rec.device, dtype=dt), "eps": eps}
         _function_pass(rec, fn, mode, args, lambda y: (torch.randn_like(y),))
 
     return drive
@@ -366,8 +368,8 @@ def _cross_entropy(rec, mode, x, cfg):
     import torch
 
     rows, v = int(cfg["B"]) * int(cfg["T"]), int(x)
-    X = torch.randn(rows, v, device="cuda", dtype=_dtype(cfg))
-    t = torch.randint(v, (rows,), device="cuda")
+    X = torch.randn(rows, v, device=rec.device, dtype=_dtype(cfg))
+    t = torch.randint(v, (rows,), device=rec.device)
     fn = _fn("liger_kernel.ops.cross_entropy", "LigerCrossEntropyFunction")
     args = {"_input": X, "target": t, "ignore_index": -100}
 
@@ -388,10 +390,10 @@ def _rope(rec, mode, x, cfg):
     hidden = int(cfg.get("hidden_size", x))
     seq = int(cfg.get("seq_len", x))
     d = hidden // hq
-    q = torch.randn(1, seq, hq, d, device="cuda", dtype=dt).transpose(1, 2)
-    k = torch.randn(1, seq, hk, d, device="cuda", dtype=dt).transpose(1, 2)
-    cos = torch.randn(1, seq, d, device="cuda", dtype=dt)
-    sin = torch.randn(1, seq, d, device="cuda", dtype=dt)
+    q = torch.randn(1, seq, hq, d, device=rec.device, dtype=dt).transpose(1, 2)
+    k = torch.randn(1, seq, hk, d, device=rec.device, dtype=dt).transpose(1, 2)
+    cos = torch.randn(1, seq, d, device=rec.device, dtype=dt)
+    sin = torch.randn(1, seq, d, device=rec.device, dtype=dt)
     fn = _fn("liger_kernel.ops.rope", "LigerRopeFunction")
     args = {"q": q, "k": k, "cos": cos, "sin": sin, "position_ids": None, "unsqueeze_dim": 1}
     _function_pass(rec, fn, mode, args, lambda out: (torch.randn_like(out[0]), torch.randn_like(out[1])))
@@ -407,9 +409,9 @@ def _gated_mlp(function: str):
         b = int(cfg.get("B", cfg.get("bsz", 1)))
         rows, h, f, dt = b * int(x), int(cfg["hidden_size"]), int(cfg["intermediate_size"]), _dtype(cfg)
         fn = _fn(f"liger_kernel.ops.{function[0]}", function[1])
-        X = torch.randn(rows, h, device="cuda", dtype=dt)
-        Wg, Wu = torch.randn(f, h, device="cuda", dtype=dt), torch.randn(f, h, device="cuda", dtype=dt)
-        Wd = torch.randn(h, f, device="cuda", dtype=dt)
+        X = torch.randn(rows, h, device=rec.device, dtype=dt)
+        Wg, Wu = torch.randn(f, h, device=rec.device, dtype=dt), torch.randn(f, h, device=rec.device, dtype=dt)
+        Wd = torch.randn(h, f, device=rec.device, dtype=dt)
         ctx = Ctx()
         with rec.recording(mode in ("forward", "full")):
             g, u = X @ Wg.t(), X @ Wu.t()
