@@ -141,8 +141,14 @@ def _architecture(path: str, value) -> dict:
         raise ArgumentError(
             f"--config {path}: {ARCHITECTURE} must be a mapping of model fields, got a {type(value).__name__}"
         )
+    model = value.get("model", DEFAULT)
+    if not isinstance(model, str):
+        raise ArgumentError(
+            f"--config {path}: {ARCHITECTURE}: model must be a family name (a string), got {model!r} "
+            f"({type(model).__name__})"
+        )
     try:
-        config_class = family(value.get("model", DEFAULT)).config_class
+        config_class = family(model).config_class
     except ValueError as e:
         raise ArgumentError(f"--config {path}: {ARCHITECTURE}: {e}") from None
     fields = {f.name: f for f in dataclasses.fields(config_class)}

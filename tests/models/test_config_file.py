@@ -258,6 +258,7 @@ def test_flags_take_numbers_by_the_files_rule(capsys):
         ("architecture:\n  hidden_size: wide", "architecture: hidden_size: expected an integer, got 'wide' (str)"),
         ("architecture:\n  bias: 1", "architecture: bias: expected true or false, got 1 (int)"),
         ("architecture: 3", "architecture must be a mapping of model fields, got a int"),
+        ("architecture:\n  model: [gpt]", "architecture: model must be a family name (a string), got ['gpt'] (list)"),
         ("steps: !!timestamp x", "not valid YAML"),
         ("a: [1, {b: }", "not valid YAML: "),
     ],
