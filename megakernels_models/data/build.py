@@ -5,6 +5,13 @@
 by ``--corpus-bytes``) is preprocessed once into the cache and read the same way. Each prefix's documents are split
 by ``--split`` (train, valid, test: consecutive, disjoint document ranges); a blend draws each split from the
 components' same split in the blend's proportions (``blending``). Split ``i`` uses seed ``--seed + 1000·i``.
+
+Settings read with ``getattr(args, NAME, default)`` (the trainer declares them; absent means the default):
+
+- ``document_masking`` (all three below at once), ``reset_position_ids``, ``reset_attention_mask``,
+  ``eod_mask_loss``: GPT samples carry document keys (``datasets.document_keys``), at the tokenizer's EOD;
+- ``sft``: chat data (``megakernels preprocess --chat``) as ``sft.SFTDataset``s, packed unless ``sft_packing`` is
+  False. ``--sft`` with data that is not chat data, or chat data without ``--sft``, is an ``ArgumentError``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,20 @@ def tokenizer_for(args):
         return build_tokenizer(args.tokenizer)
     except (ValueError, OSError) as e:
         raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
+
+
+DOCUMENT_OPTIONS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+
+
+def document_options(args) -> dict[str, bool]:
+    """The document options of GPT samples that ``args`` turns on: ``document_masking`` turns on all of
+    ``DOCUMENT_OPTIONS``, each of which may also be set on its own (absent attributes are off)."""
+    every = bool(getattr(args, "document_masking", False))
+    return {name: True for name in DOCUMENT_OPTIONS if every or getattr(args, name, False)}
+
+
+def _option_flags(options) -> str:
+    return "/".join("--" + n.replace("_", "-") for n in options)
 
 
 def _split(args) -> tuple[int, int, int]:
@@ -80,6 +101,7 @@ def validate_data_args(args, cfg=None) -> None:
             f"{cfg.vocab_size} (raise --vocab-size)"
         )
     kind = family(cfg).data
+    _check_sample_options(args, cfg, tok)
     if kind == "captions":
         _validate_image_data(args, cfg, tok)
         return
@@ -131,6 +153,22 @@ def validate_data_args(args, cfg=None) -> None:
             )
 
 
+def _check_sample_options(args, cfg, tok) -> None:
+    """Document options and ``--sft`` need a causal (``tokens``) family; document options need an EOD token."""
+    options = document_options(args)
+    sft = bool(getattr(args, "sft", False))
+    if not options and not sft:
+        return
+    named = (["--sft"] if sft else []) + ([_option_flags(options)] if options else [])
+    if family(cfg).data != "tokens":
+        raise ArgumentError(f"{' and '.join(named)}: --model {cfg.model} does not train on token sequences")
+    if options and not sft:
+        try:
+            tok.require("eod", use=_option_flags(options))
+        except ValueError as e:
+            raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
+
+
 def _open_data(reader, prefix: str, args, tok):
     """``reader(prefix)``, its problems and a vocabulary other than the tokenizer's as ``ArgumentError``s."""
     try:
@@ -161,6 +199,12 @@ def build_datasets(args, cfg):
     kind = family(cfg).data
     if kind == "captions":
         return caption_datasets(cfg, tok, args.data, args.seed, split)
+    options = document_options(args) if kind == "tokens" else {}
+    if options:
+        try:
+            tok.require("eod", use=_option_flags(options))
+        except ValueError as e:
+            raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
     blend = [(w, IndexedDataset(p)) for w, p in _blend(args)]
     wanted = [args.steps * args.global_batch_size] + [args.eval_steps * args.global_batch_size] * 2
     out = []
@@ -174,7 +218,13 @@ def build_datasets(args, cfg):
             try:
                 if kind == "tokens":
                     ds = GPTDataset(
-                        data, cfg.seq_length, seed, documents=docs, num_samples=math.ceil(w * wanted[i]) + 1
+                        data,
+                        cfg.seq_length,
+                        seed,
+                        tok.eod if options else None,
+                        documents=docs,
+                        num_samples=math.ceil(w * wanted[i]) + 1,
+                        **options,
                     )
                 else:
                     ds = BertDataset(data, cfg.seq_length, seed, tok, documents=docs)

@@ -12,6 +12,21 @@ for tests and small in-memory corpora, from a list of token arrays (``InMemoryDo
 - ``GPTDataset``: windows of ``seq_length + 1`` tokens across document boundaries, the documents in a seeded order
   per epoch and the windows shuffled (``sample_index``); ``ids`` = window[:-1], ``labels`` = window[1:] (int64
   ``[seq_length]``). The EOD tokens between documents are in the data (``preprocess --append-eod``).
+  Optionally (Megatron-LM's options, each off by default; ``document_keys``) a sample also marks its documents:
+  ``positions`` (int64 ``[seq_length]``, ``reset_position_ids``), ``documents`` (int32 ``[seq_length]``,
+  ``reset_attention_mask``: a token attends only to earlier tokens of the same document) and labels -100 at EOD
+  inputs (``eod_mask_loss``).
+- ``sft.SFTDataset``: chat conversations packed whole into samples, with the same keys (``data/sft.py``).
+
+Document keys of a sample (the batch contract with the trainer; ``collate`` stacks whatever keys a sample has):
+
+- ``documents``: the document index of each input token inside the sample, non-decreasing from 0 (0, 0, 0, 1, 1,
+  2, ...); a new document starts right after an EOD input token (the EOD belongs to the document it ends). The first
+  token of a sample is document 0 even when its document began in an earlier sample.
+- ``positions``: each input token's position inside its document, restarting at 0 at the start of every sample and
+  after every EOD (Megatron-LM's ``reset_position_ids``: a document cut by the sample start restarts at 0 too).
+- ``labels`` -100 where no loss is taken: with ``eod_mask_loss`` at every position whose input is EOD (the token
+  ending one document never predicts the next document's first token).
 - ``BertDataset``: sentence pairs (runs of sentences of one document) with sentence-order-prediction labels (the
   two segments swapped with probability 1/2) and 15 % of tokens masked for the MLM loss (80 % [MASK], 10 % a random
   non-special token, 10 % unchanged), all drawn from the seed and the sample number.
@@ -111,12 +126,17 @@ class GPTDataset:
         documents: the range of documents to read (a split); default all.
         num_samples: how many samples the index is built and cached for (default one epoch); samples past it are
             computed on demand, identical to what a larger ``num_samples`` would have cached.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: add the document keys ``positions``, ``documents``
+            and -100 labels at EOD inputs (module docstring; Megatron-LM's option names). Each needs ``eod``, the
+            end-of-document id (for indexed data only used for this, never appended).
 
-    ``dataset[i]`` -> ``{"ids": int64 [seq_length], "labels": int64 [seq_length]}``. ``from_cache`` tells whether
-    the index was read from the ``.npy`` files beside the data.
+    ``dataset[i]`` -> ``{"ids": int64 [seq_length], "labels": int64 [seq_length]}`` (+ ``positions``,
+    ``documents`` as asked). ``from_cache`` tells whether the index was read from the ``.npy`` files beside the
+    data; the options do not change the index.
 
     Raises:
-        ValueError: fewer than ``seq_length + 1`` tokens in the documents; a bad ``documents`` range.
+        ValueError: fewer than ``seq_length + 1`` tokens in the documents; a bad ``documents`` range; a document
+            option without ``eod``.
         IndexError: a negative sample number.
     """
 
@@ -129,7 +149,22 @@ class GPTDataset:
         *,
         documents: range | None = None,
         num_samples: int | None = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+        eod_mask_loss: bool = False,
     ):
+        self.boundaries = {
+            k: bool(v)
+            for k, v in dict(
+                reset_position_ids=reset_position_ids,
+                reset_attention_mask=reset_attention_mask,
+                eod_mask_loss=eod_mask_loss,
+            ).items()
+            if v
+        }
+        if self.boundaries and eod is None:
+            raise ValueError(f"GPTDataset: {', '.join(self.boundaries)} needs the end-of-document id eod")
+        self.eod = None if eod is None else int(eod)
         self.data = _as_source(data, eod)
         self.documents = _documents(self.data, documents)
         self.seq_length, self.seed = int(seq_length), int(seed)
@@ -201,7 +236,10 @@ class GPTDataset:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         window = self.window(i)
-        return {"ids": window[:-1], "labels": window[1:]}
+        sample = {"ids": window[:-1], "labels": window[1:]}
+        if self.boundaries:
+            sample.update(document_keys(sample["ids"], sample["labels"], self.eod, **self.boundaries))
+        return sample
 
 
 class BertDataset:
@@ -326,6 +364,34 @@ class BertDataset:
             "mlm_labels": labels,
             "sop_labels": np.int64(swap),
         }
+
+
+def document_keys(
+    ids: np.ndarray,
+    labels: np.ndarray,
+    eod: int,
+    *,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+) -> dict[str, np.ndarray]:
+    """The document keys (module docstring) of a sample with inputs ``ids`` and targets ``labels``, documents ending
+    at each ``eod`` input: ``positions`` when ``reset_position_ids``, ``documents`` when ``reset_attention_mask``,
+    and ``labels`` (a copy, -100 at EOD inputs) when ``eod_mask_loss``. Returns only the keys asked for."""
+    ids = np.asarray(ids)
+    out: dict[str, np.ndarray] = {}
+    is_eod = ids == eod
+    # document of token i = EODs strictly before i
+    doc = np.zeros(len(ids), dtype=np.int64)
+    np.cumsum(is_eod[:-1], out=doc[1:])
+    if reset_position_ids:
+        starts = np.flatnonzero(np.diff(doc, prepend=-1))  # the first token of each document in the sample
+        out["positions"] = np.arange(len(ids), dtype=np.int64) - starts[doc]
+    if reset_attention_mask:
+        out["documents"] = doc.astype(np.int32)
+    if eod_mask_loss:
+        out["labels"] = np.where(is_eod, -100, labels).astype(np.int64)
+    return out
 
 
 def global_batch_indices(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:

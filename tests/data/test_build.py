@@ -250,3 +250,61 @@ def test_trainer_reads_the_pipelines_global_batches():
         assert recs[0]["loss"] == pytest.approx(mean_loss(train_ds, 0), rel=1e-5)
         val = sum(mean_loss(valid_ds, s * args.global_batch_size) for s in range(args.eval_steps)) / args.eval_steps
         assert recs[-1]["val_loss"] == pytest.approx(val, rel=1e-5)
+
+
+# ---- document boundaries and the trainer's switches -------------------------------------------------------------
+
+
+def with_attrs(a, **attrs):
+    """``a`` with attributes the trainer's arguments may not declare yet (read by build through getattr)."""
+    for k, v in attrs.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.mark.parametrize(
+    "attrs, keys",
+    [
+        ({}, set()),
+        ({"document_masking": True}, {"positions", "documents"}),
+        ({"reset_position_ids": True}, {"positions"}),
+        ({"reset_attention_mask": True}, {"documents"}),
+        ({"eod_mask_loss": True}, set()),
+    ],
+)
+def test_build_reads_the_document_switches(prefix, attrs, keys):
+    a, cfg = args_cfg(data=prefix, split="1,0,0", seq_length=16, eval_interval=0)
+    with_attrs(a, **attrs)
+    validate_data_args(a, cfg)
+    train = build_datasets(a, cfg)[0]
+    plain = build_datasets(*args_cfg(data=prefix, split="1,0,0", seq_length=16))[0]
+    masked = attrs.get("document_masking") or attrs.get("eod_mask_loss")
+    eods = 0
+    for i in range(len(train)):
+        s, p = train[i], plain[i]
+        assert set(s) == {"ids", "labels"} | keys
+        np.testing.assert_array_equal(s["ids"], p["ids"])
+        at_eod = p["ids"] == 256  # the byte tokenizer's EOD, which preprocess --append-eod wrote
+        eods += int(at_eod.sum())
+        want = np.where(at_eod, -100, p["labels"]) if masked else p["labels"]
+        np.testing.assert_array_equal(s["labels"], want)
+        if "documents" in keys:
+            assert s["documents"].tolist() == np.concatenate([[0], np.cumsum(at_eod[:-1])]).tolist()
+    assert eods > 0
+
+
+def test_document_switches_need_an_eod_token_and_a_causal_model(tmp_path, prefix):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel()
+    t.train_from_iterator(["x"], trainers.BpeTrainer(vocab_size=261, special_tokens=["[PAD]"], show_progress=False))
+    t.save(str(tmp_path / "t.json"))
+    a, cfg = args_cfg(tokenizer=f"hf:{tmp_path / 't.json'}", data=prefix)
+    with pytest.raises(ArgumentError, match="no eod token, which --eod-mask-loss needs"):
+        validate_data_args(with_attrs(a, eod_mask_loss=True), cfg)
+    a, cfg = args_cfg(model="bert", seq_length=64)
+    with pytest.raises(
+        ArgumentError, match="--reset-position-ids/--reset-attention-mask/--eod-mask-loss: --model bert"
+    ):
+        validate_data_args(with_attrs(a, document_masking=True), cfg)

@@ -229,3 +229,83 @@ def test_bert_needs_cls_sep_mask_pad(tmp_path):
 
     with pytest.raises(ValueError, match="no mask token, which BERT needs"):
         BertDataset([np.arange(10)], 16, 0, NoMask())
+
+
+# ---- document boundaries (Megatron-LM's reset_position_ids, reset_attention_mask, eod_mask_loss) ---------------
+
+
+def test_document_keys_of_a_hand_computed_sample():
+    from megakernels_models.data.datasets import document_keys
+
+    ids = np.array([5, 6, 1, 7, 1, 8, 9, 10])
+    labels = np.array([6, 1, 7, 1, 8, 9, 10, 11])
+    got = document_keys(ids, labels, 1, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    assert got["documents"].dtype == np.int32 and got["positions"].dtype == np.int64
+    assert got["documents"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert got["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert got["labels"].tolist() == [6, 1, -100, 1, -100, 9, 10, 11]
+    assert labels.tolist() == [6, 1, 7, 1, 8, 9, 10, 11]  # not changed in place
+    # a sample that starts on an EOD: that EOD is document 0 on its own, positions restart after it
+    got = document_keys(np.array([1, 5, 6, 1]), np.array([5, 6, 1, 3]), 1, reset_position_ids=True,
+                        reset_attention_mask=True, eod_mask_loss=True)  # fmt: skip
+    assert got["documents"].tolist() == [0, 1, 1, 1]
+    assert got["positions"].tolist() == [0, 0, 1, 2]
+    assert got["labels"].tolist() == [-100, 6, 1, -100]
+    only = document_keys(np.array([5, 1, 6]), np.array([1, 6, 7]), 1, reset_attention_mask=True)
+    assert set(only) == {"documents"} and only["documents"].tolist() == [0, 0, 1]
+
+
+def _loop_reference(ids, labels, eod):
+    """Positions, documents and EOD-masked labels by walking the tokens one at a time."""
+    pos, doc, lab, p, d = [], [], [], 0, 0
+    for t, y in zip(ids.tolist(), labels.tolist()):
+        pos.append(p)
+        doc.append(d)
+        lab.append(-100 if t == eod else y)
+        p, d = (0, d + 1) if t == eod else (p + 1, d)
+    return pos, doc, lab
+
+
+@pytest.mark.parametrize(
+    "flags", [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]
+)
+def test_gpt_dataset_document_options(tmp_path, flags):
+    rp, ra, em = flags
+    data = labelled_data(tmp_path / "d")
+    plain = GPTDataset(data, 16, seed=5)
+    ds = GPTDataset(data, 16, seed=5, eod=EOD, reset_position_ids=rp, reset_attention_mask=ra, eod_mask_loss=em)
+    want_keys = {"ids", "labels"} | ({"positions"} if rp else set()) | ({"documents"} if ra else set())
+    seen_eod = 0
+    for i in range(len(ds)):
+        s, p = ds[i], plain[i]
+        assert set(s) == want_keys and set(p) == {"ids", "labels"}
+        np.testing.assert_array_equal(s["ids"], p["ids"])  # same windows, same order
+        pos, doc, lab = _loop_reference(p["ids"], p["labels"], EOD)
+        if rp:
+            assert s["positions"].tolist() == pos
+        if ra:
+            assert s["documents"].tolist() == doc
+            # every document of the sample holds tokens of one source document (ids 1000 + d, then its EOD)
+            for k in set(doc):
+                assert len(docs_of(s["ids"][np.asarray(doc) == k])) <= 1
+        assert s["labels"].tolist() == (lab if em else p["labels"].tolist())
+        seen_eod += int((p["ids"] == EOD).sum())
+    assert seen_eod > 10  # the data exercises the boundaries
+
+
+def test_document_options_need_eod(tmp_path):
+    with pytest.raises(ValueError, match="reset_attention_mask needs the end-of-document id"):
+        GPTDataset(labelled_data(tmp_path / "d"), 16, seed=0, reset_attention_mask=True)
+
+
+def test_collate_stacks_the_document_keys(tmp_path):
+    import torch
+
+    from megakernels_models.data.datasets import collate
+
+    ds = GPTDataset(labelled_data(tmp_path / "d"), 16, seed=0, eod=EOD, reset_position_ids=True,
+                    reset_attention_mask=True, eod_mask_loss=True)  # fmt: skip
+    b = collate([ds[i] for i in range(4)])
+    assert b["positions"].shape == (4, 16) and b["positions"].dtype == torch.int64
+    assert b["documents"].shape == (4, 16) and b["documents"].dtype == torch.int32
+    assert b["labels"].dtype == torch.int64 and (b["labels"] == -100).any()
