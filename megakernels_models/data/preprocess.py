@@ -15,6 +15,10 @@ to temporary files and renamed at the end (``indexed.IndexedDatasetWriter``): an
 ``PREFIX.bin``/``.idx`` pair that looks valid. ``--train-tokenizer V`` first trains a byte-level BPE of ``V`` ids
 (with ``<|endoftext|> [PAD] [CLS] [SEP] [MASK]``) on the inputs, saves it as ``PREFIX.tokenizer.json`` and then
 tokenises with it.
+
+``--chat FILE.jsonl [...] --tokenizer DIR``: chat conversations rendered with the checkpoint's chat template into
+token ids and an assistant mask, for supervised fine-tuning (``data/chat.py``); ``--seq-length N`` also prints how
+well they pack into samples of N + 1 tokens (``sft.packing_stats``).
 """
 
 from __future__ import annotations
@@ -265,6 +269,8 @@ def preprocess(
     from tqdm import tqdm
 
     bar = tqdm(desc="preprocess", unit=" docs", disable=not progress, dynamic_ncols=True)
+    if os.path.exists(output_prefix + ".chat.json"):
+        os.remove(output_prefix + ".chat.json")  # text written over chat data is not chat data any more
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as w:
         skipped: list[str] = []
         stream = tokenize_documents(
@@ -329,8 +335,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="image-text: resize every image to "
         "N x N (default: keep; the model then needs them all at its --image-size)",
     )
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | spm:PATH (default: byte)")
+    p.add_argument(
+        "--chat",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help='chat: JSONL of {"messages": [{"role": "system"|"user"|"assistant", "content": TEXT}, ...]} -> token '
+        "ids + assistant mask for --sft (needs --tokenizer DIR with a chat template)",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="chat: also report how the conversations pack into samples of N + 1 tokens",
+    )
+    p.add_argument(
+        "--output-prefix", "--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte | hf:PATH | spm:PATH (default: byte); with --chat a HuggingFace tokenizer directory (DIR or hf:DIR)",
+    )
     p.add_argument(
         "--train-tokenizer",
         type=int,
@@ -351,6 +378,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def main(ns: argparse.Namespace) -> int:
     """Run ``megakernels preprocess``; returns the exit status (2 for bad input, reported on stderr)."""
+    if ns.chat is not None:
+        return _chat_main(ns)
     if ns.images is not None or ns.captions is not None:
         return _images_main(ns)
     if not ns.input:
@@ -382,6 +411,46 @@ def main(ns: argparse.Namespace) -> int:
         f"({stats['dtype']}, {stats['tokenizer']}) in {stats['seconds']:.1f} s"
         + (f"; skipped {len(stats['skipped'])} files that are not UTF-8 text" if stats["skipped"] else "")
     )
+    return 0
+
+
+def _chat_main(ns: argparse.Namespace) -> int:
+    """``preprocess --chat FILE.jsonl --tokenizer DIR``: tokens and assistant mask (``data.chat``)."""
+    t0 = time.perf_counter()
+    try:
+        if ns.input or ns.images is not None or ns.captions is not None:
+            raise ValueError("give --chat (conversations) or --input (text) or --images/--captions, not several")
+        if ns.train_tokenizer is not None:
+            raise ValueError("--chat renders with a checkpoint's tokenizer and template: give --tokenizer DIR")
+        if ns.tokenizer == "byte":
+            raise ValueError("--chat needs --tokenizer DIR, a HuggingFace tokenizer directory with a chat template")
+        if ns.seq_length is not None and ns.seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {ns.seq_length}")
+        try:
+            import jinja2  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--chat renders chat templates with jinja2, which is not installed (pip install 'megakernels[train]')"
+            ) from None
+        from megakernels_models.data.chat import preprocess_chat
+
+        stats = preprocess_chat(ns.chat, ns.output_prefix, ns.tokenizer, ns.seq_length)
+    except (ValueError, OSError) as e:
+        print(f"megakernels preprocess: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {ns.output_prefix}.bin/.idx, .mask.bin/.idx, .chat.json: {stats['conversations']} conversations, "
+        f"{stats['tokens']} tokens, {stats['target_tokens']} assistant target tokens "
+        f"({100 * stats['target_tokens'] / stats['tokens']:.1f} %), longest {stats['longest']}; assistant spans by "
+        f"{stats['rule']} in {time.perf_counter() - t0:.1f} s"
+    )
+    if "packing" in stats:
+        k = stats["packing"]
+        print(
+            f"packed into samples of {ns.seq_length} + 1 tokens: {k['samples']} samples, efficiency "
+            f"{100 * k['efficiency']:.1f} % (real tokens / capacity); {k['truncated']} conversations longer than a "
+            "sample would be truncated"
+        )
     return 0
 
 

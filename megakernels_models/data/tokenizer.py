@@ -125,6 +125,12 @@ class HFTokenizer(_Specials):
         encs = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=self._dtype) for e in encs]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, offsets)``: the ids (as ``encode``) and each token's character span in ``text`` (int64
+        ``[n, 2]``, start and end)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, dtype=self._dtype), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
 
