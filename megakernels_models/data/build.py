@@ -10,8 +10,10 @@ Settings read with ``getattr(args, NAME, default)`` (the trainer declares them; 
 
 - ``document_masking`` (all three below at once), ``reset_position_ids``, ``reset_attention_mask``,
   ``eod_mask_loss``: GPT samples carry document keys (``datasets.document_keys``), at the tokenizer's EOD;
-- ``sft``: chat data (``megakernels preprocess --chat``) as ``sft.SFTDataset``s, packed unless ``sft_packing`` is
-  False. ``--sft`` with data that is not chat data, or chat data without ``--sft``, is an ``ArgumentError``.
+- ``sft``: chat data (``megakernels preprocess --chat``, recognised by its ``PREFIX.chat.json``) as
+  ``sft.SFTDataset``s, packed unless ``sft_packing`` is False; their samples always carry ``positions`` and
+  ``documents`` (the document options above are for GPT samples). ``--sft`` without ``--data``, with data that is
+  not chat data, or chat data without ``--sft``, is an ``ArgumentError``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import numpy as np
 
 from megakernels.validation import positive_int
 from megakernels_models.data.blending import BlendedDataset, parse_blend
+from megakernels_models.data.chat import ChatIndexed, is_chat
 from megakernels_models.data.corpus import stdlib_prefix
 from megakernels_models.data.datasets import BertDataset, GPTDataset, split_documents
 from megakernels_models.data.images import CaptionDataset, ImageTextIndexed, is_image_text
 from megakernels_models.data.indexed import IndexedDataset, paths
+from megakernels_models.data.sft import SFTDataset
 from megakernels_models.data.shapes import ShapesSource
 from megakernels_models.data.tokenizer import build_tokenizer
 from megakernels_models.models.registry import families, family
@@ -113,6 +117,12 @@ def validate_data_args(args, cfg=None) -> None:
     split = _split(args)
     if args.eval_interval and split[1] == 0:
         raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
+    sft = bool(getattr(args, "sft", False))
+    if sft and args.data is None:
+        raise ArgumentError(
+            "--sft trains on chat data: give --data PREFIX made by megakernels preprocess --chat FILE.jsonl "
+            "--tokenizer DIR --output PREFIX"
+        )
     if args.data is None:
         if tok.name != "byte":
             raise ArgumentError(
@@ -133,7 +143,8 @@ def validate_data_args(args, cfg=None) -> None:
                     f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
                     f"preprocess --output-prefix {prefix}"
                 ) from None
-        ds = _open_data(IndexedDataset, prefix, args, tok)
+        _check_chat(prefix, sft)
+        ds = _open_data(ChatIndexed if sft else IndexedDataset, prefix, args, tok)
         train = split_documents(ds.doc_count, split)[0]
         if not train:
             raise ArgumentError(
@@ -146,7 +157,7 @@ def validate_data_args(args, cfg=None) -> None:
                 "--split-sentences"
             )
         tokens = int(ds.doc_offsets[train.stop] - ds.doc_offsets[train.start])
-        if kind == "tokens" and tokens < cfg.seq_length + 1:
+        if kind == "tokens" and not sft and tokens < cfg.seq_length + 1:
             raise ArgumentError(
                 f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                 f"of seq_length + 1 = {cfg.seq_length + 1}"
@@ -169,11 +180,26 @@ def _check_sample_options(args, cfg, tok) -> None:
             raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
 
 
+def _check_chat(prefix: str, sft: bool) -> None:
+    """Chat data goes with ``--sft`` and only with it."""
+    chat = is_chat(prefix)
+    if sft and not chat:
+        raise ArgumentError(
+            f"--sft: --data {prefix} is not chat data (no {prefix}.chat.json); make it with megakernels preprocess "
+            f"--chat FILE.jsonl --tokenizer DIR --output {prefix}"
+        )
+    if chat and not sft:
+        raise ArgumentError(
+            f"--data {prefix} holds chat conversations with an assistant mask (megakernels preprocess --chat): "
+            "train it with --sft"
+        )
+
+
 def _open_data(reader, prefix: str, args, tok):
     """``reader(prefix)``, its problems and a vocabulary other than the tokenizer's as ``ArgumentError``s."""
     try:
         ds = reader(prefix)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise ArgumentError(f"--data {prefix}: {e}") from None
     if ds.vocab_size != tok.vocab_size:
         raise ArgumentError(
@@ -205,7 +231,15 @@ def build_datasets(args, cfg):
             tok.require("eod", use=_option_flags(options))
         except ValueError as e:
             raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
-    blend = [(w, IndexedDataset(p)) for w, p in _blend(args)]
+    sft = bool(getattr(args, "sft", False)) and kind == "tokens"
+    if sft:
+        pad = tok.pad if tok.has("pad") else tok.eod if tok.has("eod") else 0
+        packed = bool(getattr(args, "sft_packing", True))
+    blend = []
+    for w, p in _blend(args):
+        if kind == "tokens":
+            _check_chat(p, sft)
+        blend.append((w, ChatIndexed(p) if sft else IndexedDataset(p)))
     wanted = [args.steps * args.global_batch_size] + [args.eval_steps * args.global_batch_size] * 2
     out = []
     for i in range(3):
@@ -216,7 +250,9 @@ def build_datasets(args, cfg):
                 continue
             seed = args.seed + 1000 * i
             try:
-                if kind == "tokens":
+                if sft:
+                    ds = SFTDataset(data, cfg.seq_length, seed, pad, documents=docs, packed=packed)
+                elif kind == "tokens":
                     ds = GPTDataset(
                         data,
                         cfg.seq_length,

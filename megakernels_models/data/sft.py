@@ -2,13 +2,13 @@
 tokens, or one conversation a sample.
 
 Packing (``pack``): best-fit decreasing — conversations longest first (ties in a seeded order), each into the
-packed sample with the least room that still holds it, else a new one. A conversation is never cut across samples;
-one longer than ``seq_length + 1`` tokens is truncated to its first ``seq_length + 1`` (counted, with a warning).
-A conversation with no target left (after truncation; its first token is never a target) is dropped (counted, with
-a warning): it could only add a sample without loss. The packing is computed once per split (it depends on the
-sizes, the masks, ``seq_length`` and the seed) and cached beside the data like the GPT index; each epoch visits the
-packed samples in a new seeded order, with the conventions of ``datasets`` (global batch ``k`` is samples
-``[k·B, (k+1)·B)``, whatever the layout).
+packed sample with the least room that still holds it (the earliest opened of equals), else a new one. A
+conversation is never cut across samples; one longer than ``seq_length + 1`` tokens is truncated to its first
+``seq_length + 1`` (counted, with a warning). A conversation with no target left (after truncation; its first token
+is never a target) is dropped (counted, with a warning): it could only add a sample without loss. The packing is
+computed once per split (it depends on the sizes, the masks, ``seq_length`` and the seed) and cached beside the
+data like the GPT index; each epoch visits the packed samples in a new seeded order, with the conventions of
+``datasets`` (global batch ``k`` is samples ``[k·B, (k+1)·B)``, whatever the layout).
 
 A sample (the batch contract, ``datasets``' module docstring) is the packed conversations then padding, ``seq_length
 + 1`` tokens ``w``: ``ids`` = w[:-1]; ``labels`` = w[1:] where that token is an assistant target, else -100 (so -100
@@ -22,6 +22,7 @@ gives each conversation's tokens exactly the same logits and targets as packing 
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import warnings
 
@@ -56,7 +57,7 @@ def pack(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.nd
         j = bisect.bisect_left(rooms, s)
         if j < len(rooms):
             room = rooms[j]
-            b = by_room[room].pop()
+            b = heapq.heappop(by_room[room])  # the earliest opened of the samples with that room
             if not by_room[room]:
                 del by_room[room]
                 rooms.pop(j)
@@ -69,7 +70,7 @@ def pack(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.nd
             if left not in by_room:
                 bisect.insort(rooms, left)
                 by_room[left] = []
-            by_room[left].append(b)
+            heapq.heappush(by_room[left], b)
     items = np.asarray([i for b in bins for i in b], dtype=np.int64)
     offsets = np.zeros(len(bins) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in bins], out=offsets[1:])

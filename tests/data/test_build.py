@@ -308,3 +308,74 @@ def test_document_switches_need_an_eod_token_and_a_causal_model(tmp_path, prefix
         ArgumentError, match="--reset-position-ids/--reset-attention-mask/--eod-mask-loss: --model bert"
     ):
         validate_data_args(with_attrs(a, document_masking=True), cfg)
+
+
+# ---- supervised fine-tuning --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_prefix(tmp_path_factory):
+    from megakernels_models.data import chat
+    from tests.data.test_chat import EXAMPLE, texts
+
+    folder = tmp_path_factory.mktemp("sft")
+    tok = chat.write_small_tokenizer(str(folder / "tok"), texts(), 400)
+    chat.preprocess_chat([EXAMPLE], str(folder / "chat"), tok)
+    return str(folder / "chat"), tok
+
+
+def sft_args(data, tok, **attrs):
+    a, cfg = args_cfg(data=data, tokenizer=f"hf:{tok}", vocab_size=512, seq_length=160, split="8,2,0")
+    return with_attrs(a, **attrs), cfg
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_sft_builds_sft_datasets(chat_prefix, packed):
+    from megakernels_models.data.sft import SFTDataset
+
+    prefix, tok = chat_prefix
+    a, cfg = sft_args(prefix, tok, sft=True, sft_packing=packed)
+    validate_data_args(a, cfg)
+    train, valid, test = build_datasets(a, cfg)
+    assert isinstance(train, SFTDataset) and isinstance(valid, SFTDataset) and test is None
+    assert train.packed == packed and train.seq_length == 160
+    assert train.documents == range(0, 34) and valid.documents == range(34, 42)
+    seen = sorted(c for i in range(len(train)) for c in train.conversations(i))
+    assert seen == list(range(34))
+    s = train[0]
+    assert set(s) == {"ids", "labels", "positions", "documents"} and s["ids"].shape == (160,)
+    from megakernels_models.data.tokenizer import build_tokenizer
+
+    pad = build_tokenizer(f"hf:{tok}").pad
+    assert (s["ids"][s["documents"] == len(train.conversations(0))] == pad).all()
+
+
+def test_sft_and_chat_data_go_together(chat_prefix, prefix):
+    chat_data, tok = chat_prefix
+    a, cfg = sft_args(chat_data, tok)
+    with pytest.raises(ArgumentError, match=f"--data {chat_data} holds chat conversations .* train it with --sft"):
+        validate_data_args(a, cfg)
+    with pytest.raises(ArgumentError, match="train it with --sft"):
+        build_datasets(a, cfg)
+    a, cfg = args_cfg(data=prefix)
+    with pytest.raises(ArgumentError, match=f"--sft: --data {prefix} is not chat data .* preprocess --chat"):
+        validate_data_args(with_attrs(a, sft=True), cfg)
+    with pytest.raises(ArgumentError, match="is not chat data"):
+        build_datasets(a, cfg)
+    a, cfg = args_cfg()
+    with pytest.raises(ArgumentError, match="--sft trains on chat data: give --data PREFIX"):
+        validate_data_args(with_attrs(a, sft=True), cfg)
+    a, cfg = args_cfg(model="bert", seq_length=64)
+    with pytest.raises(ArgumentError, match="--sft: --model bert does not train on token sequences"):
+        validate_data_args(with_attrs(a, sft=True), cfg)
+
+
+def test_sft_with_a_missing_mask(chat_prefix, tmp_path):
+    import shutil
+
+    prefix, tok = chat_prefix
+    copy = str(tmp_path / "c")
+    for ext in (".bin", ".idx", ".chat.json"):
+        shutil.copy(prefix + ext, copy + ext)
+    with pytest.raises(ArgumentError, match=f"--data {copy}: indexed dataset file not found: {copy}.mask.idx"):
+        validate_data_args(*sft_args(copy, tok, sft=True))
