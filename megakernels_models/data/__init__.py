@@ -4,7 +4,10 @@
 - ``preprocess``    ``megakernels preprocess``: text/JSONL (.gz) files or folders -> ``PREFIX.bin`` + ``PREFIX.idx``
 - ``indexed``       ``IndexedDataset``: the validated, memory-mapped reader (and the writer)
 - ``corpus``        the embedded default corpus (the Python standard library), preprocessed once into a cache
-- ``datasets``      GPT windows, BERT sentence pairs, splits by documents, the deterministic global-batch order
+- ``datasets``      GPT windows (optionally with document keys), BERT sentence pairs, splits by documents, the
+                    deterministic global-batch order; the batch contract's keys
+- ``chat``          ``preprocess --chat``: conversations rendered with a chat template -> tokens + assistant mask
+- ``sft``           ``SFTDataset``: conversations packed whole (best-fit decreasing) or one a sample
 - ``sample_index``  the cached GPT/BERT sample indices
 - ``blending``      ``BlendedDataset``: several datasets in exact proportions
 - ``build``         the trainer's entry point: ``validate_data_args``, ``tokenizer_for``, ``build_datasets``
