@@ -5,6 +5,7 @@
 #include "common.cpp"
 #include "module.cpp"
 #include "bias_gelu.cpp"
+#include "cross_entropy.cpp"
 #include "norms.cpp"
 #include "optim.cpp"
 #include "rope.cpp"

@@ -8,9 +8,10 @@ Per token row ``x`` (the real columns only), with ``lse = log sum_j exp(x_j)`` a
     dx_j = dloss * (softmax(x)_j - (1 - eps) [j == target] - eps / V)
 
 The forward streams each row once (online max and sum of exponentials, the target logit and the row sum; Triton
-on CUDA, row-chunked PyTorch on CPU) and saves only ``lse`` (4 bytes per token) next to the logits it already
-holds; the backward writes the gradient into one new tensor, or into the logits themselves with
-``inplace_backward=True`` — PyTorch's F.cross_entropy keeps a full fp32 log-softmax copy on top.
+on CUDA, a vectorised, threaded C++ kernel on the CPU: csrc/cross_entropy) and saves only ``lse`` (4 bytes per
+token) next to the logits it already holds; the backward writes the gradient into one new tensor, or into the
+logits themselves with ``inplace_backward=True`` — PyTorch's F.cross_entropy keeps a full fp32 log-softmax copy on
+top.
 
 With ``group`` each rank holds the shard ``[tokens, V_local]`` of columns ``[rank * V_local, (rank + 1) *
 V_local)`` (rank in ``group``), and the loss equals that of the full logits: one all-reduce(MAX) of the row
@@ -31,51 +32,22 @@ from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CHUNK_BYTES = 64 << 20  # fp32 working set of one CPU row chunk
-
-
-def _row_chunks(n: int, v: int):
-    rows = max(1, _CHUNK_BYTES // max(1, 4 * v))
-    for r0 in range(0, n, rows):
-        yield r0, min(n, r0 + rows)
 
 
 def _stats_cpu(logits, target, vocab_start: int, n_valid: int) -> torch.Tensor:
-    n = logits.shape[0]
-    out = torch.zeros((n, 4), dtype=torch.float32)
-    out[:, 0] = float("-inf")
-    if n_valid == 0:
-        return out
-    for r0, r1 in _row_chunks(n, n_valid):
-        x = logits[r0:r1, :n_valid].float()
-        m = x.amax(1)
-        m_safe = m.masked_fill(torch.isneginf(m), 0.0)
-        t = target[r0:r1] - vocab_start
-        in_shard = (t >= 0) & (t < n_valid)
-        picked = x.gather(1, t.clamp(0, n_valid - 1)[:, None]).squeeze(1)
-        out[r0:r1, 0] = m
-        out[r0:r1, 1] = torch.exp(x - m_safe[:, None]).sum(1)
-        out[r0:r1, 2] = torch.where(in_shard, picked, 0.0)
-        out[r0:r1, 3] = x.sum(1)
-    return out
+    """(max, sum of exp, target logit, row sum) per row: the C++ kernel (csrc/cross_entropy), one pass per row."""
+    return torch.ops.megakernels.ce_stats_cpu(logits.contiguous(), target.long(), vocab_start, n_valid)
 
 
 def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out):
-    n = logits.shape[0]
-    if n_valid < logits.shape[1]:
-        out[:, n_valid:] = 0
-    if n_valid == 0:
-        return out
-    for r0, r1 in _row_chunks(n, n_valid):
-        x = logits[r0:r1, :n_valid].float()
-        g = torch.exp(x - lse[r0:r1, None]).sub_(smooth_other)
-        t = target[r0:r1] - vocab_start
-        in_shard = (t >= 0) & (t < n_valid)
-        rows = torch.nonzero(in_shard).squeeze(1)
-        g[rows, t[rows]] -= smooth_target
-        scale = torch.where(target[r0:r1] == ignore_index, 0.0, dloss[r0:r1].float())
-        out[r0:r1, :n_valid] = g.mul_(scale[:, None])
-    return out
+    """The gradient into ``out`` (the C++ kernel; rows with a stride of their own go through a contiguous copy)."""
+    x = logits.contiguous()
+    direct = out.is_contiguous() and (x is logits or out.data_ptr() != logits.data_ptr())
+    dst = out if direct else torch.empty_like(x)
+    torch.ops.megakernels.ce_grad_cpu(
+        x, target.long(), lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, dst
+    )
+    return out if direct else out.copy_(dst)
 
 
 @torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
