@@ -58,6 +58,27 @@ def _check_shift(window: int, shift: int) -> None:
         raise ValueError(f"flash_attention: shift={shift} moves a sliding window's diagonal; it needs window > 0")
 
 
+def document_ranges(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None):
+    """The kernels' view of document ids (non-decreasing along the sequence, so a document is a contiguous run):
+    ``(q_keys [b, sq, 2], k_queries [b, sk, 2])`` int32, where query i sees keys ``[q_keys[b, i, 0], q_keys[b, i,
+    1])`` (those with its id) and key j is seen by queries ``[k_queries[b, j, 0], k_queries[b, j, 1])``; None
+    without documents. Computed on the ids' device by binary search (no host sync). A block of rows sees the keys
+    from its first row's start to its last row's end, and every key from its last row's start to its first row's
+    end: the kernels' loop bounds and masks come from these."""
+    if q_docs is None and k_docs is None:
+        return None
+    if q_docs is None or k_docs is None:
+        raise ValueError("flash_attention: q_docs and k_docs go together (both or neither)")
+    qd, kd = q_docs.to(torch.int64).contiguous(), k_docs.to(torch.int64).contiguous()
+
+    def spans(seq, values):
+        lo = torch.searchsorted(seq, values, right=False)
+        hi = torch.searchsorted(seq, values, right=True)
+        return torch.stack((lo, hi), -1).to(torch.int32).contiguous()
+
+    return spans(kd, qd), spans(qd, kd)
+
+
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(
     q: torch.Tensor,
@@ -71,17 +92,22 @@ def _flash_attn_fwd(
     deterministic: bool = False,
     window: int = 0,
     shift: int = 0,
+    q_docs: torch.Tensor | None = None,
+    k_docs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_shift(window, shift)
+    ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
-        return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift)
+        return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift, ranges)
     from megakernels.ops import _attention_cpu
 
-    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed), window, shift)
+    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges)
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False, window=0, shift=0):
+def _(
+    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False, window=0, shift=0, q_docs=None, k_docs=None
+):
     _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -104,21 +130,41 @@ def _flash_attn_bwd(
     deterministic: bool = False,
     window: int = 0,
     shift: int = 0,
+    q_docs: torch.Tensor | None = None,
+    k_docs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_shift(window, shift)
+    ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().backward(
-            grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift
+            grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift, ranges
         )
     from megakernels.ops import _attention_cpu
 
     return _attention_cpu.backward(
-        grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed), window, shift
+        grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges
     )
 
 
 @_flash_attn_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, deterministic=False, window=0, shift=0):
+def _(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    emulate,
+    deterministic=False,
+    window=0,
+    shift=0,
+    q_docs=None,
+    k_docs=None,
+):
     _checks.same_device(
         "flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)
     )
@@ -126,16 +172,16 @@ def _(grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, emulate, dete
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic, window, shift = inputs
+    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic, window, shift, q_docs, k_docs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.save_for_backward(q, k, v, out, lse, seed, q_docs, k_docs)
     ctx.causal, ctx.scale, ctx.dropout_p, ctx.emulate = causal, scale, dropout_p, emulate
     ctx.deterministic, ctx.window, ctx.shift = deterministic, window, shift
     ctx.set_materialize_grads(True)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, seed = ctx.saved_tensors
+    q, k, v, out, lse, seed, q_docs, k_docs = ctx.saved_tensors
     dq, dk, dv = _flash_attn_bwd(
         grad_out,
         q,
@@ -151,8 +197,10 @@ def _backward(ctx, grad_out, _grad_lse):
         ctx.deterministic,
         ctx.window,
         ctx.shift,
+        q_docs,
+        k_docs,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -168,6 +216,45 @@ def check_window(op: str, window) -> int:
     if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
         raise ValueError(f"{op}: window must be a positive int, or None or 0 (full attention), got {window!r}")
     return int(window)
+
+
+def check_documents(op: str, documents, q: torch.Tensor, k: torch.Tensor):
+    """``documents`` as the custom ops take it: None, or ``(q_docs [b, sq], k_docs [b, sk])`` (one ``[b, s]``
+    tensor stands for both when sq == sk), int32 or int64 on q's device, non-decreasing along the sequence (checked
+    for CPU tensors; on a GPU it would cost a host sync).
+
+    Raises:
+        TypeError: not a tensor or a pair of tensors. ValueError: wrong dtype, shape, device or order."""
+    if documents is None:
+        return None
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    if isinstance(documents, torch.Tensor):
+        if sq != sk:
+            raise ValueError(
+                f"{op}: documents as one tensor needs sq == sk (got sq={sq}, sk={sk}); pass (q_docs, k_docs)"
+            )
+        pair = (("documents", documents, sq),)
+    elif isinstance(documents, (tuple, list)) and len(documents) == 2:
+        pair = (("documents[0] (q_docs)", documents[0], sq), ("documents[1] (k_docs)", documents[1], sk))
+    else:
+        raise TypeError(
+            f"{op}: documents must be a [b, s] id tensor or a pair (q_docs [b, sq], k_docs [b, sk]), "
+            f"got {type(documents).__name__}"
+        )
+    for name, t, s in pair:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{op}: {name} must be int32 or int64 document ids, got {t.dtype}")
+        if tuple(t.shape) != (b, s):
+            raise ValueError(f"{op}: {name} must have shape [batch, seqlen] = {[b, s]}, got {list(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, expected q's device {q.device}")
+        if t.device.type == "cpu" and s > 1 and bool((t[:, 1:] < t[:, :-1]).any()):
+            raise ValueError(
+                f"{op}: {name} must be non-decreasing along the sequence (packed documents are contiguous runs)"
+            )
+    return (pair[0][1], pair[-1][1])
 
 
 def _check(q, k, v, softmax_scale, dropout_p) -> float:
@@ -237,6 +324,7 @@ def flash_attention(
     generator: torch.Generator | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    documents: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` per head, memory linear in the sequence length.
 
@@ -258,6 +346,12 @@ def flash_attention(
             sees key j iff ``i + sk - sq - window < j <= i + sk - sq``, HuggingFace Mistral's ``sliding_window``);
             without causality the band ``|i + sk - sq - j| < window``. None: every key (as a window at least the
             sequence long; so is 0). Key blocks outside the band are skipped: the cost grows with the window.
+        documents: document ids of packed sequences (document masking): one int32/int64 ``[batch, s]`` tensor
+            (sq == sk: the same ids for queries and keys) or a pair ``(q_docs [batch, sq], k_docs [batch, sk])``.
+            Query i sees key j only if ``q_docs[b, i] == k_docs[b, j]``, on top of ``causal`` and ``window``
+            (which stay index-based). Ids must be non-decreasing along the sequence (each document one contiguous
+            run; checked for CPU tensors). Key blocks wholly in other documents are skipped: the cost follows the
+            sum of the squared document lengths, not the packed length squared. See ``flash_attention_varlen``.
 
     Returns:
         ``out`` ``[batch, sq, heads, head_dim]`` in q's dtype (and ``lse`` when asked); differentiable w.r.t.
@@ -265,10 +359,13 @@ def flash_attention(
 
     Raises:
         TypeError for a non-tensor; ValueError naming the argument for wrong rank, dtype or device mismatches,
-        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale, dropout_p or window.
+        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale, dropout_p, window or
+        documents.
     """
     scale = _check(q, k, v, softmax_scale, dropout_p)
     window = check_window("flash_attention", window)
+    docs = check_documents("flash_attention", documents, q, k)
+    q_docs, k_docs = docs if docs is not None else (None, None)
     if window >= max(q.shape[1], k.shape[1]):  # the band holds every (query, key) pair: the kernel without one
         window = 0
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -279,9 +376,138 @@ def flash_attention(
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)
         return (out, lse) if return_lse else out
     out, lse = _flash_attn_fwd(
-        q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic), window, 0
+        q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic), window, 0, q_docs, k_docs
     )
     return (out, lse) if return_lse else out
+
+
+def _check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen) -> list | None:
+    """Shape, dtype and (for CPU tensors) values of one ``cu_seqlens``; returns its values when on the CPU."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{op}: {name} must be int32 (flash-attn's convention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{op}: {name} must be 1-D [n_docs + 1] with n_docs >= 1, got shape {list(cu.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
+        raise ValueError(f"{op}: {max_name} must be a non-negative int, got {max_seqlen!r}")
+    if cu.device.type != "cpu":
+        return None
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{op}: {name} must start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{op}: {name} must be non-decreasing (cumulative document lengths), got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{op}: {name}'s last entry {vals[-1]} must equal the total tokens {total}")
+    longest = max(b - a for a, b in zip(vals, vals[1:]))
+    if longest > max_seqlen:
+        raise ValueError(f"{op}: {max_name}={max_seqlen} is shorter than the longest document ({longest} tokens)")
+    return vals
+
+
+def _doc_ids(cu: torch.Tensor, total: int, device) -> torch.Tensor:
+    """``[1, total]`` int32: the index of the document each token belongs to (empty documents hold no token)."""
+    pos = torch.arange(total, device=cu.device, dtype=torch.int32)
+    return (torch.searchsorted(cu, pos, right=True) - 1).to(device=device, dtype=torch.int32)[None]
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    return_lse: bool = False,
+    generator: torch.Generator | None = None,
+    deterministic: bool = False,
+):
+    """Attention over packed variable-length sequences (flash-attn's varlen convention): document ``i`` is q rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against k/v rows ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``; no token
+    sees another document's. ``flash_attention`` with ``documents`` at batch 1, so key blocks of other documents
+    are skipped (the cost follows the sum of squared document lengths).
+
+    Args:
+        q: ``[total_q, heads, head_dim]``; k, v: ``[total_k, heads_kv, head_dim]`` (dtypes, devices, GQA as
+            ``flash_attention``).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[n_docs + 1]`` cumulative lengths, from 0 to total_q / total_k,
+            non-decreasing (empty documents allowed). Their values are checked when they are CPU tensors (on a GPU
+            that would cost a host sync; flash-attn does not check them either).
+        max_seqlen_q, max_seqlen_k: the longest document's lengths (checked for CPU ``cu_seqlens``; not otherwise
+            needed).
+        causal: causal within each document, bottom-right aligned per document (flash-attn's varlen convention).
+        softmax_scale, dropout_p, return_lse, generator, deterministic: as ``flash_attention`` (lse ``[heads,
+            total_q]``; the dropout mask is ``flash_attention``'s at batch 1 over the packed sequence).
+        window: sliding window within each document, bottom-right aligned per document (``flash_attention``'s).
+
+    Causal or windowed attention needs every document (with queries and keys) to end the same number of keys after
+    its queries: ``cu_seqlens_k[i + 1] - cu_seqlens_q[i + 1] == total_k - total_q``, which holds when every
+    document has as many queries as keys (self-attention; pass the same tensor twice to skip the check) and for a
+    single document. Other layouts would need a per-document diagonal: they are refused (ValueError), never
+    answered with another alignment. Checking them reads both ``cu_seqlens`` on the host (a sync on a GPU) unless
+    they are the same tensor.
+
+    Returns:
+        ``out`` ``[total_q, heads, head_dim]`` (and ``lse`` ``[heads, total_q]`` fp32 when asked).
+
+    Raises:
+        TypeError / ValueError naming the argument: q/k/v as ``flash_attention`` (but 3-D), cu_seqlens not int32,
+        not 1-D, of different lengths, not starting at 0, decreasing, not ending at the total, a max_seqlen shorter
+        than a document, or causal/window with documents whose alignment differs.
+    """
+    op = "flash_attention_varlen"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _checks.tensor(op, name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be 3-D [total_tokens, heads, head_dim], got shape {list(t.shape)}")
+    total_q, total_k = q.shape[0], k.shape[0]
+    cq = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q)
+    ck = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"{op}: cu_seqlens_q has {cu_seqlens_q.numel()} entries and cu_seqlens_k {cu_seqlens_k.numel()}; both are "
+            "[n_docs + 1]"
+        )
+    w = check_window(op, window)
+    if (causal or w) and cu_seqlens_q is not cu_seqlens_k:
+        cq = cq if cq is not None else cu_seqlens_q.tolist()
+        ck = ck if ck is not None else cu_seqlens_k.tolist()
+        offset = total_k - total_q
+        bad = [
+            i for i in range(len(cq) - 1) if cq[i + 1] > cq[i] and ck[i + 1] > ck[i] and ck[i + 1] - cq[i + 1] != offset
+        ]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"{op}: causal/window attention is bottom-right aligned per document, which these kernels support "
+                f"only where every document ends total_k - total_q = {offset} keys after its queries (documents "
+                f"with as many queries as keys); document {i} has {cq[i + 1] - cq[i]} queries and "
+                f"{ck[i + 1] - ck[i]} keys ending at {ck[i + 1]} vs {cq[i + 1]} (cu_seqlens_q / cu_seqlens_k)"
+            )
+    docs = (_doc_ids(cu_seqlens_q, total_q, q.device), _doc_ids(cu_seqlens_k, total_k, q.device))
+    res = flash_attention(
+        q[None],
+        k[None],
+        v[None],
+        causal=causal,
+        softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        generator=generator,
+        deterministic=deterministic,
+        window=window,
+        documents=docs,
+    )
+    if return_lse:
+        out, lse = res
+        return out[0], lse[0]
+    return res[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
