@@ -2,7 +2,7 @@
 dispatched by device and backend (docs/design.md §2): CUDA tensor -> CUDA kernel, CPU tensor -> C++ CPU kernel, or the
 emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
 
-from megakernels.ops.attention import flash_attention
+from megakernels.ops.attention import flash_attention, flash_attention_varlen
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
@@ -18,6 +18,7 @@ __all__ = [
     "scaled_masked_softmax",
     "scaled_causal_softmax",
     "flash_attention",
+    "flash_attention_varlen",
     "cross_entropy",
     "fused_rope",
     "rope_reference",

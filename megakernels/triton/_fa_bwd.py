@@ -106,6 +106,8 @@ def _bwd_step(
     keep_scale,
     diag,
     window,
+    doc_lo,
+    doc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -116,6 +118,7 @@ def _bwd_step(
     DQ_ATOMIC: tl.constexpr,
     DQ_TMA: tl.constexpr,
     WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
@@ -139,6 +142,8 @@ def _bwd_step(
             valid = valid & in_band(offs_m[None, :], offs_n[:, None], diag, window, CAUSAL)
         elif CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + (SK - SQ))
+        if DOCS:  # the key's document: queries [doc_lo, doc_hi)
+            valid = valid & (offs_m[None, :] >= doc_lo[:, None]) & (offs_m[None, :] < doc_hi[:, None])
         p_t = tl.where(valid, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
@@ -187,6 +192,7 @@ def _bwd_kernel(
     DV,
     DQ,
     SEED,
+    DOC_SPANS,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -229,6 +235,7 @@ def _bwd_kernel(
     DQ_ATOMIC: tl.constexpr,
     DQ_TMA: tl.constexpr,
     WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -282,6 +289,23 @@ def _bwd_kernel(
             mid = full_end
         mid = tl.maximum(mid, lo)
         hi = SQ
+    doc_lo = offs_n  # the keys' document query spans (DOCS only)
+    doc_hi = offs_n
+    if DOCS:
+        # Key j is seen by queries DOC_SPANS[b, j] = [doc_lo, doc_hi) (its document's), non-decreasing in j: this
+        # block's keys meet queries [first key's lo, last key's hi) and are all seen by [last key's lo, first
+        # key's hi); query blocks of other documents are never visited.
+        spans = DOC_SPANS + b * SK * 2
+        n0 = pid_n * BLOCK_N
+        last = tl.minimum(n0 + BLOCK_N, SK) - 1
+        lo = tl.maximum(lo, tl.load(spans + n0 * 2) // BLOCK_M * BLOCK_M)
+        hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
+        mid = tl.maximum(mid, tl.cdiv(tl.load(spans + last * 2), BLOCK_M) * BLOCK_M)
+        full_end = tl.minimum(full_end, tl.load(spans + n0 * 2 + 1) // BLOCK_M * BLOCK_M)
+        mid = tl.minimum(tl.maximum(mid, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+        full_end = tl.maximum(full_end, mid)
+        doc_lo = tl.load(spans + offs_n * 2, mask=offs_n < SK, other=0)
+        doc_hi = tl.load(spans + offs_n * 2 + 1, mask=offs_n < SK, other=0)
     seed_lo = tl.full([], 0, tl.uint32)
     seed_hi = tl.full([], 0, tl.uint32)
     if DROPOUT:
@@ -329,6 +353,8 @@ def _bwd_kernel(
                 keep_scale,
                 diag,
                 WINDOW,
+                doc_lo,
+                doc_hi,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -339,6 +365,7 @@ def _bwd_kernel(
                 DQ_ATOMIC,
                 DQ_TMA,
                 WINDOWED,
+                DOCS,
             )
         for start_m in range(mid, full_end, BLOCK_M):
             dk, dv = _bwd_step(
@@ -370,6 +397,8 @@ def _bwd_kernel(
                 keep_scale,
                 diag,
                 WINDOW,
+                doc_lo,
+                doc_hi,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -380,6 +409,7 @@ def _bwd_kernel(
                 DQ_ATOMIC,
                 DQ_TMA,
                 WINDOWED,
+                DOCS,
             )
         for start_m in range(tl.maximum(full_end, mid), hi, BLOCK_M):
             dk, dv = _bwd_step(
@@ -411,6 +441,8 @@ def _bwd_kernel(
                 keep_scale,
                 diag,
                 WINDOW,
+                doc_lo,
+                doc_hi,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -421,6 +453,7 @@ def _bwd_kernel(
                 DQ_ATOMIC,
                 DQ_TMA,
                 WINDOWED,
+                DOCS,
             )
     tl.store(
         DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
@@ -444,6 +477,7 @@ def _bwd_dq_kernel(
     DELTA,
     DQ,
     SEED,
+    DOC_SPANS,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -477,6 +511,7 @@ def _bwd_dq_kernel(
     DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -515,6 +550,15 @@ def _bwd_dq_kernel(
         diag = 0  # unused without a window
         lo = 0
         hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0)) if CAUSAL else SK
+    doc_lo = offs_m  # the rows' document key spans (DOCS only), as the forward's
+    doc_hi = offs_m
+    if DOCS:
+        spans = DOC_SPANS + b * SQ * 2
+        last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, SQ) - 1
+        lo = tl.maximum(lo, tl.load(spans + pid_m * BLOCK_M * 2) // BLOCK_N * BLOCK_N)
+        hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
+        doc_lo = tl.load(spans + offs_m * 2, mask=offs_m < SQ, other=0)
+        doc_hi = tl.load(spans + offs_m * 2 + 1, mask=offs_m < SQ, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
@@ -526,6 +570,8 @@ def _bwd_dq_kernel(
             valid = valid & in_band(offs_m[:, None], offs_n[None, :], diag, WINDOW, CAUSAL)
         elif CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
+        if DOCS:
+            valid = valid & (offs_n[None, :] >= doc_lo[:, None]) & (offs_n[None, :] < doc_hi[:, None])
         p = tl.where(valid, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:

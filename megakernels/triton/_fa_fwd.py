@@ -91,6 +91,8 @@ def _fwd_step(
     threshold,
     diag,
     window,
+    doc_lo,
+    doc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -100,6 +102,7 @@ def _fwd_step(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v = _load_kv(
@@ -112,6 +115,8 @@ def _fwd_step(
             valid = valid & in_band(offs_m[:, None], offs_n[None, :], diag, window, CAUSAL)
         elif CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
+        if DOCS:  # the row's document: keys [doc_lo, doc_hi)
+            valid = valid & (offs_n[None, :] >= doc_lo[:, None]) & (offs_n[None, :] < doc_hi[:, None])
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -147,6 +152,8 @@ def _fwd_block(
     threshold,
     diag,
     window,
+    doc_lo,
+    doc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -157,6 +164,7 @@ def _fwd_block(
     TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     if WARP_SPEC and not MASKED:  # only Tritons that take warp_specialize ever see this branch
         for start_n in tl.range(start, stop, BLOCK_N, warp_specialize=True):
@@ -181,6 +189,8 @@ def _fwd_block(
                 threshold,
                 diag,
                 window,
+                doc_lo,
+                doc_hi,
                 HEAD_DIM,
                 BLOCK_N,
                 BLOCK_D,
@@ -190,6 +200,7 @@ def _fwd_block(
                 PRECISION,
                 TMA,
                 WINDOWED,
+                DOCS,
             )
     else:
         for start_n in range(start, stop, BLOCK_N):
@@ -214,6 +225,8 @@ def _fwd_block(
                 threshold,
                 diag,
                 window,
+                doc_lo,
+                doc_hi,
                 HEAD_DIM,
                 BLOCK_N,
                 BLOCK_D,
@@ -223,6 +236,7 @@ def _fwd_block(
                 PRECISION,
                 TMA,
                 WINDOWED,
+                DOCS,
             )
     return acc, m_i, l_i
 
@@ -235,6 +249,7 @@ def _fwd_kernel(
     O,
     LSE,
     SEED,
+    DOC_SPANS,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -267,6 +282,7 @@ def _fwd_kernel(
     Q_ROWS: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     if CAUSAL:  # grid (b * h, query blocks): the heaviest query block of every head first, the lightest last
         bh = tl.program_id(0)
@@ -304,23 +320,49 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if WINDOWED:
-        # Query i sees key j iff 0 <= i + diag - j < WINDOW (causal) or |i + diag - j| < WINDOW. Over the block's
-        # rows: keys [lo, hi) meet some row's band, keys [full_lo, full_hi) every row's (and lie inside SK); the
-        # band's two edges are masked, and key blocks outside it are never visited.
+    doc_lo = offs_m  # the rows' document key spans (DOCS only)
+    doc_hi = offs_m
+    if WINDOWED or DOCS:
         diag = SK - SQ + SHIFT
         m0 = pid_m * BLOCK_M
-        lo = tl.maximum(m0 + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        if CAUSAL:
-            hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag, 0))
-            full_hi = tl.minimum(tl.maximum(m0 + diag + 1, 0), SK) // BLOCK_N * BLOCK_N
-        else:
-            hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag + WINDOW - 1, 0))
-            full_hi = tl.minimum(tl.maximum(m0 + diag + WINDOW, 0), SK) // BLOCK_N * BLOCK_N
-        hi = tl.maximum(hi, lo)
-        full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
-        full_hi = tl.maximum(full_hi, full_lo)
+        if WINDOWED:
+            # Query i sees key j iff 0 <= i + diag - j < WINDOW (causal) or |i + diag - j| < WINDOW. Over the
+            # block's rows: keys [lo, hi) meet some row's band, keys [full_lo, full_hi) every row's (and lie inside
+            # SK); the band's two edges are masked, and key blocks outside it are never visited.
+            lo = tl.maximum(m0 + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            if CAUSAL:
+                hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag, 0))
+                full_hi = tl.minimum(tl.maximum(m0 + diag + 1, 0), SK) // BLOCK_N * BLOCK_N
+            else:
+                hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag + WINDOW - 1, 0))
+                full_hi = tl.minimum(tl.maximum(m0 + diag + WINDOW, 0), SK) // BLOCK_N * BLOCK_N
+            hi = tl.maximum(hi, lo)
+            full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
+            full_hi = tl.maximum(full_hi, full_lo)
+        else:  # the causal (or full) bounds below, as three loops
+            lo = 0
+            full_lo = 0
+            if CAUSAL:
+                hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + SK - SQ, 0))
+                full_hi = tl.minimum(tl.maximum(m0 + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
+            else:
+                hi = SK
+                full_hi = SK // BLOCK_N * BLOCK_N
+        if DOCS:
+            # Document ids are non-decreasing, so row i's keys are one span DOC_SPANS[b, i] = [doc_lo, doc_hi),
+            # non-decreasing in i: the block's rows meet keys [first row's lo, last row's hi) and all see keys
+            # [last row's lo, first row's hi). Key blocks of other documents are never visited.
+            spans = DOC_SPANS + b.to(tl.int64) * SQ * 2
+            last = tl.minimum(m0 + BLOCK_M, SQ) - 1
+            lo = tl.maximum(lo, tl.load(spans + m0 * 2) // BLOCK_N * BLOCK_N)
+            hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
+            full_lo = tl.maximum(full_lo, tl.cdiv(tl.load(spans + last * 2), BLOCK_N) * BLOCK_N)
+            full_hi = tl.minimum(full_hi, tl.load(spans + m0 * 2 + 1) // BLOCK_N * BLOCK_N)
+            full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
+            full_hi = tl.maximum(full_hi, full_lo)
+            doc_lo = tl.load(spans + offs_m * 2, mask=offs_m < SQ, other=0)
+            doc_hi = tl.load(spans + offs_m * 2 + 1, mask=offs_m < SQ, other=0)
         acc, m_i, l_i = _fwd_block(
             acc,
             m_i,
@@ -343,6 +385,8 @@ def _fwd_kernel(
             threshold,
             diag,
             WINDOW,
+            doc_lo,
+            doc_hi,
             HEAD_DIM,
             BLOCK_N,
             BLOCK_D,
@@ -353,6 +397,7 @@ def _fwd_kernel(
             TMA,
             WARP_SPEC,
             WINDOWED,
+            DOCS,
         )
         acc, m_i, l_i = _fwd_block(
             acc,
@@ -376,6 +421,8 @@ def _fwd_kernel(
             threshold,
             diag,
             WINDOW,
+            doc_lo,
+            doc_hi,
             HEAD_DIM,
             BLOCK_N,
             BLOCK_D,
@@ -386,6 +433,7 @@ def _fwd_kernel(
             TMA,
             WARP_SPEC,
             WINDOWED,
+            DOCS,
         )
         acc, m_i, l_i = _fwd_block(
             acc,
@@ -409,6 +457,8 @@ def _fwd_kernel(
             threshold,
             diag,
             WINDOW,
+            doc_lo,
+            doc_hi,
             HEAD_DIM,
             BLOCK_N,
             BLOCK_D,
@@ -419,6 +469,7 @@ def _fwd_kernel(
             TMA,
             WARP_SPEC,
             WINDOWED,
+            DOCS,
         )
     else:
         diag = 0  # unused without a window
@@ -451,6 +502,8 @@ def _fwd_kernel(
             threshold,
             diag,
             WINDOW,
+            doc_lo,
+            doc_hi,
             HEAD_DIM,
             BLOCK_N,
             BLOCK_D,
@@ -461,6 +514,7 @@ def _fwd_kernel(
             TMA,
             WARP_SPEC,
             WINDOWED,
+            DOCS,
         )
         acc, m_i, l_i = _fwd_block(
             acc,
@@ -484,6 +538,8 @@ def _fwd_kernel(
             threshold,
             diag,
             WINDOW,
+            doc_lo,
+            doc_hi,
             HEAD_DIM,
             BLOCK_N,
             BLOCK_D,
@@ -494,6 +550,7 @@ def _fwd_kernel(
             TMA,
             WARP_SPEC,
             WINDOWED,
+            DOCS,
         )
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, keep_scale / tl.where(empty, 1.0, l_i))

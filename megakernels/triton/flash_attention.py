@@ -162,11 +162,14 @@ def forward_launch(
     tma: bool | None = None,
     window: int = 0,
     shift: int = 0,
+    ranges: tuple | None = None,
 ) -> Launch:
     """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])``. ``tma``: load
     through tensor descriptors (default: where ``tma_eligible`` and the target is Hopper or the interpreter).
     ``window`` > 0: sliding-window attention (the ``WINDOWED`` kernel; 0 compiles the kernel without it), with the
-    query-key offset ``SK - SQ + shift`` (``shift`` != 0 only with a window: context-parallel chunks)."""
+    query-key offset ``SK - SQ + shift`` (``shift`` != 0 only with a window: context-parallel chunks).
+    ``ranges``: document masking (the ``DOCS`` kernel), ``(q_keys [b, sq, 2], k_queries [b, sk, 2])`` int32 of
+    megakernels.ops.attention.document_ranges; the forward reads ``q_keys``."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -196,6 +199,7 @@ def forward_launch(
             oa,
             lse,
             seed,
+            ranges[0] if ranges is not None else lse,
             *_strides(q),
             *_strides(k),
             *_strides(v),
@@ -222,6 +226,7 @@ def forward_launch(
             Q_ROWS=q_rows is not None,
             WARP_SPEC=False,
             WINDOWED=window > 0,
+            DOCS=ranges is not None,
             num_warps=warps,
             num_stages=stages,
             **({"maxnreg": limit[0]} if limit else {}),
@@ -230,9 +235,18 @@ def forward_launch(
 
 
 def forward(
-    q, k, v, causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None, window: int = 0, shift: int = 0
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    window: int = 0,
+    shift: int = 0,
+    ranges: tuple | None = None,
 ):
-    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32). ``window``, ``shift``: as
+    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32). ``window``, ``shift``, ``ranges``: as
     ``forward_launch``."""
     b, sq, h, d = q.shape
     out = torch.empty_like(q)
@@ -241,9 +255,22 @@ def forward(
     arch = arch_of(q.device)
 
     def launch(cfg):
-        forward_launch(q, k, v, out, lse, seed, causal, scale, dropout_p, cfg, window=window, shift=shift)()
+        forward_launch(
+            q, k, v, out, lse, seed, causal, scale, dropout_p, cfg, window=window, shift=shift, ranges=ranges
+        )()
 
-    key = ("fwd", arch, d, q.dtype, causal, dropout_p > 0.0, window > 0, seq_bucket(sq), seq_bucket(k.shape[1]))
+    key = (
+        "fwd",
+        arch,
+        d,
+        q.dtype,
+        causal,
+        dropout_p > 0.0,
+        window > 0,
+        ranges is not None,
+        seq_bucket(sq),
+        seq_bucket(k.shape[1]),
+    )
     launch(pick_config(key, candidates(FWD_CONFIGS, arch, d), launch))
     return out, lse
 
@@ -269,6 +296,7 @@ def backward_launches(
     arch: int | None = None,
     window: int = 0,
     shift: int = 0,
+    ranges: tuple | None = None,
 ) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
@@ -276,8 +304,8 @@ def backward_launches(
     fp32 scratch: the first launch writes the scaled delta into ``delta[0]`` and the base-2 lse into ``delta[1]``.
     ``dq_tma``: the one-pass kernel adds dQ tiles through a tensor descriptor (a TMA reduce) instead of fp32
     atomics (default: with atomics, where ``tma_eligible(dq)`` and the target is Hopper or the interpreter).
-    ``arch``: the target (default: the tensors' device; sm_90 for meta tensors). ``window``, ``shift``: as
-    ``forward_launch``."""
+    ``arch``: the target (default: the tensors' device; sm_90 for meta tensors). ``window``, ``shift``, ``ranges``:
+    as ``forward_launch`` (the one-pass kernel reads ``k_queries``, the dQ kernel ``q_keys``)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -290,6 +318,7 @@ def backward_launches(
         DROPOUT=dropout,
         PRECISION=_dot_precision(q.dtype),
         WINDOWED=window > 0,
+        DOCS=ranges is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -323,6 +352,7 @@ def backward_launches(
                 dv,
                 dq_arg,
                 seed,
+                ranges[1] if ranges is not None else lse,
                 *_strides(q),
                 *_strides(k),
                 *_strides(v),
@@ -361,6 +391,7 @@ def backward_launches(
                     delta,
                     dq,
                     seed,
+                    ranges[0] if ranges is not None else lse,
                     *_strides(q),
                     *_strides(k),
                     *_strides(v),
@@ -409,38 +440,80 @@ def _window_keys(launch: Launch, m0: int) -> tuple[int, int, int, int]:
     return lo, full_lo, max(full_hi, full_lo), hi
 
 
+def _doc_spans(launch: Launch):
+    """The host copy of a ``DOCS`` launch's span table (``DOC_SPANS``, [b, s, 2]) as nested lists, else None."""
+    if not launch.arg("DOCS"):
+        return None
+    return launch.arg("DOC_SPANS").cpu().tolist()
+
+
+def _clip_to_documents(bounds, spans, first: int, last: int, blk: int) -> tuple[int, int, int, int]:
+    """``(lo, full_lo, full_hi, hi)`` of a block whose first and last rows are ``first`` and ``last`` (of one batch
+    element's ``spans``, each row's document span of the other side), cut to its documents as the kernels do:
+    blocks of ``blk`` from ``[spans[first][0], spans[last][1])``, unmasked only in ``[spans[last][0],
+    spans[first][1])``."""
+    lo, full_lo, full_hi, hi = bounds
+    lo = max(lo, spans[first][0] // blk * blk)
+    hi = max(min(hi, spans[last][1]), lo)
+    full_lo = max(full_lo, _cdiv(spans[last][0], blk) * blk)
+    full_hi = min(full_hi, spans[first][1] // blk * blk)
+    full_lo = min(max(full_lo, lo), _cdiv(hi, blk) * blk)
+    return lo, full_lo, max(full_hi, full_lo), hi
+
+
 def forward_schedule(launch: Launch) -> Schedule:
     """The schedule of ``_fwd_kernel`` (a ``forward_launch``). A program is one query block of one head (causal
     grids ``(b * h, blocks)`` run the last query block of every head first, the others are ``(blocks, b * h)``); it
     runs the key blocks that every row of it sees in full, ``range(0, full, BLOCK_N)`` without masks ("full"), then
     ``range(full, hi, BLOCK_N)`` with them ("masked"): up to the causal diagonal and SK's partial block. With a
     window (``WINDOWED``) it runs only the key blocks that meet its rows' band: the band's near edge with masks
-    ("window"), the blocks inside every row's band without ("full"), then the far edge ("masked")."""
+    ("window"), the blocks inside every row's band without ("full"), then the far edge ("masked"). With documents
+    (``DOCS``) the same three loops, cut to the key span of the block's documents: a program's work follows its
+    document's length, not the packed sequence's."""
     sq, sk = launch.arg("SQ"), launch.arg("SK")
     bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
-    windowed = launch.arg("WINDOWED")
+    windowed, h = launch.arg("WINDOWED"), launch.arg("H")
+    spans = _doc_spans(launch)
 
-    def runs(pid_m: int) -> list[tuple[str, range]]:
-        if windowed:
-            lo, full_lo, full_hi, hi = _window_keys(launch, pid_m * bm)
-            return [
-                ("window", range(lo, full_lo, bn)),
-                ("full", range(full_lo, full_hi, bn)),
-                ("masked", range(full_hi, hi, bn)),
-            ]
+    def plain(pid_m: int) -> tuple[int, int]:
         if causal:
             hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
             full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
         else:
             hi, full = sk, sk // bn * bn
+        return full, hi
+
+    def runs(pid_m: int, b: int) -> list[tuple[str, range]]:
+        if windowed or spans is not None:
+            if windowed:
+                bounds = _window_keys(launch, pid_m * bm)
+            else:
+                full, hi = plain(pid_m)
+                bounds = (0, 0, full, hi)
+            if spans is not None:
+                bounds = _clip_to_documents(bounds, spans[b], pid_m * bm, min(pid_m * bm + bm, sq) - 1, bn)
+            lo, full_lo, full_hi, hi = bounds
+            return [
+                ("window", range(lo, full_lo, bn)),
+                ("full", range(full_lo, full_hi, bn)),
+                ("masked", range(full_hi, hi, bn)),
+            ]
+        full, hi = plain(pid_m)
         return [("full", range(0, full, bn)), ("masked", range(full, hi, bn))]
 
-    loops = ("window", "full", "masked") if windowed else ("full", "masked")
+    loops = ("window", "full", "masked") if windowed or spans is not None else ("full", "masked")
     blocks = launch.grid[1] if causal else launch.grid[0]
-    per_block = [runs(m) for m in range(blocks)]
+    per_block: dict = {}
+
+    def program(pid_m: int, bh: int):
+        b = bh // h if spans is not None else 0
+        if (pid_m, b) not in per_block:
+            per_block[pid_m, b] = runs(pid_m, b)
+        return per_block[pid_m, b]
+
     if causal:
-        return Schedule(loops, [per_block[blocks - 1 - y] for _, y in launch.program_ids()])
-    return Schedule(loops, [per_block[x] for x, _ in launch.program_ids()])
+        return Schedule(loops, [program(blocks - 1 - y, x) for x, y in launch.program_ids()])
+    return Schedule(loops, [program(x, y) for x, y in launch.program_ids()])
 
 
 def backward_schedule(launch: Launch) -> Schedule:
@@ -450,10 +523,12 @@ def backward_schedule(launch: Launch) -> Schedule:
     ``range(mid, SQ // BLOCK_M * BLOCK_M, BLOCK_M)`` without ("full"), then the query tail with masks ("tail"); a
     key block that runs past SK takes every query block masked. With a window (``WINDOWED``) only the query blocks
     that meet its keys' band: the near edge ("diag"), those inside every key's band ("full"), then the far edge and
-    the query tail ("tail")."""
+    the query tail ("tail"). With documents (``DOCS``) the same loops cut to the query span of the block's
+    documents."""
     sq, sk, group = launch.arg("SQ"), launch.arg("SK"), launch.arg("GROUP")
     bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
-    w, diag = launch.arg("WINDOW"), sk - sq + launch.arg("SHIFT")
+    w, diag, hk = launch.arg("WINDOW"), sk - sq + launch.arg("SHIFT"), launch.arg("HK")
+    spans = _doc_spans(launch)
 
     def windowed_runs(n0: int) -> tuple[int, int, int, int, int]:
         if causal:
@@ -480,30 +555,52 @@ def backward_schedule(launch: Launch) -> Schedule:
         mid = max(mid, lo)
         return lo, mid, full_end, max(full_end, mid), sq
 
-    def runs(pid_n: int) -> list[tuple[str, range]]:
+    def runs(pid_n: int, b: int) -> list[tuple[str, range]]:
         lo, mid, full_end, tail, hi = windowed_runs(pid_n * bn) if launch.arg("WINDOWED") else plain_runs(pid_n)
+        if spans is not None:
+            n0 = pid_n * bn
+            lo, mid, full_end, hi = _clip_to_documents((lo, mid, full_end, hi), spans[b], n0, min(n0 + bn, sk) - 1, bm)
+            tail = full_end
         one = [("diag", range(lo, mid, bm)), ("full", range(mid, full_end, bm)), ("tail", range(tail, hi, bm))]
         return one * group
 
-    per_block = [runs(n) for n in range(launch.grid[0])]
-    return Schedule(("diag", "full", "tail"), [per_block[x] for x, _ in launch.program_ids()])
+    per_block: dict = {}
+
+    def program(pid_n: int, bhk: int):
+        b = bhk // hk if spans is not None else 0
+        if (pid_n, b) not in per_block:
+            per_block[pid_n, b] = runs(pid_n, b)
+        return per_block[pid_n, b]
+
+    return Schedule(("diag", "full", "tail"), [program(x, y) for x, y in launch.program_ids()])
 
 
 def dq_schedule(launch: Launch) -> Schedule:
     """The schedule of ``_bwd_dq_kernel`` (the deterministic backward's dQ), grid ``(query blocks, b * h)``: each
     program runs the key blocks its queries see, ``range(0, hi, BLOCK_N)`` ("all"); with a window, those that meet
-    its rows' band, ``range(lo, hi, BLOCK_N)``."""
-    sq, sk = launch.arg("SQ"), launch.arg("SK")
+    its rows' band, ``range(lo, hi, BLOCK_N)``; with documents, cut to its documents' key span."""
+    sq, sk, h = launch.arg("SQ"), launch.arg("SK"), launch.arg("H")
     bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
+    spans = _doc_spans(launch)
 
-    def keys(m: int) -> range:
+    def keys(m: int, b: int) -> range:
         if launch.arg("WINDOWED"):
             lo, _, _, hi = _window_keys(launch, m * bm)
-            return range(lo, hi, bn)
-        return range(0, min(sk, max((m + 1) * bm + sk - sq, 0)) if causal else sk, bn)
+        else:
+            lo, hi = 0, min(sk, max((m + 1) * bm + sk - sq, 0)) if causal else sk
+        if spans is not None:
+            lo, _, _, hi = _clip_to_documents((lo, lo, lo, hi), spans[b], m * bm, min(m * bm + bm, sq) - 1, bn)
+        return range(lo, hi, bn)
 
-    per_block = [[("all", keys(m))] for m in range(launch.grid[0])]
-    return Schedule(("all",), [per_block[x] for x, _ in launch.program_ids()])
+    per_block: dict = {}
+
+    def program(m: int, bh: int):
+        b = bh // h if spans is not None else 0
+        if (m, b) not in per_block:
+            per_block[m, b] = [("all", keys(m, b))]
+        return per_block[m, b]
+
+    return Schedule(("all",), [program(x, y) for x, y in launch.program_ids()])
 
 
 # kernel name -> its schedule: every kernel of this module with tile loops (``_bwd_delta_kernel`` has none)
@@ -527,9 +624,10 @@ def backward(
     deterministic: bool = False,
     window: int = 0,
     shift: int = 0,
+    ranges: tuple | None = None,
 ):
     """Returns (dq, dk, dv) shaped and typed like q, k, v. ``deterministic``: the same bits on every run (dQ by a
-    separate kernel instead of atomics). ``window``, ``shift``: as ``forward_launch``."""
+    separate kernel instead of atomics). ``window``, ``shift``, ``ranges``: as ``forward_launch``."""
     b, sq, h, d = q.shape
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = torch.empty((2, b, h, sq), dtype=torch.float32, device=q.device)
@@ -558,6 +656,7 @@ def backward(
             deterministic,
             window=window,
             shift=shift,
+            ranges=ranges,
         ):
             ln()
         return dq
@@ -571,6 +670,7 @@ def backward(
         dropout_p > 0.0,
         deterministic,
         window > 0,
+        ranges is not None,
         seq_bucket(sq),
         seq_bucket(k.shape[1]),
     )

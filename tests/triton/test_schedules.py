@@ -165,6 +165,46 @@ def test_windowed_schedules_are_the_kernels(fa_recorder, sq, sk, causal, window,
                 _assert_schedule(launch, fa.SCHEDULES[launch.name](launch), fa_recorder.run(launch))
 
 
+# Document ids per batch element (run lengths; ids non-decreasing): documents shorter and longer than a block, one
+# of one token, a query id without keys (the pair's k side lacks it), and batch elements with different documents
+DOCUMENTS = [([[10, 1, 29], [40]], [[30, 7, 33], [70]]), ([[3, 30, 7], [1, 39]], [[20, 0, 50], [2, 68]])]
+
+
+def _doc_ids(runs, s):
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)) * 2, torch.tensor(r)) for r in runs])
+    return ids[:, :s]
+
+
+@pytest.mark.parametrize("window,shift", [(0, 0), (20, 0), (30, -5)], ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("docs", range(len(DOCUMENTS)))
+def test_document_schedules_are_the_kernels(fa_recorder, docs, causal, window, shift):
+    """Launches with documents (``DOCS``): the forward, the one-pass backward and the dQ kernel visit only the
+    blocks of the other side inside their documents' spans (with and without a window), and the schedules say so."""
+    from megakernels.ops.attention import document_ranges
+    from megakernels.triton import flash_attention as fa
+
+    sq, sk, h, hk = 40, 70, 2, 1
+    q, k, v = _fa_tensors(sq, sk, h, hk)
+    q_runs, k_runs = DOCUMENTS[docs]
+    ranges = document_ranges(_doc_ids(q_runs, sq), _doc_ids(k_runs, sk))
+    b = q.shape[0]
+    out, lse = torch.empty_like(q), torch.zeros(b, h, sq)
+    delta = torch.empty(2, b, h, sq)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    kw = dict(window=window, shift=shift, ranges=ranges)
+    for cfg in FA_CONFIGS:
+        launches = [fa.forward_launch(q, k, v, out, lse, lse, causal, 0.1, 0.0, cfg, **kw)]
+        for det in (False, True):
+            dq = torch.empty_like(q) if det else torch.zeros(q.shape)
+            launches += fa.backward_launches(
+                q, q, k, v, q, lse, delta, dq, dk, dv, lse, causal, 0.1, 0.0, cfg, det, arch=0, **kw
+            )
+        for launch in launches:
+            if launch.name in fa.SCHEDULES:
+                _assert_schedule(launch, fa.SCHEDULES[launch.name](launch), fa_recorder.run(launch))
+
+
 def test_a_window_skips_the_key_blocks_outside_it():
     """The work of a windowed launch grows with the window, not the sequence: each program runs exactly the blocks
     of the other side that hold a (query, key) pair of the band (from the mask, block by block), at s = 1024 with
