@@ -10,6 +10,10 @@ time of the same run), which docs/design.md §6's backward target is about. Each
 tokens and ``h * d = 2048`` on a GPU (flash-attn's sweep), smaller on the CPU. SDPA gets the same data in its own
 ``[b, h, s, d]`` layout, so no transpose is timed. The ceiling is the GEMM rate in the same dtype, measured in the
 same run. On the CPU this compares the blocked CPU path with SDPA's CPU kernel. Never asserts on time.
+
+Packed documents (variant ``d<d> causal 16 docs``, at the longest sequence): every sequence is 16 documents
+(``flash_attention(documents=...)``), timed beside the same tokens as one document ("one document"); FLOPs count
+the documents' own scores, so the speed-up over "one document" is what skipping other documents' keys buys.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from megakernels.ops import flash_attention
 FAMILY = "attention"
 OPS = ("flash_attention",)
 GPU_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+PACKED_DOCUMENTS = 16  # documents per sequence of the packed case
 CPU_SEQLENS = [512, 1024, 2048, 4096]
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -146,4 +151,59 @@ def run(
                         fwd_times = times
                         rows.append(row)
                         table(row)
+            s = max(seqlens)
+            if s % PACKED_DOCUMENTS == 0 and s // PACKED_DOCUMENTS >= 32:
+                for row in packed_rows(dtype_name, d, s, device, min_run_time, ceilings):
+                    rows.append(row)
+                    table(row)
+    return rows
+
+
+def packed_rows(dtype_name, d, s, device, min_run_time, ceilings) -> list[dict]:
+    """Causal attention over sequences of ``PACKED_DOCUMENTS`` equal documents (fwd, fwd+bwd) beside the same
+    tokens as one document: rows whose work is the documents' FLOPs."""
+    b, h = shape_for(s, d, device)
+    n = PACKED_DOCUMENTS
+    docs = torch.arange(n, device=device).repeat_interleave(s // n).expand(b, s)
+    rows = []
+    for backward in (False, True):
+        q, k, v, do = make_inputs(b, h, s, d, DTYPES[dtype_name], device, backward)
+
+        def step(documents):
+            def run():
+                with torch.set_grad_enabled(backward):
+                    out = flash_attention(q, k, v, causal=True, documents=documents)
+                    if backward:
+                        torch.autograd.backward(out, do, inputs=[q, k, v])
+
+            return run
+
+        times = {
+            OURS: median_seconds(step(docs), min_run_time),
+            "one document": median_seconds(step(None), min_run_time),
+        }
+        value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
+        rows.append(
+            result_row(
+                "flash_attention",
+                FAMILY,
+                dtype=dtype_name,
+                shape=f"{b}x{h}x{s}x{d}",
+                pass_="fwd+bwd" if backward else "fwd",
+                size=s,
+                size_label="sequence length",
+                unit="TFLOP/s",
+                work=n * flops(b, h, s // n, d, True, backward),
+                times=times,
+                ceiling=value,
+                ceiling_name=cname,
+                variant=f"d{d} causal {n} docs",
+                batch=b,
+                heads=h,
+                seqlen=s,
+                head_dim=d,
+                causal=True,
+                documents=n,
+            )
+        )
     return rows

@@ -15,6 +15,12 @@ eager bidirectional overlay takes ``|rel| <= w`` instead). The kernels visit onl
 so the cost grows with ``w``, not with the sequence. The custom ops also take a ``shift`` added to ``sk - sq`` (with a
 window only): context parallelism (megakernels/parallel/context.py) attends chunks at any absolute offset.
 
+Packed documents (``documents=``, and ``flash_attention_varlen`` over it): query i sees key j only if their
+document ids are equal, on top of the rules above. Ids are non-decreasing, so each token's same-document tokens on
+the other side are one span (``document_ranges``); the kernels cut every query block's keys (and every key block's
+queries, in the backward) to the spans of its documents, so other documents' blocks are never visited. The custom
+ops take the ids as ``q_docs``/``k_docs`` after ``shift``.
+
 Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
 fp32); CPU tensors run the blocked CPU path (megakernels/ops/_attention_cpu.py, memory O(block * sk)); under
 ``megakernels.backend("cuda_emu")`` CPU tensors run the *Triton* kernels through Triton's interpreter (which needs

@@ -1,5 +1,7 @@
 """FlashAttention in the static report: every sm_90 candidate config of the forward and backward at the key shapes
-(d64 and d128, bf16, causal and not, s = 4k and 8k with b * s = 16k tokens and h * d = 2048).
+(d64 and d128, bf16, causal and not, s = 4k and 8k with b * s = 16k tokens and h * d = 2048), and one packed case:
+the s = 8k causal d128 shape with every sequence 16 documents of 512 tokens (document masking), beside the same
+shape as one document, so the report shows the key blocks of other documents skipped.
 
 Each kernel's launches come from the launcher itself (``forward_launch`` / ``backward_launches`` on meta tensors),
 so the report compiles exactly what runs. What the model needs besides the SASS is each kernel's *schedule*: how
@@ -18,6 +20,7 @@ from megakernels.bench.static import compiled, model, tiles
 from megakernels.bench.static.registry import Entry, register
 
 SHAPES = [(4096, 64), (4096, 128), (8192, 128)]  # (seqlen, head_dim); batch = 16k / s, heads = 2048 / d
+PACK = (8192, 128, 16)  # (seqlen, head_dim, documents per sequence): causal, default configs
 DTYPE = torch.bfloat16
 
 
@@ -67,18 +70,35 @@ def _meta(*shape, dtype=DTYPE):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _fwd_entry(s: int, d: int, causal: bool, cfg) -> dict:
+def _documents(b: int, s: int, docs: int):
+    """The kernels' document spans (host tensors: the schedules read them) for ``docs`` equal documents per
+    sequence, or None for one document."""
+    if docs <= 1:
+        return None
+    from megakernels.ops.attention import document_ranges
+
+    ids = torch.arange(docs).repeat_interleave(s // docs).expand(b, s)
+    return document_ranges(ids, ids)
+
+
+def _attended(s: int, docs: int) -> int:
+    """Sum of the squared document lengths: the score entries that FLOPs count (halved when causal)."""
+    return docs * (s // docs) ** 2
+
+
+def _fwd_entry(s: int, d: int, causal: bool, cfg, docs: int = 1) -> dict:
     from megakernels.triton import flash_attention as fa
 
     b, h = 16384 // s, 2048 // d
     q, out, lse = _meta(b, s, h, d), _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
-    launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg)
+    ranges = _documents(b, s, docs)
+    launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg, ranges=ranges)
     c, pred = kernel_prediction(launch)
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    flops = 4 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
     return tiles.pass_row([(launch.name, c, pred)], flops)
 
 
-def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -> dict:
+def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False, docs: int = 1) -> dict:
     from megakernels.triton import flash_attention as fa
 
     b, h = 16384 // s, 2048 // d
@@ -86,7 +106,23 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
     dq = q if deterministic else _meta(b, s, h, d, dtype=torch.float32)
     delta = _meta(2, b, h, s, dtype=torch.float32)  # scaled delta and base-2 lse
     launches = fa.backward_launches(
-        q, q, q, q, q, lse, delta, dq, q, q, lse, causal, 1 / math.sqrt(d), 0.0, cfg, deterministic
+        q,
+        q,
+        q,
+        q,
+        q,
+        lse,
+        delta,
+        dq,
+        q,
+        q,
+        lse,
+        causal,
+        1 / math.sqrt(d),
+        0.0,
+        cfg,
+        deterministic,
+        ranges=_documents(b, s, docs),
     )
     mma = [ln for ln in launches if ln.name in fa.SCHEDULES]
     parts = [(ln.name, *kernel_prediction(ln)) for ln in mma]
@@ -94,7 +130,7 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False) -
     # Streaming launches at the copy rate: delta reads dO and O (4 B per element); the atomic path also zeroes
     # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).
     extra = (4 + (0 if deterministic else 10)) * elems / model.H200.dram_copy + model.H200.launch_s * 2
-    flops = 10 * b * h * s * s * d * (0.5 if causal else 1.0)
+    flops = 10 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
     return tiles.pass_row(parts, flops, extra)
 
 
@@ -148,4 +184,22 @@ def flash_attention_entries() -> list[Entry]:
                     key=(s == 4096),
                 )
             )
+    # Packed documents: the s = 8k causal shape whose sequences are each PACK[2] documents (the kernels' DOCS
+    # variant), at the default configs; its one-document twin is the row above with the same shape and config.
+    s, d, docs = PACK
+    b, h = 16384 // s, 2048 // d
+    for passname, table, fn in (("fwd", fa.FWD_CONFIGS, _fwd_entry), ("bwd", fa.BWD_CONFIGS, _bwd_entry)):
+        cfg = fa.candidates(table, 90, d)[0]
+        out.append(
+            Entry(
+                f"flash_attention.{passname}",
+                _config_name(cfg),
+                f"b{b} s{s} h{h} d{d} causal {docs}x{s // docs} docs",
+                "bf16",
+                (lambda fn=fn, cfg=cfg: fn(s, d, True, cfg, docs=docs)),
+                family="attention",
+                needs_wgmma=True,
+                key=True,
+            )
+        )
     return out
