@@ -200,6 +200,13 @@ def flash_attention_entries() -> list[Entry]:
                 family="attention",
                 needs_wgmma=True,
                 key=True,
+                bench={
+                    "op": "flash_attention",
+                    "pass": passname,
+                    "shape": f"{b}x{h}x{s}x{d}",
+                    "dtype": "bfloat16",
+                    "variant": f"d{d} causal {docs} docs",  # megakernels.bench.attention's packed rows
+                },
             )
         )
     return out
