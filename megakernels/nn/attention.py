@@ -151,7 +151,7 @@ class FlashSelfAttention(_Core):
                 softmax_scale=self.softmax_scale,
                 dropout_p=p,
                 window=self.window,
-                **({} if documents is None else {"documents": documents}),
+                documents=documents,
             )
         if documents is not None:
             raise ValueError(f"{type(self).__name__}: pass either a mask or documents, not both")

@@ -143,8 +143,10 @@ def test_patched_model_compiles_as_one_graph(family):
 def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
     """DataCollatorWithFlattening's batches (sequences concatenated, position_ids restarting, -100 at each
     sequence's first label): no mask is made, FlashAttention keeps the sequences apart (Mistral's window inside
-    each); logits equal each sequence run alone, loss and gradients equal transformers' own packed masks."""
+    each); logits, loss and gradients equal those of each sequence run alone through the unpatched model (the
+    loss over the same labels)."""
     from transformers import DataCollatorWithFlattening
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
     ref = H.build(family)
     model = copy.deepcopy(ref)
@@ -156,13 +158,16 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
             model, batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]
         )
     assert "flash_attn_fwd" in seen.names
-    with torch.no_grad():
-        alone = torch.cat([ref(input_ids=s[None]).logits for s in seqs], 1)
-    torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
-    _, loss0, grads0 = step(ref, batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
-    torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
-    for name, g in grads0.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    ref.zero_grad(set_to_none=True)
+    alone = torch.cat([ref(input_ids=s[None]).logits for s in seqs], 1)
+    expected = ForCausalLMLoss(alone, batch["labels"], H.VOCAB)
+    expected.backward()
+    torch.testing.assert_close(logits, alone.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)  # experts no token reached
+        got = grads[name] if grads[name] is not None else torch.zeros_like(p)
+        torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_padded_batch_falls_back_to_sdpa_with_the_same_logits():

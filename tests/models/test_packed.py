@@ -46,7 +46,7 @@ def _packed_sample(seed: int, lengths=LENGTHS):
     return ids, labels, doc_ids, positions
 
 
-@pytest.mark.parametrize("attention", ["torch"])
+@pytest.mark.parametrize("attention", ["torch", "flash"])
 @pytest.mark.parametrize("family", list(MODELS))
 def test_each_packed_document_computes_what_it_computes_alone(single_world, family, attention):
     cls, cfg = MODELS[family]

@@ -136,7 +136,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         softmax_scale=scaling,
         dropout_p=float(dropout),
         window=window,
-        **({} if documents is None else {"documents": documents}),
+        documents=documents,
     )
     return out, None
 
