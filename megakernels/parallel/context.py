@@ -88,14 +88,32 @@ def _emulate(q: torch.Tensor) -> bool:
     return emulate_for("ring_attention", q)
 
 
-def _fwd(q, k, v, causal, scale, emulate, window=0, shift=0):
-    return torch.ops.megakernels.flash_attn_fwd(q, k, v, causal, scale, 0.0, None, emulate, False, window, shift)
-
-
-def _bwd(dout, q, k, v, out, lse, causal, scale, emulate, window=0, shift=0):
-    return torch.ops.megakernels.flash_attn_bwd(
-        dout, q, k, v, out, lse, causal, scale, 0.0, None, emulate, False, window, shift
+def _fwd(q, k, v, causal, scale, emulate, window=0, shift=0, docs=(None, None)):
+    return torch.ops.megakernels.flash_attn_fwd(
+        q, k, v, causal, scale, 0.0, None, emulate, False, window, shift, docs[0], docs[1]
     )
+
+
+def _bwd(dout, q, k, v, out, lse, causal, scale, emulate, window=0, shift=0, docs=(None, None)):
+    return torch.ops.megakernels.flash_attn_bwd(
+        dout, q, k, v, out, lse, causal, scale, 0.0, None, emulate, False, window, shift, docs[0], docs[1]
+    )
+
+
+def _chunk_ids(documents: torch.Tensor | None, rank: int, cp: int, c: int) -> torch.Tensor | None:
+    """The document ids of the two chunks rank ``rank`` holds (``rank`` and ``2·cp − 1 − rank``, ``c`` tokens
+    each) out of the whole sequence's ``[b, 2·cp·c]``: non-decreasing, as the chunks are in sequence order."""
+    if documents is None:
+        return None
+    a, b = rank, 2 * cp - 1 - rank
+    return torch.cat([documents[:, a * c : (a + 1) * c], documents[:, b * c : (b + 1) * c]], 1).contiguous()
+
+
+def _pair(q_ids, k_ids, rows: slice, keys: slice):
+    """The (query, key) document ids of one partial attention, or (None, None) without documents."""
+    if q_ids is None:
+        return None, None
+    return q_ids[:, rows].contiguous(), k_ids[:, keys].contiguous()
 
 
 def _acc_dtype(q: torch.Tensor) -> torch.dtype:
@@ -165,7 +183,7 @@ class RingAttention(torch.autograd.Function):
     """Autograd of ``ring_attention`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, group, window: int = 0):
+    def forward(ctx, q, k, v, causal: bool, scale: float, group, window: int = 0, documents=None):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         emulate = _emulate(q)
         c = q.shape[1] // 2
@@ -174,10 +192,13 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full((b, h, s), -math.inf, dtype=acc, device=q.device)
         held = (k, v)
+        q_ids = _chunk_ids(documents, rank, cp, c)
         for step in range(cp):
             ring = _Ring(list(held), group, "cp_kv") if step < cp - 1 else None
+            k_ids = _chunk_ids(documents, (rank - step) % cp, cp, c)  # the held chunks' (their owner's)
             for rows, keys, cz, w, shift in _plan(step, rank, cp, causal, c, window):
-                o, l = _fwd(q[:, rows], held[0][:, keys], held[1][:, keys], cz, scale, emulate, w, shift)
+                docs = _pair(q_ids, k_ids, rows, keys)
+                o, l = _fwd(q[:, rows], held[0][:, keys], held[1][:, keys], cz, scale, emulate, w, shift, docs)
                 comm.record("compute", "cp_attention")
                 _merge(out, lse, rows, o, l)
             if ring is not None:
@@ -185,6 +206,7 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.group, ctx.emulate, ctx.window = causal, scale, group, emulate, window
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -197,10 +219,12 @@ class RingAttention(torch.autograd.Function):
         acc = _acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         held, incoming = (k, v), None
+        q_ids = _chunk_ids(ctx.documents, rank, cp, c)
         for step in range(cp):
             ring = _Ring(list(held), group, "cp_kv") if step < cp - 1 else None
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            k_ids = _chunk_ids(ctx.documents, (rank - step) % cp, cp, c)
             for rows, keys, cz, w, shift in _plan(step, rank, cp, causal, c, ctx.window):
                 pq, pk, pv = _bwd(
                     dout[:, rows],
@@ -214,6 +238,7 @@ class RingAttention(torch.autograd.Function):
                     emulate,
                     w,
                     shift,
+                    _pair(q_ids, k_ids, rows, keys),
                 )
                 comm.record("compute", "cp_attention_backward")
                 dq[:, rows] += pq.to(acc)
@@ -229,7 +254,7 @@ class RingAttention(torch.autograd.Function):
             if ring is not None:
                 held = tuple(ring.wait())
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -263,8 +288,6 @@ def ring_attention(
     from megakernels.ops.attention import check_window
 
     window = check_window("ring_attention", window)
-    if documents is not None:
-        raise NotImplementedError("ring_attention: packed documents over context parallelism are not supported yet")
     if group is None:
         from megakernels.parallel import state
 
@@ -277,4 +300,11 @@ def ring_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if window >= q.shape[1] * dist.get_world_size(group):  # the band holds the whole sequence
         window = 0
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group, window)
+    if documents is not None:
+        from megakernels.ops.attention import check_documents
+
+        whole = q.new_empty((q.shape[0], q.shape[1] * dist.get_world_size(group), 1, 1))  # the sequence's shape
+        documents = check_documents("ring_attention", documents, whole, whole)[0]
+    return RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group, window, documents
+    )

@@ -1,5 +1,6 @@
 """Context parallelism: the load-balanced chunk layout, and ring attention against unsplit attention in fp64
-(forward and every gradient, causal and not, GQA, cp 2 and 4, with and without a sliding window), with each
+(forward and every gradient, causal and not, GQA, cp 2 and 4, with and without a sliding window, over packed
+documents), with each
 key/value transfer in flight while the held chunk is computed. One world of 4 gloo processes."""
 
 from __future__ import annotations
@@ -109,6 +110,47 @@ def _(rank, world):
                         met += any((0 <= e < window) if causal else (abs(e) < window) for e in d)
                 computed = sum(e == ("compute", "cp_attention") for e in events)
                 assert computed == met, f"{what}: {computed} partial attentions, {met} chunk pairs meet the window"
+        mp.destroy()
+
+
+def _documents_reference(q, k, v, causal, window, docs):
+    """fp64 attention masked by hand: within each document only, then causal / windowed as above."""
+    pos = torch.arange(q.shape[1])
+    rel = pos[:, None] - pos[None, :]
+    hidden = (rel < 0) if causal else torch.zeros_like(rel, dtype=torch.bool)
+    if window:
+        hidden = hidden | (rel >= window) | (rel <= -window)
+    hidden = hidden[None, None] | (docs[:, None, :, None] != docs[:, None, None, :])
+    kk, vv = (t.repeat_interleave(q.shape[2] // t.shape[2], 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores.masked_fill(hidden, float("-inf")), -1), vv)
+
+
+@CHECKS.add("ring_attention_over_packed_documents_matches_unsplit_document_masked_attention")
+def _(rank, world):
+    """Packed documents whose boundaries fall inside chunks, on them, and span several chunks (and one document
+    per sample in the second sample): every rank's rows and gradients equal single-device attention masked to
+    each document, causal or not, with and without a window."""
+    lengths = ([3, 5, 1, 7], [16])
+    docs = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths]).int()
+    for cp in (2, 4):
+        mp.initialize(cp=cp)
+        r = mp.cp_rank()
+        for causal, window in ((True, 0), (False, 0), (True, 3)):
+            what = f"cp{cp} causal={causal} window={window} documents"
+            q, k, v = (randn(B, S, h, D, seed=s).double() for s, h in ((1, HQ), (2, HKV), (3, HKV)))
+            dout = randn(B, S, HQ, D, seed=4).double()
+            full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            ref = _documents_reference(*full, causal, window, docs)
+            ref.backward(dout)
+            local = [context.split_for_cp(t, 1, cp, r).clone().requires_grad_(True) for t in (q, k, v)]
+            out = context.ring_attention(*local, causal=causal, window=window or None, documents=docs)
+            out.backward(context.split_for_cp(dout, 1, cp, r))
+            assert_close(out, context.split_for_cp(ref, 1, cp, r), f"{what}: output", rtol=1e-10)
+            for name, mine, f in zip("qkv", local, full):
+                assert_close(mine.grad, context.split_for_cp(f.grad, 1, cp, r), f"{what}: d{name}", rtol=1e-10)
+        with pytest.raises(ValueError, match=r"documents must have shape \[batch, seqlen\] = \[2, 16\]"):
+            context.ring_attention(*local, causal=True, documents=docs[:, :8])
         mp.destroy()
 
 
