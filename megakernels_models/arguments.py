@@ -232,6 +232,12 @@ class _Settings:
         "loss on the assistant's tokens only",
         DATA,
     )
+    sft_packing: bool = setting(
+        True,
+        "--sft: pack several conversations a sample (best fit); --no-sft-packing: one a sample, padded",
+        DATA,
+        flag="--no-sft-packing",
+    )
     # checkpoints, evaluation, logs
     save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
     save_interval: int | None = setting(None, "steps between checkpoints (default: only at the end)", LOGS)
@@ -486,6 +492,8 @@ PACKING_SETTINGS = ("document_masking", "reset_position_ids", "reset_attention_m
 def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
     """Packed sequences (--document-masking, the Megatron-LM flags, --sft) are for causal language models, and
     --sft reads a chat dataset."""
+    if not a.sft_packing and not a.sft:
+        raise ArgumentError("--no-sft-packing is for --sft")
     given = [_flag(n) for n in PACKING_SETTINGS if getattr(a, n)]
     if not given:
         return

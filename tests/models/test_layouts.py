@@ -54,7 +54,20 @@ BASE = TrainArgs(
     timeout=120,
 )
 
-MODELS = ("gpt", "bert", "llama", "llama-swa", "qwen", "gpt-moe", "llama-moe", "qwen-moe", "vlm", "vlm-x")
+MODELS = (
+    "gpt",
+    "bert",
+    "llama",
+    "llama-swa",
+    "qwen",
+    "gpt-moe",
+    "llama-moe",
+    "qwen-moe",
+    "vlm",
+    "vlm-x",
+    "gpt-docs",
+    "llama-sft",
+)
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
 QWEN = dict(qkv_bias=True, qk_norm=True, rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_positions=8)
@@ -75,7 +88,12 @@ FAMILY = {
     "qwen-moe": ("qwen", {**LLAMA, **MOE, "qk_norm": True, "moe_normalize": False}),  # Qwen 3 MoE, top-k unnormalised
     "vlm": ("vlm", VLM),
     "vlm-x": ("vlm", {**VLM, **LLAMA, "lm": "llama", "cross_attention_every": 2, "contrastive_coeff": 0.5}),
+    # packed pre-training: short documents (EOD-separated, several per sample) with --document-masking
+    "gpt-docs": ("gpt", {"document_masking": True}),
+    # supervised fine-tuning on the example conversations, packed whole into samples of 128 tokens
+    "llama-sft": ("llama", {**LLAMA, "sft": True, "seq_length": 128}),
 }
+PACKED = ("gpt-docs", "llama-sft")
 DENSE, EXPERTS, VISION = ("gpt", "bert", "llama"), ("gpt-moe", "llama-moe"), ("vlm", "vlm-x")
 SAVED = ("gpt", "bert", "llama", "gpt-moe", "llama-moe")  # the families of the resharding tests
 
@@ -123,7 +141,7 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe"),
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe") + PACKED,
     "pp2-vpp2-dp2": ("gpt", "bert"),
     "tp2-pp2-dp2": ("bert",),
     "tp2-pp2-dp2-sp-zero1-recompute": ("gpt", "llama"),
@@ -139,7 +157,7 @@ ONLY = {
     "ep2-dp4-zero1": ("gpt-moe",),
     "cp2-ep2": ("llama-moe",),
     "tp2": DENSE + ("llama-swa", "vlm-x"),
-    "cp2": ("gpt", "llama", "llama-swa"),
+    "cp2": ("gpt", "llama", "llama-swa") + PACKED,
     "tp2-cp2-sp": ("gpt", "llama", "llama-swa"),
     "torch-attention": ("llama-swa",),
     "pp2": DENSE + VISION,
@@ -148,9 +166,40 @@ ONLY = {
 }
 
 
-def _args(model: str, changes: dict, nproc: int) -> TrainArgs:
+def _args(model: str, changes: dict, nproc: int, root: str = "") -> TrainArgs:
     family, extra = FAMILY[model]
-    return dataclasses.replace(BASE, model=family, nproc=nproc, **extra, **changes)
+    args = dataclasses.replace(BASE, model=family, nproc=nproc, **extra, **changes)
+    if model == "gpt-docs":
+        args = dataclasses.replace(args, data=os.path.join(root or CKPT_DIR, "docs"))
+    elif model == "llama-sft":
+        tok = os.path.join(root or CKPT_DIR, "chat-tokenizer")
+        args = dataclasses.replace(args, data=os.path.join(root or CKPT_DIR, "chat"), tokenizer=f"hf:{tok}")
+    return args
+
+
+def _packed_data(root: str = None) -> None:
+    """The packed models' data under ``root`` (made once, in the parent process): ~400 short byte-level documents
+    of 3 to 30 tokens with EOD, and the example conversations preprocessed with a small chat tokenizer."""
+    import json
+
+    from megakernels_models.data import chat
+    from megakernels_models.data.preprocess import preprocess
+
+    root = root or CKPT_DIR
+    if os.path.exists(os.path.join(root, "chat.chat.json")):
+        return
+    g = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "pack", "doc", "end", "x"]
+    with open(os.path.join(root, "docs.jsonl"), "w") as f:
+        for _ in range(400):
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+            f.write(json.dumps({"text": text}) + "\n")
+    preprocess([os.path.join(root, "docs.jsonl")], os.path.join(root, "docs"), "byte", append_eod=True)
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "chat_small.jsonl")
+    tok = os.path.join(root, "chat-tokenizer")
+    chat.write_small_tokenizer(tok, chat.conversation_texts([example]), 300)
+    chat.preprocess_chat([example], os.path.join(root, "chat"), tok)
 
 
 def _cases(nproc: int) -> list[tuple[str, str]]:
@@ -193,7 +242,7 @@ def _world(rank: int, world_size: int, cases, root: str):
 
     out = {}
     for model, name in cases:
-        records = train(_args(model, LAYOUTS[name][1], world_size))
+        records = train(_args(model, LAYOUTS[name][1], world_size, root))
         if records is not None:
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
@@ -243,6 +292,7 @@ def _single(cases):
 
 @pytest.fixture(scope="module")
 def baseline():
+    _packed_data()
     return _single([(m, "single") for m in MODELS] + _cases(1))
 
 
@@ -252,6 +302,7 @@ _WORLDS: dict[int, object] = {}
 def _world_results(n: int) -> dict:
     """The curves of every layout of world size n (one spawned world, run on first use; a failure is kept)."""
     if n not in _WORLDS:
+        _packed_data()
         try:
             _WORLDS[n] = run_world(n, _world, _cases(n), CKPT_DIR, timeout=600)[-1]  # the last rank logs
         except AssertionError as e:

@@ -80,3 +80,42 @@ def test_packed_gradients_equal_the_documents_alone(single_world, family):
         start += n
     for name, p in model.named_parameters():
         torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_packed_and_unpacked_sft_give_the_same_loss_and_gradients(single_world, tmp_path):
+    """The example conversations through a Llama: the loss of packed samples (several conversations each, attention
+    and positions per conversation, assistant targets only, normalised by the labelled tokens) and its gradients
+    equal those of the same conversations one per sample."""
+    import os
+
+    from megakernels_models.data import chat
+    from megakernels_models.data.sft import SFTDataset
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "chat_small.jsonl")
+    tok = str(tmp_path / "tok")
+    chat.write_small_tokenizer(tok, chat.conversation_texts([example]), 300)
+    chat.preprocess_chat([example], str(tmp_path / "chat"), tok)
+    data = chat.ChatIndexed(str(tmp_path / "chat"))
+    cfg = MODELS["llama"][1].replace(seq_length=96, vocab_size=300)
+    packed = SFTDataset(data, 96, seed=1, pad=0, documents=range(0, 12), packed=True)
+    single = SFTDataset(data, 96, seed=1, pad=0, documents=range(0, 12), packed=False)
+    samples = [packed[i] for i in range(len(packed))]
+    assert max(len(packed.conversations(i)) for i in range(len(packed))) > 1  # the packing put several together
+    alone = [single.conversation_sample(c) for i in range(len(packed)) for c in packed.conversations(i)]
+
+    def loss_and_grads(batch_samples):
+        model = LlamaModel(cfg, seed=5, attention="flash")
+        ids, labels, docs, pos = (
+            torch.stack([torch.as_tensor(s[k]) for s in batch_samples])
+            for k in ("ids", "labels", "documents", "positions")
+        )
+        per_token = model(ids, labels=labels, documents=(docs, pos))
+        loss = per_token.sum() / (labels != -100).sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss_p, grads_p = loss_and_grads(samples)
+    loss_u, grads_u = loss_and_grads(alone)
+    torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=1e-6)
+    for name, g in grads_u.items():
+        torch.testing.assert_close(grads_p[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
