@@ -111,3 +111,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and "backend" not in getattr(item, "fixturenames", ()):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind(request):
+    """A test module that leaves a torch.distributed default process group initialised fails here (and the group is
+    ended): the next module's world would otherwise fail to start, far from the cause."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(
+            f"{request.module.__name__} left a torch.distributed process group initialised: end the world it "
+            "started (megakernels_models.inference.pretrained.release(), megakernels.parallel.destroy())"
+        )

@@ -31,7 +31,7 @@ from megakernels_models.convert.common import (
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.registry import family
 from megakernels_models.training.checkpoint import GENERATION_CONFIG
-from megakernels_models.training.checkpoint_store import copy_beside
+from megakernels_models.training.checkpoint_store import copy_tokenizer
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)}
 TOKENIZER = "tokenizer.json"
@@ -80,7 +80,7 @@ def hf_to_megakernels(
         cfg, ours = with_clip_vision(cfg, ours, vision_dir, seed)
         source += "+clip"
     path = write_checkpoint(ours, cfg, out_dir, source)
-    _copy_tokenizer(hf_dir, out_dir)
+    copy_tokenizer(hf_dir, out_dir)
     special = _special_tokens(hf_dir, hf)
     if special:
         _write_json(os.path.join(out_dir, GENERATION_CONFIG), special)
@@ -128,10 +128,6 @@ def _write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)
 
 
-def _copy_tokenizer(src_dir: str, dst_dir: str) -> None:
-    copy_beside(os.path.join(src_dir, TOKENIZER), os.path.join(dst_dir, TOKENIZER))
-
-
 def checkpoint_tokenizer(ckpt_dir: str) -> str | None:
     """``hf:PATH`` of the tokenizer that travels with a checkpoint directory (or its parent for ``DIR/step-N``),
     or None."""
@@ -162,7 +158,7 @@ def megakernels_to_hf(ckpt_dir: str, out_dir: str) -> str:
     _write_json(os.path.join(out_dir, GENERATION_CONFIG), special)
     spec = checkpoint_tokenizer(ckpt_dir)
     if spec is not None:
-        _copy_tokenizer(os.path.dirname(spec[3:]), out_dir)
+        copy_tokenizer(os.path.dirname(spec[3:]), out_dir)
     return out_dir
 
 

@@ -434,12 +434,15 @@ def save(
 
 def _keep_tokenizer(save_dir: str, spec: str | None) -> None:
     """A run with a HuggingFace tokenizer keeps its ``tokenizer.json`` beside its checkpoints (generation and
-    conversion find it there)."""
+    conversion find it there), with the rest of its directory's tokenizer files (special tokens, chat template)
+    when the tokenizer is a directory or a file named ``tokenizer.json`` in one."""
     if not spec or not spec.startswith("hf:"):
         return
     src = spec[3:]
-    src = os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src
-    store.copy_beside(src, os.path.join(save_dir, "tokenizer.json"))
+    if os.path.isdir(src) or os.path.basename(src) == "tokenizer.json":
+        store.copy_tokenizer(src if os.path.isdir(src) else os.path.dirname(src) or ".", save_dir)
+    else:  # a tokenizer file of its own name (data/web.tokenizer.json): that file alone
+        store.copy_beside(src, os.path.join(save_dir, "tokenizer.json"))
 
 
 def _keep_generation_config(save_dir: str, load_dir: str | None) -> None:
@@ -487,6 +490,8 @@ def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
     except (TypeError, ValueError):
         pass
     skip = {"dropout", "attention_dropout"}  # training-time settings, not the weights' shapes
+    if now.get("position_embedding") != "learned":  # no position table: the sample length is a training setting
+        skip.add("seq_length")
     return [
         f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in now.items() if k not in skip and saved.get(k) != v
     ]

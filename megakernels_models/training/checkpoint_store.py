@@ -226,3 +226,14 @@ def copy_beside(src: str, dst: str) -> None:
     if os.path.abspath(src) != os.path.abspath(dst) and os.path.exists(src):
         shutil.copyfile(src, dst + ".tmp")
         os.replace(dst + ".tmp", dst)
+
+
+# A HuggingFace tokenizer directory's files: the tokenizer, its configuration (special tokens, the chat template in
+# older layouts) and the chat template file of newer ones. They travel together with a model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def copy_tokenizer(src_dir: str, dst_dir: str) -> None:
+    """Copy the tokenizer files ``src_dir`` has (``TOKENIZER_FILES``) into ``dst_dir``, each whole."""
+    for name in TOKENIZER_FILES:
+        copy_beside(os.path.join(src_dir, name), os.path.join(dst_dir, name))
