@@ -86,6 +86,8 @@ from megakernels_models.cli import parse_train_args
         (["--data", "x"], r"--data x: cannot read x\.bin"),
         (["--model", "bert", "--document-masking"], r"--document-masking is for causal language models \(GPT, "),
         (["--sft"], r"--sft needs --data PREFIX, made by 'megakernels preprocess --chat FILE.jsonl'"),
+        (["--no-sft-packing"], r"--no-sft-packing is for --sft"),
+        (["--sft", "--document-masking", "--data", "x"], r"--sft keeps each conversation's positions and attention"),
         (["--model", "gpt", "--qk-norm"], r"--qk-norm is for Qwens \(--model qwen\)"),
         (["--model", "llama", "--no-qkv-bias"], r"--qkv-bias is for Qwens \(--model qwen\)"),
         (["--model", "gpt", "--rope-scaling", "llama3"], r"rope_scaling needs rotary positions"),
