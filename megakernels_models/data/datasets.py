@@ -93,7 +93,11 @@ def _as_source(data, eod):
     return data if hasattr(data, "get") and hasattr(data, "sizes") else InMemoryDocuments(data, eod)
 
 
-def _documents(source, documents: range | None) -> range:
+def document_range(source, documents: range | None) -> range:
+    """``documents`` (default: every document of ``source``) checked as a contiguous range inside it.
+
+    Raises:
+        ValueError: a stepped range or one reaching outside ``0..len(source)``."""
     docs = range(len(source)) if documents is None else documents
     if docs.step != 1 or not 0 <= docs.start <= docs.stop <= len(source):
         raise ValueError(f"documents {docs} is not a contiguous range inside 0..{len(source)}")
@@ -166,7 +170,7 @@ class GPTDataset:
             raise ValueError(f"GPTDataset: {', '.join(self.boundaries)} needs the end-of-document id eod")
         self.eod = None if eod is None else int(eod)
         self.data = _as_source(data, eod)
-        self.documents = _documents(self.data, documents)
+        self.documents = document_range(self.data, documents)
         self.seq_length, self.seed = int(seq_length), int(seed)
         sizes = np.asarray(self.data.sizes[self.documents.start : self.documents.stop], dtype=np.int64)
         self._sizes = np.asarray(self.data.sizes, dtype=np.int64)
@@ -280,7 +284,7 @@ class BertDataset:
     ):
         tokenizer.require("cls", "sep", "mask", "pad", use="BERT")
         self.data = _as_source(data, None)
-        self.documents = _documents(self.data, documents)
+        self.documents = document_range(self.data, documents)
         self.seq_length, self.seed, self.tok, self.mask_prob = int(seq_length), int(seed), tokenizer, mask_prob
         self.special = dict(cls=tokenizer.cls, sep=tokenizer.sep, mask=tokenizer.mask, pad=tokenizer.pad)
         newline = getattr(tokenizer, "newline", None) if newline is None else newline

@@ -29,7 +29,7 @@ import warnings
 import numpy as np
 
 from megakernels_models.data import sample_index as si
-from megakernels_models.data.datasets import Epochs, _documents
+from megakernels_models.data.datasets import Epochs, document_range
 
 SFT_TAG = 0x5F7
 
@@ -156,7 +156,7 @@ class SFTDataset:
             raise ValueError(f"SFTDataset: seq_length must be >= 1, got {seq_length}")
         self.data, self.seq_length, self.seed = data, int(seq_length), int(seed)
         self.pad, self.packed = int(pad), bool(packed)
-        self.documents = _documents(data, documents)
+        self.documents = document_range(data, documents)
         cap = self.seq_length + 1
         sizes = np.asarray(data.sizes[self.documents.start : self.documents.stop], dtype=np.int64)
         meta = json.dumps(getattr(data, "meta", {}), sort_keys=True)
