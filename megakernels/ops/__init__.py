@@ -5,6 +5,7 @@ emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
 from megakernels.ops.attention import flash_attention, flash_attention_varlen
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
+from megakernels.ops.linear_cross_entropy import linear_cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
 from megakernels.ops.rope import RopeScaling, fused_rope, rope_cos_sin_table, rope_inv_freq, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
@@ -20,6 +21,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_varlen",
     "cross_entropy",
+    "linear_cross_entropy",
     "fused_rope",
     "rope_reference",
     "rope_cos_sin_table",

@@ -50,13 +50,19 @@ def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, sm
     return out if direct else out.copy_(dst)
 
 
-@torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
-def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
+def _stats_rows(logits, target, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
+    """``[N, 4]`` fp32 per-row statistics of ``logits`` ``[N, V_local]``: the Triton kernel (CUDA, or the
+    interpreter under cuda_emu) or the C++ CPU kernel. Also the chunks of ``linear_cross_entropy``."""
     if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
         return kernels.stats(logits, target, vocab_start, n_valid)
     return _stats_cpu(logits, target, vocab_start, n_valid)
+
+
+@torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
+def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
+    return _stats_rows(logits, target, vocab_start, n_valid, emulate)
 
 
 @_stats.register_fake
@@ -127,25 +133,33 @@ def _grad_inplace(
     )
 
 
+def _combine(stats, target, group, ignore_index: int, label_smoothing: float, vocab_size: int):
+    """(per-token loss, lse) from the rows' ``(max, sum exp, target logit, row sum)`` statistics ``[N, 4]``; with
+    ``group`` the statistics of the ranks' vocab shards are combined first: one all-reduce(MAX) of the maxima,
+    then one all-reduce(SUM) of (rescaled sum-exp, target logit, row sum)."""
+    m, s, picked, total = stats.unbind(1)
+    if group is not None and stats.device.type != "meta":  # meta: shapes only, nothing to exchange
+        global_max = m.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        safe = global_max.masked_fill(torch.isneginf(global_max), 0.0)
+        s = s * torch.exp(m.masked_fill(torch.isneginf(m), float("-inf")) - safe)
+        sums = torch.stack([s, picked, total])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        s, picked, total = sums.unbind(0)
+        m = global_max
+    lse = m + torch.log(s)
+    loss = lse - (1.0 - label_smoothing) * picked - (label_smoothing / vocab_size) * total
+    return loss.masked_fill(target == ignore_index, 0.0), lse
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, vocab_start, inplace_backward, emulate
     ):
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
-        m, s, picked, total = _stats(logits, target, vocab_start, n_valid, emulate).unbind(1)
-        if group is not None and logits.device.type != "meta":  # meta: shapes only, nothing to exchange
-            global_max = m.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-            safe = global_max.masked_fill(torch.isneginf(global_max), 0.0)
-            s = s * torch.exp(m.masked_fill(torch.isneginf(m), float("-inf")) - safe)
-            sums = torch.stack([s, picked, total])
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            s, picked, total = sums.unbind(0)
-            m = global_max
-        lse = m + torch.log(s)
-        loss = lse - (1.0 - label_smoothing) * picked - (label_smoothing / vocab_size) * total
-        loss = loss.masked_fill(target == ignore_index, 0.0)
+        stats = _stats(logits, target, vocab_start, n_valid, emulate)
+        loss, lse = _combine(stats, target, group, ignore_index, label_smoothing, vocab_size)
         ctx.save_for_backward(logits, target, lse)
         ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size, emulate)
         ctx.inplace_backward = inplace_backward
@@ -164,51 +178,74 @@ class _CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None
 
 
-def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
-    op = "cross_entropy"
-    _checks.tensor(op, "logits", logits)
-    _checks.tensor(op, "target", target)
-    ignore_index = _checks.integer(op, "ignore_index", ignore_index)
+def _check_group(op, group) -> None:
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
             f"{op}: group must be a torch.distributed ProcessGroup or None, got {group!r} ({type(group).__name__})"
         )
-    if logits.dim() < 1 or logits.dtype not in _DTYPES:
-        raise ValueError(
-            f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} dtype {logits.dtype}"
-        )
+
+
+def _check_target_dtype(op, target) -> None:
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{op}: target must be an integer (int64/int32) tensor, got {target.dtype}")
-    if target.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape {tuple(logits.shape[:-1])}"
-        )
-    _checks.same_device(op, "logits", logits, ("target", target))
+
+
+def _check_label_smoothing(op, label_smoothing) -> None:
     if (
         isinstance(label_smoothing, bool)
         or not isinstance(label_smoothing, numbers.Real)
         or not 0.0 <= label_smoothing <= 1.0
     ):
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+
+
+def _check_vocab(op, v_local: int, group, vocab_size, what: str = "logits") -> tuple[int, int]:
+    """(vocab_size, this rank's first global column) for ``v_local`` columns a rank over ``group``."""
     world, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-    v_local = logits.shape[-1]
     padded = v_local * world
     if vocab_size is None:
         vocab_size = padded
     elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
         raise ValueError(
-            f"{op}: vocab_size must be an int in [1, {padded}] (the logits hold {padded} columns"
+            f"{op}: vocab_size must be an int in [1, {padded}] (the {what} hold {padded} columns"
             f"{' over the group' if group is not None else ''}), got {vocab_size!r}"
         )
+    return vocab_size, rank * v_local
+
+
+def _check_target_values(op, target, ignore_index: int, vocab_size: int) -> None:
+    """Every target is in ``[0, vocab_size)`` or ``ignore_index`` (nothing to check on meta; an asserting op when
+    compiled)."""
     if target.device.type == "meta":  # no values to check: shapes only
-        return vocab_size, rank * v_local
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
     if torch.compiler.is_compiling():  # no data-dependent branch in a graph: an asserting op instead
         torch._assert_async(torch.logical_not(bad.any()), f"{op}: target outside [0, {vocab_size})")
     elif bool(bad.any()):
         value = int(target[bad].flatten()[0])
         raise ValueError(f"{op}: target holds {value}, outside [0, {vocab_size}) and not ignore_index ({ignore_index})")
-    return vocab_size, rank * v_local
+
+
+def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
+    op = "cross_entropy"
+    _checks.tensor(op, "logits", logits)
+    _checks.tensor(op, "target", target)
+    ignore_index = _checks.integer(op, "ignore_index", ignore_index)
+    _check_group(op, group)
+    if logits.dim() < 1 or logits.dtype not in _DTYPES:
+        raise ValueError(
+            f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} dtype {logits.dtype}"
+        )
+    _check_target_dtype(op, target)
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape {tuple(logits.shape[:-1])}"
+        )
+    _checks.same_device(op, "logits", logits, ("target", target))
+    _check_label_smoothing(op, label_smoothing)
+    vocab_size, vocab_start = _check_vocab(op, logits.shape[-1], group, vocab_size)
+    _check_target_values(op, target, ignore_index, vocab_size)
+    return vocab_size, vocab_start
 
 
 def cross_entropy(

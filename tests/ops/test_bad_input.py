@@ -42,6 +42,15 @@ OPS = {
         lambda **t: ops.cross_entropy(t["logits"], t["target"]),
         lambda: {"logits": torch.randn(5, 11), "target": torch.tensor([0, 3, 10, -100, 7])},
     ),
+    "linear_cross_entropy": (
+        lambda **t: ops.linear_cross_entropy(t["hidden"], t["weight"], t["target"], bias=t["bias"], chunk_tokens=2),
+        lambda: {
+            "hidden": torch.randn(5, 8),
+            "weight": torch.randn(11, 8),
+            "target": torch.tensor([0, 3, 10, -100, 7]),
+            "bias": torch.randn(11),
+        },
+    ),
 }
 ARGS = [(op, arg) for op, (_, make) in OPS.items() for arg in make()]
 
@@ -84,6 +93,16 @@ def test_sparse_tensors_are_refused_naming_argument_and_layout(op, arg, layout):
 def test_cross_entropy_group_that_is_not_a_process_group_is_a_type_error(group):
     with pytest.raises(TypeError, match="cross_entropy: group must be a torch.distributed ProcessGroup or None"):
         ops.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 2]), group=group)
+
+
+def test_linear_cross_entropy_on_meta_gives_a_meta_loss_and_gradients():
+    hidden = torch.randn(4, 6, 8, device="meta", requires_grad=True)
+    weight = torch.randn(10, 8, device="meta", requires_grad=True)
+    target = torch.empty(4, 6, dtype=torch.int64, device="meta")
+    loss = ops.linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, chunk_tokens=5)
+    assert loss.device.type == "meta" and loss.shape == (4, 6)
+    loss.sum().backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
 
 
 def test_cross_entropy_on_meta_gives_a_meta_loss_and_gradient():
