@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _stats_cpu(logits, target, vocab_start: int, n_valid: int) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, sm
     return out if direct else out.copy_(dst)
 
 
-def _stats_rows(logits, target, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
+def stats_rows(logits, target, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
     """``[N, 4]`` fp32 per-row statistics of ``logits`` ``[N, V_local]``: the Triton kernel (CUDA, or the
     interpreter under cuda_emu) or the C++ CPU kernel. Also the chunks of ``linear_cross_entropy``."""
     if runs_triton("cross_entropy", logits, emulate):
@@ -62,7 +62,7 @@ def _stats_rows(logits, target, vocab_start: int, n_valid: int, emulate: bool) -
 
 @torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
 def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
-    return _stats_rows(logits, target, vocab_start, n_valid, emulate)
+    return stats_rows(logits, target, vocab_start, n_valid, emulate)
 
 
 @_stats.register_fake
@@ -70,7 +70,7 @@ def _(logits, target, vocab_start, n_valid, emulate):
     return logits.new_empty((logits.shape[0], 4), dtype=torch.float32)
 
 
-def _grad_into(
+def grad_rows_into(
     logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, out
 ):
     if runs_triton("cross_entropy", logits, emulate):
@@ -95,7 +95,7 @@ def _grad(
     smooth_other: float,
     emulate: bool,
 ) -> torch.Tensor:
-    return _grad_into(
+    return grad_rows_into(
         logits,
         target,
         lse,
@@ -128,12 +128,12 @@ def _grad_inplace(
     smooth_other: float,
     emulate: bool,
 ) -> None:
-    _grad_into(
+    grad_rows_into(
         logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, logits
     )
 
 
-def _combine(stats, target, group, ignore_index: int, label_smoothing: float, vocab_size: int):
+def combine_stats(stats, target, group, ignore_index: int, label_smoothing: float, vocab_size: int):
     """(per-token loss, lse) from the rows' ``(max, sum exp, target logit, row sum)`` statistics ``[N, 4]``; with
     ``group`` the statistics of the ranks' vocab shards are combined first: one all-reduce(MAX) of the maxima,
     then one all-reduce(SUM) of (rescaled sum-exp, target logit, row sum)."""
@@ -159,7 +159,7 @@ class _CrossEntropy(torch.autograd.Function):
     ):
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
         stats = _stats(logits, target, vocab_start, n_valid, emulate)
-        loss, lse = _combine(stats, target, group, ignore_index, label_smoothing, vocab_size)
+        loss, lse = combine_stats(stats, target, group, ignore_index, label_smoothing, vocab_size)
         ctx.save_for_backward(logits, target, lse)
         ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size, emulate)
         ctx.inplace_backward = inplace_backward
@@ -178,19 +178,19 @@ class _CrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None
 
 
-def _check_group(op, group) -> None:
+def check_group(op, group) -> None:
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
             f"{op}: group must be a torch.distributed ProcessGroup or None, got {group!r} ({type(group).__name__})"
         )
 
 
-def _check_target_dtype(op, target) -> None:
+def check_target_dtype(op, target) -> None:
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{op}: target must be an integer (int64/int32) tensor, got {target.dtype}")
 
 
-def _check_label_smoothing(op, label_smoothing) -> None:
+def check_label_smoothing(op, label_smoothing) -> None:
     if (
         isinstance(label_smoothing, bool)
         or not isinstance(label_smoothing, numbers.Real)
@@ -199,7 +199,7 @@ def _check_label_smoothing(op, label_smoothing) -> None:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
 
 
-def _check_vocab(op, v_local: int, group, vocab_size, what: str = "logits") -> tuple[int, int]:
+def check_vocab(op, v_local: int, group, vocab_size, what: str = "logits") -> tuple[int, int]:
     """(vocab_size, this rank's first global column) for ``v_local`` columns a rank over ``group``."""
     world, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     padded = v_local * world
@@ -213,7 +213,7 @@ def _check_vocab(op, v_local: int, group, vocab_size, what: str = "logits") -> t
     return vocab_size, rank * v_local
 
 
-def _check_target_values(op, target, ignore_index: int, vocab_size: int) -> None:
+def check_target_values(op, target, ignore_index: int, vocab_size: int) -> None:
     """Every target is in ``[0, vocab_size)`` or ``ignore_index`` (nothing to check on meta; an asserting op when
     compiled)."""
     if target.device.type == "meta":  # no values to check: shapes only
@@ -231,20 +231,20 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     _checks.tensor(op, "logits", logits)
     _checks.tensor(op, "target", target)
     ignore_index = _checks.integer(op, "ignore_index", ignore_index)
-    _check_group(op, group)
-    if logits.dim() < 1 or logits.dtype not in _DTYPES:
+    check_group(op, group)
+    if logits.dim() < 1 or logits.dtype not in DTYPES:
         raise ValueError(
             f"{op}: logits must be [..., vocab] fp32/bf16/fp16, got shape {tuple(logits.shape)} dtype {logits.dtype}"
         )
-    _check_target_dtype(op, target)
+    check_target_dtype(op, target)
     if target.shape != logits.shape[:-1]:
         raise ValueError(
             f"{op}: target has shape {tuple(target.shape)}, expected logits' leading shape {tuple(logits.shape[:-1])}"
         )
     _checks.same_device(op, "logits", logits, ("target", target))
-    _check_label_smoothing(op, label_smoothing)
-    vocab_size, vocab_start = _check_vocab(op, logits.shape[-1], group, vocab_size)
-    _check_target_values(op, target, ignore_index, vocab_size)
+    check_label_smoothing(op, label_smoothing)
+    vocab_size, vocab_start = check_vocab(op, logits.shape[-1], group, vocab_size)
+    check_target_values(op, target, ignore_index, vocab_size)
     return vocab_size, vocab_start
 
 

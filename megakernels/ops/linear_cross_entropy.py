@@ -18,13 +18,17 @@ result is a per-token loss, so its gradient is an arbitrary per-token ``dloss``,
 cannot be recovered from an unscaled sum; recomputing is exact for any ``dloss`` and costs one more
 ``tokens × h × V_local`` GEMM (4 LM-head GEMMs instead of 3; about 2 % of a Llama-3-8B step's FLOPs). Memory beyond
 the inputs and the outputs (loss ``[T]``, dX ``[T, h]``, dW ``[V_local, h]``): one chunk's logits ``[c, V_local]``
-in the input dtype, ``lse`` ``[T]`` and the ``[T, 4]`` statistics, and in backward dW's fp32 accumulator (plus,
-for 16-bit weights, one chunk's ``[V_local, h]`` product): independent of the token count at a fixed chunk.
+in the input dtype, ``lse`` ``[T]`` and the ``[T, 4]`` statistics, and in backward, for 16-bit weights over more
+than one chunk, dW's fp32 sum and one chunk's 16-bit ``[V_local, h]`` product (6 bytes a weight element, weight-sized:
+the price of not rounding the running sum to 16 bits every chunk): independent of the token count at a fixed chunk.
+Against the unfused head's ``[T, V_local]`` logits and their gradient (4 bytes an element in 16 bits) that saves
+memory from ``T > 1.5 h`` tokens a micro-batch (on the CPU bf16 measurement of benchmarks/linear_cross_entropy.py,
+h = 2048: from 4k tokens).
 
 Precision: the GEMMs run in the input dtype with fp32 accumulation and the loss math is fp32, as
 ``F.linear`` + ``ops.cross_entropy``. dW is accumulated over chunks in fp32 (``addmm`` for fp32; for bf16/fp16
 each chunk's product is rounded to the dtype once, then summed in fp32: k roundings for k chunks where the unfused
-GEMM has one), then cast to the weight's dtype.
+GEMM has one), then cast to the weight's dtype; with one chunk, dW is one GEMM in the dtype as unfused.
 
 Tensor parallelism: ``weight`` is this rank's vocab shard ``[V_pad/tp, h]`` (rank r of ``group`` holds global
 columns ``[r·V_local, (r+1)·V_local)``; columns ``>= vocab_size`` are padding and excluded), as the LM head's
@@ -43,16 +47,16 @@ import torch.distributed as dist
 from megakernels._backend import emulate_for
 from megakernels.ops import _checks
 from megakernels.ops.cross_entropy import (
-    _DTYPES,
-    _check_group,
-    _check_label_smoothing,
-    _check_target_dtype,
-    _check_target_values,
-    _check_vocab,
-    _combine,
-    _grad_into,
-    _stats_rows,
+    DTYPES,
+    check_group,
+    check_label_smoothing,
+    check_target_dtype,
+    check_target_values,
+    check_vocab,
+    combine_stats,
     cross_entropy_reference,
+    grad_rows_into,
+    stats_rows,
 )
 
 OP = "linear_cross_entropy"
@@ -77,7 +81,7 @@ def stats_chunks(hidden, weight, bias, target, vocab_start: int, n_valid: int, c
     out = torch.empty((t, 4), dtype=torch.float32, device=hidden.device)
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
-        out[a:b] = _stats_rows(_chunk_logits(hidden[a:b], weight, bias), target[a:b], vocab_start, n_valid, emulate)
+        out[a:b] = stats_rows(_chunk_logits(hidden[a:b], weight, bias), target[a:b], vocab_start, n_valid, emulate)
     return out
 
 
@@ -111,22 +115,26 @@ def grad_chunks(
     t = hidden.shape[0]
     dx = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     need_bias = bias is not None and need_weight
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else weight.new_empty(0)
+    # dW: fp32 weights accumulate in place (addmm); 16-bit ones over several chunks in an fp32 sum of the chunks'
+    # 16-bit products (no mixed-dtype addmm), and in one chunk straight in the dtype, as the unfused GEMM.
+    direct = weight.dtype == torch.float32 or t <= chunk
+    dw_dtype = weight.dtype if direct else torch.float32
+    dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device) if need_weight else weight.new_empty(0)
     db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else weight.new_empty(0)
     part = None
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
         g = _chunk_logits(hidden[a:b], weight, bias)
-        _grad_into(
+        grad_rows_into(
             g, target[a:b], lse[a:b], dloss[a:b], vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
             emulate, g,
         )  # fmt: skip
         if need_hidden:
             torch.mm(g, weight, out=dx[a:b])
         if need_weight:
-            if weight.dtype == torch.float32:
+            if direct:
                 dw.addmm_(g.t(), hidden[a:b])
-            else:  # no mixed-dtype addmm: the chunk's product in the dtype (fp32 accumulation), summed in fp32
+            else:
                 part = torch.mm(g.t(), hidden[a:b], out=part)
                 dw += part
             if need_bias:
@@ -170,12 +178,17 @@ def _(
     return dx, dw, db
 
 
+# Newer torch names the single-tensor collectives *_single (the old names warn there; older torch has only those).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather(x, group):
     """All-gather ``x`` along dim 0 over ``group`` (rank order)."""
     world = dist.get_world_size(group)
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
     if x.device.type != "meta":  # meta: shapes only, nothing to exchange
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -183,7 +196,7 @@ def _reduce_scatter(x, group):
     world = dist.get_world_size(group)
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
     if x.device.type != "meta":
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -198,7 +211,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x = full.reshape(-1, full.shape[-1]).contiguous()
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
         stats = _stats(x, weight, bias, target, vocab_start, n_valid, chunk, emulate)
-        loss, lse = _combine(stats, target, group, ignore_index, label_smoothing, vocab_size)
+        loss, lse = combine_stats(stats, target, group, ignore_index, label_smoothing, vocab_size)
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         ctx.shape, ctx.group, ctx.sp, ctx.comm = full.shape, group, sequence_parallel, comm
         ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size, chunk)
@@ -233,8 +246,8 @@ def _check(hidden, weight, target, ignore_index, label_smoothing, group, vocab_s
         _checks.tensor(OP, name, t)
     _checks.tensor(OP, "bias", bias, optional=True)
     ignore_index = _checks.integer(OP, "ignore_index", ignore_index)
-    _check_group(OP, group)
-    if hidden.dim() < 1 or hidden.dtype not in _DTYPES:
+    check_group(OP, group)
+    if hidden.dim() < 1 or hidden.dtype not in DTYPES:
         raise ValueError(
             f"{OP}: hidden must be [..., h] fp32/bf16/fp16, got shape {tuple(hidden.shape)} dtype {hidden.dtype}"
         )
@@ -250,7 +263,7 @@ def _check(hidden, weight, target, ignore_index, label_smoothing, group, vocab_s
             f"{OP}: bias must be [V_local] = [{weight.shape[0]}] in hidden's dtype {hidden.dtype}, got shape "
             f"{tuple(bias.shape)} dtype {bias.dtype}"
         )
-    _check_target_dtype(OP, target)
+    check_target_dtype(OP, target)
     _checks.same_device(OP, "hidden", hidden, ("weight", weight), ("target", target), ("bias", bias))
     lead = tuple(hidden.shape[:-1])
     if sp:
@@ -264,13 +277,13 @@ def _check(hidden, weight, target, ignore_index, label_smoothing, group, vocab_s
             f"{OP}: target has shape {tuple(target.shape)}, expected hidden's leading shape {lead}"
             f"{' (the sequence gathered over the group)' if sp else ''}"
         )
-    _check_label_smoothing(OP, label_smoothing)
-    vocab_size, vocab_start = _check_vocab(OP, weight.shape[0], group, vocab_size, what="weight's rows")
+    check_label_smoothing(OP, label_smoothing)
+    vocab_size, vocab_start = check_vocab(OP, weight.shape[0], group, vocab_size, what="weight's rows")
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0])
     elif isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"{OP}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
-    _check_target_values(OP, target, ignore_index, vocab_size)
+    check_target_values(OP, target, ignore_index, vocab_size)
     return ignore_index, vocab_size, vocab_start, chunk_tokens
 
 

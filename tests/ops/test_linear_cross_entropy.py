@@ -16,8 +16,6 @@ from torch.utils._pytree import tree_flatten
 
 from megakernels.ops import cross_entropy, linear_cross_entropy
 from megakernels.ops.linear_cross_entropy import (
-    _grad,
-    _stats,
     default_chunk_tokens,
     grad_chunks,
     linear_cross_entropy_reference,
@@ -176,17 +174,17 @@ def _op_args(emulate, dtype=torch.float32):
 
 def test_opcheck_cpu_path():
     stats, grad, grad_no_bias = _op_args(False)
-    torch.library.opcheck(_stats, stats)
-    torch.library.opcheck(_grad, grad)
-    torch.library.opcheck(_grad, grad_no_bias)
+    torch.library.opcheck(torch.ops.megakernels.linear_cross_entropy_stats, stats)
+    torch.library.opcheck(torch.ops.megakernels.linear_cross_entropy_grad, grad)
+    torch.library.opcheck(torch.ops.megakernels.linear_cross_entropy_grad, grad_no_bias)
 
 
 def test_opcheck_triton_path_under_the_interpreter(triton_backend):
     if triton_backend.name != "cuda_emu":
         pytest.skip("the Triton path on CPU tensors is the cuda_emu backend")
     stats, grad, _ = _op_args(True, torch.float16)
-    torch.library.opcheck(_stats, stats)
-    torch.library.opcheck(_grad, grad)
+    torch.library.opcheck(torch.ops.megakernels.linear_cross_entropy_stats, stats)
+    torch.library.opcheck(torch.ops.megakernels.linear_cross_entropy_grad, grad)
 
 
 @pytest.mark.parametrize(
@@ -257,13 +255,16 @@ class _LiveBytes(TorchDispatchMode):
         return self.track(func(*args, **(kwargs or {})))
 
 
-@_stats.register_torch_dispatch(_LiveBytes)
+STATS_OP, GRAD_OP = "megakernels::linear_cross_entropy_stats", "megakernels::linear_cross_entropy_grad"
+
+
+@torch.library.register_torch_dispatch(STATS_OP, _LiveBytes)
 def _(mode, func, types, args, kwargs):
     with mode:  # the chunk loop's own allocations are recorded too
         return mode.track(stats_chunks(*args, **kwargs))
 
 
-@_grad.register_torch_dispatch(_LiveBytes)
+@torch.library.register_torch_dispatch(GRAD_OP, _LiveBytes)
 def _(mode, func, types, args, kwargs):
     with mode:
         return mode.track(grad_chunks(*args, **kwargs))
