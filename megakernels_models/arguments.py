@@ -150,6 +150,13 @@ class _Settings:
         MODEL,
         choices=lambda: tuple(ATTENTION_CORES),
     )
+    fused_linear_ce: bool = setting(
+        True,
+        "causal LMs: the LM head and its cross-entropy fused over token chunks, the [tokens, vocab] logits never "
+        "held (one more LM-head GEMM); --no-fused-linear-ce: the logits, then the vocab-parallel cross-entropy",
+        MODEL,
+        flag="--no-fused-linear-ce",
+    )
     # layout
     tp: int = setting(1, "tensor-parallel size", LAYOUT)
     cp: int = setting(1, "context-parallel size: each sequence split over cp ranks, ring attention", LAYOUT)

@@ -34,7 +34,7 @@ class Task:
 
     def build_chunk(self, seed: int, **kwargs) -> torch.nn.Module:
         """One pipeline chunk (kwargs: ``layers``, ``pre_process``, ``post_process``, ``sequence_parallel``,
-        ``attention``, ``recompute``, ``device``)."""
+        ``attention``, ``recompute``, ``fused_linear_ce``, ``device``)."""
         return self.model_class(self.config, seed, **kwargs)
 
     def is_frozen(self, name: str, parts: list[str]) -> bool:

@@ -319,6 +319,9 @@ class LanguageModel(nn.Module):
         pre_process, post_process: first / last pipeline stage.
         causal: attention mask kind.
         sequence_parallel, attention, recompute: as ``TransformerLayer``.
+        fused_linear_ce: a causal LM's loss through ``ops.linear_cross_entropy`` (the output layer and the
+            cross-entropy fused over token chunks, the logits never held) instead of the vocab-parallel logits and
+            ``ops.cross_entropy``; the same per-token losses. Families with another head (BERT) ignore it.
         token_types: BERT's segment embeddings.
         device, dtype: of the parameters.
     """
@@ -335,6 +338,7 @@ class LanguageModel(nn.Module):
         sequence_parallel: bool = False,
         attention: str = "flash",
         recompute: str = "none",
+        fused_linear_ce: bool = True,
         token_types: bool = False,
         device=None,
         dtype=None,
@@ -343,6 +347,7 @@ class LanguageModel(nn.Module):
         from megakernels.parallel import VocabParallelEmbedding
 
         c = self.config = config
+        self.fused_linear_ce = bool(fused_linear_ce)
         layers = range(c.num_layers) if layers is None else layers
         if layers and (layers.start < 0 or layers.stop > c.num_layers):
             raise ValueError(f"{type(self).__name__}: layers {layers} outside 0..{c.num_layers - 1}")

@@ -12,7 +12,9 @@ Memory per device, Megatron-LM's accounting:
   (``Layout.frozen``) hold their weights only — no gradient, no optimizer state;
 - activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``) for a stage's layers, times
   the micro-batches the schedule keeps in flight on the first stage (1F1B: pp; interleaved: × (1 + (pp−1)/(pp·vpp));
-  GPipe: all m), plus the last stage's fp32 logits.
+  GPipe: all m), plus the last stage's fp32 logits — or, with the fused LM-head loss (``Layout.fused_linear_ce``,
+  the trainer's default for causal LMs), one chunk of logits and, in 16 bits, dW's fp32 accumulator and one chunk's
+  16-bit product (``ops.linear_cross_entropy``).
 
 Step time (``predict``), the sum of what cannot overlap, each term from a documented device profile
 (``DEVICES``, each constant with its source), checked against published training runs by ``megakernels plan
@@ -75,6 +77,7 @@ class Layout:
     schedule: str = "1f1b"
     flash: bool = True
     frozen: tuple[str, ...] = ()  # --freeze's name parts (Task.is_frozen): weights without gradients or optimizer
+    fused_linear_ce: bool = True  # --no-fused-linear-ce: a causal LM's loss holds the whole logits (Megatron-LM's)
 
     @property
     def world(self) -> int:
@@ -104,6 +107,7 @@ class Layout:
             schedule=args.schedule,
             flash=args.attention == "flash",
             frozen=args.frozen_parts(),
+            fused_linear_ce=args.fused_linear_ce,
         )
 
 
@@ -359,7 +363,15 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     )
     layers = cfg.num_layers // L.pp
     flight = in_flight(L)
-    logits = cfg.seq_length // L.cp * L.micro_batch_size * pad_vocab_size(cfg.vocab_size, L.tp) / L.tp * 4
+    v_local = pad_vocab_size(cfg.vocab_size, L.tp) // L.tp
+    tokens = cfg.seq_length // L.cp * L.micro_batch_size
+    logits = tokens * v_local * 4
+    from megakernels.ops.linear_cross_entropy import default_chunk_tokens
+    from megakernels_models.models.registry import family
+
+    if L.fused_linear_ce and family(cfg).causal:  # ops.linear_cross_entropy: a chunk at a time (docs/design.md §4)
+        chunk = min(tokens, default_chunk_tokens(v_local))
+        logits = chunk * v_local * bytes_el + (v_local * cfg.hidden_size * 6 if chunk < tokens and bytes_el < 4 else 0)
     out = []
     encoder = 0.0
     enc = cfg.encoder_config()

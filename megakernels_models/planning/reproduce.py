@@ -225,6 +225,7 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         flash=flash,
         recompute=recompute,
         precision=precision,
+        fused_linear_ce=False,  # the published runs hold the logits (Megatron-LM's head)
     )
     row = dict(cell)  # every input column, extra ones included (the report carries them; the model ignores them)
     return Run(cfg, gpu, num_gpus, per_node, layout, micro is None, vpp is None, metric, published, row)

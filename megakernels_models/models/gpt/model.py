@@ -6,7 +6,11 @@
                                                                                      (last pipeline stage)
 
 One ``GPTModel`` is one pipeline chunk: with pp = 1 it is the whole model. The logits are never gathered over the
-tensor-parallel group; the loss is that of the unpadded, unsharded model (``megakernels.parallel.lm_head``).
+tensor-parallel group; the loss is that of the unpadded, unsharded model (``megakernels.parallel.lm_head``). With
+``fused_linear_ce`` (the default; the trainer's ``--no-fused-linear-ce`` turns it off) the last two steps are one,
+``ops.linear_cross_entropy``: the logits are computed a chunk of tokens at a time and never held whole, with the
+same per-token loss and gradients (hidden's summed over the tensor-parallel group, or reduce-scattered to the
+sequence shards under sequence parallelism, as ``parallel_lm_logits`` does).
 
     model = GPTModel(preset("gpt-tiny"), seed=1234)
     loss = model(ids, labels=labels)            # [s, b] fp32 per-token loss
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from megakernels.ops import linear_cross_entropy
+from megakernels.parallel import state
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.transformer import LanguageModel
@@ -51,6 +57,15 @@ class GPTModel(LanguageModel):
         x = self.encode(ids, hidden, kv_cache=kv_cache, documents=documents)
         if not self.post_process:
             return x
+        if labels is not None and self.fused_linear_ce:
+            return linear_cross_entropy(
+                x,
+                self.output_weight,
+                labels.t().contiguous(),
+                group=state.tp_group(),
+                vocab_size=self.config.vocab_size,
+                sequence_parallel=self.sequence_parallel,
+            )
         logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
         if labels is None:
             return logits

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.parallel import init
+from megakernels.ops import linear_cross_entropy
+from megakernels.parallel import init, state
 from megakernels.parallel.blocks import ParallelCrossAttention, ParallelMLP
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels.parallel.random import checkpoint
@@ -147,6 +148,7 @@ class VLMModel(LanguageModel):
         sequence_parallel: bool = False,
         attention: str = "flash",
         recompute: str = "none",
+        fused_linear_ce: bool = True,
         device=None,
         dtype=None,
     ):
@@ -163,6 +165,7 @@ class VLMModel(LanguageModel):
             causal=True,
             attention=attention,
             recompute=recompute,
+            fused_linear_ce=fused_linear_ce,
             device=device,
             dtype=dtype,
         )
@@ -210,10 +213,15 @@ class VLMModel(LanguageModel):
         if not self.post_process:
             return x
         x = self.final_norm(x) if self.final_norm is not None else x
-        logits = parallel_lm_logits(x[n:], self.output_weight, True, False)
-        if labels is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), c.vocab_size)
+        if labels is not None and self.fused_linear_ce:  # the logits never held (GPTModel's)
+            loss = linear_cross_entropy(
+                x[n:], self.output_weight, labels.t().contiguous(), group=state.tp_group(), vocab_size=c.vocab_size
+            )
+        else:
+            logits = parallel_lm_logits(x[n:], self.output_weight, True, False)
+            if labels is None:
+                return logits
+            loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), c.vocab_size)
         if not c.contrastive_coeff:
             return loss
         return loss, contrastive_loss(x[:n], x[n:], labels != -100, c.contrastive_temperature)
