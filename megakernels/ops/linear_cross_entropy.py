@@ -119,7 +119,9 @@ def grad_chunks(
     # 16-bit products (no mixed-dtype addmm), and in one chunk straight in the dtype, as the unfused GEMM.
     direct = weight.dtype == torch.float32 or t <= chunk
     dw_dtype = weight.dtype if direct else torch.float32
-    dw = torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device) if need_weight else weight.new_empty(0)
+    dw = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if need_weight else weight.new_empty(0)
+    if t == 0:
+        dw.zero_()
     db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else weight.new_empty(0)
     part = None
     for a in range(0, t, chunk):
@@ -132,11 +134,17 @@ def grad_chunks(
         if need_hidden:
             torch.mm(g, weight, out=dx[a:b])
         if need_weight:
-            if direct:
+            # the first chunk writes dW, the others add to it
+            if direct and a == 0:
+                torch.mm(g.t(), hidden[a:b], out=dw)
+            elif direct:
                 dw.addmm_(g.t(), hidden[a:b])
             else:
                 part = torch.mm(g.t(), hidden[a:b], out=part)
-                dw += part
+                if a == 0:
+                    dw.copy_(part)
+                else:
+                    dw.add_(part)
             if need_bias:
                 db += g.sum(0, dtype=torch.float32)
     return dx, dw.to(weight.dtype), db.to(weight.dtype)
