@@ -147,6 +147,7 @@ def main(argv=None) -> int:
             def cell(key, fmt, width, row=row):
                 return format(row[key], fmt).rjust(width) if key in row else "skipped".rjust(width)
 
+            speedup = f"{row['speedup_vs_unfused']:7.2f}x" if "speedup_vs_unfused" in row else "-".rjust(8)
             ratio = (
                 f"{row['unfused_peak_mib'] / row['fused_peak_mib']:6.1f}x"
                 if "unfused_peak_mib" in row and "fused_peak_mib" in row
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
             print(
                 f"{dtype:<10} {tokens:>7} {a.hidden:>6} {a.vocab:>7}  {cell('fused_ms', '.0f', 10)} "
                 f"{cell('unfused_ms', '.0f', 10)} {cell('fused_peak_mib', '.0f', 10)} "
-                f"{cell('unfused_peak_mib', '.0f', 11)} {cell('speedup_vs_unfused', '.2f', 7)}x {ratio}",
+                f"{cell('unfused_peak_mib', '.0f', 11)} {speedup} {ratio}",
                 flush=True,
             )
     info["load_average_end"] = _load()
