@@ -150,12 +150,12 @@ class _Settings:
         MODEL,
         choices=lambda: tuple(ATTENTION_CORES),
     )
-    fused_linear_ce: bool = setting(
-        True,
+    fused_linear_ce: bool | None = setting(
+        None,
         "causal LMs: the LM head and its cross-entropy fused over token chunks, the [tokens, vocab] logits never "
-        "held (one more LM-head GEMM); --no-fused-linear-ce: the logits, then the vocab-parallel cross-entropy",
+        "held (one more LM-head GEMM); --no-fused-linear-ce: the logits, then the vocab-parallel cross-entropy "
+        "(default: fused when a micro-batch's fp32 logits on a rank exceed one chunk, 256 MiB)",
         MODEL,
-        flag="--no-fused-linear-ce",
     )
     # layout
     tp: int = setting(1, "tensor-parallel size", LAYOUT)
@@ -353,6 +353,17 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
         if self.architecture:
             return self.architecture.get("model", registry.DEFAULT)
         return self.model or registry.DEFAULT
+
+    def fused_head(self, cfg: ModelConfig) -> bool:
+        """Whether causal LMs compute the loss with ``ops.linear_cross_entropy``: ``--fused-linear-ce`` /
+        ``--no-fused-linear-ce``, else when a micro-batch's fp32 logits on one rank are more than one of its chunks
+        (below that the fused head saves no memory and costs one more LM-head GEMM)."""
+        if self.fused_linear_ce is not None:
+            return self.fused_linear_ce
+        from megakernels.ops.linear_cross_entropy import CHUNK_LOGITS_BYTES
+
+        tokens = self.micro_batch_size * cfg.seq_length // max(1, self.cp)  # the text tokens (a VLM's too)
+        return 4 * tokens * -(-cfg.vocab_size // max(1, self.tp)) > CHUNK_LOGITS_BYTES
 
     def _check_family_settings(self) -> None:
         """A flag of another family's (``--image-size`` for a GPT) is an error naming the family it is for."""

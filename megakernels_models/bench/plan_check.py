@@ -100,7 +100,7 @@ def run(args_for, warmup: int = 1, log=print) -> dict:
         args = args_for(changes)
         cfg = validate(args)
         meta = meta if meta is not None and meta.config == cfg else costs.MetaModel(cfg)
-        predicted[name] = costs.predict(meta, costs.Layout.of(args), device, gpus_per_node=4)["step_s"]
+        predicted[name] = costs.predict(meta, costs.Layout.of(args, cfg), device, gpus_per_node=4)["step_s"]
         records = train_run(args)
         warm = min(warmup, len(records) - 1)
         tokens = args.global_batch_size * cfg.seq_length

@@ -88,8 +88,9 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @classmethod
-    def of(cls, args) -> Layout:
-        """The layout of validated trainer arguments (``arguments.TrainArgs``)."""
+    def of(cls, args, cfg=None) -> Layout:
+        """The layout of validated trainer arguments (``arguments.TrainArgs``) for model ``cfg`` (which decides
+        the LM head's default, ``TrainArgs.fused_head``; without it the fused head unless it was turned off)."""
         return cls(
             tp=args.tp,
             pp=args.pp,
@@ -107,7 +108,7 @@ class Layout:
             schedule=args.schedule,
             flash=args.attention == "flash",
             frozen=args.frozen_parts(),
-            fused_linear_ce=args.fused_linear_ce,
+            fused_linear_ce=args.fused_head(cfg) if cfg is not None else args.fused_linear_ce is not False,
         )
 
 

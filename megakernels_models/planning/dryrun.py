@@ -57,7 +57,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
     meta = costs.MetaModel(cfg)
-    L = costs.Layout.of(args)
+    L = costs.Layout.of(args, cfg)
     mem = costs.memory(meta, L)
     tokens = args.global_batch_size * cfg.seq_length
     world, tp, cp, dp = args.world_size(), L.tp, L.cp, L.dp

@@ -99,7 +99,7 @@ def estimate(args, cfg) -> dict:
     (the most loaded stage), "host": host optimizer bytes per rank (``--offload-optimizer``, else 0)}``."""
     from megakernels_models.planning import costs
 
-    mem = costs.memory(costs.MetaModel(cfg), costs.Layout.of(args))
+    mem = costs.memory(costs.MetaModel(cfg), costs.Layout.of(args, cfg))
     return {"device": mem["total"], "host": mem["host_optimizer_bytes"] if args.offload_optimizer else 0.0}
 
 

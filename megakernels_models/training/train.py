@@ -75,7 +75,7 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
             sequence_parallel=args.sequence_parallel,
             attention=args.attention,
             recompute=args.recompute,
-            fused_linear_ce=args.fused_linear_ce,
+            fused_linear_ce=args.fused_head(task.config),
             device=device,
         )
         chunks.append(chunk.to(args.param_dtype()))

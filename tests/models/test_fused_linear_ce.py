@@ -147,11 +147,25 @@ def test_fused_equals_unfused_at_tp2(world, name):
     CHECKS.assert_passed(world, name)
 
 
-def test_the_trainer_flag_defaults_on():
+def test_the_trainer_fuses_the_head_where_the_logits_outgrow_a_chunk():
+    """Default: fused when a micro-batch's fp32 logits on a rank are more than one chunk (256 MiB): Llama 3 8B at
+    8k tokens, but not the tiny CPU models (one chunk: the fused head would only add a GEMM); tp and cp divide the
+    logits; --fused-linear-ce / --no-fused-linear-ce decide."""
+    from megakernels_models.arguments import validate
     from megakernels_models.cli import parse_train_args
 
-    assert parse_train_args([]).fused_linear_ce is True
-    assert parse_train_args(["--no-fused-linear-ce"]).fused_linear_ce is False
+    def fused(flags):
+        args = parse_train_args(flags)
+        return args.fused_head(args.model_config())
+
+    assert not fused([]) and not fused(["--model", "llama"])
+    assert fused(["--preset", "llama3-8b", "--micro-batch-size", "1"])  # 8192 x 128256 x 4 B = 4 GiB
+    assert not fused(["--preset", "llama3-8b", "--micro-batch-size", "1", "--seq-length", "512", "--tp", "2"])
+    assert fused(["--fused-linear-ce"]) and not fused(["--preset", "llama3-8b", "--no-fused-linear-ce"])
+    args = parse_train_args(["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--tp", "8"])
+    from megakernels_models.planning import costs
+
+    assert costs.Layout.of(args, validate(args, check_memory=False)).fused_linear_ce
 
 
 def test_the_memory_estimate_counts_a_chunk_of_logits_not_all():

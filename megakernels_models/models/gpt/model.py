@@ -7,7 +7,7 @@
 
 One ``GPTModel`` is one pipeline chunk: with pp = 1 it is the whole model. The logits are never gathered over the
 tensor-parallel group; the loss is that of the unpadded, unsharded model (``megakernels.parallel.lm_head``). With
-``fused_linear_ce`` (the default; the trainer's ``--no-fused-linear-ce`` turns it off) the last two steps are one,
+``fused_linear_ce`` (the trainer's choice: ``TrainArgs.fused_head``) the last two steps are one,
 ``ops.linear_cross_entropy``: the logits are computed a chunk of tokens at a time and never held whole, with the
 same per-token loss and gradients (hidden's summed over the tensor-parallel group, or reduce-scattered to the
 sequence shards under sequence parallelism, as ``parallel_lm_logits`` does).
