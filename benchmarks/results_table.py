@@ -65,8 +65,10 @@ def unit_of(path: tuple[str, ...]) -> str:
     for key in (path[-1].lower(), path[-2].lower() if len(path) > 1 else ""):
         if key.endswith("_ms") or key == "ms":
             return "ms"
-        if key == "tokens_per_s":
+        if key.endswith("tokens_per_s"):  # tokens_per_s, real_tokens_per_s
             return "tokens/s"
+        if key.endswith("tokens_per_sample"):
+            return "tokens"
         if key.endswith("_s"):
             return "s"
         if "gbps" in key:
@@ -80,6 +82,7 @@ def unit_of(path: tuple[str, ...]) -> str:
         if (
             key.startswith("fraction")
             or key.endswith("fraction")
+            or key.endswith("efficiency")
             or key == "mfu"
             or "accuracy" in key
             or key == "exact_match"
