@@ -170,6 +170,43 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
         torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["in_place", "classes"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(family, mode):
+    """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits
+    returned), loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too);
+    in evaluation mode the logits are there as before."""
+    ref = H.build(family)
+    if mode == "in_place":
+        model = copy.deepcopy(ref)
+        assert mkt.apply(model, fused_head=True)["fused_head"]
+    else:
+        with mkt.patch_classes(family, fused_head=True):
+            model = type(ref)(ref.config)
+        model.load_state_dict(ref.state_dict())
+    ids = H.batch()
+    labels = ids.clone()
+    labels[0, :3] = -100
+    for extra in ({}, {"num_items_in_batch": torch.tensor(13)}):
+        model.zero_grad(set_to_none=True)
+        with MegakernelsOps() as seen:
+            out = model(input_ids=ids, labels=labels, **extra)
+            out.loss.backward()
+        assert out.logits is None and "linear_cross_entropy_stats" in seen.names
+        _, loss0, grads0 = step(ref, ids, labels, **extra)
+        torch.testing.assert_close(out.loss.detach(), loss0, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads0[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, ref.eval()(input_ids=ids).logits)
+
+
+def test_the_fused_head_is_refused_where_the_model_has_none():
+    with pytest.raises(ValueError, match=r"fused_head is for the causal LMs of llama, mistral, qwen2, qwen3; got a"):
+        mkt.apply(H.build("mixtral"), fused_head=True)
+
+
 def test_padded_batch_falls_back_to_sdpa_with_the_same_logits():
     ref = H.build("llama")
     model = copy.deepcopy(ref)
@@ -224,7 +261,7 @@ def test_patch_leaves_parameters_and_state_dict_names_unchanged():
 
 def test_apply_reports_what_it_patched():
     done = mkt.apply(H.build("llama"), attention=False, loss=False)
-    assert done == {"norms": 5, "mlp": 2, "experts": 0, "attention": False, "loss": False}
+    assert done == {"norms": 5, "mlp": 2, "experts": 0, "attention": False, "loss": False, "fused_head": False}
 
 
 def test_unselected_parts_keep_transformers_forwards():

@@ -23,6 +23,8 @@ its version (``MIN_TRANSFORMERS_VERSION``).
 
 from __future__ import annotations
 
+import functools
+
 from megakernels.integrations.transformers import _forwards
 from megakernels.integrations.transformers._families import FAMILIES, family_of, patch_modules
 
@@ -99,7 +101,14 @@ def _uses_causal_lm_loss(model) -> bool:
     return loss_type == "ForCausalLM" or (loss_type is None and isinstance(model, GenerationMixin))
 
 
-def apply(model, *, norms: bool = True, mlp: bool = True, attention: bool = True, loss: bool = True) -> dict:
+def _takes_fused_head(model, family) -> bool:
+    """A causal LM of a family whose ``*ForCausalLM`` is ``self.model`` then ``self.lm_head``."""
+    return family.fused_head and _uses_causal_lm_loss(model) and hasattr(model, "lm_head") and hasattr(model, "model")
+
+
+def apply(
+    model, *, norms: bool = True, mlp: bool = True, attention: bool = True, loss: bool = True, fused_head: bool = False
+) -> dict:
     """Patch a built transformers model in place to run on megakernels' fused kernels.
 
     Args:
@@ -113,13 +122,19 @@ def apply(model, *, norms: bool = True, mlp: bool = True, attention: bool = True
             SDPA where a mask is needed).
         loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
             their own dtype; only models using transformers' causal-LM loss are changed.
+        fused_head: in training mode with labels, the LM head and its loss as one
+            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits never exist;
+            the output's ``logits`` is then None); the causal LMs of llama, mistral, qwen2 and qwen3. Off by default
+            (code that reads the training logits would get None).
 
     Returns:
-        What was patched: ``{"norms": int, "mlp": int, "experts": int, "attention": bool, "loss": bool}``.
+        What was patched: ``{"norms": int, "mlp": int, "experts": int, "attention": bool, "loss": bool,
+        "fused_head": bool}``.
 
     Raises:
         ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not
-        a transformers ``PreTrainedModel``. ValueError: a model type the integration does not know (named).
+        a transformers ``PreTrainedModel``. ValueError: a model type the integration does not know (named), or
+        ``fused_head`` for a model without such a head (a family or class other than those above).
     """
     op = "megakernels.integrations.transformers.apply"
     transformers = require_transformers(op)
@@ -135,6 +150,16 @@ def apply(model, *, norms: bool = True, mlp: bool = True, attention: bool = True
     done["loss"] = bool(loss) and _uses_causal_lm_loss(model)
     if done["loss"]:
         model.loss_function = _forwards.causal_lm_loss
+    done["fused_head"] = bool(fused_head)
+    if fused_head:
+        if not _takes_fused_head(model, family):
+            raise ValueError(
+                f"{op}: fused_head is for the causal LMs of "
+                f"{', '.join(sorted(k for k, f in FAMILIES.items() if f.fused_head))}; got a {type(model).__name__}"
+            )
+        bound = functools.partial(_forwards.fused_head_forward, model)
+        bound.megakernels = True
+        model.forward = bound
     return done
 
 
@@ -157,7 +182,9 @@ class ClassPatch:
                 own(model)
             else:
                 super(base, model).post_init()
-            apply(model, **options)
+            # the fused head is for the family's causal LM; its other classes (the bare model, classifiers) skip it
+            fused = options.get("fused_head", False) and _takes_fused_head(model, FAMILIES[model_type])
+            apply(model, **{**options, "fused_head": fused})
 
         post_init.__doc__ = f"transformers' post_init, then megakernels' apply (patched by {__name__})."
         base.post_init = post_init
@@ -185,7 +212,13 @@ class ClassPatch:
 
 
 def patch_classes(
-    model_type: str, *, norms: bool = True, mlp: bool = True, attention: bool = True, loss: bool = True
+    model_type: str,
+    *,
+    norms: bool = True,
+    mlp: bool = True,
+    attention: bool = True,
+    loss: bool = True,
+    fused_head: bool = False,
 ) -> ClassPatch:
     """Patch the classes of ``model_type``'s family so every model of it built afterwards is patched (see
     :class:`ClassPatch`; the options are :func:`apply`'s).
@@ -202,7 +235,8 @@ def patch_classes(
     family_of(model_type, op)
     if model_type in ClassPatch._active:
         raise ValueError(f"{op}: the {model_type!r} classes are patched already; revert() that patch first")
-    return ClassPatch(model_type, {"norms": norms, "mlp": mlp, "attention": attention, "loss": loss})
+    options = {"norms": norms, "mlp": mlp, "attention": attention, "loss": loss, "fused_head": fused_head}
+    return ClassPatch(model_type, options)
 
 
 def patch_gpt2(**options) -> ClassPatch:

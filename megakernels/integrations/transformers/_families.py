@@ -32,6 +32,7 @@ class Family:
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     packs: bool = True
+    fused_head: bool = False  # its *ForCausalLM is ``self.model`` then ``self.lm_head`` (no auxiliary loss)
 
     @functools.cached_property
     def modeling(self):
@@ -61,9 +62,21 @@ FAMILIES = {
             },
             packs=False,  # an encoder
         ),
-        Family("llama", "LlamaPreTrainedModel", "hidden_act", rms_norms=("LlamaRMSNorm",), gated_mlps=("LlamaMLP",)),
         Family(
-            "mistral", "MistralPreTrainedModel", "hidden_act", rms_norms=("MistralRMSNorm",), gated_mlps=("MistralMLP",)
+            "llama",
+            "LlamaPreTrainedModel",
+            "hidden_act",
+            rms_norms=("LlamaRMSNorm",),
+            gated_mlps=("LlamaMLP",),
+            fused_head=True,
+        ),
+        Family(
+            "mistral",
+            "MistralPreTrainedModel",
+            "hidden_act",
+            rms_norms=("MistralRMSNorm",),
+            gated_mlps=("MistralMLP",),
+            fused_head=True,
         ),
         Family(
             "mixtral",
@@ -72,8 +85,22 @@ FAMILIES = {
             rms_norms=("MixtralRMSNorm",),
             experts=("MixtralExperts",),
         ),
-        Family("qwen2", "Qwen2PreTrainedModel", "hidden_act", rms_norms=("Qwen2RMSNorm",), gated_mlps=("Qwen2MLP",)),
-        Family("qwen3", "Qwen3PreTrainedModel", "hidden_act", rms_norms=("Qwen3RMSNorm",), gated_mlps=("Qwen3MLP",)),
+        Family(
+            "qwen2",
+            "Qwen2PreTrainedModel",
+            "hidden_act",
+            rms_norms=("Qwen2RMSNorm",),
+            gated_mlps=("Qwen2MLP",),
+            fused_head=True,
+        ),
+        Family(
+            "qwen3",
+            "Qwen3PreTrainedModel",
+            "hidden_act",
+            rms_norms=("Qwen3RMSNorm",),
+            gated_mlps=("Qwen3MLP",),
+            fused_head=True,
+        ),
         Family(
             "qwen3_moe",
             "Qwen3MoePreTrainedModel",

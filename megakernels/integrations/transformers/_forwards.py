@@ -15,7 +15,8 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   packed sequences, a chunked prefill), a softcap, sinks, a position bias or a head dim the CUDA kernel does not
   take, transformers' own SDPA path runs.
 - causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
-  with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation.
+  with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation; or, with the fused head
+  (``fused_head_forward``, opt-in), the LM head and the loss as one ``linear_cross_entropy`` in training.
 
 Each module forward is bound to one module instance by ``_families.patch_modules`` (``self`` is that module).
 """
@@ -207,6 +208,37 @@ def causal_lm_loss(
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(per_token.device)
     return per_token.sum() / num_items_in_batch
+
+
+def fused_head_forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+    """A ``*ForCausalLM`` (``self.model`` then ``self.lm_head``) whose training loss is ``ops.linear_cross_entropy``:
+    in training mode with ``labels``, the hidden states go straight into the fused LM head + cross-entropy (chunks of
+    tokens; the ``[tokens, vocab]`` logits never exist) and the output's ``logits`` is None; transformers' label
+    shift, ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
+    labels, evaluation mode) the model's own forward, logits included."""
+    if labels is None or not self.training:
+        return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    outputs = self.model(input_ids=input_ids, **kwargs)
+    hidden = outputs.last_hidden_state
+    shift = kwargs.get("shift_labels")
+    if shift is None:
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift = shift.to(hidden.device)
+    head = self.lm_head
+    per_token = ops.linear_cross_entropy(hidden, head.weight, shift, bias=head.bias, vocab_size=self.config.vocab_size)
+    n = kwargs.get("num_items_in_batch")
+    if n is None:
+        n = (shift != -100).sum()
+    elif torch.is_tensor(n):
+        n = n.to(per_token.device)
+    return CausalLMOutputWithPast(
+        loss=per_token.sum() / n,
+        logits=None,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
 
 
 def register() -> None:
