@@ -148,6 +148,8 @@ EXTRAS = {
     "sentencepiece": "train",
     "safetensors": "train",
     "yaml": "train",
+    "jinja2": "train",
+    "PIL": "train",
     "matplotlib": "bench",
 }
 
