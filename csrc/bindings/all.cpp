@@ -6,6 +6,7 @@
 #include "module.cpp"
 #include "bias_gelu.cpp"
 #include "cross_entropy.cpp"
+#include "flash_attention.cpp"
 #include "norms.cpp"
 #include "optim.cpp"
 #include "rope.cpp"

@@ -1,0 +1,138 @@
+// FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward of the common case
+// (no dropout, no window, no documents; fp32/bf16/fp16; head_dim <= 256). megakernels/ops/attention.py routes
+// its CPU calls here when they are covered and holds the autograd; everything else runs
+// megakernels/ops/_attention_cpu.py.
+#include "../flash_attention/flash_attention.h"
+#include "common.h"
+
+namespace megakernels {
+namespace bindings {
+namespace flash_attention_ops {  // named, not anonymous: csrc/bindings/all.cpp compiles every family in one unit
+
+namespace fa = megakernels::flash_attention;
+
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_float_input(op, "q", q);
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), op, ": the CPU kernel takes CPU tensors, got ", t->device());
+    TORCH_CHECK_VALUE(t->dim() == 4, op, ": q, k, v must be 4-D [batch, seqlen, heads, head_dim], got ", t->sizes());
+    TORCH_CHECK_VALUE(t->scalar_type() == q.scalar_type(), op, ": q, k, v must share a dtype, got ", q.scalar_type(),
+                      " and ", t->scalar_type());
+  }
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                    op, ": the CPU kernel takes fp32, bf16 or fp16, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3), op,
+                    ": k must match q's batch and head_dim, got q ", q.sizes(), " and k ", k.sizes());
+  TORCH_CHECK_VALUE(k.size(2) > 0 && q.size(2) % k.size(2) == 0, op, ": q's ", q.size(2),
+                    " heads are not a multiple of k/v's ", k.size(2));
+  TORCH_CHECK_VALUE(q.size(3) >= 1 && q.size(3) <= fa::kMaxHeadDim, op, ": head_dim ", q.size(3), " outside [1, ",
+                    fa::kMaxHeadDim, "]");
+  TORCH_CHECK_VALUE(q.size(1) >= 1 && k.size(1) >= 1, op, ": empty sequences are not for the kernel (sq ", q.size(1),
+                    ", sk ", k.size(1), ")");
+}
+
+fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+  fa::Args a{};
+  a.b = q.size(0);
+  a.sq = q.size(1);
+  a.h = q.size(2);
+  a.d = q.size(3);
+  a.sk = k.size(1);
+  a.hk = k.size(2);
+  a.dp = (a.d + 15) / 16 * 16;
+  a.nqb = (a.sq + fa::kBlockM - 1) / fa::kBlockM;
+  a.nkb = (a.sk + fa::kBlockN - 1) / fa::kBlockN;
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.dtype = to_dtype(q.scalar_type());
+  return a;
+}
+
+at::Tensor packed(const fa::Args& a, const at::Tensor& q) {
+  return at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                      const at::Tensor& v_in, bool causal, double scale) {
+  const char* op = "flash_attention";
+  check_qkv(op, q_in, k_in, v_in);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  fa::Args a = make_args(q, k, causal, scale);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
+  at::Tensor kt = packed(a, q), vp = packed(a, q);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.o = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.kt = kt.data_ptr<float>();
+  a.vp = vp.data_ptr<float>();
+  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
+  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_fwd(a, b, e); });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                                  const at::Tensor& k_in, const at::Tensor& v_in,
+                                                                  const at::Tensor& out_in, const at::Tensor& lse_in,
+                                                                  bool causal, double scale) {
+  const char* op = "flash_attention_backward";
+  check_qkv(op, q_in, k_in, v_in);
+  TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
+                        dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
+                        dout_in.device().is_cpu() && out_in.device().is_cpu(),
+                    op, ": grad_out and out must be CPU tensors like q ", q_in.sizes(), ", got ", dout_in.sizes(),
+                    " and ", out_in.sizes());
+  TORCH_CHECK_VALUE(lse_in.device().is_cpu() && lse_in.dim() == 3 && lse_in.size(0) == q_in.size(0) &&
+                        lse_in.size(1) == q_in.size(2) && lse_in.size(2) == q_in.size(1),
+                    op, ": lse must be [batch, heads, sq] on the CPU, got ", lse_in.sizes());
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous();
+  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+  fa::Args a = make_args(q, k, causal, scale);
+  // Key blocks per work item: enough items for the threads, fixed by the shapes (the same bits on any machine).
+  a.chunks = std::clamp<int64_t>((16 + a.b * a.hk - 1) / (a.b * a.hk), 1, a.nkb);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor kt = packed(a, q), kp = packed(a, q), vt = packed(a, q);
+  at::Tensor delta = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
+  at::Tensor dq_part = at::zeros({a.chunks, a.b, a.h, a.nqb * fa::kBlockM, a.dp}, q.options().dtype(at::kFloat));
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.out = out.data_ptr();
+  a.dout = dout.data_ptr();
+  a.lse = const_cast<float*>(lse.data_ptr<float>());
+  a.dq = dq.data_ptr();
+  a.dk = dk.data_ptr();
+  a.dv = dv.data_ptr();
+  a.kt = kt.data_ptr<float>();
+  a.kp = kp.data_ptr<float>();
+  a.vt = vt.data_ptr<float>();
+  a.delta = delta.data_ptr<float>();
+  a.dq_part = dq_part.data_ptr<float>();
+  const int64_t rows = a.b * a.sq * a.h;
+  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
+  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_prep(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_kv(a, b, e); });
+  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_dq(a, b, e); });
+  return {dq, dk, dv};
+}
+
+}  // namespace flash_attention_ops
+}  // namespace bindings
+}  // namespace megakernels
+
+TORCH_LIBRARY_FRAGMENT(megakernels, m) {
+  m.def("flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attn_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+      "float scale) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
+  m.impl("flash_attn_fwd_cpu", &megakernels::bindings::flash_attention_ops::flash_attn_fwd_cpu);
+  m.impl("flash_attn_bwd_cpu", &megakernels::bindings::flash_attention_ops::flash_attn_bwd_cpu);
+}

@@ -1,0 +1,65 @@
+// FlashAttention on the CPU (megakernels/ops/attention.py routes its common case here: no dropout, no window,
+// no documents, fp32/bf16/fp16, head_dim <= 256; the rest stays on megakernels/ops/_attention_cpu.py). Torch-free;
+// csrc/bindings/flash_attention.cpp checks, allocates and splits the work items over threads.
+//
+// q [b, sq, h, d], k/v [b, sk, hk, d], out/dout like q, all contiguous; query head hh reads kv head hh / (h / hk).
+// Causal masking is bottom-right aligned: query i sees key j iff j <= i + sk - sq. lse [b, h, sq] fp32 (-inf for
+// a query that sees no key, whose output is 0). All math in fp32.
+//
+// Layout of the work: k and v are first packed per (batch, kv head, key block of kBlockN keys) into fp32 panels
+// padded to dp = head_dim rounded up to 16 (kt/vt: the block transposed, [dp, kBlockN]; kp/vp: [kBlockN, dp]),
+// so every product below is a small fp32 GEMM on aligned, zero-padded panels.
+// - Forward, per (batch, head, query block of kBlockM rows): online softmax over the visible key blocks (blocks
+//   past the causal diagonal are never visited): S = (scale q) K^T, running max and sum, O += P V.
+// - Backward, per (batch, kv head, chunk of key blocks: block kb belongs to chunk kb % chunks): for every query
+//   head of the group and every query block that sees the key block, P = exp(S - lse), dV += P^T dO,
+//   dP = dO V^T, dS = P (dP - delta), dK += dS^T (scale q), and dS K into the chunk's own dq partial sum; then
+//   dq = scale * sum over chunks (a fixed order). delta = rowsum(dO * O). `chunks` depends on the shapes only, so
+//   the results are the same bits for every thread count.
+#pragma once
+#include <cstdint>
+
+#include "../common/math.h"
+
+namespace megakernels {
+namespace flash_attention {
+
+constexpr int64_t kBlockM = 64;  // query rows per block
+constexpr int64_t kBlockN = 64;  // keys per block
+constexpr int64_t kMaxHeadDim = 256;
+
+struct Args {
+  const void* q;     // [b, sq, h, d]
+  const void* k;     // [b, sk, hk, d]
+  const void* v;     // [b, sk, hk, d]
+  const void* out;   // backward: the forward's output [b, sq, h, d]
+  const void* dout;  // backward: its gradient [b, sq, h, d]
+  void* o;           // forward: out [b, sq, h, d]
+  float* lse;        // [b, h, sq]: written by the forward, read by the backward
+  void* dq;          // backward outputs in q/k/v's layouts
+  void* dk;
+  void* dv;
+  float* kt;       // packed K^T panels [b, hk, nkb, dp, kBlockN] (zero padded)
+  float* kp;       // packed K [b, hk, nkb * kBlockN, dp] (backward)
+  float* vp;       // packed V [b, hk, nkb * kBlockN, dp] (forward)
+  float* vt;       // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
+  float* delta;    // backward: [b, h, sq]
+  float* dq_part;  // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
+  int64_t b, sq, sk, h, hk, d, dp, nqb, nkb, chunks;
+  float scale;
+  bool causal;
+  DType dtype;  // F32, BF16 or F16
+};
+
+}  // namespace flash_attention
+
+namespace cpu {
+// Work items: pack b * hk * nkb (into whichever of kt, kp, vp, vt is non-null); fwd b * h * nqb;
+// bwd_prep and bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
+void flash_attn_pack(const flash_attention::Args& a, int64_t i0, int64_t i1);
+void flash_attn_fwd(const flash_attention::Args& a, int64_t i0, int64_t i1);
+void flash_attn_bwd_prep(const flash_attention::Args& a, int64_t r0, int64_t r1);
+void flash_attn_bwd_kv(const flash_attention::Args& a, int64_t i0, int64_t i1);
+void flash_attn_bwd_dq(const flash_attention::Args& a, int64_t r0, int64_t r1);
+}  // namespace cpu
+}  // namespace megakernels

@@ -1,0 +1,340 @@
+// CPU kernels of FlashAttention (flash_attention.h). Torch-free.
+//
+// Every product is an fp32 GEMM on small, zero-padded panels: C[M, N] (+)= A[M, K] B[K, N] with M a multiple of
+// 4 and N of 16, computed by a 4-row x 64-column register tile (GCC vector extensions: 16 accumulators of 16
+// floats, which -march=native maps onto AVX-512 registers) that streams B's rows and broadcasts A's entries. The
+// softmax passes are `omp simd` loops with mk_exp. Work items are split over threads by the caller
+// (at::parallel_for in csrc/bindings/flash_attention.cpp); each item owns its outputs, so the results do not
+// depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+
+#include "../common/cpu_types.h"
+#include "flash_attention.h"
+
+namespace megakernels {
+namespace cpu {
+namespace {
+
+using flash_attention::Args;
+using flash_attention::kBlockM;
+using flash_attention::kBlockN;
+
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (a score minus its row's max or lse); exactly 0 below mk_exp's clamp and for -inf.
+inline float fa_exp(float x) { return x < -87.0f ? 0.0f : mk_exp(x); }
+
+// C[4, 16 NV] (+)= A[4, K] B[K, 16 NV].
+template <int NV, bool ACC>
+inline void tile4(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t kdim) {
+  vf acc[4][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? vload(c + r * ldc + 16 * v) : vf{};
+  const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
+  for (int64_t k = 0; k < kdim; ++k) {
+    vf bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + 16 * v);
+    const float x0 = a0[k], x1 = a1[k], x2 = a2[k], x3 = a3[k];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      acc[0][v] += x0 * bv[v];
+      acc[1][v] += x1 * bv[v];
+      acc[2][v] += x2 * bv[v];
+      acc[3][v] += x3 * bv[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+// C[M, N] (+)= A[M, K] B[K, N]; M % 4 == 0, N % 16 == 0.
+template <bool ACC>
+void gemm(int64_t m, int64_t n, int64_t kdim, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+          int64_t ldc) {
+  for (int64_t j = 0; j < n; j += 64) {
+    const int64_t nv = std::min<int64_t>(4, (n - j) / 16);
+    for (int64_t i = 0; i < m; i += 4) {
+      const float* ai = a + i * lda;
+      float* ci = c + i * ldc + j;
+      switch (nv) {
+        case 4: tile4<4, ACC>(ai, lda, b + j, ldb, ci, ldc, kdim); break;
+        case 3: tile4<3, ACC>(ai, lda, b + j, ldb, ci, ldc, kdim); break;
+        case 2: tile4<2, ACC>(ai, lda, b + j, ldb, ci, ldc, kdim); break;
+        default: tile4<1, ACC>(ai, lda, b + j, ldb, ci, ldc, kdim); break;
+      }
+    }
+  }
+}
+
+// 64-byte aligned fp32 scratch of one work range.
+struct Scratch {
+  explicit Scratch(int64_t n)
+      : p(static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>((n + 15) / 16 * 16) * sizeof(float)))) {}
+  ~Scratch() { std::free(p); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float* p;
+};
+
+// dst[0, dp) = factor * src[0, d), zero padded.
+template <typename T>
+inline void load_padded(const T* src, float* dst, int64_t d, int64_t dp, float factor) {
+  load_row(src, dst, d);
+  if (factor != 1.0f) {
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) dst[c] *= factor;
+  }
+  for (int64_t c = d; c < dp; ++c) dst[c] = 0.0f;
+}
+
+// [n, n] block transpose: dst[j * n + i] = src[i * n + j] (n = kBlockM = kBlockN).
+inline void transpose_block(const float* src, float* dst) {
+  static_assert(kBlockM == kBlockN, "square score blocks");
+  for (int64_t i = 0; i < kBlockM; ++i)
+#pragma omp simd
+    for (int64_t j = 0; j < kBlockN; ++j) dst[j * kBlockM + i] = src[i * kBlockN + j];
+}
+
+// Columns of score row r (query r0 + r) of the key block at k0 that the query sees: [0, visible).
+inline int64_t visible_keys(const Args& a, int64_t row, int64_t k0) {
+  int64_t lim = a.causal ? std::min(a.sk, row + a.sk - a.sq + 1) : a.sk;
+  return std::clamp<int64_t>(lim - k0, 0, kBlockN);
+}
+
+// Offset of (batch bi, kv head kh) in the packed buffers; key block kb's panel starts kb * kBlockN * dp later.
+inline int64_t bk_offset(const Args& a, int64_t bi, int64_t kh) { return (bi * a.hk + kh) * a.nkb * kBlockN * a.dp; }
+
+template <typename T>
+void pack_items(const Args& a, int64_t i0, int64_t i1) {
+  const int64_t d = a.d, dp = a.dp;
+  Scratch buf(2 * dp);
+  float *kr = buf.p, *vr = buf.p + dp;
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t kb = it % a.nkb, bk = it / a.nkb, kh = bk % a.hk, bi = bk / a.hk;
+    const int64_t panel = (bk * a.nkb + kb) * dp * kBlockN;  // offset of this block in every packed buffer
+    for (int64_t j = 0; j < kBlockN; ++j) {
+      const int64_t key = kb * kBlockN + j;
+      if (key < a.sk) {
+        const int64_t off = ((bi * a.sk + key) * a.hk + kh) * d;
+        load_padded(static_cast<const T*>(a.k) + off, kr, d, dp, 1.0f);
+        load_padded(static_cast<const T*>(a.v) + off, vr, d, dp, 1.0f);
+      } else {
+        std::fill(kr, kr + 2 * dp, 0.0f);
+      }
+      if (a.kt)
+        for (int64_t c = 0; c < dp; ++c) a.kt[panel + c * kBlockN + j] = kr[c];
+      if (a.vt)
+        for (int64_t c = 0; c < dp; ++c) a.vt[panel + c * kBlockN + j] = vr[c];
+      if (a.kp) std::copy(kr, kr + dp, a.kp + panel + j * dp);
+      if (a.vp) std::copy(vr, vr + dp, a.vp + panel + j * dp);
+    }
+  }
+}
+
+template <typename T>
+void fwd_items(const Args& a, int64_t i0, int64_t i1) {
+  const int64_t d = a.d, dp = a.dp, g = a.h / a.hk;
+  Scratch buf(2 * kBlockM * dp + kBlockM * kBlockN);
+  float *qs = buf.p, *o = buf.p + kBlockM * dp, *s = buf.p + 2 * kBlockM * dp;
+  float m[kBlockM], l[kBlockM];
+  for (int64_t it = i0; it < i1; ++it) {
+    // Query blocks in the order 0, n-1, 1, n-2, ...: a contiguous range of items holds cheap and expensive
+    // causal blocks alike.
+    const int64_t p = it % a.nqb, bh = it / a.nqb, hh = bh % a.h, bi = bh / a.h, kh = hh / g;
+    const int64_t qb = p % 2 == 0 ? p / 2 : a.nqb - 1 - p / 2;
+    const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0);
+    const T* q = static_cast<const T*>(a.q) + ((bi * a.sq + r0) * a.h + hh) * d;
+    for (int64_t r = 0; r < kBlockM; ++r) {
+      if (r < rows)
+        load_padded(q + r * a.h * d, qs + r * dp, d, dp, a.scale);
+      else
+        std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+    }
+    std::fill(o, o + kBlockM * dp, 0.0f);
+    const int64_t kend = a.causal ? std::clamp<int64_t>(r0 + rows + a.sk - a.sq, 0, a.sk) : a.sk;
+    const float* kt = a.kt + bk_offset(a, bi, kh);
+    const float* vp = a.vp + bk_offset(a, bi, kh);
+    for (int64_t k0 = 0; k0 < kend; k0 += kBlockN) {
+      gemm<false>(kBlockM, kBlockN, d, qs, dp, kt + k0 * dp, kBlockN, s, kBlockN);
+      for (int64_t r = 0; r < kBlockM; ++r) {
+        float* sr = s + r * kBlockN;
+        const int64_t vis = r < rows ? visible_keys(a, r0 + r, k0) : 0;
+        for (int64_t j = vis; j < kBlockN; ++j) sr[j] = kNegInf;
+        float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < kBlockN; ++j) mx = std::max(mx, sr[j]);
+        const float mn = std::max(m[r], mx);
+        if (mn == kNegInf) {  // nothing seen yet: P = 0
+          std::fill(sr, sr + kBlockN, 0.0f);
+          continue;
+        }
+        const float alpha = fa_exp(m[r] - mn);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < kBlockN; ++j) {
+          const float e = fa_exp(sr[j] - mn);
+          sr[j] = e;
+          sum += e;
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = mn;
+        if (alpha != 1.0f) {
+          float* orow = o + r * dp;
+#pragma omp simd
+          for (int64_t c = 0; c < dp; ++c) orow[c] *= alpha;
+        }
+      }
+      gemm<true>(kBlockM, dp, kBlockN, s, kBlockN, vp + k0 * dp, dp, o, dp);
+    }
+    T* out = static_cast<T*>(a.o) + ((bi * a.sq + r0) * a.h + hh) * d;
+    float* lse = a.lse + (bi * a.h + hh) * a.sq + r0;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* orow = o + r * dp;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) orow[c] *= inv;
+      store_row(orow, out + r * a.h * d, d);
+      lse[r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : kNegInf;
+    }
+  }
+}
+
+template <typename T>
+void bwd_prep_rows(const Args& a, int64_t r0, int64_t r1) {
+  const int64_t d = a.d;
+  Scratch buf(2 * d);
+  float *x = buf.p, *y = buf.p + d;
+  for (int64_t r = r0; r < r1; ++r) {  // r = (bi * sq + i) * h + hh
+    const int64_t hh = r % a.h, bi = r / a.h / a.sq, i = r / a.h % a.sq;
+    const float* o = row_view(static_cast<const T*>(a.out) + r * d, x, d);
+    const float* dout = row_view(static_cast<const T*>(a.dout) + r * d, y, d);
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < d; ++c) acc += o[c] * dout[c];
+    a.delta[(bi * a.h + hh) * a.sq + i] = acc;
+  }
+}
+
+template <typename T>
+void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
+  const int64_t d = a.d, dp = a.dp, g = a.h / a.hk, sq_pad = a.nqb * kBlockM;
+  const int64_t tile = kBlockM * kBlockN;
+  Scratch buf(2 * kBlockM * dp + 2 * kBlockN * dp + 5 * tile);
+  float *qs = buf.p, *dos = qs + kBlockM * dp, *dka = dos + kBlockM * dp, *dva = dka + kBlockN * dp;
+  float *p = dva + kBlockN * dp, *dp_ = p + tile, *ds = dp_ + tile, *pt = ds + tile, *dst = pt + tile;
+  float lse[kBlockM], delta[kBlockM];
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t chunk = it % a.chunks, bk = it / a.chunks, kh = bk % a.hk, bi = bk / a.hk;
+    const int64_t base = bk_offset(a, bi, kh);
+    for (int64_t kb = chunk; kb < a.nkb; kb += a.chunks) {
+      const int64_t k0 = kb * kBlockN, keys = std::min(kBlockN, a.sk - k0);
+      std::fill(dka, dka + 2 * kBlockN * dp, 0.0f);
+      const int64_t first_row = a.causal ? std::max<int64_t>(0, k0 - (a.sk - a.sq)) : 0;
+      const float* kt = a.kt + base + k0 * dp;
+      const float* kp = a.kp + base + k0 * dp;
+      const float* vt = a.vt + base + k0 * dp;
+      for (int64_t gi = 0; gi < g && first_row < a.sq; ++gi) {
+        const int64_t hh = kh * g + gi;
+        for (int64_t qb = first_row / kBlockM; qb < a.nqb; ++qb) {
+          const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0);
+          const int64_t off = ((bi * a.sq + r0) * a.h + hh) * d;
+          const T* q = static_cast<const T*>(a.q) + off;
+          const T* dout = static_cast<const T*>(a.dout) + off;
+          const float* lse_in = a.lse + (bi * a.h + hh) * a.sq + r0;
+          const float* delta_in = a.delta + (bi * a.h + hh) * a.sq + r0;
+          for (int64_t r = 0; r < kBlockM; ++r) {
+            if (r < rows) {
+              load_padded(q + r * a.h * d, qs + r * dp, d, dp, a.scale);
+              load_padded(dout + r * a.h * d, dos + r * dp, d, dp, 1.0f);
+              lse[r] = lse_in[r] == kNegInf ? kPosInf : lse_in[r];  // a row that sees no key: P = 0
+              delta[r] = delta_in[r];
+            } else {
+              std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
+              std::fill(dos + r * dp, dos + (r + 1) * dp, 0.0f);
+              lse[r] = kPosInf;
+              delta[r] = 0.0f;
+            }
+          }
+          gemm<false>(kBlockM, kBlockN, d, qs, dp, kt, kBlockN, p, kBlockN);
+          gemm<false>(kBlockM, kBlockN, d, dos, dp, vt, kBlockN, dp_, kBlockN);
+          for (int64_t r = 0; r < kBlockM; ++r) {
+            float *pr = p + r * kBlockN, *dpr = dp_ + r * kBlockN, *dsr = ds + r * kBlockN;
+            const int64_t vis = r < rows ? visible_keys(a, r0 + r, k0) : 0;
+            const float lr = lse[r], dr = delta[r];
+#pragma omp simd
+            for (int64_t j = 0; j < kBlockN; ++j) {
+              const float e = j < vis ? fa_exp(pr[j] - lr) : 0.0f;
+              pr[j] = e;
+              dsr[j] = e * (dpr[j] - dr);
+            }
+          }
+          transpose_block(p, pt);
+          transpose_block(ds, dst);
+          gemm<true>(kBlockN, dp, kBlockM, pt, kBlockM, dos, dp, dva, dp);
+          gemm<true>(kBlockN, dp, kBlockM, dst, kBlockM, qs, dp, dka, dp);
+          float* dqp = a.dq_part + (((chunk * a.b + bi) * a.h + hh) * sq_pad + r0) * dp;
+          gemm<true>(kBlockM, dp, kBlockN, ds, kBlockN, kp, dp, dqp, dp);
+        }
+      }
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t off = ((bi * a.sk + k0 + j) * a.hk + kh) * d;
+        store_row(dka + j * dp, static_cast<T*>(a.dk) + off, d);
+        store_row(dva + j * dp, static_cast<T*>(a.dv) + off, d);
+      }
+    }
+  }
+}
+
+template <typename T>
+void bwd_dq_rows(const Args& a, int64_t r0, int64_t r1) {
+  const int64_t d = a.d, dp = a.dp, sq_pad = a.nqb * kBlockM;
+  Scratch buf(d);
+  for (int64_t r = r0; r < r1; ++r) {  // r = (bi * sq + i) * h + hh
+    const int64_t hh = r % a.h, bi = r / a.h / a.sq, i = r / a.h % a.sq;
+    std::fill(buf.p, buf.p + d, 0.0f);
+    for (int64_t c = 0; c < a.chunks; ++c) {
+      const float* part = a.dq_part + (((c * a.b + bi) * a.h + hh) * sq_pad + i) * dp;
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) buf.p[e] += part[e];
+    }
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) buf.p[e] *= a.scale;
+    store_row(buf.p, static_cast<T*>(a.dq) + r * d, d);
+  }
+}
+
+#define MK_FA_DISPATCH(fn)                        \
+  switch (a.dtype) {                              \
+    case DType::BF16: return fn<bf16>(a, i0, i1); \
+    case DType::F16: return fn<f16>(a, i0, i1);   \
+    default: return fn<float>(a, i0, i1);         \
+  }
+
+}  // namespace
+
+void flash_attn_pack(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(pack_items) }
+void flash_attn_fwd(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(fwd_items) }
+void flash_attn_bwd_prep(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_prep_rows) }
+void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_kv_items) }
+void flash_attn_bwd_dq(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_dq_rows) }
+
+}  // namespace cpu
+}  // namespace megakernels
