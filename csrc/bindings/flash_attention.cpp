@@ -93,8 +93,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tens
   const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   fa::Args a = make_args(q, k, causal, scale);
-  // Key blocks per work item: enough items for the threads, fixed by the shapes (the same bits on any machine).
-  a.chunks = std::clamp<int64_t>((16 + a.b * a.hk - 1) / (a.b * a.hk), 1, a.nkb);
+  // Chunks of key blocks, one dq partial sum each: enough work items for the threads (16 with the kv heads), fixed
+  // by the shapes so that the bits are the same on any machine; more than 4 only while the partial sums stay under
+  // 256 MiB.
+  const int64_t part_bytes = a.b * a.h * a.nqb * fa::kBlockM * a.dp * int64_t(sizeof(float));
+  const int64_t most = std::max<int64_t>(4, (int64_t(256) << 20) / part_bytes);
+  a.chunks = std::clamp<int64_t>((16 + a.b * a.hk - 1) / (a.b * a.hk), 1, std::min(a.nkb, most));
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   at::Tensor kt = packed(a, q), kp = packed(a, q), vt = packed(a, q);
   at::Tensor delta = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
