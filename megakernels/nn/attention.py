@@ -35,7 +35,7 @@ from torch import nn
 
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
 from megakernels.ops import _checks
-from megakernels.ops.attention import check_window, flash_attention, window_mask
+from megakernels.ops.attention import check_documents, check_window, flash_attention, window_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +45,6 @@ class DocumentMask:
     context parallelism (ring attention takes each chunk's)."""
 
     ids: torch.Tensor
-
-
-def document_pair(documents, sq: int, sk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``documents`` (ids ``[b, s]`` shared by queries and keys, or a pair ``(q_ids [b, sq], k_ids [b, sk])``) as
-    the pair."""
-    if isinstance(documents, torch.Tensor):
-        if sq != sk:
-            raise ValueError(
-                f"documents: one ids tensor serves queries and keys of the same length; got sq={sq}, sk={sk} "
-                "(pass a pair (q_ids, k_ids))"
-            )
-        return documents, documents
-    q_ids, k_ids = documents
-    return q_ids, k_ids
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -190,7 +176,7 @@ class TorchSelfAttention(_Core):
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)  # and no is_causal + mask
             causal = False
         if documents is not None:  # keys of other documents, [b, 1, sq, sk]
-            q_ids, k_ids = document_pair(documents, sq, sk)
+            q_ids, k_ids = check_documents(type(self).__name__, documents, q, k)  # flash_attention's rules
             other = q_ids[:, None, :, None] != k_ids[:, None, None, :]
             mask = other if mask is None else mask | other
         out = F.scaled_dot_product_attention(
