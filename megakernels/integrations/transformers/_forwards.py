@@ -146,14 +146,23 @@ def packed_documents(position_ids, batch: int, sq: int) -> torch.Tensor | None:
     """Padding-free packed batches (transformers' ``DataCollatorWithFlattening``: the sequences concatenated, their
     ``position_ids`` restarting at each): each token's sequence, int32 ``[b, s]`` (a new one wherever a position is
     not its predecessor's plus one, transformers' rule); None when no row holds more than one sequence (read on the
-    host, except while compiling) or the positions are not the queries'."""
+    host once per positions tensor, remembered on it for the other layers; always the ids while compiling) or the
+    positions are not the queries'."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != sq or sq < 2:
         return None
+    compiling = torch.compiler.is_compiling()
+    key = (position_ids._version, batch)
+    cached = None if compiling else getattr(position_ids, "_megakernels_documents", None)
+    if cached is not None and cached[0] == key:  # every layer asks with the same positions: one host read a forward
+        return cached[1]
     pos = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
     starts = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
     documents = starts.cumsum(-1, dtype=torch.int32)
-    if not torch.compiler.is_compiling() and not bool(documents[:, -1].any()):
-        return None
+    if compiling:
+        return documents
+    if not bool(documents[:, -1].any()):
+        documents = None
+    position_ids._megakernels_documents = (key, documents)
     return documents
 
 
