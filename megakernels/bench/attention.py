@@ -119,7 +119,6 @@ def run(
                                     raise
                                 peers.failed(name, f"attention {dtype_name} d{d} s{s}", e)
                         f = flops(b, h, s, d, causal, backward)
-                        value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
                         fields = {}
                         if backward:  # the backward's own rate: 2.5x the forward's FLOPs over (fwd+bwd - fwd)
                             fb = flops(b, h, s, d, causal, False) * 2.5
@@ -128,27 +127,8 @@ def run(
                                 for k, t in times.items()
                                 if k in fwd_times and t > fwd_times[k]
                             }
-                        row = result_row(
-                            "flash_attention",
-                            FAMILY,
-                            dtype=dtype_name,
-                            shape=f"{b}x{h}x{s}x{d}",
-                            pass_="fwd+bwd" if backward else "fwd",
-                            size=s,
-                            size_label="sequence length",
-                            unit="TFLOP/s",
-                            work=f,
-                            times=times,
-                            ceiling=value,
-                            ceiling_name=cname,
-                            variant=f"d{d} {'causal' if causal else 'full'}",
-                            batch=b,
-                            heads=h,
-                            seqlen=s,
-                            head_dim=d,
-                            causal=causal,
-                            **fields,
-                        )
+                        variant = f"d{d} {'causal' if causal else 'full'}"
+                        row = _row(dtype_name, (b, h, s, d), backward, f, times, ceilings, variant, causal, **fields)
                         fwd_times = times
                         rows.append(row)
                         table(row)
@@ -183,35 +163,52 @@ def packed_rows(dtype_name, d, s, device, min_run_time, ceilings) -> list[dict]:
             OURS: median_seconds(step(docs), min_run_time),
             "one document": median_seconds(step(None), min_run_time),
         }
-        value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
         fields = {}
         if backward and times[OURS] > fwd_time:  # the backward's own rate, as the other rows carry it
             fields["bwd_TFLOPs"] = {
                 OURS: n * flops(b, h, s // n, d, True, False) * 2.5 / (times[OURS] - fwd_time) / 1e12
             }
         fwd_time = times[OURS]
+        work = n * flops(b, h, s // n, d, True, backward)
         rows.append(
-            result_row(
-                "flash_attention",
-                FAMILY,
-                dtype=dtype_name,
-                shape=f"{b}x{h}x{s}x{d}",
-                pass_="fwd+bwd" if backward else "fwd",
-                size=s,
-                size_label="sequence length",
-                unit="TFLOP/s",
-                work=n * flops(b, h, s // n, d, True, backward),
-                times=times,
-                ceiling=value,
-                ceiling_name=cname,
-                variant=f"d{d} causal {n} docs",
-                batch=b,
-                heads=h,
-                seqlen=s,
-                head_dim=d,
-                causal=True,
+            _row(
+                dtype_name,
+                (b, h, s, d),
+                backward,
+                work,
+                times,
+                ceilings,
+                f"d{d} causal {n} docs",
+                True,
                 documents=n,
                 **fields,
             )
         )
     return rows
+
+
+def _row(dtype_name, shape, backward, work, times, ceilings, variant, causal, **extra) -> dict:
+    """One result row of attention over ``shape`` = (b, h, s, d): TFLOP/s against the dtype's GEMM ceiling."""
+    b, h, s, d = shape
+    value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
+    return result_row(
+        "flash_attention",
+        FAMILY,
+        dtype=dtype_name,
+        shape=f"{b}x{h}x{s}x{d}",
+        pass_="fwd+bwd" if backward else "fwd",
+        size=s,
+        size_label="sequence length",
+        unit="TFLOP/s",
+        work=work,
+        times=times,
+        ceiling=value,
+        ceiling_name=cname,
+        variant=variant,
+        batch=b,
+        heads=h,
+        seqlen=s,
+        head_dim=d,
+        causal=causal,
+        **extra,
+    )
