@@ -5,6 +5,7 @@ emulated CUDA kernel under ``megakernels.backend("cuda_emu")``."""
 from megakernels.ops.attention import flash_attention, flash_attention_varlen
 from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
+from megakernels.ops.fp8 import fp8_gemm, fp8_grouped_gemm, fp8_linear, fp8_quantize
 from megakernels.ops.linear_cross_entropy import linear_cross_entropy
 from megakernels.ops.norms import layer_norm, rms_norm
 from megakernels.ops.rope import RopeScaling, fused_rope, rope_cos_sin_table, rope_inv_freq, rope_reference
@@ -22,6 +23,10 @@ __all__ = [
     "flash_attention_varlen",
     "cross_entropy",
     "linear_cross_entropy",
+    "fp8_quantize",
+    "fp8_gemm",
+    "fp8_grouped_gemm",
+    "fp8_linear",
     "fused_rope",
     "rope_reference",
     "rope_cos_sin_table",
