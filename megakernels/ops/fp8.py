@@ -413,7 +413,8 @@ def fp8_grouped_gemm(
         or group_sizes.dtype not in (torch.int32, torch.int64)
     ):
         raise ValueError(
-            f"{op}: group_sizes must be int32/int64 [E={b.shape[0]}], got {group_sizes.dtype} {tuple(group_sizes.shape)}"
+            f"{op}: group_sizes must be int32/int64 [E={b.shape[0]}], got {group_sizes.dtype} "
+            f"{tuple(group_sizes.shape)}"
         )
     if tuple(a_scale.shape) != scale_shape(a.shape, a_granularity):
         raise ValueError(
@@ -552,7 +553,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"{op}: x must be fp32, bf16 or fp16, got {x.dtype}")
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"{op}: weight must be [N, K] with K = x's last dimension, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+            f"{op}: weight must be [N, K] with K = x's last dimension, got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}"
         )
     if weight.dtype != x.dtype:
         raise ValueError(f"{op}: weight has dtype {weight.dtype}, expected x's {x.dtype}")
