@@ -22,7 +22,9 @@ from megakernels_models.planning.layout_rules import validate_layout
 from megakernels_models.settings import ArgumentError, flag_of, setting
 from megakernels_models.training.preemption import SIGNALS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "blockwise")  # megakernels.ops.fp8.RECIPES
+FP8_BASES = ("bf16", "fp32")
 SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -210,7 +212,27 @@ class _Settings:
     )
     clip_grad: float = setting(1.0, "global gradient-norm clipping (0 = off)", OPTIM)
     seed: int = setting(1234, "defines the weights, the data order and dropout", OPTIM)
-    precision: str = setting("fp32", "training precision (16-bit with fp32 master weights)", OPTIM, choices=PRECISIONS)
+    precision: str = setting(
+        "fp32",
+        "training precision (16-bit with fp32 master weights; fp8: the transformer blocks' linear layers and "
+        "experts in FP8, the rest in --fp8-base-precision)",
+        OPTIM,
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "--precision fp8's scaling: tensorwise (one scale a tensor from its amax; e5m2 gradients) or blockwise "
+        "(1x128 tiles and 128x128 weight blocks, e4m3, fp32 promotion every 128 of K: DeepSeek-V3)",
+        OPTIM,
+        choices=FP8_RECIPES,
+    )
+    fp8_base_precision: str = setting(
+        "bf16",
+        "--precision fp8: the precision of parameters and of what FP8 does not cover (embeddings, LM head, "
+        "attention, norms); fp32 isolates FP8's own rounding (comparing layouts)",
+        OPTIM,
+        choices=FP8_BASES,
+    )
     recompute: str = setting("none", "activation recomputation", OPTIM, choices=RECOMPUTE)
     distributed_optimizer: bool = setting(False, "ZeRO-1: shard optimizer state over data-parallel ranks", OPTIM)
     offload_optimizer: bool = setting(
@@ -473,8 +495,12 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size())
 
+    def base_precision(self) -> str:
+        """The precision of the parameters and of every op FP8 does not cover (``precision`` unless it is fp8)."""
+        return self.fp8_base_precision if self.precision == "fp8" else self.precision
+
     def param_dtype(self) -> torch.dtype:
-        return DTYPES[self.precision]
+        return DTYPES[self.base_precision()]
 
 
 def _flag(name: str) -> str:
@@ -579,6 +605,8 @@ def _validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError(str(e)) from None
     for name, choices in (
         ("precision", PRECISIONS),
+        ("fp8_recipe", FP8_RECIPES),
+        ("fp8_base_precision", FP8_BASES),
         ("recompute", RECOMPUTE),
         ("attention", tuple(ATTENTION_CORES)),
         ("schedule", SCHEDULES),

@@ -54,6 +54,9 @@ FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 _MAX_EXPONENT = {"e4m3": 9, "e5m2": 16}  # max = 0.875 · 2**exponent for both formats
 GRANULARITIES = ("tensor", "row", "block")
+# Not an op's granularity: one scale per element, stored expanded (megakernels.parallel.fp8, where a tile straddles
+# two tensor-parallel shards and the product is taken of the dequantised operands).
+ELEMENT = "element"
 TILE = 128
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -136,7 +139,7 @@ def tile_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
 
 def expand_scale(scale: torch.Tensor, granularity: str, shape) -> torch.Tensor:
     """The scale of every element of a 2-D tensor of ``shape`` (broadcastable against it)."""
-    if granularity == "tensor":
+    if granularity in ("tensor", ELEMENT):
         return scale
     m, k = shape
     s = scale.repeat_interleave(TILE, dim=1)[:, :k]
@@ -180,6 +183,7 @@ def _quantize(
     if runs_triton("fp8_quantize", x, emulate):
         return _triton().quantize(x, fmt, granularity, scale, transpose)
     q, s = quantize_reference(x, fmt, granularity, scale)
+    s = s.clone() if scale is not None else s  # an op's output may not alias its input
     if not transpose:
         return q, s, q.new_empty((0,)), s.new_empty((0,))
     if granularity == "row":

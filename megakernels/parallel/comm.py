@@ -25,6 +25,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # Module-level, not thread-local: on CUDA the autograd engine runs backward on its own device threads.
 _events: list | None = None
+_bytes: dict | None = None
 
 
 @contextlib.contextmanager
@@ -42,6 +43,20 @@ def record_events():
         yield events
     finally:
         _events = previous
+
+
+@contextlib.contextmanager
+def count_bytes():
+    """Count, per collective kind, the bytes this rank puts into collectives while the block runs (an all-gather's
+    and a reduce-scatter's input, an all-reduce's tensor): yields a dict ``{kind: bytes}`` that fills as they
+    launch. What crosses the wire is proportional (a ring moves ``(world - 1) / world`` of it per step)."""
+    global _bytes
+    previous, counts = _bytes, {}
+    _bytes = counts
+    try:
+        yield counts
+    finally:
+        _bytes = previous
 
 
 def record(event: str, detail: str) -> None:
@@ -72,8 +87,11 @@ class Pending:
             self._work.wait()
 
 
-def _launch(kind: str, fn, result: torch.Tensor, async_op: bool, finish=None):
+def _launch(kind: str, fn, result: torch.Tensor, async_op: bool, finish=None, sent: torch.Tensor | None = None):
     record("launch", kind)
+    if _bytes is not None:
+        src = result if sent is None else sent
+        _bytes[kind] = _bytes.get(kind, 0) + src.numel() * src.element_size()
     work = fn(async_op=async_op)
     pending = Pending(kind, work if async_op else None, result, finish)
     if not async_op:
@@ -82,10 +100,12 @@ def _launch(kind: str, fn, result: torch.Tensor, async_op: bool, finish=None):
     return pending
 
 
-def all_reduce(x: torch.Tensor, group, async_op: bool = False):
-    """Sum ``x`` over ``group`` in place; returns ``x`` (or a ``Pending`` of it when ``async_op``)."""
+def all_reduce(x: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
+    """Sum (or ``op``) ``x`` over ``group`` in place; returns ``x`` (or a ``Pending`` of it when ``async_op``)."""
     x = x.contiguous()
-    return _launch("all_reduce", lambda async_op: dist.all_reduce(x, group=group, async_op=async_op), x, async_op)
+    return _launch(
+        "all_reduce", lambda async_op: dist.all_reduce(x, op=op, group=group, async_op=async_op), x, async_op
+    )
 
 
 def all_gather(x: torch.Tensor, dim: int, group, async_op: bool = False):
@@ -104,6 +124,7 @@ def all_gather(x: torch.Tensor, dim: int, group, async_op: bool = False):
         out,
         async_op,
         finish,
+        sent=src,
     )
 
 
@@ -128,6 +149,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, async_op: bool = False):
         out,
         async_op,
         finish,
+        sent=src,
     )
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.parallel import comm, init, mappings, state
+from megakernels.parallel import comm, fp8, init, mappings, state
 from megakernels.parallel.params import is_sequence_parallel, mark_sequence_parallel, mark_tensor_parallel
 from megakernels.validation import positive_int
 
@@ -199,6 +199,7 @@ class ColumnParallelLinear(nn.Module):
             )
         self.gather_output, self.sequence_parallel = bool(gather_output), bool(sequence_parallel)
         self.skip_bias_add, self.overlap_comm = bool(skip_bias_add), bool(overlap_comm)
+        self.fp8 = None  # an ops.fp8.Fp8Recipe: the GEMMs in FP8 (megakernels.parallel.fp8.enable)
         self.init_method = init.init_method_normal() if init_method is None else init_method
         self.seed = init.draw_seed() if seed is None else int(seed)
         local = out_features // parts
@@ -227,7 +228,20 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         _check_input(type(self).__name__, x, self.in_features, self.sequence_parallel)
         bias = None if self.skip_bias_add else self.bias
-        y = linear_with_async_comm(x, self.weight, bias, state.tp_group(), self.sequence_parallel, self.overlap_comm)
+        if self.fp8 is not None:
+            spec = fp8.LinearSpec(
+                self.fp8,
+                state.tp_group(),
+                column=True,
+                sequence_parallel=self.sequence_parallel,
+                overlap=self.overlap_comm,
+                out_axis=fp8.Axis.of(self.out_features, state.tp_rank(), self.tp, self.stride, self.replicas),
+            )
+            y = fp8.linear(x, self.weight, bias, spec)
+        else:
+            y = linear_with_async_comm(
+                x, self.weight, bias, state.tp_group(), self.sequence_parallel, self.overlap_comm
+            )
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y)
         return (y, self.bias) if self.skip_bias_add else y
@@ -287,6 +301,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{cls}: sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel, self.sequence_parallel = bool(input_is_parallel), bool(sequence_parallel)
         self.skip_bias_add = bool(skip_bias_add)
+        self.fp8 = None  # an ops.fp8.Fp8Recipe: the GEMMs in FP8 (megakernels.parallel.fp8.enable)
         self.init_method = init.init_method_normal() if init_method is None else init_method
         self.seed = init.draw_seed() if seed is None else int(seed)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp, device=device, dtype=dtype))
@@ -311,7 +326,11 @@ class RowParallelLinear(nn.Module):
         _check_input(cls, x, local if self.input_is_parallel else self.in_features, False)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x)
-        partial = F.linear(x, self.weight)
+        if self.fp8 is not None:
+            axis = fp8.Axis.of(self.in_features, state.tp_rank(), self.tp)
+            partial = fp8.linear(x, self.weight, None, fp8.LinearSpec(self.fp8, state.tp_group(), False, in_axis=axis))
+        else:
+            partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             if partial.dim() != 3:
                 raise ValueError(

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.lr_schedule import LRSchedule
-from megakernels.parallel import watchdog
+from megakernels.parallel import fp8, watchdog
 from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale
@@ -78,6 +78,8 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
             fused_linear_ce=args.fused_head(task.config),
             device=device,
         )
+        if args.precision == "fp8":
+            fp8.enable(chunk, args.fp8_recipe)
         chunks.append(chunk.to(args.param_dtype()))
     frozen = list(args.frozen_parts())
     for chunk in chunks:
@@ -177,7 +179,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
         eps=args.adam_eps,
         weight_decay=args.weight_decay,
         distributed=args.distributed_optimizer,
-        precision=args.precision,
+        precision=args.base_precision(),
         clip_grad=args.clip_grad,
         loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
         no_decay=no_decay_rule(chunks, args.no_weight_decay),
@@ -202,7 +204,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
             cfg.flops_per_token("none"),
             tokens_per_step,
             dist.get_world_size(),
-            args.precision,
+            args.base_precision(),
             device,
             args.peak_tflops,
         )

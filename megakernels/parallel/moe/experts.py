@@ -15,7 +15,7 @@ from torch import nn
 
 from megakernels.ops.grouped_gemm import grouped_gemm
 from megakernels.ops.swiglu import swiglu
-from megakernels.parallel import init, state
+from megakernels.parallel import fp8, init, state
 from megakernels.parallel.params import mark_expert_parallel
 
 
@@ -52,6 +52,8 @@ class GroupedMLP(nn.Module):
         tp, r = state.tp_size(), state.tp_rank()
         state.check_divisible(ffn_hidden_size=ffn_hidden_size)
         self.activation, self.first, self.num_local = activation, first, num_local
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.fp8 = None  # an ops.fp8.Fp8Recipe: the grouped GEMMs in FP8 (megakernels.parallel.fp8.enable)
         gated = activation == "swiglu"
         rows = (2 if gated else 1) * ffn_hidden_size
         self.fc1 = nn.Parameter(torch.empty(num_local, rows // tp, hidden_size, device=device, dtype=dtype))
@@ -83,9 +85,18 @@ class GroupedMLP(nn.Module):
                 )
 
     def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        y = grouped_gemm(rows, self.fc1, group_sizes)
+        gemm1 = gemm2 = grouped_gemm
+        if self.fp8 is not None:
+            tp, r, group = state.tp_size(), state.tp_rank(), state.tp_group()
+            gated = self.activation == "swiglu"
+            out_axis = fp8.Axis.of((2 if gated else 1) * self.ffn_hidden_size, r, tp, stride=2 if gated else 1)
+            spec1 = fp8.ExpertSpec(self.fp8, group, column=True, out_axis=out_axis)
+            spec2 = fp8.ExpertSpec(self.fp8, group, column=False, in_axis=fp8.Axis.of(self.ffn_hidden_size, r, tp))
+            gemm1 = lambda x, w, s: fp8.grouped_linear(x, w, s, spec1)  # noqa: E731
+            gemm2 = lambda x, w, s: fp8.grouped_linear(x, w, s, spec2)  # noqa: E731
+        y = gemm1(rows, self.fc1, group_sizes)
         if self.activation == "swiglu":
             y = swiglu(y)
         else:
             y = F.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return grouped_gemm(y, self.fc2, group_sizes)
+        return gemm2(y, self.fc2, group_sizes)

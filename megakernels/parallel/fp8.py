@@ -1,0 +1,414 @@
+"""FP8 in the tensor-parallel layers: the column- and row-parallel linears and the experts' grouped GEMMs run their
+forward, input-gradient and weight-gradient GEMMs in FP8 (``megakernels.ops.fp8``) once ``enable(model, recipe)``
+has set their ``fp8`` attribute (docs/design.md §4, "FP8 training").
+
+**Scales are those of the whole tensor, whatever the layout.** A rank holds a shard, but the quantisation of the
+single-process model is the reference, so:
+
+- a tensorwise scale comes from the amax of the whole tensor: a sharded tensor's local amax is reduced (MAX) over
+  the tensor-parallel group (a weight shard, a row-parallel input, a column-parallel output gradient, a sequence
+  shard); a tensor every rank holds whole (a column-parallel input without SP) needs nothing;
+- 1×128 tiles and 128×128 blocks are tiles *of the full tensor*. When the shard boundaries fall on multiples of 128
+  (every real model: hidden sizes and head groups are multiples of 128 per rank) a tile is wholly on one rank and
+  the local op runs as is. Otherwise (small test models) a tile may straddle ranks: its amax is reduced over the
+  group and the element's scale is its global tile's, and the GEMM takes the dequantised operands (the CPU's
+  computation anyway; on CUDA this case is refused — ``_misaligned``).
+
+So the quantised operands of every layout are the single process's, and losses differ across layouts only by the
+order of fp32 sums (which can move an element across a rounding boundary of FP8: rare, and a few ulps of FP8).
+
+What a layer keeps for backward: the FP8 copy of its input (1 byte an element instead of 2): ``xᵀ`` in its own
+tiles along the tokens (blockwise) or x's FP8 copy (tensorwise: the transpose shares its scale), and the weight's
+FP8 copy transposed. Under sequence parallelism the column-parallel layer quantises its sequence shard and
+all-gathers **FP8** (the tensor and its scales: half the bytes of the bf16 gather); backward gathers again, FP8
+for tensorwise (its transpose is exact), bf16 for blockwise (whose transposed tiles run along the tokens, across
+the shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megakernels.ops import fp8 as ops
+from megakernels.ops.fp8 import TILE, Quantized
+from megakernels.parallel import comm
+from megakernels.parallel.init import shard_pieces
+
+ELEMENT = ops.ELEMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """Where a sharded dimension's local indices sit in the full dimension (``init.shard_pieces``)."""
+
+    full: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, full: int, rank: int, world: int, stride: int = 1, replicas: int = 1) -> Axis | None:
+        """The axis of rank ``rank``'s shard, or None where its tiles are the full tensor's (aligned)."""
+        if world == 1:
+            return None
+        pieces = tuple(shard_pieces(full, rank, world, stride, replicas))
+        aligned = all(f % TILE == 0 and (n % TILE == 0 or f + n == full) for f, _, n in pieces)
+        return None if aligned else cls(full, pieces)
+
+    def tile_ids(self, device) -> torch.Tensor:
+        """The global tile of every local index."""
+        parts = [torch.arange(f, f + n, device=device) for f, _, n in self.pieces]
+        return torch.cat(parts) // TILE
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.full // TILE)
+
+
+def _max_over(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        return comm.all_reduce(t, group, op=dist.ReduceOp.MAX)
+    return t
+
+
+def _misaligned(x: torch.Tensor) -> None:
+    if x.device.type == "cuda":
+        raise ValueError(
+            "fp8: a 1×128 tile or 128×128 block straddles two tensor-parallel shards; on CUDA every shard of a "
+            "blockwise-FP8 layer must be a multiple of 128 along its split dimension (choose hidden / ffn / head "
+            "sizes that divide so, or the tensorwise recipe)"
+        )
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    granularity: str,
+    *,
+    group=None,
+    rows: Axis | None = None,
+    cols: Axis | None = None,
+) -> Quantized:
+    """``x`` ``[M, K]`` quantised with the full tensor's scales (module docstring): tensorwise, the amax reduced
+    over ``group``; tiles along a dimension with an ``Axis`` (``rows`` for blocks, ``cols``) are global tiles."""
+    if granularity == "tensor":
+        amax = _max_over(ops.tile_amax(x, "tensor").reshape(1), group).reshape(())
+        q, s, _, _ = ops.fp8_quantize(x, fmt, "tensor", ops.pow2_scale(amax, fmt))
+        return Quantized(q, s, "tensor")
+    if cols is None and (granularity == "row" or rows is None):
+        q, s, _, _ = ops.fp8_quantize(x, fmt, granularity)
+        return Quantized(q, s, granularity)
+    _misaligned(x)
+    m, k = x.shape
+    a = x.detach().abs().float()
+    col_ids = cols.tile_ids(x.device) if cols is not None else torch.arange(k, device=x.device) // TILE
+    n_cols = cols.tiles if cols is not None else -(-k // TILE)
+    if granularity == "row":
+        amax = a.new_zeros((m, n_cols)).scatter_reduce(1, col_ids.expand(m, k), a, "amax")
+        scale = ops.pow2_scale(_max_over(amax, group), fmt)[:, col_ids]
+    else:
+        row_ids = rows.tile_ids(x.device) if rows is not None else torch.arange(m, device=x.device) // TILE
+        n_rows = rows.tiles if rows is not None else -(-m // TILE)
+        flat = (row_ids[:, None] * n_cols + col_ids[None, :]).reshape(-1)
+        amax = a.new_zeros(n_rows * n_cols).scatter_reduce(0, flat, a.reshape(-1), "amax")
+        scale = ops.pow2_scale(_max_over(amax, group), fmt)[flat].view(m, k)
+    limit = ops.FORMAT_MAX[fmt]
+    q = (x.float() / scale).clamp(-limit, limit).to(ops.FORMATS[fmt])
+    return Quantized(q, scale, ELEMENT)
+
+
+def transpose(t: Quantized) -> Quantized:
+    """The quantised transpose, where it shares the tiles (tensor, block, element); not for 1×128 row tiles."""
+    if t.granularity == "row":
+        raise ValueError("fp8: 1×128 row tiles are not the transpose's tiles; quantise xᵀ itself")
+    scale = t.scale if t.granularity == "tensor" else t.scale.t().contiguous()
+    return Quantized(t.q.t().contiguous(), scale, t.granularity)
+
+
+def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ bᵀ``: the FP8 GEMM op, or the dequantised product where a tile straddled shards."""
+    if ELEMENT in (a.granularity, b.granularity):
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+    return ops.gemm(a, b, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sequence-parallel FP8 all-gather
+
+
+def _gather_fp8(t: Quantized, group, async_op: bool):
+    """All-gather along dim 0 the FP8 bytes (and 1×128 scales) of a sequence shard; the result is ``Quantized``
+    (``wait()`` it when ``async_op``)."""
+    pending_q = comm.all_gather(t.q.view(torch.uint8), 0, group, async_op=True)
+    pending_s = comm.all_gather(t.scale, 0, group, async_op=True) if t.granularity == "row" else None
+
+    def finish():
+        q = pending_q.wait().view(t.q.dtype)
+        s = pending_s.wait() if pending_s is not None else t.scale
+        return Quantized(q, s, t.granularity)
+
+    if async_op:
+        return _Later(finish)
+    return finish()
+
+
+class _Later:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def wait(self):
+        return self._fn()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the linear layers
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSpec:
+    """What the FP8 linear of one layer needs to know: its recipe, its TP group, whether it is column-parallel
+    (the input gathered under SP, the input gradient reduced) and the axes of its sharded dimensions."""
+
+    recipe: ops.Fp8Recipe
+    group: object
+    column: bool
+    sequence_parallel: bool = False
+    overlap: bool = True
+    out_axis: Axis | None = None  # column-parallel: the weight's rows and the output's features
+    in_axis: Axis | None = None  # row-parallel: the weight's columns and the input's features
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
+    @property
+    def sharded_group(self):
+        """The group over which a sharded tensor's tensorwise amax is reduced (None: one rank)."""
+        return self.group if self.world > 1 else None
+
+
+class Fp8Linear(torch.autograd.Function):
+    """``y = f(x) Wᵀ + b`` in FP8 with the communication of ``linear.LinearWithAsyncComm`` (column: f gathers the
+    sequence under SP, the input gradient is all-reduced or reduce-scattered, overlapped with the weight-gradient
+    GEMM) or none (row: the caller's mappings reduce the output)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: LinearSpec):
+        rec = spec.recipe
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        group = spec.sharded_group
+        sp = spec.column and spec.sequence_parallel and spec.world > 1
+        in_group = group if (sp or not spec.column) else None  # the input differs across the TP ranks
+        xq = quantize(x2, rec.input_format, rec.input_granularity, group=in_group, cols=spec.in_axis)
+        saved_x = None
+        if sp:
+            ctx.local_q = xq if rec.input_granularity == "tensor" else None
+            saved_x = x2 if rec.input_granularity != "tensor" else None
+            xq = _gather_fp8(xq, spec.group, async_op=False)
+        elif rec.input_granularity == "tensor":
+            ctx.x_t = transpose(xq)
+        else:
+            ctx.x_t = quantize(x2.t(), rec.input_format, "row")
+        wq = quantize(
+            weight, rec.weight_format, rec.weight_granularity, group=group, rows=spec.out_axis, cols=spec.in_axis
+        )
+        ctx.w_t = transpose(wq)
+        ctx.spec, ctx.shape, ctx.has_bias = spec, shape, bias is not None
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.save_for_backward(saved_x)
+        y = gemm(xq, wq, x.dtype)
+        if bias is not None:
+            y = y + bias
+        lead = (shape[0] * spec.world,) + tuple(shape[1:-1]) if sp else tuple(shape[:-1])
+        return y.view(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, rec = ctx.spec, ctx.spec.recipe
+        (saved_x,) = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        sp = spec.column and spec.sequence_parallel and spec.world > 1
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        gathering = None
+        if sp and need_dw:
+            if ctx.local_q is not None:
+                gathering = _gather_fp8(ctx.local_q, spec.group, async_op=True)
+            else:
+                gathering = comm.all_gather(saved_x, 0, spec.group, async_op=True)
+            if not spec.overlap:
+                done = gathering.wait()
+                gathering = _Later(lambda: done)
+        # the output gradient differs across the TP ranks for a column-parallel layer (its own features)
+        group = spec.sharded_group if spec.column else None
+        g = quantize(dy2, rec.grad_format, rec.grad_granularity, group=group, cols=spec.out_axis)
+        dx = None
+        if need_dx:
+            comm.record("start", "dgrad")
+            dx = gemm(g, ctx.w_t, dy.dtype)
+            comm.record("end", "dgrad")
+        reducing = None
+        if dx is not None and spec.column and spec.world > 1:
+            if sp:
+                reducing = comm.reduce_scatter(dx, 0, spec.group, async_op=True)
+            else:
+                reducing = comm.all_reduce(dx, spec.group, async_op=True)
+            if not spec.overlap:
+                dx = reducing.wait()
+        dw = db = None
+        if need_dw:
+            if gathering is not None:
+                full = gathering.wait()
+                if isinstance(full, Quantized):
+                    x_t = transpose(full)
+                else:
+                    x_t = quantize(full.t(), rec.input_format, "row")
+            else:
+                x_t = ctx.x_t
+            g_t = transpose(g) if rec.grad_granularity == "tensor" else quantize(dy2.t(), rec.grad_format, "row")
+            comm.record("start", "wgrad")
+            dw = gemm(g_t, x_t, torch.float32).to(ctx.w_dtype)
+            comm.record("end", "wgrad")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        if reducing is not None:
+            dx = reducing.wait()
+        if dx is not None:
+            lead = ctx.shape[:-1]
+            dx = dx.view(*lead, ctx.shape[-1])
+        ctx.x_t = ctx.w_t = ctx.local_q = None
+        return dx, dw, db, None
+
+
+def linear(x, weight, bias, spec: LinearSpec) -> torch.Tensor:
+    """``Fp8Linear`` (``x`` ``[..., in]``; under SP, column-parallel: ``[s/tp, b, in]``)."""
+    return Fp8Linear.apply(x, weight, bias, spec)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the experts
+
+
+def _stack(ts: list[Quantized]) -> Quantized:
+    g = ts[0].granularity
+    return Quantized(torch.stack([t.q for t in ts]), torch.stack([t.scale for t in ts]), g)
+
+
+def _grouped(a: Quantized, b: list[Quantized], sizes: torch.Tensor, out_dtype) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e]ᵀ``: the FP8 grouped GEMM op, or per group dequantised."""
+    if ELEMENT not in (a.granularity, b[0].granularity):
+        bs = _stack(b)
+        return ops.fp8_grouped_gemm(
+            a.q,
+            a.scale,
+            bs.q,
+            bs.scale,
+            sizes,
+            a_granularity=a.granularity,
+            b_granularity=bs.granularity,
+            out_dtype=out_dtype,
+        )
+    ad = a.dequantize()
+    out = ad.new_zeros((ad.shape[0], b[0].q.shape[0]))
+    for e, lo, hi in ops._segments(sizes):
+        out[lo:hi] = ad[lo:hi] @ b[e].dequantize().t()
+    return out.to(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSpec:
+    """One of the experts' two grouped GEMMs: the recipe, the TP group, whether it is the column-parallel fc1 (the
+    input whole on every rank, the output features sharded: ``out_axis``) or the row-parallel fc2 (``in_axis``)."""
+
+    recipe: ops.Fp8Recipe
+    group: object
+    column: bool
+    out_axis: Axis | None = None
+    in_axis: Axis | None = None
+
+    @property
+    def sharded_group(self):
+        return self.group if self.group is not None and dist.get_world_size(self.group) > 1 else None
+
+
+class Fp8GroupedLinear(torch.autograd.Function):
+    """``out[rows of e] = x[rows of e] W[e]ᵀ`` in FP8 (``Fp8Linear`` for the experts; no communication)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sizes, spec: ExpertSpec):
+        rec, group = spec.recipe, spec.sharded_group
+        xq = quantize(
+            x, rec.input_format, rec.input_granularity, group=None if spec.column else group, cols=spec.in_axis
+        )
+        wq = [
+            quantize(w, rec.weight_format, rec.weight_granularity, group=group, rows=spec.out_axis, cols=spec.in_axis)
+            for w in weight.unbind(0)
+        ]
+        ctx.w_t = [transpose(w) for w in wq]
+        ctx.xq = xq if rec.input_granularity == "tensor" else None
+        ctx.spec, ctx.w_dtype = spec, weight.dtype
+        ctx.save_for_backward(x if rec.input_granularity != "tensor" else None, sizes)
+        return _grouped(xq, wq, sizes, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, rec = ctx.spec, ctx.spec.recipe
+        x, sizes = ctx.saved_tensors
+        dy = dy.contiguous()
+        group = spec.sharded_group if spec.column else None
+        g = quantize(dy, rec.grad_format, rec.grad_granularity, group=group, cols=spec.out_axis)
+        dx = _grouped(g, ctx.w_t, sizes, dy.dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            n, k = ctx.w_t[0].q.shape[1], ctx.w_t[0].q.shape[0]
+            dw = dy.new_zeros((len(ctx.w_t), n, k), dtype=ctx.w_dtype)
+            for e, lo, hi in ops._segments(sizes):
+                if rec.grad_granularity == "tensor":  # one scale: a group's rows of the whole tensor's copy
+                    g_t = Quantized(g.q[lo:hi].t().contiguous(), g.scale, "tensor")
+                    x_t = Quantized(ctx.xq.q[lo:hi].t().contiguous(), ctx.xq.scale, "tensor")
+                else:  # 1×128 tiles along each group's own tokens
+                    g_t = quantize(dy[lo:hi].t(), rec.grad_format, "row")
+                    x_t = quantize(x[lo:hi].t(), rec.input_format, "row")
+                dw[e] = gemm(g_t, x_t, torch.float32).to(ctx.w_dtype)
+        ctx.w_t = ctx.xq = None
+        return dx, dw, None, None
+
+
+def grouped_linear(x, weight, sizes, spec: ExpertSpec) -> torch.Tensor:
+    return Fp8GroupedLinear.apply(x, weight, sizes, spec)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# switching a model to FP8
+
+
+def enable(module: torch.nn.Module, recipe) -> int:
+    """Run every column- and row-parallel linear and every experts' module in ``module`` in FP8 with ``recipe``
+    (a name or an ``Fp8Recipe``; None turns FP8 off); returns how many layers it set. Embeddings, the LM head,
+    norms and attention are other modules and stay in their precision."""
+    from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
+    from megakernels.parallel.moe.experts import GroupedMLP
+
+    rec = None if recipe is None else ops.get_recipe(recipe)
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, GroupedMLP)):
+            m.fp8 = rec
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def disabled(module: torch.nn.Module):
+    """FP8 off in ``module`` for the block (the layers' settings restored after)."""
+    layers = [m for m in module.modules() if hasattr(m, "fp8")]
+    saved = [m.fp8 for m in layers]
+    for m in layers:
+        m.fp8 = None
+    try:
+        yield
+    finally:
+        for m, r in zip(layers, saved):
+            m.fp8 = r
