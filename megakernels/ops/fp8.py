@@ -187,9 +187,11 @@ def _quantize(
     if not transpose:
         return q, s, q.new_empty((0,)), s.new_empty((0,))
     if granularity == "row":
-        qt, st = quantize_reference(x.t(), fmt, "row")
+        qt, st = quantize_reference(x.t().contiguous(), fmt, "row")
     else:  # one scale, or square blocks: the transposed copy shares the scales
-        qt, st = q.t().contiguous(), s.t().contiguous() if granularity == "block" else s.clone()
+        # (clones: a transpose of a one-row tensor is already contiguous, and an op's outputs may not alias)
+        qt = q.t().clone(memory_format=torch.contiguous_format)
+        st = s.t().clone(memory_format=torch.contiguous_format) if granularity == "block" else s.clone()
     return q, s, qt, st
 
 
@@ -259,6 +261,16 @@ def _check_operand(op, name, t, s, granularity, allowed) -> None:
         raise ValueError(f"{op}: {name}_scale must be fp32, got {s.dtype}")
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 operand as the GEMM ops take it: its bytes (uint8; the format travels as a string), which every
+    generic tool can copy and compare (``opcheck`` compares inputs, which float8 arithmetic cannot)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _format(t: torch.Tensor) -> str:
+    return "e4m3" if t.dtype == torch.float8_e4m3fn else "e5m2"
+
+
 def _check_out_dtype(op, out_dtype) -> None:
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be fp32, bf16 or fp16, got {out_dtype}")
@@ -278,15 +290,18 @@ def _gemm(
     b_scale: torch.Tensor,
     b_granularity: str,
     out_dtype: torch.dtype,
+    formats: str,
     emulate: bool,
 ) -> torch.Tensor:
+    fa, fb = formats.split(",")
+    a, b = a.view(FORMATS[fa]), b.view(FORMATS[fb])
     if runs_triton("fp8_gemm", a, emulate):
         return _triton().gemm(a, a_scale, a_granularity, b, b_scale, b_granularity, out_dtype)
     return gemm_reference(a, a_scale, a_granularity, b, b_scale, b_granularity, out_dtype)
 
 
 @_gemm.register_fake
-def _(a, a_scale, a_granularity, b, b_scale, b_granularity, out_dtype, emulate):
+def _(a, a_scale, a_granularity, b, b_scale, b_granularity, out_dtype, formats, emulate):
     _checks.same_device("fp8_gemm", "a", a, ("b", b), ("a_scale", a_scale), ("b_scale", b_scale))
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
@@ -331,13 +346,14 @@ def fp8_gemm(
                 f"{tuple(t.shape)} at granularity {g!r}"
             )
     return _gemm(
-        a.contiguous(),
+        _bytes(a),
         a_scale,
         a_granularity,
-        b.contiguous(),
+        _bytes(b),
         b_scale,
         b_granularity,
         out_dtype,
+        f"{_format(a)},{_format(b)}",
         emulate_for(op, a, "a"),
     )
 
@@ -366,8 +382,11 @@ def _grouped(
     b_granularity: str,
     group_sizes: torch.Tensor,
     out_dtype: torch.dtype,
+    formats: str,
     emulate: bool,
 ) -> torch.Tensor:
+    fa, fb = formats.split(",")
+    a, b = a.view(FORMATS[fa]), b.view(FORMATS[fb])
     if runs_triton("fp8_grouped_gemm", a, emulate):
         return _triton().grouped_gemm(a, a_scale, a_granularity, b, b_scale, b_granularity, group_sizes, out_dtype)
     out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
@@ -378,7 +397,7 @@ def _grouped(
 
 
 @_grouped.register_fake
-def _(a, a_scale, a_granularity, b, b_scale, b_granularity, group_sizes, out_dtype, emulate):
+def _(a, a_scale, a_granularity, b, b_scale, b_granularity, group_sizes, out_dtype, formats, emulate):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -433,14 +452,15 @@ def fp8_grouped_gemm(
     if sizes is not None and ((sizes < 0).any() or int(sizes.sum()) != a.shape[0]):
         raise ValueError(f"{op}: group_sizes must be >= 0 and sum to a's {a.shape[0]} rows, got {sizes.tolist()}")
     return _grouped(
-        a.contiguous(),
+        _bytes(a),
         a_scale,
         a_granularity,
-        b.contiguous(),
+        _bytes(b),
         b_scale,
         b_granularity,
         group_sizes,
         out_dtype,
+        f"{_format(a)},{_format(b)}",
         emulate_for(op, a, "a"),
     )
 
