@@ -613,7 +613,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
         ("device", DEVICES),
     ):
         if getattr(a, name) not in choices:
-            raise ArgumentError(f"--{name} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
+            raise ArgumentError(f"{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     under_torchrun = "WORLD_SIZE" in os.environ
     if a.device == "cuda" and a.nproc > 1 and not under_torchrun and not a.dry_run:
         raise ArgumentError(

@@ -2,7 +2,10 @@
 (never by timing): the input-gradient all-reduce (reduce-scatter under sequence parallelism) is launched before the
 weight-gradient GEMM starts and waited for after it ends; under sequence parallelism the input's re-gather is
 launched before the dgrad GEMM and waited for after it. With overlap off each collective is waited for at once, and
-the gradients are bitwise the same. One world of 4 gloo processes, tp 2 and 4."""
+the gradients are bitwise the same. In FP8 (megakernels.parallel.fp8) the same overlap holds, the sequence-parallel
+all-gather moves FP8 bytes (half of bf16's, plus the 1×128 tiles' scales: counted), and the column/row pair equals
+ops.fp8_linear on the full weights (its tiles straddling the shards here). One world of 4 gloo processes, tp 2
+and 4."""
 
 from __future__ import annotations
 
@@ -107,6 +110,77 @@ def _(rank, world):
     with mp.record_events() as events:
         layer(randn(S, B, IN, seed=6)).sum().backward()
     assert events == [("start", "wgrad"), ("end", "wgrad")]  # no input gradient: nothing to all-reduce
+
+
+def _fp8_events(recipe: str, dtype=torch.bfloat16):
+    from megakernels.parallel import comm, fp8
+
+    tp, r = mp.tp_size(), mp.tp_rank()
+    layer = mp.ColumnParallelLinear(IN, OUT, sequence_parallel=True, bias=False).to(dtype)
+    if recipe:
+        fp8.enable(layer, recipe)
+    x = randn(S, B, IN, seed=4).to(dtype).chunk(tp, 0)[r].requires_grad_(True)
+    with comm.count_bytes() as fwd_bytes, mp.record_events() as forward:
+        y = layer(x)
+    with mp.record_events() as backward:
+        y.backward(randn(*y.shape, seed=5 + r).to(dtype))
+    return fwd_bytes, forward, backward
+
+
+def _before(events, a, b) -> bool:
+    return events.index(a) < events.index(b)
+
+
+@CHECKS.add("fp8_sequence_parallel_all_gather_moves_fp8_and_backward_overlaps")
+def _(rank, world):
+    mp.initialize(2)
+    tokens = S // 2 * B  # this rank's sequence shard
+    bf16, _, _ = _fp8_events("")
+    assert bf16["all_gather"] == tokens * IN * 2, bf16
+    for recipe in ("tensorwise", "blockwise"):
+        got, forward, backward = _fp8_events(recipe)
+        scales = 0 if recipe == "tensorwise" else tokens * -(-IN // 128) * 4  # fp32 scale per 1×128 tile
+        assert got["all_gather"] == tokens * IN + scales, (recipe, got)
+        # tensorwise: the shard's amax and the weight's, reduced over TP (MAX) before quantising; blockwise: the
+        # amax of the one 128×128 block the two weight shards of 16 rows share
+        assert got["all_reduce"] == (8 if recipe == "tensorwise" else 4), (recipe, got)
+        # backward: the input's re-gather in flight during the dgrad GEMM, the reduce-scatter during the wgrad
+        assert _before(backward, ("launch", "all_gather"), ("start", "dgrad"))
+        assert _before(backward, ("end", "dgrad"), ("wait", "all_gather"))
+        assert _before(backward, ("launch", "reduce_scatter"), ("start", "wgrad"))
+        assert _before(backward, ("end", "wgrad"), ("wait", "reduce_scatter"))
+
+
+@CHECKS.add("fp8_column_row_pair_equals_fp8_linear_on_the_full_weights")
+def _(rank, world):
+    from megakernels.ops import fp8 as ops
+    from megakernels.parallel import fp8
+
+    for tp in (2, 4):
+        mp.initialize(tp)
+        for recipe in ("tensorwise", "blockwise"):
+            torch.manual_seed(3)
+            col, row = mp.ColumnParallelLinear(IN, OUT, bias=False), mp.RowParallelLinear(OUT, IN, bias=False)
+            fp8.enable(col, recipe), fp8.enable(row, recipe)
+            w1, w2 = randn(OUT, IN, seed=8) / 4, randn(IN, OUT, seed=9) / 4
+            with torch.no_grad():
+                col.weight.copy_(w1.chunk(tp, 0)[mp.tp_rank()])
+                row.weight.copy_(w2.chunk(tp, 1)[mp.tp_rank()])
+            x = randn(S * B, IN, seed=10, scale=3.0)
+            dy = randn(S * B, IN, seed=11)
+            xa = x.clone().requires_grad_(True)
+            row(col(xa)).backward(dy)
+            xr, r1, r2 = (
+                x.clone().requires_grad_(True),
+                w1.clone().requires_grad_(True),
+                w2.clone().requires_grad_(True),
+            )
+            ops.fp8_linear(ops.fp8_linear(xr, r1, recipe=recipe), r2, recipe=recipe).backward(dy)
+            close = dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(xa.grad, xr.grad, **close)
+            torch.testing.assert_close(col.weight.grad, r1.grad.chunk(tp, 0)[mp.tp_rank()], **close)
+            torch.testing.assert_close(row.weight.grad, r2.grad.chunk(tp, 1)[mp.tp_rank()], **close)
+        mp.destroy()
 
 
 def _world(rank, world_size):
