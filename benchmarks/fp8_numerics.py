@@ -196,7 +196,11 @@ def main(argv=None) -> int:
                     + f"  {run['step_s']:.2f} s/step",
                     flush=True,
                 )
-    path = write_json(args.out, "fp8_numerics.json", {"machine": info, "settings": vars(args), "results": ops + rows})
+    # the per-step losses are traces (beside the results, not figures of the table)
+    traces = {f"{r['name']} {r['precision']}": r["losses"] for r in rows}
+    figures = [{k: v for k, v in r.items() if k != "losses"} for r in rows]
+    report = {"machine": info, "settings": vars(args), "results": ops + figures, "traces": traces}
+    path = write_json(args.out, "fp8_numerics.json", report)
     if path and rows:
         _plot(rows, path.replace("fp8_numerics.json", "fp8_curves.png"))
     return 0
