@@ -13,7 +13,6 @@ differences. tests/models/test_layouts.py checks the same at the layout suite's 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from megakernels.bench.common import machine, machine_line, write_json
 
