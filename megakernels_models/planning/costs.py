@@ -8,9 +8,11 @@ Memory per device, Megatron-LM's accounting:
   pipeline stages; the most loaded stage is reported;
 - weights + gradients + optimizer state per parameter: 16-bit training keeps 2-byte weights, 4-byte fp32 gradients
   and 12 bytes of fp32 master weight + Adam moments (18), the distributed optimizer shards the 12 over dp·cp (the
-  experts' over the ranks holding the same experts); fp32 training 4 + 4 + 8; parameters frozen by ``--freeze``
-  (``Layout.frozen``) hold their weights only — no gradient, no optimizer state;
-- activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``) for a stage's layers, times
+  experts' over the ranks holding the same experts); fp32 training 4 + 4 + 8; fp8 training as 16-bit (its weights
+  are bf16, quantised as they are used); parameters frozen by ``--freeze`` (``Layout.frozen``) hold their weights
+  only — no gradient, no optimizer state;
+- activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``; with fp8 the FP8 linears'
+  saved inputs at 1 byte an element: ``activation_bytes_per_layer``) for a stage's layers, times
   the micro-batches the schedule keeps in flight on the first stage (1F1B: pp; interleaved: × (1 + (pp−1)/(pp·vpp));
   GPipe: all m), plus the last stage's fp32 logits — or, with the fused LM-head loss (``Layout.fused_linear_ce``,
   the trainer's default for causal LMs), one chunk of logits and, in 16 bits, dW's fp32 accumulator and one chunk's
@@ -25,10 +27,17 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
   GEMM); plus the memory-bound kernels: ``ELEMENTWISE_PASSES`` (+2 with full recomputation) times the bytes a layer
   stores for backward (``activation_bytes_per_layer``: the attention scores too without FlashAttention) at
   ``HBM_FRACTION`` of ``Device.hbm_gbps``; plus the optimizer's ``OPTIMIZER_BYTES_PER_PARAM`` per parameter;
+  with fp8 (``Layout.precision``; ``check_precision`` refuses a GPU without FP8) the blocks' linears — QKV, output
+  projection, MLP or experts' matrices: ``fp8_flops_per_token``, forward, data and weight gradients and their
+  recomputation — run at ``Device.tflops_8`` × ``fp8_gemm_efficiency`` (``FP8_GEMM_RELATIVE``, and
+  ``FP8_BLOCKWISE_GEMM`` for ``Layout.fp8_recipe`` blockwise), the rest (attention core, LM head) 16-bit, and each
+  quantised tensor (``fp8_quantized_elements``) costs one memory-bound pass of ``FP8_QUANTIZE_BYTES`` an element;
+  MFU stays counted against the 16-bit peak, as published tables count it;
 - pipeline bubble: ``(pp−1)/(vpp·m)`` of the compute, plus the point-to-point activations of each micro-batch;
 - tensor parallelism: per layer and micro-batch, forward and backward, two all-reduces (or all-gather +
   reduce-scatter with SP, the same bytes) of the ``[s/cp, b, h]`` activations in 16 bits, ring cost
-  ``2(t−1)/t·bytes/bandwidth`` over NVLink inside a node, the inter-node network beyond; not overlapped;
+  ``2(t−1)/t·bytes/bandwidth`` over NVLink inside a node, the inter-node network beyond; not overlapped; with fp8
+  and SP the forward's all-gathers (before the column-parallel GEMMs) move FP8 copies, half the bytes;
 - context parallelism: each layer's key/value ring (forward and backward) overlapped with the attention compute;
   only what exceeds it counts;
 - data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
@@ -55,6 +64,9 @@ from megakernels.parallel.embedding import pad_vocab_size
 from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
 from megakernels_models.models.config import ModelConfig, stage_layers
 
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "blockwise")
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -73,11 +85,18 @@ class Layout:
     offload_optimizer: bool = False
     fsdp: bool = False  # parameters and gradients sharded over dp·cp too (ZeRO-3): ``megakernels plan --reproduce``
     recompute: str = "none"
-    precision: str = "bf16"
+    precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8 (``PRECISIONS``)
+    fp8_recipe: str = "tensorwise"  # with fp8: tensorwise | blockwise (``FP8_RECIPES``)
     schedule: str = "1f1b"
     flash: bool = True
     frozen: tuple[str, ...] = ()  # --freeze's name parts (Task.is_frozen): weights without gradients or optimizer
     fused_linear_ce: bool = True  # --no-fused-linear-ce: a causal LM's loss holds the whole logits (Megatron-LM's)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Layout: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"Layout: fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
 
     @property
     def world(self) -> int:
@@ -105,6 +124,8 @@ class Layout:
             offload_optimizer=args.offload_optimizer,
             recompute=args.recompute,
             precision=args.precision,
+            # --fp8-recipe (with --precision fp8); arguments without the flag train tensorwise
+            fp8_recipe=getattr(args, "fp8_recipe", None) or "tensorwise",
             schedule=args.schedule,
             flash=args.attention == "flash",
             frozen=args.frozen_parts(),
@@ -359,8 +380,8 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     w, g, o = bytes_per_param(L)
     _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
     bytes_el = 2 if L.precision != "fp32" else 4
-    per_layer = cfg.activation_bytes_per_layer(
-        L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, bytes_el, L.flash, L.cp
+    per_layer = activation_bytes_per_layer(
+        cfg, L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, L.precision, L.flash, L.cp
     )
     layers = cfg.num_layers // L.pp
     flight = in_flight(L)
@@ -378,7 +399,7 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     enc = cfg.encoder_config()
     if enc is not None:  # e.g. a vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
         encoder = (
-            enc.activation_bytes_per_layer(L.micro_batch_size, L.tp, False, L.recompute, bytes_el, L.flash)
+            activation_bytes_per_layer(enc, L.micro_batch_size, L.tp, False, L.recompute, L.precision, L.flash)
             * enc.num_layers
         )
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
@@ -427,6 +448,154 @@ HBM_FRACTION = 0.8
 OPTIMIZER_BYTES_PER_PARAM = 32.0  # AdamW: reads 16-bit weight, fp32 grad, master, two moments (18); writes 14
 
 
+# FP8 training (``Layout.precision == "fp8"``): the transformer blocks' linears run their forward, data- and
+# weight-gradient GEMMs on e4m3 operands at ``Device.tflops_8``; embeddings, the LM head, the attention core, norms
+# and softmax stay 16-bit. The constants below and where each comes from:
+#
+# FP8_GEMM_RELATIVE: the fraction of the FP8 peak a GEMM reaches over the fraction of the 16-bit peak the same GEMM
+# reaches in bf16, so that an FP8 GEMM runs at ``peak_8 × efficiency × FP8_GEMM_RELATIVE`` (the shape penalties of
+# ``gemm_efficiency`` apply to both alike, an assumption). Measured: Transformer Engine's GEMM profiling tutorial
+# (https://github.com/NVIDIA/TransformerEngine docs/examples/gemm_profiling/gemm_profiling.rst, "Worked Example: 5B
+# Model on H200") times the 12 GEMMs of a layer (hidden 4096, MLP 16384, 15 872 tokens) on an H200 NVL with the
+# operands already quantised: 31.968 ms a layer in bf16, 16.785 ms in FP8 with per-tensor (current) scaling — 1.90×
+# for a 2× peak ratio, 0.95. In TFLOP/s: 601 in bf16 (0.72 of the NVL's 835 dense) and 1146 in FP8 (0.69 of 1670).
+# Cross-check: DeepGEMM (https://github.com/deepseek-ai/DeepGEMM README, first release) reaches 1358 TFLOP/s on an
+# H800 (dense FP8 peak 1979) for M=4096, N=7168, K=16384 with 1×128 / 128×128 block scaling, also 0.69 of the peak.
+FP8_GEMM_RELATIVE = 0.95
+# FP8_BLOCKWISE_GEMM: what block scaling (1×128 activation tiles, 128×128 weight blocks: DeepSeek-V3, arXiv
+# 2412.19437 §3.3) costs the GEMM beyond per-tensor scaling: its main loop promotes the tensor cores' partial sums to
+# fp32 registers on the CUDA cores every 128 of K (4 WGMMAs) and applies the two scales there, which the report
+# describes as the shortest interval "without introducing substantial overhead" and DeepGEMM overlaps with the MMAs
+# of the other warpgroup (its FFMA interleaving alone gained "10%+ in some cases"). Measured, derived: the same
+# Transformer Engine tutorial's H200 NVL runs with quantisation included (no pre-quantised block kernel exists on
+# Hopper's cuBLAS) give 20.285 ms a layer with per-tensor current scaling, 22.882 ms with block scaling; the
+# per-tensor quantisation took 20.285 − 16.785 = 3.5 ms, and block scaling's, at this model's 4 bytes an element
+# against 6 (``FP8_QUANTIZE_BYTES``), 2.33 ms; so the block-scaled GEMMs took 22.882 − 2.33 = 20.55 ms against
+# 16.785: 0.82 of the per-tensor GEMMs' speed.
+FP8_BLOCKWISE_GEMM = 0.82
+# FP8_QUANTIZE_BYTES: HBM bytes per element of one quantisation pass (memory-bound, at ``HBM_FRACTION`` of the
+# bandwidth): it reads the 16-bit tensor and writes an FP8 copy and an FP8 transposed copy (1 + 1 bytes; Hopper's FP8
+# GEMMs take only K-major operands, so each GEMM that needs the other orientation reads the transposed copy); the
+# scales (4 bytes a tensor, or per 128 elements) are left out. Per-tensor scaling reads the tensor twice (its amax
+# first, then the cast: 2·2 + 2 = 6); block scaling computes each tile's scale in the same pass (2 + 2 = 4).
+# Quantised per layer and micro-batch: forward, the input activation and the weight of every FP8 linear; backward,
+# their output gradients; full recomputation repeats the forward's. Cross-check: the tutorial's per-tensor
+# quantisation time above (3.5 ms a layer) is more than this model counts for that layer (1.9 ms at 0.8 of 4.8 TB/s):
+# its benchmark quantises every GEMM's operands on their own (each input twice), a training step each tensor once.
+FP8_QUANTIZE_BYTES = {"tensorwise": 6.0, "blockwise": 4.0}
+
+
+def check_precision(layout: Layout, device: Device) -> None:
+    """Refuse fp8 on a GPU without FP8 tensor cores.
+
+    Raises:
+        ValueError: ``layout.precision`` is fp8 and ``device.tflops_8`` is 0 (A100, V100).
+    """
+    if layout.precision == "fp8" and not device.tflops_8:
+        raise ValueError(
+            f"--precision fp8 needs FP8 tensor cores, which the {device.name} does not have (no FP8 peak in "
+            "costs.DEVICES): use --precision bf16, or a GPU with FP8 (h100, h200)"
+        )
+
+
+def _forward_flops_per_token(cfg: ModelConfig) -> dict[str, float]:
+    """``{"layers_gemm", "attention", "head"}`` forward FLOPs per token, as ``cfg.flops_per_token`` counts them (a
+    vision-language model: per text token, its encoder and projector included in ``layers_gemm``)."""
+    if cfg.encoder_config() is not None:
+        from megakernels_models.models.vlm.costs import vlm_forward_flops_per_sample
+
+        return {k: v / cfg.seq_length for k, v in vlm_forward_flops_per_sample(cfg).items()}
+    return cfg.forward_flops_per_token()
+
+
+def fp8_flops_per_token(cfg: ModelConfig, recompute: str = "none") -> float:
+    """Training FLOPs per token that FP8 GEMMs run: the blocks' linears (``layers_gemm`` less the MoE router, which
+    stays 16-bit), forward, data and weight gradients (3× their forward) and, with full recomputation, their forward
+    again. The rest of ``cfg.flops_per_token(recompute)`` (attention core, LM head) stays 16-bit."""
+    router = 2.0 * cfg.hidden_size * cfg.num_experts * cfg.num_moe_layers
+    forward = _forward_flops_per_token(cfg)["layers_gemm"] - router
+    return forward * (4.0 if recompute == "full" else 3.0)
+
+
+def _fp8_linears(cfg: ModelConfig, layout: Layout) -> dict:
+    """The FP8 linears of a layer, per token (averaged over the layers, MoE layers by their share), as
+    ``(replicated, split)`` element widths — replicated: what every tensor-parallel rank holds whole (the branch
+    inputs and outputs: divided by tp only with sequence parallelism, which quantises before its all-gather), split:
+    divided by tp — for ``"inputs"`` (quantised in forward), ``"grads"`` (output gradients, quantised in backward),
+    ``"saved"`` (inputs whose only use in backward is an FP8 GEMM, kept in FP8 instead of 16 bits); and ``"weights"``,
+    the elements of a layer's FP8 weights on one device."""
+    h, q, kv, f, mm = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.ffn_hidden_size, cfg.mlp_matrices
+    attention_w = h * (q + 2 * kv) + q * h
+    # dense: QKV and MLP inputs (the norms' outputs), the output projection's and second MLP matrix's inputs
+    dense = {
+        "inputs": (2.0 * h, q + f),
+        "grads": (2.0 * h, q + 2.0 * kv + (mm - 1) * f),
+        "saved": (2.0 * h, q + f),
+        "weights": (attention_w + mm * h * f) / layout.tp,
+    }
+    share = cfg.num_moe_layers / cfg.num_layers
+    if not share:
+        return dense
+    fe, k, shared = cfg.moe_ffn_hidden_size, cfg.moe_top_k, cfg.moe_shared_experts
+    # a MoE layer's MLP: each token's top_k expert rows and the shared experts'; its branch input stays 16-bit for
+    # the router (the shared experts quantise it too)
+    moe = {
+        "inputs": (h + (h if shared else 0.0), q + k * h + (k + shared) * fe),
+        "grads": (h + (h if shared else 0.0), q + 2.0 * kv + k * h + (k + shared) * (mm - 1) * fe),
+        "saved": (1.0 * h, q + k * h + (k + shared) * fe),
+        "weights": (attention_w + (cfg.num_experts / layout.ep + shared) * mm * h * fe) / layout.tp,
+    }
+
+    def mix(a, b):
+        if isinstance(a, tuple):
+            return tuple((1 - share) * x + share * y for x, y in zip(a, b))
+        return (1 - share) * a + share * b
+
+    return {key: mix(dense[key], moe[key]) for key in dense}
+
+
+def _per_device(widths: tuple[float, float], layout: Layout) -> float:
+    replicated, split = widths
+    return replicated / (layout.tp if layout.sequence_parallel else 1) + split / layout.tp
+
+
+def fp8_quantized_elements(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
+    """Elements one device quantises per layer and micro-batch under fp8: ``{"forward": inputs + weights,
+    "backward": output gradients}`` (``FP8_QUANTIZE_BYTES``; all 0 for other precisions)."""
+    if layout.precision != "fp8":
+        return {"forward": 0.0, "backward": 0.0}
+    linears = _fp8_linears(cfg, layout)
+    tokens = cfg.seq_length // layout.cp * layout.micro_batch_size
+    return {
+        "forward": tokens * _per_device(linears["inputs"], layout) + linears["weights"],
+        "backward": tokens * _per_device(linears["grads"], layout),
+    }
+
+
+def activation_bytes_per_layer(
+    cfg: ModelConfig,
+    micro_batch_size: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    precision: str = "bf16",
+    flash_attention: bool = False,
+    cp: int = 1,
+) -> float:
+    """``cfg.activation_bytes_per_layer`` in ``precision``: 4-byte elements in fp32, 2 otherwise; with fp8 the
+    inputs the FP8 linears save for backward (``_fp8_linears``' "saved": the QKV and first MLP matrix inputs, the
+    output projection's and second MLP matrix's) take 1 byte an element instead of 2 (not under full recomputation,
+    which keeps only the layer's input)."""
+    full = cfg.activation_bytes_per_layer(
+        micro_batch_size, tp, sequence_parallel, recompute, 4 if precision == "fp32" else 2, flash_attention, cp
+    )
+    if precision != "fp8" or recompute == "full":
+        return full
+    layout = Layout(tp=tp, cp=cp, micro_batch_size=micro_batch_size, sequence_parallel=sequence_parallel)
+    saved = _per_device(_fp8_linears(cfg, layout)["saved"], layout)
+    return full - cfg.seq_length // cp * micro_batch_size * saved
+
+
 def gemm_efficiency(cfg: ModelConfig, layout: Layout, device: Device) -> float:
     """The fraction of peak the step's GEMMs reach: ``device.efficiency``, less for thin GEMMs (``hidden/tp`` below
     1024: ×(width/1024)^0.3) and small micro-batches (fewer than 2048 tokens: ×(tokens/2048)^0.2)."""
@@ -435,33 +604,64 @@ def gemm_efficiency(cfg: ModelConfig, layout: Layout, device: Device) -> float:
     return device.efficiency * min(1.0, width / 1024) ** 0.3 * min(1.0, tokens / 2048) ** 0.2
 
 
-def compute_time(meta: MetaModel, layout: Layout, device: Device) -> tuple[float, float, float, float]:
-    """Seconds a device computes per step: ``(total, gemm, memory_bound, optimizer)``.
+def fp8_gemm_efficiency(cfg: ModelConfig, layout: Layout, device: Device) -> float:
+    """The fraction of the FP8 peak the FP8 GEMMs reach: ``gemm_efficiency`` × ``FP8_GEMM_RELATIVE``, and ×
+    ``FP8_BLOCKWISE_GEMM`` with the blockwise recipe."""
+    recipe = FP8_BLOCKWISE_GEMM if layout.fp8_recipe == "blockwise" else 1.0
+    return gemm_efficiency(cfg, layout, device) * FP8_GEMM_RELATIVE * recipe
 
-    GEMMs (every FLOP of ``flops_per_token(recompute)``) run at ``peak × efficiency``, less for thin GEMMs
-    (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens); the memory-bound kernels (norms,
-    activations, dropout, softmax, residual adds, the attention scores where FlashAttention does not keep them out
-    of memory) move ``ELEMENTWISE_PASSES`` (+2 with full recomputation) times the bytes a layer stores for backward
-    (``activation_bytes_per_layer`` without recomputation) at ``HBM_FRACTION`` of the HBM bandwidth; the optimizer
-    step moves ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of the device (its ZeRO shard's 12-byte state only)."""
+
+def compute_parts(meta: MetaModel, layout: Layout, device: Device) -> dict[str, float]:
+    """Seconds a device computes per step, by part: ``{"gemm_16_s", "gemm_fp8_s", "elementwise_s", "quantize_s",
+    "optimizer_s"}`` (see ``compute_time``).
+
+    Raises:
+        ValueError: fp8 on a GPU without FP8 tensor cores (``check_precision``).
+    """
     cfg, L = meta.config, layout
+    check_precision(L, device)
     tokens = L.global_batch_size * cfg.seq_length
     half = L.precision != "fp32"
     peak = (device.tflops_16 if half else device.tflops_32) * 1e12
-    eff = gemm_efficiency(cfg, L, device)
-    gemm = cfg.flops_per_token(L.recompute) * tokens / L.world / (peak * eff)
+    fp8 = fp8_flops_per_token(cfg, L.recompute) if L.precision == "fp8" else 0.0
+    gemm_16 = (cfg.flops_per_token(L.recompute) - fp8) * tokens / L.world / (peak * gemm_efficiency(cfg, L, device))
+    gemm_fp8 = fp8 * tokens / L.world / (device.tflops_8 * 1e12 * fp8_gemm_efficiency(cfg, L, device)) if fp8 else 0.0
+    parts = {"gemm_16_s": gemm_16, "gemm_fp8_s": gemm_fp8, "elementwise_s": 0.0, "quantize_s": 0.0, "optimizer_s": 0.0}
     if not device.hbm_gbps:
-        return gemm, gemm, 0.0, 0.0
+        return parts
     bw = device.hbm_gbps * 1e9 * HBM_FRACTION
+    # the norms, activations and softmax keep writing 16-bit outputs under fp8: their traffic is the 16-bit layer's
     stored = cfg.activation_bytes_per_layer(
         L.micro_batch_size, L.tp, L.sequence_parallel, "none", 2 if half else 4, L.flash, L.cp
     )
     passes = ELEMENTWISE_PASSES + (2.0 if L.recompute == "full" else 0.0)
-    memory_bound = stored * passes * cfg.num_layers / L.pp * L.microbatches / bw
+    layer_passes = cfg.num_layers / L.pp * L.microbatches
+    parts["elementwise_s"] = stored * passes * layer_passes / bw
+    quantized = fp8_quantized_elements(cfg, L)
+    forward = quantized["forward"] * (2.0 if L.recompute == "full" else 1.0)
+    parts["quantize_s"] = (forward + quantized["backward"]) * FP8_QUANTIZE_BYTES[L.fp8_recipe] * layer_passes / bw
     params = max(params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep))
     state = OPTIMIZER_BYTES_PER_PARAM - (24.0 * (1 - 1 / (L.dp * L.cp)) if L.distributed_optimizer else 0.0)
-    optimizer = params * state / bw
-    return gemm + memory_bound + optimizer, gemm, memory_bound, optimizer
+    parts["optimizer_s"] = params * state / bw
+    return parts
+
+
+def compute_time(meta: MetaModel, layout: Layout, device: Device) -> tuple[float, float, float, float]:
+    """Seconds a device computes per step: ``(total, gemm, memory_bound, optimizer)``.
+
+    GEMMs (every FLOP of ``flops_per_token(recompute)``) run at ``peak × efficiency``, less for thin GEMMs
+    (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens); with fp8 the blocks' linears
+    (``fp8_flops_per_token``) at the FP8 peak × ``fp8_gemm_efficiency`` instead. The memory-bound kernels (norms,
+    activations, dropout, softmax, residual adds, the attention scores where FlashAttention does not keep them out
+    of memory) move ``ELEMENTWISE_PASSES`` (+2 with full recomputation) times the bytes a 16-bit layer stores for
+    backward (``activation_bytes_per_layer`` without recomputation) at ``HBM_FRACTION`` of the HBM bandwidth; with
+    fp8 the quantisation passes add ``FP8_QUANTIZE_BYTES`` per element of ``fp8_quantized_elements`` (memory_bound
+    includes them); the optimizer step moves ``OPTIMIZER_BYTES_PER_PARAM`` per parameter of the device (its ZeRO
+    shard's 12-byte state only)."""
+    p = compute_parts(meta, layout, device)
+    gemm = p["gemm_16_s"] + p["gemm_fp8_s"]
+    memory_bound = p["elementwise_s"] + p["quantize_s"]
+    return gemm + memory_bound + p["optimizer_s"], gemm, memory_bound, p["optimizer_s"]
 
 
 def dp_gbps(layout: Layout, device: Device, gpus_per_node: int = 8) -> float:
@@ -489,7 +689,11 @@ def predict(
     tokens = L.global_batch_size * cfg.seq_length
     half = L.precision != "fp32"
     peak = (device.tflops_16 if half else device.tflops_32) * 1e12
-    compute, gemm_s, memory_s, optimizer_s = compute_time(meta, L, device)
+    parts = compute_parts(meta, L, device)
+    gemm_s = parts["gemm_16_s"] + parts["gemm_fp8_s"]
+    memory_s = parts["elementwise_s"] + parts["quantize_s"]
+    optimizer_s = parts["optimizer_s"]
+    compute = gemm_s + memory_s + optimizer_s
     m = L.microbatches
     bubble = (L.pp - 1) / (L.vpp * m) * compute
     act_bytes = cfg.seq_length // L.cp * L.micro_batch_size * cfg.hidden_size * (2 if half else 4)
@@ -498,7 +702,15 @@ def predict(
     tp_bw = device.intra_gbps if L.tp <= gpus_per_node else net
     layers_per_device = cfg.num_layers / L.pp
     lat = device.latency_s
-    tp_comm = 4 * m * layers_per_device * _ring(act_bytes, L.tp, tp_bw, lat) * (1 if L.recompute != "full" else 1.5)
+    # per layer: forward two all-reduces (with SP each an all-gather before the column-parallel GEMM and a
+    # reduce-scatter after the row-parallel one, half a ring each), backward two more, full recomputation the
+    # forward's again; with fp8 and SP the forward's all-gathers move the FP8 copies (half the bytes)
+    half_ring = _ring(act_bytes, L.tp, tp_bw) / 2
+    gathers = 0.5 if (L.precision == "fp8" and L.sequence_parallel) else 1.0
+    forward = 2 * half_ring * gathers + 2 * half_ring
+    repeats = 2.0 if L.recompute == "full" else 1.0
+    collectives = 4 * (1.5 if L.recompute == "full" else 1.0) * (lat if L.tp > 1 else 0.0)
+    tp_comm = m * layers_per_device * (forward * repeats + 4 * half_ring + collectives)
     # pipeline: one activation forward and one gradient backward per micro-batch and stage boundary
     pp_bw = net if L.tp * L.cp * L.dp >= gpus_per_node else device.intra_gbps
     pp_comm = 0.0 if L.pp == 1 else 2 * m * L.vpp * (act_bytes / L.tp / (pp_bw * 1e9) + lat)
@@ -535,6 +747,7 @@ def predict(
         "compute_s": compute,
         "gemm_s": gemm_s,
         "memory_bound_s": memory_s,
+        **parts,  # compute_s's split: gemm_16_s + gemm_fp8_s + elementwise_s + quantize_s + optimizer_s
         "optimizer_s": optimizer_s,
         "bubble_s": bubble,
         "tp_s": tp_comm,

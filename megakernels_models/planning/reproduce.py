@@ -7,16 +7,17 @@ compared: ``rel_error = predicted / published − 1``.
 
 Columns — required: ``model`` (gpt | llama), ``num_layers, hidden, heads, vocab, seq_len, gpu`` (a ``costs.DEVICES``
 key: h200, h100, a100, v100), ``num_gpus, tp, pp, global_batch, published_metric, published_value``; optional:
-``num_kv_heads, ffn_hidden, vpp, cp, dp, micro_batch, gpus_per_node, precision`` (bf16 | fp16 | fp8),
-``recompute`` (none | selective | full), ``sequence_parallel, distributed_optimizer, fsdp`` (true/false, 1/0,
+``num_kv_heads, ffn_hidden, vpp, cp, dp, micro_batch, gpus_per_node, precision`` (bf16 | fp16 | fp8: the blocks'
+linears in FP8 as ``costs.py`` models them; refused on a GPU without FP8), ``fp8_recipe`` (tensorwise | blockwise,
+with fp8), ``recompute`` (none | selective | full), ``sequence_parallel, distributed_optimizer, fsdp`` (true/false, 1/0,
 yes/no), ``flash_attention`` (true/false: whether attention keeps its scores out of memory, as FlashAttention does;
 default true; false for runs before it, whose scores go through memory-bound softmax kernels), ``source``. An
 empty optional cell takes the default: num_kv_heads = heads, ffn_hidden the family's, vpp 1, cp 1,
-dp = num_gpus / (tp·pp·cp), gpus_per_node the GPU's system (``Device.gpus_per_node``), precision bf16, recompute
-none, the flags false. ``micro_batch`` empty or ``auto`` (publications often leave it out), and ``vpp``
-``auto``: the value the planner would choose — the fastest predicted of those the layout rules accept and that fit
-the GPU's memory (micro-batches of at most 16 samples dividing the per-replica batch; every chunk count dividing a
-stage's layers); the chosen values are reported with the row.
+dp = num_gpus / (tp·pp·cp), gpus_per_node the GPU's system (``Device.gpus_per_node``), precision bf16, fp8_recipe
+tensorwise, recompute none, the flags false. ``micro_batch`` empty or ``auto`` (publications often leave it out),
+and ``vpp`` ``auto``: the value the planner would choose — the fastest predicted of those the layout rules accept
+and that fit the GPU's memory (micro-batches of at most 16 samples dividing the per-replica batch; every chunk count
+dividing a stage's layers); the chosen values are reported with the row.
 
 Metrics (``METRICS``), from the predicted step time ``t`` on ``n = num_gpus`` GPUs of a global batch of ``B``
 sequences of ``s`` tokens:
@@ -69,6 +70,7 @@ OPTIONAL = (
     "micro_batch",
     "gpus_per_node",
     "precision",
+    "fp8_recipe",
     "recompute",
     "sequence_parallel",
     "distributed_optimizer",
@@ -178,6 +180,11 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
     vpp = auto_or_int("vpp", empty_is_auto=False)
     per_node = integer("gpus_per_node", device.gpus_per_node)
     precision = choice("precision", PRECISIONS, "bf16")
+    if precision == "fp8" and not device.tflops_8:
+        fail("precision", f"fp8 needs FP8 tensor cores, which the {device.name} (gpu {gpu}) does not have")
+    recipe = choice("fp8_recipe", costs.FP8_RECIPES, "tensorwise")
+    if recipe != "tensorwise" and precision != "fp8":
+        fail("fp8_recipe", f"{recipe} scaling needs precision fp8, got {precision}")
     recompute = choice("recompute", RECOMPUTE, "none")
     sp, zero1, fsdp = flag("sequence_parallel"), flag("distributed_optimizer"), flag("fsdp")
     flash = flag("flash_attention") if cell.get("flash_attention", "") != "" else True
@@ -225,6 +232,7 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         flash=flash,
         recompute=recompute,
         precision=precision,
+        fp8_recipe=recipe,
         fused_linear_ce=False,  # the published runs hold the logits (Megatron-LM's head)
     )
     row = dict(cell)  # every input column, extra ones included (the report carries them; the model ignores them)

@@ -1,0 +1,170 @@
+"""FP8 training in the step-time model: the blocks' linears run at the FP8 peak while attention and the LM head
+stay 16-bit (checked against GEMM seconds recomputed here from the FLOP counts), the quantisation passes and FP8
+all-gathers are what the module says, the saved linear inputs take half the memory, and a GPU without FP8 is
+refused naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+
+from megakernels_models.models.config import preset
+from megakernels_models.planning import costs, reproduce
+
+H200, A100 = costs.DEVICES["h200"], costs.DEVICES["a100"]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return costs.MetaModel(preset("llama3-8b"))
+
+
+def _layout(**kw) -> costs.Layout:
+    base = dict(dp=8, micro_batch_size=1, global_batch_size=64, distributed_optimizer=True)
+    return costs.Layout(**{**base, **kw})
+
+
+def test_the_blocks_linears_run_at_the_fp8_peak_and_attention_and_the_head_stay_16_bit(llama):
+    cfg = llama.config
+    h, q, kv, f, layers, vocab, s = 4096, 4096, 1024, 14336, 32, 128256, 8192
+    assert (cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.ffn_hidden_size) == (h, q, kv, f)
+    # forward FLOPs per token, counted here: QKV, output projection, SwiGLU's three matrices; the attention core
+    # (QK^T and PV over s keys); the LM head
+    linears = 2.0 * layers * (h * (q + 2 * kv) + q * h + 3 * h * f)
+    attention = 4.0 * s * q * layers
+    head = 2.0 * h * vocab
+    tokens_per_device = 64 * s / 8
+    eff = 0.6  # H200's efficiency: hidden 4096 and 8192 tokens a GEMM are past both shape penalties
+    bf16 = costs.predict(llama, _layout(precision="bf16"), H200)
+    fp8 = costs.predict(llama, _layout(precision="fp8"), H200)
+    assert bf16["gemm_s"] == pytest.approx(3 * (linears + attention + head) * tokens_per_device / (989e12 * eff))
+    assert bf16["gemm_fp8_s"] == 0.0 and bf16["quantize_s"] == 0.0
+    # fp8: forward, data and weight gradients of the linears at 1979 TFLOP/s × 0.6 × FP8_GEMM_RELATIVE
+    assert fp8["gemm_fp8_s"] == pytest.approx(
+        3 * linears * tokens_per_device / (1979e12 * eff * costs.FP8_GEMM_RELATIVE)
+    )
+    assert fp8["gemm_16_s"] == pytest.approx(3 * (attention + head) * tokens_per_device / (989e12 * eff))
+    # the GEMM time of the linears scales with the peak ratio; attention and the head do not move
+    linear_bf16 = bf16["gemm_s"] - fp8["gemm_16_s"]
+    assert linear_bf16 / fp8["gemm_fp8_s"] == pytest.approx(1979 / 989 * costs.FP8_GEMM_RELATIVE)
+    # a bounded speedup: more than 1, less than the GEMMs alone would give (quantisation is added)
+    speedup = bf16["step_s"] / fp8["step_s"]
+    assert 1.2 < speedup < bf16["gemm_s"] / fp8["gemm_s"] < 2.0
+    # MFU is still counted against the 16-bit peak
+    assert fp8["mfu"] == pytest.approx(bf16["mfu"] * speedup)
+
+
+def test_full_recomputation_repeats_the_fp8_forward_and_the_router_stays_16_bit():
+    llama = preset("llama3-8b")
+    forward = llama.forward_flops_per_token()["layers_gemm"]
+    assert costs.fp8_flops_per_token(llama, "none") == pytest.approx(3 * forward)
+    assert costs.fp8_flops_per_token(llama, "selective") == pytest.approx(3 * forward)
+    assert costs.fp8_flops_per_token(llama, "full") == pytest.approx(4 * forward)
+    mixtral = preset("mixtral-8x7b")
+    router = 2.0 * mixtral.hidden_size * mixtral.num_experts * mixtral.num_layers  # every layer a MoE layer
+    expected = 3 * (mixtral.forward_flops_per_token()["layers_gemm"] - router)
+    assert costs.fp8_flops_per_token(mixtral) == pytest.approx(expected)
+
+
+def test_quantisation_is_one_memory_bound_pass_per_linear_input_weight_and_output_gradient(llama):
+    h, q, kv, f, layers, s = 4096, 4096, 1024, 14336, 32, 8192
+    # forward: the inputs of QKV (h), output projection (q), gate/up (h) and down (f), and the four weights;
+    # backward: the gradients of their outputs (q + 2kv, h, 2f, h)
+    forward = s * (h + q + h + f) + h * (q + 2 * kv) + q * h + 3 * h * f
+    backward = s * ((q + 2 * kv) + h + 2 * f + h)
+    bandwidth = 4800e9 * 0.8
+    micro_batches = 64 // 8
+    for recipe, bytes_per_element in (("tensorwise", 2 + 2 + 1 + 1), ("blockwise", 2 + 1 + 1)):
+        got = costs.predict(llama, _layout(precision="fp8", fp8_recipe=recipe), H200)
+        expected = (forward + backward) * bytes_per_element * layers * micro_batches / bandwidth
+        assert got["quantize_s"] == pytest.approx(expected)
+        full = costs.predict(llama, _layout(precision="fp8", fp8_recipe=recipe, recompute="full"), H200)
+        recomputed = (2 * forward + backward) * bytes_per_element * layers * micro_batches / bandwidth
+        assert full["quantize_s"] == pytest.approx(recomputed)
+
+
+def test_blockwise_scaling_trades_slower_gemms_for_a_cheaper_quantisation(llama):
+    tensorwise = costs.predict(llama, _layout(precision="fp8"), H200)
+    blockwise = costs.predict(llama, _layout(precision="fp8", fp8_recipe="blockwise"), H200)
+    assert blockwise["gemm_fp8_s"] == pytest.approx(tensorwise["gemm_fp8_s"] / costs.FP8_BLOCKWISE_GEMM)
+    assert blockwise["quantize_s"] == pytest.approx(tensorwise["quantize_s"] * 4 / 6)
+    assert blockwise["gemm_16_s"] == tensorwise["gemm_16_s"]
+    assert tensorwise["step_s"] < blockwise["step_s"]  # at these shapes the GEMMs weigh more than the passes
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+def test_the_saved_linear_inputs_take_one_byte_an_element(llama, tp, sp):
+    h, q, f, layers, s = 4096, 4096, 14336, 32, 8192
+    kw = dict(tp=tp, dp=8 // tp, sequence_parallel=sp, micro_batch_size=2, global_batch_size=64)
+    bf16 = costs.memory(llama, _layout(**kw))
+    fp8 = costs.memory(llama, _layout(precision="fp8", **kw))
+    # QKV's and the MLP's inputs (h each, replicated: divided by tp with SP), the output projection's (q) and the
+    # down projection's (f) inputs, split over tp: each element 1 byte instead of 2, per layer of a micro-batch in
+    # flight (one: no pipeline)
+    saved = 2 * s * (2 * h / (tp if sp else 1) + (q + f) / tp) * layers
+    assert bf16["breakdown"]["activations"] - fp8["breakdown"]["activations"] == pytest.approx(saved)
+    for part in ("weights", "grads", "optimizer"):  # bf16 weights, fp32 gradients and master state, as in bf16
+        assert fp8["breakdown"][part] == bf16["breakdown"][part]
+    full = dict(kw, recompute="full")  # full recomputation keeps only each layer's input: nothing to save
+    fp8_full, bf16_full = costs.memory(llama, _layout(precision="fp8", **full)), costs.memory(llama, _layout(**full))
+    assert fp8_full["total"] == bf16_full["total"]
+
+
+def test_under_sequence_parallelism_the_forward_all_gathers_move_fp8(llama):
+    kw = dict(tp=4, dp=2, sequence_parallel=True, micro_batch_size=1, global_batch_size=16)
+    act = 8192 * 4096 * 2  # one micro-batch's [s, b, h] in bf16
+    half_ring = 3 / 4 * act / (H200.intra_gbps * 1e9)  # one all-gather or reduce-scatter over 4 ranks
+    micro_batches, layers = 16 // 2, 32
+    for recompute, forwards in (("none", 1), ("full", 2)):
+        bf16 = costs.predict(llama, _layout(recompute=recompute, **kw), H200)["tp_s"]
+        fp8 = costs.predict(llama, _layout(precision="fp8", recompute=recompute, **kw), H200)["tp_s"]
+        # each forward (and its recomputation) has two all-gathers, at half the bytes in FP8
+        assert bf16 - fp8 == pytest.approx(micro_batches * layers * forwards * 2 * half_ring / 2)
+    no_sp = dict(kw, sequence_parallel=False)  # all-reduces of the 16-bit outputs: nothing changes
+    assert costs.predict(llama, _layout(precision="fp8", **no_sp), H200)["tp_s"] == pytest.approx(
+        costs.predict(llama, _layout(**no_sp), H200)["tp_s"]
+    )
+
+
+def test_a_gpu_without_fp8_is_refused_naming_the_precision(llama):
+    with pytest.raises(ValueError, match=r"--precision fp8 .*A100"):
+        costs.predict(llama, _layout(precision="fp8"), A100)
+    row = {**_PUBLISHED_ROW, "gpu": "a100", "precision": "fp8"}
+    with pytest.raises(reproduce.ReproduceError, match="column 'precision'.*A100"):
+        reproduce.parse_row(row)
+
+
+def test_bad_precisions_and_recipes_name_the_argument():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        costs.Layout(precision="fp4")
+    with pytest.raises(ValueError, match="fp8_recipe must be one of"):
+        costs.Layout(precision="fp8", fp8_recipe="rowwise")
+
+
+_PUBLISHED_ROW = {
+    "model": "llama",
+    "num_layers": "32",
+    "hidden": "4096",
+    "heads": "32",
+    "num_kv_heads": "8",
+    "ffn_hidden": "14336",
+    "vocab": "128256",
+    "seq_len": "8192",
+    "gpu": "h100",
+    "num_gpus": "8",
+    "tp": "1",
+    "pp": "1",
+    "global_batch": "8",
+    "micro_batch": "1",
+    "published_metric": "tokens_per_s_per_gpu",
+    "published_value": "7000",
+}
+
+
+def test_published_runs_in_fp8_go_through_the_fp8_model():
+    run = reproduce.parse_row({**_PUBLISHED_ROW, "precision": "fp8", "fp8_recipe": "blockwise"})
+    assert (run.layout.precision, run.layout.fp8_recipe) == ("fp8", "blockwise")
+    bf16 = reproduce.predict_run(reproduce.parse_row(_PUBLISHED_ROW))
+    fp8 = reproduce.predict_run(reproduce.parse_row({**_PUBLISHED_ROW, "precision": "fp8"}))
+    assert fp8["prediction"]["gemm_fp8_s"] > 0 and fp8["predicted"] > bf16["predicted"]
+    with pytest.raises(reproduce.ReproduceError, match="column 'fp8_recipe'.*needs precision fp8"):
+        reproduce.parse_row({**_PUBLISHED_ROW, "fp8_recipe": "blockwise"})
