@@ -5,7 +5,9 @@ model's; memory per device follows the layout by ``costs.memory`` (weights, grad
 activations, Megatron-LM's and Korthikanti et al.'s accounting). FLOPs per step: model FLOPs (what MFU counts) and
 executed FLOPs (with recomputation). A layout that is likely poor gets a warning pointing to ``megakernels plan``:
 a pipeline bubble over 25 %, tensor parallelism wider than a node (``--gpus-per-node``), or a device more than 90 %
-full (on the ``--gpu`` it is planned for).
+full (on the ``--gpu`` it is planned for). With ``--precision fp8`` the memory is FP8 training's (the blocks' linears
+keep FP8 copies of their inputs for backward: ``costs.activation_bytes_per_layer``) and the report names the
+scaling recipe; a ``--gpu`` without FP8 tensor cores (A100, V100) is refused.
 """
 
 from __future__ import annotations
@@ -56,8 +58,12 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     cfg = validate(args) if cfg is None else cfg
     if dist.is_initialized():
         raise ArgumentError("--dry-run runs in one process; run it without torchrun")
-    meta = costs.MetaModel(cfg)
     L = costs.Layout.of(args, cfg)
+    try:
+        costs.check_precision(L, costs.DEVICES[args.gpu])
+    except ValueError as e:
+        raise ArgumentError(f"{e} (--gpu {args.gpu})") from None
+    meta = costs.MetaModel(cfg)
     mem = costs.memory(meta, L)
     tokens = args.global_batch_size * cfg.seq_length
     world, tp, cp, dp = args.world_size(), L.tp, L.cp, L.dp
@@ -98,15 +104,15 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
             "offload_optimizer": args.offload_optimizer,
             "recompute": args.recompute,
             "precision": args.precision,
+            **({"fp8_recipe": L.fp8_recipe} if L.precision == "fp8" else {}),
             **({"frozen": list(L.frozen)} if L.frozen else {}),
         },
         "ranks": {r: parallel.rank_coordinates(r) for r in range(min(world, 4096))},
     }
     # The first stage's activations under every recompute / sequence-parallel choice (for choosing one).
-    bytes_el = 2 if args.precision != "fp32" else 4
     rep["activations_by_choice_bytes"] = {
-        f"recompute={rc},sp={sp}": cfg.activation_bytes_per_layer(
-            args.micro_batch_size, tp, sp, rc, bytes_el, L.flash, cp
+        f"recompute={rc},sp={sp}": costs.activation_bytes_per_layer(
+            cfg, args.micro_batch_size, tp, sp, rc, args.precision, L.flash, cp
         )
         * (cfg.num_layers // L.pp)
         * mem["in_flight"]
@@ -170,9 +176,10 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     )
     if "device_bytes_per_param" in rep:
         weight = 4 if lay["precision"] == "fp32" else 2
+        dtype = "bf16" if lay["precision"] == "fp8" else lay["precision"]  # fp8 training keeps bf16 weights
         out(
             f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
-            f"({lay['precision']} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
+            f"({dtype} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
             "and the reduction, also under ZeRO-1); no optimizer state"
         )
     if "host_memory_per_rank_bytes" in rep:
@@ -189,6 +196,11 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}"
+        + (
+            f" ({lay['fp8_recipe']} scaling: the blocks' linears in FP8, their saved inputs 1 byte an element)"
+            if "fp8_recipe" in lay
+            else ""
+        )
     )
     out(
         "activations on the first stage by choice (Korthikanti et al. 2022): "

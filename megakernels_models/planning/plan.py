@@ -1,7 +1,8 @@
 """``megakernels plan``: choose a parallel layout for a model on a cluster.
 
     megakernels plan --preset gpt-8.3b --gpus 512 [--gpus-per-node 8] [--gpu h200|h100|a100|v100]
-                     [--seq-length S] [--global-batch-size B] [--offload-optimizer [--host-adamw-ns NS]]
+                     [--seq-length S] [--global-batch-size B] [--precision bf16|fp16|fp32|fp8
+                     [--fp8-recipe tensorwise|blockwise]] [--offload-optimizer [--host-adamw-ns NS]]
                      [--top K] [--json]
     megakernels plan --config job.yaml --gpus 64
     megakernels plan --reproduce runs.csv [more.csv ...] [--json]
@@ -14,6 +15,8 @@ that break a rule ``megakernels train`` checks or that do not fit the GPU's memo
 allowance of ``costs.RESERVED_GB`` and ``costs.FRAGMENTATION``); and ranks the rest by predicted step time
 (``costs.predict``, every constant documented there). For each of the best ``--top`` it prints memory per GPU,
 predicted step time, tokens/s, MFU, the pipeline bubble and the ``megakernels train`` command that runs it.
+``--precision fp8`` ranks FP8 layouts (the blocks' linears in FP8, ``--fp8-recipe``'s scaling: costs.py) and is
+refused on a GPU without FP8 tensor cores; ``fp8_speedup`` compares a model's best bf16 and fp8 layouts.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ def candidates(
     gpus_per_node: int,
     precision: str = "bf16",
     offload: bool = False,
+    fp8_recipe: str = "tensorwise",
 ) -> list[costs.Layout]:
     """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check): the degrees and
     micro-batch sizes worth ranking, kept when ``megakernels.parallel.layout`` — the rules ``megakernels train``
     validates with — finds nothing broken. ``offload``: with the optimizer state in host memory
-    (``--offload-optimizer``)."""
+    (``--offload-optimizer``); ``fp8_recipe``: the scaling with ``precision`` fp8."""
     shapes = cfg.layout_shapes()
     sequence_parallel = shapes.sequence_parallel is None  # with tp > 1, whenever the family supports it
     out = []
@@ -83,6 +87,7 @@ def candidates(
                                 distributed_optimizer=zero and dp * cp > 1,
                                 recompute=recompute,
                                 precision=precision,
+                                fp8_recipe=fp8_recipe,
                                 offload_optimizer=offload,
                             )
                         )
@@ -98,16 +103,19 @@ def rank(
     precision: str = "bf16",
     offload: bool = False,
     host_adamw_ns: float = costs.HOST_ADAMW_NS_PER_PARAM,
+    fp8_recipe: str = "tensorwise",
 ) -> list[dict]:
     """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}`` (``host_adamw_ns``: the
-    host AdamW's ns per parameter, with ``offload``).
+    host AdamW's ns per parameter, with ``offload``; ``fp8_recipe``: the scaling with ``precision`` fp8).
 
     Raises:
         ArgumentError: no layout of the GPUs fits (the message says the smallest memory any layout needs).
+        ValueError: ``precision`` or ``fp8_recipe`` unknown, or fp8 on a GPU without FP8 (``costs.check_precision``).
     """
+    costs.check_precision(costs.Layout(precision=precision, fp8_recipe=fp8_recipe), device)
     meta = costs.MetaModel(cfg)
     fitting, smallest = [], None
-    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision, offload):
+    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision, offload, fp8_recipe):
         mem = costs.memory(meta, layout)
         smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
         if costs.fits(mem["total"], device):
@@ -129,6 +137,40 @@ def rank(
     return fitting
 
 
+COMPUTE_SPLIT = ("gemm_16_s", "gemm_fp8_s", "elementwise_s", "quantize_s", "optimizer_s")
+
+
+def fp8_speedup(
+    cfg: ModelConfig,
+    gpus: int,
+    global_batch_size: int,
+    device: costs.Device,
+    gpus_per_node: int = 8,
+    fp8_recipe: str = "tensorwise",
+) -> dict:
+    """The predicted bf16 over fp8 step time of ``cfg`` on ``gpus`` GPUs: ``{"best": the fastest bf16 layout's
+    step over the fastest fp8 layout's, "same_layout": the fastest bf16 layout's step over the same layout's in fp8,
+    "bf16", "fp8": each precision's fastest (``rank``'s rows), "fp8_same_layout": ``costs.predict`` of the bf16
+    layout in fp8, "fp8_same_layout_memory_bytes"}``.
+
+    Raises:
+        ValueError: the GPU has no FP8 (``costs.check_precision``); ArgumentError: nothing fits.
+    """
+    bf16 = rank(cfg, gpus, global_batch_size, device, gpus_per_node, "bf16")[0]
+    fp8 = rank(cfg, gpus, global_batch_size, device, gpus_per_node, "fp8", fp8_recipe=fp8_recipe)[0]
+    meta = costs.MetaModel(cfg)
+    same = dataclasses.replace(bf16["layout"], precision="fp8", fp8_recipe=fp8_recipe)
+    same_prediction = costs.predict(meta, same, device, gpus_per_node)
+    return {
+        "best": bf16["prediction"]["step_s"] / fp8["prediction"]["step_s"],
+        "same_layout": bf16["prediction"]["step_s"] / same_prediction["step_s"],
+        "bf16": bf16,
+        "fp8": fp8,
+        "fp8_same_layout": same_prediction,
+        "fp8_same_layout_memory_bytes": costs.memory(meta, same)["total"],
+    }
+
+
 def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_per_node: int = 8) -> str:
     """The command that runs a layout (``source``: the model flags, e.g. ``--preset NAME``): on GPUs, torchrun with
     one process per GPU (on every node, with a rendezvous endpoint, when the layout spans several nodes); on the
@@ -145,6 +187,8 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_
         "--precision",
         layout.precision,
     ]
+    if layout.precision == "fp8" and layout.fp8_recipe != "tensorwise":
+        flags += ["--fp8-recipe", layout.fp8_recipe]
     flags += ["--sequence-parallel"] if layout.sequence_parallel else []
     flags += ["--distributed-optimizer"] if layout.distributed_optimizer else []
     flags += ["--offload-optimizer"] if layout.offload_optimizer else []
@@ -180,7 +224,20 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", choices=sorted(costs.DEVICES), default="h200")
     p.add_argument("--seq-length", type=int, default=None, help="overrides the model's")
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's, else 8 × gpus")
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp16", "fp32", "fp8"),
+        default="bf16",
+        help="fp8: the transformer blocks' linears in FP8 at the GPU's FP8 peak (H100/H200; refused on A100/V100), "
+        "the rest in bf16",
+    )
+    p.add_argument(
+        "--fp8-recipe",
+        choices=costs.FP8_RECIPES,
+        default="tensorwise",
+        help="with --precision fp8: one scale per tensor (tensorwise) or per 1×128 tile / 128×128 block "
+        "(blockwise, slower GEMMs: costs.FP8_BLOCKWISE_GEMM)",
+    )
     p.add_argument(
         "--offload-optimizer",
         action="store_true",
@@ -253,7 +310,19 @@ def main(ns) -> int:
         cfg, source, gbs = _model(ns)
         gbs = ns.global_batch_size or gbs or 8 * ns.gpus
         device = costs.DEVICES[ns.gpu]
-        ranked = rank(cfg, ns.gpus, gbs, device, ns.gpus_per_node, ns.precision, ns.offload_optimizer, ns.host_adamw_ns)
+        if ns.fp8_recipe != "tensorwise" and ns.precision != "fp8":
+            raise ArgumentError(f"--fp8-recipe {ns.fp8_recipe} needs --precision fp8, got --precision {ns.precision}")
+        ranked = rank(
+            cfg,
+            ns.gpus,
+            gbs,
+            device,
+            ns.gpus_per_node,
+            ns.precision,
+            ns.offload_optimizer,
+            ns.host_adamw_ns,
+            ns.fp8_recipe,
+        )
     except (ArgumentError, ValueError) as e:
         print(f"megakernels plan: error: {e}", file=sys.stderr)
         return 2
@@ -268,6 +337,7 @@ def main(ns) -> int:
                 k: r["prediction"][k]
                 for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s", "ep_s", "offload_s")
             },
+            "compute_split_s": {k: r["prediction"][k] for k in COMPUTE_SPLIT},
             "command": command(r["layout"], source, gpus_per_node=ns.gpus_per_node),
         }
         for i, r in enumerate(best)
@@ -279,6 +349,8 @@ def main(ns) -> int:
                     "gpus": ns.gpus,
                     "gpu": device.name,
                     "global_batch_size": gbs,
+                    "precision": ns.precision,
+                    **({"fp8_recipe": ns.fp8_recipe} if ns.precision == "fp8" else {}),
                     "layouts_fitting": len(ranked),
                     "ranking": rows,
                 },
@@ -288,7 +360,9 @@ def main(ns) -> int:
         return 0
     print(
         f"{cfg.model} {human(costs.MetaModel(cfg).parameters)} parameters on {ns.gpus} × {device.name} "
-        f"({ns.gpus_per_node} per node), global batch {gbs} × {cfg.seq_length} tokens: {len(ranked)} layouts fit"
+        f"({ns.gpus_per_node} per node), global batch {gbs} × {cfg.seq_length} tokens, {ns.precision}"
+        + (f" ({ns.fp8_recipe} scaling)" if ns.precision == "fp8" else "")
+        + f": {len(ranked)} layouts fit"
     )
     print(
         f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'dp':>5} {'mbs':>4} {'recompute':>9} "

@@ -1,14 +1,20 @@
-"""FP8 training in the step-time model: the blocks' linears run at the FP8 peak while attention and the LM head
-stay 16-bit (checked against GEMM seconds recomputed here from the FLOP counts), the quantisation passes and FP8
-all-gathers are what the module says, the saved linear inputs take half the memory, and a GPU without FP8 is
-refused naming the argument."""
+"""FP8 training in the step-time model, the planner and the dry run: the blocks' linears run at the FP8 peak while
+attention and the LM head stay 16-bit (checked against GEMM seconds recomputed here from the FLOP counts), the
+quantisation passes and FP8 all-gathers are what the module says, the saved linear inputs take half the memory, a
+GPU without FP8 is refused naming the argument, and `megakernels plan --precision fp8` ranks and prints fp8
+layouts."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
+from megakernels_models.arguments import ArgumentError, validate
+from megakernels_models.cli import main, parse_train_args
 from megakernels_models.models.config import preset
-from megakernels_models.planning import costs, reproduce
+from megakernels_models.planning import costs, plan, reproduce
 
 H200, A100 = costs.DEVICES["h200"], costs.DEVICES["a100"]
 
@@ -125,19 +131,26 @@ def test_under_sequence_parallelism_the_forward_all_gathers_move_fp8(llama):
     )
 
 
-def test_a_gpu_without_fp8_is_refused_naming_the_precision(llama):
+def test_a_gpu_without_fp8_is_refused_naming_the_precision(llama, capsys):
     with pytest.raises(ValueError, match=r"--precision fp8 .*A100"):
         costs.predict(llama, _layout(precision="fp8"), A100)
+    with pytest.raises(ValueError, match="--precision fp8"):
+        plan.rank(preset("gpt-tiny"), 8, 64, A100, precision="fp8")
+    assert main(["plan", "--preset", "llama3-8b", "--gpus", "8", "--gpu", "a100", "--precision", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision fp8" in err and "A100" in err and "Traceback" not in err
+    args = parse_train_args(
+        ["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--micro-batch-size", "1", "--precision", "bf16"]
+    )
+    cfg = validate(args)
+    from megakernels_models.planning.dryrun import report
+
+    # --precision fp8 as the trainer will pass it (its flag is the trainer's own)
+    with pytest.raises(ArgumentError, match=r"--precision fp8 .*--gpu a100"):
+        report(dataclasses.replace(args, precision="fp8", gpu="a100"), cfg, out=lambda line: None)
     row = {**_PUBLISHED_ROW, "gpu": "a100", "precision": "fp8"}
     with pytest.raises(reproduce.ReproduceError, match="column 'precision'.*A100"):
         reproduce.parse_row(row)
-
-
-def test_bad_precisions_and_recipes_name_the_argument():
-    with pytest.raises(ValueError, match="precision must be one of"):
-        costs.Layout(precision="fp4")
-    with pytest.raises(ValueError, match="fp8_recipe must be one of"):
-        costs.Layout(precision="fp8", fp8_recipe="rowwise")
 
 
 _PUBLISHED_ROW = {
@@ -168,3 +181,66 @@ def test_published_runs_in_fp8_go_through_the_fp8_model():
     assert fp8["prediction"]["gemm_fp8_s"] > 0 and fp8["predicted"] > bf16["predicted"]
     with pytest.raises(reproduce.ReproduceError, match="column 'fp8_recipe'.*needs precision fp8"):
         reproduce.parse_row({**_PUBLISHED_ROW, "fp8_recipe": "blockwise"})
+
+
+def test_bad_precisions_and_recipes_name_the_argument(capsys):
+    with pytest.raises(ValueError, match="precision must be one of"):
+        costs.Layout(precision="fp4")
+    with pytest.raises(ValueError, match="fp8_recipe must be one of"):
+        costs.Layout(precision="fp8", fp8_recipe="rowwise")
+    argv = ["plan", "--preset", "gpt-tiny", "--gpus", "2", "--fp8-recipe", "blockwise"]
+    assert main(argv) == 2
+    assert "--fp8-recipe blockwise needs --precision fp8" in capsys.readouterr().err
+
+
+def test_plan_ranks_fp8_layouts_and_its_json_carries_the_precision(capsys):
+    argv = ["plan", "--preset", "llama3-8b", "--gpus", "8", "--top", "3", "--json"]
+    assert main([*argv, "--precision", "fp8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["precision"] == "fp8" and out["fp8_recipe"] == "tensorwise"
+    for row in out["ranking"]:
+        assert row["layout"]["precision"] == "fp8" and row["layout"]["fp8_recipe"] == "tensorwise"
+        assert "--precision fp8" in row["command"] and "--fp8-recipe" not in row["command"]
+        split = row["compute_split_s"]
+        assert split["gemm_fp8_s"] > 0 and split["quantize_s"] > 0
+        assert sum(split.values()) == pytest.approx(row["time_split_s"]["compute_s"])
+    assert main([*argv, "--precision", "fp8", "--fp8-recipe", "blockwise"]) == 0
+    blockwise = json.loads(capsys.readouterr().out)
+    assert all(r["layout"]["fp8_recipe"] == "blockwise" for r in blockwise["ranking"])
+    assert all("--precision fp8 --fp8-recipe blockwise" in r["command"] for r in blockwise["ranking"])
+    assert blockwise["ranking"][0]["step_s"] > out["ranking"][0]["step_s"]
+    assert main([*argv]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert bf16["precision"] == "bf16" and "fp8_recipe" not in bf16
+    assert out["ranking"][0]["step_s"] < bf16["ranking"][0]["step_s"]
+    assert main(argv[:-1] + ["--precision", "fp8"]) == 0
+    assert "fp8 (tensorwise scaling)" in capsys.readouterr().out
+
+
+def test_fp8_speedup_compares_the_best_layouts_and_the_same_layout():
+    got = plan.fp8_speedup(preset("llama3-8b"), 8, 64, H200)
+    bf16, fp8 = got["bf16"]["prediction"]["step_s"], got["fp8"]["prediction"]["step_s"]
+    assert got["best"] == pytest.approx(bf16 / fp8)
+    assert got["same_layout"] == pytest.approx(bf16 / got["fp8_same_layout"]["step_s"])
+    assert fp8 <= got["fp8_same_layout"]["step_s"]  # the best fp8 layout is at least as fast as bf16's in fp8
+    assert 1.2 < got["same_layout"] <= got["best"] < 2.0
+    assert got["fp8"]["layout"].precision == "fp8" and got["bf16"]["layout"].precision == "bf16"
+
+
+def test_the_dry_run_reports_fp8_and_its_memory():
+    from megakernels_models.planning.dryrun import report
+
+    args = parse_train_args(
+        ["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--micro-batch-size", "1", "--precision", "bf16"]
+    )
+    cfg = validate(args)
+    lines: list[str] = []
+    bf16 = report(args, cfg, out=lambda line: None)
+    fp8 = report(dataclasses.replace(args, precision="fp8"), cfg, out=lines.append)
+    assert fp8["layout"]["precision"] == "fp8" and fp8["layout"]["fp8_recipe"] == "tensorwise"
+    assert any("precision=fp8 (tensorwise scaling" in line for line in lines)
+    s, h, q, f = 8192, 4096, 4096, 14336
+    assert bf16["memory_per_device_bytes"] - fp8["memory_per_device_bytes"] == pytest.approx(s * (2 * h + q + f) * 32)
+    choice = "recompute=selective,sp=False"
+    saved = bf16["activations_by_choice_bytes"][choice] - fp8["activations_by_choice_bytes"][choice]
+    assert saved == pytest.approx(s * (2 * h + q + f) * 32)
