@@ -12,7 +12,8 @@ Memory per device, Megatron-LM's accounting:
   are bf16, quantised as they are used); parameters frozen by ``--freeze`` (``Layout.frozen``) hold their weights
   only — no gradient, no optimizer state;
 - activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``; with fp8 the FP8 linears'
-  saved inputs at 1 byte an element: ``activation_bytes_per_layer``) for a stage's layers, times
+  saved inputs at 1 byte an element and their FP8 weight copies: ``activation_bytes_per_layer``) for a stage's
+  layers, times
   the micro-batches the schedule keeps in flight on the first stage (1F1B: pp; interleaved: × (1 + (pp−1)/(pp·vpp));
   GPipe: all m), plus the last stage's fp32 logits — or, with the fused LM-head loss (``Layout.fused_linear_ce``,
   the trainer's default for causal LMs), one chunk of logits and, in 16 bits, dW's fp32 accumulator and one chunk's
@@ -124,8 +125,7 @@ class Layout:
             offload_optimizer=args.offload_optimizer,
             recompute=args.recompute,
             precision=args.precision,
-            # --fp8-recipe (with --precision fp8); arguments without the flag train tensorwise
-            fp8_recipe=getattr(args, "fp8_recipe", None) or "tensorwise",
+            fp8_recipe=args.fp8_recipe,
             schedule=args.schedule,
             flash=args.attention == "flash",
             frozen=args.frozen_parts(),
@@ -380,9 +380,7 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     w, g, o = bytes_per_param(L)
     _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
     bytes_el = 2 if L.precision != "fp32" else 4
-    per_layer = activation_bytes_per_layer(
-        cfg, L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, L.precision, L.flash, L.cp
-    )
+    per_layer = activation_bytes_per_layer(cfg, L)
     layers = cfg.num_layers // L.pp
     flight = in_flight(L)
     v_local = pad_vocab_size(cfg.vocab_size, L.tp) // L.tp
@@ -398,10 +396,7 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     encoder = 0.0
     enc = cfg.encoder_config()
     if enc is not None:  # e.g. a vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
-        encoder = (
-            activation_bytes_per_layer(enc, L.micro_batch_size, L.tp, False, L.recompute, L.precision, L.flash)
-            * enc.num_layers
-        )
+        encoder = activation_bytes_per_layer(enc, L, encoder=True) * enc.num_layers
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
     for r, (n, t, e) in enumerate(zip(stages, trained, trained_experts)):
         act = (per_layer * layers + (encoder if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
@@ -518,31 +513,48 @@ def fp8_flops_per_token(cfg: ModelConfig, recompute: str = "none") -> float:
 
 
 def _fp8_linears(cfg: ModelConfig, layout: Layout) -> dict:
-    """The FP8 linears of a layer, per token (averaged over the layers, MoE layers by their share), as
-    ``(replicated, split)`` element widths — replicated: what every tensor-parallel rank holds whole (the branch
-    inputs and outputs: divided by tp only with sequence parallelism, which quantises before its all-gather), split:
-    divided by tp — for ``"inputs"`` (quantised in forward), ``"grads"`` (output gradients, quantised in backward),
-    ``"saved"`` (inputs whose only use in backward is an FP8 GEMM, kept in FP8 instead of 16 bits); and ``"weights"``,
-    the elements of a layer's FP8 weights on one device."""
+    """The FP8 linears of a layer (averaged over the layers, MoE layers by their share) as ``(replicated, split)``
+    element widths per token — replicated: held whole by every tensor-parallel rank (the branch inputs and outputs;
+    divided by tp only with sequence parallelism, which quantises the sequence shard before its all-gather), split:
+    divided by tp:
+
+    - ``"inputs"``: quantised in forward; ``"grads"``: the output gradients, quantised in backward;
+    - ``"fp8_saved"``: the FP8 copies of inputs kept for the weight gradient, 1 byte an element, and ``"freed"``: the
+      16-bit inputs the layer no longer keeps because of them (2 bytes an element). What the trainer keeps
+      (``megakernels.parallel.fp8``): every linear its input's FP8 copy, except that with the blockwise recipe a
+      column-parallel linear under sequence parallelism keeps its 16-bit sequence shard (its backward gathers and
+      quantises it again) and the experts' grouped GEMMs their 16-bit rows; a MoE layer's branch input stays 16-bit
+      for the router, so the shared experts' FP8 copy of it comes in addition;
+
+    and ``"weights"``: the elements of the layer's FP8 weights on one device (quantised in every forward; their
+    transposed FP8 copies are kept for the backward of that micro-batch)."""
     h, q, kv, f, mm = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.ffn_hidden_size, cfg.mlp_matrices
+    blockwise = layout.fp8_recipe == "blockwise"
+    column_kept = 0.0 if (blockwise and layout.sequence_parallel) else 1.0  # column-parallel inputs kept in FP8
     attention_w = h * (q + 2 * kv) + q * h
-    # dense: QKV and MLP inputs (the norms' outputs), the output projection's and second MLP matrix's inputs
+    # dense: QKV's and the MLP's inputs (the norms' outputs, column-parallel), the output projection's and the last
+    # MLP matrix's inputs (row-parallel)
+    dense_saved = (2.0 * h * column_kept, q + f)
     dense = {
         "inputs": (2.0 * h, q + f),
         "grads": (2.0 * h, q + 2.0 * kv + (mm - 1) * f),
-        "saved": (2.0 * h, q + f),
+        "fp8_saved": dense_saved,
+        "freed": dense_saved,
         "weights": (attention_w + mm * h * f) / layout.tp,
     }
     share = cfg.num_moe_layers / cfg.num_layers
     if not share:
         return dense
     fe, k, shared = cfg.moe_ffn_hidden_size, cfg.moe_top_k, cfg.moe_shared_experts
-    # a MoE layer's MLP: each token's top_k expert rows and the shared experts'; its branch input stays 16-bit for
-    # the router (the shared experts quantise it too)
+    sh = 1.0 if shared else 0.0
+    experts_kept = 0.0 if blockwise else 1.0
+    # a MoE layer's MLP: each token's top_k expert rows (h into the first matrices, fe into the last) and the shared
+    # experts' MLP (a column- and a row-parallel linear)
     moe = {
-        "inputs": (h + (h if shared else 0.0), q + k * h + (k + shared) * fe),
-        "grads": (h + (h if shared else 0.0), q + 2.0 * kv + k * h + (k + shared) * (mm - 1) * fe),
-        "saved": (1.0 * h, q + k * h + (k + shared) * fe),
+        "inputs": (h + sh * h, q + k * h + (k + shared) * fe),
+        "grads": (h + sh * h, q + 2.0 * kv + k * h + (k + shared) * (mm - 1) * fe),
+        "fp8_saved": ((h + sh * h) * column_kept, q + experts_kept * k * (h + fe) + shared * fe),
+        "freed": (h * column_kept, q + experts_kept * k * (h + fe) + shared * fe),
         "weights": (attention_w + (cfg.num_experts / layout.ep + shared) * mm * h * fe) / layout.tp,
     }
 
@@ -572,28 +584,23 @@ def fp8_quantized_elements(cfg: ModelConfig, layout: Layout) -> dict[str, float]
     }
 
 
-def activation_bytes_per_layer(
-    cfg: ModelConfig,
-    micro_batch_size: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    precision: str = "bf16",
-    flash_attention: bool = False,
-    cp: int = 1,
-) -> float:
-    """``cfg.activation_bytes_per_layer`` in ``precision``: 4-byte elements in fp32, 2 otherwise; with fp8 the
-    inputs the FP8 linears save for backward (``_fp8_linears``' "saved": the QKV and first MLP matrix inputs, the
-    output projection's and second MLP matrix's) take 1 byte an element instead of 2 (not under full recomputation,
-    which keeps only the layer's input)."""
+def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, encoder: bool = False) -> float:
+    """``cfg.activation_bytes_per_layer`` at ``layout`` (its micro-batch, tp, sequence parallelism, recomputation,
+    attention and cp; ``encoder``: a vision encoder's layers, without sequence or context parallelism) in its
+    precision: 4-byte elements in fp32, 2 otherwise. With fp8 (``_fp8_linears``) the inputs the FP8 linears keep
+    take 1 byte an element instead of 2 — the QKV and first MLP matrices' inputs, the output projection's and the
+    last MLP matrix's — and each layer adds its FP8 weights' transposed copies (1 byte a weight, per micro-batch in
+    flight); none of it under full recomputation, which keeps only each layer's input and recomputes the rest."""
+    L = dataclasses.replace(layout, sequence_parallel=False, cp=1) if encoder else layout
     full = cfg.activation_bytes_per_layer(
-        micro_batch_size, tp, sequence_parallel, recompute, 4 if precision == "fp32" else 2, flash_attention, cp
+        L.micro_batch_size, L.tp, L.sequence_parallel, L.recompute, 4 if L.precision == "fp32" else 2, L.flash, L.cp
     )
-    if precision != "fp8" or recompute == "full":
+    if L.precision != "fp8" or L.recompute == "full":
         return full
-    layout = Layout(tp=tp, cp=cp, micro_batch_size=micro_batch_size, sequence_parallel=sequence_parallel)
-    saved = _per_device(_fp8_linears(cfg, layout)["saved"], layout)
-    return full - cfg.seq_length // cp * micro_batch_size * saved
+    linears = _fp8_linears(cfg, L)
+    tokens = cfg.seq_length // L.cp * L.micro_batch_size
+    saved = tokens * (2.0 * _per_device(linears["freed"], L) - _per_device(linears["fp8_saved"], L))
+    return full - saved + linears["weights"]
 
 
 def gemm_efficiency(cfg: ModelConfig, layout: Layout, device: Device) -> float:

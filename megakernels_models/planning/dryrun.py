@@ -12,6 +12,7 @@ scaling recipe; a ``--gpu`` without FP8 tensor cores (A100, V100) is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -48,7 +49,13 @@ def warnings_for(args: TrainArgs, rep: dict) -> list[str]:
             f"{human(rep['memory_per_device_bytes'], 'B')} per device is more than 90 % of an {device.name}'s "
             f"{device.memory_gb:g} GB"
         )
-    return [w + "; `megakernels plan` ranks the layouts that fit" for w in out]
+    out = [w + "; `megakernels plan` ranks the layouts that fit" for w in out]
+    if args.precision == "fp8" and args.fp8_base_precision == "fp32":
+        out.append(
+            "--fp8-base-precision fp32: the memory above counts fp8 training on a bf16 base (2-byte weights and "
+            "16-bit activations); an fp32 base takes 4 bytes for each"
+        )
+    return out
 
 
 def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
@@ -112,7 +119,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     # The first stage's activations under every recompute / sequence-parallel choice (for choosing one).
     rep["activations_by_choice_bytes"] = {
         f"recompute={rc},sp={sp}": costs.activation_bytes_per_layer(
-            cfg, args.micro_batch_size, tp, sp, rc, args.precision, L.flash, cp
+            cfg, dataclasses.replace(L, recompute=rc, sequence_parallel=sp)
         )
         * (cfg.num_layers // L.pp)
         * mem["in_flight"]
@@ -197,7 +204,7 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}"
         + (
-            f" ({lay['fp8_recipe']} scaling: the blocks' linears in FP8, their saved inputs 1 byte an element)"
+            f" ({lay['fp8_recipe']} scaling: the blocks' linears in FP8, their inputs kept in FP8 for backward)"
             if "fp8_recipe" in lay
             else ""
         )

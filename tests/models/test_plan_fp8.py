@@ -1,12 +1,11 @@
 """FP8 training in the step-time model, the planner and the dry run: the blocks' linears run at the FP8 peak while
 attention and the LM head stay 16-bit (checked against GEMM seconds recomputed here from the FLOP counts), the
-quantisation passes and FP8 all-gathers are what the module says, the saved linear inputs take half the memory, a
-GPU without FP8 is refused naming the argument, and `megakernels plan --precision fp8` ranks and prints fp8
-layouts."""
+quantisation passes and FP8 all-gathers are what the module says, the saved linear inputs take half the memory (and
+the FP8 weight copies the trainer keeps are added), a GPU without FP8 is refused naming the argument, and
+`megakernels plan --precision fp8` ranks and prints fp8 layouts that `megakernels train` accepts."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -97,20 +96,26 @@ def test_blockwise_scaling_trades_slower_gemms_for_a_cheaper_quantisation(llama)
     assert tensorwise["step_s"] < blockwise["step_s"]  # at these shapes the GEMMs weigh more than the passes
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
-def test_the_saved_linear_inputs_take_one_byte_an_element(llama, tp, sp):
-    h, q, f, layers, s = 4096, 4096, 14336, 32, 8192
-    kw = dict(tp=tp, dp=8 // tp, sequence_parallel=sp, micro_batch_size=2, global_batch_size=64)
+@pytest.mark.parametrize("tp,sp,recipe", [(1, False, "tensorwise"), (2, True, "tensorwise"), (2, True, "blockwise")])
+def test_the_saved_linear_inputs_take_one_byte_an_element_and_the_fp8_weights_are_kept(llama, tp, sp, recipe):
+    h, q, kv, f, layers, s, mbs = 4096, 4096, 1024, 14336, 32, 8192, 2
+    kw = dict(tp=tp, dp=8 // tp, sequence_parallel=sp, micro_batch_size=mbs, global_batch_size=64)
     bf16 = costs.memory(llama, _layout(**kw))
-    fp8 = costs.memory(llama, _layout(precision="fp8", **kw))
-    # QKV's and the MLP's inputs (h each, replicated: divided by tp with SP), the output projection's (q) and the
-    # down projection's (f) inputs, split over tp: each element 1 byte instead of 2, per layer of a micro-batch in
-    # flight (one: no pipeline)
-    saved = 2 * s * (2 * h / (tp if sp else 1) + (q + f) / tp) * layers
-    assert bf16["breakdown"]["activations"] - fp8["breakdown"]["activations"] == pytest.approx(saved)
+    fp8 = costs.memory(llama, _layout(precision="fp8", fp8_recipe=recipe, **kw))
+    # QKV's and the MLP's inputs (h each, replicated: divided by tp with SP; with the blockwise recipe under SP
+    # the trainer keeps their 16-bit shards), the output projection's (q) and the down projection's (f) inputs,
+    # split over tp: each element 1 byte instead of 2
+    column = 0 if recipe == "blockwise" and sp else 2 * h / (tp if sp else 1)
+    saved = mbs * s * (column + (q + f) / tp)
+    # and every layer keeps its weights' transposed FP8 copies (1 byte a weight of the device) for backward
+    weights = (h * (q + 2 * kv) + q * h + 3 * h * f) / tp
+    # per layer, one micro-batch in flight (no pipeline)
+    assert bf16["breakdown"]["activations"] - fp8["breakdown"]["activations"] == pytest.approx(
+        (saved - weights) * layers
+    )
     for part in ("weights", "grads", "optimizer"):  # bf16 weights, fp32 gradients and master state, as in bf16
         assert fp8["breakdown"][part] == bf16["breakdown"][part]
-    full = dict(kw, recompute="full")  # full recomputation keeps only each layer's input: nothing to save
+    full = dict(kw, recompute="full")  # full recomputation keeps only each layer's input: nothing changes
     fp8_full, bf16_full = costs.memory(llama, _layout(precision="fp8", **full)), costs.memory(llama, _layout(**full))
     assert fp8_full["total"] == bf16_full["total"]
 
@@ -139,15 +144,14 @@ def test_a_gpu_without_fp8_is_refused_naming_the_precision(llama, capsys):
     assert main(["plan", "--preset", "llama3-8b", "--gpus", "8", "--gpu", "a100", "--precision", "fp8"]) == 2
     err = capsys.readouterr().err
     assert "--precision fp8" in err and "A100" in err and "Traceback" not in err
-    args = parse_train_args(
-        ["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--micro-batch-size", "1", "--precision", "bf16"]
-    )
-    cfg = validate(args)
     from megakernels_models.planning.dryrun import report
 
-    # --precision fp8 as the trainer will pass it (its flag is the trainer's own)
+    argv = ["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--micro-batch-size", "1", "--precision", "fp8"]
     with pytest.raises(ArgumentError, match=r"--precision fp8 .*--gpu a100"):
-        report(dataclasses.replace(args, precision="fp8", gpu="a100"), cfg, out=lambda line: None)
+        report(parse_train_args([*argv, "--gpu", "a100"]), out=lambda line: None)
+    assert main(["train", *argv, "--gpu", "v100"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision fp8" in err and "V100" in err and "Traceback" not in err
     row = {**_PUBLISHED_ROW, "gpu": "a100", "precision": "fp8"}
     with pytest.raises(reproduce.ReproduceError, match="column 'precision'.*A100"):
         reproduce.parse_row(row)
@@ -230,17 +234,35 @@ def test_fp8_speedup_compares_the_best_layouts_and_the_same_layout():
 def test_the_dry_run_reports_fp8_and_its_memory():
     from megakernels_models.planning.dryrun import report
 
-    args = parse_train_args(
-        ["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--micro-batch-size", "1", "--precision", "bf16"]
-    )
-    cfg = validate(args)
+    argv = ["--preset", "llama3-8b", "--dry-run", "--nproc", "8", "--micro-batch-size", "2"]
     lines: list[str] = []
-    bf16 = report(args, cfg, out=lambda line: None)
-    fp8 = report(dataclasses.replace(args, precision="fp8"), cfg, out=lines.append)
+    bf16 = report(parse_train_args([*argv, "--precision", "bf16"]), out=lambda line: None)
+    fp8 = report(parse_train_args([*argv, "--precision", "fp8"]), out=lines.append)
     assert fp8["layout"]["precision"] == "fp8" and fp8["layout"]["fp8_recipe"] == "tensorwise"
     assert any("precision=fp8 (tensorwise scaling" in line for line in lines)
-    s, h, q, f = 8192, 4096, 4096, 14336
-    assert bf16["memory_per_device_bytes"] - fp8["memory_per_device_bytes"] == pytest.approx(s * (2 * h + q + f) * 32)
+    s, h, q, kv, f, mbs = 8192, 4096, 4096, 1024, 14336, 2
+    # the saved linear inputs in 1 byte instead of 2, less the weights' FP8 copies, over 32 layers
+    per_layer = mbs * s * (2 * h + q + f) - (h * (q + 2 * kv) + q * h + 3 * h * f)
+    assert bf16["memory_per_device_bytes"] - fp8["memory_per_device_bytes"] == pytest.approx(per_layer * 32)
     choice = "recompute=selective,sp=False"
     saved = bf16["activations_by_choice_bytes"][choice] - fp8["activations_by_choice_bytes"][choice]
-    assert saved == pytest.approx(s * (2 * h + q + f) * 32)
+    assert saved == pytest.approx(per_layer * 32)
+    quiet = lambda line: None  # noqa: E731
+    blockwise = report(parse_train_args([*argv, "--precision", "fp8", "--fp8-recipe", "blockwise"]), out=quiet)
+    assert blockwise["layout"]["fp8_recipe"] == "blockwise"
+    assert not any("--fp8-base-precision" in w for w in blockwise["warnings"])
+    fp32_base = ["--precision", "fp8", "--fp8-base-precision", "fp32"]
+    warned = report(parse_train_args([*argv, *fp32_base]), out=quiet)["warnings"]
+    assert any(w.startswith("--fp8-base-precision fp32: the memory above counts") for w in warned)
+
+
+def test_the_fp8_commands_plan_prints_are_accepted_by_train(capsys, monkeypatch):
+    argv = ["plan", "--preset", "llama3-8b", "--gpus", "16", "--top", "3", "--json", "--precision", "fp8"]
+    for recipe in ("tensorwise", "blockwise"):
+        assert main([*argv, "--fp8-recipe", recipe]) == 0
+        for row in json.loads(capsys.readouterr().out)["ranking"]:
+            words = row["command"].split()
+            monkeypatch.setenv("WORLD_SIZE", "16")  # as torchrun sets it
+            args = parse_train_args([*words[words.index("train") + 1 :], "--dry-run"])  # no GPU here
+            validate(args)
+            assert (args.precision, args.fp8_recipe) == ("fp8", recipe)
