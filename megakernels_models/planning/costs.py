@@ -477,6 +477,9 @@ FP8_BLOCKWISE_GEMM = 0.82
 # their output gradients; full recomputation repeats the forward's. Cross-check: the tutorial's per-tensor
 # quantisation time above (3.5 ms a layer) is more than this model counts for that layer (1.9 ms at 0.8 of 4.8 TB/s):
 # its benchmark quantises every GEMM's operands on their own (each input twice), a training step each tensor once.
+# These are the bytes of one pass writing both copies (``megakernels.ops.fp8.fp8_quantize(transpose=True)``); the
+# layers of ``megakernels.parallel.fp8`` copy the FP8 transpose in a pass of its own (+2 bytes an element) and
+# quantise a blockwise input's transpose afresh (+3), which this model does not count.
 FP8_QUANTIZE_BYTES = {"tensorwise": 6.0, "blockwise": 4.0}
 
 
