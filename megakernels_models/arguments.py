@@ -235,6 +235,29 @@ class _Settings:
     )
     recompute: str = setting("none", "activation recomputation", OPTIM, choices=RECOMPUTE)
     distributed_optimizer: bool = setting(False, "ZeRO-1: shard optimizer state over data-parallel ranks", OPTIM)
+    fsdp: bool = setting(
+        False,
+        "ZeRO-3 by PyTorch's FSDP2: parameters, gradients and optimizer state sharded over the data-parallel ranks "
+        "(each layer's parameters all-gathered for its forward and again for its backward)",
+        OPTIM,
+    )
+    zero: int = setting(
+        0,
+        "ZeRO stage: 1 = --distributed-optimizer, 2 = FSDP2 keeping each layer's gathered parameters from its "
+        "forward to its backward, 3 = --fsdp (0: plain data parallelism)",
+        OPTIM,
+        choices=(0, 1, 2, 3),
+    )
+    fsdp_degree: int | None = setting(
+        None,
+        "with --fsdp / --zero 2: shard over this many data-parallel ranks and replicate across the rest (HSDP; "
+        "default: all of them)",
+        OPTIM,
+        type=int,
+    )
+    fsdp_reduce_dtype: str = setting(
+        "fp32", "with --fsdp / --zero 2: the dtype of the gradient reduce-scatter", OPTIM, choices=("fp32", "bf16")
+    )
     offload_optimizer: bool = setting(
         False,
         "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
@@ -495,6 +518,12 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size())
 
+    def zero_stage(self) -> int:
+        """0 (plain data parallelism), 1 (``--distributed-optimizer``), 2 or 3 (FSDP2: ``--zero 2``, ``--fsdp``)."""
+        if self.fsdp:
+            return 3
+        return self.zero or (1 if self.distributed_optimizer else 0)
+
     def base_precision(self) -> str:
         """The precision of the parameters and of every op FP8 does not cover (``precision`` unless it is fp8)."""
         return self.fp8_base_precision if self.precision == "fp8" else self.precision
@@ -531,6 +560,25 @@ TIMEOUT_RANGE = (1.0, 365 * 86400.0)
 
 
 PACKING_SETTINGS = ("document_masking", "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "sft")
+
+
+def _check_sharding(a: TrainArgs) -> None:
+    """The ZeRO stages' flags agree: --fsdp is stage 3, --distributed-optimizer stage 1, and FSDP's stages take
+    neither ZeRO-1 nor our optimizer offload."""
+    if a.fsdp and a.zero not in (0, 3):
+        raise ArgumentError(f"--fsdp is ZeRO stage 3, but --zero {a.zero} asks for stage {a.zero}: give one of them")
+    if a.distributed_optimizer and a.zero_stage() != 1:
+        raise ArgumentError(
+            f"--distributed-optimizer is ZeRO-1; with --fsdp or --zero {a.zero_stage()} FSDP shards the optimizer "
+            "state already: leave it out"
+        )
+    if a.zero_stage() >= 2 and a.offload_optimizer:
+        raise ArgumentError(
+            "--offload-optimizer steps ZeRO-1 / data-parallel state on the host; with --fsdp or --zero 2 it is not "
+            "supported (leave it out)"
+        )
+    if a.fsdp_degree is not None and a.zero_stage() < 2:
+        raise ArgumentError(f"--fsdp-degree {a.fsdp_degree} needs --fsdp or --zero 2")
 
 
 def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
@@ -622,6 +670,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
         )
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
+    _check_sharding(a)
     validate_layout(a, cfg)
     _check_packing(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):

@@ -365,20 +365,26 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     """
     for m in models:
         m.finish_grad_sync()
+    params = list(dict.fromkeys(p for m in models for b in m.buckets for p in b.params))
+    sum_partial_grads(params, lambda p: p.main_grad)
+
+
+def sum_partial_grads(params, grad_of) -> None:
+    """The sums of ``finalize_model_grads`` after the data-parallel reduction, on ``grad_of(p)`` of each param
+    (``main_grad`` here; FSDP's sharded gradient in ``parallel.fsdp``, the same shard on every rank summed)."""
     if not state.is_initialized():
         return
-    params = list(dict.fromkeys(p for m in models for b in m.buckets for p in b.params))
     if state.tp_size() > 1:
-        grads = [p.main_grad for p in params if is_sequence_parallel(p)]
+        grads = [grad_of(p) for p in params if is_sequence_parallel(p)]
         _sum_over(grads, state.tp_group())
         replicated: dict[int, list[torch.Tensor]] = {}
         for p in params:
             if info(p).replicas > 1:
-                replicated.setdefault(info(p).replicas, []).append(p.main_grad)
+                replicated.setdefault(info(p).replicas, []).append(grad_of(p))
         for c, grads in sorted(replicated.items()):
             _sum_over(grads, state.tp_replica_group(c))
     if _tied_across_stages():
-        _sum_over([p.main_grad for p in params if is_shared_embedding(p)], state.embedding_group())
+        _sum_over([grad_of(p) for p in params if is_shared_embedding(p)], state.embedding_group())
 
 
 def _tied_across_stages() -> bool:

@@ -29,8 +29,11 @@ class LayoutError(ValueError):
 
 
 # How the degrees are named in messages: as the library's arguments, or as the trainer's flags.
-ARGUMENTS = {k: k for k in ("tp", "cp", "pp", "vpp", "ep", "dp")} | {"sp": "sequence_parallel"}
-FLAGS = {k: f"--{k}" for k in ("tp", "cp", "pp", "vpp", "ep", "dp")} | {"sp": "--sequence-parallel"}
+ARGUMENTS = {k: k for k in ("tp", "cp", "pp", "vpp", "ep", "dp", "fsdp")} | {"sp": "sequence_parallel"}
+FLAGS = {k: f"--{k}" for k in ("tp", "cp", "pp", "vpp", "ep", "dp")} | {
+    "sp": "--sequence-parallel",
+    "fsdp": "--fsdp-degree",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,7 @@ class ParallelLayout:
     ep: int = 1
     vpp: int | None = None
     sequence_parallel: bool = False
+    fsdp: int | None = None  # FSDP's shard degree (dp·cp: ZeRO-2/3 over every data-parallel rank; less: HSDP)
     source: str = "torch.distributed's world"
     names: dict = dataclasses.field(default_factory=lambda: ARGUMENTS, compare=False, repr=False)
 
@@ -84,6 +88,7 @@ class ParallelLayout:
         vpp: int | None = None,
         dp: int | None = None,
         sequence_parallel: bool = False,
+        fsdp: int | None = None,
         source: str = "torch.distributed's world",
         names: dict = ARGUMENTS,
     ) -> ParallelLayout:
@@ -118,6 +123,19 @@ class ParallelLayout:
                 f"{n['ep']} {ep} does not divide the data-parallel size {derived} (expert-parallel "
                 "groups are carved out of the data-parallel ranks)"
             )
+        if fsdp is not None:
+            fsdp = positive_int(fsdp, n["fsdp"], error=LayoutError)
+            ranks = derived * cp  # FSDP shards over the data- and context-parallel ranks, as gradients reduce
+            if ranks % fsdp:
+                raise LayoutError(
+                    f"{n['fsdp']} {fsdp} does not divide the data-parallel ranks dp × cp = {derived} × "
+                    f"{cp} = {ranks} (parameters are sharded over {fsdp} of them and replicated across the rest)"
+                )
+            experts = ranks // ep  # the ranks holding the same experts: theirs are sharded over min(fsdp, experts)
+            if fsdp < experts and experts % fsdp:
+                raise LayoutError(
+                    f"{n['fsdp']} {fsdp} does not divide the experts' data-parallel ranks dp × cp / ep = {experts}"
+                )
         return cls(
             world_size,
             tp=tp,
@@ -127,6 +145,7 @@ class ParallelLayout:
             ep=ep,
             vpp=vpp,
             sequence_parallel=sequence_parallel,
+            fsdp=fsdp,
             source=source,
             names=names,
         )

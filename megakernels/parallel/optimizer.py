@@ -59,7 +59,7 @@ from megakernels.ops import multi_tensor as _mt
 from megakernels.optim.adamw import FusedAdamW
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
-from megakernels.parallel import state
+from megakernels.parallel import fsdp, state
 from megakernels.parallel.ddp import DistributedDataParallel
 from megakernels.parallel.offload import HostCopies
 from megakernels.parallel.optimizer_memory import PRECISIONS, host_bytes_per_param, memory_bytes_per_param  # noqa: F401
@@ -129,15 +129,18 @@ class ParallelOptimizer:
             raise ValueError(f"{cls}: loss_scaler is only used with precision='fp16', got precision={precision!r}")
         self.precision, self.distributed, self.clip_grad = precision, bool(distributed), float(clip_grad)
         self.loss_scaler = (loss_scaler or DynamicLossScaler()) if precision == "fp16" else None
+        self.fsdp = False
         self.models, params = self._unpack(models)
-        allowed = {torch.float32, PRECISIONS[precision]}
+        allowed = {torch.float32} if self.fsdp else {torch.float32, PRECISIONS[precision]}
+        if self.fsdp and offload:
+            raise ValueError(f"{cls}: offload with FSDP-sharded models is FSDP's own (its CPU offload policy)")
         for p in params:
             if p.dtype not in allowed:
                 raise ValueError(
                     f"{cls}: precision={precision!r} allows params of dtype "
                     f"{sorted(map(str, allowed))}, got a param of dtype {p.dtype}"
                 )
-            if not hasattr(p, "main_grad"):
+            if not self.fsdp and not hasattr(p, "main_grad"):
                 raise ValueError(
                     f"{cls}: a param has no main_grad; wrap the model in DistributedDataParallel "
                     "(it allocates the fp32 grad buffers, also for one rank)"
@@ -149,8 +152,12 @@ class ParallelOptimizer:
         self.pieces: list[Piece] = []
         decay, no_decay_group = [], []
         for p, lo, hi in self._owned(params):
-            flat = p.detach().view(-1)[lo:hi]
-            grad = p.main_grad.view(-1)[lo:hi]
+            if self.fsdp:  # this rank's FSDP shard: the fp32 master itself; its gradient is FSDP's (``_grads``)
+                flat = fsdp.local(p).detach().view(-1)
+                grad = torch.zeros_like(flat)
+            else:
+                flat = p.detach().view(-1)[lo:hi]
+                grad = p.main_grad.view(-1)[lo:hi]
             if self.offload:  # host master and gradient copy (the C++ CPU AdamW steps them)
                 main = torch.empty(hi - lo, dtype=torch.float32, pin_memory=pinned).copy_(flat)
                 main.grad = torch.empty(hi - lo, dtype=torch.float32, pin_memory=pinned)
@@ -158,7 +165,7 @@ class ParallelOptimizer:
                 main = flat if p.dtype == torch.float32 else flat.float().clone()
                 if grad.dtype == torch.float32:
                     main.grad = grad
-            counted = counts_in_grad_norm(p, tp_rank)
+            counted = counts_in_grad_norm(p, tp_rank) and (not self.fsdp or fsdp.is_primary(p))
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
             excluded = p.dim() < 2 if no_decay is None else no_decay(p)
             (no_decay_group if excluded else decay).append(main)
@@ -181,6 +188,14 @@ class ParallelOptimizer:
                 f"a plain {type(models).__name__} (wrap it in DistributedDataParallel)"
             )
         items = list(models)
+        if items and all(isinstance(m, fsdp.ShardedModel) for m in items):
+            if self.distributed:
+                raise ValueError(
+                    f"{type(self).__name__}: distributed=True (ZeRO-1) with FSDP-sharded models: the state is "
+                    "sharded by FSDP already"
+                )
+            self.fsdp = True
+            return items, list(dict.fromkeys(p for m in items for p in m.params))
         if items and all(isinstance(m, DistributedDataParallel) for m in items):
             for i, m in enumerate(items):
                 if m.reduce_scatter != self.distributed:
@@ -200,8 +215,10 @@ class ParallelOptimizer:
         return [], list(dict.fromkeys(p for p in items if p.requires_grad))
 
     def _owned(self, params):
-        """(param, lo, hi) flat ranges this rank updates: whole params, or under ZeRO-1 the intersections of the
-        params with this rank's shard of each bucket."""
+        """(param, lo, hi) flat ranges this rank updates: whole params, under ZeRO-1 the intersections of the
+        params with this rank's shard of each bucket, under FSDP each param's local shard (``fsdp.local_range``)."""
+        if self.fsdp:
+            return [(p, *fsdp.local_range(p)) for p in params]
         if not self.distributed:
             return [(p, 0, p.numel()) for p in params]
         owned = []
@@ -234,6 +251,13 @@ class ParallelOptimizer:
         """The fp32 grads on the params' device (for the checks and the norm)."""
         if self.offload:
             return [piece.grad.float() if piece.grad.dtype != torch.float32 else piece.grad for piece in self.pieces]
+        if self.fsdp:  # FSDP assigns each step's sharded gradient (None where a param got none)
+            for i, piece in enumerate(self.pieces):
+                g = piece.param.grad
+                grad = fsdp.local(g).view(-1) if g is not None else torch.zeros_like(piece.flat)
+                self.pieces[i] = piece._replace(grad=grad)
+                piece.main.grad = grad
+            return [piece.grad for piece in self.pieces]
         grads = []
         for piece in self.pieces:
             if piece.grad.dtype != torch.float32:  # 16-bit main_grad buffers: fp32 mains need fp32 grads
@@ -265,8 +289,9 @@ class ParallelOptimizer:
             local = multi_tensor_l2norm(counted).to(self.device) if counted else torch.zeros((), device=self.device)
             return local.float() ** 2
 
-        if self.distributed:
-            # every element has one owner in the world: tp × cp × pp × dp ranks hold disjoint pieces
+        if self.distributed or self.fsdp:
+            # every element has one owner in the world: tp × cp × pp × dp ranks hold disjoint pieces (FSDP: the
+            # shards of one replica, ``counted`` only there)
             total = sumsq(False) + sumsq(True)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(total)
@@ -378,6 +403,8 @@ class ParallelOptimizer:
         step = 0
         for piece in self.pieces:
             p = piece.param
+            if self.fsdp and not fsdp.is_primary(p):  # an HSDP replica: its replica group's first holds the same
+                continue
             if p not in out:
                 names = ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
                 out[p] = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in names}

@@ -284,8 +284,16 @@ def destroy(barrier: bool | None = None) -> None:
         dist.barrier(group=state.checkpoint_group)  # gloo, over the whole world: no device synchronisation
     for g in state.groups:
         dist.destroy_process_group(g)
+    from megakernels.parallel.fsdp import forget_meshes  # (lazy: fsdp imports this module)
+
+    forget_meshes()
     if state.owns_world and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def adopt_group(group) -> None:
+    """Destroy ``group`` (made after ``initialize``, e.g. FSDP's HSDP sub-groups) with the others in ``destroy``."""
+    _get().groups.append(group)
 
 
 def is_initialized() -> bool:

@@ -5,6 +5,7 @@ process before any rank starts (``arguments.validate``). Messages name the flags
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from megakernels.parallel.layout import FLAGS, LayoutError, ParallelLayout
@@ -24,7 +25,7 @@ def layout_of(a) -> ParallelLayout:
         f"torchrun's WORLD_SIZE after elastic restart {restarts}" if restarts else "--nproc or torchrun's WORLD_SIZE"
     )
     try:
-        return ParallelLayout.build(
+        layout = ParallelLayout.build(
             a.world_size(),
             tp=a.tp,
             cp=a.cp,
@@ -33,11 +34,15 @@ def layout_of(a) -> ParallelLayout:
             vpp=a.vpp,
             dp=a.dp,
             sequence_parallel=a.sequence_parallel,
+            fsdp=a.fsdp_degree if a.zero_stage() >= 2 else None,
             source=source,
             names=FLAGS,
         )
     except LayoutError as e:
         raise ArgumentError(str(e)) from None
+    if a.zero_stage() >= 2 and layout.fsdp is None:  # FSDP over every data-parallel rank
+        layout = dataclasses.replace(layout, fsdp=layout.dp * layout.cp)
+    return layout
 
 
 def validate_layout(a, cfg: ModelConfig) -> None:

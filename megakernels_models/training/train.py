@@ -37,7 +37,7 @@ import torch.distributed as dist
 import megakernels.parallel as mpu
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.lr_schedule import LRSchedule
-from megakernels.parallel import fp8, watchdog
+from megakernels.parallel import fp8, fsdp, watchdog
 from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale
@@ -80,7 +80,8 @@ def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Mod
         )
         if args.precision == "fp8":
             fp8.enable(chunk, args.fp8_recipe)
-        chunks.append(chunk.to(args.param_dtype()))
+        # FSDP keeps fp32 sharded masters and casts for compute (its mixed-precision policy)
+        chunks.append(chunk if args.zero_stage() >= 2 else chunk.to(args.param_dtype()))
     frozen = list(args.frozen_parts())
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -170,7 +171,22 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     watchdog.progress("setup")  # the watchdog's phases (megakernels.parallel.watchdog)
     mpu.model_parallel_seed(args.seed, device.type)
     chunks = build_model_chunks(task, args, device)
-    wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
+    if args.zero_stage() >= 2:  # FSDP2 over the data-parallel ranks (megakernels.parallel.fsdp)
+        compute = args.param_dtype()
+        wrappers = [
+            [
+                fsdp.shard_model(
+                    c,
+                    zero=args.zero_stage(),
+                    degree=args.fsdp_degree,
+                    param_dtype=None if compute == torch.float32 else compute,
+                    reduce_dtype=torch.float32 if args.fsdp_reduce_dtype == "fp32" else torch.bfloat16,
+                )
+            ]
+            for c in chunks
+        ]
+    else:
+        wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
     ddps = [d for ws in wrappers for d in ws]
     opt = ParallelOptimizer(
         ddps,
@@ -239,7 +255,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
                 timers.mark("pipeline")
                 watchdog.progress("gradient reduction")
-                finalize_model_grads(ddps)
+                (fsdp.finalize_grads if args.zero_stage() >= 2 else finalize_model_grads)(ddps)
                 timers.mark("communication")
                 watchdog.progress("optimizer")
                 stepped, grad_norm = opt.step()
