@@ -46,12 +46,13 @@ def _fsdp():
 
 
 def _mesh(group, degree: int | None, device: str):
-    """A DeviceMesh over ``group``: 1-D (shard over all), or 2-D (replicate, shard) for HSDP with ``degree``."""
+    """``(mesh, shard group)``: a DeviceMesh over ``group``, 1-D (shard over all) or 2-D (replicate, shard) for
+    HSDP with ``degree``, and the group a parameter is sharded over."""
     from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size(group)
     if degree is None or degree == world:
-        return DeviceMesh.from_group(group, device)
+        return DeviceMesh.from_group(group, device), group
     ranks = dist.get_process_group_ranks(group)
     mesh = torch.tensor(ranks).view(world // degree, degree)
     # the sub-groups: shard over consecutive members, replicate across
@@ -62,7 +63,8 @@ def _mesh(group, degree: int | None, device: str):
             state.adopt_group(g)
     me = ranks.index(dist.get_rank())
     shard_g, replicate_g = shard_groups[me // degree], replicate_groups[me % degree]
-    return DeviceMesh.from_group([replicate_g, shard_g], device, mesh=mesh, mesh_dim_names=("replicate", "shard"))
+    dm = DeviceMesh.from_group([replicate_g, shard_g], device, mesh=mesh, mesh_dim_names=("replicate", "shard"))
+    return dm, shard_g
 
 
 def is_fsdp_param(p) -> bool:
@@ -89,6 +91,29 @@ def local_range(p) -> tuple[int, int]:
             chunk = -(-n // p.device_mesh.size(mesh_dim))
             lo_row = min(n, coords[mesh_dim] * chunk)
     return lo_row * row, lo_row * row + local(p).numel()
+
+
+def full(p) -> torch.Tensor:
+    """The whole TP-local tensor of an FSDP parameter, all-gathered over the ranks it is sharded over (collective
+    over them; FSDP2's dim-0 chunks padded to equal sizes for the gather)."""
+    group = p._megakernels_fsdp_group
+    world = dist.get_world_size(group)
+    row = math.prod(p.shape[1:])
+    chunk = -(-p.shape[0] // world) * row
+    shard = local(p).detach().reshape(-1)
+    buf = shard.new_zeros(chunk)
+    buf[: shard.numel()] = shard
+    out = shard.new_empty(world * chunk)
+    dist.all_gather_into_tensor(out, buf, group=group)
+    return out[: p.shape[0] * row].view(p.shape)
+
+
+@torch.no_grad()
+def assign_full(p, value: torch.Tensor) -> None:
+    """Set an FSDP parameter from its whole TP-local value (this rank keeps its shard; no communication)."""
+    lo, hi = local_range(p)
+    shard = local(p)
+    shard.copy_(value.reshape(-1)[lo:hi].view(shard.shape))
 
 
 def _coordinates(mesh) -> list[int]:
@@ -183,9 +208,9 @@ def shard_model(
     fully_shard, policy = _fsdp()
     mp = policy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     marks = {name: p for name, p in chunk.named_parameters()}
-    mesh = _mesh(dense, degree, device)
+    mesh, shard_group = _mesh(dense, degree, device)
     expert_world = dist.get_world_size(experts)
-    expert_mesh = _mesh(experts, None if degree is None else min(degree, expert_world), device)
+    expert_mesh, expert_shard_group = _mesh(experts, None if degree is None else min(degree, expert_world), device)
     reshard = zero == 3
     for layer in getattr(chunk, "layers", []):
         for m in layer.modules():
@@ -195,6 +220,7 @@ def shard_model(
     fully_shard(chunk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     for name, p in chunk.named_parameters():
         copy_marks(marks[name], p)
+        p._megakernels_fsdp_group = expert_shard_group if is_expert_parallel(p) else shard_group
     # Every data-parallel rank's tokens reach an expert through the all-to-all, so its gradient is a sum over the
     # dp·cp ranks' micro-batches, to be averaged over dp·cp as the dense ones are (ddp.wrap_model's divisor); FSDP
     # averages over the experts' own data-parallel ranks: ``finalize_grads`` rescales (a custom divide factor

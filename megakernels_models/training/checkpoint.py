@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 import megakernels.parallel as mpu
+from megakernels.parallel import fsdp
 from megakernels.parallel import params as marks
 from megakernels.parallel.init import shard_pieces
 from megakernels_models.models.config import ModelConfig
@@ -159,7 +160,7 @@ def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, t
     ranks, or for experts the ranks holding the same experts) and the AdamW step count."""
     got, step = opt.param_state()
     out = [got.get(p) or t for p, t in zip(params, _templates(params))]
-    if opt.distributed:
+    if opt.distributed or opt.fsdp:  # ZeRO-1 pieces, or FSDP shards
         steps = torch.tensor([float(step)], device=params[0].device)
         for expert, group in ((False, mpu.dp_cp_group()), (True, mpu.expert_dp_group())):
             flat = [t for p, st in zip(params, out) if marks.is_expert_parallel(p) == expert for t in st.values()]
@@ -174,14 +175,28 @@ def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, t
     return out, step
 
 
-def _state_dict(chunks, opt, states=None, stage=None) -> dict:
+def _plain_params(chunks, load: bool) -> dict[int, torch.Tensor]:
+    """The FSDP-sharded parameters (``megakernels.parallel.fsdp``) as plain TP-local tensors, by ``id``: gathered
+    over their data-parallel mesh to save (collective), or empty ones to load into (``fsdp.assign_full`` then keeps
+    this rank's shard). A checkpoint thus never depends on FSDP's sharding."""
+    out = {}
+    for _, p in global_parameters(chunks):
+        if fsdp.is_fsdp_param(p):
+            out[id(p)] = torch.empty(p.shape, dtype=p.dtype, device=p.device) if load else fsdp.full(p)
+    return out
+
+
+def _state_dict(chunks, opt, states=None, stage=None, plain=None) -> dict:
     """Every tensor under its global name, as ``_sharded`` views (of ``stage(key, tensor)``'s copies when given);
-    ``states`` (per param, as ``global_parameters``) are stored beside the model as ``optimizer.<state>.<name>``."""
+    ``states`` (per param, as ``global_parameters``) are stored beside the model as ``optimizer.<state>.<name>``;
+    ``plain``: ``_plain_params``' tensors standing for FSDP parameters."""
     state_of = {} if states is None else {id(p): st for (_, p), st in zip(global_parameters(chunks), states)}
     stage = stage or (lambda key, t: t)
+    plain = plain or {}
     sd = {}
     for name, p, index in _entries(chunks):
-        sd[f"model.{name}"] = _sharded(stage(f"model.{name}", _select(p.detach(), index)), p)
+        value = plain.get(id(p), p.detach())
+        sd[f"model.{name}"] = _sharded(stage(f"model.{name}", _select(value, index)), p)
         for k, t in state_of.get(id(p), {}).items():
             sd[f"optimizer.{k}.{name}"] = _sharded(stage(f"optimizer.{k}.{name}", _select(t, index)), p)
     return sd
@@ -291,7 +306,7 @@ def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dic
     an asynchronous save) before it is described as a shard."""
     params = [p for _, p in global_parameters(chunks)]
     states, opt_step = _optimizer_states(opt, params)
-    sd = _state_dict(chunks, opt, states, stage)
+    sd = _state_dict(chunks, opt, states, stage, _plain_params(chunks, load=False))
     sd[f"rng.rank{dist.get_rank()}"] = _rng_state()
     # One JSON string (DCP would flatten a dict into one entry per leaf).
     sd["meta"] = json.dumps(
@@ -546,7 +561,8 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         params = [p for _, p in global_parameters(chunks)]
         with_optimizer = opt is not None and any(k.startswith("optimizer.") for k in keys)
         targets = _templates(params) if with_optimizer else None
-        sd = _state_dict(chunks, opt, targets)
+        plain = _plain_params(chunks, load=True)
+        sd = _state_dict(chunks, opt, targets, plain=plain)
         rng_key = f"rng.rank{dist.get_rank()}"
         same_layout = {"cp": 1, **meta["layout"]} == _layout() and any(k.startswith(rng_key + ".") for k in keys)
         if same_layout:
@@ -556,9 +572,12 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
             raise CheckpointError(f"loading checkpoint {path} failed: {describe_error(e)[:500]}") from None
     _sync_replicas(
-        [(p, p.data) for p in params]
+        [(p, plain.get(id(p), p.data)) for p in params]
         + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else [])
     )
+    for p in params:
+        if id(p) in plain:
+            fsdp.assign_full(p, plain[id(p)])
     if opt is not None:
         # Without saved state: masters from the loaded params, moments fresh (step 0).
         states = zip(params, targets) if with_optimizer else ((p, {}) for p in params)
