@@ -218,6 +218,12 @@ def shard_model(
                 fully_shard(m, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(chunk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    layers = list(getattr(chunk, "layers", []))
+    for i, layer in enumerate(layers):  # explicit prefetch: the neighbour's all-gather overlaps this layer's work
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
     for name, p in chunk.named_parameters():
         copy_marks(marks[name], p)
         p._megakernels_fsdp_group = expert_shard_group if is_expert_parallel(p) else shard_group

@@ -182,7 +182,8 @@ def _plain_params(chunks, load: bool) -> dict[int, torch.Tensor]:
     out = {}
     for _, p in global_parameters(chunks):
         if fsdp.is_fsdp_param(p):
-            out[id(p)] = torch.empty(p.shape, dtype=p.dtype, device=p.device) if load else fsdp.full(p)
+            # to load: zeros, as the rows a checkpoint does not hold (a padded vocabulary's) must stay
+            out[id(p)] = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if load else fsdp.full(p)
     return out
 
 

@@ -6,9 +6,11 @@ parallelism by ring attention at cp 2 and 4, alone and with tp, pp, dp and ZeRO-
 sequence, at tp 2, cp 2, both and tp 2 × pp 2, and with the torch attention core), Qwen (q/k/v biases, per-head q/k
 RMSNorm and Llama 3.1's position scaling) at tp 2 × pp 2, and mixture-of-experts GPT, Llama and Qwen 3 (dropless
 top-2 routing with the auxiliary losses on; experts split over ep 2 and 4, with dp, tp + SP, pp and ZeRO-1; Qwen's
-unnormalised top-k at ep 2 and tp 2 × pp 2; checkpoints resharded across ep), FP8 training (tensorwise GPT and
-blockwise Llama at tp 2 with SP and tp 2 × pp 2, their MoE forms at tp 2 × pp 2 × ep 2; 1e-4: FP8_RTOL), and
-vision-language models (a ViT +
+unnormalised top-k at ep 2 and tp 2 × pp 2; checkpoints resharded across ep), sharded data parallelism by FSDP2
+(fsdp 4 for every dense family and the vision-language model, fsdp 2 × tp 2, × pp 2, × cp 2, MoE at fsdp 4 × ep 2,
+ZeRO-2, HSDP 2 × 2; checkpoints resharded fsdp 4 -> tp 2 × pp 2 -> fsdp 2 × tp 2 and to one process), FP8 training
+(tensorwise GPT and blockwise Llama at tp 2 with SP and tp 2 × pp 2, their MoE forms at tp 2 × pp 2 × ep 2; 1e-4:
+FP8_RTOL), and vision-language models (a ViT +
 projector before a GPT, the image tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp
 2 (the encoder on the first stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split)
 alone and × dp 2 with ZeRO-1 and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2
@@ -152,6 +154,14 @@ LAYOUTS = {
     "ep2-dp4-zero1": (4, dict(ep=2, distributed_optimizer=True)),
     "cp2-ep2": (4, dict(cp=2, ep=2)),
     "tp2-dp2-recompute": (4, dict(tp=2, recompute="selective", distributed_optimizer=True)),
+    # FSDP2 (ZeRO-3) over the data-parallel ranks of the layout, ZeRO-2, and HSDP (shard over 2, replicate over 2)
+    "fsdp4": (4, dict(fsdp=True)),
+    "fsdp2-tp2": (4, dict(fsdp=True, tp=2)),
+    "fsdp2-pp2": (4, dict(fsdp=True, pp=2)),
+    "fsdp2-cp2": (4, dict(fsdp=True, cp=2)),
+    "fsdp4-ep2": (4, dict(fsdp=True, ep=2)),
+    "zero2": (4, dict(zero=2)),
+    "hsdp2": (4, dict(fsdp=True, fsdp_degree=2)),
 }
 ONLY = {
     "offload": ("gpt",),
@@ -184,6 +194,13 @@ ONLY = {
     "pp2": DENSE + VISION,
     "dp2-zero1": DENSE + ("vlm",),
     "tp2-dp2-recompute": ("vlm-x",),
+    "fsdp4": DENSE + ("qwen", "vlm"),
+    "fsdp2-tp2": DENSE + ("qwen",),
+    "fsdp2-pp2": DENSE,
+    "fsdp2-cp2": ("gpt", "llama"),
+    "fsdp4-ep2": EXPERTS,
+    "zero2": ("gpt", "llama"),
+    "hsdp2": ("gpt",),
 }
 
 
@@ -274,6 +291,9 @@ def _world(rank: int, world_size: int, cases, root: str):
             )
             if records is not None:
                 out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
+    if world_size == 4:
+        for model in FSDP_RESHARD:
+            _fsdp_reshard(model, root, world_size, out)
     if world_size == 8:
         for model in SAVED:
             records = train(
@@ -291,6 +311,34 @@ def _world(rank: int, world_size: int, cases, root: str):
                     if records is not None:
                         out[("reshard", model, target)] = (_losses(records), [r["grad_norm"] for r in records])
     return out
+
+
+# FSDP checkpoints reshard: saved at fsdp 4 (step 3), resumed at tp 2 × pp 2 and saved again (step 5), resumed at
+# fsdp 2 × tp 2 — all in the world of 4 — and the fsdp 4 one also in one process.
+FSDP_RESHARD = ("gpt", "llama-moe")
+FSDP_CHAIN = (
+    ("fsdp4", dict(fsdp=True), None, 3),
+    ("tp2-pp2", dict(tp=2, pp=2), "fsdp4", 5),
+    ("fsdp2-tp2", dict(fsdp=True, tp=2), "tp2-pp2", None),
+)
+
+
+def _fsdp_reshard(model: str, root: str, world_size: int, out: dict) -> None:
+    from megakernels_models.training.train import train
+
+    for name, changes, source, save_at in FSDP_CHAIN:
+        changes = dict(changes, **({"ep": 2} if model in EXPERTS and name == "fsdp4" else {}))
+        if source is not None:
+            prev = dict(FSDP_CHAIN_SAVES)[source]
+            changes["load"] = os.path.join(root, f"fsdp-{model}-{source}", f"step-{prev:08d}")
+        if save_at is not None:
+            changes.update(save=os.path.join(root, f"fsdp-{model}-{name}"), save_interval=save_at, keep_checkpoints=5)
+        records = train(_args(model, changes, world_size, root))
+        if records is not None:
+            out[("fsdp-chain", model, name)] = (_losses(records), [r["grad_norm"] for r in records])
+
+
+FSDP_CHAIN_SAVES = [(name, at) for name, _, _, at in FSDP_CHAIN if at is not None]
 
 
 def _resume_point(model: str, root: str = CKPT_DIR) -> str:
@@ -404,6 +452,27 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
     ref_losses, ref_norms = baseline[(model, "single")]
     assert len(got[0]) == STEPS - 3
     _assert_same_curve(got, (ref_losses[3:], ref_norms[3:]), f"{model} resumed at {target}")
+
+
+@pytest.mark.parametrize("model", FSDP_RESHARD)
+def test_fsdp_checkpoints_reshard(baseline, model):
+    """fsdp 4 (saved at step 3) -> tp 2 × pp 2 (saved at 5) -> fsdp 2 × tp 2, and fsdp 4 -> one process: every leg
+    follows the single process's curve from where it started (1e-5 relative)."""
+    from megakernels_models.training.train import train
+
+    got = _world_results(4)
+    ref = baseline[(model, "single")]
+    starts = {"fsdp4": 0, "tp2-pp2": 3, "fsdp2-tp2": 5}
+    for name, start in starts.items():
+        losses, norms = got[("fsdp-chain", model, name)]
+        assert len(losses) == STEPS - start, (name, losses)
+        _assert_same_curve((losses, norms), (ref[0][start:], ref[1][start:]), f"{model} FSDP chain at {name}")
+    with single_process_world():
+        point = os.path.join(CKPT_DIR, f"fsdp-{model}-fsdp4", "step-00000003")
+        records = train(_args(model, dict(load=point), 1))
+    _assert_same_curve(
+        (_losses(records), [r["grad_norm"] for r in records]), (ref[0][3:], ref[1][3:]), f"{model} fsdp 4 -> one"
+    )
 
 
 @pytest.mark.parametrize("model", list(VISION_SAVE))
