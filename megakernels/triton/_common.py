@@ -45,6 +45,62 @@ def install_interpreter_descriptor_reduce() -> None:
     builder.create_descriptor_reduce = create_descriptor_reduce
 
 
+_FP8_CAST_DTYPES = {  # Triton dtype name -> (torch dtype, a numpy integer dtype of its width torch takes)
+    "fp8e4nv": ("float8_e4m3fn", "uint8"),
+    "fp8e5": ("float8_e5m2", "uint8"),
+    "fp16": ("float16", "int16"),
+    "bf16": ("bfloat16", "int16"),
+    "fp32": ("float32", "int32"),
+}
+_FP8_MAX = {"fp8e4nv": 448.0, "fp8e5": 57344.0}
+
+
+def interpreter_fp8_casts_installed() -> bool:
+    """Whether Triton's interpreter converts to and from FP8 as a GPU does (``install_interpreter_fp8_casts``)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return False
+    return getattr(interpreter._convert_float, "megakernels_fp8", False)
+
+
+def install_interpreter_fp8_casts() -> None:
+    """Make Triton's CPU interpreter convert between FP8 (e4m3, e5m2) and fp32/fp16/bf16 as sm_90 does.
+
+    The interpreter's own conversion (Triton 3.8) rounds a narrowing cast half-up on the dropped bits without the
+    carry into the exponent (fp32 -124.0 becomes e4m3 -64.0) and widens e5m2 subnormals to zero, so FP8 kernels
+    (the quantiser's casts, the operands of an FP8 ``tl.dot``) compute wrong values under it. Installed, the
+    conversions with round-to-nearest-even (or none given) go through torch's exact conversion, narrowing ones
+    saturating to the format's largest finite value as the GPU's ``cvt.rn.satfinite`` does (NaN stays NaN); any
+    other conversion is the interpreter's. Idempotent; a Triton without the interpreter is left alone."""
+    try:
+        import numpy as np
+        from triton._C.libtriton import ir
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return
+    if interpreter_fp8_casts_installed():
+        return
+    original = interpreter._convert_float
+    exact_modes = (None, ir.ROUNDING_MODE.RTNE)
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        src, dst = _FP8_CAST_DTYPES.get(input_dtype.name), _FP8_CAST_DTYPES.get(output_dtype.name)
+        fp8 = input_dtype.name in _FP8_MAX or output_dtype.name in _FP8_MAX
+        if src is None or dst is None or not fp8 or rounding_mode not in exact_modes:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        bits = np.ascontiguousarray(input).view(getattr(np, src[1])).copy()
+        t = torch.from_numpy(bits).view(getattr(torch, src[0])).float()
+        if output_dtype.name in _FP8_MAX:
+            limit = _FP8_MAX[output_dtype.name]
+            t = torch.where(torch.isnan(t), t, t.clamp(-limit, limit))
+        out = t.to(getattr(torch, dst[0])).view(getattr(torch, dst[1])).numpy()
+        return out.view(f"uint{8 * out.itemsize}").reshape(np.shape(input))
+
+    convert_float.megakernels_fp8 = True
+    interpreter._convert_float = convert_float
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Config choice. Each kernel has, per GPU architecture, an ordered list of candidate configs; the first is the
 # default. With MEGAKERNELS_AUTOTUNE=1 (the default on a GPU) every candidate is timed once per shape class and the
