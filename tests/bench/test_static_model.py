@@ -105,6 +105,27 @@ def test_mma_sync_in_a_wgmma_loop_is_priced_at_the_mma_sync_rate():
     assert only_sync.cycles(m)["mma"] == pytest.approx(3e6 / (rate * m.mma_sync_rate))
 
 
+def test_fp8_wgmma_counts_as_wgmma_at_the_fp8_rate():
+    fn = _fn(
+        WGMMA.replace(
+            "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0",
+            "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0",
+        )
+    )
+    (loop,) = fn.innermost_loops()
+    assert loop.counts.wgmma == 3 and loop.counts.mma == 3
+    qflops = 2 * 64 * 64 * 32
+    assert loop.counts.mma_fp8_flops == qflops / 4
+    assert loop.counts.fp8_shapes == {(qflops, (64 * 32 + 32 * 64) * 1): 1}  # SS form, one byte an element
+    assert sorted(fn.waits_after_mma(loop)) == [0, 3]  # the QGMMA commits the group as an HGMMA would
+    m = model.H200
+    rate = 4096 * m.mma_sustained
+    it = model.TileIteration(
+        warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=True, overlap_instr=0, l2_bytes=0, mma_fp8_flops=2e6
+    )
+    assert it.cycles(m)["mma"] == pytest.approx(1e6 / rate + 2e6 / (rate * m.mma_dense_fp8 / m.mma_dense_bf16))
+
+
 SHARED = """
 	Function : fill
         /*0000*/                   MOV R1, c[0x0][0x28] ;

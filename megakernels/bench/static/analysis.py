@@ -175,6 +175,7 @@ def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float, tma_bytes: fl
     # cp.async fills and LDS/STS are counted from the SASS per warp.
     fills = tma_bytes if k.tma else 0.0
     wgmma_ops = tuple((f, b, n * warps / 4) for (f, b), n in sorted(k.wgmma_shapes.items()))
+    fp8_ops = tuple((f, b, n * warps / 4) for (f, b), n in sorted(k.fp8_shapes.items()))
     return model.TileIteration(
         warps=warps,
         instructions=k.instructions - k.mma,
@@ -186,4 +187,6 @@ def tile_iteration(c: Compiled, loop, warps: int, l2_bytes: float, tma_bytes: fl
         l2_bytes=l2_bytes,
         shared_bytes=k.shared_bytes * warps + fills,
         wgmma_ops=wgmma_ops,
+        mma_fp8_flops=k.mma_fp8_flops * warps,
+        fp8_ops=fp8_ops,
     )

@@ -245,11 +245,15 @@ class TileIteration:
     mma_sync_flops: float = 0.0  # per CTA: the part of mma_flops on mma.sync in a loop that also has wgmma
     shared_bytes: float = 0.0  # per CTA: bytes through shared memory (wgmma operands, fills, LDS/STS)
     wgmma_ops: tuple = ()  # per CTA: (FLOPs, shared-memory operand bytes, count) of each wgmma shape
+    mma_fp8_flops: float = 0.0  # per CTA: the part of mma_flops on FP8 wgmma (at the dense FP8 rate)
+    fp8_ops: tuple = ()  # per CTA: wgmma_ops of the FP8 wgmmas
 
     def cycles(self, m: Machine) -> dict:
         rate = 4096 * m.mma_sustained  # wgmma FLOP per SM-clock
+        fp8_rate = rate * (m.mma_dense_fp8 / m.mma_dense_bf16 if m.mma_dense_fp8 else 1.0)
         sync = self.mma_sync_flops if self.wgmma else self.mma_flops
-        mma = (self.mma_flops - sync) / rate + sync / (rate * m.mma_sync_rate)
+        fp8 = self.mma_fp8_flops if self.wgmma else 0.0
+        mma = (self.mma_flops - sync - fp8) / rate + fp8 / fp8_rate + sync / (rate * m.mma_sync_rate)
         issue = self.instructions * self.warps / 4
         mufu = self.mufu * 32 * self.warps / m.mufu_lanes
         l2 = self.l2_bytes / (m.l2_bw / m.sms / m.clock_hz)
@@ -257,6 +261,7 @@ class TileIteration:
         # On the CTA's own path a wgmma takes the slower of its tensor-core time and the reads of its
         # shared-memory operands (a 64x32x16 wgmma with A in shared memory reads 3 KiB for 20 clocks of MMA).
         fed = mma + sum(n * max(0.0, b / m.smem_bytes_per_clk - f / rate) for f, b, n in self.wgmma_ops)
+        fed += sum(n * max(0.0, b / m.smem_bytes_per_clk - f / fp8_rate) for f, b, n in self.fp8_ops)
         soft = max(issue, mufu)
         overlap = min(fed, self.overlap_instr * self.warps / 4)
         return {"mma": mma, "issue": issue, "mufu": mufu, "l2": l2, "smem": smem, "critical": fed + soft - overlap}

@@ -55,10 +55,11 @@ class Counts:
     instructions: int = 0
     mufu: int = 0
     mufu_ops: dict = dataclasses.field(default_factory=dict)
-    mma: int = 0  # HGMMA (wgmma) + HMMA (mma.sync) instructions
+    mma: int = 0  # HGMMA / QGMMA (wgmma: 16-bit and tf32 / FP8) + HMMA (mma.sync) instructions
     wgmma: int = 0
     mma_flops: float = 0.0  # FLOPs of the tensor-core instructions, per warp (wgmma: per warpgroup / 4)
     mma_sync_flops: float = 0.0  # the part of mma_flops issued by HMMA (mma.sync)
+    mma_fp8_flops: float = 0.0  # the part of mma_flops issued by QGMMA (FP8 wgmma, twice the 16-bit rate)
     global_loads: dict = dataclasses.field(default_factory=dict)  # width in bytes -> count (cp.async included)
     global_stores: dict = dataclasses.field(default_factory=dict)
     async_copies: int = 0  # LDGSTS (cp.async)
@@ -73,6 +74,7 @@ class Counts:
     # a quarter of each wgmma's shared-memory operands)
     wgmma_shapes: dict = dataclasses.field(default_factory=dict)  # (FLOPs, shared bytes) of one warpgroup wgmma
     # -> instructions (per warp)
+    fp8_shapes: dict = dataclasses.field(default_factory=dict)  # the same of the FP8 wgmmas (QGMMA)
 
     def add(self, ins: Instr) -> None:
         if ins.base == "NOP":
@@ -83,7 +85,7 @@ class Counts:
             self.mufu += 1
             sub = op.split(".")[1] if "." in op else "?"
             self.mufu_ops[sub] = self.mufu_ops.get(sub, 0) + 1
-        elif b == "HGMMA":
+        elif b in WGMMA_OPS:
             self.mma += 1
             self.wgmma += 1
             m = re.search(r"(\d+)x(\d+)x(\d+)", op)
@@ -92,7 +94,11 @@ class Counts:
                 self.mma_flops += flops / 4
                 read = wgmma_shared_bytes(ins, int(m[1]), int(m[2]), int(m[3]))
                 self.shared_bytes += read / 4
-                self.wgmma_shapes[(flops, read)] = self.wgmma_shapes.get((flops, read), 0) + 1
+                shapes = self.wgmma_shapes
+                if b == "QGMMA":
+                    self.mma_fp8_flops += flops / 4
+                    shapes = self.fp8_shapes
+                shapes[(flops, read)] = shapes.get((flops, read), 0) + 1
         elif b == "HMMA":
             self.mma += 1
             shape = op.split(".")[1] if "." in op else ""
@@ -150,6 +156,10 @@ class Counts:
         return sum(n for w, n in self.global_stores.items() if w >= min_width)
 
 
+# wgmma in SASS: HGMMA (16-bit and tf32 operands), QGMMA (FP8: e4m3 / e5m2, at twice the 16-bit rate on sm_90)
+WGMMA_OPS = ("HGMMA", "QGMMA")
+
+
 def access_width(op: str) -> int:
     """Bytes per thread of a global access from its opcode modifiers (LDG.E.128 -> 16; no size modifier -> 4)."""
     mods = op.split(".")[1:]
@@ -173,7 +183,7 @@ _ELEMENT_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1,
 
 
 def wgmma_shared_bytes(ins: Instr, m: int, n: int, k: int) -> int:
-    """Bytes one warpgroup wgmma (HGMMA) reads from shared memory: B (K x N) always, A (M x K) too when it comes
+    """Bytes one warpgroup wgmma (HGMMA, QGMMA) reads from shared memory: B (K x N) always, A (M x K) too when it comes
     from a descriptor (``R.., gdesc[..], ..``: the SS form) rather than registers (``R.., R.., gdesc[..]``: RS).
     Each operand counts once per instruction (the model's assumption: the four warps' tensor cores share one read
     of B)."""
@@ -248,7 +258,7 @@ class Function:
         out, open_groups = [], []
         for lap in (0, 1):
             for ins in seq:
-                if ins.base == "HGMMA":
+                if ins.base in WGMMA_OPS:
                     if "gsb0" in ins.operands:  # the group's last wgmma commits it
                         open_groups.append([0, lap])
                     continue
