@@ -17,10 +17,10 @@ installed — a missing peer is a note, not an error). With ``--out DIR``: ``DIR
 notes, rows, e2e}) and ``DIR/<op>.png`` (speed vs size). ``--e2e`` runs the end-to-end measurement (``e2e``)
 instead of the microbenchmarks, or after them when ``--ops`` is given too. ``--shapes`` replaces the default
 shapes of the ops whose shapes have that many sizes: rows,hidden (norms, bias_gelu), rows,ffn (swiglu),
-tokens,vocab (cross_entropy), b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope); ``--head-dims`` and
-``--seqlens`` those of flash_attention. ``--static`` measures nothing: it compiles every shipped GPU kernel
-config for sm_90 as a launch gets it and prints the static cost report (SASS, resources, a predicted fraction
-of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out. ``--static --peer-csv FILE``
+tokens,vocab (cross_entropy), b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope), m,n,k (fp8_gemm);
+``--head-dims`` and ``--seqlens`` those of flash_attention. ``--static`` measures nothing: it compiles every shipped
+GPU kernel config for sm_90 as a launch gets it and prints the static cost report (SASS, resources, a predicted
+fraction of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out. ``--static --peer-csv FILE``
 predicts every row of a Liger-Kernel benchmark CSV with the same model (the peer's kernels compiled for each row's
 GPU) and writes ``DIR/calibration.json`` (rows with published and predicted ms, and a summary of the errors);
 ``--peer-path DIR`` is where the liger-kernel versions the rows name are installed
@@ -62,6 +62,7 @@ OPS = {
     "swiglu": "swiglu",
     "grouped_gemm": "moe",
     "moe_dispatch": "moe",
+    "fp8_gemm": "fp8",
     "hf_train": "hf",
 }
 GROUPS = {
@@ -70,6 +71,7 @@ GROUPS = {
     "attention": ["flash_attention"],
     "llama": ["rope", "swiglu"],
     "moe": ["grouped_gemm", "moe_dispatch"],
+    "fp8": ["fp8_gemm"],
     "hf": ["hf_train"],
     "all": list(OPS),
 }
@@ -82,6 +84,7 @@ SHAPE_DIMS = {
     "softmax": "b,h,sq,sk",
     "rope": "b,s,heads,kv_heads,head_dim",
     "swiglu": "rows,ffn",
+    "fp8": "m,n,k",
 }
 
 
@@ -147,7 +150,7 @@ def configure(p: argparse.ArgumentParser, extensions: Sequence[Extension] = ()) 
         metavar="A,B[,C,D];...",
         help="shapes instead of the defaults: "
         "rows,hidden (norms, bias_gelu), rows,ffn (swiglu), tokens,vocab (cross_entropy), "
-        "b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope)",
+        "b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope), m,n,k (fp8_gemm)",
     )
     p.add_argument("--head-dims", default=None, metavar="D,...", help="flash_attention head dims (default 64,128)")
     p.add_argument(
@@ -374,6 +377,8 @@ def gemm_dtypes(ops: list[str], dtypes: list[str] | None, device: str) -> list[s
         out = ["bfloat16", "float16"] if device == "cuda" else ["float32"]
     if "grouped_gemm" in ops:  # megakernels/bench/moe.py's DEFAULT_DTYPES
         out += [d for d in ("float32", "bfloat16") if d not in out]
+    if "fp8_gemm" in ops and device == "cuda":  # held against the bf16 GEMM rate on a GPU (megakernels/bench/fp8.py)
+        out += [d for d in ("bfloat16",) if d not in out]
     return out
 
 

@@ -173,6 +173,9 @@ def predicted(row: dict, static: list[dict]) -> tuple[float, str] | None:
     if row["op"] == "flash_attention":
         k = best("bwd" if row["pass"] == "fwd+bwd" else "fwd")
         return (k["predicted_tflops"], "TFLOP/s") if k else None
+    if row.get("unit") == "TFLOP/s":  # a GEMM (fp8_gemm): the model's rate for the same pass
+        k = best(row["pass"])
+        return (k["predicted_tflops"], "TFLOP/s") if k and "predicted_tflops" in k else None
     parts = [best(p) for p in _PASSES.get(row["pass"], [])]
     if not parts or any(k is None for k in parts):
         return None
@@ -247,7 +250,7 @@ def render(out_dir: str, title: str = "") -> str:
         lines.append("")
         lines.append(
             "measured beside the static model's prediction (docs/design.md §7; bandwidth fractions of the "
-            "copy ceiling, attention in TFLOP/s, the backward's own rate for fwd+bwd)"
+            "copy ceiling, attention and FP8 GEMMs in TFLOP/s, the backward's own rate for fwd+bwd)"
         )
         lines.append(f"{'kernel':<64}{'measured':>14}{'predicted':>14}{'meas/pred':>12}")
         lines += table or ["(no measurement has a prediction)"]

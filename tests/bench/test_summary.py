@@ -79,3 +79,17 @@ def test_rows_without_a_prediction_are_left_out_of_the_calibration():
     text = summary.render(str(DATA))
     calib = text[text.index("measured beside") :]
     assert "rms_norm" not in calib and "adamw" not in calib
+
+
+def test_fp8_gemm_rows_are_shown_beside_their_predicted_rate():
+    row = {"op": "fp8_gemm", "pass": "fwd", "shape": "8192x14336x4096", "dtype": "e4m3", "variant": "blockwise"}
+    row.update(unit="TFLOP/s", rates={"megakernels": 900.0})
+    bench = {k: row[k] for k in ("op", "pass", "shape", "dtype", "variant")}
+    static = [
+        {"bench": bench, "predicted_tflops": 1000.0, "predicted_fraction": 0.5},
+        {"bench": bench, "predicted_tflops": 800.0, "predicted_fraction": 0.4},  # a slower config
+        {"bench": {**bench, "variant": "tensorwise"}, "predicted_tflops": 1200.0, "predicted_fraction": 0.6},
+    ]
+    assert summary.predicted(row, static) == (1000.0, "TFLOP/s")
+    assert summary.calibration([row], static)[0].split()[-5:] == ["900", "TFLOP/s", "1000", "TFLOP/s", "0.90"]
+    assert summary.predicted({**row, "shape": "1x2x3"}, static) is None
