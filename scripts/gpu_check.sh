@@ -3,8 +3,9 @@
 # network: builds the extension in place for the local GPU arch only, runs every `cuda`-marked test, the static
 # cost report (`megakernels bench --static`: what the model predicts for each kernel), then the key benchmarks on
 # the GPU through `megakernels bench` — the norm, bias-GeLU and softmax families at rows >= 4k, AdamW (50x1M and
-# 1x100M params), FlashAttention d128 bf16 at s 4k/8k (causal and not), cross-entropy, and a GPT-1.3B end-to-end
-# run (the trainer + the eager-GPT baseline). Logs, JSON and PNG plots go to OUTDIR (one folder per benchmark
+# 1x100M params), FlashAttention d128 bf16 at s 4k/8k (causal and not), cross-entropy, the FP8 GEMM (tensorwise and
+# blockwise, against bf16 torch.matmul, at Llama-3-8B's linear layers) and a GPT-1.3B end-to-end run (the trainer +
+# the eager-GPT baseline). Logs, JSON and PNG plots go to OUTDIR (one folder per benchmark
 # stage); the summary at the end (megakernels/bench/summary.py) shows each stage's result, the numbers
 # against the docs/design.md §6 targets (pass/fail, % of target), and every measurement beside the static model's
 # prediction (the first GPU run calibrates the model). Aimed at < 8 minutes on an H100/H200 (torch.compile
@@ -47,7 +48,8 @@ fi
 ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
 START=$(date +%s)
-STAGES=(build tests static bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_peer bench_e2e)
+STAGES=(build tests static bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_fp8 bench_peer
+  bench_e2e)
 declare -A STATUS
 for s in "${STAGES[@]}"; do STATUS[$s]=skipped; done
 
@@ -75,6 +77,7 @@ if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q bu
     --head-dims 128 --seqlens 4096,8192 --out "$OUT/attention"
   stage bench_cross_entropy bench_cross_entropy.txt "${BENCH[@]}" --ops cross_entropy --device cuda \
     --dtype bfloat16 --out "$OUT/cross_entropy"
+  stage bench_fp8 bench_fp8.txt "${BENCH[@]}" --ops fp8_gemm --device cuda --out "$OUT/fp8"
   if [ -n "${MEGAKERNELS_PEER_WHEELS:-}" ]; then
     "$PY" -m pip install -q --no-index --no-deps --find-links "$MEGAKERNELS_PEER_WHEELS" liger-kernel \
       >"$OUT/peer_install.log" 2>&1 || echo "gpu_check: liger-kernel did not install (see peer_install.log)"

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.sh, the parts that run without a GPU: argument handling, the no-GPU refusal and the summary
-rendered from a recorded OUTDIR (``--summary-only``)."""
+"""scripts/gpu_check.sh, the parts that run without a GPU: argument handling, the no-GPU refusal, the summary
+rendered from a recorded OUTDIR (``--summary-only``), and the FP8 GEMM stage's command and its summary lines."""
 
 from __future__ import annotations
 
@@ -58,3 +58,34 @@ def test_refuses_without_a_gpu(tmp_path):
         pytest.skip("a GPU is present")
     proc = run(str(tmp_path / "out"))
     assert proc.returncode == 1 and "torch sees no CUDA device" in proc.stderr
+
+
+def test_fp8_stage_times_both_recipes_on_the_gpu():
+    text = SCRIPT.read_text()
+    stages = text[text.index("STAGES=(") : text.index(")", text.index("STAGES=("))].split()
+    assert "bench_fp8" in stages
+    line = next(ln for ln in text.splitlines() if "stage bench_fp8 " in ln)
+    assert '--ops fp8_gemm --device cuda --out "$OUT/fp8"' in line
+
+
+def test_summary_shows_the_fp8_gemm_beside_its_prediction(tmp_path):
+    """A recorded OUTDIR with the FP8 stage: its rows (``megakernels bench --ops fp8_gemm``'s JSON) are printed
+    beside the static report's prediction of the same GEMM (``megakernels bench --static``'s ``bench`` links)."""
+    import json
+
+    out = tmp_path / "out"
+    shutil.copytree(RECORDED, out)
+    with open(out / "stages.tsv", "a") as f:
+        f.write("bench_fp8\tok 41s\n")
+    key = {"op": "fp8_gemm", "pass": "fwd", "shape": "8192x14336x4096", "dtype": "e4m3", "variant": "blockwise"}
+    row = {**key, "unit": "TFLOP/s", "rates": {"megakernels": 1100.0, "matmul_bf16": 700.0}, "times_ms": {}}
+    (out / "fp8").mkdir()
+    (out / "fp8" / "bench.json").write_text(json.dumps({"rows": [row]}))
+    static = json.loads((out / "static" / "static.json").read_text())
+    static["kernels"].append({"bench": key, "predicted_fraction": 0.55, "predicted_tflops": 1085.0})
+    (out / "static" / "static.json").write_text(json.dumps(static))
+    proc = run("--summary-only", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "bench_fp8             ok 41s" in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("fp8_gemm e4m3 8192x14336x4096"))
+    assert line.split()[-5:] == ["1100", "TFLOP/s", "1085", "TFLOP/s", "1.01"]
