@@ -33,15 +33,15 @@ from megakernels.triton.grouped_gemm import _block_e, _group_sizes
 from megakernels.triton.launch import Launch, Schedule
 
 TILE = 128  # the scales' tile (ops.fp8.TILE); the GEMMs' K chunk
-FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 _TORCH_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _MAX_EXP = {"e4m3": 9, "e5m2": 16}  # the format's max is 0.875 * 2**MAX_EXP
 _GRAN = {"tensor": 0, "row": 1, "block": 2}
 
 # GEMM configs (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M) per architecture, BLOCK_K = 128; the first is
 # the default. sm_90: two warpgroups on a 128x128 tile (each a 64x128 slice: QGMMA.64x128x32), three stages of
-# 32 KiB; the 64x128 tile of one warpgroup leaves room for two CTAs an SM (megakernels bench --static --ops
-# fp8_gemm compares them; a GPU run autotunes among them).
+# 32 KiB; one warpgroup on 64x128 fits two CTAs an SM. A 128x256 tile needs the accumulator and a chunk's product,
+# 2 x 128 fp32 registers a thread: it spills. megakernels bench --static --ops fp8_gemm prices them; a GPU run
+# autotunes among them. sm_89 (FP8 mma.sync, no TMA: pointer loads) is compiled by hand only, not in the tests.
 GEMM_CONFIGS = {
     90: [(128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (64, 128, 4, 4, 8)],
     89: [(128, 128, 8, 3, 8), (64, 128, 4, 3, 8)],
@@ -63,6 +63,13 @@ def _launch_arch(t: torch.Tensor) -> int:
     """The target a launch on ``t`` compiles for: its GPU's, 0 under the interpreter, sm_90 for meta tensors (the
     static report)."""
     return arch_of(t.device) if t.device.type != "meta" else 90
+
+
+def _has_tma(t: torch.Tensor) -> bool:
+    """Whether launches on ``t`` load through tensor descriptors: on Hopper and newer (sm_89 loads through
+    pointers) and under the interpreter."""
+    arch = _launch_arch(t)
+    return arch == 0 or arch >= 90
 
 
 def _sms(t: torch.Tensor) -> int:
@@ -224,12 +231,12 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 def _aligned_k(t: torch.Tensor) -> torch.Tensor:
-    """An FP8 operand ``[..., K]`` whose rows TMA can address: itself when ``tma_eligible``, else a copy with K
-    zero-padded to a multiple of 16 (zeros add nothing to a product; the padding stays within K's last 128-wide
-    chunk, so the scales are unchanged)."""
-    if tma_eligible(t) or not supports_tma():
-        return t
+    """An FP8 operand ``[..., K]`` with 16-byte aligned rows (what TMA needs, and vector loads): itself, or a copy
+    with K zero-padded to a multiple of 16 (zeros add nothing to a product; the padding stays within K's last
+    128-wide chunk, so the scales are unchanged)."""
     k = t.shape[-1]
+    if k % ALIGN == 0 and t.data_ptr() % 16 == 0:
+        return t
     pad = -(-k // ALIGN) * ALIGN - k
     return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
 
@@ -260,12 +267,13 @@ def gemm_launch(
 ) -> Launch:
     """``out = a @ bᵀ`` with the scales' promotion: a ``[M, K]``, b ``[N, K]`` FP8, contiguous, their scales as
     ops.fp8 takes them except B's "row" scales, transposed (``b_row_scales``); ``cfg``: a ``GEMM_CONFIGS`` entry;
-    ``tma``: operands through tensor descriptors (default: where ``tma_eligible``)."""
+    ``tma``: operands through tensor descriptors (default: on sm_90 and under the interpreter, where
+    ``tma_eligible``)."""
     bm, bn, warps, stages, group_m = cfg
     m, k = a.shape
     n = b.shape[0]
     if tma is None:
-        tma = tma_eligible(a, b)
+        tma = _has_tma(a) and tma_eligible(a, b)
     args = (
         _descriptor(a, bm) if tma else a,
         _descriptor(b, bn) if tma else b,
@@ -353,7 +361,7 @@ def grouped_launch(
     t, k = a.shape
     e, n = b.shape[0], b.shape[1]
     if tma is None:
-        tma = tma_eligible(a, b)
+        tma = _has_tma(a) and tma_eligible(a, b)
     args = (
         _descriptor(a, bm) if tma else a,
         _descriptor(b, bn) if tma else b,

@@ -9,7 +9,7 @@ the kernel compiled is the one that runs:
   e4m3 weights, K 14336) and the weight gradient of the blockwise one (1x128 tiles of both operands along the
   8192 tokens). Every sm_90 candidate config; the first is the key one.
 - ``fp8_grouped_gemm``: the experts' forward at the 16-bit grouped GEMM's Mixtral-like shape (T 8192 rows, 8
-  experts of 1024 rows each, 4096 -> 14336), both recipes.
+  experts of 1024 rows each, 4096 -> 14336; shape ``E8 4096x14336``), both recipes.
 - ``fp8_quantize``: the quantiser on a bf16 8192 x 4096 activation (1x128 tiles with and without the transposed
   copy, tensorwise with it: the amax reduction and the pass) and a 14336 x 4096 weight (128x128 blocks with its
   transpose).
@@ -123,7 +123,8 @@ def _grouped_entry(ga, gb, cfg) -> dict:
 
 
 def _config_name(cfg: tuple) -> str:
-    return f"{cfg[0]}x{cfg[1]}x128 w{cfg[2]} s{cfg[3]}"
+    """``BLOCK_M x BLOCK_N``, warps, stages (BLOCK_K is always 128)."""
+    return f"{cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}"
 
 
 @register
@@ -148,7 +149,7 @@ def fp8_gemm_entries() -> list[Entry]:
                     bench=bench,
                 )
             )
-    shape_name = f"T{GROUPED_T} E{GROUPED_E} {GROUPED_K}x{GROUPED_N}"
+    shape_name = f"E{GROUPED_E} {GROUPED_K}x{GROUPED_N}"  # 8 experts of 1024 rows each, k x n
     for recipe, (ga, gb) in RECIPES.items():
         bench = {"op": "fp8_grouped_gemm", "pass": "fwd", "shape": shape_name, "dtype": "e4m3", "variant": recipe}
         for i, cfg in enumerate(fp8.candidates(fp8.GROUPED_CONFIGS, 90, None)):
@@ -190,7 +191,8 @@ def _quant_parts(rows: int, cols: int, granularity: str, transpose: bool) -> lis
     scale_bytes = 0.0 if granularity == "tensor" else 4.0 / 128
     out_bytes = (1 + scale_bytes) * (2 if transpose else 1)
     parts = []
-    for launch in quantize_launches(rows, cols, granularity, transpose):
+    # the quantising pass first (the row shows the first part's resources), then the amax pass it follows
+    for launch in reversed(quantize_launches(rows, cols, granularity, transpose)):
         threads = launch.num_warps * 32
         per_program = max(len(r) for runs in fp8.quantize_schedule(launch).programs for _, r in runs)
         pack = 8
