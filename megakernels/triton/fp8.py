@@ -10,6 +10,12 @@ arguments; here inputs are taken as checked and contiguous.
 - ``grouped_gemm``: the experts' FP8 GEMM; the tile schedule comes from the group sizes on the device, no host
   synchronisation (kernels: megakernels/triton/_fp8_gemm.py).
 
+Shapes: the kernels want rows of 16 elements (vector accesses, TMA). An operand of a GEMM whose K is not a multiple
+of 16 is copied with K zero-padded; the quantiser quantises x zero-padded to 16-element rows (and, with the
+transpose, a multiple of 16 rows) and copies the result out. Zeros change no maximum and add nothing to a product,
+and the padding stays inside the last 128-wide tile, so results and scales are those of the unpadded input; the
+copies cost only at such shapes.
+
 Launches are data (``megakernels.triton.launch.Launch``): ``quantize_launches``, ``gemm_launch`` and
 ``grouped_launch`` build what the functions run and what ``megakernels bench --static`` compiles for sm_90 on meta
 tensors; ``quantize_schedule``, ``gemm_schedule`` and ``grouped_schedule`` are the loops their programs run (the
