@@ -49,7 +49,7 @@ ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
 START=$(date +%s)
 STAGES=(build tests static bench_norms bench_softmax bench_adamw bench_attention bench_cross_entropy bench_fp8 bench_peer
-  bench_e2e)
+  bench_e2e train_fp8)
 declare -A STATUS
 for s in "${STAGES[@]}"; do STATUS[$s]=skipped; done
 
@@ -86,6 +86,15 @@ if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q bu
     --out "$OUT/peer"
   stage bench_e2e bench_e2e.txt "${BENCH[@]}" --e2e gpt-1.3b --device cuda --micro-batch-size 4 --steps 5 \
     --warmup 2 --out "$OUT/e2e"
+  # FP8 training steps beside the bf16 ones of bench_e2e (same preset, batch and steps), both recipes
+  train_fp8() {
+    local r
+    for r in tensorwise blockwise; do
+      "${BENCH[@]}" --e2e gpt-1.3b --device cuda --micro-batch-size 4 --steps 5 --warmup 2 --precision fp8 \
+        --fp8-recipe "$r" --out "$OUT/e2e_fp8_$r" || return 1
+    done
+  }
+  stage train_fp8 train_fp8.txt train_fp8
 fi
 
 : >"$OUT/stages.tsv"

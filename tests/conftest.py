@@ -39,12 +39,14 @@ os.environ.setdefault("MEGAKERNELS_FORKSERVER_PRELOAD", "torch._dynamo,megakerne
 import megakernels  # noqa: E402
 from tests.helpers import Backend  # noqa: E402
 
-# Triton's interpreter lacks the tensor-descriptor add of the FlashAttention backward; megakernels adds it only when
-# asked (importing it patches nothing). The ranks of spawned worlds do not run the Triton kernels.
+# Triton's interpreter lacks the tensor-descriptor add of the FlashAttention backward and rounds its FP8 casts
+# wrongly; megakernels fixes both only when asked (importing it patches nothing). The ranks of spawned worlds do not
+# run the Triton kernels.
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
-    from megakernels.triton import install_interpreter_descriptor_reduce
+    from megakernels.triton import install_interpreter_descriptor_reduce, install_interpreter_fp8_casts
 
     install_interpreter_descriptor_reduce()
+    install_interpreter_fp8_casts()
 
 
 def _cuda_available() -> bool:

@@ -1,7 +1,7 @@
 """End-to-end training throughput: the trainer on a (tp, pp, dp) layout, and megakernels' GPT against a plain PyTorch
 eager GPT of the same shape on one device, measured in the same run.
 
-    megakernels bench --e2e PRESET [--device cpu|cuda] [--precision fp32|bf16|fp16] [--tp N] [--pp N] [--vpp N]
+    megakernels bench --e2e PRESET [--device cpu|cuda] [--precision fp32|bf16|fp16|fp8 [--fp8-recipe R]] [--tp N] [--pp N] [--vpp N]
                       [--dp N] [--nproc N] [--micro-batch-size B] [--global-batch-size G] [--steps 5] [--warmup 2]
                       [--sequence-parallel] [--distributed-optimizer] [--recompute none|selective|full]
                       [--no-baseline] [--quick] [--out DIR]
@@ -39,6 +39,9 @@ QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 # The trainer flags of --e2e: TrainArgs' own (help, choices and checks declared once, in arguments.py).
 LAYOUT_FLAGS = (
     "precision",
+    "fp8_recipe",
+    "fsdp",
+    "zero",
     "tp",
     "pp",
     "vpp",

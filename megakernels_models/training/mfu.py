@@ -101,7 +101,9 @@ def raise_cpu_peak(dtype: torch.dtype, achieved: float) -> None:
 
 def device_peak_tflops(precision: str, device: torch.device, given: float | None = None) -> tuple[float, str]:
     """``(peak TFLOP/s, where it comes from: "given" | "table" | "measured")`` of one device in ``precision``
-    (``"fp32"``, ``"bf16"`` or ``"fp16"``)."""
+    (``"fp32"``, ``"bf16"``, ``"fp16"``, or ``"fp8"``: MFU of FP8 training is counted against the 16-bit peak, as
+    published FP8 results count it)."""
+    precision = "bf16" if precision == "fp8" else precision
     if given:
         return float(given), "given"
     half = precision != "fp32"
@@ -130,6 +132,7 @@ class MFUMeter:
     ):
         self.flops_per_token, self.tokens_per_step, self.world = flops_per_token, tokens_per_step, world
         self.peak, self.source = device_peak_tflops(precision, device, given)
+        precision = "bf16" if precision == "fp8" else precision
         self._dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
     def measure(self, seconds: float) -> dict:
