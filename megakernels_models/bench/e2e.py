@@ -1,7 +1,8 @@
 """End-to-end training throughput: the trainer on a (tp, pp, dp) layout, and megakernels' GPT against a plain PyTorch
 eager GPT of the same shape on one device, measured in the same run.
 
-    megakernels bench --e2e PRESET [--device cpu|cuda] [--precision fp32|bf16|fp16|fp8 [--fp8-recipe R]] [--tp N] [--pp N] [--vpp N]
+    megakernels bench --e2e PRESET [--device cpu|cuda] [--precision fp32|bf16|fp16|fp8 [--fp8-recipe R]]
+                      [--tp N] [--pp N] [--vpp N]
                       [--dp N] [--nproc N] [--micro-batch-size B] [--global-batch-size G] [--steps 5] [--warmup 2]
                       [--sequence-parallel] [--distributed-optimizer] [--recompute none|selective|full]
                       [--no-baseline] [--quick] [--out DIR]
