@@ -77,6 +77,8 @@ def unit_of(path: tuple[str, ...]) -> str:
             return "TFLOP/s"
         if key.endswith("_mib"):
             return "MiB"
+        if key.endswith("bytes_per_param"):
+            return "B/parameter"
         if key.startswith("speedup") or key == "ratio":
             return "x"
         if (

@@ -45,8 +45,11 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
   device's trained parameters (``--freeze``'s have no gradient), over NVLink inside a node, across nodes through
   the network adapters of the group's members in each node (``dp_gbps``: NCCL runs a ring per adapter), overlapped
   with the backward of the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen
-  layers included); ZeRO-3 (``Layout.fsdp``, ``plan --reproduce`` only) adds per micro-batch two parameter
-  all-gathers and a gradient reduce-scatter in 16 bits, hidden behind the step's compute as far as it goes;
+  layers included); ZeRO-3 (``Layout.fsdp``: FSDP2, ``--fsdp``) adds per micro-batch two parameter all-gathers and
+  a gradient reduce-scatter in 16 bits (ZeRO-2, ``Layout.zero2``: one all-gather), hidden behind the step's
+  compute as far as it goes; its memory is the sharded fp32 masters, gradients and moments (16 bytes a parameter
+  over the shard ranks, ``Layout.shard_ranks``) plus the gathered 16-bit copies of two layers and one layer's
+  gradient (ZeRO-2: of every layer of the stage);
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
   tokens;
 - optimizer offload (``offload_time``): the host AdamW on this rank's share of the trained parameters (its ZeRO-1
@@ -84,7 +87,9 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     offload_optimizer: bool = False
-    fsdp: bool = False  # parameters and gradients sharded over dp·cp too (ZeRO-3): ``megakernels plan --reproduce``
+    fsdp: bool = False  # ZeRO-3 (``--fsdp``): parameters, gradients and optimizer state sharded by FSDP2
+    zero2: bool = False  # ZeRO-2 (``--zero 2``): FSDP2 keeping each layer's gathered parameters until its backward
+    fsdp_degree: int = 0  # HSDP (``--fsdp-degree``): shard over this many data-parallel ranks (0: all of dp·cp)
     recompute: str = "none"
     precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8 (``PRECISIONS``)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise | blockwise (``FP8_RECIPES``)
@@ -104,6 +109,16 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the parameters (ZeRO-2 or ZeRO-3)."""
+        return self.fsdp or self.zero2
+
+    def shard_ranks(self, experts: bool = False, ep: int = 1) -> int:
+        """The ranks a parameter (an expert's: its data-parallel ranks, dp·cp / ep) is sharded over."""
+        ranks = self.dp * self.cp // (ep if experts else 1)
+        return max(1, min(ranks, self.fsdp_degree) if self.fsdp_degree else ranks)
+
+    @property
     def microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
@@ -121,7 +136,10 @@ class Layout:
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
-            distributed_optimizer=args.distributed_optimizer,
+            distributed_optimizer=args.zero_stage() == 1,
+            fsdp=args.zero_stage() == 3,
+            zero2=args.zero_stage() == 2,
+            fsdp_degree=args.fsdp_degree or 0,
             offload_optimizer=args.offload_optimizer,
             recompute=args.recompute,
             precision=args.precision,
@@ -268,6 +286,9 @@ def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple
     """(weights, gradients, optimizer state) bytes per parameter on one device; the optimizer state is 0 there with
     ``offload_optimizer`` (``host_bytes_per_param``)."""
     half = layout.precision != "fp32"
+    if layout.sharded:  # FSDP2: fp32 sharded masters (the parameters), fp32 sharded gradients, sharded moments
+        n = layout.shard_ranks(experts, ep)
+        return 4 / n, 4 / n, 8 / n
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
     if layout.offload_optimizer:
         opt_b = 0
@@ -402,7 +423,12 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
         act = (per_layer * layers + (encoder if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
         if r == L.pp - 1:
             act += logits
-        out.append({"weights": n * w, "grads": t * g, "optimizer": (t - e) * o + e * eo, "activations": act})
+        weights = n * w
+        if L.sharded:  # the gathered compute copies: ZeRO-3 two layers (this one and the prefetched next) and one
+            # layer's unsharded gradient; ZeRO-2 every layer of the stage, kept from its forward to its backward
+            per = n / max(1, layers) * bytes_el
+            weights += per * (layers + 1 if L.zero2 else 3)
+        out.append({"weights": weights, "grads": t * g, "optimizer": (t - e) * o + e * eo, "activations": act})
     totals = [sum(x.values()) for x in out]
     worst = max(range(L.pp), key=lambda r: totals[r])
     host = max(
@@ -739,9 +765,10 @@ def predict(
     dp_bw = dp_gbps(L, device, gpus_per_node)
     dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)
     dp_exposed = max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
-    if L.fsdp:  # ZeRO-3: every micro-batch all-gathers the 16-bit parameters for forward and again for backward and
-        # reduce-scatters its gradients (each half a ring all-reduce), prefetched behind the whole step's compute
-        per_micro = 3 * _ring(params * 2, dp_ranks, dp_bw, lat) / 2
+    if L.sharded:  # ZeRO-3: every micro-batch all-gathers the 16-bit parameters for forward and again for backward
+        # (ZeRO-2: once) and reduce-scatters its gradients (each half a ring all-reduce), prefetched behind the whole
+        # step's compute
+        per_micro = (2 if L.zero2 else 3) * _ring(params * 2, dp_ranks, dp_bw, lat) / 2
         dp_exposed = max(0.0, m * per_micro - compute) + max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
     # expert parallelism: dispatch + combine all-to-alls, forward and backward, of the routed tokens
     ep_comm = 0.0

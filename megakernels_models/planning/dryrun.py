@@ -108,6 +108,8 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
             "microbatches": L.microbatches,
             "sequence_parallel": args.sequence_parallel,
             "distributed_optimizer": args.distributed_optimizer,
+            "zero": args.zero_stage(),
+            "fsdp_degree": args.fsdp_degree,
             "offload_optimizer": args.offload_optimizer,
             "recompute": args.recompute,
             "precision": args.precision,
@@ -202,7 +204,8 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
     out(
         f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
         f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
-        f"distributed_optimizer={lay['distributed_optimizer']}, precision={lay['precision']}"
+        f"distributed_optimizer={lay['distributed_optimizer']}, zero={lay.get('zero', 0)}, "
+        f"precision={lay['precision']}"
         + (
             f" ({lay['fp8_recipe']} scaling: the blocks' linears in FP8, their inputs kept in FP8 for backward)"
             if "fp8_recipe" in lay

@@ -72,7 +72,8 @@ def candidates(
                 for mbs in _divisors(max(1, global_batch_size // dp)):
                     if mbs > 16 or layout.batch_problem(mbs, global_batch_size):
                         continue
-                    for recompute, zero in itertools.product(("none", "selective", "full"), (True, False)):
+                    stages = (0, 1, 2, 3) if dp * cp > 1 else (0,)  # ZeRO-1, FSDP2's ZeRO-2 and ZeRO-3
+                    for recompute, zero in itertools.product(("none", "selective", "full"), stages):
                         out.append(
                             costs.Layout(
                                 tp=tp,
@@ -84,7 +85,9 @@ def candidates(
                                 micro_batch_size=mbs,
                                 global_batch_size=global_batch_size,
                                 sequence_parallel=layout.sequence_parallel,
-                                distributed_optimizer=zero and dp * cp > 1,
+                                distributed_optimizer=zero == 1,
+                                zero2=zero == 2,
+                                fsdp=zero == 3,
                                 recompute=recompute,
                                 precision=precision,
                                 fp8_recipe=fp8_recipe,
@@ -171,6 +174,12 @@ def fp8_speedup(
     }
 
 
+def _zero(layout: dict) -> str:
+    """The ZeRO stage of a JSON layout, as the table prints it: 0, 1 (ZeRO-1), 2 or 3 (FSDP2)."""
+    stage = 3 if layout.get("fsdp") else 2 if layout.get("zero2") else 1 if layout["distributed_optimizer"] else 0
+    return str(stage)
+
+
 def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_per_node: int = 8) -> str:
     """The command that runs a layout (``source``: the model flags, e.g. ``--preset NAME``): on GPUs, torchrun with
     one process per GPU (on every node, with a rendezvous endpoint, when the layout spans several nodes); on the
@@ -190,7 +199,9 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_
     if layout.precision == "fp8" and layout.fp8_recipe != "tensorwise":
         flags += ["--fp8-recipe", layout.fp8_recipe]
     flags += ["--sequence-parallel"] if layout.sequence_parallel else []
-    flags += ["--distributed-optimizer"] if layout.distributed_optimizer else []
+    flags += ["--distributed-optimizer"] if layout.distributed_optimizer and not layout.sharded else []
+    flags += ["--fsdp"] if layout.fsdp else ["--zero", "2"] if layout.zero2 else []
+    flags += ["--fsdp-degree", str(layout.fsdp_degree)] if layout.sharded and layout.fsdp_degree else []
     flags += ["--offload-optimizer"] if layout.offload_optimizer else []
     flags += ["--recompute", layout.recompute] if layout.recompute != "none" else []
     if device != "cuda":
@@ -372,7 +383,7 @@ def main(ns) -> int:
         L = row["layout"]
         print(
             f"{row['rank']:>2} {L['tp']:>3} {L['pp']:>3} {L['vpp']:>3} {L['cp']:>3} {L['ep']:>3} {L['dp']:>5} "
-            f"{L['micro_batch_size']:>4} {L['recompute']:>9} {'yes' if L['distributed_optimizer'] else 'no':>4} "
+            f"{L['micro_batch_size']:>4} {L['recompute']:>9} {_zero(L):>4} "
             f"{row['memory_per_gpu_bytes'] / 1e9:>7.1f} {row['step_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
             f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}"
         )
