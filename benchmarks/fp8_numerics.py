@@ -114,13 +114,17 @@ def _bounds(sizes):
         start += n
 
 
-def curve(preset: str, precision: str, recipe: str | None, steps: int) -> dict:
-    """One training run of ``preset`` (one process): its per-step losses and the mean step time."""
+def curve(preset: str, precision: str, recipe: str | None, steps: int, global_batch: int | None = None) -> dict:
+    """One training run of ``preset`` (one process; ``global_batch`` samples a step, the preset's default when None,
+    in micro-batches of at most 4): its per-step losses and the mean step time."""
     from megakernels.parallel.launch import single_process_world
     from megakernels_models.arguments import TrainArgs, validate
     from megakernels_models.training.train import train
 
-    args = TrainArgs(preset=preset, steps=steps, precision=precision, eval_interval=0, progress=False)
+    batch = (
+        {} if global_batch is None else {"global_batch_size": global_batch, "micro_batch_size": min(4, global_batch)}
+    )
+    args = TrainArgs(preset=preset, steps=steps, precision=precision, eval_interval=0, progress=False, **batch)
     if recipe:
         args = TrainArgs(**{**vars(args), "fp8_recipe": recipe})
     validate(args)
@@ -133,6 +137,7 @@ def curve(preset: str, precision: str, recipe: str | None, steps: int) -> dict:
         "name": preset,
         "precision": precision if recipe is None else f"fp8-{recipe}",
         "steps": steps,
+        "global_batch_size": args.global_batch_size,
         "final_loss": statistics.fmean(losses[-10:]),
         "step_s": seconds / steps,
         "losses": losses,
@@ -169,11 +174,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--ops-only", action="store_true", help="only the per-op errors")
+    parser.add_argument("--no-ops", action="store_true", help="only the curves")
+    parser.add_argument("--global-batch-size", type=int, help="samples a step (default: the preset's)")
     parser.add_argument("--out", help="write DIR/fp8_numerics.json (and DIR/fp8_curves.png)")
     args = parser.parse_args(argv)
     info = machine("cpu")
     print(machine_line(info))
-    ops = op_errors()
+    ops = [] if args.no_ops else op_errors()
     print(f"{'op':>13} {'recipe':>10} {'shape':>22} {'forward':>9} {'input grad':>11} {'weight grad':>12}")
     for r in ops:
         cols = [r.get(f"{p}_error_fraction") for p in ("forward", "input_grad", "weight_grad")]
@@ -184,7 +191,7 @@ def main(argv=None) -> int:
     rows = []
     if not args.ops_only:
         for preset in args.presets.split(","):
-            runs = [curve(preset, p, r, args.steps) for p, r in MODES]
+            runs = [curve(preset, p, r, args.steps, args.global_batch_size) for p, r in MODES]
             for run in runs[1:]:
                 run["final_loss_difference_fraction"] = run["final_loss"] / runs[0]["final_loss"] - 1
             rows += runs
