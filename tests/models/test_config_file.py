@@ -253,7 +253,7 @@ def test_flags_take_numbers_by_the_files_rule(capsys):
         ("peak_tflops: [1]", "peak_tflops: expected a number, got [1] (list)"),
         ("async_save: 3", "async_save: expected true or false, got 3 (int)"),
         ("tokenizer: 5", "tokenizer: expected a string, got 5 (int)"),
-        ("precision: fp8", "precision: expected one of fp32, bf16, fp16, got 'fp8'"),
+        ("precision: fp4", "precision: expected one of fp32, bf16, fp16, fp8, got 'fp4'"),
         ("save-interval: {a: 1}", "save-interval: expected an integer, got {'a': 1} (dict)"),
         ("architecture:\n  hidden_size: wide", "architecture: hidden_size: expected an integer, got 'wide' (str)"),
         ("architecture:\n  bias: 1", "architecture: bias: expected true or false, got 1 (int)"),
