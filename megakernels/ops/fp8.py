@@ -48,6 +48,7 @@ import torch
 
 from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
+from megakernels.ops.grouped_gemm import check_host_sizes, segments
 
 OP = "fp8"
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -158,10 +159,6 @@ def quantize_reference(x, fmt: str, granularity: str, scale=None):
 def dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: str) -> torch.Tensor:
     """``q · scale`` in fp32 (exact)."""
     return q.float() * expand_scale(scale, granularity, q.shape)
-
-
-def _transposed_granularity(granularity: str) -> str:
-    return granularity  # row tiles of xᵀ are computed afresh; a block's scale is the transposed block's
 
 
 def _triton():
@@ -363,15 +360,6 @@ def _grouped_scale_shape(b_shape, granularity) -> tuple[int, ...]:
     return {"tensor": (e,), "block": (e, _tiles(n), _tiles(k))}[granularity]
 
 
-def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
-    sizes, out, start = group_sizes.cpu().tolist(), [], 0
-    for e, n in enumerate(sizes):
-        if n:
-            out.append((e, start, start + n))
-        start += n
-    return out
-
-
 @torch.library.custom_op("megakernels::fp8_grouped_gemm", mutates_args=())
 def _grouped(
     a: torch.Tensor,
@@ -390,7 +378,7 @@ def _grouped(
     if runs_triton("fp8_grouped_gemm", a, emulate):
         return _triton().grouped_gemm(a, a_scale, a_granularity, b, b_scale, b_granularity, group_sizes, out_dtype)
     out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
-    for e, lo, hi in _segments(group_sizes):
+    for e, lo, hi in segments(group_sizes):
         sa = a_scale if a_granularity == "tensor" else a_scale[lo:hi]
         out[lo:hi] = gemm_reference(a[lo:hi], sa, a_granularity, b[e], b_scale[e], b_granularity, out_dtype)
     return out
@@ -448,9 +436,7 @@ def fp8_grouped_gemm(
             f"{op}: b_scale has shape {tuple(b_scale.shape)}, expected {_grouped_scale_shape(b.shape, b_granularity)}"
         )
     _checks.same_device(op, "a", a, ("b", b), ("a_scale", a_scale), ("b_scale", b_scale))
-    sizes = group_sizes.cpu() if not (a.is_cuda and group_sizes.is_cuda) else None
-    if sizes is not None and ((sizes < 0).any() or int(sizes.sum()) != a.shape[0]):
-        raise ValueError(f"{op}: group_sizes must be >= 0 and sum to a's {a.shape[0]} rows, got {sizes.tolist()}")
+    check_host_sizes(a, group_sizes, op, "a")
     return _grouped(
         _bytes(a),
         a_scale,

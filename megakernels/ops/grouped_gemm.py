@@ -61,19 +61,20 @@ def _check(x, weight, group_sizes) -> None:
             (group_sizes >= 0).all() & (group_sizes.sum() == x.shape[0]),
             f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows",
         )
-    # Sizes read on the host are checked inside the op (_check_host_sizes), which runs eagerly even when compiled.
+    # Sizes read on the host are checked inside the op (check_host_sizes), which runs eagerly even when compiled.
 
 
-def _check_host_sizes(x: torch.Tensor, group_sizes: torch.Tensor) -> None:
-    """Sizes that are not on x's GPU: their values on the host (the op reads them there anyway)."""
+def check_host_sizes(x: torch.Tensor, group_sizes: torch.Tensor, op: str = OP, arg: str = "x") -> None:
+    """Sizes that are not on x's GPU: their values on the host (the op reads them there anyway). ``op`` and
+    ``arg`` name the op and its rows' argument in the message (``ops.fp8``'s grouped GEMM shares the rule)."""
     if x.device.type == "cuda" and group_sizes.device.type == "cuda":
         return
     sizes = group_sizes.cpu()
     if (sizes < 0).any() or int(sizes.sum()) != x.shape[0]:
-        raise ValueError(f"{OP}: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, got {sizes.tolist()}")
+        raise ValueError(f"{op}: group_sizes must be >= 0 and sum to {arg}'s {x.shape[0]} rows, got {sizes.tolist()}")
 
 
-def _segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
+def segments(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(group, start, end)`` of every non-empty group (reads the sizes on the host)."""
     sizes = group_sizes.cpu().tolist()
     out, start = [], 0
@@ -98,11 +99,11 @@ def _use_triton(x: torch.Tensor, emulate: bool) -> bool:
 
 @torch.library.custom_op("megakernels::grouped_gemm", mutates_args=())
 def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, emulate: bool) -> torch.Tensor:
-    _check_host_sizes(x, group_sizes)
+    check_host_sizes(x, group_sizes)
     if _use_triton(x, emulate):
         return _triton_kernels().forward(x, weight, group_sizes)
     out = x.new_empty((x.shape[0], weight.shape[1]))
-    for e, a, b in _segments(group_sizes):
+    for e, a, b in segments(group_sizes):
         torch.mm(x[a:b], weight[e].t(), out=out[a:b])
     return out
 
@@ -120,10 +121,10 @@ def _grouped_gemm_bwd(
     if _use_triton(x, emulate):
         return _triton_kernels().backward(dout, x, weight, group_sizes)
     # The groups cover every row of dx (the sizes sum to T); dW needs zeros only where a group is empty.
-    segments = _segments(group_sizes)
+    groups = segments(group_sizes)
     dx = torch.empty_like(x)
-    dw = torch.empty_like(weight) if len(segments) == weight.shape[0] else torch.zeros_like(weight)
-    for e, a, b in segments:
+    dw = torch.empty_like(weight) if len(groups) == weight.shape[0] else torch.zeros_like(weight)
+    for e, a, b in groups:
         torch.mm(dout[a:b], weight[e], out=dx[a:b])
         torch.mm(dout[a:b].t(), x[a:b], out=dw[e])
     return dx, dw

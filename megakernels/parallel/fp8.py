@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megakernels.ops import fp8 as ops
 from megakernels.ops.fp8 import TILE, Quantized
+from megakernels.ops.grouped_gemm import segments
 from megakernels.parallel import comm
 from megakernels.parallel.init import shard_pieces
 
@@ -312,7 +313,7 @@ def _grouped(a: Quantized, b: list[Quantized], sizes: torch.Tensor, out_dtype) -
         )
     ad = a.dequantize()
     out = ad.new_zeros((ad.shape[0], b[0].q.shape[0]))
-    for e, lo, hi in ops._segments(sizes):
+    for e, lo, hi in segments(sizes):
         out[lo:hi] = ad[lo:hi] @ b[e].dequantize().t()
     return out.to(out_dtype)
 
@@ -364,7 +365,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             n, k = ctx.w_t[0].q.shape[1], ctx.w_t[0].q.shape[0]
             dw = dy.new_zeros((len(ctx.w_t), n, k), dtype=ctx.w_dtype)
-            for e, lo, hi in ops._segments(sizes):
+            for e, lo, hi in segments(sizes):
                 if rec.grad_granularity == "tensor":  # one scale: a group's rows of the whole tensor's copy
                     g_t = Quantized(g.q[lo:hi].t().contiguous(), g.scale, "tensor")
                     x_t = Quantized(ctx.xq.q[lo:hi].t().contiguous(), ctx.xq.scale, "tensor")
