@@ -562,6 +562,22 @@ def _remove_if_empty(path: str) -> None:
         os.rmdir(path)
 
 
+def _init_torchrun_world(backend: str, timeout: datetime.timedelta) -> None:
+    """``init_process_group`` from torchrun's environment, every key of this world under a prefix of its own.
+
+    torchrun's agents share one store across the rendezvous rounds of a job (the rank-0 agent's), and process
+    groups are named by a count, the same in every round: after an elastic restart a rank could read the address a
+    rank of the previous round published for a group of the same name and connect to a dead process ("Connection
+    refused" in ``new_group``). A round is one restart count (``TORCHELASTIC_RESTART_COUNT``: each failure adds
+    one) at one world size (a scale-up restarts at a larger world without counting), so the prefix holds both."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    generation = f"megakernels/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-world-{world}/"
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(generation + "default_pg", store), rank=rank, world_size=world, timeout=timeout
+    )
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun (its environment names the rendezvous)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -607,7 +623,7 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
             dog.progress("rendezvous")
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+            _init_torchrun_world("nccl" if device == "cuda" else "gloo", datetime.timedelta(seconds=timeout))
             try:
                 dog.progress("start")
                 return fn(*args)
