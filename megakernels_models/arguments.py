@@ -177,6 +177,12 @@ class _Settings:
         False, "shard LayerNorm/dropout activations over the sequence (with --tp)", LAYOUT
     )
     schedule: str = setting("1f1b", "pipeline schedule (--vpp selects interleaved 1F1B)", LAYOUT, choices=SCHEDULES)
+    tp_across_nodes: bool = setting(
+        False,
+        "under torchrun, run a --tp whose groups span nodes (one that does not divide the ranks per node); refused "
+        "without it: every layer's all-reduces would cross the network",
+        LAYOUT,
+    )
     # optimisation
     micro_batch_size: int = setting(8, "samples per micro-batch", OPTIM)
     global_batch_size: int = setting(16, "samples per optimizer step, over all data-parallel ranks", OPTIM)

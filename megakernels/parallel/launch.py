@@ -49,6 +49,7 @@ import os
 import queue as queue_module
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -58,7 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megakernels.parallel import liveness, watchdog
+from megakernels.parallel import liveness, nodes, watchdog
 
 HOST = "127.0.0.1"
 _POLL_S = 0.05
@@ -578,6 +579,18 @@ def _init_torchrun_world(backend: str, timeout: datetime.timedelta) -> None:
     )
 
 
+def _name_lost_nodes(node_map) -> None:
+    """A torchrun worker failed: print which other nodes are lost, if any (``nodes.NodeMap.report``)."""
+    if node_map is None:
+        return
+    try:
+        report = node_map.report()
+    except Exception as e:  # noqa: BLE001 - the rank's own error follows; say why this report is missing
+        report = f"could not tell which nodes answer: {e}"
+    if report:
+        print(f"{watchdog.PROGRAM}: rank {os.environ.get('RANK', '?')}: {report}", file=sys.stderr, flush=True)
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun (its environment names the rendezvous)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -597,7 +610,8 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
     is ended with a line naming its phase; the job ends within about twice the timeout. A spawned rank or a
     torchrun worker also dies with its launcher (the spawning process, or torchrun's agent), whatever killed it.
     Under torchrun, a failing rank also ends its local peers that stopped responding: a stopped process cannot act
-    on the agent's SIGTERM, which the agent would wait 30 s for.
+    on the agent's SIGTERM, which the agent would wait 30 s for; and in a job of several nodes it names the nodes
+    that are lost (``megakernels.parallel.nodes``: each node's local rank 0 holds a beacon the others knock on).
 
     Raises:
         ValueError: ``nproc > 1`` with ``device="cuda"`` outside torchrun (one process per GPU is torchrun's job).
@@ -624,14 +638,23 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             _init_torchrun_world("nccl" if device == "cuda" else "gloo", datetime.timedelta(seconds=timeout))
+            node_map = None
             try:
+                # in a job of several nodes: every node's ranks and beacon, to name a lost node when a rank fails
+                node_map = nodes.NodeMap.gather()
+                if node_map is not None:
+                    dog.explain = node_map.report
                 dog.progress("start")
                 return fn(*args)
             except BaseException:
                 dog.end_stale_peers()
+                _name_lost_nodes(node_map)
                 raise
             finally:
                 dog.progress("teardown")
+                dog.explain = None
+                if node_map is not None:
+                    node_map.close()
                 dist.destroy_process_group()
     if nproc == 1:
         if device == "cuda":

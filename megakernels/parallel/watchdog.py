@@ -109,6 +109,9 @@ class Watchdog:
         self.timeout, self.rank, self.liveness_dir, self.program = float(timeout), rank, liveness_dir, program
         self.interval = interval(self.timeout)
         self._end_stale_peers = end_stale_peers
+        # What else the line should say when the watchdog fires (e.g. ``nodes.NodeMap.report``: the nodes that are
+        # lost); called on the watchdog's thread, so it must return in bounded time.
+        self.explain = None
         self._launcher = _ProcessWatch(launcher) if launcher is not None else None
         self._state = (time.monotonic(), "start", None)  # (time of the last progress, phase, step)
         self._lock = threading.Lock()  # progress and the thread both write the record
@@ -213,6 +216,12 @@ class Watchdog:
         )
         peers, _, ended = self._report_peers(now)
         line += (f"; {peers}" if peers else "") + ended
+        if self.explain is not None:
+            try:
+                extra = self.explain()
+            except Exception as e:  # noqa: BLE001 - the rank ends either way; say why the report is missing
+                extra = f"(could not tell which nodes answer: {e})"
+            line += f"; {extra}" if extra else ""
         if self.liveness_dir is not None:  # the launcher quotes it
             liveness.write_verdict(self.liveness_dir, self.rank, line)
         _say(f"{self.program}: {line}; ending the job")

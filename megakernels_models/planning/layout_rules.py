@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megakernels.parallel import nodes
 from megakernels.parallel.layout import FLAGS, LayoutError, ParallelLayout
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.settings import ArgumentError
@@ -57,3 +58,7 @@ def validate_layout(a, cfg: ModelConfig) -> None:
         layout.check_batch(a.micro_batch_size, a.global_batch_size)
     except LayoutError as e:
         raise ArgumentError(str(e)) from None
+    # under torchrun: tensor-parallel groups inside a node, unless asked otherwise (megakernels.parallel.nodes)
+    problem = None if a.tp_across_nodes else nodes.tp_problem(layout.tp)
+    if problem:
+        raise ArgumentError(problem)
