@@ -14,7 +14,8 @@ recomputation none / selective / full, sequence parallelism with tp, and the dis
 that break a rule ``megakernels train`` checks or that do not fit the GPU's memory (``costs.memory`` plus the
 allowance of ``costs.RESERVED_GB`` and ``costs.FRAGMENTATION``); and ranks the rest by predicted step time
 (``costs.predict``, every constant documented there). For each of the best ``--top`` it prints memory per GPU,
-predicted step time, tokens/s, MFU, the pipeline bubble and the ``megakernels train`` command that runs it.
+predicted step time, tokens/s, MFU, the pipeline bubble and the ``megakernels train`` command that runs it — over
+several nodes, torchrun's command for every node and the ``sbatch`` line of ``examples/slurm_train.sbatch``.
 ``--precision fp8`` ranks FP8 layouts (the blocks' linears in FP8, ``--fp8-recipe``'s scaling: costs.py) and is
 refused on a GPU without FP8 tensor cores; ``fp8_speedup`` compares a model's best bf16 and fp8 layouts.
 """
@@ -180,11 +181,9 @@ def _zero(layout: dict) -> str:
     return str(stage)
 
 
-def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_per_node: int = 8) -> str:
-    """The command that runs a layout (``source``: the model flags, e.g. ``--preset NAME``): on GPUs, torchrun with
-    one process per GPU (on every node, with a rendezvous endpoint, when the layout spans several nodes); on the
-    CPU, ``megakernels train --nproc N``."""
-    flags = [*source, "--device", device, "--tp", str(layout.tp), "--pp", str(layout.pp)]
+def _train_flags(layout: costs.Layout, source: list[str]) -> list[str]:
+    """The ``megakernels train`` flags of a layout (``source``: the model flags), without the device."""
+    flags = [*source, "--tp", str(layout.tp), "--pp", str(layout.pp)]
     flags += ["--cp", str(layout.cp)] if layout.cp > 1 else []
     flags += ["--ep", str(layout.ep)] if layout.ep > 1 else []
     flags += ["--vpp", str(layout.vpp)] if layout.vpp > 1 else []
@@ -204,17 +203,43 @@ def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_
     flags += ["--fsdp-degree", str(layout.fsdp_degree)] if layout.sharded and layout.fsdp_degree else []
     flags += ["--offload-optimizer"] if layout.offload_optimizer else []
     flags += ["--recompute", layout.recompute] if layout.recompute != "none" else []
+    return flags
+
+
+def nodes_of(layout: costs.Layout, gpus_per_node: int = 8) -> tuple[int, int]:
+    """(nodes, GPUs per node) a layout runs on: whole nodes, or part of one."""
+    per_node = min(layout.world, gpus_per_node)
+    return -(-layout.world // per_node), per_node
+
+
+def command(layout: costs.Layout, source: list[str], device: str = "cuda", gpus_per_node: int = 8) -> str:
+    """The command that runs a layout (``source``: the model flags, e.g. ``--preset NAME``): on GPUs, torchrun with
+    one process per GPU — over several nodes, the same command on every node, joining a c10d rendezvous on the first
+    (``$MASTER_ADDR``: its address; ``$JOB_ID``: any name the nodes share, new for each job); on the CPU,
+    ``megakernels train --nproc N``."""
+    flags = [*source, "--device", device, *_train_flags(layout, [])]
     if device != "cuda":
         return "megakernels train " + " ".join(["--nproc", str(layout.world), *flags])
-    per_node = min(layout.world, gpus_per_node)
-    nodes = -(-layout.world // per_node)
+    nodes, per_node = nodes_of(layout, gpus_per_node)
     launcher = f"torchrun --nproc-per-node {per_node}"
-    if nodes > 1:  # the same command on every node; MASTER_ADDR: node 0's address
+    if nodes > 1:
         launcher = (
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-            "--rdzv-endpoint $MASTER_ADDR:29500"
+            "--rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id $JOB_ID"
         )
     return f"{launcher} -m megakernels_models.cli train " + " ".join(flags)
+
+
+SBATCH_SCRIPT = "examples/slurm_train.sbatch"
+
+
+def sbatch_command(layout: costs.Layout, source: list[str], gpus_per_node: int = 8) -> str:
+    """The ``sbatch`` line that runs a layout under Slurm with the shipped script (which starts one torchrun per
+    node, one rank per GPU, ``--device cuda``, and saves and resumes in ``checkpoints/<job name>``)."""
+    nodes, per_node = nodes_of(layout, gpus_per_node)
+    return f"sbatch --nodes {nodes} --gpus-per-node {per_node} {SBATCH_SCRIPT} " + " ".join(
+        _train_flags(layout, source)
+    )
 
 
 def add_parser(sub) -> None:
@@ -350,6 +375,8 @@ def main(ns) -> int:
             },
             "compute_split_s": {k: r["prediction"][k] for k in COMPUTE_SPLIT},
             "command": command(r["layout"], source, gpus_per_node=ns.gpus_per_node),
+            "sbatch": sbatch_command(r["layout"], source, gpus_per_node=ns.gpus_per_node),
+            "nodes": nodes_of(r["layout"], ns.gpus_per_node)[0],
         }
         for i, r in enumerate(best)
     ]
@@ -391,5 +418,15 @@ def main(ns) -> int:
         best_prediction = ranked[0]["prediction"]
         line = costs.describe_offload(best_prediction, ns.host_adamw_ns)
         print(f"\noffloaded optimizer in the best layout's step: {line}")
-    print("\nrun the best:\n  " + rows[0]["command"])
+    best_row = rows[0]
+    if best_row["nodes"] > 1:
+        print(
+            f"\nrun the best on {best_row['nodes']} nodes of {min(ns.gpus, ns.gpus_per_node)} GPUs: the same command "
+            "on every node ($MASTER_ADDR: the first node's address, $JOB_ID: a name for the job)\n  "
+            + best_row["command"]
+            + "\nor under Slurm, with the shipped script:\n  "
+            + best_row["sbatch"]
+        )
+    else:
+        print("\nrun the best:\n  " + best_row["command"])
     return 0

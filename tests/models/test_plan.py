@@ -53,6 +53,31 @@ def test_the_printed_layouts_are_valid_commands(capsys, monkeypatch):
         assert args.world_size() == 16 and 0 < row["mfu"] < 1
 
 
+def test_a_layout_over_several_nodes_gets_torchrun_per_node_and_an_sbatch_line_that_train_accepts(capsys, monkeypatch):
+    assert main(["plan", "--preset", "llama3-8b", "--gpus", "32", "--top", "3", "--json"]) == 0
+    for row in json.loads(capsys.readouterr().out)["ranking"]:
+        assert row["nodes"] == 4
+        torchrun = row["command"].split()
+        assert torchrun[:5] == ["torchrun", "--nnodes", "4", "--nproc-per-node", "8"], row["command"]
+        assert "--rdzv-endpoint" in torchrun and "--rdzv-id" in torchrun
+        sbatch = row["sbatch"].split()
+        assert sbatch[:6] == ["sbatch", "--nodes", "4", "--gpus-per-node", "8", "examples/slurm_train.sbatch"]
+        # the script adds --device cuda; every node's ranks as torchrun numbers them (the last rank of node 3 here)
+        for k, v in dict(WORLD_SIZE=32, RANK=31, LOCAL_RANK=7, LOCAL_WORLD_SIZE=8, GROUP_RANK=3).items():
+            monkeypatch.setenv(k, str(v))
+        script_args = parse_train_args([*sbatch[6:], "--device", "cuda", "--dry-run"])
+        assert script_args == parse_train_args([*torchrun[torchrun.index("train") + 1 :], "--dry-run"])
+        validate(script_args)
+    assert main(["plan", "--preset", "llama3-8b", "--gpus", "32", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "run the best on 4 nodes of 8 GPUs: the same command on every node" in out
+    assert (
+        "or under Slurm, with the shipped script:\n  sbatch --nodes 4 --gpus-per-node 8 examples/slurm_train.sbatch"
+        in out
+    )
+    assert "--nproc 32" not in out
+
+
 def test_the_table_names_the_best_command(capsys):
     assert main(["plan", "--preset", "gpt-1.3b", "--gpus", "8", "--top", "2"]) == 0
     out = capsys.readouterr().out
@@ -201,7 +226,9 @@ def test_every_layout_plan_considers_is_accepted_by_train_for_every_preset(monke
                     continue
                 seen.add(key)
                 words = shlex.split(plan.command(layout, ["--preset", name]))
-                monkeypatch.setenv("WORLD_SIZE", str(gpus))  # as torchrun sets it
+                # as torchrun sets it on the last rank of the first node (which also checks tp stays in a node)
+                for k, v in dict(WORLD_SIZE=gpus, RANK=7, LOCAL_RANK=7, LOCAL_WORLD_SIZE=8, GROUP_RANK=0).items():
+                    monkeypatch.setenv(k, str(v))
                 # the layout rules; --dry-run: this machine has no GPU for --device cuda
                 validate(parse_train_args([*words[words.index("train") + 1 :], "--dry-run"]))  # or raises
                 checked += 1
