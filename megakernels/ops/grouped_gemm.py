@@ -120,14 +120,40 @@ def _grouped_gemm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x, emulate):
         return _triton_kernels().backward(dout, x, weight, group_sizes)
-    # The groups cover every row of dx (the sizes sum to T); dW needs zeros only where a group is empty.
-    groups = segments(group_sizes)
+    return _dgrad_host(dout, x, weight, group_sizes), _wgrad_host(dout, x, weight, group_sizes)
+
+
+def _dgrad_host(dout, x, weight, group_sizes) -> torch.Tensor:
+    # The groups cover every row of dx (the sizes sum to T).
     dx = torch.empty_like(x)
+    for e, a, b in segments(group_sizes):
+        torch.mm(dout[a:b], weight[e], out=dx[a:b])
+    return dx
+
+
+def _wgrad_host(dout, x, weight, group_sizes) -> torch.Tensor:
+    # dW needs zeros only where a group is empty.
+    groups = segments(group_sizes)
     dw = torch.empty_like(weight) if len(groups) == weight.shape[0] else torch.zeros_like(weight)
     for e, a, b in groups:
-        torch.mm(dout[a:b], weight[e], out=dx[a:b])
         torch.mm(dout[a:b].t(), x[a:b], out=dw[e])
-    return dx, dw
+    return dw
+
+
+def grouped_gemm_backward_parts(
+    dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, part: str
+) -> torch.Tensor:
+    """One half of ``grouped_gemm``'s backward, computed exactly as the whole backward computes it: ``part="dx"``
+    (``[T, k]``) or ``"dw"`` (``[E, n, k]``), for a zero-bubble pipeline that runs the weight gradient later
+    (``megakernels.parallel.moe.experts``). Takes what ``grouped_gemm``'s autograd saved (contiguous ``x`` and
+    ``weight``) and a contiguous ``dout``; eager (not a custom op: nothing compiles it)."""
+    emulate = emulate_for(OP, x)
+    if part not in ("dx", "dw"):
+        raise ValueError(f"grouped_gemm_backward_parts: part must be 'dx' or 'dw', got {part!r}")
+    if _use_triton(x, emulate):
+        kernels = _triton_kernels()
+        return (kernels.dgrad if part == "dx" else kernels.wgrad)(dout, x, weight, group_sizes)
+    return (_dgrad_host if part == "dx" else _wgrad_host)(dout, x, weight, group_sizes)
 
 
 @_grouped_gemm_bwd.register_fake

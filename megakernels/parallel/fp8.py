@@ -23,6 +23,10 @@ FP8 copy transposed. Under sequence parallelism the column-parallel layer quanti
 all-gathers **FP8** (the tensor and its scales: half the bytes of the bf16 gather); backward gathers again, FP8
 for tensorwise (its transpose is exact), bf16 for blockwise (whose transposed tiles run along the tokens, across
 the shards).
+
+Zero-bubble pipeline schedules (``pipeline.wgrad``): inside a B pass both functions compute the input gradient and
+defer the weight-gradient GEMMs, with what they read (the quantised output gradient, the input's FP8 copy or, under
+sequence parallelism, the shard gathered again in W), to the W pass; the numbers are those of the undeferred GEMMs.
 """
 
 from __future__ import annotations
@@ -219,6 +223,7 @@ class Fp8Linear(torch.autograd.Function):
         ctx.w_t = transpose(wq)
         ctx.spec, ctx.shape, ctx.has_bias = spec, shape, bias is not None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.weight = weight  # where a deferred weight gradient goes (pipeline.wgrad)
         ctx.save_for_backward(saved_x)
         y = gemm(xq, wq, x.dtype)
         if bias is not None:
@@ -228,11 +233,16 @@ class Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from megakernels.parallel.pipeline import wgrad
+
         spec, rec = ctx.spec, ctx.spec.recipe
         (saved_x,) = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         sp = spec.column and spec.sequence_parallel and spec.world > 1
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        defer = need_dw and wgrad.deferring()
+        if defer:  # a zero-bubble B pass: the weight gradient in W (module docstring)
+            need_dw = False
         gathering = None
         if sp and need_dw:
             if ctx.local_q is not None:
@@ -250,6 +260,12 @@ class Fp8Linear(torch.autograd.Function):
             comm.record("start", "dgrad")
             dx = gemm(g, ctx.w_t, dy.dtype)
             comm.record("end", "dgrad")
+        if defer:
+            source = (ctx.local_q if ctx.local_q is not None else saved_x) if sp else None
+            x_t = None if sp else ctx.x_t
+            held = [t for t in (g.q, g.scale, dy2, source, x_t) if isinstance(t, torch.Tensor)]
+            held += [t for q in (source, x_t) if isinstance(q, Quantized) for t in (q.q, q.scale)]
+            wgrad.push(_linear_wgrad(spec, g, dy2, x_t, source, ctx.w_dtype, ctx.weight), held)
         reducing = None
         if dx is not None and spec.column and spec.world > 1:
             if sp:
@@ -268,10 +284,7 @@ class Fp8Linear(torch.autograd.Function):
                     x_t = quantize(full.t(), rec.input_format, "row")
             else:
                 x_t = ctx.x_t
-            g_t = transpose(g) if rec.grad_granularity == "tensor" else quantize(dy2.t(), rec.grad_format, "row")
-            comm.record("start", "wgrad")
-            dw = gemm(g_t, x_t, torch.float32).to(ctx.w_dtype)
-            comm.record("end", "wgrad")
+            dw = _linear_dw(rec, g, dy2, x_t, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         if reducing is not None:
@@ -279,8 +292,35 @@ class Fp8Linear(torch.autograd.Function):
         if dx is not None:
             lead = ctx.shape[:-1]
             dx = dx.view(*lead, ctx.shape[-1])
-        ctx.x_t = ctx.w_t = ctx.local_q = None
+        ctx.x_t = ctx.w_t = ctx.local_q = ctx.weight = None
         return dx, dw, db, None
+
+
+def _linear_dw(rec, g: Quantized, dy2: torch.Tensor, x_t: Quantized, w_dtype) -> torch.Tensor:
+    """``Fp8Linear``'s weight gradient: ``gᵀ x`` on the FP8 copies along the tokens."""
+    g_t = transpose(g) if rec.grad_granularity == "tensor" else quantize(dy2.t(), rec.grad_format, "row")
+    comm.record("start", "wgrad")
+    dw = gemm(g_t, x_t, torch.float32).to(w_dtype)
+    comm.record("end", "wgrad")
+    return dw
+
+
+def _linear_wgrad(spec: LinearSpec, g, dy2, x_t, source, w_dtype, weight):
+    """The deferred weight gradient of ``Fp8Linear`` (``source``: under SP, the input shard to gather again — its
+    FP8 copy, tensorwise, or the 16-bit shard)."""
+
+    def compute():
+        from megakernels.parallel.pipeline import wgrad
+
+        rec, xt = spec.recipe, x_t
+        if source is not None:
+            if isinstance(source, Quantized):
+                xt = transpose(_gather_fp8(source, spec.group, async_op=False))
+            else:
+                xt = quantize(comm.all_gather(source, 0, spec.group).t(), rec.input_format, "row")
+        wgrad.accumulate(weight, _linear_dw(rec, g, dy2, xt, w_dtype))
+
+    return compute
 
 
 def linear(x, weight, bias, spec: LinearSpec) -> torch.Tensor:
@@ -350,11 +390,14 @@ class Fp8GroupedLinear(torch.autograd.Function):
         ctx.w_t = [transpose(w) for w in wq]
         ctx.xq = xq if rec.input_granularity == "tensor" else None
         ctx.spec, ctx.w_dtype = spec, weight.dtype
+        ctx.weight = weight  # where a deferred weight gradient goes (pipeline.wgrad)
         ctx.save_for_backward(x if rec.input_granularity != "tensor" else None, sizes)
         return _grouped(xq, wq, sizes, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
+        from megakernels.parallel.pipeline import wgrad
+
         spec, rec = ctx.spec, ctx.spec.recipe
         x, sizes = ctx.saved_tensors
         dy = dy.contiguous()
@@ -363,18 +406,34 @@ class Fp8GroupedLinear(torch.autograd.Function):
         dx = _grouped(g, ctx.w_t, sizes, dy.dtype) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            n, k = ctx.w_t[0].q.shape[1], ctx.w_t[0].q.shape[0]
-            dw = dy.new_zeros((len(ctx.w_t), n, k), dtype=ctx.w_dtype)
-            for e, lo, hi in segments(sizes):
-                if rec.grad_granularity == "tensor":  # one scale: a group's rows of the whole tensor's copy
-                    g_t = Quantized(g.q[lo:hi].t().contiguous(), g.scale, "tensor")
-                    x_t = Quantized(ctx.xq.q[lo:hi].t().contiguous(), ctx.xq.scale, "tensor")
-                else:  # 1×128 tiles along each group's own tokens
-                    g_t = quantize(dy[lo:hi].t(), rec.grad_format, "row")
-                    x_t = quantize(x[lo:hi].t(), rec.input_format, "row")
-                dw[e] = gemm(g_t, x_t, torch.float32).to(ctx.w_dtype)
-        ctx.w_t = ctx.xq = None
+            shape = (len(ctx.w_t), ctx.w_t[0].q.shape[1], ctx.w_t[0].q.shape[0])
+            args = (rec, g, dy, x, ctx.xq, sizes, shape, ctx.w_dtype)
+            if wgrad.deferring():  # a zero-bubble B pass: the weight gradients in W (module docstring)
+                weight = ctx.weight
+
+                def compute():
+                    wgrad.accumulate(weight, _grouped_dw(*args))
+
+                xq = ctx.xq
+                wgrad.push(compute, [t for t in (g.q, g.scale, dy, x, sizes) if t is not None] + ([xq.q] if xq else []))
+            else:
+                dw = _grouped_dw(*args)
+        ctx.w_t = ctx.xq = ctx.weight = None
         return dx, dw, None, None
+
+
+def _grouped_dw(rec, g: Quantized, dy, x, xq: Quantized | None, sizes, shape, w_dtype) -> torch.Tensor:
+    """``Fp8GroupedLinear``'s weight gradients, one GEMM per group along its own tokens."""
+    dw = dy.new_zeros(shape, dtype=w_dtype)
+    for e, lo, hi in segments(sizes):
+        if rec.grad_granularity == "tensor":  # one scale: a group's rows of the whole tensor's copy
+            g_t = Quantized(g.q[lo:hi].t().contiguous(), g.scale, "tensor")
+            x_t = Quantized(xq.q[lo:hi].t().contiguous(), xq.scale, "tensor")
+        else:  # 1×128 tiles along each group's own tokens
+            g_t = quantize(dy[lo:hi].t(), rec.grad_format, "row")
+            x_t = quantize(x[lo:hi].t(), rec.input_format, "row")
+        dw[e] = gemm(g_t, x_t, torch.float32).to(w_dtype)
+    return dw
 
 
 def grouped_linear(x, weight, sizes, spec: ExpertSpec) -> torch.Tensor:

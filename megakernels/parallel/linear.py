@@ -22,6 +22,12 @@ layer's forward and backward are one autograd function with f fused into it, so 
 backward gathers it again, hidden behind the dgrad GEMM. With ``overlap_comm=False`` every collective is waited
 for right after its launch (the baseline of ``benchmarks/parallel_overlap.py``).
 
+Zero-bubble pipeline schedules (``pipeline.wgrad``): inside a B pass both layers compute the input gradient only
+and defer ``dW = dyᵀ x`` to the W pass. The column layer's input-gradient collective still runs (and is waited
+for) in B, overlapped with what is left of B's work; under SP its W gathers the input again (the shard is what
+waits until W), a collective every TP rank runs at the same W of the schedule. The row layer's forward is one
+small autograd function (``RowLinear``, ``x Wᵀ`` without communication) so that its backward can split too.
+
 On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. The overlap
 needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue: the communication kernel, queued first, starts before
 the GEMM queued after it takes every SM); ``megakernels train`` sets it for CUDA runs (docs/design.md §4).
@@ -50,14 +56,21 @@ class LinearWithAsyncComm(torch.autograd.Function):
         ctx.comm = world > 1
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # where a deferred weight gradient goes (``_deferred_target``)
         total = comm.all_gather(x, 0, group) if ctx.sp else x
         return F.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
+        from megakernels.parallel.pipeline import wgrad
+
         x, weight = ctx.saved_tensors
         group, overlap = ctx.group, ctx.overlap
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        target, ctx.weight = ctx.weight, None
+        if need_dw and wgrad.deferring():  # a zero-bubble B pass: dW in the W pass (module docstring)
+            wgrad.push(_column_wgrad(x, dy, target, group, ctx.sp), (x, dy))
+            need_dw = False
         gathering = None
         if ctx.sp and need_dw:
             gathering = comm.all_gather(x, 0, group, async_op=True)
@@ -88,6 +101,68 @@ class LinearWithAsyncComm(torch.autograd.Function):
         if reducing is not None:
             dx = reducing.wait()
         return dx, dw, db, None, None, None
+
+
+# Where a deferred weight gradient goes: the weight the layer's forward was given, kept as an attribute of the
+# autograd context. Not the tensor ``saved_tensors`` returns: under activation recomputation (non-reentrant
+# ``torch.utils.checkpoint``) that is the recomputed forward's alias of the parameter, whose ``.grad`` nobody reads;
+# the context itself is the original forward's, and its inputs are the parameters.
+
+
+def _column_wgrad(x, dy, weight, group, sp: bool):
+    """The deferred ``dW = dyᵀ f(x)`` of ``LinearWithAsyncComm`` (gathering the sequence again under SP)."""
+
+    def compute():
+        from megakernels.parallel.pipeline import wgrad
+
+        total = comm.all_gather(x, 0, group) if sp else x
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        comm.record("start", "wgrad")
+        dw = dy2.t().matmul(total.reshape(-1, total.shape[-1]))
+        comm.record("end", "wgrad")
+        wgrad.accumulate(weight, dw)
+
+    return compute
+
+
+class RowLinear(torch.autograd.Function):
+    """``y = x Wᵀ`` without communication (the row-parallel layer's GEMM; the caller reduces ``y``), as
+    ``F.linear`` computes it and its backward (``dx = dy W``, ``dW = dyᵀ x``), whose ``dW`` a zero-bubble B pass
+    defers to W (``pipeline.wgrad``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # where a deferred weight gradient goes (``_deferred_target``)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megakernels.parallel.pipeline import wgrad
+
+        x, weight = ctx.saved_tensors
+        target, ctx.weight = ctx.weight, None
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if wgrad.deferring():
+                wgrad.push(_row_wgrad(x, dy, target), (x, dy))
+            else:
+                dw = _row_dw(x, dy)
+        return dx, dw
+
+
+def _row_dw(x, dy):
+    return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def _row_wgrad(x, dy, weight):
+    def compute():
+        from megakernels.parallel.pipeline import wgrad
+
+        wgrad.accumulate(weight, _row_dw(x, dy))
+
+    return compute
 
 
 def linear_with_async_comm(
@@ -330,7 +405,7 @@ class RowParallelLinear(nn.Module):
             axis = fp8.Axis.of(self.in_features, state.tp_rank(), self.tp)
             partial = fp8.linear(x, self.weight, None, fp8.LinearSpec(self.fp8, state.tp_group(), False, in_axis=axis))
         else:
-            partial = F.linear(x, self.weight)
+            partial = RowLinear.apply(x, self.weight)
         if self.sequence_parallel:
             if partial.dim() != 3:
                 raise ValueError(

@@ -303,9 +303,13 @@ def backward(
     dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [T, k], dweight [E, n, k])`` of ``forward`` for ``dout`` ``[T, n]`` (contiguous)."""
+    return dgrad(dout, x, weight, group_sizes), wgrad(dout, x, weight, group_sizes)
+
+
+def dgrad(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """``dx [T, k]`` of ``forward`` (``backward``'s first half; x gives the shape and dtype)."""
     sizes = _device_sizes(group_sizes, x.device)
     dx = torch.empty_like(x)
-    dw = torch.empty_like(weight)
     if dx.numel():  # n == 0 runs too: an empty reduction writes zeros
         _tuned(
             "grouped_gemm_dx",
@@ -315,6 +319,13 @@ def backward(
             (weight.shape[1], weight.shape[2]),
             lambda cfg: rows_launch(dout, weight, sizes, dx, False, cfg),
         )
+    return dx
+
+
+def wgrad(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """``dweight [E, n, k]`` of ``forward`` (``backward``'s second half; weight gives the shape and dtype)."""
+    sizes = _device_sizes(group_sizes, x.device)
+    dw = torch.empty_like(weight)
     if dw.numel():
         _tuned(
             "grouped_gemm_dw",
@@ -324,4 +335,4 @@ def backward(
             (weight.shape[1], weight.shape[2]),
             lambda cfg: wgrad_launch(dout, x, sizes, dw, cfg),
         )
-    return dx, dw
+    return dw

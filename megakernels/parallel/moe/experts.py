@@ -5,6 +5,10 @@ expert holds its gate and up rows, stride 2) or ``[E_local, f/tp, h]`` (GeLU), `
 ``e`` of the whole model is defined by the seed of its name (``experts.<e>.fc1``), so any (ep, tp) layout holds
 exactly the weights of the single-process model. Each expert's MLP is split over the tensor-parallel ranks as a
 dense MLP is (column-parallel fc1, row-parallel fc2): the output is a partial sum the MoE layer reduces over TP.
+
+The grouped GEMMs go through ``_GroupedGemm``, whose backward is ``ops.grouped_gemm``'s own, except inside a
+zero-bubble B pass (``pipeline.wgrad``): there it computes the input gradient and defers the weight gradients to
+the W pass, each half computed as the whole backward computes it (``grouped_gemm_backward_parts``).
 """
 
 from __future__ import annotations
@@ -13,10 +17,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.ops.grouped_gemm import grouped_gemm
+from megakernels.ops.grouped_gemm import _grouped_gemm_bwd, grouped_gemm, grouped_gemm_backward_parts
 from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import fp8, init, state
 from megakernels.parallel.params import mark_expert_parallel
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """``grouped_gemm(x, weight, sizes)`` whose weight gradient a zero-bubble B pass can defer (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sizes):
+        from megakernels._backend import emulate_for
+
+        ctx.weight = weight  # where a deferred weight gradient goes (the input, whatever its layout)
+        x, weight = x.contiguous(), weight.contiguous()
+        ctx.save_for_backward(x, weight, sizes)
+        ctx.emulate = emulate_for("grouped_gemm", x)
+        return grouped_gemm(x, weight, sizes)
+
+    @staticmethod
+    def backward(ctx, dout):
+        from megakernels.parallel.pipeline import wgrad
+
+        x, weight, sizes = ctx.saved_tensors
+        dout = dout.contiguous()
+        if not (ctx.needs_input_grad[1] and wgrad.deferring()):
+            ctx.weight = None
+            dx, dw = _grouped_gemm_bwd(dout, x, weight, sizes, ctx.emulate)
+            return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
+
+        target, ctx.weight = ctx.weight, None
+
+        def compute():
+            wgrad.accumulate(target, grouped_gemm_backward_parts(dout, x, weight, sizes, "dw"))
+
+        wgrad.push(compute, (dout, x))
+        dx = grouped_gemm_backward_parts(dout, x, weight, sizes, "dx") if ctx.needs_input_grad[0] else None
+        return dx, None, None
+
+
+def _grouped_gemm(x, weight, sizes):
+    return _GroupedGemm.apply(x, weight, sizes)
 
 
 class GroupedMLP(nn.Module):
@@ -85,7 +127,7 @@ class GroupedMLP(nn.Module):
                 )
 
     def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        gemm1 = gemm2 = grouped_gemm
+        gemm1 = gemm2 = _grouped_gemm
         if self.fp8 is not None:
             tp, r, group = state.tp_size(), state.tp_rank(), state.tp_group()
             gated = self.activation == "swiglu"
