@@ -20,7 +20,8 @@
                 grad-norm clipping over tp/pp/dp, the distributed optimizer (ZeRO-1); ``memory_bytes_per_param``
 - ``comm``      the collectives behind them, with an event recorder for tests
 - ``context``   context parallelism: the load-balanced sequence split and ring attention
-- ``pipeline``  subpackage (import it itself): pipeline schedules (gpipe, 1f1b, interleaved) and ``forward_backward``
+- ``pipeline``  subpackage (import it itself): pipeline schedules (gpipe, 1f1b, interleaved, zb-h1, zb-v) and
+                ``forward_backward``
 
 Works on gloo (CPU) and nccl (CUDA) with the same code.
 """
@@ -83,6 +84,7 @@ from megakernels.parallel.state import (
     is_pp_first_stage,
     is_pp_last_stage,
     model_parallel_group,
+    pipeline_placement,
     pp_group,
     pp_next_rank,
     pp_prev_rank,
@@ -131,6 +133,7 @@ __all__ = [
     "vpp_rank",
     "vpp_size",
     "set_vpp_rank",
+    "pipeline_placement",
     "pp_ranks",
     "pp_next_rank",
     "pp_prev_rank",

@@ -357,7 +357,7 @@ def finalize_model_grads(models: list[DistributedDataParallel]) -> None:
     the ``main_grad`` of params marked sequence-parallel (each TP rank saw only its tokens), over their replica
     group that of blocks replicated within the TP group (each rank's copy got only its query heads' share), and
     over the embedding group that of the shared embedding (the tied word embedding of the first and last pipeline
-    stage).
+    stage; under the V placement both are on pipeline rank 0, whose two copies are summed there).
 
     Under ``reduce_scatter`` the sums are right for the shard each rank owns, given the same bucket layout on every
     TP rank (TP shards of equal shapes, as the parallel layers make them) and on both embedding stages (the
@@ -383,12 +383,22 @@ def sum_partial_grads(params, grad_of) -> None:
                 replicated.setdefault(info(p).replicas, []).append(grad_of(p))
         for c, grads in sorted(replicated.items()):
             _sum_over(grads, state.tp_replica_group(c))
+    shared = [grad_of(p) for p in params if is_shared_embedding(p)]
+    if len(shared) > 1:  # the V placement (zb-v): both copies on this rank, in its two chunks
+        total = torch.stack(shared).sum(0)
+        for g in shared:
+            g.copy_(total)
     if _tied_across_stages():
-        _sum_over([grad_of(p) for p in params if is_shared_embedding(p)], state.embedding_group())
+        _sum_over(shared, state.embedding_group())
 
 
 def _tied_across_stages() -> bool:
     return state.embedding_group() is not None and len(state.embedding_ranks()) > 1
+
+
+def _tied_on_this_rank() -> bool:
+    """The V placement puts the first and the last stage, and both copies of a tied embedding, on pipeline rank 0."""
+    return state.pipeline_placement() == "v" and state.pp_rank() == 0
 
 
 def changed_after_sync(p) -> bool:
@@ -398,7 +408,7 @@ def changed_after_sync(p) -> bool:
         return False
     if state.tp_size() > 1 and (is_sequence_parallel(p) or info(p).replicas > 1):
         return True
-    return is_shared_embedding(p) and _tied_across_stages()
+    return is_shared_embedding(p) and (_tied_across_stages() or _tied_on_this_rank())
 
 
 def _sum_over(grads: list[torch.Tensor], group) -> None:

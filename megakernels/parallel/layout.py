@@ -7,7 +7,9 @@ its groups from it. A rule is written once, here, with one message that names th
 Three kinds of rules:
 
 - the degrees among themselves and against the world (``ParallelLayout.build``): positive sizes, ``tp·cp·pp``
-  dividing the world size, dp following from it (or matching it when given), ep dividing dp, vpp needing pp;
+  dividing the world size, dp following from it (or matching it when given), ep dividing dp, vpp needing pp, the V
+  placement (``placement="v"``, the zb-v schedule's: two chunks per rank, rank r holding stages r and 2·pp−1−r)
+  needing pp and two chunks;
 - the degrees against the model's shapes (``check_model`` with ``ModelShapes``): whole heads and key/value heads
   per tensor-parallel rank, the widths split over tp, the layers over pp·vpp, the sequence over cp (and tp with
   sequence parallelism), the experts over ep, and which parallelisms the model family supports at all;
@@ -29,11 +31,16 @@ class LayoutError(ValueError):
 
 
 # How the degrees are named in messages: as the library's arguments, or as the trainer's flags.
-ARGUMENTS = {k: k for k in ("tp", "cp", "pp", "vpp", "ep", "dp", "fsdp")} | {"sp": "sequence_parallel"}
+ARGUMENTS = {k: k for k in ("tp", "cp", "pp", "vpp", "ep", "dp", "fsdp")} | {
+    "sp": "sequence_parallel",
+    "placement": "placement='v'",
+}
 FLAGS = {k: f"--{k}" for k in ("tp", "cp", "pp", "vpp", "ep", "dp")} | {
     "sp": "--sequence-parallel",
     "fsdp": "--fsdp-degree",
+    "placement": "--schedule zb-v",
 }
+PLACEMENTS = ("interleaved", "v")  # megakernels.parallel.pipeline.schedules.PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +67,9 @@ class ModelShapes:
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """A validated layout; build it with ``ParallelLayout.build``. ``world_size = tp·cp·pp·dp``; ``vpp`` is None
-    without an interleaved schedule; ``names`` says how messages name the degrees (``ARGUMENTS`` or ``FLAGS``)."""
+    without virtual pipeline stages; ``placement`` where the virtual stages sit (``"interleaved"``: stage
+    ``chunk·pp + rank``; ``"v"``: zb-v's two chunks per rank, stages r and ``2·pp−1−r`` on rank r); ``names`` says
+    how messages name the degrees (``ARGUMENTS`` or ``FLAGS``)."""
 
     world_size: int
     tp: int = 1
@@ -71,6 +80,7 @@ class ParallelLayout:
     vpp: int | None = None
     sequence_parallel: bool = False
     fsdp: int | None = None  # FSDP's shard degree (dp·cp: ZeRO-2/3 over every data-parallel rank; less: HSDP)
+    placement: str = "interleaved"
     source: str = "torch.distributed's world"
     names: dict = dataclasses.field(default_factory=lambda: ARGUMENTS, compare=False, repr=False)
 
@@ -89,21 +99,38 @@ class ParallelLayout:
         dp: int | None = None,
         sequence_parallel: bool = False,
         fsdp: int | None = None,
+        placement: str = "interleaved",
         source: str = "torch.distributed's world",
         names: dict = ARGUMENTS,
     ) -> ParallelLayout:
         """The layout of ``world_size`` ranks at these degrees; ``dp`` defaults to ``world_size // (tp·cp·pp)``.
         ``source`` says where the world size came from (for messages: ``--nproc or torchrun's WORLD_SIZE``).
+        ``placement="v"`` (zb-v) takes ``vpp`` None or 2 and sets it to 2.
 
         Raises:
             LayoutError: a degree that is not a positive int, the world size not divisible by ``tp·cp·pp``, a
-                given ``dp`` that does not match, ``vpp > 1`` without pipeline parallelism, ep not dividing dp.
+                given ``dp`` that does not match, ``vpp > 1`` without pipeline parallelism, ep not dividing dp, an
+                unknown placement, the V placement without pipeline parallelism or with another ``vpp``.
         """
         n = names
+        if placement not in PLACEMENTS:
+            raise LayoutError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         tp, cp, pp, ep, vpp, dp = (
             positive_int(v, n[k], allow_none=k in ("vpp", "dp"), error=LayoutError)
             for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("vpp", vpp), ("dp", dp))
         )
+        if placement == "v":
+            if vpp not in (None, 2):
+                raise LayoutError(
+                    f"{n['placement']} places two model chunks on every pipeline rank (the V); {n['vpp']} {vpp} asks "
+                    f"for {vpp}: leave {n['vpp']} out"
+                )
+            if pp == 1:
+                raise LayoutError(
+                    f"{n['placement']} needs pipeline parallelism ({n['pp']} > 1): its two model chunks per rank form "
+                    "a V across the pipeline ranks"
+                )
+            vpp = 2
         if vpp is not None and vpp > 1 and pp == 1:
             raise LayoutError(f"{n['vpp']} {vpp} needs pipeline parallelism ({n['pp']} > 1)")
         model = tp * cp * pp
@@ -146,6 +173,7 @@ class ParallelLayout:
             vpp=vpp,
             sequence_parallel=sequence_parallel,
             fsdp=fsdp,
+            placement=placement,
             source=source,
             names=names,
         )
@@ -207,6 +235,8 @@ class ParallelLayout:
         vpp = self.vpp or 1
         if m.num_layers % (pp * vpp):
             rule = f"{n['pp']} × {n['vpp']} = {pp} × {vpp} = {pp * vpp}" if vpp > 1 else f"{n['pp']} {pp}"
+            if self.placement == "v":
+                rule = f"{n['placement']}'s two chunks per rank × {n['pp']} = 2 × {pp} = {2 * pp}"
             return f"{rule} does not divide num_layers={m.num_layers} (equal layers per stage)"
         if ep > 1 and not m.num_experts:
             return f"{n['ep']} {ep} needs a mixture-of-experts model (num_experts > 0)"
@@ -260,7 +290,7 @@ class ParallelLayout:
             )
         m = gbs // (mbs * dp)
         vpp = self.vpp or 1
-        if vpp > 1 and m % self.pp:
+        if vpp > 1 and self.placement == "interleaved" and m % self.pp:
             return (
                 f"the interleaved schedule ({n['vpp']} {vpp}) needs the number of micro-batches per step "
                 f"(global / (micro × dp) = {m}) to be a multiple of {n['pp']} {self.pp}"

@@ -70,6 +70,7 @@ class _State:
     groups: list
     owns_world: bool
     vpp_rank: int | None = None
+    placement: str = "interleaved"
     tp_replica_groups: dict = dataclasses.field(default_factory=dict)
     checkpoint_group: object = None
     timeout: datetime.timedelta | None = None  # of every group's collectives (None: torch's default)
@@ -138,6 +139,7 @@ def initialize(
     cp: int = 1,
     ep: int = 1,
     timeout: float | None = None,
+    placement: str = "interleaved",
 ) -> None:
     """Create the tensor-, context-, pipeline-, data-parallel, model-parallel and embedding groups of this world.
 
@@ -155,6 +157,10 @@ def initialize(
         timeout: seconds a collective of these groups waits for a peer before it raises; None: the default process
             group's own where torch exposes it, else torch's default (30 minutes for gloo). (A group made without one
             does not inherit the world's, so a rank that stopped would hold its peers for torch's default.)
+        placement: where the virtual pipeline stages sit: ``"interleaved"`` (stage ``chunk·pp + rank``) or ``"v"``
+            (the zb-v schedule's: two chunks per rank, stages r and ``2·pp−1−r`` on rank r; vpp None or 2). Under
+            the V the first and the last stage are both on pipeline rank 0, so its embedding group is that rank
+            alone (its two copies of a tied embedding are summed locally: ``ddp.sum_partial_grads``).
 
     Raises:
         ValueError: a size that is not a positive int, ``world_size`` not divisible by ``tp · cp · pp``, a ``dp``
@@ -177,7 +183,7 @@ def initialize(
         wait = _world_timeout()
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        layout = ParallelLayout.build(world, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp, dp=dp)
+        layout = ParallelLayout.build(world, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp, dp=dp, placement=placement)
     except LayoutError as e:
         if owns_world:
             dist.destroy_process_group()
@@ -223,8 +229,8 @@ def initialize(
         make("edp", "gc")  # the ranks holding the same experts: their gradients are reduced over it
     make("pp", "p")
     make("mp", "pt")
-    # the first and last pipeline stage (which share a tied word embedding)
-    make("emb", "p", keep=lambda ranks: (ranks[0], ranks[-1]))
+    # the first and last pipeline stage (which share a tied word embedding): under the V both are pipeline rank 0
+    make("emb", "p", keep=lambda ranks: (ranks[0],) if layout.placement == "v" else (ranks[0], ranks[-1]))
     # the ranks of a tensor-parallel group holding the same replicated block (tp_replica_group), for each size
     replicas = [c for c in range(2, tp) if tp % c == 0]
     for c in replicas:
@@ -263,6 +269,7 @@ def initialize(
         checkpoint_group=mine["checkpoint"],
         owns_world=owns_world,
         vpp_rank=0 if vpp is not None else None,
+        placement=layout.placement,
         timeout=wait,
     )
 
@@ -471,6 +478,11 @@ def set_vpp_rank(rank: int) -> None:
     s.vpp_rank = rank
 
 
+def pipeline_placement() -> str:
+    """Where the virtual stages sit: ``"interleaved"`` or ``"v"`` (``initialize``'s ``placement``)."""
+    return _get().placement
+
+
 def pp_ranks() -> list[int]:
     """Global ranks of this rank's pipeline, stage 0 first."""
     return list(_get().pp_ranks)
@@ -489,7 +501,7 @@ def pp_prev_rank() -> int:
 
 
 def is_pp_first_stage(ignore_virtual: bool = False) -> bool:
-    """Whether this rank runs the first stage (and, with interleaving, unless ``ignore_virtual``, model chunk 0)."""
+    """Whether this rank runs the first stage (and, with virtual stages, unless ``ignore_virtual``, model chunk 0)."""
     s = _get()
     if not ignore_virtual and s.vpp is not None and s.vpp_rank != 0:
         return False
@@ -497,11 +509,12 @@ def is_pp_first_stage(ignore_virtual: bool = False) -> bool:
 
 
 def is_pp_last_stage(ignore_virtual: bool = False) -> bool:
-    """Whether this rank runs the last stage (and, with interleaving, unless ``ignore_virtual``, its last chunk)."""
+    """Whether this rank runs the last stage (and, with virtual stages, unless ``ignore_virtual``, its last chunk):
+    the last pipeline rank, or under the V placement rank 0 (its chunk 1)."""
     s = _get()
     if not ignore_virtual and s.vpp is not None and s.vpp_rank != s.vpp - 1:
         return False
-    return s.pp_rank == s.pp - 1
+    return s.pp_rank == (0 if s.placement == "v" else s.pp - 1)
 
 
 # ---- validation ------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ flowing through them (Megatron-LM; Narayanan et al. 2021).
                  closed-form ``bubble_fraction``
 - ``executor``   ``forward_backward``: one step of a schedule with the caller's ``forward_step``
 - ``p2p``        activations and gradients between neighbouring stages, sends and receives batched together
+- ``wgrad``      the zero-bubble schedules' deferred weight gradients (B computes input gradients, W the rest)
+- ``memory``     a step's activation bytes, measured (``forward_backward(..., stats={})``)
 
 Trade-offs, ``p`` stages, ``m`` micro-batches, ``v`` model chunks per rank:
 
@@ -16,15 +18,21 @@ schedule      bubble            activations held (micro-batches)      cost
 gpipe         (p-1)/m           m                                     simplest; memory grows with m
 1f1b          (p-1)/m           p - rank (at most p)                  the default
 interleaved   (p-1)/(v·m)       up to p + (p-1-2·rank)/v              v times the messages; m % p == 0
+zb-h1         (p-1)/(3m) (*)    p on every rank, until W              weight gradients deferred (W passes)
+zb-v          (p-1)/(6m) (*)    p on every rank (2p half-chunks)      two chunks in a V; 2× the messages
 forward_only  (p-1)/m           one at a time (no backward)           evaluation
 ============  ================  ====================================  ========================================
 
-More micro-batches shrink the bubble of every schedule; only 1F1B (and interleaving) keep memory bounded while
-doing so, which is why they are the ones used for training.
+(*) at T_F = T_B = T_W (backward = 2 × forward, half of it weight gradients) and m >= p; ``simulate`` for others.
+
+More micro-batches shrink the bubble of every schedule; only 1F1B (interleaving, the zero-bubble schedules) keep
+memory bounded while doing so, which is why they are the ones used for training.
 """
 
 __all__ = [
     "SCHEDULES",
+    "ZERO_BUBBLE",
+    "ALL_SCHEDULES",
     "schedule_order",
     "communication_plan",
     "Exchange",
@@ -33,6 +41,8 @@ __all__ = [
     "format_schedule",
     "forward_backward",
     "p2p",
+    "wgrad",
+    "memory",
 ]
 
 _HOME = {"forward_backward": "executor"}
@@ -43,8 +53,8 @@ def __getattr__(name):
     # already imported by this package.
     import importlib
 
-    if name == "p2p":
-        return importlib.import_module(f"{__name__}.p2p")
+    if name in ("p2p", "wgrad", "memory"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in __all__:
         return getattr(importlib.import_module(f"{__name__}.{_HOME.get(name, 'schedules')}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
