@@ -25,7 +25,8 @@ from megakernels_models.training.preemption import SIGNALS
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "blockwise")  # megakernels.ops.fp8.RECIPES
 FP8_BASES = ("bf16", "fp32")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-v")
+ZERO_BUBBLE = ("zb-h1", "zb-v")  # megakernels.parallel.pipeline.schedules.ZERO_BUBBLE
 DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
@@ -73,7 +74,7 @@ ARCHITECTURE_SETTINGS = (
     *MOE_FIELDS,
     *FAMILY_SETTINGS,
 )
-__all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "DTYPES"]
+__all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "ZERO_BUBBLE", "DTYPES"]
 
 
 @dataclasses.dataclass
@@ -176,7 +177,14 @@ class _Settings:
     sequence_parallel: bool = setting(
         False, "shard LayerNorm/dropout activations over the sequence (with --tp)", LAYOUT
     )
-    schedule: str = setting("1f1b", "pipeline schedule (--vpp selects interleaved 1F1B)", LAYOUT, choices=SCHEDULES)
+    schedule: str = setting(
+        "1f1b",
+        "pipeline schedule (--vpp selects interleaved 1F1B); zb-h1, zb-v: zero-bubble (Qi et al. 2023), backward "
+        "split into input- and weight-gradient passes, the latter run where a rank would idle; zb-v puts two model "
+        "chunks on every rank in a V (needs --pp > 1, leave --vpp out)",
+        LAYOUT,
+        choices=SCHEDULES,
+    )
     tp_across_nodes: bool = setting(
         False,
         "under torchrun, run a --tp whose groups span nodes (one that does not divide the ranks per node); refused "
@@ -524,6 +532,15 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size())
 
+    def pipeline_chunks(self) -> int:
+        """Model chunks per pipeline rank: 2 for ``--schedule zb-v`` (its V), else ``--vpp`` (1 without)."""
+        return 2 if self.schedule == "zb-v" else (self.vpp or 1)
+
+    def pipeline_placement(self) -> str:
+        """Where the chunks sit (``megakernels.parallel.pipeline.schedules``): ``"v"`` for zb-v, else
+        ``"interleaved"``."""
+        return "v" if self.schedule == "zb-v" else "interleaved"
+
     def zero_stage(self) -> int:
         """0 (plain data parallelism), 1 (``--distributed-optimizer``), 2 or 3 (FSDP2: ``--zero 2``, ``--fsdp``)."""
         if self.fsdp:
@@ -585,6 +602,25 @@ def _check_sharding(a: TrainArgs) -> None:
         )
     if a.fsdp_degree is not None and a.zero_stage() < 2:
         raise ArgumentError(f"--fsdp-degree {a.fsdp_degree} needs --fsdp or --zero 2")
+
+
+def _check_schedule(a: TrainArgs) -> None:
+    """The zero-bubble schedules: zb-h1 runs one chunk per rank; both defer weight gradients past their backward,
+    which FSDP (--fsdp / --zero 2) does not allow (zb-v's own rules, pp and chunks, are the layout's)."""
+    if a.schedule not in ZERO_BUBBLE:
+        return
+    if a.schedule == "zb-h1" and (a.vpp or 1) > 1:
+        raise ArgumentError(
+            f"--schedule zb-h1 runs one model chunk per pipeline rank; --vpp {a.vpp} interleaves chunks (1F1B): "
+            "leave --vpp out, or use --schedule zb-v for two chunks per rank"
+        )
+    if a.zero_stage() >= 2:
+        flag = "--fsdp" if a.fsdp else f"--zero {a.zero}"
+        raise ArgumentError(
+            f"--schedule {a.schedule} computes weight gradients in later passes than their backward; {flag} "
+            "(FSDP) reduce-scatters each module's gradients and reshards its parameters when its backward ends, "
+            "before those passes: use --distributed-optimizer (ZeRO-1) or --schedule 1f1b"
+        )
 
 
 def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
@@ -677,6 +713,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     if a.device == "cuda" and not torch.cuda.is_available() and not a.dry_run:
         raise ArgumentError("--device cuda: no CUDA device is available")
     _check_sharding(a)
+    _check_schedule(a)
     validate_layout(a, cfg)
     _check_packing(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):

@@ -225,7 +225,7 @@ def measure_trainer(args, cfg, warmup: int) -> dict:
         "peak_memory_bytes_per_rank": peak_mem,
         "time_split_s": split,
         "time_split_per_rank_s": [dict(zip(fields, rank)) for rank in per_rank],
-        "schedule_bubble_fraction": bubble_fraction(name, args.pp, m, args.vpp or 1) if args.pp > 1 else 0.0,
+        "schedule_bubble_fraction": bubble_fraction(name, args.pp, m, args.pipeline_chunks()) if args.pp > 1 else 0.0,
         "losses": [r["loss"] for r in records],
     }
 

@@ -516,15 +516,20 @@ def preset(name: str, **overrides) -> ModelConfig:
     return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
+def stage_layers(num_layers: int, pp: int, vpp: int = 1, placement: str = "interleaved") -> list[list[range]]:
     """Which layers each pipeline rank holds: ``out[rank][chunk]`` is a range of layer indices.
 
-    Virtual stage ``k = chunk·pp + rank`` holds layers ``[k·L/(pp·vpp), (k+1)·L/(pp·vpp))`` (Megatron's
-    interleaved assignment; with vpp 1, contiguous blocks).
+    Virtual stage k holds layers ``[k·L/(pp·vpp), (k+1)·L/(pp·vpp))``; on rank r, chunk c is stage ``c·pp + r``
+    (``placement="interleaved"``, Megatron's assignment; with vpp 1, contiguous blocks) or, under zb-v's
+    ``placement="v"`` (vpp 2), stage r for chunk 0 and ``2·pp − 1 − r`` for chunk 1
+    (``megakernels.parallel.pipeline.schedules.virtual_stage``). A layer's index is its place in the whole model
+    whatever the placement, so checkpoints name it alike.
 
     Raises:
         ValueError: ``num_layers`` not divisible by ``pp·vpp``.
     """
+    from megakernels.parallel.pipeline.schedules import virtual_stage
+
     stages = pp * vpp
     if num_layers % stages:
         rule = f"pp·vpp = {pp}·{vpp} = {stages}" if vpp > 1 else f"pp = {pp}"
@@ -532,7 +537,11 @@ def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[range]]:
             f"num_layers={num_layers} is not divisible by {rule} (each pipeline stage needs the same number of layers)"
         )
     per = num_layers // stages
-    return [[range((c * pp + r) * per, (c * pp + r + 1) * per) for c in range(vpp)] for r in range(pp)]
+    out = []
+    for r in range(pp):
+        ks = [virtual_stage(placement, pp, r, c, vpp) for c in range(vpp)]
+        out.append([range(k * per, (k + 1) * per) for k in ks])
+    return out
 
 
 def training_flops(forward: dict[str, float], recompute: str) -> float:
@@ -544,6 +553,17 @@ def training_flops(forward: dict[str, float], recompute: str) -> float:
     elif recompute == "selective":
         total += forward["attention"]
     return total
+
+
+def stage_times(cfg, recompute: str = "none") -> tuple[float, float, float]:
+    """A pipeline stage's ``(t_forward, t_backward, t_weight)`` relative to its forward, from the model's FLOPs per
+    token (``schedules.simulate``'s arguments): backward twice the forward plus what recomputation repeats; of it,
+    the weight gradients the zero-bubble schedules defer to their W passes, the blocks' linears (``layers_gemm``:
+    as many FLOPs as their forward). Rounded to three decimals (the zb-v orders planned for them are cached)."""
+    forward = cfg.forward_flops_per_token()
+    total = sum(forward.values())
+    backward = training_flops(forward, recompute) - total
+    return 1.0, round(backward / total, 3), round(forward["layers_gemm"] / total, 3)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -558,4 +578,4 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:.3g} {unit}".rstrip()
 
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "stage_layers", "RECOMPUTE", "human", "ceil_div"]
+__all__ = ["ModelConfig", "PRESETS", "preset", "stage_layers", "stage_times", "RECOMPUTE", "human", "ceil_div"]

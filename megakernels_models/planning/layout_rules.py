@@ -36,6 +36,7 @@ def layout_of(a) -> ParallelLayout:
             dp=a.dp,
             sequence_parallel=a.sequence_parallel,
             fsdp=a.fsdp_degree if a.zero_stage() >= 2 else None,
+            placement=a.pipeline_placement(),
             source=source,
             names=FLAGS,
         )

@@ -67,6 +67,20 @@ def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
+def _aliases(chunks) -> list[tuple[int, int]]:
+    """``(i, j)`` indices into ``global_parameters(chunks)``: param i has the same global name as a later param j
+    of this rank — the V placement's two copies of a tied embedding on pipeline rank 0. A state dict keeps the
+    later one under the name (the same values: both copies take identical steps); after a load, i copies j."""
+    last, out = {}, []
+    names = [name for name, _ in global_parameters(chunks)]
+    for j, name in enumerate(names):
+        last[name] = j
+    for i, name in enumerate(names):
+        if last[name] != i:
+            out.append((i, last[name]))
+    return out
+
+
 def _entries(chunks) -> list[tuple[str, torch.nn.Parameter, int | None]]:
     """``(global name, param, expert index)`` of every tensor a checkpoint stores for this rank: one per parameter
     (``global_parameters``), and for the stacked weights of mixture-of-experts layers one per local expert, named by
@@ -217,6 +231,7 @@ def _layout() -> dict:
         "dp": mpu.dp_size(),
         "cp": mpu.cp_size(),
         "vpp": mpu.vpp_size(),
+        "placement": mpu.pipeline_placement(),
         "world": dist.get_world_size(),
     }
 
@@ -565,7 +580,9 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         plain = _plain_params(chunks, load=True)
         sd = _state_dict(chunks, opt, targets, plain=plain)
         rng_key = f"rng.rank{dist.get_rank()}"
-        same_layout = {"cp": 1, **meta["layout"]} == _layout() and any(k.startswith(rng_key + ".") for k in keys)
+        same_layout = {"cp": 1, "placement": "interleaved", **meta["layout"]} == _layout() and any(
+            k.startswith(rng_key + ".") for k in keys
+        )
         if same_layout:
             sd[rng_key] = _rng_state()
         try:
@@ -576,6 +593,12 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         [(p, plain.get(id(p), p.data)) for p in params]
         + ([(p, t) for p, st in zip(params, targets) for t in st.values()] if targets else [])
     )
+    with torch.no_grad():
+        for i, j in _aliases(chunks):  # a tied embedding's copies on one rank: the state dict loaded the later one
+            plain.get(id(params[i]), params[i].data).copy_(plain.get(id(params[j]), params[j].data))
+            if targets:
+                for k, t in targets[i].items():
+                    t.copy_(targets[j][k])
     for p in params:
         if id(p) in plain:
             fsdp.assign_full(p, plain[id(p)])

@@ -6,7 +6,9 @@ Per optimizer step (every rank):
    every layout) and cut it into micro-batches;
 2. run the pipeline schedule (``megakernels.parallel.pipeline``): forward and backward of every micro-batch through
    this rank's model chunks (the family's ``Task`` turns a micro-batch into a loss), the data-parallel wrapper
-   reducing each gradient bucket as soon as the last micro-batch's backward has produced it;
+   reducing each gradient bucket as soon as the last micro-batch's backward has produced it (with the zero-bubble
+   schedules, its last weight-gradient pass); under zb-v's V the loss is made on pipeline rank 0 and broadcast
+   over the pipeline so that the last rank logs it;
 3. finish the gradient reduction, sum the tied word embedding's gradient over the first and last pipeline stage and
    the sequence-parallel replicated parameters' gradients over the tensor-parallel group (``finalize_model_grads``);
 4. the optimizer step (``megakernels.parallel.optimizer``): loss-scale check, global grad-norm clipping, AdamW with
@@ -44,11 +46,12 @@ from megakernels.parallel.moe import set_aux_loss_scale
 from megakernels.parallel.moe import stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.pipeline.executor import forward_backward
+from megakernels.parallel.pipeline.schedules import virtual_stage
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
 from megakernels_models.config_file import resolved
 from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
-from megakernels_models.models.config import ModelConfig, stage_layers
+from megakernels_models.models.config import ModelConfig, stage_layers, stage_times
 from megakernels_models.models.registry import task_for
 from megakernels_models.models.tasks import Task
 from megakernels_models.planning import dryrun
@@ -64,14 +67,16 @@ from megakernels_models.training.timers import StepTimers
 def build_model_chunks(task: Task, args: TrainArgs, device) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), parameters in the training precision; those whose
     name contains a part of ``--freeze`` do not require grad (no gradient buffer, no optimizer state)."""
-    pp, pp_rank, vpp = mpu.pp_size(), mpu.pp_rank(), args.vpp or 1
+    pp, pp_rank, vpp = mpu.pp_size(), mpu.pp_rank(), args.pipeline_chunks()
+    placement = args.pipeline_placement()
     chunks = []
-    for c, layers in enumerate(stage_layers(task.config.num_layers, pp, vpp)[pp_rank]):
+    for c, layers in enumerate(stage_layers(task.config.num_layers, pp, vpp, placement)[pp_rank]):
+        stage = virtual_stage(placement, pp, pp_rank, c, vpp)
         chunk = task.build_chunk(
             args.seed,
             layers=layers,
-            pre_process=pp_rank == 0 and c == 0,
-            post_process=pp_rank == pp - 1 and c == vpp - 1,
+            pre_process=stage == 0,
+            post_process=stage == pp * vpp - 1,
             sequence_parallel=args.sequence_parallel,
             attention=args.attention,
             recompute=args.recompute,
@@ -107,6 +112,8 @@ class PipelineStep:
         seq = seq // mpu.tp_size() if args.sequence_parallel else seq
         self.shape = (seq, args.micro_batch_size, cfg.hidden_size)
         self.num_microbatches = args.num_microbatches()
+        # zb-v plans its order for the model's forward, input- and weight-gradient times (FLOPs; every rank alike)
+        self.durations = stage_times(cfg, args.recompute) if args.schedule == "zb-v" else None
 
     def __call__(self, dataset, step: int, forward_only: bool = False, loss_scale: float = 1.0) -> torch.Tensor:
         """The global batch's loss (on the last stage; zero elsewhere), after forward (and backward)."""
@@ -135,7 +142,12 @@ class PipelineStep:
             losses.append(out.detach())
             return out * factor if factor != 1.0 else out
 
-        schedule = "interleaved" if (args.vpp or 1) > 1 else ("forward_only" if forward_only else args.schedule)
+        if args.schedule == "zb-v":  # its V placement, also to evaluate (forward_only=True)
+            schedule = "zb-v"
+        elif (args.vpp or 1) > 1:
+            schedule = "interleaved"
+        else:
+            schedule = "forward_only" if forward_only else args.schedule
         forward_backward(
             self.timers.wrap_forward(forward_step),
             m,
@@ -147,10 +159,13 @@ class PipelineStep:
             forward_only=forward_only,
             grad_sync=None if forward_only else (lambda c, on: [w.set_grad_sync(on) for w in self.wrappers[c]]),
             exchange_hook=self.timers.exchange_hook,
+            durations=self.durations,
         )
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
         if losses and dp * cp > 1:
             dist.all_reduce(total, group=mpu.dp_cp_group())
+        if mpu.pipeline_placement() == "v":  # the last stage is on pipeline rank 0; the last rank logs
+            dist.broadcast(total, mpu.pp_ranks()[0], group=mpu.pp_group())
         return total
 
 
@@ -158,7 +173,15 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
     """Train on the current ``torch.distributed`` world; returns the per-step records on the logging rank (the last
     rank), None elsewhere. ``cfg`` is ``validate(args)``'s result when the caller already validated."""
     cfg = validate(args) if cfg is None else cfg
-    mpu.initialize(args.tp, args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, timeout=args.timeout)
+    mpu.initialize(
+        args.tp,
+        args.pp,
+        vpp=args.vpp,
+        cp=args.cp,
+        ep=args.ep,
+        timeout=args.timeout,
+        placement=args.pipeline_placement(),
+    )
     try:
         return _train(task_for(cfg), args)
     finally:
