@@ -15,9 +15,10 @@ Memory per device, Megatron-LM's accounting:
   saved inputs at 1 byte an element and their FP8 weight copies: ``activation_bytes_per_layer``) for a stage's
   layers, times
   the micro-batches the schedule keeps in flight on the first stage (1F1B: pp; interleaved: × (1 + (pp−1)/(pp·vpp));
-  GPipe: all m), plus the last stage's fp32 logits — or, with the fused LM-head loss (``Layout.fused_linear_ce``,
-  the trainer's default for causal LMs), one chunk of logits and, in 16 bits, dW's fp32 accumulator and one chunk's
-  16-bit product (``ops.linear_cross_entropy``).
+  GPipe: all m; the zero-bubble schedules ``min(pp, m)`` on every rank, counted until their weight-gradient pass:
+  ``in_flight_per_rank``), plus the last stage's fp32 logits — or, with the fused LM-head loss
+  (``Layout.fused_linear_ce``, the trainer's default for causal LMs), one chunk of logits and, in 16 bits, dW's
+  fp32 accumulator and one chunk's 16-bit product (``ops.linear_cross_entropy``).
 
 Step time (``predict``), the sum of what cannot overlap, each term from a documented device profile
 (``DEVICES``, each constant with its source), checked against published training runs by ``megakernels plan
@@ -34,7 +35,9 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
   ``FP8_BLOCKWISE_GEMM`` for ``Layout.fp8_recipe`` blockwise), the rest (attention core, LM head) 16-bit, and each
   quantised tensor (``fp8_quantized_elements``) costs one memory-bound pass of ``FP8_QUANTIZE_BYTES`` an element;
   MFU stays counted against the 16-bit peak, as published tables count it;
-- pipeline bubble: ``(pp−1)/(vpp·m)`` of the compute, plus the point-to-point activations of each micro-batch;
+- pipeline bubble: ``(pp−1)/(vpp·m)`` of the compute (``pipeline_bubble``: zb-h1's closed form and zb-v's
+  simulated schedule at the model's forward, input- and weight-gradient FLOPs, ``config.stage_times``), plus the
+  point-to-point activations of each micro-batch;
 - tensor parallelism: per layer and micro-batch, forward and backward, two all-reduces (or all-gather +
   reduce-scatter with SP, the same bytes) of the ``[s/cp, b, h]`` activations in 16 bits, ring cost
   ``2(t−1)/t·bytes/bandwidth`` over NVLink inside a node, the inter-node network beyond; not overlapped; with fp8
@@ -66,7 +69,7 @@ import functools
 
 from megakernels.parallel.embedding import pad_vocab_size
 from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
-from megakernels_models.models.config import ModelConfig, stage_layers
+from megakernels_models.models.config import ModelConfig, stage_layers, stage_times
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "blockwise")
@@ -97,6 +100,11 @@ class Layout:
     flash: bool = True
     frozen: tuple[str, ...] = ()  # --freeze's name parts (Task.is_frozen): weights without gradients or optimizer
     fused_linear_ce: bool = True  # --no-fused-linear-ce: a causal LM's loss holds the whole logits (Megatron-LM's)
+
+    @property
+    def placement(self) -> str:
+        """Where the pipeline chunks sit: ``"v"`` for zb-v (rank r: stages r and 2·pp−1−r), else ``"interleaved"``."""
+        return "v" if self.schedule == "zb-v" else "interleaved"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -132,7 +140,7 @@ class Layout:
             dp=args.data_parallel_size(),
             cp=args.cp,
             ep=args.ep,
-            vpp=args.vpp or 1,
+            vpp=args.pipeline_chunks(),
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
@@ -317,15 +325,19 @@ def params_per_stage(
     ep: int = 1,
     experts_only: bool = False,
     frozen: tuple[str, ...] | None = None,
+    placement: str = "interleaved",
 ) -> list[int]:
     """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``); with ``frozen`` (``--freeze``'s
-    name parts) only the trained ones, those ``Task.is_frozen`` leaves out."""
+    name parts) only the trained ones, those ``Task.is_frozen`` leaves out. Under the V placement (zb-v) the first
+    and the last stage, embedding and output layer, are both on rank 0."""
+    from megakernels.parallel.pipeline.schedules import stage_owner
     from megakernels_models.models.registry import task_for
 
     model, cfg = model_key.model, model_key.config
     skip = (lambda name: task_for(cfg).is_frozen(name, list(frozen))) if frozen else (lambda name: False)
+    last = stage_owner(placement, pp, pp * vpp - 1, vpp)[0]  # the rank of the last stage
     owner = {}
-    for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp)):
+    for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp, placement)):
         for layers in chunks:
             for i in layers:
                 owner[i] = r
@@ -353,9 +365,9 @@ def params_per_stage(
         elif name.startswith(("embedding.", "vision.", "projector.")):  # vlm: the encoder is on the first stage
             stages[0] += n
         else:
-            stages[-1] += n
+            stages[last] += n
     if pp > 1 and cfg.tie_embeddings and not experts_only and not skip("embedding.word.weight"):
-        stages[-1] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
+        stages[last] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
     return stages
 
 
@@ -382,28 +394,95 @@ class MetaModel:
 
 def in_flight(layout: Layout) -> float:
     """Micro-batches whose activations the first stage holds at once."""
-    m = layout.microbatches
+    return in_flight_per_rank(layout)[0]
+
+
+def in_flight_per_rank(layout: Layout) -> list[float]:
+    """Micro-batches (through a rank's share of the layers) whose activations each pipeline rank holds at once: 1F1B
+    ``min(pp, m) − r`` (at least 1), interleaved ``pp (1 + (pp−1)/(pp·vpp))`` on rank 0 and one less per later rank,
+    GPipe all m on rank 0 (the same rule after it: the accounting as it was); zb-h1 and zb-v ``min(pp, m)`` on every
+    rank (1F1B's first-stage peak; their schedules keep it, counting a micro-batch until its weight-gradient pass,
+    though its B already freed part of it: a bound), which ``simulate``'s ``peak_activations`` confirms
+    (tests/parallel/test_zero_bubble.py)."""
+    m, pp = layout.microbatches, layout.pp
+    if layout.schedule in ("zb-h1", "zb-v"):
+        return [float(min(pp, m))] * pp
     if layout.vpp > 1:
-        return layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
-    if layout.schedule == "gpipe":
-        return m
-    return min(layout.pp, m)
+        first = pp * (1 + (pp - 1) / (pp * layout.vpp))
+    elif layout.schedule == "gpipe":
+        first = m
+    else:
+        first = min(pp, m)
+    return [first if r == 0 else max(1.0, first - r) for r in range(pp)]
+
+
+def pipeline_bubble(cfg: ModelConfig, layout: Layout) -> float:
+    """The pipeline bubble as a fraction of the compute: ``(pp−1)/(vpp·m)`` for 1F1B and interleaving (GPipe's too);
+    for the zero-bubble schedules at the stage's forward, input- and weight-gradient times from the model's FLOPs
+    (``config.stage_times``): zb-h1's closed form (``schedules.bubble_fraction``), zb-v's schedule simulated
+    (planned for those times, as the trainer plans it). Simulating costs ``O(pp²·m)``, so zb-v is simulated at most
+    at ``ZB_V_SIMULATED_STAGES`` stages (longer pipelines: that idle time scaled by ``(pp−1)/7``) and, past
+    ``8·pp`` micro-batches, its idle time extrapolated linearly from ``4·pp`` and ``8·pp`` (constant where the steady
+    state has no bubble, as at equal F, B and W; growing with m where B outweighs what the memory bound lets the
+    other passes hide, as with full recomputation, where it can saturate later: then an overestimate). Checked
+    against the simulation in tests/parallel/test_zero_bubble.py."""
+    m, pp = layout.microbatches, layout.pp
+    if pp == 1:
+        return 0.0
+    if layout.schedule not in ("zb-h1", "zb-v"):
+        return (pp - 1) / (layout.vpp * m)
+    from megakernels.parallel.pipeline import schedules
+
+    times = stage_times(cfg, layout.recompute)
+    if layout.schedule == "zb-h1":
+        return schedules.bubble_fraction("zb-h1", pp, m, None, *times)
+    return zb_v_idle(pp, m, times) / (m * (times[0] + times[1]))
+
+
+ZB_V_SIMULATED_STAGES = 8  # pipeline_bubble: zb-v's schedule simulated at up to this many stages
+
+
+def zb_v_idle(pp: int, m: int, times: tuple) -> float:
+    """zb-v's idle time per rank over a step of ``m`` micro-batches (``times``' units), as ``pipeline_bubble``
+    estimates it."""
+    stages = min(pp, ZB_V_SIMULATED_STAGES)
+    scale = (pp - 1) / (stages - 1)
+    if m <= 8 * stages:
+        return _zb_v_idle(stages, m, times) * scale
+    a, b = _zb_v_idle(stages, 4 * stages, times), _zb_v_idle(stages, 8 * stages, times)
+    # the list scheduler's idle time wanders by ~10 % from one m to the next: only a clear growth is a trend
+    slope = (b - a) / (4 * stages) if b > 1.15 * a else 0.0
+    return (max(a, b) + slope * (m - 8 * stages)) * scale
+
+
+@functools.lru_cache(maxsize=256)
+def _zb_v_idle(pp: int, m: int, times: tuple) -> float:
+    """zb-v's idle time per rank (in ``times``' units) over ``m`` micro-batches."""
+    from megakernels.parallel.pipeline import schedules
+
+    sim = schedules.simulate("zb-v", pp, m, None, *times)
+    return sim["total_time"] - sim["useful_time"]
 
 
 def memory(meta: MetaModel, layout: Layout) -> dict:
     """Memory per device: ``{"per_stage": [bytes], "worst": stage, "breakdown": {...}, "parameters_per_device",
     "expert_bytes"}`` (see the module docstring)."""
     cfg, L = meta.config, layout
-    stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep)
-    expert_stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True)
-    trained = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, frozen=L.frozen) if L.frozen else stages
-    trained_experts = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True, L.frozen) if L.frozen else expert_stages
+    where = L.placement
+    stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, placement=where)
+    expert_stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True, placement=where)
+    trained = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, frozen=L.frozen, placement=where) if L.frozen else stages
+    trained_experts = (
+        params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True, L.frozen, placement=where) if L.frozen else expert_stages
+    )
     w, g, o = bytes_per_param(L)
     _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
     bytes_el = 2 if L.precision != "fp32" else 4
     per_layer = activation_bytes_per_layer(cfg, L)
     layers = cfg.num_layers // L.pp
-    flight = in_flight(L)
+    flights = in_flight_per_rank(L)
+    flight = flights[0]
+    last = L.pp - 1 if L.placement != "v" else 0  # the rank of the last stage (the logits)
     v_local = pad_vocab_size(cfg.vocab_size, L.tp) // L.tp
     tokens = cfg.seq_length // L.cp * L.micro_batch_size
     logits = tokens * v_local * 4
@@ -420,8 +499,8 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
         encoder = activation_bytes_per_layer(enc, L, encoder=True) * enc.num_layers
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
     for r, (n, t, e) in enumerate(zip(stages, trained, trained_experts)):
-        act = (per_layer * layers + (encoder if r == 0 else 0.0)) * (flight if r == 0 else max(1.0, flight - r))
-        if r == L.pp - 1:
+        act = (per_layer * layers + (encoder if r == 0 else 0.0)) * flights[r]
+        if r == last:
             act += logits
         weights = n * w
         if L.sharded:  # the gathered compute copies: ZeRO-3 two layers (this one and the prefetched next) and one
@@ -676,7 +755,7 @@ def compute_parts(meta: MetaModel, layout: Layout, device: Device) -> dict[str, 
     quantized = fp8_quantized_elements(cfg, L)
     forward = quantized["forward"] * (2.0 if L.recompute == "full" else 1.0)
     parts["quantize_s"] = (forward + quantized["backward"]) * FP8_QUANTIZE_BYTES[L.fp8_recipe] * layer_passes / bw
-    params = max(params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep))
+    params = max(params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, placement=L.placement))
     state = OPTIMIZER_BYTES_PER_PARAM - (24.0 * (1 - 1 / (L.dp * L.cp)) if L.distributed_optimizer else 0.0)
     parts["optimizer_s"] = params * state / bw
     return parts
@@ -731,7 +810,8 @@ def predict(
     optimizer_s = parts["optimizer_s"]
     compute = gemm_s + memory_s + optimizer_s
     m = L.microbatches
-    bubble = (L.pp - 1) / (L.vpp * m) * compute
+    bubble_fraction = pipeline_bubble(cfg, L)
+    bubble = bubble_fraction * compute
     act_bytes = cfg.seq_length // L.cp * L.micro_batch_size * cfg.hidden_size * (2 if half else 4)
     net = device.network_gbps(gpus_per_node)
     # tensor parallelism: TP groups are consecutive ranks; a group wider than a node crosses the network
@@ -795,7 +875,7 @@ def predict(
         **offload,
         "tokens_per_s": tokens / step,
         "mfu": model_flops / step / L.world / peak,
-        "bubble_fraction": (L.pp - 1) / (L.vpp * m),
+        "bubble_fraction": bubble_fraction,
     }
 
 

@@ -103,6 +103,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
             "ep": args.ep,
             "pp": L.pp,
             "vpp": L.vpp,
+            "schedule": args.schedule if L.pp > 1 else None,
             "dp": dp,
             "world": world,
             "microbatches": L.microbatches,
@@ -129,11 +130,12 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         for sp in (False, True)
     }
     if L.pp > 1:
-        from megakernels.parallel.pipeline import bubble_fraction, format_schedule
+        from megakernels.parallel.pipeline import format_schedule
 
-        name = "interleaved" if L.vpp > 1 else args.schedule
-        rep["bubble_fraction"] = bubble_fraction(name, L.pp, L.microbatches, L.vpp)
-        if L.pp <= 8 and L.microbatches * L.vpp <= 32:
+        name = "interleaved" if L.vpp > 1 and L.placement == "interleaved" else args.schedule
+        # the zero-bubble schedules' bubble at the model's forward / input- / weight-gradient times (FLOPs)
+        rep["bubble_fraction"] = costs.pipeline_bubble(cfg, L)
+        if L.pp <= 8 and L.microbatches * L.vpp <= 32:  # drawn at the paper's equal F, B and W times
             rep["schedule"] = format_schedule(name, L.pp, L.microbatches, L.vpp)
     rep["warnings"] = warnings_for(args, rep)
     rep["seconds"] = time.perf_counter() - t0
@@ -203,7 +205,8 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         )
     out(
         f"layout: tp={lay['tp']} cp={lay['cp']} pp={lay['pp']} vpp={lay['vpp']} dp={lay['dp']} (world {lay['world']}), "
-        f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
+        + (f"schedule {lay['schedule']}, " if lay["schedule"] else "")
+        + f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, zero={lay.get('zero', 0)}, "
         f"precision={lay['precision']}"
         + (

@@ -8,9 +8,10 @@
     megakernels plan --reproduce runs.csv [more.csv ...] [--json]
 
 Enumerates every layout of the GPUs — tensor parallelism (dividing the heads, at most a node), pipeline stages
-(dividing the layers) with or without interleaving, context parallelism for long sequences, expert parallelism for
-mixtures of experts, data parallelism over the rest — with every micro-batch size that divides the batch,
-recomputation none / selective / full, sequence parallelism with tp, and the distributed optimizer; drops the ones
+(dividing the layers) with 1F1B, interleaving or a zero-bubble schedule (zb-h1, zb-v), context parallelism for
+long sequences, expert parallelism for mixtures of experts, data parallelism over the rest — with every micro-batch
+size that divides the batch, recomputation none / selective / full, sequence parallelism with tp, and the
+distributed optimizer; drops the ones
 that break a rule ``megakernels train`` checks or that do not fit the GPU's memory (``costs.memory`` plus the
 allowance of ``costs.RESERVED_GB`` and ``costs.FRAGMENTATION``); and ranks the rest by predicted step time
 (``costs.predict``, every constant documented there). For each of the best ``--top`` it prints memory per GPU,
@@ -59,12 +60,20 @@ def candidates(
             if gpus % (tp * pp * cp):
                 continue
             dp = gpus // (tp * pp * cp)
-            for ep, vpp in itertools.product(
-                _divisors(dp) if cfg.num_experts else [1], (None, 2, 4) if pp > 1 else (None,)
-            ):
+            pipelines = [(None, "1f1b")]
+            if pp > 1:  # interleaved 1F1B, and the zero-bubble schedules (zb-v: its two chunks per rank in a V)
+                pipelines += [(2, "1f1b"), (4, "1f1b"), (None, "zb-h1"), (None, "zb-v")]
+            for ep, (vpp, schedule) in itertools.product(_divisors(dp) if cfg.num_experts else [1], pipelines):
                 try:
                     layout = ParallelLayout.build(
-                        gpus, tp=tp, cp=cp, pp=pp, ep=ep, vpp=vpp, sequence_parallel=sequence_parallel and tp > 1
+                        gpus,
+                        tp=tp,
+                        cp=cp,
+                        pp=pp,
+                        ep=ep,
+                        vpp=vpp,
+                        sequence_parallel=sequence_parallel and tp > 1,
+                        placement="v" if schedule == "zb-v" else "interleaved",
                     )
                 except LayoutError:
                     continue
@@ -74,6 +83,8 @@ def candidates(
                     if mbs > 16 or layout.batch_problem(mbs, global_batch_size):
                         continue
                     stages = (0, 1, 2, 3) if dp * cp > 1 else (0,)  # ZeRO-1, FSDP2's ZeRO-2 and ZeRO-3
+                    if schedule != "1f1b":  # the zero-bubble schedules defer weight gradients past FSDP's hooks
+                        stages = tuple(z for z in stages if z < 2)
                     for recompute, zero in itertools.product(("none", "selective", "full"), stages):
                         out.append(
                             costs.Layout(
@@ -82,7 +93,8 @@ def candidates(
                                 dp=dp,
                                 cp=cp,
                                 ep=ep,
-                                vpp=vpp or 1,
+                                vpp=layout.vpp or 1,
+                                schedule=schedule,
                                 micro_batch_size=mbs,
                                 global_batch_size=global_batch_size,
                                 sequence_parallel=layout.sequence_parallel,
@@ -186,7 +198,9 @@ def _train_flags(layout: costs.Layout, source: list[str]) -> list[str]:
     flags = [*source, "--tp", str(layout.tp), "--pp", str(layout.pp)]
     flags += ["--cp", str(layout.cp)] if layout.cp > 1 else []
     flags += ["--ep", str(layout.ep)] if layout.ep > 1 else []
-    flags += ["--vpp", str(layout.vpp)] if layout.vpp > 1 else []
+    if layout.schedule != "1f1b":
+        flags += ["--schedule", layout.schedule]
+    flags += ["--vpp", str(layout.vpp)] if layout.vpp > 1 and layout.placement == "interleaved" else []
     flags += [
         "--micro-batch-size",
         str(layout.micro_batch_size),
@@ -403,14 +417,14 @@ def main(ns) -> int:
         + f": {len(ranked)} layouts fit"
     )
     print(
-        f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'dp':>5} {'mbs':>4} {'recompute':>9} "
-        f"{'zero':>4} {'GB/GPU':>7} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>7}"
+        f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'schedule':>8} {'cp':>3} {'ep':>3} {'dp':>5} {'mbs':>4} "
+        f"{'recompute':>9} {'zero':>4} {'GB/GPU':>7} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>7}"
     )
     for row in rows:
         L = row["layout"]
         print(
-            f"{row['rank']:>2} {L['tp']:>3} {L['pp']:>3} {L['vpp']:>3} {L['cp']:>3} {L['ep']:>3} {L['dp']:>5} "
-            f"{L['micro_batch_size']:>4} {L['recompute']:>9} {_zero(L):>4} "
+            f"{row['rank']:>2} {L['tp']:>3} {L['pp']:>3} {L['vpp']:>3} {L['schedule']:>8} {L['cp']:>3} {L['ep']:>3} "
+            f"{L['dp']:>5} {L['micro_batch_size']:>4} {L['recompute']:>9} {_zero(L):>4} "
             f"{row['memory_per_gpu_bytes'] / 1e9:>7.1f} {row['step_s']:>8.3f} {row['tokens_per_s']:>10.0f} "
             f"{row['mfu']:>6.1%} {row['bubble_fraction']:>7.1%}"
         )
