@@ -10,7 +10,10 @@ unnormalised top-k at ep 2 and tp 2 × pp 2; checkpoints resharded across ep), s
 (fsdp 4 for every dense family and the vision-language model, fsdp 2 × tp 2, × pp 2, × cp 2, MoE at fsdp 4 × ep 2,
 ZeRO-2, HSDP 2 × 2; checkpoints resharded fsdp 4 -> tp 2 × pp 2 -> fsdp 2 × tp 2 and to one process), FP8 training
 (tensorwise GPT and blockwise Llama at tp 2 with SP and tp 2 × pp 2, their MoE forms at tp 2 × pp 2 × ep 2; 1e-4:
-FP8_RTOL), and vision-language models (a ViT +
+FP8_RTOL), the zero-bubble pipeline schedules (zb-h1 and zb-v for GPT and Llama at pp 2 and pp 4 — zb-v at pp 4
+against an 8-layer single process —, BERT under zb-v, with full and selective recomputation, tp 2 × pp 2 with SP
+for Llama and FP8 GPT, the MoE GPT at pp 2 × ep 2 under zb-v, tp 2 × pp 2 × dp 2 with SP and ZeRO-1 under zb-v;
+zb-v checkpoints resumed under 1F1B and in one process, and 1F1B's under zb-v), and vision-language models (a ViT +
 projector before a GPT, the image tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp
 2 (the encoder on the first stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split)
 alone and × dp 2 with ZeRO-1 and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2
@@ -162,6 +165,19 @@ LAYOUTS = {
     "fsdp4-ep2": (4, dict(fsdp=True, ep=2)),
     "zero2": (4, dict(zero=2)),
     "hsdp2": (4, dict(fsdp=True, fsdp_degree=2)),
+    # zero-bubble pipeline schedules (B and W split; zb-v's V: two chunks per rank, both ends on pipeline rank 0)
+    "pp2-zb-h1": (2, dict(pp=2, schedule="zb-h1")),
+    "pp2-zb-v": (2, dict(pp=2, schedule="zb-v")),
+    "pp2-zb-h1-recompute": (2, dict(pp=2, schedule="zb-h1", recompute="full")),
+    "pp2-zb-v-selective": (2, dict(pp=2, schedule="zb-v", recompute="selective")),
+    "pp4-zb-h1": (4, dict(pp=4, schedule="zb-h1")),
+    "pp4-zb-v": (4, dict(pp=4, schedule="zb-v", num_layers=8)),  # 8 stages: against the 8-layer single process
+    "tp2-pp2-zb-h1-sp": (4, dict(tp=2, pp=2, schedule="zb-h1", sequence_parallel=True)),
+    "pp2-ep2-zb-v": (4, dict(pp=2, ep=2, schedule="zb-v")),
+    "tp2-pp2-dp2-zb-v": (
+        8,
+        dict(tp=2, pp=2, schedule="zb-v", sequence_parallel=True, distributed_optimizer=True),
+    ),
 }
 ONLY = {
     "offload": ("gpt",),
@@ -201,7 +217,19 @@ ONLY = {
     "fsdp4-ep2": EXPERTS,
     "zero2": ("gpt", "llama"),
     "hsdp2": ("gpt",),
+    "pp2-zb-h1": ("gpt", "llama"),
+    "pp2-zb-v": ("gpt", "llama", "bert"),
+    "pp2-zb-h1-recompute": ("gpt",),
+    "pp2-zb-v-selective": ("llama",),
+    "pp4-zb-h1": ("gpt", "llama"),
+    "pp4-zb-v": ("gpt", "llama"),
+    "tp2-pp2-zb-h1-sp": ("llama", "gpt-fp8"),
+    "pp2-ep2-zb-v": ("gpt-moe",),
+    "tp2-pp2-dp2-zb-v": ("gpt", "llama"),
 }
+# Single-process curves of other models than BASE's, and the layouts compared against them.
+REFERENCES = {"layers8": dict(num_layers=8)}
+REFERENCE_OF = {"pp4-zb-v": "layers8"}
 
 
 def _args(model: str, changes: dict, nproc: int, root: str = "") -> TrainArgs:
@@ -285,6 +313,7 @@ def _world(rank: int, world_size: int, cases, root: str):
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
     if world_size == 2:
+        _zero_bubble_checkpoints(root, world_size, out)
         for model, changes in VISION_SAVE.items():
             records = train(
                 _args(model, dict(changes, save=_saved(model, root), save_interval=3, keep_checkpoints=5), world_size)
@@ -311,6 +340,36 @@ def _world(rank: int, world_size: int, cases, root: str):
                     if records is not None:
                         out[("reshard", model, target)] = (_losses(records), [r["grad_norm"] for r in records])
     return out
+
+
+# zb-v checkpoints (its V: both ends of the model, and a tied embedding's two copies, on pipeline rank 0) in full-model
+# coordinates: saved under zb-v at pp 2 (step 3) and resumed under 1F1B at pp 2 and in one process; saved under 1F1B
+# at pp 2 and resumed under zb-v.
+ZB_SAVED = ("gpt", "llama")
+ZB_CHAIN = (
+    ("zb-v-saving", dict(pp=2, schedule="zb-v"), None),
+    ("zb-v-to-1f1b", dict(pp=2), "zb-v-saving"),
+    ("1f1b-saving", dict(pp=2), None),
+    ("1f1b-to-zb-v", dict(pp=2, schedule="zb-v"), "1f1b-saving"),
+)
+
+
+def _zb_saved(model: str, name: str, root: str = CKPT_DIR) -> str:
+    return os.path.join(root, f"{name}-{model}")
+
+
+def _zero_bubble_checkpoints(root: str, world_size: int, out: dict) -> None:
+    from megakernels_models.training.train import train
+
+    for model in ZB_SAVED:
+        for name, changes, source in ZB_CHAIN:
+            if source is None:
+                changes = dict(changes, save=_zb_saved(model, name, root), save_interval=3, keep_checkpoints=5)
+            else:
+                changes = dict(changes, load=os.path.join(_zb_saved(model, source, root), "step-00000003"))
+            records = train(_args(model, changes, world_size, root))
+            if records is not None:
+                out[("zb-chain", model, name)] = (_losses(records), [r["grad_norm"] for r in records])
 
 
 # FSDP checkpoints reshard: saved at fsdp 4 (step 3), resumed at tp 2 × pp 2 and saved again (step 5), resumed at
@@ -352,17 +411,21 @@ def _single(cases):
         return {
             c: (
                 (lambda r: (_losses(r), [x["grad_norm"] for x in r]))(
-                    train(_args(c[0], LAYOUTS[c[1]][1] if c[1] in LAYOUTS else {}, 1))
+                    train(_args(c[0], LAYOUTS[c[1]][1] if c[1] in LAYOUTS else REFERENCES.get(c[1], {}), 1))
                 )
             )
             for c in cases
         }
 
 
+def _references() -> list[tuple[str, str]]:
+    return list(dict.fromkeys((m, ref) for name, ref in REFERENCE_OF.items() for m in ONLY.get(name, DENSE)))
+
+
 @pytest.fixture(scope="module")
 def baseline():
     _packed_data()
-    return _single([(m, "single") for m in MODELS] + _cases(1))
+    return _single([(m, "single") for m in MODELS] + _cases(1) + _references())
 
 
 _WORLDS: dict[int, object] = {}
@@ -415,7 +478,7 @@ def test_single_process_variants_match(baseline, case):
 @pytest.mark.parametrize("case", [c for n in (2, 4, 8) for c in _cases(n)], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_layout_matches_single_process(baseline, case):
     got = _world_results(LAYOUTS[case[1]][0])
-    _assert_same_curve(got[case], baseline[(case[0], "single")], case)
+    _assert_same_curve(got[case], baseline[(case[0], REFERENCE_OF.get(case[1], "single"))], case)
 
 
 def test_distributed_optimizer_shards_the_optimizer_state():
@@ -472,6 +535,26 @@ def test_fsdp_checkpoints_reshard(baseline, model):
         records = train(_args(model, dict(load=point), 1))
     _assert_same_curve(
         (_losses(records), [r["grad_norm"] for r in records]), (ref[0][3:], ref[1][3:]), f"{model} fsdp 4 -> one"
+    )
+
+
+@pytest.mark.parametrize("model", ZB_SAVED)
+def test_zero_bubble_checkpoints_load_at_other_layouts(baseline, model):
+    """Saved under zb-v at pp 2 (step 3), resumed under 1F1B at pp 2 and in one process; saved under 1F1B at pp 2,
+    resumed under zb-v: every leg follows the single process's curve from where it started (1e-5 relative)."""
+    from megakernels_models.training.train import train
+
+    got = _world_results(2)
+    ref = baseline[(model, "single")]
+    for name, _, source in ZB_CHAIN:
+        start = 0 if source is None else 3
+        losses, norms = got[("zb-chain", model, name)]
+        assert len(losses) == STEPS - start, (name, losses)
+        _assert_same_curve((losses, norms), (ref[0][start:], ref[1][start:]), f"{model} {name}")
+    with single_process_world():
+        records = train(_args(model, dict(load=os.path.join(_zb_saved(model, "zb-v-saving"), "step-00000003")), 1))
+    _assert_same_curve(
+        (_losses(records), [r["grad_norm"] for r in records]), (ref[0][3:], ref[1][3:]), f"{model} zb-v -> one"
     )
 
 
