@@ -114,6 +114,7 @@ class PipelineStep:
         self.num_microbatches = args.num_microbatches()
         # zb-v plans its order for the model's forward, input- and weight-gradient times (FLOPs; every rank alike)
         self.durations = stage_times(cfg, args.recompute) if args.schedule == "zb-v" else None
+        self.stats: dict | None = None  # a dict: the next step's activation memory (forward_backward's stats)
 
     def __call__(self, dataset, step: int, forward_only: bool = False, loss_scale: float = 1.0) -> torch.Tensor:
         """The global batch's loss (on the last stage; zero elsewhere), after forward (and backward)."""
@@ -160,6 +161,7 @@ class PipelineStep:
             grad_sync=None if forward_only else (lambda c, on: [w.set_grad_sync(on) for w in self.wrappers[c]]),
             exchange_hook=self.timers.exchange_hook,
             durations=self.durations,
+            stats=self.stats,
         )
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
         if losses and dp * cp > 1:
