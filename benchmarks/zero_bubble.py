@@ -151,6 +151,17 @@ def memory(pp: int, m: int) -> list[dict]:
     return rows
 
 
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": _cpu(),
             "threads": os.cpu_count(),
             "torch": torch.__version__,
             "python": platform.python_version(),
