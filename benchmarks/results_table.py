@@ -177,14 +177,18 @@ def _bench_rows(report):
 
 
 def _results_rows(report, default_what):
+    # a row may say its figures are "predicted" (computed, e.g. simulated, rather than timed); "measured" otherwise
     for r in report["results"]:
         what = r.get("op") or r.get("name") or default_what
-        leaves = list(_leaves({k: v for k, v in r.items() if k not in ("op", "name")}))
+        kind = r.get("kind", "measured")
+        if kind not in ("measured", "predicted"):
+            raise ReportError(f"a results row's kind must be 'measured' or 'predicted', got {kind!r}")
+        leaves = list(_leaves({k: v for k, v in r.items() if k not in ("op", "name", "kind")}))
         config = {".".join(path): value for path, value in leaves if not _figure(value)}
         for path, value in leaves:
             if not _figure(value):
                 continue
-            yield "measured", what, config, ".".join(path), value, unit_of(path)
+            yield kind, what, config, ".".join(path), value, unit_of(path)
 
 
 def _plan_check_rows(report):

@@ -56,6 +56,7 @@ def bubbles() -> list[dict]:
                     sim = schedules.simulate(name, p, m, None, *t)
                     row = {
                         "name": f"bubble {name}",
+                        "kind": "predicted",  # simulated and closed forms, not timed
                         "times": label,
                         "t_forward_backward_weight": "/".join(f"{x:g}" for x in t),
                         "pp": p,
