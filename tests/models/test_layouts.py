@@ -170,6 +170,8 @@ LAYOUTS = {
     "pp2-zb-v": (2, dict(pp=2, schedule="zb-v")),
     "pp2-zb-h1-recompute": (2, dict(pp=2, schedule="zb-h1", recompute="full")),
     "pp2-zb-v-selective": (2, dict(pp=2, schedule="zb-v", recompute="selective")),
+    # the V's tied-embedding sum with the offloaded optimizer, and its forward-only evaluation
+    "pp2-zb-v-offload-eval": (2, dict(pp=2, schedule="zb-v", offload_optimizer=True, eval_interval=3, eval_steps=1)),
     "pp4-zb-h1": (4, dict(pp=4, schedule="zb-h1")),
     "pp4-zb-v": (4, dict(pp=4, schedule="zb-v", num_layers=8)),  # 8 stages: against the 8-layer single process
     "tp2-pp2-zb-h1-sp": (4, dict(tp=2, pp=2, schedule="zb-h1", sequence_parallel=True)),
@@ -221,6 +223,7 @@ ONLY = {
     "pp2-zb-v": ("gpt", "llama", "bert"),
     "pp2-zb-h1-recompute": ("gpt",),
     "pp2-zb-v-selective": ("llama",),
+    "pp2-zb-v-offload-eval": ("gpt",),
     "pp4-zb-h1": ("gpt", "llama"),
     "pp4-zb-v": ("gpt", "llama"),
     "tp2-pp2-zb-h1-sp": ("llama", "gpt-fp8"),
