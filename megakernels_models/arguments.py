@@ -275,7 +275,7 @@ class _Settings:
     offload_optimizer: bool = setting(
         False,
         "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
-        "AdamW (each ZeRO-1 rank offloads its shard)",
+        "AdamW (each ZeRO-1 rank offloads its shard; with --fsdp / --zero 2 each rank its FSDP shard)",
         OPTIM,
     )
     # data
@@ -586,19 +586,14 @@ PACKING_SETTINGS = ("document_masking", "reset_position_ids", "reset_attention_m
 
 
 def _check_sharding(a: TrainArgs) -> None:
-    """The ZeRO stages' flags agree: --fsdp is stage 3, --distributed-optimizer stage 1, and FSDP's stages take
-    neither ZeRO-1 nor our optimizer offload."""
+    """The ZeRO stages' flags agree: --fsdp is stage 3, --distributed-optimizer stage 1 (FSDP's stages shard the
+    optimizer state already)."""
     if a.fsdp and a.zero not in (0, 3):
         raise ArgumentError(f"--fsdp is ZeRO stage 3, but --zero {a.zero} asks for stage {a.zero}: give one of them")
     if a.distributed_optimizer and a.zero_stage() != 1:
         raise ArgumentError(
             f"--distributed-optimizer is ZeRO-1; with --fsdp or --zero {a.zero_stage()} FSDP shards the optimizer "
             "state already: leave it out"
-        )
-    if a.zero_stage() >= 2 and a.offload_optimizer:
-        raise ArgumentError(
-            "--offload-optimizer steps ZeRO-1 / data-parallel state on the host; with --fsdp or --zero 2 it is not "
-            "supported (leave it out)"
         )
     if a.fsdp_degree is not None and a.zero_stage() < 2:
         raise ArgumentError(f"--fsdp-degree {a.fsdp_degree} needs --fsdp or --zero 2")

@@ -96,8 +96,10 @@ class ParallelOptimizer:
         offload: keep the fp32 masters, the Adam moments and a gradient copy in host memory (pinned for CUDA
             params) and step them with the multi-threaded C++ CPU AdamW; the gradients go device-to-host per DDP
             bucket as soon as it is reduced, and the updated values host-to-device per bucket, waited for by the
-            next forward (side streams on CUDA; ``megakernels.parallel.offload``). On the CPU the trajectory is the
-            same, bit for bit, as without it.
+            next forward (side streams on CUDA; ``megakernels.parallel.offload``). Under FSDP (``ShardedModel``
+            wrappers) each rank offloads its shards: their gradients go to the host at step time and the updated
+            shards are back on the device when ``step`` returns (FSDP's all-gathers read them). On the CPU the
+            trajectory is the same, bit for bit, as without it.
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
@@ -132,8 +134,6 @@ class ParallelOptimizer:
         self.fsdp = False
         self.models, params = self._unpack(models)
         allowed = {torch.float32} if self.fsdp else {torch.float32, PRECISIONS[precision]}
-        if self.fsdp and offload:
-            raise ValueError(f"{cls}: offload with FSDP-sharded models is FSDP's own (its CPU offload policy)")
         for p in params:
             if p.dtype not in allowed:
                 raise ValueError(
@@ -177,7 +177,9 @@ class ParallelOptimizer:
             weight_decay=weight_decay,
         )
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
-        self._copies = HostCopies(self.pieces, self.models, self.device) if self.offload else None
+        # under FSDP no data-parallel buckets to copy early: every gradient shard is copied at step time
+        models = [] if self.fsdp else self.models
+        self._copies = HostCopies(self.pieces, models, self.device) if self.offload else None
 
     def _unpack(self, models):
         if isinstance(models, DistributedDataParallel):
@@ -249,15 +251,16 @@ class ParallelOptimizer:
 
     def _grads(self) -> list[torch.Tensor]:
         """The fp32 grads on the params' device (for the checks and the norm)."""
-        if self.offload:
-            return [piece.grad.float() if piece.grad.dtype != torch.float32 else piece.grad for piece in self.pieces]
         if self.fsdp:  # FSDP assigns each step's sharded gradient (None where a param got none)
             for i, piece in enumerate(self.pieces):
                 g = piece.param.grad
                 grad = fsdp.local(g).view(-1) if g is not None else torch.zeros_like(piece.flat)
-                self.pieces[i] = piece._replace(grad=grad)
-                piece.main.grad = grad
+                self.pieces[i] = piece._replace(grad=grad)  # in place: the host copies read the same list
+                if not self.offload:
+                    piece.main.grad = grad
             return [piece.grad for piece in self.pieces]
+        if self.offload:
+            return [piece.grad.float() if piece.grad.dtype != torch.float32 else piece.grad for piece in self.pieces]
         grads = []
         for piece in self.pieces:
             if piece.grad.dtype != torch.float32:  # 16-bit main_grad buffers: fp32 mains need fp32 grads
@@ -331,7 +334,7 @@ class ParallelOptimizer:
             self._copies.finish()  # the gradients not copied per bucket, then the host waits for all of them
             self._adam.step(grad_scale=divisor.to("cpu"))
             self._copies.put_params()  # overlapped with the next forward; ZeRO-1's all-gather waits for them
-            if self.distributed:
+            if self.distributed or self.fsdp:  # FSDP's all-gathers read the shards too
                 self._copies.wait_params()
         else:
             self._adam.step(grad_scale=divisor)

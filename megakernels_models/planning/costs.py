@@ -43,16 +43,19 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
   ``2(t−1)/t·bytes/bandwidth`` over NVLink inside a node, the inter-node network beyond; not overlapped; with fp8
   and SP the forward's all-gathers (before the column-parallel GEMMs) move FP8 copies, half the bytes;
 - context parallelism: each layer's key/value ring (forward and backward) overlapped with the attention compute;
-  only what exceeds it counts;
+  what exceeds it counts, and the hidden part at ``OVERLAP_SM_SHARE`` (its kernels slow the compute they overlap;
+  ``overlapped``, as for every overlapped collective below);
 - data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
   device's trained parameters (``--freeze``'s have no gradient), over NVLink inside a node, across nodes through
   the network adapters of the group's members in each node (``dp_gbps``: NCCL runs a ring per adapter), overlapped
   with the backward of the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen
-  layers included); ZeRO-3 (``Layout.fsdp``: FSDP2, ``--fsdp``) adds per micro-batch two parameter all-gathers and
-  a gradient reduce-scatter in 16 bits (ZeRO-2, ``Layout.zero2``: one all-gather), hidden behind the step's
-  compute as far as it goes; its memory is the sharded fp32 masters, gradients and moments (16 bytes a parameter
-  over the shard ranks, ``Layout.shard_ranks``) plus the gathered 16-bit copies of two layers and one layer's
-  gradient (ZeRO-2: of every layer of the stage);
+  layers included); ZeRO-3 (``Layout.fsdp``: FSDP2, ``--fsdp``) instead runs per micro-batch two 16-bit parameter
+  all-gathers and a gradient reduce-scatter in ``fsdp_reduce_dtype`` over the shard ranks (ZeRO-2,
+  ``Layout.zero2``: one all-gather; HSDP: the shard then all-reduced across the replicas), hidden behind the
+  step's compute as far as it goes but for the first layer's gather and the last one's reduce-scatter of each
+  micro-batch; with ``offload_optimizer`` its shards' optimizer state is on the host; its memory is the sharded
+  fp32 masters, gradients and moments (16 bytes a parameter over the shard ranks, ``Layout.shard_ranks``) plus the
+  gathered 16-bit copies of two layers and one layer's gradient (ZeRO-2: of every layer of the stage);
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
   tokens;
 - optimizer offload (``offload_time``): the host AdamW on this rank's share of the trained parameters (its ZeRO-1
@@ -93,6 +96,7 @@ class Layout:
     fsdp: bool = False  # ZeRO-3 (``--fsdp``): parameters, gradients and optimizer state sharded by FSDP2
     zero2: bool = False  # ZeRO-2 (``--zero 2``): FSDP2 keeping each layer's gathered parameters until its backward
     fsdp_degree: int = 0  # HSDP (``--fsdp-degree``): shard over this many data-parallel ranks (0: all of dp·cp)
+    fsdp_reduce_dtype: str = "fp32"  # ``--fsdp-reduce-dtype``: the gradient reduce-scatter's dtype (fp32 | bf16)
     recompute: str = "none"
     precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8 (``PRECISIONS``)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise | blockwise (``FP8_RECIPES``)
@@ -148,6 +152,7 @@ class Layout:
             fsdp=args.zero_stage() == 3,
             zero2=args.zero_stage() == 2,
             fsdp_degree=args.fsdp_degree or 0,
+            fsdp_reduce_dtype=args.fsdp_reduce_dtype,
             offload_optimizer=args.offload_optimizer,
             recompute=args.recompute,
             precision=args.precision,
@@ -296,7 +301,7 @@ def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple
     half = layout.precision != "fp32"
     if layout.sharded:  # FSDP2: fp32 sharded masters (the parameters), fp32 sharded gradients, sharded moments
         n = layout.shard_ranks(experts, ep)
-        return 4 / n, 4 / n, 8 / n
+        return 4 / n, 4 / n, 0.0 if layout.offload_optimizer else 8 / n
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
     if layout.offload_optimizer:
         opt_b = 0
@@ -309,9 +314,11 @@ def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple
 def host_bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> float:
     """Host bytes per parameter of one rank with ``offload_optimizer``: fp32 master, two moments and a gradient
     copy (16; ``megakernels.parallel.optimizer_memory.host_bytes_per_param``), divided like the optimizer state under
-    ZeRO-1; 0 without offload."""
+    ZeRO-1 and FSDP; 0 without offload."""
     if not layout.offload_optimizer:
         return 0.0
+    if layout.sharded:
+        return 16.0 / layout.shard_ranks(experts, ep)
     ranks = layout.dp * layout.cp // (ep if experts else 1) if layout.distributed_optimizer else 1
     return 16.0 / max(ranks, 1)
 
@@ -779,6 +786,20 @@ def compute_time(meta: MetaModel, layout: Layout, device: Device) -> tuple[float
     return gemm + memory_bound + p["optimizer_s"], gemm, memory_bound, p["optimizer_s"]
 
 
+# The share of a GPU's compute that a collective's kernels take while they run beside it (NCCL's channels are thread
+# blocks on the SMs, 16-32 per ring collective on A100/H100: 15-30 % of the SMs, and their memory traffic). Compute
+# that a collective overlaps is slowed by it: an overlapped collective is not free, and one a layout runs every
+# micro-batch (FSDP's all-gathers and reduce-scatters) costs more than one a step (DDP's all-reduce).
+OVERLAP_SM_SHARE = 0.15
+
+
+def overlapped(comm: float, window: float) -> float:
+    """Seconds a collective of ``comm`` seconds adds to a step when it runs beside ``window`` seconds of compute:
+    what exceeds the window, plus ``OVERLAP_SM_SHARE`` of the part that hides (the compute it slows)."""
+    hidden = min(comm, window)
+    return comm - hidden + OVERLAP_SM_SHARE * hidden
+
+
 def dp_gbps(layout: Layout, device: Device, gpus_per_node: int = 8) -> float:
     """GB/s of a data-parallel group's ring. Inside a node, NVLink. Across nodes NCCL runs one ring per network
     adapter, so the group's traffic leaves a node through the adapters of the group's members in it: the
@@ -837,19 +858,28 @@ def predict(
         ring = 3 * (L.cp - 1) * kv_bytes / (device.intra_gbps * 1e9) * m * layers_per_device
         eff = gemm_efficiency(cfg, L, device)
         attention = cfg.forward_flops_per_token()["attention"] * 3 * tokens / L.world / (peak * eff)
-        cp_comm = max(0.0, ring - attention)
+        cp_comm = overlapped(ring, attention)
     # data parallelism: gradients of this device's trained parameters (frozen ones have none), overlapped with the
     # last micro-batch's backward
     params = memory(meta, L)["trained_parameters_per_device"]
     dp_ranks = L.dp * L.cp
     dp_bw = dp_gbps(L, device, gpus_per_node)
     dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)
-    dp_exposed = max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
+    dp_exposed = overlapped(dp_comm, compute / max(m, 1) * 2 / 3)
     if L.sharded:  # ZeRO-3: every micro-batch all-gathers the 16-bit parameters for forward and again for backward
-        # (ZeRO-2: once) and reduce-scatters its gradients (each half a ring all-reduce), prefetched behind the whole
-        # step's compute
-        per_micro = (2 if L.zero2 else 3) * _ring(params * 2, dp_ranks, dp_bw, lat) / 2
-        dp_exposed = max(0.0, m * per_micro - compute) + max(0.0, dp_comm - compute / max(m, 1) * 2 / 3)
+        # (ZeRO-2: once) and reduce-scatters its gradients in the reduce dtype (each half a ring all-reduce over the
+        # shard ranks), one layer ahead of the compute (FSDP2's prefetch): hidden behind the step's compute as far as
+        # it goes, but for the first layer's all-gather and the last one's reduce-scatter of each micro-batch. No
+        # gradient all-reduce at the end: every micro-batch's gradients are reduce-scattered already.
+        # HSDP: each reduced shard is then all-reduced across the replicas.
+        shard, reduce_b = L.shard_ranks(), (2 if L.fsdp_reduce_dtype == "bf16" else 4)
+        gather = _ring(params * 2, shard, dp_bw, lat) / 2
+        scatter = _ring(params * reduce_b, shard, dp_bw, lat) / 2 + _ring(
+            params / shard * reduce_b, dp_ranks // shard, dp_bw, lat
+        )
+        per_micro = (1 if L.zero2 else 2) * gather + scatter
+        edge = (gather + scatter) / max(1, layers_per_device)
+        dp_exposed = overlapped(m * per_micro, compute) + m * edge
     # expert parallelism: dispatch + combine all-to-alls, forward and backward, of the routed tokens
     ep_comm = 0.0
     if cfg.num_experts and L.ep > 1:
@@ -886,20 +916,23 @@ def offload_time(
     ``{"offload_s": host_s + d2h_s + h2d_s, "host_adam_s", "d2h_s", "h2d_s"}`` (the transfers: what is not hidden).
 
     ``params``: parameters on the device; ``compute``: the step's compute seconds. A rank steps ``params`` (ZeRO-1:
-    ``params / (dp·cp)``) at ``host_adamw_ns`` each; its gradients go to the host (4 bytes each) behind the last
-    micro-batch's backward (2/3 of a micro-batch's compute) and its updated parameters come back (2 bytes each in
-    16-bit training, 4 in fp32) behind the first micro-batch's forward (1/3), or in full under ZeRO-1.
+    ``params / (dp·cp)``; FSDP: its shard, ``params / shard ranks``) at ``host_adamw_ns`` each; its gradients go to
+    the host (4 bytes each) behind the last micro-batch's backward (2/3 of a micro-batch's compute; FSDP: at step
+    time, in full) and its updated parameters come back (2 bytes each in 16-bit training, 4 in fp32 and in FSDP's
+    fp32 masters) behind the first micro-batch's forward (1/3), or in full under ZeRO-1 and FSDP.
     """
     zero = {"offload_s": 0.0, "host_adam_s": 0.0, "d2h_s": 0.0, "h2d_s": 0.0}
     if not layout.offload_optimizer:
         return zero
     L, bw = layout, device.host_gbps * 1e9
     owned = params / (L.dp * L.cp) if L.distributed_optimizer else params
+    if L.sharded:
+        owned = params / L.shard_ranks()
     micro = compute / max(L.microbatches, 1)
     host = owned * host_adamw_ns * 1e-9
-    d2h = max(0.0, owned * 4 / bw - micro * 2 / 3)
-    h2d = owned * (2 if L.precision != "fp32" else 4) / bw
-    if not L.distributed_optimizer:
+    d2h = owned * 4 / bw if L.sharded else max(0.0, owned * 4 / bw - micro * 2 / 3)
+    h2d = owned * (2 if L.precision != "fp32" and not L.sharded else 4) / bw
+    if not (L.distributed_optimizer or L.sharded):
         h2d = max(0.0, h2d - micro / 3)
     return {"offload_s": host + d2h + h2d, "host_adam_s": host, "d2h_s": d2h, "h2d_s": h2d}
 

@@ -93,6 +93,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
             {
                 "offload_seconds": _offload_seconds(meta, L, args),
                 "device_bytes_per_param": sum(costs.bytes_per_param(L)),
+                **({"fsdp_shard_ranks": L.shard_ranks()} if L.sharded else {}),
             }
             if args.offload_optimizer
             else {}
@@ -185,19 +186,26 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         f"+ grads {human(b['grads'], 'B')} + optimizer {human(b['optimizer'], 'B')} "
         f"+ activations {human(b['activations'], 'B')}"
     )
+    shards = rep.get("fsdp_shard_ranks")
     if "device_bytes_per_param" in rep:
         weight = 4 if lay["precision"] == "fp32" else 2
         dtype = "bf16" if lay["precision"] == "fp8" else lay["precision"]  # fp8 training keeps bf16 weights
+        parts = (
+            f"(4 + 4) / {shards} (the fp32 sharded parameters and gradients over the {shards} shard ranks, besides "
+            "the gathered copies of the layers at work)"
+            if shards
+            else f"{weight} ({dtype} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
+            "and the reduction, also under ZeRO-1)"
+        )
         out(
-            f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {weight} "
-            f"({dtype} weights) + 4 (the fp32 gradient buffer, kept whole on the device for accumulation "
-            "and the reduction, also under ZeRO-1); no optimizer state"
+            f"device memory per parameter (--offload-optimizer): {rep['device_bytes_per_param']:g} bytes = {parts}; "
+            "no optimizer state"
         )
     if "host_memory_per_rank_bytes" in rep:
+        over = f" / {shards} shard ranks" if shards else " / dp" if lay["distributed_optimizer"] else ""
         out(
             f"host memory per rank (--offload-optimizer: fp32 master, Adam moments and a gradient copy, 16 bytes per "
-            f"parameter{' / dp' if lay['distributed_optimizer'] else ''}): "
-            f"{human(rep['host_memory_per_rank_bytes'], 'B')}"
+            f"parameter{over}): {human(rep['host_memory_per_rank_bytes'], 'B')}"
         )
         out(
             f"offloaded optimizer per step on an {rep['offload_seconds']['device']}: "

@@ -268,6 +268,26 @@ def test_dry_run_with_offload_is_6_bytes_per_param_on_the_device_and_16_over_dp_
     assert any(line.startswith("device memory per parameter (--offload-optimizer): 6 bytes") for line in lines)
 
 
+def test_dry_run_with_fsdp_offload_keeps_the_sharded_parameters_and_gradients_on_the_device():
+    """--fsdp over 4 ranks: fp32 sharded parameters and gradients (8 bytes / 4) on the GPU; the shards' master
+    copy, moments and gradient copy (16 / 4) in host memory, stepped there at a quarter of the parameters."""
+    from megakernels_models.planning import costs
+    from megakernels_models.planning.dryrun import report
+
+    argv = ["--preset", "gpt-1.2b", "--nproc", "4", "--fsdp", "--offload-optimizer", "--global-batch-size", "32"]
+    lines = []
+    rep = report(parse_train_args([*argv, "--dry-run"]), out=lines.append)
+    n = rep["parameters_per_device"]
+    assert rep["device_bytes_per_param"] == 2 and rep["fsdp_shard_ranks"] == 4
+    assert rep["memory_breakdown_bytes"]["optimizer"] == 0
+    assert rep["host_memory_per_rank_bytes"] == pytest.approx(16 * n / 4)
+    assert rep["offload_seconds"]["host_adam_s"] == pytest.approx(n / 4 * costs.HOST_ADAMW_NS_PER_PARAM * 1e-9)
+    assert any(
+        line.startswith("device memory per parameter (--offload-optimizer): 2 bytes = (4 + 4) / 4") for line in lines
+    )
+    assert any("16 bytes per parameter / 4 shard ranks" in line for line in lines)
+
+
 def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
     from megakernels_models.planning import costs, plan
 

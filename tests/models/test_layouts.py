@@ -165,6 +165,7 @@ LAYOUTS = {
     "fsdp4-ep2": (4, dict(fsdp=True, ep=2)),
     "zero2": (4, dict(zero=2)),
     "hsdp2": (4, dict(fsdp=True, fsdp_degree=2)),
+    "fsdp4-offload": (4, dict(fsdp=True, offload_optimizer=True)),  # each rank's shards stepped on the host
     # zero-bubble pipeline schedules (B and W split; zb-v's V: two chunks per rank, both ends on pipeline rank 0)
     "pp2-zb-h1": (2, dict(pp=2, schedule="zb-h1")),
     "pp2-zb-v": (2, dict(pp=2, schedule="zb-v")),
@@ -219,6 +220,7 @@ ONLY = {
     "fsdp4-ep2": EXPERTS,
     "zero2": ("gpt", "llama"),
     "hsdp2": ("gpt",),
+    "fsdp4-offload": ("gpt",),
     "pp2-zb-h1": ("gpt", "llama"),
     "pp2-zb-v": ("gpt", "llama", "bert"),
     "pp2-zb-h1-recompute": ("gpt",),
@@ -493,6 +495,17 @@ def test_distributed_optimizer_shards_the_optimizer_state():
     assert zero["optimizer"] == pytest.approx(4.0, rel=0.02) and zero["grads"] == pytest.approx(4.0, rel=0.02)
     offloaded = got[("memory", "gpt", "dp2-zero1-offload")]  # each rank's shard in host memory: 16 / dp
     assert offloaded["optimizer"] == 0 and offloaded["host"] == pytest.approx(8.0, rel=0.02)
+
+
+def test_fsdp_offload_moves_the_sharded_optimizer_state_to_the_host():
+    """fsdp 4 (fp32): each rank holds a quarter of the weights, gradients and moments (1 + 1 + 2 bytes per
+    parameter; FSDP pads each dim-0 cut to equal sizes, hence the tolerance); offloaded, the moments leave the device
+    and the host holds them, a master copy and a gradient copy of the shard (2 + 1 + 1)."""
+    got = _world_results(4)
+    sharded, offloaded = got[("memory", "gpt", "fsdp4")], got[("memory", "gpt", "fsdp4-offload")]
+    quarter = pytest.approx(1.0, rel=0.05)
+    assert sharded == {"params": quarter, "grads": quarter, "optimizer": pytest.approx(2.0, rel=0.05)}
+    assert offloaded == {"params": quarter, "grads": quarter, "optimizer": 0, "host": pytest.approx(4.0, rel=0.05)}
 
 
 @pytest.mark.parametrize("model", list(SAVED))
