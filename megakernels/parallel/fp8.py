@@ -41,6 +41,7 @@ from megakernels.ops import fp8 as ops
 from megakernels.ops.fp8 import TILE, Quantized
 from megakernels.ops.grouped_gemm import segments
 from megakernels.parallel import comm
+from megakernels.parallel.fp8_gather import GatheredWeight
 from megakernels.parallel.init import shard_pieces
 
 ELEMENT = ops.ELEMENT
@@ -217,9 +218,12 @@ class Fp8Linear(torch.autograd.Function):
             ctx.x_t = transpose(xq)
         else:
             ctx.x_t = quantize(x2.t(), rec.input_format, "row")
-        wq = quantize(
-            weight, rec.weight_format, rec.weight_granularity, group=group, rows=spec.out_axis, cols=spec.in_axis
-        )
+        if isinstance(weight, GatheredWeight):  # FSDP gathered it in FP8 (parallel.fp8_gather)
+            wq = weight.quantized()
+        else:
+            wq = quantize(
+                weight, rec.weight_format, rec.weight_granularity, group=group, rows=spec.out_axis, cols=spec.in_axis
+            )
         ctx.w_t = transpose(wq)
         ctx.spec, ctx.shape, ctx.has_bias = spec, shape, bias is not None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype

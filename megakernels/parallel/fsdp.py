@@ -36,6 +36,7 @@ from torch import nn
 
 from megakernels.parallel import state
 from megakernels.parallel.ddp import sum_partial_grads
+from megakernels.parallel.fp8_gather import MasterWeight, wrap_linears
 from megakernels.parallel.params import copy_marks, is_expert_parallel
 
 
@@ -74,8 +75,10 @@ def is_fsdp_param(p) -> bool:
 
 
 def local(p) -> torch.Tensor:
-    """This rank's shard of an FSDP parameter (a plain tensor sharing its storage); a plain tensor as is."""
-    return p._local_tensor if is_fsdp_param(p) else p
+    """This rank's shard of an FSDP parameter (a plain tensor sharing its storage: a ``fp8_gather.MasterWeight``'s
+    data); a plain tensor as is."""
+    t = p._local_tensor if is_fsdp_param(p) else p
+    return t._data if isinstance(t, MasterWeight) else t
 
 
 def local_range(p) -> tuple[int, int]:
@@ -182,6 +185,7 @@ def shard_model(
     degree: int | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    fp8_gather: bool = True,
 ) -> ShardedModel:
     """Shard ``chunk`` (fp32 parameters, its layers in ``chunk.layers``) with FSDP2 over the data-parallel ranks.
 
@@ -190,6 +194,8 @@ def shard_model(
         degree: shard over this many data-parallel ranks and replicate across the rest (HSDP); None: all.
         param_dtype: the compute dtype of the gathered parameters (None: fp32).
         reduce_dtype: the dtype of the gradient reduce-scatter.
+        fp8_gather: all-gather the weights of the linears in tensorwise FP8 as FP8 (``parallel.fp8_gather``: the
+            same FP8 weights as a 16-bit gather, half its bytes); False: gather them in ``param_dtype``.
 
     Raises:
         ValueError: ``zero`` not 2 or 3, parameters that are not fp32, a ``degree`` that does not divide the
@@ -207,6 +213,8 @@ def shard_model(
     device = "cuda" if next(chunk.parameters()).is_cuda else "cpu"
     fully_shard, policy = _fsdp()
     mp = policy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if fp8_gather:
+        wrap_linears(chunk)  # tensorwise-FP8 weights: gathered in FP8
     marks = {name: p for name, p in chunk.named_parameters()}
     mesh, shard_group = _mesh(dense, degree, device)
     expert_world = dist.get_world_size(experts)

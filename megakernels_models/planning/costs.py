@@ -45,17 +45,18 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
 - context parallelism: each layer's key/value ring (forward and backward) overlapped with the attention compute;
   what exceeds it counts, and the hidden part at ``OVERLAP_SM_SHARE`` (its kernels slow the compute they overlap;
   ``overlapped``, as for every overlapped collective below);
-- data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a
-  device's trained parameters (``--freeze``'s have no gradient), over NVLink inside a node, across nodes through
-  the network adapters of the group's members in each node (``dp_gbps``: NCCL runs a ring per adapter), overlapped
-  with the backward of the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen
-  layers included); ZeRO-3 (``Layout.fsdp``: FSDP2, ``--fsdp``) instead runs per micro-batch two 16-bit parameter
-  all-gathers and a gradient reduce-scatter in ``fsdp_reduce_dtype`` over the shard ranks (ZeRO-2,
-  ``Layout.zero2``: one all-gather; HSDP: the shard then all-reduced across the replicas), hidden behind the
-  step's compute as far as it goes but for the first layer's gather and the last one's reduce-scatter of each
-  micro-batch; with ``offload_optimizer`` its shards' optimizer state is on the host; its memory is the sharded
-  fp32 masters, gradients and moments (16 bytes a parameter over the shard ranks, ``Layout.shard_ranks``) plus the
-  gathered 16-bit copies of two layers and one layer's gradient (ZeRO-2: of every layer of the stage);
+- data parallelism: the fp32 gradient reduction (or reduce-scatter + parameter all-gather with ZeRO-1) of a device's
+  trained parameters (``--freeze``'s have no gradient), over NVLink inside a node, across nodes through the network
+  adapters of the group's members in each node (``dp_gbps``: NCCL runs a ring per adapter), overlapped with the
+  backward of the last micro-batch, 1/m of the compute (the compute itself counts a full backward, frozen layers
+  included); ZeRO-3 (``Layout.fsdp``: FSDP2, ``--fsdp``) instead runs per micro-batch two 16-bit parameter all-gathers
+  and a gradient reduce-scatter in ``fsdp_reduce_dtype`` over the shard ranks (ZeRO-2, ``Layout.zero2``: one
+  all-gather; HSDP: the shard then all-reduced across the replicas), hidden behind the step's compute as far as it
+  goes but for the first layer's gather and the last one's reduce-scatter of each micro-batch (tensorwise FP8 weights
+  gathered in FP8, ``fp8_gathered_weights``); with ``offload_optimizer`` its shards' optimizer state is on the host;
+  its memory is the sharded fp32 masters, gradients and moments (16 bytes a parameter over the shard ranks,
+  ``Layout.shard_ranks``) plus the gathered 16-bit copies of two layers and one layer's gradient (ZeRO-2: of every
+  layer of the stage);
 - expert parallelism: the MoE all-to-alls (dispatch and combine, forward and backward) of a micro-batch's routed
   tokens;
 - optimizer offload (``offload_time``): the host AdamW on this rank's share of the trained parameters (its ZeRO-1
@@ -681,6 +682,19 @@ def _fp8_linears(cfg: ModelConfig, layout: Layout) -> dict:
     return {key: mix(dense[key], moe[key]) for key in dense}
 
 
+def fp8_gathered_weights(cfg: ModelConfig, layout: Layout) -> float:
+    """Elements of a layer's weights (averaged over the layers) that FSDP all-gathers in FP8 on one device, 1 byte
+    instead of 2: the attention's and the dense and shared-expert MLPs' linears under the tensorwise recipe
+    (``megakernels.parallel.fp8_gather``); the routed experts and every blockwise weight are gathered in 16 bits."""
+    if layout.precision != "fp8" or layout.fp8_recipe != "tensorwise" or not layout.sharded:
+        return 0.0
+    h, q, kv, mm = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.mlp_matrices
+    attention = h * (q + 2 * kv) + q * h
+    share = cfg.num_moe_layers / cfg.num_layers
+    shared = mm * h * cfg.moe_ffn_hidden_size * cfg.moe_shared_experts if share else 0.0
+    return ((1 - share) * (attention + mm * h * cfg.ffn_hidden_size) + share * (attention + shared)) / layout.tp
+
+
 def _per_device(widths: tuple[float, float], layout: Layout) -> float:
     replicated, split = widths
     return replicated / (layout.tp if layout.sequence_parallel else 1) + split / layout.tp
@@ -873,7 +887,8 @@ def predict(
         # gradient all-reduce at the end: every micro-batch's gradients are reduce-scattered already.
         # HSDP: each reduced shard is then all-reduced across the replicas.
         shard, reduce_b = L.shard_ranks(), (2 if L.fsdp_reduce_dtype == "bf16" else 4)
-        gather = _ring(params * 2, shard, dp_bw, lat) / 2
+        gathered = params * 2 - fp8_gathered_weights(cfg, L) * layers_per_device  # FP8 weights: 1 byte
+        gather = _ring(gathered, shard, dp_bw, lat) / 2
         scatter = _ring(params * reduce_b, shard, dp_bw, lat) / 2 + _ring(
             params / shard * reduce_b, dp_ranks // shard, dp_bw, lat
         )

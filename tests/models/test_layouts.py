@@ -213,8 +213,8 @@ ONLY = {
     "pp2": DENSE + VISION,
     "dp2-zero1": DENSE + ("vlm",),
     "tp2-dp2-recompute": ("vlm-x",),
-    "fsdp4": DENSE + ("qwen", "vlm"),
-    "fsdp2-tp2": DENSE + ("qwen",),
+    "fsdp4": DENSE + ("qwen", "vlm", "gpt-fp8", "llama-fp8"),  # tensorwise FP8 weights gathered in FP8
+    "fsdp2-tp2": DENSE + ("qwen", "gpt-fp8"),
     "fsdp2-pp2": DENSE,
     "fsdp2-cp2": ("gpt", "llama"),
     "fsdp4-ep2": EXPERTS,

@@ -266,3 +266,18 @@ def test_the_fp8_commands_plan_prints_are_accepted_by_train(capsys, monkeypatch)
             args = parse_train_args([*words[words.index("train") + 1 :], "--dry-run"])  # no GPU here
             validate(args)
             assert (args.precision, args.fp8_recipe) == ("fp8", recipe)
+
+
+def test_fsdp_gathers_tensorwise_fp8_weights_in_one_byte(llama):
+    """Under FSDP the tensorwise recipe's linear weights are all-gathered in FP8 (megakernels.parallel.fp8_gather):
+    every linear of a Llama 3 8B layer (QKV, output projection, SwiGLU's three matrices), counted here; blockwise and
+    bf16 gather 16 bits, and the gather's time falls with the bytes."""
+    h, q, kv, f = 4096, 4096, 1024, 14336
+    fsdp = dict(distributed_optimizer=False, fsdp=True, micro_batch_size=2)
+    tensorwise = _layout(precision="fp8", fp8_recipe="tensorwise", **fsdp)
+    blockwise = _layout(precision="fp8", fp8_recipe="blockwise", **fsdp)
+    assert costs.fp8_gathered_weights(llama.config, tensorwise) == h * (q + 2 * kv) + q * h + 3 * h * f
+    assert costs.fp8_gathered_weights(llama.config, blockwise) == 0
+    assert costs.fp8_gathered_weights(llama.config, _layout(precision="fp8")) == 0  # ZeRO-1: no FSDP gathers
+    fast, slow = (costs.predict(llama, layout, H200)["dp_s"] for layout in (tensorwise, blockwise))
+    assert 0 < fast < slow

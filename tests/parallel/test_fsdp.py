@@ -116,6 +116,48 @@ def _(rank, world):
     assert events.count(("launch", "reduce_scatter")) == LAYERS + 1
 
 
+@CHECKS.add("tensorwise_fp8_weights_are_gathered_in_fp8_with_the_16_bit_gathers_numbers")
+def _(rank, world):
+    """fsdp 4, bf16 compute, FP8 tensorwise linears: the FP8 all-gather gives the loss and every gradient shard of
+    the 16-bit gather bit for bit (the same FP8 weights), and moves one byte a linear weight element instead of
+    two."""
+    from megakernels.parallel import fp8, fsdp
+    from megakernels_models.models.registry import task_for
+    from tests.models.test_layouts import BASE
+
+    mp.initialize(1)
+    cfg = dataclasses.replace(BASE, model="gpt", num_layers=LAYERS).model_config()
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for gather in (True, False):
+        chunk = task_for(cfg).build_chunk(7, attention="torch")
+        linears = sum(m.weight.numel() for m in chunk.modules() if hasattr(m, "fp8") and m.weight.dim() == 2)
+        assert fp8.enable(chunk, "tensorwise") > 0
+        fsdp.shard_model(chunk, param_dtype=torch.bfloat16, fp8_gather=gather)
+        sent = []
+        original = dist.all_gather_single
+
+        def counting(out, inp, *args, **kwargs):
+            sent.append(inp.numel() * inp.element_size())
+            return original(out, inp, *args, **kwargs)
+
+        dist.all_gather_single = counting
+        try:
+            loss = chunk(ids=tokens, labels=tokens).float().sum()
+            loss.backward()
+        finally:
+            dist.all_gather_single = original
+        grads = [fsdp.local(p.grad).clone() for p in chunk.parameters()]
+        runs[gather] = (loss.item(), grads, sum(sent))
+    (loss8, grads8, bytes8), (loss16, grads16, bytes16) = runs[True], runs[False]
+    assert loss8 == loss16
+    assert all(torch.equal(a, b) for a, b in zip(grads8, grads16))
+    # forward and backward gather every layer (ZeRO-3): the linears' shards at 1 byte instead of 2, padded to equal
+    # shards over the 4 ranks
+    saved = bytes16 - bytes8
+    assert 2 * linears / world <= saved <= 2 * (linears / world + 4 * 128 * LAYERS * 8), (saved, linears)
+
+
 def _world(rank, world_size):
     return CHECKS.run(rank, world_size)
 
