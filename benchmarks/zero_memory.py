@@ -3,13 +3,13 @@
     python -m benchmarks.zero_memory [--preset llama-tiny] [--precision bf16] [--steps 2] [--out DIR]
 
 Each stage trains the same preset in its own spawned world of 4 gloo processes (data parallelism 4; ``--zero 0``,
-``--distributed-optimizer``, ``--zero 2``, ``--fsdp``). Figures per rank (the last rank; every rank holds the same
-share): the bytes per parameter the trainer measures on the tensors it holds after the first step (parameters,
-gradients, optimizer state: ``ParallelOptimizer.memory_bytes``; for FSDP the sharded fp32 masters, sharded
-gradients and moments), and the process's peak resident memory (``ru_maxrss``: everything, the gathered
-parameters, activations and the Python runtime included; a process-wide high-water mark, so it shows differences
-of the order of the model's size only). docs/design.md §4 "Sharded data parallelism"; the planner's model of the
-same is ``planning/costs.memory``.
+``--distributed-optimizer``, ``--zero 2``, ``--fsdp``, and ZeRO-1 and ZeRO-3 with ``--offload-optimizer``). Figures per
+rank (the last rank; every rank holds the same share): the bytes per parameter the trainer measures on the tensors it
+holds after the first step (parameters, gradients, optimizer state: ``ParallelOptimizer.memory_bytes``; for FSDP the
+sharded fp32 masters, sharded gradients and moments; with ``--offload-optimizer`` the host bytes apart), and the
+process's peak resident memory (``ru_maxrss``: everything, the gathered parameters, activations and the Python runtime
+included; a process-wide high-water mark, so it shows differences of the order of the model's size only). docs/design.md
+§4 "Sharded data parallelism"; the planner's model of the same is ``planning/costs.memory``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ STAGES = (
     ("zero-1", {"distributed_optimizer": True}),
     ("zero-2", {"zero": 2}),
     ("zero-3", {"fsdp": True}),
+    ("zero-1-offload", {"distributed_optimizer": True, "offload_optimizer": True}),
+    ("zero-3-offload", {"fsdp": True, "offload_optimizer": True}),
 )
 
 
@@ -52,7 +54,10 @@ def main(argv=None) -> int:
     info = machine("cpu")
     print(machine_line(info))
     rows = []
-    print(f"{'stage':>7} {'params B/p':>11} {'grads B/p':>10} {'optim B/p':>10} {'total B/p':>10} {'peak RSS MiB':>13}")
+    print(
+        f"{'stage':>14} {'params B/p':>11} {'grads B/p':>10} {'optim B/p':>10} {'total B/p':>10} {'host B/p':>9} "
+        f"{'peak RSS MiB':>13}"
+    )
     for name, flags in STAGES:
         args = TrainArgs(
             preset=ns.preset,
@@ -78,14 +83,16 @@ def main(argv=None) -> int:
                 "grads_bytes_per_param": float(per_param["grads"]),
                 "optimizer_bytes_per_param": float(per_param["optimizer"]),
                 "total_bytes_per_param": float(total),
+                "host_bytes_per_param": float(per_param.get("host", 0.0)),
                 "peak_rss_mib": peak / 2**20,
                 "final_loss": float(loss),
             }
         )
         r = rows[-1]
         print(
-            f"{name:>7} {r['params_bytes_per_param']:>11.2f} {r['grads_bytes_per_param']:>10.2f} "
-            f"{r['optimizer_bytes_per_param']:>10.2f} {total:>10.2f} {r['peak_rss_mib']:>13.0f}",
+            f"{name:>14} {r['params_bytes_per_param']:>11.2f} {r['grads_bytes_per_param']:>10.2f} "
+            f"{r['optimizer_bytes_per_param']:>10.2f} {total:>10.2f} {r['host_bytes_per_param']:>9.2f} "
+            f"{r['peak_rss_mib']:>13.0f}",
             flush=True,
         )
     write_json(ns.out, "zero_memory.json", {"machine": info, "settings": vars(ns), "results": rows})
