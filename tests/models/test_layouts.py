@@ -378,12 +378,12 @@ def _zero_bubble_checkpoints(root: str, world_size: int, out: dict) -> None:
 
 
 # FSDP checkpoints reshard: saved at fsdp 4 (step 3), resumed at tp 2 × pp 2 and saved again (step 5), resumed at
-# fsdp 2 × tp 2 — all in the world of 4 — and the fsdp 4 one also in one process.
+# fsdp 2 × tp 2 with the optimizer offloaded — all in the world of 4 — and the fsdp 4 one also in one process.
 FSDP_RESHARD = ("gpt", "llama-moe")
 FSDP_CHAIN = (
     ("fsdp4", dict(fsdp=True), None, 3),
     ("tp2-pp2", dict(tp=2, pp=2), "fsdp4", 5),
-    ("fsdp2-tp2", dict(fsdp=True, tp=2), "tp2-pp2", None),
+    ("fsdp2-tp2", dict(fsdp=True, tp=2, offload_optimizer=True), "tp2-pp2", None),
 )
 
 
@@ -535,8 +535,8 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
 
 @pytest.mark.parametrize("model", FSDP_RESHARD)
 def test_fsdp_checkpoints_reshard(baseline, model):
-    """fsdp 4 (saved at step 3) -> tp 2 × pp 2 (saved at 5) -> fsdp 2 × tp 2, and fsdp 4 -> one process: every leg
-    follows the single process's curve from where it started (1e-5 relative)."""
+    """fsdp 4 (saved at step 3) -> tp 2 × pp 2 (saved at 5) -> fsdp 2 × tp 2 (optimizer offloaded), and fsdp 4 ->
+    one process: every leg follows the single process's curve from where it started (1e-5 relative)."""
     from megakernels_models.training.train import train
 
     got = _world_results(4)
