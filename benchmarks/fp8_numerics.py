@@ -114,9 +114,17 @@ def _bounds(sizes):
         start += n
 
 
-def curve(preset: str, precision: str, recipe: str | None, steps: int, global_batch: int | None = None) -> dict:
+def curve(
+    preset: str,
+    precision: str,
+    recipe: str | None,
+    steps: int,
+    global_batch: int | None = None,
+    seed: int | None = None,
+) -> dict:
     """One training run of ``preset`` (one process; ``global_batch`` samples a step, the preset's default when None,
-    in micro-batches of at most 4): its per-step losses and the mean step time."""
+    in micro-batches of at most 4; ``seed``: the trainer's, its default when None): its per-step losses and the mean
+    step time."""
     from megakernels.parallel.launch import single_process_world
     from megakernels_models.arguments import TrainArgs, validate
     from megakernels_models.training.train import train
@@ -124,7 +132,10 @@ def curve(preset: str, precision: str, recipe: str | None, steps: int, global_ba
     batch = (
         {} if global_batch is None else {"global_batch_size": global_batch, "micro_batch_size": min(4, global_batch)}
     )
-    args = TrainArgs(preset=preset, steps=steps, precision=precision, eval_interval=0, progress=False, **batch)
+    seeded = {} if seed is None else {"seed": seed}
+    args = TrainArgs(
+        preset=preset, steps=steps, precision=precision, eval_interval=0, progress=False, **batch, **seeded
+    )
     if recipe:
         args = TrainArgs(**{**vars(args), "fp8_recipe": recipe})
     validate(args)
@@ -135,13 +146,18 @@ def curve(preset: str, precision: str, recipe: str | None, steps: int, global_ba
     losses = [r["loss"] for r in records]
     return {
         "name": preset,
-        "precision": precision if recipe is None else f"fp8-{recipe}",
+        "precision": _mode_name(precision, recipe),
         "steps": steps,
         "global_batch_size": args.global_batch_size,
+        "seed": args.seed,
         "final_loss": statistics.fmean(losses[-10:]),
         "step_s": seconds / steps,
         "losses": losses,
     }
+
+
+def _mode_name(precision: str, recipe: str | None) -> str:
+    return precision if recipe is None else f"{precision}-{recipe}"
 
 
 def _plot(rows: list[dict], path: str) -> None:
@@ -176,8 +192,17 @@ def main(argv=None) -> int:
     parser.add_argument("--ops-only", action="store_true", help="only the per-op errors")
     parser.add_argument("--no-ops", action="store_true", help="only the curves")
     parser.add_argument("--global-batch-size", type=int, help="samples a step (default: the preset's)")
+    parser.add_argument("--seed", type=int, help="the trainer's seed (default: its own)")
+    parser.add_argument(
+        "--modes",
+        default=",".join(_mode_name(*m) for m in MODES),
+        help="the runs of each preset, of bf16, fp8-tensorwise, fp8-blockwise (default: all three)",
+    )
     parser.add_argument("--out", help="write DIR/fp8_numerics.json (and DIR/fp8_curves.png)")
     args = parser.parse_args(argv)
+    unknown = set(args.modes.split(",")) - {_mode_name(*m) for m in MODES}
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (bf16, fp8-tensorwise, fp8-blockwise)")
     info = machine("cpu")
     print(machine_line(info))
     ops = [] if args.no_ops else op_errors()
@@ -191,9 +216,11 @@ def main(argv=None) -> int:
     rows = []
     if not args.ops_only:
         for preset in args.presets.split(","):
-            runs = [curve(preset, p, r, args.steps, args.global_batch_size) for p, r in MODES]
-            for run in runs[1:]:
-                run["final_loss_difference_fraction"] = run["final_loss"] / runs[0]["final_loss"] - 1
+            modes = [m for m in MODES if _mode_name(*m) in args.modes.split(",")]
+            runs = [curve(preset, p, r, args.steps, args.global_batch_size, args.seed) for p, r in modes]
+            if runs and runs[0]["precision"] == "bf16":
+                for run in runs[1:]:
+                    run["final_loss_difference_fraction"] = run["final_loss"] / runs[0]["final_loss"] - 1
             rows += runs
             for run in runs:
                 diff = run.get("final_loss_difference_fraction")
