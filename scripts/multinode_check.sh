@@ -44,7 +44,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # torchrun, srun's tasks and the Slurm jobs find this checkout and the venv's torchrun on their path
-export PATH="$(dirname "$PY"):$PATH"
+# absolute: Slurm's job steps start in other directories, where a relative .venv/bin finds no torchrun
+export PATH="$(cd "$(dirname "$PY")" && pwd):$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MEGAKERNELS_MULTINODE=1
 
