@@ -233,3 +233,44 @@ def test_every_layout_plan_considers_is_accepted_by_train_for_every_preset(monke
                 validate(parse_train_args([*words[words.index("train") + 1 :], "--dry-run"]))  # or raises
                 checked += 1
     assert checked > len(PRESETS)
+
+
+def test_fsdp_step_time_is_its_per_micro_batch_collectives_and_no_gradient_all_reduce():
+    """By hand, llama3-8b at fsdp 64 on 8 nodes of H200: every micro-batch all-gathers the 16-bit parameters twice
+    (ZeRO-2: once) and reduce-scatters the gradients in the reduce dtype over the 64 shard ranks (each half a ring
+    all-reduce), hidden behind the step's compute but for one layer's gather and reduce-scatter a micro-batch; what
+    hides costs OVERLAP_SM_SHARE of itself; no data-parallel all-reduce after backward. HSDP adds each shard's
+    all-reduce across the replicas."""
+    import dataclasses
+
+    meta, device = costs.MetaModel(preset("llama3-8b")), costs.DEVICES["h200"]
+    base = costs.Layout(dp=64, micro_batch_size=1, global_batch_size=256, fsdp=True)
+
+    def by_hand(L):
+        params = costs.memory(meta, L)["trained_parameters_per_device"]
+        bw, lat, shard = costs.dp_gbps(L, device, 8) * 1e9, device.latency_s, L.shard_ranks()
+
+        def half_ring(nbytes, n):
+            return 0.0 if n == 1 else ((n - 1) / n * nbytes / bw + lat / 2)
+
+        reduce_b = 2 if L.fsdp_reduce_dtype == "bf16" else 4
+        gather = half_ring(params * 2, shard)
+        scatter = half_ring(params * reduce_b, shard) + 2 * half_ring(params / shard * reduce_b, 64 // shard)
+        per_micro = (1 if L.zero2 else 2) * gather + scatter
+        m, compute = L.microbatches, costs.predict(meta, L, device)["compute_s"]
+        hidden = min(m * per_micro, compute)
+        return m * per_micro - hidden + costs.OVERLAP_SM_SHARE * hidden + m * (gather + scatter) / 32
+
+    layouts = [
+        base,
+        dataclasses.replace(base, fsdp_reduce_dtype="bf16"),
+        dataclasses.replace(base, fsdp=False, zero2=True),
+        dataclasses.replace(base, fsdp_degree=8),
+    ]
+    got = [costs.predict(meta, L, device)["dp_s"] for L in layouts]
+    for L, dp_s in zip(layouts, got):
+        assert dp_s == pytest.approx(by_hand(L), rel=1e-9), L
+    zero3, bf16_reduce, zero2, hsdp = got
+    assert bf16_reduce < zero3 and zero2 < zero3
+    assert costs.overlapped(1.0, 4.0) == pytest.approx(costs.OVERLAP_SM_SHARE)  # all hidden: its share
+    assert costs.overlapped(5.0, 4.0) == pytest.approx(1.0 + 4.0 * costs.OVERLAP_SM_SHARE)  # 1 s exposed
