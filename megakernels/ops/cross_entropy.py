@@ -300,7 +300,9 @@ def cross_entropy(
         bool(inplace_backward),
         emulate,
     )
-    return loss.view(lead)
+    # a tensor of its own, not a view: a module's output that is a view loses hooks to in-place ops (FSDP2's
+    # pre-backward hook on a wrapped model's loss); [tokens] floats, nothing beside the logits
+    return loss.view(lead).clone()
 
 
 def cross_entropy_reference(

@@ -353,7 +353,7 @@ def linear_cross_entropy(
         chunk,
         emulate,
     )
-    return loss.view(target.shape)
+    return loss.view(target.shape).clone()  # not a view (ops.cross_entropy says why)
 
 
 def linear_cross_entropy_reference(
