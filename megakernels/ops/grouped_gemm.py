@@ -120,20 +120,20 @@ def _grouped_gemm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x, emulate):
         return _triton_kernels().backward(dout, x, weight, group_sizes)
-    return _dgrad_host(dout, x, weight, group_sizes), _wgrad_host(dout, x, weight, group_sizes)
+    groups = segments(group_sizes)  # the sizes read on the host once for both halves
+    return _dgrad_host(dout, x, weight, groups), _wgrad_host(dout, x, weight, groups)
 
 
-def _dgrad_host(dout, x, weight, group_sizes) -> torch.Tensor:
-    # The groups cover every row of dx (the sizes sum to T).
+def _dgrad_host(dout, x, weight, groups) -> torch.Tensor:
+    # The groups (``segments``) cover every row of dx (the sizes sum to T).
     dx = torch.empty_like(x)
-    for e, a, b in segments(group_sizes):
+    for e, a, b in groups:
         torch.mm(dout[a:b], weight[e], out=dx[a:b])
     return dx
 
 
-def _wgrad_host(dout, x, weight, group_sizes) -> torch.Tensor:
+def _wgrad_host(dout, x, weight, groups) -> torch.Tensor:
     # dW needs zeros only where a group is empty.
-    groups = segments(group_sizes)
     dw = torch.empty_like(weight) if len(groups) == weight.shape[0] else torch.zeros_like(weight)
     for e, a, b in groups:
         torch.mm(dout[a:b].t(), x[a:b], out=dw[e])
@@ -153,7 +153,7 @@ def grouped_gemm_backward_parts(
     if _use_triton(x, emulate):
         kernels = _triton_kernels()
         return (kernels.dgrad if part == "dx" else kernels.wgrad)(dout, x, weight, group_sizes)
-    return (_dgrad_host if part == "dx" else _wgrad_host)(dout, x, weight, group_sizes)
+    return (_dgrad_host if part == "dx" else _wgrad_host)(dout, x, weight, segments(group_sizes))
 
 
 @_grouped_gemm_bwd.register_fake

@@ -303,7 +303,8 @@ def backward(
     dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [T, k], dweight [E, n, k])`` of ``forward`` for ``dout`` ``[T, n]`` (contiguous)."""
-    return dgrad(dout, x, weight, group_sizes), wgrad(dout, x, weight, group_sizes)
+    sizes = _device_sizes(group_sizes, x.device)  # copied once; the halves find them on the device
+    return dgrad(dout, x, weight, sizes), wgrad(dout, x, weight, sizes)
 
 
 def dgrad(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

@@ -878,9 +878,9 @@ def predict(
     params = memory(meta, L)["trained_parameters_per_device"]
     dp_ranks = L.dp * L.cp
     dp_bw = dp_gbps(L, device, gpus_per_node)
-    dp_comm = _ring(params * 4, dp_ranks, dp_bw, lat)
-    dp_exposed = overlapped(dp_comm, compute / max(m, 1) * 2 / 3)
-    if L.sharded:  # ZeRO-3: every micro-batch all-gathers the 16-bit parameters for forward and again for backward
+    if not L.sharded:
+        dp_exposed = overlapped(_ring(params * 4, dp_ranks, dp_bw, lat), compute / max(m, 1) * 2 / 3)
+    else:  # ZeRO-3: every micro-batch all-gathers the 16-bit parameters for forward and again for backward
         # (ZeRO-2: once) and reduce-scatters its gradients in the reduce dtype (each half a ring all-reduce over the
         # shard ranks), one layer ahead of the compute (FSDP2's prefetch): hidden behind the step's compute as far as
         # it goes, but for the first layer's all-gather and the last one's reduce-scatter of each micro-batch. No
