@@ -15,6 +15,14 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 "${PIP[@]}" install --quiet "$TORCH_SPEC" ninja setuptools wheel
 # --no-build-isolation: build against the torch just installed instead of fetching a second one.
 "${PIP[@]}" install --quiet --no-build-isolation -e ".[train,test,bench]"
+# The peer versions the calibration's development set names (benchmarks/peer/liger_dev.csv), each in its own
+# directory where `megakernels bench --static --peer-csv` imports it from (never into the venv: one version each).
+PEERS=$(.venv/bin/python -c "from megakernels.bench.static import peer; print(peer.default_peer_root())")
+for v in 0.2.1 0.6.0; do
+  if [ ! -d "$PEERS/liger-kernel-$v/liger_kernel" ]; then
+    "${PIP[@]}" install --quiet --no-deps --target "$PEERS/liger-kernel-$v" "liger-kernel==$v"
+  fi
+done
 .venv/bin/python - <<'PY'
 import megakernels
 print("megakernels ready: backends", ", ".join(b for b in ("cpu", "cuda_emu", "cuda") if megakernels.has_backend(b)))

@@ -215,3 +215,32 @@ def test_our_launch_plans_take_the_machine():
     )
     assert elementwise._rope_parts("bf16", 16384, 32, 8, 128, a100)[0].grid == a100.sms * 8
     assert elementwise._rope_parts("bf16", 16384, 32, 8, 128, h200)[0].grid == h200.sms * 8
+
+
+TTIR = """
+module {
+  tt.func public @k(%X_ptr: !tt.ptr<f32>, %L_ptr: !tt.ptr<f32>, %n_cols: i32) {
+    %c0_i32 = arith.constant 0 : i32
+    %c1024_i32 = arith.constant 1024 : i32
+    %y = tt.load %L_ptr : !tt.ptr<f32>
+    scf.for %i = %c0_i32 to %n_cols step %c1024_i32  : i32 {
+      %a = tt.load %p, %m : tensor<1024x!tt.ptr<f32>>
+      scf.for %j = %c0_i32 to %n_cols step %c1024_i32  : i32 {
+        %b = tt.load %q : tensor<8x128x!tt.ptr<bf16>>
+      }
+      tt.store %p, %a, %m : tensor<1024x!tt.ptr<f32>>
+    }
+    tt.store %L_ptr, %y : !tt.ptr<f32>
+    tt.return
+  }
+}
+"""
+
+
+def test_ir_loops_know_the_bytes_of_their_own_tiles():
+    ir = peer.IR(TTIR, {"X_ptr": None, "L_ptr": None, "n_cols": 4096})
+    assert ir.trips() == [(4, 2), (4, 3)]
+    # the outer loop loads and stores a 1024-float tile (its inner loop's 8x128 bf16 tile is the inner loop's);
+    # the scalar load and store outside the loops belong to no loop
+    assert ir.loop_bytes == [2 * 1024 * 4, 8 * 128 * 2]
+    assert peer._access_bytes("tt.store %L_ptr, %y : !tt.ptr<f32>") == 4

@@ -3,6 +3,7 @@ waits on wgmma), access widths, occupancy, the block scheduler, and the streamin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -67,6 +68,49 @@ def test_a_block_calling_a_slow_path_is_cold_and_not_counted():
     # LDG, MUFU, BRA | FADD, STG, BRA: the MOV / CALL / MOV slow path is left out
     assert inner.counts.instructions == 6
     assert inner.counts.mufu == 1 and inner.counts.branches == 1
+
+
+# ptxas leaves a loop through a CALL.REL.NOINC to the code after it (which never returns), and an ignored row
+# leaves the kernel early: the two paths are alternatives
+EARLY_EXIT = """
+	Function : ce
+        /*0000*/                   ISETP.NE.AND P0, PT, R0, 0x10, PT ;
+        /*0010*/               @P0 BRA 0x60 ;
+        /*0020*/                   STG.E.128 desc[UR4][R2.64], RZ ;
+        /*0030*/                   STG.E.128 desc[UR4][R6.64], RZ ;
+        /*0040*/                   STG.E.128 desc[UR4][R8.64], RZ ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0070*/                   FADD R10, R10, R4 ;
+        /*0080*/               @P1 CALL.REL.NOINC 0xa0 ;
+        /*0090*/                   BRA 0x60 ;
+        /*00a0*/                   STG.E desc[UR4][R6.64], R10 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   BRA 0xc0 ;
+"""
+
+
+def test_a_call_to_code_that_never_returns_is_a_loop_exit():
+    fn = _fn(EARLY_EXIT)
+    assert len(fn.loops) == 1
+    lp = fn.loops[0]
+    assert lp.addr == 0x60 and not any(fn.blocks[b].cold for b in lp.blocks)
+    assert lp.counts.global_loads == {16: 1} and lp.counts.instructions == 4  # LDG, FADD, CALL, BRA
+
+
+def test_path_counts_take_one_branch_of_an_early_exit():
+    fn = _fn(EARLY_EXIT)
+    # 10 trips: the loop path moves 10 x 16 + 4 bytes; the early exit 48: the loop path is the costlier one
+    c, runs = fn.path_counts([10])
+    assert c.load_bytes() == 160 and c.store_bytes() == 4
+    assert runs[id(fn.loops[0])] == 10
+    # 2 trips: 36 bytes on the loop path, 48 on the early exit, which alone is counted (not both)
+    c, _ = fn.path_counts([2])
+    assert c.store_bytes() == 48 and c.load_bytes() == 0
+    # a subroutine reached only by a call counts nothing
+    nested = _fn(NESTED)
+    c, _ = nested.path_counts([1, 1])
+    assert c.instructions == nested.totals.instructions - 5  # not the cold CALL/MOV, FFMA/RET or the BRA pad
 
 
 def test_global_accesses_are_counted_by_width():
@@ -196,8 +240,9 @@ def test_streaming_kernel_within_budget_is_dram_bound():
     p = model.predict_stream(c, 1 << 26)
     assert p["bound"] == "dram"
     m = model.H200
-    t = model.combine(list(p["times_s"].values()), m.overlap_p)
-    assert p["times_s"]["dram"] <= t < 1.5 * p["times_s"]["dram"]  # issue and L2 below the DRAM time add some
+    ts = p["times_s"]
+    t = model.combine([max(ts["dram"], ts["l2"]), ts["issue"], ts["mufu"]], m.overlap_p)
+    assert ts["dram"] <= t < 1.5 * ts["dram"]  # issue below the DRAM time adds some
     assert p["predicted_fraction"] == pytest.approx((1 << 28) / m.dram_copy / (t + m.launch_s))
 
 
@@ -225,6 +270,21 @@ def test_too_many_instructions_per_element_make_a_kernel_issue_bound():
     )
     p = model.predict_stream(c, 1 << 26)
     assert p["bound"] == "issue" and p["predicted_fraction"] < 0.5 * m.issue_efficiency
+
+
+def test_dram_and_l2_of_one_stream_overlap_fully():
+    # every byte crosses DRAM and L2 once, issue is negligible: the time is the DRAM time (plus the launch)
+    m = model.H200
+    c = model.StreamCost(
+        instructions=1e-3, mufu=0, l2_bytes=4, dram_bytes=4, min_bytes=4, in_flight_per_sm=64 << 10, warps_per_sm=64
+    )
+    p = model.predict_stream(c, 1 << 26, m=m)
+    assert p["time_s"] == pytest.approx(p["times_s"]["dram"] + m.launch_s, rel=1e-6)
+    # re-read data (L2 bytes twice the DRAM bytes) is priced by the slower of the two, not their sum
+    c2 = dataclasses.replace(c, l2_bytes=8)
+    p2 = model.predict_stream(c2, 1 << 26, m=m)
+    slower = max(p2["times_s"]["dram"], p2["times_s"]["l2"])
+    assert p2["time_s"] == pytest.approx(slower + m.launch_s, rel=1e-6)
 
 
 def test_combine_is_between_the_max_and_the_sum():

@@ -520,6 +520,18 @@ _ARITH = {
 }
 
 
+_ELEMENT = {"f64": 8, "i64": 8, "f32": 4, "i32": 4, "bf16": 2, "f16": 2, "i16": 2, "i8": 1, "i1": 1}
+
+
+def _access_bytes(line: str) -> int:
+    """Bytes one ``tt.load`` / ``tt.store`` line of TTIR moves: its pointer tile's elements x element size."""
+    m = re.search(r":\s*tensor<([\dx]+)x!tt\.ptr<(\w+)>>", line)
+    if m:
+        return math.prod(int(d) for d in m.group(1).split("x")) * _ELEMENT.get(m.group(2), 4)
+    m = re.search(r":\s*!tt\.ptr<(\w+)>", line)
+    return _ELEMENT.get(m.group(1), 4) if m else 0
+
+
 class IR:
     """What the pricing needs from a kernel's Triton IR (TTIR): its ``scf.for`` loops' trip counts and which
     pointer arguments it loads from and stores to."""
@@ -527,22 +539,29 @@ class IR:
     def __init__(self, ttir: str, values: dict):
         self.defs: dict[str, tuple[str, list[str], str]] = {}
         self.loops: list[tuple[str, str, str, int]] = []  # (lb, ub, step, depth)
+        self.loop_bytes: list[int] = []  # per loop: the bytes its own loads and stores move in one iteration
         self.values = values
-        depth = 0
+        depth, open_loops = 0, []
         for line in ttir.splitlines():
             m = _FOR.search(line)
             if m:
                 self.loops.append((*m.groups(), depth))
+                self.loop_bytes.append(0)
+                open_loops.append((len(self.loops) - 1, depth))
                 for a, b in (
                     re.findall(r"(%[\w.]+)\s*=\s*(%[\w.]+)", line.split("iter_args", 1)[1])
                     if ("iter_args" in line)
                     else []
                 ):
                     self.defs[a] = ("alias", [b], "")
+            elif open_loops and re.search(r"\btt\.(load|store|atomic)", line):
+                self.loop_bytes[open_loops[-1][0]] += _access_bytes(line)
             d = _DEF.match(line)
             if d and not m:
                 self.defs[d.group(1)] = (d.group(2), re.findall(r"%[\w.#]+", d.group(3)), d.group(3))
             depth += line.count("{") - line.count("}")
+            while open_loops and depth <= open_loops[-1][1]:
+                open_loops.pop()
         self.loaded, self.stored = set(), set()
         for line in ttir.splitlines():
             for op, into in (("tt.load", self.loaded), ("tt.store", self.stored), ("tt.atomic", self.stored)):
@@ -596,33 +615,15 @@ class IR:
 
 def _program_counts(fn, trips: list[int]):
     """Per program, per warp: (instructions, MUFU, load bytes, store bytes, loads of one iteration of the first
-    loop that loads, or of the whole program without one)."""
-    from megakernels.bench.static import sass
-
-    in_loop = set()
+    loop that loads, or of the whole program without one). Each is its largest total over the paths through the
+    function (``sass.Function.path_counts``): an early exit (an ignored row) is not added to the path it skips."""
+    total, runs = fn.path_counts(trips)
+    in_flight = total.load_bytes()
     for lp in fn.loops:
-        in_loop |= lp.blocks
-    flat = sass.Counts()
-    for i, b in enumerate(fn.blocks):
-        if i not in in_loop and not b.cold:
-            for ins in fn.instrs[b.start : b.end]:
-                flat.add(ins)
-    instr, mufu, ld, st = flat.instructions, flat.mufu, flat.load_bytes(), flat.store_bytes()
-    in_flight = flat.load_bytes()
-    # a loop runs (its trips) x (its enclosing loops' trips) times
-    mult = {}
-    for lp, t in zip(fn.loops, trips):
-        outer = fn.enclosing(lp)
-        mult[id(lp)] = t * (mult.get(id(outer), 1) if outer is not None else 1)
-    for lp in fn.loops:
-        n, c = mult[id(lp)], lp.counts
-        instr += n * c.instructions
-        mufu += n * c.mufu
-        ld += n * c.load_bytes()
-        st += n * c.store_bytes()
-        if c.load_bytes() and n:
-            in_flight = max(in_flight, c.load_bytes())
-    return instr, mufu, ld, st, in_flight
+        if lp.counts.load_bytes() and runs[id(lp)]:
+            in_flight = lp.counts.load_bytes()
+            break
+    return total.instructions, total.mufu, total.load_bytes(), total.store_bytes(), in_flight
 
 
 _ANALYSED: dict = {}
@@ -650,17 +651,24 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
     values = dict(zip(launch.kernel.arg_names, launch.args))
     values.update({k: v for k, v in launch.kwargs.items() if k in launch.kernel.arg_names})
     ir = IR(ck.asm["ttir"], values)
-    trips = ir.trips()
+    trips = [(t, d, b) for (t, d), b in zip(ir.trips(), ir.loop_bytes)]
     if len(trips) != len(c.fn.loops):
         # ptxas unrolls loops of known trip count away: drop the IR loops with constant bounds first
-        var = [(t, d) for (t, d), lp in zip(trips, ir.loops) if not all(re.match(r"%c", x) for x in lp[:3])]
-        if len(var) != len(c.fn.loops) and len({t for t, _ in trips}) == 1:
-            var = [trips[0]] * len(c.fn.loops)  # every loop of the IR runs the same count: so do the SASS's
+        var = [tdb for tdb, lp in zip(trips, ir.loops) if not all(re.match(r"%c", x) for x in lp[:3])]
+        if len(var) != len(c.fn.loops) and len({t for t, _, _ in trips}) == 1:
+            var = [(trips[0][0], 0, 0)] * len(c.fn.loops)  # every loop of the IR runs the same count: so do the SASS's
         if len(var) != len(c.fn.loops):
             raise ValueError(f"{launch.name}: {len(trips)} loops in the IR, {len(c.fn.loops)} in the SASS")
         trips = var
-    instr, mufu, ld, st, flight = _program_counts(c.fn, [t for t, _ in trips])
     warps = launch.num_warps
+    # ptxas may unroll a loop of a small body u times (and peel the remainder): its SASS iteration then moves u
+    # of the IR's iterations' bytes and runs trips / u times
+    runs = []
+    for (t, _, ir_bytes), lp in zip(trips, c.fn.loops):
+        sass_bytes = (lp.counts.load_bytes() + lp.counts.store_bytes()) * 32 * warps
+        u = round(sass_bytes / ir_bytes) if ir_bytes and sass_bytes >= 1.5 * ir_bytes else 1
+        runs.append(t / u)
+    instr, mufu, ld, st, flight = _program_counts(c.fn, runs)
     programs = launch.num_ctas
     resident = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(programs / m.sms))
     nbytes = {k: v.numel() * v.element_size() for k, v in values.items() if isinstance(v, torch.Tensor)}
@@ -669,7 +677,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
     # Re-reads hit L2 while the data a program reuses stays there: one iteration of a single top-level loop (a
     # stream of rows), else everything the program loads (several passes over the same row).
     loaded = sum(nbytes[k] for k in ir.loaded if k in nbytes) / programs
-    top = [t for t, d in trips if d == 0]
+    top = [t for t, d, _ in trips if d == 0]
     reuse = loaded / max(1, top[0]) if len(top) == 1 else loaded
     touched = reuse * min(programs, resident * m.sms)
     dram_total = compulsory if touched <= m.l2_bytes else max(compulsory, l2_total)
@@ -690,7 +698,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         "registers": c.registers,
         "spill_bytes": c.spill_bytes,
         "blocks_per_sm": resident,
-        "loop_trips": [t for t, _ in trips],
+        "loop_trips": [t for t, _, _ in trips],
         "instructions_per_program": instr * warps,
         "dram_bytes": dram_total,
         "l2_bytes": l2_total,

@@ -2,7 +2,8 @@
 
 ``cuobjdump`` (from the CUDA toolkit, or the copy Triton ships) prints each function's SASS with addresses and its
 resource usage (registers, stack frame, static shared memory). From the SASS this module builds the control-flow
-graph (basic blocks; ``BRA`` edges; ``CALL``/``BRA.DIV`` lead to out-of-line slow paths and get no edge), finds
+graph (basic blocks; ``BRA`` edges; a ``CALL.REL.NOINC`` to code that never returns is a jump, ptxas's way out of
+a loop; other ``CALL``s and ``BRA.DIV`` lead to out-of-line slow paths and get no edge), finds
 the natural loops (back edges to a dominating header), and counts per loop what a cost model needs: instructions
 issued per iteration, MUFU operations, tensor-core instructions and their shapes, global accesses by width,
 barriers, waits on wgmma, TMA copies.
@@ -245,6 +246,60 @@ class Function:
         outer = [lp for lp in self.loops if lp is not loop and loop.blocks < lp.blocks]
         return min(outer, key=lambda lp: len(lp.blocks)) if outer else None
 
+    def path_counts(self, trips: list) -> tuple[Counts, dict]:
+        """What one thread's run issues along the function's costliest path, with each loop's counts
+        (``Loop.counts``) times its ``trips`` (per loop, in ``loops`` order; an inner loop's trips are per
+        iteration of its outer loop, and may be fractional). Each loop is collapsed to one node of the
+        control-flow graph; of the paths from the entry the one with the most global bytes (then instructions) is
+        taken: the alternatives of a branch (an early exit for an ignored row) are not both executed. Blocks no
+        path reaches (out-of-line subroutines) and cold blocks count nothing. Returns the counts and each loop's
+        number of runs (``id(loop)`` -> its trips x its enclosing loops' trips)."""
+        runs: dict = {}
+        for lp, t in zip(self.loops, trips):
+            outer = self.enclosing(lp)
+            runs[id(lp)] = t * (runs.get(id(outer), 1) if outer is not None else 1)
+        node = {k: ("b", k) for k in range(len(self.blocks))}
+        weight: dict = {}
+        for j, lp in enumerate(lp for lp in self.loops if self.enclosing(lp) is None):
+            c = Counts()
+            for inner in [lp, *lp.inner]:
+                c.merge(_scaled(inner.counts, runs[id(inner)]))
+            weight[("l", j)] = c
+            for b in lp.blocks:
+                node[b] = ("l", j)
+        for k, b in enumerate(self.blocks):
+            if node[k] == ("b", k):
+                weight[node[k]] = c = Counts()
+                for ins in self.instrs[b.start : b.end] if not b.cold else ():
+                    c.add(ins)
+        succ: dict = {v: set() for v in weight}
+        for k, b in enumerate(self.blocks):
+            succ[node[k]].update(node[t] for t in b.succ if node[t] != node[k])
+        order, state = [], {}
+
+        def visit(v):  # depth-first post order from the entry; a cycle left after collapsing loops is refused
+            state[v] = 1
+            for w in succ[v]:
+                if state.get(w) == 1:
+                    raise ValueError(f"{self.name}: a cycle outside the natural loops")
+                if w not in state:
+                    visit(w)
+            state[v] = 2
+            order.append(v)
+
+        visit(node[0])
+
+        def cost(c: Counts) -> tuple:
+            return (c.load_bytes() + c.store_bytes(), c.instructions)
+
+        best: dict = {}
+        for v in order:  # successors first: best[v] = the costliest path from v
+            best[v] = Counts()
+            best[v].merge(weight[v])
+            if succ[v]:
+                best[v].merge(max((best[w] for w in succ[v]), key=cost))
+        return best[node[0]], runs
+
     def waits_after_mma(self, loop: Loop) -> list:
         """For each committed group of wgmmas in the loop: the instructions this warp issues between the commit
         and the wait that retires it (``WARPGROUP.DEPBAR.LE gsb0, N`` retires all but the newest N groups),
@@ -279,11 +334,46 @@ class Function:
         return out
 
 
+def _subroutine_at(instrs: list, i: int) -> bool:
+    """Whether the code from ``instrs[i]`` on returns (``RET``) before it exits: an out-of-line subroutine."""
+    for ins in instrs[i:]:
+        if ins.base == "RET":
+            return True
+        if ins.base == "EXIT" and not ins.pred:
+            return False
+    return False
+
+
+def _jump_calls(instrs: list, index: dict) -> set:
+    """Indices of ``CALL.REL.NOINC`` instructions that are jumps, not calls: ptxas leaves a loop through one (its
+    target is the code after the loop, which never returns), where a slow path's call targets a subroutine."""
+    out = set()
+    for i, ins in enumerate(instrs):
+        if ins.base == "CALL" and "NOINC" in ins.op.split("."):
+            t = _branch_target(ins)
+            if t is not None and t in index and not _subroutine_at(instrs, index[t]):
+                out.add(i)
+    return out
+
+
+def _scaled(c: Counts, n: float) -> Counts:
+    """``n`` times ``c``, field by field (dict fields key by key)."""
+    out = Counts()
+    for f in dataclasses.fields(Counts):
+        v = getattr(c, f.name)
+        setattr(out, f.name, {k: n * x for k, x in v.items()} if isinstance(v, dict) else n * v)
+    return out
+
+
 def _basic_blocks(instrs: list) -> list:
     index = {ins.addr: i for i, ins in enumerate(instrs)}
+    jumps = _jump_calls(instrs, index)
     leaders = {0}
     for i, ins in enumerate(instrs):
-        if ins.base in ("BRA", "EXIT", "RET", "BRX", "JMP") or ins.op.startswith("BRA"):
+        if i in jumps:
+            leaders.add(i + 1)
+            leaders.add(index[_branch_target(ins)])
+        elif ins.base in ("BRA", "EXIT", "RET", "BRX", "JMP") or ins.op.startswith("BRA"):
             if i + 1 < len(instrs):
                 leaders.add(i + 1)
             t = _branch_target(ins)
@@ -295,7 +385,11 @@ def _basic_blocks(instrs: list) -> list:
     for k, b in enumerate(blocks):
         last = instrs[b.end - 1]
         unconditional_exit = last.base in ("EXIT", "RET") and not last.pred
-        if last.base == "BRA" and not last.op.startswith("BRA.DIV"):
+        if b.end - 1 in jumps:
+            b.succ.append(first[index[_branch_target(last)]])
+            if last.pred and k + 1 < len(blocks):
+                b.succ.append(k + 1)
+        elif last.base == "BRA" and not last.op.startswith("BRA.DIV"):
             t = _branch_target(last)
             if t is not None and t in index:
                 b.succ.append(first[index[t]])
@@ -303,7 +397,7 @@ def _basic_blocks(instrs: list) -> list:
                 b.succ.append(k + 1)
         elif not unconditional_exit and k + 1 < len(blocks):
             b.succ.append(k + 1)
-        b.cold = any(ins.base == "CALL" for ins in instrs[b.start : b.end])
+        b.cold = any(ins.base == "CALL" and j not in jumps for j, ins in enumerate(instrs[b.start : b.end], b.start))
     return blocks
 
 
