@@ -205,10 +205,20 @@ def test_shared_memory_bounds_an_iteration_and_slows_a_starved_wgmma():
     m = model.H200
     rate = 4096 * m.mma_sustained
     base = dict(warps=8, instructions=0, mufu=0, mma_flops=2 * 2**20, wgmma=True, overlap_instr=0, l2_bytes=0)
+    mma, smem_fed, smem_starved = 2 * 2**20 / rate, 40 * 1024 / m.smem_bytes_per_clk, 120 * 1024 / m.smem_bytes_per_clk
     fed = model.TileIteration(**base, shared_bytes=40 * 1024)
-    assert model.per_iteration_cycles(fed, 2, m) == pytest.approx((2 * 2**20 / rate, "mma"))
+    # the units overlap as a p-norm: shared memory at half the MMA time adds a little to it
+    assert model.per_iteration_cycles(fed, 2, m) == pytest.approx(
+        ((mma**m.overlap_p + smem_fed**m.overlap_p) ** (1 / m.overlap_p), "mma")
+    )
+    assert mma < model.per_iteration_cycles(fed, 2, m)[0] < 1.1 * mma
     starved = model.TileIteration(**base, shared_bytes=120 * 1024)
-    assert model.per_iteration_cycles(starved, 2, m) == pytest.approx((120 * 1024 / m.smem_bytes_per_clk, "smem"))
+    assert model.per_iteration_cycles(starved, 2, m) == pytest.approx(
+        ((mma**m.overlap_p + smem_starved**m.overlap_p) ** (1 / m.overlap_p), "smem")
+    )
+    # two units at the same time cost 2^(1/p) of either, not their max
+    both = model.TileIteration(**base, shared_bytes=mma * m.smem_bytes_per_clk)
+    assert model.per_iteration_cycles(both, 2, m)[0] == pytest.approx(mma * 2 ** (1 / m.overlap_p))
     # 32 SS 64x32x16 wgmmas (3 KiB for 64 KFLOP each) wait on their operands: the CTA's own path grows by the
     # operand time beyond the MMA time of each
     ops = model.TileIteration(**base, wgmma_ops=((65536, 3072, 32),)).cycles(m)

@@ -86,19 +86,21 @@ def _attended(s: int, docs: int) -> int:
     return docs * (s // docs) ** 2
 
 
-def _fwd_entry(s: int, d: int, causal: bool, cfg, docs: int = 1) -> dict:
+def _fwd_entry(s: int, d: int, causal: bool, cfg, docs: int = 1, m: model.Machine = model.H200) -> dict:
     from megakernels.triton import flash_attention as fa
 
     b, h = 16384 // s, 2048 // d
     q, out, lse = _meta(b, s, h, d), _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     ranges = _documents(b, s, docs)
     launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg, ranges=ranges)
-    c, pred = kernel_prediction(launch)
+    c, pred = kernel_prediction(launch, m)
     flops = 4 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
-    return tiles.pass_row([(launch.name, c, pred)], flops)
+    return tiles.pass_row([(launch.name, c, pred)], flops, m=m)
 
 
-def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False, docs: int = 1) -> dict:
+def _bwd_entry(
+    s: int, d: int, causal: bool, cfg, deterministic: bool = False, docs: int = 1, m: model.Machine = model.H200
+) -> dict:
     from megakernels.triton import flash_attention as fa
 
     b, h = 16384 // s, 2048 // d
@@ -125,13 +127,13 @@ def _bwd_entry(s: int, d: int, causal: bool, cfg, deterministic: bool = False, d
         ranges=_documents(b, s, docs),
     )
     mma = [ln for ln in launches if ln.name in fa.SCHEDULES]
-    parts = [(ln.name, *kernel_prediction(ln)) for ln in mma]
+    parts = [(ln.name, *kernel_prediction(ln, m)) for ln in mma]
     elems = b * s * h * d
     # Streaming launches at the copy rate: delta reads dO and O (4 B per element); the atomic path also zeroes
     # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).
-    extra = (4 + (0 if deterministic else 10)) * elems / model.H200.dram_copy + model.H200.launch_s * 2
+    extra = (4 + (0 if deterministic else 10)) * elems / m.dram_copy + m.launch_s * 2
     flops = 10 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
-    return tiles.pass_row(parts, flops, extra)
+    return tiles.pass_row(parts, flops, extra, m=m)
 
 
 def _config_name(cfg) -> str:

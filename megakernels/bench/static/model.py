@@ -273,18 +273,23 @@ class TileIteration:
 
 
 def per_iteration_cycles(it: TileIteration, ctas_per_sm: int, m: Machine = H200) -> tuple[float, str]:
-    """SM cycles one CTA-iteration costs when ``ctas_per_sm`` CTAs share the SM, and what bounds it."""
+    """SM cycles one CTA-iteration costs when ``ctas_per_sm`` CTAs share the SM, and what bounds it.
+
+    The SM's units (tensor cores, issue slots at ``issue_efficiency``, MUFU, L2, shared memory) overlap as the
+    streaming model's terms do (the p-norm at ``overlap_p``, fitted on a peer's published timings), not
+    perfectly: four units each near saturation cost more than the busiest alone. The CTAs' critical path (MMA,
+    then the softmax it waits for) bounds it from below."""
     c = it.cycles(m)
-    terms = {
+    units = {
         "mma": c["mma"],
-        "issue": c["issue"],
+        "issue": c["issue"] / m.issue_efficiency,
         "mufu": c["mufu"],
         "l2": c["l2"],
         "smem": c["smem"],
-        "latency": c["critical"] / max(1, ctas_per_sm),
     }
+    terms = {**units, "latency": c["critical"] / max(1, ctas_per_sm)}
     bound = max(terms, key=terms.get)
-    return terms[bound], bound
+    return max(combine(list(units.values()), m.overlap_p), terms["latency"]), bound
 
 
 def schedule(durations: list[float], slots: int) -> float:

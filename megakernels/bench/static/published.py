@@ -1,0 +1,117 @@
+"""Published FlashAttention measurements beside our kernels' static predictions: a comparison, not a calibration.
+
+``python -m megakernels.bench.static.published [--csv FILE] [--out DIR]`` reads a CSV of published attention
+throughputs (``gpu, pass, head_dim, seqlen, batch, heads, causal, dtype, implementation, published_tflops, source``;
+``benchmarks/published/flash_attention_fa3_h100.csv`` holds the FlashAttention-3 paper's H100 figures) and, for each
+(GPU, pass, head dim, sequence, mask), predicts our FlashAttention kernel's TFLOP/s at that shape with its default
+sm_90 config on that GPU (``model.machine_for``; FLOPs counted as the paper counts them: 4 b h s^2 d forward, 2.5
+times that backward, halved under a causal mask), and prints it beside every published implementation with ours
+over each. The tiled-MMA model has never been fitted to a measurement: where it predicts more than the best
+published kernel reaches on the same GPU, it is the model that is optimistic (docs/static-cost-model.md §9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+
+from megakernels.bench.static import model
+
+FIELDS = ("gpu", "pass", "head_dim", "seqlen", "batch", "heads", "causal", "implementation", "published_tflops")
+
+
+def read(path: str) -> list[dict]:
+    """The rows of a published-attention CSV; a missing column is an error naming it."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = [c for c in FIELDS if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (need {', '.join(FIELDS)})")
+    return rows
+
+
+def _key(r: dict) -> tuple:
+    return (r["gpu"], r["pass"], int(r["head_dim"]), int(r["seqlen"]), int(r["causal"]))
+
+
+def predict(gpu: str, passname: str, d: int, s: int, causal: bool) -> dict:
+    """Our kernel's static prediction at the shape (batch 16k / s, heads 2048 / d, the static report's convention)."""
+    from megakernels.bench.static import attention
+    from megakernels.triton import flash_attention as fa
+
+    m = model.machine_for(gpu)
+    if m is None:
+        raise ValueError(f"GPU {gpu!r} is not in model.MACHINES")
+    table, entry = (
+        (fa.FWD_CONFIGS, attention._fwd_entry) if passname == "fwd" else (fa.BWD_CONFIGS, attention._bwd_entry)
+    )
+    cfg = fa.candidates(table, m.arch, d)[0]
+    row = entry(s, d, causal, cfg, m=m)
+    return {
+        "config": attention._config_name(cfg),
+        **{k: row[k] for k in ("predicted_tflops", "predicted_fraction", "bound", "spill_bytes", "mma")},
+    }
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """One entry per shape: our prediction and every published implementation's TFLOP/s, with ours over each."""
+    shapes: dict = {}
+    for r in rows:
+        shapes.setdefault(_key(r), {})[r["implementation"]] = float(r["published_tflops"])
+    out = []
+    for (gpu, passname, d, s, causal), published in sorted(shapes.items()):
+        ours = predict(gpu, passname, d, s, bool(causal))
+        out.append(
+            {
+                "gpu": gpu,
+                "pass": passname,
+                "head_dim": d,
+                "seqlen": s,
+                "causal": bool(causal),
+                "ours": ours,
+                "published_tflops": published,
+                "ours_over": {k: ours["predicted_tflops"] / v for k, v in published.items()},
+            }
+        )
+    return out
+
+
+def table(out: list[dict]) -> list[str]:
+    impls = sorted({k for o in out for k in o["published_tflops"]})
+    head = f"{'pass':<5}{'d':>4}{'seq':>7} {'mask':<7}{'ours (pred.)':>13}" + "".join(f"{i:>18}" for i in impls)
+    lines = [head]
+    for o in out:
+        cells = "".join(
+            f"{o['published_tflops'][i]:>9.0f} ({o['ours_over'][i]:4.2f}x)"
+            if i in o["published_tflops"]
+            else f"{'-':>18}"
+            for i in impls
+        )
+        lines.append(
+            f"{o['pass']:<5}{o['head_dim']:>4}{o['seqlen']:>7} {'causal' if o['causal'] else 'full':<7}"
+            f"{o['ours']['predicted_tflops']:>13.0f}{cells}"
+        )
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", default=os.path.join("benchmarks", "published", "flash_attention_fa3_h100.csv"))
+    ap.add_argument("--out", default=None, help="write DIR/attention_published.json")
+    args = ap.parse_args(argv)
+    out = compare(read(args.csv))
+    for line in table(out):
+        print(line)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        from megakernels.bench.common import git_commit
+
+        with open(os.path.join(args.out, "attention_published.json"), "w") as f:
+            json.dump({"commit": git_commit(), "csv": args.csv, "shapes": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

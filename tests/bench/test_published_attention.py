@@ -1,0 +1,60 @@
+"""``python -m megakernels.bench.static.published``: the published-attention CSV reader and our predictions beside
+the published throughputs (the FlashAttention-3 paper's H100 figures, benchmarks/published)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megakernels.bench.static import model, published
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+CSV = os.path.join(ROOT, "benchmarks", "published", "flash_attention_fa3_h100.csv")
+
+
+def test_the_shipped_csv_reads_with_its_source():
+    rows = published.read(CSV)
+    assert len(rows) == 55
+    assert {r["implementation"] for r in rows} == {"FlashAttention-2", "FlashAttention-3", "Triton", "cuDNN"}
+    for r in rows:
+        assert int(r["batch"]) * int(r["seqlen"]) == 16384 and int(r["heads"]) * int(r["head_dim"]) == 2048
+        assert "2407.08608" in r["source"] and float(r["published_tflops"]) > 0
+
+
+def test_a_missing_column_is_named(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("gpu,pass,head_dim\nNVIDIA H100 80GB HBM3,fwd,128\n")
+    with pytest.raises(ValueError, match="seqlen"):
+        published.read(str(p))
+
+
+def test_ours_beside_each_published_implementation(tmp_path):
+    pytest.importorskip("triton")
+    from megakernels.bench.static import compiled, sass
+
+    if compiled.nvcc() is None or sass.find_tool("cuobjdump") is None:
+        pytest.skip("static analysis needs nvcc and cuobjdump")
+    p = tmp_path / "two.csv"
+    p.write_text(
+        "gpu,pass,head_dim,seqlen,batch,heads,causal,implementation,published_tflops\n"
+        "NVIDIA H100 80GB HBM3,fwd,128,4096,4,16,0,FlashAttention-3,638\n"
+        "NVIDIA H100 80GB HBM3,fwd,128,4096,4,16,0,Triton,389\n"
+    )
+    # the command in a process of its own: this one imported Triton in interpreter mode (tests/conftest.py)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "megakernels.bench.static.published", "--csv", str(p), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FlashAttention-3" in proc.stdout.splitlines()[0] and "Triton" in proc.stdout.splitlines()[0]
+    (row,) = json.loads((tmp_path / "attention_published.json").read_text())["shapes"]
+    ours = row["ours"]["predicted_tflops"]
+    m = model.machine_for("NVIDIA H100 80GB HBM3")
+    assert 0 < ours < m.mma_dense_bf16 / 1e12
+    assert row["ours"]["predicted_fraction"] == pytest.approx(ours * 1e12 / m.mma_dense_bf16)
+    assert row["ours_over"] == pytest.approx({"FlashAttention-3": ours / 638, "Triton": ours / 389})
+    assert row["ours"]["spill_bytes"] == 0 and row["ours"]["mma"] == "wgmma"
+    assert published.table([row])[1].split()[:4] == ["fwd", "128", "4096", "full"]
