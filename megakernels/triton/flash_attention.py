@@ -35,16 +35,16 @@ LOG2E = 1.4426950408889634
 # fit the shared memory and run on wgmma, ordered by hand by the static model's prediction, which
 # `megakernels bench --static --ops flash_attention` prints for every candidate (rerun it after changing a kernel
 # and reorder); tests/bench/test_static.py holds them to the first three. The
-# d128 forward's default caps registers at 128 so that 128x64 tiles run two CTAs an SM: shared memory 78% busy
-# instead of the 100% of 128x32 tiles, though ptxas then waits on every wgmma. Since the model's units overlap as a
-# p-norm (2026-12-03) it predicts 66% of peak for it against 58% for 128x32, whose tensor cores, shared memory,
-# issue and MUFU all run near saturation (the max of the units had them level at 75%); the first GPU run's
-# autotuning checks the order.
+# d128 forward's second candidate caps registers at 128 so that 128x64 tiles run two CTAs an SM: shared memory 78%
+# busy instead of the 100% of the default's 128x32 tiles, though ptxas then waits on every wgmma. Since the model's
+# units overlap as a p-norm (2026-12-03) it predicts 66% of peak for it against 58% for 128x32, whose tensor cores,
+# shared memory, issue and MUFU all run near saturation; it stays second because its document-masked variant
+# spills (8 bytes at 128 registers). The first GPU run's autotuning checks the order.
 FWD_CONFIGS = {
     90: {
         32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
         64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
-        128: [(128, 64, 8, 2, 128), (128, 32, 8, 4), (64, 64, 4, 3)],
+        128: [(128, 32, 8, 4), (128, 64, 8, 2, 128), (64, 64, 4, 3)],
         256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
     },
     80: {
