@@ -227,6 +227,15 @@ def _calibration_rows(report):
             yield "predicted", r["kernel_name"], config, "ours_over_peer", r["ours_over_peer"], "x"
 
 
+def _published_attention_rows(report):
+    # ``python -m megakernels.bench.static.published``: published attention throughputs beside our predictions
+    for o in report["shapes"]:
+        config = {k: o[k] for k in ("gpu", "pass", "head_dim", "seqlen", "causal")}
+        for impl, tflops in o["published_tflops"].items():
+            yield "measured", f"flash_attention {impl}", config, "tflops", float(tflops), "TFLOP/s"
+        yield "predicted", "flash_attention megakernels", config, "tflops", o["ours"]["predicted_tflops"], "TFLOP/s"
+
+
 REPRODUCE_UNITS = {
     "tflops_per_gpu": "TFLOP/s",
     "mfu": "fraction",
@@ -257,6 +266,8 @@ def figures(report: dict, stem: str):
         return list(_static_rows(report))
     if report.get("kind") == "plan --reproduce":
         return list(_reproduce_rows(report))
+    if report.get("kind") == "static vs published attention":
+        return list(_published_attention_rows(report))
     if "rows" in report and "summary" in report and "host" in report:
         return list(_calibration_rows(report))
     if "rows" in report or "e2e" in report:

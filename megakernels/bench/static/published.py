@@ -109,7 +109,16 @@ def main(argv=None) -> int:
         from megakernels.bench.common import git_commit
 
         with open(os.path.join(args.out, "attention_published.json"), "w") as f:
-            json.dump({"commit": git_commit(), "csv": args.csv, "shapes": out}, f, indent=1)
+            gpus = sorted({o["gpu"] for o in out})
+            payload = {
+                "kind": "static vs published attention",
+                "machine": {"name": "published measurements on " + ", ".join(gpus)},
+                "commit": git_commit(),
+                "date": __import__("time").strftime("%Y-%m-%d"),
+                "csv": args.csv,
+                "shapes": out,
+            }
+            json.dump(payload, f, indent=1)
     return 0
 
 
