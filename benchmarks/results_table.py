@@ -123,6 +123,8 @@ def _machine(report: dict) -> str:
     device = report.get("device")
     if isinstance(device, dict) and "name" in device:
         return str(device["name"])
+    if isinstance(report.get("shapes"), list):  # published measurements beside our predictions (by GPU)
+        return "published measurements on " + ", ".join(sorted({str(o.get("gpu")) for o in report["shapes"]}))
     raise ReportError("the report names no machine")
 
 
@@ -266,7 +268,7 @@ def figures(report: dict, stem: str):
         return list(_static_rows(report))
     if report.get("kind") == "plan --reproduce":
         return list(_reproduce_rows(report))
-    if report.get("kind") == "static vs published attention":
+    if report.get("kind") == "static vs published attention" or {"shapes", "csv"} <= set(report):
         return list(_published_attention_rows(report))
     if "rows" in report and "summary" in report and "host" in report:
         return list(_calibration_rows(report))
