@@ -24,6 +24,9 @@ to mma.sync, and Triton would keep K as its register operand (32 registers a thr
 warpgroups give each its own 64 rows of S^T, dP^T, dK and dV; 64 keys over 8 warps (the previous default) had
 both warpgroups compute the same S^T and dP^T (seven matmuls' worth of wgmma per step instead of five).
 
+``DQ_CHUNKS = 2`` (head dim 256 with 64-row query blocks): dS K is computed and added in two column halves of
+K, so only half of the 64 x 256 fp32 tile is live at once (the whole tile, with dK, dV, K and V, spilled on sm_90).
+
 Query blocks that see every key of the program's block and lie inside SQ take a loop without masks; only the
 diagonal band of a causal mask, the query tail and a key block that runs past SK pay for them. The scale is folded
 with log2(e) into the exponent (one FFMA).
@@ -119,6 +122,7 @@ def _bwd_step(
     DQ_TMA: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
+    DQ_CHUNKS: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
@@ -167,17 +171,76 @@ def _bwd_step(
                 if MASKED:
                     dq_mask = dq_mask & (offs_m[None, :] < SQ)
                 tl.atomic_add(dq_ptrs, dq_t, mask=dq_mask, sem="relaxed")
+        elif DQ_CHUNKS == 2:
+            # d256: dS K in two column halves, each added before the next is computed (a 64 x 256 fp32 tile is 64
+            # registers a thread at 8 warps: with dK, dV, K and V it spilled; a half is 32)
+            ds = tl.trans(ds_t.to(k.dtype))
+            k0, k1 = tl.split(tl.permute(tl.reshape(k, [k.shape[0], 2, BLOCK_D // 2]), [0, 2, 1]))
+            _add_dq(
+                DQh,
+                tl.dot(ds, k0, input_precision=PRECISION),
+                b,
+                h,
+                start_m,
+                offs_m,
+                0,
+                SQ,
+                stride_dqs,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D // 2,
+                MASKED,
+                DQ_TMA,
+            )
+            _add_dq(
+                DQh,
+                tl.dot(ds, k1, input_precision=PRECISION),
+                b,
+                h,
+                start_m,
+                offs_m,
+                BLOCK_D // 2,
+                SQ,
+                stride_dqs,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D // 2,
+                MASKED,
+                DQ_TMA,
+            )
         else:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
-            if DQ_TMA:
-                DQh.atomic_add([b, start_m, h, 0], dq.reshape(1, BLOCK_M, 1, BLOCK_D))
-            else:
-                dq_ptrs = DQh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-                dq_mask = offs_d[None, :] < HEAD_DIM
-                if MASKED:
-                    dq_mask = dq_mask & (offs_m[:, None] < SQ)
-                tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
+            _add_dq(DQh, dq, b, h, start_m, offs_m, 0, SQ, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, MASKED, DQ_TMA)
     return dk, dv
+
+
+@triton.jit
+def _add_dq(
+    DQh,
+    dq,
+    b,
+    h,
+    start_m,
+    offs_m,
+    col0,
+    SQ,
+    stride_dqs,
+    HEAD_DIM,
+    BLOCK_M: tl.constexpr,
+    COLS: tl.constexpr,
+    MASKED: tl.constexpr,
+    DQ_TMA: tl.constexpr,
+):
+    """Adds a [BLOCK_M, COLS] dQ tile at column ``col0``: through the descriptor (its block is COLS wide) or with
+    fp32 atomics (columns past HEAD_DIM and, masked, rows past SQ left out)."""
+    if DQ_TMA:
+        DQh.atomic_add([b, start_m, h, col0], dq.reshape(1, BLOCK_M, 1, COLS))
+    else:
+        offs_c = col0 + tl.arange(0, COLS)
+        dq_mask = offs_c[None, :] < HEAD_DIM
+        if MASKED:
+            dq_mask = dq_mask & (offs_m[:, None] < SQ)
+        tl.atomic_add(DQh + offs_m[:, None] * stride_dqs + offs_c[None, :], dq, mask=dq_mask, sem="relaxed")
 
 
 @triton.jit
@@ -236,6 +299,7 @@ def _bwd_kernel(
     DQ_TMA: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
+    DQ_CHUNKS: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -366,6 +430,7 @@ def _bwd_kernel(
                 DQ_TMA,
                 WINDOWED,
                 DOCS,
+                DQ_CHUNKS,
             )
         for start_m in range(mid, full_end, BLOCK_M):
             dk, dv = _bwd_step(
@@ -410,6 +475,7 @@ def _bwd_kernel(
                 DQ_TMA,
                 WINDOWED,
                 DOCS,
+                DQ_CHUNKS,
             )
         for start_m in range(tl.maximum(full_end, mid), hi, BLOCK_M):
             dk, dv = _bwd_step(
@@ -454,6 +520,7 @@ def _bwd_kernel(
                 DQ_TMA,
                 WINDOWED,
                 DOCS,
+                DQ_CHUNKS,
             )
     tl.store(
         DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],

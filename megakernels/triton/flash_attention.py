@@ -45,7 +45,7 @@ FWD_CONFIGS = {
         32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
         64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
         128: [(128, 32, 8, 4), (128, 64, 8, 2, 128), (64, 64, 4, 3)],
-        256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
+        256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
     },
     80: {
         32: [(128, 64, 4, 3), (64, 64, 4, 4)],
@@ -54,8 +54,12 @@ FWD_CONFIGS = {
         256: [(64, 32, 4, 2), (64, 64, 8, 1)],
     },
 }
-# Backward: (BLOCK_M query rows per step, BLOCK_N keys per program, num_warps, num_stages). At d256 every config
-# spills a little (8-16 bytes at 64x32, 8 warps): the key and value tiles and two fp32 accumulators of 64 x 256.
+# Backward: (BLOCK_M query rows per step, BLOCK_N keys per program, num_warps, num_stages). At d256 on sm_90 the
+# default adds dS K in two column halves (DQ_CHUNKS) and no longer spills (183 registers; the whole 64 x 256 fp32
+# tile spilled 8 bytes at 255), but its dK and dV products, 32 keys a program, run on mma.sync (a wgmma's M is 64
+# rows a warpgroup, and 64 keys' fp32 dK and dV of 256 columns do not fit one warpgroup's registers): on wgmma it
+# needs the head dim of dK/dV split across programs or warp-specialised register budgets (setmaxnreg), which
+# Triton 3.8 does not expose. With dropout and no mask it still spills 8 bytes.
 BWD_CONFIGS = {
     90: {
         32: [(64, 64, 4, 2), (64, 128, 8, 2)],
@@ -330,7 +334,9 @@ def backward_launches(
         arch = _launch_arch(q)
     if dq_tma is None:
         dq_tma = not deterministic and _has_tma(arch) and tma_eligible(dq)
-    dq_arg = _descriptor(dq, block_m, bd) if dq_tma else dq
+    # d256 with query blocks of 64 rows or more adds dS K in two column halves (registers: _fa_bwd's DQ_CHUNKS)
+    dq_chunks = 2 if bd >= 256 and block_m >= 64 and not deterministic else 1
+    dq_arg = _descriptor(dq, block_m, bd // dq_chunks) if dq_tma else dq
     delta_rows = 64 if bd <= 128 else 32
     delta, lse2 = delta[0], delta[1]
     launches = [
@@ -374,7 +380,7 @@ def backward_launches(
                 window,
                 shift,
             ),
-            dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma),
+            dict(common, DQ_ATOMIC=not deterministic, DQ_TMA=dq_tma, DQ_CHUNKS=dq_chunks),
         ),
     ]
     if deterministic:

@@ -310,3 +310,35 @@ def test_backward_adds_dq_with_atomics_where_no_descriptor_can(triton_backend, c
     monkeypatch.setattr(fa, "INTERPRETER_CONFIG", config)
     monkeypatch.setattr(fa, "tma_eligible", lambda *tensors: False)
     _assert_case_flash_style(triton_backend, (2, 130, 97, 4, 2, 64), causal)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptor", "atomics"])
+@pytest.mark.parametrize("d", [256, 200])
+def test_d256_backward_adds_dq_in_two_column_halves(triton_backend, tma, d, monkeypatch):
+    """At head dim 256 (200 pads to 256) with 64-row query blocks the backward adds dS K in two column halves
+    (DQ_CHUNKS: a whole 64 x 256 fp32 tile spilled on sm_90), through a descriptor half as wide or with atomics
+    masked to the head dim: against the fp64 reference, causal and not."""
+    from megakernels.triton import flash_attention as fa
+
+    if not triton_backend.emulated:
+        pytest.skip("sets the config of the Triton interpreter (cuda_emu); a GPU or the CPU path picks its own")
+    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", (64, 32, 4, 1))
+    if not tma:
+        monkeypatch.setattr(fa, "tma_eligible", lambda *tensors: False)
+    launches = fa.backward_launches(
+        *[torch.empty(1, 70, 2, d, device="meta", dtype=torch.bfloat16)] * 5,
+        torch.empty(1, 2, 70, device="meta"),
+        torch.empty(2, 1, 2, 70, device="meta"),
+        torch.empty(1, 70, 2, d, device="meta"),
+        *[torch.empty(1, 70, 2, d, device="meta", dtype=torch.bfloat16)] * 2,
+        torch.empty(1, 2, 70, device="meta"),
+        False,
+        d**-0.5,
+        0.0,
+        (64, 32, 4, 1),
+        False,
+        arch=90,
+    )
+    assert next(ln for ln in launches if ln.name == "_bwd_kernel").kwargs["DQ_CHUNKS"] == 2
+    for causal in (False, True):
+        _assert_case_flash_style(triton_backend, (1, 70, 65, 2, 1, d), causal)

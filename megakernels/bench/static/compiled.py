@@ -47,7 +47,9 @@ class Compiled:
     @property
     def mma(self) -> str:
         t = self.fn.totals
-        return "wgmma" if t.wgmma else ("mma.sync" if t.mma else "none")
+        if t.wgmma:  # HGMMA/QGMMA count in both; the rest of ``mma`` is HMMA (mma.sync)
+            return "wgmma" if t.mma == t.wgmma else "wgmma+mma.sync"
+        return "mma.sync" if t.mma else "none"
 
     @property
     def tma(self) -> bool:
