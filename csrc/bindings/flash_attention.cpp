@@ -1,7 +1,7 @@
-// FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward of the common case
-// (no dropout, no window, no documents; fp32/bf16/fp16; head_dim <= 256). megakernels/ops/attention.py routes
-// its CPU calls here when they are covered and holds the autograd; everything else runs
-// megakernels/ops/_attention_cpu.py.
+// FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward without dropout
+// (causal or not, sliding window with its shift, packed documents; fp32/bf16/fp16; head_dim <= 256).
+// megakernels/ops/attention.py routes its CPU calls here when they are covered and holds the autograd; everything
+// else runs megakernels/ops/_attention_cpu.py.
 #include "../flash_attention/flash_attention.h"
 #include "common.h"
 
@@ -33,8 +33,30 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
                     ", sk ", k.size(1), ")");
 }
 
-fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+// The packed documents' key spans of the queries ([b, sq, 2] int32, megakernels.ops.attention.document_ranges),
+// checked; an undefined tensor (no documents) stays undefined.
+at::Tensor checked_q_keys(const char* op, const c10::optional<at::Tensor>& q_keys, const at::Tensor& q,
+                          const at::Tensor& k) {
+  if (!q_keys.has_value() || !q_keys->defined()) return at::Tensor();
+  const at::Tensor& t = *q_keys;
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == q.size(0) &&
+                        t.size(1) == q.size(1) && t.size(2) == 2,
+                    op, ": q_keys must be a CPU int32 [batch, sq, 2] tensor of key spans, got ", t.scalar_type(), " ",
+                    t.sizes());
+  const at::Tensor c = t.contiguous();
+  TORCH_CHECK_VALUE(c.numel() == 0 || (c.min().item<int32_t>() >= 0 && c.max().item<int32_t>() <= k.size(1)), op,
+                    ": q_keys spans must lie in [0, sk = ", k.size(1), "]");
+  return c;
+}
+
+fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, int64_t window, int64_t shift,
+                   const at::Tensor& q_keys) {
+  TORCH_CHECK_VALUE(window >= 0, "flash_attention: window must be >= 0, got ", window);
+  TORCH_CHECK_VALUE(shift == 0 || window > 0, "flash_attention: shift=", shift, " needs window > 0");
   fa::Args a{};
+  a.window = window;
+  a.shift = shift;
+  a.q_keys = q_keys.defined() ? q_keys.data_ptr<int32_t>() : nullptr;
   a.b = q.size(0);
   a.sq = q.size(1);
   a.h = q.size(2);
@@ -55,11 +77,13 @@ at::Tensor packed(const fa::Args& a, const at::Tensor& q) {
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                      const at::Tensor& v_in, bool causal, double scale) {
+                                                      const at::Tensor& v_in, bool causal, double scale, int64_t window,
+                                                      int64_t shift, const c10::optional<at::Tensor>& q_keys_in) {
   const char* op = "flash_attention";
   check_qkv(op, q_in, k_in, v_in);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  fa::Args a = make_args(q, k, causal, scale);
+  const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
+  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
   at::Tensor kt = packed(a, q), vp = packed(a, q);
@@ -78,7 +102,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tensor& dout_in, const at::Tensor& q_in,
                                                                   const at::Tensor& k_in, const at::Tensor& v_in,
                                                                   const at::Tensor& out_in, const at::Tensor& lse_in,
-                                                                  bool causal, double scale) {
+                                                                  bool causal, double scale, int64_t window,
+                                                                  int64_t shift,
+                                                                  const c10::optional<at::Tensor>& q_keys_in) {
   const char* op = "flash_attention_backward";
   check_qkv(op, q_in, k_in, v_in);
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
@@ -92,7 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tens
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
-  fa::Args a = make_args(q, k, causal, scale);
+  const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
+  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys);
   // Chunks of key blocks, one dq partial sum each: enough work items for the threads (16 with the kv heads), fixed
   // by the shapes so that the bits are the same on any machine; more than 4 only while the partial sums stay under
   // 256 MiB.
@@ -130,10 +157,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tens
 }  // namespace megakernels
 
 TORCH_LIBRARY_FRAGMENT(megakernels, m) {
-  m.def("flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, int shift=0, "
+      "Tensor? q_keys=None) -> (Tensor, Tensor)");
   m.def(
       "flash_attn_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-      "float scale) -> (Tensor, Tensor, Tensor)");
+      "float scale, int window=0, int shift=0, Tensor? q_keys=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {

@@ -1,10 +1,13 @@
-// FlashAttention on the CPU (megakernels/ops/attention.py routes its common case here: no dropout, no window,
-// no documents, fp32/bf16/fp16, head_dim <= 256; the rest stays on megakernels/ops/_attention_cpu.py). Torch-free;
-// csrc/bindings/flash_attention.cpp checks, allocates and splits the work items over threads.
+// FlashAttention on the CPU (megakernels/ops/attention.py routes its CPU calls here but dropout's, fp64's and head
+// dims over 256, which stay on megakernels/ops/_attention_cpu.py). Torch-free; csrc/bindings/flash_attention.cpp
+// checks, allocates and splits the work items over threads.
 //
 // q [b, sq, h, d], k/v [b, sk, hk, d], out/dout like q, all contiguous; query head hh reads kv head hh / (h / hk).
-// Causal masking is bottom-right aligned: query i sees key j iff j <= i + sk - sq. lse [b, h, sq] fp32 (-inf for
-// a query that sees no key, whose output is 0). All math in fp32.
+// Every query row i sees one contiguous span of keys (`visible`): with diag = sk - sq + shift and rel = i + diag - j,
+// causal keeps rel >= 0 (bottom-right aligned), a sliding window of w keeps rel < w (causal) or |rel| < w, and
+// packed documents keep [q_keys[b, i, 0], q_keys[b, i, 1]) (the query's document's keys). Both ends of the span are
+// non-decreasing in i, so a block of rows sees [span(first row).lo, span(last row).hi). lse [b, h, sq] fp32 (-inf
+// for a query that sees no key, whose output is 0). All math in fp32.
 //
 // Layout of the work: k and v are first packed per (batch, kv head, key block of kBlockN keys) into fp32 panels
 // padded to dp = head_dim rounded up to 16 (kt/vt: the block transposed, [dp, kBlockN]; kp/vp: [kBlockN, dp]),
@@ -39,17 +42,40 @@ struct Args {
   void* dq;          // backward outputs in q/k/v's layouts
   void* dk;
   void* dv;
-  float* kt;       // packed K^T panels [b, hk, nkb, dp, kBlockN] (zero padded)
-  float* kp;       // packed K [b, hk, nkb * kBlockN, dp] (backward)
-  float* vp;       // packed V [b, hk, nkb * kBlockN, dp] (forward)
-  float* vt;       // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
-  float* delta;    // backward: [b, h, sq]
-  float* dq_part;  // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
+  float* kt;              // packed K^T panels [b, hk, nkb, dp, kBlockN] (zero padded)
+  float* kp;              // packed K [b, hk, nkb * kBlockN, dp] (backward)
+  float* vp;              // packed V [b, hk, nkb * kBlockN, dp] (forward)
+  float* vt;              // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
+  float* delta;           // backward: [b, h, sq]
+  float* dq_part;         // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
+  const int32_t* q_keys;  // packed documents: [b, sq, 2] key span of each query, or null
   int64_t b, sq, sk, h, hk, d, dp, nqb, nkb, chunks;
+  int64_t window;  // sliding window (0: none)
+  int64_t shift;   // added to sk - sq (with a window: a chunk's offset under context parallelism)
   float scale;
   bool causal;
   DType dtype;  // F32, BF16 or F16
 };
+
+// Keys [lo, hi) that query row i of batch bi sees (hi == lo: none).
+struct Span {
+  int64_t lo, hi;
+};
+inline Span visible(const Args& a, int64_t bi, int64_t i) {
+  const int64_t diag = a.sk - a.sq + a.shift;
+  int64_t lo = 0, hi = a.sk;
+  if (a.causal) hi = i + diag + 1 < hi ? i + diag + 1 : hi;
+  if (a.window > 0) {
+    lo = i + diag - a.window + 1 > lo ? i + diag - a.window + 1 : lo;
+    if (!a.causal) hi = i + diag + a.window < hi ? i + diag + a.window : hi;
+  }
+  if (a.q_keys) {
+    const int32_t* r = a.q_keys + (bi * a.sq + i) * 2;
+    lo = r[0] > lo ? r[0] : lo;
+    hi = r[1] < hi ? r[1] : hi;
+  }
+  return {lo, hi > lo ? hi : lo};
+}
 
 }  // namespace flash_attention
 

@@ -116,10 +116,11 @@ inline void transpose_block(const float* src, float* dst) {
     for (int64_t j = 0; j < kBlockN; ++j) dst[j * kBlockM + i] = src[i * kBlockN + j];
 }
 
-// Columns of score row r (query r0 + r) of the key block at k0 that the query sees: [0, visible).
-inline int64_t visible_keys(const Args& a, int64_t row, int64_t k0) {
-  int64_t lim = a.causal ? std::min(a.sk, row + a.sk - a.sq + 1) : a.sk;
-  return std::clamp<int64_t>(lim - k0, 0, kBlockN);
+// Columns [lo, hi) of the key block at k0 that query row `row` of batch bi sees (lo == hi: none).
+inline flash_attention::Span block_columns(const Args& a, int64_t bi, int64_t row, int64_t k0) {
+  const flash_attention::Span v = flash_attention::visible(a, bi, row);
+  const int64_t lo = std::clamp<int64_t>(v.lo - k0, 0, kBlockN), hi = std::clamp<int64_t>(v.hi - k0, 0, kBlockN);
+  return {lo, std::max(lo, hi)};
 }
 
 // Offset of (batch bi, kv head kh) in the packed buffers; key block kb's panel starts kb * kBlockN * dp later.
@@ -174,15 +175,18 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
       l[r] = 0.0f;
     }
     std::fill(o, o + kBlockM * dp, 0.0f);
-    const int64_t kend = a.causal ? std::clamp<int64_t>(r0 + rows + a.sk - a.sq, 0, a.sk) : a.sk;
+    // The block's rows see keys [first row's lo, last row's hi): only those key blocks are visited.
+    const int64_t kbeg = flash_attention::visible(a, bi, r0).lo / kBlockN * kBlockN;
+    const int64_t kend = flash_attention::visible(a, bi, r0 + rows - 1).hi;
     const float* kt = a.kt + bk_offset(a, bi, kh);
     const float* vp = a.vp + bk_offset(a, bi, kh);
-    for (int64_t k0 = 0; k0 < kend; k0 += kBlockN) {
+    for (int64_t k0 = kbeg; k0 < kend; k0 += kBlockN) {
       gemm<false>(kBlockM, kBlockN, d, qs, dp, kt + k0 * dp, kBlockN, s, kBlockN);
       for (int64_t r = 0; r < kBlockM; ++r) {
         float* sr = s + r * kBlockN;
-        const int64_t vis = r < rows ? visible_keys(a, r0 + r, k0) : 0;
-        for (int64_t j = vis; j < kBlockN; ++j) sr[j] = kNegInf;
+        const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
+        for (int64_t j = 0; j < vis.lo; ++j) sr[j] = kNegInf;
+        for (int64_t j = vis.hi; j < kBlockN; ++j) sr[j] = kNegInf;
         float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < kBlockN; ++j) mx = std::max(mx, sr[j]);
@@ -252,14 +256,17 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
     for (int64_t kb = chunk; kb < a.nkb; kb += a.chunks) {
       const int64_t k0 = kb * kBlockN, keys = std::min(kBlockN, a.sk - k0);
       std::fill(dka, dka + 2 * kBlockN * dp, 0.0f);
-      const int64_t first_row = a.causal ? std::max<int64_t>(0, k0 - (a.sk - a.sq)) : 0;
       const float* kt = a.kt + base + k0 * dp;
       const float* kp = a.kp + base + k0 * dp;
       const float* vt = a.vt + base + k0 * dp;
-      for (int64_t gi = 0; gi < g && first_row < a.sq; ++gi) {
+      for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t hh = kh * g + gi;
-        for (int64_t qb = first_row / kBlockM; qb < a.nqb; ++qb) {
+        for (int64_t qb = 0; qb < a.nqb; ++qb) {
           const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0);
+          // the block's rows see keys [first row's lo, last row's hi): skip it unless that meets this key block
+          if (flash_attention::visible(a, bi, r0).lo >= k0 + keys ||
+              flash_attention::visible(a, bi, r0 + rows - 1).hi <= k0)
+            continue;
           const int64_t off = ((bi * a.sq + r0) * a.h + hh) * d;
           const T* q = static_cast<const T*>(a.q) + off;
           const T* dout = static_cast<const T*>(a.dout) + off;
@@ -282,11 +289,11 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
           gemm<false>(kBlockM, kBlockN, d, dos, dp, vt, kBlockN, dp_, kBlockN);
           for (int64_t r = 0; r < kBlockM; ++r) {
             float *pr = p + r * kBlockN, *dpr = dp_ + r * kBlockN, *dsr = ds + r * kBlockN;
-            const int64_t vis = r < rows ? visible_keys(a, r0 + r, k0) : 0;
+            const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
             const float lr = lse[r], dr = delta[r];
 #pragma omp simd
             for (int64_t j = 0; j < kBlockN; ++j) {
-              const float e = j < vis ? fa_exp(pr[j] - lr) : 0.0f;
+              const float e = j >= vis.lo && j < vis.hi ? fa_exp(pr[j] - lr) : 0.0f;
               pr[j] = e;
               dsr[j] = e * (dpr[j] - dr);
             }

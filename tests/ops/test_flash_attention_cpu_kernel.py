@@ -1,7 +1,8 @@
 """The C++ CPU FlashAttention kernel (csrc/flash_attention; torch.ops.megakernels.flash_attn_fwd_cpu /
 flash_attn_bwd_cpu), called directly and through flash_attention on the CPU, against the materialising fp64
-reference (out, lse, dq, dk, dv); and the routing: covered calls run it, dropout / window / documents / fp64 /
-head_dim > 256 keep the blocked PyTorch path (megakernels/ops/_attention_cpu.py)."""
+reference (out, lse, dq, dk, dv), sliding windows (with their shift) and packed documents against a mask built
+here; and the routing: covered calls run it, dropout / fp64 / head_dim > 256 keep the blocked PyTorch path
+(megakernels/ops/_attention_cpu.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 import megakernels
 from megakernels.ops import _attention_cpu
-from megakernels.ops.attention import flash_attention, flash_attention_reference
+from megakernels.ops.attention import document_ranges, flash_attention, flash_attention_reference
 
 # (batch, sq, sk, heads, kv_heads, head_dim): shorter than a block, sq != sk both ways (bottom-right causal, rows
 # that see no key), GQA and MQA, head dims 8 / 64 / 128 / 256 and sizes that are not multiples of 16.
@@ -135,8 +136,6 @@ def test_noncontiguous_inputs():
     "kwargs",
     [
         {"dropout_p": 0.1},
-        {"window": 40},
-        {"documents": "docs"},
         {"dtype": torch.float64},
         {"head_dim": 264},
     ],
@@ -158,8 +157,6 @@ def test_uncovered_cases_keep_the_pytorch_path(kwargs, monkeypatch):
     kwargs = dict(kwargs)
     dtype, d = kwargs.pop("dtype", torch.float32), kwargs.pop("head_dim", 32)
     q, k, v, do = _inputs((1, 96, 96, 2, 1, d), dtype, seed=6)
-    if kwargs.get("documents") == "docs":
-        kwargs["documents"] = torch.tensor([[0] * 40 + [1] * 56])
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     with megakernels.backend("cpu"):
         out = flash_attention(qg, kg, vg, causal=True, **kwargs)
@@ -182,3 +179,107 @@ def test_kernel_refuses_what_it_does_not_cover(shapes, dtype, match):
     k = torch.zeros(shapes[1], dtype=dtype)
     with pytest.raises(ValueError, match=match):
         torch.ops.megakernels.flash_attn_fwd_cpu(q, k, k, False, 1.0)
+
+
+def _masked_reference(q, k, v, do, causal, scale, window=0, shift=0, docs=None):
+    """fp64 attention with the mask written out: rel = i + sk - sq + shift - j; causal keeps rel >= 0, a window
+    rel < window (causal) or |rel| < window, documents equal ids. Rows that see no key: zeros and lse -inf."""
+    b, sq, h, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    rel = torch.arange(sq)[:, None] + sk - sq + shift - torch.arange(sk)[None, :]
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        mask &= rel >= 0
+    if window:
+        mask &= (rel < window) if causal else (rel.abs() < window)
+    mask = mask.expand(b, sq, sk)
+    if docs is not None:
+        mask = mask & (docs[0][:, :, None] == docs[1][:, None, :])
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kk, vv = kr.repeat_interleave(h // hk, 2), vr.repeat_interleave(h // hk, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qr, kk) * scale
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(mask[:, None], torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None]), 0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    out.backward(do.double())
+    return out.detach(), lse.detach(), qr.grad, kr.grad, vr.grad
+
+
+def _docs(lengths_per_batch, s):
+    ids = []
+    for lengths in lengths_per_batch:
+        row = [i for i, n in enumerate(lengths) for _ in range(n)]
+        ids.append(row + [len(lengths)] * (s - len(row)))
+    return torch.tensor(ids)
+
+
+# (case, causal, window, shift, documents as lengths per batch or None): windows narrower and wider than a block,
+# sq != sk both ways, a shifted diagonal, documents alone, with causal and with a window
+MASKED = [
+    ((1, 200, 200, 2, 1, 64), True, 40, 0, None),
+    ((1, 200, 200, 2, 2, 32), False, 70, 0, None),
+    ((2, 90, 300, 4, 2, 48), True, 130, 0, None),
+    ((1, 300, 90, 2, 1, 64), False, 17, 0, None),
+    ((1, 120, 200, 2, 1, 64), True, 50, 37, None),
+    ((1, 150, 150, 2, 1, 64), False, 64, -20, None),
+    ((2, 230, 230, 4, 2, 64), False, 0, 0, [[70, 100, 60], [230]]),
+    ((2, 230, 230, 4, 2, 64), True, 0, 0, [[1, 129, 100], [64, 64, 64, 38]]),
+    ((1, 257, 257, 2, 1, 40), True, 33, 0, [[100, 157]]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("case", "causal", "window", "shift", "lengths"), MASKED)
+def test_windows_and_documents_match_the_masked_reference(case, causal, window, shift, lengths, dtype):
+    q, k, v, do = _inputs(case, dtype, seed=7)
+    scale = 1.0 / math.sqrt(case[-1])
+    docs = None if lengths is None else (_docs(lengths, case[1]), _docs(lengths, case[2]))
+    q_keys = None if docs is None else document_ranges(*docs)[0]
+    out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, scale, window, shift, q_keys)
+    grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, scale, window, shift, q_keys)
+    ref_out, ref_lse, *ref_grads = _masked_reference(q, k, v, do, causal, scale, window, shift, docs)
+    _check_lse(lse, ref_lse)
+    for name, x, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert _err(x, ref) < TOL[dtype], name
+
+
+def test_windows_and_documents_route_to_the_kernel(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("windows and documents must not take the PyTorch path")
+
+    monkeypatch.setattr(_attention_cpu, "forward", refuse)
+    monkeypatch.setattr(_attention_cpu, "backward", refuse)
+    q, k, v, do = _inputs((2, 160, 160, 4, 2, 64), torch.float32, seed=8)
+    docs = _docs([[50, 110], [160]], 160)
+    for kwargs, ref_kwargs in (
+        ({"window": 48}, {"window": 48}),
+        ({"documents": docs}, {"docs": (docs, docs)}),
+        ({"window": 30, "documents": docs}, {"window": 30, "docs": (docs, docs)}),
+    ):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        with megakernels.backend("cpu"):
+            out = flash_attention(qg, kg, vg, causal=True, softmax_scale=0.2, **kwargs)
+        out.backward(do)
+        ref_out, _, ref_dq, ref_dk, ref_dv = _masked_reference(q, k, v, do, True, 0.2, **ref_kwargs)
+        for name, x, ref in (
+            ("out", out, ref_out),
+            ("dq", qg.grad, ref_dq),
+            ("dk", kg.grad, ref_dk),
+            ("dv", vg.grad, ref_dv),
+        ):
+            assert _err(x, ref) < TOL[torch.float32], (name, kwargs.keys())
+
+
+def test_kernel_refuses_bad_windows_and_spans():
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="shift"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, q, q, True, 1.0, 0, 3, None)
+    with pytest.raises(ValueError, match="window"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, q, q, True, 1.0, -1, 0, None)
+    with pytest.raises(ValueError, match="q_keys"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, q, q, True, 1.0, 0, 0, torch.zeros(1, 8, 2, dtype=torch.int64))
+    bad = torch.zeros(1, 8, 2, dtype=torch.int32)
+    bad[0, 3, 1] = 9  # past sk
+    with pytest.raises(ValueError, match="q_keys"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, q, q, True, 1.0, 0, 0, bad)

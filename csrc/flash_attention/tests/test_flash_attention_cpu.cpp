@@ -3,8 +3,10 @@
 // (queries that see no key: output 0, lse -inf, no gradient) and non-causal, head sizes that are not multiples of
 // 16 (the zero-padded panels) and sequence lengths that are not multiples of the 64-row blocks. Work is split as
 // the bindings split it across threads, and again one item at a time in reverse: the results must be the same
-// bits (the chunked dq sum has a fixed order). Built plain and with AddressSanitizer (CMakeLists.txt), so a read
-// past a panel or a block edge fails here before it reaches a user.
+// bits (the chunked dq sum has a fixed order). Sliding windows (causal and symmetric, with a shifted diagonal) and
+// packed documents (the queries' key spans) against the same reference with the mask written as a predicate. Built
+// plain and with AddressSanitizer (CMakeLists.txt), so a read past a panel or a block edge fails here before it reaches
+// a user.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,12 +29,35 @@ namespace {
 struct Shape {
   int64_t b, sq, sk, h, hk, d;
   bool causal;
+  int64_t window = 0, shift = 0;
+  int64_t doc = 0;  // > 0: packed documents of `doc` tokens (queries and keys numbered alike)
 };
+
+// Whether query i sees key j (the rule of flash_attention.h, written out).
+bool sees(const Shape& s, int64_t i, int64_t j) {
+  const int64_t rel = i + s.sk - s.sq + s.shift - j;
+  if (s.causal && rel < 0) return false;
+  if (s.window > 0 && (s.causal ? rel >= s.window : std::llabs(rel) >= s.window)) return false;
+  if (s.doc > 0 && i / s.doc != j / s.doc) return false;
+  return true;
+}
+
+// The queries' key spans of documents of s.doc tokens ([b, sq, 2]), as megakernels.ops.attention.document_ranges.
+std::vector<int32_t> q_key_spans(const Shape& s) {
+  std::vector<int32_t> r;
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t i = 0; i < s.sq; ++i) {
+      r.push_back(int32_t(std::min(s.sk, i / s.doc * s.doc)));
+      r.push_back(int32_t(std::min(s.sk, (i / s.doc + 1) * s.doc)));
+    }
+  return r;
+}
 
 std::string name(const Shape& s, DType dt) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "b%lld sq%lld sk%lld h%lld hk%lld d%lld %s %s", (long long)s.b, (long long)s.sq,
-                (long long)s.sk, (long long)s.h, (long long)s.hk, (long long)s.d, s.causal ? "causal" : "full",
+  std::snprintf(buf, sizeof buf, "b%lld sq%lld sk%lld h%lld hk%lld d%lld %s w%lld shift%lld doc%lld %s", (long long)s.b,
+                (long long)s.sq, (long long)s.sk, (long long)s.h, (long long)s.hk, (long long)s.d,
+                s.causal ? "causal" : "full", (long long)s.window, (long long)s.shift, (long long)s.doc,
                 dtype_name(dt));
   return buf;
 }
@@ -57,20 +82,24 @@ Reference reference(const Shape& s, const std::vector<double>& q, const std::vec
   for (int64_t b = 0; b < s.b; ++b)
     for (int64_t h = 0; h < s.h; ++h)
       for (int64_t i = 0; i < s.sq; ++i) {
-        const int64_t kh = h / group, last = s.causal ? std::min(s.sk - 1, i + s.sk - s.sq) : s.sk - 1;
-        if (last < 0) continue;  // sees no key
+        const int64_t kh = h / group;
+        int64_t first = 0, last = s.sk - 1;  // the visible keys are one run: its ends
+        while (first < s.sk && !sees(s, i, first)) ++first;
+        while (last >= first && !sees(s, i, last)) --last;
+        if (last < first) continue;  // sees no key
+        for (int64_t j = first; j <= last; ++j) expect(sees(s, i, j), "the visible keys of a query are one run");
         double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j <= last; ++j) {
+        for (int64_t j = first; j <= last; ++j) {
           double dot = 0;
           for (int64_t c = 0; c < s.d; ++c) dot += q[qi(b, i, h) + c] * k[ki(b, j, kh) + c];
           p[j] = dot * scale;
           mx = std::max(mx, p[j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j <= last; ++j) sum += std::exp(p[j] - mx);
+        for (int64_t j = first; j <= last; ++j) sum += std::exp(p[j] - mx);
         r.lse[(b * s.h + h) * s.sq + i] = mx + std::log(sum);
         double delta = 0;
-        for (int64_t j = 0; j <= last; ++j) {
+        for (int64_t j = first; j <= last; ++j) {
           p[j] = std::exp(p[j] - mx) / sum;
           double g = 0;
           for (int64_t c = 0; c < s.d; ++c) {
@@ -80,7 +109,7 @@ Reference reference(const Shape& s, const std::vector<double>& q, const std::vec
           dp[j] = g;
           delta += p[j] * g;
         }
-        for (int64_t j = 0; j <= last; ++j) {
+        for (int64_t j = first; j <= last; ++j) {
           const double ds = p[j] * (dp[j] - delta);
           for (int64_t c = 0; c < s.d; ++c) {
             r.dq[qi(b, i, h) + c] += scale * ds * k[ki(b, j, kh) + c];
@@ -92,8 +121,10 @@ Reference reference(const Shape& s, const std::vector<double>& q, const std::vec
   return r;
 }
 
-fa::Args make_args(const Shape& s, DType dt, float scale) {
+fa::Args make_args(const Shape& s, DType dt, float scale, const std::vector<int32_t>& spans) {
   fa::Args a{};
+  a.window = s.window, a.shift = s.shift;
+  a.q_keys = s.doc > 0 ? spans.data() : nullptr;
   a.b = s.b, a.sq = s.sq, a.sk = s.sk, a.h = s.h, a.hk = s.hk, a.d = s.d;
   a.dp = (s.d + 15) / 16 * 16;
   a.nqb = (s.sq + fa::kBlockM - 1) / fa::kBlockM;
@@ -122,7 +153,8 @@ struct Result {
 
 Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, const Buf& dout, float scale,
            bool reverse) {
-  fa::Args a = make_args(s, dt, scale);
+  const std::vector<int32_t> spans = s.doc > 0 ? q_key_spans(s) : std::vector<int32_t>();
+  fa::Args a = make_args(s, dt, scale, spans);
   const size_t panels = size_t(a.b * a.hk * a.nkb * fa::kBlockN * a.dp);
   Result r{Buf(dt, q.size()), Buf(dt, q.size()), Buf(dt, k.size()), Buf(dt, v.size()), {}};
   r.lse.assign(size_t(s.b * s.h * s.sq), 0.f);
@@ -133,7 +165,7 @@ Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, c
   split(a.b * a.hk * a.nkb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_pack(a, i0, i1); });
   split(a.b * a.h * a.nqb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_fwd(a, i0, i1); });
   // backward, with the bindings' number of key-block chunks
-  fa::Args g = make_args(s, dt, scale);
+  fa::Args g = make_args(s, dt, scale, spans);
   g.chunks = std::clamp<int64_t>((16 + g.b * g.hk - 1) / (g.b * g.hk), 1, g.nkb);
   std::vector<float> kt2(panels, 0.f), kp(panels, 0.f), vt(panels, 0.f), delta(size_t(s.b * s.h * s.sq), 0.f);
   std::vector<float> part(size_t(g.chunks * g.b * g.h * g.nqb * fa::kBlockM * g.dp), 0.f);
@@ -188,11 +220,16 @@ void check(const Shape& s, DType dt, std::mt19937& rng) {
 int main() {
   std::mt19937 rng(20261202);
   const Shape shapes[] = {
-      {2, 70, 70, 4, 2, 40, true},     // GQA 2:1, blocks with a ragged edge, head size padded to 48
-      {1, 33, 100, 2, 2, 64, false},   // more keys than queries, no mask
-      {1, 100, 30, 3, 1, 24, true},    // MQA; the first 70 queries see no key (bottom-right causal)
-      {1, 130, 200, 2, 1, 128, true},  // several query and key blocks, sq < sk
-      {1, 17, 17, 1, 1, 256, true},    // the largest head size
+      {2, 70, 70, 4, 2, 40, true},                // GQA 2:1, blocks with a ragged edge, head size padded to 48
+      {1, 33, 100, 2, 2, 64, false},              // more keys than queries, no mask
+      {1, 100, 30, 3, 1, 24, true},               // MQA; the first 70 queries see no key (bottom-right causal)
+      {1, 130, 200, 2, 1, 128, true},             // several query and key blocks, sq < sk
+      {1, 17, 17, 1, 1, 256, true},               // the largest head size
+      {1, 200, 200, 2, 1, 32, true, 40},          // a causal window narrower than a block
+      {1, 90, 260, 2, 2, 48, false, 70},          // a symmetric window, sq < sk
+      {1, 150, 200, 2, 1, 32, true, 50, 37},      // a window on a shifted diagonal (context parallelism)
+      {2, 230, 230, 4, 2, 40, false, 0, 0, 70},   // documents of 70 tokens
+      {1, 257, 257, 2, 1, 24, true, 33, 0, 100},  // causal documents under a window
   };
   for (const Shape& s : shapes) {
     check(s, DType::F32, rng);
