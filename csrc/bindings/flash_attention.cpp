@@ -1,5 +1,5 @@
-// FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward without dropout
-// (causal or not, sliding window with its shift, packed documents; fp32/bf16/fp16; head_dim <= 256).
+// FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward (causal or not, sliding
+// window with its shift, packed documents, dropout; fp32/bf16/fp16; head_dim <= 256).
 // megakernels/ops/attention.py routes its CPU calls here when they are covered and holds the autograd; everything
 // else runs megakernels/ops/_attention_cpu.py.
 #include "../flash_attention/flash_attention.h"
@@ -50,10 +50,17 @@ at::Tensor checked_q_keys(const char* op, const c10::optional<at::Tensor>& q_key
 }
 
 fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, int64_t window, int64_t shift,
-                   const at::Tensor& q_keys) {
+                   const at::Tensor& q_keys, double dropout_p, int64_t seed) {
   TORCH_CHECK_VALUE(window >= 0, "flash_attention: window must be >= 0, got ", window);
   TORCH_CHECK_VALUE(shift == 0 || window > 0, "flash_attention: shift=", shift, " needs window > 0");
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "flash_attention: dropout_p must be in [0, 1), got ",
+                    dropout_p);
   fa::Args a{};
+  // the threshold and scale of megakernels/triton/_common.py (dropout_threshold: round(p * 2^24))
+  a.threshold = static_cast<int32_t>(std::nearbyint(dropout_p * double(1 << 24)));
+  a.keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  a.seed_lo = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xFFFFFFFFu);
+  a.seed_hi = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
   a.window = window;
   a.shift = shift;
   a.q_keys = q_keys.defined() ? q_keys.data_ptr<int32_t>() : nullptr;
@@ -78,12 +85,13 @@ at::Tensor packed(const fa::Args& a, const at::Tensor& q) {
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                       const at::Tensor& v_in, bool causal, double scale, int64_t window,
-                                                      int64_t shift, const c10::optional<at::Tensor>& q_keys_in) {
+                                                      int64_t shift, const c10::optional<at::Tensor>& q_keys_in,
+                                                      double dropout_p, int64_t seed) {
   const char* op = "flash_attention";
   check_qkv(op, q_in, k_in, v_in);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
-  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys);
+  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
   at::Tensor kt = packed(a, q), vp = packed(a, q);
@@ -99,12 +107,10 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tensor& dout_in, const at::Tensor& q_in,
-                                                                  const at::Tensor& k_in, const at::Tensor& v_in,
-                                                                  const at::Tensor& out_in, const at::Tensor& lse_in,
-                                                                  bool causal, double scale, int64_t window,
-                                                                  int64_t shift,
-                                                                  const c10::optional<at::Tensor>& q_keys_in) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, bool causal, double scale, int64_t window, int64_t shift,
+    const c10::optional<at::Tensor>& q_keys_in, double dropout_p, int64_t seed) {
   const char* op = "flash_attention_backward";
   check_qkv(op, q_in, k_in, v_in);
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
@@ -119,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tens
   const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
-  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys);
+  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
   // Chunks of key blocks, one dq partial sum each: enough work items for the threads (16 with the kv heads), fixed
   // by the shapes so that the bits are the same on any machine; more than 4 only while the partial sums stay under
   // 256 MiB.
@@ -159,10 +165,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(const at::Tens
 TORCH_LIBRARY_FRAGMENT(megakernels, m) {
   m.def(
       "flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, int shift=0, "
-      "Tensor? q_keys=None) -> (Tensor, Tensor)");
+      "Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, Tensor)");
   m.def(
       "flash_attn_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-      "float scale, int window=0, int shift=0, Tensor? q_keys=None) -> (Tensor, Tensor, Tensor)");
+      "float scale, int window=0, int shift=0, Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, "
+      "Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {

@@ -1,5 +1,5 @@
-// FlashAttention on the CPU (megakernels/ops/attention.py routes its CPU calls here but dropout's, fp64's and head
-// dims over 256, which stay on megakernels/ops/_attention_cpu.py). Torch-free; csrc/bindings/flash_attention.cpp
+// FlashAttention on the CPU (megakernels/ops/attention.py routes its CPU calls here but fp64's and head dims over
+// 256, which stay on megakernels/ops/_attention_cpu.py). Torch-free; csrc/bindings/flash_attention.cpp
 // checks, allocates and splits the work items over threads.
 //
 // q [b, sq, h, d], k/v [b, sk, hk, d], out/dout like q, all contiguous; query head hh reads kv head hh / (h / hk).
@@ -8,6 +8,11 @@
 // packed documents keep [q_keys[b, i, 0], q_keys[b, i, 1]) (the query's document's keys). Both ends of the span are
 // non-decreasing in i, so a block of rows sees [span(first row).lo, span(last row).hi). lse [b, h, sq] fp32 (-inf
 // for a query that sees no key, whose output is 0). All math in fp32.
+//
+// Dropout (dropout_p > 0) keeps score (row, col) iff the counter hash of megakernels/triton/_common.py keeps it
+// (`keep`, the same bits as the GPU kernels and the PyTorch path; row = (batch * h + head) * sq + query): the
+// forward's lse and normaliser come from the whole softmax, its output from the kept probabilities times
+// 1 / (1 - p); the backward drops dP where the forward dropped P.
 //
 // Layout of the work: k and v are first packed per (batch, kv head, key block of kBlockN keys) into fp32 panels
 // padded to dp = head_dim rounded up to 16 (kt/vt: the block transposed, [dp, kBlockN]; kp/vp: [kBlockN, dp]),
@@ -50,12 +55,30 @@ struct Args {
   float* dq_part;         // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
   const int32_t* q_keys;  // packed documents: [b, sq, 2] key span of each query, or null
   int64_t b, sq, sk, h, hk, d, dp, nqb, nkb, chunks;
-  int64_t window;  // sliding window (0: none)
-  int64_t shift;   // added to sk - sq (with a window: a chunk's offset under context parallelism)
+  uint32_t seed_lo, seed_hi;  // dropout: the seed's low and high 32 bits
+  int32_t threshold;          // dropout: keep iff the hash's top 24 bits >= threshold (0: no dropout)
+  float keep_scale;           // dropout: 1 / (1 - p)
+  int64_t window;             // sliding window (0: none)
+  int64_t shift;              // added to sk - sq (with a window: a chunk's offset under context parallelism)
   float scale;
   bool causal;
   DType dtype;  // F32, BF16 or F16
 };
+
+// The dropout hash (murmur3's finaliser over the row, then the column; megakernels/triton/_common.py).
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+inline uint32_t dropout_row_hash(const Args& a, int64_t row) {
+  return fmix32(fmix32(uint32_t(row) + a.seed_hi * 0x9E3779B9u) ^ a.seed_lo);
+}
+inline bool keep(uint32_t row_hash, int64_t col, int32_t threshold) {
+  return int32_t(fmix32(row_hash + uint32_t(col) * 0x27D4EB2Fu) >> 8) >= threshold;
+}
 
 // Keys [lo, hi) that query row i of batch bi sees (hi == lo: none).
 struct Span {

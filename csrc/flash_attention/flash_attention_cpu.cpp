@@ -203,6 +203,13 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
           sr[j] = e;
           sum += e;
         }
+        if (a.threshold > 0) {  // the normaliser has every probability; O gets the kept ones, scaled
+          const uint32_t rh = flash_attention::dropout_row_hash(a, (bi * a.h + hh) * a.sq + r0 + r);
+          const float ks = a.keep_scale;
+          const int32_t th = a.threshold;
+#pragma omp simd
+          for (int64_t j = 0; j < kBlockN; ++j) sr[j] = flash_attention::keep(rh, k0 + j, th) ? sr[j] * ks : 0.0f;
+        }
         l[r] = l[r] * alpha + sum;
         m[r] = mn;
         if (alpha != 1.0f) {
@@ -291,6 +298,19 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
             float *pr = p + r * kBlockN, *dpr = dp_ + r * kBlockN, *dsr = ds + r * kBlockN;
             const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
             const float lr = lse[r], dr = delta[r];
+            if (a.threshold > 0) {  // dV takes the kept P, scaled; dP is dropped where P was
+              const uint32_t rh = flash_attention::dropout_row_hash(a, (bi * a.h + hh) * a.sq + r0 + r);
+              const float ks = a.keep_scale;
+              const int32_t th = a.threshold;
+#pragma omp simd
+              for (int64_t j = 0; j < kBlockN; ++j) {
+                const float e = j >= vis.lo && j < vis.hi ? fa_exp(pr[j] - lr) : 0.0f;
+                const bool kept = flash_attention::keep(rh, k0 + j, th);
+                pr[j] = kept ? e * ks : 0.0f;
+                dsr[j] = e * ((kept ? dpr[j] * ks : 0.0f) - dr);
+              }
+              continue;
+            }
 #pragma omp simd
             for (int64_t j = 0; j < kBlockN; ++j) {
               const float e = j >= vis.lo && j < vis.hi ? fa_exp(pr[j] - lr) : 0.0f;

@@ -23,7 +23,7 @@ ops take the ids as ``q_docs``/``k_docs`` after ``shift``.
 
 Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
 fp32); CPU tensors run the C++ FlashAttention kernel (csrc/flash_attention: ``torch.ops.megakernels.flash_attn_fwd_cpu``
-/ ``flash_attn_bwd_cpu``) when it covers the call (no dropout; causal or not, windows, documents; fp32/bf16/fp16,
+/ ``flash_attn_bwd_cpu``) when it covers the call (causal or not, windows, documents, dropout; fp32/bf16/fp16,
 head_dim <= 256), else the blocked CPU path (megakernels/ops/_attention_cpu.py, memory O(block * sk)); under
 ``megakernels.backend("cuda_emu")`` CPU tensors run the *Triton* kernels through Triton's interpreter (which needs
 ``TRITON_INTERPRET=1`` before megakernels.triton is imported).
@@ -87,16 +87,10 @@ def document_ranges(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None):
     return spans(kd, qd), spans(qd, kd)
 
 
-def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a CPU call runs the C++ kernel (csrc/flash_attention: causal or not, sliding windows, packed
-    documents) rather than megakernels/ops/_attention_cpu.py, which keeps dropout, fp64 and head dims over 256."""
-    return (
-        dropout_p == 0.0
-        and q.dtype in _TRITON_DTYPES
-        and 1 <= q.shape[-1] <= MAX_TRITON_HEAD_DIM
-        and q.shape[1] > 0
-        and k.shape[1] > 0
-    )
+    documents, dropout) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and head dims over 256."""
+    return q.dtype in _TRITON_DTYPES and 1 <= q.shape[-1] <= MAX_TRITON_HEAD_DIM and q.shape[1] > 0 and k.shape[1] > 0
 
 
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
@@ -119,9 +113,11 @@ def _flash_attn_fwd(
     ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift, ranges)
-    if _cpp_kernel_covers(q, k, dropout_p):
+    if _cpp_kernel_covers(q, k):
         q_keys = ranges[0] if ranges is not None else None
-        return torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, scale, window, shift, q_keys)
+        return torch.ops.megakernels.flash_attn_fwd_cpu(
+            q, k, v, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed)
+        )
     from megakernels.ops import _attention_cpu
 
     return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges)
@@ -162,10 +158,10 @@ def _flash_attn_bwd(
         return _triton_kernels().backward(
             grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift, ranges
         )
-    if _cpp_kernel_covers(q, k, dropout_p):
+    if _cpp_kernel_covers(q, k):
         q_keys = ranges[0] if ranges is not None else None
         return torch.ops.megakernels.flash_attn_bwd_cpu(
-            grad_out, q, k, v, out, lse, causal, scale, window, shift, q_keys
+            grad_out, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed)
         )
     from megakernels.ops import _attention_cpu
 

@@ -1,7 +1,8 @@
 """The C++ CPU FlashAttention kernel (csrc/flash_attention; torch.ops.megakernels.flash_attn_fwd_cpu /
 flash_attn_bwd_cpu), called directly and through flash_attention on the CPU, against the materialising fp64
 reference (out, lse, dq, dk, dv), sliding windows (with their shift) and packed documents against a mask built
-here; and the routing: covered calls run it, dropout / fp64 / head_dim > 256 keep the blocked PyTorch path
+here, dropout against the same keep-mask (megakernels.ops.attention.dropout_mask, the GPU kernels' bits); and the
+routing: covered calls run it, fp64 / head_dim > 256 keep the blocked PyTorch path
 (megakernels/ops/_attention_cpu.py)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 import megakernels
 from megakernels.ops import _attention_cpu
-from megakernels.ops.attention import document_ranges, flash_attention, flash_attention_reference
+from megakernels.ops.attention import document_ranges, dropout_mask, flash_attention, flash_attention_reference
 
 # (batch, sq, sk, heads, kv_heads, head_dim): shorter than a block, sq != sk both ways (bottom-right causal, rows
 # that see no key), GQA and MQA, head dims 8 / 64 / 128 / 256 and sizes that are not multiples of 16.
@@ -135,7 +136,6 @@ def test_noncontiguous_inputs():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"dropout_p": 0.1},
         {"dtype": torch.float64},
         {"head_dim": 264},
     ],
@@ -181,7 +181,7 @@ def test_kernel_refuses_what_it_does_not_cover(shapes, dtype, match):
         torch.ops.megakernels.flash_attn_fwd_cpu(q, k, k, False, 1.0)
 
 
-def _masked_reference(q, k, v, do, causal, scale, window=0, shift=0, docs=None):
+def _masked_reference(q, k, v, do, causal, scale, window=0, shift=0, docs=None, keep=None, dropout_p=0.0):
     """fp64 attention with the mask written out: rel = i + sk - sq + shift - j; causal keeps rel >= 0, a window
     rel < window (causal) or |rel| < window, documents equal ids. Rows that see no key: zeros and lse -inf."""
     b, sq, h, _ = q.shape
@@ -201,6 +201,8 @@ def _masked_reference(q, k, v, do, causal, scale, window=0, shift=0, docs=None):
     s = s.masked_fill(~mask[:, None], float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.where(mask[:, None], torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None]), 0.0)
+    if keep is not None:  # dropout after the softmax: the kept probabilities, scaled
+        p = torch.where(keep, p / (1.0 - dropout_p), 0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
     out.backward(do.double())
     return out.detach(), lse.detach(), qr.grad, kr.grad, vr.grad
@@ -283,3 +285,46 @@ def test_kernel_refuses_bad_windows_and_spans():
     bad[0, 3, 1] = 9  # past sk
     with pytest.raises(ValueError, match="q_keys"):
         torch.ops.megakernels.flash_attn_fwd_cpu(q, q, q, True, 1.0, 0, 0, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("case", "causal", "window", "lengths", "p", "seed"),
+    [
+        ((2, 130, 150, 4, 2, 64), False, 0, None, 0.1, 1234),
+        ((1, 200, 200, 2, 1, 32), True, 0, None, 0.3, -7),
+        ((1, 200, 200, 2, 1, 48), True, 60, None, 0.2, 2**40 + 3),
+        ((2, 230, 230, 4, 2, 40), True, 0, [[70, 100, 60], [230]], 0.15, 99),
+    ],
+)
+def test_dropout_matches_the_masked_reference_with_the_shared_keep_mask(case, causal, window, lengths, p, seed, dtype):
+    q, k, v, do = _inputs(case, dtype, seed=9)
+    scale = 1.0 / math.sqrt(case[-1])
+    b, sq, sk, h = case[:4]
+    docs = None if lengths is None else (_docs(lengths, sq), _docs(lengths, sk))
+    q_keys = None if docs is None else document_ranges(*docs)[0]
+    out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, scale, window, 0, q_keys, p, seed)
+    grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, scale, window, 0, q_keys, p, seed)
+    keep = dropout_mask(seed, b, h, sq, sk, p)
+    ref_out, ref_lse, *ref_grads = _masked_reference(q, k, v, do, causal, scale, window, 0, docs, keep, p)
+    _check_lse(lse, ref_lse)  # the normaliser is the whole softmax's
+    for name, x, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert _err(x, ref) < TOL[dtype], name
+    # another seed drops other scores
+    other, _ = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, scale, window, 0, q_keys, p, seed + 1)
+    assert not torch.equal(other, out)
+
+
+def test_dropout_through_flash_attention_equals_the_pytorch_path():
+    """The C++ kernel and megakernels/ops/_attention_cpu.py drop the same scores: their outputs and gradients agree
+    in fp32 for one seed (so a CPU run and a GPU run with that seed see the same mask)."""
+    q, k, v, do = _inputs((1, 150, 170, 4, 2, 64), torch.float32, seed=10)
+    out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.125, 0, 0, None, 0.2, 31337)
+    py_out, py_lse = _attention_cpu.forward(q, k, v, True, 0.125, 0.2, 31337)
+    assert (out - py_out).abs().max().item() < 1e-5 and (lse - py_lse).abs().max().item() < 1e-5
+    grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, True, 0.125, 0, 0, None, 0.2, 31337)
+    py_grads = _attention_cpu.backward(do, q, k, v, out, lse, True, 0.125, 0.2, 31337)
+    for x, y in zip(grads, py_grads):
+        assert (x - y).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="dropout_p"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.125, 0, 0, None, 1.0, 0)
