@@ -94,14 +94,25 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
-  at::Tensor kt = packed(a, q), vp = packed(a, q);
+  // bf16 on a CPU with AVX512-BF16: bf16 panels for bf16 products (MEGAKERNELS_CPU_BF16_DOT=0 keeps fp32 ones)
+  const char* dot_env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
+  const bool dot = a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(dot_env && std::string(dot_env) == "0");
+  at::Tensor kt, vp;
+  if (dot) {
+    kt = at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(at::kBFloat16));
+    vp = at::empty_like(kt);
+    a.ktb = reinterpret_cast<uint16_t*>(kt.data_ptr());
+    a.vpb = reinterpret_cast<uint16_t*>(vp.data_ptr());
+  } else {
+    kt = packed(a, q), vp = packed(a, q);
+    a.kt = kt.data_ptr<float>();
+    a.vp = vp.data_ptr<float>();
+  }
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
   a.o = out.data_ptr();
   a.lse = lse.data_ptr<float>();
-  a.kt = kt.data_ptr<float>();
-  a.vp = vp.data_ptr<float>();
   at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
   at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_fwd(a, b, e); });
   return {out, lse};

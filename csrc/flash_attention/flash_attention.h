@@ -7,7 +7,9 @@
 // causal keeps rel >= 0 (bottom-right aligned), a sliding window of w keeps rel < w (causal) or |rel| < w, and
 // packed documents keep [q_keys[b, i, 0], q_keys[b, i, 1]) (the query's document's keys). Both ends of the span are
 // non-decreasing in i, so a block of rows sees [span(first row).lo, span(last row).hi). lse [b, h, sq] fp32 (-inf
-// for a query that sees no key, whose output is 0). All math in fp32.
+// for a query that sees no key, whose output is 0). All math in fp32, but the bf16 forward on a CPU with AVX512-BF16
+// (detected at run time: has_bf16_dot): there q K^T and P V multiply bf16 (P rounded to bf16, as on the GPU) and
+// sum in fp32.
 //
 // Dropout (dropout_p > 0) keeps score (row, col) iff the counter hash of megakernels/triton/_common.py keeps it
 // (`keep`, the same bits as the GPU kernels and the PyTorch path; row = (batch * h + head) * sq + query): the
@@ -47,9 +49,14 @@ struct Args {
   void* dq;          // backward outputs in q/k/v's layouts
   void* dk;
   void* dv;
-  float* kt;              // packed K^T panels [b, hk, nkb, dp, kBlockN] (zero padded)
-  float* kp;              // packed K [b, hk, nkb * kBlockN, dp] (backward)
-  float* vp;              // packed V [b, hk, nkb * kBlockN, dp] (forward)
+  float* kt;  // packed K^T panels [b, hk, nkb, dp, kBlockN] (zero padded)
+  float* kp;  // packed K [b, hk, nkb * kBlockN, dp] (backward)
+  float* vp;  // packed V [b, hk, nkb * kBlockN, dp] (forward)
+  // bf16 forward on AVX512-BF16 (cpu::has_bf16_dot): the same panels in bf16 with the products' k pairs
+  // interleaved (vdpbf16ps takes two bf16 of k per fp32 lane): K^T [.., dp / 2, kBlockN, 2], V [.., kBlockN / 2,
+  // dp, 2]; null: the fp32 panels above
+  uint16_t* ktb;
+  uint16_t* vpb;
   float* vt;              // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
   float* delta;           // backward: [b, h, sq]
   float* dq_part;         // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
@@ -105,6 +112,8 @@ inline Span visible(const Args& a, int64_t bi, int64_t i) {
 namespace cpu {
 // Work items: pack b * hk * nkb (into whichever of kt, kp, vp, vt is non-null); fwd b * h * nqb;
 // bwd_prep and bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
+// Whether this CPU has AVX512-BF16 (detected at run time): bf16 forwards then multiply bf16 panels, fp32 sums.
+bool has_bf16_dot();
 void flash_attn_pack(const flash_attention::Args& a, int64_t i0, int64_t i1);
 void flash_attn_fwd(const flash_attention::Args& a, int64_t i0, int64_t i1);
 void flash_attn_bwd_prep(const flash_attention::Args& a, int64_t r0, int64_t r1);

@@ -3,17 +3,23 @@
 // Every product is an fp32 GEMM on small, zero-padded panels: C[M, N] (+)= A[M, K] B[K, N] with M even and N a
 // multiple of 16, computed by 6-row x 64-column register tiles (GCC vector extensions: 24 accumulators of 16
 // floats, which -march=native maps onto AVX-512 registers) that streams B's rows and broadcasts A's entries. The
-// softmax passes are `omp simd` loops with mk_exp. Work items are split over threads by the caller
-// (at::parallel_for in csrc/bindings/flash_attention.cpp); each item owns its outputs, so the results do not
-// depend on the thread count.
+// softmax passes are `omp simd` loops with mk_exp. The bf16 forward on AVX512-BF16 takes dot_gemm instead: the same
+// tiling over vdpbf16ps (two bf16 products a fp32 lane), compiled for that ISA and chosen at run time. Work items are
+// split over threads by the caller (at::parallel_for in csrc/bindings/flash_attention.cpp); each item owns its outputs,
+// so the results do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 
 #include "../common/cpu_types.h"
 #include "flash_attention.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace megakernels {
 namespace cpu {
@@ -87,6 +93,75 @@ void gemm(int64_t m, int64_t n, int64_t kdim, const float* a, int64_t lda, const
   }
 }
 
+#if defined(__x86_64__)
+// bf16 products on AVX512-BF16: vdpbf16ps adds, per fp32 lane, the products of two bf16 pairs. Compiled for that
+// ISA whatever the build's -march, and called only where has_bf16_dot() says the CPU runs it.
+#define MK_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// C[R, 16 NV] (+)= A[R, 2 KP] B[2 KP, 16 NV]: A's rows bf16 (a k pair is 4 contiguous bytes), B pair-interleaved
+// ([KP][ldb][2] bf16, ldb columns).
+template <int R, int NV, bool ACC>
+MK_BF16_DOT inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
+                                 int64_t kp) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + (p * ldb + 16 * v) * 2);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * p, 4);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+template <int R, bool ACC>
+MK_BF16_DOT inline void dot_tile_row(int64_t nv, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                                     float* c, int64_t ldc, int64_t kp) {
+  switch (nv) {
+    case 4: return dot_tile<R, 4, ACC>(a, lda, b, ldb, c, ldc, kp);
+    case 3: return dot_tile<R, 3, ACC>(a, lda, b, ldb, c, ldc, kp);
+    case 2: return dot_tile<R, 2, ACC>(a, lda, b, ldb, c, ldc, kp);
+    default: return dot_tile<R, 1, ACC>(a, lda, b, ldb, c, ldc, kp);
+  }
+}
+
+// dst[0, n) = bf16(src[0, n)) rounded to nearest even (vcvtne2ps2bf16); n % 32 == 0.
+MK_BF16_DOT inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, (__m512i)v);
+  }
+}
+
+// C[M, N] (+)= A[M, 2 KP] B[2 KP, N] in bf16 with fp32 sums; M % 2 == 0, N % 16 == 0 (gemm's tiling).
+template <bool ACC>
+MK_BF16_DOT void dot_gemm(int64_t m, int64_t n, int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* b,
+                          int64_t ldb, float* c, int64_t ldc) {
+  constexpr int64_t kRows = 6;
+  for (int64_t j = 0; j < n; j += 64) {
+    const int64_t nv = std::min<int64_t>(4, (n - j) / 16);
+    int64_t i = 0;
+    for (; i + kRows <= m; i += kRows)
+      dot_tile_row<kRows, ACC>(nv, a + i * lda, lda, b + 2 * j, ldb, c + i * ldc + j, ldc, kp);
+    for (; i + 4 <= m; i += 4) dot_tile_row<4, ACC>(nv, a + i * lda, lda, b + 2 * j, ldb, c + i * ldc + j, ldc, kp);
+    for (; i < m; i += 2) dot_tile_row<2, ACC>(nv, a + i * lda, lda, b + 2 * j, ldb, c + i * ldc + j, ldc, kp);
+  }
+}
+#endif
+
 // 64-byte aligned fp32 scratch of one work range.
 struct Scratch {
   explicit Scratch(int64_t n)
@@ -149,15 +224,24 @@ void pack_items(const Args& a, int64_t i0, int64_t i1) {
         for (int64_t c = 0; c < dp; ++c) a.vt[panel + c * kBlockN + j] = vr[c];
       if (a.kp) std::copy(kr, kr + dp, a.kp + panel + j * dp);
       if (a.vp) std::copy(vr, vr + dp, a.vp + panel + j * dp);
+      if (a.ktb) {  // bf16 panels, k pairs interleaved (the values are bf16: the round trip through fp32 is exact)
+        for (int64_t c = 0; c < dp; ++c)
+          a.ktb[panel + (c / 2) * kBlockN * 2 + j * 2 + c % 2] = from_float<bf16>(kr[c]).bits;
+        for (int64_t c = 0; c < dp; ++c) a.vpb[panel + (j / 2) * dp * 2 + c * 2 + j % 2] = from_float<bf16>(vr[c]).bits;
+      }
     }
   }
 }
 
-template <typename T>
-void fwd_items(const Args& a, int64_t i0, int64_t i1) {
+// DOT: the bf16 forward on AVX512-BF16 (q, K and V as bf16 panels, P rounded to bf16 for P V; the sums in fp32),
+// inlined into fwd_items_dot, which is compiled for that ISA.
+template <typename T, bool DOT>
+__attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, int64_t i1) {
   const int64_t d = a.d, dp = a.dp, g = a.h / a.hk;
-  Scratch buf(2 * kBlockM * dp + kBlockM * kBlockN);
+  Scratch buf(2 * kBlockM * dp + kBlockM * kBlockN + (DOT ? (kBlockM * dp + kBlockM * kBlockN + 1) / 2 : 0));
   float *qs = buf.p, *o = buf.p + kBlockM * dp, *s = buf.p + 2 * kBlockM * dp;
+  uint16_t* q16 = reinterpret_cast<uint16_t*>(s + kBlockM * kBlockN);  // DOT: q [kBlockM, dp], P [kBlockM, kBlockN]
+  uint16_t* pb = q16 + kBlockM * dp;
   float m[kBlockM], l[kBlockM];
   for (int64_t it = i0; it < i1; ++it) {
     // Query blocks in the order 0, n-1, 1, n-2, ...: a contiguous range of items holds cheap and expensive
@@ -167,10 +251,14 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
     const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0);
     const T* q = static_cast<const T*>(a.q) + ((bi * a.sq + r0) * a.h + hh) * d;
     for (int64_t r = 0; r < kBlockM; ++r) {
-      if (r < rows)
+      if constexpr (DOT) {  // q's own bits, zero padded; the scale is applied to S
+        if (r < rows) std::memcpy(q16 + r * dp, q + r * a.h * d, d * sizeof(uint16_t));
+        std::fill(q16 + r * dp + (r < rows ? d : 0), q16 + (r + 1) * dp, uint16_t(0));
+      } else if (r < rows) {
         load_padded(q + r * a.h * d, qs + r * dp, d, dp, a.scale);
-      else
+      } else {
         std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
+      }
       m[r] = kNegInf;
       l[r] = 0.0f;
     }
@@ -178,12 +266,22 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
     // The block's rows see keys [first row's lo, last row's hi): only those key blocks are visited.
     const int64_t kbeg = flash_attention::visible(a, bi, r0).lo / kBlockN * kBlockN;
     const int64_t kend = flash_attention::visible(a, bi, r0 + rows - 1).hi;
-    const float* kt = a.kt + bk_offset(a, bi, kh);
-    const float* vp = a.vp + bk_offset(a, bi, kh);
+    const float* kt = DOT ? nullptr : a.kt + bk_offset(a, bi, kh);
+    const float* vp = DOT ? nullptr : a.vp + bk_offset(a, bi, kh);
     for (int64_t k0 = kbeg; k0 < kend; k0 += kBlockN) {
-      gemm<false>(kBlockM, kBlockN, d, qs, dp, kt + k0 * dp, kBlockN, s, kBlockN);
+#if defined(__x86_64__)
+      if constexpr (DOT)
+        dot_gemm<false>(kBlockM, kBlockN, dp / 2, q16, dp, a.ktb + bk_offset(a, bi, kh) + k0 * dp, kBlockN, s, kBlockN);
+      else
+#endif
+        gemm<false>(kBlockM, kBlockN, d, qs, dp, kt + k0 * dp, kBlockN, s, kBlockN);
       for (int64_t r = 0; r < kBlockM; ++r) {
         float* sr = s + r * kBlockN;
+        if constexpr (DOT) {
+          const float sc = a.scale;
+#pragma omp simd
+          for (int64_t j = 0; j < kBlockN; ++j) sr[j] *= sc;
+        }
         const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
         for (int64_t j = 0; j < vis.lo; ++j) sr[j] = kNegInf;
         for (int64_t j = vis.hi; j < kBlockN; ++j) sr[j] = kNegInf;
@@ -218,7 +316,13 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
           for (int64_t c = 0; c < dp; ++c) orow[c] *= alpha;
         }
       }
-      gemm<true>(kBlockM, dp, kBlockN, s, kBlockN, vp + k0 * dp, dp, o, dp);
+#if defined(__x86_64__)
+      if constexpr (DOT) {  // P in bf16 (as the GPU kernels' P V), the sum in fp32
+        to_bf16(s, pb, kBlockM * kBlockN);
+        dot_gemm<true>(kBlockM, dp, kBlockN / 2, pb, kBlockN, a.vpb + bk_offset(a, bi, kh) + k0 * dp, dp, o, dp);
+      } else
+#endif
+        gemm<true>(kBlockM, dp, kBlockN, s, kBlockN, vp + k0 * dp, dp, o, dp);
     }
     T* out = static_cast<T*>(a.o) + ((bi * a.sq + r0) * a.h + hh) * d;
     float* lse = a.lse + (bi * a.h + hh) * a.sq + r0;
@@ -232,6 +336,15 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
     }
   }
 }
+
+template <typename T>
+void fwd_items(const Args& a, int64_t i0, int64_t i1) {
+  fwd_body<T, false>(a, i0, i1);
+}
+
+#if defined(__x86_64__)
+MK_BF16_DOT void fwd_items_dot(const Args& a, int64_t i0, int64_t i1) { fwd_body<bf16, true>(a, i0, i1); }
+#endif
 
 template <typename T>
 void bwd_prep_rows(const Args& a, int64_t r0, int64_t r1) {
@@ -363,7 +476,21 @@ void bwd_dq_rows(const Args& a, int64_t r0, int64_t r1) {
 }  // namespace
 
 void flash_attn_pack(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(pack_items) }
-void flash_attn_fwd(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(fwd_items) }
+bool has_bf16_dot() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+void flash_attn_fwd(const Args& a, int64_t i0, int64_t i1) {
+#if defined(__x86_64__)
+  if (a.dtype == DType::BF16 && a.ktb != nullptr) return fwd_items_dot(a, i0, i1);
+#endif
+  MK_FA_DISPATCH(fwd_items)
+}
 void flash_attn_bwd_prep(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_prep_rows) }
 void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_kv_items) }
 void flash_attn_bwd_dq(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_dq_rows) }

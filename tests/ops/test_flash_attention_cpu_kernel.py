@@ -328,3 +328,30 @@ def test_dropout_through_flash_attention_equals_the_pytorch_path():
         assert (x - y).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="dropout_p"):
         torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.125, 0, 0, None, 1.0, 0)
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_forward_with_bf16_products_and_with_fp32_panels(causal, monkeypatch):
+    """bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (P rounded to bf16, sums in fp32);
+    MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 panels. Both against fp64; on such a CPU they differ in the last bits
+    (the products really changed), elsewhere they are the same path."""
+    q, k, v, do = _inputs((2, 200, 260, 4, 2, 64), torch.bfloat16, seed=11)
+    ref_out, ref_lse, *ref_grads = _reference(q, k, v, do, causal, 0.125)
+    results = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("MEGAKERNELS_CPU_BF16_DOT", env)
+        out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, 0.125)
+        grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, 0.125)
+        _check_lse(lse, ref_lse)
+        for name, x, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+            assert _err(x, ref) < TOL[torch.bfloat16], (env, name)
+        results[env] = out
+    assert torch.equal(results["1"], results["0"]) != _cpu_has_avx512_bf16()

@@ -152,7 +152,7 @@ struct Result {
 };
 
 Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, const Buf& dout, float scale,
-           bool reverse) {
+           bool reverse, bool dot = false) {
   const std::vector<int32_t> spans = s.doc > 0 ? q_key_spans(s) : std::vector<int32_t>();
   fa::Args a = make_args(s, dt, scale, spans);
   const size_t panels = size_t(a.b * a.hk * a.nkb * fa::kBlockN * a.dp);
@@ -160,8 +160,12 @@ Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, c
   r.lse.assign(size_t(s.b * s.h * s.sq), 0.f);
   // forward
   std::vector<float> kt(panels, 0.f), vp(panels, 0.f);
+  std::vector<uint16_t> ktb(dot ? panels : 0), vpb(dot ? panels : 0);
   a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = r.out.data(), a.lse = r.lse.data();
-  a.kt = kt.data(), a.vp = vp.data();
+  if (dot)  // the bf16 forward on AVX512-BF16: bf16 panels only
+    a.ktb = ktb.data(), a.vpb = vpb.data();
+  else
+    a.kt = kt.data(), a.vp = vp.data();
   split(a.b * a.hk * a.nkb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_pack(a, i0, i1); });
   split(a.b * a.h * a.nqb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_fwd(a, i0, i1); });
   // backward, with the bindings' number of key-block chunks
@@ -209,6 +213,18 @@ void check(const Shape& s, DType dt, std::mt19937& rng) {
   }
   expect(lse_ok && lse_err <= 1e-4 * std::max(1.0, std::sqrt(double(s.sk))),
          what + " lse: max error " + std::to_string(lse_err) + (lse_ok ? "" : " (a query with no key is not -inf)"));
+  if (dt == DType::BF16 && cpu::has_bf16_dot()) {  // the bf16-product forward (P rounded to bf16), its backward
+    const Result dot = run(s, dt, q, k, v, dout, scale, false, true);
+    compare(what + " out (bf16 products)", dot.out, ref.out, 2 * tol(dt));
+    compare(what + " dq (bf16 products)", dot.dq, ref.dq, 4 * tol(dt));
+    compare(what + " dk (bf16 products)", dot.dk, ref.dk, 4 * tol(dt));
+    compare(what + " dv (bf16 products)", dot.dv, ref.dv, 4 * tol(dt));
+    const Result dot_again = run(s, dt, q, k, v, dout, scale, true, true);
+    expect(same_bits(dot.out, dot_again.out) && dot.lse == dot_again.lse,
+           what + ": the bf16-product forward depends on how the work items are split");
+  } else if (dt == DType::BF16) {
+    std::printf("note: this CPU has no AVX512-BF16; the bf16-product forward is not run\n");
+  }
   const Result again = run(s, dt, q, k, v, dout, scale, true);
   expect(same_bits(got.out, again.out) && same_bits(got.dq, again.dq) && same_bits(got.dk, again.dk) &&
              same_bits(got.dv, again.dv) && got.lse == again.lse,
