@@ -144,7 +144,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   const int64_t most = std::max<int64_t>(4, (int64_t(256) << 20) / part_bytes);
   a.chunks = std::clamp<int64_t>((16 + a.b * a.hk - 1) / (a.b * a.hk), 1, std::min(a.nkb, most));
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  at::Tensor kt = packed(a, q), kp = packed(a, q), vt = packed(a, q);
+  const char* dot_env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
+  const bool dot = a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(dot_env && std::string(dot_env) == "0");
+  at::Tensor kt, kp, vt;
+  if (dot) {  // bf16 panels for bf16 products (as the forward)
+    kt = at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(at::kBFloat16));
+    kp = at::empty_like(kt), vt = at::empty_like(kt);
+    a.ktb = reinterpret_cast<uint16_t*>(kt.data_ptr());
+    a.kpb = reinterpret_cast<uint16_t*>(kp.data_ptr());
+    a.vtb = reinterpret_cast<uint16_t*>(vt.data_ptr());
+  } else {
+    kt = packed(a, q), kp = packed(a, q), vt = packed(a, q);
+    a.kt = kt.data_ptr<float>();
+    a.kp = kp.data_ptr<float>();
+    a.vt = vt.data_ptr<float>();
+  }
   at::Tensor delta = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
   at::Tensor dq_part = at::zeros({a.chunks, a.b, a.h, a.nqb * fa::kBlockM, a.dp}, q.options().dtype(at::kFloat));
   a.q = q.data_ptr();
@@ -156,9 +170,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   a.dq = dq.data_ptr();
   a.dk = dk.data_ptr();
   a.dv = dv.data_ptr();
-  a.kt = kt.data_ptr<float>();
-  a.kp = kp.data_ptr<float>();
-  a.vt = vt.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
   a.dq_part = dq_part.data_ptr<float>();
   const int64_t rows = a.b * a.sq * a.h;

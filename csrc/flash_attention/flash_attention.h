@@ -8,8 +8,8 @@
 // packed documents keep [q_keys[b, i, 0], q_keys[b, i, 1]) (the query's document's keys). Both ends of the span are
 // non-decreasing in i, so a block of rows sees [span(first row).lo, span(last row).hi). lse [b, h, sq] fp32 (-inf
 // for a query that sees no key, whose output is 0). All math in fp32, but the bf16 forward on a CPU with AVX512-BF16
-// (detected at run time: has_bf16_dot): there q K^T and P V multiply bf16 (P rounded to bf16, as on the GPU) and
-// sum in fp32.
+// (detected at run time: has_bf16_dot): there the products multiply bf16 (P and dS rounded to bf16, as on the GPU)
+// and sum in fp32, forward and backward.
 //
 // Dropout (dropout_p > 0) keeps score (row, col) iff the counter hash of megakernels/triton/_common.py keeps it
 // (`keep`, the same bits as the GPU kernels and the PyTorch path; row = (batch * h + head) * sq + query): the
@@ -57,6 +57,8 @@ struct Args {
   // dp, 2]; null: the fp32 panels above
   uint16_t* ktb;
   uint16_t* vpb;
+  uint16_t* vtb;  // bf16 backward: V^T [.., dp / 2, kBlockN, 2] and K [.., kBlockN / 2, dp, 2] (ktb as above)
+  uint16_t* kpb;
   float* vt;              // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
   float* delta;           // backward: [b, h, sq]
   float* dq_part;         // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry

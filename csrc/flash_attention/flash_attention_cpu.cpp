@@ -224,11 +224,17 @@ void pack_items(const Args& a, int64_t i0, int64_t i1) {
         for (int64_t c = 0; c < dp; ++c) a.vt[panel + c * kBlockN + j] = vr[c];
       if (a.kp) std::copy(kr, kr + dp, a.kp + panel + j * dp);
       if (a.vp) std::copy(vr, vr + dp, a.vp + panel + j * dp);
-      if (a.ktb) {  // bf16 panels, k pairs interleaved (the values are bf16: the round trip through fp32 is exact)
+      // bf16 panels, k pairs interleaved (the values are bf16: the round trip through fp32 is exact)
+      if (a.ktb)
         for (int64_t c = 0; c < dp; ++c)
           a.ktb[panel + (c / 2) * kBlockN * 2 + j * 2 + c % 2] = from_float<bf16>(kr[c]).bits;
+      if (a.vtb)
+        for (int64_t c = 0; c < dp; ++c)
+          a.vtb[panel + (c / 2) * kBlockN * 2 + j * 2 + c % 2] = from_float<bf16>(vr[c]).bits;
+      if (a.vpb)
         for (int64_t c = 0; c < dp; ++c) a.vpb[panel + (j / 2) * dp * 2 + c * 2 + j % 2] = from_float<bf16>(vr[c]).bits;
-      }
+      if (a.kpb)
+        for (int64_t c = 0; c < dp; ++c) a.kpb[panel + (j / 2) * dp * 2 + c * 2 + j % 2] = from_float<bf16>(kr[c]).bits;
     }
   }
 }
@@ -362,13 +368,19 @@ void bwd_prep_rows(const Args& a, int64_t r0, int64_t r1) {
   }
 }
 
-template <typename T>
-void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
+// DOT: the bf16 backward on AVX512-BF16: the five products multiply bf16 (q, dO, K, V as they are; P^T, dS^T and
+// dS rounded to bf16) and sum in fp32; q unscaled, so S and dK take the scale after their products.
+template <typename T, bool DOT>
+__attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, int64_t i1) {
   const int64_t d = a.d, dp = a.dp, g = a.h / a.hk, sq_pad = a.nqb * kBlockM;
   const int64_t tile = kBlockM * kBlockN;
-  Scratch buf(2 * kBlockM * dp + 2 * kBlockN * dp + 5 * tile);
+  // DOT: q, dO as rows and k-pair interleaved over the queries [kBlockM / 2, dp, 2], P^T, dS^T, dS in bf16
+  const int64_t dot16 = DOT ? 4 * kBlockM * dp + 3 * tile : 0;
+  Scratch buf(2 * kBlockM * dp + 2 * kBlockN * dp + 5 * tile + (dot16 + 1) / 2);
   float *qs = buf.p, *dos = qs + kBlockM * dp, *dka = dos + kBlockM * dp, *dva = dka + kBlockN * dp;
   float *p = dva + kBlockN * dp, *dp_ = p + tile, *ds = dp_ + tile, *pt = ds + tile, *dst = pt + tile;
+  uint16_t *q16 = reinterpret_cast<uint16_t*>(dst + tile), *do16 = q16 + kBlockM * dp, *qpb = do16 + kBlockM * dp;
+  uint16_t *dopb = qpb + kBlockM * dp, *pt16 = dopb + kBlockM * dp, *dst16 = pt16 + tile, *ds16 = dst16 + tile;
   float lse[kBlockM], delta[kBlockM];
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t chunk = it % a.chunks, bk = it / a.chunks, kh = bk % a.hk, bi = bk / a.hk;
@@ -376,9 +388,9 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
     for (int64_t kb = chunk; kb < a.nkb; kb += a.chunks) {
       const int64_t k0 = kb * kBlockN, keys = std::min(kBlockN, a.sk - k0);
       std::fill(dka, dka + 2 * kBlockN * dp, 0.0f);
-      const float* kt = a.kt + base + k0 * dp;
-      const float* kp = a.kp + base + k0 * dp;
-      const float* vt = a.vt + base + k0 * dp;
+      const float* kt = DOT ? nullptr : a.kt + base + k0 * dp;
+      const float* kp = DOT ? nullptr : a.kp + base + k0 * dp;
+      const float* vt = DOT ? nullptr : a.vt + base + k0 * dp;
       for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t hh = kh * g + gi;
         for (int64_t qb = 0; qb < a.nqb; ++qb) {
@@ -393,20 +405,40 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
           const float* lse_in = a.lse + (bi * a.h + hh) * a.sq + r0;
           const float* delta_in = a.delta + (bi * a.h + hh) * a.sq + r0;
           for (int64_t r = 0; r < kBlockM; ++r) {
-            if (r < rows) {
+            if constexpr (DOT) {  // the bits as they are, zero padded; as rows and with query pairs interleaved
+              std::fill(q16 + r * dp, q16 + (r + 1) * dp, uint16_t(0));
+              std::fill(do16 + r * dp, do16 + (r + 1) * dp, uint16_t(0));
+              if (r < rows) {
+                std::memcpy(q16 + r * dp, q + r * a.h * d, d * sizeof(uint16_t));
+                std::memcpy(do16 + r * dp, dout + r * a.h * d, d * sizeof(uint16_t));
+              }
+              for (int64_t c = 0; c < dp; ++c) {
+                qpb[(r / 2) * dp * 2 + c * 2 + r % 2] = q16[r * dp + c];
+                dopb[(r / 2) * dp * 2 + c * 2 + r % 2] = do16[r * dp + c];
+              }
+            } else if (r < rows) {
               load_padded(q + r * a.h * d, qs + r * dp, d, dp, a.scale);
               load_padded(dout + r * a.h * d, dos + r * dp, d, dp, 1.0f);
-              lse[r] = lse_in[r] == kNegInf ? kPosInf : lse_in[r];  // a row that sees no key: P = 0
-              delta[r] = delta_in[r];
             } else {
               std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
               std::fill(dos + r * dp, dos + (r + 1) * dp, 0.0f);
-              lse[r] = kPosInf;
-              delta[r] = 0.0f;
             }
+            lse[r] = r < rows ? (lse_in[r] == kNegInf ? kPosInf : lse_in[r]) : kPosInf;  // no key seen: P = 0
+            delta[r] = r < rows ? delta_in[r] : 0.0f;
           }
-          gemm<false>(kBlockM, kBlockN, d, qs, dp, kt, kBlockN, p, kBlockN);
-          gemm<false>(kBlockM, kBlockN, d, dos, dp, vt, kBlockN, dp_, kBlockN);
+#if defined(__x86_64__)
+          if constexpr (DOT) {
+            dot_gemm<false>(kBlockM, kBlockN, dp / 2, q16, dp, a.ktb + base + k0 * dp, kBlockN, p, kBlockN);
+            dot_gemm<false>(kBlockM, kBlockN, dp / 2, do16, dp, a.vtb + base + k0 * dp, kBlockN, dp_, kBlockN);
+            const float sc = a.scale;
+#pragma omp simd
+            for (int64_t e = 0; e < tile; ++e) p[e] *= sc;
+          } else
+#endif
+          {
+            gemm<false>(kBlockM, kBlockN, d, qs, dp, kt, kBlockN, p, kBlockN);
+            gemm<false>(kBlockM, kBlockN, d, dos, dp, vt, kBlockN, dp_, kBlockN);
+          }
           for (int64_t r = 0; r < kBlockM; ++r) {
             float *pr = p + r * kBlockN, *dpr = dp_ + r * kBlockN, *dsr = ds + r * kBlockN;
             const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
@@ -433,11 +465,28 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
           }
           transpose_block(p, pt);
           transpose_block(ds, dst);
-          gemm<true>(kBlockN, dp, kBlockM, pt, kBlockM, dos, dp, dva, dp);
-          gemm<true>(kBlockN, dp, kBlockM, dst, kBlockM, qs, dp, dka, dp);
           float* dqp = a.dq_part + (((chunk * a.b + bi) * a.h + hh) * sq_pad + r0) * dp;
-          gemm<true>(kBlockM, dp, kBlockN, ds, kBlockN, kp, dp, dqp, dp);
+#if defined(__x86_64__)
+          if constexpr (DOT) {
+            to_bf16(pt, pt16, tile);
+            to_bf16(dst, dst16, tile);
+            to_bf16(ds, ds16, tile);
+            dot_gemm<true>(kBlockN, dp, kBlockM / 2, pt16, kBlockM, dopb, dp, dva, dp);
+            dot_gemm<true>(kBlockN, dp, kBlockM / 2, dst16, kBlockM, qpb, dp, dka, dp);  // unscaled q: scaled below
+            dot_gemm<true>(kBlockM, dp, kBlockN / 2, ds16, kBlockN, a.kpb + base + k0 * dp, dp, dqp, dp);
+          } else
+#endif
+          {
+            gemm<true>(kBlockN, dp, kBlockM, pt, kBlockM, dos, dp, dva, dp);
+            gemm<true>(kBlockN, dp, kBlockM, dst, kBlockM, qs, dp, dka, dp);
+            gemm<true>(kBlockM, dp, kBlockN, ds, kBlockN, kp, dp, dqp, dp);
+          }
         }
+      }
+      if constexpr (DOT) {
+        const float sc = a.scale;
+#pragma omp simd
+        for (int64_t e = 0; e < kBlockN * dp; ++e) dka[e] *= sc;
       }
       for (int64_t j = 0; j < keys; ++j) {
         const int64_t off = ((bi * a.sk + k0 + j) * a.hk + kh) * d;
@@ -447,6 +496,15 @@ void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
     }
   }
 }
+
+template <typename T>
+void bwd_kv_items(const Args& a, int64_t i0, int64_t i1) {
+  bwd_body<T, false>(a, i0, i1);
+}
+
+#if defined(__x86_64__)
+MK_BF16_DOT void bwd_kv_items_dot(const Args& a, int64_t i0, int64_t i1) { bwd_body<bf16, true>(a, i0, i1); }
+#endif
 
 template <typename T>
 void bwd_dq_rows(const Args& a, int64_t r0, int64_t r1) {
@@ -492,7 +550,12 @@ void flash_attn_fwd(const Args& a, int64_t i0, int64_t i1) {
   MK_FA_DISPATCH(fwd_items)
 }
 void flash_attn_bwd_prep(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_prep_rows) }
-void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_kv_items) }
+void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) {
+#if defined(__x86_64__)
+  if (a.dtype == DType::BF16 && a.ktb != nullptr) return bwd_kv_items_dot(a, i0, i1);
+#endif
+  MK_FA_DISPATCH(bwd_kv_items)
+}
 void flash_attn_bwd_dq(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_dq_rows) }
 
 }  // namespace cpu

@@ -340,7 +340,7 @@ def _cpu_has_avx512_bf16() -> bool:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_forward_with_bf16_products_and_with_fp32_panels(causal, monkeypatch):
-    """bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (P rounded to bf16, sums in fp32);
+    """bf16 on a CPU with AVX512-BF16 multiplies bf16 panels forward and backward (P, dS rounded to bf16, sums in fp32);
     MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 panels. Both against fp64; on such a CPU they differ in the last bits
     (the products really changed), elsewhere they are the same path."""
     q, k, v, do = _inputs((2, 200, 260, 4, 2, 64), torch.bfloat16, seed=11)

@@ -175,7 +175,12 @@ Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, c
   std::vector<float> part(size_t(g.chunks * g.b * g.h * g.nqb * fa::kBlockM * g.dp), 0.f);
   g.q = q.data(), g.k = k.data(), g.v = v.data(), g.out = r.out.data(), g.dout = dout.data();
   g.lse = r.lse.data(), g.dq = r.dq.data(), g.dk = r.dk.data(), g.dv = r.dv.data();
-  g.kt = kt2.data(), g.kp = kp.data(), g.vt = vt.data(), g.delta = delta.data(), g.dq_part = part.data();
+  std::vector<uint16_t> ktb2(dot ? panels : 0), kpb(dot ? panels : 0), vtb(dot ? panels : 0);
+  if (dot)  // the bf16 backward on AVX512-BF16: bf16 panels only
+    g.ktb = ktb2.data(), g.kpb = kpb.data(), g.vtb = vtb.data();
+  else
+    g.kt = kt2.data(), g.kp = kp.data(), g.vt = vt.data();
+  g.delta = delta.data(), g.dq_part = part.data();
   const int64_t rows = g.b * g.sq * g.h;
   split(g.b * g.hk * g.nkb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_pack(g, i0, i1); });
   split(rows, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_bwd_prep(g, i0, i1); });
@@ -213,17 +218,18 @@ void check(const Shape& s, DType dt, std::mt19937& rng) {
   }
   expect(lse_ok && lse_err <= 1e-4 * std::max(1.0, std::sqrt(double(s.sk))),
          what + " lse: max error " + std::to_string(lse_err) + (lse_ok ? "" : " (a query with no key is not -inf)"));
-  if (dt == DType::BF16 && cpu::has_bf16_dot()) {  // the bf16-product forward (P rounded to bf16), its backward
+  if (dt == DType::BF16 && cpu::has_bf16_dot()) {  // bf16 products (P and dS rounded to bf16), forward and backward
     const Result dot = run(s, dt, q, k, v, dout, scale, false, true);
     compare(what + " out (bf16 products)", dot.out, ref.out, 2 * tol(dt));
     compare(what + " dq (bf16 products)", dot.dq, ref.dq, 4 * tol(dt));
     compare(what + " dk (bf16 products)", dot.dk, ref.dk, 4 * tol(dt));
     compare(what + " dv (bf16 products)", dot.dv, ref.dv, 4 * tol(dt));
     const Result dot_again = run(s, dt, q, k, v, dout, scale, true, true);
-    expect(same_bits(dot.out, dot_again.out) && dot.lse == dot_again.lse,
-           what + ": the bf16-product forward depends on how the work items are split");
+    expect(same_bits(dot.out, dot_again.out) && same_bits(dot.dq, dot_again.dq) && same_bits(dot.dk, dot_again.dk) &&
+               same_bits(dot.dv, dot_again.dv) && dot.lse == dot_again.lse,
+           what + ": the bf16-product passes depend on how the work items are split");
   } else if (dt == DType::BF16) {
-    std::printf("note: this CPU has no AVX512-BF16; the bf16-product forward is not run\n");
+    std::printf("note: this CPU has no AVX512-BF16; the bf16-product passes are not run\n");
   }
   const Result again = run(s, dt, q, k, v, dout, scale, true);
   expect(same_bits(got.out, again.out) && same_bits(got.dq, again.dq) && same_bits(got.dk, again.dk) &&
