@@ -21,7 +21,8 @@ import os
 import shutil
 import signal
 import subprocess
-import time
+
+from tests.multinode.common import wait_until
 
 PREFIX = "mkn"  # every namespace of these checks is named mkn<pid>-<node>
 SUBNET = "10.231.0"
@@ -40,15 +41,16 @@ def namespace_pids(ns: str) -> list[int]:
 def _kill_namespace(ns: str, timeout: float = 10.0) -> list[int]:
     """SIGKILL every process of ``ns`` until none is left (at most ``timeout`` s); the pids that were found."""
     seen: list[int] = []
-    deadline = time.monotonic() + timeout
-    while pids := namespace_pids(ns):
-        seen += [p for p in pids if p not in seen]
+
+    def none_left() -> bool:
+        pids = namespace_pids(ns)
+        seen.extend(p for p in pids if p not in seen)
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {pids} of namespace {ns} survive SIGKILL")
-        time.sleep(0.05)
+        return not pids
+
+    wait_until(none_left, timeout, lambda: f"end of namespace {ns}'s processes {namespace_pids(ns)} (SIGKILL)", 0.05)
     return seen
 
 

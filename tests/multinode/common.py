@@ -52,6 +52,25 @@ FLAGS = [
 ]
 
 
+def wait_until(done, timeout: float, what, interval: float = 0.1, give_up=None) -> float | None:
+    """Poll ``done()`` every ``interval`` s until it is true; the monotonic time it was. There is no event to wait
+    on across network namespaces and Slurm daemons, so the checks poll an external condition under a deadline.
+    ``give_up()`` true (a process the condition waits on exited): None, unless ``done()`` holds then.
+
+    Raises:
+        TimeoutError: ``done()`` still false after ``timeout`` s; the message names ``what`` (a string, or a
+            callable for a message that reports the state at that moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if done():
+            return time.monotonic()
+        if give_up is not None and give_up():
+            return time.monotonic() if done() else None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what() if callable(what) else what} after {timeout:g} s")
+        time.sleep(interval)
+
+
 def env(**extra) -> dict:
     """This process's environment for a run: this checkout first on the path, one thread a rank, nothing of an
     enclosing torchrun job or sync directory."""

@@ -19,9 +19,9 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 from tests.multinode.cluster import Cluster
+from tests.multinode.common import wait_until
 
 START_S = 60.0
 
@@ -139,14 +139,13 @@ class Slurm:
         self._wait_for(self._nodes_idle, "both nodes idle in sinfo")
 
     def _wait_for(self, condition, what: str, timeout: float = START_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
+        def done() -> bool:
             for name, p in self.daemons.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode} while waiting for {what}:\n{self.logs()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no {what} after {timeout:g} s:\n{self.logs()}")
-            time.sleep(0.2)
+            return condition()
+
+        wait_until(done, timeout, lambda: f"{what}:\n{self.logs()}", 0.2)
 
     def _nodes_idle(self) -> bool:
         r = self.client(["sinfo", "--noheader", "--Node", "--format=%N %t"], timeout=30, check=False)

@@ -23,7 +23,7 @@ import pytest
 
 from tests.models.preemption_harness import SyncDir
 from tests.multinode.cluster import Cluster
-from tests.multinode.common import DEADLINE_S, FLAGS, ROOT, compare, env, layouts, record, steps
+from tests.multinode.common import DEADLINE_S, FLAGS, ROOT, compare, env, layouts, record, steps, wait_until
 from tests.multinode.slurm import Slurm
 
 SCRIPT = os.path.join(ROOT, "examples", "slurm_train.sbatch")
@@ -57,10 +57,12 @@ def _job_processes(cluster: Cluster) -> dict[int, list[str]]:
 
 
 def _no_job_left(slurm: Slurm) -> None:
-    deadline = time.monotonic() + 60
-    while any(_job_processes(slurm.cluster).values()):
-        assert time.monotonic() < deadline, f"job processes left: {_job_processes(slurm.cluster)}"
-        time.sleep(0.2)
+    wait_until(
+        lambda: not any(_job_processes(slurm.cluster).values()),
+        60,
+        lambda: f"end of the job processes left: {_job_processes(slurm.cluster)}",
+        0.2,
+    )
 
 
 class Job:

@@ -29,7 +29,7 @@ import pytest
 
 from tests.models.preemption_harness import SyncDir
 from tests.multinode.cluster import Cluster
-from tests.multinode.common import DEADLINE_S, FLAGS, compare, env, layouts, record, steps, train
+from tests.multinode.common import DEADLINE_S, FLAGS, compare, env, layouts, record, steps, train, wait_until
 
 TIMEOUT_S = 20  # --timeout of the node-loss runs: the collective timeout and the watchdog's
 # Heartbeats every second and a node dead after five missed ones; a rendezvous that has its minimum of nodes closes
@@ -72,11 +72,11 @@ def _wait(procs, timeout: float) -> None:
 
 def _no_process_left(cluster: Cluster) -> None:
     """Every process of both nodes has exited (the agents' workers included): nothing is orphaned."""
-    deadline = time.monotonic() + 30
-    while any(cluster.pids(i) for i in range(2)):
-        left = {i: cluster.pids(i) for i in range(2)}
-        assert time.monotonic() < deadline, f"processes left on the nodes: {left}"
-        time.sleep(0.1)
+    wait_until(
+        lambda: not any(cluster.pids(i) for i in range(2)),
+        30,
+        lambda: f"end of the processes left on the nodes: { {i: cluster.pids(i) for i in range(2)} }",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -192,13 +192,16 @@ def _poll_for(path, pattern: str, proc, deadline: float) -> float | None:
     """Wait until ``pattern`` (a regex) appears in the file ``path`` or ``proc`` exits; when it appeared (monotonic
     time) or None."""
     rx = re.compile(pattern)
-    while time.monotonic() < deadline:
-        if rx.search(path.read_text(errors="replace")):
-            return time.monotonic()
-        if proc.poll() is not None:
-            return time.monotonic() if rx.search(path.read_text(errors="replace")) else None
-        time.sleep(0.05)
-    return None
+    try:
+        return wait_until(
+            lambda: rx.search(path.read_text(errors="replace")) is not None,
+            max(0.0, deadline - time.monotonic()),
+            pattern,
+            0.05,
+            give_up=lambda: proc.poll() is not None,
+        )
+    except TimeoutError:
+        return None
 
 
 def _lose_node(cluster: Cluster, how: str, sync: SyncDir, node: int = 1) -> tuple[float, list[int]]:
