@@ -2,6 +2,7 @@
 // Kernels convert a row once into an fp32 scratch buffer, do all math there in loops the compiler vectorises,
 // and convert back once: the conversions are the only dtype-specific code.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -146,6 +147,43 @@ inline A* out_view(T* dst, A* scratch) {
 template <typename T, typename A>
 inline void finish_out(const A* scratch, T* dst, int64_t n) {
   if constexpr (!std::is_same_v<T, A>) store_row(scratch, dst, n);
+}
+
+// Reductions over a row that vectorise: GCC compiles `#pragma omp simd reduction(...)` loops over floats to scalar
+// code here, so these keep kLanes partial results, updated by an elementwise loop over a lane array (which it
+// vectorises), and combine them at the end. f(j) is the j-th term; the order of the sum differs from a sequential
+// one (the lanes), as a vectorised reduction's would.
+constexpr int kLanes = 16;
+
+template <typename A, typename F>
+inline A lane_sum(int64_t n, F f) {
+  A acc[kLanes] = {};
+  const int64_t body = n / kLanes * kLanes;
+  for (int64_t j = 0; j < body; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) acc[k] += f(j + k);
+  }
+  A s = 0;
+  for (int k = 0; k < kLanes; ++k) s += acc[k];
+  for (int64_t j = body; j < n; ++j) s += f(j);
+  return s;
+}
+
+// max over f(j) (NaN terms may be dropped, as std::max drops them: callers that care check a sum for NaN); `init`
+// for an empty row.
+template <typename A, typename F>
+inline A lane_max(int64_t n, A init, F f) {
+  A acc[kLanes];
+  for (int k = 0; k < kLanes; ++k) acc[k] = init;
+  const int64_t body = n / kLanes * kLanes;
+  for (int64_t j = 0; j < body; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) acc[k] = std::max(acc[k], f(j + k));
+  }
+  A m = init;
+  for (int k = 0; k < kLanes; ++k) m = std::max(m, acc[k]);
+  for (int64_t j = body; j < n; ++j) m = std::max(m, f(j));
+  return m;
 }
 
 }  // namespace cpu

@@ -21,8 +21,6 @@ namespace {
 using cross_entropy::GradArgs;
 using cross_entropy::StatsArgs;
 
-constexpr int kLanes = 32;  // partial sums a pass (two AVX-512 registers of floats)
-
 // exp(d) for d = x - max <= 0 (or NaN, which stays NaN); exactly 0 below the clamp of mk_exp.
 inline float ce_exp(float d) { return d < -87.0f ? 0.0f : mk_exp(d); }
 
@@ -38,31 +36,10 @@ void stats_rows(const StatsArgs& a, int64_t r0, int64_t r1) {
       continue;
     }
     const float* x = row_view(static_cast<const T*>(a.logits) + r * cols, buf.data(), n);
-    // kLanes partial results a pass, as elementwise loops over a lane array: GCC vectorises those (it left the
-    // `omp simd reduction` form of these loops scalar), then one short sum
-    float mv[kLanes], tv[kLanes], sv[kLanes];
-    std::fill(mv, mv + kLanes, ninf);
-    std::fill(tv, tv + kLanes, 0.0f);
-    std::fill(sv, sv + kLanes, 0.0f);
-    const int64_t body = n / kLanes * kLanes;
-    for (int64_t j = 0; j < body; j += kLanes) {
-#pragma omp simd
-      for (int k = 0; k < kLanes; ++k) {
-        mv[k] = std::max(mv[k], x[j + k]);
-        tv[k] += x[j + k];
-      }
-    }
-    float m = ninf, total = 0.0f;
-    for (int k = 0; k < kLanes; ++k) m = std::max(m, mv[k]), total += tv[k];
-    for (int64_t j = body; j < n; ++j) m = std::max(m, x[j]), total += x[j];
+    float m = lane_max<float>(n, ninf, [x](int64_t j) { return x[j]; });
+    const float total = lane_sum<float>(n, [x](int64_t j) { return x[j]; });
     const float shift = m == ninf ? 0.0f : m;
-    for (int64_t j = 0; j < body; j += kLanes) {
-#pragma omp simd
-      for (int k = 0; k < kLanes; ++k) sv[k] += ce_exp(x[j + k] - shift);
-    }
-    float s = 0.0f;
-    for (int k = 0; k < kLanes; ++k) s += sv[k];
-    for (int64_t j = body; j < n; ++j) s += ce_exp(x[j] - shift);
+    float s = lane_sum<float>(n, [x, shift](int64_t j) { return ce_exp(x[j] - shift); });
     if (std::isnan(total)) m = s = total;  // a NaN in the row (the max reduction may have dropped it)
     const int64_t t = a.target[r] - a.vocab_start;
     st[0] = m;

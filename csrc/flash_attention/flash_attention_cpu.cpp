@@ -291,31 +291,18 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
         const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
         for (int64_t j = 0; j < vis.lo; ++j) sr[j] = kNegInf;
         for (int64_t j = vis.hi; j < kBlockN; ++j) sr[j] = kNegInf;
-        // max and sum as elementwise loops over 16 lanes (GCC leaves the omp-simd reduction form scalar)
-        float lane[16];
-        std::fill(lane, lane + 16, kNegInf);
-        for (int64_t j = 0; j < kBlockN; j += 16) {
-#pragma omp simd
-          for (int k = 0; k < 16; ++k) lane[k] = std::max(lane[k], sr[j + k]);
-        }
-        const float mx = *std::max_element(lane, lane + 16);
+        const float mx = lane_max<float>(kBlockN, kNegInf, [sr](int64_t j) { return sr[j]; });
         const float mn = std::max(m[r], mx);
         if (mn == kNegInf) {  // nothing seen yet: P = 0
           std::fill(sr, sr + kBlockN, 0.0f);
           continue;
         }
         const float alpha = fa_exp(m[r] - mn);
-        std::fill(lane, lane + 16, 0.0f);
-        for (int64_t j = 0; j < kBlockN; j += 16) {
-#pragma omp simd
-          for (int k = 0; k < 16; ++k) {
-            const float e = fa_exp(sr[j + k] - mn);
-            sr[j + k] = e;
-            lane[k] += e;
-          }
-        }
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) sum += lane[k];
+        const float sum = lane_sum<float>(kBlockN, [sr, mn](int64_t j) {  // P = exp(S - max), in place
+          const float e = fa_exp(sr[j] - mn);
+          sr[j] = e;
+          return e;
+        });
         if (a.threshold > 0) {  // the normaliser has every probability; O gets the kept ones, scaled
           const uint32_t rh = flash_attention::dropout_row_hash(a, (bi * a.h + hh) * a.sq + r0 + r);
           const float ks = a.keep_scale;

@@ -23,10 +23,7 @@ using norms::FwdArgs;
 
 template <typename A>
 inline A row_sum(const A* v, int64_t n) {
-  A s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) s += v[j];
-  return s;
+  return lane_sum<A>(n, [v](int64_t j) { return v[j]; });
 }
 
 // Per row: mean, variance (two passes over the cached row), then normalise + affine + activation + store in one
@@ -47,9 +44,7 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const A* v = row_view(x + r * H, in_buf.data(), H);
     const A mean = a.rms ? A(0) : row_sum(v, H) / A(H);
-    A ss = 0;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < H; ++j) ss += (v[j] - mean) * (v[j] - mean);
+    const A ss = lane_sum<A>(H, [v, mean](int64_t j) { return (v[j] - mean) * (v[j] - mean); });
     const A rstd = A(1) / std::sqrt(ss / A(H) + A(a.eps));
     if (!a.rms) mean_out[r] = mean;
     rstd_out[r] = rstd;

@@ -27,13 +27,11 @@ using softmax::MaskKind;
 // Passes (2) and (3) on z[0, n), in place; z[n, sk) gets the masked positions' value.
 template <typename A>
 inline void normalise(A* z, int64_t n, int64_t sk, A m) {
-  A sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
+  const A sum = lane_sum<A>(n, [z, m](int64_t j) {
     const A e = softmax::softmax_exp(z[j] - m);
     z[j] = e;
-    sum += e;
-  }
+    return e;
+  });
   // A NaN/+inf among the inputs, or valid inputs that are all -inf, make `sum` NaN, hence the whole row NaN (as
   // torch.softmax); masked positions get 0 * inv, which is 0 unless the row is NaN.
   const A inv = A(1) / sum;
@@ -75,12 +73,11 @@ void fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) {
         masked += mj;
       }
     } else {
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < n; ++j) {
+      m = lane_max<A>(n, ninf, [v, z, scale](int64_t j) {
         const A zj = v[j] * scale;
         z[j] = zj;
-        m = std::max(m, zj);
-      }
+        return zj;
+      });
     }
     const int64_t valid = n - masked;
     if (valid == 0) {
@@ -106,9 +103,7 @@ void bwd_rows(const BwdArgs& a, int64_t r0, int64_t r1) {
     T* dxr = static_cast<T*>(a.dx) + r * sk;
     const A* yv = row_view(yr, ybuf.data(), n);
     const A* gv = row_view(gr, gbuf.data(), n);
-    A s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < n; ++j) s += yv[j] * gv[j];
+    const A s = lane_sum<A>(n, [yv, gv](int64_t j) { return yv[j] * gv[j]; });
     A* o = out_view(dxr, obuf.data());
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) o[j] = scale * yv[j] * (gv[j] - s);
