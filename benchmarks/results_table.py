@@ -268,7 +268,7 @@ def figures(report: dict, stem: str):
         return list(_static_rows(report))
     if report.get("kind") == "plan --reproduce":
         return list(_reproduce_rows(report))
-    if report.get("kind") == "static vs published attention" or {"shapes", "csv"} <= set(report):
+    if {"shapes", "csv"} <= set(report):  # static vs published attention (the first run's JSON has no "kind")
         return list(_published_attention_rows(report))
     if "rows" in report and "summary" in report and "host" in report:
         return list(_calibration_rows(report))

@@ -79,9 +79,18 @@ fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double
   return a;
 }
 
-at::Tensor packed(const fa::Args& a, const at::Tensor& q) {
-  return at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(at::kFloat));
+// bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 ones).
+bool bf16_dot(const fa::Args& a) {
+  const char* env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
+  return a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(env && std::string(env) == "0");
 }
+
+// One packed K or V buffer (flash_attention.h's panels): fp32, or bf16 for the bf16 products (`dot`).
+at::Tensor packed(const fa::Args& a, const at::Tensor& q, bool dot = false) {
+  return at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(dot ? at::kBFloat16 : at::kFloat));
+}
+
+uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                       const at::Tensor& v_in, bool causal, double scale, int64_t window,
@@ -94,20 +103,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
-  // bf16 on a CPU with AVX512-BF16: bf16 panels for bf16 products (MEGAKERNELS_CPU_BF16_DOT=0 keeps fp32 ones)
-  const char* dot_env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
-  const bool dot = a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(dot_env && std::string(dot_env) == "0");
-  at::Tensor kt, vp;
-  if (dot) {
-    kt = at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(at::kBFloat16));
-    vp = at::empty_like(kt);
-    a.ktb = reinterpret_cast<uint16_t*>(kt.data_ptr());
-    a.vpb = reinterpret_cast<uint16_t*>(vp.data_ptr());
-  } else {
-    kt = packed(a, q), vp = packed(a, q);
-    a.kt = kt.data_ptr<float>();
-    a.vp = vp.data_ptr<float>();
-  }
+  const bool dot = bf16_dot(a);
+  const at::Tensor kt = packed(a, q, dot), vp = packed(a, q, dot);
+  if (dot)
+    a.ktb = bf16_bits(kt), a.vpb = bf16_bits(vp);
+  else
+    a.kt = kt.data_ptr<float>(), a.vp = vp.data_ptr<float>();
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
@@ -144,21 +145,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   const int64_t most = std::max<int64_t>(4, (int64_t(256) << 20) / part_bytes);
   a.chunks = std::clamp<int64_t>((16 + a.b * a.hk - 1) / (a.b * a.hk), 1, std::min(a.nkb, most));
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  const char* dot_env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
-  const bool dot = a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(dot_env && std::string(dot_env) == "0");
-  at::Tensor kt, kp, vt;
-  if (dot) {  // bf16 panels for bf16 products (as the forward)
-    kt = at::empty({a.b * a.hk * a.nkb * fa::kBlockN * a.dp}, q.options().dtype(at::kBFloat16));
-    kp = at::empty_like(kt), vt = at::empty_like(kt);
-    a.ktb = reinterpret_cast<uint16_t*>(kt.data_ptr());
-    a.kpb = reinterpret_cast<uint16_t*>(kp.data_ptr());
-    a.vtb = reinterpret_cast<uint16_t*>(vt.data_ptr());
-  } else {
-    kt = packed(a, q), kp = packed(a, q), vt = packed(a, q);
-    a.kt = kt.data_ptr<float>();
-    a.kp = kp.data_ptr<float>();
-    a.vt = vt.data_ptr<float>();
-  }
+  const bool dot = bf16_dot(a);
+  const at::Tensor kt = packed(a, q, dot), kp = packed(a, q, dot), vt = packed(a, q, dot);
+  if (dot)
+    a.ktb = bf16_bits(kt), a.kpb = bf16_bits(kp), a.vtb = bf16_bits(vt);
+  else
+    a.kt = kt.data_ptr<float>(), a.kp = kp.data_ptr<float>(), a.vt = vt.data_ptr<float>();
   at::Tensor delta = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
   at::Tensor dq_part = at::zeros({a.chunks, a.b, a.h, a.nqb * fa::kBlockM, a.dp}, q.options().dtype(at::kFloat));
   a.q = q.data_ptr();

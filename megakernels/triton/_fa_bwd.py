@@ -176,38 +176,26 @@ def _bwd_step(
             # registers a thread at 8 warps: with dK, dV, K and V it spilled; a half is 32)
             ds = tl.trans(ds_t.to(k.dtype))
             k0, k1 = tl.split(tl.permute(tl.reshape(k, [k.shape[0], 2, BLOCK_D // 2]), [0, 2, 1]))
-            _add_dq(
-                DQh,
-                tl.dot(ds, k0, input_precision=PRECISION),
-                b,
-                h,
-                start_m,
-                offs_m,
-                0,
-                SQ,
-                stride_dqs,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_D // 2,
-                MASKED,
-                DQ_TMA,
-            )
-            _add_dq(
-                DQh,
-                tl.dot(ds, k1, input_precision=PRECISION),
-                b,
-                h,
-                start_m,
-                offs_m,
-                BLOCK_D // 2,
-                SQ,
-                stride_dqs,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_D // 2,
-                MASKED,
-                DQ_TMA,
-            )
+            for c in tl.static_range(2):
+                kc = k0 if c == 0 else k1
+                dqc = tl.dot(ds, kc, input_precision=PRECISION)
+                col0 = c * (BLOCK_D // 2)
+                _add_dq(
+                    DQh,
+                    dqc,
+                    b,
+                    h,
+                    start_m,
+                    offs_m,
+                    col0,
+                    SQ,
+                    stride_dqs,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_D // 2,
+                    MASKED,
+                    DQ_TMA,
+                )
         else:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
             _add_dq(DQh, dq, b, h, start_m, offs_m, 0, SQ, stride_dqs, HEAD_DIM, BLOCK_M, BLOCK_D, MASKED, DQ_TMA)
