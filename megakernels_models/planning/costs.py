@@ -200,19 +200,34 @@ _HOPPER_SOURCES = (
     ("intra_gbps", "NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions together (450 each way); DGX H100"),
     ("inter_gbps", "DGX H100 / HGX H200: 8 ConnectX-7 400 Gb/s NDR InfiniBand adapters per 8-GPU node (50 GB/s each)"),
     ("host_gbps", "PCIe Gen5 x16: 64 GB/s a direction, ~50 sustained from pinned memory"),
+    ("efficiency", "the kernel model's mma_sustained (MAMF: H100 SXM 80.1 %) x TRAINING_GEMM_FRACTION (calibrated)"),
 )
-# efficiency: the fraction of peak a large 16-bit GEMM sustains in a training step (``compute_time``). A100: 0.6, the
-# prior assumption, which the development set (Narayanan et al. 2021 Table 1, benchmarks/published) confirms (median
-# error -3 % with the memory-bound term); V100: 0.4, **calibrated** on its only development rows (Shoeybi et al.
-# 2019's weak scaling: the value whose median error over the 8 rows is 0), which measure 2019 Megatron-LM (its v1.0
-# reached 62.4 TFLOP/s on the same 1.2B baseline a year later, so runs of later software are under-predicted);
-# H100/H200: 0.6, an assumption no published row has checked yet.
+# efficiency: the fraction of the dense peak a training step's 16-bit GEMMs sustain (``compute_time``). For the GPUs
+# the kernel model knows (``megakernels.bench.static.model.MACHINES``) it is that model's ``mma_sustained`` — the best
+# large bf16 GEMM's fraction of the peak as measured (the MAMF table of github.com/stas00/ml-engineering: A100 SXM
+# 85.9 %, H100 SXM 80.1 %) — times ``TRAINING_GEMM_FRACTION``, the share of it a training step keeps (launch gaps
+# between kernels, GEMM shapes that do not fill the GPU, clocks under power limits): 0.72, **calibrated** on the
+# development set's A100 rows (Narayanan et al. 2021 Table 1, benchmarks/published: the value whose median signed
+# error over the 10 rows is closest to 0; 0.6 had been assumed for every GPU). So A100 0.618, H100/H200 0.577.
+# V100 (no kernel model for sm_70): 0.4, **calibrated** on its only development rows (Shoeybi et al. 2019's weak
+# scaling: the value whose median error over the 8 rows is 0), which measure 2019 Megatron-LM (its v1.0 reached
+# 62.4 TFLOP/s on the same 1.2B baseline a year later, so runs of later software are under-predicted).
+TRAINING_GEMM_FRACTION = 0.72
+
+
+def _gemm_efficiency(machine: str) -> float:
+    """``efficiency`` of a GPU the kernel model knows: its ``mma_sustained`` × ``TRAINING_GEMM_FRACTION``."""
+    from megakernels.bench.static.model import MACHINES
+
+    return round(MACHINES[machine].mma_sustained * TRAINING_GEMM_FRACTION, 4)
+
+
 DEVICES = {
     "h200": Device(
         "H200",
         989.0,
         67.0,
-        0.6,
+        _gemm_efficiency("H200"),
         141.0,
         450.0,
         50.0,
@@ -225,7 +240,7 @@ DEVICES = {
         "H100",
         989.0,
         67.0,
-        0.6,
+        _gemm_efficiency("H100-SXM"),
         80.0,
         450.0,
         50.0,
@@ -238,7 +253,7 @@ DEVICES = {
         "A100",
         312.0,
         19.5,
-        0.6,
+        _gemm_efficiency("A100-SXM4-80GB"),
         80.0,
         300.0,
         25.0,
@@ -256,6 +271,7 @@ DEVICES = {
                 "8-GPU node for application traffic (25 GB/s each)",
             ),
             ("host_gbps", "PCIe Gen4 x16: 32 GB/s a direction, ~25 sustained"),
+            ("efficiency", "the kernel model's mma_sustained (MAMF: 85.9 %) x TRAINING_GEMM_FRACTION (calibrated)"),
         ),
     ),
     "v100": Device(

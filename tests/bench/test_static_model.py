@@ -147,6 +147,11 @@ def test_mma_sync_in_a_wgmma_loop_is_priced_at_the_mma_sync_rate():
         warps=4, instructions=0, mufu=0, mma_flops=3e6, wgmma=False, overlap_instr=0, l2_bytes=0
     )
     assert only_sync.cycles(m)["mma"] == pytest.approx(3e6 / (rate * m.mma_sync_rate))
+    # Ampere: mma.sync is its tensor-core instruction, at 2048 dense bf16 FLOP per SM-clock (312 TFLOP/s on 108
+    # SMs at 1.41 GHz), at the A100's own measured sustained fraction
+    a100 = model.MACHINES["A100-SXM4-80GB"]
+    assert a100.mma_sustained == pytest.approx(267.9 / 312, abs=1e-3)
+    assert only_sync.cycles(a100)["mma"] == pytest.approx(3e6 / (2048 * a100.mma_sustained))
 
 
 def test_fp8_wgmma_counts_as_wgmma_at_the_fp8_rate():

@@ -38,12 +38,14 @@ def test_the_blocks_linears_run_at_the_fp8_peak_and_attention_and_the_head_stay_
     attention = 4.0 * s * q * layers
     head = 2.0 * h * vocab
     tokens_per_device = 64 * s / 8
-    eff = 0.6  # H200's efficiency: hidden 4096 and 8192 tokens a GEMM are past both shape penalties
+    # H200's efficiency: a large GEMM's measured 80 % of the peak (MAMF) x the 0.72 a training step keeps of it;
+    # hidden 4096 and 8192 tokens a GEMM are past both shape penalties
+    eff = 0.80 * 0.72
     bf16 = costs.predict(llama, _layout(precision="bf16"), H200)
     fp8 = costs.predict(llama, _layout(precision="fp8"), H200)
     assert bf16["gemm_s"] == pytest.approx(3 * (linears + attention + head) * tokens_per_device / (989e12 * eff))
     assert bf16["gemm_fp8_s"] == 0.0 and bf16["quantize_s"] == 0.0
-    # fp8: forward, data and weight gradients of the linears at 1979 TFLOP/s × 0.6 × FP8_GEMM_RELATIVE
+    # fp8: forward, data and weight gradients of the linears at 1979 TFLOP/s × eff × FP8_GEMM_RELATIVE
     assert fp8["gemm_fp8_s"] == pytest.approx(
         3 * linears * tokens_per_device / (1979e12 * eff * costs.FP8_GEMM_RELATIVE)
     )
