@@ -2,7 +2,8 @@
 microbenchmarks, the device ceilings, plots, the summary and the static cost model are the kernel library's
 (``megakernels.bench``); this package adds its modes on top (``modes``, registered by ``add_parser``).
 
-- ``e2e``, ``eager_gpt``  training throughput of the trainer on a layout against a plain PyTorch GPT (``--e2e``)
+- ``e2e``, ``eager_gpt``  training throughput of the trainer on a layout against a plain PyTorch GPT or Llama
+  (``--e2e``)
 - ``plan_check``  does ``megakernels plan`` order layouts as this machine runs them (``--plan-check``)
 - ``modes``  the two as ``megakernels.bench.cli.Extension``s
 

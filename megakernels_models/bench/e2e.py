@@ -1,5 +1,5 @@
-"""End-to-end training throughput: the trainer on a (tp, pp, dp) layout, and megakernels' GPT against a plain PyTorch
-eager GPT of the same shape on one device, measured in the same run.
+"""End-to-end training throughput: the trainer on a (tp, pp, dp) layout, and megakernels' GPT or Llama against a plain
+PyTorch eager model of the same shape on one device, measured in the same run.
 
     megakernels bench --e2e PRESET [--device cpu|cuda] [--precision fp32|bf16|fp16|fp8 [--fp8-recipe R]]
                       [--tp N] [--pp N] [--vpp N]
@@ -7,8 +7,9 @@ eager GPT of the same shape on one device, measured in the same run.
                       [--sequence-parallel] [--distributed-optimizer] [--recompute none|selective|full]
                       [--no-baseline] [--quick] [--out DIR]
 
-PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one (``gpt-cpu-s256``,
-``gpt-cpu-s1024``; the default on the CPU is both, on CUDA ``gpt-1.3b``).
+PRESET is a GPT or Llama trainer preset (``gpt-tiny``, ``gpt-1.3b``, ``llama-tiny``, ``llama3-8b``, ...; a comma
+list for several) or a CPU-sized GPT (``gpt-cpu-s256``, ``gpt-cpu-s1024``; the default on the CPU is both, on CUDA
+``gpt-1.3b``). ``--quick`` measures a tiny model of the first preset's family (2 layers, h 64, s 32) instead.
 
 1. The trainer (``megakernels_models.training.train.run``, so exactly what ``megakernels train`` runs, spawning
    ``--nproc`` local processes for a layout on the CPU) trains ``--warmup`` + ``--steps`` optimizer steps on the
@@ -17,8 +18,9 @@ PRESET is a trainer preset (``gpt-tiny``, ``gpt-1.3b``, ...) or a CPU-sized one 
    MFU against the device's peak (the trainer's table for GPUs, a timed matmul on the CPU, or ``--peak-tflops``), peak
    memory per device (CUDA allocated memory, or each rank's peak resident set on the CPU) and the time split (forward,
    backward, optimizer, communication, bubble; mean over ranks) next to the schedule's ideal bubble fraction.
-2. The baseline (``eager_gpt.compare_single``): one training step of megakernels' ``GPTModel`` and of a plain
-   PyTorch GPT of the same shape and weights, tp = pp = dp = 1, the trainer's micro-batch.
+2. The baseline (``eager_gpt.compare_single``): one training step of megakernels' ``GPTModel`` (``LlamaModel``)
+   and of a plain eager PyTorch GPT (Llama) of the same shape and weights — SDPA attention, F.cross_entropy,
+   torch.optim.AdamW — tp = pp = dp = 1, the trainer's micro-batch.
 
 Writes DIR/e2e.json; never asserts on time.
 """
@@ -31,10 +33,18 @@ import os
 
 import torch
 
-from megakernels_models.bench.eager_gpt import CPU_PRESETS, compare_single
+from megakernels_models.bench.eager_gpt import CPU_PRESETS, SHAPE, compare_single, impl_labels, unsupported
 from megakernels_models.bench.eager_gpt import DTYPES as BASELINE_PRECISIONS
 
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
+QUICK_LLAMA = "quick-llama"  # a tiny Llama (2 layers, h 64, 4 heads, 2 key/value heads, s 32)
+# The quick models: (the preset they shrink, its overrides).
+_SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0, attention_dropout=0.0)
+QUICK_MODELS = {
+    QUICK: ("gpt-tiny", _SMALL),
+    QUICK_LLAMA: ("llama-tiny", dict(_SMALL, num_kv_heads=2, ffn_hidden_size=176)),
+}
+FAMILIES = ("gpt", "llama")  # the families --e2e measures (the eager baselines')
 
 
 # The trainer flags of --e2e: TrainArgs' own (help, choices and checks declared once, in arguments.py).
@@ -82,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
     g.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
     g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: table/measured)")
-    g.add_argument("--no-baseline", action="store_true", help="skip the one-device eager-GPT comparison")
+    g.add_argument("--no-baseline", action="store_true", help="skip the one-device eager-PyTorch comparison")
     g.add_argument("--no-trainer", action="store_true", help="skip the trainer run (baseline comparison only)")
 
 
@@ -100,57 +110,62 @@ def _fill_layout(ns) -> None:
 
 def presets_for(name: str | None, device: str, quick: bool) -> list[str]:
     """The models an e2e run measures: ``name``, or the device's default."""
+    names = [n for n in (name or "").split(",") if n]
     if quick:
-        return [QUICK]
-    if name:
-        return [n for n in name.split(",") if n]
+        return [QUICK_LLAMA if names and _family(names[0]) == "llama" else QUICK]
+    if names:
+        return names
     return ["gpt-1.3b"] if device == "cuda" else list(CPU_PRESETS)
+
+
+def _family(name: str) -> str | None:
+    """The family of preset ``name`` (None: not a preset)."""
+    from megakernels_models.models.config import PRESETS
+
+    if name in CPU_PRESETS:
+        return CPU_PRESETS[name][0]["model"]
+    return PRESETS[name].model if name in PRESETS else None
 
 
 def model_config(name: str, device: str):
     """(ModelConfig with dropout 0, default micro-batch) of ``name``.
 
     Raises:
-        ValueError: an unknown preset or a BERT preset (the message names ``--e2e``).
+        ValueError: an unknown preset or one of a family other than GPT and Llama (the message names ``--e2e``).
     """
     from megakernels_models.models.config import PRESETS, ModelConfig, preset
-    from megakernels_models.models.gpt import SPEC as GPT
 
-    if name == QUICK:
-        return preset(
-            "gpt-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0, attention_dropout=0.0
-        ), 2
+    if name in QUICK_MODELS:
+        base, sizes = QUICK_MODELS[name]
+        return preset(base, **sizes), 2
     if name in CPU_PRESETS:
         cfg, mbs = CPU_PRESETS[name]
         return ModelConfig(**cfg), mbs
     if name not in PRESETS:
         raise ValueError(f"--e2e: unknown preset {name!r}; choose from {', '.join([*CPU_PRESETS, *PRESETS])}")
     cfg = preset(name, dropout=0.0, attention_dropout=0.0)
-    if cfg.model != GPT.name:
-        raise ValueError(f"--e2e: {name} is a {cfg.model} model; the end-to-end benchmark measures GPT presets")
+    if cfg.model not in FAMILIES:
+        raise ValueError(
+            f"--e2e: {name} is a {cfg.model} model; the end-to-end benchmark measures GPT and Llama presets"
+        )
     return cfg, 4 if device == "cuda" else 2
 
 
 def trainer_args(name: str, cfg, mbs: int, ns, peak: float | None):
     """``TrainArgs`` of the trainer run for model ``name`` from the flags (validated: ``ArgumentError`` names the
     flag and the rule)."""
-    from megakernels_models.arguments import TrainArgs, validate
+    from megakernels_models.arguments import SIZES, TrainArgs, validate
     from megakernels_models.models.config import PRESETS
 
     dp = ns.dp or (ns.nproc // (ns.tp * ns.pp) if ns.nproc else 1)
     nproc = ns.nproc or ns.tp * ns.pp * dp
     gbs = ns.global_batch_size or mbs * max(1, dp) * (1 if ns.pp == 1 else 2 * ns.pp)
-    sizes = (
-        {}
-        if name in PRESETS
-        else {
-            k: getattr(cfg, k)
-            for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")
-        }
-    )
+    # a preset by name; a quick model as its preset with the sizes changed; a CPU-sized one by its sizes
+    preset = name if name in PRESETS else QUICK_MODELS[name][0] if name in QUICK_MODELS else None
+    sizes = {} if name in PRESETS else {k: getattr(cfg, k) for k in SIZES}
     args = TrainArgs(
-        model="gpt",
-        preset=name if name in PRESETS else None,
+        model=cfg.model,
+        preset=preset,
         **sizes,
         dropout=0.0,
         tp=ns.tp,
@@ -235,7 +250,9 @@ def prepare(ns) -> list[tuple]:
     args or None)]``. Fills in the defaults of ``ns.precision`` (and the quick mode's step counts).
 
     Raises:
-        ValueError: an unknown preset (naming --e2e); ``ArgumentError`` (a ValueError): a layout rule broken.
+        ValueError: an unknown preset, a family other than GPT and Llama, or (unless ``--no-baseline``) a model the
+            eager baselines do not implement (each naming --e2e); ``ArgumentError`` (a ValueError): a layout rule
+            broken.
     """
     _fill_layout(ns)
     ns.precision = ns.precision or ("bf16" if ns.device == "cuda" else "fp32")
@@ -247,6 +264,9 @@ def prepare(ns) -> list[tuple]:
     plan = []
     for name in presets_for(getattr(ns, "e2e", None), ns.device, ns.quick):
         cfg, mbs = model_config(name, ns.device)
+        missing = None if ns.no_baseline else unsupported(cfg)
+        if missing:
+            raise ValueError(f"--e2e: {name} has no eager baseline: {missing}; pass --no-baseline")
         mbs = ns.micro_batch_size or mbs
         plan.append((name, cfg, mbs, None if ns.no_trainer else trainer_args(name, cfg, mbs, ns, None)))
     return plan
@@ -282,9 +302,8 @@ def run(ns, plan: list[tuple] | None = None, log=print) -> list[dict]:
             "precision": ns.precision,
             "device": ns.device,
             "micro_batch_size": mbs,
-            "shape": {
-                k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
-            },
+            "model": cfg.model,
+            "shape": {k: getattr(cfg, k) for k in SHAPE},
         }
         if targs is not None:
             targs = trainer_args(name, cfg, mbs, ns, rank_peak(peak, targs.nproc, ns))
@@ -309,10 +328,12 @@ def _gib(b) -> str:
 def report_lines(e: dict) -> list[str]:
     """The printed report of one ``run`` entry: a row per implementation, then the trainer's time split."""
     s = e["shape"]
+    kv = s.get("num_kv_heads", s["num_heads"])
     lines = [
-        f"\n## e2e {e['name']}: l{s['num_layers']} h{s['hidden_size']} a{s['num_heads']} s{s['seq_length']} "
-        f"V{s['vocab_size']}, {e['precision']} on {e['device']}",
-        f"{'run':<22}{'layout':<26}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s/dev':>13}{'MFU':>8}"
+        f"\n## e2e {e['name']}: l{s['num_layers']} h{s['hidden_size']} a{s['num_heads']}"
+        f"{f' kv{kv}' if kv != s['num_heads'] else ''} s{s['seq_length']} V{s['vocab_size']}, {e['precision']} on "
+        f"{e['device']}",
+        f"{'run':<24}{'layout':<26}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s/dev':>13}{'MFU':>8}"
         f"{'peak mem/dev':>14}{'vs eager/dev':>14}",
     ]
     base = e.get("baseline")
@@ -321,11 +342,11 @@ def report_lines(e: dict) -> list[str]:
     def line(label, layout, step_s, tps, tflops, mfu, mem, world=1):
         vs = f"{tps / world / eager_tps:.2f}x" if eager_tps else "-"
         lines.append(
-            f"{label:<22}{layout:<26}{step_s * 1e3:>10.1f}{tps:>11.0f}{tflops:>13.3g}{mfu:>8.1%}{mem:>14}{vs:>14}"
+            f"{label:<24}{layout:<26}{step_s * 1e3:>10.1f}{tps:>11.0f}{tflops:>13.3g}{mfu:>8.1%}{mem:>14}{vs:>14}"
         )
 
     if base:
-        for impl, label in (("eager", "eager GPT (PyTorch)"), ("megakernels", "megakernels GPTModel")):
+        for impl, label in zip(("eager", "megakernels"), impl_labels(e.get("model", "gpt"))):
             r = base[impl]
             line(
                 label, f"1 device, b{e['micro_batch_size']}", r["step_s"], r["tokens_per_s"], r["tflops"], r["mfu"], "-"

@@ -1,15 +1,18 @@
-"""The end-to-end baseline: a plain PyTorch GPT of the same shape as megakernels' GPT, with no fused kernels, and
-one training step of each timed on one device.
+"""The end-to-end baseline: a plain eager PyTorch model of the same shape as megakernels' GPT or Llama, with no
+kernels of megakernels, and one training step of each timed on one device.
 
-The baseline is written the way nanoGPT writes a GPT: nn.Embedding, nn.LayerNorm, attention as matmul +
-masked_fill + softmax + matmul, nn.Linear + F.gelu MLP, a tied head, F.cross_entropy and torch.optim.AdamW —
-identical shapes, initial weights copied from the megakernels model (and the two losses checked equal before
-anything is timed, so the comparison is of the same model).
+``EagerGPT`` is written the way nanoGPT writes a GPT: nn.Embedding, nn.LayerNorm, one QKV nn.Linear, attention
+through PyTorch's ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, nn.Linear + F.gelu MLP, a tied head.
+``EagerLlama`` the way Llama's reference code writes one: nn.Embedding, nn.RMSNorm, separate q/k/v/o nn.Linear
+(no biases), rotary embeddings with plain tensor ops (half rotation, as megakernels' Llama), grouped-query
+attention through SDPA (``enable_gqa``), a SwiGLU MLP of three nn.Linear, final RMSNorm and its own head (or the
+tied one). Both end in F.cross_entropy and train with torch.optim.AdamW — identical shapes, initial weights copied
+from the megakernels model (``copy_weights``; the two losses checked equal before anything is timed, so the
+comparison is of the same model).
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -24,6 +27,7 @@ CPU_PRESETS = {
     "gpt-cpu-s1024": (dict(_CPU, hidden_size=256, num_heads=4, seq_length=1024), 2),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "seq_length", "vocab_size")  # reported fields
 
 
 class EagerGPT(nn.Module):
@@ -53,19 +57,152 @@ class EagerGPT(nn.Module):
         """Mean next-token loss of ``ids [b, s]`` against ``labels [b, s]`` (fp32)."""
         b, s = ids.shape
         x = self.wte(ids) + self.wpe.weight[:s]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).triu(1)
         for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, self.n, 3, -1).permute(3, 0, 2, 1, 4)
-            att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            att = att.masked_fill(causal, float("-inf")).softmax(-1)
-            x = x + blk["proj"]((att @ v).transpose(1, 2).reshape(b, s, -1))
+            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, self.n, 3, -1).permute(3, 0, 2, 1, 4)  # [b, n, s, d]
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](att.transpose(1, 2).reshape(b, s, -1))
             x = x + blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x)), approximate="tanh"))
         logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def copy_weights(eager: EagerGPT, fused) -> None:
-    """Copy a (tp = pp = 1) megakernels ``GPTModel``'s weights into ``eager`` (the vocabulary padding dropped)."""
+def _layer(cfg) -> tuple:
+    return cfg.norm, cfg.activation, cfg.position_embedding, cfg.norm_position
+
+
+def llama_unsupported(cfg) -> str | None:
+    """What of Llama-family ``cfg`` ``EagerLlama`` does not implement (None: it implements the whole model)."""
+    checks = (
+        (cfg.num_experts, "mixture-of-experts layers"),
+        (cfg.sliding_window, "sliding-window attention"),
+        (cfg.rope_scaling, "rotary position scaling"),
+        (cfg.rope_interleaved, "the interleaved rotary layout"),
+        (cfg.qk_norm, "query/key norms"),
+        (cfg.qkv_bias or cfg.bias, "biases"),
+        (
+            _layer(cfg) != ("rmsnorm", "swiglu", "rope", "pre"),
+            "a layer other than Llama's (pre-norm RMSNorm, rotary positions, SwiGLU)",
+        ),
+    )
+    return next((what for bad, what in checks if bad), None)
+
+
+def gpt_unsupported(cfg) -> str | None:
+    """What of GPT-family ``cfg`` ``EagerGPT`` does not implement (None: it implements the whole model)."""
+    checks = (
+        (cfg.num_experts, "mixture-of-experts layers"),
+        (
+            _layer(cfg) != ("layernorm", "gelu_tanh", "learned", "pre")
+            or not (cfg.bias and cfg.qkv_bias and cfg.tie_embeddings),
+            "a layer other than GPT's (pre-norm LayerNorm, learned positions, tanh GeLU, biases, tied head)",
+        ),
+    )
+    return next((what for bad, what in checks if bad), None)
+
+
+class EagerLlama(nn.Module):
+    """Plain PyTorch Llama (pre-norm RMSNorm, rotary positions, grouped-query attention, SwiGLU, no biases; its own
+    head unless ``cfg.tie_embeddings``), no fused kernels.
+
+    Raises:
+        ValueError: ``cfg`` has a feature this model does not implement (``llama_unsupported``).
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        missing = llama_unsupported(cfg)
+        if missing:
+            raise ValueError(f"EagerLlama: {missing} not implemented")
+        h, f, eps = cfg.hidden_size, cfg.ffn_hidden_size, cfg.layernorm_eps
+        self.n, self.n_kv, self.d, self.theta = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta
+        n, n_kv, d = self.n, self.n_kv, self.d
+        self.tok = nn.Embedding(cfg.vocab_size, h)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    attn_norm=nn.RMSNorm(h, eps=eps),
+                    q=nn.Linear(h, n * d, bias=False),
+                    k=nn.Linear(h, n_kv * d, bias=False),
+                    v=nn.Linear(h, n_kv * d, bias=False),
+                    o=nn.Linear(n * d, h, bias=False),
+                    mlp_norm=nn.RMSNorm(h, eps=eps),
+                    gate=nn.Linear(h, f, bias=False),
+                    up=nn.Linear(h, f, bias=False),
+                    down=nn.Linear(f, h, bias=False),
+                )
+            )
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = nn.RMSNorm(h, eps=eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(h, cfg.vocab_size, bias=False)
+
+    def rotary(self, s: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) ``[s, d]`` in ``dtype`` of the angles ``pos · theta^(-2i/d)`` (fp32), each half-dimension's
+        angle repeated in both halves (the half-rotated layout)."""
+        i = torch.arange(0, self.d, 2, dtype=torch.float64, device=device)
+        inv_freq = (1.0 / self.theta ** (i / self.d)).float()
+        angle = torch.arange(s, dtype=torch.float32, device=device)[:, None] * inv_freq
+        angle = torch.cat([angle, angle], -1)
+        return angle.cos().to(dtype), angle.sin().to(dtype)
+
+    def forward(self, ids, labels):
+        """Mean next-token loss of ``ids [b, s]`` against ``labels [b, s]`` (fp32)."""
+        b, s = ids.shape
+        n, n_kv, d = self.n, self.n_kv, self.d
+        x = self.tok(ids)
+        cos, sin = self.rotary(s, ids.device, x.dtype)
+
+        def rope(t):  # t [b, heads, s, d]: first half x1, second half x2 -> (x1 cos - x2 sin, x2 cos + x1 sin)
+            x1, x2 = t.chunk(2, -1)
+            return t * cos + torch.cat([-x2, x1], -1) * sin
+
+        for blk in self.blocks:
+            y = blk["attn_norm"](x)
+            q = rope(blk["q"](y).view(b, s, n, d).transpose(1, 2))
+            k = rope(blk["k"](y).view(b, s, n_kv, d).transpose(1, 2))
+            v = blk["v"](y).view(b, s, n_kv, d).transpose(1, 2)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != n)
+            x = x + blk["o"](att.transpose(1, 2).reshape(b, s, n * d))
+            y = blk["mlp_norm"](x)
+            x = x + blk["down"](F.silu(blk["gate"](y)) * blk["up"](y))
+        x = self.norm(x)
+        logits = self.head(x) if self.head is not None else x @ self.tok.weight.t()
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def copy_weights(eager: EagerGPT | EagerLlama, fused) -> None:
+    """Copy a (tp = pp = 1) megakernels ``GPTModel``'s (into an ``EagerGPT``) or ``LlamaModel``'s (into an
+    ``EagerLlama``) weights into ``eager`` (the vocabulary padding dropped)."""
+    if isinstance(eager, EagerLlama):
+        _copy_llama(eager, fused)
+    else:
+        _copy_gpt(eager, fused)
+
+
+def _copy_llama(eager: EagerLlama, fused) -> None:
+    p = dict(fused.named_parameters())
+    V = eager.tok.weight.shape[0]
+    kv = eager.n_kv * eager.d
+    with torch.no_grad():
+        eager.tok.weight.copy_(p["embedding.word.weight"][:V])
+        eager.norm.weight.copy_(p["final_norm.weight"])
+        if eager.head is not None:
+            eager.head.weight.copy_(p["output_layer.weight"][:V])
+        for i, blk in enumerate(eager.blocks):
+            w = lambda name: p[f"layers.{i}.{name}.weight"]  # noqa: E731
+            blk["attn_norm"].weight.copy_(w("input_norm"))
+            blk["q"].weight.copy_(w("attention.q"))
+            blk["k"].weight.copy_(w("attention.kv")[:kv])  # kv.weight is [keys; values]
+            blk["v"].weight.copy_(w("attention.kv")[kv:])
+            blk["o"].weight.copy_(w("attention.proj"))
+            blk["mlp_norm"].weight.copy_(w("post_attention_norm"))
+            gate, up = w("mlp.fc1").chunk(2)  # fc1.weight is [W_gate; W_up]
+            blk["gate"].weight.copy_(gate)
+            blk["up"].weight.copy_(up)
+            blk["down"].weight.copy_(w("mlp.fc2"))
+
+
+def _copy_gpt(eager: EagerGPT, fused) -> None:
     p = dict(fused.named_parameters())
     V = eager.wte.weight.shape[0]
     with torch.no_grad():
@@ -85,6 +222,40 @@ def copy_weights(eager: EagerGPT, fused) -> None:
             for ours, theirs in names.items():
                 blk[ours].weight.copy_(p[f"layers.{i}.{theirs}.weight"])
                 blk[ours].bias.copy_(p[f"layers.{i}.{theirs}.bias"])
+
+
+def _gpt_model():
+    from megakernels_models.models.gpt.model import GPTModel
+
+    return GPTModel
+
+
+def _llama_model():
+    from megakernels_models.models.llama.model import LlamaModel
+
+    return LlamaModel
+
+
+# cfg.model -> (megakernels model class (imported on call), eager model class, what it does not implement,
+# report labels (eager, megakernels)).
+FAMILIES = {
+    "gpt": (_gpt_model, EagerGPT, gpt_unsupported, ("eager GPT (PyTorch)", "megakernels GPTModel")),
+    "llama": (_llama_model, EagerLlama, llama_unsupported, ("eager Llama (PyTorch)", "megakernels LlamaModel")),
+}
+
+
+def unsupported(cfg) -> str | None:
+    """Why ``cfg`` has no eager baseline (a family other than GPT and Llama, or a feature the family's eager model
+    does not implement), or None."""
+    if cfg.model not in FAMILIES:
+        return f"{cfg.model} models (GPT and Llama only)"
+    missing = FAMILIES[cfg.model][2](cfg)
+    return f"{missing} (the eager {cfg.model} model)" if missing else None
+
+
+def impl_labels(model: str) -> tuple[str, str]:
+    """The report's names of the eager and the megakernels implementation of family ``model``."""
+    return FAMILIES[model][3]
 
 
 def time_steps(step, steps: int, device: torch.device) -> tuple[float, int | None]:
@@ -108,27 +279,33 @@ def time_steps(step, steps: int, device: torch.device) -> tuple[float, int | Non
 
 
 def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: int, peak: float) -> dict:
-    """One training step (forward + backward + AdamW on one micro-batch, tp = pp = dp = 1) of the eager GPT and of
-    megakernels' ``GPTModel`` (fused kernels, FusedAdamW), timed one after the other in this process.
+    """One training step (forward + backward + AdamW on one micro-batch, tp = pp = dp = 1) of the eager model of
+    ``cfg``'s family (``EagerGPT`` or ``EagerLlama``) and of megakernels' (``GPTModel`` or ``LlamaModel``: fused
+    kernels, FusedAdamW), timed one after the other in this process.
 
     Returns:
-        ``{"precision", "micro_batch_size", "device", "shape", "eager": {...}, "megakernels": {...}, "speedup"}``,
-        each implementation with ``step_s, tokens_per_s, tflops, mfu, step_memory_bytes`` (see ``time_steps``).
+        ``{"model", "precision", "micro_batch_size", "device", "shape", "eager": {...}, "megakernels": {...},
+        "speedup"}``, each implementation with ``step_s, tokens_per_s, tflops, mfu, step_memory_bytes`` (see
+        ``time_steps``).
 
     Raises:
-        ValueError: ``precision`` other than fp32 / bf16.
+        ValueError: ``precision`` other than fp32 / bf16, or a model the eager baselines do not implement
+            (``unsupported``).
         RuntimeError: the two models' initial losses differ by more than 2% (the comparison would be unfair).
     """
     from megakernels.optim import FusedAdamW
     from megakernels.parallel.launch import single_process_world
-    from megakernels_models.models.gpt.model import GPTModel
 
     if precision not in DTYPES:
         raise ValueError(f"compare_single: precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+    missing = unsupported(cfg)
+    if missing:
+        raise ValueError(f"compare_single: no eager baseline for {missing}")
+    fused_cls, eager_cls = FAMILIES[cfg.model][:2]
     dtype = DTYPES[precision]
     with single_process_world(device.type, parallel=True):
-        fused = GPTModel(cfg, seed=1234, device=device).to(dtype)
-        eager = EagerGPT(cfg).to(device)
+        fused = fused_cls()(cfg, seed=1234, device=device).to(dtype)
+        eager = eager_cls(cfg).to(device)
         copy_weights(eager, fused)
         eager = eager.to(dtype)
         ids = torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_length), device=device)
@@ -154,12 +331,11 @@ def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: i
         tokens = mbs * cfg.seq_length
         flops = cfg.flops_per_token("none") * tokens
         row = {
+            "model": cfg.model,
             "precision": precision,
             "micro_batch_size": mbs,
             "device": device.type,
-            "shape": {
-                k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
-            },
+            "shape": {k: getattr(cfg, k) for k in SHAPE},
         }
         for name, fn in (("eager", eager_step), ("megakernels", fused_step)):
             t, mem = time_steps(fn, steps, device)

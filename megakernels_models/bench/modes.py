@@ -17,8 +17,8 @@ class E2E(Extension):
             "--e2e",
             default=None,
             metavar="PRESET",
-            help="end-to-end training throughput of PRESET "
-            "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024)",
+            help="end-to-end training throughput of PRESET against an eager PyTorch model of its shape "
+            "(comma list; gpt-tiny, gpt-1.3b, ..., gpt-cpu-s256, gpt-cpu-s1024, llama-tiny, llama3-8b, ...)",
         )
         from megakernels_models.bench import e2e
 

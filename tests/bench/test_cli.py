@@ -51,7 +51,8 @@ def test_unknown_e2e_preset_exits_2(capsys):
 
 def test_bert_preset_is_refused_for_e2e(capsys):
     assert bench("--e2e", "bert-tiny") == 2
-    assert "GPT presets" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--e2e: bert-tiny is a bert model" in err and "GPT and Llama presets" in err
 
 
 def test_broken_layout_rule_exits_2_naming_the_flag(capsys):
