@@ -15,10 +15,12 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 "${PIP[@]}" install --quiet "$TORCH_SPEC" ninja setuptools wheel
 # --no-build-isolation: build against the torch just installed instead of fetching a second one.
 "${PIP[@]}" install --quiet --no-build-isolation -e ".[train,test,bench]"
-# The peer versions the calibration's development set names (benchmarks/peer/liger_dev.csv), each in its own
-# directory where `megakernels bench --static --peer-csv` imports it from (never into the venv: one version each).
+# The peer versions the calibration's development and check sets are modelled with (benchmarks/peer/: the versions
+# their rows name, or the first release holding a kernel a row's version predates: peer.resolve_version), each in
+# its own directory where `megakernels bench --static --peer-csv` imports it from (never into the venv: one version
+# each). The command installs a missing version by itself too; these keep the tests off the network.
 PEERS=$(.venv/bin/python -c "from megakernels.bench.static import peer; print(peer.default_peer_root())")
-for v in 0.2.1 0.6.0; do
+for v in 0.2.1 0.3.0 0.4.0 0.6.0 0.6.2 0.7.0 0.8.0 0.8.1 0.8.2; do
   if [ ! -d "$PEERS/liger-kernel-$v/liger_kernel" ]; then
     "${PIP[@]}" install --quiet --no-deps --target "$PEERS/liger-kernel-$v" "liger-kernel==$v"
   fi

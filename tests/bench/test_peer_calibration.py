@@ -74,7 +74,8 @@ def test_summary_against_a_hand_computation():
     assert s["not_modelled"] == 1
 
 
-def test_a_missing_version_is_a_reason_with_the_install_command(tmp_path):
+def test_a_missing_version_is_a_reason_with_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAKERNELS_PEER_INSTALL", "0")
     row = dict(peer.read_csv(TINY)[0], liger_version="0.0.0")
     p = peer.predict_row(row, str(tmp_path), {})
     assert p["predicted_ms"] is None
@@ -244,3 +245,145 @@ def test_ir_loops_know_the_bytes_of_their_own_tiles():
     # the scalar load and store outside the loops belong to no loop
     assert ir.loop_bytes == [2 * 1024 * 4, 8 * 128 * 2]
     assert peer._access_bytes("tt.store %L_ptr, %y : !tt.ptr<f32>") == 4
+
+
+def test_a_row_naming_a_release_older_than_its_kernel_is_modelled_with_the_first_release_that_has_it():
+    # Liger's CSV labels rows with the benchmark machine's installed release; a kernel newer than that release was
+    # measured from the source between it and the next one
+    assert peer.resolve_version("layer_norm", "0.2.1") == "0.3.0"
+    assert peer.resolve_version("jsd", "0.3.1") == "0.4.0"
+    assert peer.resolve_version("megatron_swiglu", "0.8.1") == "0.8.2"
+    assert peer.resolve_version("layer_norm", "0.6.0") == "0.6.0"  # a release that has it: itself
+    assert peer.resolve_version("rms_norm", "0.2.1") == "0.2.1"
+    assert peer.resolve_version("unknown_kernel", "0.1.0") == "0.1.0"
+    # the row's own label is kept; the release used is reported beside it
+    row = dict(peer.read_csv(TINY)[0], kernel_name="layer_norm", liger_version="0.2.1")
+    p = peer.predict_row(row, None, {peer._key(row): "recorded elsewhere"})
+    assert p["liger_version"] == "0.2.1" and p["liger_version_used"] == "0.3.0" and p["reason"] == "recorded elsewhere"
+    row = dict(row, kernel_name="rms_norm")
+    assert "liger_version_used" not in peer.predict_row(row, None, {peer._key(row): "recorded elsewhere"})
+
+
+def test_a_missing_release_is_installed_from_the_registry_once(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):  # what pip --target leaves: the package and its dist-info
+        calls.append(cmd)
+        target, spec = cmd[cmd.index("--target") + 1], cmd[-1]
+        version = spec.split("==")[1]
+        os.makedirs(os.path.join(target, "liger_kernel"))
+        os.makedirs(os.path.join(target, f"liger_kernel-{version}.dist-info"))
+
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.delenv("MEGAKERNELS_PEER_INSTALL", raising=False)
+    path = peer.ensure_peer("9.9.9", str(tmp_path))
+    assert path == str(tmp_path / "liger-kernel-9.9.9")
+    assert peer.ensure_peer("9.9.9", str(tmp_path)) == path
+    assert len(calls) == 1 and calls[0][-1] == "liger-kernel==9.9.9" and "--no-deps" in calls[0]
+    monkeypatch.setenv("MEGAKERNELS_PEER_INSTALL", "0")
+    assert peer.ensure_peer("9.9.8", str(tmp_path)) is None and len(calls) == 1
+
+
+def test_megatron_cross_entropy_rows_say_why_they_are_not_modelled():
+    row = dict(peer.read_csv(TINY)[0], kernel_name="megatron_cross_entropy")
+    p = peer.predict_row(row, None, {})
+    assert p["predicted_ms"] is None and "torch.distributed" in p["reason"]
+
+
+# The drivers of the kernels beyond the development set record what each benchmark's timed region runs (the peer's
+# Triton kernels and the PyTorch ops around them), without compiling anything. (kernel, release, x, config, mode,
+# kernels expected in order)
+DRIVEN = [
+    (
+        "kl_div",
+        "0.3.0",
+        4096,
+        {"B": 2, "T": 64},
+        "backward",
+        ["_kldiv_kernel_backward", "_log_softmax_backward_data", "add"],
+    ),
+    ("jsd", "0.4.0", 4096, {"B": 2, "T": 64}, "full", ["_jsd_kernel", "_log_softmax_backward_data", "add"]),
+    ("tvd", "0.7.0", 4096, {"B": 2, "T": 64}, "forward", ["_tv_distance_kernel"]),
+    (
+        "relu_squared",
+        "0.8.0",
+        128,
+        {"M": 256, "dtype": "torch.bfloat16"},
+        "full",
+        ["_relu_squared_forward_kernel", "_relu_squared_backward_kernel"],
+    ),
+    (
+        "llama4_rope",
+        "0.6.2",
+        512,
+        {"dtype": "torch.bfloat16", "seq_len": 64, "num_q_heads": 8, "num_kv_heads": 2},
+        "backward",
+        ["_llama4_rope_kernel"],
+    ),
+    (
+        "megatron_rms_norm",
+        "0.8.1",
+        1024,
+        {"S": 64, "B": 1},
+        "full",
+        ["_rms_norm_forward_kernel", "sum", "ones_like", "_rms_norm_backward_kernel", "sum", "add", "add"],
+    ),
+    (
+        "megatron_swiglu",
+        "0.8.2",
+        1024,
+        {"S": 64, "B": 1},
+        "backward",
+        ["_swiglu_fused_gate_up_forward_kernel", "sum", "ones_like", "_swiglu_fused_gate_up_backward_kernel"],
+    ),
+]
+
+
+@pytest.mark.parametrize("kernel,version,x,cfg,mode,expected", DRIVEN, ids=[d[0] for d in DRIVEN])
+def test_drivers_record_the_benchmarks_timed_region(kernel, version, x, cfg, mode, expected):
+    from megakernels.bench.static import model
+
+    path = peer.peer_dir(version, os.environ.get("MEGAKERNELS_PEER_PATH"))
+    if path is None:
+        pytest.skip(peer.install_hint(version, None) + " (scripts/setup.sh installs it)")
+    pytest.importorskip("triton")
+    rec = peer.Recorder(model.MACHINES["H100-SXM"])
+    with peer.imported(path), rec.patched():
+        peer.DRIVERS[kernel](rec, mode, x, cfg)
+    names = []
+    for op in rec.ops:
+        if op.kind == "triton":
+            names.append(op.launch.kernel.__name__)
+        elif op.kind == "torch":
+            names.append(str(op.func).split(".")[-2])
+    kernels = [n for n in names if n in expected]
+    assert kernels == expected
+    assert "device" not in names  # the fake tensors' own device queries are not a program's ops
+    calls = [op.func for op in rec.ops if op.kind == "call"]
+    assert calls == (
+        ["forward"]
+        if mode == "forward"
+        else ["backward"]
+        if mode == "backward" and kernel not in ("megatron_rms_norm", "megatron_swiglu")
+        else ["forward", "backward"]
+    )
+
+
+def test_spilled_registers_cost_what_misses_l1_and_l2():
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]  # 256 KiB of L1 + shared memory per SM, 50 MiB of L2, 132 SMs
+    # frames that fit in L1 (64 KiB a program, 2 programs, 16 KiB of shared memory each): no traffic beyond L1
+    assert peer.spill_traffic(1e9, 64 << 10, 16 << 10, 2, 264, m) == (0.0, 0.0)
+    # a 600 KiB frame, one program per SM, no shared memory: 256/600 of it hits L1; the 132 frames (79 MB) are more
+    # than the L2 holds, so 50 MiB / 79 MB of the misses hit L2 and the rest go on to DRAM
+    frame = 600 << 10
+    l1_miss = 1 - (256 << 10) / frame
+    l2_miss = 1 - (50 << 20) / (132 * frame)
+    to_l2, to_dram = peer.spill_traffic(1e9, frame, 0, 1, 132, m)
+    assert to_l2 == pytest.approx(1e9 * l1_miss) and to_dram == pytest.approx(1e9 * l1_miss * l2_miss)
+    # a grid of 8 such programs keeps its frames in L2: nothing reaches DRAM
+    assert peer.spill_traffic(1e9, frame, 0, 1, 8, m)[1] == 0.0
+    assert peer.spill_traffic(0.0, frame, 0, 1, 132, m) == (0.0, 0.0)

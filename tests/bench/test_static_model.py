@@ -319,3 +319,14 @@ def test_machine_table_names_the_csv_gpus():
         assert m.sources
         per_clk = m.mma_dense_bf16 / (m.sms * m.clock_hz)  # dense bf16 FLOP/clk/SM: 2048 on Ampere, 4096 on Hopper
         assert per_clk == pytest.approx(2048 if m.arch == 80 else 4096, rel=0.01)
+
+
+def test_local_memory_accesses_are_counted_in_bytes_per_thread():
+    text = NESTED.replace("MUFU.EX2 R9, R8 ;", "STL.64 [R1+0x8], R8 ;").replace(
+        "FADD R10, R10, R9 ;", "LDL R10, [R1+0x10] ;"
+    )
+    fn = _fn(text)
+    inner = fn.innermost_loops()[0]
+    assert inner.counts.local_bytes == 8 + 4  # one 64-bit spill store and one 32-bit reload an iteration
+    total, _ = fn.path_counts([3, 2])  # the costliest path: both loops' iterations (2 x 3 inner ones)
+    assert total.local_bytes == (8 + 4) * 3 * 2

@@ -49,6 +49,7 @@ class Machine:
     dram_copy: float = 4.3e12  # B/s, a measured device-to-device copy (the streaming ceiling)
     l2_bw: float = 10e12  # B/s, L2 -> SM (assumption; calibrate)
     l2_bytes: int = 50 << 20  # L2 capacity
+    l1_bytes: int = 256 << 10  # L1 data cache and shared memory together, per SM (spilled registers cache here)
     smem_bytes_per_clk: float = 128.0  # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
     # cp.async fills, LDS/STS share it (assumption; calibrate)
     dram_latency_s: float = 0.8e-6  # loaded DRAM latency: bytes in flight per SM must cover it
@@ -84,8 +85,9 @@ COPY_FRACTION = 4.3 / 4.8
 
 _HOPPER_SRC = (
     (
-        "sms, l2_bytes, smem, regs, max_warps, max_blocks",
-        "NVIDIA H100 Tensor Core GPU Architecture whitepaper; CUDA C Programming Guide, compute capability 9.0 table",
+        "sms, l2_bytes, l1_bytes, smem, regs, max_warps, max_blocks",
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper (256 KB of combined L1 and shared memory per SM); "
+        "CUDA C Programming Guide, compute capability 9.0 table",
     ),
     ("mma_dense_*, dram_peak, boost_clock_hz", "NVIDIA H100 / H200 datasheets (dense = the sparse figure / 2)"),
     ("clock_hz", "mma_dense_bf16 / (sms x 4096 FLOP/clk/SM): the clock the dense rating assumes"),
@@ -144,13 +146,15 @@ MACHINES: dict[str, Machine] = {
         dram_copy=2.039e12 * COPY_FRACTION,
         l2_bw=5.0e12,  # assumption (microbenchmarks report 4.5-5.5 TB/s)
         l2_bytes=40 << 20,
+        l1_bytes=192 << 10,
         smem=_targets.SHARED_PER_SM[80],
         smem_per_block=_targets.SHARED_LIMIT[80],
         sources=(
             (
-                "sms, l2_bytes, smem, regs, max_warps, max_blocks",
+                "sms, l2_bytes, l1_bytes, smem, regs, max_warps, max_blocks",
                 "NVIDIA A100 Tensor Core GPU Architecture "
-                "whitepaper; CUDA C Programming Guide, compute capability 8.0 table",
+                "whitepaper (192 KB of combined L1 and shared memory per SM); CUDA C Programming Guide, compute "
+                "capability 8.0 table",
             ),
             (
                 "mma_dense_*, dram_peak, clock_hz",

@@ -63,7 +63,7 @@ FIELDS = (
 class Host:
     """The host side of a do_bench measurement (assumptions, calibrated on the development set)."""
 
-    triton_launch_s: float = 40e-6  # a Triton launch from Python (argument binding, the launcher)
+    triton_launch_s: float = 50e-6  # a Triton launch from Python (argument binding, the launcher)
     torch_op_s: float = 5e-6  # an eager PyTorch op, views included
     function_s: float = 30e-6  # an autograd.Function call
     backward_s: float = 130e-6  # more for a backward: the autograd engine's pass (Tensor.backward)
@@ -213,7 +213,8 @@ class Recorder:
                         rec.ops.append(Op("sync", func=func))
                     return True if func is not torch.ops.aten._local_scalar_dense.default else 1
                 out = func(*args, **kwargs)
-                if rec.active:
+                if rec.active and func is not torch.ops.prim.device.default:  # the fake tensors' own query,
+                    # dispatched after their views: a program on real tensors never runs it
                     rec.ops.append(
                         Op(
                             "torch",
@@ -437,6 +438,127 @@ def _gated_mlp(function: str):
     return drive
 
 
+def _accumulate(rec, grad) -> None:
+    """The autograd engine adding a fresh gradient into a leaf's ``.grad`` that a previous timed call left (the
+    benchmarks that do not reset it): one elementwise pass of the gradient's size."""
+    with rec.recording(True):
+        _ = grad + grad
+
+
+def _divergence(module: str, function: str, normalise: str, target: str):
+    """A peer's loss between two distributions over the vocabulary (KL, JSD, TVD) as its benchmark times it:
+    ``input = randn(B·T, V, requires_grad).<normalise>(-1)`` (fp32), ``target = randn(B·T, V).<target>(-1)``, the
+    loss with its default reduction. Backward then runs through the normalisation's backward into the leaf, whose
+    ``.grad`` accumulates over the timed calls (the benchmark's ``grad_to_none`` names the non-leaf input)."""
+
+    def drive(rec, mode, x, cfg):
+        import torch
+
+        rows, v = int(cfg["B"]) * int(cfg["T"]), int(x)
+        leaf = torch.randn(rows, v, device=rec.device)
+        inp = getattr(torch, normalise)(leaf, -1)
+        tgt = getattr(torch, target)(torch.randn(rows, v, device=rec.device), -1)
+        fn = _fn(f"liger_kernel.ops.{module}", function)
+        args = {  # the input and target names each version's forward uses; the benchmark's defaults
+            "y_pred": inp,
+            "_input": inp,
+            "p": inp,
+            "y_true": tgt,
+            "target": tgt,
+            "q": tgt,
+            "shift_labels": None,
+            "reduction": "batchmean",
+            "log_target": False,
+            "beta": 0.5,
+            "ignore_index": -100,
+        }
+        ctx = Ctx()
+        with rec.recording(mode in ("forward", "full")):
+            rec.call()
+            loss = _call(fn.forward, ctx, **args)
+            rec.ret()
+        if mode == "forward":
+            return
+        with rec.recording(True):
+            g = torch.ones_like(loss)
+            rec.call(backward=True)
+            dinp = fn.backward(ctx, g)[0]
+            rec.ret()
+            back = torch.ops.aten._log_softmax_backward_data if normalise == "log_softmax" else None
+            back = back or torch.ops.aten._softmax_backward_data
+            dleaf = back(dinp, inp, -1, torch.float32)
+        _accumulate(rec, dleaf)
+
+    return drive
+
+
+def _relu_squared(rec, mode, x, cfg):
+    import torch
+
+    X = torch.randn(int(cfg["M"]), int(x), device=rec.device, dtype=_dtype(cfg))
+    fn = _fn("liger_kernel.ops.relu_squared", "LigerReLUSquaredFunction")
+    _function_pass(rec, fn, mode, {"X": X, "x": X, "input": X}, lambda y: (torch.randn_like(y),))
+
+
+def _llama4_rope(rec, mode, x, cfg):
+    """Llama 4's complex-multiplication RoPE on ``q [1, s, hq, d]``, ``k [1, s, hk, d]`` with the complex
+    ``freqs_cis [1, s, d/2]`` of transformers' Llama4TextRotaryEmbedding; backward as ``torch.autograd.grad`` of
+    both outputs (nothing accumulates)."""
+    import torch
+
+    hq, hk, dt = int(cfg["num_q_heads"]), int(cfg["num_kv_heads"]), _dtype(cfg)
+    hidden = int(cfg.get("hidden_size", x))
+    seq = int(cfg.get("seq_len", x))
+    d = hidden // hq
+    q = torch.randn(1, seq, hq, d, device=rec.device, dtype=dt)
+    k = torch.randn(1, seq, hk, d, device=rec.device, dtype=dt)
+    freqs = torch.randn(1, seq, d // 2, device=rec.device, dtype=torch.complex64)
+    fn = _fn("liger_kernel.ops.llama4_rope", "LigerLlama4RopeFunction")
+    args = {"q": q, "k": k, "freqs_cis": freqs, "xq": q, "xk": k}
+    _function_pass(rec, fn, mode, args, lambda out: (torch.randn_like(out[0]), torch.randn_like(out[1])))
+
+
+def _megatron(kind: str):
+    """Liger's Megatron-LM modules on Megatron's ``[S, B, ·]`` bf16 activations as their benchmarks time them:
+    ``forward`` the module; ``backward`` forward + ``out.sum().backward()`` (the input's ``.grad`` reset each call,
+    a weight's accumulating); ``full`` the same, RMSNorm's input ``.grad`` accumulating too."""
+
+    def drive(rec, mode, x, cfg):
+        import torch
+
+        s, b, n = int(cfg["S"]), int(cfg["B"]), int(x)
+        ctx = Ctx()
+        if kind == "rms_norm":
+            X = torch.randn(s, b, n, device=rec.device, dtype=torch.bfloat16)
+            W = torch.randn(n, device=rec.device, dtype=torch.bfloat16)
+            fn = _fn("liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
+            args = {"X": X, "W": W, "eps": 1e-6, "offset": 0.0, "casting_mode": "llama", "in_place": False}
+            args["row_mode"] = None
+        else:  # swiglu: fc1's output, gate and up concatenated on the last dimension
+            X = torch.randn(s, b, 2 * n, device=rec.device, dtype=torch.bfloat16)
+            fn = _fn("liger_kernel.ops.swiglu", "LigerFusedGateUpSiLUMulFunction")
+            args = {"y": X, "in_place": False}
+        with rec.recording(True):
+            rec.call()
+            out = _call(fn.forward, ctx, **args)
+            rec.ret()
+            if mode == "forward":
+                return
+            _ = out.sum()
+            # the sum's gradient, a stride-0 expansion of one scalar, made contiguous by the peer's backward: one
+            # write pass of the output's size (recorded as the fill it amounts to)
+            g = torch.ones_like(out)
+            rec.call(backward=True)
+            grads = fn.backward(ctx, g)
+            rec.ret()
+        if kind == "rms_norm":
+            _accumulate(rec, grads[1])  # the weight's gradient, never reset by the benchmark
+            if mode == "full":
+                _accumulate(rec, grads[0])
+
+    return drive
+
+
 DRIVERS = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -444,6 +566,48 @@ DRIVERS = {
     "rope": _rope,
     "swiglu": _gated_mlp(("swiglu", "LigerSiLUMulFunction")),
     "geglu": _gated_mlp(("geglu", "LigerGELUMulFunction")),
+    "kl_div": _divergence("kl_div", "LigerKLDivLossFunction", "log_softmax", "softmax"),
+    "jsd": _divergence("jsd", "LigerJSDFunction", "log_softmax", "log_softmax"),
+    "tvd": _divergence("tvd", "LigerTVDLossFunction", "softmax", "softmax"),
+    "relu_squared": _relu_squared,
+    "llama4_rope": _llama4_rope,
+    "megatron_rms_norm": _megatron("rms_norm"),
+    "megatron_swiglu": _megatron("swiglu"),
+}
+# The module each driver imports (under liger_kernel/), to find a release that has it: a row's liger_version is
+# what the benchmark machine had installed, which lags the source the row was measured with when the kernel was
+# newer than that release (``resolve_version``).
+MODULES = {
+    "rms_norm": "ops/rms_norm.py",
+    "layer_norm": "ops/layer_norm.py",
+    "cross_entropy": "ops/cross_entropy.py",
+    "rope": "ops/rope.py",
+    "swiglu": "ops/swiglu.py",
+    "geglu": "ops/geglu.py",
+    "kl_div": "ops/kl_div.py",
+    "jsd": "ops/jsd.py",
+    "tvd": "ops/tvd.py",
+    "relu_squared": "ops/relu_squared.py",
+    "llama4_rope": "ops/llama4_rope.py",
+    "megatron_rms_norm": "megatron/rms_norm.py",
+    "megatron_swiglu": "megatron/swiglu.py",
+}
+# The first release of liger-kernel whose wheel holds each module a row may name before it existed (read from the
+# registry's wheels): layer_norm and kl_div 0.3.0, jsd 0.4.0, llama4_rope 0.6.2, relu_squared 0.8.0, the Megatron
+# RMSNorm 0.8.1 and SwiGLU (its fused gate-up kernel) 0.8.2.
+FIRST_RELEASE = {
+    "ops/layer_norm.py": "0.3.0",
+    "ops/kl_div.py": "0.3.0",
+    "ops/jsd.py": "0.4.0",
+    "ops/llama4_rope.py": "0.6.2",
+    "ops/relu_squared.py": "0.8.0",
+    "megatron/rms_norm.py": "0.8.1",
+    "megatron/swiglu.py": "0.8.2",
+}
+# Drivers a row cannot have, with the reason: what the benchmark times is outside the model.
+NOT_DRIVEN = {
+    "megatron_cross_entropy": "its benchmark times a loop of calls through torch.distributed's vocabulary-parallel "
+    "collectives without do_bench's L2 flush (a harness the model does not describe)",
 }
 
 
@@ -615,15 +779,16 @@ class IR:
 
 def _program_counts(fn, trips: list[int]):
     """Per program, per warp: (instructions, MUFU, load bytes, store bytes, loads of one iteration of the first
-    loop that loads, or of the whole program without one). Each is its largest total over the paths through the
-    function (``sass.Function.path_counts``): an early exit (an ignored row) is not added to the path it skips."""
+    loop that loads, or of the whole program without one, local-memory bytes). Each is its largest total over the
+    paths through the function (``sass.Function.path_counts``): an early exit (an ignored row) is not added to the
+    path it skips."""
     total, runs = fn.path_counts(trips)
     in_flight = total.load_bytes()
     for lp in fn.loops:
         if lp.counts.load_bytes() and runs[id(lp)]:
             in_flight = lp.counts.load_bytes()
             break
-    return total.instructions, total.mufu, total.load_bytes(), total.store_bytes(), in_flight
+    return total.instructions, total.mufu, total.load_bytes(), total.store_bytes(), in_flight, total.local_bytes
 
 
 _ANALYSED: dict = {}
@@ -637,6 +802,22 @@ def price_triton(launch, m: model.Machine) -> dict:
     cost, details = _ANALYSED[key][1]
     pred = model.predict_stream(cost, details["grid"], 1, m)
     return {**details, "bound": pred["bound"], "time_s": pred["time_s"], "times_s": pred["times_s"]}
+
+
+def spill_traffic(
+    local: float, frame: float, shared: float, resident: int, programs: int, m: model.Machine
+) -> tuple[float, float]:
+    """(bytes to L2, bytes to DRAM) of a launch's ``local`` bytes through local memory (LDL/STL of spilled
+    registers), each program's spill frame ``frame`` bytes (per thread x threads), ``resident`` programs per SM with
+    ``shared`` bytes of shared memory each. Local memory is cached in L1: the share of the resident frames that fits
+    in the L1 shared memory leaves hits there (the accesses then cost their issue slots only); the rest misses to
+    L2, and of that the share beyond the L2's capacity (the frames of every busy SM together) to DRAM as well."""
+    frames = frame * resident
+    if not local or not frames:
+        return 0.0, 0.0
+    l1_miss = 1.0 - min(1.0, max(0.0, m.l1_bytes - shared * resident) / frames)
+    l2_miss = 1.0 - min(1.0, m.l2_bytes / (frames * min(m.sms, math.ceil(programs / resident))))
+    return local * l1_miss, local * l1_miss * l2_miss
 
 
 def analyse_triton(launch, m: model.Machine) -> tuple:
@@ -668,23 +849,29 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         sass_bytes = (lp.counts.load_bytes() + lp.counts.store_bytes()) * 32 * warps
         u = round(sass_bytes / ir_bytes) if ir_bytes and sass_bytes >= 1.5 * ir_bytes else 1
         runs.append(t / u)
-    instr, mufu, ld, st, flight = _program_counts(c.fn, runs)
+    instr, mufu, ld, st, flight, local = _program_counts(c.fn, runs)
     programs = launch.num_ctas
     resident = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(programs / m.sms))
     nbytes = {k: v.numel() * v.element_size() for k, v in values.items() if isinstance(v, torch.Tensor)}
     compulsory = sum(nbytes[k] for k in ir.loaded if k in nbytes) + sum(nbytes[k] for k in ir.stored if k in nbytes)
     l2_total = (ld + st) * 32 * warps * programs
     # Re-reads hit L2 while the data a program reuses stays there: one iteration of a single top-level loop (a
-    # stream of rows), else everything the program loads (several passes over the same row).
+    # stream of rows), else everything the program loads (several passes over the same row). A loop's depth counts
+    # the IR's enclosing braces (module, function), so the top level is the smallest depth.
     loaded = sum(nbytes[k] for k in ir.loaded if k in nbytes) / programs
-    top = [t for t, d, _ in trips if d == 0]
+    depths = [d for _, d, _ in trips]
+    top = [t for t, d, _ in trips if d == min(depths)] if depths else []
     reuse = loaded / max(1, top[0]) if len(top) == 1 else loaded
     touched = reuse * min(programs, resident * m.sms)
     dram_total = compulsory if touched <= m.l2_bytes else max(compulsory, l2_total)
+    spilled = local * 32 * warps * programs
+    to_l2, to_dram = spill_traffic(spilled, c.spill_bytes * c.threads, c.shared_bytes, resident, programs, m)
+    l2_total += to_l2
+    dram_total += to_dram
     cost = model.StreamCost(
         instructions=instr * 32 * warps,
         mufu=mufu * 32 * warps,
-        l2_bytes=(ld + st) * 32 * warps,
+        l2_bytes=l2_total / programs,
         dram_bytes=dram_total / programs,
         min_bytes=compulsory / programs,
         in_flight_per_sm=flight * 32 * warps * resident,
@@ -697,6 +884,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         "warps": warps,
         "registers": c.registers,
         "spill_bytes": c.spill_bytes,
+        "local_bytes": spilled,
         "blocks_per_sm": resident,
         "loop_trips": [t for t, _, _ in trips],
         "instructions_per_program": instr * warps,
@@ -902,8 +1090,13 @@ def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | No
     none = {"predicted_ms": None, "rel_error": None}
     if r["kernel_provider"] != "liger":
         return {**out, **none, "reason": f"provider {r['kernel_provider']!r}: only the peer's kernels are modelled"}
+    if r["kernel_name"] in NOT_DRIVEN:
+        return {**out, **none, "reason": f"{r['kernel_name']}: {NOT_DRIVEN[r['kernel_name']]}"}
     if r["kernel_name"] not in DRIVERS:
         return {**out, **none, "reason": f"no driver for kernel {r['kernel_name']!r} (drivers: {', '.join(DRIVERS)})"}
+    used = resolve_version(r["kernel_name"], r["liger_version"] or "")
+    if used != r["liger_version"]:
+        out["liger_version_used"] = used
     m = model.machine_for(r["gpu_name"])
     if m is not None and machines:
         m = machines.get(m.name, m)
@@ -942,12 +1135,45 @@ def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | No
     }
 
 
+def _version_key(v: str) -> tuple:
+    return tuple(int(p) for p in re.findall(r"\d+", v))
+
+
+def resolve_version(kernel: str, version: str) -> str:
+    """The liger-kernel release that row of ``kernel`` naming ``version`` is modelled with: ``version`` itself, or,
+    when that release predates the kernel's module (``FIRST_RELEASE``), the first release that has it (the row
+    then measured the source between the two releases: the label is the benchmark machine's installed package)."""
+    first = FIRST_RELEASE.get(MODULES.get(kernel, ""))
+    return first if first is not None and _version_key(first) > _version_key(version) else version
+
+
+def ensure_peer(version: str, peer_path: str | None) -> str | None:
+    """``peer_dir(version)``, installing liger-kernel ``version`` there first when it is missing (``pip install
+    --no-deps --target``, the registry's wheel; ``MEGAKERNELS_PEER_INSTALL=0`` turns this off). None when it is
+    neither installed nor installable."""
+    path = peer_dir(version, peer_path)
+    if path is None and os.environ.get("MEGAKERNELS_PEER_INSTALL", "1") != "0":
+        import subprocess
+
+        target = os.path.join(peer_path or default_peer_root(), f"liger-kernel-{version}")
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target]
+        try:
+            subprocess.run([*cmd, f"liger-kernel=={version}"], capture_output=True, timeout=600, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        path = peer_dir(version, peer_path)
+    return path
+
+
 def record(r: dict, m: model.Machine, peer_path: str | None) -> list | str:
     """The ops the row's timed region runs (``Op`` list), or why they cannot be recorded."""
-    version = r["liger_version"]
-    path = peer_dir(version, peer_path)
+    version = resolve_version(r["kernel_name"], r["liger_version"])
+    path = ensure_peer(version, peer_path)
     if path is None:
         return install_hint(version, peer_path)
+    module = MODULES.get(r["kernel_name"])
+    if module and not os.path.exists(os.path.join(path, "liger_kernel", module)):
+        return f"liger-kernel {version} has no liger_kernel/{module}"
     try:
         cfg = json.loads(r["extra_benchmark_config_str"] or "{}")
         x = float(r["x_value"])

@@ -76,6 +76,7 @@ class Counts:
     wgmma_shapes: dict = dataclasses.field(default_factory=dict)  # (FLOPs, shared bytes) of one warpgroup wgmma
     # -> instructions (per warp)
     fp8_shapes: dict = dataclasses.field(default_factory=dict)  # the same of the FP8 wgmmas (QGMMA)
+    local_bytes: float = 0.0  # per thread: bytes through local memory (LDL / STL: spilled registers)
 
     def add(self, ins: Instr) -> None:
         if ins.base == "NOP":
@@ -124,6 +125,8 @@ class Counts:
             self.atomics += 1
             w = access_width(op)
             self.global_stores[w] = self.global_stores.get(w, 0) + 1
+        elif b in ("LDL", "STL"):
+            self.local_bytes += access_width(op)
         elif b == "BAR":
             self.barriers += 1
         elif op.startswith("WARPGROUP.DEPBAR"):
