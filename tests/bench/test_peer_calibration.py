@@ -341,6 +341,18 @@ DRIVEN = [
 ]
 
 
+DRIVEN.append(
+    (
+        "fused_add_rms_norm",
+        "0.7.0",
+        1024,
+        {"M": 64, "dtype": "torch.float32", "eps": 1e-6},
+        "full",
+        ["_fused_add_rms_norm_forward_kernel", "_fused_add_rms_norm_backward_kernel", "sum", "add"],
+    )
+)
+
+
 @pytest.mark.parametrize("kernel,version,x,cfg,mode,expected", DRIVEN, ids=[d[0] for d in DRIVEN])
 def test_drivers_record_the_benchmarks_timed_region(kernel, version, x, cfg, mode, expected):
     from megakernels.bench.static import model
@@ -387,3 +399,11 @@ def test_spilled_registers_cost_what_misses_l1_and_l2():
     # a grid of 8 such programs keeps its frames in L2: nothing reaches DRAM
     assert peer.spill_traffic(1e9, frame, 0, 1, 8, m)[1] == 0.0
     assert peer.spill_traffic(0.0, frame, 0, 1, 132, m) == (0.0, 0.0)
+
+
+def test_a_kernels_own_provider_name_is_the_peer_and_its_variants_are_not():
+    base = dict(peer.read_csv(TINY)[0], kernel_name="fused_add_rms_norm", liger_version="0.7.0")
+    for provider, modelled in (("liger_fused_add_rms_norm", True), ("liger_rms_norm", False), ("huggingface", False)):
+        row = dict(base, kernel_provider=provider)
+        p = peer.predict_row(row, None, {peer._key(row): "recorded elsewhere"})
+        assert (p["reason"] == "recorded elsewhere") is modelled, provider

@@ -559,6 +559,35 @@ def _megatron(kind: str):
     return drive
 
 
+def _fused_add_rms_norm(rec, mode, x, cfg):
+    """Residual add + RMSNorm (``LigerFusedAddRMSNorm``: an fp32 weight of ones, eps from the row) on ``x, r [M, N]``
+    returning the normed rows and the new residual; backward with both gradients given; the inputs' ``.grad`` reset
+    each call (``grad_to_none``), the weight's accumulating."""
+    import torch
+
+    m, n, dt = int(cfg["M"]), int(x), _dtype(cfg)
+    X = torch.randn(m, n, device=rec.device, dtype=dt)
+    R = torch.randn(m, n, device=rec.device, dtype=dt)
+    W = torch.ones(n, device=rec.device)
+    fn = _fn("liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+    args = {"X": X, "R": R, "W": W, "eps": float(cfg.get("eps", 1e-6)), "offset": 0.0, "casting_mode": "llama"}
+    args["in_place"] = False
+    ctx = Ctx()
+    with rec.recording(mode in ("forward", "full")):
+        rec.call()
+        out = _call(fn.forward, ctx, **args)
+        rec.ret()
+    if mode == "forward":
+        return
+    with rec.recording(False):
+        dy, ds = torch.randn_like(out[0]), torch.randn_like(out[1])
+    with rec.recording(True):
+        rec.call(backward=True)
+        grads = fn.backward(ctx, dy, ds)
+        rec.ret()
+    _accumulate(rec, grads[2])
+
+
 DRIVERS = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -573,7 +602,17 @@ DRIVERS = {
     "llama4_rope": _llama4_rope,
     "megatron_rms_norm": _megatron("rms_norm"),
     "megatron_swiglu": _megatron("swiglu"),
+    "fused_add_rms_norm": _fused_add_rms_norm,
 }
+# The provider name of the peer's kernels in a kernel's rows where it is not "liger" (other providers of those rows
+# are its own variants or the eager reference)
+PROVIDERS = {"fused_add_rms_norm": "liger_fused_add_rms_norm"}
+
+
+def _peer_provider(r: dict) -> str:
+    return PROVIDERS.get(r["kernel_name"], "liger")
+
+
 # The module each driver imports (under liger_kernel/), to find a release that has it: a row's liger_version is
 # what the benchmark machine had installed, which lags the source the row was measured with when the kernel was
 # newer than that release (``resolve_version``).
@@ -591,6 +630,7 @@ MODULES = {
     "llama4_rope": "ops/llama4_rope.py",
     "megatron_rms_norm": "megatron/rms_norm.py",
     "megatron_swiglu": "megatron/swiglu.py",
+    "fused_add_rms_norm": "ops/fused_add_rms_norm.py",
 }
 # The first release of liger-kernel whose wheel holds each module a row may name before it existed (read from the
 # registry's wheels): layer_norm and kl_div 0.3.0, jsd 0.4.0, llama4_rope 0.6.2, relu_squared 0.8.0, the Megatron
@@ -1088,7 +1128,7 @@ def predict_row(r: dict, peer_path: str | None, cache: dict, machines: dict | No
     except (TypeError, ValueError):
         return {**out, "published_ms": None, "predicted_ms": None, "rel_error": None, "reason": "no y_value_50"}
     none = {"predicted_ms": None, "rel_error": None}
-    if r["kernel_provider"] != "liger":
+    if r["kernel_provider"] != _peer_provider(r):
         return {**out, **none, "reason": f"provider {r['kernel_provider']!r}: only the peer's kernels are modelled"}
     if r["kernel_name"] in NOT_DRIVEN:
         return {**out, **none, "reason": f"{r['kernel_name']}: {NOT_DRIVEN[r['kernel_name']]}"}
@@ -1208,7 +1248,7 @@ def run(csv_path: str, peer_path: str | None = None, log=print) -> dict:
         for line in side_by_side_table(side):
             log(line)
     modelled = [p for p in out if p.get("rel_error") is not None]
-    skipped = [p for p in out if p.get("rel_error") is None and p["kernel_provider"] == "liger"]
+    skipped = [p for p in out if p.get("rel_error") is None and p["kernel_provider"] == _peer_provider(p)]
     summary = summarise(modelled)
     summary["not_modelled"] = {
         "rows": len(out) - len(modelled),
@@ -1245,7 +1285,7 @@ def side_by_side(rows: list[dict]) -> dict:
             published.setdefault(_shape_key(p), {})[p["kernel_provider"]] = p["published_ms"]
     shapes = []
     for p in rows:
-        if p["kernel_provider"] != "liger":
+        if p["kernel_provider"] != _peer_provider(p):
             continue
         pub = published.get(_shape_key(p), {})
         ours_ms = p.get("ours_predicted_ms")
@@ -1258,7 +1298,7 @@ def side_by_side(rows: list[dict]) -> dict:
             "ours_predicted_ms": ours_ms,
             "peer_predicted_ms": p.get("predicted_ms"),
             "ours_over_peer": p.get("ours_over_peer"),
-            "peer_published_ms": pub.get("liger"),
+            "peer_published_ms": pub.get(_peer_provider(p)),
             "huggingface_ms": pub.get("huggingface"),
             "torch_compile_ms": pub.get("torch_compile"),
         }
