@@ -92,7 +92,11 @@ class ReproduceError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One published run: the model, the device, the layout (``micro_batch``/``vpp`` None: chosen by the planner)
-    and the published figure; ``row``: the input's columns as read."""
+    and the published figure; ``row``: the input's columns as read. ``timed``: the model whose step is timed —
+    ``config`` itself, or, when ``pp`` does not divide the layers (uneven stages, as Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers`` and Llama 3's first and last stages with one layer fewer), ``pp``
+    stages of the largest stage's layers: the largest stage sets the pipeline's pace. The metric counts ``config``'s
+    FLOPs."""
 
     config: ModelConfig
     gpu: str
@@ -104,6 +108,11 @@ class Run:
     metric: str
     published: float
     row: dict
+    timed: ModelConfig | None = None
+
+    @property
+    def timed_config(self) -> ModelConfig:
+        return self.timed or self.config
 
 
 def _where(path: str, n: int, line: int, column: str) -> str:
@@ -210,9 +219,11 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         )
     except (ValueError, TypeError) as e:
         fail("model", f"not a valid {model} model: {e}")
+    # uneven pipeline stages: timed as pp stages of the largest one's layers (``Run``)
+    timed = cfg if layers % pp == 0 else cfg.replace(num_layers=-(-layers // pp) * pp)
     try:
         rules = ParallelLayout.build(num_gpus, tp=tp, cp=cp, pp=pp, dp=dp, vpp=vpp if vpp and vpp > 1 else None)
-        problem = rules.model_problem(cfg.layout_shapes())
+        problem = rules.model_problem(timed.layout_shapes())
     except LayoutError as e:
         problem = str(e)
     if problem:
@@ -236,7 +247,7 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         fused_linear_ce=False,  # the published runs hold the logits (Megatron-LM's head)
     )
     row = dict(cell)  # every input column, extra ones included (the report carries them; the model ignores them)
-    return Run(cfg, gpu, num_gpus, per_node, layout, micro is None, vpp is None, metric, published, row)
+    return Run(cfg, gpu, num_gpus, per_node, layout, micro is None, vpp is None, metric, published, row, timed=timed)
 
 
 def read_csv(path: str) -> list[Run]:
@@ -278,7 +289,7 @@ def _choices(run: Run) -> list[costs.Layout]:
     per_replica = L.global_batch_size // L.dp
     micros = [m for m in range(1, min(16, per_replica) + 1) if per_replica % m == 0] if run.auto_micro_batch else []
     micros = micros or [L.micro_batch_size]
-    chunks = run.config.num_layers // L.pp
+    chunks = run.timed_config.num_layers // L.pp
     vpps = [v for v in range(1, chunks + 1) if chunks % v == 0] if run.auto_vpp and L.pp > 1 else [L.vpp]
     out = []
     for m in micros:
@@ -293,7 +304,7 @@ def predict_run(run: Run, meta: costs.MetaModel | None = None) -> dict:
     """The run's prediction: ``{"layout", "prediction" (costs.predict's), "predicted" (the row's metric),
     "rel_error", "memory_bytes", "fits"}``; an ``auto`` micro-batch or vpp takes the fastest value that fits."""
     device = costs.DEVICES[run.gpu]
-    meta = meta or costs.MetaModel(run.config)
+    meta = meta or costs.MetaModel(run.timed_config)
     best = None
     for layout in _choices(run):
         mem = costs.memory(meta, layout)["total"]
@@ -340,7 +351,7 @@ def reproduce(*paths: str) -> dict:
     metas: dict = {}
     rows = []
     for path, run in runs:
-        meta = metas.get(run.config) or metas.setdefault(run.config, costs.MetaModel(run.config))
+        meta = metas.get(run.timed_config) or metas.setdefault(run.timed_config, costs.MetaModel(run.timed_config))
         got = predict_run(run, meta)
         L, pred = got["layout"], got["prediction"]
         rows.append(
@@ -350,7 +361,13 @@ def reproduce(*paths: str) -> dict:
                 "published_value": run.published,
                 "predicted": got["predicted"],
                 "rel_error": got["rel_error"],
-                "layout": {"dp": L.dp, "micro_batch": L.micro_batch_size, "vpp": L.vpp, "microbatches": L.microbatches},
+                "layout": {
+                    "dp": L.dp,
+                    "micro_batch": L.micro_batch_size,
+                    "vpp": L.vpp,
+                    "microbatches": L.microbatches,
+                    "stage_layers": run.timed_config.num_layers // L.pp,
+                },
                 "step_s": pred["step_s"],
                 "time_split_s": {
                     k: pred[k] for k in ("compute_s", "bubble_s", "tp_s", "pp_s", "cp_s", "dp_s", "ep_s", "offload_s")

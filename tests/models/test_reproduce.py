@@ -163,3 +163,19 @@ def test_gemm_efficiency_is_the_kernel_models_sustained_gemm_times_one_calibrate
     assert len(errors) == 10
     assert abs(statistics.median(errors)) < 0.02
     assert max(abs(e) for e in errors) < 0.10
+
+
+def test_uneven_pipeline_stages_are_timed_by_the_largest_stage(tmp_path):
+    """pp = 4 over 10 layers (stages of 3, 3, 2, 2 as Megatron-LM's first/last-stage options allow): the step is
+    that of 4 stages of 3 layers, and a FLOP metric counts the 10 layers' FLOPs over it."""
+    head = f"{HEADER},micro_batch,vpp"
+    rows = [
+        "gpt,10,1024,16,1024,256,a100,8,2,4,32,iteration_s,1.0,1,1",
+        "gpt,12,1024,16,1024,256,a100,8,2,4,32,iteration_s,1.0,1,1",
+        "gpt,10,1024,16,1024,256,a100,8,2,4,32,tflops_per_gpu,100,1,1",
+    ]
+    report = reproduce.reproduce(write(tmp_path, "\n".join([head, *rows]) + "\n"))
+    uneven, even, flops = report["rows"]
+    assert uneven["step_s"] == pytest.approx(even["step_s"]) and uneven["layout"]["stage_layers"] == 3
+    ten = ModelConfig("gpt", num_layers=10, hidden_size=1024, num_heads=16, seq_length=256, vocab_size=1024)
+    assert flops["predicted"] == pytest.approx(ten.flops_per_token("none") * 32 * 256 / uneven["step_s"] / 8 / 1e12)
