@@ -29,7 +29,7 @@ sequences of ``s`` tokens:
   ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` with full recomputation (``72·…·(1 + s/6h + V/12lh)`` without), the count
   Megatron-LM's papers report;
 - ``mfu``: ``B·s·flops_per_token("none") / (t·n) / peak``, the model FLOPs (no recomputation) against the GPU's
-  dense 16-bit peak (``Device.tflops_16``).
+  dense 16-bit peak (``Device.tflops_16``); published as a fraction (0.43), a percentage (43) or with a sign (43%).
 
 A bad cell is one error naming the file, the row (1 = the first after the header), the line and the column; the
 command exits with status 2 and no traceback.
@@ -40,6 +40,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import re
 import statistics
 
 from megakernels.parallel.layout import LayoutError, ParallelLayout
@@ -119,6 +120,19 @@ def _where(path: str, n: int, line: int, column: str) -> str:
     return f"{path}: row {n} (line {line}), column '{column}'"
 
 
+def device_key(name: str) -> str | None:
+    """The ``costs.DEVICES`` key a GPU column names: the key itself, or a spelling of that SXM part ("H100 SXM5",
+    "NVIDIA H100 80GB HBM3", "A100-SXM4-80GB"); None for another part (PCIe, NVL, the 40 GB A100: other peaks,
+    clocks or memory than the table's) or an unknown GPU."""
+    flat = re.sub(r"[^a-z0-9]", "", name.lower()).removeprefix("nvidia")
+    if flat in costs.DEVICES:
+        return flat
+    if any(other in flat for other in ("pcie", "nvl", "40gb")):
+        return None
+    keys = [k for k in costs.DEVICES if flat.startswith(k)]
+    return keys[0] if len(keys) == 1 else None
+
+
 def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
     """One CSV row (``{column: text}``) -> a ``Run``; ReproduceError naming the row and column on a bad cell."""
     cell = {k.strip().lower(): (v or "").strip() for k, v in raw.items() if k is not None}
@@ -165,9 +179,9 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         return integer(column, 1)
 
     model = choice("model", MODELS)
-    gpu = text("gpu").lower()
-    if gpu not in costs.DEVICES:
-        fail("gpu", f"expected one of {', '.join(sorted(costs.DEVICES))}, got {text('gpu')!r}")
+    gpu = device_key(text("gpu"))
+    if gpu is None:
+        fail("gpu", f"expected one of {', '.join(sorted(costs.DEVICES))} (SXM parts), got {text('gpu')!r}")
     device = costs.DEVICES[gpu]
     layers, hidden, heads = integer("num_layers"), integer("hidden"), integer("heads")
     vocab, seq = integer("vocab"), integer("seq_len")
@@ -200,11 +214,17 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
     metric = choice("published_metric", METRICS)
     value = text("published_value")
     try:
-        published = float(value)
+        published = float(value.removesuffix("%"))
     except ValueError:
         fail("published_value", f"expected a number, got {cell.get('published_value')!r}")
     if not published > 0 or math.isinf(published):
         fail("published_value", f"expected a positive number, got {cell.get('published_value')!r}")
+    if metric == "mfu" and value.endswith("%"):
+        published = float(value[:-1]) / 100
+    elif metric == "mfu" and published > 1:  # a utilisation above 1 is a percentage (43 for 43 %)
+        if published > 100:
+            fail("published_value", f"an MFU of {value} is neither a fraction nor a percentage")
+        published /= 100
     try:
         cfg = ModelConfig(
             model,

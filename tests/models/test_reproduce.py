@@ -179,3 +179,30 @@ def test_uneven_pipeline_stages_are_timed_by_the_largest_stage(tmp_path):
     assert uneven["step_s"] == pytest.approx(even["step_s"]) and uneven["layout"]["stage_layers"] == 3
     ten = ModelConfig("gpt", num_layers=10, hidden_size=1024, num_heads=16, seq_length=256, vocab_size=1024)
     assert flops["predicted"] == pytest.approx(ten.flops_per_token("none") * 32 * 256 / uneven["step_s"] / 8 / 1e12)
+
+
+@pytest.mark.parametrize("value", ["0.43", "43", "43%"])
+def test_mfu_is_read_as_a_fraction_a_percentage_or_with_a_percent_sign(tmp_path, value):
+    path = write(tmp_path, f"{HEADER}\ngpt,4,256,4,1024,128,a100,8,2,2,16,mfu,{value}\n")
+    (run,) = reproduce.read_csv(path)
+    assert run.published == pytest.approx(0.43)
+
+
+def test_an_mfu_above_100_is_refused_naming_the_cell(tmp_path):
+    path = write(tmp_path, f"{HEADER}\ngpt,4,256,4,1024,128,a100,8,2,2,16,mfu,430\n")
+    with pytest.raises(reproduce.ReproduceError, match="published_value"):
+        reproduce.read_csv(path)
+
+
+def test_the_gpu_column_takes_the_sxm_parts_spellings_and_refuses_other_parts():
+    for name, key in (
+        ("h100", "h100"),
+        ("H100 SXM5", "h100"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("A100-SXM4-80GB", "a100"),
+        ("H200", "h200"),
+        ("V100", "v100"),
+    ):
+        assert reproduce.device_key(name) == key, name
+    for name in ("H100 PCIe", "H100 NVL", "A100-SXM4-40GB", "MI300X", "B200"):
+        assert reproduce.device_key(name) is None, name
