@@ -131,6 +131,8 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
   check_backend(op, p0, emulate);
   const at::ScalarType pdt = p0.scalar_type();
   const at::ScalarType sdt = master ? at::kFloat : pdt;
+  // grads in the params' dtype; in master mode fp32 grads too (all of them: grads[0] decides)
+  const at::ScalarType gdt = master && grads_in[0].scalar_type() == at::kFloat ? at::kFloat : pdt;
   std::vector<at::Tensor> grads;
   grads.reserve(n);
   std::vector<optim::AdamWTensor> tensors(n);
@@ -138,7 +140,7 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
     const at::Tensor& p = params[i];
     check_list_tensor(op, "params", i, p, p0);
     TORCH_CHECK_VALUE(p.is_contiguous(), op, ": params[", i, "] must be contiguous (it is updated in place)");
-    check_companion(op, "grads", i, grads_in[i], p, pdt, false);
+    check_companion(op, "grads", i, grads_in[i], p, gdt, false);
     check_companion(op, "exp_avgs", i, exp_avgs[i], p, sdt, true);
     check_companion(op, "exp_avg_sqs", i, exp_avg_sqs[i], p, sdt, true);
     if (master) check_companion(op, "master_params", i, master_params[i], p, at::kFloat, true);
@@ -161,6 +163,7 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
   a.n_tensors = int64_t(n);
   a.param_dtype = to_dtype(pdt);
   a.master = master;
+  a.grad_f32 = master && gdt == at::kFloat && pdt != at::kFloat;
   a.lr = lr;
   a.beta1 = beta1;
   a.beta2 = beta2;

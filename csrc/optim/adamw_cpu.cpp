@@ -32,13 +32,14 @@ inline T st(float v) {
   return from_float<T>(v);
 }
 
-// P: param/grad storage; S: moment storage (P, or float in master mode). SCALE: grads are divided by *grad_scale.
-template <typename P, typename S, bool MASTER, bool SCALE>
+// P: param storage; G: grad storage (P, or float with fp32 grads in master mode); S: moment storage (P, or float in
+// master mode). SCALE: grads are divided by *grad_scale.
+template <typename P, typename G, typename S, bool MASTER, bool SCALE>
 void adamw_kernel(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t begin, int64_t end) {
   const AdamWCoeffs c = optim::adamw_coeffs(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, *t.step);
   const float scale = SCALE ? *a.grad_scale : 1.0f;
   P* __restrict p = static_cast<P*>(t.param);
-  const P* __restrict g = static_cast<const P*>(t.grad);
+  const G* __restrict g = static_cast<const G*>(t.grad);
   S* __restrict m = static_cast<S*>(t.exp_avg);
   S* __restrict v = static_cast<S*>(t.exp_avg_sq);
   float* __restrict w = t.master;
@@ -56,20 +57,22 @@ void adamw_kernel(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t begin
   }
 }
 
-template <typename P, typename S, bool MASTER>
+template <typename P, typename G, typename S, bool MASTER>
 void adamw_scale(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t b, int64_t e) {
   if (a.grad_scale)
-    adamw_kernel<P, S, MASTER, true>(a, t, b, e);
+    adamw_kernel<P, G, S, MASTER, true>(a, t, b, e);
   else
-    adamw_kernel<P, S, MASTER, false>(a, t, b, e);
+    adamw_kernel<P, G, S, MASTER, false>(a, t, b, e);
 }
 
 template <typename P>
 void adamw_dispatch(const AdamWArgs& a, const optim::AdamWTensor& t, int64_t b, int64_t e) {
-  if (a.master)
-    adamw_scale<P, float, true>(a, t, b, e);
+  if (a.master && a.grad_f32)
+    adamw_scale<P, float, float, true>(a, t, b, e);
+  else if (a.master)
+    adamw_scale<P, P, float, true>(a, t, b, e);
   else
-    adamw_scale<P, P, false>(a, t, b, e);
+    adamw_scale<P, P, P, false>(a, t, b, e);
 }
 
 // inf * 0 and NaN * 0 are NaN, finite * 0 is 0: the sum stays 0 exactly when every element is finite, and the

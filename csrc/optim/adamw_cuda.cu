@@ -85,14 +85,15 @@ __device__ __forceinline__ int tensor_of_block(const int32_t* first_chunk, int n
 // ---------------------------------------------------------------------------------------------------------------
 // Kernels.
 
-template <typename P, typename S, bool MASTER, int N>
+// P: param storage; G: grad storage (P, or float with fp32 grads in master mode); S: moment storage.
+template <typename P, typename G, typename S, bool MASTER, int N>
 __device__ __forceinline__ void adamw_elems(const AdamWTensor& t, int64_t i, float scale, const optim::AdamWCoeffs& c) {
   float p[N], g[N], m[N], v[N];
   if (MASTER)
     load_pack<float, N>(t.master, i, p);
   else
     load_pack<P, N>(static_cast<const P*>(t.param), i, p);
-  load_pack<P, N>(static_cast<const P*>(t.grad), i, g);
+  load_pack<G, N>(static_cast<const G*>(t.grad), i, g);
   load_pack<S, N>(static_cast<const S*>(t.exp_avg), i, m);
   load_pack<S, N>(static_cast<const S*>(t.exp_avg_sq), i, v);
 #pragma unroll
@@ -103,7 +104,7 @@ __device__ __forceinline__ void adamw_elems(const AdamWTensor& t, int64_t i, flo
   store_pack<P, N>(static_cast<P*>(t.param), i, p);
 }
 
-template <typename P, typename S, bool MASTER>
+template <typename P, typename G, typename S, bool MASTER>
 __global__ void adamw_kernel(AdamWBatch b, AdamWScalars s) {
   if (s.found_inf != nullptr && *s.found_inf != 0.0f) return;
   const int slot = tensor_of_block(b.first_chunk, b.n, int(blockIdx.x));
@@ -115,9 +116,9 @@ __global__ void adamw_kernel(AdamWBatch b, AdamWScalars s) {
   // Packs where the tensor allows them (uniform over the block), then the scalar tail (or the whole chunk).
   const int64_t vec_end = b.vec[slot] ? begin + len / kPack * kPack : begin;
   for (int64_t i = begin + int64_t(threadIdx.x) * kPack; i < vec_end; i += int64_t(blockDim.x) * kPack)
-    adamw_elems<P, S, MASTER, kPack>(t, i, scale, c);
+    adamw_elems<P, G, S, MASTER, kPack>(t, i, scale, c);
   for (int64_t i = vec_end + threadIdx.x; i < begin + len; i += blockDim.x)
-    adamw_elems<P, S, MASTER, 1>(t, i, scale, c);
+    adamw_elems<P, G, S, MASTER, 1>(t, i, scale, c);
 }
 
 __global__ void increment_steps_kernel(StepBatch b, const float* found_inf) {
@@ -241,7 +242,7 @@ const char* for_each_launch(int64_t n_tensors, int64_t chunk_size, int max_tenso
   return slots > 0 ? flush(slots, chunks) : nullptr;
 }
 
-template <typename P, typename S, bool MASTER>
+template <typename P, typename G, typename S, bool MASTER>
 const char* run_adamw(const AdamWArgs& a, cudaStream_t stream) {
   AdamWScalars s{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.found_inf, a.chunk_size};
   // Chunks start at multiples of chunk_size, so packs stay aligned inside a tensor when its pointers are.
@@ -251,14 +252,14 @@ const char* run_adamw(const AdamWArgs& a, cudaStream_t stream) {
     const AdamWTensor& x = a.tensors[t];
     b.tensors[slot] = x;
     b.first_chunk[slot] = int32_t(first);
-    b.vec[slot] = vec_chunks && aligned(x.param, sizeof(P) * kPack) && aligned(x.grad, sizeof(P) * kPack) &&
+    b.vec[slot] = vec_chunks && aligned(x.param, sizeof(P) * kPack) && aligned(x.grad, sizeof(G) * kPack) &&
                   aligned(x.exp_avg, sizeof(S) * kPack) && aligned(x.exp_avg_sq, sizeof(S) * kPack) &&
                   aligned(x.master, sizeof(float) * kPack);
   };
   auto flush = [&](int slots, int64_t chunks) -> const char* {
     b.n = slots;
     b.first_chunk[slots] = int32_t(chunks);
-    MK_LAUNCH((adamw_kernel<P, S, MASTER>), dim3(unsigned(chunks)), dim3(kBlock), 0, stream, b, s);
+    MK_LAUNCH((adamw_kernel<P, G, S, MASTER>), dim3(unsigned(chunks)), dim3(kBlock), 0, stream, b, s);
     return last_error();
   };
   if (const char* e = for_each_launch(
@@ -280,7 +281,8 @@ const char* run_adamw(const AdamWArgs& a, cudaStream_t stream) {
 
 template <typename P>
 const char* adamw_master(const AdamWArgs& a, cudaStream_t s) {
-  return a.master ? run_adamw<P, float, true>(a, s) : run_adamw<P, P, false>(a, s);
+  if (a.master && a.grad_f32) return run_adamw<P, float, float, true>(a, s);
+  return a.master ? run_adamw<P, P, float, true>(a, s) : run_adamw<P, P, P, false>(a, s);
 }
 
 // Runs kernel(batch, ...) over the chunks of a list; `first_slot` of each batch counts the chunks before it.

@@ -16,7 +16,8 @@
 //      = p + (-lr*sqrt(bc2)/bc1) * m / (sqrt(v) + eps*sqrt(bc2))        (as computed: one division, not two)
 // with g = grad / grad_scale when a scale is given. Precision: params and grads in `param_dtype`; moments in
 // param_dtype, or fp32 with an fp32 master copy of the params (`master`, mixed precision) whose rounded value is
-// written back to the 16-bit param in the same pass. All math in fp32.
+// written back to the 16-bit param in the same pass. In master mode the grads may be fp32 instead (`grad_f32`: fp32
+// gradient buffers of 16-bit params, as a data-parallel trainer keeps them). All math in fp32.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -31,7 +32,7 @@ constexpr int64_t kDefaultChunk = 65536;
 // One parameter of a multi-tensor AdamW launch. Every pointer is on the launch's device.
 struct AdamWTensor {
   void* param;        // numel, param_dtype
-  const void* grad;   // numel, param_dtype
+  const void* grad;   // numel, param_dtype, or fp32 with AdamWArgs::grad_f32
   void* exp_avg;      // numel, param_dtype, or fp32 in master mode
   void* exp_avg_sq;   // numel, same dtype as exp_avg
   float* master;      // numel fp32 master weights, or nullptr (then param is updated in place)
@@ -44,6 +45,7 @@ struct AdamWArgs {
   int64_t n_tensors;
   DType param_dtype;  // F32, F16 or BF16
   bool master;        // every tensor has a master copy; moments are fp32
+  bool grad_f32;      // master mode only: the grads are fp32 rather than param_dtype
   double lr, beta1, beta2, eps, weight_decay;
   const float* grad_scale;  // scalar on the device, or nullptr: grads are divided by it
   const float* found_inf;   // scalar on the device, or nullptr: when != 0 the launch changes nothing

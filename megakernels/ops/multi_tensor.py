@@ -102,7 +102,8 @@ def adamw_(
 
     Args:
         params: contiguous float32/float16/bfloat16 tensors, one device and dtype; updated in place.
-        grads: same shapes and dtype (any strides).
+        grads: same shapes and dtype (any strides); with ``master_params`` also float32 (every grad: the fp32
+            gradient buffers of 16-bit params), the update then reads them at full precision.
         exp_avgs, exp_avg_sqs: moments, params' dtype, or float32 when ``master_params`` is given.
         master_params: ``[]`` or float32 copies of params (mixed precision), updated in place.
         steps: float32 one-element tensors on the params' device: steps taken so far; incremented.

@@ -18,11 +18,18 @@ the update runs on the master and writes the rounded value into the parameter in
 are updated directly either way. The master copy is taken at the first step: load new values into the model
 *before* the first step (or load an optimizer state_dict, which carries the masters).
 
+Rounded copies (``set_rounded_copies``): an fp32 parameter may have a bf16/fp16 copy that the kernel writes, rounded,
+in the same pass as the update: a trainer that keeps the fp32 masters (and fp32 gradient buffers) as the optimizer's
+parameters and the 16-bit model weights as their copies saves a copy pass per step
+(``megakernels.parallel.ParallelOptimizer``).
+
 Loss scaling: ``step(grad_scale=s, found_inf=f)`` divides every grad by ``s`` inside the kernel and first runs a
 fused check over all grads of all groups; if any unscaled grad is inf or NaN, ``f`` is set to 1.0 and the step
 changes nothing (params, moments, step counts). On CUDA the flag never leaves the device: the update kernels read
 it and return early, so there is no host synchronisation. Without ``grad_scale``/``found_inf`` there is no check
-(torch.optim.AdamW's behaviour: non-finite grads propagate). ``torch.amp.GradScaler.step(opt)`` works too: like
+(torch.optim.AdamW's behaviour: non-finite grads propagate). ``step(..., check=False)`` skips the check pass and
+only obeys ``found_inf``, for a caller that has vetted the grads already (``ParallelOptimizer`` derives the flag
+from the global grad norm it computes anyway). ``torch.amp.GradScaler.step(opt)`` works too: like
 torch's fused optimizers, FusedAdamW declares ``_step_supports_amp_scaling`` and takes the scale and the flag from
 the attributes the scaler sets, so the grads are unscaled inside the kernel rather than by a separate pass.
 """
@@ -131,7 +138,41 @@ class FusedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False)
         self.master_weights = bool(master_weights)
         self.chunk_size = int(chunk_size)
+        self._rounded: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
+
+    def set_rounded_copies(self, copies: dict[torch.Tensor, torch.Tensor]) -> None:
+        """After this, every step that updates an fp32 param ``p`` of ``copies`` also writes ``p`` rounded to
+        ``copies[p]``'s dtype into ``copies[p]``, in the same kernel pass (the copy equals ``p.to(dtype)``, bit for
+        bit); a skipped step (``found_inf``) writes nothing. Replaces the copies set before (an empty dict: none).
+
+        Args:
+            copies: ``{param: copy}``: each param float32 and in this optimizer's param groups, each copy a
+                contiguous bfloat16/float16 tensor of the param's shape on its device (it need not require grad;
+                e.g. a view of a model's 16-bit weights).
+
+        Raises:
+            ValueError / TypeError naming the entry: a param not in the groups or not float32, a copy of another
+            shape, device or dtype, or not contiguous.
+        """
+        owned = {id(p) for group in self.param_groups for p in group["params"]}
+        checked = {}
+        for i, (p, copy) in enumerate(copies.items()):
+            where = f"FusedAdamW.set_rounded_copies: entry {i}"
+            if id(p) not in owned:
+                raise ValueError(f"{where}: the param is not in this optimizer's param groups")
+            if p.dtype != torch.float32:
+                raise TypeError(f"{where}: the param has dtype {p.dtype}; rounded copies are of float32 params")
+            if not isinstance(copy, torch.Tensor) or copy.dtype not in _HALF:
+                raise TypeError(f"{where}: the copy must be a bfloat16 or float16 tensor")
+            if copy.shape != p.shape or copy.device != p.device or not copy.is_contiguous():
+                raise ValueError(
+                    f"{where}: the copy must be contiguous, of the param's shape {tuple(p.shape)} on {p.device}; "
+                    f"got shape {tuple(copy.shape)} on {copy.device}"
+                    + ("" if copy.is_contiguous() else " (not contiguous)")
+                )
+            checked[p] = copy
+        self._rounded = checked
 
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
@@ -187,12 +228,17 @@ class FusedAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     self._init_state(p, state)
-                lists = buckets.setdefault((p.device, p.dtype), ([], [], [], [], [], []))
-                lists[0].append(p)
+                copy = self._rounded.get(p)
+                # a rounded copy: the kernel's 16-bit param, with p as its fp32 master (and fp32 grads)
+                key = (p.device, p.dtype, copy.dtype if copy is not None else None)
+                lists = buckets.setdefault(key, ([], [], [], [], [], []))
+                lists[0].append(p if copy is None else copy)
                 lists[1].append(g)
                 lists[2].append(state["exp_avg"])
                 lists[3].append(state["exp_avg_sq"])
-                if self._uses_master(p):
+                if copy is not None:
+                    lists[4].append(p)
+                elif self._uses_master(p):
                     lists[4].append(state["master_param"])
                 lists[5].append(state["step"])
             work.append((group, buckets))
@@ -200,7 +246,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _check_nonfinite(self, work, grad_scale, found_inf) -> dict[torch.device, torch.Tensor]:
         """Runs the fused non-finite check over every grad of every group; returns the flag per device."""
-        devices = {dev for _g, buckets in work for (dev, _dt) in buckets}
+        devices = {dev for _g, buckets in work for (dev, *_) in buckets}
         flags = {}
         for dev in devices:
             if found_inf is not None and found_inf.device == dev:
@@ -209,7 +255,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 flags[dev] = torch.zeros((), dtype=torch.float32, device=dev)
         scales = {dev: grad_scale.to(dev) if grad_scale is not None else None for dev in devices}
         for _group, buckets in work:
-            for (dev, _dt), lists in buckets.items():
+            for (dev, *_), lists in buckets.items():
                 _mt.nonfinite_check_(lists[1], flags[dev], scales[dev], self.chunk_size)
         if len(devices) > 1 or (found_inf is not None and found_inf.device not in devices):
             # Any device's overflow skips the step everywhere (device-to-device copies, no host sync).
@@ -226,6 +272,8 @@ class FusedAdamW(torch.optim.Optimizer):
         closure: Callable[[], torch.Tensor] | None = None,
         grad_scale: torch.Tensor | float | None = None,
         found_inf: torch.Tensor | None = None,
+        *,
+        check: bool = True,
     ):
         """One AdamW step over every parameter with a grad.
 
@@ -234,6 +282,8 @@ class FusedAdamW(torch.optim.Optimizer):
             grad_scale: the loss scale; grads are divided by it inside the kernel (float32 scalar tensor or number).
             found_inf: float32 one-element tensor; set to 1.0 (and the step skipped) when any unscaled grad is not
                 finite. A non-zero value on entry also skips the step.
+            check: False: no pass over the grads to check them (``found_inf`` is read, never set): for a caller that
+                knows whether the unscaled grads are finite, e.g. from their norm.
         Returns:
             The closure's loss, or None.
         """
@@ -258,11 +308,13 @@ class FusedAdamW(torch.optim.Optimizer):
             grad_scale = grad_scale.reshape(()).to(torch.float32)
         work = self._collect()
         flags = None
-        if grad_scale is not None or found_inf is not None:
+        if check and (grad_scale is not None or found_inf is not None):
             flags = self._check_nonfinite(work, grad_scale, found_inf)
+        elif found_inf is not None:  # the caller's flag as it is, on every device of the params
+            flags = {dev: found_inf.reshape(()).to(dev) for _g, buckets in work for (dev, *_) in buckets}
         for group, buckets in work:
             beta1, beta2 = group["betas"]
-            for (dev, _dt), (params, grads, exp_avgs, exp_avg_sqs, masters, steps) in buckets.items():
+            for (dev, *_), (params, grads, exp_avgs, exp_avg_sqs, masters, steps) in buckets.items():
                 _mt.adamw_(
                     params,
                     grads,

@@ -9,7 +9,13 @@ padded to a multiple of the data-parallel size ``dp``. With ``reduce_scatter=Tru
 optimizer) the params themselves are moved into a second flat buffer of the same layout in the param dtype, so the
 updated shards can be all-gathered straight into them.
 
-Backward. A post-accumulate-grad hook adds ``p.grad`` into ``p.main_grad`` and drops ``p.grad``. While grad sync is
+Backward. A post-accumulate-grad hook moves ``p.grad`` into ``p.main_grad`` and drops ``p.grad``: the first gradient a
+param receives after ``zero_grad_buffer()`` is copied in (converted to the grad dtype), later ones (more
+micro-batches, deferred weight gradients) are added. ``zero_grad_buffer()`` therefore writes nothing: the params that
+received no gradient get their ``main_grad`` zeroed when their bucket's sync is launched, so from then on every
+``main_grad`` holds exactly what zero-filling the buffer and adding every gradient would (the bucket padding is
+never written and stays zero). Before its bucket is launched, the ``main_grad`` of a param that has not received a
+gradient yet this step holds stale values (``zero_missing_grads()`` zeroes them on demand). While grad sync is
 enabled, the hook that completes a bucket launches its collective asynchronously: the bucket is divided by ``dp``
 first (pre-division keeps 16-bit buckets from overflowing; the sum of the divided grads is the mean), then summed
 over the group, all-reduce, or with ``reduce_scatter=True`` reduce-scatter, after which dp rank ``r`` holds the mean
@@ -69,12 +75,27 @@ class Bucket:
         self.grad_data, self.param_data = grad_data, param_data
         self.shard_size = numel // dp
         self.ready: set[int] = set()
+        self.written: set[int] = set()  # params whose main_grad holds this step's gradients (or was zeroed)
         self.pending: comm.Pending | None = None
         self.launched = self.reduced_hooks_ran = False
 
     def reset(self) -> None:
         self.ready.clear()
+        self.written.clear()
         self.pending, self.launched, self.reduced_hooks_ran = None, False, False
+
+    def zero_unwritten(self) -> None:
+        """Zero the ``main_grad`` of the params that received no gradient since the last reset (the whole bucket in
+        one fill when none did); afterwards every param of the bucket counts as written."""
+        if len(self.written) == len(self.params):
+            return
+        if not self.written:
+            self.grad_data.zero_()  # the padding is zero already: one fill instead of one per param
+        else:
+            for i, p in enumerate(self.params):
+                if i not in self.written:
+                    p.main_grad.zero_()
+        self.written.update(range(len(self.params)))
 
 
 class DistributedDataParallel(nn.Module):
@@ -223,7 +244,11 @@ class DistributedDataParallel(nn.Module):
                 "gradient sync was launched; call zero_grad_buffer() after each step and disable "
                 "sync (no_sync()) for all but the last micro-batch"
             )
-        p.main_grad.add_(p.grad)
+        if i in bucket.written:
+            p.main_grad.add_(p.grad)
+        else:  # the first gradient of the step: no zero fill, no read of the stale buffer (module docstring)
+            p.main_grad.copy_(p.grad)
+            bucket.written.add(i)
         p.grad = None
         if self._sync_enabled and self.overlap:
             bucket.ready.add(i)
@@ -246,6 +271,7 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        bucket.zero_unwritten()
         if self.divisor != 1:
             bucket.grad_data.div_(self.divisor)
         if self.dp_size > 1:
@@ -295,15 +321,24 @@ class DistributedDataParallel(nn.Module):
         return pending
 
     def zero_grad_buffer(self) -> None:
-        """Zero every ``main_grad`` (waiting for collectives still in flight) and start a new step."""
+        """Start a new step (waiting for collectives still in flight): every ``main_grad`` counts as zero. The buffer
+        is not filled: each param's first gradient is copied into its ``main_grad`` and the params without one are
+        zeroed when their bucket is synced (module docstring), so the synced buffer is the same as after a fill.
+        Reading ``main_grad`` before its bucket's sync: call ``zero_missing_grads()`` first."""
         for bucket in self.buckets:
             if bucket.pending is not None:
                 bucket.pending.wait()
             bucket.reset()
-        for buf in self.grad_buffers:
-            buf.zero_()
         for p in self._bucket_of:
             p.grad = None
+
+    def zero_missing_grads(self) -> None:
+        """Zero the ``main_grad`` of every param that has received no gradient since ``zero_grad_buffer()`` (in
+        buckets not launched yet; launching does it per bucket). Afterwards every ``main_grad`` holds the sum of the
+        step's gradients so far, zero where none arrived; a no-op once ``finish_grad_sync()`` has run."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                bucket.zero_unwritten()
 
     # ---- sync switch, forward, state -----------------------------------------------------------------------------
 

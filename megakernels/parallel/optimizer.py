@@ -24,8 +24,11 @@ One step (``step()``), all on the device except where noted:
    piece), square root, ÷ loss scale.
 3. One coefficient ``min(1, clip_grad / (norm + 1e-6))`` and the loss scale fold into FusedAdamW's ``grad_scale``,
    so unscaling and clipping cost no pass of their own. A non-finite norm skips the update on every rank (the
-   kernel's check; the norm is the same everywhere).
-4. bf16/fp16: masters rounded into the params; ZeRO-1: params all-gathered. Then the norm is read on the host.
+   kernel reads the flag on the device; the norm is the same everywhere). A finite norm means finite grads, and a
+   ``grad_scale`` >= 1 keeps them finite once divided, so FusedAdamW's own check pass over the grads runs only
+   with a loss scale below 1.
+4. bf16/fp16: masters rounded into the params (by the AdamW kernel, in the pass of step 3); ZeRO-1: params
+   all-gathered. Then the norm is read on the host.
 
 With ``offload`` the gradients reach the host per bucket during backward, step 3 runs the C++ CPU AdamW on the host
 state, and step 4's copies go host-to-device per bucket, overlapped with the next forward
@@ -177,6 +180,8 @@ class ParallelOptimizer:
             weight_decay=weight_decay,
         )
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
+        if not self.offload:  # the AdamW kernel rounds each updated master into its 16-bit param in the same pass
+            self._adam.set_rounded_copies({piece.main: piece.flat for piece in self._masters})
         # under FSDP no data-parallel buckets to copy early: every gradient shard is copied at step time
         models = [] if self.fsdp else self.models
         self._copies = HostCopies(self.pieces, models, self.device) if self.offload else None
@@ -317,6 +322,9 @@ class ParallelOptimizer:
             ``(stepped, grad_norm)``: whether the params changed, and the global norm of the unscaled grads before
             clipping (None when an fp16 overflow skipped the step before the norm was computed).
         """
+        if not self.fsdp:  # buckets not synced yet (step() without finalize_model_grads): zero the missing grads
+            for m in self.models:
+                m.zero_missing_grads()
         grads = self._grads()
         scale = self.loss_scale
         if self.loss_scaler is not None and self._found_inf(grads, scale):
@@ -326,20 +334,21 @@ class ParallelOptimizer:
             return False, None
         norm = self.grad_norm_squared(grads).sqrt() / scale
         # FusedAdamW divides every grad by grad_scale: the loss scale, and the clipping coefficient's inverse. A
-        # non-finite norm makes it NaN, and the kernel then skips the step on every rank.
-        divisor = torch.where(torch.isfinite(norm), torch.ones_like(norm), torch.full_like(norm, math.nan)) * scale
+        # non-finite norm sets found_inf, and the kernel then skips the step on every rank.
+        found_inf = torch.isfinite(norm).logical_not().float()
+        divisor = torch.full_like(norm, scale)
         if self.clip_grad > 0:
             divisor = divisor / torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+        check = scale < 1.0  # below 1 a finite grad may overflow once divided: FusedAdamW checks them all
         if self._copies is not None:
             self._copies.finish()  # the gradients not copied per bucket, then the host waits for all of them
-            self._adam.step(grad_scale=divisor.to("cpu"))
+            self._adam.step(grad_scale=divisor.to("cpu"), found_inf=found_inf.to("cpu"), check=check)
             self._copies.put_params()  # overlapped with the next forward; ZeRO-1's all-gather waits for them
             if self.distributed or self.fsdp:  # FSDP's all-gathers read the shards too
                 self._copies.wait_params()
         else:
-            self._adam.step(grad_scale=divisor)
-            if self._masters:
-                torch._foreach_copy_([m.flat for m in self._masters], [m.main for m in self._masters])
+            # also rounds the masters into the params (set_rounded_copies)
+            self._adam.step(grad_scale=divisor, found_inf=found_inf, check=check)
         if self.distributed:
             for work in [w for m in self.models for w in m.start_param_sync()]:
                 work.wait()
@@ -357,7 +366,8 @@ class ParallelOptimizer:
             self._copies.wait_params()
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffers (``zero_grad_buffer()`` of every DDP wrapper, else every ``main_grad``)."""
+        """Start a new step's gradients: ``zero_grad_buffer()`` of every DDP wrapper (the buffers count as zero; a
+        param's first gradient is copied in), else zero every ``main_grad``."""
         if self.models:
             for m in self.models:
                 m.zero_grad_buffer()

@@ -97,6 +97,18 @@ def test_kernel_rejects_mismatched_shapes_and_state_dtypes():
         mt.adamw_(params, grads, m, v, [], steps, **HYPER)
 
 
+def test_kernel_takes_fp32_grads_of_16_bit_params_only_with_masters_and_all_of_them():
+    params = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)]
+    grads, m, v, steps = kernel_lists(params, torch.float32)
+    masters = [x.float() for x in params]
+    fp32 = [g.float() for g in grads]
+    mt.adamw_(params, fp32, m, v, masters, steps, **HYPER)  # accepted: master mode, every grad fp32
+    with pytest.raises(TypeError, match=r"grads\[0\] has dtype Float, expected BFloat16"):
+        mt.adamw_(params, fp32, *kernel_lists(params)[1:3], [], steps, **HYPER)  # no masters: grads in param dtype
+    with pytest.raises(TypeError, match=r"grads\[1\] has dtype BFloat16, expected Float"):
+        mt.adamw_(params, [fp32[0], grads[1]], m, v, masters, steps, **HYPER)  # one launch, one grad dtype
+
+
 def test_kernel_rejects_list_length_mismatch_and_bad_steps():
     params = [torch.zeros(3), torch.zeros(4)]
     grads, m, v, steps = kernel_lists(params)

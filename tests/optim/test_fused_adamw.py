@@ -77,6 +77,81 @@ def test_master_weights_follow_an_fp32_adamw_on_fp32_copies(backend, dtype):
         assert torch.equal(p.detach(), st["master_param"].to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rounded_copies_are_the_fp32_params_rounded_written_in_the_update_pass(backend, dtype):
+    # fp32 params (a trainer's masters) with fp32 grads, most of them with a 16-bit copy: the params follow exactly
+    # the trajectory of the same optimizer without copies (and torch's AdamW to rounding), the copies equal the
+    # params rounded by torch after every step, and a skipped step (found_inf) leaves everything as it was.
+    params = make_params(SHAPES, backend.device)
+    plain_params, ref_params = clone_params(params), clone_params(params)
+    copies = {p: p.detach().to(dtype) for i, p in enumerate(params) if i != 2}  # one param without a copy
+    groups = lambda ps: [{"params": ps[:4]}, {"params": ps[4:], "lr": 3e-3, "weight_decay": 0.0}]  # noqa: E731
+    ours = FusedAdamW(groups(params), lr=1e-2, weight_decay=0.1, chunk_size=SMALL_CHUNK)
+    ours.set_rounded_copies(copies)
+    plain = FusedAdamW(groups(plain_params), lr=1e-2, weight_decay=0.1, chunk_size=SMALL_CHUNK)
+    ref = torch.optim.AdamW(groups(ref_params), lr=1e-2, weight_decay=0.1, foreach=False)
+    for s in range(steps_for(backend, 20)):
+        grads = grads_for(params, s)  # fp32 values that bf16/fp16 grads could not hold
+        for ps in (params, plain_params, ref_params):
+            set_grads(ps, grads)
+        scale = torch.tensor(4.0 if s % 2 else 1.0, device=backend.device)
+        for ps in (params, plain_params):  # the scaled path: the kernels divide by the scale again
+            set_grads(ps, [g * scale for g in grads])
+        ours.step(grad_scale=scale)
+        plain.step(grad_scale=scale)
+        ref.step()
+        for i, (p, q, r) in enumerate(zip(params, plain_params, ref_params)):
+            assert torch.equal(p, q), f"step {s} param {i}"
+            assert max_rel_error(p, r) <= 1e-6, f"step {s} param {i}"
+            if p in copies:
+                assert torch.equal(copies[p], p.detach().to(dtype)), f"step {s} copy of param {i}"
+    kept = [c.clone() for c in copies.values()]
+    before = [p.detach().clone() for p in params]
+    set_grads(params, grads_for(params, 99))
+    ours.step(found_inf=torch.ones((), device=backend.device))
+    assert all(torch.equal(c, k) for c, k in zip(copies.values(), kept))
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    ours.set_rounded_copies({})  # none any more: the copies stay behind
+    set_grads(params, grads_for(params, 100))
+    ours.step()
+    assert all(torch.equal(c, k) for c, k in zip(copies.values(), kept))
+
+
+def test_check_false_obeys_found_inf_without_checking_the_grads(backend):
+    params = make_params([(3, 4), (5,)], backend.device)
+    opt = FusedAdamW(params, lr=1e-2)
+    before = [p.detach().clone() for p in params]
+    grads = grads_for(params, 0)
+    grads[1][2] = float("inf")
+    set_grads(params, grads)
+    flag = torch.ones((), device=backend.device)
+    opt.step(grad_scale=2.0, found_inf=flag, check=False)  # a set flag skips, read only
+    assert flag.item() == 1.0 and all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(st["step"].item() == 0 for st in opt.state.values())
+    flag.zero_()
+    opt.step(grad_scale=2.0, found_inf=flag, check=False)  # no check: the inf is not seen and reaches the param
+    assert flag.item() == 0.0 and not torch.isfinite(params[1]).all() and torch.isfinite(params[0]).all()
+    assert all(st["step"].item() == 1 for st in opt.state.values())
+
+
+def test_rounded_copies_are_checked(backend):
+    p, q = make_params([(3, 4), (5,)], backend.device)
+    opt = FusedAdamW([p], lr=1e-2)
+    half = lambda t: t.detach().to(torch.bfloat16)  # noqa: E731
+    with pytest.raises(ValueError, match="entry 0: the param is not in this optimizer's param groups"):
+        opt.set_rounded_copies({q: half(q)})
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        opt.set_rounded_copies({p: p.detach().double()})
+    with pytest.raises(ValueError, match=r"shape \(3, 4\)"):
+        opt.set_rounded_copies({p: half(p).reshape(4, 3)})
+    with pytest.raises(ValueError, match="not contiguous"):
+        opt.set_rounded_copies({p: half(p).t().contiguous().t()})
+    b = make_params([(2,)], backend.device, torch.bfloat16)[0]
+    opt16 = FusedAdamW([b], lr=1e-2, master_weights=True)
+    with pytest.raises(TypeError, match="rounded copies are of float32 params"):
+        opt16.set_rounded_copies({b: half(b)})
+
+
 def test_without_master_weights_16bit_state_stays_16bit(backend):
     params = make_params([(3, 7)], backend.device, torch.bfloat16)
     ref_params = clone_params(params)

@@ -103,6 +103,52 @@ def _(rank, world):
         assert_close(p.main_grad, r.grad, name)
 
 
+@CHECKS.add("first_touch_grads_over_dp_equal_the_mean_and_params_unused_in_a_step_read_zero_after_the_sync")
+def _(rank, world):
+    # The buffer is not zero-filled between steps: each param's first gradient is copied in, the params without one
+    # are zeroed when their bucket is launched. Step 1 leaves the last Linear unused, step 2 uses every layer again
+    # and step 0's values must not leak into either; bucket_size 30 gives the unused params a bucket of their own
+    # (never completed by a hook: launched by finish_grad_sync), 40 shares one with a used bias.
+    mp.initialize(1, 1, 4)
+    for reduce_scatter in (False, True):
+        for bucket_size in (30, 40):
+            model = _mlp()
+            ref = copy.deepcopy(model).double()
+            ddp = DistributedDataParallel(model, bucket_size=bucket_size, reduce_scatter=reduce_scatter)
+            head = {id(p) for p in model[6].parameters()}
+            shared = [b for b in ddp.buckets if any(id(p) in head for p in b.params)]
+            assert len(shared) == 1 and (len(shared[0].params) == 2) == (bucket_size == 30)
+            names = {p: n for n, p in model.named_parameters()}
+            for step, (use_head, micro) in enumerate([(True, 2), (False, 2), (True, 1)]):
+                net = (lambda m: m) if use_head else (lambda m: m[:5])
+                ddp.zero_grad_buffer()
+                for m in range(micro):  # the mean over ranks and micro-batches of each one's loss
+                    x, y = _batch(mp.dp_rank(), 10 * step + m)
+                    loss = net(ddp.module)(x).sum(1).sub(y[:, 0]).square().mean() / micro
+                    if m < micro - 1:
+                        with ddp.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                ddp.finish_grad_sync()
+                for p in ref.parameters():
+                    p.grad = None
+                batches = [_batch(r, 10 * step + m) for r in range(4) for m in range(micro)]
+                sum(net(ref)(x.double()).sum(1).sub(y[:, 0].double()).square().mean() for x, y in batches).div(
+                    4 * micro
+                ).backward()
+                expected = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ref.named_parameters()}
+                assert all((expected[names[p]].abs().sum() == 0) == (not use_head) for p in model[6].parameters())
+                for b in ddp.buckets:  # the whole bucket, padding included (zero), as in the first check
+                    want = torch.zeros(b.numel, dtype=torch.float64)
+                    for p, at in zip(b.params, b.offsets):
+                        want[at : at + p.numel()] = expected[names[p]].flatten()
+                    n = b.shard_size
+                    part = slice(mp.dp_rank() * n, (mp.dp_rank() + 1) * n) if reduce_scatter else slice(None)
+                    what = f"reduce_scatter={reduce_scatter} bucket_size={bucket_size} step {step}"
+                    assert_close(b.grad_data[part], want[part], what)
+
+
 @CHECKS.add("bucket_collectives_are_launched_while_backward_still_runs_the_earlier_layers")
 def _(rank, world):
     mp.initialize(1, 1, 4)

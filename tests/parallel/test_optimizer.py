@@ -5,6 +5,8 @@ table and argument errors. The multi-rank behaviour is in test_ddp.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -48,8 +50,70 @@ def test_backward_accumulates_into_main_grad_and_drops_grad():
     for p, r in zip(model.parameters(), ref.parameters()):
         assert p.grad is None
         torch.testing.assert_close(p.main_grad, r.grad)
+    ddp.zero_grad_buffer()  # a new step: the buffer counts as zero (it is not filled; see the next tests)
+    ddp.finish_grad_sync()
+    assert all(torch.equal(p.main_grad, torch.zeros_like(p)) for p in model.parameters())
+
+
+def _partly_used_step(ddp, model, ref, use_head: bool, micro: int) -> None:
+    """``micro`` backward passes through ``model`` (the last with grad sync) and through ``ref`` (plain autograd);
+    without ``use_head`` the loss skips the last Linear, whose params get no gradient."""
+    for m in range(micro):
+        x = torch.linspace(-1, 1, 12).reshape(3, 4) * (m + 1)
+        for net, wrapped in ((model, True), (ref, False)):
+            out = net(x) if use_head else net[1](net[0](x))
+            loss = out.square().sum()
+            if wrapped and m < micro - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+
+
+@pytest.mark.parametrize("bucket_size", [3, 12, 10**6])  # one bucket per param; mixed buckets; one bucket
+def test_first_touch_grads_equal_zero_fill_and_accumulate_and_unused_params_read_zero(bucket_size):
+    model, ref = _model(), _model()
+    ddp = DistributedDataParallel(model, bucket_size=bucket_size)
+    used = {id(p) for p in list(model[0].parameters()) + list(model[1].parameters())}
+    for step, (use_head, micro) in enumerate([(True, 2), (False, 1), (False, 3), (True, 1)]):
+        ddp.zero_grad_buffer()
+        for p in ref.parameters():
+            p.grad = None
+        _partly_used_step(ddp, model, ref, use_head, micro)
+        if step == 1:  # before the sync: only the params that received a gradient hold this step's values
+            for p, r in zip(model.parameters(), ref.parameters()):
+                if id(p) in used:
+                    torch.testing.assert_close(p.main_grad, r.grad)
+        ddp.finish_grad_sync()
+        for i, (p, r) in enumerate(zip(model.parameters(), ref.parameters())):
+            expected = r.grad if r.grad is not None else torch.zeros_like(p)
+            assert (r.grad is None) == (not use_head and id(p) not in used)
+            torch.testing.assert_close(p.main_grad, expected, msg=f"step {step} param {i}")
+        for b in ddp.buckets:  # the padding is never written
+            at = b.offsets[-1] + b.params[-1].numel()
+            assert torch.equal(b.grad_data[at:], torch.zeros(b.numel - at))
+
+
+def test_zero_missing_grads_before_the_sync_and_a_step_without_finalize():
+    model, ref = _model(), _model()
+    ddp = DistributedDataParallel(model, bucket_size=3)
+    opt = ParallelOptimizer(ddp, lr=0.1, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.0)
+    for use_head in (True, False, False):
+        opt.zero_grad()
+        ref_opt.zero_grad(set_to_none=True)
+        with ddp.no_sync():  # nothing launched: the step itself must not read the stale values of the head
+            _partly_used_step(ddp, model, ref, use_head, 1)
+        for r in ref.parameters():
+            if r.grad is None:
+                r.grad = torch.zeros_like(r)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r)
     ddp.zero_grad_buffer()
-    assert all(p.main_grad.abs().sum() == 0 for p in model.parameters())
+    ddp.zero_missing_grads()
+    assert all(torch.equal(p.main_grad, torch.zeros_like(p)) for p in model.parameters())
 
 
 def test_separate_params_get_a_bucket_of_their_own():
@@ -116,6 +180,30 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
         stepped, norm = opt.step()
         assert stepped and norm > 0
     assert opt.loss_scale == 16.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_non_finite_grad_skips_the_step_without_a_loss_scaler(precision, bad):
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    model = _model(dtype)
+    ddp = DistributedDataParallel(model)
+    opt = ParallelOptimizer(ddp, precision=precision, clip_grad=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [piece.main.clone() for piece in opt.pieces]
+    _backward(ddp, dtype)
+    model[2].bias.main_grad[1] = bad
+    stepped, norm = opt.step()
+    assert not stepped and not math.isfinite(norm)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(m, piece.main) for m, piece in zip(masters, opt.pieces))
+    assert all(st["step"].item() == 0 for st in opt._adam.state.values())
+    opt.zero_grad()
+    _backward(ddp, dtype)
+    stepped, norm = opt.step()
+    assert stepped and math.isfinite(norm) and norm > 0
+    assert all(not torch.equal(m, piece.main) for m, piece in zip(masters, opt.pieces))
+    assert all(st["step"].item() == 1 for st in opt._adam.state.values())
 
 
 def test_16_bit_grad_buffers_are_widened_for_the_fp32_step():

@@ -1,9 +1,9 @@
 // C++ test of the optimizer family without Python: the multi-tensor CUDA kernels (run by the emulator, csrc/emu)
 // against the CPU kernels and a naive fp64 reference. Lists mix many small tensors (odd sizes: scalar tails) with
-// a few big ones that cross chunk boundaries; more tensors than one launch table holds force several launches,
-// and small chunk sizes give launches of many hundred chunks. Also the skip path (found_inf set: nothing changes, steps
-// included), grad unscaling, the non-finite check and the L2 norm. Built plain, with AddressSanitizer and with
-// ThreadSanitizer (CMakeLists.txt).
+// a few big ones that cross chunk boundaries; master mode with 16-bit or fp32 grads; more tensors than one launch table
+// holds force several launches, and small chunk sizes give launches of many hundred chunks. Also the skip path
+// (found_inf set: nothing changes, steps included), grad unscaling, the non-finite check and the L2 norm. Built plain,
+// with AddressSanitizer and with ThreadSanitizer (CMakeLists.txt).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -40,13 +40,14 @@ struct ListState {
   }
 };
 
-ListState make_list(const std::vector<int64_t>& sizes, DType pdt, bool master, std::mt19937& rng, float step) {
+ListState make_list(const std::vector<int64_t>& sizes, DType pdt, bool master, bool grad_f32, std::mt19937& rng,
+                    float step) {
   ListState l;
   const DType sdt = master ? DType::F32 : pdt;
   for (int64_t n : sizes) {
     // Every third param is a misaligned view: its tensor takes the scalar path, the others stay vectorised.
     Buf p = random_buf(pdt, size_t(n), rng, 1.f, 0.f, l.s.size() % 3 == 1 ? 1 : 0);
-    Buf g = random_buf(pdt, size_t(n), rng, 0.5f);
+    Buf g = random_buf(grad_f32 ? DType::F32 : pdt, size_t(n), rng, 0.5f);
     Buf m = random_buf(sdt, size_t(n), rng, 0.1f);
     Buf v = random_buf(sdt, size_t(n), rng, 0.f, 0.f);
     std::uniform_real_distribution<float> ud(0.f, 0.05f);
@@ -98,12 +99,12 @@ bool same_bytes(const ListState& a, const ListState& b) {
 }
 
 void test_adamw(DType pdt, bool master, const std::vector<int64_t>& sizes, int64_t chunk, bool scaled,
-                std::mt19937& rng) {
+                std::mt19937& rng, bool grad_f32 = false) {
   const std::string tag = std::string("adamw ") + dtype_name(pdt) + (master ? " master" : "") +
-                          " tensors=" + std::to_string(sizes.size()) + " chunk=" + std::to_string(chunk) +
-                          (scaled ? " scaled" : "");
+                          (grad_f32 ? " fp32-grads" : "") + " tensors=" + std::to_string(sizes.size()) +
+                          " chunk=" + std::to_string(chunk) + (scaled ? " scaled" : "");
   const float step0 = 4.f;
-  ListState orig = make_list(sizes, pdt, master, rng, step0);
+  ListState orig = make_list(sizes, pdt, master, grad_f32, rng, step0);
   float scale = 8.f;
   if (scaled)  // scaled grads: the kernels divide by the scale
     for (State& s : orig.s)
@@ -114,6 +115,7 @@ void test_adamw(DType pdt, bool master, const std::vector<int64_t>& sizes, int64
   a.n_tensors = int64_t(sizes.size());
   a.param_dtype = pdt;
   a.master = master;
+  a.grad_f32 = grad_f32;
   a.lr = 1e-2;
   a.beta1 = 0.9;
   a.beta2 = 0.999;
@@ -253,6 +255,10 @@ int main() {
       if (dt == DType::F32 && master) continue;
       test_adamw(dt, master, many, 16, false, rng);   // > 32 tensors: several tables, hundreds of chunks
       test_adamw(dt, master, mixed, 256, true, rng);  // big tensors of many chunks each
+      if (master && dt != DType::F32) {               // fp32 grads of 16-bit params (fp32 gradient buffers)
+        test_adamw(dt, true, many, 16, false, rng, true);
+        test_adamw(dt, true, mixed, 256, true, rng, true);
+      }
     }
   }
   test_adamw(DType::F32, false, big, 65536, false, rng);  // the default chunk: 70000 crosses one boundary

@@ -450,10 +450,11 @@ def _optim_parts(kernel: str, dtype: str) -> list[Part]:
     grid = -(-PARAMS // CHUNK)
     if kernel == "adamw":
         if dtype == "fp32":
-            kern = cuda("optim/adamw_cuda.cu", "adamw_kernel<float, float, false>", OPTIM_BLOCK)
+            kern = cuda("optim/adamw_cuda.cu", "adamw_kernel<float, float, float, false>", OPTIM_BLOCK)
             roles = [Role("update", 4, stores=3, reads_dram=True)]
-        else:  # fp32 master weights and moments: master, grad, m, v read; m, v, master, param written
-            kern = cuda("optim/adamw_cuda.cu", f"adamw_kernel<{t}, float, true>", OPTIM_BLOCK)
+        else:  # fp32 master weights and moments: master, grad, m, v read; m, v, master, param written (16-bit
+            # grads, as FusedAdamW(master_weights=True) steps a model; the trainer's fp32 grads read 2 bytes more)
+            kern = cuda("optim/adamw_cuda.cu", f"adamw_kernel<{t}, {t}, float, true>", OPTIM_BLOCK)
             roles = [Role("update", 4, stores=4, reads_dram=True)]
         return [Part(kern, roles, 4, CHUNK / 4 / OPTIM_BLOCK, grid, PARAMS, 28, 28)]
     name = {"nonfinite": "nonfinite_kernel", "sumsq": "sumsq_kernel"}[kernel]
