@@ -38,6 +38,7 @@ from megakernels_models.bench.eager_gpt import DTYPES as BASELINE_PRECISIONS
 
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 QUICK_LLAMA = "quick-llama"  # a tiny Llama (2 layers, h 64, 4 heads, 2 key/value heads, s 32)
+QUICK_OF = {"llama": QUICK_LLAMA}  # the quick model of a family (GPT's for any other)
 # The quick models: (the preset they shrink, its overrides).
 _SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, dropout=0.0, attention_dropout=0.0)
 QUICK_MODELS = {
@@ -112,7 +113,7 @@ def presets_for(name: str | None, device: str, quick: bool) -> list[str]:
     """The models an e2e run measures: ``name``, or the device's default."""
     names = [n for n in (name or "").split(",") if n]
     if quick:
-        return [QUICK_LLAMA if names and _family(names[0]) == "llama" else QUICK]
+        return [QUICK_OF.get(_family(names[0]) if names else None, QUICK)]
     if names:
         return names
     return ["gpt-1.3b"] if device == "cuda" else list(CPU_PRESETS)
