@@ -353,6 +353,30 @@ DRIVEN.append(
 )
 
 
+DRIVEN.append(
+    (
+        "fused_neighborhood_attention",
+        "0.6.0",
+        64,
+        {
+            "batch_size": 1,
+            "hidden_size": 128,
+            "num_heads": 4,
+            "kernel_size": 7,
+            "dilation": 1,
+            "bias": True,
+            "dtype": "torch.float32",
+        },
+        "full",
+        [
+            "_fused_neighborhood_attention_qk_kernel",
+            "_fused_neighborhood_attention_av_kernel",
+            "_fused_neighborhood_attention_grad_qk_kernel",
+        ],
+    )
+)
+
+
 @pytest.mark.parametrize("kernel,version,x,cfg,mode,expected", DRIVEN, ids=[d[0] for d in DRIVEN])
 def test_drivers_record_the_benchmarks_timed_region(kernel, version, x, cfg, mode, expected):
     from megakernels.bench.static import model

@@ -330,3 +330,34 @@ def test_local_memory_accesses_are_counted_in_bytes_per_thread():
     assert inner.counts.local_bytes == 8 + 4  # one 64-bit spill store and one 32-bit reload an iteration
     total, _ = fn.path_counts([3, 2])  # the costliest path: both loops' iterations (2 x 3 inner ones)
     assert total.local_bytes == (8 + 4) * 3 * 2
+
+
+def test_a_streaming_kernels_tensor_core_work_is_a_term_of_its_time():
+    m = model.H200
+    base = dict(
+        instructions=0.0,
+        mufu=0.0,
+        l2_bytes=0.0,
+        dram_bytes=1.0,
+        min_bytes=1.0,
+        in_flight_per_sm=1e6,
+        warps_per_sm=8,
+    )
+    # 1e6 programs of 4096 tensor-core clocks each on 132 SMs: the MMA term alone
+    cost = model.StreamCost(**base, mma_cycles=4096.0)
+    got = model.predict_stream(cost, 1e6, 0, m)
+    assert got["times_s"]["mma"] == pytest.approx(1e6 * 4096 / (m.sms * m.clock_hz))
+    assert got["bound"] == "mma" and got["time_s"] >= got["times_s"]["mma"]
+    assert model.predict_stream(model.StreamCost(**base), 1e6, 0, m)["times_s"]["mma"] == 0.0
+    # a kernel that only stores waits on no load: the copy rate, not a division by zero
+    stores = model.StreamCost(**{**base, "in_flight_per_sm": 0.0})
+    assert model.predict_stream(stores, 1e6, 0, m)["times_s"]["dram"] == pytest.approx(1e6 / m.dram_copy)
+
+
+def test_tf32_tensor_core_flops_are_counted_apart():
+    text = WGMMA.replace(
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0", "HGMMA.64x64x8.F32.TF32 R24, gdesc[UR8], R24, gsb0"
+    )
+    (loop,) = _fn(text).innermost_loops()
+    assert loop.counts.mma_tf32_flops == 2 * 64 * 64 * 8 / 4  # per warp, a quarter of the warpgroup's
+    assert loop.counts.mma_flops > loop.counts.mma_tf32_flops

@@ -218,6 +218,7 @@ class StreamCost:
     in_flight_per_sm: float  # bytes of loads in flight per SM in the DRAM-reading loop
     warps_per_sm: int
     sm_fraction: float = 1.0  # of the SMs the grid occupies (a grid smaller than the machine leaves SMs idle)
+    mma_cycles: float = 0.0  # tensor-core SM-clocks (a kernel with tl.dot: its MMA FLOPs at the sustained rate)
 
 
 def combine(times: list[float], p: float) -> float:
@@ -232,18 +233,20 @@ def combine(times: list[float], p: float) -> float:
 def predict_stream(c: StreamCost, elements: float, launches: int = 1, m: Machine = H200) -> dict:
     """Time and fraction of the copy ceiling for ``elements`` elements processed by ``launches`` launches."""
     f = max(c.sm_fraction, 1e-9)
-    bw = min(m.dram_copy, c.in_flight_per_sm * m.sms * f / m.dram_latency_s)
+    # loads in flight cover the DRAM latency or not; a kernel that only stores waits on no load
+    bw = min(m.dram_copy, c.in_flight_per_sm * m.sms * f / m.dram_latency_s) if c.in_flight_per_sm > 0 else m.dram_copy
     times = {
         "dram": elements * c.dram_bytes / bw,
         "l2": elements * c.l2_bytes / (m.l2_bw * f),
         "issue": elements * c.instructions / (m.issue_per_s * f * m.issue_efficiency),
         "mufu": elements * c.mufu / (m.mufu_per_s * f),
+        "mma": elements * c.mma_cycles / (m.sms * m.clock_hz * f),
     }
     bound = max(times, key=times.get)
     # DRAM -> L2 -> SM is one pipeline (a byte read from DRAM streams on through L2): those two overlap fully;
     # the memory side, the issue slots and the MUFU overlap as the warps hide latency (the p-norm)
     memory = max(times["dram"], times["l2"])
-    t = combine([memory, times["issue"], times["mufu"]], m.overlap_p) + launches * m.launch_s
+    t = combine([memory, times["issue"], times["mufu"], times["mma"]], m.overlap_p) + launches * m.launch_s
     achieved = elements * c.min_bytes / t if t > 0 else 0.0
     return {
         "time_s": t,

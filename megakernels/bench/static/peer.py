@@ -244,6 +244,7 @@ class Recorder:
             (torch.cuda, "current_device"),
             (torch.cuda, "device_count"),
             (torch, "tensor"),
+            (torch.Tensor, "contiguous"),
         ]
         old = [getattr(o, n) for o, n in saved]
         JITFunction.run = run
@@ -254,6 +255,17 @@ class Recorder:
         torch.cuda.current_device = lambda: 0
         torch.cuda.device_count = lambda: 1
         torch.tensor = fake_tensor
+        contiguous = torch.Tensor.contiguous
+
+        def fake_contiguous(t, memory_format=torch.contiguous_format):
+            # a strided fake CUDA tensor's copy_ reaches the CUDA runtime: the same copy as a clone
+            if t.is_contiguous(memory_format=memory_format):
+                return t
+            if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+                return t.clone(memory_format=memory_format)
+            return contiguous(t, memory_format=memory_format)
+
+        torch.Tensor.contiguous = fake_contiguous
         try:
             with FakeTensorMode(allow_non_fake_inputs=True):
                 self._dispatch = Dispatch
@@ -588,6 +600,61 @@ def _fused_add_rms_norm(rec, mode, x, cfg):
     _accumulate(rec, grads[2])
 
 
+def _neighborhood_attention(rec, mode, x, cfg):
+    """``LigerFusedNeighborhoodAttention`` as its benchmark times it: q/k/v projections (``nn.Linear``, biases per
+    the row), the fused neighborhood attention over ``[batch, heads, seq, head_dim]``, the output projection; backward
+    through all of it with the input's ``.grad`` reset each call and the projections' weight and bias gradients
+    accumulating."""
+    import torch
+    import torch.nn.functional as F
+
+    b, s, h, dt = int(cfg["batch_size"]), int(x), int(cfg["hidden_size"]), _dtype(cfg)
+    heads = int(cfg["num_heads"])
+    d = h // heads
+    bias = bool(cfg.get("bias", True))
+    X = torch.randn(b, s, h, device=rec.device, dtype=dt)
+    W = [torch.randn(h, h, device=rec.device, dtype=dt) for _ in range(4)]
+    B = [torch.randn(h, device=rec.device, dtype=dt) if bias else None for _ in range(4)]
+    fn = _fn("liger_kernel.ops.fused_neighborhood_attention", "LigerFusedNeighborhoodAttentionFunction")
+    args = {"kernel_size": int(cfg.get("kernel_size", 7)), "dilation": int(cfg.get("dilation", 1)), "scale": d**-0.5}
+    ctx = Ctx()
+
+    def heads_of(t):
+        return t.view(b, s, heads, d).transpose(1, 2)
+
+    with rec.recording(mode in ("forward", "full")):
+        q, k, v = (heads_of(F.linear(X, W[i], B[i])) for i in range(3))
+        rec.call()
+        att = _call(fn.forward, ctx, query=q, key=k, value=v, **args)
+        rec.ret()
+        a = att.transpose(1, 2).contiguous().view(b, s, h)
+        y = F.linear(a, W[3], B[3])
+    if mode == "forward":
+        return
+    with rec.recording(False):
+        dy = torch.randn_like(y)
+    with rec.recording(True):
+        rows = dy.reshape(b * s, h)
+        da = rows @ W[3]
+        grads = [rows.t() @ a.reshape(b * s, h)]  # out_proj's weight gradient
+        if bias:
+            grads.append(rows.sum(0))
+        datt = da.view(b, s, heads, d).transpose(1, 2)
+        rec.call(backward=True)
+        dq, dk, dv = fn.backward(ctx, datt)[:3]
+        rec.ret()
+        dx = None
+        for i, g in enumerate((dq, dk, dv)):
+            g = g.transpose(1, 2).reshape(b * s, h)
+            part = g @ W[i]
+            dx = part if dx is None else dx + part
+            grads.append(g.t() @ X.reshape(b * s, h))
+            if bias:
+                grads.append(g.sum(0))
+    for g in grads:  # the module's parameters are not in grad_to_none: their gradients accumulate
+        _accumulate(rec, g)
+
+
 DRIVERS = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -603,6 +670,7 @@ DRIVERS = {
     "megatron_rms_norm": _megatron("rms_norm"),
     "megatron_swiglu": _megatron("swiglu"),
     "fused_add_rms_norm": _fused_add_rms_norm,
+    "fused_neighborhood_attention": _neighborhood_attention,
 }
 # The provider name of the peer's kernels in a kernel's rows where it is not "liger" (other providers of those rows
 # are its own variants or the eager reference)
@@ -631,10 +699,11 @@ MODULES = {
     "megatron_rms_norm": "megatron/rms_norm.py",
     "megatron_swiglu": "megatron/swiglu.py",
     "fused_add_rms_norm": "ops/fused_add_rms_norm.py",
+    "fused_neighborhood_attention": "ops/fused_neighborhood_attention.py",
 }
 # The first release of liger-kernel whose wheel holds each module a row may name before it existed (read from the
-# registry's wheels): layer_norm and kl_div 0.3.0, jsd 0.4.0, llama4_rope 0.6.2, relu_squared 0.8.0, the Megatron
-# RMSNorm 0.8.1 and SwiGLU (its fused gate-up kernel) 0.8.2.
+# registry's wheels): layer_norm and kl_div 0.3.0, jsd 0.4.0, fused_neighborhood_attention 0.6.0, llama4_rope 0.6.2,
+# relu_squared 0.8.0, the Megatron RMSNorm 0.8.1 and SwiGLU (its fused gate-up kernel) 0.8.2.
 FIRST_RELEASE = {
     "ops/layer_norm.py": "0.3.0",
     "ops/kl_div.py": "0.3.0",
@@ -643,6 +712,7 @@ FIRST_RELEASE = {
     "ops/relu_squared.py": "0.8.0",
     "megatron/rms_norm.py": "0.8.1",
     "megatron/swiglu.py": "0.8.2",
+    "ops/fused_neighborhood_attention.py": "0.6.0",
 }
 # Drivers a row cannot have, with the reason: what the benchmark times is outside the model.
 NOT_DRIVEN = {
@@ -819,16 +889,16 @@ class IR:
 
 def _program_counts(fn, trips: list[int]):
     """Per program, per warp: (instructions, MUFU, load bytes, store bytes, loads of one iteration of the first
-    loop that loads, or of the whole program without one, local-memory bytes). Each is its largest total over the
-    paths through the function (``sass.Function.path_counts``): an early exit (an ignored row) is not added to the
-    path it skips."""
+    loop that loads, or of the whole program without one, and the path's whole ``sass.Counts``: local-memory bytes,
+    tensor-core FLOPs). Each is its largest total over the paths through the function (``sass.Function.path_counts``):
+    an early exit (an ignored row) is not added to the path it skips."""
     total, runs = fn.path_counts(trips)
     in_flight = total.load_bytes()
     for lp in fn.loops:
         if lp.counts.load_bytes() and runs[id(lp)]:
             in_flight = lp.counts.load_bytes()
             break
-    return total.instructions, total.mufu, total.load_bytes(), total.store_bytes(), in_flight, total.local_bytes
+    return total.instructions, total.mufu, total.load_bytes(), total.store_bytes(), in_flight, total
 
 
 _ANALYSED: dict = {}
@@ -889,7 +959,14 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         sass_bytes = (lp.counts.load_bytes() + lp.counts.store_bytes()) * 32 * warps
         u = round(sass_bytes / ir_bytes) if ir_bytes and sass_bytes >= 1.5 * ir_bytes else 1
         runs.append(t / u)
-    instr, mufu, ld, st, flight, local = _program_counts(c.fn, runs)
+    instr, mufu, ld, st, flight, total = _program_counts(c.fn, runs)
+    local = total.local_bytes
+    # tensor-core work (tl.dot): per warp, wgmma at the dense 16-bit rate, mma.sync at its fraction of it, tf32
+    # operands at the tf32 peak's share of the 16-bit one
+    rate = m.mma_per_clk * m.mma_sustained
+    dense = total.mma_flops - total.mma_sync_flops
+    tf32 = total.mma_tf32_flops * (m.mma_dense_bf16 / m.mma_dense_tf32 - 1.0) / rate
+    mma_cycles = (dense / rate + total.mma_sync_flops / (rate * m.mma_sync_rate) + tf32) * warps
     programs = launch.num_ctas
     resident = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(programs / m.sms))
     nbytes = {k: v.numel() * v.element_size() for k, v in values.items() if isinstance(v, torch.Tensor)}
@@ -917,6 +994,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         in_flight_per_sm=flight * 32 * warps * resident,
         warps_per_sm=resident * warps,
         sm_fraction=min(1.0, programs / m.sms),
+        mma_cycles=mma_cycles,
     )
     return cost, {
         "kernel": launch.name,

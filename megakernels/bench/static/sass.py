@@ -77,6 +77,7 @@ class Counts:
     # -> instructions (per warp)
     fp8_shapes: dict = dataclasses.field(default_factory=dict)  # the same of the FP8 wgmmas (QGMMA)
     local_bytes: float = 0.0  # per thread: bytes through local memory (LDL / STL: spilled registers)
+    mma_tf32_flops: float = 0.0  # the part of mma_flops on tf32 operands (half the 16-bit rate)
 
     def add(self, ins: Instr) -> None:
         if ins.base == "NOP":
@@ -94,6 +95,8 @@ class Counts:
             if m:  # one wgmma is a warpgroup's M x N x K; per warp a quarter of it
                 flops = 2 * int(m[1]) * int(m[2]) * int(m[3])
                 self.mma_flops += flops / 4
+                if ".TF32" in op:
+                    self.mma_tf32_flops += flops / 4
                 read = wgmma_shared_bytes(ins, int(m[1]), int(m[2]), int(m[3]))
                 self.shared_bytes += read / 4
                 shapes = self.wgmma_shapes
@@ -107,6 +110,8 @@ class Counts:
             if shape.startswith("168") and shape[3:].isdigit():  # HMMA.16816: m16 n8 k16 per warp
                 self.mma_flops += 2 * 16 * 8 * int(shape[3:])
                 self.mma_sync_flops += 2 * 16 * 8 * int(shape[3:])
+                if ".TF32" in op:
+                    self.mma_tf32_flops += 2 * 16 * 8 * int(shape[3:])
         elif b == "LDG":
             w = access_width(op)
             self.global_loads[w] = self.global_loads.get(w, 0) + 1
