@@ -71,6 +71,29 @@ class Machine:
         return 4096.0 if self.arch >= 90 else 2048.0
 
     @property
+    def mma_rate(self) -> float:
+        """Sustained dense 16-bit tensor-core FLOPs per SM per clock."""
+        return self.mma_per_clk * self.mma_sustained
+
+    @property
+    def mma_fp8_rate(self) -> float:
+        """The same for FP8 operands (the 16-bit rate on a GPU without FP8 tensor cores)."""
+        return self.mma_rate * (self.mma_dense_fp8 / self.mma_dense_bf16 if self.mma_dense_fp8 else 1.0)
+
+    def mma_clocks(self, flops: float, sync_flops: float = 0.0, fp8_flops: float = 0.0, tf32_flops: float = 0.0):
+        """SM clocks the tensor cores take for ``flops`` (of which ``sync_flops`` on mma.sync, at
+        ``mma_sync_rate``; ``fp8_flops`` at the dense FP8 rate; ``tf32_flops`` at the tf32 one; the rest at the dense
+        16-bit rate), each at ``mma_sustained`` of its peak."""
+        rate, fp8_rate = self.mma_rate, self.mma_fp8_rate
+        tf32 = tf32_flops * (self.mma_dense_bf16 / self.mma_dense_tf32 - 1.0) / rate  # beyond its 16-bit time
+        return (
+            (flops - sync_flops - fp8_flops) / rate
+            + fp8_flops / fp8_rate
+            + sync_flops / (rate * self.mma_sync_rate)
+            + tf32
+        )
+
+    @property
     def issue_per_s(self) -> float:
         return self.sms * self.issue_lanes * self.clock_hz
 
@@ -279,11 +302,10 @@ class TileIteration:
     fp8_ops: tuple = ()  # per CTA: wgmma_ops of the FP8 wgmmas
 
     def cycles(self, m: Machine) -> dict:
-        rate = m.mma_per_clk * m.mma_sustained  # tensor-core FLOP per SM-clock
-        fp8_rate = rate * (m.mma_dense_fp8 / m.mma_dense_bf16 if m.mma_dense_fp8 else 1.0)
+        rate, fp8_rate = m.mma_rate, m.mma_fp8_rate  # tensor-core FLOP per SM-clock
         sync = self.mma_sync_flops if self.wgmma else self.mma_flops
         fp8 = self.mma_fp8_flops if self.wgmma else 0.0
-        mma = (self.mma_flops - sync - fp8) / rate + fp8 / fp8_rate + sync / (rate * m.mma_sync_rate)
+        mma = m.mma_clocks(self.mma_flops, sync, fp8)
         issue = self.instructions * self.warps / 4
         mufu = self.mufu * 32 * self.warps / m.mufu_lanes
         l2 = self.l2_bytes / (m.l2_bw / m.sms / m.clock_hz)

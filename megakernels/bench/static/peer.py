@@ -342,7 +342,8 @@ def _fn(module: str, name: str):
 
 
 def _function_pass(rec, fn, mode, fwd_args: dict, grads):
-    """A Liger autograd function's forward and/or backward, recorded as ``mode`` asks."""
+    """A Liger autograd function's forward and/or backward, recorded as ``mode`` asks; the backward's gradients
+    (None in forward mode)."""
     ctx = Ctx()
     with rec.recording(mode in ("forward", "full")):
         rec.call()
@@ -354,8 +355,9 @@ def _function_pass(rec, fn, mode, fwd_args: dict, grads):
         g = grads(out)  # made before the timed region, as the benchmark's dy
     with rec.recording(True):
         rec.call(backward=True)
-        fn.backward(ctx, *g)
+        out = fn.backward(ctx, *g)
         rec.ret()
+    return out
 
 
 def _norm(kind):
@@ -496,8 +498,8 @@ def _divergence(module: str, function: str, normalise: str, target: str):
             rec.call(backward=True)
             dinp = fn.backward(ctx, g)[0]
             rec.ret()
-            back = torch.ops.aten._log_softmax_backward_data if normalise == "log_softmax" else None
-            back = back or torch.ops.aten._softmax_backward_data
+            aten = torch.ops.aten
+            back = aten._log_softmax_backward_data if normalise == "log_softmax" else aten._softmax_backward_data
             dleaf = back(dinp, inp, -1, torch.float32)
         _accumulate(rec, dleaf)
 
@@ -582,22 +584,11 @@ def _fused_add_rms_norm(rec, mode, x, cfg):
     R = torch.randn(m, n, device=rec.device, dtype=dt)
     W = torch.ones(n, device=rec.device)
     fn = _fn("liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
-    args = {"X": X, "R": R, "W": W, "eps": float(cfg.get("eps", 1e-6)), "offset": 0.0, "casting_mode": "llama"}
-    args["in_place"] = False
-    ctx = Ctx()
-    with rec.recording(mode in ("forward", "full")):
-        rec.call()
-        out = _call(fn.forward, ctx, **args)
-        rec.ret()
-    if mode == "forward":
-        return
-    with rec.recording(False):
-        dy, ds = torch.randn_like(out[0]), torch.randn_like(out[1])
-    with rec.recording(True):
-        rec.call(backward=True)
-        grads = fn.backward(ctx, dy, ds)
-        rec.ret()
-    _accumulate(rec, grads[2])
+    eps = float(cfg.get("eps", 1e-6))
+    args = {"X": X, "R": R, "W": W, "eps": eps, "offset": 0.0, "casting_mode": "llama", "in_place": False}
+    grads = _function_pass(rec, fn, mode, args, lambda out: (torch.randn_like(out[0]), torch.randn_like(out[1])))
+    if grads is not None:
+        _accumulate(rec, grads[2])
 
 
 def _neighborhood_attention(rec, mode, x, cfg):
@@ -888,9 +879,8 @@ class IR:
 
 
 def _program_counts(fn, trips: list[int]):
-    """Per program, per warp: (instructions, MUFU, load bytes, store bytes, loads of one iteration of the first
-    loop that loads, or of the whole program without one, and the path's whole ``sass.Counts``: local-memory bytes,
-    tensor-core FLOPs). Each is its largest total over the paths through the function (``sass.Function.path_counts``):
+    """Per program, per warp: (the ``sass.Counts`` of the costliest path through the function, loads of one iteration
+    of the first loop that loads, or of the whole program without one). The path is ``sass.Function.path_counts``':
     an early exit (an ignored row) is not added to the path it skips."""
     total, runs = fn.path_counts(trips)
     in_flight = total.load_bytes()
@@ -898,7 +888,7 @@ def _program_counts(fn, trips: list[int]):
         if lp.counts.load_bytes() and runs[id(lp)]:
             in_flight = lp.counts.load_bytes()
             break
-    return total.instructions, total.mufu, total.load_bytes(), total.store_bytes(), in_flight, total
+    return total, in_flight
 
 
 _ANALYSED: dict = {}
@@ -959,14 +949,12 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         sass_bytes = (lp.counts.load_bytes() + lp.counts.store_bytes()) * 32 * warps
         u = round(sass_bytes / ir_bytes) if ir_bytes and sass_bytes >= 1.5 * ir_bytes else 1
         runs.append(t / u)
-    instr, mufu, ld, st, flight, total = _program_counts(c.fn, runs)
+    total, flight = _program_counts(c.fn, runs)
+    instr, mufu, ld, st = total.instructions, total.mufu, total.load_bytes(), total.store_bytes()
     local = total.local_bytes
-    # tensor-core work (tl.dot): per warp, wgmma at the dense 16-bit rate, mma.sync at its fraction of it, tf32
-    # operands at the tf32 peak's share of the 16-bit one
-    rate = m.mma_per_clk * m.mma_sustained
-    dense = total.mma_flops - total.mma_sync_flops
-    tf32 = total.mma_tf32_flops * (m.mma_dense_bf16 / m.mma_dense_tf32 - 1.0) / rate
-    mma_cycles = (dense / rate + total.mma_sync_flops / (rate * m.mma_sync_rate) + tf32) * warps
+    # tensor-core work (tl.dot), per warp
+    mma = m.mma_clocks(total.mma_flops, total.mma_sync_flops, total.mma_fp8_flops, total.mma_tf32_flops)
+    mma_cycles = mma * warps
     programs = launch.num_ctas
     resident = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(programs / m.sms))
     nbytes = {k: v.numel() * v.element_size() for k, v in values.items() if isinstance(v, torch.Tensor)}
