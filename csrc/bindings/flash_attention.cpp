@@ -2,6 +2,8 @@
 // window with its shift, packed documents, dropout; fp32/bf16/fp16; head_dim <= 256).
 // megakernels/ops/attention.py routes its CPU calls here when they are covered and holds the autograd; everything
 // else runs megakernels/ops/_attention_cpu.py.
+#include <ATen/MemoryOverlap.h>
+
 #include "../flash_attention/flash_attention.h"
 #include "common.h"
 
@@ -92,16 +94,21 @@ at::Tensor packed(const fa::Args& a, const at::Tensor& q, bool dot = false) {
 
 uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
+// The kernel reads and writes any batch, token and head strides; only head_dim must be contiguous.
+at::Tensor inner_contiguous(const at::Tensor& t) { return t.stride(3) == 1 || t.size(3) == 1 ? t : t.contiguous(); }
+fa::Layout layout(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
 std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                       const at::Tensor& v_in, bool causal, double scale, int64_t window,
                                                       int64_t shift, const c10::optional<at::Tensor>& q_keys_in,
                                                       double dropout_p, int64_t seed) {
   const char* op = "flash_attention";
   check_qkv(op, q_in, k_in, v_in);
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor q = inner_contiguous(q_in), k = inner_contiguous(k_in), v = inner_contiguous(v_in);
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
   fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty_like(q);  // q's memory order (token-major q, token-major out)
+  a.lq = layout(q), a.lk = layout(k), a.lv = layout(v), a.lo = layout(out);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
   const bool dot = bf16_dot(a);
   const at::Tensor kt = packed(a, q, dot), vp = packed(a, q, dot);
@@ -119,10 +126,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, bool causal, double scale, int64_t window, int64_t shift,
-    const c10::optional<at::Tensor>& q_keys_in, double dropout_p, int64_t seed) {
+// The gradients written into dq, dk, dv (shaped as q, k, v, any batch/token/head strides, head_dim contiguous).
+void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                             const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, bool causal,
+                             double scale, int64_t window, int64_t shift, const c10::optional<at::Tensor>& q_keys_in,
+                             double dropout_p, int64_t seed, const at::Tensor& dq, const at::Tensor& dk,
+                             const at::Tensor& dv) {
   const char* op = "flash_attention_backward";
   check_qkv(op, q_in, k_in, v_in);
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
@@ -133,8 +142,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   TORCH_CHECK_VALUE(lse_in.device().is_cpu() && lse_in.dim() == 3 && lse_in.size(0) == q_in.size(0) &&
                         lse_in.size(1) == q_in.size(2) && lse_in.size(2) == q_in.size(1),
                     op, ": lse must be [batch, heads, sq] on the CPU, got ", lse_in.sizes());
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous();
+  const std::pair<const char*, const at::Tensor*> grads[] = {{"dq", &q_in}, {"dk", &k_in}, {"dv", &v_in}};
+  const at::Tensor* outs[] = {&dq, &dk, &dv};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor& g = *outs[i];
+    const at::Tensor& like = *grads[i].second;
+    TORCH_CHECK_VALUE(g.device().is_cpu() && g.scalar_type() == like.scalar_type() && g.sizes() == like.sizes() &&
+                          (g.stride(3) == 1 || g.size(3) == 1),
+                      op, ": ", grads[i].first, " must be a CPU ", like.scalar_type(), " tensor of shape ",
+                      like.sizes(), " with a contiguous head_dim, got ", g.scalar_type(), " ", g.sizes(), " strides ",
+                      g.strides());
+    TORCH_CHECK_VALUE(at::has_internal_overlap(g) != at::MemOverlap::Yes, op, ": ", grads[i].first,
+                      " has elements that share memory (strides ", g.strides(), ")");
+  }
+  const at::Tensor q = inner_contiguous(q_in), k = inner_contiguous(k_in), v = inner_contiguous(v_in);
+  const at::Tensor dout = inner_contiguous(dout_in), out = inner_contiguous(out_in);
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
   fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
@@ -144,7 +166,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   const int64_t part_bytes = a.b * a.h * a.nqb * fa::kBlockM * a.dp * int64_t(sizeof(float));
   const int64_t most = std::max<int64_t>(4, (int64_t(256) << 20) / part_bytes);
   a.chunks = std::clamp<int64_t>((16 + a.b * a.hk - 1) / (a.b * a.hk), 1, std::min(a.nkb, most));
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  a.lq = layout(q), a.lk = layout(k), a.lv = layout(v), a.lout = layout(out), a.ldout = layout(dout);
+  a.ldq = layout(dq), a.ldk = layout(dk), a.ldv = layout(dv);
   const bool dot = bf16_dot(a);
   const at::Tensor kt = packed(a, q, dot), kp = packed(a, q, dot), vt = packed(a, q, dot);
   if (dot)
@@ -169,6 +192,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_prep(a, b, e); });
   at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_kv(a, b, e); });
   at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_dq(a, b, e); });
+}
+
+// The gradients in q, k and v's own memory orders (empty_like of a strided view keeps its order of strides).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, double scale, int64_t window, int64_t shift,
+    const c10::optional<at::Tensor>& q_keys, double dropout_p, int64_t seed) {
+  check_qkv("flash_attention_backward", q, k, v);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  flash_attn_bwd_cpu_into(dout, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, seed, dq, dk, dv);
   return {dq, dk, dv};
 }
 
@@ -184,9 +217,14 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
       "flash_attn_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
       "float scale, int window=0, int shift=0, Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, "
       "Tensor, Tensor)");
+  m.def(
+      "flash_attn_bwd_cpu_into(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+      "float scale, int window, int shift, Tensor? q_keys, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
+      "Tensor(c!) dv) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
   m.impl("flash_attn_fwd_cpu", &megakernels::bindings::flash_attention_ops::flash_attn_fwd_cpu);
   m.impl("flash_attn_bwd_cpu", &megakernels::bindings::flash_attention_ops::flash_attn_bwd_cpu);
+  m.impl("flash_attn_bwd_cpu_into", &megakernels::bindings::flash_attention_ops::flash_attn_bwd_cpu_into);
 }

@@ -2,7 +2,10 @@
 // 256, which stay on megakernels/ops/_attention_cpu.py). Torch-free; csrc/bindings/flash_attention.cpp
 // checks, allocates and splits the work items over threads.
 //
-// q [b, sq, h, d], k/v [b, sk, hk, d], out/dout like q, all contiguous; query head hh reads kv head hh / (h / hk).
+// q [b, sq, h, d], k/v [b, sk, hk, d], out/dout like q; query head hh reads kv head hh / (h / hk). Each tensor has its
+// own batch, token and head strides (`Layout`, in elements; head_dim contiguous): q, k, v may be views of one packed
+// QKV projection, out and the gradients may be laid out token-major ([s, b, h, d] in memory) as the caller's
+// layers are, so no copy is made on either side.
 // Every query row i sees one contiguous span of keys (`visible`): with diag = sk - sq + shift and rel = i + diag - j,
 // causal keeps rel >= 0 (bottom-right aligned), a sliding window of w keeps rel < w (causal) or |rel| < w, and
 // packed documents keep [q_keys[b, i, 0], q_keys[b, i, 1]) (the query's document's keys). Both ends of the span are
@@ -38,6 +41,12 @@ constexpr int64_t kBlockM = 64;  // query rows per block
 constexpr int64_t kBlockN = 64;  // keys per block
 constexpr int64_t kMaxHeadDim = 256;
 
+// Element strides of a [b, s, h, d] tensor's batch, token and head dims (head_dim contiguous).
+struct Layout {
+  int64_t b, s, h;
+};
+inline int64_t at(const Layout& l, int64_t bi, int64_t t, int64_t hh) { return bi * l.b + t * l.s + hh * l.h; }
+
 struct Args {
   const void* q;     // [b, sq, h, d]
   const void* k;     // [b, sk, hk, d]
@@ -59,10 +68,11 @@ struct Args {
   uint16_t* vpb;
   uint16_t* vtb;  // bf16 backward: V^T [.., dp / 2, kBlockN, 2] and K [.., kBlockN / 2, dp, 2] (ktb as above)
   uint16_t* kpb;
-  float* vt;              // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
-  float* delta;           // backward: [b, h, sq]
-  float* dq_part;         // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
-  const int32_t* q_keys;  // packed documents: [b, sq, 2] key span of each query, or null
+  float* vt;                                          // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
+  float* delta;                                       // backward: [b, h, sq]
+  float* dq_part;                                     // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
+  const int32_t* q_keys;                              // packed documents: [b, sq, 2] key span of each query, or null
+  Layout lq, lk, lv, lo, lout, ldout, ldq, ldk, ldv;  // of q, k, v, o, out, dout, dq, dk, dv
   int64_t b, sq, sk, h, hk, d, dp, nqb, nkb, chunks;
   uint32_t seed_lo, seed_hi;  // dropout: the seed's low and high 32 bits
   int32_t threshold;          // dropout: keep iff the hash's top 24 bits >= threshold (0: no dropout)

@@ -26,6 +26,7 @@ namespace cpu {
 namespace {
 
 using flash_attention::Args;
+using flash_attention::at;
 using flash_attention::kBlockM;
 using flash_attention::kBlockN;
 
@@ -212,9 +213,8 @@ void pack_items(const Args& a, int64_t i0, int64_t i1) {
     for (int64_t j = 0; j < kBlockN; ++j) {
       const int64_t key = kb * kBlockN + j;
       if (key < a.sk) {
-        const int64_t off = ((bi * a.sk + key) * a.hk + kh) * d;
-        load_padded(static_cast<const T*>(a.k) + off, kr, d, dp, 1.0f);
-        load_padded(static_cast<const T*>(a.v) + off, vr, d, dp, 1.0f);
+        load_padded(static_cast<const T*>(a.k) + at(a.lk, bi, key, kh), kr, d, dp, 1.0f);
+        load_padded(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh), vr, d, dp, 1.0f);
       } else {
         std::fill(kr, kr + 2 * dp, 0.0f);
       }
@@ -255,13 +255,13 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
     const int64_t p = it % a.nqb, bh = it / a.nqb, hh = bh % a.h, bi = bh / a.h, kh = hh / g;
     const int64_t qb = p % 2 == 0 ? p / 2 : a.nqb - 1 - p / 2;
     const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0);
-    const T* q = static_cast<const T*>(a.q) + ((bi * a.sq + r0) * a.h + hh) * d;
+    const T* q = static_cast<const T*>(a.q) + at(a.lq, bi, r0, hh);
     for (int64_t r = 0; r < kBlockM; ++r) {
       if constexpr (DOT) {  // q's own bits, zero padded; the scale is applied to S
-        if (r < rows) std::memcpy(q16 + r * dp, q + r * a.h * d, d * sizeof(uint16_t));
+        if (r < rows) std::memcpy(q16 + r * dp, q + r * a.lq.s, d * sizeof(uint16_t));
         std::fill(q16 + r * dp + (r < rows ? d : 0), q16 + (r + 1) * dp, uint16_t(0));
       } else if (r < rows) {
-        load_padded(q + r * a.h * d, qs + r * dp, d, dp, a.scale);
+        load_padded(q + r * a.lq.s, qs + r * dp, d, dp, a.scale);
       } else {
         std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
       }
@@ -326,14 +326,14 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
 #endif
         gemm<true>(kBlockM, dp, kBlockN, s, kBlockN, vp + k0 * dp, dp, o, dp);
     }
-    T* out = static_cast<T*>(a.o) + ((bi * a.sq + r0) * a.h + hh) * d;
+    T* out = static_cast<T*>(a.o) + at(a.lo, bi, r0, hh);
     float* lse = a.lse + (bi * a.h + hh) * a.sq + r0;
     for (int64_t r = 0; r < rows; ++r) {
       float* orow = o + r * dp;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
 #pragma omp simd
       for (int64_t c = 0; c < d; ++c) orow[c] *= inv;
-      store_row(orow, out + r * a.h * d, d);
+      store_row(orow, out + r * a.lo.s, d);
       lse[r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : kNegInf;
     }
   }
@@ -355,8 +355,8 @@ void bwd_prep_rows(const Args& a, int64_t r0, int64_t r1) {
   float *x = buf.p, *y = buf.p + d;
   for (int64_t r = r0; r < r1; ++r) {  // r = (bi * sq + i) * h + hh
     const int64_t hh = r % a.h, bi = r / a.h / a.sq, i = r / a.h % a.sq;
-    const float* o = row_view(static_cast<const T*>(a.out) + r * d, x, d);
-    const float* dout = row_view(static_cast<const T*>(a.dout) + r * d, y, d);
+    const float* o = row_view(static_cast<const T*>(a.out) + at(a.lout, bi, i, hh), x, d);
+    const float* dout = row_view(static_cast<const T*>(a.dout) + at(a.ldout, bi, i, hh), y, d);
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t c = 0; c < d; ++c) acc += o[c] * dout[c];
@@ -395,9 +395,8 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
           if (flash_attention::visible(a, bi, r0).lo >= k0 + keys ||
               flash_attention::visible(a, bi, r0 + rows - 1).hi <= k0)
             continue;
-          const int64_t off = ((bi * a.sq + r0) * a.h + hh) * d;
-          const T* q = static_cast<const T*>(a.q) + off;
-          const T* dout = static_cast<const T*>(a.dout) + off;
+          const T* q = static_cast<const T*>(a.q) + at(a.lq, bi, r0, hh);
+          const T* dout = static_cast<const T*>(a.dout) + at(a.ldout, bi, r0, hh);
           const float* lse_in = a.lse + (bi * a.h + hh) * a.sq + r0;
           const float* delta_in = a.delta + (bi * a.h + hh) * a.sq + r0;
           for (int64_t r = 0; r < kBlockM; ++r) {
@@ -405,16 +404,16 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
               std::fill(q16 + r * dp, q16 + (r + 1) * dp, uint16_t(0));
               std::fill(do16 + r * dp, do16 + (r + 1) * dp, uint16_t(0));
               if (r < rows) {
-                std::memcpy(q16 + r * dp, q + r * a.h * d, d * sizeof(uint16_t));
-                std::memcpy(do16 + r * dp, dout + r * a.h * d, d * sizeof(uint16_t));
+                std::memcpy(q16 + r * dp, q + r * a.lq.s, d * sizeof(uint16_t));
+                std::memcpy(do16 + r * dp, dout + r * a.ldout.s, d * sizeof(uint16_t));
               }
               for (int64_t c = 0; c < dp; ++c) {
                 qpb[(r / 2) * dp * 2 + c * 2 + r % 2] = q16[r * dp + c];
                 dopb[(r / 2) * dp * 2 + c * 2 + r % 2] = do16[r * dp + c];
               }
             } else if (r < rows) {
-              load_padded(q + r * a.h * d, qs + r * dp, d, dp, a.scale);
-              load_padded(dout + r * a.h * d, dos + r * dp, d, dp, 1.0f);
+              load_padded(q + r * a.lq.s, qs + r * dp, d, dp, a.scale);
+              load_padded(dout + r * a.ldout.s, dos + r * dp, d, dp, 1.0f);
             } else {
               std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
               std::fill(dos + r * dp, dos + (r + 1) * dp, 0.0f);
@@ -485,9 +484,8 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
         for (int64_t e = 0; e < kBlockN * dp; ++e) dka[e] *= sc;
       }
       for (int64_t j = 0; j < keys; ++j) {
-        const int64_t off = ((bi * a.sk + k0 + j) * a.hk + kh) * d;
-        store_row(dka + j * dp, static_cast<T*>(a.dk) + off, d);
-        store_row(dva + j * dp, static_cast<T*>(a.dv) + off, d);
+        store_row(dka + j * dp, static_cast<T*>(a.dk) + at(a.ldk, bi, k0 + j, kh), d);
+        store_row(dva + j * dp, static_cast<T*>(a.dv) + at(a.ldv, bi, k0 + j, kh), d);
       }
     }
   }
@@ -516,7 +514,7 @@ void bwd_dq_rows(const Args& a, int64_t r0, int64_t r1) {
     }
 #pragma omp simd
     for (int64_t e = 0; e < d; ++e) buf.p[e] *= a.scale;
-    store_row(buf.p, static_cast<T*>(a.dq) + r * d, d);
+    store_row(buf.p, static_cast<T*>(a.dq) + at(a.ldq, bi, i, hh), d);
   }
 }
 

@@ -203,7 +203,9 @@ class ParallelSelfAttention(nn.Module):
         _check_3d(self, x)
         qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
         s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(1, 0, 2, 3, 4).unbind(3)
+        # [b, s, heads, d] views, unbound before the transpose: their gradients then stack token-major, the layout of
+        # qkv itself (no copy before the projection's backward GEMMs)
+        q, k, v = (t.transpose(0, 1) for t in qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(3))
         if kv_cache is not None:
             k, v = kv_cache.update(self, k, v)
         ctx = _attend(self, q, k, v, attention_mask)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import megakernels
 from megakernels.ops import _attention_cpu
@@ -131,6 +132,79 @@ def test_noncontiguous_inputs():
     out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(qt, k, v, False, 0.2)
     ref, _ = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, False, 0.2)
     assert torch.equal(out, ref)
+
+
+def _token_major(s, b, h, d, n, dtype, seed):
+    """``n`` [b, s, h, d] views unbound from one token-major [s, b, h, n, d] tensor (a packed projection's layout)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randn(s, b, h, n, d, generator=g).to(dtype)
+    return [t.transpose(0, 1) for t in packed.unbind(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_views_in_token_major_layouts(dtype, causal):
+    """q, k, v unbound from packed token-major projections (GQA: k, v from their own), dO a token-major view: the
+    same bits as contiguous copies, every output in its input's memory order (out, dq token-major, dk/dv too), and
+    the fp64 reference met; the into-variant writes the gradients into slices of one packed buffer."""
+    s, b, h, hk, d = 90, 2, 4, 2, 24
+    (q,) = _token_major(s, b, h, d, 1, dtype, 0)
+    k, v = _token_major(s, b, hk, d, 2, dtype, 1)
+    (do,) = _token_major(s, b, h, d, 1, dtype, 2)
+    scale = 1.0 / math.sqrt(d)
+    fwd, bwd = torch.ops.megakernels.flash_attn_fwd_cpu, torch.ops.megakernels.flash_attn_bwd_cpu
+    out, lse = fwd(q, k, v, causal, scale)
+    grads = bwd(do, q, k, v, out, lse, causal, scale)
+    qc, kc, vc, doc = (t.contiguous() for t in (q, k, v, do))
+    ref_out, ref_lse = fwd(qc, kc, vc, causal, scale)
+    ref_grads = bwd(doc, qc, kc, vc, ref_out, ref_lse, causal, scale)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert all(torch.equal(x, y) for x, y in zip(grads, ref_grads))
+    for t, like in ((out, q), (grads[0], q), (grads[1], k), (grads[2], v)):
+        assert t.transpose(0, 1).is_contiguous() and t.shape == like.shape  # token-major, as its input
+    assert ref_out.is_contiguous() and all(x.is_contiguous() for x in ref_grads)  # contiguous in, contiguous out
+    exact = _reference(q, k, v, do, causal, scale)
+    for x, ref in zip((out, *grads), (exact[0], *exact[2:])):
+        assert _err(x, ref) < TOL[dtype]
+    # dk and dv written into the two halves of one [s, b, hk, 2, d] buffer, dq into a strided slice of another
+    dkv = torch.full((s, b, hk, 2, d), float("nan"), dtype=dtype)
+    dq = torch.full((s, b, h, 3, d), float("nan"), dtype=dtype)[:, :, :, 1].transpose(0, 1)
+    dk, dv = (t.transpose(0, 1) for t in dkv.unbind(3))
+    torch.ops.megakernels.flash_attn_bwd_cpu_into(do, q, k, v, out, lse, causal, scale, 0, 0, None, 0.0, 0, dq, dk, dv)
+    assert all(torch.equal(x, y) for x, y in zip((dq, dk, dv), ref_grads))
+
+
+def test_opcheck_with_token_major_views():
+    """The custom ops' fake outputs have the strides the C++ kernel gives (its inputs' memory order)."""
+    (q,) = _token_major(40, 2, 2, 16, 1, torch.float32, 3)
+    k, v = _token_major(40, 2, 2, 16, 2, torch.float32, 4)
+    (do,) = _token_major(40, 2, 2, 16, 1, torch.float32, 5)
+    args = (q, k, v, True, 0.25, 0.0, None, False)
+    torch.library.opcheck(torch.ops.megakernels.flash_attn_fwd.default, args)
+    out, lse = torch.ops.megakernels.flash_attn_fwd(*args)
+    assert out.transpose(0, 1).is_contiguous()
+    bwd_args = (do, q, k, v, out, lse, True, 0.25, 0.0, None, False)
+    torch.library.opcheck(torch.ops.megakernels.flash_attn_bwd.default, bwd_args)
+
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fo, _ = torch.ops.megakernels.flash_attn_fwd(fq, fk, fv, True, 0.25, 0.0, None, False)
+    assert fo.stride() == out.stride()
+
+
+def test_into_refuses_gradients_of_the_wrong_shape_or_layout():
+    q, k, v, do = _inputs((1, 20, 20, 2, 2, 16), torch.float32)
+    out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, False, 0.25)
+    into = torch.ops.megakernels.flash_attn_bwd_cpu_into
+    args = (do, q, k, v, out, lse, False, 0.25, 0, 0, None, 0.0, 0)
+    with pytest.raises(ValueError, match="dk must be a CPU Float tensor of shape"):
+        into(*args, torch.empty_like(q), torch.empty(1, 20, 2, 8), torch.empty_like(v))
+    with pytest.raises(ValueError, match="dq must be .* contiguous head_dim"):
+        into(*args, torch.empty(1, 20, 16, 2).transpose(2, 3), torch.empty_like(k), torch.empty_like(v))
+    with pytest.raises(ValueError, match="dk has elements that share memory"):
+        into(*args, torch.empty_like(q), torch.empty(1, 1, 2, 16).expand(1, 20, 2, 16), torch.empty_like(v))
+    with pytest.raises(ValueError, match="dv must be a CPU Float"):
+        into(*args, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(
