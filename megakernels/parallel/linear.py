@@ -126,15 +126,17 @@ def _column_wgrad(x, dy, weight, group, sp: bool):
 
 
 class RowLinear(torch.autograd.Function):
-    """``y = x Wᵀ`` without communication (the row-parallel layer's GEMM; the caller reduces ``y``), as
-    ``F.linear`` computes it and its backward (``dx = dy W``, ``dW = dyᵀ x``), whose ``dW`` a zero-bubble B pass
-    defers to W (``pipeline.wgrad``)."""
+    """``y = x Wᵀ (+ b)`` without communication (the row-parallel layer's GEMM; the caller reduces ``y``), as
+    ``F.linear`` computes it and its backward (``dx = dy W``, ``dW = dyᵀ x``, ``db = Σ dy``), whose ``dW`` a
+    zero-bubble B pass defers to W (``pipeline.wgrad``). The bias goes into the GEMM only where nothing reduces
+    ``y`` afterwards (one tensor-parallel rank): it is added once, after the reduction, otherwise."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x, weight)
         ctx.weight = weight  # where a deferred weight gradient goes (``_deferred_target``)
-        return F.linear(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -143,13 +145,15 @@ class RowLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         target, ctx.weight = ctx.weight, None
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        dw = None
+        dw = db = None
         if ctx.needs_input_grad[1]:
             if wgrad.deferring():
                 wgrad.push(_row_wgrad(x, dy, target), (x, dy))
             else:
                 dw = _row_dw(x, dy)
-        return dx, dw
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dx, dw, db
 
 
 def _row_dw(x, dy):
@@ -404,6 +408,9 @@ class RowParallelLinear(nn.Module):
         if self.fp8 is not None:
             axis = fp8.Axis.of(self.in_features, state.tp_rank(), self.tp)
             partial = fp8.linear(x, self.weight, None, fp8.LinearSpec(self.fp8, state.tp_group(), False, in_axis=axis))
+        elif self.tp == 1 and not self.sequence_parallel and self.bias is not None and not self.skip_bias_add:
+            # nothing reduces y: the bias goes into the GEMM
+            return RowLinear.apply(x, self.weight, self.bias)
         else:
             partial = RowLinear.apply(x, self.weight)
         if self.sequence_parallel:
