@@ -431,3 +431,160 @@ def test_a_kernels_own_provider_name_is_the_peer_and_its_variants_are_not():
         row = dict(base, kernel_provider=provider)
         p = peer.predict_row(row, None, {peer._key(row): "recorded elsewhere"})
         assert (p["reason"] == "recorded elsewhere") is modelled, provider
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the tests that need Triton skip without it
+    triton = tl = None
+
+
+def _tuned_scale():
+    """A small autotuned kernel for the autotune rule, built as a compiled (not interpreted) Triton kernel."""
+    interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+
+        @triton.autotune(
+            configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (512, 4), (4096, 8))],
+            key=["n"],
+        )
+        @triton.jit
+        def tuned_scale(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+
+    finally:
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
+    return tuned_scale
+
+
+def _record(version, kernel, mode, x, cfg):
+    from megakernels.bench.static import model
+
+    path = peer.peer_dir(version, os.environ.get("MEGAKERNELS_PEER_PATH"))
+    if path is None:
+        pytest.skip(peer.install_hint(version, None) + " (scripts/setup.sh installs it)")
+    pytest.importorskip("triton")
+    rec = peer.Recorder(model.MACHINES["H100-SXM"])
+    with peer.imported(path), rec.patched():
+        peer.DRIVERS[kernel](rec, mode, x, cfg)
+    return rec
+
+
+def _count(rec, name):
+    return sum(1 for op in rec.ops if op.kind == "torch" and str(op.func).split(".")[-2] == name)
+
+
+def test_autotune_keeps_the_config_the_model_prices_fastest():
+    pytest.importorskip("triton")
+    import torch
+
+    from megakernels.bench.static import model
+    from megakernels.triton.launch import Launch
+
+    m = model.MACHINES["H100-SXM"]
+    n = 1 << 20
+    kernel = _tuned_scale()
+    rec = peer.Recorder(m)
+    with rec.patched(), rec.recording(True):
+        x = torch.empty(n, device="cuda")
+        y = torch.empty(n, device="cuda")
+        for _ in range(2):  # the second launch of the key reuses the kept config
+            kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
+    (tuning,) = rec.tunings
+    launches = [op.launch for op in rec.ops if op.kind == "triton"]
+    assert len(launches) == 2
+    # the reference: each config launched by hand and priced one by one
+    meta = torch.empty(n, device="meta")
+    times = {}
+    for config in kernel.configs:
+        kw = config.all_kwargs()
+        launch = Launch(kernel.fn, (triton.cdiv(n, kw["BLOCK"]),), (meta, meta, n), kw)
+        times[config.kwargs["BLOCK"]] = peer.price_triton(launch, m)["time_s"]
+    assert {c.kwargs["BLOCK"]: t for c, t in tuning["configs"]} == pytest.approx(times)
+    best = min(times, key=times.get)
+    assert tuning["chosen"].kwargs["BLOCK"] == best
+    assert all(lc.kwargs["BLOCK"] == best for lc in launches)
+    assert len(set(times.values())) > 1  # the configs differ in price, so the choice is a choice
+
+
+def test_fused_linear_jsd_records_its_chunks():
+    bt, h, v = 256, 64, 512
+    cfg = {"H": h, "V": v, "dtype": "torch.bfloat16"}
+    # the release's chunking: cdiv(V, H) as the memory factor, chunks of next_power_of_2(cdiv(BT, factor)) rows
+    factor = -(-v // h)
+    chunk = 1 << (-(-bt // factor) - 1).bit_length()
+    chunks = -(-bt // chunk)
+    rec = _record("0.4.0", "fused_linear_jsd", "forward", bt, cfg)
+    jsd = [op.launch for op in rec.ops if op.kind == "triton"]
+    assert [lc.name for lc in jsd] == ["_jsd_kernel"] * chunks
+    assert all(lc.grid == (chunk,) for lc in jsd)
+    # per chunk: the student's and teacher's logits, the student's input and weight gradients
+    assert _count(rec, "mm") == 4 * chunks
+    full = _record("0.4.0", "fused_linear_jsd", "full", bt, cfg)
+    # the backward at a unit loss gradient rescales nothing (one read-back decides it); the input's and the
+    # student weight's gradients accumulate
+    assert [op.launch.name for op in full.ops if op.kind == "triton"] == ["_jsd_kernel"] * chunks
+    assert sum(1 for op in full.ops if op.kind == "sync") == 1
+    assert _count(full, "add") == 2
+
+
+def test_distill_jsd_loss_runs_its_chunk_function_per_1024_rows():
+    bt, h, v = 2048, 64, 256
+    cfg = {"H": h, "V": v, "dtype": "torch.bfloat16", "bias": False, "weight_hard_loss": 0.5}
+    rec = _record("0.5.5", "distill_jsd_loss", "forward", bt, cfg)
+    # per chunk of 1024 rows: the student's and teacher's logits, then the student's input and weight gradients
+    mms = [op for op in rec.ops if op.kind == "torch" and str(op.func).split(".")[-2] == "mm"]
+    assert len(mms) == 4 * (bt // 1024)
+    assert {op.outputs[0][0] for op in mms} == {(1024, v), (1024, h // 2), (v, h // 2)}
+
+
+def test_kto_loss_runs_its_chunk_function_per_sequence():
+    b, t, h, v = 3, 16, 32, 128
+    cfg = {"T": t, "H": h, "V": v, "dtype": "torch.bfloat16", "bias": True, "beta": 0.1, "ignore_index": 42}
+    rec = _record("0.5.5", "kto_loss", "full", b, cfg)
+    mms = [op for op in rec.ops if op.kind == "torch" and str(op.func).split(".")[-2] in ("mm", "addmm")]
+    assert len(mms) == 4 * b  # policy and reference logits, the policy's input and weight gradients
+    assert [op.func for op in rec.ops if op.kind == "call"] == ["forward", "backward"]
+
+
+def test_moe_routing_counts_every_token_choice():
+    t, e, k = 1000, 16, 4
+    starts, tiles = peer._moe_routing(t, e, k, 64)
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == 0 and starts[-1] == t * k and min(counts) >= 0
+    assert tiles == sum(-(-c // 64) for c in counts)
+    assert peer._moe_routing(t, 1, 1, 64) == ([0, t], -(-t // 64))  # one expert takes every token
+
+
+def test_fused_moe_records_its_launches_on_the_routed_tiles(monkeypatch):
+    # pricing stubbed (every config's price its BLOCK_N): the test is what the driver launches, not what it costs
+    monkeypatch.setattr(peer, "price_triton", lambda launch, m: {"time_s": float(launch.kwargs.get("BLOCK_N", 1))})
+    t, e, k, h, i = 256, 8, 2, 128, 64
+    cfg = {"sweep_dim": "T", "T": None, "E": e, "H": h, "intermediate_dim": i, "K": k, "dtype": "torch.bfloat16"}
+    rec = _record("0.8.0", "fused_moe", "full", t, cfg)
+    launches = {op.launch.name: op.launch for op in rec.ops if op.kind == "triton"}
+    assert len([op for op in rec.ops if op.kind == "triton"]) == 11  # 3 routing, 2 GEMMs, gather; 5 backward
+    tiles = peer._moe_routing(t, e, k, 64)[1]
+    up = launches["_fused_up_proj_swiglu_kernel"]
+    assert up.grid[0] == tiles  # the M-tile count the forward reads back
+    assert up.kwargs["BLOCK_N"] == 64  # the stubbed price keeps the smallest BLOCK_N
+    assert launches["_moe_bwd_dW2_kernel"].contents["expert_start_ptr"] == peer._moe_routing(t, e, k, 64)[0]
+    # the warm-up tuned every autotuned kernel before the timed region, which tunes nothing more
+    assert {tn["kernel"] for tn in rec.tunings} >= {"_fused_up_proj_swiglu_kernel", "_moe_bwd_dW1_kernel"}
+    assert all(tn["key"][:2] == (h, i) for tn in rec.tunings if tn["kernel"] != "_token_gather_weighted_sum_kernel")
+
+
+def test_in_place_ops_cost_their_bytes_and_views_nothing():
+    import torch
+
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    t = ((1024, 1024), torch.float32)
+    add_ = peer.Op("torch", func=torch.ops.aten.add_.Tensor, inputs=(t, t), outputs=(t,))
+    assert peer.price_torch(add_, m)["time_s"] == pytest.approx(3 * 4 * 1024 * 1024 / m.dram_copy + m.launch_s)
+    view = peer.Op("torch", func=torch.ops.aten.slice.Tensor, inputs=(t,), outputs=(t,))
+    assert peer.price_torch(view, m) is None

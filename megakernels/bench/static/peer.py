@@ -170,6 +170,20 @@ def _tensors(x) -> tuple:
     return ()
 
 
+def _same_memory(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` are the same elements of the same storage (as ATen's copy_ tests)."""
+    import torch
+
+    return (
+        isinstance(b, torch.Tensor)
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
 class Recorder:
     """A context that records (``ops``) instead of running: Triton launches and PyTorch ops on fake CUDA tensors.
     CUDA queries a peer's launcher makes (the SM count, the current device) answer as ``machine``."""
@@ -180,12 +194,23 @@ class Recorder:
         self.m = machine
         self.ops: list[Op] = []
         self.active = True
+        # what the host reads back from the GPU, in order (``.item()``, ``bool(t)``): a driver that knows what the
+        # real tensors hold sets these; past them a read answers 1 (True)
+        self.answers: list = []
+        # kernel argument name -> the integers a driver knows that argument's tensor holds (loop bounds a kernel
+        # loads from memory, ``IR.eval``); attached to each launch that has such an argument
+        self.contents: dict[str, list[int]] = {}
+        # autotuned kernels: (kernel, key) -> the config kept, and each tuning's candidates (``autotune``)
+        self.tuned: dict = {}
+        self.tunings: list[dict] = []
+        self._capture: list | None = None
 
     @contextlib.contextmanager
     def patched(self):
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+        from triton.runtime.autotuner import Autotuner
         from triton.runtime.jit import JITFunction
 
         from megakernels.triton.launch import Launch
@@ -193,13 +218,22 @@ class Recorder:
         rec = self
 
         def run(kernel, *args, grid, warmup=False, **kwargs):
+            if not rec.active and rec._capture is None:
+                return
             if callable(grid):
                 grid = grid(dict(zip(kernel.arg_names, args)) | kwargs)
-            if rec.active:
-                launch = Launch(
-                    kernel, tuple(grid), tuple(_meta(a) for a in args), {k: _meta(v) for k, v in kwargs.items()}
-                )
+            meta_kwargs = {k: _meta(v) for k, v in kwargs.items()}
+            launch = Launch(kernel, tuple(grid), tuple(_meta(a) for a in args), meta_kwargs)
+            known = {k: rec.contents[k] for k in kernel.arg_names if k in rec.contents}
+            if known:
+                launch.contents = known
+            if rec._capture is not None:
+                rec._capture.append(launch)
+            else:
                 rec.ops.append(Op("triton", launch=launch))
+
+        def tuned_run(tuner, *args, **kwargs):
+            return autotune(rec, tuner, args, kwargs)
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
@@ -211,7 +245,11 @@ class Recorder:
                 ):
                     if rec.active:
                         rec.ops.append(Op("sync", func=func))
+                    if rec.answers:
+                        return rec.answers.pop(0)
                     return True if func is not torch.ops.aten._local_scalar_dense.default else 1
+                if func is torch.ops.aten.copy_.default and _same_memory(args[0], args[1]):
+                    return args[0]  # a copy onto the same memory: ATen returns before launching anything
                 out = func(*args, **kwargs)
                 if rec.active and func is not torch.ops.prim.device.default:  # the fake tensors' own query,
                     # dispatched after their views: a program on real tensors never runs it
@@ -237,6 +275,7 @@ class Recorder:
 
         saved = [
             (JITFunction, "run"),
+            (Autotuner, "run"),
             (torch.cuda, "is_available"),
             (torch.cuda, "get_device_properties"),
             (torch.cuda, "device"),
@@ -248,6 +287,7 @@ class Recorder:
         ]
         old = [getattr(o, n) for o, n in saved]
         JITFunction.run = run
+        Autotuner.run = tuned_run
         torch.cuda.is_available = lambda: True
         torch.cuda.get_device_properties = lambda *a, **k: props
         torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
@@ -266,6 +306,42 @@ class Recorder:
             return contiguous(t, memory_format=memory_format)
 
         torch.Tensor.contiguous = fake_contiguous
+        getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+        fake_type = torch._subclasses.fake_tensor.FakeTensor
+
+        @contextlib.contextmanager
+        def on_meta(*xs):
+            # Python indexing puts a device guard on the indexed tensor's device, which for a fake CUDA tensor
+            # reaches the CUDA runtime: the fake tensors involved are indexed as meta ones (the same ATen ops are
+            # dispatched, and recorded) and their results made CUDA ones again
+            fakes = [x for x in xs if isinstance(x, fake_type) and x.fake_device.type == "cuda"]
+            saved = [(x, x.fake_device) for x in fakes]
+            for x in fakes:
+                x.fake_device = torch.device("meta")
+            try:
+                yield saved[0][1] if saved else None
+            finally:
+                for x, d in saved:
+                    x.fake_device = d
+
+        def index_args(t, idx):
+            return (t, *(idx if isinstance(idx, tuple) else (idx,)))
+
+        def fake_getitem(t, idx):
+            with on_meta(*index_args(t, idx)) as device:
+                out = getitem(t, idx)
+            if device is not None and isinstance(out, fake_type) and out.fake_device.type == "meta":
+                out.fake_device = device
+            return out
+
+        def fake_setitem(t, idx, value):
+            with on_meta(*index_args(t, idx), value):
+                setitem(t, idx, value)
+
+        saved += [(torch.Tensor, "__getitem__"), (torch.Tensor, "__setitem__")]
+        old += [getitem, setitem]
+        torch.Tensor.__getitem__ = fake_getitem
+        torch.Tensor.__setitem__ = fake_setitem
         try:
             with FakeTensorMode(allow_non_fake_inputs=True):
                 self._dispatch = Dispatch
@@ -295,6 +371,69 @@ class Recorder:
         take its place in ``price_ours``). Costs nothing."""
         if self.active:
             self.ops.append(Op("return"))
+
+
+_CONFIG_TIMES: dict = {}
+
+
+def _launch_key(launch, m: model.Machine) -> tuple:
+    """What decides a launch's price on ``m``: the kernel, grid, each argument's shape/strides/dtype or value, the
+    constexprs and launch options, the contents a driver gave."""
+
+    def arg(a):
+        if hasattr(a, "shape"):
+            return (tuple(a.shape), tuple(a.stride()), str(a.dtype))
+        return repr(a)
+
+    contents = getattr(launch, "contents", {})
+    return (
+        m.name,
+        id(launch.kernel),
+        launch.grid,
+        tuple(arg(a) for a in launch.args),
+        tuple(sorted((k, arg(v)) for k, v in launch.kwargs.items())),
+        tuple(sorted((k, tuple(v)) for k, v in contents.items())),
+    )
+
+
+def autotune(rec: Recorder, tuner, args: tuple, kwargs: dict):
+    """A ``@triton.autotune`` kernel launched under ``rec``: as Triton's autotuner, the first launch of a key (the
+    values of the tuner's key arguments and the tensor arguments' dtypes) tries every config it lists (after its
+    own pruning) and later launches of the key reuse the config kept; here each config's launch is compiled for
+    ``rec.m`` and priced (``price_triton``) and the model's fastest is kept, where the autotuner keeps the measured
+    fastest. The launch is then made with that config (recorded if ``rec`` records). Each tuning is appended to
+    ``rec.tunings`` ({"kernel", "key", "configs": [(config, time_s)], "chosen"})."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    named = {k: v for k, v in {**tuner.nargs, **kwargs}.items() if k in tuner.arg_names}
+    key = [named[k] for k in tuner.keys if k in named] + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+    key = (tuner.base_fn.__name__, *key)
+    if key not in rec.tuned:
+        configs = tuner.prune_configs(kwargs) if len(tuner.configs) > 1 else tuner.configs
+        if len(configs) == 1:
+            rec.tuned[key] = configs[0]
+        else:
+            timed = []
+            for config in configs:
+                prev, rec._capture = rec._capture, []
+                try:
+                    tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+                    (launch,) = rec._capture
+                finally:
+                    rec._capture = prev
+                k = _launch_key(launch, rec.m)
+                if k not in _CONFIG_TIMES:
+                    with _disable_current_modes():
+                        _CONFIG_TIMES[k] = price_triton(launch, rec.m)["time_s"]
+                timed.append((config, _CONFIG_TIMES[k]))
+            chosen = min(timed, key=lambda ct: ct[1])[0]
+            rec.tuned[key] = chosen
+            rec.tunings.append({"kernel": key[0], "key": key[1:], "configs": timed, "chosen": chosen})
+    config = rec.tuned[key]
+    if config.pre_hook:
+        config.pre_hook({**tuner.nargs, **kwargs, **config.all_kwargs()})
+    return tuner.fn.run(*args, **kwargs, **config.all_kwargs())
 
 
 class Ctx:
@@ -646,6 +785,224 @@ def _neighborhood_attention(rec, mode, x, cfg):
         _accumulate(rec, g)
 
 
+def _loss_pass(rec, fn, mode, fwd_args: dict, leaves: list, reset: list):
+    """A peer's fused linear + loss autograd function (the loss and its gradients made in the forward; the backward
+    scales the saved gradients unless the loss gradient is 1, which the benchmark's ``y.backward()`` gives) as its
+    benchmark times it: ``forward`` the call; ``backward`` ``y.backward(retain_graph=True)`` of a forward made
+    before; ``full`` the two. ``leaves``: the positions among the backward's returned gradients of the leaves
+    autograd accumulates into (``.grad`` of the inputs and parameters that require it), of which ``reset`` the
+    benchmark's ``grad_to_none`` clears before each call (a fresh ``.grad`` then costs no add)."""
+    import torch
+
+    ctx = Ctx()
+    with rec.recording(mode in ("forward", "full")), torch.no_grad():
+        rec.call()
+        out = _call(fn.forward, ctx, **fwd_args)
+        rec.ret()
+    if mode == "forward":
+        return
+    loss = out[0] if isinstance(out, tuple) else out
+    with rec.recording(True):
+        g = torch.ones_like(loss)  # the engine's seed gradient of a scalar loss
+        rec.answers.append(False)  # the backward's "grad_output != 1" test reads False
+        rec.call(backward=True)
+        grads = fn.backward(ctx, g, *([None] * (len(out) - 1) if isinstance(out, tuple) else []))
+        rec.ret()
+    for i in leaves:
+        if grads[i] is not None and (mode == "full" or i not in reset):
+            _accumulate(rec, grads[i])
+
+
+def _fused_linear_jsd(rec, mode, x, cfg):
+    """``LigerFusedLinearJSD`` as its benchmark times it: student and teacher LM heads ``[V, H]`` (no bias) on
+    ``student_input, teacher_input [BT, H]`` (``torch.rand``, the student's requiring grad), no labels. The forward
+    chunks BT by ``cdiv(V, H)`` (per chunk: both logit GEMMs, their log-softmax, the JSD kernel writing its
+    gradient in place, the softmax backward, the student's input and weight gradient GEMMs); the backward skips its
+    rescale at a unit loss gradient. ``full`` = forward + ``y.backward()``: the student input's and the student
+    weight's ``.grad`` accumulate (nothing is reset)."""
+    import torch
+
+    bt, h, v, dt = int(x), int(cfg["H"]), int(cfg["V"]), _dtype(cfg)
+    xs = torch.rand(bt, h, device=rec.device, dtype=dt)
+    xt = torch.rand(bt, h, device=rec.device, dtype=dt)
+    ws = torch.rand(v, h, device=rec.device, dtype=dt).requires_grad_(True)
+    wt = torch.rand(v, h, device=rec.device, dtype=dt).requires_grad_(True)
+    fn = _fn("liger_kernel.ops.fused_linear_jsd", "LigerFusedLinearJSDFunction")
+    args = {
+        "student_input": xs,
+        "student_weight": ws,
+        "teacher_input": xt,
+        "teacher_weight": wt,
+        "shift_labels": None,
+        "jsd_beta": 0.5,
+        "ignore_index": -100,
+        "temperature": 1.0,
+    }
+    _loss_pass(rec, fn, mode, args, leaves=[0, 1], reset=[0, 1])
+
+
+# Where the chunked losses make their tensors: their chunk function runs ``torch.func.grad_and_value``, whose autograd
+# graph asks the device for a stream, which for a fake CUDA tensor reaches the CUDA runtime; they launch no Triton
+# kernel, so their fake tensors are meta ones (the same ATen ops, recorded and priced alike)
+_AUTOGRAD_DEVICE = "meta"
+
+
+def _distill_jsd_loss(rec, mode, x, cfg):
+    """The chunked distillation JSD loss (``chunked_loss.jsd_loss.LigerFusedLinearJSDFunction``) as its benchmark
+    times it: student head ``[V, H/2]`` on ``[BT, H/2]`` (requiring grad), teacher head ``[V, H]`` on ``[BT, H]``,
+    biases per the row, random labels; hard and soft loss weights from the row. The forward runs the release's
+    chunk function per chunk of 1024 rows (both logit GEMMs, the losses and, through ``torch.func.grad_and_value``,
+    the student's gradients, accumulated). The chunk function is ``torch.compile``d in the release; under the
+    recorder Dynamo does not trace, so it is recorded (and priced) as its eager ATen ops. ``full`` = forward +
+    ``y.backward()``: the student input's and weight's ``.grad`` accumulate."""
+    import torch
+
+    dev = _AUTOGRAD_DEVICE
+    bt, h, v, dt = int(x), int(cfg["H"]), int(cfg["V"]), _dtype(cfg)
+    bias = bool(cfg.get("bias", False))
+    xs = torch.rand(bt, h // 2, device=dev, dtype=dt)
+    xt = torch.rand(bt, h, device=dev, dtype=dt)
+    ws = torch.randn(v, h // 2, device=dev, dtype=dt).requires_grad_(True)
+    wt = torch.randn(v, h, device=dev, dtype=dt).requires_grad_(True)
+    bs = torch.randn(v, device=dev, dtype=dt).requires_grad_(True) if bias else None
+    bt_ = torch.randn(v, device=dev, dtype=dt).requires_grad_(True) if bias else None
+    target = torch.randint(0, v, (bt,), device=dev)
+    fn = _fn("liger_kernel.chunked_loss.jsd_loss", "LigerFusedLinearJSDFunction")
+    args = {
+        "student_input": xs,
+        "student_weight": ws,
+        "teacher_input": xt,
+        "teacher_weight": wt,
+        "true_labels": target,
+        "student_bias": bs,
+        "teacher_bias": bt_,
+        "weight_hard_loss": float(cfg.get("weight_hard_loss", 0.5)),
+        "weight_soft_loss": float(cfg.get("weight_soft_loss", 0.5)),
+        "beta": 0.5,
+        "ignore_index": int(cfg.get("ignore_index", -100)),
+        "temperature": 1.0,
+        "compiled": True,
+    }
+    # the backward returns (input, weight, teacher input, teacher weight, labels, student bias, ...)
+    _loss_pass(rec, fn, mode, args, leaves=[0, 1, 5], reset=[0])
+
+
+def _kto_loss(rec, mode, x, cfg):
+    """The chunked KTO loss (``LigerFusedLinearKTOFunction``) as its benchmark times it: policy head ``[V, H]``
+    (bias per the row) and reference head (no bias) on ``[B, T, H]`` inputs that do not require grad, labels with
+    ``ignore_index`` tokens, boolean preference labels, a precomputed KL; one chunk a sequence (the release's
+    chunk size 1), each: the policy and reference logit GEMMs, the per-token log-probabilities and the loss, and
+    through ``torch.func.grad_and_value`` the policy's gradients, accumulated. The chunk function is
+    ``torch.compile``d in the release; under the recorder Dynamo does not trace, so it is recorded (and priced) as
+    its eager ATen ops. ``full`` = forward + ``y.backward()``: the head's weight and bias ``.grad`` accumulate."""
+    import torch
+
+    dev = _AUTOGRAD_DEVICE
+    b, t, h, v, dt = int(x), int(cfg["T"]), int(cfg["H"]), int(cfg["V"]), _dtype(cfg)
+    bias = bool(cfg.get("bias", False))
+    inp = torch.randn(b, t, h, device=dev, dtype=dt)
+    ref = torch.randn(b, t, h, device=dev, dtype=dt)
+    w = torch.randn(v, h, device=dev, dtype=dt).requires_grad_(True)
+    wr = torch.randn(v, h, device=dev, dtype=dt).requires_grad_(True)
+    bw = torch.randn(v, device=dev, dtype=dt).requires_grad_(True) if bias else None
+    target = torch.randint(v, (b, t), device=dev)
+    labels = torch.randint(2, (b,), device=dev).bool()
+    kl = torch.randn(1, device=dev, dtype=dt)
+    fn = _fn("liger_kernel.chunked_loss.kto_loss", "LigerFusedLinearKTOFunction")
+    args = {
+        "_input": inp,
+        "weight": w,
+        "target": target,
+        "preference_labels": labels,
+        "bias": bw,
+        "ref_input": ref,
+        "ref_weight": wr,
+        "ref_bias": None,
+        "kl": kl,
+        "ignore_index": int(cfg.get("ignore_index", -100)),
+        "beta": float(cfg.get("beta", 0.1)),
+        "compiled": True,
+        "use_ref_model": True,
+    }
+    # the backward returns (input, weight, target, preference labels, bias, ...)
+    _loss_pass(rec, fn, mode, args, leaves=[1, 4], reset=[])
+
+
+MOE_WARMUP_TOKENS = 8192  # the benchmark's autotune warm-up: its model profile's token count (Qwen3-MoE-30B)
+MOE_WARMUP_EXPERTS = 8  # in the expert sweep, the first warm-up (fewest experts) is the one that tunes
+
+
+def _moe_routing(t: int, e: int, k: int, block_m: int) -> tuple[list[int], int]:
+    """The routing the benchmark's random top-k makes, simulated on the host: ``topk(randn(t, e), k)`` (seed 42,
+    the CPU generator; the distribution, not the benchmark's draws) -> (each expert's first row in the sorted
+    token list, E + 1 entries; the M-tiles of ``block_m`` rows the experts' rows take)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        g = torch.Generator().manual_seed(42)
+        idx = torch.topk(torch.randn(t, e, generator=g), k, dim=-1).indices
+        counts = torch.bincount(idx.flatten(), minlength=e).tolist()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return starts, sum(-(-c // block_m) for c in counts)
+
+
+def _fused_moe(rec, mode, x, cfg):
+    """``LigerFusedMoEFunction`` as its benchmark times it: bf16 ``x [T, H]`` (a leaf), gate-up ``[E, 2I, H]`` and
+    down ``[E, H, I]`` weights (non-leaf: scaled after creation, so no ``.grad`` is kept), int32 top-k indices and
+    their softmax weights; T or E is the swept ``x``. Forward: the three routing kernels, one ``.item()`` (the
+    M-tile count), the gate-up GEMM with SwiGLU, the down GEMM, the weighted token gather; backward (with a random
+    ``dO``): the down-projection backward, dW2, dX expanded, the gather-sum, dW1; ``full`` both; ``x.grad`` is
+    reset each call. The GEMM and gather kernels are autotuned (``autotune``) on the key (H, I): the benchmark
+    tunes once, in a warm-up pass at ``MOE_WARMUP_TOKENS`` tokens (and ``MOE_WARMUP_EXPERTS`` experts in the
+    expert sweep) before any timed call, so the driver runs that warm-up (unrecorded) first. The per-expert token
+    counts that set the M-tile count and the dW kernels' loop trips come from ``_moe_routing``."""
+    import torch
+
+    sweep = cfg.get("sweep_dim", "T")
+    if sweep not in ("T", "E"):
+        raise ValueError(f"fused_moe: sweep_dim {sweep!r} is neither 'T' nor 'E'")
+    t = int(x) if sweep == "T" else int(cfg["T"])
+    e = int(x) if sweep == "E" else int(cfg["E"])
+    h, i, k, dt = int(cfg["H"]), int(cfg["intermediate_dim"]), int(cfg["K"]), _dtype(cfg)
+    mod = importlib.import_module("liger_kernel.ops.fused_moe")
+    fn, block_m = mod.LigerFusedMoEFunction, mod.BLOCK_M_TOKEN
+
+    def inputs(t, e):
+        xx = torch.randn(t, h, device=rec.device, dtype=dt)
+        gup = torch.randn(e, 2 * i, h, device=rec.device, dtype=dt)
+        dn = torch.randn(e, h, i, device=rec.device, dtype=dt)
+        idx = torch.randint(e, (t, k), device=rec.device, dtype=torch.int32)
+        wts = torch.randn(t, k, device=rec.device, dtype=dt)
+        return xx, gup, dn, idx, wts
+
+    def region(t, e, record_forward: bool, backward: bool, record_backward: bool):
+        starts, tiles = _moe_routing(t, e, k, block_m)
+        rec.contents = {"expert_start_ptr": starts}
+        with rec.recording(False):
+            xx, gup, dn, idx, wts = inputs(t, e)
+        ctx = Ctx()
+        rec.answers.append(tiles)  # the forward's one read-back: the M-tile count
+        with rec.recording(record_forward):
+            rec.call()
+            out = _call(fn.forward, ctx, x=xx, gate_up_proj=gup, down_proj=dn, top_k_index=idx, top_k_weights=wts)
+            rec.ret()
+        if not backward:
+            return
+        with rec.recording(False):
+            do = torch.randn_like(out)
+        with rec.recording(record_backward):
+            rec.call(backward=True)
+            fn.backward(ctx, do)
+            rec.ret()
+
+    region(MOE_WARMUP_TOKENS, MOE_WARMUP_EXPERTS if sweep == "E" else e, False, True, False)
+    region(t, e, mode in ("forward", "full"), mode in ("backward", "full"), True)
+    rec.contents = {}
+
+
 DRIVERS = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -662,6 +1019,10 @@ DRIVERS = {
     "megatron_swiglu": _megatron("swiglu"),
     "fused_add_rms_norm": _fused_add_rms_norm,
     "fused_neighborhood_attention": _neighborhood_attention,
+    "fused_linear_jsd": _fused_linear_jsd,
+    "distill_jsd_loss": _distill_jsd_loss,
+    "kto_loss": _kto_loss,
+    "fused_moe": _fused_moe,
 }
 # The provider name of the peer's kernels in a kernel's rows where it is not "liger" (other providers of those rows
 # are its own variants or the eager reference)
@@ -691,11 +1052,18 @@ MODULES = {
     "megatron_swiglu": "megatron/swiglu.py",
     "fused_add_rms_norm": "ops/fused_add_rms_norm.py",
     "fused_neighborhood_attention": "ops/fused_neighborhood_attention.py",
+    "fused_linear_jsd": "ops/fused_linear_jsd.py",
+    "distill_jsd_loss": "chunked_loss/jsd_loss.py",
+    "kto_loss": "chunked_loss/kto_loss.py",
+    "fused_moe": "ops/fused_moe.py",
 }
 # The first release of liger-kernel whose wheel holds each module a row may name before it existed (read from the
 # registry's wheels): layer_norm and kl_div 0.3.0, jsd 0.4.0, fused_neighborhood_attention 0.6.0, llama4_rope 0.6.2,
-# relu_squared 0.8.0, the Megatron RMSNorm 0.8.1 and SwiGLU (its fused gate-up kernel) 0.8.2.
+# relu_squared 0.8.0, the Megatron RMSNorm 0.8.1 and SwiGLU (its fused gate-up kernel) 0.8.2, the fused linear JSD
+# 0.4.0, the fused MoE 0.8.0.
 FIRST_RELEASE = {
+    "ops/fused_linear_jsd.py": "0.4.0",
+    "ops/fused_moe.py": "0.8.0",
     "ops/layer_norm.py": "0.3.0",
     "ops/kl_div.py": "0.3.0",
     "ops/jsd.py": "0.4.0",
@@ -705,6 +1073,11 @@ FIRST_RELEASE = {
     "megatron/swiglu.py": "0.8.2",
     "ops/fused_neighborhood_attention.py": "0.6.0",
 }
+# Kernels whose rows ran source that the first release holding the module does not match, with the first release
+# that does (read from the repository's history): the distillation JSD rows (2024-12) ran the chunk function on
+# chunks of 1024 rows, which 0.5.3-0.5.4 changed to one row a chunk and 0.5.5 restored; the KTO rows (2025-03-03)
+# ran the unpaired-preference base after its masked-sum rewrite, first released in 0.5.5.
+SOURCE_RELEASE = {"distill_jsd_loss": "0.5.5", "kto_loss": "0.5.5"}
 # Drivers a row cannot have, with the reason: what the benchmark times is outside the model.
 NOT_DRIVEN = {
     "megatron_cross_entropy": "its benchmark times a loop of calls through torch.distributed's vocabulary-parallel "
@@ -801,7 +1174,8 @@ class IR:
     """What the pricing needs from a kernel's Triton IR (TTIR): its ``scf.for`` loops' trip counts and which
     pointer arguments it loads from and stores to."""
 
-    def __init__(self, ttir: str, values: dict):
+    def __init__(self, ttir: str, values: dict, contents: dict | None = None):
+        self.contents = contents or {}  # argument name -> the integers its tensor holds (``Recorder.contents``)
         self.defs: dict[str, tuple[str, list[str], str]] = {}
         self.loops: list[tuple[str, str, str, int]] = []  # (lb, ub, step, depth)
         self.loop_bytes: list[int] = []  # per loop: the bytes its own loads and stores move in one iteration
@@ -867,6 +1241,13 @@ class IR:
             return self.eval(operands[0], pid)
         if op in _ARITH:
             return _ARITH[op](self.eval(operands[0], pid), self.eval(operands[1], pid))
+        if op == "tt.load" and operands:  # a scalar read from a tensor whose contents a driver gave
+            base, offset = operands[0], 0
+            while base in self.defs and self.defs[base][0] == "tt.addptr":
+                base, offset = self.defs[base][1][0], offset + self.eval(self.defs[base][1][1], pid)
+            name = base[1:].split("#")[0]
+            if name in self.contents:
+                return int(self.contents[name][offset])
         raise ValueError(f"loop bound through {op}")
 
     def trips(self) -> list[tuple[int, int]]:
@@ -931,7 +1312,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
     ck = compile_launch(launch, m.arch)  # Triton's cache: the IR of the same compile
     values = dict(zip(launch.kernel.arg_names, launch.args))
     values.update({k: v for k, v in launch.kwargs.items() if k in launch.kernel.arg_names})
-    ir = IR(ck.asm["ttir"], values)
+    ir = IR(ck.asm["ttir"], values, getattr(launch, "contents", None))
     trips = [(t, d, b) for (t, d), b in zip(ir.trips(), ir.loop_bytes)]
     if len(trips) != len(c.fn.loops):
         # ptxas unrolls loops of known trip count away: drop the IR loops with constant bounds first
@@ -1005,8 +1386,8 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
 
     name = op.func.__name__.split(".")[0] if hasattr(op.func, "__name__") else str(op.func)
     schema = getattr(op.func, "_schema", None)
-    if schema is not None and any(r.alias_info is not None for r in schema.returns):
-        return None  # a view
+    if schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return None  # a view (an in-place op, whose return aliases the tensor it writes, launches a kernel)
     if name in (
         "empty",
         "empty_like",
@@ -1247,10 +1628,13 @@ def _version_key(v: str) -> tuple:
 
 def resolve_version(kernel: str, version: str) -> str:
     """The liger-kernel release that row of ``kernel`` naming ``version`` is modelled with: ``version`` itself, or,
-    when that release predates the kernel's module (``FIRST_RELEASE``), the first release that has it (the row
-    then measured the source between the two releases: the label is the benchmark machine's installed package)."""
-    first = FIRST_RELEASE.get(MODULES.get(kernel, ""))
-    return first if first is not None and _version_key(first) > _version_key(version) else version
+    when that release predates the kernel's module (``FIRST_RELEASE``) or the source the row ran
+    (``SOURCE_RELEASE``), the first release that has it (the row then measured the source between the two releases:
+    the label is the benchmark machine's installed package)."""
+    for first in (FIRST_RELEASE.get(MODULES.get(kernel, "")), SOURCE_RELEASE.get(kernel)):
+        if first is not None and _version_key(first) > _version_key(version):
+            version = first
+    return version
 
 
 def ensure_peer(version: str, peer_path: str | None) -> str | None:
