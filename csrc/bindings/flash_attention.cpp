@@ -175,6 +175,16 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   else
     a.kt = kt.data_ptr<float>(), a.kp = kp.data_ptr<float>(), a.vt = vt.data_ptr<float>();
   at::Tensor delta = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
+  // q and dO packed once for every key block that reads them (flash_attention.h: qs_pk ...), padding rows included
+  const int64_t q_panels = a.b * a.h * a.nqb * fa::kBlockM * a.dp;
+  at::Tensor q_packed =
+      at::empty({dot ? 4 * q_panels : 2 * q_panels}, q.options().dtype(dot ? at::kBFloat16 : at::kFloat));
+  if (dot) {
+    uint16_t* base = bf16_bits(q_packed);
+    a.q16_pk = base, a.do16_pk = base + q_panels, a.qpb_pk = base + 2 * q_panels, a.dopb_pk = base + 3 * q_panels;
+  } else {
+    a.qs_pk = q_packed.data_ptr<float>(), a.dos_pk = a.qs_pk + q_panels;
+  }
   at::Tensor dq_part = at::zeros({a.chunks, a.b, a.h, a.nqb * fa::kBlockM, a.dp}, q.options().dtype(at::kFloat));
   a.q = q.data_ptr();
   a.k = k.data_ptr();

@@ -68,8 +68,17 @@ struct Args {
   uint16_t* vpb;
   uint16_t* vtb;  // bf16 backward: V^T [.., dp / 2, kBlockN, 2] and K [.., kBlockN / 2, dp, 2] (ktb as above)
   uint16_t* kpb;
-  float* vt;                                          // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
-  float* delta;                                       // backward: [b, h, sq]
+  float* vt;     // packed V^T panels [b, hk, nkb, dp, kBlockN] (backward)
+  float* delta;  // backward: [b, h, sq]
+  // backward: q and dO packed once per (batch, head, query block) by the prep pass, [b, h, nqb, kBlockM, dp] with
+  // the padding rows zero: fp32 (q scaled) or, for the bf16 products, bf16 rows (q16, do16) and the same with
+  // query pairs interleaved ([.., kBlockM / 2, dp, 2]: qpb, dopb)
+  float* qs_pk;
+  float* dos_pk;
+  uint16_t* q16_pk;
+  uint16_t* do16_pk;
+  uint16_t* qpb_pk;
+  uint16_t* dopb_pk;
   float* dq_part;                                     // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
   const int32_t* q_keys;                              // packed documents: [b, sq, 2] key span of each query, or null
   Layout lq, lk, lv, lo, lout, ldout, ldq, ldk, ldv;  // of q, k, v, o, out, dout, dq, dk, dv
@@ -123,7 +132,7 @@ inline Span visible(const Args& a, int64_t bi, int64_t i) {
 
 namespace cpu {
 // Work items: pack b * hk * nkb (into whichever of kt, kp, vp, vt is non-null); fwd b * h * nqb;
-// bwd_prep and bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
+// bwd_prep (delta, and q and dO into their panels) and bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
 // Whether this CPU has AVX512-BF16 (detected at run time): bf16 forwards then multiply bf16 panels, fp32 sums.
 bool has_bf16_dot();
 void flash_attn_pack(const flash_attention::Args& a, int64_t i0, int64_t i1);

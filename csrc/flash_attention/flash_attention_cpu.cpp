@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <utility>
 
 #include "../common/cpu_types.h"
 #include "flash_attention.h"
@@ -184,12 +185,49 @@ inline void load_padded(const T* src, float* dst, int64_t d, int64_t dp, float f
   for (int64_t c = d; c < dp; ++c) dst[c] = 0.0f;
 }
 
-// [n, n] block transpose: dst[j * n + i] = src[i * n + j] (n = kBlockM = kBlockN).
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// Two-source lane selections of the 16 x 16 transpose's step s (8, 4, 2, 1): within every 2s x 2s block the
+// top-right s x s block trades places with the bottom-left one. Row i (i & s == 0) keeps its lanes l & s == 0 and
+// takes row i + s's lanes l - s for the others; row i + s takes row i's lanes l + s and keeps the rest.
+constexpr int lower_lane(int s, int l) { return (l & s) ? 16 + l - s : l; }
+constexpr int upper_lane(int s, int l) { return (l & s) ? 16 + l : l + s; }
+template <int S, int... L>
+constexpr vi lower_mask(std::integer_sequence<int, L...>) {
+  return vi{lower_lane(S, L)...};
+}
+template <int S, int... L>
+constexpr vi upper_mask(std::integer_sequence<int, L...>) {
+  return vi{upper_lane(S, L)...};
+}
+template <int S>
+inline void transpose_step(vf* r) {
+  constexpr vi lo = lower_mask<S>(std::make_integer_sequence<int, 16>{});
+  constexpr vi hi = upper_mask<S>(std::make_integer_sequence<int, 16>{});
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i)
+    if (!(i & S)) {
+      const vf a = r[i], b = r[i + S];
+      r[i] = __builtin_shuffle(a, b, lo);
+      r[i + S] = __builtin_shuffle(a, b, hi);
+    }
+}
+
+// [n, n] block transpose: dst[j * n + i] = src[i * n + j] (n = kBlockM = kBlockN), 16 x 16 tiles in registers.
 inline void transpose_block(const float* src, float* dst) {
-  static_assert(kBlockM == kBlockN, "square score blocks");
-  for (int64_t i = 0; i < kBlockM; ++i)
-#pragma omp simd
-    for (int64_t j = 0; j < kBlockN; ++j) dst[j * kBlockM + i] = src[i * kBlockN + j];
+  static_assert(kBlockM == kBlockN && kBlockM % 16 == 0, "square score blocks of 16 x 16 tiles");
+  for (int64_t i0 = 0; i0 < kBlockM; i0 += 16)
+    for (int64_t j0 = 0; j0 < kBlockN; j0 += 16) {
+      vf r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) r[i] = vload(src + (i0 + i) * kBlockN + j0);
+      transpose_step<8>(r);
+      transpose_step<4>(r);
+      transpose_step<2>(r);
+      transpose_step<1>(r);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) vstore(dst + (j0 + j) * kBlockM + i0, r[j]);
+    }
 }
 
 // Columns [lo, hi) of the key block at k0 that query row `row` of batch bi sees (lo == hi: none).
@@ -348,19 +386,57 @@ void fwd_items(const Args& a, int64_t i0, int64_t i1) {
 MK_BF16_DOT void fwd_items_dot(const Args& a, int64_t i0, int64_t i1) { fwd_body<bf16, true>(a, i0, i1); }
 #endif
 
+// Offset of row r of query block qb of (batch bi, head hh) in the backward's q / dO panels (Args::qs_pk ...).
+inline int64_t q_panel(const Args& a, int64_t bi, int64_t hh, int64_t qb, int64_t r) {
+  return (((bi * a.h + hh) * a.nqb + qb) * kBlockM + r) * a.dp;
+}
+
+// Row r of a query block into the panels at `off` (src null: a zero padding row): fp32 (q scaled), or bf16 as a row
+// and with the block's query pairs interleaved.
+template <typename T>
+inline void pack_q_row(const Args& a, const T* src, float factor, int64_t off, int64_t r, float* f32, uint16_t* rows,
+                       uint16_t* pairs) {
+  const int64_t d = a.d, dp = a.dp;
+  if (rows == nullptr) {
+    if (src)
+      load_padded(src, f32 + off, d, dp, factor);
+    else
+      std::fill(f32 + off, f32 + off + dp, 0.0f);
+    return;
+  }
+  uint16_t* row = rows + off;
+  if (src) {
+    std::memcpy(row, src, d * sizeof(uint16_t));  // the bits as they are (the bf16 products take bf16 only)
+    std::fill(row + d, row + dp, uint16_t(0));
+  } else {
+    std::fill(row, row + dp, uint16_t(0));
+  }
+  uint16_t* pair = pairs + off - r * dp + (r / 2) * dp * 2 + r % 2;
+  for (int64_t c = 0; c < dp; ++c) pair[c * 2] = row[c];
+}
+
 template <typename T>
 void bwd_prep_rows(const Args& a, int64_t r0, int64_t r1) {
-  const int64_t d = a.d;
+  const int64_t d = a.d, sq_pad = a.nqb * kBlockM;
   Scratch buf(2 * d);
   float *x = buf.p, *y = buf.p + d;
   for (int64_t r = r0; r < r1; ++r) {  // r = (bi * sq + i) * h + hh
     const int64_t hh = r % a.h, bi = r / a.h / a.sq, i = r / a.h % a.sq;
+    const T* dorow = static_cast<const T*>(a.dout) + at(a.ldout, bi, i, hh);
     const float* o = row_view(static_cast<const T*>(a.out) + at(a.lout, bi, i, hh), x, d);
-    const float* dout = row_view(static_cast<const T*>(a.dout) + at(a.ldout, bi, i, hh), y, d);
+    const float* dout = row_view(dorow, y, d);
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t c = 0; c < d; ++c) acc += o[c] * dout[c];
     a.delta[(bi * a.h + hh) * a.sq + i] = acc;
+    // q and dO into the panels; the last row also writes its block's padding rows
+    const T* qrow = static_cast<const T*>(a.q) + at(a.lq, bi, i, hh);
+    for (int64_t row = i; row < (i == a.sq - 1 ? sq_pad : i + 1); ++row) {
+      const int64_t rr = row % kBlockM, off = q_panel(a, bi, hh, row / kBlockM, rr);
+      const bool real = row < a.sq;
+      pack_q_row<T>(a, real ? qrow : nullptr, a.scale, off, rr, a.qs_pk, a.q16_pk, a.qpb_pk);
+      pack_q_row<T>(a, real ? dorow : nullptr, 1.0f, off, rr, a.dos_pk, a.do16_pk, a.dopb_pk);
+    }
   }
 }
 
@@ -370,13 +446,12 @@ template <typename T, bool DOT>
 __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, int64_t i1) {
   const int64_t d = a.d, dp = a.dp, g = a.h / a.hk, sq_pad = a.nqb * kBlockM;
   const int64_t tile = kBlockM * kBlockN;
-  // DOT: q, dO as rows and k-pair interleaved over the queries [kBlockM / 2, dp, 2], P^T, dS^T, dS in bf16
-  const int64_t dot16 = DOT ? 4 * kBlockM * dp + 3 * tile : 0;
-  Scratch buf(2 * kBlockM * dp + 2 * kBlockN * dp + 5 * tile + (dot16 + 1) / 2);
-  float *qs = buf.p, *dos = qs + kBlockM * dp, *dka = dos + kBlockM * dp, *dva = dka + kBlockN * dp;
+  // DOT: P^T, dS^T, dS in bf16
+  const int64_t dot16 = DOT ? 3 * tile : 0;
+  Scratch buf(2 * kBlockN * dp + 5 * tile + (dot16 + 1) / 2);
+  float *dka = buf.p, *dva = dka + kBlockN * dp;
   float *p = dva + kBlockN * dp, *dp_ = p + tile, *ds = dp_ + tile, *pt = ds + tile, *dst = pt + tile;
-  uint16_t *q16 = reinterpret_cast<uint16_t*>(dst + tile), *do16 = q16 + kBlockM * dp, *qpb = do16 + kBlockM * dp;
-  uint16_t *dopb = qpb + kBlockM * dp, *pt16 = dopb + kBlockM * dp, *dst16 = pt16 + tile, *ds16 = dst16 + tile;
+  uint16_t *pt16 = reinterpret_cast<uint16_t*>(dst + tile), *dst16 = pt16 + tile, *ds16 = dst16 + tile;
   float lse[kBlockM], delta[kBlockM];
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t chunk = it % a.chunks, bk = it / a.chunks, kh = bk % a.hk, bi = bk / a.hk;
@@ -395,29 +470,14 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
           if (flash_attention::visible(a, bi, r0).lo >= k0 + keys ||
               flash_attention::visible(a, bi, r0 + rows - 1).hi <= k0)
             continue;
-          const T* q = static_cast<const T*>(a.q) + at(a.lq, bi, r0, hh);
-          const T* dout = static_cast<const T*>(a.dout) + at(a.ldout, bi, r0, hh);
+          // q and dO as the prep pass packed them (q_panel)
+          const int64_t pk = q_panel(a, bi, hh, qb, 0);
+          const float *qs = DOT ? nullptr : a.qs_pk + pk, *dos = DOT ? nullptr : a.dos_pk + pk;
+          const uint16_t *q16 = DOT ? a.q16_pk + pk : nullptr, *do16 = DOT ? a.do16_pk + pk : nullptr;
+          const uint16_t *qpb = DOT ? a.qpb_pk + pk : nullptr, *dopb = DOT ? a.dopb_pk + pk : nullptr;
           const float* lse_in = a.lse + (bi * a.h + hh) * a.sq + r0;
           const float* delta_in = a.delta + (bi * a.h + hh) * a.sq + r0;
           for (int64_t r = 0; r < kBlockM; ++r) {
-            if constexpr (DOT) {  // the bits as they are, zero padded; as rows and with query pairs interleaved
-              std::fill(q16 + r * dp, q16 + (r + 1) * dp, uint16_t(0));
-              std::fill(do16 + r * dp, do16 + (r + 1) * dp, uint16_t(0));
-              if (r < rows) {
-                std::memcpy(q16 + r * dp, q + r * a.lq.s, d * sizeof(uint16_t));
-                std::memcpy(do16 + r * dp, dout + r * a.ldout.s, d * sizeof(uint16_t));
-              }
-              for (int64_t c = 0; c < dp; ++c) {
-                qpb[(r / 2) * dp * 2 + c * 2 + r % 2] = q16[r * dp + c];
-                dopb[(r / 2) * dp * 2 + c * 2 + r % 2] = do16[r * dp + c];
-              }
-            } else if (r < rows) {
-              load_padded(q + r * a.lq.s, qs + r * dp, d, dp, a.scale);
-              load_padded(dout + r * a.ldout.s, dos + r * dp, d, dp, 1.0f);
-            } else {
-              std::fill(qs + r * dp, qs + (r + 1) * dp, 0.0f);
-              std::fill(dos + r * dp, dos + (r + 1) * dp, 0.0f);
-            }
             lse[r] = r < rows ? (lse_in[r] == kNegInf ? kPosInf : lse_in[r]) : kPosInf;  // no key seen: P = 0
             delta[r] = r < rows ? delta_in[r] : 0.0f;
           }
