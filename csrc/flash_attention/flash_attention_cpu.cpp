@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "../common/cpu_types.h"
@@ -240,16 +241,40 @@ inline flash_attention::Span block_columns(const Args& a, int64_t bi, int64_t ro
 // Offset of (batch bi, kv head kh) in the packed buffers; key block kb's panel starts kb * kBlockN * dp later.
 inline int64_t bk_offset(const Args& a, int64_t bi, int64_t kh) { return (bi * a.hk + kh) * a.nkb * kBlockN * a.dp; }
 
+// The bf16 panels (ktb, vtb, vpb, kpb) of one key straight from its bf16 bits (no round trip through fp32): K^T
+// and V^T take the row's 32-bit words (a pair of head-dim entries) down column j; K and V pair key j with its
+// neighbour in 16-bit slots. Entries past d are zero.
+inline void pack_key_bits(const Args& a, const uint16_t* kb, const uint16_t* vb, int64_t panel, int64_t j) {
+  const int64_t d = a.d, dp = a.dp;
+  for (int64_t c = 0; c < dp; ++c) {
+    const uint16_t k = c < d && kb ? kb[c] : 0, v = c < d && vb ? vb[c] : 0;
+    const int64_t t = panel + (c / 2) * kBlockN * 2 + j * 2 + c % 2, p = panel + (j / 2) * dp * 2 + c * 2 + j % 2;
+    if (a.ktb) a.ktb[t] = k;
+    if (a.vtb) a.vtb[t] = v;
+    if (a.vpb) a.vpb[p] = v;
+    if (a.kpb) a.kpb[p] = k;
+  }
+}
+
 template <typename T>
 void pack_items(const Args& a, int64_t i0, int64_t i1) {
   const int64_t d = a.d, dp = a.dp;
   Scratch buf(2 * dp);
   float *kr = buf.p, *vr = buf.p + dp;
+  const bool bits_only = std::is_same_v<T, bf16> && !a.kt && !a.vt && !a.kp && !a.vp;  // the bf16 products' panels
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t kb = it % a.nkb, bk = it / a.nkb, kh = bk % a.hk, bi = bk / a.hk;
     const int64_t panel = (bk * a.nkb + kb) * dp * kBlockN;  // offset of this block in every packed buffer
     for (int64_t j = 0; j < kBlockN; ++j) {
       const int64_t key = kb * kBlockN + j;
+      if (bits_only) {
+        const bool real = key < a.sk;
+        pack_key_bits(
+            a, real ? reinterpret_cast<const uint16_t*>(static_cast<const T*>(a.k) + at(a.lk, bi, key, kh)) : nullptr,
+            real ? reinterpret_cast<const uint16_t*>(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh)) : nullptr,
+            panel, j);
+        continue;
+      }
       if (key < a.sk) {
         load_padded(static_cast<const T*>(a.k) + at(a.lk, bi, key, kh), kr, d, dp, 1.0f);
         load_padded(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh), vr, d, dp, 1.0f);
@@ -404,15 +429,20 @@ inline void pack_q_row(const Args& a, const T* src, float factor, int64_t off, i
       std::fill(f32 + off, f32 + off + dp, 0.0f);
     return;
   }
-  uint16_t* row = rows + off;
-  if (src) {
-    std::memcpy(row, src, d * sizeof(uint16_t));  // the bits as they are (the bf16 products take bf16 only)
-    std::fill(row + d, row + dp, uint16_t(0));
-  } else {
-    std::fill(row, row + dp, uint16_t(0));
+  // the bits as they are (the bf16 products take bf16 only), read from the source for both layouts: re-reading the
+  // row just stored stalls on store forwarding
+  uint16_t *row = rows + off, *pair = pairs + off - r * dp + (r / 2) * dp * 2 + r % 2;
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  const int64_t n = src ? d : 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const uint16_t v = bits[c];
+    row[c] = v;
+    pair[c * 2] = v;
   }
-  uint16_t* pair = pairs + off - r * dp + (r / 2) * dp * 2 + r % 2;
-  for (int64_t c = 0; c < dp; ++c) pair[c * 2] = row[c];
+  for (int64_t c = n; c < dp; ++c) {
+    row[c] = 0;
+    pair[c * 2] = 0;
+  }
 }
 
 template <typename T>
