@@ -3,10 +3,10 @@
 // (queries that see no key: output 0, lse -inf, no gradient) and non-causal, head sizes that are not multiples of
 // 16 (the zero-padded panels) and sequence lengths that are not multiples of the 64-row blocks. Work is split as
 // the bindings split it across threads, and again one item at a time in reverse: the results must be the same
-// bits (the chunked dq sum has a fixed order). Sliding windows (causal and symmetric, with a shifted diagonal) and
-// packed documents (the queries' key spans) against the same reference with the mask written as a predicate. Built
-// plain and with AddressSanitizer (CMakeLists.txt), so a read past a panel or a block edge fails here before it reaches
-// a user.
+// bits (the chunked dq sum has a fixed order), and so must every tensor laid out token-major (the kernels'
+// strides). Sliding windows (causal and symmetric, with a shifted diagonal) and packed documents (the queries' key
+// spans) against the same reference with the mask written as a predicate. Built plain and with AddressSanitizer
+// (CMakeLists.txt), so a read past a panel or a block edge fails here before it reaches a user.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -132,7 +132,17 @@ fa::Args make_args(const Shape& s, DType dt, float scale, const std::vector<int3
   a.scale = scale;
   a.causal = s.causal;
   a.dtype = dt;
+  const fa::Layout lq{s.sq * s.h * s.d, s.h * s.d, s.d}, lk{s.sk * s.hk * s.d, s.hk * s.d, s.d};  // contiguous
+  a.lq = a.lo = a.lout = a.ldout = a.ldq = lq;
+  a.lk = a.lv = a.ldk = a.ldv = lk;
   return a;
+}
+
+// Every tensor's layout token-major: [b, s, h, d] indexed over [s, b, h, d] memory.
+void set_token_major(fa::Args& a, const Shape& s) {
+  const fa::Layout lq{s.h * s.d, s.b * s.h * s.d, s.d}, lk{s.hk * s.d, s.b * s.hk * s.d, s.d};
+  a.lq = a.lo = a.lout = a.ldout = a.ldq = lq;
+  a.lk = a.lv = a.ldk = a.ldv = lk;
 }
 
 // Runs fn over [0, n) in the pieces a thread pool might use (`reverse`: one item at a time, last first).
@@ -151,10 +161,34 @@ struct Result {
   std::vector<float> lse;
 };
 
-Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, const Buf& dout, float scale,
-           bool reverse, bool dot = false) {
+// x [b, s, h, d] (contiguous) moved to token-major memory ([s, b, h, d], as views of a sequence-first projection
+// lay it out), or back (`back`).
+Buf token_major(const Buf& x, int64_t b, int64_t s, int64_t h, int64_t d, bool back = false) {
+  Buf y(x.dt, x.size());
+  const size_t e = elem_size(x.dt);
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t t = 0; t < s; ++t) {
+      const size_t plain = size_t((bi * s + t) * h * d), tm = size_t((t * b + bi) * h * d);
+      std::memcpy(static_cast<unsigned char*>(y.data()) + (back ? plain : tm) * e,
+                  static_cast<const unsigned char*>(x.data()) + (back ? tm : plain) * e, size_t(h * d) * e);
+    }
+  return y;
+}
+
+// `tm`: every tensor in token-major memory (the kernels told so by their layouts), the results moved back.
+Result run(const Shape& s, DType dt, const Buf& q_in, const Buf& k_in, const Buf& v_in, const Buf& dout_in, float scale,
+           bool reverse, bool dot = false, bool tm = false, bool tm_layout = false) {
+  if (tm) {
+    const Buf q = token_major(q_in, s.b, s.sq, s.h, s.d), k = token_major(k_in, s.b, s.sk, s.hk, s.d);
+    const Buf v = token_major(v_in, s.b, s.sk, s.hk, s.d), dout = token_major(dout_in, s.b, s.sq, s.h, s.d);
+    Result r = run(s, dt, q, k, v, dout, scale, reverse, dot, false, true);
+    return {token_major(r.out, s.b, s.sq, s.h, s.d, true), token_major(r.dq, s.b, s.sq, s.h, s.d, true),
+            token_major(r.dk, s.b, s.sk, s.hk, s.d, true), token_major(r.dv, s.b, s.sk, s.hk, s.d, true), r.lse};
+  }
+  const Buf &q = q_in, &k = k_in, &v = v_in, &dout = dout_in;
   const std::vector<int32_t> spans = s.doc > 0 ? q_key_spans(s) : std::vector<int32_t>();
   fa::Args a = make_args(s, dt, scale, spans);
+  if (tm_layout) set_token_major(a, s);
   const size_t panels = size_t(a.b * a.hk * a.nkb * fa::kBlockN * a.dp);
   Result r{Buf(dt, q.size()), Buf(dt, q.size()), Buf(dt, k.size()), Buf(dt, v.size()), {}};
   r.lse.assign(size_t(s.b * s.h * s.sq), 0.f);
@@ -170,6 +204,7 @@ Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, c
   split(a.b * a.h * a.nqb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_fwd(a, i0, i1); });
   // backward, with the bindings' number of key-block chunks
   fa::Args g = make_args(s, dt, scale, spans);
+  if (tm_layout) set_token_major(g, s);
   g.chunks = std::clamp<int64_t>((16 + g.b * g.hk - 1) / (g.b * g.hk), 1, g.nkb);
   std::vector<float> kt2(panels, 0.f), kp(panels, 0.f), vt(panels, 0.f), delta(size_t(s.b * s.h * s.sq), 0.f);
   std::vector<float> part(size_t(g.chunks * g.b * g.h * g.nqb * fa::kBlockM * g.dp), 0.f);
@@ -181,6 +216,14 @@ Result run(const Shape& s, DType dt, const Buf& q, const Buf& k, const Buf& v, c
   else
     g.kt = kt2.data(), g.kp = kp.data(), g.vt = vt.data();
   g.delta = delta.data(), g.dq_part = part.data();
+  const size_t q_panels = size_t(g.b * g.h * g.nqb * fa::kBlockM * g.dp);  // q and dO, packed by the prep pass
+  std::vector<float> q_f32(dot ? 0 : 2 * q_panels);
+  std::vector<uint16_t> q_b16(dot ? 4 * q_panels : 0);
+  if (dot)
+    g.q16_pk = q_b16.data(), g.do16_pk = g.q16_pk + q_panels, g.qpb_pk = g.q16_pk + 2 * q_panels,
+    g.dopb_pk = g.q16_pk + 3 * q_panels;
+  else
+    g.qs_pk = q_f32.data(), g.dos_pk = g.qs_pk + q_panels;
   const int64_t rows = g.b * g.sq * g.h;
   split(g.b * g.hk * g.nkb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_pack(g, i0, i1); });
   split(rows, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_bwd_prep(g, i0, i1); });
@@ -224,6 +267,10 @@ void check(const Shape& s, DType dt, std::mt19937& rng) {
     compare(what + " dq (bf16 products)", dot.dq, ref.dq, 4 * tol(dt));
     compare(what + " dk (bf16 products)", dot.dk, ref.dk, 4 * tol(dt));
     compare(what + " dv (bf16 products)", dot.dv, ref.dv, 4 * tol(dt));
+    const Result dot_tm = run(s, dt, q, k, v, dout, scale, false, true, true);
+    expect(same_bits(dot.out, dot_tm.out) && same_bits(dot.dq, dot_tm.dq) && same_bits(dot.dk, dot_tm.dk) &&
+               same_bits(dot.dv, dot_tm.dv) && dot.lse == dot_tm.lse,
+           what + ": token-major layouts change the bf16-product results");
     const Result dot_again = run(s, dt, q, k, v, dout, scale, true, true);
     expect(same_bits(dot.out, dot_again.out) && same_bits(dot.dq, dot_again.dq) && same_bits(dot.dk, dot_again.dk) &&
                same_bits(dot.dv, dot_again.dv) && dot.lse == dot_again.lse,
@@ -231,6 +278,10 @@ void check(const Shape& s, DType dt, std::mt19937& rng) {
   } else if (dt == DType::BF16) {
     std::printf("note: this CPU has no AVX512-BF16; the bf16-product passes are not run\n");
   }
+  const Result tm = run(s, dt, q, k, v, dout, scale, false, false, true);  // token-major memory: the same bits
+  expect(same_bits(got.out, tm.out) && same_bits(got.dq, tm.dq) && same_bits(got.dk, tm.dk) &&
+             same_bits(got.dv, tm.dv) && got.lse == tm.lse,
+         what + ": token-major layouts change the results");
   const Result again = run(s, dt, q, k, v, dout, scale, true);
   expect(same_bits(got.out, again.out) && same_bits(got.dq, again.dq) && same_bits(got.dk, again.dk) &&
              same_bits(got.dv, again.dv) && got.lse == again.lse,
