@@ -588,3 +588,137 @@ def test_in_place_ops_cost_their_bytes_and_views_nothing():
     assert peer.price_torch(add_, m)["time_s"] == pytest.approx(3 * 4 * 1024 * 1024 / m.dram_copy + m.launch_s)
     view = peer.Op("torch", func=torch.ops.aten.slice.Tensor, inputs=(t,), outputs=(t,))
     assert peer.price_torch(view, m) is None
+
+
+def _compiled_region(m):
+    """A small function run through the recorder's ``torch.compile``: two GEMMs, the pointwise work and reductions
+    between and after them, an in-place update of a tensor made before the call; (ops, the tensors' sizes)."""
+    import torch
+
+    rec = peer.Recorder(m)
+    with rec.patched(), rec.recording(True):
+        x = torch.empty(64, 32, device="cuda")
+        w = torch.empty(32, 16, device="cuda")
+        b = torch.empty(64, 16, device="cuda")
+        g = torch.empty(64, 32, device="cuda")
+
+        def step(x, w, b, g):
+            y = x @ w  # extern
+            z = torch.exp(y) * b  # fused kernel 1: reads y and b
+            s = (z + b).sum()  # fused kernel 1: b again (read once), z made there
+            u = z @ w.t()  # extern: needs z written
+            g.add_(u)  # fused kernel 2: reads u and g, writes g (made before the call)
+            return s
+
+        torch.compile(step)(x, w, b, g)
+    return rec.ops
+
+
+def test_a_compiled_region_fuses_the_ops_between_its_gemms():
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    ops = _compiled_region(m)
+    ops = ops[[op.kind for op in ops].index("compiled") :]  # after the inputs' allocations
+    kinds = [op.kind for op in ops]
+    assert kinds[-1] == "compiled_end" and kinds.count("compiled") == 1
+    kernels = peer.fuse_compiled(ops[1:])
+    assert [k for k, _ in kernels] == ["extern", "fused", "extern", "fused"]
+    # counted by hand (fp32): kernel 1 reads y [64, 16] and b [64, 16] once each, writes z [64, 16] (the second
+    # GEMM reads it) and the returned sum; kernel 2 reads u [64, 32] and g [64, 32], writes g back
+    first, second = kernels[1][1], kernels[3][1]
+    assert (first["read_bytes"], first["write_bytes"]) == (2 * 64 * 16 * 4, 64 * 16 * 4 + 4)
+    assert (second["read_bytes"], second["write_bytes"]) == (2 * 64 * 32 * 4, 64 * 32 * 4)
+    assert first["ops"] == 4 and second["ops"] == 1  # exp, mul, add, sum; add_
+    # priced: the GEMMs as eager ones, each fused kernel its bytes at the copy rate and one launch; the host pays
+    # one compiled call and one launch per kernel, not an op's dispatch per op
+    gemms = [peer.price_torch(k, m)["time_s"] for kind, k in kernels if kind == "extern"]
+    fused = [(k["read_bytes"] + k["write_bytes"]) / m.dram_copy + m.launch_s for kind, k in kernels if kind == "fused"]
+    host = peer.Host(flush_bytes=0.0)
+    res = peer.price(ops, m, host)
+    assert res["gpu_s"] == pytest.approx(sum(gemms) + sum(fused))
+    assert res["host_exposed_s"] == pytest.approx(host.function_s + 4 * host.torch_op_s)
+    eager = peer.price([op for op in ops if op.kind not in ("compiled", "compiled_end")], m, host)
+    assert res["gpu_s"] < eager["gpu_s"]  # every eager op was its own pass over its tensors
+
+
+def test_a_compiled_region_needs_its_end_and_no_read_back():
+    with pytest.raises(ValueError, match="compiled_end"):
+        peer.fuse_compiled([peer.Op("torch")])
+    with pytest.raises(ValueError, match="read-back"):
+        peer.fuse_compiled([peer.Op("sync"), peer.Op("compiled_end", access=((),))])
+
+
+def test_distill_jsd_loss_prices_its_compiled_chunk_as_one_fused_kernel_between_its_gemms():
+    bt, h, v = 2048, 64, 256
+    cfg = {"H": h, "V": v, "dtype": "torch.bfloat16", "bias": False, "weight_hard_loss": 0.5}
+    rec = _record("0.5.5", "distill_jsd_loss", "forward", bt, cfg)
+    starts = [i for i, op in enumerate(rec.ops) if op.kind == "compiled"]
+    ends = [i for i, op in enumerate(rec.ops) if op.kind == "compiled_end"]
+    assert len(starts) == len(ends) == bt // 1024  # one compiled call a chunk
+    kernels = peer.fuse_compiled(rec.ops[starts[0] + 1 : ends[0] + 1])
+    assert [peer._op_name(k) for kind, k in kernels if kind == "extern"] == ["mm"] * 4
+    fused = [k for kind, k in kernels if kind == "fused"]
+    # the loss and its gradient, one kernel: both chunks' bf16 logits [1024, V] and the int64 labels read once, the
+    # logits' gradient written for the gradient GEMMs, the loss accumulator (fp32) read and written; then the
+    # weight gradient's accumulation after its GEMM, [V, H/2] bf16 read twice and written once
+    assert (fused[0]["read_bytes"], fused[0]["write_bytes"]) == (2 * 1024 * v * 2 + 1024 * 8 + 4, 1024 * v * 2 + 4)
+    assert (fused[1]["read_bytes"], fused[1]["write_bytes"]) == (2 * v * (h // 2) * 2, v * (h // 2) * 2)
+
+
+def _counted_loop():
+    """A kernel whose programs each run as many loop iterations as a count tensor holds at their index (the MoE's
+    per-expert bounds), built as a compiled (not interpreted) Triton kernel."""
+    interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+
+        @triton.jit
+        def counted_loop(counts_ptr, out_ptr, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            n = tl.load(counts_ptr + pid)
+            acc = tl.arange(0, BLOCK).to(tl.float32)
+            for _ in range(0, n):
+                acc = acc * acc * 0.5 + acc
+            tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+    finally:
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
+    return counted_loop
+
+
+def test_unequal_programs_cost_their_sum_and_the_busiest_bounds_the_launch(monkeypatch):
+    pytest.importorskip("triton")
+    import torch
+
+    from megakernels.bench.static import model
+    from megakernels.triton.launch import Launch
+
+    m = model.MACHINES["H100-SXM"]
+    kernel = _counted_loop()
+    block, programs = 256, 4 * m.sms
+
+    def priced(counts):
+        p = len(counts)
+        args = (torch.empty(p, dtype=torch.int32, device="meta"), torch.empty(p * block, device="meta"))
+        launch = Launch(kernel, (p,), args, {"BLOCK": block})
+        launch.contents = {"counts_ptr": counts}
+        return peer.price_triton(launch, m)
+
+    # equal work: the per-program rule gives what pricing program 0 for every program gives
+    equal = priced([400] * programs)
+    with monkeypatch.context() as mp:
+        mp.setattr(peer, "_program_shares", lambda ir, grid: None)
+        assert priced([400] * programs)["time_s"] == pytest.approx(equal["time_s"], rel=1e-12)
+    assert equal["bound"] != "tail"
+    # half the programs at 200 iterations, half at 600: the work is the sum, 400 a program on average
+    mixed = priced([200, 600] * (programs // 2))
+    assert mixed["instructions_per_program"] == pytest.approx(equal["instructions_per_program"], rel=1e-9)
+    assert mixed["time_s"] == pytest.approx(equal["time_s"], rel=1e-9)
+    assert priced([200] * programs)["time_s"] < 0.8 * mixed["time_s"]  # program 0's count alone would say 200
+    # one program with all the work: the launch lasts as long as that program would as a launch of its own
+    lone = priced([4000] + [0] * (programs - 1))
+    alone = priced([4000])
+    assert lone["bound"] == "tail" and set(lone["busiest_loop_trips"]) == {4000}
+    assert lone["time_s"] == pytest.approx(alone["time_s"], rel=0.01)
+    assert lone["time_s"] > 5 * priced([4000 // programs] * programs)["time_s"]  # the same work spread evenly

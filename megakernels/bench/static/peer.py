@@ -20,9 +20,15 @@ Per Triton launch, per program (Triton's unit of work):
   which case every L2 byte is a DRAM byte (re-reads miss);
 - bytes in flight: a program's loads of one loop iteration (all its loads without a loop) x resident programs.
 
+Where a driver gives what a tensor holds and the loop bounds read it at a program-dependent place (the MoE's
+per-expert token counts), each program's trips are evaluated: the launch's work is their sum, and it lasts no
+less than its busiest program would as a launch of its own.
+
 A PyTorch op costs, on the GPU: a GEMM its FLOPs at ``mma_sustained`` of the dtype's dense peak (or its bytes at
 the copy rate when slower), anything else its tensors' bytes at the copy rate; views and ``empty`` cost nothing.
-Every kernel adds ``launch_s``.
+Every kernel adds ``launch_s``. A ``torch.compile``d function's ops (a compiled region) are priced as Inductor
+runs them (``fuse_compiled``): GEMMs as they are, the ops between them fused into one kernel of the bytes it reads
+and writes outside itself.
 
 The benchmark harness (``triton.testing.do_bench``) times a region on CUDA events after zeroing a 256 MB buffer
 (its L2 flush), so the host's work of the region overlaps the flush: the published time is the larger of the GPU
@@ -143,11 +149,14 @@ class Op:
     """One recorded step: a Triton ``launch`` (megakernels.triton.launch.Launch), a PyTorch op (``func`` with its
     input and output tensors' (shape, dtype) lists) or a host ``sync``."""
 
-    kind: str  # "triton" | "torch" | "sync" | "call"
+    kind: str  # "triton" | "torch" | "sync" | "call" | "return" | "compiled" | "compiled_end"
     launch: object = None
     func: object = None
     inputs: tuple = ()
     outputs: tuple = ()
+    # inside a compiled region (``Recorder.compiled``): the (inputs, outputs) memory the op touches, each a tuple of
+    # ``_access`` entries; on a "compiled_end" marker, (the storages the compiled function returns,)
+    access: tuple = ()
 
 
 def _meta(v):
@@ -184,6 +193,29 @@ def _same_memory(a, b) -> bool:
     )
 
 
+def _access(region: dict, x) -> tuple:
+    """The memory each tensor in ``x`` names, for a compiled region's data flow: (storage, view, bytes, storage
+    bytes) per tensor. A storage is numbered the first time the region meets it (and held until the region ends,
+    so that its address is not reused by another); a view is (offset, shape, strides, dtype); bytes are the view's
+    distinct elements (a stride-0 dimension adds none) x element size, at most the storage's."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        storage = x.untyped_storage()
+        key = storage._cdata
+        if key not in region["ids"]:
+            region["ids"][key] = len(region["ids"])
+            region["held"].append(x)
+        distinct = math.prod(n for n, st in zip(x.shape, x.stride()) if st != 0) * x.element_size()
+        view = (x.storage_offset(), tuple(x.shape), tuple(x.stride()), str(x.dtype))
+        return ((region["ids"][key], view, min(distinct, storage.nbytes()), storage.nbytes()),)
+    if isinstance(x, (list, tuple)):
+        return tuple(a for y in x for a in _access(region, y))
+    if isinstance(x, dict):
+        return _access(region, list(x.values()))
+    return ()
+
+
 class Recorder:
     """A context that records (``ops``) instead of running: Triton launches and PyTorch ops on fake CUDA tensors.
     CUDA queries a peer's launcher makes (the SM count, the current device) answer as ``machine``."""
@@ -204,6 +236,8 @@ class Recorder:
         self.tuned: dict = {}
         self.tunings: list[dict] = []
         self._capture: list | None = None
+        # the compiled region being recorded (``compiled``): its storages' numbers and the tensors held for them
+        self._region: dict | None = None
 
     @contextlib.contextmanager
     def patched(self):
@@ -229,6 +263,9 @@ class Recorder:
                 launch.contents = known
             if rec._capture is not None:
                 rec._capture.append(launch)
+            elif rec._region is not None:  # a Triton kernel in a compiled region: each tensor read and written
+                tensors = _access(rec._region, [*args, *kwargs.values()])
+                rec.ops.append(Op("triton", launch=launch, access=(tensors, tensors)))
             else:
                 rec.ops.append(Op("triton", launch=launch))
 
@@ -253,14 +290,11 @@ class Recorder:
                 out = func(*args, **kwargs)
                 if rec.active and func is not torch.ops.prim.device.default:  # the fake tensors' own query,
                     # dispatched after their views: a program on real tensors never runs it
-                    rec.ops.append(
-                        Op(
-                            "torch",
-                            func=func,
-                            inputs=_tensors(list(args) + list(kwargs.values())),
-                            outputs=_tensors(out),
-                        )
-                    )
+                    ins = list(args) + list(kwargs.values())
+                    access = ()
+                    if rec._region is not None:
+                        access = (_access(rec._region, ins), _access(rec._region, out))
+                    rec.ops.append(Op("torch", func=func, inputs=_tensors(ins), outputs=_tensors(out), access=access))
                 return out
 
         props = types.SimpleNamespace(
@@ -342,6 +376,22 @@ class Recorder:
         old += [getitem, setitem]
         torch.Tensor.__getitem__ = fake_getitem
         torch.Tensor.__setitem__ = fake_setitem
+
+        def fake_compile(fn=None, *a, **k):
+            # torch.compile(fn, ...) or torch.compile(...)(fn): the function runs as its eager ops, recorded as a
+            # compiled region (priced as Inductor runs it: ``price_compiled``)
+            if fn is None:
+                return lambda f: fake_compile(f, *a, **k)
+
+            def compiled_fn(*args, **kwargs):
+                with rec.compiled() as returns:
+                    return returns(fn(*args, **kwargs))
+
+            return compiled_fn
+
+        saved.append((torch, "compile"))
+        old.append(torch.compile)
+        torch.compile = fake_compile
         try:
             with FakeTensorMode(allow_non_fake_inputs=True):
                 self._dispatch = Dispatch
@@ -371,6 +421,27 @@ class Recorder:
         take its place in ``price_ours``). Costs nothing."""
         if self.active:
             self.ops.append(Op("return"))
+
+    @contextlib.contextmanager
+    def compiled(self):
+        """Record what runs inside as one ``torch.compile``d call (markers "compiled" and "compiled_end", and each
+        op's memory, ``Op.access``); yields ``returns(out)``, which notes the call's return value (the region's
+        outputs) and gives it back. A region inside a region is part of it (Dynamo inlines the inner call)."""
+        if self._region is not None or not self.active:
+            yield lambda out: out
+            return
+        self._region = {"ids": {}, "held": [], "returns": ()}
+        self.ops.append(Op("compiled"))
+
+        def returns(out):
+            self._region["returns"] = tuple(a[0] for a in _access(self._region, out))
+            return out
+
+        try:
+            yield returns
+        finally:
+            self.ops.append(Op("compiled_end", access=(self._region["returns"],)))
+            self._region = None
 
 
 _CONFIG_TIMES: dict = {}
@@ -852,9 +923,10 @@ def _distill_jsd_loss(rec, mode, x, cfg):
     times it: student head ``[V, H/2]`` on ``[BT, H/2]`` (requiring grad), teacher head ``[V, H]`` on ``[BT, H]``,
     biases per the row, random labels; hard and soft loss weights from the row. The forward runs the release's
     chunk function per chunk of 1024 rows (both logit GEMMs, the losses and, through ``torch.func.grad_and_value``,
-    the student's gradients, accumulated). The chunk function is ``torch.compile``d in the release; under the
-    recorder Dynamo does not trace, so it is recorded (and priced) as its eager ATen ops. ``full`` = forward +
-    ``y.backward()``: the student input's and weight's ``.grad`` accumulate."""
+    the student's gradients, accumulated). The chunk function is ``torch.compile``d in the release: the recorder's
+    ``torch.compile`` records each call as a compiled region (``Recorder.compiled``), priced as Inductor runs it
+    (``price_compiled``). ``full`` = forward + ``y.backward()``: the student input's and weight's ``.grad``
+    accumulate."""
     import torch
 
     dev = _AUTOGRAD_DEVICE
@@ -893,8 +965,8 @@ def _kto_loss(rec, mode, x, cfg):
     ``ignore_index`` tokens, boolean preference labels, a precomputed KL; one chunk a sequence (the release's
     chunk size 1), each: the policy and reference logit GEMMs, the per-token log-probabilities and the loss, and
     through ``torch.func.grad_and_value`` the policy's gradients, accumulated. The chunk function is
-    ``torch.compile``d in the release; under the recorder Dynamo does not trace, so it is recorded (and priced) as
-    its eager ATen ops. ``full`` = forward + ``y.backward()``: the head's weight and bias ``.grad`` accumulate."""
+    ``torch.compile``d in the release: each call is recorded as a compiled region and priced as Inductor runs it
+    (``price_compiled``). ``full`` = forward + ``y.backward()``: the head's weight and bias ``.grad`` accumulate."""
     import torch
 
     dev = _AUTOGRAD_DEVICE
@@ -958,7 +1030,9 @@ def _fused_moe(rec, mode, x, cfg):
     reset each call. The GEMM and gather kernels are autotuned (``autotune``) on the key (H, I): the benchmark
     tunes once, in a warm-up pass at ``MOE_WARMUP_TOKENS`` tokens (and ``MOE_WARMUP_EXPERTS`` experts in the
     expert sweep) before any timed call, so the driver runs that warm-up (unrecorded) first. The per-expert token
-    counts that set the M-tile count and the dW kernels' loop trips come from ``_moe_routing``."""
+    counts that set the M-tile count and the dW kernels' loop trips come from ``_moe_routing``: each dW program's
+    trips are those of its expert, so a dW launch is priced by the sum of its programs' work and no shorter than
+    its busiest program (``analyse_triton``)."""
     import torch
 
     sweep = cfg.get("sweep_dim", "T")
@@ -1226,7 +1300,8 @@ class IR:
             out |= self._args(o, seen)
         return out
 
-    def eval(self, v: str, pid: int = 0):
+    def eval(self, v: str, pid: int | tuple = 0):
+        """The integer value ``v`` holds in program ``pid`` (one index for every grid axis, or (x, y, z))."""
         name = v[1:].split("#")[0]
         if name in self.values and not hasattr(self.values[name], "shape"):
             return int(self.values[name])
@@ -1236,7 +1311,7 @@ class IR:
         if op == "arith.constant":
             return int(re.match(r"\s*(-?\d+)", rest).group(1))
         if op == "tt.get_program_id":
-            return pid
+            return pid if isinstance(pid, int) else pid["xyz".index(rest.split()[0])]
         if op in ("arith.extsi", "arith.extui", "arith.trunci", "arith.index_cast", "alias"):
             return self.eval(operands[0], pid)
         if op in _ARITH:
@@ -1250,13 +1325,27 @@ class IR:
                 return int(self.contents[name][offset])
         raise ValueError(f"loop bound through {op}")
 
-    def trips(self) -> list[tuple[int, int]]:
-        """(trip count at program 0, nesting depth) of each loop, in program order."""
+    def trips(self, pid: int | tuple = 0) -> list[tuple[int, int]]:
+        """(trip count in program ``pid``, nesting depth) of each loop, in program order."""
         out = []
         for lb, ub, st, depth in self.loops:
-            lo, hi, step = self.eval(lb), self.eval(ub), self.eval(st)
+            lo, hi, step = self.eval(lb, pid), self.eval(ub, pid), self.eval(st, pid)
             out.append((max(0, -(-(hi - lo) // step)), depth))
         return out
+
+    def program_axes(self) -> set[int]:
+        """The grid axes (0 x, 1 y, 2 z) whose program index the loop bounds depend on."""
+        axes, todo, seen = set(), [v for lp in self.loops for v in lp[:3]], set()
+        while todo:
+            v = todo.pop()
+            if v in seen or v not in self.defs:
+                continue
+            seen.add(v)
+            op, operands, rest = self.defs[v]
+            if op == "tt.get_program_id":
+                axes.add("xyz".index(rest.split()[0]))
+            todo.extend(operands)
+        return axes
 
 
 def _program_counts(fn, trips: list[int]):
@@ -1282,6 +1371,8 @@ def price_triton(launch, m: model.Machine) -> dict:
         _ANALYSED[key] = (launch, analyse_triton(launch, m))
     cost, details = _ANALYSED[key][1]
     pred = model.predict_stream(cost, details["grid"], 1, m)
+    if details.get("busiest_program_s", 0.0) > pred["time_s"]:  # unequal programs: the busiest one ends the launch
+        return {**details, "bound": "tail", "time_s": details["busiest_program_s"], "times_s": pred["times_s"]}
     return {**details, "bound": pred["bound"], "time_s": pred["time_s"], "times_s": pred["times_s"]}
 
 
@@ -1301,6 +1392,21 @@ def spill_traffic(
     return local * l1_miss, local * l1_miss * l2_miss
 
 
+def _program_shares(ir: IR, grid: tuple) -> list[tuple[tuple, int]] | None:
+    """The programs of a launch on ``grid`` whose loop bounds depend on the program index: (program index (x, y,
+    z), how many programs share its trips) for every index along the axes the bounds read (the others at 0); None
+    when every program runs the same trips."""
+    import itertools
+
+    axes = ir.program_axes()
+    if not axes:
+        return None
+    g = [int(x) for x in grid] + [1] * (3 - len(grid))
+    ranges = [range(g[a]) if a in axes else range(1) for a in range(3)]
+    n = math.prod(g[a] for a in range(3) if a not in axes)
+    return [(pid, n) for pid in itertools.product(*ranges)]
+
+
 def analyse_triton(launch, m: model.Machine) -> tuple:
     """(StreamCost per program, details) of one Triton launch compiled for ``m``."""
     import torch
@@ -1313,34 +1419,60 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
     values = dict(zip(launch.kernel.arg_names, launch.args))
     values.update({k: v for k, v in launch.kwargs.items() if k in launch.kernel.arg_names})
     ir = IR(ck.asm["ttir"], values, getattr(launch, "contents", None))
-    trips = [(t, d, b) for (t, d), b in zip(ir.trips(), ir.loop_bytes)]
-    if len(trips) != len(c.fn.loops):
-        # ptxas unrolls loops of known trip count away: drop the IR loops with constant bounds first
-        var = [tdb for tdb, lp in zip(trips, ir.loops) if not all(re.match(r"%c", x) for x in lp[:3])]
-        if len(var) != len(c.fn.loops) and len({t for t, _, _ in trips}) == 1:
-            var = [(trips[0][0], 0, 0)] * len(c.fn.loops)  # every loop of the IR runs the same count: so do the SASS's
-        if len(var) != len(c.fn.loops):
-            raise ValueError(f"{launch.name}: {len(trips)} loops in the IR, {len(c.fn.loops)} in the SASS")
-        trips = var
+    n_loops = len(c.fn.loops)
+    constant = [all(re.match(r"%c", x) for x in lp[:3]) for lp in ir.loops]
+
+    def aligned(ir_trips):
+        # the IR's loops matched to the SASS's: (trips, depth, bytes of one IR iteration) per SASS loop
+        trips = [(t, d, b) for (t, d), b in zip(ir_trips, ir.loop_bytes)]
+        if len(trips) != n_loops:
+            # ptxas unrolls loops of known trip count away: drop the IR loops with constant bounds first
+            var = [tdb for tdb, k in zip(trips, constant) if not k]
+            if len(var) != n_loops and len({t for t, _, _ in trips}) == 1:
+                var = [(trips[0][0], 0, 0)] * n_loops  # every loop of the IR runs the same count: so do the SASS's
+            if len(var) != n_loops:
+                raise ValueError(f"{launch.name}: {len(trips)} loops in the IR, {n_loops} in the SASS")
+            trips = var
+        return trips
+
+    trips = aligned(ir.trips())
     warps = launch.num_warps
     # ptxas may unroll a loop of a small body u times (and peel the remainder): its SASS iteration then moves u
     # of the IR's iterations' bytes and runs trips / u times
-    runs = []
-    for (t, _, ir_bytes), lp in zip(trips, c.fn.loops):
+    unroll = []
+    for (_, _, ir_bytes), lp in zip(trips, c.fn.loops):
         sass_bytes = (lp.counts.load_bytes() + lp.counts.store_bytes()) * 32 * warps
-        u = round(sass_bytes / ir_bytes) if ir_bytes and sass_bytes >= 1.5 * ir_bytes else 1
-        runs.append(t / u)
-    total, flight = _program_counts(c.fn, runs)
-    instr, mufu, ld, st = total.instructions, total.mufu, total.load_bytes(), total.store_bytes()
-    local = total.local_bytes
-    # tensor-core work (tl.dot), per warp
-    mma = m.mma_clocks(total.mma_flops, total.mma_sync_flops, total.mma_fp8_flops, total.mma_tf32_flops)
-    mma_cycles = mma * warps
+        unroll.append(round(sass_bytes / ir_bytes) if ir_bytes and sass_bytes >= 1.5 * ir_bytes else 1)
+
+    def program(trips):
+        # one program's work (per warp) at these loop trips: the costliest path's counts, tensor-core clocks
+        total, flight = _program_counts(c.fn, [t / u for (t, _, _), u in zip(trips, unroll)])
+        mma = m.mma_clocks(total.mma_flops, total.mma_sync_flops, total.mma_fp8_flops, total.mma_tf32_flops)
+        work = (total.instructions, total.mufu, total.load_bytes() + total.store_bytes(), total.local_bytes, mma)
+        return work, flight
+
     programs = launch.num_ctas
+    (instr, mufu, moved, local, mma), flight = program(trips)
+    # Programs whose loop bounds a driver's contents set per program (``Recorder.contents``: the MoE's per-expert
+    # token counts) do unequal work: each distinct program's trips are evaluated, the launch's work is their sum
+    # (the per-program cost below is its mean), and its busiest program is priced as a launch of its own
+    shares = _program_shares(ir, launch.grid) if getattr(launch, "contents", None) else None
+    busiest = None
+    if shares is not None:
+        groups: dict = {}
+        for pid, n in shares:
+            t = tuple(aligned(ir.trips(pid)))
+            groups[t] = groups.get(t, 0) + n
+        works = [(t, n, *program(list(t))) for t, n in groups.items()]
+        instr, mufu, moved, local, mma = (sum(n * w[i] for _, n, w, _ in works) / programs for i in range(5))
+        flight = sum(n * f for _, n, _, f in works) / programs
+        trips = [(sum(n * t[i][0] for t, n, _, _ in works) / programs, d, b) for i, (_, d, b) in enumerate(trips)]
+        busiest = works
+    mma_cycles = mma * warps
     resident = model.blocks_per_sm(m, c.threads, c.registers, c.shared_bytes, math.ceil(programs / m.sms))
     nbytes = {k: v.numel() * v.element_size() for k, v in values.items() if isinstance(v, torch.Tensor)}
     compulsory = sum(nbytes[k] for k in ir.loaded if k in nbytes) + sum(nbytes[k] for k in ir.stored if k in nbytes)
-    l2_total = (ld + st) * 32 * warps * programs
+    l2_total = moved * 32 * warps * programs
     # Re-reads hit L2 while the data a program reuses stays there: one iteration of a single top-level loop (a
     # stream of rows), else everything the program loads (several passes over the same row). A loop's depth counts
     # the IR's enclosing braces (module, function), so the top level is the smallest depth.
@@ -1365,6 +1497,28 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         sm_fraction=min(1.0, programs / m.sms),
         mma_cycles=mma_cycles,
     )
+    details = {}
+    if busiest is not None:
+        # the launch lasts at least as long as its busiest program would as a launch of its own (one program on
+        # one SM, its loads alone in flight; its DRAM bytes its L2 bytes at the launch's DRAM share of them)
+        def alone(work, flight):
+            w_instr, w_mufu, w_moved, w_local, w_mma = work
+            l2 = w_moved * 32 * warps + (w_local * 32 * warps * to_l2 / spilled if spilled else 0.0)
+            one = model.StreamCost(
+                instructions=w_instr * 32 * warps,
+                mufu=w_mufu * 32 * warps,
+                l2_bytes=l2,
+                dram_bytes=l2 * dram_total / l2_total if l2_total else 0.0,
+                min_bytes=0.0,
+                in_flight_per_sm=flight * 32 * warps,
+                warps_per_sm=warps,
+                sm_fraction=1.0 / m.sms,
+                mma_cycles=w_mma * warps,
+            )
+            return model.predict_stream(one, 1, 1, m)["time_s"]
+
+        t, _, work, f = max(busiest, key=lambda w: alone(w[2], w[3]))
+        details = {"busiest_program_s": alone(work, f), "busiest_loop_trips": [x for x, _, _ in t]}
     return cost, {
         "kernel": launch.name,
         "grid": programs,
@@ -1377,18 +1531,20 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         "instructions_per_program": instr * warps,
         "dram_bytes": dram_total,
         "l2_bytes": l2_total,
+        **details,
     }
 
 
-def price_torch(op: Op, m: model.Machine) -> dict | None:
-    """GPU time of one recorded PyTorch op on ``m``; None for one that launches no kernel."""
-    import torch
+def _op_name(op: Op) -> str:
+    return op.func.__name__.split(".")[0] if hasattr(op.func, "__name__") else str(op.func)
 
-    name = op.func.__name__.split(".")[0] if hasattr(op.func, "__name__") else str(op.func)
+
+def launches_nothing(op: Op) -> bool:
+    """Whether a recorded PyTorch op launches no kernel: a view, an allocation, a query, an op with no output."""
     schema = getattr(op.func, "_schema", None)
     if schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-        return None  # a view (an in-place op, whose return aliases the tensor it writes, launches a kernel)
-    if name in (
+        return True  # a view (an in-place op, whose return aliases the tensor it writes, launches a kernel)
+    return not op.outputs or _op_name(op) in (
         "empty",
         "empty_like",
         "empty_strided",
@@ -1398,10 +1554,16 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
         "sym_size",
         "sym_stride",
         "sym_numel",
-    ):
+    )
+
+
+def price_torch(op: Op, m: model.Machine) -> dict | None:
+    """GPU time of one recorded PyTorch op on ``m``; None for one that launches no kernel."""
+    import torch
+
+    if launches_nothing(op):
         return None
-    if not op.outputs:
-        return None
+    name = _op_name(op)
 
     def size(t):
         return math.prod(t[0]) * t[1].itemsize
@@ -1419,12 +1581,139 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
     return {"kernel": f"aten.{name}", "bound": bound, "time_s": t + m.launch_s, "dram_bytes": nbytes}
 
 
+# The ops Inductor leaves as extern kernels (called as they are from its generated code): the GEMMs; a Triton kernel
+# a compiled function launches is its own kernel too
+EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "convolution", "_convolution"})
+
+
+def fuse_compiled(ops: list[Op]) -> list[tuple]:
+    """The kernels Inductor runs for one compiled call, from the ops recorded in it (between its "compiled" and
+    "compiled_end" markers, the latter included for the call's outputs), in order of first appearance: ("extern",
+    op) for a GEMM (``EXTERN``) or a Triton launch, kept as it is; ("fused", {"ops", "read_bytes", "write_bytes"})
+    for a fused kernel. Assumptions about Inductor (docs/static-cost-model.md §9):
+
+    - every op that launches something and is not extern joins a fused kernel; the fused kernels are the levels of
+      the data flow between externs: an op joins level g, the latest level among its inputs' producers (a fused
+      kernel's level, or an extern's), and an extern fed by level g runs after it and before level g + 1 (an
+      extern fed only by externs or by the call's inputs shares their level);
+    - a fused kernel reads from DRAM each tensor it reads that it did not produce itself (once, whatever the number
+      of its ops that read it), and writes each tensor it produces that is read outside it (by a later kernel) or
+      leaves the call (a returned storage, or one made before the call that the call writes into); what it makes
+      and uses itself stays on chip. Bytes are the views' distinct elements, at most the storage's;
+    - views and allocations launch nothing.
+
+    Raises:
+        ValueError: a read-back (a graph break) inside the call, or no "compiled_end" marker."""
+    if not ops or ops[-1].kind != "compiled_end":
+        raise ValueError("a compiled region's ops must end with its 'compiled_end' marker")
+    returned = set(ops[-1].access[0]) if ops[-1].access else set()
+    version: dict[int, int] = {}  # storage -> its current version (each write makes one)
+    made_by: dict[tuple, tuple] = {}  # (storage, version) -> ("g", level) | ("e", level)
+    readers: dict[tuple, set] = {}  # (storage, version) -> the kernels that read it
+    outside, seen = set(), set()  # storages the call did not make; storages met
+    groups: dict[int, dict] = {}
+    kernels: list = []  # ("extern", op, tag) | ("group", level), in order of first appearance
+
+    def level_of(sid: int) -> tuple:
+        return made_by.get((sid, version.get(sid, 0)), ("in", 0))
+
+    for i, op in enumerate(ops[:-1]):
+        if op.kind == "sync":
+            raise ValueError("a read-back inside a compiled region (a graph break) is not modelled")
+        if op.kind not in ("torch", "triton"):
+            continue
+        ins, outs = op.access or ((), ())
+        for a in ins:
+            if a[0] not in seen:
+                seen.add(a[0])
+                outside.add(a[0])
+        seen.update(a[0] for a in outs)
+        extern = op.kind == "triton" or _op_name(op) in EXTERN
+        if op.kind == "torch" and not extern and launches_nothing(op):
+            continue  # a view or an allocation
+        made = [level_of(a[0]) for a in ins]
+        if extern:
+            level = max([g + 1 if kind == "g" else g for kind, g in made], default=0)
+            tag = ("e", i)
+            kernels.append(("extern", op, tag))
+        else:
+            level = max([g for _, g in made], default=0)
+            tag = ("g", level)
+            if level not in groups:
+                groups[level] = {"ops": 0, "reads": {}, "writes": {}}
+                kernels.append(("group", level))
+            group = groups[level]
+            group["ops"] += 1
+        for a in ins:
+            key = (a[0], version.get(a[0], 0))
+            readers.setdefault(key, set()).add(tag)
+            if not extern and made_by.get(key) != tag:
+                group["reads"].setdefault(key, {})[a[1]] = (a[2], a[3])
+        for a in outs:
+            version[a[0]] = version.get(a[0], 0) + 1
+            key = (a[0], version[a[0]])
+            made_by[key] = ("e", level) if extern else tag
+            if not extern:
+                group["writes"].setdefault(key, {})[a[1]] = (a[2], a[3])
+
+    def nbytes(views: dict) -> int:
+        return min(sum(b for b, _ in views.values()), max(s for _, s in views.values()))
+
+    out = []
+    for k in kernels:
+        if k[0] == "extern":
+            out.append(("extern", k[1]))
+            continue
+        tag, group = ("g", k[1]), groups[k[1]]
+        written = 0
+        for key, views in group["writes"].items():
+            sid, v = key
+            leaves = v == version[sid] and (sid in returned or sid in outside)
+            if leaves or readers.get(key, set()) - {tag}:
+                written += nbytes(views)
+        read = sum(nbytes(views) for views in group["reads"].values())
+        out.append(("fused", {"ops": group["ops"], "read_bytes": read, "write_bytes": written}))
+    return out
+
+
+def price_compiled(ops: list[Op], m: model.Machine) -> list[dict]:
+    """The GPU time of each kernel of one compiled call (``fuse_compiled``) on ``m``: an extern as it is priced
+    eagerly (``price_torch``, ``price_triton``); a fused kernel its DRAM bytes at the copy rate and one launch."""
+    out = []
+    for kind, k in fuse_compiled(ops):
+        if kind == "extern":
+            out.append(price_triton(k.launch, m) if k.kind == "triton" else price_torch(k, m))
+            continue
+        nbytes = k["read_bytes"] + k["write_bytes"]
+        t = nbytes / m.dram_copy + m.launch_s
+        out.append({"kernel": f"inductor.fused({k['ops']} ops)", "bound": "dram", "time_s": t, "dram_bytes": nbytes})
+    return out
+
+
 def price(ops: list[Op], m: model.Machine, host: Host = HOST) -> dict:
     """The published time of a recorded region: the GPU's time (its kernels in order) or the host's time the
-    flush does not hide, whichever is longer."""
+    flush does not hide, whichever is longer. A compiled call (``Recorder.compiled``) costs the host one
+    ``function_s`` (the call through its compiled wrapper: guards and the generated code, no per-op dispatch) and
+    ``torch_op_s`` per kernel it launches; its GPU time is ``price_compiled``'s."""
     gpu, host_t, after_sync, synced, launches = 0.0, 0.0, 0.0, False, []
-    for op in ops:
+    ops = list(ops)
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        i += 1
         if op.kind == "return":
+            continue
+        if op.kind == "compiled":
+            end = next((j for j in range(i, len(ops)) if ops[j].kind == "compiled_end"), None)
+            if end is None:
+                raise ValueError("a compiled region without its 'compiled_end' marker")
+            kernels = price_compiled(ops[i : end + 1], m)
+            i = end + 1
+            dh = host.function_s + host.torch_op_s * len(kernels)
+            host_t += dh
+            after_sync += dh
+            gpu += sum(r["time_s"] for r in kernels)
+            launches.extend(kernels)
             continue
         if op.kind == "ours":  # one of our launches (streaming.Part), made from C++ behind a custom op
             r = ours_price(op.launch, m)
