@@ -199,7 +199,7 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   a.dq_part = dq_part.data_ptr<float>();
   const int64_t rows = a.b * a.sq * a.h;
   at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
-  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_prep(a, b, e); });
+  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_prep(a, b, e); });
   at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_kv(a, b, e); });
   at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_dq(a, b, e); });
 }

@@ -132,7 +132,7 @@ inline Span visible(const Args& a, int64_t bi, int64_t i) {
 
 namespace cpu {
 // Work items: pack b * hk * nkb (into whichever of kt, kp, vp, vt is non-null); fwd b * h * nqb;
-// bwd_prep (delta, and q and dO into their panels) and bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
+// bwd_prep (delta, and q and dO into their panels) b * h * nqb; bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
 // Whether this CPU has AVX512-BF16 (detected at run time): bf16 forwards then multiply bf16 panels, fp32 sums.
 bool has_bf16_dot();
 void flash_attn_pack(const flash_attention::Args& a, int64_t i0, int64_t i1);

@@ -15,6 +15,7 @@
 #include <memory>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../common/cpu_types.h"
 #include "flash_attention.h"
@@ -241,18 +242,57 @@ inline flash_attention::Span block_columns(const Args& a, int64_t bi, int64_t ro
 // Offset of (batch bi, kv head kh) in the packed buffers; key block kb's panel starts kb * kBlockN * dp later.
 inline int64_t bk_offset(const Args& a, int64_t bi, int64_t kh) { return (bi * a.hk + kh) * a.nkb * kBlockN * a.dp; }
 
-// The bf16 panels (ktb, vtb, vpb, kpb) of one key straight from its bf16 bits (no round trip through fp32): K^T
-// and V^T take the row's 32-bit words (a pair of head-dim entries) down column j; K and V pair key j with its
-// neighbour in 16-bit slots. Entries past d are zero.
-inline void pack_key_bits(const Args& a, const uint16_t* kb, const uint16_t* vb, int64_t panel, int64_t j) {
+// A row of bf16 bits zero padded to dp: the source itself when d == dp (no copy), else a copy into `scratch`; the
+// zero row for a missing one (null).
+inline const uint16_t* padded_bits(const uint16_t* src, uint16_t* scratch, const uint16_t* zeros, int64_t d,
+                                   int64_t dp) {
+  if (src == nullptr) return zeros;
+  if (d == dp) return src;
+  std::memcpy(scratch, src, size_t(d) * sizeof(uint16_t));
+  std::fill(scratch + d, scratch + dp, uint16_t(0));
+  return scratch;
+}
+
+// Rows x0, x1 (dp bf16 each) interleaved into one [dp, 2] panel row: out[c] = x0[c] | x1[c] << 16.
+inline void interleave_pair(const uint16_t* x0, const uint16_t* x1, uint16_t* out, int64_t dp) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+#pragma omp simd
+  for (int64_t c = 0; c < dp; ++c) o[c] = uint32_t(x0[c]) | (uint32_t(x1[c]) << 16);
+}
+
+// Key row x (dp bf16) as column j of a transposed panel [dp / 2, kBlockN, 2]: its 32-bit words (head-dim pairs) down
+// the column.
+inline void words_down_column(const uint16_t* x, uint16_t* panel, int64_t j, int64_t dp) {
+  uint32_t* t = reinterpret_cast<uint32_t*>(panel) + j;
+  for (int64_t w = 0; w < dp / 2; ++w) {
+    uint32_t word;
+    std::memcpy(&word, x + 2 * w, sizeof word);
+    t[w * kBlockN] = word;
+  }
+}
+
+// The bf16 panels (ktb, vtb, vpb, kpb) of one key block straight from its bf16 bits (no round trip through fp32),
+// a pair of keys at a time: K^T and V^T take each key's 32-bit words down its column, K and V interleave the pair.
+inline void pack_block_bits(const Args& a, int64_t bi, int64_t kh, int64_t kb, int64_t panel, uint16_t* scratch,
+                            const uint16_t* zeros) {
   const int64_t d = a.d, dp = a.dp;
-  for (int64_t c = 0; c < dp; ++c) {
-    const uint16_t k = c < d && kb ? kb[c] : 0, v = c < d && vb ? vb[c] : 0;
-    const int64_t t = panel + (c / 2) * kBlockN * 2 + j * 2 + c % 2, p = panel + (j / 2) * dp * 2 + c * 2 + j % 2;
-    if (a.ktb) a.ktb[t] = k;
-    if (a.vtb) a.vtb[t] = v;
-    if (a.vpb) a.vpb[p] = v;
-    if (a.kpb) a.kpb[p] = k;
+  const uint16_t* kbase = static_cast<const uint16_t*>(a.k);
+  const uint16_t* vbase = static_cast<const uint16_t*>(a.v);
+  for (int64_t j = 0; j < kBlockN; j += 2) {
+    const uint16_t* x[4];  // k(j), k(j + 1), v(j), v(j + 1), zero padded
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t key = kb * kBlockN + j + e;
+      const bool real = key < a.sk;
+      x[e] = padded_bits(real ? kbase + at(a.lk, bi, key, kh) : nullptr, scratch + e * dp, zeros, d, dp);
+      x[2 + e] = padded_bits(real ? vbase + at(a.lv, bi, key, kh) : nullptr, scratch + (2 + e) * dp, zeros, d, dp);
+    }
+    const int64_t pair = panel + (j / 2) * dp * 2;
+    if (a.kpb) interleave_pair(x[0], x[1], a.kpb + pair, dp);
+    if (a.vpb) interleave_pair(x[2], x[3], a.vpb + pair, dp);
+    for (int64_t e = 0; e < 2; ++e) {
+      if (a.ktb) words_down_column(x[e], a.ktb + panel, j + e, dp);
+      if (a.vtb) words_down_column(x[2 + e], a.vtb + panel, j + e, dp);
+    }
   }
 }
 
@@ -262,19 +302,17 @@ void pack_items(const Args& a, int64_t i0, int64_t i1) {
   Scratch buf(2 * dp);
   float *kr = buf.p, *vr = buf.p + dp;
   const bool bits_only = std::is_same_v<T, bf16> && !a.kt && !a.vt && !a.kp && !a.vp;  // the bf16 products' panels
+  std::vector<uint16_t> bits_buf(bits_only ? 5 * dp : 0, uint16_t(0));  // four padded rows and a zero row
+  uint16_t *bits_scratch = bits_buf.data(), *bits_zeros = bits_buf.data() + 4 * dp;
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t kb = it % a.nkb, bk = it / a.nkb, kh = bk % a.hk, bi = bk / a.hk;
     const int64_t panel = (bk * a.nkb + kb) * dp * kBlockN;  // offset of this block in every packed buffer
+    if (bits_only) {
+      pack_block_bits(a, bi, kh, kb, panel, bits_scratch, bits_zeros);
+      continue;
+    }
     for (int64_t j = 0; j < kBlockN; ++j) {
       const int64_t key = kb * kBlockN + j;
-      if (bits_only) {
-        const bool real = key < a.sk;
-        pack_key_bits(
-            a, real ? reinterpret_cast<const uint16_t*>(static_cast<const T*>(a.k) + at(a.lk, bi, key, kh)) : nullptr,
-            real ? reinterpret_cast<const uint16_t*>(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh)) : nullptr,
-            panel, j);
-        continue;
-      }
       if (key < a.sk) {
         load_padded(static_cast<const T*>(a.k) + at(a.lk, bi, key, kh), kr, d, dp, 1.0f);
         load_padded(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh), vr, d, dp, 1.0f);
@@ -416,56 +454,58 @@ inline int64_t q_panel(const Args& a, int64_t bi, int64_t hh, int64_t qb, int64_
   return (((bi * a.h + hh) * a.nqb + qb) * kBlockM + r) * a.dp;
 }
 
-// Row r of a query block into the panels at `off` (src null: a zero padding row): fp32 (q scaled), or bf16 as a row
-// and with the block's query pairs interleaved.
+// One query block of (batch bi, head hh) for the backward: delta = rowsum(dO * O) of its rows, and q and dO into
+// their panels (q_panel; the padding rows zero): fp32 (q scaled), or bf16 rows and the block's query pairs
+// interleaved, written from the source bits.
 template <typename T>
-inline void pack_q_row(const Args& a, const T* src, float factor, int64_t off, int64_t r, float* f32, uint16_t* rows,
-                       uint16_t* pairs) {
+void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
   const int64_t d = a.d, dp = a.dp;
-  if (rows == nullptr) {
-    if (src)
-      load_padded(src, f32 + off, d, dp, factor);
-    else
-      std::fill(f32 + off, f32 + off + dp, 0.0f);
-    return;
-  }
-  // the bits as they are (the bf16 products take bf16 only), read from the source for both layouts: re-reading the
-  // row just stored stalls on store forwarding
-  uint16_t *row = rows + off, *pair = pairs + off - r * dp + (r / 2) * dp * 2 + r % 2;
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  const int64_t n = src ? d : 0;
-  for (int64_t c = 0; c < n; ++c) {
-    const uint16_t v = bits[c];
-    row[c] = v;
-    pair[c * 2] = v;
-  }
-  for (int64_t c = n; c < dp; ++c) {
-    row[c] = 0;
-    pair[c * 2] = 0;
-  }
-}
-
-template <typename T>
-void bwd_prep_rows(const Args& a, int64_t r0, int64_t r1) {
-  const int64_t d = a.d, sq_pad = a.nqb * kBlockM;
   Scratch buf(2 * d);
   float *x = buf.p, *y = buf.p + d;
-  for (int64_t r = r0; r < r1; ++r) {  // r = (bi * sq + i) * h + hh
-    const int64_t hh = r % a.h, bi = r / a.h / a.sq, i = r / a.h % a.sq;
-    const T* dorow = static_cast<const T*>(a.dout) + at(a.ldout, bi, i, hh);
-    const float* o = row_view(static_cast<const T*>(a.out) + at(a.lout, bi, i, hh), x, d);
-    const float* dout = row_view(dorow, y, d);
-    float acc = 0.0f;
+  const bool dot = a.q16_pk != nullptr;                           // the bf16 products' panels (bf16 only)
+  std::vector<uint16_t> bits_buf(dot ? 5 * dp : 0, uint16_t(0));  // four padded rows and a zero row
+  uint16_t *scratch = bits_buf.data(), *zeros = bits_buf.data() + 4 * dp;
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t qb = it % a.nqb, bh = it / a.nqb, hh = bh % a.h, bi = bh / a.h;
+    const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0), off = q_panel(a, bi, hh, qb, 0);
+    const T* q = static_cast<const T*>(a.q) + at(a.lq, bi, r0, hh);
+    const T* dout = static_cast<const T*>(a.dout) + at(a.ldout, bi, r0, hh);
+    const T* out = static_cast<const T*>(a.out) + at(a.lout, bi, r0, hh);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* o = row_view(out + r * a.lout.s, x, d);
+      const float* g = row_view(dout + r * a.ldout.s, y, d);
+      float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t c = 0; c < d; ++c) acc += o[c] * dout[c];
-    a.delta[(bi * a.h + hh) * a.sq + i] = acc;
-    // q and dO into the panels; the last row also writes its block's padding rows
-    const T* qrow = static_cast<const T*>(a.q) + at(a.lq, bi, i, hh);
-    for (int64_t row = i; row < (i == a.sq - 1 ? sq_pad : i + 1); ++row) {
-      const int64_t rr = row % kBlockM, off = q_panel(a, bi, hh, row / kBlockM, rr);
-      const bool real = row < a.sq;
-      pack_q_row<T>(a, real ? qrow : nullptr, a.scale, off, rr, a.qs_pk, a.q16_pk, a.qpb_pk);
-      pack_q_row<T>(a, real ? dorow : nullptr, 1.0f, off, rr, a.dos_pk, a.do16_pk, a.dopb_pk);
+      for (int64_t c = 0; c < d; ++c) acc += o[c] * g[c];
+      a.delta[(bi * a.h + hh) * a.sq + r0 + r] = acc;
+    }
+    if (!dot) {
+      for (int64_t r = 0; r < kBlockM; ++r) {
+        float *qs = a.qs_pk + off + r * dp, *dos = a.dos_pk + off + r * dp;
+        if (r < rows) {
+          load_padded(q + r * a.lq.s, qs, d, dp, a.scale);
+          load_padded(dout + r * a.ldout.s, dos, d, dp, 1.0f);
+        } else {
+          std::fill(qs, qs + dp, 0.0f);
+          std::fill(dos, dos + dp, 0.0f);
+        }
+      }
+      continue;
+    }
+    const uint16_t* qbits = reinterpret_cast<const uint16_t*>(q);
+    const uint16_t* dbits = reinterpret_cast<const uint16_t*>(dout);
+    for (int64_t r = 0; r < kBlockM; r += 2) {
+      const uint16_t* rq[2];
+      const uint16_t* rd[2];
+      for (int64_t e = 0; e < 2; ++e) {
+        const bool real = r + e < rows;
+        rq[e] = padded_bits(real ? qbits + (r + e) * a.lq.s : nullptr, scratch + e * dp, zeros, d, dp);
+        rd[e] = padded_bits(real ? dbits + (r + e) * a.ldout.s : nullptr, scratch + (2 + e) * dp, zeros, d, dp);
+        std::memcpy(a.q16_pk + off + (r + e) * dp, rq[e], size_t(dp) * sizeof(uint16_t));
+        std::memcpy(a.do16_pk + off + (r + e) * dp, rd[e], size_t(dp) * sizeof(uint16_t));
+      }
+      interleave_pair(rq[0], rq[1], a.qpb_pk + off + (r / 2) * dp * 2, dp);
+      interleave_pair(rd[0], rd[1], a.dopb_pk + off + (r / 2) * dp * 2, dp);
     }
   }
 }
@@ -633,7 +673,7 @@ void flash_attn_fwd(const Args& a, int64_t i0, int64_t i1) {
 #endif
   MK_FA_DISPATCH(fwd_items)
 }
-void flash_attn_bwd_prep(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_prep_rows) }
+void flash_attn_bwd_prep(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_prep_blocks) }
 void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) {
 #if defined(__x86_64__)
   if (a.dtype == DType::BF16 && a.ktb != nullptr) return bwd_kv_items_dot(a, i0, i1);

@@ -226,7 +226,7 @@ Result run(const Shape& s, DType dt, const Buf& q_in, const Buf& k_in, const Buf
     g.qs_pk = q_f32.data(), g.dos_pk = g.qs_pk + q_panels;
   const int64_t rows = g.b * g.sq * g.h;
   split(g.b * g.hk * g.nkb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_pack(g, i0, i1); });
-  split(rows, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_bwd_prep(g, i0, i1); });
+  split(g.b * g.h * g.nqb, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_bwd_prep(g, i0, i1); });
   split(g.b * g.hk * g.chunks, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_bwd_kv(g, i0, i1); });
   split(rows, reverse, [&](int64_t i0, int64_t i1) { cpu::flash_attn_bwd_dq(g, i0, i1); });
   return r;
