@@ -43,6 +43,7 @@ import torch
 
 from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
+from megakernels.ops._autograd import eager_autograd
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -228,6 +229,7 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+_flash_attn_fwd_eager = eager_autograd("flash_attn_fwd_eager", _flash_attn_fwd, _setup_context, _backward)
 
 
 def check_window(op: str, window) -> int:
@@ -404,7 +406,7 @@ def flash_attention(
         out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)
         return (out, lse) if return_lse else out
-    out, lse = _flash_attn_fwd(
+    out, lse = _flash_attn_fwd_eager(
         q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic), window, 0, q_docs, k_docs
     )
     return (out, lse) if return_lse else out

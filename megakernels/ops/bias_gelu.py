@@ -12,6 +12,7 @@ import torch
 import megakernels._lib  # noqa: F401
 from megakernels._backend import emulate_for
 from megakernels.ops import _checks
+from megakernels.ops._autograd import eager_autograd
 
 APPROXIMATIONS = {"none": 1, "tanh": 2}
 
@@ -41,6 +42,9 @@ def _backward(ctx, dy):
 
 
 torch.library.register_autograd("megakernels::bias_gelu_fwd", _backward, setup_context=_setup_context)
+_bias_gelu_fwd = eager_autograd(
+    "bias_gelu_fwd_eager", torch.ops.megakernels.bias_gelu_fwd.default, _setup_context, _backward
+)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
@@ -63,7 +67,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") ->
     _checks.tensor(op, "bias", bias)
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"{op}: approximate must be 'tanh' or 'none', got {approximate!r}")
-    return torch.ops.megakernels.bias_gelu_fwd(x, bias, APPROXIMATIONS[approximate], emulate_for(op, x))
+    return _bias_gelu_fwd(x, bias, APPROXIMATIONS[approximate], emulate_for(op, x))
 
 
 def bias_gelu_reference(x, bias, approximate="tanh", compute_dtype=torch.float64):

@@ -22,6 +22,7 @@ import torch
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
 from megakernels.ops import _checks
+from megakernels.ops._autograd import eager_autograd
 
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -73,6 +74,9 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
 
 
 torch.library.register_autograd("megakernels::norm_fwd", _norm_backward, setup_context=_norm_setup_context)
+_norm_fwd = eager_autograd(
+    "norm_fwd_eager", torch.ops.megakernels.norm_fwd.default, _norm_setup_context, _norm_backward
+)
 
 
 def layer_norm(
@@ -104,7 +108,7 @@ def layer_norm(
     _checks.tensor(op, "bias", bias, optional=True)
     act = activation_code(op, activation)
     eps = _checks.real(op, "eps", eps, minimum=0.0)
-    y, _, _ = torch.ops.megakernels.norm_fwd(x, weight, bias, eps, act, False, emulate_for(op, x))
+    y, _, _ = _norm_fwd(x, weight, bias, eps, act, False, emulate_for(op, x))
     return y
 
 
@@ -117,7 +121,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _checks.tensor(op, "x", x)
     _checks.tensor(op, "weight", weight, optional=True)
     eps = _checks.real(op, "eps", eps, minimum=0.0)
-    y, _, _ = torch.ops.megakernels.norm_fwd(x, weight, None, eps, 0, True, emulate_for(op, x))
+    y, _, _ = _norm_fwd(x, weight, None, eps, 0, True, emulate_for(op, x))
     return y
 
 

@@ -31,6 +31,7 @@ import torch
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
 from megakernels.ops import _checks
+from megakernels.ops._autograd import eager_autograd
 
 OP = "fused_rope"
 
@@ -70,6 +71,7 @@ def _backward(ctx, dq, dk):
 
 
 torch.library.register_autograd("megakernels::rope", _backward, setup_context=_setup_context)
+_rope = eager_autograd("rope_eager", torch.ops.megakernels.rope.default, _setup_context, _backward)
 
 
 def _check_table_rows(positions, cos_sin: torch.Tensor, offset: int, seq: int) -> None:
@@ -159,9 +161,7 @@ def fused_rope(
         if cos_sin.dim() == 3:  # a wrong shape is reported by the kernel's checks
             _check_table_rows(positions, cos_sin, offset, q.shape[seq_dim])
         theta = 1.0
-    return torch.ops.megakernels.rope(
-        q, k, positions, cos_sin, float(theta), offset, interleaved, seq_dim, False, emulate_for(OP, q, "q")
-    )
+    return _rope(q, k, positions, cos_sin, float(theta), offset, interleaved, seq_dim, False, emulate_for(OP, q, "q"))
 
 
 def rope_cos_sin_table(

@@ -29,6 +29,7 @@ import torch
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
 from megakernels.ops import _checks
+from megakernels.ops._autograd import eager_autograd
 
 
 @torch.library.register_fake("megakernels::softmax_fwd")
@@ -56,6 +57,7 @@ def _backward(ctx, dy):
 
 
 torch.library.register_autograd("megakernels::softmax_fwd", _backward, setup_context=_setup_context)
+_softmax_fwd = eager_autograd("softmax_fwd_eager", torch.ops.megakernels.softmax_fwd.default, _setup_context, _backward)
 
 
 def scaled_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -75,7 +77,7 @@ def scaled_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     op = "scaled_softmax"
     _checks.tensor(op, "x", x)
     s = _checks.real(op, "scale", scale)
-    return torch.ops.megakernels.softmax_fwd(x, None, s, False, emulate_for(op, x))
+    return _softmax_fwd(x, None, s, False, emulate_for(op, x))
 
 
 def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -100,7 +102,7 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor, scale: float = 1.
     _checks.tensor(op, "x", x)
     _checks.tensor(op, "mask", mask)
     s = _checks.real(op, "scale", scale)
-    return torch.ops.megakernels.softmax_fwd(x, mask, s, False, emulate_for(op, x))
+    return _softmax_fwd(x, mask, s, False, emulate_for(op, x))
 
 
 def scaled_causal_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -124,7 +126,7 @@ def scaled_causal_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     op = "scaled_causal_softmax"
     _checks.tensor(op, "x", x)
     s = _checks.real(op, "scale", scale)
-    return torch.ops.megakernels.softmax_fwd(x, None, s, True, emulate_for(op, x))
+    return _softmax_fwd(x, None, s, True, emulate_for(op, x))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
 from megakernels._backend import emulate_for
 from megakernels.ops import _checks
+from megakernels.ops._autograd import eager_autograd
 
 OP = "swiglu"
 
@@ -52,6 +53,7 @@ def _backward(ctx, dy):
 
 
 torch.library.register_autograd("megakernels::swiglu_fwd", _backward, setup_context=_setup_context)
+_swiglu_fwd = eager_autograd("swiglu_fwd_eager", torch.ops.megakernels.swiglu_fwd.default, _setup_context, _backward)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +71,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         cannot take x.
     """
     _checks.tensor(OP, "x", x)
-    return torch.ops.megakernels.swiglu_fwd(x, emulate_for(OP, x))
+    return _swiglu_fwd(x, emulate_for(OP, x))
 
 
 def swiglu_reference(x, compute_dtype=torch.float64):
