@@ -136,9 +136,11 @@ def _grad_inplace(
 def combine_stats(stats, target, group, ignore_index: int, label_smoothing: float, vocab_size: int):
     """(per-token loss, lse) from the rows' ``(max, sum exp, target logit, row sum)`` statistics ``[N, 4]``; with
     ``group`` the statistics of the ranks' vocab shards are combined first: one all-reduce(MAX) of the maxima,
-    then one all-reduce(SUM) of (rescaled sum-exp, target logit, row sum)."""
+    then one all-reduce(SUM) of (rescaled sum-exp, target logit, row sum). A group of one rank has nothing to combine
+    (the statistics are its own: no collective)."""
     m, s, picked, total = stats.unbind(1)
-    if group is not None and stats.device.type != "meta":  # meta: shapes only, nothing to exchange
+    # meta: shapes only, nothing to exchange
+    if group is not None and stats.device.type != "meta" and dist.get_world_size(group) > 1:
         global_max = m.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         safe = global_max.masked_fill(torch.isneginf(global_max), 0.0)
