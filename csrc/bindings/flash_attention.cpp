@@ -154,6 +154,16 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
                       g.strides());
     TORCH_CHECK_VALUE(at::has_internal_overlap(g) != at::MemOverlap::Yes, op, ": ", grads[i].first,
                       " has elements that share memory (strides ", g.strides(), ")");
+    // a gradient written over an input the kernel still reads (or over another gradient) would be a wrong answer
+    const std::pair<const char*, const at::Tensor*> others[] = {
+        {"q", &q_in},           {"k", &k_in}, {"v", &v_in}, {"out", &out_in},
+        {"grad_out", &dout_in}, {"dq", &dq},  {"dk", &dk},  {"dv", &dv}};
+    for (const auto& [name, t] : others) {
+      if (t == outs[i]) continue;
+      const at::MemOverlapStatus st = at::get_overlap_status(g, *t);
+      TORCH_CHECK_VALUE(st != at::MemOverlapStatus::Full && st != at::MemOverlapStatus::Partial, op, ": ",
+                        grads[i].first, " shares memory with ", name);
+    }
   }
   const at::Tensor q = inner_contiguous(q_in), k = inner_contiguous(k_in), v = inner_contiguous(v_in);
   const at::Tensor dout = inner_contiguous(dout_in), out = inner_contiguous(out_in);

@@ -203,6 +203,11 @@ def test_into_refuses_gradients_of_the_wrong_shape_or_layout():
         into(*args, torch.empty(1, 20, 16, 2).transpose(2, 3), torch.empty_like(k), torch.empty_like(v))
     with pytest.raises(ValueError, match="dk has elements that share memory"):
         into(*args, torch.empty_like(q), torch.empty(1, 1, 2, 16).expand(1, 20, 2, 16), torch.empty_like(v))
+    with pytest.raises(ValueError, match="dq shares memory with q"):
+        into(*args, q, torch.empty_like(k), torch.empty_like(v))
+    shared = torch.empty_like(k)
+    with pytest.raises(ValueError, match="dk shares memory with dv"):
+        into(*args, torch.empty_like(q), shared, shared)
     with pytest.raises(ValueError, match="dv must be a CPU Float"):
         into(*args, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v, dtype=torch.bfloat16))
 
