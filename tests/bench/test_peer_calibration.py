@@ -722,3 +722,88 @@ def test_unequal_programs_cost_their_sum_and_the_busiest_bounds_the_launch(monke
     assert lone["bound"] == "tail" and set(lone["busiest_loop_trips"]) == {4000}
     assert lone["time_s"] == pytest.approx(alone["time_s"], rel=0.01)
     assert lone["time_s"] > 5 * priced([4000 // programs] * programs)["time_s"]  # the same work spread evenly
+
+
+def _engine_after_moe_backward(t, e, k, h, i, calls=3):
+    """The reference for the fused MoE's timed backward past the autograd function: the benchmark's inputs
+    (``randn(..., requires_grad=True)`` weights times 0.02, a leaf ``x``, routing weights made a leaf by
+    ``requires_grad_``) and its timed ``y.backward(do, retain_graph=True)`` with ``grad_to_none`` clearing ``x``,
+    the two weight products and the routing weights before each call, run by PyTorch's own autograd engine on the
+    CPU through a stand-in of the function (the release's arguments; gradients of the shapes its backward returns).
+    Returns the ATen ops (``peer.Op``s: func, input and output shapes) the engine dispatched after the stand-in's
+    backward returned, in the last call (every call after the first: the first finds no ``.grad`` to add to)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    bf16 = torch.bfloat16
+    seen, end = [], []
+
+    class StandIn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights):
+            return torch.empty(t, h, dtype=bf16)
+
+        @staticmethod
+        def backward(ctx, dO):
+            grads = (
+                torch.empty(t, h, dtype=bf16),
+                torch.empty(e, 2 * i, h, dtype=bf16),
+                torch.empty(e, h, i, dtype=bf16),
+                None,
+                torch.empty(t * k, dtype=bf16).view(t, k),
+            )
+            end.append(len(seen))
+            return grads
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # shapes only: a reference held to a gradient would keep the engine from taking it as the leaf's .grad
+            seen.append(peer.Op("torch", func=func, inputs=peer._tensors(list(args)), outputs=peer._tensors(out)))
+            return out
+
+    x = torch.randn(t, h, dtype=bf16, requires_grad=True)
+    gup = torch.randn(e, 2 * i, h, dtype=bf16, requires_grad=True) * 0.02
+    dn = torch.randn(e, h, i, dtype=bf16, requires_grad=True) * 0.02
+    idx = torch.zeros(t, k, dtype=torch.int32)
+    wts = torch.softmax(torch.randn(t, k), dim=-1).to(bf16).requires_grad_(True)
+    y = StandIn.apply(x, gup, dn, idx, wts)
+    do = torch.randn_like(y)
+    for _ in range(calls):
+        for g in (x, gup, dn, wts):  # do_bench's grad_to_none (a non-leaf product keeps no .grad anyway)
+            g.grad = None
+        seen.clear()
+        end.clear()
+        with Seen():
+            y.backward(do, retain_graph=True)
+    return seen[end[-1] :]
+
+
+def test_fused_moe_backward_prices_the_engines_pass_over_the_weight_gradients(monkeypatch):
+    # pricing stubbed for the Triton launches: the test is what the driver records after the peer's backward
+    monkeypatch.setattr(peer, "price_triton", lambda launch, m: {"time_s": float(launch.kwargs.get("BLOCK_N", 1))})
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    t, e, k, h, i = 256, 8, 2, 128, 64
+    cfg = {"sweep_dim": "T", "T": None, "E": e, "H": h, "intermediate_dim": i, "K": k, "dtype": "torch.bfloat16"}
+    # views and detaches launch nothing
+    reference = [op for op in _engine_after_moe_backward(t, e, k, h, i) if peer.price_torch(op, m) is not None]
+    # the engine's own work: each weight gradient scaled by the product's MulBackward0, then added in place into
+    # the leaf's .grad by AccumulateGrad; nothing for x and the routing weights (their .grad cleared)
+    assert [(peer._op_name(op), op.outputs[0][0]) for op in reference] == [
+        ("mul", (e, h, i)),
+        ("add_", (e, h, i)),
+        ("mul", (e, 2 * i, h)),
+        ("add_", (e, 2 * i, h)),
+    ]
+    for mode in ("backward", "full"):
+        rec = _record("0.8.0", "fused_moe", mode, t, cfg)
+        kinds = [op.kind for op in rec.ops]
+        after = rec.ops[max(j for j, kind in enumerate(kinds) if kind == "return") + 1 :]
+        assert [op.outputs[0][0] for op in after] == [op.outputs[0][0] for op in reference]
+        assert sum(peer.price_torch(op, m)["time_s"] for op in after) == pytest.approx(
+            sum(peer.price_torch(op, m)["time_s"] for op in reference), rel=1e-6
+        )
+        # the full pass draws its dO inside the timed call; the backward pass before it
+        assert _count(rec, "randn_like") == (mode == "full")

@@ -1002,6 +1002,7 @@ def _kto_loss(rec, mode, x, cfg):
 
 MOE_WARMUP_TOKENS = 8192  # the benchmark's autotune warm-up: its model profile's token count (Qwen3-MoE-30B)
 MOE_WARMUP_EXPERTS = 8  # in the expert sweep, the first warm-up (fewest experts) is the one that tunes
+MOE_WEIGHT_SCALE = 0.02  # the benchmark's weights: ``randn(..., requires_grad=True) * 0.02``
 
 
 def _moe_routing(t: int, e: int, k: int, block_m: int) -> tuple[list[int], int]:
@@ -1023,11 +1024,16 @@ def _moe_routing(t: int, e: int, k: int, block_m: int) -> tuple[list[int], int]:
 
 def _fused_moe(rec, mode, x, cfg):
     """``LigerFusedMoEFunction`` as its benchmark times it: bf16 ``x [T, H]`` (a leaf), gate-up ``[E, 2I, H]`` and
-    down ``[E, H, I]`` weights (non-leaf: scaled after creation, so no ``.grad`` is kept), int32 top-k indices and
-    their softmax weights; T or E is the swept ``x``. Forward: the three routing kernels, one ``.item()`` (the
-    M-tile count), the gate-up GEMM with SwiGLU, the down GEMM, the weighted token gather; backward (with a random
-    ``dO``): the down-projection backward, dW2, dX expanded, the gather-sum, dW1; ``full`` both; ``x.grad`` is
-    reset each call. The GEMM and gather kernels are autotuned (``autotune``) on the key (H, I): the benchmark
+    down ``[E, H, I]`` weights, int32 top-k indices and their softmax weights (a leaf); T or E is the swept ``x``.
+    Forward: the three routing kernels, one ``.item()`` (the M-tile count), the gate-up GEMM with SwiGLU, the down
+    GEMM, the weighted token gather; backward (with a random ``dO``, drawn inside the timed call in ``full``): the
+    down-projection backward, dW2, dX expanded, the gather-sum, dW1, and then the autograd engine's own work on the
+    weights' gradients. The weights are made as ``randn(..., requires_grad=True) * MOE_WEIGHT_SCALE``: what the
+    function receives is the product, whose ``MulBackward0`` scales each weight gradient (a pass reading it and
+    writing a new one) into the ``randn`` leaf, whose ``.grad`` the benchmark never clears (its ``grad_to_none``
+    names the products, which keep none), so ``AccumulateGrad`` adds it in place on every timed call (``+=``: two
+    reads and a write). ``x.grad`` and the routing weights' ``.grad`` are cleared each call (the engine keeps the
+    fresh gradient, no pass). The GEMM and gather kernels are autotuned (``autotune``) on the key (H, I): the benchmark
     tunes once, in a warm-up pass at ``MOE_WARMUP_TOKENS`` tokens (and ``MOE_WARMUP_EXPERTS`` experts in the
     expert sweep) before any timed call, so the driver runs that warm-up (unrecorded) first. The per-expert token
     counts that set the M-tile count and the dW kernels' loop trips come from ``_moe_routing``: each dW program's
@@ -1065,12 +1071,15 @@ def _fused_moe(rec, mode, x, cfg):
             rec.ret()
         if not backward:
             return
-        with rec.recording(False):
+        with rec.recording(record_backward and record_forward):  # full: ``y.backward(torch.randn_like(y))``
             do = torch.randn_like(out)
         with rec.recording(record_backward):
             rec.call(backward=True)
-            fn.backward(ctx, do)
+            grads = fn.backward(ctx, do)
             rec.ret()
+            for g in (grads[2], grads[1]):  # the engine reaches the down weight's node first
+                scaled = g * MOE_WEIGHT_SCALE  # MulBackward0
+                _ = scaled + scaled  # AccumulateGrad: the leaf's ``.grad += scaled``
 
     region(MOE_WARMUP_TOKENS, MOE_WARMUP_EXPERTS if sweep == "E" else e, False, True, False)
     region(t, e, mode in ("forward", "full"), mode in ("backward", "full"), True)
