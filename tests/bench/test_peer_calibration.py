@@ -590,6 +590,23 @@ def test_in_place_ops_cost_their_bytes_and_views_nothing():
     assert peer.price_torch(view, m) is None
 
 
+def test_ops_that_only_write_cost_their_outputs():
+    """A factory taking a tensor for its shape (zeros_like) and an in-place fill read nothing: one write pass."""
+    import torch
+
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    t = ((2048, 512), torch.bfloat16)
+    one_pass = 2 * 2048 * 512 / m.dram_copy + m.launch_s
+    for func in (torch.ops.aten.zeros_like.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default):
+        assert peer.price_torch(peer.Op("torch", func=func, inputs=(t,), outputs=(t,)), m)["time_s"] == pytest.approx(
+            one_pass
+        ), func
+    neg = peer.Op("torch", func=torch.ops.aten.neg.default, inputs=(t,), outputs=(t,))  # reads and writes
+    assert peer.price_torch(neg, m)["time_s"] == pytest.approx(2 * one_pass - m.launch_s)
+
+
 def _compiled_region(m):
     """A small function run through the recorder's ``torch.compile``: two GEMMs, the pointwise work and reductions
     between and after them, an in-place update of a tensor made before the call; (ops, the tensors' sizes)."""

@@ -1566,6 +1566,14 @@ def launches_nothing(op: Op) -> bool:
     )
 
 
+# PyTorch ops whose kernels write their outputs without reading their inputs' data (the input gives a shape, or is
+# the tensor filled in place)
+WRITES_ONLY = frozenset(
+    {"zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "fill_", "zero_", "normal_",
+     "uniform_", "random_", "bernoulli_"}
+)  # fmt: skip
+
+
 def price_torch(op: Op, m: model.Machine) -> dict | None:
     """GPU time of one recorded PyTorch op on ``m``; None for one that launches no kernel."""
     import torch
@@ -1577,7 +1585,8 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
     def size(t):
         return math.prod(t[0]) * t[1].itemsize
 
-    nbytes = sum(size(t) for t in op.inputs) + sum(size(t) for t in op.outputs)
+    # an op that only writes (a factory like zeros_like, a fill) reads nothing of its inputs
+    nbytes = (0 if name in WRITES_ONLY else sum(size(t) for t in op.inputs)) + sum(size(t) for t in op.outputs)
     t = nbytes / m.dram_copy
     bound = "dram"
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and len(op.inputs) >= 2:
