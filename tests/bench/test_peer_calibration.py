@@ -379,15 +379,7 @@ DRIVEN.append(
 
 @pytest.mark.parametrize("kernel,version,x,cfg,mode,expected", DRIVEN, ids=[d[0] for d in DRIVEN])
 def test_drivers_record_the_benchmarks_timed_region(kernel, version, x, cfg, mode, expected):
-    from megakernels.bench.static import model
-
-    path = peer.peer_dir(version, os.environ.get("MEGAKERNELS_PEER_PATH"))
-    if path is None:
-        pytest.skip(peer.install_hint(version, None) + " (scripts/setup.sh installs it)")
-    pytest.importorskip("triton")
-    rec = peer.Recorder(model.MACHINES["H100-SXM"])
-    with peer.imported(path), rec.patched():
-        peer.DRIVERS[kernel](rec, mode, x, cfg)
+    rec = _record(version, kernel, mode, x, cfg)
     names = []
     for op in rec.ops:
         if op.kind == "triton":
