@@ -13,6 +13,7 @@ from megakernels.nn.norms import FusedLayerNorm, FusedRMSNorm
 from megakernels.nn.rope import RotaryEmbedding
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
 from megakernels.nn.swiglu import FusedSwiGLU
+from megakernels.nn.tied_embedding import TiedEmbedding
 
 __all__ = [
     "FusedLayerNorm",
@@ -27,4 +28,5 @@ __all__ = [
     "RotaryEmbedding",
     "FusedSwiGLU",
     "KVCache",
+    "TiedEmbedding",
 ]

@@ -261,7 +261,84 @@ def test_patch_leaves_parameters_and_state_dict_names_unchanged():
 
 def test_apply_reports_what_it_patched():
     done = mkt.apply(H.build("llama"), attention=False, loss=False)
-    assert done == {"norms": 5, "mlp": 2, "experts": 0, "attention": False, "loss": False, "fused_head": False}
+    assert done == {
+        "norms": 5,
+        "mlp": 2,
+        "experts": 0,
+        "attention": False,
+        "loss": False,
+        "fused_head": False,
+        "tied_embeddings": False,  # its LM head has a table of its own
+    }
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._opname
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_tied_table_gets_the_lookup_rows_added_into_the_heads_gradient(family, dtype):
+    """GPT-2 ties its word embedding to the LM head; Llama does with ``tie_word_embeddings`` (and has a padding
+    row, which the lookup gives no gradient). The patched model computes the table's gradient without the dense
+    embedding backward or the engine's add of two tables, equal to the unpatched model's to fp32 rounding (bf16:
+    as accurate against the fp32 model)."""
+    ref = H.build(family)
+    if family == "llama":
+        ref.config.tie_word_embeddings = True
+        ref.tie_weights()
+    table = ref.get_input_embeddings().weight
+    assert ref.get_output_embeddings().weight is table
+    plain = copy.deepcopy(ref).to(dtype)
+    model = copy.deepcopy(ref).to(dtype)
+    assert mkt.apply(model)["tied_embeddings"]
+    ids = H.batch()
+    ids[0, :3] = 0  # the padding id (Llama's padding_idx; an ordinary token for GPT-2)
+    name = next(n for n, p in ref.named_parameters() if p is table)
+    _, _, grads = step(ref, ids)
+    with AtenOps() as unpatched:
+        _, _, grads_u = step(plain, ids)
+    with AtenOps() as seen:
+        _, _, grads_p = step(model, ids)
+    # the word table's dense embedding backward is gone (GPT-2's position table keeps its own)
+    dense = "embedding_dense_backward"
+    assert seen.counts.get(dense, 0) == unpatched.counts[dense] - 1
+    assert model.get_input_embeddings().forward.keywords["table"].folds == 1
+    if dtype == torch.float32:
+        for n, g in grads_u.items():
+            torch.testing.assert_close(grads_p[n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    else:
+        assert _rel(grads_p[name], grads[name]) <= 2 * _rel(grads_u[name], grads[name]) + 2e-3
+    # a second backward without zeroing accumulates as the unpatched model does
+    second = {}
+    for key, m in (("ref", ref), ("plain", plain), ("model", model)):
+        m(input_ids=ids, labels=ids).loss.backward()
+        second[key] = dict(m.named_parameters())[name].grad
+    assert model.get_input_embeddings().forward.keywords["table"].folds == 2
+    if dtype == torch.float32:
+        torch.testing.assert_close(second["model"], second["plain"], rtol=1e-5, atol=1e-7)
+    else:
+        assert _rel(second["model"], second["ref"]) <= 2 * _rel(second["plain"], second["ref"]) + 2e-3
+
+
+def test_the_tied_table_is_left_alone_when_asked_or_with_the_fused_head():
+    assert not mkt.apply(H.build("gpt2"), tied_embeddings=False)["tied_embeddings"]
+    model = H.build("gpt2")
+    mkt.apply(model)
+    assert model.get_input_embeddings().forward.megakernels
+    with AtenOps() as seen:  # generation (no autograd) runs the plain lookup
+        with torch.no_grad():
+            model(input_ids=H.batch())
+    assert "embedding" in seen.counts
 
 
 def test_unselected_parts_keep_transformers_forwards():

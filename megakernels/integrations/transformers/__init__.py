@@ -11,9 +11,11 @@
 What changes (each switchable): LayerNorm / RMSNorm (and Qwen 3's per-head q/k RMSNorms) -> the fused norms; the
 MLP's bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral,
 Qwen 2/2.5/3); Mixtral's and Qwen 3 MoE's experts -> two grouped GEMMs around SwiGLU, without a data-dependent shape
-(``torch.compile(fullgraph=True)`` holds); attention -> FlashAttention, a sliding window inside the kernel,
-registered with transformers as ``attn_implementation="megakernels"``; the causal-LM loss -> the fused
-cross-entropy on the logits in their own dtype. Parameters, their names and the state dict stay as they are, so
+(``torch.compile(fullgraph=True)`` holds); a table tied between the input embedding and the LM head -> its
+lookup's gradient added into the head's weight gradient (``megakernels.nn.TiedEmbedding``); attention ->
+FlashAttention, a sliding window inside the kernel, registered with transformers as
+``attn_implementation="megakernels"``; the causal-LM loss -> the fused cross-entropy on the logits in their own
+dtype. Parameters, their names and the state dict stay as they are, so
 checkpoints load and save either way. None of the families has a norm followed by a GeLU, so the norms' GeLU
 epilogue has no use here.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import functools
 
 from megakernels.integrations.transformers import _forwards
-from megakernels.integrations.transformers._families import FAMILIES, family_of, patch_modules
+from megakernels.integrations.transformers._families import FAMILIES, _bind, family_of, patch_modules
 
 MIN_TRANSFORMERS_VERSION = "5.0.0"  # 3-D Mixtral expert banks, AttentionMaskInterface, ``cache`` keyword
 ATTN_IMPLEMENTATION = _forwards.NAME
@@ -106,8 +108,33 @@ def _takes_fused_head(model, family) -> bool:
     return family.fused_head and _uses_causal_lm_loss(model) and hasattr(model, "lm_head") and hasattr(model, "model")
 
 
+def _patch_tied_embeddings(model) -> bool:
+    """Bind the input embedding and the LM head of a model whose two share one table (no bias, no max_norm, no
+    per-frequency scaling, dense gradients) to one ``TiedEmbedding``; False where the model has no such pair."""
+    import torch
+
+    from megakernels.nn.tied_embedding import TiedEmbedding
+
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if not (isinstance(inp, torch.nn.Embedding) and isinstance(out, torch.nn.Linear)) or out.weight is not inp.weight:
+        return False
+    if out.bias is not None or inp.max_norm is not None or inp.scale_grad_by_freq or inp.sparse:
+        return False
+    table = TiedEmbedding(inp.weight)
+    _bind(inp, _forwards.tied_lookup_forward, table=table)
+    _bind(out, _forwards.tied_logits_forward, table=table)
+    return True
+
+
 def apply(
-    model, *, norms: bool = True, mlp: bool = True, attention: bool = True, loss: bool = True, fused_head: bool = False
+    model,
+    *,
+    norms: bool = True,
+    mlp: bool = True,
+    attention: bool = True,
+    loss: bool = True,
+    fused_head: bool = False,
+    tied_embeddings: bool = True,
 ) -> dict:
     """Patch a built transformers model in place to run on megakernels' fused kernels.
 
@@ -126,10 +153,14 @@ def apply(
             ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits never exist;
             the output's ``logits`` is then None); the causal LMs of llama, mistral, qwen2 and qwen3. Off by default
             (code that reads the training logits would get None).
+        tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
+            ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
+            instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
+            gradient up to the order of fp32 sums). Not with ``fused_head`` (its head is one op).
 
     Returns:
         What was patched: ``{"norms": int, "mlp": int, "experts": int, "attention": bool, "loss": bool,
-        "fused_head": bool}``.
+        "fused_head": bool, "tied_embeddings": bool}``.
 
     Raises:
         ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not
@@ -160,6 +191,7 @@ def apply(
         bound = functools.partial(_forwards.fused_head_forward, model)
         bound.megakernels = True
         model.forward = bound
+    done["tied_embeddings"] = bool(tied_embeddings) and not fused_head and _patch_tied_embeddings(model)
     return done
 
 
@@ -219,6 +251,7 @@ def patch_classes(
     attention: bool = True,
     loss: bool = True,
     fused_head: bool = False,
+    tied_embeddings: bool = True,
 ) -> ClassPatch:
     """Patch the classes of ``model_type``'s family so every model of it built afterwards is patched (see
     :class:`ClassPatch`; the options are :func:`apply`'s).
@@ -235,7 +268,14 @@ def patch_classes(
     family_of(model_type, op)
     if model_type in ClassPatch._active:
         raise ValueError(f"{op}: the {model_type!r} classes are patched already; revert() that patch first")
-    options = {"norms": norms, "mlp": mlp, "attention": attention, "loss": loss, "fused_head": fused_head}
+    options = {
+        "norms": norms,
+        "mlp": mlp,
+        "attention": attention,
+        "loss": loss,
+        "fused_head": fused_head,
+        "tied_embeddings": tied_embeddings,
+    }
     return ClassPatch(model_type, options)
 
 

@@ -14,6 +14,9 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   is a sliding window, which the kernel applies itself, skipping the key blocks outside it); with a mask (padding,
   packed sequences, a chunked prefill), a softcap, sinks, a position bias or a head dim the CUDA kernel does not
   take, transformers' own SDPA path runs.
+- tied input and output embeddings (GPT-2; Llama, Qwen models with ``tie_word_embeddings``) -> one
+  ``megakernels.nn.TiedEmbedding``: the lookup's gradient rows are added into the output layer's weight gradient
+  instead of a zero-filled ``[vocab, hidden]`` table the engine then adds.
 - causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
   with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation; or, with the fused head
   (``fused_head_forward``, opt-in), the LM head and the loss as one ``linear_cross_entropy`` in training.
@@ -196,6 +199,25 @@ def attention_mask(*args, local_size: int | None = None, allow_is_causal_skip: b
     if local_size is not None and allow_is_causal_skip and sdpa_mask(*args, **kwargs) is None:
         return None
     return sdpa_mask(*args, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+# ---- tied input and output embeddings ------------------------------------------------------------------------------
+
+
+def tied_lookup_forward(self, input_ids, *, table):
+    """The input embedding of a tied table (``megakernels.nn.TiedEmbedding``): its gradient goes into the output
+    layer's. A module whose table was replaced since (resized, re-tied) runs ``nn.Embedding``'s own forward."""
+    if self.weight is not table.weight:
+        return type(self).forward(self, input_ids)
+    return table.lookup(input_ids, self.padding_idx)
+
+
+def tied_logits_forward(self, hidden, *, table):
+    """The output layer of a tied table (``megakernels.nn.TiedEmbedding``), or ``nn.Linear``'s own forward once its
+    weight is another tensor or it has a bias."""
+    if self.weight is not table.weight or self.bias is not None:
+        return type(self).forward(self, hidden)
+    return table.logits(hidden)
 
 
 # ---- loss ---------------------------------------------------------------------------------------------------------
