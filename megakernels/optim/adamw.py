@@ -139,9 +139,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self.master_weights = bool(master_weights)
         self.chunk_size = int(chunk_size)
         self._rounded: dict[torch.Tensor, torch.Tensor] = {}
+        self._grads_of: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
 
-    def set_rounded_copies(self, copies: dict[torch.Tensor, torch.Tensor]) -> None:
+    def set_rounded_copies(
+        self, copies: dict[torch.Tensor, torch.Tensor], grads: dict[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """After this, every step that updates an fp32 param ``p`` of ``copies`` also writes ``p`` rounded to
         ``copies[p]``'s dtype into ``copies[p]``, in the same kernel pass (the copy equals ``p.to(dtype)``, bit for
         bit); a skipped step (``found_inf``) writes nothing. Replaces the copies set before (an empty dict: none).
@@ -150,6 +153,10 @@ class FusedAdamW(torch.optim.Optimizer):
             copies: ``{param: copy}``: each param float32 and in this optimizer's param groups, each copy a
                 contiguous bfloat16/float16 tensor of the param's shape on its device (it need not require grad;
                 e.g. a view of a model's 16-bit weights).
+            grads: ``{param: grad}`` for params of ``copies`` whose gradient is read from ``grad`` instead of
+                ``param.grad``: a tensor of the copy's dtype, shape and device (e.g. a view of 16-bit gradient
+                buffers: the kernel reads 16-bit gradients as it does for 16-bit params with fp32 masters, with no
+                fp32 copy of them). Replaces the ones set before.
 
         Raises:
             ValueError / TypeError naming the entry: a param not in the groups or not float32, a copy of another
@@ -172,7 +179,21 @@ class FusedAdamW(torch.optim.Optimizer):
                     + ("" if copy.is_contiguous() else " (not contiguous)")
                 )
             checked[p] = copy
-        self._rounded = checked
+        grads_of = {}
+        for i, (p, g) in enumerate((grads or {}).items()):
+            where = f"FusedAdamW.set_rounded_copies: grads entry {i}"
+            copy = checked.get(p)
+            if copy is None:
+                raise ValueError(f"{where}: the param has no rounded copy")
+            if not isinstance(g, torch.Tensor) or g.dtype != copy.dtype:
+                raise TypeError(f"{where}: the grad must be a tensor of the copy's dtype {copy.dtype}")
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(
+                    f"{where}: the grad must have the param's shape {tuple(p.shape)} on {p.device}; got shape "
+                    f"{tuple(g.shape)} on {g.device}"
+                )
+            grads_of[p] = g
+        self._rounded, self._grads_of = checked, grads_of
 
     @staticmethod
     def _check_param(p: torch.Tensor, i: int) -> None:
@@ -216,9 +237,11 @@ class FusedAdamW(torch.optim.Optimizer):
             _check_hypers(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             buckets: dict = {}
             for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                g = p.grad
+                g = self._grads_of.get(p)
+                if g is None:
+                    if p.grad is None:
+                        continue
+                    g = p.grad
                 if g.is_sparse or g.layout != torch.strided:
                     raise RuntimeError(
                         f"FusedAdamW: param_groups[{gi}].params[{i}] has a sparse gradient; "
@@ -229,8 +252,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 if len(state) == 0:
                     self._init_state(p, state)
                 copy = self._rounded.get(p)
-                # a rounded copy: the kernel's 16-bit param, with p as its fp32 master (and fp32 grads)
-                key = (p.device, p.dtype, copy.dtype if copy is not None else None)
+                # a rounded copy: the kernel's 16-bit param, with p as its fp32 master (fp32 or 16-bit grads)
+                key = (p.device, p.dtype, copy.dtype if copy is not None else None, g.dtype)
                 lists = buckets.setdefault(key, ([], [], [], [], [], []))
                 lists[0].append(p if copy is None else copy)
                 lists[1].append(g)

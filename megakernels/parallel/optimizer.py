@@ -180,8 +180,15 @@ class ParallelOptimizer:
             weight_decay=weight_decay,
         )
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
+        # 16-bit main_grad buffers of 16-bit params (DistributedDataParallel(grad_dtype=None)): the kernel reads them
+        # as they are, no fp32 copy (``_grads``)
+        self._half_grads = {
+            piece.main: piece.grad
+            for piece in self._masters
+            if not self.offload and not self.fsdp and piece.grad.dtype == piece.flat.dtype
+        }
         if not self.offload:  # the AdamW kernel rounds each updated master into its 16-bit param in the same pass
-            self._adam.set_rounded_copies({piece.main: piece.flat for piece in self._masters})
+            self._adam.set_rounded_copies({piece.main: piece.flat for piece in self._masters}, self._half_grads)
         # under FSDP no data-parallel buckets to copy early: every gradient shard is copied at step time
         models = [] if self.fsdp else self.models
         self._copies = HostCopies(self.pieces, models, self.device) if self.offload else None
@@ -268,7 +275,10 @@ class ParallelOptimizer:
             return [piece.grad.float() if piece.grad.dtype != torch.float32 else piece.grad for piece in self.pieces]
         grads = []
         for piece in self.pieces:
-            if piece.grad.dtype != torch.float32:  # 16-bit main_grad buffers: fp32 mains need fp32 grads
+            if piece.main in self._half_grads:  # read in 16 bits by the norm and the AdamW kernel
+                grads.append(piece.grad)
+                continue
+            if piece.grad.dtype != torch.float32:  # 16-bit main_grad buffers of fp32 params: fp32 grads
                 piece.main.grad = piece.grad.float()
             grads.append(piece.main.grad)
         return grads

@@ -190,6 +190,18 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
         mpu.destroy()
 
 
+def main_grad_dtype(args: TrainArgs, chunks: int) -> torch.dtype | None:
+    """The dtype of the data-parallel gradient buffers: fp32 (they sum micro-batches, ranks and the copies of shared
+    weights, exactly), except where nothing is ever summed into them — one process, one micro-batch, one model
+    chunk, 16-bit params, the optimizer state on the device — where the param dtype (None) holds the very same
+    values (each param's one 16-bit gradient of the step) in half the bytes, and the norm and the AdamW kernel read
+    them without an fp32 copy: the same steps, bit for bit."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    nothing_summed = world == 1 and args.num_microbatches() == 1 and chunks == 1
+    on_device_16_bit = args.base_precision() in ("bf16", "fp16") and not args.offload_optimizer
+    return None if nothing_summed and on_device_16_bit else torch.float32
+
+
 def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     cfg = task.config
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -211,7 +223,10 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
             for c in chunks
         ]
     else:
-        wrappers = [wrap_model(c, reduce_scatter=args.distributed_optimizer) for c in chunks]  # per chunk
+        grad_dtype = main_grad_dtype(args, len(chunks))
+        wrappers = [
+            wrap_model(c, reduce_scatter=args.distributed_optimizer, grad_dtype=grad_dtype) for c in chunks
+        ]  # per chunk
     ddps = [d for ws in wrappers for d in ws]
     opt = ParallelOptimizer(
         ddps,

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from megakernels_models.arguments import TrainArgs
 
@@ -59,3 +60,30 @@ def test_mixed_precision_follows_fp32(world1, precision):
 def test_bert_trains(world1):
     recs = _train(model="bert", seq_length=64)
     assert recs[-1]["loss"] < recs[0]["loss"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_micro_batch_in_one_process_keeps_16_bit_grads_with_the_same_steps(world1, monkeypatch, precision):
+    """Nothing is summed into the gradient buffers (one process, one micro-batch): they are 16-bit, and the run is
+    the fp32 buffers' run bit for bit (losses, grad norms, loss scales)."""
+    from megakernels_models.training import train as T
+
+    one = dict(precision=precision, global_batch_size=4, steps=4, eval_interval=0)
+    recs = _train(**one)
+    assert recs[0]["memory_per_param_bytes"]["grads"] == pytest.approx(2.0)
+    monkeypatch.setattr(T, "main_grad_dtype", lambda args, chunks: torch.float32)
+    ref = _train(**one)
+    assert ref[0]["memory_per_param_bytes"]["grads"] == pytest.approx(4.0)
+    keys = ("loss", "grad_norm", "loss_scale")
+    assert [[r[k] for k in keys] for r in recs] == [[r[k] for k in keys] for r in ref]
+
+
+def test_the_gradient_buffers_are_fp32_wherever_something_is_summed_into_them(world1):
+    from megakernels_models.training.train import main_grad_dtype
+
+    one = dataclasses.replace(TINY, precision="bf16", global_batch_size=4)
+    assert main_grad_dtype(one, 1) is None
+    assert main_grad_dtype(dataclasses.replace(one, global_batch_size=8), 1) == torch.float32  # two micro-batches
+    assert main_grad_dtype(one, 2) == torch.float32  # two model chunks (zb-v's V, interleaving)
+    assert main_grad_dtype(dataclasses.replace(one, precision="fp32"), 1) == torch.float32
+    assert main_grad_dtype(dataclasses.replace(one, offload_optimizer=True), 1) == torch.float32

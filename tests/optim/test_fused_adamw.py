@@ -117,6 +117,36 @@ def test_rounded_copies_are_the_fp32_params_rounded_written_in_the_update_pass(b
     assert all(torch.equal(c, k) for c, k in zip(copies.values(), kept))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_grads_of_rounded_copies_step_as_their_fp32_values(backend, dtype):
+    # fp32 params with 16-bit copies whose gradients come as 16-bit tensors (``grads``, e.g. views of a 16-bit
+    # gradient buffer; none of them in .grad): the same steps, bit for bit, as with those values widened to fp32
+    # .grad; and the kernel reads the 16-bit tensors where they are (a changed buffer is the next step's gradient).
+    params = make_params(SHAPES, backend.device)
+    wide = clone_params(params)
+    buffers = [torch.zeros(p.shape, dtype=dtype, device=backend.device) for p in params]
+    ours = FusedAdamW(params, lr=1e-2, weight_decay=0.1, chunk_size=SMALL_CHUNK)
+    ours.set_rounded_copies({p: p.detach().to(dtype) for p in params}, dict(zip(params, buffers)))
+    ref = FusedAdamW(wide, lr=1e-2, weight_decay=0.1, chunk_size=SMALL_CHUNK)
+    ref.set_rounded_copies({p: p.detach().to(dtype) for p in wide})
+    for s in range(steps_for(backend, 5)):
+        for b, g in zip(buffers, grads_for(params, s)):
+            b.copy_(g)
+        set_grads(wide, [b.float() for b in buffers])
+        scale = torch.tensor(2.0 if s % 2 else 1.0, device=backend.device)
+        ours.step(grad_scale=scale)
+        ref.step(grad_scale=scale)
+        assert all(p.grad is None for p in params)
+        for i, (p, q) in enumerate(zip(params, wide)):
+            assert torch.equal(p, q), f"step {s} param {i}"
+    with pytest.raises(ValueError, match="grads entry 0: the param has no rounded copy"):
+        ours.set_rounded_copies({}, {params[0]: buffers[0]})
+    with pytest.raises(TypeError, match="grads entry 0: the grad must be a tensor of the copy's dtype"):
+        ours.set_rounded_copies({params[0]: buffers[0].clone()}, {params[0]: buffers[0].float()})
+    with pytest.raises(ValueError, match="grads entry 0: the grad must have the param's shape"):
+        ours.set_rounded_copies({params[0]: buffers[0].clone()}, {params[0]: buffers[0].reshape(-1)})
+
+
 def test_check_false_obeys_found_inf_without_checking_the_grads(backend):
     params = make_params([(3, 4), (5,)], backend.device)
     opt = FusedAdamW(params, lr=1e-2)

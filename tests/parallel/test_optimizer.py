@@ -217,6 +217,29 @@ def test_16_bit_grad_buffers_are_widened_for_the_fp32_step():
     assert s1 and s2 and n1 == pytest.approx(n2, rel=1e-2)
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_16_bit_grad_buffers_of_16_bit_params_step_as_fp32_buffers_do(clip):
+    """grad_dtype=None (the trainer's choice where nothing is summed into the buffers): the bf16 buffers hold each
+    param's bf16 gradient exactly as the fp32 buffers hold it widened; the norm and the AdamW kernel read them in 16
+    bits, and every step is the fp32 buffers' step, bit for bit (norm, params, masters)."""
+    runs = []
+    for grad_dtype in (torch.float32, None):
+        model = _model(torch.bfloat16)
+        ddp = DistributedDataParallel(model, grad_dtype=grad_dtype)
+        opt = ParallelOptimizer(ddp, precision="bf16", clip_grad=clip)
+        norms = []
+        for _ in range(4):
+            opt.zero_grad()
+            _backward(ddp, torch.bfloat16)
+            finalize_model_grads([ddp])
+            norms.append(opt.step()[1])
+        assert (model[0].weight.main_grad.dtype == torch.bfloat16) == (grad_dtype is None)
+        assert all(piece.main.grad is None for piece in opt.pieces) == (grad_dtype is None)  # no fp32 copy
+        runs.append((norms, [p.detach().clone() for p in model.parameters()] + [m.main for m in opt._masters]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
 def test_state_dict_round_trip_continues_identically():
     runs = []
     for reload in (False, True):
