@@ -47,7 +47,7 @@ class Machine:
     mma_sync_rate: float = 0.625  # mma.sync's rate relative to wgmma on Hopper
     dram_peak: float = 4.8e12  # B/s, HBM3e
     dram_copy: float = 4.3e12  # B/s, a measured device-to-device copy (the streaming ceiling)
-    l2_bw: float = 10e12  # B/s, L2 -> SM (assumption; calibrate)
+    l2_bw: float = 9.8e12  # B/s, L2 -> SM: all SMs reading L2-resident data, measured on an H200 (``L2_SRC``)
     l2_bytes: int = 50 << 20  # L2 capacity
     l1_bytes: int = 256 << 10  # L1 data cache and shared memory together, per SM (spilled registers cache here)
     smem_bytes_per_clk: float = 128.0  # shared memory per SM (32 banks x 4 B): wgmma operand reads, TMA and
@@ -115,7 +115,7 @@ _HOPPER_SRC = (
     ("mma_dense_*, dram_peak, boost_clock_hz", "NVIDIA H100 / H200 datasheets (dense = the sparse figure / 2)"),
     ("clock_hz", "mma_dense_bf16 / (sms x 4096 FLOP/clk/SM): the clock the dense rating assumes"),
     ("dram_copy", "H200: a measured copy; others dram_peak x COPY_FRACTION (assumption)"),
-    ("l2_bw, dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
+    ("dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
     (
         "mma_sustained",
         "the maximum achievable matmul FLOPS (MAMF) table of github.com/stas00/ml-engineering, "
@@ -124,12 +124,41 @@ _HOPPER_SRC = (
     ),
 )
 
-H200 = Machine(sources=_HOPPER_SRC)
+# Where each machine's ``l2_bw`` comes from: the sustained read bandwidth of data resident in L2 from all SMs, what
+# the model prices L2 bytes at. Dominik Ernst's gpu-benches ``gpu-l2-cache`` (github.com/te42kyfo/gpu-benches,
+# files gpu-l2-cache/<gpu>.txt) measures exactly that: a CUDA kernel whose blocks, on every SM, read doubles of an
+# L2-resident buffer (the L1 not targeted), the buffer scanned from 1 MB to past the L2's size; each value below is
+# the median of its 8-32 MB data sets (past the small sets' L1 sharing, inside the L2). Chips and Cheese's OpenCL
+# test reports less on the same H100 PCIe (over 5.5 TB/s from the near L2 partition, 3.8 TB/s over the whole
+# 50 MB; A100 4.5 TB/s) with the card's clock falling to 1395 MHz under its 350 W limit: not used
+# (docs/static-cost-model.md, section 5).
+_GPU_BENCHES = "D. Ernst, gpu-benches gpu-l2-cache (github.com/te42kyfo/gpu-benches), "
+L2_SRC = {
+    "H200": _GPU_BENCHES + "gpu-l2-cache/h200.txt (commit 3088b33, 2024-04-03): 9.68-10.25 TB/s over 8-32 MB of "
+    "L2-resident data read by every SM, median 9.84; 9.8e12",
+    "H100-SXM": "no H100 SXM measurement found: the H200's (" + _GPU_BENCHES + "h200.txt, median 9.84 TB/s), the "
+    "same GH100 die with the same 132 SMs, 50 MB of L2 and 1.98 GHz boost at 700 W (only the HBM differs); 9.8e12",
+    "H100-PCIe": _GPU_BENCHES + "gpu-l2-cache/h100_pcie.txt (commit f54baaa, 2023-11-02): 6.87-7.03 TB/s over "
+    "8-32 MB, median 6.95; 6.95e12",
+    "H100-NVL": "no H100 NVL measurement found: the H100 PCIe's measured 6.95 TB/s ("
+    + _GPU_BENCHES
+    + "h100_pcie.txt) per SM (61 GB/s) x 132 SMs; the NVL is the same die under a similar power limit (350-400 "
+    "against 350 W) and boost clock (1.785 against 1.755 GHz), so no clock scaling; 8.0e12 (assumption)",
+    "A100-SXM4-80GB": _GPU_BENCHES + "gpu-l2-cache/a100_80.txt (commit 3088b33, 2024-04-03; an A100 80GB, the form "
+    "factor not stated): 5.17-5.45 TB/s over 8-28 MB (it falls past 28 MB), median 5.40; 5.4e12",
+}
+
+H200 = Machine(sources=(*_HOPPER_SRC, ("l2_bw", L2_SRC["H200"])))
 
 MACHINES: dict[str, Machine] = {
     "H200": H200,
     "H100-SXM": dataclasses.replace(
-        H200, name="H100 SXM5 80GB (sm_90)", dram_peak=3.35e12, dram_copy=3.35e12 * COPY_FRACTION
+        H200,
+        name="H100 SXM5 80GB (sm_90)",
+        dram_peak=3.35e12,
+        dram_copy=3.35e12 * COPY_FRACTION,
+        l2_bw=9.8e12,  # the H200's measurement: the same die, SMs, L2 and clocks (``L2_SRC``)
+        sources=(*_HOPPER_SRC, ("l2_bw", L2_SRC["H100-SXM"])),
     ),
     "H100-NVL": dataclasses.replace(
         H200,
@@ -141,6 +170,8 @@ MACHINES: dict[str, Machine] = {
         mma_dense_tf32=417.5e12,
         dram_peak=3.9e12,
         dram_copy=3.9e12 * COPY_FRACTION,
+        l2_bw=8.0e12,  # the H100 PCIe's measured 6.95 TB/s per SM x 132 SMs (assumption, ``L2_SRC``)
+        sources=(*_HOPPER_SRC, ("l2_bw", L2_SRC["H100-NVL"])),
     ),
     "H100-PCIe": dataclasses.replace(
         H200,
@@ -153,6 +184,8 @@ MACHINES: dict[str, Machine] = {
         mma_dense_tf32=378e12,
         dram_peak=2.0e12,
         dram_copy=2.0e12 * COPY_FRACTION,
+        l2_bw=6.95e12,  # measured on an H100 PCIe (gpu-benches gpu-l2-cache, ``L2_SRC``)
+        sources=(*_HOPPER_SRC, ("l2_bw", L2_SRC["H100-PCIe"])),
     ),
     "A100-SXM4-80GB": Machine(
         name="A100 SXM4 80GB (sm_80)",
@@ -167,7 +200,7 @@ MACHINES: dict[str, Machine] = {
         mma_sustained=0.859,  # MAMF: 267.9 of 312 TFLOP/s (``sources``)
         dram_peak=2.039e12,
         dram_copy=2.039e12 * COPY_FRACTION,
-        l2_bw=5.0e12,  # assumption (microbenchmarks report 4.5-5.5 TB/s)
+        l2_bw=5.4e12,  # measured on an A100 80GB (gpu-benches gpu-l2-cache, ``L2_SRC``)
         l2_bytes=40 << 20,
         l1_bytes=192 << 10,
         smem=_targets.SHARED_PER_SM[80],
@@ -184,7 +217,8 @@ MACHINES: dict[str, Machine] = {
                 "NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s bf16 dense, 2039 GB/s, 1410 MHz boost)",
             ),
             ("dram_copy", "dram_peak x COPY_FRACTION (assumption)"),
-            ("l2_bw, dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
+            ("l2_bw", L2_SRC["A100-SXM4-80GB"]),
+            ("dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
             (
                 "mma_sustained",
                 "the MAMF table of github.com/stas00/ml-engineering, compute/accelerator/README.md: A100 SXM "
