@@ -6,8 +6,9 @@ time and peak memory.
 
 Shapes [tokens, vocab]: [16384, 50304] and [8192, 131072] on a GPU (GPT-2's padded vocab, a Llama-3-size one),
 a quarter of the tokens on the CPU. The PyTorch baseline (``eager``) is what Megatron and nanoGPT write:
-``F.cross_entropy(logits.float(), target)`` (the fp32 upcast of bf16 logits included). GB/s counts the bytes that
-must move: the logits read once forward; read once and the gradient written once backward. Peak memory is the
+``F.cross_entropy(logits.float(), target)`` (the fp32 upcast of bf16 logits included). Two passes: ``fwd`` (the
+training forward: logits that require grad) and ``fwd+bwd``. GB/s counts the bytes that must move: the logits
+read once forward; read once and the gradient written once backward. Peak memory is the
 largest amount of memory allocated during forward+backward beyond the logits and targets themselves (torch.cuda's
 counter on a GPU; on the CPU the rise of a fresh process's peak resident set over the inputs). Never asserts
 on time.
@@ -65,6 +66,20 @@ def step(impl, x, t, fn=None):
     return run
 
 
+def forward(impl, x, t, fn=None):
+    """The training forward of ``IMPLS[impl]`` (or ``fn``: the logits require grad, so it keeps what its backward
+    would need), the loss dropped."""
+    fn = fn or IMPLS[impl]
+
+    def run():
+        fn(x, t)
+
+    return run
+
+
+PASSES = {"fwd": forward, "fwd+bwd": step}
+
+
 def peak_bytes(impl, x, t, fn=None) -> int | None:
     """Memory allocated by one forward+backward beyond its inputs (None for a peer on the CPU, which a fresh
     process cannot rebuild)."""
@@ -107,36 +122,39 @@ def run(
         for n, v in shapes:
             x, t = make_inputs(n, v, dtype, device)
             fns = {**IMPLS, **extra}
-            times, peaks = {}, {}
-            for impl, fn in fns.items():
-                try:
-                    times[impl] = median_seconds(step(impl, x, t, fn), min_run_time)
-                    peaks[impl] = peak_bytes(impl, x, t, fn)
-                except Exception as e:
-                    if impl not in extra:
-                        raise
-                    peers.failed(impl, f"cross_entropy {dtype_name} {n}x{v}", e)
-            value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
-            peak_mib = {k: (b / 2**20 if b is not None else None) for k, b in peaks.items()}
-            row = result_row(
-                "cross_entropy",
-                FAMILY,
-                dtype=dtype_name,
-                shape=f"{n}x{v}",
-                pass_="fwd+bwd",
-                size=v,
-                size_label="vocabulary",
-                unit="GB/s",
-                work=3 * n * v * x.element_size(),
-                times=times,
-                ceiling=value,
-                ceiling_name=cname,
-                tokens=n,
-                vocab=v,
-                peak_MiB=peak_mib,
-                rows=n,
-                extra_columns={f"{k} MiB": m for k, m in peak_mib.items()},
-            )
-            rows.append(row)
-            table(row)
+            for pass_, make in PASSES.items():
+                both = pass_ == "fwd+bwd"  # peak memory: of the training step
+                times, peaks = {}, {}
+                for impl, fn in fns.items():
+                    try:
+                        times[impl] = median_seconds(make(impl, x, t, fn), min_run_time)
+                        if both:
+                            peaks[impl] = peak_bytes(impl, x, t, fn)
+                    except Exception as e:
+                        if impl not in extra:
+                            raise
+                        peers.failed(impl, f"cross_entropy {pass_} {dtype_name} {n}x{v}", e)
+                value, cname = ceil.for_unit(ceilings, "GB/s", dtype_name)
+                peak_mib = {k: (b / 2**20 if b is not None else None) for k, b in peaks.items()}
+                row = result_row(
+                    "cross_entropy",
+                    FAMILY,
+                    dtype=dtype_name,
+                    shape=f"{n}x{v}",
+                    pass_=pass_,
+                    size=v,
+                    size_label="vocabulary",
+                    unit="GB/s",
+                    work=(3 if both else 1) * n * v * x.element_size(),
+                    times=times,
+                    ceiling=value,
+                    ceiling_name=cname,
+                    tokens=n,
+                    vocab=v,
+                    **({"peak_MiB": peak_mib} if both else {}),
+                    rows=n,
+                    extra_columns={f"{k} MiB": m for k, m in peak_mib.items()} if both else {},
+                )
+                rows.append(row)
+                table(row)
     return rows
