@@ -816,3 +816,51 @@ def test_fused_moe_backward_prices_the_engines_pass_over_the_weight_gradients(mo
         )
         # the full pass draws its dO inside the timed call; the backward pass before it
         assert _count(rec, "randn_like") == (mode == "full")
+
+
+GEMM_TTIR = """
+module {
+  tt.func public @g(%A_ptr: !tt.ptr<bf16>, %B_ptr: !tt.ptr<bf16>, %C_ptr: !tt.ptr<bf16>) {
+    %pid_m = tt.get_program_id x : i32
+    %pid_n = tt.get_program_id y : i32
+    %c0_i32 = arith.constant 0 : i32
+    %c1_i32 = arith.constant 1 : i32
+    %c8_i32 = arith.constant 8 : i32
+    %a0 = tt.splat %A_ptr : !tt.ptr<bf16> -> tensor<64x64x!tt.ptr<bf16>>
+    %a1 = tt.addptr %a0, %pid_m : tensor<64x64x!tt.ptr<bf16>>, i32
+    %b0 = tt.splat %B_ptr : !tt.ptr<bf16> -> tensor<64x64x!tt.ptr<bf16>>
+    %b1 = tt.addptr %b0, %pid_n : tensor<64x64x!tt.ptr<bf16>>, i32
+    %c0 = tt.splat %C_ptr : !tt.ptr<bf16> -> tensor<64x64x!tt.ptr<bf16>>
+    %mn = arith.addi %pid_m, %pid_n : i32
+    %c1 = tt.addptr %c0, %mn : tensor<64x64x!tt.ptr<bf16>>, i32
+    scf.for %k = %c0_i32 to %c8_i32 step %c1_i32  : i32 {
+      %a = tt.load %a1 : tensor<64x64x!tt.ptr<bf16>>
+      %b = tt.load %b1 : tensor<64x64x!tt.ptr<bf16>>
+    }
+    tt.store %c1, %acc : tensor<64x64x!tt.ptr<bf16>>
+    tt.return
+  }
+}
+"""
+
+
+def test_rereads_a_grid_sweep_apart_miss_the_l2_by_the_share_of_the_sweep_it_cannot_hold():
+    ir = peer.IR(GEMM_TTIR, {"A_ptr": None, "B_ptr": None, "C_ptr": None})
+    assert ir.base("%a1") == "A_ptr" and ir.program_axes(["%a1"]) == {0} and ir.program_axes(["%c1"]) == {0, 1}
+    tile = 64 * 64 * 2  # one load: 8 per program
+    l2 = 50 << 20
+
+    def extra(gx, gy):
+        nbytes = {"A_ptr": gx * 8 * tile, "B_ptr": gy * 8 * tile, "C_ptr": gx * gy * tile}
+        return peer.sweep_rereads(ir, nbytes, (gx, gy), l2), nbytes
+
+    # A (indexed by x only) is read again one sweep of x later, by each of the gy columns; B (indexed by y only)
+    # by the adjacent programs (L2 hits). A sweep touches all of A, one B tile set and one column of C.
+    (b, why), nbytes = extra(1024, 16)
+    sweep = nbytes["A_ptr"] + 8 * tile + nbytes["C_ptr"] / 16
+    assert why == [("A_ptr", "y", 16, sweep, round(l2 / sweep, 3))]
+    assert b == pytest.approx(nbytes["A_ptr"] * 15 * (1 - l2 / sweep))
+    # a sweep that fits in the L2 leaves every re-read a hit
+    assert extra(256, 16)[0] == (0.0, [])
+    # one column: nothing is read twice
+    assert extra(4096, 1)[0] == (0.0, [])

@@ -1255,6 +1255,8 @@ class IR:
         self.defs: dict[str, tuple[str, list[str], str]] = {}
         self.loops: list[tuple[str, str, str, int]] = []  # (lb, ub, step, depth)
         self.loop_bytes: list[int] = []  # per loop: the bytes its own loads and stores move in one iteration
+        # every global access: (load / store / atomic..., its pointer, bytes per execution, the loops around it)
+        self.accesses: list[tuple[str, str, int, list[int]]] = []
         self.values = values
         depth, open_loops = 0, []
         for line in ttir.splitlines():
@@ -1271,6 +1273,9 @@ class IR:
                     self.defs[a] = ("alias", [b], "")
             elif open_loops and re.search(r"\btt\.(load|store|atomic)", line):
                 self.loop_bytes[open_loops[-1][0]] += _access_bytes(line)
+            acc = re.search(r"\btt\.(load|store|atomic\w*)\s+(%[\w.#]+)", line)
+            if acc and not m:
+                self.accesses.append((acc.group(1), acc.group(2), _access_bytes(line), [i for i, _ in open_loops]))
             d = _DEF.match(line)
             if d and not m:
                 self.defs[d.group(1)] = (d.group(2), re.findall(r"%[\w.#]+", d.group(3)), d.group(3))
@@ -1335,9 +1340,11 @@ class IR:
             out.append((max(0, -(-(hi - lo) // step)), depth))
         return out
 
-    def program_axes(self) -> set[int]:
-        """The grid axes (0 x, 1 y, 2 z) whose program index the loop bounds depend on."""
-        axes, todo, seen = set(), [v for lp in self.loops for v in lp[:3]], set()
+    def program_axes(self, values: list[str] | None = None) -> set[int]:
+        """The grid axes (0 x, 1 y, 2 z) whose program index the loop bounds (or ``values``) depend on, through
+        any arithmetic and loads (a tile index read from a tensor at a program-dependent place counts)."""
+        axes, seen = set(), set()
+        todo = list(values) if values is not None else [v for lp in self.loops for v in lp[:3]]
         while todo:
             v = todo.pop()
             if v in seen or v not in self.defs:
@@ -1348,6 +1355,66 @@ class IR:
                 axes.add("xyz".index(rest.split()[0]))
             todo.extend(operands)
         return axes
+
+    def base(self, ptr: str) -> str | None:
+        """The pointer argument a tile of pointers ``ptr`` offsets (through addptr, splat, broadcast, reshapes and
+        loop-carried aliases), or None."""
+        seen = set()
+        while ptr not in seen:
+            seen.add(ptr)
+            name = ptr[1:].split("#")[0]
+            if name in self.values:
+                return name
+            if ptr not in self.defs or not self.defs[ptr][1]:
+                return None
+            op, operands, _ = self.defs[ptr]
+            if op not in ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape", "alias"):
+                return None
+            ptr = operands[0]
+        return None
+
+
+def sweep_rereads(ir: IR, nbytes: dict, grid: tuple, l2_bytes: float) -> tuple[float, list]:
+    """DRAM bytes beyond each tensor's one read that a launch's re-reads across grid sweeps cost: (bytes, one
+    (tensor, axis, reads, sweep bytes, hit share) per tensor that pays them).
+
+    The block scheduler dispatches programs in launch order, axis x fastest (then y, z). A tensor whose accesses
+    do not depend on program axis ``a`` (y or z; ``IR.program_axes`` of its pointers) is read again by the
+    programs that differ only along ``a``, one full sweep of the faster axes apart: between two reads of the same
+    bytes the launch touches every tensor's bytes that the faster axes index (a tensor's size over the extents of
+    its axes at or above ``a``, at most what that many programs access). While that sweep fits in the L2 the
+    re-reads hit; when it does not, the share of it the L2 holds (``l2_bytes`` / sweep: what an L2 that does not
+    keep the oldest lines first retains; an LRU would keep none) hits and the rest of each re-read crosses DRAM.
+    Re-reads along x (adjacent programs, running together) and within a program are L2 hits, as before."""
+    g = [int(x) for x in grid] + [1] * (3 - len(grid))
+    trips = [t for t, _ in ir.trips()]
+    per: dict = {}  # tensor -> [bytes per program (program 0's trips), axes, loaded]
+    for op, ptr, b, loops in ir.accesses:
+        name = ir.base(ptr)
+        if name not in nbytes:
+            continue
+        e = per.setdefault(name, [0.0, set(), False])
+        e[0] += b * math.prod(trips[i] for i in loops)
+        e[1] |= ir.program_axes([ptr])
+        e[2] = e[2] or op == "load"
+    extra, why = 0.0, []
+    for name, (b, axes, loaded) in per.items():
+        free = [a for a in range(3) if g[a] > 1 and a not in axes]
+        if not loaded or not free or free[0] == 0:
+            continue
+        a = free[0]
+        stride = math.prod(g[:a])
+        sweep = sum(
+            min(nbytes[y] / math.prod(g[c] for c in ax if c >= a), stride * by) for y, (by, ax, _) in per.items()
+        )
+        if sweep <= l2_bytes:
+            continue
+        reads = math.prod(g[c] for c in free if c >= a)
+        size = min(nbytes[name], b * math.prod(g) / reads)  # the part of it the launch reads
+        hit = l2_bytes / sweep
+        extra += size * (reads - 1) * (1.0 - hit)
+        why.append((name, "xyz"[a], reads, sweep, round(hit, 3)))
+    return extra, why
 
 
 def _program_counts(fn, trips: list[int]):
@@ -1484,6 +1551,10 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
     reuse = loaded / max(1, top[0]) if len(top) == 1 else loaded
     touched = reuse * min(programs, resident * m.sms)
     dram_total = compulsory if touched <= m.l2_bytes else max(compulsory, l2_total)
+    # re-reads a grid sweep apart that the L2 cannot hold across the sweep (``sweep_rereads``)
+    sweep_extra, sweep_why = sweep_rereads(ir, nbytes, launch.grid, m.l2_bytes)
+    if touched <= m.l2_bytes and sweep_extra:
+        dram_total = min(max(compulsory, l2_total), compulsory + sweep_extra)
     spilled = local * 32 * warps * programs
     to_l2, to_dram = spill_traffic(spilled, c.spill_bytes * c.threads, c.shared_bytes, resident, programs, m)
     l2_total += to_l2
@@ -1533,6 +1604,7 @@ def analyse_triton(launch, m: model.Machine) -> tuple:
         "instructions_per_program": instr * warps,
         "dram_bytes": dram_total,
         "l2_bytes": l2_total,
+        **({"sweep_rereads": sweep_why} if sweep_extra else {}),
         **details,
     }
 
