@@ -30,6 +30,14 @@ def memory_bytes_per_param(
     return (2.0 if half else 4.0), 4.0, optimizer / dp if distributed else optimizer
 
 
+def grads_summed(world: int, microbatches: int, chunks: int, half: bool, offload: bool) -> bool:
+    """Whether the data-parallel gradient buffers need fp32: something is summed into them (another process's
+    gradients, a second micro-batch, a second model chunk's copy of a shared weight) or the params are fp32 or the
+    optimizer is offloaded. Otherwise the trainer keeps them in the params' 16 bits (each param's one gradient of the
+    step, the same values; ``megakernels_models.training.train.main_grad_dtype``): 2 bytes a parameter, not 4."""
+    return not (world == 1 and microbatches == 1 and chunks == 1 and half and not offload)
+
+
 def host_bytes_per_param(distributed: bool, dp: int = 1) -> float:
     """Host bytes per parameter of one rank with ``offload``: an fp32 master, two fp32 moments and an fp32 gradient
     copy, 16 (any precision: an fp32 parameter also gets a host master, the device copy being the model's), divided

@@ -45,6 +45,7 @@ from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale
 from megakernels.parallel.moe import stats as moe_stats
 from megakernels.parallel.optimizer import ParallelOptimizer
+from megakernels.parallel.optimizer_memory import grads_summed
 from megakernels.parallel.pipeline.executor import forward_backward
 from megakernels.parallel.pipeline.schedules import virtual_stage
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
@@ -197,9 +198,9 @@ def main_grad_dtype(args: TrainArgs, chunks: int) -> torch.dtype | None:
     values (each param's one 16-bit gradient of the step) in half the bytes, and the norm and the AdamW kernel read
     them without an fp32 copy: the same steps, bit for bit."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    nothing_summed = world == 1 and args.num_microbatches() == 1 and chunks == 1
-    on_device_16_bit = args.base_precision() in ("bf16", "fp16") and not args.offload_optimizer
-    return None if nothing_summed and on_device_16_bit else torch.float32
+    half = args.base_precision() in ("bf16", "fp16")
+    summed = grads_summed(world, args.num_microbatches(), chunks, half, args.offload_optimizer)
+    return torch.float32 if summed else None
 
 
 def _train(task: Task, args: TrainArgs) -> list[dict] | None:

@@ -87,3 +87,10 @@ def test_the_gradient_buffers_are_fp32_wherever_something_is_summed_into_them(wo
     assert main_grad_dtype(one, 2) == torch.float32  # two model chunks (zb-v's V, interleaving)
     assert main_grad_dtype(dataclasses.replace(one, precision="fp32"), 1) == torch.float32
     assert main_grad_dtype(dataclasses.replace(one, offload_optimizer=True), 1) == torch.float32
+    # and the planner counts what the trainer allocates
+    from megakernels_models.planning.costs import Layout, bytes_per_param
+
+    assert bytes_per_param(Layout(micro_batch_size=4, global_batch_size=4))[1] == 2
+    assert bytes_per_param(Layout(micro_batch_size=4, global_batch_size=8))[1] == 4
+    assert bytes_per_param(Layout(dp=2, micro_batch_size=4, global_batch_size=8))[1] == 4
+    assert bytes_per_param(Layout(micro_batch_size=4, global_batch_size=4, precision="fp32"))[1] == 4
