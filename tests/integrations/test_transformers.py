@@ -417,3 +417,18 @@ def test_transformers_older_than_the_minimum_is_refused(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "4.45.0")
     with pytest.raises(ImportError, match=r"transformers 4.45.0 is installed; megakernels needs >= 5.0.0"):
         mkt.apply(H.build("gpt2"))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_tied_table_folds_under_gradient_checkpointing(reentrant):
+    """transformers' gradient checkpointing recomputes the blocks in the backward (reentrant: in a nested backward of
+    its own); the lookup and the head stay outside, and the table's gradient is the unpatched model's."""
+    ref = H.build("gpt2")
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    _, _, grads = step(ref, H.batch())
+    _, _, grads_p = step(model, H.batch())
+    assert model.get_input_embeddings().forward.keywords["table"].folds == 1
+    for n, g in grads.items():
+        torch.testing.assert_close(grads_p[n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
