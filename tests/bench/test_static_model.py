@@ -317,6 +317,10 @@ def test_machine_table_names_the_csv_gpus():
     assert model.machine_for("NVIDIA GeForce RTX 4090") is None
     for m in model.MACHINES.values():
         assert m.sources
+        # every constant of the table has its source named (a constant may share an entry: "a, b, c")
+        named = {f.strip().rstrip("*") for fields, _ in m.sources for f in fields.split(",")}
+        for field in ("sms", "l2_bytes", "l2_bw", "dram_peak", "dram_copy", "clock_hz", "mma_sustained", "launch_s"):
+            assert field in named, (m.name, field)
         per_clk = m.mma_dense_bf16 / (m.sms * m.clock_hz)  # dense bf16 FLOP/clk/SM: 2048 on Ampere, 4096 on Hopper
         assert per_clk == pytest.approx(2048 if m.arch == 80 else 4096, rel=0.01)
 
