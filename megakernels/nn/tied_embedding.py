@@ -7,8 +7,9 @@ hidden states by ``Eᵀ`` for the logits. Autograd gives ``E`` two gradients and
 ``embedding_dense_backward`` zero-fills a whole ``[V, h]`` table for it and the engine then adds the two tables:
 three passes over ``V · h`` elements to add a few thousand rows (a 128k x 4k table: 3 GiB of traffic in bf16).
 
-:class:`TiedEmbedding` removes those passes. Its output layer records, in each backward (autograd graph task), that
-a dense gradient of ``E`` is on its way to ``E``'s accumulator; the lookup's backward then returns no gradient for
+:class:`TiedEmbedding` removes those passes. Its output layer (or ``ops.linear_cross_entropy`` over ``E``, through
+:func:`dense_gradient_sent`) records, in each backward (autograd graph task), that a dense gradient of ``E`` is on
+its way to ``E``'s accumulator; the lookup's backward then returns no gradient for
 ``E`` and keeps ``(ids, dout)`` instead, and a hook on ``E`` (it runs once per backward, on the sum of everything
 that reached ``E``, before it is accumulated into ``E.grad``) adds those rows into that sum: each id's rows summed
 in fp32 (fp64 for fp64 tables), then added once, so a row is rounded as often as in the unfolded sum. The sum is
@@ -29,6 +30,24 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+# id(table tensor) -> (weak reference to it, weak reference to its hooked TiedEmbedding); keyed by id because a
+# tensor's == is elementwise (a WeakKeyDictionary compares keys with it)
+_TABLES: dict[int, tuple] = {}
+
+
+def dense_gradient_sent(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """For an output layer's backward computed outside :class:`TiedEmbedding` (``ops.linear_cross_entropy``):
+    ``grad`` (a fresh tensor that nothing else holds), the dense gradient it returns for ``weight``, will reach
+    ``weight``'s accumulator in this backward; a tied table's lookups then fold their rows into it. A no-op for a
+    weight no ``TiedEmbedding`` has hooked."""
+    if torch.compiler.is_compiling():
+        return
+    entry = _TABLES.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        table = entry[1]()
+        if table is not None:
+            table._dense_sent(grad)
 
 
 def _plain(weight: torch.Tensor) -> bool:
@@ -89,6 +108,9 @@ class TiedEmbedding:
             this = weakref.ref(self)
             self.weight.register_hook(lambda grad: _fold_hook(this, grad))
             self._hooked = weakref.ref(self.weight)
+            for key in [k for k, (w, t) in _TABLES.items() if w() is None or t() is None]:  # dead entries
+                del _TABLES[key]
+            _TABLES[id(self.weight)] = (self._hooked, this)
         return True
 
     def lookup(self, ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:

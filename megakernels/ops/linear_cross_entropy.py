@@ -236,6 +236,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dx, dw, db = _grad(
             x, weight, bias, target, lse, dloss.contiguous().float(), *ctx.args, ctx.emulate, need_hidden, need_weight
         )
+        if ctx.needs_input_grad[1]:  # a table tied to an input embedding: its lookups' rows are folded into dw
+            from megakernels.nn.tied_embedding import dense_gradient_sent  # (megakernels.nn imports the ops)
+
+            dense_gradient_sent(weight, dw)
         if need_hidden:
             dx = dx.view(ctx.shape)
             if ctx.comm:  # each rank's dX is its vocab shard's share: summed over the group

@@ -330,7 +330,28 @@ def test_a_tied_table_gets_the_lookup_rows_added_into_the_heads_gradient(family,
         assert _rel(second["model"], second["ref"]) <= 2 * _rel(second["plain"], second["ref"]) + 2e-3
 
 
-def test_the_tied_table_is_left_alone_when_asked_or_with_the_fused_head():
+def test_the_tied_table_folds_into_the_fused_heads_gradient():
+    """A tied Llama with the fused head: linear_cross_entropy's weight gradient takes the lookup's rows (no dense
+    embedding backward), and every gradient is the unpatched model's."""
+    ref = H.build("llama")
+    ref.config.tie_word_embeddings = True
+    ref.tie_weights()
+    model = copy.deepcopy(ref)
+    done = mkt.apply(model, fused_head=True)
+    assert done["fused_head"] and done["tied_embeddings"]
+    ids = H.batch()
+    with AtenOps() as seen:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert out.logits is None and "embedding_dense_backward" not in seen.counts
+    assert model.get_input_embeddings().forward.keywords["table"].folds == 1
+    _, loss0, grads0 = step(ref, ids)
+    torch.testing.assert_close(out.loss.detach(), loss0, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads0[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_tied_table_is_left_alone_when_asked_and_without_autograd():
     assert not mkt.apply(H.build("gpt2"), tied_embeddings=False)["tied_embeddings"]
     model = H.build("gpt2")
     mkt.apply(model)

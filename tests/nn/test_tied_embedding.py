@@ -151,3 +151,26 @@ def test_a_table_that_is_not_a_2d_float_leaf_is_refused():
         TiedEmbedding(torch.zeros(3, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="leaf"):
         TiedEmbedding(torch.zeros(3, 4, requires_grad=True) * 2)
+
+
+def test_linear_cross_entropy_over_the_table_takes_the_lookup_rows():
+    """The fused LM head + loss as the output layer (``ops.linear_cross_entropy`` signals its dense weight
+    gradient, ``dense_gradient_sent``): the table's gradient is autograd's through F.embedding + F.linear + CE."""
+    from megakernels import ops
+
+    ids = ids_with_repeats()
+    target = ids.reshape(-1).roll(1).reshape(ids.shape)
+    ref = table0().requires_grad_()
+    F.cross_entropy(F.linear(torch.tanh(F.embedding(ids, ref)), ref).reshape(-1, V), target.reshape(-1)).backward()
+    runs = []
+    for tied in (False, True):  # fp32 (the op's dtypes): the plain lookup and the folded one
+        w = table0().float().requires_grad_()
+        table = TiedEmbedding(w) if tied else None
+        with DenseBackwards() as seen:
+            e = table.lookup(ids) if tied else F.embedding(ids, w)
+            ops.linear_cross_entropy(torch.tanh(e), w, target, chunk_tokens=16).mean().backward()
+        assert seen.calls == (0 if tied else 1)
+        runs.append(w.grad)
+    assert table.folds == 1
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(runs[1].double(), ref.grad, rtol=1e-5, atol=1e-6)

@@ -156,7 +156,7 @@ def apply(
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
-            gradient up to the order of fp32 sums). Not with ``fused_head`` (its head is one op).
+            gradient up to the order of fp32 sums; also into the fused head's, ``fused_head``).
 
     Returns:
         What was patched: ``{"norms": int, "mlp": int, "experts": int, "attention": bool, "loss": bool,
@@ -191,7 +191,7 @@ def apply(
         bound = functools.partial(_forwards.fused_head_forward, model)
         bound.megakernels = True
         model.forward = bound
-    done["tied_embeddings"] = bool(tied_embeddings) and not fused_head and _patch_tied_embeddings(model)
+    done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model)
     return done
 
 
