@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megakernels.nn.tied_embedding import TiedEmbedding
 from megakernels.parallel import init, mappings, state
 from megakernels.parallel.params import mark_tensor_parallel
 from megakernels.validation import positive_int
@@ -86,7 +87,15 @@ class VocabParallelEmbedding(nn.Module):
         self.seed = init.draw_seed() if seed is None else int(seed)
         self.weight = nn.Parameter(torch.empty(self.local_num_embeddings, embedding_dim, device=device, dtype=dtype))
         mark_tensor_parallel(self.weight, dim=0, real_size=num_embeddings)
+        # set by an output layer tied to this table (``ParallelLMHead``): the lookup's gradient rows then go into
+        # the output layer's weight gradient (``megakernels.nn.TiedEmbedding``)
+        self.tied: TiedEmbedding | None = None
         self.reset_parameters()
+
+    def tie(self) -> None:
+        """An output layer multiplies by this table: fold the lookup's gradient into its weight gradient."""
+        if self.tied is None or self.tied.weight is not self.weight:
+            self.tied = TiedEmbedding(self.weight)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -119,12 +128,14 @@ class VocabParallelEmbedding(nn.Module):
                 f"{cls}: under sequence parallelism ids must be [s, b] with s divisible by the "
                 f"tensor-parallel size {self.tp}, got shape {tuple(ids.shape)}"
             )
+        tied = self.tied if self.tied is not None and self.tied.weight is self.weight else None
+        lookup = tied.lookup if tied is not None else lambda i: F.embedding(i, self.weight)
         if self.tp == 1:
-            out = F.embedding(ids, self.weight)
-        else:
+            out = lookup(ids)
+        else:  # the masked rows' gradients are zeros, added to row 0 (by the dense backward or the fold alike)
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(out)
         return mappings.reduce_from_tensor_model_parallel_region(out)

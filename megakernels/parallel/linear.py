@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megakernels.nn.tied_embedding import dense_gradient_sent
 from megakernels.parallel import comm, fp8, init, mappings, state
 from megakernels.parallel.params import is_sequence_parallel, mark_sequence_parallel, mark_tensor_parallel
 from megakernels.validation import positive_int
@@ -96,6 +97,7 @@ class LinearWithAsyncComm(torch.autograd.Function):
             comm.record("start", "wgrad")
             dw = dy2.t().matmul(total.reshape(-1, total.shape[-1]))
             comm.record("end", "wgrad")
+            dense_gradient_sent(target, dw)  # an LM head on a tied table: the lookup's rows go into dw
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0)
         if reducing is not None:

@@ -126,6 +126,7 @@ class ParallelLMHead(nn.Module):
                 )
             self.padded_vocab_size = emb.padded_num_embeddings
             self._tied = [emb]  # a list: not registered as a submodule, so its table is not a parameter twice
+            emb.tie()
             self.weight = None
         else:
             self._tied = []

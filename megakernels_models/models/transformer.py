@@ -396,6 +396,8 @@ class LanguageModel(nn.Module):
         word = self.word_embedding_weight
         if c.tie_embeddings and word is not None and not (pre_process and post_process):
             mark_shared_embedding(word, duplicate=self.output_embedding is not None)
+        if c.tie_embeddings and pre_process and post_process and self.embedding is not None:
+            self.embedding.word.tie()  # one table, both uses: the lookup's gradient rows go into the head's
         self._cp, self._cp_rank = (state.cp_size(), state.cp_rank()) if state.is_initialized() else (1, 0)
 
     @property

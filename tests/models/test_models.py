@@ -66,6 +66,8 @@ def test_gpt_loss_and_grads_match_plain_pytorch(single_world):
     torch.testing.assert_close(loss.t().double(), ref, rtol=1e-5, atol=1e-5)
     loss.sum().backward()
     ref.sum().backward()
+    # the tied word table: the lookup's rows went into the LM head's weight gradient (nn.TiedEmbedding)
+    assert model.embedding.word.tied.folds == 1
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad.double(), p[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
