@@ -14,10 +14,11 @@ its way to ``E``'s accumulator; the lookup's backward then returns no gradient f
 that reached ``E``, before it is accumulated into ``E.grad``) adds those rows into that sum: each id's rows summed
 in fp32 (fp64 for fp64 tables), then added once, so a row is rounded as often as in the unfolded sum. The sum is
 updated in place when it is the output layer's own fresh gradient (nothing else holds it), otherwise on a copy.
-Where the output layer's gradient is not there — a loss that never reaches the output layer, a backward asking
-only for other inputs' gradients (``torch.autograd.grad``), a nested backward (reentrant checkpointing) — the
-lookup returns its dense gradient as usual, and rows kept in a backward that never reached ``E`` are dropped by
-the next one. The same gradient either way, up to the order of fp32 sums.
+A lookup of as many ids as the table has rows (a small vocabulary) keeps the dense gradient: folding its rows
+would cost as much. Where the output layer's gradient is not there — a loss that never reaches the output layer,
+a backward asking only for other inputs' gradients (``torch.autograd.grad``), a nested backward (reentrant
+checkpointing) — the lookup returns its dense gradient as usual, and rows kept in a backward that never reached
+``E`` are dropped by the next one. The same gradient either way, up to the order of fp32 sums.
 
 Plain ``F.embedding`` / ``F.linear`` run instead (nothing changes) while compiling, under autocast, without
 autograd (no grad mode, ``E`` not requiring grad), and for tensor subclasses (DTensor shards, ...). A
@@ -137,6 +138,8 @@ class TiedEmbedding:
         """Keep the lookup's rows for the hook when this backward sends E a dense gradient; else False."""
         task = torch._C._current_graph_task_id()
         if task < 0 or task != self._dense_task or torch.is_grad_enabled():
+            return False
+        if ids.numel() >= self.weight.shape[0]:  # as many rows as the table: the dense gradient costs no more
             return False
         ids, rows = ids.reshape(-1), dout.reshape(-1, dout.shape[-1])
         if padding_idx is not None:  # the padding row gets no gradient from the lookup

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megakernels.nn.tied_embedding import TiedEmbedding
 
-V, H = 40, 8
+V, H = 64, 8  # more rows than a batch's ids (48): the fold pays
 
 
 class DenseBackwards(TorchDispatchMode):
@@ -45,7 +45,7 @@ def table0():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padding_idx", [None, 3, -37])
+@pytest.mark.parametrize("padding_idx", [None, 3, -61])
 def test_the_folded_gradient_is_autograds(dtype, padding_idx):
     ids = ids_with_repeats()
     ref = table0().requires_grad_()
@@ -84,6 +84,13 @@ def test_backwards_that_do_not_send_the_head_gradient_fall_back_to_the_dense_loo
     lm_loss(ref, ids).backward()
     torch.testing.assert_close(w.grad, ref.grad, rtol=1e-12, atol=1e-12)
     assert table._kept == []
+    # as many ids as rows: the dense lookup gradient, no fold
+    many = torch.randint(0, V, (2, V // 2 + 1), generator=torch.Generator().manual_seed(5))
+    before = table.folds
+    lm_loss(w, many, table).backward()
+    lm_loss(ref, many).backward()
+    assert table.folds == before
+    torch.testing.assert_close(w.grad, ref.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_other_uses_of_the_table_and_accumulation_over_backwards():
