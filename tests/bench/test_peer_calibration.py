@@ -651,6 +651,78 @@ def test_a_compiled_region_fuses_the_ops_between_its_gemms():
     assert res["gpu_s"] < eager["gpu_s"]  # every eager op was its own pass over its tensors
 
 
+def _softmax_region(m, v):
+    """A compiled log-softmax loss and its gradient over rows of ``v``, as Inductor runs it (probed with its CUDA
+    code generation, torch 2.14): a pass for the row's max and sum, one that uses them for the loss's row sums
+    and the gradient's, and one that writes the gradient; (ops inside the markers, logits' bytes)."""
+    import torch
+
+    rec = peer.Recorder(m)
+    with rec.patched(), rec.recording(True):
+        x = torch.empty(64, 32, device="cuda")
+        w = torch.empty(32, v, device="cuda")
+
+        def step(x, w):
+            logits = x @ w  # extern
+            logp = torch.log_softmax(logits, dim=-1)  # pass 1 reduces the row, pass 2 uses it
+            loss = (logp.exp() * logp).sum()  # pass 2: a row sum that needs pass 1's statistics
+            g = torch.ops.aten._log_softmax_backward_data(logp * 0.5, logp, -1, torch.float32)  # pass 2 sums
+            return loss, g * 2  # pass 3: the gradient needs pass 2's sum
+
+        torch.compile(step)(x, w)
+    ops = rec.ops
+    return ops[[op.kind for op in ops].index("compiled") + 1 :], 64 * v * 4
+
+
+def test_a_compiled_reduction_kernel_rereads_its_rows_once_a_pass():
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    # rows longer than a persistent reduction holds (torch/_inductor/choices.py: 1024 for an inner reduction): the
+    # logits cross DRAM in each of the three loops of the kernel, the gradient is written once
+    ops, logits = _softmax_region(m, 4096)
+    kernels = peer.fuse_compiled(ops)
+    assert [k for k, _ in kernels] == ["extern", "fused"]
+    fused = kernels[1][1]
+    assert fused["passes"] == 3
+    assert fused["read_bytes"] == 3 * logits
+    assert fused["write_bytes"] == logits + 4  # the gradient, the returned loss
+    # rows a persistent reduction holds stay in registers: one read of the logits, whatever the passes
+    ops, logits = _softmax_region(m, 1024)
+    fused = peer.fuse_compiled(ops)[1][1]
+    assert (fused["passes"], fused["read_bytes"], fused["write_bytes"]) == (1, logits, logits + 4)
+
+
+def test_a_compiled_scatter_is_stored_and_a_column_sum_has_its_own_loop():
+    import torch
+
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    n, v = 16, 4096
+    rec = peer.Recorder(m)
+    with rec.patched(), rec.recording(True):
+        logits = torch.empty(n, v, device="cuda")
+        idx = torch.empty(n, 1, device="cuda", dtype=torch.int64)
+
+        def step(logits, idx):
+            logp = torch.log_softmax(logits, dim=-1)
+            picked = logp.gather(-1, idx)  # one element a row: no pass over the row
+            g = torch.zeros_like(logp).scatter_add(-1, idx, picked)  # stored: a kernel of its own
+            dx = torch.ops.aten._log_softmax_backward_data(g, logp, -1, torch.float32)
+            return dx, dx.sum(0)  # a column sum: its own loop over what it reads
+
+        torch.compile(step)(logits, idx)
+    ops = rec.ops[[op.kind for op in rec.ops].index("compiled") + 1 :]
+    ((kind, fused),) = peer.fuse_compiled(ops)
+    row = n * v * 4
+    # passes: the softmax statistics (logits); the gradient's row sum (the scattered g, and the indices: the
+    # gather's and the scatter's own loads); the returned gradient (g, logits); the column sum (the stored gradient)
+    assert fused["passes"] == 4
+    assert fused["read_bytes"] == 5 * row + n * 8
+    assert fused["write_bytes"] == 2 * row + v * 4  # g stored, the returned gradient, the bias gradient
+
+
 def test_a_compiled_region_needs_its_end_and_no_read_back():
     with pytest.raises(ValueError, match="compiled_end"):
         peer.fuse_compiled([peer.Op("torch")])

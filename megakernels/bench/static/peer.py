@@ -28,7 +28,7 @@ A PyTorch op costs, on the GPU: a GEMM its FLOPs at ``mma_sustained`` of the dty
 the copy rate when slower), anything else its tensors' bytes at the copy rate; views and ``empty`` cost nothing.
 Every kernel adds ``launch_s``. A ``torch.compile``d function's ops (a compiled region) are priced as Inductor
 runs them (``fuse_compiled``): GEMMs as they are, the ops between them fused into one kernel of the bytes it reads
-and writes outside itself.
+and writes outside itself, its rows read once per loop Inductor runs over them (``_row_passes``).
 
 The benchmark harness (``triton.testing.do_bench``) times a region on CUDA events after zeroing a 256 MB buffer
 (its L2 flush), so the host's work of the region overlaps the flush: the published time is the larger of the GPU
@@ -1683,6 +1683,9 @@ def fuse_compiled(ops: list[Op]) -> list[tuple]:
       of its ops that read it), and writes each tensor it produces that is read outside it (by a later kernel) or
       leaves the call (a returned storage, or one made before the call that the call writes into); what it makes
       and uses itself stays on chip. Bytes are the views' distinct elements, at most the storage's;
+    - where its rows are longer than a persistent reduction holds, a fused kernel runs as Inductor's looped
+      reduction: one loop over the rows per reduction a later op of the kernel needs, each loop reading again what
+      it uses (``_row_passes``: the kernel's reads are its passes' reads summed; "passes" counts them);
     - views and allocations launch nothing.
 
     Raises:
@@ -1723,21 +1726,27 @@ def fuse_compiled(ops: list[Op]) -> list[tuple]:
             level = max([g for _, g in made], default=0)
             tag = ("g", level)
             if level not in groups:
-                groups[level] = {"ops": 0, "reads": {}, "writes": {}}
+                groups[level] = {"ops": 0, "reads": {}, "writes": {}, "trace": []}
                 kernels.append(("group", level))
             group = groups[level]
             group["ops"] += 1
+        in_keys = []
         for a in ins:
             key = (a[0], version.get(a[0], 0))
+            in_keys.append((key, a[1], a[2], a[3]))
             readers.setdefault(key, set()).add(tag)
             if not extern and made_by.get(key) != tag:
                 group["reads"].setdefault(key, {})[a[1]] = (a[2], a[3])
+        out_keys = []
         for a in outs:
             version[a[0]] = version.get(a[0], 0) + 1
             key = (a[0], version[a[0]])
+            out_keys.append((key, a[1], a[2], a[3]))
             made_by[key] = ("e", level) if extern else tag
             if not extern:
                 group["writes"].setdefault(key, {})[a[1]] = (a[2], a[3])
+        if not extern:
+            group["trace"].append((_op_name(op), in_keys, out_keys))
 
     def nbytes(views: dict) -> int:
         return min(sum(b for b, _ in views.values()), max(s for _, s in views.values()))
@@ -1748,15 +1757,129 @@ def fuse_compiled(ops: list[Op]) -> list[tuple]:
             out.append(("extern", k[1]))
             continue
         tag, group = ("g", k[1]), groups[k[1]]
-        written = 0
+        written, stored = 0, set()
         for key, views in group["writes"].items():
             sid, v = key
             leaves = v == version[sid] and (sid in returned or sid in outside)
             if leaves or readers.get(key, set()) - {tag}:
                 written += nbytes(views)
-        read = sum(nbytes(views) for views in group["reads"].values())
-        out.append(("fused", {"ops": group["ops"], "read_bytes": read, "write_bytes": written}))
+                stored.add(key)
+        passes, materialised = _row_passes(group["trace"], stored)
+        seen_views: dict = {}
+        for _, ins, outs in group["trace"]:
+            for key, view, b, sb in (*ins, *outs):
+                seen_views.setdefault(key, {})[view] = (b, sb)
+        read = sum(nbytes(seen_views[key]) for keys in passes for key in keys)
+        written += sum(nbytes(seen_views[key]) for key in materialised - stored)
+        out.append(("fused", {"ops": group["ops"], "read_bytes": read, "write_bytes": written, "passes": len(passes)}))
     return out
+
+
+# How Inductor runs the ops of one fused kernel over their rows (torch 2.x, torch/_inductor): the ops that reduce a
+# row and then use the result (softmax and log-softmax, forward and backward) decompose into a reduction and a
+# pointwise use of it; those that reduce to fewer elements end a row's data flow there.
+ROW_NORMALISE = frozenset({"_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data"})
+# indirect reads: one element of the indexed input per output element (a gather's load, not a pass over the row)
+GATHERS = frozenset({"gather", "nll_loss_forward", "nll_loss2d_forward", "index_select", "index", "take_along_dim"})
+# indirect writes: Inductor stores their result (a scatter cannot be recomputed where it is used)
+SCATTERS = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "index_put",
+                      "index_put_", "index_add", "index_add_", "masked_scatter"})  # fmt: skip
+# inputs an op takes for their shape only (the positions among its tensor arguments)
+SHAPE_ONLY = {"nll_loss_backward": (1,), "nll_loss2d_backward": (1,), "new_zeros": (0,), "new_ones": (0,),
+              "new_full": (0,), "new_empty": (0,)}  # fmt: skip
+# a reduction whose row is at most this long runs persistent, the row held in registers and read once
+# (torch/_inductor/choices.py, InductorChoices.should_use_persistent_reduction: ReductionHint.INNER -> 1024)
+PERSISTENT_RBLOCK = 1024
+
+
+def _numel(entry: tuple) -> int:
+    """Elements of the view of one access entry (key, (offset, shape, strides, dtype), bytes, storage bytes)."""
+    return math.prod(entry[1][1])
+
+
+def _keeps_last(ins: list, outs: list) -> bool:
+    """Whether a reduction keeps its largest input's last dimension (reduces leading ones: a column reduction)."""
+    src = max(ins, key=_numel)[1][1]
+    out = outs[0][1][1]
+    return len(src) >= 2 and _numel(outs[0]) > 1 and bool(out) and out[-1] == src[-1]
+
+
+def _row_passes(trace: list, stored: set) -> tuple[list, set]:
+    """The DRAM reads of one fused kernel's row passes, as Inductor's looped reduction kernel makes them: (a list
+    of sets of the tensors (storage, version) each pass reads, the tensors the kernel materialises).
+
+    ``trace`` is the kernel's ops in order (name, inputs, outputs; each entry (key, view, bytes, storage bytes));
+    ``stored`` the tensors the kernel writes out. Rules, each from Inductor's source:
+
+    - an op runs in pass p, the latest pass at which one of its inputs is ready; a row reduction's result (a
+      reduction, or the statistics of a softmax family op) is ready one pass after the pass that reads its input:
+      a node that needs a reduction's result closes the kernel's loop over the row and opens the next one
+      (codegen/simd.py, ``SIMDKernel.disable_reduction`` -> ``codegen_body``), and each loop loads again what it
+      uses;
+    - a value made in the kernel is recomputed where it is used (Inductor inlines pointwise nodes into their
+      readers): a pass that uses it reads the tensors it was made from, unless it is stored (written out of the
+      kernel, or a scatter's result: Inductor's scatters are kernels of their own), when the pass reads it (a
+      stored value the same pass made is still on chip); reduction results are per row, held on chip;
+    - a reduction over leading dimensions (a column sum) has another iteration order and gets a loop of its own
+      (``Scheduler.can_fuse`` needs the same numel and reduction numel);
+    - a softmax family op's reduction reads its first input (the backward's: the gradient), the use of its result
+      all its inputs;
+    - gathers read one element a row, and shape-only inputs (a factory's, ``WRITES_ONLY``) nothing;
+    - where the longest reduced row is at most ``PERSISTENT_RBLOCK`` the kernel is a persistent reduction: the row
+      stays in registers, so every tensor is read once (the passes collapse into one)."""
+    ready: dict = {}  # key -> the pass from which the value can be used
+    made: dict = {}  # key -> (pass it is made in, the tensors a use reads)
+    passes: dict = {}
+    materialised: set = set()
+    extra = 0  # column reductions' own loops
+    row = 0
+
+    def sources(key):
+        return made[key][1] if key in made else frozenset({key})
+
+    for name, ins, outs in trace:
+        shape_only = range(len(ins)) if name in WRITES_ONLY else SHAPE_ONLY.get(name, ())
+        used = [e for i, e in enumerate(ins) if i not in shape_only]
+        p = max((ready.get(e[0], 0) for e in used), default=0)
+        full = [e for e in used if name not in GATHERS or e[2] == min(x[2] for x in used)]
+        src = frozenset().union(*(sources(e[0]) for e in full)) if full else frozenset()
+        # a softmax family op's reduction reads its first input only (the input, or the gradient: the backward's
+        # row sum is of the gradient; the output it scales is read where the result is used)
+        reads = sources(used[0][0]) if name in ROW_NORMALISE and used else src
+        out_bytes = max((e[2] for e in outs), default=0)
+        reduces = name in ROW_NORMALISE or bool(
+            name not in GATHERS and used and outs and out_bytes and _numel(outs[0]) < max(_numel(e) for e in used)
+        )
+        if reduces or name in ROW_NORMALISE:
+            row = max(row, max(e[1][1][-1] if e[1][1] else 1 for e in used))
+        column = reduces and name not in ROW_NORMALISE and _keeps_last(used, outs)
+        if column:
+            extra += 1
+            passes[("column", extra)] = set(reads)
+        else:  # what the pass made and did not scatter is still on chip
+            passes.setdefault(p, set()).update(
+                k for k in reads if not (k in made and made[k][0] == p and k not in materialised)
+            )
+        at = p + 1 if reduces else p  # the pass that makes the output
+        if name in ROW_NORMALISE and any(key in stored for key, *_ in outs):  # written where it is made
+            passes.setdefault(at, set()).update(k for k in src if not (k in made and made[k][0] == at))
+        for key, *_ in outs:
+            if name in SCATTERS:
+                materialised.add(key)
+            if key in stored or name in SCATTERS:
+                made[key] = (at, frozenset({key}))
+            elif reduces and name not in ROW_NORMALISE:
+                made[key] = (at, frozenset())  # per row, on chip
+            else:
+                made[key] = (at, src)
+            ready[key] = at
+    order = [passes[k] for k in sorted(k for k in passes if not isinstance(k, tuple))]
+    order = [s for s in order if s]
+    columns = [s for k, s in passes.items() if isinstance(k, tuple) and s]
+    if row <= PERSISTENT_RBLOCK:
+        merged = set().union(*order, *columns) if order or columns else set()
+        return ([merged] if merged else []), materialised
+    return order + columns, materialised
 
 
 def price_compiled(ops: list[Op], m: model.Machine) -> list[dict]:
