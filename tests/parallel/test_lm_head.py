@@ -89,6 +89,31 @@ def _(rank, world):
                 mp.destroy()
 
 
+@CHECKS.add("a_tied_table_folds_the_lookup_rows_into_the_heads_weight_gradient")
+def _(rank, world):
+    # the word embedding and the output layer on one table: the lookup's gradient rows go into the head's weight
+    # gradient (nn.TiedEmbedding; other ranks' ids are masked rows adding zeros), equal to the unsharded model's
+    for tp in TPS:
+        for sp in (False, True):
+            what = f"tp{tp} sp={sp}"
+            mp.initialize(tp)
+            r = mp.tp_rank()
+            torch.manual_seed(24)
+            emb = mp.VocabParallelEmbedding(V, H, sequence_parallel=sp)
+            head = mp.ParallelLMHead(H, V, sequence_parallel=sp, tied_embedding=emb)
+            ids, target, dloss = _target(25), _target(26), randn(S, B, seed=27)
+            head(torch.tanh(emb(ids)), target).backward(dloss)
+
+            wr = _leaf(_padded_table(emb.seed, head.padded_vocab_size)[:V].double())
+            xr = torch.tanh(F.embedding(ids, wr))
+            lr = F.cross_entropy((xr @ wr.t()).view(-1, V), target.view(-1), reduction="none").view(S, B)
+            lr.backward(dloss.double())
+            grad = torch.cat([wr.grad, torch.zeros(head.padded_vocab_size - V, H, dtype=torch.float64)])
+            assert emb.tied.folds == 1, what
+            assert_close(emb.weight.grad, block(grad, 0, r, tp), f"{what}: table grad")
+            mp.destroy()
+
+
 @CHECKS.add("ignore_index_and_label_smoothing_reach_the_loss")
 def _(rank, world):
     mp.initialize(4)
