@@ -5,6 +5,7 @@ to end on three rows of Liger-Kernel's published data (needs liger-kernel 0.2.1 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -936,3 +937,48 @@ def test_rereads_a_grid_sweep_apart_miss_the_l2_by_the_share_of_the_sweep_it_can
     assert extra(256, 16)[0] == (0.0, [])
     # one column: nothing is read twice
     assert extra(4096, 1)[0] == (0.0, [])
+
+
+def test_extern_gemm_tiles_waves_split_k_and_fp32():
+    """An extern GEMM's time (``cublas.gemm_time``): the fastest of cuBLAS's large tiles in waves over the SMs at
+    ``mma_sustained`` of peak. A shape that fills whole waves costs the flat rate; one whose tiles leave a wave part
+    empty costs the whole wave; a few output tiles over a long K split K; fp32 runs at the CUDA cores' rate."""
+    import torch
+
+    from megakernels.bench.static import cublas, model
+
+    m = model.MACHINES["H100-SXM"]
+    rate = m.mma_dense_bf16 * m.mma_sustained
+    # 132 SMs x 128x256 tiles = 11 x 12 tiles of 128 x 256 -> exactly one wave: the flat rate
+    g = cublas.gemm_time(m, 1, 11 * 128, 12 * 256, 4096, torch.bfloat16)
+    assert g["time_s"] == pytest.approx(2 * 11 * 128 * 12 * 256 * 4096 / rate)
+    assert (g["waves"], g["splits"]) == (1, 1)
+    # one more row of 128 -> 144 tiles of 128x256, a second wave for 12 of them; 288 tiles of 128x128 take 3
+    # waves of half a 128x256 tile's work: the faster, 1.5 big waves (wave quantization: 1.5 / (144 / 132))
+    g = cublas.gemm_time(m, 1, 12 * 128, 12 * 256, 4096, torch.bfloat16)
+    assert (g["tile"], g["waves"]) == ("128x128", 3)
+    assert g["time_s"] == pytest.approx(3 * 2 * 128 * 128 * 4096 / (rate / m.sms))
+    # tile quantization: 129 rows cost as 256 (enough tiles that K is not split)
+    assert cublas.gemm_time(m, 1, 129, 32768, 1024, torch.bfloat16)["time_s"] == pytest.approx(
+        cublas.gemm_time(m, 1, 256, 32768, 1024, torch.bfloat16)["time_s"]
+    )
+    # 1024 x 1024 output over K = 65536: 64 tiles of 128x128 -> split K in 2 (128 units, one wave), the fp32
+    # partials (2 x 2 x 1024 x 1024 x 4 B, L2-resident) read back
+    g = cublas.gemm_time(m, 1, 1024, 1024, 65536, torch.bfloat16)
+    assert (g["tile"], g["splits"], g["waves"]) == ("128x128", 2, 1)
+    assert g["time_s"] == pytest.approx(2 * 128 * 128 * 32768 / (rate / m.sms) + 16 * 1024 * 1024 / m.l2_bw)
+    # never faster than the flat rate; fp32 at the CUDA cores' rate (PyTorch's default: no TF32)
+    for shape in ((1024, 128256, 4096), (128256, 2048, 1024), (1024, 2048, 128256), (32, 4096, 128256)):
+        t = cublas.gemm_time(m, 1, *shape, torch.bfloat16)["time_s"]
+        assert t >= 2 * math.prod(shape) / rate * (1 - 1e-9)
+    g32 = cublas.gemm_time(m, 1, 11 * 128, 12 * 256, 4096, torch.float32)
+    assert g32["time_s"] == pytest.approx(2 * 11 * 128 * 12 * 256 * 4096 / (m.fp32_simt * m.mma_sustained))
+    # price_torch prices an mm by it; dims folds a 2-D right operand's batch into M
+    a, b = ((11 * 128, 4096), torch.bfloat16), ((4096, 12 * 256), torch.bfloat16)
+    op = peer.Op(
+        "torch", func=torch.ops.aten.mm.default, inputs=(a, b), outputs=(((11 * 128, 12 * 256), torch.bfloat16),)
+    )
+    p = peer.price_torch(op, m)
+    assert p["bound"] == "mma" and p["time_s"] == pytest.approx(2 * 11 * 128 * 12 * 256 * 4096 / rate + m.launch_s)
+    assert cublas.dims((4, 8, 16), (4, 16, 32)) == (4, 8, 32, 16)
+    assert cublas.dims((4, 8, 16), (16, 32)) == (1, 32, 32, 16)

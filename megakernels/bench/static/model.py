@@ -43,6 +43,7 @@ class Machine:
     mma_dense_bf16: float = 989e12  # FLOP/s, wgmma dense bf16 peak (the attention ceiling); fp16 is the same
     mma_dense_fp8: float = 1979e12  # FLOP/s dense (0: no fp8 tensor cores)
     mma_dense_tf32: float = 494.7e12  # FLOP/s dense
+    fp32_simt: float = 67e12  # FLOP/s, FP32 on the CUDA cores (an fp32 GEMM without TF32: ``cublas``)
     mma_sustained: float = 0.80  # fraction of that peak the best large bf16 GEMM sustains (MAMF, ``sources``)
     mma_sync_rate: float = 0.625  # mma.sync's rate relative to wgmma on Hopper
     dram_peak: float = 4.8e12  # B/s, HBM3e
@@ -112,7 +113,10 @@ _HOPPER_SRC = (
         "NVIDIA H100 Tensor Core GPU Architecture whitepaper (256 KB of combined L1 and shared memory per SM); "
         "CUDA C Programming Guide, compute capability 9.0 table",
     ),
-    ("mma_dense_*, dram_peak, boost_clock_hz", "NVIDIA H100 / H200 datasheets (dense = the sparse figure / 2)"),
+    (
+        "mma_dense_*, fp32_simt, dram_peak, boost_clock_hz",
+        "NVIDIA H100 / H200 datasheets (dense = the sparse figure / 2; FP32: SXM and H200 67, NVL 60, PCIe 51 TFLOP/s)",
+    ),
     ("clock_hz", "mma_dense_bf16 / (sms x 4096 FLOP/clk/SM): the clock the dense rating assumes"),
     ("dram_copy", "H200: a measured copy; others dram_peak x COPY_FRACTION (assumption)"),
     ("dram_latency_s, launch_s", "assumptions, calibrated against Liger-Kernel's published timings"),
@@ -168,6 +172,7 @@ MACHINES: dict[str, Machine] = {
         mma_dense_bf16=835e12,
         mma_dense_fp8=1670e12,
         mma_dense_tf32=417.5e12,
+        fp32_simt=60e12,
         dram_peak=3.9e12,
         dram_copy=3.9e12 * COPY_FRACTION,
         l2_bw=8.0e12,  # the H100 PCIe's measured 6.95 TB/s per SM x 132 SMs (assumption, ``L2_SRC``)
@@ -182,6 +187,7 @@ MACHINES: dict[str, Machine] = {
         mma_dense_bf16=756e12,
         mma_dense_fp8=1513e12,
         mma_dense_tf32=378e12,
+        fp32_simt=51e12,
         dram_peak=2.0e12,
         dram_copy=2.0e12 * COPY_FRACTION,
         l2_bw=6.95e12,  # measured on an H100 PCIe (gpu-benches gpu-l2-cache, ``L2_SRC``)
@@ -196,6 +202,7 @@ MACHINES: dict[str, Machine] = {
         mma_dense_bf16=312e12,
         mma_dense_fp8=0.0,
         mma_dense_tf32=156e12,
+        fp32_simt=19.5e12,
         mma_sync_rate=1.0,  # mma.sync is Ampere's tensor-core instruction
         mma_sustained=0.859,  # MAMF: 267.9 of 312 TFLOP/s (``sources``)
         dram_peak=2.039e12,
@@ -214,7 +221,7 @@ MACHINES: dict[str, Machine] = {
             ),
             (
                 "mma_dense_*, dram_peak, clock_hz",
-                "NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s bf16 dense, 2039 GB/s, 1410 MHz boost)",
+                "NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s bf16 dense, 19.5 FP32, 2039 GB/s, 1410 MHz boost)",
             ),
             ("dram_copy", "dram_peak x COPY_FRACTION (assumption)"),
             ("l2_bw", L2_SRC["A100-SXM4-80GB"]),

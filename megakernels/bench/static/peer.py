@@ -24,8 +24,9 @@ Where a driver gives what a tensor holds and the loop bounds read it at a progra
 per-expert token counts), each program's trips are evaluated: the launch's work is their sum, and it lasts no
 less than its busiest program would as a launch of its own.
 
-A PyTorch op costs, on the GPU: a GEMM its FLOPs at ``mma_sustained`` of the dtype's dense peak (or its bytes at
-the copy rate when slower), anything else its tensors' bytes at the copy rate; views and ``empty`` cost nothing.
+A PyTorch op costs, on the GPU: a GEMM its tiles in waves over the SMs at ``mma_sustained`` of the dtype's dense
+peak (``cublas.gemm_time``: tile and wave quantization, split-K; fp32 on the CUDA cores) or its bytes at the copy
+rate when slower, anything else its tensors' bytes at the copy rate; views and ``empty`` cost nothing.
 Every kernel adds ``launch_s``. A ``torch.compile``d function's ops (a compiled region) are priced as Inductor
 runs them (``fuse_compiled``): GEMMs as they are, the ops between them fused into one kernel of the bytes it reads
 and writes outside itself, its rows read once per loop Inductor runs over them (``_row_passes``).
@@ -50,7 +51,7 @@ import statistics
 import sys
 import types
 
-from megakernels.bench.static import model
+from megakernels.bench.static import cublas, model
 
 FIELDS = (
     "kernel_name",
@@ -1641,7 +1642,6 @@ WRITES_ONLY = frozenset(
 
 def price_torch(op: Op, m: model.Machine) -> dict | None:
     """GPU time of one recorded PyTorch op on ``m``; None for one that launches no kernel."""
-    import torch
 
     if launches_nothing(op):
         return None
@@ -1654,14 +1654,16 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
     nbytes = (0 if name in WRITES_ONLY else sum(size(t) for t in op.inputs)) + sum(size(t) for t in op.outputs)
     t = nbytes / m.dram_copy
     bound = "dram"
+    extra = {}
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and len(op.inputs) >= 2:
         a, b = op.inputs[-2][0], op.inputs[-1][0]
-        flops = 2 * math.prod(a) * b[-1]
-        peak = m.mma_dense_tf32 if op.inputs[-1][1] == torch.float32 else m.mma_dense_bf16
-        tm = flops / (peak * m.mma_sustained)
-        if tm > t:
-            t, bound = tm, "mma"
-    return {"kernel": f"aten.{name}", "bound": bound, "time_s": t + m.launch_s, "dram_bytes": nbytes}
+        batch, rows, cols, depth = cublas.dims(a, b)
+        g = cublas.gemm_time(m, batch, rows, cols, depth, op.inputs[-1][1])
+        extra = {"gemm": f"{batch}x{rows}x{cols}x{depth} {str(op.inputs[-1][1]).split('.')[-1]}", **g}
+        extra.pop("time_s")
+        if g["time_s"] > t:
+            t, bound = g["time_s"], "mma"
+    return {"kernel": f"aten.{name}", "bound": bound, "time_s": t + m.launch_s, "dram_bytes": nbytes, **extra}
 
 
 # The ops Inductor leaves as extern kernels (called as they are from its generated code): the GEMMs; a Triton kernel
