@@ -117,7 +117,8 @@ class TiedEmbedding:
     def lookup(self, ids: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
         if not self._ready():
             return F.embedding(ids, self.weight, padding_idx)
-        return _Lookup.apply(ids, self.weight, self, padding_idx)
+        rows = self.weight.shape[0]
+        return _Lookup.apply(ids, self.weight, self, None if padding_idx is None else padding_idx % rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._ready():
@@ -143,7 +144,7 @@ class TiedEmbedding:
             return False
         ids, rows = ids.reshape(-1), dout.reshape(-1, dout.shape[-1])
         if padding_idx is not None:  # the padding row gets no gradient from the lookup
-            keep = ids != (padding_idx if padding_idx >= 0 else padding_idx + self.weight.shape[0])
+            keep = ids != padding_idx  # (made non-negative by ``lookup``)
             ids, rows = ids[keep], rows[keep]
         self._kept.append((task, ids, rows))
         return True
@@ -176,7 +177,7 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, table, padding_idx):
         ctx.save_for_backward(ids)
-        ctx.table, ctx.padding_idx, ctx.rows = table, padding_idx, weight.shape[0]
+        ctx.table, ctx.padding_idx, ctx.rows = table, padding_idx, weight.shape[0]  # padding_idx >= 0 or None
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
@@ -184,7 +185,7 @@ class _Lookup(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         if ctx.table._keep(ids, dout, ctx.padding_idx):
             return None, None, None, None
-        pad = -1 if ctx.padding_idx is None else ctx.padding_idx % ctx.rows
+        pad = -1 if ctx.padding_idx is None else ctx.padding_idx
         return None, torch.ops.aten.embedding_dense_backward(dout, ids, ctx.rows, pad, False), None, None
 
 

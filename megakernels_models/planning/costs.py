@@ -321,9 +321,8 @@ def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple
         n = layout.shard_ranks(experts, ep)
         return 4 / n, 4 / n, 0.0 if layout.offload_optimizer else 8 / n
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
-    microbatches = max(1, layout.global_batch_size // max(1, layout.micro_batch_size * layout.dp))
     chunks = 2 if layout.placement == "v" else layout.vpp
-    if not grads_summed(layout.world, microbatches, chunks, half, layout.offload_optimizer):
+    if not grads_summed(layout.world, layout.microbatches, chunks, half, layout.offload_optimizer):
         grad_b = 2  # 16-bit gradient buffers: nothing is summed into them
     if layout.offload_optimizer:
         opt_b = 0
