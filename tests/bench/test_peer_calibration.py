@@ -257,6 +257,10 @@ def test_a_row_naming_a_release_older_than_its_kernel_is_modelled_with_the_first
     assert peer.resolve_version("layer_norm", "0.6.0") == "0.6.0"  # a release that has it: itself
     assert peer.resolve_version("rms_norm", "0.2.1") == "0.2.1"
     assert peer.resolve_version("unknown_kernel", "0.1.0") == "0.1.0"
+    # rows written by the same commit as a rewrite of their kernel ran the rewrite (its first release)
+    assert peer.resolve_version("tvd", "0.7.0") == "0.8.0"
+    assert peer.resolve_version("fused_add_rms_norm", "0.7.0") == "0.8.0"
+    assert peer.resolve_version("tvd", "0.8.1") == "0.8.1"
     # the row's own label is kept; the release used is reported beside it
     row = dict(peer.read_csv(TINY)[0], kernel_name="layer_norm", liger_version="0.2.1")
     p = peer.predict_row(row, None, {peer._key(row): "recorded elsewhere"})
@@ -982,3 +986,19 @@ def test_extern_gemm_tiles_waves_split_k_and_fp32():
     assert p["bound"] == "mma" and p["time_s"] == pytest.approx(2 * 11 * 128 * 12 * 256 * 4096 / rate + m.launch_s)
     assert cublas.dims((4, 8, 16), (4, 16, 32)) == (4, 8, 32, 16)
     assert cublas.dims((4, 8, 16), (16, 32)) == (1, 32, 32, 16)
+
+
+def test_the_softmax_backward_is_priced_as_the_two_kernels_pytorch_runs():
+    """PyTorch's CUDA softmax backward multiplies grad by output in one kernel and runs the row kernel on the product
+    and the output in a second: twice the bytes and two launches; the log-softmax backward is one kernel."""
+    import torch
+
+    from megakernels.bench.static import model
+
+    m = model.MACHINES["H100-SXM"]
+    t = ((4096, 4096), torch.float32)
+    one = 3 * 4 * 4096 * 4096 / m.dram_copy
+    soft = peer.Op("torch", func=torch.ops.aten._softmax_backward_data.default, inputs=(t, t), outputs=(t,))
+    log = peer.Op("torch", func=torch.ops.aten._log_softmax_backward_data.default, inputs=(t, t), outputs=(t,))
+    assert peer.price_torch(soft, m)["time_s"] == pytest.approx(2 * one + 2 * m.launch_s)
+    assert peer.price_torch(log, m)["time_s"] == pytest.approx(one + m.launch_s)

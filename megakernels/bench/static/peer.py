@@ -1153,8 +1153,12 @@ FIRST_RELEASE = {
 # Kernels whose rows ran source that the first release holding the module does not match, with the first release
 # that does (read from the repository's history): the distillation JSD rows (2024-12) ran the chunk function on
 # chunks of 1024 rows, which 0.5.3-0.5.4 changed to one row a chunk and 0.5.5 restored; the KTO rows (2025-03-03)
-# ran the unpaired-preference base after its masked-sum rewrite, first released in 0.5.5.
-SOURCE_RELEASE = {"distill_jsd_loss": "0.5.5", "kto_loss": "0.5.5"}
+# ran the unpaired-preference base after its masked-sum rewrite, first released in 0.5.5. The TVD rows (2026-03-03)
+# and the fused add + RMSNorm rows (2026-04-07) name 0.7.0 but were committed together with a rewrite of their kernel
+# (Liger-Kernel 5c9cecc8, #1127: the gradient's scale inside the forward kernel; b7025a70, #1187: the backward's
+# register pressure), which 0.8.0 first released: the commit that wrote a row ran the source of that commit
+# (benchmarks/peer/provenance.py compares the two for every row group).
+SOURCE_RELEASE = {"distill_jsd_loss": "0.5.5", "kto_loss": "0.5.5", "tvd": "0.8.0", "fused_add_rms_norm": "0.8.0"}
 # Drivers a row cannot have, with the reason: what the benchmark times is outside the model.
 NOT_DRIVEN = {
     "megatron_cross_entropy": "its benchmark times a loop of calls through torch.distributed's vocabulary-parallel "
@@ -1652,9 +1656,13 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
 
     # an op that only writes (a factory like zeros_like, a fill) reads nothing of its inputs
     nbytes = (0 if name in WRITES_ONLY else sum(size(t) for t in op.inputs)) + sum(size(t) for t in op.outputs)
+    # PyTorch's CUDA softmax backward (not the log one) is two kernels: tmp = grad * output, then the row kernel on
+    # (tmp, output) (aten/src/ATen/native/cuda/SoftMax.cu, softmax_backward_cuda_out)
+    kernels = 2 if name == "_softmax_backward_data" else 1
+    nbytes *= kernels
     t = nbytes / m.dram_copy
     bound = "dram"
-    extra = {}
+    extra = {"kernels": kernels} if kernels > 1 else {}
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and len(op.inputs) >= 2:
         a, b = op.inputs[-2][0], op.inputs[-1][0]
         batch, rows, cols, depth = cublas.dims(a, b)
@@ -1663,7 +1671,7 @@ def price_torch(op: Op, m: model.Machine) -> dict | None:
         extra.pop("time_s")
         if g["time_s"] > t:
             t, bound = g["time_s"], "mma"
-    return {"kernel": f"aten.{name}", "bound": bound, "time_s": t + m.launch_s, "dram_bytes": nbytes, **extra}
+    return {"kernel": f"aten.{name}", "bound": bound, "time_s": t + kernels * m.launch_s, "dram_bytes": nbytes, **extra}
 
 
 # The ops Inductor leaves as extern kernels (called as they are from its generated code): the GEMMs; a Triton kernel
