@@ -32,6 +32,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from megakernels.ops import gemm
+
 # id(table tensor) -> (weak reference to it, weak reference to its hooked TiedEmbedding); keyed by id because a
 # tensor's == is elementwise (a WeakKeyDictionary compares keys with it)
 _TABLES: dict[int, tuple] = {}
@@ -122,7 +124,7 @@ class TiedEmbedding:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._ready():
-            return F.linear(hidden, self.weight)
+            return gemm.linear(hidden, self.weight)
         return _Head.apply(hidden, self.weight, self)
 
     # ---- the backward's bookkeeping -----------------------------------------------------------------------------
@@ -194,7 +196,7 @@ class _Head(torch.autograd.Function):
     def forward(ctx, hidden, weight, table):
         ctx.save_for_backward(hidden, weight)
         ctx.table = table
-        return F.linear(hidden, weight)
+        return gemm.linear_nograd(hidden, weight)
 
     @staticmethod
     def backward(ctx, dlogits):
@@ -202,8 +204,8 @@ class _Head(torch.autograd.Function):
         g = dlogits.reshape(-1, dlogits.shape[-1])
         dhidden = dweight = None
         if ctx.needs_input_grad[0]:
-            dhidden = g.mm(weight).view(hidden.shape)
+            dhidden = gemm.mm(g, weight).view(hidden.shape)
         if ctx.needs_input_grad[1]:
-            dweight = g.t().mm(hidden.reshape(-1, hidden.shape[-1]))
+            dweight = gemm.mm(g.t(), hidden.reshape(-1, hidden.shape[-1]))
             ctx.table._dense_sent(dweight)
         return dhidden, dweight, None

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megakernels._backend import emulate_for
-from megakernels.ops import _checks
+from megakernels.ops import _checks, gemm
 from megakernels.ops.cross_entropy import (
     DTYPES,
     check_group,
@@ -72,9 +72,18 @@ def default_chunk_tokens(v_local: int) -> int:
 
 
 def _chunk_logits(h, weight, bias):
-    return torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+    return gemm.linear_nograd(h, weight, bias)
 
 
+def _mm_into(out, a, b):
+    """``out = a @ b`` (2-D), through ``gemm.mm`` where it routes the product, else ``torch.mm(out=)``."""
+    if gemm.routed(a, b, a.shape[0], b.shape[1], a.shape[1]):
+        out.copy_(gemm.mm(a, b))
+    else:
+        torch.mm(a, b, out=out)
+
+
+@torch.no_grad()
 def stats_chunks(hidden, weight, bias, target, vocab_start: int, n_valid: int, chunk: int, emulate: bool):
     """``[T, 4]`` fp32 ``(max, sum exp, target logit, row sum)`` of ``hidden @ weight.T + bias``, chunk by chunk
     (the body of the custom op ``megakernels::linear_cross_entropy_stats``)."""
@@ -106,6 +115,7 @@ def _(hidden, weight, bias, target, vocab_start, n_valid, chunk, emulate):
     return hidden.new_empty((hidden.shape[0], 4), dtype=torch.float32)
 
 
+@torch.no_grad()
 def grad_chunks(
     hidden, weight, bias, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, chunk,
     emulate, need_hidden, need_weight,
@@ -133,11 +143,13 @@ def grad_chunks(
             emulate, g,
         )  # fmt: skip
         if need_hidden:
-            torch.mm(g, weight, out=dx[a:b])
+            _mm_into(dx[a:b], g, weight)
         if need_weight:
             # the first chunk writes dW, the others add to it
             if direct and a == 0:
-                torch.mm(g.t(), hidden[a:b], out=dw)
+                _mm_into(dw, g.t(), hidden[a:b])
+            elif direct and gemm.routed(g, hidden, g.shape[1], hidden.shape[1], b - a):
+                dw.add_(gemm.mm(g.t(), hidden[a:b]))
             elif direct:
                 dw.addmm_(g.t(), hidden[a:b])
             else:

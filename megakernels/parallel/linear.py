@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megakernels.nn.tied_embedding import dense_gradient_sent
+from megakernels.ops import gemm
 from megakernels.parallel import comm, fp8, init, mappings, state
 from megakernels.parallel.params import is_sequence_parallel, mark_sequence_parallel, mark_tensor_parallel
 from megakernels.validation import positive_int
@@ -59,7 +59,7 @@ class LinearWithAsyncComm(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.weight = weight  # where a deferred weight gradient goes (``_deferred_target``)
         total = comm.all_gather(x, 0, group) if ctx.sp else x
-        return F.linear(total, weight, bias)
+        return gemm.linear_nograd(total, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -80,7 +80,7 @@ class LinearWithAsyncComm(torch.autograd.Function):
         dx = None
         if need_dx:
             comm.record("start", "dgrad")
-            dx = dy.matmul(weight)
+            dx = _dgrad(dy, weight)
             comm.record("end", "dgrad")
         total = gathering.wait() if gathering is not None else x
         reducing = None
@@ -95,7 +95,7 @@ class LinearWithAsyncComm(torch.autograd.Function):
         if need_dw:
             dy2 = dy.reshape(-1, dy.shape[-1])
             comm.record("start", "wgrad")
-            dw = dy2.t().matmul(total.reshape(-1, total.shape[-1]))
+            dw = gemm.mm(dy2.t(), total.reshape(-1, total.shape[-1]))
             comm.record("end", "wgrad")
             dense_gradient_sent(target, dw)  # an LM head on a tied table: the lookup's rows go into dw
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -120,7 +120,7 @@ def _column_wgrad(x, dy, weight, group, sp: bool):
         total = comm.all_gather(x, 0, group) if sp else x
         dy2 = dy.reshape(-1, dy.shape[-1])
         comm.record("start", "wgrad")
-        dw = dy2.t().matmul(total.reshape(-1, total.shape[-1]))
+        dw = gemm.mm(dy2.t(), total.reshape(-1, total.shape[-1]))
         comm.record("end", "wgrad")
         wgrad.accumulate(weight, dw)
 
@@ -138,7 +138,7 @@ class RowLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.weight = weight  # where a deferred weight gradient goes (``_deferred_target``)
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return gemm.linear_nograd(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -146,7 +146,7 @@ class RowLinear(torch.autograd.Function):
 
         x, weight = ctx.saved_tensors
         target, ctx.weight = ctx.weight, None
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dx = _dgrad(dy, weight) if ctx.needs_input_grad[0] else None
         dw = db = None
         if ctx.needs_input_grad[1]:
             if wgrad.deferring():
@@ -159,7 +159,12 @@ class RowLinear(torch.autograd.Function):
 
 
 def _row_dw(x, dy):
-    return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+    return gemm.mm(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
+def _dgrad(dy, weight):
+    """``dy W`` for ``dy`` ``[..., out]``, ``W`` ``[out, in]``."""
+    return gemm.mm(dy.reshape(-1, dy.shape[-1]), weight).view(*dy.shape[:-1], weight.shape[1])
 
 
 def _row_wgrad(x, dy, weight):

@@ -265,6 +265,7 @@ def test_apply_reports_what_it_patched():
         "norms": 5,
         "mlp": 2,
         "experts": 0,
+        "linears": 7 * 2 + 1,  # every nn.Linear: q, k, v, o, gate, up, down of both layers, and the LM head
         "attention": False,
         "loss": False,
         "fused_head": False,

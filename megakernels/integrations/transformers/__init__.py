@@ -135,6 +135,7 @@ def apply(
     loss: bool = True,
     fused_head: bool = False,
     tied_embeddings: bool = True,
+    linears: bool = True,
 ) -> dict:
     """Patch a built transformers model in place to run on megakernels' fused kernels.
 
@@ -157,10 +158,13 @@ def apply(
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
             gradient up to the order of fp32 sums; also into the fused head's, ``fused_head``).
+        linears: every ``nn.Linear`` and transformers ``Conv1D`` (the projections; also the patched MLPs' GEMMs)
+            -> ``megakernels.ops.gemm.linear``: fp32 products on the CPU through oneDNN's GEMM, which on AMD CPUs
+            runs about twice as fast as the MKL path of ``F.linear``; ``F.linear`` itself everywhere else.
 
     Returns:
-        What was patched: ``{"norms": int, "mlp": int, "experts": int, "attention": bool, "loss": bool,
-        "fused_head": bool, "tied_embeddings": bool}``.
+        What was patched: ``{"norms": int, "mlp": int, "experts": int, "linears": int, "attention": bool,
+        "loss": bool, "fused_head": bool, "tied_embeddings": bool}``.
 
     Raises:
         ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not
@@ -172,7 +176,7 @@ def apply(
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"{op}: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     family = family_of(getattr(model.config, "model_type", None), op)
-    done = patch_modules(model, family, norms=norms, mlp=mlp)
+    done = patch_modules(model, family, norms=norms, mlp=mlp, linears=linears)
     done["attention"] = False
     if attention:
         register()
@@ -252,6 +256,7 @@ def patch_classes(
     loss: bool = True,
     fused_head: bool = False,
     tied_embeddings: bool = True,
+    linears: bool = True,
 ) -> ClassPatch:
     """Patch the classes of ``model_type``'s family so every model of it built afterwards is patched (see
     :class:`ClassPatch`; the options are :func:`apply`'s).
@@ -275,6 +280,7 @@ def patch_classes(
         "loss": loss,
         "fused_head": fused_head,
         "tied_embeddings": tied_embeddings,
+        "linears": linears,
     }
     return ClassPatch(model_type, options)
 

@@ -134,8 +134,9 @@ def _bind(module, forward, **kwargs) -> None:
     module.forward = bound
 
 
-def patch_modules(model, family: Family, *, norms: bool, mlp: bool) -> dict[str, int]:
-    """Bind the fused forwards to every matching module of ``model``; returns how many of each kind."""
+def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: bool = False) -> dict[str, int]:
+    """Bind the fused forwards to every matching module of ``model``; returns how many of each kind (``linears``:
+    every ``nn.Linear`` and transformers ``Conv1D`` of the exact class, through ``megakernels.ops.gemm``)."""
     import torch
 
     act = getattr(model.config, family.activation, None)
@@ -145,9 +146,15 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool) -> dict[str,
     gelu_mlps = list(zip(family.classes(family.gelu_mlps), family.gelu_mlps.values()))
     gated = family.classes(family.gated_mlps)
     experts = family.classes(family.experts)
-    counts = {"norms": 0, "mlp": 0, "experts": 0}
+    counts = {"norms": 0, "mlp": 0, "experts": 0, "linears": 0}
     for m in model.modules():
-        if norms and isinstance(m, torch.nn.LayerNorm):
+        if linears and type(m) is torch.nn.Linear:
+            _bind(m, fw.linear_forward)
+            counts["linears"] += 1
+        elif linears and type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers."):
+            _bind(m, fw.conv1d_forward)
+            counts["linears"] += 1
+        elif norms and isinstance(m, torch.nn.LayerNorm):
             _bind(m, fw.layer_norm_forward)
             counts["norms"] += 1
         elif norms and rms and isinstance(m, rms):

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels import ops
+from megakernels.ops import gemm
 from megakernels.ops.attention import MAX_TRITON_HEAD_DIM
 from megakernels.ops.grouped_gemm import grouped_gemm
 from megakernels.parallel.moe.dispatch import permute, unpermute
@@ -73,18 +74,18 @@ def gelu_kind(name) -> str | None:
 def gpt2_mlp_forward(self, hidden_states, *, approximate: str):
     """GPT-2's MLP (``c_fc``/``c_proj`` Conv1D, weight ``[in, out]``): ``[..., h]`` -> ``[..., h]``."""
     fc = self.c_fc  # Conv1D: x @ weight + bias, weight [in, out]
-    h = ops.bias_gelu(torch.matmul(hidden_states, fc.weight), fc.bias, approximate=approximate)
+    h = ops.bias_gelu(gemm.linear(hidden_states, fc.weight.t()), fc.bias, approximate=approximate)
     return self.dropout(self.c_proj(h))
 
 
 def bert_intermediate_forward(self, hidden_states, *, approximate: str):
     """BERT's intermediate layer: ``[..., h]`` -> ``[..., ffn]``, GeLU(dense)."""
-    return ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
+    return ops.bias_gelu(gemm.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
 
 
 def bert_head_transform_forward(self, hidden_states, *, approximate: str):
     """BERT's LM-head transform: dense + GeLU fused, then its LayerNorm (itself patched when norms are)."""
-    h = ops.bias_gelu(F.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
+    h = ops.bias_gelu(gemm.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
     return self.LayerNorm(h)
 
 
@@ -93,7 +94,21 @@ def gated_mlp_forward(self, x):
     gate, up = self.gate_proj, self.up_proj
     weight = torch.cat([gate.weight, up.weight])
     bias = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-    return self.down_proj(ops.swiglu(F.linear(x, weight, bias)))
+    return self.down_proj(ops.swiglu(gemm.linear(x, weight, bias)))
+
+
+# ---- linear layers ------------------------------------------------------------------------------------------------
+
+
+def linear_forward(self, x):
+    """``nn.Linear``: ``x Wᵀ + b`` through ``megakernels.ops.gemm`` (oneDNN for fp32 on the CPU, ``F.linear``
+    elsewhere)."""
+    return gemm.linear(x, self.weight, self.bias)
+
+
+def conv1d_forward(self, x):
+    """transformers' ``Conv1D`` (GPT-2's projections, weight ``[in, out]``): ``x W + b`` as ``linear_forward``."""
+    return gemm.linear(x, self.weight.t(), self.bias)
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -1,0 +1,116 @@
+"""megakernels.ops.gemm: fp32 CPU products through oneDNN against fp64 PyTorch, and the cases left to PyTorch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megakernels.ops import gemm
+
+pytestmark = pytest.mark.skipif(not gemm.enabled(), reason="oneDNN is not built into this torch")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the products handed to oneDNN."""
+    calls = []
+    real = gemm._onednn
+
+    def counted(x2, w, bias):
+        calls.append((tuple(x2.shape), tuple(w.shape)))
+        return real(x2, w, bias)
+
+    monkeypatch.setattr(gemm, "_onednn", counted)
+    return calls
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(512, 768), (2, 96, 768)])
+def test_linear_forward_and_backward_equal_fp64_in_fp32(spy, shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(1024, 768, generator=g, requires_grad=True)
+    b = torch.randn(1024, generator=g, requires_grad=True) if bias else None
+    dy = torch.randn(*shape[:-1], 1024, generator=g)
+    y = gemm.linear(x, w, b)
+    y.backward(dy)
+    assert len(spy) == 3  # the forward, dX and dW products
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bd = b.detach().double().requires_grad_() if bias else None
+    yd = F.linear(xd, wd, bd)
+    yd.backward(dy.double())
+    assert y.shape == yd.shape and y.dtype == torch.float32
+    # fp32 products with fp32 sums (K = 768 or the token count): a few ulps of the largest entry
+    for got, ref in ((y, yd), (x.grad, xd.grad), (w.grad, wd.grad)) + (((b.grad, bd.grad),) if bias else ()):
+        assert _rel(got, ref) < 1e-5
+
+
+def test_transposed_operands_and_mm_equal_fp64(spy):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(384, 700, generator=g)
+    bt = torch.randn(512, 700, generator=g).t()  # [700, 512], a transposed view
+    got = gemm.mm(a, bt)
+    assert spy and _rel(got, a.double() @ bt.double()) < 1e-5
+    got = gemm.linear_nograd(a.t().contiguous().t(), torch.randn(300, 700, generator=g).t().contiguous().t())
+    assert got.shape == (384, 300)
+
+
+def test_small_products_other_dtypes_and_devices_stay_with_pytorch(spy):
+    x, w = torch.randn(16, 32), torch.randn(64, 32)
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w))  # below MIN_FLOPS: PyTorch's result, bit for bit
+    xb, wb = torch.randn(512, 768, dtype=torch.bfloat16), torch.randn(1024, 768, dtype=torch.bfloat16)
+    assert torch.equal(gemm.linear(xb, wb), F.linear(xb, wb))
+    xm, wm = torch.randn(512, 768, device="meta"), torch.randn(1024, 768, device="meta")
+    assert gemm.linear(xm, wm).shape == (512, 1024)
+    assert spy == []
+
+
+def test_products_autograd_would_record_stay_with_pytorch(spy):
+    # mm under grad mode with an operand that requires grad: oneDNN's op has no derivative
+    a = torch.randn(512, 768, requires_grad=True)
+    b = torch.randn(768, 1024)
+    out = gemm.mm(a, b)
+    assert out.grad_fn is not None and spy == []
+
+
+def test_double_backward_runs_pytorch_products():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 512, generator=g, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(512, 512, generator=g, requires_grad=True)
+    (dx,) = torch.autograd.grad(gemm.linear(x, w).square().sum(), x, create_graph=True)
+    (ddw,) = torch.autograd.grad(dx.sum(), w)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (dxd,) = torch.autograd.grad(F.linear(xd, wd).square().sum(), xd, create_graph=True)
+    (ddwd,) = torch.autograd.grad(dxd.sum(), wd)
+    assert _rel(dx, dxd) < 1e-5 and _rel(ddw, ddwd) < 1e-5
+
+
+def test_turned_off_by_the_environment(monkeypatch, spy):
+    monkeypatch.setenv("MEGAKERNELS_CPU_GEMM", "torch")
+    x, w = torch.randn(512, 768), torch.randn(1024, 768)
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w)) and spy == []
+
+
+def test_compiled_linear_traces_pytorch_ops():
+    x, w = torch.randn(512, 768), torch.randn(1024, 768, requires_grad=True)
+    f = torch.compile(gemm.linear, backend="eager", fullgraph=True)
+    y = f(x, w)
+    y.sum().backward()
+    assert _rel(y, F.linear(x.double(), w.detach().double())) < 1e-5 and w.grad is not None
+
+
+def test_parameters_are_routed_and_subclasses_are_not(spy):
+    x = torch.randn(512, 768)
+    w = torch.nn.Parameter(torch.randn(1024, 768))
+    gemm.linear(x, w).sum().backward()
+    assert len(spy) == 2  # forward and dW (x needs no gradient)
+
+    class Other(torch.Tensor):
+        pass
+
+    spy.clear()
+    gemm.mm(x.as_subclass(Other), torch.randn(768, 1024))
+    assert spy == []
