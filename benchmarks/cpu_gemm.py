@@ -69,26 +69,38 @@ def main(argv=None) -> int:
         err = {key: ((f().double() - ref).abs().max() / ref.abs().max()).item() for key, f in fns.items()}
         flops = 2 * m * k * n
         row = {
+            "op": "cpu_fp32_gemm",
             "product": name,
-            "m": m,
-            "k": k,
-            "n": n,
-            "torch_gflops": flops / med["torch"] / 1e9,
-            "gemm_gflops": flops / med["gemm"] / 1e9,
+            "m x k x n": f"{m}x{k}x{n}",
+            "torch_tflops": flops / med["torch"] / 1e12,
+            "gemm_tflops": flops / med["gemm"] / 1e12,
             "ratio": med["torch"] / med["gemm"],
-            "rel_err_torch": err["torch"],
-            "rel_err_gemm": err["gemm"],
+            "torch_error_fraction": err["torch"],
+            "gemm_error_fraction": err["gemm"],
         }
         rows.append(row)
         print(
-            f"{name:32s} {f'{m}x{k}x{n}':>18s} {row['torch_gflops']:11.0f} {row['gemm_gflops']:10.0f} "
+            f"{name:32s} {f'{m}x{k}x{n}':>18s} {1e3 * row['torch_tflops']:11.0f} {1e3 * row['gemm_tflops']:10.0f} "
             f"{row['ratio']:5.2f}x {err['torch']:8.1e} / {err['gemm']:7.1e}"
         )
     load1 = os.getloadavg()
     print(f"load after {load1}")
     if args.out:
+        import platform
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+        machine = {
+            "cpu": cpu or platform.processor(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": commit,
+            "date": time.strftime("%Y-%m-%d"),
+            "device": "cpu",
+        }
         with open(args.out, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "load": [load0, load1], "rows": rows}, f, indent=1)
+            json.dump({"machine": machine, "load_average": [load0, load1], "results": rows}, f, indent=1)
     return 0
 
 
