@@ -146,10 +146,12 @@ def grad_chunks(
             _mm_into(dx[a:b], g, weight)
         if need_weight:
             # the first chunk writes dW, the others add to it
-            if direct and a == 0:
-                _mm_into(dw, g.t(), hidden[a:b])
-            elif direct and gemm.routed(g, hidden, g.shape[1], hidden.shape[1], b - a):
-                dw.add_(gemm.mm(g.t(), hidden[a:b]))
+            # oneDNN's product only where it is dW itself (one chunk): it has no in-place accumulation, and a
+            # weight-sized temporary per chunk would double dW's memory
+            if direct and a == 0 and b == t and gemm.routed(g, hidden, g.shape[1], hidden.shape[1], b - a):
+                dw = gemm.mm(g.t(), hidden[a:b])
+            elif direct and a == 0:
+                torch.mm(g.t(), hidden[a:b], out=dw)
             elif direct:
                 dw.addmm_(g.t(), hidden[a:b])
             else:

@@ -114,3 +114,28 @@ def test_parameters_are_routed_and_subclasses_are_not(spy):
     spy.clear()
     gemm.mm(x.as_subclass(Other), torch.randn(768, 1024))
     assert spy == []
+
+
+@pytest.mark.parametrize("chunk", [None, 96])  # one chunk (dW is oneDNN's product) and several (accumulated)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_routed_in_fp32_equals_fp64(spy, chunk, bias):
+    from megakernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+    g = torch.Generator().manual_seed(3)
+    t, h, v = 300, 256, 2048
+    x = torch.randn(t, h, generator=g, requires_grad=True)
+    w = (torch.randn(v, h, generator=g) / h**0.5).requires_grad_(True)
+    b = (torch.randn(v, generator=g) * 0.1).requires_grad_(True) if bias else None
+    target = torch.randint(0, v, (t,), generator=g)
+    target[::7] = -100
+    dl = torch.rand(t, generator=g)
+    loss = linear_cross_entropy(x, w, target, chunk_tokens=chunk, bias=b)
+    loss.backward(dl)
+    assert spy  # the chunks' products went to oneDNN
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bd = b.detach().double().requires_grad_() if bias else None
+    ref = linear_cross_entropy_reference(xd, wd, target, bias=bd)
+    ref.backward(dl.double())
+    assert _rel(loss, ref) < 1e-5
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad)) + (((b.grad, bd.grad),) if bias else ()):
+        assert _rel(got, want) < 1e-5
