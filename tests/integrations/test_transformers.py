@@ -171,7 +171,7 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
 
 
 @pytest.mark.parametrize("mode", ["in_place", "classes"])
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(family, mode):
     """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits
     returned), loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too);
@@ -203,7 +203,8 @@ def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(famil
 
 
 def test_the_fused_head_is_refused_where_the_model_has_none():
-    with pytest.raises(ValueError, match=r"fused_head is for the causal LMs of llama, mistral, qwen2, qwen3; got a"):
+    expected = r"fused_head is for the causal LMs of gpt2, llama, mistral, qwen2, qwen3; got a"
+    with pytest.raises(ValueError, match=expected):
         mkt.apply(H.build("mixtral"), fused_head=True)
 
 
@@ -454,3 +455,16 @@ def test_the_tied_table_folds_under_gradient_checkpointing(reentrant):
     assert model.get_input_embeddings().forward.keywords["table"].folds == 1
     for n, g in grads.items():
         torch.testing.assert_close(grads_p[n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_gpt2s_double_heads_model_keeps_its_own_forward():
+    """The fused head replaces the forward of causal LMs only: GPT-2's double-heads model (an LM head beside a
+    multiple-choice head) is refused, not stripped of its second head."""
+    transformers = pytest.importorskip("transformers")
+    config = H.build("gpt2").config
+    model = transformers.GPT2DoubleHeadsModel(config)
+    with pytest.raises(ValueError, match="fused_head is for the causal LMs"):
+        mkt.apply(model, fused_head=True)
+    with mkt.patch_classes("gpt2", fused_head=True):
+        model = transformers.GPT2DoubleHeadsModel(config)
+    assert not getattr(model.forward, "megakernels", False)

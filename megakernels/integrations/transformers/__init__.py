@@ -104,8 +104,15 @@ def _uses_causal_lm_loss(model) -> bool:
 
 
 def _takes_fused_head(model, family) -> bool:
-    """A causal LM of a family whose ``*ForCausalLM`` is ``self.model`` then ``self.lm_head``."""
-    return family.fused_head and _uses_causal_lm_loss(model) and hasattr(model, "lm_head") and hasattr(model, "model")
+    """A causal LM of a family whose ``*ForCausalLM`` is ``self.<body>`` then ``self.lm_head`` (not a model with
+    heads of other kinds beside it, such as GPT-2's double-heads model)."""
+    return (
+        family.fused_head
+        and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        and _uses_causal_lm_loss(model)
+        and hasattr(model, "lm_head")
+        and hasattr(model, family.body)
+    )
 
 
 def _patch_tied_embeddings(model) -> bool:
@@ -152,8 +159,8 @@ def apply(
             their own dtype; only models using transformers' causal-LM loss are changed.
         fused_head: in training mode with labels, the LM head and its loss as one
             ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits never exist;
-            the output's ``logits`` is then None); the causal LMs of llama, mistral, qwen2 and qwen3. Off by default
-            (code that reads the training logits would get None).
+            the output's ``logits`` is then None); the causal LMs of gpt2, llama, mistral, qwen2 and qwen3. Off by
+            default (code that reads the training logits would get None).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
@@ -192,7 +199,7 @@ def apply(
                 f"{op}: fused_head is for the causal LMs of "
                 f"{', '.join(sorted(k for k, f in FAMILIES.items() if f.fused_head))}; got a {type(model).__name__}"
             )
-        bound = functools.partial(_forwards.fused_head_forward, model)
+        bound = functools.partial(_forwards.fused_head_forward, model, _body=family.body)
         bound.megakernels = True
         model.forward = bound
     done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model)

@@ -32,7 +32,8 @@ class Family:
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     packs: bool = True
-    fused_head: bool = False  # its *ForCausalLM is ``self.model`` then ``self.lm_head`` (no auxiliary loss)
+    fused_head: bool = False  # its *ForCausalLM is ``self.<body>`` then ``self.lm_head`` (no auxiliary loss)
+    body: str = "model"  # the attribute of its *ForCausalLM that holds the decoder
 
     @functools.cached_property
     def modeling(self):
@@ -51,6 +52,8 @@ FAMILIES = {
             "activation_function",
             gelu_mlps={"GPT2MLP": fw.gpt2_mlp_forward},
             packs=False,  # learned positions: not checked with packed batches
+            fused_head=True,
+            body="transformer",
         ),
         Family(
             "bert",

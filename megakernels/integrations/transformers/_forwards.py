@@ -256,8 +256,9 @@ def causal_lm_loss(
     return per_token.sum() / num_items_in_batch
 
 
-def fused_head_forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
-    """A ``*ForCausalLM`` (``self.model`` then ``self.lm_head``) whose training loss is ``ops.linear_cross_entropy``:
+def fused_head_forward(self, input_ids=None, labels=None, logits_to_keep=0, *, _body="model", **kwargs):
+    """A ``*ForCausalLM`` (``self.<_body>``, the decoder, then ``self.lm_head``) whose training loss is
+    ``ops.linear_cross_entropy``:
     in training mode with ``labels``, the hidden states go straight into the fused LM head + cross-entropy (chunks of
     tokens; the ``[tokens, vocab]`` logits never exist) and the output's ``logits`` is None; transformers' label
     shift, ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
@@ -266,7 +267,7 @@ def fused_head_forward(self, input_ids=None, labels=None, logits_to_keep=0, **kw
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    outputs = self.model(input_ids=input_ids, **kwargs)
+    outputs = getattr(self, _body)(input_ids=input_ids, **kwargs)
     hidden = outputs.last_hidden_state
     shift = kwargs.get("shift_labels")
     if shift is None:
