@@ -139,3 +139,14 @@ def test_linear_cross_entropy_routed_in_fp32_equals_fp64(spy, chunk, bias):
     assert _rel(loss, ref) < 1e-5
     for got, want in ((x.grad, xd.grad), (w.grad, wd.grad)) + (((b.grad, bd.grad),) if bias else ()):
         assert _rel(got, want) < 1e-5
+
+
+def test_a_weight_updated_in_place_is_read_again():
+    """oneDNN must not reuse a packed copy of a weight the optimizer has since changed (nor of an input)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(512, 768, generator=g), torch.randn(1024, 768, generator=g)
+    gemm.linear_nograd(x, w)
+    w.add_(1.0)
+    x.mul_(2.0)
+    assert _rel(gemm.linear_nograd(x, w), x.double() @ w.double().t()) < 1e-5
+    assert _rel(gemm.mm(x, w.t()), x.double() @ w.double().t()) < 1e-5
