@@ -109,6 +109,8 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, differentiable; routed to oneDNN (forward and backward) where ``routed`` says
     so for the forward's product, and ``F.linear`` itself otherwise (its autograd, create_graph included)."""
+    if x.dtype != torch.float32 or not x.is_cpu:  # the common cases first: a GPU, 16-bit training
+        return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if weight.dim() == 2 and _eligible(x, weight, rows, weight.shape[0], k):
