@@ -148,6 +148,16 @@ def _config_name(cfg) -> str:
     return f"{bm}x{bn} w{w} s{st}" + (f" r{limit[0]}" if limit else "")
 
 
+def default_prediction(passname: str, s: int, d: int, causal: bool, m: model.Machine = model.H200) -> dict:
+    """The static row of the default config (the first candidate on ``m``'s arch) of the ``passname`` ("fwd" or
+    "bwd") kernel at sequence ``s``, head dim ``d`` (batch 16k / s, heads 2048 / d), with its ``config`` name."""
+    from megakernels.triton import flash_attention as fa
+
+    table, entry = (fa.FWD_CONFIGS, _fwd_entry) if passname == "fwd" else (fa.BWD_CONFIGS, _bwd_entry)
+    cfg = fa.candidates(table, m.arch, d)[0]
+    return {"config": _config_name(cfg), **entry(s, d, causal, cfg, m=m)}
+
+
 @register
 def flash_attention_entries() -> list[Entry]:
     from megakernels.triton import flash_attention as fa

@@ -39,20 +39,12 @@ def _key(r: dict) -> tuple:
 def predict(gpu: str, passname: str, d: int, s: int, causal: bool) -> dict:
     """Our kernel's static prediction at the shape (batch 16k / s, heads 2048 / d, the static report's convention)."""
     from megakernels.bench.static import attention
-    from megakernels.triton import flash_attention as fa
 
     m = model.machine_for(gpu)
     if m is None:
         raise ValueError(f"GPU {gpu!r} is not in model.MACHINES")
-    table, entry = (
-        (fa.FWD_CONFIGS, attention._fwd_entry) if passname == "fwd" else (fa.BWD_CONFIGS, attention._bwd_entry)
-    )
-    cfg = fa.candidates(table, m.arch, d)[0]
-    row = entry(s, d, causal, cfg, m=m)
-    return {
-        "config": attention._config_name(cfg),
-        **{k: row[k] for k in ("predicted_tflops", "predicted_fraction", "bound", "spill_bytes", "mma")},
-    }
+    row = attention.default_prediction(passname, s, d, causal, m)
+    return {k: row[k] for k in ("config", "predicted_tflops", "predicted_fraction", "bound", "spill_bytes", "mma")}
 
 
 def compare(rows: list[dict]) -> list[dict]:
