@@ -31,18 +31,20 @@ constexpr double kGeluCubic = 0.044715;
 // vectorise: a Cody-Waite + degree-6 polynomial exp (relative error ~1e-7), and Abramowitz & Stegun 7.1.26 for
 // erfc (absolute error <= 1.5e-7), which shares its exp(-z^2/2) with the normal pdf so that GeLU's value and
 // derivative cost one exp and one division. Double precision (gradcheck) uses libm.
+// The single-precision exp's constants (also the CPU kernels' hand-vectorised copies of it): the clamp, log2(e),
+// ln 2 in two parts (x - n ln2 = x - n kExpLn2Hi + n kExpLn2Lo), the polynomial's coefficients, highest first.
+constexpr float kExpMin = -87.0f, kExpMax = 88.0f, kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = 2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 #if !defined(__CUDA_ARCH__)
 MK_MATH float mk_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x = n*ln2 + r, |r| <= ln2/2
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpMin ? kExpMin : (x > kExpMax ? kExpMax : x);
+  float n = std::floor(x * kExpLog2e + 0.5f);  // x = n*ln2 + r, |r| <= ln2/2
+  float r = x - n * kExpLn2Hi;
+  r = r + n * kExpLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   float e = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-125, 127] after the clamp
   float scale;

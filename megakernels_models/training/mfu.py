@@ -77,7 +77,8 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int | None = None,
     from megakernels.ops import gemm
 
     best = 0.0
-    for product in (torch.mm, gemm.mm):
+    # gemm.mm is torch.mm itself where it does not route the product (16-bit): time it once then
+    for product in (torch.mm, gemm.mm) if gemm.routed(a, b, n, n, n) else (torch.mm,):
         product(a, b)  # warm-up (thread pool, packing buffers)
         for _ in range(trials):
             t0 = time.perf_counter()
