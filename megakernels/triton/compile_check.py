@@ -2,13 +2,14 @@
 
 Triton lowers a kernel to PTX and runs ptxas for a given ``GPUTarget`` without a device, so this catches what the
 interpreter cannot: type errors of the real compiler, block shapes ``tl.dot`` rejects, and configs whose shared
-memory does not fit the architecture (then the launch would fail with OutOfResources on the GPU). Each kernel is
+memory does not fit the architecture (then the launch would fail with OutOfResources on the GPU), and configs that
+spill registers (ptxas's stack frame, read from the cubin with cuobjdump where it is installed). Each kernel is
 built by its launcher (``forward_launch``, ``backward_launches``, ``stats_launch``, ``grad_launch`` on meta
 tensors at a representative shape) and compiled with the specialisation that launch gets
 (megakernels.triton.launch): 16-byte-divisible pointers and strides, constants folded, the real constexprs.
 
 ``python -m megakernels.triton.compile_check [--arch 80,90] [--full] [--defaults] [--jobs N]`` (must run without
-TRITON_INTERPRET). Exit status 1 and a line per failure when anything does not compile or fit.
+TRITON_INTERPRET). Exit status 1 and a line per failure when anything does not compile, fit or stay unspilled.
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ def jobs(archs, full: bool, defaults: bool):
                         yield (what, arch, ("fa", head_dim, i, passname, dtype, causal, dropout))
 
 
+def _spill_bytes(compiled) -> int:
+    """The stack frame ptxas gave the kernel (spilled registers), from its cubin; 0 without cuobjdump."""
+    from megakernels.bench.static import sass
+
+    if sass.find_tool("cuobjdump") is None:
+        return 0
+    funcs = sass.read_cubin(compiled.asm["cubin"])
+    fn = funcs.get(compiled.metadata.name) or next(iter(funcs.values()))
+    return fn.resources.stack_bytes if fn.resources else 0
+
+
 def _check_one(job) -> str | None:
     """None when every launch of the job compiles and fits, else a one-line failure."""
     from megakernels.triton.launch import compile_launch
@@ -96,6 +108,9 @@ def _check_one(job) -> str | None:
             compiled = compile_launch(launch, arch)
             if compiled.metadata.shared > SHARED_LIMIT[arch]:
                 return f"FAIL {what} {launch.name}: shared memory {compiled.metadata.shared} B > {SHARED_LIMIT[arch]} B"
+            spills = _spill_bytes(compiled)
+            if spills:
+                return f"FAIL {what} {launch.name}: {spills} B of spilled registers a thread"
     except Exception as e:  # noqa: BLE001 - report every failing config, then fail
         return f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
@@ -122,7 +137,7 @@ def main(argv=None) -> int:
         failures = [f for f in pool.imap_unordered(_check_one, todo) if f]
     for line in failures:
         print(line)
-    print(f"compile_check: {len(todo) - len(failures)}/{len(todo)} kernel configs compiled and fit")
+    print(f"compile_check: {len(todo) - len(failures)}/{len(todo)} kernel configs compiled and fit without spills")
     return 1 if failures else 0
 
 

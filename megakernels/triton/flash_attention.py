@@ -49,17 +49,26 @@ FWD_CONFIGS = {
     },
     80: {
         32: [(128, 64, 4, 3), (64, 64, 4, 4)],
-        64: [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 4)],
-        128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+        64: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)],
+        128: [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
         256: [(64, 32, 4, 2), (64, 64, 8, 1)],
     },
 }
+# The sm_80 lists are ordered by the model's A100 prediction with each config compiled for sm_80 (2026-12-03; before
+# that the report compiled them for sm_90): d128's 128x32 tiles on 4 warps at 74 % of the A100's peak, ahead of
+# 128x64 on 8 warps (62-65 %, latency-bound), and at d64 64x64 tiles (60-62 %) ahead of 128x128 (56-59 %).
 # Backward: (BLOCK_M query rows per step, BLOCK_N keys per program, num_warps, num_stages). At d256 on sm_90 the
 # default adds dS K in two column halves (DQ_CHUNKS) and no longer spills (183 registers; the whole 64 x 256 fp32
 # tile spilled 8 bytes at 255), but its dK and dV products, 32 keys a program, run on mma.sync (a wgmma's M is 64
 # rows a warpgroup, and 64 keys' fp32 dK and dV of 256 columns do not fit one warpgroup's registers): on wgmma it
 # needs the head dim of dK/dV split across programs or warp-specialised register budgets (setmaxnreg), which
 # Triton 3.8 does not expose. With dropout and no mask it still spills 8 bytes.
+#
+# The sm_80 lists, compiled for sm_80 (2026-12-03; until then the static model compiled every launch for sm_90): the
+# configs that do not spill, by predicted A100 throughput. Dropped then: d64's 64x64 w4 (8-64 bytes of spills) and
+# 64x128 w8 s1 (16-32), d128's 32x64 and 32x32 w4 (160-256), and d256's 32x32 and 16x32 w4, whose transposed dQ
+# (query blocks under 64 rows) ptxas compiles to 32 registers and 4-8 KB of spills a thread; 64 query rows and 16
+# keys on 8 warps add dS K in column halves instead and do not spill (20 % of the A100's peak against 17 %).
 BWD_CONFIGS = {
     90: {
         32: [(64, 64, 4, 2), (64, 128, 8, 2)],
@@ -69,15 +78,21 @@ BWD_CONFIGS = {
     },
     80: {
         32: [(64, 128, 8, 2), (64, 64, 4, 3)],
-        64: [(64, 64, 4, 2), (64, 128, 8, 1), (32, 64, 4, 3)],
-        128: [(64, 64, 8, 1), (32, 64, 4, 2), (32, 32, 4, 2)],
-        256: [(32, 32, 4, 1), (16, 32, 4, 1)],
+        64: [(32, 64, 4, 3), (32, 128, 8, 2)],
+        128: [(64, 64, 8, 1), (64, 32, 8, 2)],
+        256: [(64, 16, 8, 1)],
     },
 }
 # The deterministic backward's dQ kernel (BLOCK_M queries per program, BLOCK_N keys per step, num_warps) where it
 # differs from the backward's own config: on sm_90 64 query rows keep its dS K on wgmma (32 rows fall back to
-# mma.sync) and 4 warps let two to four programs share an SM; elsewhere the backward's config.
-DQ_CONFIGS = {90: {32: (64, 64, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)}}
+# mma.sync) and 4 warps let two to four programs share an SM. On sm_80 (compiled for it, 2026-12-03) the backward's
+# own configs had the d32 dQ kernel spill 24 bytes and the deterministic pass at 14-39 % of the A100's peak; these
+# do not spill and put it at 19-44 % (the d128 and d256 picks keep 30-40 registers of margin for the dropout
+# variants); elsewhere the backward's config.
+DQ_CONFIGS = {
+    90: {32: (64, 64, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)},
+    80: {32: (128, 64, 8), 64: (64, 64, 4), 128: (128, 32, 8), 256: (64, 32, 8)},
+}
 INTERPRETER_CONFIG = (32, 32, 4, 1)  # small blocks: many partial-block edges in the tests, fast under numpy
 
 

@@ -92,7 +92,9 @@ def _fwd_entry(s: int, d: int, causal: bool, cfg, docs: int = 1, m: model.Machin
     b, h = 16384 // s, 2048 // d
     q, out, lse = _meta(b, s, h, d), _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     ranges = _documents(b, s, docs)
-    launch = fa.forward_launch(q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg, ranges=ranges)
+    launch = fa.forward_launch(
+        q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg, tma=m.arch >= 90, ranges=ranges
+    )
     c, pred = kernel_prediction(launch, m)
     flops = 4 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
     return tiles.pass_row([(launch.name, c, pred)], flops, m=m)
@@ -124,6 +126,7 @@ def _bwd_entry(
         0.0,
         cfg,
         deterministic,
+        arch=m.arch,
         ranges=_documents(b, s, docs),
     )
     mma = [ln for ln in launches if ln.name in fa.SCHEDULES]

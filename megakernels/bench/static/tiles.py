@@ -22,7 +22,7 @@ def kernel_prediction(
 
     Raises:
         RuntimeError: the kernel does not fit an SM. ValueError: its MMA loops do not match ``roles``."""
-    c = compiled.triton_kernel(launch)
+    c = compiled.triton_kernel(launch, m.arch)
     loops = analysis.mma_loops(c, roles)
     warps = launch.num_warps
     its = {
