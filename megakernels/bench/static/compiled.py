@@ -165,6 +165,7 @@ def triton_kernel(launch, arch: int = 90) -> Compiled:
         repr(sorted(attrs.items(), key=repr)),
         options.get("num_warps"),
         options.get("num_stages"),
+        options.get("maxnreg"),
     )
     if key not in _TRITON:
         ck = compile_launch(launch, arch)
