@@ -62,10 +62,16 @@ FWD_CONFIGS = {
 # tile spilled 8 bytes at 255), but its dK and dV products, 32 keys a program, run on mma.sync (a wgmma's M is 64
 # rows a warpgroup, and 64 keys' fp32 dK and dV of 256 columns do not fit one warpgroup's registers): on wgmma it
 # needs the head dim of dK/dV split across programs or warp-specialised register budgets (setmaxnreg), which
-# Triton 3.8 does not expose. With dropout and no mask it still spills 8 bytes.
+# Triton 3.8 does not expose (docs/static-cost-model.md §4: the split, tried). With 2 stages (206 registers) its
+# dropout variant no longer spills (1 stage: 8 bytes) and the model puts it 1 point faster.
+# The dropout variants of three defaults still spill, kept because the spill-free configs are far slower in the
+# model: sm_90 d64 and d128 causal (16 bytes; the alternatives at 28-30 % and 25 % against 48-53 %), sm_80 d128
+# (8 bytes; 33-34 % against 42-45 %); and sm_80's d64 forward (24 bytes causal; 128x32 tiles would not, at 4 points
+# less). `python -m megakernels.triton.compile_check` reports them.
 #
 # The sm_80 lists, compiled for sm_80 (2026-12-03; until then the static model compiled every launch for sm_90): the
-# configs that do not spill, by predicted A100 throughput. Dropped then: d64's 64x64 w4 (8-64 bytes of spills) and
+# configs that do not spill, by predicted A100 throughput (d32's 1-stage default: its 2-stage form spilled 8 bytes
+# with dropout and a causal mask, and is predicted 2-3 points slower). Dropped then: d64's 64x64 w4 (8-64 bytes) and
 # 64x128 w8 s1 (16-32), d128's 32x64 and 32x32 w4 (160-256), and d256's 32x32 and 16x32 w4, whose transposed dQ
 # (query blocks under 64 rows) ptxas compiles to 32 registers and 4-8 KB of spills a thread; 64 query rows and 16
 # keys on 8 warps add dS K in column halves instead and do not spill (20 % of the A100's peak against 17 %).
@@ -74,24 +80,25 @@ BWD_CONFIGS = {
         32: [(64, 64, 4, 2), (64, 128, 8, 2)],
         64: [(64, 128, 8, 2)],
         128: [(32, 128, 8, 2), (64, 64, 8, 3)],
-        256: [(64, 32, 8, 1)],
+        256: [(64, 32, 8, 2)],
     },
     80: {
-        32: [(64, 128, 8, 2), (64, 64, 4, 3)],
+        32: [(64, 128, 8, 1), (64, 128, 8, 2), (64, 64, 4, 3)],
         64: [(32, 64, 4, 3), (32, 128, 8, 2)],
         128: [(64, 64, 8, 1), (64, 32, 8, 2)],
         256: [(64, 16, 8, 1)],
     },
 }
-# The deterministic backward's dQ kernel (BLOCK_M queries per program, BLOCK_N keys per step, num_warps) where it
-# differs from the backward's own config: on sm_90 64 query rows keep its dS K on wgmma (32 rows fall back to
-# mma.sync) and 4 warps let two to four programs share an SM. On sm_80 (compiled for it, 2026-12-03) the backward's
-# own configs had the d32 dQ kernel spill 24 bytes and the deterministic pass at 14-39 % of the A100's peak; these
-# do not spill and put it at 19-44 % (the d128 and d256 picks keep 30-40 registers of margin for the dropout
-# variants); elsewhere the backward's config.
+# The deterministic backward's dQ kernel (BLOCK_M queries per program, BLOCK_N keys per step, num_warps[,
+# num_stages], the backward's stages by default) where it differs from the backward's own config: on sm_90 64 query
+# rows keep its dS K on wgmma (32 rows fall back to mma.sync) and 4 warps let two to four programs share an SM. On
+# sm_80 (compiled for it, 2026-12-03) the backward's own configs had the d32 dQ kernel spill 24 bytes and the
+# deterministic pass at 14-39 % of the A100's peak; these do not spill and put it at 19-44 % (the d128 and d256
+# picks keep 30-40 registers of margin for the dropout variants; d32's needs 2 stages: at 1 it spills 8 bytes);
+# elsewhere the backward's config.
 DQ_CONFIGS = {
     90: {32: (64, 64, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)},
-    80: {32: (128, 64, 8), 64: (64, 64, 4), 128: (128, 32, 8), 256: (64, 32, 8)},
+    80: {32: (128, 64, 8, 2), 64: (64, 64, 4), 128: (128, 32, 8), 256: (64, 32, 8)},
 }
 INTERPRETER_CONFIG = (32, 32, 4, 1)  # small blocks: many partial-block edges in the tests, fast under numpy
 
@@ -400,7 +407,7 @@ def backward_launches(
     ]
     if deterministic:
         dq_table = _for_arch(DQ_CONFIGS, arch) if arch else None
-        dq_m, dq_n, dq_warps = dq_table[bd] if dq_table else (block_m, block_n, warps)
+        dq_m, dq_n, dq_warps, *dq_stages = dq_table[bd] if dq_table else (block_m, block_n, warps)
         launches.append(
             Launch(
                 _bwd_dq_kernel,
@@ -431,7 +438,7 @@ def backward_launches(
                     window,
                     shift,
                 ),
-                dict(common, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps),
+                dict(common, BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=(dq_stages or [stages])[0]),
             )
         )
     return launches
