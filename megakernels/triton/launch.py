@@ -21,7 +21,10 @@ aligned, as the allocator's 256-byte-aligned buffers are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 from typing import Any
 
 
@@ -155,11 +158,49 @@ def specialise(launch: Launch, arch: int):
 def compile_launch(launch: Launch, arch: int):
     """``triton.compile`` of the launch's kernel for ``sm_<arch>`` (``sm_90a`` features on 90), specialised as the
     launch would be. Needs no GPU (the Triton compiler and ptxas only). Returns the CompiledKernel (``asm['cubin']``,
-    ``metadata.shared``, ...). Triton's on-disk cache makes a repeated compile cheap."""
+    ``metadata.shared``, ...). Triton's on-disk cache makes a repeated compile cheap. In a process that imported
+    Triton for its interpreter (the test suite, which also prices peers' kernels in process) the compile runs in
+    ``_compiler_language()``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs, options = specialise(launch, arch)
     src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    with _compiler_language():
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+_JIT_TWINS: dict = {}  # an interpreted standard-library function -> its compiled twin, made once
+
+
+@contextlib.contextmanager
+def _compiler_language():
+    """What Triton's compiler needs where ``TRITON_INTERPRET`` was set when Triton was imported: the variable unset
+    (the frontend reads it at every constexpr-function call and, set, leaves results unwrapped) and the standard
+    library's ``@jit`` functions (``tl.sum``'s combine function, ``tl.sigmoid``, ``tl.cdiv``, ``tl.rand``...), made
+    interpreted at import, swapped for compiled twins of the same Python functions; both restored afterwards. A
+    kernel that calls those functions failed to compile in such a process (``'ir.value' object has no attribute
+    'dtype'``) unless Triton's on-disk cache already held it."""
+    interp = os.environ.pop("TRITON_INTERPRET", None)
+    swapped = []
+    try:
+        if interp not in (None, "", "0"):
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+
+            for name, module in list(sys.modules.items()):
+                if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+                    continue
+                for attr, value in list(vars(module).items()):
+                    if isinstance(value, InterpretedFunction):
+                        if value not in _JIT_TWINS:
+                            _JIT_TWINS[value] = JITFunction(value.fn)
+                        setattr(module, attr, _JIT_TWINS[value])
+                        swapped.append((module, attr, value))
+        yield
+    finally:
+        for module, attr, value in swapped:
+            setattr(module, attr, value)
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp

@@ -377,11 +377,13 @@ def test_class_patch_reverts():
     from transformers.models.llama import modeling_llama
 
     before = modeling_llama.LlamaPreTrainedModel.__dict__.get("post_init")
+    before_load = modeling_llama.LlamaPreTrainedModel.__dict__.get("from_pretrained")
     with mkt.patch_llama() as patch:
         assert patch.active
         assert "forward" in H.build("llama").model.norm.__dict__
     assert not patch.active
     assert modeling_llama.LlamaPreTrainedModel.__dict__.get("post_init") is before
+    assert modeling_llama.LlamaPreTrainedModel.__dict__.get("from_pretrained") is before_load
     model = H.build("llama")
     assert "forward" not in model.model.norm.__dict__
     assert model.config._attn_implementation != mkt.ATTN_IMPLEMENTATION
@@ -394,6 +396,8 @@ def test_class_patch_twice_is_refused():
 
 
 def test_class_patched_from_pretrained_is_patched(tmp_path):
+    """Loaded under the class patch, a model keeps the fused forwards post_init bound: transformers' default
+    kernelization with the `kernels` hub (which unbinds them from the layers it maps) is off unless asked for."""
     ref = H.build("mistral")
     ref.save_pretrained(tmp_path)
     with mkt.patch_mistral():

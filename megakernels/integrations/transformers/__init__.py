@@ -209,8 +209,9 @@ def apply(
 class ClassPatch:
     """Class patching of one model family: every model of the family built while it is active is patched by
     :func:`apply` with the same options as the last step of its construction (``post_init``), whether built from a
-    config or by ``from_pretrained``. ``revert()`` (or leaving the ``with`` block) restores the classes; models
-    built meanwhile stay patched."""
+    config or by ``from_pretrained`` (which then loads without the `kernels` hub's kernelization unless given
+    ``use_kernels=True``: it would unbind the fused norms). ``revert()`` (or leaving the ``with`` block) restores
+    the classes; models built meanwhile stay patched."""
 
     _active: dict[str, ClassPatch] = {}
 
@@ -231,6 +232,18 @@ class ClassPatch:
 
         post_init.__doc__ = f"transformers' post_init, then megakernels' apply (patched by {__name__})."
         base.post_init = post_init
+        # from_pretrained kernelizes the loaded model with the `kernels` hub by default (transformers >= 5.2x), which
+        # drops the forwards post_init bound on the layers it maps (the RMSNorms): off unless asked for.
+        self._own_load = base.__dict__.get("from_pretrained")
+        own_load = self._own_load
+
+        def from_pretrained(cls, *args, **kwargs):
+            kwargs.setdefault("use_kernels", False)
+            if own_load is not None:
+                return own_load.__func__(cls, *args, **kwargs)
+            return super(base, cls).from_pretrained(*args, **kwargs)
+
+        base.from_pretrained = classmethod(from_pretrained)
         ClassPatch._active[model_type] = self
 
     @property
@@ -245,6 +258,10 @@ class ClassPatch:
             del self._base.post_init
         else:
             self._base.post_init = self._own
+        if self._own_load is None:
+            del self._base.from_pretrained
+        else:
+            self._base.from_pretrained = self._own_load
         del ClassPatch._active[self.model_type]
 
     def __enter__(self) -> ClassPatch:
