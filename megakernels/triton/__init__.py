@@ -6,8 +6,11 @@ Triton's interpreter lacks the tensor-descriptor add (``desc.atomic_add``) that 
 the TMA path; importing this package leaves Triton alone, and ``install_interpreter_descriptor_reduce()`` adds it
 to the interpreter, once, for a process that runs the backward under it (the test suite calls it in
 tests/conftest.py). Its FP8 casts round wrongly; ``install_interpreter_fp8_casts()`` makes them exact (the FP8
-kernels refuse to run under the interpreter without it; tests/triton/test_fp8.py calls it)."""
+kernels refuse to run under the interpreter without it; tests/triton/test_fp8.py calls it). A process that ran
+kernels under the interpreter can still compile kernels for a GPU target (``launch.compile_launch``: the static
+model, the peer calibration) in the same process."""
 
+from megakernels.triton import launch as _launch  # noqa: F401 - notes Triton's language before any kernel runs
 from megakernels.triton._common import (
     install_interpreter_descriptor_reduce,
     install_interpreter_fp8_casts,

@@ -172,19 +172,61 @@ def compile_launch(launch: Launch, arch: int):
 
 
 _JIT_TWINS: dict = {}  # an interpreted standard-library function -> its compiled twin, made once
+_MISSING = object()
+
+
+def _language_objects() -> tuple:
+    """The objects Triton's interpreter patches while it runs a kernel (``triton.runtime.interpreter._patch_lang``)."""
+    import triton.language as tl
+
+    return (tl, tl.core, tl.core.tensor, tl.math, tl.core.dtype, tl.core.tensor_descriptor_base)
+
+
+def _snapshot() -> list:
+    try:
+        return [(obj, dict(vars(obj))) for obj in _language_objects()]
+    except (ImportError, AttributeError):  # no Triton, or one whose language differs: nothing to restore
+        return []
+
+
+# Triton's language as imported, before any kernel ran under the interpreter (this module is imported with the
+# kernels' package, ahead of their first launch).
+_PRISTINE = _snapshot()
 
 
 @contextlib.contextmanager
 def _compiler_language():
-    """What Triton's compiler needs where ``TRITON_INTERPRET`` was set when Triton was imported: the variable unset
-    (the frontend reads it at every constexpr-function call and, set, leaves results unwrapped) and the standard
-    library's ``@jit`` functions (``tl.sum``'s combine function, ``tl.sigmoid``, ``tl.cdiv``, ``tl.rand``...), made
-    interpreted at import, swapped for compiled twins of the same Python functions; both restored afterwards. A
-    kernel that calls those functions failed to compile in such a process (``'ir.value' object has no attribute
-    'dtype'``) unless Triton's on-disk cache already held it."""
+    """What Triton's compiler needs in a process that imported Triton for its interpreter (``TRITON_INTERPRET``
+    set), all of it restored afterwards:
+
+    * the variable unset (the frontend reads it at every constexpr-function call and, set, leaves results
+      unwrapped);
+    * the standard library's ``@jit`` functions (``tl.sum``'s combine function, ``tl.sigmoid``, ``tl.cdiv``,
+      ``tl.rand``...), made interpreted at import, swapped for compiled twins of the same Python functions;
+    * the language's builtins as imported: the interpreter patches ``tl`` and ``tl.core`` for each kernel it runs
+      and restores them, but a device-function call (``InterpretedFunction.__call__``, e.g. ``tl.max`` inside a
+      kernel) patches them without restoring (Triton 3.8), leaving ``tl.core.program_id`` and the rest in their
+      interpreter form for the rest of the process.
+
+    Without these a kernel failed to compile after any interpreted run in the same process (``'ir.value' object has
+    no attribute 'dtype'``) unless Triton's on-disk cache already held it."""
     interp = os.environ.pop("TRITON_INTERPRET", None)
-    swapped = []
+    changed = []
+
+    def put(obj, attr, value):
+        changed.append((obj, attr, vars(obj).get(attr, _MISSING)))
+        if value is _MISSING:
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, value)
+
     try:
+        for obj, pristine in _PRISTINE:
+            now = vars(obj)
+            for attr in [a for a in pristine if now.get(a, _MISSING) is not pristine[a]]:
+                put(obj, attr, pristine[attr])
+            for attr in [a for a in now if a not in pristine]:
+                put(obj, attr, _MISSING)
         if interp not in (None, "", "0"):
             from triton.runtime.interpreter import InterpretedFunction
             from triton.runtime.jit import JITFunction
@@ -195,12 +237,15 @@ def _compiler_language():
                 for attr, value in list(vars(module).items()):
                     if isinstance(value, InterpretedFunction):
                         if value not in _JIT_TWINS:
-                            _JIT_TWINS[value] = JITFunction(value.fn)
-                        setattr(module, attr, _JIT_TWINS[value])
-                        swapped.append((module, attr, value))
+                            _JIT_TWINS[value] = JITFunction(value.fn, **getattr(value, "kwargs", {}))
+                        put(module, attr, _JIT_TWINS[value])
         yield
     finally:
-        for module, attr, value in swapped:
-            setattr(module, attr, value)
+        for obj, attr, value in reversed(changed):
+            if value is _MISSING:
+                if attr in vars(obj):
+                    delattr(obj, attr)
+            else:
+                setattr(obj, attr, value)
         if interp is not None:
             os.environ["TRITON_INTERPRET"] = interp
