@@ -225,8 +225,9 @@ def _compiler_language():
             now = vars(obj)
             for attr in [a for a in pristine if now.get(a, _MISSING) is not pristine[a]]:
                 put(obj, attr, pristine[attr])
-            for attr in [a for a in now if a not in pristine]:
-                put(obj, attr, _MISSING)
+            if isinstance(obj, type):  # a class's new attributes are the interpreter's (``tensor.T``); a module's
+                for attr in [a for a in now if a not in pristine]:  # may be submodules imported since
+                    put(obj, attr, _MISSING)
         if interp not in (None, "", "0"):
             from triton.runtime.interpreter import InterpretedFunction
             from triton.runtime.jit import JITFunction

@@ -14,3 +14,31 @@ def dropout_mask_kernel(OUT, seed_lo, seed_hi, threshold, SK: tl.constexpr):
     cols = tl.arange(0, SK)
     keep = dropout_keep(row_hash[:, None], cols[None, :], threshold)
     tl.store(OUT + row * SK + cols[None, :], keep.to(tl.int8))
+
+
+@triton.jit
+def row_max_kernel(X, OUT, N: tl.constexpr):
+    """``tl.max`` is a device-function call (a ``@jit`` function of Triton's standard library)."""
+    cols = tl.arange(0, N)
+    tl.store(OUT + tl.program_id(0), tl.max(tl.load(X + tl.program_id(0) * N + cols), 0))
+
+
+def row_sum_kernel_source():
+    """A kernel built as a compiled (not interpreted) ``@triton.jit`` function whatever ``TRITON_INTERPRET`` says:
+    ``tl.sum`` and ``tl.sigmoid`` from the standard library, a loop over ``tl.range``."""
+    import os
+
+    interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+
+        @triton.jit
+        def row_sum_kernel(X, OUT, ROWS, N: tl.constexpr):
+            acc = tl.zeros([N], tl.float32)
+            for r in tl.range(0, ROWS):
+                acc += tl.sigmoid(tl.load(X + r * N + tl.arange(0, N)))
+            tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+
+    finally:
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
+    return row_sum_kernel
