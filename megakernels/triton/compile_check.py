@@ -89,11 +89,11 @@ def jobs(archs, full: bool, defaults: bool):
 def _spill_bytes(compiled) -> int:
     """The stack frame ptxas gave the kernel (spilled registers), from its cubin; 0 without cuobjdump."""
     from megakernels.bench.static import sass
+    from megakernels.bench.static.compiled import kernel_function
 
     if sass.find_tool("cuobjdump") is None:
         return 0
-    funcs = sass.read_cubin(compiled.asm["cubin"])
-    fn = funcs.get(compiled.metadata.name) or next(iter(funcs.values()))
+    fn = kernel_function(compiled)
     return fn.resources.stack_bytes if fn.resources else 0
 
 

@@ -171,6 +171,18 @@ def compile_launch(launch: Launch, arch: int):
         return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+@contextlib.contextmanager
+def without_interpreter():
+    """``TRITON_INTERPRET`` unset inside the block, put back after: what ``@triton.jit`` reads to build a compiled
+    (not interpreted) function, and Triton's frontend at every constexpr-function call."""
+    interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield interp
+    finally:
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
+
+
 _JIT_TWINS: dict = {}  # an interpreted standard-library function -> its compiled twin, made once
 _MISSING = object()
 
@@ -194,6 +206,17 @@ def _snapshot() -> list:
 _PRISTINE = _snapshot()
 
 
+def _interpreted_functions():
+    """``(module, name, function)`` for each interpreted ``@jit`` function of Triton's language modules."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "triton.language" or name.startswith("triton.language.")):
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, InterpretedFunction):
+                    yield module, attr, value
+
+
 @contextlib.contextmanager
 def _compiler_language():
     """What Triton's compiler needs in a process that imported Triton for its interpreter (``TRITON_INTERPRET``
@@ -210,7 +233,6 @@ def _compiler_language():
 
     Without these a kernel failed to compile after any interpreted run in the same process (``'ir.value' object has
     no attribute 'dtype'``) unless Triton's on-disk cache already held it."""
-    interp = os.environ.pop("TRITON_INTERPRET", None)
     changed = []
 
     def put(obj, attr, value):
@@ -220,33 +242,27 @@ def _compiler_language():
         else:
             setattr(obj, attr, value)
 
-    try:
-        for obj, pristine in _PRISTINE:
-            now = vars(obj)
-            for attr in [a for a in pristine if now.get(a, _MISSING) is not pristine[a]]:
-                put(obj, attr, pristine[attr])
-            if isinstance(obj, type):  # a class's new attributes are the interpreter's (``tensor.T``); a module's
-                for attr in [a for a in now if a not in pristine]:  # may be submodules imported since
-                    put(obj, attr, _MISSING)
-        if interp not in (None, "", "0"):
-            from triton.runtime.interpreter import InterpretedFunction
-            from triton.runtime.jit import JITFunction
+    with without_interpreter() as interp:
+        try:
+            for obj, pristine in _PRISTINE:
+                now = vars(obj)
+                for attr in [a for a in pristine if now.get(a, _MISSING) is not pristine[a]]:
+                    put(obj, attr, pristine[attr])
+                if isinstance(obj, type):  # a class's new attributes are the interpreter's (``tensor.T``); a
+                    for attr in [a for a in now if a not in pristine]:  # module's may be submodules imported since
+                        put(obj, attr, _MISSING)
+            if interp not in (None, "", "0"):
+                from triton.runtime.jit import JITFunction
 
-            for name, module in list(sys.modules.items()):
-                if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
-                    continue
-                for attr, value in list(vars(module).items()):
-                    if isinstance(value, InterpretedFunction):
-                        if value not in _JIT_TWINS:
-                            _JIT_TWINS[value] = JITFunction(value.fn, **getattr(value, "kwargs", {}))
-                        put(module, attr, _JIT_TWINS[value])
-        yield
-    finally:
-        for obj, attr, value in reversed(changed):
-            if value is _MISSING:
-                if attr in vars(obj):
-                    delattr(obj, attr)
-            else:
-                setattr(obj, attr, value)
-        if interp is not None:
-            os.environ["TRITON_INTERPRET"] = interp
+                for module, attr, value in list(_interpreted_functions()):
+                    if value not in _JIT_TWINS:
+                        _JIT_TWINS[value] = JITFunction(value.fn, **getattr(value, "kwargs", {}))
+                    put(module, attr, _JIT_TWINS[value])
+            yield
+        finally:
+            for obj, attr, value in reversed(changed):
+                if value is _MISSING:
+                    if attr in vars(obj):
+                        delattr(obj, attr)
+                else:
+                    setattr(obj, attr, value)

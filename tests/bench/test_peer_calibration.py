@@ -439,8 +439,9 @@ except ImportError:  # pragma: no cover - the tests that need Triton skip withou
 
 def _tuned_scale():
     """A small autotuned kernel for the autotune rule, built as a compiled (not interpreted) Triton kernel."""
-    interp = os.environ.pop("TRITON_INTERPRET", None)
-    try:
+    from megakernels.triton.launch import without_interpreter
+
+    with without_interpreter():
 
         @triton.autotune(
             configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (512, 4), (4096, 8))],
@@ -451,9 +452,6 @@ def _tuned_scale():
             offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
             tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
 
-    finally:
-        if interp is not None:
-            os.environ["TRITON_INTERPRET"] = interp
     return tuned_scale
 
 
@@ -755,8 +753,9 @@ def test_distill_jsd_loss_prices_its_compiled_chunk_as_one_fused_kernel_between_
 def _counted_loop():
     """A kernel whose programs each run as many loop iterations as a count tensor holds at their index (the MoE's
     per-expert bounds), built as a compiled (not interpreted) Triton kernel."""
-    interp = os.environ.pop("TRITON_INTERPRET", None)
-    try:
+    from megakernels.triton.launch import without_interpreter
+
+    with without_interpreter():
 
         @triton.jit
         def counted_loop(counts_ptr, out_ptr, BLOCK: tl.constexpr):
@@ -767,9 +766,6 @@ def _counted_loop():
                 acc = acc * acc * 0.5 + acc
             tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
 
-    finally:
-        if interp is not None:
-            os.environ["TRITON_INTERPRET"] = interp
     return counted_loop
 
 

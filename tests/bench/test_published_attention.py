@@ -53,25 +53,30 @@ def test_a_missing_column_is_named(tmp_path):
         published.read(str(p))
 
 
-def test_ours_beside_each_published_implementation(tmp_path):
+def _run_command(tmp_path, rows: str) -> tuple[str, list[dict]]:
+    """The command on a CSV of ``rows`` (after the header), in a process of its own (this one imported Triton in
+    interpreter mode: tests/conftest.py): its stdout and the JSON's shapes."""
     pytest.importorskip("triton")
     from megakernels.bench.static import compiled, sass
 
     if compiled.nvcc() is None or sass.find_tool("cuobjdump") is None:
         pytest.skip("static analysis needs nvcc and cuobjdump")
-    p = tmp_path / "two.csv"
-    p.write_text(
-        "gpu,pass,head_dim,seqlen,batch,heads,causal,implementation,published_tflops\n"
-        "NVIDIA H100 80GB HBM3,fwd,128,4096,4,16,0,FlashAttention-3,638\n"
-        "NVIDIA H100 80GB HBM3,fwd,128,4096,4,16,0,Triton,389\n"
-    )
-    # the command in a process of its own: this one imported Triton in interpreter mode (tests/conftest.py)
+    p = tmp_path / "rows.csv"
+    p.write_text("gpu,pass,head_dim,seqlen,batch,heads,causal,implementation,published_tflops\n" + rows)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "megakernels.bench.static.published", "--csv", str(p), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "FlashAttention-3" in proc.stdout.splitlines()[0] and "Triton" in proc.stdout.splitlines()[0]
-    (row,) = json.loads((tmp_path / "attention_published.json").read_text())["shapes"]
+    return proc.stdout, json.loads((tmp_path / "attention_published.json").read_text())["shapes"]
+
+
+def test_ours_beside_each_published_implementation(tmp_path):
+    stdout, (row,) = _run_command(
+        tmp_path,
+        "NVIDIA H100 80GB HBM3,fwd,128,4096,4,16,0,FlashAttention-3,638\n"
+        "NVIDIA H100 80GB HBM3,fwd,128,4096,4,16,0,Triton,389\n",
+    )
+    assert "FlashAttention-3" in stdout.splitlines()[0] and "Triton" in stdout.splitlines()[0]
     ours = row["ours"]["predicted_tflops"]
     m = model.machine_for("NVIDIA H100 80GB HBM3")
     assert 0 < ours < m.mma_dense_bf16 / 1e12
@@ -84,24 +89,14 @@ def test_ours_beside_each_published_implementation(tmp_path):
 def test_a100_forward_plus_backward_is_compiled_for_sm80(tmp_path):
     """An A100 row is predicted with the sm_80 default configs compiled for sm_80 (mma.sync, no TMA), and a
     ``fwd_bwd`` row is 3.5 forward FLOPs over the forward's time plus the backward's (2.5 forward FLOPs)."""
-    pytest.importorskip("triton")
-    from megakernels.bench.static import compiled, sass
-
-    if compiled.nvcc() is None or sass.find_tool("cuobjdump") is None:
-        pytest.skip("static analysis needs nvcc and cuobjdump")
-    p = tmp_path / "a100.csv"
-    p.write_text(
-        "gpu,pass,head_dim,seqlen,batch,heads,causal,implementation,published_tflops\n"
-        + "".join(
+    _, shapes = _run_command(
+        tmp_path,
+        "".join(
             f"NVIDIA A100-SXM4-80GB,{ps},128,4096,4,16,1,FlashAttention-2,{v}\n"
             for ps, v in (("fwd", 190), ("bwd", 160), ("fwd_bwd", 173))
-        )
+        ),
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "megakernels.bench.static.published", "--csv", str(p), "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["pass"]: r["ours"] for r in json.loads((tmp_path / "attention_published.json").read_text())["shapes"]}
+    rows = {r["pass"]: r["ours"] for r in shapes}
     assert {r["mma"] for r in rows.values()} == {"mma.sync"}
     m = model.machine_for("NVIDIA A100-SXM4-80GB")
     fwd, bwd, both = (rows[k]["predicted_tflops"] for k in ("fwd", "bwd", "fwd_bwd"))

@@ -26,10 +26,9 @@ def row_max_kernel(X, OUT, N: tl.constexpr):
 def row_sum_kernel_source():
     """A kernel built as a compiled (not interpreted) ``@triton.jit`` function whatever ``TRITON_INTERPRET`` says:
     ``tl.sum`` and ``tl.sigmoid`` from the standard library, a loop over ``tl.range``."""
-    import os
+    from megakernels.triton.launch import without_interpreter
 
-    interp = os.environ.pop("TRITON_INTERPRET", None)
-    try:
+    with without_interpreter():
 
         @triton.jit
         def row_sum_kernel(X, OUT, ROWS, N: tl.constexpr):
@@ -38,7 +37,4 @@ def row_sum_kernel_source():
                 acc += tl.sigmoid(tl.load(X + r * N + tl.arange(0, N)))
             tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
 
-    finally:
-        if interp is not None:
-            os.environ["TRITON_INTERPRET"] = interp
     return row_sum_kernel

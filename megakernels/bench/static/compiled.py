@@ -152,6 +152,12 @@ def cuda_kernel(source: str, pattern: str, threads: int, arch: int = 90) -> Comp
 _TRITON: dict = {}
 
 
+def kernel_function(ck) -> sass.Function:
+    """The kernel's function (SASS and resource usage) in a Triton CompiledKernel's cubin."""
+    funcs = sass.read_cubin(ck.asm["cubin"])
+    return funcs[ck.metadata.name] if ck.metadata.name in funcs else next(iter(funcs.values()))
+
+
 def triton_kernel(launch, arch: int = 90) -> Compiled:
     """The Triton kernel of ``launch`` (a megakernels.triton.launch.Launch) compiled for ``sm_<arch>``."""
     from megakernels.triton.launch import compile_launch, specialise
@@ -169,8 +175,7 @@ def triton_kernel(launch, arch: int = 90) -> Compiled:
     )
     if key not in _TRITON:
         ck = compile_launch(launch, arch)
-        funcs = sass.read_cubin(ck.asm["cubin"])
-        fn = funcs[ck.metadata.name] if ck.metadata.name in funcs else next(iter(funcs.values()))
+        fn = kernel_function(ck)
         static = fn.resources.static_shared if fn.resources else 0
         # Triton's dynamic shared memory is metadata.shared; the static 1 KiB it shows on sm_90 is the reserve.
         shared = max(int(ck.metadata.shared), 0) + (static if static > model.H200.smem_reserved else 0)

@@ -1209,16 +1209,16 @@ def imported(path: str):
         for k in [k for k in sys.modules if k == "liger_kernel" or k.startswith("liger_kernel.")]:
             del sys.modules[k]
 
+    from megakernels.triton.launch import without_interpreter
+
     forget()
     sys.path.insert(0, path)
-    interp = os.environ.pop("TRITON_INTERPRET", None)  # @triton.jit must build JIT functions, to be compiled
     try:
-        yield
+        with without_interpreter():  # @triton.jit must build JIT functions, to be compiled
+            yield
     finally:
         sys.path.remove(path)
         forget()
-        if interp is not None:
-            os.environ["TRITON_INTERPRET"] = interp
 
 
 # ---- pricing ---------------------------------------------------------------------------------------------------
