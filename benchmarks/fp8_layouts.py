@@ -27,8 +27,9 @@ import math
 import torch
 
 from megakernels.bench.common import machine, machine_line, write_json
+from megakernels.ops import fp8
 
-RECIPES = ("tensorwise", "blockwise", None)  # None: fp32 throughout, the baseline
+RECIPES = (*fp8.RECIPES, None)  # None: fp32 throughout, the baseline
 RUNS = (
     ("gpt-tiny", dict(tp=2, pp=2), 4),
     ("llama-tiny", dict(tp=2, pp=2), 4),
@@ -40,12 +41,12 @@ def _args(preset: str, recipe: str | None, base: str, steps: int, nproc: int = 1
     """``recipe`` None: fp32 throughout (the baseline without FP8)."""
     from megakernels_models.arguments import TrainArgs
 
-    fp8 = {} if recipe is None else {"fp8_recipe": recipe, "fp8_base_precision": base}
+    fp8_args = {} if recipe is None else {"fp8_recipe": recipe, "fp8_base_precision": base}
     return TrainArgs(
         preset=preset,
         steps=steps,
         precision="fp32" if recipe is None else "fp8",
-        **fp8,
+        **fp8_args,
         dropout=0.0,
         eval_interval=0,
         progress=False,

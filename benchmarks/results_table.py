@@ -230,7 +230,7 @@ def _calibration_rows(report):
 
 
 def _published_attention_rows(report):
-    # ``python -m megakernels.bench.static.published``: published attention throughputs beside our predictions
+    # ``python -m costmodel.published``: published attention throughputs beside our predictions
     for o in report["shapes"]:
         config = {k: o[k] for k in ("gpu", "pass", "head_dim", "seqlen", "causal")}
         for impl, tflops in o["published_tflops"].items():

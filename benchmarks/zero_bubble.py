@@ -27,7 +27,9 @@ import platform
 import subprocess
 import time
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-v")
+from megakernels.parallel.pipeline.schedules import TRAINER_SCHEDULES, ZERO_BUBBLE
+
+SCHEDULES = ("1f1b", *ZERO_BUBBLE)
 PPS = (4, 8, 16, 32)
 
 
@@ -130,7 +132,7 @@ def memory(pp: int, m: int) -> list[dict]:
     from megakernels.parallel.launch import run_world
     from megakernels.parallel.pipeline import schedules
 
-    names = ("1f1b", "gpipe", "zb-h1", "zb-v")
+    names = TRAINER_SCHEDULES
     per_rank = run_world(pp, _memory_world, names, m, timeout=1800)
     rows = []
     for name in names:

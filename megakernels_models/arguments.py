@@ -14,7 +14,10 @@ import re
 import torch
 
 from megakernels.nn.attention import ATTENTION_CORES
+from megakernels.ops.fp8 import RECIPES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
+from megakernels.parallel.pipeline.schedules import TRAINER_SCHEDULES, ZERO_BUBBLE
+from megakernels.precisions import DTYPES, PRECISIONS
 from megakernels.validation import finite_number, positive_int
 from megakernels_models.models import registry
 from megakernels_models.models.config import PRESETS, RECOMPUTE, ModelConfig, preset
@@ -22,13 +25,9 @@ from megakernels_models.planning.layout_rules import validate_layout
 from megakernels_models.settings import ArgumentError, flag_of, setting
 from megakernels_models.training.preemption import SIGNALS
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-FP8_RECIPES = ("tensorwise", "blockwise")  # megakernels.ops.fp8.RECIPES
+FP8_RECIPES = tuple(RECIPES)
 FP8_BASES = ("bf16", "fp32")
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-v")
-ZERO_BUBBLE = ("zb-h1", "zb-v")  # megakernels.parallel.pipeline.schedules.ZERO_BUBBLE
 DEVICES = ("cpu", "cuda")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
 MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
@@ -74,7 +73,7 @@ ARCHITECTURE_SETTINGS = (
     *MOE_FIELDS,
     *FAMILY_SETTINGS,
 )
-__all__ = ["TrainArgs", "validate", "ArgumentError", "PRECISIONS", "SCHEDULES", "ZERO_BUBBLE", "DTYPES"]
+__all__ = ["TrainArgs", "validate", "ArgumentError"]
 
 
 @dataclasses.dataclass
@@ -183,7 +182,7 @@ class _Settings:
         "split into input- and weight-gradient passes, the latter run where a rank would idle; zb-v puts two model "
         "chunks on every rank in a V (needs --pp > 1, leave --vpp out)",
         LAYOUT,
-        choices=SCHEDULES,
+        choices=TRAINER_SCHEDULES,
     )
     tp_across_nodes: bool = setting(
         False,
@@ -626,8 +625,12 @@ def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
     given = [_flag(n) for n in PACKING_SETTINGS if getattr(a, n)]
     if not given:
         return
-    if registry.family(cfg.model).task is not registry.causal_lm_task:
-        lms = registry.titles(lambda s: s.task is registry.causal_lm_task)
+
+    def packs(spec) -> bool:  # a causal LM trained on token documents
+        return spec.causal and spec.data == "tokens"
+
+    if not packs(registry.family(cfg.model)):
+        lms = registry.titles(packs)
         raise ArgumentError(f"{given[0]} is for causal language models ({lms}), not --model {cfg.model}")
     if a.sft and a.data is None:
         raise ArgumentError("--sft needs --data PREFIX, made by 'megakernels preprocess --chat FILE.jsonl'")
@@ -694,7 +697,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
         ("fp8_base_precision", FP8_BASES),
         ("recompute", RECOMPUTE),
         ("attention", tuple(ATTENTION_CORES)),
-        ("schedule", SCHEDULES),
+        ("schedule", TRAINER_SCHEDULES),
         ("device", DEVICES),
     ):
         if getattr(a, name) not in choices:

@@ -6,7 +6,7 @@
 # 1x100M params), FlashAttention d128 bf16 at s 4k/8k (causal and not), cross-entropy, the FP8 GEMM (tensorwise and
 # blockwise, against bf16 torch.matmul, at Llama-3-8B's linear layers) and a GPT-1.3B end-to-end run (the trainer +
 # the eager-GPT baseline). Logs, JSON and PNG plots go to OUTDIR (one folder per benchmark
-# stage); the summary at the end (megakernels/bench/summary.py) shows each stage's result, the numbers
+# stage); the summary at the end (benchmarks/gpu_summary.py) shows each stage's result, the numbers
 # against the docs/design.md §6 targets (pass/fail, % of target), and every measurement beside the static model's
 # prediction (the first GPU run calibrates the model). Aimed at < 8 minutes on an H100/H200 (torch.compile
 # baselines are skipped here for time; `megakernels bench --device cuda` runs them). The peer stage times our
@@ -29,7 +29,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
 summary() {  # summary TITLE: the closing table, also saved as OUTDIR/summary.txt
-  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" megakernels/bench/summary.py "$OUT" --title "$1" \
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/gpu_summary.py "$OUT" --title "$1" \
     | tee "$OUT/summary.txt"
 }
 
@@ -67,7 +67,7 @@ if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q bu
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   stage tests pytest_cuda.log "$PY" -m pytest -m cuda -x -q -p no:cacheprovider tests
   BENCH=("$PY" -m megakernels_models.cli bench)
-  stage static static.txt "${BENCH[@]}" --static --out "$OUT/static"
+  stage static static.txt "$PY" -m costmodel --static --out "$OUT/static"  # the tool beside the package
   stage bench_norms bench_norms.txt "${BENCH[@]}" --ops norms,bias_gelu --device cuda --dtype bfloat16 \
     --no-compile --out "$OUT/norms"
   stage bench_softmax bench_softmax.txt "${BENCH[@]}" --ops softmax --device cuda --dtype bfloat16 --no-compile \
@@ -82,7 +82,7 @@ if stage build build.log env MEGAKERNELS_CUDA_ARCHS="$ARCH" "$PY" setup.py -q bu
     "$PY" -m pip install -q --no-index --no-deps --find-links "$MEGAKERNELS_PEER_WHEELS" liger-kernel \
       >"$OUT/peer_install.log" 2>&1 || echo "gpu_check: liger-kernel did not install (see peer_install.log)"
   fi
-  stage bench_peer bench_peer.txt "${BENCH[@]}" --peer-csv benchmarks/peer/liger_dev.csv --device cuda \
+  stage bench_peer bench_peer.txt "$PY" -m costmodel --measure-peers benchmarks/peer/liger_dev.csv --device cuda \
     --out "$OUT/peer"
   stage bench_e2e bench_e2e.txt "${BENCH[@]}" --e2e gpt-1.3b --device cuda --micro-batch-size 4 --steps 5 \
     --warmup 2 --out "$OUT/e2e"

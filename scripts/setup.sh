@@ -15,12 +15,15 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 "${PIP[@]}" install --quiet "$TORCH_SPEC" ninja setuptools wheel
 # --no-build-isolation: build against the torch just installed instead of fetching a second one.
 "${PIP[@]}" install --quiet --no-build-isolation -e ".[train,test,bench]"
+# The static GPU cost model (costmodel/): a development tool beside the package, not in its wheel; it adds its modes
+# to `megakernels bench` (--static, --measure-peers) through an entry point.
+"${PIP[@]}" install --quiet --no-build-isolation --no-deps -e costmodel
 # The peer versions the calibration's development and check sets are modelled with (benchmarks/peer/: the versions
-# their rows name, or the first release holding a kernel a row's version predates: peer.resolve_version), each in
-# its own directory where `megakernels bench --static --peer-csv` imports it from (never into the venv: one version
-# each). The command installs a missing version by itself too; these keep the tests off the network.
-PEERS=$(.venv/bin/python -c "from megakernels.bench.static import peer; print(peer.default_peer_root())")
-for v in 0.2.1 0.3.0 0.4.0 0.6.0 0.6.2 0.7.0 0.8.0 0.8.1 0.8.2; do
+# their rows name, or the first release holding a kernel a row's version predates), each in its own directory where
+# `megakernels bench --static --peer-csv` imports it from (never into the venv: one version each). A missing version
+# is an error naming the command that installs it; these keep the tests off the network.
+PEERS=$(.venv/bin/python -c "from costmodel.peers import install; print(install.default_peer_root())")
+for v in $(.venv/bin/python -c "from costmodel.peers import install; print(' '.join(install.RELEASES_USED))"); do
   if [ ! -d "$PEERS/liger-kernel-$v/liger_kernel" ]; then
     "${PIP[@]}" install --quiet --no-deps --target "$PEERS/liger-kernel-$v" "liger-kernel==$v"
   fi

@@ -87,7 +87,7 @@ def triton_backend(backend):
 # would leave the other worker idle at the end.
 LONG_POLES = (
     "tests/models/test_layouts.py",
-    "tests/bench/test_static.py",
+    "tests/costmodel/test_static.py",
     "tests/models/test_launch.py",
     "tests/models/test_elastic.py",
     "tests/models/test_preemption.py",
@@ -95,8 +95,8 @@ LONG_POLES = (
     "tests/models/test_generate.py",
     "tests/models/test_async_checkpoint.py",
     "tests/optim/test_multi_tensor.py",
-    "tests/triton/test_compile.py",
-    "tests/triton/test_grouped_gemm_compile.py",
+    "tests/costmodel/test_compile.py",
+    "tests/costmodel/test_grouped_gemm_compile.py",
 )
 
 

@@ -5,6 +5,7 @@ trainer's dependencies are the ``train`` extra, matplotlib the ``bench`` extra, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,18 +129,19 @@ raise SystemExit(main(["train", "--steps", "1", "--log-jsonl", "/dev/null"]))
     assert "pip install 'megakernels[train]'" in r.stderr
 
 
-def test_the_library_benchmarks_its_kernels_without_the_trainer(tmp_path):
-    """``python -m megakernels.bench`` (the microbenchmarks and the static model's registry) runs with the trainer
-    package and its dependencies missing, and imports nothing of the trainer."""
+def test_the_library_benchmarks_its_kernels_without_the_trainer_or_the_tools(tmp_path):
+    """``python -m megakernels.bench`` runs with the trainer package, its dependencies and the tools beside the
+    package (the static cost model) missing, and imports nothing of the trainer."""
     code = """
+import importlib.metadata
+_ep = importlib.metadata.entry_points  # no tool installed beside the package:
+importlib.metadata.entry_points = lambda **kw: [] if kw.get("group") == "megakernels.bench" else _ep(**kw)
 from megakernels.bench.__main__ import main
-from megakernels.bench.static import registry
-assert registry.entries()
 status = main(["--ops", "layer_norm", "--dtype", "fp32", "--quick", "--no-compile", "--no-peers", "--out", sys.argv[1]])
-assert not [m for m in sys.modules if m.split(".")[0] == "megakernels_models"]
+assert not [m for m in sys.modules if m.split(".")[0] in ("megakernels_models", "costmodel")]
 raise SystemExit(status)
 """
-    r = _run(code, blocked=(*TRAIN_ONLY, "megakernels_models"), args=(str(tmp_path),))
+    r = _run(code, blocked=(*TRAIN_ONLY, "megakernels_models", "costmodel"), args=(str(tmp_path),))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert rows and {r["op"] for r in rows} == {"layer_norm"}
@@ -149,3 +151,37 @@ raise SystemExit(status)
             [sys.executable, "-m", "megakernels.bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
         ).stdout
     )
+
+
+def test_the_trainer_runs_without_the_tools_beside_the_package(tmp_path):
+    code = """
+import importlib.metadata
+_ep = importlib.metadata.entry_points
+importlib.metadata.entry_points = lambda **kw: [] if kw.get("group") == "megakernels.bench" else _ep(**kw)
+from megakernels_models.cli import main
+status = main(["train", "--steps", "2", "--eval-interval", "0", "--no-progress", "--corpus-bytes", "100000",
+               "--global-batch-size", "2", "--micro-batch-size", "2"])
+assert "costmodel" not in sys.modules
+raise SystemExit(status)
+"""
+    r = _run(code, blocked=("costmodel",))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_the_wheel_ships_the_package_and_the_trainer_only(tmp_path):
+    """What ``pip wheel .`` packs besides the compiled extension: setuptools' build_py of the project (the step
+    that copies the Python packages into the wheel), here without compiling anything."""
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MEGAKERNELS_FORCE_CPU_ONLY": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    top = sorted(p.name for p in tmp_path.iterdir())
+    assert top == ["megakernels", "megakernels_models"], top
+    files = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()]
+    assert not [f for f in files if "costmodel" in f or "/static/" in f], files
+    assert "megakernels/machines.py" in files and "megakernels_models/cli.py" in files

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, Request, TablePrinter, median_seconds, result_row
 from megakernels.bench.peers import Peers
 from megakernels.optim import FusedAdamW
 
@@ -37,7 +37,6 @@ OFFLOAD_DTYPES = ("bfloat16",)
 CONFIGS = {"50x1M": (50, 1 << 20), "1x100M": (1, 100_000_000)}
 QUICK_CONFIGS = {"8x64K": (8, 1 << 16)}
 DEFAULT_DTYPES = ("float32",)
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("megakernels", "torch_foreach", "torch_fused")
 
 
@@ -84,7 +83,7 @@ def default_configs(quick: bool) -> dict:
     return QUICK_CONFIGS if quick else CONFIGS
 
 
-def run(
+def measure(
     configs: dict,
     dtypes,
     *,
@@ -192,4 +191,31 @@ def run_offload(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilin
             )
             rows.append(row)
             table(row)
+    return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench --ops adamw,adamw_offload`` (``common.Request``; at least a second of repeats a
+    measurement, a twentieth in a quick run: a step is milliseconds)."""
+    t = max(request.min_run_time, 0.05 if request.quick else 1.0)
+    rows = []
+    if "adamw" in request.ops:
+        rows += measure(
+            default_configs(request.quick),
+            request.dtypes_or(DEFAULT_DTYPES),
+            device=request.device,
+            min_run_time=t,
+            ceilings=request.ceilings,
+            peers=request.peers,
+            log=request.log,
+        )
+    if "adamw_offload" in request.ops:
+        rows += run_offload(
+            OFFLOAD_QUICK_CONFIGS if request.quick else OFFLOAD_CONFIGS,
+            request.dtypes_or(OFFLOAD_DTYPES),
+            device=request.device,
+            min_run_time=t,
+            ceilings=request.ceilings,
+            log=request.log,
+        )
     return rows

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row
 from megakernels.bench.peers import Peers
 from megakernels.ops import flash_attention
 
@@ -32,7 +32,6 @@ OPS = ("flash_attention",)
 GPU_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 PACKED_DOCUMENTS = 16  # documents per sequence of the packed case
 CPU_SEQLENS = [512, 1024, 2048, 4096]
-SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def default_dtypes(device: str) -> tuple[str, ...]:
@@ -94,7 +93,7 @@ def steps(q, k, v, do, causal, backward, peers: dict | None = None):
     return out if backward else {name: no_grad(fn) for name, fn in out.items()}
 
 
-def run(
+def measure(
     dtypes, head_dims, seqlens, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None, log=print
 ) -> list[dict]:
     """Measure every (dtype, head dim, seqlen, causal or not, fwd / fwd+bwd); returns the result rows, each printed
@@ -211,4 +210,22 @@ def _row(dtype_name, shape, backward, work, times, ceilings, variant, causal, **
         head_dim=d,
         causal=causal,
         **extra,
+    )
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench --ops flash_attention`` (``common.Request``: head dims and sequence lengths default to
+    64,128 and this device's lengths; a quick run one small shape)."""
+    head_dims, seqlens = (
+        ([64], [128]) if request.quick else ([64, 128], GPU_SEQLENS if request.device == "cuda" else CPU_SEQLENS)
+    )
+    return measure(
+        request.dtypes_or(default_dtypes(request.device)),
+        list(request.head_dims or head_dims),
+        list(request.seqlens or seqlens),
+        device=request.device,
+        min_run_time=request.min_run_time,
+        ceilings=request.ceilings,
+        peers=request.peers,
+        log=request.log,
     )

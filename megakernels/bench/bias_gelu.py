@@ -3,7 +3,7 @@
     megakernels bench --ops bias_gelu [--dtype float32,bfloat16] [--shapes rows,hidden;...] [--device cpu|cuda]
                       [--no-compile] [--quick] [--out DIR]
 
-The measurement is the norms' (``megakernels.bench.norms.run``: one table, GB/s and % of the copy
+The measurement is the norms' (``megakernels.bench.norms.measure``: one table, GB/s and % of the copy
 bandwidth, speed-ups vs eager and torch.compile, never asserting on time) over this composition; bytes that must
 move: x read and y written forward; dy read, dx written and x read again backward. The pytest-benchmark suite
 (benchmarks/test_bench_bias_gelu.py) times the same callables.
@@ -16,6 +16,7 @@ import functools
 import torch.nn.functional as F
 
 from megakernels.bench import norms
+from megakernels.bench.common import Request, run_measure
 from megakernels.bench.norms import Composition
 from megakernels.ops import bias_gelu
 
@@ -31,4 +32,9 @@ COMPOSITIONS = {
 OPS = tuple(COMPOSITIONS)
 DEFAULT_DTYPES = norms.DEFAULT_DTYPES
 default_shapes = norms.default_shapes
-run = functools.partial(norms.run, compositions=COMPOSITIONS, family=FAMILY)
+measure = functools.partial(norms.measure, compositions=COMPOSITIONS, family=FAMILY)
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench --ops bias_gelu`` (``common.Request``)."""
+    return run_measure(measure, request, DEFAULT_DTYPES, default_shapes)

@@ -4,10 +4,8 @@
                       [--no-compile] [--no-peers] [--min-run-time S] [--shapes A,B[,C,D];...]
                       [--head-dims 64,128] [--seqlens 4096,8192]
     megakernels bench --e2e PRESET [--tp N --pp N --vpp N --dp N --nproc N --precision ... --steps N ...]
-    megakernels bench --static [--ops NAME,...] [--out DIR]
-    megakernels bench --static --peer-csv FILE [--peer-path DIR] [--out DIR]
-    megakernels bench --peer-csv FILE --device cuda [--out DIR]
     megakernels bench --plan-check [--steps N] [--warmup N] [--out DIR]
+    megakernels bench --static ...   (and the other modes of the tools beside the package, when installed)
 
 Measures the device's ceilings first (copy bandwidth, GEMM FLOP/s per dtype; ``ceilings``), then prints one table
 per op: median time of ours, GB/s or TFLOP/s (the bytes or FLOPs that must move, counted in each op's module), %
@@ -18,32 +16,27 @@ notes, rows, e2e}) and ``DIR/<op>.png`` (speed vs size). ``--e2e`` runs the end-
 instead of the microbenchmarks, or after them when ``--ops`` is given too. ``--shapes`` replaces the default
 shapes of the ops whose shapes have that many sizes: rows,hidden (norms, bias_gelu), rows,ffn (swiglu),
 tokens,vocab (cross_entropy), b,h,sq,sk (softmax), b,s,heads,kv_heads,head_dim (rope), m,n,k (fp8_gemm);
-``--head-dims`` and ``--seqlens`` those of flash_attention. ``--static`` measures nothing: it compiles every shipped
-GPU kernel config for sm_90 as a launch gets it and prints the static cost report (SASS, resources, a predicted
-fraction of the H200 ceiling; docs/static-cost-model.md), ``DIR/static.json`` with --out. ``--static --peer-csv FILE``
-predicts every row of a Liger-Kernel benchmark CSV with the same model (the peer's kernels compiled for each row's
-GPU) and writes ``DIR/calibration.json`` (rows with published and predicted ms, and a summary of the errors);
-``--peer-path DIR`` is where the liger-kernel versions the rows name are installed
-(``DIR/liger-kernel-<version>``; default ``~/.cache/megakernels/peers``). ``--peer-csv FILE`` without
-``--static`` measures instead: at every shape of the CSV it times our kernels and the installed Liger-Kernel's
-on this device and writes ``DIR/measured.csv`` in the same format (``peer_measure``; the peer only on CUDA).
+``--head-dims`` and ``--seqlens`` those of flash_attention.
 ``--plan-check`` asks whether ``megakernels plan`` orders layouts as this machine runs them: four layouts of
 gpt-tiny on 4 local processes, predicted with a CPU device profile measured here, then trained
 (``plan_check``; ``DIR/plan_check.json`` with --out).
 
 Argument errors exit with status 2 and name the flag, before anything is measured; a failed rank exits with 1.
 """
-# The microbenchmarks and --static are the kernel library's own (``python -m megakernels.bench`` runs them without
-# the trainer); --e2e and --plan-check train models, so the trainer adds them on top as ``Extension``s
-# (megakernels_models/bench/modes.py): this package never imports megakernels_models.
+# The microbenchmarks are the kernel library's own (``python -m megakernels.bench`` runs them without the trainer);
+# --e2e and --plan-check train models, so the trainer adds them on top as ``Extension``s
+# (megakernels_models/bench/modes.py): this package never imports megakernels_models. Tools installed beside the
+# package (the static GPU cost model of a development checkout) add theirs through the entry-point group
+# ``PLUGINS`` (each entry: a callable returning Extensions); the package never imports them by name.
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
+
+from megakernels import precisions
 
 # op -> family module (kept here, not imported from the modules: building the parser must not import torch)
 OPS = {
@@ -75,7 +68,7 @@ GROUPS = {
     "hf": ["hf_train"],
     "all": list(OPS),
 }
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = tuple(precisions.DTYPE_NAMES)
 # --shapes: the families whose shapes have that many sizes
 SHAPE_DIMS = {
     "norms": "rows,hidden",
@@ -96,6 +89,10 @@ class Extension:
     dest: str = ""
     alone: bool = False
 
+    def given(self, ns: argparse.Namespace) -> bool:
+        """Whether the command line asks for this mode (its flag ``dest`` was given)."""
+        return getattr(ns, self.dest, None) not in (None, False)
+
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         """Add the flags of this mode to ``p``."""
 
@@ -105,6 +102,56 @@ class Extension:
     def run(self, ns: argparse.Namespace, state):
         """Run the mode: the exit status when ``alone``, else the rows stored under ``dest`` in bench.json."""
         raise NotImplementedError
+
+
+# Entry-point group of the tools beside the package: each entry is a callable returning Extensions.
+PLUGINS = "megakernels.bench"
+
+
+def plugin_modes() -> list[Extension]:
+    """The modes that installed tools add to ``megakernels bench`` (entry-point group ``PLUGINS``)."""
+    from importlib.metadata import entry_points
+
+    return [mode for ep in entry_points(group=PLUGINS) for mode in ep.load()()]
+
+
+class Absent(Extension):
+    """A mode of a development tool that is not installed here: its flags parse, and using it is answered with how
+    to install the tool (one line, exit status 2)."""
+
+    alone = True
+
+    def __init__(self, dest: str, flags: Sequence[tuple[str, dict]], what: str):
+        self.dest, self.flags, self.what = dest, flags, what
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        for flag, kwargs in self.flags:
+            p.add_argument(flag, **{"help": f"{self.what} (not installed here)", **kwargs})
+
+    def given(self, ns: argparse.Namespace) -> bool:
+        return any(getattr(ns, f[2:].replace("-", "_"), None) not in (None, False) for f, _ in self.flags)
+
+    def prepare(self, ns: argparse.Namespace):
+        raise ValueError(
+            f"{self.flags[0][0]}: {self.what} is a development tool beside the package and is not installed here; "
+            "in a clone of the repository, `bash scripts/setup.sh` installs it into .venv"
+        )
+
+
+# The static GPU cost model's modes (docs/benchmarks.md), answered when it is not installed.
+_STATIC = "the static GPU cost model"
+ABSENT_MODES = (
+    Absent(
+        "static",
+        (
+            ("--static", {"action": "store_true"}),
+            ("--peer-csv", {"default": None, "metavar": "FILE"}),
+            ("--peer-path", {"default": None, "metavar": "DIR"}),
+        ),
+        _STATIC,
+    ),
+    Absent("measure_peers", (("--measure-peers", {"default": None, "metavar": "FILE"}),), _STATIC),
+)
 
 
 def add_parser(sub, extensions: Sequence[Extension] = ()) -> argparse.ArgumentParser:
@@ -159,26 +206,9 @@ def configure(p: argparse.ArgumentParser, extensions: Sequence[Extension] = ()) 
         metavar="S,...",
         help="flash_attention sequence lengths (default: 512..16k on cuda, 512..4k on cpu)",
     )
-    p.add_argument(
-        "--static",
-        action="store_true",
-        help="the static cost report of the GPU kernels (compiles for "
-        "sm_90, needs no GPU; writes DIR/static.json with --out)",
-    )
-    p.add_argument(
-        "--peer-csv",
-        default=None,
-        metavar="FILE",
-        help="with --static: predict the rows of a Liger-Kernel benchmark CSV (DIR/calibration.json); without: "
-        "time ours and the installed Liger-Kernel at its shapes on --device (DIR/measured.csv)",
-    )
-    p.add_argument(
-        "--peer-path",
-        default=None,
-        metavar="DIR",
-        help="where liger-kernel versions are installed: DIR/liger-kernel-<version> "
-        "(default ~/.cache/megakernels/peers)",
-    )
+    extensions = list(extensions)
+    extensions += [m for m in plugin_modes() if m.dest not in {x.dest for x in extensions}]
+    extensions += [m for m in ABSENT_MODES if m.dest not in {x.dest for x in extensions}]
     for ext in extensions:
         ext.add_arguments(p)
     p.set_defaults(_run=main, _extensions=tuple(extensions))
@@ -186,8 +216,8 @@ def configure(p: argparse.ArgumentParser, extensions: Sequence[Extension] = ()) 
 
 
 def resolve_ops(value: str | None, e2e: bool, extra: tuple[str, ...] = ()) -> list[str]:
-    """``--ops`` -> op names (groups expanded, order kept); ``extra``: more accepted names (the static report's
-    ops that are not measured).
+    """``--ops`` -> op names (groups expanded, order kept); ``extra``: more accepted names (a mode's own ops, such
+    as the static report's kernels that are not measured).
 
     Raises:
         ValueError: an unknown name (the message names --ops).
@@ -207,13 +237,6 @@ def resolve_ops(value: str | None, e2e: bool, extra: tuple[str, ...] = ()) -> li
     if not out:
         raise ValueError(f"--ops: expected a comma list of ops, got {value!r}")
     return out
-
-
-def static_ops() -> tuple[str, ...]:
-    """The op names of the static report's entries (the part of an entry's name before the dot)."""
-    from megakernels.bench.static import registry
-
-    return tuple(dict.fromkeys(e.name.split(".")[0] for e in registry.entries()))
 
 
 def _int_list(flag: str, value: str | None) -> list[int] | None:
@@ -253,22 +276,26 @@ def parse_shapes(value: str | None, ops: list[str]) -> dict[str, list[tuple[int,
 
 def _active(ns) -> list[Extension]:
     """The extensions whose flag was given, those that run alone first."""
-    given = [x for x in getattr(ns, "_extensions", ()) if getattr(ns, x.dest, None) not in (None, False)]
+    given = [x for x in getattr(ns, "_extensions", ()) if x.given(ns)]
     return sorted(given, key=lambda x: not x.alone)
 
 
 def _check(ns) -> tuple[list[str], list[str] | None]:
-    """Everything wrong with the flags, as a ValueError naming the flag, before anything is measured."""
+    """Everything wrong with the flags, as a ValueError naming the flag, before anything is measured. A mode that
+    runs alone checks its own flags (``Extension.prepare``)."""
     from megakernels.bench.common import DTYPE_ALIASES, split_list
 
-    static = getattr(ns, "static", False)
-    after = [x for x in _active(ns) if not x.alone]  # modes run after the microbenchmarks (--e2e)
-    ops = resolve_ops(ns.ops, bool(after), static_ops() if static else ())
+    active = _active(ns)
+    alone = [x for x in active if x.alone]
+    if alone:
+        if len(active) > 1:
+            flags = ", ".join(_flag(x) for x in active[1:])
+            raise ValueError(f"{_flag(alone[0])}: this mode runs alone; drop {flags}")
+        return [], None
+    after = [x for x in active if not x.alone]  # modes run after the microbenchmarks (--e2e)
+    ops = resolve_ops(ns.ops, bool(after))
     ns.shape_map = parse_shapes(ns.shapes, [o for o in ops if o in OPS])
     ns.head_dim_list, ns.seqlen_list = _int_list("--head-dims", ns.head_dims), _int_list("--seqlens", ns.seqlens)
-    if static and after:
-        flags = ", ".join("--" + x.dest.replace("_", "-") for x in after)
-        raise ValueError(f"--static: the static report runs alone; drop {flags}")
     dtypes = split_list("--dtype", ns.dtype, DTYPE_NAMES, DTYPE_ALIASES) if ns.dtype is not None else None
     if ns.min_run_time is not None and not ns.min_run_time > 0:
         raise ValueError(f"--min-run-time must be > 0 seconds, got {ns.min_run_time}")
@@ -280,91 +307,32 @@ def _check(ns) -> tuple[list[str], list[str] | None]:
     return ops, dtypes
 
 
+def _flag(x: Extension) -> str:
+    return "--" + x.dest.replace("_", "-")
+
+
 def run_ops(ops: list[str], dtypes: list[str] | None, ns, ceilings: dict, peers, log=print) -> list[dict]:
-    """Run each op's family module on ``ops``; returns every result row."""
-    quick, device = ns.quick, ns.device
-    t = ns.min_run_time or (0.05 if quick else 0.5)
-    rows = []
-    families = list(dict.fromkeys(OPS[o] for o in ops))
+    """Run each op family's module on its ops of ``ops`` (``module.run(common.Request)``); returns every row."""
+    from megakernels.bench.common import Request
+
     shape_map = getattr(ns, "shape_map", None) or {}
-    for fam in families:
-        mod = importlib.import_module(f"megakernels.bench.{fam}")
-        mine = [o for o in ops if OPS[o] == fam]
-        shapes = shape_map.get(fam) or (mod.default_shapes(device, quick) if fam in SHAPE_DIMS else None)
-        if fam == "attention":
-            ds = dtypes or list(mod.default_dtypes(device))
-            head_dims, seqlens = (
-                ([64], [128]) if quick else ([64, 128], mod.GPU_SEQLENS if device == "cuda" else mod.CPU_SEQLENS)
-            )
-            head_dims = getattr(ns, "head_dim_list", None) or head_dims
-            seqlens = getattr(ns, "seqlen_list", None) or seqlens
-            rows += mod.run(
-                ds, head_dims, seqlens, device=device, min_run_time=t, ceilings=ceilings, peers=peers, log=log
-            )
-        elif fam == "adamw":
-            if "adamw" in mine:
-                rows += mod.run(
-                    mod.default_configs(quick),
-                    dtypes or mod.DEFAULT_DTYPES,
-                    device=device,
-                    min_run_time=max(t, 0.05 if quick else 1.0),
-                    ceilings=ceilings,
-                    peers=peers,
-                    log=log,
-                )
-            if "adamw_offload" in mine:
-                rows += mod.run_offload(
-                    mod.OFFLOAD_QUICK_CONFIGS if quick else mod.OFFLOAD_CONFIGS,
-                    dtypes or mod.OFFLOAD_DTYPES,
-                    device=device,
-                    min_run_time=max(t, 0.05 if quick else 1.0),
-                    ceilings=ceilings,
-                    log=log,
-                )
-        elif fam == "moe":
-            rows += mod.run(
-                mine,
-                dtypes,
-                mod.default_shapes(device, quick),
-                device=device,
-                quick=quick,
-                min_run_time=t,
-                ceilings=ceilings,
-                notes=peers.notes,
-                log=log,
-            )
-        elif fam == "hf":
-            rows += mod.run(
-                dtypes or mod.DEFAULT_DTYPES,
-                quick=quick,
-                device=device,
-                min_run_time=t,
-                ceilings=ceilings,
-                notes=peers.notes,
-                log=log,
-            )
-        elif fam == "cross_entropy":
-            rows += mod.run(
-                dtypes or mod.DEFAULT_DTYPES,
-                shapes,
-                device=device,
-                min_run_time=t,
-                ceilings=ceilings,
-                peers=peers,
-                log=log,
-            )
-        else:  # norms, bias_gelu, softmax, rope, swiglu: fused vs eager vs torch.compile
-            rows += mod.run(
-                mine,
-                dtypes or mod.DEFAULT_DTYPES,
-                shapes,
-                device=device,
-                with_compile=not ns.no_compile,
-                min_run_time=t,
-                ceilings=ceilings,
-                peers=peers,
-                log=log,
-            )
+    rows = []
+    for fam in dict.fromkeys(OPS[o] for o in ops):
+        request = Request(
+            ops=tuple(o for o in ops if OPS[o] == fam),
+            dtypes=tuple(dtypes) if dtypes else None,
+            shapes=tuple(shape_map[fam]) if shape_map.get(fam) else None,
+            head_dims=tuple(getattr(ns, "head_dim_list", None) or ()) or None,
+            seqlens=tuple(getattr(ns, "seqlen_list", None) or ()) or None,
+            device=ns.device,
+            quick=ns.quick,
+            min_run_time=ns.min_run_time or (0.05 if ns.quick else 0.5),
+            with_compile=not ns.no_compile,
+            ceilings=ceilings,
+            peers=peers,
+            log=log,
+        )
+        rows += importlib.import_module(f"megakernels.bench.{fam}").run(request)
     return rows
 
 
@@ -391,12 +359,6 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:  # an extension's own argument errors included (the trainer's ArgumentError)
         print(f"megakernels bench: error: {e}", file=sys.stderr)
         return 2
-    if ns.static and getattr(ns, "peer_csv", None):
-        return run_peer(ns.peer_csv, ns.peer_path, ns.out)
-    if getattr(ns, "peer_csv", None):
-        return measure_peer(ns.peer_csv, ns.device, ns.out, quick=ns.quick)
-    if ns.static:
-        return run_static(ops, ns.out)
     for x, state in states:
         if x.alone:
             return x.run(ns, state)
@@ -435,70 +397,3 @@ def main(ns: argparse.Namespace) -> int:
         for png in plot.write_plots(rows, ns.out):
             print(f"wrote {png}")
     return 0
-
-
-def measure_peer(csv_path: str, device: str, out: str | None, quick: bool = False) -> int:
-    """``megakernels bench --peer-csv FILE`` (no --static): ours and the installed peer timed at the CSV's shapes,
-    ``DIR/measured.csv`` in the CSV's format."""
-    from megakernels.bench import peer_measure
-
-    if not os.path.exists(csv_path):
-        print(f"megakernels bench: error: --peer-csv: no file {csv_path}", file=sys.stderr)
-        return 2
-    try:
-        peer_measure.peer.read_csv(csv_path)
-    except ValueError as e:  # not a Liger-format CSV
-        print(f"megakernels bench: error: --peer-csv: {e}", file=sys.stderr)
-        return 2
-    res = peer_measure.measure(csv_path, device, repeats=3 if quick else 20, warmup=1 if quick else 3)
-    for n in res["notes"]:
-        print(f"note: {n}")
-    print(f"{len(res['rows'])} rows measured on {res['gpu']}")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, "measured.csv")
-        peer_measure.write_csv(path, res["rows"])
-        print(f"wrote {path}")
-    return 0 if res["rows"] else 1
-
-
-def run_peer(csv_path: str, peer_path: str | None, out: str | None) -> int:
-    """``megakernels bench --static --peer-csv FILE``: the CSV's rows through the static model; 1 when no row could
-    be modelled."""
-    from megakernels.bench.common import write_json
-    from megakernels.bench.static import peer
-
-    if not os.path.exists(csv_path):
-        print(f"megakernels bench: error: --peer-csv: no file {csv_path}", file=sys.stderr)
-        return 2
-    payload = peer.run(csv_path, peer_path)
-    s = payload["summary"]
-    for name, st in [("overall", s["overall"]), *s["per_gpu"].items()]:
-        if st["rows"]:
-            print(
-                f"{name}: {st['rows']} rows, median |error| {100 * st['median_abs_rel_error']:.1f}%, "
-                f"p90 {100 * st['p90_abs_rel_error']:.1f}%"
-            )
-    for reason in s["not_modelled"]["reasons"]:
-        print(f"not modelled: {reason}")
-    path = write_json(out, "calibration.json", payload)
-    if path:
-        print(f"wrote {path}")
-    return 0 if s["overall"]["rows"] else 1
-
-
-def run_static(ops: list[str], out: str | None) -> int:
-    """``megakernels bench --static``: the report for ``ops``; 1 when a kernel could not be analysed."""
-    from megakernels.bench.common import write_json
-    from megakernels.bench.static import report
-
-    rows = report.run(report.select(ops=None if set(ops) == set(OPS) else ops), jobs=os.cpu_count() or 1)
-    failed = [r for r in rows if "error" in r]
-    path = write_json(out, "static.json", report.payload(rows))
-    if path:
-        print(f"wrote {path}")
-    if failed:
-        print(
-            f"megakernels bench --static: {len(failed)} of {len(rows)} kernels could not be analysed", file=sys.stderr
-        )
-    return 1 if failed else 0

@@ -15,6 +15,7 @@ implementation, so a rate ratio is the inverse time ratio.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -24,9 +25,65 @@ from collections.abc import Callable
 
 import torch
 
+from megakernels import precisions
+
 OURS = "megakernels"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# The dtypes benchmarks run in, by torch's names (``--dtype`` also takes the precision names: fp32, bf16, fp16).
+DTYPES = {name: precisions.dtype_of(name) for name in precisions.DTYPE_NAMES}
+DTYPE_ALIASES = {p: name for name, p in precisions.DTYPE_NAMES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What ``megakernels bench`` asks of one op family: every family module's ``run(request) -> rows``.
+
+    ``ops``: the family's ops to measure; ``dtypes``, ``shapes`` (``--shapes``), ``head_dims`` and ``seqlens``
+    (attention): None for the family's defaults; ``min_run_time``: seconds of calibrated repeats per measurement;
+    ``with_compile``: the torch.compile baselines; ``ceilings``: the device's measured ceilings (``ceilings``);
+    ``peers``: the installed peers (``peers.Peers``) whose notes collect what was skipped; ``log``: where the
+    table's lines go."""
+
+    ops: tuple[str, ...]
+    dtypes: tuple[str, ...] | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    seqlens: tuple[int, ...] | None = None
+    device: str = "cpu"
+    quick: bool = False
+    min_run_time: float = 0.5
+    with_compile: bool = True
+    ceilings: dict | None = None
+    peers: object = None
+    log: Callable = print
+
+    @property
+    def notes(self) -> list[str]:
+        """The run's notes (the peers'), or a throwaway list without peers."""
+        return self.peers.notes if self.peers is not None else []
+
+    def dtypes_or(self, default) -> tuple[str, ...]:
+        return tuple(self.dtypes) if self.dtypes else tuple(default)
+
+    def shapes_or(self, default_shapes: Callable[[str, bool], list]) -> list:
+        return list(self.shapes) if self.shapes else default_shapes(self.device, self.quick)
+
+
+def run_measure(measure: Callable, request: Request, default_dtypes, default_shapes, **extra) -> list[dict]:
+    """``measure(ops, dtypes, shapes, device=, with_compile=, min_run_time=, ceilings=, peers=, log=)``, the loop of
+    the families that time a fused op against its eager and compiled compositions, on ``request`` (the family's
+    defaults where it gives none)."""
+    return measure(
+        list(request.ops),
+        request.dtypes_or(default_dtypes),
+        request.shapes_or(default_shapes),
+        device=request.device,
+        with_compile=request.with_compile,
+        min_run_time=request.min_run_time,
+        ceilings=request.ceilings,
+        peers=request.peers,
+        log=request.log,
+        **extra,
+    )
 
 
 def _torch_benchmark():

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, Request, TablePrinter, median_seconds, result_row
 from megakernels.bench.peers import Peers
 from megakernels.ops import cross_entropy
 
@@ -34,7 +34,6 @@ GPU_SHAPES = [(16384, 50304), (8192, 131072)]
 CPU_SHAPES = [(4096, 50304), (2048, 131072)]
 QUICK_SHAPES = [(64, 1000)]
 DEFAULT_DTYPES = ("bfloat16", "float32")
-SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
 
 IMPLS = {
     "megakernels": lambda x, t: cross_entropy(x, t).mean(),
@@ -109,7 +108,7 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else CPU_SHAPES)
 
 
-def run(
+def measure(
     dtypes, shapes, *, device="cpu", min_run_time=0.3, ceilings=None, peers: Peers | None = None, log=print
 ) -> list[dict]:
     """Time and measure the peak memory of forward+backward for every (dtype, shape); returns the result rows,
@@ -158,3 +157,16 @@ def run(
                 rows.append(row)
                 table(row)
     return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench --ops cross_entropy`` (``common.Request``)."""
+    return measure(
+        request.dtypes_or(DEFAULT_DTYPES),
+        request.shapes_or(default_shapes),
+        device=request.device,
+        min_run_time=request.min_run_time,
+        ceilings=request.ceilings,
+        peers=request.peers,
+        log=request.log,
+    )

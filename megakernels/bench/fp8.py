@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row, run_measure
 from megakernels.ops import fp8
 
 FAMILY = "fp8"
 SHAPES = [(1024, 1024, 1024), (512, 3584, 1024)]  # (m, n, k): scaled down for the CPU
-GPU_SHAPES = [(8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]  # megakernels/bench/static/fp8.py
+GPU_SHAPES = [(8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]  # the static report's FP8 GEMMs
 QUICK_SHAPES = [(64, 96, 320)]  # K not a multiple of 128
 DEFAULT_DTYPES = ("bfloat16",)
-RECIPES = {"tensorwise": ("tensor", "tensor"), "blockwise": ("row", "block")}
+# recipe -> (activation, weight) granularity
+RECIPES = {name: (r.input_granularity, r.weight_granularity) for name, r in fp8.RECIPES.items()}
 FORMAT = "e4m3"
 
 
@@ -67,7 +68,7 @@ def implementations(a, b, recipe: str, out_dtype: torch.dtype, device: str) -> d
     return impls
 
 
-def run(
+def measure(
     ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
 ) -> list[dict]:
     """Every (output dtype, shape, recipe) of ``fp8_gemm`` against the matmul baselines; ``with_compile`` and
@@ -103,3 +104,8 @@ def run(
                 rows.append(row)
                 table(row)
     return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench`` for this family (``common.Request``)."""
+    return run_measure(measure, request, DEFAULT_DTYPES, default_shapes)

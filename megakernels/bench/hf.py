@@ -21,7 +21,7 @@ import copy
 import torch
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, result_row, timed_in_turns
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, result_row, timed_in_turns
 
 FAMILY = "hf"
 BASELINE = "transformers"
@@ -131,21 +131,20 @@ def model_flops(model, tokens: int) -> int:
     return 6 * n * tokens
 
 
-def run(dtypes, *, quick=False, device="cpu", min_run_time=0.5, ceilings=None, notes=None, log=print) -> list[dict]:
+def run(request: Request) -> list[dict]:
     """A row per (model, dtype, pass): ours (patched) against transformers' own modules, the two taking turns step
     by step (a step lasts about a second on a CPU: a calibrated block per implementation would see the machine's
     drift as a difference between them); ``min_run_time`` sets the number of turns (10 per second of it, at least 5)."""
     why = missing()
     if why is not None:
-        if notes is not None:
-            notes.append(f"hf_train skipped: {why}")
+        request.notes.append(f"hf_train skipped: {why}")
         return []
-    rows, table = [], TablePrinter(log)
-    reps = max(5, round(10 * min_run_time))
-    for name, spec in (QUICK_MODELS if quick else MODELS).items():
-        for dtype_name in dtypes or DEFAULT_DTYPES:
-            plain, patched = (m.to(device) for m in pair(spec, DTYPES[dtype_name]))
-            ids = batch(spec).to(device)
+    rows, table = [], TablePrinter(request.log)
+    reps = max(5, round(10 * request.min_run_time))
+    for name, spec in (QUICK_MODELS if request.quick else MODELS).items():
+        for dtype_name in request.dtypes_or(DEFAULT_DTYPES):
+            plain, patched = (m.to(request.device) for m in pair(spec, DTYPES[dtype_name]))
+            ids = batch(spec).to(request.device)
             for pass_ in PASSES:
                 opt = pass_ == "step"
                 steps = {
@@ -153,7 +152,7 @@ def run(dtypes, *, quick=False, device="cpu", min_run_time=0.5, ceilings=None, n
                     BASELINE: step_fn(plain, ids, optimizer_for(plain, False) if opt else None),
                 }
                 times = timed_in_turns(steps, reps)
-                value, cname = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
+                value, cname = ceil.for_unit(request.ceilings, "TFLOP/s", dtype_name)
                 tokens = ids.numel()
                 row = result_row(
                     "hf_train",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row
 from megakernels.ops.grouped_gemm import grouped_gemm
 
 FAMILY = "moe"
@@ -215,26 +215,28 @@ def run_dispatch(worlds, row_counts, *, hidden=DISPATCH_HIDDEN, reps=20, log=pri
     return rows
 
 
-def run(
-    ops, dtypes, shapes, *, device="cpu", quick=False, min_run_time=0.5, ceilings=None, notes=None, log=print
-) -> list[dict]:
-    """The rows of ``ops`` (``grouped_gemm``, ``moe_dispatch``); the dispatch runs on CPU ranks only."""
+def run(request: Request) -> list[dict]:
+    """The rows of the request's ops (``grouped_gemm``, ``moe_dispatch``; ``common.Request``); the dispatch runs on
+    CPU ranks only."""
     rows = []
-    if "grouped_gemm" in ops:
+    if "grouped_gemm" in request.ops:
         rows += run_grouped_gemm(
-            dtypes or DEFAULT_DTYPES,
-            shapes,
-            device=device,
-            min_run_time=min_run_time,
-            ceilings=ceilings,
-            notes=notes,
-            log=log,
+            request.dtypes_or(DEFAULT_DTYPES),
+            default_shapes(request.device, request.quick),
+            device=request.device,
+            min_run_time=request.min_run_time,
+            ceilings=request.ceilings,
+            notes=request.notes,
+            log=request.log,
         )
-    if "moe_dispatch" in ops:
-        if device == "cpu":
+    if "moe_dispatch" in request.ops:
+        if request.device == "cpu":
             rows += run_dispatch(
-                DISPATCH_WORLDS, QUICK_DISPATCH_ROWS if quick else DISPATCH_ROWS, reps=5 if quick else 20, log=log
+                DISPATCH_WORLDS,
+                QUICK_DISPATCH_ROWS if request.quick else DISPATCH_ROWS,
+                reps=5 if request.quick else 20,
+                log=request.log,
             )
-        elif notes is not None:
-            notes.append("moe_dispatch runs on gloo CPU ranks only (skipped with --device cuda)")
+        else:
+            request.notes.append("moe_dispatch runs on gloo CPU ranks only (skipped with --device cuda)")
     return rows

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row, run_measure
 from megakernels.bench.peers import Peers
 from megakernels.ops import layer_norm, rms_norm
 
@@ -31,7 +31,6 @@ SHAPES = [(8192, 1024), (4096, 4096), (2048, 12800)]
 GPU_SHAPES = [(32768, 1024), (16384, 4096), (8192, 12800)]
 QUICK_SHAPES = [(1024, 1024)]
 DEFAULT_DTYPES = ("float32", "bfloat16")
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +119,7 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(
+def measure(
     ops,
     dtypes,
     shapes,
@@ -182,3 +181,8 @@ def run(
                     rows.append(row)
                     table(row)
     return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench`` for this family (``common.Request``)."""
+    return run_measure(measure, request, DEFAULT_DTYPES, default_shapes)

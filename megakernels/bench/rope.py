@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row, run_measure
 from megakernels.ops import fused_rope, rope_cos_sin_table
 
 FAMILY = "rope"
@@ -120,7 +120,7 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(
+def measure(
     ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
 ) -> list[dict]:
     """Measure both variants at every (dtype, shape, fwd / fwd+bwd). ``ops`` is ``["rope"]`` (the bench CLI's
@@ -161,3 +161,8 @@ def run(
                     rows.append(row)
                     table(row)
     return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench`` for this family (``common.Request``)."""
+    return run_measure(measure, request, DEFAULT_DTYPES, default_shapes)

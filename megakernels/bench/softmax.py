@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row, run_measure
 from megakernels.ops import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.softmax import causal_mask
 
@@ -34,7 +34,6 @@ QUICK_SHAPES = [(2, 4, 64, 128)]
 # On a GPU: 256M scores per shape (512 MiB in bf16, far past L2), from Megatron's short rows to long-context ones.
 GPU_SHAPES = [(8, 32, 1024, 1024), (2, 32, 1024, 4096), (1, 16, 1024, 16384), (1, 4, 1024, 65536)]
 DEFAULT_DTYPES = ("float32", "bfloat16")
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +123,7 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(
+def measure(
     ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
 ) -> list[dict]:
     """Measure every (op, dtype, shape, fwd / fwd+bwd); ``ops`` are short names (``scaled``) or op names
@@ -166,3 +165,8 @@ def run(
                     rows.append(row)
                     table(row)
     return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench`` for this family (``common.Request``)."""
+    return run_measure(measure, request, DEFAULT_DTYPES, default_shapes)

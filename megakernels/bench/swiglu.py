@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels.bench import ceilings as ceil
-from megakernels.bench.common import DTYPES, OURS, TablePrinter, median_seconds, result_row
+from megakernels.bench.common import DTYPES, OURS, Request, TablePrinter, median_seconds, result_row, run_measure
 from megakernels.ops import swiglu
 
 FAMILY = "swiglu"
@@ -75,7 +75,7 @@ def default_shapes(device: str, quick: bool):
     return QUICK_SHAPES if quick else (GPU_SHAPES if device == "cuda" else SHAPES)
 
 
-def run(
+def measure(
     ops, dtypes, shapes, *, device="cpu", with_compile=True, min_run_time=0.3, ceilings=None, log=print, peers=None
 ) -> list[dict]:
     """Measure every (dtype, shape, fwd / fwd+bwd). ``ops`` is ``["swiglu"]`` (the bench CLI's uniform signature);
@@ -115,3 +115,8 @@ def run(
                 rows.append(row)
                 table(row)
     return rows
+
+
+def run(request: Request) -> list[dict]:
+    """``megakernels bench`` for this family (``common.Request``)."""
+    return run_measure(measure, request, DEFAULT_DTYPES, default_shapes)

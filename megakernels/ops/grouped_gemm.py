@@ -115,7 +115,7 @@ def _(x, weight, group_sizes, emulate):
 
 
 @torch.library.custom_op("megakernels::grouped_gemm_bwd", mutates_args=())
-def _grouped_gemm_bwd(
+def grouped_gemm_backward(
     dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, emulate: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x, emulate):
@@ -156,7 +156,7 @@ def grouped_gemm_backward_parts(
     return (_dgrad_host if part == "dx" else _wgrad_host)(dout, x, weight, segments(group_sizes))
 
 
-@_grouped_gemm_bwd.register_fake
+@grouped_gemm_backward.register_fake
 def _(dout, x, weight, group_sizes, emulate):
     return torch.empty_like(x), torch.empty_like(weight)
 
@@ -169,7 +169,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout):
     x, weight, group_sizes = ctx.saved_tensors
-    dx, dw = _grouped_gemm_bwd(dout.contiguous(), x, weight, group_sizes, ctx.emulate)
+    dx, dw = grouped_gemm_backward(dout.contiguous(), x, weight, group_sizes, ctx.emulate)
     return dx, dw, None, None
 
 

@@ -202,8 +202,8 @@ def _(
 
 
 # Newer torch names the single-tensor collectives *_single (the old names warn there; older torch has only those).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _gather(x, group):
@@ -211,7 +211,7 @@ def _gather(x, group):
     world = dist.get_world_size(group)
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
     if x.device.type != "meta":  # meta: shapes only, nothing to exchange
-        _all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -219,7 +219,7 @@ def _reduce_scatter(x, group):
     world = dist.get_world_size(group)
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
     if x.device.type != "meta":
-        _reduce_scatter_single(out, x.contiguous(), group=group)
+        reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

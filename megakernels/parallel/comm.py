@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 # torch >= 2.14 renames the single-tensor collectives; older releases (down to 2.5) only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Module-level, not thread-local: on CUDA the autograd engine runs backward on its own device threads.
 _events: list | None = None
@@ -120,7 +120,7 @@ def all_gather(x: torch.Tensor, dim: int, group, async_op: bool = False):
     finish = None if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return _launch(
         "all_gather",
-        lambda async_op: _all_gather_single(out, src, group=group, async_op=async_op),
+        lambda async_op: all_gather_single(out, src, group=group, async_op=async_op),
         out,
         async_op,
         finish,
@@ -145,7 +145,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, async_op: bool = False):
     finish = None if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return _launch(
         "reduce_scatter",
-        lambda async_op: _reduce_scatter_single(out, src, group=group, async_op=async_op),
+        lambda async_op: reduce_scatter_single(out, src, group=group, async_op=async_op),
         out,
         async_op,
         finish,

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megakernels.parallel import comm, state
-from megakernels.parallel.comm import _all_gather_single, _reduce_scatter_single
+from megakernels.parallel.comm import all_gather_single, reduce_scatter_single
 from megakernels.parallel.params import info, is_expert_parallel, is_sequence_parallel, is_shared_embedding
 from megakernels.validation import positive_int
 
@@ -284,7 +284,7 @@ class DistributedDataParallel(nn.Module):
         if self.reduce_scatter:
             shard = data[self.dp_rank * bucket.shard_size : (self.dp_rank + 1) * bucket.shard_size]
             comm.record("launch", "reduce_scatter")
-            work = _reduce_scatter_single(shard, data, group=self.group, async_op=True)
+            work = reduce_scatter_single(shard, data, group=self.group, async_op=True)
             bucket.pending = comm.Pending("reduce_scatter", work, shard)
         else:
             comm.record("launch", "all_reduce")
@@ -314,7 +314,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             full, n = bucket.param_data, bucket.shard_size
             comm.record("launch", "all_gather")
-            work = _all_gather_single(
+            work = all_gather_single(
                 full, full[self.dp_rank * n : (self.dp_rank + 1) * n], group=self.group, async_op=True
             )
             pending.append(comm.Pending("all_gather", work, full))

@@ -448,31 +448,32 @@ def grouped_linear(x, weight, sizes, spec: ExpertSpec) -> torch.Tensor:
 # switching a model to FP8
 
 
+def layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``module`` that can run in FP8: those with an ``fp8`` attribute (their recipe, None for off),
+    which the column- and row-parallel linears and the experts' module set when built."""
+    return [m for m in module.modules() if hasattr(m, "fp8")]
+
+
 def enable(module: torch.nn.Module, recipe) -> int:
     """Run every column- and row-parallel linear and every experts' module in ``module`` in FP8 with ``recipe``
     (a name or an ``Fp8Recipe``; None turns FP8 off); returns how many layers it set. Embeddings, the LM head,
     norms and attention are other modules and stay in their precision."""
-    from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
-    from megakernels.parallel.moe.experts import GroupedMLP
-
     rec = None if recipe is None else ops.get_recipe(recipe)
-    count = 0
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, GroupedMLP)):
-            m.fp8 = rec
-            count += 1
-    return count
+    found = layers(module)
+    for m in found:
+        m.fp8 = rec
+    return len(found)
 
 
 @contextlib.contextmanager
 def disabled(module: torch.nn.Module):
     """FP8 off in ``module`` for the block (the layers' settings restored after)."""
-    layers = [m for m in module.modules() if hasattr(m, "fp8")]
-    saved = [m.fp8 for m in layers]
-    for m in layers:
+    found = layers(module)
+    saved = [m.fp8 for m in found]
+    for m in found:
         m.fp8 = None
     try:
         yield
     finally:
-        for m, r in zip(layers, saved):
+        for m, r in zip(found, saved):
             m.fp8 = r

@@ -162,14 +162,14 @@ def _flat(args, kwargs):
 
 def wrap_linears(chunk: torch.nn.Module) -> int:
     """Before FSDP shards ``chunk``: make the weight of every column- and row-parallel linear whose FP8 recipe
-    scales the weight tensorwise a ``MasterWeight`` (the parameter's marks kept); returns how many."""
-    from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
+    scales the weight tensorwise a ``MasterWeight`` (the parameter's marks kept); returns how many. The linears are
+    the layers with an FP8 recipe (``fp8`` attribute) and one ``weight`` (the experts' module has two banks)."""
     from megakernels.parallel.params import copy_marks
 
     count = 0
     for m in chunk.modules():
         rec = getattr(m, "fp8", None)
-        if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or rec is None:
+        if rec is None or not isinstance(getattr(m, "weight", None), torch.nn.Parameter):
             continue
         if rec.weight_granularity != "tensor" or isinstance(m.weight.data, MasterWeight):
             continue

@@ -125,21 +125,6 @@ def _coordinates(mesh) -> list[int]:
     return where[0].tolist()
 
 
-def forget_meshes() -> None:
-    """Drop DTensor's cached sharding decisions, which hold the meshes (and so the process groups) of the last
-    layout: a new layout over the same ranks compares equal to the old mesh and would otherwise be served the
-    old, destroyed groups (``state.destroy`` calls this)."""
-    import sys
-
-    if "torch.distributed.tensor" not in sys.modules:
-        return
-    from torch.distributed.tensor import DTensor
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    prop.propagate_op_sharding.cache_clear()
-    prop._propagate_tensor_meta_cached.cache_clear()
-
-
 def is_primary(p) -> bool:
     """Whether this rank's shard of ``p`` is the first copy of it (HSDP replicates shards across the replicate
     dimension of the mesh; norms and checkpoints count one copy)."""

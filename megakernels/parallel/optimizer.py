@@ -65,8 +65,9 @@ from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l
 from megakernels.parallel import fsdp, state
 from megakernels.parallel.ddp import DistributedDataParallel
 from megakernels.parallel.offload import HostCopies
-from megakernels.parallel.optimizer_memory import PRECISIONS, host_bytes_per_param, memory_bytes_per_param  # noqa: F401
+from megakernels.parallel.optimizer_memory import host_bytes_per_param, memory_bytes_per_param  # noqa: F401
 from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
+from megakernels.precisions import DTYPES
 from megakernels.validation import finite_number
 
 
@@ -127,8 +128,8 @@ class ParallelOptimizer:
         offload: bool = False,
     ) -> None:
         cls = type(self).__name__
-        if precision not in PRECISIONS:
-            raise ValueError(f"{cls}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        if precision not in DTYPES:
+            raise ValueError(f"{cls}: precision must be one of {list(DTYPES)}, got {precision!r}")
         finite_number(clip_grad, "clip_grad", where=cls)
         if loss_scaler is not None and precision != "fp16":
             raise ValueError(f"{cls}: loss_scaler is only used with precision='fp16', got precision={precision!r}")
@@ -136,7 +137,7 @@ class ParallelOptimizer:
         self.loss_scaler = (loss_scaler or DynamicLossScaler()) if precision == "fp16" else None
         self.fsdp = False
         self.models, params = self._unpack(models)
-        allowed = {torch.float32} if self.fsdp else {torch.float32, PRECISIONS[precision]}
+        allowed = {torch.float32} if self.fsdp else {torch.float32, DTYPES[precision]}
         for p in params:
             if p.dtype not in allowed:
                 raise ValueError(

@@ -4,11 +4,8 @@ check one against the other)."""
 
 from __future__ import annotations
 
-import torch
-
+from megakernels.precisions import DTYPES
 from megakernels.validation import positive_int
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def memory_bytes_per_param(
@@ -22,8 +19,8 @@ def memory_bytes_per_param(
     Raises:
         ValueError: an unknown ``precision`` or ``dp < 1``.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"memory_bytes_per_param: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if precision not in DTYPES:
+        raise ValueError(f"memory_bytes_per_param: precision must be one of {list(DTYPES)}, got {precision!r}")
     positive_int(dp, "dp", where="memory_bytes_per_param")
     half = precision != "fp32"
     optimizer = 0.0 if offload else 12.0 if half else 8.0

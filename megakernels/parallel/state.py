@@ -291,8 +291,6 @@ def destroy(barrier: bool | None = None) -> None:
         dist.barrier(group=state.checkpoint_group)  # gloo, over the whole world: no device synchronisation
     for g in state.groups:
         dist.destroy_process_group(g)
-    from megakernels.parallel.fsdp import forget_meshes  # (lazy: fsdp imports this module)
-
     forget_meshes()
     if state.owns_world and dist.is_initialized():
         dist.destroy_process_group()
@@ -546,3 +544,16 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by {denominator}")
     return numerator // denominator
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's cached sharding decisions, which hold the meshes (and so the process groups) of the last
+    layout: a new layout over the same ranks compares equal to the old mesh and would otherwise be served the
+    old, destroyed groups (``destroy`` calls this)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    prop._propagate_tensor_meta_cached.cache_clear()

@@ -1,16 +1,16 @@
 """The FlashAttention-2 backward kernels (launched by megakernels.triton.flash_attention).
 
-``P = exp(S - lse)`` is recomputed from the saved lse. ``_bwd_delta_kernel`` runs first (one read of dO and O,
+``P = exp(S - lse)`` is recomputed from the saved lse. ``fa_bwd_delta_kernel`` runs first (one read of dO and O,
 instead of a chain of fp32 copies through torch) and writes, per query row, ``scale * rowsum(dO * O)`` and the lse
 in base 2 (``-inf``, a row that saw no key, as ``+inf`` so its P is 0): the score loops then compute
 ``dS = P * (scale * dP - scale * delta)`` with one FFMA and add ``dS K`` and ``dS^T Q`` already scaled, and take the
 exponent with one FFMA, instead of scaling dQ, converting the lse and testing it for ``-inf`` in every step.
 
-``_bwd_kernel``: one program per BLOCK_N keys of one *k/v* head loops over the query blocks of every query head of
+``fa_bwd_kernel``: one program per BLOCK_N keys of one *k/v* head loops over the query blocks of every query head of
 its group (GQA/MQA sum there): ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
 ``dS^T = P^T * (dP^T - delta)``, ``dK += dS^T Q`` — and, in the same pass, ``dQ += dS K`` added with fp32 atomics
 into a zeroed fp32 buffer (``DQ_ATOMIC``): five matmuls and one exponential per score. With
-``deterministic=True`` the launcher leaves dQ out of this kernel and runs ``_bwd_dq_kernel`` (one program per
+``deterministic=True`` the launcher leaves dQ out of this kernel and runs ``fa_bwd_dq_kernel`` (one program per
 BLOCK_M queries looping over the keys), which recomputes S and dP: seven matmuls and two exponentials, but the
 same bits on every run.
 
@@ -41,7 +41,7 @@ from megakernels.triton._common import dropout_keep, dropout_row_hash, in_band
 
 
 @triton.jit
-def _bwd_delta_kernel(
+def fa_bwd_delta_kernel(
     O,
     DO,
     LSE,
@@ -232,7 +232,7 @@ def _add_dq(
 
 
 @triton.jit
-def _bwd_kernel(
+def fa_bwd_kernel(
     Q,
     K,
     V,
@@ -523,7 +523,7 @@ def _bwd_kernel(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def fa_bwd_dq_kernel(
     Q,
     K,
     V,
@@ -640,4 +640,4 @@ def _bwd_dq_kernel(
     )
 
 
-__all__ = ["_bwd_delta_kernel", "_bwd_kernel", "_bwd_dq_kernel", "triton"]
+__all__ = ["fa_bwd_delta_kernel", "fa_bwd_kernel", "fa_bwd_dq_kernel", "triton"]

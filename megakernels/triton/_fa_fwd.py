@@ -242,7 +242,7 @@ def _fwd_block(
 
 
 @triton.jit
-def _fwd_kernel(
+def fa_fwd_kernel(
     Q,
     K,
     V,
@@ -581,4 +581,4 @@ def supports_warp_specialize() -> bool:
     return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 
-__all__ = ["_fwd_kernel", "supports_tma", "supports_warp_specialize", "triton"]
+__all__ = ["fa_fwd_kernel", "supports_tma", "supports_warp_specialize", "triton"]

@@ -18,10 +18,10 @@ Operands come through TMA tensor descriptors (``TMA``: built by the launcher, wh
 each row is 16-byte aligned; out-of-range rows and the K tail read as zeros) or, on a Triton without descriptors,
 through masked pointer loads.
 
-- ``_gemm_kernel``: one program per ``[BLOCK_M, BLOCK_N]`` tile of C, grouped ``GROUP_M`` row tiles at a time
+- ``fp8_gemm_kernel``: one program per ``[BLOCK_M, BLOCK_N]`` tile of C, grouped ``GROUP_M`` row tiles at a time
   along N so consecutive programs share B tiles in L2.
-- ``_grouped_kernel``: the experts' GEMM, ``C[rows of e] = A[rows of e] @ B[e]ᵀ``; the row tile of each program
-  and its group come from the group sizes on the device (``grouped_gemm._group_of_tile``), as in the 16-bit
+- ``fp8_grouped_kernel``: the experts' GEMM, ``C[rows of e] = A[rows of e] @ B[e]ᵀ``; the row tile of each program
+  and its group come from the group sizes on the device (``grouped_gemm.group_of_tile``), as in the 16-bit
   grouped GEMM; rows of the next group that a tile's loads touch are never stored.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megakernels.triton.grouped_gemm import _group_of_tile
+from megakernels.triton.grouped_gemm import group_of_tile
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def _mainloop(
 
 
 @triton.jit
-def _gemm_kernel(
+def fp8_gemm_kernel(
     A,
     B,
     C,
@@ -207,7 +207,7 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _grouped_kernel(
+def fp8_grouped_kernel(
     A,
     B,
     C,
@@ -235,7 +235,7 @@ def _grouped_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g, start, end = _group_of_tile(SIZES, E, pid_m, BLOCK_E, BLOCK_M)
+    g, start, end = group_of_tile(SIZES, E, pid_m, BLOCK_E, BLOCK_M)
     if g >= E:
         return
     end = tl.minimum(end, T)
@@ -279,4 +279,4 @@ def _grouped_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-__all__ = ["_gemm_kernel", "_grouped_kernel", "triton"]
+__all__ = ["fp8_gemm_kernel", "fp8_grouped_kernel", "triton"]

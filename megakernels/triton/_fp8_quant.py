@@ -4,13 +4,13 @@ Every kernel walks the 128 x 128 tiles of a 2-D ``x`` ``[M, K]`` in a grid-strid
 ``t // tiles_k``, column block ``t % tiles_k``; program ``p`` of ``P`` takes tiles ``p, p + P, ...``), loading each
 tile once:
 
-- ``_quant_kernel`` writes the tile's FP8 copy and, with ``TRANSPOSE``, the FP8 copy of its transpose into ``xᵀ``
+- ``fp8_quant_kernel`` writes the tile's FP8 copy and, with ``TRANSPOSE``, the FP8 copy of its transpose into ``xᵀ``
   ``[K, M]``. Scales by granularity (``GRAN``): ``1`` ("row", 1x128 tiles) the 128 row maxima of the tile give
   ``q``'s scales and, transposed, the 128 column maxima give ``qᵀ``'s (1x128 tiles of ``xᵀ``); ``2`` ("block") one
   maximum for the tile, shared by ``q`` and ``qᵀ``; ``0`` ("tensor") the whole tensor's maximum, reduced before by
-  ``_amax_kernel``, or a given scale. With ``GIVEN`` the scales come from ``SCALE_IN`` (``qᵀ``'s row scales are
+  ``fp8_amax_kernel``, or a given scale. With ``GIVEN`` the scales come from ``SCALE_IN`` (``qᵀ``'s row scales are
   still computed: ops/fp8.py quantises ``xᵀ`` afresh).
-- ``_amax_kernel`` reduces ``max |x|`` over its tiles and folds it into one int32 with an atomic max.
+- ``fp8_amax_kernel`` reduces ``max |x|`` over its tiles and folds it into one int32 with an atomic max.
 
 Maxima are taken on the bits of ``|x|`` as int32: for non-negative floats the integer order is the float order,
 and a NaN (exponent all ones, mantissa non-zero, sign cleared) is larger than infinity, so a NaN anywhere in a tile
@@ -71,7 +71,7 @@ def _to_fp8(y, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _amax_kernel(X, AMAX, M, K, stride_xm, tiles_k, n_tiles, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def fp8_amax_kernel(X, AMAX, M, K, stride_xm, tiles_k, n_tiles, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -86,7 +86,7 @@ def _amax_kernel(X, AMAX, M, K, stride_xm, tiles_k, n_tiles, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _quant_kernel(
+def fp8_quant_kernel(
     X,
     Q,
     S,
@@ -111,7 +111,7 @@ def _quant_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     dtype = Q.dtype.element_ty
-    if GRAN == 0:  # one scale: reduced by _amax_kernel, or given
+    if GRAN == 0:  # one scale: reduced by fp8_amax_kernel, or given
         if GIVEN:
             s_all = tl.load(SCALE_IN)
             r_all, exact_all = _pow2_reciprocal(s_all)
@@ -183,4 +183,4 @@ def _quant_kernel(
             )
 
 
-__all__ = ["_amax_kernel", "_quant_kernel", "triton"]
+__all__ = ["fp8_amax_kernel", "fp8_quant_kernel", "triton"]

@@ -24,22 +24,20 @@ from megakernels.triton._common import (
     pick_config,
     seq_bucket,
 )
-from megakernels.triton._fa_bwd import _bwd_delta_kernel, _bwd_dq_kernel, _bwd_kernel
-from megakernels.triton._fa_fwd import _fwd_kernel, supports_tma
+from megakernels.triton._fa_bwd import fa_bwd_delta_kernel, fa_bwd_dq_kernel, fa_bwd_kernel
+from megakernels.triton._fa_fwd import fa_fwd_kernel, supports_tma
 from megakernels.triton.launch import Launch, Schedule
 
 LOG2E = 1.4426950408889634
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) per architecture and padded head dim; the first is
-# the default, autotuning picks among them on a GPU. The sm_90 lists are plain data: the configs that do not spill,
-# fit the shared memory and run on wgmma, ordered by hand by the static model's prediction, which
-# `megakernels bench --static --ops flash_attention` prints for every candidate (rerun it after changing a kernel
-# and reorder); tests/bench/test_static.py holds them to the first three. The
-# d128 forward's second candidate caps registers at 128 so that 128x64 tiles run two CTAs an SM: shared memory 78%
-# busy instead of the 100% of the default's 128x32 tiles, though ptxas then waits on every wgmma. Since the model's
-# units overlap as a p-norm (2026-12-03) it predicts 66% of peak for it against 58% for 128x32, whose tensor cores,
-# shared memory, issue and MUFU all run near saturation; it stays second because its document-masked variant
-# spills (8 bytes at 128 registers). The first GPU run's autotuning checks the order.
+# the default, autotuning picks among them on a GPU. The lists are plain data: the configs that do not spill, fit the
+# shared memory and (sm_90) run on wgmma, ordered by the static cost model's prediction for that architecture
+# (`megakernels bench --static --ops flash_attention` prints every candidate; rerun it after changing a kernel and
+# reorder; the static report test holds the sm_90 lists to those rules). The d128 forward's second sm_90
+# candidate caps registers at 128 so that 128x64 tiles run two CTAs an SM, halving the shared-memory pressure of
+# the default's 128x32 tiles at the price of a wait on every wgmma; it stays second because its document-masked
+# variant spills at that cap. The first GPU run's autotuning checks the order.
 FWD_CONFIGS = {
     90: {
         32: [(128, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
@@ -54,27 +52,17 @@ FWD_CONFIGS = {
         256: [(64, 32, 4, 2), (64, 64, 8, 1)],
     },
 }
-# The sm_80 lists are ordered by the model's A100 prediction with each config compiled for sm_80 (2026-12-03; before
-# that the report compiled them for sm_90): d128's 128x32 tiles on 4 warps at 74 % of the A100's peak, ahead of
-# 128x64 on 8 warps (62-65 %, latency-bound), and at d64 64x64 tiles (60-62 %) ahead of 128x128 (56-59 %).
 # Backward: (BLOCK_M query rows per step, BLOCK_N keys per program, num_warps, num_stages). At d256 on sm_90 the
-# default adds dS K in two column halves (DQ_CHUNKS) and no longer spills (183 registers; the whole 64 x 256 fp32
-# tile spilled 8 bytes at 255), but its dK and dV products, 32 keys a program, run on mma.sync (a wgmma's M is 64
-# rows a warpgroup, and 64 keys' fp32 dK and dV of 256 columns do not fit one warpgroup's registers): on wgmma it
-# needs the head dim of dK/dV split across programs or warp-specialised register budgets (setmaxnreg), which
-# Triton 3.8 does not expose (docs/static-cost-model.md §4: the split, tried). With 2 stages (206 registers) its
-# dropout variant no longer spills (1 stage: 8 bytes) and the model puts it 1 point faster.
-# The dropout variants of three defaults still spill, kept because the spill-free configs are far slower in the
-# model: sm_90 d64 and d128 causal (16 bytes; the alternatives at 28-30 % and 25 % against 48-53 %), sm_80 d128
-# (8 bytes; 33-34 % against 42-45 %); and sm_80's d64 forward (24 bytes causal; 128x32 tiles would not, at 4 points
-# less). `python -m megakernels.triton.compile_check` reports them.
-#
-# The sm_80 lists, compiled for sm_80 (2026-12-03; until then the static model compiled every launch for sm_90): the
-# configs that do not spill, by predicted A100 throughput (d32's 1-stage default: its 2-stage form spilled 8 bytes
-# with dropout and a causal mask, and is predicted 2-3 points slower). Dropped then: d64's 64x64 w4 (8-64 bytes) and
-# 64x128 w8 s1 (16-32), d128's 32x64 and 32x32 w4 (160-256), and d256's 32x32 and 16x32 w4, whose transposed dQ
-# (query blocks under 64 rows) ptxas compiles to 32 registers and 4-8 KB of spills a thread; 64 query rows and 16
-# keys on 8 warps add dS K in column halves instead and do not spill (20 % of the A100's peak against 17 %).
+# default adds dS K in two column halves (DQ_CHUNKS) so the 64 x 256 fp32 tile does not spill, but its dK and dV
+# products, 32 keys a program, run on mma.sync: a wgmma's M is 64 rows a warpgroup, and 64 keys' fp32 dK and dV of
+# 256 columns do not fit one warpgroup's registers. On wgmma it would need the head dim of dK/dV split across
+# programs or warp-specialised register budgets (setmaxnreg), which Triton does not expose (the cost model's README
+# describes the split, tried). Its 2 stages keep the dropout variant from spilling.
+# The dropout variants of three defaults still spill a few bytes, kept because the spill-free configs are far slower
+# in the model: sm_90 d64 and d128 causal, sm_80 d128; and sm_80's d64 forward with a causal mask (128x32 tiles
+# would not spill, a little slower). The compile check of the development tools beside the package reports them.
+# On sm_80, configs whose query blocks are under 64 rows (a transposed dQ) compile to 32 registers and kilobytes of
+# spills a thread; 64 query rows and 16 keys on 8 warps add dS K in column halves instead and do not spill.
 BWD_CONFIGS = {
     90: {
         32: [(64, 64, 4, 2), (64, 128, 8, 2)],
@@ -92,10 +80,8 @@ BWD_CONFIGS = {
 # The deterministic backward's dQ kernel (BLOCK_M queries per program, BLOCK_N keys per step, num_warps[,
 # num_stages], the backward's stages by default) where it differs from the backward's own config: on sm_90 64 query
 # rows keep its dS K on wgmma (32 rows fall back to mma.sync) and 4 warps let two to four programs share an SM. On
-# sm_80 (compiled for it, 2026-12-03) the backward's own configs had the d32 dQ kernel spill 24 bytes and the
-# deterministic pass at 14-39 % of the A100's peak; these do not spill and put it at 19-44 % (the d128 and d256
-# picks keep 30-40 registers of margin for the dropout variants; d32's needs 2 stages: at 1 it spills 8 bytes);
-# elsewhere the backward's config.
+# sm_80 the backward's own configs made the d32 dQ kernel spill; these do not (the d128 and d256 picks keep register
+# margin for the dropout variants; d32's needs 2 stages); elsewhere the backward's config.
 DQ_CONFIGS = {
     90: {32: (64, 64, 4), 64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)},
     80: {32: (128, 64, 8, 2), 64: (64, 64, 4), 128: (128, 32, 8), 256: (64, 32, 8)},
@@ -218,7 +204,7 @@ def forward_launch(
     )
     blocks = triton.cdiv(sq, block_m)
     return Launch(
-        _fwd_kernel,
+        fa_fwd_kernel,
         (b * h, blocks) if causal else (blocks, b * h),
         (
             qa,
@@ -363,13 +349,13 @@ def backward_launches(
     delta, lse2 = delta[0], delta[1]
     launches = [
         Launch(
-            _bwd_delta_kernel,
+            fa_bwd_delta_kernel,
             (triton.cdiv(sq, delta_rows), b * h),
             (out, do, lse, delta, lse2, *_strides(out), *_strides(do), h, sq, scale),
             dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, num_warps=4),
         ),
         Launch(
-            _bwd_kernel,
+            fa_bwd_kernel,
             (triton.cdiv(sk, block_n), b * hk),
             (
                 q,
@@ -410,7 +396,7 @@ def backward_launches(
         dq_m, dq_n, dq_warps, *dq_stages = dq_table[bd] if dq_table else (block_m, block_n, warps)
         launches.append(
             Launch(
-                _bwd_dq_kernel,
+                fa_bwd_dq_kernel,
                 (triton.cdiv(sq, dq_m), b * h),
                 (
                     q,
@@ -492,7 +478,7 @@ def _clip_to_documents(bounds, spans, first: int, last: int, blk: int) -> tuple[
 
 
 def forward_schedule(launch: Launch) -> Schedule:
-    """The schedule of ``_fwd_kernel`` (a ``forward_launch``). A program is one query block of one head (causal
+    """The schedule of ``fa_fwd_kernel`` (a ``forward_launch``). A program is one query block of one head (causal
     grids ``(b * h, blocks)`` run the last query block of every head first, the others are ``(blocks, b * h)``); it
     runs the key blocks that every row of it sees in full, ``range(0, full, BLOCK_N)`` without masks ("full"), then
     ``range(full, hi, BLOCK_N)`` with them ("masked"): up to the causal diagonal and SK's partial block. With a
@@ -547,7 +533,7 @@ def forward_schedule(launch: Launch) -> Schedule:
 
 
 def backward_schedule(launch: Launch) -> Schedule:
-    """The schedule of ``_bwd_kernel`` (the one-pass backward of ``backward_launches``), grid ``(key blocks,
+    """The schedule of ``fa_bwd_kernel`` (the one-pass backward of ``backward_launches``), grid ``(key blocks,
     b * k/v heads)``. For each query head of its k/v head's group in turn, a program runs the query blocks of the
     causal diagonal band ``range(lo, mid, BLOCK_M)`` with masks ("diag"), the ones that see every key of its block
     ``range(mid, SQ // BLOCK_M * BLOCK_M, BLOCK_M)`` without ("full"), then the query tail with masks ("tail"); a
@@ -606,7 +592,7 @@ def backward_schedule(launch: Launch) -> Schedule:
 
 
 def dq_schedule(launch: Launch) -> Schedule:
-    """The schedule of ``_bwd_dq_kernel`` (the deterministic backward's dQ), grid ``(query blocks, b * h)``: each
+    """The schedule of ``fa_bwd_dq_kernel`` (the deterministic backward's dQ), grid ``(query blocks, b * h)``: each
     program runs the key blocks its queries see, ``range(0, hi, BLOCK_N)`` ("all"); with a window, those that meet
     its rows' band, ``range(lo, hi, BLOCK_N)``; with documents, cut to its documents' key span."""
     sq, sk, h = launch.arg("SQ"), launch.arg("SK"), launch.arg("H")
@@ -633,10 +619,10 @@ def dq_schedule(launch: Launch) -> Schedule:
     return Schedule(("all",), [program(x, y) for x, y in launch.program_ids()])
 
 
-# kernel name -> its schedule: every kernel of this module with tile loops (``_bwd_delta_kernel`` has none)
+# kernel name -> its schedule: every kernel of this module with tile loops (``fa_bwd_delta_kernel`` has none)
 SCHEDULES = {
     k.fn.__name__: f
-    for k, f in ((_fwd_kernel, forward_schedule), (_bwd_kernel, backward_schedule), (_bwd_dq_kernel, dq_schedule))
+    for k, f in ((fa_fwd_kernel, forward_schedule), (fa_bwd_kernel, backward_schedule), (fa_bwd_dq_kernel, dq_schedule))
 }
 
 

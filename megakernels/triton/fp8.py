@@ -33,9 +33,9 @@ import triton
 
 from megakernels.triton._common import arch_of, interpreter_fp8_casts_installed, interpreting, pick_config
 from megakernels.triton._fa_fwd import supports_tma
-from megakernels.triton._fp8_gemm import _gemm_kernel, _grouped_kernel
-from megakernels.triton._fp8_quant import _amax_kernel, _quant_kernel
-from megakernels.triton.grouped_gemm import _block_e, _group_sizes
+from megakernels.triton._fp8_gemm import fp8_gemm_kernel, fp8_grouped_kernel
+from megakernels.triton._fp8_quant import fp8_amax_kernel, fp8_quant_kernel
+from megakernels.triton.grouped_gemm import block_e, group_sizes_of
 from megakernels.triton.launch import Launch, Schedule
 
 TILE = 128  # the scales' tile (ops.fp8.TILE); the GEMMs' K chunk
@@ -81,8 +81,8 @@ def _has_tma(t: torch.Tensor) -> bool:
 def _sms(t: torch.Tensor) -> int:
     if t.device.type == "cuda":
         return torch.cuda.get_device_properties(t.device).multi_processor_count
-    if t.device.type == "meta":
-        from megakernels.bench.static.model import H200
+    if t.device.type == "meta":  # planned for the static report's machine
+        from megakernels.machines import H200
 
         return H200.sms
     return INTERPRETER_SMS
@@ -150,7 +150,7 @@ def quantize_launches(
     if gran == 0 and not given:
         launches.append(
             Launch(
-                _amax_kernel,
+                fp8_amax_kernel,
                 grid,
                 (x, amax, m, k, x.stride(0), tk, tiles),
                 dict(BLOCK_M=TILE, BLOCK_K=TILE, num_warps=QUANT_WARPS),
@@ -166,7 +166,7 @@ def quantize_launches(
         BLOCK_K=TILE,
         num_warps=QUANT_WARPS,
     )
-    launches.append(Launch(_quant_kernel, grid, args, kwargs))
+    launches.append(Launch(fp8_quant_kernel, grid, args, kwargs))
     return launches
 
 
@@ -308,7 +308,7 @@ def gemm_launch(
         num_stages=stages,
     )
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    return Launch(_gemm_kernel, grid, args, kwargs)
+    return Launch(fp8_gemm_kernel, grid, args, kwargs)
 
 
 def gemm_schedule(launch: Launch) -> Schedule:
@@ -387,7 +387,7 @@ def grouped_launch(
         b_scale.stride(0),
     )
     kwargs = dict(
-        BLOCK_E=_block_e(e),
+        BLOCK_E=block_e(e),
         A_ROW=a_granularity == "row",
         B_GRAN=_b_gran(b_granularity),
         BLOCK_M=bm,
@@ -399,7 +399,7 @@ def grouped_launch(
         num_stages=stages,
     )
     grid = (triton.cdiv(t, bm) + e, triton.cdiv(n, bn))
-    return Launch(_grouped_kernel, grid, args, kwargs)
+    return Launch(fp8_grouped_kernel, grid, args, kwargs)
 
 
 def grouped_schedule(launch: Launch, group_sizes) -> Schedule:
@@ -407,7 +407,7 @@ def grouped_schedule(launch: Launch, group_sizes) -> Schedule:
     ``i`` (grid axis 0) belongs to the group whose ``cdiv(size, BLOCK_M)`` tiles cover it; a program past the last
     tile returns before its loop; every other runs ``range(0, K, 128)`` ("k")."""
     bm = launch.arg("BLOCK_M")
-    tiles = sum(triton.cdiv(s, bm) for s in _group_sizes(launch, group_sizes))
+    tiles = sum(triton.cdiv(s, bm) for s in group_sizes_of(launch, group_sizes))
     loop = [("k", range(0, launch.arg("K"), launch.arg("BLOCK_K")))]
     return Schedule(("k",), [list(loop) if x < tiles else [] for x, _ in launch.program_ids()])
 

@@ -70,7 +70,7 @@ def candidates(table: dict, arch: int, dtype: torch.dtype, interpreter) -> list[
 
 
 @triton.jit
-def _group_of_tile(SIZES, E, tile, BLOCK_E: tl.constexpr, TILE: tl.constexpr):
+def group_of_tile(SIZES, E, tile, BLOCK_E: tl.constexpr, TILE: tl.constexpr):
     """(group, first row of this tile, end row of its group) of row tile ``tile``; group == E past the last."""
     idx = tl.arange(0, BLOCK_E)
     sizes = tl.load(SIZES + idx, mask=idx < E, other=0).to(tl.int32)
@@ -108,7 +108,7 @@ def _rows_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g, start, end = _group_of_tile(SIZES, E, pid_m, BLOCK_E, BLOCK_M)
+    g, start, end = group_of_tile(SIZES, E, pid_m, BLOCK_E, BLOCK_M)
     if g >= E:
         return
     end = tl.minimum(end, T)
@@ -189,7 +189,7 @@ def _wgrad_kernel(
 # Launches as data (megakernels.triton.launch): what the launchers below run and what the static report compiles.
 
 
-def _block_e(num_groups: int) -> int:
+def block_e(num_groups: int) -> int:
     return max(2, triton.next_power_of_2(num_groups))
 
 
@@ -210,7 +210,7 @@ def rows_launch(
     grid = (triton.cdiv(t, bm) + e, triton.cdiv(n, bn))
     args = (a, w, out, sizes, t, n, kdim, e, a.stride(0), w.stride(0), stride_bk, stride_bn, out.stride(0))
     kwargs = dict(
-        BLOCK_E=_block_e(e),
+        BLOCK_E=block_e(e),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -231,7 +231,7 @@ def wgrad_launch(dout: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, dw: t
     grid = (triton.cdiv(n, bn) * triton.cdiv(kdim, bk), e)
     args = (dout, x, dw, sizes, t, n, kdim, e, dout.stride(0), x.stride(0), dw.stride(0))
     kwargs = dict(
-        BLOCK_E=_block_e(e),
+        BLOCK_E=block_e(e),
         BLOCK_N=bn,
         BLOCK_K=bk,
         BLOCK_T=bt,
@@ -242,7 +242,7 @@ def wgrad_launch(dout: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, dw: t
     return Launch(_wgrad_kernel, grid, args, kwargs)
 
 
-def _group_sizes(launch: Launch, group_sizes) -> list[int]:
+def group_sizes_of(launch: Launch, group_sizes) -> list[int]:
     sizes = [int(v) for v in group_sizes]
     if len(sizes) != launch.arg("E"):
         raise ValueError(f"{launch.name}: {len(sizes)} group sizes for a launch over {launch.arg('E')} groups")
@@ -255,7 +255,7 @@ def rows_schedule(launch: Launch, group_sizes) -> Schedule:
     the group whose tiles, ``cdiv(size, BLOCK_M)`` of each group in order, cover it; a program past the last tile
     returns before its loop; every other runs ``range(0, K, BLOCK_K)`` ("k")."""
     bm, bk, k = launch.arg("BLOCK_M"), launch.arg("BLOCK_K"), launch.arg("K")
-    tiles = sum(triton.cdiv(s, bm) for s in _group_sizes(launch, group_sizes))
+    tiles = sum(triton.cdiv(s, bm) for s in group_sizes_of(launch, group_sizes))
     loop = [("k", range(0, k, bk))]
     return Schedule(("k",), [loop if x < tiles else [] for x, _ in launch.program_ids()])
 
@@ -265,7 +265,7 @@ def wgrad_schedule(launch: Launch, group_sizes) -> Schedule:
     program of group ``g`` runs its rows, ``range(start, min(start + size, T), BLOCK_T)`` ("t"), ``start`` the
     rows of the groups before it."""
     bt, t = launch.arg("BLOCK_T"), launch.arg("T")
-    sizes = _group_sizes(launch, group_sizes)
+    sizes = group_sizes_of(launch, group_sizes)
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
     per_group = [[("t", range(starts[g], min(starts[g] + sizes[g], t), bt))] for g in range(len(sizes))]
     return Schedule(("t",), [per_group[g] for _, g in launch.program_ids()])

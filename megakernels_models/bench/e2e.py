@@ -34,7 +34,7 @@ import os
 import torch
 
 from megakernels_models.bench.eager_gpt import CPU_PRESETS, SHAPE, compare_single, impl_labels, unsupported
-from megakernels_models.bench.eager_gpt import DTYPES as BASELINE_PRECISIONS
+from megakernels_models.bench.eager_gpt import PRECISIONS as BASELINE_PRECISIONS
 
 QUICK = "quick"  # a tiny GPT (2 layers, h 64, s 32): a smoke run
 QUICK_LLAMA = "quick-llama"  # a tiny Llama (2 layers, h 64, 4 heads, 2 key/value heads, s 32)

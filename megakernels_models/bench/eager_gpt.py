@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megakernels.precisions import dtype_of
+
 # CPU-sized GPTs (byte vocabulary): a short-context one, where the GEMMs are nearly all the time, and a
 # long-context one, where attention (and so FlashAttention's skipped causal half) matters: (config, micro-batch).
 _CPU = dict(model="gpt", num_layers=4, vocab_size=261, dropout=0.0, attention_dropout=0.0)
@@ -26,7 +28,7 @@ CPU_PRESETS = {
     "gpt-cpu-s256": (dict(_CPU, hidden_size=384, num_heads=6, seq_length=256), 8),
     "gpt-cpu-s1024": (dict(_CPU, hidden_size=256, num_heads=4, seq_length=1024), 2),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = ("fp32", "bf16")  # the eager baseline's (megakernels.precisions)
 SHAPE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "seq_length", "vocab_size")  # reported fields
 
 
@@ -296,13 +298,13 @@ def compare_single(cfg, device: torch.device, precision: str, mbs: int, steps: i
     from megakernels.optim import FusedAdamW
     from megakernels.parallel.launch import single_process_world
 
-    if precision not in DTYPES:
-        raise ValueError(f"compare_single: precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"compare_single: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     missing = unsupported(cfg)
     if missing:
         raise ValueError(f"compare_single: no eager baseline for {missing}")
     fused_cls, eager_cls = FAMILIES[cfg.model][:2]
-    dtype = DTYPES[precision]
+    dtype = dtype_of(precision)
     with single_process_world(device.type, parallel=True):
         fused = fused_cls()(cfg, seed=1234, device=device).to(dtype)
         eager = eager_cls(cfg).to(device)

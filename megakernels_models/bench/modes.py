@@ -48,8 +48,8 @@ class PlanCheck(Extension):
         )
 
     def prepare(self, ns) -> None:
-        if getattr(ns, "e2e", None) is not None or ns.ops is not None or ns.static:
-            raise ValueError("--plan-check: the layout-order check runs alone; drop --e2e, --ops and --static")
+        if ns.ops is not None:
+            raise ValueError("--plan-check: the layout-order check runs alone; drop --ops")
 
     def run(self, ns, state) -> int:
         """``megakernels bench --plan-check``; 1 when a rank failed."""

@@ -111,13 +111,6 @@ def task_for(config):
     return spec.task(config, spec.model())
 
 
-def causal_lm_task(config, model_class):
-    """``models.tasks.CausalLMTask`` (imported on first use): the task of every causal language model."""
-    from megakernels_models.models.tasks import CausalLMTask
-
-    return CausalLMTask(config, model_class)
-
-
 def titles(which: Callable[[FamilySpec], bool]) -> str:
     """``"GPT, Llama"``: the titles of the families ``which`` selects (for messages)."""
     return ", ".join(s.title for s in families() if which(s))

@@ -71,13 +71,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from megakernels import machines
+from megakernels.ops.fp8 import RECIPES as FP8_RECIPES
 from megakernels.parallel.embedding import pad_vocab_size
 from megakernels.parallel.optimizer_memory import grads_summed
 from megakernels.parallel.params import is_expert_parallel, is_tensor_parallel
+from megakernels.parallel.pipeline.schedules import ZERO_BUBBLE
+from megakernels.precisions import PRECISIONS
 from megakernels_models.models.config import ModelConfig, stage_layers, stage_times
-
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-FP8_RECIPES = ("tensorwise", "blockwise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,79 +193,60 @@ class Device:
         system's own node: ``inter_gbps``)."""
         return self.inter_gbps * self.gpus_per_node / (gpus_per_node or self.gpus_per_node)
 
+    @classmethod
+    def of(cls, gpu: machines.GPU, efficiency: float, intra_gbps: float, inter_gbps: float, **system) -> Device:
+        """The device of one part of ``megakernels.machines`` (its peaks, memory and HBM bandwidth) in a system
+        (its NVLink, network, host link and node size, ``system``)."""
+        return cls(
+            gpu.key.split("-")[0],
+            gpu.bf16_dense / 1e12,
+            gpu.fp32 / 1e12,
+            efficiency,
+            gpu.memory_bytes / 1e9,
+            intra_gbps,
+            inter_gbps,
+            tflops_8=gpu.fp8_dense / 1e12,
+            hbm_gbps=gpu.hbm / 1e9,
+            **system,
+        )
 
-_HOPPER_SOURCES = (
-    (
-        "tflops_16, tflops_8, tflops_32, memory_gb, hbm_gbps",
-        "NVIDIA H100 / H200 SXM datasheets (dense = the sparse figure / 2)",
-    ),
+
+_HOPPER_SYSTEM = (
+    ("tflops_*, memory_gb, hbm_gbps", "megakernels.machines (the datasheets)"),
     ("intra_gbps", "NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions together (450 each way); DGX H100"),
     ("inter_gbps", "DGX H100 / HGX H200: 8 ConnectX-7 400 Gb/s NDR InfiniBand adapters per 8-GPU node (50 GB/s each)"),
     ("host_gbps", "PCIe Gen5 x16: 64 GB/s a direction, ~50 sustained from pinned memory"),
-    ("efficiency", "the kernel model's mma_sustained (MAMF: H100 SXM 80.1 %) x TRAINING_GEMM_FRACTION (calibrated)"),
+    ("efficiency", "the part's mma_sustained (MAMF: H100 SXM 80.1 %) x TRAINING_GEMM_FRACTION (calibrated)"),
 )
-# efficiency: the fraction of the dense peak a training step's 16-bit GEMMs sustain (``compute_time``). For the GPUs
-# the kernel model knows (``megakernels.bench.static.model.MACHINES``) it is that model's ``mma_sustained`` — the best
-# large bf16 GEMM's fraction of the peak as measured (the MAMF table of github.com/stas00/ml-engineering: A100 SXM
-# 85.9 %, H100 SXM 80.1 %) — times ``TRAINING_GEMM_FRACTION``, the share of it a training step keeps (launch gaps
-# between kernels, GEMM shapes that do not fill the GPU, clocks under power limits): 0.72, **calibrated** on the
-# development set's A100 rows (Narayanan et al. 2021 Table 1, benchmarks/published: the value whose median signed
-# error over the 10 rows is closest to 0; 0.6 had been assumed for every GPU). So A100 0.618, H100/H200 0.577.
-# V100 (no kernel model for sm_70): 0.4, **calibrated** on its only development rows (Shoeybi et al. 2019's weak
-# scaling: the value whose median error over the 8 rows is 0), which measure 2019 Megatron-LM (its v1.0 reached
-# 62.4 TFLOP/s on the same 1.2B baseline a year later, so runs of later software are under-predicted).
+# efficiency: the fraction of the dense peak a training step's 16-bit GEMMs sustain (``compute_time``): the part's
+# ``mma_sustained`` (the best large bf16 GEMM's measured fraction of the peak, ``megakernels.machines``) times
+# ``TRAINING_GEMM_FRACTION``, the share of it a training step keeps (launch gaps between kernels, GEMM shapes that do
+# not fill the GPU, clocks under power limits), calibrated on the development set's A100 rows (Narayanan et al. 2021
+# Table 1, benchmarks/published: the value whose median signed error over the 10 rows is closest to 0). V100 (no
+# sustained-GEMM measurement): 0.4, calibrated on its only development rows (Shoeybi et al. 2019's weak scaling),
+# which measure 2019 Megatron-LM, so runs of later software are under-predicted.
 TRAINING_GEMM_FRACTION = 0.72
 
 
-def _gemm_efficiency(machine: str) -> float:
-    """``efficiency`` of a GPU the kernel model knows: its ``mma_sustained`` × ``TRAINING_GEMM_FRACTION``."""
-    from megakernels.bench.static.model import MACHINES
-
-    return round(MACHINES[machine].mma_sustained * TRAINING_GEMM_FRACTION, 4)
+def _gemm_efficiency(gpu: machines.GPU) -> float:
+    """A measured part's ``efficiency``: its ``mma_sustained`` × ``TRAINING_GEMM_FRACTION``."""
+    return round(gpu.mma_sustained * TRAINING_GEMM_FRACTION, 4)
 
 
+_G = machines.GPUS
 DEVICES = {
-    "h200": Device(
-        "H200",
-        989.0,
-        67.0,
-        _gemm_efficiency("H200"),
-        141.0,
-        450.0,
-        50.0,
-        host_gbps=50.0,
-        tflops_8=1979.0,
-        hbm_gbps=4800.0,
-        sources=_HOPPER_SOURCES,
+    "h200": Device.of(_G["H200"], _gemm_efficiency(_G["H200"]), 450.0, 50.0, host_gbps=50.0, sources=_HOPPER_SYSTEM),
+    "h100": Device.of(
+        _G["H100-SXM"], _gemm_efficiency(_G["H100-SXM"]), 450.0, 50.0, host_gbps=50.0, sources=_HOPPER_SYSTEM
     ),
-    "h100": Device(
-        "H100",
-        989.0,
-        67.0,
-        _gemm_efficiency("H100-SXM"),
-        80.0,
-        450.0,
-        50.0,
-        host_gbps=50.0,
-        tflops_8=1979.0,
-        hbm_gbps=3350.0,
-        sources=_HOPPER_SOURCES,
-    ),
-    "a100": Device(
-        "A100",
-        312.0,
-        19.5,
-        _gemm_efficiency("A100-SXM4-80GB"),
-        80.0,
+    "a100": Device.of(
+        _G["A100-SXM4-80GB"],
+        _gemm_efficiency(_G["A100-SXM4-80GB"]),
         300.0,
         25.0,
         host_gbps=25.0,
-        hbm_gbps=2039.0,
         sources=(
-            (
-                "tflops_16, tflops_32, memory_gb, hbm_gbps",
-                "NVIDIA A100 80GB SXM datasheet (312 TFLOP/s dense, 2039 GB/s)",
-            ),
+            ("tflops_*, memory_gb, hbm_gbps", "megakernels.machines (the A100 80GB SXM datasheet)"),
             ("intra_gbps", "NVLink 3 through NVSwitch: 600 GB/s per GPU, both directions together (300 each way)"),
             (
                 "inter_gbps",
@@ -272,22 +254,18 @@ DEVICES = {
                 "8-GPU node for application traffic (25 GB/s each)",
             ),
             ("host_gbps", "PCIe Gen4 x16: 32 GB/s a direction, ~25 sustained"),
-            ("efficiency", "the kernel model's mma_sustained (MAMF: 85.9 %) x TRAINING_GEMM_FRACTION (calibrated)"),
+            ("efficiency", "the part's mma_sustained (MAMF: 85.9 %) x TRAINING_GEMM_FRACTION (calibrated)"),
         ),
     ),
-    "v100": Device(
-        "V100",
-        125.0,
-        15.7,
+    "v100": Device.of(
+        _G["V100-SXM2-32GB"],
         0.4,
-        32.0,
         150.0,
         6.25,
         host_gbps=12.0,
-        hbm_gbps=900.0,
         gpus_per_node=16,
         sources=(
-            ("tflops_16, tflops_32, memory_gb, hbm_gbps", "NVIDIA V100 SXM datasheet (125 TFLOP/s fp16, 900 GB/s)"),
+            ("tflops_*, memory_gb, hbm_gbps", "megakernels.machines (the V100 SXM2 datasheet)"),
             (
                 "intra_gbps",
                 "DGX-2H: NVLink 2 through NVSwitch, 300 GB/s per GPU both directions together (Shoeybi et al. "
@@ -433,7 +411,7 @@ def in_flight_per_rank(layout: Layout) -> list[float]:
     though its B already freed part of it: a bound), which ``simulate``'s ``peak_activations`` confirms
     (tests/parallel/test_zero_bubble.py)."""
     m, pp = layout.microbatches, layout.pp
-    if layout.schedule in ("zb-h1", "zb-v"):
+    if layout.schedule in ZERO_BUBBLE:
         return [float(min(pp, m))] * pp
     if layout.vpp > 1:
         first = pp * (1 + (pp - 1) / (pp * layout.vpp))
@@ -457,7 +435,7 @@ def pipeline_bubble(cfg: ModelConfig, layout: Layout) -> float:
     m, pp = layout.microbatches, layout.pp
     if pp == 1:
         return 0.0
-    if layout.schedule not in ("zb-h1", "zb-v"):
+    if layout.schedule not in ZERO_BUBBLE:
         return (pp - 1) / (layout.vpp * m)
     from megakernels.parallel.pipeline import schedules
 
@@ -569,7 +547,7 @@ def _ring(bytes_: float, n: int, gbps: float, latency: float = 0.0) -> float:
 
 # Calibrated on the development set (benchmarks/published, docs/design.md §4 "Step time"): HBM traffic of the
 # memory-bound kernels per training pass of a layer's stored activations, and the fraction of HBM bandwidth they
-# reach (``megakernels/bench/static``'s copy fraction, 0.8 of the data-sheet bandwidth on sm_80 and sm_90).
+# reach (``HBM_FRACTION`` of the data sheet's, a little under a plain copy's share, ``machines.COPY_FRACTION``).
 ELEMENTWISE_PASSES = 5.0  # forward writes and reads each stored tensor (2), backward reads it and its gradient
 # and writes the gradient (3); full recomputation repeats the forward (+2)
 HBM_FRACTION = 0.8

@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from megakernels_models.arguments import ArgumentError, TrainArgs, validate
-from megakernels_models.models.config import ModelConfig, human
+from megakernels_models.models.config import RECOMPUTE, ModelConfig, human
 from megakernels_models.planning import costs, layout_rules
 
 
@@ -127,7 +127,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         )
         * (cfg.num_layers // L.pp)
         * mem["in_flight"]
-        for rc in ("none", "selective", "full")
+        for rc in RECOMPUTE
         for sp in (False, True)
     }
     if L.pp > 1:

@@ -29,7 +29,8 @@ import json
 import sys
 
 from megakernels.parallel.layout import LayoutError, ParallelLayout
-from megakernels_models.models.config import ModelConfig, human
+from megakernels.precisions import PRECISIONS
+from megakernels_models.models.config import RECOMPUTE, ModelConfig, human
 from megakernels_models.planning import costs
 from megakernels_models.settings import ArgumentError
 
@@ -85,7 +86,7 @@ def candidates(
                     stages = (0, 1, 2, 3) if dp * cp > 1 else (0,)  # ZeRO-1, FSDP2's ZeRO-2 and ZeRO-3
                     if schedule != "1f1b":  # the zero-bubble schedules defer weight gradients past FSDP's hooks
                         stages = tuple(z for z in stages if z < 2)
-                    for recompute, zero in itertools.product(("none", "selective", "full"), stages):
+                    for recompute, zero in itertools.product(RECOMPUTE, stages):
                         out.append(
                             costs.Layout(
                                 tp=tp,
@@ -276,7 +277,7 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's, else 8 × gpus")
     p.add_argument(
         "--precision",
-        choices=("bf16", "fp16", "fp32", "fp8"),
+        choices=PRECISIONS,
         default="bf16",
         help="fp8: the transformer blocks' linears in FP8 at the GPU's FP8 peak (H100/H200; refused on A100/V100), "
         "the rest in bf16",

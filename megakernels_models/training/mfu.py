@@ -22,8 +22,7 @@ import time
 
 import torch
 
-# Dense tensor-core peak TFLOP/s (16-bit, fp32 without TF32), from the vendors' data sheets (SXM parts).
-GPU_PEAK_TFLOPS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5)}
+from megakernels import machines, precisions
 
 
 def _cpu_name() -> str:
@@ -114,12 +113,9 @@ def device_peak_tflops(precision: str, device: torch.device, given: float | None
         return float(given), "given"
     half = precision != "fp32"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return (bf16 if half else fp32), "table"
-        return math.nan, "table"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        gpu = machines.gpu_named(torch.cuda.get_device_name(device), exact=False)
+        return (gpu.peak_flops("bf16" if half else "fp32") / 1e12 if gpu else math.nan), "table"
+    dtype = precisions.dtype_of(precision)
     return cpu_peak_tflops(dtype), "measured"
 
 
@@ -139,7 +135,7 @@ class MFUMeter:
         self.flops_per_token, self.tokens_per_step, self.world = flops_per_token, tokens_per_step, world
         self.peak, self.source = device_peak_tflops(precision, device, given)
         precision = "bf16" if precision == "fp8" else precision
-        self._dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self._dtype = precisions.dtype_of(precision)
 
     def measure(self, seconds: float) -> dict:
         tps = self.tokens_per_step / seconds

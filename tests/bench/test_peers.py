@@ -82,7 +82,7 @@ def test_an_installed_peer_applies_our_weight_and_gets_its_gradient(stand_in_lig
 
 def test_an_installed_peer_is_a_column_of_the_row(stand_in_liger):
     p = peers.Peers("cpu")
-    rows = norms.run(
+    rows = norms.measure(
         ["rms_norm"], ["float32"], [(64, 32)], with_compile=False, min_run_time=0.01, peers=p, log=lambda s: None
     )
     assert all("liger_kernel" in r["speedups"] and r["rates"]["liger_kernel"] > 0 for r in rows)
@@ -92,7 +92,7 @@ def test_an_installed_peer_is_a_column_of_the_row(stand_in_liger):
 def test_a_peer_that_fails_is_dropped_from_the_row_with_a_note(stand_in_liger):
     stand_in_liger.LigerRMSNorm = _Broken
     p = peers.Peers("cpu")
-    rows = norms.run(
+    rows = norms.measure(
         ["rms_norm"], ["float32"], [(64, 32)], with_compile=False, min_run_time=0.01, peers=p, log=lambda s: None
     )
     assert all("liger_kernel" not in r["times_ms"] for r in rows)

@@ -150,7 +150,7 @@ def test_gemm_efficiency_is_the_kernel_models_sustained_gemm_times_one_calibrate
     import os
     import statistics
 
-    from megakernels.bench.static.model import MACHINES
+    from costmodel.model import MACHINES
 
     for gpu, machine in (("a100", "A100-SXM4-80GB"), ("h100", "H100-SXM"), ("h200", "H200")):
         assert costs.DEVICES[gpu].efficiency == pytest.approx(

@@ -339,6 +339,6 @@ def test_d256_backward_adds_dq_in_two_column_halves(triton_backend, tma, d, monk
         False,
         arch=90,
     )
-    assert next(ln for ln in launches if ln.name == "_bwd_kernel").kwargs["DQ_CHUNKS"] == 2
+    assert next(ln for ln in launches if ln.name == "fa_bwd_kernel").kwargs["DQ_CHUNKS"] == 2
     for causal in (False, True):
         _assert_case_flash_style(triton_backend, (1, 70, 65, 2, 1, d), causal)

@@ -431,6 +431,6 @@ def test_kernel_schedules_skip_other_documents(causal):
             else:
                 want = [int(pairs.sum(1)[x]) for x, _ in ids]
             assert runs == want, launch.name
-    for name in ("_fwd_kernel", "_bwd_kernel", "_bwd_dq_kernel"):
+    for name in ("fa_fwd_kernel", "fa_bwd_kernel", "fa_bwd_dq_kernel"):
         ratio = totals[name, True] / totals[name, False]
         assert ratio <= 1.3 / n, (name, ratio)

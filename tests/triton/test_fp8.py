@@ -15,7 +15,7 @@ Under Triton's interpreter (CPU, ``TRITON_INTERPRET=1``, set by tests/conftest.p
 - the schedules beside the launchers are the loops the kernels run; ``torch.library.opcheck`` passes on the three
   ops under backend cuda_emu.
 
-Compiled for sm_90 without a GPU (tests/triton/fp8_sm90.py in a subprocess): no spills, shared memory within a
+Compiled for sm_90 without a GPU (tests/costmodel/fp8_sm90.py in a subprocess): no spills, shared memory within a
 block's limit, the GEMMs on FP8 wgmma (QGMMA), the casts saturating. On a GPU (``cuda``): bit-identical
 quantisation and the GEMMs against the CPU references.
 """
@@ -375,18 +375,18 @@ def test_opcheck_under_cuda_emu():
 def sm90_rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.triton.fp8_sm90"], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "tests.costmodel.fp8_sm90"], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def test_sm90_compiles_without_spills_within_shared_memory(sm90_rows):
-    from megakernels._targets import SHARED_LIMIT
+    from megakernels.machines import ARCHS
 
     assert len(sm90_rows) > 20
     assert [r for r in sm90_rows if r["spill_bytes"]] == []
-    assert [r for r in sm90_rows if r["shared_bytes"] > SHARED_LIMIT[90]] == []
+    assert [r for r in sm90_rows if r["shared_bytes"] > ARCHS[90].smem_per_block] == []
 
 
 def test_sm90_gemms_run_on_fp8_wgmma(sm90_rows):

@@ -113,7 +113,7 @@ def test_backward_schedules_are_the_kernels(fa_recorder, sq, sk, causal, determi
                 continue
             _assert_schedule(launch, fa.SCHEDULES[launch.name](launch), seen)
             scheduled.add(launch.name)
-    assert scheduled == {"_bwd_kernel"} | ({"_bwd_dq_kernel"} if deterministic else set())
+    assert scheduled == {"fa_bwd_kernel"} | ({"fa_bwd_dq_kernel"} if deterministic else set())
 
 
 # (window, shift): a band inside one block, one wider than a block, and bands moved by a context-parallel offset

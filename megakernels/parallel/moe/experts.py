@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megakernels.ops.grouped_gemm import _grouped_gemm_bwd, grouped_gemm, grouped_gemm_backward_parts
+from megakernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_backward, grouped_gemm_backward_parts
 from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import fp8, init, state
 from megakernels.parallel.params import mark_expert_parallel
@@ -44,7 +44,7 @@ class _GroupedGemm(torch.autograd.Function):
         dout = dout.contiguous()
         if not (ctx.needs_input_grad[1] and wgrad.deferring()):
             ctx.weight = None
-            dx, dw = _grouped_gemm_bwd(dout, x, weight, sizes, ctx.emulate)
+            dx, dw = grouped_gemm_backward(dout, x, weight, sizes, ctx.emulate)
             return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
 
         target, ctx.weight = ctx.weight, None

@@ -28,9 +28,9 @@ from megakernels.parallel.pipeline import memory, p2p, wgrad
 from megakernels.parallel.pipeline.schedules import (
     ALL_SCHEDULES,
     Exchange,
-    _check,
-    _direction,
+    check_arguments,
     communication_plan,
+    neighbour_direction,
     placement_of,
     splits_backward,
     stage_owner,
@@ -140,11 +140,15 @@ def forward_backward(
     name = "forward_only" if forward_only else schedule
     placement = placement_of(schedule)
     if placement == "v":
-        _check(fn, schedule, 2, num_microbatches, num_chunks, "num_chunks")  # two chunks
+        check_arguments(fn, schedule, 2, num_microbatches, num_chunks, "num_chunks")  # two chunks
     else:
-        _check(fn, name, 1, num_microbatches, num_chunks, "num_chunks")  # sizes; one chunk for gpipe/1f1b/zb-h1
+        check_arguments(
+            fn, name, 1, num_microbatches, num_chunks, "num_chunks"
+        )  # sizes; one chunk for gpipe/1f1b/zb-h1
     pp, rank, set_vpp = _layout(num_chunks, placement)
-    _check(fn, name, pp, num_microbatches, num_chunks, "num_chunks", placement)  # interleaving: m divisible by pp
+    check_arguments(
+        fn, name, pp, num_microbatches, num_chunks, "num_chunks", placement
+    )  # interleaving: m divisible by pp
     plan = communication_plan(name, pp, rank, num_microbatches, num_chunks, placement=placement, durations=durations)
     training = name != "forward_only"
     split = training and splits_backward(schedule)
@@ -159,7 +163,7 @@ def forward_backward(
 
     def local(k: int) -> int | None:
         """The chunk of this rank that virtual stage ``k + 1`` (after stage ``k``) is, when it stays here."""
-        return stage_owner(placement, pp, k + 1, num_chunks)[1] if _direction(placement, pp, k) == 0 else None
+        return stage_owner(placement, pp, k + 1, num_chunks)[1] if neighbour_direction(placement, pp, k) == 0 else None
 
     # Position in the plan of each chunk's last B and last W (where its gradients become final).
     final = {}
@@ -256,7 +260,7 @@ def forward_backward(
                 # An input the stage does not use gets no gradient; the previous stage still expects a message.
                 g = x.grad if x.grad is not None else torch.zeros_like(x)
                 back = stage_owner(placement, pp, stage[c] - 1, num_chunks)
-                if _direction(placement, pp, stage[c] - 1) == 0:  # the V's turn: to this rank's other chunk
+                if neighbour_direction(placement, pp, stage[c] - 1) == 0:  # the V's turn: to this rank's other chunk
                     output_grads[(back[1], j)] = g
                 else:
                     input_grads[(c, j)] = g

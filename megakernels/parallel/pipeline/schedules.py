@@ -74,6 +74,8 @@ ZERO_BUBBLE = ("zb-h1", "zb-v")
 ALL_SCHEDULES = SCHEDULES + ZERO_BUBBLE
 PLACEMENTS = ("interleaved", "v")
 ONE_CHUNK = ("gpipe", "1f1b", "zb-h1")  # schedules that run one model chunk per rank
+# What ``megakernels train --schedule`` takes (interleaving follows from --vpp; forward_only is evaluation's).
+TRAINER_SCHEDULES = ("1f1b", "gpipe", *ZERO_BUBBLE)
 
 Op = tuple[str, int, int]  # ("F" | "B" | "W", chunk, microbatch)
 
@@ -107,7 +109,7 @@ def stage_owner(placement: str, pp: int, stage: int, vpp: int) -> tuple[int, int
     return stage % pp, stage // pp
 
 
-def _direction(placement: str, pp: int, stage: int) -> int:
+def neighbour_direction(placement: str, pp: int, stage: int) -> int:
     """Which neighbour stage ``stage + 1`` is on, seen from stage ``stage``'s rank: +1 the next rank (wrapping), -1
     the previous one, 0 the same rank (the V's turn)."""
     if placement == "v":
@@ -136,7 +138,7 @@ def _resolve(fn: str, name: str, vpp, placement) -> tuple[int, str]:
     return vpp, placement
 
 
-def _check(
+def check_arguments(
     fn: str,
     name: str,
     pp_size: int,
@@ -343,7 +345,7 @@ def schedule_order(
             the V placement) with ``vpp != 2`` or ``pp_size == 1``; ``interleaved`` with ``vpp > 1`` and
             ``num_microbatches`` not divisible by ``pp_size``.
     """
-    vpp, placement = _check("schedule_order", name, pp_size, num_microbatches, vpp, placement=placement)
+    vpp, placement = check_arguments("schedule_order", name, pp_size, num_microbatches, vpp, placement=placement)
     t_f, t_b, t_w = _times("schedule_order", "zb-v", *(durations or (1.0, 2.0, None)))
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
         raise ValueError(f"schedule_order: pp_rank must be in 0..{pp_size - 1}, got {pp_rank!r}")
@@ -461,9 +463,9 @@ def communication_plan(
         for _, tick, (kind, c, j) in row:
             k = virtual_stage(placement, p, q, c, vpp)
             if kind == "F" and k < last:  # the activation goes to virtual stage k + 1
-                dest, direction = k + 1, _direction(placement, p, k)
+                dest, direction = k + 1, neighbour_direction(placement, p, k)
             elif kind == "B" and k > 0:  # the input gradient goes to virtual stage k - 1
-                dest, direction = k - 1, -_direction(placement, p, k - 1)
+                dest, direction = k - 1, -neighbour_direction(placement, p, k - 1)
             else:
                 continue
             if direction == 0:  # the same rank: handed over without a message
@@ -515,7 +517,7 @@ def bubble_fraction(
     T_W))`` (``(pp-1)/(6m)`` at equal times), a lower bound for any schedule on the V placement. The schedules
     reach them for ``m >= pp`` (zb-h1 for any times, zb-v at equal ones; ``simulate`` gives the others). Raises
     ValueError as ``schedule_order`` and ``simulate``."""
-    vpp, _ = _check("bubble_fraction", name, pp, m, vpp)
+    vpp, _ = check_arguments("bubble_fraction", name, pp, m, vpp)
     t_f, t_b, t_w = _times("bubble_fraction", name, t_forward, t_backward, t_weight)
     if name == "zb-h1":
         return (pp - 1) * (t_f + max(t_b - t_w, 0.0)) / (m * (t_f + t_b + t_w))
@@ -557,7 +559,7 @@ def simulate(
         ValueError: as ``schedule_order``, or a duration that is not positive (``t_weight`` not below
             ``t_backward``).
     """
-    vpp, placement = _check("simulate", name, pp_size, num_microbatches, vpp, placement=placement)
+    vpp, placement = check_arguments("simulate", name, pp_size, num_microbatches, vpp, placement=placement)
     t_f, t_b, t_w = _times("simulate", name, t_forward, t_backward, t_weight)
     p, m = pp_size, num_microbatches
     plan = (t_forward, t_backward, t_weight)  # zb-v plans its order for the times it is simulated with

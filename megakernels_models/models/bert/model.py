@@ -40,9 +40,11 @@ class BertModel(LanguageModel):
     without labels: ``(mlm_logits [s, b, V_pad/tp], sop_logits [b, 2])``. On other stages: the hidden state.
     """
 
+    family = "bert"
+
     def __init__(self, config: ModelConfig, seed: int, *, device=None, dtype=None, **kwargs):
-        if config.model != "bert":
-            raise ValueError(f"BertModel: config.model is {config.model!r}, expected 'bert'")
+        if config.model != self.family:
+            raise ValueError(f"BertModel: config.model is {config.model!r}, expected {self.family!r}")
         super().__init__(config, seed, causal=False, token_types=True, device=device, dtype=dtype, **kwargs)
         if self.post_process:
             c, h = config, config.hidden_size

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from megakernels_models.models.config import ModelConfig
-from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
+from megakernels_models.models.registry import FamilySpec, register
+from megakernels_models.models.tasks import CausalLMTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,4 +53,4 @@ def _hf(config):
     return gpt2
 
 
-SPEC = register(FamilySpec("gpt", "GPT", GPTConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))
+SPEC = register(FamilySpec("gpt", "GPT", GPTConfig, _model, CausalLMTask, "tokens", PRESETS, hf=_hf))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from megakernels_models.models.config import ModelConfig, sized
-from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
+from megakernels_models.models.registry import FamilySpec, register
+from megakernels_models.models.tasks import CausalLMTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,4 +61,4 @@ def _hf(config):
     return mixtral if config.num_experts else mistral if config.sliding_window else llama
 
 
-SPEC = register(FamilySpec("llama", "Llama", LlamaConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf))
+SPEC = register(FamilySpec("llama", "Llama", LlamaConfig, _model, CausalLMTask, "tokens", PRESETS, hf=_hf))

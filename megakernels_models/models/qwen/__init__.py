@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from megakernels_models.models.config import ModelConfig, sized
-from megakernels_models.models.registry import FamilySpec, causal_lm_task, register
+from megakernels_models.models.registry import FamilySpec, register
+from megakernels_models.models.tasks import CausalLMTask
 from megakernels_models.settings import setting
 
 
@@ -78,5 +79,5 @@ def _hf(config):
 
 
 SPEC = register(
-    FamilySpec("qwen", "Qwen", QwenConfig, _model, causal_lm_task, "tokens", PRESETS, hf=_hf, settings=QwenSettings)
+    FamilySpec("qwen", "Qwen", QwenConfig, _model, CausalLMTask, "tokens", PRESETS, hf=_hf, settings=QwenSettings)
 )

@@ -1,0 +1,147 @@
+"""Compile every Triton kernel config for the GPUs we target, on a machine without a GPU, as launches get them.
+
+Triton lowers a kernel to PTX and runs ptxas for a given ``GPUTarget`` without a device, so this catches what the
+interpreter cannot: type errors of the real compiler, block shapes ``tl.dot`` rejects, and configs whose shared
+memory does not fit the architecture (then the launch would fail with OutOfResources on the GPU), and configs that
+spill registers (ptxas's stack frame, read from the cubin with cuobjdump where it is installed). Each kernel is
+built by its launcher (``forward_launch``, ``backward_launches``, ``stats_launch``, ``grad_launch`` on meta
+tensors at a representative shape) and compiled with the specialisation that launch gets
+(megakernels.triton.launch): 16-byte-divisible pointers and strides, constants folded, the real constexprs.
+
+``python -m costmodel.compile_check [--arch 80,90] [--full] [--defaults] [--jobs N]`` (must run without
+TRITON_INTERPRET). Exit status 1 and a line per failure when anything does not compile, fit or stay unspilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import multiprocessing
+import os
+import sys
+
+from megakernels.machines import ARCHS
+
+SHARED_LIMIT = {arch: a.smem_per_block for arch, a in ARCHS.items()}  # opt-in shared memory per block
+
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+def _meta(shape, dtype):
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+
+
+def attention_launches(
+    arch: int, head_dim: int, cfg_index: int, passname: str, dtype: str, causal: bool, dropout: bool, seqlen: int = 4096
+):
+    """The launches of one FlashAttention config (``fa.candidates(...)[cfg_index]``) at a 4k-token shape."""
+    from megakernels.triton import flash_attention as fa
+
+    b, h = 2, 8
+    q = _meta((b, seqlen, h, head_dim), dtype)
+    lse = _meta((b, h, seqlen), "float32")
+    seed = _meta((), "int64")
+    scale, p = 1 / math.sqrt(head_dim), (0.1 if dropout else 0.0)
+    if passname == "fwd":
+        cfg = fa.candidates(fa.FWD_CONFIGS, arch, head_dim)[cfg_index]
+        return [fa.forward_launch(q, q, q, q, lse, seed, causal, scale, p, cfg, tma=arch >= 90)]
+    cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim)[cfg_index]
+    dq = _meta((b, seqlen, h, head_dim), "float32")  # the atomic path's fp32 accumulator
+    delta = _meta((2, b, h, seqlen), "float32")  # scaled delta and base-2 lse
+    return fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg, arch=arch)
+
+
+def cross_entropy_launches(arch: int, vocab: int = 50304):
+    from megakernels.triton import cross_entropy as ce
+
+    x, tgt, f32 = _meta((1024, vocab), "bfloat16"), _meta((1024,), "int64"), _meta((1024, 4), "float32")
+    return [
+        ce.stats_launch(x, tgt, f32, 0, vocab, arch),
+        ce.grad_launch(x, tgt, f32, f32, 0, vocab, -100, 0.9, 0.1 / vocab, x, arch),
+    ]
+
+
+def jobs(archs, full: bool, defaults: bool):
+    """(what, arch, builder args): every candidate config of every head dim in the fp16 causal variant, plus every
+    variant (dtype x causal x dropout) of each arch's d128 default; with ``full``, every config in every variant;
+    with ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels."""
+    from megakernels.triton import flash_attention as fa
+
+    for arch in archs:
+        yield (f"cross_entropy sm_{arch}", arch, ("ce",))
+        for passname, table in (("fwd", fa.FWD_CONFIGS), ("bwd", fa.BWD_CONFIGS)):
+            for head_dim in HEAD_DIMS:
+                for i, cfg in enumerate(fa.candidates(table, arch, head_dim)):
+                    if defaults and i:
+                        continue
+                    variants = list(itertools.product(("float16", "bfloat16"), (False, True), (False, True)))
+                    if defaults or (not full and not (head_dim == 128 and i == 0)):
+                        variants = [("float16", True, False)]
+                    for dtype, causal, dropout in variants:
+                        what = (
+                            f"flash_attention {passname} sm_{arch} {dtype} d{head_dim} {cfg} causal={causal} "
+                            f"dropout={dropout}"
+                        )
+                        yield (what, arch, ("fa", head_dim, i, passname, dtype, causal, dropout))
+
+
+def _spill_bytes(compiled) -> int:
+    """The stack frame ptxas gave the kernel (spilled registers), from its cubin; 0 without cuobjdump."""
+    from costmodel import sass
+    from costmodel.compiled import kernel_function
+
+    if sass.find_tool("cuobjdump") is None:
+        return 0
+    fn = kernel_function(compiled)
+    return fn.resources.stack_bytes if fn.resources else 0
+
+
+def _check_one(job) -> str | None:
+    """None when every launch of the job compiles and fits, else a one-line failure."""
+    from megakernels.triton.launch import compile_launch
+
+    what, arch, spec = job
+    try:
+        launches = cross_entropy_launches(arch) if spec[0] == "ce" else attention_launches(arch, *spec[1:])
+        for launch in launches:
+            compiled = compile_launch(launch, arch)
+            if compiled.metadata.shared > SHARED_LIMIT[arch]:
+                return f"FAIL {what} {launch.name}: shared memory {compiled.metadata.shared} B > {SHARED_LIMIT[arch]} B"
+            spills = _spill_bytes(compiled)
+            if spills:
+                return f"FAIL {what} {launch.name}: {spills} B of spilled registers a thread"
+    except Exception as e:  # noqa: BLE001 - report every failing config, then fail
+        return f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="80,90", help="comma list of 80, 90")
+    parser.add_argument("--full", action="store_true", help="every config in every variant (slow)")
+    parser.add_argument("--defaults", action="store_true", help="each head dim's default config only")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
+    args = parser.parse_args(argv)
+    try:
+        archs = [int(a) for a in args.arch.split(",") if a]
+        if not archs or any(a not in SHARED_LIMIT for a in archs):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--arch: expected a comma list of {', '.join(map(str, SHARED_LIMIT))}, got {args.arch!r}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (the interpreter does not compile)", file=sys.stderr)
+        return 2
+    todo = list(jobs(archs, args.full, args.defaults))
+    with multiprocessing.get_context("spawn").Pool(max(1, min(args.jobs, len(todo)))) as pool:
+        failures = [f for f in pool.imap_unordered(_check_one, todo) if f]
+    for line in failures:
+        print(line)
+    print(f"compile_check: {len(todo) - len(failures)}/{len(todo)} kernel configs compiled and fit without spills")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
