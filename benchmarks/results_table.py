@@ -1,20 +1,15 @@
-"""Append the figures of new reports in benchmarks/results/ to the table ``benchmarks/results/all.jsonl``.
+"""The figures of every report in benchmarks/results/ as one table, made on demand (never committed).
 
-    python -m benchmarks.results_table            # append the runs not yet in the table
-    python -m benchmarks.results_table --check    # change nothing; fail if a report is missing or has changed
+    python -m benchmarks.results_table            # write build/results/all.jsonl
+    python -m benchmarks.results_table --check    # write nothing; fail if a report cannot be read
 
-Every JSON file in the results directory is one run's report, named ``<date>-<machine>-<what>.json``, and never
-rewritten once recorded. The table has one JSON object a line, one figure each::
+Every JSON file in the results directory is one run's compact figures, named ``<date>-<machine>-<what>.json``
+beside its Markdown report, and never rewritten once committed (tests/bench/test_results.py). The table has one
+JSON object a line, one figure each::
 
     {"run" (the report's file stem), "date", "commit", "machine", "kind" ("measured" | "predicted"),
      "what" (kernel, op or benchmark), "config" (shape, dtype, ...: a mapping), "metric", "value", "unit",
      "report_sha256" (of the report file the row was read from)}
-
-The table is append-only: a run's rows are written once, when its report first appears, and existing lines are
-never touched, so a figure keeps the line it was first recorded on. The stored hash is what keeps a report
-immutable: when a report no longer matches the hash its rows were written with, the command refuses (and appends
-nothing) rather than let the table and the report disagree; record new figures as a new run instead. Reports whose
-rows are in the table but whose file is gone are only named: git history keeps the file.
 
 Figures are read by the report's layout (the static cost report, ``megakernels bench``, the older benchmark
 scripts' ``results`` lists, ``bench --plan-check``). A number whose unit cannot be told from its name stops the
@@ -32,7 +27,7 @@ import re
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-TABLE = "all.jsonl"
+OUT = os.path.join(os.path.dirname(RESULTS), "..", "build", "results", "all.jsonl")
 FIELDS = ("run", "date", "commit", "machine", "kind", "what", "config", "metric", "value", "unit", "report_sha256")
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}-")
 
@@ -305,82 +300,47 @@ def report_rows(path: str) -> list[dict]:
     ]
 
 
-def read_table(table: str) -> dict[str, str]:
-    """{run: report_sha256} of the runs already in the table."""
-    runs: dict[str, str] = {}
-    if not os.path.exists(table):
-        return runs
-    with open(table, encoding="utf-8") as f:
-        text = f.read()
-    if text and not text.endswith("\n"):
-        raise ReportError(f"{table}: the last line is incomplete; repair it by hand before appending")
-    for n, line in enumerate(text.splitlines(), 1):
-        row = json.loads(line)
-        if runs.setdefault(row["run"], row["report_sha256"]) != row["report_sha256"]:
-            raise ReportError(f"{table}:{n}: run {row['run']} has rows with two report hashes")
-    return runs
+def table_rows(results: str = RESULTS) -> list[dict]:
+    """The rows of every report in ``results``, in file order.
+
+    Raises:
+        ReportError: a report the table cannot read (named, with why).
+    """
+    return [
+        row
+        for name in sorted(os.listdir(results))
+        if name.endswith(".json")
+        for row in report_rows(os.path.join(results, name))
+    ]
 
 
-def pending(results: str, table: str) -> tuple[list[dict], list[str]]:
-    """(rows to append, runs in the table whose report is gone); ReportError when a recorded report changed."""
-    known = read_table(table)
-    reports = sorted(f for f in os.listdir(results) if f.endswith(".json"))
-    stems = {os.path.splitext(f)[0] for f in reports}
-    changed, rows = [], []
-    for name in reports:
-        path = os.path.join(results, name)
-        stem = os.path.splitext(name)[0]
-        if stem in known:
-            digest = sha256(path)
-            if digest != known[stem]:
-                changed.append(f"{path} (sha256 {known[stem][:12]}... when recorded, {digest[:12]}... now)")
-            continue
-        rows.extend(report_rows(path))
-    if changed:
-        raise ReportError(
-            "reports changed since their rows were added to "
-            + table
-            + ": "
-            + "; ".join(changed)
-            + ". A recorded report is immutable: restore it, and record new figures as a new run."
-        )
-    return rows, sorted(set(known) - stems)
-
-
-def append(results: str = RESULTS, table: str | None = None) -> tuple[int, int, list[str]]:
-    """Append the rows of every report not yet in the table: (runs added, rows added, runs whose report is gone).
-    Nothing is written when any report is refused."""
-    table = table or os.path.join(results, TABLE)
-    rows, gone = pending(results, table)
-    if rows:
-        with open(table, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    return len({r["run"] for r in rows}), len(rows), gone
+def write(results: str = RESULTS, out: str = OUT) -> tuple[int, int]:
+    """Write the table of ``results`` to ``out`` (made whole, then moved into place); (runs, rows)."""
+    rows = table_rows(results)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    os.replace(tmp, out)
+    return len({r["run"] for r in rows}), len(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.results_table", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default=RESULTS, help="the reports' directory (default: %(default)s)")
-    parser.add_argument("--table", default=None, help="the table (default: RESULTS/all.jsonl)")
-    parser.add_argument("--check", action="store_true", help="write nothing; fail if a report is not in the table")
+    parser.add_argument("--out", default=OUT, help="the table written (default: %(default)s; not under git)")
+    parser.add_argument("--check", action="store_true", help="write nothing; fail if a report cannot be read")
     args = parser.parse_args(argv)
-    table = args.table or os.path.join(args.results, TABLE)
     try:
         if args.check:
-            rows, gone = pending(args.results, table)
-            missing = sorted({r["run"] for r in rows})
-            if missing:
-                print(f"not in {table}: {', '.join(missing)} (run python -m benchmarks.results_table)", file=sys.stderr)
-                return 1
-            print(f"{table}: every report's rows are in the table")
+            rows = table_rows(args.results)
+            print(f"{args.results}: {len({r['run'] for r in rows})} reports, {len(rows)} figures, all readable")
             return 0
-        runs, n, gone = append(args.results, table)
+        runs, n = write(args.results, args.out)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{table}: {n} rows of {runs} new runs appended")
-    for stem in gone:
-        print(f"note: {stem} has rows in the table but no report in {args.results} (git history keeps it)")
+    print(f"{args.out}: {n} rows of {runs} runs")
     return 0
 
 
