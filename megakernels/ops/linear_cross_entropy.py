@@ -22,9 +22,8 @@ in the input dtype, ``lse`` ``[T]`` and the ``[T, 4]`` statistics, and in backwa
 than one chunk, dW's fp32 sum and one chunk's 16-bit ``[V_local, h]`` product (6 bytes a weight element, weight-sized:
 the price of not rounding the running sum to 16 bits every chunk): independent of the token count at a fixed chunk.
 Against the unfused head's ``[T, V_local]`` logits and their gradient (4 bytes an element in 16 bits) that saves
-memory from ``T > 1.5 h`` tokens a micro-batch. Measured on the CPU at V = 128256, h = 1024: 2.2x less peak in bf16
-at 4k tokens, 8.5x at 16k, at 0.70-0.84x the unfused head's speed
-(benchmarks/results/2026-12-02-cpu-epyc-linear-cross-entropy.md).
+memory from ``T > 1.5 h`` tokens a micro-batch (``megakernels bench --ops cross_entropy`` and the linear + CE
+benchmark script measure it; docs/benchmarks.md has the recorded runs).
 
 Precision: the GEMMs run in the input dtype with fp32 accumulation and the loss math is fp32, as
 ``F.linear`` + ``ops.cross_entropy``. dW is accumulated over chunks in fp32 (``addmm`` for fp32; for bf16/fp16

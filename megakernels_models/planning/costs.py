@@ -282,10 +282,10 @@ DEVICES = {
     ),
 }
 # The host AdamW step (``--offload-optimizer``) per parameter of a rank, in ns: a property of the host (its cores and
-# memory bandwidth per rank), not of the GPU. The default is plain data: the 5.6 ns per parameter that
-# ``megakernels bench --ops adamw_offload`` measured for our C++ CPU AdamW (bf16, 64 tensors of 1M) on the 2-core
-# development machine on 2026-12-01, a pessimistic figure for a training node, where each rank has several cores;
-# measure the target host with the same command and pass it to ``megakernels plan --host-adamw-ns``.
+# memory bandwidth per rank), not of the GPU. The default is plain data: what ``megakernels bench --ops
+# adamw_offload`` measured for our C++ CPU AdamW (bf16, 64 tensors of 1M) on a 2-core development machine, a
+# pessimistic figure for a training node, where each rank has several cores; measure the target host with the same
+# command and pass it to ``megakernels plan --host-adamw-ns``.
 HOST_ADAMW_NS_PER_PARAM = 5.6
 # Allowance beyond the model: the CUDA context, NCCL and cuBLAS workspaces, and allocator fragmentation.
 RESERVED_GB, FRAGMENTATION = 2.0, 0.10

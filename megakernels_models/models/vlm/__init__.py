@@ -237,8 +237,8 @@ _TINY = dict(
 PRESETS = {
     # For the CPU: a 2-layer 64-wide ViT over 32×32 images and a 4-layer GPT; vlm-tiny reads 16-pixel patches (a 2×2
     # grid, one per cell of the embedded shapes) and trains with the contrastive loss beside the captions' (with
-    # 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes:
-    # benchmarks/results/2026-12-01-cpu-vlm-caption.md). The same encoder at 8-pixel patches (16 image tokens) with
+    # 8-pixel patches, or without it, its default run of 300 steps did not learn to read the shapes). The same encoder
+    # at 8-pixel patches (16 image tokens) with
     # Flamingo-style gated cross-attention every second layer over a tiny Llama.
     "vlm-tiny": VLMConfig(lm="gpt", **{**_TINY, "patch_size": 16}, contrastive_coeff=0.5),
     "vlm-llama-tiny": VLMConfig(lm="llama", **{**_TINY, "num_kv_heads": 2}, cross_attention_every=2),
