@@ -103,17 +103,19 @@ class Watchdog:
         launcher: int | None = None,
         end_stale_peers: bool = False,
         program: str = PROGRAM,
+        clock=time.monotonic,
     ):
         if not timeout > 0:
             raise ValueError(f"Watchdog: timeout must be > 0 seconds, got {timeout}")
         self.timeout, self.rank, self.liveness_dir, self.program = float(timeout), rank, liveness_dir, program
+        self._clock = clock  # seconds, monotonic (a test's own clock drives ``check``)
         self.interval = interval(self.timeout)
         self._end_stale_peers = end_stale_peers
         # What else the line should say when the watchdog fires (e.g. ``nodes.NodeMap.report``: the nodes that are
         # lost); called on the watchdog's thread, so it must return in bounded time.
         self.explain = None
         self._launcher = _ProcessWatch(launcher) if launcher is not None else None
-        self._state = (time.monotonic(), "start", None)  # (time of the last progress, phase, step)
+        self._state = (clock(), "start", None)  # (time of the last progress, phase, step)
         self._lock = threading.Lock()  # progress and the thread both write the record
         self._record: liveness.Record | None = None
         self._previous: Watchdog | None = None  # the process's watchdog before this one started
@@ -125,7 +127,7 @@ class Watchdog:
     def progress(self, phase: str, step: int | None = None) -> None:
         """The rank starts ``phase`` (of step ``step``; None keeps the previous step)."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             self._state = (now, phase, self._state[2] if step is None else step)
             if self._record is not None:  # a memory write: the record names the phase even if the rank stops now
                 self._record.write(self.rank, self._state, now)
@@ -140,7 +142,7 @@ class Watchdog:
         global _active
         if self.liveness_dir is not None:
             self._record = liveness.Record.create(self.liveness_dir, self.rank)
-        self._beat(time.monotonic())
+        self._beat(self._clock())
         if self._launcher is not None and self._launcher.gone():
             self._launcher_gone()
         self._previous, _active = _active, self
@@ -171,7 +173,7 @@ class Watchdog:
         """When this rank fails under torchrun (``end_stale_peers``; nothing otherwise): print which local peers
         stopped responding and SIGKILL them."""
         if self._end_stale_peers:
-            peers, stale, ended = self._report_peers(time.monotonic())
+            peers, stale, ended = self._report_peers(self._clock())
             if stale:
                 _say(f"{self.program}: rank {self.rank}: {peers}{ended}")
 
@@ -179,13 +181,18 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            now = time.monotonic()
-            self._beat(now)
-            if self._launcher is not None and self._launcher.gone():
-                self._launcher_gone()
-            since, phase, step = self._state
-            if now - since > self.timeout:
-                self._fire(now - since, phase, step)
+            self.check()
+
+    def check(self) -> None:
+        """One look of the thread (every ``interval``): write the heartbeat, end the rank when its launcher is gone
+        or it made no progress for ``timeout`` seconds."""
+        now = self._clock()
+        self._beat(now)
+        if self._launcher is not None and self._launcher.gone():
+            self._launcher_gone()
+        since, phase, step = self._state
+        if now - since > self.timeout:
+            self._fire(now - since, phase, step)
 
     def _beat(self, now: float) -> None:
         with self._lock:
@@ -209,7 +216,7 @@ class Watchdog:
         )
 
     def _fire(self, age: float, phase: str, step: int | None) -> None:
-        now = time.monotonic()
+        now = self._clock()
         line = (
             f"rank {self.rank}: no progress for {age:.1f} s (timeout {self.timeout:g} s) in "
             f"{liveness.where(phase, step)}"

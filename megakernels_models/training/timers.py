@@ -60,8 +60,9 @@ def _reset_rss_peak() -> None:
 class StepTimers:
     """Per-step phase times and peak memory of this rank (see the module docstring); a no-op when disabled."""
 
-    def __init__(self, enabled: bool, device: torch.device):
-        self.enabled, self.device = bool(enabled), torch.device(device)
+    def __init__(self, enabled: bool, device: torch.device, clock=time.perf_counter):
+        """``clock``: seconds on the host (CPU runs; a GPU's phases are timed by CUDA events)."""
+        self.enabled, self.device, self._clock = bool(enabled), torch.device(device), clock
         if not self.enabled:
             return
         self._cuda = self.device.type == "cuda"
@@ -76,7 +77,7 @@ class StepTimers:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             return e
-        return time.perf_counter()
+        return self._clock()
 
     def _seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self._cuda else b - a

@@ -6,7 +6,6 @@ and the trainer's optional step timers."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -75,8 +74,8 @@ def test_eager_llama_equals_transformers_llama():
     """An independent reference for the eager Llama's conventions (half-rotation RoPE of base theta, key/value head
     i serving query heads i·g .. i·g+g-1, RMSNorm eps, gate/up/down): transformers' LlamaForCausalLM with the
     same weights gives the same loss."""
-    transformers = pytest.importorskip("transformers")
     import torch.nn.functional as F
+    import transformers
 
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(
@@ -225,16 +224,30 @@ def test_disabled_timers_change_nothing():
     assert rec == {}
 
 
+class FakeClock:
+    """A host clock the test advances: each phase takes exactly the time the test says."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_enabled_timers_split_a_step_into_phases():
-    timers = StepTimers(True, torch.device("cpu"))
-    fwd = timers.wrap_forward(lambda: time.sleep(0.02))
-    exchange = timers.exchange_hook(lambda: time.sleep(0.01))  # what the pipeline executor wraps
+    clock = FakeClock()
+    timers = StepTimers(True, torch.device("cpu"), clock=clock)
+    fwd = timers.wrap_forward(lambda: clock.advance(0.02))
+    exchange = timers.exchange_hook(lambda: clock.advance(0.01))  # what the pipeline executor wraps
     timers.start()
     fwd()
     exchange()
-    time.sleep(0.01)  # "backward"
+    clock.advance(0.01)  # "backward"
     timers.mark("pipeline")
-    time.sleep(0.01)
+    clock.advance(0.01)
     timers.mark("communication")
     timers.mark("optimizer")
     rec = {}
@@ -242,6 +255,9 @@ def test_enabled_timers_split_a_step_into_phases():
     (mine,) = rec["step_timers"]["per_rank"]
     v = dict(zip(rec["step_timers"]["fields"], mine))
     assert list(rec["step_timers"]["fields"]) == list(FIELDS)
-    assert v["forward"] >= 0.02 and v["backward"] >= 0.01 and v["communication"] >= 0.01 and v["bubble"] >= 0.01
-    assert v["total"] == pytest.approx(sum(v[p] for p in PHASES)) and v["peak_memory_bytes"] > 0
+    phases = {p: v[p] for p in ("forward", "backward", "bubble", "communication", "optimizer")}
+    assert phases == pytest.approx(
+        {"forward": 0.02, "backward": 0.01, "bubble": 0.01, "communication": 0.01, "optimizer": 0.0}, abs=1e-9
+    )
+    assert v["total"] == pytest.approx(0.05) == pytest.approx(sum(v[p] for p in PHASES)) and v["peak_memory_bytes"] > 0
     fwd()  # outside a step: not counted

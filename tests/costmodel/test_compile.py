@@ -7,11 +7,10 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 
 def test_default_configs_compile_and_fit_for_sm80():
-    pytest.importorskip("triton")
+    import triton  # noqa: F401  (the cost model compiles with it)
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-m", "costmodel.compile_check", "--arch", "80", "--defaults"],

@@ -32,7 +32,8 @@ def _env() -> dict:
 
 @pytest.fixture(scope="session")
 def key_rows(tmp_path_factory) -> list[dict]:
-    pytest.importorskip("triton")
+    import triton  # noqa: F401  (the cost model compiles with it)
+
     if compiled.nvcc() is None or sass.find_tool("cuobjdump") is None:
         pytest.skip("static analysis needs nvcc and cuobjdump")
     out = tmp_path_factory.mktemp("static") / "rows.json"

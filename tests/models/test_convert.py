@@ -9,8 +9,7 @@ import re
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the test extra)
 
 from megakernels_models import convert  # noqa: E402
 from megakernels_models.cli import main  # noqa: E402

@@ -13,8 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the test extra)
 
 from megakernels_models import convert  # noqa: E402
 from megakernels_models.cli import main  # noqa: E402

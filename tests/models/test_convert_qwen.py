@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the test extra)
 
 from megakernels_models import convert  # noqa: E402
 from megakernels_models.training import checkpoint  # noqa: E402

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.models.preemption_harness import DEADLINE_S, TINY_FLAGS, Run, SyncDir
+from tests.models.preemption_harness import TINY_FLAGS, Run, SyncDir
 
 TIMEOUT_S = 10  # --timeout: room for a loaded machine's startup, which the watchdog also times
 FLAGS = TINY_FLAGS + ["--steps", "100000", "--timeout", str(TIMEOUT_S)]
@@ -45,15 +45,15 @@ def _end(pids) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _stop_rank_1_and_time_the_exit(proc: subprocess.Popen, sync: SyncDir) -> tuple[list[int], float, str]:
-    """Stop rank 1 while both ranks are held after step 2, let rank 0 go on, and wait for the job's exit: the ranks'
-    pids, the seconds from the stop to the exit, and the job's stderr."""
+def _stop_rank_1_and_wait_for_the_exit(proc: subprocess.Popen, sync: SyncDir) -> tuple[list[int], str]:
+    """Stop rank 1 while both ranks are held after step 2, let rank 0 go on, and wait for the job's exit for twice
+    the job's own --timeout (the watchdog's bound; a later exit fails as TimeoutExpired): the ranks' pids and the
+    job's stderr."""
     pids = sync.wait_for("step-2", [0, 1])
     os.kill(pids[1], signal.SIGSTOP)
-    stopped = time.monotonic()
     sync.release("step-2")
-    _, err = proc.communicate(timeout=DEADLINE_S)  # a hang would end here as a TimeoutExpired
-    return pids, time.monotonic() - stopped, err
+    _, err = proc.communicate(timeout=2 * TIMEOUT_S)
+    return pids, err
 
 
 def test_a_stopped_rank_ends_the_spawned_job_within_twice_the_timeout_and_is_named(tmp_path, monkeypatch):
@@ -61,9 +61,8 @@ def test_a_stopped_rank_ends_the_spawned_job_within_twice_the_timeout_and_is_nam
     run = Run(FLAGS + ["--nproc", "2"], str(tmp_path / "sync"), holds=("step-2",))
     pids = []
     try:
-        pids, elapsed, err = _stop_rank_1_and_time_the_exit(run.proc, run.sync)
+        pids, err = _stop_rank_1_and_wait_for_the_exit(run.proc, run.sync)
         assert run.proc.returncode == 1, err[-3000:]
-        assert elapsed < 2 * TIMEOUT_S, f"{elapsed:.1f} s:\n{err[-3000:]}"
         assert "a rank failed" in err and f"rank 1 (pid {pids[1]}) stopped responding" in err, err[-3000:]
         assert "last in phase 'held at step-2' (step 2)" in err, err[-3000:]
         _wait_gone(pids, 5.0)  # reaped by the launcher before it exited
@@ -119,9 +118,8 @@ def test_a_stopped_rank_ends_a_torchrun_job_within_twice_the_timeout(tmp_path):
     )
     pids = []
     try:
-        pids, elapsed, err = _stop_rank_1_and_time_the_exit(proc, sync)
+        pids, err = _stop_rank_1_and_wait_for_the_exit(proc, sync)
         assert proc.returncode != 0, err[-3000:]
-        assert elapsed < 2 * TIMEOUT_S, f"{elapsed:.1f} s:\n{err[-3000:]}"
         # rank 0 names the rank that stopped and ends it (torchrun's agent would give it 30 s to act on SIGTERM)
         assert f"rank 1 (pid {pids[1]}) stopped responding" in err and "ended unresponsive rank 1" in err, err[-3000:]
         _wait_gone(pids, 5.0)

@@ -155,7 +155,8 @@ def test_half_layout_is_huggingface_llama_rotate_half(backend):
 
 
 def test_half_layout_with_transformers_own_cos_sin_is_exact_to_fp32(backend):
-    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from transformers.models.llama import modeling_llama as modeling
+
     q, k = qk((1, 10, 4, 32), 2, torch.float32, backend.device)
     pos = torch.arange(10)
     d = 32

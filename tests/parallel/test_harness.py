@@ -100,30 +100,26 @@ def test_env_init_lets_the_function_initialise_like_torchrun():
 
 def test_a_raising_rank_fails_the_parent_with_its_traceback(monkeypatch):
     ports = harness.record_store_ports(monkeypatch)
-    start = time.monotonic()
-    with pytest.raises(AssertionError, match="rank 1 raised") as info:
+    with pytest.raises(AssertionError, match="rank 1 raised") as info:  # not "timed out": it did not wait
         run_world(2, _rank_one_raises, timeout=60)
     assert "deliberate failure on rank one" in str(info.value)
     assert "_rank_one_raises" in str(info.value)  # the traceback, not just the message
-    assert time.monotonic() - start < 30
+    assert "timed out" not in str(info.value)
     _no_children_left()
     assert len(ports) == 1 and _port_released(ports[0])
 
 
 def test_a_dying_rank_fails_the_parent_instead_of_hanging():
-    start = time.monotonic()
-    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
+    with pytest.raises(AssertionError, match="rank 1 died with exit code 7") as info:  # before the timeout
         run_world(2, _rank_one_exits, timeout=60)
-    assert time.monotonic() - start < 30
+    assert "timed out" not in str(info.value)
     _no_children_left()
 
 
 def test_a_hanging_world_times_out():
-    start = time.monotonic()
     # Rank 1 returns at once, unless a loaded machine made its start-up alone outlast the timeout.
     with pytest.raises(AssertionError, match=r"timed out after 5 s; ranks \[0(, 1)?\] had not finished"):
         run_world(2, _rank_zero_hangs, timeout=5)
-    assert time.monotonic() - start < 15
     _no_children_left()
 
 

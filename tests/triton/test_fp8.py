@@ -30,8 +30,6 @@ import sys
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
 import megakernels  # noqa: E402
 from megakernels.ops import fp8 as ops  # noqa: E402
 from megakernels.triton import install_interpreter_fp8_casts, interpreting  # noqa: E402

@@ -14,8 +14,6 @@ import math
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
 from megakernels.triton import interpreting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
