@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import typing
 
 
@@ -80,12 +81,19 @@ def _choices(f):
     return tuple(c()) if callable(c) else c
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    """``typing.get_type_hints(cls)``, once a class: it evaluates every annotation of the class and its bases, and
+    building a parser asks it of every field (quadratic in the number of settings without the cache)."""
+    return typing.get_type_hints(cls)
+
+
 def _type(cls, f):
     if f.metadata.get("type") is not None:
         return f.metadata["type"]
     if f.default is not None and f.default is not dataclasses.MISSING:
         return type(f.default)
-    hint = typing.get_type_hints(cls)[f.name]
+    hint = _hints(cls)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if len(args) == 1 and args[0] in (int, float, str, bool):
         return args[0]
@@ -94,7 +102,7 @@ def _type(cls, f):
 
 def _optional(cls, f) -> bool:
     """Whether ``f`` of ``cls`` may be None (its default is, or its annotation says so)."""
-    return f.default is None or type(None) in typing.get_args(typing.get_type_hints(cls)[f.name])
+    return f.default is None or type(None) in typing.get_args(_hints(cls)[f.name])
 
 
 _EXPECTED = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
