@@ -62,6 +62,8 @@ import torch.multiprocessing as mp
 from megakernels.parallel import liveness, nodes, watchdog
 
 HOST = "127.0.0.1"
+# The most ranks ``run_world`` starts on this machine (``megakernels train --nproc`` is refused past it).
+MAX_LOCAL_RANKS = 64
 _POLL_S = 0.05
 # After a rank's exit code is visible, how long its result may still be in flight through the queue's pipe.
 _DRAIN_S = 2.0
@@ -334,7 +336,7 @@ def run_world(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
 
     Args:
-        world_size: number of processes (1..64).
+        world_size: number of processes (1..``MAX_LOCAL_RANKS``).
         fn: a module-level (picklable) function; its return value must be picklable.
         args: extra picklable arguments passed to every rank.
         timeout: seconds for each collective and the rendezvous; also for the whole world (startup included)
@@ -359,8 +361,8 @@ def run_world(
         WorldFailed: a rank raised (its traceback is in the message), died, stopped responding, or the world timed
             out.
     """
-    if not 1 <= int(world_size) <= 64:
-        raise ValueError(f"run_world: world_size must be in 1..64, got {world_size}")
+    if not 1 <= int(world_size) <= MAX_LOCAL_RANKS:
+        raise ValueError(f"run_world: world_size must be in 1..{MAX_LOCAL_RANKS}, got {world_size}")
     if init not in ("store", "env"):
         raise ValueError(f"run_world: init must be 'store' or 'env', got {init!r}")
     if watch is not None and not watch > 0:
