@@ -337,7 +337,8 @@ class _Settings:
     )
     exit_signal: str = setting(
         "SIGTERM",
-        "on this signal every rank finishes its step, saves (with --save) and exits 0 (SIGUSR1: Slurm's --signal)",
+        "on this signal every rank finishes its step, saves (with --save) and exits 0 (SIGUSR1: Slurm's --signal); "
+        "Ctrl-C (SIGINT) does the same whatever this is, and a second Ctrl-C ends the run at once without saving",
         LOGS,
         choices=SIGNALS,
     )
