@@ -29,6 +29,9 @@ from megakernels_models.training.preemption import SIGNALS
 FP8_RECIPES = tuple(RECIPES)
 FP8_BASES = ("bf16", "fp32")
 DEVICES = ("cpu", "cuda")
+# --timeout's default: Megatron-LM's (--distributed-timeout-minutes 10), long enough for a large checkpoint's save or
+# load and a first step's compilation, which report no progress while they run.
+DEFAULT_TIMEOUT_S = 600.0
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
 MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
@@ -355,9 +358,11 @@ class _Settings:
         None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on the CPU)", LOGS
     )
     timeout: float = setting(
-        600.0,
-        "seconds a rank may go without progress (a step phase, a collective, a save) "
-        "before the watchdog ends the job, naming the rank that stopped responding",
+        DEFAULT_TIMEOUT_S,
+        "seconds a rank may go without progress (a step phase, a collective, a save, a checkpoint load) before the "
+        "job is ended, naming the rank that stopped responding: a hung or stopped rank ends the job after about "
+        f"this long (default: {DEFAULT_TIMEOUT_S:.0f} s, {DEFAULT_TIMEOUT_S / 60:.0f} minutes, as Megatron-LM's "
+        "--distributed-timeout-minutes)",
         LOGS,
     )
     gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)

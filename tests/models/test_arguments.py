@@ -365,3 +365,25 @@ def test_a_dry_run_plans_any_world_and_the_run_creates_its_output_paths(tmp_path
     validate(parse_train_args(["--save", str(save), "--log-jsonl", str(log), "--tensorboard", str(tb)]))
     assert save.is_dir() and log.is_file() and log.read_text() == "" and tb.is_dir()
     assert sorted(p.name for p in save.iterdir()) == []  # the probe's file is gone
+
+
+def test_the_timeout_default_is_what_help_says_and_what_the_launcher_gets(monkeypatch, capsys):
+    """--help states the default (seconds and minutes: Megatron-LM's 10), and a run without --timeout hands that
+    many seconds to the launcher, which ends a job whose rank stopped after that long (tests/models/test_hangs.py
+    stops a rank under a short --timeout)."""
+    import re
+
+    from megakernels.parallel import launch
+    from megakernels_models.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    said = re.search(r"--timeout X .*?\(default: (\d+) s, (\d+) minutes", text)
+    assert said is not None, text
+    assert float(said.group(1)) == TrainArgs().timeout == 60 * float(said.group(2)) == 600.0
+    got = {}
+    monkeypatch.setattr(launch, "launch", lambda fn, *a, **k: got.update(k) or [])
+    assert main(["train", "--steps", "1"]) == 0
+    assert got["timeout"] == 600.0 and got["nproc"] == 1
