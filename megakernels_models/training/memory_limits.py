@@ -126,13 +126,18 @@ def _check_weights(args, cfg, ranks: int, host: dict, skip: str) -> None:
             f"{human(limit, 'B')} available ({source}){skip}"
         )
     if args.device == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        free, total = device_memory(index)
-        if share > free:
-            raise ArgumentError(
-                f"the model needs at least {human(share, 'B')} per GPU ({what}) but cuda:{index} has "
-                f"{human(free, 'B')} free of {human(total, 'B')}{skip}"
-            )
+        _check_gpu(f"at least {human(share, 'B')}", share, what, skip)
+
+
+def _check_gpu(amount: str, need: float, what: str, skip: str) -> None:
+    """Refuse ``need`` bytes per GPU (said as ``amount``, for ``what``) more than this rank's GPU has free."""
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    free, total = device_memory(index)
+    if need > free:
+        raise ArgumentError(
+            f"the model needs {amount} per GPU ({what}) but cuda:{index} has {human(free, 'B')} free of "
+            f"{human(total, 'B')}{skip}"
+        )
 
 
 def check(args, cfg) -> None:
@@ -171,11 +176,5 @@ def check(args, cfg) -> None:
             f"but a process may use {human(limit, 'B')} ({source}){skip}"
         )
     if args.device == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        free, total = device_memory(index)
-        if need["device"] > free:
-            raise ArgumentError(
-                f"the model needs about {human(need['device'], 'B')} per GPU (model state and "
-                f"activations, the --dry-run estimate) but cuda:{index} has {human(free, 'B')} free "
-                f"of {human(total, 'B')}{skip}"
-            )
+        what = "model state and activations, the --dry-run estimate"
+        _check_gpu(f"about {human(need['device'], 'B')}", need["device"], what, skip)
