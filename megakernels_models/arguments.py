@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tempfile
 
 import torch
 
@@ -28,6 +29,9 @@ from megakernels_models.training.preemption import SIGNALS
 FP8_RECIPES = tuple(RECIPES)
 FP8_BASES = ("bf16", "fp32")
 DEVICES = ("cpu", "cuda")
+# --timeout's default: Megatron-LM's (--distributed-timeout-minutes 10), long enough for a large checkpoint's save or
+# load and a first step's compilation, which report no progress while they run.
+DEFAULT_TIMEOUT_S = 600.0
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
 MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
@@ -336,7 +340,8 @@ class _Settings:
     )
     exit_signal: str = setting(
         "SIGTERM",
-        "on this signal every rank finishes its step, saves (with --save) and exits 0 (SIGUSR1: Slurm's --signal)",
+        "on this signal every rank finishes its step, saves (with --save) and exits 0 (SIGUSR1: Slurm's --signal); "
+        "Ctrl-C (SIGINT) does the same whatever this is, and a second Ctrl-C ends the run at once without saving",
         LOGS,
         choices=SIGNALS,
     )
@@ -353,9 +358,11 @@ class _Settings:
         None, "device peak TFLOP/s for MFU (default: a GPU table, or measured on the CPU)", LOGS
     )
     timeout: float = setting(
-        600.0,
-        "seconds a rank may go without progress (a step phase, a collective, a save) "
-        "before the watchdog ends the job, naming the rank that stopped responding",
+        DEFAULT_TIMEOUT_S,
+        "seconds a rank may go without progress (a step phase, a collective, a save, a checkpoint load) before the "
+        "job is ended, naming the rank that stopped responding: a hung or stopped rank ends the job after about "
+        f"this long (default: {DEFAULT_TIMEOUT_S:.0f} s, {DEFAULT_TIMEOUT_S / 60:.0f} minutes, as Megatron-LM's "
+        "--distributed-timeout-minutes)",
         LOGS,
     )
     gpus_per_node: int = setting(8, "GPUs per node, for --dry-run's and megakernels plan's layout checks", LAYOUT)
@@ -581,6 +588,71 @@ def _naming_the_file(args, message: str) -> str:
 TIMEOUT_RANGE = (1.0, 365 * 86400.0)
 
 
+def _check_local_ranks(a: TrainArgs) -> None:
+    """``--nproc`` spawns that many processes on this machine: at most ``launch.MAX_LOCAL_RANKS`` (a dry run only
+    plans for the world, and under torchrun ``--nproc`` starts nothing)."""
+    from megakernels.parallel.launch import MAX_LOCAL_RANKS
+
+    if a.nproc > MAX_LOCAL_RANKS and not a.dry_run and "WORLD_SIZE" not in os.environ:
+        raise ArgumentError(
+            f"--nproc {a.nproc} is more than the {MAX_LOCAL_RANKS} local processes megakernels train spawns on "
+            "one machine: launch a larger world with torchrun on several nodes (--dry-run --nproc N plans any size)"
+        )
+
+
+def _writable_dir(flag: str, path: str) -> None:
+    """Create directory ``path`` (and its parents) as the run would, and write a file in it.
+
+    Raises:
+        ArgumentError: ``path`` cannot be created or written (the reason and the path named).
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ArgumentError(f"{flag} {path!r} cannot be written: {e.strerror or e} ({e.filename or path})") from None
+
+
+def _writable_file(flag: str, path: str) -> None:
+    """Open ``path`` for appending as the run's log would (creating it and its directory).
+
+    Raises:
+        ArgumentError: ``path`` is a directory, or cannot be created or appended to (the reason named).
+    """
+    if os.path.isdir(path):
+        raise ArgumentError(f"{flag} {path!r} is a directory, not a file")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ArgumentError(f"{flag} {path!r} cannot be written: {e.strerror or e} ({e.filename or path})") from None
+
+
+def check_output_paths(a: TrainArgs) -> None:
+    """What the run will write can be written, before any process starts: ``--log-jsonl`` (a dry run's report
+    too) is opened for appending, ``--save`` and ``--tensorboard`` directories are created and written to (the run
+    creates them anyway). A failure later in the run stays a warning (``TrainLogger``) or a failed save
+    (``--max-save-failures``). Skipped inside a process that already holds a ``torch.distributed`` world: its
+    caller validated before making it.
+
+    Raises:
+        ArgumentError: a path that cannot be created or written, naming the flag, the path and the reason.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if a.log_jsonl:
+        _writable_file("--log-jsonl", a.log_jsonl)
+    if a.dry_run:
+        return
+    for flag, path in (("--save", a.save), ("--tensorboard", a.tensorboard)):
+        if path:
+            _writable_dir(flag, path)
+
+
 PACKING_SETTINGS = ("document_masking", "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "sft")
 
 
@@ -638,11 +710,12 @@ def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
         raise ArgumentError(f"--sft keeps each conversation's positions and attention apart already; drop {given[0]}")
 
 
-def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
+def validate(a: TrainArgs, *, check_memory: bool = True, check_outputs: bool = True) -> ModelConfig:
     """Check every argument and their combinations; return the model configuration. Fills in the defaults that
     depend on other settings (``warmup_steps``). With ``check_memory`` (and ``--memory-check``, not for
     ``--dry-run``), a model whose estimated memory is more than this machine has is refused
-    (``memory_limits.check``).
+    (``memory_limits.check``). With ``check_outputs``, what the run will write must be writable
+    (``check_output_paths``: it creates the directories and the log file the run would create).
 
     Raises:
         ArgumentError: the first broken rule, naming the flag(s); when a setting it names came from a ``--config``
@@ -654,6 +727,8 @@ def validate(a: TrainArgs, *, check_memory: bool = True) -> ModelConfig:
             from megakernels_models.training.memory_limits import check
 
             check(a, cfg)
+        if check_outputs:
+            check_output_paths(a)
         return cfg
     except ArgumentError as e:
         raise ArgumentError(_naming_the_file(a, str(e))) from None
@@ -683,6 +758,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     positive_int(a.sliding_window, "--sliding-window", minimum=0, allow_none=True, error=ArgumentError)
     positive_int(a.max_save_failures, "--max-save-failures", minimum=0, error=ArgumentError)
     positive_int(a.seed, "--seed", minimum=0, error=ArgumentError)
+    _check_local_ranks(a)
     positive_int(a.rope_original_max_positions, "--rope-original-max-positions", allow_none=True, error=ArgumentError)
     for spec in registry.families():
         if hasattr(spec.settings, "check"):
@@ -746,8 +822,9 @@ def _validate(a: TrainArgs) -> ModelConfig:
         )
     if a.save_interval is not None and a.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
-    if a.save is not None and os.path.exists(a.save) and not os.path.isdir(a.save):
-        raise ArgumentError(f"--save {a.save!r} exists and is not a directory")
+    for flag, path in (("--save", a.save), ("--tensorboard", a.tensorboard)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"{flag} {path!r} exists and is not a directory")
     if a.load is not None:
         from megakernels_models.training.checkpoint import CheckpointError, find_latest
 

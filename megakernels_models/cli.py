@@ -72,13 +72,14 @@ def _run_train(ns: argparse.Namespace) -> int:
     from megakernels_models.training.checkpoint import CheckpointError
     from megakernels_models.training.train import run
 
+    args = None
     try:
         args = _train_args(ns)
         if ns.print_config:
             from megakernels_models.arguments import validate
             from megakernels_models.config_file import dump, resolved
 
-            print(dump(resolved(args, validate(args, check_memory=False))), end="")
+            print(dump(resolved(args, validate(args, check_memory=False, check_outputs=False))), end="")
             return 0
         records = run(args)
     except (ArgumentError, CheckpointError) as e:
@@ -87,6 +88,9 @@ def _run_train(ns: argparse.Namespace) -> int:
     except WorldFailed as e:
         print(f"megakernels train: a rank failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops after the step, saving), or one before training
+        print(_interrupted(args.save if args is not None else getattr(ns, "save", None)), file=sys.stderr)
+        return 130
     if records and not args.dry_run and records[-1].get("failed"):
         return 1  # the run said why (one line) as it stopped
     if records and not args.dry_run:
@@ -109,6 +113,20 @@ def _run_train(ns: argparse.Namespace) -> int:
                 + (f" on the device, {host:.2f} in host memory" if host is not None else "")
             )
     return 0
+
+
+def _interrupted(save: str | None) -> str:
+    """The line of a run ended by SIGINT before it could stop after a step: where it can resume from."""
+    where = ""
+    if save:
+        from megakernels_models.training.checkpoint import CheckpointError, find_latest
+
+        try:
+            latest = find_latest(save)
+        except (CheckpointError, OSError):
+            latest = None
+        where = f"; the latest checkpoint is {latest}" if latest else f"; no checkpoint in {save}"
+    return f"megakernels train: interrupted: ended at once without saving{where}"
 
 
 def _add_train(sub) -> None:

@@ -1,12 +1,14 @@
 // CPU kernels of FlashAttention (flash_attention.h). Torch-free.
 //
 // Every product is an fp32 GEMM on small, zero-padded panels: C[M, N] (+)= A[M, K] B[K, N] with M even and N a
-// multiple of 16, computed by 6-row x 64-column register tiles (GCC vector extensions: 24 accumulators of 16
-// floats, which -march=native maps onto AVX-512 registers) that streams B's rows and broadcasts A's entries. The
-// softmax passes are `omp simd` loops with mk_exp. The bf16 forward on AVX512-BF16 takes dot_gemm instead: the same
-// tiling over vdpbf16ps (two bf16 products a fp32 lane), compiled for that ISA and chosen at run time. Work items are
-// split over threads by the caller (at::parallel_for in csrc/bindings/flash_attention.cpp); each item owns its outputs,
-// so the results do not depend on the thread count.
+// multiple of 16, computed by register tiles that stream B's rows and broadcast A's entries (GCC vector
+// extensions): with AVX-512's 32 registers, 6 rows x 64 columns (24 accumulators of 16 floats); with 16 (AVX2,
+// and any build without AVX-512), 6 rows x 16 columns (12 accumulators of 8 floats): the 64-column tile would
+// need 48 of them there, and its accumulators would live on the stack. The softmax passes are `omp simd` loops
+// with mk_exp. The bf16 forward on AVX512-BF16 takes dot_gemm instead: the same tiling over vdpbf16ps (two bf16
+// products a fp32 lane), compiled for that ISA and chosen at run time. Work items are split over threads by the
+// caller (at::parallel_for in csrc/bindings/flash_attention.cpp); each item owns its outputs, so the results do not
+// depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -33,8 +35,21 @@ using flash_attention::at;
 using flash_attention::kBlockM;
 using flash_attention::kBlockN;
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
+// The GEMM tile's vector: one register of the widest vector unit the build targets (16 floats with AVX-512, else
+// 8), and the most vectors a tile row holds (kTileVectors: 24 or 12 accumulators and a row of B in registers).
+#if defined(__AVX512F__)
+constexpr int kTileLanes = 16;
+constexpr int kTileVectors = 4;
+#else
+constexpr int kTileLanes = 8;
+constexpr int kTileVectors = 2;
+#endif
+typedef float vf __attribute__((vector_size(4 * kTileLanes)));
+typedef float vfu __attribute__((vector_size(4 * kTileLanes), aligned(4), may_alias));
+// 16 floats whatever the ISA: the rows of the 16 x 16 block transpose (loaded and stored in place: no function
+// passes one by value, whose ABI differs between AVX-512 builds and others).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
@@ -45,18 +60,18 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 // exp(x) for x <= 0 (a score minus its row's max or lse); exactly 0 below mk_exp's clamp and for -inf.
 inline float fa_exp(float x) { return x < -87.0f ? 0.0f : mk_exp(x); }
 
-// C[R, 16 NV] (+)= A[R, K] B[K, 16 NV].
+// C[R, kTileLanes NV] (+)= A[R, K] B[K, kTileLanes NV].
 template <int R, int NV, bool ACC>
 inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t kdim) {
   vf acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? vload(c + r * ldc + 16 * v) : vf{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? vload(c + r * ldc + kTileLanes * v) : vf{};
   for (int64_t k = 0; k < kdim; ++k) {
     vf bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + 16 * v);
+    for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + kTileLanes * v);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float x = a[r * lda + k];
@@ -67,28 +82,29 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t ldb, float
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vstore(c + r * ldc + 16 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) vstore(c + r * ldc + kTileLanes * v, acc[r][v]);
 }
 
 template <int R, bool ACC>
 inline void tile_row(int64_t nv, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
                      int64_t kdim) {
-  switch (nv) {
-    case 4: return tile<R, 4, ACC>(a, lda, b, ldb, c, ldc, kdim);
-    case 3: return tile<R, 3, ACC>(a, lda, b, ldb, c, ldc, kdim);
-    case 2: return tile<R, 2, ACC>(a, lda, b, ldb, c, ldc, kdim);
-    default: return tile<R, 1, ACC>(a, lda, b, ldb, c, ldc, kdim);
+  if constexpr (kTileVectors >= 4) {
+    if (nv == 4) return tile<R, 4, ACC>(a, lda, b, ldb, c, ldc, kdim);
+    if (nv == 3) return tile<R, 3, ACC>(a, lda, b, ldb, c, ldc, kdim);
   }
+  if (nv >= 2) return tile<R, 2, ACC>(a, lda, b, ldb, c, ldc, kdim);
+  return tile<R, 1, ACC>(a, lda, b, ldb, c, ldc, kdim);
 }
 
-// C[M, N] (+)= A[M, K] B[K, N]; M % 2 == 0, N % 16 == 0. Tiles of 6 rows x 64 columns (24 accumulators and 4
-// rows of B: 28 of AVX-512's 32 registers; 6 rows ran ~18% faster than 4), the last ones narrower or shorter.
+// C[M, N] (+)= A[M, K] B[K, N]; M % 2 == 0, N % 16 == 0. Tiles of 6 rows x kTileVectors vectors (AVX-512: 24
+// accumulators and 4 vectors of B, 28 of 32 registers; 6 rows ran ~18% faster than 4. Else 12 + 2 of 16), the
+// last ones narrower or shorter.
 template <bool ACC>
 void gemm(int64_t m, int64_t n, int64_t kdim, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
           int64_t ldc) {
-  constexpr int64_t kRows = 6;
-  for (int64_t j = 0; j < n; j += 64) {
-    const int64_t nv = std::min<int64_t>(4, (n - j) / 16);
+  constexpr int64_t kRows = 6, kCols = int64_t(kTileLanes) * kTileVectors;
+  for (int64_t j = 0; j < n; j += kCols) {
+    const int64_t nv = std::min<int64_t>(kTileVectors, (n - j) / kTileLanes);
     int64_t i = 0;
     for (; i + kRows <= m; i += kRows)
       tile_row<kRows, ACC>(nv, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, kdim);
@@ -203,13 +219,13 @@ constexpr vi upper_mask(std::integer_sequence<int, L...>) {
   return vi{upper_lane(S, L)...};
 }
 template <int S>
-inline void transpose_step(vf* r) {
+inline void transpose_step(vf16* r) {
   constexpr vi lo = lower_mask<S>(std::make_integer_sequence<int, 16>{});
   constexpr vi hi = upper_mask<S>(std::make_integer_sequence<int, 16>{});
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i)
     if (!(i & S)) {
-      const vf a = r[i], b = r[i + S];
+      const vf16 a = r[i], b = r[i + S];
       r[i] = __builtin_shuffle(a, b, lo);
       r[i + S] = __builtin_shuffle(a, b, hi);
     }
@@ -220,15 +236,15 @@ inline void transpose_block(const float* src, float* dst) {
   static_assert(kBlockM == kBlockN && kBlockM % 16 == 0, "square score blocks of 16 x 16 tiles");
   for (int64_t i0 = 0; i0 < kBlockM; i0 += 16)
     for (int64_t j0 = 0; j0 < kBlockN; j0 += 16) {
-      vf r[16];
+      vf16 r[16];
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) r[i] = vload(src + (i0 + i) * kBlockN + j0);
+      for (int i = 0; i < 16; ++i) r[i] = *reinterpret_cast<const vf16u*>(src + (i0 + i) * kBlockN + j0);
       transpose_step<8>(r);
       transpose_step<4>(r);
       transpose_step<2>(r);
       transpose_step<1>(r);
 #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) vstore(dst + (j0 + j) * kBlockM + i0, r[j]);
+      for (int j = 0; j < 16; ++j) *reinterpret_cast<vf16u*>(dst + (j0 + j) * kBlockM + i0) = r[j];
     }
 }
 

@@ -7,8 +7,8 @@
   written), so kernels that update in place (AdamW, ``add_``) can show more than 100% of it there.
 - GEMM FLOP/s per dtype: ``a @ b`` on square ``n x n`` matrices (2048 on the CPU, 8192 on a GPU, 512 quick),
   ``2 n^3`` FLOPs per product. fp32 on a GPU is measured as torch is configured (TF32 off by default, so plain
-  fp32). On the CPU the faster of ``torch.mm`` and ``megakernels.ops.gemm.mm`` (oneDNN, which the package's
-  fp32 layers use: about twice MKL's rate on AMD CPUs). FlashAttention's ceiling is the GEMM rate in its dtype.
+  fp32). On the CPU the faster of ``torch.mm`` and ``megakernels.ops.gemm.mm`` where the package's fp32 layers
+  take oneDNN (``gemm.route()``: measured on this machine). FlashAttention's ceiling is the GEMM rate in its dtype.
 
 Both are medians of calibrated repeats (``common.median_seconds``), so a busy machine lowers them as it lowers the
 kernels measured beside them.

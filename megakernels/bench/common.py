@@ -159,15 +159,17 @@ def git_commit() -> str:
 
 
 def machine(device: str = "cpu") -> dict:
-    """CPU name, torch threads and version, git commit, date, device (and GPU name) for a results file."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """The machine of a results file: the CPU's model and instruction-set flags (``megakernels.machine.cpu``), torch
+    threads and version, git commit, date, device (and GPU name), and the fp32 CPU GEMM route the package's layers
+    take with the measurement that chose it (``megakernels.ops.gemm.describe``)."""
+    from megakernels import machine as this
+    from megakernels.ops import gemm
+
+    cpu = this.cpu()
     info = {
-        "cpu": cpu,
+        "cpu": cpu["model"],
+        "cpu_flags": cpu["flags"],
+        "cpu_gemm": gemm.describe(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "commit": git_commit(),
@@ -182,7 +184,11 @@ def machine(device: str = "cpu") -> dict:
 
 def machine_line(info: dict) -> str:
     where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
-    return f"# {where}, torch {info['torch']}, commit {info['commit'] or 'unknown'}"
+    line = f"# {where}, torch {info['torch']}, commit {info['commit'] or 'unknown'}"
+    route = info.get("cpu_gemm")
+    if route and "gpu" not in info:
+        line += f"; fp32 GEMM route {route['route']} ({route['source']})"
+    return line
 
 
 # ---- arguments -------------------------------------------------------------------------------------------------

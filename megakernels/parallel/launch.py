@@ -62,6 +62,8 @@ import torch.multiprocessing as mp
 from megakernels.parallel import liveness, nodes, watchdog
 
 HOST = "127.0.0.1"
+# The most ranks ``run_world`` starts on this machine (``megakernels train --nproc`` is refused past it).
+MAX_LOCAL_RANKS = 64
 _POLL_S = 0.05
 # After a rank's exit code is visible, how long its result may still be in flight through the queue's pipe.
 _DRAIN_S = 2.0
@@ -154,6 +156,7 @@ def _child(
     launcher: int,
     watch: tuple[float, str] | None,
     stacks: str | None = None,
+    signals: tuple[int, ...] = (),
     env: dict | None = None,
     cwd: str | None = None,
     stdout=None,
@@ -161,6 +164,8 @@ def _child(
 ) -> None:
     # First, before anything that can take time: a rank dies with its launcher, whatever killed it.
     watchdog.die_with(launcher)
+    if signals:
+        _leave_launchers_group(signals)
     if stdout is not None:  # forked from the fork server: write where the launcher writes
         _adopt_stdio(stdout, stderr)
     if stacks is not None:
@@ -211,6 +216,18 @@ def _child(
     finally:
         results.close()
         results.join_thread()
+
+
+def _leave_launchers_group(signals: tuple[int, ...]) -> None:
+    """Hold ``signals`` (blocked: one that arrives waits, neither lost nor acting) until the rank's code unblocks
+    them with its handlers in place, and leave the launcher's process group: a signal to the group (a terminal's
+    Ctrl-C, a scheduler's kill of the group) then reaches the launcher alone, which forwards it once to every
+    rank, as torchrun's agent does for its workers (each in a session of its own). The launcher starts the ranks
+    with the signals blocked, so one sent while a rank starts up is held too; this blocks them again for a rank
+    forked by a fork server started earlier."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    with contextlib.suppress(OSError):  # already a group leader: nothing to leave
+        os.setpgid(0, 0)
 
 
 def _answer_stack_requests(directory: str, rank: int) -> None:
@@ -289,9 +306,16 @@ def _leave_fork_server() -> None:
 
 @contextlib.contextmanager
 def _forwarding(signals, procs):
-    """While inside: each of ``signals`` received by this process is sent on to the living ``procs``."""
+    """While inside: each of ``signals`` received by this process is sent on to the living ``procs`` (those started
+    by then: start them inside ``_held``); a second SIGINT is not, it raises ``KeyboardInterrupt`` here (a second
+    Ctrl-C ends the world at once)."""
+    interrupts = []
 
     def forward(signum, frame):
+        if signum == signal.SIGINT:
+            interrupts.append(signum)
+            if len(interrupts) > 1:
+                raise KeyboardInterrupt
         for p in procs:
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -305,6 +329,20 @@ def _forwarding(signals, procs):
     finally:
         for sig, previous in installed.items():
             signal.signal(sig, previous)
+
+
+@contextlib.contextmanager
+def _held(signals):
+    """While inside, ``signals`` are blocked in this thread (delivered on leaving): the processes started inside
+    inherit them blocked, and one that arrives meanwhile is forwarded once they all exist."""
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _stop(procs, grace: float = 1.0) -> None:
@@ -334,7 +372,7 @@ def run_world(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks in a gloo world; return their results.
 
     Args:
-        world_size: number of processes (1..64).
+        world_size: number of processes (1..``MAX_LOCAL_RANKS``).
         fn: a module-level (picklable) function; its return value must be picklable.
         args: extra picklable arguments passed to every rank.
         timeout: seconds for each collective and the rendezvous; also for the whole world (startup included)
@@ -344,7 +382,11 @@ def run_world(
             (torchrun's environment variables are set and ``fn`` initialises the process group).
         threads: CPU threads per rank (``torch.set_num_threads``, ``OMP_NUM_THREADS``).
         forward_signals: signals that this process, while it waits, passes on to every living rank instead of
-            acting on them (the trainer's preemption signal: the ranks save and exit, and so does the launcher).
+            acting on them (the trainer's stop signals: the ranks save and exit, and so does the launcher); a
+            second SIGINT among them is not passed on but raises ``KeyboardInterrupt`` here, ending the world.
+            The ranks hold them blocked from their start (one sent while a rank starts up waits) until ``fn``
+            unblocks them (``signal.pthread_sigmask``) with its handlers in place, and each rank leaves this
+            process's group, so a signal to the whole group reaches each rank once, through this process.
         watch: seconds a rank may go without reporting progress (``megakernels.parallel.watchdog``; ``fn`` must
             call ``watchdog.progress`` more often than that) before its watchdog ends it; this process also ends
             the world when a rank's heartbeat is that old (a stopped process), and says which rank stopped
@@ -359,8 +401,8 @@ def run_world(
         WorldFailed: a rank raised (its traceback is in the message), died, stopped responding, or the world timed
             out.
     """
-    if not 1 <= int(world_size) <= 64:
-        raise ValueError(f"run_world: world_size must be in 1..64, got {world_size}")
+    if not 1 <= int(world_size) <= MAX_LOCAL_RANKS:
+        raise ValueError(f"run_world: world_size must be in 1..{MAX_LOCAL_RANKS}, got {world_size}")
     if init not in ("store", "env"):
         raise ValueError(f"run_world: init must be 'store' or 'env', got {init!r}")
     if watch is not None and not watch > 0:
@@ -379,30 +421,32 @@ def run_world(
         os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         forked = ctx.get_start_method() == "forkserver"
         where = (dict(os.environ), os.getcwd(), _Descriptor(1), _Descriptor(2)) if forked else ()
-        for rank in range(world_size):
-            p = ctx.Process(
-                target=_child,
-                name=f"rank{rank}",
-                daemon=True,
-                args=(
-                    rank,
-                    world_size,
-                    store.port,
-                    init,
-                    timeout,
-                    threads,
-                    results,
-                    fn,
-                    args,
-                    os.getpid(),
-                    None if watch is None else (watch, beats),
-                    stacks,
-                    *where,
-                ),
-            )
-            p.start()
-            procs.append(p)
         with _forwarding(forward_signals, procs):
+            with _held(forward_signals):
+                for rank in range(world_size):
+                    p = ctx.Process(
+                        target=_child,
+                        name=f"rank{rank}",
+                        daemon=True,
+                        args=(
+                            rank,
+                            world_size,
+                            store.port,
+                            init,
+                            timeout,
+                            threads,
+                            results,
+                            fn,
+                            args,
+                            os.getpid(),
+                            None if watch is None else (watch, beats),
+                            stacks,
+                            tuple(forward_signals),
+                            *where,
+                        ),
+                    )
+                    p.start()
+                    procs.append(p)
             return _collect(
                 procs,
                 results,
@@ -596,7 +640,7 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.0):
+def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.0, signals: tuple[int, ...] = ()):
     """Run ``fn(*args)`` on every rank of a ``torch.distributed`` world and return the last rank's result.
 
     The world is torchrun's when this process was started by it (nccl for ``device="cuda"``, each rank on GPU
@@ -612,6 +656,10 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
     Under torchrun, a failing rank also ends its local peers that stopped responding: a stopped process cannot act
     on the agent's SIGTERM, which the agent would wait 30 s for; and in a job of several nodes it names the nodes
     that are lost (``megakernels.parallel.nodes``: each node's local rank 0 holds a beacon the others knock on).
+
+    ``signals`` are those ``fn`` handles (the trainer's stop signals): spawned ranks start with them held and
+    receive them through this process, once each, even when they are sent to the whole process group
+    (``run_world``'s ``forward_signals``); ``fn`` unblocks them with its handlers installed.
 
     Raises:
         ValueError: ``nproc > 1`` with ``device="cuda"`` outside torchrun (one process per GPU is torchrun's job).
@@ -666,8 +714,8 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
             f"launch: nproc={nproc} spawns CPU (gloo) processes; for GPUs use torchrun --nproc-per-node {nproc}"
         )
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    # A preemption signal sent to this launcher (not to the whole process group) reaches the ranks too; they
-    # decide together when to stop (megakernels_models.training.preemption).
+    # A stop signal sent to this launcher or to its whole process group reaches every rank once; they decide
+    # together when to stop (megakernels_models.training.preemption).
     return run_world(
         nproc,
         _call,
@@ -676,6 +724,6 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
         timeout=timeout,
         threads=threads,
         world_timeout=None,
-        forward_signals=(signal.SIGTERM, signal.SIGUSR1),
+        forward_signals=tuple(signals),
         watch=timeout,
     )[-1]

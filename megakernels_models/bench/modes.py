@@ -53,16 +53,18 @@ class PlanCheck(Extension):
 
     def run(self, ns, state) -> int:
         """``megakernels bench --plan-check``; 1 when a rank failed."""
-        from megakernels.bench.common import write_json
+        from megakernels.bench.common import machine, machine_line, write_json
         from megakernels.parallel.launch import WorldFailed
         from megakernels_models.bench import plan_check
 
+        info = machine("cpu")
+        print(machine_line(info))
         try:
             result = plan_check.run(plan_check.default_args(ns.warmup + ns.steps), warmup=ns.warmup)
         except WorldFailed as e:
             print(f"megakernels bench: a rank failed: {e}", file=sys.stderr)
             return 1
-        path = write_json(ns.out, "plan_check.json", result)
+        path = write_json(ns.out, "plan_check.json", {"machine": info, **result})
         if path:
             print(f"wrote {path}")
         return 0

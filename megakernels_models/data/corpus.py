@@ -76,8 +76,10 @@ def _file_bytes(max_bytes: int | None):
 
 
 def cache_dir() -> str:
-    """``$MEGAKERNELS_CACHE`` if set, else ``~/.cache/megakernels``."""
-    return os.environ.get("MEGAKERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megakernels")
+    """``$MEGAKERNELS_CACHE`` if set, else ``~/.cache/megakernels`` (``megakernels.machine.cache_dir``)."""
+    from megakernels.machine import cache_dir as folder
+
+    return folder()
 
 
 def stdlib_prefix(max_bytes: int | None = 32 << 20, root: str | None = None) -> str:

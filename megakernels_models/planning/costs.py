@@ -378,15 +378,29 @@ def params_per_stage(
 
 
 class MetaModel:
-    """The model of ``config`` on the meta device, built once (hashable for the caches)."""
+    """The model of ``config`` on the meta device, built once (hashable for the caches).
+
+    Raises:
+        ArgumentError: a weight of ``config`` would be larger than a tensor can be (2**63 bytes: even the meta
+            device cannot describe it).
+    """
 
     def __init__(self, config: ModelConfig):
         from megakernels.parallel.launch import single_process_world
         from megakernels_models.models.registry import task_for
+        from megakernels_models.settings import ArgumentError
 
         self.config = config
         with single_process_world(parallel=True):
-            self.model = task_for(config).build_chunk(0, device="meta", attention="torch")
+            try:
+                self.model = task_for(config).build_chunk(0, device="meta", attention="torch")
+            except RuntimeError as e:
+                if "overflow" not in str(e):
+                    raise
+                raise ArgumentError(
+                    f"the model's sizes (hidden {config.hidden_size}, ffn {config.ffn_hidden_size}, vocabulary "
+                    f"{config.vocab_size}) make a weight larger than a tensor can be ({e})"
+                ) from None
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.expert_parameters = sum(p.numel() for p in self.model.parameters() if is_expert_parallel(p))
 

@@ -344,7 +344,7 @@ def _reproduce(ns) -> int:
         print(json.dumps(report, indent=1))
     else:
         reproduce.print_report(report)
-    return 0
+    return 0 if report["rows"] else 1  # the rows not reproduced are listed with their reasons
 
 
 def main(ns) -> int:

@@ -31,8 +31,13 @@ sequences of ``s`` tokens:
 - ``mfu``: ``B·s·flops_per_token("none") / (t·n) / peak``, the model FLOPs (no recomputation) against the GPU's
   dense 16-bit peak (``Device.tflops_16``); published as a fraction (0.43), a percentage (43) or with a sign (43%).
 
-A bad cell is one error naming the file, the row (1 = the first after the header), the line and the column; the
-command exits with status 2 and no traceback.
+A row the command cannot reproduce — a bad cell (a ``vpp`` of ``n/a``, a word where a number goes), a published
+layout that does not hold (a global batch that does not split over its data-parallel replicas, GPUs that are no
+multiple of tp·pp·cp), a model that cannot be built — is listed with its reason, which names the file, the row (1 =
+the first after the header), the line and the column, and the other rows are reproduced (as ``megakernels bench
+--static --peer-csv`` lists the rows it cannot model); the command exits with status 1 when no row could be
+reproduced. A file that cannot be read, a header without a required column or a file without rows is one error:
+status 2, no traceback.
 """
 
 from __future__ import annotations
@@ -110,14 +115,15 @@ class Run:
     published: float
     row: dict
     timed: ModelConfig | None = None
+    position: tuple[int, int] = (1, 2)  # (row, line) in its file
 
     @property
     def timed_config(self) -> ModelConfig:
         return self.timed or self.config
 
 
-def _where(path: str, n: int, line: int, column: str) -> str:
-    return f"{path}: row {n} (line {line}), column '{column}'"
+def _where(path: str, n: int, line: int, column: str | None = None) -> str:
+    return f"{path}: row {n} (line {line})" + (f", column '{column}'" if column else "")
 
 
 def device_key(name: str) -> str | None:
@@ -176,6 +182,9 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         value = cell.get(column, "").lower()
         if value == "auto" or (value == "" and empty_is_auto):
             return None
+        if value and not re.fullmatch(r"[0-9.e+]+", value):
+            empty = "the planner's choice" if empty_is_auto else "1"
+            fail(column, f"expected an integer >= 1 or auto (empty: {empty}), got {cell.get(column)!r}")
         return integer(column, 1)
 
     model = choice("model", MODELS)
@@ -267,11 +276,18 @@ def parse_row(raw: dict, path: str = "<csv>", n: int = 1, line: int = 2) -> Run:
         fused_linear_ce=False,  # the published runs hold the logits (Megatron-LM's head)
     )
     row = dict(cell)  # every input column, extra ones included (the report carries them; the model ignores them)
-    return Run(cfg, gpu, num_gpus, per_node, layout, micro is None, vpp is None, metric, published, row, timed=timed)
+    return Run(
+        cfg, gpu, num_gpus, per_node, layout, micro is None, vpp is None, metric, published, row, timed, (n, line)
+    )
 
 
-def read_csv(path: str) -> list[Run]:
-    """Every row of a published-runs CSV; ReproduceError on a missing file, a missing column or a bad cell."""
+def read_rows(path: str) -> tuple[list[Run], list[dict]]:
+    """The rows of a published-runs CSV: ``(runs, rejected)``, ``rejected`` the rows that cannot be read as runs,
+    each ``{"csv", "row", "line", "reason"}`` (the reason names the file, row, line and column).
+
+    Raises:
+        ReproduceError: a missing file, a header without a required column, or no rows.
+    """
     try:
         with open(path, newline="", encoding="utf-8") as f:
             text = f.read()
@@ -283,9 +299,27 @@ def read_csv(path: str) -> list[Run]:
     if missing:
         raise ReproduceError(f"{path}: the header lacks the required column(s) {', '.join(missing)}")
     lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip() and not line.startswith("#")][1:]
-    runs = [parse_row(raw, path, n, lines[n - 1]) for n, raw in enumerate(reader, 1)]
-    if not runs:
+    runs, rejected = [], []
+    for n, raw in enumerate(reader, 1):
+        try:
+            runs.append(parse_row(raw, path, n, lines[n - 1]))
+        except ReproduceError as e:
+            rejected.append({"csv": path, "row": n, "line": lines[n - 1], "reason": str(e)})
+    if not runs and not rejected:
         raise ReproduceError(f"{path}: no rows after the header")
+    return runs, rejected
+
+
+def read_csv(path: str) -> list[Run]:
+    """Every row of a published-runs CSV, all of which must be runs.
+
+    Raises:
+        ReproduceError: a missing file, a missing column, no rows, or the first row that cannot be read
+            (``read_rows``' reason).
+    """
+    runs, rejected = read_rows(path)
+    if rejected:
+        raise ReproduceError(rejected[0]["reason"])
     return runs
 
 
@@ -317,12 +351,23 @@ def _choices(run: Run) -> list[costs.Layout]:
             if v > 1 and (per_replica // m) % L.pp:  # the interleaved schedule runs micro-batches in groups of pp
                 continue
             out.append(dataclasses.replace(L, micro_batch_size=m, vpp=v))
-    return out or [L]
+    if not out:
+        raise ValueError(
+            f"vpp {L.vpp}: the interleaved schedule runs micro-batches in groups of pp = {L.pp}, and no micro_batch "
+            f"({', '.join(map(str, micros))}) makes the {per_replica} sequences of a replica a multiple of {L.pp} "
+            "micro-batches"
+        )
+    return out
 
 
 def predict_run(run: Run, meta: costs.MetaModel | None = None) -> dict:
     """The run's prediction: ``{"layout", "prediction" (costs.predict's), "predicted" (the row's metric),
-    "rel_error", "memory_bytes", "fits"}``; an ``auto`` micro-batch or vpp takes the fastest value that fits."""
+    "rel_error", "memory_bytes", "fits"}``; an ``auto`` micro-batch or vpp takes the fastest value that fits.
+
+    Raises:
+        ValueError: an interleaved layout (vpp > 1) with no micro-batch size that gives a multiple of pp
+            micro-batches.
+    """
     device = costs.DEVICES[run.gpu]
     meta = meta or costs.MetaModel(run.timed_config)
     best = None
@@ -366,18 +411,33 @@ def summary(rel_errors: list[float]) -> dict:
 
 def reproduce(*paths: str) -> dict:
     """The report of one or more CSVs: ``{"csv": [paths], "rows": [input columns + "csv" + the chosen layout +
-    predicted, rel_error, ...], "summary"}`` (one summary over every row)."""
-    runs = [(path, run) for path in paths for run in read_csv(path)]
+    predicted, rel_error, ...], "not_reproduced": [{"csv", "row", "line", "reason"}], "summary"}`` (one summary over
+    every reproduced row; the rows that cannot be read or predicted are listed with the reason, module docstring).
+
+    Raises:
+        ReproduceError: a file that cannot be read, lacks a required column or has no rows (``read_rows``).
+    """
+    runs, rejected = [], []
+    for path in paths:
+        got_runs, got_rejected = read_rows(path)
+        runs += [(path, run) for run in got_runs]
+        rejected += got_rejected
     metas: dict = {}
     rows = []
     for path, run in runs:
-        meta = metas.get(run.timed_config) or metas.setdefault(run.timed_config, costs.MetaModel(run.timed_config))
-        got = predict_run(run, meta)
+        try:
+            meta = metas.get(run.timed_config) or metas.setdefault(run.timed_config, costs.MetaModel(run.timed_config))
+            got = predict_run(run, meta)
+        except ValueError as e:  # the model of the row's sizes cannot be built or priced (ArgumentError included)
+            n, line = run.position
+            rejected.append({"csv": path, "row": n, "line": line, "reason": f"{_where(path, n, line)}: {e}"})
+            continue
         L, pred = got["layout"], got["prediction"]
         rows.append(
             {
                 **run.row,
                 "csv": path,
+                "csv_row": run.position[0],
                 "published_value": run.published,
                 "predicted": got["predicted"],
                 "rel_error": got["rel_error"],
@@ -396,7 +456,13 @@ def reproduce(*paths: str) -> dict:
                 "fits": got["fits"],
             }
         )
-    return {"csv": list(paths), "rows": rows, "summary": summary([r["rel_error"] for r in rows])}
+    rejected.sort(key=lambda r: (paths.index(r["csv"]), r["row"]))
+    return {
+        "csv": list(paths),
+        "rows": rows,
+        "not_reproduced": rejected,
+        "summary": summary([r["rel_error"] for r in rows]),
+    }
 
 
 def _fmt(metric: str, value: float) -> str:
@@ -406,14 +472,17 @@ def _fmt(metric: str, value: float) -> str:
 def print_report(report: dict) -> None:
     rows = report["rows"]
     print(f"{', '.join(report['csv'])}: {len(rows)} published runs through the step-time model")
+    if not rows:
+        _print_rejected(report)
+        return
     print(
         f"{'#':>3} {'model':>5} {'l':>4} {'h':>6} {'gpu':>5} {'GPUs':>5} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>3} "
         f"{'vpp':>3} {'metric':>21} {'published':>10} {'predicted':>10} {'error':>7}"
     )
-    for i, r in enumerate(rows, 1):
+    for r in rows:
         L = r["layout"]
         print(
-            f"{i:>3} {r['model']:>5} {r['num_layers']:>4} {r['hidden']:>6} {r['gpu']:>5} {r['num_gpus']:>5} "
+            f"{r['csv_row']:>3} {r['model']:>5} {r['num_layers']:>4} {r['hidden']:>6} {r['gpu']:>5} {r['num_gpus']:>5} "
             f"{r['tp']:>3} {r['pp']:>3} {L['dp']:>4} {L['micro_batch']:>3} {L['vpp']:>3} "
             f"{r['published_metric']:>21} {_fmt(r['published_metric'], r['published_value']):>10} "
             f"{_fmt(r['published_metric'], r['predicted']):>10} {r['rel_error']:>+7.1%}"
@@ -423,3 +492,12 @@ def print_report(report: dict) -> None:
         f"\n{s['count']} runs: median |error| {s['median_abs_rel_error']:.1%}, "
         f"90th percentile {s['p90_abs_rel_error']:.1%}"
     )
+    _print_rejected(report)
+
+
+def _print_rejected(report: dict) -> None:
+    rejected = report.get("not_reproduced", [])
+    if rejected:
+        print(f"{len(rejected)} row(s) not reproduced:")
+        for r in rejected:
+            print(f"  {r['reason']}")

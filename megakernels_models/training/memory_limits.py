@@ -103,8 +103,47 @@ def estimate(args, cfg) -> dict:
     return {"device": mem["total"], "host": mem["host_optimizer_bytes"] if args.offload_optimizer else 0.0}
 
 
+def weight_bytes(args, cfg) -> float:
+    """A lower bound of the bytes of ``cfg``'s weights in the training's parameter dtype, counted from the shapes
+    without building anything: the linear layers' weights (the active experts' for a MoE layer) and the word
+    embedding once, as ``ModelConfig.forward_flops_per_token`` counts them (2 FLOPs a weight a token); biases,
+    norms, the position table, the vocabulary's padding and an untied output layer left out."""
+    import torch
+
+    flops = cfg.forward_flops_per_token()
+    return (flops["layers_gemm"] + flops["head"]) / 2 * torch.empty((), dtype=args.param_dtype()).element_size()
+
+
+def _check_weights(args, cfg, ranks: int, host: dict, skip: str) -> None:
+    """Refuse a model whose weights alone cannot fit (for sizes the meta model cannot be built at): the machine's
+    ranks hold at least their share of one copy of the weights."""
+    share = weight_bytes(args, cfg) / max(1, args.world_size())
+    what = f"its weights alone in {args.base_precision()}, counted from the model's sizes"
+    if args.device == "cpu" and host["available"] is not None and ranks * share > host["available"][0]:
+        limit, source = host["available"]
+        raise ArgumentError(
+            f"the model needs at least {human(ranks * share, 'B')} of memory ({what}) but this machine has "
+            f"{human(limit, 'B')} available ({source}){skip}"
+        )
+    if args.device == "cuda":
+        _check_gpu(f"at least {human(share, 'B')}", share, what, skip)
+
+
+def _check_gpu(amount: str, need: float, what: str, skip: str) -> None:
+    """Refuse ``need`` bytes per GPU (said as ``amount``, for ``what``) more than this rank's GPU has free."""
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    free, total = device_memory(index)
+    if need > free:
+        raise ArgumentError(
+            f"the model needs {amount} per GPU ({what}) but cuda:{index} has {human(free, 'B')} free of "
+            f"{human(total, 'B')}{skip}"
+        )
+
+
 def check(args, cfg) -> None:
-    """Refuse ``args``/``cfg`` when the estimate is more than this machine has (see the module docstring).
+    """Refuse ``args``/``cfg`` when the estimate is more than this machine has (see the module docstring). Sizes
+    whose weights even the meta device cannot describe (a tensor past 2**63 bytes) are refused by the same rule,
+    the weights alone counted from the sizes (``weight_bytes``).
 
     Raises:
         ArgumentError: one line with the estimate, the limit and where the limit was read, and ``--no-memory-check``.
@@ -113,10 +152,14 @@ def check(args, cfg) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return  # the meta model needs a world of its own; the caller that made this one validated before it
-    need = estimate(args, cfg)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or args.world_size())
     host = host_memory()
     skip = "; --no-memory-check trains anyway"
+    try:
+        need = estimate(args, cfg)
+    except ArgumentError:  # sizes past what even the meta device describes: the weights alone do not fit
+        _check_weights(args, cfg, ranks, host, skip)
+        raise
     on_host = need["device"] + need["host"] if args.device == "cpu" else need["host"]
     what = "model state and activations" if args.device == "cpu" else "host optimizer state (--offload-optimizer)"
     if on_host and host["available"] is not None and ranks * on_host > host["available"][0]:
@@ -133,11 +176,5 @@ def check(args, cfg) -> None:
             f"but a process may use {human(limit, 'B')} ({source}){skip}"
         )
     if args.device == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        free, total = device_memory(index)
-        if need["device"] > free:
-            raise ArgumentError(
-                f"the model needs about {human(need['device'], 'B')} per GPU (model state and "
-                f"activations, the --dry-run estimate) but cuda:{index} has {human(free, 'B')} free "
-                f"of {human(total, 'B')}{skip}"
-            )
+        what = "model state and activations, the --dry-run estimate"
+        _check_gpu(f"about {human(need['device'], 'B')}", need["device"], what, skip)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 
 import torch
@@ -25,19 +24,8 @@ import torch
 from megakernels import machines, precisions
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cache_path() -> str:
-    from megakernels_models.data.corpus import cache_dir
+    from megakernels.machine import cache_dir
 
     return os.path.join(cache_dir(), "cpu_peak_tflops.json")
 
@@ -62,8 +50,11 @@ def _store(key: str, value: float) -> None:
 
 
 def _key(dtype: torch.dtype, threads: int) -> str:
-    # "gemm=best": measured as the faster of PyTorch's BLAS and megakernels.ops.gemm (keys without it are stale)
-    return f"{_cpu_name()}|threads={threads}|gemm=best|{str(dtype).replace('torch.', '')}"
+    # "gemm=best": measured as the faster of PyTorch's BLAS and megakernels.ops.gemm; the CPU with its flags'
+    # digest (megakernels.machine.cpu_key): keys of another form are stale
+    from megakernels.machine import cpu_key
+
+    return f"{cpu_key()}|threads={threads}|gemm=best|{str(dtype).replace('torch.', '')}"
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int | None = None, trials: int = 5) -> float:

@@ -9,6 +9,8 @@ keeps its watchdog fed (``megakernels.parallel.watchdog``, phase ``held at <name
 
 The points the trainer marks:
 
+- ``start``: a rank begins to set training up, before its stop signals' handlers exist (a spawned rank holds the
+  signals until then);
 - ``step-<N>``: after optimizer step N (1-based), before the stop conditions are checked;
 - ``checkpoint-write-<N>``: inside torch.distributed.checkpoint's write of the checkpoint of step N, after this
   rank's data files are written and before the metadata (the commit) is: in the writer thread for ``--async-save``;

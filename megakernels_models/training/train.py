@@ -61,7 +61,7 @@ from megakernels_models.training.checkpoint_store import step_name
 from megakernels_models.training.checkpointer import Checkpointer
 from megakernels_models.training.logger import TrainLogger
 from megakernels_models.training.mfu import MFUMeter
-from megakernels_models.training.preemption import StopConditions
+from megakernels_models.training.preemption import StopConditions, stop_signals
 from megakernels_models.training.timers import StepTimers
 
 
@@ -206,6 +206,7 @@ def main_grad_dtype(args: TrainArgs, chunks: int) -> torch.dtype | None:
 def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     cfg = task.config
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    syncpoints.reach("start")  # before anything is built, the stop signals' handlers included
     watchdog.progress("setup")  # the watchdog's phases (megakernels.parallel.watchdog)
     mpu.model_parallel_seed(args.seed, device.type)
     chunks = build_model_chunks(task, args, device)
@@ -505,7 +506,8 @@ def run(args: TrainArgs):
         cfg = validate(args)
         if args.dry_run:
             return dryrun.report(args, cfg)
-        return launch(train, args, cfg, nproc=args.nproc, device=args.device, timeout=args.timeout)
+        signals = stop_signals(args.exit_signal)  # they reach every spawned rank once, through the launcher
+        return launch(train, args, cfg, nproc=args.nproc, device=args.device, timeout=args.timeout, signals=signals)
 
 
 @contextlib.contextmanager

@@ -77,7 +77,7 @@ class Run:
     """One ``megakernels train`` process; ``sync`` (a directory) becomes its ``MEGAKERNELS_SYNC_DIR`` with the
     points in ``holds`` held from the start."""
 
-    def __init__(self, flags: list[str], sync: str | None = None, holds: tuple[str, ...] = ()):
+    def __init__(self, flags: list[str], sync: str | None = None, holds: tuple[str, ...] = (), group: bool = False):
         self.sync = SyncDir(sync, self._alive) if sync is not None else None
         for name in holds:
             self.sync.hold(name)
@@ -91,6 +91,7 @@ class Run:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=group,  # a process group of its own: what a terminal or a scheduler signals
         )
 
     def _alive(self, waiting_for: str) -> None:
@@ -101,18 +102,40 @@ class Run:
     def signal(self, sig=signal.SIGTERM) -> None:
         os.kill(self.proc.pid, sig)
 
+    def signal_group(self, sig) -> None:
+        """``sig`` to the run's whole process group (``kill -SIG -PGID``; the run was started with ``group``)."""
+        os.killpg(self.proc.pid, sig)
+
+    def logged_step(self, log: str, timeout: float = DEADLINE_S) -> int:
+        """Wait (at most ``timeout`` seconds) until the JSONL log ``log`` holds a step's record; return its step."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if os.path.exists(log):
+                with open(log) as f:  # whole lines only: the last one may be half written
+                    steps = [r["step"] for r in map(json.loads, f.read().split("\n")[:-1]) if "step" in r]
+                if steps:
+                    return steps[-1]
+            self._alive(f"a step in {log}")
+            assert time.monotonic() < deadline, f"no step logged in {log} after {timeout:g} s"
+            time.sleep(0.01)
+
+    def ended(self) -> tuple[int, str, str]:
+        """Wait for the exit; return the status, stdout and stderr."""
+        try:
+            out, err = self.proc.communicate(timeout=DEADLINE_S)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return self.proc.returncode, out, err
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.communicate()
 
     def finish(self) -> str:
         """Wait for the exit; assert status 0; return stdout."""
-        try:
-            out, err = self.proc.communicate(timeout=DEADLINE_S)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        assert self.proc.returncode == 0, f"status {self.proc.returncode}:\n{out}\n{err}"
+        code, out, err = self.ended()
+        assert code == 0, f"status {code}:\n{out}\n{err}"
         return out
 
 

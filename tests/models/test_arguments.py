@@ -321,3 +321,69 @@ def test_print_config_does_not_need_the_memory_a_run_would(capsys):
 
     assert main(["train", "--preset", "gpt-8.3b", "--print-config"]) == 0
     assert "architecture:" in capsys.readouterr().out
+
+
+UNWRITABLE = "/proc/megakernels-no-such-dir"  # /proc takes no new entries, whoever asks (root too)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--nproc", "65", "--micro-batch-size", "1", "--global-batch-size", "65"],
+            "--nproc 65 is more than the 64 local processes",
+        ),
+        (["--nproc", "1000"], "--nproc 1000 is more than the 64 local processes"),
+        (["--save", f"{UNWRITABLE}/ckpt"], f"--save '{UNWRITABLE}/ckpt' cannot be written: No such file or directory"),
+        (["--tensorboard", "FILE"], "--tensorboard 'FILE' exists and is not a directory"),
+        (["--log-jsonl", f"{UNWRITABLE}/log.jsonl"], "--log-jsonl '/proc/megakernels-no-such-dir/log.jsonl' cannot be"),
+        (["--log-jsonl", "DIR"], "--log-jsonl 'DIR' is a directory, not a file"),
+    ],
+)
+def test_cli_edge_cases_are_one_line_before_any_process_starts(flags, message, tmp_path, monkeypatch, capsys):
+    from megakernels.parallel import launch
+    from megakernels_models.cli import main
+
+    def no_world(*a, **k):
+        raise AssertionError("a world was started")
+
+    monkeypatch.setattr(launch, "launch", no_world)
+    monkeypatch.setattr(launch, "run_world", no_world)
+    (tmp_path / "FILE").write_text("x")
+    (tmp_path / "DIR").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_dry_run_plans_any_world_and_the_run_creates_its_output_paths(tmp_path):
+    """--nproc past the local limit is a world to plan for in a dry run; the paths a run writes are created by the
+    check (the run would create them), a nested --save and --log-jsonl included."""
+    validate(parse_train_args(["--dry-run", "--nproc", "1000", "--global-batch-size", "8000"]))
+    save, log, tb = tmp_path / "a" / "b", tmp_path / "logs" / "run.jsonl", tmp_path / "tb"
+    validate(parse_train_args(["--save", str(save), "--log-jsonl", str(log), "--tensorboard", str(tb)]))
+    assert save.is_dir() and log.is_file() and log.read_text() == "" and tb.is_dir()
+    assert sorted(p.name for p in save.iterdir()) == []  # the probe's file is gone
+
+
+def test_the_timeout_default_is_what_help_says_and_what_the_launcher_gets(monkeypatch, capsys):
+    """--help states the default (seconds and minutes: Megatron-LM's 10), and a run without --timeout hands that
+    many seconds to the launcher, which ends a job whose rank stopped after that long (tests/models/test_hangs.py
+    stops a rank under a short --timeout)."""
+    import re
+
+    from megakernels.parallel import launch
+    from megakernels_models.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    said = re.search(r"--timeout X .*?\(default: (\d+) s, (\d+) minutes", text)
+    assert said is not None, text
+    assert float(said.group(1)) == TrainArgs().timeout == 60 * float(said.group(2)) == 600.0
+    got = {}
+    monkeypatch.setattr(launch, "launch", lambda fn, *a, **k: got.update(k) or [])
+    assert main(["train", "--steps", "1"]) == 0
+    assert got["timeout"] == 600.0 and got["nproc"] == 1

@@ -133,3 +133,45 @@ def test_a_tiny_timeout_is_one_line_before_any_process_starts(capsys):
     assert main(["train", "--nproc", "2", "--timeout", "1e-9"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "--timeout must be" in err
+
+
+def test_the_weight_bytes_count_the_built_models_weights():
+    """The shape count under the memory check of sizes past a tensor's limit: the built model's linear layers'
+    and word embedding's weights, less the vocabulary's padding rows (biases, norms, the position table, the
+    padding and an untied output layer left out: a lower bound)."""
+    from megakernels.parallel.embedding import pad_vocab_size
+    from megakernels_models.planning import costs
+
+    for flags in ([], ["--model", "llama"], ["--precision", "bf16"]):
+        args = parse_train_args(flags)
+        cfg = validate(args, check_memory=False)
+        meta = costs.MetaModel(cfg)
+        matrices = sum(p.numel() for n, p in meta.model.named_parameters() if p.dim() == 2 and "position" not in n)
+        padded = pad_vocab_size(cfg.vocab_size, 1)
+        padding = (padded - cfg.vocab_size) * cfg.hidden_size
+        head = 0 if cfg.tie_embeddings else padded * cfg.hidden_size  # an untied output layer: counted once
+        size = 2 if "bf16" in flags else 4
+        assert memory_limits.weight_bytes(args, cfg) == (matrices - padding - head) * size, flags
+
+
+@pytest.mark.parametrize("source", ["flag", "config"])
+def test_sizes_no_tensor_can_hold_are_the_memory_checks_one_line_refusal(source, tmp_path, capsys):
+    """--hidden-size 1000000000 (also a config file's architecture): the memory check refuses with the weights'
+    count (4 layers × 12 h² + the byte vocabulary's 261 × h, fp32), not a storage-size overflow traceback."""
+    h = 1_000_000_000
+    if source == "flag":
+        argv = ["train", "--hidden-size", str(h)]
+    else:
+        (tmp_path / "big.yaml").write_text(
+            f"architecture:\n  model: gpt\n  num_layers: 4\n  hidden_size: {h}\n  num_heads: 8\n  seq_length: 256\n"
+            "  vocab_size: 261\n"
+        )
+        argv = ["train", "--config", str(tmp_path / "big.yaml")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    expected = memory_limits.human(4 * (4 * 12 * h * h + 261 * h), "B")
+    assert f"the model needs at least {expected} of memory (its weights alone in fp32" in err, err
+    assert "Traceback" not in err and "overflow" not in err and len(err.strip().splitlines()) == 1
+    assert main([*argv, "--dry-run"]) == 2  # no memory check there: the sizes are refused as such
+    err = capsys.readouterr().err
+    assert "make a weight larger than a tensor can be" in err and len(err.strip().splitlines()) == 1, err

@@ -158,3 +158,75 @@ def test_load_of_a_file_is_an_argument_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ArgumentError, match="is not a directory"):
         validate(dataclasses.replace(TINY, load=str(tmp_path / "f")))
+
+
+def _no_traceback(err: str) -> None:
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "a rank failed" not in err, err[-3000:]
+
+
+def _records(log: str) -> list[dict]:
+    import json
+
+    with open(log) as f:
+        return [r for r in map(json.loads, f) if "step" in r]
+
+
+def test_sigterm_to_the_process_group_of_a_spawned_run_saves_and_the_relaunch_resumes(tmp_path, capsys):
+    """``kill -TERM -PGID`` of a ``--nproc 2`` run (a scheduler's group kill) while both ranks are still setting
+    up, before they have a handler: the signal waits for it, every rank ends the first step and saves, exit 0 with
+    the line of a SIGTERM to the launcher alone; the checkpoint resumes (in one process: any layout)."""
+    from megakernels_models.cli import main
+
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
+    flags = TINY_FLAGS + ["--steps", "100000", "--save", ckpt, "--load", ckpt, "--log-jsonl", log]
+    run = Run(flags + ["--nproc", "2"], str(tmp_path / "sync"), holds=("start",), group=True)
+    run.sync.wait_for("start", [0, 1])
+    run.signal_group(signal.SIGTERM)
+    run.sync.release("start")
+    code, out, err = run.ended()
+    assert code == 0, f"status {code}:\n{out}\n{err[-3000:]}"
+    _no_traceback(err)
+    step = _records(log)[-1]["step"]
+    assert step == 1 and _records(log)[-1]["stopped"] == "SIGTERM"
+    saved = os.path.join(ckpt, f"step-{step:08d}")
+    assert f"stopped after step {step} (SIGTERM): saved checkpoint {saved}" in out
+    assert checkpoint.read_latest(ckpt) == saved
+    capsys.readouterr()
+    assert (
+        main(["train", *TINY_FLAGS, "--steps", str(step + 1), "--save", ckpt, "--load", ckpt, "--log-jsonl", log]) == 0
+    )
+    assert "starting from scratch" not in capsys.readouterr().out
+    assert [r["step"] for r in _records(log)][-2:] == [step, step + 1]  # the relaunch trained step + 1 only
+    assert checkpoint.read_latest(ckpt) == os.path.join(ckpt, f"step-{step + 1:08d}")
+
+
+def test_sigint_to_the_process_group_stops_cleanly_and_a_second_one_ends_the_run_at_once(tmp_path):
+    """Ctrl-C (SIGINT to the group) of a ``--nproc 2`` run: the clean stop of the exit signal, exit 0, no
+    traceback. Relaunched, held after step 2 while the first SIGINT reaches both ranks, a second SIGINT ends the run
+    at once: status 130 and one line naming the latest checkpoint (the one the first launch saved, which loads)."""
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
+    flags = TINY_FLAGS + ["--steps", "100000", "--nproc", "2", "--save", ckpt, "--load", ckpt, "--log-jsonl", log]
+    run = Run(flags, group=True)
+    run.logged_step(log)
+    run.signal_group(signal.SIGINT)
+    code, out, err = run.ended()
+    assert code == 0, f"status {code}:\n{out}\n{err[-3000:]}"
+    _no_traceback(err)
+    step = _records(log)[-1]["step"]
+    saved = os.path.join(ckpt, f"step-{step:08d}")
+    assert f"stopped after step {step} (SIGINT): saved checkpoint {saved}" in out
+
+    held = f"step-{step + 2}"
+    run = Run(flags, str(tmp_path / "sync"), holds=(held,), group=True)
+    run.sync.wait_for(held, [0, 1])
+    run.signal_group(signal.SIGINT)
+    run.sync.wait_for("signal", [0, 1])  # the first reached both ranks (through the launcher, once each)
+    run.signal_group(signal.SIGINT)
+    code, out, err = run.ended()
+    assert code == 130, f"status {code}:\n{out}\n{err[-3000:]}"
+    _no_traceback(err)
+    assert err.strip().splitlines() == [
+        f"megakernels train: interrupted: ended at once without saving; the latest checkpoint is {saved}"
+    ], err[-3000:]
+    assert [r["step"] for r in _records(log)][-2:] == [step, step + 1]  # resumed; ended while held after step + 2
+    assert checkpoint.read_latest(ckpt) == saved

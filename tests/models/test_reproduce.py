@@ -75,15 +75,22 @@ def test_optional_columns(tmp_path):
     ],
 )
 def test_a_bad_cell_is_one_error_naming_the_row_and_the_column(tmp_path, capsys, header, row, message):
+    """The reader refuses the row with one error; the command lists it with that reason and reproduces the good
+    row (a header without a required column is the command's one-line error, status 2)."""
     path = write(tmp_path, f"{header}\n{ROW}\n{row}\n" if "header lacks" not in message else f"{header}\n{row}\n")
     if "header lacks" not in message:
         message = message.replace("row 1 (line 2)", "row 2 (line 3)")
     with pytest.raises(reproduce.ReproduceError, match=None) as info:
         reproduce.read_csv(path)
     assert message in str(info.value) and path in str(info.value)
-    assert main(["plan", "--reproduce", path]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    if "header lacks" in message:
+        assert main(["plan", "--reproduce", path]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and err.count("\n") == 1
+        return
+    assert main(["plan", "--reproduce", path]) == 0
+    out, err = capsys.readouterr()
+    assert "1 published runs" in out and "1 row(s) not reproduced" in out and message in out and err == ""
 
 
 def test_a_missing_file_is_a_clear_error(tmp_path, capsys):
@@ -206,3 +213,36 @@ def test_the_gpu_column_takes_the_sxm_parts_spellings_and_refuses_other_parts():
         assert reproduce.device_key(name) == key, name
     for name in ("H100 PCIe", "H100 NVL", "A100-SXM4-40GB", "MI300X", "B200"):
         assert reproduce.device_key(name) is None, name
+
+
+def test_malformed_rows_are_listed_with_the_reason_and_the_rest_reproduced(tmp_path, capsys):
+    """Rows a published table gets wrong — a vpp of n/a, a global batch that does not split over the
+    data-parallel replicas, an interleaved layout no micro-batch size fits, sizes no tensor can hold — are listed
+    with the reason naming the row and line; the good rows are predicted as they are without the bad ones; with
+    no good row the command exits 1."""
+    head = f"{HEADER},vpp"
+    good = [f"{ROW},", "llama,4,256,4,1024,128,h100,8,2,1,16,iteration_s,0.01,"]
+    bad = {
+        f"{ROW},n/a": "column 'vpp': expected an integer >= 1 or auto (empty: 1), got 'n/a'",
+        ROW.replace(",16,tflops", ",15,tflops") + ",": "column 'global_batch': 15 sequences do not split over dp = 2",
+        ROW.replace(",16,tflops", ",6,tflops") + ",2": "vpp 2: the interleaved schedule runs micro-batches in groups",
+        ROW.replace(",256,", ",1000000000000,", 1) + ",": "make a weight larger than a tensor can be",
+    }
+    lines = [good[0], *bad, good[1]]
+    path = write(tmp_path, "\n".join([head, *lines]) + "\n")
+    assert main(["plan", "--reproduce", path, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    alone = reproduce.reproduce(write(tmp_path, "\n".join([head, *good]) + "\n", "good.csv"))
+    assert [r["predicted"] for r in report["rows"]] == [r["predicted"] for r in alone["rows"]]
+    assert [r["csv_row"] for r in report["rows"]] == [1, 6] and report["summary"] == alone["summary"]
+    listed = report["not_reproduced"]
+    assert [(r["row"], r["line"]) for r in listed] == [(2, 3), (3, 4), (4, 5), (5, 6)]
+    for r, why in zip(listed, bad.values()):
+        assert why in r["reason"] and f"{path}: row {r['row']} (line {r['line']})" in r["reason"], r
+    assert main(["plan", "--reproduce", path]) == 0
+    out = capsys.readouterr().out
+    assert "2 published runs" in out and "4 row(s) not reproduced" in out and all(w in out for w in bad.values())
+    only_bad = write(tmp_path, "\n".join([head, *bad]) + "\n", "bad.csv")
+    assert main(["plan", "--reproduce", only_bad]) == 1
+    out, err = capsys.readouterr()
+    assert "0 published runs" in out and "4 row(s) not reproduced" in out and "Traceback" not in out + err

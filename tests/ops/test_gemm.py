@@ -1,12 +1,24 @@
-"""megakernels.ops.gemm: fp32 CPU products through oneDNN against fp64 PyTorch, and the cases left to PyTorch."""
+"""megakernels.ops.gemm: fp32 CPU products through oneDNN against fp64 PyTorch, the cases left to PyTorch, and the
+route: chosen by a measurement on this machine (cached per CPU, thread count and torch), or by
+MEGAKERNELS_CPU_GEMM. The products' tests take the oneDNN route whatever this machine measured (the variable)."""
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megakernels import machine
 from megakernels.ops import gemm
 
-pytestmark = pytest.mark.skipif(not gemm.enabled(), reason="oneDNN is not built into this torch")
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="oneDNN is not built into this torch")
+
+
+@pytest.fixture(autouse=True)
+def onednn_route(request, monkeypatch):
+    """The oneDNN route for the products' tests (the route's own tests, on a fresh cache, set what they need)."""
+    if "fresh_cache" not in request.fixturenames:
+        monkeypatch.setenv(gemm.ENV, "onednn")
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -150,3 +162,79 @@ def test_a_weight_updated_in_place_is_read_again():
     x.mul_(2.0)
     assert _rel(gemm.linear_nograd(x, w), x.double() @ w.double().t()) < 1e-5
     assert _rel(gemm.mm(x, w.t()), x.double() @ w.double().t()) < 1e-5
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache folder and no choice made in this process yet; the route measured (no override)."""
+    monkeypatch.setenv("MEGAKERNELS_CACHE", str(tmp_path))
+    monkeypatch.delenv(gemm.ENV, raising=False)
+    monkeypatch.setattr(gemm, "_chosen", {})
+    return tmp_path / gemm.CACHE_FILE
+
+
+@pytest.mark.parametrize("onednn_s,route", [(0.5, "onednn"), (0.9, "onednn"), (0.95, "torch"), (2.0, "torch")])
+def test_the_route_is_the_measured_faster_one_and_measured_once_per_machine(fresh_cache, monkeypatch, onednn_s, route):
+    """Times of 1 s for PyTorch and ``onednn_s`` for oneDNN (the timer replaced): oneDNN only at 0.9 of PyTorch's
+    time or less; the choice is cached under this CPU (model and flags digest), thread count and torch version, so
+    the next process reads it instead of measuring; nothing about the vendor enters."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(gemm.time, "perf_counter", lambda: next(clock))  # every call to measure takes 1 tick
+    monkeypatch.setattr(gemm, "MEASURED", ((64, 32, 48), (16, 32, 64)))  # timed by the clock: small is enough
+    real = gemm.measure
+    calls = []
+
+    def measured(trials=gemm._TRIALS):
+        got = real(trials)
+        calls.append(got)
+        return {**got, "onednn_s": onednn_s, "torch_s": 1.0, "route": "onednn" if onednn_s <= 0.9 else "torch"}
+
+    monkeypatch.setattr(gemm, "measure", measured)
+    assert gemm.route() == route and gemm.enabled() == (route == "onednn")
+    assert gemm.describe()["source"] == "measured" and len(calls) == 1
+    assert calls[0]["onednn_s"] == calls[0]["torch_s"] == len(gemm.MEASURED)  # 1 tick a product, best of 5
+    key = f"{machine.cpu_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    assert json.loads(fresh_cache.read_text())[key]["route"] == route
+    monkeypatch.setattr(gemm, "_chosen", {})  # another process on the same machine
+    assert gemm.route() == route and gemm.describe()["source"] == "cache" and len(calls) == 1
+    torch.set_num_threads(torch.get_num_threads() + 1)  # another thread count is another measurement
+    try:
+        gemm.route()
+        assert len(calls) == 2
+    finally:
+        torch.set_num_threads(torch.get_num_threads() - 1)
+
+
+def test_the_route_measurement_times_both_and_applies_the_rule(fresh_cache):
+    got = gemm.measure(trials=2)
+    assert got["onednn_s"] > 0 and got["torch_s"] > 0
+    assert got["route"] == ("onednn" if got["onednn_s"] <= gemm.ONEDNN_AT_MOST * got["torch_s"] else "torch")
+
+
+def test_the_route_set_by_the_environment_beats_the_measurement(fresh_cache, monkeypatch, spy):
+    monkeypatch.setattr(gemm, "measure", lambda trials=gemm._TRIALS: pytest.fail("measured despite the variable"))
+    x, w = torch.randn(512, 768), torch.randn(1024, 768)
+    monkeypatch.setenv(gemm.ENV, "torch")
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w)) and spy == []
+    assert gemm.describe() == {"route": "torch", "source": gemm.ENV, "threads": torch.get_num_threads()}
+    monkeypatch.setenv(gemm.ENV, "onednn")
+    gemm.linear(x, w)
+    assert len(spy) == 1 and not fresh_cache.exists()
+    monkeypatch.setenv(gemm.ENV, "mkl")
+    with pytest.raises(ValueError, match="MEGAKERNELS_CPU_GEMM must be one of auto, onednn, torch, got 'mkl'"):
+        gemm.linear(x, w)
+
+
+def test_the_machine_names_the_cpu_model_and_flags():
+    """From /proc/cpuinfo's first processor (an x86 block and an Arm one), the key carrying a digest of the
+    flags whatever their order."""
+    x86 = "processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse avx2\n\nprocessor\t: 1\n"
+    assert machine._from_cpuinfo(x86) == {"model": "Some CPU 9000", "flags": "fpu sse avx2"}
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    assert machine._from_cpuinfo(arm) == {"model": "Arm implementer 0x41 part 0xd40", "flags": "fp asimd sve"}
+    info = machine.cpu()
+    assert info["model"] and isinstance(info["flags"], str)
+    with open(machine.CPUINFO) as f:
+        text = f.read()
+    assert info == machine._from_cpuinfo(text)
+    assert machine.cpu_key().startswith(info["model"] + "|flags=")

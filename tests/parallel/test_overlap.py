@@ -3,11 +3,13 @@
 weight-gradient GEMM starts and waited for after it ends; under sequence parallelism the input's re-gather is
 launched before the dgrad GEMM and waited for after it. With overlap off each collective is waited for at once, and
 the gradients are bitwise the same. In FP8 (megakernels.parallel.fp8) the same overlap holds, the sequence-parallel
-all-gather moves FP8 bytes (half of bf16's, plus the 1×128 tiles' scales: counted), and the column/row pair equals
-ops.fp8_linear on the full weights (its tiles straddling the shards here). One world of 4 gloo processes, tp 2
-and 4."""
+all-gather moves FP8 bytes (half of bf16's, plus the 1×128 tiles' scales: counted), the column/row pair equals
+ops.fp8_linear on the full weights (its tiles straddling the shards here), and every tensorwise scale is the
+unsharded tensor's on every TP rank. One world of 4 gloo processes, tp 2 and 4."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -181,6 +183,72 @@ def _(rank, world):
             torch.testing.assert_close(col.weight.grad, r1.grad.chunk(tp, 0)[mp.tp_rank()], **close)
             torch.testing.assert_close(row.weight.grad, r2.grad.chunk(tp, 1)[mp.tp_rank()], **close)
         mp.destroy()
+
+
+@contextlib.contextmanager
+def _recording(taken):
+    from megakernels.parallel import fp8
+
+    real = fp8.quantize
+
+    def recorded(x, fmt, granularity, **kw):
+        q = real(x, fmt, granularity, **kw)
+        if granularity == "tensor":
+            taken.append((fmt, float(q.scale)))
+        return q
+
+    fp8.quantize = recorded
+    try:
+        yield
+    finally:
+        fp8.quantize = real
+
+
+def _tensorwise_scales(tp: int, sequence_parallel: bool) -> list[tuple[str, float]]:
+    """A column -> row FP8 pair (tensorwise) forward and backward at ``tp``: every tensorwise scale taken, in
+    order, with its format. The weights, input and output gradient are the same full tensors at every tp, each
+    rank holding its shard; under sequence parallelism the input and output gradient are sequence shards."""
+    from megakernels.parallel import fp8
+
+    r = mp.tp_rank()
+    col = mp.ColumnParallelLinear(IN, OUT, bias=False, sequence_parallel=sequence_parallel)
+    row = mp.RowParallelLinear(OUT, IN, bias=False, sequence_parallel=sequence_parallel)
+    fp8.enable(col, "tensorwise"), fp8.enable(row, "tensorwise")
+    with torch.no_grad():
+        col.weight.copy_(randn(OUT, IN, seed=20, scale=0.3).chunk(tp, 0)[r])
+        row.weight.copy_(randn(IN, OUT, seed=21, scale=2.0).chunk(tp, 1)[r])
+    x, dy = randn(S, B, IN, seed=22, scale=3.0), randn(S, B, IN, seed=23, scale=1e-3)
+    if sequence_parallel:
+        x, dy = x.chunk(tp, 0)[r], dy.chunk(tp, 0)[r]
+    taken = []
+    with _recording(taken):
+        row(col(x.requires_grad_(True))).backward(dy)
+    return taken
+
+
+@CHECKS.add("fp8_tensorwise_scales_are_the_full_tensors_on_every_tensor_parallel_rank")
+def _(rank, world):
+    """One scale a tensor (as Transformer Engine's and torchao's tensorwise recipes): at tp 2, with and without
+    sequence parallelism, each of the six scales (forward: the column layer's input and weight, the row layer's
+    input and weight; backward: the row and column layers' output gradients) is the same on every TP rank and is
+    the scale of the unsharded tensor, the tp 1 layers' (whose first, the input's, is checked by hand)."""
+    import torch.distributed as dist
+
+    from megakernels.ops import fp8 as ops
+
+    mp.initialize(1)
+    full = _tensorwise_scales(1, False)
+    x = randn(S, B, IN, seed=22, scale=3.0)
+    assert full[0] == ("e4m3", float(ops.pow2_scale(x.abs().max(), "e4m3")))
+    assert [f for f, _ in full] == ["e4m3"] * 4 + ["e5m2"] * 2, full
+    mp.destroy()
+    mp.initialize(2)
+    for sp in (False, True):
+        mine = _tensorwise_scales(2, sp)
+        everyone = [None] * mp.tp_size()
+        dist.all_gather_object(everyone, mine, group=mp.tp_group())
+        assert all(theirs == mine for theirs in everyone), (sp, everyone)
+        assert mine == full, (sp, mine, full)
 
 
 def _world(rank, world_size):
