@@ -159,10 +159,10 @@ def git_commit() -> str:
 
 
 def machine(device: str = "cpu") -> dict:
-    """The machine of a results file: the CPU's model and instruction-set flags (``megakernels.machine.cpu``), torch
+    """The machine of a results file: the CPU's model and instruction-set flags (``megakernels.host.cpu``), torch
     threads and version, git commit, date, device (and GPU name), and the fp32 CPU GEMM route the package's layers
     take with the measurement that chose it (``megakernels.ops.gemm.describe``)."""
-    from megakernels import machine as this
+    from megakernels import host as this
     from megakernels.ops import gemm
 
     cpu = this.cpu()

@@ -8,7 +8,7 @@ fp32 products and sums either way: benchmarks/results/2026-12-03-cpu-epyc-fp32-g
 same kind gave both 0.207 TFLOP/s. So the route is chosen by measurement, never by the CPU's vendor or model:
 ``choice()`` times both on a training step's products (``MEASURED``) at this process's thread count, takes oneDNN
 when it needs at most ``ONEDNN_AT_MOST`` of PyTorch's time, and caches the outcome per CPU (model and flags),
-thread count and torch version in ``machine.cache_dir()/cpu_gemm_route.json`` (as the trainer caches its CPU peak),
+thread count and torch version in ``host.cache_dir()/cpu_gemm_route.json`` (as the trainer caches its CPU peak),
 so the measurement runs once per machine (a machine busy with other work can time either slower: removing the file
 measures again). ``MEGAKERNELS_CPU_GEMM=onednn`` or ``torch`` sets the route instead (``auto``, the default: the
 measured one).
@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megakernels import machine
+from megakernels import host
 
 MIN_FLOPS = 1 << 21  # multiply-adds (m n k) from which oneDNN's fp32 GEMM is ahead on the CPU (measured: ~1.15x)
 ENV = "MEGAKERNELS_CPU_GEMM"
@@ -108,11 +108,11 @@ def measure(trials: int = _TRIALS) -> dict:
 
 
 def _cache_key() -> str:
-    return f"{machine.cpu_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return f"{host.cpu_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
 def _cache_path() -> str:
-    return os.path.join(machine.cache_dir(), CACHE_FILE)
+    return os.path.join(host.cache_dir(), CACHE_FILE)
 
 
 def _read_cache() -> dict:
@@ -140,7 +140,7 @@ def _write_cache(key: str, record: dict) -> None:
 
 def choice() -> dict:
     """This machine's measured route at this thread count: ``measure()``'s record with ``"source"`` —
-    ``"measured"`` (now, and written to the cache) or ``"cache"`` (``machine.cache_dir()/cpu_gemm_route.json``).
+    ``"measured"`` (now, and written to the cache) or ``"cache"`` (``host.cache_dir()/cpu_gemm_route.json``).
     Measured once per process and cache key; ``{"route": "torch", "source": "no oneDNN"}`` without oneDNN."""
     if not _BUILT_IN:
         return {"route": "torch", "source": "no oneDNN"}

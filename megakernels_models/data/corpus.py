@@ -76,8 +76,8 @@ def _file_bytes(max_bytes: int | None):
 
 
 def cache_dir() -> str:
-    """``$MEGAKERNELS_CACHE`` if set, else ``~/.cache/megakernels`` (``megakernels.machine.cache_dir``)."""
-    from megakernels.machine import cache_dir as folder
+    """``$MEGAKERNELS_CACHE`` if set, else ``~/.cache/megakernels`` (``megakernels.host.cache_dir``)."""
+    from megakernels.host import cache_dir as folder
 
     return folder()
 

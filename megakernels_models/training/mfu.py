@@ -25,7 +25,7 @@ from megakernels import machines, precisions
 
 
 def _cache_path() -> str:
-    from megakernels.machine import cache_dir
+    from megakernels.host import cache_dir
 
     return os.path.join(cache_dir(), "cpu_peak_tflops.json")
 
@@ -51,8 +51,8 @@ def _store(key: str, value: float) -> None:
 
 def _key(dtype: torch.dtype, threads: int) -> str:
     # "gemm=best": measured as the faster of PyTorch's BLAS and megakernels.ops.gemm; the CPU with its flags'
-    # digest (megakernels.machine.cpu_key): keys of another form are stale
-    from megakernels.machine import cpu_key
+    # digest (megakernels.host.cpu_key): keys of another form are stale
+    from megakernels.host import cpu_key
 
     return f"{cpu_key()}|threads={threads}|gemm=best|{str(dtype).replace('torch.', '')}"
 

@@ -122,10 +122,10 @@ def test_quick_run_of_one_op_writes_json_and_png(tmp_path, capsys):
     data = json.loads((out / "bench.json").read_text())
     assert data["machine"]["device"] == "cpu"
     # the CPU's model and flags (those /proc/cpuinfo lists) and the fp32 GEMM route with how it was chosen
-    from megakernels import machine
+    from megakernels import host
     from megakernels.ops import gemm
 
-    assert (data["machine"]["cpu"], data["machine"]["cpu_flags"]) == (machine.cpu()["model"], machine.cpu()["flags"])
+    assert (data["machine"]["cpu"], data["machine"]["cpu_flags"]) == (host.cpu()["model"], host.cpu()["flags"])
     assert data["machine"]["cpu_gemm"]["route"] == gemm.route() and data["machine"]["cpu_gemm"]["source"]
     assert data["ceilings"]["copy_GBps"] > 0 and data["ceilings"]["gemm_TFLOPs"]["float32"] > 0
     assert {r["pass"] for r in data["rows"]} == {"fwd", "fwd+bwd"}

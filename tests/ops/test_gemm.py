@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megakernels import machine
+from megakernels import host
 from megakernels.ops import gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="oneDNN is not built into this torch")
@@ -193,7 +193,7 @@ def test_the_route_is_the_measured_faster_one_and_measured_once_per_machine(fres
     assert gemm.route() == route and gemm.enabled() == (route == "onednn")
     assert gemm.describe()["source"] == "measured" and len(calls) == 1
     assert calls[0]["onednn_s"] == calls[0]["torch_s"] == len(gemm.MEASURED)  # 1 tick a product, best of 5
-    key = f"{machine.cpu_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    key = f"{host.cpu_key()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     assert json.loads(fresh_cache.read_text())[key]["route"] == route
     monkeypatch.setattr(gemm, "_chosen", {})  # another process on the same machine
     assert gemm.route() == route and gemm.describe()["source"] == "cache" and len(calls) == 1
@@ -229,12 +229,12 @@ def test_the_machine_names_the_cpu_model_and_flags():
     """From /proc/cpuinfo's first processor (an x86 block and an Arm one), the key carrying a digest of the
     flags whatever their order."""
     x86 = "processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse avx2\n\nprocessor\t: 1\n"
-    assert machine._from_cpuinfo(x86) == {"model": "Some CPU 9000", "flags": "fpu sse avx2"}
+    assert host._from_cpuinfo(x86) == {"model": "Some CPU 9000", "flags": "fpu sse avx2"}
     arm = "processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
-    assert machine._from_cpuinfo(arm) == {"model": "Arm implementer 0x41 part 0xd40", "flags": "fp asimd sve"}
-    info = machine.cpu()
+    assert host._from_cpuinfo(arm) == {"model": "Arm implementer 0x41 part 0xd40", "flags": "fp asimd sve"}
+    info = host.cpu()
     assert info["model"] and isinstance(info["flags"], str)
-    with open(machine.CPUINFO) as f:
+    with open(host.CPUINFO) as f:
         text = f.read()
-    assert info == machine._from_cpuinfo(text)
-    assert machine.cpu_key().startswith(info["model"] + "|flags=")
+    assert info == host._from_cpuinfo(text)
+    assert host.cpu_key().startswith(info["model"] + "|flags=")

@@ -1,4 +1,5 @@
-"""This machine as results and caches name it: the CPU's model and instruction-set flags, and the cache folder.
+"""This machine as results and caches name it (the host; the GPUs it may have are megakernels.machines): the CPU's
+model and instruction-set flags, and the cache folder.
 
 - ``cpu()``: ``{"model", "flags"}`` of the first processor in ``/proc/cpuinfo`` (``model name`` and ``flags``;
   ``Features`` and the implementer/part numbers on Arm), else ``lscpu``'s ``Model name`` and ``Flags``, else
