@@ -6,7 +6,7 @@ For each preset (gpt-tiny, llama-tiny, llama-moe-tiny) and recipe (tensorwise, b
 one process and in a spawned gloo world of 4 (tp 2 × pp 2) or 8 (tp 2 × pp 2 × ep 2 over dp 2), ``--steps`` steps
 with dropout 0; the figure is the largest relative difference of the per-step losses. With ``--base fp32`` (the
 default) everything FP8 does not cover is fp32, so the difference measures the layout's effect on FP8 alone (fp32
-sums in another order; docs/design.md §4 "FP8 training"); with ``--base bf16`` it also holds bf16's own layout
+sums in another order; docs/parallelism.md); with ``--base bf16`` it also holds bf16's own layout
 differences. tests/models/test_layouts.py checks the same at the layout suite's small shapes.
 
 Two baselines stand beside each figure, so that it can be read:

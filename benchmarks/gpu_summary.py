@@ -1,5 +1,5 @@
 """The closing table of scripts/gpu_check.sh: each stage's result, the measured numbers against the targets of
-docs/design.md §6, and every measurement beside what the static cost model predicted for it (docs/design.md §7,
+docs/benchmarks.md, and every measurement beside what the static cost model predicted for it (costmodel/README.md,
 ``megakernels bench --static``; the ratio calibrates the model), read back from the JSON files the benchmarks
 wrote into OUTDIR and its subfolders.
 
@@ -228,7 +228,7 @@ def render(out_dir: str, title: str = "") -> str:
         lines.append("")
     rows, e2e = load(out_dir)
     results = evaluate(rows, e2e)
-    lines.append("docs/design.md §6 targets (H200)")
+    lines.append("docs/benchmarks.md targets (H200)")
     lines.append(f"{'target':<60}{'measured':>14}{'target':>14}{'% of target':>13}  {'result':<7}case")
     met = measured = 0
     for t in results:
@@ -249,7 +249,7 @@ def render(out_dir: str, title: str = "") -> str:
         table = calibration(rows, static)
         lines.append("")
         lines.append(
-            "measured beside the static model's prediction (docs/design.md §7; bandwidth fractions of the "
+            "measured beside the static model's prediction (costmodel/README.md; bandwidth fractions of the "
             "copy ceiling, attention and FP8 GEMMs in TFLOP/s, the backward's own rate for fwd+bwd)"
         )
         lines.append(f"{'kernel':<64}{'measured':>14}{'predicted':>14}{'meas/pred':>12}")

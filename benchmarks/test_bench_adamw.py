@@ -3,7 +3,7 @@
     pytest benchmarks/test_bench_adamw.py                       # full timing (50 x 1M and 1 x 100M params)
     pytest benchmarks/test_bench_adamw.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (docs/design.md §6).
+Never asserts on time (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     pytest benchmarks/test_bench_cross_entropy.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (docs/design.md §6).
+Never asserts on time (docs/benchmarks.md).
 """
 
 import pytest

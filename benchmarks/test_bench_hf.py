@@ -6,7 +6,7 @@ patched, torch.optim.AdamW unpatched).
     pytest benchmarks/test_bench_hf.py                       # full timing
     pytest benchmarks/test_bench_hf.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (docs/design.md §6).
+Never asserts on time (docs/benchmarks.md).
 """
 
 from __future__ import annotations

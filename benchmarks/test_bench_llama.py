@@ -5,7 +5,7 @@ composition, fwd and fwd+bwd, fp32 and bf16.
     pytest benchmarks/test_bench_llama.py                       # full timing
     pytest benchmarks/test_bench_llama.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (docs/design.md §6).
+Never asserts on time (docs/benchmarks.md).
 """
 
 from __future__ import annotations

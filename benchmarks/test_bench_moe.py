@@ -6,7 +6,7 @@ processes and is measured by ``megakernels bench --ops moe_dispatch`` only.
     pytest benchmarks/test_bench_moe.py                       # full timing
     pytest benchmarks/test_bench_moe.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (docs/design.md §6).
+Never asserts on time (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     pytest benchmarks/test_bench_softmax.py                       # full timing
     pytest benchmarks/test_bench_softmax.py --benchmark-disable   # quick check that everything runs (CI)
 
-Never asserts on time (docs/design.md §6).
+Never asserts on time (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ at ``mma_sustained`` of the dtype's per-SM peak.
   1024x4096x4096 at 738 and 4096x2048x4096 at 758 (0.75-0.80 of 989, kernel overhead included); over 47 of its
   entries of 0.5-275 GFLOP this rule's time is 0.93 of the measured at the median (the flat rule 0.90), the gap
   on the smallest being the kernel's fixed cost, which the peer model adds as ``launch_s``
-  (docs/static-cost-model.md, section 5).
+  (costmodel/README.md).
 - FP32 operands run on the CUDA cores, not TF32 tensor cores: PyTorch's default ``float32_matmul_precision`` is
   "highest" (``torch.backends.cuda.matmul.allow_tf32`` False since 1.12; docs.pytorch.org, notes/cuda.html,
   "TensorFloat-32 (TF32) on Ampere (and later) devices"), so an fp32 GEMM is priced at ``Machine.fp32_simt`` (the

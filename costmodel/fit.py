@@ -8,7 +8,7 @@ constant in turn set to the grid value that lowers the objective most, until non
 hundred evaluations of the whole set, each a re-pricing of recorded launches (nothing is recompiled).
 
 The constants are global on purpose: a per-kernel factor would fit the development set and predict nothing.
-docs/static-cost-model.md §9 records the fitted values and the residuals they leave.
+costmodel/README.md records the fitted values and the residuals they leave.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The static cost model: from what a kernel compiles to (``sass``) and how it is launched, a predicted time and
-fraction of the H200's ceiling. Written down, with its assumptions, in docs/static-cost-model.md; the constants
+fraction of the H200's ceiling. Written down, with its assumptions, in costmodel/README.md; the constants
 below are the ones the first GPU run calibrates (scripts/gpu_check.sh prints predicted beside measured).
 
 Two kernel kinds:

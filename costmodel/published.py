@@ -9,7 +9,7 @@ architecture, compiled for it (``model.machine_for``; FLOPs counted as the paper
 2.5 times that backward, 3.5 times for ``fwd_bwd`` over the forward's time plus the backward's, halved under a
 causal mask), and prints it beside every published implementation with ours over each. The tiled-MMA model has
 never been fitted to a measurement: where it predicts more than the best published kernel reaches on the same GPU,
-it is the model that is optimistic (docs/static-cost-model.md §9).
+it is the model that is optimistic (costmodel/README.md).
 """
 
 from __future__ import annotations

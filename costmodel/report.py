@@ -1,4 +1,4 @@
-"""``megakernels bench --static``: the static cost report (docs/static-cost-model.md).
+"""``megakernels bench --static``: the static cost report (costmodel/README.md).
 
 Compiles every registered kernel config for sm_90 as a real launch gets it (no GPU: nvcc, the Triton compiler,
 ptxas, cuobjdump), prints one table per family — registers, spills, shared memory, resident blocks per SM, MMA

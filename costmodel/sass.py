@@ -8,7 +8,7 @@ the natural loops (back edges to a dominating header), and counts per loop what 
 issued per iteration, MUFU operations, tensor-core instructions and their shapes, global accesses by width,
 barriers, waits on wgmma, TMA copies.
 
-Counting rules (docs/static-cost-model.md): every block of a loop body counts once per iteration, except *cold*
+Counting rules (costmodel/README.md): every block of a loop body counts once per iteration, except *cold*
 blocks (those that call an out-of-line subroutine: the IEEE-division and square-root slow paths), and blocks of
 inner loops, which belong to the inner loop. NOPs are not counted. A body with internal branches is therefore
 counted as if every branch were taken (an upper bound); ``branches`` reports how many there are.

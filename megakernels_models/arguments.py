@@ -394,7 +394,7 @@ class _Settings:
 
 @dataclasses.dataclass
 class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings), _Settings):
-    """All of ``megakernels train``'s settings (docs/design.md §5): every family's (``_Settings``) and each family's
+    """All of ``megakernels train``'s settings (docs/training.md): every family's (``_Settings``) and each family's
     own (``FamilySpec.settings``); the defaults are the embedded default run."""
 
     # ---- derived ------------------------------------------------------------------------------------------------

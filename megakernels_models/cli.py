@@ -1,4 +1,4 @@
-"""The megakernels command: train, preprocess, convert, eval and bench (docs/design.md §5).
+"""The megakernels command: train, preprocess, convert, eval and bench (docs/training.md).
 
 ``megakernels train`` with no flags runs the embedded default: a tiny GPT on the Python standard library's sources
 with the byte tokenizer on the CPU, a few minutes, the loss falling. Invalid flags are reported before any process

@@ -7,7 +7,7 @@
 # blockwise, against bf16 torch.matmul, at Llama-3-8B's linear layers) and a GPT-1.3B end-to-end run (the trainer +
 # the eager-GPT baseline). Logs, JSON and PNG plots go to OUTDIR (one folder per benchmark
 # stage); the summary at the end (benchmarks/gpu_summary.py) shows each stage's result, the numbers
-# against the docs/design.md §6 targets (pass/fail, % of target), and every measurement beside the static model's
+# against the docs/benchmarks.md targets (pass/fail, % of target), and every measurement beside the static model's
 # prediction (the first GPU run calibrates the model). Aimed at < 8 minutes on an H100/H200 (torch.compile
 # baselines are skipped here for time; `megakernels bench --device cuda` runs them). The peer stage times our
 # kernels and Liger-Kernel's at the shapes of its published development rows (benchmarks/peer/liger_dev.csv) and

@@ -619,13 +619,12 @@ FIRST_RELEASE = {
     "ops/fused_neighborhood_attention.py": "0.6.0",
 }
 # Kernels whose rows ran source that the first release holding the module does not match, with the first release
-# that does (read from the repository's history): the distillation JSD rows (2024-12) ran the chunk function on
-# chunks of 1024 rows, which 0.5.3-0.5.4 changed to one row a chunk and 0.5.5 restored; the KTO rows (2025-03-03)
-# ran the unpaired-preference base after its masked-sum rewrite, first released in 0.5.5. The TVD rows (2026-03-03)
-# and the fused add + RMSNorm rows (2026-04-07) name 0.7.0 but were committed together with a rewrite of their kernel
-# (Liger-Kernel 5c9cecc8, #1127: the gradient's scale inside the forward kernel; b7025a70, #1187: the backward's
-# register pressure), which 0.8.0 first released: the commit that wrote a row ran the source of that commit
-# (costmodel/peers/provenance.py compares the two for every row group).
+# that does (read from the repository's history): the distillation JSD rows ran the chunk function on chunks of 1024
+# rows, which 0.5.3-0.5.4 changed to one row a chunk and 0.5.5 restored; the KTO rows ran the unpaired-preference
+# base after its masked-sum rewrite, first released in 0.5.5. The TVD and fused add + RMSNorm rows name 0.7.0 but were
+# committed together with a rewrite of their kernel (Liger-Kernel PR #1127: the gradient's scale inside the forward
+# kernel; PR #1187: the backward's register pressure), which 0.8.0 first released: the commit that wrote a row ran
+# the source of that commit (costmodel/peers/provenance.py compares the two for every row group).
 SOURCE_RELEASE = {"distill_jsd_loss": "0.5.5", "kto_loss": "0.5.5", "tvd": "0.8.0", "fused_add_rms_norm": "0.8.0"}
 # Drivers a row cannot have, with the reason: what the benchmark times is outside the model.
 NOT_DRIVEN = {

@@ -79,7 +79,7 @@ def fuse_compiled(ops: list[Op]) -> list[tuple]:
     """The kernels Inductor runs for one compiled call, from the ops recorded in it (between its "compiled" and
     "compiled_end" markers, the latter included for the call's outputs), in order of first appearance: ("extern",
     op) for a GEMM (``EXTERN``) or a Triton launch, kept as it is; ("fused", {"ops", "read_bytes", "write_bytes"})
-    for a fused kernel. Assumptions about Inductor (docs/static-cost-model.md §9):
+    for a fused kernel. Assumptions about Inductor (costmodel/README.md):
 
     - every op that launches something and is not extern joins a fused kernel; the fused kernels are the levels of
       the data flow between externs: an op joins level g, the latest level among its inputs' producers (a fused

@@ -1,7 +1,7 @@
 // CUDA kernels of the bias-GeLU family. No torch headers: this file compiles in seconds with nvcc, and unchanged
 // with g++ against csrc/emu (bias_gelu_cuda_emu.cpp) to run on a CPU.
 //
-// Design (why; docs/static-cost-model.md has the budgets):
+// Design (why; costmodel/README.md has the budgets):
 // - A column tiling instead of a flat sweep: thread (x, y) of a block owns column pack j = blockIdx.x * blockDim.x
 //   + x of the row (16 bytes: 8 bf16/fp16, 4 fp32; a pack of 1 where the row or a pointer is not aligned) and walks
 //   rows blockIdx.y * blockDim.y + y, stepping by the grid's rows. Its bias pack is loaded once, the in-row index

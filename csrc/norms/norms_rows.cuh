@@ -2,7 +2,7 @@
 // backward for rows of 16-byte packs up to kRowPacksPerThread * kMaxRowThreads packs (16k elements of bf16, fp16
 // or fp32) with every parameter present. Other inputs take the looping kernels of norms_cuda.cu.
 //
-// Design (why; docs/static-cost-model.md has the instruction budgets they are held to):
+// Design (why; costmodel/README.md has the instruction budgets they are held to):
 // - A row group of G threads (a multiple of 32) holds the row in registers: thread t takes packs t, t + G, ...
 //   (P of them, 32 elements, so a warp's accesses are contiguous). One DRAM read of x (and dy). (The fp32
 //   backward re-reads x in its dx pass, from L1/L2: 32 fp32 values of x beside 32 of dz would spill.)

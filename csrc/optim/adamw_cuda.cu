@@ -1,7 +1,7 @@
 // CUDA kernels of the optimizer family: multi-tensor AdamW, non-finite check, L2 norm. No torch headers: this file
 // compiles in seconds with nvcc, and unchanged with g++ against csrc/emu (adamw_cuda_emu.cpp) to run on a CPU.
 //
-// Design (why; docs/static-cost-model.md has the budgets):
+// Design (why; costmodel/README.md has the budgets):
 // - Multi-tensor apply (apex's idea): the host packs, by value into the kernel's argument struct, a table of up to
 //   kMaxTensors tensors with the prefix sums of their chunk counts; block b finds its (tensor, chunk) by a binary
 //   search of those. A launch therefore serves any number of chunks of its tensors (there is no cap on the grid: a

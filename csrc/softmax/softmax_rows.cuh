@@ -2,7 +2,7 @@
 // 16-byte packs up to kRowPacks * kMaxRowThreads packs (16k elements of bf16, fp16 or fp32); longer rows and
 // unaligned ones take the looping kernels of softmax_cuda.cu.
 //
-// Design (why; docs/static-cost-model.md has the budgets):
+// Design (why; costmodel/README.md has the budgets):
 // - A row group of G threads (a multiple of 32) holds the row in registers (32 elements per thread; thread t takes
 //   packs t, t + G, ...): x is read once, and each element is exponentiated once (the looping kernels read the row
 //   twice and take two exps per element).

@@ -1,4 +1,4 @@
-"""``megakernels bench``: kernel microbenchmarks and end-to-end throughput on this machine (docs/design.md §5, §6).
+"""``megakernels bench``: kernel microbenchmarks and end-to-end throughput on this machine (docs/benchmarks.md).
 
     megakernels bench [--ops NAME,...] [--dtype float32,bfloat16,...] [--quick] [--out DIR] [--device cpu|cuda]
                       [--no-compile] [--no-peers] [--min-run-time S] [--shapes A,B[,C,D];...]

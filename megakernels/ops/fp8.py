@@ -1,4 +1,4 @@
-"""FP8 GEMMs and their quantisation: tensorwise and blockwise scaling (docs/design.md §4, "FP8 training").
+"""FP8 GEMMs and their quantisation: tensorwise and blockwise scaling (docs/parallelism.md, "FP8 training").
 
 A tensor ``x`` is stored as an FP8 tensor ``q`` and fp32 scales with ``x ≈ q · scale``, where one scale covers a
 *tile* of elements, by granularity:

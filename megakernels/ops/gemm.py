@@ -2,10 +2,10 @@
 ``linear_nograd``.
 
 PyTorch runs an fp32 ``mm`` / ``F.linear`` on the CPU through MKL's sgemm. Which of it and oneDNN's fp32 GEMM
-(``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend uses) is faster depends on the machine: MKL
-took its AVX2 path on the development VM's AMD CPU (about 190-210 GF/s against oneDNN's 450 GF/s at the same shapes,
-fp32 products and sums either way: benchmarks/results/2026-12-03-cpu-epyc-fp32-gemm.md), while another VM of the
-same kind gave both 0.207 TFLOP/s. So the route is chosen by measurement, never by the CPU's vendor or model:
+(``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend uses) is faster depends on the machine: on an
+AMD CPU with AVX-512, MKL takes its AVX2 path and oneDNN's AVX-512 kernel runs about twice as fast (fp32 products and
+sums either way), while on one with AVX2 only the two run alike (the recorded runs: docs/benchmarks.md). So the route
+is chosen by measurement, never by the CPU's vendor or model:
 ``choice()`` times both on a training step's products (``MEASURED``) at this process's thread count, takes oneDNN
 when it needs at most ``ONEDNN_AT_MOST`` of PyTorch's time, and caches the outcome per CPU (model and flags),
 thread count and torch version in ``host.cache_dir()/cpu_gemm_route.json`` (as the trainer caches its CPU peak),

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism the Megatron-LM way (docs/design.md §4).
+"""Tensor and sequence parallelism the Megatron-LM way (docs/parallelism.md).
 
 - ``state``     ``initialize(tp, pp, dp, vpp, cp)`` / ``destroy()``; tp, cp, pp, dp, model-parallel and embedding
                 groups; ranks ordered tp innermost, then cp, then dp, then pp; pipeline neighbours; ``check_divisible``

@@ -5,7 +5,7 @@ The ``[V, h]`` embedding table is split by rows (vocabulary ids) over the tensor
 (all-reduce; a reduce-scatter along the sequence under sequence parallelism) sums them into the full embedding.
 
 For GEMM-friendly shapes V is padded to a multiple of ``128 · tp`` (GPT-2's 50,257 becomes 51,200 at tp 8). The
-padding never changes the math (docs/design.md §4): padded rows are zeros that no real id looks up, their logits are
+padding never changes the math (docs/parallelism.md): padded rows are zeros that no real id looks up, their logits are
 excluded from the softmax by the loss (``vocab_size``) and from generation, and the real rows are generated from
 the seed in blocks that do not depend on how many padded rows follow (``megakernels.parallel.init``).
 

@@ -1,6 +1,6 @@
 """FP8 in the tensor-parallel layers: the column- and row-parallel linears and the experts' grouped GEMMs run their
 forward, input-gradient and weight-gradient GEMMs in FP8 (``megakernels.ops.fp8``) once ``enable(model, recipe)``
-has set their ``fp8`` attribute (docs/design.md §4, "FP8 training").
+has set their ``fp8`` attribute (docs/parallelism.md, "FP8 training").
 
 **Scales are those of the whole tensor, whatever the layout.** A rank holds a shard, but the quantisation of the
 single-process model is the reference, so:

@@ -1,4 +1,4 @@
-"""FSDP's parameter all-gather in FP8 for the tensorwise recipe (docs/design.md §4, "Sharded data parallelism").
+"""FSDP's parameter all-gather in FP8 for the tensorwise recipe (docs/parallelism.md, "Sharded data parallelism").
 
 Under ``--fsdp`` / ``--zero 2`` every micro-batch all-gathers each layer's parameters (twice under ZeRO-3); an FP8
 linear then quantises the gathered 16-bit weight at once. With the tensorwise recipe the weight has one scale, so the

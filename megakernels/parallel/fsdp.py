@@ -1,5 +1,5 @@
 """Sharded data parallelism by PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) inside our 3D layout
-(docs/design.md §4, "Sharded data parallelism").
+(docs/parallelism.md, "Sharded data parallelism").
 
 The tensor-, context-, expert- and pipeline-parallel split is ours (a rank's parameters are already its TP shard
 of its pipeline stage); FSDP2 then shards each of those along dim 0 over the **data-parallel** ranks: the mesh is

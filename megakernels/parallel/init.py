@@ -1,6 +1,6 @@
 """Layout-independent weight initialisation: a seed defines the full weight; a rank generates only its shard.
 
-docs/design.md §4: the same seed gives the same model for every (tp, pp, dp). Initialising the full "master" weight on
+docs/parallelism.md: the same seed gives the same model for every (tp, pp, dp). Initialising the full "master" weight on
 every rank and slicing it meets that, but costs the full tensor's memory on every rank (a 51200 × 12288 embedding is
 2.4 GiB in fp32). Instead the full ``[rows, cols]`` weight is *defined* in blocks of ``INIT_BLOCK_ROWS`` rows:
 

@@ -647,7 +647,7 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
     ``LOCAL_RANK``; gloo otherwise), else this process alone (``nproc == 1``), else ``nproc`` spawned local gloo
     processes with ``cpu_count // nproc`` threads each (the CPU's way to run a multi-rank layout). The process
     group is torn down afterwards in every case. For CUDA it sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the
-    environment sets it (the overlap of collectives with GEMMs depends on it, docs/design.md §4).
+    environment sets it (the overlap of collectives with GEMMs depends on it, docs/parallelism.md).
 
     Every rank runs a watchdog (``megakernels.parallel.watchdog``): ``fn`` reports its phases with
     ``watchdog.progress``, and a rank that goes ``timeout`` seconds without progress (a step, a collective, a save)
@@ -666,7 +666,7 @@ def launch(fn, *args, nproc: int = 1, device: str = "cpu", timeout: float = 600.
         WorldFailed: a spawned rank raised, died or stopped responding (its error in the message).
     """
     if device == "cuda":
-        # One hardware queue, so collectives queued before a GEMM start before it (docs/design.md §4). Read when
+        # One hardware queue, so collectives queued before a GEMM start before it (docs/parallelism.md). Read when
         # the CUDA context is created, which has not happened yet in a launcher's process.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if under_torchrun():

@@ -30,7 +30,7 @@ small autograd function (``RowLinear``, ``x Wᵀ`` without communication) so tha
 
 On CUDA the collective runs on nccl's stream and ``wait()`` only makes the compute stream wait for it. The overlap
 needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue: the communication kernel, queued first, starts before
-the GEMM queued after it takes every SM); ``megakernels train`` sets it for CUDA runs (docs/design.md §4).
+the GEMM queued after it takes every SM); ``megakernels train`` sets it for CUDA runs (docs/parallelism.md).
 """
 
 from __future__ import annotations

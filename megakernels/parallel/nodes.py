@@ -7,7 +7,7 @@ first rank and ``LOCAL_WORLD_SIZE`` its number of ranks (torch.distributed.elast
 out tp innermost (``megakernels.parallel.state``), so a tensor-parallel group — ``tp`` adjacent ranks — stays inside
 a node exactly when every node's block splits into whole groups: ``LOCAL_WORLD_SIZE`` a multiple of ``tp`` (and each
 block starting at a multiple of it). ``tp_problem`` says when it does not; the trainer refuses such a layout unless
-``--tp-across-nodes`` asks for it (docs/design.md §4).
+``--tp-across-nodes`` asks for it (docs/parallelism.md).
 
 **Naming a lost node.** A node that dies (power, kernel, network) leaves its peers blocked in a collective until its
 timeout, or failing on a closed connection; neither error says which node is gone. So in a job of several nodes,

@@ -1,5 +1,5 @@
 """The device↔host copies of the offloaded optimizer (``ParallelOptimizer(offload=True)``), one data-parallel
-bucket at a time, overlapped with backward and with the next forward (docs/design.md §4).
+bucket at a time, overlapped with backward and with the next forward (docs/parallelism.md).
 
 Gradients, device to host. ``DistributedDataParallel`` calls ``on_reduced(bucket)`` once per bucket and step, as
 soon as the bucket's gradients are reduced (``register_grad_reduced_hook``), and this copies the pieces of that

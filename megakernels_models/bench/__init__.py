@@ -1,4 +1,4 @@
-"""The trainer's part of ``megakernels bench`` (docs/design.md §5, §6): what needs the trainer's models. The kernel
+"""The trainer's part of ``megakernels bench`` (docs/benchmarks.md): what needs the trainer's models. The kernel
 microbenchmarks, the device ceilings, plots, the summary and the static cost model are the kernel library's
 (``megakernels.bench``); this package adds its modes on top (``modes``, registered by ``add_parser``).
 

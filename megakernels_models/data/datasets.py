@@ -2,7 +2,7 @@
 
 A dataset is indexable by any non-negative sample number (numbers past its length start another epoch in a new
 order) and returns a dict of numpy arrays for one sample. Which samples form which global batch depends only on
-the seed and the global batch size, never on data parallelism (docs/design.md §4): global batch ``k`` is samples
+the seed and the global batch size, never on data parallelism (docs/parallelism.md): global batch ``k`` is samples
 ``[k·B, (k+1)·B)``; data-parallel rank ``d`` of ``D`` takes the contiguous ``B/D`` of them starting at ``d·B/D``
 and cuts them into micro-batches. Any layout therefore sees the same global batches.
 

@@ -3,7 +3,7 @@ know is a ``FamilySpec`` registered here, and nothing outside ``megakernels_mode
 
 A family is one folder under ``megakernels_models/models/`` whose ``__init__`` builds its spec and calls
 ``register``; ``megakernels_models/models/__init__.py`` imports each folder (one line per family). See
-docs/design.md §3 for the worked example of adding one.
+docs/design.md §1 for how to add one.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Memory per device, Megatron-LM's accounting:
 
 Step time (``predict``), the sum of what cannot overlap, each term from a documented device profile
 (``DEVICES``, each constant with its source), checked against published training runs by ``megakernels plan
---reproduce`` (``reproduce.py``; development set and errors: docs/design.md §4, benchmarks/published):
+--reproduce`` (``reproduce.py``; development set and errors: docs/parallelism.md, benchmarks/published):
 
 - compute (``compute_time``): the FLOPs a device executes (recomputation included) at ``peak × efficiency``, the
   efficiency falling for thin GEMMs (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens per
@@ -509,7 +509,7 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     from megakernels.ops.linear_cross_entropy import default_chunk_tokens
     from megakernels_models.models.registry import family
 
-    if L.fused_linear_ce and family(cfg).causal:  # ops.linear_cross_entropy: a chunk at a time (docs/design.md §4)
+    if L.fused_linear_ce and family(cfg).causal:  # ops.linear_cross_entropy: a chunk at a time (docs/parallelism.md)
         chunk = min(tokens, default_chunk_tokens(v_local))
         logits = chunk * v_local * bytes_el + (v_local * cfg.hidden_size * 6 if chunk < tokens and bytes_el < 4 else 0)
     out = []
@@ -559,7 +559,7 @@ def _ring(bytes_: float, n: int, gbps: float, latency: float = 0.0) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / (gbps * 1e9) + latency
 
 
-# Calibrated on the development set (benchmarks/published, docs/design.md §4 "Step time"): HBM traffic of the
+# Calibrated on the development set (benchmarks/published, docs/parallelism.md): HBM traffic of the
 # memory-bound kernels per training pass of a layer's stored activations, and the fraction of HBM bandwidth they
 # reach (``HBM_FRACTION`` of the data sheet's, a little under a plain copy's share, ``machines.COPY_FRACTION``).
 ELEMENTWISE_PASSES = 5.0  # forward writes and reads each stored tensor (2), backward reads it and its gradient

@@ -1,7 +1,7 @@
 """The trainer's output on the logging rank: a progress bar, one JSON object per step, TensorBoard scalars.
 
 The JSONL file starts (each run, resumed ones too) with ``{"config": ...}``, the resolved configuration
-(``config_file.resolved``, what ``--print-config`` prints); then fields per step (docs/design.md §5): ``step, loss, lr,
+(``config_file.resolved``, what ``--print-config`` prints); then fields per step (docs/training.md): ``step, loss, lr,
 grad_norm, loss_scale, tokens, tokens_per_s,
 tflops_per_device, mfu, elapsed_s`` (+ ``val_loss, val_ppl`` on evaluation steps, ``skipped`` when fp16 loss
 scaling skipped the update, and on the first step of a run ``memory_per_param_bytes`` and ``layout``: world

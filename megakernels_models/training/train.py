@@ -16,7 +16,7 @@ Per optimizer step (every rank):
 
 The loss is normalised by the whole global batch (``Task.normalizers``), so its value and gradient do not depend on
 how the batch is split: with dropout 0 in fp32 every layout's loss curve equals the single process's
-(docs/design.md §4). The last rank (last pipeline stage) logs.
+(docs/parallelism.md). The last rank (last pipeline stage) logs.
 
 ``train(args)`` runs on an initialised ``torch.distributed`` world; ``run(args)`` validates once and launches one
 (``megakernels.parallel.launch.launch``: this process, ``--nproc`` spawned processes, or torchrun's).

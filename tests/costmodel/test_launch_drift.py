@@ -1,4 +1,4 @@
-"""The static cost model's mirrors of launch logic stay what the launchers do (docs/design.md §7): ``plan_rows``
+"""The static cost model's mirrors of launch logic stay what the launchers do (costmodel/README.md): ``plan_rows``
 (csrc/common/cuda_kernels.cuh), ``rows_plan`` (csrc/norms/norms_rows.cuh), ``softmax_rows_plan``
 (csrc/softmax/softmax_rows.cuh) and ``column_plan`` (csrc/bias_gelu/bias_gelu_cuda.cu) against the C++ they
 mirror, compiled here by the host compiler against the CUDA emulator (about a second each), over many shapes. (The

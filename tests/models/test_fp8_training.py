@@ -123,7 +123,7 @@ def test_fp8_at_tp_2_follows_one_process(world1):
     """Tensorwise FP8 at --tp 2, with and without sequence parallelism, against one process: every scale is the
     whole tensor's (tests/parallel/test_overlap.py checks each), so the first step's loss is the single process's
     up to the order of fp32 sums; after the updates the runs part only by what an fp32 ulp moved across an FP8
-    rounding boundary (docs/design.md §4: a one-ulp perturbation of one process parts from it as much)."""
+    rounding boundary (docs/parallelism.md: a one-ulp perturbation of one process parts from it as much)."""
     from tests.parallel.harness import run_world
 
     one = _losses_of(GPT_TINY_FP8)

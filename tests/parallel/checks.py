@@ -28,7 +28,7 @@ import torch
 
 from tests.parallel.harness import run_world
 
-# docs/design.md §4 asks layouts to agree with the single process to <= 1e-5 relative in fp32.
+# docs/parallelism.md asks layouts to agree with the single process to <= 1e-5 relative in fp32.
 RTOL = 1e-5
 
 
