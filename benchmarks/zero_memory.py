@@ -8,7 +8,8 @@ rank (the last rank; every rank holds the same share): the bytes per parameter t
 holds after the first step (parameters, gradients, optimizer state: ``ParallelOptimizer.memory_bytes``; for FSDP the
 sharded fp32 masters, sharded gradients and moments; with ``--offload-optimizer`` the host bytes apart), and the
 process's peak resident memory (``ru_maxrss``: everything, the gathered parameters, activations and the Python runtime
-included; a process-wide high-water mark, so it shows differences of the order of the model's size only). docs/parallelism.md
+included; a process-wide high-water mark, so it shows differences of the order of the model's size only).
+docs/parallelism.md
 "Data parallelism, ZeRO-1, offload, FSDP2"; the planner's model of the same is ``planning/costs.memory``.
 """
 

@@ -6,7 +6,8 @@ flash-attn package when installed).
 
 TFLOP/s are counted as flash-attn does: forward ``4 * b * h * s^2 * d`` (halved when causal), backward 2.5x the
 forward; the fwd+bwd rows also carry the backward's own rate (``bwd_TFLOPs``, from the fwd+bwd time minus the fwd
-time of the same run), which docs/benchmarks.md's backward target is about. Each (head dim, seqlen) keeps ``b * s = 16k``
+time of the same run), which docs/benchmarks.md's backward target is about. Each (head dim, seqlen) keeps
+``b * s = 16k``
 tokens and ``h * d = 2048`` on a GPU (flash-attn's sweep), smaller on the CPU. SDPA gets the same data in its own
 ``[b, h, s, d]`` layout, so no transpose is timed. The ceiling is the GEMM rate in the same dtype, measured in the
 same run. On the CPU this compares the blocked CPU path with SDPA's CPU kernel. Never asserts on time.

@@ -1,4 +1,5 @@
-"""The trainer's central test (docs/parallelism.md): with the same seed, dropout 0 and fp32, the per-step losses of every
+"""The trainer's central test (docs/parallelism.md): with the same seed, dropout 0 and fp32, the per-step losses of
+every
 (tp, cp, pp, dp) layout — with sequence parallelism, the distributed optimizer (and its CPU offload), recomputation,
 interleaving and gradient accumulation on or off — equal the single process's within 1e-5 relative, for tiny GPT,
 BERT and Llama (grouped-query attention with its key/value heads split over tp 2 and replicated over tp 4; context
