@@ -7,7 +7,19 @@ from megakernels.ops.bias_gelu import bias_gelu
 from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.fp8 import fp8_gemm, fp8_grouped_gemm, fp8_linear, fp8_quantize
 from megakernels.ops.linear_cross_entropy import linear_cross_entropy
+from megakernels.ops.logprobs import linear_logprobs
 from megakernels.ops.norms import layer_norm, rms_norm
+from megakernels.ops.post_training import (
+    cpo_loss,
+    distill_loss,
+    dpo_loss,
+    group_advantages,
+    grpo_loss,
+    kto_loss,
+    orpo_loss,
+    sequence_logprobs,
+    simpo_loss,
+)
 from megakernels.ops.rope import RopeScaling, fused_rope, rope_cos_sin_table, rope_inv_freq, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
 from megakernels.ops.swiglu import swiglu, swiglu_reference
@@ -23,6 +35,16 @@ __all__ = [
     "flash_attention_varlen",
     "cross_entropy",
     "linear_cross_entropy",
+    "linear_logprobs",
+    "sequence_logprobs",
+    "dpo_loss",
+    "orpo_loss",
+    "simpo_loss",
+    "cpo_loss",
+    "kto_loss",
+    "grpo_loss",
+    "group_advantages",
+    "distill_loss",
     "fp8_quantize",
     "fp8_gemm",
     "fp8_grouped_gemm",

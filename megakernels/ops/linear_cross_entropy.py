@@ -205,7 +205,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _gather(x, group):
+def gather_rows(x, group):
     """All-gather ``x`` along dim 0 over ``group`` (rank order)."""
     world = dist.get_world_size(group)
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
@@ -214,7 +214,7 @@ def _gather(x, group):
     return out
 
 
-def _reduce_scatter(x, group):
+def reduce_scatter_rows(x, group):
     world = dist.get_world_size(group)
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
     if x.device.type != "meta":
@@ -229,7 +229,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab_start, chunk, emulate,
     ):  # fmt: skip
         comm = group is not None and dist.get_world_size(group) > 1
-        full = _gather(hidden, group) if sequence_parallel and comm else hidden
+        full = gather_rows(hidden, group) if sequence_parallel and comm else hidden
         x = full.reshape(-1, full.shape[-1]).contiguous()
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
         stats = _stats(x, weight, bias, target, vocab_start, n_valid, chunk, emulate)
@@ -244,7 +244,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss):
         hidden, weight, bias, target, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        full = _gather(hidden, ctx.group) if ctx.sp and ctx.comm else hidden  # gathered again, not kept
+        full = gather_rows(hidden, ctx.group) if ctx.sp and ctx.comm else hidden  # gathered again, not kept
         x = full.reshape(-1, full.shape[-1]).contiguous()
         dx, dw, db = _grad(
             x, weight, bias, target, lse, dloss.contiguous().float(), *ctx.args, ctx.emulate, need_hidden, need_weight
@@ -257,7 +257,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dx = dx.view(ctx.shape)
             if ctx.comm:  # each rank's dX is its vocab shard's share: summed over the group
                 if ctx.sp:
-                    dx = _reduce_scatter(dx, ctx.group)
+                    dx = reduce_scatter_rows(dx, ctx.group)
                 elif dx.device.type != "meta":
                     dist.all_reduce(dx, group=ctx.group)
         return (
@@ -267,49 +267,55 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ) + (None,) * 9
 
 
-def _check(hidden, weight, target, ignore_index, label_smoothing, group, vocab_size, chunk_tokens, bias, sp):
+def check_head(op, hidden, weight, target, ignore_index, label_smoothing, group, vocab_size, chunk_tokens, bias, sp):
+    """The arguments of an op on the LM head's hidden states and weight shard (this one, ``ops.logprobs``'):
+    ``(ignore_index, vocab_size, vocab_start, chunk)``.
+
+    Raises:
+        TypeError, ValueError: as ``linear_cross_entropy`` documents, the messages naming ``op``.
+    """
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
-        _checks.tensor(OP, name, t)
-    _checks.tensor(OP, "bias", bias, optional=True)
-    ignore_index = _checks.integer(OP, "ignore_index", ignore_index)
-    check_group(OP, group)
+        _checks.tensor(op, name, t)
+    _checks.tensor(op, "bias", bias, optional=True)
+    ignore_index = _checks.integer(op, "ignore_index", ignore_index)
+    check_group(op, group)
     if hidden.dim() < 1 or hidden.dtype not in DTYPES:
         raise ValueError(
-            f"{OP}: hidden must be [..., h] fp32/bf16/fp16, got shape {tuple(hidden.shape)} dtype {hidden.dtype}"
+            f"{op}: hidden must be [..., h] fp32/bf16/fp16, got shape {tuple(hidden.shape)} dtype {hidden.dtype}"
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"{OP}: weight must be [V_local, h] with h = hidden's last dimension ({hidden.shape[-1]}), got shape "
+            f"{op}: weight must be [V_local, h] with h = hidden's last dimension ({hidden.shape[-1]}), got shape "
             f"{tuple(weight.shape)}"
         )
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"{OP}: weight has dtype {weight.dtype}, expected hidden's {hidden.dtype}")
+        raise ValueError(f"{op}: weight has dtype {weight.dtype}, expected hidden's {hidden.dtype}")
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != hidden.dtype):
         raise ValueError(
-            f"{OP}: bias must be [V_local] = [{weight.shape[0]}] in hidden's dtype {hidden.dtype}, got shape "
+            f"{op}: bias must be [V_local] = [{weight.shape[0]}] in hidden's dtype {hidden.dtype}, got shape "
             f"{tuple(bias.shape)} dtype {bias.dtype}"
         )
-    check_target_dtype(OP, target)
-    _checks.same_device(OP, "hidden", hidden, ("weight", weight), ("target", target), ("bias", bias))
+    check_target_dtype(op, target)
+    _checks.same_device(op, "hidden", hidden, ("weight", weight), ("target", target), ("bias", bias))
     lead = tuple(hidden.shape[:-1])
     if sp:
         if group is None:
-            raise ValueError(f"{OP}: sequence_parallel=True needs group (the ranks holding the sequence shards)")
+            raise ValueError(f"{op}: sequence_parallel=True needs group (the ranks holding the sequence shards)")
         if hidden.dim() < 2:
-            raise ValueError(f"{OP}: under sequence_parallel hidden must be [s/tp, ..., h], got {tuple(hidden.shape)}")
+            raise ValueError(f"{op}: under sequence_parallel hidden must be [s/tp, ..., h], got {tuple(hidden.shape)}")
         lead = (hidden.shape[0] * dist.get_world_size(group),) + lead[1:]
     if tuple(target.shape) != lead:
         raise ValueError(
-            f"{OP}: target has shape {tuple(target.shape)}, expected hidden's leading shape {lead}"
+            f"{op}: target has shape {tuple(target.shape)}, expected hidden's leading shape {lead}"
             f"{' (the sequence gathered over the group)' if sp else ''}"
         )
-    check_label_smoothing(OP, label_smoothing)
-    vocab_size, vocab_start = check_vocab(OP, weight.shape[0], group, vocab_size, what="weight's rows")
+    check_label_smoothing(op, label_smoothing)
+    vocab_size, vocab_start = check_vocab(op, weight.shape[0], group, vocab_size, what="weight's rows")
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0])
     elif isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"{OP}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
-    check_target_values(OP, target, ignore_index, vocab_size)
+        raise ValueError(f"{op}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    check_target_values(op, target, ignore_index, vocab_size)
     return ignore_index, vocab_size, vocab_start, chunk_tokens
 
 
@@ -352,8 +358,8 @@ def linear_cross_entropy(
         ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing, vocab_size or chunk_tokens.
     """
     sp = bool(sequence_parallel)
-    ignore_index, vocab_size, vocab_start, chunk = _check(
-        hidden, weight, target, ignore_index, label_smoothing, group, vocab_size, chunk_tokens, bias, sp
+    ignore_index, vocab_size, vocab_start, chunk = check_head(
+        OP, hidden, weight, target, ignore_index, label_smoothing, group, vocab_size, chunk_tokens, bias, sp
     )
     emulate = emulate_for(OP, hidden, "hidden")
     loss = _LinearCrossEntropy.apply(

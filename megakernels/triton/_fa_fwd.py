@@ -4,7 +4,7 @@ One program per BLOCK_M queries of one (batch, head): stream the keys in BLOCK_N
 maximum ``m``, normaliser ``l`` and un-normalised output ``acc`` in fp32 (online softmax); the ``[sq, sk]`` score
 matrix never exists. The lse ``(m + log2 l) * ln 2`` is stored for the backward.
 
-Design (why; costmodel/README.md has the model it is judged by):
+Design (why; the static cost model beside the package has the model it is judged by):
 - Tiles come through TMA tensor descriptors where the Triton and the tensors allow it (``TMA``: a 4-D descriptor
   over ``[b, s, h, d]``, out-of-range rows and head-dim columns zero-filled by the hardware), so the loads cost one
   instruction per tile instead of an address and a cp.async per 16 bytes, and the pipeliner's stages are

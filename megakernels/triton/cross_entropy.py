@@ -8,7 +8,7 @@ vocab is sharded) into the loss and the log-sum-exp.
 ``grad`` writes ``dloss * (softmax - (1 - eps) onehot(target) - eps / V)`` (0 on padding columns and ignored
 rows), either into a new tensor or in place of the logits.
 
-Design (costmodel/README.md has the budgets): one exponential per element — each chunk's maximum is
+Design (the static cost model beside the package has the budgets): one exponential per element — each chunk's maximum is
 reduced first, the running sum rescaled once per chunk, and ``exp(x - m)`` taken as ``exp2(x * log2e - m *
 log2e)`` (one FFMA and one MUFU); the target logit is one load per row, not a compare per element; full chunks
 run without masks, only the tail is masked; the label-smoothing terms of the gradient are compiled out when eps
