@@ -58,12 +58,12 @@ def stats_chunks(hidden, weight, bias, target, vocab_start: int, n_valid: int, c
         b = min(t, a + chunk)
         x = _logits(hidden[a:b], weight, bias, vocab_start, n_valid, inv_temp)
         m = x.max(1).values
-        e = torch.exp(x - m[:, None])
         col, held = _local_targets(target[a:b], vocab_start, n_valid)
         out[a:b, 0] = m
-        out[a:b, 1] = e.sum(1)
         out[a:b, 2] = torch.where(held, x.gather(1, col[:, None])[:, 0], 0.0)
-        out[a:b, 3] = (e * x.masked_fill(torch.isneginf(x), 0.0)).sum(1)
+        e = torch.exp(x - m[:, None])  # the chunk's one temporary beside its logits
+        out[a:b, 1] = e.sum(1)
+        out[a:b, 3] = torch.einsum("ij,ij->i", e, x.masked_fill_(torch.isneginf(x), 0.0))
     return out
 
 
@@ -119,12 +119,16 @@ def grad_chunks(
         for a in range(0, t, chunk):
             b = min(t, a + chunk)
             x = _logits(hidden[a:b], weight, bias, vocab_start, n_valid, inv_temp)
-            p = torch.exp(x - lse[a:b, None])
+            g = torch.exp(x - lse[a:b, None])  # p, then the gradient in place: the chunk's one temporary
             col, held = _local_targets(target[a:b], vocab_start, n_valid)
-            g = p * (-dlogp[a:b, None])
-            g.scatter_add_(1, col[:, None], torch.where(held, dlogp[a:b], 0.0)[:, None])
+            # g = dlogp (onehot - p) - dH p (x - E_p[x]) = -p (dlogp + dH (x - E_p[x])) + dlogp onehot
             if dent is not None:
-                g -= dent[a:b, None] * p * (x.masked_fill(torch.isneginf(x), 0.0) - mean_x[a:b, None])
+                x.masked_fill_(torch.isneginf(x), 0.0).sub_(mean_x[a:b, None]).mul_(dent[a:b, None])
+                g.mul_(x.add_(dlogp[a:b, None])).neg_()
+            else:
+                g.mul_(-dlogp[a:b, None])
+            del x
+            g.scatter_add_(1, col[:, None], torch.where(held, dlogp[a:b], 0.0)[:, None])
             if inv_temp != 1.0:
                 g.mul_(inv_temp)
             g = g.to(hidden.dtype)
