@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 SHAPES = [  # (name, m, k, n, how b is laid out): a [m, k] @ b [k, n]
     ("qkv fwd (768 -> 2304)", 512, 768, 2304, "wT"),
@@ -38,6 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from megakernels.bench import common
     from megakernels.ops import gemm
 
     if args.threads:
@@ -55,17 +55,10 @@ def main(argv=None) -> int:
             a = torch.randn(k, m, generator=g).t()
         b = torch.randn(n, k, generator=g).t() if layout == "wT" else torch.randn(k, n, generator=g)
         ref = a.double() @ b.double()
-        times = {"torch": [], "gemm": []}
         fns = {"torch": lambda: torch.mm(a, b), "gemm": lambda: gemm.mm(a, b)}
-        for f in fns.values():
-            f()
-            f()
-        for _ in range(args.reps):
-            for key, f in fns.items():
-                t = time.perf_counter()
-                f()
-                times[key].append(time.perf_counter() - t)
-        med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+        fns["torch"]()  # a second warm-up beside timed_in_turns' own
+        fns["gemm"]()
+        med = common.timed_in_turns(fns, args.reps)
         err = {key: ((f().double() - ref).abs().max() / ref.abs().max()).item() for key, f in fns.items()}
         flops = 2 * m * k * n
         row = {
@@ -86,21 +79,8 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()
     print(f"load after {load1}")
     if args.out:
-        import platform
-        import subprocess
-
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-        machine = {
-            "cpu": cpu or platform.processor(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "commit": commit,
-            "date": time.strftime("%Y-%m-%d"),
-            "device": "cpu",
-        }
         with open(args.out, "w") as f:
-            json.dump({"machine": machine, "load_average": [load0, load1], "results": rows}, f, indent=1)
+            json.dump({"machine": common.machine(), "load_average": [load0, load1], "results": rows}, f, indent=1)
     return 0
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import time
 
 from megakernels.parallel.pipeline.schedules import TRAINER_SCHEDULES, ZERO_BUBBLE
@@ -154,17 +152,6 @@ def memory(pp: int, m: int) -> list[dict]:
     return rows
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -172,24 +159,16 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--skip-memory", action="store_true")
     ns = ap.parse_args(argv)
-    import torch
 
     t0 = time.perf_counter()
     results = bubbles()
     print(f"bubbles: {len(results)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
     if not ns.skip_memory:
         results += memory(ns.pp, ns.microbatches)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from megakernels.bench import common
+
     report = {
-        "machine": {
-            "cpu": _cpu(),
-            "threads": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "commit": commit,
-            "date": time.strftime("%Y-%m-%d"),
-            "device": "cpu",
-        },
+        "machine": common.machine(),
         "commands": [f"python -m benchmarks.zero_bubble --out {ns.out} --pp {ns.pp} --microbatches {ns.microbatches}"],
         "load": f"load average {os.getloadavg()[0]:.1f} at the end",
         "results": results,

@@ -208,6 +208,29 @@ def test_gpu_peaks_are_written_only_in_the_machine_table():
     assert bad == []
 
 
+def _machine_measurements(tree: ast.AST):
+    """Lines that measure this machine: the ``2 n³`` FLOPs of a square GEMM (a GEMM peak) or ``/proc/cpuinfo``."""
+    for node in ast.walk(tree):
+        cube = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and getattr(node.right, "value", 0) == 3
+        if cube or (isinstance(node, ast.Constant) and node.value == "/proc/cpuinfo"):
+            yield node.lineno
+
+
+def test_the_machine_is_measured_in_one_place():
+    """The CPU GEMM peak is measured by ``megakernels/bench/ceilings.py`` alone (the trainer's MFU and the benchmarks
+    call it), and the CPU is read from ``/proc/cpuinfo`` by ``megakernels/host.py`` alone."""
+    homes = {"megakernels/bench/ceilings.py", "megakernels/host.py"}
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for pkg in SCANNED
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if str(p.relative_to(ROOT)) not in homes
+        for line in _machine_measurements(ast.parse(p.read_text()))
+    ]
+    assert bad == []
+    assert sorted(_machine_measurements(ast.parse("f = 2.0 * n**3 / s\nopen('/proc/cpuinfo')\ng = n**2\n"))) == [1, 2]
+
+
 def test_at_most_ten_modules_at_the_top_level():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 10, top

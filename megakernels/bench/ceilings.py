@@ -16,6 +16,9 @@ kernels measured beside them.
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
 from megakernels.bench.common import DTYPES, median_seconds
@@ -32,24 +35,48 @@ def copy_bandwidth(device: str = "cpu", numel: int | None = None, min_run_time: 
     return 2 * numel * src.element_size() / seconds / 1e9
 
 
-def gemm_tflops(device: str = "cpu", dtype: str = "float32", n: int | None = None, min_run_time: float = 0.5) -> float:
-    """TFLOP/s of an ``n x n`` by ``n x n`` matmul in ``dtype`` (a name of ``common.DTYPES``).
+def gemm_tflops(
+    device: str = "cpu",
+    dtype: str = "float32",
+    n: int | None = None,
+    min_run_time: float = 0.5,
+    best_of: int | None = None,
+) -> float:
+    """TFLOP/s of an ``n x n`` by ``n x n`` matmul in ``dtype`` (a name of ``common.DTYPES``): the median of
+    calibrated blocks of calls, or with ``best_of`` the fastest of that many single calls after a warm-up (a
+    peak: a busy machine can only slow a call down). The one measurement of a GEMM ceiling; the trainer's CPU peak
+    (``megakernels_models.training.mfu``) is this with ``best_of``.
 
     Raises:
-        ValueError: an unknown ``dtype`` name.
+        ValueError: an unknown ``dtype`` name, or ``best_of`` below 1.
     """
     if dtype not in DTYPES:
         raise ValueError(f"gemm_tflops: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if best_of is not None and best_of < 1:
+        raise ValueError(f"gemm_tflops: best_of must be at least 1, got {best_of}")
     if n is None:
         n = 8192 if device == "cuda" else 2048
-    g = torch.Generator(device=device).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)  # never the default generator: callers' streams stay as they are
     a = torch.randn(n, n, generator=g, device=device).to(DTYPES[dtype])
     b = torch.randn(n, n, generator=g, device=device).to(DTYPES[dtype])
     out = torch.empty(n, n, device=device, dtype=DTYPES[dtype])
-    seconds = median_seconds(lambda: torch.mm(a, b, out=out), min_run_time)
+    products = [lambda: torch.mm(a, b, out=out)]
     if gemm.routed(a, b, n, n, n):  # the faster of PyTorch's BLAS and the oneDNN GEMM our layers use
-        seconds = min(seconds, median_seconds(lambda: gemm.mm(a, b), min_run_time))
+        products.append(lambda: gemm.mm(a, b))
+    seconds = min(median_seconds(p, min_run_time) if best_of is None else _best_seconds(p, best_of) for p in products)
     return 2.0 * n**3 / seconds / 1e12
+
+
+def _best_seconds(fn, calls: int) -> float:
+    fn()  # warm-up (thread pool, packing buffers)
+    best = math.inf
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def measure(device: str = "cpu", dtypes=("float32",), quick: bool = False, log=print) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 
 import torch
 
@@ -59,22 +58,13 @@ def _key(dtype: torch.dtype, threads: int) -> str:
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int | None = None, trials: int = 5) -> float:
     """Best-of-``trials`` TFLOP/s of an ``n × n`` matmul on this process's threads (not cached): PyTorch's ``@``
-    or ``megakernels.ops.gemm.mm`` (oneDNN for fp32, which the package's layers use), whichever is faster."""
+    or ``megakernels.ops.gemm.mm`` (oneDNN for fp32, which the package's layers use), whichever is faster
+    (``megakernels.bench.ceilings.gemm_tflops``, the one GEMM ceiling measurement)."""
+    from megakernels.bench import ceilings
+
     if n is None:
         n = 2048 if dtype == torch.float32 else 1024  # 16-bit CPU GEMMs are slower: keep the timing short
-    gen = torch.Generator().manual_seed(0)  # never the default generator: training's random streams stay untouched
-    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-    from megakernels.ops import gemm
-
-    best = 0.0
-    # gemm.mm is torch.mm itself where it does not route the product (16-bit): time it once then
-    for product in (torch.mm, gemm.mm) if gemm.routed(a, b, n, n, n) else (torch.mm,):
-        product(a, b)  # warm-up (thread pool, packing buffers)
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            product(a, b)
-            best = max(best, 2.0 * n**3 / (time.perf_counter() - t0) / 1e12)
-    return best
+    return ceilings.gemm_tflops("cpu", str(dtype).removeprefix("torch."), n, best_of=trials)
 
 
 def cpu_peak_tflops(dtype: torch.dtype = torch.float32) -> float:
