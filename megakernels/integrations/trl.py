@@ -59,9 +59,9 @@ class _HeadStatistics(torch.autograd.Function):
                 b = min(t, a + chunk)
                 z = gemm.linear_nograd(hidden[a:b], weight, bias).float()
                 lse[a:b] = torch.logsumexp(z, -1)
-                p = torch.exp(z - lse[a:b, None])
-                entropy[a:b] = lse[a:b] - (p * z).sum(-1)
-                log_sq[a:b] = torch.logsumexp(2 * z, -1) - 2 * lse[a:b]
+                log_p = z - lse[a:b, None]
+                entropy[a:b] = -(torch.exp(log_p) * log_p).sum(-1)  # not lse - Σ p z: no cancellation
+                log_sq[a:b] = torch.logsumexp(2 * log_p, -1)
                 mean[a:b] = z.mean(-1)
                 top1[a:b] = z.argmax(-1) == target[a:b]
         ctx.save_for_backward(hidden, weight, bias, lse, entropy)

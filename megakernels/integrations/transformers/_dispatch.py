@@ -148,15 +148,25 @@ def install(attention, attention_mask, experts) -> None:
     """Put the dispatchers under transformers' default names (idempotent; an entry someone else registered since
     is wrapped in turn, so it keeps serving the models that are not patched)."""
     from transformers import AttentionInterface
-    from transformers.integrations.moe import ExpertsInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    current = AttentionInterface._global_mapping.get(DEFAULT[ATTENTION])
-    if current is not None and not getattr(current, "megakernels", False):
-        AttentionInterface.register(DEFAULT[ATTENTION], _dispatcher(ATTENTION, current, attention))
-    current = AttentionMaskInterface._global_mapping.get(DEFAULT[ATTENTION])
-    if current is not None and not getattr(current, "megakernels", False):
-        AttentionMaskInterface.register(DEFAULT[ATTENTION], _mask_dispatcher(current, attention_mask))
-    current = ExpertsInterface._global_mapping.get(DEFAULT[EXPERTS])
-    if current is not None and not getattr(current, "megakernels", False):
-        ExpertsInterface.register(DEFAULT[EXPERTS], _dispatcher(EXPERTS, current, experts))
+    entries = [
+        (AttentionInterface, DEFAULT[ATTENTION], lambda current: _dispatcher(ATTENTION, current, attention)),
+        (AttentionMaskInterface, DEFAULT[ATTENTION], lambda current: _mask_dispatcher(current, attention_mask)),
+    ]
+    experts_interface = experts_interface_class()
+    if experts_interface is not None:
+        entries.append((experts_interface, DEFAULT[EXPERTS], lambda current: _dispatcher(EXPERTS, current, experts)))
+    for interface, name, make in entries:
+        current = interface._global_mapping.get(name)
+        if current is not None and not getattr(current, "megakernels", False):
+            interface.register(name, make(current))
+
+
+def experts_interface_class():
+    """transformers' ``ExpertsInterface`` (None in a transformers without one: its expert banks loop in Python)."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return None
+    return ExpertsInterface

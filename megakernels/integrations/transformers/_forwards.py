@@ -201,7 +201,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         ValueError: ``output_attentions=True`` for a module whose family has no eager attention to return weights.
     """
     d, sq = query.shape[-1], query.shape[2]
-    if kwargs.get("output_attentions"):
+    if weights_requested(kwargs):
         return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
     unsupported = (
         kwargs.get("softcap") is not None
@@ -228,6 +228,19 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         documents=documents,
     )
     return out, None
+
+
+def weights_requested(kwargs) -> bool:
+    """Whether the caller asked for the attention weights: ``output_attentions`` reaching the attention, or (models
+    that keep it from their layers, GPT-2's) transformers' output collector recording them for this forward."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the collector passes output_attentions down
+        return False
+    collected = _active_collector.get()
+    return collected is not None and ("attentions" in collected or "cross_attentions" in collected)
 
 
 def _unmasked_causality(module, query, key, value, is_causal, kwargs):
@@ -459,12 +472,13 @@ def register() -> None:
     None when no mask is needed) and ``experts_implementation="megakernels"`` with transformers, and the dispatchers
     that run them for patched models under transformers' default names (``_dispatch.install``). Idempotent."""
     from transformers import AttentionInterface
-    from transformers.integrations.moe import ExpertsInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     from megakernels.integrations.transformers import _dispatch
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
-    ExpertsInterface.register(NAME, experts_forward)
+    experts = _dispatch.experts_interface_class()
+    if experts is not None:
+        experts.register(NAME, experts_forward)
     _dispatch.install(attention_forward, attention_mask, experts_forward)
