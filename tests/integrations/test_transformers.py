@@ -474,3 +474,32 @@ def test_gpt2s_double_heads_model_keeps_its_own_forward():
     with mkt.patch_classes("gpt2", fused_head=True):
         model = transformers.GPT2DoubleHeadsModel(config)
     assert not getattr(model.forward, "megakernels", False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
+def test_a_hooked_or_parametrized_linear_is_called_not_read(family):
+    """A fused MLP reads its linears' weights only while they are plain: a forward hook on one (which a read would
+    skip) or a parametrization of its weight (another class) makes the MLP run transformers' forward, after the
+    patch too; the outputs are the unpatched model's with the same hook / parametrization."""
+    import torch.nn.utils.parametrize as parametrize
+
+    def first(model, name):
+        return next(m for n, m in model.named_modules() if n.endswith(name))
+
+    read = {"gpt2": "h.0.mlp.c_fc", "bert": "layer.0.intermediate.dense", "llama": "layers.0.mlp.up_proj"}[family]
+
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    for change in ("hook", "parametrization"):
+        ref = H.build(family)
+        model = copy.deepcopy(ref)
+        mkt.apply(model)  # the change comes after the patch
+        for m in (ref, model):
+            if change == "hook":
+                first(m, read).register_forward_hook(lambda mod, args, out: out * 3)
+            else:
+                parametrize.register_parametrization(first(m, read), "weight", Scale())
+        ids = H.batch()
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -37,6 +37,7 @@ def _text(g, lo: int, hi: int) -> str:
 
 def _args(config_class, **extra):
     extra.setdefault("per_device_train_batch_size", 4)
+    extra.setdefault("gradient_checkpointing", False)  # TRL's default (on) only where a test says so
     return config_class(
         output_dir="unused",
         max_steps=3,
@@ -90,7 +91,7 @@ def test_sft_trains_like_trls_own_head():
 
     g = torch.Generator().manual_seed(0)
     data = Dataset.from_dict({"text": [_text(g, 5, 12) for _ in range(12)]})
-    config = _args(SFTConfig, max_length=16)
+    config = _args(SFTConfig, max_length=16, gradient_checkpointing=True)  # TRL's default: the head under it
     ref = _run(SFTTrainer, config, data, ours=False)
     # the metrics TRL's head feeds (entropy, top-1 accuracy) come from megakernels' statistics pass
     _same_training(ref, _run(SFTTrainer, config, data, ours=True), ("loss", "entropy", "mean_token_accuracy"))
@@ -145,7 +146,8 @@ def test_apply_with_the_fused_head_after_a_trainer_keeps_trls_head():
     for patched in (False, True):
         model = H.build(FAMILY)
         with mktrl.patch_trl() if patched else contextlib.nullcontext():
-            trainer = SFTTrainer(model=model, args=_args(SFTConfig), train_dataset=data, processing_class=_tokenizer())
+            args = _args(SFTConfig, max_steps=1)
+            trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             done = mkt.apply(trainer.model, fused_head=True)

@@ -198,7 +198,7 @@ def apply(
     declined = done.pop("declined")
     done["experts"] = 0
     if mlp and family.experts:
-        impl = model.config._experts_implementation
+        impl = getattr(model.config, "_experts_implementation", None)
         if impl == _forwards.NAME or _dispatch.chosen_by_default(model.config, _dispatch.EXPERTS):
             done["experts"] = mark(model, family, _dispatch.EXPERTS)
     done["attention"] = False
