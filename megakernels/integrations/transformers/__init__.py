@@ -13,11 +13,14 @@ MLP's bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM a
 Qwen 2/2.5/3); Mixtral's and Qwen 3 MoE's experts -> two grouped GEMMs around SwiGLU, without a data-dependent shape
 (``torch.compile(fullgraph=True)`` holds); a table tied between the input embedding and the LM head -> its
 lookup's gradient added into the head's weight gradient (``megakernels.nn.TiedEmbedding``); attention ->
-FlashAttention, a sliding window inside the kernel, registered with transformers as
-``attn_implementation="megakernels"``; the causal-LM loss -> the fused cross-entropy on the logits in their own
-dtype. Parameters, their names and the state dict stay as they are, so
-checkpoints load and save either way. None of the families has a norm followed by a GeLU, so the norms' GeLU
-epilogue has no use here.
+FlashAttention, a sliding window inside the kernel, under transformers' default name ``"sdpa"`` (also registered
+as ``attn_implementation="megakernels"``); the causal-LM loss -> the fused cross-entropy on the logits in their own
+dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
+
+What the patch never does: read the weight of a module it does not own (a linear wrapped by PEFT, quantised,
+parametrized or hooked, also after the patch, is called: the fused MLP runs transformers' forward), override an
+attention or experts implementation the caller chose, or hide a forward's signature. None of the families has a
+norm followed by a GeLU, so the norms' GeLU epilogue has no use here.
 
 transformers is an optional dependency: importing this module does not import it; the first call does, and checks
 its version (``MIN_TRANSFORMERS_VERSION``).

@@ -10,7 +10,8 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   forward that reads a submodule's weight does so only while that submodule is a plain ``nn.Linear`` / ``Conv1D``
   (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the patch); otherwise it runs
   the module's own forward, which calls the submodules.
-- Mixtral's experts -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
+- Mixtral's / Qwen 3 MoE's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
+  ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
   ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
 - attention (``_dispatch``: the calls of a patched model under transformers' default ``"sdpa"``, or under
   ``"megakernels"``) -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
