@@ -21,6 +21,7 @@ TRL is optional: importing this module does not import it; :func:`patch_trl` doe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -150,7 +151,7 @@ def fused_lm_head_forward(self, *args, _trl_forward, _temperature: float, _outpu
     ``FusedCausalLMOutput`` (per-token ``log_probs`` of the next-token labels under the temperature, the requested
     statistics, zero where the label is -100; ``loss`` their negated mean or sum over ``num_items_in_batch``). Other
     calls, and heads megakernels does not own at call time, go to TRL's forward (``_trl_forward``)."""
-    from megakernels.integrations.transformers._forwards import owned
+    from megakernels.integrations.transformers._forwards import autocast_dtype, owned
 
     head = self.get_output_embeddings()
     if not kwargs.get("fused_lm_head") or type(head) is not torch.nn.Linear or not owned(head):
@@ -170,7 +171,7 @@ def fused_lm_head_forward(self, *args, _trl_forward, _temperature: float, _outpu
     weight, bias = head.weight, head.bias
     hidden, target = hidden.to(weight.device), target.to(weight.device)
     device = weight.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    dtype = autocast_dtype(device) or hidden.dtype
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     if _temperature != 1.0:  # softmax(z / T): the same head on hidden / T (and bias / T)
@@ -178,7 +179,8 @@ def fused_lm_head_forward(self, *args, _trl_forward, _temperature: float, _outpu
         bias = None if bias is None else bias / _temperature
     mask = target != -100
     rows, ids = hidden[mask], target[mask]  # only the scored positions go through the head
-    with torch.autocast(device, enabled=False):
+    off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+    with off:
         picked = -ops.linear_cross_entropy(rows, weight, ids, bias=bias)
         stats = dict(zip(SERVED_OUTPUTS[1:], head_statistics(rows, weight, bias, ids)))
     fields = {"log_probs": picked}

@@ -193,3 +193,20 @@ def test_patched_forwards_have_their_classes_signatures(family):
         expected = inspect.signature(type(m).forward)
         expected = expected.replace(parameters=list(expected.parameters.values())[1:])
         assert inspect.signature(m.forward) == expected, type(m).__name__
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_a_model_can_be_built_on_the_meta_device_under_the_class_patch(family):
+    """transformers builds models on the meta device (to load big checkpoints; its tests do too): under the class
+    patch, fused head included, the model built there has the same forwards bound as one built on the CPU."""
+    options = {"fused_head": True} if mkt.FAMILIES[family].fused_head else {}
+
+    def bound(model):
+        return [n for n, m in model.named_modules() if getattr(m.__dict__.get("forward"), "megakernels", False)]
+
+    with mkt.patch_classes(family, **options):
+        with torch.device("meta"):
+            model = H.model_class(family)(H.config(family))
+        on_cpu = H.model_class(family)(H.config(family))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert bound(model) == bound(on_cpu) and bound(model)

@@ -419,7 +419,16 @@ def head_fuses(model) -> bool:
     if loss is not None and loss is not causal_lm_loss:
         return False
     device = head.weight.device.type
-    return not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == head.weight.dtype
+    dtype = autocast_dtype(device)
+    return dtype is None or dtype == head.weight.dtype
+
+
+def autocast_dtype(device: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device`` (a device type), None where it is off or has no autocast
+    (``meta``)."""
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def fused_head_forward(self, *args, _body: str = "model", **kwargs):
