@@ -173,9 +173,10 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
 @pytest.mark.parametrize("mode", ["in_place", "classes"])
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(family, mode):
-    """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits
-    returned), loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too);
-    in evaluation mode the logits are there as before."""
+    """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits made),
+    loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too); reading
+    the output's logits computes them then (the unpatched model's); in evaluation mode the logits are there as
+    before."""
     ref = H.build(family)
     if mode == "in_place":
         model = copy.deepcopy(ref)
@@ -192,9 +193,11 @@ def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(famil
         with MegakernelsOps() as seen:
             out = model(input_ids=ids, labels=labels, **extra)
             out.loss.backward()
-        assert out.logits is None and "linear_cross_entropy_stats" in seen.names
-        _, loss0, grads0 = step(ref, ids, labels, **extra)
+        assert "logits" not in out.keys() and "linear_cross_entropy_stats" in seen.names
+        logits0, loss0, grads0 = step(ref, ids, labels, **extra)
         torch.testing.assert_close(out.loss.detach(), loss0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.logits.detach(), logits0, rtol=1e-5, atol=1e-5)  # made now, on the read
+        assert "logits" in out.keys()
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, grads0[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     model.eval()
@@ -347,7 +350,7 @@ def test_the_tied_table_folds_into_the_fused_heads_gradient():
     with AtenOps() as seen:
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-    assert out.logits is None and "embedding_dense_backward" not in seen.counts
+    assert "logits" not in out.keys() and "embedding_dense_backward" not in seen.counts
     assert model.get_input_embeddings().forward.keywords["table"].folds == 1
     _, loss0, grads0 = step(ref, ids)
     torch.testing.assert_close(out.loss.detach(), loss0, rtol=1e-5, atol=1e-6)

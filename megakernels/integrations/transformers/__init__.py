@@ -168,9 +168,9 @@ def apply(
         loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
             their own dtype; only models using transformers' causal-LM loss are changed.
         fused_head: in training mode with labels, the LM head and its loss as one
-            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits never exist;
-            the output's ``logits`` is then None); the causal LMs of gpt2, llama, mistral, qwen2 and qwen3. Off by
-            default (code that reads the training logits would get None).
+            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only
+            if ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2 and
+            qwen3. Off by default (code that reads the training logits pays for the head twice).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same

@@ -435,10 +435,10 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     """A ``*ForCausalLM``'s forward (bound with its class forward's signature: ``self.<_body>``, the decoder, then
     ``self.lm_head``) whose training loss is ``ops.linear_cross_entropy``: in training mode with ``labels``, the
     hidden states go straight into the fused LM head + cross-entropy (chunks of tokens; the ``[tokens, vocab]``
-    logits never exist) and the output (the class's output type, cache and hidden states included) has no
-    ``logits``; transformers' label shift, ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its
-    causal-LM loss. Otherwise (no labels, evaluation mode, a head or loss ``head_fuses`` refuses) the class's own
-    forward, logits included."""
+    logits are not made) and the output (the class's output type, cache and hidden states included) has no
+    ``logits`` until ``.logits`` is read, which computes them (``_lazy_logits_class``); transformers' label shift,
+    ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
+    labels, evaluation mode, a head or loss ``head_fuses`` refuses) the class's own forward, logits included."""
     cls = type(self)
     sig = forward_signature(cls)
     try:
@@ -473,8 +473,31 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
         n = n.to(per_token.device)
     out_cls = _output_class(cls)
     fields = {f.name for f in dataclasses.fields(out_cls)} - {"loss", "logits"}
-    out = out_cls(loss=per_token.sum() / n, **{k: v for k, v in outputs.items() if k in fields})
-    return out if return_dict else out.to_tuple()
+    rest = {k: v for k, v in outputs.items() if k in fields}
+    if not return_dict:  # a tuple has no lazy field: its logits are where the class's forward puts them
+        return out_cls(loss=per_token.sum() / n, logits=head(hidden), **rest).to_tuple()
+    out = _lazy_logits_class(out_cls)(loss=per_token.sum() / n, **rest)
+    object.__setattr__(out, "_megakernels_logits", functools.partial(head, hidden))
+    return out
+
+
+@functools.cache
+def _lazy_logits_class(out_cls):
+    """``out_cls`` (a ``ModelOutput``) whose ``logits``, absent, are computed on the first read of ``.logits``
+    (``_megakernels_logits()``: the LM head on the hidden states, differentiable), so that code reading the
+    training logits of a fused-head model gets them, and only that code pays for them."""
+
+    def __getattribute__(self, name):
+        if name != "logits":
+            return out_cls.__getattribute__(self, name)
+        logits = out_cls.__getattribute__(self, "logits")
+        make = self.__dict__.get("_megakernels_logits")
+        if logits is None and make is not None:
+            logits = make()
+            self["logits"] = logits
+        return logits
+
+    return type(f"{out_cls.__name__}WithLazyLogits", (out_cls,), {"__getattribute__": __getattribute__})
 
 
 def register() -> None:
