@@ -38,9 +38,9 @@ def _text(g, lo: int, hi: int) -> str:
 def _args(config_class, **extra):
     extra.setdefault("per_device_train_batch_size", 4)
     extra.setdefault("gradient_checkpointing", False)  # TRL's default (on) only where a test says so
+    extra.setdefault("max_steps", 3)
     return config_class(
         output_dir="unused",
-        max_steps=3,
         learning_rate=1e-2,
         logging_steps=1,
         report_to=[],
