@@ -218,9 +218,9 @@ def _install(original):
 
 
 class TRLPatch:
-    """TRL's ``add_fused_lm_head`` replaced (in ``trl.trainer.utils`` and every TRL module that imported it) by one
-    that puts megakernels' head over TRL's; ``revert()`` (or leaving the ``with`` block) restores TRL's function.
-    Models given a head meanwhile keep it."""
+    """TRL's ``add_fused_lm_head`` replaced (in ``trl.trainer.utils`` and every TRL module that imported it, or
+    imports it meanwhile) by one that puts megakernels' head over TRL's; ``revert()`` (or leaving the ``with``
+    block) restores TRL's function everywhere. Models given a head meanwhile keep it."""
 
     _active: TRLPatch | None = None
 
@@ -228,14 +228,18 @@ class TRLPatch:
         import trl.trainer.utils as utils
 
         self._original = utils.add_fused_lm_head
-        self._replaced: list = []
-        ours = _install(self._original)
+        self._ours = _install(self._original)
+        self._swap(self._original, self._ours)
+        TRLPatch._active = self
+
+    @staticmethod
+    def _swap(old, new) -> None:
+        """Every loaded TRL module holding ``old`` as ``add_fused_lm_head`` gets ``new`` (``trl.trainer.utils``
+        first: a trainer module imported later takes the function from there)."""
         for name, module in list(sys.modules.items()):
             trl_module = name == "trl" or name.startswith("trl.")
-            if trl_module and getattr(module, "add_fused_lm_head", None) is self._original:
-                module.add_fused_lm_head = ours
-                self._replaced.append(module)
-        TRLPatch._active = self
+            if trl_module and module is not None and module.__dict__.get("add_fused_lm_head") is old:
+                module.add_fused_lm_head = new
 
     @property
     def active(self) -> bool:
@@ -245,8 +249,7 @@ class TRLPatch:
         """Restore TRL's ``add_fused_lm_head`` (idempotent)."""
         if not self.active:
             return
-        for module in self._replaced:
-            module.add_fused_lm_head = self._original
+        self._swap(self._ours, self._original)  # also in the modules imported while it was active
         TRLPatch._active = None
 
     def __enter__(self) -> TRLPatch:

@@ -7,6 +7,8 @@ trainer is built leaves TRL's head in place."""
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 import warnings
 
 import pytest
@@ -168,7 +170,15 @@ def test_patch_trl_reverts_and_refuses_a_second_patch():
         assert patch.active and sft.add_fused_lm_head is utils.add_fused_lm_head is not original
         with pytest.raises(ValueError, match="TRL is patched already"):
             mktrl.patch_trl()
-    assert not patch.active and sft.add_fused_lm_head is utils.add_fused_lm_head is original
+        # a TRL module first imported while patched takes the function from trl.trainer.utils, as trainers do
+        later = types.ModuleType("trl.imported_while_patched")
+        exec("from trl.trainer.utils import add_fused_lm_head", later.__dict__)
+        sys.modules[later.__name__] = later
+    try:
+        assert not patch.active and sft.add_fused_lm_head is utils.add_fused_lm_head is original
+        assert later.add_fused_lm_head is original
+    finally:
+        del sys.modules[later.__name__]
 
 
 def test_head_statistics_match_an_fp64_reference_with_the_entropys_gradient():
