@@ -37,6 +37,21 @@ def _inputs(family: str, padded: bool = False):
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def _switching(ref, model, kind: str, op: str, cases) -> None:
+    """``model.set_<kind>_implementation(impl)`` for each (impl, ours) of ``cases``: the config says ``impl``,
+    megakernels' ``op`` runs exactly where ``ours``, and the logits are the unpatched model's."""
+    kwargs = _inputs(model.config.model_type)
+    with torch.no_grad():
+        expected = ref(**kwargs).logits
+        for impl, ours in cases:
+            getattr(model, f"set_{kind}_implementation")(impl)
+            assert getattr(model.config, f"_{kind}_implementation") == impl
+            with MegakernelsOps() as seen:
+                got = model(**kwargs).logits
+            assert (op in seen.names) == ours, impl
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", H.FAMILIES)
 def test_attention_weights_are_returned_on_request(family):
     """output_attentions=True: the patched model under its default implementation returns every layer's weights
@@ -69,16 +84,7 @@ def test_the_attention_implementation_can_be_set_dynamically(family):
     FlashAttention), an unknown name is refused as transformers refuses it, and back to "sdpa" the model runs
     megakernels' kernel again."""
     ref, model = _pair(family)
-    kwargs = _inputs(family)
-    with torch.no_grad():
-        expected = ref(**kwargs).logits
-        for impl, flash in (("eager", False), ("sdpa", True)):
-            model.set_attn_implementation(impl)
-            assert model.config._attn_implementation == impl
-            with MegakernelsOps() as seen:
-                got = model(**kwargs).logits
-            assert ("flash_attn_fwd" in seen.names) == flash, impl
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _switching(ref, model, "attn", "flash_attn_fwd", (("eager", False), ("sdpa", True)))
     with pytest.raises(ValueError, match='Specified `attn_implementation="foo"` is not supported'):
         model.set_attn_implementation("foo")
     assert model.config._attn_implementation == "sdpa"
@@ -136,16 +142,10 @@ def test_eager_batched_and_grouped_experts_agree(family):
     """The experts follow set_experts_implementation and the experts_implementation argument: megakernels' grouped
     GEMM under the default ("grouped_mm"), transformers' eager and batched_mm loops as set, the same outputs."""
     ref, model = _pair(family)
+    _switching(ref, model, "experts", "grouped_gemm", (("grouped_mm", True), ("eager", False), ("batched_mm", False)))
     kwargs = _inputs(family)
     with torch.no_grad():
         expected = ref(**kwargs).logits
-        for impl, ours in (("grouped_mm", True), ("eager", False), ("batched_mm", False)):
-            model.set_experts_implementation(impl)
-            assert model.config._experts_implementation == impl
-            with MegakernelsOps() as seen:
-                got = model(**kwargs).logits
-            assert ("grouped_gemm" in seen.names) == ours, impl
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for asked, ours in (("eager", False), ("megakernels", True)):
         with mkt.patch_classes(family):
             chosen = type(ref)._from_config(H.config(family), experts_implementation=asked)
