@@ -173,9 +173,10 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
 @pytest.mark.parametrize("mode", ["in_place", "classes"])
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(family, mode):
-    """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits
-    returned), loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too);
-    in evaluation mode the logits are there as before."""
+    """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits made),
+    loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too); reading
+    the output's logits computes them then (the unpatched model's); in evaluation mode the logits are there as
+    before."""
     ref = H.build(family)
     if mode == "in_place":
         model = copy.deepcopy(ref)
@@ -192,9 +193,11 @@ def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(famil
         with MegakernelsOps() as seen:
             out = model(input_ids=ids, labels=labels, **extra)
             out.loss.backward()
-        assert out.logits is None and "linear_cross_entropy_stats" in seen.names
-        _, loss0, grads0 = step(ref, ids, labels, **extra)
+        assert "logits" not in out.keys() and "linear_cross_entropy_stats" in seen.names
+        logits0, loss0, grads0 = step(ref, ids, labels, **extra)
         torch.testing.assert_close(out.loss.detach(), loss0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.logits.detach(), logits0, rtol=1e-5, atol=1e-5)  # made now, on the read
+        assert "logits" in out.keys()
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, grads0[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     model.eval()
@@ -271,7 +274,9 @@ def test_apply_reports_what_it_patched():
         "loss": False,
         "fused_head": False,
         "tied_embeddings": False,  # its LM head has a table of its own
+        "declined": [],
     }
+    assert mkt.apply(H.build("mixtral"))["experts"] == 2  # one expert bank a layer
 
 
 class AtenOps(TorchDispatchMode):
@@ -345,7 +350,7 @@ def test_the_tied_table_folds_into_the_fused_heads_gradient():
     with AtenOps() as seen:
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-    assert out.logits is None and "embedding_dense_backward" not in seen.counts
+    assert "logits" not in out.keys() and "embedding_dense_backward" not in seen.counts
     assert model.get_input_embeddings().forward.keywords["table"].folds == 1
     _, loss0, grads0 = step(ref, ids)
     torch.testing.assert_close(out.loss.detach(), loss0, rtol=1e-5, atol=1e-6)
@@ -370,23 +375,23 @@ def test_unselected_parts_keep_transformers_forwards():
     with MegakernelsOps() as seen:
         step(model, H.batch())
     assert seen.names == {"swiglu_fwd", "swiglu_bwd"}
-    assert model.config._attn_implementation != mkt.ATTN_IMPLEMENTATION
 
 
 def test_class_patch_reverts():
     from transformers.models.llama import modeling_llama
 
-    before = modeling_llama.LlamaPreTrainedModel.__dict__.get("post_init")
-    before_load = modeling_llama.LlamaPreTrainedModel.__dict__.get("from_pretrained")
+    hooked = ("__init__", "post_init", "from_pretrained", "_from_config")
+    before = {name: modeling_llama.LlamaPreTrainedModel.__dict__.get(name) for name in hooked}
     with mkt.patch_llama() as patch:
         assert patch.active
         assert "forward" in H.build("llama").model.norm.__dict__
     assert not patch.active
-    assert modeling_llama.LlamaPreTrainedModel.__dict__.get("post_init") is before
-    assert modeling_llama.LlamaPreTrainedModel.__dict__.get("from_pretrained") is before_load
+    assert {name: modeling_llama.LlamaPreTrainedModel.__dict__.get(name) for name in hooked} == before
     model = H.build("llama")
     assert "forward" not in model.model.norm.__dict__
-    assert model.config._attn_implementation != mkt.ATTN_IMPLEMENTATION
+    with MegakernelsOps() as seen:
+        model(input_ids=H.batch())
+    assert not seen.names  # attention included: the model built after the revert is transformers' own
 
 
 def test_class_patch_twice_is_refused():
@@ -402,7 +407,7 @@ def test_class_patched_from_pretrained_is_patched(tmp_path):
     ref.save_pretrained(tmp_path)
     with mkt.patch_mistral():
         model = type(ref).from_pretrained(tmp_path)
-    assert model.config._attn_implementation == mkt.ATTN_IMPLEMENTATION
+    assert model.config._attn_implementation == "sdpa"  # transformers' default, its calls on megakernels' kernel
     ids = H.batch()
     with MegakernelsOps() as seen:
         got = model(input_ids=ids).logits
@@ -472,3 +477,32 @@ def test_gpt2s_double_heads_model_keeps_its_own_forward():
     with mkt.patch_classes("gpt2", fused_head=True):
         model = transformers.GPT2DoubleHeadsModel(config)
     assert not getattr(model.forward, "megakernels", False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
+def test_a_hooked_or_parametrized_linear_is_called_not_read(family):
+    """A fused MLP reads its linears' weights only while they are plain: a forward hook on one (which a read would
+    skip) or a parametrization of its weight (another class) makes the MLP run transformers' forward, after the
+    patch too; the outputs are the unpatched model's with the same hook / parametrization."""
+    import torch.nn.utils.parametrize as parametrize
+
+    def first(model, name):
+        return next(m for n, m in model.named_modules() if n.endswith(name))
+
+    read = {"gpt2": "h.0.mlp.c_fc", "bert": "layer.0.intermediate.dense", "llama": "layers.0.mlp.up_proj"}[family]
+
+    class Scale(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    for change in ("hook", "parametrization"):
+        ref = H.build(family)
+        model = copy.deepcopy(ref)
+        mkt.apply(model)  # the change comes after the patch
+        for m in (ref, model):
+            if change == "hook":
+                first(m, read).register_forward_hook(lambda mod, args, out: out * 3)
+            else:
+                parametrize.register_parametrization(first(m, read), "weight", Scale())
+        ids = H.batch()
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

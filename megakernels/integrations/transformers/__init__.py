@@ -13,11 +13,14 @@ MLP's bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM a
 Qwen 2/2.5/3); Mixtral's and Qwen 3 MoE's experts -> two grouped GEMMs around SwiGLU, without a data-dependent shape
 (``torch.compile(fullgraph=True)`` holds); a table tied between the input embedding and the LM head -> its
 lookup's gradient added into the head's weight gradient (``megakernels.nn.TiedEmbedding``); attention ->
-FlashAttention, a sliding window inside the kernel, registered with transformers as
-``attn_implementation="megakernels"``; the causal-LM loss -> the fused cross-entropy on the logits in their own
-dtype. Parameters, their names and the state dict stay as they are, so
-checkpoints load and save either way. None of the families has a norm followed by a GeLU, so the norms' GeLU
-epilogue has no use here.
+FlashAttention, a sliding window inside the kernel, under transformers' default name ``"sdpa"`` (also registered
+as ``attn_implementation="megakernels"``); the causal-LM loss -> the fused cross-entropy on the logits in their own
+dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
+
+What the patch never does: read the weight of a module it does not own (a linear wrapped by PEFT, quantised,
+parametrized or hooked, also after the patch, is called: the fused MLP runs transformers' forward), override an
+attention or experts implementation the caller chose, or hide a forward's signature. None of the families has a
+norm followed by a GeLU, so the norms' GeLU epilogue has no use here.
 
 transformers is an optional dependency: importing this module does not import it; the first call does, and checks
 its version (``MIN_TRANSFORMERS_VERSION``).
@@ -26,9 +29,10 @@ its version (``MIN_TRANSFORMERS_VERSION``).
 from __future__ import annotations
 
 import functools
+import warnings
 
-from megakernels.integrations.transformers import _forwards
-from megakernels.integrations.transformers._families import FAMILIES, _bind, family_of, patch_modules
+from megakernels.integrations.transformers import _dispatch, _forwards
+from megakernels.integrations.transformers._families import FAMILIES, _bind, family_of, mark, patch_modules
 
 MIN_TRANSFORMERS_VERSION = "5.0.0"  # 3-D Mixtral expert banks, AttentionMaskInterface, ``cache`` keyword
 ATTN_IMPLEMENTATION = _forwards.NAME
@@ -148,19 +152,25 @@ def apply(
 
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported ``config.model_type`` (gpt2, bert, llama,
-            mistral, mixtral, qwen2, qwen3, qwen3_moe), on any device and dtype, built or loaded already.
+            mistral, mixtral, qwen2, qwen3, qwen3_moe), on any device and dtype, built or loaded already; or a PEFT
+            ``PeftModel``, whose base model is patched (before or after ``get_peft_model``: the adapters' layers
+            are always called).
         norms: LayerNorm / RMSNorm modules -> ``megakernels.ops.layer_norm`` / ``rms_norm``.
-        mlp: the MLP activation -> ``bias_gelu`` (GeLU MLPs) or one GEMM + ``swiglu`` (gated MLPs); Mixtral's
-            and Qwen 3 MoE's experts -> ``grouped_gemm``. A model whose activation is neither a GeLU nor SiLU keeps
-            its MLP.
-        attention: ``model.set_attn_implementation("megakernels")`` (FlashAttention without a mask; transformers'
-            SDPA where a mask is needed).
+        mlp: the MLP activation -> ``bias_gelu`` (GeLU MLPs) or one GEMM + ``swiglu`` (gated MLPs), on each call
+            where the linears it reads are plain ``nn.Linear`` / ``Conv1D`` (PEFT, quantised or hooked linears:
+            transformers' forward, which calls them); Mixtral's and Qwen 3 MoE's experts -> ``grouped_gemm``
+            where their experts implementation is transformers' default (``"grouped_mm"``) or
+            ``"megakernels"``. A model whose activation is neither a GeLU nor SiLU keeps its MLP.
+        attention: where the caller chose no attention implementation (transformers' default ``"sdpa"``, which
+            the config keeps saying), the attention runs FlashAttention without a mask and transformers' SDPA
+            where a mask is needed; an implementation the caller chose (``attn_implementation=`` or the config;
+            known for models built under :func:`patch_classes`, otherwise any but ``"sdpa"``) is kept.
         loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
             their own dtype; only models using transformers' causal-LM loss are changed.
         fused_head: in training mode with labels, the LM head and its loss as one
-            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits never exist;
-            the output's ``logits`` is then None); the causal LMs of gpt2, llama, mistral, qwen2 and qwen3. Off by
-            default (code that reads the training logits would get None).
+            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only
+            if ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2 and
+            qwen3. Off by default (code that reads the training logits pays for the head twice).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
@@ -171,7 +181,9 @@ def apply(
 
     Returns:
         What was patched: ``{"norms": int, "mlp": int, "experts": int, "linears": int, "attention": bool,
-        "loss": bool, "fused_head": bool, "tied_embeddings": bool}``.
+        "loss": bool, "fused_head": bool, "tied_embeddings": bool, "declined": list[str]}``; ``declined`` names
+        the modules that keep transformers' forward because what the fused one reads is wrapped or replaced (one
+        warning names them too).
 
     Raises:
         ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not
@@ -180,70 +192,118 @@ def apply(
     """
     op = "megakernels.integrations.transformers.apply"
     transformers = require_transformers(op)
+    model = _base_model(model)
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"{op}: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     family = family_of(getattr(model.config, "model_type", None), op)
+    register()
     done = patch_modules(model, family, norms=norms, mlp=mlp, linears=linears)
+    declined = done.pop("declined")
+    done["experts"] = 0
+    if mlp and family.experts:
+        impl = getattr(model.config, "_experts_implementation", None)
+        if impl == _forwards.NAME or _dispatch.chosen_by_default(model.config, _dispatch.EXPERTS):
+            done["experts"] = mark(model, family, _dispatch.EXPERTS)
     done["attention"] = False
     if attention:
-        register()
-        model.set_attn_implementation(_forwards.NAME)
-        done["attention"] = model.config._attn_implementation == _forwards.NAME
+        impl = model.config._attn_implementation
+        if impl == _forwards.NAME:
+            done["attention"] = True
+        elif _dispatch.chosen_by_default(model.config, _dispatch.ATTENTION):
+            mark(model, family, _dispatch.ATTENTION)
+            _dispatch.accelerate(model.config, _dispatch.ATTENTION)
+            done["attention"] = True
     done["loss"] = bool(loss) and _uses_causal_lm_loss(model)
     if done["loss"]:
         model.loss_function = _forwards.causal_lm_loss
-    done["fused_head"] = bool(fused_head)
+    done["fused_head"] = False
     if fused_head:
         if not _takes_fused_head(model, family):
             raise ValueError(
                 f"{op}: fused_head is for the causal LMs of "
                 f"{', '.join(sorted(k for k, f in FAMILIES.items() if f.fused_head))}; got a {type(model).__name__}"
             )
-        bound = functools.partial(_forwards.fused_head_forward, model, _body=family.body)
-        bound.megakernels = True
-        model.forward = bound
+        own = model.__dict__.get("forward")
+        if getattr(own, "megakernels_trl", False):  # megakernels' head under TRL's (integrations.trl): kept
+            done["fused_head"] = True
+        elif own is not None and getattr(own, "func", None) is not _forwards.fused_head_forward:
+            name = getattr(own, "__qualname__", None) or getattr(getattr(own, "func", None), "__qualname__", own)
+            declined.append(f"{type(model).__name__}.forward (replaced by {name})")
+        else:
+            _bind(model, _forwards.fused_head_forward, _body=family.body)
+            done["fused_head"] = _forwards.head_fuses(model)
+            if not done["fused_head"]:
+                declined.append(f"{type(model).__name__}'s LM head or loss")
     done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model)
+    done["declined"] = declined
+    if declined:
+        shown = ", ".join(declined[:4]) + (f" and {len(declined) - 4} more" if len(declined) > 4 else "")
+        warnings.warn(
+            f"{op}: {len(declined)} module(s) keep transformers' forward, since what the fused one reads is wrapped "
+            f"(PEFT, quantised, hooked) or replaced: {shown}",
+            stacklevel=2,
+        )
     return done
+
+
+def _base_model(model):
+    """The transformers model a PEFT ``PeftModel`` wraps (``get_base_model()``); any other object as it is."""
+    get = getattr(model, "get_base_model", None)
+    if callable(get) and type(model).__module__.split(".")[0] == "peft":
+        return get()
+    return model
 
 
 class ClassPatch:
     """Class patching of one model family: every model of the family built while it is active is patched by
     :func:`apply` with the same options as the last step of its construction (``post_init``), whether built from a
     config or by ``from_pretrained`` (which then loads without the `kernels` hub's kernelization unless given
-    ``use_kernels=True``: it would unbind the fused norms). ``revert()`` (or leaving the ``with`` block) restores
-    the classes; models built meanwhile stay patched."""
+    ``use_kernels=True``: it would unbind the fused norms). Its ``__init__`` notes which attention and experts
+    implementations the caller asked for before transformers resolves them (``attn_implementation=`` of
+    ``from_pretrained`` / ``from_config``, or set on the config), so that :func:`apply` keeps those. ``revert()``
+    (or leaving the ``with`` block) restores the classes; models built meanwhile stay patched."""
 
     _active: dict[str, ClassPatch] = {}
 
     def __init__(self, model_type: str, options: dict):
         self.model_type, self.options = model_type, options
-        self._base = getattr(FAMILIES[model_type].modeling, FAMILIES[model_type].base)
-        self._own = self._base.__dict__.get("post_init")
-        base, own = self._base, self._own
+        self._base = base = getattr(FAMILIES[model_type].modeling, FAMILIES[model_type].base)
+        names = ("__init__", "post_init", "from_pretrained", "_from_config")
+        self._own = {name: base.__dict__.get(name) for name in names}
+        inherited = {name: getattr(super(base, base), name) for name in names}
+        init_, post_init_, load_, from_config_ = (self._own[n] or inherited[n] for n in names)
 
+        @functools.wraps(init_)
+        def __init__(model, config, *args, **kwargs):
+            before = _dispatch.requested(config)
+            init_(model, config, *args, **kwargs)
+            _dispatch.note_request(config, before)
+
+        @functools.wraps(post_init_)
         def post_init(model):
-            if own is not None:
-                own(model)
-            else:
-                super(base, model).post_init()
+            post_init_(model)
             # the fused head is for the family's causal LM; its other classes (the bare model, classifiers) skip it
             fused = options.get("fused_head", False) and _takes_fused_head(model, FAMILIES[model_type])
             apply(model, **{**options, "fused_head": fused})
 
-        post_init.__doc__ = f"transformers' post_init, then megakernels' apply (patched by {__name__})."
-        base.post_init = post_init
         # from_pretrained kernelizes the loaded model with the `kernels` hub by default (transformers >= 5.2x), which
         # drops the forwards post_init bound on the layers it maps (the RMSNorms): off unless asked for.
-        self._own_load = base.__dict__.get("from_pretrained")
-        own_load = self._own_load
+        load, build = load_.__func__, from_config_.__func__
 
+        @functools.wraps(load)
         def from_pretrained(cls, *args, **kwargs):
             kwargs.setdefault("use_kernels", False)
-            if own_load is not None:
-                return own_load.__func__(cls, *args, **kwargs)
-            return super(base, cls).from_pretrained(*args, **kwargs)
+            with _dispatch.asked(kwargs):
+                return load(cls, *args, **kwargs)
 
-        base.from_pretrained = classmethod(from_pretrained)
+        @functools.wraps(build)
+        def _from_config(cls, config, **kwargs):
+            with _dispatch.asked(kwargs):
+                return build(cls, config, **kwargs)
+
+        register()
+        base.__init__, base.post_init = __init__, post_init
+        base.from_pretrained, base._from_config = classmethod(from_pretrained), classmethod(_from_config)
         ClassPatch._active[model_type] = self
 
     @property
@@ -254,14 +314,11 @@ class ClassPatch:
         """Restore the family's classes (idempotent)."""
         if not self.active:
             return
-        if self._own is None:
-            del self._base.post_init
-        else:
-            self._base.post_init = self._own
-        if self._own_load is None:
-            del self._base.from_pretrained
-        else:
-            self._base.from_pretrained = self._own_load
+        for name, own in self._own.items():
+            if own is None:
+                delattr(self._base, name)
+            else:
+                setattr(self._base, name, own)
         del ClassPatch._active[self.model_type]
 
     def __enter__(self) -> ClassPatch:

@@ -17,12 +17,14 @@ _SILU = ("silu", "swish")  # transformers' ACT2FN: both are torch's SiLU
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: ``base`` is its PreTrainedModel class (class patching hooks its ``post_init``);
-    ``rms_norms`` its RMSNorm classes; ``gelu_mlps`` class -> forward taking ``approximate``, used when the
-    config's activation (attribute ``activation``) is a GeLU; ``gated_mlps`` its SwiGLU MLP classes and ``experts``
-    its 3-D expert banks, used when that activation is SiLU. LayerNorms are ``torch.nn.LayerNorm`` in every
-    family. ``packs``: a decoder whose causal mask has no other reason than padding, a cache or packed sequences
-    (no prefix or image blocks), so a padding-free packed batch runs FlashAttention over its sequences."""
+    """One model family: ``base`` is its PreTrainedModel class (class patching hooks its ``__init__``,
+    ``post_init``, ``from_pretrained`` and ``_from_config``); ``rms_norms`` its RMSNorm classes; ``gelu_mlps``
+    class -> forward taking ``approximate``, used when the config's activation (attribute ``activation``) is a
+    GeLU; ``gated_mlps`` its SwiGLU MLP classes and ``experts`` its 3-D expert banks, used when that activation is
+    SiLU; ``attentions`` the modules that call transformers' attention interface. LayerNorms are
+    ``torch.nn.LayerNorm`` in every family. Each is matched by its exact class: a subclass may compute something
+    else. ``packs``: a decoder whose causal mask has no other reason than padding, a cache or packed sequences (no
+    prefix or image blocks), so a padding-free packed batch runs FlashAttention over its sequences."""
 
     model_type: str
     base: str
@@ -31,6 +33,7 @@ class Family:
     gelu_mlps: dict = field(default_factory=dict)
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
+    attentions: tuple[str, ...] = ()
     packs: bool = True
     fused_head: bool = False  # its *ForCausalLM is ``self.<body>`` then ``self.lm_head`` (no auxiliary loss)
     body: str = "model"  # the attribute of its *ForCausalLM that holds the decoder
@@ -50,6 +53,7 @@ FAMILIES = {
             "gpt2",
             "GPT2PreTrainedModel",
             "activation_function",
+            attentions=("GPT2Attention",),
             gelu_mlps={"GPT2MLP": fw.gpt2_mlp_forward},
             packs=False,  # learned positions: not checked with packed batches
             fused_head=True,
@@ -59,6 +63,7 @@ FAMILIES = {
             "bert",
             "BertPreTrainedModel",
             "hidden_act",
+            attentions=("BertSelfAttention", "BertCrossAttention"),
             gelu_mlps={
                 "BertIntermediate": fw.bert_intermediate_forward,
                 "BertPredictionHeadTransform": fw.bert_head_transform_forward,
@@ -69,6 +74,7 @@ FAMILIES = {
             "llama",
             "LlamaPreTrainedModel",
             "hidden_act",
+            attentions=("LlamaAttention",),
             rms_norms=("LlamaRMSNorm",),
             gated_mlps=("LlamaMLP",),
             fused_head=True,
@@ -77,6 +83,7 @@ FAMILIES = {
             "mistral",
             "MistralPreTrainedModel",
             "hidden_act",
+            attentions=("MistralAttention",),
             rms_norms=("MistralRMSNorm",),
             gated_mlps=("MistralMLP",),
             fused_head=True,
@@ -85,6 +92,7 @@ FAMILIES = {
             "mixtral",
             "MixtralPreTrainedModel",
             "hidden_act",
+            attentions=("MixtralAttention",),
             rms_norms=("MixtralRMSNorm",),
             experts=("MixtralExperts",),
         ),
@@ -92,6 +100,7 @@ FAMILIES = {
             "qwen2",
             "Qwen2PreTrainedModel",
             "hidden_act",
+            attentions=("Qwen2Attention",),
             rms_norms=("Qwen2RMSNorm",),
             gated_mlps=("Qwen2MLP",),
             fused_head=True,
@@ -100,6 +109,7 @@ FAMILIES = {
             "qwen3",
             "Qwen3PreTrainedModel",
             "hidden_act",
+            attentions=("Qwen3Attention",),
             rms_norms=("Qwen3RMSNorm",),
             gated_mlps=("Qwen3MLP",),
             fused_head=True,
@@ -108,6 +118,7 @@ FAMILIES = {
             "qwen3_moe",
             "Qwen3MoePreTrainedModel",
             "hidden_act",
+            attentions=("Qwen3MoeAttention",),
             rms_norms=("Qwen3MoeRMSNorm",),
             gated_mlps=("Qwen3MoeMLP",),  # the dense layers between sparse ones (decoder_sparse_step > 1)
             experts=("Qwen3MoeExperts",),
@@ -131,48 +142,84 @@ def family_of(model_type, op: str) -> Family:
 
 def _bind(module, forward, **kwargs) -> None:
     """``module.forward`` becomes ``forward(module, ...)`` for this instance only: the class, its other instances,
-    the parameters and the state dict are untouched."""
+    the parameters and the state dict are untouched. The bound forward shows the class forward's signature (a
+    ``functools.partial``, so copies of the module get their own)."""
     bound = functools.partial(forward, module, **kwargs)
     bound.megakernels = True
+    bound.__signature__ = fw.bound_signature(type(module))
     module.forward = bound
 
 
-def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: bool = False) -> dict[str, int]:
+def _mlp_owns_its_linears(m, names) -> bool:
+    return all(fw.owned(getattr(m, n)) for n in names)
+
+
+# the submodules whose weights each fused MLP reads (the others it calls)
+_READS = {
+    "GPT2MLP": ("c_fc",),
+    "BertIntermediate": ("dense",),
+    "BertPredictionHeadTransform": ("dense",),
+}
+_GATED_READS = ("gate_proj", "up_proj")
+
+
+def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: bool = False) -> dict:
     """Bind the fused forwards to every matching module of ``model``; returns how many of each kind (``linears``:
-    every ``nn.Linear`` and transformers ``Conv1D`` of the exact class, through ``megakernels.ops.gemm``)."""
+    every ``nn.Linear`` and transformers ``Conv1D`` of the exact class, through ``megakernels.ops.gemm``), and under
+    ``"declined"`` the names of the MLPs whose linears are not ``owned`` now (wrapped by PEFT, quantised, hooked):
+    their forwards are bound all the same and run transformers' own until the linears are plain again."""
     import torch
 
     act = getattr(model.config, family.activation, None)
     gelu = fw.gelu_kind(act)
     silu = isinstance(act, str) and act in _SILU
     rms = family.classes(family.rms_norms)
-    gelu_mlps = list(zip(family.classes(family.gelu_mlps), family.gelu_mlps.values()))
+    gelu_mlps = dict(zip(family.classes(family.gelu_mlps), family.gelu_mlps.values()))
     gated = family.classes(family.gated_mlps)
-    experts = family.classes(family.experts)
-    counts = {"norms": 0, "mlp": 0, "experts": 0, "linears": 0}
-    for m in model.modules():
-        if linears and type(m) is torch.nn.Linear:
-            _bind(m, fw.linear_forward)
+    conv1d = fw._conv1d_class()
+    counts = {"norms": 0, "mlp": 0, "linears": 0, "declined": []}
+    for name, m in model.named_modules():
+        cls = type(m)
+        own = m.__dict__.get("forward")
+        if own is not None and not getattr(own, "megakernels", False):
+            continue  # a forward someone else bound (an accelerate hook, a wrapper): theirs
+        if linears and (cls is torch.nn.Linear or cls is conv1d):
+            _bind(m, fw.linear_forward if cls is torch.nn.Linear else fw.conv1d_forward)
             counts["linears"] += 1
-        elif linears and type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers."):
-            _bind(m, fw.conv1d_forward)
-            counts["linears"] += 1
-        elif norms and isinstance(m, torch.nn.LayerNorm):
-            _bind(m, fw.layer_norm_forward)
+        elif norms and (cls is torch.nn.LayerNorm or cls in rms):
+            _bind(m, fw.layer_norm_forward if cls is torch.nn.LayerNorm else fw.rms_norm_forward)
             counts["norms"] += 1
-        elif norms and rms and isinstance(m, rms):
-            _bind(m, fw.rms_norm_forward)
-            counts["norms"] += 1
-        elif mlp and silu and gated and isinstance(m, gated):
+        elif mlp and silu and cls in gated:
             _bind(m, fw.gated_mlp_forward)
-            counts["mlp"] += 1
-        elif mlp and silu and experts and isinstance(m, experts):
-            _bind(m, fw.experts_forward)
-            counts["experts"] += 1
-        elif mlp and gelu is not None:
-            for cls, forward in gelu_mlps:
-                if isinstance(m, cls):
-                    _bind(m, forward, approximate=gelu)
-                    counts["mlp"] += 1
-                    break
+            if _mlp_owns_its_linears(m, _GATED_READS):
+                counts["mlp"] += 1
+            else:
+                counts["declined"].append(name)
+        elif mlp and gelu is not None and cls in gelu_mlps:
+            _bind(m, gelu_mlps[cls], approximate=gelu)
+            if _mlp_owns_its_linears(m, _READS[cls.__name__]):
+                counts["mlp"] += 1
+            else:
+                counts["declined"].append(name)
     return counts
+
+
+def mark(model, family: Family, kind: str) -> int:
+    """Mark the modules of ``kind`` (``_dispatch.ATTENTION``: the attention modules; ``EXPERTS``: the expert banks,
+    when the activation is SiLU) so that their calls under transformers' default implementation run megakernels'
+    (``_dispatch``); returns how many."""
+    from megakernels.integrations.transformers import _dispatch
+
+    if kind == _dispatch.EXPERTS:
+        act = getattr(model.config, family.activation, None)
+        if not (isinstance(act, str) and act in _SILU):
+            return 0
+        classes = family.classes(family.experts)
+    else:
+        classes = family.classes(family.attentions)
+    n = 0
+    for m in model.modules():
+        if type(m) in classes:
+            setattr(m, _dispatch.MARK[kind], True)
+            n += 1
+    return n

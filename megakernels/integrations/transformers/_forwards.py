@@ -6,14 +6,20 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after).
 - MLPs: GPT-2's ``c_fc`` + GeLU, BERT's intermediate ``dense`` + GeLU and its LM-head transform -> the GEMM
   without bias, then ``bias_gelu``; the Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights
-  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu``.
-- Mixtral's experts -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
+  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu``. A
+  forward that reads a submodule's weight does so only while that submodule is a plain ``nn.Linear`` / ``Conv1D``
+  (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the patch); otherwise it runs
+  the module's own forward, which calls the submodules.
+- Mixtral's / Qwen 3 MoE's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
+  ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
   ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
-- attention -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
+- attention (``_dispatch``: the calls of a patched model under transformers' default ``"sdpa"``, or under
+  ``"megakernels"``) -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
   without padding: its SDPA mask function returns None exactly then, and ours also when the only reason for a mask
   is a sliding window, which the kernel applies itself, skipping the key blocks outside it); with a mask (padding,
   packed sequences, a chunked prefill), a softcap, sinks, a position bias or a head dim the CUDA kernel does not
-  take, transformers' own SDPA path runs.
+  take, transformers' own SDPA path runs; with ``output_attentions=True``, the family's eager attention (which returns
+  the weights) under the same mask.
 - tied input and output embeddings (GPT-2; Llama, Qwen models with ``tie_word_embeddings``) -> one
   ``megakernels.nn.TiedEmbedding``: the lookup's gradient rows are added into the output layer's weight gradient
   instead of a zero-filled ``[vocab, hidden]`` table the engine then adds.
@@ -21,10 +27,18 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   with transformers' label shift, ``ignore_index`` and ``num_items_in_batch`` normalisation; or, with the fused head
   (``fused_head_forward``, opt-in), the LM head and the loss as one ``linear_cross_entropy`` in training.
 
+Every bound forward has the signature of the forward it replaces (``__signature__`` / ``functools.wraps``), so
+``generate``, TRL and anything else that inspects ``forward`` sees the real parameters.
+
 Each module forward is bound to one module instance by ``_families.patch_modules`` (``self`` is that module).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +50,34 @@ from megakernels.ops.grouped_gemm import grouped_gemm
 from megakernels.parallel.moe.dispatch import permute, unpermute
 
 NAME = "megakernels"  # the attn_implementation (and mask function) registered with transformers
+
+
+# ---- modules a forward may read the weights of ------------------------------------------------------------------
+
+
+def _conv1d_class():
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+def owned(module) -> bool:
+    """Whether a forward may read ``module``'s weight instead of calling it: a plain ``nn.Linear`` or transformers
+    ``Conv1D`` (the exact class: PEFT's LoRA/DoRA layers, quantised and parametrized linears are other classes)
+    with plain tensors for weights, no forward of its own other than one this integration bound, and no hooks
+    (which a read of the weight would skip)."""
+    cls = type(module)
+    if cls is not torch.nn.Linear and cls is not _conv1d_class():
+        return False
+    own = module.__dict__.get("forward")
+    if own is not None and not getattr(own, "megakernels", False):
+        return False
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+        return False
+    return type(module.weight) in _PLAIN and (module.bias is None or type(module.bias) in _PLAIN)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # ---- norms --------------------------------------------------------------------------------------------------------
@@ -72,26 +114,38 @@ def gelu_kind(name) -> str | None:
 
 
 def gpt2_mlp_forward(self, hidden_states, *, approximate: str):
-    """GPT-2's MLP (``c_fc``/``c_proj`` Conv1D, weight ``[in, out]``): ``[..., h]`` -> ``[..., h]``."""
+    """GPT-2's MLP (``c_fc``/``c_proj`` Conv1D, weight ``[in, out]``): ``[..., h]`` -> ``[..., h]``; transformers'
+    forward where ``c_fc`` is not ``owned``."""
     fc = self.c_fc  # Conv1D: x @ weight + bias, weight [in, out]
+    if not owned(fc):
+        return type(self).forward(self, hidden_states)
     h = ops.bias_gelu(gemm.linear(hidden_states, fc.weight.t()), fc.bias, approximate=approximate)
     return self.dropout(self.c_proj(h))
 
 
 def bert_intermediate_forward(self, hidden_states, *, approximate: str):
-    """BERT's intermediate layer: ``[..., h]`` -> ``[..., ffn]``, GeLU(dense)."""
+    """BERT's intermediate layer: ``[..., h]`` -> ``[..., ffn]``, GeLU(dense); transformers' forward where
+    ``dense`` is not ``owned``."""
+    if not owned(self.dense):
+        return type(self).forward(self, hidden_states)
     return ops.bias_gelu(gemm.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
 
 
 def bert_head_transform_forward(self, hidden_states, *, approximate: str):
-    """BERT's LM-head transform: dense + GeLU fused, then its LayerNorm (itself patched when norms are)."""
+    """BERT's LM-head transform: dense + GeLU fused, then its LayerNorm (itself patched when norms are);
+    transformers' forward where ``dense`` is not ``owned``."""
+    if not owned(self.dense):
+        return type(self).forward(self, hidden_states)
     h = ops.bias_gelu(gemm.linear(hidden_states, self.dense.weight), self.dense.bias, approximate=approximate)
     return self.LayerNorm(h)
 
 
 def gated_mlp_forward(self, x):
-    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))``: ``[..., h]`` -> ``[..., h]``."""
+    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))``: ``[..., h]`` -> ``[..., h]``; transformers' forward
+    (which calls ``gate_proj`` and ``up_proj``) where either is not ``owned``."""
     gate, up = self.gate_proj, self.up_proj
+    if not (owned(gate) and owned(up)):
+        return type(self).forward(self, x)
     weight = torch.cat([gate.weight, up.weight])
     bias = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
     return self.down_proj(ops.swiglu(gemm.linear(x, weight, bias)))
@@ -112,8 +166,22 @@ def conv1d_forward(self, x):
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Mixtral's experts (``gate_up_proj`` ``[E, 2f, h]`` gate first, ``down_proj`` ``[E, h, f]``): the rows of every
-    expert in one grouped GEMM each way instead of a Python loop over the experts."""
+    """Mixtral's / Qwen 3 MoE's experts (``gate_up_proj`` ``[E, 2f, h]`` gate first, ``down_proj`` ``[E, h, f]``),
+    transformers' experts-function signature: the rows of every expert in one grouped GEMM each way around
+    ``swiglu``. Experts whose activation is not SiLU (or with biases, or another weight layout) run transformers'
+    ``grouped_mm`` function."""
+    act = getattr(getattr(self, "config", None), "hidden_act", None)
+    plain = (
+        act in ("silu", "swish")
+        and getattr(self, "has_gate", True)
+        and not getattr(self, "has_bias", False)
+        and not getattr(self, "is_transposed", False)
+        and getattr(self, "is_concatenated", True)
+    )
+    if not plain:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     perm = permute(hidden_states, top_k_index, self.num_experts)
     y = grouped_gemm(perm.rows, self.gate_up_proj, perm.group_sizes)
     y = grouped_gemm(ops.swiglu(y), self.down_proj, perm.group_sizes)
@@ -125,10 +193,17 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
     """transformers' attention-function signature: q ``[b, h, sq, d]``, k/v ``[b, h_kv, sk, d]`` (``h % h_kv == 0``)
-    -> (out ``[b, sq, h, d]``, None). Without a mask this is what transformers' SDPA path computes: causal (unless
-    the module or the call says otherwise) for more than one query, the keys cut to the queries when a static cache
-    hands over more keys than queries at prefill, no mask for a single query."""
+    -> (out ``[b, sq, h, d]``, weights or None). Without a mask this is what transformers' SDPA path computes: causal
+    (unless the module or the call says otherwise) for more than one query, the keys cut to the queries when a static
+    cache hands over more keys than queries at prefill, no mask for a single query. With ``output_attentions=True``
+    the family's eager attention runs under the same mask and returns the weights ``[b, h, sq, sk]``.
+
+    Raises:
+        ValueError: ``output_attentions=True`` for a module whose family has no eager attention to return weights.
+    """
     d, sq = query.shape[-1], query.shape[2]
+    if weights_requested(kwargs):
+        return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
     unsupported = (
         kwargs.get("softcap") is not None
         or kwargs.get("s_aux") is not None
@@ -141,12 +216,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    documents = None if attention_mask is not None else packed_documents(kwargs.get("position_ids"), query.shape[0], sq)
-    window = kwargs.get("sliding_window")  # Mistral's, Qwen's sliding layers': the kernel's own window
-    causal = bool(causal) and (sq > 1 or window is not None)  # one query: bottom-right causal is every key
-    if causal and sq > 1 and key.shape[2] > sq:
-        key, value = key[:, :, :sq], value[:, :, :sq]
+    causal, window, key, value = _unmasked_causality(module, query, key, value, is_causal, kwargs)
+    documents = packed_documents(kwargs.get("position_ids"), query.shape[0], sq)
     out = ops.flash_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -158,6 +229,66 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         documents=documents,
     )
     return out, None
+
+
+def weights_requested(kwargs) -> bool:
+    """Whether the caller asked for the attention weights: ``output_attentions`` reaching the attention, or (models
+    that keep it from their layers, GPT-2's) transformers' output collector recording them for this forward."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the collector passes output_attentions down
+        return False
+    collected = _active_collector.get()
+    return collected is not None and ("attentions" in collected or "cross_attentions" in collected)
+
+
+def _unmasked_causality(module, query, key, value, is_causal, kwargs):
+    """(causal, window, key, value) of a call transformers made without a mask: causal unless the module or the call
+    says otherwise, and only for more than one query (one query attends every key) or under a sliding window
+    (Mistral's, Qwen's sliding layers': the kernel's own window); a static cache's unfilled keys cut at prefill."""
+    sq = query.shape[2]
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = kwargs.get("sliding_window")
+    causal = bool(causal) and (sq > 1 or window is not None)
+    if causal and sq > 1 and key.shape[2] > sq:
+        key, value = key[:, :, :sq], value[:, :, :sq]
+    return causal, window, key, value
+
+
+def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs):
+    """The family's ``eager_attention_forward`` (the one transformers runs under ``"eager"``, returning the weights)
+    with the mask the call stands for: ``attention_mask`` as an additive mask, or without one the causal / sliding
+    window / packed-sequence mask FlashAttention would have applied."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"output_attentions=True: {type(module).__name__} has no eager attention to return the weights with; "
+            "load the model with attn_implementation='eager'"
+        )
+    if attention_mask is None:
+        causal, window, key, value = _unmasked_causality(module, query, key, value, is_causal, kwargs)
+        allowed = None
+        sq, sk = query.shape[2], key.shape[2]
+        q_pos = torch.arange(sk - sq, sk, device=query.device)[:, None]
+        k_pos = torch.arange(sk, device=query.device)[None, :]
+        if causal:
+            allowed = k_pos <= q_pos
+        if window is not None:
+            allowed = (q_pos - k_pos < window) & (True if allowed is None else allowed)
+        documents = packed_documents(kwargs.get("position_ids"), query.shape[0], sq)
+        if documents is not None and sq == sk:
+            same = documents[:, :, None] == documents[:, None, :]
+            allowed = same if allowed is None else same & allowed
+        if allowed is not None:
+            attention_mask = allowed.expand(query.shape[0], 1, sq, sk) if allowed.dim() == 2 else allowed[:, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def packed_documents(position_ids, batch: int, sq: int) -> torch.Tensor | None:
@@ -256,43 +387,131 @@ def causal_lm_loss(
     return per_token.sum() / num_items_in_batch
 
 
-def fused_head_forward(self, input_ids=None, labels=None, logits_to_keep=0, *, _body="model", **kwargs):
-    """A ``*ForCausalLM`` (``self.<_body>``, the decoder, then ``self.lm_head``) whose training loss is
-    ``ops.linear_cross_entropy``:
-    in training mode with ``labels``, the hidden states go straight into the fused LM head + cross-entropy (chunks of
-    tokens; the ``[tokens, vocab]`` logits never exist) and the output's ``logits`` is None; transformers' label
-    shift, ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
-    labels, evaluation mode) the model's own forward, logits included."""
-    if labels is None or not self.training:
-        return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+@functools.cache
+def forward_signature(cls) -> inspect.Signature:
+    """The signature of ``cls.forward`` (``self`` included), through transformers' decorators."""
+    return inspect.signature(cls.forward)
 
-    outputs = getattr(self, _body)(input_ids=input_ids, **kwargs)
+
+def bound_signature(cls) -> inspect.Signature:
+    """``cls.forward``'s signature without ``self``: what a forward bound to an instance shows."""
+    sig = forward_signature(cls)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+def _output_class(cls):
+    """The output class ``cls.forward`` declares (a ``ModelOutput`` dataclass), else ``CausalLMOutputWithPast``."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    out = forward_signature(cls).return_annotation
+    return out if isinstance(out, type) and issubclass(out, ModelOutput) else CausalLMOutputWithPast
+
+
+def head_fuses(model) -> bool:
+    """Whether the fused head may stand in for ``model``'s LM head and loss on this call: the head is ``owned`` (not
+    wrapped by PEFT or anything else since the patch), the loss is transformers' causal-LM loss or ours (not one the
+    caller installed), and autocast, if on, computes in the head's dtype."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or not owned(head):
+        return False
+    loss = model.__dict__.get("_loss_function")
+    if loss is not None and loss is not causal_lm_loss:
+        return False
+    device = head.weight.device.type
+    dtype = autocast_dtype(device)
+    return dtype is None or dtype == head.weight.dtype
+
+
+def autocast_dtype(device: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device`` (a device type), None where it is off or has no autocast
+    (``meta``)."""
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def fused_head_forward(self, *args, _body: str = "model", **kwargs):
+    """A ``*ForCausalLM``'s forward (bound with its class forward's signature: ``self.<_body>``, the decoder, then
+    ``self.lm_head``) whose training loss is ``ops.linear_cross_entropy``: in training mode with ``labels``, the
+    hidden states go straight into the fused LM head + cross-entropy (chunks of tokens; the ``[tokens, vocab]``
+    logits are not made) and the output (the class's output type, cache and hidden states included) has no
+    ``logits`` until ``.logits`` is read, which computes them (``_lazy_logits_class``); transformers' label shift,
+    ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
+    labels, evaluation mode, a head or loss ``head_fuses`` refuses) the class's own forward, logits included."""
+    cls = type(self)
+    sig = forward_signature(cls)
+    try:
+        arguments = dict(sig.bind(self, *args, **kwargs).arguments)
+    except TypeError:  # the class's forward raises its own error
+        return cls.forward(self, *args, **kwargs)
+    labels = arguments.get("labels")
+    if labels is None or not self.training or not head_fuses(self):
+        return cls.forward(self, *args, **kwargs)
+    arguments.pop(next(iter(sig.parameters)))  # self
+    var_kw = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    extra = dict(arguments.pop(var_kw[0], {})) if var_kw else {}
+    arguments.pop("labels")
+    keep = arguments.pop("logits_to_keep", 0)
+    return_dict = extra.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    outputs = getattr(self, _body)(**arguments, **extra, return_dict=True)
     hidden = outputs.last_hidden_state
-    shift = kwargs.get("shift_labels")
+    if keep is not None and not (isinstance(keep, int) and keep == 0):  # what the class's forward projects
+        hidden = hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+    shift = extra.get("shift_labels")
     if shift is None:
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift = shift.to(hidden.device)
-    head = self.lm_head
+    head = self.get_output_embeddings()
     per_token = ops.linear_cross_entropy(hidden, head.weight, shift, bias=head.bias, vocab_size=self.config.vocab_size)
-    n = kwargs.get("num_items_in_batch")
+    n = extra.get("num_items_in_batch")
     if n is None:
         n = (shift != -100).sum()
     elif torch.is_tensor(n):
         n = n.to(per_token.device)
-    return CausalLMOutputWithPast(
-        loss=per_token.sum() / n,
-        logits=None,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    out_cls = _output_class(cls)
+    fields = {f.name for f in dataclasses.fields(out_cls)} - {"loss", "logits"}
+    rest = {k: v for k, v in outputs.items() if k in fields}
+    if not return_dict:  # a tuple has no lazy field: its logits are where the class's forward puts them
+        return out_cls(loss=per_token.sum() / n, logits=head(hidden), **rest).to_tuple()
+    out = _lazy_logits_class(out_cls)(loss=per_token.sum() / n, **rest)
+    object.__setattr__(out, "_megakernels_logits", functools.partial(head, hidden))
+    return out
+
+
+@functools.cache
+def _lazy_logits_class(out_cls):
+    """``out_cls`` (a ``ModelOutput``) whose ``logits``, absent, are computed on the first read of ``.logits``
+    (``_megakernels_logits()``: the LM head on the hidden states, differentiable), so that code reading the
+    training logits of a fused-head model gets them, and only that code pays for them."""
+
+    def __getattribute__(self, name):
+        if name != "logits":
+            return out_cls.__getattribute__(self, name)
+        logits = out_cls.__getattribute__(self, "logits")
+        make = self.__dict__.get("_megakernels_logits")
+        if logits is None and make is not None:
+            logits = make()
+            self["logits"] = logits
+        return logits
+
+    return type(f"{out_cls.__name__}WithLazyLogits", (out_cls,), {"__getattribute__": __getattribute__})
 
 
 def register() -> None:
     """Register ``attn_implementation="megakernels"`` (and its mask function: transformers' SDPA masks, which are
-    None when no mask is needed) with transformers. Idempotent."""
+    None when no mask is needed) and ``experts_implementation="megakernels"`` with transformers, and the dispatchers
+    that run them for patched models under transformers' default names (``_dispatch.install``). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from megakernels.integrations.transformers import _dispatch
+
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
+    experts = _dispatch.experts_interface_class()
+    if experts is not None:
+        experts.register(NAME, experts_forward)
+    _dispatch.install(attention_forward, attention_mask, experts_forward)
