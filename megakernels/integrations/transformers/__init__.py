@@ -32,7 +32,7 @@ import functools
 import warnings
 
 from megakernels.integrations.transformers import _dispatch, _forwards
-from megakernels.integrations.transformers._families import FAMILIES, _bind, family_of, mark, patch_modules
+from megakernels.integrations.transformers._families import FAMILIES, bind, family_of, mark, patch_modules
 
 MIN_TRANSFORMERS_VERSION = "5.0.0"  # 3-D Mixtral expert banks, AttentionMaskInterface, ``cache`` keyword
 ATTN_IMPLEMENTATION = _forwards.NAME
@@ -132,8 +132,8 @@ def _patch_tied_embeddings(model) -> bool:
     if out.bias is not None or inp.max_norm is not None or inp.scale_grad_by_freq or inp.sparse:
         return False
     table = TiedEmbedding(inp.weight)
-    _bind(inp, _forwards.tied_lookup_forward, table=table)
-    _bind(out, _forwards.tied_logits_forward, table=table)
+    bind(inp, _forwards.tied_lookup_forward, table=table)
+    bind(out, _forwards.tied_logits_forward, table=table)
     return True
 
 
@@ -230,7 +230,7 @@ def apply(
             name = getattr(own, "__qualname__", None) or getattr(getattr(own, "func", None), "__qualname__", own)
             declined.append(f"{type(model).__name__}.forward (replaced by {name})")
         else:
-            _bind(model, _forwards.fused_head_forward, _body=family.body)
+            bind(model, _forwards.fused_head_forward, _body=family.body)
             done["fused_head"] = _forwards.head_fuses(model)
             if not done["fused_head"]:
                 declined.append(f"{type(model).__name__}'s LM head or loss")

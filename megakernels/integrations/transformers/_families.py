@@ -125,6 +125,7 @@ FAMILIES = {
         ),
     )
 }
+fw.PACKING_MODEL_TYPES.update(name for name, f in FAMILIES.items() if f.packs)
 
 
 def family_of(model_type, op: str) -> Family:
@@ -140,7 +141,7 @@ def family_of(model_type, op: str) -> Family:
     return FAMILIES[model_type]
 
 
-def _bind(module, forward, **kwargs) -> None:
+def bind(module, forward, **kwargs) -> None:
     """``module.forward`` becomes ``forward(module, ...)`` for this instance only: the class, its other instances,
     the parameters and the state dict are untouched. The bound forward shows the class forward's signature (a
     ``functools.partial``, so copies of the module get their own)."""
@@ -184,19 +185,19 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
         if own is not None and not getattr(own, "megakernels", False):
             continue  # a forward someone else bound (an accelerate hook, a wrapper): theirs
         if linears and (cls is torch.nn.Linear or cls is conv1d):
-            _bind(m, fw.linear_forward if cls is torch.nn.Linear else fw.conv1d_forward)
+            bind(m, fw.linear_forward if cls is torch.nn.Linear else fw.conv1d_forward)
             counts["linears"] += 1
         elif norms and (cls is torch.nn.LayerNorm or cls in rms):
-            _bind(m, fw.layer_norm_forward if cls is torch.nn.LayerNorm else fw.rms_norm_forward)
+            bind(m, fw.layer_norm_forward if cls is torch.nn.LayerNorm else fw.rms_norm_forward)
             counts["norms"] += 1
         elif mlp and silu and cls in gated:
-            _bind(m, fw.gated_mlp_forward)
+            bind(m, fw.gated_mlp_forward)
             if _mlp_owns_its_linears(m, _GATED_READS):
                 counts["mlp"] += 1
             else:
                 counts["declined"].append(name)
         elif mlp and gelu is not None and cls in gelu_mlps:
-            _bind(m, gelu_mlps[cls], approximate=gelu)
+            bind(m, gelu_mlps[cls], approximate=gelu)
             if _mlp_owns_its_linears(m, _READS[cls.__name__]):
                 counts["mlp"] += 1
             else:

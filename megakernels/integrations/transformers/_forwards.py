@@ -315,16 +315,17 @@ def packed_documents(position_ids, batch: int, sq: int) -> torch.Tensor | None:
     return documents
 
 
+# The model types whose patched attention takes a padding-free packed batch from ``position_ids`` (the families
+# with ``packs``; ``_families`` fills it where it defines them, so that this module needs nothing of that one).
+PACKING_MODEL_TYPES: set[str] = set()
+
+
 def _packed_without_padding(allow_is_causal_skip: bool, kwargs: dict) -> bool:
     """transformers asks for a mask although nothing is padded and nothing is cached: in the families patched here
     that is a packed batch (its positions restart), which the attention takes from ``position_ids`` instead."""
-    from megakernels.integrations.transformers._families import FAMILIES
-
-    family = FAMILIES.get(getattr(kwargs.get("config"), "model_type", None))
     return (
         not allow_is_causal_skip
-        and family is not None
-        and family.packs
+        and getattr(kwargs.get("config"), "model_type", None) in PACKING_MODEL_TYPES
         and kwargs.get("attention_mask") is None
         and not isinstance(kwargs.get("q_offset", 0), torch.Tensor)
         and kwargs.get("q_offset", 0) == 0
