@@ -1,5 +1,2 @@
-"""transformers (and accelerate) are the ``test`` extra's; without them these tests are skipped, never faked."""
-
-import pytest
-
-pytest.importorskip("transformers")
+"""transformers, accelerate, PEFT and TRL are in the ``test`` extra: these tests import them (a missing one is an
+error of the set-up, never a skip)."""

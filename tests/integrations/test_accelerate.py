@@ -11,14 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import accelerate  # noqa: F401  (the test extra's; imported, never skipped)
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
-
-import megakernels.integrations.transformers as mkt  # noqa: E402
-from megakernels.optim import FusedAdamW  # noqa: E402
-from tests.integrations import hf_models as H  # noqa: E402
+import megakernels.integrations.transformers as mkt
+from megakernels.optim import FusedAdamW
+from tests.integrations import hf_models as H
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hf_accelerate_train.py"  # the example under test

@@ -3,14 +3,12 @@ from one of its checkpoints (model, FusedAdamW state, scheduler) ends where the 
 
 from __future__ import annotations
 
-import pytest
+import accelerate  # noqa: F401  (the test extra's; imported, never skipped)
 import torch
 
-pytest.importorskip("accelerate")
-
-import megakernels.integrations.transformers as mkt  # noqa: E402
-from megakernels.optim import FusedAdamW  # noqa: E402
-from tests.integrations import hf_models as H  # noqa: E402
+import megakernels.integrations.transformers as mkt
+from megakernels.optim import FusedAdamW
+from tests.integrations import hf_models as H
 
 BATCH, SEQ, LR, WARMUP = 8, 16, 3e-3, 2
 
