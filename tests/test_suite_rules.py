@@ -8,7 +8,10 @@ import ast
 import re
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ("tests", "benchmarks")
