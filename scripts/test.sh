@@ -9,7 +9,12 @@
 #      the Python test suite (cpu and cuda_emu backends; cuda-marked tests skip without a GPU) and the benchmark suite in quick mode (runs every benchmark once, times nothing), on two
 #      pytest-xdist workers with whole files per worker (a file's spawned worlds and module fixtures are shared by
 #      its tests).
+# `scripts/test.sh --all` adds the `slow` set (stress variants of tested features: more families at a layout, longer
+# fault sequences); without it, CI's default, they are deselected.
 set -euo pipefail
+MARKS=(-m "not slow")
+if [ "${1:-}" = "--all" ]; then MARKS=(); shift; fi
+if [ $# -gt 0 ]; then echo "usage: scripts/test.sh [--all]" >&2; exit 2; fi
 cd "$(dirname "$0")/.."
 mkdir -p build
 
@@ -39,7 +44,7 @@ export TORCHINDUCTOR_CACHE_DIR="$PWD/build/inductor-cache"
 
 status=0
 bash scripts/lint.sh || status=1  # ruff (lint + format) and clang-format: a failure fails the run, after the tests
-.venv/bin/python -m pytest tests benchmarks --benchmark-disable -q -p no:cacheprovider -n 2 --dist loadfile \
+.venv/bin/python -m pytest tests benchmarks --benchmark-disable -q -p no:cacheprovider -n 2 --dist loadfile "${MARKS[@]}" \
   || status=$?
 
 cpp_status=0

@@ -21,7 +21,9 @@ alone and × dp 2 with ZeRO-1 and selective recomputation; their checkpoints sav
 resume in one process.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
-layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once.
+layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once. The
+cases of ``SLOW`` (more families at a layout whose features the fast cases already cover) run in worlds of their
+own under the ``slow`` marker (``scripts/test.sh --all``).
 """
 
 from __future__ import annotations
@@ -233,6 +235,28 @@ ONLY = {
     "pp2-ep2-zb-v": ("gpt-moe",),
     "tp2-pp2-dp2-zb-v": ("gpt", "llama"),
 }
+# The slow set (``-m slow``, ``scripts/test.sh --all``): the same layout for more families where every feature it
+# combines is already covered for those families by the fast cases (each layout keeps at least one family, each
+# family its own TP/CP/PP/EP/FSDP cases). CI runs the rest; these run in worlds of their own.
+SLOW = {
+    "tp2": ("gpt", "llama-swa"),  # gpt: tp2-sp, tp2-dp2-sp; llama-swa: tp2-cp2-sp
+    "tp2-sp": ("gpt", "llama"),  # tp2-dp2-sp; tp2-pp2-zb-h1-sp and the world of 8
+    "cp2": ("gpt", "llama"),  # gpt-docs at cp2; llama at cp4, pp2-cp2, cp2-dp2-zero1
+    "tp2-pp2": ("llama-swa", "llama-moe", "gpt-docs", "gpt-fp8", "llama-moe-fp8"),
+    "tp2-cp2-sp": ("gpt", "llama"),  # llama-swa: TP, CP, SP and the window together
+    "cp4": ("gpt",),
+    "fsdp4": ("llama", "qwen"),
+    "fsdp2-tp2": ("gpt", "bert", "llama"),  # qwen and gpt-fp8 stay
+    "fsdp2-pp2": ("bert", "llama"),
+    "fsdp2-cp2": ("gpt",),
+    "fsdp4-ep2": ("gpt-moe",),
+    "zero2": ("gpt",),
+    "tp2-ep2-sp": ("gpt-moe",),
+    "pp2-ep2": ("llama-moe",),
+    "pp2-cp2": ("gpt",),
+    "pp4-zb-h1": ("llama",),
+    "pp4-zb-v": ("gpt",),
+}
 # Single-process curves of other models than BASE's, and the layouts compared against them.
 REFERENCES = {"layers8": dict(num_layers=8)}
 REFERENCE_OF = {"pp4-zb-v": "layers8"}
@@ -274,8 +298,16 @@ def _packed_data(root: str = None) -> None:
     chat.preprocess_chat([example], os.path.join(root, "chat"), tok)
 
 
-def _cases(nproc: int) -> list[tuple[str, str]]:
-    return [(model, name) for name, (n, _) in LAYOUTS.items() if n == nproc for model in ONLY.get(name, DENSE)]
+def _cases(nproc: int, slow: bool | None = False) -> list[tuple[str, str]]:
+    """The (model, layout) cases of world size ``nproc``: the fast set, the slow set (``slow=True``) or both
+    (``None``)."""
+    return [
+        (model, name)
+        for name, (n, _) in LAYOUTS.items()
+        if n == nproc
+        for model in ONLY.get(name, DENSE)
+        if slow is None or (model in SLOW.get(name, ())) == slow
+    ]
 
 
 def _losses(records) -> list[float]:
@@ -309,7 +341,7 @@ def _saved(model: str, root: str = CKPT_DIR) -> str:
     return os.path.join(root, model)
 
 
-def _world(rank: int, world_size: int, cases, root: str):
+def _train_cases(rank: int, world_size: int, cases, root: str):
     from megakernels_models.training.train import train
 
     out = {}
@@ -318,6 +350,13 @@ def _world(rank: int, world_size: int, cases, root: str):
         if records is not None:
             out[(model, name)] = (_losses(records), [r["grad_norm"] for r in records])
             out[("memory", model, name)] = records[0]["memory_per_param_bytes"]
+    return out
+
+
+def _world(rank: int, world_size: int, cases, root: str):
+    from megakernels_models.training.train import train
+
+    out = _train_cases(rank, world_size, cases, root)
     if world_size == 2:
         _zero_bubble_checkpoints(root, world_size, out)
         for model, changes in VISION_SAVE.items():
@@ -434,20 +473,23 @@ def baseline():
     return _single([(m, "single") for m in MODELS] + _cases(1) + _references())
 
 
-_WORLDS: dict[int, object] = {}
+_WORLDS: dict[tuple[int, bool], object] = {}
 
 
-def _world_results(n: int) -> dict:
-    """The curves of every layout of world size n (one spawned world, run on first use; a failure is kept)."""
-    if n not in _WORLDS:
+def _world_results(n: int, slow: bool = False) -> dict:
+    """The curves of every fast (or slow) layout of world size n (one spawned world, run on first use; a failure is
+    kept). The fast world also runs the checkpoint chains."""
+    if (n, slow) not in _WORLDS:
         _packed_data()
         try:
-            _WORLDS[n] = run_world(n, _world, _cases(n), CKPT_DIR, timeout=600)[-1]  # the last rank logs
+            cases = _cases(n, slow)
+            world = _train_cases if slow else _world
+            _WORLDS[n, slow] = run_world(n, world, cases, CKPT_DIR, timeout=600)[-1]  # the last rank logs
         except AssertionError as e:
-            _WORLDS[n] = e
-    if isinstance(_WORLDS[n], AssertionError):
-        raise _WORLDS[n]
-    return _WORLDS[n]
+            _WORLDS[n, slow] = e
+    if isinstance(_WORLDS[n, slow], AssertionError):
+        raise _WORLDS[n, slow]
+    return _WORLDS[n, slow]
 
 
 def test_single_process_loss_falls(baseline):
@@ -485,6 +527,23 @@ def test_single_process_variants_match(baseline, case):
 def test_layout_matches_single_process(baseline, case):
     got = _world_results(LAYOUTS[case[1]][0])
     _assert_same_curve(got[case], baseline[(case[0], REFERENCE_OF.get(case[1], "single"))], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for n in (2, 4, 8) for c in _cases(n, slow=True)], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_more_families_at_a_layout_match_single_process(baseline, case):
+    got = _world_results(LAYOUTS[case[1]][0], slow=True)
+    _assert_same_curve(got[case], baseline[(case[0], REFERENCE_OF.get(case[1], "single"))], case)
+
+
+def test_the_fast_set_keeps_every_layout_and_family():
+    """Moving cases to the slow set never drops a feature: every layout keeps a family in the fast set, every family
+    of the distributed cases keeps a fast case, and SLOW names only cases that exist."""
+    every = {c for n in (2, 4, 8) for c in _cases(n, slow=None)}
+    fast = {c for n in (2, 4, 8) for c in _cases(n)}
+    assert {(m, name) for name, models in SLOW.items() for m in models} <= every
+    assert {name for _, name in fast} == {name for _, name in every}
+    assert {m for m, _ in fast} == {m for m, _ in every}
 
 
 def test_distributed_optimizer_shards_the_optimizer_state():
