@@ -176,8 +176,8 @@ def apply(
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
             gradient up to the order of fp32 sums; also into the fused head's, ``fused_head``).
         linears: every ``nn.Linear`` and transformers ``Conv1D`` (the projections; also the patched MLPs' GEMMs)
-            -> ``megakernels.ops.gemm.linear``: fp32 products on the CPU through oneDNN's GEMM, which on AMD CPUs
-            runs about twice as fast as the MKL path of ``F.linear``; ``F.linear`` itself everywhere else.
+            -> ``megakernels.ops.gemm.linear``: fp32 products on the CPU through oneDNN's GEMM where it was
+            measured faster than ``F.linear`` on this machine (``gemm.route()``); ``F.linear`` itself elsewhere.
 
     Returns:
         What was patched: ``{"norms": int, "mlp": int, "experts": int, "linears": int, "attention": bool,
