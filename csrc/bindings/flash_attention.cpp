@@ -4,6 +4,8 @@
 // else runs megakernels/ops/_attention_cpu.py.
 #include <ATen/MemoryOverlap.h>
 
+#include <vector>
+
 #include "../flash_attention/flash_attention.h"
 #include "common.h"
 
@@ -225,11 +227,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   return {dq, dk, dv};
 }
 
+// The kernel's band rule for the query rows [first, first + rows) of batch element `batch` (fa::key_bounds: lo,
+// full_lo, full_hi, hi in blocks of `block` keys), for tests/ops/test_attention_band.py to hold it to the Python
+// and Triton copies.
+std::vector<int64_t> flash_attn_key_bounds(int64_t sq, int64_t sk, bool causal, int64_t window, int64_t shift,
+                                           const c10::optional<at::Tensor>& q_keys, int64_t batch, int64_t first,
+                                           int64_t rows, int64_t block) {
+  const char* op = "flash_attn_key_bounds";
+  TORCH_CHECK_VALUE(sq >= 1 && sk >= 1, op, ": sq and sk must be >= 1, got ", sq, " and ", sk);
+  TORCH_CHECK_VALUE(first >= 0 && rows >= 1 && first + rows <= sq, op, ": rows [first, first + rows) = [", first, ", ",
+                    first + rows, ") must lie in [0, sq = ", sq, ")");
+  TORCH_CHECK_VALUE(block >= 1, op, ": block must be >= 1, got ", block);
+  TORCH_CHECK_VALUE(window >= 0 && (shift == 0 || window > 0), op, ": window must be >= 0 and shift needs one, got ",
+                    window, " and ", shift);
+  at::Tensor spans;
+  if (q_keys.has_value() && q_keys->defined()) {
+    TORCH_CHECK_VALUE(q_keys->dim() == 3 && q_keys->size(1) == sq && batch >= 0 && batch < q_keys->size(0), op,
+                      ": q_keys must be [batch, sq, 2] with batch ", batch, " in range, got ", q_keys->sizes());
+    spans = checked_q_keys(op, q_keys, at::empty({q_keys->size(0), sq, 1, 1}), at::empty({q_keys->size(0), sk, 1, 1}));
+  }
+  fa::Args a{};
+  a.sq = sq;
+  a.sk = sk;
+  a.causal = causal;
+  a.window = window;
+  a.shift = shift;
+  a.q_keys = spans.defined() ? spans.data_ptr<int32_t>() : nullptr;
+  const fa::Bounds b = fa::key_bounds(a, batch, first, rows, block);
+  return {b.lo, b.full_lo, b.full_hi, b.hi};
+}
+
 }  // namespace flash_attention_ops
 }  // namespace bindings
 }  // namespace megakernels
 
 TORCH_LIBRARY_FRAGMENT(megakernels, m) {
+  m.def(
+      "flash_attn_key_bounds(int sq, int sk, bool causal, int window, int shift, Tensor? q_keys, int batch, "
+      "int first, int rows, int block) -> int[]",
+      &megakernels::bindings::flash_attention_ops::flash_attn_key_bounds);
   m.def(
       "flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, int shift=0, "
       "Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, Tensor)");
