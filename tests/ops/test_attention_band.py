@@ -188,3 +188,18 @@ def test_cpp_bounds_refuse_bad_arguments():
         op(10, 10, True, 0, 0, None, 0, 0, 4, 0)
     with pytest.raises(ValueError, match="shift needs one"):
         op(10, 10, True, 0, 3, None, 0, 0, 4, 1)
+
+
+@pytest.mark.parametrize("sq,sk,window,shift", [(64, 64, 10, 50), (100, 70, 5, 60), (64, 100, 8, 90)])
+def test_cpu_kernel_stops_at_sk_when_the_band_leaves_the_keys(sq, sk, window, shift):
+    """A window shifted so far that the band of a block's last rows lies past sk: the C++ kernel visits only the key
+    blocks inside sk (it once ran on to that row's band start and read past the packed keys) and matches fp64
+    attention with the same mask; rows that see no key give zeros."""
+    g = torch.Generator().manual_seed(sq + sk)
+    q, k, v = (torch.randn(1, n, 2, 32, generator=g) for n in (sq, sk, sk))
+    out, _ = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.2, window, shift)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 0.2
+    p = torch.softmax(s.masked_fill(window_mask(sq, sk, True, window, shift), float("-inf")), -1).nan_to_num(0.0)
+    ref = torch.einsum("bhqk,bkhd->bqhd", p, v.double())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
