@@ -83,10 +83,13 @@ fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double
   return a;
 }
 
-// bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 ones).
+// bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 ones), when the
+// kernels run AVX-512 (not where MEGAKERNELS_CPU_ISA chose a narrower ISA).
 bool bf16_dot(const fa::Args& a) {
   const char* env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
-  return a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(env && std::string(env) == "0");
+  const CpuIsa isa = cpu_isa();
+  return a.dtype == DType::BF16 && (isa == CpuIsa::kAvx512 || isa == CpuIsa::kNative) && MK_CPU(has_bf16_dot)() &&
+         !(env && std::string(env) == "0");
 }
 
 // One packed K or V buffer (flash_attention.h's panels): fp32, or bf16 for the bf16 products (`dot`).
@@ -123,8 +126,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   a.v = v.data_ptr();
   a.o = out.data_ptr();
   a.lse = lse.data_ptr<float>();
-  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
-  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_fwd(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_pack)(a, b, e); });
+  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_fwd)(a, b, e); });
   return {out, lse};
 }
 
@@ -210,10 +213,10 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   a.delta = delta.data_ptr<float>();
   a.dq_part = dq_part.data_ptr<float>();
   const int64_t rows = a.b * a.sq * a.h;
-  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
-  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_prep(a, b, e); });
-  at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_kv(a, b, e); });
-  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_dq(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_pack)(a, b, e); });
+  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_prep)(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_kv)(a, b, e); });
+  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_dq)(a, b, e); });
 }
 
 // The gradients in q, k and v's own memory orders (empty_like of a strided view keeps its order of strides).

@@ -46,7 +46,9 @@ constexpr int64_t kMaxHeadDim = 256;
 struct Layout {
   int64_t b, s, h;
 };
+MK_ISA_BEGIN
 inline int64_t at(const Layout& l, int64_t bi, int64_t t, int64_t hh) { return bi * l.b + t * l.s + hh * l.h; }
+MK_ISA_END
 
 struct Args {
   const void* q;     // [b, sq, h, d]
@@ -94,8 +96,10 @@ struct Args {
   DType dtype;  // F32, BF16 or F16
 };
 
-// The dropout hash (murmur3's finaliser over the row, then the column; megakernels/triton/_common.py).
-inline uint32_t fmix32(uint32_t h) {
+MK_ISA_BEGIN  // inline functions: each ISA clone has its own (csrc/common/cpu_isa.h)
+
+    // The dropout hash (murmur3's finaliser over the row, then the column; megakernels/triton/_common.py).
+    inline uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
@@ -160,9 +164,13 @@ inline Bounds key_bounds(const Args& a, int64_t bi, int64_t first, int64_t rows,
   return b;
 }
 
+MK_ISA_END
+
 }  // namespace flash_attention
 
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 // Work items: pack b * hk * nkb (into whichever of kt, kp, vp, vt is non-null); fwd b * h * nqb;
 // bwd_prep (delta, and q and dO into their panels) b * h * nqb; bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
 // Whether this CPU has AVX512-BF16 (detected at run time): bf16 forwards then multiply bf16 panels, fp32 sums.
@@ -172,5 +180,6 @@ void flash_attn_fwd(const flash_attention::Args& a, int64_t i0, int64_t i1);
 void flash_attn_bwd_prep(const flash_attention::Args& a, int64_t r0, int64_t r1);
 void flash_attn_bwd_kv(const flash_attention::Args& a, int64_t i0, int64_t i1);
 void flash_attn_bwd_dq(const flash_attention::Args& a, int64_t r0, int64_t r1);
-}  // namespace cpu
+)
+// clang-format on
 }  // namespace megakernels

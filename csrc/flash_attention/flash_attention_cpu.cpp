@@ -27,7 +27,7 @@
 #endif
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using flash_attention::Args;
@@ -37,7 +37,7 @@ using flash_attention::kBlockN;
 
 // The GEMM tile's vector: one register of the widest vector unit the build targets (16 floats with AVX-512, else
 // 8), and the most vectors a tile row holds (kTileVectors: 24 or 12 accumulators and a row of B in registers).
-#if defined(__AVX512F__)
+#if defined(MK_TARGET_AVX512)
 constexpr int kTileLanes = 16;
 constexpr int kTileVectors = 4;
 #else
@@ -700,5 +700,5 @@ void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) {
 }
 void flash_attn_bwd_dq(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_dq_rows) }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels
