@@ -4,7 +4,11 @@ Sources (docs/design.md §1-2):
 - csrc/bindings/*.cpp              the only torch-facing C++ (checks, dispatch, TORCH_LIBRARY registration),
                                    compiled as one unit through csrc/bindings/all.cpp (which must include each),
                                    one file per kernel family plus common.cpp and module.cpp
-- csrc/<family>/*_cpu.cpp          torch-free CPU kernels
+- csrc/<family>/*_cpu.cpp          torch-free CPU kernels, built for the portable baseline (x86-64-v2), and on
+                                   x86-64 again for AVX2 and AVX-512 through *_cpu_avx2.cpp / *_cpu_avx512.cpp
+                                   (csrc/common/cpu_isa.h): the bindings run the best this CPU has, chosen at run
+                                   time (MEGAKERNELS_CPU_ISA=baseline|avx2|avx512 picks one), so a wheel built
+                                   here runs on any x86-64 CPU
 - csrc/<family>/*_cuda.cu          torch-free CUDA kernels, built when nvcc and a CUDA torch are present
 - csrc/<family>/*_cuda_emu.cpp     the same .cu source compiled by g++ against csrc/emu (backend "cuda_emu"),
                                    built whenever the CUDA headers are found (no GPU or CUDA torch needed)
@@ -13,11 +17,14 @@ Environment:
 - MEGAKERNELS_CUDA_ARCHS      CUDA archs to build, e.g. "80;90" (default) or "90a"
 - MEGAKERNELS_FORCE_CPU_ONLY  =1: skip the CUDA kernels even when nvcc is present
 - MEGAKERNELS_NO_EMU          =1: skip the emulated CUDA kernels
-- MEGAKERNELS_PORTABLE        =1: no -march=native for the CPU kernels (for binaries moved to other machines)
+- MEGAKERNELS_NATIVE          =1: compile the CPU kernels once, with -march=native, for this machine only (no
+                                   ISA clones, no run-time choice; the binary may not run on another CPU). The
+                                   former MEGAKERNELS_PORTABLE=1 is the default now and is gone.
 """
 
 import glob
 import os
+import platform
 import shutil
 import sys
 
@@ -69,6 +76,23 @@ def _bindings_unit():
     return unit
 
 
+def _cpu_sources(clones: bool) -> list[str]:
+    """csrc/*/*_cpu.cpp, and with ``clones`` each one's AVX2 and AVX-512 wrapper units, after checking that every
+    kernel source has both (one left out would not link: the bindings call all three)."""
+    kernels = sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
+    if not clones:
+        return kernels
+    wrappers = []
+    for path in kernels:
+        for isa in ("avx2", "avx512"):
+            wrapper = path[: -len(".cpp")] + f"_{isa}.cpp"
+            if not os.path.exists(wrapper):
+                name = os.path.relpath(wrapper, ROOT)
+                sys.exit(f"megakernels: {name} is missing (each CPU kernel has an {isa} clone)")
+            wrappers.append(wrapper)
+    return kernels + wrappers
+
+
 def _targets():
     """megakernels/_targets.py (nvcc flags, per-arch limits), loaded by path: the package is not installed yet."""
     import importlib.util
@@ -95,14 +119,19 @@ def extensions():
     with_cuda = not force_cpu and torch.version.cuda is not None and _nvcc() is not None
     with_emu = cuda_inc is not None and os.environ.get("MEGAKERNELS_NO_EMU", "0") != "1"
 
-    sources = _rel([_bindings_unit()] + glob.glob(os.path.join(ROOT, "csrc", "*", "*_cpu.cpp")))
+    native = os.environ.get("MEGAKERNELS_NATIVE", "0") == "1"
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    sources = _rel([_bindings_unit()] + _cpu_sources(clones=x86 and not native))
     # -fopenmp: at::parallel_for is inline and runs `omp parallel` in *our* translation unit; without the flag it
     # silently runs serially. The libgomp.so.1 this links is the one torch has already loaded (same soname), so
     # there is one OpenMP runtime and one thread pool in the process (tests/test_threads.py checks both).
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-Wno-unknown-pragmas"]
-    if os.environ.get("MEGAKERNELS_PORTABLE", "0") != "1":
-        cxx.append("-march=native")
     define_macros = []
+    if native:
+        cxx.append("-march=native")
+    elif x86:
+        cxx.append("-march=x86-64-v2")  # the baseline; the AVX2 and AVX-512 clones raise it per unit
+        define_macros.append(("MEGAKERNELS_CPU_CLONES", "1"))
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_emu:
         sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*_cuda_emu.cpp")))

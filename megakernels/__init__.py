@@ -5,13 +5,25 @@
 - ``megakernels.optim`` FusedAdamW and multi-tensor utilities (L2 norm, gradient clipping)
 - ``megakernels.parallel`` tensor/sequence parallelism: process groups, mappings, parallel layers and blocks
 - ``megakernels.backend(name)`` selects ``auto``/``cpu``/``cuda``/``cuda_emu`` (docs/design.md §3)
+- ``megakernels.cpu_isa()`` the instruction set the CPU kernels run (chosen at run time in a portable build)
 """
 
-from megakernels._backend import BACKENDS, backend, current_backend, has_backend
+from megakernels._backend import BACKENDS, backend, cpu_isa, current_backend, has_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "backend", "current_backend", "has_backend", "ops", "nn", "optim", "parallel", "__version__"]
+__all__ = [
+    "BACKENDS",
+    "backend",
+    "cpu_isa",
+    "current_backend",
+    "has_backend",
+    "ops",
+    "nn",
+    "optim",
+    "parallel",
+    "__version__",
+]
 
 
 def __getattr__(name):

@@ -66,6 +66,21 @@ def _build_flags() -> int:
     return int(torch.ops.megakernels.build_flags())
 
 
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels run: ``"avx512"``, ``"avx2"`` or ``"baseline"`` (x86-64-v2) in a
+    portable build (the default: all three are built and the best this CPU has is chosen at run time, once per
+    process; ``MEGAKERNELS_CPU_ISA=baseline|avx2|avx512`` picks a narrower one), or ``"native"`` for a build with
+    ``MEGAKERNELS_NATIVE=1`` (one ``-march=native`` target, no choice).
+
+    Raises:
+        ValueError: ``MEGAKERNELS_CPU_ISA`` names no ISA, or one this CPU lacks (the message names the variable);
+            every CPU kernel call raises it too, so nothing runs instructions the CPU does not have.
+    """
+    import megakernels._lib  # noqa: F401  (loads the library, registers torch.ops.megakernels)
+
+    return str(torch.ops.megakernels.cpu_isa())
+
+
 def has_backend(name: str) -> bool:
     """Whether the compiled library contains backend ``name`` (``cpu`` always; ``cuda``/``cuda_emu`` if built)."""
     _check_name(name, "has_backend")

@@ -29,7 +29,9 @@ struct Args {
 }  // namespace bias_gelu
 
 // The CPU kernels; threads come from the caller (at::parallel_for).
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 void bias_gelu_fwd_rows(const bias_gelu::Args& a, int64_t row_begin, int64_t row_end);
 // Backward: fixed row chunks (cpu_rows.h's row_chunks), one [hidden] partial dbias row each in the workspace, then
 // an in-order column sum.
@@ -37,7 +39,8 @@ int64_t bias_gelu_bwd_chunks(int64_t rows, int64_t hidden);
 int64_t bias_gelu_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);
 void bias_gelu_bwd_chunk(const bias_gelu::Args& a, int64_t chunk);
 void bias_gelu_bwd_finish_cols(const bias_gelu::Args& a, int64_t col_begin, int64_t col_end);
-}  // namespace cpu
+)
+// clang-format on
 
 // The CUDA kernels, compiled by nvcc into namespace `cuda` and by g++ against csrc/emu into `cuda_emu`.
 // Launchers return nullptr on success, else the CUDA error string; `stream` is a cudaStream_t.

@@ -8,17 +8,17 @@
 #include "../common/cpu_rows.h"
 #include "bias_gelu.h"
 
-#if defined(__AVX512F__)
+#if defined(MK_TARGET_AVX512)
 #include <immintrin.h>
 #endif
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using bias_gelu::Args;
 
-#if defined(__AVX512F__)
+#if defined(MK_TARGET_AVX512)
 // The tanh GeLU in fp32 on 16 lanes: mk_exp's range reduction and polynomial (math.h), and 1 / (1 + e) as rcp14
 // plus one Newton step (relative error ~2^-28, below fp32 rounding) in place of a division, whose throughput
 // bounds the compiler's vectorised loop (~22 cycles a vector, about half of them the division). s = sigmoid(2u) =
@@ -85,7 +85,7 @@ void fwd_rows(const Args& a, int64_t r0, int64_t r1) {
     T* y = static_cast<T*>(a.y) + r * H;
     A* o = out_view(y, out_buf.data());
     int64_t j0 = 0;
-#if defined(__AVX512F__)
+#if defined(MK_TARGET_AVX512)
     if constexpr (std::is_same_v<A, float> && ACT == Activation::GeluTanh) j0 = gelu_tanh_fwd16(v, bp, o, H);
 #endif
 #pragma omp simd
@@ -111,7 +111,7 @@ void bwd_chunk(const Args& a, int64_t c) {
     T* dx = static_cast<T*>(a.y) + r * H;
     A* o = out_view(dx, obuf.data());
     int64_t j0 = 0;
-#if defined(__AVX512F__)
+#if defined(MK_TARGET_AVX512)
     if constexpr (std::is_same_v<A, float> && ACT == Activation::GeluTanh) j0 = gelu_tanh_bwd16(xv, gv, bp, pb, o, H);
 #endif
 #pragma omp simd
@@ -153,5 +153,5 @@ void bias_gelu_bwd_finish_cols(const Args& a, int64_t c0, int64_t c1) {
   dispatch<FinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

@@ -52,7 +52,8 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in, int6
     LaunchScope scope(x);
     raise_if(op, k->fwd(a, scope.stream()));
   } else {
-    at::parallel_for(0, a.rows, row_grain(a.hidden), [&](int64_t b, int64_t e) { cpu::bias_gelu_fwd_rows(a, b, e); });
+    at::parallel_for(0, a.rows, row_grain(a.hidden),
+                     [&](int64_t b, int64_t e) { MK_CPU(bias_gelu_fwd_rows)(a, b, e); });
   }
   return y;
 }
@@ -79,12 +80,12 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const 
     a.workspace = ws.data_ptr();
     raise_if(op, k->bwd(a, scope.stream()));
   } else {
-    ws = at::empty({cpu::bias_gelu_bwd_workspace_bytes(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
+    ws = at::empty({MK_CPU(bias_gelu_bwd_workspace_bytes)(a.rows, a.hidden, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
-    at::parallel_for(0, cpu::bias_gelu_bwd_chunks(a.rows, a.hidden), 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) cpu::bias_gelu_bwd_chunk(a, c);
+    at::parallel_for(0, MK_CPU(bias_gelu_bwd_chunks)(a.rows, a.hidden), 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) MK_CPU(bias_gelu_bwd_chunk)(a, c);
     });
-    at::parallel_for(0, a.hidden, 2048, [&](int64_t b, int64_t e) { cpu::bias_gelu_bwd_finish_cols(a, b, e); });
+    at::parallel_for(0, a.hidden, 2048, [&](int64_t b, int64_t e) { MK_CPU(bias_gelu_bwd_finish_cols)(a, b, e); });
   }
   return {dx, dbias};
 }

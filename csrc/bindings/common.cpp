@@ -2,6 +2,8 @@
 #include "common.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -20,6 +22,52 @@ int64_t build_flags() {
 #endif
   return f;
 }
+
+namespace {
+
+constexpr const char* kIsaNames[] = {"baseline", "avx2", "avx512", "native"};
+
+struct IsaChoice {
+  CpuIsa isa;
+  std::string error;  // non-empty: MEGAKERNELS_CPU_ISA asked for what cannot run
+};
+
+IsaChoice choose_cpu_isa() {
+  const char* env = std::getenv("MEGAKERNELS_CPU_ISA");
+  const std::string want = env ? env : "";
+#if defined(MEGAKERNELS_CPU_CLONES)
+  // x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE; v4 adds AVX-512 F, BW, VL, DQ, CD (and the OS saves its
+  // state: __builtin_cpu_supports checks XCR0)
+  __builtin_cpu_init();
+  const CpuIsa best = __builtin_cpu_supports("x86-64-v4")   ? CpuIsa::kAvx512
+                      : __builtin_cpu_supports("x86-64-v3") ? CpuIsa::kAvx2
+                                                            : CpuIsa::kBaseline;
+  if (want.empty()) return {best, ""};
+  for (int i = 0; i < 3; ++i) {
+    if (want != kIsaNames[i]) continue;
+    if (i > int(best))
+      return {best, "MEGAKERNELS_CPU_ISA=" + want + " asks for an instruction set this CPU lacks (it runs " +
+                        kIsaNames[int(best)] + " at most)"};
+    return {CpuIsa(i), ""};
+  }
+  return {best, "MEGAKERNELS_CPU_ISA=" + want + " is not one of baseline, avx2, avx512"};
+#else
+  if (want.empty() || want == "native") return {CpuIsa::kNative, ""};
+  return {CpuIsa::kNative, "MEGAKERNELS_CPU_ISA=" + want +
+                               " cannot be chosen: this build holds the CPU kernels for one target only (built with "
+                               "MEGAKERNELS_NATIVE=1, or not for x86-64)"};
+#endif
+}
+
+}  // namespace
+
+CpuIsa cpu_isa() {
+  static const IsaChoice choice = choose_cpu_isa();
+  TORCH_CHECK_VALUE(choice.error.empty(), "megakernels: ", choice.error);
+  return choice.isa;
+}
+
+std::string cpu_isa_name() { return kIsaNames[int(cpu_isa())]; }
 
 DType to_dtype(at::ScalarType t) {
   switch (t) {

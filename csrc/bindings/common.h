@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 
 #ifdef MEGAKERNELS_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -28,6 +29,32 @@ namespace megakernels {
 namespace bindings {
 
 constexpr int64_t kFlagCuda = 1, kFlagEmu = 2;
+
+// The CPU kernels' instruction set for this process (csrc/common/cpu_isa.h). A portable build (the default on
+// x86-64) holds the kernels for the baseline, AVX2 and AVX-512 and runs the best this CPU has, or the one
+// MEGAKERNELS_CPU_ISA=baseline|avx2|avx512 names; kNative: a build for one target (MEGAKERNELS_NATIVE=1, or not
+// x86-64). Chosen once per process; an unknown value, or an ISA this CPU lacks, raises ValueError naming the
+// variable (every CPU kernel call does, so nothing runs an instruction the CPU lacks).
+enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kNative = 3 };
+CpuIsa cpu_isa();
+std::string cpu_isa_name();  // "baseline", "avx2", "avx512" or "native" (the op megakernels::cpu_isa)
+
+#if defined(MEGAKERNELS_CPU_CLONES)
+template <class F>
+F pick_cpu(F baseline, F avx2, F avx512) {
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512: return avx512;
+    case CpuIsa::kAvx2: return avx2;
+    default: return baseline;
+  }
+}
+// The CPU kernel `fn` of the chosen ISA (cpu::fn, cpu_avx2::fn or cpu_avx512::fn).
+#define MK_CPU(fn)                                                                          \
+  (::megakernels::bindings::pick_cpu(&::megakernels::cpu::fn, &::megakernels::cpu_avx2::fn, \
+                                     &::megakernels::cpu_avx512::fn))
+#else
+#define MK_CPU(fn) (::megakernels::bindings::cpu_isa(), &::megakernels::cpu::fn)
+#endif
 // Which backends this build contains (kFlagCuda | kFlagEmu); the CPU kernels are always there.
 int64_t build_flags();
 

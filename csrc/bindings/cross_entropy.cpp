@@ -34,7 +34,7 @@ at::Tensor ce_stats_cpu(const at::Tensor& logits_in, const at::Tensor& target_in
   a.vocab_start = vocab_start;
   a.dtype = to_dtype(logits.scalar_type());
   at::parallel_for(0, a.rows, row_grain(std::max<int64_t>(1, n_valid)),
-                   [&](int64_t b, int64_t e) { cpu::cross_entropy_stats_rows(a, b, e); });
+                   [&](int64_t b, int64_t e) { MK_CPU(cross_entropy_stats_rows)(a, b, e); });
   return stats;
 }
 
@@ -65,7 +65,8 @@ void ce_grad_cpu(const at::Tensor& logits, const at::Tensor& target_in, const at
   a.smooth_target = static_cast<float>(smooth_target);
   a.smooth_other = static_cast<float>(smooth_other);
   a.dtype = to_dtype(logits.scalar_type());
-  at::parallel_for(0, a.rows, row_grain(a.cols), [&](int64_t b, int64_t e) { cpu::cross_entropy_grad_rows(a, b, e); });
+  at::parallel_for(0, a.rows, row_grain(a.cols),
+                   [&](int64_t b, int64_t e) { MK_CPU(cross_entropy_grad_rows)(a, b, e); });
 }
 
 }  // namespace cross_entropy_ops

@@ -4,6 +4,8 @@
 // else runs megakernels/ops/_attention_cpu.py.
 #include <ATen/MemoryOverlap.h>
 
+#include <vector>
+
 #include "../flash_attention/flash_attention.h"
 #include "common.h"
 
@@ -81,10 +83,13 @@ fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double
   return a;
 }
 
-// bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 ones).
+// bf16 on a CPU with AVX512-BF16 multiplies bf16 panels (MEGAKERNELS_CPU_BF16_DOT=0 keeps the fp32 ones), when the
+// kernels run AVX-512 (not where MEGAKERNELS_CPU_ISA chose a narrower ISA).
 bool bf16_dot(const fa::Args& a) {
   const char* env = std::getenv("MEGAKERNELS_CPU_BF16_DOT");
-  return a.dtype == DType::BF16 && cpu::has_bf16_dot() && !(env && std::string(env) == "0");
+  const CpuIsa isa = cpu_isa();
+  return a.dtype == DType::BF16 && (isa == CpuIsa::kAvx512 || isa == CpuIsa::kNative) && MK_CPU(has_bf16_dot)() &&
+         !(env && std::string(env) == "0");
 }
 
 // One packed K or V buffer (flash_attention.h's panels): fp32, or bf16 for the bf16 products (`dot`).
@@ -121,8 +126,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   a.v = v.data_ptr();
   a.o = out.data_ptr();
   a.lse = lse.data_ptr<float>();
-  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
-  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_fwd(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_pack)(a, b, e); });
+  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_fwd)(a, b, e); });
   return {out, lse};
 }
 
@@ -208,10 +213,10 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   a.delta = delta.data_ptr<float>();
   a.dq_part = dq_part.data_ptr<float>();
   const int64_t rows = a.b * a.sq * a.h;
-  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_pack(a, b, e); });
-  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_prep(a, b, e); });
-  at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_kv(a, b, e); });
-  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { cpu::flash_attn_bwd_dq(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.nkb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_pack)(a, b, e); });
+  at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_prep)(a, b, e); });
+  at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_kv)(a, b, e); });
+  at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_dq)(a, b, e); });
 }
 
 // The gradients in q, k and v's own memory orders (empty_like of a strided view keeps its order of strides).
@@ -225,11 +230,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   return {dq, dk, dv};
 }
 
+// The kernel's band rule for the query rows [first, first + rows) of batch element `batch` (fa::key_bounds: lo,
+// full_lo, full_hi, hi in blocks of `block` keys), for tests/ops/test_attention_band.py to hold it to the Python
+// and Triton copies.
+std::vector<int64_t> flash_attn_key_bounds(int64_t sq, int64_t sk, bool causal, int64_t window, int64_t shift,
+                                           const c10::optional<at::Tensor>& q_keys, int64_t batch, int64_t first,
+                                           int64_t rows, int64_t block) {
+  const char* op = "flash_attn_key_bounds";
+  TORCH_CHECK_VALUE(sq >= 1 && sk >= 1, op, ": sq and sk must be >= 1, got ", sq, " and ", sk);
+  TORCH_CHECK_VALUE(first >= 0 && rows >= 1 && first + rows <= sq, op, ": rows [first, first + rows) = [", first, ", ",
+                    first + rows, ") must lie in [0, sq = ", sq, ")");
+  TORCH_CHECK_VALUE(block >= 1, op, ": block must be >= 1, got ", block);
+  TORCH_CHECK_VALUE(window >= 0 && (shift == 0 || window > 0), op, ": window must be >= 0 and shift needs one, got ",
+                    window, " and ", shift);
+  at::Tensor spans;
+  if (q_keys.has_value() && q_keys->defined()) {
+    TORCH_CHECK_VALUE(q_keys->dim() == 3 && q_keys->size(1) == sq && batch >= 0 && batch < q_keys->size(0), op,
+                      ": q_keys must be [batch, sq, 2] with batch ", batch, " in range, got ", q_keys->sizes());
+    spans = checked_q_keys(op, q_keys, at::empty({q_keys->size(0), sq, 1, 1}), at::empty({q_keys->size(0), sk, 1, 1}));
+  }
+  fa::Args a{};
+  a.sq = sq;
+  a.sk = sk;
+  a.causal = causal;
+  a.window = window;
+  a.shift = shift;
+  a.q_keys = spans.defined() ? spans.data_ptr<int32_t>() : nullptr;
+  const fa::Bounds b = fa::key_bounds(a, batch, first, rows, block);
+  return {b.lo, b.full_lo, b.full_hi, b.hi};
+}
+
 }  // namespace flash_attention_ops
 }  // namespace bindings
 }  // namespace megakernels
 
 TORCH_LIBRARY_FRAGMENT(megakernels, m) {
+  m.def(
+      "flash_attn_key_bounds(int sq, int sk, bool causal, int window, int shift, Tensor? q_keys, int batch, "
+      "int first, int rows, int block) -> int[]",
+      &megakernels::bindings::flash_attention_ops::flash_attn_key_bounds);
   m.def(
       "flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, int shift=0, "
       "Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, Tensor)");

@@ -4,7 +4,10 @@
 
 #include "common.h"
 
-TORCH_LIBRARY(megakernels, m) { m.def("build_flags() -> int", &megakernels::bindings::build_flags); }
+TORCH_LIBRARY(megakernels, m) {
+  m.def("build_flags() -> int", &megakernels::bindings::build_flags);
+  m.def("cpu_isa() -> str", &megakernels::bindings::cpu_isa_name);
+}
 
 // A plain extension module: importing megakernels._C loads the library and runs the registrations above.
 PyMODINIT_FUNC PyInit__C(void) {

@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& x_in,
     LaunchScope scope(x);
     raise_if(op, k->norm_fwd(a, scope.stream()));
   } else {
-    at::parallel_for(0, rows, row_grain(H), [&](int64_t b, int64_t e) { cpu::norm_fwd_rows(a, b, e); });
+    at::parallel_for(0, rows, row_grain(H), [&](int64_t b, int64_t e) { MK_CPU(norm_fwd_rows)(a, b, e); });
   }
   return {y, mean, rstd};
 }
@@ -137,12 +137,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& dy_in,
     a.workspace = ws.data_ptr();
     raise_if(op, k->norm_bwd(a, scope.stream()));
   } else {
-    ws = at::empty({cpu::norm_bwd_workspace_bytes(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
+    ws = at::empty({MK_CPU(norm_bwd_workspace_bytes)(rows, H, a.x_dtype)}, x.options().dtype(at::kByte));
     a.workspace = ws.data_ptr();
-    at::parallel_for(0, cpu::norm_bwd_chunks(rows, H), 1, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) cpu::norm_bwd_chunk(a, c);
+    at::parallel_for(0, MK_CPU(norm_bwd_chunks)(rows, H), 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) MK_CPU(norm_bwd_chunk)(a, c);
     });
-    if (a.dw || a.db) at::parallel_for(0, H, 2048, [&](int64_t b, int64_t e) { cpu::norm_bwd_finish_cols(a, b, e); });
+    if (a.dw || a.db)
+      at::parallel_for(0, H, 2048, [&](int64_t b, int64_t e) { MK_CPU(norm_bwd_finish_cols)(a, b, e); });
   }
   return {dx, dw, db};
 }

@@ -180,7 +180,7 @@ void adamw_(at::TensorList params, at::TensorList grads_in, at::TensorList exp_a
     const std::vector<Chunk> chunks =
         chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return tensors[t].numel; });
     for_each_chunk(int64_t(chunks.size()),
-                   [&](int64_t c) { cpu::adamw_range(a, chunks[c].t, chunks[c].begin, chunks[c].end); });
+                   [&](int64_t c) { MK_CPU(adamw_range)(a, chunks[c].t, chunks[c].begin, chunks[c].end); });
     for (size_t i = 0; i < n; ++i) *steps[i].data_ptr<float>() += 1.0f;
   }
 }
@@ -227,7 +227,7 @@ void multi_tensor_nonfinite_check_(at::TensorList tensors_in, const c10::optiona
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return numels[t]; });
     std::vector<char> bad(chunks.size(), 0);
     for_each_chunk(int64_t(chunks.size()), [&](int64_t c) {
-      bad[c] = cpu::nonfinite_range(a, scale, chunks[c].t, chunks[c].begin, chunks[c].end);
+      bad[c] = MK_CPU(nonfinite_range)(a, scale, chunks[c].t, chunks[c].begin, chunks[c].end);
     });
     for (char x : bad)
       if (x) *flag = 1.0f;
@@ -250,8 +250,9 @@ at::Tensor multi_tensor_l2norm(at::TensorList tensors_in, int64_t chunk_size, bo
   } else {
     const std::vector<Chunk> chunks = chunk_list(a.n_tensors, a.chunk_size, [&](int64_t t) { return numels[t]; });
     std::vector<float> partial(chunks.size(), 0.0f);
-    for_each_chunk(int64_t(chunks.size()),
-                   [&](int64_t c) { partial[c] = cpu::sumsq_range(a, chunks[c].t, chunks[c].begin, chunks[c].end); });
+    for_each_chunk(int64_t(chunks.size()), [&](int64_t c) {
+      partial[c] = MK_CPU(sumsq_range)(a, chunks[c].t, chunks[c].begin, chunks[c].end);
+    });
     double s = 0.0;  // chunk order, independent of the thread count
     for (float p : partial) s += p;
     *out.data_ptr<float>() = float(std::sqrt(s));

@@ -110,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> rope_fwd(const at::Tensor& q_in, const at::Te
     raise_if(op, kern->rope(a, scope.stream()));
   } else {
     at::parallel_for(0, a.n0 * a.n1, token_grain((a.heads[0] + a.heads[1]) * d),
-                     [&](int64_t b, int64_t e) { cpu::rope_tokens(a, b, e); });
+                     [&](int64_t b, int64_t e) { MK_CPU(rope_tokens)(a, b, e); });
   }
   return {qo, ko};
 }

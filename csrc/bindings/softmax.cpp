@@ -90,7 +90,7 @@ at::Tensor softmax_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& 
     LaunchScope scope(x);
     raise_if(op, k->softmax_fwd(a, scope.stream()));
   } else {
-    at::parallel_for(0, a.rows, row_grain(sk), [&](int64_t b, int64_t e) { cpu::softmax_fwd_rows(a, b, e); });
+    at::parallel_for(0, a.rows, row_grain(sk), [&](int64_t b, int64_t e) { MK_CPU(softmax_fwd_rows)(a, b, e); });
   }
   return y;
 }
@@ -120,7 +120,7 @@ at::Tensor softmax_bwd(const at::Tensor& dy_in, const at::Tensor& y_in, double s
     LaunchScope scope(y);
     raise_if(op, k->softmax_bwd(a, scope.stream()));
   } else {
-    at::parallel_for(0, a.rows, row_grain(a.sk), [&](int64_t b, int64_t e) { cpu::softmax_bwd_rows(a, b, e); });
+    at::parallel_for(0, a.rows, row_grain(a.sk), [&](int64_t b, int64_t e) { MK_CPU(softmax_bwd_rows)(a, b, e); });
   }
   return dx;
 }

@@ -59,7 +59,7 @@ at::Tensor swiglu_fwd(const at::Tensor& x_in, bool emulate) {
     LaunchScope scope(x);
     raise_if(op, k->fwd(a, scope.stream()));
   } else {
-    at::parallel_for(0, a.rows, row_grain(f), [&](int64_t b, int64_t e) { cpu::swiglu_fwd_rows(a, b, e); });
+    at::parallel_for(0, a.rows, row_grain(f), [&](int64_t b, int64_t e) { MK_CPU(swiglu_fwd_rows)(a, b, e); });
   }
   return y;
 }
@@ -89,7 +89,7 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool emul
     LaunchScope scope(x);
     raise_if(op, k->bwd(a, scope.stream()));
   } else {
-    at::parallel_for(0, a.rows, row_grain(f), [&](int64_t b, int64_t e) { cpu::swiglu_bwd_rows(a, b, e); });
+    at::parallel_for(0, a.rows, row_grain(f), [&](int64_t b, int64_t e) { MK_CPU(swiglu_bwd_rows)(a, b, e); });
   }
   return dx;
 }

@@ -3,6 +3,7 @@
 // partial sums (independent of the thread count, so results are bit-identical for any number of threads), the
 // in-order column reduction of those partials, and the (x dtype, parameter dtype, activation) dispatch.
 #pragma once
+#include "cpu_isa.h"
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -11,7 +12,7 @@
 #include "math.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (cpu_isa.h)
 
 // Parameters converted once per call into the accumulate type; `fill` everywhere when absent.
 template <typename W, typename A>
@@ -74,5 +75,5 @@ void dispatch(DType xd, DType wd, Activation act, Args&&... args) {
   }
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

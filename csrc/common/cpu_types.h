@@ -2,16 +2,17 @@
 // Kernels convert a row once into an fp32 scratch buffer, do all math there in loops the compiler vectorises,
 // and convert back once: the conversions are the only dtype-specific code.
 #pragma once
+#include "cpu_isa.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__F16C__)
+#if defined(MK_TARGET_F16C)
 #include <immintrin.h>
 #endif
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (cpu_isa.h)
 
 struct bf16 {
   uint16_t bits;
@@ -107,7 +108,7 @@ template <>
 inline void store_row<double, double>(const double* src, double* dst, int64_t n) {
   std::memcpy(dst, src, size_t(n) * sizeof(double));
 }
-#if defined(__F16C__)
+#if defined(MK_TARGET_F16C)
 template <>
 inline void load_row<f16, float>(const f16* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -186,5 +187,5 @@ inline A lane_max(int64_t n, A init, F f) {
   return m;
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

@@ -6,8 +6,12 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_isa.h"
+
 #if defined(__CUDACC__)
 #define MK_MATH __host__ __device__ __forceinline__
+#elif defined(MK_CPU_ISA)
+#define MK_MATH static inline  // an ISA clone's own copy, never merged with another target's (cpu_isa.h)
 #else
 #define MK_MATH inline
 #endif
@@ -20,7 +24,9 @@ enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3 };
 // Activation fused as an epilogue (layer_norm) or applied after a bias add (bias_gelu).
 enum class Activation : int { None = 0, Gelu = 1, GeluTanh = 2 };
 
-constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2/pi), the tanh-GeLU constant
+MK_ISA_BEGIN  // the functions below differ per target: each ISA clone of a CPU kernel has its own (cpu_isa.h)
+
+    constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2/pi), the tanh-GeLU constant
 constexpr double kInvSqrt2 = 0.7071067811865476;
 constexpr double kInvSqrt2Pi = 0.3989422804014327;  // 1/sqrt(2*pi), the normal density's scale
 constexpr double kGeluCubic = 0.044715;
@@ -223,4 +229,5 @@ MK_MATH Welford<A> welford_merge(const Welford<A>& a, const Welford<A>& b) {
   return Welford<A>{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
 }
 
+MK_ISA_END
 }  // namespace megakernels

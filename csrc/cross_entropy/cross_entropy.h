@@ -37,8 +37,11 @@ struct GradArgs {
 
 }  // namespace cross_entropy
 
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 void cross_entropy_stats_rows(const cross_entropy::StatsArgs& a, int64_t r0, int64_t r1);
 void cross_entropy_grad_rows(const cross_entropy::GradArgs& a, int64_t r0, int64_t r1);
-}  // namespace cpu
+)
+// clang-format on
 }  // namespace megakernels

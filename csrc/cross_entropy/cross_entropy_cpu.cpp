@@ -15,7 +15,7 @@
 #include "cross_entropy.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using cross_entropy::GradArgs;
@@ -86,5 +86,5 @@ void cross_entropy_grad_rows(const GradArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

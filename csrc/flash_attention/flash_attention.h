@@ -30,6 +30,7 @@
 //   dq = scale * sum over chunks (a fixed order). delta = rowsum(dO * O). `chunks` depends on the shapes only, so
 //   the results are the same bits for every thread count.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "../common/math.h"
@@ -45,7 +46,9 @@ constexpr int64_t kMaxHeadDim = 256;
 struct Layout {
   int64_t b, s, h;
 };
+MK_ISA_BEGIN
 inline int64_t at(const Layout& l, int64_t bi, int64_t t, int64_t hh) { return bi * l.b + t * l.s + hh * l.h; }
+MK_ISA_END
 
 struct Args {
   const void* q;     // [b, sq, h, d]
@@ -93,8 +96,10 @@ struct Args {
   DType dtype;  // F32, BF16 or F16
 };
 
-// The dropout hash (murmur3's finaliser over the row, then the column; megakernels/triton/_common.py).
-inline uint32_t fmix32(uint32_t h) {
+MK_ISA_BEGIN  // inline functions: each ISA clone has its own (csrc/common/cpu_isa.h)
+
+    // The dropout hash (murmur3's finaliser over the row, then the column; megakernels/triton/_common.py).
+    inline uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
@@ -108,29 +113,64 @@ inline bool keep(uint32_t row_hash, int64_t col, int32_t threshold) {
   return int32_t(fmix32(row_hash + uint32_t(col) * 0x27D4EB2Fu) >> 8) >= threshold;
 }
 
-// Keys [lo, hi) that query row i of batch bi sees (hi == lo: none).
+// The band rule (megakernels/ops/attention_band.py states it; tests/ops/test_attention_band.py holds this copy to
+// the Python and Triton ones). Keys [lo, hi) of query row i's causal/window band: lo >= 0, 0 <= hi <= sk (hi <= lo:
+// none); rows past sq follow the same formula.
 struct Span {
   int64_t lo, hi;
 };
-inline Span visible(const Args& a, int64_t bi, int64_t i) {
+inline Span band_keys(const Args& a, int64_t i) {
   const int64_t diag = a.sk - a.sq + a.shift;
   int64_t lo = 0, hi = a.sk;
-  if (a.causal) hi = i + diag + 1 < hi ? i + diag + 1 : hi;
-  if (a.window > 0) {
-    lo = i + diag - a.window + 1 > lo ? i + diag - a.window + 1 : lo;
-    if (!a.causal) hi = i + diag + a.window < hi ? i + diag + a.window : hi;
-  }
+  if (a.window > 0) lo = std::max<int64_t>(i + diag - a.window + 1, 0);
+  if (a.causal)
+    hi = std::min<int64_t>(std::max<int64_t>(i + diag + 1, 0), a.sk);
+  else if (a.window > 0)
+    hi = std::min<int64_t>(std::max<int64_t>(i + diag + a.window, 0), a.sk);
+  return {lo, hi};
+}
+
+// Keys [lo, hi) that query row i of batch bi sees: its band cut to its document's keys (hi == lo: none).
+inline Span visible(const Args& a, int64_t bi, int64_t i) {
+  Span s = band_keys(a, i);
   if (a.q_keys) {
     const int32_t* r = a.q_keys + (bi * a.sq + i) * 2;
-    lo = r[0] > lo ? r[0] : lo;
-    hi = r[1] < hi ? r[1] : hi;
+    s.lo = std::max<int64_t>(s.lo, r[0]);
+    s.hi = std::min<int64_t>(s.hi, r[1]);
   }
-  return {lo, hi > lo ? hi : lo};
+  return {s.lo, std::max(s.hi, s.lo)};
 }
+
+// Key blocks of `block` keys for the query rows [first, first + rows) of batch bi: those from lo (a multiple of
+// block) up to hi meet some row's band, those in [full_lo, full_hi) (multiples of block, inside sk) every row's.
+// block = 1: the rows' exact key span [lo, hi).
+struct Bounds {
+  int64_t lo, full_lo, full_hi, hi;
+};
+inline Bounds key_bounds(const Args& a, int64_t bi, int64_t first, int64_t rows, int64_t block) {
+  const auto cdiv = [](int64_t x, int64_t y) { return (x + y - 1) / y; };  // x >= 0
+  Span f = band_keys(a, first), l = band_keys(a, first + rows - 1);
+  if (a.q_keys) {
+    const int32_t* rf = a.q_keys + (bi * a.sq + first) * 2;
+    const int32_t* rl = a.q_keys + (bi * a.sq + std::min(first + rows, a.sq) - 1) * 2;
+    f = {std::max<int64_t>(f.lo, rf[0]), std::min<int64_t>(f.hi, rf[1])};
+    l = {std::max<int64_t>(l.lo, rl[0]), std::min<int64_t>(l.hi, rl[1])};
+  }
+  Bounds b;
+  b.lo = f.lo / block * block;
+  b.hi = std::max(l.hi, b.lo);
+  b.full_lo = std::min(std::max(cdiv(l.lo, block) * block, b.lo), cdiv(b.hi, block) * block);
+  b.full_hi = std::max(std::max<int64_t>(f.hi, 0) / block * block, b.full_lo);
+  return b;
+}
+
+MK_ISA_END
 
 }  // namespace flash_attention
 
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 // Work items: pack b * hk * nkb (into whichever of kt, kp, vp, vt is non-null); fwd b * h * nqb;
 // bwd_prep (delta, and q and dO into their panels) b * h * nqb; bwd_dq rows b * sq * h; bwd_kv b * hk * chunks.
 // Whether this CPU has AVX512-BF16 (detected at run time): bf16 forwards then multiply bf16 panels, fp32 sums.
@@ -140,5 +180,6 @@ void flash_attn_fwd(const flash_attention::Args& a, int64_t i0, int64_t i1);
 void flash_attn_bwd_prep(const flash_attention::Args& a, int64_t r0, int64_t r1);
 void flash_attn_bwd_kv(const flash_attention::Args& a, int64_t i0, int64_t i1);
 void flash_attn_bwd_dq(const flash_attention::Args& a, int64_t r0, int64_t r1);
-}  // namespace cpu
+)
+// clang-format on
 }  // namespace megakernels

@@ -27,7 +27,7 @@
 #endif
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using flash_attention::Args;
@@ -37,7 +37,7 @@ using flash_attention::kBlockN;
 
 // The GEMM tile's vector: one register of the widest vector unit the build targets (16 floats with AVX-512, else
 // 8), and the most vectors a tile row holds (kTileVectors: 24 or 12 accumulators and a row of B in registers).
-#if defined(__AVX512F__)
+#if defined(MK_TARGET_AVX512)
 constexpr int kTileLanes = 16;
 constexpr int kTileVectors = 4;
 #else
@@ -386,12 +386,13 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
       l[r] = 0.0f;
     }
     std::fill(o, o + kBlockM * dp, 0.0f);
-    // The block's rows see keys [first row's lo, last row's hi): only those key blocks are visited.
-    const int64_t kbeg = flash_attention::visible(a, bi, r0).lo / kBlockN * kBlockN;
-    const int64_t kend = flash_attention::visible(a, bi, r0 + rows - 1).hi;
+    // Only the key blocks that meet the band of some row of the block are visited; in those inside every row's
+    // band no row needs its columns cut.
+    const flash_attention::Bounds kb = flash_attention::key_bounds(a, bi, r0, rows, kBlockN);
     const float* kt = DOT ? nullptr : a.kt + bk_offset(a, bi, kh);
     const float* vp = DOT ? nullptr : a.vp + bk_offset(a, bi, kh);
-    for (int64_t k0 = kbeg; k0 < kend; k0 += kBlockN) {
+    for (int64_t k0 = kb.lo; k0 < kb.hi; k0 += kBlockN) {
+      const bool every_row = k0 >= kb.full_lo && k0 + kBlockN <= kb.full_hi;
 #if defined(__x86_64__)
       if constexpr (DOT)
         dot_gemm<false>(kBlockM, kBlockN, dp / 2, q16, dp, a.ktb + bk_offset(a, bi, kh) + k0 * dp, kBlockN, s, kBlockN);
@@ -405,7 +406,9 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
 #pragma omp simd
           for (int64_t j = 0; j < kBlockN; ++j) sr[j] *= sc;
         }
-        const flash_attention::Span vis = r < rows ? block_columns(a, bi, r0 + r, k0) : flash_attention::Span{0, 0};
+        const flash_attention::Span vis = r >= rows   ? flash_attention::Span{0, 0}
+                                          : every_row ? flash_attention::Span{0, kBlockN}
+                                                      : block_columns(a, bi, r0 + r, k0);
         for (int64_t j = 0; j < vis.lo; ++j) sr[j] = kNegInf;
         for (int64_t j = vis.hi; j < kBlockN; ++j) sr[j] = kNegInf;
         const float mx = lane_max<float>(kBlockN, kNegInf, [sr](int64_t j) { return sr[j]; });
@@ -552,10 +555,9 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
         const int64_t hh = kh * g + gi;
         for (int64_t qb = 0; qb < a.nqb; ++qb) {
           const int64_t r0 = qb * kBlockM, rows = std::min(kBlockM, a.sq - r0);
-          // the block's rows see keys [first row's lo, last row's hi): skip it unless that meets this key block
-          if (flash_attention::visible(a, bi, r0).lo >= k0 + keys ||
-              flash_attention::visible(a, bi, r0 + rows - 1).hi <= k0)
-            continue;
+          // skip the query block unless its rows' keys meet this key block
+          const flash_attention::Bounds span = flash_attention::key_bounds(a, bi, r0, rows, 1);
+          if (span.lo >= k0 + keys || span.hi <= k0) continue;
           // q and dO as the prep pass packed them (q_panel)
           const int64_t pk = q_panel(a, bi, hh, qb, 0);
           const float *qs = DOT ? nullptr : a.qs_pk + pk, *dos = DOT ? nullptr : a.dos_pk + pk;
@@ -698,5 +700,5 @@ void flash_attn_bwd_kv(const Args& a, int64_t i0, int64_t i1) {
 }
 void flash_attn_bwd_dq(const Args& a, int64_t i0, int64_t i1) { MK_FA_DISPATCH(bwd_dq_rows) }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

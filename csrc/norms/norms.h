@@ -48,7 +48,9 @@ struct BwdArgs {
 
 // The CPU kernels. Parallelism comes from the caller (torch's intra-op pool via at::parallel_for), so this code
 // brings no threading runtime of its own: each function handles a range of rows or of row chunks.
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 void norm_fwd_rows(const norms::FwdArgs& a, int64_t row_begin, int64_t row_end);
 // Backward: rows are split into `norm_bwd_chunks` fixed chunks (independent of the thread count, so results are
 // bit-identical for any number of threads); chunk c writes its partial dw/db sums into the workspace; then
@@ -57,8 +59,8 @@ int64_t norm_bwd_chunks(int64_t rows, int64_t hidden);
 int64_t norm_bwd_workspace_bytes(int64_t rows, int64_t hidden, DType x_dtype);
 void norm_bwd_chunk(const norms::BwdArgs& a, int64_t chunk);
 void norm_bwd_finish_cols(const norms::BwdArgs& a, int64_t col_begin, int64_t col_end);
-
-}  // namespace cpu
+)
+// clang-format on
 
 // The CUDA kernels, compiled twice from norms_cuda.cu: by nvcc into namespace `cuda`, and by g++ against the
 // emulation layer (csrc/emu) into namespace `cuda_emu`. Launchers return nullptr on success, else the CUDA

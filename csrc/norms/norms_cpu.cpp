@@ -15,7 +15,7 @@
 #include "norms.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using norms::BwdArgs;
@@ -134,5 +134,5 @@ void norm_bwd_chunk(const BwdArgs& a, int64_t c) { dispatch<BwdOp>(a.x_dtype, a.
 void norm_bwd_finish_cols(const BwdArgs& a, int64_t c0, int64_t c1) {
   dispatch<BwdFinishOp>(a.x_dtype, a.w_dtype, Activation::None, a, c0, c1);
 }
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

@@ -16,7 +16,7 @@
 #include "optim.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using optim::AdamWArgs;
@@ -153,5 +153,5 @@ float sumsq_range(const ListArgs& a, int64_t t, int64_t b, int64_t e) {
   return 0.0f;
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

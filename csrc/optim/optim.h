@@ -87,7 +87,7 @@ MK_MATH AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double e
 // a*b + c rounded once where the hardware has FMA (the GPU; x86 with -march=native), as torch's CPU lerp and
 // addcmul kernels compute it; two roundings otherwise (portable builds), one ulp apart at most.
 MK_MATH float fmadd(float a, float b, float c) {
-#if defined(__CUDA_ARCH__) || defined(__FMA__)
+#if defined(__CUDA_ARCH__) || defined(MK_TARGET_FMA)
   return std::fma(a, b, c);
 #else
   return a * b + c;
@@ -107,20 +107,23 @@ MK_MATH void adamw_update(float& p, float g, float& m, float& v, const AdamWCoef
 }
 
 // Chunks of a list: chunks(n) = ceil(n / chunk_size), 0 for an empty tensor.
-inline int64_t chunks_of(int64_t numel, int64_t chunk_size) { return (numel + chunk_size - 1) / chunk_size; }
+MK_MATH int64_t chunks_of(int64_t numel, int64_t chunk_size) { return (numel + chunk_size - 1) / chunk_size; }
 
 }  // namespace optim
 
 // The CPU kernels. Parallelism comes from the caller (at::parallel_for over chunks); each function handles
 // elements [begin, end) of one tensor of the list.
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 // AdamW on elements [begin, end) of tensor `t`. Reads *a.grad_scale; ignores found_inf (the caller skips).
 void adamw_range(const optim::AdamWArgs& a, int64_t t, int64_t begin, int64_t end);
 // Whether any of elements [begin, end) of tensor `t`, divided by *grad_scale when given, is inf or NaN.
 bool nonfinite_range(const optim::ListArgs& a, const float* grad_scale, int64_t t, int64_t begin, int64_t end);
 // Sum of squares of elements [begin, end) of tensor `t`, accumulated in fp32 in a fixed order.
 float sumsq_range(const optim::ListArgs& a, int64_t t, int64_t begin, int64_t end);
-}  // namespace cpu
+)
+// clang-format on
 
 // The CUDA kernels, compiled twice from adamw_cuda.cu: by nvcc into namespace `cuda`, and by g++ against the
 // emulation layer (csrc/emu) into namespace `cuda_emu`. Launchers return nullptr on success, else the CUDA error

@@ -80,9 +80,12 @@ MK_MATH void sincos_angle(float angle, double& s, double& c) {
 
 // The CPU kernel: rotates the tokens [token_begin, token_end) of the n0 * n1 grid (token = i0 * n1 + i1).
 // Parallelism comes from the caller (at::parallel_for over tokens).
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 void rope_tokens(const rope::Args& a, int64_t token_begin, int64_t token_end);
-}
+)
+// clang-format on
 
 // The CUDA kernel, compiled by nvcc (namespace cuda) and for the emulator (namespace cuda_emu). Returns nullptr on
 // success, else the CUDA error string. `stream` is a cudaStream_t (nullptr for the emulator).

@@ -15,7 +15,7 @@
 #include "rope.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using rope::Args;
@@ -110,5 +110,5 @@ void rope_tokens(const Args& a, int64_t t0, int64_t t1) {
   }
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

@@ -64,10 +64,13 @@ MK_MATH double softmax_exp(double d) { return mk_exp(d); }
 }  // namespace softmax
 
 // The CPU kernels; threads come from the caller (at::parallel_for over rows).
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 void softmax_fwd_rows(const softmax::FwdArgs& a, int64_t row_begin, int64_t row_end);
 void softmax_bwd_rows(const softmax::BwdArgs& a, int64_t row_begin, int64_t row_end);
-}  // namespace cpu
+)
+// clang-format on
 
 // The CUDA kernels, compiled by nvcc into namespace `cuda` and by g++ against csrc/emu into `cuda_emu`.
 // Launchers return nullptr on success, else the CUDA error string; `stream` is a cudaStream_t.

@@ -17,7 +17,7 @@
 #include "softmax.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using softmax::BwdArgs;
@@ -147,5 +147,5 @@ struct BwdOp {
 void softmax_fwd_rows(const FwdArgs& a, int64_t r0, int64_t r1) { dispatch<FwdOp>(a.dtype, a, r0, r1); }
 void softmax_bwd_rows(const BwdArgs& a, int64_t r0, int64_t r1) { dispatch<BwdOp>(a.dtype, a, r0, r1); }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

@@ -56,10 +56,13 @@ MK_MATH void bwd(A g, A u, A dy, A& dg, A& du) {
 }  // namespace swiglu
 
 // The CPU kernels: rows [row_begin, row_end); parallelism comes from the caller (at::parallel_for over rows).
-namespace cpu {
+// Declared for the baseline and for each ISA clone (csrc/common/cpu_isa.h), one declaration a line.
+// clang-format off
+MK_DECLARE_CPU_KERNELS(
 void swiglu_fwd_rows(const swiglu::Args& a, int64_t row_begin, int64_t row_end);
 void swiglu_bwd_rows(const swiglu::Args& a, int64_t row_begin, int64_t row_end);
-}  // namespace cpu
+)
+// clang-format on
 
 // The CUDA kernels, compiled by nvcc (namespace cuda) and for the emulator (namespace cuda_emu). Return nullptr on
 // success, else the CUDA error string. `stream` is a cudaStream_t (nullptr for the emulator).

@@ -12,7 +12,7 @@
 #include "swiglu.h"
 
 namespace megakernels {
-namespace cpu {
+namespace MK_CPU_NS {  // cpu, or the ISA clone's (csrc/common/cpu_isa.h)
 namespace {
 
 using swiglu::Args;
@@ -134,5 +134,5 @@ void swiglu_bwd_rows(const Args& a, int64_t r0, int64_t r1) {
   }
 }
 
-}  // namespace cpu
+}  // namespace MK_CPU_NS
 }  // namespace megakernels

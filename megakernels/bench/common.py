@@ -159,9 +159,11 @@ def git_commit() -> str:
 
 
 def machine(device: str = "cpu") -> dict:
-    """The machine of a results file: the CPU's model and instruction-set flags (``megakernels.host.cpu``), torch
-    threads and version, git commit, date, device (and GPU name), and the fp32 CPU GEMM route the package's layers
-    take with the measurement that chose it (``megakernels.ops.gemm.describe``)."""
+    """The machine of a results file: the CPU's model and instruction-set flags (``megakernels.host.cpu``), the
+    instruction set the CPU kernels run (``megakernels.cpu_isa``), torch threads and version, git commit, date,
+    device (and GPU name), and the fp32 CPU GEMM route the package's layers take with the measurement that chose it
+    (``megakernels.ops.gemm.describe``)."""
+    from megakernels import cpu_isa
     from megakernels import host as this
     from megakernels.ops import gemm
 
@@ -169,6 +171,7 @@ def machine(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu["model"],
         "cpu_flags": cpu["flags"],
+        "cpu_isa": cpu_isa(),
         "cpu_gemm": gemm.describe(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -185,6 +188,8 @@ def machine(device: str = "cpu") -> dict:
 def machine_line(info: dict) -> str:
     where = info.get("gpu", f"{info['cpu']}, {info['threads']} threads")
     line = f"# {where}, torch {info['torch']}, commit {info['commit'] or 'unknown'}"
+    if "gpu" not in info and info.get("cpu_isa"):
+        line += f"; CPU kernels {info['cpu_isa']}"
     route = info.get("cpu_gemm")
     if route and "gpu" not in info:
         line += f"; fp32 GEMM route {route['route']} ({route['source']})"

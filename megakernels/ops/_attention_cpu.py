@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from megakernels.ops.attention_band import key_bounds
+
 _BLOCK_BYTES = 4 << 20  # budget for one block's score matrix
 
 
@@ -35,21 +37,14 @@ def _rows_per_block(b: int, h: int, sk: int, itemsize: int) -> int:
 
 
 def _blocks(sq: int, sk: int, rows: int, causal: bool, window: int = 0, shift: int = 0, spans=None):
-    """(start, stop, k0, k1) per query block: its rows see keys in ``[k0, k1)`` only. With causality keys past the
-    block's last row are skipped; with a window also keys before the band of its first row; with documents
-    (``spans``: per query row ``(lo, hi)``, its document's keys, non-decreasing) keys outside
-    ``[spans[start][0], spans[stop - 1][1])``."""
-    diag = sk - sq + shift
+    """(start, stop, k0, k1) per query block: its rows see keys in ``[k0, k1)`` only (``attention_band.key_bounds``
+    of its rows, exact: blocks of one key). With causality keys past the block's last row are skipped; with a window
+    also keys before the band of its first row; with documents (``spans``: per query row ``(lo, hi)``, its
+    document's keys, non-decreasing) keys outside ``[spans[start][0], spans[stop - 1][1])``."""
     for start in range(0, sq, rows):
         stop = min(sq, start + rows)
-        k0 = min(sk, max(0, start + diag - window + 1)) if window else 0
-        if causal:
-            k1 = min(sk, max(0, stop + diag))
-        else:
-            k1 = min(sk, max(0, stop + diag + window - 1)) if window else sk
-        if spans is not None:
-            k0, k1 = max(k0, spans[start][0]), min(k1, spans[stop - 1][1])
-        yield start, stop, k0, max(k0, k1)
+        k0, _, _, k1 = key_bounds(start, stop - start, sq, sk, 1, causal, window, shift, spans)
+        yield start, stop, k0, k1
 
 
 def _batches(b: int, ranges):

@@ -144,10 +144,12 @@ def seq_bucket(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Sliding-window attention: query ``i`` sees key ``j`` iff ``rel = i + diag - j`` (how far the key lies behind the
-# query, in absolute positions; ``diag = SK - SQ`` aligns the bottom-right corners) satisfies ``0 <= rel < window``
-# causally (HuggingFace Mistral's ``i - w < j <= i``, flash-attn's ``window_size=(w - 1, 0)``) or
-# ``|rel| < window`` without causality (flash-attn's ``(w - 1, w - 1)``).
+# The band rule (megakernels/ops/attention_band.py states it and holds the Python copy the schedules and the PyTorch
+# path use; tests/ops/test_attention_band.py runs these helpers under the interpreter against it). Query ``i`` sees
+# key ``j`` iff ``rel = i + diag - j`` (how far the key lies behind the query; ``diag = SK - SQ``, plus a window's
+# ``SHIFT``, aligns the bottom-right corners) satisfies ``rel >= 0`` when causal, ``rel < window`` (causal:
+# HuggingFace Mistral's ``i - w < j <= i``, flash-attn's ``window_size=(w - 1, 0)``) or ``|rel| < window`` (not:
+# flash-attn's ``(w - 1, w - 1)``) with a window, and ``j`` in the row's document span with documents.
 
 
 @triton.jit
@@ -157,6 +159,129 @@ def in_band(rows, cols, diag, window, CAUSAL: tl.constexpr):
     if CAUSAL:
         return (rel >= 0) & (rel < window)
     return (rel < window) & (rel > -window)
+
+
+@triton.jit
+def band_diag(SQ, SK, SHIFT, WINDOWED: tl.constexpr):
+    """``diag`` of the band: ``SK - SQ``, plus ``SHIFT`` with a window (the only case that takes one)."""
+    if WINDOWED:
+        return SK - SQ + SHIFT
+    return SK - SQ
+
+
+@triton.jit
+def _clip_to_spans(lo, full_lo, full_hi, hi, spans, first, last, BLOCK: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)`` (in blocks of ``BLOCK`` of the other side) cut to the document spans of the
+    block's first and last rows (``spans``: ``[s, 2]`` int32, non-decreasing): blocks from ``[spans[first][0],
+    spans[last][1])``, unmasked only in ``[spans[last][0], spans[first][1])``."""
+    lo = tl.maximum(lo, tl.load(spans + first * 2) // BLOCK * BLOCK)
+    hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
+    full_lo = tl.maximum(full_lo, tl.cdiv(tl.load(spans + last * 2), BLOCK) * BLOCK)
+    full_hi = tl.minimum(full_hi, tl.load(spans + first * 2 + 1) // BLOCK * BLOCK)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK) * BLOCK)
+    return lo, full_lo, tl.maximum(full_hi, full_lo), hi
+
+
+@triton.jit
+def key_bounds(
+    pid_m,
+    SQ,
+    SK,
+    SHIFT,
+    WINDOW,
+    spans,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
+):
+    """``(lo, full_lo, full_hi, hi)`` of query block ``pid_m`` (rows ``[pid_m * BLOCK_M, + BLOCK_M)``): key blocks
+    from ``lo`` up to ``hi`` meet some row's band, those in ``[full_lo, full_hi)`` every row's (inside SK).
+    ``spans``: with ``DOCS``, the batch element's ``[SQ, 2]`` int32 key spans (the rows' documents). Without a
+    window or documents ``lo = full_lo = 0`` (constants)."""
+    m0 = pid_m * BLOCK_M
+    if WINDOWED:
+        diag = SK - SQ + SHIFT
+        lo = tl.maximum(m0 + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag, 0))
+            full_hi = tl.minimum(tl.maximum(m0 + diag + 1, 0), SK) // BLOCK_N * BLOCK_N
+        else:
+            hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag + WINDOW - 1, 0))
+            full_hi = tl.minimum(tl.maximum(m0 + diag + WINDOW, 0), SK) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(hi, lo)
+        full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(full_hi, full_lo)
+    else:
+        lo = 0
+        full_lo = 0
+        if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
+            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0))
+            full_hi = tl.minimum(tl.maximum(m0 + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
+        else:
+            hi = SK
+            full_hi = SK // BLOCK_N * BLOCK_N
+    if DOCS:
+        last = tl.minimum(m0 + BLOCK_M, SQ) - 1
+        lo, full_lo, full_hi, hi = _clip_to_spans(lo, full_lo, full_hi, hi, spans, m0, last, BLOCK_N)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_bounds(
+    pid_n,
+    SQ,
+    SK,
+    SHIFT,
+    WINDOW,
+    spans,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    DOCS: tl.constexpr,
+):
+    """``(lo, mid, full_end, hi)`` of key block ``pid_n`` (keys ``[pid_n * BLOCK_N, + BLOCK_N)``; the backward's
+    transpose of ``key_bounds``): query blocks from ``lo`` up to ``hi`` meet some key's band, those in ``[mid,
+    full_end)`` see every key of the block inside SQ (none for a block that runs past SK, whose padding keys are
+    masked). ``spans``: with ``DOCS``, the batch element's ``[SK, 2]`` query spans (the keys' documents). The last
+    loop starts at ``max(full_end, mid)`` (``full_end < mid`` only without a window or documents)."""
+    n0 = pid_n * BLOCK_N
+    if WINDOWED:
+        diag = SK - SQ + SHIFT
+        if CAUSAL:
+            lo = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
+            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        else:
+            lo = tl.maximum(n0 - diag - WINDOW + 1, 0) // BLOCK_M * BLOCK_M
+            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - diag - WINDOW, 0), BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(SQ, tl.maximum(n0 + BLOCK_N - diag + WINDOW - 1, 0)), lo)
+        mid = tl.minimum(tl.maximum(mid, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+        full_end = tl.minimum(tl.maximum(n0 - diag + WINDOW, 0), SQ) // BLOCK_M * BLOCK_M
+        if n0 + BLOCK_N > SK:  # the key tail: every query block masked
+            full_end = mid
+        full_end = tl.maximum(full_end, mid)
+    else:
+        if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
+            lo = tl.maximum(n0 + SQ - SK, 0) // BLOCK_M * BLOCK_M
+            mid = tl.minimum(
+                tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M,
+                SQ // BLOCK_M * BLOCK_M,
+            )
+        else:
+            lo = 0
+            mid = 0
+        full_end = SQ // BLOCK_M * BLOCK_M
+        if (pid_n + 1) * BLOCK_N > SK:  # the key tail: every query block masked
+            mid = full_end
+        mid = tl.maximum(mid, lo)
+        hi = SQ
+    if DOCS:
+        last = tl.minimum(n0 + BLOCK_N, SK) - 1
+        lo, mid, full_end, hi = _clip_to_spans(lo, mid, full_end, hi, spans, n0, last, BLOCK_M)
+    return lo, mid, full_end, hi
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -37,7 +37,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megakernels.triton._common import dropout_keep, dropout_row_hash, in_band
+from megakernels.triton._common import (
+    band_diag,
+    dropout_keep,
+    dropout_row_hash,
+    in_band,
+    key_bounds,
+    query_bounds,
+)
 
 
 @triton.jit
@@ -85,32 +92,16 @@ def _bwd_step(
     dv,
     k,
     v,
-    Qh,
-    DOh,
-    DQh,
-    LSE2,
-    DELTA,
-    b,
-    h,
-    bh,
+    qdo,
+    dqt,
+    rows,
     start_m,
     offs_n,
     offs_d,
-    SQ,
-    SK,
-    stride_qs,
-    stride_dos,
-    stride_dqs,
+    band,
+    drop,
     qk_scale,
     scale,
-    seed_lo,
-    seed_hi,
-    threshold,
-    keep_scale,
-    diag,
-    window,
-    doc_lo,
-    doc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -124,6 +115,15 @@ def _bwd_step(
     DOCS: tl.constexpr,
     DQ_CHUNKS: tl.constexpr,
 ):
+    """One query block against the program's keys. ``qdo``: (q and dO pointers at the (batch, head), their token
+    strides); ``dqt``: (dQ's descriptor or pointer at the (batch, head), its token stride, the 32-bit batch and
+    head of the descriptor's coordinates); ``rows``: (the base-2 lse, the scaled delta, the flat (batch, head));
+    ``band``: (SQ, SK, the window's shift, the window, the keys' document query spans lo and hi); ``drop``: (the
+    seed's low and high halves, the keep threshold, 1 / (1 - p))."""
+    Qh, DOh, stride_qs, stride_dos = qdo
+    DQh, stride_dqs, b, h = dqt
+    LSE2, DELTA, bh = rows
+    SQ, SK, SHIFT, window, doc_lo, doc_hi = band
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
         q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
@@ -142,15 +142,17 @@ def _bwd_step(
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if MASKED:
         valid = (offs_n[:, None] < SK) & (offs_m[None, :] < SQ)
+        diag = band_diag(SQ, SK, SHIFT, WINDOWED)
         if WINDOWED:
             valid = valid & in_band(offs_m[None, :], offs_n[:, None], diag, window, CAUSAL)
         elif CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :] + (SK - SQ))
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + diag)
         if DOCS:  # the key's document: queries [doc_lo, doc_hi)
             valid = valid & (offs_m[None, :] >= doc_lo[:, None]) & (offs_m[None, :] < doc_hi[:, None])
         p_t = tl.where(valid, p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:
+        seed_lo, seed_hi, threshold, keep_scale = drop
         keep = dropout_keep(
             dropout_row_hash(seed_lo, seed_hi, (bh * SQ + offs_m).to(tl.int32))[None, :], offs_n[:, None], threshold
         )
@@ -304,58 +306,13 @@ def fa_bwd_kernel(
     )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    if WINDOWED:
-        # Query i sees key j iff 0 <= i + diag - j < WINDOW (causal) or |i + diag - j| < WINDOW: query blocks
-        # [lo, mid) meet the band's near edge (masks), [mid, full_end) see every key of this block (no masks),
-        # [full_end, hi) its far edge and the query tail (masks); query blocks outside the band are never visited.
-        diag = SK - SQ + SHIFT
-        n0 = pid_n * BLOCK_N
-        if CAUSAL:
-            lo = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
-            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-        else:
-            lo = tl.maximum(n0 - diag - WINDOW + 1, 0) // BLOCK_M * BLOCK_M
-            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - diag - WINDOW, 0), BLOCK_M) * BLOCK_M
-        hi = tl.maximum(tl.minimum(SQ, tl.maximum(n0 + BLOCK_N - diag + WINDOW - 1, 0)), lo)
-        mid = tl.minimum(tl.maximum(mid, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
-        full_end = tl.minimum(tl.maximum(n0 - diag + WINDOW, 0), SQ) // BLOCK_M * BLOCK_M
-        if n0 + BLOCK_N > SK:  # the key tail: every query block masked
-            full_end = mid
-        full_end = tl.maximum(full_end, mid)
-    else:
-        diag = 0  # unused without a window
-        # Query blocks [lo, mid) meet the causal diagonal band (masks); [mid, SQ // BLOCK_M * BLOCK_M) see every key
-        # of this block (no masks); the query tail past that is masked again. A key block that runs past SK masks
-        # all.
-        if CAUSAL:  # query i sees key j iff j <= i + SK - SQ
-            lo = tl.maximum(pid_n * BLOCK_N + SQ - SK, 0) // BLOCK_M * BLOCK_M
-            mid = tl.minimum(
-                tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 + SQ - SK, 0), BLOCK_M) * BLOCK_M,
-                SQ // BLOCK_M * BLOCK_M,
-            )
-        else:
-            lo = 0
-            mid = 0
-        full_end = SQ // BLOCK_M * BLOCK_M
-        if (pid_n + 1) * BLOCK_N > SK:  # the key tail: every query block masked
-            mid = full_end
-        mid = tl.maximum(mid, lo)
-        hi = SQ
-    doc_lo = offs_n  # the keys' document query spans (DOCS only)
+    # Query blocks [lo, mid) and [full_end, hi) meet the band's edges, the query tail or a key block that runs past
+    # SK (masks); [mid, full_end) see every key of this block (no masks); blocks outside the band are never visited.
+    spans = DOC_SPANS + b * SK * 2  # the keys' document query spans (DOCS only)
+    bounds = query_bounds(pid_n, SQ, SK, SHIFT, WINDOW, spans, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, DOCS)
+    doc_lo = offs_n
     doc_hi = offs_n
     if DOCS:
-        # Key j is seen by queries DOC_SPANS[b, j] = [doc_lo, doc_hi) (its document's), non-decreasing in j: this
-        # block's keys meet queries [first key's lo, last key's hi) and are all seen by [last key's lo, first
-        # key's hi); query blocks of other documents are never visited.
-        spans = DOC_SPANS + b * SK * 2
-        n0 = pid_n * BLOCK_N
-        last = tl.minimum(n0 + BLOCK_N, SK) - 1
-        lo = tl.maximum(lo, tl.load(spans + n0 * 2) // BLOCK_M * BLOCK_M)
-        hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
-        mid = tl.maximum(mid, tl.cdiv(tl.load(spans + last * 2), BLOCK_M) * BLOCK_M)
-        full_end = tl.minimum(full_end, tl.load(spans + n0 * 2 + 1) // BLOCK_M * BLOCK_M)
-        mid = tl.minimum(tl.maximum(mid, lo), tl.cdiv(hi, BLOCK_M) * BLOCK_M)
-        full_end = tl.maximum(full_end, mid)
         doc_lo = tl.load(spans + offs_n * 2, mask=offs_n < SK, other=0)
         doc_hi = tl.load(spans + offs_n * 2 + 1, mask=offs_n < SK, other=0)
     seed_lo = tl.full([], 0, tl.uint32)
@@ -364,152 +321,52 @@ def fa_bwd_kernel(
         seed = tl.load(SEED)
         seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
         seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    band = (SQ, SK, SHIFT, WINDOW, doc_lo, doc_hi)
+    drop = (seed_lo, seed_hi, threshold, keep_scale)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * H + h
         b32 = b.to(tl.int32)  # descriptor coordinates are 32-bit
         h32 = h.to(tl.int32)
-        Qh = Q + b * stride_qb + h * stride_qh
-        DOh = DO + b * stride_dob + h * stride_doh
         if DQ_TMA:  # a 4-D descriptor over the fp32 dQ buffer, indexed by (b, row, h, 0)
             DQh = DQ
         else:
             DQh = DQ + b * stride_dqb + h * stride_dqh
-        for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _bwd_step(
-                dk,
-                dv,
-                k,
-                v,
-                Qh,
-                DOh,
-                DQh,
-                LSE2,
-                DELTA,
-                b32,
-                h32,
-                bh,
-                start_m,
-                offs_n,
-                offs_d,
-                SQ,
-                SK,
-                stride_qs,
-                stride_dos,
-                stride_dqs,
-                qk_scale,
-                scale,
-                seed_lo,
-                seed_hi,
-                threshold,
-                keep_scale,
-                diag,
-                WINDOW,
-                doc_lo,
-                doc_hi,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_D,
-                True,
-                CAUSAL,
-                DROPOUT,
-                PRECISION,
-                DQ_ATOMIC,
-                DQ_TMA,
-                WINDOWED,
-                DOCS,
-                DQ_CHUNKS,
-            )
-        for start_m in range(mid, full_end, BLOCK_M):
-            dk, dv = _bwd_step(
-                dk,
-                dv,
-                k,
-                v,
-                Qh,
-                DOh,
-                DQh,
-                LSE2,
-                DELTA,
-                b32,
-                h32,
-                bh,
-                start_m,
-                offs_n,
-                offs_d,
-                SQ,
-                SK,
-                stride_qs,
-                stride_dos,
-                stride_dqs,
-                qk_scale,
-                scale,
-                seed_lo,
-                seed_hi,
-                threshold,
-                keep_scale,
-                diag,
-                WINDOW,
-                doc_lo,
-                doc_hi,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_D,
-                False,
-                CAUSAL,
-                DROPOUT,
-                PRECISION,
-                DQ_ATOMIC,
-                DQ_TMA,
-                WINDOWED,
-                DOCS,
-                DQ_CHUNKS,
-            )
-        for start_m in range(tl.maximum(full_end, mid), hi, BLOCK_M):
-            dk, dv = _bwd_step(
-                dk,
-                dv,
-                k,
-                v,
-                Qh,
-                DOh,
-                DQh,
-                LSE2,
-                DELTA,
-                b32,
-                h32,
-                bh,
-                start_m,
-                offs_n,
-                offs_d,
-                SQ,
-                SK,
-                stride_qs,
-                stride_dos,
-                stride_dqs,
-                qk_scale,
-                scale,
-                seed_lo,
-                seed_hi,
-                threshold,
-                keep_scale,
-                diag,
-                WINDOW,
-                doc_lo,
-                doc_hi,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_D,
-                True,
-                CAUSAL,
-                DROPOUT,
-                PRECISION,
-                DQ_ATOMIC,
-                DQ_TMA,
-                WINDOWED,
-                DOCS,
-                DQ_CHUNKS,
-            )
+        qdo = (Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, stride_qs, stride_dos)
+        dqt = (DQh, stride_dqs, b32, h32)
+        for phase in tl.static_range(3):
+            start = bounds[phase]
+            if phase == 2:
+                start = tl.maximum(bounds[2], bounds[1])
+            for start_m in range(start, bounds[phase + 1], BLOCK_M):
+                dk, dv = _bwd_step(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    qdo,
+                    dqt,
+                    (LSE2, DELTA, bh),
+                    start_m,
+                    offs_n,
+                    offs_d,
+                    band,
+                    drop,
+                    qk_scale,
+                    scale,
+                    HEAD_DIM=HEAD_DIM,
+                    BLOCK_M=BLOCK_M,
+                    BLOCK_D=BLOCK_D,
+                    MASKED=phase != 1,
+                    CAUSAL=CAUSAL,
+                    DROPOUT=DROPOUT,
+                    PRECISION=PRECISION,
+                    DQ_ATOMIC=DQ_ATOMIC,
+                    DQ_TMA=DQ_TMA,
+                    WINDOWED=WINDOWED,
+                    DOCS=DOCS,
+                    DQ_CHUNKS=DQ_CHUNKS,
+                )
     tl.store(
         DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
         dk.to(DK.dtype.element_ty),
@@ -593,25 +450,12 @@ def fa_bwd_dq_kernel(
             (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), bh * SQ + offs_m
         )
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if WINDOWED:  # the key blocks that meet the band of some row of this block (as the forward's)
-        diag = SK - SQ + SHIFT
-        lo = tl.maximum(pid_m * BLOCK_M + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        if CAUSAL:
-            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + diag, 0))
-        else:
-            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + diag + WINDOW - 1, 0))
-        hi = tl.maximum(hi, lo)
-    else:
-        diag = 0  # unused without a window
-        lo = 0
-        hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0)) if CAUSAL else SK
-    doc_lo = offs_m  # the rows' document key spans (DOCS only), as the forward's
+    # the key blocks that meet the band of some row of this block (the forward's bounds, every block masked)
+    spans = DOC_SPANS + b * SQ * 2  # the rows' document key spans (DOCS only)
+    lo, _, _, hi = key_bounds(pid_m, SQ, SK, SHIFT, WINDOW, spans, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, DOCS)
+    doc_lo = offs_m
     doc_hi = offs_m
     if DOCS:
-        spans = DOC_SPANS + b * SQ * 2
-        last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, SQ) - 1
-        lo = tl.maximum(lo, tl.load(spans + pid_m * BLOCK_M * 2) // BLOCK_N * BLOCK_N)
-        hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
         doc_lo = tl.load(spans + offs_m * 2, mask=offs_m < SQ, other=0)
         doc_hi = tl.load(spans + offs_m * 2 + 1, mask=offs_m < SQ, other=0)
     for start_n in range(lo, hi, BLOCK_N):
@@ -621,10 +465,11 @@ def fa_bwd_dq_kernel(
         v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         valid = offs_n[None, :] < SK
+        diag = band_diag(SQ, SK, SHIFT, WINDOWED)
         if WINDOWED:
             valid = valid & in_band(offs_m[:, None], offs_n[None, :], diag, WINDOW, CAUSAL)
         elif CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
         if DOCS:
             valid = valid & (offs_n[None, :] >= doc_lo[:, None]) & (offs_n[None, :] < doc_hi[:, None])
         p = tl.where(valid, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)

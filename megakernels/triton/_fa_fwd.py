@@ -21,10 +21,13 @@ Design (why; the static cost model beside the package has the model it is judged
 - Causal grids run heaviest first across all heads: the grid is ``(b * h, query blocks)``, so the block scheduler
   (x fastest) hands out the last query block (the one that sees the most keys) of every head before the
   second-to-last of any, and the short blocks fill the tail of the grid instead of the long ones.
-- ``WARP_SPEC``: the unmasked loop asks for Triton's automatic warp specialisation (producer warps load,
-  consumer warpgroups compute, so a wgmma is not waited on at once by a warp that could do softmax work). The
-  launcher leaves it off: Triton 3.8's Hopper pass (NVGPUWarpSpecialization) fails on this kernel at 4 warps and
-  leaves it unchanged at 8 (no ``ttg.warp_specialize`` in the TTGIR), and a
+- One loop: the key bounds of the block come from ``key_bounds`` (the band rule, _common.py) and one
+  ``_fwd_step`` call in a static loop over the three ranges (masked edge, unmasked middle, masked edge) serves
+  every variant; the step takes its runtime values in groups (``kv``, ``band``, ``drop``: Triton tuples) and its
+  switches as constexpr keywords.
+- No warp specialisation: Triton's automatic one (``tl.range(..., warp_specialize=True)`` on the unmasked loop:
+  producer warps load, consumer warpgroups compute) was tried; Triton 3.8's Hopper pass (NVGPUWarpSpecialization)
+  fails on this kernel at 4 warps and leaves it unchanged at 8 (no ``ttg.warp_specialize`` in the TTGIR), and a
   hand-pipelined loop (QK^T of the next block issued before the softmax of this one) gets a wait after every
   wgmma from Triton's pipeliner, no overlap. Overlap comes from a second resident CTA: the d128 default (128 x 32,
   8 warps, Q in shared memory) takes 114 registers and 96 KiB, so two CTAs share an SM and one's softmax runs
@@ -36,27 +39,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megakernels.triton._common import dropout_keep, dropout_row_hash, in_band
+from megakernels.triton._common import band_diag, dropout_keep, dropout_row_hash, in_band, key_bounds
 
 
 @triton.jit
 def _load_kv(
-    K,
-    V,
-    b,
-    hk,
+    kv,
     start_n,
     offs_n,
     offs_d,
     SK,
-    stride_ks,
-    stride_vs,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
     TMA: tl.constexpr,
 ):
+    K, V, b, hk, stride_ks, stride_vs = kv
     if TMA:
         k = K.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
         v = V.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
@@ -75,24 +74,12 @@ def _fwd_step(
     m_i,
     l_i,
     q,
-    K,
-    V,
-    b,
-    hk,
+    kv,
     start_n,
-    offs_m,
     offs_d,
-    SQ,
-    SK,
-    stride_ks,
-    stride_vs,
+    band,
+    drop,
     qk_scale,
-    row_hash,
-    threshold,
-    diag,
-    window,
-    doc_lo,
-    doc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -104,17 +91,21 @@ def _fwd_step(
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
 ):
+    """One key block of the online softmax. ``kv``: (K, V, batch, k/v head, K's and V's token strides) with K and V
+    descriptors under ``TMA``, else pointers at the (batch, head); ``band``: (query rows, SQ, SK, the window's
+    shift, the window, the rows' document key spans lo and hi); ``drop``: (the rows' dropout hashes, the keep
+    threshold)."""
+    offs_m, SQ, SK, SHIFT, window, doc_lo, doc_hi = band
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, v = _load_kv(
-        K, V, b, hk, start_n, offs_n, offs_d, SK, stride_ks, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, TMA
-    )
+    k, v = _load_kv(kv, start_n, offs_n, offs_d, SK, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         valid = offs_n[None, :] < SK
+        diag = band_diag(SQ, SK, SHIFT, WINDOWED)
         if WINDOWED:
             valid = valid & in_band(offs_m[:, None], offs_n[None, :], diag, window, CAUSAL)
         elif CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + (SK - SQ))
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + diag)
         if DOCS:  # the row's document: keys [doc_lo, doc_hi)
             valid = valid & (offs_n[None, :] >= doc_lo[:, None]) & (offs_n[None, :] < doc_hi[:, None])
         s = tl.where(valid, s, float("-inf"))
@@ -124,121 +115,10 @@ def _fwd_step(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
+        row_hash, threshold = drop
         p = tl.where(dropout_keep(row_hash[:, None], offs_n[None, :], threshold), p, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _fwd_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    K,
-    V,
-    b,
-    hk,
-    offs_m,
-    offs_d,
-    start,
-    stop,
-    SQ,
-    SK,
-    stride_ks,
-    stride_vs,
-    qk_scale,
-    row_hash,
-    threshold,
-    diag,
-    window,
-    doc_lo,
-    doc_hi,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    DOCS: tl.constexpr,
-):
-    if WARP_SPEC and not MASKED:  # only Tritons that take warp_specialize ever see this branch
-        for start_n in tl.range(start, stop, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _fwd_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                K,
-                V,
-                b,
-                hk,
-                start_n,
-                offs_m,
-                offs_d,
-                SQ,
-                SK,
-                stride_ks,
-                stride_vs,
-                qk_scale,
-                row_hash,
-                threshold,
-                diag,
-                window,
-                doc_lo,
-                doc_hi,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_D,
-                MASKED,
-                CAUSAL,
-                DROPOUT,
-                PRECISION,
-                TMA,
-                WINDOWED,
-                DOCS,
-            )
-    else:
-        for start_n in range(start, stop, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                K,
-                V,
-                b,
-                hk,
-                start_n,
-                offs_m,
-                offs_d,
-                SQ,
-                SK,
-                stride_ks,
-                stride_vs,
-                qk_scale,
-                row_hash,
-                threshold,
-                diag,
-                window,
-                doc_lo,
-                doc_hi,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_D,
-                MASKED,
-                CAUSAL,
-                DROPOUT,
-                PRECISION,
-                TMA,
-                WINDOWED,
-                DOCS,
-            )
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -280,7 +160,6 @@ def fa_fwd_kernel(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     Q_ROWS: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
 ):
@@ -317,241 +196,47 @@ def fa_fwd_kernel(
             (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), bh * SQ + offs_m
         )
 
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # the loops carry (acc, m_i, l_i) in this order
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    doc_lo = offs_m  # the rows' document key spans (DOCS only)
+    spans = DOC_SPANS + b.to(tl.int64) * SQ * 2  # the rows' document key spans (DOCS only)
+    # Key blocks [lo, full_lo) and [full_hi, hi) meet the band's edges (masks), [full_lo, full_hi) lie inside every
+    # row's band and SK (no masks); blocks outside the band are never visited. Without a window or documents
+    # lo = full_lo = 0 and the first loop does not exist.
+    bounds = key_bounds(pid_m, SQ, SK, SHIFT, WINDOW, spans, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, DOCS)
+    doc_lo = offs_m
     doc_hi = offs_m
-    if WINDOWED or DOCS:
-        diag = SK - SQ + SHIFT
-        m0 = pid_m * BLOCK_M
-        if WINDOWED:
-            # Query i sees key j iff 0 <= i + diag - j < WINDOW (causal) or |i + diag - j| < WINDOW. Over the
-            # block's rows: keys [lo, hi) meet some row's band, keys [full_lo, full_hi) every row's (and lie inside
-            # SK); the band's two edges are masked, and key blocks outside it are never visited.
-            lo = tl.maximum(m0 + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-            if CAUSAL:
-                hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag, 0))
-                full_hi = tl.minimum(tl.maximum(m0 + diag + 1, 0), SK) // BLOCK_N * BLOCK_N
-            else:
-                hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + diag + WINDOW - 1, 0))
-                full_hi = tl.minimum(tl.maximum(m0 + diag + WINDOW, 0), SK) // BLOCK_N * BLOCK_N
-            hi = tl.maximum(hi, lo)
-            full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
-            full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
-            full_hi = tl.maximum(full_hi, full_lo)
-        else:  # the causal (or full) bounds below, as three loops
-            lo = 0
-            full_lo = 0
-            if CAUSAL:
-                hi = tl.minimum(SK, tl.maximum(m0 + BLOCK_M + SK - SQ, 0))
-                full_hi = tl.minimum(tl.maximum(m0 + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
-            else:
-                hi = SK
-                full_hi = SK // BLOCK_N * BLOCK_N
-        if DOCS:
-            # Document ids are non-decreasing, so row i's keys are one span DOC_SPANS[b, i] = [doc_lo, doc_hi),
-            # non-decreasing in i: the block's rows meet keys [first row's lo, last row's hi) and all see keys
-            # [last row's lo, first row's hi). Key blocks of other documents are never visited.
-            spans = DOC_SPANS + b.to(tl.int64) * SQ * 2
-            last = tl.minimum(m0 + BLOCK_M, SQ) - 1
-            lo = tl.maximum(lo, tl.load(spans + m0 * 2) // BLOCK_N * BLOCK_N)
-            hi = tl.maximum(tl.minimum(hi, tl.load(spans + last * 2 + 1)), lo)
-            full_lo = tl.maximum(full_lo, tl.cdiv(tl.load(spans + last * 2), BLOCK_N) * BLOCK_N)
-            full_hi = tl.minimum(full_hi, tl.load(spans + m0 * 2 + 1) // BLOCK_N * BLOCK_N)
-            full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.cdiv(hi, BLOCK_N) * BLOCK_N)
-            full_hi = tl.maximum(full_hi, full_lo)
-            doc_lo = tl.load(spans + offs_m * 2, mask=offs_m < SQ, other=0)
-            doc_hi = tl.load(spans + offs_m * 2 + 1, mask=offs_m < SQ, other=0)
-        acc, m_i, l_i = _fwd_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            b,
-            hk,
-            offs_m,
-            offs_d,
-            lo,
-            full_lo,
-            SQ,
-            SK,
-            stride_ks,
-            stride_vs,
-            qk_scale,
-            row_hash,
-            threshold,
-            diag,
-            WINDOW,
-            doc_lo,
-            doc_hi,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            CAUSAL,
-            DROPOUT,
-            PRECISION,
-            TMA,
-            WARP_SPEC,
-            WINDOWED,
-            DOCS,
-        )
-        acc, m_i, l_i = _fwd_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            b,
-            hk,
-            offs_m,
-            offs_d,
-            full_lo,
-            full_hi,
-            SQ,
-            SK,
-            stride_ks,
-            stride_vs,
-            qk_scale,
-            row_hash,
-            threshold,
-            diag,
-            WINDOW,
-            doc_lo,
-            doc_hi,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            False,
-            CAUSAL,
-            DROPOUT,
-            PRECISION,
-            TMA,
-            WARP_SPEC,
-            WINDOWED,
-            DOCS,
-        )
-        acc, m_i, l_i = _fwd_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            b,
-            hk,
-            offs_m,
-            offs_d,
-            full_hi,
-            hi,
-            SQ,
-            SK,
-            stride_ks,
-            stride_vs,
-            qk_scale,
-            row_hash,
-            threshold,
-            diag,
-            WINDOW,
-            doc_lo,
-            doc_hi,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            CAUSAL,
-            DROPOUT,
-            PRECISION,
-            TMA,
-            WARP_SPEC,
-            WINDOWED,
-            DOCS,
-        )
-    else:
-        diag = 0  # unused without a window
-        # Keys [0, full) are visible to every row of this block and lie inside SK: no masks there.
-        if CAUSAL:
-            hi = tl.minimum(SK, tl.maximum((pid_m + 1) * BLOCK_M + SK - SQ, 0))
-            full = tl.minimum(tl.maximum(pid_m * BLOCK_M + SK - SQ + 1, 0), SK) // BLOCK_N * BLOCK_N
-        else:
-            hi = SK
-            full = SK // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _fwd_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            b,
-            hk,
-            offs_m,
-            offs_d,
-            0,
-            full,
-            SQ,
-            SK,
-            stride_ks,
-            stride_vs,
-            qk_scale,
-            row_hash,
-            threshold,
-            diag,
-            WINDOW,
-            doc_lo,
-            doc_hi,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            False,
-            CAUSAL,
-            DROPOUT,
-            PRECISION,
-            TMA,
-            WARP_SPEC,
-            WINDOWED,
-            DOCS,
-        )
-        acc, m_i, l_i = _fwd_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            b,
-            hk,
-            offs_m,
-            offs_d,
-            full,
-            hi,
-            SQ,
-            SK,
-            stride_ks,
-            stride_vs,
-            qk_scale,
-            row_hash,
-            threshold,
-            diag,
-            WINDOW,
-            doc_lo,
-            doc_hi,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            CAUSAL,
-            DROPOUT,
-            PRECISION,
-            TMA,
-            WARP_SPEC,
-            WINDOWED,
-            DOCS,
-        )
+    if DOCS:
+        doc_lo = tl.load(spans + offs_m * 2, mask=offs_m < SQ, other=0)
+        doc_hi = tl.load(spans + offs_m * 2 + 1, mask=offs_m < SQ, other=0)
+    kv = (K, V, b, hk, stride_ks, stride_vs)
+    band = (offs_m, SQ, SK, SHIFT, WINDOW, doc_lo, doc_hi)
+    drop = (row_hash, threshold)
+    for phase in tl.static_range(3):
+        if phase > 0 or WINDOWED or DOCS:
+            for start_n in range(bounds[phase], bounds[phase + 1], BLOCK_N):
+                acc, m_i, l_i = _fwd_step(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    kv,
+                    start_n,
+                    offs_d,
+                    band,
+                    drop,
+                    qk_scale,
+                    HEAD_DIM=HEAD_DIM,
+                    BLOCK_N=BLOCK_N,
+                    BLOCK_D=BLOCK_D,
+                    MASKED=phase != 1,
+                    CAUSAL=CAUSAL,
+                    DROPOUT=DROPOUT,
+                    PRECISION=PRECISION,
+                    TMA=TMA,
+                    WINDOWED=WINDOWED,
+                    DOCS=DOCS,
+                )
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, keep_scale / tl.where(empty, 1.0, l_i))
     out = (acc * inv_l[:, None]).to(O.dtype.element_ty if not TMA else O.dtype)
@@ -574,11 +259,4 @@ def supports_tma() -> bool:
     return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
 
 
-def supports_warp_specialize() -> bool:
-    """Whether tl.range takes ``warp_specialize`` (Triton >= 3.4); the Hopper pass must also exist for it to act."""
-    import inspect
-
-    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
-
-
-__all__ = ["fa_fwd_kernel", "supports_tma", "supports_warp_specialize", "triton"]
+__all__ = ["fa_fwd_kernel", "supports_tma", "triton"]

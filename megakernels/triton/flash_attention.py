@@ -8,9 +8,11 @@ CPU path reproduces it.
 
 Every launch is a ``Launch`` (megakernels.triton.launch) built by ``forward_launch`` / ``backward_launches``, so
 compile_check and ``megakernels bench --static`` compile exactly what runs. The tile loops each program of a launch
-runs (``SCHEDULES``: ``forward_schedule``, ``backward_schedule``, ``dq_schedule``) are written here once, beside the
-launchers, for the static model; the kernels compute the same bounds on the device, and
-tests/triton/test_schedules.py runs them under Triton's interpreter to hold the two together.
+runs (``SCHEDULES``: ``forward_schedule``, ``backward_schedule``, ``dq_schedule``) come from the band rule's Python
+copy (megakernels.ops.attention_band, which the PyTorch path uses too) for the static model; the kernels compute the
+same bounds on the device (``key_bounds`` / ``query_bounds`` of _common.py), tests/ops/test_attention_band.py holds
+the copies together and tests/triton/test_schedules.py runs the kernels under Triton's interpreter against the
+schedules.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from megakernels.ops.attention_band import key_bounds, query_bounds
 from megakernels.triton._common import (
     arch_of,
     dropout_threshold,
@@ -238,7 +241,6 @@ def forward_launch(
             PRECISION=_dot_precision(q.dtype),
             TMA=tma,
             Q_ROWS=q_rows is not None,
-            WARP_SPEC=False,
             WINDOWED=window > 0,
             DOCS=ranges is not None,
             num_warps=warps,
@@ -435,25 +437,9 @@ def backward_launches(
 # its program id; tests/triton/test_schedules.py compares them with the loops the kernels run).
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _window_keys(launch: Launch, m0: int) -> tuple[int, int, int, int]:
-    """``(lo, full_lo, full_hi, hi)`` of a windowed launch's query block starting at row ``m0`` (the forward's and the
-    dQ kernel's bounds): keys ``[lo, hi)`` meet the band of some row, ``[full_lo, full_hi)`` every row's."""
-    sq, sk, bm, bn = launch.arg("SQ"), launch.arg("SK"), launch.arg("BLOCK_M"), launch.arg("BLOCK_N")
-    w, diag, causal = launch.arg("WINDOW"), sk - sq + launch.arg("SHIFT"), launch.arg("CAUSAL")
-    lo = max(m0 + diag - w + 1, 0) // bn * bn
-    if causal:
-        hi = min(sk, max(m0 + bm + diag, 0))
-        full_hi = min(max(m0 + diag + 1, 0), sk) // bn * bn
-    else:
-        hi = min(sk, max(m0 + bm + diag + w - 1, 0))
-        full_hi = min(max(m0 + diag + w, 0), sk) // bn * bn
-    hi = max(hi, lo)
-    full_lo = min(max(_cdiv(max(m0 + bm + diag - w, 0), bn) * bn, lo), _cdiv(hi, bn) * bn)
-    return lo, full_lo, max(full_hi, full_lo), hi
+def _band(launch: Launch) -> dict:
+    """The band arguments of ``attention_band.key_bounds`` / ``query_bounds`` that a launch runs with."""
+    return dict(causal=launch.arg("CAUSAL"), window=launch.arg("WINDOW"), shift=launch.arg("SHIFT"))
 
 
 def _doc_spans(launch: Launch):
@@ -461,20 +447,6 @@ def _doc_spans(launch: Launch):
     if not launch.arg("DOCS"):
         return None
     return launch.arg("DOC_SPANS").cpu().tolist()
-
-
-def _clip_to_documents(bounds, spans, first: int, last: int, blk: int) -> tuple[int, int, int, int]:
-    """``(lo, full_lo, full_hi, hi)`` of a block whose first and last rows are ``first`` and ``last`` (of one batch
-    element's ``spans``, each row's document span of the other side), cut to its documents as the kernels do:
-    blocks of ``blk`` from ``[spans[first][0], spans[last][1])``, unmasked only in ``[spans[last][0],
-    spans[first][1])``."""
-    lo, full_lo, full_hi, hi = bounds
-    lo = max(lo, spans[first][0] // blk * blk)
-    hi = max(min(hi, spans[last][1]), lo)
-    full_lo = max(full_lo, _cdiv(spans[last][0], blk) * blk)
-    full_hi = min(full_hi, spans[first][1] // blk * blk)
-    full_lo = min(max(full_lo, lo), _cdiv(hi, blk) * blk)
-    return lo, full_lo, max(full_hi, full_lo), hi
 
 
 def forward_schedule(launch: Launch) -> Schedule:
@@ -486,36 +458,16 @@ def forward_schedule(launch: Launch) -> Schedule:
     ("window"), the blocks inside every row's band without ("full"), then the far edge ("masked"). With documents
     (``DOCS``) the same three loops, cut to the key span of the block's documents: a program's work follows its
     document's length, not the packed sequence's."""
-    sq, sk = launch.arg("SQ"), launch.arg("SK")
-    bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
-    windowed, h = launch.arg("WINDOWED"), launch.arg("H")
+    sq, sk, bm, bn = launch.arg("SQ"), launch.arg("SK"), launch.arg("BLOCK_M"), launch.arg("BLOCK_N")
+    windowed, h, causal = launch.arg("WINDOWED"), launch.arg("H"), launch.arg("CAUSAL")
     spans = _doc_spans(launch)
 
-    def plain(pid_m: int) -> tuple[int, int]:
-        if causal:
-            hi = min(sk, max((pid_m + 1) * bm + sk - sq, 0))
-            full = min(max(pid_m * bm + sk - sq + 1, 0), sk) // bn * bn
-        else:
-            hi, full = sk, sk // bn * bn
-        return full, hi
-
     def runs(pid_m: int, b: int) -> list[tuple[str, range]]:
-        if windowed or spans is not None:
-            if windowed:
-                bounds = _window_keys(launch, pid_m * bm)
-            else:
-                full, hi = plain(pid_m)
-                bounds = (0, 0, full, hi)
-            if spans is not None:
-                bounds = _clip_to_documents(bounds, spans[b], pid_m * bm, min(pid_m * bm + bm, sq) - 1, bn)
-            lo, full_lo, full_hi, hi = bounds
-            return [
-                ("window", range(lo, full_lo, bn)),
-                ("full", range(full_lo, full_hi, bn)),
-                ("masked", range(full_hi, hi, bn)),
-            ]
-        full, hi = plain(pid_m)
-        return [("full", range(0, full, bn)), ("masked", range(full, hi, bn))]
+        lo, full_lo, full_hi, hi = key_bounds(
+            pid_m * bm, bm, sq, sk, bn, **_band(launch), spans=spans[b] if spans is not None else None
+        )
+        edge = [("window", range(lo, full_lo, bn))] if windowed or spans is not None else []
+        return [*edge, ("full", range(full_lo, full_hi, bn)), ("masked", range(full_hi, hi, bn))]
 
     loops = ("window", "full", "masked") if windowed or spans is not None else ("full", "masked")
     blocks = launch.grid[1] if causal else launch.grid[0]
@@ -542,42 +494,14 @@ def backward_schedule(launch: Launch) -> Schedule:
     the query tail ("tail"). With documents (``DOCS``) the same loops cut to the query span of the block's
     documents."""
     sq, sk, group = launch.arg("SQ"), launch.arg("SK"), launch.arg("GROUP")
-    bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
-    w, diag, hk = launch.arg("WINDOW"), sk - sq + launch.arg("SHIFT"), launch.arg("HK")
+    bm, bn, hk = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("HK")
     spans = _doc_spans(launch)
 
-    def windowed_runs(n0: int) -> tuple[int, int, int, int, int]:
-        if causal:
-            lo = max(n0 - diag, 0) // bm * bm
-            mid = _cdiv(max(n0 + bn - 1 - diag, 0), bm) * bm
-        else:
-            lo = max(n0 - diag - w + 1, 0) // bm * bm
-            mid = _cdiv(max(n0 + bn - diag - w, 0), bm) * bm
-        hi = max(min(sq, max(n0 + bn - diag + w - 1, 0)), lo)
-        mid = min(max(mid, lo), _cdiv(hi, bm) * bm)
-        full_end = mid if n0 + bn > sk else min(max(n0 - diag + w, 0), sq) // bm * bm
-        full_end = max(full_end, mid)
-        return lo, mid, full_end, full_end, hi
-
-    def plain_runs(pid_n: int) -> tuple[int, int, int, int, int]:
-        full_end = sq // bm * bm
-        if causal:  # query i sees key j iff j <= i + SK - SQ
-            lo = max(pid_n * bn + sq - sk, 0) // bm * bm
-            mid = min(_cdiv(max((pid_n + 1) * bn - 1 + sq - sk, 0), bm) * bm, full_end)
-        else:
-            lo = mid = 0
-        if (pid_n + 1) * bn > sk:
-            mid = full_end
-        mid = max(mid, lo)
-        return lo, mid, full_end, max(full_end, mid), sq
-
     def runs(pid_n: int, b: int) -> list[tuple[str, range]]:
-        lo, mid, full_end, tail, hi = windowed_runs(pid_n * bn) if launch.arg("WINDOWED") else plain_runs(pid_n)
-        if spans is not None:
-            n0 = pid_n * bn
-            lo, mid, full_end, hi = _clip_to_documents((lo, mid, full_end, hi), spans[b], n0, min(n0 + bn, sk) - 1, bm)
-            tail = full_end
-        one = [("diag", range(lo, mid, bm)), ("full", range(mid, full_end, bm)), ("tail", range(tail, hi, bm))]
+        lo, mid, full_end, hi = query_bounds(
+            pid_n * bn, bn, sq, sk, bm, **_band(launch), spans=spans[b] if spans is not None else None
+        )
+        one = [("diag", range(lo, mid, bm)), ("full", range(mid, full_end, bm)), ("tail", range(full_end, hi, bm))]
         return one * group
 
     per_block: dict = {}
@@ -596,16 +520,13 @@ def dq_schedule(launch: Launch) -> Schedule:
     program runs the key blocks its queries see, ``range(0, hi, BLOCK_N)`` ("all"); with a window, those that meet
     its rows' band, ``range(lo, hi, BLOCK_N)``; with documents, cut to its documents' key span."""
     sq, sk, h = launch.arg("SQ"), launch.arg("SK"), launch.arg("H")
-    bm, bn, causal = launch.arg("BLOCK_M"), launch.arg("BLOCK_N"), launch.arg("CAUSAL")
+    bm, bn = launch.arg("BLOCK_M"), launch.arg("BLOCK_N")
     spans = _doc_spans(launch)
 
     def keys(m: int, b: int) -> range:
-        if launch.arg("WINDOWED"):
-            lo, _, _, hi = _window_keys(launch, m * bm)
-        else:
-            lo, hi = 0, min(sk, max((m + 1) * bm + sk - sq, 0)) if causal else sk
-        if spans is not None:
-            lo, _, _, hi = _clip_to_documents((lo, lo, lo, hi), spans[b], m * bm, min(m * bm + bm, sq) - 1, bn)
+        lo, _, _, hi = key_bounds(
+            m * bm, bm, sq, sk, bn, **_band(launch), spans=spans[b] if spans is not None else None
+        )
         return range(lo, hi, bn)
 
     per_block: dict = {}
