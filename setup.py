@@ -17,6 +17,9 @@ Environment:
 - MEGAKERNELS_CUDA_ARCHS      CUDA archs to build, e.g. "80;90" (default) or "90a"
 - MEGAKERNELS_FORCE_CPU_ONLY  =1: skip the CUDA kernels even when nvcc is present
 - MEGAKERNELS_NO_EMU          =1: skip the emulated CUDA kernels
+- MEGAKERNELS_EXTENSION_BUILT =1: build no extension (scripts/setup.sh: `setup.py build_ext --inplace` has built
+                                   megakernels._C in the tree already; the editable install then only adds the
+                                   packages around it)
 - MEGAKERNELS_NATIVE          =1: compile the CPU kernels once, with -march=native, for this machine only (no
                                    ISA clones, no run-time choice; the binary may not run on another CPU). The
                                    former MEGAKERNELS_PORTABLE=1 is the default now and is gone.
@@ -171,6 +174,6 @@ def extensions():
 
 setup(
     packages=find_packages(include=["megakernels", "megakernels.*", "megakernels_models", "megakernels_models.*"]),
-    ext_modules=extensions(),
+    ext_modules=[] if os.environ.get("MEGAKERNELS_EXTENSION_BUILT", "0") == "1" else extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -17,12 +17,13 @@ if [ "${1:-}" = "--all" ]; then MARKS=(); shift; fi
 if [ $# -gt 0 ]; then echo "usage: scripts/test.sh [--all]" >&2; exit 2; fi
 cd "$(dirname "$0")/.."
 mkdir -p build
+source scripts/compiler_cache.sh  # one compiler cache for the CMake build and the extension (scripts/setup.sh)
 
 # Use the machine's toolkit for the CMake build (CMake finds nvcc by CUDACXX or PATH).
 if [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDACXX=/usr/local/cuda/bin/nvcc; fi
 (
   set -euo pipefail
-  cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release -DMEGAKERNELS_KERNEL_LIBS=OFF >/dev/null
+  cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release -DMEGAKERNELS_KERNEL_LIBS=OFF $MEGAKERNELS_CMAKE_LAUNCHER >/dev/null
   cmake --build build/cmake -j 2
   ctest --test-dir build/cmake --output-on-failure -j 2
 ) > build/cpp-tests.log 2>&1 &
