@@ -34,8 +34,7 @@ def _calls():
         grads = [torch.randn_like(o) for o in (out if isinstance(out, tuple) else (out,))]
         return lambda: torch.autograd.grad(f(), inputs, grads if isinstance(out, tuple) else grads[0])
 
-    calls = []
-    for dtype in (torch.float32, torch.bfloat16):
+    def of_dtype(dtype):  # one scope per dtype: each closure holds its own tensors
         d = str(dtype).removeprefix("torch.")
         x = torch.randn(512, 1024, dtype=dtype, requires_grad=True)
         w = torch.randn(1024, dtype=dtype, requires_grad=True)
@@ -46,15 +45,16 @@ def _calls():
             "swiglu": lambda: ops.swiglu(x),
             "softmax": lambda: ops.scaled_softmax(x.view(2, 4, 64, 1024), 0.5),
         }
+        out = []
         for name, f in rows.items():
-            calls += [(f"{name} {d} fwd", f, 60), (f"{name} {d} fwd+bwd", backward(f, x), 60)]
+            out += [(f"{name} {d} fwd", f, 60), (f"{name} {d} fwd+bwd", backward(f, x), 60)]
         q = torch.randn(1, 256, 8, 64, dtype=dtype, requires_grad=True)
         k = torch.randn(1, 256, 8, 64, dtype=dtype, requires_grad=True)
 
         def rope():
             return ops.fused_rope(q, k)
 
-        calls += [(f"rope {d} fwd", rope, 60), (f"rope {d} fwd+bwd", backward(rope, q, k), 60)]
+        out += [(f"rope {d} fwd", rope, 60), (f"rope {d} fwd+bwd", backward(rope, q, k), 60)]
         qa = torch.randn(1, 8, 512, 64, dtype=dtype, requires_grad=True)
         for causal in (False, True):
 
@@ -62,7 +62,10 @@ def _calls():
                 return ops.flash_attention(qa, qa, qa, causal=causal)
 
             tag = f"flash_attention {d} {'causal' if causal else 'full'}"
-            calls += [(f"{tag} fwd", attention, 15), (f"{tag} fwd+bwd", backward(attention, qa), 8)]
+            out += [(f"{tag} fwd", attention, 15), (f"{tag} fwd+bwd", backward(attention, qa), 8)]
+        return out
+
+    calls = of_dtype(torch.float32) + of_dtype(torch.bfloat16)
     params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
