@@ -157,8 +157,29 @@ def main(argv: list[str] | None = None) -> None:
             family.ljust(44) + "".join(f"{math.exp(sum(map(math.log, per[n])) / len(per[n])):18.2f}" for n in names[1:])
         )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"load": load, "isa": isas, "best_ms": best}, f, indent=1)
+        write_report(args.out, load, isas, best)
+
+
+def write_report(path: str, load: list, isas: dict, best: dict) -> None:
+    """The figures as a results file (benchmarks/results_table.py's ``results`` layout): one row per build and call."""
+    import datetime
+
+    from megakernels import host
+    from megakernels.bench import common
+
+    machine = {
+        "cpu": host.cpu()["model"],
+        "threads": 1,
+        "commit": common.git_commit(),
+        "date": str(datetime.date.today()),
+    }
+    rows = [
+        {"name": call, "build": name, "isa": isas[name], "best_ms": round(ms, 4)}
+        for name, calls in best.items()
+        for call, ms in calls.items()
+    ]
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "load_average": [round(x[0], 2) for x in load], "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
