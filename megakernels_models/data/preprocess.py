@@ -269,8 +269,9 @@ def preprocess(
     from tqdm import tqdm
 
     bar = tqdm(desc="preprocess", unit=" docs", disable=not progress, dynamic_ncols=True)
-    if os.path.exists(output_prefix + ".chat.json"):
-        os.remove(output_prefix + ".chat.json")  # text written over chat data is not chat data any more
+    from megakernels_models.data.chat import forget_masked
+
+    forget_masked(output_prefix)  # text written over chat or preference data is neither any more
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as w:
         skipped: list[str] = []
         stream = tokenize_documents(
