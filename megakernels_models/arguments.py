@@ -16,6 +16,7 @@ import torch
 
 from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.ops.fp8 import RECIPES
+from megakernels.ops.post_training import PREFERENCE_LOSSES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.parallel.pipeline.schedules import TRAINER_SCHEDULES, ZERO_BUBBLE
 from megakernels.precisions import DTYPES, PRECISIONS
@@ -34,12 +35,13 @@ DEVICES = ("cpu", "cuda")
 DEFAULT_TIMEOUT_S = 600.0
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
+MODEL, MOE, LAYOUT, OPTIM, DATA, POST, LOGS = (
     "model",
     "mixture of experts",
     "layout",
     "optimisation",
     "data",
+    "post-training",
     "checkpoints, evaluation and logs",
 )
 MOE_FIELDS = (
@@ -306,6 +308,33 @@ class _Settings:
         "--sft: pack several conversations a sample (best fit); --no-sft-packing: one a sample, padded",
         DATA,
         flag="--no-sft-packing",
+    )
+    # post-training: preference optimisation (DPO) and reinforcement learning (GRPO)
+    dpo: bool = setting(
+        False,
+        "direct preference optimisation on --data made by 'megakernels preprocess --preference': the policy "
+        "against a frozen reference (--dpo-ref, default the policy's initial weights)",
+        POST,
+    )
+    dpo_beta: float = setting(0.1, "--dpo: β, the strength of the pull towards the reference", POST)
+    dpo_loss: str = setting("sigmoid", "--dpo: the loss of each pair's reward margin", POST, choices=PREFERENCE_LOSSES)
+    dpo_label_smoothing: float = setting(
+        0.0,
+        "--dpo --dpo-loss sigmoid: the assumed share ε of flipped preferences (conservative DPO), in [0, 0.5)",
+        POST,
+    )
+    dpo_ref: str | None = setting(
+        None,
+        "--dpo: the reference model, a megakernels checkpoint directory or a HuggingFace model directory "
+        "(default: the weights the run starts from: --load-hf's, --load's, or the seed's)",
+        POST,
+        metavar="DIR",
+    )
+    precompute_ref: bool = setting(
+        False,
+        "--dpo: the reference's log-probabilities computed once over the data before training, and the "
+        "reference freed (default: computed in each step, the reference kept)",
+        POST,
     )
     # checkpoints, evaluation, logs
     save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
@@ -710,6 +739,59 @@ def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
         raise ArgumentError(f"--sft keeps each conversation's positions and attention apart already; drop {given[0]}")
 
 
+DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "dpo_ref", "precompute_ref")
+
+
+def _check_post_training(a: TrainArgs, cfg: ModelConfig) -> None:
+    """--dpo: a causal language model on preference data, with valid β, loss and smoothing, a reference that is
+    known (a run resumed from its own checkpoint needs --dpo-ref), and no other objective; its options need it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(_Settings)}
+    if not a.dpo:
+        given = [_flag(n) for n in DPO_OPTIONS if getattr(a, n) != defaults[n]]
+        if given:
+            raise ArgumentError(f"{given[0]} is for --dpo")
+        return
+    spec = registry.family(cfg.model)
+    if not (spec.causal and spec.data == "tokens"):
+        lms = registry.titles(lambda f: f.causal and f.data == "tokens")
+        raise ArgumentError(f"--dpo is for causal language models ({lms}), not --model {cfg.model}")
+    other = [_flag(n) for n in PACKING_SETTINGS if getattr(a, n)]
+    if other:
+        raise ArgumentError(f"--dpo trains on preference pairs, each sequence apart already; drop {other[0]}")
+    if not a.sft_packing:
+        raise ArgumentError("--no-sft-packing is for --sft (--dpo packs whole pairs)")
+    if a.dpo_loss not in PREFERENCE_LOSSES:
+        raise ArgumentError(f"--dpo-loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {a.dpo_loss!r}")
+    if not finite_number(a.dpo_beta, "--dpo-beta", minimum=None, error=ArgumentError) > 0:
+        raise ArgumentError(f"--dpo-beta must be > 0, got {a.dpo_beta}")
+    if not 0.0 <= finite_number(a.dpo_label_smoothing, "--dpo-label-smoothing", error=ArgumentError) < 0.5:
+        raise ArgumentError(f"--dpo-label-smoothing must be in [0, 0.5), got {a.dpo_label_smoothing}")
+    if a.dpo_label_smoothing and a.dpo_loss != "sigmoid":
+        raise ArgumentError(f"--dpo-label-smoothing is for --dpo-loss sigmoid, not {a.dpo_loss}")
+    if a.dpo_ref is not None:
+        from megakernels_models.training.checkpoint import CheckpointError, find_latest
+
+        hf = os.path.isfile(os.path.join(a.dpo_ref, "config.json"))
+        try:
+            found = os.path.isdir(a.dpo_ref) and (hf or find_latest(a.dpo_ref) is not None)
+        except CheckpointError as e:
+            raise ArgumentError(f"--dpo-ref {a.dpo_ref}: {e}") from None
+        if not found:
+            raise ArgumentError(
+                f"--dpo-ref {a.dpo_ref}: neither a megakernels checkpoint directory nor a HuggingFace model directory "
+                "(config.json)"
+            )
+    elif a.load is not None and not a.load_hf:
+        from megakernels_models.training.checkpoint import find_latest, read_meta
+
+        latest = find_latest(a.load)
+        if latest is not None and (read_meta(latest).get("train_config") or {}).get("dpo"):
+            raise ArgumentError(
+                f"--dpo --load {a.load}: its latest checkpoint {os.path.basename(latest)} was written by a --dpo run, "
+                "so it is not the reference: give --dpo-ref DIR (the weights the run started from)"
+            )
+
+
 def validate(a: TrainArgs, *, check_memory: bool = True, check_outputs: bool = True) -> ModelConfig:
     """Check every argument and their combinations; return the model configuration. Fills in the defaults that
     depend on other settings (``warmup_steps``). With ``check_memory`` (and ``--memory-check``, not for
@@ -790,6 +872,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     _check_schedule(a)
     validate_layout(a, cfg)
     _check_packing(a, cfg)
+    _check_post_training(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("adam_beta1", "adam_beta2"):
