@@ -16,7 +16,9 @@ Settings read with ``getattr(args, NAME, default)`` (the trainer declares them; 
   not chat data, or chat data without ``--sft``, is an ``ArgumentError``;
 - ``dpo``: preference data (``megakernels preprocess --preference``, its ``PREFIX.preference.json``) as
   ``preference.PreferenceDataset``s, whole pairs packed, split by pairs; one prefix (no blend). The same rules:
-  ``--dpo`` needs preference data, and preference data needs ``--dpo``.
+  ``--dpo`` needs preference data, and preference data needs ``--dpo``;
+- ``grpo``: ``--data`` is a JSONL of prompts (``prompts.PromptDataset``, the training "split" all of it; no
+  validation), each of which must leave ``max_completion_tokens`` of the model's ``seq_length``.
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ def validate_data_args(args, cfg=None) -> None:
             f"{cfg.vocab_size} (raise --vocab-size)"
         )
     kind = family(cfg).data
+    if getattr(args, "grpo", False):
+        _validate_prompts(args, cfg, tok)
+        return
     _check_sample_options(args, cfg, tok)
     if kind == "captions":
         _validate_image_data(args, cfg, tok)
@@ -179,6 +184,28 @@ def validate_data_args(args, cfg=None) -> None:
                 f"--data {prefix}: the training split holds {tokens} tokens, fewer than one sample "
                 f"of seq_length + 1 = {cfg.seq_length + 1}"
             )
+
+
+def _prompts(args, tok):
+    from megakernels_models.data.prompts import PromptDataset
+
+    return PromptDataset(args.data, tok, args.seed)
+
+
+def _validate_prompts(args, cfg, tok) -> None:
+    """``--grpo --data FILE.jsonl``: readable prompts that leave room for a completion in a sample."""
+    if args.data is None:
+        raise ArgumentError('--grpo samples completions of prompts: give --data FILE.jsonl ({"prompt": TEXT, ...})')
+    try:
+        ds = _prompts(args, tok)
+    except (ValueError, OSError) as e:
+        raise ArgumentError(str(e)) from None
+    room = cfg.seq_length - args.max_completion_tokens
+    if ds.longest > room:
+        raise ArgumentError(
+            f"--data {args.data}: its longest prompt has {ds.longest} tokens, more than --seq-length "
+            f"{cfg.seq_length} leaves beside --max-completion-tokens {args.max_completion_tokens}"
+        )
 
 
 def _check_sample_options(args, cfg, tok) -> None:
@@ -254,6 +281,8 @@ def build_datasets(args, cfg):
         ValueError: the training split cannot give one sample.
     """
     tok = tokenizer_for(args)
+    if getattr(args, "grpo", False):
+        return _prompts(args, tok), None, None
     split = _split(args)
     kind = family(cfg).data
     if kind == "captions":

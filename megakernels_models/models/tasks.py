@@ -169,9 +169,16 @@ class DPOTask(CausalLMTask):
         ref_c, ref_r = ref[:, 0 : 2 * pairs : 2][valid], ref[:, 1 : 2 * pairs : 2][valid]
         len_c, len_r = counts[:, 0 : 2 * pairs : 2][valid], counts[:, 1 : 2 * pairs : 2][valid]
         losses, ratio_c, ratio_r = dpo_pair_losses(
-            chosen, rejected, ref_c, ref_r, len_c, len_r,
-            beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing,
-        )  # fmt: skip
+            chosen,
+            rejected,
+            ref_c,
+            ref_r,
+            len_c,
+            len_r,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+        )
         scale = norm["pairs"] * mpu.cp_size()
         with torch.no_grad():
             rc, rr = self.beta * ratio_c, self.beta * ratio_r
@@ -205,6 +212,97 @@ class ReferenceTask(Task):
         with torch.no_grad():
             batch["ref_logps"], _ = self.dpo.sequence_logps(model, batch, hidden)
         return torch.zeros((), device=batch["ref_logps"].device)
+
+
+class GRPOTask(CausalLMTask):
+    """Group-relative policy optimisation of a causal language model (``training/grpo.py`` samples the
+    completions): a micro-batch holds whole sequences, prompt then completion then padding (``ids``, ``labels``
+    -100 outside the completion, ``[b, s]``), each completion's group-normalised ``advantages`` ``[b]`` and, when
+    ``beta`` > 0, the reference's per-token log-probabilities ``ref_logps`` ``[b, s]``. The loss is
+    ``ops.post_training.grpo_loss`` on the last hidden states and the LM head (vocab-parallel under tensor
+    parallelism), its aggregation made global: ``grpo`` and ``dr_grpo`` weigh each micro-batch by its share of the
+    global batch's completions, ``bnpo`` by its share of their tokens, ``dapo`` and ``cispo`` divide by the global
+    token count themselves. Logged beside it: the tokens' mean ``kl`` to the reference, ``entropy`` and
+    ``clip_fraction``. One optimisation step per generation: the sampling policy is this one (ratio 1).
+    Pipeline and context parallelism are not supported (the sampler decodes with the whole model on a rank)."""
+
+    metric_names = ("kl", "entropy", "clip_fraction")
+
+    def __init__(
+        self, base: Task, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float | None,
+        max_completion_tokens: int, temperature: float,
+    ):  # fmt: skip
+        super().__init__(base.config, base.model_class)
+        self.base, self.loss_type, self.beta = base, loss_type, float(beta)
+        self.epsilon, self.epsilon_high = float(epsilon), epsilon_high
+        self.max_completion_tokens, self.temperature = int(max_completion_tokens), float(temperature)
+        self._metrics: list[torch.Tensor] = []
+
+    def build_chunk(self, seed: int, **kwargs) -> torch.nn.Module:
+        return self.base.build_chunk(seed, **kwargs)
+
+    def is_frozen(self, name: str, parts: list[str]) -> bool:
+        return self.base.is_frozen(name, parts)
+
+    def normalizers(self, micro, global_batch, device):
+        return {"tokens": count_labels(micro, "labels"), "sequences": float(global_batch)}
+
+    def logprobs(self, model, batch) -> torch.Tensor:
+        """The model's per-token log-probabilities of ``labels`` at the sampling temperature, fp32 ``[b, s]`` (0
+        outside the completions)."""
+        from megakernels.ops.logprobs import linear_logprobs
+
+        return linear_logprobs(
+            self._hidden(model, batch),
+            model.output_weight,
+            batch["labels"],
+            group=mpu.tp_group(),
+            vocab_size=self.config.vocab_size,
+            temperature=self.temperature,
+        )
+
+    @staticmethod
+    def _hidden(model, batch) -> torch.Tensor:
+        """The last hidden states of the whole model, ``[b, s, h]`` (the LM head's input)."""
+        if not (model.pre_process and model.post_process):
+            raise ValueError("GRPOTask: the whole model on each rank (no pipeline parallelism)")
+        return model.encode(batch["ids"]).transpose(0, 1)
+
+    def forward(self, model, batch, hidden, norm):
+        from megakernels.ops.post_training import grpo_loss
+
+        labels = batch["labels"]
+        out = grpo_loss(
+            self._hidden(model, batch),
+            model.output_weight,
+            labels,
+            batch["advantages"],
+            ref_logps=batch.get("ref_logps"),
+            loss_type=self.loss_type,
+            beta=self.beta,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            max_completion_length=self.max_completion_tokens,
+            num_items_in_batch=norm["tokens"],
+            temperature=self.temperature,
+            group=mpu.tp_group(),
+            vocab_size=self.config.vocab_size,
+        )
+        tokens = (labels != -100).sum().float()
+        if self.loss_type in ("grpo", "dr_grpo"):
+            share = out.loss * (labels.shape[0] / norm["sequences"])
+        elif self.loss_type == "bnpo":
+            share = out.loss * (tokens / norm["tokens"])
+        else:
+            share = out.loss
+        self._metrics.append(torch.stack([out.kl, out.entropy, out.clip_fraction]).float() * (tokens / norm["tokens"]))
+        return share
+
+    def take_metrics(self):
+        if not self._metrics:
+            return None
+        out, self._metrics = torch.stack(self._metrics).sum(0), []
+        return out
 
 
 def pair_counts(documents: torch.Tensor) -> torch.Tensor:

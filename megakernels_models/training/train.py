@@ -54,7 +54,7 @@ from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.models.config import ModelConfig, stage_layers, stage_times
 from megakernels_models.models.registry import task_for
-from megakernels_models.models.tasks import DPOTask, Task
+from megakernels_models.models.tasks import DPOTask, GRPOTask, Task
 from megakernels_models.planning import dryrun
 from megakernels_models.training import checkpoint, syncpoints
 from megakernels_models.training.checkpoint_store import step_name
@@ -209,6 +209,16 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
         task = task_for(cfg)
         if args.dpo:
             task = DPOTask(task, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing)
+        elif args.grpo:
+            task = GRPOTask(
+                task,
+                loss_type=args.grpo_loss,
+                beta=args.grpo_beta,
+                epsilon=args.grpo_epsilon,
+                epsilon_high=args.grpo_epsilon_high,
+                max_completion_tokens=args.max_completion_tokens,
+                temperature=args.temperature,
+            )
         return _train(task, args)
     finally:
         mpu.destroy()
@@ -302,6 +312,10 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
             run_batch, (train_ds, valid_ds) = dpo.make_step(
                 task, run_batch, args, device, start_path, (train_ds, valid_ds), PipelineStep, build_model_chunks
             )
+        elif args.grpo:  # sampling, rewards and advantages before the policy's step (training/grpo.py)
+            from megakernels_models.training import grpo
+
+            run_batch = grpo.make_step(task, run_batch, args, device, start_path, build_model_chunks)
         config = resolved(args, cfg)
         log = TrainLogger(
             log_rank,
