@@ -1,9 +1,9 @@
 """``megakernels train --dpo``: the first step's loss and logged rewards are the DPO of the policy and reference
 models computed here from their full fp64 log-softmax (sigmoid with label smoothing, IPO, hinge); the reference's
 sums precomputed once give the same curve as computed in each step; and every layout's curve equals the single
-process's (tensor and sequence parallelism, 1F1B, zb-v and interleaved pipelines, ZeRO-1, FSDP2, context
-parallelism), each world size one spawned world that trains its layouts in turn. Bad combinations are refused
-naming the flag."""
+process's (tensor and sequence parallelism, 1F1B, zb-h1, zb-v and interleaved pipelines, ZeRO-1 and its offload,
+FSDP2, context parallelism), each world size one spawned world that trains its layouts in turn. Bad combinations
+are refused naming the flag."""
 
 from __future__ import annotations
 
@@ -51,7 +51,9 @@ LAYOUTS = {
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2": (2, dict(pp=2)),
     "pp2-zb-v": (2, dict(pp=2, schedule="zb-v")),
+    "pp2-zb-h1": (2, dict(pp=2, schedule="zb-h1")),
     "dp2-zero1": (2, dict(distributed_optimizer=True)),
+    "dp2-zero1-offload": (2, dict(distributed_optimizer=True, offload_optimizer=True)),
     "cp2": (2, dict(cp=2)),
     "fsdp2": (2, dict(fsdp=True)),
     "dp2-precompute": (2, dict(precompute_ref=True)),
