@@ -824,6 +824,16 @@ def _check_grpo(a: TrainArgs, cfg: ModelConfig) -> None:
             f"{per_rank} completions (--global-batch-size {a.global_batch_size} over dp {a.data_parallel_size()})"
         )
     finite_number(a.grpo_beta, "--grpo-beta", error=ArgumentError)
+    if a.grpo_beta > 0 and a.load is not None:
+        from megakernels_models.training.checkpoint import find_latest, read_meta
+
+        latest = find_latest(a.load)
+        if latest is not None and (read_meta(latest).get("train_config") or {}).get("grpo"):
+            raise ArgumentError(
+                f"--grpo --grpo-beta {a.grpo_beta} --load {a.load}: its latest checkpoint "
+                f"{os.path.basename(latest)} was written by a --grpo run, so it is not the reference (the initial "
+                "policy): a resumed run with a KL term is not supported (resume with --grpo-beta 0)"
+            )
     for name in ("grpo_epsilon", "grpo_epsilon_high", "temperature"):
         value = getattr(a, name)
         if value is not None and not finite_number(value, _flag(name), minimum=None, error=ArgumentError) > 0:

@@ -3,7 +3,7 @@ offline, called as TRL calls a reward function: ``f(prompts=[...], completions=[
 completion in each list (``fields``: the prompt file's other keys), returning one float a completion.
 
 The embedded example task, ``arithmetic``, scores answers to single-digit sums (``examples/data/arithmetic.jsonl``,
-``write_arithmetic``): a tiny model trained from scratch learns first to answer with a digit, then the right one.
+``write_arithmetic``), on which a tiny model trained from scratch learns to answer.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import json
 
 
 def arithmetic(prompts: list[str], completions: list[str], answer: list[str], **fields) -> list[float]:
-    """1 for a completion that is the right ``answer`` (surrounding whitespace ignored), 0.5 for one that starts
-    with it, 0.1 for one that starts with another digit, else 0.
+    """1 for a completion that starts with the right ``answer`` (leading whitespace ignored), else 0: no credit
+    for a wrong digit, so a group whose completions are all wrong has no advantage to follow (partial credit for
+    any digit would draw the policy onto one digit before it tells the sums apart).
 
     Raises:
         ValueError: lists of different lengths.
@@ -22,18 +23,7 @@ def arithmetic(prompts: list[str], completions: list[str], answer: list[str], **
         raise ValueError(
             f"arithmetic: {len(prompts)} prompts, {len(completions)} completions and {len(answer)} answers"
         )
-    out = []
-    for text, want in zip(completions, answer):
-        got = text.strip()
-        if got == want:
-            out.append(1.0)
-        elif got.startswith(want):
-            out.append(0.5)
-        elif got[:1].isdigit():
-            out.append(0.1)
-        else:
-            out.append(0.0)
-    return out
+    return [1.0 if text.lstrip().startswith(want) else 0.0 for text, want in zip(completions, answer)]
 
 
 def write_arithmetic(path: str) -> int:

@@ -160,8 +160,8 @@ def test_layouts_match_single_process(prompts, single):
 
 
 def test_the_example_reward():
-    got = arithmetic(["3+4="] * 5, ["7", " 7\n", "72", "5", "x"], ["7"] * 5)
-    assert got == [1.0, 1.0, 0.5, 0.1, 0.0]
+    got = arithmetic(["3+4="] * 5, ["7", " 7\n", "72", "5", "x7"], ["7"] * 5)
+    assert got == [1.0, 1.0, 1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="2 prompts, 1 completions and 2 answers"):
         arithmetic(["a", "b"], ["c"], ["d", "e"])
 
@@ -197,3 +197,13 @@ def test_bad_prompts_name_the_line(tmp_path):
         validate(_args(str(path)))
     with pytest.raises(ArgumentError, match="no such file"):
         validate(_args(os.path.join(str(tmp_path), "none.jsonl")))
+
+
+def test_a_grpo_checkpoint_is_not_taken_for_the_reference(prompts, tmp_path):
+    from megakernels_models.training.train import train
+
+    with single_process_world():
+        train(_args(prompts, steps=1, grpo_beta=0.0, save=str(tmp_path / "ckpt")))
+    with pytest.raises(ArgumentError, match="written by a --grpo run, so it is not the reference"):
+        validate(_args(prompts, load=str(tmp_path / "ckpt")))
+    validate(_args(prompts, load=str(tmp_path / "ckpt"), grpo_beta=0.0))  # without the KL term it resumes
