@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -27,14 +26,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LOSSES = ("dpo", "orpo", "simpo", "cpo", "kto", "grpo", "distill")
 SEQ = 512
-
-
-def _vm(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def _inputs(loss: str, t: int, h: int, v: int, dtype):
@@ -117,18 +108,18 @@ def _one(spec: dict) -> dict:
     """One point, in this (fresh) process: ``{"ms", "peak_mib"}``."""
     import torch
 
+    from megakernels.bench.common import proc_status_bytes, reset_peak_rss
+
     torch.set_num_threads(spec["threads"])
     dtype = getattr(torch, spec["dtype"])
     fn = _fused if spec["impl"] == "fused" else _full
 
     def step(t):
         hidden, weight, target, x = _inputs(spec["loss"], t, spec["hidden"], spec["vocab"], dtype)
-        base = _vm("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        base = reset_peak_rss()
         t0 = time.perf_counter()
         fn(spec["loss"], hidden, weight, target, x).backward()
-        return (time.perf_counter() - t0) * 1e3, (_vm("VmHWM") - base) / 2**20
+        return (time.perf_counter() - t0) * 1e3, (proc_status_bytes("VmHWM") - base) / 2**20
 
     step(SEQ * 2)
     ms, peak = step(spec["tokens"])
@@ -157,7 +148,7 @@ def main(argv=None) -> int:
     bad = [x for x in losses if x not in LOSSES]
     if bad:
         p.error(f"--losses: unknown {bad}; choose from {', '.join(LOSSES)}")
-    from megakernels.bench.common import machine, machine_line, write_json
+    from megakernels.bench.common import machine, machine_line, run_point, write_json
 
     info, load0, rows = machine("cpu"), _load(), []
     print(machine_line(info))
@@ -169,15 +160,7 @@ def main(argv=None) -> int:
         for impl in ("fused", "full"):
             spec = dict(vars(args), loss=loss, impl=impl)
             spec.pop("point"), spec.pop("out"), spec.pop("losses")
-            r = subprocess.run(
-                [sys.executable, "-m", "benchmarks.post_training_losses", "--point", json.dumps(spec)],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-            )
-            got[impl] = (
-                json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-500:]}
-            )
+            got[impl] = run_point("benchmarks.post_training_losses", spec, ROOT)
         row = {"loss": loss, **{f"{k}_{i}": v for i, d in got.items() for k, v in d.items()}}
         rows.append(row)
         if "ms_fused" in row and "ms_full" in row:

@@ -16,6 +16,7 @@ import torch
 
 from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.ops.fp8 import RECIPES
+from megakernels.ops.post_training import GRPO_LOSSES, PREFERENCE_LOSSES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
 from megakernels.parallel.pipeline.schedules import TRAINER_SCHEDULES, ZERO_BUBBLE
 from megakernels.precisions import DTYPES, PRECISIONS
@@ -34,12 +35,13 @@ DEVICES = ("cpu", "cuda")
 DEFAULT_TIMEOUT_S = 600.0
 SIZES = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size", "num_kv_heads")
 
-MODEL, MOE, LAYOUT, OPTIM, DATA, LOGS = (
+MODEL, MOE, LAYOUT, OPTIM, DATA, POST, LOGS = (
     "model",
     "mixture of experts",
     "layout",
     "optimisation",
     "data",
+    "post-training",
     "checkpoints, evaluation and logs",
 )
 MOE_FIELDS = (
@@ -307,6 +309,61 @@ class _Settings:
         DATA,
         flag="--no-sft-packing",
     )
+    # post-training: preference optimisation (DPO) and reinforcement learning (GRPO)
+    dpo: bool = setting(
+        False,
+        "direct preference optimisation on --data made by 'megakernels preprocess --preference': the policy "
+        "against a frozen reference (--dpo-ref, default the policy's initial weights)",
+        POST,
+    )
+    dpo_beta: float = setting(0.1, "--dpo: β, the strength of the pull towards the reference", POST)
+    dpo_loss: str = setting("sigmoid", "--dpo: the loss of each pair's reward margin", POST, choices=PREFERENCE_LOSSES)
+    dpo_label_smoothing: float = setting(
+        0.0,
+        "--dpo --dpo-loss sigmoid: the assumed share ε of flipped preferences (conservative DPO), in [0, 0.5)",
+        POST,
+    )
+    dpo_ref: str | None = setting(
+        None,
+        "--dpo: the reference model, a megakernels checkpoint directory or a HuggingFace model directory "
+        "(default: the weights the run starts from: --load-hf's, --load's, or the seed's)",
+        POST,
+        metavar="DIR",
+    )
+    precompute_ref: bool = setting(
+        False,
+        "--dpo: the reference's log-probabilities computed once over the data before training, and the "
+        "reference freed (default: computed in each step, the reference kept)",
+        POST,
+    )
+    grpo: bool = setting(
+        False,
+        'group-relative policy optimisation: prompts from --data FILE.jsonl ({"prompt": TEXT, ...}), '
+        "--grpo-group-size completions of each sampled with the KV cache, scored by --reward; "
+        "--global-batch-size counts completions",
+        POST,
+    )
+    reward: str | None = setting(
+        None,
+        "--grpo: the reward, MODULE:FUNCTION called as TRL calls one: f(prompts=[...], completions=[...], "
+        "completion_ids=[...], **the prompts' other fields) -> one float a completion",
+        POST,
+        metavar="MODULE:FUNCTION",
+    )
+    grpo_group_size: int = setting(8, "--grpo: completions sampled per prompt (its advantages' group)", POST)
+    grpo_beta: float = setting(
+        0.0, "--grpo: weight of the KL to the reference (the initial policy, kept frozen when > 0)", POST
+    )
+    grpo_loss: str = setting("grpo", "--grpo: the loss's aggregation (TRL's loss_type)", POST, choices=GRPO_LOSSES)
+    grpo_epsilon: float = setting(0.2, "--grpo: the ratio's clipping range below 1 (TRL's epsilon)", POST)
+    grpo_epsilon_high: float | None = setting(
+        None,
+        "--grpo: the clipping range above 1 (default --grpo-epsilon; DAPO uses 0.28); cispo: the ratio's cap "
+        "(TRL's epsilon_high: 5 recommended there)",
+        POST,
+    )
+    max_completion_tokens: int = setting(32, "--grpo: tokens sampled per completion at most", POST)
+    temperature: float = setting(1.0, "--grpo: the sampling temperature (the log-probabilities use it too)", POST)
     # checkpoints, evaluation, logs
     save: str | None = setting(None, "save checkpoints here (atomic, DCP)", LOGS, metavar="DIR")
     save_interval: int | None = setting(None, "steps between checkpoints (default: only at the end)", LOGS)
@@ -710,6 +767,129 @@ def _check_packing(a: TrainArgs, cfg: ModelConfig) -> None:
         raise ArgumentError(f"--sft keeps each conversation's positions and attention apart already; drop {given[0]}")
 
 
+DPO_OPTIONS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "dpo_ref", "precompute_ref")
+GRPO_OPTIONS = (
+    "reward", "grpo_group_size", "grpo_beta", "grpo_loss", "grpo_epsilon", "grpo_epsilon_high",
+    "max_completion_tokens", "temperature",
+)  # fmt: skip
+
+
+def _check_grpo(a: TrainArgs, cfg: ModelConfig) -> None:
+    """--grpo: a text-generating causal language model whole on each rank (tp and dp only), a reward that imports,
+    groups that split the global batch over the data-parallel ranks, and valid sampling and loss settings."""
+    defaults = {f.name: f.default for f in dataclasses.fields(_Settings)}
+    if not a.grpo:
+        given = [_flag(n) for n in GRPO_OPTIONS if getattr(a, n) != defaults[n]]
+        if given:
+            raise ArgumentError(f"{given[0]} is for --grpo")
+        return
+    spec = registry.family(cfg.model)
+    if not spec.text_generation:
+        lms = registry.titles(lambda f: f.text_generation)
+        raise ArgumentError(f"--grpo samples text: it is for causal language models ({lms}), not --model {cfg.model}")
+    other = [_flag(n) for n in (*PACKING_SETTINGS, "dpo") if getattr(a, n)]
+    if other:
+        raise ArgumentError(f"--grpo is its own objective: drop {other[0]}")
+    for name, bad in (
+        ("pp", a.pp > 1),
+        ("cp", a.cp > 1),
+        ("ep", a.ep > 1),
+        ("vpp", (a.vpp or 1) > 1),
+    ):
+        if bad:
+            raise ArgumentError(
+                f"--grpo samples with the whole model on each rank (tensor and data parallelism only): "
+                f"{_flag(name)} {getattr(a, name)} is not supported"
+            )
+    if a.sequence_parallel:
+        raise ArgumentError("--grpo decodes one token at a time, which --sequence-parallel cannot split: drop it")
+    if a.zero_stage() >= 2:
+        raise ArgumentError("--grpo: FSDP (--fsdp / --zero 2) is not supported; use --distributed-optimizer (ZeRO-1)")
+    if a.reward is None:
+        raise ArgumentError("--grpo needs --reward MODULE:FUNCTION (the function that scores each completion)")
+    from megakernels_models.training.grpo import load_reward
+
+    try:
+        load_reward(a.reward)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if a.grpo_loss not in GRPO_LOSSES:
+        raise ArgumentError(f"--grpo-loss must be one of {', '.join(GRPO_LOSSES)}, got {a.grpo_loss!r}")
+    positive_int(a.grpo_group_size, "--grpo-group-size", minimum=2, error=ArgumentError)
+    positive_int(a.max_completion_tokens, "--max-completion-tokens", error=ArgumentError)
+    per_rank = a.global_batch_size // a.data_parallel_size()
+    if per_rank % a.grpo_group_size:
+        raise ArgumentError(
+            f"--grpo-group-size {a.grpo_group_size} must divide each data-parallel rank's "
+            f"{per_rank} completions (--global-batch-size {a.global_batch_size} over dp {a.data_parallel_size()})"
+        )
+    finite_number(a.grpo_beta, "--grpo-beta", error=ArgumentError)
+    if a.grpo_beta > 0 and a.load is not None:
+        from megakernels_models.training.checkpoint import find_latest, read_meta
+
+        latest = find_latest(a.load)
+        if latest is not None and (read_meta(latest).get("train_config") or {}).get("grpo"):
+            raise ArgumentError(
+                f"--grpo --grpo-beta {a.grpo_beta} --load {a.load}: its latest checkpoint "
+                f"{os.path.basename(latest)} was written by a --grpo run, so it is not the reference (the initial "
+                "policy): a resumed run with a KL term is not supported (resume with --grpo-beta 0)"
+            )
+    for name in ("grpo_epsilon", "grpo_epsilon_high", "temperature"):
+        value = getattr(a, name)
+        if value is not None and not finite_number(value, _flag(name), minimum=None, error=ArgumentError) > 0:
+            raise ArgumentError(f"{_flag(name)} must be > 0, got {value}")
+
+
+def _check_post_training(a: TrainArgs, cfg: ModelConfig) -> None:
+    """--dpo: a causal language model on preference data, with valid β, loss and smoothing, a reference that is
+    known (a run resumed from its own checkpoint needs --dpo-ref), and no other objective; its options need it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(_Settings)}
+    if not a.dpo:
+        given = [_flag(n) for n in DPO_OPTIONS if getattr(a, n) != defaults[n]]
+        if given:
+            raise ArgumentError(f"{given[0]} is for --dpo")
+        return
+    spec = registry.family(cfg.model)
+    if not (spec.causal and spec.data == "tokens"):
+        lms = registry.titles(lambda f: f.causal and f.data == "tokens")
+        raise ArgumentError(f"--dpo is for causal language models ({lms}), not --model {cfg.model}")
+    other = [_flag(n) for n in PACKING_SETTINGS if getattr(a, n)]
+    if other:
+        raise ArgumentError(f"--dpo trains on preference pairs, each sequence apart already; drop {other[0]}")
+    if not a.sft_packing:
+        raise ArgumentError("--no-sft-packing is for --sft (--dpo packs whole pairs)")
+    if a.dpo_loss not in PREFERENCE_LOSSES:
+        raise ArgumentError(f"--dpo-loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {a.dpo_loss!r}")
+    if not finite_number(a.dpo_beta, "--dpo-beta", minimum=None, error=ArgumentError) > 0:
+        raise ArgumentError(f"--dpo-beta must be > 0, got {a.dpo_beta}")
+    if not 0.0 <= finite_number(a.dpo_label_smoothing, "--dpo-label-smoothing", error=ArgumentError) < 0.5:
+        raise ArgumentError(f"--dpo-label-smoothing must be in [0, 0.5), got {a.dpo_label_smoothing}")
+    if a.dpo_label_smoothing and a.dpo_loss != "sigmoid":
+        raise ArgumentError(f"--dpo-label-smoothing is for --dpo-loss sigmoid, not {a.dpo_loss}")
+    if a.dpo_ref is not None:
+        from megakernels_models.training.checkpoint import CheckpointError, find_latest
+
+        hf = os.path.isfile(os.path.join(a.dpo_ref, "config.json"))
+        try:
+            found = os.path.isdir(a.dpo_ref) and (hf or find_latest(a.dpo_ref) is not None)
+        except CheckpointError as e:
+            raise ArgumentError(f"--dpo-ref {a.dpo_ref}: {e}") from None
+        if not found:
+            raise ArgumentError(
+                f"--dpo-ref {a.dpo_ref}: neither a megakernels checkpoint directory nor a HuggingFace model directory "
+                "(config.json)"
+            )
+    elif a.load is not None and not a.load_hf:
+        from megakernels_models.training.checkpoint import find_latest, read_meta
+
+        latest = find_latest(a.load)
+        if latest is not None and (read_meta(latest).get("train_config") or {}).get("dpo"):
+            raise ArgumentError(
+                f"--dpo --load {a.load}: its latest checkpoint {os.path.basename(latest)} was written by a --dpo run, "
+                "so it is not the reference: give --dpo-ref DIR (the weights the run started from)"
+            )
+
+
 def validate(a: TrainArgs, *, check_memory: bool = True, check_outputs: bool = True) -> ModelConfig:
     """Check every argument and their combinations; return the model configuration. Fills in the defaults that
     depend on other settings (``warmup_steps``). With ``check_memory`` (and ``--memory-check``, not for
@@ -790,6 +970,8 @@ def _validate(a: TrainArgs) -> ModelConfig:
     _check_schedule(a)
     validate_layout(a, cfg)
     _check_packing(a, cfg)
+    _check_post_training(a, cfg)
+    _check_grpo(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("adam_beta1", "adam_beta2"):

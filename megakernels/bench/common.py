@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -364,6 +365,40 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> str | None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+# ---- peak resident memory of one step, each in a fresh process (the CPU benchmarks' method) ---------------------
+
+
+def proc_status_bytes(key: str) -> int:
+    """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes.
+
+    Raises:
+        RuntimeError: no such field.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident memory (``VmHWM``) to the current one; returns that (bytes)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status_bytes("VmRSS")
+
+
+def run_point(module: str, spec: dict, cwd: str) -> dict:
+    """``python -m module --point JSON(spec)`` in a fresh process (from ``cwd``): the JSON object its last line
+    prints, or ``{"error": the end of its stderr}`` when it fails."""
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--point", json.dumps(spec)], cwd=cwd, capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        return {"error": r.stderr[-800:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ---- pytest-benchmark suites -----------------------------------------------------------------------------------

@@ -10,11 +10,14 @@ TRL's trainers give every model they train (and their reference models) a fused 
 (``trl.trainer.utils.add_fused_lm_head``): the forward, called with ``fused_lm_head=True``, returns per-token
 log-probabilities (and entropy, top-1 flags, ... as the trainer asks) without the ``[tokens, vocab]`` logits. While
 :func:`patch_trl` is active, that function still installs TRL's head, and over it a forward that serves those calls
-with ``megakernels.ops.linear_cross_entropy`` (the log-probabilities and the loss) and, for the other statistics a
-trainer asks for, one more chunked pass over the head through ``megakernels.ops.gemm`` (the entropy with its
-gradient). Whatever that forward cannot serve exactly goes to TRL's head: calls without ``fused_lm_head``, a head
-wrapped by PEFT or sharded (DTensor), ``cast_lm_head_to_fp32``, soft-capped or scaled logits, MoE models (TRL adds
-their router loss), a model type megakernels does not know.
+with megakernels' chunked ops: ``megakernels.ops.linear_cross_entropy`` the log-probabilities alone (a reference
+model's) and the loss; ``megakernels.ops.linear_logprobs`` log-probabilities and entropies together in one fused op
+(each chunk's logits once forward and once backward: what GRPO's and RLOO's policies ask for); and for the other
+statistics a trainer asks for (SFT's and DPO's metrics) ``linear_cross_entropy`` and one more chunked pass over the
+head through ``megakernels.ops.gemm`` (the entropy with its gradient). Whatever that forward cannot serve exactly
+goes to TRL's head: calls without ``fused_lm_head``, a head wrapped by PEFT or sharded (DTensor),
+``cast_lm_head_to_fp32``, soft-capped or scaled logits, MoE models (TRL adds their router loss), a model type
+megakernels does not know.
 
 TRL is optional: importing this module does not import it; :func:`patch_trl` does.
 """
@@ -181,8 +184,14 @@ def fused_lm_head_forward(self, *args, _trl_forward, _temperature: float, _outpu
     rows, ids = hidden[mask], target[mask]  # only the scored positions go through the head
     off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
     with off:
-        picked = -ops.linear_cross_entropy(rows, weight, ids, bias=bias)
-        stats = dict(zip(SERVED_OUTPUTS[1:], head_statistics(rows, weight, bias, ids)))
+        if set(_outputs) == {"log_probs"}:  # a reference model
+            picked, stats = -ops.linear_cross_entropy(rows, weight, ids, bias=bias), {}
+        elif set(_outputs) == {"log_probs", "entropy"}:  # GRPO's and RLOO's policy: one fused op for both
+            picked, entropy = ops.linear_logprobs(rows, weight, ids, bias=bias, entropy=True)
+            stats = {"entropy": entropy}
+        else:
+            picked = -ops.linear_cross_entropy(rows, weight, ids, bias=bias)
+            stats = dict(zip(SERVED_OUTPUTS[1:], head_statistics(rows, weight, bias, ids)))
     fields = {"log_probs": picked}
     fields.update({k: v for k, v in stats.items() if k in _outputs})
     # back to the label positions; masked_scatter keeps an all-masked batch differentiable (a zero)

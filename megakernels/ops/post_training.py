@@ -160,24 +160,53 @@ def dpo_loss(
         sequences, a ``ref_logps`` of the wrong shape; and what ``linear_logprobs`` raises.
     """
     op = "dpo_loss"
-    if loss_type not in PREFERENCE_LOSSES:
-        raise ValueError(f"{op}: loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {loss_type!r}")
-    beta, eps = _beta(op, beta), _label_smoothing(op, label_smoothing)
+    check_dpo(op, beta, loss_type, label_smoothing)
     seq, n = _sequence_ids(op, target, sequences)
     logp, mask = _head(hidden, weight, target, head, op)
     sums, counts = sequence_sums(logp, seq, n, mask)
     chosen, rejected = _pairs(op, sums)
     ref_c, ref_r = _reference(op, ref_logps, n, sums.device)
-    ratio_c, ratio_r = chosen - ref_c, rejected - ref_r
+    len_c, len_r = counts.chunk(2)
+    losses, ratio_c, ratio_r = dpo_pair_losses(
+        chosen, rejected, ref_c, ref_r, len_c, len_r, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
+    )
+    return PreferenceLoss(losses.mean(), beta * ratio_c.detach(), beta * ratio_r.detach(), chosen, rejected)
+
+
+def check_dpo(op: str, beta, loss_type: str, label_smoothing) -> tuple[float, float]:
+    """``(beta, label_smoothing)`` checked for DPO (``op`` names the caller in the message).
+
+    Raises:
+        ValueError: an unknown ``loss_type``, a ``beta`` ≤ 0, ``label_smoothing`` outside [0, 0.5).
+    """
+    if loss_type not in PREFERENCE_LOSSES:
+        raise ValueError(f"{op}: loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {loss_type!r}")
+    return _beta(op, beta), _label_smoothing(op, label_smoothing)
+
+
+def dpo_pair_losses(
+    chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, *, beta, loss_type, label_smoothing
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO's per-pair losses (``dpo_loss``'s formulas) from the sequences' summed log-probabilities: the policy's
+    ``chosen`` and ``rejected``, the reference's ``ref_chosen`` and ``ref_rejected`` and the completions' token
+    counts (IPO averages over them), all ``[B]`` fp32. Returns ``(losses, chosen log-ratios, rejected
+    log-ratios)``, each ``[B]``: what a trainer that computes the sums itself (``megakernels train --dpo``) needs.
+
+    Raises:
+        ValueError: as ``check_dpo``.
+    """
+    beta, eps = check_dpo("dpo_pair_losses", beta, loss_type, label_smoothing)
+    ratio_c, ratio_r = chosen - ref_chosen, rejected - ref_rejected
     delta = ratio_c - ratio_r
     if loss_type == "sigmoid":
         losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * delta)
     else:
-        len_c, len_r = counts.clamp(min=1.0).chunk(2)
-        losses = (ratio_c / len_c - ratio_r / len_r - 1 / (2 * beta)) ** 2
-    return PreferenceLoss(losses.mean(), beta * ratio_c.detach(), beta * ratio_r.detach(), chosen, rejected)
+        losses = (
+            ratio_c / chosen_tokens.clamp(min=1.0) - ratio_r / rejected_tokens.clamp(min=1.0) - 1 / (2 * beta)
+        ) ** 2
+    return losses, ratio_c, ratio_r
 
 
 def orpo_loss(hidden, weight, target, *, beta=0.1, sequences=None, **head) -> PreferenceLoss:

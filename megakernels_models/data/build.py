@@ -13,7 +13,12 @@ Settings read with ``getattr(args, NAME, default)`` (the trainer declares them; 
 - ``sft``: chat data (``megakernels preprocess --chat``, recognised by its ``PREFIX.chat.json``) as
   ``sft.SFTDataset``s, packed unless ``sft_packing`` is False; their samples always carry ``positions`` and
   ``documents`` (the document options above are for GPT samples). ``--sft`` without ``--data``, with data that is
-  not chat data, or chat data without ``--sft``, is an ``ArgumentError``.
+  not chat data, or chat data without ``--sft``, is an ``ArgumentError``;
+- ``dpo``: preference data (``megakernels preprocess --preference``, its ``PREFIX.preference.json``) as
+  ``preference.PreferenceDataset``s, whole pairs packed, split by pairs; one prefix (no blend). The same rules:
+  ``--dpo`` needs preference data, and preference data needs ``--dpo``;
+- ``grpo``: ``--data`` is a JSONL of prompts (``prompts.PromptDataset``, the training "split" all of it; no
+  validation), each of which must leave ``max_completion_tokens`` of the model's ``seq_length``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from megakernels_models.data.corpus import stdlib_prefix
 from megakernels_models.data.datasets import BertDataset, GPTDataset, split_documents
 from megakernels_models.data.images import CaptionDataset, ImageTextIndexed, is_image_text
 from megakernels_models.data.indexed import IndexedDataset, paths
+from megakernels_models.data.preference import PreferenceDataset, PreferenceIndexed, is_preference
 from megakernels_models.data.sft import SFTDataset
 from megakernels_models.data.shapes import ShapesSource
 from megakernels_models.data.tokenizer import build_tokenizer
@@ -105,6 +111,9 @@ def validate_data_args(args, cfg=None) -> None:
             f"{cfg.vocab_size} (raise --vocab-size)"
         )
     kind = family(cfg).data
+    if getattr(args, "grpo", False):
+        _validate_prompts(args, cfg, tok)
+        return
     _check_sample_options(args, cfg, tok)
     if kind == "captions":
         _validate_image_data(args, cfg, tok)
@@ -118,10 +127,17 @@ def validate_data_args(args, cfg=None) -> None:
     if args.eval_interval and split[1] == 0:
         raise ArgumentError("--eval-interval needs a validation split (the middle number of --split is 0)")
     sft = bool(getattr(args, "sft", False))
+    dpo = bool(getattr(args, "dpo", False))
     if sft and args.data is None:
         raise ArgumentError(
             "--sft trains on chat data: give --data PREFIX made by megakernels preprocess --chat FILE.jsonl "
             "--tokenizer DIR --output PREFIX"
+        )
+    if dpo and (args.data is None or len(_blend(args)) > 1):
+        raise ArgumentError(
+            "--dpo trains on one preference dataset: give --data PREFIX made by megakernels preprocess "
+            "--preference FILE.jsonl --tokenizer DIR --output PREFIX"
+            + (f" (not a blend: {args.data})" if args.data is not None else "")
         )
     if args.data is None:
         if tok.name != "byte":
@@ -143,8 +159,14 @@ def validate_data_args(args, cfg=None) -> None:
                     f"--data {prefix}: cannot read {p} ({e.strerror}); make it with megakernels "
                     f"preprocess --output-prefix {prefix}"
                 ) from None
-        _check_chat(prefix, sft)
-        ds = _open_data(ChatIndexed if sft else IndexedDataset, prefix, args, tok)
+        _check_chat(prefix, sft, dpo)
+        ds = _open_data(_reader(sft, dpo), prefix, args, tok)
+        if dpo:
+            if not split_documents(ds.pairs, split)[0]:
+                raise ArgumentError(
+                    f"--data {prefix}: its {ds.pairs} pairs leave no training pairs with --split {args.split}"
+                )
+            continue
         train = split_documents(ds.doc_count, split)[0]
         if not train:
             raise ArgumentError(
@@ -164,6 +186,28 @@ def validate_data_args(args, cfg=None) -> None:
             )
 
 
+def _prompts(args, tok):
+    from megakernels_models.data.prompts import PromptDataset
+
+    return PromptDataset(args.data, tok, args.seed)
+
+
+def _validate_prompts(args, cfg, tok) -> None:
+    """``--grpo --data FILE.jsonl``: readable prompts that leave room for a completion in a sample."""
+    if args.data is None:
+        raise ArgumentError('--grpo samples completions of prompts: give --data FILE.jsonl ({"prompt": TEXT, ...})')
+    try:
+        ds = _prompts(args, tok)
+    except (ValueError, OSError) as e:
+        raise ArgumentError(str(e)) from None
+    room = cfg.seq_length - args.max_completion_tokens
+    if ds.longest > room:
+        raise ArgumentError(
+            f"--data {args.data}: its longest prompt has {ds.longest} tokens, more than --seq-length "
+            f"{cfg.seq_length} leaves beside --max-completion-tokens {args.max_completion_tokens}"
+        )
+
+
 def _check_sample_options(args, cfg, tok) -> None:
     """Document options and ``--sft`` need a causal (``tokens``) family; document options need an EOD token."""
     options = document_options(args)
@@ -180,8 +224,24 @@ def _check_sample_options(args, cfg, tok) -> None:
             raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
 
 
-def _check_chat(prefix: str, sft: bool) -> None:
-    """Chat data goes with ``--sft`` and only with it."""
+def _reader(sft: bool, dpo: bool):
+    return ChatIndexed if sft else PreferenceIndexed if dpo else IndexedDataset
+
+
+def _check_chat(prefix: str, sft: bool, dpo: bool = False) -> None:
+    """Chat data goes with ``--sft`` and only with it, preference data with ``--dpo``."""
+    pairs = is_preference(prefix)
+    if dpo and not pairs:
+        raise ArgumentError(
+            f"--dpo: --data {prefix} is not preference data (no {prefix}.preference.json); make it with megakernels "
+            f"preprocess --preference FILE.jsonl --tokenizer DIR --output {prefix}"
+        )
+    if pairs and not dpo:
+        raise ArgumentError(
+            f"--data {prefix} holds preference pairs (megakernels preprocess --preference): train it with --dpo"
+        )
+    if dpo:
+        return
     chat = is_chat(prefix)
     if sft and not chat:
         raise ArgumentError(
@@ -221,6 +281,8 @@ def build_datasets(args, cfg):
         ValueError: the training split cannot give one sample.
     """
     tok = tokenizer_for(args)
+    if getattr(args, "grpo", False):
+        return _prompts(args, tok), None, None
     split = _split(args)
     kind = family(cfg).data
     if kind == "captions":
@@ -232,25 +294,28 @@ def build_datasets(args, cfg):
         except ValueError as e:
             raise ArgumentError(f"--tokenizer {args.tokenizer}: {e}") from None
     sft = bool(getattr(args, "sft", False)) and kind == "tokens"
-    if sft:
+    dpo = bool(getattr(args, "dpo", False)) and kind == "tokens"
+    if sft or dpo:
         pad = tok.pad if tok.has("pad") else tok.eod if tok.has("eod") else 0
         packed = bool(getattr(args, "sft_packing", True))
     blend = []
     for w, p in _blend(args):
         if kind == "tokens":
-            _check_chat(p, sft)
-        blend.append((w, ChatIndexed(p) if sft else IndexedDataset(p)))
+            _check_chat(p, sft, dpo)
+        blend.append((w, _reader(sft, dpo)(p)))
     wanted = [args.steps * args.global_batch_size] + [args.eval_steps * args.global_batch_size] * 2
     out = []
     for i in range(3):
         weights, parts = [], []
         for w, data in blend:
-            docs = split_documents(data.doc_count, split)[i]
+            docs = split_documents(data.pairs if dpo else data.doc_count, split)[i]
             if not docs:
                 continue
             seed = args.seed + 1000 * i
             try:
-                if sft:
+                if dpo:
+                    ds = PreferenceDataset(data, cfg.seq_length, seed, pad, pairs=docs)
+                elif sft:
                     ds = SFTDataset(data, cfg.seq_length, seed, pad, documents=docs, packed=packed)
                 elif kind == "tokens":
                     ds = GPTDataset(

@@ -33,6 +33,7 @@ the counts, the tokenizer and template): its presence marks a chat dataset (writ
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -49,8 +50,10 @@ META_FORMAT = 1
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
 
 
-def meta_path(prefix: str) -> str:
-    return prefix + ".chat.json"
+def meta_path(prefix: str, kind: str = "chat") -> str:
+    """``PREFIX.<kind>.json``: the description of a masked dataset of ``kind`` (chat; preference in
+    ``data.preference``)."""
+    return f"{prefix}.{kind}.json"
 
 
 def mask_prefix(prefix: str) -> str:
@@ -144,9 +147,24 @@ class ChatTemplate:
         Raises:
             ValueError: the template raised, is not prefix-stable, or an assistant message cannot be located.
         """
+        text, spans, rule = self.message_spans(messages)
+        return text, [(a, b) for _, a, b in spans], rule
+
+    def message_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int | None, int, int]], str]:
+        """``spans``, each span with the index of its assistant message in ``messages``: by prefixes, the message
+        it was located for; with generation blocks, the k-th assistant message for the k-th block when there are
+        as many blocks as assistant messages, else None (a block the template writes for something else).
+
+        Raises:
+            ValueError: as ``spans``.
+        """
         marked = self._render(messages, False)
         if _OPEN in marked:
-            return _strip_marks(marked) + ("generation",)
+            text, blocks = _strip_marks(marked)
+            owners = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if len(owners) != len(blocks):
+                owners = [None] * len(blocks)
+            return text, [(i, a, b) for i, (a, b) in zip(owners, blocks)], "generation"
         text, spans = marked, []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -172,7 +190,7 @@ class ChatTemplate:
                     )
                 start = at
             if len(upto) > start:
-                spans.append((start, len(upto)))
+                spans.append((i, start, len(upto)))
         return text, spans, "prefix"
 
     def _render_prefix(self, messages, add_generation_prompt):
@@ -186,12 +204,17 @@ class ChatTemplate:
     def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
         """``(ids, mask, rule)``: the conversation's token ids, 1 on assistant targets (uint8), the span rule."""
         text, spans, rule = self.spans(messages)
+        return (*self.tokens(text, spans), rule)
+
+    def tokens(self, text: str, spans) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, mask)`` of ``text`` tokenised whole: a token is 1 in the mask when its first character is inside
+        one of the character ``spans`` ``(start, end)``."""
         ids, offsets = self.tokenizer.encode_offsets(text)
         starts = offsets[:, 0] if len(offsets) else np.zeros(0, dtype=np.int64)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for a, b in spans:
             mask[(starts >= a) & (starts < b)] = 1
-        return ids, mask, rule
+        return ids, mask
 
 
 def _strip_marks(marked: str) -> tuple[str, list[tuple[int, int]]]:
@@ -327,14 +350,7 @@ def preprocess_chat(
             raise FileNotFoundError(f"--chat {path}: no such file")
     template = ChatTemplate(tokenizer_dir)
     rules, sizes, targets = set(), [], 0
-    folder = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(folder, exist_ok=True)
-    if os.path.exists(meta_path(output_prefix)):
-        os.remove(meta_path(output_prefix))  # the old dataset stops being chat data before either pair changes
-    with (
-        IndexedDatasetWriter(output_prefix, template.vocab_size) as tokens,
-        IndexedDatasetWriter(mask_prefix(output_prefix), 2) as masks,
-    ):
+    with masked_writer(output_prefix, template.vocab_size) as add:
         for path in files:
             for lineno, messages in read_conversations(path):
                 try:
@@ -347,18 +363,13 @@ def preprocess_chat(
                     ) from None
                 if not mask.any():
                     raise ValueError(f"{path}:{lineno}: no token of an assistant message after tokenisation")
-                tokens.add_document([ids])
-                masks.add_document([mask])
+                add(ids, mask)
                 rules.add(rule)
                 sizes.append(len(ids))
                 targets += int(mask.sum())
         if not sizes:
             raise ValueError(f"--chat {' '.join(files)}: no conversations")
-        tokens.finish()
-        masks.finish()
     stats = {
-        "format": META_FORMAT,
-        "kind": "chat",
         "conversations": len(sizes),
         "tokens": int(sum(sizes)),
         "target_tokens": targets,
@@ -370,15 +381,61 @@ def preprocess_chat(
         "template_sha1": template.digest,
         "inputs": [os.path.abspath(p) for p in files],
     }
-    tmp = meta_path(output_prefix) + f".tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(stats, f, indent=1)
-    os.replace(tmp, meta_path(output_prefix))
+    stats = write_meta(output_prefix, "chat", stats)
     if seq_length is not None:
         from megakernels_models.data.sft import packing_stats
 
         stats["packing"] = packing_stats(np.asarray(sizes), seq_length)
     return stats
+
+
+MASKED_KINDS = ("chat", "preference")
+
+
+def forget_masked(prefix: str) -> None:
+    """Remove ``prefix``'s masked-dataset descriptions (every kind): the data written there next is not that kind
+    any more (removed before either pair of files changes, so a half-written prefix is never taken for one)."""
+    for kind in MASKED_KINDS:
+        if os.path.exists(meta_path(prefix, kind)):
+            os.remove(meta_path(prefix, kind))
+
+
+@contextlib.contextmanager
+def masked_writer(output_prefix: str, vocab_size: int):
+    """Write token sequences and their 0/1 masks as ``PREFIX.bin``/``.idx`` and ``PREFIX.mask.bin``/``.idx``:
+    yields ``add(ids, mask)``; both pairs are committed when the block ends without an error (``write_meta``
+    then marks the kind). The prefix stops being a masked dataset of any kind first (``forget_masked``).
+
+    Raises:
+        ValueError: ``output_prefix`` is a folder.
+    """
+    if os.path.isdir(output_prefix) or output_prefix.endswith(os.sep):
+        raise ValueError(f"--output-prefix {output_prefix} is a folder; give a prefix (files PREFIX.bin/.idx)")
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    forget_masked(output_prefix)
+    with (
+        IndexedDatasetWriter(output_prefix, vocab_size) as tokens,
+        IndexedDatasetWriter(mask_prefix(output_prefix), 2) as masks,
+    ):
+
+        def add(ids, mask) -> None:
+            tokens.add_document([ids])
+            masks.add_document([mask])
+
+        yield add
+        tokens.finish()
+        masks.finish()
+
+
+def write_meta(prefix: str, kind: str, stats: dict) -> dict:
+    """Write ``PREFIX.<kind>.json`` (atomically: its presence marks a complete dataset of ``kind``) holding
+    ``stats`` after ``format`` and ``kind``; returns what was written."""
+    meta = {"format": META_FORMAT, "kind": kind, **stats}
+    tmp = meta_path(prefix, kind) + f".tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, meta_path(prefix, kind))
+    return meta
 
 
 # ---- reading -----------------------------------------------------------------------------------------------------
@@ -387,25 +444,29 @@ def preprocess_chat(
 class ChatIndexed:
     """A chat dataset (module docstring): ``tokens`` and ``mask`` (``IndexedDataset``s of equal document sizes),
     ``meta`` (``PREFIX.chat.json``), and the reading interface of ``IndexedDataset`` over the tokens (``len``,
-    ``sizes``, ``get``, ``doc_count``, ``vocab_size``, ``prefix``) plus ``get_mask(doc)``.
+    ``sizes``, ``get``, ``doc_count``, ``vocab_size``, ``prefix``) plus ``get_mask(doc)``. A subclass reads
+    another masked kind by its ``KIND`` (the description ``PREFIX.<KIND>.json``) and ``MADE_BY`` (the command
+    that writes it, for messages).
 
     Raises:
         FileNotFoundError: a file of the dataset missing (named).
         DataError: the metadata unreadable, or the mask not matching the tokens (named).
     """
 
+    KIND, MADE_BY = "chat", "megakernels preprocess --chat"
+
     def __init__(self, prefix: str):
         self.prefix = prefix
-        path = meta_path(prefix)
+        path = meta_path(prefix, self.KIND)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: not found, so {prefix} is not chat data (megakernels preprocess --chat)")
+            raise FileNotFoundError(f"{path}: not found, so {prefix} is not {self.KIND} data ({self.MADE_BY})")
         try:
             with open(path, encoding="utf-8") as f:
                 self.meta = json.load(f)
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: unreadable ({e})") from None
-        if not isinstance(self.meta, dict) or self.meta.get("kind") != "chat":
-            raise DataError(f"{path}: not a chat dataset description")
+        if not isinstance(self.meta, dict) or self.meta.get("kind") != self.KIND:
+            raise DataError(f"{path}: not a {self.KIND} dataset description")
         if self.meta.get("format") != META_FORMAT:
             raise DataError(f"{path}: format {self.meta.get('format')} (this reader reads {META_FORMAT})")
         self.tokens = IndexedDataset(prefix)
@@ -413,7 +474,7 @@ class ChatIndexed:
         if self.mask.doc_count != self.tokens.doc_count or not np.array_equal(self.mask.sizes, self.tokens.sizes):
             raise DataError(
                 f"{self.mask.idx_path}: its {self.mask.doc_count} masks do not match the "
-                f"{self.tokens.doc_count} conversations of {self.tokens.idx_path} in number or lengths "
+                f"{self.tokens.doc_count} sequences of {self.tokens.idx_path} in number or lengths "
                 "(written by different runs)"
             )
         self.sizes, self.doc_offsets = self.tokens.sizes, self.tokens.doc_offsets

@@ -18,7 +18,9 @@ tokenises with it.
 
 ``--chat FILE.jsonl [...] --tokenizer DIR``: chat conversations rendered with the checkpoint's chat template into
 token ids and an assistant mask, for supervised fine-tuning (``data/chat.py``); ``--seq-length N`` also prints how
-well they pack into samples of N + 1 tokens (``sft.packing_stats``).
+well they pack into samples of N + 1 tokens (``sft.packing_stats``). ``--preference FILE.jsonl [...] --tokenizer
+...``: ``{"prompt", "chosen", "rejected"}`` pairs (strings, or chat messages rendered with DIR's chat template) into
+each pair's two sequences with completion masks, for ``--dpo`` (``data/preference.py``).
 """
 
 from __future__ import annotations
@@ -269,8 +271,9 @@ def preprocess(
     from tqdm import tqdm
 
     bar = tqdm(desc="preprocess", unit=" docs", disable=not progress, dynamic_ncols=True)
-    if os.path.exists(output_prefix + ".chat.json"):
-        os.remove(output_prefix + ".chat.json")  # text written over chat data is not chat data any more
+    from megakernels_models.data.chat import forget_masked
+
+    forget_masked(output_prefix)  # text written over chat or preference data is neither any more
     with IndexedDatasetWriter(output_prefix, tok.vocab_size) as w:
         skipped: list[str] = []
         stream = tokenize_documents(
@@ -344,11 +347,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "ids + assistant mask for --sft (needs --tokenizer DIR with a chat template)",
     )
     p.add_argument(
+        "--preference",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help='preference pairs: JSONL of {"prompt": ..., "chosen": ..., "rejected": ...} (three strings, or three '
+        "lists of chat messages rendered with --tokenizer DIR's chat template) -> each pair's chosen and rejected "
+        "sequences + completion masks for --dpo",
+    )
+    p.add_argument(
         "--seq-length",
         type=int,
         default=None,
         metavar="N",
-        help="chat: also report how the conversations pack into samples of N + 1 tokens",
+        help="chat, preference: also report how the conversations (pairs) pack into samples of N + 1 tokens",
     )
     p.add_argument(
         "--output-prefix", "--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx"
@@ -378,8 +390,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def main(ns: argparse.Namespace) -> int:
     """Run ``megakernels preprocess``; returns the exit status (2 for bad input, reported on stderr)."""
+    if ns.chat is not None and ns.preference is not None:
+        print(
+            "megakernels preprocess: error: give --chat (conversations) or --preference (pairs), not both",
+            file=sys.stderr,
+        )
+        return 2
     if ns.chat is not None:
         return _chat_main(ns)
+    if ns.preference is not None:
+        return _preference_main(ns)
     if ns.images is not None or ns.captions is not None:
         return _images_main(ns)
     if not ns.input:
@@ -450,6 +470,41 @@ def _chat_main(ns: argparse.Namespace) -> int:
             f"packed into samples of {ns.seq_length} + 1 tokens: {k['samples']} samples, efficiency "
             f"{100 * k['efficiency']:.1f} % (real tokens / capacity); {k['truncated']} conversations longer than a "
             "sample would be truncated"
+        )
+    return 0
+
+
+def _preference_main(ns: argparse.Namespace) -> int:
+    """``preprocess --preference FILE.jsonl --tokenizer ...``: pairs and completion masks (``data.preference``)."""
+    t0 = time.perf_counter()
+    try:
+        if ns.input or ns.images is not None or ns.captions is not None:
+            raise ValueError("give --preference (pairs) or --input (text) or --images/--captions, not several")
+        if ns.train_tokenizer is not None:
+            raise ValueError("--preference tokenises with a given tokenizer: give --tokenizer (byte, hf:PATH or DIR)")
+        if ns.seq_length is not None and ns.seq_length < 3:
+            raise ValueError(f"--seq-length must be >= 3 (a pair of two tokens each), got {ns.seq_length}")
+        from megakernels_models.data.preference import preprocess_preference
+
+        stats = preprocess_preference(ns.preference, ns.output_prefix, ns.tokenizer, ns.seq_length)
+    except ImportError as e:
+        print(f"megakernels preprocess: error: {e} (pip install 'megakernels[train]')", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"megakernels preprocess: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {ns.output_prefix}.bin/.idx, .mask.bin/.idx, .preference.json: {stats['pairs']} pairs, "
+        f"{stats['tokens']} tokens, {stats['completion_tokens']} completion tokens "
+        f"({100 * stats['completion_tokens'] / stats['tokens']:.1f} %), longest pair {stats['longest']}; "
+        f"completions by {stats['rule']} ({stats['tokenizer']}) in {time.perf_counter() - t0:.1f} s"
+    )
+    if "packing" in stats:
+        k = stats["packing"]
+        print(
+            f"packed into samples of {ns.seq_length} + 1 tokens: {k['samples']} samples, efficiency "
+            f"{100 * k['efficiency']:.1f} % (real tokens / capacity); {k['truncated']} pairs longer than a sample "
+            "would be truncated"
         )
     return 0
 

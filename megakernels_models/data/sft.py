@@ -238,23 +238,35 @@ class SFTDataset:
 
     def _sample(self, convs: list[int]) -> dict[str, np.ndarray]:
         cap = self.seq_length + 1
-        tokens = np.full(cap, self.pad, dtype=np.int64)
-        target = np.zeros(cap, dtype=bool)
-        positions = np.zeros(cap, dtype=np.int64)
-        documents = np.full(cap, len(convs), dtype=np.int32)  # the padding's own document
-        at = 0
-        for k, c in enumerate(convs):
+        pieces = []
+        for c in convs:
             n = min(int(self.data.sizes[c]), cap)
-            tokens[at : at + n] = self.data.get(c, 0, n)
-            target[at + 1 : at + n] = np.asarray(self.data.get_mask(c, 1, n - 1)) != 0
-            positions[at : at + n] = np.arange(n)
-            documents[at : at + n] = k
-            at += n
-        positions[at:] = np.arange(cap - at)
-        labels = np.where(target, tokens, -100)
-        return {
-            "ids": tokens[:-1],
-            "labels": labels[1:],
-            "positions": positions[:-1],
-            "documents": documents[:-1],
-        }
+            pieces.append((self.data.get(c, 0, n), self.data.get_mask(c, 0, n)))
+        return packed_sample(pieces, self.seq_length, self.pad)
+
+
+def packed_sample(pieces, seq_length: int, pad: int) -> dict[str, np.ndarray]:
+    """One sample of ``seq_length + 1`` tokens holding ``pieces`` (``(ids, mask)`` pairs, together at most that
+    long) one after the other, then padding (module docstring): a piece's token is a target where its mask is
+    non-zero, except its first; piece ``k`` is document ``k`` and the padding document ``len(pieces)``."""
+    cap = seq_length + 1
+    tokens = np.full(cap, pad, dtype=np.int64)
+    target = np.zeros(cap, dtype=bool)
+    positions = np.zeros(cap, dtype=np.int64)
+    documents = np.full(cap, len(pieces), dtype=np.int32)  # the padding's own document
+    at = 0
+    for k, (ids, mask) in enumerate(pieces):
+        n = len(ids)
+        tokens[at : at + n] = ids
+        target[at + 1 : at + n] = np.asarray(mask[1:n]) != 0
+        positions[at : at + n] = np.arange(n)
+        documents[at : at + n] = k
+        at += n
+    positions[at:] = np.arange(cap - at)
+    labels = np.where(target, tokens, -100)
+    return {
+        "ids": tokens[:-1],
+        "labels": labels[1:],
+        "positions": positions[:-1],
+        "documents": documents[:-1],
+    }

@@ -214,3 +214,25 @@ def build_tokenizer(spec: str):
     raise ValueError(
         f"unknown tokenizer {spec!r}: expected byte, hf:PATH (a tokenizer.json) or spm:PATH (a SentencePiece .model)"
     )
+
+
+def end_token(tok) -> int | None:
+    """The id that ends a completion (a preference pair's, a sampled one's): the ``eos_token`` of the
+    ``tokenizer_config.json`` beside a HuggingFace tokenizer's file, when its vocabulary holds it (a chat model's
+    end of turn, as TRL and transformers' generation take it), else the end-of-document token, else None."""
+    path = getattr(tok, "path", None)
+    config = os.path.join(os.path.dirname(path), "tokenizer_config.json") if path else None
+    if config and os.path.isfile(config):
+        import json
+
+        try:
+            with open(config, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        i = tok._tok.token_to_id(eos) if isinstance(eos, str) and hasattr(tok, "_tok") else None
+        if i is not None:
+            return int(i)
+    return int(tok.eod) if tok.has("eod") else None

@@ -54,7 +54,7 @@ from megakernels_models.data.build import build_datasets
 from megakernels_models.data.datasets import collate, global_batch_indices
 from megakernels_models.models.config import ModelConfig, stage_layers, stage_times
 from megakernels_models.models.registry import task_for
-from megakernels_models.models.tasks import Task
+from megakernels_models.models.tasks import DPOTask, GRPOTask, Task
 from megakernels_models.planning import dryrun
 from megakernels_models.training import checkpoint, syncpoints
 from megakernels_models.training.checkpoint_store import step_name
@@ -116,19 +116,31 @@ class PipelineStep:
         # zb-v plans its order for the model's forward, input- and weight-gradient times (FLOPs; every rank alike)
         self.durations = stage_times(cfg, args.recompute) if args.schedule == "zb-v" else None
         self.stats: dict | None = None  # a dict: the next step's activation memory (forward_backward's stats)
+        self.metrics: dict[str, float] = {}  # the task's metrics of the last global batch (on the logging rank)
 
     def __call__(self, dataset, step: int, forward_only: bool = False, loss_scale: float = 1.0) -> torch.Tensor:
         """The global batch's loss (on the last stage; zero elsewhere), after forward (and backward)."""
+        return self.run(*self.batches(dataset, step), forward_only=forward_only, loss_scale=loss_scale)
+
+    def batches(self, dataset, step: int) -> tuple[list[dict], dict]:
+        """This rank's micro-batches of global batch ``step`` of ``dataset`` (under context parallelism its chunks
+        of each sequence) and the task's normalizers of the global batch."""
         args, mbs, m = self.args, self.args.micro_batch_size, self.num_microbatches
         dp, cp = mpu.dp_size(), mpu.cp_size()
         samples = [dataset[i] for i in global_batch_indices(step, args.global_batch_size, mpu.dp_rank(), dp)]
         micro = [collate(samples[i * mbs : (i + 1) * mbs], self.device) for i in range(m)]
         norm = self.task.normalizers(micro, args.global_batch_size, self.device)
         if cp > 1:  # this rank's two chunks of every sequence (packed documents' ids stay whole: the ring's keys)
+            whole = self.task.whole_keys
             micro = [
-                {k: v if k == "documents" else split_for_cp(v, 1, cp, mpu.cp_rank()) for k, v in b.items()}
-                for b in micro
+                {k: v if k in whole else split_for_cp(v, 1, cp, mpu.cp_rank()) for k, v in b.items()} for b in micro
             ]
+        return micro, norm
+
+    def run(self, micro: list[dict], norm: dict, forward_only: bool = False, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward (and backward) of ``micro`` through the schedule; the summed loss (see ``__call__``)."""
+        args, dp, cp = self.args, mpu.dp_size(), mpu.cp_size()
+        m = len(micro)
         # The gradient reduction averages over dp·cp, but the loss is already normalised by the whole global
         # batch: scale by dp·cp so the reduced gradient is that of the global loss.
         factor = loss_scale * dp * cp
@@ -164,11 +176,19 @@ class PipelineStep:
             durations=self.durations,
             stats=self.stats,
         )
+        names = self.task.metric_names
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+        shares = self.task.take_metrics()
+        if names:  # one collective for the loss and the task's metrics
+            shares = torch.zeros(len(names), device=self.device) if shares is None else shares.float()
+            total = torch.cat([total.reshape(1), shares.to(total.device)])
         if losses and dp * cp > 1:
             dist.all_reduce(total, group=mpu.dp_cp_group())
         if mpu.pipeline_placement() == "v":  # the last stage is on pipeline rank 0; the last rank logs
             dist.broadcast(total, mpu.pp_ranks()[0], group=mpu.pp_group())
+        if names:
+            self.metrics = dict(zip(names, total[1:].tolist()))
+            total = total[0]
         return total
 
 
@@ -186,7 +206,20 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
         placement=args.pipeline_placement(),
     )
     try:
-        return _train(task_for(cfg), args)
+        task = task_for(cfg)
+        if args.dpo:
+            task = DPOTask(task, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing)
+        elif args.grpo:
+            task = GRPOTask(
+                task,
+                loss_type=args.grpo_loss,
+                beta=args.grpo_beta,
+                epsilon=args.grpo_epsilon,
+                epsilon_high=args.grpo_epsilon_high,
+                max_completion_tokens=args.max_completion_tokens,
+                temperature=args.temperature,
+            )
+        return _train(task, args)
     finally:
         mpu.destroy()
 
@@ -272,7 +305,17 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
     stop = StopConditions(args.exit_signal, args.exit_interval, args.exit_duration_mins, device)
     with stop:
         watchdog.progress("load")
-        start = _resume(args, chunks, opt, cfg)
+        start, start_path = _resume(args, chunks, opt, cfg)
+        if args.dpo:  # the frozen reference and the step that runs it before the policy (training/dpo.py)
+            from megakernels_models.training import dpo
+
+            run_batch, (train_ds, valid_ds) = dpo.make_step(
+                task, run_batch, args, device, start_path, (train_ds, valid_ds), PipelineStep, build_model_chunks
+            )
+        elif args.grpo:  # sampling, rewards and advantages before the policy's step (training/grpo.py)
+            from megakernels_models.training import grpo
+
+            run_batch = grpo.make_step(task, run_batch, args, device, start_path, build_model_chunks)
         config = resolved(args, cfg)
         log = TrainLogger(
             log_rank,
@@ -295,6 +338,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 lr_schedule.apply(opt, step + 1)
                 opt.zero_grad()
                 loss = run_batch(train_ds, step, loss_scale=opt.loss_scale)
+                metrics = run_batch.metrics  # the task's (DPO's rewards), before an evaluation replaces them
                 timers.mark("pipeline")
                 watchdog.progress("gradient reduction")
                 (fsdp.finalize_grads if args.zero_stage() >= 2 else finalize_model_grads)(ddps)
@@ -319,6 +363,9 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                         "skipped": not stepped,
                         **(moe or {}),
                     }
+                    if args.dpo:
+                        rec["dpo_loss"] = rec["loss"]
+                    rec.update(metrics)
                     if cfg.num_image_tokens:  # vision-language: images through the encoder per second
                         rec["image_tokens_per_s"] = (
                             args.global_batch_size * cfg.num_image_tokens / max(time.perf_counter() - t0, 1e-9)
@@ -426,10 +473,10 @@ def _layout(args: TrainArgs) -> dict:
     }
 
 
-def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
-    """Load ``--load``'s latest checkpoint; returns its step (0, with a note, when there is none yet: a first launch
-    with ``--save DIR --load DIR``). After an elastic restart (torchrun brought the workers back, possibly with
-    another world size) rank 0 says at which layout the run continues."""
+def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> tuple[int, str | None]:
+    """Load ``--load``'s latest checkpoint; returns its step and path (0 and None, with a note, when there is none
+    yet: a first launch with ``--save DIR --load DIR``). After an elastic restart (torchrun brought the workers
+    back, possibly with another world size) rank 0 says at which layout the run continues."""
     rank0, restarts = dist.get_rank() == 0, args.restart_count()
     if restarts and rank0:
         print(
@@ -446,7 +493,7 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        return 0
+        return 0, None
     from megakernels_models.training.checkpoint_verify import select
 
     say = (
@@ -458,11 +505,11 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> int:
     if path is None:
         if rank0:
             print(f"megakernels train: no checkpoint in --load {args.load} yet; starting from scratch", flush=True)
-        return 0
+        return 0, None
     step = checkpoint.load(path, chunks, opt, cfg)
     if restarts and rank0:
         print(f"megakernels train: resumed from {path} (step {step})", flush=True)
-    return step
+    return step, path
 
 
 def no_decay_rule(chunks, names: str):
@@ -502,7 +549,7 @@ def run(args: TrainArgs):
     """
     from megakernels.parallel.launch import launch
 
-    with hf_import(args) as args:
+    with hf_import(args) as args, reference_import(args) as args:
         cfg = validate(args)
         if args.dry_run:
             return dryrun.report(args, cfg)
@@ -546,3 +593,38 @@ def hf_import(args: TrainArgs):
     finally:
         if args.save is None:
             shutil.rmtree(target, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def reference_import(args: TrainArgs):
+    """``--dpo``: the arguments whose ``--dpo-ref`` is a megakernels checkpoint. A HuggingFace ``--dpo-ref`` is
+    converted (in this process, once) into a temporary directory, removed afterwards; so is ``--load-hf``'s model
+    when a ``--load-hf`` run resumes past step 0 without ``--dpo-ref`` (its reference is still that model).
+
+    Raises:
+        ArgumentError: a directory that does not convert (the reason named).
+    """
+    source = None
+    if args.dpo and args.dpo_ref is not None:
+        hf = os.path.isfile(os.path.join(args.dpo_ref, "config.json"))
+        if hf and os.path.isdir(args.dpo_ref) and checkpoint.find_latest(args.dpo_ref) is None:
+            source = ("--dpo-ref", args.dpo_ref)
+    elif args.dpo and args.load_hf and args.load is not None:
+        latest = checkpoint.find_latest(args.load)
+        if latest is not None and checkpoint.read_meta(latest)["step"] > 0:
+            source = ("--load-hf", args.load_hf)
+    if source is None:
+        yield args
+        return
+    from megakernels_models.convert import hf_to_megakernels
+    from megakernels_models.convert.common import ConversionError
+
+    target = tempfile.mkdtemp(prefix="megakernels-ref-")
+    try:
+        try:
+            hf_to_megakernels(source[1], target)
+        except (ConversionError, OSError) as e:
+            raise ArgumentError(f"{source[0]} {source[1]}: {e}") from None
+        yield dataclasses.replace(args, dpo_ref=target)
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
