@@ -105,7 +105,7 @@ def family_cubin(source: str, arch: int) -> bytes:
     h = hashlib.sha256()
     for path in sorted(glob.glob(os.path.join(root, "common", "*")) + glob.glob(os.path.join(root, family, "*.[ch]*"))):
         with open(path, "rb") as f:
-            h.update(path.encode() + f.read())
+            h.update(os.path.relpath(path, root).encode() + f.read())  # not the checkout's path: clones share
     version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
     h.update((version + " ".join(flags)).encode())
     path = os.path.join(_cache_dir(), f"{family}-sm{arch}-{h.hexdigest()[:20]}.cubin")

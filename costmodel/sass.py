@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -490,13 +491,29 @@ def find_tool(name: str) -> str | None:
 
 
 def _cuobjdump(args: list, cubin: bytes) -> str:
+    """``cuobjdump ARGS`` of ``cubin``, kept on disk by the cubin's and the tool's hash (beside the static model's
+    cubins: ``$XDG_CACHE_HOME/megakernels/static/sass``), so a repeated analysis (every test run, every checkout) does
+    not run the tool again."""
     tool = find_tool("cuobjdump")
     if tool is None:
         raise RuntimeError("static analysis needs cuobjdump (CUDA toolkit, or the copy bundled with Triton)")
+    st = os.stat(tool)
+    key = hashlib.sha256(f"{tool} {st.st_size} {st.st_mtime_ns} {' '.join(args)}".encode() + cubin).hexdigest()[:32]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(root, "megakernels", "static", "sass", f"{key}.txt")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(out)
+    os.replace(tmp, path)  # whole or absent: a reader never sees half a file
+    return out
 
 
 def parse_sass(text: str) -> dict[str, Function]:

@@ -70,7 +70,8 @@ def test_the_best_isa_of_this_cpu_is_chosen():
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_the_op_tests_pass_with_each_isa(isa):
     """The op subset in a subprocess with MEGAKERNELS_CPU_ISA set: it reports that ISA and every test passes. An ISA
-    this CPU lacks is refused instead (the next test)."""
+    this CPU lacks is refused instead (the next test). The best ISA this CPU has is the one the whole suite runs
+    (the test above): naming it reports it, and its op tests are the suite's own."""
     order = ["baseline", "avx2", "avx512"]
     if order.index(isa) > order.index(_best_isa()):
         run = _python("import megakernels; megakernels.cpu_isa()", MEGAKERNELS_CPU_ISA=isa)
@@ -78,6 +79,8 @@ def test_the_op_tests_pass_with_each_isa(isa):
         return
     run = _python("import megakernels; print(megakernels.cpu_isa())", MEGAKERNELS_CPU_ISA=isa)
     assert run.returncode == 0 and run.stdout.split() == [isa], run.stderr
+    if isa == _best_isa():
+        return
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", *OP_TESTS, "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k", "cpu"],
         env=_env(MEGAKERNELS_CPU_ISA=isa),
