@@ -44,12 +44,12 @@ if ! from_wheelhouse -r build/requirements.txt 2>/dev/null; then
 fi
 # The extension is built in place with its objects kept in build/temp: a re-run rebuilds only what changed, and the
 # paths stay inside the checkout, so the compiler cache serves a fresh clone what any other checkout compiled. Then
-# the packages are installed editable around it (--no-deps: installed above).
+# the packages are installed editable around it (--no-deps: installed above; --no-index: nothing to fetch).
 .venv/bin/python setup.py -q build_ext --inplace --build-temp build/temp
-MEGAKERNELS_EXTENSION_BUILT=1 "${PIP[@]}" install --quiet --no-build-isolation --no-deps -e .
+MEGAKERNELS_EXTENSION_BUILT=1 "${PIP[@]}" install --quiet --no-index --no-build-isolation --no-deps -e .
 # The static GPU cost model (costmodel/): a development tool beside the package, not in its wheel; it adds its modes
 # to `megakernels bench` (--static, --measure-peers) through an entry point.
-"${PIP[@]}" install --quiet --no-build-isolation --no-deps -e costmodel
+"${PIP[@]}" install --quiet --no-index --no-build-isolation --no-deps -e costmodel
 # The peer versions the calibration's development and check sets are modelled with (benchmarks/peer/: the versions
 # their rows name, or the first release holding a kernel a row's version predates), each in its own directory where
 # `megakernels bench --static --peer-csv` imports it from (never into the venv: one version each). A missing version
