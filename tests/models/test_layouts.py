@@ -239,13 +239,20 @@ ONLY = {
 # combines is already covered for those families by the fast cases (each layout keeps at least one family, each
 # family its own TP/CP/PP/EP/FSDP cases). CI runs the rest; these run in worlds of their own.
 SLOW = {
-    "tp2": ("gpt", "llama-swa"),  # gpt: tp2-sp, tp2-dp2-sp; llama-swa: tp2-cp2-sp
+    "tp2": ("gpt", "bert", "llama-swa"),  # gpt: tp2-sp, tp2-dp2-sp; bert: tp2-sp, tp2-pp2-dp2; llama-swa: tp2-cp2-sp
     "tp2-sp": ("gpt", "llama"),  # tp2-dp2-sp; tp2-pp2-zb-h1-sp and the world of 8
+    "pp2": ("gpt", "bert", "llama"),  # 1F1B at pp2-dp2 / pp4, tp2-pp2-dp2, pp2-cp2 (the vision models stay)
+    "dp2": ("bert", "llama"),  # their data parallelism at dp2-zero1, cp2-dp2-zero1
+    "dp2-zero1": ("gpt", "llama"),  # ZeRO-1 at dp2-zero1-offload and in the world of 8
     "cp2": ("gpt", "llama"),  # gpt-docs at cp2; llama at cp4, pp2-cp2, cp2-dp2-zero1
-    "tp2-pp2": ("llama-swa", "llama-moe", "gpt-docs", "gpt-fp8", "llama-moe-fp8"),
+    "ep2": ("gpt-moe", "llama-moe"),  # ep4, pp2-ep2, cp2-ep2, ...; qwen-moe's top-k stays
+    "pp2-zb-h1": ("llama",),  # tp2-pp2-zb-h1-sp
+    "pp2-zb-v": ("gpt", "llama"),  # pp2-zb-v-offload-eval, pp2-zb-v-selective, pp4-zb-v, tp2-pp2-dp2-zb-v
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "gpt-docs", "gpt-fp8", "llama-moe-fp8", "gpt-moe-fp8"),
+    "pp2-vpp2-dp2": ("bert",),  # interleaving kept for gpt; bert's pipeline at tp2-pp2-dp2 and pp2-zb-v
     "tp2-cp2-sp": ("gpt", "llama"),  # llama-swa: TP, CP, SP and the window together
     "cp4": ("gpt",),
-    "fsdp4": ("llama", "qwen"),
+    "fsdp4": ("gpt", "llama", "qwen", "gpt-fp8"),  # gpt: fsdp2-pp2, hsdp2, offload; gpt-fp8 and qwen: fsdp2-tp2
     "fsdp2-tp2": ("gpt", "bert", "llama"),  # qwen and gpt-fp8 stay
     "fsdp2-pp2": ("bert", "llama"),
     "fsdp2-cp2": ("gpt",),
@@ -256,6 +263,8 @@ SLOW = {
     "pp2-cp2": ("gpt",),
     "pp4-zb-h1": ("llama",),
     "pp4-zb-v": ("gpt",),
+    "tp2-pp2-dp2-sp-zero1-recompute": ("llama",),  # llama's tp x cp x pp with recomputation stays in the world of 8
+    "tp2-pp2-dp2-zb-v": ("llama",),  # llama's zb-v at pp2 and pp4
 }
 # Single-process curves of other models than BASE's, and the layouts compared against them.
 REFERENCES = {"layers8": dict(num_layers=8)}
