@@ -10,10 +10,11 @@
 #      pytest-xdist workers with whole files per worker (a file's spawned worlds and module fixtures are shared by
 #      its tests).
 # `scripts/test.sh --all` adds the `slow` set (stress variants of tested features: more families at a layout, longer
-# fault sequences); without it, CI's default, they are deselected.
+# fault sequences, the sanitizer runs of the largest C++ kernel tests); without it, CI's default, they are left out.
 set -euo pipefail
 MARKS=(-m "not slow")
-if [ "${1:-}" = "--all" ]; then MARKS=(); shift; fi
+CTEST_SLOW=(-LE slow)
+if [ "${1:-}" = "--all" ]; then MARKS=(); CTEST_SLOW=(); shift; fi
 if [ $# -gt 0 ]; then echo "usage: scripts/test.sh [--all]" >&2; exit 2; fi
 cd "$(dirname "$0")/.."
 mkdir -p build
@@ -27,7 +28,7 @@ if [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDACXX
   # niced: the emulator runs a CUDA block's threads as host threads (hundreds, yielding while they wait), which
   # would otherwise take the cores from pytest's workers, the longer part of the run
   nice -n 10 cmake --build build/cmake -j 2
-  nice -n 10 ctest --test-dir build/cmake --output-on-failure -j 2
+  nice -n 10 ctest --test-dir build/cmake --output-on-failure -j 2 "${CTEST_SLOW[@]}"
 ) > build/cpp-tests.log 2>&1 &
 CPP=$!
 trap 'kill $CPP 2>/dev/null || true' EXIT

@@ -3,12 +3,14 @@
 #
 #   include(<repo>/csrc/emu/emu.cmake)   # or add_subdirectory(csrc/emu), which includes it
 #
-#   megakernels_emu_test(<name> SOURCES <file.cpp|file.cu>... [ARGS <arg>...] [FLAVOURS plain asan tsan])
+#   megakernels_emu_test(<name> SOURCES <file.cpp|file.cu>... [ARGS <arg>...] [FLAVOURS plain asan tsan]
+#                        [SLOW_FLAVOURS asan tsan])
 #     Builds <name>_plain (-O1 -g1), <name>_asan (AddressSanitizer) and <name>_tsan (ThreadSanitizer) and adds
 #     a ctest test of the same name for each. A .cu source is compiled as C++ through a generated one-line
 #     wrapper that #includes it (g++ does not know the .cu extension), with MEGAKERNELS_CUDA_EMU defined and
 #     csrc/ on the include path, so the file includes "common/cuda_compat.h". Flavours whose sanitizer the
-#     compiler cannot build are skipped with a message.
+#     compiler cannot build are skipped with a message. Flavours named in SLOW_FLAVOURS are built as the others
+#     but labelled `slow`: `ctest -LE slow` (scripts/test.sh) leaves them out, `ctest` (test.sh --all) runs them.
 #
 # Cache variables: MEGAKERNELS_CUDA_INCLUDE_DIR (where cuda_bf16.h lives; found from CUDAToolkit, $CUDA_HOME,
 # $CUDA_PATH or /usr/local/cuda), MEGAKERNELS_NVCC (for the nvcc compile check; optional).
@@ -54,7 +56,7 @@ _megakernels_emu_check_sanitizer(address MEGAKERNELS_EMU_HAVE_ASAN)
 _megakernels_emu_check_sanitizer(thread MEGAKERNELS_EMU_HAVE_TSAN)
 
 function(megakernels_emu_test name)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "SOURCES;ARGS;FLAVOURS")
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "SOURCES;ARGS;FLAVOURS;SLOW_FLAVOURS")
   if(NOT arg_SOURCES)
     message(FATAL_ERROR "megakernels_emu_test(${name}): SOURCES is required")
   endif()
@@ -102,6 +104,10 @@ function(megakernels_emu_test name)
     target_compile_options(${target} PRIVATE -O1 -g1 ${san})
     target_link_options(${target} PRIVATE ${san})
     add_test(NAME ${target} COMMAND ${target} ${arg_ARGS})
-    set_tests_properties(${target} PROPERTIES TIMEOUT 300 LABELS "emu;${flavour}")
+    set(labels "emu;${flavour}")
+    if(flavour IN_LIST arg_SLOW_FLAVOURS)
+      list(APPEND labels slow)
+    endif()
+    set_tests_properties(${target} PROPERTIES TIMEOUT 300 LABELS "${labels}")
   endforeach()
 endfunction()
