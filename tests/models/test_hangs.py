@@ -116,6 +116,14 @@ def test_a_stopped_rank_ends_a_torchrun_job_within_twice_the_timeout(tmp_path):
         text=True,
         env=env,
     )
+
+    def alive(name: str) -> None:  # a job that ended before the sync point fails the wait at once, with its stderr
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the torchrun job ended (status {proc.returncode}) before {name}:\n{proc.stderr.read()[-3000:]}"
+            )
+
+    sync.alive = alive
     pids = []
     try:
         pids, err = _stop_rank_1_and_wait_for_the_exit(proc, sync)

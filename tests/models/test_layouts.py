@@ -243,7 +243,7 @@ SLOW = {
     "tp2-sp": ("gpt", "llama"),  # tp2-dp2-sp; tp2-pp2-zb-h1-sp and the world of 8
     "pp2": ("gpt", "bert", "llama"),  # 1F1B at pp2-dp2 / pp4, tp2-pp2-dp2, pp2-cp2 (the vision models stay)
     "dp2": ("bert", "llama"),  # their data parallelism at dp2-zero1, cp2-dp2-zero1
-    "dp2-zero1": ("gpt", "llama"),  # ZeRO-1 at dp2-zero1-offload and in the world of 8
+    "dp2-zero1": ("llama",),  # ZeRO-1 at cp2-dp2-zero1 and in the world of 8
     "cp2": ("gpt", "llama"),  # gpt-docs at cp2; llama at cp4, pp2-cp2, cp2-dp2-zero1
     "ep2": ("gpt-moe", "llama-moe"),  # ep4, pp2-ep2, cp2-ep2, ...; qwen-moe's top-k stays
     "pp2-zb-h1": ("llama",),  # tp2-pp2-zb-h1-sp
@@ -252,7 +252,7 @@ SLOW = {
     "pp2-vpp2-dp2": ("bert",),  # interleaving kept for gpt; bert's pipeline at tp2-pp2-dp2 and pp2-zb-v
     "tp2-cp2-sp": ("gpt", "llama"),  # llama-swa: TP, CP, SP and the window together
     "cp4": ("gpt",),
-    "fsdp4": ("gpt", "llama", "qwen", "gpt-fp8"),  # gpt: fsdp2-pp2, hsdp2, offload; gpt-fp8 and qwen: fsdp2-tp2
+    "fsdp4": ("llama", "qwen", "gpt-fp8"),  # llama: fsdp2-cp2, zero2; gpt-fp8 and qwen: fsdp2-tp2
     "fsdp2-tp2": ("gpt", "bert", "llama"),  # qwen and gpt-fp8 stay
     "fsdp2-pp2": ("bert", "llama"),
     "fsdp2-cp2": ("gpt",),
