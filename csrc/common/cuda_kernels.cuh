@@ -131,8 +131,8 @@ __device__ __forceinline__ void store_pack(T* p, int64_t j, const A (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
   for (int k = 0; k < N; ++k) pk.v[k] = Cvt<T>::from(in[k]);
-  constexpr int bytes = int(sizeof(pk));
 #if !MK_CUDA_EMU
+  constexpr int bytes = int(sizeof(pk));
   if constexpr (bytes == 16 || bytes == 8) {
     unsigned int w[bytes / 4];
     std::memcpy(w, &pk, bytes);
