@@ -29,7 +29,7 @@ from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import init, state
 from megakernels.parallel.context import ring_attention
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
-from megakernels.parallel.params import mark_sequence_parallel
+from megakernels.parallel.params import mark_fused, mark_sequence_parallel
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 
@@ -112,6 +112,8 @@ class ParallelMLP(nn.Module):
             device=device,
             dtype=dtype,
         )
+        if gated:  # [gate; up]: two logical matrices (Muon orthogonalises each)
+            mark_fused(self.fc1.weight, parts=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)
@@ -198,6 +200,7 @@ class ParallelSelfAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        mark_fused(self.qkv.weight, parts=3, head_dim=self.head_dim, head_major=True)  # rows (head, {q,k,v}, d)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         _check_3d(self, x)
@@ -383,6 +386,8 @@ class ParallelGroupedQueryAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        mark_fused(self.q.weight, parts=1, head_dim=d)
+        mark_fused(self.kv.weight, parts=2, head_dim=d)  # [keys; values]
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # one RMSNorm over each head's d (Qwen 3): replicated, each rank's heads partial
             self.q_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype)
@@ -487,6 +492,8 @@ class ParallelCrossAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        mark_fused(self.q.weight, parts=1, head_dim=self.head_dim)
+        mark_fused(self.kv.weight, parts=2, head_dim=self.head_dim)  # [keys; values]
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         _check_3d(self, x)
