@@ -1,0 +1,154 @@
+"""The trainer with ``--optimizer muon``: every layout equals the fp64 single-process reference step by step (fp32,
+20 steps; ``muon_reference``), a resumed run continues bit for bit, checkpoints reshard across layouts, the memory
+the run measures is the one the dry run predicts.
+
+The layouts — tp 2 × dp 2 with ZeRO-1 (TP-split matrices gathered to their owner), pp 2 × dp 2 with ZeRO-1, tp 4
+(Llama's key/value heads replicated over pairs of ranks), FSDP2 over 2 ranks × tp 2, and a checkpoint saved at
+tp 2 × dp 2 (step 10) resumed under FSDP2 there and in one process — run in one spawned world of 4."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from megakernels.parallel.launch import single_process_world
+from megakernels_models.arguments import TrainArgs
+from tests.models import muon_reference
+from tests.parallel.harness import run_world
+
+STEPS = 20
+RTOL = 1e-5
+LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
+BASE = TrainArgs(
+    preset=None,
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    seq_length=16,
+    dropout=0.0,
+    steps=STEPS,
+    micro_batch_size=2,
+    global_batch_size=8,
+    lr=5e-3,
+    min_lr=5e-4,
+    warmup_steps=2,
+    clip_grad=0.5,
+    eval_interval=0,
+    progress=False,
+    corpus_bytes=1 << 18,
+    seed=7,
+    timeout=120,
+    optimizer="muon",
+)
+FAMILY = {"gpt": {}, "llama": LLAMA}
+LAYOUTS = {
+    "tp2-dp2-zero1": ("llama", dict(tp=2, distributed_optimizer=True)),
+    "pp2-dp2-zero1": ("gpt", dict(pp=2, distributed_optimizer=True)),
+    "tp4-kv-replicated": ("llama", dict(tp=4)),
+    "fsdp2-tp2": ("gpt", dict(fsdp=True, tp=2)),
+}
+SAVE_AT = 10
+CKPT = tempfile.mkdtemp(prefix="megakernels-muon-")
+atexit.register(shutil.rmtree, CKPT, ignore_errors=True)
+
+
+def _args(model: str, **changes) -> TrainArgs:
+    return dataclasses.replace(BASE, model=model, **FAMILY[model], **changes)
+
+
+def _curve(records) -> tuple[list[float], list[float]]:
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records]
+
+
+def _assert_curve(got, ref, what: str, start: int = 0) -> None:
+    (losses, norms), (ref_losses, ref_norms) = got, ref
+    assert len(losses) == len(ref_losses) - start, what
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    torch.testing.assert_close(t(losses), t(ref_losses[start:]), rtol=RTOL, atol=0, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(t(norms), t(ref_norms[start:]), rtol=1e-4, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {model: muon_reference.run(_args(model), STEPS) for model in FAMILY}
+
+
+def _world(rank: int, world_size: int, root: str) -> dict:
+    from megakernels_models.training.train import train
+
+    out = {}
+    for name, (model, changes) in LAYOUTS.items():
+        if name == "tp2-dp2-zero1":
+            changes = dict(changes, save=os.path.join(root, model), save_interval=SAVE_AT, keep_checkpoints=3)
+        records = train(_args(model, nproc=world_size, **changes))
+        if records is not None:
+            out[name] = _curve(records)
+            out[("memory", name)] = records[0]["memory_per_param_bytes"]
+    point = os.path.join(root, "llama", f"step-{SAVE_AT:08d}")
+    records = train(_args("llama", nproc=world_size, fsdp=True, tp=2, load=point))
+    if records is not None:
+        out["resharded"] = _curve(records)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(4, _world, CKPT, timeout=900)[-1]  # the last rank logs
+
+
+@pytest.mark.parametrize("model", list(FAMILY))
+def test_single_process_equals_the_fp64_reference(references, model):
+    from megakernels_models.training.train import train
+
+    with single_process_world():
+        got = _curve(train(_args(model)))
+    _assert_curve(got, references[model], f"{model} in one process")
+    assert got[0][-1] < got[0][0] - 0.5
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_equals_the_fp64_reference(references, world, name):
+    model = LAYOUTS[name][0]
+    _assert_curve(world[name], references[model], f"{model} at {name}")
+
+
+def test_checkpoint_reshards(references, world):
+    """Saved at tp 2 × dp 2 with ZeRO-1 (step 10): resumed under FSDP2 × tp 2 in the world and in one process,
+    steps 11..20 follow the reference."""
+    from megakernels_models.training.train import train
+
+    _assert_curve(world["resharded"], references["llama"], "tp2-dp2 -> fsdp2-tp2", SAVE_AT)
+    with single_process_world():
+        got = _curve(train(_args("llama", load=os.path.join(CKPT, "llama", f"step-{SAVE_AT:08d}"))))
+    _assert_curve(got, references["llama"], "tp2-dp2 -> one process", SAVE_AT)
+
+
+def test_zero1_owns_whole_matrices(world):
+    """ZeRO-1 over dp 2 (fp32): 4 bytes of weights and 4 of gradients per parameter, and the optimizer state split
+    over the two ranks: Muon's momentum (4 bytes) for the matrices a rank owns, AdamW's moments for its shard of
+    the rest — about half of the single process's."""
+    mem = world[("memory", "tp2-dp2-zero1")]
+    with single_process_world():
+        from megakernels_models.training.train import train
+
+        one = train(_args("llama", steps=1, warmup_steps=0))[0]["memory_per_param_bytes"]
+    assert one["optimizer"] < 8.0  # Muon's matrices hold one buffer, not two
+    assert mem["optimizer"] == pytest.approx(one["optimizer"] / 2, rel=0.15)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    from megakernels_models.training.train import train
+
+    with single_process_world():
+        whole = _curve(train(_args("llama", steps=6)))
+    with single_process_world():
+        train(_args("llama", steps=6, save=str(tmp_path), save_interval=3, exit_interval=3))
+    with single_process_world():
+        resumed = _curve(train(_args("llama", steps=6, load=str(tmp_path))))
+    assert resumed[0] == whole[0][3:] and resumed[1] == whole[1][3:]
