@@ -152,3 +152,55 @@ def test_resume_is_bit_exact(tmp_path):
     with single_process_world():
         resumed = _curve(train(_args("llama", steps=6, load=str(tmp_path))))
     assert resumed[0] == whole[0][3:] and resumed[1] == whole[1][3:]
+
+
+def test_dry_run_counts_one_momentum_for_the_matrices():
+    """gpt-1.2b in bf16: AdamW's 12 bytes (fp32 master, two moments) per parameter become 8 (master, momentum) for
+    the 12·h² hidden-matrix parameters of each layer; ZeRO-1 over dp 4 divides both."""
+    from megakernels_models.cli import parse_train_args
+    from megakernels_models.planning.dryrun import report
+
+    argv = ["--preset", "gpt-1.2b", "--precision", "bf16", "--optimizer", "muon", "--dry-run"]
+    for extra, dp in (([], 1), (["--nproc", "4", "--distributed-optimizer", "--global-batch-size", "32"], 4)):
+        args = parse_train_args(argv + extra)
+        rep = report(args, out=lambda s: None)
+        cfg = args.model_config()
+        n = rep["parameters_per_device"]
+        matrices = cfg.num_layers * 12 * cfg.hidden_size**2
+        assert rep["memory_breakdown_bytes"]["optimizer"] == pytest.approx((12 * (n - matrices) + 8 * matrices) / dp)
+        assert rep["layout"]["optimizer"] == "muon"
+
+
+def test_the_dry_run_predicts_the_measured_state():
+    """The tiny Llama (fp32, one process): the optimizer bytes per parameter the trainer measures on its tensors are
+    the dry run's."""
+    from megakernels_models.planning.dryrun import report
+    from megakernels_models.training.train import train
+
+    args = _args("llama", steps=1, warmup_steps=0)
+    with single_process_world():
+        measured = train(args)[0]["memory_per_param_bytes"]
+    rep = report(dataclasses.replace(args, dry_run=True), out=lambda s: None)
+    predicted = rep["memory_breakdown_bytes"]["optimizer"] / rep["parameters_per_device"]
+    assert measured["optimizer"] == pytest.approx(predicted, rel=1e-9)
+
+
+def test_the_planner_adds_newton_schulz_to_the_step():
+    """gpt-1.2b: per layer and iteration, Q, K, V and the output projection ([h, h]: 3h³ + h³ each) and the MLP's
+    [4h, h] and [h, 4h] (3h²·4h + h³ each) — 42h³ FLOPs — at the 16-bit peak × efficiency, over tp and dp owners."""
+    from megakernels_models.cli import parse_train_args
+    from megakernels_models.planning import costs
+
+    args = parse_train_args(["--preset", "gpt-1.2b", "--precision", "bf16", "--dry-run"])
+    cfg = args.model_config()
+    meta = costs.MetaModel(cfg)
+    h, steps = cfg.hidden_size, 5
+    assert costs.muon_ns_flops(meta, 1, 1, "interleaved", steps) == [pytest.approx(cfg.num_layers * steps * 42 * h**3)]
+    device = costs.DEVICES["h100"]
+    adamw = costs.Layout(tp=2, dp=4, global_batch_size=64, micro_batch_size=2, distributed_optimizer=True)
+    muon = dataclasses.replace(adamw, optimizer="muon")
+    extra = (
+        costs.compute_parts(meta, muon, device)["optimizer_s"] - costs.compute_parts(meta, adamw, device)["optimizer_s"]
+    )
+    rate = device.tflops_16 * 1e12 * costs.gemm_efficiency(cfg, muon, device)
+    assert extra == pytest.approx(cfg.num_layers * steps * 42 * h**3 / (2 * 4) / rate)
