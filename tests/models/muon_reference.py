@@ -40,6 +40,18 @@ def logical_rows(name: str, rows: int, cfg) -> list[list[int]]:
     return [list(range(rows))]
 
 
+def tp_blocks(name: str, rows: list[int], cols: int, tp: int) -> list[tuple[list[int], slice]]:
+    """``(rows, columns)`` of each TP rank's shard of one logical matrix: a row-parallel weight (the attention and MLP
+    output projections) split by columns, the others by rows (each rank's heads, or its part of gate and up)."""
+    if tp == 1:
+        return [(rows, slice(None))]
+    if name.endswith(("attention.proj.weight", "fc2.weight", "experts.fc2")):
+        w = cols // tp
+        return [(rows, slice(r * w, (r + 1) * w)) for r in range(tp)]
+    h = len(rows) // tp
+    return [(rows[r * h : (r + 1) * h], slice(None)) for r in range(tp)]
+
+
 def is_matrix(name: str, p: torch.Tensor) -> bool:
     if p.dim() < 2:
         return False
@@ -54,11 +66,14 @@ def ce64(logits, target, vocab_size, ignore_index=-100, label_smoothing=0.0):
     ).view(target.shape)
 
 
-def run(args, steps: int) -> tuple[list[float], list[float]]:
-    """``(losses, grad_norms)`` of ``steps`` steps of ``args`` (fp32 settings, dropout 0) computed in fp64."""
+def run(args, steps: int, tp_shards: int = 1) -> tuple[list[float], list[float]]:
+    """``(losses, grad_norms)`` of ``steps`` steps of ``args`` (fp32 settings, dropout 0) computed in fp64;
+    ``tp_shards``: each logical matrix orthogonalised per shard of that many TP ranks (``--muon-tp-mode
+    shard``)."""
     import megakernels.parallel as mpu
     from megakernels.optim.lr_schedule import LRSchedule
     from megakernels.parallel.launch import single_process_world
+    from megakernels.parallel.moe import set_aux_loss_scale
     from megakernels_models.arguments import validate
     from megakernels_models.data.build import build_datasets
     from megakernels_models.data.datasets import collate, global_batch_indices
@@ -101,6 +116,7 @@ def run(args, steps: int) -> tuple[list[float], list[float]]:
         bufs = {n: torch.zeros_like(p) for n, p in mats}
         losses, norms = [], []
         mbs = args.micro_batch_size
+        set_aux_loss_scale(mbs / args.global_batch_size)  # the MoE auxiliary losses, as the trainer weighs them
         for step in range(steps):
             lr = schedule.lr_at(step + 1)
             for g in adam.param_groups:
@@ -131,10 +147,11 @@ def run(args, steps: int) -> tuple[list[float], list[float]]:
                     for e in range(u.shape[0] if stack else 1):
                         ue = u[e] if stack else u
                         oe = out[e] if stack else out
-                        for rows in logical_rows(n, ue.shape[0], cfg):
-                            part = ue[rows]
-                            m_, n_ = part.shape
-                            oe[rows] = 0.2 * math.sqrt(max(m_, n_)) * ns64(part, args.muon_ns_steps)
+                        for logical in logical_rows(n, ue.shape[0], cfg):
+                            for rows, cols in tp_blocks(n, logical, ue.shape[1], tp_shards):
+                                part = ue[rows][:, cols]
+                                m_, n_ = part.shape
+                                oe[rows, cols] = 0.2 * math.sqrt(max(m_, n_)) * ns64(part, args.muon_ns_steps)
                     p.mul_(1 - lr * args.weight_decay).sub_(lr * out)
             adam.step()
         return losses, norms
