@@ -12,6 +12,10 @@ smaller one)::
 with the quintic coefficients ``(a, b, c)`` (default ``(3.4445, -4.7750, 2.0315)``): the singular values of ``X``
 are driven towards [0.7, 1.2] while its singular vectors stay those of ``G`` (``U Vᵀ`` up to that spread).
 
+``newton_schulz`` runs the fused kernels, which compute the symmetric products' lower triangle only (about 2/3 of
+the plain iteration's FLOPs for a square X) and fold the polynomial's additions into the products' epilogues:
+Triton on CUDA (``megakernels.triton.muon``; on CPU tensors under backend ``cuda_emu`` through Triton's
+interpreter), the C++ kernel on the CPU (``csrc/muon``: fp32; other dtypes take the plain iteration).
 ``newton_schulz_reference`` is the plain ``torch`` iteration, the reference the kernels are tested against.
 """
 
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+import megakernels._lib  # noqa: F401  (registers torch.ops.megakernels.*)
+from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -81,6 +87,30 @@ def newton_schulz_reference(
     return (X.mT if tall else X).contiguous()
 
 
+@torch.library.register_fake("megakernels::newton_schulz_cpu")
+def _newton_schulz_cpu_fake(x, steps, a, b, c, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("megakernels::newton_schulz", mutates_args=())
+def _newton_schulz(
+    x: torch.Tensor, steps: int, a: float, b: float, c: float, eps: float, emulate: bool
+) -> torch.Tensor:
+    """The iteration on ``x`` ``[batch, rows, cols]`` in x's dtype (the dispatch of the module docstring)."""
+    if runs_triton("newton_schulz", x, emulate):
+        from megakernels.triton import muon as kernels
+
+        return kernels.newton_schulz(x, steps, (a, b, c), eps)
+    if x.dtype == torch.float32:
+        return torch.ops.megakernels.newton_schulz_cpu(x.contiguous(), steps, a, b, c, eps)
+    return newton_schulz_reference(x, steps, (a, b, c), eps)
+
+
+@_newton_schulz.register_fake
+def _(x, steps, a, b, c, eps, emulate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def newton_schulz(
     x: torch.Tensor,
     steps: int = 5,
@@ -88,7 +118,7 @@ def newton_schulz(
     eps: float = EPS,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Muon's orthogonalisation of a batch of matrices (module docstring).
+    """Muon's orthogonalisation of a batch of matrices (module docstring), by the fused kernels.
 
     Args:
         x: ``[..., m, n]`` (any leading batch dims), float32/float16/bfloat16/float64, CPU or CUDA.
@@ -96,9 +126,20 @@ def newton_schulz(
         dtype: the iteration's dtype (default x's): bfloat16 on the GPU is Muon's usual choice.
 
     Returns:
-        ``[..., m, n]`` in ``dtype``.
+        ``[..., m, n]`` in ``dtype``, contiguous.
 
     Raises:
-        TypeError / ValueError: naming the argument (``check_input``).
+        TypeError / ValueError: naming the argument (``check_input``); ValueError: a backend that cannot take x.
     """
-    return newton_schulz_reference(x, steps, coefficients, eps, dtype)
+    steps, (a, b, c), eps = check_input("newton_schulz", x, steps, coefficients, eps)
+    dtype = dtype or x.dtype
+    if dtype not in _DTYPES:
+        raise TypeError(f"newton_schulz: dtype must be float32, float16, bfloat16 or float64, got {dtype}")
+    emulate = emulate_for("newton_schulz", x)
+    shape = x.shape
+    if x.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=x.device)
+    flat = x.to(dtype).reshape(-1, shape[-2], shape[-1])
+    if runs_triton("newton_schulz", flat, emulate) and dtype == torch.float64:
+        return newton_schulz_reference(x, steps, (a, b, c), eps, dtype)  # the GPU kernels take no fp64
+    return _newton_schulz(flat, steps, a, b, c, eps, emulate).reshape(shape)

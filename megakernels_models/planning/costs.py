@@ -846,7 +846,7 @@ def muon_ns_flops(model_key, pp: int, vpp: int, placement: str, steps: int) -> l
             continue
         blocks = split_matrices(p, layout_of(p), "projection")
         m, n = sorted(blocks.shape[-2:])
-        flops = blocks.shape[0] * steps * (3.0 * m * m * n + m**3)
+        flops = blocks.shape[0] * steps * (3.0 * m * m * n + m * m * m)
         layer = name.split(".")[1] if name.startswith(("layers.", "cross.")) else None
         out[owner[int(layer)] if layer is not None else 0] += flops
     return out
