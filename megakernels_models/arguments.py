@@ -318,6 +318,13 @@ class _Settings:
         OPTIM,
         choices=MUON_TP_MODES,
     )
+    muon_clip_tau: float = setting(
+        0.0,
+        "MuonClip (Kimi K2's qk-clip; any --optimizer): after each step, heads whose largest attention logit of "
+        "the step exceeded this get their query/key projections scaled down to it (0: off; Kimi K2 used 100)",
+        OPTIM,
+        metavar="TAU",
+    )
     muon_ns_dtype: str = setting(
         "auto",
         "Newton-Schulz arithmetic: auto (bf16 on CUDA, fp32 on the CPU), bf16 or fp32",
@@ -768,8 +775,20 @@ def _check_sharding(a: TrainArgs) -> None:
         raise ArgumentError(f"--fsdp-degree {a.fsdp_degree} needs --fsdp or --zero 2")
 
 
-def _check_muon(a: TrainArgs) -> None:
-    """Muon's settings: a momentum in [0, 1), at least one Newton-Schulz step, the device optimizer."""
+def _check_muon(a: TrainArgs, cfg: ModelConfig) -> None:
+    """Muon's settings: a momentum in [0, 1), at least one Newton-Schulz step, the device optimizer; MuonClip's tau
+    >= 0, on whole sequences (no context parallelism) of a model without per-head q/k norms."""
+    tau = finite_number(a.muon_clip_tau, "--muon-clip-tau", error=ArgumentError)
+    if tau < 0:
+        raise ArgumentError(f"--muon-clip-tau must be >= 0 (0: off), got {tau}")
+    if tau > 0 and a.cp > 1:
+        raise ArgumentError(
+            f"--muon-clip-tau measures each head's logits over whole sequences; --cp {a.cp} splits them over a ring"
+        )
+    if tau > 0 and getattr(cfg, "qk_norm", False):
+        raise ArgumentError(
+            "--muon-clip-tau scales the query/key projections, which a per-head q/k RMSNorm (qk_norm) undoes"
+        )
     if a.optimizer != "muon":
         return
     if not 0.0 <= finite_number(a.muon_momentum, "--muon-momentum", error=ArgumentError) < 1.0:
@@ -1022,7 +1041,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError("--device cuda: no CUDA device is available")
     _check_sharding(a)
     _check_schedule(a)
-    _check_muon(a)
+    _check_muon(a, cfg)
     validate_layout(a, cfg)
     _check_packing(a, cfg)
     _check_post_training(a, cfg)

@@ -267,7 +267,12 @@ def _run_core(module: nn.Module, q, k, v, mask):
 
 def _attend(module: nn.Module, q, k, v, mask):
     """The attention core on ``[b, s, heads, d]`` q, k, v: the module's core, or ring attention over the context-
-    parallel group; recomputed in backward with selective recomputation."""
+    parallel group; recomputed in backward with selective recomputation. A block tracked by qk-clip
+    (``megakernels.optim.qk_clip.track``) first raises its maximum logit per head, while training."""
+    if module.training and getattr(module, "max_logits", None) is not None:
+        from megakernels.optim import qk_clip
+
+        qk_clip.observe(module, q, k, mask)
     if module.recompute and torch.is_grad_enabled():
         return checkpoint(_run_core, module, q, k, v, mask)
     return _run_core(module, q, k, v, mask)

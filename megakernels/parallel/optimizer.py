@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megakernels.ops import multi_tensor as _mt
+from megakernels.optim import qk_clip
 from megakernels.optim.adamw import FusedAdamW
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
@@ -115,6 +116,10 @@ class ParallelOptimizer:
         muon_params: with ``"muon"``, the params Muon steps: a predicate on a param, or None for
             ``megakernels.optim.muon.is_muon_matrix`` over the wrapped modules (hidden matrices; not embeddings,
             output tables or routers).
+        qk_clip_tau: > 0: MuonClip (``megakernels.optim.qk_clip``): every step measures each attention head's
+            largest logit (its maximum over the data- and context-parallel ranks) and, after the update, scales
+            the query/key rows of the heads above ``tau`` in the masters and params; ``max_logit`` and
+            ``clipped_heads`` report the step's (over the whole world). Any optimizer; 0: off.
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
@@ -140,6 +145,7 @@ class ParallelOptimizer:
         optimizer: str = "adamw",
         muon: MuonOptions | None = None,
         muon_params=None,
+        qk_clip_tau: float = 0.0,
     ) -> None:
         cls = type(self).__name__
         if optimizer not in OPTIMIZERS:
@@ -221,6 +227,15 @@ class ParallelOptimizer:
                 {piece.main: piece.flat for piece in adam_masters},
                 {m: g for m, g in self._half_grads.items() if m in {piece.main for piece in adam_masters}},
             )
+        self.qk_clip_tau = finite_number(qk_clip_tau, "qk_clip_tau", where=cls)
+        self.max_logit, self.clipped_heads = None, None
+        self._clipped = []
+        if self.qk_clip_tau > 0:
+            if not self.models:
+                raise ValueError(f"{cls}: qk_clip_tau needs the wrapped models (their attention blocks)")
+            for m in self.models:
+                qk_clip.check(m.module)
+                self._clipped += qk_clip.track(m.module)
         # under FSDP no data-parallel buckets to copy early: every gradient shard is copied at step time
         models = [] if self.fsdp else self.models
         self._copies = HostCopies(self.pieces, models, self.device) if self.offload else None
@@ -436,6 +451,8 @@ class ParallelOptimizer:
         else:
             # also rounds the masters into the params (set_rounded_copies)
             self._adam.step(grad_scale=divisor, found_inf=found_inf, check=check)
+        if self.qk_clip_tau > 0 and math.isfinite(norm.item()):
+            self._qk_clip()
         if self.distributed:
             for work in [w for m in self.models for w in m.start_param_sync()]:
                 work.wait()
@@ -444,6 +461,38 @@ class ParallelOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(not stepped)
         return stepped, norm_value
+
+    def _qk_clip(self) -> None:
+        """MuonClip on this rank's masters (the module docstring of ``megakernels.optim.qk_clip``): the maxima over
+        the data- and context-parallel ranks, then each clipped head's rows scaled in the pieces this rank holds."""
+        mods = self._clipped
+        local = torch.cat([m.max_logits for m in mods]) if mods else torch.zeros(0, device=self.device)
+        if local.numel() and state.is_initialized() and state.dp_cp_size() > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.dp_cp_group())
+        pieces = {piece.param: piece for piece in self.pieces}
+        at, clipped = 0, 0
+        for m in mods:
+            logits = local[at : at + m.local_heads]
+            at += m.local_heads
+            gamma = qk_clip.gammas(logits, self.qk_clip_tau)
+            clipped += int((gamma < 1).sum())
+            for p, scale in qk_clip.row_scales(m, gamma):
+                piece = pieces.get(p)
+                if piece is None:
+                    continue
+                qk_clip.scale_rows_(piece.main, scale, piece.lo, p.numel() // p.shape[0])
+                if piece.main is not piece.flat:
+                    piece.flat.copy_(piece.main)
+        summary = torch.tensor(
+            [float(local.max()) if local.numel() else float("-inf"), float(clipped)], device=self.device
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:  # the step's largest logit over every stage and rank
+            best = summary[:1].clone()
+            dist.all_reduce(best, op=dist.ReduceOp.MAX)
+            dist.all_reduce(summary[1:], op=dist.ReduceOp.SUM)  # each head once per data/context-parallel replica
+            summary[0] = best[0]
+            summary[1] /= state.dp_cp_size() if state.is_initialized() else 1
+        self.max_logit, self.clipped_heads = float(summary[0]), round(float(summary[1]))
 
     def wait_params(self) -> None:
         """With ``offload``: make the current stream wait until the updated params are on the device (the next
@@ -455,6 +504,8 @@ class ParallelOptimizer:
     def zero_grad(self) -> None:
         """Start a new step's gradients: ``zero_grad_buffer()`` of every DDP wrapper (the buffers count as zero; a
         param's first gradient is copied in), else zero every ``main_grad``."""
+        for m in self._clipped:  # the maxima of the step about to run
+            m.max_logits.zero_()
         if self.models:
             for m in self.models:
                 m.zero_grad_buffer()

@@ -279,6 +279,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
         offload=args.offload_optimizer,
         optimizer=args.optimizer,
         muon=muon_options(args) if args.optimizer == "muon" else None,
+        qk_clip_tau=args.muon_clip_tau,
     )
     lr_schedule = LRSchedule(
         args.lr,
@@ -366,6 +367,11 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                         "elapsed_s": time.perf_counter() - t_start,
                         "skipped": not stepped,
                         **(moe or {}),
+                        **(
+                            {"max_logit": opt.max_logit, "clipped_heads": opt.clipped_heads}
+                            if args.muon_clip_tau > 0
+                            else {}
+                        ),
                     }
                     if args.dpo:
                         rec["dpo_loss"] = rec["loss"]

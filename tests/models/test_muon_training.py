@@ -5,8 +5,9 @@ the run measures is the one the dry run predicts.
 The layouts — tp 2 × dp 2 with ZeRO-1 (TP-split matrices gathered to their owner), pp 2 × dp 2 with ZeRO-1,
 FSDP2 over 2 ranks × tp 2, the mixture-of-experts Llama at ep 2 × dp 4 with ZeRO-1 (each expert's matrices on their
 own), ``--muon-tp-mode shard`` at tp 2 (against the reference orthogonalising per TP shard), and a checkpoint saved
-at tp 2 × dp 2 (step 10) resumed under FSDP2 there and in one process — run in one spawned world of 4; tp 4 (Llama's
-key/value heads replicated over pairs of ranks) in one of its own, under the ``slow`` marker."""
+at tp 2 × dp 2 (step 10) resumed under FSDP2 there and in one process, and MuonClip at tp 2 × dp 2 with ZeRO-1
+against the single process with it — run in one spawned world of 4; tp 4 (Llama's key/value heads replicated over
+pairs of ranks) in one of its own, under the ``slow`` marker."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ BASE = TrainArgs(
     optimizer="muon",
 )
 MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+CLIP_TAU = 0.08
 FAMILY = {"gpt": ("gpt", {}), "llama": ("llama", LLAMA), "llama-moe": ("llama", {**LLAMA, **MOE})}
 LAYOUTS = {
     "tp2-dp2-zero1": ("llama", dict(tp=2, distributed_optimizer=True)),
@@ -56,7 +58,10 @@ LAYOUTS = {
     "fsdp2-tp2": ("gpt", dict(fsdp=True, tp=2)),
     "ep2-dp4-zero1": ("llama-moe", dict(ep=2, distributed_optimizer=True)),  # experts' owners over their dp pair
     "tp2-dp2-shard": ("llama", dict(tp=2, muon_tp_mode="shard")),  # against the reference's per-shard form
+    # MuonClip on the grouped-query Llama, against the single process with it (tau: below its largest logits)
+    "tp2-dp2-zero1-clip": ("llama", dict(tp=2, distributed_optimizer=True, muon_clip_tau=CLIP_TAU)),
 }
+CLIPPED = {"tp2-dp2-zero1-clip"}
 # the slow set (``-m slow``): a world of its own
 SLOW_LAYOUTS = {"tp4-kv-replicated": ("llama", dict(tp=4))}  # key/value heads replicated over pairs of TP ranks
 SHARDED = {"tp2-dp2-shard": 2}  # layouts whose reference orthogonalises per shard of this many TP ranks
@@ -101,6 +106,7 @@ def _world(rank: int, world_size: int, root: str, layouts=None) -> dict:
         if records is not None:
             out[name] = _curve(records)
             out[("memory", name)] = records[0]["memory_per_param_bytes"]
+            out[("clip", name)] = [(r.get("max_logit"), r.get("clipped_heads")) for r in records]
     if layouts is not None:
         return out
     point = os.path.join(root, "llama", f"step-{SAVE_AT:08d}")
@@ -130,7 +136,29 @@ def test_single_process_equals_the_fp64_reference(references, model):
     assert got[0][-1] < got[0][0] - 0.5
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.fixture(scope="module")
+def clipped_single():
+    """The single process's curve and clipping log with MuonClip (no fp64 reference holds it)."""
+    from megakernels_models.training.train import train
+
+    with single_process_world():
+        records = train(_args("llama", muon_clip_tau=CLIP_TAU))
+    return _curve(records), [(r["max_logit"], r["clipped_heads"]) for r in records]
+
+
+def test_muon_clip_equals_the_single_process(clipped_single, world):
+    curve, clips = clipped_single
+    assert sum(n for _, n in clips) > 0 and max(m for m, _ in clips) > CLIP_TAU  # it clipped
+    name = "tp2-dp2-zero1-clip"
+    _assert_curve(world[name], curve, f"llama at {name}")
+    got = world[("clip", name)]
+    assert [n for _, n in got] == [n for _, n in clips]
+    torch.testing.assert_close(
+        torch.tensor([m for m, _ in got]), torch.tensor([m for m, _ in clips]), rtol=1e-5, atol=0
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in CLIPPED])
 def test_layout_equals_the_fp64_reference(references, world, name):
     model = LAYOUTS[name][0]
     _assert_curve(world[name], references[name if name in SHARDED else model], f"{model} at {name}")
