@@ -154,7 +154,7 @@ class MuonPart:
             self._seg_of[id(group)] = max(seg)
             for e in entries:
                 if e.owner == me:
-                    e.momentum = torch.zeros(e.shape, dtype=torch.float32, device=_device(e.param))
+                    e.momentum = torch.zeros(e.shape, dtype=torch.float32, device=e.param.device)
         gathered = [e for e in self.owned() if e.gathered]
         tp = state.tp_size() if state.is_initialized() else 1
         for e, t in zip(gathered, _balance([e.numel for e in gathered], tp)):
@@ -193,7 +193,7 @@ class MuonPart:
                 continue
             world, me = dist.get_world_size(group), dist.get_rank(group)
             seg = self._seg_of[id(group)]
-            dev = _device(entries[0].param)
+            dev = entries[0].param.device
             send = torch.zeros(seg, dtype=torch.float32, device=dev)
             for e in entries:
                 lo, hi = e.ranges[me]
@@ -272,7 +272,7 @@ class MuonPart:
                 continue
             world, me = dist.get_world_size(group), dist.get_rank(group)
             seg = self._seg_of[id(group)]
-            dev = _device(entries[0].param)
+            dev = entries[0].param.device
             send = torch.zeros(world, seg, dtype=torch.float32, device=dev)
             for e in entries:
                 if e.owner != me:
@@ -315,10 +315,6 @@ def _step_piece(piece, update: torch.Tensor, lr: float, weight_decay: float) -> 
     main.mul_(1.0 - lr * weight_decay).add_(update.to(main.device), alpha=-lr)
     if main is not piece.flat and main.data_ptr() != piece.flat.data_ptr():
         piece.flat.copy_(main)
-
-
-def _device(p) -> torch.device:
-    return p.device
 
 
 def _dev(inputs: dict) -> torch.device:
