@@ -62,11 +62,11 @@ def main(argv=None) -> int:
                     {
                         "preset": preset,
                         "optimizer": optimizer,
-                        "lr": lr,
+                        "lr": f"{lr:g}",  # a setting (a string), not a figure of the run
                         "train_loss": last["loss"],
                         "val_loss": last["val_loss"],
-                        "seconds": seconds,
-                        "losses": [r["loss"] for r in records],
+                        "wall_s": seconds,
+                        "train_losses": [r["loss"] for r in records],
                     }
                 )
                 print(
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             best = min(
                 (r for r in rows if r["preset"] == preset and r["optimizer"] == optimizer), key=lambda r: r["val_loss"]
             )
-            print(f"{preset:>12} {optimizer:>9} lr {best['lr']:.0e}: {best['val_loss']:.4f}")
+            print(f"{preset:>12} {optimizer:>9} lr {best['lr']}: {best['val_loss']:.4f}")
     write_json(ns.out, "muon_vs_adamw.json", {"machine": info, "settings": vars(ns), "results": rows})
     return 0
 
