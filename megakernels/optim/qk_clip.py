@@ -5,8 +5,9 @@ Measurement. ``track(model)`` gives every self-attention block of ``model`` (``m
 ``ParallelSelfAttention`` and ``ParallelGroupedQueryAttention``) a running maximum per local head, ``max_logits``
 (fp32 ``[heads]``), which each training forward raises to ``max_{i, j} scale * q_i · k_j`` over the pairs the
 attention lets through (causality, the sliding window, packed documents, padding). It is a separate pass of its own
-(``max_logits``: one ``q kᵀ`` in fp32, a chunk of queries at a time, without gradients) beside the attention core,
-which never materialises the logits: about the cost of the core's first product, paid only with clipping on.
+(``megakernels.ops.attention_logits.max_logits``: one ``q kᵀ`` in fp32, a chunk of queries at a time, without
+gradients) beside the attention core, which never materialises the logits: about the cost of the core's first
+product, paid only with clipping on.
 
 Clipping. With ``gamma_h = min(1, tau / max_logit_h)`` per head: a head of multi-head attention scales its query
 and key rows (and biases) by ``sqrt(gamma_h)`` (Kimi K2's split); under grouped-query attention a key head serves
@@ -19,8 +20,6 @@ scale-invariant and cannot be clipped this way (``check``). The optimizer state 
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -54,74 +53,6 @@ def track(model: nn.Module) -> list[nn.Module]:
     for m in mods:
         m.max_logits = torch.zeros(m.local_heads, dtype=torch.float32, device=m.proj.weight.device)
     return mods
-
-
-def max_logits(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: float | None = None,
-    causal: bool = False,
-    window: int | None = None,
-    mask: torch.Tensor | None = None,
-    documents: torch.Tensor | None = None,
-    chunk: int = 256,
-) -> torch.Tensor:
-    """The largest attention logit per head: ``max scale * q_i · k_j`` over the batch and the (query, key) pairs the
-    attention lets through (-inf for a head whose queries see no key).
-
-    Args:
-        q: ``[b, sq, heads, d]``; k: ``[b, sk, kv_heads, d]`` (kv_heads dividing heads: each serves a group).
-        scale: the softmax scale (default ``1 / sqrt(d)``). causal, window: as ``ops.flash_attention``'s
-            (bottom-right aligned). mask: bool, True = masked out, broadcastable to ``[b, heads, sq, sk]``.
-            documents: int ``[b, s]`` document ids (a query sees keys of its own document only).
-        chunk: queries per product (bounds the ``[b, heads, chunk, sk]`` fp32 buffer).
-
-    Returns:
-        fp32 ``[heads]``.
-    """
-    from megakernels.ops.attention import window_mask
-
-    b, sq, heads, d = q.shape
-    sk, kv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    kf = k.detach().float().repeat_interleave(heads // kv, dim=2) if kv != heads else k.detach().float()
-    hidden = window_mask(sq, sk, causal, window, device=q.device)
-    best = torch.full((heads,), float("-inf"), dtype=torch.float32, device=q.device)
-    for i0 in range(0, sq, chunk):
-        i1 = min(sq, i0 + chunk)
-        s = torch.einsum("bqhd,bkhd->bhqk", q[:, i0:i1].detach().float(), kf) * scale
-        off = torch.zeros((), dtype=torch.bool, device=q.device)
-        if hidden is not None:
-            off = off | hidden[i0:i1]
-        if mask is not None:
-            m = mask.expand(b, heads, sq, sk) if mask.dim() == 4 else mask
-            off = off | m[..., i0:i1, :]
-        if documents is not None:
-            ids = documents.to(q.device)
-            off = off | (ids[:, None, i0:i1, None] != ids[:, None, None, :])
-        s = s.masked_fill(off, float("-inf"))
-        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
-    return best
-
-
-def observe(module: nn.Module, q, k, mask) -> None:
-    """Raise ``module.max_logits`` by this forward's logits (called by the attention blocks; ``mask``: None, a
-    boolean mask or a ``DocumentMask``)."""
-    from megakernels.nn.attention import DocumentMask
-
-    core = module.core
-    documents = mask.ids if isinstance(mask, DocumentMask) else None
-    with torch.no_grad():
-        got = max_logits(
-            q,
-            k,
-            getattr(core, "softmax_scale", None),
-            getattr(core, "causal", module.causal),
-            getattr(module, "window", None),
-            None if documents is not None else mask,
-            documents,
-        )
-        module.max_logits = torch.maximum(module.max_logits, got)
 
 
 def gammas(max_logit: torch.Tensor, tau: float) -> torch.Tensor:

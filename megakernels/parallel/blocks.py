@@ -265,14 +265,33 @@ def _run_core(module: nn.Module, q, k, v, mask):
     return module.core(q, k, v, **kwargs)
 
 
+def _observe_logits(module: nn.Module, q, k, mask) -> None:
+    """Raise ``module.max_logits`` by this forward's logits (called by the attention blocks; ``mask``: None, a
+    boolean mask or a ``DocumentMask``)."""
+    from megakernels.nn.attention import DocumentMask
+    from megakernels.ops.attention_logits import max_logits
+
+    core = module.core
+    documents = mask.ids if isinstance(mask, DocumentMask) else None
+    with torch.no_grad():
+        got = max_logits(
+            q,
+            k,
+            getattr(core, "softmax_scale", None),
+            getattr(core, "causal", module.causal),
+            getattr(module, "window", None),
+            None if documents is not None else mask,
+            documents,
+        )
+        module.max_logits = torch.maximum(module.max_logits, got)
+
+
 def _attend(module: nn.Module, q, k, v, mask):
     """The attention core on ``[b, s, heads, d]`` q, k, v: the module's core, or ring attention over the context-
     parallel group; recomputed in backward with selective recomputation. A block tracked by qk-clip
     (``megakernels.optim.qk_clip.track``) first raises its maximum logit per head, while training."""
     if module.training and getattr(module, "max_logits", None) is not None:
-        from megakernels.optim import qk_clip
-
-        qk_clip.observe(module, q, k, mask)
+        _observe_logits(module, q, k, mask)
     if module.recompute and torch.is_grad_enabled():
         return checkpoint(_run_core, module, q, k, v, mask)
     return _run_core(module, q, k, v, mask)

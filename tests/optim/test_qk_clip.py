@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megakernels.ops import attention_logits
 from megakernels.optim import qk_clip
 from megakernels.parallel.launch import single_process_world
 
@@ -56,7 +57,7 @@ def test_max_logits_match_the_masked_logits(causal, window, masking, kv):
     if masking == "documents":
         documents = torch.tensor([[0] * 5 + [1] * 8, [0] * 2 + [1] * 6 + [2] * 5])
     scale = 0.3
-    got = qk_clip.max_logits(q, k, scale, causal, window, mask, documents, chunk=4)
+    got = attention_logits.max_logits(q, k, scale, causal, window, mask, documents, chunk=4)
     want = _logits_reference(q, k, scale, causal, window, mask, documents)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
