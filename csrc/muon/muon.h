@@ -18,9 +18,9 @@ namespace megakernels {
 namespace muon {
 
 struct NSArgs {
-  const float* x;   // [batch, rows, cols], contiguous
-  float* out;       // [batch, rows, cols]
-  float* work;      // ns_workspace_floats(a) floats
+  const float* x;  // [batch, rows, cols], contiguous
+  float* out;      // [batch, rows, cols]
+  float* work;     // ns_workspace_floats(a) floats
   int64_t batch, rows, cols;
   int64_t steps;
   float a, b, c, eps;
@@ -29,14 +29,14 @@ struct NSArgs {
 // The phases, in the order the caller runs them: kPrepare once, then per iteration kTranspose .. kUpdate, then
 // kFinish. ns_items gives each one's item count.
 enum Phase : int {
-  kPrepare = 0,   // per matrix: normalise into X (transposed if tall), zero the padding of every buffer
-  kTranspose,     // per matrix: Xᵀ of the current X
-  kGram,          // per row tile: the lower tiles of A = X Xᵀ
-  kMirrorGram,    // per matrix: A's upper triangle from its lower one
-  kPoly,          // per row tile: the lower tiles of B = c A A + b A
-  kMirrorPoly,    // per matrix: B's upper triangle
-  kUpdate,        // per row tile: the next X = B X + a X
-  kFinish,        // per matrix: out = X (transposed back if tall)
+  kPrepare = 0,  // per matrix: normalise into X (transposed if tall), zero the padding of every buffer
+  kTranspose,    // per matrix: Xᵀ of the current X
+  kGram,         // per row tile: the lower tiles of A = X Xᵀ
+  kMirrorGram,   // per matrix: A's upper triangle from its lower one
+  kPoly,         // per row tile: the lower tiles of B = c A A + b A
+  kMirrorPoly,   // per matrix: B's upper triangle
+  kUpdate,       // per row tile: the next X = B X + a X
+  kFinish,       // per matrix: out = X (transposed back if tall)
 };
 
 }  // namespace muon

@@ -104,8 +104,7 @@ __attribute__((noinline)) void tile(const float* a, const float* b, float* const
 }
 
 template <int NV>
-inline void tile(const float* a, const float* b, float* const* crow, int rows, int64_t col, int64_t kdim,
-                 bool first) {
+inline void tile(const float* a, const float* b, float* const* crow, int rows, int64_t col, int64_t kdim, bool first) {
   if (first)
     tile<NV, true>(a, b, crow, rows, col, kdim);
   else
@@ -154,8 +153,7 @@ void row_block(const float* a, int64_t lda, const float* b, int64_t ldb, float* 
     for (int64_t col = 0; col < width; col += kCols) {
       const int64_t nv = std::min<int64_t>(kVectors, (width - col) / kLanes);
       const int64_t pw = nv * kLanes;
-      for (int64_t k = 0; k < kd; ++k)
-        std::memcpy(bpack.data() + k * pw, b + (k0 + k) * ldb + col, sizeof(float) * pw);
+      for (int64_t k = 0; k < kd; ++k) std::memcpy(bpack.data() + k * pw, b + (k0 + k) * ldb + col, sizeof(float) * pw);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t i0 = i_begin + t * kRows;
         const int rows = int(std::min<int64_t>(kRows, i_end - i0));
@@ -169,19 +167,11 @@ void row_block(const float* a, int64_t lda, const float* b, int64_t ldb, float* 
         const float* bp = bpack.data();
         switch (nv) {
 #if defined(MK_TARGET_AVX512)
-          case 4:
-            tile<4>(ap, bp, crow, rows, col, kd, first);
-            break;
-          case 3:
-            tile<3>(ap, bp, crow, rows, col, kd, first);
-            break;
+          case 4: tile<4>(ap, bp, crow, rows, col, kd, first); break;
+          case 3: tile<3>(ap, bp, crow, rows, col, kd, first); break;
 #endif
-          case 2:
-            tile<2>(ap, bp, crow, rows, col, kd, first);
-            break;
-          default:
-            tile<1>(ap, bp, crow, rows, col, kd, first);
-            break;
+          case 2: tile<2>(ap, bp, crow, rows, col, kd, first); break;
+          default: tile<1>(ap, bp, crow, rows, col, kd, first); break;
         }
         if (last) epilogue(crow, dp, rows, col, pw, alpha, beta);
       }
@@ -249,10 +239,8 @@ int64_t ns_items(const NSArgs& a, int phase) {
   switch (phase) {
     case muon::kGram:
     case muon::kPoly:
-    case muon::kUpdate:
-      return a.batch * blocks;
-    default:
-      return a.batch;
+    case muon::kUpdate: return a.batch * blocks;
+    default: return a.batch;
   }
 }
 
@@ -266,23 +254,12 @@ void ns_run(const NSArgs& a, int phase, int64_t iteration, int64_t begin, int64_
     const float* x = buf.x[iteration % 2];
     if (per_matrix) {
       switch (phase) {
-        case muon::kPrepare:
-          prepare(a, d, matrix);
-          break;
-        case muon::kTranspose:
-          transpose(x, d.np, buf.xt, d.mp, d.m, d.n);
-          break;
-        case muon::kMirrorGram:
-          mirror(buf.gram, d.mp, d.m);
-          break;
-        case muon::kMirrorPoly:
-          mirror(buf.poly, d.mp, d.m);
-          break;
-        case muon::kFinish:
-          finish(a, d, matrix);
-          break;
-        default:
-          break;
+        case muon::kPrepare: prepare(a, d, matrix); break;
+        case muon::kTranspose: transpose(x, d.np, buf.xt, d.mp, d.m, d.n); break;
+        case muon::kMirrorGram: mirror(buf.gram, d.mp, d.m); break;
+        case muon::kMirrorPoly: mirror(buf.poly, d.mp, d.m); break;
+        case muon::kFinish: finish(a, d, matrix); break;
+        default: break;
       }
       continue;
     }
