@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 
 # Modules of this package that register entries (imported on first use).
-FAMILY_MODULES = ["attention", "streaming", "elementwise", "gemm", "fp8"]
+FAMILY_MODULES = ["attention", "streaming", "elementwise", "gemm", "fp8", "muon"]
 
 _BUILDERS: list[Callable[[], list]] = []
 

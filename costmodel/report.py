@@ -106,7 +106,7 @@ def run(indices: list[int], jobs: int = 1, log=print) -> list[dict]:
     return _print(entries, indices, (_evaluate(i) for i in indices), log)
 
 
-MMA_FAMILIES = ("attention", "moe")  # held against the dense bf16 MMA peak, the rest against copy bandwidth
+MMA_FAMILIES = ("attention", "moe", "muon")  # held against the dense bf16 MMA peak, the rest against copy bandwidth
 FP8_FAMILIES = ("fp8",)  # the FP8 GEMMs: against the dense FP8 MMA peak
 
 

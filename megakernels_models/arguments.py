@@ -18,6 +18,10 @@ from megakernels.nn.attention import ATTENTION_CORES
 from megakernels.ops.fp8 import RECIPES
 from megakernels.ops.post_training import GRPO_LOSSES, PREFERENCE_LOSSES
 from megakernels.optim.lr_schedule import STYLES as LR_STYLES
+from megakernels.optim.muon import LR_SCALES as MUON_LR_SCALES
+from megakernels.optim.muon import SPLITS as MUON_SPLITS
+from megakernels.parallel.muon import TP_MODES as MUON_TP_MODES
+from megakernels.parallel.optimizer import OPTIMIZERS
 from megakernels.parallel.pipeline.schedules import TRAINER_SCHEDULES, ZERO_BUBBLE
 from megakernels.precisions import DTYPES, PRECISIONS
 from megakernels.validation import finite_number, positive_int
@@ -282,6 +286,50 @@ class _Settings:
         "fp32 masters and Adam moments in host memory, stepped by the C++ CPU "
         "AdamW (each ZeRO-1 rank offloads its shard; with --fsdp / --zero 2 each rank its FSDP shard)",
         OPTIM,
+    )
+    # Muon (megakernels.optim.muon; in the trainer megakernels.parallel.muon): the hidden matrices' optimizer
+    optimizer: str = setting(
+        "adamw",
+        "adamw, or muon: Newton-Schulz-orthogonalised momentum for the hidden matrices (AdamW for embeddings, "
+        "output layer, routers, norms and biases), both at --lr and --weight-decay",
+        OPTIM,
+        choices=OPTIMIZERS,
+    )
+    muon_momentum: float = setting(0.95, "Muon's momentum", OPTIM)
+    muon_nesterov: bool = setting(True, "Muon without the Nesterov look-ahead", OPTIM, flag="--no-muon-nesterov")
+    muon_ns_steps: int = setting(5, "Newton-Schulz iterations per Muon step", OPTIM)
+    muon_lr_scale: str = setting(
+        "match_rms_adamw",
+        "Muon's update scale per matrix [m, n]: match_rms_adamw 0.2*sqrt(max(m, n)) (Moonlight: AdamW's update "
+        "RMS, so AdamW's --lr carries over), original sqrt(max(1, m/n)), spectral_unclamped sqrt(m/n)",
+        OPTIM,
+        choices=MUON_LR_SCALES,
+    )
+    muon_split: str = setting(
+        "projection",
+        "fused QKV and gate/up weights orthogonalised per projection, per head, or as one matrix (none)",
+        OPTIM,
+        choices=MUON_SPLITS,
+    )
+    muon_tp_mode: str = setting(
+        "exact",
+        "a tensor-parallel matrix gathered to one rank and orthogonalised whole (exact), or each rank's shard on "
+        "its own (shard: an approximation, no gather)",
+        OPTIM,
+        choices=MUON_TP_MODES,
+    )
+    muon_clip_tau: float = setting(
+        0.0,
+        "MuonClip (Kimi K2's qk-clip; any --optimizer): after each step, heads whose largest attention logit of "
+        "the step exceeded this get their query/key projections scaled down to it (0: off; Kimi K2 used 100)",
+        OPTIM,
+        metavar="TAU",
+    )
+    muon_ns_dtype: str = setting(
+        "auto",
+        "Newton-Schulz arithmetic: auto (bf16 on CUDA, fp32 on the CPU), bf16 or fp32",
+        OPTIM,
+        choices=("auto", "bf16", "fp32"),
     )
     # data
     data: str | None = setting(None, "PREFIX[,WEIGHT,PREFIX...] (default: the Python standard library's sources)", DATA)
@@ -727,6 +775,31 @@ def _check_sharding(a: TrainArgs) -> None:
         raise ArgumentError(f"--fsdp-degree {a.fsdp_degree} needs --fsdp or --zero 2")
 
 
+def _check_muon(a: TrainArgs, cfg: ModelConfig) -> None:
+    """Muon's settings: a momentum in [0, 1), at least one Newton-Schulz step, the device optimizer; MuonClip's tau
+    >= 0, on whole sequences (no context parallelism) of a model without per-head q/k norms."""
+    tau = finite_number(a.muon_clip_tau, "--muon-clip-tau", error=ArgumentError)
+    if tau < 0:
+        raise ArgumentError(f"--muon-clip-tau must be >= 0 (0: off), got {tau}")
+    if tau > 0 and a.cp > 1:
+        raise ArgumentError(
+            f"--muon-clip-tau measures each head's logits over whole sequences; --cp {a.cp} splits them over a ring"
+        )
+    if tau > 0 and getattr(cfg, "qk_norm", False):
+        raise ArgumentError(
+            "--muon-clip-tau scales the query/key projections, which a per-head q/k RMSNorm (qk_norm) undoes"
+        )
+    if a.optimizer != "muon":
+        return
+    if not 0.0 <= finite_number(a.muon_momentum, "--muon-momentum", error=ArgumentError) < 1.0:
+        raise ArgumentError(f"--muon-momentum must be in [0, 1), got {a.muon_momentum}")
+    positive_int(a.muon_ns_steps, "--muon-ns-steps", error=ArgumentError)
+    if a.offload_optimizer:
+        raise ArgumentError(
+            "--offload-optimizer steps AdamW on the host; --optimizer muon runs on the device: leave one out"
+        )
+
+
 def _check_schedule(a: TrainArgs) -> None:
     """The zero-bubble schedules: zb-h1 runs one chunk per rank; both defer weight gradients past their backward,
     which FSDP (--fsdp / --zero 2) does not allow (zb-v's own rules, pp and chunks, are the layout's)."""
@@ -968,6 +1041,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
         raise ArgumentError("--device cuda: no CUDA device is available")
     _check_sharding(a)
     _check_schedule(a)
+    _check_muon(a, cfg)
     validate_layout(a, cfg)
     _check_packing(a, cfg)
     _check_post_training(a, cfg)

@@ -49,6 +49,7 @@ OPS = {
     "scaled_causal_softmax": "softmax",
     "adamw": "adamw",
     "adamw_offload": "adamw",
+    "muon": "muon",
     "cross_entropy": "cross_entropy",
     "flash_attention": "attention",
     "rope": "rope",

@@ -76,7 +76,7 @@ def _check_hypers(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"FusedAdamW: weight_decay must be a finite number >= 0, got {weight_decay}")
 
 
-def _saved_step(idx, state: dict) -> float:
+def saved_step(idx, state: dict) -> float:
     """The ``step`` of one parameter's saved state: a finite number >= 0, as a Python number or a one-element
     real tensor (torch.optim.AdamW saves a float32 scalar tensor)."""
     where = f"FusedAdamW.load_state_dict: state[{idx!r}]['step']"
@@ -196,7 +196,12 @@ class FusedAdamW(torch.optim.Optimizer):
         self._rounded, self._grads_of = checked, grads_of
 
     @staticmethod
-    def _check_param(p: torch.Tensor, i: int) -> None:
+    def check_param(p: torch.Tensor, i: int) -> None:
+        """A parameter the kernels take: real float32/float16/bfloat16, dense (``i``: its index, for the message).
+
+        Raises:
+            TypeError: a complex or other non-float dtype. ValueError: a sparse parameter.
+        """
         if p.is_complex():
             raise TypeError(
                 f"FusedAdamW: params[{i}] is complex ({p.dtype}); not supported "
@@ -212,7 +217,7 @@ class FusedAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hypers(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for i, p in enumerate(group["params"]):
-            self._check_param(p, i)
+            self.check_param(p, i)
 
     def _uses_master(self, p: torch.Tensor) -> bool:
         return self.master_weights and p.dtype in _HALF
@@ -247,7 +252,7 @@ class FusedAdamW(torch.optim.Optimizer):
                         f"FusedAdamW: param_groups[{gi}].params[{i}] has a sparse gradient; "
                         "AdamW does not support sparse gradients (use torch.optim.SparseAdam)"
                     )
-                self._check_param(p, i)
+                self.check_param(p, i)
                 state = self.state[p]
                 if len(state) == 0:
                     self._init_state(p, state)
@@ -365,15 +370,22 @@ class FusedAdamW(torch.optim.Optimizer):
         the CPU (CPU params) or on the param's device (CUDA params).
         """
         saved_state = state_dict["state"]
-        saved_groups = state_dict["param_groups"]
-        steps = {idx: _saved_step(idx, orig) for idx, orig in saved_state.items()}  # all checked before any change
+        for idx, orig in saved_state.items():  # all checked before any change
+            saved_step(idx, orig)
         super().load_state_dict(state_dict)
+        self.restore_loaded(saved_state, state_dict["param_groups"])
+
+    def restore_loaded(self, saved_state: dict, saved_groups: list[dict]) -> None:
+        """After torch's ``Optimizer.load_state_dict``: the steps as float32 tensors placed like ``_init_state``'s,
+        the fp32 moments and masters of master-weight mode. ``saved_groups`` pair with ``self.param_groups`` in
+        order (``Muon`` passes its AdamW groups)."""
         for saved_group, group in zip(saved_groups, self.param_groups):
             for idx, p in zip(saved_group["params"], group["params"]):
                 if idx not in saved_state or p not in self.state:
                     continue
                 orig, state = saved_state[idx], self.state[p]
-                state["step"] = torch.tensor(steps[idx], dtype=torch.float32, device=_step_device(p))
+                step = saved_step(idx, orig)
+                state["step"] = torch.tensor(step, dtype=torch.float32, device=_step_device(p))
                 if self._uses_master(p):
                     for key in ("exp_avg", "exp_avg_sq"):
                         state[key] = orig[key].to(device=p.device, dtype=torch.float32).contiguous()

@@ -53,6 +53,7 @@ from megakernels.parallel.params import (
     is_sequence_parallel,
     is_shared_embedding,
     is_tensor_parallel,
+    mark_fused,
     mark_sequence_parallel,
     mark_shared_embedding,
     mark_tensor_parallel,
@@ -169,6 +170,7 @@ __all__ = [
     "ParallelOptimizer",
     "memory_bytes_per_param",
     # parameter marks
+    "mark_fused",
     "mark_tensor_parallel",
     "mark_sequence_parallel",
     "mark_shared_embedding",

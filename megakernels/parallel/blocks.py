@@ -29,7 +29,7 @@ from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import init, state
 from megakernels.parallel.context import ring_attention
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
-from megakernels.parallel.params import mark_sequence_parallel
+from megakernels.parallel.params import mark_fused, mark_sequence_parallel
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 
@@ -112,6 +112,8 @@ class ParallelMLP(nn.Module):
             device=device,
             dtype=dtype,
         )
+        if gated:  # [gate; up]: two logical matrices (Muon orthogonalises each)
+            mark_fused(self.fc1.weight, parts=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)
@@ -198,6 +200,7 @@ class ParallelSelfAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        mark_fused(self.qkv.weight, parts=3, head_dim=self.head_dim, head_major=True)  # rows (head, {q,k,v}, d)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         _check_3d(self, x)
@@ -262,9 +265,33 @@ def _run_core(module: nn.Module, q, k, v, mask):
     return module.core(q, k, v, **kwargs)
 
 
+def _observe_logits(module: nn.Module, q, k, mask) -> None:
+    """Raise ``module.max_logits`` by this forward's logits (called by the attention blocks; ``mask``: None, a
+    boolean mask or a ``DocumentMask``)."""
+    from megakernels.nn.attention import DocumentMask
+    from megakernels.ops.attention_logits import max_logits
+
+    core = module.core
+    documents = mask.ids if isinstance(mask, DocumentMask) else None
+    with torch.no_grad():
+        got = max_logits(
+            q,
+            k,
+            getattr(core, "softmax_scale", None),
+            getattr(core, "causal", module.causal),
+            getattr(module, "window", None),
+            None if documents is not None else mask,
+            documents,
+        )
+        module.max_logits = torch.maximum(module.max_logits, got)
+
+
 def _attend(module: nn.Module, q, k, v, mask):
     """The attention core on ``[b, s, heads, d]`` q, k, v: the module's core, or ring attention over the context-
-    parallel group; recomputed in backward with selective recomputation."""
+    parallel group; recomputed in backward with selective recomputation. A block tracked by qk-clip
+    (``megakernels.optim.qk_clip.track``) first raises its maximum logit per head, while training."""
+    if module.training and getattr(module, "max_logits", None) is not None:
+        _observe_logits(module, q, k, mask)
     if module.recompute and torch.is_grad_enabled():
         return checkpoint(_run_core, module, q, k, v, mask)
     return _run_core(module, q, k, v, mask)
@@ -383,6 +410,8 @@ class ParallelGroupedQueryAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        mark_fused(self.q.weight, parts=1, head_dim=d)
+        mark_fused(self.kv.weight, parts=2, head_dim=d)  # [keys; values]
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # one RMSNorm over each head's d (Qwen 3): replicated, each rank's heads partial
             self.q_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype)
@@ -487,6 +516,8 @@ class ParallelCrossAttention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        mark_fused(self.q.weight, parts=1, head_dim=self.head_dim)
+        mark_fused(self.kv.weight, parts=2, head_dim=self.head_dim)  # [keys; values]
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         _check_3d(self, x)

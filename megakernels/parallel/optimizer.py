@@ -1,6 +1,8 @@
 """The optimizer step of 3D-parallel training: AdamW on fp32 main params from the ``main_grad`` buffers of
 ``DistributedDataParallel``, with mixed precision, fp16 loss scaling, global grad-norm clipping and, optionally, the
-distributed optimizer (ZeRO-1).
+distributed optimizer (ZeRO-1). With ``optimizer="muon"`` the hidden matrices are stepped by Muon instead
+(``megakernels.parallel.muon``: whole matrices owned per data-parallel rank, tensor-parallel gathers), the rest by
+AdamW as before.
 
 Main params. AdamW always runs in fp32 on 1-D "main" tensors, one per contiguous piece of a parameter that this rank
 updates: a view of the param itself when it is fp32 (no copy), an fp32 master copy when it is bf16/fp16 (the
@@ -59,16 +61,20 @@ import torch.distributed as dist
 from torch import nn
 
 from megakernels.ops import multi_tensor as _mt
+from megakernels.optim import qk_clip
 from megakernels.optim.adamw import FusedAdamW
 from megakernels.optim.loss_scaler import DynamicLossScaler
 from megakernels.optim.multi_tensor import group_by_device_dtype, multi_tensor_l2norm
 from megakernels.parallel import fsdp, state
 from megakernels.parallel.ddp import DistributedDataParallel
+from megakernels.parallel.muon import MuonOptions, MuonPart
 from megakernels.parallel.offload import HostCopies
 from megakernels.parallel.optimizer_memory import host_bytes_per_param, memory_bytes_per_param  # noqa: F401
 from megakernels.parallel.params import counts_in_grad_norm, is_expert_parallel
 from megakernels.precisions import DTYPES
 from megakernels.validation import finite_number
+
+OPTIMIZERS = ("adamw", "muon")
 
 
 class Piece(NamedTuple):
@@ -104,12 +110,22 @@ class ParallelOptimizer:
             wrappers) each rank offloads its shards: their gradients go to the host at step time and the updated
             shards are back on the device when ``step`` returns (FSDP's all-gathers read them). On the CPU the
             trajectory is the same, bit for bit, as without it.
+        optimizer: ``"adamw"`` or ``"muon"`` (Muon for the matrices ``muon_params`` selects, AdamW for the rest,
+            both at ``lr`` and ``weight_decay``; not with ``offload``).
+        muon: Muon's settings (``MuonOptions``; default ``MuonOptions()``).
+        muon_params: with ``"muon"``, the params Muon steps: a predicate on a param, or None for
+            ``megakernels.optim.muon.is_muon_matrix`` over the wrapped modules (hidden matrices; not embeddings,
+            output tables or routers).
+        qk_clip_tau: > 0: MuonClip (``megakernels.optim.qk_clip``): every step measures each attention head's
+            largest logit (its maximum over the data- and context-parallel ranks) and, after the update, scales
+            the query/key rows of the heads above ``tau`` in the masters and params; ``max_logit`` and
+            ``clipped_heads`` report the step's (over the whole world). Any optimizer; 0: off.
 
     Raises:
         TypeError: ``models`` of another kind. ValueError naming the argument and the rule: an unknown precision, a
         param dtype the precision does not allow, ``clip_grad < 0``, a loss scaler without fp16, DDP wrappers whose
-        ``reduce_scatter`` does not match ``distributed``, a param without ``main_grad``; FusedAdamW's own checks
-        of lr, betas, eps, weight_decay.
+        ``reduce_scatter`` does not match ``distributed``, a param without ``main_grad``, an unknown ``optimizer``,
+        ``"muon"`` with ``offload`` or with plain params; FusedAdamW's own checks of lr, betas, eps, weight_decay.
     """
 
     def __init__(
@@ -126,8 +142,17 @@ class ParallelOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         no_decay=None,
         offload: bool = False,
+        optimizer: str = "adamw",
+        muon: MuonOptions | None = None,
+        muon_params=None,
+        qk_clip_tau: float = 0.0,
     ) -> None:
         cls = type(self).__name__
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"{cls}: optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+        if optimizer == "muon" and offload:
+            raise ValueError(f"{cls}: offload steps AdamW on the host; optimizer='muon' runs on the device")
+        self.optimizer = optimizer
         if precision not in DTYPES:
             raise ValueError(f"{cls}: precision must be one of {list(DTYPES)}, got {precision!r}")
         finite_number(clip_grad, "clip_grad", where=cls)
@@ -153,6 +178,8 @@ class ParallelOptimizer:
         self.offload = bool(offload)
         pinned = self.offload and self.device.type == "cuda"
         tp_rank = state.tp_rank() if state.is_initialized() else 0
+        is_muon = self._muon_rule(muon_params) if optimizer == "muon" else (lambda p: False)
+        excluded_of = (lambda p: p.dim() < 2) if no_decay is None else no_decay
         self.pieces: list[Piece] = []
         decay, no_decay_group = [], []
         for p, lo, hi in self._owned(params):
@@ -171,8 +198,8 @@ class ParallelOptimizer:
                     main.grad = grad
             counted = counts_in_grad_norm(p, tp_rank) and (not self.fsdp or fsdp.is_primary(p))
             self.pieces.append(Piece(p, lo, hi, flat, main, grad, counted))
-            excluded = p.dim() < 2 if no_decay is None else no_decay(p)
-            (no_decay_group if excluded else decay).append(main)
+            if not is_muon(p):
+                (no_decay_group if excluded_of(p) else decay).append(main)
         self._adam = FusedAdamW(
             [{"params": decay}, {"params": no_decay_group, "weight_decay": 0.0}],
             lr=lr,
@@ -180,7 +207,14 @@ class ParallelOptimizer:
             eps=eps,
             weight_decay=weight_decay,
         )
+        self._muon = None
+        if optimizer == "muon":
+            specs = [(p, *self._spread(p), not excluded_of(p)) for p in params if is_muon(p)]
+            self._muon = MuonPart(specs, muon or MuonOptions())
+            self._muon_group = {"params": [], "lr": lr, "weight_decay": weight_decay}
+        muon_ids = {id(e.param) for e in self._muon.entries} if self._muon is not None else set()
         self._masters = [piece for piece in self.pieces if piece.main is not piece.flat]
+        adam_masters = [piece for piece in self._masters if id(piece.param) not in muon_ids]
         # 16-bit main_grad buffers of 16-bit params (DistributedDataParallel(grad_dtype=None)): the kernel reads them
         # as they are, no fp32 copy (``_grads``)
         self._half_grads = {
@@ -189,7 +223,19 @@ class ParallelOptimizer:
             if not self.offload and not self.fsdp and piece.grad.dtype == piece.flat.dtype
         }
         if not self.offload:  # the AdamW kernel rounds each updated master into its 16-bit param in the same pass
-            self._adam.set_rounded_copies({piece.main: piece.flat for piece in self._masters}, self._half_grads)
+            self._adam.set_rounded_copies(
+                {piece.main: piece.flat for piece in adam_masters},
+                {m: g for m, g in self._half_grads.items() if m in {piece.main for piece in adam_masters}},
+            )
+        self.qk_clip_tau = finite_number(qk_clip_tau, "qk_clip_tau", where=cls)
+        self.max_logit, self.clipped_heads = None, None
+        self._clipped = []
+        if self.qk_clip_tau > 0:
+            if not self.models:
+                raise ValueError(f"{cls}: qk_clip_tau needs the wrapped models (their attention blocks)")
+            for m in self.models:
+                qk_clip.check(m.module)
+                self._clipped += qk_clip.track(m.module)
         # under FSDP no data-parallel buckets to copy early: every gradient shard is copied at step time
         models = [] if self.fsdp else self.models
         self._copies = HostCopies(self.pieces, models, self.device) if self.offload else None
@@ -229,6 +275,47 @@ class ParallelOptimizer:
             )
         return [], list(dict.fromkeys(p for p in items if p.requires_grad))
 
+    def _muon_rule(self, muon_params):
+        """The predicate of the params Muon steps: ``muon_params``, else ``is_muon_matrix`` over the modules."""
+        if muon_params is not None:
+            return muon_params
+        if not self.models:
+            raise ValueError(
+                f"{type(self).__name__}: optimizer='muon' with plain params needs muon_params (which are matrices)"
+            )
+        from megakernels.optim.muon import muon_param_groups
+
+        chosen = set()
+        for m in self.models:
+            for group in muon_param_groups(m.module):
+                if group["use_muon"]:
+                    chosen.update(id(p) for p in group["params"])
+        return lambda p: id(p) in chosen
+
+    def _spread(self, p) -> tuple[object, list[tuple[int, int]]]:
+        """(the process group ``p``'s flat pieces are spread over, each of its ranks' ``(lo, hi)`` of ``p``):
+        ZeRO-1's bucket shards, FSDP's dim-0 shards (``fsdp.local_range``' rule), or (None, whole) otherwise."""
+        n = p.numel()
+        if self.fsdp:
+            group = p._megakernels_fsdp_group
+            world = dist.get_world_size(group)
+            rows, row = p.shape[0], n // max(p.shape[0], 1)
+            chunk = -(-rows // world)
+            return group, [(min(rows, r * chunk) * row, min(rows, (r + 1) * chunk) * row) for r in range(world)]
+        if not self.distributed:
+            return None, [(0, n)]
+        for m in self.models:
+            for b in m.buckets:
+                for q, at in zip(b.params, b.offsets):
+                    if q is p:
+                        spans = []
+                        for r in range(m.dp_size):
+                            first, last = r * b.shard_size, (r + 1) * b.shard_size
+                            lo, hi = max(first, at) - at, min(last, at + n) - at
+                            spans.append((lo, hi) if lo < hi else (0, 0))
+                        return m.group, spans
+        raise ValueError(f"{type(self).__name__}: a Muon param is in no bucket of the models")
+
     def _owned(self, params):
         """(param, lo, hi) flat ranges this rank updates: whole params, under ZeRO-1 the intersections of the
         params with this rank's shard of each bucket, under FSDP each param's local shard (``fsdp.local_range``)."""
@@ -250,8 +337,9 @@ class ParallelOptimizer:
 
     @property
     def param_groups(self) -> list[dict]:
-        """FusedAdamW's groups: ``[decayed (dim > 1), not decayed]`` (set ``lr`` here, e.g. by an LR schedule)."""
-        return self._adam.param_groups
+        """FusedAdamW's groups: ``[decayed (dim > 1), not decayed]``, and with Muon a third holding Muon's ``lr``
+        and ``weight_decay`` (set ``lr`` here, e.g. by an LR schedule)."""
+        return self._adam.param_groups + ([self._muon_group] if self._muon is not None else [])
 
     @property
     def lr(self) -> float:
@@ -351,6 +439,9 @@ class ParallelOptimizer:
         if self.clip_grad > 0:
             divisor = divisor / torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
         check = scale < 1.0  # below 1 a finite grad may overflow once divided: FusedAdamW checks them all
+        if self._muon is not None and math.isfinite(norm.item()):  # one sync: skipped together with AdamW
+            muon_pieces = {piece.param: piece for piece in self.pieces}
+            self._muon.step(muon_pieces, divisor, self._muon_group["lr"], self._muon_group["weight_decay"])
         if self._copies is not None:
             self._copies.finish()  # the gradients not copied per bucket, then the host waits for all of them
             self._adam.step(grad_scale=divisor.to("cpu"), found_inf=found_inf.to("cpu"), check=check)
@@ -360,6 +451,8 @@ class ParallelOptimizer:
         else:
             # also rounds the masters into the params (set_rounded_copies)
             self._adam.step(grad_scale=divisor, found_inf=found_inf, check=check)
+        if self.qk_clip_tau > 0 and math.isfinite(norm.item()):
+            self._qk_clip()
         if self.distributed:
             for work in [w for m in self.models for w in m.start_param_sync()]:
                 work.wait()
@@ -368,6 +461,38 @@ class ParallelOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(not stepped)
         return stepped, norm_value
+
+    def _qk_clip(self) -> None:
+        """MuonClip on this rank's masters (the module docstring of ``megakernels.optim.qk_clip``): the maxima over
+        the data- and context-parallel ranks, then each clipped head's rows scaled in the pieces this rank holds."""
+        mods = self._clipped
+        local = torch.cat([m.max_logits for m in mods]) if mods else torch.zeros(0, device=self.device)
+        if local.numel() and state.is_initialized() and state.dp_cp_size() > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.dp_cp_group())
+        pieces = {piece.param: piece for piece in self.pieces}
+        at, clipped = 0, 0
+        for m in mods:
+            logits = local[at : at + m.local_heads]
+            at += m.local_heads
+            gamma = qk_clip.gammas(logits, self.qk_clip_tau)
+            clipped += int((gamma < 1).sum())
+            for p, scale in qk_clip.row_scales(m, gamma):
+                piece = pieces.get(p)
+                if piece is None:
+                    continue
+                qk_clip.scale_rows_(piece.main, scale, piece.lo, p.numel() // p.shape[0])
+                if piece.main is not piece.flat:
+                    piece.flat.copy_(piece.main)
+        summary = torch.tensor(
+            [float(local.max()) if local.numel() else float("-inf"), float(clipped)], device=self.device
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:  # the step's largest logit over every stage and rank
+            best = summary[:1].clone()
+            dist.all_reduce(best, op=dist.ReduceOp.MAX)
+            dist.all_reduce(summary[1:], op=dist.ReduceOp.SUM)  # each head once per data/context-parallel replica
+            summary[0] = best[0]
+            summary[1] /= state.dp_cp_size() if state.is_initialized() else 1
+        self.max_logit, self.clipped_heads = float(summary[0]), round(float(summary[1]))
 
     def wait_params(self) -> None:
         """With ``offload``: make the current stream wait until the updated params are on the device (the next
@@ -379,6 +504,8 @@ class ParallelOptimizer:
     def zero_grad(self) -> None:
         """Start a new step's gradients: ``zero_grad_buffer()`` of every DDP wrapper (the buffers count as zero; a
         param's first gradient is copied in), else zero every ``main_grad``."""
+        for m in self._clipped:  # the maxima of the step about to run
+            m.max_logits.zero_()
         if self.models:
             for m in self.models:
                 m.zero_grad_buffer()
@@ -401,6 +528,7 @@ class ParallelOptimizer:
         flats = [piece.flat for piece in self.pieces]
         param_ptrs = {f.untyped_storage().data_ptr() for f in flats}
         moments = [s[k] for s in self._adam.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+        moments += self._muon.momentum_tensors() if self._muon is not None else []
         state = nbytes(moments) + nbytes([piece.main for piece in self.pieces], exclude=param_ptrs)
         out = {
             "params": nbytes(flats)
@@ -415,46 +543,63 @@ class ParallelOptimizer:
             out["host"] = state + nbytes([piece.main.grad for piece in self.pieces])
         return out
 
+    def state_names(self, p) -> tuple[str, ...]:
+        """The per-parameter states ``param_state`` gives for ``p``: AdamW's two moments, or Muon's
+        ``momentum_buffer``; and ``master`` for 16-bit params."""
+        muon = self._muon is not None and any(e.param is p for e in self._muon.entries)
+        names = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
+        return names + (("master",) if p.dtype != torch.float32 else ())
+
     def param_state(self) -> tuple[dict[torch.Tensor, dict[str, torch.Tensor]], int]:
         """The optimizer state in the params' own shapes, for layout-independent checkpoints.
 
-        Returns ``({param: {"exp_avg", "exp_avg_sq"[, "master"]}}, step)``: fp32 tensors shaped like each param
-        (this rank's TP shard), holding the values of the pieces this rank updates and zeros elsewhere
-        (``"master"`` only for 16-bit params); under ZeRO-1 summing them over the data-parallel group completes
-        them. ``step`` is the number of AdamW steps taken (the same for every piece).
+        Returns ``({param: {state: tensor}}, step)`` with the states of ``state_names``: fp32 tensors shaped like
+        each param (this rank's TP shard), holding the values of the pieces this rank updates (a Muon momentum:
+        of the matrices this rank owns) and zeros elsewhere; under ZeRO-1 and FSDP summing them over the
+        data-parallel group completes them. ``step`` is the number of steps taken (the same for every piece).
         """
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        step = 0
+        step = self._muon.steps if self._muon is not None else 0
+
+        def entry(p):
+            if p not in out:
+                out[p] = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in self.state_names(p)}
+            return out[p]
+
         for piece in self.pieces:
             p = piece.param
             if self.fsdp and not fsdp.is_primary(p):  # an HSDP replica: its replica group's first holds the same
                 continue
-            if p not in out:
-                names = ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
-                out[p] = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in names}
-            st = self._adam.state.get(piece.main)
+            st, mine = self._adam.state.get(piece.main), entry(p)
             if st:
                 step = int(st["step"].item())
-                out[p]["exp_avg"].view(-1)[piece.lo : piece.hi] = st["exp_avg"]
-                out[p]["exp_avg_sq"].view(-1)[piece.lo : piece.hi] = st["exp_avg_sq"]
-            if "master" in out[p]:
-                out[p]["master"].view(-1)[piece.lo : piece.hi] = piece.main
+                mine["exp_avg"].view(-1)[piece.lo : piece.hi] = st["exp_avg"]
+                mine["exp_avg_sq"].view(-1)[piece.lo : piece.hi] = st["exp_avg_sq"]
+            if "master" in mine:
+                mine["master"].view(-1)[piece.lo : piece.hi] = piece.main
+        if self._muon is not None:
+            for p, momentum in self._muon.param_state().items():
+                if not (self.fsdp and not fsdp.is_primary(p)):
+                    entry(p)["momentum_buffer"].copy_(momentum)
         return out, step
 
     def load_param_state(self, states: dict[torch.Tensor, dict[str, torch.Tensor]], step: int) -> None:
-        """Restore ``param_state()`` (complete tensors, any rank's share): each piece takes its range. With
-        ``step == 0`` the moments stay uninitialised (as before a first step). Masters not given are taken from
-        the params.
+        """Restore ``param_state()`` (complete tensors, any rank's share): each piece takes its range, each Muon
+        owner its momenta. With ``step == 0`` the moments stay uninitialised (as before a first step). Masters not
+        given are taken from the params.
 
         Raises:
             KeyError: a param this rank updates is missing from ``states``.
         """
+        muon = {id(e.param) for e in self._muon.entries} if self._muon is not None else set()
         for piece in self.pieces:
             st = states[piece.param]
             if "master" in st and piece.main is not piece.flat:
                 piece.main.copy_(st["master"].reshape(-1)[piece.lo : piece.hi])
             elif piece.main is not piece.flat:
                 piece.main.copy_(piece.flat)
+            if id(piece.param) in muon:
+                continue
             if step > 0:
                 dev = piece.main.device if piece.main.device.type == "cuda" else torch.device("cpu")
                 self._adam.state[piece.main] = {
@@ -464,6 +609,9 @@ class ParallelOptimizer:
                 }
             else:
                 self._adam.state.pop(piece.main, None)
+        if self._muon is not None:
+            owned = [e.param for e in self._muon.owned()]
+            self._muon.load_param_state({p: states[p].get("momentum_buffer") for p in owned}, step)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state: FusedAdamW's (moments, steps, hyper-parameters), the fp32 masters, the loss
@@ -473,18 +621,25 @@ class ParallelOptimizer:
             "masters": [m.main for m in self._masters],
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "layout": self._layout_key(),
+            "muon": None
+            if self._muon is None
+            else {"momenta": self._muon.momentum_tensors(), "steps": self._muon.steps},
         }
 
     def _layout_key(self) -> dict:
-        return {"distributed": self.distributed, "pieces": [(piece.lo, piece.hi) for piece in self.pieces]}
+        return {
+            "distributed": self.distributed,
+            "pieces": [(piece.lo, piece.hi) for piece in self.pieces],
+            "optimizer": self.optimizer,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore ``state_dict()`` of an optimizer over the same model, precision and layout.
 
         Raises:
-            ValueError: a different layout (distributed flag, piece sizes) or number of masters.
+            ValueError: a different layout (distributed flag, piece sizes, optimizer) or number of masters.
         """
-        if state_dict["layout"] != self._layout_key():
+        if {"optimizer": "adamw", **state_dict["layout"]} != self._layout_key():
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: the state was saved for another layout "
                 f"(distributed, piece sizes) than this optimizer's; resharding is not supported here"
@@ -497,5 +652,9 @@ class ParallelOptimizer:
         self._adam.load_state_dict(state_dict["adam"])
         for master, saved in zip(self._masters, state_dict["masters"]):
             master.main.copy_(saved)
+        if self._muon is not None:
+            for momentum, saved in zip(self._muon.momentum_tensors(), state_dict["muon"]["momenta"]):
+                momentum.copy_(saved)
+            self._muon.steps = state_dict["muon"]["steps"]
         if self.loss_scaler is not None and state_dict["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])

@@ -41,3 +41,21 @@ def host_bytes_per_param(distributed: bool, dp: int = 1) -> float:
     by ``dp`` when ``distributed``."""
     positive_int(dp, "dp", where="host_bytes_per_param")
     return 16.0 / dp if distributed else 16.0
+
+
+def muon_bytes_per_param(precision: str, distributed: bool, dp: int = 1, sharded: bool = False) -> float:
+    """Device bytes of optimizer state per parameter that Muon steps (``megakernels.parallel.muon``): its fp32
+    momentum (4), plus the fp32 master (4) of a 16-bit parameter; divided by ``dp`` when ``distributed`` (ZeRO-1:
+    the owners' momenta, the pieces' masters). ``sharded`` (FSDP: the sharded fp32 parameters are the masters):
+    the momentum only, over ``dp``.
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``dp < 1``.
+    """
+    if precision not in DTYPES:
+        raise ValueError(f"muon_bytes_per_param: precision must be one of {list(DTYPES)}, got {precision!r}")
+    positive_int(dp, "dp", where="muon_bytes_per_param")
+    if sharded:
+        return 4.0 / dp
+    state = 8.0 if precision != "fp32" else 4.0
+    return state / dp if distributed else state

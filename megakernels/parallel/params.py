@@ -28,6 +28,12 @@ expert parallel               the stacked weights ``[E_local, ...]`` of a mixtur
                               reduced over ``state.expert_dp_group()`` (the ranks holding the same experts), the
                               grad norm sums them over the expert-parallel group too, and checkpoints store
                               each expert under its global name (``...experts.<e>.fc1``).
+fused (parts, head_dim,       a weight whose rows (dim -2, the output features) pack several logical matrices:
+head_major)                   ``parts`` projections (q, k, v; gate, up), each of heads of ``head_dim`` rows
+                              (None: no heads). ``head_major``: the rows are ordered ``(head, part, head_dim)``
+                              (the GPT QKV weight), else ``(part, head, head_dim)`` (the stride-marked packed
+                              weights). The same form holds for a TP rank's shard (its heads). Muon
+                              (``megakernels.optim.muon``) orthogonalises each logical matrix on its own.
 ============================  =============================================================================
 
 A parameter nobody marked is replicated over the TP group: the grad norm counts it on TP rank 0 only, and a
@@ -60,6 +66,9 @@ class ParamInfo:
     expert_parallel: bool = False
     num_experts: int = 0
     expert_first: int = 0
+    fused_parts: int = 1
+    fused_head_dim: int | None = None
+    fused_head_major: bool = False
 
 
 _DEFAULT = ParamInfo()
@@ -135,6 +144,29 @@ def mark_shared_embedding(p, duplicate: bool = False) -> None:
     rec.shared_embedding_duplicate = rec.shared_embedding_duplicate or bool(duplicate)
 
 
+def mark_fused(*params, parts: int, head_dim: int | None = None, head_major: bool = False) -> None:
+    """Mark weights (None entries are skipped) whose rows pack ``parts`` logical matrices of heads of ``head_dim``
+    rows (see the module docstring): ``head_major`` rows ``(head, part, head_dim)``, else ``(part, head, head_dim)``.
+
+    Raises:
+        ValueError: ``parts`` or ``head_dim`` < 1, or a weight whose row count is not a multiple of
+            ``parts * head_dim`` (of ``parts`` without heads).
+    """
+    positive_int(parts, "parts", where="mark_fused")
+    if head_dim is not None:
+        positive_int(head_dim, "head_dim", where="mark_fused")
+    block = parts * (head_dim or 1)
+    for p in _params(params):
+        if p.dim() < 2 or p.shape[-2] % block:
+            raise ValueError(
+                f"mark_fused: a weight of shape {tuple(p.shape)} does not hold {parts} parts"
+                + (f" of heads of {head_dim} rows" if head_dim else "")
+                + " in its rows (dim -2)"
+            )
+        rec = _own(p)
+        rec.fused_parts, rec.fused_head_dim, rec.fused_head_major = parts, head_dim, bool(head_major)
+
+
 def is_tensor_parallel(p) -> bool:
     return info(p).tensor_parallel
 
@@ -181,4 +213,5 @@ __all__ = [
     "copy_marks",
     "mark_expert_parallel",
     "is_expert_parallel",
+    "mark_fused",
 ]

@@ -10,7 +10,8 @@ Memory per device, Megatron-LM's accounting:
   and 12 bytes of fp32 master weight + Adam moments (18), the distributed optimizer shards the 12 over dp·cp (the
   experts' over the ranks holding the same experts); fp32 training 4 + 4 + 8; fp8 training as 16-bit (its weights
   are bf16, quantised as they are used); parameters frozen by ``--freeze`` (``Layout.frozen``) hold their weights
-  only — no gradient, no optimizer state;
+  only — no gradient, no optimizer state; with ``--optimizer muon`` the matrices Muon steps keep one fp32 momentum
+  (and a 16-bit parameter's fp32 master: 8 bytes, 4 in fp32) instead of AdamW's 12 / 8, sharded alike;
 - activations per Korthikanti et al. 2022 (``ModelConfig.activation_bytes_per_layer``; with fp8 the FP8 linears'
   saved inputs at 1 byte an element and their FP8 weight copies: ``activation_bytes_per_layer``) for a stage's
   layers, times
@@ -28,7 +29,9 @@ Step time (``predict``), the sum of what cannot overlap, each term from a docume
   efficiency falling for thin GEMMs (``hidden/tp`` below 1024) and small micro-batches (fewer than 2048 tokens per
   GEMM); plus the memory-bound kernels: ``ELEMENTWISE_PASSES`` (+2 with full recomputation) times the bytes a layer
   stores for backward (``activation_bytes_per_layer``: the attention scores too without FlashAttention) at
-  ``HBM_FRACTION`` of ``Device.hbm_gbps``; plus the optimizer's ``OPTIMIZER_BYTES_PER_PARAM`` per parameter;
+  ``HBM_FRACTION`` of ``Device.hbm_gbps``; plus the optimizer's ``OPTIMIZER_BYTES_PER_PARAM`` per parameter
+  (with Muon also its Newton-Schulz GEMMs, ``muon_ns_flops``, at the 16-bit peak × efficiency, over tp and, with
+  ZeRO-1 or FSDP, the data-parallel owners);
   with fp8 (``Layout.precision``; ``check_precision`` refuses a GPU without FP8) the blocks' linears — QKV, output
   projection, MLP or experts' matrices: ``fp8_flops_per_token``, forward, data and weight gradients and their
   recomputation — run at ``Device.tflops_8`` × ``fp8_gemm_efficiency`` (``FP8_GEMM_RELATIVE``, and
@@ -107,6 +110,8 @@ class Layout:
     flash: bool = True
     frozen: tuple[str, ...] = ()  # --freeze's name parts (Task.is_frozen): weights without gradients or optimizer
     fused_linear_ce: bool = True  # --no-fused-linear-ce: a causal LM's loss holds the whole logits (Megatron-LM's)
+    optimizer: str = "adamw"  # --optimizer: muon keeps one fp32 momentum for the hidden matrices, not two moments
+    muon_ns_steps: int = 5  # --muon-ns-steps: Newton-Schulz iterations per step (its GEMM time)
 
     @property
     def placement(self) -> str:
@@ -164,6 +169,8 @@ class Layout:
             flash=args.attention == "flash",
             frozen=args.frozen_parts(),
             fused_linear_ce=args.fused_head(cfg) if cfg is not None else args.fused_linear_ce is not False,
+            optimizer=args.optimizer,
+            muon_ns_steps=args.muon_ns_steps,
         )
 
 
@@ -291,14 +298,19 @@ HOST_ADAMW_NS_PER_PARAM = 5.6
 RESERVED_GB, FRAGMENTATION = 2.0, 0.10
 
 
-def bytes_per_param(layout: Layout, experts: bool = False, ep: int = 1) -> tuple[float, float, float]:
+def bytes_per_param(
+    layout: Layout, experts: bool = False, ep: int = 1, muon: bool = False
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter on one device; the optimizer state is 0 there with
-    ``offload_optimizer`` (``host_bytes_per_param``)."""
+    ``offload_optimizer`` (``host_bytes_per_param``). ``muon``: of a matrix Muon steps (one fp32 momentum instead
+    of two moments; ``optimizer_memory.muon_bytes_per_param``)."""
     half = layout.precision != "fp32"
     if layout.sharded:  # FSDP2: fp32 sharded masters (the parameters), fp32 sharded gradients, sharded moments
         n = layout.shard_ranks(experts, ep)
-        return 4 / n, 4 / n, 0.0 if layout.offload_optimizer else 8 / n
+        return 4 / n, 4 / n, 0.0 if layout.offload_optimizer else (4 if muon else 8) / n
     weight_b, grad_b, opt_b = (2, 4, 12) if half else (4, 4, 8)
+    if muon:
+        opt_b = 8 if half else 4
     chunks = 2 if layout.placement == "v" else layout.vpp
     if not grads_summed(layout.world, layout.microbatches, chunks, half, layout.offload_optimizer):
         grad_b = 2  # 16-bit gradient buffers: nothing is summed into them
@@ -332,10 +344,12 @@ def params_per_stage(
     experts_only: bool = False,
     frozen: tuple[str, ...] | None = None,
     placement: str = "interleaved",
+    muon_only: bool = False,
 ) -> list[int]:
     """Parameters each pipeline stage holds per device (``model_key``: a ``MetaModel``); with ``frozen`` (``--freeze``'s
-    name parts) only the trained ones, those ``Task.is_frozen`` leaves out. Under the V placement (zb-v) the first
-    and the last stage, embedding and output layer, are both on rank 0."""
+    name parts) only the trained ones, those ``Task.is_frozen`` leaves out; with ``muon_only`` only the matrices
+    Muon steps (``megakernels.optim.muon.muon_param_groups``). Under the V placement (zb-v) the first and the last
+    stage, embedding and output layer, are both on rank 0."""
     from megakernels.parallel.pipeline.schedules import stage_owner
     from megakernels_models.models.registry import task_for
 
@@ -350,8 +364,9 @@ def params_per_stage(
     vocab_local = pad_vocab_size(cfg.vocab_size, tp) // tp
     kv_copies = max(1, tp // cfg.num_kv_heads)  # key/value heads replicated when tp exceeds them
     stages = [0] * pp
+    muon = model_key.muon_names if muon_only else None
     for name, p in model.named_parameters():
-        if (experts_only and not is_expert_parallel(p)) or skip(name):
+        if (experts_only and not is_expert_parallel(p)) or skip(name) or (muon is not None and name not in muon):
             continue
         if is_expert_parallel(p):
             n = p.numel() // tp // ep
@@ -372,7 +387,7 @@ def params_per_stage(
             stages[0] += n
         else:
             stages[last] += n
-    if pp > 1 and cfg.tie_embeddings and not experts_only and not skip("embedding.word.weight"):
+    if pp > 1 and cfg.tie_embeddings and not experts_only and not muon_only and not skip("embedding.word.weight"):
         stages[last] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
     return stages
 
@@ -403,6 +418,11 @@ class MetaModel:
                 ) from None
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.expert_parameters = sum(p.numel() for p in self.model.parameters() if is_expert_parallel(p))
+        from megakernels.optim.muon import muon_param_groups
+
+        chosen = {id(p) for g in muon_param_groups(self.model) if g["use_muon"] for p in g["params"]}
+        # the parameters --optimizer muon steps with Muon, by name
+        self.muon_names = frozenset(n for n, p in self.model.named_parameters() if id(p) in chosen)
 
     @property
     def active_parameters(self) -> int:
@@ -497,6 +517,12 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     )
     w, g, o = bytes_per_param(L)
     _, _, eo = bytes_per_param(L, experts=True, ep=L.ep)
+    _, _, mo = bytes_per_param(L, muon=True)
+    _, _, meo = bytes_per_param(L, experts=True, ep=L.ep, muon=True)
+    muon_stages = muon_expert_stages = [0] * L.pp
+    if L.optimizer == "muon":
+        muon_stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, False, L.frozen, where, muon_only=True)
+        muon_expert_stages = params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, True, L.frozen, where, muon_only=True)
     bytes_el = 2 if L.precision != "fp32" else 4
     per_layer = activation_bytes_per_layer(cfg, L)
     layers = cfg.num_layers // L.pp
@@ -518,7 +544,7 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
     if enc is not None:  # e.g. a vision encoder's layers, on the first stage (the LM's layers see n + s tokens)
         encoder = activation_bytes_per_layer(enc, L, encoder=True) * enc.num_layers
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
-    for r, (n, t, e) in enumerate(zip(stages, trained, trained_experts)):
+    for r, (n, t, e, mt, me) in enumerate(zip(stages, trained, trained_experts, muon_stages, muon_expert_stages)):
         act = (per_layer * layers + (encoder if r == 0 else 0.0)) * flights[r]
         if r == last:
             act += logits
@@ -527,7 +553,9 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
             # layer's unsharded gradient; ZeRO-2 every layer of the stage, kept from its forward to its backward
             per = n / max(1, layers) * bytes_el
             weights += per * (layers + 1 if L.zero2 else 3)
-        out.append({"weights": weights, "grads": t * g, "optimizer": (t - e) * o + e * eo, "activations": act})
+        dense_adam, expert_adam = t - e - (mt - me), e - me
+        state = dense_adam * o + (mt - me) * mo + expert_adam * eo + me * meo
+        out.append({"weights": weights, "grads": t * g, "optimizer": state, "activations": act})
     totals = [sum(x.values()) for x in out]
     worst = max(range(L.pp), key=lambda r: totals[r])
     host = max(
@@ -791,7 +819,37 @@ def compute_parts(meta: MetaModel, layout: Layout, device: Device) -> dict[str, 
     params = max(params_per_stage(meta, L.tp, L.pp, L.vpp, L.ep, placement=L.placement))
     state = OPTIMIZER_BYTES_PER_PARAM - (24.0 * (1 - 1 / (L.dp * L.cp)) if L.distributed_optimizer else 0.0)
     parts["optimizer_s"] = params * state / bw
+    if L.optimizer == "muon":  # Newton-Schulz's GEMMs, in bf16, on the device's share of the matrices
+        owners = L.dp * L.cp if (L.distributed_optimizer or L.sharded) else 1
+        flops = max(muon_ns_flops(meta, L.pp, L.vpp, L.placement, L.muon_ns_steps)) / (L.tp * owners)
+        parts["optimizer_s"] += flops / (device.tflops_16 * 1e12 * gemm_efficiency(cfg, L, device))
     return parts
+
+
+@functools.cache
+def muon_ns_flops(model_key, pp: int, vpp: int, placement: str, steps: int) -> list[float]:
+    """Newton-Schulz FLOPs of one Muon step per pipeline stage (the whole model's matrices, before tp and the
+    data-parallel owners divide them): per logical matrix ``[m, n]`` (``split="projection"``; m <= n after the
+    transpose) and iteration, ``X Xᵀ`` and ``A A`` as one triangle each (``m² n`` and ``m³``) and ``B X``
+    (``2 m² n``)."""
+    from megakernels.optim.muon import layout_of, split_matrices
+
+    cfg = model_key.config
+    owner = {}
+    for r, chunks in enumerate(stage_layers(cfg.num_layers, pp, vpp, placement)):
+        for layers in chunks:
+            for i in layers:
+                owner[i] = r
+    out = [0.0] * pp
+    for name, p in model_key.model.named_parameters():
+        if name not in model_key.muon_names:
+            continue
+        blocks = split_matrices(p, layout_of(p), "projection")
+        m, n = sorted(blocks.shape[-2:])
+        flops = blocks.shape[0] * steps * (3.0 * m * m * n + m * m * m)
+        layer = name.split(".")[1] if name.startswith(("layers.", "cross.")) else None
+        out[owner[int(layer)] if layer is not None else 0] += flops
+    return out
 
 
 def compute_time(meta: MetaModel, layout: Layout, device: Device) -> tuple[float, float, float, float]:

@@ -115,6 +115,7 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
             "offload_optimizer": args.offload_optimizer,
             "recompute": args.recompute,
             "precision": args.precision,
+            "optimizer": args.optimizer,
             **({"fp8_recipe": L.fp8_recipe} if L.precision == "fp8" else {}),
             **({"frozen": list(L.frozen)} if L.frozen else {}),
         },
@@ -216,7 +217,7 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         + (f"schedule {lay['schedule']}, " if lay["schedule"] else "")
         + f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, zero={lay.get('zero', 0)}, "
-        f"precision={lay['precision']}"
+        f"precision={lay['precision']}, optimizer={lay.get('optimizer', 'adamw')}"
         + (
             f" ({lay['fp8_recipe']} scaling: the blocks' linears in FP8, their inputs kept in FP8 for backward)"
             if "fp8_recipe" in lay

@@ -3,7 +3,7 @@
     megakernels plan --preset gpt-8.3b --gpus 512 [--gpus-per-node 8] [--gpu h200|h100|a100|v100]
                      [--seq-length S] [--global-batch-size B] [--precision bf16|fp16|fp32|fp8
                      [--fp8-recipe tensorwise|blockwise]] [--offload-optimizer [--host-adamw-ns NS]]
-                     [--top K] [--json]
+                     [--optimizer adamw|muon] [--top K] [--json]
     megakernels plan --config job.yaml --gpus 64
     megakernels plan --reproduce runs.csv [more.csv ...] [--json]
 
@@ -29,6 +29,7 @@ import json
 import sys
 
 from megakernels.parallel.layout import LayoutError, ParallelLayout
+from megakernels.parallel.optimizer import OPTIMIZERS
 from megakernels.precisions import PRECISIONS
 from megakernels_models.models.config import RECOMPUTE, ModelConfig, human
 from megakernels_models.planning import costs
@@ -47,11 +48,13 @@ def candidates(
     precision: str = "bf16",
     offload: bool = False,
     fp8_recipe: str = "tensorwise",
+    optimizer: str = "adamw",
 ) -> list[costs.Layout]:
     """Every layout of ``gpus`` GPUs the trainer accepts for ``cfg`` (before the memory check): the degrees and
     micro-batch sizes worth ranking, kept when ``megakernels.parallel.layout`` — the rules ``megakernels train``
     validates with — finds nothing broken. ``offload``: with the optimizer state in host memory
-    (``--offload-optimizer``); ``fp8_recipe``: the scaling with ``precision`` fp8."""
+    (``--offload-optimizer``); ``fp8_recipe``: the scaling with ``precision`` fp8; ``optimizer``: adamw or muon
+    (``--optimizer``: its optimizer state and step time)."""
     shapes = cfg.layout_shapes()
     sequence_parallel = shapes.sequence_parallel is None  # with tp > 1, whenever the family supports it
     out = []
@@ -106,6 +109,7 @@ def candidates(
                                 precision=precision,
                                 fp8_recipe=fp8_recipe,
                                 offload_optimizer=offload,
+                                optimizer=optimizer,
                             )
                         )
     return list(dict.fromkeys(out))
@@ -121,9 +125,11 @@ def rank(
     offload: bool = False,
     host_adamw_ns: float = costs.HOST_ADAMW_NS_PER_PARAM,
     fp8_recipe: str = "tensorwise",
+    optimizer: str = "adamw",
 ) -> list[dict]:
     """Every layout that fits, fastest first: ``{"layout", "memory_bytes", "prediction"}`` (``host_adamw_ns``: the
-    host AdamW's ns per parameter, with ``offload``; ``fp8_recipe``: the scaling with ``precision`` fp8).
+    host AdamW's ns per parameter, with ``offload``; ``fp8_recipe``: the scaling with ``precision`` fp8;
+    ``optimizer``: adamw or muon).
 
     Raises:
         ArgumentError: no layout of the GPUs fits (the message says the smallest memory any layout needs).
@@ -132,7 +138,7 @@ def rank(
     costs.check_precision(costs.Layout(precision=precision, fp8_recipe=fp8_recipe), device)
     meta = costs.MetaModel(cfg)
     fitting, smallest = [], None
-    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision, offload, fp8_recipe):
+    for layout in candidates(cfg, gpus, global_batch_size, gpus_per_node, precision, offload, fp8_recipe, optimizer):
         mem = costs.memory(meta, layout)
         smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
         if costs.fits(mem["total"], device):
@@ -217,6 +223,7 @@ def _train_flags(layout: costs.Layout, source: list[str]) -> list[str]:
     flags += ["--fsdp"] if layout.fsdp else ["--zero", "2"] if layout.zero2 else []
     flags += ["--fsdp-degree", str(layout.fsdp_degree)] if layout.sharded and layout.fsdp_degree else []
     flags += ["--offload-optimizer"] if layout.offload_optimizer else []
+    flags += ["--optimizer", "muon"] if layout.optimizer == "muon" else []
     flags += ["--recompute", layout.recompute] if layout.recompute != "none" else []
     return flags
 
@@ -290,6 +297,13 @@ def add_parser(sub) -> None:
         "(blockwise, slower GEMMs: costs.FP8_BLOCKWISE_GEMM)",
     )
     p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="muon: the hidden matrices keep one fp32 momentum (not AdamW's two moments) and pay Newton-Schulz's "
+        "GEMMs in the step (over tp and the ZeRO-1 / FSDP owners)",
+    )
+    p.add_argument(
         "--offload-optimizer",
         action="store_true",
         help="plan with the optimizer state in host memory "
@@ -361,6 +375,8 @@ def main(ns) -> int:
         cfg, source, gbs = _model(ns)
         gbs = ns.global_batch_size or gbs or 8 * ns.gpus
         device = costs.DEVICES[ns.gpu]
+        if ns.optimizer == "muon" and ns.offload_optimizer:
+            raise ArgumentError("--offload-optimizer steps AdamW on the host; --optimizer muon runs on the device")
         if ns.fp8_recipe != "tensorwise" and ns.precision != "fp8":
             raise ArgumentError(f"--fp8-recipe {ns.fp8_recipe} needs --precision fp8, got --precision {ns.precision}")
         ranked = rank(
@@ -373,6 +389,7 @@ def main(ns) -> int:
             ns.offload_optimizer,
             ns.host_adamw_ns,
             ns.fp8_recipe,
+            ns.optimizer,
         )
     except (ArgumentError, ValueError) as e:
         print(f"megakernels plan: error: {e}", file=sys.stderr)

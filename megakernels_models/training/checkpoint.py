@@ -8,10 +8,11 @@ replicas, of the tied embedding on the first and last stage, ...). Loading asks 
 and DCP reads whichever saved
 chunks overlap them — so a checkpoint written at (tp, pp, dp) = (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2).
 
-What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments in the same per-parameter
-coordinates (ZeRO-1 shards are completed over the data-parallel group first, so the checkpoint does not depend on
-dp either) and its step count; the loss scaler; the step (the data position and the learning rate follow from it);
-each rank's RNG states (restored only at the same layout); the model configuration (a mismatch is refused).
+What is saved: the model; the optimizer's fp32 masters (16-bit training) and Adam moments (Muon's momentum for the
+matrices it steps) in the same per-parameter coordinates (ZeRO-1 shards are completed over the data-parallel group
+first, so the checkpoint does not depend on dp either) and its step count; the loss scaler; the step (the data
+position and the learning rate follow from it); each rank's RNG states (restored only at the same layout); the model
+configuration (a mismatch is refused).
 
 Atomicity, ``latest``, keep-K pruning and incremental checkpoints' shared files: ``checkpoint_store``. Asynchronous
 and incremental saving by the trainer: ``checkpointer``. DIR must be one directory visible to every rank (a shared
@@ -162,10 +163,18 @@ def _sync_replicas(pairs) -> None:
             dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
 
 
-def _templates(params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Zero optimizer states shaped like each param: Adam moments, plus an fp32 master for 16-bit params."""
-    names = lambda p: ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())  # noqa: E731
-    return [{k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in names(p)} for p in params]
+def _templates(params: list[torch.Tensor], opt) -> list[dict[str, torch.Tensor]]:
+    """Zero optimizer states shaped like each param, those ``opt.state_names`` lists: Adam moments or Muon's
+    momentum, plus an fp32 master for 16-bit params."""
+    return [{k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in opt.state_names(p)} for p in params]
+
+
+def _holds_states_of(keys: set[str], chunks, opt) -> bool:
+    """Whether a checkpoint's entries ``keys`` hold every moment ``opt`` keeps (a checkpoint of the other optimizer,
+    AdamW's for a Muon run or back, does not)."""
+    return all(
+        f"optimizer.{k}.{name}" in keys for name, p, _ in _entries(chunks) for k in opt.state_names(p) if k != "master"
+    )
 
 
 def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
@@ -173,7 +182,7 @@ def _optimizer_states(opt, params: list[torch.Tensor]) -> tuple[list[dict[str, t
     rest zeros, so a sum over the group the states are sharded over completes them: the data- and context-parallel
     ranks, or for experts the ranks holding the same experts) and the AdamW step count."""
     got, step = opt.param_state()
-    out = [got.get(p) or t for p, t in zip(params, _templates(params))]
+    out = [got.get(p) or t for p, t in zip(params, _templates(params, opt))]
     if opt.distributed or opt.fsdp:  # ZeRO-1 pieces, or FSDP shards
         steps = torch.tensor([float(step)], device=params[0].device)
         for expert, group in ((False, mpu.dp_cp_group()), (True, mpu.expert_dp_group())):
@@ -333,6 +342,7 @@ def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dic
             "layout": _layout(),
             "train_config": train_config,
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None,
+            "optimizer": getattr(opt, "optimizer", "adamw"),
         }
     )
     return sd
@@ -576,7 +586,16 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
             )
         params = [p for _, p in global_parameters(chunks)]
         with_optimizer = opt is not None and any(k.startswith("optimizer.") for k in keys)
-        targets = _templates(params) if with_optimizer else None
+        if with_optimizer and not _holds_states_of(keys, chunks, opt):
+            with_optimizer = False  # another optimizer's state: the model loads, this optimizer starts fresh
+            if dist.get_rank() == 0:
+                print(
+                    f"megakernels: checkpoint {path} holds the state of another optimizer than "
+                    f"{getattr(opt, 'optimizer', 'adamw')!r}: loading the model only, the optimizer starts fresh",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        targets = _templates(params, opt) if with_optimizer else None
         plain = _plain_params(chunks, load=True)
         sd = _state_dict(chunks, opt, targets, plain=plain)
         rng_key = f"rng.rank{dist.get_rank()}"

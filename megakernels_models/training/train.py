@@ -12,7 +12,8 @@ Per optimizer step (every rank):
 3. finish the gradient reduction, sum the tied word embedding's gradient over the first and last pipeline stage and
    the sequence-parallel replicated parameters' gradients over the tensor-parallel group (``finalize_model_grads``);
 4. the optimizer step (``megakernels.parallel.optimizer``): loss-scale check, global grad-norm clipping, AdamW with
-   fp32 master weights (sharded over data parallelism with ``--distributed-optimizer``), learning-rate schedule.
+   fp32 master weights (sharded over data parallelism with ``--distributed-optimizer``) — with ``--optimizer muon``
+   Muon for the hidden matrices (``megakernels.parallel.muon``) —, learning-rate schedule.
 
 The loss is normalised by the whole global batch (``Task.normalizers``), so its value and gradient do not depend on
 how the batch is split: with dropout 0 in fp32 every layout's loss curve equals the single process's
@@ -44,6 +45,7 @@ from megakernels.parallel.context import split_for_cp
 from megakernels.parallel.ddp import finalize_model_grads, wrap_model
 from megakernels.parallel.moe import set_aux_loss_scale
 from megakernels.parallel.moe import stats as moe_stats
+from megakernels.parallel.muon import MuonOptions
 from megakernels.parallel.optimizer import ParallelOptimizer
 from megakernels.parallel.optimizer_memory import grads_summed
 from megakernels.parallel.pipeline.executor import forward_backward
@@ -275,6 +277,9 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
         loss_scaler=DynamicLossScaler() if args.precision == "fp16" else None,
         no_decay=no_decay_rule(chunks, args.no_weight_decay),
         offload=args.offload_optimizer,
+        optimizer=args.optimizer,
+        muon=muon_options(args) if args.optimizer == "muon" else None,
+        qk_clip_tau=args.muon_clip_tau,
     )
     lr_schedule = LRSchedule(
         args.lr,
@@ -362,6 +367,11 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                         "elapsed_s": time.perf_counter() - t_start,
                         "skipped": not stepped,
                         **(moe or {}),
+                        **(
+                            {"max_logit": opt.max_logit, "clipped_heads": opt.clipped_heads}
+                            if args.muon_clip_tau > 0
+                            else {}
+                        ),
                     }
                     if args.dpo:
                         rec["dpo_loss"] = rec["loss"]
@@ -510,6 +520,19 @@ def _resume(args: TrainArgs, chunks, opt, cfg: ModelConfig) -> tuple[int, str | 
     if restarts and rank0:
         print(f"megakernels train: resumed from {path} (step {step})", flush=True)
     return step, path
+
+
+def muon_options(args: TrainArgs) -> MuonOptions:
+    """The ``--muon-*`` settings as ``ParallelOptimizer``'s ``MuonOptions``."""
+    return MuonOptions(
+        momentum=args.muon_momentum,
+        nesterov=args.muon_nesterov,
+        ns_steps=args.muon_ns_steps,
+        lr_scale=args.muon_lr_scale,
+        split=args.muon_split,
+        ns_dtype=args.muon_ns_dtype,
+        tp_mode=args.muon_tp_mode,
+    )
 
 
 def no_decay_rule(chunks, names: str):

@@ -206,6 +206,19 @@ def test_offloaded_adamw_reports_ns_per_parameter_against_torchs_fused_adamw():
     )
 
 
+def test_muon_times_newton_schulz_against_torch_mm_and_the_step_against_fused_adamw():
+    from megakernels.bench import muon
+
+    rows = muon.measure({"2x16x24": (2, 16, 24)}, ["float32"], min_run_time=0.01, log=lambda s: None)
+    ns, step = rows
+    assert (ns["op"], ns["pass"], step["pass"]) == ("muon", "newton_schulz", "step")
+    assert set(ns["times_ms"]) == {"megakernels", "torch_mm"}
+    assert ns["work"] == 2 * 5 * (4 * 16 * 16 * 24 + 2 * 16**3)
+    assert set(step["times_ms"]) == {"megakernels", "fused_adamw", "torch_muon"}
+    per = step["extra_columns"]["fused_adamw ns/param"]
+    assert per == pytest.approx(step["times_ms"]["fused_adamw"] * 1e6 / (2 * 16 * 24))
+
+
 def test_a_tool_that_is_not_installed_is_answered_with_how_to_install_it(capsys, monkeypatch):
     """The static cost model is a development tool beside the package: without it, its flags parse and are answered
     in one line naming the set-up command, exit status 2."""

@@ -20,7 +20,7 @@ from torch import nn
 from megakernels.ops.grouped_gemm import grouped_gemm, grouped_gemm_backward, grouped_gemm_backward_parts
 from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import fp8, init, state
-from megakernels.parallel.params import mark_expert_parallel
+from megakernels.parallel.params import mark_expert_parallel, mark_fused
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -102,6 +102,8 @@ class GroupedMLP(nn.Module):
         self.fc2 = nn.Parameter(torch.empty(num_local, hidden_size, ffn_hidden_size // tp, device=device, dtype=dtype))
         mark_expert_parallel(self.fc1, num_experts=num_experts, first=first, dim=0, stride=2 if gated else 1)
         mark_expert_parallel(self.fc2, num_experts=num_experts, first=first, dim=1)
+        if gated:  # each expert's [gate; up]: two logical matrices (Muon orthogonalises each)
+            mark_fused(self.fc1, parts=2)
         if self.fc1.device.type != "meta":
             normal = init_method or init.init_method_normal()
             for i in range(num_local):
