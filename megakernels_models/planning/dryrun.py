@@ -217,7 +217,7 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         + (f"schedule {lay['schedule']}, " if lay["schedule"] else "")
         + f"{lay['microbatches']} micro-batches per step, sequence_parallel={lay['sequence_parallel']}, "
         f"distributed_optimizer={lay['distributed_optimizer']}, zero={lay.get('zero', 0)}, "
-        f"precision={lay['precision']}, optimizer={lay.get('optimizer', 'adamw')}"
+        f"optimizer={lay.get('optimizer', 'adamw')}, precision={lay['precision']}"
         + (
             f" ({lay['fp8_recipe']} scaling: the blocks' linears in FP8, their inputs kept in FP8 for backward)"
             if "fp8_recipe" in lay
