@@ -40,6 +40,14 @@ if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
       'nvcc is installed but the extension was built without its CUDA kernels: the .cu files were not compiled')"
 fi
 
+# Bytecode: where the environment sets PYTHONDONTWRITEBYTECODE (this machine kind's does), every Python process of
+# the run in a fresh clone (hundreds: the xdist workers, each spawned world's fork server, every CLI run) compiles
+# every module it imports from source, about twice the import time of a compiled one. The run writes its bytecode
+# on first import and reads it after, under build/pycache (PYTHONPYCACHEPREFIX), so the source tree and the venv
+# stay as they are.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$PWD/build/pycache"
+
 # A fresh Inductor cache for each run: a cache shared with another run (another checkout, or an earlier commit)
 # handed back code compiled against an older signature of a custom op (flash_attn_fwd called with 11 arguments
 # by a graph cached from a checkout whose op took them), failing torch.compile tests that pass on their own.
