@@ -1,5 +1,5 @@
 // FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward (causal or not, sliding
-// window with its shift, packed documents, dropout; fp32/bf16/fp16; head_dim <= 256).
+// window with its shift, packed documents, dropout, attention sinks; fp32/bf16/fp16; head_dim <= 256).
 // megakernels/ops/attention.py routes its CPU calls here when they are covered and holds the autograd; everything
 // else runs megakernels/ops/_attention_cpu.py.
 #include <ATen/MemoryOverlap.h>
@@ -51,6 +51,16 @@ at::Tensor checked_q_keys(const char* op, const c10::optional<at::Tensor>& q_key
   TORCH_CHECK_VALUE(c.numel() == 0 || (c.min().item<int32_t>() >= 0 && c.max().item<int32_t>() <= k.size(1)), op,
                     ": q_keys spans must lie in [0, sk = ", k.size(1), "]");
   return c;
+}
+
+// The attention sinks (fp32 [heads] on the CPU, one per query head), checked; undefined (no sinks) stays undefined.
+at::Tensor checked_sinks(const char* op, const c10::optional<at::Tensor>& sinks, const at::Tensor& q) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == q.size(2),
+                    op, ": sinks must be a CPU float32 [heads] = [", q.size(2), "] tensor, got ", t.scalar_type(), " ",
+                    t.sizes(), " on ", t.device());
+  return t.contiguous();
 }
 
 fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, int64_t window, int64_t shift,
@@ -106,12 +116,15 @@ fa::Layout layout(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.str
 std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                       const at::Tensor& v_in, bool causal, double scale, int64_t window,
                                                       int64_t shift, const c10::optional<at::Tensor>& q_keys_in,
-                                                      double dropout_p, int64_t seed) {
+                                                      double dropout_p, int64_t seed,
+                                                      const c10::optional<at::Tensor>& sinks_in) {
   const char* op = "flash_attention";
   check_qkv(op, q_in, k_in, v_in);
   const at::Tensor q = inner_contiguous(q_in), k = inner_contiguous(k_in), v = inner_contiguous(v_in);
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
+  const at::Tensor sinks = checked_sinks(op, sinks_in, q);
   fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
+  a.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty_like(q);  // q's memory order (token-major q, token-major out)
   a.lq = layout(q), a.lk = layout(k), a.lv = layout(v), a.lo = layout(out);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
@@ -131,14 +144,24 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   return {out, lse};
 }
 
-// The gradients written into dq, dk, dv (shaped as q, k, v, any batch/token/head strides, head_dim contiguous).
+// The gradients written into dq, dk, dv (shaped as q, k, v, any batch/token/head strides, head_dim contiguous), and
+// with sinks the sinks' gradient into dsinks (fp32 [heads]).
 void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
                              const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, bool causal,
                              double scale, int64_t window, int64_t shift, const c10::optional<at::Tensor>& q_keys_in,
                              double dropout_p, int64_t seed, const at::Tensor& dq, const at::Tensor& dk,
-                             const at::Tensor& dv) {
+                             const at::Tensor& dv, const c10::optional<at::Tensor>& sinks_in,
+                             const c10::optional<at::Tensor>& dsinks) {
   const char* op = "flash_attention_backward";
   check_qkv(op, q_in, k_in, v_in);
+  const at::Tensor sinks = checked_sinks(op, sinks_in, q_in);
+  const bool has_dsinks = dsinks.has_value() && dsinks->defined();
+  TORCH_CHECK_VALUE(sinks.defined() == has_dsinks, op, ": sinks and dsinks go together (both or neither)");
+  if (has_dsinks)
+    TORCH_CHECK_VALUE(dsinks->device().is_cpu() && dsinks->scalar_type() == at::kFloat && dsinks->dim() == 1 &&
+                          dsinks->size(0) == q_in.size(2),
+                      op, ": dsinks must be a CPU float32 [heads] = [", q_in.size(2), "] tensor, got ",
+                      dsinks->scalar_type(), " ", dsinks->sizes());
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
                         dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
                         dout_in.device().is_cpu() && out_in.device().is_cpu(),
@@ -175,6 +198,9 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
   fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
+  a.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
+  at::Tensor dsinks_part = sinks.defined() ? at::empty({a.b, a.h, a.nqb}, q.options().dtype(at::kFloat)) : at::Tensor();
+  a.dsinks_part = sinks.defined() ? dsinks_part.data_ptr<float>() : nullptr;
   // Chunks of key blocks, one dq partial sum each: enough work items for the threads (16 with the kv heads), fixed
   // by the shapes so that the bits are the same on any machine; more than 4 only while the partial sums stay under
   // 256 MiB.
@@ -217,17 +243,22 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   at::parallel_for(0, a.b * a.h * a.nqb, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_prep)(a, b, e); });
   at::parallel_for(0, a.b * a.hk * a.chunks, 1, [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_kv)(a, b, e); });
   at::parallel_for(0, rows, row_grain(a.d), [&](int64_t b, int64_t e) { MK_CPU(flash_attn_bwd_dq)(a, b, e); });
+  if (has_dsinks) dsinks->copy_(dsinks_part.sum(at::IntArrayRef{0, 2}));  // a fixed order: the same bits every run
 }
 
-// The gradients in q, k and v's own memory orders (empty_like of a strided view keeps its order of strides).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
+// The gradients in q, k and v's own memory orders (empty_like of a strided view keeps its order of strides), and the
+// sinks' (fp32 [heads]; an empty fp32 tensor without sinks).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, bool causal, double scale, int64_t window, int64_t shift,
-    const c10::optional<at::Tensor>& q_keys, double dropout_p, int64_t seed) {
+    const c10::optional<at::Tensor>& q_keys, double dropout_p, int64_t seed, const c10::optional<at::Tensor>& sinks) {
   check_qkv("flash_attention_backward", q, k, v);
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  flash_attn_bwd_cpu_into(dout, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, seed, dq, dk, dv);
-  return {dq, dk, dv};
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  at::Tensor dsinks = at::empty({has_sinks ? q.size(2) : 0}, q.options().dtype(at::kFloat));
+  flash_attn_bwd_cpu_into(dout, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, seed, dq, dk, dv,
+                          sinks, has_sinks ? c10::optional<at::Tensor>(dsinks) : c10::nullopt);
+  return {dq, dk, dv, dsinks};
 }
 
 // The kernel's band rule for the query rows [first, first + rows) of batch element `batch` (fa::key_bounds: lo,
@@ -271,15 +302,15 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
       &megakernels::bindings::flash_attention_ops::flash_attn_key_bounds);
   m.def(
       "flash_attn_fwd_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window=0, int shift=0, "
-      "Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, Tensor)");
+      "Tensor? q_keys=None, float dropout_p=0.0, int seed=0, Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def(
       "flash_attn_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-      "float scale, int window=0, int shift=0, Tensor? q_keys=None, float dropout_p=0.0, int seed=0) -> (Tensor, "
-      "Tensor, Tensor)");
+      "float scale, int window=0, int shift=0, Tensor? q_keys=None, float dropout_p=0.0, int seed=0, "
+      "Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "flash_attn_bwd_cpu_into(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
       "float scale, int window, int shift, Tensor? q_keys, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
-      "Tensor(c!) dv) -> ()");
+      "Tensor(c!) dv, Tensor? sinks=None, Tensor(d!)? dsinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {

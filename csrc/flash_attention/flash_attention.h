@@ -19,6 +19,11 @@
 // forward's lse and normaliser come from the whole softmax, its output from the kept probabilities times
 // 1 / (1 - p); the backward drops dP where the forward dropped P.
 //
+// Attention sinks (sinks: fp32 [h], one logit per query head, or null) join each query row's softmax as one more
+// column of logit sinks[hh] and value zero, after the key blocks (one more term of the row's max and sum); lse
+// includes it, so the backward of q, k, v is unchanged, and the prep pass adds -exp(sinks[hh] - lse) * delta over
+// each query block's rows into dsinks_part [b, h, nqb] (summed in a fixed order by the binding).
+//
 // Layout of the work: k and v are first packed per (batch, kv head, key block of kBlockN keys) into fp32 panels
 // padded to dp = head_dim rounded up to 16 (kt/vt: the block transposed, [dp, kBlockN]; kp/vp: [kBlockN, dp]),
 // so every product below is a small fp32 GEMM on aligned, zero-padded panels.
@@ -84,6 +89,8 @@ struct Args {
   uint16_t* dopb_pk;
   float* dq_part;                                     // backward: [chunks, b, h, nqb * kBlockM, dp], zero on entry
   const int32_t* q_keys;                              // packed documents: [b, sq, 2] key span of each query, or null
+  const float* sinks;                                 // attention sinks [h] (fp32), or null
+  float* dsinks_part;                                 // backward with sinks: [b, h, nqb] partial sums of dsinks
   Layout lq, lk, lv, lo, lout, ldout, ldq, ldk, ldv;  // of q, k, v, o, out, dout, dq, dk, dv
   int64_t b, sq, sk, h, hk, d, dp, nqb, nkb, chunks;
   uint32_t seed_lo, seed_hi;  // dropout: the seed's low and high 32 bits

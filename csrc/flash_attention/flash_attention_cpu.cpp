@@ -450,11 +450,20 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
     float* lse = a.lse + (bi * a.h + hh) * a.sq + r0;
     for (int64_t r = 0; r < rows; ++r) {
       float* orow = o + r * dp;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      float mr = m[r], lr = l[r], alpha = 1.0f;
+      if (a.sinks) {  // the sink column: logit sinks[hh], value zero (its rescale of O folds into 1 / l)
+        const float sink = a.sinks[hh], mn = std::max(mr, sink);
+        if (mn != kNegInf) {
+          alpha = fa_exp(mr - mn);
+          lr = lr * alpha + fa_exp(sink - mn);
+          mr = mn;
+        }
+      }
+      const float inv = lr > 0.0f ? alpha / lr : 0.0f;
 #pragma omp simd
       for (int64_t c = 0; c < d; ++c) orow[c] *= inv;
       store_row(orow, out + r * a.lo.s, d);
-      lse[r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : kNegInf;
+      lse[r] = lr > 0.0f ? mr + std::log(lr) : kNegInf;
     }
   }
 }
@@ -490,14 +499,18 @@ void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
     const T* q = static_cast<const T*>(a.q) + at(a.lq, bi, r0, hh);
     const T* dout = static_cast<const T*>(a.dout) + at(a.ldout, bi, r0, hh);
     const T* out = static_cast<const T*>(a.out) + at(a.lout, bi, r0, hh);
+    float dsink = 0.0f;  // with sinks: this block's share of dsinks[hh], -sum P_sink * delta
     for (int64_t r = 0; r < rows; ++r) {
       const float* o = row_view(out + r * a.lout.s, x, d);
       const float* g = row_view(dout + r * a.ldout.s, y, d);
       float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t c = 0; c < d; ++c) acc += o[c] * g[c];
-      a.delta[(bi * a.h + hh) * a.sq + r0 + r] = acc;
+      const int64_t row = (bi * a.h + hh) * a.sq + r0 + r;
+      a.delta[row] = acc;
+      if (a.sinks && a.lse[row] != kNegInf) dsink -= fa_exp(a.sinks[hh] - a.lse[row]) * acc;
     }
+    if (a.sinks) a.dsinks_part[(bi * a.h + hh) * a.nqb + qb] = dsink;
     if (!dot) {
       for (int64_t r = 0; r < kBlockM; ++r) {
         float *qs = a.qs_pk + off + r * dp, *dos = a.dos_pk + off + r * dp;

@@ -11,6 +11,10 @@ kernel), ``out = P V``. Backward recomputes ``P`` from the lse, per block: ``dv 
 the rows of the query block (``[b, hk, group * rows, d]``), so k and v are never repeated per query head and the
 group's contributions to dk/dv sum inside the GEMM. 16-bit inputs compute in fp32; fp64 stays fp64 (gradcheck).
 
+Attention sinks (``sinks`` ``[h]``): one more term in each row's max and sum (the sink's logit, its value zero);
+``lse`` includes it, so the backward of q, k and v is unchanged; ``dsinks`` comes from delta and lse
+(attention.sinks_grad).
+
 Documents (``ranges``: attention.document_ranges, each query's span of same-document keys): each batch element
 runs on its own, and a query block's keys shrink further to the span from its first row's document start to its
 last row's document end, so key blocks of other documents are never multiplied; inside the span, keys of another
@@ -103,8 +107,26 @@ def _scores(qb, kt, causal_mask, g):
     return s
 
 
+def _sink_rows(sinks, hk: int, g: int, rows: int, ct):
+    """The sinks of a block's rows ``[hk, g * rows, 1]`` (the query heads of a k/v head, each for its rows), or
+    None."""
+    if sinks is None:
+        return None
+    return sinks.to(ct).view(hk, g, 1).expand(hk, g, rows).reshape(hk, g * rows, 1)
+
+
 def forward(
-    q, k, v, causal: bool, scale: float, dropout_p: float, seed: int, window: int = 0, shift: int = 0, ranges=None
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: int,
+    window: int = 0,
+    shift: int = 0,
+    ranges=None,
+    sinks=None,
 ):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -114,6 +136,7 @@ def forward(
     lse = torch.empty((b, hk, g, sq), dtype=ct)  # fp32 (fp64 for fp64 input: gradcheck)
     keep_scale = 1.0 / (1.0 - dropout_p)
     rows_per_block = _rows_per_block(b, h, sk, 4)
+    sink_lse = sinks.to(ct).view(hk, g, 1) if sinks is not None else float("-inf")  # a row that sees no key
     for b0, b1, spans in _batches(b, ranges):
         nb = b1 - b0
         qh, kh, vh = _by_kv_head(q[b0:b1], hk), _by_kv_head(k[b0:b1], hk)[:, :, 0], _by_kv_head(v[b0:b1], hk)[:, :, 0]
@@ -125,7 +148,7 @@ def forward(
             rows = stop - start
             if k1 == k0:
                 oh[:, :, :, start:stop].zero_()
-                lse_b[..., start:stop] = float("-inf")
+                lse_b[..., start:stop] = sink_lse
                 continue
             causal_mask, keep = _block_mask(
                 start, stop, k0, k1, sq, sk, causal, window, shift, dropout_p, seed, nb, h, hk, q.device, b0, spans
@@ -134,8 +157,13 @@ def forward(
             # In place on the block's scores: max, exp(s - max), row sums (4 passes; the GEMMs are the BLAS's).
             p = _scores(qb, kt[..., k0:k1], causal_mask, g)
             m = p.amax(-1, keepdim=True)
+            sink = _sink_rows(sinks, hk, g, rows, ct)
+            if sink is not None:
+                m = torch.maximum(m, sink)
             m = m.masked_fill_(torch.isneginf(m), 0.0)  # a row that sees no key: P = 0, l = 0, lse = -inf
             l = p.sub_(m).exp_().sum(-1, keepdim=True)
+            if sink is not None:
+                l = l + torch.exp(sink - m)
             if keep is not None:
                 p = p.masked_fill_(~keep, 0.0)
             o = torch.matmul(p, vc[:, :, k0:k1]).mul_(keep_scale / l.masked_fill(l == 0, 1.0))
@@ -158,6 +186,7 @@ def backward(
     window: int = 0,
     shift: int = 0,
     ranges=None,
+    sinks=None,
 ):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -204,4 +233,7 @@ def backward(
             dk_b[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qb)  # qb holds scale * q
     dk = dk.permute(0, 2, 1, 3).to(k.dtype)
     dv = dv.permute(0, 2, 1, 3).to(v.dtype)
-    return dq, dk.contiguous(), dv.contiguous()
+    from megakernels.ops.attention import no_sinks_grad, sinks_grad
+
+    dsinks = sinks_grad(do, out, lse, sinks) if sinks is not None else no_sinks_grad(q)
+    return dq, dk.contiguous(), dv.contiguous(), dsinks

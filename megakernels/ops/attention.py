@@ -21,9 +21,17 @@ the other side are one span (``document_ranges``); the kernels cut every query b
 queries, in the backward) to the spans of its documents, so other documents' blocks are never visited. The custom
 ops take the ids as ``q_docs``/``k_docs`` after ``shift``.
 
+Attention sinks (``sinks=``, gpt-oss): a learnable logit per query head joins every row's softmax denominator as a
+column of logit ``sinks[h]`` (not scaled by ``softmax_scale``) and value zero: ``P = exp(S - lse)`` with ``lse =
+log(sum_j exp(S_j) + exp(sinks[h]))``, so a row's probabilities sum to ``1 - P_sink``. The forward adds the column
+after the key blocks (one more term in the online softmax), the lse it returns includes it, so the backward of q, k
+and v is unchanged (``delta = rowsum(dO * O)`` already sums over the sink, whose value is zero), and
+``dsinks[h] = -sum over the head's rows of P_sink * delta`` is reduced in fp32 beside delta. The custom ops take the
+sinks last; without them (None) every kernel is the one without sinks.
+
 Dispatch (docs/design.md §2): CUDA tensors run the Triton kernels (megakernels/triton/flash_attention.py, fp16/bf16/
 fp32); CPU tensors run the C++ FlashAttention kernel (csrc/flash_attention: ``torch.ops.megakernels.flash_attn_fwd_cpu``
-/ ``flash_attn_bwd_cpu``) when it covers the call (causal or not, windows, documents, dropout; fp32/bf16/fp16,
+/ ``flash_attn_bwd_cpu``) when it covers the call (causal or not, windows, documents, dropout, sinks; fp32/bf16/fp16,
 head_dim <= 256), else the blocked CPU path (megakernels/ops/_attention_cpu.py, memory O(block * sk)); under
 ``megakernels.backend("cuda_emu")`` CPU tensors run the *Triton* kernels through Triton's interpreter (which needs
 ``TRITON_INTERPRET=1`` before megakernels.triton is imported).
@@ -88,6 +96,22 @@ def document_ranges(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None):
     return spans(kd, qd), spans(qd, kd)
 
 
+def no_sinks_grad(q: torch.Tensor) -> torch.Tensor:
+    """The backward ops' ``dsinks`` where there are no sinks: an empty fp32 tensor on q's device."""
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * (grad_out . out)[b, i, h]``: the sinks' gradient
+    from the forward's ``out`` ``[b, sq, h, d]`` and its lse ``[b, h, sq]`` (which includes the sinks), summed in fp32
+    (fp64 for fp64 sinks); a row whose lse is ``-inf`` adds nothing. Returns ``[h]`` in the sinks' dtype."""
+    ct = torch.float64 if sinks.dtype == torch.float64 else torch.float32
+    delta = (grad_out.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)  # [b, h, sq]
+    lse = lse.to(ct)
+    p_sink = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.to(ct)[:, None] - lse))
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+
+
 def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a CPU call runs the C++ kernel (csrc/flash_attention: causal or not, sliding windows, packed
     documents, dropout) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and head dims over 256."""
@@ -109,26 +133,40 @@ def _flash_attn_fwd(
     shift: int = 0,
     q_docs: torch.Tensor | None = None,
     k_docs: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_shift(window, shift)
     ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
-        return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift, ranges)
+        return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift, ranges, sinks)
     if _cpp_kernel_covers(q, k):
         q_keys = ranges[0] if ranges is not None else None
         return torch.ops.megakernels.flash_attn_fwd_cpu(
-            q, k, v, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed)
+            q, k, v, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed), sinks
         )
     from megakernels.ops import _attention_cpu
 
-    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges)
+    return _attention_cpu.forward(q, k, v, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges, sinks)
 
 
 @_flash_attn_fwd.register_fake
 def _(
-    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic=False, window=0, shift=0, q_docs=None, k_docs=None
+    q,
+    k,
+    v,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    emulate,
+    deterministic=False,
+    window=0,
+    shift=0,
+    q_docs=None,
+    k_docs=None,
+    sinks=None,
 ):
-    _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v))
+    _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v), ("sinks", sinks))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty((b, h, sq), dtype=lse_dtype)
@@ -152,22 +190,23 @@ def _flash_attn_bwd(
     shift: int = 0,
     q_docs: torch.Tensor | None = None,
     k_docs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_shift(window, shift)
     ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().backward(
-            grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift, ranges
+            grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift, ranges, sinks
         )
     if _cpp_kernel_covers(q, k):
         q_keys = ranges[0] if ranges is not None else None
         return torch.ops.megakernels.flash_attn_bwd_cpu(
-            grad_out, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed)
+            grad_out, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed), sinks
         )
     from megakernels.ops import _attention_cpu
 
     return _attention_cpu.backward(
-        grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges
+        grad_out, q, k, v, out, lse, causal, scale, dropout_p, _host_seed(seed), window, shift, ranges, sinks
     )
 
 
@@ -189,25 +228,35 @@ def _(
     shift=0,
     q_docs=None,
     k_docs=None,
+    sinks=None,
 ):
     _checks.same_device(
-        "flash_attention_backward", "q", q, ("grad_out", grad_out), ("k", k), ("v", v), ("out", out), ("lse", lse)
+        "flash_attention_backward",
+        "q",
+        q,
+        ("grad_out", grad_out),
+        ("k", k),
+        ("v", v),
+        ("out", out),
+        ("lse", lse),
+        ("sinks", sinks),
     )
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsinks = torch.empty_like(sinks) if sinks is not None else no_sinks_grad(q)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic, window, shift, q_docs, k_docs = inputs
+    q, k, v, causal, scale, dropout_p, seed, emulate, deterministic, window, shift, q_docs, k_docs, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, q_docs, k_docs)
+    ctx.save_for_backward(q, k, v, out, lse, seed, q_docs, k_docs, sinks)
     ctx.causal, ctx.scale, ctx.dropout_p, ctx.emulate = causal, scale, dropout_p, emulate
     ctx.deterministic, ctx.window, ctx.shift = deterministic, window, shift
     ctx.set_materialize_grads(True)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, seed, q_docs, k_docs = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_bwd(
+    q, k, v, out, lse, seed, q_docs, k_docs, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _flash_attn_bwd(
         grad_out,
         q,
         k,
@@ -224,8 +273,9 @@ def _backward(ctx, grad_out, _grad_lse):
         ctx.shift,
         q_docs,
         k_docs,
+        sinks,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsinks if sinks is not None else None
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -242,6 +292,30 @@ def check_window(op: str, window) -> int:
     if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
         raise ValueError(f"{op}: window must be a positive int, or None or 0 (full attention), got {window!r}")
     return int(window)
+
+
+def check_sinks(op: str, sinks, q: torch.Tensor) -> torch.Tensor | None:
+    """``sinks`` as the custom ops take it: None, or a ``[heads]`` tensor (q's heads: one sink logit per query
+    head), fp32 (fp64 with fp64 q), on q's device; made contiguous.
+
+    Raises:
+        TypeError: not a tensor. ValueError: wrong shape, dtype or device."""
+    if sinks is None:
+        return None
+    _checks.tensor(op, "sinks", sinks)
+    h = q.shape[2]
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(
+            f"{op}: sinks must have shape [heads] = [{h}] (one logit per query head), got {list(sinks.shape)}"
+        )
+    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if sinks.dtype not in allowed:
+        raise ValueError(
+            f"{op}: sinks must be float32{' or float64' if len(allowed) > 1 else ''} (fp32 logits), got {sinks.dtype}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"{op}: sinks is on {sinks.device}, expected q's device {q.device}")
+    return sinks.contiguous()
 
 
 def check_documents(op: str, documents, q: torch.Tensor, k: torch.Tensor):
@@ -356,6 +430,7 @@ def flash_attention(
     deterministic: bool = False,
     window: int | None = None,
     documents: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` per head, memory linear in the sequence length.
 
@@ -383,18 +458,24 @@ def flash_attention(
             (which stay index-based). Ids must be non-decreasing along the sequence (each document one contiguous
             run; checked for CPU tensors). Key blocks wholly in other documents are skipped: the cost follows the
             sum of the squared document lengths, not the packed length squared. See ``flash_attention_varlen``.
+        sinks: attention sinks (gpt-oss): fp32 ``[heads]``, one logit per query head (GQA: indexed by the query
+            head), joining each row's softmax denominator as a key of that logit (not scaled by ``softmax_scale``)
+            and a zero value: ``P = exp(S - lse)``, ``lse = log(sum_j exp(S_j) + exp(sinks[h]))``. Differentiable;
+            the gradient is summed over batch and queries in fp32. A query that sees no key then gets output 0 and
+            lse ``sinks[h]``. None: no sink (the kernels without one).
 
     Returns:
-        ``out`` ``[batch, sq, heads, head_dim]`` in q's dtype (and ``lse`` when asked); differentiable w.r.t.
-        q, k, v.
+        ``out`` ``[batch, sq, heads, head_dim]`` in q's dtype (and ``lse`` when asked, the sinks included);
+        differentiable w.r.t. q, k, v (and sinks).
 
     Raises:
         TypeError for a non-tensor; ValueError naming the argument for wrong rank, dtype or device mismatches,
-        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale, dropout_p, window or
-        documents.
+        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale, dropout_p, window,
+        documents or sinks.
     """
     scale = _check(q, k, v, softmax_scale, dropout_p)
     window = check_window("flash_attention", window)
+    sinks = check_sinks("flash_attention", sinks, q)
     docs = check_documents("flash_attention", documents, q, k)
     q_docs, k_docs = docs if docs is not None else (None, None)
     if window >= max(q.shape[1], k.shape[1]):  # the band holds every (query, key) pair: the kernel without one
@@ -403,11 +484,27 @@ def flash_attention(
     emulate = emulate_for("flash_attention", q, "q")
     seed = draw_seed(q.device, generator) if dropout_p > 0.0 else None  # no launch without dropout
     if q.numel() == 0 or k.shape[1] == 0:
-        out = torch.zeros_like(q) + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the autograd graph
+        touch = q.sum() + k.sum() + v.sum() + (sinks.sum() if sinks is not None else 0.0)
+        out = torch.zeros_like(q) + 0.0 * touch  # keeps the autograd graph
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)
+        if sinks is not None:  # only the sink is seen
+            lse = lse.to(sinks.dtype).copy_(sinks.detach()[:, None])
         return (out, lse) if return_lse else out
     out, lse = _flash_attn_fwd_eager(
-        q, k, v, bool(causal), scale, float(dropout_p), seed, emulate, bool(deterministic), window, 0, q_docs, k_docs
+        q,
+        k,
+        v,
+        bool(causal),
+        scale,
+        float(dropout_p),
+        seed,
+        emulate,
+        bool(deterministic),
+        window,
+        0,
+        q_docs,
+        k_docs,
+        sinks,
     )
     return (out, lse) if return_lse else out
 
@@ -458,6 +555,7 @@ def flash_attention_varlen(
     return_lse: bool = False,
     generator: torch.Generator | None = None,
     deterministic: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over packed variable-length sequences (flash-attn's varlen convention): document ``i`` is q rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against k/v rows ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``; no token
@@ -476,6 +574,8 @@ def flash_attention_varlen(
         softmax_scale, dropout_p, return_lse, generator, deterministic: as ``flash_attention`` (lse ``[heads,
             total_q]``; the dropout mask is ``flash_attention``'s at batch 1 over the packed sequence).
         window: sliding window within each document, bottom-right aligned per document (``flash_attention``'s).
+        sinks: fp32 ``[heads]`` attention sinks, one per query head (``flash_attention``'s): every query's
+            denominator has its head's sink once, whatever its document.
 
     Causal or windowed attention needs every document (with queries and keys) to end the same number of keys after
     its queries: ``cu_seqlens_k[i + 1] - cu_seqlens_q[i + 1] == total_k - total_q``, which holds when every
@@ -490,7 +590,7 @@ def flash_attention_varlen(
     Raises:
         TypeError / ValueError naming the argument: q/k/v as ``flash_attention`` (but 3-D), cu_seqlens not int32,
         not 1-D, of different lengths, not starting at 0, decreasing, not ending at the total, a max_seqlen shorter
-        than a document, or causal/window with documents whose alignment differs.
+        than a document, causal/window with documents whose alignment differs, or bad sinks.
     """
     op = "flash_attention_varlen"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -534,6 +634,7 @@ def flash_attention_varlen(
         deterministic=deterministic,
         window=window,
         documents=docs,
+        sinks=sinks,
     )
     if return_lse:
         out, lse = res
@@ -566,12 +667,23 @@ def window_mask(sq: int, sk: int, causal: bool, window: int | None = None, shift
 
 
 def flash_attention_reference(
-    q, k, v, causal=False, softmax_scale=None, keep=None, dropout_p=0.0, compute_dtype=torch.float64, window=None
+    q,
+    k,
+    v,
+    causal=False,
+    softmax_scale=None,
+    keep=None,
+    dropout_p=0.0,
+    compute_dtype=torch.float64,
+    window=None,
+    sinks=None,
 ):
     """Materialising attention in ``compute_dtype``: returns (out ``[b, sq, h, d]``, lse ``[b, h, sq]``).
 
     ``keep`` (``[b, h, sq, sk]`` bool) applies dropout with scale ``1 / (1 - dropout_p)``; ``window`` as
-    ``flash_attention``'s. Queries that see no key give zeros and lse -inf."""
+    ``flash_attention``'s; ``sinks`` ``[h]``: one more column of scores per head, of logit ``sinks[h]``, whose
+    value is zero (dropped from the output). Queries that see no key give zeros and lse -inf (with sinks: lse
+    ``sinks[h]``)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -582,8 +694,12 @@ def flash_attention_reference(
     hidden = window_mask(sq, sk, causal, window, device=q.device)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        s = torch.cat((s, sinks.to(compute_dtype)[:, None, None].expand(b, h, sq, 1)), -1)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
+    if sinks is not None:
+        p = p[..., :sk]
     if keep is not None:
         p = p * keep / (1.0 - dropout_p)
     return torch.matmul(p, vc).transpose(1, 2), lse

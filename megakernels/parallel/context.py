@@ -25,6 +25,12 @@ for query chunk ``a`` and key chunk ``b`` of ``c`` tokens), so every query sees 
 step whose held chunks no query here sees (no compute: the chunks still travel on, as other ranks need them).
 A window as long as the sequence is no window.
 
+**Attention sinks** (``sinks``, one logit per query head) are a column of every query row's softmax, not of a key
+chunk: the partial results hold keys only, and the sink joins once, when they are all merged (one more term of the
+log-sum-exp whose value is zero). Its gradient comes once from the final output and log-sum-exp of this rank's rows
+(``-sum P_sink · rowsum(dO · O)``); the ranks' shares are summed by the data-and-context-parallel gradient reduction,
+as every parameter's are.
+
 **Backward** runs the ring again. With the final output and log-sum-exp, FlashAttention's backward of each partial
 gives that partial's exact share of dq, dk and dv. The key/value gradients travel with their chunk and are
 accumulated by every rank that attended it; one last hop returns them to their owner. The key/value transfer of the
@@ -95,9 +101,10 @@ def _fwd(q, k, v, causal, scale, emulate, window=0, shift=0, docs=(None, None)):
 
 
 def _bwd(dout, q, k, v, out, lse, causal, scale, emulate, window=0, shift=0, docs=(None, None)):
-    return torch.ops.megakernels.flash_attn_bwd(
+    dq, dk, dv, _ = torch.ops.megakernels.flash_attn_bwd(
         dout, q, k, v, out, lse, causal, scale, 0.0, None, emulate, False, window, shift, docs[0], docs[1]
     )
+    return dq, dk, dv
 
 
 def _chunk_ids(documents: torch.Tensor | None, rank: int, cp: int, c: int) -> torch.Tensor | None:
@@ -158,6 +165,16 @@ def _merge(out, lse, rows, o, l):
     lse[:, :, rows] = new_l
 
 
+def _merge_sinks(out, lse, sinks) -> None:
+    """Merge the sinks (``[h]``: a zero-valued column of logit ``sinks[h]`` in every row) into the merged fp32
+    ``(out [b, s, h, d], lse [b, h, s])`` of all keys, in place."""
+    sink = sinks.to(lse.dtype)[None, :, None]
+    new_l = torch.logaddexp(lse, sink)
+    a = torch.where(torch.isneginf(lse), 0.0, torch.exp(lse - new_l))
+    out.mul_(a.transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new_l)
+
+
 class _Ring:
     """Posts a send to the next rank and a receive from the previous one; ``wait()`` returns the received."""
 
@@ -183,7 +200,7 @@ class RingAttention(torch.autograd.Function):
     """Autograd of ``ring_attention`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, group, window: int = 0, documents=None):
+    def forward(ctx, q, k, v, causal: bool, scale: float, group, window: int = 0, documents=None, sinks=None):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         emulate = _emulate(q)
         c = q.shape[1] // 2
@@ -203,15 +220,17 @@ class RingAttention(torch.autograd.Function):
                 _merge(out, lse, rows, o, l)
             if ring is not None:
                 held = tuple(ring.wait())
+        if sinks is not None:
+            _merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.causal, ctx.scale, ctx.group, ctx.emulate, ctx.window = causal, scale, group, emulate, window
         ctx.documents = documents
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, causal, scale, emulate = ctx.group, ctx.causal, ctx.scale, ctx.emulate
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         c = q.shape[1] // 2
@@ -254,7 +273,12 @@ class RingAttention(torch.autograd.Function):
             if ring is not None:
                 held = tuple(ring.wait())
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dsinks = None
+        if sinks is not None:
+            from megakernels.ops.attention import sinks_grad
+
+            dsinks = sinks_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsinks
 
 
 def ring_attention(
@@ -266,6 +290,7 @@ def ring_attention(
     group=None,
     window: int | None = None,
     documents: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split by ``split_for_cp`` over ``group`` (default ``state.cp_group()``).
 
@@ -278,16 +303,20 @@ def ring_attention(
             None: every key.
         documents: packed sequences: int ``[batch, s]``, the *whole* sequence's document ids (non-decreasing);
             a token attends only within its document.
+        sinks: fp32 ``[heads]`` attention sinks (``flash_attention``'s), counted once per query row; their
+            gradient is this rank's rows' share.
 
     Returns:
         ``[batch, s/cp, heads, head_dim]``, this rank's rows of the full attention; differentiable.
 
     Raises:
-        ValueError: a local sequence that is not two equal chunks, or a window that is not a positive int.
+        ValueError: a local sequence that is not two equal chunks, a window that is not a positive int, or bad
+            sinks.
     """
-    from megakernels.ops.attention import check_window
+    from megakernels.ops.attention import check_sinks, check_window
 
     window = check_window("ring_attention", window)
+    sinks = check_sinks("ring_attention", sinks, q)
     if group is None:
         from megakernels.parallel import state
 
@@ -306,5 +335,5 @@ def ring_attention(
         whole = q.new_empty((q.shape[0], q.shape[1] * dist.get_world_size(group), 1, 1))  # the sequence's shape
         documents = check_documents("ring_attention", documents, whole, whole)[0]
     return RingAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group, window, documents
+        q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, group, window, documents, sinks
     )

@@ -5,6 +5,9 @@ instead of a chain of fp32 copies through torch) and writes, per query row, ``sc
 in base 2 (``-inf``, a row that saw no key, as ``+inf`` so its P is 0): the score loops then compute
 ``dS = P * (scale * dP - scale * delta)`` with one FFMA and add ``dS K`` and ``dS^T Q`` already scaled, and take the
 exponent with one FFMA, instead of scaling dQ, converting the lse and testing it for ``-inf`` in every step.
+With attention sinks (``SINK``) the lse includes them, so nothing else changes but this kernel, which also sums
+``-exp(sink - lse) * rowsum(dO * O)`` over its rows into one partial sum of the head's ``dsinks`` (the launcher adds
+the partials in a fixed order: the same bits every run).
 
 ``fa_bwd_kernel``: one program per BLOCK_N keys of one *k/v* head loops over the query blocks of every query head of
 its group (GQA/MQA sum there): ``S^T = K Q^T``, ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
@@ -54,6 +57,8 @@ def fa_bwd_delta_kernel(
     LSE,
     DELTA,
     LSE2,
+    SINKS,
+    DSINKS,
     stride_ob,
     stride_os,
     stride_oh,
@@ -66,6 +71,7 @@ def fa_bwd_delta_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SINK: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -81,9 +87,13 @@ def fa_bwd_delta_kernel(
         DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0
     ).to(tl.float32)
     rows = bh.to(tl.int64) * SQ + offs_m
-    tl.store(DELTA + rows, tl.sum(o * do, 1) * scale, mask=offs_m < SQ)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + rows, delta * scale, mask=offs_m < SQ)
     lse = tl.load(LSE + rows, mask=offs_m < SQ, other=0.0)
     tl.store(LSE2 + rows, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=offs_m < SQ)
+    if SINK:  # this block's share of dsinks[h]: -sum P_sink * delta (rows past SQ have delta 0)
+        p_sink = tl.where(lse == float("-inf"), 0.0, tl.exp(tl.load(SINKS + h) - lse))
+        tl.store(DSINKS + bh.to(tl.int64) * tl.num_programs(0) + pid_m, -tl.sum(p_sink * delta, 0))
 
 
 @triton.jit

@@ -2,7 +2,9 @@
 
 One program per BLOCK_M queries of one (batch, head): stream the keys in BLOCK_N blocks, keeping a running row
 maximum ``m``, normaliser ``l`` and un-normalised output ``acc`` in fp32 (online softmax); the ``[sq, sk]`` score
-matrix never exists. The lse ``(m + log2 l) * ln 2`` is stored for the backward.
+matrix never exists. The lse ``(m + log2 l) * ln 2`` is stored for the backward. With attention sinks (``SINK``:
+one fp32 logit per query head) the sink joins the softmax after the last key block, as one more term of ``m`` and
+``l`` whose value is zero: its rescale of ``acc`` folds into the final ``1 / l``, so the loops are those without it.
 
 Design (why; the static cost model beside the package has the model it is judged by):
 - Tiles come through TMA tensor descriptors where the Triton and the tensors allow it (``TMA``: a 4-D descriptor
@@ -130,6 +132,7 @@ def fa_fwd_kernel(
     LSE,
     SEED,
     DOC_SPANS,
+    SINKS,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -162,6 +165,7 @@ def fa_fwd_kernel(
     Q_ROWS: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
+    SINK: tl.constexpr = False,
 ):
     if CAUSAL:  # grid (b * h, query blocks): the heaviest query block of every head first, the lightest last
         bh = tl.program_id(0)
@@ -237,6 +241,14 @@ def fa_fwd_kernel(
                     WINDOWED=WINDOWED,
                     DOCS=DOCS,
                 )
+    if SINK:  # the sink column: logit SINKS[h] (in base 2 like m_i), value zero
+        sink = tl.load(SINKS + h) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a -inf sink and no key: as without a sink
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_safe)
+        m_i = m_new
+        keep_scale = keep_scale * alpha  # acc's rescale, folded into 1 / l
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, keep_scale / tl.where(empty, 1.0, l_i))
     out = (acc * inv_l[:, None]).to(O.dtype.element_ty if not TMA else O.dtype)

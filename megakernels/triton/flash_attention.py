@@ -180,13 +180,15 @@ def forward_launch(
     window: int = 0,
     shift: int = 0,
     ranges: tuple | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Launch:
     """The forward kernel's launch for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])``. ``tma``: load
     through tensor descriptors (default: where ``tma_eligible`` and the target is Hopper or the interpreter).
     ``window`` > 0: sliding-window attention (the ``WINDOWED`` kernel; 0 compiles the kernel without it), with the
     query-key offset ``SK - SQ + shift`` (``shift`` != 0 only with a window: context-parallel chunks).
     ``ranges``: document masking (the ``DOCS`` kernel), ``(q_keys [b, sq, 2], k_queries [b, sk, 2])`` int32 of
-    megakernels.ops.attention.document_ranges; the forward reads ``q_keys``."""
+    megakernels.ops.attention.document_ranges; the forward reads ``q_keys``. ``sinks``: fp32 ``[h]`` attention
+    sinks (the ``SINK`` kernel; None compiles the kernel without them)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -217,6 +219,7 @@ def forward_launch(
             lse,
             seed,
             ranges[0] if ranges is not None else lse,
+            sinks if sinks is not None else lse,
             *_strides(q),
             *_strides(k),
             *_strides(v),
@@ -243,6 +246,7 @@ def forward_launch(
             Q_ROWS=q_rows is not None,
             WINDOWED=window > 0,
             DOCS=ranges is not None,
+            SINK=sinks is not None,
             num_warps=warps,
             num_stages=stages,
             **({"maxnreg": limit[0]} if limit else {}),
@@ -261,9 +265,10 @@ def forward(
     window: int = 0,
     shift: int = 0,
     ranges: tuple | None = None,
+    sinks: torch.Tensor | None = None,
 ):
-    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32). ``window``, ``shift``, ``ranges``: as
-    ``forward_launch``."""
+    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32, the sinks included). ``window``,
+    ``shift``, ``ranges``, ``sinks``: as ``forward_launch``."""
     b, sq, h, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -272,7 +277,20 @@ def forward(
 
     def launch(cfg):
         forward_launch(
-            q, k, v, out, lse, seed, causal, scale, dropout_p, cfg, window=window, shift=shift, ranges=ranges
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seed,
+            causal,
+            scale,
+            dropout_p,
+            cfg,
+            window=window,
+            shift=shift,
+            ranges=ranges,
+            sinks=sinks,
         )()
 
     key = (
@@ -284,11 +302,24 @@ def forward(
         dropout_p > 0.0,
         window > 0,
         ranges is not None,
+        sinks is not None,
         seq_bucket(sq),
         seq_bucket(k.shape[1]),
     )
     launch(pick_config(key, candidates(FWD_CONFIGS, arch, d), launch))
     return out, lse
+
+
+def _delta_rows(head_dim: int) -> int:
+    """Query rows per program of the delta launch."""
+    return 64 if padded_head_dim(head_dim) <= 128 else 32
+
+
+def dsinks_scratch(q: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``[b * h, programs]`` buffer of the delta launch's partial sums of the sinks' gradient (one per
+    program along the queries), for ``backward_launches`` on q ``[b, sq, h, d]``."""
+    b, sq, h, d = q.shape
+    return torch.empty((b * h, triton.cdiv(sq, _delta_rows(d))), dtype=torch.float32, device=q.device)
 
 
 def backward_launches(
@@ -313,6 +344,8 @@ def backward_launches(
     window: int = 0,
     shift: int = 0,
     ranges: tuple | None = None,
+    sinks: torch.Tensor | None = None,
+    dsinks: torch.Tensor | None = None,
 ) -> list[Launch]:
     """The backward kernels' launches, in order, for config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: delta,
     then the one-pass kernel (dQ by fp32 atomics into ``dq``, which must then be a zeroed fp32 buffer), or with
@@ -321,7 +354,10 @@ def backward_launches(
     ``dq_tma``: the one-pass kernel adds dQ tiles through a tensor descriptor (a TMA reduce) instead of fp32
     atomics (default: with atomics, where ``tma_eligible(dq)`` and the target is Hopper or the interpreter).
     ``arch``: the target (default: the tensors' device; sm_90 for meta tensors). ``window``, ``shift``, ``ranges``:
-    as ``forward_launch`` (the one-pass kernel reads ``k_queries``, the dQ kernel ``q_keys``)."""
+    as ``forward_launch`` (the one-pass kernel reads ``k_queries``, the dQ kernel ``q_keys``). ``sinks`` (fp32
+    ``[h]``): the delta launch also writes each of its programs' share of the sinks' gradient into ``dsinks``, an
+    fp32 ``[b * h, cdiv(sq, delta rows)]`` scratch (``dsinks_scratch``); the other launches are those without
+    sinks."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
@@ -347,14 +383,29 @@ def backward_launches(
     # d256 with query blocks of 64 rows or more adds dS K in two column halves (registers: _fa_bwd's DQ_CHUNKS)
     dq_chunks = 2 if bd >= 256 and block_m >= 64 and not deterministic else 1
     dq_arg = _descriptor(dq, block_m, bd // dq_chunks) if dq_tma else dq
-    delta_rows = 64 if bd <= 128 else 32
+    delta_rows = _delta_rows(d)
     delta, lse2 = delta[0], delta[1]
+    if sinks is not None and dsinks is None:
+        raise ValueError("backward_launches: sinks need a dsinks scratch (dsinks_scratch)")
     launches = [
         Launch(
             fa_bwd_delta_kernel,
             (triton.cdiv(sq, delta_rows), b * h),
-            (out, do, lse, delta, lse2, *_strides(out), *_strides(do), h, sq, scale),
-            dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, num_warps=4),
+            (
+                out,
+                do,
+                lse,
+                delta,
+                lse2,
+                sinks if sinks is not None else lse,
+                dsinks if sinks is not None else lse,
+                *_strides(out),
+                *_strides(do),
+                h,
+                sq,
+                scale,
+            ),
+            dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, SINK=sinks is not None, num_warps=4),
         ),
         Launch(
             fa_bwd_kernel,
@@ -562,12 +613,16 @@ def backward(
     window: int = 0,
     shift: int = 0,
     ranges: tuple | None = None,
+    sinks: torch.Tensor | None = None,
 ):
-    """Returns (dq, dk, dv) shaped and typed like q, k, v. ``deterministic``: the same bits on every run (dQ by a
-    separate kernel instead of atomics). ``window``, ``shift``, ``ranges``: as ``forward_launch``."""
+    """Returns (dq, dk, dv, dsinks) with dq, dk, dv shaped and typed like q, k, v and dsinks like ``sinks`` (an empty
+    fp32 tensor without them). ``deterministic``: the same bits on every run (dQ by a separate kernel instead of
+    atomics; dsinks is deterministic either way). ``window``, ``shift``, ``ranges``, ``sinks``: as
+    ``forward_launch``."""
     b, sq, h, d = q.shape
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = torch.empty((2, b, h, sq), dtype=torch.float32, device=q.device)
+    dsinks = dsinks_scratch(q) if sinks is not None else None
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     seed = lse if seed is None else seed
     arch = arch_of(q.device)
@@ -594,6 +649,8 @@ def backward(
             window=window,
             shift=shift,
             ranges=ranges,
+            sinks=sinks,
+            dsinks=dsinks,
         ):
             ln()
         return dq
@@ -612,4 +669,8 @@ def backward(
         seq_bucket(k.shape[1]),
     )
     dq = launch(pick_config(key, candidates(BWD_CONFIGS, arch, d), launch))
-    return (dq if deterministic else dq.to(q.dtype)), dk, dv
+    if sinks is not None:  # the partial sums in a fixed order: [b, h, programs] over batch and programs
+        dsinks = dsinks.view(b, h, -1).sum((0, 2)).to(sinks.dtype)
+    else:
+        dsinks = torch.empty((0,), dtype=torch.float32, device=q.device)
+    return (dq if deterministic else dq.to(q.dtype)), dk, dv, dsinks

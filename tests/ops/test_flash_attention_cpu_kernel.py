@@ -67,7 +67,8 @@ def test_kernel_matches_fp64_reference(case, causal, dtype):
     q, k, v, do = _inputs(case, dtype)
     scale = 1.0 / math.sqrt(case[-1])
     out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, scale)
-    dq, dk, dv = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, scale)
+    dq, dk, dv, dsinks = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, scale)
+    assert dsinks.shape == (0,)  # no sinks: no gradient of them
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _reference(q, k, v, do, causal, scale)
     assert out.dtype == dtype and dq.dtype == dtype and dk.dtype == dtype and dv.dtype == dtype
     assert dk.shape == k.shape and dv.shape == v.shape
@@ -105,9 +106,9 @@ def test_kernel_and_pytorch_path_agree_in_fp32():
         out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, causal, 0.1)
         py_out, py_lse = _attention_cpu.forward(q, k, v, causal, 0.1, 0.0, 0)
         assert (out - py_out).abs().max().item() < 1e-5 and (lse - py_lse).abs().max().item() < 1e-5
-        grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, 0.1)
-        py_grads = _attention_cpu.backward(do, q, k, v, out, lse, causal, 0.1, 0.0, 0)
-        for x, y in zip(grads, py_grads):
+        grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, causal, 0.1)[:3]
+        py_grads = _attention_cpu.backward(do, q, k, v, out, lse, causal, 0.1, 0.0, 0)[:3]
+        for x, y in zip(grads, py_grads, strict=True):
             assert (x - y).abs().max().item() < 1e-5
 
 
@@ -401,9 +402,9 @@ def test_dropout_through_flash_attention_equals_the_pytorch_path():
     out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.125, 0, 0, None, 0.2, 31337)
     py_out, py_lse = _attention_cpu.forward(q, k, v, True, 0.125, 0.2, 31337)
     assert (out - py_out).abs().max().item() < 1e-5 and (lse - py_lse).abs().max().item() < 1e-5
-    grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, True, 0.125, 0, 0, None, 0.2, 31337)
-    py_grads = _attention_cpu.backward(do, q, k, v, out, lse, True, 0.125, 0.2, 31337)
-    for x, y in zip(grads, py_grads):
+    grads = torch.ops.megakernels.flash_attn_bwd_cpu(do, q, k, v, out, lse, True, 0.125, 0, 0, None, 0.2, 31337)[:3]
+    py_grads = _attention_cpu.backward(do, q, k, v, out, lse, True, 0.125, 0.2, 31337)[:3]
+    for x, y in zip(grads, py_grads, strict=True):
         assert (x - y).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="dropout_p"):
         torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.125, 0, 0, None, 1.0, 0)

@@ -1,7 +1,7 @@
 """Context parallelism: the load-balanced chunk layout, and ring attention against unsplit attention in fp64
 (forward and every gradient, causal and not, GQA, cp 2 and 4, with and without a sliding window, over packed
-documents), with each
-key/value transfer in flight while the held chunk is computed. One world of 4 gloo processes."""
+documents, with attention sinks counted once per query), with each key/value transfer in flight while the held chunk
+is computed. One world of 4 gloo processes."""
 
 from __future__ import annotations
 
@@ -152,6 +152,58 @@ def _(rank, world):
         with pytest.raises(ValueError, match=r"documents must have shape \[batch, seqlen\] = \[2, 16\]"):
             context.ring_attention(*local, causal=True, documents=docs[:, :8])
         mp.destroy()
+
+
+@CHECKS.add("ring_attention_with_sinks_counts_each_sink_once_per_query")
+def _(rank, world):
+    """Attention sinks under the ring: every rank's rows and gradients equal single-device attention whose scores
+    have the sink column once (not once per ring step or partial attention), causal or not, with a window, over
+    documents; the sinks' gradient summed over the ranks (as the gradient reduction sums it) is the unsplit one."""
+    import torch.distributed as dist
+
+    lengths = ([3, 5, 1, 7], [16])
+    docs = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths]).int()
+    for cp in (2, 4):
+        mp.initialize(cp=cp)
+        r = mp.cp_rank()
+        for causal, window, documents in ((True, 0, None), (False, 0, None), (True, 3, None), (True, 0, docs)):
+            what = f"cp{cp} causal={causal} window={window} documents={documents is not None} sinks"
+            q, k, v = (randn(B, S, h, D, seed=s).double() for s, h in ((1, HQ), (2, HKV), (3, HKV)))
+            dout = randn(B, S, HQ, D, seed=4).double()
+            sinks = torch.tensor([-1.5, 0.0, 0.7, 2.5], dtype=torch.float64)
+            full = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+            ref = _sink_reference(*full, causal, window, documents)
+            ref.backward(dout)
+            local = [context.split_for_cp(t, 1, cp, r).clone().requires_grad_(True) for t in (q, k, v)]
+            mine = sinks.clone().requires_grad_(True)
+            out = context.ring_attention(*local, causal=causal, window=window or None, documents=documents, sinks=mine)
+            out.backward(context.split_for_cp(dout, 1, cp, r))
+            dsinks = mine.grad.clone()
+            dist.all_reduce(dsinks, group=mp.cp_group())
+            assert_close(out, context.split_for_cp(ref, 1, cp, r), f"{what}: output", rtol=1e-10)
+            for name, g, f in zip("qkv", local, full):
+                assert_close(g.grad, context.split_for_cp(f.grad, 1, cp, r), f"{what}: d{name}", rtol=1e-10)
+            assert_close(dsinks, full[3].grad, f"{what}: dsinks summed over the ranks", rtol=1e-10)
+        mp.destroy()
+
+
+def _sink_reference(q, k, v, sinks, causal, window, docs):
+    """fp64 attention masked by hand (causal, window, documents as above) whose scores get one more column per
+    head, ``sinks[h]``, of value zero."""
+    pos = torch.arange(q.shape[1])
+    rel = pos[:, None] - pos[None, :]
+    hidden = (rel < 0) if causal else torch.zeros_like(rel, dtype=torch.bool)
+    if window:
+        hidden = hidden | (rel >= window) | (rel <= -window)
+    hidden = hidden[None, None]
+    if docs is not None:
+        hidden = hidden | (docs[:, None, :, None] != docs[:, None, None, :])
+    kk, vv = (t.repeat_interleave(q.shape[2] // t.shape[2], 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(hidden, float("-inf"))
+    b, h, s, _ = scores.shape
+    probs = torch.softmax(torch.cat((scores, sinks[None, :, None, None].expand(b, h, s, 1)), -1), -1)[..., :s]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vv)
 
 
 def _overlapped(events) -> list[str]:
