@@ -20,6 +20,11 @@ Both take a sliding ``window`` (Mistral; :func:`megakernels.ops.flash_attention`
 ``i - window < j <= i``, bottom-right aligned; without causality ``|i - j| < window``): the flash core skips the key
 blocks outside it, the torch core passes SDPA the band as a boolean mask.
 
+Both take attention sinks (``sinks=``, gpt-oss: fp32 ``[heads]``, one logit per query head joining every row's
+softmax denominator with a zero value; :func:`megakernels.ops.flash_attention`'s): the flash core passes them to the
+kernels, the torch core to SDPA as a key of zero whose float mask entry is the sink. The cores hold no parameters:
+the layer that learns the sinks passes them (``megakernels.parallel.ParallelGroupedQueryAttention(sinks=True)``).
+
 Attention dropout is applied in training mode only; a model-parallel layer runs the core under its RNG tracker so
 the masks differ per tensor-parallel rank.
 """
@@ -35,7 +40,7 @@ from torch import nn
 
 from megakernels.nn.softmax import FusedScaleMaskSoftmax
 from megakernels.ops import _checks
-from megakernels.ops.attention import check_documents, check_window, flash_attention, window_mask
+from megakernels.ops.attention import check_documents, check_sinks, check_window, flash_attention, window_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +115,13 @@ class FlashSelfAttention(_Core):
     ``forward(qkv)`` with qkv ``[batch, seqlen, 3, heads, head_dim]`` (packed), or ``forward(q, k, v)`` with
     ``[batch, sq, heads, head_dim]`` and k/v ``[batch, sk, heads_kv, head_dim]`` (GQA/MQA); optional ``causal=``
     and ``mask=`` (bool, broadcastable to ``[batch, heads, sq, sk]``, True = masked out; goes through the fused
-    masked softmax, see the module docstring), or ``documents=`` (packed sequences: ``flash_attention``'s).
-    Returns ``[batch, sq, heads, head_dim]``.
+    masked softmax, see the module docstring), or ``documents=`` (packed sequences: ``flash_attention``'s), and
+    ``sinks=`` (fp32 ``[heads]`` attention sinks, ``flash_attention``'s; not with a mask). Returns ``[batch, sq,
+    heads, head_dim]``.
 
     Raises:
         ValueError: as :func:`megakernels.ops.flash_attention`; a packed input that is not ``[b, s, 3, h, d]``;
-            only some of q, k, v; a mask together with causal.
+            only some of q, k, v; a mask together with causal or with sinks.
     """
 
     def forward(
@@ -126,6 +132,7 @@ class FlashSelfAttention(_Core):
         causal: bool | None = None,
         mask: torch.Tensor | None = None,
         documents=None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
         if mask is None:
@@ -138,9 +145,12 @@ class FlashSelfAttention(_Core):
                 dropout_p=p,
                 window=self.window,
                 documents=documents,
+                sinks=sinks,
             )
         if documents is not None:
             raise ValueError(f"{type(self).__name__}: pass either a mask or documents, not both")
+        if sinks is not None:
+            raise ValueError(f"{type(self).__name__}: sinks go through the FlashAttention kernels, not with a mask")
         if self.window:
             mask = self._with_window(mask, q.shape[1], k.shape[1], False, q.device)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -154,7 +164,9 @@ class FlashSelfAttention(_Core):
 
 class TorchSelfAttention(_Core):
     """The same contract as :class:`FlashSelfAttention` on ``torch.nn.functional.scaled_dot_product_attention``
-    (the baseline the fused core is measured against), causal bottom-right aligned as FlashAttention's."""
+    (the baseline the fused core is measured against), causal bottom-right aligned as FlashAttention's. Sinks
+    (``sinks=``, with or without a mask) are one more key and value of zero whose float mask entry is the sink: its
+    score is ``sinks[h]``, its value adds nothing."""
 
     def forward(
         self,
@@ -164,8 +176,10 @@ class TorchSelfAttention(_Core):
         causal: bool | None = None,
         mask: torch.Tensor | None = None,
         documents=None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q, k, v, causal, p = self._args(q, k, v, causal, mask)
+        sinks = check_sinks(type(self).__name__, sinks, q)
         heads = q.shape[2]
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
         sq, sk = q.shape[1], k.shape[1]
@@ -179,16 +193,37 @@ class TorchSelfAttention(_Core):
             q_ids, k_ids = check_documents(type(self).__name__, documents, q, k)  # flash_attention's rules
             other = q_ids[:, None, :, None] != k_ids[:, None, None, :]
             mask = other if mask is None else mask | other
+        if sinks is not None:
+            q, k, v, mask = _with_sink_key(q, k, v, mask, causal, sinks)
+            causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=None if mask is None else ~mask,
+            attn_mask=None if mask is None else mask if mask.is_floating_point() else ~mask,
             dropout_p=p,
             is_causal=causal,
             scale=self.softmax_scale,
         )
         return out.transpose(1, 2)
+
+
+def _with_sink_key(q, k, v, mask, causal, sinks):
+    """SDPA's inputs with the sinks as one more key: k and v get a zero row (so its score is 0 and its value adds
+    nothing), and the mask (bool, True = hidden, broadcastable to ``[b, h, sq, sk]``) becomes a float bias
+    ``[b or 1, h, sq, sk + 1]``: 0 where seen, -inf where not, and ``sinks[h]`` in the sink's column."""
+    sq, h = q.shape[1], q.shape[2]
+    sk = k.shape[1]
+    if mask is None and causal:  # bottom-right aligned, as FlashAttention's
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+    zeros = k.new_zeros(k.shape[0], 1, *k.shape[2:])
+    k, v = torch.cat((k, zeros), 1), torch.cat((v, zeros), 1)
+    hidden = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=q.device) if mask is None else mask
+    hidden = hidden.reshape((1,) * (4 - hidden.dim()) + tuple(hidden.shape))
+    hidden = hidden.expand(hidden.shape[0], h, sq, sk)
+    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+    sink = sinks.to(q.dtype)[None, :, None, None].expand(bias.shape[0], h, sq, 1)
+    return q, k, v, torch.cat((bias, sink), -1)
 
 
 ATTENTION_CORES = {"flash": FlashSelfAttention, "torch": TorchSelfAttention}

@@ -29,7 +29,7 @@ from megakernels.ops.swiglu import swiglu
 from megakernels.parallel import init, state
 from megakernels.parallel.context import ring_attention
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
-from megakernels.parallel.params import mark_fused, mark_sequence_parallel
+from megakernels.parallel.params import mark_fused, mark_sequence_parallel, mark_tensor_parallel
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 
@@ -141,6 +141,9 @@ class ParallelSelfAttention(nn.Module):
             "selective" recomputation; the dropout streams are replayed, so the result is unchanged).
         window: sliding-window attention (Mistral; ``megakernels.ops.flash_attention``'s ``window``), also under
             context parallelism; needs a core given by name. None: every position.
+        sinks: a learnable attention sink per head (gpt-oss; ``megakernels.ops.flash_attention``'s ``sinks``):
+            the fp32 parameter ``sinks`` ``[n]`` in the full model, split by heads over the TP ranks, initialised
+            to zero; also under context parallelism; needs a core given by name.
         overlap_comm, init_method, output_init_method, device, dtype: as ``ParallelMLP``; seed as ``ParallelMLP``
             (``"qkv"`` / ``"proj"``).
 
@@ -165,6 +168,7 @@ class ParallelSelfAttention(nn.Module):
         bias: bool = True,
         recompute: bool = False,
         window: int | None = None,
+        sinks: bool = False,
         overlap_comm: bool = True,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
@@ -177,7 +181,8 @@ class ParallelSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.core, self.window = _core(self, core, causal, attention_dropout, window)
+        self.core, self.window = _core(self, core, causal, attention_dropout, window, sinks)
+        self.sinks = _sinks(self.local_heads, sinks, device)
         self.recompute = bool(recompute)
         self.qkv = ColumnParallelLinear(
             hidden_size,
@@ -225,14 +230,34 @@ def _check_heads(module: nn.Module, hidden_size: int, num_heads: int, attention_
         raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
 
 
-def _core(module: nn.Module, core, causal: bool, attention_dropout: float, window: int | None):
+def _core(module: nn.Module, core, causal: bool, attention_dropout: float, window: int | None, sinks: bool = False):
     """(the attention core: ``core`` itself or the library's core of that name, the window as an int or None)."""
     if not isinstance(core, str):
         if window:
             raise ValueError(f"{type(module).__name__}: a sliding window needs a core given by name, not a module")
+        if sinks:
+            raise ValueError(f"{type(module).__name__}: attention sinks need a core given by name, not a module")
         return core, None
     made = attention_core(core, causal, attention_dropout=attention_dropout, window=window)
     return made, made.window
+
+
+def _sinks(local_heads: int, sinks: bool, device) -> nn.Parameter | None:
+    """The learnable sink logits of this rank's heads (fp32 ``[local_heads]``, zero: no pull at the start; split by
+    heads over the TP ranks), or None without sinks."""
+    if not sinks:
+        return None
+    p = nn.Parameter(torch.zeros(local_heads, dtype=torch.float32, device=device))
+    mark_tensor_parallel(p, dim=0)
+    return p
+
+
+def _sink_logits(module: nn.Module, q: torch.Tensor) -> torch.Tensor | None:
+    """The module's sinks as the kernels take them (fp32; fp64 for fp64 q), or None."""
+    sinks = getattr(module, "sinks", None)
+    if sinks is None:
+        return None
+    return sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
 def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
@@ -243,6 +268,7 @@ def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
 def _run_core(module: nn.Module, q, k, v, mask):
     """``mask``: None, a boolean mask (True = masked out) or a ``DocumentMask`` (packed sequences)."""
     documents = mask.ids if isinstance(mask, DocumentMask) else None
+    sinks = _sink_logits(module, q)
     if state.is_initialized() and state.cp_size() > 1:
         if mask is not None and documents is None:
             raise ValueError(
@@ -257,8 +283,11 @@ def _run_core(module: nn.Module, q, k, v, mask):
             group=state.cp_group(),
             window=getattr(module, "window", None),
             documents=documents,
+            sinks=sinks,
         )
     kwargs = {"mask": mask} if documents is None else {"documents": documents}
+    if sinks is not None:
+        kwargs["sinks"] = sinks
     if module.training and getattr(module.core, "dropout_p", 0.0) > 0.0:
         with get_rng_tracker().fork():
             return module.core(q, k, v, **kwargs)
@@ -312,9 +341,9 @@ class ParallelGroupedQueryAttention(nn.Module):
     Args:
         hidden_size, num_heads: h and the query heads (divisible by tp).
         num_kv_heads: key/value heads; a multiple or a divisor of tp.
-        causal, sequence_parallel, core, attention_dropout, bias, recompute, window, overlap_comm, init_method,
-        output_init_method, seed, device, dtype: as ``ParallelSelfAttention`` (seeds ``"q"``, ``"kv"``,
-        ``"proj"``).
+        causal, sequence_parallel, core, attention_dropout, bias, recompute, window, sinks, overlap_comm,
+        init_method, output_init_method, seed, device, dtype: as ``ParallelSelfAttention`` (seeds ``"q"``,
+        ``"kv"``, ``"proj"``; one sink per query head).
         rotary: a module ``rotary(q, k, positions, seq_dim=0)`` applied to the queries and keys (e.g.
             ``megakernels.nn.RotaryEmbedding``), or None.
         proj_bias: a bias on the output projection (default ``bias``; Qwen 2.5 has q/k/v biases only).
@@ -344,6 +373,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         bias: bool = False,
         recompute: bool = False,
         window: int | None = None,
+        sinks: bool = False,
         rotary: nn.Module | None = None,
         overlap_comm: bool = True,
         proj_bias: bool | None = None,
@@ -376,7 +406,8 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.head_dim = d = hidden_size // num_heads if head_dim is None else int(head_dim)
         replicas = max(1, tp // num_kv_heads)
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
-        self.core, self.window = _core(self, core, causal, attention_dropout, window)
+        self.core, self.window = _core(self, core, causal, attention_dropout, window, sinks)
+        self.sinks = _sinks(self.local_heads, sinks, device)
         self.rotary = rotary
         self.q = ColumnParallelLinear(
             hidden_size,

@@ -112,3 +112,39 @@ def test_flash_and_torch_cores_agree_with_a_window(causal, sq, sk):
     assert "window=6" in repr(attention_core("flash", causal, window=w))
     with pytest.raises(ValueError, match="window must be a positive int"):
         attention_core("torch", causal, window=-3)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_both_cores_take_sinks(causal, window):
+    """``sinks=`` on both library cores (GQA, sq != sk, with and without a window): the fp64 softmax over the scores
+    and one more column per head, ``sinks[h]``, of value zero; the torch core also with a padding mask, which the
+    flash core refuses (its masked path has no sink)."""
+    from megakernels.nn import attention_core
+
+    torch.manual_seed(3)
+    sq, sk, w = 20, 37, window
+    q = torch.randn(2, sq, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(2, sk, 2, 16, dtype=torch.float64), torch.randn(2, sk, 2, 16, dtype=torch.float64)
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 4.0], dtype=torch.float64)
+    qpos, kpos = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    hidden = (kpos > qpos) if causal else torch.zeros(sq, sk, dtype=torch.bool)
+    if w:
+        hidden = hidden | ((kpos <= qpos - w) if causal else ((qpos - kpos).abs() >= w))
+
+    def reference(hidden):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) / 4.0
+        scores = scores.masked_fill(hidden, float("-inf"))
+        scores = torch.cat((scores, sinks[None, :, None, None].expand(2, 4, sq, 1)), -1)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1)[..., :sk], v.repeat_interleave(2, 2))
+
+    for name in ("flash", "torch"):
+        got = attention_core(name, causal, window=w)(q, k, v, sinks=sinks)
+        torch.testing.assert_close(got, reference(hidden), rtol=1e-10, atol=1e-10, msg=name)
+    if not causal:
+        pad = torch.zeros(2, 1, 1, sk, dtype=torch.bool)
+        pad[1, ..., :3] = True
+        got = attention_core("torch", False, window=w)(q, k, v, mask=pad, sinks=sinks)
+        torch.testing.assert_close(got, reference(hidden | pad), rtol=1e-10, atol=1e-10)
+        with pytest.raises(ValueError, match="sinks go through the FlashAttention kernels, not with a mask"):
+            attention_core("flash", False, window=w)(q, k, v, mask=pad, sinks=sinks)

@@ -1,6 +1,6 @@
 """ParallelMLP and ParallelSelfAttention against the unsharded blocks written in plain PyTorch (fp64) with the same
-seed, for tp 1, 2, 4 with sequence parallelism off and on, and the number of collectives each pass issues.
-One world of 4 gloo processes."""
+seed, for tp 1, 2, 4 with sequence parallelism off and on (attention with and without learnable sinks, split by
+heads), and the number of collectives each pass issues. One world of 4 gloo processes."""
 
 from __future__ import annotations
 
@@ -29,15 +29,18 @@ def _mlp_reference(x, w1, b1, w2, b2):
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
 
 
-def _attention_reference(x, wqkv, bqkv, wo, bo, causal):
-    """Multi-head attention with QKV rows ordered (head, {q, k, v}, head_dim), written out: scores, mask, softmax."""
+def _attention_reference(x, wqkv, bqkv, wo, bo, causal, sinks=None):
+    """Multi-head attention with QKV rows ordered (head, {q, k, v}, head_dim), written out: scores, mask, softmax
+    (with ``sinks`` ``[n]``: over one more column of scores per head, ``sinks[head]``, of value zero)."""
     s, b, h = x.shape
     d = h // HEADS
     q, k, v = F.linear(x, wqkv, bqkv).view(s, b, HEADS, 3, d).permute(3, 1, 2, 0, 4)  # each [b, n, s, d]
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
     if causal:
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    ctx = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(s, b, h)
+    if sinks is not None:
+        scores = torch.cat((scores, sinks[None, :, None, None].expand(b, HEADS, s, 1)), -1)
+    ctx = (scores.softmax(-1)[..., :s] @ v).permute(2, 0, 1, 3).reshape(s, b, h)
     return F.linear(ctx, wo, bo)
 
 
@@ -50,8 +53,9 @@ def _set_biases(column, row, seed):
     return bc, br
 
 
-def _compare_block(module, column, row, reference, what, sp, seed):
-    """Run module and reference forward+backward on the same x, dy; compare output, input and parameter grads."""
+def _compare_block(module, column, row, reference, what, sp, seed, sinks=None):
+    """Run module and reference forward+backward on the same x, dy; compare output, input and parameter grads (with
+    ``sinks``, the full sinks the module's rows were set from: they are the reference's last input)."""
     tp, r = mp.tp_size(), mp.tp_rank()
     wc = init.full_weight((column.out_features, column.in_features), column.seed, NORMAL)
     wr = init.full_weight((row.out_features, row.in_features), row.seed, NORMAL)
@@ -62,10 +66,12 @@ def _compare_block(module, column, row, reference, what, sp, seed):
     y.backward(block(dy, 0, r, tp) if sp else dy)
     mp.allreduce_sequence_parallel_grads(module)
 
-    ref = [_leaf(t.double()) for t in (x, wc, bc, wr, br)]
+    ref = [_leaf(t.double()) for t in (x, wc, bc, wr, br) + (() if sinks is None else (sinks,))]
     yr = reference(*ref)
     yr.backward(dy.double())
-    xr, wcr, bcr, wrr, brr = ref
+    xr, wcr, bcr, wrr, brr = ref[:5]
+    if sinks is not None:
+        assert_close(module.sinks.grad, block(ref[5].grad, 0, r, tp), f"{what}: sinks grad")
     assert_close(y, block(yr, 0, r, tp) if sp else yr, f"{what}: output")
     assert_close(xin.grad, block(xr.grad, 0, r, tp) if sp else xr.grad, f"{what}: input grad")
     assert_close(column.weight.grad, block(wcr.grad, 0, r, tp), f"{what}: column weight grad")
@@ -182,6 +188,32 @@ def _(rank, world):
                 mp.destroy()
 
 
+@CHECKS.add("attention_sinks_are_split_by_heads_and_match_the_unsharded_attention")
+def _(rank, world):
+    sinks = torch.tensor([-2.0, 0.5, 1.5, 3.0])
+    for core in ("flash", "torch"):
+        for tp in TPS:
+            for sp in (False, True):
+                mp.initialize(tp)
+                torch.manual_seed(36)
+                attn = mp.ParallelSelfAttention(H, HEADS, sequence_parallel=sp, core=core, sinks=True)
+                assert attn.sinks.shape == (HEADS // tp,) and attn.sinks.dtype == torch.float32
+                assert not attn.sinks.any()  # zero at the start
+                with torch.no_grad():
+                    attn.sinks.copy_(block(sinks, 0, mp.tp_rank(), tp))
+                _compare_block(
+                    attn,
+                    attn.qkv,
+                    attn.proj,
+                    lambda x, *w: _attention_reference(x, *w[:4], causal=True, sinks=w[4]),
+                    f"{core} attention with sinks tp{tp} sp={sp}",
+                    sp,
+                    80,
+                    sinks=sinks,
+                )
+                mp.destroy()
+
+
 @CHECKS.add("attention_dropout_uses_the_tensor_parallel_stream")
 def _(rank, world):
     mp.initialize(2)
@@ -227,6 +259,10 @@ def _(rank, world):
         mp.ParallelSelfAttention(H, HEADS)(torch.zeros(S, H))
     with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'"):
         mp.ParallelMLP(H, FFN, approximate="sigmoid")
+    from megakernels.nn import TorchSelfAttention
+
+    with pytest.raises(ValueError, match="attention sinks need a core given by name"):
+        mp.ParallelSelfAttention(H, HEADS, core=TorchSelfAttention(causal=True), sinks=True)
 
 
 def _world(rank, world_size):
