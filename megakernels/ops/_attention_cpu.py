@@ -13,7 +13,7 @@ group's contributions to dk/dv sum inside the GEMM. 16-bit inputs compute in fp3
 
 Attention sinks (``sinks`` ``[h]``): one more term in each row's max and sum (the sink's logit, its value zero);
 ``lse`` includes it, so the backward of q, k and v is unchanged; ``dsinks`` comes from delta and lse
-(attention.sinks_grad).
+(_sinks.sinks_grad).
 
 Documents (``ranges``: attention.document_ranges, each query's span of same-document keys): each batch element
 runs on its own, and a query block's keys shrink further to the span from its first row's document start to its
@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from megakernels.ops._sinks import no_sinks_grad, sinks_grad
 from megakernels.ops.attention_band import key_bounds
 
 _BLOCK_BYTES = 4 << 20  # budget for one block's score matrix
@@ -233,7 +234,5 @@ def backward(
             dk_b[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qb)  # qb holds scale * q
     dk = dk.permute(0, 2, 1, 3).to(k.dtype)
     dv = dv.permute(0, 2, 1, 3).to(v.dtype)
-    from megakernels.ops.attention import no_sinks_grad, sinks_grad
-
     dsinks = sinks_grad(do, out, lse, sinks) if sinks is not None else no_sinks_grad(q)
     return dq, dk.contiguous(), dv.contiguous(), dsinks

@@ -52,6 +52,7 @@ import torch
 from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
 from megakernels.ops._autograd import eager_autograd
+from megakernels.ops._sinks import no_sinks_grad
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -94,22 +95,6 @@ def document_ranges(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None):
         return torch.stack((lo, hi), -1).to(torch.int32).contiguous()
 
     return spans(kd, qd), spans(qd, kd)
-
-
-def no_sinks_grad(q: torch.Tensor) -> torch.Tensor:
-    """The backward ops' ``dsinks`` where there are no sinks: an empty fp32 tensor on q's device."""
-    return q.new_empty((0,), dtype=torch.float32)
-
-
-def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * (grad_out . out)[b, i, h]``: the sinks' gradient
-    from the forward's ``out`` ``[b, sq, h, d]`` and its lse ``[b, h, sq]`` (which includes the sinks), summed in fp32
-    (fp64 for fp64 sinks); a row whose lse is ``-inf`` adds nothing. Returns ``[h]`` in the sinks' dtype."""
-    ct = torch.float64 if sinks.dtype == torch.float64 else torch.float32
-    delta = (grad_out.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)  # [b, h, sq]
-    lse = lse.to(ct)
-    p_sink = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.to(ct)[:, None] - lse))
-    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
 
 
 def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor) -> bool:

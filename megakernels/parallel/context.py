@@ -275,7 +275,7 @@ class RingAttention(torch.autograd.Function):
         dk, dv = incoming.wait()
         dsinks = None
         if sinks is not None:
-            from megakernels.ops.attention import sinks_grad
+            from megakernels.ops._sinks import sinks_grad
 
             dsinks = sinks_grad(dout, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsinks
