@@ -180,7 +180,8 @@ def resolved(args, cfg) -> dict:
     # the architecture defines the model; the preset and the model settings it came from are folded into it
     for name in ARCHITECTURE_SETTINGS:
         values.pop(name, None)
-    values[ARCHITECTURE] = dataclasses.asdict(cfg)
+    # tuples (layer_types) as lists: YAML's safe dumper writes lists, and the config reads them back as tuples
+    values[ARCHITECTURE] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
     return values
 
 

@@ -77,6 +77,7 @@ def llama_unsupported(cfg) -> str | None:
     checks = (
         (cfg.num_experts, "mixture-of-experts layers"),
         (cfg.sliding_window, "sliding-window attention"),
+        (cfg.sinks, "attention sinks"),
         (cfg.rope_scaling, "rotary position scaling"),
         (cfg.rope_interleaved, "the interleaved rotary layout"),
         (cfg.qk_norm, "query/key norms"),
@@ -93,6 +94,7 @@ def gpt_unsupported(cfg) -> str | None:
     """What of GPT-family ``cfg`` ``EagerGPT`` does not implement (None: it implements the whole model)."""
     checks = (
         (cfg.num_experts, "mixture-of-experts layers"),
+        (cfg.sinks, "attention sinks"),
         (
             _layer(cfg) != ("layernorm", "gelu_tanh", "learned", "pre")
             or not (cfg.bias and cfg.qkv_bias and cfg.tie_embeddings),

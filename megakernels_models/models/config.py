@@ -11,9 +11,10 @@ FLOPs follow Narayanan et al. 2021 (§5.1), written per token for any attention 
 ``2·h·(q + 2·kv) + 2·q·h`` for the Q/K/V and output projections (``q = heads·head_dim``, ``kv = kv_heads·head_dim``;
 ``4h²`` with full multi-head attention), ``2·h·f`` per MLP matrix (two for GeLU, three for SwiGLU), plus ``4·s·q``
 for the attention scores and the weighted sum (the full s×s square, as the paper counts it, causal or not; with a
-sliding window of w keys, ``4·min(w, s)·q``: each query's keys are at most the window, however long the sequence);
-the LM head adds ``2hV``. Backward costs twice the forward, so a training step is 3× the forward; full recomputation
-adds one more forward of the layers (4×), selective recomputation one more attention core. With f = 4h and full MHA
+sliding window of w keys, ``4·min(w, s)·q``: each query's keys are at most the window, however long the sequence,
+so a windowed layer costs its band; with ``layer_types`` each layer its own); the LM head adds ``2hV``. Backward
+costs twice the forward, so a training step is 3× the forward; full recomputation adds one more forward of the
+layers (4×), selective recomputation one more attention core. With f = 4h and full MHA
 this is the paper's ``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token (``96 …`` with recomputation).
 """
 
@@ -28,6 +29,7 @@ RECOMPUTE = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of a layer's attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,18 @@ class ModelConfig:
         rope_theta: the rotary base (10000 in Llama 2, 500000 in Llama 3).
         sliding_window: sliding-window attention (Mistral): each query sees the last ``sliding_window`` positions,
             its own included (HuggingFace's ``sliding_window``; ``|i - j| < w`` in a bidirectional encoder); None:
-            every position.
+            every position. With ``layer_types``, the window of the sliding layers only.
+        layer_types: each layer's attention, as transformers names it: ``"sliding_attention"`` (a window of
+            ``sliding_window`` positions, rotary base ``local_rope_theta``) or ``"full_attention"`` (every position,
+            ``rope_theta``); one entry a layer (gpt-oss alternates them, Gemma 3 has five sliding layers per full
+            one). None: every layer alike (windowed by ``sliding_window`` if set).
+        local_rope_theta: the rotary base of the sliding layers (Gemma 3's ``rope_local_base_freq``); None:
+            ``rope_theta``. Needs ``layer_types`` and rotary positions.
+        local_rope_scaling: whether ``rope_scaling`` applies to the sliding layers too (False: the full layers'
+            only, as Gemma 3 scales its global layers).
+        sinks: attention sinks (gpt-oss): each attention layer learns an fp32 logit per head (``sinks``, zero at
+            the start) that joins every row's softmax denominator (``megakernels.ops.flash_attention``'s
+            ``sinks``).
         rope_interleaved: rotate pairs ``(2i, 2i+1)`` (GPT-J, Meta's original Llama weights) instead of
             ``(i, i + d/2)`` (GPT-NeoX, HuggingFace's Llama).
         rope_scaling: position scaling of the rotary frequencies for long contexts: None, ``"linear"`` (position
@@ -112,6 +125,10 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: bool = True
+    sinks: bool = False
     bias: bool | None = None
     qkv_bias: bool | None = None
     qk_norm: bool = False
@@ -197,6 +214,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: {e}") from None
         if self.sliding_window is not None:
             positive_int(self.sliding_window, "sliding_window", where="ModelConfig")
+        self._check_layer_types()
         if self.num_experts:
             positive_int(self.num_experts, "num_experts", where="ModelConfig")
             if not 1 <= self.moe_top_k <= self.num_experts:
@@ -221,6 +239,57 @@ class ModelConfig:
         if not self.init_std > 0 or not self.layernorm_eps > 0:
             raise ValueError("ModelConfig: init_std and layernorm_eps must be > 0")
         self._check_architecture()
+
+    def _check_layer_types(self) -> None:
+        """``layer_types`` (stored as a tuple), ``local_rope_theta`` and ``local_rope_scaling``."""
+        types = self.layer_types
+        if types is not None:
+            if isinstance(types, str) or not isinstance(types, (list, tuple)):
+                raise ValueError(
+                    f"ModelConfig: layer_types must be a list of {' / '.join(LAYER_TYPES)}, one a layer, got {types!r}"
+                )
+            types = tuple(types)
+            object.__setattr__(self, "layer_types", types)
+            if len(types) != self.num_layers:
+                raise ValueError(
+                    f"ModelConfig: layer_types has {len(types)} entries, expected one for each of the "
+                    f"num_layers={self.num_layers} layers"
+                )
+            bad = [t for t in types if t not in LAYER_TYPES]
+            if bad:
+                raise ValueError(f"ModelConfig: layer_types entries must be one of {LAYER_TYPES}, got {bad[0]!r}")
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise ValueError("ModelConfig: layer_types has sliding_attention layers, which need sliding_window")
+        local = self.local_rope_theta is not None or not self.local_rope_scaling
+        if local and types is None:
+            raise ValueError(
+                "ModelConfig: local_rope_theta and local_rope_scaling are the sliding layers' rotary parameters: "
+                "they need layer_types"
+            )
+        if local and self.position_embedding != "rope":
+            raise ValueError("ModelConfig: local_rope_theta and local_rope_scaling need position_embedding='rope'")
+        if self.local_rope_theta is not None and not self.local_rope_theta > 1:
+            raise ValueError(f"ModelConfig: local_rope_theta must be > 1, got {self.local_rope_theta}")
+
+    def layer_type(self, i: int) -> str:
+        """Layer ``i``'s attention: ``layer_types[i]``, or for every layer without them ``"sliding_attention"``
+        when ``sliding_window`` is set, else ``"full_attention"``."""
+        if self.layer_types is not None:
+            return self.layer_types[i]
+        return "sliding_attention" if self.sliding_window is not None else "full_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (None: it attends every position)."""
+        return self.sliding_window if self.layer_type(i) == "sliding_attention" else None
+
+    def layer_rope(self, i: int):
+        """``(theta, scaling)`` of layer ``i``'s rotary embedding: the sliding layers' ``local_rope_theta`` (when
+        set) and, unless ``local_rope_scaling`` is False, ``rope_scaling_spec()``; the full layers' ``rope_theta``
+        and ``rope_scaling_spec()``."""
+        if self.layer_types is not None and self.layer_types[i] == "sliding_attention":
+            theta = self.rope_theta if self.local_rope_theta is None else self.local_rope_theta
+            return theta, (self.rope_scaling_spec() if self.local_rope_scaling else None)
+        return self.rope_theta, self.rope_scaling_spec()
 
     # ---- what a family changes (its subclass overrides these) ---------------------------------------------------
 
@@ -374,12 +443,19 @@ class ModelConfig:
         """Weight matrices of the MLP: three with SwiGLU (gate, up, down), else two."""
         return 3 if self.activation == "swiglu" else 2
 
+    def layer_attended_keys(self, i: int) -> int:
+        """Keys each query of layer ``i`` is counted over: ``min(window, seq_length)`` for a windowed layer (its
+        band), ``seq_length`` for a full one."""
+        w = self.layer_window(i)
+        return self.seq_length if w is None else min(w, self.seq_length)
+
     @property
-    def attended_keys(self) -> int:
-        """Keys each query's attention is counted over: ``min(sliding_window, seq_length)`` (``seq_length``
-        without a window), in the FLOPs and the activation memory of the scores."""
-        s = self.seq_length
-        return s if self.sliding_window is None else min(self.sliding_window, s)
+    def attended_keys(self) -> float:
+        """Keys each query's attention is counted over, averaged over the layers (``layer_attended_keys``: the
+        window's band or the whole sequence), in the FLOPs and the activation memory of the scores."""
+        if self.layer_types is None:
+            return self.layer_attended_keys(0)
+        return sum(self.layer_attended_keys(i) for i in range(self.num_layers)) / self.num_layers
 
     def forward_flops_per_token(self) -> dict[str, float]:
         """Forward FLOPs per token: ``{"layers_gemm", "attention", "head"}`` (all layers together)."""
@@ -396,7 +472,7 @@ class ModelConfig:
         )
         q = self.q_size
         gemm = 2.0 * ((h * (q + 2 * self.kv_size) + q * h) * l + self.mlp_matrices * h * f * (l - moe) + moe_mlp * moe)
-        attention = 4.0 * self.attended_keys * q * l
+        attention = 4.0 * q * sum(self.layer_attended_keys(i) for i in range(l))
         head = 2.0 * h * V
         return {"layers_gemm": gemm, "attention": attention, "head": head}
 

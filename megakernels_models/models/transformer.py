@@ -6,7 +6,9 @@ holds.
 
 The configuration picks the pieces: LayerNorm or RMSNorm; learned positions (a table added to the embeddings) or
 rotary embeddings (applied to queries and keys inside attention, with grouped-query attention); a GeLU or SwiGLU
-MLP; biases or none; an output layer tied to the word embedding or its own.
+MLP; biases or none; an output layer tied to the word embedding or its own. Each layer's attention follows its type
+(``ModelConfig.layer_types``: a sliding window or every position, each with its rotary base), and with ``sinks``
+learns one attention-sink logit per head.
 
 Pre-norm (normalise each branch's input, keep the residual stream unnormalised) is what let Megatron-LM scale BERT
 past 336M parameters; GPT-2 uses it too. The layer runs on ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
@@ -103,7 +105,8 @@ class TransformerLayer(nn.Module):
             attention_dropout=c.attention_dropout,
             bias=c.bias,
             recompute=recompute == "selective",
-            window=c.sliding_window,
+            window=c.layer_window(layer_number),
+            sinks=c.sinks,
             init_method=normal,
             output_init_method=scaled,
             seed=init.derive_seed(seed, f"{name}.attention"),
@@ -112,10 +115,10 @@ class TransformerLayer(nn.Module):
         )
         self.rotary = c.position_embedding == "rope"
         if self.rotary:
-            scaling = c.rope_scaling_spec()
+            theta, scaling = c.layer_rope(layer_number)
             rope = RotaryEmbedding(
                 c.head_dim,
-                c.rope_theta,
+                theta,
                 interleaved=c.rope_interleaved,
                 scaling=scaling,
                 max_positions=c.seq_length if scaling is not None else None,

@@ -148,12 +148,22 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
     return rep
 
 
+def _attention_kinds(cfg: ModelConfig) -> str:
+    """The header's note on the layers' attention: windows (per layer type) and sinks."""
+    note = ""
+    if cfg.layer_types is not None:
+        sliding = cfg.layer_types.count("sliding_attention")
+        note = f", {sliding} sliding-window ({cfg.sliding_window}) and {cfg.num_layers - sliding} full attention layers"
+    elif cfg.sliding_window:
+        note = f", sliding window {cfg.sliding_window}"
+    return note + (", attention sinks" if cfg.sinks else "")
+
+
 def _print(rep: dict, cfg: ModelConfig, out) -> None:
     lay = rep["layout"]
     out(
         f"{rep['preset'] or cfg.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
-        f"seq {cfg.seq_length}, vocab {cfg.vocab_size}"
-        + (f", sliding window {cfg.sliding_window}" if cfg.sliding_window else "")
+        f"seq {cfg.seq_length}, vocab {cfg.vocab_size}" + _attention_kinds(cfg)
     )
     out(
         f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
