@@ -1,7 +1,9 @@
 """FlashAttention in the static report: every sm_90 candidate config of the forward and backward at the key shapes
 (d64, d128 and d256, bf16, causal and not, s = 4k and 8k with b * s = 16k tokens and h * d = 2048), and one packed case:
 the s = 8k causal d128 shape with every sequence 16 documents of 512 tokens (document masking), beside the same
-shape as one document, so the report shows the key blocks of other documents skipped.
+shape as one document, so the report shows the key blocks of other documents skipped; and each shape's default
+configs with attention sinks (the ``SINK`` forward, the backward whose delta launch also sums dsinks), beside the
+rows without them.
 
 Each kernel's launches come from the launcher itself (``forward_launch`` / ``backward_launches`` on meta tensors),
 so the report compiles exactly what runs. What the model needs besides the SASS is each kernel's *schedule*: how
@@ -86,14 +88,28 @@ def _attended(s: int, docs: int) -> int:
     return docs * (s // docs) ** 2
 
 
-def _fwd_entry(s: int, d: int, causal: bool, cfg, docs: int = 1, m: model.Machine = model.H200) -> dict:
+def _fwd_entry(
+    s: int, d: int, causal: bool, cfg, docs: int = 1, m: model.Machine = model.H200, sinks: bool = False
+) -> dict:
     from megakernels.triton import flash_attention as fa
 
     b, h = 16384 // s, 2048 // d
     q, out, lse = _meta(b, s, h, d), _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     ranges = _documents(b, s, docs)
     launch = fa.forward_launch(
-        q, q, q, out, lse, lse, causal, 1 / math.sqrt(d), 0.0, cfg, tma=m.arch >= 90, ranges=ranges
+        q,
+        q,
+        q,
+        out,
+        lse,
+        lse,
+        causal,
+        1 / math.sqrt(d),
+        0.0,
+        cfg,
+        tma=m.arch >= 90,
+        ranges=ranges,
+        sinks=_meta(h, dtype=torch.float32) if sinks else None,
     )
     c, pred = kernel_prediction(launch, m)
     flops = 4 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
@@ -101,7 +117,14 @@ def _fwd_entry(s: int, d: int, causal: bool, cfg, docs: int = 1, m: model.Machin
 
 
 def _bwd_entry(
-    s: int, d: int, causal: bool, cfg, deterministic: bool = False, docs: int = 1, m: model.Machine = model.H200
+    s: int,
+    d: int,
+    causal: bool,
+    cfg,
+    deterministic: bool = False,
+    docs: int = 1,
+    m: model.Machine = model.H200,
+    sinks: bool = False,
 ) -> dict:
     from megakernels.triton import flash_attention as fa
 
@@ -109,6 +132,7 @@ def _bwd_entry(
     q, lse = _meta(b, s, h, d), _meta(b, h, s, dtype=torch.float32)
     dq = q if deterministic else _meta(b, s, h, d, dtype=torch.float32)
     delta = _meta(2, b, h, s, dtype=torch.float32)  # scaled delta and base-2 lse
+    sink_args = dict(sinks=_meta(h, dtype=torch.float32), dsinks=fa.dsinks_scratch(q)) if sinks else {}
     launches = fa.backward_launches(
         q,
         q,
@@ -128,6 +152,7 @@ def _bwd_entry(
         deterministic,
         arch=m.arch,
         ranges=_documents(b, s, docs),
+        **sink_args,
     )
     mma = [ln for ln in launches if ln.name in fa.SCHEDULES]
     parts = [(ln.name, *kernel_prediction(ln, m)) for ln in mma]
@@ -135,6 +160,8 @@ def _bwd_entry(
     # Streaming launches at the copy rate: delta reads dO and O (4 B per element); the atomic path also zeroes
     # the fp32 dQ buffer (4 B) and converts it to bf16 after (4 + 2 B).
     extra = (4 + (0 if deterministic else 10)) * elems / m.dram_copy + m.launch_s * 2
+    if sinks:  # the delta launch writes one fp32 partial per program; one more launch sums them
+        extra += 2 * sink_args["dsinks"].numel() * 4 / m.dram_copy + m.launch_s
     flops = 10 * b * h * _attended(s, docs) * d * (0.5 if causal else 1.0)
     return tiles.pass_row(parts, flops, extra, m=m)
 
@@ -206,6 +233,25 @@ def flash_attention_entries() -> list[Entry]:
                     key=_key(s, d, "bwd"),
                 )
             )
+    # Attention sinks: each shape's default configs with the SINK kernels; their twins without sinks are the rows
+    # above with the same shape and config.
+    for s, d in SHAPES:
+        b, h = 16384 // s, 2048 // d
+        for causal in (False, True):
+            for passname, table, fn in (("fwd", fa.FWD_CONFIGS, _fwd_entry), ("bwd", fa.BWD_CONFIGS, _bwd_entry)):
+                cfg = fa.candidates(table, 90, d)[0]
+                out.append(
+                    Entry(
+                        f"flash_attention.{passname}",
+                        _config_name(cfg),
+                        f"b{b} s{s} h{h} d{d}{' causal' if causal else ''} sinks",
+                        "bf16",
+                        (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg, sinks=True)),
+                        family="attention",
+                        needs_wgmma=True,
+                        key=_key(s, d, passname),
+                    )
+                )
     # Packed documents: the s = 8k causal shape whose sequences are each PACK[2] documents (the kernels' DOCS
     # variant), at the default configs; its one-document twin is the row above with the same shape and config.
     s, d, docs = PACK

@@ -35,23 +35,36 @@ def _meta(shape, dtype):
 
 
 def attention_launches(
-    arch: int, head_dim: int, cfg_index: int, passname: str, dtype: str, causal: bool, dropout: bool, seqlen: int = 4096
+    arch: int,
+    head_dim: int,
+    cfg_index: int,
+    passname: str,
+    dtype: str,
+    causal: bool,
+    dropout: bool,
+    seqlen: int = 4096,
+    sinks: bool = False,
 ):
-    """The launches of one FlashAttention config (``fa.candidates(...)[cfg_index]``) at a 4k-token shape."""
+    """The launches of one FlashAttention config (``fa.candidates(...)[cfg_index]``) at a 4k-token shape, with
+    attention sinks when ``sinks``."""
     from megakernels.triton import flash_attention as fa
 
     b, h = 2, 8
     q = _meta((b, seqlen, h, head_dim), dtype)
     lse = _meta((b, h, seqlen), "float32")
     seed = _meta((), "int64")
+    sink = _meta((h,), "float32") if sinks else None
     scale, p = 1 / math.sqrt(head_dim), (0.1 if dropout else 0.0)
     if passname == "fwd":
         cfg = fa.candidates(fa.FWD_CONFIGS, arch, head_dim)[cfg_index]
-        return [fa.forward_launch(q, q, q, q, lse, seed, causal, scale, p, cfg, tma=arch >= 90)]
+        return [fa.forward_launch(q, q, q, q, lse, seed, causal, scale, p, cfg, tma=arch >= 90, sinks=sink)]
     cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim)[cfg_index]
     dq = _meta((b, seqlen, h, head_dim), "float32")  # the atomic path's fp32 accumulator
     delta = _meta((2, b, h, seqlen), "float32")  # scaled delta and base-2 lse
-    return fa.backward_launches(q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg, arch=arch)
+    dsinks = fa.dsinks_scratch(q) if sinks else None
+    return fa.backward_launches(
+        q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg, arch=arch, sinks=sink, dsinks=dsinks
+    )
 
 
 def cross_entropy_launches(arch: int, vocab: int = 50304):
@@ -66,8 +79,9 @@ def cross_entropy_launches(arch: int, vocab: int = 50304):
 
 def jobs(archs, full: bool, defaults: bool):
     """(what, arch, builder args): every candidate config of every head dim in the fp16 causal variant, plus every
-    variant (dtype x causal x dropout) of each arch's d128 default; with ``full``, every config in every variant;
-    with ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels."""
+    variant (dtype x causal x dropout) of each arch's d128 default, and each default's fp16 causal variant with
+    attention sinks; with ``full``, every config in every variant (and each default's with sinks); with
+    ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels."""
     from megakernels.triton import flash_attention as fa
 
     for arch in archs:
@@ -86,6 +100,9 @@ def jobs(archs, full: bool, defaults: bool):
                             f"dropout={dropout}"
                         )
                         yield (what, arch, ("fa", head_dim, i, passname, dtype, causal, dropout))
+                    if i == 0 and not defaults:
+                        what = f"flash_attention {passname} sm_{arch} float16 d{head_dim} {cfg} causal=True sinks"
+                        yield (what, arch, ("fa", head_dim, i, passname, "float16", True, False, 4096, True))
 
 
 def _spill_bytes(compiled) -> int:

@@ -1,7 +1,7 @@
 """The CPU path of flash_attention: blocked over queries, so memory is O(block * sk) per (batch, head), never
 O(sq * sk), with every product a large GEMM (the BLAS does the work).
 attention.py runs it for what the C++ kernel (csrc/flash_attention) does not cover: fp64 and head dims over 256
-(dropout, sliding windows and documents run the C++ kernel; this path keeps them for those).
+(dropout, sliding windows, documents and sinks run the C++ kernel; this path keeps them for those).
 
 Forward, per block of queries: scores against the visible keys only (causal blocks stop at the diagonal, windowed
 ones also start at the band's near edge, so the cost grows with the window, not the sequence), the
