@@ -205,20 +205,22 @@ def flash_attention_entries() -> list[Entry]:
                     "dtype": "bfloat16",
                     "variant": f"d{d} {'causal' if causal else 'full'}",
                 }
-                for cfg in fa.candidates(table, 90, d):
-                    out.append(
-                        Entry(
-                            f"flash_attention.{passname}",
-                            _config_name(cfg),
-                            shape,
-                            "bf16",
-                            (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg)),
-                            family="attention",
-                            needs_wgmma=True,
-                            key=_key(s, d, passname),
-                            bench=bench,
+                for i, cfg in enumerate(fa.candidates(table, 90, d)):
+                    # the default config also with attention sinks (the SINK kernels), its twin the row before
+                    for sinks in (False, True) if i == 0 else (False,):
+                        out.append(
+                            Entry(
+                                f"flash_attention.{passname}",
+                                _config_name(cfg),
+                                shape + (" sinks" if sinks else ""),
+                                "bf16",
+                                (lambda fn=fn, s=s, d=d, c=causal, cfg=cfg, k=sinks: fn(s, d, c, cfg, sinks=k)),
+                                family="attention",
+                                needs_wgmma=True,
+                                key=_key(s, d, passname),
+                                bench=None if sinks else bench,
+                            )
                         )
-                    )
             # deterministic=True: the one-pass kernel without dQ, then the dQ kernel (its default config)
             cfg = fa.candidates(fa.BWD_CONFIGS, 90, d)[0]
             out.append(
@@ -233,25 +235,6 @@ def flash_attention_entries() -> list[Entry]:
                     key=_key(s, d, "bwd"),
                 )
             )
-    # Attention sinks: each shape's default configs with the SINK kernels; their twins without sinks are the rows
-    # above with the same shape and config.
-    for s, d in SHAPES:
-        b, h = 16384 // s, 2048 // d
-        for causal in (False, True):
-            for passname, table, fn in (("fwd", fa.FWD_CONFIGS, _fwd_entry), ("bwd", fa.BWD_CONFIGS, _bwd_entry)):
-                cfg = fa.candidates(table, 90, d)[0]
-                out.append(
-                    Entry(
-                        f"flash_attention.{passname}",
-                        _config_name(cfg),
-                        f"b{b} s{s} h{h} d{d}{' causal' if causal else ''} sinks",
-                        "bf16",
-                        (lambda fn=fn, s=s, d=d, causal=causal, cfg=cfg: fn(s, d, causal, cfg, sinks=True)),
-                        family="attention",
-                        needs_wgmma=True,
-                        key=_key(s, d, passname),
-                    )
-                )
     # Packed documents: the s = 8k causal shape whose sequences are each PACK[2] documents (the kernels' DOCS
     # variant), at the default configs; its one-document twin is the row above with the same shape and config.
     s, d, docs = PACK

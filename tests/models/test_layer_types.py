@@ -13,26 +13,10 @@ import torch.nn.functional as F
 
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.llama.model import LlamaModel
-from tests.models.test_llama import _rms, _rotate
+from tests.models.test_llama import LLAMA, _rms, _rotate
 
 TYPES = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
-MIXED = ModelConfig(
-    "llama",
-    num_layers=4,
-    hidden_size=32,
-    num_heads=4,
-    num_kv_heads=2,
-    seq_length=16,
-    vocab_size=261,
-    ffn_hidden_size=48,
-    dropout=0.0,
-    attention_dropout=0.0,
-    rope_theta=500.0,
-    sliding_window=5,
-    layer_types=TYPES,
-    local_rope_theta=30.0,
-    sinks=True,
-)
+MIXED = LLAMA.replace(num_layers=4, sliding_window=5, layer_types=TYPES, local_rope_theta=30.0, sinks=True)
 
 
 def reference(p, ids, labels, cfg):
