@@ -57,8 +57,8 @@ at::Tensor checked_q_keys(const char* op, const c10::optional<at::Tensor>& q_key
 at::Tensor checked_sinks(const char* op, const c10::optional<at::Tensor>& sinks, const at::Tensor& q) {
   if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
   const at::Tensor& t = *sinks;
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == q.size(2),
-                    op, ": sinks must be a CPU float32 [heads] = [", q.size(2), "] tensor, got ", t.scalar_type(), " ",
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == q.size(2), op,
+                    ": sinks must be a CPU float32 [heads] = [", q.size(2), "] tensor, got ", t.scalar_type(), " ",
                     t.sizes(), " on ", t.device());
   return t.contiguous();
 }
