@@ -15,21 +15,7 @@ from megakernels.ops.muon import newton_schulz_reference
 from megakernels.optim import Muon, muon_param_groups
 from megakernels.optim.muon import Layout, merge_matrices, split_matrices
 from megakernels.parallel.params import mark_fused
-
-A, B, C = 3.4445, -4.7750, 2.0315
-
-
-def ns64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Newton-Schulz of one matrix in fp64, written out for the tests."""
-    x = g.double()
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.t()
-    x = x / max(torch.linalg.matrix_norm(x).item(), 1e-7)
-    for _ in range(steps):
-        gram = x @ x.t()
-        x = A * x + (B * gram + C * gram @ gram) @ x
-    return x.t() if tall else x
+from tests.models.muon_reference import ns64
 
 
 def qkv_blocks(w: torch.Tensor, heads: int, d: int) -> list[torch.Tensor]:
