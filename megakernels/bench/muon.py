@@ -80,14 +80,13 @@ def measure(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=N
                 OURS: median_seconds(lambda: newton_schulz(x, STEPS), min_run_time),
                 "torch_mm": median_seconds(lambda: newton_schulz_reference(x, STEPS), min_run_time),
             }
+            same = dict(dtype=dtype_name, shape=cname, size=batch * m * n)  # both passes' rows
             value, name = ceil.for_unit(ceilings, "TFLOP/s", dtype_name)
             row = result_row(
                 "muon",
                 FAMILY,
-                dtype=dtype_name,
-                shape=cname,
+                **same,
                 pass_="newton_schulz",
-                size=batch * m * n,
                 size_label="elements",
                 unit="TFLOP/s",
                 work=plain_flops(batch, m, n),
@@ -111,10 +110,8 @@ def measure(configs: dict, dtypes, *, device="cpu", min_run_time=0.5, ceilings=N
             row = result_row(
                 "muon",
                 FAMILY,
-                dtype=dtype_name,
-                shape=cname,
+                **same,
                 pass_="step",
-                size=batch * m * n,
                 size_label="parameters",
                 unit="GB/s",
                 work=bytes_moved(batch, m * n, dtype, dtype != torch.float32),
