@@ -31,7 +31,7 @@ def _swiglu_parts(passname: str, dtype: str, rows: int, f: int, m: model.Machine
     group, block, grid = plan_rows(rows, packs, 16, sms=m.sms)
     n = rows * f
     if passname == "fwd":
-        kern = cuda("swiglu", f"swiglu_fwd_kernel<{t}, {pack}>", block, m.arch)
+        kern = cuda("swiglu", f"swiglu_fwd_kernel<{t}, {pack}, (megakernels::swiglu::Act)0>", block, m.arch)
         return [
             Part(
                 kern,
@@ -44,7 +44,7 @@ def _swiglu_parts(passname: str, dtype: str, rows: int, f: int, m: model.Machine
                 3 * size,
             )
         ]
-    kern = cuda("swiglu", f"swiglu_bwd_kernel<{t}, {pack}>", block, m.arch)
+    kern = cuda("swiglu", f"swiglu_bwd_kernel<{t}, {pack}, (megakernels::swiglu::Act)0>", block, m.arch)
     return [
         Part(
             kern,

@@ -1,4 +1,7 @@
-// SwiGLU bindings: swiglu_fwd / swiglu_bwd on a packed [..., 2f] gate/up tensor.
+// Gated-activation bindings: swiglu_fwd / swiglu_bwd on a packed [..., 2f] gate/up tensor; `act` picks SwiGLU (0),
+// gpt-oss's clamped SwiGLU (1, with `limit` and `alpha`) or GeGLU (2), swiglu::Act.
+#include <cmath>
+
 #include "../swiglu/swiglu.h"
 #include "common.h"
 
@@ -33,8 +36,17 @@ int64_t packed_rows(const char* op, const at::Tensor& x_in, at::Tensor& rows_out
   return two_f / 2;
 }
 
-swiglu::Args make_args(const at::Tensor& x, int64_t f) {
+swiglu::Args make_args(const char* op, const at::Tensor& x, int64_t f, int64_t act, double limit, double alpha) {
+  TORCH_CHECK_VALUE(act >= 0 && act <= 2, op, ": act is ", act,
+                    "; expected 0 (SwiGLU), 1 (clamped SwiGLU) or 2 (GeGLU)");
+  if (act == int64_t(swiglu::Act::ClampedSiLU)) {
+    TORCH_CHECK_VALUE(limit > 0, op, ": limit is ", limit, "; expected a positive clamp bound");
+    TORCH_CHECK_VALUE(std::isfinite(alpha), op, ": alpha is ", alpha, "; expected a finite number");
+  }
   swiglu::Args a{};
+  a.act = swiglu::Act(act);
+  a.limit = limit;
+  a.alpha = alpha;
   a.x = x.data_ptr();
   a.rows = x.size(0);
   a.f = f;
@@ -43,7 +55,7 @@ swiglu::Args make_args(const at::Tensor& x, int64_t f) {
   return a;
 }
 
-at::Tensor swiglu_fwd(const at::Tensor& x_in, bool emulate) {
+at::Tensor swiglu_fwd(const at::Tensor& x_in, bool emulate, int64_t act, double limit, double alpha) {
   const char* op = "swiglu";
   at::Tensor x;
   const int64_t f = packed_rows(op, x_in, x);
@@ -51,9 +63,9 @@ at::Tensor swiglu_fwd(const at::Tensor& x_in, bool emulate) {
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = f;
   at::Tensor y = at::empty(shape, x_in.options());
+  swiglu::Args a = make_args(op, x, f, act, limit, alpha);
   advise_huge_pages(y);
   if (y.numel() == 0) return y;
-  swiglu::Args a = make_args(x, f);
   a.y = y.data_ptr();
   if (const SwigluKernels* k = kernels_for(x, emulate)) {
     LaunchScope scope(x);
@@ -64,7 +76,8 @@ at::Tensor swiglu_fwd(const at::Tensor& x_in, bool emulate) {
   return y;
 }
 
-at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool emulate) {
+at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool emulate, int64_t act, double limit,
+                      double alpha) {
   const char* op = "swiglu_backward";
   at::Tensor x;
   const int64_t f = packed_rows(op, x_in, x);
@@ -77,11 +90,11 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool emul
   TORCH_CHECK_VALUE(dy_in.sizes() == at::IntArrayRef(shape), op, ": grad_output has shape ", dy_in.sizes(),
                     ", expected ", at::IntArrayRef(shape), " (x's shape with the last dim halved)");
   at::Tensor dx = at::empty(x_in.sizes(), x_in.options());
+  swiglu::Args a = make_args(op, x, f, act, limit, alpha);
   advise_huge_pages(dx);
   if (dx.numel() == 0) return dx;
   at::Tensor dy = (dy_in.stride(-1) == 1 ? dy_in : dy_in.contiguous()).reshape({-1, f});
   if (dy.stride(-1) != 1) dy = dy.contiguous();
-  swiglu::Args a = make_args(x, f);
   a.dy = dy.data_ptr();
   a.dy_stride = dy.stride(0);
   a.y = dx.data_ptr();
@@ -99,8 +112,8 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool emul
 }  // namespace megakernels
 
 TORCH_LIBRARY_FRAGMENT(megakernels, m) {
-  m.def("swiglu_fwd(Tensor x, bool emulate) -> Tensor");
-  m.def("swiglu_bwd(Tensor grad_output, Tensor x, bool emulate) -> Tensor");
+  m.def("swiglu_fwd(Tensor x, bool emulate, int act=0, float limit=0., float alpha=1.) -> Tensor");
+  m.def("swiglu_bwd(Tensor grad_output, Tensor x, bool emulate, int act=0, float limit=0., float alpha=1.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {

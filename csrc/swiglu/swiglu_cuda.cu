@@ -1,5 +1,5 @@
-// CUDA kernels of SwiGLU (forward and backward). No torch headers: compiles in seconds with nvcc, and unchanged
-// with g++ against csrc/emu (swiglu_cuda_emu.cpp).
+// CUDA kernels of the gated activations (swiglu.h), forward and backward. No torch headers: compiles in seconds with
+// nvcc, and unchanged with g++ against csrc/emu (swiglu_cuda_emu.cpp).
 //
 // Design (why): purely elementwise along a row, so a row group (a warp for rows up to 8 packs per lane, else a
 // block; plan_rows) walks the row in 16-byte packs, reading the gate pack at j and the up pack at f + j, and
@@ -16,11 +16,14 @@ namespace megakernels {
 namespace MK_NS {
 namespace {
 
+using swiglu::Act;
 using swiglu::Args;
+using swiglu::Gate;
 
-template <typename T, int N>
+template <typename T, int N, Act K>
 __global__ void swiglu_fwd_kernel(Args a, int group_threads) {
   using A = typename AccOf<T>::type;
+  const Gate<A> p{A(a.limit), A(a.alpha)};
   const int groups = blockDim.x / group_threads;
   const int t = threadIdx.x % group_threads;
   for (int64_t row = int64_t(blockIdx.x) * groups + threadIdx.x / group_threads; row < a.rows;
@@ -32,15 +35,16 @@ __global__ void swiglu_fwd_kernel(Args a, int group_threads) {
       load_pack<T, N>(xr, j, g);
       load_pack<T, N>(xr, a.f + j, u);
 #pragma unroll
-      for (int k = 0; k < N; ++k) g[k] = swiglu::fwd<A>(g[k], u[k]);
+      for (int k = 0; k < N; ++k) g[k] = swiglu::fwd<K, A>(g[k], u[k], p);
       store_pack<T, N>(yr, j, g);
     }
   }
 }
 
-template <typename T, int N>
+template <typename T, int N, Act K>
 __global__ void swiglu_bwd_kernel(Args a, int group_threads) {
   using A = typename AccOf<T>::type;
+  const Gate<A> p{A(a.limit), A(a.alpha)};
   const int groups = blockDim.x / group_threads;
   const int t = threadIdx.x % group_threads;
   for (int64_t row = int64_t(blockIdx.x) * groups + threadIdx.x / group_threads; row < a.rows;
@@ -54,7 +58,7 @@ __global__ void swiglu_bwd_kernel(Args a, int group_threads) {
       load_pack<T, N>(xr, a.f + j, u);
       load_pack<T, N>(gr, j, dy);
 #pragma unroll
-      for (int k = 0; k < N; ++k) swiglu::bwd<A>(g[k], u[k], dy[k], g[k], u[k]);
+      for (int k = 0; k < N; ++k) swiglu::bwd<K, A>(g[k], u[k], dy[k], p, g[k], u[k]);
       store_pack<T, N>(dxr, j, g);
       store_pack<T, N>(dxr, a.f + j, u);
     }
@@ -63,7 +67,7 @@ __global__ void swiglu_bwd_kernel(Args a, int group_threads) {
 
 constexpr int kBlocksPerSm = 16;
 
-template <typename T, bool BWD>
+template <typename T, bool BWD, Act K>
 const char* run(const Args& a, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = a.f % V == 0 && a.x_stride % V == 0 && aligned(a.x, 16) && aligned(a.y, 16) &&
@@ -72,29 +76,39 @@ const char* run(const Args& a, cudaStream_t s) {
   const dim3 grid(unsigned(p.grid)), block(p.block);
   if (BWD) {
     if (vec)
-      MK_LAUNCH((swiglu_bwd_kernel<T, V>), grid, block, 0, s, a, p.group_threads);
+      MK_LAUNCH((swiglu_bwd_kernel<T, V, K>), grid, block, 0, s, a, p.group_threads);
     else
-      MK_LAUNCH((swiglu_bwd_kernel<T, 1>), grid, block, 0, s, a, p.group_threads);
+      MK_LAUNCH((swiglu_bwd_kernel<T, 1, K>), grid, block, 0, s, a, p.group_threads);
   } else {
     if (vec)
-      MK_LAUNCH((swiglu_fwd_kernel<T, V>), grid, block, 0, s, a, p.group_threads);
+      MK_LAUNCH((swiglu_fwd_kernel<T, V, K>), grid, block, 0, s, a, p.group_threads);
     else
-      MK_LAUNCH((swiglu_fwd_kernel<T, 1>), grid, block, 0, s, a, p.group_threads);
+      MK_LAUNCH((swiglu_fwd_kernel<T, 1, K>), grid, block, 0, s, a, p.group_threads);
   }
   return last_error();
+}
+
+template <bool BWD, Act K>
+const char* dispatch_dtype(const Args& a, cudaStream_t s) {
+  switch (a.dtype) {
+    case DType::F32: return run<float, BWD, K>(a, s);
+    case DType::F64: return run<double, BWD, K>(a, s);
+    case DType::BF16: return run<__nv_bfloat16, BWD, K>(a, s);
+    case DType::F16: return run<__half, BWD, K>(a, s);
+  }
+  return "unsupported dtype";
 }
 
 template <bool BWD>
 const char* dispatch(const Args& a, void* stream) {
   if (a.rows == 0 || a.f == 0) return nullptr;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case DType::F32: return run<float, BWD>(a, s);
-    case DType::F64: return run<double, BWD>(a, s);
-    case DType::BF16: return run<__nv_bfloat16, BWD>(a, s);
-    case DType::F16: return run<__half, BWD>(a, s);
+  switch (a.act) {
+    case Act::SiLU: return dispatch_dtype<BWD, Act::SiLU>(a, s);
+    case Act::ClampedSiLU: return dispatch_dtype<BWD, Act::ClampedSiLU>(a, s);
+    case Act::GeluTanh: return dispatch_dtype<BWD, Act::GeluTanh>(a, s);
   }
-  return "unsupported dtype";
+  return "unsupported activation";
 }
 
 }  // namespace

@@ -23,7 +23,7 @@ from megakernels.ops.post_training import (
 )
 from megakernels.ops.rope import RopeScaling, fused_rope, rope_cos_sin_table, rope_inv_freq, rope_reference
 from megakernels.ops.softmax import scaled_causal_softmax, scaled_masked_softmax, scaled_softmax
-from megakernels.ops.swiglu import swiglu, swiglu_reference
+from megakernels.ops.swiglu import geglu, geglu_reference, swiglu, swiglu_reference
 
 __all__ = [
     "layer_norm",
@@ -57,5 +57,7 @@ __all__ = [
     "RopeScaling",
     "swiglu",
     "swiglu_reference",
+    "geglu",
+    "geglu_reference",
     "newton_schulz",
 ]

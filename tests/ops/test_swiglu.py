@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megakernels.ops import swiglu, swiglu_reference
+from megakernels.ops import geglu, geglu_reference, swiglu, swiglu_reference
 from tests.helpers import assert_close_to_reference, kernel_grads, make, reference_grads
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -95,3 +95,73 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.megakernels.swiglu_fwd.default, (x, False))
     dy = make((4, 3, 16), dtype, "cpu", seed=1)
     torch.library.opcheck(torch.ops.megakernels.swiglu_bwd.default, (dy, x.detach(), False))
+
+
+# gpt-oss's clamped SwiGLU (limit, alpha) and GeGLU share the kernel body; the references are plain fp64 PyTorch
+# (torch.clamp's gradient, F.gelu(approximate="tanh")).
+GATED = {
+    "clamped": (lambda x: swiglu(x, limit=7.0, alpha=1.702), lambda x: swiglu_reference(x, limit=7.0, alpha=1.702)),
+    "geglu": (geglu, geglu_reference),
+}
+
+
+@pytest.mark.parametrize("kind", GATED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("f", [3, 40, 2056])
+def test_gated_variants_match_fp64_reference(backend, kind, dtype, f):
+    fn, ref_fn = GATED[kind]
+    x = make((3 if backend.emulated else 17, 2 * f), dtype, backend.device, scale=6.0)  # |x| past the clamp bound
+    dy = make((x.shape[0], f), dtype, backend.device, seed=9)
+    out, (dx,) = kernel_grads(fn, [x], dy)
+    ref, (rdx,) = reference_grads(ref_fn, [x], dy)
+    assert_close_to_reference(out, ref, dtype, "y")
+    assert_close_to_reference(dx, rdx, dtype, "dx", factor=2.0)
+
+
+def test_clamped_swiglu_is_gpt_oss_formula_on_interleaved_columns(backend):
+    # transformers' GptOssExperts takes gate = gate_up[..., ::2], up = gate_up[..., 1::2]; de-interleaved into
+    # [gate | up] the kernel gives the same product.
+    gate_up = make((5, 16), torch.float64, backend.device, scale=10.0)
+    gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(-7.0, 7.0)
+    expect = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+    packed = torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], -1)
+    assert torch.allclose(swiglu(packed, limit=7.0, alpha=1.702), expect, rtol=1e-12, atol=1e-12)
+
+
+def test_geglu_is_gelu_tanh_gated(backend):
+    gate, up = make((4, 8), torch.float64, backend.device), make((4, 8), torch.float64, backend.device, seed=1)
+    expect = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert torch.allclose(geglu(torch.cat([gate, up], -1)), expect, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", GATED)
+def test_gated_variants_gradcheck_fp64(backend, kind):
+    x = make((3, 2, 10), torch.float64, backend.device, scale=3.0).requires_grad_(True)
+    assert torch.autograd.gradcheck(GATED[kind][0], (x,))
+
+
+def test_gated_variants_saturate_without_nan(backend):
+    g = torch.tensor([[-1000.0, -100.0, -30.0, 0.0, 30.0, 100.0, 1000.0]], device=backend.device)
+    for fn in (GATED["clamped"][0], geglu):
+        x = torch.cat([g, torch.full_like(g, 2.0)], -1).requires_grad_(True)
+        out = fn(x)
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+
+
+def test_clamped_swiglu_rejects_bad_arguments():
+    x = make((2, 8), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="limit"):
+        swiglu(x, limit=0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        swiglu(x, alpha=1.702)
+    with pytest.raises(ValueError, match="act"):
+        torch.ops.megakernels.swiglu_fwd(x, False, 7)
+
+
+@pytest.mark.parametrize("act,limit,alpha", [(1, 7.0, 1.702), (2, 0.0, 1.0)], ids=["clamped", "geglu"])
+def test_gated_variants_opcheck(act, limit, alpha):
+    x = make((4, 3, 32), torch.float32, "cpu").requires_grad_(True)
+    torch.library.opcheck(torch.ops.megakernels.swiglu_fwd.default, (x, False, act, limit, alpha))
+    dy = make((4, 3, 16), torch.float32, "cpu", seed=1)
+    torch.library.opcheck(torch.ops.megakernels.swiglu_bwd.default, (dy, x.detach(), False, act, limit, alpha))
