@@ -81,3 +81,66 @@ def test_gemma_tiny_trains_on_the_embedded_data():
     )
     losses = [r["loss"] for r in run(args)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def _hf_tiny(path, **kw):
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        rope_local_base_freq=5000.0,
+    )
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**config, **kw})).eval()
+    with torch.no_grad():  # norms away from their zero (a weight of one)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "final_logit_softcapping": 3.0}],
+)
+def test_gemma3_converts_both_ways_with_transformers_logits(single_world, tmp_path, extra):
+    from megakernels_models import convert
+    from megakernels_models.training import checkpoint
+
+    hf = _hf_tiny(tmp_path / "hf", **extra)
+    ids = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
+    cfg = convert.ModelConfig.from_dict(meta["config"])
+    assert cfg.model == "gemma" and cfg.layer_types == pattern(6)
+    model = GemmaModel(cfg, seed=0).eval()
+    checkpoint.load(checkpoint.read_latest(str(tmp_path / "mk")), [model], None, cfg)
+    with torch.no_grad():
+        ours = model(ids).transpose(0, 1)[..., : cfg.vocab_size]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / "back").eval()
+    theirs = back.state_dict()
+    for name, p in hf.state_dict().items():
+        if "norm" in name:  # w + 1 - 1 in fp32: within an ulp of one
+            torch.testing.assert_close(theirs[name], p, rtol=0, atol=2**-23, msg=name)
+        else:
+            assert torch.equal(theirs[name], p), name
+
+
+def test_attention_logit_soft_capping_is_refused_by_name(tmp_path, capsys):
+    from megakernels_models.cli import main
+
+    _hf_tiny(tmp_path / "hf", attn_logit_softcapping=50.0)
+    assert main(["convert", "hf-to-megakernels", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o")]) == 2
+    assert "attn_logit_softcapping=50.0" in capsys.readouterr().err

@@ -107,4 +107,10 @@ def _model():
     return GemmaModel
 
 
-SPEC = register(FamilySpec("gemma", "Gemma", GemmaConfig, _model, CausalLMTask, "tokens", PRESETS))
+def _hf(config):
+    from megakernels_models.convert import gemma3
+
+    return gemma3
+
+
+SPEC = register(FamilySpec("gemma", "Gemma", GemmaConfig, _model, CausalLMTask, "tokens", PRESETS, hf=_hf))
