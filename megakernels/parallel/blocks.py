@@ -33,24 +33,32 @@ from megakernels.parallel.params import mark_fused, mark_sequence_parallel, mark
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 
+def geglu(y: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated tanh-GeLU ``gelu_tanh(gate) * up`` of the packed ``y = [gate | up]`` (last dim 2f -> f), in
+    ``y``'s dtype (as ``megakernels.ops.swiglu``'s contract; differentiable through autograd)."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _sub_seed(seed: int | None, name: str) -> int | None:
     return None if seed is None else init.derive_seed(seed, name)
 
 
 class ParallelMLP(nn.Module):
     """Megatron's MLP ``fc2(gelu(fc1(x) + b1)) + b2`` split over the tensor-parallel ranks, or the gated
-    ``fc2(silu(x W_gate) * (x W_up))`` of Llama (``activation="swiglu"``).
+    ``fc2(silu(x W_gate) * (x W_up))`` of Llama (``activation="swiglu"``), or Gemma's ``fc2(gelu_tanh(x W_gate) *
+    (x W_up))`` (``activation="geglu"``).
 
-    With SwiGLU, fc1 is the packed ``[W_gate; W_up]`` (``[2f, h]`` in the full model) marked with stride 2, so TP
-    rank r holds rows r of the gate *and* of the up projection, ``[gate_r | up_r]``: its half of the gated product
-    needs nothing from another rank, and ``megakernels.ops.swiglu`` takes the packed output as it is.
+    Gated (SwiGLU, GeGLU), fc1 is the packed ``[W_gate; W_up]`` (``[2f, h]`` in the full model) marked with stride 2,
+    so TP rank r holds rows r of the gate *and* of the up projection, ``[gate_r | up_r]``: its half of the gated
+    product needs nothing from another rank, and ``ops.swiglu`` (``geglu``) takes the packed output as it is.
 
     Args:
         hidden_size: h.
         ffn_hidden_size: the inner size f (default 4h); must divide by tp.
         sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
         approximate: GeLU form, ``"tanh"`` (Megatron's) or ``"none"``.
-        activation: ``"gelu"`` (the default) or ``"swiglu"``.
+        activation: ``"gelu"`` (the default), ``"swiglu"`` or ``"geglu"``.
         bias: biases on fc1 and fc2.
         overlap_comm: overlap fc1's backward collectives with its weight-gradient GEMM.
         init_method: fc1's (default ``N(0, 0.02²)``); output_init_method: fc2's (default the same).
@@ -84,11 +92,11 @@ class ParallelMLP(nn.Module):
         ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         if approximate not in ("tanh", "none"):
             raise ValueError(f"ParallelMLP: approximate must be 'tanh' or 'none', got {approximate!r}")
-        if activation not in ("gelu", "swiglu"):
-            raise ValueError(f"ParallelMLP: activation must be 'gelu' or 'swiglu', got {activation!r}")
+        if activation not in ("gelu", "swiglu", "geglu"):
+            raise ValueError(f"ParallelMLP: activation must be 'gelu', 'swiglu' or 'geglu', got {activation!r}")
         state.check_divisible(ffn_hidden_size=ffn_hidden_size)
         self.approximate, self.activation = approximate, activation
-        gated = activation == "swiglu"
+        gated = activation != "gelu"
         self.fc1 = ColumnParallelLinear(
             hidden_size,
             2 * ffn_hidden_size if gated else ffn_hidden_size,
@@ -117,8 +125,9 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, b1 = self.fc1(x)
-        if self.activation == "swiglu":
-            return self.fc2(swiglu(y if b1 is None else y + b1))
+        if self.activation != "gelu":
+            gate = swiglu if self.activation == "swiglu" else geglu
+            return self.fc2(gate(y if b1 is None else y + b1))
         if b1 is None:
             return self.fc2(F.gelu(y, approximate=self.approximate))
         return self.fc2(bias_gelu(y, b1, self.approximate))
@@ -230,15 +239,25 @@ def _check_heads(module: nn.Module, hidden_size: int, num_heads: int, attention_
         raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
 
 
-def _core(module: nn.Module, core, causal: bool, attention_dropout: float, window: int | None, sinks: bool = False):
+def _core(
+    module: nn.Module,
+    core,
+    causal: bool,
+    attention_dropout: float,
+    window: int | None,
+    sinks: bool = False,
+    softmax_scale: float | None = None,
+):
     """(the attention core: ``core`` itself or the library's core of that name, the window as an int or None)."""
     if not isinstance(core, str):
+        if softmax_scale is not None:
+            raise ValueError(f"{type(module).__name__}: softmax_scale needs a core given by name, not a module")
         if window:
             raise ValueError(f"{type(module).__name__}: a sliding window needs a core given by name, not a module")
         if sinks:
             raise ValueError(f"{type(module).__name__}: attention sinks need a core given by name, not a module")
         return core, None
-    made = attention_core(core, causal, attention_dropout=attention_dropout, window=window)
+    made = attention_core(core, causal, softmax_scale, attention_dropout=attention_dropout, window=window)
     return made, made.window
 
 
@@ -281,6 +300,7 @@ def _run_core(module: nn.Module, q, k, v, mask):
             v,
             causal=module.causal,
             group=state.cp_group(),
+            softmax_scale=getattr(module.core, "softmax_scale", None),
             window=getattr(module, "window", None),
             documents=documents,
             sinks=sinks,
@@ -350,6 +370,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         head_dim: each head's size (default ``hidden_size / num_heads``; the query width is ``num_heads · head_dim``).
         qk_norm_eps: an RMSNorm of this epsilon over each query and key head (``q_norm``, ``k_norm``: weights of
             size d shared by the heads, before the rotary embedding; Qwen 3), or None.
+        softmax_scale: the scores' scale (default ``1 / sqrt(head_dim)``; Gemma's ``query_pre_attn_scalar ** -0.5``).
 
     Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), ``positions`` (int ``[s]``, the
     tokens' positions; default ``0..s-1``), optional ``attention_mask``, optional ``kv_cache``
@@ -379,6 +400,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         proj_bias: bool | None = None,
         qk_norm_eps: float | None = None,
         head_dim: int | None = None,
+        softmax_scale: float | None = None,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
         seed: int | None = None,
@@ -406,7 +428,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.head_dim = d = hidden_size // num_heads if head_dim is None else int(head_dim)
         replicas = max(1, tp // num_kv_heads)
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
-        self.core, self.window = _core(self, core, causal, attention_dropout, window, sinks)
+        self.core, self.window = _core(self, core, causal, attention_dropout, window, sinks, softmax_scale)
         self.sinks = _sinks(self.local_heads, sinks, device)
         self.rotary = rotary
         self.q = ColumnParallelLinear(

@@ -28,7 +28,8 @@ from megakernels_models.models.registry import DEFAULT, PRESETS, family
 RECOMPUTE = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
-ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")  # the gated MLPs: act(x W_gate) * (x W_up)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of a layer's attention
 
 
@@ -83,8 +84,8 @@ class ModelConfig:
             those below ``.. / rope_high_freq_factor`` kept, a blend between; ``megakernels.ops.RopeScaling``).
         rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions: its
             parameters (Llama 3.1: 8, 1, 4, 8192; Llama 3.2: 32, 1, 4, 8192).
-        activation: the MLP: ``"gelu_tanh"`` (GPT-2/Megatron), ``"gelu"`` (erf, BERT) or ``"swiglu"``
-            (``silu(x W_gate) * (x W_up)``, Llama).
+        activation: the MLP: ``"gelu_tanh"`` (GPT-2/Megatron), ``"gelu"`` (erf, BERT), ``"swiglu"``
+            (``silu(x W_gate) * (x W_up)``, Llama) or ``"geglu"`` (``gelu_tanh(x W_gate) * (x W_up)``, Gemma).
         bias: biases in the linear layers.
         qkv_bias: biases on the query, key and value projections only (default ``bias``; Qwen 2.5: True with
             ``bias`` False). Needs rotary positions (the grouped-query attention block).
@@ -145,6 +146,8 @@ class ModelConfig:
 
     family = None  # the family's name, set by each subclass
     DEFAULTS = {}  # the family's values of the architecture fields left None
+    # Gemma's sandwich: each branch's output normalised too, before the residual sum (``TransformerLayer``)
+    sandwich_norms = False
 
     def __new__(cls, *args, **kwargs):
         name = kwargs.get("model", args[0] if args else (cls.family or DEFAULT))
@@ -221,6 +224,8 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig: moe_top_k={self.moe_top_k} must be in 1..num_experts={self.num_experts}"
                 )
+            if self.activation == "geglu":
+                raise ValueError("ModelConfig: activation='geglu' is a dense MLP's; the experts take swiglu or gelu")
             positive_int(self.moe_layer_freq, "moe_layer_freq", where="ModelConfig")
             if self.moe_ffn_hidden_size is None:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
@@ -292,6 +297,21 @@ class ModelConfig:
         return self.rope_theta, self.rope_scaling_spec()
 
     # ---- what a family changes (its subclass overrides these) ---------------------------------------------------
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The attention scores' scale (None: ``1 / sqrt(head_dim)``)."""
+        return None
+
+    @property
+    def embedding_multiplier(self) -> float | None:
+        """A factor on the word embeddings' output (Gemma's ``sqrt(hidden_size)``), or None."""
+        return None
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """``c`` of a tanh soft cap on the output logits, ``c · tanh(logits / c)`` (Gemma 2's), or None."""
+        return None
 
     def _check_family(self) -> None:
         """The family's own fields' rules, before the defaults are filled in (may fill the family's own)."""
@@ -440,8 +460,8 @@ class ModelConfig:
 
     @property
     def mlp_matrices(self) -> int:
-        """Weight matrices of the MLP: three with SwiGLU (gate, up, down), else two."""
-        return 3 if self.activation == "swiglu" else 2
+        """Weight matrices of the MLP: three when gated (gate, up, down: SwiGLU, GeGLU), else two."""
+        return 3 if self.activation in GATED else 2
 
     def layer_attended_keys(self, i: int) -> int:
         """Keys each query of layer ``i`` is counted over: ``min(window, seq_length)`` for a windowed layer (its
@@ -518,7 +538,7 @@ class ModelConfig:
         if recompute == "full":
             return scale * 2.0 * s * b * h / (tp if sequence_parallel else 1)
         mask = 1.0 if self.dropout > 0 else 0.0
-        mlp = lambda width: (4.0 if self.activation == "swiglu" else 2.0) * width + 2.0 * width  # noqa: E731
+        mlp = lambda width: (4.0 if self.activation in GATED else 2.0) * width + 2.0 * width  # noqa: E731
         inside = mlp(f)
         if self.num_experts:  # a MoE layer keeps each token k times (its rows for the experts) plus the shared MLPs
             moe = self.moe_top_k * (2.0 * h + mlp(self.moe_ffn_hidden_size)) + self.moe_shared_experts * mlp(

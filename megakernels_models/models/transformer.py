@@ -107,6 +107,7 @@ class TransformerLayer(nn.Module):
             recompute=recompute == "selective",
             window=c.layer_window(layer_number),
             sinks=c.sinks,
+            **({"softmax_scale": c.softmax_scale} if c.softmax_scale is not None else {}),
             init_method=normal,
             output_init_method=scaled,
             seed=init.derive_seed(seed, f"{name}.attention"),
@@ -168,7 +169,7 @@ class TransformerLayer(nn.Module):
                 c.ffn_hidden_size,
                 sequence_parallel,
                 approximate="tanh" if c.activation == "gelu_tanh" else "none",
-                activation="swiglu" if c.activation == "swiglu" else "gelu",
+                activation=c.activation if c.activation in ("swiglu", "geglu") else "gelu",
                 bias=c.bias,
                 init_method=normal,
                 output_init_method=scaled,
@@ -177,8 +178,13 @@ class TransformerLayer(nn.Module):
                 dtype=dtype,
             )
         self.post_norm = c.norm_position == "post"
+        # Gemma's sandwich: the attention's and the MLP's outputs normalised before their residual sums
+        self.attention_output_norm = make_norm(c, device, dtype) if c.sandwich_norms else None
+        self.mlp_output_norm = make_norm(c, device, dtype) if c.sandwich_norms else None
         if sequence_parallel:
-            mark_sequence_parallel(self.input_norm, self.post_attention_norm)
+            mark_sequence_parallel(
+                self.input_norm, self.post_attention_norm, self.attention_output_norm, self.mlp_output_norm
+            )
 
     def _attention(self, x, attention_mask, positions, kv_cache):
         if self.rotary:
@@ -192,8 +198,10 @@ class TransformerLayer(nn.Module):
         if self.post_norm:  # the original BERT: normalise each residual sum (input_norm is then after attention)
             x = self.input_norm(x + drop(self._attention(x, attention_mask, positions, kv_cache)))
             return self.post_attention_norm(x + drop(self.mlp(x)))
-        x = x + drop(self._attention(self.input_norm(x), attention_mask, positions, kv_cache))
-        return x + drop(self.mlp(self.post_attention_norm(x)))
+        a = self._attention(self.input_norm(x), attention_mask, positions, kv_cache)
+        x = x + drop(a if self.attention_output_norm is None else self.attention_output_norm(a))
+        m = self.mlp(self.post_attention_norm(x))
+        return x + drop(m if self.mlp_output_norm is None else self.mlp_output_norm(m))
 
     def forward(
         self,
@@ -232,6 +240,7 @@ class LanguageModelEmbedding(nn.Module):
 
         c = config
         self.sequence_parallel, self.dropout_p = bool(sequence_parallel), c.dropout
+        self.multiplier = c.embedding_multiplier
         normal = init.init_method_normal(c.init_std)
         self.word = VocabParallelEmbedding(
             c.vocab_size,
@@ -272,6 +281,8 @@ class LanguageModelEmbedding(nn.Module):
     ) -> torch.Tensor:
         s = ids.shape[0]
         x = self.word(ids)
+        if self.multiplier is not None:  # rounded to the table's dtype first, as Gemma's checkpoints were trained
+            x = x * torch.tensor(self.multiplier, dtype=x.dtype, device=x.device)
         lo, hi = 0, s
         if self.sequence_parallel:
             lo, hi = self._tp_rank * s // self._tp, (self._tp_rank + 1) * s // self._tp

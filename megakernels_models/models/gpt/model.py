@@ -57,7 +57,8 @@ class GPTModel(LanguageModel):
         x = self.encode(ids, hidden, kv_cache=kv_cache, documents=documents)
         if not self.post_process:
             return x
-        if labels is not None and self.fused_linear_ce:
+        cap = self.config.logit_softcap
+        if labels is not None and self.fused_linear_ce and cap is None:
             return linear_cross_entropy(
                 x,
                 self.output_weight,
@@ -67,6 +68,8 @@ class GPTModel(LanguageModel):
                 sequence_parallel=self.sequence_parallel,
             )
         logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
+        if cap is not None:  # Gemma 2's tanh cap (unfused: the fused head has no cap)
+            logits = cap * torch.tanh(logits / cap)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size)
