@@ -25,19 +25,12 @@ from torch import nn
 from megakernels.nn.attention import DocumentMask, attention_core
 from megakernels.nn.norms import FusedRMSNorm
 from megakernels.ops.bias_gelu import bias_gelu
-from megakernels.ops.swiglu import swiglu
+from megakernels.ops.swiglu import geglu, swiglu
 from megakernels.parallel import init, state
 from megakernels.parallel.context import ring_attention
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear, linear_with_async_comm
 from megakernels.parallel.params import mark_fused, mark_sequence_parallel, mark_tensor_parallel
 from megakernels.parallel.random import checkpoint, get_rng_tracker
-
-
-def geglu(y: torch.Tensor) -> torch.Tensor:
-    """Gemma's gated tanh-GeLU ``gelu_tanh(gate) * up`` of the packed ``y = [gate | up]`` (last dim 2f -> f), in
-    ``y``'s dtype (as ``megakernels.ops.swiglu``'s contract; differentiable through autograd)."""
-    gate, up = y.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 def _sub_seed(seed: int | None, name: str) -> int | None:
