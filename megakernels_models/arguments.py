@@ -67,6 +67,21 @@ ROPE_FIELDS = (
     "rope_original_max_positions",
 )
 
+# Per-layer attention (gpt-oss, Gemma 3): each layer's type, the sliding layers' rotary base, learnable sinks.
+ATTENTION_FIELDS = ("layer_types", "local_rope_theta", "sinks")
+LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "full": "full_attention"}
+
+
+def layer_types_value(value):
+    """``--layer-types``: a comma-separated string (or a list, from a configuration file) of ``sliding`` / ``full``
+    (or transformers' ``sliding_attention`` / ``full_attention``), one a layer -> a tuple of transformers' names, or
+    None. ``ModelConfig`` checks the names and the count."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(LAYER_TYPE_NAMES.get(str(t).strip(), str(t).strip()) for t in items)
+
+
 # The flags only some families take (``FamilySpec.settings``): each is its family's config field of the same name.
 FAMILY_SETTINGS = {
     f.name: spec for spec in registry.families() if spec.settings for f in dataclasses.fields(spec.settings)
@@ -79,6 +94,7 @@ ARCHITECTURE_SETTINGS = (
     "rope_theta",
     *ROPE_FIELDS,
     "sliding_window",
+    *ATTENTION_FIELDS,
     "dropout",
     *MOE_FIELDS,
     *FAMILY_SETTINGS,
@@ -135,6 +151,22 @@ class _Settings:
         "position (default: the preset's)",
         MODEL,
         metavar="N",
+    )
+    layer_types: str | None = setting(
+        None,
+        "each layer's attention, comma-separated, one a layer: sliding (the --sliding-window) or full "
+        "(transformers' sliding_attention / full_attention also read) (default: the preset's)",
+        MODEL,
+        type=str,
+        metavar="TYPES",
+    )
+    local_rope_theta: float | None = setting(
+        None,
+        "the rotary base of the sliding layers (with --layer-types) (default: the preset's, else --rope-theta)",
+        MODEL,
+    )
+    sinks: bool | None = setting(
+        None, "a learnable sink logit per attention head in every softmax (gpt-oss) (default: the preset's)", MODEL
     )
     num_experts: int | None = setting(
         None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)", MOE
@@ -556,9 +588,11 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
         sizes = {k: getattr(self, k) for k in SIZES}
         if self.sliding_window:
             sizes["sliding_window"] = self.sliding_window
-        for name in ("rope_theta",) + ROPE_FIELDS + MOE_FIELDS + tuple(FAMILY_SETTINGS):
+        for name in ("rope_theta",) + ROPE_FIELDS + ATTENTION_FIELDS + MOE_FIELDS + tuple(FAMILY_SETTINGS):
             if getattr(self, name) is not None:
                 sizes[name] = getattr(self, name)
+        if self.layer_types is not None:
+            sizes["layer_types"] = layer_types_value(self.layer_types)
         if self.rope_scaling == "none":
             sizes["rope_scaling"] = None  # model_config removes the preset's
         drop = {} if self.dropout is None else {"dropout": self.dropout, "attention_dropout": self.dropout}

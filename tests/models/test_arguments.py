@@ -118,6 +118,26 @@ def test_the_families_switches_and_the_position_scaling_replace_the_presets():
         parse_train_args(["--preset", "llama3-8b", "--qk-norm"]).model_config()
 
 
+def test_per_layer_attention_and_gemmas_flags_reach_the_model():
+    """--layer-types (short or transformers' names), --local-rope-theta, --sinks and Gemma's own flags replace the
+    preset's fields; a wrong count or name is refused naming the rule; Gemma's flags are Gemma's only."""
+    flags = ["--model", "llama", "--num-layers", "4", "--sliding-window", "5", "--local-rope-theta", "100"]
+    cfg = validate(parse_train_args(flags + ["--layer-types", "sliding,sliding_attention,sliding,full", "--sinks"]))
+    assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
+    assert (cfg.local_rope_theta, cfg.sinks, cfg.sliding_window) == (100.0, True, 5)
+    gemma = validate(
+        parse_train_args(["--model", "gemma", "--query-pre-attn-scalar", "6", "--final-logit-softcapping", "3"])
+    )
+    assert (gemma.softmax_scale, gemma.logit_softcap) == (6.0**-0.5, 3.0)
+    assert validate(parse_train_args(["--model", "gemma"])).logit_softcap is None
+    with pytest.raises((ArgumentError, ValueError), match="layer_types has 2 entries"):
+        validate(parse_train_args(flags + ["--layer-types", "sliding,full"]))
+    with pytest.raises((ArgumentError, ValueError), match="layer_types entries must be one of"):
+        validate(parse_train_args(flags + ["--layer-types", "sliding,local,full,full"]))
+    with pytest.raises(ArgumentError, match="--final-logit-softcapping is for"):
+        validate(parse_train_args(["--model", "llama", "--final-logit-softcapping", "3"]))
+
+
 def test_the_default_is_the_embedded_tiny_gpt():
     args = parse_train_args([])
     assert args == TrainArgs()

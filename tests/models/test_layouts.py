@@ -81,6 +81,7 @@ MODELS = (
     "llama-fp8",
     "gpt-moe-fp8",
     "llama-moe-fp8",
+    "gemma",
 )
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
@@ -90,6 +91,13 @@ MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_aux_loss_coef
 # (LLaVA); and with gated cross-attention after every second layer of the Llama and the contrastive loss (Flamingo).
 FP8_TENSORWISE = dict(precision="fp8", fp8_base_precision="fp32", fp8_recipe="tensorwise")
 FP8_BLOCKWISE = dict(precision="fp8", fp8_base_precision="fp32", fp8_recipe="blockwise")
+GEMMA = dict(
+    layer_types=("sliding_attention",) * 3 + ("full_attention",),
+    sliding_window=5,
+    local_rope_theta=100.0,
+    query_pre_attn_scalar=6.0,
+    final_logit_softcapping=3.0,
+)
 VLM = dict(image_size=16, patch_size=8, vision_layers=1, vision_hidden_size=16, vision_heads=2)
 FAMILY = {
     "gpt": ("gpt", {}),
@@ -114,6 +122,9 @@ FAMILY = {
     "llama-fp8": ("llama", {**LLAMA, **FP8_BLOCKWISE}),
     "gpt-moe-fp8": ("gpt", {**MOE, **FP8_TENSORWISE}),
     "llama-moe-fp8": ("llama", {**LLAMA, **MOE, **FP8_BLOCKWISE}),
+    # Gemma 3: three sliding layers (5 of 16 positions) and a full one, each with its rotary base, q/k norms,
+    # sandwich norms, the sqrt(hidden) embedding scale, GeGLU, tied output, its attention scale and a logit cap
+    "gemma": ("gemma", {**LLAMA, **GEMMA}),
 }
 FP8_MODELS = ("gpt-fp8", "llama-fp8", "gpt-moe-fp8", "llama-moe-fp8")
 # An fp32 sum in another order can move an element across an FP8 rounding boundary (an error of one FP8 ulp in one
@@ -192,7 +203,7 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe") + PACKED + FP8_MODELS,
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma") + PACKED + FP8_MODELS,
     "tp2-sp": DENSE + ("gpt-fp8", "llama-fp8"),
     "tp2-pp2-ep2": ("gpt-moe-fp8", "llama-moe-fp8"),
     "pp2-vpp2-dp2": ("gpt", "bert"),
@@ -210,7 +221,7 @@ ONLY = {
     "ep2-dp4-zero1": ("gpt-moe",),
     "cp2-ep2": ("llama-moe",),
     "tp2": DENSE + ("llama-swa", "vlm-x"),
-    "cp2": ("gpt", "llama", "llama-swa") + PACKED,
+    "cp2": ("gpt", "llama", "llama-swa", "gemma") + PACKED,
     "tp2-cp2-sp": ("gpt", "llama", "llama-swa"),
     "torch-attention": ("llama-swa",),
     "pp2": DENSE + VISION,

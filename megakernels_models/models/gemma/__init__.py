@@ -20,6 +20,7 @@ import math
 from megakernels_models.models.config import ModelConfig, sized
 from megakernels_models.models.registry import FamilySpec, register
 from megakernels_models.models.tasks import CausalLMTask
+from megakernels_models.settings import setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,18 @@ class GemmaConfig(ModelConfig):
     @property
     def logit_softcap(self) -> float | None:
         return self.final_logit_softcapping
+
+
+@dataclasses.dataclass
+class GemmaSettings:
+    """``megakernels train``'s flags for this family (each replaces the preset's field of the same name)."""
+
+    query_pre_attn_scalar: float | None = setting(
+        None, "the attention scores are scaled by this ** -0.5 (default: the preset's, else the head dim)", "Gemma"
+    )
+    final_logit_softcapping: float | None = setting(
+        None, "c of the cap c * tanh(logits / c) on the output logits (default: the preset's, none)", "Gemma"
+    )
 
 
 def pattern(num_layers: int, every: int = 6) -> tuple[str, ...]:
@@ -113,4 +126,6 @@ def _hf(config):
     return gemma3
 
 
-SPEC = register(FamilySpec("gemma", "Gemma", GemmaConfig, _model, CausalLMTask, "tokens", PRESETS, hf=_hf))
+SPEC = register(
+    FamilySpec("gemma", "Gemma", GemmaConfig, _model, CausalLMTask, "tokens", PRESETS, hf=_hf, settings=GemmaSettings)
+)
