@@ -84,7 +84,10 @@ from megakernels_models.cli import parse_train_args
         (["--cp", "2", "--nproc", "3"], r"world size 3 .* is not divisible by --tp × --cp × --pp = 1 × 2 × 1 = 2"),
         (["--steps", "0"], r"--steps must be a positive int, got 0"),
         (["--data", "x"], r"--data x: cannot read x\.bin"),
-        (["--model", "bert", "--document-masking"], r"--document-masking is for causal language models \(GPT, "),
+        (
+            ["--model", "bert", "--document-masking"],
+            r"--document-masking is for causal language models \(.*GPT.*\), not --model bert",
+        ),
         (["--sft"], r"--sft needs --data PREFIX, made by 'megakernels preprocess --chat FILE.jsonl'"),
         (["--no-sft-packing"], r"--no-sft-packing is for --sft"),
         (["--sft", "--document-masking", "--data", "x"], r"--sft keeps each conversation's positions and attention"),
