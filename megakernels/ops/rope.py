@@ -169,21 +169,35 @@ def rope_cos_sin_table(
 ) -> torch.Tensor:
     """The contract's ``cos_sin`` table: fp32 ``[max_positions, head_dim/2, 2]``, (cos, sin) of the fp32 angle
     ``float(pos) * inv_freq[i]`` (``rope_inv_freq``: ``theta^(-2i/d)``, scaled by ``scaling``), evaluated in fp64
-    and rounded once. A scaled model's rotary embedding reads its angles from this table: the scaled inverse
-    frequencies are the kernel's input through it."""
-    angle = _angles(torch.arange(max_positions, device=device), head_dim, theta, scaling)
-    return torch.stack([angle.double().cos(), angle.double().sin()], -1).float()
+    and rounded once; with YaRN scaling both multiplied by ``scaling.attention_factor`` (in fp64, before the
+    rounding). A scaled model's rotary embedding reads its angles from this table: the scaled inverse frequencies
+    and YaRN's factor are the kernel's input through it."""
+    angle = _angles(torch.arange(max_positions, device=device), head_dim, theta, scaling).double()
+    gain = 1.0 if scaling is None else scaling.attention_factor
+    return (torch.stack([angle.cos(), angle.sin()], -1) * gain).float()
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Position scaling of the rotary frequencies (long-context Llama models).
+    """Position scaling of the rotary frequencies (long-context models).
 
     Attributes:
-        kind: ``"linear"`` (every frequency divided by ``factor``: position interpolation) or ``"llama3"``
+        kind: ``"linear"`` (every frequency divided by ``factor``: position interpolation), ``"llama3"``
             (Llama 3.1's: wavelengths shorter than ``original_max_positions / high_freq_factor`` kept, longer than
-            ``original_max_positions / low_freq_factor`` divided by ``factor``, a linear blend of the two between).
+            ``original_max_positions / low_freq_factor`` divided by ``factor``, a linear blend of the two between)
+            or ``"yarn"`` (YaRN, Peng et al. 2023, as gpt-oss and DeepSeek-V3 use it: the pairs that turn more than
+            ``beta_fast`` times over ``original_max_positions`` kept, fewer than ``beta_slow`` times divided by
+            ``factor``, a ramp linear in the pair index between; cos and sin multiplied by ``attention_factor``).
         factor, low_freq_factor, high_freq_factor, original_max_positions: as above (Llama 3.1: 8, 1, 4, 8192).
+        beta_fast, beta_slow: YaRN's rotation counts bounding the ramp (32 and 1; ``beta_fast > beta_slow > 0``).
+        mscale, mscale_all_dim: DeepSeek's form of YaRN's attention factor: with both set, ``attention_factor`` is
+            ``(0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1)``; otherwise
+            ``0.1 ln(factor) + 1``. None, or a finite number > 0.
+        truncate: round YaRN's ramp bounds out to whole pair indices (the paper's; gpt-oss sets False).
+
+    Raises:
+        ValueError: an unknown kind, ``factor < 1``, or a kind's parameters outside the rules above, named.
+        TypeError: a non-bool ``truncate``.
     """
 
     kind: str
@@ -191,8 +205,13 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
-    KINDS = ("linear", "llama3")
+    KINDS = ("linear", "llama3", "yarn")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
@@ -206,11 +225,50 @@ class RopeScaling:
                 "RopeScaling: llama3 needs 0 < low_freq_factor < high_freq_factor and original_max_positions >= 1, "
                 f"got {self.low_freq_factor}, {self.high_freq_factor}, {self.original_max_positions}"
             )
+        if self.kind == "yarn":
+            self._check_yarn()
 
-    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """The scaled inverse frequencies (fp64 in, fp64 out)."""
+    def _check_yarn(self):
+        if not math.isfinite(self.factor):
+            raise ValueError(f"RopeScaling: yarn needs a finite factor, got {self.factor}")
+        if isinstance(self.original_max_positions, bool) or not isinstance(self.original_max_positions, int):
+            raise TypeError(f"RopeScaling: original_max_positions must be an int, got {self.original_max_positions!r}")
+        if self.original_max_positions < 1:
+            raise ValueError(f"RopeScaling: original_max_positions must be >= 1, got {self.original_max_positions}")
+        if not (0 < self.beta_slow < self.beta_fast < math.inf):
+            raise ValueError(
+                f"RopeScaling: yarn needs 0 < beta_slow < beta_fast (finite), got beta_fast={self.beta_fast}, "
+                f"beta_slow={self.beta_slow}"
+            )
+        for name in ("mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"RopeScaling: {name} must be None or a finite number > 0, got {value!r}")
+        if not isinstance(self.truncate, bool):
+            raise TypeError(f"RopeScaling: truncate must be a bool, got {self.truncate!r}")
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor multiplying the rotary cos and sin: YaRN's (see the class); 1.0 for the other kinds."""
+        if self.kind != "yarn":
+            return 1.0
+
+        def mscale(m: float) -> float:
+            return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+        if self.mscale is not None and self.mscale_all_dim is not None:
+            return mscale(self.mscale) / mscale(self.mscale_all_dim)
+        return mscale(1.0)
+
+    def apply(self, inv_freq: torch.Tensor, theta: float | None = None) -> torch.Tensor:
+        """The scaled inverse frequencies (fp64 ``[d/2]`` in, fp64 out); ``theta``, the rotary base, is needed by
+        ``yarn`` (its ramp is placed by pair index). Raises ValueError for ``yarn`` without ``theta``."""
         if self.kind == "linear":
             return inv_freq / self.factor
+        if self.kind == "yarn":
+            if theta is None:
+                raise ValueError("RopeScaling.apply: yarn needs theta, the rotary base")
+            return self._yarn(inv_freq, float(theta))
         wavelength = 2.0 * math.pi / inv_freq
         short = self.original_max_positions / self.high_freq_factor  # shorter wavelengths are kept
         long = self.original_max_positions / self.low_freq_factor  # longer ones are divided by the factor
@@ -220,12 +278,32 @@ class RopeScaling:
         mixed = (1.0 - blend) * inv_freq / self.factor + blend * inv_freq
         return torch.where(wavelength < short, inv_freq, torch.where(wavelength > long, inv_freq / self.factor, mixed))
 
+    def _yarn(self, inv_freq: torch.Tensor, theta: float) -> torch.Tensor:
+        d = 2 * inv_freq.shape[-1]
+
+        def pair_index(rotations: float) -> float:
+            # The (fractional) pair index whose frequency turns `rotations` times over the original context.
+            return d * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = pair_index(self.beta_fast), pair_index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        # The bounds are clamped to [0, d - 1] (not d/2 - 1), and a zero-width ramp widened, as the YaRN reference
+        # code does: the ramp then matches checkpoints' published frequencies exactly.
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        i = torch.arange(d // 2, dtype=inv_freq.dtype, device=inv_freq.device)
+        keep = 1.0 - ((i - low) / (high - low)).clamp(0.0, 1.0)  # 1: pair kept, 0: divided by the factor
+        return inv_freq / self.factor * (1.0 - keep) + inv_freq * keep
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
-    """fp32 ``[head_dim/2]``: ``theta^(-2i/d)`` computed in fp64, scaled by ``scaling`` (fp64), rounded once."""
+    """fp32 ``[head_dim/2]``: ``theta^(-2i/d)`` computed in fp64, scaled by ``scaling`` (fp64), rounded once.
+    YaRN's ``scaling.attention_factor`` is not part of the frequencies: :func:`rope_cos_sin_table` applies it."""
     i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
     inv_freq = torch.exp2(-(2.0 * i / head_dim) * math.log2(theta))
-    return (inv_freq if scaling is None else scaling.apply(inv_freq)).float()
+    return (inv_freq if scaling is None else scaling.apply(inv_freq, theta)).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
