@@ -21,6 +21,7 @@ this is the paper's ``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token (``96 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from megakernels.validation import positive_int
 from megakernels_models.models.registry import DEFAULT, PRESETS, family
@@ -31,6 +32,20 @@ POSITIONS = ("learned", "rope")
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu", "geglu")
 GATED = ("swiglu", "geglu")  # the gated MLPs: act(x W_gate) * (x W_up)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of a layer's attention
+# ``megakernels.ops.RopeScaling``'s fields and the ModelConfig fields they come from (its errors are reworded so).
+_ROPE_FIELDS = {
+    "kind": "rope_scaling",
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_positions": "rope_original_max_positions",
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "mscale": "rope_mscale",
+    "mscale_all_dim": "rope_mscale_all_dim",
+    "truncate": "rope_truncate",
+}
+_ROPE_FIELD = re.compile(r"\b(" + "|".join(_ROPE_FIELDS) + r")\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +99,10 @@ class ModelConfig:
             those below ``.. / rope_high_freq_factor`` kept, a blend between; ``megakernels.ops.RopeScaling``).
         rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions: its
             parameters (Llama 3.1: 8, 1, 4, 8192; Llama 3.2: 32, 1, 4, 8192).
+            ``rope_scaling="yarn"`` (YaRN: gpt-oss, DeepSeek-V3) takes ``rope_scaling_factor`` and
+            ``rope_original_max_positions`` with ``rope_beta_fast``, ``rope_beta_slow`` (32, 1), ``rope_mscale``,
+            ``rope_mscale_all_dim`` (None: the attention factor is ``0.1 ln(factor) + 1``) and ``rope_truncate``
+            (True; gpt-oss: False), each as ``megakernels.ops.RopeScaling``'s field without the prefix.
         activation: the MLP: ``"gelu_tanh"`` (GPT-2/Megatron), ``"gelu"`` (erf, BERT), ``"swiglu"``
             (``silu(x W_gate) * (x W_up)``, Llama) or ``"geglu"`` (``gelu_tanh(x W_gate) * (x W_up)``, Gemma).
         bias: biases in the linear layers.
@@ -125,6 +144,11 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_truncate: bool = True
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
@@ -213,8 +237,10 @@ class ModelConfig:
                 raise ValueError("ModelConfig: rope_scaling needs rotary positions (position_embedding='rope')")
             try:
                 self.rope_scaling_spec()
-            except ValueError as e:
-                raise ValueError(f"ModelConfig: {e}") from None
+            except (TypeError, ValueError) as e:
+                # RopeScaling names its own fields: name this config's instead.
+                message = _ROPE_FIELD.sub(lambda m: _ROPE_FIELDS[m[0]], str(e).removeprefix("RopeScaling: "))
+                raise type(e)(f"ModelConfig: {message}") from None
         if self.sliding_window is not None:
             positive_int(self.sliding_window, "sliding_window", where="ModelConfig")
         self._check_layer_types()
@@ -360,6 +386,11 @@ class ModelConfig:
             self.rope_low_freq_factor,
             self.rope_high_freq_factor,
             self.rope_original_max_positions,
+            beta_fast=self.rope_beta_fast,
+            beta_slow=self.rope_beta_slow,
+            mscale=self.rope_mscale,
+            mscale_all_dim=self.rope_mscale_all_dim,
+            truncate=self.rope_truncate,
         )
 
     @property
