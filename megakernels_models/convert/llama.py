@@ -9,7 +9,8 @@ and key rows permuted so that both layouts compute the same attention: row ``2i`
 row ``2i+1`` its row ``i + d/2``.
 
 Rotary position scaling: ``llama3`` (Llama 3.1+) and ``linear`` map to ``ModelConfig.rope_scaling``; other kinds
-(``dynamic``, ``yarn``, ``longrope``) are refused by name.
+(``dynamic``, ``yarn``, ``longrope``) are refused by name. A megakernels model with ``yarn`` scaling exports with
+its YaRN parameters (transformers' Llama applies them as megakernels does).
 
 Refused, naming the setting: an activation other than SiLU, biases on only some projections. A ``head_dim`` other
 than ``hidden_size / num_attention_heads`` maps to ``ModelConfig.head_dim``.
@@ -211,7 +212,8 @@ def rope_scaling_to_ours(scaling: dict | None) -> dict:
 
 
 def rope_scaling_to_theirs(cfg: ModelConfig) -> dict | None:
-    """The HuggingFace ``rope_scaling`` of a megakernels configuration, or None."""
+    """The HuggingFace ``rope_scaling`` of a megakernels configuration (``linear``, ``llama3`` or ``yarn``), or
+    None."""
     if cfg.rope_scaling is None:
         return None
     out = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor}
@@ -221,6 +223,15 @@ def rope_scaling_to_theirs(cfg: ModelConfig) -> dict | None:
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_positions,
         )
+    if cfg.rope_scaling == "yarn":
+        out.update(
+            original_max_position_embeddings=cfg.rope_original_max_positions,
+            beta_fast=cfg.rope_beta_fast,
+            beta_slow=cfg.rope_beta_slow,
+            truncate=cfg.rope_truncate,
+        )
+        if cfg.rope_mscale is not None and cfg.rope_mscale_all_dim is not None:
+            out.update(mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
     return out
 
 

@@ -340,3 +340,28 @@ def test_mistral_with_its_sliding_window_converts_both_ways(single_world, tmp_pa
     assert back.config.sliding_window == 8
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_yarn_scaled_llama_exports_with_transformers_logits(single_world, tmp_path):
+    """A megakernels Llama with YaRN scaling (its own frequencies and the attention factor on cos/sin) computes
+    transformers' logits for the same weights under the exported configuration; the mscale ratio and an original
+    context shorter than the sequence put every pair regime and a factor other than 1 in play."""
+    from megakernels_models.convert import llama
+    from megakernels_models.models.llama.model import LlamaModel
+
+    _hf_llama(tmp_path / "hf")
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
+    yarn = dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=8, rope_truncate=False)
+    plain = convert.ModelConfig.from_dict(meta["config"])
+    cfg = plain.replace(**yarn, rope_mscale=1.0, rope_mscale_all_dim=0.5)
+    model = LlamaModel(cfg, seed=0).eval()  # the rotary embedding has no weights: the checkpoint's load as they are
+    checkpoint.load(checkpoint.read_latest(str(tmp_path / "mk")), [model], None, plain)
+    theirs = transformers.LlamaConfig(**llama.config_to_theirs(cfg))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", config=theirs).eval()
+    assert hf.model.rotary_emb.attention_scaling == pytest.approx(cfg.rope_scaling_spec().attention_factor)
+    assert hf.model.rotary_emb.attention_scaling != pytest.approx(1.0)
+    ids = torch.randint(0, V, (2, S))
+    with torch.no_grad():
+        ours = model(ids).transpose(0, 1)[..., : cfg.vocab_size]
+        torch.testing.assert_close(ours, hf(ids).logits, rtol=1e-4, atol=1e-4)
