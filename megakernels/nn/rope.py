@@ -2,10 +2,11 @@
 
 No parameters and no table in memory by default: the kernel computes each token's angles from its position. With
 ``max_positions`` the module keeps the contract's fp32 cos/sin table as a (non-persistent) buffer and the kernel
-reads it instead. With position ``scaling`` (``megakernels.ops.RopeScaling``: Llama 3.1's, or linear interpolation)
-the angles always come from such a table, built from the scaled inverse frequencies; it covers ``max_positions``
-(default 4096) and is rebuilt larger when a call without explicit positions reaches past it, or when ``cover``
-is told of a later position (a model decoding with a KV cache passes explicit positions and calls it).
+reads it instead. With position ``scaling`` (``megakernels.ops.RopeScaling``: Llama 3.1's, linear interpolation
+or YaRN) the angles always come from such a table, built from the scaled inverse frequencies (and, for YaRN, its
+cos and sin multiplied by the attention factor); it covers ``max_positions`` (default 4096) and is rebuilt larger
+when a call without explicit positions reaches past it, or when ``cover`` is told of a later position (a model
+decoding with a KV cache passes explicit positions and calls it).
 """
 
 from __future__ import annotations
