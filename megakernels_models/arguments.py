@@ -65,6 +65,11 @@ ROPE_FIELDS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_positions",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+    "rope_truncate",
 )
 
 # Per-layer attention (gpt-oss, Gemma 3): each layer's type, the sliding layers' rotary base, learnable sinks.
@@ -130,10 +135,11 @@ class _Settings:
     rope_theta: float | None = setting(None, "rotary embedding base (default: the preset's)", MODEL)
     rope_scaling: str | None = setting(
         None,
-        "rotary position scaling for contexts past the trained one: linear (every frequency / factor) or llama3 "
-        "(Llama 3.1+: low frequencies / factor, high ones kept, a blend between); none: off (default: the preset's)",
+        "rotary position scaling for contexts past the trained one: linear (every frequency / factor), llama3 "
+        "(Llama 3.1+: low frequencies / factor, high ones kept, a blend between) or yarn (NTK-by-parts between the "
+        "beta corrections, cos/sin scaled by its attention factor); none: off (default: the preset's)",
         MODEL,
-        choices=("linear", "llama3", "none"),
+        choices=("linear", "llama3", "yarn", "none"),
     )
     rope_scaling_factor: float | None = setting(None, "the position scaling's factor (default: the preset's)", MODEL)
     rope_low_freq_factor: float | None = setting(
@@ -144,6 +150,17 @@ class _Settings:
     )
     rope_original_max_positions: int | None = setting(
         None, "llama3 scaling: the context the model was trained at (default: the preset's, 8192)", MODEL
+    )
+    rope_beta_fast: float | None = setting(None, "yarn scaling: the fast correction (default: the preset's, 32)", MODEL)
+    rope_beta_slow: float | None = setting(None, "yarn scaling: the slow correction (default: the preset's, 1)", MODEL)
+    rope_mscale: float | None = setting(
+        None, "yarn scaling: DeepSeek's mscale (with --rope-mscale-all-dim) (default: the preset's, none)", MODEL
+    )
+    rope_mscale_all_dim: float | None = setting(
+        None, "yarn scaling: DeepSeek's mscale_all_dim (default: the preset's, none)", MODEL
+    )
+    rope_truncate: bool | None = setting(
+        None, "yarn scaling: round the correction range to whole dims (default: the preset's, yes)", MODEL
     )
     sliding_window: int | None = setting(
         None,

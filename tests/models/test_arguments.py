@@ -141,6 +141,22 @@ def test_per_layer_attention_and_gemmas_flags_reach_the_model():
         validate(parse_train_args(["--model", "llama", "--final-logit-softcapping", "3"]))
 
 
+def test_the_yarn_flags_reach_the_model():
+    """--rope-scaling yarn with its corrections, mscale pair and --no-rope-truncate set the config's fields; the
+    attention factor follows them (0.1 ln(factor) + 1 without the mscale pair)."""
+    import math
+
+    flags = ["--model", "llama", "--rope-scaling", "yarn", "--rope-scaling-factor", "32"]
+    cfg = validate(parse_train_args(flags + ["--rope-original-max-positions", "64", "--rope-beta-fast", "16"]))
+    assert (cfg.rope_scaling, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate) == ("yarn", 16.0, 1.0, True)
+    assert cfg.rope_scaling_spec().attention_factor == pytest.approx(0.1 * math.log(32) + 1)
+    ds = validate(parse_train_args(flags + ["--rope-mscale", "1", "--rope-mscale-all-dim", "1", "--no-rope-truncate"]))
+    assert (ds.rope_mscale, ds.rope_mscale_all_dim, ds.rope_truncate) == (1.0, 1.0, False)
+    assert ds.rope_scaling_spec().attention_factor == pytest.approx(1.0)
+    with pytest.raises((ArgumentError, ValueError), match="rope_beta_slow"):
+        validate(parse_train_args(flags + ["--rope-beta-slow", "-1"]))
+
+
 def test_the_default_is_the_embedded_tiny_gpt():
     args = parse_train_args([])
     assert args == TrainArgs()
@@ -327,7 +343,7 @@ def test_plan_with_offload_prints_the_flag_and_needs_less_memory():
         ["train", "--steps", "x"],
         ["train", "--precision", "fp7"],
         ["trian"],
-        ["train", "--model", "llama", "--rope-scaling", "yarn"],  # HF's dynamic and yarn are not ours
+        ["train", "--model", "llama", "--rope-scaling", "dynamic"],  # HF's dynamic NTK scaling is not ours
     ],
 )
 def test_a_flag_mistake_is_one_line(argv, capsys):
