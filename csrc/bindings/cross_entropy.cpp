@@ -1,5 +1,7 @@
 // Cross-entropy CPU bindings: the per-row statistics of the forward and the gradient of the backward
 // (megakernels/ops/cross_entropy.py checks the arguments and holds the autograd and the CUDA path, which is Triton).
+#include <cmath>
+
 #include "../cross_entropy/cross_entropy.h"
 #include "common.h"
 
@@ -18,10 +20,11 @@ void check_rows(const char* op, const at::Tensor& logits, const at::Tensor& targ
                     logits.size(1), "]");
 }
 
-at::Tensor ce_stats_cpu(const at::Tensor& logits_in, const at::Tensor& target_in, int64_t vocab_start,
-                        int64_t n_valid) {
+at::Tensor ce_stats_cpu(const at::Tensor& logits_in, const at::Tensor& target_in, int64_t vocab_start, int64_t n_valid,
+                        double softcap) {
   const char* op = "cross_entropy";
   check_rows(op, logits_in, target_in, n_valid);
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be finite and >= 0, got ", softcap);
   const at::Tensor logits = logits_in.contiguous(), target = target_in.contiguous();
   at::Tensor stats = at::empty({logits.size(0), 4}, logits.options().dtype(at::kFloat));
   cross_entropy::StatsArgs a{};
@@ -32,6 +35,7 @@ at::Tensor ce_stats_cpu(const at::Tensor& logits_in, const at::Tensor& target_in
   a.cols = logits.size(1);
   a.n_valid = n_valid;
   a.vocab_start = vocab_start;
+  a.softcap = static_cast<float>(softcap);
   a.dtype = to_dtype(logits.scalar_type());
   at::parallel_for(0, a.rows, row_grain(std::max<int64_t>(1, n_valid)),
                    [&](int64_t b, int64_t e) { MK_CPU(cross_entropy_stats_rows)(a, b, e); });
@@ -41,12 +45,13 @@ at::Tensor ce_stats_cpu(const at::Tensor& logits_in, const at::Tensor& target_in
 // Writes the gradient into `out` ([rows, vocab] like logits, contiguous; may be logits itself).
 void ce_grad_cpu(const at::Tensor& logits, const at::Tensor& target_in, const at::Tensor& lse_in,
                  const at::Tensor& dloss_in, int64_t vocab_start, int64_t n_valid, int64_t ignore_index,
-                 double smooth_target, double smooth_other, const at::Tensor& out) {
+                 double smooth_target, double smooth_other, double softcap, const at::Tensor& out) {
   const char* op = "cross_entropy_backward";
   check_rows(op, logits, target_in, n_valid);
   TORCH_CHECK_VALUE(logits.is_contiguous() && out.is_contiguous() && out.sizes() == logits.sizes() &&
                         out.scalar_type() == logits.scalar_type(),
                     op, ": logits and out must be contiguous and alike");
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be finite and >= 0, got ", softcap);
   const at::Tensor target = target_in.contiguous(), lse = lse_in.contiguous().to(at::kFloat),
                    dloss = dloss_in.contiguous().to(at::kFloat);
   TORCH_CHECK_VALUE(lse.numel() == logits.size(0) && dloss.numel() == logits.size(0), op,
@@ -64,6 +69,7 @@ void ce_grad_cpu(const at::Tensor& logits, const at::Tensor& target_in, const at
   a.ignore_index = ignore_index;
   a.smooth_target = static_cast<float>(smooth_target);
   a.smooth_other = static_cast<float>(smooth_other);
+  a.softcap = static_cast<float>(softcap);
   a.dtype = to_dtype(logits.scalar_type());
   at::parallel_for(0, a.rows, row_grain(a.cols),
                    [&](int64_t b, int64_t e) { MK_CPU(cross_entropy_grad_rows)(a, b, e); });
@@ -74,10 +80,10 @@ void ce_grad_cpu(const at::Tensor& logits, const at::Tensor& target_in, const at
 }  // namespace megakernels
 
 TORCH_LIBRARY_FRAGMENT(megakernels, m) {
-  m.def("ce_stats_cpu(Tensor logits, Tensor target, int vocab_start, int n_valid) -> Tensor");
+  m.def("ce_stats_cpu(Tensor logits, Tensor target, int vocab_start, int n_valid, float softcap=0.0) -> Tensor");
   m.def(
       "ce_grad_cpu(Tensor logits, Tensor target, Tensor lse, Tensor dloss, int vocab_start, int n_valid, "
-      "int ignore_index, float smooth_target, float smooth_other, Tensor(a!) out) -> ()");
+      "int ignore_index, float smooth_target, float smooth_other, float softcap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {

@@ -8,6 +8,8 @@
 //   columns, in fp32, a NaN anywhere in the row making s and total NaN.
 //   grad[r, j] = scale_r * (exp(x_j - lse_r) - smooth_other - smooth_target [j == t - vocab_start]) for real j,
 //   0 on padding; scale_r = dloss_r, or 0 when t == ignore_index. out may be the logits themselves (in place).
+// With softcap = c > 0 every x_j above is first capped to y_j = c tanh(x_j / c) (Gemma's final-logit soft cap), and
+// the gradient with respect to the raw logit carries the cap's derivative: grad[r, j] *= 1 - (y_j / c)^2.
 #pragma once
 #include <cstdint>
 
@@ -21,7 +23,8 @@ struct StatsArgs {
   const int64_t* target;  // [rows]
   float* stats;           // [rows, 4]
   int64_t rows, cols, n_valid, vocab_start;
-  DType dtype;  // F32, BF16 or F16
+  float softcap;  // 0: none
+  DType dtype;    // F32, BF16 or F16
 };
 
 struct GradArgs {
@@ -32,6 +35,7 @@ struct GradArgs {
   void* out;              // [rows, cols]; may alias logits
   int64_t rows, cols, n_valid, vocab_start, ignore_index;
   float smooth_target, smooth_other;
+  float softcap;  // 0: none
   DType dtype;
 };
 

@@ -24,10 +24,16 @@ using cross_entropy::StatsArgs;
 // exp(d) for d = x - max <= 0 (or NaN, which stays NaN); exactly 0 below the clamp of mk_exp.
 inline float ce_exp(float d) { return d < -87.0f ? 0.0f : mk_exp(d); }
 
+// tanh(z) as 1 - 2 / (exp(2z) + 1) with the polynomial exp (vectorises; exactly +-1 where exp saturates). Its
+// absolute error is ~1e-7, so a capped logit c tanh(x / c) is within an ulp or two of the libm value.
+inline float cap_tanh(float z) { return 1.0f - 2.0f / (mk_exp(2.0f * z) + 1.0f); }
+
 template <typename T>
 void stats_rows(const StatsArgs& a, int64_t r0, int64_t r1) {
   const int64_t n = a.n_valid, cols = a.cols;
-  std::vector<float> buf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(n));
+  const float cap = a.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  // 16-bit rows are converted into the scratch row; capped rows are written there (fp32 ones too)
+  std::vector<float> buf(std::is_same_v<T, float> && cap == 0.0f ? 0 : static_cast<size_t>(n));
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = r0; r < r1; ++r) {
     float* st = a.stats + 4 * r;
@@ -36,6 +42,12 @@ void stats_rows(const StatsArgs& a, int64_t r0, int64_t r1) {
       continue;
     }
     const float* x = row_view(static_cast<const T*>(a.logits) + r * cols, buf.data(), n);
+    if (cap > 0.0f) {
+      float* y = buf.data();
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) y[j] = cap * cap_tanh(x[j] * inv_cap);
+      x = y;
+    }
     float m = lane_max<float>(n, ninf, [x](int64_t j) { return x[j]; });
     const float total = lane_sum<float>(n, [x](int64_t j) { return x[j]; });
     const float shift = m == ninf ? 0.0f : m;
@@ -58,11 +70,25 @@ void grad_rows(const GradArgs& a, int64_t r0, int64_t r1) {
     const float* x = row_view(static_cast<const T*>(a.logits) + r * cols, buf.data(), n);
     float* g = out_view(out, buf.data());  // fp32: the output row itself (x's row when in place); 16-bit: scratch
     const float scale = a.target[r] == a.ignore_index ? 0.0f : a.dloss[r];
-    const float lse = a.lse[r], other = a.smooth_other;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) g[j] = scale * (ce_exp(x[j] - lse) - other);
+    const float lse = a.lse[r], other = a.smooth_other, cap = a.softcap;
     const int64_t t = a.target[r] - a.vocab_start;
-    if (t >= 0 && t < n) g[t] -= scale * a.smooth_target;
+    const bool in_shard = t >= 0 && t < n;
+    const float x_t = in_shard ? x[t] : 0.0f;  // read before the loop overwrites it (in place)
+    float d_t = 1.0f;                          // the cap's derivative at the target
+    if (cap > 0.0f) {
+      const float inv_cap = 1.0f / cap;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float th = cap_tanh(x[j] * inv_cap);
+        g[j] = scale * (ce_exp(cap * th - lse) - other) * (1.0f - th * th);
+      }
+      const float th_t = cap_tanh(x_t * inv_cap);
+      d_t = 1.0f - th_t * th_t;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) g[j] = scale * (ce_exp(x[j] - lse) - other);
+    }
+    if (in_shard) g[t] -= scale * a.smooth_target * d_t;
     finish_out(g, out, n);
     for (int64_t j = n; j < cols; ++j) out[j] = from_float<T>(0.0f);
   }

@@ -34,52 +34,58 @@ from megakernels.ops import _checks
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _stats_cpu(logits, target, vocab_start: int, n_valid: int) -> torch.Tensor:
+def _stats_cpu(logits, target, vocab_start: int, n_valid: int, softcap: float) -> torch.Tensor:
     """(max, sum of exp, target logit, row sum) per row: the C++ kernel (csrc/cross_entropy), one pass per row."""
-    return torch.ops.megakernels.ce_stats_cpu(logits.contiguous(), target.long(), vocab_start, n_valid)
+    return torch.ops.megakernels.ce_stats_cpu(logits.contiguous(), target.long(), vocab_start, n_valid, softcap)
 
 
-def _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out):
+def _grad_cpu(
+    logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, softcap, out
+):
     """The gradient into ``out`` (the C++ kernel; rows with a stride of their own go through a contiguous copy)."""
     x = logits.contiguous()
     direct = out.is_contiguous() and (x is logits or out.data_ptr() != logits.data_ptr())
     dst = out if direct else torch.empty_like(x)
     torch.ops.megakernels.ce_grad_cpu(
-        x, target.long(), lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, dst
+        x, target.long(), lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, softcap, dst
     )
     return out if direct else out.copy_(dst)
 
 
-def stats_rows(logits, target, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
-    """``[N, 4]`` fp32 per-row statistics of ``logits`` ``[N, V_local]``: the Triton kernel (CUDA, or the
-    interpreter under cuda_emu) or the C++ CPU kernel. Also the chunks of ``linear_cross_entropy``."""
+def stats_rows(logits, target, vocab_start: int, n_valid: int, emulate: bool, softcap: float = 0.0) -> torch.Tensor:
+    """``[N, 4]`` fp32 per-row statistics of ``logits`` ``[N, V_local]`` (capped to ``softcap * tanh(x / softcap)``
+    first when ``softcap`` > 0): the Triton kernel (CUDA, or the interpreter under cuda_emu) or the C++ CPU kernel.
+    Also the chunks of ``linear_cross_entropy``."""
     if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
-        return kernels.stats(logits, target, vocab_start, n_valid)
-    return _stats_cpu(logits, target, vocab_start, n_valid)
+        return kernels.stats(logits, target, vocab_start, n_valid, softcap)
+    return _stats_cpu(logits, target, vocab_start, n_valid, softcap)
 
 
 @torch.library.custom_op("megakernels::cross_entropy_stats", mutates_args=())
-def _stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, emulate: bool) -> torch.Tensor:
-    return stats_rows(logits, target, vocab_start, n_valid, emulate)
+def _stats(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, softcap: float, emulate: bool
+) -> torch.Tensor:
+    return stats_rows(logits, target, vocab_start, n_valid, emulate, softcap)
 
 
 @_stats.register_fake
-def _(logits, target, vocab_start, n_valid, emulate):
+def _(logits, target, vocab_start, n_valid, softcap, emulate):
     return logits.new_empty((logits.shape[0], 4), dtype=torch.float32)
 
 
 def grad_rows_into(
-    logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, out
-):
+    logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, out,
+    softcap: float = 0.0,
+):  # fmt: skip
+    """The gradient of the rows' loss with respect to the (raw, uncapped) logits, into ``out`` (may be ``logits``)."""
+    args = (logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other)
     if runs_triton("cross_entropy", logits, emulate):
         from megakernels.triton import cross_entropy as kernels
 
-        return kernels.grad(
-            logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out
-        )
-    return _grad_cpu(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, out)
+        return kernels.grad(*args, out, softcap)
+    return _grad_cpu(*args, softcap, out)
 
 
 @torch.library.custom_op("megakernels::cross_entropy_grad", mutates_args=())
@@ -93,6 +99,7 @@ def _grad(
     ignore_index: int,
     smooth_target: float,
     smooth_other: float,
+    softcap: float,
     emulate: bool,
 ) -> torch.Tensor:
     return grad_rows_into(
@@ -107,11 +114,12 @@ def _grad(
         smooth_other,
         emulate,
         torch.empty_like(logits),
+        softcap,
     )
 
 
 @_grad.register_fake
-def _(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate):
+def _(logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, softcap, emulate):
     return torch.empty_like(logits)
 
 
@@ -126,11 +134,13 @@ def _grad_inplace(
     ignore_index: int,
     smooth_target: float,
     smooth_other: float,
+    softcap: float,
     emulate: bool,
 ) -> None:
     grad_rows_into(
-        logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, logits
-    )
+        logits, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, emulate, logits,
+        softcap,
+    )  # fmt: skip
 
 
 def combine_stats(stats, target, group, ignore_index: int, label_smoothing: float, vocab_size: int):
@@ -157,13 +167,15 @@ def combine_stats(stats, target, group, ignore_index: int, label_smoothing: floa
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, vocab_start, inplace_backward, emulate
-    ):
+        ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, vocab_start, inplace_backward, softcap,
+        emulate,
+    ):  # fmt: skip
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
-        stats = _stats(logits, target, vocab_start, n_valid, emulate)
+        stats = _stats(logits, target, vocab_start, n_valid, softcap, emulate)
         loss, lse = combine_stats(stats, target, group, ignore_index, label_smoothing, vocab_size)
         ctx.save_for_backward(logits, target, lse)
-        ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size, emulate)
+        smooth = (1.0 - label_smoothing, label_smoothing / vocab_size)
+        ctx.args = (vocab_start, n_valid, ignore_index, *smooth, softcap, emulate)
         ctx.inplace_backward = inplace_backward
         ctx.mark_non_differentiable(lse)
         return loss, lse
@@ -177,7 +189,7 @@ class _CrossEntropy(torch.autograd.Function):
             grad = logits
         else:
             grad = _grad(logits, target, lse, dloss, *ctx.args)
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def check_group(op, group) -> None:
@@ -199,6 +211,15 @@ def check_label_smoothing(op, label_smoothing) -> None:
         or not 0.0 <= label_smoothing <= 1.0
     ):
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+
+
+def check_softcap(op, softcap) -> float:
+    """``softcap`` as a float (0.0 for None: no cap); it must be a positive finite number."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0.0 < softcap < float("inf"):
+        raise ValueError(f"{op}: softcap must be a positive finite number or None, got {softcap!r}")
+    return float(softcap)
 
 
 def check_vocab(op, v_local: int, group, vocab_size, what: str = "logits") -> tuple[int, int]:
@@ -228,7 +249,7 @@ def check_target_values(op, target, ignore_index: int, vocab_size: int) -> None:
         raise ValueError(f"{op}: target holds {value}, outside [0, {vocab_size}) and not ignore_index ({ignore_index})")
 
 
-def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
+def _check(logits, target, ignore_index, label_smoothing, group, vocab_size, softcap):
     op = "cross_entropy"
     _checks.tensor(op, "logits", logits)
     _checks.tensor(op, "target", target)
@@ -247,7 +268,7 @@ def _check(logits, target, ignore_index, label_smoothing, group, vocab_size):
     check_label_smoothing(op, label_smoothing)
     vocab_size, vocab_start = check_vocab(op, logits.shape[-1], group, vocab_size)
     check_target_values(op, target, ignore_index, vocab_size)
-    return vocab_size, vocab_start
+    return vocab_size, vocab_start, check_softcap(op, softcap)
 
 
 def cross_entropy(
@@ -258,6 +279,7 @@ def cross_entropy(
     group=None,
     vocab_size: int | None = None,
     inplace_backward: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy (``F.cross_entropy(..., reduction="none")`` semantics) of possibly vocab-sharded
     logits.
@@ -273,6 +295,9 @@ def cross_entropy(
             every column is real).
         inplace_backward: write the gradient into ``logits``' storage (saves a logits-sized buffer; only valid
             when nothing else needs those logits after this loss, e.g. straight out of the LM head GEMM).
+        softcap: the final-logit soft cap c (Gemma 2/3's ``final_logit_softcapping``): the loss is that of
+            ``c * tanh(logits / c)``, computed in the kernel (the capped logits are never stored), and the gradient
+            is with respect to the raw logits. None: no cap.
 
     Returns:
         ``[...]`` fp32 per-token loss, differentiable w.r.t. logits.
@@ -280,12 +305,12 @@ def cross_entropy(
     Raises:
         TypeError for non-tensors, a non-int ignore_index, a ``group`` that is not a ProcessGroup; ValueError
         naming the argument for a wrong dtype, shape or layout (sparse), a device mismatch, a target outside
-        ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing or vocab_size.
+        ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing, vocab_size or softcap.
 
     Meta tensors (logits and target both on ``meta``) give a meta loss of the right shape: nothing is computed,
     the target values are not checked and no collective runs.
     """
-    vocab_size, vocab_start = _check(logits, target, ignore_index, label_smoothing, group, vocab_size)
+    vocab_size, vocab_start, softcap = _check(logits, target, ignore_index, label_smoothing, group, vocab_size, softcap)
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.numel() and flat.stride(-1) != 1:
@@ -300,6 +325,7 @@ def cross_entropy(
         vocab_size,
         vocab_start,
         bool(inplace_backward),
+        softcap,
         emulate,
     )
     # a tensor of its own, not a view: a module's output that is a view loses hooks to in-place ops (FSDP2's
@@ -308,12 +334,14 @@ def cross_entropy(
 
 
 def cross_entropy_reference(
-    logits, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None, compute_dtype=torch.float64
+    logits, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None, compute_dtype=torch.float64, softcap=None
 ):
     """``F.cross_entropy(reduction="none")`` in ``compute_dtype`` over the first ``vocab_size`` columns of full
-    (unsharded) logits."""
+    (unsharded) logits, capped to ``softcap * tanh(logits / softcap)`` first when ``softcap`` is given."""
     v = logits.shape[-1] if vocab_size is None else vocab_size
     x = logits[..., :v].to(compute_dtype).reshape(-1, v)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
     return torch.nn.functional.cross_entropy(
         x, target.reshape(-1), ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
     ).view(target.shape)

@@ -50,6 +50,7 @@ from megakernels.ops.cross_entropy import (
     DTYPES,
     check_group,
     check_label_smoothing,
+    check_softcap,
     check_target_dtype,
     check_target_values,
     check_vocab,
@@ -83,14 +84,17 @@ def _mm_into(out, a, b):
 
 
 @torch.no_grad()
-def stats_chunks(hidden, weight, bias, target, vocab_start: int, n_valid: int, chunk: int, emulate: bool):
+def stats_chunks(
+    hidden, weight, bias, target, vocab_start: int, n_valid: int, chunk: int, softcap: float, emulate: bool
+):
     """``[T, 4]`` fp32 ``(max, sum exp, target logit, row sum)`` of ``hidden @ weight.T + bias``, chunk by chunk
     (the body of the custom op ``megakernels::linear_cross_entropy_stats``)."""
     t = hidden.shape[0]
     out = torch.empty((t, 4), dtype=torch.float32, device=hidden.device)
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
-        out[a:b] = stats_rows(_chunk_logits(hidden[a:b], weight, bias), target[a:b], vocab_start, n_valid, emulate)
+        logits = _chunk_logits(hidden[a:b], weight, bias)
+        out[a:b] = stats_rows(logits, target[a:b], vocab_start, n_valid, emulate, softcap)
     return out
 
 
@@ -103,13 +107,14 @@ def _stats(
     vocab_start: int,
     n_valid: int,
     chunk: int,
+    softcap: float,
     emulate: bool,
 ) -> torch.Tensor:
-    return stats_chunks(hidden, weight, bias, target, vocab_start, n_valid, chunk, emulate)
+    return stats_chunks(hidden, weight, bias, target, vocab_start, n_valid, chunk, softcap, emulate)
 
 
 @_stats.register_fake
-def _(hidden, weight, bias, target, vocab_start, n_valid, chunk, emulate):
+def _(hidden, weight, bias, target, vocab_start, n_valid, chunk, softcap, emulate):
     _checks.same_device(OP, "hidden", hidden, ("weight", weight), ("bias", bias), ("target", target))
     return hidden.new_empty((hidden.shape[0], 4), dtype=torch.float32)
 
@@ -117,7 +122,7 @@ def _(hidden, weight, bias, target, vocab_start, n_valid, chunk, emulate):
 @torch.no_grad()
 def grad_chunks(
     hidden, weight, bias, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, chunk,
-    emulate, need_hidden, need_weight,
+    softcap, emulate, need_hidden, need_weight,
 ):  # fmt: skip
     """(dX ``[T, h]``, dW ``[V_local, h]``, db ``[V_local]``): each chunk's logits recomputed, their gradient
     written over them, then the two GEMMs. A gradient not asked for (``need_*``; db without a bias) is ``[0]``.
@@ -139,7 +144,7 @@ def grad_chunks(
         g = _chunk_logits(hidden[a:b], weight, bias)
         grad_rows_into(
             g, target[a:b], lse[a:b], dloss[a:b], vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
-            emulate, g,
+            emulate, g, softcap,
         )  # fmt: skip
         if need_hidden:
             _mm_into(dx[a:b], g, weight)
@@ -178,20 +183,21 @@ def _grad(
     smooth_target: float,
     smooth_other: float,
     chunk: int,
+    softcap: float,
     emulate: bool,
     need_hidden: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return grad_chunks(
         hidden, weight, bias, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other,
-        chunk, emulate, need_hidden, need_weight,
+        chunk, softcap, emulate, need_hidden, need_weight,
     )  # fmt: skip
 
 
 @_grad.register_fake
 def _(
     hidden, weight, bias, target, lse, dloss, vocab_start, n_valid, ignore_index, smooth_target, smooth_other, chunk,
-    emulate, need_hidden, need_weight,
+    softcap, emulate, need_hidden, need_weight,
 ):  # fmt: skip
     _checks.same_device(OP, "hidden", hidden, ("weight", weight), ("bias", bias), ("target", target))
     dx = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
@@ -226,17 +232,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, target, ignore_index, label_smoothing, group, sequence_parallel, vocab_size,
-        vocab_start, chunk, emulate,
+        vocab_start, chunk, softcap, emulate,
     ):  # fmt: skip
         comm = group is not None and dist.get_world_size(group) > 1
         full = gather_rows(hidden, group) if sequence_parallel and comm else hidden
         x = full.reshape(-1, full.shape[-1]).contiguous()
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
-        stats = _stats(x, weight, bias, target, vocab_start, n_valid, chunk, emulate)
+        stats = _stats(x, weight, bias, target, vocab_start, n_valid, chunk, softcap, emulate)
         loss, lse = combine_stats(stats, target, group, ignore_index, label_smoothing, vocab_size)
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         ctx.shape, ctx.group, ctx.sp, ctx.comm = full.shape, group, sequence_parallel, comm
-        ctx.args = (vocab_start, n_valid, ignore_index, 1.0 - label_smoothing, label_smoothing / vocab_size, chunk)
+        smooth = (1.0 - label_smoothing, label_smoothing / vocab_size)
+        ctx.args = (vocab_start, n_valid, ignore_index, *smooth, chunk, softcap)
         ctx.emulate = emulate
         return loss
 
@@ -264,7 +271,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dx if need_hidden else None,
             dw if ctx.needs_input_grad[1] else None,
             db if bias is not None and ctx.needs_input_grad[2] else None,
-        ) + (None,) * 9
+        ) + (None,) * 10
 
 
 def check_head(op, hidden, weight, target, ignore_index, label_smoothing, group, vocab_size, chunk_tokens, bias, sp):
@@ -331,6 +338,7 @@ def linear_cross_entropy(
     chunk_tokens: int | None = None,
     bias: torch.Tensor | None = None,
     sequence_parallel: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-token ``ops.cross_entropy(hidden @ weight.T + bias, target, ...)``, the logits never materialised (at
     most ``chunk_tokens`` rows of them at a time; see the module docstring for memory, precision and the
@@ -346,6 +354,7 @@ def linear_cross_entropy(
         chunk_tokens: tokens a chunk (default ``default_chunk_tokens(V_local)``: about 256 MiB of fp32 logits).
         bias: optional ``[V_local]`` in hidden's dtype.
         sequence_parallel: ``hidden`` is a sequence shard over ``group`` (gathered along dim 0).
+        softcap: the final-logit soft cap c: the loss of ``c * tanh(logits / c)``, in the row kernel (None: none).
 
     Returns:
         ``[...]`` fp32 per-token loss (``target``'s shape), differentiable w.r.t. hidden, weight and bias. With
@@ -355,12 +364,13 @@ def linear_cross_entropy(
     Raises:
         TypeError for non-tensors, a non-int ignore_index, a ``group`` that is not a ProcessGroup; ValueError
         naming the argument for a wrong dtype, shape or layout, a device mismatch, a target outside
-        ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing, vocab_size or chunk_tokens.
+        ``[0, vocab_size)`` that is not ignore_index, a bad label_smoothing, vocab_size, chunk_tokens or softcap.
     """
     sp = bool(sequence_parallel)
     ignore_index, vocab_size, vocab_start, chunk = check_head(
         OP, hidden, weight, target, ignore_index, label_smoothing, group, vocab_size, chunk_tokens, bias, sp
     )
+    softcap = check_softcap(OP, softcap)
     emulate = emulate_for(OP, hidden, "hidden")
     loss = _LinearCrossEntropy.apply(
         hidden,
@@ -374,6 +384,7 @@ def linear_cross_entropy(
         vocab_size,
         vocab_start,
         chunk,
+        softcap,
         emulate,
     )
     return loss.view(target.shape).clone()  # not a view (ops.cross_entropy says why)
@@ -381,11 +392,11 @@ def linear_cross_entropy(
 
 def linear_cross_entropy_reference(
     hidden, weight, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None, bias=None,
-    compute_dtype=torch.float64,
+    compute_dtype=torch.float64, softcap=None,
 ):  # fmt: skip
     """``F.linear`` then ``F.cross_entropy(reduction="none")`` in ``compute_dtype`` over the full (unsharded) weight's
     first ``vocab_size`` rows (tests)."""
     logits = torch.nn.functional.linear(
         hidden.to(compute_dtype), weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
     )
-    return cross_entropy_reference(logits, target, ignore_index, label_smoothing, vocab_size, compute_dtype)
+    return cross_entropy_reference(logits, target, ignore_index, label_smoothing, vocab_size, compute_dtype, softcap)

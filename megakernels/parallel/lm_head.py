@@ -63,10 +63,16 @@ def parallel_lm_logits(
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int = -100, label_smoothing: float = 0.0
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-token fp32 loss of vocab-parallel logits ``[..., V_pad/tp]`` over the TP group; ``target`` ``[...]``
-    holds global ids in ``[0, vocab_size)`` or ``ignore_index``. Columns ``>= vocab_size`` (padding) are excluded.
+    holds global ids in ``[0, vocab_size)`` or ``ignore_index``. Columns ``>= vocab_size`` (padding) are excluded;
+    ``softcap`` caps the logits to ``c · tanh(logits / c)`` inside the kernel first.
     Raises what ``megakernels.ops.cross_entropy`` raises (a target outside the vocabulary, shapes, dtypes)."""
     return cross_entropy(
         logits,
@@ -75,6 +81,7 @@ def vocab_parallel_cross_entropy(
         label_smoothing=label_smoothing,
         group=state.tp_group(),
         vocab_size=vocab_size,
+        softcap=softcap,
     )
 
 

@@ -8,6 +8,10 @@ vocab is sharded) into the loss and the log-sum-exp.
 ``grad`` writes ``dloss * (softmax - (1 - eps) onehot(target) - eps / V)`` (0 on padding columns and ignored
 rows), either into a new tensor or in place of the logits.
 
+With ``softcap`` = c > 0 (Gemma's final-logit soft cap) both kernels read each logit as ``c tanh(x / c)`` and the
+gradient carries the cap's derivative ``1 - tanh(x / c)^2``; without it (``CAP`` compiled out) the kernels are
+unchanged.
+
 Design (the static cost model beside the package has the budgets): one exponential per element — each chunk's maximum is
 reduced first, the running sum rescaled once per chunk, and ``exp(x - m)`` taken as ``exp2(x * log2e - m *
 log2e)`` (one FFMA and one MUFU); the target logit is one load per row, not a compare per element; full chunks
@@ -26,11 +30,21 @@ from megakernels.triton.launch import Launch
 
 
 @triton.jit
-def _stats_chunk(X, cols, mask, m, s, total, n_valid, MASKED: tl.constexpr):
+def _cap_tanh(z):
+    """tanh(z) as 1 - 2 / (exp(2z) + 1): exactly +-1 where the exponential saturates."""
+    return 1.0 - 2.0 / (tl.math.exp2(z * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _stats_chunk(X, cols, mask, m, s, total, n_valid, softcap, MASKED: tl.constexpr, CAP: tl.constexpr):
     if MASKED:
         x = tl.load(X + cols, mask=mask, other=float("-inf")).to(tl.float32)
     else:
         x = tl.load(X + cols).to(tl.float32)
+    if CAP:
+        x = softcap * _cap_tanh(x / softcap)
+        if MASKED:  # the masked columns' -inf would cap to -softcap
+            x = tl.where(mask, x, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing but -inf so far
     s = s * tl.math.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(
@@ -45,26 +59,47 @@ def _stats_chunk(X, cols, mask, m, s, total, n_valid, MASKED: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(
-    X, TARGET, STATS, stride_x, n_cols, n_valid, vocab_start, BLOCK_V: tl.constexpr, STAGES: tl.constexpr
+    X,
+    TARGET,
+    STATS,
+    stride_x,
+    n_cols,
+    n_valid,
+    vocab_start,
+    softcap,
+    BLOCK_V: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
     target = tl.load(TARGET + row).to(tl.int64) - vocab_start
     in_shard = (target >= 0) & (target < n_valid)
     picked = tl.load(X + tl.where(in_shard, target, 0), mask=in_shard, other=0.0).to(tl.float32)
+    if CAP:
+        picked = softcap * _cap_tanh(picked / softcap)
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     total = tl.zeros([BLOCK_V], tl.float32)
     full = n_valid // BLOCK_V * BLOCK_V
     for start in tl.range(0, full, BLOCK_V, num_stages=STAGES):
-        m, s, total = _stats_chunk(X, start + offs, offs < BLOCK_V, m, s, total, n_valid, False)
+        m, s, total = _stats_chunk(X, start + offs, offs < BLOCK_V, m, s, total, n_valid, softcap, False, CAP)
     if full < n_valid:
-        m, s, total = _stats_chunk(X, full + offs, full + offs < n_valid, m, s, total, n_valid, True)
+        m, s, total = _stats_chunk(X, full + offs, full + offs < n_valid, m, s, total, n_valid, softcap, True, CAP)
     tl.store(STATS + row * 4 + 0, m)
     tl.store(STATS + row * 4 + 1, s)
     tl.store(STATS + row * 4 + 2, picked)
     tl.store(STATS + row * 4 + 3, tl.sum(total, 0))
+
+
+@triton.jit
+def _grad_of(x, lse2, softcap, CAP: tl.constexpr):
+    """(softmax of the (capped) logit, d capped / d raw): without a cap the derivative is the constant 1."""
+    if CAP:
+        th = _cap_tanh(x / softcap)
+        return tl.math.exp2(softcap * th * 1.4426950408889634 - lse2), 1.0 - th * th
+    return tl.math.exp2(x * 1.4426950408889634 - lse2), 1.0
 
 
 @triton.jit
@@ -82,9 +117,11 @@ def _grad_kernel(
     ignore_index,
     smooth_target,
     smooth_other,
+    softcap,
     BLOCK_V: tl.constexpr,
     SMOOTH: tl.constexpr,
     STAGES: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
@@ -101,23 +138,24 @@ def _grad_kernel(
     full = n_valid // BLOCK_V * BLOCK_V
     for start in tl.range(0, full, BLOCK_V, num_stages=STAGES):
         x = tl.load(X + start + offs).to(tl.float32)
-        g = tl.math.exp2(x * 1.4426950408889634 - lse2)
+        g, d = _grad_of(x, lse2, softcap, CAP)
         if SMOOTH:
             g -= smooth_other
-        tl.store(GRAD + start + offs, (g * dloss).to(GRAD.dtype.element_ty))
+        tl.store(GRAD + start + offs, (g * d * dloss).to(GRAD.dtype.element_ty))
     for start in range(full, n_cols, BLOCK_V):  # the tail of the real columns, then padding (gradient 0)
         cols = start + offs
         valid = cols < n_valid
         x = tl.load(X + cols, mask=valid, other=0.0).to(tl.float32)
-        g = tl.math.exp2(x * 1.4426950408889634 - lse2)
+        g, d = _grad_of(x, lse2, softcap, CAP)
         if SMOOTH:
             g -= smooth_other
-        tl.store(GRAD + cols, tl.where(valid, g * dloss, 0.0).to(GRAD.dtype.element_ty), mask=cols < n_cols)
+        tl.store(GRAD + cols, tl.where(valid, g * d * dloss, 0.0).to(GRAD.dtype.element_ty), mask=cols < n_cols)
     tl.debug_barrier()  # the loop's store of the target column is done before it is overwritten
-    g_t = tl.math.exp2(x_t * 1.4426950408889634 - lse2) - smooth_target
+    g_t, d_t = _grad_of(x_t, lse2, softcap, CAP)
+    g_t -= smooth_target
     if SMOOTH:
         g_t -= smooth_other
-    tl.store(GRAD + tl.where(in_shard, target, 0), (g_t * dloss).to(GRAD.dtype.element_ty), mask=in_shard)
+    tl.store(GRAD + tl.where(in_shard, target, 0), (g_t * d_t * dloss).to(GRAD.dtype.element_ty), mask=in_shard)
 
 
 def _block_v(n_cols: int, arch: int) -> tuple[int, int, int]:
@@ -128,14 +166,14 @@ def _block_v(n_cols: int, arch: int) -> tuple[int, int, int]:
     return min(4096, max(256, triton.next_power_of_2(n_cols))), 8, 3
 
 
-def stats_launch(logits, target, out, vocab_start: int, n_valid: int, arch: int) -> Launch:
+def stats_launch(logits, target, out, vocab_start: int, n_valid: int, arch: int, softcap: float = 0.0) -> Launch:
     n, v = logits.shape
     block, warps, stages = _block_v(v, arch)
     return Launch(
         _stats_kernel,
         (n,),
-        (logits, target, out, logits.stride(0), v, n_valid, vocab_start),
-        dict(BLOCK_V=block, STAGES=stages, num_warps=warps),
+        (logits, target, out, logits.stride(0), v, n_valid, vocab_start, float(softcap or 1.0)),
+        dict(BLOCK_V=block, STAGES=stages, CAP=bool(softcap), num_warps=warps),
     )
 
 
@@ -151,6 +189,7 @@ def grad_launch(
     smooth_other: float,
     out,
     arch: int,
+    softcap: float = 0.0,
 ) -> Launch:
     n, v = logits.shape
     block, warps, stages = _block_v(v, arch)
@@ -171,15 +210,19 @@ def grad_launch(
             ignore_index,
             smooth_target,
             smooth_other,
+            float(softcap or 1.0),
         ),
-        dict(BLOCK_V=block, SMOOTH=smooth_other != 0.0, STAGES=stages, num_warps=warps),
+        dict(BLOCK_V=block, SMOOTH=smooth_other != 0.0, STAGES=stages, CAP=bool(softcap), num_warps=warps),
     )
 
 
-def stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int) -> torch.Tensor:
-    """``[N, 4]`` fp32: row max, sum of exp(x - max), target logit (0 off-shard), sum of logits."""
+def stats(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, softcap: float = 0.0
+) -> torch.Tensor:
+    """``[N, 4]`` fp32: row max, sum of exp(x - max), target logit (0 off-shard), sum of logits — of the capped
+    logits ``softcap * tanh(x / softcap)`` when ``softcap`` > 0."""
     out = torch.empty((logits.shape[0], 4), dtype=torch.float32, device=logits.device)
-    stats_launch(logits, target, out, vocab_start, n_valid, arch_of(logits.device))()
+    stats_launch(logits, target, out, vocab_start, n_valid, arch_of(logits.device), softcap)()
     return out
 
 
@@ -194,6 +237,7 @@ def grad(
     smooth_target: float,
     smooth_other: float,
     out: torch.Tensor,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     grad_launch(
         logits,
@@ -207,5 +251,6 @@ def grad(
         smooth_other,
         out,
         arch_of(logits.device),
+        softcap,
     )()
     return out

@@ -63,6 +63,13 @@ def test_the_family_switches_on_gemmas_pieces(single_world):
         plain = model(ids)[..., : cfg.vocab_size]
     assert logits.abs().max() < 2.0
     torch.testing.assert_close(logits, 2.0 * torch.tanh(plain / 2.0))
+    # the loss of the capped logits, the cap inside the kernels: the fused head and the unfused one
+    labels = torch.randint(0, cfg.vocab_size, (1, 8))
+    want = torch.nn.functional.cross_entropy(logits[:, 0].double(), labels[0], reduction="none")
+    for fused in (True, False):
+        head = GemmaModel(cfg.replace(final_logit_softcapping=2.0), seed=3, fused_linear_ce=fused)
+        with torch.no_grad():
+            torch.testing.assert_close(head(ids, labels)[:, 0].double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_gemma_tiny_trains_on_the_embedded_data():

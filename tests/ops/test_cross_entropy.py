@@ -33,6 +33,7 @@ def _check_against_reference(x, t, dloss, **kwargs):
         ignore_index=kwargs.get("ignore_index", -100),
         label_smoothing=kwargs.get("label_smoothing", 0.0),
         vocab_size=kwargs.get("vocab_size"),
+        softcap=kwargs.get("softcap"),
     )
     ref.backward(dloss.double())
     assert loss.dtype == torch.float32 and loss.shape == t.shape
@@ -60,6 +61,34 @@ def test_matches_f_cross_entropy(triton_backend, n, v, label_smoothing):
         loss, grad = _check_against_reference(x, t, dloss, label_smoothing=label_smoothing)
         if n > 4:  # the ignored token: loss 0, gradient 0
             assert loss[0].item() == 0 and (grad[0] == 0).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_softcap_matches_the_capped_fp64_reference(triton_backend, inplace):
+    """Gemma's final-logit soft cap in the kernels: the loss of ``c tanh(x / c)``, the gradient with respect to the
+    raw logits (the cap's derivative in it), with label smoothing, padding columns and an ignored token, on logits
+    large enough for the cap to bend them (and a -inf logit, which caps to -c)."""
+    for dtype in _dtypes(triton_backend):
+        x, t = _case(13, 301, dtype, triton_backend.device, ignore=[2])
+        x = x * 10
+        x[4, 7] = float("-inf")
+        t = t.clamp(max=279)
+        t[4] = 3
+        dloss = torch.randn(13, device=triton_backend.device)
+        kw = dict(softcap=30.0, label_smoothing=0.1, vocab_size=280, inplace_backward=inplace)
+        loss, grad = _check_against_reference(x, t, dloss, **kw)
+        assert (grad[:, 280:] == 0).all() and (grad[2] == 0).all()
+        uncapped = cross_entropy(x, t, vocab_size=280, label_smoothing=0.1)
+        assert (loss - uncapped).abs().max() > 1.0  # the cap changed the loss: the test checks the capped one
+
+
+def test_softcap_opcheck():
+    x, t = _case(6, 70, torch.float32, "cpu")
+    lse, dloss = torch.randn(6).abs() + 3, torch.randn(6)
+    torch.library.opcheck(torch.ops.megakernels.cross_entropy_stats, (x, t, 0, 64, 5.0, False))
+    torch.library.opcheck(
+        torch.ops.megakernels.cross_entropy_grad, (x, t, lse, dloss, 0, 64, -100, 0.9, 0.1 / 64, 5.0, False)
+    )
 
 
 def test_padding_columns_are_excluded(triton_backend):
@@ -124,6 +153,9 @@ def test_bad_options():
     x, t = _case(4, 50, torch.float32, "cpu")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         cross_entropy(x, t, label_smoothing=1.5)
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="softcap must be a positive finite number or None"):
+            cross_entropy(x, t, softcap=bad)
     with pytest.raises(ValueError, match="vocab_size must be an int in \\[1, 50\\]"):
         cross_entropy(x, t, vocab_size=51)
     with pytest.raises(ValueError, match="target holds 45, outside \\[0, 40\\)"):

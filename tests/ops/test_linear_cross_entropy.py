@@ -51,7 +51,7 @@ def _check(x, w, b, target, dloss, **kw):
     ref_leaves = [a.detach().double().requires_grad_(True) if a is not None else None for a in (x, w, b)]
     xr, wr, br = ref_leaves
     kw.pop("chunk_tokens", None)
-    ref = linear_cross_entropy_reference(xr, wr, target.long(), bias=br, **kw)
+    ref = linear_cross_entropy_reference(xr, wr, target.long(), bias=br, **kw)  # softcap included
     ref.backward(dloss.double())
     tol = TOL[x.dtype]
     assert loss.dtype == torch.float32 and loss.shape == target.shape
@@ -79,6 +79,18 @@ def test_matches_fp64_reference(triton_backend, chunk, label_smoothing):
         )
         assert loss[0].item() == 0 and loss[20].item() == 0 and (dx[0] == 0).all()  # ignored tokens
         assert (dw[290:] == 0).all()  # padding rows of the weight: no gradient
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_softcap_matches_the_capped_fp64_reference(triton_backend, chunk):
+    """The final-logit soft cap inside the row kernels: the loss of ``c tanh(logits / c)`` and the gradients with
+    respect to the raw logits' inputs (the logits scaled up so that the cap bends them), with label smoothing,
+    padding columns, a bias and an ignored token."""
+    for dtype in DTYPES:
+        x, w, b, t = _case(37, 16, 300, dtype, triton_backend.device, bias=True, n_real=260, ignore=[5])
+        w = w * 8  # logits of tens: the cap (c = 15) matters
+        dloss = torch.randn(37, device=triton_backend.device)
+        _check(x, w, b, t, dloss, chunk_tokens=chunk, softcap=15.0, label_smoothing=0.1, vocab_size=260)
 
 
 def test_padding_columns_are_excluded(triton_backend):
@@ -166,9 +178,9 @@ def _op_args(emulate, dtype=torch.float32):
     x, w, b, t = _case(10, 8, 40, dtype, "cpu", bias=True, n_real=36)
     lse = torch.randn(10).abs() + 3.0
     dloss = torch.randn(10)
-    stats = (x, w, b, t, 0, 36, 3, emulate)
-    grad = (x, w, b, t, lse, dloss, 0, 36, -100, 0.9, 0.1 / 36, 3, emulate, True, True)
-    grad_no_bias = (x, w, None, t, lse, dloss, 0, 36, -100, 1.0, 0.0, 4, emulate, True, False)
+    stats = (x, w, b, t, 0, 36, 3, 0.0, emulate)
+    grad = (x, w, b, t, lse, dloss, 0, 36, -100, 0.9, 0.1 / 36, 3, 0.0, emulate, True, True)
+    grad_no_bias = (x, w, None, t, lse, dloss, 0, 36, -100, 1.0, 0.0, 4, 5.0, emulate, True, False)  # capped
     return stats, grad, grad_no_bias
 
 
@@ -212,6 +224,8 @@ def test_bad_options_name_the_argument():
         (dict(chunk_tokens=0), "chunk_tokens must be a positive int or None, got 0"),
         (dict(chunk_tokens=2.0), "chunk_tokens must be a positive int"),
         (dict(label_smoothing=-0.1), "label_smoothing must be in \\[0, 1\\]"),
+        (dict(softcap=0.0), "softcap must be a positive finite number or None, got 0.0"),
+        (dict(softcap=float("inf")), "softcap must be a positive finite number"),
         (dict(vocab_size=31), "vocab_size must be an int in \\[1, 30\\] \\(the weight's rows hold 30 columns\\)"),
         (dict(ignore_index=1.5), "ignore_index"),
         (dict(bias=b[:-1]), "bias must be \\[V_local\\] = \\[30\\]"),

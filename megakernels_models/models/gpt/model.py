@@ -57,8 +57,8 @@ class GPTModel(LanguageModel):
         x = self.encode(ids, hidden, kv_cache=kv_cache, documents=documents)
         if not self.post_process:
             return x
-        cap = self.config.logit_softcap
-        if labels is not None and self.fused_linear_ce and cap is None:
+        cap = self.config.logit_softcap  # Gemma 2's tanh cap: inside the loss kernels when there is a loss
+        if labels is not None and self.fused_linear_ce:
             return linear_cross_entropy(
                 x,
                 self.output_weight,
@@ -66,10 +66,9 @@ class GPTModel(LanguageModel):
                 group=state.tp_group(),
                 vocab_size=self.config.vocab_size,
                 sequence_parallel=self.sequence_parallel,
+                softcap=cap,
             )
         logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
-        if cap is not None:  # Gemma 2's tanh cap (unfused: the fused head has no cap)
-            logits = cap * torch.tanh(logits / cap)
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size)
+            return logits if cap is None else cap * torch.tanh(logits / cap)
+        return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size, softcap=cap)
