@@ -67,13 +67,14 @@ def attention_launches(
     )
 
 
-def cross_entropy_launches(arch: int, vocab: int = 50304):
+def cross_entropy_launches(arch: int, vocab: int = 50304, softcap: float = 0.0):
+    """The cross-entropy's two kernels (with the final-logit soft cap compiled in when ``softcap``)."""
     from megakernels.triton import cross_entropy as ce
 
     x, tgt, f32 = _meta((1024, vocab), "bfloat16"), _meta((1024,), "int64"), _meta((1024, 4), "float32")
     return [
-        ce.stats_launch(x, tgt, f32, 0, vocab, arch),
-        ce.grad_launch(x, tgt, f32, f32, 0, vocab, -100, 0.9, 0.1 / vocab, x, arch),
+        ce.stats_launch(x, tgt, f32, 0, vocab, arch, softcap),
+        ce.grad_launch(x, tgt, f32, f32, 0, vocab, -100, 0.9, 0.1 / vocab, x, arch, softcap),
     ]
 
 
@@ -81,11 +82,13 @@ def jobs(archs, full: bool, defaults: bool):
     """(what, arch, builder args): every candidate config of every head dim in the fp16 causal variant, plus every
     variant (dtype x causal x dropout) of each arch's d128 default, and each default's fp16 causal variant with
     attention sinks; with ``full``, every config in every variant (and each default's with sinks); with
-    ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels."""
+    ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels, without
+    and with the soft cap."""
     from megakernels.triton import flash_attention as fa
 
     for arch in archs:
         yield (f"cross_entropy sm_{arch}", arch, ("ce",))
+        yield (f"cross_entropy sm_{arch} softcap", arch, ("ce", 50304, 30.0))
         for passname, table in (("fwd", fa.FWD_CONFIGS), ("bwd", fa.BWD_CONFIGS)):
             for head_dim in HEAD_DIMS:
                 for i, cfg in enumerate(fa.candidates(table, arch, head_dim)):
@@ -122,7 +125,7 @@ def _check_one(job) -> str | None:
 
     what, arch, spec = job
     try:
-        launches = cross_entropy_launches(arch) if spec[0] == "ce" else attention_launches(arch, *spec[1:])
+        launches = cross_entropy_launches(arch, *spec[1:]) if spec[0] == "ce" else attention_launches(arch, *spec[1:])
         for launch in launches:
             compiled = compile_launch(launch, arch)
             if compiled.metadata.shared > SHARED_LIMIT[arch]:

@@ -397,7 +397,9 @@ def softmax_entries() -> list[Entry]:
 # ---- cross-entropy (Triton) ------------------------------------------------------------------------------------
 
 
-def _ce_parts(passname: str, n: int, v: int, m: model.Machine = M, dtype: str = "bf16") -> list[Part]:
+def _ce_parts(
+    passname: str, n: int, v: int, m: model.Machine = M, dtype: str = "bf16", softcap: float = 0.0
+) -> list[Part]:
     from megakernels.triton import cross_entropy as ce
 
     size = DTYPES[dtype][1]
@@ -406,11 +408,11 @@ def _ce_parts(passname: str, n: int, v: int, m: model.Machine = M, dtype: str = 
     tgt = torch.empty(n, dtype=torch.int64, device="meta")
     f32 = torch.empty(n, 4, dtype=torch.float32, device="meta")
     if passname == "fwd":
-        launch = ce.stats_launch(x, tgt, f32, 0, v, m.arch)
+        launch = ce.stats_launch(x, tgt, f32, 0, v, m.arch, softcap)
         roles = [Role("stats", 1, reads_dram=True)]
         mbytes = size
     else:
-        launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 1.0, 0.0, x, m.arch)  # no label smoothing
+        launch = ce.grad_launch(x, tgt, f32, f32, 0, v, -100, 1.0, 0.0, x, m.arch, softcap)  # no label smoothing
         roles = [Role("grad", 1, stores=1, reads_dram=True)]
         mbytes = 2 * size
     threads = launch.num_warps * 32

@@ -31,18 +31,19 @@ from megakernels.triton.launch import Launch
 
 @triton.jit
 def _cap_tanh(z):
-    """tanh(z) as 1 - 2 / (exp(2z) + 1): exactly +-1 where the exponential saturates."""
-    return 1.0 - 2.0 / (tl.math.exp2(z * 2.8853900817779268) + 1.0)
+    """tanh(z) as 1 - 2 / (exp(2z) + 1) (one ex2 and one approximate reciprocal: absolute error ~1e-7, exactly +-1
+    where the exponential saturates)."""
+    return 1.0 - tl.fdiv(2.0, tl.math.exp2(z * 2.8853900817779268) + 1.0, ieee_rounding=False)
 
 
 @triton.jit
-def _stats_chunk(X, cols, mask, m, s, total, n_valid, softcap, MASKED: tl.constexpr, CAP: tl.constexpr):
+def _stats_chunk(X, cols, mask, m, s, total, n_valid, softcap, inv_cap, MASKED: tl.constexpr, CAP: tl.constexpr):
     if MASKED:
         x = tl.load(X + cols, mask=mask, other=float("-inf")).to(tl.float32)
     else:
         x = tl.load(X + cols).to(tl.float32)
     if CAP:
-        x = softcap * _cap_tanh(x / softcap)
+        x = softcap * _cap_tanh(x * inv_cap)
         if MASKED:  # the masked columns' -inf would cap to -softcap
             x = tl.where(mask, x, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 0))
@@ -67,6 +68,7 @@ def _stats_kernel(
     n_valid,
     vocab_start,
     softcap,
+    inv_cap,
     BLOCK_V: tl.constexpr,
     STAGES: tl.constexpr,
     CAP: tl.constexpr,
@@ -77,16 +79,17 @@ def _stats_kernel(
     in_shard = (target >= 0) & (target < n_valid)
     picked = tl.load(X + tl.where(in_shard, target, 0), mask=in_shard, other=0.0).to(tl.float32)
     if CAP:
-        picked = softcap * _cap_tanh(picked / softcap)
+        picked = softcap * _cap_tanh(picked * inv_cap)
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     total = tl.zeros([BLOCK_V], tl.float32)
     full = n_valid // BLOCK_V * BLOCK_V
     for start in tl.range(0, full, BLOCK_V, num_stages=STAGES):
-        m, s, total = _stats_chunk(X, start + offs, offs < BLOCK_V, m, s, total, n_valid, softcap, False, CAP)
+        m, s, total = _stats_chunk(X, start + offs, offs < BLOCK_V, m, s, total, n_valid, softcap, inv_cap, False, CAP)
     if full < n_valid:
-        m, s, total = _stats_chunk(X, full + offs, full + offs < n_valid, m, s, total, n_valid, softcap, True, CAP)
+        tail = full + offs < n_valid
+        m, s, total = _stats_chunk(X, full + offs, tail, m, s, total, n_valid, softcap, inv_cap, True, CAP)
     tl.store(STATS + row * 4 + 0, m)
     tl.store(STATS + row * 4 + 1, s)
     tl.store(STATS + row * 4 + 2, picked)
@@ -94,12 +97,19 @@ def _stats_kernel(
 
 
 @triton.jit
-def _grad_of(x, lse2, softcap, CAP: tl.constexpr):
-    """(softmax of the (capped) logit, d capped / d raw): without a cap the derivative is the constant 1."""
+def _grad_of(x, lse2, softcap, inv_cap, sub, SUB: tl.constexpr, CAP: tl.constexpr):
+    """``(softmax(y) - sub) * dy/dx`` of the logits ``x``: ``y = x`` and the derivative 1 without a cap (compiled
+    out), ``y = softcap * tanh(x / softcap)`` and ``1 - tanh^2`` with it."""
     if CAP:
-        th = _cap_tanh(x / softcap)
-        return tl.math.exp2(softcap * th * 1.4426950408889634 - lse2), 1.0 - th * th
-    return tl.math.exp2(x * 1.4426950408889634 - lse2), 1.0
+        th = _cap_tanh(x * inv_cap)
+        g = tl.math.exp2(softcap * th * 1.4426950408889634 - lse2)
+    else:
+        g = tl.math.exp2(x * 1.4426950408889634 - lse2)
+    if SUB:
+        g -= sub
+    if CAP:
+        g = g * (1.0 - th * th)
+    return g
 
 
 @triton.jit
@@ -118,6 +128,7 @@ def _grad_kernel(
     smooth_target,
     smooth_other,
     softcap,
+    inv_cap,
     BLOCK_V: tl.constexpr,
     SMOOTH: tl.constexpr,
     STAGES: tl.constexpr,
@@ -138,24 +149,17 @@ def _grad_kernel(
     full = n_valid // BLOCK_V * BLOCK_V
     for start in tl.range(0, full, BLOCK_V, num_stages=STAGES):
         x = tl.load(X + start + offs).to(tl.float32)
-        g, d = _grad_of(x, lse2, softcap, CAP)
-        if SMOOTH:
-            g -= smooth_other
-        tl.store(GRAD + start + offs, (g * d * dloss).to(GRAD.dtype.element_ty))
+        g = _grad_of(x, lse2, softcap, inv_cap, smooth_other, SMOOTH, CAP)
+        tl.store(GRAD + start + offs, (g * dloss).to(GRAD.dtype.element_ty))
     for start in range(full, n_cols, BLOCK_V):  # the tail of the real columns, then padding (gradient 0)
         cols = start + offs
         valid = cols < n_valid
         x = tl.load(X + cols, mask=valid, other=0.0).to(tl.float32)
-        g, d = _grad_of(x, lse2, softcap, CAP)
-        if SMOOTH:
-            g -= smooth_other
-        tl.store(GRAD + cols, tl.where(valid, g * d * dloss, 0.0).to(GRAD.dtype.element_ty), mask=cols < n_cols)
+        g = _grad_of(x, lse2, softcap, inv_cap, smooth_other, SMOOTH, CAP)
+        tl.store(GRAD + cols, tl.where(valid, g * dloss, 0.0).to(GRAD.dtype.element_ty), mask=cols < n_cols)
     tl.debug_barrier()  # the loop's store of the target column is done before it is overwritten
-    g_t, d_t = _grad_of(x_t, lse2, softcap, CAP)
-    g_t -= smooth_target
-    if SMOOTH:
-        g_t -= smooth_other
-    tl.store(GRAD + tl.where(in_shard, target, 0), (g_t * d_t * dloss).to(GRAD.dtype.element_ty), mask=in_shard)
+    g_t = _grad_of(x_t, lse2, softcap, inv_cap, smooth_target + smooth_other, True, CAP)
+    tl.store(GRAD + tl.where(in_shard, target, 0), (g_t * dloss).to(GRAD.dtype.element_ty), mask=in_shard)
 
 
 def _block_v(n_cols: int, arch: int) -> tuple[int, int, int]:
@@ -166,13 +170,19 @@ def _block_v(n_cols: int, arch: int) -> tuple[int, int, int]:
     return min(4096, max(256, triton.next_power_of_2(n_cols))), 8, 3
 
 
+def _cap_args(softcap: float) -> tuple[float, float]:
+    """(c, 1 / c) of the soft cap; (1, 1) when there is none (the kernels compile the cap out then)."""
+    c = float(softcap) if softcap else 1.0
+    return c, 1.0 / c
+
+
 def stats_launch(logits, target, out, vocab_start: int, n_valid: int, arch: int, softcap: float = 0.0) -> Launch:
     n, v = logits.shape
     block, warps, stages = _block_v(v, arch)
     return Launch(
         _stats_kernel,
         (n,),
-        (logits, target, out, logits.stride(0), v, n_valid, vocab_start, float(softcap or 1.0)),
+        (logits, target, out, logits.stride(0), v, n_valid, vocab_start, *_cap_args(softcap)),
         dict(BLOCK_V=block, STAGES=stages, CAP=bool(softcap), num_warps=warps),
     )
 
@@ -210,7 +220,7 @@ def grad_launch(
             ignore_index,
             smooth_target,
             smooth_other,
-            float(softcap or 1.0),
+            *_cap_args(softcap),
         ),
         dict(BLOCK_V=block, SMOOTH=smooth_other != 0.0, STAGES=stages, CAP=bool(softcap), num_warps=warps),
     )
