@@ -2,8 +2,9 @@
 
 ``FusedLayerNorm`` takes torch.nn.LayerNorm's constructor arguments and has its state_dict keys (``weight``,
 ``bias``), so a LayerNorm checkpoint loads into it unchanged (and back); ``activation=`` adds the fused GeLU.
-``FusedRMSNorm`` mirrors torch.nn.RMSNorm. Multi-dimensional ``normalized_shape`` is supported by flattening the
-normalised dims (the math is the same: statistics over all of them).
+``FusedRMSNorm`` mirrors torch.nn.RMSNorm; ``offset=1.0`` makes it Gemma's ``x / rms(x) * (1 + weight)`` (the
+weight stored as the offset from one, the sum taken in fp32). Multi-dimensional ``normalized_shape`` is supported by
+flattening the normalised dims (the math is the same: statistics over all of them).
 """
 
 from __future__ import annotations
@@ -38,6 +39,27 @@ def _flatten_last(op: str, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Ten
     if tuple(x.shape[-k:]) != shape:
         raise ValueError(f"{op}: input's last dims {tuple(x.shape[-k:])} do not match normalized_shape {shape}")
     return x if k == 1 else x.reshape(*x.shape[:-k], math.prod(shape))
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """``rms_norm(x, weight + offset, eps)`` with ``weight + offset`` formed in fp32 (fp64 for a fp64 x) on each
+    call, so a weight stored as the offset from one (Gemma's, initialised to zeros) keeps its precision under a
+    bf16 x and the stored tensor is never changed.
+
+    Args:
+        x: ``[..., hidden]``, fp32/fp16/bf16/fp64. weight: ``[hidden]``, any floating dtype, on x's device.
+        eps: added to the mean square, a real number >= 0. offset: a finite real number added to the weight.
+
+    Returns:
+        ``[..., hidden]`` in x's dtype; differentiable w.r.t. x and weight (the weight's gradient in its dtype).
+
+    Raises:
+        TypeError / ValueError: as :func:`megakernels.ops.rms_norm`, and a non-finite or non-real ``offset``.
+    """
+    offset = _checks.real("offset_rms_norm", "offset", offset)
+    _checks.tensor("offset_rms_norm", "weight", weight)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return rms_norm(x, weight.to(acc) + offset, eps)
 
 
 class FusedLayerNorm(nn.Module):
@@ -89,30 +111,47 @@ class FusedLayerNorm(nn.Module):
 
 
 class FusedRMSNorm(nn.Module):
-    """RMSNorm ``x / sqrt(mean(x^2) + eps) * weight``; arguments and parameters as :class:`torch.nn.RMSNorm`
-    (``eps=None`` means ``torch.finfo(x.dtype).eps``, as there)."""
+    """RMSNorm ``x / sqrt(mean(x^2) + eps) * (weight + offset)``; arguments and parameters as
+    :class:`torch.nn.RMSNorm` (``eps=None`` means ``torch.finfo(x.dtype).eps``, as there). ``offset`` (default 0:
+    torch's RMSNorm) is added to the weight in fp32 on each call (:func:`offset_rms_norm`); with ``offset=1.0`` the
+    weight starts at zeros (Gemma's RMSNorm). Raises TypeError/ValueError naming ``offset`` for a non-finite one,
+    or ``offset`` without ``elementwise_affine``."""
 
     def __init__(
-        self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None, dtype=None
+        self,
+        normalized_shape,
+        eps: float | None = 1e-6,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+        offset: float = 0.0,
     ):
         super().__init__()
         self.normalized_shape = _shape("FusedRMSNorm", normalized_shape)
         self.eps = None if eps is None else _checks.real("FusedRMSNorm", "eps", eps, minimum=0.0)
+        self.offset = _checks.real("FusedRMSNorm", "offset", offset)
+        if self.offset != 0.0 and not elementwise_affine:
+            raise ValueError(f"FusedRMSNorm: offset is {offset}; an offset needs elementwise_affine=True")
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            self.reset_parameters()
         else:
             self.register_parameter("weight", None)
 
     def reset_parameters(self) -> None:
+        """The weight at ``1 - offset`` (the identity scale)."""
         if self.weight is not None:
-            nn.init.ones_(self.weight)
+            nn.init.constant_(self.weight, 1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = _flatten_last("FusedRMSNorm", x, self.normalized_shape)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         w = self.weight.reshape(-1) if self.weight is not None else None
+        if self.offset != 0.0:
+            return offset_rms_norm(xf, w, eps, self.offset).reshape(x.shape)
         return rms_norm(xf, w, eps).reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{offset}"

@@ -66,6 +66,38 @@ def test_rms_norm_module_matches_torch():
     assert_close_to_reference(fused(x), ref.double()(x.double()), torch.float32, "FusedRMSNorm")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_module_with_offset_is_gemmas_one_plus_weight(dtype):
+    """offset=1.0: ``x / rms(x) * (1 + weight)`` with the sum in fp32 (the weight stored as the offset from one, so
+    it starts at zeros and is never changed); against fp64 and its gradients, a bf16 weight under a bf16 input."""
+    m = FusedRMSNorm(48, eps=1e-6, offset=1.0, dtype=dtype)
+    assert torch.equal(m.weight, torch.zeros(48, dtype=dtype)) and "offset=1.0" in repr(m)
+    randomize(m)
+    stored = m.weight.detach().clone()
+    x = make((7, 48), dtype, "cpu", shift=2.0).requires_grad_(True)
+    y = m(x)
+    assert y.dtype == dtype and torch.equal(m.weight.detach(), stored)
+    xd, wd = x.detach().double().requires_grad_(True), m.weight.detach().double().requires_grad_(True)
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + wd)
+    assert_close_to_reference(y, ref, dtype, "offset RMSNorm")
+    dy = make((7, 48), dtype, "cpu", seed=5)
+    y.backward(dy)
+    ref.backward(dy.double())
+    assert_close_to_reference(x.grad, xd.grad, dtype, "dx")
+    assert m.weight.grad.dtype == dtype
+    assert_close_to_reference(m.weight.grad, wd.grad, dtype, "dweight")
+
+
+def test_rms_norm_module_offset_must_be_finite_and_have_a_weight():
+    with pytest.raises(ValueError, match="FusedRMSNorm: offset"):
+        FusedRMSNorm(8, offset=float("inf"))
+    with pytest.raises(TypeError, match="FusedRMSNorm: offset"):
+        FusedRMSNorm(8, offset="1")
+    with pytest.raises(ValueError, match="FusedRMSNorm: offset is 1.0; an offset needs elementwise_affine=True"):
+        FusedRMSNorm(8, offset=1.0, elementwise_affine=False)
+    assert torch.equal(FusedRMSNorm(8).weight, torch.ones(8))  # default: torch's RMSNorm
+
+
 def test_bias_gelu_module_uses_own_or_given_bias():
     m = randomize(FusedBiasGeLU(24, approximate="none"))
     x = make((5, 24), torch.float32, "cpu")
