@@ -363,6 +363,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         head_dim: each head's size (default ``hidden_size / num_heads``; the query width is ``num_heads · head_dim``).
         qk_norm_eps: an RMSNorm of this epsilon over each query and key head (``q_norm``, ``k_norm``: weights of
             size d shared by the heads, before the rotary embedding; Qwen 3), or None.
+        qk_norm_offset: added to those norms' weights on each call (Gemma's 1: ``1 + weight``; default 0).
         softmax_scale: the scores' scale (default ``1 / sqrt(head_dim)``; Gemma's ``query_pre_attn_scalar ** -0.5``).
 
     Forward: ``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism), ``positions`` (int ``[s]``, the
@@ -392,6 +393,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         overlap_comm: bool = True,
         proj_bias: bool | None = None,
         qk_norm_eps: float | None = None,
+        qk_norm_offset: float = 0.0,
         head_dim: int | None = None,
         softmax_scale: float | None = None,
         init_method: init.InitMethod | None = None,
@@ -460,8 +462,8 @@ class ParallelGroupedQueryAttention(nn.Module):
         mark_fused(self.kv.weight, parts=2, head_dim=d)  # [keys; values]
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # one RMSNorm over each head's d (Qwen 3): replicated, each rank's heads partial
-            self.q_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype)
-            self.k_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype)
+            self.q_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype, offset=qk_norm_offset)
+            self.k_norm = FusedRMSNorm(d, qk_norm_eps, device=device, dtype=dtype, offset=qk_norm_offset)
             mark_sequence_parallel(self.q_norm.weight, self.k_norm.weight)
 
     def forward(

@@ -1,8 +1,8 @@
 """HuggingFace ``Gemma3ForCausalLM`` (model_type ``gemma3_text``) <-> megakernels Gemma.
 
 The tensors are a Llama's (``llama.rules``: k/v and gate/up packed) plus the two sandwich norms and the per-head
-q/k norms. Gemma's RMSNorm multiplies by ``1 + weight`` and ours by ``weight``: every norm's weight gains one on
-the way in and loses it on the way out (exact in fp32, the dtype both directions convert in).
+q/k norms. Gemma's RMSNorm multiplies by ``1 + weight``, and so does ours (``norm_offset``): every tensor is copied
+as it is, so both round trips are bit-exact.
 
 Refused, naming the setting: attention-logit soft-capping (``attn_logit_softcapping``: the FlashAttention kernels
 have no cap on the scores), bidirectional attention, attention biases, an activation other than tanh-GeLU, rotary
@@ -12,7 +12,7 @@ scaling on the local layers, and the multimodal ``gemma3`` wrapper (another mode
 from __future__ import annotations
 
 from megakernels_models.convert import llama
-from megakernels_models.convert.common import ConversionError, Rule
+from megakernels_models.convert.common import ConversionError, Rule, copy
 from megakernels_models.models.config import ModelConfig
 
 MODEL_TYPE = "gemma3_text"
@@ -20,21 +20,14 @@ IGNORED = llama.IGNORED
 normalize, tied = llama.normalize, llama.tied
 
 
-def _norm(ours: str, theirs: str) -> Rule:
-    return Rule((ours,), (theirs,), lambda ts: [ts[0].float() + 1.0], lambda ts: [ts[0] - 1.0])
-
-
 def rules(cfg: ModelConfig) -> list[Rule]:
-    """Gemma's tensor rules: a Llama's, with every norm through ``1 + weight``."""
-    out = []
-    for rule in llama.rules(cfg):
-        name = rule.ours[0]
-        out.append(_norm(name, rule.theirs[0]) if "norm" in name else rule)
+    """Gemma's tensor rules: a Llama's, plus the sandwich norms."""
+    out = list(llama.rules(cfg))
     for i in range(cfg.num_layers):
         a, m = f"model.layers.{i}.", f"layers.{i}."
         out += [
-            _norm(m + "attention_output_norm.weight", a + "post_attention_layernorm.weight"),
-            _norm(m + "mlp_output_norm.weight", a + "post_feedforward_layernorm.weight"),
+            copy(m + "attention_output_norm.weight", a + "post_attention_layernorm.weight"),
+            copy(m + "mlp_output_norm.weight", a + "post_feedforward_layernorm.weight"),
         ]
     # ours: post_attention_norm is the MLP's input norm (theirs pre_feedforward_layernorm)
     return [

@@ -339,6 +339,12 @@ class ModelConfig:
         """``c`` of a tanh soft cap on the output logits, ``c · tanh(logits / c)`` (Gemma 2's), or None."""
         return None
 
+    @property
+    def norm_offset(self) -> float:
+        """Added to every RMSNorm's weight on each call: 0, or Gemma's 1 (``x / rms(x) · (1 + weight)``, the weight
+        stored as HuggingFace stores it and initialised to zeros)."""
+        return 0.0
+
     def _check_family(self) -> None:
         """The family's own fields' rules, before the defaults are filled in (may fill the family's own)."""
 

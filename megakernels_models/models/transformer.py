@@ -35,9 +35,12 @@ from megakernels_models.models.config import ModelConfig
 
 
 def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:
-    """The configuration's norm over the hidden size (LayerNorm or RMSNorm)."""
-    cls = FusedRMSNorm if config.norm == "rmsnorm" else FusedLayerNorm
-    return cls(config.hidden_size, config.layernorm_eps, device=device, dtype=dtype)
+    """The configuration's norm over the hidden size (LayerNorm, or RMSNorm with the configuration's weight offset)."""
+    if config.norm == "rmsnorm":
+        return FusedRMSNorm(
+            config.hidden_size, config.layernorm_eps, device=device, dtype=dtype, offset=config.norm_offset
+        )
+    return FusedLayerNorm(config.hidden_size, config.layernorm_eps, device=device, dtype=dtype)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -135,6 +138,7 @@ class TransformerLayer(nn.Module):
                 **{**common, "bias": c.qkv_bias},
                 proj_bias=c.bias,
                 qk_norm_eps=c.layernorm_eps if c.qk_norm else None,
+                qk_norm_offset=c.norm_offset,
                 head_dim=c.head_dim,
             )
         else:

@@ -116,8 +116,14 @@ def _hf_tiny(path, **kw):
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "final_logit_softcapping": 3.0}],
-)
+    [
+        {},
+        {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "final_logit_softcapping": 3.0},
+        # another shape: 7 layers (a full one then a sliding one after it), one kv head, wider heads
+        {"hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 7, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32},
+    ],
+)  # fmt: skip
 def test_gemma3_converts_both_ways_with_transformers_logits(single_world, tmp_path, extra):
     from megakernels_models import convert
     from megakernels_models.training import checkpoint
@@ -129,7 +135,7 @@ def test_gemma3_converts_both_ways_with_transformers_logits(single_world, tmp_pa
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
     meta, _ = convert.read_checkpoint(str(tmp_path / "mk"))
     cfg = convert.ModelConfig.from_dict(meta["config"])
-    assert cfg.model == "gemma" and cfg.layer_types == pattern(6)
+    assert cfg.model == "gemma" and cfg.layer_types == pattern(hf.config.num_hidden_layers)
     model = GemmaModel(cfg, seed=0).eval()
     checkpoint.load(checkpoint.read_latest(str(tmp_path / "mk")), [model], None, cfg)
     with torch.no_grad():
@@ -138,11 +144,12 @@ def test_gemma3_converts_both_ways_with_transformers_logits(single_world, tmp_pa
     convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
     back = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / "back").eval()
     theirs = back.state_dict()
-    for name, p in hf.state_dict().items():
-        if "norm" in name:  # w + 1 - 1 in fp32: within an ulp of one
-            torch.testing.assert_close(theirs[name], p, rtol=0, atol=2**-23, msg=name)
-        else:
-            assert torch.equal(theirs[name], p), name
+    assert theirs.keys() == hf.state_dict().keys()
+    for name, p in hf.state_dict().items():  # HF -> ours -> HF: bit-exact (the norms' weights too)
+        assert torch.equal(theirs[name], p), name
+    convert.hf_to_megakernels(str(tmp_path / "back"), str(tmp_path / "mk2"))  # ours -> HF -> ours: bit-exact
+    first, second = convert.read_checkpoint(str(tmp_path / "mk"))[1], convert.read_checkpoint(str(tmp_path / "mk2"))[1]
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_attention_logit_soft_capping_is_refused_by_name(tmp_path, capsys):

@@ -5,8 +5,8 @@ normalised), embeddings scaled by ``sqrt(hidden_size)``, a tanh-GeLU gated MLP (
 the word embedding, the scores scaled by ``query_pre_attn_scalar ** -0.5``, and an optional tanh cap on the
 final logits (``final_logit_softcapping``, Gemma 2's).
 
-Gemma's RMSNorm multiplies by ``1 + weight``; here every norm multiplies by its weight (the fused RMSNorm), so a
-norm's weight is HuggingFace's plus one (initialised to ones, as theirs to zeros).
+Gemma's RMSNorm multiplies by ``1 + weight`` (``norm_offset`` 1: the fused RMSNorm adds the one in fp32 on each
+call), so a norm's weight is HuggingFace's tensor itself, initialised to zeros as theirs.
 
 Presets: ``gemma-tiny`` (the CPU default), ``gemma3-1b``, ``gemma3-4b``, ``gemma3-12b``, ``gemma3-27b`` (the text
 models).
@@ -63,6 +63,10 @@ class GemmaConfig(ModelConfig):
     @property
     def logit_softcap(self) -> float | None:
         return self.final_logit_softcapping
+
+    @property
+    def norm_offset(self) -> float:
+        return 1.0
 
 
 @dataclasses.dataclass
