@@ -78,17 +78,38 @@ def cross_entropy_launches(arch: int, vocab: int = 50304, softcap: float = 0.0):
     ]
 
 
+def moe_router_launches(arch: int, experts: int = 256, k: int = 8, n_group: int = 8, sigmoid: bool = True):
+    """The MoE router's forward and backward at DeepSeek-V3's routing (256 experts, top-8 of 4 of 8 groups,
+    sigmoid scores) by default."""
+    from megakernels.triton import moe_router as mr
+
+    t, x = 4096, _meta((4096, experts), "bfloat16")
+    f32, idx = _meta((t, k), "float32"), _meta((t, k), "int64")
+    part = _meta((mr.ROWS, experts), "float32")
+    score, topk_group = int(sigmoid), max(1, n_group // 2)
+    fwd = (x, _meta((experts,), "float32"), f32, idx, _meta((t,), "float32"), part, part)
+    return [
+        mr.route_launch(*fwd, k, score, True, not sigmoid, 2.5, n_group, topk_group),
+        mr.route_backward_launch(
+            x, _meta((t,), "float32"), idx, f32, f32, _meta((experts,), "float32"), _meta((t,), "float32"), x, score,
+            True, not sigmoid, 2.5,
+        ),
+    ]  # fmt: skip
+
+
 def jobs(archs, full: bool, defaults: bool):
     """(what, arch, builder args): every candidate config of every head dim in the fp16 causal variant, plus every
     variant (dtype x causal x dropout) of each arch's d128 default, and each default's fp16 causal variant with
     attention sinks; with ``full``, every config in every variant (and each default's with sinks); with
     ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels, without
-    and with the soft cap."""
+    and with the soft cap, and the MoE router's."""
     from megakernels.triton import flash_attention as fa
 
     for arch in archs:
         yield (f"cross_entropy sm_{arch}", arch, ("ce",))
         yield (f"cross_entropy sm_{arch} softcap", arch, ("ce", 50304, 30.0))
+        yield (f"moe_router sm_{arch} deepseek-v3", arch, ("router",))
+        yield (f"moe_router sm_{arch} gpt-oss", arch, ("router", 128, 4, 1, False))
         for passname, table in (("fwd", fa.FWD_CONFIGS), ("bwd", fa.BWD_CONFIGS)):
             for head_dim in HEAD_DIMS:
                 for i, cfg in enumerate(fa.candidates(table, arch, head_dim)):
@@ -125,7 +146,8 @@ def _check_one(job) -> str | None:
 
     what, arch, spec = job
     try:
-        launches = cross_entropy_launches(arch, *spec[1:]) if spec[0] == "ce" else attention_launches(arch, *spec[1:])
+        build = {"ce": cross_entropy_launches, "router": moe_router_launches}.get(spec[0], attention_launches)
+        launches = build(arch, *spec[1:])
         for launch in launches:
             compiled = compile_launch(launch, arch)
             if compiled.metadata.shared > SHARED_LIMIT[arch]:

@@ -7,6 +7,7 @@
 #include "bias_gelu.cpp"
 #include "cross_entropy.cpp"
 #include "flash_attention.cpp"
+#include "moe.cpp"
 #include "muon.cpp"
 #include "norms.cpp"
 #include "optim.cpp"

@@ -8,6 +8,7 @@ from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.fp8 import fp8_gemm, fp8_grouped_gemm, fp8_linear, fp8_quantize
 from megakernels.ops.linear_cross_entropy import linear_cross_entropy
 from megakernels.ops.logprobs import linear_logprobs
+from megakernels.ops.moe_router import moe_router, moe_router_reference
 from megakernels.ops.muon import newton_schulz
 from megakernels.ops.norms import layer_norm, rms_norm
 from megakernels.ops.post_training import (
@@ -37,6 +38,8 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "linear_logprobs",
+    "moe_router",
+    "moe_router_reference",
     "sequence_logprobs",
     "dpo_loss",
     "orpo_loss",
