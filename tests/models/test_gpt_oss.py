@@ -5,6 +5,8 @@ and training on the embedded data."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -62,6 +64,26 @@ def test_the_dry_run_prints_the_published_totals(name, total, active):
     assert rep["active_parameters"] - cfg.vocab_size * cfg.hidden_size == pytest.approx(active, rel=0.01)
 
 
+def test_the_family_switches_on_gpt_oss_pieces_and_takes_its_flags(single_world):
+    from megakernels_models.arguments import validate
+
+    cfg = validate(parse_train_args(["--preset", "gpt-oss-tiny", "--swiglu-limit", "3", "--swiglu-alpha", "1.5"]))
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (3.0, 1.5)
+    model = GptOssModel(cfg, seed=0, device="meta")
+    assert [layer.attention.window for layer in model.layers] == [64, None, 64, None]
+    moe = model.layers[0].mlp
+    assert moe.router.softmax_topk and moe.router.bias is not None and moe.top_k == 4
+    assert (moe.experts.swiglu_limit, moe.experts.swiglu_alpha) == (3.0, 1.5)
+    assert moe.experts.fc1_bias.shape == (8, 256) and moe.experts.fc2_bias.shape == (8, 128)
+    assert model.layers[0].attention.sinks.dtype == torch.float32 and model.output_layer is not None
+    with pytest.raises(ValueError, match="swiglu_limit must be a finite number > 0"):
+        cfg.replace(swiglu_limit=0.0)
+    with pytest.raises(ValueError, match="num_experts must be > 0"):
+        cfg.replace(num_experts=0)
+    with pytest.raises(ValueError, match="no shared experts"):
+        cfg.replace(moe_shared_experts=1)
+
+
 SHAPES = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4),
     "clamped": dict(
@@ -83,7 +105,7 @@ def _hf_tiny(**kw) -> transformers.GptOssForCausalLM:
         vocab_size=300,
         hidden_size=32,
         num_hidden_layers=4,
-        max_position_embeddings=32,
+        max_position_embeddings=64,  # YaRN's factor 4 over 16 positions
         sliding_window=8,
         rope_parameters={
             "rope_type": "yarn",
@@ -141,20 +163,37 @@ def test_gpt_oss_converts_both_ways_with_transformers_logits(single_world, tmp_p
     assert first.keys() == second[1].keys() and all(torch.equal(first[k], second[1][k]) for k in first)
 
 
-def test_gpt_oss_in_fp64_matches_transformers_in_fp64(single_world, tmp_path):
-    """Transformers' gpt-oss in fp64 still takes its RMSNorm and rotary table through fp32: equal to that rounding."""
+@pytest.mark.parametrize("shape", ["gqa", "clamped"])
+def test_gpt_oss_in_fp64_matches_transformers_logits_and_gradients(single_world, tmp_path, shape):
+    """Every parameter's gradient too (transformers' mapped by the conversion's own rules). Transformers' gpt-oss in
+    fp64 still takes its RMSNorm and rotary table through fp32: equal to that rounding."""
     from megakernels_models import convert
+    from megakernels_models.convert import gpt_oss
+    from megakernels_models.convert.common import apply
 
-    hf = _hf_tiny(**SHAPES["gqa"])
+    hf = _hf_tiny(**SHAPES[shape])
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
     cfg, model = _ours(tmp_path / "mk", torch.float64)
-    ids = torch.randint(0, 300, (2, 32))
-    with torch.no_grad():
-        ref = hf.double()(ids).logits
-        ours = model(ids).transpose(0, 1)[..., : cfg.vocab_size]
+    hf = hf.double()
+    ids, weights = torch.randint(0, 300, (2, 32)), torch.randn(2, 32, 300, dtype=torch.float64)
+    ref = hf(ids).logits
+    ours = model(ids).transpose(0, 1)[..., : cfg.vocab_size]
     assert ours.dtype == torch.float64
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    (ref * weights).sum().backward()
+    (ours * weights).sum().backward()
+    theirs = apply(gpt_oss.rules(cfg), {n: p.grad for n, p in hf.named_parameters()}, "to_ours", (), gpt_oss.tied(cfg))
+    for name, p in model.named_parameters():
+        head, _, leaf = name.rpartition(".")
+        if head.endswith("mlp.experts"):  # stacked over the experts; the rules name each
+            expected = torch.stack([theirs[f"{head}.{e}.{leaf}"] for e in range(cfg.num_experts)])
+        else:
+            expected = theirs[name]
+        rows = expected.shape[0]  # the vocabulary's padding rows have no gradient
+        torch.testing.assert_close(
+            p.grad[:rows], expected.to(p.dtype), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def _pack(tmp_path, hf, quant_method="mxfp4"):
@@ -248,3 +287,21 @@ def test_an_unpaired_mxfp4_tensor_and_an_inexpressible_export_are_refused_by_nam
         gpt_oss.config_to_theirs(cfg.replace(sinks=False))
     with pytest.raises(ConversionError, match="moe_capacity_factor"):
         gpt_oss.config_to_theirs(cfg.replace(moe_capacity_factor=1.0))
+
+
+def test_gpt_oss_tiny_trains_on_the_embedded_data():
+    from megakernels_models.arguments import TrainArgs
+    from megakernels_models.training.train import run
+
+    args = TrainArgs(
+        preset="gpt-oss-tiny",
+        steps=4,
+        lr=3e-3,
+        micro_batch_size=2,
+        global_batch_size=2,
+        eval_interval=0,
+        progress=False,
+        corpus_bytes=1 << 16,
+    )
+    losses = [r["loss"] for r in run(args)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
