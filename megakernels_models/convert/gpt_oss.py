@@ -59,10 +59,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
             "[E, out, G]"
         )
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).long()  # [E, out, G, 16, 2]: low nibble first
-    values = lut[codes].flatten(-2)  # [E, out, G, 32]
-    values = torch.ldexp(values, scales.long().sub(127).unsqueeze(-1).float())
-    return values.flatten(-2).transpose(1, 2).contiguous()
+    E, rows, G, _ = blocks.shape
+    out = torch.empty(E, G * 32, rows, dtype=torch.float32)
+    for e in range(E):  # one expert at a time: the codes' index tensor is 16 bytes a weight
+        codes = torch.stack((blocks[e] & 0x0F, blocks[e] >> 4), -1).long()  # [out, G, 16, 2]: low nibble first
+        values = torch.ldexp(lut[codes].flatten(-2), scales[e].long().sub(127).unsqueeze(-1).float())
+        out[e] = values.flatten(-2).t()
+    return out
 
 
 def normalize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -150,34 +153,34 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     window = hf.get("sliding_window")
     if window is None:  # transformers' sliding layers then see every position
         layer_types = ["full_attention"] * layers
-    h, n = hf["hidden_size"], hf["num_attention_heads"]
     bias = bool(hf.get("attention_bias", True))
+    base = llama.config_to_ours(
+        {
+            **hf,
+            "hidden_act": "silu",  # transformers' gpt-oss experts ignore it (their clamped SwiGLU)
+            "rope_parameters": None,
+            "rope_scaling": None,
+            "rope_theta": rope.get("rope_theta") or hf.get("rope_theta") or 150000.0,
+            "sliding_window": None,
+            "attention_bias": bias,
+            "mlp_bias": bias,
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+        },
+        rope_interleaved,
+    )
     return ModelConfig(
         "gpt_oss",
-        **llama.rope_scaling_to_ours(rope, yarn=True, max_positions=hf.get("max_position_embeddings")),
-        num_layers=layers,
-        hidden_size=h,
-        num_heads=n,
-        num_kv_heads=hf.get("num_key_value_heads") or n,
-        head_dim=hf.get("head_dim") or h // n,
-        seq_length=hf["max_position_embeddings"],
-        vocab_size=hf["vocab_size"],
-        ffn_hidden_size=hf["intermediate_size"],
-        num_experts=int(hf["num_local_experts"]),
-        moe_top_k=int(hf["num_experts_per_tok"]),
-        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
-        dropout=0.0,
-        attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        layernorm_eps=hf.get("rms_norm_eps", 1e-5),
-        init_std=hf.get("initializer_range", 0.02),
-        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 150000.0),
-        rope_interleaved=rope_interleaved,
-        bias=bias,
-        qkv_bias=bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        layer_types=tuple(layer_types),
-        sliding_window=window if "sliding_attention" in layer_types else None,
-        sinks=True,
+        **{
+            **base.shared(),
+            **llama.rope_scaling_to_ours(rope, yarn=True, max_positions=hf.get("max_position_embeddings")),
+            "num_experts": int(hf["num_local_experts"]),
+            "moe_top_k": int(hf["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": None,
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+            "layer_types": tuple(layer_types),
+            "sliding_window": window if "sliding_attention" in layer_types else None,
+            "sinks": True,
+        },
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
     )
