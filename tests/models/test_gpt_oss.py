@@ -80,6 +80,10 @@ def test_the_family_switches_on_gpt_oss_pieces_and_takes_its_flags(single_world)
         cfg.replace(num_experts=0)
     with pytest.raises(ValueError, match="no shared experts"):
         cfg.replace(moe_shared_experts=1)
+    from megakernels.parallel.moe import GroupedMLP
+
+    with pytest.raises(ValueError, match="swiglu_limit is the clamped SwiGLU's; activation is 'gelu'"):
+        GroupedMLP(8, 8, 2, 0, 2, activation="gelu", swiglu_limit=1.0, device="meta")
 
 
 SHAPES = {
