@@ -119,10 +119,11 @@ def mark_tensor_parallel(
         rec.partition_stride, rec.replicas = stride, replicas
 
 
-def mark_expert_parallel(p, *, num_experts: int, first: int, dim: int, stride: int = 1) -> None:
+def mark_expert_parallel(p, *, num_experts: int, first: int, dim: int, stride: int = 1, replicas: int = 1) -> None:
     """Mark stacked expert weights (see the module docstring): experts ``first ..`` of ``num_experts``, each
-    expert's matrix tensor-parallel along ``dim`` (0 or 1) with ``stride``."""
-    mark_tensor_parallel(p, dim=dim, stride=stride)
+    expert's matrix tensor-parallel along ``dim`` (0 or 1) with ``stride`` (``replicas=tp``: replicated over the TP
+    group, as a per-expert bias added once to the TP partial sums)."""
+    mark_tensor_parallel(p, dim=dim, stride=stride, replicas=replicas)
     rec = _own(p)
     rec.expert_parallel, rec.num_experts, rec.expert_first = True, num_experts, first
 

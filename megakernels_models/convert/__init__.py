@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from megakernels_models.convert import bert, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from megakernels_models.convert import bert, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from megakernels_models.convert.common import (
     ConversionError,
     apply,
@@ -33,7 +33,7 @@ from megakernels_models.models.registry import family
 from megakernels_models.training.checkpoint import GENERATION_CONFIG
 from megakernels_models.training.checkpoint_store import copy_tokenizer
 
-FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3)}
+FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss)}
 TOKENIZER = "tokenizer.json"
 
 __all__ = [
@@ -68,7 +68,7 @@ def hf_to_megakernels(
     """
     hf, tensors = read_hf(hf_dir)
     fam = _family(hf.get("model_type"))
-    rotary = fam in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3)
+    rotary = fam in (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss)
     if rope_interleaved and not rotary:
         raise ConversionError(f"--rope-interleaved is for Llama and Mixtral models, not {fam.MODEL_TYPE}")
     cfg = fam.config_to_ours(hf, rope_interleaved) if rotary else fam.config_to_ours(hf)

@@ -109,8 +109,9 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
                 copy(m + "attention.k_norm.weight", a + "self_attn.k_norm.weight"),
             ]
         if cfg.bias:
+            out.append(copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"))
+        if cfg.bias and mlp is None:  # the dense MLP's; a family's own MLP rules carry its biases
             out += [
-                copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"),
                 _packed(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
                 copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias"),
             ]
@@ -185,11 +186,14 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     )
 
 
-def rope_scaling_to_ours(scaling: dict | None) -> dict:
-    """``ModelConfig`` fields of a HuggingFace ``rope_scaling`` / ``rope_parameters`` (``llama3`` and ``linear``).
+def rope_scaling_to_ours(scaling: dict | None, yarn: bool = False, max_positions: int | None = None) -> dict:
+    """``ModelConfig`` fields of a HuggingFace ``rope_scaling`` / ``rope_parameters`` (``llama3`` and ``linear``;
+    with ``yarn``, also YaRN as transformers computes it: a missing ``factor`` is ``max_positions`` over the
+    original positions, ``mscale`` and ``mscale_all_dim`` count only when both are set and non-zero).
 
     Raises:
-        ConversionError: another kind (``dynamic``, ``yarn``, ``longrope``, ...), named.
+        ConversionError: another kind (``dynamic``, ``longrope``, ``yarn`` without ``yarn``, ...), or a YaRN setting
+            megakernels' YaRN has no field for (``attention_factor``, ``partial_rotary_factor``), named.
     """
     if not scaling:
         return {}
@@ -206,9 +210,34 @@ def rope_scaling_to_ours(scaling: dict | None) -> dict:
             "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
             "rope_original_max_positions": int(scaling["original_max_position_embeddings"]),
         }
+    if kind == "yarn" and yarn:
+        return _yarn_to_ours(scaling, max_positions)
     raise ConversionError(
         f"rope_scaling of type {kind!r}: megakernels' rotary embeddings scale positions as 'llama3' or 'linear' only"
     )
+
+
+def _yarn_to_ours(scaling: dict, max_positions: int | None) -> dict:
+    for key in ("attention_factor", "partial_rotary_factor"):
+        if scaling.get(key) is not None and not (key == "partial_rotary_factor" and scaling[key] == 1.0):
+            raise ConversionError(f"rope_parameters.{key}={scaling[key]}: megakernels' YaRN has no such setting")
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        if max_positions is None:
+            raise ConversionError("rope_parameters of type 'yarn' without factor nor max_position_embeddings")
+        factor = max_positions / original
+    out = {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": float(factor),
+        "rope_original_max_positions": original,
+        "rope_beta_fast": float(scaling.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(scaling.get("beta_slow") or 1.0),
+        "rope_truncate": bool(scaling.get("truncate", True)),
+    }
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        out.update(rope_mscale=float(scaling["mscale"]), rope_mscale_all_dim=float(scaling["mscale_all_dim"]))
+    return out
 
 
 def rope_scaling_to_theirs(cfg: ModelConfig) -> dict | None:

@@ -172,6 +172,9 @@ class ModelConfig:
     DEFAULTS = {}  # the family's values of the architecture fields left None
     # Gemma's sandwich: each branch's output normalised too, before the residual sum (``TransformerLayer``)
     sandwich_norms = False
+    # gpt-oss's mixture of experts: biases in the router and the experts, the softmax over the chosen logits
+    moe_biases = False
+    moe_softmax_topk = False
 
     def __new__(cls, *args, **kwargs):
         name = kwargs.get("model", args[0] if args else (cls.family or DEFAULT))
@@ -344,6 +347,11 @@ class ModelConfig:
         """Added to every RMSNorm's weight on each call: 0, or Gemma's 1 (``x / rms(x) · (1 + weight)``, the weight
         stored as HuggingFace stores it and initialised to zeros)."""
         return 0.0
+
+    @property
+    def swiglu_clamp(self) -> tuple[float, float] | None:
+        """``(limit, alpha)`` of the experts' clamped SwiGLU (gpt-oss's; ``megakernels.ops.swiglu``), or None."""
+        return None
 
     def _check_family(self) -> None:
         """The family's own fields' rules, before the defaults are filled in (may fill the family's own)."""

@@ -368,8 +368,8 @@ def params_per_stage(
     for name, p in model.named_parameters():
         if (experts_only and not is_expert_parallel(p)) or skip(name) or (muon is not None and name not in muon):
             continue
-        if is_expert_parallel(p):
-            n = p.numel() // tp // ep
+        if is_expert_parallel(p):  # the experts' output bias is replicated over TP (whole on every TP rank)
+            n = p.numel() // (1 if name.endswith("experts.fc2_bias") else tp) // ep
         elif name in ("embedding.word.weight", "output_layer.weight"):
             n = vocab_local * cfg.hidden_size
         elif name == "mlm_bias":

@@ -18,7 +18,8 @@ zb-v checkpoints resumed under 1F1B and in one process, and 1F1B's under zb-v), 
 projector before a GPT, the image tokens a prefix; gated cross-attention in a Llama with the contrastive loss) at pp
 2 (the encoder on the first stage), dp 2 with ZeRO-1, and tp 2 (the encoder, projector and cross-attention split)
 alone and × dp 2 with ZeRO-1 and selective recomputation; their checkpoints saved at dp 2 with ZeRO-1 and at tp 2
-resume in one process.
+resume in one process; gpt-oss (sinks, alternating windows, YaRN, the experts' biases and clamped SwiGLU) at ep 2 and
+tp 2 × pp 2.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
 layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once. The
@@ -82,6 +83,7 @@ MODELS = (
     "gpt-moe-fp8",
     "llama-moe-fp8",
     "gemma",
+    "gpt-oss",
 )
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
@@ -97,6 +99,16 @@ GEMMA = dict(
     local_rope_theta=100.0,
     query_pre_attn_scalar=6.0,
     final_logit_softcapping=3.0,
+)
+GPT_OSS = dict(
+    layer_types=("sliding_attention", "full_attention") * 2,
+    sliding_window=5,
+    rope_scaling="yarn",
+    rope_scaling_factor=4.0,
+    rope_original_max_positions=8,
+    rope_truncate=False,
+    swiglu_limit=0.1,
+    swiglu_alpha=1.702,
 )
 VLM = dict(image_size=16, patch_size=8, vision_layers=1, vision_hidden_size=16, vision_heads=2)
 FAMILY = {
@@ -125,6 +137,9 @@ FAMILY = {
     # Gemma 3: three sliding layers (5 of 16 positions) and a full one, each with its rotary base, q/k norms,
     # sandwich norms, the sqrt(hidden) embedding scale, GeGLU, tied output, its attention scale and a logit cap
     "gemma": ("gemma", {**LLAMA, **GEMMA}),
+    # gpt-oss: sliding and full layers alternating with sinks, YaRN, attention biases, and top-2 of 4 experts with
+    # biases (the down bias replicated over tp), the softmax over the chosen logits and a clamp the activations reach
+    "gpt-oss": ("gpt_oss", {**LLAMA, **MOE, **GPT_OSS}),
 }
 FP8_MODELS = ("gpt-fp8", "llama-fp8", "gpt-moe-fp8", "llama-moe-fp8")
 # An fp32 sum in another order can move an element across an FP8 rounding boundary (an error of one FP8 ulp in one
@@ -203,7 +218,7 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma") + PACKED + FP8_MODELS,
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma", "gpt-oss") + PACKED + FP8_MODELS,
     "tp2-sp": DENSE + ("gpt-fp8", "llama-fp8"),
     "tp2-pp2-ep2": ("gpt-moe-fp8", "llama-moe-fp8"),
     "pp2-vpp2-dp2": ("gpt", "bert"),
@@ -214,7 +229,7 @@ ONLY = {
     "pp2-cp2": ("gpt", "llama"),
     "cp2-dp2-zero1": ("llama",),
     "tp2-cp2-pp2-recompute": ("llama",),
-    "ep2": EXPERTS + ("qwen-moe",),
+    "ep2": EXPERTS + ("qwen-moe", "gpt-oss"),
     "ep4": EXPERTS,
     "tp2-ep2-sp": EXPERTS,
     "pp2-ep2": EXPERTS,

@@ -69,10 +69,15 @@ class GroupedMLP(nn.Module):
         num_experts: E of the whole layer; this rank holds ``[first, first + num_local)``.
         first, num_local: the local experts.
         activation: ``"swiglu"``, ``"gelu"`` (erf) or ``"gelu_tanh"``.
+        bias: per-expert biases on fc1 and fc2 (zero at the start; module docstring).
+        swiglu_limit, swiglu_alpha: the clamped SwiGLU's bound and slope (``ops.swiglu``); None: plain SwiGLU.
         seed: the layer's seed (each expert's weights from ``derive_seed(seed, "experts.<e>.fc1")``).
         init_method, output_init_method, device, dtype: as ``ParallelMLP``.
 
     ``forward(rows [N, h], group_sizes [num_local])`` -> ``[N, h]``, partial over the TP ranks.
+
+    Raises:
+        ValueError: ``swiglu_limit`` with an activation other than ``"swiglu"``.
     """
 
     def __init__(
@@ -84,6 +89,9 @@ class GroupedMLP(nn.Module):
         num_local: int,
         *,
         activation: str = "swiglu",
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.0,
         seed: int = 0,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
@@ -93,6 +101,9 @@ class GroupedMLP(nn.Module):
         super().__init__()
         tp, r = state.tp_size(), state.tp_rank()
         state.check_divisible(ffn_hidden_size=ffn_hidden_size)
+        if swiglu_limit is not None and activation != "swiglu":
+            raise ValueError(f"GroupedMLP: swiglu_limit is the clamped SwiGLU's; activation is {activation!r}")
+        self.swiglu_limit, self.swiglu_alpha, self.tp_rank = swiglu_limit, float(swiglu_alpha), r
         self.activation, self.first, self.num_local = activation, first, num_local
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.fp8 = None  # an ops.fp8.Fp8Recipe: the grouped GEMMs in FP8 (megakernels.parallel.fp8.enable)
@@ -104,6 +115,12 @@ class GroupedMLP(nn.Module):
         mark_expert_parallel(self.fc2, num_experts=num_experts, first=first, dim=1)
         if gated:  # each expert's [gate; up]: two logical matrices (Muon orthogonalises each)
             mark_fused(self.fc1, parts=2)
+        self.fc1_bias = self.fc2_bias = None
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.zeros(num_local, rows // tp, device=device, dtype=dtype))
+            self.fc2_bias = nn.Parameter(torch.zeros(num_local, hidden_size, device=device, dtype=dtype))
+            mark_expert_parallel(self.fc1_bias, num_experts=num_experts, first=first, dim=0, stride=2 if gated else 1)
+            mark_expert_parallel(self.fc2_bias, num_experts=num_experts, first=first, dim=0, replicas=tp)
         if self.fc1.device.type != "meta":
             normal = init_method or init.init_method_normal()
             for i in range(num_local):
@@ -139,8 +156,16 @@ class GroupedMLP(nn.Module):
             gemm1 = lambda x, w, s: fp8.grouped_linear(x, w, s, spec1)  # noqa: E731
             gemm2 = lambda x, w, s: fp8.grouped_linear(x, w, s, spec2)  # noqa: E731
         y = gemm1(rows, self.fc1, group_sizes)
+        expert = None
+        if self.fc1_bias is not None:  # each row's expert
+            local = torch.arange(self.num_local, device=rows.device)
+            expert = torch.repeat_interleave(local, group_sizes, output_size=rows.shape[0])
+            y = y + self.fc1_bias[expert]
         if self.activation == "swiglu":
-            y = swiglu(y)
+            y = swiglu(y, self.swiglu_limit, self.swiglu_alpha)
         else:
             y = F.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return gemm2(y, self.fc2, group_sizes)
+        y = gemm2(y, self.fc2, group_sizes)
+        if expert is not None:  # once over the TP partial sums: rank 0's copy (the others' get a zero gradient)
+            y = y + self.fc2_bias[expert] * (1.0 if self.tp_rank == 0 else 0.0)
+        return y

@@ -68,6 +68,9 @@ class MoELayer(nn.Module):
         sequence_parallel: input and output are sequence shards ``[s/tp, b, h]``.
         activation: the experts' ``"swiglu"``, ``"gelu"`` or ``"gelu_tanh"``.
         normalize: renormalise the top-k router weights (Mixtral) or not (Switch/GShard).
+        bias: biases in the router and in every expert (gpt-oss; ``TopKRouter``'s and ``GroupedMLP``'s).
+        softmax_topk: the router's weights are the softmax over the k chosen logits (gpt-oss; ``TopKRouter``).
+        swiglu_limit, swiglu_alpha: the experts' clamped SwiGLU (gpt-oss; ``ops.swiglu``); None: plain SwiGLU.
         aux_loss_coeff, z_loss_coeff: the auxiliary losses' coefficients (0: not computed into the gradient).
         capacity_factor: rows per expert ``ceil(factor · tokens · k / E)`` (over-capacity assignments dropped);
             None is dropless.
@@ -92,6 +95,10 @@ class MoELayer(nn.Module):
         *,
         activation: str = "swiglu",
         normalize: bool = True,
+        bias: bool = False,
+        softmax_topk: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.0,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
         capacity_factor: float | None = None,
@@ -117,6 +124,8 @@ class MoELayer(nn.Module):
             num_experts,
             top_k,
             normalize,
+            bias=bias,
+            softmax_topk=softmax_topk,
             init_method=init_method,
             seed=init.derive_seed(seed, "router"),
             device=device,
@@ -130,6 +139,9 @@ class MoELayer(nn.Module):
             state.ep_rank() * local,
             local,
             activation=activation,
+            bias=bias,
+            swiglu_limit=swiglu_limit,
+            swiglu_alpha=swiglu_alpha,
             seed=seed,
             init_method=init_method,
             output_init_method=output_init_method,

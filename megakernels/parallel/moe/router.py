@@ -1,9 +1,10 @@
 """The router of a mixture-of-experts layer: which ``k`` experts each token goes to, with which weights, and the
 auxiliary losses that keep the experts busy evenly.
 
-All in fp32: ``logits = x Wᵀ`` ([tokens, E]), ``p = softmax(logits)``, the top-``k`` experts of each token and
-their probabilities (renormalised over the ``k`` with ``normalize=True``, as Mixtral; as they are otherwise, as
-Switch/GShard). Over a micro-batch's tokens:
+All in fp32: ``logits = x Wᵀ (+ b)`` ([tokens, E]), ``p = softmax(logits)``, the top-``k`` experts of each token
+and their probabilities (renormalised over the ``k`` with ``normalize=True``, as Mixtral; as they are otherwise, as
+Switch/GShard), or with ``softmax_topk=True`` (gpt-oss) the softmax of the ``k`` chosen logits alone. Over a
+micro-batch's tokens:
 
 - load-balancing loss (Switch Transformer): ``E · Σ_i f_i · P_i``, ``f_i`` the fraction of the ``T·k`` assignments
   that went to expert ``i`` (not differentiable), ``P_i`` the mean router probability of expert ``i``; 1 when
@@ -54,6 +55,9 @@ class TopKRouter(nn.Module):
         num_experts: E.
         top_k: experts per token (1 <= top_k <= E).
         normalize: renormalise the k probabilities to sum to 1.
+        bias: a bias ``[E]`` on the logits (zero at the start; gpt-oss).
+        softmax_topk: the weights are the softmax over the k chosen logits (gpt-oss's order: top-k, then softmax)
+            instead of the top k of the softmax over every expert; ``normalize`` is then moot (they sum to 1).
         init_method, seed, device, dtype: of the gate's weight ``[E, h]`` (replicated on every rank).
 
     ``forward(x, stats_group=None)``: ``x`` ``[tokens, h]`` -> ``(weights [tokens, k] fp32, experts [tokens, k]
@@ -71,6 +75,8 @@ class TopKRouter(nn.Module):
         top_k: int,
         normalize: bool = True,
         *,
+        bias: bool = False,
+        softmax_topk: bool = False,
         init_method: init.InitMethod | None = None,
         seed: int | None = None,
         device=None,
@@ -80,7 +86,9 @@ class TopKRouter(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"TopKRouter: top_k={top_k} must be in 1..num_experts={num_experts}")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, bool(normalize)
+        self.softmax_topk = bool(softmax_topk)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
             with torch.no_grad():
                 self.weight.copy_(
@@ -94,10 +102,16 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, stats_group=None):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 routing (fp64 for fp64 models)
         logits = x.to(acc) @ self.weight.to(acc).t()
+        if self.bias is not None:
+            logits = logits + self.bias.to(acc)
         probs = logits.softmax(-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize and self.top_k > 1:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.softmax_topk:
+            chosen, experts = logits.topk(self.top_k, dim=-1)
+            weights = chosen.softmax(-1)
+        else:
+            weights, experts = probs.topk(self.top_k, dim=-1)
+            if self.normalize and self.top_k > 1:
+                weights = weights / weights.sum(-1, keepdim=True)
         E = self.num_experts
         counts = torch.bincount(experts.flatten(), minlength=E).to(acc)
         total = torch.tensor([float(x.shape[0])], dtype=acc, device=x.device)
