@@ -28,6 +28,8 @@ EXPECTED_OPS = {
     "qwen2": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
     "qwen3": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
     "qwen3_moe": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
+    "gemma3_text": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},  # GeGLU: the swiglu op
+    "gpt_oss": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
 }
 
 
@@ -51,7 +53,7 @@ def patched_copy(model, mode: str, family: str):
         mkt.apply(twin)
         return twin
     with mkt.patch_classes(family):
-        twin = type(model)(model.config)
+        twin = type(model)(copy.deepcopy(model.config))  # its own config: the patch records itself on the config
     twin.load_state_dict(model.state_dict())
     return twin
 
@@ -87,7 +89,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "gemma3_text", "gpt_oss"])
 def test_patched_bf16_is_as_accurate_as_unpatched_bf16(family):
     ref = H.build(family)
     plain = copy.deepcopy(ref).to(torch.bfloat16)
@@ -139,7 +141,7 @@ def test_patched_model_compiles_as_one_graph(family):
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"])
 def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
     """DataCollatorWithFlattening's batches (sequences concatenated, position_ids restarting, -100 at each
     sequence's first label): no mask is made, FlashAttention keeps the sequences apart (Mistral's window inside
@@ -171,7 +173,7 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
 
 
 @pytest.mark.parametrize("mode", ["in_place", "classes"])
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss"])
 def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(family, mode):
     """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits made),
     loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too); reading
@@ -183,7 +185,7 @@ def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(famil
         assert mkt.apply(model, fused_head=True)["fused_head"]
     else:
         with mkt.patch_classes(family, fused_head=True):
-            model = type(ref)(ref.config)
+            model = type(ref)(copy.deepcopy(ref.config))
         model.load_state_dict(ref.state_dict())
     ids = H.batch()
     labels = ids.clone()
@@ -206,7 +208,7 @@ def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(famil
 
 
 def test_the_fused_head_is_refused_where_the_model_has_none():
-    expected = r"fused_head is for the causal LMs of gpt2, llama, mistral, qwen2, qwen3; got a"
+    expected = r"fused_head is for the causal LMs of gemma3_text, gpt2, gpt_oss, llama, mistral, qwen2, qwen3; got a"
     with pytest.raises(ValueError, match=expected):
         mkt.apply(H.build("mixtral"), fused_head=True)
 

@@ -3,23 +3,28 @@ with transformers. Every one keeps the module's parameters and their names (stat
 computes what the module it replaces computes, through megakernels' fused ops (docs/integrations.md):
 
 - norms: ``LayerNorm`` -> ``megakernels.ops.layer_norm``; ``*RMSNorm`` -> ``rms_norm`` (one pass each way, fp32
-  statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after).
+  statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after);
+  Gemma's ``x * (1 + weight)`` RMSNorm -> ``megakernels.nn.norms.offset_rms_norm`` (the ``1 + weight`` formed in
+  fp32 per call, the stored weight unchanged).
 - MLPs: GPT-2's ``c_fc`` + GeLU, BERT's intermediate ``dense`` + GeLU and its LM-head transform -> the GEMM
   without bias, then ``bias_gelu``; the Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights
-  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu``. A
+  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu`` (Gemma's
+  tanh-GeLU MLP: ``geglu``). A
   forward that reads a submodule's weight does so only while that submodule is a plain ``nn.Linear`` / ``Conv1D``
   (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the patch); otherwise it runs
   the module's own forward, which calls the submodules.
-- Mixtral's / Qwen 3 MoE's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
+- Mixtral's / Qwen 3 MoE's / gpt-oss's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
   ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
-  ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
+  ``grouped_gemm`` around ``swiglu`` (gpt-oss's clamped one, its interleaved gate/up columns reordered per call and
+  its biases added), outputs weighted and summed back in fp32 (``unpermute``).
 - attention (``_dispatch``: the calls of a patched model under transformers' default ``"sdpa"``, or under
   ``"megakernels"``) -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
   without padding: its SDPA mask function returns None exactly then, and ours also when the only reason for a mask
-  is a sliding window, which the kernel applies itself, skipping the key blocks outside it); with a mask (padding,
-  packed sequences, a chunked prefill), a softcap, sinks, a position bias or a head dim the CUDA kernel does not
-  take, transformers' own SDPA path runs; with ``output_attentions=True``, the family's eager attention (which returns
-  the weights) under the same mask.
+  is a sliding window, which the kernel applies itself, skipping the key blocks outside it), gpt-oss's sinks
+  (``s_aux``) inside the kernel; with a mask (padding, a chunked prefill), a softcap, a position bias or a head dim
+  the CUDA kernel does not take, transformers' own SDPA path runs (the family's eager attention where there are
+  sinks, which SDPA has not); with ``output_attentions=True``, the family's eager attention (which returns the
+  weights) under the same mask.
 - tied input and output embeddings (GPT-2; Llama, Qwen models with ``tie_word_embeddings``) -> one
   ``megakernels.nn.TiedEmbedding``: the lookup's gradient rows are added into the output layer's weight gradient
   instead of a zero-filled ``[vocab, hidden]`` table the engine then adds.
@@ -44,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels import ops
+from megakernels.nn.norms import offset_rms_norm
 from megakernels.ops import gemm
 from megakernels.ops.attention import MAX_TRITON_HEAD_DIM
 from megakernels.ops.grouped_gemm import grouped_gemm
@@ -103,6 +109,16 @@ def rms_norm_forward(self, x):
     return ops.rms_norm(x, self.weight, self.variance_epsilon)
 
 
+def offset_rms_norm_forward(self, x):
+    """Gemma's RMSNorm (``weight`` stored as the offset from one, ``eps``): ``x / rms(x) * (1 + weight)`` with the
+    product in fp32, out in x's dtype (``offset_rms_norm``); x ``[..., h]``. A fp64 x (which Gemma's forward
+    computes in fp32) or a weight whose dtype promotes x's runs the class's forward."""
+    promoted = torch.promote_types(x.dtype, self.weight.dtype) != x.dtype
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or promoted:
+        return type(self).forward(self, x)
+    return offset_rms_norm(x, self.weight, self.eps, 1.0)
+
+
 # ---- MLPs ---------------------------------------------------------------------------------------------------------
 
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -140,15 +156,19 @@ def bert_head_transform_forward(self, hidden_states, *, approximate: str):
     return self.LayerNorm(h)
 
 
-def gated_mlp_forward(self, x):
-    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))``: ``[..., h]`` -> ``[..., h]``; transformers' forward
-    (which calls ``gate_proj`` and ``up_proj``) where either is not ``owned``."""
+_GLU = {"silu": ops.swiglu, "gelu_tanh": ops.geglu}
+
+
+def gated_mlp_forward(self, x, *, activation: str = "silu"):
+    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))`` (``activation="gelu_tanh"``: Gemma's, the tanh GeLU):
+    ``[..., h]`` -> ``[..., h]``; transformers' forward (which calls ``gate_proj`` and ``up_proj``) where either is
+    not ``owned``."""
     gate, up = self.gate_proj, self.up_proj
     if not (owned(gate) and owned(up)):
         return type(self).forward(self, x)
     weight = torch.cat([gate.weight, up.weight])
     bias = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-    return self.down_proj(ops.swiglu(gemm.linear(x, weight, bias)))
+    return self.down_proj(_GLU[activation](gemm.linear(x, weight, bias)))
 
 
 # ---- linear layers ------------------------------------------------------------------------------------------------
@@ -165,26 +185,62 @@ def conv1d_forward(self, x):
     return gemm.linear(x, self.weight.t(), self.bias)
 
 
-def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Mixtral's / Qwen 3 MoE's experts (``gate_up_proj`` ``[E, 2f, h]`` gate first, ``down_proj`` ``[E, h, f]``),
-    transformers' experts-function signature: the rows of every expert in one grouped GEMM each way around
-    ``swiglu``. Experts whose activation is not SiLU (or with biases, or another weight layout) run transformers'
-    ``grouped_mm`` function."""
+# The expert classes (qualified names) whose gate is gpt-oss's clamped SwiGLU (``_families`` fills it from the
+# families' ``clamped_experts``): ``limit`` and ``alpha`` on the module, gate and up columns interleaved.
+CLAMPED_SWIGLU_EXPERTS: set[str] = set()
+
+
+def _experts_gate(self):
+    """The fused gate of an expert bank: ``swiglu`` where it computes transformers' default gate with SiLU,
+    ``swiglu(limit=, alpha=)`` for gpt-oss's clamped one; None for any other (a class's own gate, an activation
+    other than SiLU, no gate)."""
+    cls = type(self)
+    if not getattr(self, "has_gate", True):
+        return None
+    if f"{cls.__module__}.{cls.__qualname__}" in CLAMPED_SWIGLU_EXPERTS:
+        return functools.partial(ops.swiglu, limit=float(self.limit), alpha=float(self.alpha))
+    from transformers.integrations.moe import _default_apply_gate
+
     act = getattr(getattr(self, "config", None), "hidden_act", None)
-    plain = (
-        act in ("silu", "swish")
-        and getattr(self, "has_gate", True)
-        and not getattr(self, "has_bias", False)
-        and not getattr(self, "is_transposed", False)
-        and getattr(self, "is_concatenated", True)
-    )
-    if not plain:
+    default_gate = getattr(cls, "_apply_gate", _default_apply_gate) is _default_apply_gate
+    return ops.swiglu if act in ("silu", "swish") and default_gate else None
+
+
+def _gate_first(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Gate/up ``[..., 2f, ·]`` rows (``dim=-2``) as the kernels take them, gate first: interleaved ones (gpt-oss:
+    gate = rows 0, 2, ..., up = rows 1, 3, ...) gathered into a copy; concatenated ones as they are."""
+    return torch.cat([t[..., 0::2, :], t[..., 1::2, :]], dim=-2) if interleaved else t
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Expert banks in transformers' layouts (``gate_up_proj`` ``[E, 2f, h]``, ``down_proj`` ``[E, h, f]``; or
+    with ``is_transposed`` ``[E, h, 2f]`` / ``[E, f, h]``; gate and up concatenated, or interleaved without
+    ``is_concatenated``; ``*_bias`` ``[E, ·]`` with ``has_bias``), transformers' experts-function signature
+    (hidden ``[T, h]``, ``top_k_index`` / ``top_k_weights`` ``[T, k]``): the rows of every expert in one grouped GEMM
+    each way around the fused gate (``_experts_gate``: Mixtral's / Qwen 3 MoE's SwiGLU, gpt-oss's clamped one). A
+    transposed or interleaved bank is reordered into the kernels' layout per call (a copy of the weights; the
+    parameters are untouched). Experts with another gate run transformers' ``grouped_mm`` function."""
+    gate = _experts_gate(self)
+    if gate is None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    transposed = getattr(self, "is_transposed", False)
+    interleaved = not getattr(self, "is_concatenated", True)
+    w_up, w_down = self.gate_up_proj, self.down_proj
+    if transposed:
+        w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2).contiguous()
+    w_up = _gate_first(w_up, interleaved).contiguous()
     perm = permute(hidden_states, top_k_index, self.num_experts)
-    y = grouped_gemm(perm.rows, self.gate_up_proj, perm.group_sizes)
-    y = grouped_gemm(ops.swiglu(y), self.down_proj, perm.group_sizes)
+    y = grouped_gemm(perm.rows, w_up, perm.group_sizes)
+    if getattr(self, "has_bias", False):
+        expert = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=y.device), perm.group_sizes, output_size=y.shape[0]
+        )
+        b_up = _gate_first(self.gate_up_proj_bias[..., None], interleaved)[..., 0]
+        y = grouped_gemm(gate(y + b_up[expert]), w_down, perm.group_sizes) + self.down_proj_bias[expert]
+    else:
+        y = grouped_gemm(gate(y), w_down, perm.group_sizes)
     return unpermute(y, perm, top_k_weights)
 
 
@@ -204,12 +260,14 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     d, sq = query.shape[-1], query.shape[2]
     if weights_requested(kwargs):
         return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
+    sinks = kwargs.get("s_aux")
     unsupported = (
         kwargs.get("softcap") is not None
-        or kwargs.get("s_aux") is not None
         or kwargs.get("position_bias") is not None
         or (query.device.type == "cuda" and (d % 8 or d > MAX_TRITON_HEAD_DIM))
     )
+    if sinks is not None and (attention_mask is not None or unsupported):  # SDPA has no sinks
+        return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
     if attention_mask is not None or unsupported:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -227,6 +285,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         dropout_p=float(dropout),
         window=window,
         documents=documents,
+        sinks=None if sinks is None else sinks.float(),  # the kernel's sinks are fp32; the cast passes the gradient
     )
     return out, None
 
@@ -258,13 +317,14 @@ def _unmasked_causality(module, query, key, value, is_causal, kwargs):
 
 
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs):
-    """The family's ``eager_attention_forward`` (the one transformers runs under ``"eager"``, returning the weights)
-    with the mask the call stands for: ``attention_mask`` as an additive mask, or without one the causal / sliding
-    window / packed-sequence mask FlashAttention would have applied."""
+    """The family's ``eager_attention_forward`` (the one transformers runs under ``"eager"``, returning the weights;
+    sinks included) with the mask the call stands for: ``attention_mask`` as an additive mask, or without one the
+    causal / sliding window / packed-sequence mask FlashAttention would have applied."""
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
+        why = "output_attentions=True" if weights_requested(kwargs) else "attention sinks (s_aux) with a mask"
         raise ValueError(
-            f"output_attentions=True: {type(module).__name__} has no eager attention to return the weights with; "
+            f"{why}: {type(module).__name__} has no eager attention to compute it with; "
             "load the model with attn_implementation='eager'"
         )
     if attention_mask is None:
@@ -325,6 +385,7 @@ def _packed_without_padding(allow_is_causal_skip: bool, kwargs: dict) -> bool:
     that is a packed batch (its positions restart), which the attention takes from ``position_ids`` instead."""
     return (
         not allow_is_causal_skip
+        and not kwargs.get("use_vmap", False)  # a mask function of the model's own (Gemma's bidirectional overlay)
         and getattr(kwargs.get("config"), "model_type", None) in PACKING_MODEL_TYPES
         and kwargs.get("attention_mask") is None
         and not isinstance(kwargs.get("q_offset", 0), torch.Tensor)
@@ -412,7 +473,10 @@ def _output_class(cls):
 def head_fuses(model) -> bool:
     """Whether the fused head may stand in for ``model``'s LM head and loss on this call: the head is ``owned`` (not
     wrapped by PEFT or anything else since the patch), the loss is transformers' causal-LM loss or ours (not one the
-    caller installed), and autocast, if on, computes in the head's dtype."""
+    caller installed), the config has no final-logit soft-capping (Gemma's ``final_logit_softcapping``, which the
+    fused head does not apply), and autocast, if on, computes in the head's dtype."""
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        return False
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or not owned(head):
         return False
@@ -452,6 +516,9 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     arguments.pop(next(iter(sig.parameters)))  # self
     var_kw = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
     extra = dict(arguments.pop(var_kw[0], {})) if var_kw else {}
+    router = arguments.get("output_router_logits", extra.get("output_router_logits"))
+    if router or (router is None and getattr(self.config, "output_router_logits", False)):
+        return cls.forward(self, *args, **kwargs)  # an MoE's auxiliary loss joins the loss there
     arguments.pop("labels")
     keep = arguments.pop("logits_to_keep", 0)
     return_dict = extra.pop("return_dict", None)

@@ -1,0 +1,152 @@
+"""What the Gemma 3 (``gemma3_text``) and gpt-oss patches do beyond the checks every family gets in
+test_transformers.py: the parts of those configs FlashAttention or the fused head do not compute are left to
+transformers (and reported), gpt-oss's sinks and expert banks are read without being changed, and the masks and
+heads those models need in other cases stay transformers'. The reference is always the unpatched model with the same
+weights (fp32: logits within 1e-5, gradients within 1e-4 relative + 1e-6 absolute)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+import megakernels.integrations.transformers as mkt
+from tests.integrations import hf_models as H
+from tests.integrations.test_transformers import MegakernelsOps, step
+
+
+def _built(family: str, **overrides):
+    """``H.build(family)``'s weights in a model of its config with ``overrides``."""
+    model = H.model_class(family)(H.config(family, **overrides))
+    model.load_state_dict(H.build(family).state_dict())
+    return model
+
+
+def _close_grads(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_gemma3_attention_logit_softcapping_keeps_transformers_attention_and_says_so():
+    ref = _built("gemma3_text", attn_logit_softcapping=50.0)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        done = mkt.apply(model)
+    assert not done["attention"] and done["mlp"] == 2
+    assert done["declined"] == ["attention (attn_logit_softcapping=50.0: FlashAttention has no logit soft-capping)"]
+    assert any("attn_logit_softcapping" in str(w.message) for w in caught)
+    ids = H.batch()
+    logits0, loss0, grads0 = step(ref, ids)
+    with MegakernelsOps() as seen:
+        logits1, loss1, grads1 = step(model, ids)
+    assert "flash_attn_fwd" not in seen.names and "norm_fwd" in seen.names
+    torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
+    _close_grads(grads1, grads0)
+
+
+def test_gemma3_final_logit_softcapping_keeps_the_head_unfused_and_the_loss_right():
+    """The fused head would skip the tanh cap: it is declined, the class's forward makes the capped logits, and
+    the fused cross-entropy on them gives transformers' loss and gradients."""
+    ref = _built("gemma3_text", final_logit_softcapping=2.0)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        done = mkt.apply(model, fused_head=True)
+    assert not done["fused_head"] and done["declined"] == [
+        "Gemma3ForCausalLM's LM head (final_logit_softcapping=2.0: the fused head has none)"
+    ]
+    ids = H.batch()
+    logits0, loss0, grads0 = step(ref, ids)
+    assert logits0.abs().max() < 2.0  # capped
+    with MegakernelsOps() as seen:
+        logits1, loss1, grads1 = step(model, ids)
+    assert "linear_cross_entropy_stats" not in seen.names and "cross_entropy_stats" in seen.names
+    torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    _close_grads(grads1, grads0)
+
+
+def test_gemma3_bidirectional_attention_keeps_its_mask_for_restarting_positions():
+    """use_bidirectional_attention (EmbeddingGemma): the model's own mask functions make the mask, so positions that
+    restart are not taken for a packed batch; the logits are the unpatched model's."""
+    ref = _built("gemma3_text", use_bidirectional_attention=True)
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    ids = H.batch(batch=1)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    for kwargs in ({}, {"position_ids": positions}):
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(input_ids=ids, **kwargs).logits, ref(input_ids=ids, **kwargs).logits, rtol=1e-5, atol=1e-5
+            )
+
+
+def test_gpt_oss_sinks_get_their_gradient_and_the_expert_banks_stay_as_they_are():
+    ref = H.build("gpt_oss")
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    ids = H.batch()
+    _, _, grads0 = step(ref, ids)
+    _, _, grads1 = step(model, ids)
+    for layer in range(2):
+        name = f"model.layers.{layer}.self_attn.sinks"
+        assert grads0[name].abs().min() > 0
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-4, atol=1e-7)
+    for n, p in model.named_parameters():  # the interleaved gate/up columns are reordered per call, not stored
+        assert p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+
+
+def test_gpt_oss_runs_its_eager_attention_with_the_sinks_where_a_mask_is_needed():
+    """A left-padded batch needs a mask, which FlashAttention does not take; SDPA has no sinks, so the family's eager
+    attention runs: the same logits as the unpatched model on the tokens that are not padding."""
+    ref = H.build("gpt_oss")
+    model = copy.deepcopy(ref)
+    mkt.apply(model)
+    assert model.config._attn_implementation == "megakernels"  # transformers' default for gpt-oss is "eager"
+    ids = H.batch()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        with MegakernelsOps() as seen:
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert "flash_attn_fwd" not in seen.names and "grouped_gemm" in seen.names
+    torch.testing.assert_close(got[:, 4:], expected[:, 4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_keeps_an_attention_implementation_the_caller_chose():
+    with mkt.patch_classes("gpt_oss"):
+        eager = H.model_class("gpt_oss")._from_config(H.config("gpt_oss"), attn_implementation="eager")
+        default = H.model_class("gpt_oss")(H.config("gpt_oss"))
+    assert eager.config._attn_implementation == "eager"
+    assert default.config._attn_implementation == "megakernels"
+    ids = H.batch()
+    default.load_state_dict(eager.state_dict())
+    with torch.no_grad(), MegakernelsOps() as seen:
+        expected = eager.eval()(input_ids=ids).logits
+    assert "flash_attn_fwd" not in seen.names
+    with torch.no_grad():
+        torch.testing.assert_close(default.eval()(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_router_logits_run_the_class_forward_with_its_auxiliary_loss():
+    """fused_head=True: a call that asks for router logits gets the class's forward, whose loss adds the router's
+    load-balancing loss; it equals the unpatched model's."""
+    ref = H.build("gpt_oss")
+    model = copy.deepcopy(ref)
+    assert mkt.apply(model, fused_head=True)["fused_head"]
+    ids = H.batch()
+    logits0, loss0, grads0 = step(ref, ids, output_router_logits=True)
+    with MegakernelsOps() as seen:
+        logits1, loss1, grads1 = step(model, ids, output_router_logits=True)
+    assert "linear_cross_entropy_stats" not in seen.names
+    plain = ref(input_ids=ids, labels=ids).loss
+    assert not torch.allclose(loss0, plain)  # the auxiliary loss counts
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
+    _close_grads(grads1, grads0)
