@@ -123,7 +123,7 @@ def _takes_fused_head(model, family) -> bool:
     )
 
 
-def _patch_tied_embeddings(model) -> bool:
+def _patch_tied_embeddings(model, family) -> bool:
     """Bind the input embedding and the LM head of a model whose two share one table (no bias, no max_norm, no
     per-frequency scaling, dense gradients) to one ``TiedEmbedding``; False where the model has no such pair."""
     import torch
@@ -131,13 +131,16 @@ def _patch_tied_embeddings(model) -> bool:
     from megakernels.nn.tied_embedding import TiedEmbedding
 
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    # the exact classes: a subclass's forward computes something else (Gemma's lookup scales the rows)
-    if type(inp) is not torch.nn.Embedding or type(out) is not torch.nn.Linear or out.weight is not inp.weight:
+    # the exact classes: a subclass's forward computes something else (but the family's scaled lookups, known)
+    scaled = type(inp) in family.classes(family.scaled_embeddings)
+    if not (type(inp) is torch.nn.Embedding or scaled) or type(out) is not torch.nn.Linear:
+        return False
+    if out.weight is not inp.weight:
         return False
     if out.bias is not None or inp.max_norm is not None or inp.scale_grad_by_freq or inp.sparse:
         return False
     table = TiedEmbedding(inp.weight)
-    bind(inp, _forwards.tied_lookup_forward, table=table)
+    bind(inp, _forwards.tied_lookup_forward, table=table, scaled=scaled)
     bind(out, _forwards.tied_logits_forward, table=table)
     return True
 
@@ -256,7 +259,7 @@ def apply(
                 )
             elif not done["fused_head"]:
                 declined.append(f"{type(model).__name__}'s LM head or loss")
-    done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model)
+    done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model, family)
     done["declined"] = declined
     if declined:
         shown = ", ".join(declined[:4]) + (f" and {len(declined) - 4} more" if len(declined) > 4 else "")

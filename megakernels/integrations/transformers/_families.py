@@ -24,10 +24,12 @@ class Family:
     activation is SiLU and GeGLU when it is the tanh GeLU; ``experts`` its 3-D expert banks, used when that
     activation is SiLU (``clamped_experts``: those of them whose gate is gpt-oss's clamped SwiGLU, ``limit`` and
     ``alpha`` on the module); ``offset_rms_norms`` its RMSNorm classes computing ``x * (1 + weight)`` in fp32
-    (Gemma's); ``attentions`` the modules that call transformers' attention interface. LayerNorms are
-    ``torch.nn.LayerNorm`` in every family. Each is matched by its exact class: a subclass may compute something
-    else. ``packs``: a decoder whose causal mask has no other reason than padding, a cache or packed sequences (no
-    prefix or image blocks), so a padding-free packed batch runs FlashAttention over its sequences. ``module``:
+    (Gemma's); ``scaled_embeddings`` its input-embedding classes whose lookup is ``nn.Embedding``'s times the
+    ``embed_scale`` buffer in the weight's dtype (Gemma's), which a tied table may serve; ``attentions`` the
+    modules that call transformers' attention interface. LayerNorms are ``torch.nn.LayerNorm`` in every family.
+    Each is matched by its exact class: a subclass may compute something else. ``packs``: a decoder whose causal
+    mask has no other reason than padding, a cache or packed sequences (no prefix or image blocks), so a
+    padding-free packed batch runs FlashAttention over its sequences. ``module``:
     the name of its transformers modeling module where it is not the model type (``gemma3`` for ``gemma3_text``).
     ``attention_default``: what transformers resolves an unchosen attention implementation to for its classes
     (``"eager"`` for a family without an SDPA path); other than ``"sdpa"``, the patch switches such a model to
@@ -42,6 +44,7 @@ class Family:
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     clamped_experts: tuple[str, ...] = ()
+    scaled_embeddings: tuple[str, ...] = ()
     attentions: tuple[str, ...] = ()
     packs: bool = True
     fused_head: bool = False  # its *ForCausalLM is ``self.<body>`` then ``self.lm_head`` (no auxiliary loss)
@@ -148,6 +151,7 @@ FAMILIES = {
             attentions=("Gemma3Attention",),
             offset_rms_norms=("Gemma3RMSNorm",),  # the q/k norms too
             gated_mlps=("Gemma3MLP",),
+            scaled_embeddings=("Gemma3TextScaledWordEmbedding",),
             fused_head=True,  # where the config has no final-logit soft-capping (``_forwards.head_fuses``)
             module="gemma3",
         ),

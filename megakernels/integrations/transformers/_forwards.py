@@ -412,12 +412,14 @@ def attention_mask(*args, local_size: int | None = None, allow_is_causal_skip: b
 # ---- tied input and output embeddings ------------------------------------------------------------------------------
 
 
-def tied_lookup_forward(self, input_ids, *, table):
+def tied_lookup_forward(self, input_ids, *, table, scaled: bool = False):
     """The input embedding of a tied table (``megakernels.nn.TiedEmbedding``): its gradient goes into the output
-    layer's. A module whose table was replaced since (resized, re-tied) runs ``nn.Embedding``'s own forward."""
+    layer's; ``scaled``: the rows times the module's ``embed_scale`` in the weight's dtype (Gemma's scaled
+    embedding). A module whose table was replaced since (resized, re-tied) runs its class's own forward."""
     if self.weight is not table.weight:
         return type(self).forward(self, input_ids)
-    return table.lookup(input_ids, self.padding_idx)
+    rows = table.lookup(input_ids, self.padding_idx)
+    return rows * self.embed_scale.to(self.weight.dtype) if scaled else rows
 
 
 def tied_logits_forward(self, hidden, *, table):
