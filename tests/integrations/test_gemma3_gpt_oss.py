@@ -84,6 +84,44 @@ def test_gemma3_bidirectional_attention_keeps_its_mask_for_restarting_positions(
             )
 
 
+def test_gemma3_multimodal_model_under_the_text_class_patch_keeps_its_image_blocks():
+    """Gemma3ForConditionalGeneration shares the text model's base class: under patch_classes("gemma3_text") its
+    language model is patched (the outer model, of another model type, is left alone) and the mask with the
+    images' bidirectional blocks is made and used, so the logits equal the unpatched model's."""
+    import transformers as tf
+
+    config = tf.Gemma3Config(
+        text_config=H.config("gemma3_text").to_dict(),
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        image_token_index=90,
+        boi_token_index=91,
+        eoi_token_index=92,
+    )
+    torch.manual_seed(0)
+    ref = tf.Gemma3ForConditionalGeneration(copy.deepcopy(config)).eval()
+    with mkt.patch_classes("gemma3_text"):
+        model = tf.Gemma3ForConditionalGeneration(copy.deepcopy(config)).eval()
+    model.load_state_dict(ref.state_dict())
+    assert model.model.language_model.norm.forward.megakernels
+    ids = H.batch(batch=1)
+    ids[0, 3], ids[0, 4:8], ids[0, 8] = 91, 90, 92  # begin-of-image, the four image tokens, end-of-image
+    inputs = dict(input_ids=ids, token_type_ids=(ids == 90).long(), pixel_values=torch.randn(1, 3, 28, 28))
+    with torch.no_grad():
+        expected = ref(**inputs).logits
+        with MegakernelsOps() as seen:
+            got = model(**inputs).logits
+    assert "norm_fwd" in seen.names and "swiglu_fwd" in seen.names
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_gpt_oss_sinks_get_their_gradient_and_the_expert_banks_stay_as_they_are():
     ref = H.build("gpt_oss")
     model = copy.deepcopy(ref)

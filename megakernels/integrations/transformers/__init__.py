@@ -307,6 +307,8 @@ class ClassPatch:
         @functools.wraps(post_init_)
         def post_init(model):
             post_init_(model)
+            if getattr(model.config, "model_type", None) != model_type:
+                return  # a class of the base serving another model type (Gemma 3's multimodal model: its text model)
             # the fused head is for the family's causal LM; its other classes (the bare model, classifiers) skip it
             fused = options.get("fused_head", False) and _takes_fused_head(model, FAMILIES[model_type])
             apply(model, **{**options, "fused_head": fused})

@@ -152,6 +152,7 @@ FAMILIES = {
             offset_rms_norms=("Gemma3RMSNorm",),  # the q/k norms too
             gated_mlps=("Gemma3MLP",),
             scaled_embeddings=("Gemma3TextScaledWordEmbedding",),
+            packs=False,  # its text model serves the multimodal model too, whose masks add bidirectional image blocks
             fused_head=True,  # where the config has no final-logit soft-capping (``_forwards.head_fuses``)
             module="gemma3",
         ),
