@@ -188,3 +188,28 @@ def test_gpt_oss_router_logits_run_the_class_forward_with_its_auxiliary_loss():
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
     _close_grads(grads1, grads0)
+
+
+def test_gemma3_rms_norm_takes_any_weight_dtype_and_keeps_the_input_dtype_as_gemmas():
+    """Gemma's RMSNorm returns the input's dtype whatever its weight's (the product in fp32): the fused forward
+    does so too, against Gemma's own forward (fp32 weight under bf16 input, bf16 weight under fp32 input); a fp64
+    input runs Gemma's forward (which computes it in fp32)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from megakernels.integrations.transformers._forwards import offset_rms_norm_forward
+
+    torch.manual_seed(0)
+    for weight, x_dtype, tol in ((torch.float32, torch.bfloat16, 1e-2), (torch.bfloat16, torch.float32, 1e-6)):
+        norm = Gemma3RMSNorm(32).to(weight)
+        with torch.no_grad():
+            norm.weight.normal_(0.0, 0.5)
+        x = torch.randn(3, 5, 32).to(x_dtype)
+        with MegakernelsOps() as seen:
+            got = offset_rms_norm_forward(norm, x)
+        expected = norm(x)
+        assert "norm_fwd" in seen.names and got.dtype == expected.dtype == x_dtype
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with MegakernelsOps() as seen:
+        got = offset_rms_norm_forward(norm, x)
+    assert not seen.names and torch.equal(got, norm(x))

@@ -111,10 +111,9 @@ def rms_norm_forward(self, x):
 
 def offset_rms_norm_forward(self, x):
     """Gemma's RMSNorm (``weight`` stored as the offset from one, ``eps``): ``x / rms(x) * (1 + weight)`` with the
-    product in fp32, out in x's dtype (``offset_rms_norm``); x ``[..., h]``. A fp64 x (which Gemma's forward
-    computes in fp32) or a weight whose dtype promotes x's runs the class's forward."""
-    promoted = torch.promote_types(x.dtype, self.weight.dtype) != x.dtype
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or promoted:
+    product in fp32, out in x's dtype whatever the weight's, as Gemma's forward (``offset_rms_norm``); x
+    ``[..., h]``. A fp64 x (which Gemma's forward computes in fp32) runs the class's forward."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return type(self).forward(self, x)
     return offset_rms_norm(x, self.weight, self.eps, 1.0)
 
