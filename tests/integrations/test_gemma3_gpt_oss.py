@@ -213,3 +213,28 @@ def test_gemma3_rms_norm_takes_any_weight_dtype_and_keeps_the_input_dtype_as_gem
     with MegakernelsOps() as seen:
         got = offset_rms_norm_forward(norm, x)
     assert not seen.names and torch.equal(got, norm(x))
+
+
+def test_gpt_oss_norms_kept_in_fp32_in_a_fp16_model_stay_fused(tmp_path):
+    """transformers keeps gpt-oss's norms in fp32 when it loads the model in fp16 (_keep_in_fp32_modules); their
+    forward returns fp16 whatever the weight's dtype, so the fused norm serves them: the loaded patched model runs
+    it on every norm, and its logits are as accurate against the fp32 model as the unpatched fp16 model's."""
+    ref = H.build("gpt_oss")
+    ref.save_pretrained(tmp_path)
+    plain = H.model_class("gpt_oss").from_pretrained(tmp_path, dtype=torch.float16)
+    with mkt.patch_classes("gpt_oss"):
+        model = H.model_class("gpt_oss").from_pretrained(tmp_path, dtype=torch.float16)
+    assert model.model.norm.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float16
+    ids = H.batch()
+    calls = []
+    for m in model.modules():
+        if type(m).__name__ == "GptOssRMSNorm":
+            m.register_forward_hook(lambda mod, args, out: calls.append(out.dtype))
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+        unpatched = plain(input_ids=ids).logits.float()
+        with MegakernelsOps() as seen:
+            got = model(input_ids=ids).logits.float()
+    assert "norm_fwd" in seen.names and calls == [torch.float16] * 5
+    rel = float((got - expected).norm() / expected.norm())
+    assert rel <= 2 * float((unpatched - expected).norm() / expected.norm()) + 2e-3

@@ -18,7 +18,8 @@ _SILU = ("silu", "swish")  # transformers' ACT2FN: both are torch's SiLU
 @dataclass(frozen=True)
 class Family:
     """One model family: ``base`` is its PreTrainedModel class (class patching hooks its ``__init__``,
-    ``post_init``, ``from_pretrained`` and ``_from_config``); ``rms_norms`` its RMSNorm classes; ``gelu_mlps``
+    ``post_init``, ``from_pretrained`` and ``_from_config``); ``rms_norms`` its RMSNorm classes (``input_dtype``:
+    those whose output is the input's dtype whatever the weight's, gpt-oss's); ``gelu_mlps``
     class -> forward taking ``approximate``, used when the config's activation (attribute ``activation``) is a
     GeLU; ``gated_mlps`` its gated MLP classes (``gate_proj``, ``up_proj``, ``down_proj``), SwiGLU when that
     activation is SiLU and GeGLU when it is the tanh GeLU; ``experts`` its 3-D expert banks, used when that
@@ -39,6 +40,7 @@ class Family:
     base: str
     activation: str
     rms_norms: tuple[str, ...] = ()
+    input_dtype: bool = False
     offset_rms_norms: tuple[str, ...] = ()
     gelu_mlps: dict = field(default_factory=dict)
     gated_mlps: tuple[str, ...] = ()
@@ -162,6 +164,7 @@ FAMILIES = {
             "hidden_act",
             attentions=("GptOssAttention",),
             rms_norms=("GptOssRMSNorm",),
+            input_dtype=True,  # its norms stay fp32 in a bf16 model (_keep_in_fp32_modules) and return bf16
             experts=("GptOssExperts",),
             clamped_experts=("GptOssExperts",),
             fused_head=True,  # where no router logits are asked for (their auxiliary loss: the class's forward)
@@ -235,7 +238,10 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
             bind(m, fw.linear_forward if cls is torch.nn.Linear else fw.conv1d_forward)
             counts["linears"] += 1
         elif norms and (cls is torch.nn.LayerNorm or cls in rms):
-            bind(m, fw.layer_norm_forward if cls is torch.nn.LayerNorm else fw.rms_norm_forward)
+            if cls is torch.nn.LayerNorm:
+                bind(m, fw.layer_norm_forward)
+            else:
+                bind(m, fw.rms_norm_forward, input_dtype=family.input_dtype)
             counts["norms"] += 1
         elif norms and cls in offset_rms:
             bind(m, fw.offset_rms_norm_forward)

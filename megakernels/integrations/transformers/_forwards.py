@@ -101,11 +101,15 @@ def layer_norm_forward(self, x):
     return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def rms_norm_forward(self, x):
+def rms_norm_forward(self, x, *, input_dtype: bool = False):
     """transformers' ``*RMSNorm`` (``weight``, ``variance_epsilon``) -> ``rms_norm``; x ``[..., h]``, out in x's
-    dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one)."""
+    dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one),
+    except with ``input_dtype`` (gpt-oss's norm, which multiplies in fp32 and returns x's dtype whatever the
+    weight's: its fp32 weights under a bf16 model stay fused) for a fp16/bf16/fp32 x."""
     if self.weight.dtype != x.dtype:  # transformers promotes (fp32 weight * bf16 x is fp32): its own forward
-        return type(self).forward(self, x)
+        if not input_dtype or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return type(self).forward(self, x)
+        return ops.rms_norm(x, self.weight.float(), self.variance_epsilon)
     return ops.rms_norm(x, self.weight, self.variance_epsilon)
 
 
