@@ -9,10 +9,9 @@ computes what the module it replaces computes, through megakernels' fused ops (d
 - MLPs: GPT-2's ``c_fc`` + GeLU, BERT's intermediate ``dense`` + GeLU and its LM-head transform -> the GEMM
   without bias, then ``bias_gelu``; the Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights
   (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu`` (Gemma's
-  tanh-GeLU MLP: ``geglu``). A
-  forward that reads a submodule's weight does so only while that submodule is a plain ``nn.Linear`` / ``Conv1D``
-  (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the patch); otherwise it runs
-  the module's own forward, which calls the submodules.
+  tanh-GeLU MLP: ``geglu``). A forward that reads a submodule's weight does so only while that submodule is a plain
+  ``nn.Linear`` / ``Conv1D`` (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the
+  patch); otherwise it runs the module's own forward, which calls the submodules.
 - Mixtral's / Qwen 3 MoE's / gpt-oss's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
   ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
   ``grouped_gemm`` around ``swiglu`` (gpt-oss's clamped one, its interleaved gate/up columns reordered per call and
@@ -25,7 +24,8 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   the CUDA kernel does not take, transformers' own SDPA path runs (the family's eager attention where there are
   sinks, which SDPA has not); with ``output_attentions=True``, the family's eager attention (which returns the
   weights) under the same mask.
-- tied input and output embeddings (GPT-2; Llama, Qwen models with ``tie_word_embeddings``) -> one
+- tied input and output embeddings (GPT-2; Gemma 3, its lookup scaled; Llama, Qwen models with
+  ``tie_word_embeddings``) -> one
   ``megakernels.nn.TiedEmbedding``: the lookup's gradient rows are added into the output layer's weight gradient
   instead of a zero-filled ``[vocab, hidden]`` table the engine then adds.
 - causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
@@ -105,7 +105,7 @@ def rms_norm_forward(self, x, *, input_dtype: bool = False):
     """transformers' ``*RMSNorm`` (``weight``, ``variance_epsilon``) -> ``rms_norm``; x ``[..., h]``, out in x's
     dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one),
     except with ``input_dtype`` (gpt-oss's norm, which multiplies in fp32 and returns x's dtype whatever the
-    weight's: its fp32 weights under a bf16 model stay fused) for a fp16/bf16/fp32 x."""
+    weight's: the fp32 norms of an fp16 model stay fused) for a fp16/bf16/fp32 x."""
     if self.weight.dtype != x.dtype:  # transformers promotes (fp32 weight * bf16 x is fp32): its own forward
         if not input_dtype or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return type(self).forward(self, x)
