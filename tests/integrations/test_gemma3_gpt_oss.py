@@ -238,3 +238,17 @@ def test_gpt_oss_norms_kept_in_fp32_in_a_fp16_model_stay_fused(tmp_path):
     assert "norm_fwd" in seen.names and calls == [torch.float16] * 5
     rel = float((got - expected).norm() / expected.norm())
     assert rel <= 2 * float((unpatched - expected).norm() / expected.norm()) + 2e-3
+
+
+def test_gpt_oss_experts_are_fused_whatever_the_configs_activation_says():
+    """gpt-oss's experts compute their clamped SwiGLU, not ``hidden_act``: a config naming another activation
+    still gets the fused experts, equal to the unpatched model's."""
+    ref = _built("gpt_oss", hidden_act="gelu")
+    model = copy.deepcopy(ref)
+    assert mkt.apply(model)["experts"] == 2
+    ids = H.batch()
+    with torch.no_grad(), MegakernelsOps() as seen:
+        got = model(input_ids=ids).logits
+    assert "grouped_gemm" in seen.names
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -263,15 +263,15 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
 
 def mark(model, family: Family, kind: str) -> int:
     """Mark the modules of ``kind`` (``_dispatch.ATTENTION``: the attention modules; ``EXPERTS``: the expert banks,
-    when the activation is SiLU) so that their calls under transformers' default implementation run megakernels'
-    (``_dispatch``); returns how many."""
+    when the activation is SiLU or their gate is gpt-oss's clamped one) so that their calls under transformers'
+    default implementation run megakernels' (``_dispatch``); returns how many."""
     from megakernels.integrations.transformers import _dispatch
 
     if kind == _dispatch.EXPERTS:
         act = getattr(model.config, family.activation, None)
-        if not (isinstance(act, str) and act in _SILU):
-            return 0
-        classes = family.classes(family.experts)
+        silu = isinstance(act, str) and act in _SILU
+        # gpt-oss's clamped SwiGLU is its experts' own gate, whatever the config's activation says
+        classes = family.classes(tuple(n for n in family.experts if silu or n in family.clamped_experts))
     else:
         classes = family.classes(family.attentions)
     n = 0
