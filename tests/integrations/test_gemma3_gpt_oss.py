@@ -1,8 +1,9 @@
 """What the Gemma 3 (``gemma3_text``) and gpt-oss patches do beyond the checks every family gets in
-test_transformers.py: the parts of those configs FlashAttention or the fused head do not compute are left to
-transformers (and reported), gpt-oss's sinks and expert banks are read without being changed, and the masks and
-heads those models need in other cases stay transformers'. The reference is always the unpatched model with the same
-weights (fp32: logits within 1e-5, gradients within 1e-4 relative + 1e-6 absolute)."""
+test_transformers.py: Gemma's attention-logit soft-capping, which FlashAttention does not compute, is left to
+transformers (and reported), its final-logit soft cap goes into the fused loss, gpt-oss's sinks and expert banks
+are read without being changed, and the masks and heads those models need in other cases stay transformers'. The
+reference is always the unpatched model with the same weights (fp32: logits within 1e-5, gradients within 1e-4
+relative + 1e-6 absolute)."""
 
 from __future__ import annotations
 
@@ -47,26 +48,23 @@ def test_gemma3_attention_logit_softcapping_keeps_transformers_attention_and_say
     _close_grads(grads1, grads0)
 
 
-def test_gemma3_final_logit_softcapping_keeps_the_head_unfused_and_the_loss_right():
-    """The fused head would skip the tanh cap: it is declined, the class's forward makes the capped logits, and
-    the fused cross-entropy on them gives transformers' loss and gradients."""
-    ref = _built("gemma3_text", final_logit_softcapping=2.0)
-    model = copy.deepcopy(ref)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        done = mkt.apply(model, fused_head=True)
-    assert not done["fused_head"] and done["declined"] == [
-        "Gemma3ForCausalLM's LM head (final_logit_softcapping=2.0: the fused head has none)"
-    ]
+def test_gemma3_final_logit_softcapping_is_applied_by_the_fused_head_and_the_fused_loss():
+    """final_logit_softcapping (binding: logits capped at 0.5 from about 1): the fused head caps inside
+    linear_cross_entropy and caps the logits it makes on a read; without the fused head the class's forward caps
+    and the fused cross-entropy takes the capped logits. Loss, logits and every gradient are transformers'."""
+    ref = _built("gemma3_text", final_logit_softcapping=0.5)
     ids = H.batch()
     logits0, loss0, grads0 = step(ref, ids)
-    assert logits0.abs().max() < 2.0  # capped
-    with MegakernelsOps() as seen:
-        logits1, loss1, grads1 = step(model, ids)
-    assert "linear_cross_entropy_stats" not in seen.names and "cross_entropy_stats" in seen.names
-    torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
-    _close_grads(grads1, grads0)
+    assert logits0.abs().max() < 0.5
+    for fused_head, op in ((True, "linear_cross_entropy_stats"), (False, "cross_entropy_stats")):
+        model = copy.deepcopy(ref)
+        assert mkt.apply(model, fused_head=fused_head)["fused_head"] == fused_head
+        with MegakernelsOps() as seen:
+            logits1, loss1, grads1 = step(model, ids)
+        assert op in seen.names
+        torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+        _close_grads(grads1, grads0)
 
 
 def test_gemma3_bidirectional_attention_keeps_its_mask_for_restarting_positions():

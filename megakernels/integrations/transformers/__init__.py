@@ -182,8 +182,9 @@ def apply(
         fused_head: in training mode with labels, the LM head and its loss as one
             ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only
             if ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2,
-            qwen3, gemma3_text and gpt_oss (on the calls without final-logit soft-capping or router logits, which
-            run the class's forward). Off by default (code that reads the training logits pays for the head twice).
+            qwen3, gemma3_text (its ``final_logit_softcapping`` inside the fused loss) and gpt_oss (a call asking
+            for router logits runs the class's forward). Off by default (code that reads the training logits pays
+            for the head twice).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
@@ -252,12 +253,7 @@ def apply(
         else:
             bind(model, _forwards.fused_head_forward, _body=family.body)
             done["fused_head"] = _forwards.head_fuses(model)
-            softcap = getattr(model.config, "final_logit_softcapping", None)
-            if softcap is not None:
-                declined.append(
-                    f"{type(model).__name__}'s LM head (final_logit_softcapping={softcap}: the fused head has none)"
-                )
-            elif not done["fused_head"]:
+            if not done["fused_head"]:
                 declined.append(f"{type(model).__name__}'s LM head or loss")
     done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model, family)
     done["declined"] = declined

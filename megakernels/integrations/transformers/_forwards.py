@@ -478,10 +478,7 @@ def _output_class(cls):
 def head_fuses(model) -> bool:
     """Whether the fused head may stand in for ``model``'s LM head and loss on this call: the head is ``owned`` (not
     wrapped by PEFT or anything else since the patch), the loss is transformers' causal-LM loss or ours (not one the
-    caller installed), the config has no final-logit soft-capping (Gemma's ``final_logit_softcapping``, which the
-    fused head does not apply), and autocast, if on, computes in the head's dtype."""
-    if getattr(model.config, "final_logit_softcapping", None) is not None:
-        return False
+    caller installed), and autocast, if on, computes in the head's dtype."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or not owned(head):
         return False
@@ -507,8 +504,10 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     hidden states go straight into the fused LM head + cross-entropy (chunks of tokens; the ``[tokens, vocab]``
     logits are not made) and the output (the class's output type, cache and hidden states included) has no
     ``logits`` until ``.logits`` is read, which computes them (``_lazy_logits_class``); transformers' label shift,
-    ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
-    labels, evaluation mode, a head or loss ``head_fuses`` refuses) the class's own forward, logits included."""
+    ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss; a config's
+    ``final_logit_softcapping`` (Gemma's) caps the logits inside the fused loss, and the logits read. Otherwise (no
+    labels, evaluation mode, a head or loss ``head_fuses`` refuses, router logits asked for) the class's own
+    forward, logits included."""
     cls = type(self)
     sig = forward_signature(cls)
     try:
@@ -538,7 +537,10 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift = shift.to(hidden.device)
     head = self.get_output_embeddings()
-    per_token = ops.linear_cross_entropy(hidden, head.weight, shift, bias=head.bias, vocab_size=self.config.vocab_size)
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    per_token = ops.linear_cross_entropy(
+        hidden, head.weight, shift, bias=head.bias, vocab_size=self.config.vocab_size, softcap=softcap
+    )
     n = extra.get("num_items_in_batch")
     if n is None:
         n = (shift != -100).sum()
@@ -547,11 +549,19 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     out_cls = _output_class(cls)
     fields = {f.name for f in dataclasses.fields(out_cls)} - {"loss", "logits"}
     rest = {k: v for k, v in outputs.items() if k in fields}
+    logits = functools.partial(_head_logits, head, hidden, softcap)
     if not return_dict:  # a tuple has no lazy field: its logits are where the class's forward puts them
-        return out_cls(loss=per_token.sum() / n, logits=head(hidden), **rest).to_tuple()
+        return out_cls(loss=per_token.sum() / n, logits=logits(), **rest).to_tuple()
     out = _lazy_logits_class(out_cls)(loss=per_token.sum() / n, **rest)
-    object.__setattr__(out, "_megakernels_logits", functools.partial(head, hidden))
+    object.__setattr__(out, "_megakernels_logits", logits)
     return out
+
+
+def _head_logits(head, hidden, softcap):
+    """The LM head's logits on ``hidden``, capped as transformers caps them (``c * tanh(logits / c)``) under a
+    final-logit soft cap ``c``."""
+    logits = head(hidden)
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 @functools.cache
