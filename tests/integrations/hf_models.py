@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 
 VOCAB = 96
-FAMILIES = ("gpt2", "bert", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-WINDOW = 5  # Mistral's sliding window in these models: it binds on the tests' sequences of 12
+FAMILIES = ("gpt2", "bert", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+WINDOW = 5  # Mistral's (Gemma 3's, gpt-oss's sliding layers') window in these models: it binds on sequences of 12
 
 
-def config(family: str):
-    """The tiny config of ``family`` (dropout 0, so training-mode forwards are deterministic)."""
+def config(family: str, **overrides):
+    """The tiny config of ``family`` (dropout 0, so training-mode forwards are deterministic); ``overrides``: other
+    values of its arguments (Gemma 3, gpt-oss)."""
     import transformers as tf
 
     llama_like = dict(
@@ -78,6 +79,30 @@ def config(family: str):
             decoder_sparse_step=2,
             mlp_only_layers=[],
         )
+    if family == "gemma3_text":  # a sliding and a full layer, q/k norms, query_pre_attn_scalar apart from head_dim
+        return tf.Gemma3TextConfig(
+            **llama_like,
+            head_dim=8,
+            query_pre_attn_scalar=12,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_activation="gelu_pytorch_tanh",
+            **overrides,
+        )
+    if family == "gpt_oss":  # a sliding and a full layer, sinks, biased experts whose SwiGLU clamp binds
+        return tf.GptOssConfig(
+            **{**llama_like, "intermediate_size": 24},
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=0.1,
+            rope_parameters=dict(  # YaRN as gpt-oss's, its factor the ratio of these models' context lengths
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=150000.0
+            ),
+            **overrides,
+        )
     raise ValueError(family)
 
 
@@ -94,13 +119,26 @@ def model_class(family: str):
         "qwen2": tf.Qwen2ForCausalLM,
         "qwen3": tf.Qwen3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "gemma3_text": tf.Gemma3ForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
     }[family]
 
 
 def build(family: str, seed: int = 0):
-    """A fresh fp32 causal LM of ``family`` whose weights depend only on ``seed``."""
+    """A fresh fp32 causal LM of ``family`` whose weights depend only on ``seed``. The parameters transformers
+    initialises to constants that would hide a difference are drawn at random: Gemma's norm weights (stored as the
+    offset from one, zeros), gpt-oss's expert biases (zeros) and sinks (std 0.02: made to matter)."""
     torch.manual_seed(seed)
-    return model_class(family)(config(family))
+    model = model_class(family)(config(family))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (family == "gemma3_text" and "norm" in name) or (
+                family == "gpt_oss" and "experts." in name and "bias" in name
+            ):
+                p.normal_(0.0, 0.1)
+            elif family == "gpt_oss" and name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+    return model
 
 
 def batch(seed: int = 0, batch: int = 2, seq: int = 12) -> torch.Tensor:

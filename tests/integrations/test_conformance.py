@@ -1,9 +1,9 @@
 """What transformers' own ModelTester and generation checks ask of a model, asked of class-patched models of every
 family the integration patches (written here from the behaviour those checks test; the configs use SiLU where the
-family has a gated MLP, so the SwiGLU and expert patches are live): attention weights on request, the attention
-and experts implementations following the caller (set at load or afterwards), gradients retained on hidden states
-and attention weights, left-padded generation, and forwards whose signatures are the classes'. The reference is
-always the unpatched model with the same weights."""
+family has a gated MLP, Gemma 3 its tanh GeLU, so the SwiGLU, GeGLU and expert patches are live): attention weights
+on request, the attention and experts implementations following the caller (set at load or afterwards), gradients
+retained on hidden states and attention weights, left-padded generation, and forwards whose signatures are the
+classes'. The reference is always the unpatched model with the same weights."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ import megakernels.integrations.transformers as mkt
 from tests.integrations import hf_models as H
 from tests.integrations.test_transformers import MegakernelsOps
 
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
+
+
+def _patched_name(family: str) -> str:
+    """The attention implementation a patched model of ``family`` reports when the caller chose none: transformers'
+    default ``"sdpa"``, or ``"megakernels"`` where transformers' default is another (gpt-oss: ``"eager"``, as it has
+    no SDPA path)."""
+    return "sdpa" if mkt.FAMILIES[family].attention_default == "sdpa" else "megakernels"
 
 
 def _pair(family: str, **options):
@@ -81,13 +88,14 @@ def test_attention_weights_are_returned_on_request(family):
 @pytest.mark.parametrize("family", H.FAMILIES)
 def test_the_attention_implementation_can_be_set_dynamically(family):
     """set_attn_implementation after the patch: the config says what was set, the model computes it (eager runs no
-    FlashAttention), an unknown name is refused as transformers refuses it, and back to "sdpa" the model runs
-    megakernels' kernel again."""
+    FlashAttention), an unknown name is refused as transformers refuses it, and back to "sdpa" (gpt-oss:
+    "megakernels") the model runs megakernels' kernel again."""
     ref, model = _pair(family)
-    _switching(ref, model, "attn", "flash_attn_fwd", (("eager", False), ("sdpa", True)))
+    name = _patched_name(family)
+    _switching(ref, model, "attn", "flash_attn_fwd", (("eager", False), (name, True)))
     with pytest.raises(ValueError, match='Specified `attn_implementation="foo"` is not supported'):
         model.set_attn_implementation("foo")
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == name
 
 
 @pytest.mark.parametrize("family", H.FAMILIES)
@@ -112,21 +120,23 @@ def test_gradients_are_retained_on_hidden_states_and_attention_weights(family):
 
 @pytest.mark.parametrize("family", H.FAMILIES)
 def test_loading_dispatches_to_the_requested_attention(family, tmp_path):
-    """Under the class patch, from_pretrained without a choice runs transformers' default name ("sdpa") on
-    megakernels' kernel; with attn_implementation="eager" or "sdpa" the model keeps what was asked (no
-    FlashAttention), down to every attention module's config. The saved config says nothing of the patch."""
+    """Under the class patch, from_pretrained without a choice runs transformers' default name ("sdpa"; gpt-oss,
+    whose default is "eager": "megakernels") on megakernels' kernel; with attn_implementation="eager" or "sdpa"
+    (where the family has it) the model keeps what was asked (no FlashAttention), down to every attention module's
+    config. The saved config says nothing of the patch."""
     ref = H.build(family)
     ref.save_pretrained(tmp_path)
     kwargs = _inputs(family)
     with torch.no_grad():
         expected = ref.eval()(**kwargs).logits
-    for asked, flash in ((None, True), ("eager", False), ("sdpa", False)):
+    name = _patched_name(family)
+    for asked, flash in ((None, True), ("eager", False)) + ((("sdpa", False),) if name == "sdpa" else ()):
         with mkt.patch_classes(family):
             model = type(ref).from_pretrained(tmp_path, **({} if asked is None else {"attn_implementation": asked}))
-        assert model.config._attn_implementation == (asked or "sdpa")
+        assert model.config._attn_implementation == (asked or name)
         for m in model.modules():
             if type(m).__name__.endswith("Attention") and hasattr(m, "config"):
-                assert m.config._attn_implementation == (asked or "sdpa")
+                assert m.config._attn_implementation == (asked or name)
         with torch.no_grad(), MegakernelsOps() as seen:
             got = model.eval()(**kwargs).logits
         assert ("flash_attn_fwd" in seen.names) == flash, asked

@@ -23,7 +23,7 @@ ORDERS = ("patch_then_peft", "peft_then_patch", "classes")
 REACHED = {"norm_fwd", "flash_attn_fwd"}
 # the fused MLPs and the linears whose weights they read
 READS = {"GPT2MLP": ("c_fc",), "BertIntermediate": ("dense",), "BertPredictionHeadTransform": ("dense",)}
-READS |= {f"{f}MLP": ("gate_proj", "up_proj") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe")}
+READS |= {f"{f}MLP": ("gate_proj", "up_proj") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma3")}
 
 
 def _plain(m) -> bool:
@@ -112,7 +112,9 @@ def test_adapters_on_every_linear_train_like_the_unpatched_model(family, adapter
         model.load_state_dict(initial)
         with MegakernelsOps() as seen:
             losses, params = _train(model)
-        assert REACHED | ({"grouped_gemm"} if family in ("mixtral", "qwen3_moe") else set()) <= seen.names, order
+        assert REACHED | ({"grouped_gemm"} if family in ("mixtral", "qwen3_moe", "gpt_oss") else set()) <= seen.names, (
+            order
+        )
         torch.testing.assert_close(losses, losses0, rtol=0, atol=1e-5, msg=lambda m: f"{order}: {m}")
         assert params.keys() == params0.keys()
         for name, p in params0.items():

@@ -10,12 +10,14 @@
 
 What changes (each switchable): LayerNorm / RMSNorm (and Qwen 3's per-head q/k RMSNorms) -> the fused norms; the
 MLP's bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral,
-Qwen 2/2.5/3); Mixtral's and Qwen 3 MoE's experts -> two grouped GEMMs around SwiGLU, without a data-dependent shape
+Qwen 2/2.5/3; Gemma 3's tanh-GeLU gate -> GeGLU); Mixtral's, Qwen 3 MoE's and gpt-oss's experts -> two grouped
+GEMMs around SwiGLU (gpt-oss's clamped one, with its biases), without a data-dependent shape
 (``torch.compile(fullgraph=True)`` holds); a table tied between the input embedding and the LM head -> its
 lookup's gradient added into the head's weight gradient (``megakernels.nn.TiedEmbedding``); attention ->
-FlashAttention, a sliding window inside the kernel, under transformers' default name ``"sdpa"`` (also registered
-as ``attn_implementation="megakernels"``); the causal-LM loss -> the fused cross-entropy on the logits in their own
-dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
+FlashAttention, a sliding window and gpt-oss's sinks inside the kernel, under transformers' default name
+``"sdpa"`` (also registered as ``attn_implementation="megakernels"``, which a gpt-oss model, whose default in
+transformers is ``"eager"``, is switched to); the causal-LM loss -> the fused cross-entropy on the logits in their
+own dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
 
 What the patch never does: read the weight of a module it does not own (a linear wrapped by PEFT, quantised,
 parametrized or hooked, also after the patch, is called: the fused MLP runs transformers' forward), override an
@@ -49,6 +51,8 @@ __all__ = [
     "patch_qwen2",
     "patch_qwen3",
     "patch_qwen3_moe",
+    "patch_gemma3",
+    "patch_gpt_oss",
     "register",
     "supported_model_types",
     "ClassPatch",
@@ -119,7 +123,7 @@ def _takes_fused_head(model, family) -> bool:
     )
 
 
-def _patch_tied_embeddings(model) -> bool:
+def _patch_tied_embeddings(model, family) -> bool:
     """Bind the input embedding and the LM head of a model whose two share one table (no bias, no max_norm, no
     per-frequency scaling, dense gradients) to one ``TiedEmbedding``; False where the model has no such pair."""
     import torch
@@ -127,12 +131,16 @@ def _patch_tied_embeddings(model) -> bool:
     from megakernels.nn.tied_embedding import TiedEmbedding
 
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    if not (isinstance(inp, torch.nn.Embedding) and isinstance(out, torch.nn.Linear)) or out.weight is not inp.weight:
+    # the exact classes: a subclass's forward computes something else (but the family's scaled lookups, known)
+    scaled = type(inp) in family.classes(family.scaled_embeddings)
+    if not (type(inp) is torch.nn.Embedding or scaled) or type(out) is not torch.nn.Linear:
+        return False
+    if out.weight is not inp.weight:
         return False
     if out.bias is not None or inp.max_norm is not None or inp.scale_grad_by_freq or inp.sparse:
         return False
     table = TiedEmbedding(inp.weight)
-    bind(inp, _forwards.tied_lookup_forward, table=table)
+    bind(inp, _forwards.tied_lookup_forward, table=table, scaled=scaled)
     bind(out, _forwards.tied_logits_forward, table=table)
     return True
 
@@ -152,7 +160,8 @@ def apply(
 
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported ``config.model_type`` (gpt2, bert, llama,
-            mistral, mixtral, qwen2, qwen3, qwen3_moe), on any device and dtype, built or loaded already; or a PEFT
+            mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss), on any device and dtype, built or
+            loaded already; or a PEFT
             ``PeftModel``, whose base model is patched (before or after ``get_peft_model``: the adapters' layers
             are always called).
         norms: LayerNorm / RMSNorm modules -> ``megakernels.ops.layer_norm`` / ``rms_norm``.
@@ -164,13 +173,18 @@ def apply(
         attention: where the caller chose no attention implementation (transformers' default ``"sdpa"``, which
             the config keeps saying), the attention runs FlashAttention without a mask and transformers' SDPA
             where a mask is needed; an implementation the caller chose (``attn_implementation=`` or the config;
-            known for models built under :func:`patch_classes`, otherwise any but ``"sdpa"``) is kept.
+            known for models built under :func:`patch_classes`, otherwise any but ``"sdpa"``) is kept. gpt-oss,
+            which transformers runs ``"eager"`` by default (it has no SDPA path), is switched to ``"megakernels"``
+            (its sinks in the kernel; the eager attention where a mask is needed). A config with attention-logit
+            soft-capping (``attn_logit_softcapping``) keeps its attention, named in ``declined``.
         loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
             their own dtype; only models using transformers' causal-LM loss are changed.
         fused_head: in training mode with labels, the LM head and its loss as one
             ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only
-            if ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2 and
-            qwen3. Off by default (code that reads the training logits pays for the head twice).
+            if ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2,
+            qwen3, gemma3_text (its ``final_logit_softcapping`` inside the fused loss) and gpt_oss (a call asking
+            for router logits runs the class's forward). Off by default (code that reads the training logits pays
+            for the head twice).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
@@ -182,8 +196,9 @@ def apply(
     Returns:
         What was patched: ``{"norms": int, "mlp": int, "experts": int, "linears": int, "attention": bool,
         "loss": bool, "fused_head": bool, "tied_embeddings": bool, "declined": list[str]}``; ``declined`` names
-        the modules that keep transformers' forward because what the fused one reads is wrapped or replaced (one
-        warning names them too).
+        the modules that keep transformers' forward because what the fused one reads is wrapped or replaced, or
+        (with the reason in parentheses) that the fused one does not compute what the config asks (one warning
+        names them too).
 
     Raises:
         ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not
@@ -205,13 +220,19 @@ def apply(
         if impl == _forwards.NAME or _dispatch.chosen_by_default(model.config, _dispatch.EXPERTS):
             done["experts"] = mark(model, family, _dispatch.EXPERTS)
     done["attention"] = False
-    if attention:
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if attention and softcap is not None:
+        declined.append(f"attention (attn_logit_softcapping={softcap}: FlashAttention has no logit soft-capping)")
+    elif attention:
         impl = model.config._attn_implementation
         if impl == _forwards.NAME:
             done["attention"] = True
-        elif _dispatch.chosen_by_default(model.config, _dispatch.ATTENTION):
-            mark(model, family, _dispatch.ATTENTION)
-            _dispatch.accelerate(model.config, _dispatch.ATTENTION)
+        elif _dispatch.chosen_by_default(model.config, _dispatch.ATTENTION, family.attention_default):
+            if family.attention_default != _dispatch.DEFAULT[_dispatch.ATTENTION]:
+                model.set_attn_implementation(_forwards.NAME)
+            else:
+                mark(model, family, _dispatch.ATTENTION)
+                _dispatch.accelerate(model.config, _dispatch.ATTENTION)
             done["attention"] = True
     done["loss"] = bool(loss) and _uses_causal_lm_loss(model)
     if done["loss"]:
@@ -234,13 +255,13 @@ def apply(
             done["fused_head"] = _forwards.head_fuses(model)
             if not done["fused_head"]:
                 declined.append(f"{type(model).__name__}'s LM head or loss")
-    done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model)
+    done["tied_embeddings"] = bool(tied_embeddings) and _patch_tied_embeddings(model, family)
     done["declined"] = declined
     if declined:
         shown = ", ".join(declined[:4]) + (f" and {len(declined) - 4} more" if len(declined) > 4 else "")
         warnings.warn(
             f"{op}: {len(declined)} module(s) keep transformers' forward, since what the fused one reads is wrapped "
-            f"(PEFT, quantised, hooked) or replaced: {shown}",
+            f"(PEFT, quantised, hooked) or replaced, or it does not compute what the config asks (as noted): {shown}",
             stacklevel=2,
         )
     return done
@@ -277,11 +298,13 @@ class ClassPatch:
         def __init__(model, config, *args, **kwargs):
             before = _dispatch.requested(config)
             init_(model, config, *args, **kwargs)
-            _dispatch.note_request(config, before)
+            _dispatch.note_request(config, before, FAMILIES[model_type].attention_default)
 
         @functools.wraps(post_init_)
         def post_init(model):
             post_init_(model)
+            if getattr(model.config, "model_type", None) != model_type:
+                return  # a class of the base serving another model type (Gemma 3's multimodal model: its text model)
             # the fused head is for the family's causal LM; its other classes (the bare model, classifiers) skip it
             fused = options.get("fused_head", False) and _takes_fused_head(model, FAMILIES[model_type])
             apply(model, **{**options, "fused_head": fused})
@@ -405,3 +428,15 @@ def patch_qwen3(**options) -> ClassPatch:
 def patch_qwen3_moe(**options) -> ClassPatch:
     """:func:`patch_classes` for Qwen 3 MoE (fused RMSNorms, grouped-GEMM experts, FlashAttention, fused loss)."""
     return patch_classes("qwen3_moe", **options)
+
+
+def patch_gemma3(**options) -> ClassPatch:
+    """:func:`patch_classes` for Gemma 3's text model (``gemma3_text``: fused ``1 + weight`` RMSNorms, q/k norms
+    included, GeGLU MLP, FlashAttention with each layer's sliding window, fused loss)."""
+    return patch_classes("gemma3_text", **options)
+
+
+def patch_gpt_oss(**options) -> ClassPatch:
+    """:func:`patch_classes` for gpt-oss (fused RMSNorms, grouped-GEMM experts with the clamped SwiGLU and biases,
+    FlashAttention with the sinks and each layer's window, fused loss)."""
+    return patch_classes("gpt_oss", **options)

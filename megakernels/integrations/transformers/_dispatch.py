@@ -81,29 +81,32 @@ def asked(kwargs: dict):
 _ARGUMENT = {ATTENTION: "attn_implementation", EXPERTS: "experts_implementation"}
 
 
-def note_request(config, before: dict) -> None:
+def note_request(config, before: dict, attention_default: str | None = None) -> None:
     """Record which implementations of ``config`` (``before``: its values before transformers resolved them) the
-    caller chose: any but the default's name, and the default's name when given as an argument (:func:`asked`).
-    A config that arrives with the default's name otherwise (one another model resolved before) is left as it is."""
+    caller chose: any but the default's name (``attention_default``: the attention's, where the model's classes
+    resolve to another than ``DEFAULT``), and the default's name when given as an argument (:func:`asked`). A
+    config that arrives with the default's name otherwise (one another model resolved before) is left as it is."""
     given = _ASKED.get() or {}
+    defaults = {**DEFAULT, **({ATTENTION: attention_default} if attention_default else {})}
     for kind, value in before.items():
         if value is None:
             rec = _record(config)
             if rec is not None:
                 rec.explicit.pop(kind, None)
-        elif value != DEFAULT[kind] or given.get(kind) == value:
+        elif value != defaults[kind] or given.get(kind) == value:
             _record(config, create=True).explicit[kind] = value
 
 
-def chosen_by_default(config, kind: str) -> bool:
-    """Whether ``config``'s current implementation of ``kind`` is transformers' default (``DEFAULT``) and not the
+def chosen_by_default(config, kind: str, default: str | None = None) -> bool:
+    """Whether ``config``'s current implementation of ``kind`` is transformers' default (``default``, else
+    ``DEFAULT``: what transformers resolves an unchosen implementation to for the model's classes) and not the
     caller's choice: never where :func:`note_request` recorded it as chosen (models built under a class patch);
     otherwise (transformers keeps no record) whether it is the default's name."""
     now = getattr(config, _INTERNAL[kind], None)
     rec = _record(config)
     if rec is not None and rec.explicit.get(kind) == now:
         return False
-    return now == DEFAULT[kind]
+    return now == (default or DEFAULT[kind])
 
 
 def accelerate(config, kind: str) -> None:

@@ -18,29 +18,52 @@ _SILU = ("silu", "swish")  # transformers' ACT2FN: both are torch's SiLU
 @dataclass(frozen=True)
 class Family:
     """One model family: ``base`` is its PreTrainedModel class (class patching hooks its ``__init__``,
-    ``post_init``, ``from_pretrained`` and ``_from_config``); ``rms_norms`` its RMSNorm classes; ``gelu_mlps``
+    ``post_init``, ``from_pretrained`` and ``_from_config``); ``rms_norms`` its RMSNorm classes (``input_dtype``:
+    those whose output is the input's dtype whatever the weight's, gpt-oss's); ``gelu_mlps``
     class -> forward taking ``approximate``, used when the config's activation (attribute ``activation``) is a
-    GeLU; ``gated_mlps`` its SwiGLU MLP classes and ``experts`` its 3-D expert banks, used when that activation is
-    SiLU; ``attentions`` the modules that call transformers' attention interface. LayerNorms are
-    ``torch.nn.LayerNorm`` in every family. Each is matched by its exact class: a subclass may compute something
-    else. ``packs``: a decoder whose causal mask has no other reason than padding, a cache or packed sequences (no
-    prefix or image blocks), so a padding-free packed batch runs FlashAttention over its sequences."""
+    GeLU; ``gated_mlps`` its gated MLP classes (``gate_proj``, ``up_proj``, ``down_proj``), SwiGLU when that
+    activation is SiLU and GeGLU when it is the tanh GeLU; ``experts`` its 3-D expert banks, used when that
+    activation is SiLU (``clamped_experts``: those of them whose gate is gpt-oss's clamped SwiGLU, ``limit`` and
+    ``alpha`` on the module); ``offset_rms_norms`` its RMSNorm classes computing ``x * (1 + weight)`` in fp32
+    (Gemma's); ``scaled_embeddings`` its input-embedding classes whose lookup is ``nn.Embedding``'s times the
+    ``embed_scale`` buffer in the weight's dtype (Gemma's), which a tied table may serve; ``attentions`` the
+    modules that call transformers' attention interface. LayerNorms are ``torch.nn.LayerNorm`` in every family.
+    Each is matched by its exact class: a subclass may compute something else. ``packs``: a decoder whose causal
+    mask has no other reason than padding, a cache or packed sequences (no prefix or image blocks), so a
+    padding-free packed batch runs FlashAttention over its sequences. ``module``:
+    the name of its transformers modeling module where it is not the model type (``gemma3`` for ``gemma3_text``).
+    ``attention_default``: what transformers resolves an unchosen attention implementation to for its classes
+    (``"eager"`` for a family without an SDPA path); other than ``"sdpa"``, the patch switches such a model to
+    ``"megakernels"`` (there is no default-named entry to dispatch)."""
 
     model_type: str
     base: str
     activation: str
     rms_norms: tuple[str, ...] = ()
+    input_dtype: bool = False
+    offset_rms_norms: tuple[str, ...] = ()
     gelu_mlps: dict = field(default_factory=dict)
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
+    clamped_experts: tuple[str, ...] = ()
+    scaled_embeddings: tuple[str, ...] = ()
     attentions: tuple[str, ...] = ()
     packs: bool = True
     fused_head: bool = False  # its *ForCausalLM is ``self.<body>`` then ``self.lm_head`` (no auxiliary loss)
     body: str = "model"  # the attribute of its *ForCausalLM that holds the decoder
+    module: str | None = None
+    attention_default: str = "sdpa"
 
     @functools.cached_property
     def modeling(self):
-        return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+        name = self.module or self.model_type
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+    @property
+    def modeling_name(self) -> str:
+        """The qualified name of its transformers modeling module (no import)."""
+        name = self.module or self.model_type
+        return f"transformers.models.{name}.modeling_{name}"
 
     def classes(self, names) -> tuple[type, ...]:
         return tuple(getattr(self.modeling, n) for n in names)
@@ -123,9 +146,34 @@ FAMILIES = {
             gated_mlps=("Qwen3MoeMLP",),  # the dense layers between sparse ones (decoder_sparse_step > 1)
             experts=("Qwen3MoeExperts",),
         ),
+        Family(
+            "gemma3_text",
+            "Gemma3PreTrainedModel",
+            "hidden_activation",
+            attentions=("Gemma3Attention",),
+            offset_rms_norms=("Gemma3RMSNorm",),  # the q/k norms too
+            gated_mlps=("Gemma3MLP",),
+            scaled_embeddings=("Gemma3TextScaledWordEmbedding",),
+            packs=False,  # its text model serves the multimodal model too, whose masks add bidirectional image blocks
+            fused_head=True,  # where the config has no final-logit soft-capping (``_forwards.head_fuses``)
+            module="gemma3",
+        ),
+        Family(
+            "gpt_oss",
+            "GptOssPreTrainedModel",
+            "hidden_act",
+            attentions=("GptOssAttention",),
+            rms_norms=("GptOssRMSNorm",),
+            input_dtype=True,  # its norms stay fp32 in a bf16 model (_keep_in_fp32_modules) and return bf16
+            experts=("GptOssExperts",),
+            clamped_experts=("GptOssExperts",),
+            fused_head=True,  # where no router logits are asked for (their auxiliary loss: the class's forward)
+            attention_default="eager",  # transformers has no SDPA path for gpt-oss (its sinks)
+        ),
     )
 }
 fw.PACKING_MODEL_TYPES.update(name for name, f in FAMILIES.items() if f.packs)
+fw.CLAMPED_SWIGLU_EXPERTS.update(f"{f.modeling_name}.{name}" for f in FAMILIES.values() for name in f.clamped_experts)
 
 
 def family_of(model_type, op: str) -> Family:
@@ -174,7 +222,9 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
     act = getattr(model.config, family.activation, None)
     gelu = fw.gelu_kind(act)
     silu = isinstance(act, str) and act in _SILU
+    glu = "silu" if silu else "gelu_tanh" if gelu == "tanh" else None  # the gated MLPs' fused activation
     rms = family.classes(family.rms_norms)
+    offset_rms = family.classes(family.offset_rms_norms)
     gelu_mlps = dict(zip(family.classes(family.gelu_mlps), family.gelu_mlps.values()))
     gated = family.classes(family.gated_mlps)
     conv1d = fw._conv1d_class()
@@ -188,10 +238,16 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
             bind(m, fw.linear_forward if cls is torch.nn.Linear else fw.conv1d_forward)
             counts["linears"] += 1
         elif norms and (cls is torch.nn.LayerNorm or cls in rms):
-            bind(m, fw.layer_norm_forward if cls is torch.nn.LayerNorm else fw.rms_norm_forward)
+            if cls is torch.nn.LayerNorm:
+                bind(m, fw.layer_norm_forward)
+            else:
+                bind(m, fw.rms_norm_forward, input_dtype=family.input_dtype)
             counts["norms"] += 1
-        elif mlp and silu and cls in gated:
-            bind(m, fw.gated_mlp_forward)
+        elif norms and cls in offset_rms:
+            bind(m, fw.offset_rms_norm_forward)
+            counts["norms"] += 1
+        elif mlp and glu is not None and cls in gated:
+            bind(m, fw.gated_mlp_forward, activation=glu)
             if _mlp_owns_its_linears(m, _GATED_READS):
                 counts["mlp"] += 1
             else:
@@ -207,15 +263,15 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
 
 def mark(model, family: Family, kind: str) -> int:
     """Mark the modules of ``kind`` (``_dispatch.ATTENTION``: the attention modules; ``EXPERTS``: the expert banks,
-    when the activation is SiLU) so that their calls under transformers' default implementation run megakernels'
-    (``_dispatch``); returns how many."""
+    when the activation is SiLU or their gate is gpt-oss's clamped one) so that their calls under transformers'
+    default implementation run megakernels' (``_dispatch``); returns how many."""
     from megakernels.integrations.transformers import _dispatch
 
     if kind == _dispatch.EXPERTS:
         act = getattr(model.config, family.activation, None)
-        if not (isinstance(act, str) and act in _SILU):
-            return 0
-        classes = family.classes(family.experts)
+        silu = isinstance(act, str) and act in _SILU
+        # gpt-oss's clamped SwiGLU is its experts' own gate, whatever the config's activation says
+        classes = family.classes(tuple(n for n in family.experts if silu or n in family.clamped_experts))
     else:
         classes = family.classes(family.attentions)
     n = 0

@@ -3,24 +3,29 @@ with transformers. Every one keeps the module's parameters and their names (stat
 computes what the module it replaces computes, through megakernels' fused ops (docs/integrations.md):
 
 - norms: ``LayerNorm`` -> ``megakernels.ops.layer_norm``; ``*RMSNorm`` -> ``rms_norm`` (one pass each way, fp32
-  statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after).
+  statistics; transformers' RMSNorm rounds the normalised input to the input dtype before the weight, ours after);
+  Gemma's ``x * (1 + weight)`` RMSNorm -> ``megakernels.nn.norms.offset_rms_norm`` (the ``1 + weight`` formed in
+  fp32 per call, the stored weight unchanged).
 - MLPs: GPT-2's ``c_fc`` + GeLU, BERT's intermediate ``dense`` + GeLU and its LM-head transform -> the GEMM
   without bias, then ``bias_gelu``; the Llama/Mistral MLP -> one GEMM against the concatenated gate and up weights
-  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu``. A
-  forward that reads a submodule's weight does so only while that submodule is a plain ``nn.Linear`` / ``Conv1D``
-  (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the patch); otherwise it runs
-  the module's own forward, which calls the submodules.
-- Mixtral's / Qwen 3 MoE's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
+  (a copy of those weights per call, smaller than the activations it saves a pass over), then ``swiglu`` (Gemma's
+  tanh-GeLU MLP: ``geglu``). A forward that reads a submodule's weight does so only while that submodule is a plain
+  ``nn.Linear`` / ``Conv1D`` (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the
+  patch); otherwise it runs the module's own forward, which calls the submodules.
+- Mixtral's / Qwen 3 MoE's / gpt-oss's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
   ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
-  ``grouped_gemm`` around ``swiglu``, outputs weighted and summed back in fp32 (``unpermute``).
+  ``grouped_gemm`` around ``swiglu`` (gpt-oss's clamped one, its interleaved gate/up columns reordered per call and
+  its biases added), outputs weighted and summed back in fp32 (``unpermute``).
 - attention (``_dispatch``: the calls of a patched model under transformers' default ``"sdpa"``, or under
   ``"megakernels"``) -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
   without padding: its SDPA mask function returns None exactly then, and ours also when the only reason for a mask
-  is a sliding window, which the kernel applies itself, skipping the key blocks outside it); with a mask (padding,
-  packed sequences, a chunked prefill), a softcap, sinks, a position bias or a head dim the CUDA kernel does not
-  take, transformers' own SDPA path runs; with ``output_attentions=True``, the family's eager attention (which returns
-  the weights) under the same mask.
-- tied input and output embeddings (GPT-2; Llama, Qwen models with ``tie_word_embeddings``) -> one
+  is a sliding window, which the kernel applies itself, skipping the key blocks outside it), gpt-oss's sinks
+  (``s_aux``) inside the kernel; with a mask (padding, a chunked prefill), a softcap, a position bias or a head dim
+  the CUDA kernel does not take, transformers' own SDPA path runs (the family's eager attention where there are
+  sinks, which SDPA has not); with ``output_attentions=True``, the family's eager attention (which returns the
+  weights) under the same mask.
+- tied input and output embeddings (GPT-2; Gemma 3, its lookup scaled; Llama, Qwen models with
+  ``tie_word_embeddings``) -> one
   ``megakernels.nn.TiedEmbedding``: the lookup's gradient rows are added into the output layer's weight gradient
   instead of a zero-filled ``[vocab, hidden]`` table the engine then adds.
 - causal-LM loss -> ``cross_entropy`` on the logits as they are (bf16 stays bf16: no fp32 copy of the logits),
@@ -44,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernels import ops
+from megakernels.nn.norms import offset_rms_norm
 from megakernels.ops import gemm
 from megakernels.ops.attention import MAX_TRITON_HEAD_DIM
 from megakernels.ops.grouped_gemm import grouped_gemm
@@ -95,12 +101,25 @@ def layer_norm_forward(self, x):
     return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def rms_norm_forward(self, x):
+def rms_norm_forward(self, x, *, input_dtype: bool = False):
     """transformers' ``*RMSNorm`` (``weight``, ``variance_epsilon``) -> ``rms_norm``; x ``[..., h]``, out in x's
-    dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one)."""
+    dtype. A weight in another dtype than x runs transformers' forward (its output dtype is the promoted one),
+    except with ``input_dtype`` (gpt-oss's norm, which multiplies in fp32 and returns x's dtype whatever the
+    weight's: the fp32 norms of an fp16 model stay fused) for a fp16/bf16/fp32 x."""
     if self.weight.dtype != x.dtype:  # transformers promotes (fp32 weight * bf16 x is fp32): its own forward
-        return type(self).forward(self, x)
+        if not input_dtype or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return type(self).forward(self, x)
+        return ops.rms_norm(x, self.weight.float(), self.variance_epsilon)
     return ops.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def offset_rms_norm_forward(self, x):
+    """Gemma's RMSNorm (``weight`` stored as the offset from one, ``eps``): ``x / rms(x) * (1 + weight)`` with the
+    product in fp32, out in x's dtype whatever the weight's, as Gemma's forward (``offset_rms_norm``); x
+    ``[..., h]``. A fp64 x (which Gemma's forward computes in fp32) runs the class's forward."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return type(self).forward(self, x)
+    return offset_rms_norm(x, self.weight, self.eps, 1.0)
 
 
 # ---- MLPs ---------------------------------------------------------------------------------------------------------
@@ -140,15 +159,19 @@ def bert_head_transform_forward(self, hidden_states, *, approximate: str):
     return self.LayerNorm(h)
 
 
-def gated_mlp_forward(self, x):
-    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))``: ``[..., h]`` -> ``[..., h]``; transformers' forward
-    (which calls ``gate_proj`` and ``up_proj``) where either is not ``owned``."""
+_GLU = {"silu": ops.swiglu, "gelu_tanh": ops.geglu}
+
+
+def gated_mlp_forward(self, x, *, activation: str = "silu"):
+    """Llama/Mistral's MLP, ``down(silu(gate(x)) * up(x))`` (``activation="gelu_tanh"``: Gemma's, the tanh GeLU):
+    ``[..., h]`` -> ``[..., h]``; transformers' forward (which calls ``gate_proj`` and ``up_proj``) where either is
+    not ``owned``."""
     gate, up = self.gate_proj, self.up_proj
     if not (owned(gate) and owned(up)):
         return type(self).forward(self, x)
     weight = torch.cat([gate.weight, up.weight])
     bias = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-    return self.down_proj(ops.swiglu(gemm.linear(x, weight, bias)))
+    return self.down_proj(_GLU[activation](gemm.linear(x, weight, bias)))
 
 
 # ---- linear layers ------------------------------------------------------------------------------------------------
@@ -165,26 +188,62 @@ def conv1d_forward(self, x):
     return gemm.linear(x, self.weight.t(), self.bias)
 
 
-def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """Mixtral's / Qwen 3 MoE's experts (``gate_up_proj`` ``[E, 2f, h]`` gate first, ``down_proj`` ``[E, h, f]``),
-    transformers' experts-function signature: the rows of every expert in one grouped GEMM each way around
-    ``swiglu``. Experts whose activation is not SiLU (or with biases, or another weight layout) run transformers'
-    ``grouped_mm`` function."""
+# The expert classes (qualified names) whose gate is gpt-oss's clamped SwiGLU (``_families`` fills it from the
+# families' ``clamped_experts``): ``limit`` and ``alpha`` on the module, gate and up columns interleaved.
+CLAMPED_SWIGLU_EXPERTS: set[str] = set()
+
+
+def _experts_gate(self):
+    """The fused gate of an expert bank: ``swiglu`` where it computes transformers' default gate with SiLU,
+    ``swiglu(limit=, alpha=)`` for gpt-oss's clamped one; None for any other (a class's own gate, an activation
+    other than SiLU, no gate)."""
+    cls = type(self)
+    if not getattr(self, "has_gate", True):
+        return None
+    if f"{cls.__module__}.{cls.__qualname__}" in CLAMPED_SWIGLU_EXPERTS:
+        return functools.partial(ops.swiglu, limit=float(self.limit), alpha=float(self.alpha))
+    from transformers.integrations.moe import _default_apply_gate
+
     act = getattr(getattr(self, "config", None), "hidden_act", None)
-    plain = (
-        act in ("silu", "swish")
-        and getattr(self, "has_gate", True)
-        and not getattr(self, "has_bias", False)
-        and not getattr(self, "is_transposed", False)
-        and getattr(self, "is_concatenated", True)
-    )
-    if not plain:
+    default_gate = getattr(cls, "_apply_gate", _default_apply_gate) is _default_apply_gate
+    return ops.swiglu if act in ("silu", "swish") and default_gate else None
+
+
+def _gate_first(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Gate/up ``[..., 2f, ·]`` rows (``dim=-2``) as the kernels take them, gate first: interleaved ones (gpt-oss:
+    gate = rows 0, 2, ..., up = rows 1, 3, ...) gathered into a copy; concatenated ones as they are."""
+    return torch.cat([t[..., 0::2, :], t[..., 1::2, :]], dim=-2) if interleaved else t
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Expert banks in transformers' layouts (``gate_up_proj`` ``[E, 2f, h]``, ``down_proj`` ``[E, h, f]``; or
+    with ``is_transposed`` ``[E, h, 2f]`` / ``[E, f, h]``; gate and up concatenated, or interleaved without
+    ``is_concatenated``; ``*_bias`` ``[E, ·]`` with ``has_bias``), transformers' experts-function signature
+    (hidden ``[T, h]``, ``top_k_index`` / ``top_k_weights`` ``[T, k]``): the rows of every expert in one grouped GEMM
+    each way around the fused gate (``_experts_gate``: Mixtral's / Qwen 3 MoE's SwiGLU, gpt-oss's clamped one). A
+    transposed or interleaved bank is reordered into the kernels' layout per call (a copy of the weights; the
+    parameters are untouched). Experts with another gate run transformers' ``grouped_mm`` function."""
+    gate = _experts_gate(self)
+    if gate is None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    transposed = getattr(self, "is_transposed", False)
+    interleaved = not getattr(self, "is_concatenated", True)
+    w_up, w_down = self.gate_up_proj, self.down_proj
+    if transposed:
+        w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2).contiguous()
+    w_up = _gate_first(w_up, interleaved).contiguous()
     perm = permute(hidden_states, top_k_index, self.num_experts)
-    y = grouped_gemm(perm.rows, self.gate_up_proj, perm.group_sizes)
-    y = grouped_gemm(ops.swiglu(y), self.down_proj, perm.group_sizes)
+    y = grouped_gemm(perm.rows, w_up, perm.group_sizes)
+    if getattr(self, "has_bias", False):
+        expert = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=y.device), perm.group_sizes, output_size=y.shape[0]
+        )
+        b_up = _gate_first(self.gate_up_proj_bias[..., None], interleaved)[..., 0]
+        y = grouped_gemm(gate(y + b_up[expert]), w_down, perm.group_sizes) + self.down_proj_bias[expert]
+    else:
+        y = grouped_gemm(gate(y), w_down, perm.group_sizes)
     return unpermute(y, perm, top_k_weights)
 
 
@@ -204,12 +263,14 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     d, sq = query.shape[-1], query.shape[2]
     if weights_requested(kwargs):
         return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
+    sinks = kwargs.get("s_aux")
     unsupported = (
         kwargs.get("softcap") is not None
-        or kwargs.get("s_aux") is not None
         or kwargs.get("position_bias") is not None
         or (query.device.type == "cuda" and (d % 8 or d > MAX_TRITON_HEAD_DIM))
     )
+    if sinks is not None and (attention_mask is not None or unsupported):  # SDPA has no sinks
+        return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
     if attention_mask is not None or unsupported:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -227,6 +288,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         dropout_p=float(dropout),
         window=window,
         documents=documents,
+        sinks=None if sinks is None else sinks.float(),  # the kernel's sinks are fp32; the cast passes the gradient
     )
     return out, None
 
@@ -258,13 +320,14 @@ def _unmasked_causality(module, query, key, value, is_causal, kwargs):
 
 
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs):
-    """The family's ``eager_attention_forward`` (the one transformers runs under ``"eager"``, returning the weights)
-    with the mask the call stands for: ``attention_mask`` as an additive mask, or without one the causal / sliding
-    window / packed-sequence mask FlashAttention would have applied."""
+    """The family's ``eager_attention_forward`` (the one transformers runs under ``"eager"``, returning the weights;
+    sinks included) with the mask the call stands for: ``attention_mask`` as an additive mask, or without one the
+    causal / sliding window / packed-sequence mask FlashAttention would have applied."""
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
+        why = "output_attentions=True" if weights_requested(kwargs) else "attention sinks (s_aux) with a mask"
         raise ValueError(
-            f"output_attentions=True: {type(module).__name__} has no eager attention to return the weights with; "
+            f"{why}: {type(module).__name__} has no eager attention to compute it with; "
             "load the model with attn_implementation='eager'"
         )
     if attention_mask is None:
@@ -325,6 +388,7 @@ def _packed_without_padding(allow_is_causal_skip: bool, kwargs: dict) -> bool:
     that is a packed batch (its positions restart), which the attention takes from ``position_ids`` instead."""
     return (
         not allow_is_causal_skip
+        and not kwargs.get("use_vmap", False)  # a mask function of the model's own (Gemma's bidirectional overlay)
         and getattr(kwargs.get("config"), "model_type", None) in PACKING_MODEL_TYPES
         and kwargs.get("attention_mask") is None
         and not isinstance(kwargs.get("q_offset", 0), torch.Tensor)
@@ -351,12 +415,14 @@ def attention_mask(*args, local_size: int | None = None, allow_is_causal_skip: b
 # ---- tied input and output embeddings ------------------------------------------------------------------------------
 
 
-def tied_lookup_forward(self, input_ids, *, table):
+def tied_lookup_forward(self, input_ids, *, table, scaled: bool = False):
     """The input embedding of a tied table (``megakernels.nn.TiedEmbedding``): its gradient goes into the output
-    layer's. A module whose table was replaced since (resized, re-tied) runs ``nn.Embedding``'s own forward."""
+    layer's; ``scaled``: the rows times the module's ``embed_scale`` in the weight's dtype (Gemma's scaled
+    embedding). A module whose table was replaced since (resized, re-tied) runs its class's own forward."""
     if self.weight is not table.weight:
         return type(self).forward(self, input_ids)
-    return table.lookup(input_ids, self.padding_idx)
+    rows = table.lookup(input_ids, self.padding_idx)
+    return rows * self.embed_scale.to(self.weight.dtype) if scaled else rows
 
 
 def tied_logits_forward(self, hidden, *, table):
@@ -438,8 +504,10 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     hidden states go straight into the fused LM head + cross-entropy (chunks of tokens; the ``[tokens, vocab]``
     logits are not made) and the output (the class's output type, cache and hidden states included) has no
     ``logits`` until ``.logits`` is read, which computes them (``_lazy_logits_class``); transformers' label shift,
-    ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss. Otherwise (no
-    labels, evaluation mode, a head or loss ``head_fuses`` refuses) the class's own forward, logits included."""
+    ``ignore_index`` -100, ``shift_labels`` and ``num_items_in_batch`` as its causal-LM loss; a config's
+    ``final_logit_softcapping`` (Gemma's) caps the logits inside the fused loss, and the logits read. Otherwise (no
+    labels, evaluation mode, a head or loss ``head_fuses`` refuses, router logits asked for) the class's own
+    forward, logits included."""
     cls = type(self)
     sig = forward_signature(cls)
     try:
@@ -452,6 +520,9 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     arguments.pop(next(iter(sig.parameters)))  # self
     var_kw = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
     extra = dict(arguments.pop(var_kw[0], {})) if var_kw else {}
+    router = arguments.get("output_router_logits", extra.get("output_router_logits"))
+    if router or (router is None and getattr(self.config, "output_router_logits", False)):
+        return cls.forward(self, *args, **kwargs)  # an MoE's auxiliary loss joins the loss there
     arguments.pop("labels")
     keep = arguments.pop("logits_to_keep", 0)
     return_dict = extra.pop("return_dict", None)
@@ -466,7 +537,10 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift = shift.to(hidden.device)
     head = self.get_output_embeddings()
-    per_token = ops.linear_cross_entropy(hidden, head.weight, shift, bias=head.bias, vocab_size=self.config.vocab_size)
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    per_token = ops.linear_cross_entropy(
+        hidden, head.weight, shift, bias=head.bias, vocab_size=self.config.vocab_size, softcap=softcap
+    )
     n = extra.get("num_items_in_batch")
     if n is None:
         n = (shift != -100).sum()
@@ -475,11 +549,19 @@ def fused_head_forward(self, *args, _body: str = "model", **kwargs):
     out_cls = _output_class(cls)
     fields = {f.name for f in dataclasses.fields(out_cls)} - {"loss", "logits"}
     rest = {k: v for k, v in outputs.items() if k in fields}
+    logits = functools.partial(_head_logits, head, hidden, softcap)
     if not return_dict:  # a tuple has no lazy field: its logits are where the class's forward puts them
-        return out_cls(loss=per_token.sum() / n, logits=head(hidden), **rest).to_tuple()
+        return out_cls(loss=per_token.sum() / n, logits=logits(), **rest).to_tuple()
     out = _lazy_logits_class(out_cls)(loss=per_token.sum() / n, **rest)
-    object.__setattr__(out, "_megakernels_logits", functools.partial(head, hidden))
+    object.__setattr__(out, "_megakernels_logits", logits)
     return out
+
+
+def _head_logits(head, hidden, softcap):
+    """The LM head's logits on ``hidden``, capped as transformers caps them (``c * tanh(logits / c)``) under a
+    final-logit soft cap ``c``."""
+    logits = head(hidden)
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 @functools.cache
