@@ -80,6 +80,8 @@ def report(args: TrainArgs, cfg: ModelConfig | None = None, out=print) -> dict:
         "preset": args.preset_name(),
         "parameters": meta.parameters,
         "active_parameters": meta.active_parameters,
+        # as some model cards count them: the input embedding is a lookup of one row a token, not a product
+        "active_parameters_without_embedding": meta.active_parameters - cfg.vocab_size * cfg.hidden_size,
         "parameters_per_device": mem["parameters_per_device"],
         **({"trained_parameters_per_device": mem["trained_parameters_per_device"]} if L.frozen else {}),
         **({"expert_memory_per_device_bytes": mem["expert_bytes"]} if cfg.num_experts else {}),
@@ -169,7 +171,9 @@ def _print(rep: dict, cfg: ModelConfig, out) -> None:
         f"parameters: {human(rep['parameters'])} total, {human(rep['parameters_per_device'])} on the most loaded "
         "device"
         + (
-            f"; {human(rep['active_parameters'])} active per token ({cfg.num_experts} experts, top {cfg.moe_top_k})"
+            f"; {human(rep['active_parameters'])} active per token "
+            f"({human(rep['active_parameters_without_embedding'])} without the input embedding; "
+            f"{cfg.num_experts} experts, top {cfg.moe_top_k})"
             if cfg.num_experts
             else ""
         )
