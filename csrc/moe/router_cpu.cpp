@@ -26,78 +26,96 @@ using moe::RouterGradArgs;
 inline float r_exp(float d) { return d < -87.0f ? 0.0f : mk_exp(d); }
 inline float r_sigmoid(float x) { return 1.0f / (1.0f + mk_exp(-x)); }
 
-// The index of the largest key among the allowed and not yet taken, the lower index on ties; -1 when none is.
-inline int64_t arg_best(const float* key, const unsigned char* ok, int64_t n) {
-  int64_t best = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (ok[i] && (best < 0 || key[i] > key[best])) best = i;
-  return best;
-}
-
 struct Scratch {
-  std::vector<float> x, p, s, key;
-  std::vector<unsigned char> ok, gok;
-  std::vector<float> gscore;
-  explicit Scratch(int64_t E, int64_t G) : x(E), p(E), s(E), key(E), ok(E), gok(G), gscore(G) {}
+  std::vector<float> x, p, s, key, gscore;
+  std::vector<unsigned char> gopen, chosen;
+  explicit Scratch(int64_t E, int64_t G) : x(E), p(E), s(E), key(E), gscore(G), gopen(G), chosen(G) {}
 };
 
-// softmax (and its lse) of row x into p; the sigmoid into s when asked.
+// softmax of row x into p; returns its log-sum-exp.
 inline float softmax_row(const float* x, float* p, int64_t E) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  float m = ninf;
-  for (int64_t i = 0; i < E; ++i) m = std::max(m, x[i]);
+  const float m = lane_max<float>(E, ninf, [x](int64_t i) { return x[i]; });
   const float shift = m == ninf ? 0.0f : m;
-  float sum = 0.0f;
-  for (int64_t i = 0; i < E; ++i) sum += (p[i] = r_exp(x[i] - shift));
+#pragma omp simd
+  for (int64_t i = 0; i < E; ++i) p[i] = r_exp(x[i] - shift);
+  const float sum = lane_sum<float>(E, [p](int64_t i) { return p[i]; });
   const float inv = 1.0f / sum;
+#pragma omp simd
   for (int64_t i = 0; i < E; ++i) p[i] *= inv;
   return shift + std::log(sum);
 }
 
+// Keeps the k largest keys seen, largest first; an equal key goes after the ones already there (lower indices,
+// which came first), so ties go to the lower index.
+struct TopK {
+  int64_t n = 0, k;
+  int64_t* idx;
+  float* val;
+  TopK(int64_t k_, int64_t* idx_, float* val_) : k(k_), idx(idx_), val(val_) {}
+  void offer(float v, int64_t i) {
+    if (n == k && !(v > val[k - 1])) return;
+    int64_t pos = n < k ? n++ : k - 1;
+    for (; pos > 0 && val[pos - 1] < v; --pos) val[pos] = val[pos - 1], idx[pos] = idx[pos - 1];
+    val[pos] = v, idx[pos] = i;
+  }
+};
+
 template <typename T>
 void route_row(const RouterArgs& a, int64_t r, Scratch& w, float* counts, float* aux) {
-  const int64_t E = a.E, k = a.k, G = a.n_group;
+  const int64_t E = a.E, k = a.k, G = a.n_group, size = E / G;
   const float* x = row_view(static_cast<const T*>(a.logits) + r * E, w.x.data(), E);
   float* p = w.p.data();
   float* s = w.s.data();
+  float* key = w.key.data();
   a.lse[r] = softmax_row(x, p, E);
   float ssum = 0.0f;
-  if (a.score == 1)
-    for (int64_t i = 0; i < E; ++i) ssum += (s[i] = r_sigmoid(x[i]));
+  if (a.score == 1) {
+#pragma omp simd
+    for (int64_t i = 0; i < E; ++i) s[i] = r_sigmoid(x[i]);
+    ssum = lane_sum<float>(E, [s](int64_t i) { return s[i]; });
+  }
   const float* score = a.score == 1 ? s : p;
-  for (int64_t i = 0; i < E; ++i) w.key[i] = (a.topk_softmax ? x[i] : score[i]) + (a.bias ? a.bias[i] : 0.0f);
-  std::fill(w.ok.begin(), w.ok.end(), static_cast<unsigned char>(1));
+  const float* base = a.topk_softmax ? x : score;
+  if (a.bias) {
+#pragma omp simd
+    for (int64_t i = 0; i < E; ++i) key[i] = base[i] + a.bias[i];
+  } else {
+    key = const_cast<float*>(base);
+  }
+  unsigned char* chosen = w.chosen.data();
   if (G > 1) {  // group-limited: the topk_group groups with the largest sums of their two best keys
-    const int64_t size = E / G;
+    const float ninf = -std::numeric_limits<float>::infinity();
     for (int64_t g = 0; g < G; ++g) {
-      const float* kg = w.key.data() + g * size;
-      const int64_t first = arg_best(kg, w.ok.data() + g * size, size);
-      float total = kg[first];
-      if (size > 1) {
-        w.ok[g * size + first] = 0;
-        total += kg[arg_best(kg, w.ok.data() + g * size, size)];
-        w.ok[g * size + first] = 1;
+      float b1 = ninf, b2 = ninf;
+      for (int64_t i = g * size; i < (g + 1) * size; ++i) {
+        const float v = key[i];
+        if (v > b1)
+          b2 = b1, b1 = v;
+        else if (v > b2)
+          b2 = v;
       }
-      w.gscore[g] = total;
-      w.gok[g] = 1;
+      w.gscore[g] = size > 1 ? b1 + b2 : b1;
+      w.gopen[g] = 1, chosen[g] = 0;
     }
-    std::vector<unsigned char> chosen(G, 0);
     for (int64_t j = 0; j < a.topk_group; ++j) {
-      const int64_t g = arg_best(w.gscore.data(), w.gok.data(), G);
-      chosen[g] = 1, w.gok[g] = 0;
+      int64_t best = -1;
+      for (int64_t g = 0; g < G; ++g)
+        if (w.gopen[g] && (best < 0 || w.gscore[g] > w.gscore[best])) best = g;
+      chosen[best] = 1, w.gopen[best] = 0;
     }
-    for (int64_t i = 0; i < E; ++i) w.ok[i] = chosen[i / size];
+  } else {
+    chosen[0] = 1;
   }
   int64_t* ex = a.experts + r * k;
   float* wt = a.weights + r * k;
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t e = arg_best(w.key.data(), w.ok.data(), E);
-    ex[j] = e;
-    w.ok[e] = 0;
-    counts[e] += 1.0f;
-  }
+  TopK top(k, ex, wt);  // the chosen keys in wt until the weights overwrite them
+  for (int64_t g = 0; g < G; ++g)
+    if (chosen[g])
+      for (int64_t i = g * size; i < (g + 1) * size; ++i) top.offer(key[i], i);
+  for (int64_t j = 0; j < k; ++j) counts[ex[j]] += 1.0f;
   if (a.topk_softmax) {
-    float m = x[ex[0]];  // the largest chosen logit: keys are logits (+ bias), not ordered by x with a bias
+    float m = x[ex[0]];  // the largest chosen logit: with a bias the keys need not be ordered as the logits
     for (int64_t j = 1; j < k; ++j) m = std::max(m, x[ex[j]]);
     float sum = 0.0f;
     for (int64_t j = 0; j < k; ++j) sum += (wt[j] = r_exp(x[ex[j]] - m));
@@ -110,8 +128,10 @@ void route_row(const RouterArgs& a, int64_t r, Scratch& w, float* counts, float*
   }
   if (a.score == 1) {
     const float inv = 1.0f / ssum;
+#pragma omp simd
     for (int64_t i = 0; i < E; ++i) aux[i] += s[i] * inv;
   } else {
+#pragma omp simd
     for (int64_t i = 0; i < E; ++i) aux[i] += p[i];
   }
 }
@@ -136,22 +156,26 @@ void grad_rows(const RouterGradArgs& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* x = row_view(static_cast<const T*>(a.logits) + r * E, xb.data(), E);
     const float lse = a.lse[r];
+#pragma omp simd
     for (int64_t i = 0; i < E; ++i) p[i] = r_exp(x[i] - lse);
     float ssum = 0.0f;
-    if (a.score == 1)
-      for (int64_t i = 0; i < E; ++i) ssum += (s[i] = r_sigmoid(x[i]));
+    if (a.score == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < E; ++i) s[i] = r_sigmoid(x[i]);
+      ssum = lane_sum<float>(E, [&s](int64_t i) { return s[i]; });
+    }
     const float* score = a.score == 1 ? s.data() : p.data();
     const int64_t* ex = a.experts + r * k;
     const float* wt = a.weights + r * k;
     const float* dw = a.dweights + r * k;
     // the aux scores' gradient, on the scores
     if (a.score == 1) {
-      float dot = 0.0f;
-      for (int64_t i = 0; i < E; ++i) dot += a.daux[i] * s[i];
+      const float dot = lane_sum<float>(E, [&](int64_t i) { return a.daux[i] * s[i]; });
       const float inv = 1.0f / ssum;
+#pragma omp simd
       for (int64_t i = 0; i < E; ++i) g[i] = (a.daux[i] - dot * inv) * inv;
     } else {
-      for (int64_t i = 0; i < E; ++i) g[i] = a.daux[i];
+      std::copy(a.daux, a.daux + E, g.begin());
     }
     std::fill(dl.begin(), dl.end(), 0.0f);
     if (a.topk_softmax) {
@@ -167,15 +191,21 @@ void grad_rows(const RouterGradArgs& a, int64_t r0, int64_t r1) {
       for (int64_t j = 0; j < k; ++j) g[ex[j]] += a.scale * dw[j];
     }
     if (a.score == 1) {
+#pragma omp simd
       for (int64_t i = 0; i < E; ++i) dl[i] += g[i] * s[i] * (1.0f - s[i]);
     } else {
-      float dot = 0.0f;
-      for (int64_t i = 0; i < E; ++i) dot += g[i] * p[i];
+      const float dot = lane_sum<float>(E, [&](int64_t i) { return g[i] * p[i]; });
+#pragma omp simd
       for (int64_t i = 0; i < E; ++i) dl[i] += p[i] * (g[i] - dot);
     }
     const float zc = a.dlse[r];
     T* out = static_cast<T*>(a.dlogits) + r * E;
-    for (int64_t i = 0; i < E; ++i) out[i] = from_float<T>(dl[i] + zc * p[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < E; ++i) dl[i] += zc * p[i];
+    if constexpr (std::is_same_v<T, float>)
+      std::copy(dl.begin(), dl.end(), out);
+    else
+      store_row(dl.data(), out, E);
   }
 }
 

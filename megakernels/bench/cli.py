@@ -56,6 +56,7 @@ OPS = {
     "swiglu": "swiglu",
     "grouped_gemm": "moe",
     "moe_dispatch": "moe",
+    "moe_router": "moe",
     "fp8_gemm": "fp8",
     "hf_train": "hf",
 }
@@ -64,7 +65,7 @@ GROUPS = {
     "softmax": [o for o, f in OPS.items() if f == "softmax"],
     "attention": ["flash_attention"],
     "llama": ["rope", "swiglu"],
-    "moe": ["grouped_gemm", "moe_dispatch"],
+    "moe": ["grouped_gemm", "moe_dispatch", "moe_router"],
     "fp8": ["fp8_gemm"],
     "hf": ["hf_train"],
     "all": list(OPS),

@@ -6,6 +6,11 @@
   Mixtral-like shapes scaled to the device: 8 experts, a few thousand tokens routed top-2 by a skewed random router
   (so the groups differ in size, one may be empty), the experts' fc1 (``h -> f``) and fc2 (``f -> h``). Work is the
   FLOPs that must happen: ``2·rows·n·k`` forward, three times that with the backward.
+- ``moe_router``: ``megakernels.ops.moe_router`` (the router after its gate GEMM, one pass) against the same routing
+  composed from PyTorch ops as the MoE layer ran it before (softmax or sigmoid, ``topk``, gather, normalisation,
+  ``bincount``, the column sum and ``logsumexp`` for the losses), forward and forward+backward, at Mixtral's (64
+  experts, top 2: E scaled up), gpt-oss's (128, top 4, softmax over the chosen) and DeepSeek-V3's (256, top 8 of 4
+  of 8 groups, sigmoid, a bias) routing over 8192 tokens. Work is the logits' bytes read once.
 - ``moe_dispatch``: the all-to-all of ``ExpertExchange`` (megakernels/parallel/moe/dispatch.py) on gloo over 2 and 4
   spawned ranks: one dispatch (counts, rows, re-sort by local expert) and its way back, against the bare
   ``all_to_all_single`` of the same bytes in equal splits; time per exchange against the bytes a rank sends.
@@ -215,6 +220,95 @@ def run_dispatch(worlds, row_counts, *, hidden=DISPATCH_HIDDEN, reps=20, log=pri
     return rows
 
 
+# ---- the router ----------------------------------------------------------------------------------------------------
+
+# name -> ops.moe_router's arguments
+ROUTINGS = {
+    "mixtral-like": dict(experts=64, top_k=2),
+    "gpt-oss": dict(experts=128, top_k=4, topk_softmax=True),
+    "deepseek-v3": dict(experts=256, top_k=8, score="sigmoid", n_group=8, topk_group=4, scale=2.5, bias=True),
+}
+ROUTER_TOKENS, QUICK_ROUTER_TOKENS = 8192, 64
+
+
+def torch_route(logits, top_k, *, score="softmax", normalize=True, topk_softmax=False, bias=None, scale=1.0,
+                n_group=1, topk_group=None):  # fmt: skip
+    """The routing from PyTorch ops (``topk``, not a stable sort: what a user writes); the same outputs as
+    ``ops.moe_router`` up to ties."""
+    x = logits.float()
+    p = torch.softmax(x, -1)
+    lse = torch.logsumexp(x, -1)
+    s = torch.sigmoid(x) if score == "sigmoid" else p
+    key = (x if topk_softmax else s).detach()
+    if bias is not None:
+        key = key + bias
+    t, e = x.shape
+    if n_group > 1:
+        best = key.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+        groups = best.topk(topk_group or n_group, dim=-1).indices
+        allowed = torch.zeros(t, n_group, dtype=torch.bool, device=x.device).scatter_(1, groups, True)
+        key = key.masked_fill(~allowed.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    experts = key.topk(top_k, dim=-1).indices
+    if topk_softmax:
+        weights = torch.softmax(x.gather(1, experts), -1) * scale
+    else:
+        chosen = s.gather(1, experts)
+        weights = scale * (chosen / (chosen.sum(-1, keepdim=True) + 1e-20) if normalize else chosen)
+    counts = torch.bincount(experts.flatten(), minlength=e)
+    aux = (s / s.sum(-1, keepdim=True) if score == "sigmoid" else p).sum(0)
+    return weights, experts, counts, aux, lse
+
+
+def _router_step(fn, logits, kwargs, backward):
+    def step():
+        x = logits.detach().requires_grad_(backward)
+        weights, _, _, aux, lse = fn(x, **kwargs)
+        if backward:
+            (weights.sum() + aux.sum() + lse.square().mean()).backward()
+
+    return step
+
+
+def run_router(dtypes, tokens: int, *, device="cpu", min_run_time=0.5, log=print) -> list[dict]:
+    """Every (dtype, routing, fwd / fwd+bwd) of ops.moe_router against ``torch_route``."""
+    from megakernels.ops import moe_router
+
+    rows, table = [], TablePrinter(log)
+    for dtype_name in dtypes:
+        for name, spec in ROUTINGS.items():
+            spec = dict(spec)
+            e = spec.pop("experts")
+            g = torch.Generator().manual_seed(0)
+            logits = torch.randn(tokens, e, generator=g).to(device=device, dtype=DTYPES[dtype_name])
+            if spec.pop("bias", False):
+                spec["bias"] = (torch.randn(e, generator=g) * 0.01).to(device)
+            for backward in (False, True):
+                times = {
+                    OURS: median_seconds(_router_step(moe_router, logits, spec, backward), min_run_time),
+                    "torch": median_seconds(_router_step(torch_route, logits, spec, backward), min_run_time),
+                }
+                work = logits.numel() * logits.element_size() * (2 if backward else 1)
+                row = result_row(
+                    "moe_router",
+                    FAMILY,
+                    dtype=dtype_name,
+                    shape=f"{tokens}x{e}",
+                    pass_="fwd+bwd" if backward else "fwd",
+                    size=logits.numel(),
+                    size_label="tokens x experts",
+                    unit="GB/s",
+                    work=work,
+                    times=times,
+                    ceiling=None,
+                    ceiling_name="",
+                    variant=name,
+                    top_k=spec["top_k"],
+                )
+                rows.append(row)
+                table(row)
+    return rows
+
+
 def run(request: Request) -> list[dict]:
     """The rows of the request's ops (``grouped_gemm``, ``moe_dispatch``; ``common.Request``); the dispatch runs on
     CPU ranks only."""
@@ -227,6 +321,14 @@ def run(request: Request) -> list[dict]:
             min_run_time=request.min_run_time,
             ceilings=request.ceilings,
             notes=request.notes,
+            log=request.log,
+        )
+    if "moe_router" in request.ops:
+        rows += run_router(
+            request.dtypes_or(("float32", "bfloat16")),
+            QUICK_ROUTER_TOKENS if request.quick else ROUTER_TOKENS,
+            device=request.device,
+            min_run_time=request.min_run_time,
             log=request.log,
         )
     if "moe_dispatch" in request.ops:

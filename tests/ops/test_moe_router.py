@@ -97,20 +97,26 @@ def test_the_bias_moves_the_choice_not_the_weights():
     torch.testing.assert_close(out.weights[:, 0], torch.sigmoid(x[:, 5]))
 
 
-def test_equals_the_moe_layers_router_and_its_losses():
-    """The layer's router (PyTorch ops) and the fused op: the same experts, weights and auxiliary losses."""
+def test_the_moe_layers_router_runs_it_and_its_losses_are_switchs_and_st_moes():
+    """The layer's router (the fused op) against the PyTorch composition in fp64: the same experts and weights, the
+    load-balancing loss E * sum_i f_i P_i and the z-loss mean_t lse_t^2, with their gradients to the gate."""
     from megakernels.parallel.moe.router import TopKRouter
 
     torch.manual_seed(0)
     router = TopKRouter(16, E, 2)
     h = torch.randn(50, 16)
     weights, experts, stats = router(h)
-    out = moe_router(h @ router.weight.t(), 2)
-    assert torch.equal(out.experts, experts)
-    torch.testing.assert_close(out.weights, weights)
-    f, p = out.tokens_per_expert / (50 * 2), out.aux_sum / 50
-    torch.testing.assert_close(E * (f * p).sum(), stats["aux_loss"])
-    torch.testing.assert_close(out.lse.square().mean(), stats["z_loss"])
+    (weights.sum() + stats["aux_loss"] + stats["z_loss"]).backward()
+    w64 = router.weight.detach().double().requires_grad_(True)
+    ref = moe_router_reference(h.double() @ w64.t(), 2, compute_dtype=torch.float64)
+    assert torch.equal(experts, ref.experts)
+    torch.testing.assert_close(weights.double(), ref.weights)
+    f, p = ref.tokens_per_expert / (50 * 2), ref.aux_sum / 50
+    aux, z = E * (f * p).sum(), ref.lse.square().mean()
+    torch.testing.assert_close(stats["aux_loss"].double(), aux)
+    torch.testing.assert_close(stats["z_loss"].double(), z)
+    (ref.weights.sum() + aux + z).backward()
+    torch.testing.assert_close(router.weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_sums_are_the_same_bits_for_any_thread_count():

@@ -19,10 +19,13 @@ loss.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megakernels.ops.moe_router import moe_router, moe_router_reference
 from megakernels.parallel import init
 
 
@@ -104,23 +107,18 @@ class TopKRouter(nn.Module):
         logits = x.to(acc) @ self.weight.to(acc).t()
         if self.bias is not None:
             logits = logits + self.bias.to(acc)
-        probs = logits.softmax(-1)
-        if self.softmax_topk:
-            chosen, experts = logits.topk(self.top_k, dim=-1)
-            weights = chosen.softmax(-1)
-        else:
-            weights, experts = probs.topk(self.top_k, dim=-1)
-            if self.normalize and self.top_k > 1:
-                weights = weights / weights.sum(-1, keepdim=True)
+        # the fused router (ops.moe_router: one pass, ties to the lower expert); its PyTorch twin for fp64 models
+        route = moe_router if acc == torch.float32 else functools.partial(moe_router_reference, compute_dtype=acc)
+        out = route(logits, self.top_k, normalize=self.normalize and self.top_k > 1, topk_softmax=self.softmax_topk)
+        weights, experts, counts = out.weights, out.experts, out.tokens_per_expert.to(acc)
         E = self.num_experts
-        counts = torch.bincount(experts.flatten(), minlength=E).to(acc)
         total = torch.tensor([float(x.shape[0])], dtype=acc, device=x.device)
         if stats_group is not None and dist.get_world_size(stats_group) > 1:
             counts, total = counts.clone(), total.clone()
             dist.all_reduce(counts, group=stats_group)
             dist.all_reduce(total, group=stats_group)
-        prob_sum = sum_over(probs.sum(0), stats_group)
-        z_sum = sum_over(torch.logsumexp(logits, -1).square().sum(), stats_group)
+        prob_sum = sum_over(out.aux_sum, stats_group)
+        z_sum = sum_over(out.lse.square().sum(), stats_group)
         f = counts / (total * self.top_k)
         P = prob_sum / total
         stats = {"aux_loss": E * (f * P).sum(), "z_loss": z_sum / total[0], "tokens_per_expert": counts}
