@@ -97,12 +97,29 @@ def moe_router_launches(arch: int, experts: int = 256, k: int = 8, n_group: int 
     ]  # fmt: skip
 
 
+def moe_permute_launches(arch: int, experts: int = 256, k: int = 8, hidden: int = 7168):
+    """The MoE permutation's index pass and unpermute (forward, backward) at DeepSeek-V3's sizes by default."""
+    from megakernels.triton import moe_permute as mp
+
+    t = 4096
+    flat = _meta((t * k,), "int64")
+    per = _meta((mp.BLOCK, experts), "int64")
+    rows, w, out = _meta((t * k, hidden), "bfloat16"), _meta((t, k), "float32"), _meta((t, hidden), "bfloat16")
+    return [
+        *mp.permute_index_launches(
+            flat, per, per, _meta((experts,), "int64"), _meta((experts,), "int64"), flat, experts
+        ),
+        mp.unpermute_launch(rows, flat, w, out),
+        mp.unpermute_backward_launch(rows, flat, w, out, rows, w),
+    ]
+
+
 def jobs(archs, full: bool, defaults: bool):
     """(what, arch, builder args): every candidate config of every head dim in the fp16 causal variant, plus every
     variant (dtype x causal x dropout) of each arch's d128 default, and each default's fp16 causal variant with
     attention sinks; with ``full``, every config in every variant (and each default's with sinks); with
     ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels, without
-    and with the soft cap, and the MoE router's."""
+    and with the soft cap, and the MoE router's and permutation's."""
     from megakernels.triton import flash_attention as fa
 
     for arch in archs:
@@ -110,6 +127,7 @@ def jobs(archs, full: bool, defaults: bool):
         yield (f"cross_entropy sm_{arch} softcap", arch, ("ce", 50304, 30.0))
         yield (f"moe_router sm_{arch} deepseek-v3", arch, ("router",))
         yield (f"moe_router sm_{arch} gpt-oss", arch, ("router", 128, 4, 1, False))
+        yield (f"moe_permute sm_{arch}", arch, ("permute",))
         for passname, table in (("fwd", fa.FWD_CONFIGS), ("bwd", fa.BWD_CONFIGS)):
             for head_dim in HEAD_DIMS:
                 for i, cfg in enumerate(fa.candidates(table, arch, head_dim)):
@@ -146,7 +164,9 @@ def _check_one(job) -> str | None:
 
     what, arch, spec = job
     try:
-        build = {"ce": cross_entropy_launches, "router": moe_router_launches}.get(spec[0], attention_launches)
+        build = {"ce": cross_entropy_launches, "router": moe_router_launches, "permute": moe_permute_launches}.get(
+            spec[0], attention_launches
+        )
         launches = build(arch, *spec[1:])
         for launch in launches:
             compiled = compile_launch(launch, arch)

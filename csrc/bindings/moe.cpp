@@ -2,6 +2,7 @@
 // (megakernels/ops/moe_router.py checks the arguments and holds the autograd and the CUDA path, which is Triton).
 #include <vector>
 
+#include "../moe/permute.h"
 #include "../moe/router.h"
 #include "common.h"
 
@@ -99,6 +100,89 @@ at::Tensor moe_router_grad_cpu(const at::Tensor& logits_in, const at::Tensor& ls
   return dlogits;
 }
 
+// (dest [T * k] int64, sizes [E] int64, kept [E] int64): the counting pass of permute.h
+std::vector<at::Tensor> moe_permute_index_cpu(const at::Tensor& experts_in, int64_t num_experts, int64_t capacity,
+                                              int64_t pad_multiple) {
+  const char* op = "moe_permute";
+  TORCH_CHECK_VALUE(experts_in.scalar_type() == at::kLong && experts_in.dim() == 2 && experts_in.is_cpu(), op,
+                    ": experts must be an int64 [tokens, k] CPU tensor");
+  TORCH_CHECK_VALUE(num_experts >= 1 && pad_multiple >= 1, op, ": num_experts and pad_multiple must be >= 1");
+  const at::Tensor experts = experts_in.contiguous();
+  const int64_t n = experts.numel();
+  const int64_t* ex = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(ex[i] >= 0 && ex[i] < num_experts, op, ": experts holds ", ex[i], ", outside [0, ", num_experts,
+                      ")");
+  const auto i64 = experts.options();
+  at::Tensor dest = at::empty({n}, i64), sizes = at::empty({num_experts}, i64), kept = at::empty({num_experts}, i64);
+  moe::PermuteIndexArgs a{ex,
+                          dest.data_ptr<int64_t>(),
+                          sizes.data_ptr<int64_t>(),
+                          kept.data_ptr<int64_t>(),
+                          n,
+                          num_experts,
+                          capacity,
+                          pad_multiple};
+  MK_CPU(moe_permute_index)(a);
+  return {dest, sizes, kept};
+}
+
+void check_unpermute(const char* op, const at::Tensor& rows, const at::Tensor& dest, const at::Tensor& weights) {
+  check_float_input(op, "rows", rows);
+  TORCH_CHECK_VALUE(rows.is_cpu() && rows.dim() == 2 && rows.scalar_type() != at::kDouble, op,
+                    ": rows must be a [rows, hidden] fp32/bf16/fp16 CPU tensor");
+  TORCH_CHECK_VALUE(weights.scalar_type() == at::kFloat && weights.dim() == 2, op,
+                    ": weights must be fp32 [tokens, k]");
+  TORCH_CHECK_VALUE(dest.scalar_type() == at::kLong && dest.numel() == weights.numel(), op,
+                    ": dest must be int64 with one entry per assignment");
+  const int64_t* d = dest.data_ptr<int64_t>();
+  for (int64_t i = 0; i < dest.numel(); ++i)
+    TORCH_CHECK_VALUE(d[i] >= -1 && d[i] < rows.size(0), op, ": dest holds ", d[i], ", outside [-1, ", rows.size(0),
+                      ")");
+}
+
+at::Tensor moe_unpermute_cpu(const at::Tensor& rows_in, const at::Tensor& dest_in, const at::Tensor& weights_in) {
+  const char* op = "moe_unpermute";
+  const at::Tensor rows = rows_in.contiguous(), dest = dest_in.contiguous(), w = weights_in.contiguous();
+  check_unpermute(op, rows, dest, w);
+  const int64_t T = w.size(0), k = w.size(1), h = rows.size(1);
+  at::Tensor out = at::empty({T, h}, rows.options());
+  moe::UnpermuteArgs a{rows.data_ptr(),
+                       dest.data_ptr<int64_t>(),
+                       w.data_ptr<float>(),
+                       out.data_ptr(),
+                       T,
+                       k,
+                       h,
+                       to_dtype(rows.scalar_type())};
+  at::parallel_for(0, T, row_grain(k * h), [&](int64_t b, int64_t e) { MK_CPU(moe_unpermute_rows)(a, b, e); });
+  return out;
+}
+
+std::vector<at::Tensor> moe_unpermute_grad_cpu(const at::Tensor& rows_in, const at::Tensor& dest_in,
+                                               const at::Tensor& weights_in, const at::Tensor& dout_in) {
+  const char* op = "moe_unpermute_backward";
+  const at::Tensor rows = rows_in.contiguous(), dest = dest_in.contiguous(), w = weights_in.contiguous(),
+                   dout = dout_in.contiguous();
+  check_unpermute(op, rows, dest, w);
+  const int64_t T = w.size(0), k = w.size(1), h = rows.size(1);
+  TORCH_CHECK_VALUE(dout.sizes() == at::IntArrayRef({T, h}) && dout.scalar_type() == rows.scalar_type(), op,
+                    ": grad_output must be [tokens, hidden] in the rows' dtype");
+  at::Tensor drows = at::zeros(rows.sizes(), rows.options()), dw = at::empty_like(w);
+  moe::UnpermuteGradArgs a{rows.data_ptr(),
+                           dest.data_ptr<int64_t>(),
+                           w.data_ptr<float>(),
+                           dout.data_ptr(),
+                           drows.data_ptr(),
+                           dw.data_ptr<float>(),
+                           T,
+                           k,
+                           h,
+                           to_dtype(rows.scalar_type())};
+  at::parallel_for(0, T, row_grain(k * h), [&](int64_t b, int64_t e) { MK_CPU(moe_unpermute_grad_rows)(a, b, e); });
+  return {drows, dw};
+}
+
 }  // namespace moe_ops
 }  // namespace bindings
 }  // namespace megakernels
@@ -112,7 +196,16 @@ TORCH_LIBRARY_FRAGMENT(megakernels, m) {
       "Tensor dlse, int score, bool normalize, bool topk_softmax, float scale) -> Tensor");
 }
 
+TORCH_LIBRARY_FRAGMENT(megakernels, m) {
+  m.def("moe_permute_index_cpu(Tensor experts, int num_experts, int capacity, int pad_multiple) -> Tensor[]");
+  m.def("moe_unpermute_cpu(Tensor rows, Tensor dest, Tensor weights) -> Tensor");
+  m.def("moe_unpermute_grad_cpu(Tensor rows, Tensor dest, Tensor weights, Tensor dout) -> Tensor[]");
+}
+
 TORCH_LIBRARY_IMPL(megakernels, CPU, m) {
+  m.impl("moe_permute_index_cpu", &megakernels::bindings::moe_ops::moe_permute_index_cpu);
+  m.impl("moe_unpermute_cpu", &megakernels::bindings::moe_ops::moe_unpermute_cpu);
+  m.impl("moe_unpermute_grad_cpu", &megakernels::bindings::moe_ops::moe_unpermute_grad_cpu);
   m.impl("moe_router_cpu", &megakernels::bindings::moe_ops::moe_router_cpu);
   m.impl("moe_router_grad_cpu", &megakernels::bindings::moe_ops::moe_router_grad_cpu);
 }

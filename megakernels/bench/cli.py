@@ -57,6 +57,7 @@ OPS = {
     "grouped_gemm": "moe",
     "moe_dispatch": "moe",
     "moe_router": "moe",
+    "moe_permute": "moe",
     "fp8_gemm": "fp8",
     "hf_train": "hf",
 }
@@ -65,7 +66,7 @@ GROUPS = {
     "softmax": [o for o, f in OPS.items() if f == "softmax"],
     "attention": ["flash_attention"],
     "llama": ["rope", "swiglu"],
-    "moe": ["grouped_gemm", "moe_dispatch", "moe_router"],
+    "moe": ["grouped_gemm", "moe_dispatch", "moe_router", "moe_permute"],
     "fp8": ["fp8_gemm"],
     "hf": ["hf_train"],
     "all": list(OPS),

@@ -11,6 +11,11 @@
   ``bincount``, the column sum and ``logsumexp`` for the losses), forward and forward+backward, at Mixtral's (64
   experts, top 2: E scaled up), gpt-oss's (128, top 4, softmax over the chosen) and DeepSeek-V3's (256, top 8 of 4
   of 8 groups, sigmoid, a bias) routing over 8192 tokens. Work is the logits' bytes read once.
+- ``moe_permute``: ``ops.moe_permute`` then ``ops.moe_unpermute`` (a counting pass, one gather, the weighted
+  sum in one pass) against the PyTorch path the MoE layer ran before (a stable ``argsort`` of the assignments,
+  ``index_select``, ``index_copy`` into ``[T·k, h]``, a multiply and a sum), forward and forward+backward, 8192
+  tokens routed top-2 over 8 experts and top-8 over 64, hidden 1024. Work is the bytes of the rows moved there and
+  back.
 - ``moe_dispatch``: the all-to-all of ``ExpertExchange`` (megakernels/parallel/moe/dispatch.py) on gloo over 2 and 4
   spawned ranks: one dispatch (counts, rows, re-sort by local expert) and its way back, against the bare
   ``all_to_all_single`` of the same bytes in equal splits; time per exchange against the bytes a rank sends.
@@ -309,6 +314,73 @@ def run_router(dtypes, tokens: int, *, device="cpu", min_run_time=0.5, log=print
     return rows
 
 
+# ---- the permutation ---------------------------------------------------------------------------------------------
+
+PERMUTES = {"top2-of-8": (8, 2), "top8-of-64": (64, 8)}
+PERMUTE_TOKENS, QUICK_PERMUTE_TOKENS, PERMUTE_HIDDEN = 8192, 64, 1024
+
+
+def torch_permute_unpermute(x, experts, weights, num_experts):
+    """The argsort path: the rows in expert order, then back, weighted and summed."""
+    t, k = experts.shape
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    rows = x.index_select(0, order // k)
+    full = rows.new_zeros((t * k, x.shape[1])).index_copy(0, order, rows)
+    return (full.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def ours_permute_unpermute(x, experts, weights, num_experts):
+    from megakernels.ops.moe_permute import moe_permute, moe_unpermute
+
+    p = moe_permute(x, experts, num_experts)
+    return moe_unpermute(p.rows, p.dest, weights)
+
+
+def run_permute(dtypes, tokens: int, *, device="cpu", min_run_time=0.5, log=print) -> list[dict]:
+    rows, table = [], TablePrinter(log)
+    for dtype_name in dtypes:
+        for name, (e, k) in PERMUTES.items():
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(tokens, PERMUTE_HIDDEN, generator=g).to(device=device, dtype=DTYPES[dtype_name])
+            experts = torch.rand(tokens, e, generator=g).topk(k, dim=-1).indices.to(device)
+            weights = torch.rand(tokens, k, generator=g).to(device)
+            for backward in (False, True):
+
+                def step(fn, x=x, experts=experts, weights=weights, e=e, backward=backward):
+                    def go():
+                        xs = x.detach().requires_grad_(backward)
+                        out = fn(xs, experts, weights, e)
+                        if backward:
+                            out.sum().backward()
+
+                    return go
+
+                times = {
+                    OURS: median_seconds(step(ours_permute_unpermute), min_run_time),
+                    "torch": median_seconds(step(torch_permute_unpermute), min_run_time),
+                }
+                moved = 2 * tokens * k * PERMUTE_HIDDEN * x.element_size() * (2 if backward else 1)
+                row = result_row(
+                    "moe_permute",
+                    FAMILY,
+                    dtype=dtype_name,
+                    shape=f"{tokens}x{PERMUTE_HIDDEN}",
+                    pass_="fwd+bwd" if backward else "fwd",
+                    size=tokens * k,
+                    size_label="assignments",
+                    unit="GB/s",
+                    work=moved,
+                    times=times,
+                    ceiling=None,
+                    ceiling_name="",
+                    variant=name,
+                    top_k=k,
+                )
+                rows.append(row)
+                table(row)
+    return rows
+
+
 def run(request: Request) -> list[dict]:
     """The rows of the request's ops (``grouped_gemm``, ``moe_dispatch``; ``common.Request``); the dispatch runs on
     CPU ranks only."""
@@ -327,6 +399,14 @@ def run(request: Request) -> list[dict]:
         rows += run_router(
             request.dtypes_or(("float32", "bfloat16")),
             QUICK_ROUTER_TOKENS if request.quick else ROUTER_TOKENS,
+            device=request.device,
+            min_run_time=request.min_run_time,
+            log=request.log,
+        )
+    if "moe_permute" in request.ops:
+        rows += run_permute(
+            request.dtypes_or(("float32", "bfloat16")),
+            QUICK_PERMUTE_TOKENS if request.quick else PERMUTE_TOKENS,
             device=request.device,
             min_run_time=request.min_run_time,
             log=request.log,

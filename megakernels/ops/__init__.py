@@ -8,6 +8,7 @@ from megakernels.ops.cross_entropy import cross_entropy
 from megakernels.ops.fp8 import fp8_gemm, fp8_grouped_gemm, fp8_linear, fp8_quantize
 from megakernels.ops.linear_cross_entropy import linear_cross_entropy
 from megakernels.ops.logprobs import linear_logprobs
+from megakernels.ops.moe_permute import moe_permute, moe_permute_reference, moe_unpermute
 from megakernels.ops.moe_router import moe_router, moe_router_reference
 from megakernels.ops.muon import newton_schulz
 from megakernels.ops.norms import layer_norm, rms_norm
@@ -39,6 +40,9 @@ __all__ = [
     "linear_cross_entropy",
     "linear_logprobs",
     "moe_router",
+    "moe_permute",
+    "moe_unpermute",
+    "moe_permute_reference",
     "moe_router_reference",
     "sequence_logprobs",
     "dpo_loss",

@@ -1,8 +1,9 @@
 """Moving tokens to their experts and back.
 
-``permute`` sorts a micro-batch's (token, choice) assignments by expert (stably: by token within an expert), so
-each expert's rows are contiguous for the grouped GEMM; with a capacity of ``C`` rows per expert the first ``C``
-assignments of each expert in that order (the earliest tokens) are kept and the rest dropped. ``unpermute`` puts
+``permute`` orders a micro-batch's (token, choice) assignments by expert (by token within an expert; a counting
+pass, ``ops.moe_permute``), so each expert's rows are contiguous for the grouped GEMM; with a capacity of ``C``
+rows per expert the first ``C`` assignments of each expert in that order (the earliest tokens) are kept and the
+rest dropped. ``unpermute`` puts
 the expert outputs back in token order and sums each token's ``k`` outputs weighted by its router weights (a dropped
 assignment contributes nothing; the token keeps its residual). Both are differentiable: gradients reach the tokens,
 the expert outputs and the router weights.
@@ -18,46 +19,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megakernels.ops.moe_permute import moe_permute, moe_unpermute
 from megakernels.parallel import comm
 
 
 class Permutation:
-    """The result of ``permute``: rows for the experts, their counts, and how to put them back."""
+    """The result of ``permute``: rows for the experts, their counts, and how to put them back (``dest``: each
+    assignment's row, -1 when dropped)."""
 
     def __init__(
-        self, rows: torch.Tensor, group_sizes: torch.Tensor, kept: torch.Tensor, num_tokens: int, k: int, dropped: int
+        self, rows: torch.Tensor, group_sizes: torch.Tensor, dest: torch.Tensor, num_tokens: int, k: int, dropped: int
     ):
-        self.rows, self.group_sizes, self.kept = rows, group_sizes, kept
+        self.rows, self.group_sizes, self.dest = rows, group_sizes, dest
         self.num_tokens, self.k, self.dropped = num_tokens, k, dropped
 
 
-def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int | None = None) -> Permutation:
-    """``x`` ``[T, h]``, ``experts`` ``[T, k]`` -> the kept assignments' rows sorted by expert (see the module
-    docstring); ``capacity`` None is dropless."""
+def permute(
+    x: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int | None = None, pad_multiple: int = 1
+) -> Permutation:
+    """``x`` ``[T, h]``, ``experts`` ``[T, k]`` -> the kept assignments' rows in expert order (``ops.moe_permute``:
+    a counting pass, no sort); ``capacity`` None is dropless; ``pad_multiple`` pads each expert's rows."""
     T, k = experts.shape
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    # rows per expert, as a fixed-size count (bincount's length depends on the data: a graph break when compiled)
-    sizes = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    dropped = 0
-    if capacity is not None:
-        starts = torch.cumsum(sizes, 0) - sizes
-        position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        keep = position < capacity
-        dropped = int((~keep).sum())
-        order = order[keep]
-        sizes = sizes.clamp(max=capacity)
-    rows = x.index_select(0, order // k)
-    return Permutation(rows, sizes, order, T, k, dropped)
+    p = moe_permute(x, experts, num_experts, capacity=capacity, pad_multiple=pad_multiple)
+    return Permutation(p.rows, p.group_sizes, p.dest, T, k, p.dropped)
 
 
 def unpermute(out_rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
-    """Expert outputs ``[kept, h]`` -> ``[T, h]``: each token's outputs weighted by ``weights`` ``[T, k]`` and summed
-    (fp32 accumulation, in the rows' dtype)."""
-    T, k, h = perm.num_tokens, perm.k, out_rows.shape[1]
-    full = out_rows.new_zeros((T * k, h)).index_copy(0, perm.kept, out_rows)
-    acc = torch.float64 if out_rows.dtype == torch.float64 else torch.float32
-    return (full.view(T, k, h).to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(out_rows.dtype)
+    """Expert outputs ``[rows, h]`` -> ``[T, h]``: each token's outputs weighted by ``weights`` ``[T, k]`` and summed
+    in one pass (``ops.moe_unpermute``: fp32 sums, in the rows' dtype; fp64 rows by PyTorch ops)."""
+    if out_rows.dtype == torch.float64:
+        T, k, h = perm.num_tokens, perm.k, out_rows.shape[1]
+        gathered = torch.cat([out_rows, out_rows.new_zeros(1, h)]).index_select(
+            0, perm.dest.where(perm.dest >= 0, out_rows.shape[0])
+        )
+        return (gathered.view(T, k, h) * weights.to(out_rows.dtype).unsqueeze(-1)).sum(1)
+    return moe_unpermute(out_rows, perm.dest, weights)
 
 
 class AllToAll(torch.autograd.Function):
