@@ -81,16 +81,15 @@ def test_matches_fp64_reference(triton_backend, chunk, label_smoothing):
         assert (dw[290:] == 0).all()  # padding rows of the weight: no gradient
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_softcap_matches_the_capped_fp64_reference(triton_backend, chunk):
+def test_softcap_matches_the_capped_fp64_reference(triton_backend):
     """The final-logit soft cap inside the row kernels: the loss of ``c tanh(logits / c)`` and the gradients with
     respect to the raw logits' inputs (the logits scaled up so that the cap bends them), with label smoothing,
-    padding columns, a bias and an ignored token."""
+    padding columns, a bias, an ignored token and chunks that do not divide the tokens."""
     for dtype in DTYPES:
-        x, w, b, t = _case(37, 16, 300, dtype, triton_backend.device, bias=True, n_real=260, ignore=[5])
+        x, w, b, t = _case(19, 16, 300, dtype, triton_backend.device, bias=True, n_real=260, ignore=[5])
         w = w * 8  # logits of tens: the cap (c = 15) matters
-        dloss = torch.randn(37, device=triton_backend.device)
-        _check(x, w, b, t, dloss, chunk_tokens=chunk, softcap=15.0, label_smoothing=0.1, vocab_size=260)
+        dloss = torch.randn(19, device=triton_backend.device)
+        _check(x, w, b, t, dloss, chunk_tokens=7, softcap=15.0, label_smoothing=0.1, vocab_size=260)
 
 
 def test_padding_columns_are_excluded(triton_backend):
