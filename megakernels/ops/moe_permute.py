@@ -109,7 +109,13 @@ def _check_experts(op, experts, num_experts):
 
 
 def moe_permute(
-    x: torch.Tensor, experts: torch.Tensor, num_experts: int, *, capacity: int | None = None, pad_multiple: int = 1
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    *,
+    capacity: int | None = None,
+    pad_multiple: int = 1,
+    fixed: bool = False,
 ) -> Permuted:
     """The rows of ``x`` ``[T, h]`` for the experts ``experts`` ``[T, k]`` chose (module docstring).
 
@@ -119,6 +125,9 @@ def moe_permute(
         num_experts: E.
         capacity: the most assignments an expert keeps (None: all).
         pad_multiple: each expert's rows padded with zero rows to a multiple of this (1: none).
+        fixed: every expert gets exactly ``capacity`` rows (rounded up to ``pad_multiple``), kept ones first, then
+            zero rows: the output's size never depends on the routing, so nothing is read back to the host (a step
+            can be captured as a CUDA graph); ``dropped`` is then a 0-dim int64 tensor. Needs ``capacity``.
 
     Returns:
         ``Permuted``; reading the row count back to the host is the one synchronisation (dropless routing sizes
@@ -137,9 +146,23 @@ def moe_permute(
     _checks.same_device(OP, "x", x, ("experts", experts))
     cap = -1 if capacity is None else _checks.integer(OP, "capacity", capacity, minimum=0)
     pad_multiple = _checks.integer(OP, "pad_multiple", pad_multiple, minimum=1)
+    if fixed and capacity is None:
+        raise ValueError(f"{OP}: fixed=True needs a capacity (the rows every expert gets)")
     t, k = experts.shape
     emulate = emulate_for(OP, experts, "experts")
     dest, sizes, kept = _index(experts.contiguous(), num_experts, cap, pad_multiple, emulate)
+    if fixed:  # expert e's rows at [e * S, (e + 1) * S): the counting pass's places moved to that layout
+        per = -(-cap // pad_multiple) * pad_multiple
+        flat = experts.reshape(-1)
+        first = torch.cumsum(sizes, 0) - sizes
+        dest = torch.where(dest >= 0, flat * per + (dest - first[flat]), -1)
+        sizes = torch.full_like(sizes, per)
+        total = per * num_experts
+        src = torch.full((total + 1,), t, dtype=torch.int64, device=x.device)
+        src.index_copy_(0, torch.where(dest >= 0, dest, total), torch.arange(t * k, device=x.device) // k)
+        src = src[:total]
+        rows = x.index_select(0, src.clamp(max=max(t - 1, 0))).masked_fill((src == t).unsqueeze(1), 0)
+        return Permuted(rows, sizes, dest, kept, t * k - kept.sum())
     if cap < 0 and pad_multiple == 1:  # dropless, unpadded: T·k rows whatever the routing (no host read; traceable)
         total = kept_total = t * k
     else:

@@ -103,3 +103,37 @@ def test_bad_arguments_are_named():
         moe_unpermute(perm.rows, perm.dest, weights[:, :1])
     with pytest.raises(ValueError, match="dest holds 99"):
         moe_unpermute(perm.rows, perm.dest.clone().fill_(99), weights)
+
+
+def test_fixed_buffers_give_every_expert_capacity_rows_and_the_same_result():
+    """The sync-free mode: expert e's rows at [e * C', (e + 1) * C'), the kept ones first, zero rows after; after
+    the unpermute the same output and gradients as the variable-size layout."""
+    experts, weights = _routing(50, 2, seed=3)
+    x = torch.randn(50, 7)
+    fixed = moe_permute(x, experts, E, capacity=12, pad_multiple=8, fixed=True)
+    var = moe_permute(x, experts, E, capacity=12)
+    assert fixed.rows.shape == (E * 16, 7) and (fixed.group_sizes == 16).all()
+    assert isinstance(fixed.dropped, torch.Tensor) and int(fixed.dropped) == var.dropped > 0
+    for e in range(E):
+        kept = int(var.kept[e])
+        block = fixed.rows[e * 16 : (e + 1) * 16]
+        start = int(var.group_sizes[:e].sum())
+        assert torch.equal(block[:kept], var.rows[start : start + kept]) and (block[kept:] == 0).all()
+    torch.testing.assert_close(
+        moe_unpermute(fixed.rows * 3, fixed.dest, weights), moe_unpermute(var.rows * 3, var.dest, weights)
+    )
+    with pytest.raises(ValueError, match="fixed=True needs a capacity"):
+        moe_permute(x, experts, E, fixed=True)
+
+
+def test_the_layer_with_a_capacity_compiles_as_one_graph():
+    """With a capacity the layer reads nothing back to the host: it traces as one graph (fullgraph), and the
+    compiled layer equals the eager one."""
+    from megakernels.parallel.launch import single_process_world
+    from megakernels.parallel.moe import MoELayer
+
+    with single_process_world(parallel=True):
+        layer = MoELayer(16, 32, E, 2, seed=5, capacity_factor=0.75)
+        x = torch.randn(9, 2, 16)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), layer(x))

@@ -35,12 +35,18 @@ class Permutation:
 
 
 def permute(
-    x: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int | None = None, pad_multiple: int = 1
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    capacity: int | None = None,
+    pad_multiple: int = 1,
+    fixed: bool = False,
 ) -> Permutation:
     """``x`` ``[T, h]``, ``experts`` ``[T, k]`` -> the kept assignments' rows in expert order (``ops.moe_permute``:
-    a counting pass, no sort); ``capacity`` None is dropless; ``pad_multiple`` pads each expert's rows."""
+    a counting pass, no sort); ``capacity`` None is dropless; ``pad_multiple`` pads each expert's rows; ``fixed``
+    gives every expert ``capacity`` rows (no host read: the sync-free mode)."""
     T, k = experts.shape
-    p = moe_permute(x, experts, num_experts, capacity=capacity, pad_multiple=pad_multiple)
+    p = moe_permute(x, experts, num_experts, capacity=capacity, pad_multiple=pad_multiple, fixed=fixed)
     return Permutation(p.rows, p.group_sizes, p.dest, T, k, p.dropped)
 
 

@@ -8,7 +8,8 @@ Data flow on one rank (``x`` ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence p
    replicated ``x`` without sequence parallelism); its decisions are all-gathered so every TP rank knows the
    routing of every token, and its losses' statistics are summed over the TP (and context-parallel) ranks;
 2. every TP rank holds all tokens (the all-gather of the shard under sequence parallelism) and permutes the
-   assignments by expert (``dispatch.permute``; a capacity drops the over-capacity ones);
+   assignments by expert (``dispatch.permute``; a capacity drops the over-capacity ones and, without expert
+   parallelism, gives every expert a fixed-size buffer, so that no count is read back to the host);
 3. with expert parallelism the rows travel to the ranks of their experts (all-to-all, variable splits) and back;
 4. the local experts run as grouped GEMMs on their TP shards (``experts.GroupedMLP``);
 5. the outputs are un-permuted and weighted, the shared experts added, and the partial sums reduced over TP
@@ -192,7 +193,10 @@ class MoELayer(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
-        perm = permute(tokens, experts, self.num_experts, capacity)
+        # with a capacity and no expert parallelism, fixed-size buffers (every expert `capacity` rows): nothing is
+        # read back to the host; the all-to-all of expert parallelism still exchanges the counts and sizes by them
+        fixed = capacity is not None and state.ep_size() == 1
+        perm = permute(tokens, experts, self.num_experts, capacity, fixed=fixed)
         rows, sizes = perm.rows, perm.group_sizes
         exchange = None
         if state.ep_size() > 1:

@@ -16,9 +16,11 @@ _records: list[tuple] = []
 
 
 def record(
-    aux_loss: torch.Tensor, z_loss: torch.Tensor, tokens_per_expert: torch.Tensor, dropped: int, assignments: int
+    aux_loss: torch.Tensor, z_loss: torch.Tensor, tokens_per_expert: torch.Tensor, dropped, assignments: int
 ) -> None:
-    _records.append((float(aux_loss), float(z_loss), tokens_per_expert.double().cpu(), dropped, assignments))
+    """Keeps a layer's numbers as they are (tensors stay on their device: nothing is read back to the host until
+    ``summary``); ``dropped`` an int or a 0-dim tensor."""
+    _records.append((aux_loss.detach(), z_loss.detach(), tokens_per_expert.detach(), dropped, assignments))
 
 
 def clear() -> None:
@@ -33,7 +35,10 @@ def summary(group=None) -> dict | None:
     sums = torch.zeros(6, dtype=torch.float64)
     peak = torch.zeros(1, dtype=torch.float64)
     for aux, z, load, dropped, assignments in recs:
-        sums += torch.tensor([aux, z, 1.0, dropped, assignments, load.mean().item()], dtype=torch.float64)
+        load = load.double().cpu()
+        sums += torch.tensor(
+            [float(aux), float(z), 1.0, float(dropped), assignments, load.mean().item()], dtype=torch.float64
+        )
         peak = torch.maximum(peak, load.max().reshape(1))
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, group=group)
