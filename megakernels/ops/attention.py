@@ -119,8 +119,9 @@ def _triton_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
 
 def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a CPU call runs the C++ kernel (csrc/flash_attention: causal or not, sliding windows, packed
-    documents, dropout) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and head dims over 256."""
-    dims_ok = 1 <= q.shape[-1] <= MAX_TRITON_HEAD_DIM and v.shape[-1] == q.shape[-1]
+    documents, dropout; v's head dim may differ) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and
+    head dims over 256."""
+    dims_ok = 1 <= q.shape[-1] <= MAX_TRITON_HEAD_DIM and 1 <= v.shape[-1] <= MAX_TRITON_HEAD_DIM
     return q.dtype in _TRITON_DTYPES and dims_ok and q.shape[1] > 0 and k.shape[1] > 0
 
 

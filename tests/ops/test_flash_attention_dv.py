@@ -232,3 +232,41 @@ def test_shape_errors_name_the_rule(k_shape, v_shape, match):
     q = torch.zeros(1, 8, 2, 32)
     with pytest.raises(ValueError, match=match):
         flash_attention(q, torch.zeros(k_shape), torch.zeros(v_shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_kernel_runs_d_v_and_its_layouts(dtype, monkeypatch):
+    """fp32/bf16 calls with d_v != d_qk run the C++ kernel (never the blocked path), out in q's memory order: a
+    token-major q gives a token-major out, and the fake output has its strides."""
+
+    def refuse(*args, **kw):
+        raise AssertionError("d_v != d_qk must run the C++ kernel")
+
+    monkeypatch.setattr(_attention_cpu, "forward", refuse)
+    monkeypatch.setattr(_attention_cpu, "backward", refuse)
+    q, k, v, do = _inputs(2, 80, 80, 2, 1, 40, 24, dtype, seed=12)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [s, b, h, d] in memory
+    with megakernels.backend("cpu"):
+        res = _run(q, k, v, do, causal=True)
+    assert res[0].transpose(0, 1).is_contiguous()
+    _check(*res, _reference(q, k, v, do, True), dtype)
+    out, _ = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, True, 0.2)
+    assert out.shape == (2, 80, 2, 24) and out.stride() == res[0].stride()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fo, _ = torch.ops.megakernels.flash_attn_fwd(
+            *(mode.from_tensor(t) for t in (q, k, v)), True, 0.2, 0.0, None, False
+        )
+    assert fo.stride() == out.stride()
+
+
+def test_the_cpp_kernel_refuses_mismatched_shapes():
+    q, k, v, do = _inputs(1, 8, 8, 2, 2, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="v must have k's batch, seqlen and heads"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v[:, :4], False, 1.0)
+    with pytest.raises(ValueError, match="v's head_dim 264"):
+        torch.ops.megakernels.flash_attn_fwd_cpu(q, k, torch.zeros(1, 8, 2, 264), False, 1.0)
+    out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, False, 1.0)
+    with pytest.raises(ValueError, match=r"shape \[batch, sq, heads, v's head_dim\]"):
+        torch.ops.megakernels.flash_attn_bwd_cpu(torch.zeros(1, 8, 2, 16), q, k, v, out, lse, False, 1.0)
