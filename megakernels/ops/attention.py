@@ -108,15 +108,6 @@ def empty_out(q: torch.Tensor, dv: int) -> torch.Tensor:
     return torch.empty_strided(q.shape[:3] + (dv,), strides, dtype=q.dtype, device=q.device)
 
 
-def _triton_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
-    """The Triton kernels take one head dim for q, k and v: ValueError naming the rule otherwise."""
-    if v.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"flash_attention: the Triton kernels (CUDA tensors, cuda_emu) need v's head_dim {v.shape[-1]} equal to "
-            f"q/k's {q.shape[-1]}; on the CPU v's head dim may differ"
-        )
-
-
 def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a CPU call runs the C++ kernel (csrc/flash_attention: causal or not, sliding windows, packed
     documents, dropout; v's head dim may differ) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and
@@ -145,7 +136,6 @@ def _flash_attn_fwd(
     _check_shift(window, shift)
     ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
-        _triton_head_dims(q, v)
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift, ranges, sinks)
     if _cpp_kernel_covers(q, k, v):
         q_keys = ranges[0] if ranges is not None else None
@@ -203,7 +193,6 @@ def _flash_attn_bwd(
     _check_shift(window, shift)
     ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
-        _triton_head_dims(q, v)
         return _triton_kernels().backward(
             grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift, ranges, sinks
         )

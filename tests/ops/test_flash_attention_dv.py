@@ -270,3 +270,34 @@ def test_the_cpp_kernel_refuses_mismatched_shapes():
     out, lse = torch.ops.megakernels.flash_attn_fwd_cpu(q, k, v, False, 1.0)
     with pytest.raises(ValueError, match=r"shape \[batch, sq, heads, v's head_dim\]"):
         torch.ops.megakernels.flash_attn_bwd_cpu(torch.zeros(1, 8, 2, 16), q, k, v, out, lse, False, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("dims", "causal", "window", "lengths", "with_sinks", "p"),
+    [
+        ((32, 16), False, 0, None, False, 0.0),
+        ((48, 32), True, 0, None, True, 0.0),
+        ((24, 40), True, 20, None, False, 0.2),
+        ((32, 16), True, 0, [30, 40, 10], False, 0.0),
+    ],
+)
+def test_the_triton_kernels_under_the_interpreter(dims, causal, window, lengths, with_sinks, p):
+    """The Triton kernels (cuda_emu: Triton's interpreter) with V, O, dO and dV tiles in d_v against the reference:
+    the forward, the one-pass backward (dQ by atomics) and the deterministic one (the dQ kernel)."""
+    d, dv = dims
+    b, s, h, hk = 1, 80, 2, 1
+    q, k, v, do = _inputs(b, s, s, h, hk, d, dv, torch.float32, seed=d * dv)
+    docs = None if lengths is None else _docs(lengths, s)
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(1)) if with_sinks else None
+    scale, seed = 1.0 / math.sqrt(d), 77
+    seed_t = torch.tensor(seed, dtype=torch.int64)
+    args = (q, k, v, causal, scale, p, seed_t, True, False, window, 0, docs, docs, sinks)
+    keep = dropout_mask(seed, b, h, s, s, p) if p else None
+    ref = _reference(q, k, v, do, causal, scale, window, None if docs is None else (docs, docs), sinks, keep, p)
+    with megakernels.backend("cuda_emu"):
+        out, lse = torch.ops.megakernels.flash_attn_fwd(*args)
+        for deterministic in (False, True):
+            grads = torch.ops.megakernels.flash_attn_bwd(
+                do, q, k, v, out, lse, causal, scale, p, seed_t, True, deterministic, window, 0, docs, docs, sinks
+            )
+            _check(out, lse, grads if with_sinks else grads[:3], ref, torch.float32)
