@@ -26,6 +26,9 @@ from megakernels.machines import ARCHS
 SHARED_LIMIT = {arch: a.smem_per_block for arch, a in ARCHS.items()}  # opt-in shared memory per block
 
 HEAD_DIMS = (32, 64, 128, 256)
+# (q/k head dim, v head dim) pairs beyond the equal ones: multi-head latent attention's 192 / 128 (DeepSeek-V3). Its
+# absorbed decoding form, 576 / 512, is past the Triton kernels' 256 (megakernels.ops.attention.MAX_TRITON_HEAD_DIM).
+HEAD_DIM_PAIRS = ((192, 128),)
 
 
 def _meta(shape, dtype):
@@ -44,26 +47,30 @@ def attention_launches(
     dropout: bool,
     seqlen: int = 4096,
     sinks: bool = False,
+    head_dim_v: int | None = None,
 ):
-    """The launches of one FlashAttention config (``fa.candidates(...)[cfg_index]``) at a 4k-token shape, with
-    attention sinks when ``sinks``."""
+    """The launches of one FlashAttention config (``fa.candidates(...)[cfg_index]``, by both head dims) at a
+    4k-token shape, with attention sinks when ``sinks``, v (and out, dO, dV) of head dim ``head_dim_v`` (default
+    q's)."""
     from megakernels.triton import flash_attention as fa
 
     b, h = 2, 8
+    dv = head_dim if head_dim_v is None else head_dim_v
     q = _meta((b, seqlen, h, head_dim), dtype)
+    v = q if dv == head_dim else _meta((b, seqlen, h, dv), dtype)  # also out, dO, dV
     lse = _meta((b, h, seqlen), "float32")
     seed = _meta((), "int64")
     sink = _meta((h,), "float32") if sinks else None
     scale, p = 1 / math.sqrt(head_dim), (0.1 if dropout else 0.0)
     if passname == "fwd":
-        cfg = fa.candidates(fa.FWD_CONFIGS, arch, head_dim)[cfg_index]
-        return [fa.forward_launch(q, q, q, q, lse, seed, causal, scale, p, cfg, tma=arch >= 90, sinks=sink)]
-    cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim)[cfg_index]
+        cfg = fa.candidates(fa.FWD_CONFIGS, arch, head_dim, dv)[cfg_index]
+        return [fa.forward_launch(q, q, v, v, lse, seed, causal, scale, p, cfg, tma=arch >= 90, sinks=sink)]
+    cfg = fa.candidates(fa.BWD_CONFIGS, arch, head_dim, dv)[cfg_index]
     dq = _meta((b, seqlen, h, head_dim), "float32")  # the atomic path's fp32 accumulator
     delta = _meta((2, b, h, seqlen), "float32")  # scaled delta and base-2 lse
-    dsinks = fa.dsinks_scratch(q) if sinks else None
+    dsinks = fa.dsinks_scratch(q, dv) if sinks else None
     return fa.backward_launches(
-        q, q, q, q, q, lse, delta, dq, q, q, seed, causal, scale, p, cfg, arch=arch, sinks=sink, dsinks=dsinks
+        v, q, q, v, v, lse, delta, dq, q, v, seed, causal, scale, p, cfg, arch=arch, sinks=sink, dsinks=dsinks
     )
 
 
@@ -117,9 +124,10 @@ def moe_permute_launches(arch: int, experts: int = 256, k: int = 8, hidden: int 
 def jobs(archs, full: bool, defaults: bool):
     """(what, arch, builder args): every candidate config of every head dim in the fp16 causal variant, plus every
     variant (dtype x causal x dropout) of each arch's d128 default, and each default's fp16 causal variant with
-    attention sinks; with ``full``, every config in every variant (and each default's with sinks); with
-    ``defaults``, each head dim's first config in the fp16 causal variant. Plus the cross-entropy kernels, without
-    and with the soft cap, and the MoE router's and permutation's."""
+    attention sinks; for each pair of ``HEAD_DIM_PAIRS`` (v's head dim of its own) every candidate in the bf16
+    causal variant and the default's dropout and non-causal ones; with ``full``, every config in every variant (and
+    each default's with sinks); with ``defaults``, each head dim's first config in the fp16 causal variant (and each
+    pair's). Plus the cross-entropy kernels, without and with the soft cap, and the MoE router's and permutation's."""
     from megakernels.triton import flash_attention as fa
 
     for arch in archs:
@@ -145,6 +153,19 @@ def jobs(archs, full: bool, defaults: bool):
                     if i == 0 and not defaults:
                         what = f"flash_attention {passname} sm_{arch} float16 d{head_dim} {cfg} causal=True sinks"
                         yield (what, arch, ("fa", head_dim, i, passname, "float16", True, False, 4096, True))
+            # v's own head dim: every candidate of the larger dim's table in the bf16 causal variant, the default
+            # also with dropout and without causality
+            for d, dv in HEAD_DIM_PAIRS:
+                for i, cfg in enumerate(fa.candidates(table, arch, d, dv)):
+                    if defaults and i:
+                        continue
+                    variants = [(True, False)] + ([(True, True), (False, False)] if i == 0 and not defaults else [])
+                    for causal, dropout in variants:
+                        what = (
+                            f"flash_attention {passname} sm_{arch} bfloat16 d{d}/{dv} {cfg} causal={causal} "
+                            f"dropout={dropout}"
+                        )
+                        yield (what, arch, ("fa", d, i, passname, "bfloat16", causal, dropout, 4096, False, dv))
 
 
 def _spill_bytes(compiled) -> int:

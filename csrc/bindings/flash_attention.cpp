@@ -1,8 +1,10 @@
 // FlashAttention CPU bindings (csrc/flash_attention/flash_attention.h): forward and backward (causal or not, sliding
-// window with its shift, packed documents, dropout, attention sinks; fp32/bf16/fp16; head_dim <= 256).
+// window with its shift, packed documents, dropout, attention sinks; fp32/bf16/fp16; head dims <= 256, v's may differ
+// from q/k's).
 // megakernels/ops/attention.py routes its CPU calls here when they are covered and holds the autograd; everything
 // else runs megakernels/ops/_attention_cpu.py.
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty_strided.h>
 
 #include <vector>
 
@@ -25,13 +27,16 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
   }
   TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                     op, ": the CPU kernel takes fp32, bf16 or fp16, got ", q.scalar_type());
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ",
+  TORCH_CHECK_VALUE(k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2), op,
+                    ": v must have k's batch, seqlen and heads (its head_dim may differ), got k ", k.sizes(), " and v ",
                     v.sizes());
   TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3), op,
                     ": k must match q's batch and head_dim, got q ", q.sizes(), " and k ", k.sizes());
   TORCH_CHECK_VALUE(k.size(2) > 0 && q.size(2) % k.size(2) == 0, op, ": q's ", q.size(2),
                     " heads are not a multiple of k/v's ", k.size(2));
   TORCH_CHECK_VALUE(q.size(3) >= 1 && q.size(3) <= fa::kMaxHeadDim, op, ": head_dim ", q.size(3), " outside [1, ",
+                    fa::kMaxHeadDim, "]");
+  TORCH_CHECK_VALUE(v.size(3) >= 1 && v.size(3) <= fa::kMaxHeadDim, op, ": v's head_dim ", v.size(3), " outside [1, ",
                     fa::kMaxHeadDim, "]");
   TORCH_CHECK_VALUE(q.size(1) >= 1 && k.size(1) >= 1, op, ": empty sequences are not for the kernel (sq ", q.size(1),
                     ", sk ", k.size(1), ")");
@@ -63,8 +68,8 @@ at::Tensor checked_sinks(const char* op, const c10::optional<at::Tensor>& sinks,
   return t.contiguous();
 }
 
-fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, int64_t window, int64_t shift,
-                   const at::Tensor& q_keys, double dropout_p, int64_t seed) {
+fa::Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                   int64_t window, int64_t shift, const at::Tensor& q_keys, double dropout_p, int64_t seed) {
   TORCH_CHECK_VALUE(window >= 0, "flash_attention: window must be >= 0, got ", window);
   TORCH_CHECK_VALUE(shift == 0 || window > 0, "flash_attention: shift=", shift, " needs window > 0");
   TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "flash_attention: dropout_p must be in [0, 1), got ",
@@ -82,9 +87,10 @@ fa::Args make_args(const at::Tensor& q, const at::Tensor& k, bool causal, double
   a.sq = q.size(1);
   a.h = q.size(2);
   a.d = q.size(3);
+  a.d_v = v.size(3);
   a.sk = k.size(1);
   a.hk = k.size(2);
-  a.dp = (a.d + 15) / 16 * 16;
+  a.dp = (std::max(a.d, a.d_v) + 15) / 16 * 16;
   a.nqb = (a.sq + fa::kBlockM - 1) / fa::kBlockM;
   a.nkb = (a.sk + fa::kBlockN - 1) / fa::kBlockN;
   a.scale = static_cast<float>(scale);
@@ -113,6 +119,15 @@ uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.
 at::Tensor inner_contiguous(const at::Tensor& t) { return t.stride(3) == 1 || t.size(3) == 1 ? t : t.contiguous(); }
 fa::Layout layout(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The forward's output [b, sq, h, dv] in q's memory order (empty_like(q) when dv is q's head dim; megakernels/ops/
+// attention.py's empty_out gives the custom op's fake output the same strides).
+at::Tensor empty_out(const at::Tensor& q, int64_t dv) {
+  if (dv == q.size(3)) return at::empty_like(q);               // q's memory order (token-major q, token-major out)
+  const at::Tensor order = at::empty_like(q.narrow(3, 0, 1));  // q's order of batch, token and head, made dense
+  return at::empty_strided({q.size(0), q.size(1), q.size(2), dv},
+                           {order.stride(0) * dv, order.stride(1) * dv, order.stride(2) * dv, 1}, q.options());
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                       const at::Tensor& v_in, bool causal, double scale, int64_t window,
                                                       int64_t shift, const c10::optional<at::Tensor>& q_keys_in,
@@ -123,9 +138,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_fwd_cpu(const at::Tensor& q_in, co
   const at::Tensor q = inner_contiguous(q_in), k = inner_contiguous(k_in), v = inner_contiguous(v_in);
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
   const at::Tensor sinks = checked_sinks(op, sinks_in, q);
-  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
+  fa::Args a = make_args(q, k, v, causal, scale, window, shift, q_keys, dropout_p, seed);
   a.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty_like(q);  // q's memory order (token-major q, token-major out)
+  at::Tensor out = empty_out(q, a.d_v);
   a.lq = layout(q), a.lk = layout(k), a.lv = layout(v), a.lo = layout(out);
   at::Tensor lse = at::empty({a.b, a.h, a.sq}, q.options().dtype(at::kFloat));
   const bool dot = bf16_dot(a);
@@ -162,11 +177,13 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
                           dsinks->size(0) == q_in.size(2),
                       op, ": dsinks must be a CPU float32 [heads] = [", q_in.size(2), "] tensor, got ",
                       dsinks->scalar_type(), " ", dsinks->sizes());
-  TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
+  const std::vector<int64_t> out_shape = {q_in.size(0), q_in.size(1), q_in.size(2), v_in.size(3)};
+  TORCH_CHECK_VALUE(dout_in.sizes() == at::IntArrayRef(out_shape) && out_in.sizes() == at::IntArrayRef(out_shape) &&
                         dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
                         dout_in.device().is_cpu() && out_in.device().is_cpu(),
-                    op, ": grad_out and out must be CPU tensors like q ", q_in.sizes(), ", got ", dout_in.sizes(),
-                    " and ", out_in.sizes());
+                    op,
+                    ": grad_out and out must be CPU tensors of q's dtype and shape [batch, sq, heads, v's head_dim] ",
+                    at::IntArrayRef(out_shape), ", got ", dout_in.sizes(), " and ", out_in.sizes());
   TORCH_CHECK_VALUE(lse_in.device().is_cpu() && lse_in.dim() == 3 && lse_in.size(0) == q_in.size(0) &&
                         lse_in.size(1) == q_in.size(2) && lse_in.size(2) == q_in.size(1),
                     op, ": lse must be [batch, heads, sq] on the CPU, got ", lse_in.sizes());
@@ -197,7 +214,7 @@ void flash_attn_bwd_cpu_into(const at::Tensor& dout_in, const at::Tensor& q_in, 
   const at::Tensor dout = inner_contiguous(dout_in), out = inner_contiguous(out_in);
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor q_keys = checked_q_keys(op, q_keys_in, q, k);
-  fa::Args a = make_args(q, k, causal, scale, window, shift, q_keys, dropout_p, seed);
+  fa::Args a = make_args(q, k, v, causal, scale, window, shift, q_keys, dropout_p, seed);
   a.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   at::Tensor dsinks_part = sinks.defined() ? at::empty({a.b, a.h, a.nqb}, q.options().dtype(at::kFloat)) : at::Tensor();
   a.dsinks_part = sinks.defined() ? dsinks_part.data_ptr<float>() : nullptr;

@@ -2,7 +2,8 @@
 // 256, which stay on megakernels/ops/_attention_cpu.py). Torch-free; csrc/bindings/flash_attention.cpp
 // checks, allocates and splits the work items over threads.
 //
-// q [b, sq, h, d], k/v [b, sk, hk, d], out/dout like q; query head hh reads kv head hh / (h / hk). Each tensor has its
+// q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, d_v] (d_v, the value head dim, may differ from d: multi-head latent
+// attention), out/dout [b, sq, h, d_v]; query head hh reads kv head hh / (h / hk). Each tensor has its
 // own batch, token and head strides (`Layout`, in elements; head_dim contiguous): q, k, v may be views of one packed
 // QKV projection, out and the gradients may be laid out token-major ([s, b, h, d] in memory) as the caller's
 // layers are, so no copy is made on either side.
@@ -25,8 +26,9 @@
 // each query block's rows into dsinks_part [b, h, nqb] (summed in a fixed order by the binding).
 //
 // Layout of the work: k and v are first packed per (batch, kv head, key block of kBlockN keys) into fp32 panels
-// padded to dp = head_dim rounded up to 16 (kt/vt: the block transposed, [dp, kBlockN]; kp/vp: [kBlockN, dp]),
-// so every product below is a small fp32 GEMM on aligned, zero-padded panels.
+// padded to dp = the larger of d and d_v rounded up to 16 (kt/vt: the block transposed, [dp, kBlockN]; kp/vp:
+// [kBlockN, dp]), so every product below is a small fp32 GEMM on aligned, zero-padded panels (V and dO zero past
+// d_v, q and K past d).
 // - Forward, per (batch, head, query block of kBlockM rows): online softmax over the visible key blocks (blocks
 //   past the causal diagonal are never visited): S = (scale q) K^T, running max and sum, O += P V.
 // - Backward, per (batch, kv head, chunk of key blocks: block kb belongs to chunk kb % chunks): for every query
@@ -92,12 +94,12 @@ struct Args {
   const float* sinks;                                 // attention sinks [h] (fp32), or null
   float* dsinks_part;                                 // backward with sinks: [b, h, nqb] partial sums of dsinks
   Layout lq, lk, lv, lo, lout, ldout, ldq, ldk, ldv;  // of q, k, v, o, out, dout, dq, dk, dv
-  int64_t b, sq, sk, h, hk, d, dp, nqb, nkb, chunks;
-  uint32_t seed_lo, seed_hi;  // dropout: the seed's low and high 32 bits
-  int32_t threshold;          // dropout: keep iff the hash's top 24 bits >= threshold (0: no dropout)
-  float keep_scale;           // dropout: 1 / (1 - p)
-  int64_t window;             // sliding window (0: none)
-  int64_t shift;              // added to sk - sq (with a window: a chunk's offset under context parallelism)
+  int64_t b, sq, sk, h, hk, d, d_v, dp, nqb, nkb, chunks;  // d: q/k's head dim, d_v: v's; dp: both padded
+  uint32_t seed_lo, seed_hi;                               // dropout: the seed's low and high 32 bits
+  int32_t threshold;  // dropout: keep iff the hash's top 24 bits >= threshold (0: no dropout)
+  float keep_scale;   // dropout: 1 / (1 - p)
+  int64_t window;     // sliding window (0: none)
+  int64_t shift;      // added to sk - sq (with a window: a chunk's offset under context parallelism)
   float scale;
   bool causal;
   DType dtype;  // F32, BF16 or F16

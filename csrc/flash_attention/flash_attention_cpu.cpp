@@ -291,7 +291,7 @@ inline void words_down_column(const uint16_t* x, uint16_t* panel, int64_t j, int
 // a pair of keys at a time: K^T and V^T take each key's 32-bit words down its column, K and V interleave the pair.
 inline void pack_block_bits(const Args& a, int64_t bi, int64_t kh, int64_t kb, int64_t panel, uint16_t* scratch,
                             const uint16_t* zeros) {
-  const int64_t d = a.d, dp = a.dp;
+  const int64_t d = a.d, dv = a.d_v, dp = a.dp;
   const uint16_t* kbase = static_cast<const uint16_t*>(a.k);
   const uint16_t* vbase = static_cast<const uint16_t*>(a.v);
   for (int64_t j = 0; j < kBlockN; j += 2) {
@@ -300,7 +300,7 @@ inline void pack_block_bits(const Args& a, int64_t bi, int64_t kh, int64_t kb, i
       const int64_t key = kb * kBlockN + j + e;
       const bool real = key < a.sk;
       x[e] = padded_bits(real ? kbase + at(a.lk, bi, key, kh) : nullptr, scratch + e * dp, zeros, d, dp);
-      x[2 + e] = padded_bits(real ? vbase + at(a.lv, bi, key, kh) : nullptr, scratch + (2 + e) * dp, zeros, d, dp);
+      x[2 + e] = padded_bits(real ? vbase + at(a.lv, bi, key, kh) : nullptr, scratch + (2 + e) * dp, zeros, dv, dp);
     }
     const int64_t pair = panel + (j / 2) * dp * 2;
     if (a.kpb) interleave_pair(x[0], x[1], a.kpb + pair, dp);
@@ -314,7 +314,7 @@ inline void pack_block_bits(const Args& a, int64_t bi, int64_t kh, int64_t kb, i
 
 template <typename T>
 void pack_items(const Args& a, int64_t i0, int64_t i1) {
-  const int64_t d = a.d, dp = a.dp;
+  const int64_t d = a.d, dv = a.d_v, dp = a.dp;
   Scratch buf(2 * dp);
   float *kr = buf.p, *vr = buf.p + dp;
   const bool bits_only = std::is_same_v<T, bf16> && !a.kt && !a.vt && !a.kp && !a.vp;  // the bf16 products' panels
@@ -331,7 +331,7 @@ void pack_items(const Args& a, int64_t i0, int64_t i1) {
       const int64_t key = kb * kBlockN + j;
       if (key < a.sk) {
         load_padded(static_cast<const T*>(a.k) + at(a.lk, bi, key, kh), kr, d, dp, 1.0f);
-        load_padded(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh), vr, d, dp, 1.0f);
+        load_padded(static_cast<const T*>(a.v) + at(a.lv, bi, key, kh), vr, dv, dp, 1.0f);
       } else {
         std::fill(kr, kr + 2 * dp, 0.0f);
       }
@@ -360,7 +360,7 @@ void pack_items(const Args& a, int64_t i0, int64_t i1) {
 // inlined into fwd_items_dot, which is compiled for that ISA.
 template <typename T, bool DOT>
 __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, int64_t i1) {
-  const int64_t d = a.d, dp = a.dp, g = a.h / a.hk;
+  const int64_t d = a.d, dv = a.d_v, dp = a.dp, g = a.h / a.hk;
   Scratch buf(2 * kBlockM * dp + kBlockM * kBlockN + (DOT ? (kBlockM * dp + kBlockM * kBlockN + 1) / 2 : 0));
   float *qs = buf.p, *o = buf.p + kBlockM * dp, *s = buf.p + 2 * kBlockM * dp;
   uint16_t* q16 = reinterpret_cast<uint16_t*>(s + kBlockM * kBlockN);  // DOT: q [kBlockM, dp], P [kBlockM, kBlockN]
@@ -461,8 +461,8 @@ __attribute__((always_inline)) inline void fwd_body(const Args& a, int64_t i0, i
       }
       const float inv = lr > 0.0f ? alpha / lr : 0.0f;
 #pragma omp simd
-      for (int64_t c = 0; c < d; ++c) orow[c] *= inv;
-      store_row(orow, out + r * a.lo.s, d);
+      for (int64_t c = 0; c < dv; ++c) orow[c] *= inv;
+      store_row(orow, out + r * a.lo.s, dv);
       lse[r] = lr > 0.0f ? mr + std::log(lr) : kNegInf;
     }
   }
@@ -487,9 +487,9 @@ inline int64_t q_panel(const Args& a, int64_t bi, int64_t hh, int64_t qb, int64_
 // interleaved, written from the source bits.
 template <typename T>
 void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
-  const int64_t d = a.d, dp = a.dp;
-  Scratch buf(2 * d);
-  float *x = buf.p, *y = buf.p + d;
+  const int64_t d = a.d, dv = a.d_v, dp = a.dp;
+  Scratch buf(2 * dv);
+  float *x = buf.p, *y = buf.p + dv;
   const bool dot = a.q16_pk != nullptr;                           // the bf16 products' panels (bf16 only)
   std::vector<uint16_t> bits_buf(dot ? 5 * dp : 0, uint16_t(0));  // four padded rows and a zero row
   uint16_t *scratch = bits_buf.data(), *zeros = bits_buf.data() + 4 * dp;
@@ -501,11 +501,11 @@ void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
     const T* out = static_cast<const T*>(a.out) + at(a.lout, bi, r0, hh);
     float dsink = 0.0f;  // with sinks: this block's share of dsinks[hh], -sum P_sink * delta
     for (int64_t r = 0; r < rows; ++r) {
-      const float* o = row_view(out + r * a.lout.s, x, d);
-      const float* g = row_view(dout + r * a.ldout.s, y, d);
+      const float* o = row_view(out + r * a.lout.s, x, dv);
+      const float* g = row_view(dout + r * a.ldout.s, y, dv);
       float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t c = 0; c < d; ++c) acc += o[c] * g[c];
+      for (int64_t c = 0; c < dv; ++c) acc += o[c] * g[c];
       const int64_t row = (bi * a.h + hh) * a.sq + r0 + r;
       a.delta[row] = acc;
       if (a.sinks && a.lse[row] != kNegInf) dsink -= fa_exp(a.sinks[hh] - a.lse[row]) * acc;
@@ -516,7 +516,7 @@ void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
         float *qs = a.qs_pk + off + r * dp, *dos = a.dos_pk + off + r * dp;
         if (r < rows) {
           load_padded(q + r * a.lq.s, qs, d, dp, a.scale);
-          load_padded(dout + r * a.ldout.s, dos, d, dp, 1.0f);
+          load_padded(dout + r * a.ldout.s, dos, dv, dp, 1.0f);
         } else {
           std::fill(qs, qs + dp, 0.0f);
           std::fill(dos, dos + dp, 0.0f);
@@ -532,7 +532,7 @@ void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
       for (int64_t e = 0; e < 2; ++e) {
         const bool real = r + e < rows;
         rq[e] = padded_bits(real ? qbits + (r + e) * a.lq.s : nullptr, scratch + e * dp, zeros, d, dp);
-        rd[e] = padded_bits(real ? dbits + (r + e) * a.ldout.s : nullptr, scratch + (2 + e) * dp, zeros, d, dp);
+        rd[e] = padded_bits(real ? dbits + (r + e) * a.ldout.s : nullptr, scratch + (2 + e) * dp, zeros, dv, dp);
         std::memcpy(a.q16_pk + off + (r + e) * dp, rq[e], size_t(dp) * sizeof(uint16_t));
         std::memcpy(a.do16_pk + off + (r + e) * dp, rd[e], size_t(dp) * sizeof(uint16_t));
       }
@@ -546,7 +546,7 @@ void bwd_prep_blocks(const Args& a, int64_t i0, int64_t i1) {
 // dS rounded to bf16) and sum in fp32; q unscaled, so S and dK take the scale after their products.
 template <typename T, bool DOT>
 __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, int64_t i1) {
-  const int64_t d = a.d, dp = a.dp, g = a.h / a.hk, sq_pad = a.nqb * kBlockM;
+  const int64_t d = a.d, dv = a.d_v, dp = a.dp, g = a.h / a.hk, sq_pad = a.nqb * kBlockM;
   const int64_t tile = kBlockM * kBlockN;
   // DOT: P^T, dS^T, dS in bf16
   const int64_t dot16 = DOT ? 3 * tile : 0;
@@ -593,7 +593,7 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
 #endif
           {
             gemm<false>(kBlockM, kBlockN, d, qs, dp, kt, kBlockN, p, kBlockN);
-            gemm<false>(kBlockM, kBlockN, d, dos, dp, vt, kBlockN, dp_, kBlockN);
+            gemm<false>(kBlockM, kBlockN, dv, dos, dp, vt, kBlockN, dp_, kBlockN);
           }
           for (int64_t r = 0; r < kBlockM; ++r) {
             float *pr = p + r * kBlockN, *dpr = dp_ + r * kBlockN, *dsr = ds + r * kBlockN;
@@ -646,7 +646,7 @@ __attribute__((always_inline)) inline void bwd_body(const Args& a, int64_t i0, i
       }
       for (int64_t j = 0; j < keys; ++j) {
         store_row(dka + j * dp, static_cast<T*>(a.dk) + at(a.ldk, bi, k0 + j, kh), d);
-        store_row(dva + j * dp, static_cast<T*>(a.dv) + at(a.ldv, bi, k0 + j, kh), d);
+        store_row(dva + j * dp, static_cast<T*>(a.dv) + at(a.ldv, bi, k0 + j, kh), dv);
       }
     }
   }

@@ -9,7 +9,8 @@ row log-sum-exp, ``P = exp(S - lse)``, the dropout mask of megakernels.triton._c
 kernel), ``out = P V``. Backward recomputes ``P`` from the lse, per block: ``dv += P^T dO``,
 ``dS = P * (dO V^T - delta)``, ``dq = scale dS K``, ``dk += scale dS^T Q``. Grouped-query heads are folded into
 the rows of the query block (``[b, hk, group * rows, d]``), so k and v are never repeated per query head and the
-group's contributions to dk/dv sum inside the GEMM. 16-bit inputs compute in fp32; fp64 stays fp64 (gradcheck).
+group's contributions to dk/dv sum inside the GEMM. v may have its own head dim (``d_v``): out, dO and dv have it,
+delta sums over it. 16-bit inputs compute in fp32; fp64 stays fp64 (gradcheck).
 
 Attention sinks (``sinks`` ``[h]``): one more term in each row's max and sum (the sink's logit, its value zero);
 ``lse`` includes it, so the backward of q, k and v is unchanged; ``dsinks`` comes from delta and lse
@@ -129,11 +130,13 @@ def forward(
     ranges=None,
     sinks=None,
 ):
+    from megakernels.ops import attention  # the op's module (imports this one lazily)
+
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     g = h // hk
     ct = _compute_dtype(q.dtype)
-    out = torch.empty_like(q)
+    out = attention.empty_out(q, dv)
     lse = torch.empty((b, hk, g, sq), dtype=ct)  # fp32 (fp64 for fp64 input: gradcheck)
     keep_scale = 1.0 / (1.0 - dropout_p)
     rows_per_block = _rows_per_block(b, h, sk, 4)
@@ -168,7 +171,7 @@ def forward(
             if keep is not None:
                 p = p.masked_fill_(~keep, 0.0)
             o = torch.matmul(p, vc[:, :, k0:k1]).mul_(keep_scale / l.masked_fill(l == 0, 1.0))
-            oh[:, :, :, start:stop] = o.view(nb, hk, g, rows, d)
+            oh[:, :, :, start:stop] = o.view(nb, hk, g, rows, dv)
             lse_b[..., start:stop] = (m + torch.log(l)).view(nb, hk, g, rows)
     return out, lse.view(b, h, sq)
 
@@ -190,7 +193,7 @@ def backward(
     sinks=None,
 ):
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = h // hk
     ct = _compute_dtype(q.dtype)
     delta_all = (do.to(ct) * out.to(ct)).sum(-1)  # [b, sq, h]
@@ -198,7 +201,7 @@ def backward(
     lse_all = lse.view(b, hk, g, sq)
     dq = torch.empty_like(q)
     dk = torch.zeros((b, hk, sk, d), dtype=ct)
-    dv = torch.zeros((b, hk, sk, d), dtype=ct)
+    dv = torch.zeros((b, hk, sk, d_v), dtype=ct)
     keep_scale = 1.0 / (1.0 - dropout_p)
     rows_per_block = _rows_per_block(b, h, sk, 4)
     for b0, b1, spans in _batches(b, ranges):
@@ -219,7 +222,7 @@ def backward(
                 start, stop, k0, k1, sq, sk, causal, window, shift, dropout_p, seed, nb, h, hk, q.device, b0, spans
             )
             qb = (qh[:, :, :, start:stop].to(ct) * scale).reshape(nb, hk, g * rows, d)
-            dob = doh[:, :, :, start:stop].to(ct).reshape(nb, hk, g * rows, d)
+            dob = doh[:, :, :, start:stop].to(ct).reshape(nb, hk, g * rows, d_v)
             m = lse_b[..., start:stop].reshape(nb, hk, g * rows, 1).to(ct)
             p = _scores(qb, kt[..., k0:k1], causal_mask, g).sub_(m.masked_fill(torch.isneginf(m), math.inf)).exp_()
             dp = torch.matmul(dob, vt[..., k0:k1])

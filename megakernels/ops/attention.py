@@ -1,9 +1,10 @@
 """FlashAttention (the FlashAttention-2 algorithm): ``softmax(q k^T * scale [+ causal mask]) v`` without ever
 materialising the ``[sq, sk]`` attention matrix, forward and backward.
 
-Layout ``[batch, seqlen, heads, head_dim]`` as flash-attn. Grouped-query / multi-query attention: k and v may
-have fewer heads than q (``heads_q % heads_kv == 0``); query head ``i`` reads k/v head ``i // (heads_q /
-heads_kv)``. Causal masking is aligned to the bottom-right corner: query ``i`` sees key ``j`` iff
+Layout ``[batch, seqlen, heads, head_dim]`` as flash-attn; v (so the output and its gradient) may have a head dim
+of its own (``d_v != d_qk``, multi-head latent attention), the scale defaulting to q's. Grouped-query / multi-query
+attention: k and v may have fewer heads than q (``heads_q % heads_kv == 0``); query head ``i`` reads k/v head
+``i // (heads_q / heads_kv)``. Causal masking is aligned to the bottom-right corner: query ``i`` sees key ``j`` iff
 ``j <= i + sk - sq``, so with ``sq < sk`` the queries are the last positions of the keys (decoding), and with
 ``sq > sk`` the first ``sq - sk`` queries see nothing and output zeros (lse ``-inf``).
 
@@ -97,10 +98,22 @@ def document_ranges(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None):
     return spans(kd, qd), spans(qd, kd)
 
 
-def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor) -> bool:
+def empty_out(q: torch.Tensor, dv: int) -> torch.Tensor:
+    """An uninitialised output ``[b, sq, h, dv]`` in q's memory order (as ``empty_like(q)``, which it is when ``dv``
+    is q's head dim; a token-major q gives a token-major output), dv contiguous."""
+    if dv == q.shape[-1]:
+        return torch.empty_like(q)
+    order = torch.empty_like(q[..., :1]).stride()  # q's order of the batch, token and head dims, made dense
+    strides = tuple(st * dv for st in order[:3]) + (1,)
+    return torch.empty_strided(q.shape[:3] + (dv,), strides, dtype=q.dtype, device=q.device)
+
+
+def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a CPU call runs the C++ kernel (csrc/flash_attention: causal or not, sliding windows, packed
-    documents, dropout) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and head dims over 256."""
-    return q.dtype in _TRITON_DTYPES and 1 <= q.shape[-1] <= MAX_TRITON_HEAD_DIM and q.shape[1] > 0 and k.shape[1] > 0
+    documents, dropout; v's head dim may differ) rather than megakernels/ops/_attention_cpu.py, which keeps fp64 and
+    head dims over 256."""
+    dims_ok = 1 <= q.shape[-1] <= MAX_TRITON_HEAD_DIM and 1 <= v.shape[-1] <= MAX_TRITON_HEAD_DIM
+    return q.dtype in _TRITON_DTYPES and dims_ok and q.shape[1] > 0 and k.shape[1] > 0
 
 
 @torch.library.custom_op("megakernels::flash_attn_fwd", mutates_args=())
@@ -124,7 +137,7 @@ def _flash_attn_fwd(
     ranges = document_ranges(q_docs, k_docs)
     if runs_triton("flash_attention", q, emulate):
         return _triton_kernels().forward(q, k, v, causal, scale, dropout_p, seed, window, shift, ranges, sinks)
-    if _cpp_kernel_covers(q, k):
+    if _cpp_kernel_covers(q, k, v):
         q_keys = ranges[0] if ranges is not None else None
         return torch.ops.megakernels.flash_attn_fwd_cpu(
             q, k, v, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed), sinks
@@ -154,7 +167,7 @@ def _(
     _checks.same_device("flash_attention", "q", q, ("k", k), ("v", v), ("sinks", sinks))
     b, sq, h, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q), q.new_empty((b, h, sq), dtype=lse_dtype)
+    return empty_out(q, v.shape[-1]), q.new_empty((b, h, sq), dtype=lse_dtype)
 
 
 @torch.library.custom_op("megakernels::flash_attn_bwd", mutates_args=())
@@ -183,7 +196,7 @@ def _flash_attn_bwd(
         return _triton_kernels().backward(
             grad_out, q, k, v, out, lse, causal, scale, dropout_p, seed, deterministic, window, shift, ranges, sinks
         )
-    if _cpp_kernel_covers(q, k):
+    if _cpp_kernel_covers(q, k, v):
         q_keys = ranges[0] if ranges is not None else None
         return torch.ops.megakernels.flash_attn_bwd_cpu(
             grad_out, q, k, v, out, lse, causal, scale, window, shift, q_keys, dropout_p, _host_seed(seed), sinks
@@ -357,13 +370,16 @@ def _check(q, k, v, softmax_scale, dropout_p) -> float:
         if t.dtype != q.dtype:
             raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected q's dtype {q.dtype}")
     _checks.same_device(op, "q", q, ("k", k), ("v", v))
-    if k.shape != v.shape:
-        raise ValueError(f"{op}: v has shape {tuple(v.shape)}, expected k's shape {tuple(k.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"{op}: v has shape {tuple(v.shape)}, expected k's batch, seqlen and heads {tuple(k.shape[:3])} "
+            "(v's head_dim may differ from q/k's)"
+        )
     b, _, h, d = q.shape
     if k.shape[0] != b:
         raise ValueError(f"{op}: k has batch {k.shape[0]}, expected q's batch {b}")
     if k.shape[3] != d:
-        raise ValueError(f"{op}: k has head_dim {k.shape[3]}, expected q's head_dim {d}")
+        raise ValueError(f"{op}: k has head_dim {k.shape[3]}, expected q's head_dim {d} (q.shape[-1] == k.shape[-1])")
     hk = k.shape[2]
     if hk == 0 or h % hk != 0:
         raise ValueError(
@@ -375,10 +391,13 @@ def _check(q, k, v, softmax_scale, dropout_p) -> float:
         raise ValueError(
             f"{op}: q has dtype {q.dtype}; supported on {q.device.type}: {', '.join(str(t) for t in allowed)}"
         )
-    if q.device.type == "cuda" and (d % 8 != 0 or d > MAX_TRITON_HEAD_DIM or d == 0):
-        raise ValueError(
-            f"{op}: head_dim {d} is not supported on CUDA (a multiple of 8, at most {MAX_TRITON_HEAD_DIM})"
-        )
+    if q.device.type == "cuda":
+        for name, dim in (("q/k", d), ("v", v.shape[3])):
+            if dim % 8 != 0 or dim > MAX_TRITON_HEAD_DIM or dim == 0:
+                raise ValueError(
+                    f"{op}: {name} head_dim {dim} is not supported on CUDA (a multiple of 8, at most "
+                    f"{MAX_TRITON_HEAD_DIM})"
+                )
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(d) if d else 1.0
     elif (
@@ -420,9 +439,11 @@ def flash_attention(
     """Exact attention ``softmax(q k^T * softmax_scale) v`` per head, memory linear in the sequence length.
 
     Args:
-        q: ``[batch, sq, heads, head_dim]``; k, v: ``[batch, sk, heads_kv, head_dim]`` with ``heads % heads_kv
-            == 0`` (GQA/MQA). Same dtype and device; fp16/bf16/fp32 on CUDA (head_dim a multiple of 8, <= 256),
-            also fp64 on CPU. The last dim must be contiguous (other strides are free; it is copied otherwise).
+        q: ``[batch, sq, heads, head_dim]``; k: ``[batch, sk, heads_kv, head_dim]`` (q's head_dim) with ``heads %
+            heads_kv == 0`` (GQA/MQA); v: ``[batch, sk, heads_kv, head_dim_v]``, k's batch, seqlen and heads with
+            a head dim of its own (multi-head latent attention: 192 / 128). Same dtype and device; fp16/bf16/fp32
+            on CUDA (both head dims multiples of 8, <= 256), also fp64 on CPU. The last dim must be contiguous
+            (other strides are free; it is copied otherwise).
         causal: bottom-right aligned causal mask (query i sees key j iff ``j <= i + sk - sq``).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         dropout_p: attention-probability dropout in [0, 1); pass 0 in evaluation.
@@ -450,13 +471,13 @@ def flash_attention(
             lse ``sinks[h]``. None: no sink (the kernels without one).
 
     Returns:
-        ``out`` ``[batch, sq, heads, head_dim]`` in q's dtype (and ``lse`` when asked, the sinks included);
+        ``out`` ``[batch, sq, heads, head_dim_v]`` in q's dtype (and ``lse`` when asked, the sinks included);
         differentiable w.r.t. q, k, v (and sinks).
 
     Raises:
         TypeError for a non-tensor; ValueError naming the argument for wrong rank, dtype or device mismatches,
-        k/v shape mismatch, heads not divisible, unsupported head dim, bad softmax_scale, dropout_p, window,
-        documents or sinks.
+        k's head_dim not q's, v's batch/seqlen/heads not k's, heads not divisible, unsupported head dim, bad
+        softmax_scale, dropout_p, window, documents or sinks.
     """
     scale = _check(q, k, v, softmax_scale, dropout_p)
     window = check_window("flash_attention", window)
@@ -470,7 +491,7 @@ def flash_attention(
     seed = draw_seed(q.device, generator) if dropout_p > 0.0 else None  # no launch without dropout
     if q.numel() == 0 or k.shape[1] == 0:
         touch = q.sum() + k.sum() + v.sum() + (sinks.sum() if sinks is not None else 0.0)
-        out = torch.zeros_like(q) + 0.0 * touch  # keeps the autograd graph
+        out = q.new_zeros(q.shape[:3] + v.shape[3:]) + 0.0 * touch  # keeps the autograd graph
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"), device=q.device)
         if sinks is not None:  # only the sink is seen
             lse = lse.to(sinks.dtype).copy_(sinks.detach()[:, None])
@@ -548,8 +569,8 @@ def flash_attention_varlen(
     are skipped (the cost follows the sum of squared document lengths).
 
     Args:
-        q: ``[total_q, heads, head_dim]``; k, v: ``[total_k, heads_kv, head_dim]`` (dtypes, devices, GQA as
-            ``flash_attention``).
+        q: ``[total_q, heads, head_dim]``; k: ``[total_k, heads_kv, head_dim]``; v: ``[total_k, heads_kv,
+            head_dim_v]`` (v's head dim may differ; dtypes, devices, GQA as ``flash_attention``).
         cu_seqlens_q, cu_seqlens_k: int32 ``[n_docs + 1]`` cumulative lengths, from 0 to total_q / total_k,
             non-decreasing (empty documents allowed). Their values are checked when they are CPU tensors (on a GPU
             that would cost a host sync; flash-attn does not check them either).
@@ -570,7 +591,7 @@ def flash_attention_varlen(
     they are the same tensor.
 
     Returns:
-        ``out`` ``[total_q, heads, head_dim]`` (and ``lse`` ``[heads, total_q]`` fp32 when asked).
+        ``out`` ``[total_q, heads, head_dim_v]`` (and ``lse`` ``[heads, total_q]`` fp32 when asked).
 
     Raises:
         TypeError / ValueError naming the argument: q/k/v as ``flash_attention`` (but 3-D), cu_seqlens not int32,
@@ -663,7 +684,8 @@ def flash_attention_reference(
     window=None,
     sinks=None,
 ):
-    """Materialising attention in ``compute_dtype``: returns (out ``[b, sq, h, d]``, lse ``[b, h, sq]``).
+    """Materialising attention in ``compute_dtype``: returns (out ``[b, sq, h, d_v]``, lse ``[b, h, sq]``); v's
+    head dim ``d_v`` may differ from q/k's (the default scale is ``1 / sqrt(d_qk)``).
 
     ``keep`` (``[b, h, sq, sk]`` bool) applies dropout with scale ``1 / (1 - dropout_p)``; ``window`` as
     ``flash_attention``'s; ``sinks`` ``[h]``: one more column of scores per head, of logit ``sinks[h]``, whose

@@ -206,7 +206,7 @@ class RingAttention(torch.autograd.Function):
         c = q.shape[1] // 2
         b, s, h, _ = q.shape
         acc = _acc_dtype(q)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out = torch.zeros(q.shape[:3] + v.shape[3:], dtype=acc, device=q.device)  # v's head dim
         lse = torch.full((b, h, s), -math.inf, dtype=acc, device=q.device)
         held = (k, v)
         q_ids = _chunk_ids(documents, rank, cp, c)
@@ -296,9 +296,10 @@ def ring_attention(
 
     Args:
         q: this rank's queries ``[batch, s/cp, heads, head_dim]`` (its two chunks); k, v: its keys and values
-            ``[batch, s/cp, heads_kv, head_dim]`` (GQA allowed).
+            ``[batch, s/cp, heads_kv, head_dim]`` and ``[batch, s/cp, heads_kv, head_dim_v]`` (GQA allowed; v's
+            head dim may differ from q/k's, as in multi-head latent attention).
         causal: causal over the *whole* sequence's positions.
-        softmax_scale: default ``1 / sqrt(head_dim)``.
+        softmax_scale: default ``1 / sqrt(head_dim)`` (q's).
         window: sliding-window attention over the whole sequence's positions (``flash_attention``'s ``window``);
             None: every key.
         documents: packed sequences: int ``[batch, s]``, the *whole* sequence's document ids (non-decreasing);
@@ -307,7 +308,7 @@ def ring_attention(
             gradient is this rank's rows' share.
 
     Returns:
-        ``[batch, s/cp, heads, head_dim]``, this rank's rows of the full attention; differentiable.
+        ``[batch, s/cp, heads, head_dim_v]``, this rank's rows of the full attention; differentiable.
 
     Raises:
         ValueError: a local sequence that is not two equal chunks, a window that is not a positive int, or bad

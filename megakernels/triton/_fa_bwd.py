@@ -73,6 +73,7 @@ def fa_bwd_delta_kernel(
     BLOCK_M: tl.constexpr,
     SINK: tl.constexpr = False,
 ):
+    # O and dO: HEAD_DIM and BLOCK_D are v's head dim here
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -108,11 +109,13 @@ def _bwd_step(
     start_m,
     offs_n,
     offs_d,
+    offs_dv,
     band,
     drop,
     qk_scale,
     scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
@@ -137,14 +140,16 @@ def _bwd_step(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
         q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
+        do_mask = (offs_m[:, None] < SQ) & (offs_dv[None, :] < HEAD_DIM_V)
         q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_dv[None, :], mask=do_mask, other=0.0)
         lse2 = tl.load(LSE2 + bh * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
         delta = tl.load(DELTA + bh * SQ + offs_m, mask=offs_m < SQ, other=0.0)
     else:
         d_mask = offs_d[None, :] < HEAD_DIM
+        dv_mask = offs_dv[None, :] < HEAD_DIM_V
         q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=d_mask, other=0.0)
-        do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=d_mask, other=0.0)
+        do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_dv[None, :], mask=dv_mask, other=0.0)
         lse2 = tl.load(LSE2 + bh * SQ + offs_m)
         delta = tl.load(DELTA + bh * SQ + offs_m)
     # Transposed scores [BLOCK_N, BLOCK_M], so dk and dv accumulate without transposing them.
@@ -300,6 +305,8 @@ def fa_bwd_kernel(
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
     DQ_CHUNKS: tl.constexpr = 1,
+    HEAD_DIM_V: tl.constexpr = 0,
+    BLOCK_DV: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -307,15 +314,17 @@ def fa_bwd_kernel(
     hk = (bhk % HK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
+    v_mask = (offs_n[:, None] < SK) & (offs_dv[None, :] < HEAD_DIM_V)
     k = tl.load(
         K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
     )
     v = tl.load(
-        V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+        V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :], mask=v_mask, other=0.0
     )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Query blocks [lo, mid) and [full_end, hi) meet the band's edges, the query tail or a key block that runs past
     # SK (masks); [mid, full_end) see every key of this block (no masks); blocks outside the band are never visited.
     spans = DOC_SPANS + b * SK * 2  # the keys' document query spans (DOCS only)
@@ -360,11 +369,13 @@ def fa_bwd_kernel(
                     start_m,
                     offs_n,
                     offs_d,
+                    offs_dv,
                     band,
                     drop,
                     qk_scale,
                     scale,
                     HEAD_DIM=HEAD_DIM,
+                    HEAD_DIM_V=HEAD_DIM_V,
                     BLOCK_M=BLOCK_M,
                     BLOCK_D=BLOCK_D,
                     MASKED=phase != 1,
@@ -383,9 +394,9 @@ def fa_bwd_kernel(
         mask=kv_mask,
     )
     tl.store(
-        DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+        DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_dv[None, :],
         dv.to(DV.dtype.element_ty),
-        mask=kv_mask,
+        mask=v_mask,
     )
 
 
@@ -434,6 +445,8 @@ def fa_bwd_dq_kernel(
     PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr = 0,
+    BLOCK_DV: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -442,12 +455,14 @@ def fa_bwd_dq_kernel(
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
+    do_mask = (offs_m[:, None] < SQ) & (offs_dv[None, :] < HEAD_DIM_V)
     q = tl.load(
         Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
     )
     do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :], mask=do_mask, other=0.0
     )
     lse2 = tl.load(LSE2 + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=offs_m < SQ, other=0.0)
@@ -471,8 +486,9 @@ def fa_bwd_dq_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < HEAD_DIM)
+        v_mask = (offs_n[:, None] < SK) & (offs_dv[None, :] < HEAD_DIM_V)
         k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + offs_n[:, None] * stride_vs + offs_dv[None, :], mask=v_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         valid = offs_n[None, :] < SK
         diag = band_diag(SQ, SK, SHIFT, WINDOWED)

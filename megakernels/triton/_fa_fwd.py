@@ -5,6 +5,8 @@ maximum ``m``, normaliser ``l`` and un-normalised output ``acc`` in fp32 (online
 matrix never exists. The lse ``(m + log2 l) * ln 2`` is stored for the backward. With attention sinks (``SINK``:
 one fp32 logit per query head) the sink joins the softmax after the last key block, as one more term of ``m`` and
 ``l`` whose value is zero: its rescale of ``acc`` folds into the final ``1 / l``, so the loops are those without it.
+V, and so ``acc`` and O, have a head dim of their own (``HEAD_DIM_V`` padded to ``BLOCK_DV``; multi-head latent
+attention's 192 / 128), the same as q/k's for ordinary attention.
 
 Design (why; the static cost model beside the package has the model it is judged by):
 - Tiles come through TMA tensor descriptors where the Triton and the tensors allow it (``TMA``: a 4-D descriptor
@@ -50,23 +52,28 @@ def _load_kv(
     start_n,
     offs_n,
     offs_d,
+    offs_dv,
     SK,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr,
     TMA: tl.constexpr,
 ):
     K, V, b, hk, stride_ks, stride_vs = kv
     if TMA:
         k = K.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = V.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+        v = V.load([b, start_n, hk, 0]).reshape(BLOCK_N, BLOCK_DV)
     else:
-        kv_mask = offs_d[None, :] < HEAD_DIM
+        k_mask = offs_d[None, :] < HEAD_DIM
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
         if MASKED:
-            kv_mask = kv_mask & (offs_n[:, None] < SK)
-        k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+            k_mask = k_mask & (offs_n[:, None] < SK)
+            v_mask = v_mask & (offs_n[:, None] < SK)
+        k = tl.load(K + offs_n[:, None] * stride_ks + offs_d[None, :], mask=k_mask, other=0.0)
+        v = tl.load(V + offs_n[:, None] * stride_vs + offs_dv[None, :], mask=v_mask, other=0.0)
     return k, v
 
 
@@ -79,12 +86,15 @@ def _fwd_step(
     kv,
     start_n,
     offs_d,
+    offs_dv,
     band,
     drop,
     qk_scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -99,7 +109,9 @@ def _fwd_step(
     threshold)."""
     offs_m, SQ, SK, SHIFT, window, doc_lo, doc_hi = band
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, v = _load_kv(kv, start_n, offs_n, offs_d, SK, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, TMA)
+    k, v = _load_kv(
+        kv, start_n, offs_n, offs_d, offs_dv, SK, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, MASKED, TMA
+    )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         valid = offs_n[None, :] < SK
@@ -166,6 +178,8 @@ def fa_fwd_kernel(
     WINDOWED: tl.constexpr,
     DOCS: tl.constexpr,
     SINK: tl.constexpr = False,
+    HEAD_DIM_V: tl.constexpr = 0,
+    BLOCK_DV: tl.constexpr = 0,
 ):
     if CAUSAL:  # grid (b * h, query blocks): the heaviest query block of every head first, the lightest last
         bh = tl.program_id(0)
@@ -178,6 +192,7 @@ def fa_fwd_kernel(
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM)
     if TMA:
         if Q_ROWS:  # a 2-D descriptor over [b * s, h * d]: the tile lands in shared memory as wgmma's A operand
@@ -200,7 +215,7 @@ def fa_fwd_kernel(
             (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), bh * SQ + offs_m
         )
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # the loops carry (acc, m_i, l_i) in this order
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # the loops carry (acc, m_i, l_i) in this order
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     spans = DOC_SPANS + b.to(tl.int64) * SQ * 2  # the rows' document key spans (DOCS only)
@@ -227,12 +242,15 @@ def fa_fwd_kernel(
                     kv,
                     start_n,
                     offs_d,
+                    offs_dv,
                     band,
                     drop,
                     qk_scale,
                     HEAD_DIM=HEAD_DIM,
+                    HEAD_DIM_V=HEAD_DIM_V,
                     BLOCK_N=BLOCK_N,
                     BLOCK_D=BLOCK_D,
+                    BLOCK_DV=BLOCK_DV,
                     MASKED=phase != 1,
                     CAUSAL=CAUSAL,
                     DROPOUT=DROPOUT,
@@ -254,12 +272,16 @@ def fa_fwd_kernel(
     out = (acc * inv_l[:, None]).to(O.dtype.element_ty if not TMA else O.dtype)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if TMA:
-        O.store([b, pid_m * BLOCK_M, h, 0], out.reshape(1, BLOCK_M, 1, BLOCK_D))
+        O.store([b, pid_m * BLOCK_M, h, 0], out.reshape(1, BLOCK_M, 1, BLOCK_DV))
     else:
         tl.store(
-            O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+            O
+            + b.to(tl.int64) * stride_ob
+            + h.to(tl.int64) * stride_oh
+            + offs_m[:, None] * stride_os
+            + offs_dv[None, :],
             out,
-            mask=q_mask,
+            mask=(offs_m[:, None] < SQ) & (offs_dv[None, :] < HEAD_DIM_V),
         )
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
 

@@ -60,10 +60,13 @@ FWD_CONFIGS = {
 # products, 32 keys a program, run on mma.sync: a wgmma's M is 64 rows a warpgroup, and 64 keys' fp32 dK and dV of
 # 256 columns do not fit one warpgroup's registers. On wgmma it would need the head dim of dK/dV split across
 # programs or warp-specialised register budgets (setmaxnreg), which Triton does not expose (the cost model's README
-# describes the split, tried). Its 2 stages keep the dropout variant from spilling.
+# describes the split, tried). Its 2 stages keep the dropout variant from spilling. A pair (q/k, v) of padded head
+# dims keys its own list where the larger dim's configs do not serve it: multi-head latent attention's 192 / 128 on
+# sm_90, whose causal backward spilled at d256's 2 stages and does not at 1 (64 x 64 tiles and 4 warps spill more).
 # The dropout variants of three defaults still spill a few bytes, kept because the spill-free configs are far slower
 # in the model: sm_90 d64 and d128 causal, sm_80 d128; and sm_80's d64 forward with a causal mask (128x32 tiles
-# would not spill, a little slower). The compile check of the development tools beside the package reports them.
+# would not spill, a little slower); sm_80's 192 / 128 non-causal backward on d256's default spills 8 bytes (the
+# other 64-row configs tried spill more). The compile check of the development tools beside the package reports them.
 # On sm_80, configs whose query blocks are under 64 rows (a transposed dQ) compile to 32 registers and kilobytes of
 # spills a thread; 64 query rows and 16 keys on 8 warps add dS K in column halves instead and do not spill.
 BWD_CONFIGS = {
@@ -72,6 +75,7 @@ BWD_CONFIGS = {
         64: [(64, 128, 8, 2)],
         128: [(32, 128, 8, 2), (64, 64, 8, 3)],
         256: [(64, 32, 8, 2)],
+        (256, 128): [(64, 32, 8, 1)],
     },
     80: {
         32: [(64, 128, 8, 1), (64, 128, 8, 2), (64, 64, 4, 3)],
@@ -102,11 +106,17 @@ def _for_arch(table: dict, arch: int):
     return table[max(known)] if known else None
 
 
-def candidates(table: dict, arch: int, head_dim: int) -> list[tuple]:
-    """Configs for ``arch`` (newest table at or below it) and head dim (padded to its power of two)."""
+def candidates(table: dict, arch: int, head_dim: int, head_dim_v: int | None = None) -> list[tuple]:
+    """Configs for ``arch`` (newest table at or below it) and head dim (padded to its power of two); with v's own
+    head dim ``head_dim_v``, the pair's entry (both padded) where the table has one, else the larger dim's."""
     if arch == 0:
         return [INTERPRETER_CONFIG]
-    return (_for_arch(table, arch) or table[min(table)])[padded_head_dim(head_dim)]
+    entries = _for_arch(table, arch) or table[min(table)]
+    dv = head_dim if head_dim_v is None else head_dim_v
+    pair = (padded_head_dim(head_dim), padded_head_dim(dv))
+    if pair[0] != pair[1] and pair in entries:
+        return entries[pair]
+    return entries[padded_head_dim(max(head_dim, dv))]
 
 
 def _launch_arch(t: torch.Tensor) -> int:
@@ -190,19 +200,19 @@ def forward_launch(
     megakernels.ops.attention.document_ranges; the forward reads ``q_keys``. ``sinks``: fp32 ``[h]`` attention
     sinks (the ``SINK`` kernel; None compiles the kernel without them)."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n, warps, stages, *limit = cfg
     if tma is None:
         tma = _has_tma(_launch_arch(q)) and tma_eligible(q, k, v, out)
-    bd = padded_head_dim(d)
+    bd, bdv = padded_head_dim(d), padded_head_dim(dv)
     q_rows = _rows_descriptor(q, block_m) if tma else None
     qa, ka, va, oa = (
         (
             q_rows if q_rows is not None else _descriptor(q, block_m, bd),
             _descriptor(k, block_n, bd),
-            _descriptor(v, block_n, bd),
-            _descriptor(out, block_m, bd),
+            _descriptor(v, block_n, bdv),
+            _descriptor(out, block_m, bdv),
         )
         if tma
         else (q, k, v, out)
@@ -247,6 +257,8 @@ def forward_launch(
             WINDOWED=window > 0,
             DOCS=ranges is not None,
             SINK=sinks is not None,
+            HEAD_DIM_V=dv,
+            BLOCK_DV=bdv,
             num_warps=warps,
             num_stages=stages,
             **({"maxnreg": limit[0]} if limit else {}),
@@ -267,10 +279,13 @@ def forward(
     ranges: tuple | None = None,
     sinks: torch.Tensor | None = None,
 ):
-    """Returns (out ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]`` fp32, the sinks included). ``window``,
-    ``shift``, ``ranges``, ``sinks``: as ``forward_launch``."""
+    """Returns (out ``[b, sq, h, d_v]`` in q's dtype (d_v: v's head dim), lse ``[b, h, sq]`` fp32, the sinks
+    included). ``window``, ``shift``, ``ranges``, ``sinks``: as ``forward_launch``."""
+    from megakernels.ops.attention import empty_out
+
     b, sq, h, d = q.shape
-    out = torch.empty_like(q)
+    dv = v.shape[3]
+    out = empty_out(q, dv)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     seed = lse if seed is None else seed  # SEED is read only with dropout; any pointer stands in
     arch = arch_of(q.device)
@@ -297,6 +312,7 @@ def forward(
         "fwd",
         arch,
         d,
+        dv,
         q.dtype,
         causal,
         dropout_p > 0.0,
@@ -306,7 +322,7 @@ def forward(
         seq_bucket(sq),
         seq_bucket(k.shape[1]),
     )
-    launch(pick_config(key, candidates(FWD_CONFIGS, arch, d), launch))
+    launch(pick_config(key, candidates(FWD_CONFIGS, arch, d, dv), launch))
     return out, lse
 
 
@@ -315,11 +331,13 @@ def _delta_rows(head_dim: int) -> int:
     return 64 if padded_head_dim(head_dim) <= 128 else 32
 
 
-def dsinks_scratch(q: torch.Tensor) -> torch.Tensor:
+def dsinks_scratch(q: torch.Tensor, head_dim_v: int | None = None) -> torch.Tensor:
     """The fp32 ``[b * h, programs]`` buffer of the delta launch's partial sums of the sinks' gradient (one per
-    program along the queries), for ``backward_launches`` on q ``[b, sq, h, d]``."""
+    program along the queries), for ``backward_launches`` on q ``[b, sq, h, d]`` and v's head dim ``head_dim_v``
+    (default: q's)."""
     b, sq, h, d = q.shape
-    return torch.empty((b * h, triton.cdiv(sq, _delta_rows(d))), dtype=torch.float32, device=q.device)
+    rows = _delta_rows(d if head_dim_v is None else head_dim_v)
+    return torch.empty((b * h, triton.cdiv(sq, rows)), dtype=torch.float32, device=q.device)
 
 
 def backward_launches(
@@ -359,13 +377,15 @@ def backward_launches(
     fp32 ``[b * h, cdiv(sq, delta rows)]`` scratch (``dsinks_scratch``); the other launches are those without
     sinks."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, d_v = k.shape[1], k.shape[2], v.shape[3]
     dropout, threshold, keep_scale = _dropout_args(dropout_p)
     block_m, block_n, warps, stages = cfg
-    bd = padded_head_dim(d)
+    bd, bdv = padded_head_dim(d), padded_head_dim(d_v)
     common = dict(
         HEAD_DIM=d,
+        HEAD_DIM_V=d_v,
         BLOCK_D=bd,
+        BLOCK_DV=bdv,
         CAUSAL=causal,
         DROPOUT=dropout,
         PRECISION=_dot_precision(q.dtype),
@@ -383,7 +403,7 @@ def backward_launches(
     # d256 with query blocks of 64 rows or more adds dS K in two column halves (registers: _fa_bwd's DQ_CHUNKS)
     dq_chunks = 2 if bd >= 256 and block_m >= 64 and not deterministic else 1
     dq_arg = _descriptor(dq, block_m, bd // dq_chunks) if dq_tma else dq
-    delta_rows = _delta_rows(d)
+    delta_rows = _delta_rows(d_v)
     delta, lse2 = delta[0], delta[1]
     if sinks is not None and dsinks is None:
         raise ValueError("backward_launches: sinks need a dsinks scratch (dsinks_scratch)")
@@ -405,7 +425,7 @@ def backward_launches(
                 sq,
                 scale,
             ),
-            dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=delta_rows, SINK=sinks is not None, num_warps=4),
+            dict(HEAD_DIM=d_v, BLOCK_D=bdv, BLOCK_M=delta_rows, SINK=sinks is not None, num_warps=4),
         ),
         Launch(
             fa_bwd_kernel,
@@ -446,7 +466,7 @@ def backward_launches(
     ]
     if deterministic:
         dq_table = _for_arch(DQ_CONFIGS, arch) if arch else None
-        dq_m, dq_n, dq_warps, *dq_stages = dq_table[bd] if dq_table else (block_m, block_n, warps)
+        dq_m, dq_n, dq_warps, *dq_stages = dq_table[max(bd, bdv)] if dq_table else (block_m, block_n, warps)
         launches.append(
             Launch(
                 fa_bwd_dq_kernel,
@@ -615,14 +635,15 @@ def backward(
     ranges: tuple | None = None,
     sinks: torch.Tensor | None = None,
 ):
-    """Returns (dq, dk, dv, dsinks) with dq, dk, dv shaped and typed like q, k, v and dsinks like ``sinks`` (an empty
-    fp32 tensor without them). ``deterministic``: the same bits on every run (dQ by a separate kernel instead of
-    atomics; dsinks is deterministic either way). ``window``, ``shift``, ``ranges``, ``sinks``: as
-    ``forward_launch``."""
+    """Returns (dq, dk, dv, dsinks) with dq, dk, dv shaped and typed like q, k, v (dv in v's head dim, which ``do``
+    and ``out`` have too) and dsinks like ``sinks`` (an empty fp32 tensor without them). ``deterministic``: the same
+    bits on every run (dQ by a separate kernel instead of atomics; dsinks is deterministic either way). ``window``,
+    ``shift``, ``ranges``, ``sinks``: as ``forward_launch``."""
     b, sq, h, d = q.shape
+    d_v = v.shape[3]
     do = do if do.stride(-1) == 1 else do.contiguous()
     delta = torch.empty((2, b, h, sq), dtype=torch.float32, device=q.device)
-    dsinks = dsinks_scratch(q) if sinks is not None else None
+    dsinks = dsinks_scratch(q, d_v) if sinks is not None else None
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     seed = lse if seed is None else seed
     arch = arch_of(q.device)
@@ -659,6 +680,7 @@ def backward(
         "bwd",
         arch,
         d,
+        d_v,
         q.dtype,
         causal,
         dropout_p > 0.0,
@@ -668,7 +690,7 @@ def backward(
         seq_bucket(sq),
         seq_bucket(k.shape[1]),
     )
-    dq = launch(pick_config(key, candidates(BWD_CONFIGS, arch, d), launch))
+    dq = launch(pick_config(key, candidates(BWD_CONFIGS, arch, d, d_v), launch))
     if sinks is not None:  # the partial sums in a fixed order: [b, h, programs] over batch and programs
         dsinks = dsinks.view(b, h, -1).sum((0, 2)).to(sinks.dtype)
     else:

@@ -1,7 +1,7 @@
 """Context parallelism: the load-balanced chunk layout, and ring attention against unsplit attention in fp64
 (forward and every gradient, causal and not, GQA, cp 2 and 4, with and without a sliding window, over packed
-documents, with attention sinks counted once per query), with each key/value transfer in flight while the held chunk
-is computed. One world of 4 gloo processes."""
+documents, with attention sinks counted once per query, with v's head dim differing from q/k's), with each
+key/value transfer in flight while the held chunk is computed. One world of 4 gloo processes."""
 
 from __future__ import annotations
 
@@ -66,6 +66,27 @@ def _(rank, world):
                 gathered = context.gather_from_cp(out.detach(), 1, mp.cp_group())
                 assert_close(gathered, ref, f"{what}: gathered output", rtol=1e-10)
         mp.destroy()
+
+
+@CHECKS.add("ring_attention_with_a_value_head_dim_of_its_own_matches_unsplit_attention")
+def _(rank, world):
+    """d_v != d_qk (multi-head latent attention): out and dv in d_v, dq and dk in d_qk, causal and windowed."""
+    mp.initialize(cp=2)
+    r, dv = mp.cp_rank(), 2 * D
+    for causal, window in ((True, None), (False, None), (True, 6)):
+        what = f"cp2 d_v={dv} causal={causal} window={window}"
+        q, k = randn(B, S, HQ, D, seed=11).double(), randn(B, S, HKV, D, seed=12).double()
+        v, dout = randn(B, S, HKV, dv, seed=13).double(), randn(B, S, HQ, dv, seed=14).double()
+        full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref, _ = flash_attention_reference(*full, causal=causal, window=window)
+        ref.backward(dout)
+        local = [context.split_for_cp(t, 1, 2, r).clone().requires_grad_(True) for t in (q, k, v)]
+        out = context.ring_attention(*local, causal=causal, window=window)
+        out.backward(context.split_for_cp(dout, 1, 2, r))
+        assert_close(out, context.split_for_cp(ref, 1, 2, r), f"{what}: output", rtol=1e-10)
+        for name, mine, f in zip("qkv", local, full):
+            assert_close(mine.grad, context.split_for_cp(f.grad, 1, 2, r), f"{what}: d{name}", rtol=1e-10)
+    mp.destroy()
 
 
 def _windowed_reference(q, k, v, causal, window):

@@ -125,7 +125,7 @@ fa::Args make_args(const Shape& s, DType dt, float scale, const std::vector<int3
   fa::Args a{};
   a.window = s.window, a.shift = s.shift;
   a.q_keys = s.doc > 0 ? spans.data() : nullptr;
-  a.b = s.b, a.sq = s.sq, a.sk = s.sk, a.h = s.h, a.hk = s.hk, a.d = s.d;
+  a.b = s.b, a.sq = s.sq, a.sk = s.sk, a.h = s.h, a.hk = s.hk, a.d = s.d, a.d_v = s.d;
   a.dp = (s.d + 15) / 16 * 16;
   a.nqb = (s.sq + fa::kBlockM - 1) / fa::kBlockM;
   a.nkb = (s.sk + fa::kBlockN - 1) / fa::kBlockN;
