@@ -161,13 +161,13 @@ def main(argv=None) -> int:
             spec = dict(vars(args), loss=loss, impl=impl)
             spec.pop("point"), spec.pop("out"), spec.pop("losses")
             got[impl] = run_point("benchmarks.post_training_losses", spec, ROOT)
-        row = {"loss": loss, **{f"{k}_{i}": v for i, d in got.items() for k, v in d.items()}}
+        row = {"loss": loss, **got}  # {"fused": {"ms", "peak_mib"} or {"error"}, "full": ...}
         rows.append(row)
-        if "ms_fused" in row and "ms_full" in row:
+        fused, full = got["fused"], got["full"]
+        if "ms" in fused and "ms" in full:
             print(
-                f"{loss:<8}{row['ms_fused']:>10.0f}{row['ms_full']:>10.0f}{row['ms_full'] / row['ms_fused']:>9.2f}x"
-                f"{row['peak_mib_fused']:>11.0f}{row['peak_mib_full']:>10.0f}"
-                f"{row['peak_mib_fused'] / row['peak_mib_full']:>12.2f}"
+                f"{loss:<8}{fused['ms']:>10.0f}{full['ms']:>10.0f}{full['ms'] / fused['ms']:>9.2f}x"
+                f"{fused['peak_mib']:>11.0f}{full['peak_mib']:>10.0f}{fused['peak_mib'] / full['peak_mib']:>12.2f}"
             )
         else:
             print(f"{loss:<8} failed: {got}")
