@@ -110,10 +110,13 @@ inline void describe_thread(char* buf, size_t n, const Block& b, unsigned tid) {
   const Block& b = *c.blk;
   char me[128];
   describe_thread(me, sizeof me, b, c.tid);
-  std::fprintf(stderr,
-               "[megakernels cuda_emu] deadlock: %s not completed within %.3g s (MEGAKERNELS_EMU_TIMEOUT_S)\n"
-               "  kernel %s, block (%u,%u,%u), waiting: %s\n  %s\n",
-               what, timeout_seconds(), b.kernel_name, b.bidx[0], b.bidx[1], b.bidx[2], me, detail);
+  if (t_fiber)  // fibers: every live thread of the block waits, so none can ever proceed
+    std::fprintf(stderr, "[megakernels cuda_emu] deadlock: %s can never complete: every live thread waits\n", what);
+  else
+    std::fprintf(stderr, "[megakernels cuda_emu] deadlock: %s not completed within %.3g s (MEGAKERNELS_EMU_TIMEOUT_S)\n",
+                 what, timeout_seconds());
+  std::fprintf(stderr, "  kernel %s, block (%u,%u,%u), waiting: %s\n  %s\n", b.kernel_name, b.bidx[0], b.bidx[1],
+               b.bidx[2], me, detail);
   unsigned shown = 0;
   for (unsigned t = 0; t < b.nthreads && shown < 16; ++t) {
     uint8_t s = load_rlx(&b.state[t]);

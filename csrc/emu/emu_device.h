@@ -293,4 +293,10 @@ MK_EMU_SCOPED(atomicDec)
   fatal_stop();
 }
 inline long long clock64() { return static_cast<long long>(mk_emu::detail::now_ns()); }
-inline void __nanosleep(unsigned ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); }
+// Under fibers a sleeping thread lets the others of its block run (a spin-wait on another thread's flag).
+inline void __nanosleep(unsigned ns) {
+  if (mk_emu::detail::t_fiber)
+    mk_emu::detail::fiber_yield(false, false);
+  else
+    std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
+}

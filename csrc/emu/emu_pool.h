@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -36,6 +37,14 @@ struct Pool {
   Signal start;  // start.seq bumped when a block is published
   unsigned nworkers = 0;
   Block blk;
+  // Fibers (emu_fiber.h): each CUDA thread's context, and the watchdog of blocks that stop making progress.
+  struct FiberThread {
+    ThreadCtx c;
+    uint3 idx;
+  } fthreads[kMaxThreadsPerBlock];
+  void* fargs[kMaxThreadsPerBlock];
+  bool watchdog = false;
+  uint64_t block_seq = 0;  // bumped per block run as fibers; 0 while none runs
 #if defined(__linux__)
   pid_t pid = getpid();
 #endif
@@ -124,13 +133,109 @@ inline uint64_t progress(Block& b) {
   return s;
 }
 
+// A thread of the block that is stuck outside a barrier (an endless loop, a spin on another block's flag):
+// give up only after a whole timeout without any progress. Slack so that a thread stuck in a barrier reports
+// first under host threads (its message says more).
+[[noreturn]] inline void report_no_progress(Block& b, const char* name) {
+  fatal_begin();
+  std::fprintf(stderr,
+               "[megakernels cuda_emu] deadlock: block (%u,%u,%u) of kernel %s made no progress for "
+               "%.3g s (%u of %u threads finished). A thread is stuck outside a barrier: an endless "
+               "loop, or spin-waiting for another block (blocks run one after another here)\n",
+               load_rlx(&b.bidx[0]), load_rlx(&b.bidx[1]), load_rlx(&b.bidx[2]), name, timeout_seconds(),
+               load_rlx(&b.fin.seq), b.nthreads);
+  fatal_stop();
+}
+inline int64_t no_progress_slack() { return timeout_ns() < 2000000000 ? timeout_ns() : 2000000000; }
+
+// Under fibers the launching thread runs the block, so a thread that never waits keeps it: a watchdog thread
+// polls the running block's progress a few times per timeout (no wake-up per launch) and reports a stall.
+inline void watchdog_loop(Pool* p) {
+  uint64_t seen_seq = 0, seen_pr = 0;
+  int64_t since = now_ns();
+  for (;;) {
+    const int64_t period = timeout_ns() / 4 < 250000000 ? timeout_ns() / 4 : 250000000;
+    std::this_thread::sleep_for(std::chrono::nanoseconds(period));
+    const uint64_t seq = load_acq(&p->block_seq);
+    const uint64_t pr = seq ? progress(p->blk) : 0;
+    const int64_t t = now_ns();
+    if (seq == 0 || seq != seen_seq || pr != seen_pr) {
+      seen_seq = seq;
+      seen_pr = pr;
+      since = t;
+    } else if (t - since > timeout_ns() + no_progress_slack()) {
+      report_no_progress(p->blk, load_rlx(&p->blk.kernel_name));
+    }
+  }
+}
+
+inline void fiber_resume(Fiber* f) {
+  auto* ft = static_cast<Pool::FiberThread*>(f->arg);
+  t_ctx = ft ? &ft->c : nullptr;
+  if (ft) t_thread_idx = ft->idx;
+}
+
+inline void fiber_thread(Fiber* f) {
+  ThreadCtx& c = static_cast<Pool::FiberThread*>(f->arg)->c;
+  Block& b = *c.blk;
+  b.tramp(b.args);
+  thread_exit(c);
+  __atomic_add_fetch(&b.fin.seq, 1u, __ATOMIC_SEQ_CST);
+  fiber_exit();
+}
+
+// One block as fibers on this thread (the block state is reset by the caller).
+inline void run_block_fibers(Pool& p, Block& b, unsigned n) {
+  if (!p.watchdog) {
+    std::thread(watchdog_loop, &p).detach();
+    p.watchdog = true;
+  }
+  for (unsigned t = 0; t < n; ++t) {
+    Pool::FiberThread& ft = p.fthreads[t];
+    ft.c = ThreadCtx{&b, t, t & 31u, t >> 5};
+    ft.idx = uint3{t % b.bdim[0], (t / b.bdim[0]) % b.bdim[1], t / (b.bdim[0] * b.bdim[1])};
+    p.fargs[t] = &ft;
+  }
+  t_block_idx = uint3{b.bidx[0], b.bidx[1], b.bidx[2]};
+  store_rel(&p.block_seq, load_rlx(&p.block_seq) + 1);
+  run_fibers(n, fiber_thread, fiber_resume, p.fargs);
+  store_rel(&p.block_seq, uint64_t(0));
+}
+
+// One block on the worker pool: publish it, then wait for its threads.
+inline void run_block_threads(Pool& p, Block& b, unsigned n, const char* name) {
+  const uint64_t seq = (load_rlx(&p.claim) >> 32) + 1;
+  store_rel(&p.claim, (seq << 32) | (uint64_t(n) << 16));
+  __atomic_fetch_add(&p.start.seq, 1u, __ATOMIC_SEQ_CST);
+  signal_wake(p.start, int(n));
+  uint64_t last = progress(b);
+  int64_t deadline = now_ns() + timeout_ns() + no_progress_slack();
+  for (int i = yield_budget(); i > 0 && load_acq(&b.fin.seq) != n; --i) std::this_thread::yield();
+  for (;;) {
+    const uint32_t d = __atomic_load_n(&b.fin.seq, __ATOMIC_SEQ_CST);
+    if (d == n) break;
+    int64_t t = now_ns();
+    uint64_t pr = progress(b);
+    if (pr != last) {
+      last = pr;
+      deadline = t + timeout_ns() + no_progress_slack();
+    } else if (t > deadline) {
+      report_no_progress(b, name);
+    }
+    __atomic_fetch_add(&b.fin.sleepers, 1u, __ATOMIC_SEQ_CST);
+    os_wait(&b.fin.seq, d, 250000000);
+    __atomic_fetch_sub(&b.fin.sleepers, 1u, __ATOMIC_SEQ_CST);
+  }
+}
+
 // Runs every block of a validated launch. Caller holds launch_mutex().
 inline void run_grid(const char* name, void (*tramp)(const void*), const void* args, dim3 grid, dim3 block,
                      size_t smem_bytes) {
   Pool& p = pool();
   Block& b = p.blk;
   const unsigned n = block.x * block.y * block.z;
-  grow_pool(p, n);
+  const bool fibers = fibers_enabled();
+  if (!fibers) grow_pool(p, n);
   b.tramp = tramp;
   b.args = args;
   b.kernel_name = name;
@@ -147,9 +252,9 @@ inline void run_grid(const char* name, void (*tramp)(const void*), const void* a
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
-        b.bidx[0] = x;
-        b.bidx[1] = y;
-        b.bidx[2] = z;
+        store_rlx(&b.bidx[0], x);
+        store_rlx(&b.bidx[1], y);
+        store_rlx(&b.bidx[2], z);
         std::memset(b.smem, kSmemPoison, smem_bytes);  // GPU shared memory starts undefined, not zero
         store_rlx(&b.bar_word, uint64_t(n) << 32);
         store_rlx(&b.pred[0], 0u);
@@ -164,38 +269,10 @@ inline void run_grid(const char* name, void (*tramp)(const void*), const void* a
           w.exited = 0;
           w.npending = 0;
         }
-        const uint64_t seq = (load_rlx(&p.claim) >> 32) + 1;
-        store_rel(&p.claim, (seq << 32) | (uint64_t(n) << 16));
-        __atomic_fetch_add(&p.start.seq, 1u, __ATOMIC_SEQ_CST);
-        signal_wake(p.start, int(n));
-        // Wait for the block; give up only after a whole timeout without any progress (a thread spinning on
-        // another block's flag can never finish here: blocks run one after another).
-        uint64_t last = progress(b);
-        // Slack so that a thread stuck in a barrier reports first (its message says more).
-        const int64_t slack = timeout_ns() < 2000000000 ? timeout_ns() : 2000000000;
-        int64_t deadline = now_ns() + timeout_ns() + slack;
-        for (int i = yield_budget(); i > 0 && load_acq(&b.fin.seq) != n; --i) std::this_thread::yield();
-        for (;;) {
-          const uint32_t d = __atomic_load_n(&b.fin.seq, __ATOMIC_SEQ_CST);
-          if (d == n) break;
-          int64_t t = now_ns();
-          uint64_t pr = progress(b);
-          if (pr != last) {
-            last = pr;
-            deadline = t + timeout_ns() + slack;
-          } else if (t > deadline) {
-            fatal_begin();
-            std::fprintf(stderr,
-                         "[megakernels cuda_emu] deadlock: block (%u,%u,%u) of kernel %s made no progress for "
-                         "%.3g s (%u of %u threads finished). A thread is stuck outside a barrier: an endless "
-                         "loop, or spin-waiting for another block (blocks run one after another here)\n",
-                         x, y, z, name, timeout_seconds(), d, n);
-            fatal_stop();
-          }
-          __atomic_fetch_add(&b.fin.sleepers, 1u, __ATOMIC_SEQ_CST);
-          os_wait(&b.fin.seq, d, 250000000);
-          __atomic_fetch_sub(&b.fin.sleepers, 1u, __ATOMIC_SEQ_CST);
-        }
+        if (fibers)
+          run_block_fibers(p, b, n);
+        else
+          run_block_threads(p, b, n, name);
       }
   ::operator delete(b.smem, std::align_val_t(kSmemAlign));
   b.smem = nullptr;

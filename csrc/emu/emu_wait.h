@@ -25,6 +25,8 @@
 #include <mutex>
 #endif
 
+#include "emu_fiber.h"
+
 namespace mk_emu {
 namespace detail {
 
@@ -167,8 +169,15 @@ inline unsigned usable_cpus() {
 // is back within one pass of the run queue — about one context switch per thread and barrier, against two
 // plus a wake-up system call for a futex sleep. (Measured on 2 CPUs: 256 threads x 20 barriers ~5 ms
 // yielding vs ~15 ms sleeping.) A waiter still waiting after its yields sleeps on the futex.
+// Under fibers the waiter passes the CPU to the next thread of the block instead, until done() holds or every
+// live thread waits in vain (on_timeout then reports the deadlock at once).
 template <class Done, class OnTimeout>
 inline void wait_until(Signal& s, unsigned nthreads, Done done, OnTimeout on_timeout) {
+  if (t_fiber) {
+    for (bool first = true; !done(); first = false)
+      if (fiber_yield(true, first)) on_timeout();
+    return;
+  }
   if (nthreads <= usable_cpus()) {
     for (int i = 0; i < 4000; ++i) {
       if (done()) return;
