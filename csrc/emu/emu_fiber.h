@@ -8,8 +8,14 @@
 // its synchronisation (emu_block.h) are the same for both; only waiting differs (wait_until yields instead of
 // spinning or sleeping). A deadlock is then exact: every live thread checked its condition since the last change.
 //
-// Fibers are the default where the switch is implemented (x86-64 Linux) and not under ThreadSanitizer, which
-// needs real threads to see the races between CUDA threads. MEGAKERNELS_EMU_FIBERS=0 selects host threads.
+// A fiber serves thread i of block after block: it loops, so no frame is ever abandoned on its stack.
+// Sanitizers are told of every switch: AddressSanitizer of the stack in use; ThreadSanitizer gets a fiber
+// context per CUDA thread and switches without synchronisation, so the only happens-before edges between CUDA
+// threads are the emulator's atomics, as with host threads (a missing __syncthreads is still a race). The
+// scheduler's own bookkeeping is hidden from it (its writes are ignored): only one fiber runs at a time.
+//
+// Fibers are the default where the switch is implemented (x86-64 Linux); MEGAKERNELS_EMU_FIBERS=0 selects host
+// threads.
 #pragma once
 
 #include <cstddef>
@@ -17,11 +23,16 @@
 #include <cstdio>
 #include <cstdlib>
 
-#if defined(__x86_64__) && defined(__linux__) && !defined(__SANITIZE_THREAD__)
+#if defined(__x86_64__) && defined(__linux__)
 #define MK_EMU_HAVE_FIBERS 1
 #include <sys/mman.h>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #endif
 #else
 #define MK_EMU_HAVE_FIBERS 0
@@ -97,6 +108,8 @@ struct Fiber {
   unsigned char* stack = nullptr;  // lowest usable byte (a guard page lies below)
   size_t stack_size = 0;
   void* fake_stack = nullptr;  // AddressSanitizer's fake stack of this fiber while it is switched out
+  void* tsan = nullptr;        // ThreadSanitizer's context of this fiber
+  bool started = false;        // its stack holds a live frame
   void (*entry)(Fiber*) = nullptr;
   void (*on_resume)(Fiber*) = nullptr;  // restores the thread-locals of the context that resumes
   void* arg = nullptr;                  // what the entry runs (the CUDA thread's context); null for the launcher
@@ -106,11 +119,12 @@ struct Fiber {
 // Where a fiber's stack has room for the deepest emulated kernel plus printf and sanitizer frames. Only touched
 // pages cost memory: the rest is reserved address space.
 constexpr size_t kFiberStack = size_t(512) << 10;
+constexpr unsigned kMaxFibers = 1024;  // CUDA's limit of threads per block
 
 // The fibers of the block that runs (one block at a time, under the launch mutex).
 struct FiberSched {
-  Fiber* fibers = nullptr;
-  unsigned capacity = 0;
+  Fiber* fibers = nullptr;  // kMaxFibers of them
+  unsigned capacity = 0;    // how many have a stack
   Fiber main;  // the launching thread's own context
   Fiber* cur = nullptr;
   Fiber* from = nullptr;  // the context the running one was switched from
@@ -126,6 +140,14 @@ inline FiberSched& fiber_sched() {
 }
 
 #if MK_EMU_HAVE_FIBERS
+// Scheduler writes are invisible to ThreadSanitizer (one fiber runs at a time; they are no CUDA-thread data).
+struct SchedWrites {
+#if defined(__SANITIZE_THREAD__)
+  SchedWrites() { AnnotateIgnoreWritesBegin(__FILE__, __LINE__); }
+  ~SchedWrites() { AnnotateIgnoreWritesEnd(__FILE__, __LINE__); }
+#endif
+};
+
 inline void fiber_landed() {
   FiberSched& s = fiber_sched();
 #if defined(__SANITIZE_ADDRESS__)
@@ -137,37 +159,60 @@ inline void fiber_landed() {
     s.main.stack_size = size;
   }
 #endif
+  SchedWrites quiet;
   if (s.cur->on_resume) s.cur->on_resume(s.cur);
 }
 
-inline void fiber_switch(Fiber& to, bool exiting) {
+inline void fiber_switch(Fiber& to) {
   FiberSched& s = fiber_sched();
   Fiber& from = *s.cur;
-  s.from = &from;
-  s.cur = &to;
-  t_fiber = &to == &s.main ? nullptr : &to;
+  {
+    SchedWrites quiet;
+    s.from = &from;
+    s.cur = &to;
+    t_fiber = &to == &s.main ? nullptr : &to;
+  }
 #if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_start_switch_fiber(exiting ? nullptr : &from.fake_stack, to.stack, to.stack_size);
-#else
-  (void)exiting;
+  __sanitizer_start_switch_fiber(&from.fake_stack, to.stack, to.stack_size);
+#endif
+#if defined(__SANITIZE_THREAD__)
+  __tsan_switch_to_fiber(to.tsan, __tsan_switch_to_fiber_no_sync);
 #endif
   mk_emu_fiber_switch(&from.sp, to.sp);
   fiber_landed();
 }
 
-inline void fiber_main(Fiber* f) {
-  f->fake_stack = nullptr;
+// Takes the running fiber out of the block's ring and passes on to the next live one (or back to the
+// launcher). Returns when the fiber is resumed for the next block.
+inline void fiber_finish() {
+  FiberSched& s = fiber_sched();
+  Fiber* to = &s.main;
+  {
+    SchedWrites quiet;
+    Fiber& f = *s.cur;
+    s.idle = 0;
+    if (--s.nlive) {
+      s.fibers[f.prev].next = f.next;
+      s.fibers[f.next].prev = f.prev;
+      to = &s.fibers[f.next];
+    }
+  }
+  fiber_switch(*to);
+}
+
+[[noreturn]] inline void fiber_main(Fiber* f) {
   fiber_landed();
-  f->entry(f);
-  std::fprintf(stderr, "[megakernels cuda_emu] internal error: a fiber returned\n");
-  std::abort();
+  for (;;) {
+    f->entry(f);
+    fiber_finish();
+  }
 }
 
 inline void ensure_fibers(unsigned n) {
   FiberSched& s = fiber_sched();
   if (n <= s.capacity) return;
-  Fiber* grown = new Fiber[n];
-  for (unsigned i = 0; i < s.capacity; ++i) grown[i] = s.fibers[i];
+  if (!s.fibers) s.fibers = new Fiber[kMaxFibers];  // never moves: a parked fiber's frame points at its Fiber
+  Fiber* grown = s.fibers;
   const size_t page = 4096;
   for (unsigned i = s.capacity; i < n; ++i) {
     void* m = mmap(nullptr, kFiberStack + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
@@ -179,64 +224,57 @@ inline void ensure_fibers(unsigned n) {
     mprotect(m, page, PROT_NONE);  // a stack overflow faults instead of overwriting the next stack
     grown[i].stack = static_cast<unsigned char*>(m) + page;
     grown[i].stack_size = kFiberStack;
+#if defined(__SANITIZE_THREAD__)
+    grown[i].tsan = __tsan_create_fiber(0);
+#endif
   }
-  delete[] s.fibers;
-  s.fibers = grown;
   s.capacity = n;
 }
 
-// Runs entry(fiber i) for i < n as fibers, each until it returns through fiber_exit(); returns when all did.
-// on_resume(fiber) runs whenever a fiber (or the launcher, with arg null) gets the CPU back.
+// Runs entry(fiber i) for i < n, each on its own fiber, until all returned. on_resume(fiber) runs whenever a
+// fiber (or the launcher, with arg null) gets the CPU back.
 inline void run_fibers(unsigned n, void (*entry)(Fiber*), void (*on_resume)(Fiber*), void* const* args) {
   FiberSched& s = fiber_sched();
-  ensure_fibers(n);
-  s.main.on_resume = on_resume;
-  s.main.arg = nullptr;
-  for (unsigned i = 0; i < n; ++i) {
-    Fiber& f = s.fibers[i];
-    f.entry = entry;
-    f.on_resume = on_resume;
-    f.arg = args[i];
-    f.next = i + 1 == n ? 0 : i + 1;
-    f.prev = i == 0 ? n - 1 : i - 1;
-    f.fake_stack = nullptr;
-    // A fresh frame as mk_emu_fiber_switch leaves it: control words, r15..rbp, then the return address.
-    uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + f.stack_size) & ~uintptr_t(15);
-    uint64_t* sp = reinterpret_cast<uint64_t*>(top - 80);
-    uint32_t mxcsr;
-    uint16_t fpucw;
-    asm volatile("stmxcsr %0" : "=m"(mxcsr));
-    asm volatile("fnstcw %0" : "=m"(fpucw));
-    reinterpret_cast<uint32_t*>(sp)[0] = mxcsr;
-    reinterpret_cast<uint32_t*>(sp)[1] = fpucw;
-    sp[1] = 0;                                             // r15
-    sp[2] = 0;                                             // r14
-    sp[3] = reinterpret_cast<uint64_t>(&fiber_main);       // r13: what the start stub calls
-    sp[4] = reinterpret_cast<uint64_t>(&f);                // r12: its argument
-    sp[5] = 0;                                             // rbx
-    sp[6] = 0;                                             // rbp: ends frame-pointer backtraces
-    sp[7] = reinterpret_cast<uint64_t>(&mk_emu_fiber_start);  // the return address
-    f.sp = sp;
+  {
+    SchedWrites quiet;
+    ensure_fibers(n);
+    s.main.on_resume = on_resume;
+    s.main.arg = nullptr;
+#if defined(__SANITIZE_THREAD__)
+    s.main.tsan = __tsan_get_current_fiber();  // the launching host thread (any may launch)
+#endif
+    for (unsigned i = 0; i < n; ++i) {
+      Fiber& f = s.fibers[i];
+      f.entry = entry;
+      f.on_resume = on_resume;
+      f.arg = args[i];
+      f.next = i + 1 == n ? 0 : i + 1;
+      f.prev = i == 0 ? n - 1 : i - 1;
+      if (f.started) continue;  // parked in fiber_finish, resumes into its loop
+      f.started = true;
+      // A fresh frame as mk_emu_fiber_switch leaves it: control words, r15..rbp, then the return address.
+      uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + f.stack_size) & ~uintptr_t(15);
+      uint64_t* sp = reinterpret_cast<uint64_t*>(top - 80);
+      uint32_t mxcsr;
+      uint16_t fpucw;
+      asm volatile("stmxcsr %0" : "=m"(mxcsr));
+      asm volatile("fnstcw %0" : "=m"(fpucw));
+      reinterpret_cast<uint32_t*>(sp)[0] = mxcsr;
+      reinterpret_cast<uint32_t*>(sp)[1] = fpucw;
+      sp[1] = 0;                                                // r15
+      sp[2] = 0;                                                // r14
+      sp[3] = reinterpret_cast<uint64_t>(&fiber_main);          // r13: what the start stub calls
+      sp[4] = reinterpret_cast<uint64_t>(&f);                   // r12: its argument
+      sp[5] = 0;                                                // rbx
+      sp[6] = 0;                                                // rbp: ends frame-pointer backtraces
+      sp[7] = reinterpret_cast<uint64_t>(&mk_emu_fiber_start);  // the return address
+      f.sp = sp;
+    }
+    s.nlive = n;
+    s.idle = 0;
+    s.cur = &s.main;
   }
-  s.nlive = n;
-  s.idle = 0;
-  s.cur = &s.main;
-  fiber_switch(s.fibers[0], false);
-}
-
-// The running fiber is done: unlink it and pass on to the next live one (or back to the launcher). No return.
-[[noreturn]] inline void fiber_exit() {
-  FiberSched& s = fiber_sched();
-  Fiber& f = *s.cur;
-  s.idle = 0;
-  Fiber* to = &s.main;
-  if (--s.nlive) {
-    s.fibers[f.prev].next = f.next;
-    s.fibers[f.next].prev = f.prev;
-    to = &s.fibers[f.next];
-  }
-  fiber_switch(*to, true);
-  __builtin_unreachable();
+  fiber_switch(s.fibers[0]);
 }
 
 // Passes the CPU to the next live fiber. `waiting`: the caller found its wait condition false (first: for the
@@ -244,19 +282,21 @@ inline void run_fibers(unsigned n, void (*entry)(Fiber*), void (*on_resume)(Fibe
 // fiber has found its condition false since the last change: none can ever proceed.
 inline bool fiber_yield(bool waiting, bool first) {
   FiberSched& s = fiber_sched();
-  if (!waiting)
-    s.idle = 0;
-  else if (first)
-    s.idle = 1;
-  else if (++s.idle > s.nlive)
-    return true;
+  {
+    SchedWrites quiet;
+    if (!waiting)
+      s.idle = 0;
+    else if (first)
+      s.idle = 1;
+    else if (++s.idle > s.nlive)
+      return true;
+  }
   Fiber& to = s.fibers[s.cur->next];
-  if (&to != s.cur) fiber_switch(to, false);
+  if (&to != s.cur) fiber_switch(to);
   return false;
 }
 #else
 inline void run_fibers(unsigned, void (*)(Fiber*), void (*)(Fiber*), void* const*) { std::abort(); }
-[[noreturn]] inline void fiber_exit() { std::abort(); }
 inline bool fiber_yield(bool, bool) { return false; }
 #endif
 

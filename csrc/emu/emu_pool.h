@@ -129,7 +129,7 @@ inline std::mutex& launch_mutex() {
 
 inline uint64_t progress(Block& b) {
   uint64_t s = load_rlx(&b.fin.seq) + (uint64_t(load_rlx(&b.bar.seq)) << 20);
-  for (unsigned i = 0; i < b.nwarps; ++i) s += uint64_t(load_rlx(&b.warps[i].epoch.seq)) << 40;
+  for (unsigned i = 0, nw = load_rlx(&b.nwarps); i < nw; ++i) s += uint64_t(load_rlx(&b.warps[i].epoch.seq)) << 40;
   return s;
 }
 
@@ -143,7 +143,7 @@ inline uint64_t progress(Block& b) {
                "%.3g s (%u of %u threads finished). A thread is stuck outside a barrier: an endless "
                "loop, or spin-waiting for another block (blocks run one after another here)\n",
                load_rlx(&b.bidx[0]), load_rlx(&b.bidx[1]), load_rlx(&b.bidx[2]), name, timeout_seconds(),
-               load_rlx(&b.fin.seq), b.nthreads);
+               load_rlx(&b.fin.seq), load_rlx(&b.nthreads));
   fatal_stop();
 }
 inline int64_t no_progress_slack() { return timeout_ns() < 2000000000 ? timeout_ns() : 2000000000; }
@@ -175,13 +175,16 @@ inline void fiber_resume(Fiber* f) {
   if (ft) t_thread_idx = ft->idx;
 }
 
+// One CUDA thread on its fiber. The acquire of the block's sequence number and the count of finished threads
+// are the happens-before edges from and back to the launcher (ThreadSanitizer sees no other: fibers switch
+// without synchronisation).
 inline void fiber_thread(Fiber* f) {
   ThreadCtx& c = static_cast<Pool::FiberThread*>(f->arg)->c;
+  (void)load_acq(&pool().block_seq);
   Block& b = *c.blk;
   b.tramp(b.args);
   thread_exit(c);
   __atomic_add_fetch(&b.fin.seq, 1u, __ATOMIC_SEQ_CST);
-  fiber_exit();
 }
 
 // One block as fibers on this thread (the block state is reset by the caller).
@@ -190,15 +193,19 @@ inline void run_block_fibers(Pool& p, Block& b, unsigned n) {
     std::thread(watchdog_loop, &p).detach();
     p.watchdog = true;
   }
-  for (unsigned t = 0; t < n; ++t) {
-    Pool::FiberThread& ft = p.fthreads[t];
-    ft.c = ThreadCtx{&b, t, t & 31u, t >> 5};
-    ft.idx = uint3{t % b.bdim[0], (t / b.bdim[0]) % b.bdim[1], t / (b.bdim[0] * b.bdim[1])};
-    p.fargs[t] = &ft;
+  {
+    SchedWrites quiet;
+    for (unsigned t = 0; t < n; ++t) {
+      Pool::FiberThread& ft = p.fthreads[t];
+      ft.c = ThreadCtx{&b, t, t & 31u, t >> 5};
+      ft.idx = uint3{t % b.bdim[0], (t / b.bdim[0]) % b.bdim[1], t / (b.bdim[0] * b.bdim[1])};
+      p.fargs[t] = &ft;
+    }
   }
   t_block_idx = uint3{b.bidx[0], b.bidx[1], b.bidx[2]};
   store_rel(&p.block_seq, load_rlx(&p.block_seq) + 1);
   run_fibers(n, fiber_thread, fiber_resume, p.fargs);
+  (void)load_acq(&b.fin.seq);
   store_rel(&p.block_seq, uint64_t(0));
 }
 
@@ -238,9 +245,10 @@ inline void run_grid(const char* name, void (*tramp)(const void*), const void* a
   if (!fibers) grow_pool(p, n);
   b.tramp = tramp;
   b.args = args;
-  b.kernel_name = name;
-  b.nthreads = n;
-  b.nwarps = (n + 31) / 32;
+  // Atomic stores: the fiber watchdog reads these from its own thread.
+  store_rlx(&b.kernel_name, name);
+  store_rlx(&b.nthreads, n);
+  store_rlx(&b.nwarps, (n + 31) / 32);
   b.bdim[0] = block.x;
   b.bdim[1] = block.y;
   b.bdim[2] = block.z;
