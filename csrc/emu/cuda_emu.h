@@ -5,8 +5,9 @@
 //
 // Layout (each part explains its own design choices):
 //   emu_wait.h        atomics helpers, futex sleeping, the deadlock timeout, fatal reports
+//   emu_fiber.h       a block's threads as fibers on the launching thread (the default)
 //   emu_block.h       the running block: __syncthreads barrier, warp rendezvous, thread exit
-//   emu_pool.h        worker pool and the launch loop (blocks one after another)
+//   emu_pool.h        the launch loop (blocks one after another), fibers or the host-thread worker pool
 //   emu_device.h      device synchronisation API: barriers, shuffles/votes/match/reduce, atomics, fences
 //   emu_intrinsics.h  math and bit intrinsics that are not host functions
 //   emu_runtime.h     cudaGetLastError & co., cudaFuncSetAttribute, the MK_LAUNCH front end

@@ -119,10 +119,14 @@ struct Fiber {
 // Where a fiber's stack has room for the deepest emulated kernel plus printf and sanitizer frames. Only touched
 // pages cost memory: the rest is reserved address space.
 constexpr size_t kFiberStack = size_t(512) << 10;
+constexpr size_t kGuardPage = 4096;
 constexpr unsigned kMaxFibers = 1024;  // CUDA's limit of threads per block
 
-// The fibers of the block that runs (one block at a time, under the launch mutex).
+// The fibers of one launching host thread and the block they run (one block at a time, under the launch
+// mutex). Per host thread: a parked fiber never resumes on another thread, whose thread-locals its compiled code
+// could not tell from the old thread's.
 struct FiberSched {
+  ~FiberSched();
   Fiber* fibers = nullptr;  // kMaxFibers of them
   unsigned capacity = 0;    // how many have a stack
   Fiber main;  // the launching thread's own context
@@ -135,7 +139,7 @@ struct FiberSched {
 inline thread_local Fiber* t_fiber = nullptr;  // the running fiber, or null outside fibers
 
 inline FiberSched& fiber_sched() {
-  static FiberSched s;
+  static thread_local FiberSched s;
   return s;
 }
 
@@ -213,22 +217,32 @@ inline void ensure_fibers(unsigned n) {
   if (n <= s.capacity) return;
   if (!s.fibers) s.fibers = new Fiber[kMaxFibers];  // never moves: a parked fiber's frame points at its Fiber
   Fiber* grown = s.fibers;
-  const size_t page = 4096;
   for (unsigned i = s.capacity; i < n; ++i) {
-    void* m = mmap(nullptr, kFiberStack + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+    void* m = mmap(nullptr, kFiberStack + kGuardPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
     if (m == MAP_FAILED) {
       std::fprintf(stderr, "[megakernels cuda_emu] cannot map a stack for emulated thread %u\n", i);
       std::abort();
     }
-    mprotect(m, page, PROT_NONE);  // a stack overflow faults instead of overwriting the next stack
-    grown[i].stack = static_cast<unsigned char*>(m) + page;
+    mprotect(m, kGuardPage, PROT_NONE);  // a stack overflow faults instead of overwriting the next stack
+    grown[i].stack = static_cast<unsigned char*>(m) + kGuardPage;
     grown[i].stack_size = kFiberStack;
 #if defined(__SANITIZE_THREAD__)
     grown[i].tsan = __tsan_create_fiber(0);
 #endif
   }
   s.capacity = n;
+}
+
+inline FiberSched::~FiberSched() {
+  SchedWrites quiet;
+  for (unsigned i = 0; i < capacity; ++i) {
+    munmap(fibers[i].stack - kGuardPage, kFiberStack + kGuardPage);
+#if defined(__SANITIZE_THREAD__)
+    __tsan_destroy_fiber(fibers[i].tsan);
+#endif
+  }
+  delete[] fibers;
 }
 
 // Runs entry(fiber i) for i < n, each on its own fiber, until all returned. on_resume(fiber) runs whenever a
@@ -296,6 +310,7 @@ inline bool fiber_yield(bool waiting, bool first) {
   return false;
 }
 #else
+inline FiberSched::~FiberSched() { delete[] fibers; }
 inline void run_fibers(unsigned, void (*)(Fiber*), void (*)(Fiber*), void* const*) { std::abort(); }
 inline bool fiber_yield(bool, bool) { return false; }
 #endif

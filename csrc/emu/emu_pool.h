@@ -1,11 +1,12 @@
-// CUDA emulator: the worker pool and the launch loop. Included by cuda_emu.h.
+// CUDA emulator: the launch loop, and the two ways a block's threads run. Included by cuda_emu.h.
 //
-// A block's threads are real host threads running at the same time, so shared memory, barriers and races
-// behave as on the GPU and ThreadSanitizer sees every unsynchronised access. Blocks run one after another (a
-// GPU promises no order or concurrency between blocks, so this is one legal schedule). Threads come from a
-// persistent pool, grown on demand up to 1024: creating 256 threads per block would cost more than most
-// kernels. A worker is not tied to a thread index; it claims the next free index of the current block from
-// one atomic word, so any idle worker can serve any thread.
+// Blocks run one after another (a GPU promises no order or concurrency between blocks, so this is one legal
+// schedule). By default a block's threads are fibers on the launching thread (emu_fiber.h): they switch only
+// where CUDA threads wait for each other, in user space. With MEGAKERNELS_EMU_FIBERS=0 they are real host
+// threads running at the same time, from a persistent pool grown on demand up to 1024 (creating 256 threads
+// per block would cost more than most kernels). A worker is not tied to a thread index; it claims the next
+// free index of the current block from one atomic word, so any idle worker can serve any thread. Either way
+// shared memory, barriers and races behave as on the GPU, and ThreadSanitizer sees every unsynchronised access.
 #pragma once
 
 #include <cstdint>

@@ -406,6 +406,24 @@ void test_early_exit() {
   }
 }
 
+// ---- a thread spin-waits (with __nanosleep) for a flag that a later thread of its block sets --------------
+__global__ void spin_wait_kernel(int* flag, int* out) {
+  const int t = threadIdx.x;
+  if (t == 0) {
+    while (atomicAdd(flag, 0) == 0) __nanosleep(100);  // fibers: lets the other threads run
+    out[0] = atomicAdd(flag, 0);
+  } else if (t == int(blockDim.x) - 1) {
+    atomicExch(flag, 7);
+  }
+}
+
+void test_spin_wait() {
+  int flag = 0, out = -1;
+  MK_LAUNCH(spin_wait_kernel, 1, 64, 0, 0, &flag, &out);
+  CHECK_LAUNCH_OK();
+  CHECK(out == 7, "spin-waiting thread read %d", out);
+}
+
 // Random 2D blocks whose threads leave at random rounds: every round's barrier and warp reduction must count
 // exactly the threads still alive.
 __global__ void random_exit_kernel(const int* exit_round, int* out, int rounds) {
@@ -695,7 +713,7 @@ void test_misuse_aborts() {
 // Thread t writes s[t] and reads s[t+1] with no __syncthreads() between: ThreadSanitizer must call it a race.
 __global__ void missing_barrier_kernel(float* out) {
   __shared__ float s[64];
-  __syncthreads();  // all threads running at once, each on its own host thread
+  __syncthreads();  // every thread past here, none ordered against another
   s[threadIdx.x] = float(threadIdx.x);
   out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
 }
@@ -714,6 +732,7 @@ const TestCase kTests[] = {
     {"index_math", test_index_math},
     {"early_exit", test_early_exit},
     {"random_exits", test_random_exits},
+    {"spin_wait", test_spin_wait},
     {"invalid_launches", test_invalid_launches},
     {"half_rounding", test_half_rounding},
     {"runtime_and_args", test_runtime_and_args},
