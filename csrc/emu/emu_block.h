@@ -113,8 +113,9 @@ inline void describe_thread(char* buf, size_t n, const Block& b, unsigned tid) {
   if (t_fiber)  // fibers: every live thread of the block waits, so none can ever proceed
     std::fprintf(stderr, "[megakernels cuda_emu] deadlock: %s can never complete: every live thread waits\n", what);
   else
-    std::fprintf(stderr, "[megakernels cuda_emu] deadlock: %s not completed within %.3g s (MEGAKERNELS_EMU_TIMEOUT_S)\n",
-                 what, timeout_seconds());
+    std::fprintf(stderr,
+                 "[megakernels cuda_emu] deadlock: %s not completed within %.3g s (MEGAKERNELS_EMU_TIMEOUT_S)\n", what,
+                 timeout_seconds());
   std::fprintf(stderr, "  kernel %s, block (%u,%u,%u), waiting: %s\n  %s\n", b.kernel_name, b.bidx[0], b.bidx[1],
                b.bidx[2], me, detail);
   unsigned shown = 0;

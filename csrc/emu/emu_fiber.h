@@ -129,7 +129,7 @@ struct FiberSched {
   ~FiberSched();
   Fiber* fibers = nullptr;  // kMaxFibers of them
   unsigned capacity = 0;    // how many have a stack
-  Fiber main;  // the launching thread's own context
+  Fiber main;               // the launching thread's own context
   Fiber* cur = nullptr;
   Fiber* from = nullptr;  // the context the running one was switched from
   unsigned nlive = 0;
@@ -220,8 +220,8 @@ inline void ensure_fibers(unsigned n) {
   if (!s.fibers) s.fibers = new Fiber[kMaxFibers];  // never moves: a parked fiber's frame points at its Fiber
   Fiber* grown = s.fibers;
   for (unsigned i = s.capacity; i < n; ++i) {
-    void* m = mmap(nullptr, kFiberStack + kGuardPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+    void* m = mmap(nullptr, kFiberStack + kGuardPage, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) {
       std::fprintf(stderr, "[megakernels cuda_emu] cannot map a stack for emulated thread %u\n", i);
       std::abort();
