@@ -23,8 +23,11 @@
 #include <cstdio>
 #include <cstdlib>
 
-#if defined(__x86_64__) && defined(__linux__)
+// -DMK_EMU_HAVE_FIBERS=0 builds the emulator without fibers (host threads only).
+#if !defined(MK_EMU_HAVE_FIBERS) && defined(__x86_64__) && defined(__linux__)
 #define MK_EMU_HAVE_FIBERS 1
+#endif
+#if MK_EMU_HAVE_FIBERS
 #include <sys/mman.h>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -35,6 +38,7 @@ extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
 extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #endif
 #else
+#undef MK_EMU_HAVE_FIBERS
 #define MK_EMU_HAVE_FIBERS 0
 #endif
 
@@ -143,10 +147,9 @@ inline FiberSched& fiber_sched() {
   return s;
 }
 
-#if MK_EMU_HAVE_FIBERS
 // Scheduler writes are invisible to ThreadSanitizer (one fiber runs at a time; they are no CUDA-thread data).
 struct SchedWrites {
-#if defined(__SANITIZE_THREAD__)
+#if MK_EMU_HAVE_FIBERS && defined(__SANITIZE_THREAD__)
   SchedWrites() { AnnotateIgnoreWritesBegin(__FILE__, __LINE__); }
   ~SchedWrites() { AnnotateIgnoreWritesEnd(__FILE__, __LINE__); }
 #else
@@ -154,6 +157,7 @@ struct SchedWrites {
 #endif
 };
 
+#if MK_EMU_HAVE_FIBERS
 inline void fiber_landed() {
   FiberSched& s = fiber_sched();
 #if defined(__SANITIZE_ADDRESS__)
