@@ -1,5 +1,9 @@
 // CPU kernels of the MoE permutation (permute.h). Torch-free. The index pass is sequential (a few integer
 // operations per assignment); the unpermute and its backward split tokens over threads (csrc/bindings/moe.cpp).
+//
+// Rounding: each weighted row is rounded, then added, in choice order (no FMA contraction, as PyTorch's
+// multiply-then-sum rounds each product); the backward's dot products still sum in another order than PyTorch's.
+#pragma GCC optimize("fp-contract=off")
 #include <algorithm>
 #include <type_traits>
 #include <vector>

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from megakernels.ops._attention_out import empty_out
 from megakernels.ops._sinks import no_sinks_grad, sinks_grad
 from megakernels.ops.attention_band import key_bounds
 
@@ -130,13 +131,12 @@ def forward(
     ranges=None,
     sinks=None,
 ):
-    from megakernels.ops import attention  # the op's module (imports this one lazily)
 
     b, sq, h, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     g = h // hk
     ct = _compute_dtype(q.dtype)
-    out = attention.empty_out(q, dv)
+    out = empty_out(q, dv)
     lse = torch.empty((b, hk, g, sq), dtype=ct)  # fp32 (fp64 for fp64 input: gradcheck)
     keep_scale = 1.0 / (1.0 - dropout_p)
     rows_per_block = _rows_per_block(b, h, sk, 4)

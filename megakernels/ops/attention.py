@@ -52,6 +52,7 @@ import torch
 
 from megakernels._backend import emulate_for, runs_triton
 from megakernels.ops import _checks
+from megakernels.ops._attention_out import empty_out
 from megakernels.ops._autograd import eager_autograd
 from megakernels.ops._sinks import no_sinks_grad
 
@@ -96,16 +97,6 @@ def document_ranges(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None):
         return torch.stack((lo, hi), -1).to(torch.int32).contiguous()
 
     return spans(kd, qd), spans(qd, kd)
-
-
-def empty_out(q: torch.Tensor, dv: int) -> torch.Tensor:
-    """An uninitialised output ``[b, sq, h, dv]`` in q's memory order (as ``empty_like(q)``, which it is when ``dv``
-    is q's head dim; a token-major q gives a token-major output), dv contiguous."""
-    if dv == q.shape[-1]:
-        return torch.empty_like(q)
-    order = torch.empty_like(q[..., :1]).stride()  # q's order of the batch, token and head dims, made dense
-    strides = tuple(st * dv for st in order[:3]) + (1,)
-    return torch.empty_strided(q.shape[:3] + (dv,), strides, dtype=q.dtype, device=q.device)
 
 
 def _cpp_kernel_covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from megakernels.ops._attention_out import empty_out
 from megakernels.ops.attention_band import key_bounds, query_bounds
 from megakernels.triton._common import (
     arch_of,
@@ -281,7 +282,6 @@ def forward(
 ):
     """Returns (out ``[b, sq, h, d_v]`` in q's dtype (d_v: v's head dim), lse ``[b, h, sq]`` fp32, the sinks
     included). ``window``, ``shift``, ``ranges``, ``sinks``: as ``forward_launch``."""
-    from megakernels.ops.attention import empty_out
 
     b, sq, h, d = q.shape
     dv = v.shape[3]

@@ -58,9 +58,12 @@ def is_matrix(name: str, p: torch.Tensor) -> bool:
     return not any(part in name for part in ("embedding.", "output_layer", "router"))
 
 
-def ce64(logits, target, vocab_size, ignore_index=-100, label_smoothing=0.0):
-    """The per-token loss of the model's (unsplit) logits in fp64 by torch (the fused kernel takes no fp64)."""
+def ce64(logits, target, vocab_size, ignore_index=-100, label_smoothing=0.0, softcap=None):
+    """The per-token loss of the model's (unsplit) logits in fp64 by torch (the fused kernel takes no fp64), capped
+    to ``softcap * tanh(logits / softcap)`` first when given."""
     flat = logits[..., :vocab_size].reshape(-1, vocab_size)
+    if softcap is not None:
+        flat = softcap * torch.tanh(flat / softcap)
     return torch.nn.functional.cross_entropy(
         flat, target.reshape(-1), ignore_index=ignore_index, reduction="none"
     ).view(target.shape)

@@ -244,7 +244,10 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         y = grouped_gemm(gate(y + b_up[expert]), w_down, perm.group_sizes) + self.down_proj_bias[expert]
     else:
         y = grouped_gemm(gate(y), w_down, perm.group_sizes)
-    return unpermute(y, perm, top_k_weights)
+    # PyTorch's multiply-and-sum, not the fused one: it rounds as the unpatched experts' sum does, so a patched
+    # model's fp32 training stays on the unpatched curve (the fused sum's other rounding order, amplified by AdamW,
+    # moves gpt-oss's DoRA loss by 3e-4 within three steps)
+    return unpermute(y, perm, top_k_weights, fused=False)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------------

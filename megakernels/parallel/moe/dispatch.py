@@ -50,15 +50,17 @@ def permute(
     return Permutation(p.rows, p.group_sizes, p.dest, T, k, p.dropped)
 
 
-def unpermute(out_rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
+def unpermute(out_rows: torch.Tensor, perm: Permutation, weights: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """Expert outputs ``[rows, h]`` -> ``[T, h]``: each token's outputs weighted by ``weights`` ``[T, k]`` and summed
-    in one pass (``ops.moe_unpermute``: fp32 sums, in the rows' dtype; fp64 rows by PyTorch ops)."""
-    if out_rows.dtype == torch.float64:
+    in one pass (``ops.moe_unpermute``: fp32 sums, in the rows' dtype). fp64 rows, or ``fused=False``, take PyTorch's
+    gather, multiply and sum instead (fp32 sums for 16-bit rows): the same values up to the rounding order."""
+    if out_rows.dtype == torch.float64 or not fused:
         T, k, h = perm.num_tokens, perm.k, out_rows.shape[1]
+        acc = torch.float64 if out_rows.dtype == torch.float64 else torch.float32
         gathered = torch.cat([out_rows, out_rows.new_zeros(1, h)]).index_select(
             0, perm.dest.where(perm.dest >= 0, out_rows.shape[0])
         )
-        return (gathered.view(T, k, h) * weights.to(out_rows.dtype).unsqueeze(-1)).sum(1)
+        return (gathered.view(T, k, h).to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(out_rows.dtype)
     return moe_unpermute(out_rows, perm.dest, weights)
 
 
