@@ -4,13 +4,14 @@ policy gradients (GRPO and its DAPO, Dr. GRPO, BNPO, GSPO and CISPO variants, wi
 reference and TRL's aggregation modes) and distillation (forward and reverse KL and the generalised JSD against a
 teacher's hidden states or log-probabilities).
 
-Every preference and policy loss is a function of per-token log-probabilities of the given tokens, which
-``ops.logprobs.linear_logprobs`` computes chunk by chunk (its custom ops: forward statistics, backward recomputing
-each chunk's logits); what remains is arithmetic on ``[tokens]`` and ``[sequences]`` vectors, so the memory of a loss
-is one chunk's logits, and its gradient reaches ``hidden`` and ``weight`` through the chunked backward for any
-per-token ``dloss``. Distillation compares two whole distributions a token, so it has chunked ops of its own
-(``megakernels::linear_distill_*``). Vocab parallelism (``group``, ``sequence_parallel``) follows
-``linear_cross_entropy``'s contract throughout.
+Every preference and policy loss is a function of per-token log-probabilities (and entropies) of the given tokens
+that adds up over pairs or sequences: ``chunked_loss.run_loss`` computes it in chunks of whole pairs / sequences and
+takes the gradient in the forward pass (the chunk's logits once; the backward only scales), so the memory of a loss
+is one chunk's logits and its GEMMs are the full-logits loss's three. Under ``torch.compile`` (and for pairs too
+long for a chunk) the same formulas run on ``ops.logprobs.linear_logprobs``, whose backward recomputes each chunk's
+logits. Distillation compares two whole distributions a token: its own chunked ops (``megakernels::linear_distill_*``)
+and the same gradient-in-the-forward path. The figures returned beside a loss are detached. Vocab parallelism
+(``group``, ``sequence_parallel``) follows ``linear_cross_entropy``'s contract throughout.
 
 Token layout: ``hidden [..., h]`` with ``target`` of its leading shape (``ignore_index`` where no loss is taken:
 prompts and padding); each token belongs to a sequence: by default the row of a 2-D ``target`` (``[sequences,
@@ -30,12 +31,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megakernels.ops import _checks, gemm
+from megakernels.ops.chunked_loss import run_loss
 from megakernels.ops.linear_cross_entropy import check_head, gather_rows, reduce_scatter_rows
 from megakernels.ops.logprobs import linear_logprobs
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
 GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+HEAD_KEYWORDS = frozenset({"ignore_index", "group", "vocab_size", "chunk_tokens", "bias", "sequence_parallel"})
 
 
 # ---- per-sequence sums ---------------------------------------------------------------------------------------------
@@ -84,6 +87,55 @@ def sequence_logprobs(
     return (sums / counts.clamp(min=1.0) if average else sums), counts
 
 
+def _head_args(op: str, hidden, weight, target, head: dict, temperature=1.0) -> dict:
+    """``head`` (``linear_logprobs``' keywords) checked as ``linear_cross_entropy`` checks them, in the form
+    ``chunked_loss.run_loss`` takes."""
+    unknown = sorted(set(head) - HEAD_KEYWORDS)
+    if unknown:
+        raise TypeError(f"{op}: unexpected keyword argument(s) {', '.join(unknown)}")
+    temperature = _checks.real(op, "temperature", temperature)
+    if not temperature > 0:
+        raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
+    sp = bool(head.get("sequence_parallel", False))
+    ignore_index, vocab, vocab_start, chunk = check_head(
+        op, hidden, weight, target, head.get("ignore_index", -100), 0.0, head.get("group"), head.get("vocab_size"),
+        head.get("chunk_tokens"), head.get("bias"), sp,
+    )  # fmt: skip
+    return dict(
+        ignore_index=ignore_index, group=head.get("group"), sequence_parallel=sp, vocab=vocab, vocab_start=vocab_start,
+        chunk=chunk, inv_temp=1.0 / temperature, bias=head.get("bias"),
+    )  # fmt: skip
+
+
+def _counts(seq: torch.Tensor, n: int, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's number of labelled tokens, ``[n]`` fp32."""
+    keep = mask & (seq >= 0)
+    return torch.zeros(n, dtype=torch.float32, device=seq.device).index_add(0, seq.clamp(min=0), keep.float())
+
+
+def _paired(op: str, hidden, weight, target, sequences, head: dict, pair_share):
+    """A paired preference loss through ``chunked_loss.run_loss``, chunks of whole pairs: ``pair_share(chosen,
+    rejected, chosen_tokens, rejected_tokens, pairs, totals)`` (the chunk's pairs' summed log-probabilities and token
+    counts, ``[k]`` each, the pairs' indices, and the batch's ``totals``: ``pairs`` B and ``chosen`` the chosen
+    completions' tokens) returns the chunk's share of the loss and its figures. Returns ``(loss, figures)``."""
+    seq, n = _sequence_ids(op, target, sequences)
+    hd = _head_args(op, hidden, weight, target, head)
+    if n % 2 or n == 0:
+        raise ValueError(f"{op}: expected 2·B sequences (B chosen, then their B rejected partners), got {n}")
+    mask = target.reshape(-1) != hd["ignore_index"]
+    counts = _counts(seq, n, mask)
+    b = n // 2
+    totals = {"pairs": b, "chosen": counts[:b].sum().clamp(min=1.0)}
+
+    def tail(logp, ent, idx, lseq, sel):
+        sums = torch.zeros(sel.numel(), dtype=torch.float32, device=logp.device).index_add(0, lseq, logp.float())
+        c = sel < b
+        return pair_share(sums[c], sums[~c], counts[sel[c]], counts[sel[~c]], sel[c], totals)
+
+    units = [[p, p + b] for p in range(b)]
+    return run_loss(op, hidden, weight, target, seq, n, mask, units, tail, hd, entropy=False)
+
+
 # ---- preference losses --------------------------------------------------------------------------------------------
 
 
@@ -92,7 +144,9 @@ class PreferenceLoss:
     """A paired preference loss and what trainers log: the mean ``loss``; per pair the implicit ``chosen_rewards``
     and ``rejected_rewards`` (β times the policy's log-ratio to the reference where there is one, else β times the
     policy's log-probability), their ``margins`` and whether the chosen one wins (``accuracy``); the policy's
-    ``chosen_logps`` / ``rejected_logps`` and, for ORPO and CPO, the chosen sequences' ``nll``."""
+    ``chosen_logps`` / ``rejected_logps`` and, for ORPO and CPO, the chosen sequences' ``nll``. Only ``loss`` is
+    differentiable (its gradient is taken in the forward pass); the figures are detached: a loss built on
+    ``chosen_logps`` needs ``sequence_logprobs``."""
 
     loss: torch.Tensor
     chosen_rewards: torch.Tensor
@@ -110,16 +164,10 @@ class PreferenceLoss:
         return (self.chosen_rewards > self.rejected_rewards).float().mean()
 
 
-def _pairs(op: str, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if sums.numel() % 2 or sums.numel() == 0:
-        raise ValueError(f"{op}: expected 2·B sequences (B chosen, then their B rejected partners), got {sums.numel()}")
-    return sums.chunk(2)
-
-
-def _reference(op: str, ref_logps, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(op: str, ref_logps, n: int, device) -> torch.Tensor:
     if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (n,):
         raise ValueError(f"{op}: ref_logps must be a [{n}] tensor (each sequence's reference log-probability)")
-    return ref_logps.to(device=device, dtype=torch.float32).detach().chunk(2)
+    return ref_logps.to(device=device, dtype=torch.float32).detach()
 
 
 def _beta(op: str, beta) -> float:
@@ -160,17 +208,20 @@ def dpo_loss(
         sequences, a ``ref_logps`` of the wrong shape; and what ``linear_logprobs`` raises.
     """
     op = "dpo_loss"
-    check_dpo(op, beta, loss_type, label_smoothing)
-    seq, n = _sequence_ids(op, target, sequences)
-    logp, mask = _head(hidden, weight, target, head, op)
-    sums, counts = sequence_sums(logp, seq, n, mask)
-    chosen, rejected = _pairs(op, sums)
-    ref_c, ref_r = _reference(op, ref_logps, n, sums.device)
-    len_c, len_r = counts.chunk(2)
-    losses, ratio_c, ratio_r = dpo_pair_losses(
-        chosen, rejected, ref_c, ref_r, len_c, len_r, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
-    )
-    return PreferenceLoss(losses.mean(), beta * ratio_c.detach(), beta * ratio_r.detach(), chosen, rejected)
+    beta, eps = check_dpo(op, beta, loss_type, label_smoothing)
+    n = _sequence_ids(op, target, sequences)[1]
+    ref = _reference(op, ref_logps, n, hidden.device)
+    b = n // 2
+
+    def share(chosen, rejected, len_c, len_r, pairs, totals):
+        losses, ratio_c, ratio_r = dpo_pair_losses(
+            chosen, rejected, ref[pairs], ref[pairs + b], len_c, len_r, beta=beta, loss_type=loss_type,
+            label_smoothing=eps,
+        )  # fmt: skip
+        return losses.sum() / totals["pairs"], {"c": chosen, "r": rejected, "rc": ratio_c, "rr": ratio_r}
+
+    loss, aux = _paired(op, hidden, weight, target, sequences, head, share)
+    return PreferenceLoss(loss, beta * aux["rc"], beta * aux["rr"], aux["c"], aux["r"])
 
 
 def check_dpo(op: str, beta, loss_type: str, label_smoothing) -> tuple[float, float]:
@@ -219,17 +270,15 @@ def orpo_loss(hidden, weight, target, *, beta=0.1, sequences=None, **head) -> Pr
     """
     op = "orpo_loss"
     beta = _beta(op, beta)
-    seq, n = _sequence_ids(op, target, sequences)
-    logp, mask = _head(hidden, weight, target, head, op)
-    sums, counts = sequence_sums(logp, seq, n, mask)
-    avg = sums / counts.clamp(min=1.0)
-    chosen, rejected = _pairs(op, avg)
-    log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
-    c_sum, _ = _pairs(op, sums)
-    c_count, _ = _pairs(op, counts)
-    nll = -c_sum.sum() / c_count.sum().clamp(min=1.0)
-    loss = nll - beta * F.logsigmoid(log_odds).mean()
-    return PreferenceLoss(loss, beta * chosen.detach(), beta * rejected.detach(), chosen, rejected, nll)
+
+    def share(c_sum, r_sum, len_c, len_r, pairs, totals):
+        chosen, rejected = c_sum / len_c.clamp(min=1.0), r_sum / len_r.clamp(min=1.0)
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        nll = -c_sum.sum() / totals["chosen"]
+        return nll - beta * F.logsigmoid(log_odds).sum() / totals["pairs"], {"c": chosen, "r": rejected, "nll": nll}
+
+    loss, aux = _paired(op, hidden, weight, target, sequences, head, share)
+    return PreferenceLoss(loss, beta * aux["c"], beta * aux["r"], aux["c"], aux["r"], aux["nll"])
 
 
 def simpo_loss(hidden, weight, target, *, beta=2.0, gamma=0.5, label_smoothing=0.0, sequences=None, **head):
@@ -243,13 +292,15 @@ def simpo_loss(hidden, weight, target, *, beta=2.0, gamma=0.5, label_smoothing=0
     op = "simpo_loss"
     beta, eps = _beta(op, beta), _label_smoothing(op, label_smoothing)
     gamma = _checks.real(op, "gamma", gamma)
-    seq, n = _sequence_ids(op, target, sequences)
-    logp, mask = _head(hidden, weight, target, head, op)
-    sums, counts = sequence_sums(logp, seq, n, mask)
-    chosen, rejected = _pairs(op, sums / counts.clamp(min=1.0))
-    z = beta * (chosen - rejected) - gamma
-    losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-    return PreferenceLoss(losses.mean(), beta * chosen.detach(), beta * rejected.detach(), chosen, rejected)
+
+    def share(c_sum, r_sum, len_c, len_r, pairs, totals):
+        chosen, rejected = c_sum / len_c.clamp(min=1.0), r_sum / len_r.clamp(min=1.0)
+        z = beta * (chosen - rejected) - gamma
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        return losses.sum() / totals["pairs"], {"c": chosen, "r": rejected}
+
+    loss, aux = _paired(op, hidden, weight, target, sequences, head, share)
+    return PreferenceLoss(loss, beta * aux["c"], beta * aux["r"], aux["c"], aux["r"])
 
 
 def cpo_loss(hidden, weight, target, *, beta=0.1, alpha=1.0, label_smoothing=0.0, sequences=None, **head):
@@ -262,15 +313,15 @@ def cpo_loss(hidden, weight, target, *, beta=0.1, alpha=1.0, label_smoothing=0.0
     op = "cpo_loss"
     beta, eps = _beta(op, beta), _label_smoothing(op, label_smoothing)
     alpha = _checks.real(op, "alpha", alpha, minimum=0.0)
-    seq, n = _sequence_ids(op, target, sequences)
-    logp, mask = _head(hidden, weight, target, head, op)
-    sums, counts = sequence_sums(logp, seq, n, mask)
-    chosen, rejected = _pairs(op, sums)
-    c_count, _ = _pairs(op, counts)
-    z = beta * (chosen - rejected)
-    nll = -chosen.sum() / c_count.sum().clamp(min=1.0)
-    loss = (-(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)).mean() + alpha * nll
-    return PreferenceLoss(loss, beta * chosen.detach(), beta * rejected.detach(), chosen, rejected, nll)
+
+    def share(chosen, rejected, len_c, len_r, pairs, totals):
+        z = beta * (chosen - rejected)
+        nll = -chosen.sum() / totals["chosen"]
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        return losses.sum() / totals["pairs"] + alpha * nll, {"c": chosen, "r": rejected, "nll": nll}
+
+    loss, aux = _paired(op, hidden, weight, target, sequences, head, share)
+    return PreferenceLoss(loss, beta * aux["c"], beta * aux["r"], aux["c"], aux["r"], aux["nll"])
 
 
 @dataclasses.dataclass
@@ -302,22 +353,29 @@ def kto_loss(
     op = "kto_loss"
     beta = _beta(op, beta)
     seq, n = _sequence_ids(op, target, sequences)
-    logp, mask = _head(hidden, weight, target, head, op)
-    sums, _ = sequence_sums(logp, seq, n, mask)
+    hd = _head_args(op, hidden, weight, target, head)
     if not isinstance(desirable, torch.Tensor) or desirable.shape != (n,):
         raise ValueError(f"{op}: desirable must be a [{n}] bool tensor")
     if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (n,):
         raise ValueError(f"{op}: ref_logps must be a [{n}] tensor")
-    kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach()
-    ratio = sums - ref_logps.float().detach()
-    desirable = desirable.to(sums.device).bool()
-    losses = torch.where(
-        desirable,
-        desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
-        undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))),
-    )
-    rewards = beta * ratio.detach()
-    return KTOLoss(losses.mean(), kl, rewards[desirable], rewards[~desirable])
+    kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach().to(hidden.device)
+    ref = ref_logps.to(hidden.device).float().detach()
+    desirable = desirable.to(hidden.device).bool()
+
+    def tail(logp, ent, idx, lseq, sel):
+        ratio = torch.zeros(sel.numel(), dtype=torch.float32, device=logp.device).index_add(0, lseq, logp.float())
+        ratio = ratio - ref[sel]
+        losses = torch.where(
+            desirable[sel],
+            desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+            undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))),
+        )
+        return losses.sum() / n, {"rewards": beta * ratio}
+
+    mask = target.reshape(-1) != hd["ignore_index"]
+    loss, aux = run_loss(op, hidden, weight, target, seq, n, mask, [[s] for s in range(n)], tail, hd, entropy=False)
+    rewards = aux["rewards"]
+    return KTOLoss(loss, kl, rewards[desirable], rewards[~desirable])
 
 
 # ---- policy-gradient losses ---------------------------------------------------------------------------------------
@@ -376,51 +434,62 @@ def grpo_loss(
     if loss_type in ("dapo", "cispo") and num_items_in_batch is None:
         raise ValueError(f"{op}: loss_type={loss_type!r} needs num_items_in_batch (the batch's completion tokens)")
     want_entropy = entropy_coef != 0.0
-    out = linear_logprobs(hidden, weight, target, temperature=temperature, entropy=True, **head)
-    logp, ent = out
-    mask = (target != head.get("ignore_index", -100)).float()
+    hd = _head_args(op, hidden, weight, target, head, temperature)
     for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if t is not None and t.shape != target.shape:
             raise ValueError(f"{op}: {name} must have target's shape {tuple(target.shape)}, got {tuple(t.shape)}")
-    adv = advantages.float().to(logp.device)
-    if adv.dim() == 1:
-        if adv.shape[0] != target.shape[0]:
-            raise ValueError(f"{op}: advantages must be [{target.shape[0]}] (one a sequence), got {tuple(adv.shape)}")
-        adv = adv[:, None]
-    old = logp.detach() if old_logps is None else old_logps.float().detach()
-    log_ratio = logp - old
-    if importance_sampling == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
-    ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
-        clipped = (ratio > epsilon_high).float().expand_as(mask)
-    else:
-        clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped_ratio * adv)
-        clipped = (ratio * adv > clipped_ratio * adv).float().expand_as(mask)
-    kl = torch.zeros_like(logp)
-    if beta > 0:
-        d = ref_logps.float().detach() - logp
-        kl = torch.exp(d) - d - 1
-        per_token = per_token + beta * kl
-    per_token = per_token * mask
-    tokens = mask.sum().clamp(min=1.0)
-    if loss_type == "grpo":
-        loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / tokens
-    elif loss_type == "dr_grpo":
-        loss = per_token.sum() / (target.shape[0] * max_completion_length)
-    else:
-        n = num_items_in_batch.to(per_token.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
-        loss = per_token.sum() / n
-    mean_entropy = (ent * mask).sum() / tokens
-    if want_entropy:
-        loss = loss - entropy_coef * mean_entropy
-    return PolicyLoss(
-        loss, ((kl * mask).sum() / tokens).detach(), mean_entropy.detach(), ((clipped * mask).sum() / tokens).detach()
-    )
+    s_count = target.shape[0]
+    adv = advantages.float().to(hidden.device).detach()
+    if adv.dim() == 1 and adv.shape[0] != s_count:
+        raise ValueError(f"{op}: advantages must be [{s_count}] (one a sequence), got {tuple(adv.shape)}")
+    if adv.dim() != 1 and adv.shape != target.shape:
+        raise ValueError(f"{op}: advantages must be [{s_count}] or target's shape, got {tuple(adv.shape)}")
+    old_flat = None if old_logps is None else old_logps.float().detach().reshape(-1).to(hidden.device)
+    ref_flat = None if ref_logps is None else ref_logps.float().detach().reshape(-1).to(hidden.device)
+    mask = target.reshape(-1) != hd["ignore_index"]
+    seq = torch.arange(s_count, device=target.device).repeat_interleave(target.shape[1])
+    counts = _counts(seq, s_count, mask)
+    tokens = counts.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        denom = s_count * max_completion_length
+    elif loss_type in ("dapo", "cispo"):
+        denom = num_items_in_batch.to(hidden.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+
+    def tail(logp, ent, idx, lseq, sel):
+        a = adv[sel][lseq] if adv.dim() == 1 else adv.reshape(-1)[idx]
+        old = logp.detach() if old_flat is None else old_flat[idx]
+        log_ratio = logp - old
+        k = sel.numel()
+        if importance_sampling == "sequence":
+            per_seq = torch.zeros(k, dtype=torch.float32, device=logp.device).index_add(0, lseq, log_ratio)
+            log_ratio = (per_seq / counts[sel].clamp(min=1.0))[lseq]
+        ratio = torch.exp(log_ratio)
+        if loss_type == "cispo":
+            per_token = -torch.clamp(ratio, max=epsilon_high).detach() * a * logp
+            clipped = (ratio > epsilon_high).float()
+        else:
+            clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+            per_token = -torch.min(ratio * a, clipped_ratio * a)
+            clipped = (ratio * a > clipped_ratio * a).float()
+        kl = torch.zeros_like(logp)
+        if beta > 0:
+            d = ref_flat[idx] - logp
+            kl = torch.exp(d) - d - 1
+            per_token = per_token + beta * kl
+        if loss_type == "grpo":
+            per_seq = torch.zeros(k, dtype=torch.float32, device=logp.device).index_add(0, lseq, per_token)
+            share = (per_seq / counts[sel].clamp(min=1.0)).sum() / s_count
+        elif loss_type == "bnpo":
+            share = per_token.sum() / tokens
+        else:
+            share = per_token.sum() / denom
+        if want_entropy:
+            share = share - entropy_coef * ent.sum() / tokens
+        return share, {"kl": kl.sum(), "entropy": ent.sum(), "clipped": clipped.sum()}
+
+    units = [[s] for s in range(s_count)]
+    loss, aux = run_loss(op, hidden, weight, target, seq, s_count, mask, units, tail, hd, entropy=True)
+    return PolicyLoss(loss, aux["kl"] / tokens, aux["entropy"] / tokens, aux["clipped"] / tokens)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -504,9 +573,11 @@ def distill_forward_chunks(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bia
 
 @torch.no_grad()
 def distill_backward_chunks(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp, ddiv, chunk, inv_temp,
-                            n_valid, kind, beta, group=None, need_hidden=True, need_weight=True):  # fmt: skip
-    """(dX, dW, db) of ``Σ ddiv · divergence``: each chunk's student logits recomputed, the divergence's gradient in
-    them (``divergence_grad``), then the two GEMMs on this rank's vocab shard."""
+                            n_valid, kind, beta, group=None, need_hidden=True, need_weight=True,
+                            divergences=False):  # fmt: skip
+    """(dX, dW, db) of ``Σ ddiv · divergence``: each chunk's student logits (re)computed, the divergence's gradient
+    in them (``divergence_grad``), then the two GEMMs on this rank's vocab shard. With ``divergences`` the per-token
+    divergences ``[T]`` too, a fourth element: the forward pass and the gradient in one (``ddiv`` known before)."""
     t = s_hidden.shape[0]
     v_local = s_weight.shape[0]
     rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
@@ -518,6 +589,7 @@ def distill_backward_chunks(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bi
     )
     need_bias = s_bias is not None and need_weight
     db = torch.zeros(v_local, dtype=torch.float32, device=s_weight.device) if need_bias else s_weight.new_empty(0)
+    div = torch.empty(t if divergences else 0, dtype=torch.float32, device=s_hidden.device)
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
         x = _full_chunk(s_hidden[a:b], s_weight, s_bias, inv_temp, n_valid, group)
@@ -525,7 +597,11 @@ def distill_backward_chunks(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bi
             te = torch.log_softmax(_full_chunk(t_hidden[a:b], t_weight, t_bias, inv_temp, n_valid, group), -1)
         else:
             te = t_logp[a:b, :n_valid].float()
-        g = divergence_grad(torch.log_softmax(x, -1), te, kind, beta) * ddiv[a:b, None]
+        s = torch.log_softmax(x, -1)
+        del x
+        if divergences:
+            div[a:b] = divergence(s, te, kind, beta)
+        g = divergence_grad(s, te, kind, beta) * ddiv[a:b, None]
         local = torch.zeros((b - a, v_local), dtype=torch.float32, device=g.device)
         lo = rank * v_local
         width = max(0, min(v_local, n_valid - lo))
@@ -537,7 +613,8 @@ def distill_backward_chunks(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bi
             dw.add_(gemm.mm(local.t(), s_hidden[a:b]).float())
             if need_bias:
                 db += local.float().sum(0)
-    return dx, dw.to(s_weight.dtype), db.to(s_weight.dtype)
+    grads = dx, dw.to(s_weight.dtype), db.to(s_weight.dtype)
+    return (*grads, div) if divergences else grads
 
 
 @torch.library.custom_op("megakernels::linear_distill_fwd", mutates_args=())
@@ -653,6 +730,41 @@ class _Distill(torch.autograd.Function):
         ) + (None,) * 11
 
 
+class _DistillInForward(torch.autograd.Function):
+    """``Σ ddiv · divergence`` with ``ddiv`` known before (the mask over the normaliser): the gradient taken with the
+    divergences, chunk by chunk (student and teacher logits once each), the backward scaling it."""
+
+    @staticmethod
+    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp, ddiv, args, group, sp, need):
+        comm = group is not None and dist.get_world_size(group) > 1
+        full = gather_rows(s_hidden, group) if sp and comm else s_hidden
+        x = full.reshape(-1, full.shape[-1]).contiguous()
+        tx = None
+        if t_hidden is not None:
+            tfull = gather_rows(t_hidden, group) if sp and comm else t_hidden
+            tx = tfull.reshape(-1, tfull.shape[-1]).contiguous()
+        need_hidden, need_weight = need
+        dx, dw, db, div = distill_backward_chunks(
+            x, s_weight, s_bias, tx, t_weight, t_bias, t_logp, ddiv, *args, group, need_hidden, need_weight, True
+        )
+        if need_hidden:
+            dx = dx.view(full.shape)
+            if comm:
+                if sp:
+                    dx = reduce_scatter_rows(dx, group)
+                else:
+                    dist.all_reduce(dx, group=group)
+        ctx.grads = (dx if need_hidden else None, dw if need_weight else None)
+        ctx.grads += (db if need_weight and s_bias is not None else None,)
+        return (div * ddiv).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        grads = tuple(None if t is None else t * g for t in ctx.grads)
+        ctx.grads = None
+        return grads + (None,) * 9
+
+
 def distill_loss(
     hidden, weight, target, *, teacher_hidden=None, teacher_weight=None, teacher_logprobs=None, kind="jsd", beta=0.5,
     temperature=1.0, teacher_bias=None, num_items_in_batch=None, **head,
@@ -707,14 +819,23 @@ def distill_loss(
         t_logp = teacher_logprobs.detach().reshape(-1, teacher_logprobs.shape[-1]).contiguous()
         th = tw = None
     bias = head.get("bias")
+    mask = (target.reshape(-1) != ignore_index).float()
+    if num_items_in_batch is not None:
+        denom = num_items_in_batch.to(mask.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+    else:
+        denom = mask.sum().clamp(min=1.0)
+    grad = torch.is_grad_enabled()
+    need = (grad and hidden.requires_grad, grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))
+    if any(need) and not torch.compiler.is_compiling() and hidden.device.type != "meta":
+        args = (chunk, 1.0 / temperature, vocab, kind, beta)
+        tb = None if teacher_bias is None else teacher_bias.detach()
+        return _DistillInForward.apply(
+            hidden, weight.contiguous(), None if bias is None else bias.contiguous(), th, tw, tb, t_logp,
+            (mask / denom).float().detach(), args, group, sp, need,
+        )  # fmt: skip
     div = _Distill.apply(
         hidden, weight.contiguous(), None if bias is None else bias.contiguous(), th, tw,
         None if teacher_bias is None else teacher_bias.detach(), t_logp, chunk, 1.0 / temperature, vocab, kind, beta,
         group, sp,
     )  # fmt: skip
-    mask = (target.reshape(-1) != ignore_index).float()
-    total = (div * mask).sum()
-    if num_items_in_batch is not None:
-        n = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
-        return total / n
-    return total / mask.sum().clamp(min=1.0)
+    return (div * mask).sum() / denom

@@ -231,6 +231,72 @@ def test_the_entropy_bonus_reaches_the_gradient():
     _close(_grads(out.loss, [h, w]), _grads(ref, [h2, w2]))
 
 
+def _each_loss(h, w, target, **kw):
+    """Every chunked-by-sequence loss on the same inputs: name -> (loss, its detached figures)."""
+    g = torch.Generator().manual_seed(4)
+    ref, adv = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    old = 0.05 * torch.randn(6, 9, generator=g) - 3.0
+    desirable = torch.tensor([True, False, True, True, False, False])
+    out = {}
+    dpo = pt.dpo_loss(h, w, target, ref, beta=0.2, label_smoothing=0.1, **kw)
+    out["dpo"] = dpo.loss, [dpo.chosen_rewards, dpo.rejected_rewards, dpo.chosen_logps, dpo.accuracy]
+    ipo = pt.dpo_loss(h, w, target, ref, loss_type="ipo", **kw)
+    out["ipo"] = ipo.loss, [ipo.margins]
+    orpo = pt.orpo_loss(h, w, target, **kw)
+    out["orpo"] = orpo.loss, [orpo.nll, orpo.chosen_rewards]
+    simpo = pt.simpo_loss(h, w, target, **kw)
+    out["simpo"] = simpo.loss, [simpo.rejected_logps]
+    cpo = pt.cpo_loss(h, w, target, alpha=0.5, **kw)
+    out["cpo"] = cpo.loss, [cpo.nll]
+    kto = pt.kto_loss(h, w, target, ref, desirable, ref[:3], ref[3:], **kw)
+    out["kto"] = kto.loss, [kto.chosen_rewards, kto.rejected_rewards]
+    for level in ("token", "sequence"):
+        grpo = pt.grpo_loss(h, w, target, adv, old_logps=old, ref_logps=old + 0.1, beta=0.04, loss_type="bnpo",
+                            importance_sampling=level, entropy_coef=0.1, temperature=0.8, **kw)  # fmt: skip
+        out[f"grpo-{level}"] = grpo.loss, [grpo.kl, grpo.entropy, grpo.clip_fraction]
+    t_hidden, t_weight = torch.randn(*h.shape, generator=g), torch.randn(*w.shape, generator=g)
+    kw = {k: v for k, v in kw.items() if k != "bias"}
+    out["jsd"] = pt.distill_loss(h, w, target, teacher_hidden=t_hidden, teacher_weight=t_weight, beta=0.3, **kw), []
+    return out
+
+
+def test_the_gradient_taken_in_the_forward_pass_equals_the_recomputing_path(monkeypatch):
+    """The losses' default path takes the gradient in the forward pass, chunks of whole pairs / sequences (and
+    distillation's, token chunks); where a pair is more than MAX_UNIT_CHUNKS chunks, and under torch.compile, they
+    differentiate through the recomputing custom ops instead. All give the same loss, figures and gradients (scaled
+    by the upstream gradient), and the same loss under no_grad."""
+    from megakernels.ops import chunked_loss
+
+    calls = []
+    real = chunked_loss.linear_logprobs
+    monkeypatch.setattr(chunked_loss, "linear_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hidden, weight, bias, target = _setup()
+    results = {}
+    # a pair's 12 labelled tokens: 3 chunks of 5 (in the forward), 12 of 1 (recomputing); "compiled": recomputing
+    for case, chunk in (("forward", 5), ("large pairs", 1), ("compiled", 5)):
+        calls.clear()
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: case == "compiled")
+        h, w, b = _leaves(hidden, weight, bias)
+        losses = _each_loss(h, w, target, vocab_size=V, bias=b, chunk_tokens=chunk)
+        assert bool(calls) == (case != "forward")
+        grads = {name: _grads(2.5 * loss, [h, w, b] if name != "jsd" else [h, w]) for name, (loss, _) in losses.items()}
+        with torch.no_grad():
+            quiet = {name: loss for name, (loss, _) in _each_loss(h, w, target, vocab_size=V, bias=b,
+                                                                     chunk_tokens=chunk).items()}  # fmt: skip
+        results[case] = losses, grads, quiet
+    fast, fast_grads, _ = results["forward"]
+    for case in results:
+        other, other_grads, quiet = results[case]
+        for name in fast:
+            msg = f"{name}, {case}"
+            torch.testing.assert_close(other[name][0], fast[name][0], atol=1e-6, rtol=1e-5, msg=msg)
+            torch.testing.assert_close(quiet[name], fast[name][0].detach(), atol=1e-6, rtol=1e-5, msg=msg)
+            for a, b in zip(other[name][1], fast[name][1]):
+                assert not a.requires_grad
+                torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=1e-5, msg=msg)
+            _close(other_grads[name], fast_grads[name])
+
+
 def test_group_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 3.0])
     adv = pt.group_advantages(rewards, 3)
@@ -292,8 +358,8 @@ def test_bad_arguments_are_named():
 
 
 def _sharded_world(rank, world):
-    """In a TP group of 2: logprobs with entropy and JSD distillation, plain and sequence-parallel, against the same
-    ops unsharded on this rank; returns the largest differences."""
+    """In a TP group of 2: logprobs with entropy, JSD distillation and DPO, plain and sequence-parallel, and GRPO
+    (plain), against the same ops unsharded on this rank; returns the largest differences."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -304,23 +370,30 @@ def _sharded_world(rank, world):
     rows = slice(rank * vl, (rank + 1) * vl)
     coef = torch.arange(24.0).view(4, 6)
 
-    def run(h, w, b, tw, grp, sp):
-        tgt, th, c = target, t_hidden, coef
+    refs, adv = torch.randn(4, generator=g), torch.randn(4, generator=g)
+
+    def run(h, w, b, tw, grp, sp, grpo):
+        tgt, th, c, ids = target, t_hidden, coef, None
         if sp:  # [s, b, h], this rank's sequence shard
             h, th = (x.transpose(0, 1).chunk(world)[rank] for x in (h, th))
-            tgt, c = target.t(), coef.t()
+            tgt, c, ids = target.t(), coef.t(), torch.arange(4)[None, :].expand(6, 4)
         kw = dict(group=grp, vocab_size=V, sequence_parallel=sp, chunk_tokens=5)
         logp, ent = lp_ops.linear_logprobs(h, w, tgt, bias=b, temperature=0.8, entropy=True, **kw)
         jsd = pt.distill_loss(h, w, tgt, teacher_hidden=th, teacher_weight=tw, kind="jsd", beta=0.4, **kw)
-        return (logp * c).sum() + ent.sum() + jsd
+        dpo = pt.dpo_loss(h, w, tgt, refs, sequences=ids, bias=b, **kw).loss
+        total = (logp * c).sum() + ent.sum() + jsd + dpo
+        if grpo:
+            total = total + pt.grpo_loss(h, w, tgt, adv, loss_type="bnpo", entropy_coef=0.1, temperature=0.8, bias=b,
+                                         **kw).loss  # fmt: skip
+        return total
 
     worst = 0.0
     for sp in (False, True):
         h, w, b = _leaves(hidden, weight, bias)
-        full = run(h, w, b, t_weight, None, False)
+        full = run(h, w, b, t_weight, None, False, not sp)
         ref = torch.autograd.grad(full, [h, w, b])
         h2, w2, b2 = _leaves(hidden, weight, bias)
-        loss = run(h2, w2[rows], b2[rows], t_weight[rows], group, sp)
+        loss = run(h2, w2[rows], b2[rows], t_weight[rows], group, sp, not sp)
         sharded = torch.autograd.grad(loss, [h2, w2, b2])
         worst = max(worst, abs(float(loss) - float(full)) / abs(float(full)))  # the whole loss on every rank
         gh = sharded[0].clone()
