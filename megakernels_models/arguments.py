@@ -204,6 +204,15 @@ class _Settings:
     moe_shared_experts: int | None = setting(
         None, "shared experts every token goes through (default: the preset's)", MOE
     )
+    moe_dispatcher: str = setting(
+        "alltoall",
+        "how tokens reach their experts' ranks: all-to-all, all-gather (small --ep) or a registered backend",
+        MOE,
+        choices=lambda: _dispatchers().names(),
+    )
+    moe_a2a_chunks: int = setting(
+        1, "split the expert-parallel exchange in N chunks overlapped with the experts' compute (dropless)", MOE
+    )
     dropout: float | None = setting(None, "hidden and attention dropout (default: the preset's)", MODEL)
     attention: str = setting(
         "flash",
@@ -964,6 +973,23 @@ def _check_grpo(a: TrainArgs, cfg: ModelConfig) -> None:
             raise ArgumentError(f"{_flag(name)} must be > 0, got {value}")
 
 
+def _check_dispatch(a: TrainArgs, cfg: ModelConfig) -> None:
+    if a.moe_dispatcher not in _dispatchers().names():
+        raise ArgumentError(
+            f"--moe-dispatcher must be one of {', '.join(_dispatchers().names())}, got {a.moe_dispatcher!r}"
+        )
+    dropless_only = a.moe_a2a_chunks > 1 or a.moe_dispatcher == "allgather"
+    if cfg.num_experts and a.ep > 1 and dropless_only and cfg.moe_capacity_factor is not None:
+        what = f"--moe-a2a-chunks {a.moe_a2a_chunks}" if a.moe_a2a_chunks > 1 else "--moe-dispatcher allgather"
+        raise ArgumentError(f"{what} is dropless: it cannot take --moe-capacity-factor under --ep > 1")
+
+
+def _dispatchers():
+    from megakernels.parallel.moe import dispatcher
+
+    return dispatcher
+
+
 def _check_post_training(a: TrainArgs, cfg: ModelConfig) -> None:
     """--dpo: a causal language model on preference data, with valid β, loss and smoothing, a reference that is
     known (a run resumed from its own checkpoint needs --dpo-ref), and no other objective; its options need it."""
@@ -1054,6 +1080,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
         "steps",
         "eval_steps",
         "keep_checkpoints",
+        "moe_a2a_chunks",
     ):
         positive_int(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("vpp", "dp", "save_interval"):
@@ -1097,6 +1124,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     _check_packing(a, cfg)
     _check_post_training(a, cfg)
     _check_grpo(a, cfg)
+    _check_dispatch(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
     for name in ("adam_beta1", "adam_beta2"):

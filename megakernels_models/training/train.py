@@ -208,6 +208,9 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
         placement=args.pipeline_placement(),
     )
     try:
+        from megakernels.parallel.moe import dispatcher
+
+        dispatcher.configure(args.moe_dispatcher, args.moe_a2a_chunks)
         task = task_for(cfg)
         if args.dpo:
             task = DPOTask(task, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing)

@@ -1,7 +1,8 @@
 """Mixture of experts against plain PyTorch written out here (fp64, one token at a time): the router's top-k and
 its losses, permutation and capacity dropping, the whole layer's output and every gradient (the auxiliary losses'
 included); then the layer split over tensor-, sequence- and expert-parallel ranks against the single process, in
-one world of 4 gloo processes."""
+one world of 4 gloo processes, with each token dispatcher (all-to-all, overlapped chunks, all-gather, a registered
+external one)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 import megakernels.parallel as mp
 from megakernels.parallel import init
 from megakernels.parallel.launch import single_process_world
-from megakernels.parallel.moe import MoELayer, permute, set_aux_loss_scale, unpermute
+from megakernels.parallel.moe import MoELayer, dispatcher, permute, set_aux_loss_scale, unpermute
 from megakernels.parallel.moe.router import TopKRouter
 from tests.parallel.checks import Checks, assert_close, block, randn
 
@@ -140,12 +141,62 @@ def test_the_layer_and_its_gradients_match_the_per_token_reference(capacity_fact
     torch.testing.assert_close(layer.experts.fc2.grad, fc2.grad, rtol=1e-10, atol=1e-12)
 
 
+class _FakeBackend:
+    """An external dispatcher as a backend would register one: here the all-to-all one, its calls counted."""
+
+    calls = 0
+
+    def __init__(self, group, num_experts, chunks):
+        self.inner = dispatcher.AllToAllDispatcher(group, num_experts, chunks)
+
+    def __call__(self, *args):
+        type(self).calls += 1
+        return self.inner(*args)
+
+
+LAYOUTS = (
+    (2, 1, False, "alltoall", 1),
+    (2, 1, True, "alltoall", 1),
+    (1, 2, False, "alltoall", 1),
+    (1, 4, False, "alltoall", 1),
+    (2, 2, True, "alltoall", 1),
+    (1, 4, False, "alltoall", 3),  # overlapped chunks (of 16 tokens: 5, 5, 6)
+    (2, 2, True, "alltoall", 2),
+    (1, 4, False, "allgather", 1),
+    (2, 2, True, "allgather", 1),
+    (1, 2, False, "fake", 2),
+)
+
+
+def test_bad_dispatcher_arguments_are_named():
+    with single_process_world(parallel=True):
+        with pytest.raises(ValueError, match="dispatcher must be one of alltoall, allgather"):
+            MoELayer(H, F_, E, K, dispatcher="nope")
+        with pytest.raises(ValueError, match="chunks must be a positive int"):
+            MoELayer(H, F_, E, K, a2a_chunks=0)
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        dispatcher.configure("alltoall", 0)
+
+
+@CHECKS.add("chunked_and_all_gather_dispatch_refuse_a_capacity")
+def _(rank, world):
+    mp.initialize(1, ep=2)
+    x = randn(S, B, H, seed=3).double()
+    for name, chunks in (("alltoall", 2), ("allgather", 1)):
+        layer = MoELayer(H, F_, E, K, seed=77, capacity_factor=1.0, dispatcher=name, a2a_chunks=chunks).double()
+        with pytest.raises(ValueError, match="no capacity factor"):
+            layer(x)
+    mp.destroy()
+
+
 @CHECKS.add("the_layer_split_over_tp_sp_and_ep_matches_the_single_process")
 def _(rank, world):
-    for tp, ep, sp in ((2, 1, False), (2, 1, True), (1, 2, False), (1, 4, False), (2, 2, True)):
+    dispatcher.register("fake", _FakeBackend)
+    for tp, ep, sp, name, chunks in LAYOUTS:
         mp.initialize(tp, ep=ep)
-        what = f"tp{tp} ep{ep} sp={sp}"
-        layer = MoELayer(H, F_, E, K, sp, seed=77, aux_loss_coeff=0.3).double()
+        what = f"tp{tp} ep{ep} sp={sp} {name} x{chunks}"
+        calls = _FakeBackend.calls
+        layer = MoELayer(H, F_, E, K, sp, seed=77, aux_loss_coeff=0.3, dispatcher=name, a2a_chunks=chunks).double()
         # each data-parallel rank its own tokens (the expert-parallel exchange mixes them)
         d = mp.dp_rank()
         x = randn(S, B, H, seed=10 + d).double()
@@ -184,6 +235,7 @@ def _(rank, world):
         assert_close(
             layer.experts.fc2.grad, block(fc2.grad, 2, r, tp)[first : first + n], f"{what}: fc2 grad", rtol=1e-10
         )
+        assert _FakeBackend.calls == calls + (name == "fake"), what
         mp.destroy()
 
 

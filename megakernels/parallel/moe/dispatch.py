@@ -82,6 +82,18 @@ class AllToAll(torch.autograd.Function):
         return dx, None, None, None
 
 
+def local_order(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Rows received by source rank, then local expert (``recv_counts`` ``[source, local expert]``) -> the index
+    that orders them by local expert, then source rank."""
+    ep, local = recv_counts.shape
+    seg = recv_counts.flatten()
+    starts = torch.cumsum(seg, 0) - seg
+    seg_t = seg.view(ep, local).t().reshape(-1)
+    idx = torch.repeat_interleave(starts.view(ep, local).t().reshape(-1), seg_t)
+    within = torch.arange(idx.numel(), device=idx.device)
+    return idx + within - torch.repeat_interleave(torch.cumsum(seg_t, 0) - seg_t, seg_t)
+
+
 class ExpertExchange:
     """Exchange of rows sorted by global expert within the expert-parallel ``group`` (``num_experts`` split into
     equal blocks per rank). ``forward(rows, sizes)`` -> this rank's rows sorted by local expert and their
@@ -99,14 +111,7 @@ class ExpertExchange:
         self.send = counts.sum(1).tolist()
         self.recv = recv_counts.sum(1).tolist()
         received = AllToAll.apply(rows, self.send, self.recv, self.group)
-        # received: by source rank, then local expert -> by local expert, then source rank
-        seg = recv_counts.flatten()
-        starts = torch.cumsum(seg, 0) - seg
-        idx = torch.repeat_interleave(starts.view(ep, local).t().reshape(-1), seg.view(ep, local).t().reshape(-1))
-        within = torch.arange(idx.numel(), device=idx.device)
-        seg_t = seg.view(ep, local).t().reshape(-1)
-        within = within - torch.repeat_interleave(torch.cumsum(seg_t, 0) - seg_t, seg_t)
-        self.order = idx + within
+        self.order = local_order(recv_counts)
         return received.index_select(0, self.order), recv_counts.sum(0)
 
     def backward(self, out_rows: torch.Tensor) -> torch.Tensor:

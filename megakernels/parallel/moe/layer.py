@@ -10,7 +10,8 @@ Data flow on one rank (``x`` ``[s, b, h]``, or ``[s/tp, b, h]`` under sequence p
 2. every TP rank holds all tokens (the all-gather of the shard under sequence parallelism) and permutes the
    assignments by expert (``dispatch.permute``; a capacity drops the over-capacity ones and, without expert
    parallelism, gives every expert a fixed-size buffer, so that no count is read back to the host);
-3. with expert parallelism the rows travel to the ranks of their experts (all-to-all, variable splits) and back;
+3. with expert parallelism the rows travel to the ranks of their experts and back (``dispatcher``: all-to-all
+   with variable splits, optionally in overlapped chunks, or all-gather / reduce-scatter);
 4. the local experts run as grouped GEMMs on their TP shards (``experts.GroupedMLP``);
 5. the outputs are un-permuted and weighted, the shared experts added, and the partial sums reduced over TP
    (all-reduce, or reduce-scatter back to the sequence shard).
@@ -30,8 +31,8 @@ from torch import nn
 
 from megakernels.parallel import comm, init, mappings, state
 from megakernels.parallel.blocks import ParallelMLP
+from megakernels.parallel.moe import dispatcher as dispatchers
 from megakernels.parallel.moe import stats
-from megakernels.parallel.moe.dispatch import ExpertExchange, permute, unpermute
 from megakernels.parallel.moe.experts import GroupedMLP
 from megakernels.parallel.moe.router import TopKRouter
 from megakernels.parallel.params import mark_sequence_parallel
@@ -75,7 +76,11 @@ class MoELayer(nn.Module):
         aux_loss_coeff, z_loss_coeff: the auxiliary losses' coefficients (0: not computed into the gradient).
         capacity_factor: rows per expert ``ceil(factor · tokens · k / E)`` (over-capacity assignments dropped);
             None is dropless.
-        shared_experts: dense experts of ``ffn_hidden_size`` each every token goes through (0: none).
+        shared_experts: dense experts of ``ffn_hidden_size`` each every token goes through (0: none); they run while
+            the first token exchange is in flight.
+        dispatcher, a2a_chunks: the token dispatcher (``moe.dispatcher``: ``alltoall``, ``allgather`` or a
+            registered one) and its number of overlapped chunks; None: ``dispatcher.configure``'s (the trainer's
+            ``--moe-dispatcher``, ``--moe-a2a-chunks``).
         seed: the layer's seed (router ``"router"``, experts ``"experts.<e>.fc1"``, shared ``"shared"``).
         init_method, output_init_method, device, dtype: as ``ParallelMLP``.
 
@@ -104,6 +109,8 @@ class MoELayer(nn.Module):
         z_loss_coeff: float = 0.0,
         capacity_factor: float | None = None,
         shared_experts: int = 0,
+        dispatcher: str | None = None,
+        a2a_chunks: int | None = None,
         seed: int = 0,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
@@ -119,6 +126,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"{cls}: capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
         self.num_experts, self.top_k, self.sequence_parallel = num_experts, top_k, bool(sequence_parallel)
         self.aux_loss_coeff, self.z_loss_coeff, self.capacity_factor = aux_loss_coeff, z_loss_coeff, capacity_factor
+        if dispatcher is not None or a2a_chunks is not None:
+            name, chunks = dispatchers.settings(dispatcher, a2a_chunks)
+            dispatchers.make(name, None, 1, chunks)  # checked
+        self.dispatcher, self.a2a_chunks = dispatcher, a2a_chunks
         local = num_experts // ep
         self.router = TopKRouter(
             hidden_size,
@@ -195,17 +206,13 @@ class MoELayer(nn.Module):
             capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
         # with a capacity and no expert parallelism, fixed-size buffers (every expert `capacity` rows): nothing is
         # read back to the host; the all-to-all of expert parallelism still exchanges the counts and sizes by them
-        fixed = capacity is not None and state.ep_size() == 1
-        perm = permute(tokens, experts, self.num_experts, capacity, fixed=fixed)
-        rows, sizes = perm.rows, perm.group_sizes
-        exchange = None
-        if state.ep_size() > 1:
-            exchange = ExpertExchange(state.ep_group(), self.num_experts)
-            rows, sizes = exchange.forward(rows, sizes)
-        out_rows = self.experts(rows, sizes.to(torch.int64))
-        if exchange is not None:
-            out_rows = exchange.backward(out_rows)
-        out = unpermute(out_rows, perm, weights).view(s, b, h)
+        name, chunks = dispatchers.settings(self.dispatcher, self.a2a_chunks)
+        ep_group = state.ep_group() if state.ep_size() > 1 else None
+        run = dispatchers.make(name, ep_group, self.num_experts, chunks)
+        # the shared experts run while the first exchange is in flight
+        side = None if self.shared is None else (lambda: self.shared(x))
+        out, perm, shared = run(tokens, weights, experts, self.experts, capacity, side)
+        out = out.view(s, b, h)
         if self.training and torch.is_grad_enabled():
             aux = self.aux_loss_coeff * st["aux_loss"] + self.z_loss_coeff * st["z_loss"]
             if aux.requires_grad:
@@ -221,4 +228,4 @@ class MoELayer(nn.Module):
             out = mappings.reduce_scatter_to_sequence_parallel_region(out)
         else:
             out = mappings.reduce_from_tensor_model_parallel_region(out)
-        return out if self.shared is None else out + self.shared(x)
+        return out if shared is None else out + shared
