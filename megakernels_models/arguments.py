@@ -50,6 +50,12 @@ MODEL, MOE, LAYOUT, OPTIM, DATA, POST, LOGS = (
 )
 MOE_FIELDS = (
     "num_experts",
+    "moe_first_dense",
+    "moe_score",
+    "moe_n_group",
+    "moe_topk_group",
+    "moe_routed_scaling",
+    "moe_expert_bias",
     "moe_top_k",
     "moe_normalize",
     "moe_ffn_hidden_size",
@@ -203,6 +209,28 @@ class _Settings:
     )
     moe_shared_experts: int | None = setting(
         None, "shared experts every token goes through (default: the preset's)", MOE
+    )
+    moe_first_dense: int | None = setting(
+        None, "the first N layers stay dense (DeepSeek's first_k_dense_replace) (default: the preset's)", MOE
+    )
+    moe_score: str | None = setting(
+        None, "router scores: softmax, or sigmoid (DeepSeek-V3) (default: the preset's)", MOE,
+        choices=("softmax", "sigmoid"),
+    )  # fmt: skip
+    moe_n_group: int | None = setting(None, "group-limited routing: expert groups (default: the preset's)", MOE)
+    moe_topk_group: int | None = setting(
+        None, "group-limited routing: groups eligible per token (default: the preset's)", MOE
+    )
+    moe_routed_scaling: float | None = setting(
+        None, "factor on the routed experts' weights (routed_scaling_factor) (default: the preset's)", MOE
+    )
+    moe_expert_bias: bool | None = setting(
+        None,
+        "auxiliary-loss-free balancing: a per-expert selection bias moved after each step (default: the preset's)",
+        MOE,
+    )  # fmt: skip
+    moe_bias_update_rate: float = setting(
+        0.001, "the balancing bias's step: bias += rate * sign(mean load - load) after each optimizer step", MOE
     )
     moe_dispatcher: str = setting(
         "alltoall",
@@ -1125,8 +1153,10 @@ def _validate(a: TrainArgs) -> ModelConfig:
     _check_post_training(a, cfg)
     _check_grpo(a, cfg)
     _check_dispatch(a, cfg)
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
+    if a.moe_bias_update_rate < 0:
+        raise ArgumentError(f"--moe-bias-update-rate must be >= 0, got {a.moe_bias_update_rate}")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= finite_number(getattr(a, name), _flag(name), error=ArgumentError) < 1.0:
             raise ArgumentError(f"{_flag(name)} must be in [0, 1), got {getattr(a, name)}")

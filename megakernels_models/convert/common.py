@@ -98,6 +98,19 @@ def apply(
 # ---- HuggingFace directories ------------------------------------------------------------------------------------
 
 
+def deepseek_routing(cfg: ModelConfig) -> list[str]:
+    """The DeepSeek-V3 routing settings ``cfg`` uses (sigmoid scores, group-limited top-k, routed scaling, the
+    balancing bias, dense first layers), by name: what a softmax-routed family's converter must refuse."""
+    used = {
+        "moe_score='sigmoid'": cfg.moe_score != "softmax",
+        "moe_n_group > 1": cfg.moe_n_group != 1,
+        "moe_routed_scaling != 1": cfg.moe_routed_scaling != 1.0,
+        "moe_expert_bias": cfg.moe_expert_bias,
+        "moe_first_dense > 0": cfg.moe_first_dense != 0,
+    }
+    return [name for name, on in used.items() if on]
+
+
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(config.json, {name: tensor})`` of a HuggingFace model directory: one ``*.safetensors`` file or several
     named by ``model.safetensors.index.json`` (sharded).

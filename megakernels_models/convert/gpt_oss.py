@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from megakernels_models.convert import llama
+from megakernels_models.convert import common, llama
 from megakernels_models.convert.common import ConversionError, Rule, copy
 from megakernels_models.models.config import ModelConfig
 
@@ -197,6 +197,7 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         "qkv_bias other than bias (attention_bias covers q, k, v and o)": cfg.qkv_bias != cfg.bias,
         "qk_norm": cfg.qk_norm,
         "moe_capacity_factor (transformers' experts are dropless)": cfg.moe_capacity_factor is not None,
+        **{f"{name} (softmax routing)": True for name in common.deepseek_routing(cfg)},
         "local_rope_theta / local_rope_scaling (one rotary embedding for every layer)": (
             cfg.local_rope_theta is not None or not cfg.local_rope_scaling
         ),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megakernels_models.convert import llama
+from megakernels_models.convert import common, llama
 from megakernels_models.convert.common import ConversionError
 from megakernels_models.models.config import ModelConfig
 
@@ -67,9 +67,10 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         or cfg.moe_capacity_factor is not None
         or not cfg.moe_normalize
         or cfg.bias
+        or common.deepseek_routing(cfg)
     ):
         raise ConversionError(
-            "Mixtral has a MoE MLP in every layer, renormalised top-k routing, no shared experts, "
+            "Mixtral has a MoE MLP in every layer, renormalised softmax top-k routing, no shared experts, "
             "no capacity and no biases; this model differs"
         )
     out = llama.config_to_theirs(cfg)

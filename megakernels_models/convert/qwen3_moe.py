@@ -12,7 +12,7 @@ and what ``qwen3`` refuses.
 
 from __future__ import annotations
 
-from megakernels_models.convert import llama, qwen3
+from megakernels_models.convert import common, llama, qwen3
 from megakernels_models.convert.common import ConversionError
 from megakernels_models.models.config import ModelConfig
 
@@ -53,9 +53,15 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
     Raises:
         ConversionError: a MoE model Qwen 3 MoE cannot express.
     """
-    if cfg.moe_layer_freq != 1 or cfg.moe_shared_experts or cfg.moe_capacity_factor is not None:
+    if (
+        cfg.moe_layer_freq != 1
+        or cfg.moe_shared_experts
+        or cfg.moe_capacity_factor is not None
+        or common.deepseek_routing(cfg)
+    ):
         raise ConversionError(
-            "Qwen 3 MoE has a MoE MLP in every layer, no shared experts and no capacity; this model differs"
+            "Qwen 3 MoE has a MoE MLP in every layer, softmax top-k routing, no shared experts and no capacity; "
+            "this model differs"
         )
     out = qwen3.config_to_theirs(cfg)
     out.update(

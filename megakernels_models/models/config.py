@@ -118,6 +118,12 @@ class ModelConfig:
         moe_aux_loss_coeff, moe_z_loss_coeff: load-balancing and router z-loss coefficients.
         moe_capacity_factor: capacity per expert as a factor of the even share (None: dropless).
         moe_shared_experts: dense experts every token of a MoE layer also goes through.
+        moe_first_dense: the first that many layers stay dense (DeepSeek's first_k_dense_replace).
+        moe_score: the router's ``"softmax"`` or ``"sigmoid"`` (DeepSeek-V3) scores.
+        moe_n_group, moe_topk_group: group-limited routing (experts in ``moe_n_group`` groups, only the
+            ``moe_topk_group`` best eligible; 1, None: off).
+        moe_routed_scaling: the routed experts' weights' factor (routed_scaling_factor).
+        moe_expert_bias: DeepSeek's auxiliary-loss-free balancing bias in every router (``TopKRouter``).
     """
 
     model: str = DEFAULT
@@ -167,6 +173,12 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
     moe_shared_experts: int = 0
+    moe_first_dense: int = 0
+    moe_score: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int | None = None
+    moe_routed_scaling: float = 1.0
+    moe_expert_bias: bool = False
 
     family = None  # the family's name, set by each subclass
     DEFAULTS = {}  # the family's values of the architecture fields left None
@@ -266,6 +278,23 @@ class ModelConfig:
             for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
                 if not getattr(self, name) >= 0:
                     raise ValueError(f"ModelConfig: {name} must be >= 0, got {getattr(self, name)}")
+            if self.moe_score not in ("softmax", "sigmoid"):
+                raise ValueError(f"ModelConfig: moe_score must be 'softmax' or 'sigmoid', got {self.moe_score!r}")
+            positive_int(self.moe_first_dense, "moe_first_dense", where="ModelConfig", minimum=0)
+            positive_int(self.moe_n_group, "moe_n_group", where="ModelConfig")
+            if self.num_experts % self.moe_n_group:
+                raise ValueError(
+                    f"ModelConfig: moe_n_group={self.moe_n_group} must divide num_experts={self.num_experts}"
+                )
+            groups = self.moe_n_group if self.moe_topk_group is None else self.moe_topk_group
+            positive_int(groups, "moe_topk_group", where="ModelConfig")
+            if groups > self.moe_n_group or self.moe_top_k > groups * (self.num_experts // self.moe_n_group):
+                raise ValueError(
+                    f"ModelConfig: moe_topk_group={groups} must be <= moe_n_group={self.moe_n_group} and leave "
+                    f"moe_top_k={self.moe_top_k} experts eligible"
+                )
+            if not self.moe_routed_scaling > 0:
+                raise ValueError(f"ModelConfig: moe_routed_scaling must be > 0, got {self.moe_routed_scaling}")
         for name in ("dropout", "attention_dropout"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -497,7 +526,7 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` is a mixture-of-experts layer."""
-        return self.num_experts > 0 and i % self.moe_layer_freq == 0
+        return self.num_experts > 0 and i >= self.moe_first_dense and i % self.moe_layer_freq == 0
 
     @property
     def num_moe_layers(self) -> int:

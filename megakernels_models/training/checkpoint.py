@@ -53,19 +53,34 @@ GENERATION_CONFIG = "generation_config.json"
 # ---- tensors in full-model coordinates ----------------------------------------------------------------------
 
 
+# Model state that is not a parameter but is checkpointed (replicated, no optimizer state): the MoE routers'
+# auxiliary-loss-free balancing bias.
+CHECKPOINTED_BUFFERS = ("expert_bias",)
+
+
+def _global_name(chunk, name: str) -> str:
+    m = re.match(r"layers\.(\d+)\.(.*)", name)
+    if m:
+        return f"layers.{chunk.layers[int(m.group(1))].layer_number}.{m.group(2)}"
+    if name.startswith("output_embedding."):
+        return "embedding.word." + name[len("output_embedding.") :]
+    return name
+
+
 def global_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     """``(global name, param)`` of this rank's model chunks: layer ``i`` of the whole model is ``layers.i``
     whatever its index in the chunk; the last stage's copy of the tied embedding is ``embedding.word.weight``."""
-    out = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            m = re.match(r"layers\.(\d+)\.(.*)", name)
-            if m:
-                name = f"layers.{chunk.layers[int(m.group(1))].layer_number}.{m.group(2)}"
-            elif name.startswith("output_embedding."):
-                name = "embedding.word." + name[len("output_embedding.") :]
-            out.append((name, p))
-    return out
+    return [(_global_name(chunk, name), p) for chunk in chunks for name, p in chunk.named_parameters()]
+
+
+def global_buffers(chunks) -> list[tuple[str, torch.Tensor]]:
+    """``(global name, buffer)`` of the checkpointed buffers (``CHECKPOINTED_BUFFERS``) of this rank's chunks."""
+    return [
+        (_global_name(chunk, name), b)
+        for chunk in chunks
+        for name, b in chunk.named_buffers()
+        if name.rpartition(".")[2] in CHECKPOINTED_BUFFERS
+    ]
 
 
 def _aliases(chunks) -> list[tuple[int, int]]:
@@ -223,6 +238,8 @@ def _state_dict(chunks, opt, states=None, stage=None, plain=None) -> dict:
         sd[f"model.{name}"] = _sharded(stage(f"model.{name}", _select(value, index)), p)
         for k, t in state_of.get(id(p), {}).items():
             sd[f"optimizer.{k}.{name}"] = _sharded(stage(f"optimizer.{k}.{name}", _select(t, index)), p)
+    for name, b in global_buffers(chunks):
+        sd[f"model.{name}"] = stage(f"model.{name}", b)
     return sd
 
 
@@ -578,7 +595,8 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         if bad:
             raise CheckpointError(f"checkpoint {path} is for another model: " + "; ".join(bad))
         keys = saved_keys(path)
-        missing = [f"model.{n}" for n, _, _ in _entries(chunks) if f"model.{n}" not in keys]
+        names = [n for n, _, _ in _entries(chunks)] + [n for n, _ in global_buffers(chunks)]
+        missing = [f"model.{n}" for n in names if f"model.{n}" not in keys]
         if missing:
             raise CheckpointError(
                 f"checkpoint {path} lacks {', '.join(missing[:5])}"

@@ -194,6 +194,19 @@ class PipelineStep:
         return total
 
 
+def _balance_experts(chunks, args: TrainArgs, stepped: bool) -> float | None:
+    """The auxiliary-loss-free balancing step (``moe.router.update_expert_biases``) after an optimizer step, the
+    loads summed over the data-parallel ranks (the same layers, other tokens); a skipped step forgets its loads.
+    Returns the largest bias norm over the pipeline's stages."""
+    from megakernels.parallel.moe.router import update_expert_biases
+
+    norms = [update_expert_biases(c, args.moe_bias_update_rate if stepped else 0.0, mpu.dp_group()) for c in chunks]
+    norm = torch.tensor(max((n for n in norms if n is not None), default=0.0))
+    if mpu.pp_size() > 1:
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=mpu.pp_group())
+    return float(norm)
+
+
 def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
     """Train on the current ``torch.distributed`` world; returns the per-step records on the logging rank (the last
     rank), None elsewhere. ``cfg`` is ``validate(args)``'s result when the caller already validated."""
@@ -353,6 +366,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                 timers.mark("communication")
                 watchdog.progress("optimizer")
                 stepped, grad_norm = opt.step()
+                bias_norm = _balance_experts(chunks, args, stepped) if task.config.moe_expert_bias else None
                 timers.mark("optimizer")
                 watchdog.progress("step end")
                 save_error = saver.poll() if saver is not None else None
@@ -370,6 +384,7 @@ def _train(task: Task, args: TrainArgs) -> list[dict] | None:
                         "elapsed_s": time.perf_counter() - t_start,
                         "skipped": not stepped,
                         **(moe or {}),
+                        **({} if bias_norm is None else {"moe_expert_bias_norm": bias_norm}),
                         **(
                             {"max_logit": opt.max_logit, "clipped_heads": opt.clipped_heads}
                             if args.muon_clip_tau > 0

@@ -141,6 +141,73 @@ def test_the_layer_and_its_gradients_match_the_per_token_reference(capacity_fact
     torch.testing.assert_close(layer.experts.fc2.grad, fc2.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_deepseek_routing_matches_the_per_token_reference():
+    """Sigmoid scores, group-limited top-k (2 groups of 2, 1 eligible), the balancing bias moving the choice only,
+    normalised weights times the routed scaling: output and gradients against the written-out routing."""
+    with single_process_world(parallel=True):
+        layer = MoELayer(
+            H, F_, E, K, seed=77, score="sigmoid", n_group=2, topk_group=1, routed_scaling=2.5, expert_bias=True
+        ).double()
+        assert layer.router.expert_bias.dtype == torch.float32  # kept in fp32 through .double()
+        bias = torch.tensor([0.0, 0.3, -0.2, 0.1])
+        layer.router.expert_bias.copy_(bias)
+        x = randn(S, B, H, seed=1).double().requires_grad_(True)
+        dy = randn(S, B, H, seed=2).double()
+        layer(x).backward(dy)
+        out = layer(x.detach()).detach()
+        router, fc1, fc2 = (t.clone().requires_grad_(True) for t in _layer_params(layer))
+        xr = x.detach().clone().requires_grad_(True)
+        scores = torch.sigmoid(xr.view(-1, H) @ router.t())
+        key = scores.detach() + bias.double()
+        ref = []
+        for t in range(S * B):
+            groups = key[t].view(2, 2).sum(-1)  # a group's two best keys: both of its two experts
+            g = int(groups.argmax())
+            pair = key[t, 2 * g : 2 * g + 2]
+            chosen = [2 * g + int(i) for i in pair.argsort(descending=True, stable=True)]
+            w = scores[t, chosen] / scores[t, chosen].sum() * 2.5
+            ref.append(sum(w[j] * _expert(xr.view(-1, H)[t], fc1[e], fc2[e]) for j, e in enumerate(chosen)))
+        ref = torch.stack(ref)
+        (ref * dy.view(-1, H)).sum().backward()
+        # the balancing bias keeps the loads of both training forwards until the next update
+        assert layer.router.expert_load.sum() == 2 * S * B * K
+    torch.testing.assert_close(out.view(-1, H), ref.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.router.weight.grad, router.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.experts.fc1.grad, fc1.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_the_balancing_bias_moves_by_the_sign_of_the_load_gap():
+    from megakernels.parallel.moe.router import update_expert_biases
+
+    router = TopKRouter(H, E, K, score="sigmoid", expert_bias=True)
+    router.expert_load.copy_(torch.tensor([5.0, 1.0, 3.0, 3.0]))  # mean 3
+    assert update_expert_biases(router, 0.01) == pytest.approx(0.01 * 2**0.5)
+    assert torch.equal(router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    assert torch.equal(router.expert_load, torch.zeros(E))  # forgotten after the update
+    assert "expert_bias" in router.state_dict() and "expert_load" not in router.state_dict()
+    with pytest.raises(ValueError, match="rate must be a finite number"):
+        update_expert_biases(router, -1.0)
+
+
+@CHECKS.add("the_balancing_bias_is_the_same_on_every_data_parallel_rank")
+def _(rank, world):
+    from megakernels.parallel.moe.router import update_expert_biases
+
+    mp.initialize(1, ep=2)
+    layer = MoELayer(H, F_, E, K, seed=77, score="sigmoid", expert_bias=True).double()
+    layer(randn(S, B, H, seed=30 + rank).double())  # each rank its own tokens, so its own loads
+    local = layer.router.expert_load.clone()
+    total = local.clone()
+    torch.distributed.all_reduce(total)
+    update_expert_biases(layer, 0.5, mp.dp_group())
+    assert torch.equal(layer.router.expert_bias, 0.5 * torch.sign(total.mean() - total))
+    biases = [torch.empty(E) for _ in range(world)]
+    torch.distributed.all_gather(biases, layer.router.expert_bias)
+    assert all(torch.equal(b, biases[0]) for b in biases)
+    mp.destroy()
+
+
 class _FakeBackend:
     """An external dispatcher as a backend would register one: here the all-to-all one, its calls counted."""
 

@@ -78,6 +78,8 @@ class MoELayer(nn.Module):
             None is dropless.
         shared_experts: dense experts of ``ffn_hidden_size`` each every token goes through (0: none); they run while
             the first token exchange is in flight.
+        score, n_group, topk_group, routed_scaling, expert_bias: DeepSeek-V3's routing (``TopKRouter``: sigmoid
+            scores, group-limited top-k, the weights' factor, the auxiliary-loss-free balancing bias).
         dispatcher, a2a_chunks: the token dispatcher (``moe.dispatcher``: ``alltoall``, ``allgather`` or a
             registered one) and its number of overlapped chunks; None: ``dispatcher.configure``'s (the trainer's
             ``--moe-dispatcher``, ``--moe-a2a-chunks``).
@@ -111,6 +113,11 @@ class MoELayer(nn.Module):
         shared_experts: int = 0,
         dispatcher: str | None = None,
         a2a_chunks: int | None = None,
+        score: str = "softmax",
+        n_group: int = 1,
+        topk_group: int | None = None,
+        routed_scaling: float = 1.0,
+        expert_bias: bool = False,
         seed: int = 0,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
@@ -138,6 +145,11 @@ class MoELayer(nn.Module):
             normalize,
             bias=bias,
             softmax_topk=softmax_topk,
+            score=score,
+            n_group=n_group,
+            topk_group=topk_group,
+            scaling=routed_scaling,
+            expert_bias=expert_bias,
             init_method=init_method,
             seed=init.derive_seed(seed, "router"),
             device=device,

@@ -15,6 +15,14 @@ When the micro-batch's tokens are split over ranks (context parallelism), the su
 z-loss are summed over ``stats_group`` first, so every layout computes the same losses as one process; each rank's
 gradient flows into its own tokens only (the sum's backward is the identity), which is the gradient of that one
 loss.
+
+DeepSeek-V3's routing (``score="sigmoid"``): sigmoid scores, group-limited top-k (``n_group`` groups scored by the
+sum of their two best keys, the ``topk_group`` best eligible), the chosen scores normalised and scaled by
+``scaling`` (routed_scaling_factor); ``P`` is then the mean of each token's scores over their sum. With
+``expert_bias`` the router keeps DeepSeek's auxiliary-loss-free balancing bias, an fp32 buffer ``[E]`` (in the
+state dict: checkpointed) added to the selection keys only; ``update_expert_biases`` moves it after each optimizer
+step by ``rate · sign(mean load − load)`` from the step's loads (summed over the ranks holding the layer, so every
+replica moves it alike).
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ class TopKRouter(nn.Module):
         bias: a bias ``[E]`` on the logits (zero at the start; gpt-oss).
         softmax_topk: the weights are the softmax over the k chosen logits (gpt-oss's order: top-k, then softmax)
             instead of the top k of the softmax over every expert; ``normalize`` is then moot (they sum to 1).
+        score, n_group, topk_group, scaling: ``"softmax"`` or ``"sigmoid"`` scores and group-limited routing
+            (``ops.moe_router``), the weights' factor (DeepSeek's routed_scaling_factor).
+        expert_bias: keep the auxiliary-loss-free balancing bias (module docstring).
         init_method, seed, device, dtype: of the gate's weight ``[E, h]`` (replicated on every rank).
 
     ``forward(x, stats_group=None)``: ``x`` ``[tokens, h]`` -> ``(weights [tokens, k] fp32, experts [tokens, k]
@@ -80,6 +91,11 @@ class TopKRouter(nn.Module):
         *,
         bias: bool = False,
         softmax_topk: bool = False,
+        score: str = "softmax",
+        n_group: int = 1,
+        topk_group: int | None = None,
+        scaling: float = 1.0,
+        expert_bias: bool = False,
         init_method: init.InitMethod | None = None,
         seed: int | None = None,
         device=None,
@@ -90,6 +106,12 @@ class TopKRouter(nn.Module):
             raise ValueError(f"TopKRouter: top_k={top_k} must be in 1..num_experts={num_experts}")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, bool(normalize)
         self.softmax_topk = bool(softmax_topk)
+        self.score, self.n_group, self.topk_group, self.scaling = score, n_group, topk_group, float(scaling)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+            self.register_buffer("expert_load", torch.zeros(num_experts, device=device, dtype=torch.float32), False)
+        else:
+            self.expert_bias = self.expert_load = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
@@ -102,6 +124,13 @@ class TopKRouter(nn.Module):
                     )
                 )
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in ("expert_bias", "expert_load"):  # fp32 whatever the model is cast to
+            if getattr(self, name) is not None and self._buffers[name].dtype != torch.float32:
+                self._buffers[name] = self._buffers[name].float()
+        return self
+
     def forward(self, x: torch.Tensor, stats_group=None):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 routing (fp64 for fp64 models)
         logits = x.to(acc) @ self.weight.to(acc).t()
@@ -109,7 +138,11 @@ class TopKRouter(nn.Module):
             logits = logits + self.bias.to(acc)
         # the fused router (ops.moe_router: one pass, ties to the lower expert); its PyTorch twin for fp64 models
         route = moe_router if acc == torch.float32 else functools.partial(moe_router_reference, compute_dtype=acc)
-        out = route(logits, self.top_k, normalize=self.normalize and self.top_k > 1, topk_softmax=self.softmax_topk)
+        out = route(
+            logits, self.top_k, normalize=self.normalize and self.top_k > 1, topk_softmax=self.softmax_topk,
+            score=self.score, n_group=self.n_group, topk_group=self.topk_group, scale=self.scaling,
+            bias=None if self.expert_bias is None else self.expert_bias.float(),
+        )  # fmt: skip
         weights, experts, counts = out.weights, out.experts, out.tokens_per_expert.to(acc)
         E = self.num_experts
         total = torch.tensor([float(x.shape[0])], dtype=acc, device=x.device)
@@ -122,4 +155,30 @@ class TopKRouter(nn.Module):
         f = counts / (total * self.top_k)
         P = prob_sum / total
         stats = {"aux_loss": E * (f * P).sum(), "z_loss": z_sum / total[0], "tokens_per_expert": counts}
+        if self.expert_load is not None and self.training and torch.is_grad_enabled():
+            self.expert_load += counts.detach().float()
         return weights, experts, stats
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, rate: float, group=None) -> float | None:
+    """DeepSeek's auxiliary-loss-free balancing after an optimizer step: each router with an ``expert_bias`` adds
+    ``rate · sign(mean load − load)`` to it, the load being the step's assignments per expert (its forwards since
+    the last update, summed over ``group``: the ranks that hold the layer and saw other tokens, the data-parallel
+    group), then forgets the load. Returns the largest bias norm (for the log), None without such routers.
+
+    Raises:
+        ValueError: a ``rate`` that is not a finite number >= 0.
+    """
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < float("inf"):
+        raise ValueError(f"update_expert_biases: rate must be a finite number >= 0, got {rate!r}")
+    norm = None
+    for m in model.modules():
+        if isinstance(m, TopKRouter) and m.expert_bias is not None:
+            load = m.expert_load.float()
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(load, group=group)
+            m.expert_bias.copy_(m.expert_bias.float() + rate * torch.sign(load.mean() - load))
+            m.expert_load.zero_()
+            norm = max(norm or 0.0, float(m.expert_bias.float().norm()))
+    return norm
