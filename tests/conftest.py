@@ -82,15 +82,19 @@ def triton_backend(backend):
     return backend
 
 
-# The longest test files (spawned worlds, Triton compiles; 40-300 s each), longest first and run before the rest:
-# with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of work, and a long one started last
-# would leave the other worker idle at the end.
+# The longest test files (spawned worlds, CLI runs, Triton compiles and its interpreter; 40-300 s each), longest
+# first and run before the rest: with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of work, and
+# a long one started last would leave the other worker idle at the end.
 LONG_POLES = (
     "tests/models/test_layouts.py",
+    "tests/triton/test_schedules.py",
+    "tests/test_docs.py",
+    "tests/models/test_hangs.py",
     "tests/costmodel/test_static.py",
     "tests/models/test_launch.py",
     "tests/models/test_elastic.py",
     "tests/models/test_preemption.py",
+    "tests/models/test_vlm.py",
     "tests/integrations/test_accelerate.py",
     "tests/models/test_generate.py",
     "tests/models/test_async_checkpoint.py",

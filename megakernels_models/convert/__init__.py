@@ -30,8 +30,7 @@ from megakernels_models.convert.common import (
 )
 from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.registry import family
-from megakernels_models.training.checkpoint import GENERATION_CONFIG
-from megakernels_models.training.checkpoint_store import copy_tokenizer
+from megakernels_models.training.checkpoint_store import GENERATION_CONFIG, copy_tokenizer
 
 FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss)}
 TOKENIZER = "tokenizer.json"

@@ -46,8 +46,7 @@ from megakernels_models.training import syncpoints
 from megakernels_models.training.checkpoint_verify import CheckpointError
 
 LATEST = store.LATEST
-# The special token ids (bos, eos, pad) of a converted model, beside its checkpoints as in a HuggingFace directory.
-GENERATION_CONFIG = "generation_config.json"
+GENERATION_CONFIG = store.GENERATION_CONFIG
 
 
 # ---- tensors in full-model coordinates ----------------------------------------------------------------------

@@ -21,10 +21,10 @@ import os
 import re
 import shutil
 
-import torch.distributed.checkpoint as dcp
-
 LATEST = "latest"
 METADATA = ".metadata"
+# The special token ids (bos, eos, pad) of a converted model, beside its checkpoints as in a HuggingFace directory.
+GENERATION_CONFIG = "generation_config.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
@@ -115,6 +115,8 @@ def commit(tmp: str, final: str, error=RuntimeError) -> None:
 
 def storage_files(path: str) -> dict:
     """``{MetadataIndex: storage info}`` of the checkpoint at ``path`` (where each chunk's bytes are)."""
+    import torch.distributed.checkpoint as dcp  # here: importing this module (every CLI run does) stays light
+
     return dcp.FileSystemReader(path).read_metadata().storage_data
 
 

@@ -22,7 +22,7 @@ resume in one process; gpt-oss (sinks, alternating windows, YaRN, the experts' b
 tp 2 × pp 2.
 
 The single-process curves run in this process; each world size (2, 4, 8) is one spawned world that trains every
-layout of that size in turn (initialise, 6 steps, destroy), so the suite pays each world's start-up once. The
+layout of that size in turn (initialise, 4 steps, destroy), so the suite pays each world's start-up once. The
 cases of ``SLOW`` (more families at a layout whose features the fast cases already cover) run in worlds of their
 own under the ``slow`` marker (``scripts/test.sh --all``).
 """
@@ -42,7 +42,10 @@ from megakernels.parallel.launch import single_process_world
 from megakernels_models.arguments import TrainArgs
 from tests.parallel.harness import run_world
 
-STEPS = 6
+# 4 steps: 3 updates after the first loss; a checkpoint saved at step SAVE_AT (2) is resumed for 2 steps, so the
+# second one's loss depends on the optimizer state that was loaded.
+STEPS = 4
+SAVE_AT = 2
 RTOL = 1e-5
 BASE = TrainArgs(
     preset=None,
@@ -349,11 +352,17 @@ def _losses(records) -> list[float]:
     return [r["loss"] for r in records]
 
 
-# Resharding: the (2, 2, 2) run with SP and ZeRO-1 saves (asynchronously) at step 3; its checkpoint resumes at
-# other layouts (here in the world of 8, and at (1, 1, 1) in this process); steps 4..6 must follow the single-process
-# curve.
+# Resharding: the (2, 2, 2) run with SP and ZeRO-1 saves (asynchronously) at step SAVE_AT; its checkpoint resumes at
+# other layouts (here in the world of 8, and at (1, 1, 1) in this process); the steps after it must follow the
+# single-process curve.
 SAVE_LAYOUT = dict(
-    tp=2, pp=2, sequence_parallel=True, distributed_optimizer=True, save_interval=3, keep_checkpoints=5, async_save=True
+    tp=2,
+    pp=2,
+    sequence_parallel=True,
+    distributed_optimizer=True,
+    save_interval=SAVE_AT,
+    keep_checkpoints=5,
+    async_save=True,
 )
 RESHARD_TO = {"tp4-dp2": (8, dict(tp=4)), "pp4-dp2": (8, dict(pp=4)), "single": (1, dict())}
 # Vision-language models are saved in the world of 2 (no sequence parallelism for them): the GPT one at dp 2 with
@@ -396,7 +405,11 @@ def _world(rank: int, world_size: int, cases, root: str):
         _zero_bubble_checkpoints(root, world_size, out)
         for model, changes in VISION_SAVE.items():
             records = train(
-                _args(model, dict(changes, save=_saved(model, root), save_interval=3, keep_checkpoints=5), world_size)
+                _args(
+                    model,
+                    dict(changes, save=_saved(model, root), save_interval=SAVE_AT, keep_checkpoints=5),
+                    world_size,
+                )
             )
             if records is not None:
                 out[("saving", model)] = (_losses(records), [r["grad_norm"] for r in records])
@@ -423,8 +436,8 @@ def _world(rank: int, world_size: int, cases, root: str):
 
 
 # zb-v checkpoints (its V: both ends of the model, and a tied embedding's two copies, on pipeline rank 0) in full-model
-# coordinates: saved under zb-v at pp 2 (step 3) and resumed under 1F1B at pp 2 and in one process; saved under 1F1B
-# at pp 2 and resumed under zb-v.
+# coordinates: saved under zb-v at pp 2 (step SAVE_AT) and resumed under 1F1B at pp 2 and in one process; saved under
+# 1F1B at pp 2 and resumed under zb-v.
 ZB_SAVED = ("gpt", "llama")
 ZB_CHAIN = (
     ("zb-v-saving", dict(pp=2, schedule="zb-v"), None),
@@ -444,20 +457,20 @@ def _zero_bubble_checkpoints(root: str, world_size: int, out: dict) -> None:
     for model in ZB_SAVED:
         for name, changes, source in ZB_CHAIN:
             if source is None:
-                changes = dict(changes, save=_zb_saved(model, name, root), save_interval=3, keep_checkpoints=5)
+                changes = dict(changes, save=_zb_saved(model, name, root), save_interval=SAVE_AT, keep_checkpoints=5)
             else:
-                changes = dict(changes, load=os.path.join(_zb_saved(model, source, root), "step-00000003"))
+                changes = dict(changes, load=os.path.join(_zb_saved(model, source, root), _step_dir(SAVE_AT)))
             records = train(_args(model, changes, world_size, root))
             if records is not None:
                 out[("zb-chain", model, name)] = (_losses(records), [r["grad_norm"] for r in records])
 
 
-# FSDP checkpoints reshard: saved at fsdp 4 (step 3), resumed at tp 2 × pp 2 and saved again (step 5), resumed at
+# FSDP checkpoints reshard: saved at fsdp 4 (step 2), resumed at tp 2 × pp 2 and saved again (step 3), resumed at
 # fsdp 2 × tp 2 with the optimizer offloaded — all in the world of 4 — and the fsdp 4 one also in one process.
 FSDP_RESHARD = ("gpt", "llama-moe")
 FSDP_CHAIN = (
-    ("fsdp4", dict(fsdp=True), None, 3),
-    ("tp2-pp2", dict(tp=2, pp=2), "fsdp4", 5),
+    ("fsdp4", dict(fsdp=True), None, SAVE_AT),
+    ("tp2-pp2", dict(tp=2, pp=2), "fsdp4", SAVE_AT + 1),
     ("fsdp2-tp2", dict(fsdp=True, tp=2, offload_optimizer=True), "tp2-pp2", None),
 )
 
@@ -480,8 +493,12 @@ def _fsdp_reshard(model: str, root: str, world_size: int, out: dict) -> None:
 FSDP_CHAIN_SAVES = [(name, at) for name, _, _, at in FSDP_CHAIN if at is not None]
 
 
+def _step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
 def _resume_point(model: str, root: str = CKPT_DIR) -> str:
-    return os.path.join(_saved(model, root), "step-00000003")
+    return os.path.join(_saved(model, root), _step_dir(SAVE_AT))
 
 
 def _single(cases):
@@ -612,8 +629,8 @@ def test_saving_does_not_change_the_curve(baseline, model):
 @pytest.mark.parametrize("target", list(RESHARD_TO))
 @pytest.mark.parametrize("model", list(SAVED))
 def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
-    """Saved at (tp, pp, dp) = (2, 2, 2) with SP and ZeRO-1 at step 3, loaded at another layout: steps 4..6
-    equal the single process's (1e-5 relative)."""
+    """Saved at (tp, pp, dp) = (2, 2, 2) with SP and ZeRO-1 at step SAVE_AT, loaded at another layout: the steps
+    after it equal the single process's (1e-5 relative)."""
     if RESHARD_TO[target][0] == 1:
         from megakernels_models.training.train import train
 
@@ -624,55 +641,59 @@ def test_a_checkpoint_resumes_at_another_layout(baseline, model, target):
     else:
         got = _world_results(8)[("reshard", model, target)]
     ref_losses, ref_norms = baseline[(model, "single")]
-    assert len(got[0]) == STEPS - 3
-    _assert_same_curve(got, (ref_losses[3:], ref_norms[3:]), f"{model} resumed at {target}")
+    assert len(got[0]) == STEPS - SAVE_AT
+    _assert_same_curve(got, (ref_losses[SAVE_AT:], ref_norms[SAVE_AT:]), f"{model} resumed at {target}")
 
 
 @pytest.mark.parametrize("model", FSDP_RESHARD)
 def test_fsdp_checkpoints_reshard(baseline, model):
-    """fsdp 4 (saved at step 3) -> tp 2 × pp 2 (saved at 5) -> fsdp 2 × tp 2 (optimizer offloaded), and fsdp 4 ->
+    """fsdp 4 (saved at step 2) -> tp 2 × pp 2 (saved at 3) -> fsdp 2 × tp 2 (optimizer offloaded), and fsdp 4 ->
     one process: every leg follows the single process's curve from where it started (1e-5 relative)."""
     from megakernels_models.training.train import train
 
     got = _world_results(4)
     ref = baseline[(model, "single")]
-    starts = {"fsdp4": 0, "tp2-pp2": 3, "fsdp2-tp2": 5}
+    starts = {name: 0 if source is None else dict(FSDP_CHAIN_SAVES)[source] for name, _, source, _ in FSDP_CHAIN}
     for name, start in starts.items():
         losses, norms = got[("fsdp-chain", model, name)]
         assert len(losses) == STEPS - start, (name, losses)
         _assert_same_curve((losses, norms), (ref[0][start:], ref[1][start:]), f"{model} FSDP chain at {name}")
     with single_process_world():
-        point = os.path.join(CKPT_DIR, f"fsdp-{model}-fsdp4", "step-00000003")
+        point = os.path.join(CKPT_DIR, f"fsdp-{model}-fsdp4", _step_dir(SAVE_AT))
         records = train(_args(model, dict(load=point), 1))
     _assert_same_curve(
-        (_losses(records), [r["grad_norm"] for r in records]), (ref[0][3:], ref[1][3:]), f"{model} fsdp 4 -> one"
+        (_losses(records), [r["grad_norm"] for r in records]),
+        (ref[0][SAVE_AT:], ref[1][SAVE_AT:]),
+        f"{model} fsdp 4 -> one",
     )
 
 
 @pytest.mark.parametrize("model", ZB_SAVED)
 def test_zero_bubble_checkpoints_load_at_other_layouts(baseline, model):
-    """Saved under zb-v at pp 2 (step 3), resumed under 1F1B at pp 2 and in one process; saved under 1F1B at pp 2,
+    """Saved under zb-v at pp 2 (step SAVE_AT), resumed under 1F1B at pp 2 and in one process; saved under 1F1B at pp 2,
     resumed under zb-v: every leg follows the single process's curve from where it started (1e-5 relative)."""
     from megakernels_models.training.train import train
 
     got = _world_results(2)
     ref = baseline[(model, "single")]
     for name, _, source in ZB_CHAIN:
-        start = 0 if source is None else 3
+        start = 0 if source is None else SAVE_AT
         losses, norms = got[("zb-chain", model, name)]
         assert len(losses) == STEPS - start, (name, losses)
         _assert_same_curve((losses, norms), (ref[0][start:], ref[1][start:]), f"{model} {name}")
     with single_process_world():
-        records = train(_args(model, dict(load=os.path.join(_zb_saved(model, "zb-v-saving"), "step-00000003")), 1))
+        records = train(_args(model, dict(load=os.path.join(_zb_saved(model, "zb-v-saving"), _step_dir(SAVE_AT))), 1))
     _assert_same_curve(
-        (_losses(records), [r["grad_norm"] for r in records]), (ref[0][3:], ref[1][3:]), f"{model} zb-v -> one"
+        (_losses(records), [r["grad_norm"] for r in records]),
+        (ref[0][SAVE_AT:], ref[1][SAVE_AT:]),
+        f"{model} zb-v -> one",
     )
 
 
 @pytest.mark.parametrize("model", list(VISION_SAVE))
 def test_a_vision_language_checkpoint_resumes_at_another_layout(baseline, model):
-    """Saved in the world of 2 at step 3 (VISION_SAVE), loaded in one process: steps 4..6 equal the single
-    process's (1e-5 relative), as does the saving run."""
+    """Saved in the world of 2 at step SAVE_AT (VISION_SAVE), loaded in one process: the steps after it equal the
+    single process's (1e-5 relative), as does the saving run."""
     from megakernels_models.training.train import train
 
     saving = _world_results(2)[("saving", model)]
@@ -680,9 +701,9 @@ def test_a_vision_language_checkpoint_resumes_at_another_layout(baseline, model)
     with single_process_world():
         records = train(_args(model, dict(load=_resume_point(model)), 1))
     ref_losses, ref_norms = baseline[(model, "single")]
-    assert len(records) == STEPS - 3
+    assert len(records) == STEPS - SAVE_AT
     _assert_same_curve(
         (_losses(records), [r["grad_norm"] for r in records]),
-        (ref_losses[3:], ref_norms[3:]),
+        (ref_losses[SAVE_AT:], ref_norms[SAVE_AT:]),
         f"{model} saved at {VISION_SAVE[model]}, resumed in one process",
     )

@@ -119,11 +119,30 @@ def test_backward_schedules_are_the_kernels(fa_recorder, sq, sk, causal, determi
 # (window, shift): a band inside one block, one wider than a block, and bands moved by a context-parallel offset
 # (keys behind the queries, keys ahead of them)
 WINDOWS = [(5, 0), (40, 0), (20, 37), (30, -45)]
+# In the slow set: the band inside one block without a shift (the shifted bands fall inside one 64-wide block and
+# span several 16-wide ones under FA_CONFIGS; (40, 0) keeps the unshifted window) and the whole-block shape (64, 64)
+# (every other shape has whole blocks before its partial one: (40, 40) keeps sq == sk).
+WINDOWED_SLOW = {(5, 0), (64, 64)}
 
 
-@pytest.mark.parametrize("window,shift", WINDOWS, ids=lambda x: str(x))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq,sk", FA_SHAPES)
+def _windowed_cases():
+    return [
+        pytest.param(
+            sq,
+            sk,
+            causal,
+            window,
+            shift,
+            id=f"{sq}-{sk}-{'causal' if causal else 'full'}-{window}-{shift}",
+            marks=[pytest.mark.slow] if {(sq, sk), (window, shift)} & WINDOWED_SLOW else [],
+        )
+        for sq, sk in FA_SHAPES
+        for causal in (False, True)
+        for window, shift in WINDOWS
+    ]
+
+
+@pytest.mark.parametrize("sq,sk,causal,window,shift", _windowed_cases())
 def test_windowed_schedules_are_the_kernels(fa_recorder, sq, sk, causal, window, shift):
     """Sliding-window launches: the forward, the one-pass backward and the dQ kernel visit only the blocks that
     meet the band, and the schedules say so."""
