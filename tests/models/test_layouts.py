@@ -183,11 +183,11 @@ LAYOUTS = {
     "cp2-dp2-zero1": (4, dict(cp=2, distributed_optimizer=True)),
     "tp2-cp2-pp2-recompute": (8, dict(tp=2, cp=2, pp=2, recompute="full")),
     "ep2": (2, dict(ep=2)),
-    "ep4": (4, dict(ep=4)),
+    "ep4": (4, dict(ep=4, moe_a2a_chunks=2)),  # the all-to-all in two overlapped chunks
     "tp2-ep2-sp": (4, dict(tp=2, ep=2, sequence_parallel=True)),
     "pp2-ep2": (4, dict(pp=2, ep=2)),
     "ep2-dp4-zero1": (4, dict(ep=2, distributed_optimizer=True)),
-    "cp2-ep2": (4, dict(cp=2, ep=2)),
+    "cp2-ep2": (4, dict(cp=2, ep=2, moe_dispatcher="allgather")),
     "tp2-dp2-recompute": (4, dict(tp=2, recompute="selective", distributed_optimizer=True)),
     # FSDP2 (ZeRO-3) over the data-parallel ranks of the layout, ZeRO-2, and HSDP (shard over 2, replicate over 2)
     "fsdp4": (4, dict(fsdp=True)),
