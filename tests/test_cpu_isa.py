@@ -119,11 +119,24 @@ def test_an_unknown_isa_is_refused_naming_the_variable(value, message):
 
 
 def test_an_isa_this_cpu_lacks_is_refused():
-    if _best_isa() == "avx512":
-        pytest.fail("this CPU has AVX-512: every ISA runs here, none can be refused")
-    run = _python("import megakernels; megakernels.cpu_isa()", MEGAKERNELS_CPU_ISA="avx512")
-    assert run.returncode != 0
-    assert "MEGAKERNELS_CPU_ISA=avx512 asks for an instruction set this CPU lacks" in run.stderr, run.stderr
+    """The choice's rule for any CPU (``megakernels::cpu_isa_refusal``: what the variable meets on a CPU whose best
+    clone is the first argument) refuses each ISA above the best, naming the variable, and takes the others; on a
+    CPU without AVX-512 the variable itself is refused."""
+    import torch
+
+    refusal = torch.ops.megakernels.cpu_isa_refusal
+    for best, want in (("baseline", "avx2"), ("baseline", "avx512"), ("avx2", "avx512")):
+        message = f"MEGAKERNELS_CPU_ISA={want} asks for an instruction set this CPU lacks (it runs {best} at most)"
+        assert refusal(best, want) == message
+    for best, want in (("avx2", "avx2"), ("avx512", "baseline"), ("avx2", ""), ("avx512", "avx512")):
+        assert refusal(best, want) == ""
+    assert "is not one of baseline, avx2, avx512" in refusal("avx512", "sse9")
+    with pytest.raises(ValueError, match="best must be baseline, avx2 or avx512"):
+        refusal("native", "avx2")
+    if _best_isa() != "avx512":  # this CPU lacks AVX-512: the variable asking for it is refused at the first call
+        run = _python("import megakernels; megakernels.cpu_isa()", MEGAKERNELS_CPU_ISA="avx512")
+        assert run.returncode != 0
+        assert "MEGAKERNELS_CPU_ISA=avx512 asks for an instruction set this CPU lacks" in run.stderr, run.stderr
 
 
 def _disassembly(namespace: str) -> str:

@@ -32,6 +32,19 @@ struct IsaChoice {
   std::string error;  // non-empty: MEGAKERNELS_CPU_ISA asked for what cannot run
 };
 
+// What MEGAKERNELS_CPU_ISA=want chooses on a CPU whose best clone is ``best`` (a portable build).
+[[maybe_unused]] IsaChoice choose_among_clones(CpuIsa best, const std::string& want) {
+  if (want.empty()) return {best, ""};
+  for (int i = 0; i < 3; ++i) {
+    if (want != kIsaNames[i]) continue;
+    if (i > int(best))
+      return {best, "MEGAKERNELS_CPU_ISA=" + want + " asks for an instruction set this CPU lacks (it runs " +
+                        kIsaNames[int(best)] + " at most)"};
+    return {CpuIsa(i), ""};
+  }
+  return {best, "MEGAKERNELS_CPU_ISA=" + want + " is not one of baseline, avx2, avx512"};
+}
+
 IsaChoice choose_cpu_isa() {
   const char* env = std::getenv("MEGAKERNELS_CPU_ISA");
   const std::string want = env ? env : "";
@@ -42,15 +55,7 @@ IsaChoice choose_cpu_isa() {
   const CpuIsa best = __builtin_cpu_supports("x86-64-v4")   ? CpuIsa::kAvx512
                       : __builtin_cpu_supports("x86-64-v3") ? CpuIsa::kAvx2
                                                             : CpuIsa::kBaseline;
-  if (want.empty()) return {best, ""};
-  for (int i = 0; i < 3; ++i) {
-    if (want != kIsaNames[i]) continue;
-    if (i > int(best))
-      return {best, "MEGAKERNELS_CPU_ISA=" + want + " asks for an instruction set this CPU lacks (it runs " +
-                        kIsaNames[int(best)] + " at most)"};
-    return {CpuIsa(i), ""};
-  }
-  return {best, "MEGAKERNELS_CPU_ISA=" + want + " is not one of baseline, avx2, avx512"};
+  return choose_among_clones(best, want);
 #else
   if (want.empty() || want == "native") return {CpuIsa::kNative, ""};
   return {CpuIsa::kNative, "MEGAKERNELS_CPU_ISA=" + want +
@@ -68,6 +73,12 @@ CpuIsa cpu_isa() {
 }
 
 std::string cpu_isa_name() { return kIsaNames[int(cpu_isa())]; }
+
+std::string cpu_isa_refusal(const std::string& best, const std::string& want) {
+  for (int i = 0; i < 3; ++i)
+    if (best == kIsaNames[i]) return choose_among_clones(CpuIsa(i), want).error;
+  TORCH_CHECK_VALUE(false, "cpu_isa_refusal: best must be baseline, avx2 or avx512, got ", best);
+}
 
 DType to_dtype(at::ScalarType t) {
   switch (t) {

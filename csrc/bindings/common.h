@@ -38,6 +38,9 @@ constexpr int64_t kFlagCuda = 1, kFlagEmu = 2;
 enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kNative = 3 };
 CpuIsa cpu_isa();
 std::string cpu_isa_name();  // "baseline", "avx2", "avx512" or "native" (the op megakernels::cpu_isa)
+// The refusal MEGAKERNELS_CPU_ISA=want meets on a CPU whose best clone is best ("" when it is chosen): the choice
+// cpu_isa() makes, for any CPU (the op megakernels::cpu_isa_refusal; tests)
+std::string cpu_isa_refusal(const std::string& best, const std::string& want);
 
 #if defined(MEGAKERNELS_CPU_CLONES)
 template <class F>

@@ -7,6 +7,7 @@
 TORCH_LIBRARY(megakernels, m) {
   m.def("build_flags() -> int", &megakernels::bindings::build_flags);
   m.def("cpu_isa() -> str", &megakernels::bindings::cpu_isa_name);
+  m.def("cpu_isa_refusal(str best, str want) -> str", &megakernels::bindings::cpu_isa_refusal);
 }
 
 // A plain extension module: importing megakernels._C loads the library and runs the registrations above.

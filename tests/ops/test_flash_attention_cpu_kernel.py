@@ -411,11 +411,16 @@ def test_dropout_through_flash_attention_equals_the_pytorch_path():
 
 
 def _cpu_has_avx512_bf16() -> bool:
+    """Whether the kernels running here multiply bf16 panels: a CPU with AVX512-BF16 and the AVX-512 clones chosen
+    (MEGAKERNELS_CPU_ISA may pick a narrower ISA)."""
+    import megakernels
+
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read().split()
+            flags = f.read().split()
     except OSError:
         return False
+    return "avx512_bf16" in flags and megakernels.cpu_isa() in ("avx512", "native")
 
 
 @pytest.mark.parametrize("causal", [False, True])
