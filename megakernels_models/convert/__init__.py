@@ -19,7 +19,19 @@ from __future__ import annotations
 import json
 import os
 
-from megakernels_models.convert import bert, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from megakernels_models.convert import (
+    bert,
+    deepseek_v3,
+    gemma3,
+    gpt2,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from megakernels_models.convert.common import (
     ConversionError,
     apply,
@@ -32,7 +44,10 @@ from megakernels_models.models.config import ModelConfig
 from megakernels_models.models.registry import family
 from megakernels_models.training.checkpoint_store import GENERATION_CONFIG, copy_tokenizer
 
-FAMILIES = {m.MODEL_TYPE: m for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss)}
+FAMILIES = {
+    m.MODEL_TYPE: m
+    for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss, deepseek_v3)
+}
 TOKENIZER = "tokenizer.json"
 
 __all__ = [

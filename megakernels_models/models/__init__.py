@@ -5,4 +5,4 @@ Each family is a folder here registering one spec when imported; the import line
 family adds its name to it).
 """
 
-from megakernels_models.models import bert, gemma, gpt, gpt_oss, llama, qwen, vlm  # noqa: F401  (each registers its FamilySpec)
+from megakernels_models.models import bert, deepseek, gemma, gpt, gpt_oss, llama, qwen, vlm  # noqa: F401  (each registers its FamilySpec)

@@ -28,6 +28,7 @@ from torch import nn
 from megakernels.nn import DocumentMask, FusedLayerNorm, FusedRMSNorm, RotaryEmbedding
 from megakernels.parallel import context, init, state
 from megakernels.parallel.blocks import ParallelGroupedQueryAttention, ParallelMLP, ParallelSelfAttention
+from megakernels.parallel.mla import ParallelMultiLatentAttention
 from megakernels.parallel.moe import MoELayer
 from megakernels.parallel.params import mark_sequence_parallel, mark_shared_embedding
 from megakernels.parallel.random import checkpoint, get_rng_tracker
@@ -118,7 +119,28 @@ class TransformerLayer(nn.Module):
             dtype=dtype,
         )
         self.rotary = c.position_embedding == "rope"
-        if self.rotary:
+        mla = getattr(c, "mla", None)
+        if mla is not None:  # multi-head latent attention (DeepSeek): its rotary part alone is rotated
+            theta, scaling = c.layer_rope(layer_number)
+            rope = RotaryEmbedding(
+                c.qk_rope_head_dim,
+                theta,
+                scaling=scaling,
+                max_positions=c.seq_length if scaling is not None else None,
+                device=device,
+            )
+            self.attention = ParallelMultiLatentAttention(
+                c.hidden_size,
+                c.num_heads,
+                **mla,
+                rotary=rope,
+                norm_eps=c.layernorm_eps,
+                causal=causal,
+                sequence_parallel=sequence_parallel,
+                **{k: v for k, v in common.items() if k not in ("window", "sinks", "softmax_scale")},
+                softmax_scale=c.softmax_scale,
+            )
+        elif self.rotary:
             theta, scaling = c.layer_rope(layer_number)
             rope = RotaryEmbedding(
                 c.head_dim,
