@@ -59,6 +59,13 @@ def count_bytes():
         _bytes = previous
 
 
+def count(kind: str, sent: torch.Tensor) -> None:
+    """Add ``sent``'s bytes under ``kind`` to the active ``count_bytes`` block, if any (collectives launched outside
+    ``_launch``: the MoE dispatchers' asynchronous all-to-alls)."""
+    if _bytes is not None:
+        _bytes[kind] = _bytes.get(kind, 0) + sent.numel() * sent.element_size()
+
+
 def record(event: str, detail: str) -> None:
     """Append an event to the active recorder, if any (a no-op costing one attribute lookup otherwise)."""
     if _events is not None:

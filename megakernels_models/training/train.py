@@ -223,7 +223,7 @@ def train(args: TrainArgs, cfg: ModelConfig | None = None) -> list[dict] | None:
     try:
         from megakernels.parallel.moe import dispatcher
 
-        dispatcher.configure(args.moe_dispatcher, args.moe_a2a_chunks)
+        dispatcher.configure(args.moe_dispatcher, args.moe_a2a_chunks, args.moe_fp8_dispatch)
         task = task_for(cfg)
         if args.dpo:
             task = DPOTask(task, args.dpo_beta, args.dpo_loss, args.dpo_label_smoothing)

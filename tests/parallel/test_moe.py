@@ -190,6 +190,37 @@ def test_the_balancing_bias_moves_by_the_sign_of_the_load_gap():
         update_expert_biases(router, -1.0)
 
 
+@CHECKS.add("fp8_dispatch_sends_fp8_rows_and_stays_within_their_rounding")
+def _(rank, world):
+    from megakernels.parallel import comm
+
+    mp.initialize(1, ep=4)
+    x = randn(S, B, H, seed=50 + rank)
+    dy = randn(S, B, H, seed=60 + rank)
+    results = {}
+    for fp8, chunks in ((False, 1), (True, 1), (True, 2)):
+        layer = MoELayer(H, F_, E, K, seed=77, fp8_dispatch=fp8, a2a_chunks=chunks)
+        xin = x.clone().requires_grad_(True)
+        with comm.count_bytes() as sent:
+            out = layer(xin)
+        out.backward(dy)
+        results[fp8, chunks] = out.detach(), xin.grad, layer.experts.fc1.grad, sent["all_to_all"]
+    ref, ref_dx, ref_dw, ref_bytes = results[False, 1]
+    for key in ((True, 1), (True, 2)):
+        out, dx, dw, nbytes = results[key]
+        assert not torch.equal(out, ref), key  # the rows really travelled as FP8
+        assert_close(out, ref, f"fp8 dispatch {key}: output", rtol=0.08)
+        assert_close(dx, ref_dx, f"fp8 dispatch {key}: input grad", rtol=0.08)
+        assert_close(dw, ref_dw, f"fp8 dispatch {key}: fc1 grad", rtol=0.08)
+        # the dispatch's S·B·K fp32 rows (4 B an element) went as 1 B an element + a 4 B scale a row; the combine
+        # (the rows this rank's experts served, back to their senders) as before
+        rows = S * B * K
+        assert nbytes == ref_bytes - rows * H * 4 + rows * (H + 4), (key, nbytes, ref_bytes)
+    with pytest.raises(ValueError, match="FP8 dispatch is the alltoall dispatcher's"):
+        MoELayer(H, F_, E, K, dispatcher="allgather", fp8_dispatch=True)
+    mp.destroy()
+
+
 @CHECKS.add("the_balancing_bias_is_the_same_on_every_data_parallel_rank")
 def _(rank, world):
     from megakernels.parallel.moe.router import update_expert_biases

@@ -80,6 +80,8 @@ class MoELayer(nn.Module):
             the first token exchange is in flight.
         score, n_group, topk_group, routed_scaling, expert_bias: DeepSeek-V3's routing (``TopKRouter``: sigmoid
             scores, group-limited top-k, the weights' factor, the auxiliary-loss-free balancing bias).
+        fp8_dispatch: the dispatched rows travel as FP8 with a scale a row (``moe.dispatcher``; None:
+            ``dispatcher.configure``'s, the trainer's ``--moe-fp8-dispatch``).
         dispatcher, a2a_chunks: the token dispatcher (``moe.dispatcher``: ``alltoall``, ``allgather`` or a
             registered one) and its number of overlapped chunks; None: ``dispatcher.configure``'s (the trainer's
             ``--moe-dispatcher``, ``--moe-a2a-chunks``).
@@ -113,6 +115,7 @@ class MoELayer(nn.Module):
         shared_experts: int = 0,
         dispatcher: str | None = None,
         a2a_chunks: int | None = None,
+        fp8_dispatch: bool | None = None,
         score: str = "softmax",
         n_group: int = 1,
         topk_group: int | None = None,
@@ -133,10 +136,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"{cls}: capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
         self.num_experts, self.top_k, self.sequence_parallel = num_experts, top_k, bool(sequence_parallel)
         self.aux_loss_coeff, self.z_loss_coeff, self.capacity_factor = aux_loss_coeff, z_loss_coeff, capacity_factor
-        if dispatcher is not None or a2a_chunks is not None:
-            name, chunks = dispatchers.settings(dispatcher, a2a_chunks)
-            dispatchers.make(name, None, 1, chunks)  # checked
-        self.dispatcher, self.a2a_chunks = dispatcher, a2a_chunks
+        if dispatcher is not None or a2a_chunks is not None or fp8_dispatch is not None:
+            name, chunks, fp8 = dispatchers.settings(dispatcher, a2a_chunks, fp8_dispatch)
+            dispatchers.make(name, None, 1, chunks, fp8)  # checked
+        self.dispatcher, self.a2a_chunks, self.fp8_dispatch = dispatcher, a2a_chunks, fp8_dispatch
         local = num_experts // ep
         self.router = TopKRouter(
             hidden_size,
@@ -218,9 +221,9 @@ class MoELayer(nn.Module):
             capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
         # with a capacity and no expert parallelism, fixed-size buffers (every expert `capacity` rows): nothing is
         # read back to the host; the all-to-all of expert parallelism still exchanges the counts and sizes by them
-        name, chunks = dispatchers.settings(self.dispatcher, self.a2a_chunks)
+        name, chunks, fp8 = dispatchers.settings(self.dispatcher, self.a2a_chunks, self.fp8_dispatch)
         ep_group = state.ep_group() if state.ep_size() > 1 else None
-        run = dispatchers.make(name, ep_group, self.num_experts, chunks)
+        run = dispatchers.make(name, ep_group, self.num_experts, chunks, fp8)
         # the shared experts run while the first exchange is in flight
         side = None if self.shared is None else (lambda: self.shared(x))
         out, perm, shared = run(tokens, weights, experts, self.experts, capacity, side)
