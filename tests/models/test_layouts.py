@@ -87,6 +87,7 @@ MODELS = (
     "llama-moe-fp8",
     "gemma",
     "gpt-oss",
+    "deepseek",
 )
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
@@ -114,6 +115,13 @@ GPT_OSS = dict(
     swiglu_alpha=1.702,
 )
 VLM = dict(image_size=16, patch_size=8, vision_layers=1, vision_hidden_size=16, vision_heads=2)
+# DeepSeek-V3: latent attention (a query latent, d_qk 12 = 8 + 4 rotary, d_v 8), the first layer dense, then 4
+# experts in 2 groups (1 eligible) with a shared expert, sigmoid scores scaled by 2.5 and the balancing bias
+DEEPSEEK = dict(
+    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_experts=4,
+    moe_top_k=2, moe_ffn_hidden_size=16, moe_shared_experts=1, moe_first_dense=1, moe_n_group=2, moe_topk_group=1,
+    moe_routed_scaling=2.5, moe_bias_update_rate=0.01, ffn_hidden_size=48,
+)  # fmt: skip
 FAMILY = {
     "gpt": ("gpt", {}),
     "bert": ("bert", {}),
@@ -143,6 +151,7 @@ FAMILY = {
     # gpt-oss: sliding and full layers alternating with sinks, YaRN, attention biases, and top-2 of 4 experts with
     # biases (the down bias replicated over tp), the softmax over the chosen logits and a clamp the activations reach
     "gpt-oss": ("gpt_oss", {**LLAMA, **MOE, **GPT_OSS}),
+    "deepseek": ("deepseek", DEEPSEEK),
 }
 FP8_MODELS = ("gpt-fp8", "llama-fp8", "gpt-moe-fp8", "llama-moe-fp8")
 # An fp32 sum in another order can move an element across an FP8 rounding boundary (an error of one FP8 ulp in one
@@ -221,7 +230,9 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma", "gpt-oss") + PACKED + FP8_MODELS,
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma", "gpt-oss", "deepseek")
+    + PACKED
+    + FP8_MODELS,
     "tp2-sp": DENSE + ("gpt-fp8", "llama-fp8"),
     "tp2-pp2-ep2": ("gpt-moe-fp8", "llama-moe-fp8"),
     "pp2-vpp2-dp2": ("gpt", "bert"),
@@ -232,14 +243,14 @@ ONLY = {
     "pp2-cp2": ("gpt", "llama"),
     "cp2-dp2-zero1": ("llama",),
     "tp2-cp2-pp2-recompute": ("llama",),
-    "ep2": EXPERTS + ("qwen-moe", "gpt-oss"),
+    "ep2": EXPERTS + ("qwen-moe", "gpt-oss", "deepseek"),
     "ep4": EXPERTS,
-    "tp2-ep2-sp": EXPERTS,
+    "tp2-ep2-sp": EXPERTS + ("deepseek",),
     "pp2-ep2": EXPERTS,
     "ep2-dp4-zero1": ("gpt-moe",),
     "cp2-ep2": ("llama-moe",),
     "tp2": DENSE + ("llama-swa", "vlm-x"),
-    "cp2": ("gpt", "llama", "llama-swa", "gemma") + PACKED,
+    "cp2": ("gpt", "llama", "llama-swa", "gemma", "deepseek") + PACKED,
     "tp2-cp2-sp": ("gpt", "llama", "llama-swa"),
     "torch-attention": ("llama-swa",),
     "pp2": DENSE + VISION,
