@@ -263,6 +263,8 @@ LAYOUTS = (
     (1, 4, False, "allgather", 1),
     (2, 2, True, "allgather", 1),
     (1, 2, False, "fake", 2),
+    (1, 4, False, "alltoall", 1, 0.75),  # a capacity: fixed splits, no counts exchanged
+    (2, 2, True, "alltoall", 1, 0.75),
 )
 
 
@@ -290,24 +292,33 @@ def _(rank, world):
 @CHECKS.add("the_layer_split_over_tp_sp_and_ep_matches_the_single_process")
 def _(rank, world):
     dispatcher.register("fake", _FakeBackend)
-    for tp, ep, sp, name, chunks in LAYOUTS:
+    from megakernels.parallel import comm
+
+    for tp, ep, sp, name, chunks, *factor in LAYOUTS:
         mp.initialize(tp, ep=ep)
-        what = f"tp{tp} ep{ep} sp={sp} {name} x{chunks}"
+        factor = factor[0] if factor else None
+        capacity = None if factor is None else math.ceil(factor * S * B * K / E)
+        what = f"tp{tp} ep{ep} sp={sp} {name} x{chunks} capacity {capacity}"
         calls = _FakeBackend.calls
-        layer = MoELayer(H, F_, E, K, sp, seed=77, aux_loss_coeff=0.3, dispatcher=name, a2a_chunks=chunks).double()
+        layer = MoELayer(
+            H, F_, E, K, sp, seed=77, aux_loss_coeff=0.3, dispatcher=name, a2a_chunks=chunks, capacity_factor=factor
+        ).double()
         # each data-parallel rank its own tokens (the expert-parallel exchange mixes them)
         d = mp.dp_rank()
         x = randn(S, B, H, seed=10 + d).double()
         dy = randn(S, B, H, seed=20 + d).double()
         xin = (block(x, 0, mp.tp_rank(), tp) if sp else x).clone().requires_grad_(True)
         set_aux_loss_scale(1.0)
-        out = layer(xin)
+        with comm.record_events() as events:
+            out = layer(xin)
+        counted = ("launch", "all_to_all_counts") in events
+        assert counted == (ep > 1 and name in ("alltoall", "fake") and capacity is None), what
         out.backward(block(dy, 0, mp.tp_rank(), tp) if sp else dy)
         mp.allreduce_sequence_parallel_grads(layer)
         params = _layer_params(layer)
         router, fc1, fc2 = (t.clone().requires_grad_(True) for t in params)
         xr = x.clone().requires_grad_(True)
-        ref, aux, _ = moe_reference(xr.view(-1, H), router, fc1, fc2)
+        ref, aux, _ = moe_reference(xr.view(-1, H), router, fc1, fc2, capacity=capacity)
         ((ref * dy.view(-1, H)).sum() + 0.3 * aux).backward()
         ref = ref.view(S, B, H)
         # this rank's experts also served the tokens of the other ranks of its expert-parallel group
@@ -315,7 +326,8 @@ def _(rank, world):
         for peer in range(group_first, group_first + ep):
             if peer != d:
                 _, f1, f2 = (t.clone().requires_grad_(True) for t in params)
-                out_p, aux_p, _ = moe_reference(randn(S, B, H, seed=10 + peer).double().view(-1, H), params[0], f1, f2)
+                x_p = randn(S, B, H, seed=10 + peer).double().view(-1, H)
+                out_p, aux_p, _ = moe_reference(x_p, params[0], f1, f2, capacity=capacity)
                 (out_p * randn(S, B, H, seed=20 + peer).double().view(-1, H)).sum().backward()
                 fc1.grad += f1.grad
                 fc2.grad += f2.grad

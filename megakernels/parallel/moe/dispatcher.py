@@ -11,7 +11,9 @@ expert outputs ``[T, h]``, the ``Permutation`` of its assignments (drop statisti
   the expert-parallel group (variable splits), the counts first. With ``chunks`` N > 1 the tokens go in N chunks
   whose exchanges are asynchronous: while the experts compute one chunk the next one's rows travel and the previous
   one's outputs go back; the counts of all chunks are exchanged at once, one host read a layer. Dropless only
-  (a capacity keeps the earliest tokens of the whole micro-batch, which chunks cannot see).
+  (a capacity keeps the earliest tokens of the whole micro-batch, which chunks cannot see). With a capacity the
+  splits are fixed (every expert ``capacity`` rows from every rank, padded): no counts are exchanged and nothing is
+  read back to the host.
 - ``fp8`` (with ``alltoall``): the dispatched rows travel as FP8 (e4m3) values with one fp32 scale a row (the row's
   absolute maximum over 448), about half the bytes of bf16 rows, and are dequantised on arrival into the experts'
   input dtype; the gradient travels back in full precision (the quantisation is the identity to autograd: a
@@ -162,6 +164,8 @@ class AllToAllDispatcher:
         n = min(self.chunks, max(1, tokens.shape[0]))
         if n > 1 and capacity is not None:
             raise ValueError("moe dispatcher alltoall: chunks > 1 needs the dropless mode (no capacity factor)")
+        if capacity is not None:
+            return self._fixed(tokens, weights, experts, compute, capacity, side)
         ep, local = self.ep, self.num_local
         bounds = [tokens.shape[0] * c // n for c in range(n + 1)]
         perms = [
@@ -169,6 +173,7 @@ class AllToAllDispatcher:
         ]
         counts = torch.stack([p.group_sizes.to(torch.int64) for p in perms]).view(n, ep, local)
         recv_counts = torch.empty_like(counts.transpose(0, 1).contiguous())  # [source, chunk, local expert]
+        comm.record("launch", "all_to_all_counts")
         dist.all_to_all_single(recv_counts, counts.transpose(0, 1).contiguous(), group=self.group)
         send = counts.sum(2).tolist()  # [chunk][destination]
         recv = recv_counts.sum(2).t().tolist()  # [chunk][source]
@@ -202,6 +207,25 @@ class AllToAllDispatcher:
             dropped = torch.stack([torch.as_tensor(p.dropped) for p in perms]).sum()
         perm = Permutation(None, None, None, tokens.shape[0], experts.shape[1], dropped)
         return out, perm, extra
+
+    def _fixed(self, tokens, weights, experts, compute, capacity, side):
+        """With a capacity: every expert gets ``capacity`` rows from every rank (the assignments past it dropped,
+        the free rows padding), so the exchange's splits are known without counting: no counts exchanged, nothing
+        read back to the host (the sync-free mode under expert parallelism)."""
+        ep, local, c = self.ep, self.num_local, capacity
+        perm = permute(tokens, experts, self.num_experts, capacity, fixed=True)
+        split = [local * c] * ep
+        handle, back_handle = [], []
+        received = _Waited.apply(_Started.apply(perm.rows, split, split, self.group, handle, self.fp8), handle)
+        extra = side() if side is not None else None
+        h = received.shape[1]
+        # received: by source rank, then local expert -> by local expert, then source rank
+        rows = received.view(ep, local, c, h).transpose(0, 1).reshape(local * ep * c, h)
+        sizes = torch.full((local,), ep * c, dtype=torch.int64, device=rows.device)
+        out = compute(rows, sizes)
+        back = out.view(local, ep, c, -1).transpose(0, 1).reshape(ep * local * c, -1)
+        returned = _Waited.apply(_Started.apply(back, split, split, self.group, back_handle), back_handle)
+        return unpermute(returned, perm, weights), perm, extra
 
 
 class AllGatherDispatcher:

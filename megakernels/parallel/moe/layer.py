@@ -219,8 +219,8 @@ class MoELayer(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
-        # with a capacity and no expert parallelism, fixed-size buffers (every expert `capacity` rows): nothing is
-        # read back to the host; the all-to-all of expert parallelism still exchanges the counts and sizes by them
+        # with a capacity, fixed-size buffers (every expert `capacity` rows, from every rank under expert
+        # parallelism): no counts exchanged, nothing read back to the host
         name, chunks, fp8 = dispatchers.settings(self.dispatcher, self.a2a_chunks, self.fp8_dispatch)
         ep_group = state.ep_group() if state.ep_size() > 1 else None
         run = dispatchers.make(name, ep_group, self.num_experts, chunks, fp8)
