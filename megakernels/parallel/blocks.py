@@ -33,7 +33,7 @@ from megakernels.parallel.params import mark_fused, mark_sequence_parallel, mark
 from megakernels.parallel.random import checkpoint, get_rng_tracker
 
 
-def _sub_seed(seed: int | None, name: str) -> int | None:
+def sub_seed(seed: int | None, name: str) -> int | None:
     return None if seed is None else init.derive_seed(seed, name)
 
 
@@ -99,7 +99,7 @@ class ParallelMLP(nn.Module):
             overlap_comm=overlap_comm,
             stride=2 if gated else 1,
             init_method=init_method,
-            seed=_sub_seed(seed, "fc1"),
+            seed=sub_seed(seed, "fc1"),
             device=device,
             dtype=dtype,
         )
@@ -109,7 +109,7 @@ class ParallelMLP(nn.Module):
             bias,
             sequence_parallel=sequence_parallel,
             init_method=output_init_method or init_method,
-            seed=_sub_seed(seed, "fc2"),
+            seed=sub_seed(seed, "fc2"),
             device=device,
             dtype=dtype,
         )
@@ -183,7 +183,7 @@ class ParallelSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.causal = hidden_size, num_heads, bool(causal)
         self.head_dim = hidden_size // num_heads
         self.local_heads = num_heads // state.tp_size()
-        self.core, self.window = _core(self, core, causal, attention_dropout, window, sinks)
+        self.core, self.window = make_core(self, core, causal, attention_dropout, window, sinks)
         self.sinks = _sinks(self.local_heads, sinks, device)
         self.recompute = bool(recompute)
         self.qkv = ColumnParallelLinear(
@@ -193,7 +193,7 @@ class ParallelSelfAttention(nn.Module):
             sequence_parallel=sequence_parallel,
             overlap_comm=overlap_comm,
             init_method=init_method,
-            seed=_sub_seed(seed, "qkv"),
+            seed=sub_seed(seed, "qkv"),
             device=device,
             dtype=dtype,
         )
@@ -203,14 +203,14 @@ class ParallelSelfAttention(nn.Module):
             bias,
             sequence_parallel=sequence_parallel,
             init_method=output_init_method or init_method,
-            seed=_sub_seed(seed, "proj"),
+            seed=sub_seed(seed, "proj"),
             device=device,
             dtype=dtype,
         )
         mark_fused(self.qkv.weight, parts=3, head_dim=self.head_dim, head_major=True)  # rows (head, {q,k,v}, d)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        _check_3d(self, x)
+        check_3d(self, x)
         qkv = self.qkv(x)  # [s, b, 3h/tp] (the whole sequence, also under sequence parallelism)
         s, b = qkv.shape[:2]
         # [b, s, heads, d] views, unbound before the transpose: their gradients then stack token-major, the layout of
@@ -218,7 +218,7 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) for t in qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(3))
         if kv_cache is not None:
             k, v = kv_cache.update(self, k, v)
-        ctx = _attend(self, q, k, v, attention_mask)
+        ctx = attend(self, q, k, v, attention_mask)
         return self.proj(ctx.permute(1, 0, 2, 3).reshape(s, b, self.local_heads * self.head_dim))
 
 
@@ -232,7 +232,7 @@ def _check_heads(module: nn.Module, hidden_size: int, num_heads: int, attention_
         raise ValueError(f"{cls}: attention_dropout must be in [0, 1), got {attention_dropout}")
 
 
-def _core(
+def make_core(
     module: nn.Module,
     core,
     causal: bool,
@@ -272,7 +272,7 @@ def _sink_logits(module: nn.Module, q: torch.Tensor) -> torch.Tensor | None:
     return sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def _check_3d(module: nn.Module, x: torch.Tensor) -> None:
+def check_3d(module: nn.Module, x: torch.Tensor) -> None:
     if x.dim() != 3:
         raise ValueError(f"{type(module).__name__}: x must be [s, b, h] (sequence first), got shape {tuple(x.shape)}")
 
@@ -328,7 +328,7 @@ def _observe_logits(module: nn.Module, q, k, mask) -> None:
         module.max_logits = torch.maximum(module.max_logits, got)
 
 
-def _attend(module: nn.Module, q, k, v, mask):
+def attend(module: nn.Module, q, k, v, mask):
     """The attention core on ``[b, s, heads, d]`` q, k, v: the module's core, or ring attention over the context-
     parallel group; recomputed in backward with selective recomputation. A block tracked by qk-clip
     (``megakernels.optim.qk_clip.track``) first raises its maximum logit per head, while training."""
@@ -423,7 +423,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         self.head_dim = d = hidden_size // num_heads if head_dim is None else int(head_dim)
         replicas = max(1, tp // num_kv_heads)
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads * replicas // tp
-        self.core, self.window = _core(self, core, causal, attention_dropout, window, sinks, softmax_scale)
+        self.core, self.window = make_core(self, core, causal, attention_dropout, window, sinks, softmax_scale)
         self.sinks = _sinks(self.local_heads, sinks, device)
         self.rotary = rotary
         self.q = ColumnParallelLinear(
@@ -432,7 +432,7 @@ class ParallelGroupedQueryAttention(nn.Module):
             bias,
             sequence_parallel=sequence_parallel,
             init_method=init_method,
-            seed=_sub_seed(seed, "q"),
+            seed=sub_seed(seed, "q"),
             device=device,
             dtype=dtype,
         )
@@ -444,7 +444,7 @@ class ParallelGroupedQueryAttention(nn.Module):
             stride=2,
             replicas=replicas,
             init_method=init_method,
-            seed=_sub_seed(seed, "kv"),
+            seed=sub_seed(seed, "kv"),
             device=device,
             dtype=dtype,
         )
@@ -454,7 +454,7 @@ class ParallelGroupedQueryAttention(nn.Module):
             bias if proj_bias is None else proj_bias,
             sequence_parallel=sequence_parallel,
             init_method=output_init_method or init_method,
-            seed=_sub_seed(seed, "proj"),
+            seed=sub_seed(seed, "proj"),
             device=device,
             dtype=dtype,
         )
@@ -473,7 +473,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         positions: torch.Tensor | None = None,
         kv_cache=None,
     ) -> torch.Tensor:
-        _check_3d(self, x)
+        check_3d(self, x)
         weight = torch.cat([self.q.weight, self.kv.weight])
         bias = None if self.q.bias is None else torch.cat([self.q.bias, self.kv.bias])
         y = linear_with_async_comm(x, weight, bias, state.tp_group(), self.sequence_parallel, self.overlap_comm)
@@ -488,7 +488,7 @@ class ParallelGroupedQueryAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self, k, v)
-        ctx = _attend(self, q, k, v, attention_mask)
+        ctx = attend(self, q, k, v, attention_mask)
         return self.proj(ctx.transpose(0, 1).reshape(s, b, nq * d))
 
 
@@ -541,7 +541,7 @@ class ParallelCrossAttention(nn.Module):
             hidden_size,
             bias,
             init_method=init_method,
-            seed=_sub_seed(seed, "q"),
+            seed=sub_seed(seed, "q"),
             device=device,
             dtype=dtype,
         )
@@ -551,7 +551,7 @@ class ParallelCrossAttention(nn.Module):
             bias,
             stride=2,
             init_method=init_method,
-            seed=_sub_seed(seed, "kv"),
+            seed=sub_seed(seed, "kv"),
             device=device,
             dtype=dtype,
         )
@@ -560,7 +560,7 @@ class ParallelCrossAttention(nn.Module):
             hidden_size,
             bias,
             init_method=output_init_method or init_method,
-            seed=_sub_seed(seed, "proj"),
+            seed=sub_seed(seed, "proj"),
             device=device,
             dtype=dtype,
         )
@@ -568,8 +568,8 @@ class ParallelCrossAttention(nn.Module):
         mark_fused(self.kv.weight, parts=2, head_dim=self.head_dim)  # [keys; values]
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        _check_3d(self, x)
-        _check_3d(self, context)
+        check_3d(self, x)
+        check_3d(self, context)
         if state.is_initialized() and state.cp_size() > 1:
             raise ValueError(
                 f"{type(self).__name__}: context parallelism is not supported (the context would have "
@@ -578,5 +578,5 @@ class ParallelCrossAttention(nn.Module):
         (sq, b), sk, d, n = x.shape[:2], context.shape[0], self.head_dim, self.local_heads
         q = self.q(x).view(sq, b, n, d).transpose(0, 1)
         k, v = (t.transpose(0, 1) for t in self.kv(context).view(sk, b, 2, n, d).unbind(2))
-        ctx = _attend(self, q, k, v, None)  # [b, sq, n, d]
+        ctx = attend(self, q, k, v, None)  # [b, sq, n, d]
         return self.proj(ctx.transpose(0, 1).reshape(sq, b, n * d))

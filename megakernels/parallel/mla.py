@@ -28,7 +28,7 @@ from torch import nn
 
 from megakernels.nn.norms import FusedRMSNorm
 from megakernels.parallel import init, mappings, state
-from megakernels.parallel.blocks import _attend, _check_3d, _core, _sub_seed
+from megakernels.parallel.blocks import attend, check_3d, make_core, sub_seed
 from megakernels.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megakernels.parallel.params import mark_sequence_parallel
 
@@ -128,26 +128,26 @@ class ParallelMultiLatentAttention(nn.Module):
         self.causal, self.recompute = bool(causal), bool(recompute)
         self.sequence_parallel, self.rope_interleave = bool(sequence_parallel), bool(rope_interleave)
         scale = self.qk_dim**-0.5 if softmax_scale is None else softmax_scale
-        self.core, self.window = _core(self, core, causal, attention_dropout, None, False, scale)
+        self.core, self.window = make_core(self, core, causal, attention_dropout, None, False, scale)
         self.sinks = None
         self.rotary = rotary
         out_q = num_heads * self.qk_dim
         common = dict(device=device, dtype=dtype)
         if q_lora_rank is None:
             self.q = ColumnParallelLinear(
-                hidden_size, out_q, False, init_method=init_method, seed=_sub_seed(seed, "q"), **common
+                hidden_size, out_q, False, init_method=init_method, seed=sub_seed(seed, "q"), **common
             )
             self.q_a = self.q_a_bias = self.q_a_norm = self.q_b = None
         else:
             self.q = None
-            self.q_a = _replicated(q_lora_rank, hidden_size, _sub_seed(seed, "q_a"), init_method, **common)
+            self.q_a = _replicated(q_lora_rank, hidden_size, sub_seed(seed, "q_a"), init_method, **common)
             self.q_a_bias = self._bias(q_lora_rank, bias, **common)
             self.q_a_norm = FusedRMSNorm(q_lora_rank, norm_eps, **common)
             self.q_b = ColumnParallelLinear(
-                q_lora_rank, out_q, False, init_method=init_method, seed=_sub_seed(seed, "q_b"), **common
+                q_lora_rank, out_q, False, init_method=init_method, seed=sub_seed(seed, "q_b"), **common
             )
         self.kv_a = _replicated(
-            kv_lora_rank + qk_rope_head_dim, hidden_size, _sub_seed(seed, "kv_a"), init_method, **common
+            kv_lora_rank + qk_rope_head_dim, hidden_size, sub_seed(seed, "kv_a"), init_method, **common
         )
         self.kv_a_bias = self._bias(kv_lora_rank + qk_rope_head_dim, bias, **common)
         self.kv_a_norm = FusedRMSNorm(kv_lora_rank, norm_eps, **common)
@@ -156,7 +156,7 @@ class ParallelMultiLatentAttention(nn.Module):
             num_heads * (qk_nope_head_dim + v_head_dim),
             False,
             init_method=init_method,
-            seed=_sub_seed(seed, "kv_b"),
+            seed=sub_seed(seed, "kv_b"),
             **common,
         )
         for norm in (self.q_a_norm, self.kv_a_norm):
@@ -168,7 +168,7 @@ class ParallelMultiLatentAttention(nn.Module):
             bias,
             sequence_parallel=sequence_parallel,
             init_method=output_init_method or init_method,
-            seed=_sub_seed(seed, "proj"),
+            seed=sub_seed(seed, "proj"),
             **common,
         )
 
@@ -187,7 +187,7 @@ class ParallelMultiLatentAttention(nn.Module):
         positions: torch.Tensor | None = None,
         kv_cache=None,
     ) -> torch.Tensor:
-        _check_3d(self, x)
+        check_3d(self, x)
         if self.sequence_parallel:
             full = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
         else:
@@ -214,5 +214,5 @@ class ParallelMultiLatentAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self, k, v)
-        ctx = _attend(self, q, k, v, attention_mask)
+        ctx = attend(self, q, k, v, attention_mask)
         return self.proj(ctx.transpose(0, 1).reshape(s, b, nh * self.v_dim))

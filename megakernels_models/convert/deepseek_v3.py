@@ -84,7 +84,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             ]
         if not cfg.is_moe_layer(i):
             out += [
-                llama._packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
+                llama.packed_rule(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
                 copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight"),
             ]
             continue
@@ -97,7 +97,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         ]
         if cfg.moe_shared_experts:
             out += [
-                llama._packed(
+                llama.packed_rule(
                     m + "mlp.shared.fc1.weight",
                     (x + "shared_experts.gate_proj.weight", x + "shared_experts.up_proj.weight"),
                 ),
@@ -112,8 +112,6 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     Raises:
         ConversionError: a setting megakernels' DeepSeek does not have (naming it).
     """
-    from megakernels_models.models.deepseek import DeepseekConfig
-
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"hidden_act {hf['hidden_act']!r}: megakernels' DeepSeek MLPs are SwiGLU (silu)")
     if hf.get("attention_bias", False):
@@ -127,7 +125,8 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
     if int(hf.get("num_key_value_heads") or n) != n:
         raise ConversionError("num_key_value_heads != num_attention_heads: latent attention has a key per head")
     experts = int(hf.get("n_routed_experts") or 0)
-    return DeepseekConfig(
+    return ModelConfig(
+        "deepseek",
         **llama.rope_scaling_to_ours(scaling, yarn=True, max_positions=hf["max_position_embeddings"]),
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],

@@ -42,7 +42,7 @@ def _rows(cfg: ModelConfig, heads: int):
     return (lambda t: _interleave(t, heads, True)), (lambda t: _interleave(t, heads, False))
 
 
-def _packed(ours: str, theirs: tuple[str, str], first=None) -> Rule:
+def packed_rule(ours: str, theirs: tuple[str, str], first=None) -> Rule:
     """Our ``[a; b]`` packed rows <-> their two tensors (``first`` maps the first part, e.g. the key rows)."""
     to_ours_first, to_theirs_first = first or ((lambda t: t), (lambda t: t))
 
@@ -74,7 +74,7 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
                 lambda ts: [q_to_ours(ts[0])],
                 lambda ts: [q_to_theirs(ts[0])],
             ),
-            _packed(
+            packed_rule(
                 m + "attention.kv.weight",
                 (a + "self_attn.k_proj.weight", a + "self_attn.v_proj.weight"),
                 _rows(cfg, cfg.num_kv_heads),
@@ -85,7 +85,7 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
             mlp(i, a, m)
             if mlp is not None
             else [
-                _packed(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
+                packed_rule(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
                 copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight"),
             ]
         )
@@ -97,7 +97,7 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
                     lambda ts: [q_to_ours(ts[0])],
                     lambda ts: [q_to_theirs(ts[0])],
                 ),
-                _packed(
+                packed_rule(
                     m + "attention.kv.bias",
                     (a + "self_attn.k_proj.bias", a + "self_attn.v_proj.bias"),
                     _rows(cfg, cfg.num_kv_heads),
@@ -112,7 +112,7 @@ def rules(cfg: ModelConfig, mlp=None) -> list[Rule]:
             out.append(copy(m + "attention.proj.bias", a + "self_attn.o_proj.bias"))
         if cfg.bias and mlp is None:  # the dense MLP's; a family's own MLP rules carry its biases
             out += [
-                _packed(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
+                packed_rule(m + "mlp.fc1.bias", (a + "mlp.gate_proj.bias", a + "mlp.up_proj.bias")),
                 copy(m + "mlp.fc2.bias", a + "mlp.down_proj.bias"),
             ]
     return out
@@ -132,7 +132,7 @@ def expert_rules(cfg: ModelConfig, m: str, router: str, expert: str, names: tupl
     for e in range(cfg.num_experts):
         x = expert.format(e)
         out += [
-            _packed(f"{m}mlp.experts.{e}.fc1", (x + gate, x + up)),
+            packed_rule(f"{m}mlp.experts.{e}.fc1", (x + gate, x + up)),
             copy(f"{m}mlp.experts.{e}.fc2", x + down),
         ]
     return out
