@@ -132,3 +132,21 @@ def _no_process_group_left_behind(request):
             f"{request.module.__name__} left a torch.distributed process group initialised: end the world it "
             "started (megakernels_models.inference.pretrained.release(), megakernels.parallel.destroy())"
         )
+
+
+# MEGAKERNELS_TEST_TIMES=<path>: the controller writes each test file's summed setup/call/teardown time there
+# (seconds, longest first), to see where the suite's time goes and to order LONG_POLES by it.
+_FILE_TIMES: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_TIMES[path] = _FILE_TIMES.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("MEGAKERNELS_TEST_TIMES")
+    if out and not hasattr(session.config, "workerinput"):  # the controller, or a run without xdist
+        rows = sorted(_FILE_TIMES.items(), key=lambda kv: -kv[1])
+        with open(out, "w") as f:
+            f.writelines(f"{t:8.1f}  {p}\n" for p, t in rows)
