@@ -80,6 +80,7 @@ ROPE_FIELDS = (
 
 # Per-layer attention (gpt-oss, Gemma 3): each layer's type, the sliding layers' rotary base, learnable sinks.
 ATTENTION_FIELDS = ("layer_types", "local_rope_theta", "sinks")
+MTP_FIELDS = ("mtp_layers", "mtp_loss_weight")
 LAYER_TYPE_NAMES = {"sliding": "sliding_attention", "full": "full_attention"}
 
 
@@ -108,6 +109,7 @@ ARCHITECTURE_SETTINGS = (
     *ATTENTION_FIELDS,
     "dropout",
     *MOE_FIELDS,
+    *MTP_FIELDS,
     *FAMILY_SETTINGS,
 )
 __all__ = ["TrainArgs", "validate", "ArgumentError"]
@@ -190,6 +192,15 @@ class _Settings:
     )
     sinks: bool | None = setting(
         None, "a learnable sink logit per attention head in every softmax (gpt-oss) (default: the preset's)", MODEL
+    )
+    mtp_layers: int | None = setting(
+        None,
+        "multi-token prediction (DeepSeek-V3): N modules on the last stage, module k predicting the token k+1 after "
+        "the next (default: the preset's, else 0)",
+        MODEL,
+    )
+    mtp_loss_weight: float | None = setting(
+        None, "the multi-token prediction loss's weight in the gradient (default: the preset's, else 0.1)", MODEL
     )
     num_experts: int | None = setting(
         None, "experts per mixture-of-experts layer (default: the preset's; 0: dense)", MOE
@@ -648,7 +659,7 @@ class TrainArgs(*(spec.settings for spec in registry.families() if spec.settings
         sizes = {k: getattr(self, k) for k in SIZES}
         if self.sliding_window:
             sizes["sliding_window"] = self.sliding_window
-        for name in ("rope_theta",) + ROPE_FIELDS + ATTENTION_FIELDS + MOE_FIELDS + tuple(FAMILY_SETTINGS):
+        for name in ("rope_theta",) + ROPE_FIELDS + ATTENTION_FIELDS + MOE_FIELDS + MTP_FIELDS + tuple(FAMILY_SETTINGS):
             if getattr(self, name) is not None:
                 sizes[name] = getattr(self, name)
         if self.layer_types is not None:
@@ -1007,6 +1018,22 @@ def _check_grpo(a: TrainArgs, cfg: ModelConfig) -> None:
             raise ArgumentError(f"{_flag(name)} must be > 0, got {value}")
 
 
+def _check_mtp(a: TrainArgs, cfg: ModelConfig) -> None:
+    if not cfg.mtp_layers:
+        return
+    spec = registry.family(cfg.model)
+    if not spec.text_generation or cfg.num_image_tokens:
+        lms = registry.titles(lambda f: f.text_generation)
+        raise ArgumentError(f"--mtp-layers is for causal language models ({lms}), not --model {cfg.model}")
+    if a.cp > 1:
+        raise ArgumentError(
+            "--mtp-layers reads the tokens ahead of each position, which --cp splits over ranks: use --cp 1"
+        )
+    for name in ("dpo", "grpo"):
+        if getattr(a, name):
+            raise ArgumentError(f"--mtp-layers is a pre-training objective: drop it for {_flag(name)}")
+
+
 def _check_dispatch(a: TrainArgs, cfg: ModelConfig) -> None:
     if a.moe_dispatcher not in _dispatchers().names():
         raise ArgumentError(
@@ -1163,6 +1190,7 @@ def _validate(a: TrainArgs) -> ModelConfig:
     _check_post_training(a, cfg)
     _check_grpo(a, cfg)
     _check_dispatch(a, cfg)
+    _check_mtp(a, cfg)
     for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "moe_bias_update_rate"):
         finite_number(getattr(a, name), _flag(name), error=ArgumentError)
     if a.moe_bias_update_rate < 0:

@@ -86,7 +86,10 @@ def hf_to_megakernels(
     if rope_interleaved and not rotary:
         raise ConversionError(f"--rope-interleaved is for Llama and Mixtral models, not {fam.MODEL_TYPE}")
     cfg = fam.config_to_ours(hf, rope_interleaved) if rotary else fam.config_to_ours(hf)
-    ours = apply(fam.rules(cfg), fam.normalize(tensors), "to_ours", fam.IGNORED, fam.tied(cfg))
+    tensors = fam.normalize(tensors)
+    if getattr(cfg, "mtp_layers", 0) and hasattr(fam, "mtp_layers_in"):  # the config may name layers not saved
+        cfg = cfg.replace(mtp_layers=fam.mtp_layers_in(tensors, cfg))
+    ours = apply(fam.rules(cfg), tensors, "to_ours", fam.IGNORED, fam.tied(cfg))
     source = f"hf-{fam.MODEL_TYPE}"
     if vision_dir is not None:
         from megakernels_models.convert.clip import with_clip_vision

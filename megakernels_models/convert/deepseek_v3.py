@@ -59,50 +59,88 @@ def _experts(m: str, theirs: str, leaf: str, num_experts: int) -> Rule:
     return Rule(ours, (theirs,), lambda ts: [t.contiguous() for t in ts[0].unbind(0)], lambda ts: [torch.stack(ts)])
 
 
+def _shared(ours: str, theirs: list[str]) -> Rule:
+    """One of our tensors that the checkpoint stores several times (the embedding and the head, again in each
+    multi-token prediction layer): written to each, read back from the first after checking that the copies agree."""
+
+    def to_ours(ts):
+        for name, t in zip(theirs[1:], ts[1:]):
+            if not torch.equal(t, ts[0]):
+                raise ConversionError(f"{name!r} differs from {theirs[0]!r}; megakernels shares one tensor")
+        return [ts[0]]
+
+    return Rule((ours,), tuple(theirs), to_ours, lambda ts: [ts[0]] + [ts[0].clone() for _ in theirs[1:]])
+
+
 def rules(cfg: ModelConfig) -> list[Rule]:
-    out = [copy("embedding.word.weight", "model.embed_tokens.weight"), copy("final_norm.weight", "model.norm.weight")]
+    """Every layer's rules; with multi-token prediction its modules are the checkpoint's layers after the last
+    (DeepSeek's layout: ``model.layers.<L + k>.{enorm, hnorm, eh_proj, shared_head.norm}`` and the decoder layer's
+    tensors, with copies of the embedding and the head, ``embed_tokens`` and ``shared_head.head``)."""
+    extra = [f"model.layers.{cfg.num_layers + j}." for j in range(cfg.mtp_layers)]
+    out = [
+        _shared("embedding.word.weight", ["model.embed_tokens.weight"] + [a + "embed_tokens.weight" for a in extra]),
+        copy("final_norm.weight", "model.norm.weight"),
+    ]
     if not cfg.tie_embeddings:
-        out.append(copy("output_layer.weight", "lm_head.weight"))
+        out.append(_shared("output_layer.weight", ["lm_head.weight"] + [a + "shared_head.head.weight" for a in extra]))
     for i in range(cfg.num_layers):
-        a, m = f"model.layers.{i}.", f"layers.{i}."
-        s = a + "self_attn."
+        out += _layer(cfg, i, f"layers.{i}.", f"model.layers.{i}.")
+    for j, a in enumerate(extra):
+        m = f"mtp.{j}."
+        out += [copy(m + n + ".weight", a + n + ".weight") for n in ("enorm", "hnorm", "eh_proj")]
+        out += [copy(m + "norm.weight", a + "shared_head.norm.weight")]
+        out += _layer(cfg, cfg.num_layers + j, m + "layer.", a)
+    return out
+
+
+def mtp_layers_in(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
+    """How many of the multi-token prediction layers ``cfg`` names the (normalised) checkpoint holds: those
+    transformers saves are without them (it drops them on load), DeepSeek's own with them."""
+    n = 0
+    while n < cfg.mtp_layers and f"model.layers.{cfg.num_layers + n}.eh_proj.weight" in tensors:
+        n += 1
+    return n
+
+
+def _layer(cfg: ModelConfig, i: int, m: str, a: str) -> list[Rule]:
+    """Decoder layer ``i``'s rules: ours under ``m``, theirs under ``a``."""
+    s = a + "self_attn."
+    out = [
+        copy(m + "input_norm.weight", a + "input_layernorm.weight"),
+        copy(m + "post_attention_norm.weight", a + "post_attention_layernorm.weight"),
+        copy(m + "attention.kv_a", s + "kv_a_proj_with_mqa.weight"),
+        copy(m + "attention.kv_a_norm.weight", s + "kv_a_layernorm.weight"),
+        copy(m + "attention.kv_b.weight", s + "kv_b_proj.weight"),
+        copy(m + "attention.proj.weight", s + "o_proj.weight"),
+    ]
+    if cfg.q_lora_rank is None:
+        out.append(copy(m + "attention.q.weight", s + "q_proj.weight"))
+    else:
         out += [
-            copy(m + "input_norm.weight", a + "input_layernorm.weight"),
-            copy(m + "post_attention_norm.weight", a + "post_attention_layernorm.weight"),
-            copy(m + "attention.kv_a", s + "kv_a_proj_with_mqa.weight"),
-            copy(m + "attention.kv_a_norm.weight", s + "kv_a_layernorm.weight"),
-            copy(m + "attention.kv_b.weight", s + "kv_b_proj.weight"),
-            copy(m + "attention.proj.weight", s + "o_proj.weight"),
+            copy(m + "attention.q_a", s + "q_a_proj.weight"),
+            copy(m + "attention.q_a_norm.weight", s + "q_a_layernorm.weight"),
+            copy(m + "attention.q_b.weight", s + "q_b_proj.weight"),
         ]
-        if cfg.q_lora_rank is None:
-            out.append(copy(m + "attention.q.weight", s + "q_proj.weight"))
-        else:
-            out += [
-                copy(m + "attention.q_a", s + "q_a_proj.weight"),
-                copy(m + "attention.q_a_norm.weight", s + "q_a_layernorm.weight"),
-                copy(m + "attention.q_b.weight", s + "q_b_proj.weight"),
-            ]
-        if not cfg.is_moe_layer(i):
-            out += [
-                llama.packed_rule(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
-                copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight"),
-            ]
-            continue
-        x = a + "mlp."
+    if not cfg.is_moe_layer(i):
+        return out + [
+            llama.packed_rule(m + "mlp.fc1.weight", (a + "mlp.gate_proj.weight", a + "mlp.up_proj.weight")),
+            copy(m + "mlp.fc2.weight", a + "mlp.down_proj.weight"),
+        ]
+    x = a + "mlp."
+    out += [
+        copy(m + "mlp.router.weight", x + "gate.weight"),
+        copy(m + "mlp.router.expert_bias", x + "gate.e_score_correction_bias"),
+        _experts(m, x + "experts.gate_up_proj", "fc1", cfg.num_experts),
+        _experts(m, x + "experts.down_proj", "fc2", cfg.num_experts),
+    ]
+    if cfg.moe_shared_experts:
         out += [
-            copy(m + "mlp.router.weight", x + "gate.weight"),
-            copy(m + "mlp.router.expert_bias", x + "gate.e_score_correction_bias"),
-            _experts(m, x + "experts.gate_up_proj", "fc1", cfg.num_experts),
-            _experts(m, x + "experts.down_proj", "fc2", cfg.num_experts),
+            llama.packed_rule(
+                m + "mlp.shared.fc1.weight",
+                (x + "shared_experts.gate_proj.weight", x + "shared_experts.up_proj.weight"),
+            ),
+            copy(m + "mlp.shared.fc2.weight", x + "shared_experts.down_proj.weight"),
         ]
-        if cfg.moe_shared_experts:
-            out += [
-                llama.packed_rule(
-                    m + "mlp.shared.fc1.weight",
-                    (x + "shared_experts.gate_proj.weight", x + "shared_experts.up_proj.weight"),
-                ),
-                copy(m + "mlp.shared.fc2.weight", x + "shared_experts.down_proj.weight"),
-            ]
     return out
 
 
@@ -158,6 +196,7 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
         moe_score="sigmoid",
         moe_expert_bias=True,
         moe_aux_loss_coeff=0.0,
+        mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0),
     )
 
 
@@ -212,6 +251,7 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": rope,
         "rope_interleave": cfg.mla_rope_interleave,
+        "num_nextn_predict_layers": cfg.mtp_layers,
         "attention_bias": False,
         "attention_dropout": cfg.attention_dropout,
         "torch_dtype": "float32",

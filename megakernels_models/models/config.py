@@ -124,6 +124,10 @@ class ModelConfig:
             ``moe_topk_group`` best eligible; 1, None: off).
         moe_routed_scaling: the routed experts' weights' factor (routed_scaling_factor).
         moe_expert_bias: DeepSeek's auxiliary-loss-free balancing bias in every router (``TopKRouter``).
+        mtp_layers: multi-token prediction (DeepSeek-V3): that many sequential modules on the last pipeline stage,
+            module ``k`` predicting the token ``k + 1`` after the next from the previous module's hidden state and
+            the embedding of the token ``k`` ahead (``models.transformer.MultiTokenPrediction``; 0: none).
+        mtp_loss_weight: λ: their mean loss enters the training gradient as ``λ · mtp_loss``.
     """
 
     model: str = DEFAULT
@@ -179,6 +183,8 @@ class ModelConfig:
     moe_topk_group: int | None = None
     moe_routed_scaling: float = 1.0
     moe_expert_bias: bool = False
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.1
 
     family = None  # the family's name, set by each subclass
     DEFAULTS = {}  # the family's values of the architecture fields left None
@@ -295,6 +301,13 @@ class ModelConfig:
                 )
             if not self.moe_routed_scaling > 0:
                 raise ValueError(f"ModelConfig: moe_routed_scaling must be > 0, got {self.moe_routed_scaling}")
+        positive_int(self.mtp_layers, "mtp_layers", where="ModelConfig", minimum=0)
+        if not self.mtp_loss_weight >= 0:
+            raise ValueError(f"ModelConfig: mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
+        if self.mtp_layers and self.norm_position != "pre":
+            raise ValueError("ModelConfig: multi-token prediction (mtp_layers) is for pre-norm models")
+        if self.mtp_layers and self.layer_types is not None:
+            raise ValueError("ModelConfig: multi-token prediction (mtp_layers) with per-layer attention kinds")
         for name in ("dropout", "attention_dropout"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -552,7 +565,22 @@ class ModelConfig:
         return sum(self.layer_attended_keys(i) for i in range(self.num_layers)) / self.num_layers
 
     def forward_flops_per_token(self) -> dict[str, float]:
-        """Forward FLOPs per token: ``{"layers_gemm", "attention", "head"}`` (all layers together)."""
+        """Forward FLOPs per token: ``{"layers_gemm", "attention", "head"}`` (all layers together), the
+        multi-token prediction modules' included: each adds its projection ``2·2h·h``, one more layer (the next
+        index's: a MoE layer after dense ones) and the output head again."""
+        out = self.main_forward_flops_per_token()
+        if self.mtp_layers:
+            d = self.mtp_layers
+            deeper = dataclasses.replace(self, num_layers=self.num_layers + d, mtp_layers=0)
+            more = deeper.main_forward_flops_per_token()
+            h = self.hidden_size
+            out["layers_gemm"] = more["layers_gemm"] + 2.0 * 2 * h * h * d
+            out["attention"] = more["attention"]
+            out["head"] *= 1 + d
+        return out
+
+    def main_forward_flops_per_token(self) -> dict[str, float]:
+        """``forward_flops_per_token`` without multi-token prediction (what a family overrides)."""
         h, f, l, V = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.vocab_size
         moe = self.num_moe_layers
         # a MoE layer's MLP: the router, top_k experts and the shared experts per token (the active parameters)

@@ -72,25 +72,50 @@ class CausalLMTask(Task):
     the whole global batch, so it does not depend on how samples were packed or split over micro-batches and
     ranks."""
 
+    _mtp_shares: list[torch.Tensor] | None = None
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return ("mtp_loss",) if self.config.mtp_layers else ()
+
     def normalizers(self, micro, global_batch, device):
         return {"tokens": count_labels(micro, "labels")}  # every token of the global batch when none is -100
 
     def forward(self, model, batch, hidden, norm):
-        out = self.run_model(model, batch, hidden)
-        return out.sum() / norm["tokens"] if model.post_process else out
+        """The micro-batch's share of the loss. With multi-token prediction (``ModelConfig.mtp_layers``) the
+        share's value is the main head's alone and its gradient that of ``main + λ · mtp_loss``, ``mtp_loss`` the
+        depths' mean loss, each over the global batch's labelled tokens (as DeepSeek-V3 weighs them), logged as
+        ``mtp_loss``."""
+        if not model.post_process:
+            return self.run_model(model, batch, hidden)
+        if getattr(model, "mtp", None) is None:
+            return self.run_model(model, batch, hidden).sum() / norm["tokens"]
+        out, depths = self.run_model(model, batch, hidden, mtp=True)
+        mtp = torch.stack([d.sum() for d in depths]).mean() / norm["tokens"]
+        self._mtp_shares = [*(self._mtp_shares or []), mtp.detach().float().reshape(1)]
+        extra = self.config.mtp_loss_weight * mtp
+        return out.sum() / norm["tokens"] + (extra - extra.detach())
+
+    def take_metrics(self):
+        if not self._mtp_shares:
+            return None
+        out, self._mtp_shares = torch.cat(self._mtp_shares).sum().reshape(1), None
+        return out
 
     @staticmethod
-    def run_model(model, batch, hidden):
+    def run_model(model, batch, hidden, mtp: bool = False):
         """The chunk on the micro-batch: the hidden state to send on, or on the last stage the per-token fp32 loss
-        ``[s, b]`` (minus each labelled token's log-probability; 0 where the label is -100)."""
+        ``[s, b]`` (minus each labelled token's log-probability; 0 where the label is -100); with ``mtp`` (a
+        last stage with multi-token prediction) ``(loss, [each depth's loss])``."""
         packed = {}
         if "documents" in batch or "positions" in batch:
             packed["documents"] = (batch.get("documents"), batch.get("positions"))
         return model(
-            ids=batch["ids"] if model.pre_process else None,
+            ids=batch["ids"] if model.pre_process or mtp else None,
             labels=batch["labels"] if model.post_process else None,
             hidden=hidden,
             **packed,
+            **({"mtp": True} if mtp else {}),
         )
 
 

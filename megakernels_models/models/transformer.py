@@ -55,13 +55,16 @@ def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) 
     return F.dropout(x, p, True)
 
 
-def replicated_linear(in_features: int, out_features: int, seed: int, std: float, device=None, dtype=None) -> nn.Linear:
+def replicated_linear(
+    in_features: int, out_features: int, seed: int, std: float, device=None, dtype=None, bias: bool = True
+) -> nn.Linear:
     """An ``nn.Linear`` replicated on every TP rank, weight defined by ``seed`` (``N(0, std²)``), bias zero."""
-    layer = nn.Linear(in_features, out_features, device=device, dtype=dtype)
+    layer = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
     with torch.no_grad():
         if layer.weight.device.type != "meta":
             layer.weight.copy_(init.full_weight((out_features, in_features), seed, init.init_method_normal(std)))
-            layer.bias.zero_()
+            if bias:
+                layer.bias.zero_()
     return layer
 
 
@@ -247,6 +250,72 @@ class TransformerLayer(nn.Module):
         if self.recompute_layer and torch.is_grad_enabled():
             return checkpoint(self._forward, x, attention_mask, positions)
         return self._forward(x, attention_mask, positions, kv_cache)
+
+
+class MultiTokenPrediction(nn.Module):
+    """One multi-token prediction module (DeepSeek-V3), on the last pipeline stage: from the previous depth's hidden
+    state ``h`` (the main layers' output for the first, before the final norm) and the embedding ``e`` of the token
+    ``depth`` positions ahead, ``layer(eh_proj([enorm(e); hnorm(h)]))`` is this depth's hidden state; ``norm`` of it
+    goes through the model's output layer to predict the token ``depth + 1`` positions after the next. The word
+    embedding and the output layer are the model's (shared); the projection is replicated over tensor parallelism
+    (under sequence parallelism each rank projects its tokens; its gradient is summed over the group), and the
+    layer is a ``TransformerLayer`` numbered after the model's last (``num_layers + depth - 1``: its seed, and a MoE
+    layer where the last ones are).
+
+    Forward: ``(h, e)`` ``[s, b, h]`` each (``[s/tp, b, h]`` under sequence parallelism), the attention mask and
+    positions of the main layers -> ``(hidden, normed)``: the next depth's input and the output layer's."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        depth: int,
+        seed: int,
+        *,
+        sequence_parallel: bool = False,
+        attention: str = "flash",
+        recompute: str = "none",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        c = config
+        number = c.num_layers + depth - 1
+        self.enorm, self.hnorm, self.norm = (make_norm(c, device, dtype) for _ in range(3))
+        h = c.hidden_size
+        self.eh_proj = replicated_linear(
+            2 * h, h, init.derive_seed(seed, f"mtp.{depth - 1}.eh_proj"), c.init_std, device, dtype, bias=False
+        )
+        self.layer = TransformerLayer(
+            c,
+            number,
+            seed,
+            causal=True,
+            sequence_parallel=sequence_parallel,
+            attention=attention,
+            recompute=recompute,
+            device=device,
+            dtype=dtype,
+        )
+        if sequence_parallel:
+            mark_sequence_parallel(self.enorm, self.hnorm, self.norm, self.eh_proj)
+
+    def forward(self, h, e, attention_mask=None, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+        x = self.layer(x, attention_mask, positions)
+        return x, self.norm(x)
+
+
+def shifted(t: torch.Tensor, k: int, fill, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` ``[b, s]`` moved ``k`` positions left (``out[:, i] = t[:, i + k]``), the last ``k`` columns ``fill``,
+    and with ``documents`` (ids ``[b, s]``) ``fill`` too where position ``i + k`` is in another document than ``i``
+    (multi-token prediction's inputs and labels)."""
+    if k >= t.shape[1]:
+        return torch.full_like(t, fill)
+    out = torch.cat([t[:, k:], t.new_full((t.shape[0], k), fill)], dim=1)
+    if documents is not None:
+        same = torch.cat([documents[:, k:] == documents[:, :-k], documents.new_zeros(documents.shape[0], k).bool()], 1)
+        out = out.masked_fill(~same, fill)
+    return out
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -439,10 +508,26 @@ class LanguageModel(nn.Module):
             )
             if not c.tie_embeddings:
                 self.output_layer = table("output_layer")
-            elif not pre_process:
-                self.output_embedding = table("embedding.word")
+            if not pre_process and (c.tie_embeddings or c.mtp_layers):
+                self.output_embedding = table("embedding.word")  # the head's table, or multi-token prediction's
+        self.mtp = None
+        if post_process and c.mtp_layers and causal:
+            self.mtp = nn.ModuleList(
+                MultiTokenPrediction(
+                    c,
+                    k,
+                    seed,
+                    sequence_parallel=sequence_parallel,
+                    attention=attention,
+                    recompute=recompute,
+                    device=device,
+                    dtype=dtype,
+                )
+                for k in range(1, c.mtp_layers + 1)
+            )
         word = self.word_embedding_weight
-        if c.tie_embeddings and word is not None and not (pre_process and post_process):
+        shared = c.tie_embeddings or (c.mtp_layers and causal)  # the first stage's table is used on the last too
+        if shared and word is not None and not (pre_process and post_process):
             mark_shared_embedding(word, duplicate=self.output_embedding is not None)
         if c.tie_embeddings and pre_process and post_process and self.embedding is not None:
             self.embedding.word.tie()  # one table, both uses: the lookup's gradient rows go into the head's
@@ -491,7 +576,14 @@ class LanguageModel(nn.Module):
         return context.positions(self.config.seq_length, self._cp, self._cp_rank, device)
 
     def encode(
-        self, ids=None, hidden=None, token_types=None, attention_mask=None, kv_cache=None, documents=None
+        self,
+        ids=None,
+        hidden=None,
+        token_types=None,
+        attention_mask=None,
+        kv_cache=None,
+        documents=None,
+        mtp_inputs: dict | None = None,
     ) -> torch.Tensor:
         """Embedding (first stage: ``ids`` ``[b, s]``, this rank's tokens under context parallelism) or ``hidden``
         from the previous stage, then the layers, then (last stage) the final norm. Returns ``[s, b, h]``
@@ -502,7 +594,10 @@ class LanguageModel(nn.Module):
         Packed sequences: ``documents`` = ``(ids, positions)``, int ``[b, s]`` each: every token attends only
         within its document (ids non-decreasing; the whole sequence's, also under context parallelism, where the
         ring reads each chunk's), and its position (rotary or learned) is ``positions``' (restarting per document;
-        this rank's tokens', as ``ids`` of the first argument); either may be None."""
+        this rank's tokens', as ``ids`` of the first argument); either may be None.
+
+        ``mtp_inputs`` (a dict, on a last stage with multi-token prediction): filled with what ``mtp_hidden`` reads
+        (the layers' output before the final norm, the attention mask and the positions)."""
         device = (ids if ids is not None else hidden).device if (ids is not None or hidden is not None) else None
         positions = self.positions(device)
         if documents is not None:
@@ -527,4 +622,20 @@ class LanguageModel(nn.Module):
             x = layer(x, attention_mask, positions, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(ids.shape[1])
-        return self.final_norm(x) if self.final_norm is not None else x
+        out = self.final_norm(x) if self.final_norm is not None else x
+        if self.mtp is not None and mtp_inputs is not None:
+            mtp_inputs.update(hidden=x, attention_mask=attention_mask, positions=positions)
+        return out
+
+    def mtp_hidden(self, ids: torch.Tensor, inputs: dict, documents: torch.Tensor | None = None) -> list:
+        """The multi-token prediction modules' outputs for the output layer, one ``[s, b, h]`` a depth (``[s/tp, b,
+        h]`` under sequence parallelism), from ``inputs`` (what ``encode(..., mtp_inputs=inputs)`` put there) and
+        the micro-batch's whole ``ids`` ``[b, s]``: depth ``k`` embeds the tokens ``k`` positions ahead (within
+        each document: ``documents``' ids)."""
+        table = self.embedding.word if self.embedding is not None else self.output_embedding
+        h, out = inputs["hidden"], []
+        for k, module in enumerate(self.mtp, start=1):
+            e = table(shifted(ids, k, 0, documents).t())
+            h, normed = module(h, e, inputs["attention_mask"], inputs["positions"])
+            out.append(normed)
+        return out

@@ -387,8 +387,9 @@ def params_per_stage(
             stages[0] += n
         else:
             stages[last] += n
-    if pp > 1 and cfg.tie_embeddings and not experts_only and not muon_only and not skip("embedding.word.weight"):
-        stages[last] += vocab_local * cfg.hidden_size  # the last stage's copy of the tied word embedding
+    copy = cfg.tie_embeddings or cfg.mtp_layers  # the head's table, or multi-token prediction's lookups
+    if pp > 1 and copy and not experts_only and not muon_only and not skip("embedding.word.weight"):
+        stages[last] += vocab_local * cfg.hidden_size  # the last stage's copy of the word embedding
     return stages
 
 
@@ -545,9 +546,11 @@ def memory(meta: MetaModel, layout: Layout) -> dict:
         encoder = activation_bytes_per_layer(enc, L, encoder=True) * enc.num_layers
         per_layer *= cfg.tokens_per_sample / cfg.seq_length
     for r, (n, t, e, mt, me) in enumerate(zip(stages, trained, trained_experts, muon_stages, muon_expert_stages)):
-        act = (per_layer * layers + (encoder if r == 0 else 0.0)) * flights[r]
+        # the last stage: its logits chunk, and each multi-token prediction module a layer and its own logits
+        mtp = cfg.mtp_layers if r == last else 0
+        act = (per_layer * (layers + mtp) + (encoder if r == 0 else 0.0)) * flights[r]
         if r == last:
-            act += logits
+            act += logits * (1 + mtp)
         weights = n * w
         if L.sharded:  # the gathered compute copies: ZeRO-3 two layers (this one and the prefetched next) and one
             # layer's unsharded gradient; ZeRO-2 every layer of the stage, kept from its forward to its backward

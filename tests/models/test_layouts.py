@@ -88,6 +88,7 @@ MODELS = (
     "gemma",
     "gpt-oss",
     "deepseek",
+    "deepseek-mtp",
 )
 # The Llama of the suite: 4 query heads sharing 2 key/value heads, SwiGLU, RMSNorm, rotary positions, untied output.
 LLAMA = dict(num_kv_heads=2, ffn_hidden_size=48, rope_theta=1000.0)
@@ -152,6 +153,8 @@ FAMILY = {
     # biases (the down bias replicated over tp), the softmax over the chosen logits and a clamp the activations reach
     "gpt-oss": ("gpt_oss", {**LLAMA, **MOE, **GPT_OSS}),
     "deepseek": ("deepseek", DEEPSEEK),
+    # with a multi-token prediction module on the last stage (its copy of the embedding under pp, its layer MoE)
+    "deepseek-mtp": ("deepseek", {**DEEPSEEK, "mtp_layers": 1}),
 }
 FP8_MODELS = ("gpt-fp8", "llama-fp8", "gpt-moe-fp8", "llama-moe-fp8")
 # An fp32 sum in another order can move an element across an FP8 rounding boundary (an error of one FP8 ulp in one
@@ -230,7 +233,7 @@ ONLY = {
     "pp4": ("gpt",),
     "tp2-dp2-sp": ("gpt",),
     "pp2-dp2": ("gpt",),
-    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma", "gpt-oss", "deepseek")
+    "tp2-pp2": ("gpt", "bert", "llama-swa", "llama-moe", "qwen", "qwen-moe", "gemma", "gpt-oss", "deepseek-mtp")
     + PACKED
     + FP8_MODELS,
     "tp2-sp": DENSE + ("gpt-fp8", "llama-fp8"),
@@ -245,7 +248,7 @@ ONLY = {
     "tp2-cp2-pp2-recompute": ("llama",),
     "ep2": EXPERTS + ("qwen-moe", "gpt-oss", "deepseek"),
     "ep4": EXPERTS,
-    "tp2-ep2-sp": EXPERTS + ("deepseek",),
+    "tp2-ep2-sp": EXPERTS + ("deepseek-mtp",),
     "pp2-ep2": EXPERTS,
     "ep2-dp4-zero1": ("gpt-moe",),
     "cp2-ep2": ("llama-moe",),

@@ -42,9 +42,9 @@ class BertConfig(ModelConfig):
             "are not split over the ring"
         }
 
-    def forward_flops_per_token(self) -> dict[str, float]:
+    def main_forward_flops_per_token(self) -> dict[str, float]:
         """As every family's, plus the MLM head's transform (a dense h×h layer before the output layer)."""
-        out = super().forward_flops_per_token()
+        out = super().main_forward_flops_per_token()
         return {**out, "head": out["head"] + 2.0 * self.hidden_size**2}
 
 

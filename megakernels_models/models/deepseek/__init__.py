@@ -3,7 +3,8 @@ language models with multi-head latent attention (a low-rank query path, one joi
 per-head up-projections, a decoupled rotary part shared by the heads: query/key heads of ``qk_nope + qk_rope``
 dims, values of ``v_head``), RMSNorm, SwiGLU, the first ``moe_first_dense`` layers dense and the rest fine-grained
 mixtures of experts with shared experts, sigmoid scores routed group-limited with the auxiliary-loss-free
-balancing bias, the chosen weights normalised and scaled.
+balancing bias, the chosen weights normalised and scaled; multi-token prediction with ``--mtp-layers`` (the
+presets have none: DeepSeek-V3's checkpoint adds one module, 14 B parameters beyond its 671 B).
 
 Presets: ``deepseek-tiny`` (the CPU default), ``deepseek-v3`` (671 B parameters, 37 B active per token),
 ``deepseek-v2-lite`` (15.7 B / 2.4 B), ``moonlight-16b-a3b`` and ``kimi-k2`` (1.04 T / 32 B), at 4096 tokens a
@@ -83,12 +84,12 @@ class DeepseekConfig(ModelConfig):
             scale *= m * m
         return scale
 
-    def forward_flops_per_token(self) -> dict[str, float]:
+    def main_forward_flops_per_token(self) -> dict[str, float]:
         """As ``ModelConfig``'s with latent attention's projections: ``2·(h·q_rank + q_rank·heads·d_qk)`` (or
         ``2·h·heads·d_qk``) for the query, ``2·h·(kv_rank + d_rope) + 2·kv_rank·heads·(d_nope + d_v)`` for the
         keys and values, ``2·heads·d_v·h`` out; the scores ``2·heads·d_qk`` and the weighted values ``2·heads·d_v``
         per attended key."""
-        out = super().forward_flops_per_token()
+        out = super().main_forward_flops_per_token()
         h, a, l = self.hidden_size, self.num_heads, self.num_layers
         d_qk, d_v = self.head_dim, self.v_head_dim
         gqa = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h) * l

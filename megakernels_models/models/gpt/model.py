@@ -24,7 +24,7 @@ from megakernels.ops import linear_cross_entropy
 from megakernels.parallel import state
 from megakernels.parallel.lm_head import parallel_lm_logits, vocab_parallel_cross_entropy
 from megakernels_models.models.config import ModelConfig
-from megakernels_models.models.transformer import LanguageModel
+from megakernels_models.models.transformer import LanguageModel, shifted
 
 
 class GPTModel(LanguageModel):
@@ -53,12 +53,34 @@ class GPTModel(LanguageModel):
         hidden: torch.Tensor | None = None,
         kv_cache=None,
         documents=None,
-    ) -> torch.Tensor:
-        x = self.encode(ids, hidden, kv_cache=kv_cache, documents=documents)
+        mtp: bool = False,
+    ):
+        """See the class docstring. ``mtp`` (a last stage with multi-token prediction, with ``labels`` and the
+        micro-batch's whole ``ids``): returns ``(loss, mtp_losses)``, the per-token losses ``[s, b]`` of the main
+        head and of each depth ``k`` (predicting label ``i + k``, -100 past the end or across documents)."""
+        predict = mtp and self.mtp is not None and labels is not None
+        if predict and ids is None:
+            raise ValueError(f"{type(self).__name__}: multi-token prediction needs the micro-batch's ids [b, s]")
+        inputs = {} if predict else None
+        x = self.encode(ids, hidden, kv_cache=kv_cache, documents=documents, mtp_inputs=inputs)
         if not self.post_process:
             return x
-        cap = self.config.logit_softcap  # Gemma 2's tanh cap: inside the loss kernels when there is a loss
-        if labels is not None and self.fused_linear_ce:
+        if labels is not None:
+            loss = self._token_loss(x, labels)
+            if not predict:
+                return loss
+            docs = None if documents is None else documents[0]
+            heads = self.mtp_hidden(ids, inputs, docs)
+            return loss, [self._token_loss(y, shifted(labels, k, -100, docs)) for k, y in enumerate(heads, 1)]
+        logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def _token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The per-token fp32 loss ``[s, b]`` of hidden states ``x`` (the output layer's input) and ``labels``
+        ``[b, s]``."""
+        cap = self.config.logit_softcap  # Gemma 2's tanh cap: inside the loss kernels
+        if self.fused_linear_ce:
             return linear_cross_entropy(
                 x,
                 self.output_weight,
@@ -69,6 +91,4 @@ class GPTModel(LanguageModel):
                 softcap=cap,
             )
         logits = parallel_lm_logits(x, self.output_weight, True, self.sequence_parallel)
-        if labels is None:
-            return logits if cap is None else cap * torch.tanh(logits / cap)
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.config.vocab_size, softcap=cap)
