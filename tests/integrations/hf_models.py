@@ -130,6 +130,16 @@ def config(family: str, **overrides):
             moe_intermediate_size=16,
             first_k_dense_replace=1,
             routed_scaling_factor=2.5,
+            # YaRN as DeepSeek-V3's (mscale = mscale_all_dim = 1): the attention's scaling is 1/sqrt(d_qk) times
+            # mscale², apart from the kernel's default
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=16,
+                rope_theta=10000.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
         )
         return tf.DeepseekV3Config(**{**llama_like, "num_key_value_heads": 4, **deepseek, **overrides})
     raise ValueError(family)

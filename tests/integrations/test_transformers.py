@@ -445,6 +445,25 @@ def test_unknown_model_type_is_refused_naming_it():
         mkt.patch_classes("gpt_neox")
 
 
+def test_every_family_is_documented_tested_and_has_its_class_patch():
+    """Each model type the integration knows is in docs/integrations.md's table, in ``apply``'s list, among the
+    tiny models every per-family test runs, and has a ``patch_*`` helper (exported) that patches its classes."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    helpers = {name for name in mkt.__all__ if name.startswith("patch_") and name != "patch_classes"}
+    assert set(mkt.supported_model_types()) == set(H.FAMILIES)
+    for family in mkt.supported_model_types():
+        assert any(f"`{family}`" in row.split("|")[1] for row in rows), family
+        assert family in mkt.apply.__doc__, family
+    for name in helpers:
+        assert f"`{name}`" in page, name
+        with getattr(mkt, name)() as patch:
+            assert patch.model_type in mkt.FAMILIES and name.startswith(f"patch_{patch.model_type.split('_text')[0]}")
+    assert len(helpers) == len(mkt.FAMILIES)
+
+
 def test_a_module_that_is_not_a_transformers_model_is_refused():
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel, got Linear"):
         mkt.apply(torch.nn.Linear(2, 2))
