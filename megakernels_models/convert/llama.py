@@ -189,7 +189,8 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
 def rope_scaling_to_ours(scaling: dict | None, yarn: bool = False, max_positions: int | None = None) -> dict:
     """``ModelConfig`` fields of a HuggingFace ``rope_scaling`` / ``rope_parameters`` (``llama3`` and ``linear``;
     with ``yarn``, also YaRN as transformers computes it: a missing ``factor`` is ``max_positions`` over the
-    original positions, ``mscale`` and ``mscale_all_dim`` count only when both are set and non-zero).
+    original positions, ``mscale`` and ``mscale_all_dim`` each kept where set and non-zero: the attention factor of
+    the rotary tables takes both, DeepSeek's softmax scale ``mscale_all_dim`` alone).
 
     Raises:
         ConversionError: another kind (``dynamic``, ``longrope``, ``yarn`` without ``yarn``, ...), or a YaRN setting
@@ -235,8 +236,11 @@ def _yarn_to_ours(scaling: dict, max_positions: int | None) -> dict:
         "rope_beta_slow": float(scaling.get("beta_slow") or 1.0),
         "rope_truncate": bool(scaling.get("truncate", True)),
     }
-    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        out.update(rope_mscale=float(scaling["mscale"]), rope_mscale_all_dim=float(scaling["mscale_all_dim"]))
+    # each kept on its own where set and non-zero (transformers' test): the rotary tables' attention factor takes
+    # both, DeepSeek's softmax-scale fold takes mscale_all_dim alone (transformers' ``yarn_apply_mscale``)
+    for key in ("mscale", "mscale_all_dim"):
+        if scaling.get(key):
+            out[f"rope_{key}"] = float(scaling[key])
     return out
 
 
@@ -259,8 +263,9 @@ def rope_scaling_to_theirs(cfg: ModelConfig) -> dict | None:
             beta_slow=cfg.rope_beta_slow,
             truncate=cfg.rope_truncate,
         )
-        if cfg.rope_mscale is not None and cfg.rope_mscale_all_dim is not None:
-            out.update(mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(cfg, f"rope_{key}") is not None:
+                out[key] = getattr(cfg, f"rope_{key}")
     return out
 
 

@@ -9,7 +9,19 @@ from pathlib import Path
 import torch
 
 VOCAB = 96
-FAMILIES = ("gpt2", "bert", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+FAMILIES = (
+    "gpt2",
+    "bert",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+    "gpt_oss",
+    "deepseek_v3",
+)
 WINDOW = 5  # Mistral's (Gemma 3's, gpt-oss's sliding layers') window in these models: it binds on sequences of 12
 
 
@@ -103,6 +115,33 @@ def config(family: str, **overrides):
             ),
             **overrides,
         )
+    if family == "deepseek_v3":  # latent attention (d_qk 16, d_v 8), a dense first layer, group-limited routing
+        deepseek = dict(
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            # YaRN as DeepSeek-V3's (mscale = mscale_all_dim = 1): the attention's scaling is 1/sqrt(d_qk) times
+            # mscale², apart from the kernel's default
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=16,
+                rope_theta=10000.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+        )
+        return tf.DeepseekV3Config(**{**llama_like, "num_key_value_heads": 4, **deepseek, **overrides})
     raise ValueError(family)
 
 
@@ -121,15 +160,17 @@ def model_class(family: str):
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "gemma3_text": tf.Gemma3ForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
     }[family]
 
 
-def build(family: str, seed: int = 0):
-    """A fresh fp32 causal LM of ``family`` whose weights depend only on ``seed``. The parameters transformers
+def build(family: str, seed: int = 0, **overrides):
+    """A fresh fp32 causal LM of ``family`` (``overrides``: config values, for the families whose ``config`` takes
+    them) whose weights depend only on ``seed``. The parameters transformers
     initialises to constants that would hide a difference are drawn at random: Gemma's norm weights (stored as the
     offset from one, zeros), gpt-oss's expert biases (zeros) and sinks (std 0.02: made to matter)."""
     torch.manual_seed(seed)
-    model = model_class(family)(config(family))
+    model = model_class(family)(config(family, **overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if (family == "gemma3_text" and "norm" in name) or (

@@ -21,9 +21,13 @@ STEPS, LR = 6, 1e-2
 ORDERS = ("patch_then_peft", "peft_then_patch", "classes")
 # megakernels' ops a forward + backward reaches with every linear adapted (no fused MLP: they read their linears)
 REACHED = {"norm_fwd", "flash_attn_fwd"}
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 # the fused MLPs and the linears whose weights they read
 READS = {"GPT2MLP": ("c_fc",), "BertIntermediate": ("dense",), "BertPredictionHeadTransform": ("dense",)}
-READS |= {f"{f}MLP": ("gate_proj", "up_proj") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma3")}
+READS |= {
+    f"{f}MLP": ("gate_proj", "up_proj")
+    for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma3", "DeepseekV3")
+}
 
 
 def _plain(m) -> bool:
@@ -37,7 +41,7 @@ def _linears(model) -> str:
     without the MLPs' (PEFT 0.21 maps ``gate_proj`` / ``up_proj`` / ``down_proj`` there onto the expert banks, which
     DoRA cannot adapt)."""
     head = model.get_output_embeddings()
-    moe = model.config.model_type in ("mixtral", "qwen3_moe")
+    moe = model.config.model_type in ("mixtral", "qwen3_moe", "deepseek_v3")
     names = [n for n, m in model.named_modules() if _plain(m) and m is not head and not (moe and ".mlp." in n)]
     return "|".join(re.escape(n) for n in names)
 
@@ -112,13 +116,11 @@ def test_adapters_on_every_linear_train_like_the_unpatched_model(family, adapter
         model.load_state_dict(initial)
         with MegakernelsOps() as seen:
             losses, params = _train(model)
-        assert REACHED | ({"grouped_gemm"} if family in ("mixtral", "qwen3_moe", "gpt_oss") else set()) <= seen.names, (
-            order
-        )
+        assert REACHED | ({"grouped_gemm"} if family in MOE else set()) <= seen.names, order
         # a mixture of experts' top-k may resolve a near-tie between two experts differently under the two rounding
         # orders once training has moved the router (a discrete jump in a later step's loss, not a drift); the first
         # step is exact in every family
-        atol = 1e-3 if family in ("mixtral", "qwen3_moe", "gpt_oss") else 1e-5
+        atol = 1e-3 if family in MOE else 1e-5
         torch.testing.assert_close(losses[0], losses0[0], rtol=0, atol=1e-5, msg=lambda m: f"{order}: {m}")
         torch.testing.assert_close(losses, losses0, rtol=0, atol=atol, msg=lambda m: f"{order}: {m}")
         assert params.keys() == params0.keys()

@@ -30,6 +30,7 @@ EXPECTED_OPS = {
     "qwen3_moe": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
     "gemma3_text": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},  # GeGLU: the swiglu op
     "gpt_oss": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
+    "deepseek_v3": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
 }
 
 
@@ -142,7 +143,7 @@ def test_patched_model_compiles_as_one_graph(family):
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
     """DataCollatorWithFlattening's batches (sequences concatenated, position_ids restarting, -100 at each
     sequence's first label): no mask is made, FlashAttention keeps the sequences apart (Mistral's window inside
@@ -174,7 +175,9 @@ def test_a_padding_free_packed_batch_runs_flash_attention_per_sequence(family):
 
 
 @pytest.mark.parametrize("mode", ["in_place", "classes"])
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3"]
+)
 def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(family, mode):
     """fused_head=True: in training with labels the LM head and loss are one linear_cross_entropy (no logits made),
     loss and every gradient equal the unpatched model's (labels with -100 and num_items_in_batch too); reading
@@ -440,6 +443,25 @@ def test_unknown_model_type_is_refused_naming_it():
         mkt.apply(model)
     with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
         mkt.patch_classes("gpt_neox")
+
+
+def test_every_family_is_documented_tested_and_has_its_class_patch():
+    """Each model type the integration knows is in docs/integrations.md's table, in ``apply``'s list, among the
+    tiny models every per-family test runs, and has a ``patch_*`` helper (exported) that patches its classes."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    helpers = {name for name in mkt.__all__ if name.startswith("patch_") and name != "patch_classes"}
+    assert set(mkt.supported_model_types()) == set(H.FAMILIES)
+    for family in mkt.supported_model_types():
+        assert any(f"`{family}`" in row.split("|")[1] for row in rows), family
+        assert family in mkt.apply.__doc__, family
+    for name in helpers:
+        assert f"`{name}`" in page, name
+        with getattr(mkt, name)() as patch:
+            assert patch.model_type in mkt.FAMILIES and name.startswith(f"patch_{patch.model_type.split('_text')[0]}")
+    assert len(helpers) == len(mkt.FAMILIES)
 
 
 def test_a_module_that_is_not_a_transformers_model_is_refused():

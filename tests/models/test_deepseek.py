@@ -159,3 +159,43 @@ def test_what_deepseek_v3_cannot_express_is_refused_by_name():
         deepseek_v3.config_to_theirs(dataclasses.replace(cfg, moe_capacity_factor=1.0))
     with pytest.raises(ConversionError, match="topk_method"):
         deepseek_v3.config_to_ours({"topk_method": "greedy", "hidden_act": "silu"})
+
+
+YARN = {
+    # mscale apart from mscale_all_dim: the rotary tables' attention factor is their ratio and the softmax scale
+    # takes mscale(mscale_all_dim)²; beta_fast / beta_slow and rope_theta put the ramp inside the 8 frequencies
+    "mscale-pair": dict(mscale=0.8, mscale_all_dim=0.6),
+    "mscale-all-dim-alone": dict(mscale_all_dim=0.6),  # the cos/sin factor 0.1 ln(factor) + 1, the fold kept
+    "no-mscale": {},
+}
+
+
+@pytest.mark.parametrize("mscales", list(YARN))
+def test_yarn_at_factor_4_matches_transformers_beyond_the_original_context(single_world, tmp_path, mscales):
+    """A DeepSeek-V3 with YaRN (factor 4 over 16 original positions) converted to ours: the logits equal
+    transformers' on 48 tokens, three times the original context, where the interpolated frequencies and both
+    mscale folds (the rotary tables' attention factor, the softmax scale) decide them; converted back, the same
+    YaRN settings and logits."""
+    from megakernels_models import convert
+
+    rope = dict(
+        rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=16, beta_fast=1.0,
+        beta_slow=0.1, **YARN[mscales],
+    )  # fmt: skip
+    hf = _hf_tiny(qk_rope_head_dim=16, rope_parameters=rope, max_position_embeddings=64, n_group=2, topk_group=1)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    cfg, model = _ours(tmp_path / "mk")
+    assert cfg.rope_scaling == "yarn" and cfg.rope_scaling_factor == 4.0 and cfg.rope_original_max_positions == 16
+    ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model(ids).transpose(0, 1)[..., : cfg.vocab_size]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))  # and back: the same YaRN settings
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    assert {k: back.config.rope_parameters.get(k) for k in rope} == rope
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=1e-6)

@@ -8,16 +8,17 @@
     with mkt.patch_llama():                   # or patch the family's classes: every model built inside is patched
         model = AutoModelForCausalLM.from_pretrained(path)
 
-What changes (each switchable): LayerNorm / RMSNorm (and Qwen 3's per-head q/k RMSNorms) -> the fused norms; the
-MLP's bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral,
-Qwen 2/2.5/3; Gemma 3's tanh-GeLU gate -> GeGLU); Mixtral's, Qwen 3 MoE's and gpt-oss's experts -> two grouped
-GEMMs around SwiGLU (gpt-oss's clamped one, with its biases), without a data-dependent shape
-(``torch.compile(fullgraph=True)`` holds); a table tied between the input embedding and the LM head -> its
-lookup's gradient added into the head's weight gradient (``megakernels.nn.TiedEmbedding``); attention ->
-FlashAttention, a sliding window and gpt-oss's sinks inside the kernel, under transformers' default name
-``"sdpa"`` (also registered as ``attn_implementation="megakernels"``, which a gpt-oss model, whose default in
-transformers is ``"eager"``, is switched to); the causal-LM loss -> the fused cross-entropy on the logits in their
-own dtype. Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
+What changes (each switchable): LayerNorm / RMSNorm (and Qwen 3's per-head q/k RMSNorms) -> the fused norms; the MLP's
+bias + GeLU -> fused bias-GeLU (GPT-2, BERT), gate/up + SiLU -> one GEMM and fused SwiGLU (Llama, Mistral, Qwen 2/2.5/3,
+DeepSeek-V3's dense and shared-expert MLPs; Gemma 3's tanh-GeLU gate -> GeGLU); Mixtral's, Qwen 3 MoE's, gpt-oss's and
+DeepSeek-V3's routed experts -> two grouped GEMMs around SwiGLU (gpt-oss's clamped one, with its biases), without a
+data-dependent shape (``torch.compile(fullgraph=True)`` holds); a table tied between the input embedding and the LM head
+-> its lookup's gradient added into the head's weight gradient (``megakernels.nn.TiedEmbedding``); attention ->
+FlashAttention, a sliding window and gpt-oss's sinks inside the kernel, DeepSeek-V3's latent attention with its value
+head dim apart from the query's and its YaRN-scaled softmax scale, under transformers' default name ``"sdpa"`` (also
+registered as ``attn_implementation="megakernels"``, which a gpt-oss model, whose default in transformers is
+``"eager"``, is switched to); the causal-LM loss -> the fused cross-entropy on the logits in their own dtype.
+Parameters, their names and the state dict stay as they are, so checkpoints load and save either way.
 
 What the patch never does: read the weight of a module it does not own (a linear wrapped by PEFT, quantised,
 parametrized or hooked, also after the patch, is called: the fused MLP runs transformers' forward), override an
@@ -53,6 +54,7 @@ __all__ = [
     "patch_qwen3_moe",
     "patch_gemma3",
     "patch_gpt_oss",
+    "patch_deepseek_v3",
     "register",
     "supported_model_types",
     "ClassPatch",
@@ -160,14 +162,15 @@ def apply(
 
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported ``config.model_type`` (gpt2, bert, llama,
-            mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss), on any device and dtype, built or
-            loaded already; or a PEFT
+            mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss, deepseek_v3), on any device and dtype,
+            built or loaded already; or a PEFT
             ``PeftModel``, whose base model is patched (before or after ``get_peft_model``: the adapters' layers
             are always called).
         norms: LayerNorm / RMSNorm modules -> ``megakernels.ops.layer_norm`` / ``rms_norm``.
         mlp: the MLP activation -> ``bias_gelu`` (GeLU MLPs) or one GEMM + ``swiglu`` (gated MLPs), on each call
             where the linears it reads are plain ``nn.Linear`` / ``Conv1D`` (PEFT, quantised or hooked linears:
-            transformers' forward, which calls them); Mixtral's and Qwen 3 MoE's experts -> ``grouped_gemm``
+            transformers' forward, which calls them); Mixtral's, Qwen 3 MoE's, gpt-oss's and DeepSeek-V3's
+            experts -> ``grouped_gemm``
             where their experts implementation is transformers' default (``"grouped_mm"``) or
             ``"megakernels"``. A model whose activation is neither a GeLU nor SiLU keeps its MLP.
         attention: where the caller chose no attention implementation (transformers' default ``"sdpa"``, which
@@ -180,10 +183,10 @@ def apply(
         loss: the causal-LM loss (``model.loss_function``) -> ``megakernels.ops.cross_entropy`` on the logits in
             their own dtype; only models using transformers' causal-LM loss are changed.
         fused_head: in training mode with labels, the LM head and its loss as one
-            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only
-            if ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2,
-            qwen3, gemma3_text (its ``final_logit_softcapping`` inside the fused loss) and gpt_oss (a call asking
-            for router logits runs the class's forward). Off by default (code that reads the training logits pays
+            ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only if
+            ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2, qwen3,
+            gemma3_text (its ``final_logit_softcapping`` inside the fused loss), gpt_oss (a call asking for router
+            logits runs the class's forward) and deepseek_v3. Off by default (code that reads the training logits pays
             for the head twice).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
@@ -440,3 +443,10 @@ def patch_gpt_oss(**options) -> ClassPatch:
     """:func:`patch_classes` for gpt-oss (fused RMSNorms, grouped-GEMM experts with the clamped SwiGLU and biases,
     FlashAttention with the sinks and each layer's window, fused loss)."""
     return patch_classes("gpt_oss", **options)
+
+
+def patch_deepseek_v3(**options) -> ClassPatch:
+    """:func:`patch_classes` for DeepSeek-V3 (fused RMSNorms, the latents' included; SwiGLU dense and shared-expert
+    MLPs; grouped-GEMM routed experts, the router as it is; FlashAttention with the value head dim apart from the
+    query's and the module's YaRN-scaled softmax scale; fused loss)."""
+    return patch_classes("deepseek_v3", **options)

@@ -170,6 +170,16 @@ FAMILIES = {
             fused_head=True,  # where no router logits are asked for (their auxiliary loss: the class's forward)
             attention_default="eager",  # transformers has no SDPA path for gpt-oss (its sinks)
         ),
+        Family(
+            "deepseek_v3",
+            "DeepseekV3PreTrainedModel",
+            "hidden_act",
+            attentions=("DeepseekV3Attention",),  # latent attention: query/key head dim apart from the value's
+            rms_norms=("DeepseekV3RMSNorm",),  # the query and key/value latents' norms too
+            gated_mlps=("DeepseekV3MLP",),  # the dense first layers' MLPs and the shared experts
+            experts=("DeepseekV3Experts",),  # the router (group-limited top-k, sigmoid scores) as it is
+            fused_head=True,  # its loss is the causal-LM loss alone (no auxiliary loss)
+        ),
     )
 }
 fw.PACKING_MODEL_TYPES.update(name for name, f in FAMILIES.items() if f.packs)

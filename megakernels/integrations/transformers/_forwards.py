@@ -12,18 +12,18 @@ computes what the module it replaces computes, through megakernels' fused ops (d
   tanh-GeLU MLP: ``geglu``). A forward that reads a submodule's weight does so only while that submodule is a plain
   ``nn.Linear`` / ``Conv1D`` (``owned``, checked on every call: PEFT, quantisation or a hook may wrap it after the
   patch); otherwise it runs the module's own forward, which calls the submodules.
-- Mixtral's / Qwen 3 MoE's / gpt-oss's experts (``_dispatch``: under transformers' default ``"grouped_mm"``, or
-  ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``), two
-  ``grouped_gemm`` around ``swiglu`` (gpt-oss's clamped one, its interleaved gate/up columns reordered per call and
+- Mixtral's / Qwen 3 MoE's / gpt-oss's / DeepSeek-V3's experts (``_dispatch``: under transformers' default
+  ``"grouped_mm"``, or ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``),
+  two ``grouped_gemm`` around ``swiglu`` (gpt-oss's clamped one, its interleaved gate/up columns reordered per call and
   its biases added), outputs weighted and summed back in fp32 (``unpermute``).
 - attention (``_dispatch``: the calls of a patched model under transformers' default ``"sdpa"``, or under
   ``"megakernels"``) -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
   without padding: its SDPA mask function returns None exactly then, and ours also when the only reason for a mask
   is a sliding window, which the kernel applies itself, skipping the key blocks outside it), gpt-oss's sinks
-  (``s_aux``) inside the kernel; with a mask (padding, a chunked prefill), a softcap, a position bias or a head dim
-  the CUDA kernel does not take, transformers' own SDPA path runs (the family's eager attention where there are
-  sinks, which SDPA has not); with ``output_attentions=True``, the family's eager attention (which returns the
-  weights) under the same mask.
+  (``s_aux``) inside the kernel, DeepSeek's value head dim apart from the query's; with a mask (padding, a chunked
+  prefill), a softcap, a position bias or a head dim (the query's or the value's) the CUDA kernel does not take,
+  transformers' own SDPA path runs (the family's eager attention where there are sinks, which SDPA has not); with
+  ``output_attentions=True``, the family's eager attention (which returns the weights) under the same mask.
 - tied input and output embeddings (GPT-2; Gemma 3, its lookup scaled; Llama, Qwen models with
   ``tie_word_embeddings``) -> one
   ``megakernels.nn.TiedEmbedding``: the lookup's gradient rows are added into the output layer's weight gradient
@@ -254,23 +254,25 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
-    """transformers' attention-function signature: q ``[b, h, sq, d]``, k/v ``[b, h_kv, sk, d]`` (``h % h_kv == 0``)
-    -> (out ``[b, sq, h, d]``, weights or None). Without a mask this is what transformers' SDPA path computes: causal
-    (unless the module or the call says otherwise) for more than one query, the keys cut to the queries when a static
-    cache hands over more keys than queries at prefill, no mask for a single query. With ``output_attentions=True``
-    the family's eager attention runs under the same mask and returns the weights ``[b, h, sq, sk]``.
+    """transformers' attention-function signature: q ``[b, h, sq, d]``, k ``[b, h_kv, sk, d]``, v ``[b, h_kv, sk, d_v]``
+    (``h % h_kv == 0``; ``d_v`` may differ from ``d``: DeepSeek's latent attention) -> (out ``[b, sq, h, d_v]``, weights
+    or None), scaled by ``scaling`` (the module's: DeepSeek's YaRN mscale, Gemma's ``query_pre_attn_scalar``; None:
+    ``1/sqrt(d)``). Without a mask this is what transformers' SDPA path computes: causal (unless the module or the call
+    says otherwise) for more than one query, the keys cut to the queries when a static cache hands over more keys than
+    queries at prefill, no mask for a single query. With ``output_attentions=True`` the family's eager attention runs
+    under the same mask and returns the weights ``[b, h, sq, sk]``.
 
     Raises:
         ValueError: ``output_attentions=True`` for a module whose family has no eager attention to return weights.
     """
-    d, sq = query.shape[-1], query.shape[2]
+    d, d_v, sq = query.shape[-1], value.shape[-1], query.shape[2]
     if weights_requested(kwargs):
         return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
     sinks = kwargs.get("s_aux")
     unsupported = (
         kwargs.get("softcap") is not None
         or kwargs.get("position_bias") is not None
-        or (query.device.type == "cuda" and (d % 8 or d > MAX_TRITON_HEAD_DIM))
+        or (query.device.type == "cuda" and any(n % 8 or n > MAX_TRITON_HEAD_DIM for n in (d, d_v)))
     )
     if sinks is not None and (attention_mask is not None or unsupported):  # SDPA has no sinks
         return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, is_causal, kwargs)
