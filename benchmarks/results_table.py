@@ -74,7 +74,7 @@ def unit_of(path: tuple[str, ...]) -> str:
             return "MiB"
         if key.endswith("bytes_per_param"):
             return "B/parameter"
-        if key.startswith("speedup") or key == "ratio":
+        if key.startswith("speedup") or key == "ratio" or key.endswith("_ratio"):
             return "x"
         if (
             key.startswith("fraction")
