@@ -212,7 +212,8 @@ def test_the_fused_head_trains_like_the_unpatched_model_without_its_logits(famil
 
 
 def test_the_fused_head_is_refused_where_the_model_has_none():
-    expected = r"fused_head is for the causal LMs of gemma3_text, gpt2, gpt_oss, llama, mistral, qwen2, qwen3; got a"
+    families = "deepseek_v3, gemma3_text, gpt2, gpt_oss, llama, mistral, qwen2, qwen3"
+    expected = rf"fused_head is for the causal LMs of {families}; got a"
     with pytest.raises(ValueError, match=expected):
         mkt.apply(H.build("mixtral"), fused_head=True)
 
