@@ -123,15 +123,18 @@ class TransformerLayer(nn.Module):
         )
         self.rotary = c.position_embedding == "rope"
         mla = getattr(c, "mla", None)
-        if mla is not None:  # multi-head latent attention (DeepSeek): its rotary part alone is rotated
+        rope = None
+        if self.rotary:  # multi-head latent attention (DeepSeek) rotates its rotary part alone (interleaved inside)
             theta, scaling = c.layer_rope(layer_number)
             rope = RotaryEmbedding(
-                c.qk_rope_head_dim,
+                c.head_dim if mla is None else c.qk_rope_head_dim,
                 theta,
+                interleaved=c.rope_interleaved and mla is None,
                 scaling=scaling,
                 max_positions=c.seq_length if scaling is not None else None,
                 device=device,
             )
+        if mla is not None:
             self.attention = ParallelMultiLatentAttention(
                 c.hidden_size,
                 c.num_heads,
@@ -144,15 +147,6 @@ class TransformerLayer(nn.Module):
                 softmax_scale=c.softmax_scale,
             )
         elif self.rotary:
-            theta, scaling = c.layer_rope(layer_number)
-            rope = RotaryEmbedding(
-                c.head_dim,
-                theta,
-                interleaved=c.rope_interleaved,
-                scaling=scaling,
-                max_positions=c.seq_length if scaling is not None else None,
-                device=device,
-            )
             self.attention = ParallelGroupedQueryAttention(
                 c.hidden_size,
                 c.num_heads,
@@ -265,38 +259,18 @@ class MultiTokenPrediction(nn.Module):
     Forward: ``(h, e)`` ``[s, b, h]`` each (``[s/tp, b, h]`` under sequence parallelism), the attention mask and
     positions of the main layers -> ``(hidden, normed)``: the next depth's input and the output layer's."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        depth: int,
-        seed: int,
-        *,
-        sequence_parallel: bool = False,
-        attention: str = "flash",
-        recompute: str = "none",
-        device=None,
-        dtype=None,
-    ):
+    def __init__(self, config: ModelConfig, depth: int, seed: int, **layer):
+        """``layer``: ``TransformerLayer``'s keyword arguments but ``causal`` (``sequence_parallel``, ...)."""
         super().__init__()
         c = config
-        number = c.num_layers + depth - 1
+        device, dtype = layer.get("device"), layer.get("dtype")
         self.enorm, self.hnorm, self.norm = (make_norm(c, device, dtype) for _ in range(3))
         h = c.hidden_size
         self.eh_proj = replicated_linear(
             2 * h, h, init.derive_seed(seed, f"mtp.{depth - 1}.eh_proj"), c.init_std, device, dtype, bias=False
         )
-        self.layer = TransformerLayer(
-            c,
-            number,
-            seed,
-            causal=True,
-            sequence_parallel=sequence_parallel,
-            attention=attention,
-            recompute=recompute,
-            device=device,
-            dtype=dtype,
-        )
-        if sequence_parallel:
+        self.layer = TransformerLayer(c, c.num_layers + depth - 1, seed, causal=True, **layer)
+        if layer.get("sequence_parallel"):
             mark_sequence_parallel(self.enorm, self.hnorm, self.norm, self.eh_proj)
 
     def forward(self, h, e, attention_mask=None, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,20 +451,10 @@ class LanguageModel(nn.Module):
             if pre_process
             else None
         )
-        self.layers = nn.ModuleList(
-            TransformerLayer(
-                c,
-                i,
-                seed,
-                causal=causal,
-                sequence_parallel=sequence_parallel,
-                attention=attention,
-                recompute=recompute,
-                device=device,
-                dtype=dtype,
-            )
-            for i in layers
+        layer = dict(
+            sequence_parallel=sequence_parallel, attention=attention, recompute=recompute, device=device, dtype=dtype
         )
+        self.layers = nn.ModuleList(TransformerLayer(c, i, seed, causal=causal, **layer) for i in layers)
         self.output_embedding = self.output_layer = self.final_norm = None
         if post_process:
             if c.norm_position == "pre":
@@ -512,19 +476,7 @@ class LanguageModel(nn.Module):
                 self.output_embedding = table("embedding.word")  # the head's table, or multi-token prediction's
         self.mtp = None
         if post_process and c.mtp_layers and causal:
-            self.mtp = nn.ModuleList(
-                MultiTokenPrediction(
-                    c,
-                    k,
-                    seed,
-                    sequence_parallel=sequence_parallel,
-                    attention=attention,
-                    recompute=recompute,
-                    device=device,
-                    dtype=dtype,
-                )
-                for k in range(1, c.mtp_layers + 1)
-            )
+            self.mtp = nn.ModuleList(MultiTokenPrediction(c, k, seed, **layer) for k in range(1, c.mtp_layers + 1))
         word = self.word_embedding_weight
         shared = c.tie_embeddings or (c.mtp_layers and causal)  # the first stage's table is used on the last too
         if shared and word is not None and not (pre_process and post_process):

@@ -387,8 +387,8 @@ def params_per_stage(
             stages[0] += n
         else:
             stages[last] += n
-    copy = cfg.tie_embeddings or cfg.mtp_layers  # the head's table, or multi-token prediction's lookups
-    if pp > 1 and copy and not experts_only and not muon_only and not skip("embedding.word.weight"):
+    table_on_last = cfg.tie_embeddings or cfg.mtp_layers  # the head's table, or multi-token prediction's lookups
+    if pp > 1 and table_on_last and not experts_only and not muon_only and not skip("embedding.word.weight"):
         stages[last] += vocab_local * cfg.hidden_size  # the last stage's copy of the word embedding
     return stages
 
