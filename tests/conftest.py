@@ -136,7 +136,10 @@ def _no_process_group_left_behind(request):
 
 # MEGAKERNELS_TEST_TIMES=<path>: the controller writes each test file's summed setup/call/teardown time there
 # (seconds, longest first), to see where the suite's time goes and to order LONG_POLES by it.
+# The path is taken out of the environment at start-up: a pytest that a test runs in a subprocess (the op subset of
+# test_cpu_isa) would otherwise write its own file times over the run's.
 _FILE_TIMES: dict[str, float] = {}
+_TIMES_PATH = os.environ.pop("MEGAKERNELS_TEST_TIMES", None)
 
 
 def pytest_runtest_logreport(report):
@@ -145,7 +148,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    out = os.environ.get("MEGAKERNELS_TEST_TIMES")
+    out = _TIMES_PATH
     if out and not hasattr(session.config, "workerinput"):  # the controller, or a run without xdist
         rows = sorted(_FILE_TIMES.items(), key=lambda kv: -kv[1])
         with open(out, "w") as f:
