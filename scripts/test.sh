@@ -25,10 +25,11 @@ if [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDACXX
 (
   set -euo pipefail
   cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release -DMEGAKERNELS_KERNEL_LIBS=OFF $MEGAKERNELS_CMAKE_LAUNCHER >/dev/null
-  # niced: the emulator runs a CUDA block's threads as host threads (hundreds, yielding while they wait), which
-  # would otherwise take the cores from pytest's workers, the longer part of the run
-  nice -n 10 cmake --build build/cmake -j 2
-  nice -n 10 ctest --test-dir build/cmake --output-on-failure -j 2 "${CTEST_SLOW[@]}"
+  # at the lowest priority (nice 19): the emulator runs a CUDA block's threads as host threads (hundreds, yielding
+  # while they wait), which would otherwise take the cores from pytest's workers, the longer part of the run; so
+  # niced, the C++ side runs in the cores' idle time (pytest's waits for processes and timeouts) and ends before it
+  nice -n 19 cmake --build build/cmake -j 2
+  nice -n 19 ctest --test-dir build/cmake --output-on-failure -j 2 "${CTEST_SLOW[@]}"
 ) > build/cpp-tests.log 2>&1 &
 CPP=$!
 trap 'kill $CPP 2>/dev/null || true' EXIT
