@@ -56,6 +56,7 @@ MOE_FIELDS = (
     "moe_topk_group",
     "moe_routed_scaling",
     "moe_expert_bias",
+    "moe_seq_aux_loss",
     "moe_top_k",
     "moe_normalize",
     "moe_ffn_hidden_size",
@@ -238,6 +239,12 @@ class _Settings:
     moe_expert_bias: bool | None = setting(
         None,
         "auxiliary-loss-free balancing: a per-expert selection bias moved after each step (default: the preset's)",
+        MOE,
+    )  # fmt: skip
+    moe_seq_aux_loss: bool | None = setting(
+        None,
+        "the load-balancing loss per sequence, averaged over the micro-batch (DeepSeek-V3's sequence-wise loss, "
+        "weighted by --moe-aux-loss-coeff) (default: the preset's)",
         MOE,
     )  # fmt: skip
     moe_bias_update_rate: float = setting(

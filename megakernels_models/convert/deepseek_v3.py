@@ -195,7 +195,8 @@ def config_to_ours(hf: dict, rope_interleaved: bool = False) -> ModelConfig:
         moe_normalize=bool(hf.get("norm_topk_prob", True)),
         moe_score="sigmoid",
         moe_expert_bias=True,
-        moe_aux_loss_coeff=0.0,
+        moe_aux_loss_coeff=0.0,  # transformers' config names none; the family's form if one is set
+        moe_seq_aux_loss=True,
         mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0),
     )
 

@@ -124,6 +124,8 @@ class ModelConfig:
             ``moe_topk_group`` best eligible; 1, None: off).
         moe_routed_scaling: the routed experts' weights' factor (routed_scaling_factor).
         moe_expert_bias: DeepSeek's auxiliary-loss-free balancing bias in every router (``TopKRouter``).
+        moe_seq_aux_loss: the load-balancing loss (``moe_aux_loss_coeff``) per sequence, averaged over the
+            micro-batch's sequences (DeepSeek-V3's sequence-wise balance loss) instead of over its tokens at once.
         mtp_layers: multi-token prediction (DeepSeek-V3): that many sequential modules on the last pipeline stage,
             module ``k`` predicting the token ``k + 1`` after the next from the previous module's hidden state and
             the embedding of the token ``k`` ahead (``models.transformer.MultiTokenPrediction``; 0: none).
@@ -183,6 +185,7 @@ class ModelConfig:
     moe_topk_group: int | None = None
     moe_routed_scaling: float = 1.0
     moe_expert_bias: bool = False
+    moe_seq_aux_loss: bool = False
     mtp_layers: int = 0
     mtp_loss_weight: float = 0.1
 

@@ -188,6 +188,7 @@ class TransformerLayer(nn.Module):
                 topk_group=c.moe_topk_group,
                 routed_scaling=c.moe_routed_scaling,
                 expert_bias=c.moe_expert_bias,
+                seq_aux_loss=c.moe_seq_aux_loss,
                 seed=init.derive_seed(seed, f"{name}.mlp"),
                 init_method=normal,
                 output_init_method=scaled,

@@ -1,8 +1,8 @@
 """Mixture of experts against plain PyTorch written out here (fp64, one token at a time): the router's top-k and
-its losses, permutation and capacity dropping, the whole layer's output and every gradient (the auxiliary losses'
-included); then the layer split over tensor-, sequence- and expert-parallel ranks against the single process, in
-one world of 4 gloo processes, with each token dispatcher (all-to-all, overlapped chunks, all-gather, a registered
-external one)."""
+its losses (DeepSeek-V3's sequence-wise balance loss included), permutation and capacity dropping, the whole
+layer's output and every gradient (the auxiliary losses' included); then the layer split over tensor-, sequence-
+and expert-parallel ranks against the single process, in one world of 4 gloo processes, with each token dispatcher
+(all-to-all, overlapped chunks, all-gather, a registered external one)."""
 
 from __future__ import annotations
 
@@ -177,6 +177,54 @@ def test_deepseek_routing_matches_the_per_token_reference():
     torch.testing.assert_close(layer.experts.fc1.grad, fc1.grad, rtol=1e-10, atol=1e-12)
 
 
+def sequence_aux_reference(x, router, fc1, fc2, sequences):
+    """``x`` [s·b, h] sequence-first; per token: sigmoid scores, the top-k, their scores normalised, the weighted
+    sum of the experts; the sequence-wise balance loss written out sequence by sequence: ``E · Σ_i f_i · P_i`` over
+    the sequence's tokens (``f_i`` its share of the assignments, ``P_i`` the mean of ``s_ti / Σ_j s_tj``), averaged
+    over the sequences."""
+    scores = torch.sigmoid(x @ router.t())
+    idx = scores.detach().topk(K, -1).indices
+    out = []
+    for t in range(x.shape[0]):
+        w = scores[t, idx[t]] / scores[t, idx[t]].sum()
+        out.append(sum(w[j] * _expert(x[t], fc1[e], fc2[e]) for j, e in enumerate(idx[t].tolist())))
+    losses = []
+    for b in range(sequences):
+        rows = list(range(b, x.shape[0], sequences))
+        counts = torch.bincount(idx[rows].flatten(), minlength=E).double()
+        f = counts / (len(rows) * K)
+        P = (scores[rows] / scores[rows].sum(-1, keepdim=True)).mean(0)
+        losses.append(E * (f * P).sum())
+    return torch.stack(out), torch.stack(losses).mean()
+
+
+def test_the_sequence_wise_balance_loss_matches_the_per_sequence_reference():
+    """DeepSeek-V3's sequence-wise loss (weight 0.3 here): the layer's output and every gradient against the
+    written-out loss of each sequence; with one sequence it is the batch-wise loss."""
+    with single_process_world(parallel=True):
+        layer = MoELayer(H, F_, E, K, seed=77, score="sigmoid", aux_loss_coeff=0.3, seq_aux_loss=True).double()
+        x = randn(S, B, H, seed=1).double().requires_grad_(True)
+        dy = randn(S, B, H, seed=2).double()
+        set_aux_loss_scale(1.0)
+        out = layer(x)
+        out.backward(dy)
+        router, fc1, fc2 = (t.clone().requires_grad_(True) for t in _layer_params(layer))
+        xr = x.detach().clone().requires_grad_(True)
+        ref, aux = sequence_aux_reference(xr.view(-1, H), router, fc1, fc2, B)
+        ((ref * dy.view(-1, H)).sum() + 0.3 * aux).backward()
+        one = layer.router(x.detach().view(-1, H), sequences=1)[2]["aux_loss"]
+        layer.router.seq_aux = False
+        batch = layer.router(x.detach().view(-1, H))[2]["aux_loss"]
+        with pytest.raises(ValueError, match="16 tokens are not 3 sequences"):
+            MoELayer(H, F_, E, K, seed=77, seq_aux_loss=True).router(x.detach().view(-1, H), sequences=3)
+    torch.testing.assert_close(out.view(-1, H), ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.router.weight.grad, router.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.experts.fc1.grad, fc1.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(one, batch, rtol=1e-12, atol=0)
+    assert abs(float(aux.detach()) - float(batch)) > 1e-6  # two sequences differ from all tokens at once here
+
+
 def test_the_balancing_bias_moves_by_the_sign_of_the_load_gap():
     from megakernels.parallel.moe.router import update_expert_biases
 
@@ -287,6 +335,30 @@ def _(rank, world):
         with pytest.raises(ValueError, match="no capacity factor"):
             layer(x)
     mp.destroy()
+
+
+@CHECKS.add("the_sequence_wise_loss_split_over_tp_and_sp_matches_the_single_process")
+def _(rank, world):
+    """Each TP rank routes its share of every sequence: the per-sequence sums are over the TP group."""
+    for tp, sp in ((2, True), (4, False)):
+        mp.initialize(tp)
+        layer = MoELayer(
+            H, F_, E, K, sp, seed=77, score="sigmoid", aux_loss_coeff=0.3, seq_aux_loss=True
+        ).double()  # fmt: skip
+        x, dy = randn(S, B, H, seed=10).double(), randn(S, B, H, seed=20).double()
+        xin = (block(x, 0, mp.tp_rank(), tp) if sp else x).clone().requires_grad_(True)
+        set_aux_loss_scale(1.0)
+        layer(xin).backward(block(dy, 0, mp.tp_rank(), tp) if sp else dy)
+        mp.allreduce_sequence_parallel_grads(layer)
+        router, fc1, fc2 = (t.clone().requires_grad_(True) for t in _layer_params(layer))
+        xr = x.clone().requires_grad_(True)
+        ref, aux = sequence_aux_reference(xr.view(-1, H), router, fc1, fc2, B)
+        ((ref * dy.view(-1, H)).sum() + 0.3 * aux).backward()
+        what = f"tp{tp} sp={sp}"
+        assert_close(layer.router.weight.grad, router.grad, f"{what}: router grad", rtol=1e-10)
+        want = block(xr.grad, 0, mp.tp_rank(), tp) if sp else xr.grad
+        assert_close(xin.grad, want, f"{what}: input grad", rtol=1e-10)
+        mp.destroy()
 
 
 @CHECKS.add("the_layer_split_over_tp_sp_and_ep_matches_the_single_process")

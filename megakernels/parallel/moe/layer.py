@@ -80,6 +80,8 @@ class MoELayer(nn.Module):
             the first token exchange is in flight.
         score, n_group, topk_group, routed_scaling, expert_bias: DeepSeek-V3's routing (``TopKRouter``: sigmoid
             scores, group-limited top-k, the weights' factor, the auxiliary-loss-free balancing bias).
+        seq_aux_loss: the load-balancing loss per sequence of the micro-batch, averaged (DeepSeek-V3's
+            sequence-wise loss; ``TopKRouter``'s ``seq_aux``).
         fp8_dispatch: the dispatched rows travel as FP8 with a scale a row (``moe.dispatcher``; None:
             ``dispatcher.configure``'s, the trainer's ``--moe-fp8-dispatch``).
         dispatcher, a2a_chunks: the token dispatcher (``moe.dispatcher``: ``alltoall``, ``allgather`` or a
@@ -121,6 +123,7 @@ class MoELayer(nn.Module):
         topk_group: int | None = None,
         routed_scaling: float = 1.0,
         expert_bias: bool = False,
+        seq_aux_loss: bool = False,
         seed: int = 0,
         init_method: init.InitMethod | None = None,
         output_init_method: init.InitMethod | None = None,
@@ -153,6 +156,7 @@ class MoELayer(nn.Module):
             topk_group=topk_group,
             scaling=routed_scaling,
             expert_bias=expert_bias,
+            seq_aux=seq_aux_loss,
             init_method=init_method,
             seed=init.derive_seed(seed, "router"),
             device=device,
@@ -197,7 +201,7 @@ class MoELayer(nn.Module):
         local = x if (self.sequence_parallel or tp == 1) else mappings.scatter_to_sequence_parallel_region(x)
         s_local, b, h = local.shape
         # the micro-batch's tokens are split over the TP ranks (here) and the context-parallel ranks
-        weights, experts, st = self.router(local.reshape(-1, h), state.tp_cp_group())
+        weights, experts, st = self.router(local.reshape(-1, h), state.tp_cp_group(), sequences=b)
         if tp > 1:
             weights = mappings.gather_from_sequence_parallel_region(
                 weights.view(s_local, b, -1), tensor_parallel_output_grad=True

@@ -11,6 +11,10 @@ micro-batch's tokens:
   balanced;
 - router z-loss (ST-MoE): ``mean_t (logsumexp_i logits_ti)²``, keeping the logits small.
 
+With ``seq_aux=True`` the load-balancing loss is computed per sequence and averaged over the micro-batch's
+sequences (DeepSeek-V3's complementary sequence-wise balance loss): ``mean_b E · Σ_i f_bi · P_bi``, ``f_bi`` and
+``P_bi`` as above over the tokens of sequence ``b`` alone; with one sequence it is the loss above.
+
 When the micro-batch's tokens are split over ranks (context parallelism), the sums behind ``f``, ``P`` and the
 z-loss are summed over ``stats_group`` first, so every layout computes the same losses as one process; each rank's
 gradient flows into its own tokens only (the sum's backward is the identity), which is the gradient of that one
@@ -72,14 +76,17 @@ class TopKRouter(nn.Module):
         score, n_group, topk_group, scaling: ``"softmax"`` or ``"sigmoid"`` scores and group-limited routing
             (``ops.moe_router``), the weights' factor (DeepSeek's routed_scaling_factor).
         expert_bias: keep the auxiliary-loss-free balancing bias (module docstring).
+        seq_aux: the load-balancing loss per sequence (module docstring).
         init_method, seed, device, dtype: of the gate's weight ``[E, h]`` (replicated on every rank).
 
-    ``forward(x, stats_group=None)``: ``x`` ``[tokens, h]`` -> ``(weights [tokens, k] fp32, experts [tokens, k]
-    int64, stats)`` with ``stats``: ``aux_loss`` and ``z_loss`` (fp32 scalars, differentiable) and ``tokens_per_expert``
-    ([E], the micro-batch's assignments, summed over ``stats_group``).
+    ``forward(x, stats_group=None, sequences=1)``: ``x`` ``[tokens, h]`` -> ``(weights [tokens, k] fp32, experts
+    [tokens, k] int64, stats)`` with ``stats``: ``aux_loss`` and ``z_loss`` (fp32 scalars, differentiable) and
+    ``tokens_per_expert`` ([E], the micro-batch's assignments, summed over ``stats_group``). ``sequences``: how many
+    sequences the tokens are, sequence-first (``[s, b]`` flattened: token ``t`` belongs to sequence ``t % b``), for
+    ``seq_aux``.
 
     Raises:
-        ValueError: ``top_k`` outside ``1..num_experts``.
+        ValueError: ``top_k`` outside ``1..num_experts``; (forward) a token count that ``sequences`` does not divide.
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class TopKRouter(nn.Module):
         topk_group: int | None = None,
         scaling: float = 1.0,
         expert_bias: bool = False,
+        seq_aux: bool = False,
         init_method: init.InitMethod | None = None,
         seed: int | None = None,
         device=None,
@@ -107,6 +115,7 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, bool(normalize)
         self.softmax_topk = bool(softmax_topk)
         self.score, self.n_group, self.topk_group, self.scaling = score, n_group, topk_group, float(scaling)
+        self.seq_aux = bool(seq_aux)
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("expert_load", torch.zeros(num_experts, device=device, dtype=torch.float32), False)
@@ -131,7 +140,9 @@ class TopKRouter(nn.Module):
                 self._buffers[name] = self._buffers[name].float()
         return self
 
-    def forward(self, x: torch.Tensor, stats_group=None):
+    def forward(self, x: torch.Tensor, stats_group=None, sequences: int = 1):
+        if self.seq_aux and (sequences < 1 or x.shape[0] % sequences):
+            raise ValueError(f"TopKRouter: {x.shape[0]} tokens are not {sequences} sequences of equal length")
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 routing (fp64 for fp64 models)
         logits = x.to(acc) @ self.weight.to(acc).t()
         if self.bias is not None:
@@ -154,10 +165,33 @@ class TopKRouter(nn.Module):
         z_sum = sum_over(out.lse.square().sum(), stats_group)
         f = counts / (total * self.top_k)
         P = prob_sum / total
-        stats = {"aux_loss": E * (f * P).sum(), "z_loss": z_sum / total[0], "tokens_per_expert": counts}
+        aux = self._sequence_aux(logits, experts, sequences, stats_group) if self.seq_aux else E * (f * P).sum()
+        stats = {"aux_loss": aux, "z_loss": z_sum / total[0], "tokens_per_expert": counts}
         if self.expert_load is not None and self.training and torch.is_grad_enabled():
             self.expert_load += counts.detach().float()
         return weights, experts, stats
+
+    def _sequence_aux(self, logits, experts, b: int, group) -> torch.Tensor:
+        """``mean_b E · Σ_i f_bi · P_bi`` over the ``b`` sequences of ``logits`` ``[s·b, E]`` (their tokens summed
+        over ``group`` first): each token's scores as the batch-wise loss takes them (the softmax, or the sigmoid
+        scores over their sum)."""
+        E = self.num_experts
+        if self.score == "sigmoid":
+            s = torch.sigmoid(logits)
+            p = s / s.sum(-1, keepdim=True)
+        else:
+            p = torch.softmax(logits, -1)
+        prob = sum_over(p.view(-1, b, E).sum(0), group)  # [b, E], differentiable
+        seq = torch.arange(logits.shape[0], device=logits.device) % b
+        slots = (seq[:, None] * E + experts).flatten()
+        counts = torch.zeros(b * E, dtype=logits.dtype, device=logits.device)
+        counts.index_add_(0, slots, torch.ones_like(slots, dtype=logits.dtype))
+        length = torch.tensor([float(logits.shape[0] // b)], dtype=logits.dtype, device=logits.device)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+            dist.all_reduce(length, group=group)
+        f = counts.view(b, E) / (length * self.top_k)
+        return E * (f * prob / length).sum(-1).mean()
 
 
 @torch.no_grad()

@@ -128,7 +128,8 @@ def _deepseek(layers, hidden, heads, vocab, ffn, *, q_lora, experts, top_k, moe_
     return sized(
         DeepseekConfig, layers, hidden, heads, heads, seq, vocab, ffn, q_lora_rank=q_lora, num_experts=experts,
         moe_top_k=top_k, moe_ffn_hidden_size=moe_ffn, moe_shared_experts=shared, moe_first_dense=dense,
-        moe_n_group=groups, moe_topk_group=topk_groups, moe_routed_scaling=scaling, moe_aux_loss_coeff=0.0,
+        moe_n_group=groups, moe_topk_group=topk_groups, moe_routed_scaling=scaling,
+        moe_aux_loss_coeff=1e-3 if softmax else 1e-4, moe_seq_aux_loss=True,
         moe_score="softmax" if softmax else "sigmoid", moe_expert_bias=not softmax, moe_normalize=not softmax,
         layernorm_eps=1e-6, rope_theta=kw.pop("rope_theta", 10000.0), **rope, **kw,
     )  # fmt: skip
