@@ -10,6 +10,7 @@ gradient is at most twice the unpatched bf16 model's, plus 0.002.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -19,18 +20,19 @@ import megakernels.integrations.transformers as mkt
 from tests.integrations import hf_models as H
 
 # The fused ops each family's patched forward + backward must reach.
+ROUTER = ("moe_router_fwd", "moe_router_bwd")
 EXPECTED_OPS = {
     "gpt2": {"norm_fwd", "bias_gelu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
     "bert": {"norm_fwd", "bias_gelu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
     "llama": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
     "mistral": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
-    "mixtral": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
+    "mixtral": {"norm_fwd", "swiglu_fwd", "grouped_gemm", *ROUTER, "flash_attn_fwd", "cross_entropy_stats"},
     "qwen2": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
     "qwen3": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},
-    "qwen3_moe": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
+    "qwen3_moe": {"norm_fwd", "swiglu_fwd", "grouped_gemm", *ROUTER, "flash_attn_fwd", "cross_entropy_stats"},
     "gemma3_text": {"norm_fwd", "swiglu_fwd", "flash_attn_fwd", "cross_entropy_stats"},  # GeGLU: the swiglu op
-    "gpt_oss": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
-    "deepseek_v3": {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"},
+    "gpt_oss": {"norm_fwd", "swiglu_fwd", "grouped_gemm", *ROUTER, "flash_attn_fwd", "cross_entropy_stats"},
+    "deepseek_v3": {"norm_fwd", "swiglu_fwd", "grouped_gemm", *ROUTER, "flash_attn_fwd", "cross_entropy_stats"},
 }
 
 
@@ -84,6 +86,48 @@ def test_patched_model_matches_unpatched_fp32(family, mode):
     for name, g in grads0.items():
         assert grads1[name] is not None, name
         torch.testing.assert_close(grads1[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+ROUTED = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+
+
+@pytest.mark.parametrize("family", ROUTED)
+def test_patched_routers_route_as_the_classes_do(family):
+    """Each MoE family's router alone, fp32, on tokens whose scores have no ties: the same logits, the same k experts
+    per token with the same weights (in either order: the classes' top-k is unsorted in DeepSeek's), the gradients
+    of a weighted sum of the weights and the logits equal; DeepSeek's correction bias moves the choice in both."""
+    from megakernels.integrations.transformers._families import FAMILIES
+
+    ref = H.build(family)
+    name = next(iter(FAMILIES[family].routers))
+    router = next(m for m in ref.modules() if type(m).__name__ == name)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(2))
+    patched = copy.deepcopy(router)
+    model = copy.deepcopy(ref)
+    assert mkt.apply(model)["routers"] >= 1
+    bound = next(m for m in model.modules() if type(m).__name__ == name).forward  # the patch's, on this copy
+    patched.forward = functools.partial(bound.func, patched, **bound.keywords)
+    for m in (router, patched):
+        m.zero_grad(set_to_none=True)
+    x = torch.randn(24, router.hidden_dim, generator=torch.Generator().manual_seed(3))
+    dw = torch.randn(24, router.top_k, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for m in (router, patched):
+        xi = x.clone().requires_grad_(True)
+        logits, weights, index = m(xi)
+        index, order = index.sort(-1)
+        weights = weights.gather(1, order)
+        ((weights * dw).sum() + logits.square().sum() * 1e-2).backward()
+        outs.append((logits.detach(), weights.detach(), index, xi.grad, m.weight.grad))
+    (l0, w0, i0, gx0, gw0), (l1, w1, i1, gx1, gw1) = outs
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert torch.equal(i1, i0)
+    torch.testing.assert_close(w1, w0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw1, gw0, rtol=1e-5, atol=1e-7)
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -275,6 +319,7 @@ def test_apply_reports_what_it_patched():
     assert done == {
         "norms": 5,
         "mlp": 2,
+        "routers": 0,
         "experts": 0,
         "linears": 7 * 2 + 1,  # every nn.Linear: q, k, v, o, gate, up, down of both layers, and the LM head
         "attention": False,
@@ -283,7 +328,8 @@ def test_apply_reports_what_it_patched():
         "tied_embeddings": False,  # its LM head has a table of its own
         "declined": [],
     }
-    assert mkt.apply(H.build("mixtral"))["experts"] == 2  # one expert bank a layer
+    done = mkt.apply(H.build("mixtral"))
+    assert done["experts"] == 2 and done["routers"] == 2  # one expert bank and its router a layer
 
 
 class AtenOps(TorchDispatchMode):

@@ -172,7 +172,8 @@ def apply(
             transformers' forward, which calls them); Mixtral's, Qwen 3 MoE's, gpt-oss's and DeepSeek-V3's
             experts -> ``grouped_gemm``
             where their experts implementation is transformers' default (``"grouped_mm"``) or
-            ``"megakernels"``. A model whose activation is neither a GeLU nor SiLU keeps its MLP.
+            ``"megakernels"``; their top-k routers -> ``megakernels.ops.moe_router`` (fp32 routing in one pass).
+            A model whose activation is neither a GeLU nor SiLU keeps its MLP.
         attention: where the caller chose no attention implementation (transformers' default ``"sdpa"``, which
             the config keeps saying), the attention runs FlashAttention without a mask and transformers' SDPA
             where a mask is needed; an implementation the caller chose (``attn_implementation=`` or the config;
@@ -197,11 +198,11 @@ def apply(
             measured faster than ``F.linear`` on this machine (``gemm.route()``); ``F.linear`` itself elsewhere.
 
     Returns:
-        What was patched: ``{"norms": int, "mlp": int, "experts": int, "linears": int, "attention": bool,
-        "loss": bool, "fused_head": bool, "tied_embeddings": bool, "declined": list[str]}``; ``declined`` names
-        the modules that keep transformers' forward because what the fused one reads is wrapped or replaced, or
-        (with the reason in parentheses) that the fused one does not compute what the config asks (one warning
-        names them too).
+        What was patched: ``{"norms": int, "mlp": int, "routers": int, "experts": int, "linears": int,
+        "attention": bool, "loss": bool, "fused_head": bool, "tied_embeddings": bool, "declined": list[str]}``;
+        ``declined`` names the modules that keep transformers' forward because what the fused one reads is wrapped
+        or replaced, or (with the reason in parentheses) that the fused one does not compute what the config asks
+        (one warning names them too).
 
     Raises:
         ImportError: transformers missing or older than ``MIN_TRANSFORMERS_VERSION``. TypeError: ``model`` is not

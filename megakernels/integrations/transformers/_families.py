@@ -24,7 +24,8 @@ class Family:
     GeLU; ``gated_mlps`` its gated MLP classes (``gate_proj``, ``up_proj``, ``down_proj``), SwiGLU when that
     activation is SiLU and GeGLU when it is the tanh GeLU; ``experts`` its 3-D expert banks, used when that
     activation is SiLU (``clamped_experts``: those of them whose gate is gpt-oss's clamped SwiGLU, ``limit`` and
-    ``alpha`` on the module); ``offset_rms_norms`` its RMSNorm classes computing ``x * (1 + weight)`` in fp32
+    ``alpha`` on the module); ``routers`` its top-k router classes -> ``_forwards.router_forward``'s options (bound
+    with the MLPs); ``offset_rms_norms`` its RMSNorm classes computing ``x * (1 + weight)`` in fp32
     (Gemma's); ``scaled_embeddings`` its input-embedding classes whose lookup is ``nn.Embedding``'s times the
     ``embed_scale`` buffer in the weight's dtype (Gemma's), which a tied table may serve; ``attentions`` the
     modules that call transformers' attention interface. LayerNorms are ``torch.nn.LayerNorm`` in every family.
@@ -46,6 +47,7 @@ class Family:
     gated_mlps: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     clamped_experts: tuple[str, ...] = ()
+    routers: dict = field(default_factory=dict)
     scaled_embeddings: tuple[str, ...] = ()
     attentions: tuple[str, ...] = ()
     packs: bool = True
@@ -118,6 +120,7 @@ FAMILIES = {
             attentions=("MixtralAttention",),
             rms_norms=("MixtralRMSNorm",),
             experts=("MixtralExperts",),
+            routers={"MixtralTopKRouter": {}},  # fp32 weights
         ),
         Family(
             "qwen2",
@@ -145,6 +148,7 @@ FAMILIES = {
             rms_norms=("Qwen3MoeRMSNorm",),
             gated_mlps=("Qwen3MoeMLP",),  # the dense layers between sparse ones (decoder_sparse_step > 1)
             experts=("Qwen3MoeExperts",),
+            routers={"Qwen3MoeTopKRouter": {"cast": True}},
         ),
         Family(
             "gemma3_text",
@@ -167,6 +171,7 @@ FAMILIES = {
             input_dtype=True,  # its norms stay fp32 in a bf16 model (_keep_in_fp32_modules) and return bf16
             experts=("GptOssExperts",),
             clamped_experts=("GptOssExperts",),
+            routers={"GptOssTopKRouter": {"topk_softmax": True, "cast": True}},
             fused_head=True,  # where no router logits are asked for (their auxiliary loss: the class's forward)
             attention_default="eager",  # transformers has no SDPA path for gpt-oss (its sinks)
         ),
@@ -177,7 +182,8 @@ FAMILIES = {
             attentions=("DeepseekV3Attention",),  # latent attention: query/key head dim apart from the value's
             rms_norms=("DeepseekV3RMSNorm",),  # the query and key/value latents' norms too
             gated_mlps=("DeepseekV3MLP",),  # the dense first layers' MLPs and the shared experts
-            experts=("DeepseekV3Experts",),  # the router (group-limited top-k, sigmoid scores) as it is
+            experts=("DeepseekV3Experts",),
+            routers={"DeepseekV3TopkRouter": {"score": "sigmoid"}},  # group-limited top-k, its correction bias
             fused_head=True,  # its loss is the causal-LM loss alone (no auxiliary loss)
         ),
     )
@@ -237,8 +243,9 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
     offset_rms = family.classes(family.offset_rms_norms)
     gelu_mlps = dict(zip(family.classes(family.gelu_mlps), family.gelu_mlps.values()))
     gated = family.classes(family.gated_mlps)
+    routers = dict(zip(family.classes(family.routers), family.routers.values()))
     conv1d = fw._conv1d_class()
-    counts = {"norms": 0, "mlp": 0, "linears": 0, "declined": []}
+    counts = {"norms": 0, "mlp": 0, "routers": 0, "linears": 0, "declined": []}
     for name, m in model.named_modules():
         cls = type(m)
         own = m.__dict__.get("forward")
@@ -262,6 +269,9 @@ def patch_modules(model, family: Family, *, norms: bool, mlp: bool, linears: boo
                 counts["mlp"] += 1
             else:
                 counts["declined"].append(name)
+        elif mlp and cls in routers:
+            bind(m, fw.router_forward, **routers[cls])
+            counts["routers"] += 1
         elif mlp and gelu is not None and cls in gelu_mlps:
             bind(m, gelu_mlps[cls], approximate=gelu)
             if _mlp_owns_its_linears(m, _READS[cls.__name__]):

@@ -15,7 +15,10 @@ computes what the module it replaces computes, through megakernels' fused ops (d
 - Mixtral's / Qwen 3 MoE's / gpt-oss's / DeepSeek-V3's experts (``_dispatch``: under transformers' default
   ``"grouped_mm"``, or ``"megakernels"``) -> tokens sorted by expert (``megakernels.parallel.moe.dispatch.permute``),
   two ``grouped_gemm`` around ``swiglu`` (gpt-oss's clamped one, its interleaved gate/up columns reordered per call and
-  its biases added), outputs weighted and summed back in fp32 (``unpermute``).
+  its biases added), outputs weighted and summed back in fp32 (``unpermute``); their routers (the gate's GEMM as the
+  class computes it, then softmax or sigmoid scores, DeepSeek's group-limited top-k with its correction bias,
+  gpt-oss's softmax over the chosen logits, the weights normalised and scaled) -> ``megakernels.ops.moe_router``
+  (one pass each way, fp32 math; ties go to the lower expert).
 - attention (``_dispatch``: the calls of a patched model under transformers' default ``"sdpa"``, or under
   ``"megakernels"``) -> ``flash_attention`` when transformers passes no mask (causal without padding, or bidirectional
   without padding: its SDPA mask function returns None exactly then, and ours also when the only reason for a mask
@@ -248,6 +251,27 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # model's fp32 training stays on the unpatched curve (the fused sum's other rounding order, amplified by AdamW,
     # moves gpt-oss's DoRA loss by 3e-4 within three steps)
     return unpermute(y, perm, top_k_weights, fused=False)
+
+
+def router_forward(self, hidden_states, *, score: str = "softmax", topk_softmax: bool = False, cast: bool = False):
+    """transformers' top-k routers (Mixtral's, Qwen 3 MoE's, gpt-oss's, DeepSeek-V3's): hidden ``[..., h]`` ->
+    ``(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`` as the class returns them (``cast``: the
+    weights in the logits' dtype, as Qwen 3 MoE's and gpt-oss's), the routing through ``ops.moe_router``. The module's
+    own attributes say the rest: ``norm_topk_prob`` (default: normalised), ``bias`` on the logits,
+    ``e_score_correction_bias`` on the selection keys, ``num_group`` / ``topk_group``, ``routed_scaling_factor``;
+    the sigmoid routers' logits are computed in fp32, as DeepSeek-V3's class does."""
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    if score == "sigmoid":
+        logits = F.linear(h.float(), self.weight.float())
+    else:
+        logits = F.linear(h, self.weight, getattr(self, "bias", None))
+    out = ops.moe_router(
+        logits.float(), self.top_k, score=score, topk_softmax=topk_softmax,
+        normalize=bool(getattr(self, "norm_topk_prob", True)) and self.top_k > 1 and not topk_softmax,
+        bias=getattr(self, "e_score_correction_bias", None), scale=float(getattr(self, "routed_scaling_factor", 1.0)),
+        n_group=int(getattr(self, "num_group", None) or 1), topk_group=getattr(self, "topk_group", None),
+    )  # fmt: skip
+    return logits, out.weights.to(logits.dtype) if cast else out.weights, out.experts
 
 
 # ---- attention ----------------------------------------------------------------------------------------------------
