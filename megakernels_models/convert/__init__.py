@@ -21,6 +21,7 @@ import os
 
 from megakernels_models.convert import (
     bert,
+    deepseek_v2,
     deepseek_v3,
     gemma3,
     gpt2,
@@ -46,7 +47,7 @@ from megakernels_models.training.checkpoint_store import GENERATION_CONFIG, copy
 
 FAMILIES = {
     m.MODEL_TYPE: m
-    for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss, deepseek_v3)
+    for m in (gpt2, bert, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss, deepseek_v2, deepseek_v3)
 }
 TOKENIZER = "tokenizer.json"
 

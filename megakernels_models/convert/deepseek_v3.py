@@ -129,10 +129,11 @@ def _layer(cfg: ModelConfig, i: int, m: str, a: str) -> list[Rule]:
     x = a + "mlp."
     out += [
         copy(m + "mlp.router.weight", x + "gate.weight"),
-        copy(m + "mlp.router.expert_bias", x + "gate.e_score_correction_bias"),
         _experts(m, x + "experts.gate_up_proj", "fc1", cfg.num_experts),
         _experts(m, x + "experts.down_proj", "fc2", cfg.num_experts),
     ]
+    if cfg.moe_expert_bias:  # always in DeepSeek-V3; DeepSeek-V2 (``deepseek_v2``) has none
+        out.append(copy(m + "mlp.router.expert_bias", x + "gate.e_score_correction_bias"))
     if cfg.moe_shared_experts:
         out += [
             llama.packed_rule(

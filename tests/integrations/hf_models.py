@@ -21,6 +21,7 @@ FAMILIES = (
     "gemma3_text",
     "gpt_oss",
     "deepseek_v3",
+    "deepseek_v2",
 )
 WINDOW = 5  # Mistral's (Gemma 3's, gpt-oss's sliding layers') window in these models: it binds on sequences of 12
 
@@ -142,6 +143,13 @@ def config(family: str, **overrides):
             ),
         )
         return tf.DeepseekV3Config(**{**llama_like, "num_key_value_heads": 4, **deepseek, **overrides})
+    if family == "deepseek_v2":  # V2's softmax routing (greedy top-k, scaled, not renormalised), default rotary
+        deepseek = dict(
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+            first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method="greedy",
+        )  # fmt: skip
+        return tf.DeepseekV2Config(**{**llama_like, "num_key_value_heads": 4, **deepseek, **overrides})
     raise ValueError(family)
 
 
@@ -161,6 +169,7 @@ def model_class(family: str):
         "gemma3_text": tf.Gemma3ForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
+        "deepseek_v2": tf.DeepseekV2ForCausalLM,
     }[family]
 
 

@@ -17,7 +17,7 @@ import megakernels.integrations.transformers as mkt
 from tests.integrations import hf_models as H
 from tests.integrations.test_transformers import MegakernelsOps
 
-MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2")
 
 
 def _patched_name(family: str) -> str:

@@ -1,8 +1,8 @@
-"""DeepSeek-V3 (``deepseek_v3``) under the integration: latent attention (the query/key head dim apart from the
-value's, the module's own scaling) through FlashAttention, the dense first layer's MLP and the shared experts
-through SwiGLU, the routed experts through grouped GEMMs, the router as it is; with and without the query latent,
-group-limited routing. The reference is the unpatched transformers model with the same weights; fp32 tolerances
-as tests/integrations/test_transformers.py's."""
+"""DeepSeek-V3 (``deepseek_v3``) and DeepSeek-V2 (``deepseek_v2``) under the integration: latent attention (the
+query/key head dim apart from the value's, the module's own scaling) through FlashAttention, the dense first
+layer's MLP and the shared experts through SwiGLU, the routed experts through grouped GEMMs, the router through
+``moe_router``; with and without the query latent, group-limited routing, V2's softmax routing. The reference is
+the unpatched transformers model with the same weights; fp32 tolerances as tests/integrations/test_transformers.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ import megakernels.integrations.transformers as mkt
 from tests.integrations import hf_models as H
 from tests.integrations.test_transformers import MegakernelsOps, step
 
-SHAPES = {"query-latent": {}, "direct-query": {"q_lora_rank": None}}
+SHAPES = {
+    "query-latent": ("deepseek_v3", {}),
+    "direct-query": ("deepseek_v3", {"q_lora_rank": None}),
+    "v2-softmax-routing": ("deepseek_v2", {}),  # DeepSeek-V2: the same modules, V2's router and rotary dims
+}
 
 
 def _spread(model):
@@ -37,7 +41,8 @@ def _spread(model):
 def test_patched_deepseek_v3_trains_like_the_unpatched_model(shape):
     """Three SGD steps: logits, loss and every parameter's gradient at each step, and the parameters after, equal
     the unpatched model's; the patch reaches every kind of module the family has."""
-    ref = _spread(H.build("deepseek_v3", **SHAPES[shape]))
+    family, overrides = SHAPES[shape]
+    ref = _spread(H.build(family, **overrides))
     model = copy.deepcopy(ref)
     done = mkt.apply(model)
     latent = ref.config.q_lora_rank is not None
@@ -51,7 +56,8 @@ def test_patched_deepseek_v3_trains_like_the_unpatched_model(shape):
         logits0, loss0, grads0 = step(ref, ids)
         with MegakernelsOps() as seen:
             logits1, loss1, grads1 = step(model, ids)
-        assert {"norm_fwd", "swiglu_fwd", "grouped_gemm", "flash_attn_fwd", "cross_entropy_stats"} <= seen.names
+        assert {"norm_fwd", "swiglu_fwd", "grouped_gemm", "moe_router_fwd", "flash_attn_fwd"} <= seen.names
+        assert "cross_entropy_stats" in seen.names
         torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
         for name, g in grads0.items():

@@ -21,12 +21,12 @@ STEPS, LR = 6, 1e-2
 ORDERS = ("patch_then_peft", "peft_then_patch", "classes")
 # megakernels' ops a forward + backward reaches with every linear adapted (no fused MLP: they read their linears)
 REACHED = {"norm_fwd", "flash_attn_fwd"}
-MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2")
 # the fused MLPs and the linears whose weights they read
 READS = {"GPT2MLP": ("c_fc",), "BertIntermediate": ("dense",), "BertPredictionHeadTransform": ("dense",)}
 READS |= {
     f"{f}MLP": ("gate_proj", "up_proj")
-    for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma3", "DeepseekV3")
+    for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma3", "DeepseekV3", "DeepseekV2")
 }
 
 
@@ -41,7 +41,7 @@ def _linears(model) -> str:
     without the MLPs' (PEFT 0.21 maps ``gate_proj`` / ``up_proj`` / ``down_proj`` there onto the expert banks, which
     DoRA cannot adapt)."""
     head = model.get_output_embeddings()
-    moe = model.config.model_type in ("mixtral", "qwen3_moe", "deepseek_v3")
+    moe = model.config.model_type in ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2")
     names = [n for n, m in model.named_modules() if _plain(m) and m is not head and not (moe and ".mlp." in n)]
     return "|".join(re.escape(n) for n in names)
 

@@ -161,6 +161,72 @@ def test_what_deepseek_v3_cannot_express_is_refused_by_name():
         deepseek_v3.config_to_ours({"topk_method": "greedy", "hidden_act": "silu"})
 
 
+V2_SHAPES = {
+    "latent-query": dict(q_lora_rank=24, first_k_dense_replace=1),
+    "direct-query-two-dense": dict(q_lora_rank=None, first_k_dense_replace=2),  # V2-Lite's form
+}
+
+
+@pytest.mark.parametrize("shape", list(V2_SHAPES))
+def test_deepseek_v2_converts_both_ways_with_transformers_logits(single_world, tmp_path, shape):
+    """DeepSeek-V2's softmax routing (greedy top-k, weights not renormalised, scaled) and complex-number rotary
+    dims: our logits equal transformers' to 1e-4, the exported checkpoint is bit-exact, and ours exports as V2."""
+    from megakernels_models import convert
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=1.5, kv_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8,
+        num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="eager",
+        experts_implementation="eager", **V2_SHAPES[shape],
+    )  # fmt: skip
+    hf = transformers.DeepseekV2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ids = torch.randint(0, 300, (2, 32))
+    convert.hf_to_megakernels(str(tmp_path / "hf"), str(tmp_path / "mk"))
+    cfg, model = _ours(tmp_path / "mk")
+    assert (cfg.moe_score, cfg.moe_normalize, cfg.moe_expert_bias) == ("softmax", False, False)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model(ids).transpose(0, 1)[..., : cfg.vocab_size]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    convert.megakernels_to_hf(str(tmp_path / "mk"), str(tmp_path / "back"))
+    back = transformers.DeepseekV2ForCausalLM.from_pretrained(tmp_path / "back")
+    assert back.config.model_type == "deepseek_v2"
+    back = back.state_dict()
+    assert back.keys() == hf.state_dict().keys()
+    for name, p in hf.state_dict().items():
+        assert torch.equal(back[name], p), name
+
+
+def test_what_deepseek_v2_cannot_express_is_refused_by_name():
+    import dataclasses
+
+    from megakernels_models.convert import deepseek_v2
+    from megakernels_models.convert.common import ConversionError
+
+    cfg = PRESETS["deepseek-v2-lite"]
+    assert deepseek_v2.config_to_theirs(cfg)["topk_method"] == "greedy"
+    for change, name in (
+        (dict(moe_normalize=True), "moe_normalize"),
+        (dict(mla_rope_interleave=False), "mla_rope_interleave=False"),
+        (dict(mtp_layers=1), "mtp_layers"),
+    ):
+        with pytest.raises(ConversionError, match=name):
+            deepseek_v2.config_to_theirs(dataclasses.replace(cfg, **change))
+    with pytest.raises(ConversionError, match="moe_score='sigmoid'"):
+        deepseek_v2.config_to_theirs(PRESETS["deepseek-tiny"])
+    with pytest.raises(ConversionError, match="group_limited_greedy"):
+        deepseek_v2.config_to_ours({"topk_method": "group_limited_greedy", "hidden_act": "silu"})
+
+
 YARN = {
     # mscale apart from mscale_all_dim: the rotary tables' attention factor is their ratio and the softmax scale
     # takes mscale(mscale_all_dim)²; beta_fast / beta_slow and rope_theta put the ramp inside the 8 frequencies

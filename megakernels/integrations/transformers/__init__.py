@@ -55,6 +55,7 @@ __all__ = [
     "patch_gemma3",
     "patch_gpt_oss",
     "patch_deepseek_v3",
+    "patch_deepseek_v2",
     "register",
     "supported_model_types",
     "ClassPatch",
@@ -162,8 +163,8 @@ def apply(
 
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported ``config.model_type`` (gpt2, bert, llama,
-            mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss, deepseek_v3), on any device and dtype,
-            built or loaded already; or a PEFT
+            mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss, deepseek_v3, deepseek_v2), on any
+            device and dtype, built or loaded already; or a PEFT
             ``PeftModel``, whose base model is patched (before or after ``get_peft_model``: the adapters' layers
             are always called).
         norms: LayerNorm / RMSNorm modules -> ``megakernels.ops.layer_norm`` / ``rms_norm``.
@@ -187,8 +188,8 @@ def apply(
             ``megakernels.ops.linear_cross_entropy`` (chunks of tokens: the ``[tokens, vocab]`` logits exist only if
             ``out.logits`` is read, which computes them then); the causal LMs of gpt2, llama, mistral, qwen2, qwen3,
             gemma3_text (its ``final_logit_softcapping`` inside the fused loss), gpt_oss (a call asking for router
-            logits runs the class's forward) and deepseek_v3. Off by default (code that reads the training logits pays
-            for the head twice).
+            logits runs the class's forward), deepseek_v3 and deepseek_v2. Off by default (code that reads the
+            training logits pays for the head twice).
         tied_embeddings: where the input embedding and the LM head share one table (GPT-2; models with
             ``tie_word_embeddings``), the lookup's gradient is added into the head's weight gradient row by row
             instead of through a dense ``[vocab, hidden]`` table (``megakernels.nn.TiedEmbedding``; the same
@@ -448,6 +449,12 @@ def patch_gpt_oss(**options) -> ClassPatch:
 
 def patch_deepseek_v3(**options) -> ClassPatch:
     """:func:`patch_classes` for DeepSeek-V3 (fused RMSNorms, the latents' included; SwiGLU dense and shared-expert
-    MLPs; grouped-GEMM routed experts, the router as it is; FlashAttention with the value head dim apart from the
-    query's and the module's YaRN-scaled softmax scale; fused loss)."""
+    MLPs; grouped-GEMM routed experts, the router through ``moe_router``; FlashAttention with the value head dim
+    apart from the query's and the module's YaRN-scaled softmax scale; fused loss)."""
     return patch_classes("deepseek_v3", **options)
+
+
+def patch_deepseek_v2(**options) -> ClassPatch:
+    """:func:`patch_classes` for DeepSeek-V2 (as :func:`patch_deepseek_v3`, with V2's softmax router through
+    ``moe_router``: greedy top-k, the weights scaled and not renormalised)."""
+    return patch_classes("deepseek_v2", **options)

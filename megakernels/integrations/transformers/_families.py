@@ -183,8 +183,20 @@ FAMILIES = {
             rms_norms=("DeepseekV3RMSNorm",),  # the query and key/value latents' norms too
             gated_mlps=("DeepseekV3MLP",),  # the dense first layers' MLPs and the shared experts
             experts=("DeepseekV3Experts",),
-            routers={"DeepseekV3TopkRouter": {"score": "sigmoid"}},  # group-limited top-k, its correction bias
+            routers={"DeepseekV3TopkRouter": {"score": "sigmoid", "fp32": True}},  # group-limited, the bias
             fused_head=True,  # its loss is the causal-LM loss alone (no auxiliary loss)
+        ),
+        Family(
+            "deepseek_v2",
+            "DeepseekV2PreTrainedModel",
+            "hidden_act",
+            attentions=("DeepseekV2Attention",),  # latent attention, as DeepSeek-V3's
+            rms_norms=("DeepseekV2RMSNorm",),
+            gated_mlps=("DeepseekV2MLP",),
+            experts=("DeepseekV2Experts",),
+            # softmax scores, the top-k weights scaled, not renormalised (greedy top-k; group-limited: the class's)
+            routers={"DeepseekV2TopkRouter": {"fp32": True, "normalize": False}},
+            fused_head=True,
         ),
     )
 }

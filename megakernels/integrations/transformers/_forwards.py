@@ -253,21 +253,29 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return unpermute(y, perm, top_k_weights, fused=False)
 
 
-def router_forward(self, hidden_states, *, score: str = "softmax", topk_softmax: bool = False, cast: bool = False):
-    """transformers' top-k routers (Mixtral's, Qwen 3 MoE's, gpt-oss's, DeepSeek-V3's): hidden ``[..., h]`` ->
-    ``(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`` as the class returns them (``cast``: the
-    weights in the logits' dtype, as Qwen 3 MoE's and gpt-oss's), the routing through ``ops.moe_router``. The module's
-    own attributes say the rest: ``norm_topk_prob`` (default: normalised), ``bias`` on the logits,
-    ``e_score_correction_bias`` on the selection keys, ``num_group`` / ``topk_group``, ``routed_scaling_factor``;
-    the sigmoid routers' logits are computed in fp32, as DeepSeek-V3's class does."""
+def router_forward(
+    self, hidden_states, *, score: str = "softmax", topk_softmax: bool = False, cast: bool = False,
+    fp32: bool = False, normalize: bool | None = None,
+):  # fmt: skip
+    """transformers' top-k routers (Mixtral's, Qwen 3 MoE's, gpt-oss's, DeepSeek-V2's and V3's): hidden ``[..., h]``
+    -> ``(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`` as the class returns them (``cast``: the
+    weights in the logits' dtype, as Qwen 3 MoE's and gpt-oss's; ``fp32``: the gate's GEMM in fp32, as DeepSeek's),
+    the routing through ``ops.moe_router``. ``normalize`` (None: the module's ``norm_topk_prob``, default True) and
+    the module's attributes say the rest: ``bias`` on the logits, ``e_score_correction_bias`` on the selection keys,
+    ``num_group`` / ``topk_group``, ``routed_scaling_factor``. A ``topk_method`` other than greedy top-k (DeepSeek-V2's
+    ``group_limited_greedy``, which scores a group by its best expert) runs the class's forward."""
+    if getattr(self, "topk_method", "greedy") != "greedy":
+        return type(self).forward(self, hidden_states)
     h = hidden_states.reshape(-1, self.hidden_dim)
-    if score == "sigmoid":
+    if fp32:
         logits = F.linear(h.float(), self.weight.float())
     else:
         logits = F.linear(h, self.weight, getattr(self, "bias", None))
+    if normalize is None:
+        normalize = bool(getattr(self, "norm_topk_prob", True))
     out = ops.moe_router(
         logits.float(), self.top_k, score=score, topk_softmax=topk_softmax,
-        normalize=bool(getattr(self, "norm_topk_prob", True)) and self.top_k > 1 and not topk_softmax,
+        normalize=normalize and self.top_k > 1 and not topk_softmax,
         bias=getattr(self, "e_score_correction_bias", None), scale=float(getattr(self, "routed_scaling_factor", 1.0)),
         n_group=int(getattr(self, "num_group", None) or 1), topk_group=getattr(self, "topk_group", None),
     )  # fmt: skip

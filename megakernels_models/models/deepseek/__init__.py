@@ -237,9 +237,10 @@ def _model():
 
 
 def _hf(config):
-    from megakernels_models.convert import deepseek_v3
+    """DeepSeek-V2's converter for V2's softmax routing, DeepSeek-V3's otherwise."""
+    from megakernels_models.convert import deepseek_v2, deepseek_v3
 
-    return deepseek_v3
+    return deepseek_v2 if config.moe_score == "softmax" else deepseek_v3
 
 
 SPEC = register(
