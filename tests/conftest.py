@@ -82,25 +82,35 @@ def triton_backend(backend):
     return backend
 
 
-# The longest test files (spawned worlds, CLI runs, Triton compiles and its interpreter; 40-300 s each), longest
-# first and run before the rest: with pytest-xdist's --dist loadfile (scripts/test.sh) a file is one unit of work, and
-# a long one started last would leave the other worker idle at the end.
+# The longest test files (spawned worlds, CLI runs, Triton compiles and its interpreter; 15-150 s each in CI, as
+# MEGAKERNELS_TEST_TIMES measured them), longest first and run before the rest: with pytest-xdist's --dist loadfile
+# (scripts/test.sh) a file is one unit of work, and a long one started last would leave the other worker idle at the
+# end.
 LONG_POLES = (
     "tests/models/test_layouts.py",
-    "tests/triton/test_schedules.py",
+    "tests/ops/test_flash_attention.py",
+    "tests/triton/test_fp8.py",
     "tests/test_docs.py",
     "tests/models/test_hangs.py",
-    "tests/costmodel/test_static.py",
-    "tests/models/test_launch.py",
-    "tests/models/test_elastic.py",
     "tests/models/test_preemption.py",
-    "tests/models/test_vlm.py",
+    "tests/triton/test_schedules.py",
+    "tests/test_cpu_isa.py",
+    "tests/integrations/test_transformers.py",
+    "tests/costmodel/test_static.py",
+    "tests/ops/test_linear_cross_entropy.py",
+    "tests/test_packaging.py",
+    "tests/ops/test_flash_attention_varlen.py",
+    "tests/models/test_elastic.py",
+    "tests/models/test_dpo.py",
+    "tests/parallel/test_harness.py",
     "tests/integrations/test_accelerate.py",
-    "tests/models/test_generate.py",
-    "tests/models/test_async_checkpoint.py",
-    "tests/optim/test_multi_tensor.py",
-    "tests/costmodel/test_compile.py",
-    "tests/costmodel/test_grouped_gemm_compile.py",
+    "tests/models/test_muon_training.py",
+    "tests/models/test_launch.py",
+    "tests/nn/test_norm_modules.py",
+    "benchmarks/test_bench_llama.py",
+    "tests/test_structure.py",
+    "tests/ops/test_flash_attention_sinks.py",
+    "tests/ops/test_flash_attention_window.py",
 )
 
 
