@@ -40,11 +40,15 @@ if not os.environ.get("CUDA_HOME") and not os.environ.get("CUDA_PATH"):
     if os.path.exists("/usr/local/cuda/bin/nvcc") and os.path.exists("/usr/local/cuda/include/cuda_runtime.h"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-try:
-    import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-except ImportError:  # pragma: no cover - building needs torch first
-    sys.exit("megakernels: install torch first, then `pip install --no-build-isolation .`")
+# With the extension built already (scripts/setup.sh's editable install) nothing here needs torch: not importing it
+# saves its start-up in each of the build hooks pip runs.
+BUILT = os.environ.get("MEGAKERNELS_EXTENSION_BUILT", "0") == "1"
+if not BUILT:
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:  # pragma: no cover - building needs torch first
+        sys.exit("megakernels: install torch first, then `pip install --no-build-isolation .`")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -174,6 +178,6 @@ def extensions():
 
 setup(
     packages=find_packages(include=["megakernels", "megakernels.*", "megakernels_models", "megakernels_models.*"]),
-    ext_modules=[] if os.environ.get("MEGAKERNELS_EXTENSION_BUILT", "0") == "1" else extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    ext_modules=[] if BUILT else extensions(),
+    cmdclass={} if BUILT else {"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -67,8 +67,15 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # no tl.dot in the cros
 # interpreter too
 
 
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("chunk", [None, 7, 37, 1])  # 7 does not divide 37 tokens; 37 is one chunk
+# every chunking once with each smoothing (7 does not divide 37 tokens; 37 is one chunk); the rest of the product in
+# the slow set
+GRID = [(None, 0.0), (7, 0.1), (37, 0.0), (1, 0.1)]
+REST = [(c, s) for c in (None, 7, 37, 1) for s in (0.0, 0.1) if (c, s) not in GRID]
+
+
+@pytest.mark.parametrize(
+    "chunk, label_smoothing", GRID + [pytest.param(*case, marks=pytest.mark.slow) for case in REST]
+)
 def test_matches_fp64_reference(triton_backend, chunk, label_smoothing):
     dev = triton_backend.device
     for dtype in DTYPES:
