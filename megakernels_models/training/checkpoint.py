@@ -31,9 +31,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 import megakernels.parallel as mpu
 from megakernels.parallel import fsdp
@@ -264,81 +261,13 @@ def _layout() -> dict:
 # ---- save ---------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Digested(StorageInfo):
-    """A write result's storage info with the digest of its bytes, on its way to the coordinating rank."""
+def __getattr__(name: str):
+    """``Writer`` (``checkpoint_writer``, which imports DCP) on first use."""
+    if name == "Writer":
+        from megakernels_models.training.checkpoint_writer import Writer
 
-    digest: str | None = None
-
-
-class Writer(dcp.FileSystemWriter):
-    """DCP's file-system writer, with three additions: the ``checkpoint-write-<step>`` sync point (``syncpoints``)
-    once this rank's data files are written and before the metadata commits the checkpoint; the digest of every
-    byte range it wrote (``checkpoint_verify``), written as the checkpoint's digest table before the metadata; and
-    the entries ``reuse`` (left out of the state dict being saved) taken from the checkpoint at ``previous``, their
-    chunks pointing at the files that hold them (``checkpoint_store``: an incremental checkpoint)."""
-
-    def __init__(self, path: str, step: int, reuse=(), previous: str | None = None):
-        super().__init__(path)
-        self._point = f"checkpoint-write-{step:08d}"
-        self._reuse, self._previous = set(reuse), previous
-
-    def write_data(self, plan, planner):
-        done = super().write_data(plan, planner)
-        results = done.wait()
-        for i, r in enumerate(results):
-            info = r.storage_data
-            digest = verified.digest_of(str(self.path), info)
-            results[i] = dataclasses.replace(
-                r,
-                storage_data=_Digested(
-                    info.relative_path, info.offset, info.length, info.transform_descriptors, digest=digest
-                ),
-            )
-        syncpoints.reach(self._point)
-        out = torch.futures.Future()
-        out.set_result(results)
-        return out
-
-    def finish(self, metadata, results):
-        digests = {}
-        plain = []
-        for rank_results in results:
-            out = []
-            for r in rank_results:
-                info = r.storage_data
-                if isinstance(info, _Digested):
-                    digests[verified.range_key(info.relative_path, info.offset, info.length)] = info.digest
-                    info = StorageInfo(info.relative_path, info.offset, info.length, info.transform_descriptors)
-                out.append(dataclasses.replace(r, storage_data=info))
-            plain.append(out)
-        results = plain
-        if self._reuse:
-            from torch.distributed.checkpoint.storage import WriteResult
-
-            old = dcp.FileSystemReader(self._previous).read_metadata()
-            here = os.path.basename(os.path.normpath(self._previous))
-            for key in self._reuse:
-                metadata.state_dict_metadata[key] = old.state_dict_metadata[key]
-            moved = [
-                WriteResult(
-                    index=index,
-                    size_in_bytes=info.length,
-                    storage_data=dataclasses.replace(
-                        info,
-                        relative_path=info.relative_path
-                        if info.relative_path.startswith("../")
-                        else f"../{here}/{info.relative_path}",
-                    ),
-                )
-                for index, info in old.storage_data.items()
-                if index.fqn in self._reuse
-            ]
-            results = [*results, moved]
-        # The digests are written before DCP's metadata, which commits the checkpoint: a complete checkpoint
-        # always has them.
-        verified.write_digests(str(self.path), digests, self._previous if self._reuse else None)
-        super().finish(metadata, results)
+        return Writer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dict | None = None, stage=None) -> dict:
@@ -366,7 +295,8 @@ def state_to_save(step: int, chunks, opt, config: ModelConfig, train_config: dic
 
 def describe_error(e: BaseException) -> str:
     """One line for a failed save's error; for DCP's (raised on every rank), each failing rank's own error."""
-    if isinstance(e, CheckpointException):
+    api = sys.modules.get("torch.distributed.checkpoint.api")  # not imported: no DCP error can have happened
+    if api is not None and isinstance(e, api.CheckpointException):
         return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
     return f"{type(e).__name__}: {e}"
 
@@ -426,6 +356,11 @@ def write(
     Raises:
         CheckpointError: not enough free space, or the save failed (one line: what failed on which rank).
     """
+    import torch.distributed.checkpoint as dcp  # here, not at import: DCP costs ~0.8 s (it imports sympy)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    from megakernels_models.training.checkpoint_writer import Writer
+
     final = os.path.join(save_dir, store.step_name(step))
     tmp = os.path.join(save_dir, f".tmp-{store.step_name(step)}")
     rank0 = dist.get_rank() == 0
@@ -557,6 +492,9 @@ def _config_mismatch(saved: dict, config: ModelConfig) -> list[str]:
 def read_meta(path: str) -> dict:
     """The checkpoint's metadata: ``step``, ``optimizer_step``, ``config`` (ModelConfig fields), ``layout``,
     ``loss_scaler``. Reads only that entry; works with or without a process group."""
+    import torch.distributed.checkpoint as dcp  # here, not at import: DCP costs ~0.8 s (it imports sympy)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     verified.read_metadata(path)  # a clear error for a missing or damaged metadata file
     sd = {"meta": ""}
     try:
@@ -587,6 +525,9 @@ def load(path: str, chunks, opt, config: ModelConfig) -> int:
         CheckpointError: the checkpoint belongs to another model configuration (naming the fields), or lacks a
             parameter of the model.
     """
+    import torch.distributed.checkpoint as dcp  # here, not at import: DCP costs ~0.8 s (it imports sympy)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     meta = read_meta(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -28,7 +28,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 import megakernels.parallel as mpu
 from megakernels_models.training import checkpoint
@@ -121,6 +120,8 @@ class Checkpointer:
         error = self.wait()
         stage = self._stage if self.async_save else None
         sd = checkpoint.state_to_save(step, chunks, opt, config, self.train_config, stage=stage)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException; DCP: a save imports it
+
         if not self.async_save:
             try:
                 self._write(sd, step)
@@ -179,6 +180,8 @@ class Checkpointer:
             return None
         step, future = self._pending
         self._pending = None
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException; imported by the save
+
         try:
             future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the trainer, which carries on

@@ -55,19 +55,21 @@ def test_latest_marker_keep_and_fallback(world1, tmp_path):
 
 
 def test_an_interrupted_save_keeps_the_previous_checkpoint(world1, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp  # the save's (checkpoint imports it when it writes)
+
     _train(steps=2, save=str(tmp_path))
-    real_save = checkpoint.dcp.save
+    real_save = dcp.save
 
     def dies_halfway(sd, storage_writer, **kwargs):
         with open(os.path.join(storage_writer.path, "__0_0.distcp"), "wb") as f:
             f.write(b"partial")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(checkpoint.dcp, "save", dies_halfway)
+    monkeypatch.setattr(dcp, "save", dies_halfway)
     from megakernels_models.training.train import train
 
     records = train(dataclasses.replace(TINY, steps=4, save=str(tmp_path), load=str(tmp_path)))
-    monkeypatch.setattr(checkpoint.dcp, "save", real_save)
+    monkeypatch.setattr(dcp, "save", real_save)
     # reported in the step's record, training went on, the next save is tried (and fails the same way here)
     assert (
         "the save of step 4 failed (the checkpoint of step 4 was not saved: RuntimeError: disk full)"
