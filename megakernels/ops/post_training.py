@@ -675,37 +675,50 @@ def _(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp, ddiv, chun
     return dx, dw, db
 
 
+def _distill_rows(s_hidden, t_hidden, group, sp: bool):
+    """``(comm, shape, x, tx)``: whether ``group`` has several ranks, the student's full hidden shape, and the
+    student's and teacher's (or None) rows ``[tokens, h]`` (gathered over ``group`` under sequence parallelism)."""
+    comm = group is not None and dist.get_world_size(group) > 1
+    full = gather_rows(s_hidden, group) if sp and comm else s_hidden
+    tx = None
+    if t_hidden is not None:
+        tfull = gather_rows(t_hidden, group) if sp and comm else t_hidden
+        tx = tfull.reshape(-1, tfull.shape[-1]).contiguous()
+    return comm, full.shape, full.reshape(-1, full.shape[-1]).contiguous(), tx
+
+
+def _hidden_grad(dx, shape, group, sp: bool, comm: bool):
+    """The student's hidden gradient ``[tokens, h]`` back in ``shape``: this rank's rows of the sum over ``group``
+    under sequence parallelism (reduce-scatter), else the sum itself (all-reduce)."""
+    dx = dx.view(shape)
+    if comm:
+        if sp:
+            return reduce_scatter_rows(dx, group)
+        if dx.device.type != "meta":
+            dist.all_reduce(dx, group=group)
+    return dx
+
+
 class _Distill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp, chunk, inv_temp, n_valid, kind,
                 beta, group, sp):  # fmt: skip
-        comm = group is not None and dist.get_world_size(group) > 1
-        full = gather_rows(s_hidden, group) if sp and comm else s_hidden
-        x = full.reshape(-1, full.shape[-1]).contiguous()
-        tx = None
-        if t_hidden is not None:
-            tfull = gather_rows(t_hidden, group) if sp and comm else t_hidden
-            tx = tfull.reshape(-1, tfull.shape[-1]).contiguous()
+        comm, shape, x, tx = _distill_rows(s_hidden, t_hidden, group, sp)
         args = (chunk, inv_temp, n_valid, kind, beta)
         if comm:  # the gathered vocabulary: collectives inside the chunks, outside the custom op
             div = distill_forward_chunks(x, s_weight, s_bias, tx, t_weight, t_bias, t_logp, *args, group=group)
         else:
             div = _distill_fwd(x, s_weight, s_bias, tx, t_weight, t_bias, t_logp, *args)
         ctx.save_for_backward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp)
-        ctx.args, ctx.group, ctx.sp, ctx.comm, ctx.shape = args, group, sp, comm, full.shape
+        ctx.args, ctx.group, ctx.sp, ctx.shape = args, group, sp, shape
         return div
 
     @staticmethod
     def backward(ctx, ddiv):
         s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        group, sp, comm = ctx.group, ctx.sp, ctx.comm
-        full = gather_rows(s_hidden, group) if sp and comm else s_hidden
-        x = full.reshape(-1, full.shape[-1]).contiguous()
-        tx = None
-        if t_hidden is not None:
-            tfull = gather_rows(t_hidden, group) if sp and comm else t_hidden
-            tx = tfull.reshape(-1, tfull.shape[-1]).contiguous()
+        group, sp = ctx.group, ctx.sp
+        comm, _, x, tx = _distill_rows(s_hidden, t_hidden, group, sp)
         ddiv = ddiv.float().contiguous()
         if comm:
             dx, dw, db = distill_backward_chunks(
@@ -717,12 +730,7 @@ class _Distill(torch.autograd.Function):
                 x, s_weight, s_bias, tx, t_weight, t_bias, t_logp, ddiv, *ctx.args, need_hidden, need_weight
             )
         if need_hidden:
-            dx = dx.view(ctx.shape)
-            if comm:
-                if sp:
-                    dx = reduce_scatter_rows(dx, group)
-                elif dx.device.type != "meta":
-                    dist.all_reduce(dx, group=group)
+            dx = _hidden_grad(dx, ctx.shape, group, sp, comm)
         return (
             dx if need_hidden else None,
             dw if ctx.needs_input_grad[1] else None,
@@ -736,24 +744,13 @@ class _DistillInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, t_logp, ddiv, args, group, sp, need):
-        comm = group is not None and dist.get_world_size(group) > 1
-        full = gather_rows(s_hidden, group) if sp and comm else s_hidden
-        x = full.reshape(-1, full.shape[-1]).contiguous()
-        tx = None
-        if t_hidden is not None:
-            tfull = gather_rows(t_hidden, group) if sp and comm else t_hidden
-            tx = tfull.reshape(-1, tfull.shape[-1]).contiguous()
+        comm, shape, x, tx = _distill_rows(s_hidden, t_hidden, group, sp)
         need_hidden, need_weight = need
         dx, dw, db, div = distill_backward_chunks(
             x, s_weight, s_bias, tx, t_weight, t_bias, t_logp, ddiv, *args, group, need_hidden, need_weight, True
         )
         if need_hidden:
-            dx = dx.view(full.shape)
-            if comm:
-                if sp:
-                    dx = reduce_scatter_rows(dx, group)
-                else:
-                    dist.all_reduce(dx, group=group)
+            dx = _hidden_grad(dx, shape, group, sp, comm)
         ctx.grads = (dx if need_hidden else None, dw if need_weight else None)
         ctx.grads += (db if need_weight and s_bias is not None else None,)
         return (div * ddiv).sum()
