@@ -63,10 +63,7 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
         "mla_rope_interleave=False (DeepSeek-V2 rotates interleaved pairs)": not getattr(cfg, "mla_rope_interleave", 1),
         "mtp_layers (DeepSeek-V2 has no multi-token prediction)": cfg.mtp_layers != 0,
     }
-    bad = [name for name, refuse in refused.items() if refuse]
-    if bad:
-        raise ConversionError(f"transformers' DeepSeek-V2 cannot express: {', '.join(bad)}")
-    out = v3.config_to_theirs(cfg.replace(moe_score="sigmoid", moe_expert_bias=True))
+    out = v3.hf_fields(cfg, refused, "DeepSeek-V2")
     for key in ("rope_interleave", "num_nextn_predict_layers"):  # V3's alone
         del out[key]
     return out | {

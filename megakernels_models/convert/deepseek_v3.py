@@ -208,18 +208,32 @@ def config_to_theirs(cfg: ModelConfig) -> dict:
     Raises:
         ConversionError: a model transformers' DeepSeek-V3 cannot express (naming the setting).
     """
-    refused = {
-        "a model other than DeepSeek (multi-head latent attention)": getattr(cfg, "mla", None) is None,
+    routing = {
         "moe_score='softmax' (DeepSeek-V3 routes by sigmoid scores)": cfg.moe_score != "sigmoid",
         "moe_expert_bias=False (DeepSeek-V3's router always has its correction bias)": not cfg.moe_expert_bias,
+    }
+    return hf_fields(cfg, routing, "DeepSeek-V3")
+
+
+def hf_fields(cfg: ModelConfig, refused: dict, name: str) -> dict:
+    """The config fields of ``cfg`` that transformers' DeepSeek-V3 and V2 share (V3's architecture and model
+    type; ``deepseek_v2`` replaces what differs), after refusing what neither expresses and ``refused`` (the
+    version's own: reason -> whether it applies).
+
+    Raises:
+        ConversionError: naming every setting refused, for transformers' ``name``.
+    """
+    refused = {
+        "a model other than DeepSeek (multi-head latent attention)": getattr(cfg, "mla", None) is None,
+        **refused,
         "moe_capacity_factor (transformers' experts are dropless)": cfg.moe_capacity_factor is not None,
         "moe_layer_freq > 1 (every layer after the dense ones is a MoE layer)": cfg.moe_layer_freq != 1,
-        "num_experts=0 (a DeepSeek-V3 has routed experts)": not cfg.num_experts,
+        "num_experts=0 (a DeepSeek model has routed experts)": not cfg.num_experts,
         "bias": cfg.bias,
     }
-    bad = [name for name, refuse in refused.items() if refuse]
+    bad = [reason for reason, refuse in refused.items() if refuse]
     if bad:
-        raise ConversionError(f"transformers' DeepSeek-V3 cannot express: {', '.join(bad)}")
+        raise ConversionError(f"transformers' {name} cannot express: {', '.join(bad)}")
     scaling = llama.rope_scaling_to_theirs(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if scaling is not None:
